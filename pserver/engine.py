@@ -1,0 +1,229 @@
+"""Update engines: when a pushed gradient is applied, and who waits for whom.
+
+- :class:`SyncEngine`: step *s* is applied once every live trainer's gradient
+  for *s* has arrived, with the mean over the trainers that pushed it.
+- :class:`AsyncEngine`: each gradient is applied on arrival; with
+  ``max_staleness`` a trainer too far ahead of the slowest one waits.
+
+Both keep trainer bookkeeping (joined, closed, last counted step) and make a
+retried push for an already counted (trainer, step) a no-op. All state lives
+behind one condition variable; updates run under it, transfers do not.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Dict, List, Sequence, Tuple
+
+import grpc
+import torch
+
+from .store import BlockStore
+
+log = logging.getLogger(__name__)
+
+
+class EngineError(Exception):
+    """A request the engine refuses; carries the gRPC status to answer with."""
+
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+class Engine:
+    """Trainer bookkeeping shared by the sync and async engines."""
+
+    sync_mode = False
+
+    def __init__(self, store: BlockStore, trainers: int, endpoint: str, barrier_timeout: float):
+        self.store = store
+        self.trainers = trainers
+        self.endpoint = endpoint
+        self.barrier_timeout = barrier_timeout
+        self.cv = threading.Condition()
+        self.version = 0
+        self.joined: set = set()
+        self.closed: set = set()
+        self.last_step: Dict[int, int] = {}
+        self.all_closed = threading.Event()
+        self._stopping = False
+
+    def live(self) -> set:
+        """Trainers expected to push: all ids that have not closed."""
+        return set(range(self.trainers)) - self.closed
+
+    def hello(self, trainer_id: int) -> int:
+        """Register ``trainer_id`` (again, after a restart) and return the step it starts at.
+
+        Sync: the pserver's current step, shared by all trainers. Async: the
+        trainer's own next step (0 for a new trainer).
+        """
+        with self.cv:
+            if trainer_id in self.closed:
+                self.closed.discard(trainer_id)
+                self.all_closed.clear()
+                log.info("%s: trainer %d rejoined at step %d", self.endpoint, trainer_id, self.version)
+            elif trainer_id not in self.joined:
+                log.info("%s: trainer %d joined", self.endpoint, trainer_id)
+            self.joined.add(trainer_id)
+            return self.version if self.sync_mode else self.last_step.get(trainer_id, -1) + 1
+
+    def close(self, trainer_id: int) -> int:
+        """Mark ``trainer_id`` done; barriers stop waiting for it. Returns trainers left."""
+        with self.cv:
+            if trainer_id not in self.closed:
+                self.closed.add(trainer_id)
+                log.info("%s: trainer %d closed at step %d", self.endpoint, trainer_id, self.version)
+                self._on_close()
+            left = len(self.live())
+            if left == 0:
+                self.all_closed.set()
+            self.cv.notify_all()
+            return left
+
+    def stop(self) -> None:
+        """Wake every waiter so the server can shut down."""
+        with self.cv:
+            self._stopping = True
+            self.cv.notify_all()
+
+    def _check_pusher(self, trainer_id: int) -> None:
+        if trainer_id in self.closed:
+            raise EngineError(grpc.StatusCode.FAILED_PRECONDITION,
+                              f"pserver {self.endpoint}: trainer {trainer_id} has closed; "
+                              f"call Hello to rejoin before pushing")
+
+    def _wait(self, ready, what: str, missing) -> None:
+        """Wait under the lock until ``ready()``, or fail naming who is missing."""
+        deadline = time.monotonic() + self.barrier_timeout
+        while not ready():
+            if self._stopping:
+                raise EngineError(grpc.StatusCode.UNAVAILABLE, f"pserver {self.endpoint} is shutting down")
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise EngineError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                  f"pserver {self.endpoint}: {what} still waits for trainers "
+                                  f"{missing()} after {self.barrier_timeout:g}s")
+            self.cv.wait(remaining)
+
+    def read(self, names: Sequence[str]) -> Tuple[int, List[Tuple[str, torch.Tensor]]]:
+        """The current version and the named blocks, safe to stream."""
+        with self.cv:
+            return self.version, self.store.read(names, copy=self._reads_need_copy())
+
+    def _reads_need_copy(self) -> bool:
+        return True
+
+    def _on_close(self) -> None:
+        pass
+
+
+class SyncEngine(Engine):
+    """Applies step s once all live trainers pushed it, with their mean gradient."""
+
+    sync_mode = True
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.pending: set = set()
+        self.grad_sum: Dict[str, torch.Tensor] = {}
+
+    def push(self, trainer_id: int, step: int, grads: Dict[str, torch.Tensor]) -> Tuple[bool, int]:
+        """Count ``grads`` for ``step``; returns (counted, version). Applies when complete."""
+        with self.cv:
+            self._check_pusher(trainer_id)
+            if step == self.version and trainer_id in self.pending:
+                return False, self.version
+            if step < self.version:
+                if self.last_step.get(trainer_id, -1) >= step:
+                    return False, self.version  # a retry of a push already applied
+                raise EngineError(grpc.StatusCode.FAILED_PRECONDITION,
+                                  f"pserver {self.endpoint}: trainer {trainer_id} pushed stale step "
+                                  f"{step}; the pserver is at step {self.version}")
+            if step > self.version:
+                raise EngineError(grpc.StatusCode.FAILED_PRECONDITION,
+                                  f"pserver {self.endpoint}: trainer {trainer_id} pushed step {step} "
+                                  f"from the future; the pserver is at step {self.version}")
+            for name, g in grads.items():
+                acc = self.grad_sum.get(name)
+                if acc is None:
+                    self.grad_sum[name] = g  # the pushed tensor is ours: no copy
+                else:
+                    acc.add_(g)
+            self.pending.add(trainer_id)
+            self.last_step[trainer_id] = step
+            self._apply_if_complete()
+            return True, self.version
+
+    def _apply_if_complete(self) -> None:
+        if not self.pending or not self.pending >= self.live():
+            return
+        n = len(self.pending)
+        for g in self.grad_sum.values():
+            g.div_(n)
+        self.store.apply(self.grad_sum, self.version)
+        log.debug("%s: applied step %d from trainers %s", self.endpoint, self.version, sorted(self.pending))
+        self.version += 1
+        self.pending = set()
+        self.grad_sum = {}
+        self.cv.notify_all()
+
+    def _on_close(self) -> None:
+        self._apply_if_complete()
+
+    def wait_version(self, trainer_id: int, min_version: int) -> None:
+        """Block until step ``min_version - 1`` is applied, within the barrier deadline."""
+        with self.cv:
+            if min_version > self.version + 1:
+                raise EngineError(grpc.StatusCode.FAILED_PRECONDITION,
+                                  f"pserver {self.endpoint}: trainer {trainer_id} waits for version "
+                                  f"{min_version}, but the pserver is at {self.version} and can only "
+                                  f"reach {self.version + 1} next")
+            self._wait(lambda: self.version >= min_version, f"step {self.version}",
+                       lambda: sorted(self.live() - self.pending))
+
+    def _reads_need_copy(self) -> bool:
+        # Between two sync steps nothing writes the blocks: the next update
+        # needs this very trainer's next push, which follows its pull.
+        return False
+
+
+class AsyncEngine(Engine):
+    """Applies every push on arrival, optionally bounding staleness."""
+
+    def __init__(self, *args, max_staleness=None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.max_staleness = max_staleness
+
+    def _slowest(self, trainer_id: int) -> Tuple[int, List[int]]:
+        others = self.live() - {trainer_id}
+        if not others:
+            return None, []
+        progress = {t: self.last_step.get(t, -1) + 1 for t in others}
+        low = min(progress.values())
+        return low, sorted(t for t, p in progress.items() if p == low)
+
+    def push(self, trainer_id: int, step: int, grads: Dict[str, torch.Tensor]) -> Tuple[bool, int]:
+        """Apply ``grads`` now (after any staleness wait); returns (applied, version)."""
+        with self.cv:
+            self._check_pusher(trainer_id)
+            if self.max_staleness is not None:
+                def fresh_enough():
+                    low, _ = self._slowest(trainer_id)
+                    return low is None or step - low <= self.max_staleness
+                self._wait(fresh_enough, f"trainer {trainer_id}'s step {step} (max_staleness="
+                           f"{self.max_staleness})", lambda: self._slowest(trainer_id)[1])
+            # Checked after the wait: a retry may have been applied meanwhile.
+            if step <= self.last_step.get(trainer_id, -1):
+                return False, self.version
+            self.store.apply(grads, step)
+            self.version += 1
+            self.last_step[trainer_id] = step
+            self.cv.notify_all()
+            return True, self.version
+
+    def wait_version(self, trainer_id: int, min_version: int) -> None:
+        """Async pulls never wait for other trainers."""

@@ -1,0 +1,145 @@
+"""ParameterServer: one pserver process's gRPC server and its lifecycle."""
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from concurrent import futures
+from typing import Optional
+
+import grpc
+import torch
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from psproto import ps_pb2, ps_pb2_grpc
+from transpiler import PserverProgram, StartupProgram
+
+from .engine import AsyncEngine, SyncEngine
+from .servicer import PserverServicer
+from .store import BlockStore
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = ps_pb2.DESCRIPTOR.services_by_name["ParameterServer"].full_name
+
+
+def server_options(chunk_bytes: int) -> list:
+    """gRPC options of a pserver: bounded messages, no port sharing, tolerant keepalive."""
+    limit = 2 * chunk_bytes + (1 << 20)
+    return [
+        ("grpc.max_receive_message_length", limit),
+        ("grpc.max_send_message_length", limit),
+        # Off so a second pserver on the same port fails to bind instead of
+        # silently sharing it.
+        ("grpc.so_reuseport", 0),
+        ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+        ("grpc.keepalive_permit_without_calls", 1),
+    ]
+
+
+class ParameterServer:
+    """A pserver: owns the blocks of its :class:`PserverProgram` and serves trainers.
+
+    ``serve()`` blocks until every trainer has closed (then returns), or until
+    SIGTERM / Ctrl-C (then shuts down gracefully). ``start()`` / ``stop()``
+    run it in the background, for tests and embedding.
+    """
+
+    def __init__(self, program: PserverProgram, startup: Optional[StartupProgram] = None):
+        if not isinstance(program, PserverProgram):
+            raise TypeError(f"program must be a PserverProgram, got {type(program).__name__}")
+        self.program = program
+        self.endpoint = program.endpoint
+        cfg = program.config
+        store = BlockStore(program, startup)
+        args = (store, program.trainers, program.endpoint, cfg.barrier_timeout)
+        if program.sync_mode:
+            self.engine = SyncEngine(*args)
+        else:
+            self.engine = AsyncEngine(*args, max_staleness=cfg.max_staleness)
+        self.servicer = PserverServicer(self.engine, program.layout_digest, cfg.chunk_bytes)
+        self._server: Optional[grpc.Server] = None
+        self._health: Optional[health.HealthServicer] = None
+        self._finished = threading.Event()
+        self._stopped = False
+
+    def start(self) -> "ParameterServer":
+        """Bind the endpoint and start serving in background threads."""
+        cfg = self.program.config
+        workers = cfg.pserver_rpc_workers or max(16, 4 * self.program.trainers)
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers,
+                                                        thread_name_prefix="pserver"),
+                             options=server_options(cfg.chunk_bytes))
+        ps_pb2_grpc.add_ParameterServerServicer_to_server(self.servicer, server)
+        self._health = health.HealthServicer(experimental_non_blocking=True)
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+        try:
+            port = server.add_insecure_port(self.endpoint)
+        except RuntimeError as e:
+            port, detail = 0, str(e)
+        else:
+            detail = "bind returned port 0"
+        if port == 0:
+            raise OSError(f"pserver cannot bind {self.endpoint} ({detail}); is the port in use "
+                          f"or the address not on this host?")
+        server.start()
+        self._server = server
+        for service in ("", SERVICE_NAME):
+            self._health.set(service, health_pb2.HealthCheckResponse.SERVING)
+        log.info("pserver %s serving %d blocks (%s bytes), %s mode, %d trainers", self.endpoint,
+                 len(self.program.blocks), f"{self.engine.store.nbytes:,}",
+                 "sync" if self.program.sync_mode else "async", self.program.trainers)
+        threading.Thread(target=self._watch_trainers, daemon=True,
+                         name="pserver-watch").start()
+        return self
+
+    def _watch_trainers(self) -> None:
+        self.engine.all_closed.wait()
+        if not self._finished.is_set():
+            log.info("pserver %s: all %d trainers closed", self.endpoint, self.program.trainers)
+            self._finished.set()
+
+    def wait(self, timeout: Optional[float] = None) -> bool:
+        """Block until every trainer has closed or stop() was called; False on timeout."""
+        return self._finished.wait(timeout)
+
+    def stop(self, grace: float = 5.0) -> None:
+        """Stop serving: health goes NOT_SERVING, waiters wake, in-flight calls get ``grace`` s."""
+        if self._stopped:
+            return
+        self._stopped = True
+        self._finished.set()
+        if self._health is not None:
+            self._health.enter_graceful_shutdown()
+        self.engine.stop()
+        if self._server is not None:
+            self._server.stop(grace).wait()
+        log.info("pserver %s stopped at version %d", self.endpoint, self.engine.version)
+
+    def serve(self) -> None:
+        """Start, block until all trainers closed or SIGTERM/SIGINT, then stop cleanly."""
+        torch.set_num_threads(self.program.config.pserver_torch_threads)
+        self.start()
+        previous = {}
+        if threading.current_thread() is threading.main_thread():
+            def on_signal(signum, frame):
+                log.info("pserver %s: %s received, shutting down", self.endpoint,
+                         signal.Signals(signum).name)
+                self._finished.set()
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                previous[sig] = signal.signal(sig, on_signal)
+        try:
+            self._finished.wait()
+        finally:
+            self.stop()
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def __enter__(self) -> "ParameterServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop(grace=1.0)

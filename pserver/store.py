@@ -1,0 +1,80 @@
+"""BlockStore: one pserver's parameter blocks and the torch optimizer that updates them."""
+from __future__ import annotations
+
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+
+import torch
+
+from transpiler import LrSchedule, PserverProgram, StartupProgram
+from transpiler.plans import DTYPES
+
+
+class BlockStore:
+    """Parameter blocks of one pserver, updated by one torch optimizer.
+
+    Each block is a leaf tensor; :meth:`apply` installs gradients as their
+    ``.grad``, sets the step's learning rate and calls ``optimizer.step()``.
+    Because the supported torch optimizers act elementwise, updating row
+    blocks separately equals updating the whole parameter. Not thread-safe:
+    the engine serialises calls.
+    """
+
+    def __init__(self, program: PserverProgram, startup: Optional[StartupProgram]):
+        self.specs = {b.name: b for b in program.blocks}
+        self.blocks: Dict[str, torch.Tensor] = {}
+        initial = startup.tensors if startup is not None else {}
+        if startup is not None and startup.endpoint != program.endpoint:
+            raise ValueError(f"startup program is for {startup.endpoint}, "
+                             f"the pserver program for {program.endpoint}")
+        for name, spec in self.specs.items():
+            dtype = DTYPES[spec.dtype]
+            if name in initial:
+                value = initial[name]
+                if list(value.shape) != list(spec.shape) or value.dtype != dtype:
+                    raise ValueError(f"startup value of {name} is {value.dtype} {list(value.shape)}, "
+                                     f"the plan says {dtype} {spec.shape}")
+                block = value.detach().clone().contiguous()
+            elif startup is not None:
+                raise ValueError(f"startup program has no value for block {name}")
+            else:
+                block = torch.zeros(spec.shape, dtype=dtype)
+            self.blocks[name] = block.requires_grad_(True)
+        self.optimizer = program.optimizer.build(self.blocks.values()) if self.blocks else None
+        self.schedule = LrSchedule(program.optimizer)
+
+    def expect(self, name: str) -> Optional[Tuple[str, List[int]]]:
+        """(dtype, shape) of block ``name``, or None when this pserver does not own it."""
+        spec = self.specs.get(name)
+        return None if spec is None else (spec.dtype, spec.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self.blocks.values())
+
+    def apply(self, grads: Dict[str, torch.Tensor], step: int) -> None:
+        """One optimizer step on the blocks in ``grads`` with the lr of ``step``.
+
+        Blocks absent from ``grads`` keep ``grad=None`` and are skipped by
+        torch, as a parameter without gradient is in single-process training.
+        """
+        if not grads:
+            return
+        lr = self.schedule.lr_at(step)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        for name, g in grads.items():
+            self.blocks[name].grad = g
+        self.optimizer.step()
+        for name in grads:
+            self.blocks[name].grad = None
+
+    def read(self, names: Sequence[str], copy: bool) -> List[Tuple[str, torch.Tensor]]:
+        """(name, tensor) for ``names``; copies when a concurrent update could tear a read."""
+        out = []
+        for name in names:
+            data = self.blocks[name].detach()
+            out.append((name, data.clone() if copy else data))
+        return out
+
+    def names(self) -> Iterable[str]:
+        return self.blocks.keys()

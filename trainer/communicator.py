@@ -1,0 +1,195 @@
+"""Communicator: a trainer's channels to the pservers, and push / pull over them.
+
+One channel per pserver; transfers to different pservers run in parallel on
+a small thread pool (gRPC releases the GIL while bytes move). Every call has
+a deadline, and every failure is re-raised as :class:`PserverError` naming
+the endpoint, the step and what the pserver said.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from concurrent import futures
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import grpc
+import torch
+
+from psproto import ps_pb2, ps_pb2_grpc
+from psproto.codec import TensorReader, iter_pieces
+from transpiler import TrainerProgram
+
+log = logging.getLogger(__name__)
+
+# How often a waiting trainer says whom it waits for.
+_WAIT_LOG_INTERVAL = 5.0
+
+
+class PserverError(RuntimeError):
+    """A pserver refused or failed a request; the message names it."""
+
+    def __init__(self, endpoint: str, message: str, code: Optional[grpc.StatusCode] = None):
+        super().__init__(f"pserver {endpoint}: {message}")
+        self.endpoint = endpoint
+        self.code = code
+
+
+class PserverUnavailableError(PserverError, TimeoutError):
+    """A pserver did not come up within the connect deadline."""
+
+
+def channel_options(chunk_bytes: int) -> list:
+    limit = 2 * chunk_bytes + (1 << 20)
+    return [
+        ("grpc.max_receive_message_length", limit),
+        ("grpc.max_send_message_length", limit),
+        ("grpc.keepalive_time_ms", 30_000),
+        ("grpc.keepalive_timeout_ms", 20_000),
+        # Each pserver gets its own connection even when endpoints share a host.
+        ("grpc.use_local_subchannel_pool", 1),
+    ]
+
+
+def _details(e: grpc.RpcError) -> str:
+    code = e.code() if hasattr(e, "code") else None
+    details = e.details() if hasattr(e, "details") else str(e)
+    return f"{code.name if code else 'ERROR'}: {details}"
+
+
+class Communicator:
+    """Push gradients to and pull parameters from every pserver of a trainer program."""
+
+    def __init__(self, program: TrainerProgram):
+        self.program = program
+        self.trainer_id = program.trainer_id
+        self.digest = program.layout_digest
+        cfg = program.config
+        self.chunk_bytes = cfg.chunk_bytes
+        self.rpc_timeout = cfg.rpc_timeout
+        self.barrier_timeout = cfg.barrier_timeout
+        opts = channel_options(cfg.chunk_bytes)
+        self._channels = {ep: grpc.insecure_channel(ep, options=opts) for ep in program.pservers}
+        self._stubs = {ep: ps_pb2_grpc.ParameterServerStub(ch) for ep, ch in self._channels.items()}
+        self._pool = futures.ThreadPoolExecutor(max_workers=max(1, len(program.pservers)),
+                                                thread_name_prefix="trainer-comm")
+        self.bytes_pushed = 0
+        self.bytes_pulled = 0
+
+    # -- connection ---------------------------------------------------------
+
+    def hello(self, timeout: float) -> Dict[str, int]:
+        """Register with every pserver, waiting up to ``timeout`` s for each to come up.
+
+        Returns each pserver's version (the step this trainer starts at).
+        Raises :class:`PserverUnavailableError` naming a pserver that never
+        answered, or :class:`PserverError` if one refuses (e.g. plan mismatch).
+        """
+        deadline = time.monotonic() + timeout
+        jobs = {ep: self._pool.submit(self._hello_one, ep, deadline, timeout) for ep in self._stubs}
+        return {ep: job.result() for ep, job in jobs.items()}
+
+    def _hello_one(self, endpoint: str, deadline: float, timeout: float) -> int:
+        request = ps_pb2.HelloRequest(trainer_id=self.trainer_id, layout_digest=self.digest)
+        next_log = 0.0
+        last = "no answer"
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise PserverUnavailableError(
+                    endpoint, f"did not come up within {timeout:g}s (trainer {self.trainer_id}; "
+                              f"last error: {last})", grpc.StatusCode.UNAVAILABLE)
+            if time.monotonic() >= next_log:
+                log.info("trainer %d: waiting for %s", self.trainer_id, endpoint)
+                next_log = time.monotonic() + _WAIT_LOG_INTERVAL
+            try:
+                reply = self._stubs[endpoint].Hello(request, timeout=min(remaining, _WAIT_LOG_INTERVAL),
+                                                    wait_for_ready=True)
+                log.info("trainer %d: %s is up (version %d)", self.trainer_id, endpoint, reply.version)
+                return reply.version
+            except grpc.RpcError as e:
+                if e.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                    raise PserverError(endpoint, f"refused Hello: {_details(e)}", e.code()) from None
+                last = _details(e)
+
+    # -- transfers ----------------------------------------------------------
+
+    def push(self, endpoint: str, step: int, tensors: Sequence[Tuple[str, torch.Tensor]]) -> None:
+        """Send one step's gradients for blocks owned by ``endpoint``."""
+        header = ps_pb2.PushHeader(trainer_id=self.trainer_id, step=step, layout_digest=self.digest)
+
+        def messages():
+            first = True
+            for pieces in iter_pieces(tensors, self.chunk_bytes):
+                yield ps_pb2.PushChunk(header=header if first else None, pieces=pieces)
+                first = False
+            if first:
+                yield ps_pb2.PushChunk(header=header)
+
+        try:
+            self._stubs[endpoint].Push(messages(), timeout=self.rpc_timeout)
+        except grpc.RpcError as e:
+            raise PserverError(endpoint, f"push of step {step} by trainer {self.trainer_id} "
+                                         f"failed: {_details(e)}", e.code()) from None
+        self.bytes_pushed += sum(t.numel() * t.element_size() for _, t in tensors)
+
+    def pull(self, endpoint: str, names: Sequence[str], min_version: int,
+             expect: Callable, dest: Callable[[str], torch.Tensor]) -> int:
+        """Receive blocks ``names`` into ``dest(name)`` once ``min_version`` is reached.
+
+        Returns the pserver's version of the parameters received.
+        """
+        request = ps_pb2.PullRequest(trainer_id=self.trainer_id, min_version=min_version,
+                                     names=list(names), layout_digest=self.digest)
+        reader = TensorReader(expect, dest)
+        version = None
+        try:
+            for message in self._stubs[endpoint].Pull(
+                    request, timeout=self.barrier_timeout + self.rpc_timeout):
+                if message.HasField("header"):
+                    version = message.header.version
+                for piece in message.pieces:
+                    reader.add(piece)
+            reader.finish()
+        except grpc.RpcError as e:
+            raise PserverError(endpoint, f"pull of version {min_version} by trainer "
+                                         f"{self.trainer_id} failed: {_details(e)}", e.code()) from None
+        except ValueError as e:
+            raise PserverError(endpoint, f"pull answer is malformed: {e}") from None
+        if version is None:
+            raise PserverError(endpoint, "pull answer carried no header")
+        self.bytes_pulled += reader.nbytes
+        return version
+
+    def run_parallel(self, jobs: Dict[str, Callable[[], object]]) -> Dict[str, object]:
+        """Run one callable per endpoint concurrently; re-raise the first failure."""
+        submitted = {ep: self._pool.submit(fn) for ep, fn in jobs.items()}
+        results, error = {}, None
+        for ep, fut in submitted.items():
+            try:
+                results[ep] = fut.result()
+            except Exception as e:  # surface after all finish, so none is left running
+                error = error or e
+        if error is not None:
+            raise error
+        return results
+
+    def close(self) -> Dict[str, int]:
+        """Tell every pserver this trainer is done; returns trainers left per pserver."""
+        request = ps_pb2.CloseRequest(trainer_id=self.trainer_id)
+
+        def close_one(ep):
+            try:
+                return self._stubs[ep].Close(request, timeout=min(self.rpc_timeout, 30.0)).trainers_left
+            except grpc.RpcError as e:
+                log.warning("trainer %d: close at %s failed: %s", self.trainer_id, ep, _details(e))
+                return -1
+        try:
+            return self.run_parallel({ep: (lambda ep=ep: close_one(ep)) for ep in self._stubs})
+        finally:
+            self.shutdown()
+
+    def shutdown(self) -> None:
+        """Release channels and threads (without telling the pservers)."""
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        for ch in self._channels.values():
+            ch.close()

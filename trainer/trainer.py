@@ -1,0 +1,180 @@
+"""Trainer: runs the model locally, keeps its parameters in step with the pservers."""
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+from typing import Dict, List, Optional, Tuple
+
+import torch
+from torch.utils.data import Dataset, DistributedSampler
+
+from transpiler import BlockSpec, TrainerProgram
+
+from .communicator import Communicator, PserverError
+
+log = logging.getLogger(__name__)
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """The tensor as a 2-D (dim-0 rows, rest) view; a scalar is one row."""
+    return t.reshape(t.shape[0] if t.dim() else 1, -1)
+
+
+class Trainer:
+    """One trainer of a transpiled program.
+
+    On construction it waits for every pserver (logging "waiting for <endpoint>"
+    until ``connect_timeout``), registers, and pulls the initial parameters into
+    ``program.model``. Each :meth:`step` pushes the gradients of every block to
+    its pserver and pulls the updated parameters, all pservers in parallel; in
+    sync mode the pull returns once every live trainer's gradient for the step
+    was applied. Call :meth:`close` (or use ``with``) when done, so the
+    pservers stop waiting for this trainer.
+    """
+
+    def __init__(self, program: TrainerProgram):
+        if not isinstance(program, TrainerProgram):
+            raise TypeError(f"program must be a TrainerProgram, got {type(program).__name__}")
+        if program.model is None:
+            raise ValueError("the TrainerProgram carries no model; pass model= to TrainerProgram.from_bytes")
+        self.program = program
+        self.model = program.model
+        self.trainer_id = program.trainer_id
+        self.sync_mode = program.sync_mode
+        params = dict(self.model.named_parameters())
+        for spec in program.params:
+            p = params.get(spec.name)
+            if p is None:
+                raise ValueError(f"the model has no parameter {spec.name!r} named in the plan")
+            if list(p.shape) != list(spec.shape) or str(p.dtype).replace("torch.", "") != spec.dtype:
+                raise ValueError(f"parameter {spec.name!r} is {p.dtype} {list(p.shape)}, "
+                                 f"the plan says {spec.dtype} {spec.shape}")
+            if not p.is_contiguous():
+                p.data = p.data.contiguous()
+        self._params = {spec.name: params[spec.name] for spec in program.params}
+        self._blocks: Dict[str, List[BlockSpec]] = defaultdict(list)
+        for b in program.blocks:
+            self._blocks[b.endpoint].append(b)
+        self._block_by_name = {b.name: b for b in program.blocks}
+        self._closed = False
+        self.comm = Communicator(program)
+        try:
+            versions = self.comm.hello(program.config.connect_timeout)
+            owning = {ep: v for ep, v in versions.items() if ep in self._blocks}
+            if self.sync_mode and len(set(owning.values())) > 1:
+                raise PserverError(", ".join(owning), f"pservers disagree on the current step: {owning}")
+            self.step_count = max(owning.values(), default=0)
+            self._pull_all(self.step_count)
+        except BaseException:
+            self.comm.shutdown()
+            raise
+        log.info("trainer %d: ready at step %d, %d blocks on %d pservers", self.trainer_id,
+                 self.step_count, len(self._block_by_name), len(self._blocks))
+
+    # -- block views --------------------------------------------------------
+
+    def _expect(self, name: str) -> Optional[Tuple[str, List[int]]]:
+        b = self._block_by_name.get(name)
+        return None if b is None else (b.dtype, b.shape)
+
+    def _param_view(self, b: BlockSpec) -> torch.Tensor:
+        return _rows(self._params[b.param].data)[b.row_start:b.row_end].view(b.shape)
+
+    def _grads_for(self, blocks: List[BlockSpec]) -> List[Tuple[str, torch.Tensor]]:
+        out, flat = [], {}
+        for b in blocks:
+            if b.param not in flat:
+                g = self._params[b.param].grad
+                if g is not None and g.is_sparse:
+                    g = g.to_dense()
+                flat[b.param] = None if g is None else _rows(g.contiguous())
+            g = flat[b.param]
+            if g is not None:
+                out.append((b.name, g[b.row_start:b.row_end].view(b.shape)))
+        return out
+
+    def _pull_from(self, endpoint: str, min_version: int) -> int:
+        blocks = self._blocks[endpoint]
+        staged = {}
+
+        def dest(name: str) -> torch.Tensor:
+            view = self._param_view(self._block_by_name[name])
+            if view.device.type == "cpu":
+                return view
+            staged[name] = torch.empty(view.shape, dtype=view.dtype)  # CUDA params land here first
+            return staged[name]
+
+        version = self.comm.pull(endpoint, [b.name for b in blocks], min_version, self._expect, dest)
+        with torch.no_grad():
+            for name, t in staged.items():
+                self._param_view(self._block_by_name[name]).copy_(t)
+        return version
+
+    def _pull_all(self, min_version: int) -> None:
+        self.comm.run_parallel({ep: (lambda ep=ep: self._pull_from(ep, min_version))
+                                for ep in self._blocks})
+
+    # -- public -------------------------------------------------------------
+
+    def step(self) -> int:
+        """Push this step's gradients, wait (sync), pull fresh parameters, zero grads.
+
+        Returns the number of steps taken so far. Parameters without a
+        gradient this step are not pushed (the pserver skips them, as torch
+        does in single-process training).
+        """
+        self._check_open()
+        step = self.step_count
+        min_version = step + 1 if self.sync_mode else 0
+
+        def push_pull(ep):
+            self.comm.push(ep, step, self._grads_for(self._blocks[ep]))
+            return self._pull_from(ep, min_version)
+
+        self.comm.run_parallel({ep: (lambda ep=ep: push_pull(ep)) for ep in self._blocks})
+        self.model.zero_grad(set_to_none=True)
+        self.step_count = step + 1
+        return self.step_count
+
+    def pull(self) -> None:
+        """Refresh the local parameters from the pservers now (async: latest; sync: current step)."""
+        self._check_open()
+        self._pull_all(self.step_count if self.sync_mode else 0)
+
+    def state_dict(self) -> Dict[str, torch.Tensor]:
+        """The trained model as a plain ``state_dict`` (fresh parameters, local buffers).
+
+        Loadable into the original module with ``load_state_dict``. Call it
+        before :meth:`close`.
+        """
+        self.pull()
+        return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+
+    def sampler(self, dataset: Dataset, **kwargs) -> DistributedSampler:
+        """This trainer's shard of ``dataset``: a ``DistributedSampler`` over all trainers.
+
+        Keyword arguments go to ``DistributedSampler`` (``shuffle``, ``seed``,
+        ``drop_last``); call ``set_epoch`` on it every epoch when shuffling.
+        """
+        return DistributedSampler(dataset, num_replicas=self.program.trainers,
+                                  rank=self.trainer_id, **kwargs)
+
+    def close(self) -> None:
+        """Tell every pserver this trainer is done and release connections. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self.comm.close()
+        log.info("trainer %d: closed after step %d (pushed %s bytes, pulled %s bytes)",
+                 self.trainer_id, self.step_count, f"{self.comm.bytes_pushed:,}",
+                 f"{self.comm.bytes_pulled:,}")
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"trainer {self.trainer_id} is closed")
+
+    def __enter__(self) -> "Trainer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

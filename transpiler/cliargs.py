@@ -1,0 +1,41 @@
+"""Command-line flags for DistributeTranspilerConfig and transpile(), shared by the CLIs."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from typing import Optional
+
+from .config import SPLIT_METHODS, DistributeTranspilerConfig
+
+
+def _bool(text: str) -> bool:
+    lowered = text.strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true/false, got {text!r}")
+
+
+def add_transpile_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add ``--sync_mode`` and one flag per DistributeTranspilerConfig field."""
+    parser.add_argument("--sync_mode", type=_bool, default=True, metavar="BOOL",
+                        help="true: synchronous updates (default); false: asynchronous")
+    defaults = DistributeTranspilerConfig()
+    for f in dataclasses.fields(DistributeTranspilerConfig):
+        default = getattr(defaults, f.name)
+        if isinstance(default, bool):
+            kind = _bool
+        elif f.name == "max_staleness":
+            kind = int
+        else:
+            kind = type(default)
+        parser.add_argument(f"--{f.name}", type=kind, default=default,
+                            choices=SPLIT_METHODS if f.name == "split_method" else None,
+                            help=f"DistributeTranspilerConfig.{f.name} (default {default!r})")
+
+
+def config_from_args(args: argparse.Namespace) -> DistributeTranspilerConfig:
+    """Build the config from flags added by :func:`add_transpile_arguments`."""
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(DistributeTranspilerConfig)}
+    return DistributeTranspilerConfig(**values)

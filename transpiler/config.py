@@ -1,0 +1,93 @@
+"""DistributeTranspilerConfig: every knob of a distributed job, in one place.
+
+The config travels inside the plans, so a pserver and its trainers agree on
+deadlines and chunk sizes without further flags.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Optional
+
+SPLIT_METHODS = ("RoundRobin", "HashName")
+MIN_BLOCK_SIZE_FLOOR = 8192
+
+
+@dataclass
+class DistributeTranspilerConfig:
+    """How the transpiler slices and places parameters, and how roles talk.
+
+    Fields (type, default, meaning):
+
+    - ``slice_var_up`` (bool, True): cut big parameters into row blocks spread
+      over pservers; False keeps one block per parameter.
+    - ``split_method`` (str, "RoundRobin"): block placement, "RoundRobin" deals
+      blocks to pservers in order, "HashName" uses a stable hash of the block name.
+    - ``min_block_size`` (int, 8192): a parameter of ``numel`` elements gets
+      ``min(#pservers, max(1, numel // min_block_size))`` blocks; values below
+      8192 are refused (tiny blocks cost more in per-message overhead than they
+      gain in balance).
+    - ``max_staleness`` (int or None, None): async mode only; a trainer that is
+      this many steps ahead of the slowest live trainer waits. None: unbounded.
+    - ``connect_timeout`` (float s, 120): how long a trainer waits for each
+      pserver to come up before failing with an error that names it.
+    - ``barrier_timeout`` (float s, 300): how long a sync step waits for the
+      other trainers' gradients before failing with the missing trainer ids.
+    - ``rpc_timeout`` (float s, 300): deadline of one push or pull transfer.
+    - ``chunk_bytes`` (int, 1 MiB): largest tensor piece per gRPC message.
+    - ``pserver_torch_threads`` (int, 1): torch intra-op threads in a pserver;
+      its updates are memory-bound, and extra threads steal cores from trainers.
+    - ``pserver_rpc_workers`` (int, 0): gRPC handler threads per pserver;
+      0 picks ``max(16, 4 * trainers)``.
+    """
+
+    slice_var_up: bool = True
+    split_method: str = "RoundRobin"
+    min_block_size: int = MIN_BLOCK_SIZE_FLOOR
+    max_staleness: Optional[int] = None
+    connect_timeout: float = 120.0
+    barrier_timeout: float = 300.0
+    rpc_timeout: float = 300.0
+    chunk_bytes: int = 1 << 20
+    pserver_torch_threads: int = 1
+    pserver_rpc_workers: int = 0
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first field that is out of range."""
+        if self.split_method not in SPLIT_METHODS:
+            raise ValueError(
+                f"split_method must be one of {SPLIT_METHODS}, got {self.split_method!r}")
+        if not isinstance(self.min_block_size, int) or self.min_block_size < MIN_BLOCK_SIZE_FLOOR:
+            raise ValueError(
+                f"min_block_size={self.min_block_size!r} is refused: it must be an int of at "
+                f"least {MIN_BLOCK_SIZE_FLOOR} elements, because smaller blocks cost more in "
+                f"per-message and per-update overhead than they gain in load balance")
+        if self.max_staleness is not None and (
+                not isinstance(self.max_staleness, int) or self.max_staleness < 0):
+            raise ValueError(f"max_staleness must be None or an int >= 0, got {self.max_staleness!r}")
+        for name in ("connect_timeout", "barrier_timeout", "rpc_timeout"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or value <= 0:
+                raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+        if not isinstance(self.chunk_bytes, int) or not (4096 <= self.chunk_bytes <= (64 << 20)):
+            raise ValueError(f"chunk_bytes must be an int in [4096, 64 MiB], got {self.chunk_bytes!r}")
+        if not isinstance(self.pserver_torch_threads, int) or self.pserver_torch_threads < 1:
+            raise ValueError(
+                f"pserver_torch_threads must be an int >= 1, got {self.pserver_torch_threads!r}")
+        if not isinstance(self.pserver_rpc_workers, int) or self.pserver_rpc_workers < 0:
+            raise ValueError(
+                f"pserver_rpc_workers must be an int >= 0, got {self.pserver_rpc_workers!r}")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "DistributeTranspilerConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(data) - known
+        if unknown:
+            raise ValueError(f"unknown DistributeTranspilerConfig fields: {sorted(unknown)}")
+        return cls(**data)

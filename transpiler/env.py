@@ -1,0 +1,80 @@
+"""Roles from the environment, as Paddle's launcher (and ps-launch) sets them.
+
+=============================== =========================================
+``TRAINING_ROLE``               ``PSERVER`` or ``TRAINER``
+``PADDLE_PSERVERS_IP_PORT_LIST`` every pserver endpoint, comma-separated
+``PADDLE_TRAINERS_NUM``         number of trainers
+``PADDLE_TRAINER_ID``           this trainer's id (trainers only)
+``POD_IP`` + ``PADDLE_PORT``    this pserver's own endpoint (pservers only)
+=============================== =========================================
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import List, Mapping, Optional
+
+from .transpiler import parse_endpoints
+
+ROLES = ("PSERVER", "TRAINER")
+
+
+@dataclass
+class RoleEnv:
+    """This process's role in a distributed job."""
+
+    role: str
+    pservers: List[str]
+    trainers: int
+    trainer_id: int = 0
+    current_endpoint: Optional[str] = None
+
+    @property
+    def is_pserver(self) -> bool:
+        return self.role == "PSERVER"
+
+    @property
+    def pserver_list(self) -> str:
+        return ",".join(self.pservers)
+
+    @classmethod
+    def from_env(cls, environ: Optional[Mapping[str, str]] = None) -> Optional["RoleEnv"]:
+        """Read the role variables; None when ``TRAINING_ROLE`` is unset (a local run).
+
+        Raises ValueError naming the variable that is missing or malformed.
+        """
+        env = os.environ if environ is None else environ
+        role = env.get("TRAINING_ROLE")
+        if not role:
+            return None
+        role = role.upper()
+        if role not in ROLES:
+            raise ValueError(f"TRAINING_ROLE must be one of {ROLES}, got {env['TRAINING_ROLE']!r}")
+
+        def need(name: str) -> str:
+            value = env.get(name)
+            if not value:
+                raise ValueError(f"{name} is not set; a {role} needs it")
+            return value
+
+        def need_int(name: str) -> int:
+            value = need(name)
+            try:
+                return int(value)
+            except ValueError:
+                raise ValueError(f"{name} must be an integer, got {value!r}") from None
+
+        pservers = parse_endpoints(need("PADDLE_PSERVERS_IP_PORT_LIST"))
+        trainers = need_int("PADDLE_TRAINERS_NUM")
+        if trainers < 1:
+            raise ValueError(f"PADDLE_TRAINERS_NUM must be >= 1, got {trainers}")
+        if role == "TRAINER":
+            trainer_id = need_int("PADDLE_TRAINER_ID")
+            if not 0 <= trainer_id < trainers:
+                raise ValueError(f"PADDLE_TRAINER_ID={trainer_id} is out of range [0, {trainers})")
+            return cls(role, pservers, trainers, trainer_id=trainer_id)
+        endpoint = f"{need('POD_IP')}:{need_int('PADDLE_PORT')}"
+        if endpoint not in pservers:
+            raise ValueError(f"this pserver's endpoint {endpoint} (POD_IP:PADDLE_PORT) is not in "
+                             f"PADDLE_PSERVERS_IP_PORT_LIST={','.join(pservers)}")
+        return cls(role, pservers, trainers, current_endpoint=endpoint)

@@ -1,0 +1,226 @@
+"""The plans a transpile produces: plain data that round-trips to bytes.
+
+- :class:`PserverProgram`: what one pserver owns and how it updates it.
+- :class:`StartupProgram`: the initial values of one pserver's blocks.
+- :class:`TrainerProgram`: the whole block layout, seen from a trainer,
+  plus the trainer's own model (which is not part of its bytes).
+
+Layout plans serialise as UTF-8 JSON (readable with any tool); the startup
+program carries tensors and serialises with ``torch.save``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+
+import torch
+
+from .config import DistributeTranspilerConfig
+from .program import OptimizerSpec
+
+FORMAT_VERSION = 1
+
+DTYPES = {
+    "float32": torch.float32, "float64": torch.float64,
+    "float16": torch.float16, "bfloat16": torch.bfloat16,
+}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """'float32' for torch.float32: the name plans and the wire use."""
+    return str(dtype).replace("torch.", "")
+
+
+@dataclass
+class BlockSpec:
+    """Rows ``[row_start, row_end)`` of parameter ``param``, owned by ``endpoint``."""
+
+    name: str
+    param: str
+    index: int
+    row_start: int
+    row_end: int
+    shape: List[int]
+    dtype: str
+    endpoint: str
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * torch.empty((), dtype=DTYPES[self.dtype]).element_size()
+
+
+@dataclass
+class ParamSpec:
+    """A dense parameter's full shape and the blocks it was cut into, in row order."""
+
+    name: str
+    shape: List[int]
+    dtype: str
+    blocks: List[BlockSpec]
+
+
+def _block_table(blocks: List[BlockSpec], with_endpoint: bool) -> str:
+    head = ["block", "param", "rows", "shape", "bytes"] + (["pserver"] if with_endpoint else [])
+    rows = [[b.name, b.param, f"{b.row_start}:{b.row_end}", "x".join(map(str, b.shape)) or "scalar",
+             f"{b.nbytes:,}"] + ([b.endpoint] if with_endpoint else []) for b in blocks]
+    widths = [max(len(r[i]) for r in [head] + rows) for i in range(len(head))]
+    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
+    return "\n".join(("  " + fmt.format(*r)).rstrip() for r in [head] + rows)
+
+
+def _optimizer_line(spec: OptimizerSpec) -> str:
+    line = f"{spec.name} {spec.kwargs}"
+    if spec.lr_scheduler:
+        line += f", lr_scheduler {spec.lr_scheduler} {spec.lr_scheduler_kwargs}"
+    return line
+
+
+def _dumps(kind: str, payload: dict) -> bytes:
+    return json.dumps({"kind": kind, "format_version": FORMAT_VERSION, **payload},
+                      sort_keys=True).encode("utf-8")
+
+
+def _loads(kind: str, data: bytes) -> dict:
+    try:
+        obj = json.loads(bytes(data).decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError, TypeError) as e:
+        raise ValueError(f"not a serialised {kind}: {e}") from None
+    if not isinstance(obj, dict) or obj.get("kind") != kind:
+        raise ValueError(f"not a serialised {kind} (kind={obj.get('kind') if isinstance(obj, dict) else None!r})")
+    if obj.get("format_version") != FORMAT_VERSION:
+        raise ValueError(f"{kind} format_version {obj.get('format_version')!r} is not {FORMAT_VERSION}")
+    obj.pop("kind")
+    obj.pop("format_version")
+    return obj
+
+
+def _blocks_from(data: List[dict]) -> List[BlockSpec]:
+    return [BlockSpec(**b) for b in data]
+
+
+@dataclass
+class PserverProgram:
+    """Everything one pserver needs: its blocks, the optimizer, the mode."""
+
+    endpoint: str
+    pservers: List[str]
+    trainers: int
+    sync_mode: bool
+    optimizer: OptimizerSpec
+    blocks: List[BlockSpec]
+    config: DistributeTranspilerConfig
+    layout_digest: str
+
+    def to_bytes(self) -> bytes:
+        d = dataclasses.asdict(self)
+        d["optimizer"] = self.optimizer.to_dict()
+        d["config"] = self.config.to_dict()
+        return _dumps("PserverProgram", d)
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> "PserverProgram":
+        d = _loads("PserverProgram", data)
+        try:
+            d["optimizer"] = OptimizerSpec.from_dict(d["optimizer"])
+            d["config"] = DistributeTranspilerConfig.from_dict(d["config"])
+            d["blocks"] = _blocks_from(d["blocks"])
+            return cls(**d)
+        except (KeyError, TypeError) as e:
+            raise ValueError(f"malformed PserverProgram: {e}") from None
+
+    def __str__(self) -> str:
+        mode = "sync" if self.sync_mode else "async"
+        total = sum(b.nbytes for b in self.blocks)
+        return (f"PserverProgram {self.endpoint}: {mode}, {self.trainers} trainers, "
+                f"{len(self.blocks)} blocks, {total:,} bytes\n"
+                f"  optimizer: {_optimizer_line(self.optimizer)}\n"
+                + _block_table(self.blocks, with_endpoint=False))
+
+
+@dataclass
+class StartupProgram:
+    """Initial values of one pserver's blocks, keyed by block name."""
+
+    endpoint: str
+    tensors: Dict[str, torch.Tensor]
+
+    def to_bytes(self) -> bytes:
+        buf = io.BytesIO()
+        torch.save({"kind": "StartupProgram", "format_version": FORMAT_VERSION,
+                    "endpoint": self.endpoint, "tensors": self.tensors}, buf)
+        return buf.getvalue()
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> "StartupProgram":
+        try:
+            obj = torch.load(io.BytesIO(data), weights_only=True)
+        except Exception as e:  # torch raises many types for garbage input
+            raise ValueError(f"not a serialised StartupProgram: {e}") from None
+        if not isinstance(obj, dict) or obj.get("kind") != "StartupProgram":
+            raise ValueError("not a serialised StartupProgram")
+        return cls(obj["endpoint"], obj["tensors"])
+
+    def __str__(self) -> str:
+        total = sum(t.numel() * t.element_size() for t in self.tensors.values())
+        return f"StartupProgram {self.endpoint}: {len(self.tensors)} blocks, {total:,} bytes"
+
+
+@dataclass
+class TrainerProgram:
+    """The full layout seen from one trainer, plus that trainer's model.
+
+    ``params`` lists every dense parameter with its blocks in row order;
+    ``model`` is the trainer's local ``nn.Module`` (not serialised: pass it to
+    :meth:`from_bytes`).
+    """
+
+    trainer_id: int
+    pservers: List[str]
+    trainers: int
+    sync_mode: bool
+    optimizer: OptimizerSpec
+    params: List[ParamSpec]
+    config: DistributeTranspilerConfig
+    layout_digest: str
+    model: Optional[torch.nn.Module] = field(default=None, repr=False, compare=False)
+
+    @property
+    def blocks(self) -> List[BlockSpec]:
+        return [b for p in self.params for b in p.blocks]
+
+    def to_bytes(self) -> bytes:
+        d = dataclasses.asdict(dataclasses.replace(self, model=None))
+        d.pop("model")
+        d["optimizer"] = self.optimizer.to_dict()
+        d["config"] = self.config.to_dict()
+        return _dumps("TrainerProgram", d)
+
+    @classmethod
+    def from_bytes(cls, data: bytes, model: Optional[torch.nn.Module] = None) -> "TrainerProgram":
+        d = _loads("TrainerProgram", data)
+        try:
+            d["optimizer"] = OptimizerSpec.from_dict(d["optimizer"])
+            d["config"] = DistributeTranspilerConfig.from_dict(d["config"])
+            d["params"] = [ParamSpec(p["name"], p["shape"], p["dtype"], _blocks_from(p["blocks"]))
+                           for p in d["params"]]
+            return cls(**d, model=model)
+        except (KeyError, TypeError) as e:
+            raise ValueError(f"malformed TrainerProgram: {e}") from None
+
+    def __str__(self) -> str:
+        mode = "sync" if self.sync_mode else "async"
+        return (f"TrainerProgram trainer {self.trainer_id}/{self.trainers}: {mode}, "
+                f"{len(self.params)} params in {len(self.blocks)} blocks on "
+                f"{len(self.pservers)} pservers\n"
+                f"  optimizer: {_optimizer_line(self.optimizer)}\n"
+                + _block_table(self.blocks, with_endpoint=True))

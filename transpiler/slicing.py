@@ -1,0 +1,63 @@
+"""Slicing parameters into row blocks and dealing blocks to pservers."""
+from __future__ import annotations
+
+from typing import List, Sequence, Tuple
+
+from .hashing import stable_hash_name
+
+
+def block_count(numel: int, rows: int, n_pservers: int, min_block_size: int,
+                slice_var_up: bool) -> int:
+    """Number of blocks for a parameter of ``numel`` elements and ``rows`` dim-0 rows.
+
+    ``min(#pservers, max(1, numel // min_block_size))`` when slicing, never more
+    than the parameter has rows (a block holds whole rows); 1 otherwise.
+    """
+    if not slice_var_up:
+        return 1
+    return max(1, min(n_pservers, numel // min_block_size, rows))
+
+
+def split_rows(rows: int, n_blocks: int) -> List[Tuple[int, int]]:
+    """Cut ``rows`` into ``n_blocks`` half-open ranges as equal as rows allow.
+
+    The first ``rows % n_blocks`` blocks get one extra row.
+    """
+    if n_blocks < 1 or n_blocks > max(rows, 1):
+        raise ValueError(f"cannot cut {rows} rows into {n_blocks} blocks")
+    base, extra = divmod(rows, n_blocks)
+    ranges, start = [], 0
+    for i in range(n_blocks):
+        end = start + base + (1 if i < extra else 0)
+        ranges.append((start, end))
+        start = end
+    return ranges
+
+
+class RoundRobin:
+    """Deal blocks to pservers in order: block k of the program goes to k % n."""
+
+    def __init__(self, endpoints: Sequence[str]):
+        self.endpoints = list(endpoints)
+        self._next = 0
+
+    def dispatch(self, block_names: Sequence[str]) -> List[str]:
+        out = []
+        for _ in block_names:
+            out.append(self.endpoints[self._next % len(self.endpoints)])
+            self._next += 1
+        return out
+
+
+class HashName:
+    """Place each block by a stable hash of its name, independent of order."""
+
+    def __init__(self, endpoints: Sequence[str]):
+        self.endpoints = list(endpoints)
+
+    def dispatch(self, block_names: Sequence[str]) -> List[str]:
+        n = len(self.endpoints)
+        return [self.endpoints[stable_hash_name(name) % n] for name in block_names]
+
+
+DISPATCHERS = {"RoundRobin": RoundRobin, "HashName": HashName}

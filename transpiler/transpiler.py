@@ -1,0 +1,134 @@
+"""DistributeTranspiler: split a Program into pserver and trainer programs."""
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Dict, List, Optional, Sequence, Union
+
+import torch
+
+from .config import DistributeTranspilerConfig
+from .plans import BlockSpec, ParamSpec, PserverProgram, StartupProgram, TrainerProgram, dtype_name
+from .program import Program
+from .slicing import DISPATCHERS, block_count, split_rows
+
+
+def parse_endpoints(pservers: Union[str, Sequence[str]]) -> List[str]:
+    """Turn ``"h1:p1,h2:p2"`` (or a list) into a checked list of endpoints."""
+    items = pservers.split(",") if isinstance(pservers, str) else list(pservers)
+    endpoints = [e.strip() for e in items if e.strip()]
+    if not endpoints:
+        raise ValueError("pservers is empty: give at least one 'host:port' endpoint")
+    for ep in endpoints:
+        host, sep, port = ep.rpartition(":")
+        if not sep or not host or not port.isdigit() or not (0 < int(port) < 65536):
+            raise ValueError(f"pserver endpoint {ep!r} is not of the form host:port")
+    dupes = sorted({e for e in endpoints if endpoints.count(e) > 1})
+    if dupes:
+        raise ValueError(f"pserver endpoints listed twice: {dupes}")
+    return endpoints
+
+
+def _layout_digest(params: List[ParamSpec], trainers: int, sync_mode: bool, program: Program,
+                   config: DistributeTranspilerConfig) -> str:
+    """A short hash of everything both sides must agree on; checked at Hello."""
+    blob = json.dumps({
+        "params": [[p.name, p.shape, p.dtype, [[b.name, b.row_start, b.row_end, b.endpoint]
+                                               for b in p.blocks]] for p in params],
+        "trainers": trainers, "sync_mode": sync_mode,
+        "optimizer": program.optimizer.to_dict(), "max_staleness": config.max_staleness,
+    }, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+class DistributeTranspiler:
+    """Splits a single-machine :class:`Program` into pserver and trainer programs.
+
+    Call :meth:`transpile` once, then ask for the program of each role. Every
+    role runs the same transpile on the same program and gets the same layout.
+    """
+
+    def __init__(self, config: Optional[DistributeTranspilerConfig] = None):
+        self.config = config if config is not None else DistributeTranspilerConfig()
+        self._program: Optional[Program] = None
+
+    def transpile(self, trainer_id: int, program: Optional[Program] = None,
+                  pservers: Union[str, Sequence[str]] = "127.0.0.1:6174", trainers: int = 1,
+                  sync_mode: bool = True, startup_program=None,
+                  current_endpoint: Optional[str] = None) -> None:
+        """Slice the program's parameters into blocks and place them on ``pservers``.
+
+        ``trainer_id`` is this process's trainer index in ``[0, trainers)``
+        (any valid value on a pserver). ``startup_program`` and
+        ``current_endpoint`` are accepted for Paddle compatibility and unused.
+        """
+        if not isinstance(program, Program):
+            raise TypeError("transpile needs program=Program(model, ...)")
+        if not isinstance(trainers, int) or isinstance(trainers, bool) or trainers < 1:
+            raise ValueError(f"trainers must be an int >= 1, got {trainers!r}")
+        if not isinstance(trainer_id, int) or not 0 <= trainer_id < trainers:
+            raise ValueError(f"trainer_id {trainer_id!r} is out of range [0, {trainers})")
+        self.config.validate()
+        endpoints = parse_endpoints(pservers)
+        dispatcher = DISPATCHERS[self.config.split_method](endpoints)
+
+        params: List[ParamSpec] = []
+        for name, p in program.dense_parameters():
+            shape = list(p.shape)
+            rows = shape[0] if shape else 1
+            n = block_count(p.numel(), rows, len(endpoints), self.config.min_block_size,
+                            self.config.slice_var_up)
+            ranges = split_rows(rows, n)
+            names = [f"{name}.block{i}" for i in range(n)]
+            placed = dispatcher.dispatch(names)
+            blocks = [BlockSpec(bn, name, i, start, end, ([end - start] + shape[1:]) if shape else [],
+                                dtype_name(p.dtype), ep)
+                      for i, (bn, (start, end), ep) in enumerate(zip(names, ranges, placed))]
+            params.append(ParamSpec(name, shape, dtype_name(p.dtype), blocks))
+
+        self._program = program
+        self._trainer_id = trainer_id
+        self._endpoints = endpoints
+        self._trainers = trainers
+        self._sync_mode = bool(sync_mode)
+        self._params = params
+        self._digest = _layout_digest(params, trainers, self._sync_mode, program, self.config)
+
+    def _require_transpiled(self) -> None:
+        if self._program is None:
+            raise RuntimeError("call transpile() first")
+
+    def _check_endpoint(self, endpoint: str) -> None:
+        self._require_transpiled()
+        if endpoint not in self._endpoints:
+            raise ValueError(f"{endpoint!r} is not one of the pservers {self._endpoints}")
+
+    def get_pserver_program(self, endpoint: str) -> PserverProgram:
+        """The plan of the pserver at ``endpoint``: its blocks and update rule."""
+        self._check_endpoint(endpoint)
+        blocks = [b for p in self._params for b in p.blocks if b.endpoint == endpoint]
+        return PserverProgram(endpoint, list(self._endpoints), self._trainers, self._sync_mode,
+                              self._program.optimizer, blocks, self.config, self._digest)
+
+    def get_startup_program(self, endpoint: str,
+                            pserver_program: Optional[PserverProgram] = None) -> StartupProgram:
+        """Initial values of the blocks at ``endpoint``, cut from this process's model."""
+        self._check_endpoint(endpoint)
+        if pserver_program is not None and pserver_program.endpoint != endpoint:
+            raise ValueError(f"pserver_program is for {pserver_program.endpoint}, not {endpoint}")
+        values: Dict[str, torch.Tensor] = {}
+        named = dict(self._program.dense_parameters())
+        for p in self._params:
+            data = named[p.name].detach()
+            rows = data.reshape(p.shape[0] if p.shape else 1, -1)
+            for b in p.blocks:
+                if b.endpoint == endpoint:
+                    values[b.name] = rows[b.row_start:b.row_end].reshape(b.shape).clone()
+        return StartupProgram(endpoint, values)
+
+    def get_trainer_program(self) -> TrainerProgram:
+        """The whole layout for this trainer, carrying its model."""
+        self._require_transpiled()
+        return TrainerProgram(self._trainer_id, list(self._endpoints), self._trainers,
+                              self._sync_mode, self._program.optimizer, self._params,
+                              self.config, self._digest, model=self._program.model)
