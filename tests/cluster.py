@@ -1,0 +1,95 @@
+"""In-process clusters for tests: real gRPC pservers on loopback, trainers in threads.
+
+Every role runs its own transpile of a fresh program from the same builder,
+exactly as separate processes would; only the process boundary is missing.
+"""
+from __future__ import annotations
+
+import socket
+import threading
+from contextlib import ExitStack
+from typing import Callable, Dict, List, Optional
+
+from pserver import ParameterServer
+from trainer import Trainer
+from transpiler import DistributeTranspiler, DistributeTranspilerConfig, Program
+
+
+def free_ports(n: int) -> List[int]:
+    """``n`` distinct ports that were free on 127.0.0.1 a moment ago."""
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+class LocalCluster:
+    """``n_pservers`` pservers started in this process; trainers made on demand.
+
+    Use as a context manager; every pserver is stopped on exit.
+    """
+
+    def __init__(self, build: Callable[[], Program], n_pservers: int, n_trainers: int,
+                 sync_mode: bool = True, config: Optional[DistributeTranspilerConfig] = None):
+        self.build = build
+        self.n_trainers = n_trainers
+        self.sync_mode = sync_mode
+        self.config = config or DistributeTranspilerConfig()
+        self.endpoints = [f"127.0.0.1:{p}" for p in free_ports(n_pservers)]
+        self.servers: List[ParameterServer] = []
+        self._stack = ExitStack()
+
+    def transpiler(self, trainer_id: int = 0) -> DistributeTranspiler:
+        t = DistributeTranspiler(self.config)
+        t.transpile(trainer_id, program=self.build(), pservers=",".join(self.endpoints),
+                    trainers=self.n_trainers, sync_mode=self.sync_mode)
+        return t
+
+    def __enter__(self) -> "LocalCluster":
+        for ep in self.endpoints:
+            t = self.transpiler()
+            prog = t.get_pserver_program(ep)
+            server = ParameterServer(prog, t.get_startup_program(ep, prog))
+            self._stack.enter_context(server)
+            self.servers.append(server)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stack.close()
+
+    def trainer(self, trainer_id: int) -> Trainer:
+        return Trainer(self.transpiler(trainer_id).get_trainer_program())
+
+    def run_trainers(self, body: Callable[[Trainer, int], object],
+                     ids: Optional[List[int]] = None, timeout: float = 60.0) -> Dict[int, object]:
+        """Run ``body(trainer, id)`` for each trainer in its own thread; re-raise any failure.
+
+        Each trainer is closed when its body returns or raises.
+        """
+        ids = list(range(self.n_trainers)) if ids is None else ids
+        results: Dict[int, object] = {}
+        errors: Dict[int, BaseException] = {}
+
+        def run(i):
+            try:
+                with self.trainer(i) as tr:
+                    results[i] = body(tr, i)
+            except BaseException as e:  # reported below, on the test's thread
+                errors[i] = e
+
+        threads = [threading.Thread(target=run, args=(i,), name=f"trainer-{i}") for i in ids]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(timeout)
+            if th.is_alive():
+                raise TimeoutError(f"{th.name} did not finish within {timeout}s")
+        if errors:
+            raise next(iter(errors.values()))
+        return results

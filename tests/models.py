@@ -1,0 +1,41 @@
+"""Small models and data shared by the tests."""
+import torch
+from torch import nn
+
+
+class OddMLP(nn.Module):
+    """Parameters whose sizes are no multiples of the block size, plus a scalar.
+
+    With min_block_size=8192: fc1.weight (453x37=16761) cuts into 2 blocks,
+    fc2.weight (61x453=27633) into up to 3, biases and the scalar stay whole.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(37, 453)
+        self.fc2 = nn.Linear(453, 61)
+        self.head = nn.Linear(61, 5)
+        self.scale = nn.Parameter(torch.tensor(1.5))
+
+    def forward(self, x):
+        h = torch.tanh(self.fc1(x))
+        h = torch.relu(self.fc2(h))
+        return self.head(h) * self.scale
+
+
+def odd_mlp(seed: int = 0, dtype: torch.dtype = torch.float32) -> OddMLP:
+    torch.manual_seed(seed)
+    return OddMLP().to(dtype)
+
+
+def batches(n_trainers: int, per_trainer: int, steps: int, seed: int = 7,
+            dtype: torch.dtype = torch.float32):
+    """``steps`` lists of per-trainer (x, y) batches for OddMLP."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(steps):
+        x = torch.randn(n_trainers * per_trainer, 37, generator=g, dtype=dtype)
+        y = torch.randint(0, 5, (n_trainers * per_trainer,), generator=g)
+        out.append([(x[i * per_trainer:(i + 1) * per_trainer], y[i * per_trainer:(i + 1) * per_trainer])
+                    for i in range(n_trainers)])
+    return out

@@ -1,0 +1,189 @@
+"""Bad input is refused with a clear status and changes nothing; waits end with named errors."""
+import math
+import time
+
+import grpc
+import pytest
+import torch
+
+from cluster import LocalCluster, free_ports
+from models import odd_mlp
+from psproto import ps_pb2, ps_pb2_grpc
+from psproto.codec import iter_pieces
+from trainer import PserverError, PserverUnavailableError, Trainer
+from transpiler import DistributeTranspiler, DistributeTranspilerConfig, Program
+
+
+def program():
+    return Program(odd_mlp(), "momentum", lr=0.1)
+
+
+@pytest.fixture
+def cluster():
+    config = DistributeTranspilerConfig(barrier_timeout=2.0)
+    with LocalCluster(program, 1, 2, config=config) as c:
+        yield c
+
+
+@pytest.fixture
+def stub(cluster):
+    with grpc.insecure_channel(cluster.endpoints[0]) as channel:
+        yield ps_pb2_grpc.ParameterServerStub(channel)
+
+
+def snapshot(cluster):
+    return {n: b.detach().clone() for n, b in cluster.servers[0].engine.store.blocks.items()}
+
+
+def push_messages(digest, trainer_id=0, step=0, tensors=(), header=True):
+    h = ps_pb2.PushHeader(trainer_id=trainer_id, step=step, layout_digest=digest)
+    msgs = [ps_pb2.PushChunk(pieces=p) for p in iter_pieces(list(tensors), 1 << 16)] or [ps_pb2.PushChunk()]
+    if header:
+        msgs[0].header.CopyFrom(h)
+    return iter(msgs)
+
+
+def full_grads(cluster, value=0.5):
+    """A gradient for every block, matrices first."""
+    store = cluster.servers[0].engine.store
+    specs = sorted(store.specs.items(), key=lambda kv: -len(kv[1].shape))
+    return [(n, torch.full(spec.shape, value)) for n, spec in specs]
+
+
+def expect_refusal(call, code, match):
+    with pytest.raises(grpc.RpcError) as info:
+        call()
+    assert info.value.code() == code, info.value.details()
+    assert match in info.value.details(), info.value.details()
+    return info.value.details()
+
+
+@pytest.mark.timeout(30)
+def test_bad_pushes_are_refused_and_change_nothing(cluster, stub):
+    digest = cluster.servers[0].program.layout_digest
+    before = snapshot(cluster)
+    grads = full_grads(cluster)
+    name0, g0 = grads[0]
+    bad_shape = [(name0, torch.zeros(g0.shape[0] + 1, *g0.shape[1:]))] + grads[1:]
+    bad_dtype = [(name0, g0.double())] + grads[1:]
+    nan = [(name0, g0.clone().fill_(math.nan))] + grads[1:]
+    inf = [(name0, g0.clone().fill_(math.inf))] + grads[1:]
+    truncated = list(push_messages(digest, tensors=grads))
+    last = truncated[-1].pieces[-1]
+    last.data = last.data[:-4]
+    cases = [
+        (push_messages(digest, tensors=grads, header=False), grpc.StatusCode.INVALID_ARGUMENT, "must open with a header"),
+        (push_messages("0123", tensors=grads), grpc.StatusCode.FAILED_PRECONDITION, "plan mismatch"),
+        (push_messages(digest, trainer_id=2, tensors=grads), grpc.StatusCode.INVALID_ARGUMENT, "trainer id 2 is out of range"),
+        (push_messages(digest, trainer_id=-1, tensors=grads), grpc.StatusCode.INVALID_ARGUMENT, "out of range"),
+        (push_messages(digest, step=-3, tensors=grads), grpc.StatusCode.INVALID_ARGUMENT, "step must be >= 0"),
+        (push_messages(digest, step=5, tensors=grads), grpc.StatusCode.FAILED_PRECONDITION, "from the future"),
+        (push_messages(digest, tensors=[("nope.block0", torch.zeros(3))]), grpc.StatusCode.INVALID_ARGUMENT, "unknown tensor 'nope.block0'"),
+        (push_messages(digest, tensors=bad_shape), grpc.StatusCode.INVALID_ARGUMENT, "shape"),
+        (push_messages(digest, tensors=bad_dtype), grpc.StatusCode.INVALID_ARGUMENT, "dtype 'float64', expected 'float32'"),
+        (push_messages(digest, tensors=nan), grpc.StatusCode.INVALID_ARGUMENT, "NaN or Inf"),
+        (push_messages(digest, tensors=inf), grpc.StatusCode.INVALID_ARGUMENT, "NaN or Inf"),
+        (iter(truncated), grpc.StatusCode.INVALID_ARGUMENT, "stream moved on"),
+    ]
+    for messages, code, match in cases:
+        expect_refusal(lambda: stub.Push(messages, timeout=10), code, match)
+    after = snapshot(cluster)
+    engine = cluster.servers[0].engine
+    assert engine.version == 0 and not engine.pending and not engine.grad_sum
+    for name in before:
+        assert torch.equal(before[name], after[name]), name
+    # ...and the pserver still serves: a complete, valid step goes through.
+    reply = stub.Push(push_messages(digest, 0, 0, grads), timeout=10)
+    assert reply.applied
+    reply = stub.Push(push_messages(digest, 1, 0, grads), timeout=10)
+    assert reply.applied and reply.version == 1
+    moved = snapshot(cluster)
+    assert not torch.equal(moved[name0], before[name0])
+
+
+@pytest.mark.timeout(30)
+def test_duplicate_push_is_acknowledged_not_applied(cluster, stub):
+    digest = cluster.servers[0].program.layout_digest
+    grads = full_grads(cluster)
+    assert stub.Push(push_messages(digest, 0, 0, grads), timeout=10).applied
+    # A retry while the step is still open, and after it was applied.
+    assert not stub.Push(push_messages(digest, 0, 0, grads), timeout=10).applied
+    assert stub.Push(push_messages(digest, 1, 0, grads), timeout=10).version == 1
+    after_one = snapshot(cluster)
+    for trainer_id in (0, 1):
+        reply = stub.Push(push_messages(digest, trainer_id, 0, grads), timeout=10)
+        assert not reply.applied and reply.version == 1
+    after_retries = snapshot(cluster)
+    for name in after_one:
+        assert torch.equal(after_one[name], after_retries[name])
+    # One sync step of momentum SGD from w0 with mean grad 0.5: w0 - 0.1 * 0.5.
+    name, _ = grads[0]
+    initial = cluster.transpiler().get_startup_program(cluster.endpoints[0]).tensors[name]
+    torch.testing.assert_close(after_one[name], initial - 0.05)
+
+
+@pytest.mark.timeout(30)
+def test_bad_pulls_and_hellos_are_refused(cluster, stub):
+    digest = cluster.servers[0].program.layout_digest
+    pull = lambda **kw: list(stub.Pull(ps_pb2.PullRequest(**{"layout_digest": digest, **kw}), timeout=10))
+    expect_refusal(lambda: pull(names=["fc9.weight.block0"]), grpc.StatusCode.INVALID_ARGUMENT, "unknown blocks")
+    expect_refusal(lambda: pull(min_version=7), grpc.StatusCode.FAILED_PRECONDITION, "can only reach 1 next")
+    expect_refusal(lambda: pull(trainer_id=9), grpc.StatusCode.INVALID_ARGUMENT, "out of range")
+    expect_refusal(lambda: pull(layout_digest="x"), grpc.StatusCode.FAILED_PRECONDITION, "plan mismatch")
+    expect_refusal(lambda: stub.Hello(ps_pb2.HelloRequest(trainer_id=0, layout_digest="x"), timeout=10),
+                   grpc.StatusCode.FAILED_PRECONDITION, "plan mismatch")
+    expect_refusal(lambda: stub.Close(ps_pb2.CloseRequest(trainer_id=5), timeout=10),
+                   grpc.StatusCode.INVALID_ARGUMENT, "out of range")
+    assert stub.Stats(ps_pb2.StatsRequest(), timeout=10).version == 0
+
+
+@pytest.mark.timeout(30)
+def test_trainer_with_a_different_plan_is_refused_by_name(cluster):
+    t = DistributeTranspiler(DistributeTranspilerConfig(barrier_timeout=2.0))
+    t.transpile(0, program=Program(odd_mlp(), "adam", lr=0.1), pservers=cluster.endpoints, trainers=2)
+    with pytest.raises(PserverError, match=f"pserver {cluster.endpoints[0]}: refused Hello.*plan mismatch"):
+        Trainer(t.get_trainer_program())
+
+
+@pytest.mark.timeout(30)
+def test_sync_barrier_timeout_names_missing_trainer_and_step(cluster):
+    tr = cluster.trainer(0)
+    try:
+        x = torch.randn(4, 37)
+        tr.model(x).sum().backward()
+        start = time.monotonic()
+        with pytest.raises(PserverError) as info:
+            tr.step()
+        elapsed = time.monotonic() - start
+        message = str(info.value)
+        assert cluster.endpoints[0] in message
+        assert "step 0 still waits for trainers [1]" in message and "DEADLINE_EXCEEDED" in message
+        assert 1.5 < elapsed < 15
+    finally:
+        tr.close()
+
+
+@pytest.mark.timeout(30)
+def test_pserver_that_never_comes_up_is_named_within_the_deadline():
+    from pserver import ParameterServer
+
+    live, dead = (f"127.0.0.1:{p}" for p in free_ports(2))
+    t = DistributeTranspiler(DistributeTranspilerConfig(connect_timeout=2.0))
+    t.transpile(0, program=program(), pservers=[live, dead], trainers=1)
+    with ParameterServer(t.get_pserver_program(live), t.get_startup_program(live)):
+        start = time.monotonic()
+        with pytest.raises(PserverUnavailableError) as info:
+            Trainer(t.get_trainer_program())
+        elapsed = time.monotonic() - start
+    assert f"pserver {dead}: did not come up within 2s" in str(info.value)
+    assert 1.5 < elapsed < 10
+
+
+@pytest.mark.timeout(30)
+def test_second_pserver_on_the_same_port_fails_to_bind(cluster):
+    from pserver import ParameterServer
+
+    t = cluster.transpiler()
+    ep = cluster.endpoints[0]
+    with pytest.raises(OSError, match=f"cannot bind {ep}"):
+        ParameterServer(t.get_pserver_program(ep), t.get_startup_program(ep)).start()
