@@ -39,3 +39,10 @@ def batches(n_trainers: int, per_trainer: int, steps: int, seed: int = 7,
         out.append([(x[i * per_trainer:(i + 1) * per_trainer], y[i * per_trainer:(i + 1) * per_trainer])
                     for i in range(n_trainers)])
     return out
+
+
+def odd_program():
+    """A Program for ``ps-server --program tests/models.py:odd_program``."""
+    from transpiler import Program
+
+    return Program(odd_mlp(dtype=torch.float64), "adam", lr=0.01, weight_decay=0.01)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from concurrent import futures
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, Optional, Sequence, Tuple
 
 import grpc
 import torch

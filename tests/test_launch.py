@@ -1,0 +1,525 @@
+"""ps-launch: role planning, child environments, and whole jobs of helper scripts on loopback."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from transpiler import RoleEnv
+from trainer import launch, launch_plan
+from trainer.launch_plan import PSERVER, TRAINER, LaunchError
+
+REPO = Path(__file__).resolve().parents[1]
+PROBE = str(REPO / "tests" / "scripts" / "role_probe.py")
+EXAMPLE = str(REPO / "examples" / "train_mlp.py")
+
+
+def wait_for(predicate, timeout: float, what: str):
+    """Poll ``predicate`` (every 50 ms) until it is truthy; fail the test naming ``what`` on timeout."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.05)
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def args_for(*argv: str, script: str = PROBE):
+    return launch_plan.parse_args([*argv, script])
+
+
+# ---------------------------------------------------------------- argument parsing
+
+
+@pytest.mark.timeout(10)
+def test_script_args_pass_through_untouched():
+    args = launch_plan.parse_args(["--server_num", "2", "--log_dir", "L", "train.py",
+                              "--async", "--log_dir", "x", "--", "-v"])
+    assert (args.server_num, args.log_dir, args.script) == (2, "L", "train.py")
+    assert args.script_args == ["--async", "--log_dir", "x", "--", "-v"]
+    args = launch_plan.parse_args(["--worker_num=3", "--", "train.py", "--epochs", "3"])
+    assert (args.worker_num, args.script, args.script_args) == (3, "train.py", ["--epochs", "3"])
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize("argv", [[], ["--server_num", "2"], ["--server", "2", "x.py"],
+                                  ["--server_num", "two", "x.py"]])
+def test_parse_errors_exit_2(argv, capsys):
+    with pytest.raises(SystemExit) as e:
+        launch_plan.parse_args(argv)
+    assert e.value.code == 2
+    assert "ps-launch: error" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- role planning
+
+
+@pytest.mark.timeout(10)
+def test_local_mode_plan():
+    roles = launch_plan.plan_roles(args_for("--server_num", "2", "--worker_num", "3"),
+                              pick_ports=lambda n: [7100 + i for i in range(n)])
+    assert [(r.kind, r.index) for r in roles] == [(PSERVER, 0), (PSERVER, 1),
+                                                  (TRAINER, 0), (TRAINER, 1), (TRAINER, 2)]
+    assert [r.endpoint for r in roles[:2]] == ["127.0.0.1:7100", "127.0.0.1:7101"]
+    assert [r.log_name for r in roles] == ["serverlog.0", "serverlog.1",
+                                          "workerlog.0", "workerlog.1", "workerlog.2"]
+    for r in roles:
+        assert r.env["PADDLE_PSERVERS_IP_PORT_LIST"] == "127.0.0.1:7100,127.0.0.1:7101"
+        assert r.env["PADDLE_TRAINERS_NUM"] == "3"
+        assert r.env["TRAINING_ROLE"] == r.kind
+    assert roles[1].env["POD_IP"] == "127.0.0.1" and roles[1].env["PADDLE_PORT"] == "7101"
+    assert "PADDLE_TRAINER_ID" not in roles[0].env
+    assert [r.env["PADDLE_TRAINER_ID"] for r in roles[2:]] == ["0", "1", "2"]
+    assert not any("POD_IP" in r.env for r in roles[2:])
+
+
+@pytest.mark.timeout(10)
+def test_local_mode_ports():
+    roles = launch_plan.plan_roles(args_for("--server_num", "3", "--worker_num", "1", "--start_port", "6170"))
+    assert [r.endpoint for r in roles if r.kind == PSERVER] == [
+        "127.0.0.1:6170", "127.0.0.1:6171", "127.0.0.1:6172"]
+    ports = launch_plan.free_ports(4)
+    assert len(set(ports)) == 4 and all(0 < p < 65536 for p in ports)
+    roles = launch_plan.plan_roles(args_for("--server_num", "2", "--worker_num", "1"))
+    assert len({r.endpoint for r in roles if r.kind == PSERVER}) == 2
+
+
+@pytest.mark.timeout(10)
+def test_per_host_plan_keeps_this_hosts_roles_with_global_ids():
+    args = args_for("--servers", "10.0.0.1:6170,10.0.0.2:6170,10.0.0.1:6171",
+                    "--workers", "10.0.0.2,10.0.0.1,10.0.0.1:6200")
+    roles = launch_plan.plan_roles(args, is_local=lambda h: h == "10.0.0.1")
+    assert [(r.kind, r.index) for r in roles] == [(PSERVER, 0), (PSERVER, 2), (TRAINER, 1), (TRAINER, 2)]
+    assert [r.endpoint for r in roles[:2]] == ["10.0.0.1:6170", "10.0.0.1:6171"]
+    assert roles[1].env["POD_IP"] == "10.0.0.1" and roles[1].env["PADDLE_PORT"] == "6171"
+    for r in roles:
+        assert r.env["PADDLE_PSERVERS_IP_PORT_LIST"] == "10.0.0.1:6170,10.0.0.2:6170,10.0.0.1:6171"
+        assert r.env["PADDLE_TRAINERS_NUM"] == "3"
+    assert [r.env["PADDLE_TRAINER_ID"] for r in roles[2:]] == ["1", "2"]
+
+    other = launch_plan.plan_roles(args, is_local=lambda h: h == "10.0.0.2")
+    assert [(r.kind, r.index) for r in other] == [(PSERVER, 1), (TRAINER, 0)]
+
+
+@pytest.mark.timeout(10)
+def test_per_host_filtering_by_host_flag_and_mixed_modes():
+    roles = launch_plan.plan_roles(args_for("--servers", "127.0.0.1:6170,127.0.0.2:6170",
+                                       "--workers", "127.0.0.2,127.0.0.1", "--host", "127.0.0.2"))
+    assert [(r.kind, r.index) for r in roles] == [(PSERVER, 1), (TRAINER, 0)]
+    # Pservers from the cluster list, trainers all local.
+    roles = launch_plan.plan_roles(args_for("--servers", "127.0.0.1:6170,10.255.0.1:6170", "--worker_num", "2"),
+                              is_local=lambda h: h.startswith("127."))
+    assert [(r.kind, r.index) for r in roles] == [(PSERVER, 0), (TRAINER, 0), (TRAINER, 1)]
+    assert roles[1].env["PADDLE_TRAINERS_NUM"] == "2"
+
+
+@pytest.mark.timeout(10)
+def test_host_matcher():
+    explicit = launch_plan.host_matcher("10.0.0.1")
+    assert explicit("10.0.0.1") and not explicit("10.0.0.2") and not explicit("127.0.0.1")
+    auto = launch_plan.host_matcher(None)
+    assert auto("127.0.0.1") and auto("127.0.0.2") and auto("localhost")
+    assert all(auto(a) for a in launch_plan.local_addresses())
+    assert not auto("203.0.113.7")  # TEST-NET-3: never a local address
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize("argv, message", [
+    (["--server_num", "1", "--servers", "127.0.0.1:6170", "--worker_num", "1"], "--server_num and --servers"),
+    (["--server_num", "1", "--worker_num", "1", "--workers", "127.0.0.1"], "--worker_num and --workers"),
+    (["--worker_num", "1"], "no pservers"),
+    (["--server_num", "1"], "no trainers"),
+    (["--server_num", "0", "--worker_num", "1"], "--server_num must be >= 1"),
+    (["--server_num", "1", "--worker_num", "0"], "--worker_num must be >= 1"),
+    (["--servers", "127.0.0.1", "--worker_num", "1"], "not of the form host:port"),
+    (["--servers", "127.0.0.1:http", "--worker_num", "1"], "not of the form host:port"),
+    (["--servers", "127.0.0.1:70000", "--worker_num", "1"], "not of the form host:port"),
+    (["--servers", "127.0.0.1:1,127.0.0.1:1", "--worker_num", "1"], "listed twice"),
+    (["--servers", "", "--worker_num", "1"], "empty"),
+    (["--server_num", "1", "--workers", "127.0.0.1,,127.0.0.1"], "malformed"),
+    (["--servers", "127.0.0.1:6170", "--worker_num", "1", "--start_port", "7000"], "--start_port"),
+    (["--server_num", "2", "--worker_num", "1", "--start_port", "65535"], "--start_port"),
+    (["--server_num", "1", "--worker_num", "1", "--server_grace", "-1"], ">= 0"),
+    (["--servers", "10.255.0.1:6170", "--workers", "10.255.0.2", "--host", "10.255.0.3"], "has no role"),
+])
+def test_plan_errors(argv, message):
+    with pytest.raises(LaunchError, match=message.replace("-", r"\-")):
+        launch_plan.plan_roles(args_for(*argv))
+
+
+@pytest.mark.timeout(10)
+def test_missing_script_is_an_error():
+    with pytest.raises(LaunchError, match="not found"):
+        launch_plan.plan_roles(args_for("--server_num", "1", "--worker_num", "1", script="/nonexistent/train.py"))
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize("argv", [
+    ["--server_num", "0", "--worker_num", "1", PROBE],
+    ["--server_num", "1", "--worker_num", "1", "missing_script.py"],
+    ["--servers", "10.255.0.1:6170", "--workers", "10.255.0.2", PROBE],
+])
+def test_main_bad_input_exits_2_and_starts_nothing(argv, tmp_path, capsys):
+    log_dir = tmp_path / "logs"
+    assert launch.main(["--log_dir", str(log_dir), *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("ps-launch: error: ")
+    assert not log_dir.exists()
+
+
+# ---------------------------------------------------------------- environment and table
+
+
+@pytest.mark.timeout(10)
+def test_child_env_is_the_role_env_plus_inherited_environment():
+    roles = launch_plan.plan_roles(args_for("--server_num", "2", "--worker_num", "2"),
+                              pick_ports=lambda n: [7200 + i for i in range(n)])
+    # A stale role from an outer job must not leak into ours.
+    base = {"PS_AUTH_TOKEN": "s3cret", "PATH": "/bin", "PADDLE_TRAINER_ID": "7", "POD_IP": "10.9.9.9"}
+    for role in roles:
+        env = launch_plan.child_env(role, base)
+        assert env["PS_AUTH_TOKEN"] == "s3cret" and env["PATH"] == "/bin"
+        assert env["PYTHONUNBUFFERED"] == "1"
+        parsed = RoleEnv.from_env(env)
+        assert parsed.role == role.kind
+        assert parsed.pservers == ["127.0.0.1:7200", "127.0.0.1:7201"] and parsed.trainers == 2
+        if role.kind == PSERVER:
+            assert parsed.current_endpoint == role.endpoint and "PADDLE_TRAINER_ID" not in env
+        else:
+            assert parsed.trainer_id == role.index and "POD_IP" not in env
+
+
+@pytest.mark.timeout(10)
+def test_table_and_tail(tmp_path):
+    roles = launch_plan.plan_roles(args_for("--server_num", "1", "--worker_num", "2"),
+                              pick_ports=lambda n: [7300])
+    roles[0].log_path = "log/serverlog.0"
+    table = launch.format_table(roles).splitlines()
+    assert table[0].split()[:3] == ["ROLE", "INDEX", "ENDPOINT"]
+    assert table[1].split()[:3] == ["PSERVER", "0", "127.0.0.1:7300"] and "log/serverlog.0" in table[1]
+    assert table[3].split()[:2] == ["TRAINER", "1"]
+    log = tmp_path / "log"
+    log.write_text("".join(f"line {i}\n" for i in range(100)))
+    assert launch.tail(str(log)).splitlines() == [f"line {i}" for i in range(80, 100)]
+    assert launch.tail(str(tmp_path / "missing")) == ""
+
+
+@pytest.mark.timeout(10)
+def test_role_command_runs_the_script_with_its_args_under_this_python():
+    command = launch.role_command("train.py", ["--epochs", "3"])
+    assert command[0] == sys.executable and command[-3:] == ["train.py", "--epochs", "3"]
+
+
+@pytest.mark.timeout(10)
+def test_unwritable_log_dir_is_bad_input(tmp_path, capsys):
+    (tmp_path / "log").write_text("a file where the log directory should be")
+    assert launch.main(["--server_num", "1", "--worker_num", "1", "--log_dir", str(tmp_path / "log"),
+                        PROBE]) == 2
+    assert "ps-launch: error:" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- supervising, in process
+
+
+@pytest.fixture
+def probe_dir(tmp_path, monkeypatch):
+    """A directory the probe roles report to; every probe still alive at teardown is killed."""
+    d = tmp_path / "probe"
+    d.mkdir()
+    monkeypatch.setenv("PROBE_DIR", str(d))
+    yield d
+    for record in d.glob("*.json"):
+        pid = json.loads(record.read_text())["pid"]
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"role_probe" in cmdline:
+            os.kill(pid, signal.SIGKILL)
+
+
+def records(d: Path) -> dict:
+    return {p.stem: json.loads(p.read_text()) for p in d.glob("*.json")}
+
+
+def start_probes(argv, tmp_path, probe_args):
+    args = launch_plan.parse_args([*argv, "--log_dir", str(tmp_path / "logs"), PROBE, *probe_args])
+    roles = launch_plan.plan_roles(args)
+    try:
+        launch.start_roles(roles, args.script, args.script_args, args.log_dir)
+    except BaseException:
+        launch.stop_roles(roles, timeout=1)
+        raise
+    return roles
+
+
+@pytest.mark.timeout(30)
+def test_supervise_kills_a_pserver_that_ignores_sigterm(tmp_path, probe_dir, capsys):
+    roles = start_probes(["--server_num", "1", "--worker_num", "1"], tmp_path, ["--pserver", "ignore-term"])
+    try:
+        wait_for(lambda: len(records(probe_dir)) == 2, 20, "both roles to start")
+        assert launch.supervise(roles, server_grace=0, term_timeout=0.5) == 0
+    finally:
+        launch.stop_roles(roles, timeout=1)
+    assert roles[0].proc.returncode == -signal.SIGKILL
+    assert (probe_dir / "pserver.0.sigterm").exists()
+    assert "pserver.0 ignored SIGTERM and was killed" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(30)
+def test_supervise_second_signal_skips_the_sigterm_grace(tmp_path, probe_dir):
+    roles = start_probes(["--server_num", "1", "--worker_num", "1"], tmp_path,
+                         ["--pserver", "ignore-term", "--trainer", "hang"])
+    stops = launch.StopSignals()
+    stops.count, stops.signum = 1, signal.SIGINT  # as if the user pressed Ctrl-C
+
+    def press_ctrl_c_again():
+        # Once the stubborn pserver has seen SIGTERM, the launcher is in its grace wait.
+        wait_for(lambda: (probe_dir / "pserver.0.sigterm").exists(), 20, "SIGTERM to reach the pserver")
+        stops.count += 1
+
+    second = threading.Thread(target=press_ctrl_c_again, daemon=True)
+    try:
+        wait_for(lambda: len(records(probe_dir)) == 2, 20, "both roles to start")
+        second.start()
+        started = time.monotonic()
+        assert launch.supervise(roles, term_timeout=20, stops=stops) == 130
+        assert time.monotonic() - started < 10
+    finally:
+        launch.stop_roles(roles, timeout=1)
+        second.join(timeout=20)
+    assert roles[0].proc.returncode == -signal.SIGKILL
+    assert roles[1].proc.returncode == 0 and (probe_dir / "trainer.0.sigterm").exists()
+
+
+# ---------------------------------------------------------------- whole jobs through the CLI
+
+
+@pytest.fixture
+def run_launcher(tmp_path, probe_dir):
+    """Start ``python -m trainer.launch ARGS`` in tmp_path; stopped (and its roles killed) at teardown."""
+    procs = []
+
+    def start(*argv, env=None):
+        proc = subprocess.Popen([sys.executable, "-m", "trainer.launch", *argv], cwd=tmp_path,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env=dict(os.environ, **(env or {})))
+        procs.append(proc)
+        return proc
+
+    yield start
+    for proc in procs:
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.communicate(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.communicate()
+
+
+def finish(proc, timeout: float):
+    out, err = proc.communicate(timeout=timeout)
+    return proc.returncode, out, err
+
+
+def assert_all_gone(recs: dict):
+    assert recs
+    alive = {name: r["pid"] for name, r in recs.items() if pid_alive(r["pid"])}
+    assert not alive, f"roles outlived the launcher: {alive}"
+
+
+@pytest.mark.timeout(60)
+def test_job_runs_to_completion(run_launcher, tmp_path, probe_dir):
+    proc = run_launcher("--server_num", "2", "--worker_num", "3", "--log_dir", "logs", PROBE,
+                        "--trainer", "ok", "--pserver", "wait", "--", "extra",
+                        env={"PS_AUTH_TOKEN": "tok3n", "PADDLE_TRAINER_ID": "99"})
+    rc, out, err = finish(proc, 45)
+    assert rc == 0, err
+    recs = records(probe_dir)
+    assert sorted(recs) == ["pserver.0", "pserver.1", "trainer.0", "trainer.1", "trainer.2"]
+    endpoints = recs["pserver.0"]["env"]["PADDLE_PSERVERS_IP_PORT_LIST"].split(",")
+    assert len(endpoints) == 2 and all(e.startswith("127.0.0.1:") for e in endpoints)
+    for name, r in recs.items():
+        env = RoleEnv.from_env({k: v for k, v in r["env"].items() if v is not None})
+        assert env.pservers == endpoints and env.trainers == 3
+        assert r["env"]["PS_AUTH_TOKEN"] == "tok3n" and r["env"]["PYTHONUNBUFFERED"] == "1"
+        assert r["argv"] == ["--trainer", "ok", "--pserver", "wait", "--", "extra"]
+        assert r["cwd"] == str(tmp_path)
+        kind, index = name.split(".")
+        if kind == "pserver":
+            assert env.current_endpoint == endpoints[int(index)]
+            assert r["env"]["PADDLE_TRAINER_ID"] is None
+        else:
+            assert env.trainer_id == int(index)
+        log = tmp_path / "logs" / (("serverlog." if kind == "pserver" else "workerlog.") + index)
+        assert f"{name} started (pid {r['pid']})" in log.read_text()
+        pid_cell = str(r["pid"])
+        assert any(line.split()[:2] == [kind.upper(), index] and pid_cell in line.split()
+                   and str(log.relative_to(tmp_path)) in line for line in out.splitlines())
+    # The pservers left by themselves once the trainers were done, as real ones do.
+    assert not list(probe_dir.glob("*.sigterm"))
+    assert "all roles finished" in out
+    assert_all_gone(recs)
+
+
+@pytest.mark.timeout(60)
+def test_pservers_are_stopped_after_the_grace_period(run_launcher, tmp_path, probe_dir):
+    proc = run_launcher("--server_num", "2", "--worker_num", "1", "--server_grace", "0.5",
+                        "--log_dir", "logs", PROBE, "--pserver", "forever")
+    rc, out, err = finish(proc, 45)
+    assert rc == 0, err
+    assert "stopping pserver.0, pserver.1 after the grace period" in out
+    assert (probe_dir / "pserver.0.sigterm").exists() and (probe_dir / "pserver.1.sigterm").exists()
+    assert_all_gone(records(probe_dir))
+
+
+@pytest.mark.timeout(60)
+def test_failed_trainer_stops_the_job(run_launcher, tmp_path, probe_dir):
+    proc = run_launcher("--server_num", "2", "--worker_num", "3", "--log_dir", "logs", PROBE,
+                        "--trainer", "fail", "--fail_id", "1", "--pserver", "forever")
+    rc, out, err = finish(proc, 45)
+    assert rc == 1
+    # Fail fast: the job ends well before --term_timeout (10 s) or --server_grace (30 s) could pass.
+    failed_at = json.loads((probe_dir / "trainer.1.failed").read_text())["at"]
+    assert time.time() - failed_at < 8
+    assert "trainer.1 exited with code 3" in err
+    assert "trainer.1: boom, the training step failed" in err  # the log's tail
+    assert "last lines of logs/workerlog.1" in err
+    recs = records(probe_dir)
+    assert {"pserver.0", "pserver.1", "trainer.0", "trainer.2"} <= set(recs)
+    for name in ("pserver.0", "pserver.1", "trainer.0", "trainer.2"):
+        assert (probe_dir / f"{name}.sigterm").exists()
+    assert_all_gone(recs)
+
+
+@pytest.mark.timeout(60)
+def test_pserver_dying_while_trainers_run_stops_the_job(run_launcher, tmp_path, probe_dir):
+    proc = run_launcher("--server_num", "2", "--worker_num", "2", "--log_dir", "logs", PROBE,
+                        "--trainer", "hang", "--pserver", "crash", "--crash_id", "1")
+    rc, out, err = finish(proc, 45)
+    assert rc == 1
+    assert "pserver.1 exited with code 5" in err and "pserver.1: crashing" in err
+    assert_all_gone(records(probe_dir))
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)],
+                         ids=["SIGTERM", "SIGINT"])
+def test_signal_to_the_launcher_stops_every_role(sig, code, run_launcher, tmp_path, probe_dir):
+    proc = run_launcher("--server_num", "2", "--worker_num", "2", "--log_dir", "logs", PROBE,
+                        "--trainer", "hang", "--pserver", "forever")
+    wait_for(lambda: len(records(probe_dir)) == 4 or proc.poll() is not None, 30, "all roles to start")
+    proc.send_signal(sig)
+    rc, out, err = finish(proc, 30)
+    assert rc == code, err
+    assert f"{signal.Signals(sig).name} received" in err
+    recs = records(probe_dir)
+    assert len(recs) == 4
+    assert len(list(probe_dir.glob("*.sigterm"))) == 4  # forwarded as SIGTERM to every role
+    assert_all_gone(recs)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux-only")
+def test_roles_do_not_outlive_a_killed_launcher(run_launcher, tmp_path, probe_dir):
+    proc = run_launcher("--server_num", "1", "--worker_num", "2", "--log_dir", "logs", PROBE,
+                        "--trainer", "hang", "--pserver", "forever")
+    wait_for(lambda: len(records(probe_dir)) == 3 or proc.poll() is not None, 30, "all roles to start")
+    proc.kill()  # no chance to clean up: the kernel's parent-death signal must do it
+    proc.communicate(timeout=10)
+    recs = records(probe_dir)
+    wait_for(lambda: not any(pid_alive(r["pid"]) for r in recs.values()), 10, "the orphaned roles to exit")
+    assert len(list(probe_dir.glob("*.sigterm"))) == 3
+
+
+@pytest.mark.timeout(60)
+def test_per_host_mode_starts_only_this_hosts_roles(run_launcher, tmp_path, probe_dir):
+    p0, p1 = launch_plan.free_ports(2)
+    proc = run_launcher("--servers", f"127.0.0.1:{p0},127.0.0.2:{p1}",
+                        "--workers", "127.0.0.1,127.0.0.2,127.0.0.1", "--host", "127.0.0.1",
+                        "--server_grace", "0", "--log_dir", "logs", PROBE)
+    wait_for(lambda: {"trainer.0.done", "trainer.2.done"} <= {p.name for p in probe_dir.iterdir()}
+             or proc.poll() is not None, 30, "the local trainers")
+    # Trainer 1 runs on the other host and still uses the local pserver: no grace
+    # period applies, the launcher waits for the pserver to exit by itself.
+    assert proc.poll() is None
+    (probe_dir / "trainer.1.done").touch()
+    rc, out, err = finish(proc, 30)
+    assert rc == 0, err
+    assert not (probe_dir / "pserver.0.sigterm").exists()
+    recs = records(probe_dir)
+    assert sorted(recs) == ["pserver.0", "trainer.0", "trainer.2"]
+    for r in recs.values():
+        assert r["env"]["PADDLE_PSERVERS_IP_PORT_LIST"] == f"127.0.0.1:{p0},127.0.0.2:{p1}"
+        assert r["env"]["PADDLE_TRAINERS_NUM"] == "3"
+    assert recs["pserver.0"]["env"]["PADDLE_PORT"] == str(p0)
+    assert sorted(p.name for p in (tmp_path / "logs").iterdir()) == ["serverlog.0", "workerlog.0",
+                                                                      "workerlog.2"]
+    assert_all_gone(recs)
+
+
+@pytest.mark.timeout(60)
+def test_per_host_mode_without_local_trainers_waits_for_the_pservers(run_launcher, tmp_path, probe_dir):
+    (port,) = launch_plan.free_ports(1)
+    proc = run_launcher("--servers", f"127.0.0.1:{port}", "--workers", "127.0.0.2",
+                        "--host", "127.0.0.1", "--server_grace", "0", "--log_dir", "logs", PROBE)
+    wait_for(lambda: "pserver.0" in records(probe_dir) or proc.poll() is not None, 30, "the pserver")
+    assert proc.poll() is None  # no trainers here: server_grace does not apply
+    (probe_dir / "trainer.0.done").touch()  # the remote trainer finishes
+    rc, out, err = finish(proc, 30)
+    assert rc == 0, err
+    assert not (probe_dir / "pserver.0.sigterm").exists()
+    assert_all_gone(records(probe_dir))
+
+
+@pytest.mark.timeout(60)
+def test_console_script_reports_bad_input(tmp_path):
+    exe = Path(sys.executable).with_name("ps-launch")
+    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "trainer.launch"]
+    result = subprocess.run([*cmd, "--server_num", "1", "--worker_num", "1", "nope.py"], cwd=tmp_path,
+                            capture_output=True, text=True, timeout=50)
+    assert result.returncode == 2
+    assert "ps-launch: error: script 'nope.py' not found" in result.stderr
+    assert not (tmp_path / "log").exists()
+
+
+# ---------------------------------------------------------------- the real example
+
+
+@pytest.mark.timeout(90)  # about 15-30 s on 2 cores; the bound leaves room for a loaded machine
+def test_train_mlp_example_under_ps_launch(tmp_path):
+    # 12 epochs reach ~0.97 test accuracy in sync mode (the example's target is 0.95).
+    proc = subprocess.Popen([sys.executable, "-m", "trainer.launch", "--server_num", "2", "--worker_num", "2",
+                             "--log_dir", "logs", EXAMPLE, "--epochs", "12"], cwd=tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = proc.communicate(timeout=80)
+    finally:
+        if proc.poll() is None:
+            proc.terminate()  # the launcher stops its roles on SIGTERM
+            proc.communicate(timeout=20)
+    assert proc.returncode == 0, err
+    log = (tmp_path / "logs" / "workerlog.0").read_text()
+    assert "test accuracy" in log
+    assert (tmp_path / "mlp_state_dict.pt").exists()
+    for name in ("serverlog.0", "serverlog.1", "workerlog.1"):
+        assert (tmp_path / "logs" / name).stat().st_size > 0
+    assert "all 2 trainers closed" in (tmp_path / "logs" / "serverlog.0").read_text()

@@ -1,0 +1,249 @@
+"""Planning a ps-launch job: parse the command line, decide which roles run on this host.
+
+Pure pieces (no process is started here), each testable on its own:
+``parse_args`` -> ``plan_roles`` (a list of :class:`Role`) -> ``child_env``.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+from transpiler import parse_endpoints
+
+DESCRIPTION = """ps-launch: start the pservers and trainers of a job, as Paddle's launcher does in pserver mode.
+
+    ps-launch --server_num 2 --worker_num 2 examples/train_mlp.py --epochs 20
+    ps-launch --servers 10.0.0.1:6170,10.0.0.2:6170 --workers 10.0.0.1,10.0.0.2 train.py
+
+Local mode (--server_num/--worker_num) runs every role on this machine, pservers
+on 127.0.0.1. Per-host mode (--servers/--workers) describes the whole cluster: run
+the same command on every host and each starts only its own roles. Every role runs
+`python SCRIPT ARGS...` with TRAINING_ROLE, PADDLE_* and POD_IP set (see
+transpiler/env.py), its output in LOG_DIR/serverlog.N or LOG_DIR/workerlog.N.
+Exit status: 0 when every trainer exited 0, 1 when a role failed, 2 on bad input,
+130/143 when stopped by SIGINT/SIGTERM.
+"""
+
+PSERVER, TRAINER = "PSERVER", "TRAINER"
+ROLE_VARS = ("TRAINING_ROLE", "PADDLE_PSERVERS_IP_PORT_LIST", "PADDLE_TRAINERS_NUM",
+             "PADDLE_TRAINER_ID", "POD_IP", "PADDLE_PORT")
+
+
+class LaunchError(ValueError):
+    """Bad launcher input; reported as ``ps-launch: error: ...`` with exit code 2."""
+
+
+@dataclass
+class Role:
+    """One process of the job: its kind, global index, host and role variables; ``proc`` once started."""
+
+    kind: str
+    index: int
+    host: str
+    env: Dict[str, str]
+    endpoint: Optional[str] = None
+    log_path: Optional[str] = None
+    proc: Optional[subprocess.Popen] = field(default=None, repr=False)
+
+    @property
+    def name(self) -> str:
+        """``pserver.N`` or ``trainer.N``, as messages name the role."""
+        return f"{self.kind.lower()}.{self.index}"
+
+    @property
+    def log_name(self) -> str:
+        """``serverlog.N`` or ``workerlog.N``."""
+        return f"{'serverlog' if self.kind == PSERVER else 'workerlog'}.{self.index}"
+
+    @property
+    def alive(self) -> bool:
+        """Started and not yet exited (polling reaps an exited process)."""
+        return self.proc is not None and self.proc.poll() is None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The launcher's argument parser; the script and its arguments are split off before it runs."""
+    p = argparse.ArgumentParser(prog="ps-launch", usage="%(prog)s [options] SCRIPT [script args...]",
+                                description=DESCRIPTION, allow_abbrev=False,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--server_num", type=int, metavar="N", help="local mode: number of pservers on 127.0.0.1")
+    p.add_argument("--worker_num", type=int, metavar="M", help="local mode: number of trainers")
+    p.add_argument("--servers", metavar="IP:PORT,...", help="per-host mode: every pserver endpoint")
+    p.add_argument("--workers", metavar="IP,...", help="per-host mode: every trainer's ip (id = position)")
+    p.add_argument("--host", metavar="IP", help="this host in --servers/--workers (default: any local ip)")
+    p.add_argument("--start_port", type=int, metavar="P", help="local mode: pserver ports P, P+1, ... "
+                   "(default: free ports)")
+    p.add_argument("--log_dir", default="log", metavar="DIR",
+                   help="where serverlog.N and workerlog.N go (default: log)")
+    p.add_argument("--server_grace", type=float, default=30.0, metavar="SEC",
+                   help="time pservers get to exit by themselves once the trainers finished (default 30); "
+                   "not applied when trainers of the job run on other hosts")
+    p.add_argument("--term_timeout", type=float, default=10.0, metavar="SEC",
+                   help="time between SIGTERM and SIGKILL when stopping roles (default 10)")
+    p.add_argument("script", nargs="?", metavar="SCRIPT", help="training script run by every role")
+    p.add_argument("script_args", nargs=argparse.REMAINDER, metavar="...", help="passed to SCRIPT as is")
+    return p
+
+
+def split_argv(parser: argparse.ArgumentParser, argv: Sequence[str]) -> Tuple[List[str], List[str]]:
+    """Split ``argv`` into (launcher options, [SCRIPT, script args...]) at the first positional.
+
+    Done by hand rather than with ``argparse.REMAINDER`` alone because argparse
+    swallows a ``--`` among the script's arguments; here they pass through byte for byte.
+    """
+    takes_value = {s for a in parser._actions for s in a.option_strings if a.nargs != 0}
+    argv = list(argv)
+    i = 0
+    while i < len(argv):
+        token = argv[i]
+        if token == "--":
+            return argv[:i], argv[i + 1:]
+        if not token.startswith("-") or token == "-":
+            return argv[:i], argv[i:]
+        i += 2 if token in takes_value else 1
+    return argv, []
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    """Parse the command line; argparse errors (and a missing SCRIPT) exit with code 2."""
+    parser = build_parser()
+    own, rest = split_argv(parser, sys.argv[1:] if argv is None else argv)
+    args = parser.parse_args(own)
+    if not rest:
+        parser.error("no SCRIPT given: ps-launch [options] SCRIPT [script args...]")
+    args.script, args.script_args = rest[0], rest[1:]
+    return args
+
+
+def free_ports(n: int, host: str = "127.0.0.1") -> List[int]:
+    """``n`` distinct ports the OS reports free on ``host`` (all held open until every one is picked)."""
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.bind((host, 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def _resolve(host: str) -> str:
+    try:
+        return socket.gethostbyname(host)
+    except OSError:
+        return host
+
+
+def local_addresses() -> set:
+    """IPv4 addresses of this host: loopback, the hostname's addresses and every interface's (Linux)."""
+    addrs = {"127.0.0.1"}
+    try:
+        addrs.update(info[4][0] for info in socket.getaddrinfo(socket.gethostname(), None, socket.AF_INET))
+    except OSError:
+        pass
+    try:
+        import fcntl
+        import struct
+
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            for _, name in socket.if_nameindex():
+                try:  # SIOCGIFADDR; fails for an interface without an IPv4 address
+                    packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name[:15].encode()))
+                    addrs.add(socket.inet_ntoa(packed[20:24]))
+                except OSError:
+                    pass
+    except (ImportError, OSError):
+        pass
+    return addrs
+
+
+def host_matcher(host: Optional[str] = None) -> Callable[[str], bool]:
+    """A predicate "does this ip (or hostname) belong to this host?" for ``--host`` (None: auto-detect)."""
+    if host:
+        mine = _resolve(host)
+        return lambda h: h == host or _resolve(h) == mine
+    local = local_addresses()
+    return lambda h: h.startswith("127.") or h == "localhost" or _resolve(h) in local
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    for one, many, kind in (("server_num", "servers", "pservers"), ("worker_num", "workers", "trainers")):
+        num, listed = getattr(args, one), getattr(args, many)
+        if num is not None and listed is not None:
+            raise LaunchError(f"--{one} and --{many} both given: use --{one} for local {kind} "
+                              f"or --{many} for per-host mode, not both")
+        if num is None and listed is None:
+            raise LaunchError(f"no {kind}: give --{one} N (local) or --{many} (per-host)")
+        if num is not None and num < 1:
+            raise LaunchError(f"--{one} must be >= 1, got {num}")
+    if args.start_port is not None:
+        if args.servers is not None:
+            raise LaunchError("--start_port applies to --server_num (local mode); --servers has its ports")
+        if not 0 < args.start_port <= 65536 - args.server_num:
+            raise LaunchError(f"--start_port {args.start_port} leaves no room for {args.server_num} ports")
+    if args.server_grace < 0 or args.term_timeout < 0:
+        raise LaunchError("--server_grace and --term_timeout must be >= 0")
+    if args.script is None or not os.path.isfile(args.script):
+        raise LaunchError(f"script {args.script!r} not found")
+
+
+def plan_roles(args: argparse.Namespace, is_local: Optional[Callable[[str], bool]] = None,
+               pick_ports: Callable[[int], List[int]] = free_ports) -> List[Role]:
+    """Validate the arguments and list this host's roles, pservers first, each with its role variables.
+
+    Raises :class:`LaunchError` on bad input. ``is_local`` (default
+    ``host_matcher(args.host)``) picks this host's entries of ``--servers`` and
+    ``--workers``; ``pick_ports`` chooses the local-mode pserver ports.
+    """
+    _check_args(args)
+    is_local = is_local or host_matcher(args.host)
+    if args.servers is not None:
+        try:
+            endpoints = parse_endpoints(args.servers)
+        except ValueError as e:
+            raise LaunchError(f"--servers: {e}") from None
+    else:
+        ports = (range(args.start_port, args.start_port + args.server_num) if args.start_port
+                 else pick_ports(args.server_num))
+        endpoints = [f"127.0.0.1:{p}" for p in ports]
+    if args.workers is not None:
+        # Accept "ip" or Paddle's "ip:port"; a trainer's port has no use in pserver mode.
+        workers = [w.strip().split(":")[0] for w in args.workers.split(",")]
+        if not all(workers):
+            raise LaunchError(f"--workers {args.workers!r} is malformed: expected ip,ip,...")
+    else:
+        workers = ["127.0.0.1"] * args.worker_num
+
+    common = {"PADDLE_PSERVERS_IP_PORT_LIST": ",".join(endpoints), "PADDLE_TRAINERS_NUM": str(len(workers))}
+    roles = []
+    for i, ep in enumerate(endpoints):
+        ip, _, port = ep.rpartition(":")
+        if args.servers is None or is_local(ip):
+            env = dict(common, TRAINING_ROLE=PSERVER, POD_IP=ip, PADDLE_PORT=port)
+            roles.append(Role(PSERVER, i, ip, env, endpoint=ep))
+    for i, ip in enumerate(workers):
+        if args.workers is None or is_local(ip):
+            roles.append(Role(TRAINER, i, ip, dict(common, TRAINING_ROLE=TRAINER, PADDLE_TRAINER_ID=str(i))))
+    if not roles:
+        host = args.host or "auto-detected " + ",".join(sorted(local_addresses()))
+        raise LaunchError(f"this host ({host}) has no role in --servers/--workers; give --host IP")
+    return roles
+
+
+def child_env(role: Role, base: Optional[Dict[str, str]] = None) -> Dict[str, str]:
+    """The environment of ``role``'s process: ``base`` (default os.environ) plus its role variables.
+
+    Role variables inherited from ``base`` are dropped first, so a launcher run
+    inside another job cannot leak, say, a PADDLE_TRAINER_ID into a pserver.
+    """
+    env = {k: v for k, v in (os.environ if base is None else base).items() if k not in ROLE_VARS}
+    env.update(role.env)
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
