@@ -3,8 +3,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from typing import Optional
-
 from .config import SPLIT_METHODS, DistributeTranspilerConfig
 
 
