@@ -1,0 +1,292 @@
+"""Worker processes of the dense-MLP benchmark: a DDP rank, a pserver, a trainer.
+
+``bench_dense.py`` starts each role as its own OS process::
+
+    python benchmarks/dense_workers.py {ddp,pserver,trainer} --spec JSON --out FILE
+
+``--spec`` is the JSON of a :class:`Spec` (model sizes, batch, steps, mode...).
+The DDP rank reads ``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT``; the
+pserver and trainer read Paddle's role variables (``TRAINING_ROLE``,
+``PADDLE_PSERVERS_IP_PORT_LIST``, ``PADDLE_TRAINERS_NUM``, ``PADDLE_TRAINER_ID``,
+``POD_IP``, ``PADDLE_PORT``), as in a real job. A DDP rank or a trainer writes
+its timings to ``--out`` as JSON; a pserver writes ``{"ok": true}`` once all
+trainers have closed. Both sides share the model, data and timing loop below,
+so the only difference between them is how the update is done.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import os
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+
+
+@dataclass
+class Spec:
+    """One benchmark job: model, data, optimizer, step counts and PS mode.
+
+    ``sizes`` are the layer widths (input, hidden..., classes); ``batch`` is
+    per worker; ``warmup`` steps run before the ``steps`` that are timed.
+    ``sync_mode`` only matters to the parameter-server roles; ``timeout`` (s)
+    bounds every wait a worker does on its own (DDP init and collectives).
+    """
+
+    sizes: Tuple[int, ...] = (512, 2048, 2048, 2048, 10)
+    batch: int = 256
+    warmup: int = 3
+    steps: int = 20
+    lr: float = 0.01
+    seed: int = 0
+    sync_mode: bool = True
+    timeout: float = 600.0
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> "Spec":
+        data = json.loads(text)
+        data["sizes"] = tuple(data["sizes"])
+        return cls(**data)
+
+
+# -- shared by both systems ---------------------------------------------------
+
+def build_model(sizes: Sequence[int], seed: int) -> nn.Sequential:
+    """The MLP: Linear/ReLU pairs through ``sizes``, no ReLU after the last layer.
+
+    Seeded, so every process (DDP ranks, pservers, trainers) builds the same
+    initial weights.
+    """
+    torch.manual_seed(seed)
+    layers: List[nn.Module] = []
+    for i, (n_in, n_out) in enumerate(zip(sizes[:-1], sizes[1:])):
+        if i:
+            layers.append(nn.ReLU())
+        layers.append(nn.Linear(n_in, n_out))
+    return nn.Sequential(*layers)
+
+
+def param_bytes(sizes: Sequence[int]) -> int:
+    """float32 bytes of the MLP's parameters (weights and biases)."""
+    return 4 * sum(n_in * n_out + n_out for n_in, n_out in zip(sizes[:-1], sizes[1:]))
+
+
+def make_batches(spec: Spec, rank: int) -> List[Tuple[torch.Tensor, torch.Tensor]]:
+    """``warmup + steps`` synthetic batches for worker ``rank``: random inputs and labels.
+
+    Generated up front from a seed that depends on ``rank`` only, so DDP rank
+    r and trainer r see exactly the same data and no generation cost falls in
+    the timed loop.
+    """
+    g = torch.Generator().manual_seed(1000 + 7919 * spec.seed + rank)
+    n_in, n_classes = spec.sizes[0], spec.sizes[-1]
+    return [(torch.randn(spec.batch, n_in, generator=g),
+             torch.randint(0, n_classes, (spec.batch,), generator=g))
+            for _ in range(spec.warmup + spec.steps)]
+
+
+def cpu_clocks() -> Dict[str, float]:
+    """CPU seconds so far: the process, all threads (``cpu_s``), of it in the kernel
+    (``sys_s``), and the calling thread alone (``main_cpu_s``)."""
+    return {"cpu_s": time.process_time(), "sys_s": os.times().system,
+            "main_cpu_s": time.thread_time()}
+
+
+def timed_loop(model: nn.Module, batches, update: Callable[[], object], warmup: int,
+               counters: Callable[[], Dict[str, float]] = dict) -> dict:
+    """Train on ``batches``: forward + cross-entropy + backward, then ``update()``.
+
+    The first ``warmup`` steps are not timed. For the rest it returns the
+    wall time from the start of the first timed step to the end of the last,
+    the time spent in forward/backward (``compute_s``) and in ``update()``
+    (``update_s``), every step's loss, and how much each of
+    :func:`cpu_clocks` and ``counters()`` (e.g. bytes pushed) grew over the
+    timed steps. CPU not in the main thread is communication: gRPC or gloo.
+    """
+    model.train()
+    compute = update_time = 0.0
+    losses: List[float] = []
+    start = before = None
+    for i, (x, y) in enumerate(batches):
+        if i == warmup:
+            before = {**counters(), **cpu_clocks()}
+            start = time.perf_counter()
+            compute = update_time = 0.0
+        t0 = time.perf_counter()
+        loss = nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        t1 = time.perf_counter()
+        update()
+        t2 = time.perf_counter()
+        compute += t1 - t0
+        update_time += t2 - t1
+        losses.append(loss.item())
+    wall = time.perf_counter() - start
+    after = {**counters(), **cpu_clocks()}
+    return {"wall_s": wall, "compute_s": compute, "update_s": update_time,
+            "steps": len(batches) - warmup, "losses": losses,
+            **{k: after[k] - before[k] for k in after}}
+
+
+# -- DDP over gloo -----------------------------------------------------------
+
+def run_ddp(spec: Spec) -> dict:
+    """One DDP rank over gloo: SGD on its own batches, grads all-reduced in backward."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    rank = int(os.environ["RANK"])
+    dist.init_process_group("gloo", init_method="env://", timeout=timedelta(seconds=spec.timeout))
+    try:
+        model = DistributedDataParallel(build_model(spec.sizes, spec.seed))
+        opt = torch.optim.SGD(model.parameters(), lr=spec.lr)
+
+        def update():
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        result = timed_loop(model, make_batches(spec, rank), update, spec.warmup)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    return {"rank": rank, **result}
+
+
+# -- parameter server ----------------------------------------------------------
+
+def transpile(spec: Spec, env):
+    """The job's DistributeTranspiler for this role: SGD program, default config."""
+    from transpiler import DistributeTranspiler, DistributeTranspilerConfig, Program
+
+    program = Program(build_model(spec.sizes, spec.seed), "sgd", lr=spec.lr)
+    t = DistributeTranspiler(DistributeTranspilerConfig())
+    t.transpile(env.trainer_id, program=program, pservers=env.pserver_list,
+                trainers=env.trainers, sync_mode=spec.sync_mode)
+    return t
+
+
+def run_pserver(spec: Spec) -> dict:
+    """Serve this pserver's blocks until every trainer has closed (or SIGTERM).
+
+    Returns the process CPU time spent while serving (``cpu_s``, of it
+    ``sys_s`` in the kernel: warmup and timed steps, start-up excluded).
+    """
+    from pserver import ParameterServer
+    from transpiler import RoleEnv
+
+    env = RoleEnv.from_env()
+    t = transpile(spec, env)
+    ps_program = t.get_pserver_program(env.current_endpoint)
+    server = ParameterServer(ps_program, t.get_startup_program(env.current_endpoint, ps_program))
+    before = cpu_clocks()
+    server.serve()
+    after = cpu_clocks()
+    return {"endpoint": env.current_endpoint, "cpu_s": after["cpu_s"] - before["cpu_s"],
+            "sys_s": after["sys_s"] - before["sys_s"]}
+
+
+class PhaseTimer:
+    """Times the push and pull calls a Trainer makes through its Communicator.
+
+    Benchmark instrumentation only: it wraps ``comm.push`` and ``comm.pull``
+    on the instance (nothing in the library changes), so it follows their
+    current signatures (``pull(endpoint, names, min_version, expect, dest)``,
+    ``expect`` called once per tensor as it arrives). Times are summed over
+    the parallel per-pserver calls: ``push_s``; ``pull_wait_s``, from asking
+    until the first tensor of the answer is read (in sync mode this holds
+    the barrier wait for the other trainers and the update); ``pull_recv_s``,
+    the rest of the answer.
+    """
+
+    def __init__(self, comm):
+        self.totals = {"push_s": 0.0, "pull_wait_s": 0.0, "pull_recv_s": 0.0}
+        self._lock = threading.Lock()
+        push, pull = comm.push, comm.pull
+
+        def timed_push(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return push(*args, **kwargs)
+            finally:
+                self._add(push_s=time.perf_counter() - t0)
+
+        def timed_pull(endpoint, names, min_version, expect, dest):
+            t0 = time.perf_counter()
+            first: List[float] = []
+
+            def expect_and_note(name):
+                if not first:
+                    first.append(time.perf_counter())
+                return expect(name)
+
+            try:
+                return pull(endpoint, names, min_version, expect_and_note, dest)
+            finally:
+                t2 = time.perf_counter()
+                t1 = first[0] if first else t2
+                self._add(pull_wait_s=t1 - t0, pull_recv_s=t2 - t1)
+
+        comm.push, comm.pull = timed_push, timed_pull
+
+    def _add(self, **seconds: float) -> None:
+        with self._lock:
+            for k, v in seconds.items():
+                self.totals[k] += v
+
+    def snapshot(self) -> Dict[str, float]:
+        with self._lock:
+            return dict(self.totals)
+
+
+def run_trainer(spec: Spec) -> dict:
+    """One trainer: the shared loop with ``tr.step()`` as the update; bytes and phases counted."""
+    from trainer import Trainer
+    from transpiler import RoleEnv
+
+    env = RoleEnv.from_env()
+    tr = Trainer(transpile(spec, env).get_trainer_program())
+    try:
+        phases = PhaseTimer(tr.comm)
+        counters = lambda: {"bytes_pushed": tr.comm.bytes_pushed,
+                            "bytes_pulled": tr.comm.bytes_pulled, **phases.snapshot()}
+        result = timed_loop(tr.model, make_batches(spec, env.trainer_id), tr.step, spec.warmup,
+                            counters)
+    finally:
+        tr.close()
+    return {"rank": env.trainer_id, "pservers": len(env.pservers), **result}
+
+
+ROLES = {"ddp": run_ddp, "pserver": run_pserver, "trainer": run_trainer}
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("role", choices=sorted(ROLES))
+    p.add_argument("--spec", required=True, help="JSON of a Spec")
+    p.add_argument("--out", required=True, help="where to write the result JSON")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.role != "pserver":
+        torch.set_num_threads(1)  # pservers take theirs from the config (1)
+    result = ROLES[args.role](Spec.from_json(args.spec))
+    tmp = args.out + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(result, f)
+    os.replace(tmp, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
