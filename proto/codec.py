@@ -4,16 +4,23 @@ A tensor travels as raw little-endian bytes. Its first piece (offset 0) names
 it and carries dtype and shape; further pieces carry the next bytes in order.
 Pieces of several tensors share a message until it holds ``chunk_bytes``, so
 a bias costs no message of its own and a 500 MB weight streams in 1 MB steps.
+
+The bulk messages (``PushChunk``, ``PullChunk``: header = field 1, pieces =
+field 2) are encoded and decoded here by hand, in exactly the protobuf wire
+format ps.proto declares, so any protobuf client can speak to a pserver.
+Doing it by hand saves the copies the generic path makes: encoding copies
+each byte of tensor memory once, into the message; decoding copies none (a
+piece's data is a memoryview of the received message) until the reader
+copies it into its destination.
 """
 from __future__ import annotations
 
 import sys
-from typing import Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterable, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
-
-from psproto import ps_pb2
+from google.protobuf.message import DecodeError, Message
 
 if sys.byteorder != "little":  # the wire format is little-endian raw memory
     raise ImportError("psproto.codec needs a little-endian host")
@@ -23,12 +30,27 @@ WIRE_DTYPES = {
     "bfloat16": torch.bfloat16, "int64": torch.int64, "int32": torch.int32,
 }
 
+# Field numbers shared by PushChunk and PullChunk, and of TensorPiece.
+_HEADER, _PIECES = 1, 2
+_NAME, _DTYPE, _SHAPE, _OFFSET, _DATA = 1, 2, 3, 4, 5
+_VARINT, _LEN = 0, 2
+
 
 class WireError(ValueError):
-    """A stream of pieces that does not describe the tensors it should."""
+    """A message or stream of pieces that does not describe the tensors it should."""
 
 
-def _as_bytes(t: torch.Tensor) -> np.ndarray:
+class Piece(NamedTuple):
+    """A decoded TensorPiece; ``data`` is a view into the received message."""
+
+    name: str
+    dtype: str
+    shape: Tuple[int, ...]
+    offset: int
+    data: memoryview
+
+
+def as_bytes(t: torch.Tensor) -> np.ndarray:
     """A flat uint8 numpy view of a contiguous CPU tensor's memory (no copy)."""
     t = t.detach()
     if t.device.type != "cpu":
@@ -38,37 +60,155 @@ def _as_bytes(t: torch.Tensor) -> np.ndarray:
     return t.reshape(-1).view(torch.uint8).numpy()
 
 
-def iter_pieces(tensors: Iterable[Tuple[str, torch.Tensor]],
-                chunk_bytes: int) -> Iterator[List[ps_pb2.TensorPiece]]:
-    """Yield lists of pieces, each list holding at most ``chunk_bytes`` of data.
+# -- encoding -----------------------------------------------------------------
 
-    Tensors are sent in the order given; each is read at the moment its
-    pieces are produced, so callers may stream straight from live memory
-    when nothing writes to it meanwhile.
+def _varint(value: int) -> bytes:
+    value &= (1 << 64) - 1  # int64 negatives as two's complement, as protobuf does
+    out = bytearray()
+    while value > 0x7F:
+        out.append((value & 0x7F) | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def _len_field(field: int, payload_len: int) -> bytes:
+    return _varint((field << 3) | _LEN) + _varint(payload_len)
+
+
+def _piece_meta(name: str, dtype: str, shape: Sequence[int], offset: int) -> bytes:
+    parts = []
+    if name:
+        raw = name.encode("utf-8")
+        parts += [_len_field(_NAME, len(raw)), raw]
+        raw = dtype.encode("ascii")
+        parts += [_len_field(_DTYPE, len(raw)), raw]
+        packed = b"".join(_varint(d) for d in shape)
+        if packed:
+            parts += [_len_field(_SHAPE, len(packed)), packed]
+    if offset:
+        parts += [_varint((_OFFSET << 3) | _VARINT), _varint(offset)]
+    return b"".join(parts)
+
+
+def encode_chunks(header: Message, tensors: Iterable[Tuple[str, torch.Tensor]],
+                  chunk_bytes: int) -> Iterator[bytes]:
+    """Yield encoded PushChunk/PullChunk messages: ``header`` in the first, then pieces.
+
+    Each message holds at most ``chunk_bytes`` of tensor data. Tensors are
+    read at the moment their pieces are encoded, so callers may stream from
+    live memory when nothing writes to it meanwhile. Always yields at least
+    one message (the header), even for no tensors.
     """
-    batch: List[ps_pb2.TensorPiece] = []
+    head = header.SerializeToString()
+    parts: List[object] = [_len_field(_HEADER, len(head)), head]
     room = chunk_bytes
     for name, tensor in tensors:
-        raw = _as_bytes(tensor)
+        raw = as_bytes(tensor)
         dtype = str(tensor.dtype).replace("torch.", "")
         offset, total = 0, raw.nbytes
         first = True
         while first or offset < total:
             n = min(room, total - offset)
-            piece = ps_pb2.TensorPiece(offset=offset, data=raw[offset:offset + n].tobytes())
-            if first:
-                piece.name = name
-                piece.dtype = dtype
-                piece.shape.extend(tensor.shape)
-                first = False
-            batch.append(piece)
+            meta = _piece_meta(name if first else "", dtype, tensor.shape, offset)
+            data_key = _len_field(_DATA, n)
+            parts += [_len_field(_PIECES, len(meta) + len(data_key) + n), meta, data_key,
+                      raw[offset:offset + n].data]
+            first = False
             offset += n
             room -= n
             if room <= 0:
-                yield batch
-                batch, room = [], chunk_bytes
-    if batch:
-        yield batch
+                yield b"".join(parts)
+                parts, room = [], chunk_bytes
+    if parts:
+        yield b"".join(parts)
+
+
+# -- decoding -----------------------------------------------------------------
+
+def _read_varint(buf: bytes, pos: int, end: int) -> Tuple[int, int]:
+    result = shift = 0
+    while True:
+        if pos >= end:
+            raise WireError("message truncated inside a varint")
+        b = buf[pos]
+        pos += 1
+        result |= (b & 0x7F) << shift
+        if not b & 0x80:
+            return result, pos
+        shift += 7
+        if shift >= 70:
+            raise WireError("malformed varint")
+
+
+def _fields(buf: bytes, pos: int, end: int) -> Iterator[Tuple[int, int, int, int]]:
+    """(field, wire type, value or start, end) for each field of buf[pos:end]."""
+    while pos < end:
+        key, pos = _read_varint(buf, pos, end)
+        field, wire = key >> 3, key & 7
+        if wire == _VARINT:
+            value, pos = _read_varint(buf, pos, end)
+            yield field, wire, value, pos
+        elif wire == _LEN:
+            n, pos = _read_varint(buf, pos, end)
+            if pos + n > end:
+                raise WireError("message truncated inside a length-delimited field")
+            yield field, wire, pos, pos + n
+            pos += n
+        elif wire in (1, 5):  # fixed64 / fixed32: not in our messages, skip as protobuf does
+            pos += 8 if wire == 1 else 4
+            if pos > end:
+                raise WireError("message truncated inside a fixed-width field")
+        else:
+            raise WireError(f"unsupported protobuf wire type {wire} (field {field})")
+
+
+def _signed(value: int) -> int:
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+def _decode_piece(buf: bytes, view: memoryview, pos: int, end: int) -> Piece:
+    name, dtype, shape, offset, data = "", "", [], 0, view[0:0]
+    try:
+        for field, wire, a, b in _fields(buf, pos, end):
+            if field == _NAME and wire == _LEN:
+                name = bytes(view[a:b]).decode("utf-8")
+            elif field == _DTYPE and wire == _LEN:
+                dtype = bytes(view[a:b]).decode("utf-8")
+            elif field == _SHAPE and wire == _LEN:  # packed
+                p = a
+                while p < b:
+                    d, p = _read_varint(buf, p, b)
+                    shape.append(_signed(d))
+            elif field == _SHAPE and wire == _VARINT:  # unpacked, also legal
+                shape.append(_signed(a))
+            elif field == _OFFSET and wire == _VARINT:
+                offset = a
+            elif field == _DATA and wire == _LEN:
+                data = view[a:b]
+    except UnicodeDecodeError as e:
+        raise WireError(f"tensor piece with a malformed name or dtype: {e}") from None
+    return Piece(name, dtype, tuple(shape), offset, data)
+
+
+def decode_chunk(buf: bytes, header_type: type) -> Tuple[Optional[Message], List[Piece]]:
+    """Decode one PushChunk/PullChunk message into (header or None, pieces).
+
+    Raises :class:`WireError` for bytes that are not such a message.
+    """
+    if not isinstance(buf, bytes):
+        buf = bytes(buf)
+    view = memoryview(buf)
+    header, pieces = None, []
+    for field, wire, a, b in _fields(buf, 0, len(buf)):
+        if field == _HEADER and wire == _LEN:
+            try:
+                header = header_type.FromString(bytes(view[a:b]))
+            except DecodeError as e:
+                raise WireError(f"malformed {header_type.__name__}: {e}") from None
+        elif field == _PIECES and wire == _LEN:
+            pieces.append(_decode_piece(buf, view, a, b))
+    return header, pieces
 
 
 Expect = Callable[[str], Optional[Tuple[str, Sequence[int]]]]
@@ -79,21 +219,22 @@ class TensorReader:
 
     ``expect(name)`` returns ``(dtype, shape)`` for a known tensor name or
     None for an unknown one. ``dest(name)``, if given, returns the contiguous
-    tensor to fill in place (a trainer pulling straight into its parameters);
-    otherwise fresh tensors are allocated. Any inconsistency raises
+    CPU tensor to fill in place (a trainer's parameters, a pserver's pooled
+    buffer); otherwise fresh tensors are allocated. Any inconsistency raises
     :class:`WireError` with a message naming the tensor.
     """
 
     def __init__(self, expect: Expect, dest: Optional[Callable[[str], torch.Tensor]] = None):
         self._expect = expect
         self._dest = dest
-        self._tensors: Dict[str, torch.Tensor] = {}
+        self.tensors: Dict[str, torch.Tensor] = {}
         self._buffers: Dict[str, np.ndarray] = {}
         self._filled: Dict[str, int] = {}
         self._current: Optional[str] = None
         self.nbytes = 0
 
-    def add(self, piece: ps_pb2.TensorPiece) -> None:
+    def add(self, piece) -> None:
+        """Take one piece (a :class:`Piece` or a ``ps_pb2.TensorPiece``)."""
         data = piece.data
         if piece.offset == 0 and piece.name:
             self._open(piece)
@@ -104,18 +245,19 @@ class TensorReader:
         filled = self._filled[name]
         if piece.offset != filled:
             raise WireError(f"tensor {name!r}: piece at byte {piece.offset}, expected byte {filled}")
-        end = filled + len(data)
+        n = len(data)
+        end = filled + n
         if end > buf.nbytes:
             raise WireError(f"tensor {name!r}: {end} bytes sent, it holds only {buf.nbytes}")
-        if data:
+        if n:
             buf[filled:end] = np.frombuffer(data, dtype=np.uint8)
         self._filled[name] = end
-        self.nbytes += len(data)
+        self.nbytes += n
 
-    def _open(self, piece: ps_pb2.TensorPiece) -> None:
+    def _open(self, piece) -> None:
         self._close_current()
         name = piece.name
-        if name in self._tensors:
+        if name in self.tensors:
             raise WireError(f"tensor {name!r} sent twice in one stream")
         expected = self._expect(name)
         if expected is None:
@@ -131,8 +273,8 @@ class TensorReader:
                 raise WireError(f"tensor {name!r}: destination must be a contiguous CPU tensor")
         else:
             tensor = torch.empty(list(shape), dtype=WIRE_DTYPES[dtype])
-        self._tensors[name] = tensor
-        self._buffers[name] = _as_bytes(tensor)
+        self.tensors[name] = tensor
+        self._buffers[name] = as_bytes(tensor)
         self._filled[name] = 0
         self._current = name
 
@@ -146,4 +288,4 @@ class TensorReader:
         """Check the last tensor is complete and return every tensor by name."""
         self._close_current()
         self._current = None
-        return self._tensors
+        return self.tensors

@@ -129,10 +129,16 @@ class SyncEngine(Engine):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.pending: set = set()
+        # Per-block sums, allocated once and reused every step; `touched`
+        # holds the blocks some trainer pushed in the current step.
         self.grad_sum: Dict[str, torch.Tensor] = {}
+        self.touched: set = set()
 
     def push(self, trainer_id: int, step: int, grads: Dict[str, torch.Tensor]) -> Tuple[bool, int]:
-        """Count ``grads`` for ``step``; returns (counted, version). Applies when complete."""
+        """Count ``grads`` for ``step``; returns (counted, version). Applies when complete.
+
+        ``grads`` are copied into the step's sums: the caller keeps its buffers.
+        """
         with self.cv:
             self._check_pusher(trainer_id)
             if step == self.version and trainer_id in self.pending:
@@ -148,11 +154,14 @@ class SyncEngine(Engine):
                                   f"pserver {self.endpoint}: trainer {trainer_id} pushed step {step} "
                                   f"from the future; the pserver is at step {self.version}")
             for name, g in grads.items():
-                acc = self.grad_sum.get(name)
-                if acc is None:
-                    self.grad_sum[name] = g  # the pushed tensor is ours: no copy
+                if name in self.touched:
+                    self.grad_sum[name].add_(g)
                 else:
-                    acc.add_(g)
+                    acc = self.grad_sum.get(name)
+                    if acc is None:
+                        acc = self.grad_sum[name] = torch.empty_like(g)
+                    acc.copy_(g)
+                    self.touched.add(name)
             self.pending.add(trainer_id)
             self.last_step[trainer_id] = step
             self._apply_if_complete()
@@ -162,13 +171,12 @@ class SyncEngine(Engine):
         if not self.pending or not self.pending >= self.live():
             return
         n = len(self.pending)
-        for g in self.grad_sum.values():
-            g.div_(n)
-        self.store.apply(self.grad_sum, self.version)
+        mean = {name: self.grad_sum[name].div_(n) for name in self.touched}
+        self.store.apply(mean, self.version)
         log.debug("%s: applied step %d from trainers %s", self.endpoint, self.version, sorted(self.pending))
         self.version += 1
         self.pending = set()
-        self.grad_sum = {}
+        self.touched = set()
         self.cv.notify_all()
 
     def _on_close(self) -> None:
@@ -207,7 +215,10 @@ class AsyncEngine(Engine):
         return low, sorted(t for t, p in progress.items() if p == low)
 
     def push(self, trainer_id: int, step: int, grads: Dict[str, torch.Tensor]) -> Tuple[bool, int]:
-        """Apply ``grads`` now (after any staleness wait); returns (applied, version)."""
+        """Apply ``grads`` now (after any staleness wait); returns (applied, version).
+
+        ``grads`` are not kept once this returns: the caller keeps its buffers.
+        """
         with self.cv:
             self._check_pusher(trainer_id)
             if self.max_staleness is not None:

@@ -12,16 +12,13 @@ import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from psproto import ps_pb2, ps_pb2_grpc
 from transpiler import PserverProgram, StartupProgram
 
 from .engine import AsyncEngine, SyncEngine
-from .servicer import PserverServicer
+from .servicer import SERVICE_NAME, PserverServicer
 from .store import BlockStore
 
 log = logging.getLogger(__name__)
-
-SERVICE_NAME = ps_pb2.DESCRIPTOR.services_by_name["ParameterServer"].full_name
 
 
 def server_options(chunk_bytes: int) -> list:
@@ -71,7 +68,7 @@ class ParameterServer:
         server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers,
                                                         thread_name_prefix="pserver"),
                              options=server_options(cfg.chunk_bytes))
-        ps_pb2_grpc.add_ParameterServerServicer_to_server(self.servicer, server)
+        self.servicer.add_to_server(server)
         self._health = health.HealthServicer(experimental_non_blocking=True)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         reflection.enable_server_reflection(

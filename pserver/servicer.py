@@ -1,8 +1,11 @@
 """The gRPC servicer: checks every request, then hands it to the engine.
 
-Every refusal is a gRPC status with a message naming this pserver and what
-was wrong; a refused request changes nothing (gradients are fully received
-and checked before the engine sees them).
+Every method receives the raw request bytes and parses them itself, so
+malformed bytes get INVALID_ARGUMENT with a message instead of a generic
+deserialisation failure. Push and Pull bypass the generic protobuf path for
+tensor data (see psproto.codec). Every refusal is a gRPC status naming this
+pserver and what was wrong; a refused request changes nothing (gradients are
+fully received and checked before the engine sees them).
 """
 from __future__ import annotations
 
@@ -13,13 +16,18 @@ from typing import Iterator
 
 import grpc
 import torch
+from google.protobuf.message import DecodeError
 
-from psproto import ps_pb2, ps_pb2_grpc
-from psproto.codec import TensorReader, WireError, iter_pieces
+from psproto import ps_pb2
+from psproto.codec import TensorReader, WireError, decode_chunk, encode_chunks
+from transpiler.plans import DTYPES
 
+from .buffers import BufferPool
 from .engine import Engine, EngineError
 
 log = logging.getLogger(__name__)
+
+SERVICE_NAME = ps_pb2.DESCRIPTOR.services_by_name["ParameterServer"].full_name
 
 
 class _Counters:
@@ -36,33 +44,50 @@ class _Counters:
             self.pushes += pushes
 
 
-def _rpc(method):
-    """Turn refusals into gRPC statuses; log anything unexpected as INTERNAL."""
+def _parse(message_type, data: bytes):
+    try:
+        return message_type.FromString(data)
+    except DecodeError as e:
+        raise WireError(f"malformed {message_type.__name__}: {e}") from None
+
+
+def _refusals(method):
+    """Turn refusals into gRPC statuses (works for plain and generator methods)."""
+    def abort(self, context, e):
+        if isinstance(e, EngineError):
+            context.abort(e.code, e.message)
+        context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"pserver {self.endpoint}: {e}")
+
+    if getattr(method, "_streams", False):
+        @functools.wraps(method)
+        def stream_wrapper(self, request, context):
+            try:
+                yield from method(self, request, context)
+            except (EngineError, ValueError) as e:
+                abort(self, context, e)
+        return stream_wrapper
+
     @functools.wraps(method)
     def wrapper(self, request, context):
         try:
             return method(self, request, context)
-        except EngineError as e:
-            context.abort(e.code, e.message)
-        except (WireError, ValueError) as e:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"pserver {self.endpoint}: {e}")
+        except (EngineError, ValueError) as e:
+            abort(self, context, e)
     return wrapper
 
 
-def _rpc_stream(method):
-    """Like :func:`_rpc` for server-streaming methods (generators)."""
-    @functools.wraps(method)
-    def wrapper(self, request, context):
-        try:
-            yield from method(self, request, context)
-        except EngineError as e:
-            context.abort(e.code, e.message)
-        except (WireError, ValueError) as e:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"pserver {self.endpoint}: {e}")
-    return wrapper
+def _streaming(method):
+    method._streams = True
+    return method
 
 
-class PserverServicer(ps_pb2_grpc.ParameterServerServicer):
+def _finite(g: torch.Tensor) -> bool:
+    # One reduction first (cheap); the elementwise pass only when the sum is
+    # not finite, which also covers a sum that merely overflowed.
+    return bool(torch.isfinite(g.sum())) or bool(torch.isfinite(g).all())
+
+
+class PserverServicer:
     """Hello / Push / Pull / Close / Stats for one pserver."""
 
     def __init__(self, engine: Engine, layout_digest: str, chunk_bytes: int):
@@ -72,6 +97,7 @@ class PserverServicer(ps_pb2_grpc.ParameterServerServicer):
         self.layout_digest = layout_digest
         self.chunk_bytes = chunk_bytes
         self.counters = _Counters()
+        self.buffers = BufferPool({n: (DTYPES[s.dtype], s.shape) for n, s in self.store.specs.items()})
 
     def _check_trainer(self, trainer_id: int) -> None:
         if not 0 <= trainer_id < self.engine.trainers:
@@ -84,46 +110,55 @@ class PserverServicer(ps_pb2_grpc.ParameterServerServicer):
                               f"this pserver runs {self.layout_digest!r}); transpile the same "
                               f"program with the same config, pservers and trainers on every role")
 
-    @_rpc
-    def Hello(self, request, context):
+    @_refusals
+    def Hello(self, data, context):
+        request = _parse(ps_pb2.HelloRequest, data)
         self._check_trainer(request.trainer_id)
         self._check_digest(request.layout_digest)
         version = self.engine.hello(request.trainer_id)
         return ps_pb2.HelloReply(version=version, sync_mode=self.engine.sync_mode,
                                  trainers=self.engine.trainers)
 
-    @_rpc
+    @_refusals
     def Push(self, request_iterator, context):
         first = next(request_iterator, None)
-        if first is None or not first.HasField("header"):
+        if first is None:
+            raise ValueError("empty push: it must open with a header (trainer_id, step, layout_digest)")
+        header, pieces = decode_chunk(first, ps_pb2.PushHeader)
+        if header is None:
             raise ValueError("a push must open with a header (trainer_id, step, layout_digest)")
-        header = first.header
         self._check_trainer(header.trainer_id)
         self._check_digest(header.layout_digest)
         if header.step < 0:
             raise ValueError(f"step must be >= 0, got {header.step}")
-        reader = TensorReader(self.store.expect)
-        for piece in first.pieces:
-            reader.add(piece)
-        for message in request_iterator:
-            if message.HasField("header"):
-                raise ValueError("a push carries exactly one header, in its first message")
-            for piece in message.pieces:
+        reader = TensorReader(self.store.expect, dest=self.buffers.acquire)
+        try:
+            for piece in pieces:
                 reader.add(piece)
-        grads = reader.finish()
-        for name, g in grads.items():
-            if not bool(torch.isfinite(g).all()):
-                raise ValueError(f"gradient of {name} from trainer {header.trainer_id} at step "
-                                 f"{header.step} holds NaN or Inf; push refused")
-        self.counters.add(bytes_in=reader.nbytes, pushes=1)
-        applied, version = self.engine.push(header.trainer_id, header.step, grads)
+            for data in request_iterator:
+                extra, pieces = decode_chunk(data, ps_pb2.PushHeader)
+                if extra is not None:
+                    raise ValueError("a push carries exactly one header, in its first message")
+                for piece in pieces:
+                    reader.add(piece)
+            grads = reader.finish()
+            for name, g in grads.items():
+                if not _finite(g):
+                    raise ValueError(f"gradient of {name} from trainer {header.trainer_id} at step "
+                                     f"{header.step} holds NaN or Inf; push refused")
+            self.counters.add(bytes_in=reader.nbytes, pushes=1)
+            applied, version = self.engine.push(header.trainer_id, header.step, grads)
+        finally:
+            self.buffers.release(reader.tensors)
         if not applied:
             log.info("%s: duplicate push from trainer %d for step %d acknowledged, not applied",
                      self.endpoint, header.trainer_id, header.step)
         return ps_pb2.PushReply(applied=applied, version=version)
 
-    @_rpc_stream
-    def Pull(self, request, context) -> Iterator[ps_pb2.PullChunk]:
+    @_refusals
+    @_streaming
+    def Pull(self, data, context) -> Iterator[bytes]:
+        request = _parse(ps_pb2.PullRequest, data)
         self._check_trainer(request.trainer_id)
         self._check_digest(request.layout_digest)
         names = list(request.names) or list(self.store.names())
@@ -134,22 +169,18 @@ class PserverServicer(ps_pb2_grpc.ParameterServerServicer):
             raise ValueError(f"min_version must be >= 0, got {request.min_version}")
         self.engine.wait_version(request.trainer_id, request.min_version)
         version, tensors = self.engine.read(names)
-        header = ps_pb2.PullHeader(version=version)
-        first = True
-        for pieces in iter_pieces(tensors, self.chunk_bytes):
-            yield ps_pb2.PullChunk(header=header if first else None, pieces=pieces)
-            first = False
-        if first:  # no blocks: still answer with the version
-            yield ps_pb2.PullChunk(header=header)
+        yield from encode_chunks(ps_pb2.PullHeader(version=version), tensors, self.chunk_bytes)
         self.counters.add(bytes_out=sum(t.numel() * t.element_size() for _, t in tensors))
 
-    @_rpc
-    def Close(self, request, context):
+    @_refusals
+    def Close(self, data, context):
+        request = _parse(ps_pb2.CloseRequest, data)
         self._check_trainer(request.trainer_id)
         return ps_pb2.CloseReply(trainers_left=self.engine.close(request.trainer_id))
 
-    @_rpc
-    def Stats(self, request, context):
+    @_refusals
+    def Stats(self, data, context):
+        _parse(ps_pb2.StatsRequest, data)
         engine = self.engine
         with engine.cv:
             alive = sorted(engine.joined - engine.closed)
@@ -161,3 +192,15 @@ class PserverServicer(ps_pb2_grpc.ParameterServerServicer):
                 blocks=len(self.store.blocks), block_bytes=self.store.nbytes,
                 bytes_in=c.bytes_in, bytes_out=c.bytes_out, pushes=c.pushes,
                 sync_mode=engine.sync_mode)
+
+    def add_to_server(self, server: grpc.Server) -> None:
+        """Register the service with raw-bytes requests (parsed here) and encoded replies."""
+        serialize = lambda m: m.SerializeToString()  # noqa: E731
+        handlers = {
+            "Hello": grpc.unary_unary_rpc_method_handler(self.Hello, response_serializer=serialize),
+            "Push": grpc.stream_unary_rpc_method_handler(self.Push, response_serializer=serialize),
+            "Pull": grpc.unary_stream_rpc_method_handler(self.Pull),  # yields encoded bytes
+            "Close": grpc.unary_unary_rpc_method_handler(self.Close, response_serializer=serialize),
+            "Stats": grpc.unary_unary_rpc_method_handler(self.Stats, response_serializer=serialize),
+        }
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))

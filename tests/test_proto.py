@@ -9,7 +9,7 @@ import torch
 from google.protobuf import descriptor_pb2
 
 from psproto import ps_pb2, ps_pb2_grpc
-from psproto.codec import TensorReader, WireError, iter_pieces
+from psproto.codec import TensorReader, WireError, decode_chunk, encode_chunks
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -68,10 +68,13 @@ def test_stubs_work_beside_proto_plus(tmp_path):
 
 
 def _roundtrip(tensors, chunk_bytes):
-    messages = list(iter_pieces(tensors, chunk_bytes))
+    header = ps_pb2.PushHeader(trainer_id=1, step=7, layout_digest="abc")
+    messages = list(encode_chunks(header, tensors, chunk_bytes))
     expect = {n: (str(t.dtype).replace("torch.", ""), list(t.shape)) for n, t in tensors}
     reader = TensorReader(expect.get)
-    for pieces in messages:
+    for i, data in enumerate(messages):
+        got_header, pieces = decode_chunk(data, ps_pb2.PushHeader)
+        assert (got_header == header) if i == 0 else got_header is None
         assert sum(len(p.data) for p in pieces) <= chunk_bytes
         for p in pieces:
             reader.add(p)
@@ -89,6 +92,31 @@ def test_pieces_rebuild_tensors_exactly():
         assert out[name].dtype == t.dtype and torch.equal(out[name], t), name
 
 
+def test_encoding_is_the_protobuf_wire_format_of_ps_proto():
+    """What the codec writes, generated protobuf classes read; what they write, the codec reads."""
+    w = torch.arange(6, dtype=torch.float32).reshape(2, 3)
+    header = ps_pb2.PushHeader(trainer_id=3, step=9, layout_digest="d")
+    (data,) = encode_chunks(header, [("w.block0", w), ("b.block0", torch.ones(2))], 1 << 20)
+    parsed = ps_pb2.PushChunk.FromString(data)
+    reference = ps_pb2.PushChunk(header=header, pieces=[
+        ps_pb2.TensorPiece(name="w.block0", dtype="float32", shape=[2, 3], data=w.numpy().tobytes()),
+        ps_pb2.TensorPiece(name="b.block0", dtype="float32", shape=[2], data=torch.ones(2).numpy().tobytes()),
+    ])
+    assert parsed == reference
+    # A message from any protobuf encoder (here with a piece at a non-zero offset).
+    other = ps_pb2.PullChunk(header=ps_pb2.PullHeader(version=4), pieces=[
+        ps_pb2.TensorPiece(offset=12, data=b"x" * 8)])
+    got_header, pieces = decode_chunk(other.SerializeToString(), ps_pb2.PullHeader)
+    assert got_header.version == 4
+    assert pieces[0].offset == 12 and bytes(pieces[0].data) == b"x" * 8 and pieces[0].name == ""
+
+
+@pytest.mark.parametrize("data", [b"\xff", b"\x12\x05ab", b"\x0a\x02\xff\xff", b"\x0b", b"\x12\x02\x0a\x80"])
+def test_decoding_garbage_raises_wire_error(data):
+    with pytest.raises(WireError):
+        decode_chunk(data, ps_pb2.PushHeader)
+
+
 def test_small_tensors_share_a_message():
     tensors = [(f"b{i}", torch.full((10,), float(i))) for i in range(20)]
     messages, out = _roundtrip(tensors, 1 << 20)
@@ -100,11 +128,16 @@ def test_reader_fills_destination_in_place():
     dst = torch.zeros(6, 4)
     view = dst[2:5]
     reader = TensorReader(lambda n: ("float32", [3, 4]), dest=lambda n: view)
-    for pieces in iter_pieces([("w", src)], 16):
-        for p in pieces:
+    for data in encode_chunks(ps_pb2.PullHeader(), [("w", src)], 16):
+        for p in decode_chunk(data, ps_pb2.PullHeader)[1]:
             reader.add(p)
     reader.finish()
     assert torch.equal(dst[2:5], src) and dst[:2].abs().sum() == 0
+
+
+def _pieces(tensors, chunk):
+    msgs = encode_chunks(ps_pb2.PushHeader(), tensors, chunk)
+    return [p for m in msgs for p in ps_pb2.PushChunk.FromString(m).pieces]
 
 
 @pytest.mark.parametrize("mutate,match", [
@@ -116,7 +149,7 @@ def test_reader_fills_destination_in_place():
     (lambda ps: ps.append(ps[0]), "sent twice"),
 ])
 def test_reader_refuses_inconsistent_streams(mutate, match):
-    pieces = [p for m in iter_pieces([("w", torch.ones(8, 4)), ("b", torch.ones(8))], 64) for p in m]
+    pieces = _pieces([("w", torch.ones(8, 4)), ("b", torch.ones(8))], 64)
     mutate(pieces)
     expect = {"w": ("float32", [8, 4]), "b": ("float32", [8])}.get
     reader = TensorReader(expect)

@@ -9,7 +9,7 @@ import torch
 from cluster import LocalCluster, free_ports
 from models import odd_mlp
 from psproto import ps_pb2, ps_pb2_grpc
-from psproto.codec import iter_pieces
+from psproto.codec import encode_chunks
 from trainer import PserverError, PserverUnavailableError, Trainer
 from transpiler import DistributeTranspiler, DistributeTranspilerConfig, Program
 
@@ -36,10 +36,11 @@ def snapshot(cluster):
 
 
 def push_messages(digest, trainer_id=0, step=0, tensors=(), header=True):
+    """PushChunk messages as the generated protobuf classes see the codec's encoding."""
     h = ps_pb2.PushHeader(trainer_id=trainer_id, step=step, layout_digest=digest)
-    msgs = [ps_pb2.PushChunk(pieces=p) for p in iter_pieces(list(tensors), 1 << 16)] or [ps_pb2.PushChunk()]
-    if header:
-        msgs[0].header.CopyFrom(h)
+    msgs = [ps_pb2.PushChunk.FromString(b) for b in encode_chunks(h, list(tensors), 1 << 16)]
+    if not header:
+        msgs[0].ClearField("header")
     return iter(msgs)
 
 
@@ -89,7 +90,7 @@ def test_bad_pushes_are_refused_and_change_nothing(cluster, stub):
         expect_refusal(lambda: stub.Push(messages, timeout=10), code, match)
     after = snapshot(cluster)
     engine = cluster.servers[0].engine
-    assert engine.version == 0 and not engine.pending and not engine.grad_sum
+    assert engine.version == 0 and not engine.pending and not engine.touched
     for name in before:
         assert torch.equal(before[name], after[name]), name
     # ...and the pserver still serves: a complete, valid step goes through.

@@ -16,13 +16,15 @@ import grpc
 import torch
 
 from psproto import ps_pb2, ps_pb2_grpc
-from psproto.codec import TensorReader, iter_pieces
+from psproto.codec import TensorReader, WireError, decode_chunk, encode_chunks
 from transpiler import TrainerProgram
 
 log = logging.getLogger(__name__)
 
 # How often a waiting trainer says whom it waits for.
 _WAIT_LOG_INTERVAL = 5.0
+
+_SERVICE = ps_pb2.DESCRIPTOR.services_by_name["ParameterServer"].full_name
 
 
 class PserverError(RuntimeError):
@@ -70,6 +72,14 @@ class Communicator:
         opts = channel_options(cfg.chunk_bytes)
         self._channels = {ep: grpc.insecure_channel(ep, options=opts) for ep in program.pservers}
         self._stubs = {ep: ps_pb2_grpc.ParameterServerStub(ch) for ep, ch in self._channels.items()}
+        # Push and Pull carry tensor bytes: encoded and decoded by psproto.codec
+        # (the same wire format, fewer copies), so the channel passes raw bytes.
+        self._push_calls = {ep: ch.stream_unary(f"/{_SERVICE}/Push",
+                                                response_deserializer=ps_pb2.PushReply.FromString)
+                            for ep, ch in self._channels.items()}
+        self._pull_calls = {ep: ch.unary_stream(f"/{_SERVICE}/Pull",
+                                                request_serializer=ps_pb2.PullRequest.SerializeToString)
+                            for ep, ch in self._channels.items()}
         self._pool = futures.ThreadPoolExecutor(max_workers=max(1, len(program.pservers)),
                                                 thread_name_prefix="trainer-comm")
         self.bytes_pushed = 0
@@ -116,17 +126,9 @@ class Communicator:
     def push(self, endpoint: str, step: int, tensors: Sequence[Tuple[str, torch.Tensor]]) -> None:
         """Send one step's gradients for blocks owned by ``endpoint``."""
         header = ps_pb2.PushHeader(trainer_id=self.trainer_id, step=step, layout_digest=self.digest)
-
-        def messages():
-            first = True
-            for pieces in iter_pieces(tensors, self.chunk_bytes):
-                yield ps_pb2.PushChunk(header=header if first else None, pieces=pieces)
-                first = False
-            if first:
-                yield ps_pb2.PushChunk(header=header)
-
         try:
-            self._stubs[endpoint].Push(messages(), timeout=self.rpc_timeout)
+            self._push_calls[endpoint](encode_chunks(header, tensors, self.chunk_bytes),
+                                       timeout=self.rpc_timeout)
         except grpc.RpcError as e:
             raise PserverError(endpoint, f"push of step {step} by trainer {self.trainer_id} "
                                          f"failed: {_details(e)}", e.code()) from None
@@ -143,17 +145,17 @@ class Communicator:
         reader = TensorReader(expect, dest)
         version = None
         try:
-            for message in self._stubs[endpoint].Pull(
-                    request, timeout=self.barrier_timeout + self.rpc_timeout):
-                if message.HasField("header"):
-                    version = message.header.version
-                for piece in message.pieces:
+            for data in self._pull_calls[endpoint](request, timeout=self.barrier_timeout + self.rpc_timeout):
+                header, pieces = decode_chunk(data, ps_pb2.PullHeader)
+                if header is not None:
+                    version = header.version
+                for piece in pieces:
                     reader.add(piece)
             reader.finish()
         except grpc.RpcError as e:
             raise PserverError(endpoint, f"pull of version {min_version} by trainer "
                                          f"{self.trainer_id} failed: {_details(e)}", e.code()) from None
-        except ValueError as e:
+        except WireError as e:
             raise PserverError(endpoint, f"pull answer is malformed: {e}") from None
         if version is None:
             raise PserverError(endpoint, "pull answer carried no header")
