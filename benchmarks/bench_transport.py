@@ -1,0 +1,106 @@
+"""Transport alone: push+pull GB/s of one trainer against pserver processes, no compute.
+
+    python benchmarks/bench_transport.py [--pservers 2] [--chunk_bytes 1048576] [--steps 15] [--runs 3]
+
+The model is the dense benchmark's 38 MB MLP (512-2048-2048-2048-10), SGD;
+gradients are zeros so parameters stay put. Each run starts fresh pserver
+processes on loopback, times ``Trainer.step()`` (push every block, pull every
+block) and reports the median step and the resulting push+pull GB/s.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+
+from dense_workers import build_model  # noqa: E402
+from transpiler import DistributeTranspiler, DistributeTranspilerConfig, Program  # noqa: E402
+
+SIZES = (512, 2048, 2048, 2048, 10)
+
+
+def transpiler(endpoints, chunk_bytes):
+    t = DistributeTranspiler(DistributeTranspilerConfig(chunk_bytes=chunk_bytes))
+    t.transpile(0, program=Program(build_model(SIZES, 0), "sgd", lr=0.01), pservers=endpoints, trainers=1)
+    return t
+
+
+def serve(endpoint, endpoints, chunk_bytes):
+    """Pserver role (run in a child process)."""
+    from pserver import ParameterServer
+
+    t = transpiler(endpoints, chunk_bytes)
+    prog = t.get_pserver_program(endpoint)
+    ParameterServer(prog, t.get_startup_program(endpoint, prog)).serve()
+
+
+def free_ports(n):
+    import socket
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+def one_run(n_pservers, chunk_bytes, steps):
+    """Median step time (s) and model bytes of one run against fresh pservers."""
+    from trainer import Trainer
+
+    endpoints = [f"127.0.0.1:{p}" for p in free_ports(n_pservers)]
+    procs = [subprocess.Popen([sys.executable, __file__, "--serve", ep, "--endpoints", ",".join(endpoints),
+                               "--chunk_bytes", str(chunk_bytes)], stderr=subprocess.DEVNULL)
+             for ep in endpoints]
+    try:
+        with Trainer(transpiler(endpoints, chunk_bytes).get_trainer_program()) as tr:
+            params = list(tr.model.parameters())
+            times = []
+            for i in range(steps + 3):
+                for p in params:
+                    p.grad = torch.zeros_like(p)
+                start = time.perf_counter()
+                tr.step()
+                if i >= 3:
+                    times.append(time.perf_counter() - start)
+        for p in procs:
+            p.wait(30)
+        return statistics.median(times), sum(p.numel() * p.element_size() for p in params)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(10)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--pservers", type=int, default=2)
+    ap.add_argument("--chunk_bytes", type=int, default=1 << 20)
+    ap.add_argument("--steps", type=int, default=15)
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--serve", help=argparse.SUPPRESS)
+    ap.add_argument("--endpoints", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.serve:
+        serve(args.serve, args.endpoints, args.chunk_bytes)
+        return 0
+    torch.set_num_threads(1)
+    for run in range(args.runs):
+        step, nbytes = one_run(args.pservers, args.chunk_bytes, args.steps)
+        print(f"run {run}: {args.pservers} pservers, chunk {args.chunk_bytes}: median step "
+              f"{step * 1000:.1f} ms, push+pull {2 * nbytes / step / 1e9:.2f} GB/s", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
