@@ -22,6 +22,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
 from dense_workers import build_model  # noqa: E402
+from trainer.launch_plan import free_ports  # noqa: E402
 from transpiler import DistributeTranspiler, DistributeTranspilerConfig, Program  # noqa: E402
 
 SIZES = (512, 2048, 2048, 2048, 10)
@@ -40,17 +41,6 @@ def serve(endpoint, endpoints, chunk_bytes):
     t = transpiler(endpoints, chunk_bytes)
     prog = t.get_pserver_program(endpoint)
     ParameterServer(prog, t.get_startup_program(endpoint, prog)).serve()
-
-
-def free_ports(n):
-    import socket
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
 
 
 def one_run(n_pservers, chunk_bytes, steps):

@@ -5,28 +5,14 @@ exactly as separate processes would; only the process boundary is missing.
 """
 from __future__ import annotations
 
-import socket
 import threading
 from contextlib import ExitStack
 from typing import Callable, Dict, List, Optional
 
 from pserver import ParameterServer
+from trainer.launch_plan import free_ports
 from trainer import Trainer
 from transpiler import DistributeTranspiler, DistributeTranspilerConfig, Program
-
-
-def free_ports(n: int) -> List[int]:
-    """``n`` distinct ports that were free on 127.0.0.1 a moment ago."""
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 class LocalCluster:
