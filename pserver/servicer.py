@@ -10,6 +10,7 @@ fully received and checked before the engine sees them).
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 import threading
 from typing import Iterator
@@ -52,13 +53,13 @@ def _parse(message_type, data: bytes):
 
 
 def _refusals(method):
-    """Turn refusals into gRPC statuses (works for plain and generator methods)."""
+    """Turn refusals into gRPC statuses (for plain and server-streaming methods)."""
     def abort(self, context, e):
         if isinstance(e, EngineError):
             context.abort(e.code, e.message)
         context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"pserver {self.endpoint}: {e}")
 
-    if getattr(method, "_streams", False):
+    if inspect.isgeneratorfunction(method):
         @functools.wraps(method)
         def stream_wrapper(self, request, context):
             try:
@@ -74,11 +75,6 @@ def _refusals(method):
         except (EngineError, ValueError) as e:
             abort(self, context, e)
     return wrapper
-
-
-def _streaming(method):
-    method._streams = True
-    return method
 
 
 def _finite(g: torch.Tensor) -> bool:
@@ -156,7 +152,6 @@ class PserverServicer:
         return ps_pb2.PushReply(applied=applied, version=version)
 
     @_refusals
-    @_streaming
     def Pull(self, data, context) -> Iterator[bytes]:
         request = _parse(ps_pb2.PullRequest, data)
         self._check_trainer(request.trainer_id)

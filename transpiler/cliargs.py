@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+
 from .config import SPLIT_METHODS, DistributeTranspilerConfig
 
 
