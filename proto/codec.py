@@ -214,12 +214,19 @@ def decode_chunk(buf: bytes, header_type: type) -> Tuple[Optional[Message], List
 Expect = Callable[[str], Optional[Tuple[str, Sequence[int]]]]
 
 
+# Largest tensor of a free row count (ids, table rows) one stream may carry:
+# the sender's claim is checked before anything is allocated.
+MAX_VARIABLE_BYTES = 2 << 30
+
+
 class TensorReader:
     """Rebuilds tensors from pieces, checking each against what is expected.
 
     ``expect(name)`` returns ``(dtype, shape)`` for a known tensor name or
-    None for an unknown one. ``dest(name)``, if given, returns the contiguous
-    CPU tensor to fill in place (a trainer's parameters, a pserver's pooled
+    None for an unknown one; a shape whose dim 0 is -1 accepts any row count
+    (up to :data:`MAX_VARIABLE_BYTES`) and always gets a fresh tensor.
+    ``dest(name)``, if given, returns the contiguous CPU tensor to fill in
+    place for fixed shapes (a trainer's parameters, a pserver's pooled
     buffer); otherwise fresh tensors are allocated. Any inconsistency raises
     :class:`WireError` with a message naming the tensor.
     """
@@ -265,9 +272,12 @@ class TensorReader:
         dtype, shape = expected
         if piece.dtype != dtype:
             raise WireError(f"tensor {name!r}: dtype {piece.dtype!r}, expected {dtype!r}")
-        if list(piece.shape) != list(shape):
+        variable = bool(shape) and shape[0] == -1
+        if variable:
+            shape = self._variable_shape(name, piece, shape)
+        elif list(piece.shape) != list(shape):
             raise WireError(f"tensor {name!r}: shape {list(piece.shape)}, expected {list(shape)}")
-        if self._dest is not None:
+        if self._dest is not None and not variable:
             tensor = self._dest(name)
             if not tensor.is_contiguous() or tensor.device.type != "cpu":
                 raise WireError(f"tensor {name!r}: destination must be a contiguous CPU tensor")
@@ -277,6 +287,20 @@ class TensorReader:
         self._buffers[name] = as_bytes(tensor)
         self._filled[name] = 0
         self._current = name
+
+    @staticmethod
+    def _variable_shape(name: str, piece, shape: Sequence[int]) -> List[int]:
+        """The sent shape of a tensor whose dim 0 is free (-1), checked against the rest."""
+        sent = list(piece.shape)
+        if len(sent) != len(shape) or sent[1:] != list(shape[1:]) or sent[0] < 0:
+            raise WireError(f"tensor {name!r}: shape {sent}, expected [n{''.join(f', {d}' for d in shape[1:])}]")
+        nbytes = WIRE_DTYPES[piece.dtype].itemsize
+        for d in sent:
+            nbytes *= d
+        if nbytes > MAX_VARIABLE_BYTES:
+            raise WireError(f"tensor {name!r}: {nbytes:,} bytes is more than one request may carry "
+                            f"({MAX_VARIABLE_BYTES:,}); send fewer rows per request")
+        return sent
 
     def _close_current(self) -> None:
         name = self._current

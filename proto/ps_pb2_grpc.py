@@ -49,6 +49,16 @@ class ParameterServerStub:
                 request_serializer=psproto_dot_ps__pb2.PullRequest.SerializeToString,
                 response_deserializer=psproto_dot_ps__pb2.PullChunk.FromString,
                 _registered_method=True)
+        self.Prefetch = channel.stream_stream(
+                '/psproto.ParameterServer/Prefetch',
+                request_serializer=psproto_dot_ps__pb2.PrefetchChunk.SerializeToString,
+                response_deserializer=psproto_dot_ps__pb2.PullChunk.FromString,
+                _registered_method=True)
+        self.SaveTables = channel.unary_unary(
+                '/psproto.ParameterServer/SaveTables',
+                request_serializer=psproto_dot_ps__pb2.SaveTablesRequest.SerializeToString,
+                response_deserializer=psproto_dot_ps__pb2.SaveTablesReply.FromString,
+                _registered_method=True)
         self.Close = channel.unary_unary(
                 '/psproto.ParameterServer/Close',
                 request_serializer=psproto_dot_ps__pb2.CloseRequest.SerializeToString,
@@ -85,6 +95,20 @@ class ParameterServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Prefetch(self, request_iterator, context):
+        """Receives rows of distributed tables (prefetch before a lookup).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SaveTables(self, request, context):
+        """Writes this pserver's table shards (rows and optimizer state) to files.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Close(self, request, context):
         """Tells the pserver this trainer is done; sync barriers stop waiting for it.
         """
@@ -116,6 +140,16 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     servicer.Pull,
                     request_deserializer=psproto_dot_ps__pb2.PullRequest.FromString,
                     response_serializer=psproto_dot_ps__pb2.PullChunk.SerializeToString,
+            ),
+            'Prefetch': grpc.stream_stream_rpc_method_handler(
+                    servicer.Prefetch,
+                    request_deserializer=psproto_dot_ps__pb2.PrefetchChunk.FromString,
+                    response_serializer=psproto_dot_ps__pb2.PullChunk.SerializeToString,
+            ),
+            'SaveTables': grpc.unary_unary_rpc_method_handler(
+                    servicer.SaveTables,
+                    request_deserializer=psproto_dot_ps__pb2.SaveTablesRequest.FromString,
+                    response_serializer=psproto_dot_ps__pb2.SaveTablesReply.SerializeToString,
             ),
             'Close': grpc.unary_unary_rpc_method_handler(
                     servicer.Close,
@@ -209,6 +243,60 @@ class ParameterServer:
             '/psproto.ParameterServer/Pull',
             psproto_dot_ps__pb2.PullRequest.SerializeToString,
             psproto_dot_ps__pb2.PullChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Prefetch(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/psproto.ParameterServer/Prefetch',
+            psproto_dot_ps__pb2.PrefetchChunk.SerializeToString,
+            psproto_dot_ps__pb2.PullChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SaveTables(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/psproto.ParameterServer/SaveTables',
+            psproto_dot_ps__pb2.SaveTablesRequest.SerializeToString,
+            psproto_dot_ps__pb2.SaveTablesReply.FromString,
             options,
             channel_credentials,
             insecure,

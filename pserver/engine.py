@@ -6,20 +6,24 @@
   ``max_staleness`` a trainer too far ahead of the slowest one waits.
 
 Both keep trainer bookkeeping (joined, closed, last counted step) and make a
-retried push for an already counted (trainer, step) a no-op. All state lives
-behind one condition variable; updates run under it, transfers do not.
+retried push for an already counted (trainer, step) a no-op. A push carries
+dense block gradients and sparse table gradients of one step, counted and
+applied together. All state lives behind one condition variable; updates run
+under it, transfers do not.
 """
 from __future__ import annotations
 
 import logging
 import threading
 import time
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 import grpc
+import numpy as np
 import torch
 
 from .store import BlockStore
+from .table_set import SparseGrad, TableSet
 
 log = logging.getLogger(__name__)
 
@@ -38,8 +42,10 @@ class Engine:
 
     sync_mode = False
 
-    def __init__(self, store: BlockStore, trainers: int, endpoint: str, barrier_timeout: float):
+    def __init__(self, store: BlockStore, tables: TableSet, trainers: int, endpoint: str,
+                 barrier_timeout: float):
         self.store = store
+        self.tables = tables
         self.trainers = trainers
         self.endpoint = endpoint
         self.barrier_timeout = barrier_timeout
@@ -114,6 +120,21 @@ class Engine:
         with self.cv:
             return self.version, self.store.read(names, copy=self._reads_need_copy())
 
+    def lookup(self, ids: Mapping[str, np.ndarray]) -> Tuple[int, List[Tuple[str, torch.Tensor]]]:
+        """The current version and the rows of ``ids`` ({table: ids}), in request order.
+
+        Each table shard locks itself; in sync mode no update can run
+        meanwhile anyway, since the next one needs this trainer's push.
+        """
+        with self.cv:
+            version = self.version
+        return version, self.tables.lookup(ids)
+
+    def save_tables(self, directory: str) -> Tuple[int, List[str]]:
+        """Write every table shard at a step boundary; returns (version, shard directories)."""
+        with self.cv:
+            return self.version, self.tables.save(directory)
+
     def _reads_need_copy(self) -> bool:
         return True
 
@@ -133,11 +154,16 @@ class SyncEngine(Engine):
         # holds the blocks some trainer pushed in the current step.
         self.grad_sum: Dict[str, torch.Tensor] = {}
         self.touched: set = set()
+        # Per table, the (ids, rows) each trainer pushed in the current step.
+        self.sparse_parts: Dict[str, List[SparseGrad]] = {}
 
-    def push(self, trainer_id: int, step: int, grads: Dict[str, torch.Tensor]) -> Tuple[bool, int]:
-        """Count ``grads`` for ``step``; returns (counted, version). Applies when complete.
+    def push(self, trainer_id: int, step: int, grads: Dict[str, torch.Tensor],
+             sparse: Optional[Mapping[str, SparseGrad]] = None) -> Tuple[bool, int]:
+        """Count ``grads`` and ``sparse`` for ``step``; returns (counted, version). Applies when complete.
 
-        ``grads`` are copied into the step's sums: the caller keeps its buffers.
+        ``grads`` are copied into the step's sums: the caller keeps its
+        buffers. ``sparse`` ({table: (ids, rows)}) is kept until the step is
+        applied: the caller must not reuse it.
         """
         with self.cv:
             self._check_pusher(trainer_id)
@@ -162,6 +188,8 @@ class SyncEngine(Engine):
                         acc = self.grad_sum[name] = torch.empty_like(g)
                     acc.copy_(g)
                     self.touched.add(name)
+            for name, part in (sparse or {}).items():
+                self.sparse_parts.setdefault(name, []).append(part)
             self.pending.add(trainer_id)
             self.last_step[trainer_id] = step
             self._apply_if_complete()
@@ -173,10 +201,12 @@ class SyncEngine(Engine):
         n = len(self.pending)
         mean = {name: self.grad_sum[name].div_(n) for name in self.touched}
         self.store.apply(mean, self.version)
+        self.tables.apply_mean(self.sparse_parts, n, self.version)
         log.debug("%s: applied step %d from trainers %s", self.endpoint, self.version, sorted(self.pending))
         self.version += 1
         self.pending = set()
         self.touched = set()
+        self.sparse_parts = {}
         self.cv.notify_all()
 
     def _on_close(self) -> None:
@@ -214,10 +244,11 @@ class AsyncEngine(Engine):
         low = min(progress.values())
         return low, sorted(t for t, p in progress.items() if p == low)
 
-    def push(self, trainer_id: int, step: int, grads: Dict[str, torch.Tensor]) -> Tuple[bool, int]:
-        """Apply ``grads`` now (after any staleness wait); returns (applied, version).
+    def push(self, trainer_id: int, step: int, grads: Dict[str, torch.Tensor],
+             sparse: Optional[Mapping[str, SparseGrad]] = None) -> Tuple[bool, int]:
+        """Apply ``grads`` and ``sparse`` now (after any staleness wait); returns (applied, version).
 
-        ``grads`` are not kept once this returns: the caller keeps its buffers.
+        Nothing is kept once this returns: the caller keeps its buffers.
         """
         with self.cv:
             self._check_pusher(trainer_id)
@@ -231,6 +262,7 @@ class AsyncEngine(Engine):
             if step <= self.last_step.get(trainer_id, -1):
                 return False, self.version
             self.store.apply(grads, step)
+            self.tables.apply(sparse or {}, step)
             self.version += 1
             self.last_step[trainer_id] = step
             self.cv.notify_all()

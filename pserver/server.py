@@ -17,6 +17,7 @@ from transpiler import PserverProgram, StartupProgram
 from .engine import AsyncEngine, SyncEngine
 from .servicer import SERVICE_NAME, PserverServicer
 from .store import BlockStore
+from .table_set import TableSet
 
 log = logging.getLogger(__name__)
 
@@ -36,21 +37,25 @@ def server_options(chunk_bytes: int) -> list:
 
 
 class ParameterServer:
-    """A pserver: owns the blocks of its :class:`PserverProgram` and serves trainers.
+    """A pserver: owns the blocks and table shards of its :class:`PserverProgram`, serves trainers.
 
     ``serve()`` blocks until every trainer has closed (then returns), or until
     SIGTERM / Ctrl-C (then shuts down gracefully). ``start()`` / ``stop()``
-    run it in the background, for tests and embedding.
+    run it in the background, for tests and embedding. ``tables_from`` names
+    a directory of saved tables (``Trainer.save_tables``, any number of
+    pservers) to start the distributed tables from.
     """
 
-    def __init__(self, program: PserverProgram, startup: Optional[StartupProgram] = None):
+    def __init__(self, program: PserverProgram, startup: Optional[StartupProgram] = None,
+                 tables_from: Optional[str] = None):
         if not isinstance(program, PserverProgram):
             raise TypeError(f"program must be a PserverProgram, got {type(program).__name__}")
         self.program = program
         self.endpoint = program.endpoint
         cfg = program.config
         store = BlockStore(program, startup)
-        args = (store, program.trainers, program.endpoint, cfg.barrier_timeout)
+        tables = TableSet(program, tables_from)
+        args = (store, tables, program.trainers, program.endpoint, cfg.barrier_timeout)
         if program.sync_mode:
             self.engine = SyncEngine(*args)
         else:
@@ -86,9 +91,11 @@ class ParameterServer:
         self._server = server
         for service in ("", SERVICE_NAME):
             self._health.set(service, health_pb2.HealthCheckResponse.SERVING)
-        log.info("pserver %s serving %d blocks (%s bytes), %s mode, %d trainers", self.endpoint,
-                 len(self.program.blocks), f"{self.engine.store.nbytes:,}",
-                 "sync" if self.program.sync_mode else "async", self.program.trainers)
+        log.info("pserver %s serving %d blocks (%s bytes) and shard %d/%d of %d tables, %s mode, "
+                 "%d trainers", self.endpoint, len(self.program.blocks),
+                 f"{self.engine.store.nbytes:,}", self.program.shard, len(self.program.pservers),
+                 len(self.program.tables), "sync" if self.program.sync_mode else "async",
+                 self.program.trainers)
         threading.Thread(target=self._watch_trainers, daemon=True,
                          name="pserver-watch").start()
         return self

@@ -37,12 +37,14 @@ class _Counters:
         self.bytes_in = 0
         self.bytes_out = 0
         self.pushes = 0
+        self.prefetches = 0
 
-    def add(self, bytes_in=0, bytes_out=0, pushes=0):
+    def add(self, bytes_in=0, bytes_out=0, pushes=0, prefetches=0):
         with self.lock:
             self.bytes_in += bytes_in
             self.bytes_out += bytes_out
             self.pushes += pushes
+            self.prefetches += prefetches
 
 
 def _parse(message_type, data: bytes):
@@ -89,6 +91,7 @@ class PserverServicer:
     def __init__(self, engine: Engine, layout_digest: str, chunk_bytes: int):
         self.engine = engine
         self.store = engine.store
+        self.tables = engine.tables
         self.endpoint = engine.endpoint
         self.layout_digest = layout_digest
         self.chunk_bytes = chunk_bytes
@@ -115,37 +118,58 @@ class PserverServicer:
         return ps_pb2.HelloReply(version=version, sync_mode=self.engine.sync_mode,
                                  trainers=self.engine.trainers)
 
-    @_refusals
-    def Push(self, request_iterator, context):
+    def _expect(self, name: str):
+        return self.store.expect(name) or self.tables.expect(name)
+
+    def _read_stream(self, request_iterator, header_type, expect, dest=None):
+        """(header, reader) of a client stream: header in the first message, then pieces."""
+        kind = header_type.__name__.replace("Header", "").lower()
         first = next(request_iterator, None)
-        if first is None:
-            raise ValueError("empty push: it must open with a header (trainer_id, step, layout_digest)")
-        header, pieces = decode_chunk(first, ps_pb2.PushHeader)
+        header = None
+        if first is not None:
+            header, pieces = decode_chunk(first, header_type)
         if header is None:
-            raise ValueError("a push must open with a header (trainer_id, step, layout_digest)")
+            raise ValueError(f"a {kind} must open with a header (trainer_id, step, layout_digest)")
         self._check_trainer(header.trainer_id)
         self._check_digest(header.layout_digest)
-        if header.step < 0:
-            raise ValueError(f"step must be >= 0, got {header.step}")
-        reader = TensorReader(self.store.expect, dest=self.buffers.acquire)
+        reader = TensorReader(expect, dest=dest)
         try:
             for piece in pieces:
                 reader.add(piece)
             for data in request_iterator:
-                extra, pieces = decode_chunk(data, ps_pb2.PushHeader)
+                extra, pieces = decode_chunk(data, header_type)
                 if extra is not None:
-                    raise ValueError("a push carries exactly one header, in its first message")
+                    raise ValueError(f"a {kind} carries exactly one header, in its first message")
                 for piece in pieces:
                     reader.add(piece)
-            grads = reader.finish()
-            for name, g in grads.items():
+            reader.finish()
+        except BaseException:
+            self._release(reader.tensors)
+            raise
+        return header, reader
+
+    def _release(self, tensors) -> None:
+        # Only dense blocks come from the pool; sparse tensors are sized per push.
+        self.buffers.release({n: t for n, t in tensors.items() if n in self.store.specs})
+
+    @_refusals
+    def Push(self, request_iterator, context):
+        header, reader = self._read_stream(request_iterator, ps_pb2.PushHeader, self._expect,
+                                           dest=self.buffers.acquire)
+        try:
+            if header.step < 0:
+                raise ValueError(f"step must be >= 0, got {header.step}")
+            tensors = reader.tensors
+            grads = {n: t for n, t in tensors.items() if n in self.store.specs}
+            sparse = self.tables.sparse_grads(tensors) if self.tables else {}
+            for name, g in [*grads.items(), *((n, rows) for n, (_, rows) in sparse.items())]:
                 if not _finite(g):
                     raise ValueError(f"gradient of {name} from trainer {header.trainer_id} at step "
                                      f"{header.step} holds NaN or Inf; push refused")
             self.counters.add(bytes_in=reader.nbytes, pushes=1)
-            applied, version = self.engine.push(header.trainer_id, header.step, grads)
+            applied, version = self.engine.push(header.trainer_id, header.step, grads, sparse)
         finally:
-            self.buffers.release(reader.tensors)
+            self._release(reader.tensors)
         if not applied:
             log.info("%s: duplicate push from trainer %d for step %d acknowledged, not applied",
                      self.endpoint, header.trainer_id, header.step)
@@ -168,6 +192,35 @@ class PserverServicer:
         self.counters.add(bytes_out=sum(t.numel() * t.element_size() for _, t in tensors))
 
     @_refusals
+    def Prefetch(self, request_iterator, context) -> Iterator[bytes]:
+        header, reader = self._read_stream(request_iterator, ps_pb2.PrefetchHeader, self.tables.expect)
+        if header.min_version < 0:
+            raise ValueError(f"min_version must be >= 0, got {header.min_version}")
+        ids = self.tables.requested_ids(reader.tensors)
+        self.engine.wait_version(header.trainer_id, header.min_version)
+        version, rows = self.engine.lookup(ids)
+        yield from encode_chunks(ps_pb2.PullHeader(version=version), rows, self.chunk_bytes)
+        self.counters.add(bytes_in=reader.nbytes, prefetches=1,
+                          bytes_out=sum(t.numel() * t.element_size() for _, t in rows))
+
+    @_refusals
+    def SaveTables(self, data, context):
+        request = _parse(ps_pb2.SaveTablesRequest, data)
+        self._check_trainer(request.trainer_id)
+        self._check_digest(request.layout_digest)
+        if not request.directory:
+            raise ValueError("SaveTables needs a directory")
+        try:
+            version, paths = self.engine.save_tables(request.directory)
+        except OSError as e:
+            raise EngineError(grpc.StatusCode.FAILED_PRECONDITION,
+                              f"pserver {self.endpoint}: cannot save tables to "
+                              f"{request.directory!r}: {e}") from None
+        log.info("%s: saved %d table shards at version %d to %s", self.endpoint, len(paths), version,
+                 request.directory)
+        return ps_pb2.SaveTablesReply(version=version, paths=paths)
+
+    @_refusals
     def Close(self, data, context):
         request = _parse(ps_pb2.CloseRequest, data)
         self._check_trainer(request.trainer_id)
@@ -186,7 +239,8 @@ class PserverServicer:
                 endpoint=self.endpoint, version=version, trainers_alive=alive,
                 blocks=len(self.store.blocks), block_bytes=self.store.nbytes,
                 bytes_in=c.bytes_in, bytes_out=c.bytes_out, pushes=c.pushes,
-                sync_mode=engine.sync_mode)
+                sync_mode=engine.sync_mode, table_rows=self.tables.rows,
+                table_bytes=self.tables.nbytes, prefetches=c.prefetches)
 
     def add_to_server(self, server: grpc.Server) -> None:
         """Register the service with raw-bytes requests (parsed here) and encoded replies."""
@@ -195,6 +249,9 @@ class PserverServicer:
             "Hello": grpc.unary_unary_rpc_method_handler(self.Hello, response_serializer=serialize),
             "Push": grpc.stream_unary_rpc_method_handler(self.Push, response_serializer=serialize),
             "Pull": grpc.unary_stream_rpc_method_handler(self.Pull),  # yields encoded bytes
+            "Prefetch": grpc.stream_stream_rpc_method_handler(self.Prefetch),
+            "SaveTables": grpc.unary_unary_rpc_method_handler(self.SaveTables,
+                                                              response_serializer=serialize),
             "Close": grpc.unary_unary_rpc_method_handler(self.Close, response_serializer=serialize),
             "Stats": grpc.unary_unary_rpc_method_handler(self.Stats, response_serializer=serialize),
         }

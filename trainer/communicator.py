@@ -80,6 +80,8 @@ class Communicator:
         self._pull_calls = {ep: ch.unary_stream(f"/{_SERVICE}/Pull",
                                                 request_serializer=ps_pb2.PullRequest.SerializeToString)
                             for ep, ch in self._channels.items()}
+        self._prefetch_calls = {ep: ch.stream_stream(f"/{_SERVICE}/Prefetch")
+                                for ep, ch in self._channels.items()}
         self._pool = futures.ThreadPoolExecutor(max_workers=max(1, len(program.pservers)),
                                                 thread_name_prefix="trainer-comm")
         self.bytes_pushed = 0
@@ -161,6 +163,41 @@ class Communicator:
             raise PserverError(endpoint, "pull answer carried no header")
         self.bytes_pulled += reader.nbytes
         return version
+
+    def prefetch(self, endpoint: str, min_version: int,
+                 ids: Sequence[Tuple[str, torch.Tensor]], expect: Callable) -> Dict[str, torch.Tensor]:
+        """Send ``ids`` (``[("<table>@ids", ids)]``) and receive their rows, checked by ``expect``.
+
+        Sync pservers answer once ``min_version`` updates are applied.
+        Returns ``{"<table>@rows": rows}``.
+        """
+        header = ps_pb2.PrefetchHeader(trainer_id=self.trainer_id, min_version=min_version,
+                                       layout_digest=self.digest)
+        reader = TensorReader(expect)
+        what = f"prefetch of version {min_version} by trainer {self.trainer_id}"
+        try:
+            replies = self._prefetch_calls[endpoint](encode_chunks(header, ids, self.chunk_bytes),
+                                                     timeout=self.barrier_timeout + self.rpc_timeout)
+            for data in replies:
+                for piece in decode_chunk(data, ps_pb2.PullHeader)[1]:
+                    reader.add(piece)
+            rows = reader.finish()
+        except grpc.RpcError as e:
+            raise PserverError(endpoint, f"{what} failed: {_details(e)}", e.code()) from None
+        except WireError as e:
+            raise PserverError(endpoint, f"{what}: answer is malformed: {e}") from None
+        self.bytes_pulled += reader.nbytes
+        return rows
+
+    def save_tables(self, endpoint: str, directory: str) -> ps_pb2.SaveTablesReply:
+        """Ask ``endpoint`` to write its table shards under ``directory`` (its file system)."""
+        request = ps_pb2.SaveTablesRequest(trainer_id=self.trainer_id, directory=directory,
+                                           layout_digest=self.digest)
+        try:
+            return self._stubs[endpoint].SaveTables(request, timeout=self.rpc_timeout)
+        except grpc.RpcError as e:
+            raise PserverError(endpoint, f"saving tables to {directory!r} failed: {_details(e)}",
+                               e.code()) from None
 
     def run_parallel(self, jobs: Dict[str, Callable[[], object]]) -> Dict[str, object]:
         """Run one callable per endpoint concurrently; re-raise the first failure."""

@@ -11,6 +11,7 @@ from torch.utils.data import Dataset, DistributedSampler
 from transpiler import BlockSpec, TrainerProgram
 
 from .communicator import Communicator, PserverError
+from .embedding import DistributedEmbedding, Pieces, TableClient
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +31,10 @@ class Trainer:
     sync mode the pull returns once every live trainer's gradient for the step
     was applied. Call :meth:`close` (or use ``with``) when done, so the
     pservers stop waiting for this trainer.
+
+    Every distributed table of the program is replaced in ``model`` by a
+    :class:`~trainer.embedding.DistributedEmbedding`: lookups fetch rows from
+    the pservers and :meth:`step` pushes the rows' gradients with the dense ones.
     """
 
     def __init__(self, program: TrainerProgram):
@@ -56,11 +61,17 @@ class Trainer:
         for b in program.blocks:
             self._blocks[b.endpoint].append(b)
         self._block_by_name = {b.name: b for b in program.blocks}
+        # Every step pushes to each pserver that owns blocks or table shards,
+        # even with nothing for it, so sync barriers count this trainer.
+        self._push_endpoints = list(program.pservers) if program.tables else list(self._blocks)
         self._closed = False
         self.comm = Communicator(program)
+        self.tables = TableClient(program.tables, program.pservers, self._fetch_rows,
+                                  lambda: self.step_count if self.sync_mode else 0)
+        self._install_tables()
         try:
             versions = self.comm.hello(program.config.connect_timeout)
-            owning = {ep: v for ep, v in versions.items() if ep in self._blocks}
+            owning = {ep: v for ep, v in versions.items() if ep in self._push_endpoints}
             if self.sync_mode and len(set(owning.values())) > 1:
                 raise PserverError(", ".join(owning), f"pservers disagree on the current step: {owning}")
             self.step_count = max(owning.values(), default=0)
@@ -70,6 +81,42 @@ class Trainer:
             raise
         log.info("trainer %d: ready at step %d, %d blocks on %d pservers", self.trainer_id,
                  self.step_count, len(self._block_by_name), len(self._blocks))
+
+    def _install_tables(self) -> None:
+        """Put a DistributedEmbedding in place of each distributed table's module."""
+        for spec in self.program.tables:
+            parent_name, _, attr = spec.name.rpartition(".")
+            try:
+                parent = self.model.get_submodule(parent_name)
+                module = getattr(parent, attr)
+            except AttributeError:
+                raise ValueError(f"the model has no module {spec.name!r} named as a distributed "
+                                 f"table in the plan") from None
+            if isinstance(module, DistributedEmbedding):
+                raise ValueError(f"table {spec.name!r} of this model is already served by a Trainer; "
+                                 f"build a fresh model for each Trainer")
+            if getattr(module, "embedding_dim", None) != spec.dim:
+                raise ValueError(f"module {spec.name!r} is {type(module).__name__} of dim "
+                                 f"{getattr(module, 'embedding_dim', None)}, the plan says a table of "
+                                 f"dim {spec.dim}")
+            setattr(parent, attr, DistributedEmbedding(spec, self.tables))
+
+    def _fetch_rows(self, pieces: Pieces, min_version: int) -> Dict[str, Dict[str, torch.Tensor]]:
+        """One prefetch round trip per pserver in ``pieces``, in parallel."""
+        def expect_for(ep):
+            sent = {}
+            for name, ids in pieces[ep]:
+                spec = self.tables.spec(name.rpartition("@")[0])
+                sent[spec.rows_name] = (spec.dtype, [len(ids), spec.dim])
+            return sent
+
+        def fetch_one(ep):
+            expected = expect_for(ep)
+            rows = self.comm.prefetch(ep, min_version, pieces[ep], expected.get)
+            if rows.keys() != expected.keys():
+                raise PserverError(ep, f"prefetch answer holds {sorted(rows)}, asked for {sorted(expected)}")
+            return rows
+        return self.comm.run_parallel({ep: (lambda ep=ep: fetch_one(ep)) for ep in pieces})
 
     # -- block views --------------------------------------------------------
 
@@ -121,17 +168,20 @@ class Trainer:
 
         Returns the number of steps taken so far. Parameters without a
         gradient this step are not pushed (the pserver skips them, as torch
-        does in single-process training).
+        does in single-process training); distributed tables push the
+        gradients of the rows this step looked up.
         """
         self._check_open()
         step = self.step_count
         min_version = step + 1 if self.sync_mode else 0
+        sparse = self.tables.take_gradients() if self.program.tables else {}
 
         def push_pull(ep):
-            self.comm.push(ep, step, self._grads_for(self._blocks[ep]))
-            return self._pull_from(ep, min_version)
+            self.comm.push(ep, step, self._grads_for(self._blocks.get(ep, [])) + sparse.get(ep, []))
+            if ep in self._blocks:
+                self._pull_from(ep, min_version)
 
-        self.comm.run_parallel({ep: (lambda ep=ep: push_pull(ep)) for ep in self._blocks})
+        self.comm.run_parallel({ep: (lambda ep=ep: push_pull(ep)) for ep in self._push_endpoints})
         self.model.zero_grad(set_to_none=True)
         self.step_count = step + 1
         return self.step_count
@@ -141,14 +191,53 @@ class Trainer:
         self._check_open()
         self._pull_all(self.step_count if self.sync_mode else 0)
 
-    def state_dict(self) -> Dict[str, torch.Tensor]:
+    def state_dict(self, with_tables: bool = False) -> Dict[str, torch.Tensor]:
         """The trained model as a plain ``state_dict`` (fresh parameters, local buffers).
 
-        Loadable into the original module with ``load_state_dict``. Call it
-        before :meth:`close`.
+        Distributed tables are left out (they may not fit in memory; see
+        :meth:`save_tables`), unless ``with_tables``: then each table's rows
+        ``0 .. num_embeddings-1`` are pulled as ``"<table>.weight"``, and the
+        result loads into the original module with ``load_state_dict``. Call
+        it before :meth:`close`.
         """
         self.pull()
-        return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        state = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        if with_tables:
+            for spec in self.program.tables:
+                state[f"{spec.name}.weight"] = self.pull_rows(spec.name, torch.arange(spec.capacity))
+        return state
+
+    def pull_rows(self, table: str, ids) -> torch.Tensor:
+        """Current rows of distributed ``table`` for ``ids`` (any int64, any shape): ``ids.shape + (dim,)``.
+
+        Ids never trained come back with their initial value. Sync mode reads
+        the rows as of this trainer's current step.
+        """
+        self._check_open()
+        return self.tables.pull_rows(table, ids)
+
+    def prefetch(self, ids: Dict[str, object]) -> None:
+        """Fetch the rows of several tables (``{table: ids}``) in one round trip per pserver.
+
+        Optional: the next lookups of these ids in this step use the fetched
+        rows instead of fetching per lookup. Worth it when a forward looks up
+        several tables.
+        """
+        self._check_open()
+        self.tables.prefetch(ids)
+
+    def save_tables(self, directory: str) -> List[str]:
+        """Every pserver writes its table shards under ``directory`` (on its own file system).
+
+        Shards land in ``directory/<table>/shard-K-of-N``; a pserver started
+        with ``tables_from=directory`` (any number of pservers) resumes from
+        them, and ``pserver.table_io.export_table`` merges them into one
+        ids/rows file set. Returns the shard directories written.
+        """
+        self._check_open()
+        replies = self.comm.run_parallel({ep: (lambda ep=ep: self.comm.save_tables(ep, directory))
+                                          for ep in self.program.pservers})
+        return [p for reply in replies.values() for p in reply.paths]
 
     def sampler(self, dataset: Dataset, **kwargs) -> DistributedSampler:
         """This trainer's shard of ``dataset``: a ``DistributedSampler`` over all trainers.

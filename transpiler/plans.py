@@ -1,6 +1,7 @@
 """The plans a transpile produces: plain data that round-trips to bytes.
 
-- :class:`PserverProgram`: what one pserver owns and how it updates it.
+- :class:`PserverProgram`: what one pserver owns (blocks, one shard of every
+  distributed table) and how it updates it.
 - :class:`StartupProgram`: the initial values of one pserver's blocks.
 - :class:`TrainerProgram`: the whole block layout, seen from a trainer,
   plus the trainer's own model (which is not part of its bytes).
@@ -19,7 +20,8 @@ from typing import Dict, List, Optional
 import torch
 
 from .config import DistributeTranspilerConfig
-from .program import OptimizerSpec
+from .optim import OptimizerSpec
+from .tables import TableSpec
 
 FORMAT_VERSION = 1
 
@@ -85,6 +87,19 @@ def _optimizer_line(spec: OptimizerSpec) -> str:
     return line
 
 
+def _tables_table(tables: List[TableSpec], n_shards: int) -> str:
+    if not tables:
+        return ""
+    head = ["table", "kind", "dim", "dtype", "capacity hint", "init", "optimizer"]
+    rows = [[t.name, t.kind + (f" ({t.mode})" if t.mode else ""), str(t.dim), t.dtype,
+             f"{t.capacity:,}", f"{t.init} {t.init_kwargs}", _optimizer_line(t.optimizer)]
+            for t in tables]
+    widths = [max(len(r[i]) for r in [head] + rows) for i in range(len(head))]
+    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
+    lines = [f"\n  distributed tables, sharded by id over {n_shards} pservers (stable_hash(id) % {n_shards}):"]
+    return "\n".join(lines + [("  " + fmt.format(*r)).rstrip() for r in [head] + rows])
+
+
 def _dumps(kind: str, payload: dict) -> bytes:
     return json.dumps({"kind": kind, "format_version": FORMAT_VERSION, **payload},
                       sort_keys=True).encode("utf-8")
@@ -110,7 +125,11 @@ def _blocks_from(data: List[dict]) -> List[BlockSpec]:
 
 @dataclass
 class PserverProgram:
-    """Everything one pserver needs: its blocks, the optimizer, the mode."""
+    """Everything one pserver needs: its blocks, its table shards, the optimizer, the mode.
+
+    The pserver holds shard :attr:`shard` (its position in ``pservers``) of
+    every table in ``tables``.
+    """
 
     endpoint: str
     pservers: List[str]
@@ -120,11 +139,17 @@ class PserverProgram:
     blocks: List[BlockSpec]
     config: DistributeTranspilerConfig
     layout_digest: str
+    tables: List[TableSpec] = field(default_factory=list)
+
+    @property
+    def shard(self) -> int:
+        return self.pservers.index(self.endpoint)
 
     def to_bytes(self) -> bytes:
         d = dataclasses.asdict(self)
         d["optimizer"] = self.optimizer.to_dict()
         d["config"] = self.config.to_dict()
+        d["tables"] = [t.to_dict() for t in self.tables]
         return _dumps("PserverProgram", d)
 
     @classmethod
@@ -134,6 +159,7 @@ class PserverProgram:
             d["optimizer"] = OptimizerSpec.from_dict(d["optimizer"])
             d["config"] = DistributeTranspilerConfig.from_dict(d["config"])
             d["blocks"] = _blocks_from(d["blocks"])
+            d["tables"] = [TableSpec.from_dict(t) for t in d.get("tables", [])]
             return cls(**d)
         except (KeyError, TypeError) as e:
             raise ValueError(f"malformed PserverProgram: {e}") from None
@@ -142,9 +168,11 @@ class PserverProgram:
         mode = "sync" if self.sync_mode else "async"
         total = sum(b.nbytes for b in self.blocks)
         return (f"PserverProgram {self.endpoint}: {mode}, {self.trainers} trainers, "
-                f"{len(self.blocks)} blocks, {total:,} bytes\n"
+                f"{len(self.blocks)} blocks, {total:,} bytes, shard {self.shard} of "
+                f"{len(self.tables)} tables\n"
                 f"  optimizer: {_optimizer_line(self.optimizer)}\n"
-                + _block_table(self.blocks, with_endpoint=False))
+                + _block_table(self.blocks, with_endpoint=False)
+                + _tables_table(self.tables, len(self.pservers)))
 
 
 @dataclass
@@ -180,6 +208,7 @@ class TrainerProgram:
     """The full layout seen from one trainer, plus that trainer's model.
 
     ``params`` lists every dense parameter with its blocks in row order;
+    ``tables`` every distributed table (sharded over all ``pservers``);
     ``model`` is the trainer's local ``nn.Module`` (not serialised: pass it to
     :meth:`from_bytes`).
     """
@@ -192,6 +221,7 @@ class TrainerProgram:
     params: List[ParamSpec]
     config: DistributeTranspilerConfig
     layout_digest: str
+    tables: List[TableSpec] = field(default_factory=list)
     model: Optional[torch.nn.Module] = field(default=None, repr=False, compare=False)
 
     @property
@@ -203,6 +233,7 @@ class TrainerProgram:
         d.pop("model")
         d["optimizer"] = self.optimizer.to_dict()
         d["config"] = self.config.to_dict()
+        d["tables"] = [t.to_dict() for t in self.tables]
         return _dumps("TrainerProgram", d)
 
     @classmethod
@@ -213,6 +244,7 @@ class TrainerProgram:
             d["config"] = DistributeTranspilerConfig.from_dict(d["config"])
             d["params"] = [ParamSpec(p["name"], p["shape"], p["dtype"], _blocks_from(p["blocks"]))
                            for p in d["params"]]
+            d["tables"] = [TableSpec.from_dict(t) for t in d.get("tables", [])]
             return cls(**d, model=model)
         except (KeyError, TypeError) as e:
             raise ValueError(f"malformed TrainerProgram: {e}") from None
@@ -221,6 +253,7 @@ class TrainerProgram:
         mode = "sync" if self.sync_mode else "async"
         return (f"TrainerProgram trainer {self.trainer_id}/{self.trainers}: {mode}, "
                 f"{len(self.params)} params in {len(self.blocks)} blocks on "
-                f"{len(self.pservers)} pservers\n"
+                f"{len(self.pservers)} pservers, {len(self.tables)} distributed tables\n"
                 f"  optimizer: {_optimizer_line(self.optimizer)}\n"
-                + _block_table(self.blocks, with_endpoint=True))
+                + _block_table(self.blocks, with_endpoint=True)
+                + _tables_table(self.tables, len(self.pservers)))

@@ -37,6 +37,7 @@ def _layout_digest(params: List[ParamSpec], trainers: int, sync_mode: bool, prog
                                                for b in p.blocks]] for p in params],
         "trainers": trainers, "sync_mode": sync_mode,
         "optimizer": program.optimizer.to_dict(), "max_staleness": config.max_staleness,
+        "tables": [t.to_dict() for t in program.tables],
     }, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
@@ -108,7 +109,8 @@ class DistributeTranspiler:
         self._check_endpoint(endpoint)
         blocks = [b for p in self._params for b in p.blocks if b.endpoint == endpoint]
         return PserverProgram(endpoint, list(self._endpoints), self._trainers, self._sync_mode,
-                              self._program.optimizer, blocks, self.config, self._digest)
+                              self._program.optimizer, blocks, self.config, self._digest,
+                              tables=list(self._program.tables))
 
     def get_startup_program(self, endpoint: str,
                             pserver_program: Optional[PserverProgram] = None) -> StartupProgram:
@@ -131,4 +133,5 @@ class DistributeTranspiler:
         self._require_transpiled()
         return TrainerProgram(self._trainer_id, list(self._endpoints), self._trainers,
                               self._sync_mode, self._program.optimizer, self._params,
-                              self.config, self._digest, model=self._program.model)
+                              self.config, self._digest, tables=list(self._program.tables),
+                              model=self._program.model)

@@ -1,0 +1,158 @@
+"""TableSet: one pserver's shard of every distributed table, as the wire sees them.
+
+A push or prefetch names a table's tensors ``"<table>@ids"`` (int64 ``[n]``)
+and ``"<table>@rows"`` (``[n, dim]``). The set says what such names must hold
+(:meth:`expect`), pairs and checks what arrived (:meth:`sparse_grads`), and
+applies gradients with each table's optimizer and learning-rate schedule.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from typing import Dict, Iterable, List, Mapping, Optional, Tuple
+
+import numpy as np
+import torch
+
+from transpiler import LrSchedule, PserverProgram, TableSpec, merge_duplicates
+from transpiler.tables import SPARSE_SEPARATOR
+
+from .table import TableShard
+
+log = logging.getLogger(__name__)
+
+# (unique ids, gradient rows) of one table.
+SparseGrad = Tuple[np.ndarray, torch.Tensor]
+
+
+def shard_directory(root: str, table: str, shard: int, n_shards: int) -> str:
+    """Where shard ``shard`` of ``n_shards`` of ``table`` is saved under ``root``."""
+    return os.path.join(root, table, f"shard-{shard}-of-{n_shards}")
+
+
+def saved_shards(root: str, table: str) -> List[str]:
+    """Every saved shard directory of ``table`` under ``root`` (any shard count)."""
+    folder = os.path.join(root, table)
+    if not os.path.isdir(folder):
+        raise ValueError(f"no saved shards of table {table!r} under {root!r} (no folder {folder})")
+    found = sorted(os.path.join(folder, d) for d in os.listdir(folder) if d.startswith("shard-"))
+    if not found:
+        raise ValueError(f"no saved shards of table {table!r} in {folder}")
+    return found
+
+
+class TableSet:
+    """The table shards of one pserver, keyed by table name.
+
+    ``tables_from``: a directory written by :meth:`save` (of a run with any
+    number of pservers) to start from instead of initial rows.
+    """
+
+    def __init__(self, program: PserverProgram, tables_from: Optional[str] = None):
+        self.endpoint = program.endpoint
+        self.shard = program.shard
+        self.n_shards = len(program.pservers)
+        self.specs: Dict[str, TableSpec] = {t.name: t for t in program.tables}
+        self.shards: Dict[str, TableShard] = {}
+        for name, spec in self.specs.items():
+            if tables_from is None:
+                self.shards[name] = TableShard(spec, self.shard, self.n_shards)
+            else:
+                self.shards[name] = TableShard.load(spec, self.shard, self.n_shards,
+                                                    saved_shards(tables_from, name))
+                log.info("%s: table %s shard %d/%d loaded from %s: %d rows at step %d", self.endpoint,
+                         name, self.shard, self.n_shards, tables_from, len(self.shards[name]),
+                         self.shards[name].step)
+        self.schedules = {name: LrSchedule(spec.optimizer) for name, spec in self.specs.items()}
+        self._wire = {}
+        for spec in self.specs.values():
+            self._wire[spec.ids_name] = ("int64", [-1])
+            self._wire[spec.rows_name] = (spec.dtype, [-1, spec.dim])
+
+    def __bool__(self) -> bool:
+        return bool(self.specs)
+
+    def expect(self, name: str) -> Optional[Tuple[str, List[int]]]:
+        """(dtype, shape with free dim 0) of a sparse wire tensor, None if not a table's."""
+        return self._wire.get(name)
+
+    def _paired(self, tensors: Mapping[str, torch.Tensor], part: str) -> Dict[str, torch.Tensor]:
+        """``{table: tensor}`` of the ``<table>@<part>`` tensors among ``tensors``."""
+        suffix = SPARSE_SEPARATOR + part
+        return {n[:-len(suffix)]: t for n, t in tensors.items() if n.endswith(suffix) and n in self._wire}
+
+    def requested_ids(self, tensors: Mapping[str, torch.Tensor]) -> Dict[str, np.ndarray]:
+        """``{table: ids}`` of a prefetch, each checked to belong to this shard."""
+        extra = sorted(n for n in tensors if not n.endswith(SPARSE_SEPARATOR + "ids"))
+        if extra:
+            raise ValueError(f"a prefetch carries only '<table>{SPARSE_SEPARATOR}ids' tensors, got {extra[:3]}")
+        out = {}
+        for name, ids in self._paired(tensors, "ids").items():
+            ids = ids.numpy()
+            self.shards[name].check_ids(ids)
+            out[name] = ids
+        return out
+
+    def sparse_grads(self, tensors: Mapping[str, torch.Tensor]) -> Dict[str, SparseGrad]:
+        """``{table: (ids, rows)}`` from a push's sparse tensors, checked.
+
+        Ids and rows must come in pairs of equal length, and every id must
+        belong to this shard. Duplicate ids are summed.
+        """
+        ids, rows = self._paired(tensors, "ids"), self._paired(tensors, "rows")
+        if ids.keys() != rows.keys():
+            lone = sorted(ids.keys() ^ rows.keys())
+            raise ValueError(f"table {lone[0]!r}: a sparse gradient needs both "
+                             f"'{lone[0]}@ids' and '{lone[0]}@rows'")
+        out = {}
+        for name in ids:
+            table_ids, table_rows = ids[name].numpy(), rows[name]
+            if len(table_ids) != len(table_rows):
+                raise ValueError(f"table {name!r}: {len(table_ids)} ids but {len(table_rows)} gradient rows")
+            self.shards[name].check_ids(table_ids)
+            out[name] = merge_duplicates(table_ids, table_rows)
+        return out
+
+    def lookup(self, ids: Mapping[str, np.ndarray]) -> List[Tuple[str, torch.Tensor]]:
+        """``[("<table>@rows", rows)]`` for the ids asked of each table, in request order."""
+        return [(self.specs[name].rows_name, torch.from_numpy(self.shards[name].lookup(table_ids)))
+                for name, table_ids in ids.items()]
+
+    def apply(self, grads: Mapping[str, SparseGrad], step: int) -> None:
+        """One optimizer step per table in ``grads``, with the table's lr of ``step``."""
+        for name, (ids, rows) in grads.items():
+            self.shards[name].apply(ids, rows, self.schedules[name].lr_at(step))
+
+    def apply_mean(self, parts: Mapping[str, List[SparseGrad]], n_trainers: int, step: int) -> None:
+        """Apply the mean over ``n_trainers`` of each table's pushed parts (sync mode).
+
+        Rows several trainers pushed are summed before the division, so the
+        update equals one process's gradient of the concatenated batch.
+        """
+        for name, table_parts in parts.items():
+            if len(table_parts) == 1:
+                ids, rows = table_parts[0]
+            else:
+                ids, rows = merge_duplicates(np.concatenate([p[0] for p in table_parts]),
+                                             torch.cat([p[1] for p in table_parts]))
+            self.shards[name].apply(ids, rows / n_trainers, self.schedules[name].lr_at(step))
+
+    def save(self, root: str) -> List[str]:
+        """Write every shard to ``root/<table>/shard-K-of-N``; returns those directories."""
+        paths = []
+        for name, shard in self.shards.items():
+            path = shard_directory(root, name, self.shard, self.n_shards)
+            shard.save(path)
+            paths.append(path)
+        return paths
+
+    @property
+    def rows(self) -> int:
+        return sum(len(s) for s in self.shards.values())
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.nbytes for s in self.shards.values())
+
+    def names(self) -> Iterable[str]:
+        return self.specs.keys()

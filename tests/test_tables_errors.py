@@ -1,0 +1,104 @@
+"""Bad sparse pushes and prefetches are refused with a clear status and change nothing."""
+import math
+
+import grpc
+import numpy as np
+import pytest
+import torch
+
+from cluster import LocalCluster
+from psproto import ps_pb2, ps_pb2_grpc
+from psproto.codec import encode_chunks
+from table_models import DIM, table_program
+from test_pserver_errors import expect_refusal, push_messages
+from transpiler import shard_of
+
+
+@pytest.fixture
+def cluster():
+    with LocalCluster(lambda: table_program("adagrad", lr=0.1), 2, 2) as c:
+        yield c
+
+
+@pytest.fixture
+def stub(cluster):
+    with grpc.insecure_channel(cluster.endpoints[0]) as channel:
+        yield ps_pb2_grpc.ParameterServerStub(channel)
+
+
+def ids_of_shard(shard, n=5, seed=0):
+    candidates = np.random.default_rng(seed).integers(-2**63, 2**63 - 1, size=200, dtype=np.int64)
+    return candidates[shard_of(candidates, 2) == shard][:n]
+
+
+def prefetch_messages(digest, tensors, trainer_id=0, min_version=0):
+    h = ps_pb2.PrefetchHeader(trainer_id=trainer_id, min_version=min_version, layout_digest=digest)
+    return iter([ps_pb2.PrefetchChunk.FromString(b) for b in encode_chunks(h, tensors, 1 << 16)])
+
+
+@pytest.mark.timeout(30)
+def test_bad_sparse_pushes_are_refused_and_change_nothing(cluster, stub):
+    server = cluster.servers[0]
+    digest = server.program.layout_digest
+    mine, theirs = torch.from_numpy(ids_of_shard(0)), torch.from_numpy(ids_of_shard(1))
+    rows = torch.full((len(mine), DIM), 0.25)
+    nan_rows = rows.clone()
+    nan_rows[2, 1] = math.nan
+    cases = [
+        ([("emb@ids", mine), ("emb@rows", rows[:3])], "5 ids but 3 gradient rows"),
+        ([("emb@ids", mine), ("emb@rows", torch.zeros(len(mine), DIM + 1))], "expected [n, 6]"),
+        ([("nope@ids", mine), ("nope@rows", rows)], "unknown tensor 'nope@ids'"),
+        ([("emb@ids", mine)], "needs both 'emb@ids' and 'emb@rows'"),
+        ([("emb@ids", theirs), ("emb@rows", rows)], "shard"),
+        ([("emb@ids", mine.float()), ("emb@rows", rows)], "dtype 'float32', expected 'int64'"),
+        ([("emb@ids", mine), ("emb@rows", rows.double())], "dtype 'float64', expected 'float32'"),
+        ([("emb@ids", mine), ("emb@rows", nan_rows)], "NaN or Inf"),
+    ]
+    for tensors, match in cases:
+        details = expect_refusal(lambda: stub.Push(push_messages(digest, tensors=tensors), timeout=10),
+                                 grpc.StatusCode.INVALID_ARGUMENT, match)
+        assert server.endpoint in details
+    tables = server.engine.tables
+    assert server.engine.version == 0 and not server.engine.pending and not server.engine.sparse_parts
+    assert tables.rows == 0 and all(s.step == 0 for s in tables.shards.values())
+    # The pserver still serves: a valid step from both trainers is applied.
+    for trainer_id in (0, 1):
+        reply = stub.Push(push_messages(digest, trainer_id, 0, [("emb@ids", mine), ("emb@rows", rows)]),
+                          timeout=10)
+        assert reply.applied
+    assert server.engine.version == 1 and tables.rows == len(mine)
+    assert tables.shards["emb"].step == 1 and tables.shards["bag"].step == 0
+
+
+@pytest.mark.timeout(30)
+def test_bad_prefetches_are_refused(cluster, stub):
+    digest = cluster.servers[0].program.layout_digest
+    mine, theirs = torch.from_numpy(ids_of_shard(0)), torch.from_numpy(ids_of_shard(1))
+    prefetch = lambda tensors, **kw: list(stub.Prefetch(prefetch_messages(digest, tensors, **kw), timeout=10))  # noqa: E731
+    cases = [
+        (lambda: prefetch([("nope@ids", mine)]), grpc.StatusCode.INVALID_ARGUMENT, "unknown tensor 'nope@ids'"),
+        (lambda: prefetch([("emb@rows", torch.zeros(2, DIM))]), grpc.StatusCode.INVALID_ARGUMENT, "only '<table>@ids'"),
+        (lambda: prefetch([("emb@ids", theirs)]), grpc.StatusCode.INVALID_ARGUMENT, "shard"),
+        (lambda: prefetch([("emb@ids", mine)], trainer_id=7), grpc.StatusCode.INVALID_ARGUMENT, "out of range"),
+        (lambda: prefetch([("emb@ids", mine)], min_version=5), grpc.StatusCode.FAILED_PRECONDITION,
+         "can only reach 1 next"),
+        (lambda: list(stub.Prefetch(prefetch_messages("bad", [("emb@ids", mine)]), timeout=10)),
+         grpc.StatusCode.FAILED_PRECONDITION, "plan mismatch"),
+    ]
+    for call, code, match in cases:
+        expect_refusal(call, code, match)
+    # A good prefetch answers with the initial rows, and does not create them.
+    (chunk,) = prefetch([("emb@ids", mine)])
+    assert cluster.servers[0].engine.tables.rows == 0
+    assert chunk  # encoded PullChunk bytes
+
+
+@pytest.mark.timeout(30)
+def test_lookup_errors_name_the_table(cluster):
+    with cluster.trainer(0) as tr:
+        with pytest.raises(KeyError, match="'head' is not a distributed table"):
+            tr.pull_rows("head", torch.tensor([1]))
+        with pytest.raises(TypeError, match="integer"):
+            tr.model.emb(torch.tensor([[0.5, 1.0, 2.0]]))
+        with pytest.raises(TypeError, match="takes no offsets"):
+            tr.model.emb(torch.tensor([1, 2]), offsets=torch.tensor([0]))

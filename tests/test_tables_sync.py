@@ -1,0 +1,115 @@
+"""Distributed tables train exactly like single-process torch with nn.Embedding(sparse=True).
+
+2 pservers x 2 trainers, sync: after k steps the pulled rows and the dense
+parameters equal one process on the concatenated batch, for SGD, Adagrad
+and SparseAdam on the tables. Async with one trainer is the same sequence of
+updates, so it must match too.
+"""
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from cluster import LocalCluster
+from table_models import BAG_VOCAB, VOCAB, single_process, table_batches, table_program
+
+STEPS = 4
+PER_TRAINER = 8
+
+CASES = {
+    # dense optimizer kwargs; the table optimizer is derived (sgd->sgd, adagrad->adagrad, adam->SparseAdam)
+    "sgd": dict(lr=0.5),
+    "adagrad": dict(lr=0.3, lr_decay=0.01, initial_accumulator_value=0.1),
+    "adam": dict(lr=0.05, weight_decay=0.01, lr_scheduler="StepLR",
+                 lr_scheduler_kwargs={"step_size": 2, "gamma": 0.5}),
+}
+
+
+def train(cluster, data):
+    def body(tr, i):
+        for step_batches in data:
+            ids, bag, y = step_batches[i]
+            nn.functional.cross_entropy(tr.model(ids, bag), y).backward()
+            tr.step()
+        return (tr.state_dict(), {"emb": tr.pull_rows("emb", torch.from_numpy(VOCAB)),
+                                  "bag": tr.pull_rows("bag", torch.from_numpy(BAG_VOCAB))})
+    return cluster.run_trainers(body)
+
+
+def assert_matches(result, expected, rtol=1e-5, atol=1e-6):
+    (state, rows), (ref_state, ref_rows) = result, expected
+    assert state.keys() == ref_state.keys()
+    for name in ref_state:
+        torch.testing.assert_close(state[name], ref_state[name], rtol=rtol, atol=atol,
+                                   msg=lambda m: f"{name}: {m}")
+    for name in ref_rows:
+        torch.testing.assert_close(rows[name], ref_rows[name], rtol=rtol, atol=atol,
+                                   msg=lambda m: f"table {name}: {m}")
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("optimizer", sorted(CASES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_sync_tables_match_single_process(optimizer, dtype):
+    data = table_batches(2, PER_TRAINER, STEPS)
+    build = lambda: table_program(optimizer, dtype, **CASES[optimizer])  # noqa: E731
+    with LocalCluster(build, 2, 2) as cluster:
+        results = train(cluster, data)
+        assert all(s.engine.tables.rows > 0 for s in cluster.servers)  # both shards hold rows
+    expected = single_process(build(), data)
+    for i in (0, 1):
+        assert_matches(results[i], expected)
+    # Training really moved the rows that were looked up (a no-op would match a no-op).
+    initial = table_program(optimizer, dtype).tables[0]
+    from transpiler import initial_rows
+    start = torch.from_numpy(initial_rows(initial, VOCAB))
+    moved = (results[0][1]["emb"] - start).abs().amax(dim=1) > 1e-4
+    assert 0 < int(moved.sum()) < len(VOCAB)  # some ids were never drawn: those rows stay put
+
+
+@pytest.mark.timeout(60)
+def test_table_optimizer_can_differ_from_dense():
+    """Dense momentum SGD, tables trained by Adagrad and SparseAdam given per table."""
+    tables = {"emb": {"optimizer": "adagrad", "optimizer_kwargs": {"lr": 0.2}},
+              "bag": {"optimizer": "adam", "optimizer_kwargs": {"lr": 0.03, "betas": (0.8, 0.9)},
+                      "init": "uniform", "init_kwargs": {"a": -0.5, "b": 0.5}}}
+    data = table_batches(2, PER_TRAINER, STEPS, seed=9)
+    build = lambda: table_program("momentum", tables=tables, lr=0.1)  # noqa: E731
+    with LocalCluster(build, 3, 2) as cluster:
+        results = train(cluster, data)
+    expected = single_process(build(), data)
+    assert_matches(results[1], expected)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("optimizer", ["adagrad", "adam"])
+def test_async_single_trainer_matches_single_process(optimizer):
+    data = table_batches(1, 2 * PER_TRAINER, STEPS, seed=4)
+    build = lambda: table_program(optimizer, **CASES[optimizer])  # noqa: E731
+    with LocalCluster(build, 2, 1, sync_mode=False) as cluster:
+        results = train(cluster, data)
+    assert_matches(results[0], single_process(build(), data))
+
+
+@pytest.mark.timeout(60)
+def test_explicit_prefetch_serves_lookups_in_one_round_trip():
+    """tr.prefetch() fetches every table at once; the step's lookups then ask the pservers nothing."""
+    data = table_batches(2, PER_TRAINER, STEPS, seed=2)
+    build = lambda: table_program("sgd", lr=0.5)  # noqa: E731
+    with LocalCluster(build, 2, 2) as cluster:
+        def body(tr, i):
+            calls = []
+            send = tr.comm.prefetch
+            tr.comm.prefetch = lambda ep, *a: calls.append(ep) or send(ep, *a)
+            for step_batches in data:
+                ids, bag, y = step_batches[i]
+                tr.prefetch({"emb": ids, "bag": bag})
+                assert sorted(calls) == sorted(cluster.endpoints)  # one round trip per pserver
+                nn.functional.cross_entropy(tr.model(ids, bag), y).backward()
+                assert len(calls) == 2  # the lookups asked nothing more
+                calls.clear()
+                tr.step()
+            return (tr.state_dict(), {"emb": tr.pull_rows("emb", torch.from_numpy(VOCAB)),
+                                      "bag": tr.pull_rows("bag", torch.from_numpy(BAG_VOCAB))})
+        results = cluster.run_trainers(body)
+    assert_matches(results[0], single_process(build(), data))

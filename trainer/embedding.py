@@ -1,0 +1,222 @@
+"""Distributed embedding on the trainer: dedupe ids, route them, prefetch rows, push sparse gradients.
+
+The trainer replaces every distributed ``nn.Embedding`` / ``nn.EmbeddingBag``
+of the model with a :class:`DistributedEmbedding`. A lookup
+
+1. dedupes the batch's ids (``np.unique``),
+2. takes their rows from this step's prefetch cache, fetching any others
+   from the pservers (each id from pserver ``stable_hash(id) % #pservers``,
+   one round trip per pserver, all pservers in parallel),
+3. makes the unique rows a leaf tensor and runs torch's own
+   ``F.embedding`` / ``F.embedding_bag`` on it, so autograd merges the
+   gradients of duplicate ids into one row per id.
+
+At :meth:`TableClient.take_gradients` the leaves' gradients become, per
+pserver, the ``"<table>@ids"`` / ``"<table>@rows"`` tensors of the push.
+"""
+from __future__ import annotations
+
+from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from transpiler import TableSpec, merge_duplicates, shard_of
+
+# endpoint -> [(wire name, tensor)]
+Pieces = Dict[str, List[Tuple[str, torch.Tensor]]]
+# (pieces per endpoint, min_version) -> {endpoint: {wire name: rows}}
+Fetch = Callable[[Pieces, int], Dict[str, Dict[str, torch.Tensor]]]
+
+
+def _ids_array(ids) -> np.ndarray:
+    """A flat int64 numpy array of ``ids`` (a tensor, array or sequence of ints)."""
+    if isinstance(ids, torch.Tensor):
+        if ids.dtype not in (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8):
+            raise TypeError(f"embedding ids must be an integer tensor, got {ids.dtype}")
+        return ids.detach().to("cpu", torch.int64).reshape(-1).numpy()
+    arr = np.asarray(ids)
+    if arr.dtype.kind not in "iu":
+        raise TypeError(f"embedding ids must be integers, got dtype {arr.dtype}")
+    return arr.astype(np.int64, copy=False).reshape(-1)
+
+
+class TableClient:
+    """A trainer's side of every distributed table: routing, prefetch cache, pending gradients.
+
+    ``fetch`` performs one prefetch round trip per pserver given; the
+    trainer passes its communicator's. ``min_version`` returns the pserver
+    version a read must see (sync: the current step; async: 0).
+    """
+
+    def __init__(self, tables: Sequence[TableSpec], pservers: Sequence[str], fetch: Fetch,
+                 min_version: Callable[[], int]):
+        self.specs: Dict[str, TableSpec] = {t.name: t for t in tables}
+        self.pservers = list(pservers)
+        self._fetch = fetch
+        self._min_version = min_version
+        self._cache: Dict[str, Tuple[np.ndarray, torch.Tensor]] = {}
+        self._lookups: Dict[str, List[Tuple[np.ndarray, torch.Tensor]]] = {}
+
+    def spec(self, table: str) -> TableSpec:
+        spec = self.specs.get(table)
+        if spec is None:
+            raise KeyError(f"{table!r} is not a distributed table; tables: {sorted(self.specs)}")
+        return spec
+
+    # -- reads ----------------------------------------------------------------
+
+    def _route(self, ids: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+        """(order, bounds): ``ids[order[bounds[k]:bounds[k+1]]]`` belong to pserver k."""
+        shards = shard_of(ids, len(self.pservers))
+        order = np.argsort(shards, kind="stable")
+        bounds = np.zeros(len(self.pservers) + 1, dtype=np.int64)
+        np.cumsum(np.bincount(shards, minlength=len(self.pservers)), out=bounds[1:])
+        return order, bounds
+
+    def fetch(self, wanted: Mapping[str, np.ndarray]) -> Dict[str, torch.Tensor]:
+        """Rows of ``wanted`` ({table: unique ids}) from the pservers, one round trip per pserver.
+
+        Returns ``{table: rows}`` with rows in the order of the ids given.
+        """
+        pieces: Pieces = {}
+        routes = {}
+        for table, ids in wanted.items():
+            if ids.size == 0:
+                continue
+            order, bounds = self._route(ids)
+            routes[table] = (order, bounds)
+            for k, ep in enumerate(self.pservers):
+                if bounds[k + 1] > bounds[k]:
+                    part = torch.from_numpy(ids[order[bounds[k]:bounds[k + 1]]])
+                    pieces.setdefault(ep, []).append((self.specs[table].ids_name, part))
+        replies = self._fetch(pieces, self._min_version()) if pieces else {}
+        out = {}
+        for table, ids in wanted.items():
+            spec = self.specs[table]
+            rows = torch.empty((ids.size, spec.dim), dtype=getattr(torch, spec.dtype))
+            if table in routes:
+                order, bounds = routes[table]
+                for k, ep in enumerate(self.pservers):
+                    if bounds[k + 1] > bounds[k]:
+                        rows[torch.from_numpy(order[bounds[k]:bounds[k + 1]])] = replies[ep][spec.rows_name]
+            out[table] = rows
+        return out
+
+    def prefetch(self, ids: Mapping[str, object]) -> None:
+        """Fetch the rows of several tables' ids at once, for this step's lookups to use."""
+        wanted = {}
+        for table, table_ids in ids.items():
+            self.spec(table)
+            wanted[table] = np.unique(_ids_array(table_ids))
+        for table, rows in self.fetch(wanted).items():
+            self._cache[table] = (wanted[table], rows)
+
+    def rows(self, table: str, unique_ids: np.ndarray) -> torch.Tensor:
+        """Rows of sorted unique ids: from this step's prefetch where possible, else fetched."""
+        cached = self._cache.get(table)
+        if cached is None:
+            return self.fetch({table: unique_ids})[table]
+        cached_ids, cached_rows = cached
+        pos = np.minimum(np.searchsorted(cached_ids, unique_ids), max(cached_ids.size - 1, 0))
+        hit = cached_ids[pos] == unique_ids if cached_ids.size else np.zeros(unique_ids.size, bool)
+        if hit.all():
+            return cached_rows[torch.from_numpy(pos)]
+        rows = torch.empty((unique_ids.size, cached_rows.shape[1]), dtype=cached_rows.dtype)
+        rows[torch.from_numpy(hit)] = cached_rows[torch.from_numpy(pos[hit])]
+        rows[torch.from_numpy(~hit)] = self.fetch({table: unique_ids[~hit]})[table]
+        return rows
+
+    def pull_rows(self, table: str, ids) -> torch.Tensor:
+        """Current rows of ``ids`` (any shape, repeats allowed): ``ids.shape + (dim,)``."""
+        spec = self.spec(table)
+        flat = _ids_array(ids)
+        unique, inverse = np.unique(flat, return_inverse=True)
+        rows = self.fetch({table: unique})[table][torch.from_numpy(inverse.reshape(-1))]
+        shape = tuple(ids.shape) if hasattr(ids, "shape") else (flat.size,)
+        return rows.reshape(shape + (spec.dim,))
+
+    # -- gradients --------------------------------------------------------------
+
+    def record(self, table: str, unique_ids: np.ndarray, leaf: torch.Tensor) -> None:
+        """Remember a lookup's leaf rows; their gradient is pushed at the next step."""
+        self._lookups.setdefault(table, []).append((unique_ids, leaf))
+
+    def take_gradients(self) -> Pieces:
+        """This step's sparse gradients as push tensors per pserver; clears lookups and cache.
+
+        A table whose lookups got a gradient is sent to every pserver, with no
+        rows where none of its ids live: the pserver then still counts the
+        table's optimizer step, as torch counts a step of a weight with a
+        gradient.
+        """
+        pieces: Pieces = {ep: [] for ep in self.pservers}
+        for table, lookups in self._lookups.items():
+            spec = self.specs[table]
+            with_grad = [(ids, leaf.grad) for ids, leaf in lookups if leaf.grad is not None]
+            if not with_grad:
+                continue
+            ids = np.concatenate([ids for ids, _ in with_grad])
+            grads = torch.cat([g.to("cpu") for _, g in with_grad]) if len(with_grad) > 1 \
+                else with_grad[0][1].to("cpu")
+            ids, grads = merge_duplicates(ids, grads)
+            if spec.padding_idx is not None:
+                keep = ids != spec.padding_idx
+                if not keep.all():
+                    ids, grads = ids[keep], grads[torch.from_numpy(keep)]
+            order, bounds = self._route(ids)
+            order_t = torch.from_numpy(order)
+            ids, grads = ids[order], grads[order_t]
+            for k, ep in enumerate(self.pservers):
+                lo, hi = int(bounds[k]), int(bounds[k + 1])
+                pieces[ep] += [(spec.ids_name, torch.from_numpy(ids[lo:hi])),
+                               (spec.rows_name, grads[lo:hi])]
+        self.clear()
+        return pieces
+
+    def clear(self) -> None:
+        """Forget this step's lookups and prefetched rows."""
+        self._lookups = {}
+        self._cache = {}
+
+
+class DistributedEmbedding(torch.nn.Module):
+    """Stands in for a distributed ``nn.Embedding`` / ``nn.EmbeddingBag``: rows come from pservers.
+
+    Called like the module it replaces: ``(ids)`` for an embedding (output
+    ``ids.shape + (dim,)``), ``(ids, offsets=None, per_sample_weights=None)``
+    for a bag (output ``(bags, dim)``). It holds no parameters.
+    """
+
+    def __init__(self, spec: TableSpec, client: TableClient):
+        super().__init__()
+        self.spec = spec
+        self._client = client
+
+    def forward(self, input: torch.Tensor, offsets: Optional[torch.Tensor] = None,
+                per_sample_weights: Optional[torch.Tensor] = None) -> torch.Tensor:
+        spec = self.spec
+        if spec.kind == "embedding" and (offsets is not None or per_sample_weights is not None):
+            raise TypeError(f"distributed table {spec.name!r} is an nn.Embedding: it takes no offsets")
+        unique, inverse = np.unique(_ids_array(input), return_inverse=True)
+        rows = self._client.rows(spec.name, unique).to(input.device)
+        padding = None
+        if spec.padding_idx is not None:
+            at = np.flatnonzero(unique == spec.padding_idx)
+            if at.size:
+                padding = int(at[0])
+                rows[padding] = 0
+        if torch.is_grad_enabled():
+            rows.requires_grad_(True)
+            self._client.record(spec.name, unique, rows)
+        index = torch.from_numpy(inverse.reshape(-1)).to(input.device).view(input.shape)
+        if spec.kind == "embedding":
+            return F.embedding(index, rows, padding_idx=padding)
+        return F.embedding_bag(index, rows, offsets, mode=spec.mode,
+                               per_sample_weights=per_sample_weights,
+                               include_last_offset=spec.include_last_offset, padding_idx=padding)
+
+    def extra_repr(self) -> str:
+        kind = f"EmbeddingBag mode={self.spec.mode}" if self.spec.kind == "bag" else "Embedding"
+        return f"{self.spec.name!r}, dim={self.spec.dim}, distributed {kind}"

@@ -1,0 +1,299 @@
+"""Distributed tables: what a sparse embedding table is, where its ids live, how rows start.
+
+A distributed table replaces an ``nn.Embedding`` / ``nn.EmbeddingBag`` of the
+user's model. It lives only on the pservers, sharded by id: id ``i`` belongs to
+shard ``stable_hash_ids(i) % #pservers`` (the pserver at that position of the
+pserver list). Ids are any int64; ``num_embeddings`` is only a capacity hint.
+
+A row that was never updated has its *initial value*, a pure function of
+(table seed, id) computed by :func:`initial_rows`, so a run does not depend on
+the number of pservers or on the order in which ids arrive.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Dict, Mapping, Optional, Union
+
+import numpy as np
+import torch
+
+from .hashing import stable_hash_ids, stable_hash_name
+from .optim import OptimizerSpec
+
+# Sparse optimizers, with torch's semantics for sparse gradients: the class
+# whose update a table applies, and the only keyword arguments it takes.
+# "adam" is torch.optim.SparseAdam: torch.optim.Adam refuses sparse gradients.
+TABLE_OPTIMIZERS = {
+    "sgd": (torch.optim.SGD, {}),
+    "adagrad": (torch.optim.Adagrad, {}),
+    "adam": (torch.optim.SparseAdam, {}),
+}
+_TABLE_OPTIMIZER_KWARGS = {
+    "sgd": {"lr"},
+    "adagrad": {"lr", "lr_decay", "initial_accumulator_value", "eps"},
+    "adam": {"lr", "betas", "eps"},
+}
+# The table optimizer a dense optimizer implies, and which of its kwargs carry over.
+_DERIVED = {
+    "sgd": "sgd", "momentum": "sgd",
+    "adagrad": "adagrad",
+    "adam": "adam", "adamw": "adam",
+}
+
+ROW_INITS = {"normal": {"mean": 0.0, "std": 1.0}, "uniform": {"a": 0.0, "b": 1.0}, "zeros": {}}
+TABLE_DTYPES = {"float32": np.float32, "float64": np.float64}
+BAG_MODES = ("sum", "mean", "max")
+
+# Reserved in names: a sparse gradient travels as tensors "<table>@ids" and "<table>@rows".
+SPARSE_SEPARATOR = "@"
+
+
+class TableOptimizerSpec(OptimizerSpec):
+    """A table's sparse optimizer: ``sgd``, ``adagrad`` or ``adam`` (SparseAdam semantics).
+
+    Takes torch's keyword names and defaults (``lr``; adagrad ``lr_decay``,
+    ``initial_accumulator_value``, ``eps``; adam ``betas``, ``eps``). Weight
+    decay and momentum are refused, as torch refuses them for sparse gradients.
+    """
+
+    registry = TABLE_OPTIMIZERS
+    what = "table optimizer"
+
+    def _check_optimizer_kwargs(self, cls: type) -> None:
+        allowed = _TABLE_OPTIMIZER_KWARGS[self.name]
+        unknown = sorted(set(self.kwargs) - allowed)
+        if unknown:
+            raise ValueError(f"table optimizer {self.name!r} does not take {unknown}; it accepts "
+                             f"{sorted(allowed)} (sparse updates have no weight decay or momentum)")
+
+    @classmethod
+    def derived_from(cls, dense: OptimizerSpec) -> "TableOptimizerSpec":
+        """The table optimizer a program's dense optimizer implies, with its schedule.
+
+        sgd/momentum -> sgd, adagrad -> adagrad, adam/adamw -> adam (SparseAdam);
+        only the keyword arguments the sparse form takes carry over.
+        """
+        name = _DERIVED.get(dense.name)
+        if name is None:
+            raise ValueError(f"optimizer {dense.name!r} has no sparse form for distributed tables; "
+                             f"give the table an optimizer: one of {sorted(TABLE_OPTIMIZERS)}")
+        kwargs = {k: v for k, v in dense.kwargs.items() if k in _TABLE_OPTIMIZER_KWARGS[name]}
+        return cls(name, kwargs, dense.lr_scheduler, dict(dense.lr_scheduler_kwargs))
+
+
+@dataclass
+class TableOptions:
+    """How a distributed table is trained and initialised (all optional).
+
+    - ``optimizer`` (str or None, None): "sgd", "adagrad" or "adam"; None takes
+      the sparse form of the program's optimizer (see
+      :meth:`TableOptimizerSpec.derived_from`). ``optimizer_kwargs``: its
+      keyword arguments; the program's lr schedule applies to it as well.
+    - ``init`` (str, "normal"): initial rows, as ``torch.nn.init``'s
+      ``normal_`` (``mean``, ``std``), ``uniform_`` (``a``, ``b``) or
+      ``zeros_``, with ``init_kwargs``. "normal" with std 1 is what
+      ``nn.Embedding`` itself does.
+    - ``seed`` (int or None, None): seed of the initial rows; None derives it
+      from the table name, so every role agrees without configuration.
+    """
+
+    optimizer: Optional[str] = None
+    optimizer_kwargs: Dict[str, object] = field(default_factory=dict)
+    init: str = "normal"
+    init_kwargs: Dict[str, float] = field(default_factory=dict)
+    seed: Optional[int] = None
+
+
+@dataclass
+class TableSpec:
+    """A distributed table in a plan: shape, lookup kind, initial rows, optimizer.
+
+    ``kind`` is "embedding" or "bag" (``nn.EmbeddingBag``, pooled by ``mode``);
+    ``capacity`` is the module's ``num_embeddings``, a sizing hint only;
+    ``padding_idx`` rows are zero and never trained, as in torch.
+    """
+
+    name: str
+    dim: int
+    dtype: str
+    kind: str
+    capacity: int
+    seed: int
+    init: str
+    init_kwargs: Dict[str, float]
+    optimizer: TableOptimizerSpec
+    mode: str = ""
+    padding_idx: Optional[int] = None
+    include_last_offset: bool = False
+
+    @property
+    def ids_name(self) -> str:
+        """Wire name of this table's id tensors."""
+        return f"{self.name}{SPARSE_SEPARATOR}ids"
+
+    @property
+    def rows_name(self) -> str:
+        """Wire name of this table's row tensors (values or gradients)."""
+        return f"{self.name}{SPARSE_SEPARATOR}rows"
+
+    @property
+    def row_bytes(self) -> int:
+        return self.dim * np.dtype(TABLE_DTYPES[self.dtype]).itemsize
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["optimizer"] = self.optimizer.to_dict()
+        return d
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "TableSpec":
+        data = dict(data)
+        data["optimizer"] = TableOptimizerSpec.from_dict(data["optimizer"])
+        return cls(**data)
+
+
+def table_spec(name: str, module: torch.nn.Module, options: TableOptions,
+               dense_optimizer: OptimizerSpec) -> TableSpec:
+    """Describe ``module`` (an ``nn.Embedding`` or ``nn.EmbeddingBag``) as a distributed table.
+
+    Raises ValueError for what a distributed table cannot do (``max_norm``,
+    ``scale_grad_by_freq``, a non-float32/float64 weight) or bad options.
+    """
+    if SPARSE_SEPARATOR in name:
+        raise ValueError(f"distributed table name {name!r} must not contain {SPARSE_SEPARATOR!r}")
+    if isinstance(module, torch.nn.EmbeddingBag):
+        kind, mode = "bag", module.mode
+        if mode not in BAG_MODES:
+            raise ValueError(f"distributed table {name!r}: EmbeddingBag mode {mode!r} is not one of {BAG_MODES}")
+    elif isinstance(module, torch.nn.Embedding):
+        kind, mode = "embedding", ""
+    else:
+        raise ValueError(f"distributed table {name!r} is not an nn.Embedding or nn.EmbeddingBag module "
+                         f"of the model (it is {type(module).__name__})")
+    if module.max_norm is not None:
+        raise ValueError(f"distributed table {name!r}: max_norm renormalises rows in place during "
+                         f"lookup, which a distributed table cannot do; remove it")
+    if module.scale_grad_by_freq:
+        raise ValueError(f"distributed table {name!r}: scale_grad_by_freq depends on the local batch, "
+                         f"so sync training would differ from one process; remove it")
+    dtype = str(module.weight.dtype).replace("torch.", "")
+    if dtype not in TABLE_DTYPES:
+        raise ValueError(f"distributed table {name!r} has dtype {dtype}; tables hold "
+                         f"{sorted(TABLE_DTYPES)}")
+    if options.init not in ROW_INITS:
+        raise ValueError(f"distributed table {name!r}: init {options.init!r} is not one of {sorted(ROW_INITS)}")
+    unknown = sorted(set(options.init_kwargs) - set(ROW_INITS[options.init]))
+    if unknown:
+        raise ValueError(f"distributed table {name!r}: init {options.init!r} does not take {unknown}; "
+                         f"it accepts {sorted(ROW_INITS[options.init])}")
+    if options.optimizer is None:
+        if options.optimizer_kwargs:
+            raise ValueError(f"distributed table {name!r}: optimizer_kwargs given without an optimizer")
+        optimizer = TableOptimizerSpec.derived_from(dense_optimizer)
+    else:
+        optimizer = TableOptimizerSpec(options.optimizer, dict(options.optimizer_kwargs),
+                                       dense_optimizer.lr_scheduler,
+                                       dict(dense_optimizer.lr_scheduler_kwargs))
+    seed = options.seed
+    if seed is None:
+        seed = stable_hash_name(f"table:{name}") & 0x7FFFFFFFFFFFFFFF
+    if not isinstance(seed, int) or not 0 <= seed < 1 << 63:
+        raise ValueError(f"distributed table {name!r}: seed must be an int in [0, 2**63), got {seed!r}")
+    init_kwargs = {**ROW_INITS[options.init], **{k: float(v) for k, v in options.init_kwargs.items()}}
+    return TableSpec(name=name, dim=module.embedding_dim, dtype=dtype, kind=kind,
+                     capacity=module.num_embeddings, seed=seed, init=options.init,
+                     init_kwargs=init_kwargs, optimizer=optimizer, mode=mode,
+                     padding_idx=module.padding_idx,
+                     include_last_offset=bool(getattr(module, "include_last_offset", False)))
+
+
+def table_options(value: Union[None, TableOptions, Mapping[str, object]]) -> TableOptions:
+    """Accept ``None``, a :class:`TableOptions` or a plain dict of its fields."""
+    if value is None:
+        return TableOptions()
+    if isinstance(value, TableOptions):
+        return value
+    if isinstance(value, Mapping):
+        known = {f.name for f in dataclasses.fields(TableOptions)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"unknown table options {unknown}; known: {sorted(known)}")
+        return TableOptions(**value)
+    raise TypeError(f"table options must be a TableOptions or a dict, got {type(value).__name__}")
+
+
+def shard_of(ids: np.ndarray, n_shards: int) -> np.ndarray:
+    """The shard (pserver index) of every id: ``stable_hash_ids(id) % n_shards``, as int64."""
+    return (stable_hash_ids(ids) % np.uint64(n_shards)).astype(np.int64)
+
+
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+_COLUMN = np.uint64(0xD1B54A32D192ED03)
+
+
+def _mix(x: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser on uint64 arrays, in place."""
+    x ^= x >> np.uint64(30)
+    x *= np.uint64(0xBF58476D1CE4E5B9)
+    x ^= x >> np.uint64(27)
+    x *= np.uint64(0x94D049BB133111EB)
+    x ^= x >> np.uint64(31)
+    return x
+
+
+def _unit(bits: np.ndarray) -> np.ndarray:
+    """Uniform floats in (0, 1] from the top 53 bits of uint64 values."""
+    return ((bits >> np.uint64(11)).astype(np.float64) + 1.0) * (1.0 / (1 << 53))
+
+
+def initial_rows(spec: TableSpec, ids: np.ndarray) -> np.ndarray:
+    """Initial values of the rows ``ids`` of table ``spec``: (len(ids), dim), the table's dtype.
+
+    Element (id, j) is drawn from a counter-based generator keyed by
+    (spec.seed, id, j): splitmix64 hashes give uniform bits, Box-Muller turns
+    two of them into a normal draw. A pure function of (seed, id), vectorised
+    over all ids; the ``padding_idx`` row is zero, as in ``nn.Embedding``.
+    """
+    ids = np.ascontiguousarray(ids, dtype=np.int64).reshape(-1)
+    dtype = TABLE_DTYPES[spec.dtype]
+    if spec.init == "zeros" or ids.size == 0:
+        return np.zeros((ids.size, spec.dim), dtype=dtype)
+    with np.errstate(over="ignore"):
+        base = _mix(ids.view(np.uint64) * _GOLDEN + np.uint64(spec.seed))
+        cols = np.arange(1, spec.dim + 1, dtype=np.uint64) * _COLUMN
+        u1 = _unit(_mix(base[:, None] ^ cols[None, :]))
+        kw = spec.init_kwargs
+        if spec.init == "uniform":
+            out = kw["a"] + (kw["b"] - kw["a"]) * (1.0 - u1)  # [a, b)
+        else:
+            u2 = _unit(_mix((base[:, None] + _GOLDEN) ^ cols[None, :]))
+            normal = np.sqrt(-2.0 * np.log(u1)) * np.cos((2.0 * math.pi) * u2)
+            out = kw["mean"] + kw["std"] * normal
+    out = out.astype(dtype, copy=False)
+    if spec.padding_idx is not None:
+        out[ids == spec.padding_idx] = 0
+    return out
+
+
+def merge_duplicates(ids: np.ndarray, rows):
+    """(unique ids, per-id sums of ``rows``): one gradient row per id, as torch coalesces.
+
+    ``rows`` is a numpy array or torch tensor with one row per id; the result
+    has the same type. Ids come back sorted when there were duplicates; the
+    inputs come back unchanged (no copy) when the ids were already unique.
+    """
+    ids = np.asarray(ids, dtype=np.int64)
+    if ids.size < 2:
+        return ids, rows
+    unique, inverse = np.unique(ids, return_inverse=True)
+    if unique.size == ids.size:
+        return ids, rows
+    if isinstance(rows, torch.Tensor):
+        summed = torch.zeros((unique.size,) + tuple(rows.shape[1:]), dtype=rows.dtype, device=rows.device)
+        summed.index_add_(0, torch.from_numpy(inverse.reshape(-1)).to(rows.device), rows)
+        return unique, summed
+    summed = np.zeros((unique.size,) + rows.shape[1:], dtype=rows.dtype)
+    np.add.at(summed, inverse.reshape(-1), rows)
+    return unique, summed
