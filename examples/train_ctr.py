@@ -195,6 +195,8 @@ def parse_args(argv=None):
     p.add_argument("--save", default="ctr_dense.pt", help="trainer 0 saves the dense state_dict here")
     p.add_argument("--tables_dir", default="ctr_tables", help="pservers save the table shards here")
     p.add_argument("--export_dir", default="ctr_export", help="trainer 0 exports ids/rows files here")
+    p.add_argument("--no_save", dest="save_model", action="store_false",
+                   help="skip saving and exporting (benchmarks)")
     p.add_argument("--local_capacity", type=int, default=1 << 21,
                    help="local run: rows of the dense nn.Embedding (ids taken modulo this)")
     return p.parse_args(argv)
@@ -253,15 +255,14 @@ def main(argv=None) -> int:
         score = evaluate(tr.model, test)
         log.info("%s: test AUC %.4f after %d steps (%s mode, target %.2f)", role, score, speed.steps,
                  "sync" if args.sync_mode else "async", args.target_auc)
+        if not args.save_model:
+            return 0 if score >= args.target_auc else 1
         torch.save(tr.state_dict(), args.save)
         paths = tr.save_tables(os.path.abspath(args.tables_dir))
         log.info("%s: dense state_dict saved to %s, table shards to %s", role, args.save, paths)
-    from pserver.table_io import export_table
+    from pserver.table_io import export_tables
 
-    for table in ("wide", "deep"):
-        shards = sorted(os.path.join(args.tables_dir, table, d)
-                        for d in os.listdir(os.path.join(args.tables_dir, table)))
-        meta = export_table(shards, args.export_dir)
+    for table, meta in export_tables(args.tables_dir, args.export_dir).items():
         log.info("exported table %s: %d rows to %s", table, meta["rows"], args.export_dir)
     return 0 if score >= args.target_auc else 1
 

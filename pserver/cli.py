@@ -30,6 +30,8 @@ def main(argv=None) -> int:
     parser.add_argument("--endpoint", help="this pserver's endpoint (default: POD_IP:PADDLE_PORT)")
     parser.add_argument("--pservers", help="all pserver endpoints (default: PADDLE_PSERVERS_IP_PORT_LIST)")
     parser.add_argument("--trainers", type=int, help="number of trainers (default: PADDLE_TRAINERS_NUM)")
+    parser.add_argument("--tables_from", help="start the distributed tables from this directory "
+                                              "(written by Trainer.save_tables; any pserver count)")
     parser.add_argument("--log_level", default="INFO", help="logging level (default INFO)")
     add_transpile_arguments(parser)
     args = parser.parse_args(argv)
@@ -49,7 +51,8 @@ def main(argv=None) -> int:
         t = DistributeTranspiler(config_from_args(args))
         t.transpile(0, program=program, pservers=pservers, trainers=trainers, sync_mode=args.sync_mode)
         ps_program = t.get_pserver_program(endpoint)
-        server = ParameterServer(ps_program, t.get_startup_program(endpoint, ps_program))
+        server = ParameterServer(ps_program, t.get_startup_program(endpoint, ps_program),
+                                 tables_from=args.tables_from)
     except (ValueError, TypeError) as e:
         print(f"ps-server: error: {e}", file=sys.stderr)
         return 2

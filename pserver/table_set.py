@@ -8,7 +8,6 @@ applies gradients with each table's optimizer and learning-rate schedule.
 from __future__ import annotations
 
 import logging
-import os
 from typing import Dict, Iterable, List, Mapping, Optional, Tuple
 
 import numpy as np
@@ -18,27 +17,12 @@ from transpiler import LrSchedule, PserverProgram, TableSpec, merge_duplicates
 from transpiler.tables import SPARSE_SEPARATOR
 
 from .table import TableShard
+from .table_io import saved_shards, shard_directory
 
 log = logging.getLogger(__name__)
 
 # (unique ids, gradient rows) of one table.
 SparseGrad = Tuple[np.ndarray, torch.Tensor]
-
-
-def shard_directory(root: str, table: str, shard: int, n_shards: int) -> str:
-    """Where shard ``shard`` of ``n_shards`` of ``table`` is saved under ``root``."""
-    return os.path.join(root, table, f"shard-{shard}-of-{n_shards}")
-
-
-def saved_shards(root: str, table: str) -> List[str]:
-    """Every saved shard directory of ``table`` under ``root`` (any shard count)."""
-    folder = os.path.join(root, table)
-    if not os.path.isdir(folder):
-        raise ValueError(f"no saved shards of table {table!r} under {root!r} (no folder {folder})")
-    found = sorted(os.path.join(folder, d) for d in os.listdir(folder) if d.startswith("shard-"))
-    if not found:
-        raise ValueError(f"no saved shards of table {table!r} in {folder}")
-    return found
 
 
 class TableSet:

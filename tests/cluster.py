@@ -22,8 +22,10 @@ class LocalCluster:
     """
 
     def __init__(self, build: Callable[[], Program], n_pservers: int, n_trainers: int,
-                 sync_mode: bool = True, config: Optional[DistributeTranspilerConfig] = None):
+                 sync_mode: bool = True, config: Optional[DistributeTranspilerConfig] = None,
+                 tables_from: Optional[str] = None):
         self.build = build
+        self.tables_from = tables_from
         self.n_trainers = n_trainers
         self.sync_mode = sync_mode
         self.config = config or DistributeTranspilerConfig()
@@ -41,7 +43,7 @@ class LocalCluster:
         for ep in self.endpoints:
             t = self.transpiler()
             prog = t.get_pserver_program(ep)
-            server = ParameterServer(prog, t.get_startup_program(ep, prog))
+            server = ParameterServer(prog, t.get_startup_program(ep, prog), tables_from=self.tables_from)
             self._stack.enter_context(server)
             self.servers.append(server)
         return self

@@ -231,8 +231,8 @@ class Trainer:
 
         Shards land in ``directory/<table>/shard-K-of-N``; a pserver started
         with ``tables_from=directory`` (any number of pservers) resumes from
-        them, and ``pserver.table_io.export_table`` merges them into one
-        ids/rows file set. Returns the shard directories written.
+        them, and ``python -m pserver.table_io DIRECTORY OUT`` exports them as
+        one ids/rows file set per table. Returns the shard directories written.
         """
         self._check_open()
         replies = self.comm.run_parallel({ep: (lambda ep=ep: self.comm.save_tables(ep, directory))

@@ -1,0 +1,345 @@
+"""Files of distributed-table shards: atomic save, re-sharding load, export for use without a cluster.
+
+A save of a job's tables (``Trainer.save_tables(ROOT)``) puts shard K of N of
+table T in ``ROOT/T/shard-K-of-N`` (:func:`shard_directory`). A saved shard is
+one directory::
+
+    ids.npy       int64 (n,)          the stored ids, in row order
+    rows.npy      dtype (n, dim)      their rows
+    <state>.npy   dtype (n, dim)      one per optimizer state array ("sum" for
+                                      adagrad, "exp_avg" and "exp_avg_sq" for adam)
+    meta.json     table, dim, dtype, optimizer, step, rows, shard, n_shards,
+                  format version and the full table spec (init, seed, ...)
+
+Only stored rows are written, never spare capacity. Every file goes to a
+temporary name in the same directory, is fsynced and renamed; an old
+``meta.json`` is removed first and the new one written last, so a directory
+whose save was interrupted has no ``meta.json`` and is refused, never half
+read. (Saving over the only copy of a checkpoint therefore loses it if the
+save is interrupted: save each checkpoint into a fresh directory.)
+
+Loading memory-maps the files (``np.load(mmap_mode="r")``) and copies the
+selected ids chunk by chunk, so a big shard set needs no second copy in memory.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass
+from typing import Dict, Iterator, List, Sequence, Tuple
+
+import numpy as np
+
+from transpiler.tables import TABLE_DTYPES, TableSpec, shard_of
+
+from .sparse_optim import STATE_NAMES
+
+__all__ = ["FORMAT", "VERSION", "shard_meta", "write_shard", "open_shards", "iter_selected",
+           "export_table", "export_tables", "shard_directory", "saved_shards", "Source"]
+
+log = logging.getLogger(__name__)
+
+FORMAT = "torch-pserver-table-shard"
+VERSION = 1
+META = "meta.json"
+_COPY_ROWS = 1 << 22  # rows copied at once by export
+
+
+def shard_directory(root: str, table: str, shard: int, n_shards: int) -> str:
+    """Where shard ``shard`` of ``n_shards`` of ``table`` is saved under ``root``."""
+    return os.path.join(root, table, f"shard-{shard}-of-{n_shards}")
+
+
+def saved_shards(root: str, table: str) -> List[str]:
+    """Every saved shard directory of ``table`` under ``root`` (any shard count), sorted."""
+    folder = os.path.join(root, table)
+    if not os.path.isdir(folder):
+        raise ValueError(f"no saved shards of table {table!r} under {root!r} (no folder {folder})")
+    found = sorted(os.path.join(folder, d) for d in os.listdir(folder) if d.startswith("shard-"))
+    if not found:
+        raise ValueError(f"no saved shards of table {table!r} in {folder}")
+    return found
+
+
+def shard_meta(spec: TableSpec, shard: int, n_shards: int, step: int, rows: int) -> dict:
+    """The ``meta.json`` of one saved shard."""
+    return {"format": FORMAT, "version": VERSION, "table": spec.name, "dim": spec.dim,
+            "dtype": spec.dtype, "optimizer": spec.optimizer.name, "step": int(step),
+            "rows": int(rows), "shard": int(shard), "n_shards": int(n_shards),
+            "arrays": ["ids", "rows", *STATE_NAMES[spec.optimizer.name]],
+            "spec": spec.to_dict()}
+
+
+def _fsync_dir(directory: str) -> None:
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:  # pragma: no cover - platforms without directory fds
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _atomic_write(path: str, write) -> None:
+    tmp = f"{path}.tmp-{os.getpid()}"
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def _write_json(path: str, data: dict) -> None:
+    _atomic_write(path, lambda f: f.write(json.dumps(data, indent=1, sort_keys=True).encode()))
+
+
+def write_shard(directory: str, arrays: Dict[str, np.ndarray], meta: dict) -> None:
+    """Write ``arrays`` as ``<name>.npy`` and then ``meta.json`` into ``directory``, atomically.
+
+    The previous ``meta.json`` is removed before any array is replaced, so no
+    moment exists at which a meta describes arrays of another save.
+    """
+    os.makedirs(directory, exist_ok=True)
+    meta_path = os.path.join(directory, META)
+    if os.path.exists(meta_path):
+        os.unlink(meta_path)
+        _fsync_dir(directory)
+    for name, array in arrays.items():
+        _atomic_write(os.path.join(directory, f"{name}.npy"),
+                      lambda f, a=array: np.save(f, a, allow_pickle=False))
+    _fsync_dir(directory)
+    _write_json(meta_path, meta)
+    _fsync_dir(directory)
+    log.info("table %s: saved shard %d/%d (%d rows, step %d) to %s", meta["table"],
+             meta["shard"], meta["n_shards"], meta["rows"], meta["step"], directory)
+
+
+@dataclass
+class Source:
+    """One saved shard directory, validated: its meta and memory-mapped arrays."""
+
+    directory: str
+    meta: dict
+    arrays: Dict[str, np.ndarray]
+
+    @property
+    def rows(self) -> int:
+        return self.meta["rows"]
+
+
+def _read_source(directory: str) -> Source:
+    """Read and check one shard directory against its own meta (not yet against a spec)."""
+    meta_path = os.path.join(directory, META)
+    if not os.path.isfile(meta_path):
+        raise ValueError(f"{directory}: no {META}; not a saved table shard, or its save was "
+                         f"interrupted (meta.json is written last)")
+    try:
+        with open(meta_path, "rb") as f:
+            meta = json.loads(f.read())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{meta_path}: unreadable ({e})") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise ValueError(f"{meta_path}: not a table shard meta (format {meta.get('format')!r})"
+                         if isinstance(meta, dict) else f"{meta_path}: not a table shard meta")
+    if meta.get("version") != VERSION:
+        raise ValueError(f"{meta_path}: format version {meta.get('version')}, this build reads {VERSION}")
+    for key in ("table", "dim", "dtype", "optimizer", "step", "rows", "shard", "n_shards", "arrays"):
+        if key not in meta:
+            raise ValueError(f"{meta_path}: missing field {key!r}")
+    if meta["dtype"] not in TABLE_DTYPES:
+        raise ValueError(f"{meta_path}: dtype {meta['dtype']!r} is not one of {sorted(TABLE_DTYPES)}")
+    dtype = np.dtype(TABLE_DTYPES[meta["dtype"]])
+    n, dim = meta["rows"], meta["dim"]
+    arrays = {}
+    for name in meta["arrays"]:
+        path = os.path.join(directory, f"{name}.npy")
+        if not os.path.isfile(path):
+            raise ValueError(f"{directory}: {name}.npy is missing")
+        a = np.load(path, mmap_mode="r", allow_pickle=False)
+        want = ((n,), np.dtype(np.int64)) if name == "ids" else ((n, dim), dtype)
+        if a.shape != want[0] or a.dtype != want[1]:
+            raise ValueError(f"{path}: holds {a.dtype} {list(a.shape)}, but {META} says "
+                             f"{want[1]} {list(want[0])} (rows {n}); files of different saves?")
+        arrays[name] = a
+    return Source(directory, meta, arrays)
+
+
+def _check_set(sources: List[Source]) -> Tuple[int, int]:
+    """The saved shard count and step that all ``sources`` must share; refuse repeats."""
+    first = sources[0].meta
+    for s in sources[1:]:
+        for key in ("table", "dim", "dtype", "optimizer", "step", "n_shards"):
+            if s.meta[key] != first[key]:
+                raise ValueError(f"shard directories disagree on {key}: {sources[0].directory} has "
+                                 f"{first[key]!r}, {s.directory} has {s.meta[key]!r}; "
+                                 f"they are not one save of one table")
+    seen: Dict[int, str] = {}
+    for s in sources:
+        k = s.meta["shard"]
+        if k in seen:
+            raise ValueError(f"{seen[k]} and {s.directory} are both shard {k} of table "
+                             f"{first['table']!r}")
+        seen[k] = s.directory
+    return first["n_shards"], first["step"]
+
+
+def open_shards(spec: TableSpec, directories: Sequence[str], shard: int,
+                n_shards: int) -> Tuple[List[Source], int]:
+    """Validate the saved shard directories a new shard ``shard`` of ``n_shards`` loads from.
+
+    Returns the sources that can hold its ids and the saved step. Refuses
+    (ValueError) directories of another table, dim, dtype or optimizer, a set
+    that disagrees on step or shard count, and a set missing a shard that may
+    hold our ids: with the same shard count only our own shard, otherwise all.
+    """
+    if isinstance(directories, (str, os.PathLike)):
+        directories = [directories]
+    if not directories:
+        raise ValueError(f"table {spec.name!r}: no shard directories to load from")
+    sources = [_read_source(os.fspath(d)) for d in directories]
+    for s in sources:
+        m = s.meta
+        for key, want in (("table", spec.name), ("dim", spec.dim), ("dtype", spec.dtype),
+                          ("optimizer", spec.optimizer.name)):
+            if m[key] != want:
+                raise ValueError(f"{s.directory}: saved table has {key} {m[key]!r}, but table "
+                                 f"{spec.name!r} being loaded has {key} {want!r}")
+        missing = sorted(set(["ids", "rows", *STATE_NAMES[spec.optimizer.name]]) - set(s.arrays))
+        if missing:
+            raise ValueError(f"{s.directory}: {META} lists no arrays {missing} for optimizer "
+                             f"{spec.optimizer.name!r}")
+        saved = m.get("spec", {})
+        if saved.get("seed") != spec.seed or saved.get("init") != spec.init:
+            log.warning("table %s: %s was saved with init %s seed %s, now %s seed %s; rows never "
+                        "updated will start from different values", spec.name, s.directory,
+                        saved.get("init"), saved.get("seed"), spec.init, spec.seed)
+    old_n, step = _check_set(sources)
+    present = {s.meta["shard"] for s in sources}
+    if old_n == n_shards:
+        if shard not in present:
+            raise ValueError(f"table {spec.name!r}: loading shard {shard} of {n_shards} needs the saved "
+                             f"shard {shard}, got shards {sorted(present)}")
+        sources = [s for s in sources if s.meta["shard"] == shard]
+    else:
+        missing = sorted(set(range(old_n)) - present)
+        if missing:
+            raise ValueError(f"table {spec.name!r}: re-sharding {old_n} -> {n_shards} shards needs every "
+                             f"saved shard; missing {missing}")
+    return sources, step
+
+
+def iter_selected(src: Source, names: Sequence[str], shard: int, n_shards: int,
+                  chunk: int) -> Iterator[Tuple[np.ndarray, List[np.ndarray]]]:
+    """Yield (ids, [arrays named ``names``]) of ``src``'s rows that belong to ``shard`` of ``n_shards``.
+
+    Reads ``chunk`` rows at a time from the memory maps, so memory stays
+    bounded by the chunk plus what is kept.
+    """
+    ids_all = src.arrays["ids"]
+    for a in range(0, src.rows, chunk):
+        b = min(src.rows, a + chunk)
+        ids = np.array(ids_all[a:b])
+        keep = shard_of(ids, n_shards) == shard if n_shards > 1 else None
+        if keep is None or keep.all():
+            yield ids, [np.array(src.arrays[name][a:b]) for name in names]
+        else:
+            sel = np.flatnonzero(keep)
+            yield ids[sel], [src.arrays[name][a:b][sel] for name in names]
+
+
+def export_table(directories: Sequence[str], out_dir: str) -> dict:
+    """Merge every saved shard of one table into one file set usable without the cluster.
+
+    Writes ``out_dir/<table>.ids.npy`` (int64 (n,)), ``out_dir/<table>.rows.npy``
+    ((n, dim), rows in the order of the ids, not sorted) and ``out_dir/<table>.json``
+    (name, dim, dtype, rows, init, init_kwargs, seed, padding_idx, so that ids
+    not in the file are reproduced by ``transpiler.tables.initial_rows``; also
+    the optimizer, step and full spec). The directories must be one complete
+    save (every shard once, from any shard count). Copies chunk by chunk through
+    memory maps. Returns the json as a dict.
+    """
+    if isinstance(directories, (str, os.PathLike)):
+        directories = [directories]
+    if not directories:
+        raise ValueError("export_table: no shard directories given")
+    sources = [_read_source(os.fspath(d)) for d in directories]
+    n_shards, step = _check_set(sources)
+    missing = sorted(set(range(n_shards)) - {s.meta["shard"] for s in sources})
+    if missing:
+        raise ValueError(f"export_table: table {sources[0].meta['table']!r} was saved as {n_shards} "
+                         f"shards; missing shards {missing}")
+    sources.sort(key=lambda s: s.meta["shard"])
+    meta = sources[0].meta
+    name, dim, dtype = meta["table"], meta["dim"], np.dtype(TABLE_DTYPES[meta["dtype"]])
+    total = sum(s.rows for s in sources)
+    os.makedirs(out_dir, exist_ok=True)
+    for part, shape, dt in (("ids", (total,), np.dtype(np.int64)), ("rows", (total, dim), dtype)):
+        path = os.path.join(out_dir, f"{name}.{part}.npy")
+        tmp = f"{path}.tmp-{os.getpid()}"
+        try:
+            out = np.lib.format.open_memmap(tmp, mode="w+", dtype=dt, shape=shape)
+            at = 0
+            for s in sources:
+                src = s.arrays[part]
+                for a in range(0, s.rows, _COPY_ROWS):
+                    b = min(s.rows, a + _COPY_ROWS)
+                    out[at + a:at + b] = src[a:b]
+                at += s.rows
+            out.flush()
+            del out
+            with open(tmp, "rb+") as f:
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+            raise
+    spec = meta.get("spec", {})
+    info = {"name": name, "dim": dim, "dtype": meta["dtype"], "rows": total,
+            "init": spec.get("init"), "init_kwargs": spec.get("init_kwargs"),
+            "seed": spec.get("seed"), "padding_idx": spec.get("padding_idx"),
+            "optimizer": meta["optimizer"], "step": step, "saved_shards": n_shards,
+            "ids_file": f"{name}.ids.npy", "rows_file": f"{name}.rows.npy", "spec": spec}
+    _write_json(os.path.join(out_dir, f"{name}.json"), info)
+    log.info("table %s: exported %d rows of %d shards to %s", name, total, n_shards, out_dir)
+    return info
+
+
+def export_tables(root: str, out_dir: str) -> Dict[str, dict]:
+    """:func:`export_table` for every table saved under ``root``; ``{table: its json}``."""
+    tables = sorted(d for d in os.listdir(root) if os.path.isdir(os.path.join(root, d)))
+    if not tables:
+        raise ValueError(f"no saved tables under {root!r}")
+    return {t: export_table(saved_shards(root, t), out_dir) for t in tables}
+
+
+def main(argv=None) -> int:
+    """``python -m pserver.table_io ROOT OUT``: export every table saved under ROOT to OUT."""
+    import argparse
+    import sys
+
+    parser = argparse.ArgumentParser(prog="python -m pserver.table_io",
+                                     description="Export tables saved by Trainer.save_tables(ROOT) "
+                                                 "as one ids/rows .npy file set per table.")
+    parser.add_argument("root", help="the directory given to save_tables")
+    parser.add_argument("out", help="where to write <table>.ids.npy, <table>.rows.npy, <table>.json")
+    args = parser.parse_args(argv)
+    try:
+        for table, info in export_tables(args.root, args.out).items():
+            print(f"{table}: {info['rows']:,} rows of dim {info['dim']} -> "
+                  f"{os.path.join(args.out, info['ids_file'])}, {info['rows_file']}")
+    except (OSError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
