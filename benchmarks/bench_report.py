@@ -34,7 +34,7 @@ def summarize(config: str, spec: Spec, workers: List[dict], servers: List[dict])
         moved = [w["bytes_pushed"] + w["bytes_pulled"] for w in workers]
         row["gbps"] = sum(b / w["update_s"] for b, w in zip(moved, workers)) / len(workers) / 1e9
         row["mb_per_step"] = sum(b / w["steps"] for b, w in zip(moved, workers)) / len(workers) / 1e6
-        for phase in ("push", "pull_wait", "pull_recv"):  # per pserver call, calls run in parallel
+        for phase in ("push_wait", "pull_recv"):  # per pserver call, calls run in parallel
             row[f"{phase}_ms"] = 1e3 * _mean(workers, f"{phase}_s") / workers[0]["pservers"]
     if servers:
         steps = spec.warmup + spec.steps
@@ -56,8 +56,8 @@ THROUGHPUT = [("samples/s", "samples_s", ".0f", True),
               ("other load, cores", "other_load", ".2f", True)]
 TIME_SPLIT = [("step", "step_ms", ".0f", False), ("fwd+bwd", "compute_ms", ".0f", True),
               ("update", "update_ms", ".0f", True), ("share in update %", "update_pct", ".0f", False),
-              ("push", "push_ms", ".0f", False), ("pull: wait for 1st tensor", "pull_wait_ms", ".0f", False),
-              ("pull: receive rest", "pull_recv_ms", ".0f", False),
+              ("push + wait for 1st tensor", "push_wait_ms", ".0f", False),
+              ("receive rest", "pull_recv_ms", ".0f", False),
               ("worker CPU", "cpu_ms", ".0f", False), ("of it main thread", "main_cpu_ms", ".0f", False),
               ("pserver CPU (each)", "ps_cpu_ms", ".0f", False)]
 

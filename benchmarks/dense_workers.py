@@ -197,31 +197,23 @@ def run_pserver(spec: Spec) -> dict:
 
 
 class PhaseTimer:
-    """Times the push and pull calls a Trainer makes through its Communicator.
+    """Times the step calls a Trainer makes through its Communicator.
 
-    Benchmark instrumentation only: it wraps ``comm.push`` and ``comm.pull``
-    on the instance (nothing in the library changes), so it follows their
-    current signatures (``pull(endpoint, names, min_version, expect, dest)``,
-    ``expect`` called once per tensor as it arrives). Times are summed over
-    the parallel per-pserver calls: ``push_s``; ``pull_wait_s``, from asking
-    until the first tensor of the answer is read (in sync mode this holds
-    the barrier wait for the other trainers and the update); ``pull_recv_s``,
-    the rest of the answer.
+    Benchmark instrumentation only: it wraps ``comm.push_pull`` on the
+    instance (nothing in the library changes), so it follows its current
+    signature (``push_pull(endpoint, step, tensors, expect, dest)``, ``expect``
+    called once per tensor as it arrives). Times are summed over the parallel
+    per-pserver calls: ``push_wait_s``, from the call until the first tensor
+    of the answer is read (the push, and in sync mode the barrier wait for
+    the other trainers, and the update); ``pull_recv_s``, the rest of the answer.
     """
 
     def __init__(self, comm):
-        self.totals = {"push_s": 0.0, "pull_wait_s": 0.0, "pull_recv_s": 0.0}
+        self.totals = {"push_wait_s": 0.0, "pull_recv_s": 0.0}
         self._lock = threading.Lock()
-        push, pull = comm.push, comm.pull
+        push_pull = comm.push_pull
 
-        def timed_push(*args, **kwargs):
-            t0 = time.perf_counter()
-            try:
-                return push(*args, **kwargs)
-            finally:
-                self._add(push_s=time.perf_counter() - t0)
-
-        def timed_pull(endpoint, names, min_version, expect, dest):
+        def timed_push_pull(endpoint, step, tensors, expect, dest):
             t0 = time.perf_counter()
             first: List[float] = []
 
@@ -231,13 +223,13 @@ class PhaseTimer:
                 return expect(name)
 
             try:
-                return pull(endpoint, names, min_version, expect_and_note, dest)
+                return push_pull(endpoint, step, tensors, expect_and_note, dest)
             finally:
                 t2 = time.perf_counter()
                 t1 = first[0] if first else t2
-                self._add(pull_wait_s=t1 - t0, pull_recv_s=t2 - t1)
+                self._add(push_wait_s=t1 - t0, pull_recv_s=t2 - t1)
 
-        comm.push, comm.pull = timed_push, timed_pull
+        comm.push_pull = timed_push_pull
 
     def _add(self, **seconds: float) -> None:
         with self._lock:

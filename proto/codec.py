@@ -30,6 +30,16 @@ WIRE_DTYPES = {
     "bfloat16": torch.bfloat16, "int64": torch.int64, "int32": torch.int32,
 }
 
+# A request whose tensors hold at most this many bytes travels as one message
+# (gRPC's default message size), however small ``chunk_bytes`` is.
+ONE_MESSAGE_BYTES = 4 << 20
+
+
+def message_limit(chunk_bytes: int) -> int:
+    """Largest message either side accepts: a chunk or a one-message request, plus headroom."""
+    return max(2 * chunk_bytes, ONE_MESSAGE_BYTES) + (1 << 20)
+
+
 # Field numbers shared by PushChunk and PullChunk, and of TensorPiece.
 _HEADER, _PIECES = 1, 2
 _NAME, _DTYPE, _SHAPE, _OFFSET, _DATA = 1, 2, 3, 4, 5

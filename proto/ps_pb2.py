@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x10psproto/ps.proto\x12\x07psproto\"W\n\x0bTensorPiece\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x0e\n\x06offset\x18\x04 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x05 \x01(\x0c\"E\n\nPushHeader\x12\x12\n\ntrainer_id\x18\x01 \x01(\x05\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x15\n\rlayout_digest\x18\x03 \x01(\t\"V\n\tPushChunk\x12#\n\x06header\x18\x01 \x01(\x0b\x32\x13.psproto.PushHeader\x12$\n\x06pieces\x18\x02 \x03(\x0b\x32\x14.psproto.TensorPiece\"-\n\tPushReply\x12\x0f\n\x07\x61pplied\x18\x01 \x01(\x08\x12\x0f\n\x07version\x18\x02 \x01(\x03\"\\\n\x0bPullRequest\x12\x12\n\ntrainer_id\x18\x01 \x01(\x05\x12\x13\n\x0bmin_version\x18\x02 \x01(\x03\x12\r\n\x05names\x18\x03 \x03(\t\x12\x15\n\rlayout_digest\x18\x04 \x01(\t\"\x1d\n\nPullHeader\x12\x0f\n\x07version\x18\x01 \x01(\x03\"V\n\tPullChunk\x12#\n\x06header\x18\x01 \x01(\x0b\x32\x13.psproto.PullHeader\x12$\n\x06pieces\x18\x02 \x03(\x0b\x32\x14.psproto.TensorPiece\"P\n\x0ePrefetchHeader\x12\x12\n\ntrainer_id\x18\x01 \x01(\x05\x12\x13\n\x0bmin_version\x18\x02 \x01(\x03\x12\x15\n\rlayout_digest\x18\x03 \x01(\t\"^\n\rPrefetchChunk\x12\'\n\x06header\x18\x01 \x01(\x0b\x32\x17.psproto.PrefetchHeader\x12$\n\x06pieces\x18\x02 \x03(\x0b\x32\x14.psproto.TensorPiece\"9\n\x0cHelloRequest\x12\x12\n\ntrainer_id\x18\x01 \x01(\x05\x12\x15\n\rlayout_digest\x18\x02 \x01(\t\"B\n\nHelloReply\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x11\n\tsync_mode\x18\x02 \x01(\x08\x12\x10\n\x08trainers\x18\x03 \x01(\x05\"\"\n\x0c\x43loseRequest\x12\x12\n\ntrainer_id\x18\x01 \x01(\x05\"#\n\nCloseReply\x12\x15\n\rtrainers_left\x18\x01 \x01(\x05\"\x0e\n\x0cStatsRequest\"\xf1\x01\n\nStatsReply\x12\x10\n\x08\x65ndpoint\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x16\n\x0etrainers_alive\x18\x03 \x03(\x05\x12\x0e\n\x06\x62locks\x18\x04 \x01(\x03\x12\x13\n\x0b\x62lock_bytes\x18\x05 \x01(\x03\x12\x10\n\x08\x62ytes_in\x18\x06 \x01(\x03\x12\x11\n\tbytes_out\x18\x07 \x01(\x03\x12\x0e\n\x06pushes\x18\x08 \x01(\x03\x12\x11\n\tsync_mode\x18\t \x01(\x08\x12\x12\n\ntable_rows\x18\n \x01(\x03\x12\x13\n\x0btable_bytes\x18\x0b \x01(\x03\x12\x12\n\nprefetches\x18\x0c \x01(\x03\"Q\n\x11SaveTablesRequest\x12\x12\n\ntrainer_id\x18\x01 \x01(\x05\x12\x11\n\tdirectory\x18\x02 \x01(\t\x12\x15\n\rlayout_digest\x18\x03 \x01(\t\"1\n\x0fSaveTablesReply\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\r\n\x05paths\x18\x02 \x03(\t2\x96\x03\n\x0fParameterServer\x12\x33\n\x05Hello\x12\x15.psproto.HelloRequest\x1a\x13.psproto.HelloReply\x12\x30\n\x04Push\x12\x12.psproto.PushChunk\x1a\x12.psproto.PushReply(\x01\x12\x32\n\x04Pull\x12\x14.psproto.PullRequest\x1a\x12.psproto.PullChunk0\x01\x12:\n\x08Prefetch\x12\x16.psproto.PrefetchChunk\x1a\x12.psproto.PullChunk(\x01\x30\x01\x12\x42\n\nSaveTables\x12\x1a.psproto.SaveTablesRequest\x1a\x18.psproto.SaveTablesReply\x12\x33\n\x05\x43lose\x12\x15.psproto.CloseRequest\x1a\x13.psproto.CloseReply\x12\x33\n\x05Stats\x12\x15.psproto.StatsRequest\x1a\x13.psproto.StatsReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x10psproto/ps.proto\x12\x07psproto\"W\n\x0bTensorPiece\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x0e\n\x06offset\x18\x04 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x05 \x01(\x0c\"E\n\nPushHeader\x12\x12\n\ntrainer_id\x18\x01 \x01(\x05\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x15\n\rlayout_digest\x18\x03 \x01(\t\"V\n\tPushChunk\x12#\n\x06header\x18\x01 \x01(\x0b\x32\x13.psproto.PushHeader\x12$\n\x06pieces\x18\x02 \x03(\x0b\x32\x14.psproto.TensorPiece\"-\n\tPushReply\x12\x0f\n\x07\x61pplied\x18\x01 \x01(\x08\x12\x0f\n\x07version\x18\x02 \x01(\x03\"\\\n\x0bPullRequest\x12\x12\n\ntrainer_id\x18\x01 \x01(\x05\x12\x13\n\x0bmin_version\x18\x02 \x01(\x03\x12\r\n\x05names\x18\x03 \x03(\t\x12\x15\n\rlayout_digest\x18\x04 \x01(\t\".\n\nPullHeader\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x0f\n\x07\x61pplied\x18\x02 \x01(\x08\"V\n\tPullChunk\x12#\n\x06header\x18\x01 \x01(\x0b\x32\x13.psproto.PullHeader\x12$\n\x06pieces\x18\x02 \x03(\x0b\x32\x14.psproto.TensorPiece\"P\n\x0ePrefetchHeader\x12\x12\n\ntrainer_id\x18\x01 \x01(\x05\x12\x13\n\x0bmin_version\x18\x02 \x01(\x03\x12\x15\n\rlayout_digest\x18\x03 \x01(\t\"^\n\rPrefetchChunk\x12\'\n\x06header\x18\x01 \x01(\x0b\x32\x17.psproto.PrefetchHeader\x12$\n\x06pieces\x18\x02 \x03(\x0b\x32\x14.psproto.TensorPiece\"9\n\x0cHelloRequest\x12\x12\n\ntrainer_id\x18\x01 \x01(\x05\x12\x15\n\rlayout_digest\x18\x02 \x01(\t\"B\n\nHelloReply\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x11\n\tsync_mode\x18\x02 \x01(\x08\x12\x10\n\x08trainers\x18\x03 \x01(\x05\"\"\n\x0c\x43loseRequest\x12\x12\n\ntrainer_id\x18\x01 \x01(\x05\"#\n\nCloseReply\x12\x15\n\rtrainers_left\x18\x01 \x01(\x05\"\x0e\n\x0cStatsRequest\"\xf1\x01\n\nStatsReply\x12\x10\n\x08\x65ndpoint\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x16\n\x0etrainers_alive\x18\x03 \x03(\x05\x12\x0e\n\x06\x62locks\x18\x04 \x01(\x03\x12\x13\n\x0b\x62lock_bytes\x18\x05 \x01(\x03\x12\x10\n\x08\x62ytes_in\x18\x06 \x01(\x03\x12\x11\n\tbytes_out\x18\x07 \x01(\x03\x12\x0e\n\x06pushes\x18\x08 \x01(\x03\x12\x11\n\tsync_mode\x18\t \x01(\x08\x12\x12\n\ntable_rows\x18\n \x01(\x03\x12\x13\n\x0btable_bytes\x18\x0b \x01(\x03\x12\x12\n\nprefetches\x18\x0c \x01(\x03\"Q\n\x11SaveTablesRequest\x12\x12\n\ntrainer_id\x18\x01 \x01(\x05\x12\x11\n\tdirectory\x18\x02 \x01(\t\x12\x15\n\rlayout_digest\x18\x03 \x01(\t\"1\n\x0fSaveTablesReply\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\r\n\x05paths\x18\x02 \x03(\t2\xc4\x04\n\x0fParameterServer\x12\x33\n\x05Hello\x12\x15.psproto.HelloRequest\x1a\x13.psproto.HelloReply\x12\x30\n\x04Push\x12\x12.psproto.PushChunk\x1a\x12.psproto.PushReply(\x01\x12\x32\n\x04Pull\x12\x14.psproto.PullRequest\x1a\x12.psproto.PullChunk0\x01\x12:\n\x08Prefetch\x12\x16.psproto.PrefetchChunk\x1a\x12.psproto.PullChunk(\x01\x30\x01\x12\x36\n\x08PushPull\x12\x12.psproto.PushChunk\x1a\x12.psproto.PullChunk(\x01\x30\x01\x12\x37\n\x0bPushPullOne\x12\x12.psproto.PushChunk\x1a\x12.psproto.PullChunk0\x01\x12;\n\x0bPrefetchOne\x12\x16.psproto.PrefetchChunk\x1a\x12.psproto.PullChunk0\x01\x12\x42\n\nSaveTables\x12\x1a.psproto.SaveTablesRequest\x1a\x18.psproto.SaveTablesReply\x12\x33\n\x05\x43lose\x12\x15.psproto.CloseRequest\x1a\x13.psproto.CloseReply\x12\x33\n\x05Stats\x12\x15.psproto.StatsRequest\x1a\x13.psproto.StatsReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -42,29 +42,29 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PULLREQUEST']._serialized_start=324
   _globals['_PULLREQUEST']._serialized_end=416
   _globals['_PULLHEADER']._serialized_start=418
-  _globals['_PULLHEADER']._serialized_end=447
-  _globals['_PULLCHUNK']._serialized_start=449
-  _globals['_PULLCHUNK']._serialized_end=535
-  _globals['_PREFETCHHEADER']._serialized_start=537
-  _globals['_PREFETCHHEADER']._serialized_end=617
-  _globals['_PREFETCHCHUNK']._serialized_start=619
-  _globals['_PREFETCHCHUNK']._serialized_end=713
-  _globals['_HELLOREQUEST']._serialized_start=715
-  _globals['_HELLOREQUEST']._serialized_end=772
-  _globals['_HELLOREPLY']._serialized_start=774
-  _globals['_HELLOREPLY']._serialized_end=840
-  _globals['_CLOSEREQUEST']._serialized_start=842
-  _globals['_CLOSEREQUEST']._serialized_end=876
-  _globals['_CLOSEREPLY']._serialized_start=878
-  _globals['_CLOSEREPLY']._serialized_end=913
-  _globals['_STATSREQUEST']._serialized_start=915
-  _globals['_STATSREQUEST']._serialized_end=929
-  _globals['_STATSREPLY']._serialized_start=932
-  _globals['_STATSREPLY']._serialized_end=1173
-  _globals['_SAVETABLESREQUEST']._serialized_start=1175
-  _globals['_SAVETABLESREQUEST']._serialized_end=1256
-  _globals['_SAVETABLESREPLY']._serialized_start=1258
-  _globals['_SAVETABLESREPLY']._serialized_end=1307
-  _globals['_PARAMETERSERVER']._serialized_start=1310
-  _globals['_PARAMETERSERVER']._serialized_end=1716
+  _globals['_PULLHEADER']._serialized_end=464
+  _globals['_PULLCHUNK']._serialized_start=466
+  _globals['_PULLCHUNK']._serialized_end=552
+  _globals['_PREFETCHHEADER']._serialized_start=554
+  _globals['_PREFETCHHEADER']._serialized_end=634
+  _globals['_PREFETCHCHUNK']._serialized_start=636
+  _globals['_PREFETCHCHUNK']._serialized_end=730
+  _globals['_HELLOREQUEST']._serialized_start=732
+  _globals['_HELLOREQUEST']._serialized_end=789
+  _globals['_HELLOREPLY']._serialized_start=791
+  _globals['_HELLOREPLY']._serialized_end=857
+  _globals['_CLOSEREQUEST']._serialized_start=859
+  _globals['_CLOSEREQUEST']._serialized_end=893
+  _globals['_CLOSEREPLY']._serialized_start=895
+  _globals['_CLOSEREPLY']._serialized_end=930
+  _globals['_STATSREQUEST']._serialized_start=932
+  _globals['_STATSREQUEST']._serialized_end=946
+  _globals['_STATSREPLY']._serialized_start=949
+  _globals['_STATSREPLY']._serialized_end=1190
+  _globals['_SAVETABLESREQUEST']._serialized_start=1192
+  _globals['_SAVETABLESREQUEST']._serialized_end=1273
+  _globals['_SAVETABLESREPLY']._serialized_start=1275
+  _globals['_SAVETABLESREPLY']._serialized_end=1324
+  _globals['_PARAMETERSERVER']._serialized_start=1327
+  _globals['_PARAMETERSERVER']._serialized_end=1907
 # @@protoc_insertion_point(module_scope)

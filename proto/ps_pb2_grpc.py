@@ -54,6 +54,21 @@ class ParameterServerStub:
                 request_serializer=psproto_dot_ps__pb2.PrefetchChunk.SerializeToString,
                 response_deserializer=psproto_dot_ps__pb2.PullChunk.FromString,
                 _registered_method=True)
+        self.PushPull = channel.stream_stream(
+                '/psproto.ParameterServer/PushPull',
+                request_serializer=psproto_dot_ps__pb2.PushChunk.SerializeToString,
+                response_deserializer=psproto_dot_ps__pb2.PullChunk.FromString,
+                _registered_method=True)
+        self.PushPullOne = channel.unary_stream(
+                '/psproto.ParameterServer/PushPullOne',
+                request_serializer=psproto_dot_ps__pb2.PushChunk.SerializeToString,
+                response_deserializer=psproto_dot_ps__pb2.PullChunk.FromString,
+                _registered_method=True)
+        self.PrefetchOne = channel.unary_stream(
+                '/psproto.ParameterServer/PrefetchOne',
+                request_serializer=psproto_dot_ps__pb2.PrefetchChunk.SerializeToString,
+                response_deserializer=psproto_dot_ps__pb2.PullChunk.FromString,
+                _registered_method=True)
         self.SaveTables = channel.unary_unary(
                 '/psproto.ParameterServer/SaveTables',
                 request_serializer=psproto_dot_ps__pb2.SaveTablesRequest.SerializeToString,
@@ -102,6 +117,29 @@ class ParameterServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PushPull(self, request_iterator, context):
+        """A training step in one call: Push, then Pull of every block of this
+        pserver once the step is applied (sync) or at once (async).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PushPullOne(self, request, context):
+        """PushPull and Prefetch for a request that fits in one message, the common
+        case: the same semantics without a client stream, which in gRPC Python
+        costs a thread per call on the client.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PrefetchOne(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def SaveTables(self, request, context):
         """Writes this pserver's table shards (rows and optimizer state) to files.
         """
@@ -143,6 +181,21 @@ def add_ParameterServerServicer_to_server(servicer, server):
             ),
             'Prefetch': grpc.stream_stream_rpc_method_handler(
                     servicer.Prefetch,
+                    request_deserializer=psproto_dot_ps__pb2.PrefetchChunk.FromString,
+                    response_serializer=psproto_dot_ps__pb2.PullChunk.SerializeToString,
+            ),
+            'PushPull': grpc.stream_stream_rpc_method_handler(
+                    servicer.PushPull,
+                    request_deserializer=psproto_dot_ps__pb2.PushChunk.FromString,
+                    response_serializer=psproto_dot_ps__pb2.PullChunk.SerializeToString,
+            ),
+            'PushPullOne': grpc.unary_stream_rpc_method_handler(
+                    servicer.PushPullOne,
+                    request_deserializer=psproto_dot_ps__pb2.PushChunk.FromString,
+                    response_serializer=psproto_dot_ps__pb2.PullChunk.SerializeToString,
+            ),
+            'PrefetchOne': grpc.unary_stream_rpc_method_handler(
+                    servicer.PrefetchOne,
                     request_deserializer=psproto_dot_ps__pb2.PrefetchChunk.FromString,
                     response_serializer=psproto_dot_ps__pb2.PullChunk.SerializeToString,
             ),
@@ -268,6 +321,87 @@ class ParameterServer:
             request_iterator,
             target,
             '/psproto.ParameterServer/Prefetch',
+            psproto_dot_ps__pb2.PrefetchChunk.SerializeToString,
+            psproto_dot_ps__pb2.PullChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PushPull(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/psproto.ParameterServer/PushPull',
+            psproto_dot_ps__pb2.PushChunk.SerializeToString,
+            psproto_dot_ps__pb2.PullChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PushPullOne(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/psproto.ParameterServer/PushPullOne',
+            psproto_dot_ps__pb2.PushChunk.SerializeToString,
+            psproto_dot_ps__pb2.PullChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PrefetchOne(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/psproto.ParameterServer/PrefetchOne',
             psproto_dot_ps__pb2.PrefetchChunk.SerializeToString,
             psproto_dot_ps__pb2.PullChunk.FromString,
             options,

@@ -12,6 +12,7 @@ import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from psproto.codec import message_limit
 from transpiler import PserverProgram, StartupProgram
 
 from .engine import AsyncEngine, SyncEngine
@@ -24,7 +25,7 @@ log = logging.getLogger(__name__)
 
 def server_options(chunk_bytes: int) -> list:
     """gRPC options of a pserver: bounded messages, no port sharing, tolerant keepalive."""
-    limit = 2 * chunk_bytes + (1 << 20)
+    limit = message_limit(chunk_bytes)
     return [
         ("grpc.max_receive_message_length", limit),
         ("grpc.max_send_message_length", limit),

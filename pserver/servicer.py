@@ -154,6 +154,25 @@ class PserverServicer:
 
     @_refusals
     def Push(self, request_iterator, context):
+        _, applied, version = self._push(request_iterator)
+        return ps_pb2.PushReply(applied=applied, version=version)
+
+    @_refusals
+    def PushPull(self, request_iterator, context) -> Iterator[bytes]:
+        yield from self._push_pull(request_iterator)
+
+    @_refusals
+    def PushPullOne(self, data, context) -> Iterator[bytes]:
+        yield from self._push_pull(iter((data,)))
+
+    def _push_pull(self, request_iterator) -> Iterator[bytes]:
+        header, applied, _ = self._push(request_iterator)
+        # The trainer's next step needs this one applied (sync), or whatever is there (async).
+        min_version = header.step + 1 if self.engine.sync_mode else 0
+        yield from self._answer_pull(header.trainer_id, min_version, list(self.store.names()), applied)
+
+    def _push(self, request_iterator):
+        """Read, check and count one push; (header, applied, version)."""
         header, reader = self._read_stream(request_iterator, ps_pb2.PushHeader, self._expect,
                                            dest=self.buffers.acquire)
         try:
@@ -173,7 +192,7 @@ class PserverServicer:
         if not applied:
             log.info("%s: duplicate push from trainer %d for step %d acknowledged, not applied",
                      self.endpoint, header.trainer_id, header.step)
-        return ps_pb2.PushReply(applied=applied, version=version)
+        return header, applied, version
 
     @_refusals
     def Pull(self, data, context) -> Iterator[bytes]:
@@ -186,13 +205,25 @@ class PserverServicer:
             raise ValueError(f"unknown blocks {unknown[:5]}{'...' if len(unknown) > 5 else ''}")
         if request.min_version < 0:
             raise ValueError(f"min_version must be >= 0, got {request.min_version}")
-        self.engine.wait_version(request.trainer_id, request.min_version)
+        yield from self._answer_pull(request.trainer_id, request.min_version, names)
+
+    def _answer_pull(self, trainer_id: int, min_version: int, names, applied: bool = False):
+        """Wait for ``min_version``, then stream the blocks ``names``."""
+        self.engine.wait_version(trainer_id, min_version)
         version, tensors = self.engine.read(names)
-        yield from encode_chunks(ps_pb2.PullHeader(version=version), tensors, self.chunk_bytes)
+        header = ps_pb2.PullHeader(version=version, applied=applied)
+        yield from encode_chunks(header, tensors, self.chunk_bytes)
         self.counters.add(bytes_out=sum(t.numel() * t.element_size() for _, t in tensors))
 
     @_refusals
     def Prefetch(self, request_iterator, context) -> Iterator[bytes]:
+        yield from self._prefetch(request_iterator)
+
+    @_refusals
+    def PrefetchOne(self, data, context) -> Iterator[bytes]:
+        yield from self._prefetch(iter((data,)))
+
+    def _prefetch(self, request_iterator) -> Iterator[bytes]:
         header, reader = self._read_stream(request_iterator, ps_pb2.PrefetchHeader, self.tables.expect)
         if header.min_version < 0:
             raise ValueError(f"min_version must be >= 0, got {header.min_version}")
@@ -250,6 +281,9 @@ class PserverServicer:
             "Push": grpc.stream_unary_rpc_method_handler(self.Push, response_serializer=serialize),
             "Pull": grpc.unary_stream_rpc_method_handler(self.Pull),  # yields encoded bytes
             "Prefetch": grpc.stream_stream_rpc_method_handler(self.Prefetch),
+            "PushPull": grpc.stream_stream_rpc_method_handler(self.PushPull),
+            "PushPullOne": grpc.unary_stream_rpc_method_handler(self.PushPullOne),
+            "PrefetchOne": grpc.unary_stream_rpc_method_handler(self.PrefetchOne),
             "SaveTables": grpc.unary_unary_rpc_method_handler(self.SaveTables,
                                                               response_serializer=serialize),
             "Close": grpc.unary_unary_rpc_method_handler(self.Close, response_serializer=serialize),

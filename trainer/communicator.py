@@ -16,7 +16,8 @@ import grpc
 import torch
 
 from psproto import ps_pb2, ps_pb2_grpc
-from psproto.codec import TensorReader, WireError, decode_chunk, encode_chunks
+from psproto.codec import (ONE_MESSAGE_BYTES, TensorReader, WireError, decode_chunk, encode_chunks,
+                           message_limit)
 from transpiler import TrainerProgram
 
 log = logging.getLogger(__name__)
@@ -41,7 +42,7 @@ class PserverUnavailableError(PserverError, TimeoutError):
 
 
 def channel_options(chunk_bytes: int) -> list:
-    limit = 2 * chunk_bytes + (1 << 20)
+    limit = message_limit(chunk_bytes)
     return [
         ("grpc.max_receive_message_length", limit),
         ("grpc.max_send_message_length", limit),
@@ -58,6 +59,21 @@ def _details(e: grpc.RpcError) -> str:
     return f"{code.name if code else 'ERROR'}: {details}"
 
 
+def _call(one: Callable, streamed: Callable, header, tensors: Sequence[Tuple[str, torch.Tensor]],
+          chunk_bytes: int, timeout: float):
+    """Send ``header`` and ``tensors`` by ``one`` (a unary call) or, if big, ``streamed`` in chunks.
+
+    A request of at most :data:`ONE_MESSAGE_BYTES` of tensor data is encoded
+    as a single message: in gRPC Python a client-streamed call costs a thread
+    per call, which dominates small pushes and prefetches.
+    """
+    total = sum(t.numel() * t.element_size() for _, t in tensors)
+    if total <= ONE_MESSAGE_BYTES:
+        (message,) = encode_chunks(header, tensors, total + 1)  # room never runs out: one message
+        return one(message, timeout=timeout)
+    return streamed(encode_chunks(header, tensors, chunk_bytes), timeout=timeout)
+
+
 class Communicator:
     """Push gradients to and pull parameters from every pserver of a trainer program."""
 
@@ -72,16 +88,20 @@ class Communicator:
         opts = channel_options(cfg.chunk_bytes)
         self._channels = {ep: grpc.insecure_channel(ep, options=opts) for ep in program.pservers}
         self._stubs = {ep: ps_pb2_grpc.ParameterServerStub(ch) for ep, ch in self._channels.items()}
-        # Push and Pull carry tensor bytes: encoded and decoded by psproto.codec
-        # (the same wire format, fewer copies), so the channel passes raw bytes.
-        self._push_calls = {ep: ch.stream_unary(f"/{_SERVICE}/Push",
-                                                response_deserializer=ps_pb2.PushReply.FromString)
-                            for ep, ch in self._channels.items()}
+        # PushPull, Pull and Prefetch carry tensor bytes: encoded and decoded by
+        # psproto.codec (the same wire format, fewer copies), so the channel passes raw bytes.
+        self._push_pull_calls = {ep: ch.stream_stream(f"/{_SERVICE}/PushPull")
+                                 for ep, ch in self._channels.items()}
         self._pull_calls = {ep: ch.unary_stream(f"/{_SERVICE}/Pull",
                                                 request_serializer=ps_pb2.PullRequest.SerializeToString)
                             for ep, ch in self._channels.items()}
         self._prefetch_calls = {ep: ch.stream_stream(f"/{_SERVICE}/Prefetch")
                                 for ep, ch in self._channels.items()}
+        # Requests that fit in one message go unary: no request-streaming thread per call.
+        self._push_pull_one_calls = {ep: ch.unary_stream(f"/{_SERVICE}/PushPullOne")
+                                     for ep, ch in self._channels.items()}
+        self._prefetch_one_calls = {ep: ch.unary_stream(f"/{_SERVICE}/PrefetchOne")
+                                    for ep, ch in self._channels.items()}
         self._pool = futures.ThreadPoolExecutor(max_workers=max(1, len(program.pservers)),
                                                 thread_name_prefix="trainer-comm")
         self.bytes_pushed = 0
@@ -125,16 +145,23 @@ class Communicator:
 
     # -- transfers ----------------------------------------------------------
 
-    def push(self, endpoint: str, step: int, tensors: Sequence[Tuple[str, torch.Tensor]]) -> None:
-        """Send one step's gradients for blocks owned by ``endpoint``."""
+    def push_pull(self, endpoint: str, step: int, tensors: Sequence[Tuple[str, torch.Tensor]],
+                  expect: Callable, dest: Callable[[str], torch.Tensor]) -> int:
+        """Send one step's gradients to ``endpoint`` and receive its blocks in the same call.
+
+        ``tensors`` are the gradients of the blocks (and table rows) this
+        pserver owns; its blocks land in ``dest(name)``, checked by ``expect``.
+        A sync pserver answers once every live trainer pushed the step.
+        Returns the pserver's version of the parameters received.
+        """
         header = ps_pb2.PushHeader(trainer_id=self.trainer_id, step=step, layout_digest=self.digest)
-        try:
-            self._push_calls[endpoint](encode_chunks(header, tensors, self.chunk_bytes),
-                                       timeout=self.rpc_timeout)
-        except grpc.RpcError as e:
-            raise PserverError(endpoint, f"push of step {step} by trainer {self.trainer_id} "
-                                         f"failed: {_details(e)}", e.code()) from None
+        version, _ = self._receive(
+            endpoint, f"step {step} of trainer {self.trainer_id} (push and pull)",
+            lambda: _call(self._push_pull_one_calls[endpoint], self._push_pull_calls[endpoint], header,
+                          tensors, self.chunk_bytes, timeout=self.barrier_timeout + self.rpc_timeout),
+            expect, dest)
         self.bytes_pushed += sum(t.numel() * t.element_size() for _, t in tensors)
+        return version
 
     def pull(self, endpoint: str, names: Sequence[str], min_version: int,
              expect: Callable, dest: Callable[[str], torch.Tensor]) -> int:
@@ -144,24 +171,10 @@ class Communicator:
         """
         request = ps_pb2.PullRequest(trainer_id=self.trainer_id, min_version=min_version,
                                      names=list(names), layout_digest=self.digest)
-        reader = TensorReader(expect, dest)
-        version = None
-        try:
-            for data in self._pull_calls[endpoint](request, timeout=self.barrier_timeout + self.rpc_timeout):
-                header, pieces = decode_chunk(data, ps_pb2.PullHeader)
-                if header is not None:
-                    version = header.version
-                for piece in pieces:
-                    reader.add(piece)
-            reader.finish()
-        except grpc.RpcError as e:
-            raise PserverError(endpoint, f"pull of version {min_version} by trainer "
-                                         f"{self.trainer_id} failed: {_details(e)}", e.code()) from None
-        except WireError as e:
-            raise PserverError(endpoint, f"pull answer is malformed: {e}") from None
-        if version is None:
-            raise PserverError(endpoint, "pull answer carried no header")
-        self.bytes_pulled += reader.nbytes
+        version, _ = self._receive(
+            endpoint, f"pull of version {min_version} by trainer {self.trainer_id}",
+            lambda: self._pull_calls[endpoint](request, timeout=self.barrier_timeout + self.rpc_timeout),
+            expect, dest)
         return version
 
     def prefetch(self, endpoint: str, min_version: int,
@@ -173,21 +186,34 @@ class Communicator:
         """
         header = ps_pb2.PrefetchHeader(trainer_id=self.trainer_id, min_version=min_version,
                                        layout_digest=self.digest)
-        reader = TensorReader(expect)
-        what = f"prefetch of version {min_version} by trainer {self.trainer_id}"
+        _, rows = self._receive(
+            endpoint, f"prefetch of version {min_version} by trainer {self.trainer_id}",
+            lambda: _call(self._prefetch_one_calls[endpoint], self._prefetch_calls[endpoint], header, ids,
+                          self.chunk_bytes, timeout=self.barrier_timeout + self.rpc_timeout),
+            expect, None)
+        return rows
+
+    def _receive(self, endpoint: str, what: str, call: Callable, expect: Callable,
+                 dest: Optional[Callable]) -> Tuple[int, Dict[str, torch.Tensor]]:
+        """Run ``call`` (a streamed PullChunk answer) and rebuild its tensors: (version, tensors)."""
+        reader = TensorReader(expect, dest)
+        version = None
         try:
-            replies = self._prefetch_calls[endpoint](encode_chunks(header, ids, self.chunk_bytes),
-                                                     timeout=self.barrier_timeout + self.rpc_timeout)
-            for data in replies:
-                for piece in decode_chunk(data, ps_pb2.PullHeader)[1]:
+            for data in call():
+                header, pieces = decode_chunk(data, ps_pb2.PullHeader)
+                if header is not None:
+                    version = header.version
+                for piece in pieces:
                     reader.add(piece)
-            rows = reader.finish()
+            tensors = reader.finish()
         except grpc.RpcError as e:
             raise PserverError(endpoint, f"{what} failed: {_details(e)}", e.code()) from None
         except WireError as e:
             raise PserverError(endpoint, f"{what}: answer is malformed: {e}") from None
+        if version is None:
+            raise PserverError(endpoint, f"{what}: answer carried no header")
         self.bytes_pulled += reader.nbytes
-        return rows
+        return version, tensors
 
     def save_tables(self, endpoint: str, directory: str) -> ps_pb2.SaveTablesReply:
         """Ask ``endpoint`` to write its table shards under ``directory`` (its file system)."""

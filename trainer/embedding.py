@@ -24,6 +24,9 @@ import torch.nn.functional as F
 
 from transpiler import TableSpec, merge_duplicates, shard_of
 
+# Dedupes remembered at most (the latest ones).
+_DEDUPE_MEMO = 8
+
 # endpoint -> [(wire name, tensor)]
 Pieces = Dict[str, List[Tuple[str, torch.Tensor]]]
 # (pieces per endpoint, min_version) -> {endpoint: {wire name: rows}}
@@ -58,6 +61,10 @@ class TableClient:
         self._min_version = min_version
         self._cache: Dict[str, Tuple[np.ndarray, torch.Tensor]] = {}
         self._lookups: Dict[str, List[Tuple[np.ndarray, torch.Tensor]]] = {}
+        # This step's dedupes by ids tensor: a prefetch and the lookups after it, or
+        # several tables fed the same ids, sort them once. Keyed by the tensor's
+        # memory and in-place version; the tensor is kept so its memory stays its own.
+        self._deduped: Dict[tuple, Tuple[torch.Tensor, np.ndarray, np.ndarray]] = {}
 
     def spec(self, table: str) -> TableSpec:
         spec = self.specs.get(table)
@@ -66,6 +73,26 @@ class TableClient:
         return spec
 
     # -- reads ----------------------------------------------------------------
+
+    def dedupe(self, ids) -> Tuple[np.ndarray, np.ndarray]:
+        """(sorted unique ids, inverse) of ``ids``: ``unique[inverse] == ids.ravel()``.
+
+        Remembered for the rest of the step for a CPU tensor, so the same
+        ids are sorted once however many tables and lookups use them.
+        """
+        key = None
+        if isinstance(ids, torch.Tensor) and ids.device.type == "cpu":
+            key = (ids.data_ptr(), tuple(ids.shape), ids.stride(), ids.dtype, ids._version)
+            hit = self._deduped.get(key)
+            if hit is not None:
+                return hit[1], hit[2]
+        unique, inverse = np.unique(_ids_array(ids), return_inverse=True)
+        inverse = inverse.reshape(-1)
+        if key is not None:
+            if len(self._deduped) >= _DEDUPE_MEMO:  # lookups without steps (evaluation) stay bounded
+                del self._deduped[next(iter(self._deduped))]
+            self._deduped[key] = (ids, unique, inverse)
+        return unique, inverse
 
     def _route(self, ids: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
         """(order, bounds): ``ids[order[bounds[k]:bounds[k+1]]]`` belong to pserver k."""
@@ -85,7 +112,8 @@ class TableClient:
         for table, ids in wanted.items():
             if ids.size == 0:
                 continue
-            order, bounds = self._route(ids)
+            same = next((routes[t] for t in routes if wanted[t] is ids), None)
+            order, bounds = same if same is not None else self._route(ids)
             routes[table] = (order, bounds)
             for k, ep in enumerate(self.pservers):
                 if bounds[k + 1] > bounds[k]:
@@ -109,16 +137,23 @@ class TableClient:
         wanted = {}
         for table, table_ids in ids.items():
             self.spec(table)
-            wanted[table] = np.unique(_ids_array(table_ids))
+            wanted[table] = self.dedupe(table_ids)[0]
         for table, rows in self.fetch(wanted).items():
             self._cache[table] = (wanted[table], rows)
 
     def rows(self, table: str, unique_ids: np.ndarray) -> torch.Tensor:
-        """Rows of sorted unique ids: from this step's prefetch where possible, else fetched."""
+        """Rows of sorted unique ids (a new tensor): from this step's prefetch where possible.
+
+        A prefetch of exactly these ids (the same array) is handed over whole
+        and forgotten, so no two lookups share a tensor of rows.
+        """
         cached = self._cache.get(table)
         if cached is None:
             return self.fetch({table: unique_ids})[table]
         cached_ids, cached_rows = cached
+        if cached_ids is unique_ids:
+            del self._cache[table]
+            return cached_rows
         pos = np.minimum(np.searchsorted(cached_ids, unique_ids), max(cached_ids.size - 1, 0))
         hit = cached_ids[pos] == unique_ids if cached_ids.size else np.zeros(unique_ids.size, bool)
         if hit.all():
@@ -131,10 +166,9 @@ class TableClient:
     def pull_rows(self, table: str, ids) -> torch.Tensor:
         """Current rows of ``ids`` (any shape, repeats allowed): ``ids.shape + (dim,)``."""
         spec = self.spec(table)
-        flat = _ids_array(ids)
-        unique, inverse = np.unique(flat, return_inverse=True)
-        rows = self.fetch({table: unique})[table][torch.from_numpy(inverse.reshape(-1))]
-        shape = tuple(ids.shape) if hasattr(ids, "shape") else (flat.size,)
+        unique, inverse = self.dedupe(ids)
+        rows = self.fetch({table: unique})[table][torch.from_numpy(inverse)]
+        shape = tuple(ids.shape) if hasattr(ids, "shape") else (inverse.size,)
         return rows.reshape(shape + (spec.dim,))
 
     # -- gradients --------------------------------------------------------------
@@ -176,9 +210,10 @@ class TableClient:
         return pieces
 
     def clear(self) -> None:
-        """Forget this step's lookups and prefetched rows."""
+        """Forget this step's lookups, prefetched rows and dedupes."""
         self._lookups = {}
         self._cache = {}
+        self._deduped = {}
 
 
 class DistributedEmbedding(torch.nn.Module):
@@ -199,7 +234,7 @@ class DistributedEmbedding(torch.nn.Module):
         spec = self.spec
         if spec.kind == "embedding" and (offsets is not None or per_sample_weights is not None):
             raise TypeError(f"distributed table {spec.name!r} is an nn.Embedding: it takes no offsets")
-        unique, inverse = np.unique(_ids_array(input), return_inverse=True)
+        unique, inverse = self._client.dedupe(input)
         rows = self._client.rows(spec.name, unique).to(input.device)
         padding = None
         if spec.padding_idx is not None:
@@ -210,7 +245,7 @@ class DistributedEmbedding(torch.nn.Module):
         if torch.is_grad_enabled():
             rows.requires_grad_(True)
             self._client.record(spec.name, unique, rows)
-        index = torch.from_numpy(inverse.reshape(-1)).to(input.device).view(input.shape)
+        index = torch.from_numpy(inverse).to(input.device).view(input.shape)
         if spec.kind == "embedding":
             return F.embedding(index, rows, padding_idx=padding)
         return F.embedding_bag(index, rows, offsets, mode=spec.mode,

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import logging
 from collections import defaultdict
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch.utils.data import Dataset, DistributedSampler
@@ -140,8 +140,8 @@ class Trainer:
                 out.append((b.name, g[b.row_start:b.row_end].view(b.shape)))
         return out
 
-    def _pull_from(self, endpoint: str, min_version: int) -> int:
-        blocks = self._blocks[endpoint]
+    def _receive_blocks(self, transfer: Callable) -> int:
+        """Run ``transfer(dest)``, which lands blocks in ``dest(name)``, into the parameters."""
         staged = {}
 
         def dest(name: str) -> torch.Tensor:
@@ -151,11 +151,16 @@ class Trainer:
             staged[name] = torch.empty(view.shape, dtype=view.dtype)  # CUDA params land here first
             return staged[name]
 
-        version = self.comm.pull(endpoint, [b.name for b in blocks], min_version, self._expect, dest)
+        version = transfer(dest)
         with torch.no_grad():
             for name, t in staged.items():
                 self._param_view(self._block_by_name[name]).copy_(t)
         return version
+
+    def _pull_from(self, endpoint: str, min_version: int) -> int:
+        names = [b.name for b in self._blocks[endpoint]]
+        return self._receive_blocks(
+            lambda dest: self.comm.pull(endpoint, names, min_version, self._expect, dest))
 
     def _pull_all(self, min_version: int) -> None:
         self.comm.run_parallel({ep: (lambda ep=ep: self._pull_from(ep, min_version))
@@ -173,13 +178,12 @@ class Trainer:
         """
         self._check_open()
         step = self.step_count
-        min_version = step + 1 if self.sync_mode else 0
         sparse = self.tables.take_gradients() if self.program.tables else {}
 
         def push_pull(ep):
-            self.comm.push(ep, step, self._grads_for(self._blocks.get(ep, [])) + sparse.get(ep, []))
-            if ep in self._blocks:
-                self._pull_from(ep, min_version)
+            grads = self._grads_for(self._blocks.get(ep, [])) + sparse.get(ep, [])
+            self._receive_blocks(
+                lambda dest: self.comm.push_pull(ep, step, grads, self._expect, dest))
 
         self.comm.run_parallel({ep: (lambda ep=ep: push_pull(ep)) for ep in self._push_endpoints})
         self.model.zero_grad(set_to_none=True)
