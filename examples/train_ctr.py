@@ -48,10 +48,11 @@ log = logging.getLogger("train_ctr")
 class WideDeep(nn.Module):
     """logit = wide(ids).sum + MLP([deep(ids) flattened, dense features])."""
 
-    def __init__(self, capacity: int = CAPACITY, dim: int = DIM, hidden=(400, 400, 400)):
+    def __init__(self, capacity: int = CAPACITY, dim: int = DIM, hidden=(400, 400, 400),
+                 table_device: str = "cpu"):
         super().__init__()
-        self.wide = nn.Embedding(capacity, 1, sparse=True)
-        self.deep = nn.Embedding(capacity, dim, sparse=True)
+        self.wide = nn.Embedding(capacity, 1, sparse=True, device=table_device)
+        self.deep = nn.Embedding(capacity, dim, sparse=True, device=table_device)
         layers, width = [], ctr_data.N_SPARSE * dim + ctr_data.N_DENSE
         for h in hidden:
             layers += [nn.Linear(width, h), nn.ReLU()]
@@ -63,9 +64,10 @@ class WideDeep(nn.Module):
         return self.mlp(torch.cat([deep, dense], dim=1)).squeeze(1) + self.wide(ids).sum(dim=(1, 2))
 
 
-def build_model(capacity: int = CAPACITY) -> WideDeep:
+def build_model(capacity: int = CAPACITY, table_device: str = "cpu") -> WideDeep:
+    """The model; ``table_device="meta"`` allocates no memory for the embedding weights."""
     torch.manual_seed(0)  # every role builds the same initial dense weights
-    return WideDeep(capacity)
+    return WideDeep(capacity, table_device=table_device)
 
 
 TABLES = {"wide": TableOptions(optimizer="adagrad", optimizer_kwargs={"lr": 0.05}, init="zeros"),
@@ -74,8 +76,12 @@ TABLES = {"wide": TableOptions(optimizer="adagrad", optimizer_kwargs={"lr": 0.05
 
 
 def build_program(lr: float = 1e-3) -> Program:
-    """Dense MLP with Adam; both tables distributed, Adagrad (also for ``python -m transpiler show``)."""
-    return Program(build_model(), "adam", lr=lr, distributed_tables=TABLES)
+    """Dense MLP with Adam; both tables distributed, Adagrad (also for ``python -m transpiler show``).
+
+    The tables are built on the meta device: their rows live on the pservers,
+    so no role needs the ``capacity x dim`` weight ``nn.Embedding`` would allocate.
+    """
+    return Program(build_model(table_device="meta"), "adam", lr=lr, distributed_tables=TABLES)
 
 
 def load_data(args, trainer_id: int, trainers: int):
@@ -138,10 +144,12 @@ class Throughput:
                                       "end": self.end}), flush=True)
 
 
-def progress(total: int, enabled: bool):
+def progress(total: int, enabled: bool, batch_size: int):
+    """A tqdm bar over steps that shows examples/s (of this process) and the loss."""
     from tqdm import tqdm
 
-    return tqdm(total=total, disable=not enabled, mininterval=2.0, unit="step", file=sys.stderr)
+    return tqdm(total=total * batch_size, disable=not enabled, mininterval=2.0, unit="ex",
+                unit_scale=True, file=sys.stderr, desc="train")
 
 
 def train_local(args) -> float:
@@ -158,9 +166,9 @@ def train_local(args) -> float:
     speed = Throughput(args.warmup, "local")
     loss_fn = nn.BCEWithLogitsLoss()
     steps_per_epoch = len(train) // args.batch_size
-    with progress(args.epochs * steps_per_epoch, args.progress) as bar:
+    with progress(args.epochs * steps_per_epoch, args.progress, args.batch_size) as bar:
         for epoch in range(args.epochs):
-            for step, (dense_x, ids, y) in enumerate(batches(train, args.batch_size, epoch, args.seed)):
+            for dense_x, ids, y in batches(train, args.batch_size, epoch, args.seed):
                 if args.steps and speed.steps >= args.steps:
                     break
                 for o in opts:
@@ -170,7 +178,7 @@ def train_local(args) -> float:
                 for o in opts:
                     o.step()
                 speed.step(len(y))
-                bar.update()
+                bar.update(len(y))
     speed.report()
     test.ids = np.remainder(test.ids, capacity)
     return evaluate(model, test)
@@ -236,7 +244,7 @@ def main(argv=None) -> int:
     # Every trainer runs the same number of steps, so sync barriers never wait for a finished one.
     total = args.epochs * steps_per_epoch if not args.steps else min(args.steps, args.epochs * steps_per_epoch)
     with Trainer(t.get_trainer_program()) as tr, \
-            progress(total, args.progress and env.trainer_id == 0) as bar:
+            progress(total, args.progress and env.trainer_id == 0, args.batch_size) as bar:
         for epoch in range(args.epochs):
             for dense_x, ids, y in batches(train, args.batch_size, epoch, args.seed + env.trainer_id):
                 if speed.steps >= total:
@@ -246,7 +254,7 @@ def main(argv=None) -> int:
                 loss.backward()
                 tr.step()
                 speed.step(len(y))
-                bar.update()
+                bar.update(len(y))
                 if speed.steps % 50 == 0:
                     bar.set_postfix(loss=f"{loss.item():.4f}")
         speed.report()

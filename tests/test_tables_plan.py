@@ -133,3 +133,37 @@ def test_plans_with_tables_round_trip_and_print():
     other.transpile(1, program=table_program("adagrad", tables={"emb": {"seed": 1}, "bag": None}, lr=0.1),
                     pservers="127.0.0.1:7001,127.0.0.1:7002", trainers=2)
     assert other.get_trainer_program().layout_digest != tp.layout_digest
+
+
+class MetaTables(nn.Module):
+    """Tables declared on the meta device with a capacity hint no machine could allocate."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(10**12, 8, sparse=True, device="meta")
+        self.bag = nn.EmbeddingBag(10**12, 4, mode="sum", device="meta")
+        self.head = nn.Linear(12, 1)
+
+    def forward(self, ids):
+        return self.head(torch.cat([self.emb(ids).sum(1), self.bag(ids)], 1))
+
+
+@pytest.mark.timeout(60)
+def test_tables_built_on_the_meta_device_train():
+    def build():
+        torch.manual_seed(0)
+        return Program(MetaTables(), "sgd", lr=0.5, distributed_tables=["emb", "bag"])
+
+    ids = torch.tensor([[1, 2**50, -7], [3, 3, 1]])
+    with LocalCluster(build, 2, 1) as cluster:
+        with cluster.trainer(0) as tr:
+            before = tr.pull_rows("emb", ids)
+            tr.model(ids).sum().backward()
+            tr.step()
+            after = tr.pull_rows("emb", ids)
+            # d(sum of outputs)/d(row) = head.weight[:8] per use; id 3 used twice, id 1 twice.
+            w = build().model.head.weight.detach()[0, :8]
+            uses = {1: 2, 2**50: 1, -7: 1, 3: 2}
+            for pos, i in enumerate(ids.flatten().tolist()):
+                torch.testing.assert_close(after.view(-1, 8)[pos], before.view(-1, 8)[pos] - 0.5 * uses[i] * w)
+        assert sum(s.engine.tables.rows for s in cluster.servers) == 2 * 4  # 4 ids, 2 tables

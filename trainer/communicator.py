@@ -102,7 +102,9 @@ class Communicator:
                                      for ep, ch in self._channels.items()}
         self._prefetch_one_calls = {ep: ch.unary_stream(f"/{_SERVICE}/PrefetchOne")
                                     for ep, ch in self._channels.items()}
-        self._pool = futures.ThreadPoolExecutor(max_workers=max(1, len(program.pservers)),
+        # Two calls per pserver may run at once: a step sent in the background
+        # (async pipeline) and the next step's prefetch.
+        self._pool = futures.ThreadPoolExecutor(max_workers=2 * len(program.pservers),
                                                 thread_name_prefix="trainer-comm")
         self.bytes_pushed = 0
         self.bytes_pulled = 0

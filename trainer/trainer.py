@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 from collections import defaultdict
+from concurrent import futures
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -31,6 +32,10 @@ class Trainer:
     sync mode the pull returns once every live trainer's gradient for the step
     was applied. Call :meth:`close` (or use ``with``) when done, so the
     pservers stop waiting for this trainer.
+
+    In async mode with ``async_pipeline`` (the default), :meth:`step` sends
+    in the background and returns at once; the parameters it pulls are
+    installed by the next :meth:`step` (or :meth:`pull`, :meth:`close`).
 
     Every distributed table of the program is replaced in ``model`` by a
     :class:`~trainer.embedding.DistributedEmbedding`: lookups fetch rows from
@@ -65,6 +70,13 @@ class Trainer:
         # even with nothing for it, so sync barriers count this trainer.
         self._push_endpoints = list(program.pservers) if program.tables else list(self._blocks)
         self._closed = False
+        # Async pipeline: the step being sent in the background, and where its
+        # pulled blocks land until the next step() installs them.
+        self._pipelined = not self.sync_mode and program.config.async_pipeline
+        self._sender = futures.ThreadPoolExecutor(1, thread_name_prefix="trainer-send") \
+            if self._pipelined else None
+        self._in_flight: Optional[futures.Future] = None
+        self._staging: Dict[str, torch.Tensor] = {}
         self.comm = Communicator(program)
         self.tables = TableClient(program.tables, program.pservers, self._fetch_rows,
                                   lambda: self.step_count if self.sync_mode else 0)
@@ -179,20 +191,45 @@ class Trainer:
         self._check_open()
         step = self.step_count
         sparse = self.tables.take_gradients() if self.program.tables else {}
-
-        def push_pull(ep):
-            grads = self._grads_for(self._blocks.get(ep, [])) + sparse.get(ep, [])
-            self._receive_blocks(
-                lambda dest: self.comm.push_pull(ep, step, grads, self._expect, dest))
-
-        self.comm.run_parallel({ep: (lambda ep=ep: push_pull(ep)) for ep in self._push_endpoints})
+        grads = {ep: self._grads_for(self._blocks.get(ep, [])) + sparse.get(ep, [])
+                 for ep in self._push_endpoints}
+        if self._pipelined:
+            self._finish_in_flight()
+            self._in_flight = self._sender.submit(self._send, step, grads)
+        else:
+            self.comm.run_parallel({ep: (lambda ep=ep: self._receive_blocks(
+                lambda dest: self.comm.push_pull(ep, step, grads[ep], self._expect, dest)))
+                for ep in self._push_endpoints})
+        # The pushed gradients stay referenced until sent; the next backward makes new ones.
         self.model.zero_grad(set_to_none=True)
         self.step_count = step + 1
         return self.step_count
 
+    def _send(self, step: int, grads: Dict[str, list]) -> None:
+        """Push-pull ``step`` on every pserver; pulled blocks land in the staging buffers."""
+        def stage(name: str) -> torch.Tensor:
+            buf = self._staging.get(name)
+            if buf is None:
+                b = self._block_by_name[name]
+                buf = self._staging[name] = torch.empty(b.shape, dtype=getattr(torch, b.dtype))
+            return buf
+        self.comm.run_parallel({ep: (lambda ep=ep: self.comm.push_pull(ep, step, grads[ep], self._expect, stage))
+                                for ep in self._push_endpoints})
+
+    def _finish_in_flight(self) -> None:
+        """Wait for the step sent in the background; install the parameters it pulled."""
+        if self._in_flight is None:
+            return
+        sent, self._in_flight = self._in_flight, None
+        sent.result()  # re-raises the push's PserverError here, on the caller's thread
+        with torch.no_grad():
+            for name, t in self._staging.items():
+                self._param_view(self._block_by_name[name]).copy_(t)
+
     def pull(self) -> None:
         """Refresh the local parameters from the pservers now (async: latest; sync: current step)."""
         self._check_open()
+        self._finish_in_flight()
         self._pull_all(self.step_count if self.sync_mode else 0)
 
     def state_dict(self, with_tables: bool = False) -> Dict[str, torch.Tensor]:
@@ -239,6 +276,7 @@ class Trainer:
         one ids/rows file set per table. Returns the shard directories written.
         """
         self._check_open()
+        self._finish_in_flight()  # the saved rows include this trainer's last step
         replies = self.comm.run_parallel({ep: (lambda ep=ep: self.comm.save_tables(ep, directory))
                                           for ep in self.program.pservers})
         return [p for reply in replies.values() for p in reply.paths]
@@ -257,7 +295,12 @@ class Trainer:
         if self._closed:
             return
         self._closed = True
-        self.comm.close()
+        try:
+            self._finish_in_flight()  # the last step reaches the pservers before Close
+        finally:
+            if self._sender is not None:
+                self._sender.shutdown(wait=False)
+            self.comm.close()
         log.info("trainer %d: closed after step %d (pushed %s bytes, pulled %s bytes)",
                  self.trainer_id, self.step_count, f"{self.comm.bytes_pushed:,}",
                  f"{self.comm.bytes_pulled:,}")

@@ -39,6 +39,12 @@ class DistributeTranspilerConfig:
       its updates are memory-bound, and extra threads steal cores from trainers.
     - ``pserver_rpc_workers`` (int, 0): gRPC handler threads per pserver;
       0 picks ``max(16, 4 * trainers)``.
+    - ``async_pipeline`` (bool, True): async mode only; ``Trainer.step()``
+      sends the step's gradients in the background and returns at once, and
+      the parameters that push brings back are installed at the next
+      ``step()``: the next forward/backward overlaps the transfer and the
+      pservers' update, at the price of one more step of staleness (Paddle's
+      async communicator does the same). False: each step waits for its push.
     """
 
     slice_var_up: bool = True
@@ -51,6 +57,7 @@ class DistributeTranspilerConfig:
     chunk_bytes: int = 1 << 20
     pserver_torch_threads: int = 1
     pserver_rpc_workers: int = 0
+    async_pipeline: bool = True
 
     def __post_init__(self) -> None:
         self.validate()
@@ -77,6 +84,8 @@ class DistributeTranspilerConfig:
         if not isinstance(self.pserver_torch_threads, int) or self.pserver_torch_threads < 1:
             raise ValueError(
                 f"pserver_torch_threads must be an int >= 1, got {self.pserver_torch_threads!r}")
+        if not isinstance(self.async_pipeline, bool):
+            raise ValueError(f"async_pipeline must be a bool, got {self.async_pipeline!r}")
         if not isinstance(self.pserver_rpc_workers, int) or self.pserver_rpc_workers < 0:
             raise ValueError(
                 f"pserver_rpc_workers must be an int >= 0, got {self.pserver_rpc_workers!r}")

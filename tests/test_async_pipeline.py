@@ -1,0 +1,97 @@
+"""Async pipeline: step() sends in the background; pulled parameters are installed at the next step.
+
+With one trainer the schedule is exact: the gradient of step s is computed on
+the parameters installed at step s-1, which hold the updates of steps up to
+s-2, so the pserver computes theta[s+1] = theta[s] - lr * grad(theta[s-1]).
+"""
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from cluster import LocalCluster
+from models import batches, odd_mlp
+from trainer import PserverError
+from transpiler import DistributeTranspilerConfig, Program
+
+LR = 0.1
+
+
+def program():
+    return Program(odd_mlp(dtype=torch.float64), "sgd", lr=LR)
+
+
+def delayed_sgd(data, steps):
+    """Single-process reference of the pipelined schedule: gradients one step stale."""
+    model = odd_mlp(dtype=torch.float64)
+    params = dict(model.named_parameters())
+    server = {n: p.detach().clone() for n, p in params.items()}  # theta[s]
+    for s in range(steps):
+        x, y = data[s][0]
+        model.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()  # on the installed parameters
+        grads = {n: p.grad.clone() for n, p in params.items()}
+        installed = {n: t.clone() for n, t in server.items()}  # what step s+1 computes on
+        for n in server:
+            server[n] -= LR * grads[n]
+        with torch.no_grad():
+            for n, p in params.items():
+                p.copy_(installed[n])
+    return server
+
+
+@pytest.mark.timeout(60)
+def test_pipelined_async_steps_are_one_step_stale_and_exact():
+    steps = 5
+    data = batches(1, 16, steps, dtype=torch.float64)
+    with LocalCluster(program, 2, 1, sync_mode=False) as cluster:
+        with cluster.trainer(0) as tr:
+            assert tr._pipelined
+            for s in range(steps):
+                x, y = data[s][0]
+                nn.functional.cross_entropy(tr.model(x), y).backward()
+                assert tr.step() == s + 1
+            state = tr.state_dict()  # waits for the last push, then pulls
+    expected = delayed_sgd(data, steps)
+    for name, value in expected.items():
+        torch.testing.assert_close(state[name], value, rtol=1e-10, atol=1e-12, msg=lambda m: f"{name}: {m}")
+    # Not the plain (unpipelined) schedule: staleness really is one step.
+    plain = odd_mlp(dtype=torch.float64)
+    opt = torch.optim.SGD(plain.parameters(), lr=LR)
+    for s in range(steps):
+        opt.zero_grad()
+        nn.functional.cross_entropy(plain(data[s][0][0]), data[s][0][1]).backward()
+        opt.step()
+    assert not torch.allclose(state["fc2.weight"], plain.fc2.weight.detach())
+
+
+@pytest.mark.timeout(60)
+def test_pipeline_off_waits_for_each_push():
+    config = DistributeTranspilerConfig(async_pipeline=False)
+    data = batches(1, 16, 3, dtype=torch.float64)
+    with LocalCluster(program, 2, 1, sync_mode=False, config=config) as cluster:
+        with cluster.trainer(0) as tr:
+            assert not tr._pipelined
+            for s in range(3):
+                x, y = data[s][0]
+                nn.functional.cross_entropy(tr.model(x), y).backward()
+                tr.step()
+                assert all(srv.engine.version == s + 1 for srv in cluster.servers)
+
+
+@pytest.mark.timeout(60)
+def test_a_refused_background_push_surfaces_at_the_next_step():
+    with LocalCluster(program, 1, 1, sync_mode=False) as cluster:
+        tr = cluster.trainer(0)
+        try:
+            x, y = batches(1, 8, 1, dtype=torch.float64)[0][0]
+            nn.functional.cross_entropy(tr.model(x), y).backward()
+            tr.model.fc1.weight.grad[0, 0] = math.nan
+            tr.step()  # returns: the push is in flight
+            nn.functional.cross_entropy(tr.model(x), y).backward()
+            with pytest.raises(PserverError, match="NaN or Inf"):
+                tr.step()
+            assert cluster.servers[0].engine.version == 0  # refused, nothing applied
+        finally:
+            tr.close()
