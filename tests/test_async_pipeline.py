@@ -16,6 +16,7 @@ from trainer import PserverError
 from transpiler import DistributeTranspilerConfig, Program
 
 LR = 0.1
+PIPELINED = DistributeTranspilerConfig(async_pipeline=True)
 
 
 def program():
@@ -45,7 +46,7 @@ def delayed_sgd(data, steps):
 def test_pipelined_async_steps_are_one_step_stale_and_exact():
     steps = 5
     data = batches(1, 16, steps, dtype=torch.float64)
-    with LocalCluster(program, 2, 1, sync_mode=False) as cluster:
+    with LocalCluster(program, 2, 1, sync_mode=False, config=PIPELINED) as cluster:
         with cluster.trainer(0) as tr:
             assert tr._pipelined
             for s in range(steps):
@@ -67,10 +68,9 @@ def test_pipelined_async_steps_are_one_step_stale_and_exact():
 
 
 @pytest.mark.timeout(60)
-def test_pipeline_off_waits_for_each_push():
-    config = DistributeTranspilerConfig(async_pipeline=False)
+def test_pipeline_off_by_default_waits_for_each_push():
     data = batches(1, 16, 3, dtype=torch.float64)
-    with LocalCluster(program, 2, 1, sync_mode=False, config=config) as cluster:
+    with LocalCluster(program, 2, 1, sync_mode=False) as cluster:
         with cluster.trainer(0) as tr:
             assert not tr._pipelined
             for s in range(3):
@@ -82,7 +82,7 @@ def test_pipeline_off_waits_for_each_push():
 
 @pytest.mark.timeout(60)
 def test_a_refused_background_push_surfaces_at_the_next_step():
-    with LocalCluster(program, 1, 1, sync_mode=False) as cluster:
+    with LocalCluster(program, 1, 1, sync_mode=False, config=PIPELINED) as cluster:
         tr = cluster.trainer(0)
         try:
             x, y = batches(1, 8, 1, dtype=torch.float64)[0][0]

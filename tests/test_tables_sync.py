@@ -12,7 +12,6 @@ from torch import nn
 
 from cluster import LocalCluster
 from table_models import BAG_VOCAB, VOCAB, single_process, table_batches, table_program
-from transpiler import DistributeTranspilerConfig
 
 STEPS = 4
 PER_TRAINER = 8
@@ -85,11 +84,11 @@ def test_table_optimizer_can_differ_from_dense():
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("optimizer", ["adagrad", "adam"])
 def test_async_single_trainer_matches_single_process(optimizer):
-    """Without the pipeline, each step waits for its own push: one trainer is one process."""
+    """Without the async pipeline (the default), each step waits for its own push: one trainer
+    is one process."""
     data = table_batches(1, 2 * PER_TRAINER, STEPS, seed=4)
     build = lambda: table_program(optimizer, **CASES[optimizer])  # noqa: E731
-    config = DistributeTranspilerConfig(async_pipeline=False)
-    with LocalCluster(build, 2, 1, sync_mode=False, config=config) as cluster:
+    with LocalCluster(build, 2, 1, sync_mode=False) as cluster:
         results = train(cluster, data)
     assert_matches(results[0], single_process(build(), data))
 

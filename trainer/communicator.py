@@ -50,6 +50,12 @@ def channel_options(chunk_bytes: int) -> list:
         ("grpc.keepalive_timeout_ms", 20_000),
         # Each pserver gets its own connection even when endpoints share a host.
         ("grpc.use_local_subchannel_pool", 1),
+        # A trainer that starts before its pservers retries within ~0.1 s of them
+        # binding, not after gRPC's default 1 s backoff: a head start of one
+        # trainer over another costs async training (stale, doubled updates at join).
+        ("grpc.initial_reconnect_backoff_ms", 100),
+        ("grpc.min_reconnect_backoff_ms", 100),
+        ("grpc.max_reconnect_backoff_ms", 2_000),
     ]
 
 

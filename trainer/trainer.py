@@ -10,6 +10,7 @@ import torch
 from torch.utils.data import Dataset, DistributedSampler
 
 from transpiler import BlockSpec, TrainerProgram
+from transpiler.tables import SPARSE_SEPARATOR
 
 from .communicator import Communicator, PserverError
 from .embedding import DistributedEmbedding, Pieces, TableClient
@@ -33,7 +34,7 @@ class Trainer:
     was applied. Call :meth:`close` (or use ``with``) when done, so the
     pservers stop waiting for this trainer.
 
-    In async mode with ``async_pipeline`` (the default), :meth:`step` sends
+    In async mode with ``async_pipeline`` on, :meth:`step` sends
     in the background and returns at once; the parameters it pulls are
     installed by the next :meth:`step` (or :meth:`pull`, :meth:`close`).
 
@@ -80,7 +81,6 @@ class Trainer:
         self.comm = Communicator(program)
         self.tables = TableClient(program.tables, program.pservers, self._fetch_rows,
                                   lambda: self.step_count if self.sync_mode else 0)
-        self._install_tables()
         try:
             versions = self.comm.hello(program.config.connect_timeout)
             owning = {ep: v for ep, v in versions.items() if ep in self._push_endpoints}
@@ -88,6 +88,8 @@ class Trainer:
                 raise PserverError(", ".join(owning), f"pservers disagree on the current step: {owning}")
             self.step_count = max(owning.values(), default=0)
             self._pull_all(self.step_count)
+            # Last, so a Trainer that failed to connect leaves the model as it was.
+            self._install_tables()
         except BaseException:
             self.comm.shutdown()
             raise
@@ -118,7 +120,7 @@ class Trainer:
         def expect_for(ep):
             sent = {}
             for name, ids in pieces[ep]:
-                spec = self.tables.spec(name.rpartition("@")[0])
+                spec = self.tables.spec(name.rpartition(SPARSE_SEPARATOR)[0])
                 sent[spec.rows_name] = (spec.dtype, [len(ids), spec.dim])
             return sent
 

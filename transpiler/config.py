@@ -39,12 +39,14 @@ class DistributeTranspilerConfig:
       its updates are memory-bound, and extra threads steal cores from trainers.
     - ``pserver_rpc_workers`` (int, 0): gRPC handler threads per pserver;
       0 picks ``max(16, 4 * trainers)``.
-    - ``async_pipeline`` (bool, True): async mode only; ``Trainer.step()``
+    - ``async_pipeline`` (bool, False): async mode only; ``Trainer.step()``
       sends the step's gradients in the background and returns at once, and
       the parameters that push brings back are installed at the next
       ``step()``: the next forward/backward overlaps the transfer and the
       pservers' update, at the price of one more step of staleness (Paddle's
-      async communicator does the same). False: each step waits for its push.
+      async communicator does the same). Off by default: momentum SGD with
+      small batches can diverge under the extra staleness; Adam/Adagrad
+      models such as the CTR example train as well with it.
     """
 
     slice_var_up: bool = True
@@ -57,7 +59,7 @@ class DistributeTranspilerConfig:
     chunk_bytes: int = 1 << 20
     pserver_torch_threads: int = 1
     pserver_rpc_workers: int = 0
-    async_pipeline: bool = True
+    async_pipeline: bool = False
 
     def __post_init__(self) -> None:
         self.validate()
