@@ -1,0 +1,273 @@
+"""Distributed-table shard alone: memory per row, row lookups/s and updates/s, with two peers.
+
+    python benchmarks/bench_table.py [--runs 5] [--table_rows 10000000] [--batch 100000]
+    python benchmarks/bench_table.py --rows 50000000 [--runs 5]
+
+Default mode, for dim 16 float32 and each of SGD and Adam (SparseAdam): fill one
+``pserver.table.TableShard`` with ``--table_rows`` rows by ``apply()`` of batches of
+1M new ids, then report bytes per stored row (``nbytes / len``) against raw
+(8-byte id + values + optimizer state), and the medians over ``--runs`` of row
+lookups/s (``--batch`` existing ids, drawn with repeats; a run is the mean of 10 calls)
+and updates/s (``--batch`` unique ids, half stored, half new: one call per run;
+all stored: 10 calls per run). In the same
+process, the peers for lookups of the same batch on as many rows: a dense
+``nn.Embedding`` forward (index_select; the best a dense in-memory table can do,
+1 thread as a pserver runs it, and all threads) and a Python dict of rows (what
+a naive table does), with the dict's memory per row from the RSS it added.
+
+``--rows N`` mode: one process fills a single SGD shard with N rows (batches of
+1M new ids) and reports peak RSS (VmHWM), bytes per row and lookups/s at N rows.
+
+Prints markdown tables, the machine (nproc, CPU model) and the other load on
+the machine during the run (busy CPU from /proc/stat minus this process's own).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from pserver.table import TableShard  # noqa: E402
+from transpiler.tables import TableOptimizerSpec, TableSpec  # noqa: E402
+
+DIM = 16
+FILL_BATCH = 1_000_000
+_SCRAMBLE = np.uint64(0x9E3779B97F4A7C15)  # odd: i -> i * c is a bijection of int64
+
+
+def id_of(i: np.ndarray) -> np.ndarray:
+    """The i-th distinct id: arbitrary-looking int64 (negative too), no repeats."""
+    with np.errstate(over="ignore"):
+        return (np.asarray(i, dtype=np.uint64) * _SCRAMBLE).view(np.int64)
+
+
+def spec_for(optimizer: str, rows: int) -> TableSpec:
+    return TableSpec(name="emb", dim=DIM, dtype="float32", kind="embedding", capacity=rows,
+                     seed=1, init="normal", init_kwargs={"mean": 0.0, "std": 1.0},
+                     optimizer=TableOptimizerSpec(optimizer, {}))
+
+
+def status_kb(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    return 0
+
+
+def busy_seconds() -> float:
+    """CPU seconds all cores spent busy since boot (/proc/stat)."""
+    with open("/proc/stat") as f:
+        v = [int(x) for x in f.readline().split()[1:]]
+    idle = v[3] + v[4]
+    return (sum(v[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+class OtherLoad:
+    """Cores' worth of CPU used by other processes while this one ran."""
+
+    def __enter__(self):
+        self.t, self.busy, self.own = time.time(), busy_seconds(), sum(os.times()[:2])
+        return self
+
+    def __exit__(self, *exc):
+        wall = time.time() - self.t
+        self.cores = max(0.0, (busy_seconds() - self.busy - (sum(os.times()[:2]) - self.own)) / wall)
+
+
+def fill(table: TableShard, n: int) -> float:
+    """Insert ids id_of(0..n) by apply() in batches of 1M; rows/s."""
+    zero = np.zeros((FILL_BATCH, DIM), np.float32)
+    t0 = time.perf_counter()
+    for a in range(len(table), n, FILL_BATCH):
+        b = min(n, a + FILL_BATCH)
+        table.apply(id_of(np.arange(a, b)), zero[:b - a], 0.01)
+    return n / (time.perf_counter() - t0)
+
+
+REPS = 10  # calls per timed run, each on its own batch: smooths scheduler noise
+
+
+def timed(fn, runs, reps=REPS):
+    """(median, min, max) over ``runs`` of the mean seconds of ``reps`` calls fn(i)."""
+    ts = []
+    for r in range(runs):
+        t0 = time.perf_counter()
+        for i in range(reps):
+            fn(r * reps + i)
+        ts.append((time.perf_counter() - t0) / reps)
+    return statistics.median(ts), min(ts), max(ts)
+
+
+def batches(make, runs, reps=REPS):
+    """Inputs for every call of :func:`timed`, made beforehand (not timed)."""
+    return [make() for _ in range(runs * reps + 1)]
+
+
+def rate(n, t):
+    """'12.3M [min-max]' items/s from (median, min, max) seconds."""
+    med, lo, hi = t
+    return f"{n / med / 1e6:.2f}M [{n / hi / 1e6:.2f}-{n / lo / 1e6:.2f}]"
+
+
+def bench_table(optimizer: str, n_rows: int, batch: int, runs: int, rng) -> dict:
+    table = TableShard(spec_for(optimizer, n_rows), 0, 1)
+    fill_rate = fill(table, n_rows)
+    bpr = table.nbytes / len(table)
+    raw = table.raw_bytes_per_row
+    lookups = batches(lambda: id_of(rng.integers(0, n_rows, batch)), runs)
+    table.lookup(lookups[-1])  # warm
+    t_lookup = timed(lambda r: table.lookup(lookups[r]), runs)
+    grads = rng.standard_normal((batch, DIM)).astype(np.float32)
+    next_new = [len(table)]
+
+    def mixed(r):
+        old = id_of(rng.choice(n_rows, batch // 2, replace=False))
+        new = id_of(np.arange(next_new[0], next_new[0] + batch - batch // 2))
+        next_new[0] += new.size
+        ids = np.concatenate([old, new])
+        t0 = time.perf_counter()
+        table.apply(ids, grads, 0.01)
+        return time.perf_counter() - t0
+
+    def existing(r):
+        ids = id_of(rng.choice(n_rows, batch, replace=False))
+        t0 = time.perf_counter()
+        table.apply(ids, grads, 0.01)
+        return time.perf_counter() - t0
+
+    def only_apply(fn, reps):  # id generation is not the table's time
+        ts = [sum(fn(r) for _ in range(reps)) / reps for r in range(runs)]
+        return statistics.median(ts), min(ts), max(ts)
+
+    # One apply per run with new ids: more would grow the table past a rebuild.
+    t_mixed = only_apply(mixed, 1)
+    t_existing = only_apply(existing, REPS)
+    out = {"optimizer": optimizer, "rows": len(table), "bytes_per_row": bpr, "raw": raw,
+           "fill": fill_rate, "lookup": t_lookup, "update_mixed": t_mixed,
+           "update_existing": t_existing, "capacity": table.capacity,
+           "slots": table._slots.size}
+    del table
+    gc.collect()
+    return out
+
+
+def bench_peers(n_rows: int, batch: int, runs: int, rng) -> dict:
+    res = {}
+    weight = torch.randn(n_rows, DIM)
+    emb = torch.nn.Embedding.from_pretrained(weight, freeze=True)
+    idx = batches(lambda: torch.from_numpy(rng.integers(0, n_rows, batch)), runs)
+    threads = torch.get_num_threads()
+    with torch.no_grad():
+        for n_threads in sorted({1, threads}):
+            torch.set_num_threads(n_threads)
+            emb(idx[-1])
+            res[f"torch_{n_threads}"] = timed(lambda r: emb(idx[r]), runs)
+    torch.set_num_threads(threads)
+    del emb, weight
+    gc.collect()
+    rss0 = status_kb("VmRSS")
+    t0 = time.perf_counter()
+    rows = np.random.default_rng(0).standard_normal((n_rows, DIM)).astype(np.float32)
+    table = dict(zip(id_of(np.arange(n_rows)).tolist(), (row.copy() for row in rows)))
+    del rows
+    gc.collect()
+    res["dict_build_s"] = time.perf_counter() - t0
+    res["dict_bytes_per_row"] = (status_kb("VmRSS") - rss0) * 1024 / n_rows
+    keys = batches(lambda: id_of(rng.integers(0, n_rows, batch)).tolist(), runs, 1)
+    res["dict"] = timed(lambda r: np.stack([table[k] for k in keys[r]]), runs, 1)
+    del table
+    gc.collect()
+    return res
+
+
+def machine() -> str:
+    model = "?"
+    with open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    return (f"nproc {os.cpu_count()}, {model}, {mem:.0f} GiB, "
+            f"torch {torch.__version__} ({torch.get_num_threads()} threads), numpy {np.__version__}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--batch", type=int, default=100_000)
+    ap.add_argument("--table_rows", type=int, default=10_000_000, help="rows of the default mode's tables")
+    ap.add_argument("--rows", type=int, default=0, help="big mode: fill one SGD shard with this many rows")
+    ap.add_argument("--optimizers", default="sgd,adam")
+    args = ap.parse_args()
+    rng = np.random.default_rng(0)
+    started = datetime.datetime.now(datetime.timezone.utc)
+    print(f"# {' '.join(['python'] + sys.argv)}")
+    print(f"# {started:%Y-%m-%d %H:%M} UTC; {machine()}; load average before {os.getloadavg()[0]:.2f}")
+
+    if args.rows:
+        rss0 = status_kb("VmRSS") * 1024
+        with OtherLoad() as load:
+            table = TableShard(spec_for("sgd", args.rows), 0, 1)
+            t0 = time.perf_counter()
+            fill_rate = fill(table, args.rows)
+            fill_s = time.perf_counter() - t0
+            lookups = batches(lambda: id_of(rng.integers(0, args.rows, args.batch)), args.runs)
+            table.lookup(lookups[-1])
+            t_lookup = timed(lambda r: table.lookup(lookups[r]), args.runs)
+        print()
+        print(f"| rows | fill (apply of 1M new ids) | peak RSS (VmHWM) | RSS / row | bytes/row (nbytes) "
+              f"| raw | lookups/s ({args.batch // 1000}k ids, median [min-max] of {args.runs}) |")
+        print("|---|---|---|---|---|---|---|")
+        hwm = status_kb("VmHWM") * 1024
+        print(f"| {len(table):,} | {fill_s:.0f} s ({fill_rate / 1e6:.2f}M rows/s) | {hwm / 2**30:.2f} GiB | "
+              f"{hwm / len(table):.1f} B | {table.nbytes / len(table):.1f} B "
+              f"({table.nbytes / len(table) / table.raw_bytes_per_row:.2f}x) | {table.raw_bytes_per_row} B | "
+              f"{rate(args.batch, t_lookup)} |")
+        print(f"\nprocess RSS before the table {rss0 / 2**20:.0f} MiB (interpreter, torch, numpy); "
+              f"capacity {table.capacity:,} rows, index {table._slots.size:,} slots; "
+              f"other load during the run: {load.cores:.2f} cores")
+        return
+
+    with OtherLoad() as load:
+        tables = [bench_table(o, args.table_rows, args.batch, args.runs, rng)
+                  for o in args.optimizers.split(",")]
+        peers = bench_peers(args.table_rows, args.batch, args.runs, rng)
+    n, b = args.table_rows, args.batch
+    print()
+    print(f"| table (dim {DIM} float32, {n / 1e6:g}M rows) | bytes/row | raw | ratio | "
+          f"fill: new rows/s | lookups/s | updates/s (50% new) | updates/s (stored) |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in tables:
+        print(f"| TableShard {r['optimizer']} | {r['bytes_per_row']:.1f} | {r['raw']} | "
+              f"**{r['bytes_per_row'] / r['raw']:.2f}x** | {r['fill'] / 1e6:.2f}M | "
+              f"**{rate(b, r['lookup'])}** | {rate(b, r['update_mixed'])} | "
+              f"{rate(b, r['update_existing'])} |")
+    print()
+    print(f"| lookup of {b // 1000}k ids among {n / 1e6:g}M rows of dim {DIM} | lookups/s | bytes/row |")
+    print("|---|---|---|")
+    for r in tables:
+        print(f"| TableShard ({r['optimizer']}), numpy open addressing | {rate(b, r['lookup'])} | "
+              f"{r['bytes_per_row']:.1f} |")
+    for k in sorted(x for x in peers if x.startswith("torch_")):
+        t = k.split("_")[1]
+        print(f"| dense nn.Embedding forward (index_select), {t} thread{'s' if t != '1' else ''} | "
+              f"{rate(b, peers[k])} | {DIM * 4} (ids 0..n-1 only) |")
+    print(f"| Python dict id -> numpy row, np.stack | {rate(b, peers['dict'])} | "
+          f"{peers['dict_bytes_per_row']:.0f} (RSS added; built in {peers['dict_build_s']:.0f} s) |")
+    print(f"\nmedian [min-max] of {args.runs} runs; other load during the run: {load.cores:.2f} cores; "
+          f"load average after {os.getloadavg()[0]:.2f}")
+
+
+if __name__ == "__main__":
+    main()
