@@ -23,6 +23,7 @@ selected ids chunk by chunk, so a big shard set needs no second copy in memory.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -82,18 +83,25 @@ def _fsync_dir(directory: str) -> None:
         os.close(fd)
 
 
-def _atomic_write(path: str, write) -> None:
+@contextlib.contextmanager
+def _replacing(path: str) -> Iterator[str]:
+    """A temporary path next to ``path``; once the block succeeds it is fsynced and renamed to
+    ``path`` (readers see the old file or the whole new one), otherwise removed."""
     tmp = f"{path}.tmp-{os.getpid()}"
     try:
-        with open(tmp, "wb") as f:
-            write(f)
-            f.flush()
+        yield tmp
+        with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+
+
+def _atomic_write(path: str, write) -> None:
+    with _replacing(path) as tmp, open(tmp, "wb") as f:
+        write(f)
 
 
 def _write_json(path: str, data: dict) -> None:
@@ -281,9 +289,7 @@ def export_table(directories: Sequence[str], out_dir: str) -> dict:
     total = sum(s.rows for s in sources)
     os.makedirs(out_dir, exist_ok=True)
     for part, shape, dt in (("ids", (total,), np.dtype(np.int64)), ("rows", (total, dim), dtype)):
-        path = os.path.join(out_dir, f"{name}.{part}.npy")
-        tmp = f"{path}.tmp-{os.getpid()}"
-        try:
+        with _replacing(os.path.join(out_dir, f"{name}.{part}.npy")) as tmp:
             out = np.lib.format.open_memmap(tmp, mode="w+", dtype=dt, shape=shape)
             at = 0
             for s in sources:
@@ -294,13 +300,6 @@ def export_table(directories: Sequence[str], out_dir: str) -> dict:
                 at += s.rows
             out.flush()
             del out
-            with open(tmp, "rb+") as f:
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-            raise
     spec = meta.get("spec", {})
     info = {"name": name, "dim": dim, "dtype": meta["dtype"], "rows": total,
             "init": spec.get("init"), "init_kwargs": spec.get("init_kwargs"),

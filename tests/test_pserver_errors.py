@@ -188,3 +188,41 @@ def test_second_pserver_on_the_same_port_fails_to_bind(cluster):
     ep = cluster.endpoints[0]
     with pytest.raises(OSError, match=f"cannot bind {ep}"):
         ParameterServer(t.get_pserver_program(ep), t.get_startup_program(ep)).start()
+
+
+@pytest.mark.timeout(30)
+def test_push_pull_retry_is_acknowledged_not_applied_and_still_answers(cluster):
+    """The trainers' PushPull: a retried step is not applied twice; its answer is the blocks."""
+    from psproto.codec import TensorReader, decode_chunk
+
+    digest = cluster.servers[0].program.layout_digest
+    store = cluster.servers[0].engine.store
+    grads = full_grads(cluster)
+    with grpc.insecure_channel(cluster.endpoints[0]) as channel:
+        push_pull = channel.unary_stream("/psproto.ParameterServer/PushPullOne")
+
+        def call(trainer_id):
+            (message,) = encode_chunks(ps_pb2.PushHeader(trainer_id=trainer_id, step=0, layout_digest=digest),
+                                       grads, 1 << 30)
+            reader, header = TensorReader(store.expect), None
+            for data in push_pull(message, timeout=10):
+                h, pieces = decode_chunk(data, ps_pb2.PullHeader)
+                header = header or h
+                for piece in pieces:
+                    reader.add(piece)
+            return header, reader.finish()
+
+        import threading
+        answers = []
+        first = threading.Thread(target=lambda: answers.append(call(0)))  # sync: answers once 1 pushed
+        first.start()
+        header, blocks = call(1)
+        first.join(10)
+        assert header.applied and header.version == 1
+        assert answers and answers[0][0].applied and answers[0][0].version == 1
+        applied_once = snapshot(cluster)
+        header, blocks = call(1)  # a retry of step 0
+        assert not header.applied and header.version == 1
+    assert all(torch.equal(applied_once[n], snapshot(cluster)[n]) for n in applied_once)
+    assert blocks.keys() == applied_once.keys()
+    assert all(torch.equal(blocks[n], applied_once[n]) for n in blocks)
