@@ -317,28 +317,3 @@ def export_tables(root: str, out_dir: str) -> Dict[str, dict]:
     if not tables:
         raise ValueError(f"no saved tables under {root!r}")
     return {t: export_table(saved_shards(root, t), out_dir) for t in tables}
-
-
-def main(argv=None) -> int:
-    """``python -m pserver.table_io ROOT OUT``: export every table saved under ROOT to OUT."""
-    import argparse
-    import sys
-
-    parser = argparse.ArgumentParser(prog="python -m pserver.table_io",
-                                     description="Export tables saved by Trainer.save_tables(ROOT) "
-                                                 "as one ids/rows .npy file set per table.")
-    parser.add_argument("root", help="the directory given to save_tables")
-    parser.add_argument("out", help="where to write <table>.ids.npy, <table>.rows.npy, <table>.json")
-    args = parser.parse_args(argv)
-    try:
-        for table, info in export_tables(args.root, args.out).items():
-            print(f"{table}: {info['rows']:,} rows of dim {info['dim']} -> "
-                  f"{os.path.join(args.out, info['ids_file'])}, {info['rows_file']}")
-    except (OSError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

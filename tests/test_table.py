@@ -1,6 +1,4 @@
-"""TableShard: the vectorised id index, torch-equivalent sparse optimizers, files, memory."""
-import json
-import os
+"""TableShard: the vectorised id index, torch-equivalent sparse optimizers, memory, threads."""
 import threading
 
 import numpy as np
@@ -10,7 +8,6 @@ import torch
 from pserver.id_index import build_index, home_slots, place, probe
 from pserver.row_store import Growable
 from pserver.table import TableShard
-from pserver.table_io import export_table
 from transpiler.tables import TableOptimizerSpec, TableSpec, initial_rows, merge_duplicates, shard_of
 
 I64 = np.iinfo(np.int64)
@@ -235,155 +232,6 @@ def test_matches_torch_sparse_embedding(opt, n_shards, dtype="float32"):
 
 def test_matches_torch_float64_adam():
     test_matches_torch_sparse_embedding("adam", 2, dtype="float64")
-
-
-# ---------------------------------------------------------------- files
-
-
-def trained_shards(spec, n_shards, steps=4, n_ids=300, seed=0):
-    shards = [TableShard(spec, s, n_shards) for s in range(n_shards)]
-    rng = np.random.default_rng(seed)
-    for step in range(steps):
-        ids = np.unique(rng.integers(-n_ids, n_ids, n_ids // 2))
-        apply_split(shards, ids, grads_for(ids, spec.dim, seed + step), 0.05)
-    return shards
-
-
-def apply_split(shards, ids, grads, lr):
-    owner = shard_of(ids, len(shards))
-    for s, t in enumerate(shards):
-        t.apply(ids[owner == s], grads[owner == s], lr)
-
-
-def lookup_split(shards, ids):
-    out = np.empty((ids.size, shards[0].spec.dim), dtype=shards[0].dtype)
-    owner = shard_of(ids, len(shards))
-    for s, t in enumerate(shards):
-        out[owner == s] = t.lookup(ids[owner == s])
-    return out
-
-
-def save_all(shards, root):
-    dirs = []
-    for t in shards:
-        d = os.path.join(root, f"shard{t.shard}")
-        t.save(d)
-        dirs.append(d)
-    return dirs
-
-
-@pytest.mark.parametrize("optimizer", ["sgd", "adagrad", "adam"])
-def test_save_load_same_shard_count(tmp_path, optimizer):
-    spec = make_spec(optimizer=optimizer)
-    shards = trained_shards(spec, 2)
-    dirs = save_all(shards, tmp_path)
-    assert sorted(os.listdir(dirs[0])) == sorted(
-        ["meta.json", "ids.npy", "rows.npy"]
-        + {"sgd": [], "adagrad": ["sum.npy"], "adam": ["exp_avg.npy", "exp_avg_sq.npy"]}[optimizer])
-    for t in shards:
-        u = TableShard.load(spec, t.shard, 2, [dirs[t.shard]])
-        v = TableShard.load(spec, t.shard, 2, dirs)  # extra directories are ignored
-        for w in (u, v):
-            assert w.step == t.step and len(w) == len(t)
-            n = len(t)
-            np.testing.assert_array_equal(w._ids[:n], t._ids[:n])
-            np.testing.assert_array_equal(w._rows[:n], t._rows[:n])
-            for a, b in zip(w._state, t._state):
-                np.testing.assert_array_equal(a[:n], b[:n])
-    meta = json.loads(open(os.path.join(dirs[1], "meta.json")).read())
-    assert meta["table"] == "emb" and meta["shard"] == 1 and meta["n_shards"] == 2
-    assert meta["rows"] == len(shards[1]) and meta["step"] == 4 and meta["optimizer"] == optimizer
-
-
-def test_reshard_three_to_two_keeps_rows_and_state(tmp_path):
-    spec = make_spec(optimizer="adam", dim=3)
-    old = trained_shards(spec, 3, steps=5, n_ids=2000)
-    dirs = save_all(old, tmp_path)
-    new = [TableShard.load(spec, s, 2, dirs) for s in range(2)]
-    assert sum(len(t) for t in new) == sum(len(t) for t in old)
-    assert all(t.step == 5 for t in new)
-    probe_ids = np.arange(-2100, 2100, dtype=np.int64)
-    before = lookup_split(old, probe_ids)
-    np.testing.assert_array_equal(lookup_split(new, probe_ids), before)
-    # the optimizer state followed the rows: one more step agrees exactly
-    ids = np.unique(np.random.default_rng(9).integers(-2100, 2100, 1500))
-    g = grads_for(ids, 3, 99)
-    apply_split(old, ids, g, 0.01)
-    apply_split(new, ids, g, 0.01)
-    after = lookup_split(old, probe_ids)
-    assert not np.array_equal(after, before)
-    np.testing.assert_array_equal(lookup_split(new, probe_ids), after)
-    # and into one shard
-    one = TableShard.load(spec, 0, 1, dirs)
-    np.testing.assert_array_equal(one.lookup(probe_ids), before)
-
-
-def test_load_refusals(tmp_path):
-    spec = make_spec(optimizer="adagrad")
-    shards = trained_shards(spec, 3, steps=2)
-    dirs = save_all(shards, tmp_path)
-    for other, what in ((make_spec(name="other", optimizer="adagrad"), "name|table"),
-                        (make_spec(dim=5, optimizer="adagrad"), "dim"),
-                        (make_spec(dtype="float64", optimizer="adagrad"), "dtype"),
-                        (make_spec(optimizer="adam"), "optimizer")):
-        with pytest.raises(ValueError, match=what):
-            TableShard.load(other, 0, 3, dirs)
-    with pytest.raises(ValueError, match=r"missing \[2\]"):
-        TableShard.load(spec, 0, 2, dirs[:2])
-    with pytest.raises(ValueError, match="needs the saved shard 1"):
-        TableShard.load(spec, 1, 3, [dirs[0]])
-    with pytest.raises(ValueError, match="both shard 0"):
-        TableShard.load(spec, 0, 2, [dirs[0], dirs[0], dirs[1], dirs[2]])
-    # an interrupted save: no meta.json
-    os.unlink(os.path.join(dirs[2], "meta.json"))
-    with pytest.raises(ValueError, match="no meta.json"):
-        TableShard.load(spec, 2, 3, [dirs[2]])
-    # a meta.json whose row count disagrees with the arrays
-    meta_path = os.path.join(dirs[1], "meta.json")
-    meta = json.loads(open(meta_path).read())
-    meta["rows"] += 1
-    open(meta_path, "w").write(json.dumps(meta))
-    with pytest.raises(ValueError, match="rows"):
-        TableShard.load(spec, 1, 3, [dirs[1]])
-    # steps that disagree
-    shards[0].apply(np.empty(0, np.int64), np.empty((0, 4), np.float32), 0.1)
-    shards[0].save(dirs[0])
-    shards[1].save(dirs[1])
-    shards[2].save(dirs[2])
-    with pytest.raises(ValueError, match="disagree on step"):
-        TableShard.load(spec, 0, 2, dirs)
-
-
-def test_save_replaces_previous_save(tmp_path):
-    spec = make_spec()
-    t = TableShard(spec, 0, 1)
-    t.apply(np.array([1, 2, 3]), grads_for([1, 2, 3], 4, 0), 0.1)
-    t.save(str(tmp_path))
-    t.apply(np.array([4]), grads_for([4], 4, 1), 0.1)
-    t.save(str(tmp_path))
-    u = TableShard.load(spec, 0, 1, [str(tmp_path)])
-    assert len(u) == 4 and u.step == 2
-    assert not [f for f in os.listdir(tmp_path) if "tmp" in f]
-
-
-def test_export_table(tmp_path):
-    spec = make_spec(optimizer="adam", dim=3, seed=1234)
-    shards = trained_shards(spec, 3)
-    dirs = save_all(shards, tmp_path / "ckpt")
-    info = export_table(dirs, str(tmp_path / "out"))
-    ids = np.load(tmp_path / "out" / "emb.ids.npy")
-    rows = np.load(tmp_path / "out" / "emb.rows.npy")
-    assert ids.dtype == np.int64 and rows.shape == (ids.size, 3) and rows.dtype == np.float32
-    assert info == json.loads((tmp_path / "out" / "emb.json").read_text())
-    assert info["name"] == "emb" and info["rows"] == ids.size == sum(len(t) for t in shards)
-    assert info["seed"] == 1234 and info["init"] == "normal" and info["dim"] == 3
-    np.testing.assert_array_equal(rows, lookup_split(shards, ids))
-    # ids absent from the export are reproduced from the json alone
-    again = TableSpec.from_dict(info["spec"])
-    missing = np.setdiff1d(np.arange(-400, 400), ids)
-    np.testing.assert_array_equal(initial_rows(again, missing), lookup_split(shards, missing))
-    with pytest.raises(ValueError, match=r"missing shards \[1\]"):
-        export_table([dirs[0], dirs[2]], str(tmp_path / "out2"))
 
 
 # ---------------------------------------------------------------- memory

@@ -5,7 +5,6 @@ parameters equal one process on the concatenated batch, for SGD, Adagrad
 and SparseAdam on the tables. Async with one trainer is the same sequence of
 updates, so it must match too.
 """
-import numpy as np
 import pytest
 import torch
 from torch import nn
