@@ -8,7 +8,6 @@ shards, and the export is a plain ids/rows file set per table.
 """
 import json
 import re
-import subprocess
 import sys
 from pathlib import Path
 
@@ -20,6 +19,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "examples"))
 import ctr_data  # noqa: E402
 import train_ctr  # noqa: E402
+from test_launch import run_ps_launch  # noqa: E402
 
 EXAMPLE = str(REPO / "examples" / "train_ctr.py")
 LINES = 60_000
@@ -39,19 +39,12 @@ def criteo_file(tmp_path_factory):
 @pytest.mark.timeout(180)  # about 20-40 s on 2 cores; the bound leaves room for a loaded machine
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_ctr_example_reaches_its_auc_from_a_criteo_file(tmp_path, criteo_file, mode):
-    argv = [sys.executable, "-m", "trainer.launch", "--server_num", "2", "--worker_num", "2",
-            "--log_dir", "logs", EXAMPLE, "--data", str(criteo_file), "--epochs", "2",
-            "--batch_size", "512", "--target_auc", str(TEST_TARGET_AUC), "--no_progress"]
-    argv += ["--async"] if mode == "async" else []
-    proc = subprocess.Popen(argv, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        out, err = proc.communicate(timeout=160)
-    finally:
-        if proc.poll() is None:
-            proc.terminate()  # the launcher stops its roles on SIGTERM
-            proc.communicate(timeout=20)
+    args = ["--server_num", "2", "--worker_num", "2", "--log_dir", "logs", EXAMPLE,
+            "--data", str(criteo_file), "--epochs", "2", "--batch_size", "512",
+            "--target_auc", str(TEST_TARGET_AUC), "--no_progress"]
+    result = run_ps_launch(args + (["--async"] if mode == "async" else []), tmp_path, timeout=160)
     log0 = (tmp_path / "logs" / "workerlog.0").read_text()
-    assert proc.returncode == 0, err + log0[-3000:]
+    assert result.returncode == 0, result.stderr + log0[-3000:]
     found = re.findall(rf"test AUC ([0-9.]+) after (\d+) steps \({mode} mode", log0)
     assert found and float(found[0][0]) >= TEST_TARGET_AUC, log0[-2000:]
     steps = int(found[0][1])

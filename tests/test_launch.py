@@ -33,6 +33,19 @@ def wait_for(predicate, timeout: float, what: str):
         time.sleep(0.05)
 
 
+def run_ps_launch(args, cwd, timeout: float) -> subprocess.CompletedProcess:
+    """``python -m trainer.launch ARGS`` in ``cwd``; SIGTERM (which stops its roles) on timeout."""
+    argv = [sys.executable, "-m", "trainer.launch", *args]
+    proc = subprocess.Popen(argv, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            proc.terminate()  # the launcher stops its roles on SIGTERM
+            out, err = proc.communicate(timeout=20)
+    return subprocess.CompletedProcess(argv, proc.returncode, out, err)
+
+
 def pid_alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -314,16 +327,9 @@ def test_console_script_reports_bad_input(tmp_path):
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_train_mlp_example_reaches_its_accuracy_under_ps_launch(tmp_path, mode):
     # 12 epochs reach ~0.97 test accuracy in both modes (the example's target is 0.95).
-    argv = [sys.executable, "-m", "trainer.launch", "--server_num", "2", "--worker_num", "2",
-            "--log_dir", "logs", EXAMPLE, "--epochs", "12"] + (["--async"] if mode == "async" else [])
-    proc = subprocess.Popen(argv, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        out, err = proc.communicate(timeout=100)
-    finally:
-        if proc.poll() is None:
-            proc.terminate()  # the launcher stops its roles on SIGTERM
-            proc.communicate(timeout=20)
-    assert proc.returncode == 0, err
+    args = ["--server_num", "2", "--worker_num", "2", "--log_dir", "logs", EXAMPLE, "--epochs", "12"]
+    result = run_ps_launch(args + (["--async"] if mode == "async" else []), tmp_path, timeout=100)
+    assert result.returncode == 0, result.stderr
     for trainer_id in (0, 1):
         log = (tmp_path / "logs" / f"workerlog.{trainer_id}").read_text()
         found = re.findall(rf"trainer {trainer_id}: test accuracy ([0-9.]+) \({mode} mode", log)

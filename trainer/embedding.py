@@ -65,6 +65,9 @@ class TableClient:
         # several tables fed the same ids, sort them once. Keyed by the tensor's
         # memory and in-place version; the tensor is kept so its memory stays its own.
         self._deduped: Dict[tuple, Tuple[torch.Tensor, np.ndarray, np.ndarray]] = {}
+        # This step's routes by unique-ids array (kept alive with them): a prefetch,
+        # several tables fed the same ids, and the step's push hash them once.
+        self._routes: Dict[int, Tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
 
     def spec(self, table: str) -> TableSpec:
         spec = self.specs.get(table)
@@ -95,11 +98,20 @@ class TableClient:
         return unique, inverse
 
     def _route(self, ids: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
-        """(order, bounds): ``ids[order[bounds[k]:bounds[k+1]]]`` belong to pserver k."""
+        """(order, bounds): ``ids[order[bounds[k]:bounds[k+1]]]`` belong to pserver k.
+
+        Remembered for the rest of the step by array, like :meth:`dedupe`.
+        """
+        hit = self._routes.get(id(ids))
+        if hit is not None and hit[0] is ids:
+            return hit[1], hit[2]
         shards = shard_of(ids, len(self.pservers))
         order = np.argsort(shards, kind="stable")
         bounds = np.zeros(len(self.pservers) + 1, dtype=np.int64)
         np.cumsum(np.bincount(shards, minlength=len(self.pservers)), out=bounds[1:])
+        if len(self._routes) >= _DEDUPE_MEMO:
+            del self._routes[next(iter(self._routes))]
+        self._routes[id(ids)] = (ids, order, bounds)
         return order, bounds
 
     def fetch(self, wanted: Mapping[str, np.ndarray]) -> Dict[str, torch.Tensor]:
@@ -112,9 +124,7 @@ class TableClient:
         for table, ids in wanted.items():
             if ids.size == 0:
                 continue
-            same = next((routes[t] for t in routes if wanted[t] is ids), None)
-            order, bounds = same if same is not None else self._route(ids)
-            routes[table] = (order, bounds)
+            order, bounds = routes[table] = self._route(ids)
             for k, ep in enumerate(self.pservers):
                 if bounds[k + 1] > bounds[k]:
                     part = torch.from_numpy(ids[order[bounds[k]:bounds[k + 1]]])
@@ -191,10 +201,11 @@ class TableClient:
             with_grad = [(ids, leaf.grad) for ids, leaf in lookups if leaf.grad is not None]
             if not with_grad:
                 continue
-            ids = np.concatenate([ids for ids, _ in with_grad])
-            grads = torch.cat([g.to("cpu") for _, g in with_grad]) if len(with_grad) > 1 \
-                else with_grad[0][1].to("cpu")
-            ids, grads = merge_duplicates(ids, grads)
+            if len(with_grad) == 1:  # one lookup: its ids are unique already
+                ids, grads = with_grad[0][0], with_grad[0][1].to("cpu")
+            else:
+                ids, grads = merge_duplicates(np.concatenate([ids for ids, _ in with_grad]),
+                                              torch.cat([g.to("cpu") for _, g in with_grad]))
             if spec.padding_idx is not None:
                 keep = ids != spec.padding_idx
                 if not keep.all():
@@ -214,6 +225,7 @@ class TableClient:
         self._lookups = {}
         self._cache = {}
         self._deduped = {}
+        self._routes = {}
 
 
 class DistributedEmbedding(torch.nn.Module):

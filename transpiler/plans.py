@@ -71,13 +71,18 @@ class ParamSpec:
     blocks: List[BlockSpec]
 
 
+def _columns(head: List[str], rows: List[List[str]]) -> str:
+    """``head`` and ``rows`` as left-aligned, indented text columns."""
+    widths = [max(len(r[i]) for r in [head] + rows) for i in range(len(head))]
+    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
+    return "\n".join(("  " + fmt.format(*r)).rstrip() for r in [head] + rows)
+
+
 def _block_table(blocks: List[BlockSpec], with_endpoint: bool) -> str:
     head = ["block", "param", "rows", "shape", "bytes"] + (["pserver"] if with_endpoint else [])
     rows = [[b.name, b.param, f"{b.row_start}:{b.row_end}", "x".join(map(str, b.shape)) or "scalar",
              f"{b.nbytes:,}"] + ([b.endpoint] if with_endpoint else []) for b in blocks]
-    widths = [max(len(r[i]) for r in [head] + rows) for i in range(len(head))]
-    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
-    return "\n".join(("  " + fmt.format(*r)).rstrip() for r in [head] + rows)
+    return _columns(head, rows)
 
 
 def _optimizer_line(spec: OptimizerSpec) -> str:
@@ -94,10 +99,8 @@ def _tables_table(tables: List[TableSpec], n_shards: int) -> str:
     rows = [[t.name, t.kind + (f" ({t.mode})" if t.mode else ""), str(t.dim), t.dtype,
              f"{t.capacity:,}", f"{t.init} {t.init_kwargs}", _optimizer_line(t.optimizer)]
             for t in tables]
-    widths = [max(len(r[i]) for r in [head] + rows) for i in range(len(head))]
-    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
-    lines = [f"\n  distributed tables, sharded by id over {n_shards} pservers (stable_hash(id) % {n_shards}):"]
-    return "\n".join(lines + [("  " + fmt.format(*r)).rstrip() for r in [head] + rows])
+    return (f"\n\n  distributed tables, sharded by id over {n_shards} pservers "
+            f"(stable_hash(id) % {n_shards}):\n" + _columns(head, rows))
 
 
 def _dumps(kind: str, payload: dict) -> bytes:
