@@ -79,6 +79,21 @@ class ParameterServerStub:
                 request_serializer=psproto_dot_ps__pb2.CloseRequest.SerializeToString,
                 response_deserializer=psproto_dot_ps__pb2.CloseReply.FromString,
                 _registered_method=True)
+        self.Heartbeat = channel.unary_unary(
+                '/psproto.ParameterServer/Heartbeat',
+                request_serializer=psproto_dot_ps__pb2.HeartbeatRequest.SerializeToString,
+                response_deserializer=psproto_dot_ps__pb2.HeartbeatReply.FromString,
+                _registered_method=True)
+        self.Restore = channel.unary_unary(
+                '/psproto.ParameterServer/Restore',
+                request_serializer=psproto_dot_ps__pb2.RestoreRequest.SerializeToString,
+                response_deserializer=psproto_dot_ps__pb2.RestoreReply.FromString,
+                _registered_method=True)
+        self.Checkpoint = channel.unary_unary(
+                '/psproto.ParameterServer/Checkpoint',
+                request_serializer=psproto_dot_ps__pb2.CheckpointRequest.SerializeToString,
+                response_deserializer=psproto_dot_ps__pb2.CheckpointReply.FromString,
+                _registered_method=True)
         self.Stats = channel.unary_unary(
                 '/psproto.ParameterServer/Stats',
                 request_serializer=psproto_dot_ps__pb2.StatsRequest.SerializeToString,
@@ -154,6 +169,27 @@ class ParameterServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Heartbeat(self, request, context):
+        """Liveness of a trainer; see heartbeat_timeout.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Restore(self, request, context):
+        """Rolls a sync pserver back to a checkpoint after another pserver restarted.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Checkpoint(self, request, context):
+        """Writes a checkpoint of this pserver now (blocks, tables, optimizer state).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Stats(self, request, context):
         """Counters for operators and tests.
         """
@@ -208,6 +244,21 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     servicer.Close,
                     request_deserializer=psproto_dot_ps__pb2.CloseRequest.FromString,
                     response_serializer=psproto_dot_ps__pb2.CloseReply.SerializeToString,
+            ),
+            'Heartbeat': grpc.unary_unary_rpc_method_handler(
+                    servicer.Heartbeat,
+                    request_deserializer=psproto_dot_ps__pb2.HeartbeatRequest.FromString,
+                    response_serializer=psproto_dot_ps__pb2.HeartbeatReply.SerializeToString,
+            ),
+            'Restore': grpc.unary_unary_rpc_method_handler(
+                    servicer.Restore,
+                    request_deserializer=psproto_dot_ps__pb2.RestoreRequest.FromString,
+                    response_serializer=psproto_dot_ps__pb2.RestoreReply.SerializeToString,
+            ),
+            'Checkpoint': grpc.unary_unary_rpc_method_handler(
+                    servicer.Checkpoint,
+                    request_deserializer=psproto_dot_ps__pb2.CheckpointRequest.FromString,
+                    response_serializer=psproto_dot_ps__pb2.CheckpointReply.SerializeToString,
             ),
             'Stats': grpc.unary_unary_rpc_method_handler(
                     servicer.Stats,
@@ -458,6 +509,87 @@ class ParameterServer:
             '/psproto.ParameterServer/Close',
             psproto_dot_ps__pb2.CloseRequest.SerializeToString,
             psproto_dot_ps__pb2.CloseReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Heartbeat(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/psproto.ParameterServer/Heartbeat',
+            psproto_dot_ps__pb2.HeartbeatRequest.SerializeToString,
+            psproto_dot_ps__pb2.HeartbeatReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Restore(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/psproto.ParameterServer/Restore',
+            psproto_dot_ps__pb2.RestoreRequest.SerializeToString,
+            psproto_dot_ps__pb2.RestoreReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Checkpoint(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/psproto.ParameterServer/Checkpoint',
+            psproto_dot_ps__pb2.CheckpointRequest.SerializeToString,
+            psproto_dot_ps__pb2.CheckpointReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -4,7 +4,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from .config import SPLIT_METHODS, DistributeTranspilerConfig
+from .config import NONFINITE_GRADS, SPLIT_METHODS, DistributeTranspilerConfig
+
+CHOICES = {"split_method": SPLIT_METHODS, "nonfinite_grads": NONFINITE_GRADS}
 
 
 def _bool(text: str) -> bool:
@@ -27,10 +29,12 @@ def add_transpile_arguments(parser: argparse.ArgumentParser) -> None:
             kind = _bool
         elif f.name == "max_staleness":
             kind = int
+        elif default is None:
+            kind = str
         else:
             kind = type(default)
         parser.add_argument(f"--{f.name}", type=kind, default=default,
-                            choices=SPLIT_METHODS if f.name == "split_method" else None,
+                            choices=CHOICES.get(f.name),
                             help=f"DistributeTranspilerConfig.{f.name} (default {default!r})")
 
 

@@ -11,6 +11,7 @@ from typing import Optional
 
 SPLIT_METHODS = ("RoundRobin", "HashName")
 MIN_BLOCK_SIZE_FLOOR = 8192
+NONFINITE_GRADS = ("refuse", "apply")
 
 
 @dataclass
@@ -47,6 +48,22 @@ class DistributeTranspilerConfig:
       async communicator does the same). Off by default: momentum SGD with
       small batches can diverge under the extra staleness; Adam/Adagrad
       models such as the CTR example train as well with it.
+    - ``checkpoint_dir`` (str or None, None): where pservers write checkpoints
+      (blocks, table shards, optimizer state, trainers' data positions), one
+      directory per step; a pserver started with a checkpoint there resumes
+      from the latest complete one. Must be storage every pserver sees.
+    - ``checkpoint_every`` (int, 0): checkpoint every this many steps (sync; in
+      async, updates of each pserver); 0: only on SIGTERM, when all trainers
+      have closed, and when asked (``Trainer.checkpoint()``).
+    - ``checkpoint_keep`` (int, 3): complete checkpoints kept; older ones are deleted.
+    - ``heartbeat_interval`` (float s, 2): how often a trainer tells each pserver it lives.
+    - ``heartbeat_timeout`` (float s, 30): a trainer silent this long is dropped
+      from the barrier (sync) and the staleness bound (async), with a log line
+      naming it; it rejoins by starting again.
+    - ``recovery_timeout`` (float s, 300): how long a trainer keeps retrying an
+      unavailable pserver (with backoff) before failing.
+    - ``nonfinite_grads`` (str, "refuse"): a pushed gradient holding NaN or Inf
+      is refused with INVALID_ARGUMENT ("refuse") or applied as is ("apply").
     """
 
     slice_var_up: bool = True
@@ -60,6 +77,13 @@ class DistributeTranspilerConfig:
     pserver_torch_threads: int = 1
     pserver_rpc_workers: int = 0
     async_pipeline: bool = False
+    checkpoint_dir: Optional[str] = None
+    checkpoint_every: int = 0
+    checkpoint_keep: int = 3
+    heartbeat_interval: float = 2.0
+    heartbeat_timeout: float = 30.0
+    recovery_timeout: float = 300.0
+    nonfinite_grads: str = "refuse"
 
     def __post_init__(self) -> None:
         self.validate()
@@ -77,7 +101,8 @@ class DistributeTranspilerConfig:
         if self.max_staleness is not None and (
                 not isinstance(self.max_staleness, int) or self.max_staleness < 0):
             raise ValueError(f"max_staleness must be None or an int >= 0, got {self.max_staleness!r}")
-        for name in ("connect_timeout", "barrier_timeout", "rpc_timeout"):
+        for name in ("connect_timeout", "barrier_timeout", "rpc_timeout", "heartbeat_interval",
+                     "heartbeat_timeout", "recovery_timeout"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or value <= 0:
                 raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
@@ -88,6 +113,18 @@ class DistributeTranspilerConfig:
                 f"pserver_torch_threads must be an int >= 1, got {self.pserver_torch_threads!r}")
         if not isinstance(self.async_pipeline, bool):
             raise ValueError(f"async_pipeline must be a bool, got {self.async_pipeline!r}")
+        if self.heartbeat_timeout <= self.heartbeat_interval:
+            raise ValueError(f"heartbeat_timeout ({self.heartbeat_timeout}) must exceed "
+                             f"heartbeat_interval ({self.heartbeat_interval})")
+        if self.checkpoint_dir is not None and (not isinstance(self.checkpoint_dir, str)
+                                                or not self.checkpoint_dir):
+            raise ValueError(f"checkpoint_dir must be None or a non-empty path, got {self.checkpoint_dir!r}")
+        if not isinstance(self.checkpoint_every, int) or self.checkpoint_every < 0:
+            raise ValueError(f"checkpoint_every must be an int >= 0, got {self.checkpoint_every!r}")
+        if not isinstance(self.checkpoint_keep, int) or self.checkpoint_keep < 1:
+            raise ValueError(f"checkpoint_keep must be an int >= 1, got {self.checkpoint_keep!r}")
+        if self.nonfinite_grads not in NONFINITE_GRADS:
+            raise ValueError(f"nonfinite_grads must be one of {NONFINITE_GRADS}, got {self.nonfinite_grads!r}")
         if not isinstance(self.pserver_rpc_workers, int) or self.pserver_rpc_workers < 0:
             raise ValueError(
                 f"pserver_rpc_workers must be an int >= 0, got {self.pserver_rpc_workers!r}")
