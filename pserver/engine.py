@@ -22,6 +22,8 @@ import grpc
 import numpy as np
 import torch
 
+from .checkpointer import Checkpointer
+from .roster import Position, Roster
 from .store import BlockStore
 from .table_set import SparseGrad, TableSet
 
@@ -38,7 +40,7 @@ class EngineError(Exception):
 
 
 class Engine:
-    """Trainer bookkeeping shared by the sync and async engines."""
+    """Trainer bookkeeping, checkpoints and roll-backs shared by the sync and async engines."""
 
     sync_mode = False
 
@@ -51,44 +53,73 @@ class Engine:
         self.barrier_timeout = barrier_timeout
         self.cv = threading.Condition()
         self.version = 0
-        self.joined: set = set()
-        self.closed: set = set()
-        self.last_step: Dict[int, int] = {}
+        self.roster = Roster(trainers)
         self.all_closed = threading.Event()
         self._stopping = False
+        # Set by the server when checkpoint_dir is configured.
+        self.checkpointer: Optional[Checkpointer] = None
+        # Recovery: roll-back tokens honoured, and a count that wakes waiters after one.
+        self.restored_from = -1
+        self._honoured: set = set()
+        self._rollbacks = 0
+
+    @property
+    def last_step(self) -> Dict[int, int]:
+        return self.roster.last_step
 
     def live(self) -> set:
-        """Trainers expected to push: all ids that have not closed."""
-        return set(range(self.trainers)) - self.closed
+        """Trainers expected to push: all ids that have neither closed nor been dropped."""
+        return self.roster.live()
 
-    def hello(self, trainer_id: int) -> int:
-        """Register ``trainer_id`` (again, after a restart) and return the step it starts at.
+    def hello(self, trainer_id: int) -> Tuple[int, Position]:
+        """Register ``trainer_id`` (again, after a restart); returns (step it starts at, data position).
 
         Sync: the pserver's current step, shared by all trainers. Async: the
-        trainer's own next step (0 for a new trainer).
+        trainer's own next step (0 for a new trainer). The position is the one
+        it pushed with its last applied step (or the checkpoint's), (0, 0) if none.
         """
         with self.cv:
-            if trainer_id in self.closed:
-                self.closed.discard(trainer_id)
+            how = self.roster.join(trainer_id)
+            if how == "rejoined":
                 self.all_closed.clear()
-                log.info("%s: trainer %d rejoined at step %d", self.endpoint, trainer_id, self.version)
-            elif trainer_id not in self.joined:
-                log.info("%s: trainer %d joined", self.endpoint, trainer_id)
-            self.joined.add(trainer_id)
-            return self.version if self.sync_mode else self.last_step.get(trainer_id, -1) + 1
+            if how:
+                log.info("%s: trainer %d %s at step %d", self.endpoint, trainer_id, how, self.version)
+            start = self.version if self.sync_mode else self.last_step.get(trainer_id, -1) + 1
+            return start, self.roster.positions.get(trainer_id, (0, 0))
+
+    def touch(self, trainer_id: int) -> int:
+        """A heartbeat (or any call) from ``trainer_id``; returns the version."""
+        with self.cv:
+            self.roster.touch(trainer_id)
+            return self.version
 
     def close(self, trainer_id: int) -> int:
         """Mark ``trainer_id`` done; barriers stop waiting for it. Returns trainers left."""
         with self.cv:
-            if trainer_id not in self.closed:
-                self.closed.add(trainer_id)
+            if trainer_id not in self.roster.closed:
+                self.roster.closed.add(trainer_id)
+                self.roster.dropped.discard(trainer_id)
                 log.info("%s: trainer %d closed at step %d", self.endpoint, trainer_id, self.version)
                 self._on_close()
-            left = len(self.live())
+            left = len(set(range(self.trainers)) - self.roster.closed)
             if left == 0:
                 self.all_closed.set()
             self.cv.notify_all()
             return left
+
+    def drop_silent(self, timeout: float) -> List[int]:
+        """Drop trainers silent for ``timeout`` s from barriers and staleness bounds; returns them."""
+        with self.cv:
+            silent = self.roster.silent(timeout)
+            for t, quiet in silent:
+                self.roster.dropped.add(t)
+                log.warning("%s: trainer %d sent nothing for %.1fs (heartbeat_timeout %gs); dropped "
+                            "from the barrier at step %d; it rejoins by starting again", self.endpoint,
+                            t, quiet, timeout, self.version)
+            if silent:
+                self._on_close()
+                self.cv.notify_all()
+            return [t for t, _ in silent]
 
     def stop(self) -> None:
         """Wake every waiter so the server can shut down."""
@@ -97,17 +128,39 @@ class Engine:
             self.cv.notify_all()
 
     def _check_pusher(self, trainer_id: int) -> None:
-        if trainer_id in self.closed:
+        if trainer_id in self.roster.closed:
             raise EngineError(grpc.StatusCode.FAILED_PRECONDITION,
                               f"pserver {self.endpoint}: trainer {trainer_id} has closed; "
                               f"call Hello to rejoin before pushing")
+        if trainer_id in self.roster.dropped:
+            raise EngineError(grpc.StatusCode.ABORTED,
+                              f"pserver {self.endpoint}: trainer {trainer_id} was dropped after "
+                              f"heartbeat_timeout at step {self.version}; call Hello to rejoin")
+
+    def _ahead(self, trainer_id: int, what: str, target: int) -> EngineError:
+        """The refusal of a push or wait for a step beyond the next one."""
+        if self.restored_from >= 0:
+            # This pserver restarted or rolled back to a checkpoint: the trainer must re-sync.
+            return EngineError(grpc.StatusCode.ABORTED,
+                               f"pserver {self.endpoint}: trainer {trainer_id} {what} {target}, but this "
+                               f"pserver resumed from the checkpoint at step {self.restored_from} and "
+                               f"is at step {self.version}; call Hello to re-sync")
+        return EngineError(grpc.StatusCode.FAILED_PRECONDITION,
+                           f"pserver {self.endpoint}: trainer {trainer_id} {what} {target} from the "
+                           f"future; the pserver is at step {self.version} and can only reach "
+                           f"{self.version + 1} next")
 
     def _wait(self, ready, what: str, missing) -> None:
         """Wait under the lock until ``ready()``, or fail naming who is missing."""
         deadline = time.monotonic() + self.barrier_timeout
+        rollbacks = self._rollbacks
         while not ready():
             if self._stopping:
                 raise EngineError(grpc.StatusCode.UNAVAILABLE, f"pserver {self.endpoint} is shutting down")
+            if self._rollbacks != rollbacks:
+                raise EngineError(grpc.StatusCode.ABORTED,
+                                  f"pserver {self.endpoint}: rolled back to the checkpoint at step "
+                                  f"{self.restored_from} while {what} waited; call Hello to re-sync")
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise EngineError(grpc.StatusCode.DEADLINE_EXCEEDED,
@@ -135,6 +188,66 @@ class Engine:
         with self.cv:
             return self.version, self.tables.save(directory)
 
+    # -- checkpoints ---------------------------------------------------------
+
+    def checkpoint(self) -> Tuple[int, str]:
+        """Write a checkpoint of this pserver now, at a step boundary; (version, part directory)."""
+        if self.checkpointer is None:
+            raise EngineError(grpc.StatusCode.FAILED_PRECONDITION,
+                              f"pserver {self.endpoint} has no checkpoint_dir configured")
+        with self.cv:
+            return self.version, self.checkpointer.save(self.version, self.roster.to_meta())
+
+    def _checkpoint_if_due(self) -> None:
+        if self.checkpointer is not None and self.checkpointer.due(self.version):
+            self.checkpointer.save(self.version, self.roster.to_meta())
+
+    def resume(self, step: Optional[int] = None) -> bool:
+        """Load the latest complete checkpoint (or the one at ``step``); False if there is none."""
+        with self.cv:
+            meta = self.checkpointer.load(step)
+            if meta is None:
+                return False
+            self._reset(meta)
+            return True
+
+    def restore(self, trainer_id: int, version: int, token: str) -> bool:
+        """Roll back to the checkpoint at ``version`` once per ``token`` (sync recovery).
+
+        Returns False when ``token`` was already honoured. Waiters of the
+        abandoned steps are woken with ABORTED.
+        """
+        if self.checkpointer is None:
+            raise EngineError(grpc.StatusCode.FAILED_PRECONDITION,
+                              f"pserver {self.endpoint} has no checkpoint_dir to roll back from")
+        with self.cv:
+            if token in self._honoured:
+                return False
+            meta = self.checkpointer.load(version)
+            if meta is None:
+                raise EngineError(grpc.StatusCode.FAILED_PRECONDITION,
+                                  f"pserver {self.endpoint}: no complete checkpoint at step {version} "
+                                  f"to roll back to (asked by trainer {trainer_id})")
+            log.warning("%s: rolled back from step %d to the checkpoint at step %d (asked by trainer %d "
+                        "after pservers restarted: %s)", self.endpoint, self.version, version, trainer_id,
+                        token)
+            self._honoured.add(token)
+            self._reset(meta)
+            self._rollbacks += 1
+            self.cv.notify_all()
+            return True
+
+    def _reset(self, meta: dict) -> None:
+        """Take version and trainers from a loaded checkpoint's manifest (blocks and tables are loaded)."""
+        self.version = self.restored_from = int(meta["step"])
+        self.roster.load_meta(meta)
+        self._clear_pending()
+        if self.checkpointer is not None:
+            self.checkpointer.forget_after(self.version)
+
+    def _clear_pending(self) -> None:
+        pass
+
     def _reads_need_copy(self) -> bool:
         return True
 
@@ -156,9 +269,18 @@ class SyncEngine(Engine):
         self.touched: set = set()
         # Per table, the (ids, rows) each trainer pushed in the current step.
         self.sparse_parts: Dict[str, List[SparseGrad]] = {}
+        # Data positions pushed with the current step: they count once it is applied.
+        self.pending_positions: Dict[int, Position] = {}
+
+    def _clear_pending(self) -> None:
+        self.pending = set()
+        self.touched = set()
+        self.sparse_parts = {}
+        self.pending_positions = {}
 
     def push(self, trainer_id: int, step: int, grads: Dict[str, torch.Tensor],
-             sparse: Optional[Mapping[str, SparseGrad]] = None) -> Tuple[bool, int]:
+             sparse: Optional[Mapping[str, SparseGrad]] = None,
+             position: Position = (0, 0)) -> Tuple[bool, int]:
         """Count ``grads`` and ``sparse`` for ``step``; returns (counted, version). Applies when complete.
 
         ``grads`` are copied into the step's sums: the caller keeps its
@@ -176,9 +298,7 @@ class SyncEngine(Engine):
                                   f"pserver {self.endpoint}: trainer {trainer_id} pushed stale step "
                                   f"{step}; the pserver is at step {self.version}")
             if step > self.version:
-                raise EngineError(grpc.StatusCode.FAILED_PRECONDITION,
-                                  f"pserver {self.endpoint}: trainer {trainer_id} pushed step {step} "
-                                  f"from the future; the pserver is at step {self.version}")
+                raise self._ahead(trainer_id, "pushed step", step)
             for name, g in grads.items():
                 if name in self.touched:
                     self.grad_sum[name].add_(g)
@@ -191,6 +311,7 @@ class SyncEngine(Engine):
             for name, part in (sparse or {}).items():
                 self.sparse_parts.setdefault(name, []).append(part)
             self.pending.add(trainer_id)
+            self.pending_positions[trainer_id] = position
             self.last_step[trainer_id] = step
             self._apply_if_complete()
             return True, self.version
@@ -204,9 +325,9 @@ class SyncEngine(Engine):
         self.tables.apply_mean(self.sparse_parts, n, self.version)
         log.debug("%s: applied step %d from trainers %s", self.endpoint, self.version, sorted(self.pending))
         self.version += 1
-        self.pending = set()
-        self.touched = set()
-        self.sparse_parts = {}
+        self.roster.positions.update(self.pending_positions)
+        self._clear_pending()
+        self._checkpoint_if_due()
         self.cv.notify_all()
 
     def _on_close(self) -> None:
@@ -216,10 +337,7 @@ class SyncEngine(Engine):
         """Block until step ``min_version - 1`` is applied, within the barrier deadline."""
         with self.cv:
             if min_version > self.version + 1:
-                raise EngineError(grpc.StatusCode.FAILED_PRECONDITION,
-                                  f"pserver {self.endpoint}: trainer {trainer_id} waits for version "
-                                  f"{min_version}, but the pserver is at {self.version} and can only "
-                                  f"reach {self.version + 1} next")
+                raise self._ahead(trainer_id, "waits for version", min_version)
             self._wait(lambda: self.version >= min_version, f"step {self.version}",
                        lambda: sorted(self.live() - self.pending))
 
@@ -245,7 +363,8 @@ class AsyncEngine(Engine):
         return low, sorted(t for t, p in progress.items() if p == low)
 
     def push(self, trainer_id: int, step: int, grads: Dict[str, torch.Tensor],
-             sparse: Optional[Mapping[str, SparseGrad]] = None) -> Tuple[bool, int]:
+             sparse: Optional[Mapping[str, SparseGrad]] = None,
+             position: Position = (0, 0)) -> Tuple[bool, int]:
         """Apply ``grads`` and ``sparse`` now (after any staleness wait); returns (applied, version).
 
         Nothing is kept once this returns: the caller keeps its buffers.
@@ -265,6 +384,8 @@ class AsyncEngine(Engine):
             self.tables.apply(sparse or {}, step)
             self.version += 1
             self.last_step[trainer_id] = step
+            self.roster.positions[trainer_id] = position
+            self._checkpoint_if_due()
             self.cv.notify_all()
             return True, self.version
 

@@ -12,7 +12,9 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+import secrets
 import threading
+import time
 from typing import Iterator
 
 import grpc
@@ -38,13 +40,15 @@ class _Counters:
         self.bytes_out = 0
         self.pushes = 0
         self.prefetches = 0
+        self.refused = 0
 
-    def add(self, bytes_in=0, bytes_out=0, pushes=0, prefetches=0):
+    def add(self, bytes_in=0, bytes_out=0, pushes=0, prefetches=0, refused=0):
         with self.lock:
             self.bytes_in += bytes_in
             self.bytes_out += bytes_out
             self.pushes += pushes
             self.prefetches += prefetches
+            self.refused += refused
 
 
 def _parse(message_type, data: bytes):
@@ -57,6 +61,7 @@ def _parse(message_type, data: bytes):
 def _refusals(method):
     """Turn refusals into gRPC statuses (for plain and server-streaming methods)."""
     def abort(self, context, e):
+        self.counters.add(refused=1)
         if isinstance(e, EngineError):
             context.abort(e.code, e.message)
         context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"pserver {self.endpoint}: {e}")
@@ -88,8 +93,13 @@ def _finite(g: torch.Tensor) -> bool:
 class PserverServicer:
     """Hello / Push / Pull / Close / Stats for one pserver."""
 
-    def __init__(self, engine: Engine, layout_digest: str, chunk_bytes: int):
+    def __init__(self, engine: Engine, layout_digest: str, chunk_bytes: int,
+                 allow_nonfinite: bool = False):
         self.engine = engine
+        self.allow_nonfinite = allow_nonfinite
+        # A new value per process: trainers tell a restarted pserver by it.
+        self.incarnation = secrets.randbits(63) or 1
+        self.started = time.monotonic()
         self.store = engine.store
         self.tables = engine.tables
         self.endpoint = engine.endpoint
@@ -114,9 +124,10 @@ class PserverServicer:
         request = _parse(ps_pb2.HelloRequest, data)
         self._check_trainer(request.trainer_id)
         self._check_digest(request.layout_digest)
-        version = self.engine.hello(request.trainer_id)
+        version, (epoch, batch) = self.engine.hello(request.trainer_id)
         return ps_pb2.HelloReply(version=version, sync_mode=self.engine.sync_mode,
-                                 trainers=self.engine.trainers)
+                                 trainers=self.engine.trainers, incarnation=self.incarnation,
+                                 epoch=epoch, batch=batch, checkpoint_version=self.engine.restored_from)
 
     def _expect(self, name: str):
         return self.store.expect(name) or self.tables.expect(name)
@@ -132,6 +143,7 @@ class PserverServicer:
             raise ValueError(f"a {kind} must open with a header (trainer_id, step, layout_digest)")
         self._check_trainer(header.trainer_id)
         self._check_digest(header.layout_digest)
+        self.engine.touch(header.trainer_id)
         reader = TensorReader(expect, dest=dest)
         try:
             for piece in pieces:
@@ -178,15 +190,19 @@ class PserverServicer:
         try:
             if header.step < 0:
                 raise ValueError(f"step must be >= 0, got {header.step}")
+            if header.epoch < 0 or header.batch < 0:
+                raise ValueError(f"data position must be >= 0, got epoch {header.epoch} batch {header.batch}")
             tensors = reader.tensors
             grads = {n: t for n, t in tensors.items() if n in self.store.specs}
             sparse = self.tables.sparse_grads(tensors) if self.tables else {}
             for name, g in [*grads.items(), *((n, rows) for n, (_, rows) in sparse.items())]:
-                if not _finite(g):
+                if not self.allow_nonfinite and not _finite(g):
                     raise ValueError(f"gradient of {name} from trainer {header.trainer_id} at step "
-                                     f"{header.step} holds NaN or Inf; push refused")
+                                     f"{header.step} holds NaN or Inf; push refused "
+                                     f"(nonfinite_grads='refuse')")
             self.counters.add(bytes_in=reader.nbytes, pushes=1)
-            applied, version = self.engine.push(header.trainer_id, header.step, grads, sparse)
+            applied, version = self.engine.push(header.trainer_id, header.step, grads, sparse,
+                                                (header.epoch, header.batch))
         finally:
             self._release(reader.tensors)
         if not applied:
@@ -199,6 +215,7 @@ class PserverServicer:
         request = _parse(ps_pb2.PullRequest, data)
         self._check_trainer(request.trainer_id)
         self._check_digest(request.layout_digest)
+        self.engine.touch(request.trainer_id)
         names = list(request.names) or list(self.store.names())
         unknown = [n for n in names if self.store.expect(n) is None]
         if unknown:
@@ -252,6 +269,45 @@ class PserverServicer:
         return ps_pb2.SaveTablesReply(version=version, paths=paths)
 
     @_refusals
+    def Heartbeat(self, data, context):
+        request = _parse(ps_pb2.HeartbeatRequest, data)
+        self._check_trainer(request.trainer_id)
+        return ps_pb2.HeartbeatReply(version=self.engine.touch(request.trainer_id),
+                                     incarnation=self.incarnation)
+
+    @_refusals
+    def Restore(self, data, context):
+        request = _parse(ps_pb2.RestoreRequest, data)
+        self._check_trainer(request.trainer_id)
+        self._check_digest(request.layout_digest)
+        if not self.engine.sync_mode:
+            raise EngineError(grpc.StatusCode.FAILED_PRECONDITION,
+                              f"pserver {self.endpoint}: Restore is for sync mode; async pservers "
+                              f"resume on their own")
+        if request.version < 0 or not request.token:
+            raise ValueError(f"Restore needs a version >= 0 and a token, got {request.version} "
+                             f"{request.token!r}")
+        try:
+            restored = self.engine.restore(request.trainer_id, request.version, request.token)
+        except (OSError, ValueError) as e:
+            raise EngineError(grpc.StatusCode.FAILED_PRECONDITION,
+                              f"pserver {self.endpoint}: cannot roll back to step {request.version}: "
+                              f"{e}") from None
+        return ps_pb2.RestoreReply(version=self.engine.version, restored=restored)
+
+    @_refusals
+    def Checkpoint(self, data, context):
+        request = _parse(ps_pb2.CheckpointRequest, data)
+        self._check_trainer(request.trainer_id)
+        self._check_digest(request.layout_digest)
+        try:
+            version, path = self.engine.checkpoint()
+        except OSError as e:
+            raise EngineError(grpc.StatusCode.FAILED_PRECONDITION,
+                              f"pserver {self.endpoint}: checkpoint failed: {e}") from None
+        return ps_pb2.CheckpointReply(version=version, path=path)
+
+    @_refusals
     def Close(self, data, context):
         request = _parse(ps_pb2.CloseRequest, data)
         self._check_trainer(request.trainer_id)
@@ -262,8 +318,11 @@ class PserverServicer:
         _parse(ps_pb2.StatsRequest, data)
         engine = self.engine
         with engine.cv:
-            alive = sorted(engine.joined - engine.closed)
+            roster = engine.roster
+            alive = sorted(roster.joined & roster.live())
+            dropped = sorted(roster.dropped)
             version = engine.version
+        last = engine.checkpointer.last if engine.checkpointer is not None else None
         c = self.counters
         with c.lock:
             return ps_pb2.StatsReply(
@@ -271,7 +330,11 @@ class PserverServicer:
                 blocks=len(self.store.blocks), block_bytes=self.store.nbytes,
                 bytes_in=c.bytes_in, bytes_out=c.bytes_out, pushes=c.pushes,
                 sync_mode=engine.sync_mode, table_rows=self.tables.rows,
-                table_bytes=self.tables.nbytes, prefetches=c.prefetches)
+                table_bytes=self.tables.nbytes, prefetches=c.prefetches,
+                incarnation=self.incarnation, uptime_s=time.monotonic() - self.started,
+                trainers_dropped=dropped, refused=c.refused,
+                checkpoint_version=last[0] if last else -1, checkpoint_path=last[1] if last else "",
+                checkpoint_age_s=time.time() - last[2] if last else 0.0)
 
     def add_to_server(self, server: grpc.Server) -> None:
         """Register the service with raw-bytes requests (parsed here) and encoded replies."""
@@ -287,6 +350,10 @@ class PserverServicer:
             "SaveTables": grpc.unary_unary_rpc_method_handler(self.SaveTables,
                                                               response_serializer=serialize),
             "Close": grpc.unary_unary_rpc_method_handler(self.Close, response_serializer=serialize),
+            "Heartbeat": grpc.unary_unary_rpc_method_handler(self.Heartbeat, response_serializer=serialize),
+            "Restore": grpc.unary_unary_rpc_method_handler(self.Restore, response_serializer=serialize),
+            "Checkpoint": grpc.unary_unary_rpc_method_handler(self.Checkpoint,
+                                                              response_serializer=serialize),
             "Stats": grpc.unary_unary_rpc_method_handler(self.Stats, response_serializer=serialize),
         }
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))

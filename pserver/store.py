@@ -8,6 +8,8 @@ import torch
 from transpiler import LrSchedule, PserverProgram, StartupProgram
 from transpiler.plans import DTYPES
 
+from .checkpoint import cut_block
+
 
 class BlockStore:
     """Parameter blocks of one pserver, updated by one torch optimizer.
@@ -67,6 +69,30 @@ class BlockStore:
         self.optimizer.step()
         for name in grads:
             self.blocks[name].grad = None
+
+    def restore(self, saved: Dict[str, list]) -> None:
+        """Set every block and its optimizer state from a checkpoint's saved blocks (any slicing).
+
+        ``saved`` is :func:`pserver.checkpoint.load_blocks`'s answer. All blocks
+        are cut and checked first; on a mismatch (ValueError) nothing changes.
+        """
+        values = {}
+        for name, spec in self.specs.items():
+            try:
+                value, state = cut_block(saved, spec.param, spec.row_start, spec.row_end, spec.shape)
+            except RuntimeError as e:  # the saved rows do not reshape to this block
+                raise ValueError(f"checkpoint does not fit block {name}: {e}") from None
+            if value.dtype != self.blocks[name].dtype:
+                raise ValueError(f"checkpoint holds {spec.param} as {value.dtype}, the plan says {spec.dtype}")
+            values[name] = (value, state)
+        with torch.no_grad():
+            for name, (value, state) in values.items():
+                block = self.blocks[name]
+                block.copy_(value)
+                if self.optimizer is not None:
+                    self.optimizer.state.pop(block, None)
+                    if state:
+                        self.optimizer.state[block] = state
 
     def read(self, names: Sequence[str], copy: bool) -> List[Tuple[str, torch.Tensor]]:
         """(name, tensor) for ``names``; copies when a concurrent update could tear a read."""

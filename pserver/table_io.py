@@ -72,7 +72,7 @@ def shard_meta(spec: TableSpec, shard: int, n_shards: int, step: int, rows: int)
             "spec": spec.to_dict()}
 
 
-def _fsync_dir(directory: str) -> None:
+def fsync_dir(directory: str) -> None:
     try:
         fd = os.open(directory, os.O_RDONLY)
     except OSError:  # pragma: no cover - platforms without directory fds
@@ -84,7 +84,7 @@ def _fsync_dir(directory: str) -> None:
 
 
 @contextlib.contextmanager
-def _replacing(path: str) -> Iterator[str]:
+def replacing(path: str) -> Iterator[str]:
     """A temporary path next to ``path``; once the block succeeds it is fsynced and renamed to
     ``path`` (readers see the old file or the whole new one), otherwise removed."""
     tmp = f"{path}.tmp-{os.getpid()}"
@@ -99,13 +99,13 @@ def _replacing(path: str) -> Iterator[str]:
         raise
 
 
-def _atomic_write(path: str, write) -> None:
-    with _replacing(path) as tmp, open(tmp, "wb") as f:
+def atomic_write(path: str, write) -> None:
+    with replacing(path) as tmp, open(tmp, "wb") as f:
         write(f)
 
 
-def _write_json(path: str, data: dict) -> None:
-    _atomic_write(path, lambda f: f.write(json.dumps(data, indent=1, sort_keys=True).encode()))
+def write_json(path: str, data: dict) -> None:
+    atomic_write(path, lambda f: f.write(json.dumps(data, indent=1, sort_keys=True).encode()))
 
 
 def write_shard(directory: str, arrays: Dict[str, np.ndarray], meta: dict) -> None:
@@ -118,13 +118,13 @@ def write_shard(directory: str, arrays: Dict[str, np.ndarray], meta: dict) -> No
     meta_path = os.path.join(directory, META)
     if os.path.exists(meta_path):
         os.unlink(meta_path)
-        _fsync_dir(directory)
+        fsync_dir(directory)
     for name, array in arrays.items():
-        _atomic_write(os.path.join(directory, f"{name}.npy"),
+        atomic_write(os.path.join(directory, f"{name}.npy"),
                       lambda f, a=array: np.save(f, a, allow_pickle=False))
-    _fsync_dir(directory)
-    _write_json(meta_path, meta)
-    _fsync_dir(directory)
+    fsync_dir(directory)
+    write_json(meta_path, meta)
+    fsync_dir(directory)
     log.info("table %s: saved shard %d/%d (%d rows, step %d) to %s", meta["table"],
              meta["shard"], meta["n_shards"], meta["rows"], meta["step"], directory)
 
@@ -289,7 +289,7 @@ def export_table(directories: Sequence[str], out_dir: str) -> dict:
     total = sum(s.rows for s in sources)
     os.makedirs(out_dir, exist_ok=True)
     for part, shape, dt in (("ids", (total,), np.dtype(np.int64)), ("rows", (total, dim), dtype)):
-        with _replacing(os.path.join(out_dir, f"{name}.{part}.npy")) as tmp:
+        with replacing(os.path.join(out_dir, f"{name}.{part}.npy")) as tmp:
             out = np.lib.format.open_memmap(tmp, mode="w+", dtype=dt, shape=shape)
             at = 0
             for s in sources:
@@ -306,7 +306,7 @@ def export_table(directories: Sequence[str], out_dir: str) -> dict:
             "seed": spec.get("seed"), "padding_idx": spec.get("padding_idx"),
             "optimizer": meta["optimizer"], "step": step, "saved_shards": n_shards,
             "ids_file": f"{name}.ids.npy", "rows_file": f"{name}.rows.npy", "spec": spec}
-    _write_json(os.path.join(out_dir, f"{name}.json"), info)
+    write_json(os.path.join(out_dir, f"{name}.json"), info)
     log.info("table %s: exported %d rows of %d shards to %s", name, total, n_shards, out_dir)
     return info
 

@@ -121,6 +121,18 @@ class TableSet:
                                              torch.cat([p[1] for p in table_parts]))
             self.shards[name].apply(ids, rows / n_trainers, self.schedules[name].lr_at(step))
 
+    def load_shards(self, directories: Mapping[str, List[str]]) -> Dict[str, TableShard]:
+        """This pserver's shard of each table rebuilt from saved shard ``directories`` ({table: dirs}).
+
+        Changes nothing here; :meth:`install` puts them in place.
+        """
+        return {name: TableShard.load(self.specs[name], self.shard, self.n_shards, directories[name])
+                for name in self.specs}
+
+    def install(self, shards: Mapping[str, TableShard]) -> None:
+        """Replace the table shards (after a checkpoint load)."""
+        self.shards.update(shards)
+
     def save(self, root: str) -> List[str]:
         """Write every shard to ``root/<table>/shard-K-of-N``; returns those directories."""
         paths = []

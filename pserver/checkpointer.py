@@ -1,0 +1,83 @@
+"""Checkpointer: when one pserver writes checkpoints and how it loads one back.
+
+The file layout and its crash safety are :mod:`pserver.checkpoint`'s; this
+class binds them to one pserver's blocks and tables. The engine calls it under
+its lock, so every checkpoint is taken at a step boundary.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Optional
+
+from . import checkpoint
+from .store import BlockStore
+from .table_set import TableSet
+
+log = logging.getLogger(__name__)
+
+
+class Checkpointer:
+    """Writes this pserver's part of checkpoints under ``root`` and loads checkpoints back.
+
+    ``every``: a checkpoint whenever the engine's version is a multiple of it
+    (0: only when asked). ``keep``: this pserver's newest parts kept on disk.
+    """
+
+    def __init__(self, root: str, store: BlockStore, tables: TableSet, shard: int, n_shards: int,
+                 endpoint: str, sync_mode: bool, every: int = 0, keep: int = 3):
+        self.root = root
+        self.store = store
+        self.tables = tables
+        self.shard = shard
+        self.n_shards = n_shards
+        self.endpoint = endpoint
+        self.sync_mode = sync_mode
+        self.every = every
+        self.keep = keep
+        # The latest checkpoint written or loaded: (version, path, time.time()).
+        self.last: Optional[tuple] = None
+
+    def due(self, version: int) -> bool:
+        """Whether the engine, having just reached ``version``, should checkpoint."""
+        return self.every > 0 and version > 0 and version % self.every == 0 \
+            and (self.last is None or self.last[0] != version)
+
+    def save(self, version: int, roster_meta: dict) -> str:
+        """Write this pserver's part at ``version`` (blocks, optimizer state, tables, trainers)."""
+        started = time.monotonic()
+        path = checkpoint.write_part(self.root, version, self.shard, self.n_shards, self.store,
+                                     self.tables, {**roster_meta, "endpoint": self.endpoint,
+                                                   "sync_mode": self.sync_mode})
+        checkpoint.prune(self.root, self.shard, self.n_shards, self.keep)
+        self.last = (version, path, time.time())
+        log.info("%s: checkpoint at step %d written to %s in %.2fs", self.endpoint, version, path,
+                 time.monotonic() - started)
+        return path
+
+    def load(self, step: Optional[int] = None) -> Optional[dict]:
+        """Load the latest complete checkpoint (or the one at ``step``) into the blocks and tables.
+
+        Returns this pserver's view of its manifest (step and trainers), or None
+        if there is none. The saved job may have had another number of
+        pservers. Nothing changes when loading fails (ValueError).
+        """
+        saved = checkpoint.find_saved(self.root, self.sync_mode, step, self.shard)
+        if saved is None:
+            return None
+        blocks = checkpoint.load_blocks(saved.parts)
+        # Everything is read and checked before anything changes.
+        shards = self.tables.load_shards({name: checkpoint.table_directories(saved, name)
+                                          for name in self.tables.names()})
+        self.store.restore(blocks)
+        self.tables.install(shards)
+        same = saved.n_shards == self.n_shards
+        manifest = saved.manifests[self.shard if same else 0]
+        self.last = (saved.step, saved.parts[self.shard] if same else saved.parts[0], time.time())
+        log.info("%s: loaded the checkpoint at step %d from %d pserver part(s) under %s", self.endpoint,
+                 saved.step, saved.n_shards, self.root)
+        return {**manifest, "step": saved.step}
+
+    def forget_after(self, version: int) -> None:
+        """Delete this pserver's parts newer than ``version``: a roll-back abandoned them."""
+        checkpoint.prune(self.root, self.shard, self.n_shards, self.keep, newer_than=version)

@@ -1,0 +1,75 @@
+"""Roster: what a pserver knows about each trainer (joined, closed, dropped, progress).
+
+Not thread-safe: the engine holds its lock around every call.
+"""
+from __future__ import annotations
+
+import time
+from typing import Dict, List, Tuple
+
+# (epoch, batch): where a trainer's data stands after a step; opaque to the pserver.
+Position = Tuple[int, int]
+
+
+class Roster:
+    """The trainers of one job as seen by one pserver.
+
+    ``live`` trainers are those a sync barrier waits for: every id that has
+    neither closed nor been dropped for silence. ``last_step`` is the last step
+    of each trainer counted here, ``positions`` its data position after the
+    last *applied* step (what a checkpoint saves and a rejoining trainer resumes at).
+    """
+
+    def __init__(self, trainers: int):
+        self.trainers = trainers
+        self.joined: set = set()
+        self.closed: set = set()
+        self.dropped: set = set()
+        self.last_step: Dict[int, int] = {}
+        self.positions: Dict[int, Position] = {}
+        self.last_seen: Dict[int, float] = {}
+
+    def live(self) -> set:
+        return set(range(self.trainers)) - self.closed - self.dropped
+
+    def touch(self, trainer_id: int) -> None:
+        """Note a sign of life from ``trainer_id`` (any call it makes)."""
+        self.last_seen[trainer_id] = time.monotonic()
+
+    def join(self, trainer_id: int) -> str:
+        """Register a Hello; returns how: "joined", "rejoined" or "" (already in)."""
+        self.touch(trainer_id)
+        how = ""
+        if trainer_id in self.closed or trainer_id in self.dropped:
+            how = "rejoined"
+        elif trainer_id not in self.joined:
+            how = "joined"
+        self.closed.discard(trainer_id)
+        self.dropped.discard(trainer_id)
+        self.joined.add(trainer_id)
+        return how
+
+    def silent(self, timeout: float) -> List[Tuple[int, float]]:
+        """Joined, live trainers not heard from for ``timeout`` s: [(id, seconds silent)]."""
+        now = time.monotonic()
+        return sorted((t, now - self.last_seen.get(t, now)) for t in self.joined & self.live()
+                      if now - self.last_seen.get(t, now) > timeout)
+
+    def to_meta(self) -> dict:
+        """The roster as a checkpoint manifest stores it."""
+        ids = sorted(set(self.last_step) | set(self.positions))
+        return {"trainers": {str(t): {"last_step": self.last_step.get(t, -1),
+                                      "position": list(self.positions.get(t, (0, 0)))} for t in ids},
+                "closed": sorted(self.closed)}
+
+    def load_meta(self, meta: dict) -> None:
+        """Take progress and closed trainers from a checkpoint; nobody is joined or dropped."""
+        self.last_step = {int(t): int(v["last_step"]) for t, v in meta.get("trainers", {}).items()
+                          if int(v["last_step"]) >= 0}
+        self.positions = {int(t): (int(v["position"][0]), int(v["position"][1]))
+                          for t, v in meta.get("trainers", {}).items()}
+        # A checkpoint in which every trainer had closed ends a finished run: a new
+        # run continuing from it starts with everyone expected.
+        closed = {int(t) for t in meta.get("closed", [])}
+        self.closed = set() if closed >= set(range(self.trainers)) else closed
+        self.joined, self.dropped, self.last_seen = set(), set(), {}
