@@ -14,7 +14,9 @@ from grpc_reflection.v1alpha import reflection
 
 from psproto.codec import message_limit
 from transpiler import PserverProgram, StartupProgram
+from transpiler.security import Security
 
+from .checkpointer import Checkpointer
 from .engine import AsyncEngine, SyncEngine
 from .servicer import SERVICE_NAME, PserverServicer
 from .store import BlockStore
@@ -44,13 +46,18 @@ class ParameterServer:
     SIGTERM / Ctrl-C (then shuts down gracefully). ``start()`` / ``stop()``
     run it in the background, for tests and embedding. ``tables_from`` names
     a directory of saved tables (``Trainer.save_tables``, any number of
-    pservers) to start the distributed tables from.
+    pservers) to start the distributed tables from. ``security`` (default:
+    ``Security.from_env()``, the ``PS_AUTH_TOKEN*`` / ``PS_TLS_*`` variables)
+    turns on the auth token check and TLS.
     """
 
     def __init__(self, program: PserverProgram, startup: Optional[StartupProgram] = None,
-                 tables_from: Optional[str] = None):
+                 tables_from: Optional[str] = None, security: Optional[Security] = None):
         if not isinstance(program, PserverProgram):
             raise TypeError(f"program must be a PserverProgram, got {type(program).__name__}")
+        # Resolved first: a bad token or certificate setting fails before any state is built.
+        self.security = security if security is not None else Security.from_env()
+        self.security.check_server()
         self.program = program
         self.endpoint = program.endpoint
         cfg = program.config
@@ -61,7 +68,16 @@ class ParameterServer:
             self.engine = SyncEngine(*args)
         else:
             self.engine = AsyncEngine(*args, max_staleness=cfg.max_staleness)
-        self.servicer = PserverServicer(self.engine, program.layout_digest, cfg.chunk_bytes)
+        if cfg.checkpoint_dir is not None:
+            self.engine.checkpointer = Checkpointer(
+                cfg.checkpoint_dir, store, tables, program.shard, len(program.pservers), program.endpoint,
+                program.sync_mode, every=cfg.checkpoint_every, keep=cfg.checkpoint_keep)
+            if self.engine.resume():
+                log.info("pserver %s resumes from the checkpoint at step %d under %s%s", self.endpoint,
+                         self.engine.version, cfg.checkpoint_dir,
+                         " (tables_from is ignored)" if tables_from else "")
+        self.servicer = PserverServicer(self.engine, program.layout_digest, cfg.chunk_bytes,
+                                        allow_nonfinite=cfg.nonfinite_grads == "apply")
         self._server: Optional[grpc.Server] = None
         self._health: Optional[health.HealthServicer] = None
         self._finished = threading.Event()
@@ -73,14 +89,15 @@ class ParameterServer:
         workers = cfg.pserver_rpc_workers or max(16, 4 * self.program.trainers)
         server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers,
                                                         thread_name_prefix="pserver"),
-                             options=server_options(cfg.chunk_bytes))
+                             options=server_options(cfg.chunk_bytes),
+                             interceptors=self.security.server_interceptors())
         self.servicer.add_to_server(server)
         self._health = health.HealthServicer(experimental_non_blocking=True)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         reflection.enable_server_reflection(
             (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
         try:
-            port = server.add_insecure_port(self.endpoint)
+            port = self.security.add_port(server, self.endpoint)
         except RuntimeError as e:
             port, detail = 0, str(e)
         else:
@@ -90,6 +107,10 @@ class ParameterServer:
                           f"or the address not on this host?")
         server.start()
         self._server = server
+        log.info("pserver %s: %s", self.endpoint, self.security.describe(server=True))
+        if self.security.token and not self.security.tls:
+            log.warning("pserver %s: the auth token travels in plaintext; set PS_TLS_CERT and "
+                        "PS_TLS_KEY to encrypt it", self.endpoint)
         for service in ("", SERVICE_NAME):
             self._health.set(service, health_pb2.HealthCheckResponse.SERVING)
         log.info("pserver %s serving %d blocks (%s bytes) and shard %d/%d of %d tables, %s mode, "
@@ -99,7 +120,24 @@ class ParameterServer:
                  self.program.trainers)
         threading.Thread(target=self._watch_trainers, daemon=True,
                          name="pserver-watch").start()
+        threading.Thread(target=self._watch_heartbeats, daemon=True,
+                         name="pserver-heartbeats").start()
         return self
+
+    def _watch_heartbeats(self) -> None:
+        cfg = self.program.config
+        while not self._finished.wait(cfg.heartbeat_interval / 2):
+            self.engine.drop_silent(cfg.heartbeat_timeout)
+
+    def checkpoint(self) -> Optional[str]:
+        """Write a checkpoint now if ``checkpoint_dir`` is set; its path, or None (failure logged)."""
+        if self.engine.checkpointer is None:
+            return None
+        try:
+            return self.engine.checkpoint()[1]
+        except Exception:  # a failed last checkpoint must not stop the shutdown
+            log.exception("pserver %s: checkpoint at shutdown failed", self.endpoint)
+            return None
 
     def _watch_trainers(self) -> None:
         self.engine.all_closed.wait()
@@ -138,6 +176,8 @@ class ParameterServer:
                 previous[sig] = signal.signal(sig, on_signal)
         try:
             self._finished.wait()
+            # SIGTERM, Ctrl-C or the end of training: keep the model.
+            self.checkpoint()
         finally:
             self.stop()
             for sig, handler in previous.items():

@@ -13,18 +13,22 @@ from pserver import ParameterServer
 from trainer.launch_plan import free_ports
 from trainer import Trainer
 from transpiler import DistributeTranspiler, DistributeTranspilerConfig, Program
+from transpiler.security import Security
 
 
 class LocalCluster:
     """``n_pservers`` pservers started in this process; trainers made on demand.
 
-    Use as a context manager; every pserver is stopped on exit.
+    Use as a context manager; every pserver is stopped on exit. ``security``
+    applies to pservers and trainers alike; None means none (no token, no TLS),
+    never the process environment, so a developer's PS_AUTH_TOKEN cannot leak in.
     """
 
     def __init__(self, build: Callable[[], Program], n_pservers: int, n_trainers: int,
                  sync_mode: bool = True, config: Optional[DistributeTranspilerConfig] = None,
-                 tables_from: Optional[str] = None):
+                 tables_from: Optional[str] = None, security: Optional[Security] = None):
         self.build = build
+        self.security = security if security is not None else Security()
         self.tables_from = tables_from
         self.n_trainers = n_trainers
         self.sync_mode = sync_mode
@@ -43,7 +47,8 @@ class LocalCluster:
         for ep in self.endpoints:
             t = self.transpiler()
             prog = t.get_pserver_program(ep)
-            server = ParameterServer(prog, t.get_startup_program(ep, prog), tables_from=self.tables_from)
+            server = ParameterServer(prog, t.get_startup_program(ep, prog), tables_from=self.tables_from,
+                                     security=self.security)
             self._stack.enter_context(server)
             self.servers.append(server)
         return self
@@ -52,7 +57,7 @@ class LocalCluster:
         self._stack.close()
 
     def trainer(self, trainer_id: int) -> Trainer:
-        return Trainer(self.transpiler(trainer_id).get_trainer_program())
+        return Trainer(self.transpiler(trainer_id).get_trainer_program(), self.security)
 
     def run_trainers(self, body: Callable[[Trainer, int], object],
                      ids: Optional[List[int]] = None, timeout: float = 60.0) -> Dict[int, object]:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from transpiler import parse_endpoints
+from transpiler.security import Security
 
 DESCRIPTION = """ps-launch: start the pservers and trainers of a job, as Paddle's launcher does in pserver mode.
 
@@ -25,6 +26,8 @@ on 127.0.0.1. Per-host mode (--servers/--workers) describes the whole cluster: r
 the same command on every host and each starts only its own roles. Every role runs
 `python SCRIPT ARGS...` with TRAINING_ROLE, PADDLE_* and POD_IP set (see
 transpiler/env.py), its output in LOG_DIR/serverlog.N or LOG_DIR/workerlog.N.
+Access control: --auth_token_file FILE gives every role the job's token; PS_TLS_*
+variables set for the launcher pass to every role (see transpiler/security.py).
 Exit status: 0 when every trainer exited 0, 1 when a role failed, 2 on bad input,
 130/143 when stopped by SIGINT/SIGTERM.
 """
@@ -85,6 +88,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "not applied when trainers of the job run on other hosts")
     p.add_argument("--term_timeout", type=float, default=10.0, metavar="SEC",
                    help="time between SIGTERM and SIGKILL when stopping roles (default 10)")
+    p.add_argument("--auth_token_file", metavar="FILE",
+                   help="access control: every role gets PS_AUTH_TOKEN_FILE=FILE (made absolute), so "
+                   "pservers refuse calls without the token in FILE and trainers send it. PS_AUTH_TOKEN "
+                   "and PS_TLS_* set for ps-launch reach every role as they are")
     p.add_argument("script", nargs="?", metavar="SCRIPT", help="training script run by every role")
     p.add_argument("script_args", nargs=argparse.REMAINDER, metavar="...", help="passed to SCRIPT as is")
     return p
@@ -192,6 +199,15 @@ def _check_args(args: argparse.Namespace) -> None:
         raise LaunchError("--server_grace and --term_timeout must be >= 0")
     if args.script is None or not os.path.isfile(args.script):
         raise LaunchError(f"script {args.script!r} not found")
+    if getattr(args, "auth_token_file", None) is not None:
+        # Checked here so a bad token file fails the launch once, not every role.
+        given = {"PS_AUTH_TOKEN_FILE": os.path.abspath(args.auth_token_file)}
+        if "PS_AUTH_TOKEN" in os.environ:
+            given["PS_AUTH_TOKEN"] = os.environ["PS_AUTH_TOKEN"]
+        try:
+            Security.from_env(given)
+        except ValueError as e:
+            raise LaunchError(f"--auth_token_file: {e}") from None
 
 
 def plan_roles(args: argparse.Namespace, is_local: Optional[Callable[[str], bool]] = None,
@@ -222,6 +238,9 @@ def plan_roles(args: argparse.Namespace, is_local: Optional[Callable[[str], bool
         workers = ["127.0.0.1"] * args.worker_num
 
     common = {"PADDLE_PSERVERS_IP_PORT_LIST": ",".join(endpoints), "PADDLE_TRAINERS_NUM": str(len(workers))}
+    if getattr(args, "auth_token_file", None) is not None:
+        # Absolute: a role may change directory before it reads the variable.
+        common["PS_AUTH_TOKEN_FILE"] = os.path.abspath(args.auth_token_file)
     roles = []
     for i, ep in enumerate(endpoints):
         ip, _, port = ep.rpartition(":")
