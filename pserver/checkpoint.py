@@ -20,6 +20,7 @@ included, and each table shard selects its ids from every saved shard.
 """
 from __future__ import annotations
 
+import glob
 import json
 import logging
 import os
@@ -126,8 +127,7 @@ def find_saved(root: str, sync_mode: bool, step: Optional[int] = None,
         return None
     if not parts:
         return None
-    newest = max(((m["written_at"], n) for have in parts.values() for _, m in have.values()))
-    n = newest[1]
+    n = max((m["written_at"], nn) for (_, nn), have in parts.items() for _, m in have.values())[1]
     latest: Dict[int, Tuple[int, str, dict]] = {}
     for (s, nn), have in parts.items():
         if nn != n:
@@ -172,7 +172,8 @@ def write_part(root: str, step: int, shard: int, n_shards: int, store, tables, m
     name = part_name(shard, n_shards)
     part, manifest_path = os.path.join(step_dir, name), os.path.join(step_dir, name + ".json")
     tmp = f"{part}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
+    for stale in glob.glob(glob.escape(part) + ".tmp-*"):  # left by a crash of an earlier process
+        shutil.rmtree(stale, ignore_errors=True)
     os.makedirs(tmp)
     payload = block_payload(store)
     table_io.atomic_write(os.path.join(tmp, BLOCKS_FILE), lambda f: torch.save(payload, f))
@@ -285,3 +286,42 @@ def cut_block(saved: Dict[str, List[dict]], param: str, row_start: int, row_end:
 def table_directories(saved: Saved, table: str) -> List[str]:
     """The saved shard directories of ``table`` across every part of ``saved``."""
     return [d for part in saved.parts for d in table_io.saved_shards(os.path.join(part, TABLES_DIR), table)]
+
+
+# -- export ----------------------------------------------------------------------
+
+
+def dense_state_dict(saved: Saved) -> Dict[str, torch.Tensor]:
+    """The full dense parameters of a checkpoint, as a plain ``state_dict`` (no tables, no buffers)."""
+    out = {}
+    for param, entries in load_blocks(saved.parts).items():
+        first = entries[0]["value"]
+        if first.dim() == 0:
+            out[param] = first.clone()
+            continue
+        rows = entries[-1]["row_end"]
+        value, _ = cut_block({param: entries}, param, 0, rows, [rows, *first.shape[1:]])
+        out[param] = value.clone()
+    return out
+
+
+def export(root: str, out_dir: str, step: Optional[int] = None, sync_mode: bool = True) -> dict:
+    """Export a checkpoint for serving: ``out_dir/state_dict.pt`` (dense) and ``out_dir/tables/``.
+
+    The dense parameters load into the original module with
+    ``load_state_dict(..., strict=False)`` (tables and buffers are not in
+    them); each table becomes ``<table>.ids.npy`` / ``.rows.npy`` / ``.json``
+    (see :func:`pserver.table_io.export_table`). Returns a summary.
+    """
+    saved = find_saved(root, sync_mode, step)
+    if saved is None:
+        raise ValueError(f"{root}: no complete checkpoint{'' if step is None else f' at step {step}'}")
+    os.makedirs(out_dir, exist_ok=True)
+    state = dense_state_dict(saved)
+    state_path = os.path.join(out_dir, "state_dict.pt")
+    table_io.atomic_write(state_path, lambda f: torch.save(state, f))
+    tables = {}
+    for name in saved.manifests[0].get("tables", []):
+        tables[name] = table_io.export_table(table_directories(saved, name), os.path.join(out_dir, TABLES_DIR))
+    return {"step": saved.step, "pservers": saved.n_shards, "state_dict": state_path,
+            "params": {k: list(v.shape) for k, v in state.items()}, "tables": tables}

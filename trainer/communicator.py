@@ -19,6 +19,7 @@ from psproto import ps_pb2, ps_pb2_grpc
 from psproto.codec import (ONE_MESSAGE_BYTES, TensorReader, WireError, decode_chunk, encode_chunks,
                            message_limit)
 from transpiler import TrainerProgram
+from transpiler.security import Security
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +84,7 @@ def _call(one: Callable, streamed: Callable, header, tensors: Sequence[Tuple[str
 class Communicator:
     """Push gradients to and pull parameters from every pserver of a trainer program."""
 
-    def __init__(self, program: TrainerProgram):
+    def __init__(self, program: TrainerProgram, security: Optional[Security] = None):
         self.program = program
         self.trainer_id = program.trainer_id
         self.digest = program.layout_digest
@@ -92,7 +93,8 @@ class Communicator:
         self.rpc_timeout = cfg.rpc_timeout
         self.barrier_timeout = cfg.barrier_timeout
         opts = channel_options(cfg.chunk_bytes)
-        self._channels = {ep: grpc.insecure_channel(ep, options=opts) for ep in program.pservers}
+        security = security if security is not None else Security.from_env()
+        self._channels = {ep: security.channel(ep, opts) for ep in program.pservers}
         self._stubs = {ep: ps_pb2_grpc.ParameterServerStub(ch) for ep, ch in self._channels.items()}
         # PushPull, Pull and Prefetch carry tensor bytes: encoded and decoded by
         # psproto.codec (the same wire format, fewer copies), so the channel passes raw bytes.
@@ -117,10 +119,11 @@ class Communicator:
 
     # -- connection ---------------------------------------------------------
 
-    def hello(self, timeout: float) -> Dict[str, int]:
+    def hello(self, timeout: float) -> Dict[str, ps_pb2.HelloReply]:
         """Register with every pserver, waiting up to ``timeout`` s for each to come up.
 
-        Returns each pserver's version (the step this trainer starts at).
+        Returns each pserver's answer: its version (the step this trainer
+        starts at), incarnation, checkpoint and this trainer's data position.
         Raises :class:`PserverUnavailableError` naming a pserver that never
         answered, or :class:`PserverError` if one refuses (e.g. plan mismatch).
         """
@@ -128,7 +131,7 @@ class Communicator:
         jobs = {ep: self._pool.submit(self._hello_one, ep, deadline, timeout) for ep in self._stubs}
         return {ep: job.result() for ep, job in jobs.items()}
 
-    def _hello_one(self, endpoint: str, deadline: float, timeout: float) -> int:
+    def _hello_one(self, endpoint: str, deadline: float, timeout: float) -> ps_pb2.HelloReply:
         request = ps_pb2.HelloRequest(trainer_id=self.trainer_id, layout_digest=self.digest)
         next_log = 0.0
         last = "no answer"
@@ -145,7 +148,7 @@ class Communicator:
                 reply = self._stubs[endpoint].Hello(request, timeout=min(remaining, _WAIT_LOG_INTERVAL),
                                                     wait_for_ready=True)
                 log.info("trainer %d: %s is up (version %d)", self.trainer_id, endpoint, reply.version)
-                return reply.version
+                return reply
             except grpc.RpcError as e:
                 if e.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                     raise PserverError(endpoint, f"refused Hello: {_details(e)}", e.code()) from None
@@ -154,15 +157,18 @@ class Communicator:
     # -- transfers ----------------------------------------------------------
 
     def push_pull(self, endpoint: str, step: int, tensors: Sequence[Tuple[str, torch.Tensor]],
-                  expect: Callable, dest: Callable[[str], torch.Tensor]) -> int:
+                  expect: Callable, dest: Callable[[str], torch.Tensor],
+                  position: Tuple[int, int] = (0, 0)) -> int:
         """Send one step's gradients to ``endpoint`` and receive its blocks in the same call.
 
         ``tensors`` are the gradients of the blocks (and table rows) this
         pserver owns; its blocks land in ``dest(name)``, checked by ``expect``.
         A sync pserver answers once every live trainer pushed the step.
+        ``position`` is the trainer's (epoch, batch) after this step, kept in checkpoints.
         Returns the pserver's version of the parameters received.
         """
-        header = ps_pb2.PushHeader(trainer_id=self.trainer_id, step=step, layout_digest=self.digest)
+        header = ps_pb2.PushHeader(trainer_id=self.trainer_id, step=step, layout_digest=self.digest,
+                                   epoch=position[0], batch=position[1])
         version, _ = self._receive(
             endpoint, f"step {step} of trainer {self.trainer_id} (push and pull)",
             lambda: _call(self._push_pull_one_calls[endpoint], self._push_pull_calls[endpoint], header,
@@ -227,11 +233,32 @@ class Communicator:
         """Ask ``endpoint`` to write its table shards under ``directory`` (its file system)."""
         request = ps_pb2.SaveTablesRequest(trainer_id=self.trainer_id, directory=directory,
                                            layout_digest=self.digest)
+        return self._unary(endpoint, "SaveTables", request, f"saving tables to {directory!r}",
+                           self.rpc_timeout)
+
+    def _unary(self, endpoint: str, method: str, request, what: str, timeout: float):
         try:
-            return self._stubs[endpoint].SaveTables(request, timeout=self.rpc_timeout)
+            return getattr(self._stubs[endpoint], method)(request, timeout=timeout)
         except grpc.RpcError as e:
-            raise PserverError(endpoint, f"saving tables to {directory!r} failed: {_details(e)}",
-                               e.code()) from None
+            raise PserverError(endpoint, f"{what} failed: {_details(e)}", e.code()) from None
+
+    def heartbeat(self, endpoint: str, timeout: float) -> ps_pb2.HeartbeatReply:
+        """Tell ``endpoint`` this trainer lives; its answer carries its version and incarnation."""
+        return self._unary(endpoint, "Heartbeat", ps_pb2.HeartbeatRequest(trainer_id=self.trainer_id),
+                           f"heartbeat of trainer {self.trainer_id}", timeout)
+
+    def restore(self, endpoint: str, version: int, token: str) -> ps_pb2.RestoreReply:
+        """Ask ``endpoint`` to roll back to its checkpoint at ``version`` (once per ``token``)."""
+        request = ps_pb2.RestoreRequest(trainer_id=self.trainer_id, version=version, token=token,
+                                        layout_digest=self.digest)
+        return self._unary(endpoint, "Restore", request,
+                           f"roll-back to step {version} asked by trainer {self.trainer_id}", self.rpc_timeout)
+
+    def checkpoint(self, endpoint: str) -> ps_pb2.CheckpointReply:
+        """Ask ``endpoint`` to write its part of a checkpoint now."""
+        request = ps_pb2.CheckpointRequest(trainer_id=self.trainer_id, layout_digest=self.digest)
+        return self._unary(endpoint, "Checkpoint", request,
+                           f"checkpoint asked by trainer {self.trainer_id}", self.rpc_timeout)
 
     def run_parallel(self, jobs: Dict[str, Callable[[], object]]) -> Dict[str, object]:
         """Run one callable per endpoint concurrently; re-raise the first failure."""

@@ -2,9 +2,10 @@
 from __future__ import annotations
 
 import logging
+import time
 from collections import defaultdict
 from concurrent import futures
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, Iterable, Iterator, List, Optional, Tuple
 
 import torch
 from torch.utils.data import Dataset, DistributedSampler
@@ -14,6 +15,10 @@ from transpiler.tables import SPARSE_SEPARATOR
 
 from .communicator import Communicator, PserverError
 from .embedding import DistributedEmbedding, Pieces, TableClient
+from .heartbeat import Heartbeat
+from .recovery import RETRY, ROLLBACK, Resync, recoverable, resync
+
+Position = Tuple[int, int]
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +48,7 @@ class Trainer:
     the pservers and :meth:`step` pushes the rows' gradients with the dense ones.
     """
 
-    def __init__(self, program: TrainerProgram):
+    def __init__(self, program: TrainerProgram, security=None):
         if not isinstance(program, TrainerProgram):
             raise TypeError(f"program must be a TrainerProgram, got {type(program).__name__}")
         if program.model is None:
@@ -78,23 +83,32 @@ class Trainer:
             if self._pipelined else None
         self._in_flight: Optional[futures.Future] = None
         self._staging: Dict[str, torch.Tensor] = {}
-        self.comm = Communicator(program)
+        self.comm = Communicator(program, security)
         self.tables = TableClient(program.tables, program.pservers, self._fetch_rows,
                                   lambda: self.step_count if self.sync_mode else 0)
         try:
-            versions = self.comm.hello(program.config.connect_timeout)
-            owning = {ep: v for ep, v in versions.items() if ep in self._push_endpoints}
+            replies = self.comm.hello(program.config.connect_timeout)
+            owning = {ep: r.version for ep, r in replies.items() if ep in self._push_endpoints}
             if self.sync_mode and len(set(owning.values())) > 1:
                 raise PserverError(", ".join(owning), f"pservers disagree on the current step: {owning}")
             self.step_count = max(owning.values(), default=0)
+            # Which process answers at each endpoint: a new incarnation is a restart.
+            self._incarnations = {ep: r.incarnation for ep, r in replies.items()}
+            first = replies[self._push_endpoints[0]] if self._push_endpoints else None
+            self.position: Position = (first.epoch, first.batch) if first is not None else (0, 0)
             self._pull_all(self.step_count)
             # Last, so a Trainer that failed to connect leaves the model as it was.
             self._install_tables()
         except BaseException:
             self.comm.shutdown()
             raise
-        log.info("trainer %d: ready at step %d, %d blocks on %d pservers", self.trainer_id,
-                 self.step_count, len(self._block_by_name), len(self._blocks))
+        # Set by batches(): the data position after the batch being trained.
+        self._batch_position: Optional[Position] = None
+        self._rewound = False
+        self._heartbeat = Heartbeat(self.comm, program.pservers, program.config.heartbeat_interval).start()
+        log.info("trainer %d: ready at step %d (data position epoch %d batch %d), %d blocks on %d "
+                 "pservers", self.trainer_id, self.step_count, *self.position, len(self._block_by_name),
+                 len(self._blocks))
 
     def _install_tables(self) -> None:
         """Put a DistributedEmbedding in place of each distributed table's module."""
@@ -192,22 +206,61 @@ class Trainer:
         """
         self._check_open()
         step = self.step_count
+        position = self._batch_position or (0, step + 1)
         sparse = self.tables.take_gradients() if self.program.tables else {}
         grads = {ep: self._grads_for(self._blocks.get(ep, [])) + sparse.get(ep, [])
                  for ep in self._push_endpoints}
+        resync = None
         if self._pipelined:
             self._finish_in_flight()
-            self._in_flight = self._sender.submit(self._send, step, grads)
+            self._in_flight = self._sender.submit(self._send, step, grads, position)
         else:
-            self.comm.run_parallel({ep: (lambda ep=ep: self._receive_blocks(
-                lambda dest: self.comm.push_pull(ep, step, grads[ep], self._expect, dest)))
-                for ep in self._push_endpoints})
+            resync = self._push_pull_all(step, grads, position, lambda ep, g: self._receive_blocks(
+                lambda dest: self.comm.push_pull(ep, step, g, self._expect, dest, position)))
         # The pushed gradients stay referenced until sent; the next backward makes new ones.
         self.model.zero_grad(set_to_none=True)
-        self.step_count = step + 1
+        if resync is None:
+            self.step_count = step + 1
+            self.position = position
+        else:
+            self._resynced(resync)
         return self.step_count
 
-    def _send(self, step: int, grads: Dict[str, list]) -> None:
+    def _push_pull_all(self, step: int, grads: Dict[str, list], position: Position,
+                       push_pull: Callable[[str, list], int]) -> Optional[Resync]:
+        """``push_pull(ep, grads[ep])`` on every pserver in parallel, healing what can heal.
+
+        A pserver that is unreachable, restarted or dropped this trainer makes
+        the trainer wait and re-sync (:mod:`trainer.recovery`), within
+        ``recovery_timeout``; the step is retried (idempotent), or the answer
+        says where to go on from (None: the step went through).
+        """
+        deadline = None
+        while True:
+            try:
+                self.comm.run_parallel({ep: (lambda ep=ep: push_pull(ep, grads[ep])) for ep in self._push_endpoints})
+                return None
+            except PserverError as e:
+                if not recoverable(e):
+                    raise
+                if deadline is None:
+                    deadline = time.monotonic() + self.program.config.recovery_timeout
+                outcome = resync(self.comm, e, self.sync_mode, self._incarnations, step,
+                                 self._push_endpoints, deadline)
+                self._incarnations = outcome.incarnations
+                if outcome.action != RETRY:
+                    return outcome
+
+    def _resynced(self, outcome: Resync) -> None:
+        """Go on from where the pservers are after a restart or a drop: their step, their parameters."""
+        self.tables.clear()
+        self.step_count = outcome.step
+        self._pull_all(outcome.step)
+        if outcome.action == ROLLBACK:
+            self.position = outcome.position
+            self._rewound = True  # batches() replays the data from the checkpoint's position
+
+    def _send(self, step: int, grads: Dict[str, list], position: Position) -> None:
         """Push-pull ``step`` on every pserver; pulled blocks land in the staging buffers."""
         def stage(name: str) -> torch.Tensor:
             buf = self._staging.get(name)
@@ -215,8 +268,10 @@ class Trainer:
                 b = self._block_by_name[name]
                 buf = self._staging[name] = torch.empty(b.shape, dtype=getattr(torch, b.dtype))
             return buf
-        self.comm.run_parallel({ep: (lambda ep=ep: self.comm.push_pull(ep, step, grads[ep], self._expect, stage))
-                                for ep in self._push_endpoints})
+        # Async only: recovery retries, never rolls back (see trainer.recovery).
+        self._push_pull_all(step, grads, position, lambda ep, g: self.comm.push_pull(
+            ep, step, g, self._expect, stage, position))
+        self.position = position
 
     def _finish_in_flight(self) -> None:
         """Wait for the step sent in the background; install the parameters it pulled."""
@@ -283,6 +338,47 @@ class Trainer:
                                           for ep in self.program.pservers})
         return [p for reply in replies.values() for p in reply.paths]
 
+    def batches(self, loader: Iterable, epochs: int) -> Iterator:
+        """The items of ``loader`` for ``epochs`` epochs, from this trainer's data position on.
+
+        Train one step per item. A new trainer starts at epoch 0, batch 0; one
+        that (re)joins a job, or a job resumed from a checkpoint, starts where
+        the pservers say this trainer's data stood, skipping the batches
+        before it. Calls ``loader.sampler.set_epoch(epoch)`` when there is one
+        (``DistributedSampler``, see :meth:`sampler`), so a shuffled epoch
+        replays in the same order. When pservers roll back to a checkpoint
+        (sync), the batches since it are trained again, as if no failure had
+        happened; the position travels with every push and lands in checkpoints.
+        """
+        while self.position[0] < epochs:
+            epoch, start = self.position
+            set_epoch = getattr(getattr(loader, "sampler", None), "set_epoch", None)
+            if set_epoch is not None:
+                set_epoch(epoch)
+            self._rewound = False
+            for i, item in enumerate(loader):
+                if i < start:
+                    continue
+                self._batch_position = (epoch, i + 1)
+                yield item
+                if self._rewound:
+                    break
+            else:
+                self.position = (epoch + 1, 0)
+            self._batch_position = None
+
+    def checkpoint(self) -> List[str]:
+        """Every pserver writes its part of a checkpoint now; returns the part directories.
+
+        Needs ``checkpoint_dir``. In sync mode, between two of this trainer's
+        steps every pserver is at the same step, so the parts make one model.
+        """
+        self._check_open()
+        self._finish_in_flight()
+        replies = self.comm.run_parallel({ep: (lambda ep=ep: self.comm.checkpoint(ep))
+                                          for ep in self.program.pservers})
+        return [replies[ep].path for ep in self.program.pservers]
+
     def sampler(self, dataset: Dataset, **kwargs) -> DistributedSampler:
         """This trainer's shard of ``dataset``: a ``DistributedSampler`` over all trainers.
 
@@ -297,6 +393,7 @@ class Trainer:
         if self._closed:
             return
         self._closed = True
+        self._heartbeat.stop()
         try:
             self._finish_in_flight()  # the last step reaches the pservers before Close
         finally:

@@ -1,0 +1,131 @@
+"""A small sync/async job for the fault tests: one script, every role (Paddle role variables).
+
+Trainers train with ``Trainer.batches`` so a roll-back replays their data.
+``--pause_at N``: the trainer ``--pause_trainer`` writes PAUSE_DIR/reached when
+it is about to train step N (once), then waits for PAUSE_DIR/go, so the test
+can kill a role at a known point. Each trainer saves its final ``state_dict``
+to OUT_DIR/trainer-<id>.pt and the one it started with to OUT_DIR/start-<id>.pt.
+:func:`reference` trains the same job in one process (the concatenated batches).
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import time
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+from transpiler import DistributeTranspiler, DistributeTranspilerConfig, Program, RoleEnv
+
+BATCH = 8
+SAMPLES = 320          # 20 batches per trainer and epoch with 2 trainers
+TRAINERS = 2
+
+
+def build_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(32, 512), nn.Tanh(), nn.Linear(512, 4))  # 16k-element weight: 2 blocks
+
+
+def build_program(optimizer: str = "momentum", lr: float = 0.05) -> Program:
+    kwargs = {"momentum": 0.9} if optimizer == "momentum" else {}
+    return Program(build_model(), optimizer, lr=lr, **kwargs)
+
+
+def dataset() -> TensorDataset:
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(SAMPLES, 32, generator=g)
+    y = (x[:, :4].argmax(1) + (x[:, 4] > 1).long()) % 4
+    return TensorDataset(x, y)
+
+
+def loss_of(model: nn.Module, x, y) -> torch.Tensor:
+    return nn.functional.cross_entropy(model(x), y)
+
+
+def reference(epochs: int, optimizer: str = "momentum", lr: float = 0.05) -> dict:
+    """Single-process PyTorch on the trainers' concatenated batches: what sync training must equal."""
+    program = build_program(optimizer, lr)
+    model, data = program.model, dataset()
+    opt = program.optimizer.build(model.parameters())
+    samplers = [DistributedSampler(data, TRAINERS, t, shuffle=True, seed=0) for t in range(TRAINERS)]
+    for epoch in range(epochs):
+        for s in samplers:
+            s.set_epoch(epoch)
+        orders = [list(s) for s in samplers]
+        for b in range(len(orders[0]) // BATCH):
+            idx = [i for o in orders for i in o[b * BATCH:(b + 1) * BATCH]]
+            x, y = data[idx]
+            opt.zero_grad()
+            loss_of(model, x, y).backward()
+            opt.step()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def wait_for(path: str, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path} did not appear within {timeout}s")
+        time.sleep(0.02)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--async", dest="sync_mode", action="store_false")
+    p.add_argument("--epochs", type=int, default=2)
+    p.add_argument("--optimizer", default="momentum")
+    p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--checkpoint_dir", required=True)
+    p.add_argument("--checkpoint_every", type=int, default=5)
+    p.add_argument("--heartbeat_interval", type=float, default=0.5)
+    p.add_argument("--heartbeat_timeout", type=float, default=30.0)
+    p.add_argument("--out_dir", required=True)
+    p.add_argument("--pause_at", type=int, default=-1)
+    p.add_argument("--pause_trainer", type=int, default=0)
+    p.add_argument("--pause_dir", default="")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    torch.set_num_threads(1)
+    env = RoleEnv.from_env()
+    config = DistributeTranspilerConfig(
+        checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
+        heartbeat_interval=args.heartbeat_interval, heartbeat_timeout=args.heartbeat_timeout,
+        barrier_timeout=60.0, connect_timeout=60.0, recovery_timeout=60.0)
+    t = DistributeTranspiler(config)
+    t.transpile(env.trainer_id, program=build_program(args.optimizer, args.lr), pservers=env.pserver_list,
+                trainers=env.trainers, sync_mode=args.sync_mode)
+    if env.is_pserver:
+        from pserver import ParameterServer
+
+        prog = t.get_pserver_program(env.current_endpoint)
+        ParameterServer(prog, t.get_startup_program(env.current_endpoint, prog)).serve()
+        return 0
+
+    from trainer import Trainer
+
+    data = dataset()
+    tr = Trainer(t.get_trainer_program())
+    tid = env.trainer_id
+    torch.save(tr.state_dict(), os.path.join(args.out_dir, f"start-{tid}.pt"))
+    loader = DataLoader(data, batch_size=BATCH, sampler=tr.sampler(data, shuffle=True, seed=0))
+    paused = False
+    for x, y in tr.batches(loader, args.epochs):
+        if tid == args.pause_trainer and tr.step_count == args.pause_at and not paused:
+            paused = True
+            open(os.path.join(args.pause_dir, "reached"), "w").close()
+            wait_for(os.path.join(args.pause_dir, "go"), 120.0)
+        loss_of(tr.model, x, y).backward()
+        tr.step()
+    torch.save(tr.state_dict(), os.path.join(args.out_dir, f"trainer-{tid}.pt"))
+    logging.info("trainer %d: finished at step %d", tid, tr.step_count)
+    tr.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,188 @@
+"""Faults in real processes: a pserver SIGKILLed mid-run and started again, a trainer SIGKILLed.
+
+Each role is its own process (tests/scripts/recovery_job.py) on loopback; the
+job pauses one trainer at a known step (a file handshake) so the test kills a
+role at a known point. The sync results are compared with single-process PyTorch.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from typing import Dict, List
+
+import pytest
+import torch
+
+from trainer.launch_plan import free_ports
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SCRIPT = os.path.join(HERE, "scripts", "recovery_job.py")
+sys.path.insert(0, os.path.join(HERE, "scripts"))
+import recovery_job  # noqa: E402
+
+
+class Job:
+    """The processes of one job; every one is killed at exit, whatever happened."""
+
+    def __init__(self, tmp_path, n_pservers: int = 2, n_trainers: int = 2, args=()):
+        self.tmp = tmp_path
+        self.endpoints = [f"127.0.0.1:{p}" for p in free_ports(n_pservers)]
+        self.n_trainers = n_trainers
+        self.ckpt = str(tmp_path / "ckpt")
+        self.out = tmp_path / "out"
+        self.pause = tmp_path / "pause"
+        self.out.mkdir()
+        self.pause.mkdir()
+        self.args = ["--checkpoint_dir", self.ckpt, "--out_dir", str(self.out), "--pause_dir",
+                     str(self.pause), *args]
+        self.procs: Dict[str, subprocess.Popen] = {}
+        self.logs: Dict[str, str] = {}
+
+    def env(self, role: str, index: int) -> dict:
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("PADDLE_", "PS_", "TRAINING_"))}
+        env.update(TRAINING_ROLE=role, PADDLE_PSERVERS_IP_PORT_LIST=",".join(self.endpoints),
+                   PADDLE_TRAINERS_NUM=str(self.n_trainers), PYTHONUNBUFFERED="1")
+        if role == "PSERVER":
+            host, port = self.endpoints[index].rsplit(":", 1)
+            env.update(POD_IP=host, PADDLE_PORT=port)
+        else:
+            env["PADDLE_TRAINER_ID"] = str(index)
+        return env
+
+    def start(self, role: str, index: int) -> subprocess.Popen:
+        name = f"{role.lower()}{index}"
+        n = sum(k.startswith(name) for k in self.logs)
+        path = str(self.tmp / f"{name}.{n}.log")
+        with open(path, "wb") as log:
+            proc = subprocess.Popen([sys.executable, SCRIPT, *self.args], env=self.env(role, index),
+                                    stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.procs[name], self.logs[f"{name}.{n}"] = proc, path
+        return proc
+
+    def start_all(self) -> None:
+        for i in range(len(self.endpoints)):
+            self.start("PSERVER", i)
+        for i in range(self.n_trainers):
+            self.start("TRAINER", i)
+
+    def log(self, name: str) -> str:
+        with open(self.logs[name], errors="replace") as f:
+            return f.read()
+
+    def all_logs(self) -> str:
+        return "\n".join(f"===== {k}\n{self.log(k)[-3000:]}" for k in self.logs)
+
+    def wait_file(self, name: str, timeout: float = 60.0) -> None:
+        """Wait for PAUSE_DIR/name, failing early (with the logs) if a role dies meanwhile."""
+        deadline = time.monotonic() + timeout
+        while not (self.pause / name).exists():
+            dead = {k: p.returncode for k, p in self.procs.items() if p.poll() is not None}
+            assert not dead and time.monotonic() < deadline, f"waiting for {name}: {dead}\n{self.all_logs()}"
+            time.sleep(0.05)
+
+    def wait(self, name: str, timeout: float) -> int:
+        try:
+            return self.procs[name].wait(timeout)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"{name} did not finish within {timeout}s\n{self.all_logs()}")
+
+    def kill(self, name: str) -> None:
+        proc = self.procs[name]
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+
+    def close(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(10)
+
+
+@pytest.fixture
+def job_factory(tmp_path):
+    jobs: List[Job] = []
+
+    def make(**kwargs) -> Job:
+        jobs.append(Job(tmp_path, **kwargs))
+        return jobs[-1]
+    yield make
+    for job in jobs:
+        job.close()
+
+
+def assert_state_close(state: dict, expected: dict, atol: float = 1e-5) -> None:
+    assert state.keys() == expected.keys()
+    for k in expected:
+        torch.testing.assert_close(state[k], expected[k], rtol=0, atol=atol, msg=lambda m: f"{k}: {m}")
+
+
+@pytest.mark.timeout(240)
+def test_pserver_killed_mid_run_and_restarted_resumes_from_checkpoint(job_factory):
+    job = job_factory(args=["--pause_at", "23"])
+    job.start_all()
+    job.wait_file("reached")          # trainer 0 is about to train step 23; checkpoints at 5..20 exist
+    job.kill("pserver1")
+    job.start("PSERVER", 1)           # the same command
+    (job.pause / "go").touch()
+    for name in ("trainer0", "trainer1", "pserver0", "pserver1"):
+        assert job.wait(name, 120) == 0, job.all_logs()
+
+    restarted = job.log("pserver1.1")
+    assert "resumes from the checkpoint at step 20" in restarted, restarted
+    assert "rolled back from step" in job.log("pserver0.0")
+    assert "restarted (from the checkpoint at step 20)" in job.log("trainer0.0")
+    # The steps after the checkpoint were redone on the same data: the same model as never failing.
+    expected = recovery_job.reference(epochs=2)
+    for tid in range(2):
+        assert_state_close(torch.load(job.out / f"trainer-{tid}.pt"), expected)
+
+
+@pytest.mark.timeout(240)
+def test_trainer_killed_in_sync_mode_is_dropped_and_may_rejoin(job_factory):
+    job = job_factory(args=["--pause_at", "12", "--pause_trainer", "1", "--heartbeat_timeout", "3"])
+    job.start_all()
+    job.wait_file("reached")
+    job.kill("trainer1")
+    started = time.monotonic()
+    assert job.wait("trainer0", 60) == 0, job.all_logs()
+    # Trainer 0 waited about one heartbeat_timeout at the barrier, not the 60 s barrier deadline.
+    assert time.monotonic() - started < 30
+    for i in range(2):
+        assert "trainer 1 sent nothing for" in job.log(f"pserver{i}.0")
+        assert "dropped from the barrier at step 12" in job.log(f"pserver{i}.0")
+
+    # A restarted trainer 1 rejoins, starts from the current parameters, and finishes its data.
+    final0 = torch.load(job.out / "trainer-0.pt")
+    job.start("TRAINER", 1)
+    assert job.wait("trainer1", 60) == 0, job.all_logs()
+    assert_state_close(torch.load(job.out / "start-1.pt"), final0, atol=0)
+    for i in range(2):
+        assert job.wait(f"pserver{i}", 30) == 0, job.all_logs()
+        assert "trainer 1 rejoined" in job.log(f"pserver{i}.0")
+
+
+@pytest.mark.timeout(240)
+def test_async_pserver_killed_and_restarted_loses_at_most_its_updates_since_checkpoint(job_factory):
+    job = job_factory(args=["--async", "--optimizer", "sgd", "--lr", "0.1", "--pause_at", "15"])
+    job.start_all()
+    job.wait_file("reached")
+    job.kill("pserver1")
+    job.start("PSERVER", 1)
+    (job.pause / "go").touch()
+    for name in ("trainer0", "trainer1", "pserver0", "pserver1"):
+        assert job.wait(name, 120) == 0, job.all_logs()
+    assert "resumes from the checkpoint at step" in job.log("pserver1.1")
+    # Async: the other pserver is not rolled back; the run completes and trains as well.
+    assert "rolled back" not in job.log("pserver0.0")
+    x, y = recovery_job.dataset().tensors
+    model = recovery_job.build_model()
+    model.load_state_dict(torch.load(job.out / "trainer-0.pt"))
+    reference = recovery_job.build_model()
+    reference.load_state_dict(recovery_job.reference(epochs=2, optimizer="sgd", lr=0.1))
+    with torch.no_grad():
+        loss, expected = recovery_job.loss_of(model, x, y).item(), recovery_job.loss_of(reference, x, y).item()
+        initial = recovery_job.loss_of(recovery_job.build_model(), x, y).item()
+    assert loss < initial * 0.9 and loss == pytest.approx(expected, rel=0.15), (loss, expected, initial)

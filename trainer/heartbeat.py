@@ -1,0 +1,50 @@
+"""A trainer's heartbeat: a background thread telling every pserver it is alive."""
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Sequence
+
+from .communicator import Communicator, PserverError
+
+log = logging.getLogger(__name__)
+
+
+class Heartbeat:
+    """Sends ``Heartbeat`` to each pserver every ``interval`` s until :meth:`stop`.
+
+    Pservers drop a trainer silent for ``heartbeat_timeout`` from their
+    barriers; this keeps a trainer that is busy (a long forward, a data
+    stall) or waiting in a barrier counted. Failures are logged at debug
+    level only: the training calls report unreachable pservers.
+    """
+
+    def __init__(self, comm: Communicator, endpoints: Sequence[str], interval: float):
+        self._comm = comm
+        self._endpoints = list(endpoints)
+        self._interval = interval
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True,
+                                        name=f"trainer-{comm.trainer_id}-heartbeat")
+
+    def start(self) -> "Heartbeat":
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stopped.wait(self._interval):
+            for ep in self._endpoints:
+                if self._stopped.is_set():
+                    return
+                try:
+                    self._comm.heartbeat(ep, timeout=self._interval)
+                except PserverError as e:
+                    log.debug("trainer %d: heartbeat: %s", self._comm.trainer_id, e)
+                except ValueError:  # the channel was closed under us by close()
+                    return
+
+    def stop(self) -> None:
+        """Stop sending; returns once the thread has finished its current call."""
+        self._stopped.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(self._interval + 1.0)

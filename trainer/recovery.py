@@ -1,0 +1,90 @@
+"""Recovery: what a trainer does when a pserver call fails in a way that can heal.
+
+A pserver that is briefly unreachable, restarted from a checkpoint, or that
+dropped this trainer for silence answers UNAVAILABLE or ABORTED. The trainer
+then waits for every pserver (``hello``, with gRPC's reconnect backoff, up to
+``recovery_timeout``) and decides by what they say:
+
+- nobody restarted: retry the same step (pushes are idempotent per (trainer,
+  step)), or, when the others went on without this trainer, skip to their step;
+- async, somebody restarted: retry; the restarted pserver lost its updates
+  since its checkpoint, nothing else is rolled back;
+- sync, somebody restarted: every other pserver rolls back to the restarted
+  ones' checkpoint (``Restore``, once per restart: the token names it), and
+  the trainer resumes at that step and that data position.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Dict, Sequence, Tuple
+
+import grpc
+
+from psproto import ps_pb2
+
+from .communicator import Communicator, PserverError
+
+log = logging.getLogger(__name__)
+
+RECOVERABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.ABORTED)
+
+RETRY, SKIP, ROLLBACK = "retry", "skip", "rollback"
+
+
+@dataclass
+class Resync:
+    """The outcome of :func:`resync`: ``action`` is RETRY the step, SKIP to ``step``, or ROLLBACK to it."""
+
+    action: str
+    step: int
+    position: Tuple[int, int]
+    incarnations: Dict[str, int]
+
+
+def recoverable(error: BaseException) -> bool:
+    """Whether ``error`` (from a step's calls) may heal by waiting and re-syncing."""
+    return isinstance(error, PserverError) and error.code in RECOVERABLE
+
+
+def resync(comm: Communicator, failure: PserverError, sync_mode: bool, incarnations: Dict[str, int],
+           step: int, push_endpoints: Sequence[str], deadline: float) -> Resync:
+    """Wait for every pserver until ``deadline`` (monotonic) and decide how step ``step`` goes on.
+
+    Raises :class:`PserverError` when a pserver stays away past the deadline,
+    or restarted without a checkpoint in sync mode (its parameters are lost).
+    """
+    log.warning("trainer %d: step %d failed (%s); waiting up to %.0fs for the pservers", comm.trainer_id,
+                step, failure, max(0.0, deadline - time.monotonic()))
+    replies: Dict[str, ps_pb2.HelloReply] = comm.hello(max(0.1, deadline - time.monotonic()))
+    now = {ep: r.incarnation for ep, r in replies.items()}
+    restarted = sorted(ep for ep in replies if now[ep] != incarnations.get(ep))
+    for ep in restarted:
+        log.warning("trainer %d: pserver %s restarted (from the checkpoint at step %d)", comm.trainer_id,
+                    ep, replies[ep].checkpoint_version)
+    if restarted and sync_mode:
+        lost = [ep for ep in restarted if replies[ep].checkpoint_version < 0]
+        if lost:
+            raise PserverError(", ".join(lost), "restarted without a checkpoint, so its parameters are "
+                               "lost and sync training cannot go on consistently; set checkpoint_dir",
+                               grpc.StatusCode.FAILED_PRECONDITION)
+        target = min(replies[ep].checkpoint_version for ep in restarted)
+        token = ",".join(f"{ep}#{now[ep]}" for ep in restarted)
+        others = [ep for ep in replies if ep not in restarted or replies[ep].checkpoint_version != target]
+        comm.run_parallel({ep: (lambda ep=ep: comm.restore(ep, target, token)) for ep in others})
+        source = next(ep for ep in restarted if replies[ep].checkpoint_version == target)
+        if others:  # their answers predate the roll-back: ask again for this trainer's position
+            replies = comm.hello(max(0.1, deadline - time.monotonic()))
+        position = (replies[source].epoch, replies[source].batch)
+        log.warning("trainer %d: every pserver is back at the checkpoint of step %d; steps %d..%d are "
+                    "redone from data position epoch %d batch %d", comm.trainer_id, target, target,
+                    step, *position)
+        return Resync(ROLLBACK, target, position, now)
+    ahead = max((replies[ep].version for ep in push_endpoints), default=step) if sync_mode else step
+    if ahead > step:
+        log.warning("trainer %d: the other trainers went on without this one (dropped after "
+                    "heartbeat_timeout?); rejoining at step %d", comm.trainer_id, ahead)
+        return Resync(SKIP, ahead, (0, 0), now)
+    log.info("trainer %d: pservers are back; retrying step %d", comm.trainer_id, step)
+    return Resync(RETRY, step, (0, 0), now)
