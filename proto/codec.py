@@ -44,6 +44,8 @@ def message_limit(chunk_bytes: int) -> int:
 _HEADER, _PIECES = 1, 2
 _NAME, _DTYPE, _SHAPE, _OFFSET, _DATA = 1, 2, 3, 4, 5
 _VARINT, _LEN = 0, 2
+_MASK64 = (1 << 64) - 1
+_MAX_FIELD = 1 << 29
 
 
 class WireError(ValueError):
@@ -145,7 +147,7 @@ def _read_varint(buf: bytes, pos: int, end: int) -> Tuple[int, int]:
         pos += 1
         result |= (b & 0x7F) << shift
         if not b & 0x80:
-            return result, pos
+            return result & _MASK64, pos  # bits past 64 are dropped, as protobuf does
         shift += 7
         if shift >= 70:
             raise WireError("malformed varint")
@@ -154,13 +156,20 @@ def _read_varint(buf: bytes, pos: int, end: int) -> Tuple[int, int]:
 def _fields(buf: bytes, pos: int, end: int) -> Iterator[Tuple[int, int, int, int]]:
     """(field, wire type, value or start, end) for each field of buf[pos:end]."""
     while pos < end:
+        start = pos
         key, pos = _read_varint(buf, pos, end)
         field, wire = key >> 3, key & 7
+        # What protobuf refuses, refused too: a key of more than 5 bytes, field number 0 or >= 2**29.
+        if pos - start > 5 or not 0 < field < _MAX_FIELD:
+            raise WireError(f"malformed field key at byte {start}")
         if wire == _VARINT:
             value, pos = _read_varint(buf, pos, end)
             yield field, wire, value, pos
         elif wire == _LEN:
+            start = pos
             n, pos = _read_varint(buf, pos, end)
+            if pos - start > 5 or n >= 1 << 31:
+                raise WireError(f"malformed length of field {field} at byte {start}")
             if pos + n > end:
                 raise WireError("message truncated inside a length-delimited field")
             yield field, wire, pos, pos + n
@@ -213,7 +222,10 @@ def decode_chunk(buf: bytes, header_type: type) -> Tuple[Optional[Message], List
     for field, wire, a, b in _fields(buf, 0, len(buf)):
         if field == _HEADER and wire == _LEN:
             try:
-                header = header_type.FromString(bytes(view[a:b]))
+                # A message field that occurs more than once is merged, as protobuf does.
+                if header is None:
+                    header = header_type()
+                header.MergeFromString(bytes(view[a:b]))
             except DecodeError as e:
                 raise WireError(f"malformed {header_type.__name__}: {e}") from None
         elif field == _PIECES and wire == _LEN:
@@ -257,6 +269,10 @@ class TensorReader:
             self._open(piece)
         elif self._current is None:
             raise WireError("a tensor piece arrived before any tensor was opened")
+        elif piece.name and piece.name != self._current:
+            # Later pieces carry only bytes; one that names another tensor is not ours to guess.
+            raise WireError(f"a piece of tensor {piece.name!r} at byte {piece.offset}, but tensor "
+                            f"{self._current!r} is open (a tensor opens with its piece at byte 0)")
         name = self._current
         buf = self._buffers[name]
         filled = self._filled[name]

@@ -217,6 +217,8 @@ class PserverServicer:
         self._check_digest(request.layout_digest)
         self.engine.touch(request.trainer_id)
         names = list(request.names) or list(self.store.names())
+        if len(set(names)) != len(names):
+            raise ValueError("a pull names some blocks more than once")
         unknown = [n for n in names if self.store.expect(n) is None]
         if unknown:
             raise ValueError(f"unknown blocks {unknown[:5]}{'...' if len(unknown) > 5 else ''}")

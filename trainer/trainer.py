@@ -3,16 +3,16 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import defaultdict
 from concurrent import futures
 from typing import Callable, Dict, Iterable, Iterator, List, Optional, Tuple
 
 import torch
 from torch.utils.data import Dataset, DistributedSampler
 
-from transpiler import BlockSpec, TrainerProgram
+from transpiler import TrainerProgram
 from transpiler.tables import SPARSE_SEPARATOR
 
+from .blocks import LocalBlocks
 from .communicator import Communicator, PserverError
 from .embedding import DistributedEmbedding, Pieces, TableClient
 from .heartbeat import Heartbeat
@@ -21,11 +21,6 @@ from .recovery import RETRY, ROLLBACK, Resync, recoverable, resync
 Position = Tuple[int, int]
 
 log = logging.getLogger(__name__)
-
-
-def _rows(t: torch.Tensor) -> torch.Tensor:
-    """The tensor as a 2-D (dim-0 rows, rest) view; a scalar is one row."""
-    return t.reshape(t.shape[0] if t.dim() else 1, -1)
 
 
 class Trainer:
@@ -57,32 +52,17 @@ class Trainer:
         self.model = program.model
         self.trainer_id = program.trainer_id
         self.sync_mode = program.sync_mode
-        params = dict(self.model.named_parameters())
-        for spec in program.params:
-            p = params.get(spec.name)
-            if p is None:
-                raise ValueError(f"the model has no parameter {spec.name!r} named in the plan")
-            if list(p.shape) != list(spec.shape) or str(p.dtype).replace("torch.", "") != spec.dtype:
-                raise ValueError(f"parameter {spec.name!r} is {p.dtype} {list(p.shape)}, "
-                                 f"the plan says {spec.dtype} {spec.shape}")
-            if not p.is_contiguous():
-                p.data = p.data.contiguous()
-        self._params = {spec.name: params[spec.name] for spec in program.params}
-        self._blocks: Dict[str, List[BlockSpec]] = defaultdict(list)
-        for b in program.blocks:
-            self._blocks[b.endpoint].append(b)
-        self._block_by_name = {b.name: b for b in program.blocks}
+        self.blocks = LocalBlocks(program, self.model)
         # Every step pushes to each pserver that owns blocks or table shards,
         # even with nothing for it, so sync barriers count this trainer.
-        self._push_endpoints = list(program.pservers) if program.tables else list(self._blocks)
+        self._push_endpoints = list(program.pservers) if program.tables else list(self.blocks.by_endpoint)
         self._closed = False
-        # Async pipeline: the step being sent in the background, and where its
-        # pulled blocks land until the next step() installs them.
+        # Async pipeline: the step being sent in the background; its pulled
+        # blocks wait in self.blocks' staging buffers until the next step().
         self._pipelined = not self.sync_mode and program.config.async_pipeline
         self._sender = futures.ThreadPoolExecutor(1, thread_name_prefix="trainer-send") \
             if self._pipelined else None
         self._in_flight: Optional[futures.Future] = None
-        self._staging: Dict[str, torch.Tensor] = {}
         self.comm = Communicator(program, security)
         self.tables = TableClient(program.tables, program.pservers, self._fetch_rows,
                                   lambda: self.step_count if self.sync_mode else 0)
@@ -107,8 +87,8 @@ class Trainer:
         self._rewound = False
         self._heartbeat = Heartbeat(self.comm, program.pservers, program.config.heartbeat_interval).start()
         log.info("trainer %d: ready at step %d (data position epoch %d batch %d), %d blocks on %d "
-                 "pservers", self.trainer_id, self.step_count, *self.position, len(self._block_by_name),
-                 len(self._blocks))
+                 "pservers", self.trainer_id, self.step_count, *self.position, len(self.blocks.by_name),
+                 len(self.blocks.by_endpoint))
 
     def _install_tables(self) -> None:
         """Put a DistributedEmbedding in place of each distributed table's module."""
@@ -148,51 +128,14 @@ class Trainer:
 
     # -- block views --------------------------------------------------------
 
-    def _expect(self, name: str) -> Optional[Tuple[str, List[int]]]:
-        b = self._block_by_name.get(name)
-        return None if b is None else (b.dtype, b.shape)
-
-    def _param_view(self, b: BlockSpec) -> torch.Tensor:
-        return _rows(self._params[b.param].data)[b.row_start:b.row_end].view(b.shape)
-
-    def _grads_for(self, blocks: List[BlockSpec]) -> List[Tuple[str, torch.Tensor]]:
-        out, flat = [], {}
-        for b in blocks:
-            if b.param not in flat:
-                g = self._params[b.param].grad
-                if g is not None and g.is_sparse:
-                    g = g.to_dense()
-                flat[b.param] = None if g is None else _rows(g.contiguous())
-            g = flat[b.param]
-            if g is not None:
-                out.append((b.name, g[b.row_start:b.row_end].view(b.shape)))
-        return out
-
-    def _receive_blocks(self, transfer: Callable) -> int:
-        """Run ``transfer(dest)``, which lands blocks in ``dest(name)``, into the parameters."""
-        staged = {}
-
-        def dest(name: str) -> torch.Tensor:
-            view = self._param_view(self._block_by_name[name])
-            if view.device.type == "cpu":
-                return view
-            staged[name] = torch.empty(view.shape, dtype=view.dtype)  # CUDA params land here first
-            return staged[name]
-
-        version = transfer(dest)
-        with torch.no_grad():
-            for name, t in staged.items():
-                self._param_view(self._block_by_name[name]).copy_(t)
-        return version
-
     def _pull_from(self, endpoint: str, min_version: int) -> int:
-        names = [b.name for b in self._blocks[endpoint]]
-        return self._receive_blocks(
-            lambda dest: self.comm.pull(endpoint, names, min_version, self._expect, dest))
+        names = [b.name for b in self.blocks.by_endpoint[endpoint]]
+        return self.blocks.receive(
+            lambda dest: self.comm.pull(endpoint, names, min_version, self.blocks.expect, dest))
 
     def _pull_all(self, min_version: int) -> None:
         self.comm.run_parallel({ep: (lambda ep=ep: self._pull_from(ep, min_version))
-                                for ep in self._blocks})
+                                for ep in self.blocks.by_endpoint})
 
     # -- public -------------------------------------------------------------
 
@@ -208,15 +151,15 @@ class Trainer:
         step = self.step_count
         position = self._batch_position or (0, step + 1)
         sparse = self.tables.take_gradients() if self.program.tables else {}
-        grads = {ep: self._grads_for(self._blocks.get(ep, [])) + sparse.get(ep, [])
+        grads = {ep: self.blocks.grads(ep) + sparse.get(ep, [])
                  for ep in self._push_endpoints}
         resync = None
         if self._pipelined:
             self._finish_in_flight()
             self._in_flight = self._sender.submit(self._send, step, grads, position)
         else:
-            resync = self._push_pull_all(step, grads, position, lambda ep, g: self._receive_blocks(
-                lambda dest: self.comm.push_pull(ep, step, g, self._expect, dest, position)))
+            resync = self._push_pull_all(step, grads, position, lambda ep, g: self.blocks.receive(
+                lambda dest: self.comm.push_pull(ep, step, g, self.blocks.expect, dest, position)))
         # The pushed gradients stay referenced until sent; the next backward makes new ones.
         self.model.zero_grad(set_to_none=True)
         if resync is None:
@@ -262,15 +205,9 @@ class Trainer:
 
     def _send(self, step: int, grads: Dict[str, list], position: Position) -> None:
         """Push-pull ``step`` on every pserver; pulled blocks land in the staging buffers."""
-        def stage(name: str) -> torch.Tensor:
-            buf = self._staging.get(name)
-            if buf is None:
-                b = self._block_by_name[name]
-                buf = self._staging[name] = torch.empty(b.shape, dtype=getattr(torch, b.dtype))
-            return buf
         # Async only: recovery retries, never rolls back (see trainer.recovery).
         self._push_pull_all(step, grads, position, lambda ep, g: self.comm.push_pull(
-            ep, step, g, self._expect, stage, position))
+            ep, step, g, self.blocks.expect, self.blocks.stage, position))
         self.position = position
 
     def _finish_in_flight(self) -> None:
@@ -279,9 +216,7 @@ class Trainer:
             return
         sent, self._in_flight = self._in_flight, None
         sent.result()  # re-raises the push's PserverError here, on the caller's thread
-        with torch.no_grad():
-            for name, t in self._staging.items():
-                self._param_view(self._block_by_name[name]).copy_(t)
+        self.blocks.install_staged()
 
     def pull(self) -> None:
         """Refresh the local parameters from the pservers now (async: latest; sync: current step)."""

@@ -1,0 +1,98 @@
+"""LocalBlocks: the trainer's model parameters seen as the plan's row blocks."""
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
+from torch import nn
+
+from transpiler import BlockSpec, TrainerProgram
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """The tensor as a 2-D (dim-0 rows, rest) view; a scalar is one row."""
+    return t.reshape(t.shape[0] if t.dim() else 1, -1)
+
+
+class LocalBlocks:
+    """Views of ``model``'s parameters as the blocks of ``program``, for pushing and pulling.
+
+    Checks on construction that the model has every planned parameter with
+    the planned shape and dtype. Gradients are read as block views without
+    copies; pulled blocks land straight in the parameters (CPU) or in a
+    staging tensor first (CUDA).
+    """
+
+    def __init__(self, program: TrainerProgram, model: nn.Module):
+        params = dict(model.named_parameters())
+        for spec in program.params:
+            p = params.get(spec.name)
+            if p is None:
+                raise ValueError(f"the model has no parameter {spec.name!r} named in the plan")
+            if list(p.shape) != list(spec.shape) or str(p.dtype).replace("torch.", "") != spec.dtype:
+                raise ValueError(f"parameter {spec.name!r} is {p.dtype} {list(p.shape)}, "
+                                 f"the plan says {spec.dtype} {spec.shape}")
+            if not p.is_contiguous():
+                p.data = p.data.contiguous()
+        self._params = {spec.name: params[spec.name] for spec in program.params}
+        self.by_endpoint: Dict[str, List[BlockSpec]] = defaultdict(list)
+        for b in program.blocks:
+            self.by_endpoint[b.endpoint].append(b)
+        self.by_name = {b.name: b for b in program.blocks}
+        # Async pipeline: where blocks pulled in the background wait for install_staged().
+        self._staging: Dict[str, torch.Tensor] = {}
+
+    def expect(self, name: str) -> Optional[Tuple[str, List[int]]]:
+        """(dtype, shape) of block ``name``, None if the plan has no such block."""
+        b = self.by_name.get(name)
+        return None if b is None else (b.dtype, b.shape)
+
+    def view(self, b: BlockSpec) -> torch.Tensor:
+        """The rows of block ``b`` in its parameter, shaped as the block."""
+        return _rows(self._params[b.param].data)[b.row_start:b.row_end].view(b.shape)
+
+    def grads(self, endpoint: str) -> List[Tuple[str, torch.Tensor]]:
+        """(block name, gradient rows) of ``endpoint``'s blocks whose parameter has a gradient."""
+        out, flat = [], {}
+        for b in self.by_endpoint.get(endpoint, []):
+            if b.param not in flat:
+                g = self._params[b.param].grad
+                if g is not None and g.is_sparse:
+                    g = g.to_dense()
+                flat[b.param] = None if g is None else _rows(g.contiguous())
+            g = flat[b.param]
+            if g is not None:
+                out.append((b.name, g[b.row_start:b.row_end].view(b.shape)))
+        return out
+
+    def receive(self, transfer: Callable[[Callable[[str], torch.Tensor]], int]) -> int:
+        """Run ``transfer(dest)``, which lands blocks in ``dest(name)``, into the parameters."""
+        staged = {}
+
+        def dest(name: str) -> torch.Tensor:
+            view = self.view(self.by_name[name])
+            if view.device.type == "cpu":
+                return view
+            staged[name] = torch.empty(view.shape, dtype=view.dtype)  # CUDA params land here first
+            return staged[name]
+
+        version = transfer(dest)
+        with torch.no_grad():
+            for name, t in staged.items():
+                self.view(self.by_name[name]).copy_(t)
+        return version
+
+    def stage(self, name: str) -> torch.Tensor:
+        """A staging buffer for block ``name`` (pulled in the background, installed later)."""
+        buf = self._staging.get(name)
+        if buf is None:
+            b = self.by_name[name]
+            buf = self._staging[name] = torch.empty(b.shape, dtype=getattr(torch, b.dtype))
+        return buf
+
+    def install_staged(self) -> None:
+        """Copy the staged blocks into the parameters."""
+        with torch.no_grad():
+            for name, t in self._staging.items():
+                self.view(self.by_name[name]).copy_(t)
