@@ -80,6 +80,8 @@ def parse_args(argv=None):
     p.add_argument("--no_slice", dest="slice_var_up", action="store_false",
                    help="one block per parameter")
     p.add_argument("--save", default="mlp_state_dict.pt", help="where trainer 0 saves the model")
+    p.add_argument("--checkpoint_dir", help="pservers checkpoint here and resume from it after a restart")
+    p.add_argument("--checkpoint_every", type=int, default=50, help="steps between checkpoints")
     return p.parse_args(argv)
 
 
@@ -113,7 +115,9 @@ def main(argv=None) -> int:
         log.info("local run: test accuracy %.4f", acc)
         return 0 if acc >= TARGET_ACCURACY else 1
 
-    config = DistributeTranspilerConfig(slice_var_up=args.slice_var_up, split_method=args.split_method)
+    config = DistributeTranspilerConfig(slice_var_up=args.slice_var_up, split_method=args.split_method,
+                                        checkpoint_dir=args.checkpoint_dir,
+                                        checkpoint_every=args.checkpoint_every if args.checkpoint_dir else 0)
     t = DistributeTranspiler(config)
     t.transpile(env.trainer_id, program=build_program(args.optimizer, args.lr),
                 pservers=env.pserver_list, trainers=env.trainers, sync_mode=args.sync_mode)
@@ -128,19 +132,20 @@ def main(argv=None) -> int:
     from trainer import Trainer
 
     with Trainer(t.get_trainer_program()) as tr:
-        sampler = tr.sampler(train, shuffle=True, seed=0)
-        loader = DataLoader(train, batch_size=args.batch_size, sampler=sampler)
-        for epoch in range(args.epochs):
-            sampler.set_epoch(epoch)
-            tr.model.train()
-            total, batches = 0.0, 0
-            for x, y in loader:
-                loss = nn.functional.cross_entropy(tr.model(x), y)
-                loss.backward()
-                tr.step()
-                total += loss.item()
-                batches += 1
-            log.info("trainer %d epoch %d: mean loss %.4f", env.trainer_id, epoch, total / batches)
+        loader = DataLoader(train, batch_size=args.batch_size, sampler=tr.sampler(train, shuffle=True, seed=0))
+        tr.model.train()
+        total, batches = 0.0, 0
+        # batches() starts at this trainer's data position (epoch 0 unless the job resumes from a
+        # checkpoint) and replays the batches since a checkpoint the pservers rolled back to.
+        for x, y in tr.batches(loader, args.epochs):
+            loss = nn.functional.cross_entropy(tr.model(x), y)
+            loss.backward()
+            tr.step()
+            total, batches = total + loss.item(), batches + 1
+            epoch, done = tr.position
+            if done == len(loader):
+                log.info("trainer %d epoch %d: mean loss %.4f", env.trainer_id, epoch, total / batches)
+                total, batches = 0.0, 0
         state = tr.state_dict()
     acc = accuracy(tr.model, test)
     log.info("trainer %d: test accuracy %.4f (%s mode, target %.2f)", env.trainer_id, acc,

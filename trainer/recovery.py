@@ -9,6 +9,7 @@ then waits for every pserver (``hello``, with gRPC's reconnect backoff, up to
   step)), or, when the others went on without this trainer, skip to their step;
 - async, somebody restarted: retry; the restarted pserver lost its updates
   since its checkpoint, nothing else is rolled back;
+- somebody restarted without a checkpoint: fail (its parameters are gone);
 - sync, somebody restarted: every other pserver rolls back to the restarted
   ones' checkpoint (``Restore``, once per restart: the token names it), and
   the trainer resumes at that step and that data position.
@@ -63,12 +64,12 @@ def resync(comm: Communicator, failure: PserverError, sync_mode: bool, incarnati
     for ep in restarted:
         log.warning("trainer %d: pserver %s restarted (from the checkpoint at step %d)", comm.trainer_id,
                     ep, replies[ep].checkpoint_version)
+    lost = [ep for ep in restarted if replies[ep].checkpoint_version < 0]
+    if lost:
+        raise PserverError(", ".join(lost), "restarted without a checkpoint, so the parameters it held "
+                           "are lost; set checkpoint_dir to survive pserver restarts",
+                           grpc.StatusCode.FAILED_PRECONDITION)
     if restarted and sync_mode:
-        lost = [ep for ep in restarted if replies[ep].checkpoint_version < 0]
-        if lost:
-            raise PserverError(", ".join(lost), "restarted without a checkpoint, so its parameters are "
-                               "lost and sync training cannot go on consistently; set checkpoint_dir",
-                               grpc.StatusCode.FAILED_PRECONDITION)
         target = min(replies[ep].checkpoint_version for ep in restarted)
         token = ",".join(f"{ep}#{now[ep]}" for ep in restarted)
         others = [ep for ep in replies if ep not in restarted or replies[ep].checkpoint_version != target]
