@@ -1,0 +1,386 @@
+"""Fuzzing every RPC of a pserver: bad bytes get a clear status, and change nothing.
+
+A sync pserver (2 trainers, ``barrier_timeout`` 2 s) holds dense blocks and a shard of two
+distributed tables. Every method of the ParameterServer service, enumerated from the proto
+descriptor so that methods added later are covered too, gets a seeded, deterministic series
+of requests over a raw channel (bytes in, bytes out):
+
+- empty bytes, random bytes (0..4096), protobuf-shaped garbage, random tensor pieces;
+- byte-level mutations of a VALID base request (bit flips, byte replacement, truncation,
+  insertion, deletion, splices with another method's base);
+- wire-level mutations (overlong varints, declared lengths too long or short, huge lengths,
+  wrong wire types and field numbers, duplicated, dropped or unknown fields);
+- typed mutations (trainer ids out of range, steps from the future or the past, extreme
+  versions, huge or negative shapes, offsets, wrong dtypes, unknown names, short or long
+  data, NaN/Inf);
+- hand-made bad requests that MUST be refused (``Case.refuse``), many of them for the
+  current step, so that accepting one would show up as a state change;
+- for client streams: garbage after a valid header, duplicated headers, pieces before the
+  header, out of order, overlapping or missing, streams cut short.
+
+Every answer must be OK or a refusal with a message: never UNKNOWN or INTERNAL (gRPC's answer
+to an unhandled exception: a stack trace instead of a clear message), never a client-side
+deadline (a hang; the pserver's own DEADLINE_EXCEEDED naming the trainers a barrier waits
+for is a refusal), never UNIMPLEMENTED. After each request the pserver's state is checked
+(version, pending pushes, closed trainers, table rows, block bytes); at the end it must still
+answer Stats, Hello and Pull with bit-identical blocks, have logged no traceback, and run a
+real sync step of two trainers.
+
+The bases (``fuzz_cases.base_requests``) are requests the pserver must refuse or that cannot
+change state even when valid, e.g. pushes for step 5 while the pserver is at step 0. The rare
+mutation that turns into a request that may legitimately change state (a push for the
+current step, a Close of a live trainer, ...) is skipped (``fuzz_cases.legit_change``).
+A failure names the method, the case (seed, number, description) and the input in hex.
+``PS_FUZZ_SCALE=10 PS_FUZZ_SEED=7 pytest tests/test_fuzz.py`` runs a deeper, different series.
+
+The cases come from fuzz_cases (the setup, the bases and the generated series), fuzz_crafted
+(the hand-made ones) and fuzz_wire (protobuf wire-level mutations); this module runs the
+pserver, sends them and judges the answers and the state.
+
+test_codec_decodes_like_protobuf also decodes every fuzzed chunk message with psproto.codec
+and with the generated protobuf classes: the hand-written decoder must not accept what
+protobuf refuses, nor read anything differently.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import random
+import time
+from collections import Counter
+from typing import Dict, List, Optional, Tuple
+
+import grpc
+import numpy as np
+import pytest
+import torch
+from google.protobuf.message_factory import GetMessageClass
+from torch import nn
+
+from cluster import LocalCluster
+from fuzz_cases import (BAG_LEN, METHODS, SERVICE, SLOTS, TRAINERS, WRONG_DIGEST, Case, Env, base_requests,
+                        build, generate_cases, legit_change, table_grads)
+from fuzz_crafted import crafted_cases
+from psproto import ps_pb2
+from psproto.codec import WIRE_DTYPES, TensorReader, WireError, as_bytes, decode_chunk
+from transpiler import DistributeTranspilerConfig
+from transpiler.tables import shard_of
+
+# PS_FUZZ_SEED: another seed, for a different series (PS_FUZZ_SCALE, in fuzz_cases: a longer one).
+SEED = int(os.environ.get("PS_FUZZ_SEED", "20240611"))
+BARRIER_TIMEOUT = 2.0
+CALL_TIMEOUT = 4.0        # per call; longer than the barrier, so a barrier refusal is not a hang
+
+# Bugs this fuzzer found outside psproto/codec.py, still open: (method, case description,
+# what goes wrong). The cases stay in the fuzzing and FAIL until fixed (no skip, no xfail);
+# this list only annotates their failures and drives test_known_gaps, a one-case repro each.
+# (Found and fixed in psproto/codec.py: a later piece naming another tensor was read into the
+# open one; a header split over two fields was not merged; keys and lengths protobuf refuses
+# were accepted, varints past 64 bits not truncated.)
+KNOWN_GAPS: List[Tuple[str, str, str]] = []
+
+
+# -- the cluster and raw calls ---------------------------------------------------------
+
+def path_of(name: str) -> str:
+    return f"/{SERVICE.full_name}/{name}"
+
+
+def invoke(channel: grpc.Channel, method, messages: List[bytes]):
+    """Call ``method`` with raw ``messages``; (status code, details, raw replies)."""
+    kinds = {(False, False): channel.unary_unary, (False, True): channel.unary_stream,
+             (True, False): channel.stream_unary, (True, True): channel.stream_stream}
+    call = kinds[method.client_streaming, method.server_streaming](path_of(method.name))
+    request = iter(list(messages)) if method.client_streaming else messages[0]
+    try:
+        if method.server_streaming:
+            replies = list(call(request, timeout=CALL_TIMEOUT))
+        else:
+            replies = [call(request, timeout=CALL_TIMEOUT)]
+    except grpc.RpcError as e:
+        return e.code(), e.details() or "", []
+    return grpc.StatusCode.OK, "", replies
+
+
+def pull_blocks(env: Env) -> Tuple[int, Dict[str, bytes]]:
+    """(version, {block: raw bytes}) of this pserver's blocks, by a valid Pull."""
+    request = ps_pb2.PullRequest(trainer_id=0, min_version=0, names=sorted(env.blocks),
+                                 layout_digest=env.digest).SerializeToString()
+    reader, version = TensorReader(lambda n: env.blocks.get(n)), None
+    for data in env.channel.unary_stream(path_of("Pull"))(request, timeout=CALL_TIMEOUT):
+        header, pieces = decode_chunk(data, ps_pb2.PullHeader)
+        if header is not None:
+            version = header.version
+        for piece in pieces:
+            reader.add(piece)
+    return version, {n: as_bytes(t).tobytes() for n, t in reader.finish().items()}
+
+
+def stats(env: Env) -> ps_pb2.StatsReply:
+    raw = env.channel.unary_unary(path_of("Stats"))(b"", timeout=CALL_TIMEOUT)
+    return ps_pb2.StatsReply.FromString(raw)
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("fuzz")
+    # A checkpoint directory (empty: nothing to resume) makes Restore and Checkpoint reach the engine.
+    # A long heartbeat_timeout: a trainer a fuzzed Hello joined is not dropped during a long run.
+    config = DistributeTranspilerConfig(barrier_timeout=BARRIER_TIMEOUT, checkpoint_dir=str(tmp / "checkpoints"),
+                                        heartbeat_timeout=3600.0)
+    with LocalCluster(build, 2, TRAINERS, config=config) as cluster:
+        with grpc.insecure_channel(cluster.endpoints[0]) as channel:
+            yield make_env(cluster, channel, tmp)
+
+
+def make_env(cluster, channel, tmp) -> Env:
+    server, other = cluster.servers
+    program = server.program
+    store = server.engine.store
+    candidates = np.random.default_rng(SEED).integers(-2**62, 2**62, size=400, dtype=np.int64)
+    owner = shard_of(candidates, len(program.pservers))
+    e = Env(cluster=cluster, channel=channel, tmp=tmp, digest=program.layout_digest,
+            blocks={n: store.expect(n) for n in store.names()},
+            other_blocks=sorted(other.engine.store.names()),
+            tables={t.name: t.dim for t in program.tables},
+            own_ids=candidates[owner == program.shard], foreign_ids=candidates[owner != program.shard])
+    assert WRONG_DIGEST != e.digest and len(e.own_ids) >= 100 and len(e.foreign_ids) >= 20
+    e.grads = [(n, torch.full(shape, 0.01, dtype=WIRE_DTYPES[dtype])) for n, (dtype, shape) in e.blocks.items()]
+    e.grads += table_grads(e, "emb", e.own_ids[:20]) + table_grads(e, "bag", e.own_ids[20:35])
+    # Repeats allowed in a prefetch: the rows come back in request order.
+    e.prefetch_ids = [("emb@ids", torch.from_numpy(np.concatenate([e.own_ids[:60], e.own_ids[:5]]))),
+                      ("bag@ids", torch.from_numpy(e.own_ids[60:100].copy()))]
+    e.bases = base_requests(e)
+    e.crafted = crafted_cases(e)
+    version, e.before = pull_blocks(e)
+    assert version == 0
+    return e
+
+
+
+# -- judging --------------------------------------------------------------------------------
+
+BAD_CODES = {
+    grpc.StatusCode.UNKNOWN: "UNKNOWN: an unhandled exception in the handler (a stack trace, not a clear refusal)",
+    grpc.StatusCode.INTERNAL: "INTERNAL: the server failed internally",
+    grpc.StatusCode.UNAVAILABLE: "UNAVAILABLE: the pserver stopped answering",
+    grpc.StatusCode.CANCELLED: "CANCELLED",
+    grpc.StatusCode.DATA_LOSS: "DATA_LOSS",
+    grpc.StatusCode.UNIMPLEMENTED: "UNIMPLEMENTED: the method is not registered",
+}
+
+
+def judge(method, case: Case, code, details: str, replies: List[bytes]) -> Optional[str]:
+    """What is wrong with an answer, or None."""
+    if code == grpc.StatusCode.OK:
+        if case.refuse:
+            return "accepted, but this request must be refused"
+        try:
+            if method.server_streaming:
+                headers = [decode_chunk(r, ps_pb2.PullHeader)[0] for r in replies]
+                if not headers or headers[0] is None:
+                    return "OK, but the answer stream does not open with a header"
+            else:
+                GetMessageClass(method.output_type).FromString(replies[0])
+        except Exception as ex:  # noqa: BLE001
+            return f"OK, but the answer does not decode: {ex!r}"
+        return None
+    if code in BAD_CODES:
+        return BAD_CODES[code]
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED and not details.startswith("pserver "):
+        return f"no answer within {CALL_TIMEOUT}s (a hang)"
+    if not details.strip():
+        return f"{code.name} without details"
+    return None
+
+
+def state_change(e: Env) -> Optional[str]:
+    """What changed in the pserver since fuzzing began, or None."""
+    engine = e.server.engine
+    found = []
+    if engine.version != 0:
+        found.append(f"version {engine.version}")
+    # Joining (Hello) and signs of life (last_seen) are no change; anything else counted is.
+    roster = getattr(engine, "roster", engine)
+    for owner, attrs in ((engine, ("pending", "touched", "sparse_parts", "pending_positions")),
+                         (roster, ("closed", "dropped", "last_step", "positions"))):
+        for attr in attrs:
+            value = getattr(owner, attr, None)
+            if value:
+                found.append(f"{attr} = {sorted(value) if not isinstance(value, dict) else value}")
+    if getattr(engine, "restored_from", -1) != -1 or getattr(engine, "_rollbacks", 0):
+        found.append("rolled back to a checkpoint")
+    if engine.tables.rows:
+        found.append(f"{engine.tables.rows} table rows stored")
+    for name, block in engine.store.blocks.items():
+        if as_bytes(block).tobytes() != e.before[name]:
+            found.append(f"block {name} changed")
+    return "; ".join(found) or None
+
+
+def show(messages: List[bytes], nbytes: int = 40, limit: int = 2) -> str:
+    if not messages:
+        return "(no messages)"
+    parts = [f"msg{i} [{len(m)} B] {m[:nbytes].hex()}{'...' if len(m) > nbytes else ''}"
+             for i, m in enumerate(messages[:limit])]
+    if len(messages) > limit:
+        parts.append(f"+{len(messages) - limit} more messages")
+    return " | ".join(parts)
+
+
+def tracebacks(caplog) -> List[str]:
+    """Log records of unhandled exceptions: gRPC's 'Exception calling application', pserver errors."""
+    out = []
+    for r in caplog.records:
+        if (r.name.startswith("grpc") and r.levelno >= logging.ERROR) or (
+                r.name.startswith("pserver") and r.levelno >= logging.ERROR and r.exc_info):
+            out.append(f"log {r.name} {r.levelname}: {r.getMessage()[:300]}"
+                       + (f" ({r.exc_info[0].__name__}: {r.exc_info[1]})" if r.exc_info else ""))
+    return out
+
+
+def known_gap(name: str, desc: str) -> Optional[str]:
+    for method, case, note in KNOWN_GAPS:
+        if method == name and case in desc:
+            return note
+    return None
+
+
+# -- tests ------------------------------------------------------------------------------------
+
+def test_every_method_has_a_base_request(env):
+    missing = [name for name in METHODS if name not in env.bases]
+    assert not missing, (f"RPCs without a base request in tests/fuzz_cases.py: {missing}; add a valid request "
+                         f"for each to base_requests() (one the pserver must refuse, or that cannot change "
+                         f"its state) so that it gets fuzzed")
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("name", list(METHODS))
+def test_fuzz_rpc(env, name, caplog):
+    if name not in env.bases:
+        pytest.fail(f"RPC {name} has no base request: add one to base_requests() in tests/fuzz_cases.py "
+                    f"(a valid request the pserver must refuse, or that cannot change its state)")
+    method = METHODS[name]
+    problem = state_change(env)
+    assert problem is None, f"the pserver's state changed before fuzzing {name} (by an earlier test): {problem}"
+    cases = generate_cases(env, name, random.Random(f"{SEED}:{name}"))
+    failures, codes, skipped = [], Counter(), []
+    start = time.monotonic()
+    for number, case in enumerate(cases):
+        why = legit_change(env, name, case.messages)
+        if why is not None and not case.refuse:
+            skipped.append(f"#{number} {case.desc}: {why}")
+            continue
+        code, details, replies = invoke(env.channel, method, case.messages)
+        codes[code.name] += 1
+        label = f"{name} case #{number} (seed {SEED}) {case.desc}"
+        wrong = judge(method, case, code, details, replies)
+        if wrong is not None:
+            note = known_gap(name, case.desc)
+            failures.append(f"{label}: {wrong}; status {code.name} {details[:300]!r}; input {show(case.messages)}"
+                            + (f" [KNOWN GAP: {note}]" if note else ""))
+        changed = state_change(env)
+        if changed is not None:
+            failures.append(f"{label} CHANGED THE PSERVER'S STATE: {changed}; status {code.name} "
+                            f"{details[:200]!r}; input {show(case.messages)}")
+            break  # later cases would only report the same change
+    elapsed = time.monotonic() - start
+    failures += tracebacks(caplog)
+    summary = (f"{name}: {len(cases)} cases, {len(skipped)} skipped as legitimately state-changing, "
+               f"{elapsed:.1f}s, answers {dict(codes)}")
+    logging.getLogger(__name__).info(summary)
+    if failures:
+        pytest.fail(f"{summary}\n{len(failures)} failures:\n" + "\n".join(failures[:60])
+                    + (f"\n... {len(failures) - 60} more" if len(failures) > 60 else ""), pytrace=False)
+
+
+def test_known_gaps(env, caplog):
+    """One repro per open bug of KNOWN_GAPS: fails until each is fixed."""
+    failures = []
+    for name, desc, note in KNOWN_GAPS:
+        cases = [c for c in generate_cases(env, name, random.Random(f"{SEED}:{name}")) if desc in c.desc]
+        if not cases:
+            failures.append(f"no case {desc!r} for {name} any more: update KNOWN_GAPS")
+            continue
+        code, details, replies = invoke(env.channel, METHODS[name], cases[0].messages)
+        wrong = judge(METHODS[name], cases[0], code, details, replies)
+        if wrong is not None:
+            failures.append(f"{name} {cases[0].desc}: {wrong}; {code.name} {details[:300]!r} [{note}]")
+        changed = state_change(env)
+        if changed is not None:
+            failures.append(f"{name} {cases[0].desc} changed the pserver's state: {changed} [{note}]")
+    failures += tracebacks(caplog)
+    assert not failures, "\n".join(failures)
+
+
+@pytest.mark.timeout(120)
+def test_after_fuzzing_the_pserver_is_unchanged_and_trains(env, caplog):
+    """Runs after the fuzzing (module order): same state, still serving, a real sync step works."""
+    reply = stats(env)
+    assert reply.version == 0 and reply.table_rows == 0, reply
+    hello = ps_pb2.HelloReply.FromString(env.channel.unary_unary(path_of("Hello"))(
+        ps_pb2.HelloRequest(trainer_id=0, layout_digest=env.digest).SerializeToString(), timeout=CALL_TIMEOUT))
+    assert hello.version == 0 and hello.sync_mode and hello.trainers == TRAINERS
+    version, blocks = pull_blocks(env)
+    assert version == 0
+    assert blocks.keys() == env.before.keys()
+    changed = [n for n in blocks if blocks[n] != env.before[n]]
+    assert not changed, f"blocks changed by the fuzzing: {changed}"
+    assert state_change(env) is None, state_change(env)
+
+    rng = np.random.default_rng(1)
+
+    def body(tr, i):
+        n = 4
+        ids = torch.from_numpy(rng.choice(env.own_ids, size=(n, SLOTS)))
+        bag = torch.from_numpy(rng.choice(env.foreign_ids, size=(n, BAG_LEN)))
+        y = torch.from_numpy(np.arange(n) % 2)
+        loss = nn.functional.cross_entropy(tr.model(ids, bag), y)
+        loss.backward()
+        tr.step()
+        return loss.item()
+
+    losses = env.cluster.run_trainers(body, timeout=60)
+    assert sorted(losses) == [0, 1] and all(np.isfinite(list(losses.values())))
+    for server in env.cluster.servers:
+        assert server.engine.version == 1, server.endpoint
+    assert stats(env).table_rows > 0
+    moved = {n: b.detach().clone() for n, b in env.server.engine.store.blocks.items()}
+    assert any(as_bytes(moved[n]).tobytes() != env.before[n] for n in moved), "the sync step changed nothing"
+    assert not tracebacks(caplog), tracebacks(caplog)
+
+
+def test_codec_decodes_like_protobuf(env):
+    """psproto.codec's hand-written decoder against the generated classes, on every fuzzed message."""
+    differences = []
+    for name, method in METHODS.items():
+        cls = GetMessageClass(method.input_type)
+        if "pieces" not in cls.DESCRIPTOR.fields_by_name or name not in env.bases:
+            continue
+        header_cls = GetMessageClass(cls.DESCRIPTOR.fields_by_name["header"].message_type)
+        for number, case in enumerate(generate_cases(env, name, random.Random(f"{SEED}:{name}"))):
+            for data in case.messages:
+                try:
+                    reference = cls.FromString(data)
+                except Exception:  # noqa: BLE001
+                    reference = None
+                try:
+                    header, pieces = decode_chunk(data, header_cls)
+                except WireError:
+                    header = pieces = None
+                if reference is None and pieces is None:
+                    continue
+                label = f"{name} case #{number} {case.desc}: {show([data])}"
+                if reference is None:
+                    differences.append(f"{label}: protobuf refuses it, the codec decodes it")
+                    continue
+                if pieces is None:
+                    continue  # stricter than protobuf (e.g. groups): refused with a clear message
+                want = [(p.name, p.dtype, tuple(p.shape), p.offset, p.data) for p in reference.pieces]
+                got = [(p.name, p.dtype, tuple(p.shape), p.offset, bytes(p.data)) for p in pieces]
+                want_header = reference.header if reference.HasField("header") else None
+                if header != want_header or got != want:
+                    differences.append(f"{label}: decoded differently (header {header} vs {want_header}; "
+                                       f"pieces equal: {got == want})")
+    assert not differences, f"{len(differences)} differences:\n" + "\n".join(differences[:30])
