@@ -1,9 +1,11 @@
 """Update engines: when a pushed gradient is applied, and who waits for whom.
 
-- :class:`SyncEngine`: step *s* is applied once every live trainer's gradient
-  for *s* has arrived, with the mean over the trainers that pushed it.
-- :class:`AsyncEngine`: each gradient is applied on arrival; with
-  ``max_staleness`` a trainer too far ahead of the slowest one waits.
+- :class:`~pserver.sync_engine.SyncEngine`: step *s* is applied once every live
+  trainer's gradient for *s* has arrived, with the mean over the trainers that pushed it.
+- :class:`~pserver.async_engine.AsyncEngine`: each gradient is applied on arrival;
+  with ``max_staleness`` a trainer too far ahead of the slowest one waits.
+
+This module holds what both share (:class:`Engine`).
 
 Both keep trainer bookkeeping (joined, closed, last counted step) and make a
 retried push for an already counted (trainer, step) a no-op. A push carries
@@ -25,7 +27,7 @@ import torch
 from .checkpointer import Checkpointer
 from .roster import Position, Roster
 from .store import BlockStore
-from .table_set import SparseGrad, TableSet
+from .table_set import TableSet
 
 log = logging.getLogger(__name__)
 
@@ -82,16 +84,23 @@ class Engine:
             how = self.roster.join(trainer_id)
             if how == "rejoined":
                 self.all_closed.clear()
+            start = self._start_step(trainer_id, how)
             if how:
-                log.info("%s: trainer %d %s at step %d", self.endpoint, trainer_id, how, self.version)
-            start = self.version if self.sync_mode else self.last_step.get(trainer_id, -1) + 1
+                log.info("%s: trainer %d %s at step %d", self.endpoint, trainer_id, how, start)
             return start, self.roster.positions.get(trainer_id, (0, 0))
 
+    def _start_step(self, trainer_id: int, how: str) -> int:
+        return self.last_step.get(trainer_id, -1) + 1
+
     def touch(self, trainer_id: int) -> int:
-        """A heartbeat (or any call) from ``trainer_id``; returns the version."""
-        with self.cv:
-            self.roster.touch(trainer_id)
-            return self.version
+        """A heartbeat (or any call) from ``trainer_id``; returns the version.
+
+        Without the lock (one dict store and one int read, atomic in CPython):
+        heartbeats must land while a long update or checkpoint holds it, or
+        the watchdog would drop every trainer right after.
+        """
+        self.roster.touch(trainer_id)
+        return self.version
 
     def close(self, trainer_id: int) -> int:
         """Mark ``trainer_id`` done; barriers stop waiting for it. Returns trainers left."""
@@ -253,141 +262,3 @@ class Engine:
 
     def _on_close(self) -> None:
         pass
-
-
-class SyncEngine(Engine):
-    """Applies step s once all live trainers pushed it, with their mean gradient."""
-
-    sync_mode = True
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.pending: set = set()
-        # Per-block sums, allocated once and reused every step; `touched`
-        # holds the blocks some trainer pushed in the current step.
-        self.grad_sum: Dict[str, torch.Tensor] = {}
-        self.touched: set = set()
-        # Per table, the (ids, rows) each trainer pushed in the current step.
-        self.sparse_parts: Dict[str, List[SparseGrad]] = {}
-        # Data positions pushed with the current step: they count once it is applied.
-        self.pending_positions: Dict[int, Position] = {}
-
-    def _clear_pending(self) -> None:
-        self.pending = set()
-        self.touched = set()
-        self.sparse_parts = {}
-        self.pending_positions = {}
-
-    def push(self, trainer_id: int, step: int, grads: Dict[str, torch.Tensor],
-             sparse: Optional[Mapping[str, SparseGrad]] = None,
-             position: Position = (0, 0)) -> Tuple[bool, int]:
-        """Count ``grads`` and ``sparse`` for ``step``; returns (counted, version). Applies when complete.
-
-        ``grads`` are copied into the step's sums: the caller keeps its
-        buffers. ``sparse`` ({table: (ids, rows)}) is kept until the step is
-        applied: the caller must not reuse it.
-        """
-        with self.cv:
-            self._check_pusher(trainer_id)
-            if step == self.version and trainer_id in self.pending:
-                return False, self.version
-            if step < self.version:
-                if self.last_step.get(trainer_id, -1) >= step:
-                    return False, self.version  # a retry of a push already applied
-                raise EngineError(grpc.StatusCode.FAILED_PRECONDITION,
-                                  f"pserver {self.endpoint}: trainer {trainer_id} pushed stale step "
-                                  f"{step}; the pserver is at step {self.version}")
-            if step > self.version:
-                raise self._ahead(trainer_id, "pushed step", step)
-            for name, g in grads.items():
-                if name in self.touched:
-                    self.grad_sum[name].add_(g)
-                else:
-                    acc = self.grad_sum.get(name)
-                    if acc is None:
-                        acc = self.grad_sum[name] = torch.empty_like(g)
-                    acc.copy_(g)
-                    self.touched.add(name)
-            for name, part in (sparse or {}).items():
-                self.sparse_parts.setdefault(name, []).append(part)
-            self.pending.add(trainer_id)
-            self.pending_positions[trainer_id] = position
-            self.last_step[trainer_id] = step
-            self._apply_if_complete()
-            return True, self.version
-
-    def _apply_if_complete(self) -> None:
-        if not self.pending or not self.pending >= self.live():
-            return
-        n = len(self.pending)
-        mean = {name: self.grad_sum[name].div_(n) for name in self.touched}
-        self.store.apply(mean, self.version)
-        self.tables.apply_mean(self.sparse_parts, n, self.version)
-        log.debug("%s: applied step %d from trainers %s", self.endpoint, self.version, sorted(self.pending))
-        self.version += 1
-        self.roster.positions.update(self.pending_positions)
-        self._clear_pending()
-        self._checkpoint_if_due()
-        self.cv.notify_all()
-
-    def _on_close(self) -> None:
-        self._apply_if_complete()
-
-    def wait_version(self, trainer_id: int, min_version: int) -> None:
-        """Block until step ``min_version - 1`` is applied, within the barrier deadline."""
-        with self.cv:
-            if min_version > self.version + 1:
-                raise self._ahead(trainer_id, "waits for version", min_version)
-            self._wait(lambda: self.version >= min_version, f"step {self.version}",
-                       lambda: sorted(self.live() - self.pending))
-
-    def _reads_need_copy(self) -> bool:
-        # Between two sync steps nothing writes the blocks: the next update
-        # needs this very trainer's next push, which follows its pull.
-        return False
-
-
-class AsyncEngine(Engine):
-    """Applies every push on arrival, optionally bounding staleness."""
-
-    def __init__(self, *args, max_staleness=None, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.max_staleness = max_staleness
-
-    def _slowest(self, trainer_id: int) -> Tuple[int, List[int]]:
-        others = self.live() - {trainer_id}
-        if not others:
-            return None, []
-        progress = {t: self.last_step.get(t, -1) + 1 for t in others}
-        low = min(progress.values())
-        return low, sorted(t for t, p in progress.items() if p == low)
-
-    def push(self, trainer_id: int, step: int, grads: Dict[str, torch.Tensor],
-             sparse: Optional[Mapping[str, SparseGrad]] = None,
-             position: Position = (0, 0)) -> Tuple[bool, int]:
-        """Apply ``grads`` and ``sparse`` now (after any staleness wait); returns (applied, version).
-
-        Nothing is kept once this returns: the caller keeps its buffers.
-        """
-        with self.cv:
-            self._check_pusher(trainer_id)
-            if self.max_staleness is not None:
-                def fresh_enough():
-                    low, _ = self._slowest(trainer_id)
-                    return low is None or step - low <= self.max_staleness
-                self._wait(fresh_enough, f"trainer {trainer_id}'s step {step} (max_staleness="
-                           f"{self.max_staleness})", lambda: self._slowest(trainer_id)[1])
-            # Checked after the wait: a retry may have been applied meanwhile.
-            if step <= self.last_step.get(trainer_id, -1):
-                return False, self.version
-            self.store.apply(grads, step)
-            self.tables.apply(sparse or {}, step)
-            self.version += 1
-            self.last_step[trainer_id] = step
-            self.roster.positions[trainer_id] = position
-            self._checkpoint_if_due()
-            self.cv.notify_all()
-            return True, self.version
-
-    def wait_version(self, trainer_id: int, min_version: int) -> None:
-        """Async pulls never wait for other trainers."""

@@ -16,10 +16,11 @@ from psproto.codec import message_limit
 from transpiler import PserverProgram, StartupProgram
 from transpiler.security import Security
 
+from .async_engine import AsyncEngine
 from .checkpointer import Checkpointer
-from .engine import AsyncEngine, SyncEngine
 from .servicer import SERVICE_NAME, PserverServicer
 from .store import BlockStore
+from .sync_engine import SyncEngine
 from .table_set import TableSet
 
 log = logging.getLogger(__name__)

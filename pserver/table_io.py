@@ -248,7 +248,8 @@ def iter_selected(src: Source, names: Sequence[str], shard: int, n_shards: int,
     """Yield (ids, [arrays named ``names``]) of ``src``'s rows that belong to ``shard`` of ``n_shards``.
 
     Reads ``chunk`` rows at a time from the memory maps, so memory stays
-    bounded by the chunk plus what is kept.
+    bounded by the chunk plus what is kept. Rows kept whole are yielded as
+    views of the maps: the caller copies them once, where they are stored.
     """
     ids_all = src.arrays["ids"]
     for a in range(0, src.rows, chunk):
@@ -256,7 +257,7 @@ def iter_selected(src: Source, names: Sequence[str], shard: int, n_shards: int,
         ids = np.array(ids_all[a:b])
         keep = shard_of(ids, n_shards) == shard if n_shards > 1 else None
         if keep is None or keep.all():
-            yield ids, [np.array(src.arrays[name][a:b]) for name in names]
+            yield ids, [src.arrays[name][a:b] for name in names]
         else:
             sel = np.flatnonzero(keep)
             yield ids[sel], [src.arrays[name][a:b][sel] for name in names]

@@ -6,7 +6,8 @@ then waits for every pserver (``hello``, with gRPC's reconnect backoff, up to
 ``recovery_timeout``) and decides by what they say:
 
 - nobody restarted: retry the same step (pushes are idempotent per (trainer,
-  step)), or, when the others went on without this trainer, skip to their step;
+  step)); when the others went on without this trainer, skip to their step;
+  when the pservers were rolled back meanwhile, go back to their step;
 - async, somebody restarted: retry; the restarted pserver lost its updates
   since its checkpoint, nothing else is rolled back;
 - somebody restarted without a checkpoint: fail (its parameters are gone);
@@ -82,10 +83,19 @@ def resync(comm: Communicator, failure: PserverError, sync_mode: bool, incarnati
                     "redone from data position epoch %d batch %d", comm.trainer_id, target, target,
                     step, *position)
         return Resync(ROLLBACK, target, position, now)
-    ahead = max((replies[ep].version for ep in push_endpoints), default=step) if sync_mode else step
-    if ahead > step:
+    versions = {ep: replies[ep].version for ep in push_endpoints} if sync_mode else {}
+    if versions and max(versions.values()) > step:
+        ahead = max(versions.values())
         log.warning("trainer %d: the other trainers went on without this one (dropped after "
                     "heartbeat_timeout?); rejoining at step %d", comm.trainer_id, ahead)
         return Resync(SKIP, ahead, (0, 0), now)
+    if versions and min(versions.values()) < step:
+        # Rolled back on another trainer's request, after a restart this trainer saw earlier.
+        source = min(versions, key=versions.get)
+        position = (replies[source].epoch, replies[source].batch)
+        log.warning("trainer %d: the pservers are back at step %d; redoing steps %d..%d from data "
+                    "position epoch %d batch %d", comm.trainer_id, versions[source], versions[source],
+                    step, *position)
+        return Resync(ROLLBACK, versions[source], position, now)
     log.info("trainer %d: pservers are back; retrying step %d", comm.trainer_id, step)
     return Resync(RETRY, step, (0, 0), now)

@@ -1,0 +1,59 @@
+"""AsyncEngine: each gradient is applied on arrival; ``max_staleness`` bounds how far ahead a trainer runs."""
+from __future__ import annotations
+
+import logging
+from typing import Dict, List, Mapping, Optional, Tuple
+
+import torch
+
+from .engine import Engine
+from .roster import Position
+from .table_set import SparseGrad
+
+log = logging.getLogger(__name__)
+
+
+class AsyncEngine(Engine):
+    """Applies every push on arrival, optionally bounding staleness."""
+
+    def __init__(self, *args, max_staleness=None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.max_staleness = max_staleness
+
+    def _slowest(self, trainer_id: int) -> Tuple[int, List[int]]:
+        others = self.live() - {trainer_id}
+        if not others:
+            return None, []
+        progress = {t: self.last_step.get(t, -1) + 1 for t in others}
+        low = min(progress.values())
+        return low, sorted(t for t, p in progress.items() if p == low)
+
+    def push(self, trainer_id: int, step: int, grads: Dict[str, torch.Tensor],
+             sparse: Optional[Mapping[str, SparseGrad]] = None,
+             position: Position = (0, 0)) -> Tuple[bool, int]:
+        """Apply ``grads`` and ``sparse`` now (after any staleness wait); returns (applied, version).
+
+        Nothing is kept once this returns: the caller keeps its buffers.
+        """
+        with self.cv:
+            self._check_pusher(trainer_id)
+            if self.max_staleness is not None:
+                def fresh_enough():
+                    low, _ = self._slowest(trainer_id)
+                    return low is None or step - low <= self.max_staleness
+                self._wait(fresh_enough, f"trainer {trainer_id}'s step {step} (max_staleness="
+                           f"{self.max_staleness})", lambda: self._slowest(trainer_id)[1])
+            # Checked after the wait: a retry may have been applied meanwhile.
+            if step <= self.last_step.get(trainer_id, -1):
+                return False, self.version
+            self.store.apply(grads, step)
+            self.tables.apply(sparse or {}, step)
+            self.version += 1
+            self.last_step[trainer_id] = step
+            self.roster.positions[trainer_id] = position
+            self._checkpoint_if_due()
+            self.cv.notify_all()
+            return True, self.version
+
+    def wait_version(self, trainer_id: int, min_version: int) -> None:
+        """Async pulls never wait for other trainers."""

@@ -1,0 +1,123 @@
+"""SyncEngine: step *s* is applied once every expected trainer's gradient for *s* has arrived.
+
+The update uses the mean over the trainers that pushed the step, so N trainers
+on batch b equal one process on the concatenated N*b batch.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Dict, List, Mapping, Optional, Tuple
+
+import grpc
+import torch
+
+from .engine import Engine, EngineError
+from .roster import Position
+from .table_set import SparseGrad
+
+log = logging.getLogger(__name__)
+
+
+class SyncEngine(Engine):
+    """Applies step s once all live trainers pushed it, with their mean gradient."""
+
+    sync_mode = True
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.pending: set = set()
+        # Per-block sums, allocated once and reused every step; `touched`
+        # holds the blocks some trainer pushed in the current step.
+        self.grad_sum: Dict[str, torch.Tensor] = {}
+        self.touched: set = set()
+        # Per table, the (ids, rows) each trainer pushed in the current step.
+        self.sparse_parts: Dict[str, List[SparseGrad]] = {}
+        # Data positions pushed with the current step: they count once it is applied.
+        self.pending_positions: Dict[int, Position] = {}
+        # Trainers that rejoined while a step was in progress, and the step they count from.
+        self.joins_at: Dict[int, int] = {}
+
+    def _start_step(self, trainer_id: int, how: str) -> int:
+        if how == "rejoined" and self.pending:
+            # The step in progress goes on without it: waiting for a trainer that has
+            # to pull first would stall it, and a late gradient would be stale.
+            self.joins_at[trainer_id] = self.version + 1
+        return self.joins_at.get(trainer_id, self.version)
+
+    def _expected(self) -> set:
+        return {t for t in self.live() if self.joins_at.get(t, 0) <= self.version}
+
+    def _clear_pending(self) -> None:
+        self.joins_at = {}
+        self.pending = set()
+        self.touched = set()
+        self.sparse_parts = {}
+        self.pending_positions = {}
+
+    def push(self, trainer_id: int, step: int, grads: Dict[str, torch.Tensor],
+             sparse: Optional[Mapping[str, SparseGrad]] = None,
+             position: Position = (0, 0)) -> Tuple[bool, int]:
+        """Count ``grads`` and ``sparse`` for ``step``; returns (counted, version). Applies when complete.
+
+        ``grads`` are copied into the step's sums: the caller keeps its
+        buffers. ``sparse`` ({table: (ids, rows)}) is kept until the step is
+        applied: the caller must not reuse it.
+        """
+        with self.cv:
+            self._check_pusher(trainer_id)
+            if step == self.version and trainer_id in self.pending:
+                return False, self.version
+            if step < self.version:
+                if self.last_step.get(trainer_id, -1) >= step:
+                    return False, self.version  # a retry of a push already applied
+                raise EngineError(grpc.StatusCode.FAILED_PRECONDITION,
+                                  f"pserver {self.endpoint}: trainer {trainer_id} pushed stale step "
+                                  f"{step}; the pserver is at step {self.version}")
+            if step > self.version:
+                raise self._ahead(trainer_id, "pushed step", step)
+            for name, g in grads.items():
+                if name in self.touched:
+                    self.grad_sum[name].add_(g)
+                else:
+                    acc = self.grad_sum.get(name)
+                    if acc is None:
+                        acc = self.grad_sum[name] = torch.empty_like(g)
+                    acc.copy_(g)
+                    self.touched.add(name)
+            for name, part in (sparse or {}).items():
+                self.sparse_parts.setdefault(name, []).append(part)
+            self.pending.add(trainer_id)
+            self.pending_positions[trainer_id] = position
+            self.last_step[trainer_id] = step
+            self._apply_if_complete()
+            return True, self.version
+
+    def _apply_if_complete(self) -> None:
+        if not self.pending or not self.pending >= self._expected():
+            return
+        n = len(self.pending)
+        mean = {name: self.grad_sum[name].div_(n) for name in self.touched}
+        self.store.apply(mean, self.version)
+        self.tables.apply_mean(self.sparse_parts, n, self.version)
+        log.debug("%s: applied step %d from trainers %s", self.endpoint, self.version, sorted(self.pending))
+        self.version += 1
+        self.roster.positions.update(self.pending_positions)
+        self._clear_pending()
+        self._checkpoint_if_due()
+        self.cv.notify_all()
+
+    def _on_close(self) -> None:
+        self._apply_if_complete()
+
+    def wait_version(self, trainer_id: int, min_version: int) -> None:
+        """Block until step ``min_version - 1`` is applied, within the barrier deadline."""
+        with self.cv:
+            if min_version > self.version + 1:
+                raise self._ahead(trainer_id, "waits for version", min_version)
+            self._wait(lambda: self.version >= min_version, f"step {self.version}",
+                       lambda: sorted(self._expected() - self.pending))
+
+    def _reads_need_copy(self) -> bool:
+        # Between two sync steps nothing writes the blocks: the next update
+        # needs this very trainer's next push, which follows its pull.
+        return False

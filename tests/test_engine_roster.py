@@ -1,0 +1,99 @@
+"""Trainer bookkeeping of the sync engine: heartbeat drops, rejoins mid-step, positions, roll-backs."""
+from __future__ import annotations
+
+import grpc
+import pytest
+import torch
+from torch import nn
+
+from pserver.checkpointer import Checkpointer
+from pserver.engine import EngineError
+from pserver.store import BlockStore
+from pserver.sync_engine import SyncEngine
+from pserver.table_set import TableSet
+from transpiler import DistributeTranspiler, DistributeTranspilerConfig, Program
+
+EP = "127.0.0.1:1"
+
+
+def engine(trainers: int, checkpoint_dir=None) -> SyncEngine:
+    torch.manual_seed(0)
+    t = DistributeTranspiler(DistributeTranspilerConfig())
+    t.transpile(0, program=Program(nn.Linear(4, 2), "sgd", lr=0.5), pservers=EP, trainers=trainers)
+    ps = t.get_pserver_program(EP)
+    store, tables = BlockStore(ps, t.get_startup_program(EP, ps)), TableSet(ps)
+    e = SyncEngine(store, tables, trainers, EP, barrier_timeout=5.0)
+    if checkpoint_dir is not None:
+        e.checkpointer = Checkpointer(str(checkpoint_dir), store, tables, 0, 1, EP, True)
+    return e
+
+
+def grads(e: SyncEngine, value: float):
+    return {n: torch.full_like(b, value) for n, b in e.store.blocks.items()}
+
+
+def weight(e: SyncEngine) -> torch.Tensor:
+    return e.store.blocks["weight.block0"].detach().clone()
+
+
+def test_silent_trainer_is_dropped_and_the_step_completes_without_it():
+    e = engine(2)
+    for t in (0, 1):
+        e.hello(t)
+    e.push(0, 0, grads(e, 1.0), position=(0, 1))
+    assert e.version == 0                                # waits for trainer 1
+    e.roster.last_seen[1] -= 60                          # trainer 1 fell silent a minute ago
+    assert e.drop_silent(timeout=30) == [1]
+    assert e.version == 1                                # applied with trainer 0's gradient alone
+    with pytest.raises(EngineError) as info:
+        e.push(1, 1, grads(e, 1.0))
+    assert info.value.code == grpc.StatusCode.ABORTED and "dropped" in info.value.message
+    assert e.drop_silent(timeout=30) == []               # trainer 0 is alive: never dropped
+
+
+def test_trainer_rejoining_mid_step_counts_from_the_next_step():
+    e = engine(3)
+    for t in (0, 1, 2):
+        e.hello(t)
+    e.roster.last_seen[2] -= 60
+    e.drop_silent(timeout=30)
+    e.push(0, 0, grads(e, 1.0))                          # step 0 in progress: trainer 1 missing
+    assert e.hello(2) == (1, (0, 0))                     # rejoins at step 1, not 0
+    before = weight(e)
+    e.push(1, 0, grads(e, 3.0))
+    assert e.version == 1                                # did not wait for trainer 2
+    torch.testing.assert_close(weight(e), before - 0.5 * 2.0)   # mean of trainers 0 and 1
+    e.push(0, 1, grads(e, 1.0))
+    e.push(1, 1, grads(e, 1.0))
+    assert e.version == 1                                # step 1 waits for trainer 2 again
+    e.push(2, 1, grads(e, 1.0))
+    assert e.version == 2
+
+
+def test_positions_count_once_their_step_is_applied_and_return_at_hello():
+    e = engine(2)
+    e.push(0, 0, grads(e, 1.0), position=(0, 1))
+    assert e.hello(0) == (0, (0, 0))                     # step 0 not applied yet
+    e.push(1, 0, grads(e, 1.0), position=(0, 1))
+    e.push(0, 1, grads(e, 1.0), position=(1, 0))
+    assert e.hello(0) == (1, (0, 1))
+
+
+def test_restore_rolls_back_once_per_token_and_wakes_waiters(tmp_path):
+    e = engine(1, tmp_path)
+    e.hello(0)
+    e.push(0, 0, grads(e, 1.0), position=(0, 1))
+    at_1 = weight(e)
+    e.checkpoint()
+    e.push(0, 1, grads(e, 1.0), position=(0, 2))
+    assert e.version == 2
+    assert e.restore(0, 1, "ep#42") is True
+    assert e.version == 1 and e.hello(0) == (1, (0, 1))
+    torch.testing.assert_close(weight(e), at_1)
+    e.push(0, 1, grads(e, 2.0))
+    assert e.restore(0, 1, "ep#42") is False             # the same restart: no second roll-back
+    assert e.version == 2
+    with pytest.raises(EngineError) as info:
+        e.restore(0, 7, "ep#43")
+    assert info.value.code == grpc.StatusCode.FAILED_PRECONDITION and "no complete checkpoint" in info.value.message
+    assert e.version == 2
