@@ -181,7 +181,8 @@ class Trainer:
         deadline = None
         while True:
             try:
-                self.comm.run_parallel({ep: (lambda ep=ep: push_pull(ep, grads[ep])) for ep in self._push_endpoints})
+                self.comm.run_parallel({ep: (lambda ep=ep: push_pull(ep, grads[ep]))
+                                        for ep in self._push_endpoints})
                 return None
             except PserverError as e:
                 if not recoverable(e):
