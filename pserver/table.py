@@ -242,7 +242,8 @@ class TableShard:
         same number of shards, ``directories`` needs only this shard's own
         directory; otherwise every saved shard (all may hold our ids).
         Directories of another table, dim, dtype or optimizer, incomplete
-        saves and disagreeing steps are refused with ValueError.
+        saves and repeated shards are refused with ValueError. Shards saved at
+        different steps (an async job) load; a re-shard takes the highest step.
         """
         sources, step = table_io.open_shards(spec, directories, shard, n_shards)
         table = cls(spec, shard, n_shards)

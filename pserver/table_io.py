@@ -180,10 +180,14 @@ def _read_source(directory: str) -> Source:
 
 
 def _check_set(sources: List[Source]) -> Tuple[int, int]:
-    """The saved shard count and step that all ``sources`` must share; refuse repeats."""
+    """The saved shard count all ``sources`` must share, and their highest step; refuse repeats.
+
+    Steps may differ: an async job's shards apply their trainers' pushes
+    independently, so a save can catch one shard a push ahead of another.
+    """
     first = sources[0].meta
     for s in sources[1:]:
-        for key in ("table", "dim", "dtype", "optimizer", "step", "n_shards"):
+        for key in ("table", "dim", "dtype", "optimizer", "n_shards"):
             if s.meta[key] != first[key]:
                 raise ValueError(f"shard directories disagree on {key}: {sources[0].directory} has "
                                  f"{first[key]!r}, {s.directory} has {s.meta[key]!r}; "
@@ -195,7 +199,11 @@ def _check_set(sources: List[Source]) -> Tuple[int, int]:
             raise ValueError(f"{seen[k]} and {s.directory} are both shard {k} of table "
                              f"{first['table']!r}")
         seen[k] = s.directory
-    return first["n_shards"], first["step"]
+    steps = sorted({s.meta["step"] for s in sources})
+    if len(steps) > 1:
+        log.info("table %s: saved shards are at steps %s (an async save); taking %d", first["table"],
+                 steps, steps[-1])
+    return first["n_shards"], steps[-1]
 
 
 def open_shards(spec: TableSpec, directories: Sequence[str], shard: int,
@@ -235,6 +243,7 @@ def open_shards(spec: TableSpec, directories: Sequence[str], shard: int,
             raise ValueError(f"table {spec.name!r}: loading shard {shard} of {n_shards} needs the saved "
                              f"shard {shard}, got shards {sorted(present)}")
         sources = [s for s in sources if s.meta["shard"] == shard]
+        step = sources[0].meta["step"]
     else:
         missing = sorted(set(range(old_n)) - present)
         if missing:

@@ -20,7 +20,8 @@ from pserver.servicer import SERVICE_NAME, PserverServicer
 from trainer import Trainer, launch_plan
 from trainer.launch_plan import LaunchError
 from transpiler import Program
-from transpiler.certs import main as certs_main, make_test_certs
+from transpiler.certs import make_test_certs
+from transpiler.certs_cli import main as certs_main
 from transpiler.security import Security
 
 TOKEN = "s3cret-Token_123"

@@ -1,21 +1,18 @@
 """Make a throw-away CA plus a server and a client certificate, for trying TLS and for tests.
 
-    python -m transpiler.certs DIR [--hosts 127.0.0.1,localhost] [--days 30]
-
-writes ``ca.pem ca.key server.pem server.key client.pem client.key`` into DIR
-and prints the ``PS_TLS_*`` variables that use them. The CA signs both
+:func:`make_test_certs` (``ps-certs DIR`` on the command line, see
+:mod:`transpiler.certs_cli`) writes ``ca.pem ca.key server.pem server.key
+client.pem client.key`` into DIR. The CA signs both
 certificates; the server certificate names the given hosts (DNS names or IP
 addresses). For real deployments use your organisation's CA.
 Needs the ``cryptography`` package (``pip install 'torch-pserver[tls]'``).
 """
 from __future__ import annotations
 
-import argparse
 import datetime
 import ipaddress
 import os
-import sys
-from typing import Dict, Optional, Sequence
+from typing import Dict, Sequence
 
 FILES = ("ca.pem", "ca.key", "server.pem", "server.key", "client.pem", "client.key")
 
@@ -120,34 +117,3 @@ def make_test_certs(directory: str, hosts: Sequence[str] = ("127.0.0.1", "localh
     write(paths["client_cert"], client_cert.public_bytes(pem), False)
     write(paths["client_key"], pem_key(client_key), True)
     return paths
-
-
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    """``python -m transpiler.certs DIR``: make the certificates, print the variables; 2 on bad input."""
-    p = argparse.ArgumentParser(prog="python -m transpiler.certs", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("directory", metavar="DIR", help="where the six PEM files go (created if needed)")
-    p.add_argument("--hosts", default="127.0.0.1,localhost",
-                   help="comma-separated IPs / DNS names the server certificate is valid for "
-                        "(default: 127.0.0.1,localhost)")
-    p.add_argument("--days", type=int, default=30, help="validity in days (default 30)")
-    p.add_argument("--no-overwrite", action="store_true", help="refuse to replace existing files")
-    args = p.parse_args(argv)
-    try:
-        paths = make_test_certs(args.directory, args.hosts.split(","), args.days,
-                                overwrite=not args.no_overwrite)
-    except (ValueError, ImportError, OSError) as e:
-        print(f"{p.prog}: error: {e}", file=sys.stderr)
-        return 2
-    absolute = {k: os.path.abspath(v) for k, v in paths.items()}
-    print(f"wrote {', '.join(FILES)} to {os.path.abspath(args.directory)}")
-    print("# pservers:")
-    print(f"export PS_TLS_CERT={absolute['server_cert']} PS_TLS_KEY={absolute['server_key']}")
-    print("# trainers and ps-stat (PS_TLS_CA on a pserver also requires client certificates):")
-    print(f"export PS_TLS_CA={absolute['ca']}")
-    print(f"export PS_TLS_CLIENT_CERT={absolute['client_cert']} PS_TLS_CLIENT_KEY={absolute['client_key']}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
