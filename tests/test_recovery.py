@@ -186,3 +186,25 @@ def test_async_pserver_killed_and_restarted_loses_at_most_its_updates_since_chec
         loss, expected = recovery_job.loss_of(model, x, y).item(), recovery_job.loss_of(reference, x, y).item()
         initial = recovery_job.loss_of(recovery_job.build_model(), x, y).item()
     assert loss < initial * 0.9 and loss == pytest.approx(expected, rel=0.15), (loss, expected, initial)
+
+
+@pytest.mark.timeout(240)
+def test_sigterm_checkpoints_every_pserver_and_the_same_command_resumes_the_job(job_factory):
+    job = job_factory(args=["--pause_at", "23"])
+    job.start_all()
+    job.wait_file("reached")          # both pservers at step 23 (checkpoints every 5: the last is 20)
+    for i in range(2):
+        os.killpg(job.procs[f"pserver{i}"].pid, signal.SIGTERM)
+    for i in range(2):
+        assert job.wait(f"pserver{i}", 30) == 0, job.all_logs()
+    from pserver.checkpoint import find_saved
+    assert find_saved(job.ckpt, sync_mode=True).step == 23   # written on SIGTERM, by both
+    for i in range(2):
+        job.start("PSERVER", i)       # the same command: resumes at step 23
+    (job.pause / "go").touch()
+    for name in ("trainer0", "trainer1", "pserver0", "pserver1"):
+        assert job.wait(name, 120) == 0, job.all_logs()
+    assert "resumes from the checkpoint at step 23" in job.log("pserver0.1")
+    expected = recovery_job.reference(epochs=2)
+    for tid in range(2):
+        assert_state_close(torch.load(job.out / f"trainer-{tid}.pt"), expected)
