@@ -75,6 +75,8 @@ def _read_manifest(path: str) -> Optional[dict]:
     try:
         with open(path, "rb") as f:
             manifest = json.loads(f.read())
+    except FileNotFoundError:  # pruned by its pserver since the directory was listed
+        return None
     except (OSError, ValueError) as e:
         log.warning("ignoring unreadable checkpoint manifest %s: %s", path, e)
         return None
@@ -94,7 +96,11 @@ def list_parts(root: str) -> Dict[Tuple[int, int], Dict[int, Tuple[str, dict]]]:
         if not m:
             continue
         step_dir = os.path.join(root, entry)
-        for name in os.listdir(step_dir):
+        try:
+            names = os.listdir(step_dir)
+        except FileNotFoundError:  # another pserver pruned the last part of it meanwhile
+            continue
+        for name in names:
             mm = _MANIFEST.match(name)
             if not mm:
                 continue

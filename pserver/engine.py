@@ -209,7 +209,11 @@ class Engine:
 
     def _checkpoint_if_due(self) -> None:
         if self.checkpointer is not None and self.checkpointer.due(self.version):
-            self.checkpointer.save(self.version, self.roster.to_meta())
+            try:
+                self.checkpointer.save(self.version, self.roster.to_meta())
+            except Exception:  # a full disk must not fail the push that was just applied
+                log.exception("%s: checkpoint at step %d failed; training goes on and the previous "
+                              "checkpoint stays the latest", self.endpoint, self.version)
 
     def resume(self, step: Optional[int] = None) -> bool:
         """Load the latest complete checkpoint (or the one at ``step``); False if there is none."""

@@ -97,3 +97,14 @@ def test_restore_rolls_back_once_per_token_and_wakes_waiters(tmp_path):
         e.restore(0, 7, "ep#43")
     assert info.value.code == grpc.StatusCode.FAILED_PRECONDITION and "no complete checkpoint" in info.value.message
     assert e.version == 2
+
+
+def test_a_failing_periodic_checkpoint_does_not_fail_the_step(tmp_path, caplog):
+    blocked = tmp_path / "not-a-directory"
+    blocked.write_text("")                               # checkpoint_dir is a file: every write fails
+    e = engine(1, blocked)
+    e.checkpointer.every = 1
+    e.hello(0)
+    assert e.push(0, 0, grads(e, 1.0)) == (True, 1)      # applied, answered
+    assert "checkpoint at step 1 failed" in caplog.text
+    assert e.checkpointer.last is None
