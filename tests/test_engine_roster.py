@@ -6,6 +6,9 @@ import pytest
 import torch
 from torch import nn
 
+import threading
+
+from pserver.async_engine import AsyncEngine
 from pserver.checkpointer import Checkpointer
 from pserver.engine import EngineError
 from pserver.store import BlockStore
@@ -16,12 +19,15 @@ from transpiler import DistributeTranspiler, DistributeTranspilerConfig, Program
 EP = "127.0.0.1:1"
 
 
-def engine(trainers: int, checkpoint_dir=None) -> SyncEngine:
+def engine(trainers: int, checkpoint_dir=None, max_staleness=None) -> SyncEngine:
     torch.manual_seed(0)
     t = DistributeTranspiler(DistributeTranspilerConfig())
-    t.transpile(0, program=Program(nn.Linear(4, 2), "sgd", lr=0.5), pservers=EP, trainers=trainers)
+    t.transpile(0, program=Program(nn.Linear(4, 2), "sgd", lr=0.5), pservers=EP, trainers=trainers,
+                sync_mode=max_staleness is None)
     ps = t.get_pserver_program(EP)
     store, tables = BlockStore(ps, t.get_startup_program(EP, ps)), TableSet(ps)
+    if max_staleness is not None:
+        return AsyncEngine(store, tables, trainers, EP, barrier_timeout=5.0, max_staleness=max_staleness)
     e = SyncEngine(store, tables, trainers, EP, barrier_timeout=5.0)
     if checkpoint_dir is not None:
         e.checkpointer = Checkpointer(str(checkpoint_dir), store, tables, 0, 1, EP, True)
@@ -108,3 +114,22 @@ def test_a_failing_periodic_checkpoint_does_not_fail_the_step(tmp_path, caplog):
     assert e.push(0, 0, grads(e, 1.0)) == (True, 1)      # applied, answered
     assert "checkpoint at step 1 failed" in caplog.text
     assert e.checkpointer.last is None
+
+
+def test_async_trainer_held_back_by_a_dead_one_goes_on_once_it_is_dropped():
+    e = engine(2, max_staleness=1)
+    for t in (0, 1):
+        e.hello(t)
+    e.push(1, 0, grads(e, 1.0))
+    e.push(0, 0, grads(e, 1.0))
+    e.push(0, 1, grads(e, 1.0))
+    e.push(0, 2, grads(e, 1.0))
+    result = {}
+    waiter = threading.Thread(target=lambda: result.setdefault("push", e.push(0, 3, grads(e, 1.0))))
+    waiter.start()                                       # step 3 is 2 ahead of trainer 1's next: waits
+    waiter.join(0.3)
+    assert waiter.is_alive() and e.version == 4
+    e.roster.last_seen[1] -= 60                          # trainer 1 died
+    assert e.drop_silent(timeout=30) == [1]
+    waiter.join(5)
+    assert result["push"] == (True, 5)
