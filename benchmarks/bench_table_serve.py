@@ -90,7 +90,7 @@ def main(argv=None) -> int:
         for step, a in enumerate(range(0, args.rows, args.batch)):
             ids = torch.from_numpy(ids_all[a:a + args.batch])
             g = grad[:len(ids)]
-            tr.comm.push_pull(endpoint, step, [(spec.ids_name, ids), (spec.rows_name, g)], tr._expect, None)
+            tr.comm.push_pull(endpoint, step, [(spec.ids_name, ids), (spec.rows_name, g)], tr.blocks.expect, None)
             if step % 10 == 9:
                 print(f"  {a + len(ids):>12,} rows after {time.perf_counter() - start:6.1f} s; "
                       f"pserver peak RSS {rss_peak_gib(server.pid):.2f} GiB", flush=True)
