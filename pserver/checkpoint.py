@@ -32,6 +32,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from transpiler.slicing import as_rows
+
 from . import table_io
 
 log = logging.getLogger(__name__)
@@ -152,19 +154,6 @@ def find_saved(root: str, sync_mode: bool, step: Optional[int] = None,
 # -- writing ---------------------------------------------------------------------
 
 
-def block_payload(store) -> Dict[str, dict]:
-    """What ``blocks.pt`` holds for a BlockStore: each block's rows and optimizer state."""
-    out = {}
-    opt_state = store.optimizer.state if store.optimizer is not None else {}
-    for name, block in store.blocks.items():
-        spec = store.specs[name]
-        state = opt_state.get(block, {})
-        out[name] = {"param": spec.param, "row_start": spec.row_start, "row_end": spec.row_end,
-                     "value": block.detach().clone(),
-                     "state": {k: (v.detach().clone() if torch.is_tensor(v) else v) for k, v in state.items()}}
-    return out
-
-
 def write_part(root: str, step: int, shard: int, n_shards: int, store, tables, manifest: dict) -> str:
     """Write pserver ``shard``'s part of the checkpoint at ``step``; returns the part directory.
 
@@ -181,7 +170,7 @@ def write_part(root: str, step: int, shard: int, n_shards: int, store, tables, m
     for stale in glob.glob(glob.escape(part) + ".tmp-*"):  # left by a crash of an earlier process
         shutil.rmtree(stale, ignore_errors=True)
     os.makedirs(tmp)
-    payload = block_payload(store)
+    payload = store.saved_blocks()
     table_io.atomic_write(os.path.join(tmp, BLOCKS_FILE), lambda f: torch.save(payload, f))
     tables.save(os.path.join(tmp, TABLES_DIR))
     table_io.fsync_dir(tmp)
@@ -238,10 +227,6 @@ def prune(root: str, shard: int, n_shards: int, keep: int, newer_than: Optional[
 # -- reading ---------------------------------------------------------------------
 
 
-def _rows(t: torch.Tensor) -> torch.Tensor:
-    return t.reshape(t.shape[0] if t.dim() else 1, -1)
-
-
 def load_blocks(parts: Sequence[str]) -> Dict[str, List[dict]]:
     """The saved blocks of every part, grouped by parameter and ordered by first row."""
     by_param: Dict[str, List[dict]] = {}
@@ -276,7 +261,7 @@ def cut_block(saved: Dict[str, List[dict]], param: str, row_start: int, row_end:
         raise ValueError(f"the checkpoint holds no rows {covered}..{row_end} of parameter {param!r}")
 
     def cut(get) -> torch.Tensor:
-        return torch.cat([_rows(get(e))[max(row_start, e["row_start"]) - e["row_start"]:
+        return torch.cat([as_rows(get(e))[max(row_start, e["row_start"]) - e["row_start"]:
                                         min(row_end, e["row_end"]) - e["row_start"]] for e in pieces])
 
     value = cut(lambda e: e["value"]).reshape(shape)

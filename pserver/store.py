@@ -70,6 +70,24 @@ class BlockStore:
         for name in grads:
             self.blocks[name].grad = None
 
+    def saved_blocks(self) -> Dict[str, dict]:
+        """Each block's rows and optimizer state, copied: what a checkpoint's ``blocks.pt`` holds.
+
+        ``{block: {"param", "row_start", "row_end", "value", "state"}}``; the rows
+        say where the block sits in its parameter, so :meth:`restore` can cut
+        blocks of another slicing from it.
+        """
+        out = {}
+        opt_state = self.optimizer.state if self.optimizer is not None else {}
+        for name, block in self.blocks.items():
+            spec = self.specs[name]
+            state = opt_state.get(block, {})
+            out[name] = {"param": spec.param, "row_start": spec.row_start, "row_end": spec.row_end,
+                         "value": block.detach().clone(),
+                         "state": {k: (v.detach().clone() if torch.is_tensor(v) else v)
+                                   for k, v in state.items()}}
+        return out
+
     def restore(self, saved: Dict[str, list]) -> None:
         """Set every block and its optimizer state from a checkpoint's saved blocks (any slicing).
 

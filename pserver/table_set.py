@@ -37,16 +37,12 @@ class TableSet:
         self.shard = program.shard
         self.n_shards = len(program.pservers)
         self.specs: Dict[str, TableSpec] = {t.name: t for t in program.tables}
-        self.shards: Dict[str, TableShard] = {}
-        for name, spec in self.specs.items():
-            if tables_from is None:
-                self.shards[name] = TableShard(spec, self.shard, self.n_shards)
-            else:
-                self.shards[name] = TableShard.load(spec, self.shard, self.n_shards,
-                                                    saved_shards(tables_from, name))
-                log.info("%s: table %s shard %d/%d loaded from %s: %d rows at step %d", self.endpoint,
-                         name, self.shard, self.n_shards, tables_from, len(self.shards[name]),
-                         self.shards[name].step)
+        if tables_from is None:
+            self.shards = {name: TableShard(spec, self.shard, self.n_shards)
+                           for name, spec in self.specs.items()}
+        else:
+            self.shards = self.load_shards({name: saved_shards(tables_from, name) for name in self.specs})
+            log.info("%s: %d tables loaded from %s", self.endpoint, len(self.shards), tables_from)
         self.schedules = {name: LrSchedule(spec.optimizer) for name, spec in self.specs.items()}
         self._wire = {}
         for spec in self.specs.values():

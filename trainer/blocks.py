@@ -8,11 +8,7 @@ import torch
 from torch import nn
 
 from transpiler import BlockSpec, TrainerProgram
-
-
-def _rows(t: torch.Tensor) -> torch.Tensor:
-    """The tensor as a 2-D (dim-0 rows, rest) view; a scalar is one row."""
-    return t.reshape(t.shape[0] if t.dim() else 1, -1)
+from transpiler.slicing import as_rows
 
 
 class LocalBlocks:
@@ -50,7 +46,7 @@ class LocalBlocks:
 
     def view(self, b: BlockSpec) -> torch.Tensor:
         """The rows of block ``b`` in its parameter, shaped as the block."""
-        return _rows(self._params[b.param].data)[b.row_start:b.row_end].view(b.shape)
+        return as_rows(self._params[b.param].data)[b.row_start:b.row_end].view(b.shape)
 
     def grads(self, endpoint: str) -> List[Tuple[str, torch.Tensor]]:
         """(block name, gradient rows) of ``endpoint``'s blocks whose parameter has a gradient."""
@@ -60,7 +56,7 @@ class LocalBlocks:
                 g = self._params[b.param].grad
                 if g is not None and g.is_sparse:
                     g = g.to_dense()
-                flat[b.param] = None if g is None else _rows(g.contiguous())
+                flat[b.param] = None if g is None else as_rows(g.contiguous())
             g = flat[b.param]
             if g is not None:
                 out.append((b.name, g[b.row_start:b.row_end].view(b.shape)))

@@ -71,18 +71,14 @@ def resync(comm: Communicator, failure: PserverError, sync_mode: bool, incarnati
                            "are lost; set checkpoint_dir to survive pserver restarts",
                            grpc.StatusCode.FAILED_PRECONDITION)
     if restarted and sync_mode:
+        # Every other pserver goes back to the restarted ones' checkpoint; then all stand at
+        # that step and the general case below rolls this trainer back to it.
         target = min(replies[ep].checkpoint_version for ep in restarted)
         token = ",".join(f"{ep}#{now[ep]}" for ep in restarted)
         others = [ep for ep in replies if ep not in restarted or replies[ep].checkpoint_version != target]
         comm.run_parallel({ep: (lambda ep=ep: comm.restore(ep, target, token)) for ep in others})
-        source = next(ep for ep in restarted if replies[ep].checkpoint_version == target)
-        if others:  # their answers predate the roll-back: ask again for this trainer's position
+        if others:  # their answers predate the roll-back
             replies = comm.hello(max(0.1, deadline - time.monotonic()))
-        position = (replies[source].epoch, replies[source].batch)
-        log.warning("trainer %d: every pserver is back at the checkpoint of step %d; steps %d..%d are "
-                    "redone from data position epoch %d batch %d", comm.trainer_id, target, target,
-                    step, *position)
-        return Resync(ROLLBACK, target, position, now)
     versions = {ep: replies[ep].version for ep in push_endpoints} if sync_mode else {}
     if versions and max(versions.values()) > step:
         ahead = max(versions.values())
@@ -90,12 +86,12 @@ def resync(comm: Communicator, failure: PserverError, sync_mode: bool, incarnati
                     "heartbeat_timeout?); rejoining at step %d", comm.trainer_id, ahead)
         return Resync(SKIP, ahead, (0, 0), now)
     if versions and min(versions.values()) < step:
-        # Rolled back on another trainer's request, after a restart this trainer saw earlier.
+        # Rolled back to a checkpoint (on this trainer's request or another's).
         source = min(versions, key=versions.get)
         position = (replies[source].epoch, replies[source].batch)
-        log.warning("trainer %d: the pservers are back at step %d; redoing steps %d..%d from data "
-                    "position epoch %d batch %d", comm.trainer_id, versions[source], versions[source],
-                    step, *position)
+        log.warning("trainer %d: every pserver is back at the checkpoint of step %d; steps %d..%d are "
+                    "redone from data position epoch %d batch %d", comm.trainer_id, versions[source],
+                    versions[source], step, *position)
         return Resync(ROLLBACK, versions[source], position, now)
     log.info("trainer %d: pservers are back; retrying step %d", comm.trainer_id, step)
     return Resync(RETRY, step, (0, 0), now)

@@ -3,7 +3,14 @@ from __future__ import annotations
 
 from typing import List, Sequence, Tuple
 
+import torch
+
 from .hashing import stable_hash_name
+
+
+def as_rows(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as the 2-D (dim-0 rows, rest) view blocks are cut from; a scalar is one row."""
+    return t.reshape(t.shape[0] if t.dim() else 1, -1)
 
 
 def block_count(numel: int, rows: int, n_pservers: int, min_block_size: int,
