@@ -45,13 +45,20 @@ class LocalCluster:
 
     def __enter__(self) -> "LocalCluster":
         for ep in self.endpoints:
-            t = self.transpiler()
-            prog = t.get_pserver_program(ep)
-            server = ParameterServer(prog, t.get_startup_program(ep, prog), tables_from=self.tables_from,
-                                     security=self.security)
-            self._stack.enter_context(server)
-            self.servers.append(server)
+            self.servers.append(self._start_pserver(ep))
         return self
+
+    def _start_pserver(self, endpoint: str) -> ParameterServer:
+        t = self.transpiler()
+        prog = t.get_pserver_program(endpoint)
+        server = ParameterServer(prog, t.get_startup_program(endpoint, prog), tables_from=self.tables_from,
+                                 security=self.security)
+        return self._stack.enter_context(server)
+
+    def restart_pserver(self, index: int) -> ParameterServer:
+        """Start pserver ``index`` again at its endpoint, as the same command would (it was stopped)."""
+        self.servers[index] = self._start_pserver(self.endpoints[index])
+        return self.servers[index]
 
     def __exit__(self, *exc) -> None:
         self._stack.close()

@@ -23,6 +23,10 @@ SCRIPT = os.path.join(HERE, "scripts", "recovery_job.py")
 sys.path.insert(0, os.path.join(HERE, "scripts"))
 import recovery_job  # noqa: E402
 
+import checkpoint_models as cm  # noqa: E402
+from cluster import LocalCluster  # noqa: E402
+from trainer.communicator import Communicator, PserverError  # noqa: E402
+
 
 class Job:
     """The processes of one job; every one is killed at exit, whatever happened."""
@@ -186,6 +190,57 @@ def test_async_pserver_killed_and_restarted_loses_at_most_its_updates_since_chec
         loss, expected = recovery_job.loss_of(model, x, y).item(), recovery_job.loss_of(reference, x, y).item()
         initial = recovery_job.loss_of(recovery_job.build_model(), x, y).item()
     assert loss < initial * 0.9 and loss == pytest.approx(expected, rel=0.15), (loss, expected, initial)
+
+
+@pytest.mark.timeout(60)
+def test_trainer_starting_while_a_pserver_restarts_waits_for_it_and_joins(tmp_path, monkeypatch, caplog):
+    """A pserver lost between a new trainer's Hello and its first pull is waited for, not fatal."""
+    config = cm.config(str(tmp_path / "ckpt"))
+    with LocalCluster(cm.program, 2, 2, sync_mode=False, config=config) as cluster:
+        with cluster.trainer(0) as tr0:
+            cm.train(tr0, cm.batches(3))
+            tr0.checkpoint()
+            trained = cm.snapshot(tr0)
+            hellos = []
+            real_hello = Communicator.hello
+
+            def hello(comm, timeout):
+                hellos.append(timeout)
+                if len(hellos) == 2:  # the first pull failed; the pserver comes back from its checkpoint
+                    cluster.restart_pserver(1)
+                replies = real_hello(comm, timeout)
+                if len(hellos) == 1:  # gone after answering Hello, before the pull
+                    cluster.servers[1].stop()
+                return replies
+            monkeypatch.setattr(Communicator, "hello", hello)
+            with cluster.trainer(1) as tr1:
+                monkeypatch.undo()
+                assert len(hellos) == 2
+                assert_state_close(cm.snapshot(tr1), trained, atol=0)
+    assert "trainer 1: joining failed (pserver %s" % cluster.endpoints[1] in caplog.text
+
+
+@pytest.mark.timeout(60)
+def test_trainer_joining_sync_pservers_that_stay_at_different_steps_fails_after_recovery_timeout(tmp_path):
+    """Nobody rolls the others back (no trainer was alive): the join gives up with an error naming the fix."""
+    config = cm.config(str(tmp_path / "ckpt"), recovery_timeout=1.0)
+    with LocalCluster(cm.program, 2, 1, config=config) as cluster:
+        with cluster.trainer(0) as tr:
+            cm.train(tr, cm.batches(3))
+            tr.checkpoint()
+            cm.train(tr, cm.batches(2))
+        cluster.servers[1].stop()
+        cluster.restart_pserver(1)
+        assert [s.engine.version for s in cluster.servers] == [5, 3]
+        started = time.monotonic()
+        with pytest.raises(PserverError, match="pservers disagree on the current step"):
+            cluster.trainer(0)
+        assert 1.0 <= time.monotonic() - started < 10
+        # The remedy the error names: restarted, every pserver resumes from the same checkpoint.
+        cluster.servers[0].stop()
+        cluster.restart_pserver(0)
+        with cluster.trainer(0) as tr:
+            assert tr.step_count == 3
 
 
 @pytest.mark.timeout(240)

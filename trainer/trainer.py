@@ -6,6 +6,7 @@ import time
 from concurrent import futures
 from typing import Callable, Dict, Iterable, Iterator, List, Optional, Tuple
 
+import grpc
 import torch
 from torch.utils.data import Dataset, DistributedSampler
 
@@ -67,16 +68,7 @@ class Trainer:
         self.tables = TableClient(program.tables, program.pservers, self._fetch_rows,
                                   lambda: self.step_count if self.sync_mode else 0)
         try:
-            replies = self.comm.hello(program.config.connect_timeout)
-            owning = {ep: r.version for ep, r in replies.items() if ep in self._push_endpoints}
-            if self.sync_mode and len(set(owning.values())) > 1:
-                raise PserverError(", ".join(owning), f"pservers disagree on the current step: {owning}")
-            self.step_count = max(owning.values(), default=0)
-            # Which process answers at each endpoint: a new incarnation is a restart.
-            self._incarnations = {ep: r.incarnation for ep, r in replies.items()}
-            first = replies[self._push_endpoints[0]] if self._push_endpoints else None
-            self.position: Position = (first.epoch, first.batch) if first is not None else (0, 0)
-            self._pull_all(self.step_count)
+            self._join()
             # Last, so a Trainer that failed to connect leaves the model as it was.
             self._install_tables()
         except BaseException:
@@ -89,6 +81,46 @@ class Trainer:
         log.info("trainer %d: ready at step %d (data position epoch %d batch %d), %d blocks on %d "
                  "pservers", self.trainer_id, self.step_count, *self.position, len(self.blocks.by_name),
                  len(self.blocks.by_endpoint))
+
+    def _join(self) -> None:
+        """Register with every pserver and pull the parameters of the step they stand at.
+
+        Waits ``connect_timeout`` for the pservers to come up. A pserver lost
+        after it answered (restarting while this trainer starts), or sync
+        pservers standing at different steps (a roll-back under way), is
+        waited for and the join redone, within ``recovery_timeout``.
+        """
+        config = self.program.config
+        timeout, deadline, backoff = config.connect_timeout, None, 0.1
+        while True:
+            replies = self.comm.hello(timeout)
+            owning = {ep: r.version for ep, r in replies.items() if ep in self._push_endpoints}
+            # Which process answers at each endpoint: a new incarnation is a restart.
+            self._incarnations = {ep: r.incarnation for ep, r in replies.items()}
+            first = replies[self._push_endpoints[0]] if self._push_endpoints else None
+            self.position: Position = (first.epoch, first.batch) if first is not None else (0, 0)
+            self.step_count = max(owning.values(), default=0)
+            try:
+                if self.sync_mode and len(set(owning.values())) > 1:
+                    raise PserverError(", ".join(owning), f"pservers disagree on the current step: {owning}; "
+                                       "if one restarted while no trainer was alive to roll the others back, "
+                                       "restart them all: they resume from the latest complete checkpoint",
+                                       grpc.StatusCode.ABORTED)
+                self._pull_all(self.step_count)
+                return
+            except PserverError as e:
+                if not recoverable(e):
+                    raise
+                if deadline is None:
+                    deadline = time.monotonic() + config.recovery_timeout
+                timeout = deadline - time.monotonic()
+                if timeout <= 0:
+                    raise
+                log.warning("trainer %d: joining failed (%s); waiting up to %.0fs for the pservers",
+                            self.trainer_id, e, timeout)
+                # Hello waits for a pserver that is down, not for one that disagrees: back off.
+                time.sleep(min(backoff, timeout))
+                backoff = min(2 * backoff, 2.0)
 
     def _install_tables(self) -> None:
         """Put a DistributedEmbedding in place of each distributed table's module."""
