@@ -192,6 +192,25 @@ def test_async_pserver_killed_and_restarted_loses_at_most_its_updates_since_chec
     assert loss < initial * 0.9 and loss == pytest.approx(expected, rel=0.15), (loss, expected, initial)
 
 
+def lose_pserver_1_during_the_next_join(cluster: LocalCluster, monkeypatch) -> list:
+    """Pserver 1 stops right after answering the next Hello, and is started again (from its
+    checkpoint) at the Hello after that, once the trainer's first pull has failed; returns the
+    list of Hello timeouts, one per Hello round."""
+    hellos = []
+    real_hello = Communicator.hello
+
+    def hello(comm, timeout):
+        hellos.append(timeout)
+        if len(hellos) == 2:
+            cluster.restart_pserver(1)
+        replies = real_hello(comm, timeout)
+        if len(hellos) == 1:
+            cluster.servers[1].stop()
+        return replies
+    monkeypatch.setattr(Communicator, "hello", hello)
+    return hellos
+
+
 @pytest.mark.timeout(60)
 def test_trainer_starting_while_a_pserver_restarts_waits_for_it_and_joins(tmp_path, monkeypatch, caplog):
     """A pserver lost between a new trainer's Hello and its first pull is waited for, not fatal."""
@@ -201,23 +220,32 @@ def test_trainer_starting_while_a_pserver_restarts_waits_for_it_and_joins(tmp_pa
             cm.train(tr0, cm.batches(3))
             tr0.checkpoint()
             trained = cm.snapshot(tr0)
-            hellos = []
-            real_hello = Communicator.hello
-
-            def hello(comm, timeout):
-                hellos.append(timeout)
-                if len(hellos) == 2:  # the first pull failed; the pserver comes back from its checkpoint
-                    cluster.restart_pserver(1)
-                replies = real_hello(comm, timeout)
-                if len(hellos) == 1:  # gone after answering Hello, before the pull
-                    cluster.servers[1].stop()
-                return replies
-            monkeypatch.setattr(Communicator, "hello", hello)
+            hellos = lose_pserver_1_during_the_next_join(cluster, monkeypatch)
             with cluster.trainer(1) as tr1:
                 monkeypatch.undo()
                 assert len(hellos) == 2
                 assert_state_close(cm.snapshot(tr1), trained, atol=0)
     assert "trainer 1: joining failed (pserver %s" % cluster.endpoints[1] in caplog.text
+
+
+@pytest.mark.timeout(60)
+def test_sole_sync_trainer_joining_while_a_pserver_restarts_rolls_the_other_back(tmp_path, monkeypatch,
+                                                                                caplog):
+    """No other trainer is alive to roll pserver 0 back to the restarted one's checkpoint: the joining one does."""
+    config = cm.config(str(tmp_path / "ckpt"))
+    with LocalCluster(cm.program, 2, 1, config=config) as cluster:
+        with cluster.trainer(0) as tr:
+            cm.train(tr, cm.batches(3))
+            tr.checkpoint()
+            at_checkpoint = cm.snapshot(tr)
+            cm.train(tr, cm.batches(2))
+        lose_pserver_1_during_the_next_join(cluster, monkeypatch)
+        with cluster.trainer(0) as tr:
+            monkeypatch.undo()
+            assert tr.step_count == 3
+            assert [s.engine.version for s in cluster.servers] == [3, 3]
+            assert_state_close(cm.snapshot(tr), at_checkpoint, atol=0)
+    assert "rolled back from step 5" in caplog.text
 
 
 @pytest.mark.timeout(60)

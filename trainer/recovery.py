@@ -51,14 +51,16 @@ def recoverable(error: BaseException) -> bool:
 
 
 def resync(comm: Communicator, failure: PserverError, sync_mode: bool, incarnations: Dict[str, int],
-           step: int, push_endpoints: Sequence[str], deadline: float) -> Resync:
+           step: int, push_endpoints: Sequence[str], deadline: float, what: str) -> Resync:
     """Wait for every pserver until ``deadline`` (monotonic) and decide how step ``step`` goes on.
+
+    ``what`` names the failed calls in the log ("step 7", "joining").
 
     Raises :class:`PserverError` when a pserver stays away past the deadline,
     or restarted without a checkpoint in sync mode (its parameters are lost).
     """
-    log.warning("trainer %d: step %d failed (%s); waiting up to %.0fs for the pservers", comm.trainer_id,
-                step, failure, max(0.0, deadline - time.monotonic()))
+    log.warning("trainer %d: %s failed (%s); waiting up to %.0fs for the pservers", comm.trainer_id,
+                what, failure, max(0.0, deadline - time.monotonic()))
     replies: Dict[str, ps_pb2.HelloReply] = comm.hello(max(0.1, deadline - time.monotonic()))
     now = {ep: r.incarnation for ep, r in replies.items()}
     restarted = sorted(ep for ep in replies if now[ep] != incarnations.get(ep))

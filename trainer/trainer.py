@@ -6,7 +6,6 @@ import time
 from concurrent import futures
 from typing import Callable, Dict, Iterable, Iterator, List, Optional, Tuple
 
-import grpc
 import torch
 from torch.utils.data import Dataset, DistributedSampler
 
@@ -67,6 +66,9 @@ class Trainer:
         self.comm = Communicator(program, security)
         self.tables = TableClient(program.tables, program.pservers, self._fetch_rows,
                                   lambda: self.step_count if self.sync_mode else 0)
+        # Set by batches(): the data position after the batch being trained.
+        self._batch_position: Optional[Position] = None
+        self._rewound = False
         try:
             self._join()
             # Last, so a Trainer that failed to connect leaves the model as it was.
@@ -74,9 +76,6 @@ class Trainer:
         except BaseException:
             self.comm.shutdown()
             raise
-        # Set by batches(): the data position after the batch being trained.
-        self._batch_position: Optional[Position] = None
-        self._rewound = False
         self._heartbeat = Heartbeat(self.comm, program.pservers, program.config.heartbeat_interval).start()
         log.info("trainer %d: ready at step %d (data position epoch %d batch %d), %d blocks on %d "
                  "pservers", self.trainer_id, self.step_count, *self.position, len(self.blocks.by_name),
@@ -85,42 +84,38 @@ class Trainer:
     def _join(self) -> None:
         """Register with every pserver and pull the parameters of the step they stand at.
 
-        Waits ``connect_timeout`` for the pservers to come up. A pserver lost
-        after it answered (restarting while this trainer starts), or sync
-        pservers standing at different steps (a roll-back under way), is
-        waited for and the join redone, within ``recovery_timeout``.
+        Waits ``connect_timeout`` for the pservers to come up. Sync pservers at
+        different steps (mid-step, or a roll-back under way) are asked again,
+        backing off, within ``recovery_timeout``. A pserver lost before the
+        first pull is waited for and re-synced with, as in a step.
         """
         config = self.program.config
-        timeout, deadline, backoff = config.connect_timeout, None, 0.1
+        timeout, backoff = config.connect_timeout, 0.1
+        deadline = time.monotonic() + config.recovery_timeout
         while True:
             replies = self.comm.hello(timeout)
-            owning = {ep: r.version for ep, r in replies.items() if ep in self._push_endpoints}
-            # Which process answers at each endpoint: a new incarnation is a restart.
-            self._incarnations = {ep: r.incarnation for ep, r in replies.items()}
-            first = replies[self._push_endpoints[0]] if self._push_endpoints else None
-            self.position: Position = (first.epoch, first.batch) if first is not None else (0, 0)
-            self.step_count = max(owning.values(), default=0)
-            try:
-                if self.sync_mode and len(set(owning.values())) > 1:
-                    raise PserverError(", ".join(owning), f"pservers disagree on the current step: {owning}; "
-                                       "if one restarted while no trainer was alive to roll the others back, "
-                                       "restart them all: they resume from the latest complete checkpoint",
-                                       grpc.StatusCode.ABORTED)
-                self._pull_all(self.step_count)
-                return
-            except PserverError as e:
-                if not recoverable(e):
-                    raise
-                if deadline is None:
-                    deadline = time.monotonic() + config.recovery_timeout
-                timeout = deadline - time.monotonic()
-                if timeout <= 0:
-                    raise
-                log.warning("trainer %d: joining failed (%s); waiting up to %.0fs for the pservers",
-                            self.trainer_id, e, timeout)
-                # Hello waits for a pserver that is down, not for one that disagrees: back off.
-                time.sleep(min(backoff, timeout))
-                backoff = min(2 * backoff, 2.0)
+            steps = {ep: r.version for ep, r in replies.items() if ep in self._push_endpoints}
+            if not self.sync_mode or len(set(steps.values())) <= 1:
+                break
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise PserverError(", ".join(steps), f"pservers disagree on the current step: {steps}; "
+                                   "if one restarted while no trainer was alive to roll the others back, "
+                                   "restart them all: they resume from the latest complete checkpoint")
+            log.warning("trainer %d: pservers disagree on the current step: %s; asking again for up to "
+                        "%.0fs", self.trainer_id, steps, remaining)
+            # Hello waits for a pserver that is down, not for one that disagrees: back off.
+            time.sleep(min(backoff, remaining))
+            backoff = min(2 * backoff, 2.0)
+            timeout = max(0.1, deadline - time.monotonic())
+        # Which process answers at each endpoint: a new incarnation is a restart.
+        self._incarnations = {ep: r.incarnation for ep, r in replies.items()}
+        first = replies[self._push_endpoints[0]] if self._push_endpoints else None
+        self.position: Position = (first.epoch, first.batch) if first is not None else (0, 0)
+        self.step_count = max(steps.values(), default=0)
+        outcome = self._healing(self.step_count, "joining", lambda: self._pull_all(self.step_count))
+        if outcome is not None:
+            self._resynced(outcome)
 
     def _install_tables(self) -> None:
         """Put a DistributedEmbedding in place of each distributed table's module."""
@@ -190,7 +185,7 @@ class Trainer:
             self._finish_in_flight()
             self._in_flight = self._sender.submit(self._send, step, grads, position)
         else:
-            resync = self._push_pull_all(step, grads, position, lambda ep, g: self.blocks.receive(
+            resync = self._push_pull_all(step, grads, lambda ep, g: self.blocks.receive(
                 lambda dest: self.comm.push_pull(ep, step, g, self.blocks.expect, dest, position)))
         # The pushed gradients stay referenced until sent; the next backward makes new ones.
         self.model.zero_grad(set_to_none=True)
@@ -201,20 +196,24 @@ class Trainer:
             self._resynced(resync)
         return self.step_count
 
-    def _push_pull_all(self, step: int, grads: Dict[str, list], position: Position,
+    def _push_pull_all(self, step: int, grads: Dict[str, list],
                        push_pull: Callable[[str, list], int]) -> Optional[Resync]:
-        """``push_pull(ep, grads[ep])`` on every pserver in parallel, healing what can heal.
+        """``push_pull(ep, grads[ep])`` on every pserver in parallel, healing what can heal."""
+        return self._healing(step, f"step {step}", lambda: self.comm.run_parallel(
+            {ep: (lambda ep=ep: push_pull(ep, grads[ep])) for ep in self._push_endpoints}))
+
+    def _healing(self, step: int, what: str, calls: Callable[[], object]) -> Optional[Resync]:
+        """Run ``calls`` (``what``, at ``step``); on a failure that can heal, re-sync and go on.
 
         A pserver that is unreachable, restarted or dropped this trainer makes
         the trainer wait and re-sync (:mod:`trainer.recovery`), within
-        ``recovery_timeout``; the step is retried (idempotent), or the answer
-        says where to go on from (None: the step went through).
+        ``recovery_timeout``; ``calls`` is retried (pushes are idempotent), or
+        the answer says where to go on from (None: the calls went through).
         """
         deadline = None
         while True:
             try:
-                self.comm.run_parallel({ep: (lambda ep=ep: push_pull(ep, grads[ep]))
-                                        for ep in self._push_endpoints})
+                calls()
                 return None
             except PserverError as e:
                 if not recoverable(e):
@@ -222,7 +221,7 @@ class Trainer:
                 if deadline is None:
                     deadline = time.monotonic() + self.program.config.recovery_timeout
                 outcome = resync(self.comm, e, self.sync_mode, self._incarnations, step,
-                                 self._push_endpoints, deadline)
+                                 self._push_endpoints, deadline, what)
                 self._incarnations = outcome.incarnations
                 if outcome.action != RETRY:
                     return outcome
@@ -239,7 +238,7 @@ class Trainer:
     def _send(self, step: int, grads: Dict[str, list], position: Position) -> None:
         """Push-pull ``step`` on every pserver; pulled blocks land in the staging buffers."""
         # Async only: recovery retries, never rolls back (see trainer.recovery).
-        self._push_pull_all(step, grads, position, lambda ep, g: self.comm.push_pull(
+        self._push_pull_all(step, grads, lambda ep, g: self.comm.push_pull(
             ep, step, g, self.blocks.expect, self.blocks.stage, position))
         self.position = position
 
