@@ -150,7 +150,9 @@ class Communicator:
                 log.info("trainer %d: %s is up (version %d)", self.trainer_id, endpoint, reply.version)
                 return reply
             except grpc.RpcError as e:
-                if e.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                # CANCELLED: a pserver shutting down cancels the calls it holds, a waiting Hello too.
+                if e.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
+                                    grpc.StatusCode.CANCELLED):
                     raise PserverError(endpoint, f"refused Hello: {_details(e)}", e.code()) from None
                 last = _details(e)
 

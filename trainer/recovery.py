@@ -1,9 +1,10 @@
 """Recovery: what a trainer does when a pserver call fails in a way that can heal.
 
 A pserver that is briefly unreachable, restarted from a checkpoint, or that
-dropped this trainer for silence answers UNAVAILABLE or ABORTED. The trainer
-then waits for every pserver (``hello``, with gRPC's reconnect backoff, up to
-``recovery_timeout``) and decides by what they say:
+dropped this trainer for silence answers UNAVAILABLE or ABORTED (CANCELLED
+while it shuts down). The trainer then waits for every pserver (``hello``,
+with gRPC's reconnect backoff, up to ``recovery_timeout``) and decides by
+what they say:
 
 - nobody restarted: retry the same step (pushes are idempotent per (trainer,
   step)); when the others went on without this trainer, skip to their step;
@@ -30,7 +31,8 @@ from .communicator import Communicator, PserverError
 
 log = logging.getLogger(__name__)
 
-RECOVERABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.ABORTED)
+# CANCELLED: what a call in flight gets from a pserver that is shutting down (SIGTERM, a restart).
+RECOVERABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.ABORTED, grpc.StatusCode.CANCELLED)
 
 RETRY, SKIP, ROLLBACK = "retry", "skip", "rollback"
 
