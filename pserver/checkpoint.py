@@ -10,6 +10,7 @@ Layout under ``checkpoint_dir`` (shared by every pserver of the job)::
             tables/<table>/shard-0-of-2/  (pserver.table_io files)
         pserver-0-of-2.json             the manifest, written last: the part exists iff this does
         pserver-1-of-2/ ...
+    closed-pserver-0-of-2.json          the trainers that have closed, rewritten at every close
 
 A checkpoint at step *v* is complete once the manifests of all N pservers that
 wrote it exist. Sync pservers checkpoint at the same step boundaries, so a
@@ -187,6 +188,33 @@ def write_part(root: str, step: int, shard: int, n_shards: int, store, tables, m
                                     "tables": sorted(tables.names())})
     table_io.fsync_dir(step_dir)
     return part
+
+
+def _closed_path(root: str, shard: int, n_shards: int) -> str:
+    return os.path.join(root, f"closed-{part_name(shard, n_shards)}.json")
+
+
+def write_closed(root: str, shard: int, n_shards: int, closed) -> None:
+    """Record, atomically, that the trainers ``closed`` have closed (as pserver ``shard`` saw it).
+
+    Apart from the checkpoints, and at once: a pserver restarted from a
+    checkpoint older than a trainer's close must not wait for that trainer.
+    """
+    os.makedirs(root, exist_ok=True)
+    table_io.write_json(_closed_path(root, shard, n_shards), {"closed": sorted(closed)})
+
+
+def read_closed(root: str, shard: int, n_shards: int) -> set:
+    """The trainers :func:`write_closed` last recorded for pserver ``shard`` (none if nothing readable)."""
+    path = _closed_path(root, shard, n_shards)
+    try:
+        with open(path, "rb") as f:
+            return {int(t) for t in json.loads(f.read())["closed"]}
+    except FileNotFoundError:
+        return set()
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        log.warning("ignoring unreadable record of closed trainers %s: %s", path, e)
+        return set()
 
 
 def _write_manifest(path: str, manifest: dict) -> None:

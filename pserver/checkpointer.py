@@ -76,7 +76,17 @@ class Checkpointer:
         self.last = (saved.step, saved.parts[self.shard] if same else saved.parts[0], time.time())
         log.info("%s: loaded the checkpoint at step %d from %d pserver part(s) under %s", self.endpoint,
                  saved.step, saved.n_shards, self.root)
-        return {**manifest, "step": saved.step}
+        # Trainers that closed after the checkpoint was written are gone too.
+        closed = set(manifest.get("closed", [])) | checkpoint.read_closed(self.root, self.shard, self.n_shards)
+        return {**manifest, "step": saved.step, "closed": sorted(closed)}
+
+    def note_closed(self, closed) -> None:
+        """Record at once which trainers have closed (a failure is logged, never raised)."""
+        try:
+            checkpoint.write_closed(self.root, self.shard, self.n_shards, closed)
+        except OSError:
+            log.exception("%s: could not record the closed trainers %s under %s; a restart from an "
+                          "older checkpoint would wait for them", self.endpoint, sorted(closed), self.root)
 
     def forget_after(self, version: int) -> None:
         """Delete this pserver's parts newer than ``version``: a roll-back abandoned them."""

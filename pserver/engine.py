@@ -81,9 +81,12 @@ class Engine:
         it pushed with its last applied step (or the checkpoint's), (0, 0) if none.
         """
         with self.cv:
+            was_closed = trainer_id in self.roster.closed
             how = self.roster.join(trainer_id)
             if how == "rejoined":
                 self.all_closed.clear()
+            if was_closed:
+                self._note_closed()
             start = self._start_step(trainer_id, how)
             if how:
                 log.info("%s: trainer %d %s at step %d", self.endpoint, trainer_id, how, start)
@@ -109,6 +112,7 @@ class Engine:
                 self.roster.closed.add(trainer_id)
                 self.roster.dropped.discard(trainer_id)
                 log.info("%s: trainer %d closed at step %d", self.endpoint, trainer_id, self.version)
+                self._note_closed()
                 self._on_close()
             left = len(set(range(self.trainers)) - self.roster.closed)
             if left == 0:
@@ -257,6 +261,10 @@ class Engine:
         self._clear_pending()
         if self.checkpointer is not None:
             self.checkpointer.forget_after(self.version)
+
+    def _note_closed(self) -> None:
+        if self.checkpointer is not None:
+            self.checkpointer.note_closed(self.roster.closed)
 
     def _clear_pending(self) -> None:
         pass
