@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from typing import Dict, List
 
@@ -249,6 +250,45 @@ def test_sole_sync_trainer_joining_while_a_pserver_restarts_rolls_the_other_back
             assert [s.engine.version for s in cluster.servers] == [3, 3]
             assert_state_close(cm.snapshot(tr), at_checkpoint, atol=0)
     assert "rolled back from step 5" in caplog.text
+
+
+@pytest.mark.timeout(60)
+def test_async_pserver_restarted_after_a_trainer_closed_does_not_wait_for_it(tmp_path):
+    """Trainer 1 closed after the last checkpoint: the restarted pserver knows, and finishes with trainer 0."""
+    with LocalCluster(cm.program, 2, 2, sync_mode=False, config=cm.config(str(tmp_path / "ckpt"))) as cluster:
+        with cluster.trainer(0) as tr0:
+            cm.train(tr0, cm.batches(2))
+            tr0.checkpoint()
+            with cluster.trainer(1) as tr1:
+                cm.train(tr1, cm.batches(2))
+            cluster.servers[1].stop()
+            restarted = cluster.restart_pserver(1)
+            assert restarted.engine.roster.closed == {1}
+            cm.train(tr0, cm.batches(2))
+        assert restarted.wait(10)  # every trainer closed: it would serve on, waiting for trainer 1
+
+
+@pytest.mark.timeout(60)
+def test_sync_trainer_closed_after_the_checkpoint_is_not_waited_for_after_a_roll_back(tmp_path):
+    """Rolled back to a checkpoint older than trainer 1's close, trainer 0 redoes the steps alone."""
+    data = cm.batches(5)
+    config = cm.config(str(tmp_path / "ckpt"), checkpoint_every=3)
+    with LocalCluster(cm.program, 2, 2, config=config) as cluster:
+        with cluster.trainer(0) as tr0:
+            with cluster.trainer(1) as tr1:
+                one = threading.Thread(target=cm.train, args=(tr1, data))
+                one.start()
+                cm.train(tr0, data)
+                one.join(30)
+            assert [s.engine.version for s in cluster.servers] == [5, 5]
+            cluster.servers[1].stop()
+            cluster.restart_pserver(1)    # back at the checkpoint of step 3
+            cm.train(tr0, data[3:4])      # fails, rolls pserver 0 back to 3 too
+            assert tr0.step_count == 3
+            started = time.monotonic()
+            cm.train(tr0, data[3:])
+            assert tr0.step_count == 5 and time.monotonic() - started < 10  # not barrier_timeout (30 s)
+            assert [s.engine.roster.closed for s in cluster.servers] == [{1}, {1}]
 
 
 @pytest.mark.timeout(60)

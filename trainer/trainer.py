@@ -69,6 +69,7 @@ class Trainer:
         # Set by batches(): the data position after the batch being trained.
         self._batch_position: Optional[Position] = None
         self._rewound = False
+        self._discard_step = False
         try:
             self._join()
             # Last, so a Trainer that failed to connect leaves the model as it was.
@@ -137,6 +138,22 @@ class Trainer:
             setattr(parent, attr, DistributedEmbedding(spec, self.tables))
 
     def _fetch_rows(self, pieces: Pieces, min_version: int) -> Dict[str, Dict[str, torch.Tensor]]:
+        """Rows of ``pieces`` from the pservers, healing a failure as a step does.
+
+        When healing moved this trainer to another step (sync: a roll-back, or
+        the others went on), the rows come from there and the current batch's
+        step is discarded: its forward began before the re-sync.
+        """
+        fetched: Dict[str, Dict[str, torch.Tensor]] = {}
+        outcome = self._healing(self.step_count, f"lookup at step {self.step_count}",
+                                lambda: fetched.update(self._prefetch_all(pieces, min_version)))
+        if outcome is None:
+            return fetched
+        self._resynced(outcome)
+        self._discard_step = True
+        return self._prefetch_all(pieces, self.step_count if self.sync_mode else 0)
+
+    def _prefetch_all(self, pieces: Pieces, min_version: int) -> Dict[str, Dict[str, torch.Tensor]]:
         """One prefetch round trip per pserver in ``pieces``, in parallel."""
         def expect_for(ep):
             sent = {}
@@ -175,6 +192,11 @@ class Trainer:
         gradients of the rows this step looked up.
         """
         self._check_open()
+        if self._discard_step:  # a lookup of this batch re-synced to another step: nothing to push
+            self._discard_step = False
+            self.tables.clear()
+            self.model.zero_grad(set_to_none=True)
+            return self.step_count
         step = self.step_count
         position = self._batch_position or (0, step + 1)
         sparse = self.tables.take_gradients() if self.program.tables else {}
