@@ -37,9 +37,9 @@ from torch import nn
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from dense_workers import build_model  # noqa: E402
 
-from pserver.checkpointer import Checkpointer  # noqa: E402
+from pserver.checkpoint.checkpointer import Checkpointer  # noqa: E402
 from pserver.store import BlockStore  # noqa: E402
-from pserver.table_set import TableSet  # noqa: E402
+from pserver.tables.table_set import TableSet  # noqa: E402
 from transpiler import DistributeTranspiler, DistributeTranspilerConfig, Program, TableOptions  # noqa: E402
 
 ENDPOINT = "127.0.0.1:1"

@@ -36,7 +36,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from pserver.table import TableShard  # noqa: E402
+from pserver.tables.shard import TableShard  # noqa: E402
 from transpiler.tables import TableOptimizerSpec, TableSpec  # noqa: E402
 
 DIM = 16

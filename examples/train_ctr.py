@@ -271,7 +271,7 @@ def main(argv=None) -> int:
         torch.save(tr.state_dict(), args.save)
         paths = tr.save_tables(os.path.abspath(args.tables_dir))
         log.info("%s: dense state_dict saved to %s, table shards to %s", role, args.save, paths)
-    from pserver.table_io import export_tables
+    from pserver.tables.files import export_tables
 
     for table, meta in export_tables(args.tables_dir, args.export_dir).items():
         log.info("exported table %s: %d rows to %s", table, meta["rows"], args.export_dir)

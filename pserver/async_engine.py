@@ -8,7 +8,7 @@ import torch
 
 from .engine import Engine
 from .roster import Position
-from .table_set import SparseGrad
+from .tables import SparseGrad
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,8 @@ import argparse
 import logging
 import sys
 
-from transpiler import DistributeTranspiler, RoleEnv, load_program
+from transpiler import DistributeTranspiler, RoleEnv
+from transpiler.loader import load_program
 from transpiler.cliargs import add_transpile_arguments, config_from_args
 
 from .server import ParameterServer

@@ -24,10 +24,10 @@ import grpc
 import numpy as np
 import torch
 
-from .checkpointer import Checkpointer
+from .checkpoint import Checkpointer
 from .roster import Position, Roster
 from .store import BlockStore
-from .table_set import TableSet
+from .tables import TableSet
 
 log = logging.getLogger(__name__)
 

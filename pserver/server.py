@@ -12,32 +12,18 @@ import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from psproto.codec import message_limit
+from psproto.options import server_options
 from transpiler import PserverProgram, StartupProgram
-from transpiler.security import Security
+from psproto.security import Security
 
 from .async_engine import AsyncEngine
-from .checkpointer import Checkpointer
+from .checkpoint import Checkpointer
 from .servicer import SERVICE_NAME, PserverServicer
 from .store import BlockStore
 from .sync_engine import SyncEngine
-from .table_set import TableSet
+from .tables import TableSet
 
 log = logging.getLogger(__name__)
-
-
-def server_options(chunk_bytes: int) -> list:
-    """gRPC options of a pserver: bounded messages, no port sharing, tolerant keepalive."""
-    limit = message_limit(chunk_bytes)
-    return [
-        ("grpc.max_receive_message_length", limit),
-        ("grpc.max_send_message_length", limit),
-        # Off so a second pserver on the same port fails to bind instead of
-        # silently sharing it.
-        ("grpc.so_reuseport", 0),
-        ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
-        ("grpc.keepalive_permit_without_calls", 1),
-    ]
 
 
 class ParameterServer:

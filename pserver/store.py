@@ -5,10 +5,11 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
-from transpiler import LrSchedule, PserverProgram, StartupProgram
+from transpiler import PserverProgram, StartupProgram
+from transpiler.optim import LrSchedule
 from transpiler.plans import DTYPES
 
-from .checkpoint import cut_block
+from transpiler.slicing import cut_block
 
 
 class BlockStore:

@@ -13,7 +13,7 @@ import torch
 
 from .engine import Engine, EngineError
 from .roster import Position
-from .table_set import SparseGrad
+from .tables import SparseGrad
 
 log = logging.getLogger(__name__)
 

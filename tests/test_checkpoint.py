@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 import torch
 
-import checkpoint_models as cm
-from cluster import LocalCluster
-from pserver import checkpoint
-from pserver.checkpoint_cli import main as checkpoint_main
+from tests.helpers import checkpoint_models as cm
+from tests.helpers.cluster import LocalCluster
+from pserver.checkpoint import layout as checkpoint
+from pserver.checkpoint.cli import main as checkpoint_main
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 

@@ -19,7 +19,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "examples"))
 import ctr_data  # noqa: E402
 import train_ctr  # noqa: E402
-from test_launch import run_ps_launch  # noqa: E402
+from tests.helpers.launch import run_ps_launch  # noqa: E402
 
 EXAMPLE = str(REPO / "examples" / "train_ctr.py")
 LINES = 60_000

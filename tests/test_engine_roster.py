@@ -9,11 +9,11 @@ from torch import nn
 import threading
 
 from pserver.async_engine import AsyncEngine
-from pserver.checkpointer import Checkpointer
+from pserver.checkpoint.checkpointer import Checkpointer
 from pserver.engine import EngineError
 from pserver.store import BlockStore
 from pserver.sync_engine import SyncEngine
-from pserver.table_set import TableSet
+from pserver.tables.table_set import TableSet
 from transpiler import DistributeTranspiler, DistributeTranspilerConfig, Program
 
 EP = "127.0.0.1:1"

@@ -57,10 +57,10 @@ import torch
 from google.protobuf.message_factory import GetMessageClass
 from torch import nn
 
-from cluster import LocalCluster
-from fuzz_cases import (BAG_LEN, METHODS, SERVICE, SLOTS, TRAINERS, WRONG_DIGEST, Case, Env, base_requests,
+from tests.helpers.cluster import LocalCluster
+from tests.helpers.fuzz_cases import (BAG_LEN, METHODS, SERVICE, SLOTS, TRAINERS, WRONG_DIGEST, Case, Env, base_requests,
                         build, generate_cases, legit_change, table_grads)
-from fuzz_crafted import crafted_cases
+from tests.helpers.fuzz_crafted import crafted_cases
 from psproto import ps_pb2
 from psproto.codec import WIRE_DTYPES, TensorReader, WireError, as_bytes, decode_chunk
 from transpiler import DistributeTranspilerConfig

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from transpiler import RoleEnv
+from tests.helpers.launch import run_ps_launch
 from trainer import launch, launch_plan
 
 REPO = Path(__file__).resolve().parents[1]
@@ -31,19 +32,6 @@ def wait_for(predicate, timeout: float, what: str):
         if time.monotonic() > deadline:
             pytest.fail(f"timed out after {timeout} s waiting for {what}")
         time.sleep(0.05)
-
-
-def run_ps_launch(args, cwd, timeout: float) -> subprocess.CompletedProcess:
-    """``python -m trainer.launch ARGS`` in ``cwd``; SIGTERM (which stops its roles) on timeout."""
-    argv = [sys.executable, "-m", "trainer.launch", *args]
-    proc = subprocess.Popen(argv, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    finally:
-        if proc.poll() is None:
-            proc.terminate()  # the launcher stops its roles on SIGTERM
-            out, err = proc.communicate(timeout=20)
-    return subprocess.CompletedProcess(argv, proc.returncode, out, err)
 
 
 def pid_alive(pid: int) -> bool:

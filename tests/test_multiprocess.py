@@ -8,8 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from cluster import free_ports
-from models import batches, odd_program
+from tests.helpers.ports import free_ports
+from tests.helpers.models import batches, odd_program
 from trainer import Trainer
 from transpiler import DistributeTranspiler
 

@@ -6,8 +6,10 @@ import grpc
 import pytest
 import torch
 
-from cluster import LocalCluster, free_ports
-from models import odd_mlp
+from tests.helpers.cluster import LocalCluster
+from tests.helpers.ports import free_ports
+from tests.helpers.models import odd_mlp
+from tests.helpers.wire import expect_refusal, push_messages
 from psproto import ps_pb2, ps_pb2_grpc
 from psproto.codec import encode_chunks
 from trainer import PserverError, PserverUnavailableError, Trainer
@@ -35,28 +37,11 @@ def snapshot(cluster):
     return {n: b.detach().clone() for n, b in cluster.servers[0].engine.store.blocks.items()}
 
 
-def push_messages(digest, trainer_id=0, step=0, tensors=(), header=True):
-    """PushChunk messages as the generated protobuf classes see the codec's encoding."""
-    h = ps_pb2.PushHeader(trainer_id=trainer_id, step=step, layout_digest=digest)
-    msgs = [ps_pb2.PushChunk.FromString(b) for b in encode_chunks(h, list(tensors), 1 << 16)]
-    if not header:
-        msgs[0].ClearField("header")
-    return iter(msgs)
-
-
 def full_grads(cluster, value=0.5):
     """A gradient for every block, matrices first."""
     store = cluster.servers[0].engine.store
     specs = sorted(store.specs.items(), key=lambda kv: -len(kv[1].shape))
     return [(n, torch.full(spec.shape, value)) for n, spec in specs]
-
-
-def expect_refusal(call, code, match):
-    with pytest.raises(grpc.RpcError) as info:
-        call()
-    assert info.value.code() == code, info.value.details()
-    assert match in info.value.details(), info.value.details()
-    return info.value.details()
 
 
 @pytest.mark.timeout(30)

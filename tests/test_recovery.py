@@ -17,17 +17,15 @@ from typing import Dict, List
 import pytest
 import torch
 
-from pserver.checkpoint import dense_state_dict, find_saved
-from trainer.launch_plan import free_ports
+from pserver.checkpoint.layout import dense_state_dict, find_saved
+from tests.helpers.ports import free_ports
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.join(HERE, "scripts", "recovery_job.py")
-sys.path.insert(0, os.path.join(HERE, "scripts"))
-import recovery_job  # noqa: E402
-
-import checkpoint_models as cm  # noqa: E402
-from cluster import LocalCluster  # noqa: E402
-from trainer.communicator import Communicator, PserverError  # noqa: E402
+from tests.helpers import checkpoint_models as cm
+from tests.helpers.cluster import LocalCluster
+from tests.scripts import recovery_job
+from trainer.communicator import Communicator, PserverError
 
 
 class Job:

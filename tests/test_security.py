@@ -13,16 +13,16 @@ import pytest
 import torch
 from torch import nn
 
-from cluster import LocalCluster
-from models import batches, odd_mlp
+from tests.helpers.cluster import LocalCluster
+from tests.helpers.models import batches, odd_mlp
 from psproto import ps_pb2, ps_pb2_grpc
 from pserver.servicer import SERVICE_NAME, PserverServicer
 from trainer import Trainer, launch_plan
 from trainer.launch_plan import LaunchError
 from transpiler import Program
-from transpiler.certs import make_test_certs
-from transpiler.certs_cli import main as certs_main
-from transpiler.security import Security
+from psproto.certs import make_test_certs
+from psproto.certs_cli import main as certs_main
+from psproto.security import Security
 
 TOKEN = "s3cret-Token_123"
 REFUSED = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)

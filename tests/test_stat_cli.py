@@ -6,12 +6,12 @@ import json
 import pytest
 from torch import nn
 
-from cluster import LocalCluster
-from models import batches, odd_mlp
+from tests.helpers.cluster import LocalCluster
+from tests.helpers.models import batches, odd_mlp
 from pserver import stat_cli
-from trainer.launch_plan import free_ports
+from tests.helpers.ports import free_ports
 from transpiler import Program
-from transpiler.security import Security
+from psproto.security import Security
 
 STEPS = 3
 

@@ -17,8 +17,8 @@ import pytest
 import torch
 from torch import nn
 
-from cluster import LocalCluster
-from models import batches, odd_mlp
+from tests.helpers.cluster import LocalCluster
+from tests.helpers.models import batches, odd_mlp
 from transpiler import DistributeTranspilerConfig, Program
 
 STEPS = 4

@@ -6,12 +6,12 @@ import numpy as np
 import pytest
 import torch
 
-from cluster import LocalCluster
+from tests.helpers.cluster import LocalCluster
 from psproto import ps_pb2, ps_pb2_grpc
 from psproto.codec import encode_chunks
-from table_models import DIM, table_program
-from test_pserver_errors import expect_refusal, push_messages
-from transpiler import shard_of
+from tests.helpers.table_models import DIM, table_program
+from tests.helpers.wire import expect_refusal, push_messages
+from transpiler.tables import shard_of
 
 
 @pytest.fixture

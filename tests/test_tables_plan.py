@@ -4,10 +4,10 @@ import pytest
 import torch
 from torch import nn
 
-from cluster import LocalCluster
-from table_models import table_program
-from transpiler import (DistributeTranspiler, PserverProgram, Program, TableOptions, TrainerProgram,
-                        initial_rows, merge_duplicates, shard_of)
+from tests.helpers.cluster import LocalCluster
+from tests.helpers.table_models import table_program
+from transpiler import DistributeTranspiler, PserverProgram, Program, TableOptions, TrainerProgram
+from transpiler.tables import initial_rows, merge_duplicates, shard_of
 
 
 def spec_of(prog, name="emb"):

@@ -9,8 +9,8 @@ import pytest
 import torch
 from torch import nn
 
-from cluster import LocalCluster
-from table_models import BAG_VOCAB, VOCAB, single_process, table_batches, table_program
+from tests.helpers.cluster import LocalCluster
+from tests.helpers.table_models import BAG_VOCAB, VOCAB, single_process, table_batches, table_program
 
 STEPS = 4
 PER_TRAINER = 8
@@ -60,7 +60,7 @@ def test_sync_tables_match_single_process(optimizer, dtype):
         assert_matches(results[i], expected)
     # Training really moved the rows that were looked up (a no-op would match a no-op).
     initial = table_program(optimizer, dtype).tables[0]
-    from transpiler import initial_rows
+    from transpiler.tables import initial_rows
     start = torch.from_numpy(initial_rows(initial, VOCAB))
     moved = (results[0][1]["emb"] - start).abs().amax(dim=1) > 1e-4
     assert 0 < int(moved.sum()) < len(VOCAB)  # some ids were never drawn: those rows stay put

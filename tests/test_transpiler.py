@@ -9,9 +9,11 @@ import pytest
 import torch
 from torch import nn
 
-from models import odd_mlp
-from transpiler import (DistributeTranspiler, DistributeTranspilerConfig, LrSchedule, Program,
-                        PserverProgram, RoleEnv, StartupProgram, TrainerProgram, stable_hash_name)
+from tests.helpers.models import odd_mlp
+from transpiler import (DistributeTranspiler, DistributeTranspilerConfig, Program, PserverProgram, RoleEnv,
+                        StartupProgram, TrainerProgram)
+from transpiler.hashing import stable_hash_name
+from transpiler.optim import LrSchedule
 from transpiler.slicing import block_count, split_rows
 
 EPS2 = "127.0.0.1:6170,127.0.0.1:6171"
@@ -71,7 +73,7 @@ def test_hash_name_is_stable_across_processes_and_independent_of_order():
         expected = int.from_bytes(hashlib.blake2b(b.name.encode(), digest_size=8).digest(), "little")
         assert b.endpoint == eps[expected % 3]
     # Python's own str hash is salted per process; ours must not be.
-    code = "from transpiler import stable_hash_name; print(stable_hash_name('fc2.weight.block1'))"
+    code = "from transpiler.hashing import stable_hash_name; print(stable_hash_name('fc2.weight.block1'))"
     outs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                            env={**os.environ, "PYTHONHASHSEED": seed}, cwd=REPO).stdout.strip()
             for seed in ("1", "2", "3")}

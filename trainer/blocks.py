@@ -7,7 +7,8 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
-from transpiler import BlockSpec, TrainerProgram
+from transpiler import TrainerProgram
+from transpiler.plans import BlockSpec
 from transpiler.slicing import as_rows
 
 

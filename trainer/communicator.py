@@ -16,10 +16,10 @@ import grpc
 import torch
 
 from psproto import ps_pb2, ps_pb2_grpc
-from psproto.codec import (ONE_MESSAGE_BYTES, TensorReader, WireError, decode_chunk, encode_chunks,
-                           message_limit)
+from psproto.codec import ONE_MESSAGE_BYTES, TensorReader, WireError, decode_chunk, encode_chunks
+from psproto.options import channel_options
 from transpiler import TrainerProgram
-from transpiler.security import Security
+from psproto.security import Security
 
 log = logging.getLogger(__name__)
 
@@ -40,24 +40,6 @@ class PserverError(RuntimeError):
 
 class PserverUnavailableError(PserverError, TimeoutError):
     """A pserver did not come up within the connect deadline."""
-
-
-def channel_options(chunk_bytes: int) -> list:
-    limit = message_limit(chunk_bytes)
-    return [
-        ("grpc.max_receive_message_length", limit),
-        ("grpc.max_send_message_length", limit),
-        ("grpc.keepalive_time_ms", 30_000),
-        ("grpc.keepalive_timeout_ms", 20_000),
-        # Each pserver gets its own connection even when endpoints share a host.
-        ("grpc.use_local_subchannel_pool", 1),
-        # A trainer that starts before its pservers retries within ~0.1 s of them
-        # binding, not after gRPC's default 1 s backoff: a head start of one
-        # trainer over another costs async training (stale, doubled updates at join).
-        ("grpc.initial_reconnect_backoff_ms", 100),
-        ("grpc.min_reconnect_backoff_ms", 100),
-        ("grpc.max_reconnect_backoff_ms", 2_000),
-    ]
 
 
 def _details(e: grpc.RpcError) -> str:

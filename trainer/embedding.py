@@ -22,7 +22,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from transpiler import TableSpec, merge_duplicates, shard_of
+from transpiler.tables import TableSpec, merge_duplicates, shard_of
 
 # Dedupes remembered at most (the latest ones).
 _DEDUPE_MEMO = 8

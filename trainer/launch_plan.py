@@ -13,8 +13,8 @@ import sys
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-from transpiler import parse_endpoints
-from transpiler.security import Security
+from transpiler.env import PSERVER, ROLE_VARS, TRAINER, RoleEnv, parse_endpoints
+from psproto.security import Security
 
 DESCRIPTION = """ps-launch: start the pservers and trainers of a job, as Paddle's launcher does in pserver mode.
 
@@ -32,9 +32,6 @@ Exit status: 0 when every trainer exited 0, 1 when a role failed, 2 on bad input
 130/143 when stopped by SIGINT/SIGTERM.
 """
 
-PSERVER, TRAINER = "PSERVER", "TRAINER"
-ROLE_VARS = ("TRAINING_ROLE", "PADDLE_PSERVERS_IP_PORT_LIST", "PADDLE_TRAINERS_NUM",
-             "PADDLE_TRAINER_ID", "POD_IP", "PADDLE_PORT")
 
 
 class LaunchError(ValueError):
@@ -237,19 +234,20 @@ def plan_roles(args: argparse.Namespace, is_local: Optional[Callable[[str], bool
     else:
         workers = ["127.0.0.1"] * args.worker_num
 
-    common = {"PADDLE_PSERVERS_IP_PORT_LIST": ",".join(endpoints), "PADDLE_TRAINERS_NUM": str(len(workers))}
+    common = {}
     if getattr(args, "auth_token_file", None) is not None:
         # Absolute: a role may change directory before it reads the variable.
         common["PS_AUTH_TOKEN_FILE"] = os.path.abspath(args.auth_token_file)
     roles = []
     for i, ep in enumerate(endpoints):
-        ip, _, port = ep.rpartition(":")
+        ip = ep.rpartition(":")[0]
         if args.servers is None or is_local(ip):
-            env = dict(common, TRAINING_ROLE=PSERVER, POD_IP=ip, PADDLE_PORT=port)
+            env = dict(common, **RoleEnv(PSERVER, endpoints, len(workers), current_endpoint=ep).to_env())
             roles.append(Role(PSERVER, i, ip, env, endpoint=ep))
     for i, ip in enumerate(workers):
         if args.workers is None or is_local(ip):
-            roles.append(Role(TRAINER, i, ip, dict(common, TRAINING_ROLE=TRAINER, PADDLE_TRAINER_ID=str(i))))
+            env = dict(common, **RoleEnv(TRAINER, endpoints, len(workers), trainer_id=i).to_env())
+            roles.append(Role(TRAINER, i, ip, env))
     if not roles:
         host = args.host or "auto-detected " + ",".join(sorted(local_addresses()))
         raise LaunchError(f"this host ({host}) has no role in --servers/--workers; give --host IP")

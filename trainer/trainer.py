@@ -318,7 +318,7 @@ class Trainer:
 
         Shards land in ``directory/<table>/shard-K-of-N``; a pserver started
         with ``tables_from=directory`` (any number of pservers) resumes from
-        them, and ``python -m pserver.table_cli DIRECTORY OUT`` exports them as
+        them, and ``python -m pserver.tables.cli DIRECTORY OUT`` exports them as
         one ids/rows file set per table. Returns the shard directories written.
         """
         self._check_open()

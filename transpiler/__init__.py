@@ -4,21 +4,20 @@ Public surface::
 
     from transpiler import Program, DistributeTranspiler, DistributeTranspilerConfig
     from transpiler import TableOptions          # per-table optimizer / initial rows
+    from transpiler import RoleEnv               # this process's role, from the environment
+    from transpiler import PserverProgram, StartupProgram, TrainerProgram   # the plans
+
+Internals (slicing, hashing, table specs, optimizer specs) are imported from
+their modules by the pserver and trainer packages.
 """
 from .config import DistributeTranspilerConfig
 from .env import RoleEnv
-from .hashing import stable_hash_ids, stable_hash_name
-from .loader import load_program
-from .plans import BlockSpec, ParamSpec, PserverProgram, StartupProgram, TrainerProgram
-from .optim import LrSchedule, OptimizerSpec
+from .plans import PserverProgram, StartupProgram, TrainerProgram
 from .program import Program
-from .tables import TableOptimizerSpec, TableOptions, TableSpec, initial_rows, merge_duplicates, shard_of
-from .transpiler import DistributeTranspiler, parse_endpoints
+from .tables import TableOptions
+from .transpiler import DistributeTranspiler
 
 __all__ = [
-    "Program", "DistributeTranspiler", "DistributeTranspilerConfig", "RoleEnv",
-    "OptimizerSpec", "LrSchedule", "BlockSpec", "ParamSpec", "PserverProgram",
-    "StartupProgram", "TrainerProgram", "stable_hash_name", "stable_hash_ids",
-    "parse_endpoints", "load_program", "TableOptions", "TableSpec", "TableOptimizerSpec",
-    "initial_rows", "merge_duplicates", "shard_of",
+    "Program", "DistributeTranspiler", "DistributeTranspilerConfig", "TableOptions", "RoleEnv",
+    "PserverProgram", "StartupProgram", "TrainerProgram",
 ]

@@ -12,11 +12,30 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import List, Mapping, Optional
+from typing import Dict, List, Mapping, Optional, Sequence, Union
 
-from .transpiler import parse_endpoints
 
-ROLES = ("PSERVER", "TRAINER")
+PSERVER, TRAINER = "PSERVER", "TRAINER"
+ROLES = (PSERVER, TRAINER)
+# Every variable a role reads; a launcher sets these and drops inherited ones.
+ROLE_VARS = ("TRAINING_ROLE", "PADDLE_PSERVERS_IP_PORT_LIST", "PADDLE_TRAINERS_NUM",
+             "PADDLE_TRAINER_ID", "POD_IP", "PADDLE_PORT")
+
+
+def parse_endpoints(pservers: Union[str, Sequence[str]]) -> List[str]:
+    """Turn ``"h1:p1,h2:p2"`` (or a list) into a checked list of endpoints."""
+    items = pservers.split(",") if isinstance(pservers, str) else list(pservers)
+    endpoints = [e.strip() for e in items if e.strip()]
+    if not endpoints:
+        raise ValueError("pservers is empty: give at least one 'host:port' endpoint")
+    for ep in endpoints:
+        host, sep, port = ep.rpartition(":")
+        if not sep or not host or not port.isdigit() or not (0 < int(port) < 65536):
+            raise ValueError(f"pserver endpoint {ep!r} is not of the form host:port")
+    dupes = sorted({e for e in endpoints if endpoints.count(e) > 1})
+    if dupes:
+        raise ValueError(f"pserver endpoints listed twice: {dupes}")
+    return endpoints
 
 
 @dataclass
@@ -31,7 +50,7 @@ class RoleEnv:
 
     @property
     def is_pserver(self) -> bool:
-        return self.role == "PSERVER"
+        return self.role == PSERVER
 
     @property
     def pserver_list(self) -> str:
@@ -68,7 +87,7 @@ class RoleEnv:
         trainers = need_int("PADDLE_TRAINERS_NUM")
         if trainers < 1:
             raise ValueError(f"PADDLE_TRAINERS_NUM must be >= 1, got {trainers}")
-        if role == "TRAINER":
+        if role == TRAINER:
             trainer_id = need_int("PADDLE_TRAINER_ID")
             if not 0 <= trainer_id < trainers:
                 raise ValueError(f"PADDLE_TRAINER_ID={trainer_id} is out of range [0, {trainers})")
@@ -78,3 +97,14 @@ class RoleEnv:
             raise ValueError(f"this pserver's endpoint {endpoint} (POD_IP:PADDLE_PORT) is not in "
                              f"PADDLE_PSERVERS_IP_PORT_LIST={','.join(pservers)}")
         return cls(role, pservers, trainers, current_endpoint=endpoint)
+
+    def to_env(self) -> Dict[str, str]:
+        """The role variables that make :meth:`from_env` return this role (what a launcher sets)."""
+        env = {"TRAINING_ROLE": self.role, "PADDLE_PSERVERS_IP_PORT_LIST": self.pserver_list,
+               "PADDLE_TRAINERS_NUM": str(self.trainers)}
+        if self.is_pserver:
+            ip, _, port = (self.current_endpoint or "").rpartition(":")
+            env.update(POD_IP=ip, PADDLE_PORT=port)
+        else:
+            env["PADDLE_TRAINER_ID"] = str(self.trainer_id)
+        return env

@@ -1,7 +1,7 @@
 """Slicing parameters into row blocks and dealing blocks to pservers."""
 from __future__ import annotations
 
-from typing import List, Sequence, Tuple
+from typing import Dict, List, Sequence, Tuple
 
 import torch
 
@@ -11,6 +11,37 @@ from .hashing import stable_hash_name
 def as_rows(t: torch.Tensor) -> torch.Tensor:
     """``t`` as the 2-D (dim-0 rows, rest) view blocks are cut from; a scalar is one row."""
     return t.reshape(t.shape[0] if t.dim() else 1, -1)
+
+
+def cut_block(saved: Dict[str, List[dict]], param: str, row_start: int, row_end: int,
+              shape: Sequence[int]) -> Tuple[torch.Tensor, dict]:
+    """(value, optimizer state) of rows ``[row_start, row_end)`` of ``param``, cut from saved blocks.
+
+    The saved blocks may slice the parameter differently. State tensors shaped
+    like their block are cut the same way; anything else (a step count) is
+    taken from the first saved block the rows come from.
+    """
+    pieces = [e for e in saved.get(param, []) if e["row_start"] < row_end and e["row_end"] > row_start]
+    covered = row_start
+    for e in pieces:
+        if e["row_start"] > covered:
+            break
+        covered = max(covered, e["row_end"])
+    if covered < row_end:
+        raise ValueError(f"the checkpoint holds no rows {covered}..{row_end} of parameter {param!r}")
+
+    def cut(get) -> torch.Tensor:
+        return torch.cat([as_rows(get(e))[max(row_start, e["row_start"]) - e["row_start"]:
+                                        min(row_end, e["row_end"]) - e["row_start"]] for e in pieces])
+
+    value = cut(lambda e: e["value"]).reshape(shape)
+    state = {}
+    for key, first in pieces[0]["state"].items():
+        if torch.is_tensor(first) and first.shape == pieces[0]["value"].shape and first.dim() > 0:
+            state[key] = cut(lambda e: e["state"][key]).reshape(shape).clone()
+        else:
+            state[key] = first.clone() if torch.is_tensor(first) else first
+    return value, state
 
 
 def block_count(numel: int, rows: int, n_pservers: int, min_block_size: int,

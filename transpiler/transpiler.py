@@ -8,25 +8,10 @@ from typing import Dict, List, Optional, Sequence, Union
 import torch
 
 from .config import DistributeTranspilerConfig
+from .env import parse_endpoints
 from .plans import BlockSpec, ParamSpec, PserverProgram, StartupProgram, TrainerProgram, dtype_name
 from .program import Program
 from .slicing import DISPATCHERS, block_count, split_rows
-
-
-def parse_endpoints(pservers: Union[str, Sequence[str]]) -> List[str]:
-    """Turn ``"h1:p1,h2:p2"`` (or a list) into a checked list of endpoints."""
-    items = pservers.split(",") if isinstance(pservers, str) else list(pservers)
-    endpoints = [e.strip() for e in items if e.strip()]
-    if not endpoints:
-        raise ValueError("pservers is empty: give at least one 'host:port' endpoint")
-    for ep in endpoints:
-        host, sep, port = ep.rpartition(":")
-        if not sep or not host or not port.isdigit() or not (0 < int(port) < 65536):
-            raise ValueError(f"pserver endpoint {ep!r} is not of the form host:port")
-    dupes = sorted({e for e in endpoints if endpoints.count(e) > 1})
-    if dupes:
-        raise ValueError(f"pserver endpoints listed twice: {dupes}")
-    return endpoints
 
 
 def _layout_digest(params: List[ParamSpec], trainers: int, sync_mode: bool, program: Program,

@@ -12,11 +12,12 @@ import sys
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))  # the repository: tests.helpers
 
-import checkpoint_models as cm  # noqa: E402
-from cluster import LocalCluster  # noqa: E402
-from pserver import checkpoint, table_io  # noqa: E402
+from tests.helpers import checkpoint_models as cm  # noqa: E402
+from tests.helpers.cluster import LocalCluster  # noqa: E402
+from pserver import atomic_files  # noqa: E402
+from pserver.checkpoint import layout  # noqa: E402
 
 
 def die(*args, **kwargs):
@@ -32,13 +33,13 @@ def main(root: str, out: str, point: str) -> None:
             torch.save(cm.snapshot(tr), out)
             cm.train(tr, data[2:])
             if point == "manifest":
-                checkpoint._write_manifest = die
+                layout._write_manifest = die
             elif point == "tables":
-                real = table_io.atomic_write
+                real = atomic_files.atomic_write
                 def write_then_die(path, write):
                     real(path, write)
                     die()
-                table_io.atomic_write = lambda path, write: (
+                atomic_files.atomic_write = lambda path, write: (
                     write_then_die(path, write) if "tables" in path else real(path, write))
             elif point == "blocks":
                 def half(path, write):
@@ -46,7 +47,7 @@ def main(root: str, out: str, point: str) -> None:
                         f.write(b"\x80\x02half a pickle")
                         f.flush()
                     die()
-                table_io.atomic_write = half
+                atomic_files.atomic_write = half
             tr.checkpoint()
     raise SystemExit("the checkpoint was not interrupted")
 

@@ -15,7 +15,7 @@ import datetime
 import os
 import sys
 
-from .checkpoint import export, find_saved, list_parts
+from .layout import export, find_saved, list_parts
 
 
 def _list(root: str) -> int:

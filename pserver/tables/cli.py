@@ -1,4 +1,4 @@
-"""``python -m pserver.table_cli ROOT OUT``: export every table saved under ROOT as plain files.
+"""``python -m pserver.tables.cli ROOT OUT``: export every table saved under ROOT as plain files.
 
 ROOT is the directory given to ``Trainer.save_tables`` (shards of any number of
 pservers); OUT receives ``<table>.ids.npy`` (int64), ``<table>.rows.npy``
@@ -10,11 +10,11 @@ import argparse
 import os
 import sys
 
-from .table_io import export_tables
+from .files import export_tables
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pserver.table_cli", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m pserver.tables.cli", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("root", help="the directory given to save_tables")
     parser.add_argument("out", help="where to write <table>.ids.npy, <table>.rows.npy, <table>.json")

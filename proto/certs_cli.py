@@ -1,7 +1,7 @@
 """``ps-certs DIR [--hosts 127.0.0.1,localhost] [--days 30]``: test certificates in one command.
 
 Writes ``ca.pem ca.key server.pem server.key client.pem client.key`` into DIR
-(see :func:`transpiler.certs.make_test_certs`) and prints the ``PS_TLS_*``
+(see :func:`psproto.certs.make_test_certs`) and prints the ``PS_TLS_*``
 variables that use them. For trying TLS and for tests; use your own CA in production.
 """
 from __future__ import annotations

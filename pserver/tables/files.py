@@ -23,7 +23,6 @@ selected ids chunk by chunk, so a big shard set needs no second copy in memory.
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
@@ -34,6 +33,7 @@ import numpy as np
 
 from transpiler.tables import TABLE_DTYPES, TableSpec, shard_of
 
+from .. import atomic_files
 from .sparse_optim import STATE_NAMES
 
 __all__ = ["FORMAT", "VERSION", "shard_meta", "write_shard", "open_shards", "iter_selected",
@@ -72,42 +72,6 @@ def shard_meta(spec: TableSpec, shard: int, n_shards: int, step: int, rows: int)
             "spec": spec.to_dict()}
 
 
-def fsync_dir(directory: str) -> None:
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:  # pragma: no cover - platforms without directory fds
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-@contextlib.contextmanager
-def replacing(path: str) -> Iterator[str]:
-    """A temporary path next to ``path``; once the block succeeds it is fsynced and renamed to
-    ``path`` (readers see the old file or the whole new one), otherwise removed."""
-    tmp = f"{path}.tmp-{os.getpid()}"
-    try:
-        yield tmp
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
-
-def atomic_write(path: str, write) -> None:
-    with replacing(path) as tmp, open(tmp, "wb") as f:
-        write(f)
-
-
-def write_json(path: str, data: dict) -> None:
-    atomic_write(path, lambda f: f.write(json.dumps(data, indent=1, sort_keys=True).encode()))
-
-
 def write_shard(directory: str, arrays: Dict[str, np.ndarray], meta: dict) -> None:
     """Write ``arrays`` as ``<name>.npy`` and then ``meta.json`` into ``directory``, atomically.
 
@@ -118,13 +82,13 @@ def write_shard(directory: str, arrays: Dict[str, np.ndarray], meta: dict) -> No
     meta_path = os.path.join(directory, META)
     if os.path.exists(meta_path):
         os.unlink(meta_path)
-        fsync_dir(directory)
+        atomic_files.fsync_dir(directory)
     for name, array in arrays.items():
-        atomic_write(os.path.join(directory, f"{name}.npy"),
+        atomic_files.atomic_write(os.path.join(directory, f"{name}.npy"),
                       lambda f, a=array: np.save(f, a, allow_pickle=False))
-    fsync_dir(directory)
-    write_json(meta_path, meta)
-    fsync_dir(directory)
+    atomic_files.fsync_dir(directory)
+    atomic_files.write_json(meta_path, meta)
+    atomic_files.fsync_dir(directory)
     log.info("table %s: saved shard %d/%d (%d rows, step %d) to %s", meta["table"],
              meta["shard"], meta["n_shards"], meta["rows"], meta["step"], directory)
 
@@ -299,7 +263,7 @@ def export_table(directories: Sequence[str], out_dir: str) -> dict:
     total = sum(s.rows for s in sources)
     os.makedirs(out_dir, exist_ok=True)
     for part, shape, dt in (("ids", (total,), np.dtype(np.int64)), ("rows", (total, dim), dtype)):
-        with replacing(os.path.join(out_dir, f"{name}.{part}.npy")) as tmp:
+        with atomic_files.replacing(os.path.join(out_dir, f"{name}.{part}.npy")) as tmp:
             out = np.lib.format.open_memmap(tmp, mode="w+", dtype=dt, shape=shape)
             at = 0
             for s in sources:
@@ -316,7 +280,7 @@ def export_table(directories: Sequence[str], out_dir: str) -> dict:
             "seed": spec.get("seed"), "padding_idx": spec.get("padding_idx"),
             "optimizer": meta["optimizer"], "step": step, "saved_shards": n_shards,
             "ids_file": f"{name}.ids.npy", "rows_file": f"{name}.rows.npy", "spec": spec}
-    write_json(os.path.join(out_dir, f"{name}.json"), info)
+    atomic_files.write_json(os.path.join(out_dir, f"{name}.json"), info)
     log.info("table %s: exported %d rows of %d shards to %s", name, total, n_shards, out_dir)
     return info
 

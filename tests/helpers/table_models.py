@@ -11,7 +11,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from transpiler import Program, initial_rows
+from transpiler import Program
+from transpiler.tables import initial_rows
 
 DIM, BAG_DIM, SLOTS, BAG_LEN, CLASSES = 6, 4, 3, 5, 3
 # Ids the data draws from: spread over the whole int64 range, negatives included.

@@ -10,10 +10,10 @@ from contextlib import ExitStack
 from typing import Callable, Dict, List, Optional
 
 from pserver import ParameterServer
-from trainer.launch_plan import free_ports
+from .ports import free_ports
 from trainer import Trainer
 from transpiler import DistributeTranspiler, DistributeTranspilerConfig, Program
-from transpiler.security import Security
+from psproto.security import Security
 
 
 class LocalCluster:

@@ -1,7 +1,7 @@
 """Make a throw-away CA plus a server and a client certificate, for trying TLS and for tests.
 
 :func:`make_test_certs` (``ps-certs DIR`` on the command line, see
-:mod:`transpiler.certs_cli`) writes ``ca.pem ca.key server.pem server.key
+:mod:`psproto.certs_cli`) writes ``ca.pem ca.key server.pem server.key
 client.pem client.key`` into DIR. The CA signs both
 certificates; the server certificate names the given hosts (DNS names or IP
 addresses). For real deployments use your organisation's CA.

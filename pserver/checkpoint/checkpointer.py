@@ -10,9 +10,9 @@ import logging
 import time
 from typing import Optional
 
-from . import checkpoint
-from .store import BlockStore
-from .table_set import TableSet
+from . import layout
+from ..store import BlockStore
+from ..tables import TableSet
 
 log = logging.getLogger(__name__)
 
@@ -39,17 +39,17 @@ class Checkpointer:
         self.last: Optional[tuple] = None
 
     def due(self, version: int) -> bool:
-        """Whether the engine, having just reached ``version``, should checkpoint."""
+        """Whether the engine, having just reached ``version``, should layout."""
         return self.every > 0 and version > 0 and version % self.every == 0 \
             and (self.last is None or self.last[0] != version)
 
     def save(self, version: int, roster_meta: dict) -> str:
         """Write this pserver's part at ``version`` (blocks, optimizer state, tables, trainers)."""
         started = time.monotonic()
-        path = checkpoint.write_part(self.root, version, self.shard, self.n_shards, self.store,
+        path = layout.write_part(self.root, version, self.shard, self.n_shards, self.store,
                                      self.tables, {**roster_meta, "endpoint": self.endpoint,
                                                    "sync_mode": self.sync_mode})
-        checkpoint.prune(self.root, self.shard, self.n_shards, self.keep)
+        layout.prune(self.root, self.shard, self.n_shards, self.keep)
         self.last = (version, path, time.time())
         log.info("%s: checkpoint at step %d written to %s in %.2fs", self.endpoint, version, path,
                  time.monotonic() - started)
@@ -62,12 +62,12 @@ class Checkpointer:
         if there is none. The saved job may have had another number of
         pservers. Nothing changes when loading fails (ValueError).
         """
-        saved = checkpoint.find_saved(self.root, self.sync_mode, step, self.shard)
+        saved = layout.find_saved(self.root, self.sync_mode, step, self.shard)
         if saved is None:
             return None
-        blocks = checkpoint.load_blocks(saved.parts)
+        blocks = layout.load_blocks(saved.parts)
         # Everything is read and checked before anything changes.
-        shards = self.tables.load_shards({name: checkpoint.table_directories(saved, name)
+        shards = self.tables.load_shards({name: layout.table_directories(saved, name)
                                           for name in self.tables.names()})
         self.store.restore(blocks)
         self.tables.install(shards)
@@ -77,17 +77,17 @@ class Checkpointer:
         log.info("%s: loaded the checkpoint at step %d from %d pserver part(s) under %s", self.endpoint,
                  saved.step, saved.n_shards, self.root)
         # Trainers that closed after the checkpoint was written are gone too.
-        closed = set(manifest.get("closed", [])) | checkpoint.read_closed(self.root, self.shard, self.n_shards)
+        closed = set(manifest.get("closed", [])) | layout.read_closed(self.root, self.shard, self.n_shards)
         return {**manifest, "step": saved.step, "closed": sorted(closed)}
 
     def note_closed(self, closed) -> None:
         """Record at once which trainers have closed (a failure is logged, never raised)."""
         try:
-            checkpoint.write_closed(self.root, self.shard, self.n_shards, closed)
+            layout.write_closed(self.root, self.shard, self.n_shards, closed)
         except OSError:
             log.exception("%s: could not record the closed trainers %s under %s; a restart from an "
                           "older checkpoint would wait for them", self.endpoint, sorted(closed), self.root)
 
     def forget_after(self, version: int) -> None:
         """Delete this pserver's parts newer than ``version``: a roll-back abandoned them."""
-        checkpoint.prune(self.root, self.shard, self.n_shards, self.keep, newer_than=version)
+        layout.prune(self.root, self.shard, self.n_shards, self.keep, newer_than=version)

@@ -13,11 +13,13 @@ from typing import Dict, Iterable, List, Mapping, Optional, Tuple
 import numpy as np
 import torch
 
-from transpiler import LrSchedule, PserverProgram, TableSpec, merge_duplicates
+from transpiler import PserverProgram
+from transpiler.optim import LrSchedule
+from transpiler.tables import TableSpec, merge_duplicates
 from transpiler.tables import SPARSE_SEPARATOR
 
-from .table import TableShard
-from .table_io import saved_shards, shard_directory
+from .shard import TableShard
+from .files import saved_shards, shard_directory
 
 log = logging.getLogger(__name__)
 

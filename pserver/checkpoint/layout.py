@@ -7,7 +7,7 @@ Layout under ``checkpoint_dir`` (shared by every pserver of the job)::
     step-000000000120/
         pserver-0-of-2/                 this pserver's part; written as pserver-0-of-2.tmp-PID, renamed
             blocks.pt                   {block: {param, row_start, row_end, value, state}}
-            tables/<table>/shard-0-of-2/  (pserver.table_io files)
+            tables/<table>/shard-0-of-2/  (pserver.tables.files files)
         pserver-0-of-2.json             the manifest, written last: the part exists iff this does
         pserver-1-of-2/ ...
     closed-pserver-0-of-2.json          the trainers that have closed, rewritten at every close
@@ -33,9 +33,10 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from transpiler.slicing import as_rows
+from transpiler.slicing import cut_block
 
-from . import table_io
+from .. import atomic_files
+from ..tables import files as table_files
 
 log = logging.getLogger(__name__)
 
@@ -172,21 +173,21 @@ def write_part(root: str, step: int, shard: int, n_shards: int, store, tables, m
         shutil.rmtree(stale, ignore_errors=True)
     os.makedirs(tmp)
     payload = store.saved_blocks()
-    table_io.atomic_write(os.path.join(tmp, BLOCKS_FILE), lambda f: torch.save(payload, f))
+    atomic_files.atomic_write(os.path.join(tmp, BLOCKS_FILE), lambda f: torch.save(payload, f))
     tables.save(os.path.join(tmp, TABLES_DIR))
-    table_io.fsync_dir(tmp)
+    atomic_files.fsync_dir(tmp)
     if os.path.exists(manifest_path):
         os.unlink(manifest_path)
-        table_io.fsync_dir(step_dir)
+        atomic_files.fsync_dir(step_dir)
     if os.path.exists(part):
         shutil.rmtree(part)
     os.rename(tmp, part)
-    table_io.fsync_dir(step_dir)
+    atomic_files.fsync_dir(step_dir)
     _write_manifest(manifest_path, {**manifest, "format": FORMAT, "format_version": FORMAT_VERSION,
                                     "step": int(step), "shard": shard, "n_shards": n_shards,
                                     "written_at": time.time(), "blocks": sorted(payload),
                                     "tables": sorted(tables.names())})
-    table_io.fsync_dir(step_dir)
+    atomic_files.fsync_dir(step_dir)
     return part
 
 
@@ -201,7 +202,7 @@ def write_closed(root: str, shard: int, n_shards: int, closed) -> None:
     checkpoint older than a trainer's close must not wait for that trainer.
     """
     os.makedirs(root, exist_ok=True)
-    table_io.write_json(_closed_path(root, shard, n_shards), {"closed": sorted(closed)})
+    atomic_files.write_json(_closed_path(root, shard, n_shards), {"closed": sorted(closed)})
 
 
 def read_closed(root: str, shard: int, n_shards: int) -> set:
@@ -219,7 +220,7 @@ def read_closed(root: str, shard: int, n_shards: int) -> set:
 
 def _write_manifest(path: str, manifest: dict) -> None:
     # Its own function: the crash tests kill the process exactly here.
-    table_io.write_json(path, manifest)
+    atomic_files.write_json(path, manifest)
 
 
 def remove_part(part: str) -> None:
@@ -271,40 +272,9 @@ def load_blocks(parts: Sequence[str]) -> Dict[str, List[dict]]:
     return by_param
 
 
-def cut_block(saved: Dict[str, List[dict]], param: str, row_start: int, row_end: int,
-              shape: Sequence[int]) -> Tuple[torch.Tensor, dict]:
-    """(value, optimizer state) of rows ``[row_start, row_end)`` of ``param``, cut from saved blocks.
-
-    The saved blocks may slice the parameter differently. State tensors shaped
-    like their block are cut the same way; anything else (a step count) is
-    taken from the first saved block the rows come from.
-    """
-    pieces = [e for e in saved.get(param, []) if e["row_start"] < row_end and e["row_end"] > row_start]
-    covered = row_start
-    for e in pieces:
-        if e["row_start"] > covered:
-            break
-        covered = max(covered, e["row_end"])
-    if covered < row_end:
-        raise ValueError(f"the checkpoint holds no rows {covered}..{row_end} of parameter {param!r}")
-
-    def cut(get) -> torch.Tensor:
-        return torch.cat([as_rows(get(e))[max(row_start, e["row_start"]) - e["row_start"]:
-                                        min(row_end, e["row_end"]) - e["row_start"]] for e in pieces])
-
-    value = cut(lambda e: e["value"]).reshape(shape)
-    state = {}
-    for key, first in pieces[0]["state"].items():
-        if torch.is_tensor(first) and first.shape == pieces[0]["value"].shape and first.dim() > 0:
-            state[key] = cut(lambda e: e["state"][key]).reshape(shape).clone()
-        else:
-            state[key] = first.clone() if torch.is_tensor(first) else first
-    return value, state
-
-
 def table_directories(saved: Saved, table: str) -> List[str]:
     """The saved shard directories of ``table`` across every part of ``saved``."""
-    return [d for part in saved.parts for d in table_io.saved_shards(os.path.join(part, TABLES_DIR), table)]
+    return [d for part in saved.parts for d in table_files.saved_shards(os.path.join(part, TABLES_DIR), table)]
 
 
 # -- export ----------------------------------------------------------------------
@@ -330,7 +300,7 @@ def export(root: str, out_dir: str, step: Optional[int] = None, sync_mode: bool 
     The dense parameters load into the original module with
     ``load_state_dict(..., strict=False)`` (tables and buffers are not in
     them); each table becomes ``<table>.ids.npy`` / ``.rows.npy`` / ``.json``
-    (see :func:`pserver.table_io.export_table`). Returns a summary.
+    (see :func:`pserver.table_files.export_table`). Returns a summary.
     """
     saved = find_saved(root, sync_mode, step)
     if saved is None:
@@ -338,9 +308,9 @@ def export(root: str, out_dir: str, step: Optional[int] = None, sync_mode: bool 
     os.makedirs(out_dir, exist_ok=True)
     state = dense_state_dict(saved)
     state_path = os.path.join(out_dir, "state_dict.pt")
-    table_io.atomic_write(state_path, lambda f: torch.save(state, f))
+    atomic_files.atomic_write(state_path, lambda f: torch.save(state, f))
     tables = {}
     for name in saved.manifests[0].get("tables", []):
-        tables[name] = table_io.export_table(table_directories(saved, name), os.path.join(out_dir, TABLES_DIR))
+        tables[name] = table_files.export_table(table_directories(saved, name), os.path.join(out_dir, TABLES_DIR))
     return {"step": saved.step, "pservers": saved.n_shards, "state_dict": state_path,
             "params": {k: list(v.shape) for k, v in state.items()}, "tables": tables}

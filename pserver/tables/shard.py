@@ -46,7 +46,7 @@ is being grown or rebuilt. ``initial_rows`` of ids a lookup misses is computed
 after releasing it (a pure function of seed and id); that of ids an apply
 inserts is computed under it, as is the whole file write of a save.
 
-Files: see :mod:`pserver.table_io` (``save`` / ``load`` / :func:`export_table`).
+Files: see :mod:`pserver.tables.files` (``save`` / ``load`` / :func:`export_table`).
 """
 from __future__ import annotations
 
@@ -59,9 +59,9 @@ import torch
 
 from transpiler.tables import TABLE_DTYPES, TableSpec, initial_rows, shard_of
 
-from . import table_io
+from . import files as table_files
 from .id_index import EMPTY, MAX_LOAD, build_index, home_slots, place, probe, slots_for
-from .row_store import Growable, gather, scatter
+from .rows import Growable, gather, scatter
 from .sparse_optim import make_rule
 
 log = logging.getLogger(__name__)
@@ -220,7 +220,7 @@ class TableShard:
             self.step = step
 
     def save(self, directory: str) -> None:
-        """Write this shard's stored rows, state and step to ``directory`` (see :mod:`pserver.table_io`).
+        """Write this shard's stored rows, state and step to ``directory`` (see :mod:`pserver.tables.files`).
 
         Holds the lock for the whole write, so the files are one consistent
         snapshot; updates wait meanwhile.
@@ -230,7 +230,7 @@ class TableShard:
             arrays = {"ids": self._ids[:n], "rows": self._rows[:n]}
             for name, s in zip(self._rule.state_names, self._state):
                 arrays[name] = s[:n]
-            table_io.write_shard(directory, arrays, table_io.shard_meta(
+            table_files.write_shard(directory, arrays, table_files.shard_meta(
                 self.spec, self.shard, self.n_shards, self.step, n))
 
     @classmethod
@@ -245,11 +245,11 @@ class TableShard:
         saves and repeated shards are refused with ValueError. Shards saved at
         different steps (an async job) load; a re-shard takes the highest step.
         """
-        sources, step = table_io.open_shards(spec, directories, shard, n_shards)
+        sources, step = table_files.open_shards(spec, directories, shard, n_shards)
         table = cls(spec, shard, n_shards)
         names = ["rows", *table._rule.state_names]
         for src in sources:
-            for ids, arrays in table_io.iter_selected(src, names, shard, n_shards, _CHUNK):
+            for ids, arrays in table_files.iter_selected(src, names, shard, n_shards, _CHUNK):
                 table._append(ids, arrays, src.directory)
         table.step = step
         log.info("table %s: loaded shard %d/%d, %d rows, step %d, from %d directories",

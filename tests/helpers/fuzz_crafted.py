@@ -14,9 +14,9 @@ import numpy as np
 import torch
 from google.protobuf.message_factory import GetMessageClass
 
-from fuzz_cases import (BAG_DIM, DIM, FUTURE_STEP, METHODS, ONE_MESSAGE, PREFETCH_CHUNK, STREAM_CHUNK,
+from .fuzz_cases import (BAG_DIM, DIM, FUTURE_STEP, METHODS, ONE_MESSAGE, PREFETCH_CHUNK, STREAM_CHUNK,
                         WRONG_DIGEST, Case, Env, prefetch_stream, push_stream, table_grads)
-from fuzz_wire import varint
+from .fuzz_wire import varint
 from psproto import ps_pb2
 from transpiler.tables import shard_of
 

@@ -5,9 +5,9 @@ import os
 import numpy as np
 import pytest
 
-from pserver.table import TableShard
-from pserver.table_io import export_table
-from test_table import grads_for, make_spec
+from pserver.tables.shard import TableShard
+from pserver.tables.files import export_table
+from tests.helpers.table_specs import grads_for, make_spec
 from transpiler.tables import TableSpec, initial_rows, shard_of
 
 

@@ -5,30 +5,18 @@ import numpy as np
 import pytest
 import torch
 
-from pserver.id_index import build_index, home_slots, place, probe
-from pserver.row_store import Growable
-from pserver.table import TableShard
-from transpiler.tables import TableOptimizerSpec, TableSpec, initial_rows, merge_duplicates, shard_of
+from pserver.tables.id_index import build_index, home_slots, place, probe
+from pserver.tables.rows import Growable
+from pserver.tables.shard import TableShard
+from tests.helpers.table_specs import grads_for, make_spec
+from transpiler.tables import initial_rows, merge_duplicates, shard_of
 
 I64 = np.iinfo(np.int64)
-
-
-def make_spec(name="emb", dim=4, optimizer="sgd", kwargs=None, dtype="float32", capacity=64,
-              seed=3, init="normal"):
-    init_kwargs = {"normal": {"mean": 0.0, "std": 1.0}, "uniform": {"a": 0.0, "b": 1.0},
-                   "zeros": {}}[init]
-    return TableSpec(name=name, dim=dim, dtype=dtype, kind="embedding", capacity=capacity,
-                     seed=seed, init=init, init_kwargs=init_kwargs,
-                     optimizer=TableOptimizerSpec(optimizer, dict(kwargs or {})))
 
 
 def stored_rows(t: TableShard, ids: np.ndarray) -> np.ndarray:
     """Row numbers of ``ids`` in ``t``'s index (-1 = missing)."""
     return probe(t._slots, t._ids, ids, home_slots(ids, t._slots.size))[0]
-
-
-def grads_for(ids, dim, seed, dtype=np.float32):
-    return np.random.default_rng(seed).standard_normal((len(ids), dim)).astype(dtype)
 
 
 # ---------------------------------------------------------------- index

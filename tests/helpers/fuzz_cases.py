@@ -26,8 +26,8 @@ from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message_factory import GetMessageClass
 from torch import nn
 
-from cluster import LocalCluster
-from fuzz_wire import MASK64, byte_mutation, random_fields, wire_mutation
+from .cluster import LocalCluster
+from .fuzz_wire import MASK64, byte_mutation, random_fields, wire_mutation
 from psproto import ps_pb2
 from psproto.codec import WIRE_DTYPES, decode_chunk, encode_chunks
 from transpiler import Program

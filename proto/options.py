@@ -1,0 +1,42 @@
+"""How connections are made: the gRPC options of pserver servers and trainer channels.
+
+Both sides bound messages by the chunk size the plan chose (see
+:func:`psproto.codec.message_limit`); securing them (token, TLS) is
+:mod:`psproto.security`.
+"""
+from __future__ import annotations
+
+from .codec import message_limit
+
+
+def server_options(chunk_bytes: int) -> list:
+    """gRPC options of a pserver: bounded messages, no port sharing, tolerant keepalive."""
+    limit = message_limit(chunk_bytes)
+    return [
+        ("grpc.max_receive_message_length", limit),
+        ("grpc.max_send_message_length", limit),
+        # Off so a second pserver on the same port fails to bind instead of
+        # silently sharing it.
+        ("grpc.so_reuseport", 0),
+        ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+        ("grpc.keepalive_permit_without_calls", 1),
+    ]
+
+
+def channel_options(chunk_bytes: int) -> list:
+    """gRPC options of a trainer's channel to a pserver: bounded messages, keepalive, fast reconnects."""
+    limit = message_limit(chunk_bytes)
+    return [
+        ("grpc.max_receive_message_length", limit),
+        ("grpc.max_send_message_length", limit),
+        ("grpc.keepalive_time_ms", 30_000),
+        ("grpc.keepalive_timeout_ms", 20_000),
+        # Each pserver gets its own connection even when endpoints share a host.
+        ("grpc.use_local_subchannel_pool", 1),
+        # A trainer that starts before its pservers retries within ~0.1 s of them
+        # binding, not after gRPC's default 1 s backoff: a head start of one
+        # trainer over another costs async training (stale, doubled updates at join).
+        ("grpc.initial_reconnect_backoff_ms", 100),
+        ("grpc.min_reconnect_backoff_ms", 100),
+        ("grpc.max_reconnect_backoff_ms", 2_000),
+    ]

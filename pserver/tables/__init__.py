@@ -1,0 +1,13 @@
+"""Distributed tables on a pserver: its shard of every table, by id.
+
+- :mod:`.table_set`: :class:`TableSet`, every table shard of one pserver, fed whole requests.
+- :mod:`.shard`: :class:`TableShard`, one table's rows on one pserver (lookup, sparse update).
+- :mod:`.id_index`: the vectorised open-addressing index from id to row.
+- :mod:`.rows`: growable row storage.
+- :mod:`.sparse_optim`: torch-exact sparse SGD, Adagrad and Adam (SparseAdam) rules.
+- :mod:`.files`: shard files (atomic save, re-sharding load, export); :mod:`.cli` exports them.
+"""
+from .shard import TableShard
+from .table_set import SparseGrad, TableSet
+
+__all__ = ["TableSet", "TableShard", "SparseGrad"]
