@@ -80,6 +80,7 @@ def test_checkpoints_every_k_steps_keep_the_newest_and_export_for_serving(tmp_pa
 
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("point", ["blocks", "tables", "manifest"])
+@pytest.mark.processes
 def test_crash_during_a_checkpoint_write_leaves_the_previous_one_loadable(tmp_path, point):
     root, out = str(tmp_path / "ckpt"), str(tmp_path / "at-step-2.pt")
     proc = subprocess.run([sys.executable, os.path.join(HERE, "scripts", "crash_in_checkpoint.py"),

@@ -21,6 +21,9 @@ import ctr_data  # noqa: E402
 import train_ctr  # noqa: E402
 from tests.helpers.launch import run_ps_launch  # noqa: E402
 
+# Every test here starts pservers and trainers as separate processes.
+pytestmark = pytest.mark.processes
+
 EXAMPLE = str(REPO / "examples" / "train_ctr.py")
 LINES = 60_000
 # With 54k training lines (2 epochs) the test AUC reaches 0.73-0.74 in both modes (the planted

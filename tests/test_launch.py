@@ -17,6 +17,9 @@ from transpiler import RoleEnv
 from tests.helpers.launch import run_ps_launch
 from trainer import launch, launch_plan
 
+# Every test here starts pservers and trainers as separate processes.
+pytestmark = pytest.mark.processes
+
 REPO = Path(__file__).resolve().parents[1]
 PROBE = str(REPO / "tests" / "scripts" / "role_probe.py")
 EXAMPLE = str(REPO / "examples" / "train_mlp.py")

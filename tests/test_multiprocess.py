@@ -13,6 +13,9 @@ from tests.helpers.models import batches, odd_program
 from trainer import Trainer
 from transpiler import DistributeTranspiler
 
+# Every test here starts pservers and trainers as separate processes.
+pytestmark = pytest.mark.processes
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

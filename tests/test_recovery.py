@@ -124,6 +124,7 @@ def assert_state_close(state: dict, expected: dict, atol: float = 1e-5) -> None:
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.processes
 def test_pserver_killed_mid_run_and_restarted_resumes_from_checkpoint(job_factory):
     job = job_factory(args=["--pause_at", "23"])
     job.start_all()
@@ -145,6 +146,7 @@ def test_pserver_killed_mid_run_and_restarted_resumes_from_checkpoint(job_factor
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.processes
 def test_trainer_killed_in_sync_mode_is_dropped_and_may_rejoin(job_factory):
     job = job_factory(args=["--pause_at", "12", "--pause_trainer", "1", "--heartbeat_timeout", "3"])
     job.start_all()
@@ -169,6 +171,7 @@ def test_trainer_killed_in_sync_mode_is_dropped_and_may_rejoin(job_factory):
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.processes
 def test_async_pserver_killed_and_restarted_loses_at_most_its_updates_since_checkpoint(job_factory):
     job = job_factory(args=["--async", "--optimizer", "sgd", "--lr", "0.1", "--pause_at", "15"])
     job.start_all()
@@ -313,6 +316,7 @@ def test_trainer_joining_sync_pservers_that_stay_at_different_steps_fails_after_
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.processes
 def test_sigterm_checkpoints_every_pserver_and_the_same_command_resumes_the_job(job_factory):
     job = job_factory(args=["--pause_at", "23"])
     job.start_all()

@@ -24,6 +24,9 @@ from typing import List
 
 import pytest
 
+# Every test here starts pservers and trainers as separate processes.
+pytestmark = pytest.mark.processes
+
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = str(REPO / "examples" / "train_mlp.py")
 

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import logging
-import time
 from concurrent import futures
 from typing import Callable, Dict, Iterable, Iterator, List, Optional, Tuple
 
@@ -16,7 +15,7 @@ from .blocks import LocalBlocks
 from .communicator import Communicator, PserverError
 from .embedding import DistributedEmbedding, Pieces, TableClient
 from .heartbeat import Heartbeat
-from .recovery import RETRY, ROLLBACK, Resync, recoverable, resync
+from .recovery import ROLLBACK, Decision, Recovery
 
 Position = Tuple[int, int]
 
@@ -64,6 +63,8 @@ class Trainer:
             if self._pipelined else None
         self._in_flight: Optional[futures.Future] = None
         self.comm = Communicator(program, security)
+        self.recovery = Recovery(self.comm, self.sync_mode, self._push_endpoints,
+                                 program.config.connect_timeout, program.config.recovery_timeout)
         self.tables = TableClient(program.tables, program.pservers, self._fetch_rows,
                                   lambda: self.step_count if self.sync_mode else 0)
         # Set by batches(): the data position after the batch being trained.
@@ -85,36 +86,13 @@ class Trainer:
     def _join(self) -> None:
         """Register with every pserver and pull the parameters of the step they stand at.
 
-        Waits ``connect_timeout`` for the pservers to come up. Sync pservers at
-        different steps (mid-step, or a roll-back under way) are asked again,
-        backing off, within ``recovery_timeout``. A pserver lost before the
-        first pull is waited for and re-synced with, as in a step.
+        A pserver lost before the first pull is waited for and re-synced with,
+        as in a step (see :class:`~trainer.recovery.Recovery`).
         """
-        config = self.program.config
-        timeout, backoff = config.connect_timeout, 0.1
-        deadline = time.monotonic() + config.recovery_timeout
-        while True:
-            replies = self.comm.hello(timeout)
-            steps = {ep: r.version for ep, r in replies.items() if ep in self._push_endpoints}
-            if not self.sync_mode or len(set(steps.values())) <= 1:
-                break
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise PserverError(", ".join(steps), f"pservers disagree on the current step: {steps}; "
-                                   "if one restarted while no trainer was alive to roll the others back, "
-                                   "restart them all: they resume from the latest complete checkpoint")
-            log.warning("trainer %d: pservers disagree on the current step: %s; asking again for up to "
-                        "%.0fs", self.trainer_id, steps, remaining)
-            # Hello waits for a pserver that is down, not for one that disagrees: back off.
-            time.sleep(min(backoff, remaining))
-            backoff = min(2 * backoff, 2.0)
-            timeout = max(0.1, deadline - time.monotonic())
-        # Which process answers at each endpoint: a new incarnation is a restart.
-        self._incarnations = {ep: r.incarnation for ep, r in replies.items()}
-        first = replies[self._push_endpoints[0]] if self._push_endpoints else None
-        self.position: Position = (first.epoch, first.batch) if first is not None else (0, 0)
-        self.step_count = max(steps.values(), default=0)
-        outcome = self._healing(self.step_count, "joining", lambda: self._pull_all(self.step_count))
+        joined = self.recovery.join()
+        self.position: Position = joined.position
+        self.step_count = joined.step
+        outcome = self.recovery.heal(self.step_count, "joining", lambda: self._pull_all(self.step_count))
         if outcome is not None:
             self._resynced(outcome)
 
@@ -145,7 +123,7 @@ class Trainer:
         step is discarded: its forward began before the re-sync.
         """
         fetched: Dict[str, Dict[str, torch.Tensor]] = {}
-        outcome = self._healing(self.step_count, f"lookup at step {self.step_count}",
+        outcome = self.recovery.heal(self.step_count, f"lookup at step {self.step_count}",
                                 lambda: fetched.update(self._prefetch_all(pieces, min_version)))
         if outcome is None:
             return fetched
@@ -219,36 +197,12 @@ class Trainer:
         return self.step_count
 
     def _push_pull_all(self, step: int, grads: Dict[str, list],
-                       push_pull: Callable[[str, list], int]) -> Optional[Resync]:
+                       push_pull: Callable[[str, list], int]) -> Optional[Decision]:
         """``push_pull(ep, grads[ep])`` on every pserver in parallel, healing what can heal."""
-        return self._healing(step, f"step {step}", lambda: self.comm.run_parallel(
+        return self.recovery.heal(step, f"step {step}", lambda: self.comm.run_parallel(
             {ep: (lambda ep=ep: push_pull(ep, grads[ep])) for ep in self._push_endpoints}))
 
-    def _healing(self, step: int, what: str, calls: Callable[[], object]) -> Optional[Resync]:
-        """Run ``calls`` (``what``, at ``step``); on a failure that can heal, re-sync and go on.
-
-        A pserver that is unreachable, restarted or dropped this trainer makes
-        the trainer wait and re-sync (:mod:`trainer.recovery`), within
-        ``recovery_timeout``; ``calls`` is retried (pushes are idempotent), or
-        the answer says where to go on from (None: the calls went through).
-        """
-        deadline = None
-        while True:
-            try:
-                calls()
-                return None
-            except PserverError as e:
-                if not recoverable(e):
-                    raise
-                if deadline is None:
-                    deadline = time.monotonic() + self.program.config.recovery_timeout
-                outcome = resync(self.comm, e, self.sync_mode, self._incarnations, step,
-                                 self._push_endpoints, deadline, what)
-                self._incarnations = outcome.incarnations
-                if outcome.action != RETRY:
-                    return outcome
-
-    def _resynced(self, outcome: Resync) -> None:
+    def _resynced(self, outcome: Decision) -> None:
         """Go on from where the pservers are after a restart or a drop: their step, their parameters."""
         self.tables.clear()
         self.step_count = outcome.step

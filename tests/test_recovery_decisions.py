@@ -1,0 +1,121 @@
+"""Recovery's pure core: every decision a trainer takes after a failure or at a join, without processes.
+
+Each row is a situation the process tests in test_recovery.py reach by killing
+real pservers and trainers: what the pservers answered at Hello, and what the
+trainer must do next.
+"""
+import grpc
+import pytest
+
+from trainer.recovery import decide
+from trainer.recovery.decide import (FAIL, JOIN, RESTORE, RETRY, ROLLBACK, SKIP, WAIT, PserverState,
+                                     after_failure, on_join)
+
+A, B = "127.0.0.1:6170", "127.0.0.1:6171"
+KNOWN = {A: 11, B: 22}          # incarnations the trainer saw before the failure
+
+
+def ps(incarnation, step, checkpoint_step=-1, position=(0, 0)):
+    return PserverState(incarnation, step, checkpoint_step, position)
+
+
+@pytest.mark.parametrize("code, healable", [
+    (grpc.StatusCode.UNAVAILABLE, True),        # pserver down or restarting
+    (grpc.StatusCode.ABORTED, True),            # dropped, rolled back, resumed: call Hello again
+    (grpc.StatusCode.CANCELLED, True),          # a pserver shutting down cancels calls in flight
+    (grpc.StatusCode.FAILED_PRECONDITION, False),
+    (grpc.StatusCode.INVALID_ARGUMENT, False),
+    (grpc.StatusCode.DEADLINE_EXCEEDED, False),  # a barrier that timed out names who is missing
+    (grpc.StatusCode.INTERNAL, False),
+    (None, False),                              # a malformed answer, no status at all
+])
+def test_which_failures_heal(code, healable):
+    assert decide.recoverable(code) is healable
+
+
+# (case, sync_mode, trainer's step, answers, expected (action, step, position, endpoints, restarted))
+AFTER_FAILURE = [
+    ("blip, sync: nobody restarted, same step",
+     True, 5, {A: ps(11, 5), B: ps(22, 5)}, (RETRY, 5, (0, 0), (), ())),
+    ("blip, async: nobody restarted",
+     False, 9, {A: ps(11, 3), B: ps(22, 4)}, (RETRY, 9, (0, 0), (), ())),
+    ("async restart from a checkpoint: retry, nothing rolls back",
+     False, 9, {A: ps(11, 9), B: ps(99, 6, checkpoint_step=40)}, (RETRY, 9, (0, 0), (), (B,))),
+    ("sync, dropped: the others went on without this trainer",
+     True, 5, {A: ps(11, 8), B: ps(22, 8)}, (SKIP, 8, (0, 0), (), ())),
+    ("sync, rolled back by another trainer: redo from the checkpoint's position",
+     True, 7, {A: ps(11, 4, position=(1, 3)), B: ps(22, 4, position=(1, 3))}, (ROLLBACK, 4, (1, 3), (), ())),
+    ("sync, mid roll-back: go back to the lowest step",
+     True, 7, {A: ps(11, 7), B: ps(22, 4, position=(0, 9))}, (ROLLBACK, 4, (0, 9), (), ())),
+    ("sync restart from checkpoint 4: roll the other pserver back to it",
+     True, 7, {A: ps(11, 7), B: ps(99, 4, checkpoint_step=4)}, (RESTORE, 4, (0, 0), (A,), (B,))),
+    ("sync, both restarted from different checkpoints: all go to the earliest",
+     True, 7, {A: ps(33, 6, checkpoint_step=6), B: ps(99, 4, checkpoint_step=4)},
+     (RESTORE, 4, (0, 0), (A,), (A, B))),
+    ("sync, both restarted from the same checkpoint: nothing to restore, roll back",
+     True, 7, {A: ps(33, 4, checkpoint_step=4, position=(0, 2)), B: ps(99, 4, checkpoint_step=4, position=(0, 2))},
+     (ROLLBACK, 4, (0, 2), (), (A, B))),
+    ("sync restart without a checkpoint: its parameters are lost",
+     True, 7, {A: ps(11, 7), B: ps(99, 0, checkpoint_step=-1)}, (FAIL, 7, (0, 0), (B,), (B,))),
+    ("async restart without a checkpoint: lost too",
+     False, 7, {A: ps(11, 7), B: ps(99, 0, checkpoint_step=-1)}, (FAIL, 7, (0, 0), (B,), (B,))),
+]
+
+
+@pytest.mark.parametrize("case, sync_mode, step, answers, expected", AFTER_FAILURE,
+                         ids=[row[0] for row in AFTER_FAILURE])
+def test_after_failure(case, sync_mode, step, answers, expected):
+    d = after_failure(sync_mode, KNOWN, step, answers, [A, B])
+    assert (d.action, d.step, d.position, d.endpoints, d.restarted) == expected
+    if d.action == FAIL:
+        assert "restarted without a checkpoint" in d.message and "checkpoint_dir" in d.message
+
+
+def test_restore_token_names_the_restart_so_pservers_roll_back_once():
+    answers = {A: ps(11, 7), B: ps(99, 4, checkpoint_step=4)}
+    first = after_failure(True, KNOWN, 7, answers, [A, B])
+    again = after_failure(True, KNOWN, 7, answers, [A, B])  # another trainer sees the same restart
+    assert first.token == again.token == f"{B}#99"
+    later = after_failure(True, KNOWN, 7, {A: ps(11, 7), B: ps(123, 4, checkpoint_step=4)}, [A, B])
+    assert later.token != first.token  # a second restart is a new roll-back
+
+
+def test_after_a_restore_the_restart_is_known_and_the_trainer_rolls_back():
+    """The healer asks again after Restore, with the incarnations it restored for as known."""
+    answers = {A: ps(11, 4, position=(0, 5)), B: ps(99, 4, checkpoint_step=4, position=(0, 5))}
+    d = after_failure(True, {A: 11, B: 99}, 7, answers, [A, B])
+    assert (d.action, d.step, d.position, d.restarted) == (ROLLBACK, 4, (0, 5), ())
+
+
+def test_steps_of_pservers_this_trainer_does_not_push_to_are_ignored():
+    # B owns nothing of this trainer's: its step does not move the trainer.
+    d = after_failure(True, KNOWN, 5, {A: ps(11, 5), B: ps(22, 9)}, [A])
+    assert (d.action, d.step) == (RETRY, 5)
+
+
+# (case, sync_mode, answers, time left, expected (action, step, position))
+ON_JOIN = [
+    ("new trainer, fresh sync job", True, {A: ps(11, 0), B: ps(22, 0)}, 10.0, (JOIN, 0, (0, 0))),
+    ("rejoin a sync job at its step and this trainer's data position",
+     True, {A: ps(11, 12, position=(2, 7)), B: ps(22, 12, position=(2, 7))}, 10.0, (JOIN, 12, (2, 7))),
+    ("async: the trainer's own next step, the furthest of any pserver",
+     False, {A: ps(11, 3, position=(0, 3)), B: ps(22, 5)}, 10.0, (JOIN, 5, (0, 3))),
+    ("sync pservers apart (mid-step or mid roll-back): ask again",
+     True, {A: ps(11, 4), B: ps(22, 5)}, 10.0, (WAIT, 0, (0, 0))),
+    ("sync pservers still apart at the deadline: fail, restart them all",
+     True, {A: ps(11, 4), B: ps(22, 5)}, 0.0, (FAIL, 0, (0, 0))),
+    ("async pservers at different steps are fine", False, {A: ps(11, 4), B: ps(22, 5)}, 0.0, (JOIN, 5, (0, 0))),
+]
+
+
+@pytest.mark.parametrize("case, sync_mode, answers, time_left, expected", ON_JOIN, ids=[r[0] for r in ON_JOIN])
+def test_on_join(case, sync_mode, answers, time_left, expected):
+    d = on_join(sync_mode, answers, [A, B], time_left)
+    assert (d.action, d.step, d.position) == expected
+    if d.action == FAIL:
+        assert "disagree on the current step" in d.message and "restart them all" in d.message
+        assert d.endpoints == (A, B)
+
+
+def test_join_with_no_pserver_to_push_to():
+    assert on_join(True, {A: ps(11, 3)}, [], 1.0) == decide.Decision(JOIN, 0, (0, 0))

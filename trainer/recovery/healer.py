@@ -1,0 +1,137 @@
+"""Recovery I/O: ask the pservers, let :mod:`trainer.recovery.decide` choose, act on the decision.
+
+A pserver that is briefly unreachable, restarted from a checkpoint, or that
+dropped this trainer for silence answers UNAVAILABLE or ABORTED (CANCELLED
+while it shuts down). The trainer then waits for every pserver (``Hello``,
+with gRPC's reconnect backoff, up to ``recovery_timeout``), rolls sync
+pservers back to a restarted one's checkpoint (``Restore``, once per restart)
+and goes on where the decision says.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Callable, Dict, Mapping, Optional, Sequence
+
+import grpc
+
+from ..communicator import Communicator, PserverError
+from . import decide
+from .decide import FAIL, RESTORE, RETRY, WAIT, Decision, PserverState
+
+log = logging.getLogger(__name__)
+
+
+def states(replies: Mapping[str, object]) -> Dict[str, PserverState]:
+    """The :class:`PserverState` of each pserver's ``HelloReply``."""
+    return {ep: PserverState(r.incarnation, r.version, r.checkpoint_version, (r.epoch, r.batch))
+            for ep, r in replies.items()}
+
+
+def recoverable(error: BaseException) -> bool:
+    """Whether ``error`` (from a step's calls) may heal by waiting and re-syncing."""
+    return isinstance(error, PserverError) and decide.recoverable(error.code)
+
+
+class Recovery:
+    """A trainer's joins and re-syncs: the I/O around :mod:`~trainer.recovery.decide`.
+
+    Keeps the incarnation of every pserver as last seen, so a restart shows as
+    a new one. ``join`` registers with every pserver; ``heal`` runs a step's
+    calls and re-syncs on a recoverable failure.
+    """
+
+    def __init__(self, comm: Communicator, sync_mode: bool, push_endpoints: Sequence[str],
+                 connect_timeout: float, recovery_timeout: float):
+        self.comm = comm
+        self.sync_mode = sync_mode
+        self.push_endpoints = list(push_endpoints)
+        self.connect_timeout = connect_timeout
+        self.recovery_timeout = recovery_timeout
+        self.incarnations: Dict[str, int] = {}
+
+    def join(self) -> Decision:
+        """Register with every pserver; the JOIN decision says at which step and data position.
+
+        Waits ``connect_timeout`` for the pservers to come up; sync pservers at
+        different steps are asked again, backing off, within ``recovery_timeout``.
+        """
+        timeout, backoff = self.connect_timeout, 0.1
+        deadline = time.monotonic() + self.recovery_timeout
+        while True:
+            answers = states(self.comm.hello(timeout))
+            decision = decide.on_join(self.sync_mode, answers, self.push_endpoints,
+                                      deadline - time.monotonic())
+            if decision.action == FAIL:
+                raise PserverError(", ".join(decision.endpoints), decision.message)
+            if decision.action != WAIT:
+                self.incarnations = {ep: a.incarnation for ep, a in answers.items()}
+                return decision
+            remaining = deadline - time.monotonic()
+            log.warning("trainer %d: %s; asking again for up to %.0fs", self.comm.trainer_id,
+                        decision.message, remaining)
+            # Hello waits for a pserver that is down, not for one that disagrees: back off.
+            time.sleep(max(0.0, min(backoff, remaining)))
+            backoff = min(2 * backoff, 2.0)
+            timeout = max(0.1, deadline - time.monotonic())
+
+    def heal(self, step: int, what: str, calls: Callable[[], object]) -> Optional[Decision]:
+        """Run ``calls`` (``what``, at ``step``); on a failure that can heal, re-sync and go on.
+
+        ``calls`` is retried (pushes are idempotent) until it goes through
+        (None), or the decision says where to go on from instead (SKIP or
+        ROLLBACK), all within ``recovery_timeout``.
+        """
+        deadline = None
+        while True:
+            try:
+                calls()
+                return None
+            except PserverError as e:
+                if not recoverable(e):
+                    raise
+                if deadline is None:
+                    deadline = time.monotonic() + self.recovery_timeout
+                decision = self.resync(e, step, deadline, what)
+                if decision.action != RETRY:
+                    return decision
+
+    def resync(self, failure: PserverError, step: int, deadline: float, what: str) -> Decision:
+        """Wait for every pserver until ``deadline`` (monotonic) and decide how ``step`` goes on.
+
+        Raises :class:`PserverError` when a pserver stays away past the
+        deadline, or restarted without a checkpoint (its parameters are lost).
+        """
+        tid = self.comm.trainer_id
+        log.warning("trainer %d: %s failed (%s); waiting up to %.0fs for the pservers", tid, what, failure,
+                    max(0.0, deadline - time.monotonic()))
+        known = self.incarnations
+        while True:
+            answers = states(self.comm.hello(max(0.1, deadline - time.monotonic())))
+            decision = decide.after_failure(self.sync_mode, known, step, answers, self.push_endpoints)
+            for ep in decision.restarted:
+                log.warning("trainer %d: pserver %s restarted (from the checkpoint at step %d)", tid, ep,
+                            answers[ep].checkpoint_step)
+            if decision.action == FAIL:
+                raise PserverError(", ".join(decision.endpoints), decision.message,
+                                   grpc.StatusCode.FAILED_PRECONDITION)
+            self.incarnations = known = {ep: a.incarnation for ep, a in answers.items()}
+            if decision.action != RESTORE:
+                break
+            self.comm.run_parallel({ep: (lambda ep=ep: self.comm.restore(ep, decision.step, decision.token))
+                                    for ep in decision.endpoints})
+            # Their answers predate the roll-back: ask again.
+        _log_decision(tid, decision, step)
+        return decision
+
+
+def _log_decision(trainer_id: int, decision: Decision, step: int) -> None:
+    if decision.action == decide.SKIP:
+        log.warning("trainer %d: the other trainers went on without this one (dropped after "
+                    "heartbeat_timeout?); rejoining at step %d", trainer_id, decision.step)
+    elif decision.action == decide.ROLLBACK:
+        log.warning("trainer %d: every pserver is back at the checkpoint of step %d; steps %d..%d are "
+                    "redone from data position epoch %d batch %d", trainer_id, decision.step, decision.step,
+                    step, *decision.position)
+    else:
+        log.info("trainer %d: pservers are back; retrying step %d", trainer_id, step)
