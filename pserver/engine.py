@@ -12,6 +12,9 @@ retried push for an already counted (trainer, step) a no-op. A push carries
 dense block gradients and sparse table gradients of one step, counted and
 applied together. All state lives behind one condition variable; updates run
 under it, transfers do not.
+
+A refused request raises a :mod:`pserver.errors` refusal; which wire status it
+becomes is the servicer's business, not the engines'.
 """
 from __future__ import annotations
 
@@ -20,25 +23,16 @@ import threading
 import time
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
-import grpc
 import numpy as np
 import torch
 
 from .checkpoint import Checkpointer
+from .errors import BarrierTimeout, MustResync, NotAllowed, Refusal, ShuttingDown, StorageFailed
 from .roster import Position, Roster
 from .store import BlockStore
 from .tables import TableSet
 
 log = logging.getLogger(__name__)
-
-
-class EngineError(Exception):
-    """A request the engine refuses; carries the gRPC status to answer with."""
-
-    def __init__(self, code: grpc.StatusCode, message: str):
-        super().__init__(message)
-        self.code = code
-        self.message = message
 
 
 class Engine:
@@ -142,26 +136,22 @@ class Engine:
 
     def _check_pusher(self, trainer_id: int) -> None:
         if trainer_id in self.roster.closed:
-            raise EngineError(grpc.StatusCode.FAILED_PRECONDITION,
-                              f"pserver {self.endpoint}: trainer {trainer_id} has closed; "
-                              f"call Hello to rejoin before pushing")
+            raise NotAllowed(f"pserver {self.endpoint}: trainer {trainer_id} has closed; "
+                             f"call Hello to rejoin before pushing")
         if trainer_id in self.roster.dropped:
-            raise EngineError(grpc.StatusCode.ABORTED,
-                              f"pserver {self.endpoint}: trainer {trainer_id} was dropped after "
-                              f"heartbeat_timeout at step {self.version}; call Hello to rejoin")
+            raise MustResync(f"pserver {self.endpoint}: trainer {trainer_id} was dropped after "
+                             f"heartbeat_timeout at step {self.version}; call Hello to rejoin")
 
-    def _ahead(self, trainer_id: int, what: str, target: int) -> EngineError:
+    def _ahead(self, trainer_id: int, what: str, target: int) -> Refusal:
         """The refusal of a push or wait for a step beyond the next one."""
         if self.restored_from >= 0:
             # This pserver restarted or rolled back to a checkpoint: the trainer must re-sync.
-            return EngineError(grpc.StatusCode.ABORTED,
-                               f"pserver {self.endpoint}: trainer {trainer_id} {what} {target}, but this "
-                               f"pserver resumed from the checkpoint at step {self.restored_from} and "
-                               f"is at step {self.version}; call Hello to re-sync")
-        return EngineError(grpc.StatusCode.FAILED_PRECONDITION,
-                           f"pserver {self.endpoint}: trainer {trainer_id} {what} {target} from the "
-                           f"future; the pserver is at step {self.version} and can only reach "
-                           f"{self.version + 1} next")
+            return MustResync(f"pserver {self.endpoint}: trainer {trainer_id} {what} {target}, but this "
+                              f"pserver resumed from the checkpoint at step {self.restored_from} and "
+                              f"is at step {self.version}; call Hello to re-sync")
+        return NotAllowed(f"pserver {self.endpoint}: trainer {trainer_id} {what} {target} from the "
+                          f"future; the pserver is at step {self.version} and can only reach "
+                          f"{self.version + 1} next")
 
     def _wait(self, ready, what: str, missing) -> None:
         """Wait under the lock until ``ready()``, or fail naming who is missing."""
@@ -169,16 +159,14 @@ class Engine:
         rollbacks = self._rollbacks
         while not ready():
             if self._stopping:
-                raise EngineError(grpc.StatusCode.UNAVAILABLE, f"pserver {self.endpoint} is shutting down")
+                raise ShuttingDown(f"pserver {self.endpoint} is shutting down")
             if self._rollbacks != rollbacks:
-                raise EngineError(grpc.StatusCode.ABORTED,
-                                  f"pserver {self.endpoint}: rolled back to the checkpoint at step "
-                                  f"{self.restored_from} while {what} waited; call Hello to re-sync")
+                raise MustResync(f"pserver {self.endpoint}: rolled back to the checkpoint at step "
+                                 f"{self.restored_from} while {what} waited; call Hello to re-sync")
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise EngineError(grpc.StatusCode.DEADLINE_EXCEEDED,
-                                  f"pserver {self.endpoint}: {what} still waits for trainers "
-                                  f"{missing()} after {self.barrier_timeout:g}s")
+                raise BarrierTimeout(f"pserver {self.endpoint}: {what} still waits for trainers "
+                                     f"{missing()} after {self.barrier_timeout:g}s")
             self.cv.wait(remaining)
 
     def read(self, names: Sequence[str]) -> Tuple[int, List[Tuple[str, torch.Tensor]]]:
@@ -197,19 +185,32 @@ class Engine:
         return version, self.tables.lookup(ids)
 
     def save_tables(self, directory: str) -> Tuple[int, List[str]]:
-        """Write every table shard at a step boundary; returns (version, shard directories)."""
+        """Write every table shard at a step boundary; returns (version, shard directories).
+
+        A file system error is :class:`StorageFailed`: the pserver is fine, the directory is not.
+        """
         with self.cv:
-            return self.version, self.tables.save(directory)
+            try:
+                return self.version, self.tables.save(directory)
+            except OSError as e:
+                raise StorageFailed(f"pserver {self.endpoint}: cannot save tables to {directory!r}: "
+                                    f"{e}") from None
 
     # -- checkpoints ---------------------------------------------------------
 
     def checkpoint(self) -> Tuple[int, str]:
-        """Write a checkpoint of this pserver now, at a step boundary; (version, part directory)."""
+        """Write a checkpoint of this pserver now, at a step boundary; (version, part directory).
+
+        Refused (:class:`NotAllowed`) without a checkpoint_dir; a file system
+        error is :class:`StorageFailed`.
+        """
         if self.checkpointer is None:
-            raise EngineError(grpc.StatusCode.FAILED_PRECONDITION,
-                              f"pserver {self.endpoint} has no checkpoint_dir configured")
+            raise NotAllowed(f"pserver {self.endpoint} has no checkpoint_dir configured")
         with self.cv:
-            return self.version, self.checkpointer.save(self.version, self.roster.to_meta())
+            try:
+                return self.version, self.checkpointer.save(self.version, self.roster.to_meta())
+            except OSError as e:
+                raise StorageFailed(f"pserver {self.endpoint}: checkpoint failed: {e}") from None
 
     def _checkpoint_if_due(self) -> None:
         if self.checkpointer is not None and self.checkpointer.due(self.version):
@@ -232,19 +233,24 @@ class Engine:
         """Roll back to the checkpoint at ``version`` once per ``token`` (sync recovery).
 
         Returns False when ``token`` was already honoured. Waiters of the
-        abandoned steps are woken with ABORTED.
+        abandoned steps are woken with :class:`MustResync`. Without a
+        checkpoint_dir or a complete checkpoint at ``version``: :class:`NotAllowed`;
+        a checkpoint that cannot be read or does not fit: :class:`StorageFailed`,
+        and nothing changes.
         """
         if self.checkpointer is None:
-            raise EngineError(grpc.StatusCode.FAILED_PRECONDITION,
-                              f"pserver {self.endpoint} has no checkpoint_dir to roll back from")
+            raise NotAllowed(f"pserver {self.endpoint} has no checkpoint_dir to roll back from")
         with self.cv:
             if token in self._honoured:
                 return False
-            meta = self.checkpointer.load(version)
+            try:
+                meta = self.checkpointer.load(version)
+            except (OSError, ValueError) as e:  # load's contract: unreadable or unfit, nothing changed
+                raise StorageFailed(f"pserver {self.endpoint}: cannot roll back to step {version}: "
+                                    f"{e}") from None
             if meta is None:
-                raise EngineError(grpc.StatusCode.FAILED_PRECONDITION,
-                                  f"pserver {self.endpoint}: no complete checkpoint at step {version} "
-                                  f"to roll back to (asked by trainer {trainer_id})")
+                raise NotAllowed(f"pserver {self.endpoint}: no complete checkpoint at step {version} "
+                                 f"to roll back to (asked by trainer {trainer_id})")
             log.warning("%s: rolled back from step %d to the checkpoint at step %d (asked by trainer %d "
                         "after pservers restarted: %s)", self.endpoint, self.version, version, trainer_id,
                         token)

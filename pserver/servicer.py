@@ -6,6 +6,10 @@ deserialisation failure. Push and Pull bypass the generic protobuf path for
 tensor data (see psproto.codec). Every refusal is a gRPC status naming this
 pserver and what was wrong; a refused request changes nothing (gradients are
 fully received and checked before the engine sees them).
+
+Everything below this module refuses with :mod:`pserver.errors` exceptions;
+:data:`STATUS` is the one place they become gRPC status codes. Any other
+exception is a bug: answered INTERNAL, its traceback logged.
 """
 from __future__ import annotations
 
@@ -15,7 +19,7 @@ import logging
 import secrets
 import threading
 import time
-from typing import Iterator
+from typing import Dict, Iterator, Optional
 
 import grpc
 import torch
@@ -26,11 +30,34 @@ from psproto.codec import TensorReader, WireError, decode_chunk, encode_chunks
 from transpiler.plans import DTYPES
 
 from .buffers import BufferPool
-from .engine import Engine, EngineError
+from .engine import Engine
+from .errors import BadRequest, BarrierTimeout, MustResync, NotAllowed, ShuttingDown, StorageFailed
 
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = ps_pb2.DESCRIPTOR.services_by_name["ParameterServer"].full_name
+
+# The status each kind of refusal is answered with. Looked up along the
+# exception's MRO, so a subclass answers as its parent; an exception of no
+# listed kind (a plain ValueError included) is a bug and answered INTERNAL.
+STATUS: Dict[type, grpc.StatusCode] = {
+    BadRequest: grpc.StatusCode.INVALID_ARGUMENT,
+    WireError: grpc.StatusCode.INVALID_ARGUMENT,  # bytes the codec cannot read as the message
+    NotAllowed: grpc.StatusCode.FAILED_PRECONDITION,
+    StorageFailed: grpc.StatusCode.FAILED_PRECONDITION,
+    MustResync: grpc.StatusCode.ABORTED,  # the code trainers answer with Hello, then carry on
+    ShuttingDown: grpc.StatusCode.UNAVAILABLE,  # trainers retry it against the restarted pserver
+    BarrierTimeout: grpc.StatusCode.DEADLINE_EXCEEDED,
+}
+
+
+def status_of(error: BaseException) -> Optional[grpc.StatusCode]:
+    """The status ``error`` is answered with per :data:`STATUS`, or None for an unexpected exception."""
+    for cls in type(error).__mro__:
+        code = STATUS.get(cls)
+        if code is not None:
+            return code
+    return None
 
 
 class _Counters:
@@ -59,19 +86,37 @@ def _parse(message_type, data: bytes):
 
 
 def _refusals(method):
-    """Turn refusals into gRPC statuses (for plain and server-streaming methods)."""
+    """Answer every exception of a servicer method with a status (plain and server-streaming methods).
+
+    A refusal gets its :data:`STATUS` code and its message, naming this
+    pserver once. Anything else gets INTERNAL and its traceback in the log,
+    naming the pserver and the method. Both count as refused. A
+    ``grpc.RpcError`` (the client cancelled while we read its stream) is
+    gRPC's own and passes through.
+    """
+    name = method.__name__
+
     def abort(self, context, e):
         self.counters.add(refused=1)
-        if isinstance(e, EngineError):
-            context.abort(e.code, e.message)
-        context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"pserver {self.endpoint}: {e}")
+        code = status_of(e)
+        where = f"pserver {self.endpoint}"
+        if code is None:
+            log.exception("%s: %s failed with an unexpected %s; answered INTERNAL", where, name,
+                          type(e).__name__)
+            context.abort(grpc.StatusCode.INTERNAL, f"{where}: internal error in {name} "
+                                                    f"({type(e).__name__}: {e}); see the pserver's log")
+        text = str(e)
+        # Engine refusals name the pserver themselves; request checks below it cannot know it.
+        context.abort(code, text if text.startswith(where) else f"{where}: {text}")
 
     if inspect.isgeneratorfunction(method):
         @functools.wraps(method)
         def stream_wrapper(self, request, context):
             try:
                 yield from method(self, request, context)
-            except (EngineError, ValueError) as e:
+            except grpc.RpcError:
+                raise
+            except Exception as e:  # noqa: BLE001 - each one answered with a status
                 abort(self, context, e)
         return stream_wrapper
 
@@ -79,7 +124,9 @@ def _refusals(method):
     def wrapper(self, request, context):
         try:
             return method(self, request, context)
-        except (EngineError, ValueError) as e:
+        except grpc.RpcError:
+            raise
+        except Exception as e:  # noqa: BLE001 - each one answered with a status
             abort(self, context, e)
     return wrapper
 
@@ -110,14 +157,13 @@ class PserverServicer:
 
     def _check_trainer(self, trainer_id: int) -> None:
         if not 0 <= trainer_id < self.engine.trainers:
-            raise ValueError(f"trainer id {trainer_id} is out of range [0, {self.engine.trainers})")
+            raise BadRequest(f"trainer id {trainer_id} is out of range [0, {self.engine.trainers})")
 
     def _check_digest(self, digest: str) -> None:
         if digest != self.layout_digest:
-            raise EngineError(grpc.StatusCode.FAILED_PRECONDITION,
-                              f"pserver {self.endpoint}: plan mismatch (layout digest {digest!r}, "
-                              f"this pserver runs {self.layout_digest!r}); transpile the same "
-                              f"program with the same config, pservers and trainers on every role")
+            raise NotAllowed(f"pserver {self.endpoint}: plan mismatch (layout digest {digest!r}, "
+                             f"this pserver runs {self.layout_digest!r}); transpile the same "
+                             f"program with the same config, pservers and trainers on every role")
 
     @_refusals
     def Hello(self, data, context):
@@ -140,7 +186,7 @@ class PserverServicer:
         if first is not None:
             header, pieces = decode_chunk(first, header_type)
         if header is None:
-            raise ValueError(f"a {kind} must open with a header (trainer_id, step, layout_digest)")
+            raise BadRequest(f"a {kind} must open with a header (trainer_id, step, layout_digest)")
         self._check_trainer(header.trainer_id)
         self._check_digest(header.layout_digest)
         self.engine.touch(header.trainer_id)
@@ -151,7 +197,7 @@ class PserverServicer:
             for data in request_iterator:
                 extra, pieces = decode_chunk(data, header_type)
                 if extra is not None:
-                    raise ValueError(f"a {kind} carries exactly one header, in its first message")
+                    raise BadRequest(f"a {kind} carries exactly one header, in its first message")
                 for piece in pieces:
                     reader.add(piece)
             reader.finish()
@@ -189,15 +235,15 @@ class PserverServicer:
                                            dest=self.buffers.acquire)
         try:
             if header.step < 0:
-                raise ValueError(f"step must be >= 0, got {header.step}")
+                raise BadRequest(f"step must be >= 0, got {header.step}")
             if header.epoch < 0 or header.batch < 0:
-                raise ValueError(f"data position must be >= 0, got epoch {header.epoch} batch {header.batch}")
+                raise BadRequest(f"data position must be >= 0, got epoch {header.epoch} batch {header.batch}")
             tensors = reader.tensors
             grads = {n: t for n, t in tensors.items() if n in self.store.specs}
             sparse = self.tables.sparse_grads(tensors) if self.tables else {}
             for name, g in [*grads.items(), *((n, rows) for n, (_, rows) in sparse.items())]:
                 if not self.allow_nonfinite and not _finite(g):
-                    raise ValueError(f"gradient of {name} from trainer {header.trainer_id} at step "
+                    raise BadRequest(f"gradient of {name} from trainer {header.trainer_id} at step "
                                      f"{header.step} holds NaN or Inf; push refused "
                                      f"(nonfinite_grads='refuse')")
             self.counters.add(bytes_in=reader.nbytes, pushes=1)
@@ -218,12 +264,12 @@ class PserverServicer:
         self.engine.touch(request.trainer_id)
         names = list(request.names) or list(self.store.names())
         if len(set(names)) != len(names):
-            raise ValueError("a pull names some blocks more than once")
+            raise BadRequest("a pull names some blocks more than once")
         unknown = [n for n in names if self.store.expect(n) is None]
         if unknown:
-            raise ValueError(f"unknown blocks {unknown[:5]}{'...' if len(unknown) > 5 else ''}")
+            raise BadRequest(f"unknown blocks {unknown[:5]}{'...' if len(unknown) > 5 else ''}")
         if request.min_version < 0:
-            raise ValueError(f"min_version must be >= 0, got {request.min_version}")
+            raise BadRequest(f"min_version must be >= 0, got {request.min_version}")
         yield from self._answer_pull(request.trainer_id, request.min_version, names)
 
     def _answer_pull(self, trainer_id: int, min_version: int, names, applied: bool = False):
@@ -245,7 +291,7 @@ class PserverServicer:
     def _prefetch(self, request_iterator) -> Iterator[bytes]:
         header, reader = self._read_stream(request_iterator, ps_pb2.PrefetchHeader, self.tables.expect)
         if header.min_version < 0:
-            raise ValueError(f"min_version must be >= 0, got {header.min_version}")
+            raise BadRequest(f"min_version must be >= 0, got {header.min_version}")
         ids = self.tables.requested_ids(reader.tensors)
         self.engine.wait_version(header.trainer_id, header.min_version)
         version, rows = self.engine.lookup(ids)
@@ -259,13 +305,12 @@ class PserverServicer:
         self._check_trainer(request.trainer_id)
         self._check_digest(request.layout_digest)
         if not request.directory:
-            raise ValueError("SaveTables needs a directory")
-        try:
-            version, paths = self.engine.save_tables(request.directory)
-        except OSError as e:
-            raise EngineError(grpc.StatusCode.FAILED_PRECONDITION,
-                              f"pserver {self.endpoint}: cannot save tables to "
-                              f"{request.directory!r}: {e}") from None
+            raise BadRequest("SaveTables needs a directory")
+        if "\0" in request.directory:
+            # The file system calls refuse it with a plain ValueError, which would read as a bug
+            # here; checked first, in the same words.
+            raise BadRequest("embedded null byte")
+        version, paths = self.engine.save_tables(request.directory)
         log.info("%s: saved %d table shards at version %d to %s", self.endpoint, len(paths), version,
                  request.directory)
         return ps_pb2.SaveTablesReply(version=version, paths=paths)
@@ -283,18 +328,12 @@ class PserverServicer:
         self._check_trainer(request.trainer_id)
         self._check_digest(request.layout_digest)
         if not self.engine.sync_mode:
-            raise EngineError(grpc.StatusCode.FAILED_PRECONDITION,
-                              f"pserver {self.endpoint}: Restore is for sync mode; async pservers "
-                              f"resume on their own")
+            raise NotAllowed(f"pserver {self.endpoint}: Restore is for sync mode; async pservers "
+                             f"resume on their own")
         if request.version < 0 or not request.token:
-            raise ValueError(f"Restore needs a version >= 0 and a token, got {request.version} "
+            raise BadRequest(f"Restore needs a version >= 0 and a token, got {request.version} "
                              f"{request.token!r}")
-        try:
-            restored = self.engine.restore(request.trainer_id, request.version, request.token)
-        except (OSError, ValueError) as e:
-            raise EngineError(grpc.StatusCode.FAILED_PRECONDITION,
-                              f"pserver {self.endpoint}: cannot roll back to step {request.version}: "
-                              f"{e}") from None
+        restored = self.engine.restore(request.trainer_id, request.version, request.token)
         return ps_pb2.RestoreReply(version=self.engine.version, restored=restored)
 
     @_refusals
@@ -302,11 +341,7 @@ class PserverServicer:
         request = _parse(ps_pb2.CheckpointRequest, data)
         self._check_trainer(request.trainer_id)
         self._check_digest(request.layout_digest)
-        try:
-            version, path = self.engine.checkpoint()
-        except OSError as e:
-            raise EngineError(grpc.StatusCode.FAILED_PRECONDITION,
-                              f"pserver {self.endpoint}: checkpoint failed: {e}") from None
+        version, path = self.engine.checkpoint()
         return ps_pb2.CheckpointReply(version=version, path=path)
 
     @_refusals

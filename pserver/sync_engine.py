@@ -8,10 +8,10 @@ from __future__ import annotations
 import logging
 from typing import Dict, List, Mapping, Optional, Tuple
 
-import grpc
 import torch
 
-from .engine import Engine, EngineError
+from .engine import Engine
+from .errors import NotAllowed
 from .roster import Position
 from .tables import SparseGrad
 
@@ -70,9 +70,8 @@ class SyncEngine(Engine):
             if step < self.version:
                 if self.last_step.get(trainer_id, -1) >= step:
                     return False, self.version  # a retry of a push already applied
-                raise EngineError(grpc.StatusCode.FAILED_PRECONDITION,
-                                  f"pserver {self.endpoint}: trainer {trainer_id} pushed stale step "
-                                  f"{step}; the pserver is at step {self.version}")
+                raise NotAllowed(f"pserver {self.endpoint}: trainer {trainer_id} pushed stale step "
+                                 f"{step}; the pserver is at step {self.version}")
             if step > self.version:
                 raise self._ahead(trainer_id, "pushed step", step)
             for name, g in grads.items():

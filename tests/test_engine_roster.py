@@ -10,7 +10,8 @@ import threading
 
 from pserver.async_engine import AsyncEngine
 from pserver.checkpoint.checkpointer import Checkpointer
-from pserver.engine import EngineError
+from pserver.errors import MustResync, NotAllowed
+from pserver.servicer import status_of
 from pserver.store import BlockStore
 from pserver.sync_engine import SyncEngine
 from pserver.tables.table_set import TableSet
@@ -51,9 +52,9 @@ def test_silent_trainer_is_dropped_and_the_step_completes_without_it():
     e.roster.last_seen[1] -= 60                          # trainer 1 fell silent a minute ago
     assert e.drop_silent(timeout=30) == [1]
     assert e.version == 1                                # applied with trainer 0's gradient alone
-    with pytest.raises(EngineError) as info:
+    with pytest.raises(MustResync) as info:
         e.push(1, 1, grads(e, 1.0))
-    assert info.value.code == grpc.StatusCode.ABORTED and "dropped" in info.value.message
+    assert status_of(info.value) == grpc.StatusCode.ABORTED and "dropped" in info.value.message
     assert e.drop_silent(timeout=30) == []               # trainer 0 is alive: never dropped
 
 
@@ -99,9 +100,10 @@ def test_restore_rolls_back_once_per_token_and_wakes_waiters(tmp_path):
     e.push(0, 1, grads(e, 2.0))
     assert e.restore(0, 1, "ep#42") is False             # the same restart: no second roll-back
     assert e.version == 2
-    with pytest.raises(EngineError) as info:
+    with pytest.raises(NotAllowed) as info:
         e.restore(0, 7, "ep#43")
-    assert info.value.code == grpc.StatusCode.FAILED_PRECONDITION and "no complete checkpoint" in info.value.message
+    assert status_of(info.value) == grpc.StatusCode.FAILED_PRECONDITION
+    assert "no complete checkpoint" in info.value.message
     assert e.version == 2
 
 

@@ -27,7 +27,7 @@ def start_pservers(endpoints, trainers, extra=()):
                "PADDLE_TRAINERS_NUM": str(trainers), "POD_IP": host, "PADDLE_PORT": port,
                "PYTHONPATH": REPO}
         procs.append(subprocess.Popen(
-            [sys.executable, "-m", "pserver.cli", "--program", "tests/models.py:odd_program", *extra],
+            [sys.executable, "-m", "pserver.cli", "--program", "tests/helpers/models.py:odd_program", *extra],
             cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     return procs
 

@@ -59,6 +59,7 @@ import torch
 
 from transpiler.tables import TABLE_DTYPES, TableSpec, initial_rows, shard_of
 
+from ..errors import BadRequest
 from . import files as table_files
 from .id_index import EMPTY, MAX_LOAD, build_index, home_slots, place, probe, slots_for
 from .rows import Growable, gather, scatter
@@ -87,14 +88,15 @@ def initial_rows_into(spec: TableSpec, ids: np.ndarray, out: np.ndarray) -> np.n
 
 
 def _as_ids(ids) -> np.ndarray:
+    """``ids`` as a contiguous int64 1-D array; :class:`BadRequest` if they are not 1-D integers."""
     if isinstance(ids, torch.Tensor):
         ids = ids.detach().cpu().numpy()
     ids = np.asarray(ids)
     if ids.ndim != 1:
-        raise ValueError(f"ids must be 1-D, got shape {list(ids.shape)}")
+        raise BadRequest(f"ids must be 1-D, got shape {list(ids.shape)}")
     if ids.dtype != np.int64:
         if ids.size and not np.issubdtype(ids.dtype, np.integer):
-            raise ValueError(f"ids must be integers, got {ids.dtype}")
+            raise BadRequest(f"ids must be integers, got {ids.dtype}")
         ids = ids.astype(np.int64)
     return np.ascontiguousarray(ids)
 
@@ -157,7 +159,7 @@ class TableShard:
         return 8 + self.spec.dim * self.dtype.itemsize * (1 + len(self._state))
 
     def check_ids(self, ids: np.ndarray) -> None:
-        """Raise ValueError, naming the table, this shard and an example id, if any id is not ours.
+        """Raise :class:`BadRequest` naming the table, this shard and an example id if any id is not ours.
 
         An id belongs to shard ``stable_hash_ids(id) % n_shards``; a misrouted id
         would be stored on the wrong pserver and never found by the others.
@@ -169,7 +171,7 @@ class TableShard:
         bad = owner != self.shard
         if bad.any():
             i = int(np.argmax(bad))
-            raise ValueError(
+            raise BadRequest(
                 f"table {self.spec.name!r}: {int(bad.sum())} of {ids.size} ids do not belong to "
                 f"shard {self.shard} of {self.n_shards}, e.g. id {int(ids[i])} (shard {int(owner[i])})")
 

@@ -18,6 +18,7 @@ from transpiler.optim import LrSchedule
 from transpiler.tables import TableSpec, merge_duplicates
 from transpiler.tables import SPARSE_SEPARATOR
 
+from ..errors import BadRequest
 from .shard import TableShard
 from .files import saved_shards, shard_directory
 
@@ -64,10 +65,10 @@ class TableSet:
         return {n[:-len(suffix)]: t for n, t in tensors.items() if n.endswith(suffix) and n in self._wire}
 
     def requested_ids(self, tensors: Mapping[str, torch.Tensor]) -> Dict[str, np.ndarray]:
-        """``{table: ids}`` of a prefetch, each checked to belong to this shard."""
+        """``{table: ids}`` of a prefetch, each checked to belong to this shard (else :class:`BadRequest`)."""
         extra = sorted(n for n in tensors if not n.endswith(SPARSE_SEPARATOR + "ids"))
         if extra:
-            raise ValueError(f"a prefetch carries only '<table>{SPARSE_SEPARATOR}ids' tensors, got {extra[:3]}")
+            raise BadRequest(f"a prefetch carries only '<table>{SPARSE_SEPARATOR}ids' tensors, got {extra[:3]}")
         out = {}
         for name, ids in self._paired(tensors, "ids").items():
             ids = ids.numpy()
@@ -79,18 +80,18 @@ class TableSet:
         """``{table: (ids, rows)}`` from a push's sparse tensors, checked.
 
         Ids and rows must come in pairs of equal length, and every id must
-        belong to this shard. Duplicate ids are summed.
+        belong to this shard (else :class:`BadRequest`). Duplicate ids are summed.
         """
         ids, rows = self._paired(tensors, "ids"), self._paired(tensors, "rows")
         if ids.keys() != rows.keys():
             lone = sorted(ids.keys() ^ rows.keys())
-            raise ValueError(f"table {lone[0]!r}: a sparse gradient needs both "
+            raise BadRequest(f"table {lone[0]!r}: a sparse gradient needs both "
                              f"'{lone[0]}@ids' and '{lone[0]}@rows'")
         out = {}
         for name in ids:
             table_ids, table_rows = ids[name].numpy(), rows[name]
             if len(table_ids) != len(table_rows):
-                raise ValueError(f"table {name!r}: {len(table_ids)} ids but {len(table_rows)} gradient rows")
+                raise BadRequest(f"table {name!r}: {len(table_ids)} ids but {len(table_rows)} gradient rows")
             self.shards[name].check_ids(table_ids)
             out[name] = merge_duplicates(table_ids, table_rows)
         return out

@@ -42,7 +42,7 @@ def batches(n_trainers: int, per_trainer: int, steps: int, seed: int = 7,
 
 
 def odd_program():
-    """A Program for ``ps-server --program tests/models.py:odd_program``."""
+    """A Program for ``ps-server --program tests/helpers/models.py:odd_program``."""
     from transpiler import Program
 
     return Program(odd_mlp(dtype=torch.float64), "adam", lr=0.01, weight_decay=0.01)
