@@ -119,7 +119,7 @@ class ParameterServerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Pull(self, request, context):
-        """Receives parameters once `min_version` updates are applied.
+        """Receives parameters once `min_updates` updates are applied.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

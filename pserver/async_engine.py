@@ -31,7 +31,7 @@ class AsyncEngine(Engine):
     def push(self, trainer_id: int, step: int, grads: Dict[str, torch.Tensor],
              sparse: Optional[Mapping[str, SparseGrad]] = None,
              position: Position = (0, 0)) -> Tuple[bool, int]:
-        """Apply ``grads`` and ``sparse`` now (after any staleness wait); returns (applied, version).
+        """Apply ``grads`` and ``sparse`` now (after any staleness wait); returns (applied, updates).
 
         Nothing is kept once this returns: the caller keeps its buffers.
         """
@@ -45,15 +45,15 @@ class AsyncEngine(Engine):
                            f"{self.max_staleness})", lambda: self._slowest(trainer_id)[1])
             # Checked after the wait: a retry may have been applied meanwhile.
             if step <= self.last_step.get(trainer_id, -1):
-                return False, self.version
+                return False, self.updates
             self.store.apply(grads, step)
             self.tables.apply(sparse or {}, step)
-            self.version += 1
+            self.updates += 1
             self.last_step[trainer_id] = step
             self.roster.positions[trainer_id] = position
             self._checkpoint_if_due()
             self.cv.notify_all()
-            return True, self.version
+            return True, self.updates
 
-    def wait_version(self, trainer_id: int, min_version: int) -> None:
+    def wait_updates(self, trainer_id: int, min_updates: int) -> None:
         """Async pulls never wait for other trainers."""

@@ -48,7 +48,7 @@ class Engine:
         self.endpoint = endpoint
         self.barrier_timeout = barrier_timeout
         self.cv = threading.Condition()
-        self.version = 0
+        self.updates = 0
         self.roster = Roster(trainers)
         self.all_closed = threading.Event()
         self._stopping = False
@@ -90,14 +90,14 @@ class Engine:
         return self.last_step.get(trainer_id, -1) + 1
 
     def touch(self, trainer_id: int) -> int:
-        """A heartbeat (or any call) from ``trainer_id``; returns the version.
+        """A heartbeat (or any call) from ``trainer_id``; returns the updates applied.
 
         Without the lock (one dict store and one int read, atomic in CPython):
         heartbeats must land while a long update or checkpoint holds it, or
         the watchdog would drop every trainer right after.
         """
         self.roster.touch(trainer_id)
-        return self.version
+        return self.updates
 
     def close(self, trainer_id: int) -> int:
         """Mark ``trainer_id`` done; barriers stop waiting for it. Returns trainers left."""
@@ -105,7 +105,7 @@ class Engine:
             if trainer_id not in self.roster.closed:
                 self.roster.closed.add(trainer_id)
                 self.roster.dropped.discard(trainer_id)
-                log.info("%s: trainer %d closed at step %d", self.endpoint, trainer_id, self.version)
+                log.info("%s: trainer %d closed at step %d", self.endpoint, trainer_id, self.updates)
                 self._note_closed()
                 self._on_close()
             left = len(set(range(self.trainers)) - self.roster.closed)
@@ -122,7 +122,7 @@ class Engine:
                 self.roster.dropped.add(t)
                 log.warning("%s: trainer %d sent nothing for %.1fs (heartbeat_timeout %gs); dropped "
                             "from the barrier at step %d; it rejoins by starting again", self.endpoint,
-                            t, quiet, timeout, self.version)
+                            t, quiet, timeout, self.updates)
             if silent:
                 self._on_close()
                 self.cv.notify_all()
@@ -140,7 +140,7 @@ class Engine:
                              f"call Hello to rejoin before pushing")
         if trainer_id in self.roster.dropped:
             raise MustResync(f"pserver {self.endpoint}: trainer {trainer_id} was dropped after "
-                             f"heartbeat_timeout at step {self.version}; call Hello to rejoin")
+                             f"heartbeat_timeout at step {self.updates}; call Hello to rejoin")
 
     def _ahead(self, trainer_id: int, what: str, target: int) -> Refusal:
         """The refusal of a push or wait for a step beyond the next one."""
@@ -148,10 +148,10 @@ class Engine:
             # This pserver restarted or rolled back to a checkpoint: the trainer must re-sync.
             return MustResync(f"pserver {self.endpoint}: trainer {trainer_id} {what} {target}, but this "
                               f"pserver resumed from the checkpoint at step {self.restored_from} and "
-                              f"is at step {self.version}; call Hello to re-sync")
+                              f"is at step {self.updates}; call Hello to re-sync")
         return NotAllowed(f"pserver {self.endpoint}: trainer {trainer_id} {what} {target} from the "
-                          f"future; the pserver is at step {self.version} and can only reach "
-                          f"{self.version + 1} next")
+                          f"future; the pserver is at step {self.updates} and can only reach "
+                          f"{self.updates + 1} next")
 
     def _wait(self, ready, what: str, missing) -> None:
         """Wait under the lock until ``ready()``, or fail naming who is missing."""
@@ -170,28 +170,28 @@ class Engine:
             self.cv.wait(remaining)
 
     def read(self, names: Sequence[str]) -> Tuple[int, List[Tuple[str, torch.Tensor]]]:
-        """The current version and the named blocks, safe to stream."""
+        """The updates applied and the named blocks, safe to stream."""
         with self.cv:
-            return self.version, self.store.read(names, copy=self._reads_need_copy())
+            return self.updates, self.store.read(names, copy=self._reads_need_copy())
 
     def lookup(self, ids: Mapping[str, np.ndarray]) -> Tuple[int, List[Tuple[str, torch.Tensor]]]:
-        """The current version and the rows of ``ids`` ({table: ids}), in request order.
+        """The updates applied and the rows of ``ids`` ({table: ids}), in request order.
 
         Each table shard locks itself; in sync mode no update can run
         meanwhile anyway, since the next one needs this trainer's push.
         """
         with self.cv:
-            version = self.version
-        return version, self.tables.lookup(ids)
+            updates = self.updates
+        return updates, self.tables.lookup(ids)
 
     def save_tables(self, directory: str) -> Tuple[int, List[str]]:
-        """Write every table shard at a step boundary; returns (version, shard directories).
+        """Write every table shard at a step boundary; returns (updates, shard directories).
 
         A file system error is :class:`StorageFailed`: the pserver is fine, the directory is not.
         """
         with self.cv:
             try:
-                return self.version, self.tables.save(directory)
+                return self.updates, self.tables.save(directory)
             except OSError as e:
                 raise StorageFailed(f"pserver {self.endpoint}: cannot save tables to {directory!r}: "
                                     f"{e}") from None
@@ -199,7 +199,7 @@ class Engine:
     # -- checkpoints ---------------------------------------------------------
 
     def checkpoint(self) -> Tuple[int, str]:
-        """Write a checkpoint of this pserver now, at a step boundary; (version, part directory).
+        """Write a checkpoint of this pserver now, at a step boundary; (its step, part directory).
 
         Refused (:class:`NotAllowed`) without a checkpoint_dir; a file system
         error is :class:`StorageFailed`.
@@ -208,17 +208,17 @@ class Engine:
             raise NotAllowed(f"pserver {self.endpoint} has no checkpoint_dir configured")
         with self.cv:
             try:
-                return self.version, self.checkpointer.save(self.version, self.roster.to_meta())
+                return self.updates, self.checkpointer.save(self.updates, self.roster.to_meta())
             except OSError as e:
                 raise StorageFailed(f"pserver {self.endpoint}: checkpoint failed: {e}") from None
 
     def _checkpoint_if_due(self) -> None:
-        if self.checkpointer is not None and self.checkpointer.due(self.version):
+        if self.checkpointer is not None and self.checkpointer.due(self.updates):
             try:
-                self.checkpointer.save(self.version, self.roster.to_meta())
+                self.checkpointer.save(self.updates, self.roster.to_meta())
             except Exception:  # a full disk must not fail the push that was just applied
                 log.exception("%s: checkpoint at step %d failed; training goes on and the previous "
-                              "checkpoint stays the latest", self.endpoint, self.version)
+                              "checkpoint stays the latest", self.endpoint, self.updates)
 
     def resume(self, step: Optional[int] = None) -> bool:
         """Load the latest complete checkpoint (or the one at ``step``); False if there is none."""
@@ -229,12 +229,12 @@ class Engine:
             self._reset(meta)
             return True
 
-    def restore(self, trainer_id: int, version: int, token: str) -> bool:
-        """Roll back to the checkpoint at ``version`` once per ``token`` (sync recovery).
+    def restore(self, trainer_id: int, step: int, token: str) -> bool:
+        """Roll back to the checkpoint at ``step`` once per ``token`` (sync recovery).
 
         Returns False when ``token`` was already honoured. Waiters of the
         abandoned steps are woken with :class:`MustResync`. Without a
-        checkpoint_dir or a complete checkpoint at ``version``: :class:`NotAllowed`;
+        checkpoint_dir or a complete checkpoint at ``step``: :class:`NotAllowed`;
         a checkpoint that cannot be read or does not fit: :class:`StorageFailed`,
         and nothing changes.
         """
@@ -244,15 +244,15 @@ class Engine:
             if token in self._honoured:
                 return False
             try:
-                meta = self.checkpointer.load(version)
+                meta = self.checkpointer.load(step)
             except (OSError, ValueError) as e:  # load's contract: unreadable or unfit, nothing changed
-                raise StorageFailed(f"pserver {self.endpoint}: cannot roll back to step {version}: "
+                raise StorageFailed(f"pserver {self.endpoint}: cannot roll back to step {step}: "
                                     f"{e}") from None
             if meta is None:
-                raise NotAllowed(f"pserver {self.endpoint}: no complete checkpoint at step {version} "
+                raise NotAllowed(f"pserver {self.endpoint}: no complete checkpoint at step {step} "
                                  f"to roll back to (asked by trainer {trainer_id})")
             log.warning("%s: rolled back from step %d to the checkpoint at step %d (asked by trainer %d "
-                        "after pservers restarted: %s)", self.endpoint, self.version, version, trainer_id,
+                        "after pservers restarted: %s)", self.endpoint, self.updates, step, trainer_id,
                         token)
             self._honoured.add(token)
             self._reset(meta)
@@ -261,12 +261,12 @@ class Engine:
             return True
 
     def _reset(self, meta: dict) -> None:
-        """Take version and trainers from a loaded checkpoint's manifest (blocks and tables are loaded)."""
-        self.version = self.restored_from = int(meta["step"])
+        """Take the step and trainers from a loaded checkpoint's manifest (blocks and tables are loaded)."""
+        self.updates = self.restored_from = int(meta["step"])
         self.roster.load_meta(meta)
         self._clear_pending()
         if self.checkpointer is not None:
-            self.checkpointer.forget_after(self.version)
+            self.checkpointer.forget_after(self.updates)
 
     def _note_closed(self) -> None:
         if self.checkpointer is not None:

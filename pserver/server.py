@@ -61,7 +61,7 @@ class ParameterServer:
                 program.sync_mode, every=cfg.checkpoint_every, keep=cfg.checkpoint_keep)
             if self.engine.resume():
                 log.info("pserver %s resumes from the checkpoint at step %d under %s%s", self.endpoint,
-                         self.engine.version, cfg.checkpoint_dir,
+                         self.engine.updates, cfg.checkpoint_dir,
                          " (tables_from is ignored)" if tables_from else "")
         self.servicer = PserverServicer(self.engine, program.layout_digest, cfg.chunk_bytes,
                                         allow_nonfinite=cfg.nonfinite_grads == "apply")
@@ -147,7 +147,7 @@ class ParameterServer:
         self.engine.stop()
         if self._server is not None:
             self._server.stop(grace).wait()
-        log.info("pserver %s stopped at version %d", self.endpoint, self.engine.version)
+        log.info("pserver %s stopped after %d updates", self.endpoint, self.engine.updates)
 
     def serve(self) -> None:
         """Start, block until all trainers closed or SIGTERM/SIGINT, then stop cleanly."""

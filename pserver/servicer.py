@@ -170,10 +170,10 @@ class PserverServicer:
         request = _parse(ps_pb2.HelloRequest, data)
         self._check_trainer(request.trainer_id)
         self._check_digest(request.layout_digest)
-        version, (epoch, batch) = self.engine.hello(request.trainer_id)
-        return ps_pb2.HelloReply(version=version, sync_mode=self.engine.sync_mode,
+        start_step, (epoch, batch) = self.engine.hello(request.trainer_id)
+        return ps_pb2.HelloReply(start_step=start_step, sync_mode=self.engine.sync_mode,
                                  trainers=self.engine.trainers, incarnation=self.incarnation,
-                                 epoch=epoch, batch=batch, checkpoint_version=self.engine.restored_from)
+                                 epoch=epoch, batch=batch, checkpoint_step=self.engine.restored_from)
 
     def _expect(self, name: str):
         return self.store.expect(name) or self.tables.expect(name)
@@ -212,8 +212,8 @@ class PserverServicer:
 
     @_refusals
     def Push(self, request_iterator, context):
-        _, applied, version = self._push(request_iterator)
-        return ps_pb2.PushReply(applied=applied, version=version)
+        _, applied, updates = self._push(request_iterator)
+        return ps_pb2.PushReply(applied=applied, updates=updates)
 
     @_refusals
     def PushPull(self, request_iterator, context) -> Iterator[bytes]:
@@ -226,11 +226,11 @@ class PserverServicer:
     def _push_pull(self, request_iterator) -> Iterator[bytes]:
         header, applied, _ = self._push(request_iterator)
         # The trainer's next step needs this one applied (sync), or whatever is there (async).
-        min_version = header.step + 1 if self.engine.sync_mode else 0
-        yield from self._answer_pull(header.trainer_id, min_version, list(self.store.names()), applied)
+        min_updates = header.step + 1 if self.engine.sync_mode else 0
+        yield from self._answer_pull(header.trainer_id, min_updates, list(self.store.names()), applied)
 
     def _push(self, request_iterator):
-        """Read, check and count one push; (header, applied, version)."""
+        """Read, check and count one push; (header, applied, updates)."""
         header, reader = self._read_stream(request_iterator, ps_pb2.PushHeader, self._expect,
                                            dest=self.buffers.acquire)
         try:
@@ -247,14 +247,14 @@ class PserverServicer:
                                      f"{header.step} holds NaN or Inf; push refused "
                                      f"(nonfinite_grads='refuse')")
             self.counters.add(bytes_in=reader.nbytes, pushes=1)
-            applied, version = self.engine.push(header.trainer_id, header.step, grads, sparse,
+            applied, updates = self.engine.push(header.trainer_id, header.step, grads, sparse,
                                                 (header.epoch, header.batch))
         finally:
             self._release(reader.tensors)
         if not applied:
             log.info("%s: duplicate push from trainer %d for step %d acknowledged, not applied",
                      self.endpoint, header.trainer_id, header.step)
-        return header, applied, version
+        return header, applied, updates
 
     @_refusals
     def Pull(self, data, context) -> Iterator[bytes]:
@@ -268,15 +268,15 @@ class PserverServicer:
         unknown = [n for n in names if self.store.expect(n) is None]
         if unknown:
             raise BadRequest(f"unknown blocks {unknown[:5]}{'...' if len(unknown) > 5 else ''}")
-        if request.min_version < 0:
-            raise BadRequest(f"min_version must be >= 0, got {request.min_version}")
-        yield from self._answer_pull(request.trainer_id, request.min_version, names)
+        if request.min_updates < 0:
+            raise BadRequest(f"min_updates must be >= 0, got {request.min_updates}")
+        yield from self._answer_pull(request.trainer_id, request.min_updates, names)
 
-    def _answer_pull(self, trainer_id: int, min_version: int, names, applied: bool = False):
-        """Wait for ``min_version``, then stream the blocks ``names``."""
-        self.engine.wait_version(trainer_id, min_version)
-        version, tensors = self.engine.read(names)
-        header = ps_pb2.PullHeader(version=version, applied=applied)
+    def _answer_pull(self, trainer_id: int, min_updates: int, names, applied: bool = False):
+        """Wait for ``min_updates``, then stream the blocks ``names``."""
+        self.engine.wait_updates(trainer_id, min_updates)
+        updates, tensors = self.engine.read(names)
+        header = ps_pb2.PullHeader(updates=updates, applied=applied)
         yield from encode_chunks(header, tensors, self.chunk_bytes)
         self.counters.add(bytes_out=sum(t.numel() * t.element_size() for _, t in tensors))
 
@@ -290,12 +290,12 @@ class PserverServicer:
 
     def _prefetch(self, request_iterator) -> Iterator[bytes]:
         header, reader = self._read_stream(request_iterator, ps_pb2.PrefetchHeader, self.tables.expect)
-        if header.min_version < 0:
-            raise BadRequest(f"min_version must be >= 0, got {header.min_version}")
+        if header.min_updates < 0:
+            raise BadRequest(f"min_updates must be >= 0, got {header.min_updates}")
         ids = self.tables.requested_ids(reader.tensors)
-        self.engine.wait_version(header.trainer_id, header.min_version)
-        version, rows = self.engine.lookup(ids)
-        yield from encode_chunks(ps_pb2.PullHeader(version=version), rows, self.chunk_bytes)
+        self.engine.wait_updates(header.trainer_id, header.min_updates)
+        updates, rows = self.engine.lookup(ids)
+        yield from encode_chunks(ps_pb2.PullHeader(updates=updates), rows, self.chunk_bytes)
         self.counters.add(bytes_in=reader.nbytes, prefetches=1,
                           bytes_out=sum(t.numel() * t.element_size() for _, t in rows))
 
@@ -310,16 +310,16 @@ class PserverServicer:
             # The file system calls refuse it with a plain ValueError, which would read as a bug
             # here; checked first, in the same words.
             raise BadRequest("embedded null byte")
-        version, paths = self.engine.save_tables(request.directory)
-        log.info("%s: saved %d table shards at version %d to %s", self.endpoint, len(paths), version,
+        updates, paths = self.engine.save_tables(request.directory)
+        log.info("%s: saved %d table shards after %d updates to %s", self.endpoint, len(paths), updates,
                  request.directory)
-        return ps_pb2.SaveTablesReply(version=version, paths=paths)
+        return ps_pb2.SaveTablesReply(updates=updates, paths=paths)
 
     @_refusals
     def Heartbeat(self, data, context):
         request = _parse(ps_pb2.HeartbeatRequest, data)
         self._check_trainer(request.trainer_id)
-        return ps_pb2.HeartbeatReply(version=self.engine.touch(request.trainer_id),
+        return ps_pb2.HeartbeatReply(updates=self.engine.touch(request.trainer_id),
                                      incarnation=self.incarnation)
 
     @_refusals
@@ -330,19 +330,19 @@ class PserverServicer:
         if not self.engine.sync_mode:
             raise NotAllowed(f"pserver {self.endpoint}: Restore is for sync mode; async pservers "
                              f"resume on their own")
-        if request.version < 0 or not request.token:
-            raise BadRequest(f"Restore needs a version >= 0 and a token, got {request.version} "
+        if request.checkpoint_step < 0 or not request.token:
+            raise BadRequest(f"Restore needs a checkpoint_step >= 0 and a token, got {request.checkpoint_step} "
                              f"{request.token!r}")
-        restored = self.engine.restore(request.trainer_id, request.version, request.token)
-        return ps_pb2.RestoreReply(version=self.engine.version, restored=restored)
+        restored = self.engine.restore(request.trainer_id, request.checkpoint_step, request.token)
+        return ps_pb2.RestoreReply(updates=self.engine.updates, restored=restored)
 
     @_refusals
     def Checkpoint(self, data, context):
         request = _parse(ps_pb2.CheckpointRequest, data)
         self._check_trainer(request.trainer_id)
         self._check_digest(request.layout_digest)
-        version, path = self.engine.checkpoint()
-        return ps_pb2.CheckpointReply(version=version, path=path)
+        step, path = self.engine.checkpoint()
+        return ps_pb2.CheckpointReply(checkpoint_step=step, path=path)
 
     @_refusals
     def Close(self, data, context):
@@ -358,19 +358,19 @@ class PserverServicer:
             roster = engine.roster
             alive = sorted(roster.joined & roster.live())
             dropped = sorted(roster.dropped)
-            version = engine.version
+            updates = engine.updates
         last = engine.checkpointer.last if engine.checkpointer is not None else None
         c = self.counters
         with c.lock:
             return ps_pb2.StatsReply(
-                endpoint=self.endpoint, version=version, trainers_alive=alive,
+                endpoint=self.endpoint, updates=updates, trainers_alive=alive,
                 blocks=len(self.store.blocks), block_bytes=self.store.nbytes,
                 bytes_in=c.bytes_in, bytes_out=c.bytes_out, pushes=c.pushes,
                 sync_mode=engine.sync_mode, table_rows=self.tables.rows,
                 table_bytes=self.tables.nbytes, prefetches=c.prefetches,
                 incarnation=self.incarnation, uptime_s=time.monotonic() - self.started,
                 trainers_dropped=dropped, refused=c.refused,
-                checkpoint_version=last[0] if last else -1, checkpoint_path=last[1] if last else "",
+                checkpoint_step=last[0] if last else -1, checkpoint_path=last[1] if last else "",
                 checkpoint_age_s=time.time() - last[2] if last else 0.0)
 
     def add_to_server(self, server: grpc.Server) -> None:

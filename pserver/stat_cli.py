@@ -81,14 +81,14 @@ def _ids(ids: Sequence[int]) -> str:
 
 
 def _checkpoint(r: ps_pb2.StatsReply) -> str:
-    if r.checkpoint_version < 0 or (r.checkpoint_version == 0 and not r.checkpoint_path):
+    if r.checkpoint_step < 0 or (r.checkpoint_step == 0 and not r.checkpoint_path):
         return "-"  # 0 without a path: a pserver that does not report checkpoints yet
-    return f"v{r.checkpoint_version}, {r.checkpoint_age_s:.0f}s ago"
+    return f"step {r.checkpoint_step}, {r.checkpoint_age_s:.0f}s ago"
 
 
 def row(endpoint: str, r: ps_pb2.StatsReply, rate: Optional[float]) -> Tuple[str, ...]:
     """The table row of one pserver's reply."""
-    return (endpoint, "sync" if r.sync_mode else "async", str(r.version), _ids(r.trainers_alive),
+    return (endpoint, "sync" if r.sync_mode else "async", str(r.updates), _ids(r.trainers_alive),
             _ids(r.trainers_dropped), str(r.blocks), human_bytes(r.block_bytes), f"{r.table_rows:,}",
             human_bytes(r.bytes_in), human_bytes(r.bytes_out), "-" if rate is None else f"{rate:.1f}",
             _checkpoint(r))

@@ -41,11 +41,11 @@ class SyncEngine(Engine):
         if how == "rejoined" and self.pending:
             # The step in progress goes on without it: waiting for a trainer that has
             # to pull first would stall it, and a late gradient would be stale.
-            self.joins_at[trainer_id] = self.version + 1
-        return self.joins_at.get(trainer_id, self.version)
+            self.joins_at[trainer_id] = self.updates + 1
+        return self.joins_at.get(trainer_id, self.updates)
 
     def _expected(self) -> set:
-        return {t for t in self.live() if self.joins_at.get(t, 0) <= self.version}
+        return {t for t in self.live() if self.joins_at.get(t, 0) <= self.updates}
 
     def _clear_pending(self) -> None:
         self.joins_at = {}
@@ -57,7 +57,7 @@ class SyncEngine(Engine):
     def push(self, trainer_id: int, step: int, grads: Dict[str, torch.Tensor],
              sparse: Optional[Mapping[str, SparseGrad]] = None,
              position: Position = (0, 0)) -> Tuple[bool, int]:
-        """Count ``grads`` and ``sparse`` for ``step``; returns (counted, version). Applies when complete.
+        """Count ``grads`` and ``sparse`` for ``step``; returns (counted, updates). Applies when complete.
 
         ``grads`` are copied into the step's sums: the caller keeps its
         buffers. ``sparse`` ({table: (ids, rows)}) is kept until the step is
@@ -65,14 +65,14 @@ class SyncEngine(Engine):
         """
         with self.cv:
             self._check_pusher(trainer_id)
-            if step == self.version and trainer_id in self.pending:
-                return False, self.version
-            if step < self.version:
+            if step == self.updates and trainer_id in self.pending:
+                return False, self.updates
+            if step < self.updates:
                 if self.last_step.get(trainer_id, -1) >= step:
-                    return False, self.version  # a retry of a push already applied
+                    return False, self.updates  # a retry of a push already applied
                 raise NotAllowed(f"pserver {self.endpoint}: trainer {trainer_id} pushed stale step "
-                                 f"{step}; the pserver is at step {self.version}")
-            if step > self.version:
+                                 f"{step}; the pserver is at step {self.updates}")
+            if step > self.updates:
                 raise self._ahead(trainer_id, "pushed step", step)
             for name, g in grads.items():
                 if name in self.touched:
@@ -89,17 +89,17 @@ class SyncEngine(Engine):
             self.pending_positions[trainer_id] = position
             self.last_step[trainer_id] = step
             self._apply_if_complete()
-            return True, self.version
+            return True, self.updates
 
     def _apply_if_complete(self) -> None:
         if not self.pending or not self.pending >= self._expected():
             return
         n = len(self.pending)
         mean = {name: self.grad_sum[name].div_(n) for name in self.touched}
-        self.store.apply(mean, self.version)
-        self.tables.apply_mean(self.sparse_parts, n, self.version)
-        log.debug("%s: applied step %d from trainers %s", self.endpoint, self.version, sorted(self.pending))
-        self.version += 1
+        self.store.apply(mean, self.updates)
+        self.tables.apply_mean(self.sparse_parts, n, self.updates)
+        log.debug("%s: applied step %d from trainers %s", self.endpoint, self.updates, sorted(self.pending))
+        self.updates += 1
         self.roster.positions.update(self.pending_positions)
         self._clear_pending()
         self._checkpoint_if_due()
@@ -108,12 +108,12 @@ class SyncEngine(Engine):
     def _on_close(self) -> None:
         self._apply_if_complete()
 
-    def wait_version(self, trainer_id: int, min_version: int) -> None:
-        """Block until step ``min_version - 1`` is applied, within the barrier deadline."""
+    def wait_updates(self, trainer_id: int, min_updates: int) -> None:
+        """Block until step ``min_updates - 1`` is applied, within the barrier deadline."""
         with self.cv:
-            if min_version > self.version + 1:
-                raise self._ahead(trainer_id, "waits for version", min_version)
-            self._wait(lambda: self.version >= min_version, f"step {self.version}",
+            if min_updates > self.updates + 1:
+                raise self._ahead(trainer_id, "waits for update", min_updates)
+            self._wait(lambda: self.updates >= min_updates, f"step {self.updates}",
                        lambda: sorted(self._expected() - self.pending))
 
     def _reads_need_copy(self) -> bool:

@@ -40,7 +40,7 @@ def test_checkpoint_of_3_pservers_resumes_on_2_as_the_same_model(tmp_path, optim
     assert len(set(map(os.path.dirname, parts))) == 1  # one step directory: one consistent model
 
     with LocalCluster(build, 2, 1, config=cm.config(root)) as cluster:
-        assert [s.engine.version for s in cluster.servers] == [3, 3]
+        assert [s.engine.updates for s in cluster.servers] == [3, 3]
         with cluster.trainer(0) as tr:
             assert tr.step_count == 3
             assert_same(cm.snapshot(tr), at_checkpoint)
@@ -59,7 +59,7 @@ def test_checkpoints_every_k_steps_keep_the_newest_and_export_for_serving(tmp_pa
             dense = {k: v for k, v in tr.state_dict().items() if not k.startswith("emb.")}
             last = tr.checkpoint()  # at step 7
         stats = [s.servicer.Stats(b"", None) for s in c.servers]
-    assert [s.checkpoint_version for s in stats] == [7, 7]
+    assert [s.checkpoint_step for s in stats] == [7, 7]
     assert sorted(step for step, _ in checkpoint.list_parts(root)) == [6, 7]  # 2, 4 pruned
     assert all(os.path.dirname(p).endswith("step-000000000007") for p in last)
 

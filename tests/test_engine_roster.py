@@ -48,10 +48,10 @@ def test_silent_trainer_is_dropped_and_the_step_completes_without_it():
     for t in (0, 1):
         e.hello(t)
     e.push(0, 0, grads(e, 1.0), position=(0, 1))
-    assert e.version == 0                                # waits for trainer 1
+    assert e.updates == 0                                # waits for trainer 1
     e.roster.last_seen[1] -= 60                          # trainer 1 fell silent a minute ago
     assert e.drop_silent(timeout=30) == [1]
-    assert e.version == 1                                # applied with trainer 0's gradient alone
+    assert e.updates == 1                                # applied with trainer 0's gradient alone
     with pytest.raises(MustResync) as info:
         e.push(1, 1, grads(e, 1.0))
     assert status_of(info.value) == grpc.StatusCode.ABORTED and "dropped" in info.value.message
@@ -68,13 +68,13 @@ def test_trainer_rejoining_mid_step_counts_from_the_next_step():
     assert e.hello(2) == (1, (0, 0))                     # rejoins at step 1, not 0
     before = weight(e)
     e.push(1, 0, grads(e, 3.0))
-    assert e.version == 1                                # did not wait for trainer 2
+    assert e.updates == 1                                # did not wait for trainer 2
     torch.testing.assert_close(weight(e), before - 0.5 * 2.0)   # mean of trainers 0 and 1
     e.push(0, 1, grads(e, 1.0))
     e.push(1, 1, grads(e, 1.0))
-    assert e.version == 1                                # step 1 waits for trainer 2 again
+    assert e.updates == 1                                # step 1 waits for trainer 2 again
     e.push(2, 1, grads(e, 1.0))
-    assert e.version == 2
+    assert e.updates == 2
 
 
 def test_positions_count_once_their_step_is_applied_and_return_at_hello():
@@ -93,18 +93,18 @@ def test_restore_rolls_back_once_per_token_and_wakes_waiters(tmp_path):
     at_1 = weight(e)
     e.checkpoint()
     e.push(0, 1, grads(e, 1.0), position=(0, 2))
-    assert e.version == 2
+    assert e.updates == 2
     assert e.restore(0, 1, "ep#42") is True
-    assert e.version == 1 and e.hello(0) == (1, (0, 1))
+    assert e.updates == 1 and e.hello(0) == (1, (0, 1))
     torch.testing.assert_close(weight(e), at_1)
     e.push(0, 1, grads(e, 2.0))
     assert e.restore(0, 1, "ep#42") is False             # the same restart: no second roll-back
-    assert e.version == 2
+    assert e.updates == 2
     with pytest.raises(NotAllowed) as info:
         e.restore(0, 7, "ep#43")
     assert status_of(info.value) == grpc.StatusCode.FAILED_PRECONDITION
     assert "no complete checkpoint" in info.value.message
-    assert e.version == 2
+    assert e.updates == 2
 
 
 def test_a_failing_periodic_checkpoint_does_not_fail_the_step(tmp_path, caplog):
@@ -130,7 +130,7 @@ def test_async_trainer_held_back_by_a_dead_one_goes_on_once_it_is_dropped():
     waiter = threading.Thread(target=lambda: result.setdefault("push", e.push(0, 3, grads(e, 1.0))))
     waiter.start()                                       # step 3 is 2 ahead of trainer 1's next: waits
     waiter.join(0.3)
-    assert waiter.is_alive() and e.version == 4
+    assert waiter.is_alive() and e.updates == 4
     e.roster.last_seen[1] -= 60                          # trainer 1 died
     assert e.drop_silent(timeout=30) == [1]
     waiter.join(5)

@@ -104,13 +104,13 @@ def invoke(channel: grpc.Channel, method, messages: List[bytes]):
 
 def pull_blocks(env: Env) -> Tuple[int, Dict[str, bytes]]:
     """(version, {block: raw bytes}) of this pserver's blocks, by a valid Pull."""
-    request = ps_pb2.PullRequest(trainer_id=0, min_version=0, names=sorted(env.blocks),
+    request = ps_pb2.PullRequest(trainer_id=0, min_updates=0, names=sorted(env.blocks),
                                  layout_digest=env.digest).SerializeToString()
     reader, version = TensorReader(lambda n: env.blocks.get(n)), None
     for data in env.channel.unary_stream(path_of("Pull"))(request, timeout=CALL_TIMEOUT):
         header, pieces = decode_chunk(data, ps_pb2.PullHeader)
         if header is not None:
-            version = header.version
+            version = header.updates
         for piece in pieces:
             reader.add(piece)
     return version, {n: as_bytes(t).tobytes() for n, t in reader.finish().items()}
@@ -198,8 +198,8 @@ def state_change(e: Env) -> Optional[str]:
     """What changed in the pserver since fuzzing began, or None."""
     engine = e.server.engine
     found = []
-    if engine.version != 0:
-        found.append(f"version {engine.version}")
+    if engine.updates != 0:
+        found.append(f"version {engine.updates}")
     # Joining (Hello) and signs of life (last_seen) are no change; anything else counted is.
     roster = getattr(engine, "roster", engine)
     for owner, attrs in ((engine, ("pending", "touched", "sparse_parts", "pending_positions")),
@@ -318,10 +318,10 @@ def test_known_gaps(env, caplog):
 def test_after_fuzzing_the_pserver_is_unchanged_and_trains(env, caplog):
     """Runs after the fuzzing (module order): same state, still serving, a real sync step works."""
     reply = stats(env)
-    assert reply.version == 0 and reply.table_rows == 0, reply
+    assert reply.updates == 0 and reply.table_rows == 0, reply
     hello = ps_pb2.HelloReply.FromString(env.channel.unary_unary(path_of("Hello"))(
         ps_pb2.HelloRequest(trainer_id=0, layout_digest=env.digest).SerializeToString(), timeout=CALL_TIMEOUT))
-    assert hello.version == 0 and hello.sync_mode and hello.trainers == TRAINERS
+    assert hello.start_step == 0 and hello.sync_mode and hello.trainers == TRAINERS
     version, blocks = pull_blocks(env)
     assert version == 0
     assert blocks.keys() == env.before.keys()
@@ -344,7 +344,7 @@ def test_after_fuzzing_the_pserver_is_unchanged_and_trains(env, caplog):
     losses = env.cluster.run_trainers(body, timeout=60)
     assert sorted(losses) == [0, 1] and all(np.isfinite(list(losses.values())))
     for server in env.cluster.servers:
-        assert server.engine.version == 1, server.endpoint
+        assert server.engine.updates == 1, server.endpoint
     assert stats(env).table_rows > 0
     moved = {n: b.detach().clone() for n, b in env.server.engine.store.blocks.items()}
     assert any(as_bytes(moved[n]).tobytes() != env.before[n] for n in moved), "the sync step changed nothing"

@@ -75,14 +75,14 @@ def test_bad_pushes_are_refused_and_change_nothing(cluster, stub):
         expect_refusal(lambda: stub.Push(messages, timeout=10), code, match)
     after = snapshot(cluster)
     engine = cluster.servers[0].engine
-    assert engine.version == 0 and not engine.pending and not engine.touched
+    assert engine.updates == 0 and not engine.pending and not engine.touched
     for name in before:
         assert torch.equal(before[name], after[name]), name
     # ...and the pserver still serves: a complete, valid step goes through.
     reply = stub.Push(push_messages(digest, 0, 0, grads), timeout=10)
     assert reply.applied
     reply = stub.Push(push_messages(digest, 1, 0, grads), timeout=10)
-    assert reply.applied and reply.version == 1
+    assert reply.applied and reply.updates == 1
     moved = snapshot(cluster)
     assert not torch.equal(moved[name0], before[name0])
 
@@ -94,11 +94,11 @@ def test_duplicate_push_is_acknowledged_not_applied(cluster, stub):
     assert stub.Push(push_messages(digest, 0, 0, grads), timeout=10).applied
     # A retry while the step is still open, and after it was applied.
     assert not stub.Push(push_messages(digest, 0, 0, grads), timeout=10).applied
-    assert stub.Push(push_messages(digest, 1, 0, grads), timeout=10).version == 1
+    assert stub.Push(push_messages(digest, 1, 0, grads), timeout=10).updates == 1
     after_one = snapshot(cluster)
     for trainer_id in (0, 1):
         reply = stub.Push(push_messages(digest, trainer_id, 0, grads), timeout=10)
-        assert not reply.applied and reply.version == 1
+        assert not reply.applied and reply.updates == 1
     after_retries = snapshot(cluster)
     for name in after_one:
         assert torch.equal(after_one[name], after_retries[name])
@@ -113,14 +113,14 @@ def test_bad_pulls_and_hellos_are_refused(cluster, stub):
     digest = cluster.servers[0].program.layout_digest
     pull = lambda **kw: list(stub.Pull(ps_pb2.PullRequest(**{"layout_digest": digest, **kw}), timeout=10))
     expect_refusal(lambda: pull(names=["fc9.weight.block0"]), grpc.StatusCode.INVALID_ARGUMENT, "unknown blocks")
-    expect_refusal(lambda: pull(min_version=7), grpc.StatusCode.FAILED_PRECONDITION, "can only reach 1 next")
+    expect_refusal(lambda: pull(min_updates=7), grpc.StatusCode.FAILED_PRECONDITION, "can only reach 1 next")
     expect_refusal(lambda: pull(trainer_id=9), grpc.StatusCode.INVALID_ARGUMENT, "out of range")
     expect_refusal(lambda: pull(layout_digest="x"), grpc.StatusCode.FAILED_PRECONDITION, "plan mismatch")
     expect_refusal(lambda: stub.Hello(ps_pb2.HelloRequest(trainer_id=0, layout_digest="x"), timeout=10),
                    grpc.StatusCode.FAILED_PRECONDITION, "plan mismatch")
     expect_refusal(lambda: stub.Close(ps_pb2.CloseRequest(trainer_id=5), timeout=10),
                    grpc.StatusCode.INVALID_ARGUMENT, "out of range")
-    assert stub.Stats(ps_pb2.StatsRequest(), timeout=10).version == 0
+    assert stub.Stats(ps_pb2.StatsRequest(), timeout=10).updates == 0
 
 
 @pytest.mark.timeout(30)
@@ -203,11 +203,11 @@ def test_push_pull_retry_is_acknowledged_not_applied_and_still_answers(cluster):
         first.start()
         header, blocks = call(1)
         first.join(10)
-        assert header.applied and header.version == 1
-        assert answers and answers[0][0].applied and answers[0][0].version == 1
+        assert header.applied and header.updates == 1
+        assert answers and answers[0][0].applied and answers[0][0].updates == 1
         applied_once = snapshot(cluster)
         header, blocks = call(1)  # a retry of step 0
-        assert not header.applied and header.version == 1
+        assert not header.applied and header.updates == 1
     assert all(torch.equal(applied_once[n], snapshot(cluster)[n]) for n in applied_once)
     assert blocks.keys() == applied_once.keys()
     assert all(torch.equal(blocks[n], applied_once[n]) for n in blocks)

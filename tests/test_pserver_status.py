@@ -129,7 +129,7 @@ def test_an_unexpected_exception_is_internal_and_logged(method, error, caplog, m
      f"pserver {EP}: plan mismatch (layout digest 'x'"),
     ("Checkpoint", ps_pb2.CheckpointRequest(trainer_id=0), grpc.StatusCode.FAILED_PRECONDITION,
      f"pserver {EP} has no checkpoint_dir configured"),
-    ("Restore", ps_pb2.RestoreRequest(trainer_id=0, version=1, token="t"), grpc.StatusCode.FAILED_PRECONDITION,
+    ("Restore", ps_pb2.RestoreRequest(trainer_id=0, checkpoint_step=1, token="t"), grpc.StatusCode.FAILED_PRECONDITION,
      f"pserver {EP} has no checkpoint_dir to roll back from"),
     ("SaveTables", ps_pb2.SaveTablesRequest(trainer_id=0, directory="a\0b"), grpc.StatusCode.INVALID_ARGUMENT,
      f"pserver {EP}: embedded null byte"),

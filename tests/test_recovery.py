@@ -248,7 +248,7 @@ def test_sole_sync_trainer_joining_while_a_pserver_restarts_rolls_the_other_back
         with cluster.trainer(0) as tr:
             monkeypatch.undo()
             assert tr.step_count == 3
-            assert [s.engine.version for s in cluster.servers] == [3, 3]
+            assert [s.engine.updates for s in cluster.servers] == [3, 3]
             assert_state_close(cm.snapshot(tr), at_checkpoint, atol=0)
     assert "rolled back from step 5" in caplog.text
 
@@ -281,7 +281,7 @@ def test_sync_trainer_closed_after_the_checkpoint_is_not_waited_for_after_a_roll
                 one.start()
                 cm.train(tr0, data)
                 one.join(30)
-            assert [s.engine.version for s in cluster.servers] == [5, 5]
+            assert [s.engine.updates for s in cluster.servers] == [5, 5]
             cluster.servers[1].stop()
             cluster.restart_pserver(1)    # back at the checkpoint of step 3
             cm.train(tr0, data[3:4])      # fails, rolls pserver 0 back to 3 too
@@ -303,7 +303,7 @@ def test_trainer_joining_sync_pservers_that_stay_at_different_steps_fails_after_
             cm.train(tr, cm.batches(2))
         cluster.servers[1].stop()
         cluster.restart_pserver(1)
-        assert [s.engine.version for s in cluster.servers] == [5, 3]
+        assert [s.engine.updates for s in cluster.servers] == [5, 3]
         started = time.monotonic()
         with pytest.raises(PserverError, match="pservers disagree on the current step"):
             cluster.trainer(0)

@@ -118,7 +118,7 @@ def test_every_method_refuses_without_the_right_token():
 
         # Nothing was touched: no step, no push, no trainer registered.
         reply = stats(ep, server_sec)
-        assert (reply.version, reply.pushes, list(reply.trainers_alive)) == (0, 0, [])
+        assert (reply.updates, reply.pushes, list(reply.trainers_alive)) == (0, 0, [])
         # Health and reflection work with the token.
         with server_sec.channel(ep) as ch:
             raw_call(ch, "/grpc.health.v1.Health/Check", False, False)
@@ -163,7 +163,7 @@ def test_tls_trains_and_refuses_plaintext(certs):
     with LocalCluster(build, 1, 1, security=server_sec) as cluster:
         ep = cluster.endpoints[0]
         state = train(cluster, 1, client_sec)
-        assert stats(ep, client_sec).version == 1
+        assert stats(ep, client_sec).updates == 1
         assert set(state) == set(build().model.state_dict())
         with pytest.raises(grpc.RpcError) as e:
             stats(ep, Security(), timeout=3)
@@ -185,7 +185,7 @@ def test_mutual_tls_requires_a_client_certificate(certs):
                                tls_client_key=certs["server_key"]), timeout=3)
         assert e.value.code() in REFUSED
         train(cluster, 1)
-        assert stats(ep, full).version == 1
+        assert stats(ep, full).updates == 1
 
 
 @pytest.mark.timeout(60)
@@ -200,7 +200,7 @@ def test_token_and_tls_together(certs):
         with pytest.raises(grpc.RpcError) as e:
             stats(cluster.endpoints[0], wrong)
         assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
-        assert [stats(ep, sec).version for ep in cluster.endpoints] == [1, 1]
+        assert [stats(ep, sec).updates for ep in cluster.endpoints] == [1, 1]
 
 
 @pytest.mark.timeout(60)
@@ -212,7 +212,7 @@ def test_tls_server_name_override(tmp_path):
         with pytest.raises(grpc.RpcError) as e:  # 127.0.0.1 is not in the certificate
             stats(ep, Security(tls_ca=paths["ca"]), timeout=3)
         assert e.value.code() in REFUSED
-        assert stats(ep, Security(tls_ca=paths["ca"], tls_server_name="pserver.test")).version == 0
+        assert stats(ep, Security(tls_ca=paths["ca"], tls_server_name="pserver.test")).updates == 0
 
 
 @pytest.mark.timeout(30)

@@ -68,9 +68,9 @@ def test_json_has_every_field(cluster, capsys, monkeypatch):
     objects = [json.loads(line) for line in capsys.readouterr().out.strip().splitlines()]
     assert [o["endpoint"] for o in objects] == cluster.endpoints
     for o in objects:
-        assert o["version"] == STEPS and o["sync_mode"] is True
+        assert o["updates"] == STEPS and o["sync_mode"] is True
         assert o["pushes"] == 2 * STEPS and isinstance(o["block_bytes"], int)
-        assert "pushes_per_s" in o and "checkpoint_version" in o and "uptime_s" in o
+        assert "pushes_per_s" in o and "checkpoint_step" in o and "uptime_s" in o
 
 
 @pytest.mark.timeout(30)

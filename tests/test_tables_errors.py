@@ -31,8 +31,8 @@ def ids_of_shard(shard, n=5, seed=0):
     return candidates[shard_of(candidates, 2) == shard][:n]
 
 
-def prefetch_messages(digest, tensors, trainer_id=0, min_version=0):
-    h = ps_pb2.PrefetchHeader(trainer_id=trainer_id, min_version=min_version, layout_digest=digest)
+def prefetch_messages(digest, tensors, trainer_id=0, min_updates=0):
+    h = ps_pb2.PrefetchHeader(trainer_id=trainer_id, min_updates=min_updates, layout_digest=digest)
     return iter([ps_pb2.PrefetchChunk.FromString(b) for b in encode_chunks(h, tensors, 1 << 16)])
 
 
@@ -59,14 +59,14 @@ def test_bad_sparse_pushes_are_refused_and_change_nothing(cluster, stub):
                                  grpc.StatusCode.INVALID_ARGUMENT, match)
         assert server.endpoint in details
     tables = server.engine.tables
-    assert server.engine.version == 0 and not server.engine.pending and not server.engine.sparse_parts
+    assert server.engine.updates == 0 and not server.engine.pending and not server.engine.sparse_parts
     assert tables.rows == 0 and all(s.step == 0 for s in tables.shards.values())
     # The pserver still serves: a valid step from both trainers is applied.
     for trainer_id in (0, 1):
         reply = stub.Push(push_messages(digest, trainer_id, 0, [("emb@ids", mine), ("emb@rows", rows)]),
                           timeout=10)
         assert reply.applied
-    assert server.engine.version == 1 and tables.rows == len(mine)
+    assert server.engine.updates == 1 and tables.rows == len(mine)
     assert tables.shards["emb"].step == 1 and tables.shards["bag"].step == 0
 
 
@@ -80,7 +80,7 @@ def test_bad_prefetches_are_refused(cluster, stub):
         (lambda: prefetch([("emb@rows", torch.zeros(2, DIM))]), grpc.StatusCode.INVALID_ARGUMENT, "only '<table>@ids'"),
         (lambda: prefetch([("emb@ids", theirs)]), grpc.StatusCode.INVALID_ARGUMENT, "shard"),
         (lambda: prefetch([("emb@ids", mine)], trainer_id=7), grpc.StatusCode.INVALID_ARGUMENT, "out of range"),
-        (lambda: prefetch([("emb@ids", mine)], min_version=5), grpc.StatusCode.FAILED_PRECONDITION,
+        (lambda: prefetch([("emb@ids", mine)], min_updates=5), grpc.StatusCode.FAILED_PRECONDITION,
          "can only reach 1 next"),
         (lambda: list(stub.Prefetch(prefetch_messages("bad", [("emb@ids", mine)]), timeout=10)),
          grpc.StatusCode.FAILED_PRECONDITION, "plan mismatch"),

@@ -74,11 +74,11 @@ class LocalBlocks:
             staged[name] = torch.empty(view.shape, dtype=view.dtype)  # CUDA params land here first
             return staged[name]
 
-        version = transfer(dest)
+        updates = transfer(dest)
         with torch.no_grad():
             for name, t in staged.items():
                 self.view(self.by_name[name]).copy_(t)
-        return version
+        return updates
 
     def stage(self, name: str) -> torch.Tensor:
         """A staging buffer for block ``name`` (pulled in the background, installed later)."""

@@ -104,7 +104,7 @@ class Communicator:
     def hello(self, timeout: float) -> Dict[str, ps_pb2.HelloReply]:
         """Register with every pserver, waiting up to ``timeout`` s for each to come up.
 
-        Returns each pserver's answer: its version (the step this trainer
+        Returns each pserver's answer: its start_step (the step this trainer
         starts at), incarnation, checkpoint and this trainer's data position.
         Raises :class:`PserverUnavailableError` naming a pserver that never
         answered, or :class:`PserverError` if one refuses (e.g. plan mismatch).
@@ -129,7 +129,7 @@ class Communicator:
             try:
                 reply = self._stubs[endpoint].Hello(request, timeout=min(remaining, _WAIT_LOG_INTERVAL),
                                                     wait_for_ready=True)
-                log.info("trainer %d: %s is up (version %d)", self.trainer_id, endpoint, reply.version)
+                log.info("trainer %d: %s is up (step %d)", self.trainer_id, endpoint, reply.start_step)
                 return reply
             except grpc.RpcError as e:
                 # CANCELLED: a pserver shutting down cancels the calls it holds, a waiting Hello too.
@@ -149,43 +149,43 @@ class Communicator:
         pserver owns; its blocks land in ``dest(name)``, checked by ``expect``.
         A sync pserver answers once every live trainer pushed the step.
         ``position`` is the trainer's (epoch, batch) after this step, kept in checkpoints.
-        Returns the pserver's version of the parameters received.
+        Returns the updates the pserver had applied to the parameters received.
         """
         header = ps_pb2.PushHeader(trainer_id=self.trainer_id, step=step, layout_digest=self.digest,
                                    epoch=position[0], batch=position[1])
-        version, _ = self._receive(
+        updates, _ = self._receive(
             endpoint, f"step {step} of trainer {self.trainer_id} (push and pull)",
             lambda: _call(self._push_pull_one_calls[endpoint], self._push_pull_calls[endpoint], header,
                           tensors, self.chunk_bytes, timeout=self.barrier_timeout + self.rpc_timeout),
             expect, dest)
         self.bytes_pushed += sum(t.numel() * t.element_size() for _, t in tensors)
-        return version
+        return updates
 
-    def pull(self, endpoint: str, names: Sequence[str], min_version: int,
+    def pull(self, endpoint: str, names: Sequence[str], min_updates: int,
              expect: Callable, dest: Callable[[str], torch.Tensor]) -> int:
-        """Receive blocks ``names`` into ``dest(name)`` once ``min_version`` is reached.
+        """Receive blocks ``names`` into ``dest(name)`` once ``min_updates`` is reached.
 
-        Returns the pserver's version of the parameters received.
+        Returns the updates the pserver had applied to the parameters received.
         """
-        request = ps_pb2.PullRequest(trainer_id=self.trainer_id, min_version=min_version,
+        request = ps_pb2.PullRequest(trainer_id=self.trainer_id, min_updates=min_updates,
                                      names=list(names), layout_digest=self.digest)
-        version, _ = self._receive(
-            endpoint, f"pull of version {min_version} by trainer {self.trainer_id}",
+        updates, _ = self._receive(
+            endpoint, f"pull after {min_updates} updates by trainer {self.trainer_id}",
             lambda: self._pull_calls[endpoint](request, timeout=self.barrier_timeout + self.rpc_timeout),
             expect, dest)
-        return version
+        return updates
 
-    def prefetch(self, endpoint: str, min_version: int,
+    def prefetch(self, endpoint: str, min_updates: int,
                  ids: Sequence[Tuple[str, torch.Tensor]], expect: Callable) -> Dict[str, torch.Tensor]:
         """Send ``ids`` (``[("<table>@ids", ids)]``) and receive their rows, checked by ``expect``.
 
-        Sync pservers answer once ``min_version`` updates are applied.
+        Sync pservers answer once ``min_updates`` updates are applied.
         Returns ``{"<table>@rows": rows}``.
         """
-        header = ps_pb2.PrefetchHeader(trainer_id=self.trainer_id, min_version=min_version,
+        header = ps_pb2.PrefetchHeader(trainer_id=self.trainer_id, min_updates=min_updates,
                                        layout_digest=self.digest)
         _, rows = self._receive(
-            endpoint, f"prefetch of version {min_version} by trainer {self.trainer_id}",
+            endpoint, f"prefetch after {min_updates} updates by trainer {self.trainer_id}",
             lambda: _call(self._prefetch_one_calls[endpoint], self._prefetch_calls[endpoint], header, ids,
                           self.chunk_bytes, timeout=self.barrier_timeout + self.rpc_timeout),
             expect, None)
@@ -193,14 +193,14 @@ class Communicator:
 
     def _receive(self, endpoint: str, what: str, call: Callable, expect: Callable,
                  dest: Optional[Callable]) -> Tuple[int, Dict[str, torch.Tensor]]:
-        """Run ``call`` (a streamed PullChunk answer) and rebuild its tensors: (version, tensors)."""
+        """Run ``call`` (a streamed PullChunk answer) and rebuild its tensors: (updates, tensors)."""
         reader = TensorReader(expect, dest)
-        version = None
+        updates = None
         try:
             for data in call():
                 header, pieces = decode_chunk(data, ps_pb2.PullHeader)
                 if header is not None:
-                    version = header.version
+                    updates = header.updates
                 for piece in pieces:
                     reader.add(piece)
             tensors = reader.finish()
@@ -208,10 +208,10 @@ class Communicator:
             raise PserverError(endpoint, f"{what} failed: {_details(e)}", e.code()) from None
         except WireError as e:
             raise PserverError(endpoint, f"{what}: answer is malformed: {e}") from None
-        if version is None:
+        if updates is None:
             raise PserverError(endpoint, f"{what}: answer carried no header")
         self.bytes_pulled += reader.nbytes
-        return version, tensors
+        return updates, tensors
 
     def save_tables(self, endpoint: str, directory: str) -> ps_pb2.SaveTablesReply:
         """Ask ``endpoint`` to write its table shards under ``directory`` (its file system)."""
@@ -227,16 +227,16 @@ class Communicator:
             raise PserverError(endpoint, f"{what} failed: {_details(e)}", e.code()) from None
 
     def heartbeat(self, endpoint: str, timeout: float) -> ps_pb2.HeartbeatReply:
-        """Tell ``endpoint`` this trainer lives; its answer carries its version and incarnation."""
+        """Tell ``endpoint`` this trainer lives; its answer carries its updates and incarnation."""
         return self._unary(endpoint, "Heartbeat", ps_pb2.HeartbeatRequest(trainer_id=self.trainer_id),
                            f"heartbeat of trainer {self.trainer_id}", timeout)
 
-    def restore(self, endpoint: str, version: int, token: str) -> ps_pb2.RestoreReply:
-        """Ask ``endpoint`` to roll back to its checkpoint at ``version`` (once per ``token``)."""
-        request = ps_pb2.RestoreRequest(trainer_id=self.trainer_id, version=version, token=token,
+    def restore(self, endpoint: str, step: int, token: str) -> ps_pb2.RestoreReply:
+        """Ask ``endpoint`` to roll back to its checkpoint at ``step`` (once per ``token``)."""
+        request = ps_pb2.RestoreRequest(trainer_id=self.trainer_id, checkpoint_step=step, token=token,
                                         layout_digest=self.digest)
         return self._unary(endpoint, "Restore", request,
-                           f"roll-back to step {version} asked by trainer {self.trainer_id}", self.rpc_timeout)
+                           f"roll-back to step {step} asked by trainer {self.trainer_id}", self.rpc_timeout)
 
     def checkpoint(self, endpoint: str) -> ps_pb2.CheckpointReply:
         """Ask ``endpoint`` to write its part of a checkpoint now."""

@@ -29,7 +29,7 @@ _DEDUPE_MEMO = 8
 
 # endpoint -> [(wire name, tensor)]
 Pieces = Dict[str, List[Tuple[str, torch.Tensor]]]
-# (pieces per endpoint, min_version) -> {endpoint: {wire name: rows}}
+# (pieces per endpoint, min_updates) -> {endpoint: {wire name: rows}}
 Fetch = Callable[[Pieces, int], Dict[str, Dict[str, torch.Tensor]]]
 
 
@@ -49,16 +49,16 @@ class TableClient:
     """A trainer's side of every distributed table: routing, prefetch cache, pending gradients.
 
     ``fetch`` performs one prefetch round trip per pserver given; the
-    trainer passes its communicator's. ``min_version`` returns the pserver
-    version a read must see (sync: the current step; async: 0).
+    trainer passes its communicator's. ``min_updates`` returns the pserver
+    updates a read must wait for (sync: the current step; async: 0).
     """
 
     def __init__(self, tables: Sequence[TableSpec], pservers: Sequence[str], fetch: Fetch,
-                 min_version: Callable[[], int]):
+                 min_updates: Callable[[], int]):
         self.specs: Dict[str, TableSpec] = {t.name: t for t in tables}
         self.pservers = list(pservers)
         self._fetch = fetch
-        self._min_version = min_version
+        self._min_updates = min_updates
         self._cache: Dict[str, Tuple[np.ndarray, torch.Tensor]] = {}
         self._lookups: Dict[str, List[Tuple[np.ndarray, torch.Tensor]]] = {}
         # This step's dedupes by ids tensor: a prefetch and the lookups after it, or
@@ -129,7 +129,7 @@ class TableClient:
                 if bounds[k + 1] > bounds[k]:
                     part = torch.from_numpy(ids[order[bounds[k]:bounds[k + 1]]])
                     pieces.setdefault(ep, []).append((self.specs[table].ids_name, part))
-        replies = self._fetch(pieces, self._min_version()) if pieces else {}
+        replies = self._fetch(pieces, self._min_updates()) if pieces else {}
         out = {}
         for table, ids in wanted.items():
             spec = self.specs[table]

@@ -115,7 +115,7 @@ class Trainer:
                                  f"dim {spec.dim}")
             setattr(parent, attr, DistributedEmbedding(spec, self.tables))
 
-    def _fetch_rows(self, pieces: Pieces, min_version: int) -> Dict[str, Dict[str, torch.Tensor]]:
+    def _fetch_rows(self, pieces: Pieces, min_updates: int) -> Dict[str, Dict[str, torch.Tensor]]:
         """Rows of ``pieces`` from the pservers, healing a failure as a step does.
 
         When healing moved this trainer to another step (sync: a roll-back, or
@@ -124,14 +124,14 @@ class Trainer:
         """
         fetched: Dict[str, Dict[str, torch.Tensor]] = {}
         outcome = self.recovery.heal(self.step_count, f"lookup at step {self.step_count}",
-                                lambda: fetched.update(self._prefetch_all(pieces, min_version)))
+                                lambda: fetched.update(self._prefetch_all(pieces, min_updates)))
         if outcome is None:
             return fetched
         self._resynced(outcome)
         self._discard_step = True
         return self._prefetch_all(pieces, self.step_count if self.sync_mode else 0)
 
-    def _prefetch_all(self, pieces: Pieces, min_version: int) -> Dict[str, Dict[str, torch.Tensor]]:
+    def _prefetch_all(self, pieces: Pieces, min_updates: int) -> Dict[str, Dict[str, torch.Tensor]]:
         """One prefetch round trip per pserver in ``pieces``, in parallel."""
         def expect_for(ep):
             sent = {}
@@ -142,7 +142,7 @@ class Trainer:
 
         def fetch_one(ep):
             expected = expect_for(ep)
-            rows = self.comm.prefetch(ep, min_version, pieces[ep], expected.get)
+            rows = self.comm.prefetch(ep, min_updates, pieces[ep], expected.get)
             if rows.keys() != expected.keys():
                 raise PserverError(ep, f"prefetch answer holds {sorted(rows)}, asked for {sorted(expected)}")
             return rows
@@ -150,13 +150,13 @@ class Trainer:
 
     # -- block views --------------------------------------------------------
 
-    def _pull_from(self, endpoint: str, min_version: int) -> int:
+    def _pull_from(self, endpoint: str, min_updates: int) -> int:
         names = [b.name for b in self.blocks.by_endpoint[endpoint]]
         return self.blocks.receive(
-            lambda dest: self.comm.pull(endpoint, names, min_version, self.blocks.expect, dest))
+            lambda dest: self.comm.pull(endpoint, names, min_updates, self.blocks.expect, dest))
 
-    def _pull_all(self, min_version: int) -> None:
-        self.comm.run_parallel({ep: (lambda ep=ep: self._pull_from(ep, min_version))
+    def _pull_all(self, min_updates: int) -> None:
+        self.comm.run_parallel({ep: (lambda ep=ep: self._pull_from(ep, min_updates))
                                 for ep in self.blocks.by_endpoint})
 
     # -- public -------------------------------------------------------------

@@ -1,6 +1,6 @@
 """Checkpointer: when one pserver writes checkpoints and how it loads one back.
 
-The file layout and its crash safety are :mod:`pserver.checkpoint`'s; this
+The file layout and its crash safety are :mod:`pserver.checkpoint.layout`'s; this
 class binds them to one pserver's blocks and tables. The engine calls it under
 its lock, so every checkpoint is taken at a step boundary.
 """
@@ -39,7 +39,7 @@ class Checkpointer:
         self.last: Optional[tuple] = None
 
     def due(self, version: int) -> bool:
-        """Whether the engine, having just reached ``version``, should layout."""
+        """Whether the engine, having just reached ``version``, should write a checkpoint."""
         return self.every > 0 and version > 0 and version % self.every == 0 \
             and (self.last is None or self.last[0] != version)
 

@@ -121,7 +121,7 @@ def push_stream(e: Env, chunk: int, tensors=None, **header) -> List[bytes]:
 
 
 def prefetch_stream(e: Env, chunk: int, tensors=None, **header) -> List[bytes]:
-    h = dict(trainer_id=0, min_version=0, layout_digest=e.digest)
+    h = dict(trainer_id=0, min_updates=0, layout_digest=e.digest)
     h.update(header)
     return list(encode_chunks(ps_pb2.PrefetchHeader(**h), e.prefetch_ids if tensors is None else tensors,
                               chunk))
@@ -133,7 +133,7 @@ def base_requests(e: Env) -> Dict[str, List[bytes]]:
     return {
         "Hello": s(ps_pb2.HelloRequest(trainer_id=0, layout_digest=WRONG_DIGEST)),
         "Push": push_stream(e, STREAM_CHUNK),                  # step 5: from the future
-        "Pull": s(ps_pb2.PullRequest(trainer_id=0, min_version=0, names=sorted(e.blocks),
+        "Pull": s(ps_pb2.PullRequest(trainer_id=0, min_updates=0, names=sorted(e.blocks),
                                      layout_digest=e.digest)),  # read-only
         "Prefetch": prefetch_stream(e, PREFETCH_CHUNK),        # read-only (no row is stored)
         "PushPull": push_stream(e, STREAM_CHUNK),
@@ -143,7 +143,7 @@ def base_requests(e: Env) -> Dict[str, List[bytes]]:
                                                  layout_digest=WRONG_DIGEST)),
         "Close": s(ps_pb2.CloseRequest(trainer_id=TRAINERS)),  # out of range
         "Heartbeat": s(ps_pb2.HeartbeatRequest(trainer_id=0)),
-        "Restore": s(ps_pb2.RestoreRequest(trainer_id=0, version=7, token="x", layout_digest=e.digest)),
+        "Restore": s(ps_pb2.RestoreRequest(trainer_id=0, checkpoint_step=7, token="x", layout_digest=e.digest)),
         "Checkpoint": s(ps_pb2.CheckpointRequest(trainer_id=0, layout_digest=WRONG_DIGEST)),
         "Stats": s(ps_pb2.StatsRequest()),
     }
@@ -159,7 +159,7 @@ def legit_change(e: Env, name: str, messages: List[bytes]) -> Optional[str]:
         if method.input_type.name == "PushChunk":
             header, _ = decode_chunk(messages[0], ps_pb2.PushHeader)
             if (header is not None and in_range(header.trainer_id) and header.layout_digest == e.digest
-                    and header.step == e.server.engine.version):
+                    and header.step == e.server.engine.updates):
                 return "a push for the current step: it may be counted"
             return None
         request = GetMessageClass(method.input_type).FromString(messages[0])
@@ -187,7 +187,7 @@ def int_choices(fd, e: Env) -> list:
         return [-1, 1, 2, 3, 2**31 - 1, -2**31]
     if fd.name == "step":
         return [-1, -2**63, 1, 4, 6, 2**63 - 1, 0]
-    if fd.name in ("min_version", "version"):  # no 1: that waits for the barrier (hand-made once)
+    if fd.name in ("min_updates", "checkpoint_step"):  # no 1: that waits for the barrier (hand-made once)
         return [-1, -2**63, 0, 2, 7, 2**62, 2**63 - 1]
     if fd.type == FieldDescriptor.TYPE_UINT64 or fd.type == FieldDescriptor.TYPE_UINT32:
         top = MASK64 if fd.type == FieldDescriptor.TYPE_UINT64 else 2**32 - 1

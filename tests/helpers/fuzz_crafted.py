@@ -151,9 +151,9 @@ def crafted_cases(e: Env) -> Dict[str, List[Case]]:
         ("ids as int32", [("emb@ids", ids["emb@ids"].int())], {}, None),
         ("ids 2-D", [("emb@ids", ids["emb@ids"][:64].reshape(8, 8))], {}, None),
         ("the same table twice", e.prefetch_ids + [("emb@ids", ids["emb@ids"])], {}, None),
-        ("min_version -1", None, dict(min_version=-1), None),
-        ("min_version 2 (beyond reach)", None, dict(min_version=2), None),
-        ("min_version 2**63-1", None, dict(min_version=2**63 - 1), None),
+        ("min_updates -1", None, dict(min_updates=-1), None),
+        ("min_updates 2 (beyond reach)", None, dict(min_updates=2), None),
+        ("min_updates 2**63-1", None, dict(min_updates=2**63 - 1), None),
         ("trainer id 2", None, dict(trainer_id=2), None),
         ("trainer id -1", None, dict(trainer_id=-1), None),
         ("wrong layout digest", None, dict(layout_digest=WRONG_DIGEST), None),
@@ -177,14 +177,14 @@ def crafted_cases(e: Env) -> Dict[str, List[Case]]:
     names = sorted(e.blocks)
     for desc, kw in [("unknown block", dict(names=["nope.block0"])), ("a table's rows", dict(names=["emb@rows"])),
                      ("a block of the other pserver", dict(names=e.other_blocks[:1])),
-                     ("an empty name", dict(names=[""])), ("min_version -1", dict(min_version=-1)),
-                     ("min_version 2 (beyond reach)", dict(min_version=2)),
-                     ("min_version 2**63-1", dict(min_version=2**63 - 1)),
-                     ("min_version -2**63", dict(min_version=-2**63)),
+                     ("an empty name", dict(names=[""])), ("min_updates -1", dict(min_updates=-1)),
+                     ("min_updates 2 (beyond reach)", dict(min_updates=2)),
+                     ("min_updates 2**63-1", dict(min_updates=2**63 - 1)),
+                     ("min_updates -2**63", dict(min_updates=-2**63)),
                      ("trainer id 2", dict(trainer_id=2)), ("trainer id -1", dict(trainer_id=-1)),
                      ("wrong layout digest", dict(layout_digest=WRONG_DIGEST)),
                      ("empty layout digest", dict(layout_digest="")),
-                     ("min_version 1: waits for a step nobody pushes", dict(min_version=1))]:
+                     ("min_updates 1: waits for a step nobody pushes", dict(min_updates=1))]:
         unary("Pull", desc, **{"trainer_id": 0, "names": names, "layout_digest": d, **kw})
     for tid in (2, -1, 2**31 - 1):
         unary("Hello", f"trainer id {tid}", trainer_id=tid, layout_digest=d)
@@ -192,7 +192,7 @@ def crafted_cases(e: Env) -> Dict[str, List[Case]]:
         unary("Heartbeat", f"trainer id {tid}", trainer_id=tid)
         unary("SaveTables", f"trainer id {tid}", trainer_id=tid, directory=str(e.tmp / "t"), layout_digest=d)
         unary("Checkpoint", f"trainer id {tid}", trainer_id=tid, layout_digest=d)
-        unary("Restore", f"trainer id {tid}", trainer_id=tid, version=0, token="x", layout_digest=d)
+        unary("Restore", f"trainer id {tid}", trainer_id=tid, checkpoint_step=0, token="x", layout_digest=d)
     unary("Close", "trainer id -2**31", trainer_id=-2**31)
     unary("Hello", "empty layout digest", trainer_id=0, layout_digest="")
     a_file = e.tmp / "a-file"
@@ -202,10 +202,10 @@ def crafted_cases(e: Env) -> Dict[str, List[Case]]:
     unary("SaveTables", "a NUL in the directory", trainer_id=0, directory=str(e.tmp / "a\0b"), layout_digest=d)
     unary("SaveTables", "a directory below a file", trainer_id=0, directory=str(a_file / "t"), layout_digest=d)
     unary("Checkpoint", "empty layout digest", trainer_id=0, layout_digest="")
-    for desc, kw in [("wrong layout digest", dict(layout_digest=WRONG_DIGEST)), ("version -1", dict(version=-1)),
-                     ("version 7: no such checkpoint", {}), ("version 2**63-1", dict(version=2**63 - 1)),
+    for desc, kw in [("wrong layout digest", dict(layout_digest=WRONG_DIGEST)), ("checkpoint_step -1", dict(checkpoint_step=-1)),
+                     ("checkpoint_step 7: no such checkpoint", {}), ("checkpoint_step 2**63-1", dict(checkpoint_step=2**63 - 1)),
                      ("no token", dict(token=""))]:
-        unary("Restore", desc, **{"trainer_id": 0, "version": 7, "token": "x", "layout_digest": d, **kw})
+        unary("Restore", desc, **{"trainer_id": 0, "checkpoint_step": 7, "token": "x", "layout_digest": d, **kw})
     return out
 
 
