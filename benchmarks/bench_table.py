@@ -4,7 +4,7 @@
     python benchmarks/bench_table.py --rows 50000000 [--runs 5]
 
 Default mode, for dim 16 float32 and each of SGD and Adam (SparseAdam): fill one
-``pserver.table.TableShard`` with ``--table_rows`` rows by ``apply()`` of batches of
+``pserver.tables.shard.TableShard`` with ``--table_rows`` rows by ``apply()`` of batches of
 1M new ids, then report bytes per stored row (``nbytes / len``) against raw
 (8-byte id + values + optimizer state), and the medians over ``--runs`` of row
 lookups/s (``--batch`` existing ids, drawn with repeats; a run is the mean of 10 calls)

@@ -22,13 +22,11 @@ import numpy as np
 import torch
 from google.protobuf.message import DecodeError, Message
 
+from .dtypes import DTYPES
+
 if sys.byteorder != "little":  # the wire format is little-endian raw memory
     raise ImportError("psproto.codec needs a little-endian host")
 
-WIRE_DTYPES = {
-    "float32": torch.float32, "float64": torch.float64, "float16": torch.float16,
-    "bfloat16": torch.bfloat16, "int64": torch.int64, "int32": torch.int32,
-}
 
 # A request whose tensors hold at most this many bytes travels as one message
 # (gRPC's default message size), however small ``chunk_bytes`` is.
@@ -308,7 +306,7 @@ class TensorReader:
             if not tensor.is_contiguous() or tensor.device.type != "cpu":
                 raise WireError(f"tensor {name!r}: destination must be a contiguous CPU tensor")
         else:
-            tensor = torch.empty(list(shape), dtype=WIRE_DTYPES[dtype])
+            tensor = torch.empty(list(shape), dtype=DTYPES[dtype])
         self.tensors[name] = tensor
         self._buffers[name] = as_bytes(tensor)
         self._filled[name] = 0
@@ -320,7 +318,7 @@ class TensorReader:
         sent = list(piece.shape)
         if len(sent) != len(shape) or sent[1:] != list(shape[1:]) or sent[0] < 0:
             raise WireError(f"tensor {name!r}: shape {sent}, expected [n{''.join(f', {d}' for d in shape[1:])}]")
-        nbytes = WIRE_DTYPES[piece.dtype].itemsize
+        nbytes = DTYPES[piece.dtype].itemsize
         for d in sent:
             nbytes *= d
         if nbytes > MAX_VARIABLE_BYTES:

@@ -26,8 +26,8 @@ import torch
 from google.protobuf.message import DecodeError
 
 from psproto import ps_pb2
+from psproto.dtypes import DTYPES
 from psproto.codec import TensorReader, WireError, decode_chunk, encode_chunks
-from transpiler.plans import DTYPES
 
 from .buffers import BufferPool
 from .engine import Engine

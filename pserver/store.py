@@ -7,7 +7,7 @@ import torch
 
 from transpiler import PserverProgram, StartupProgram
 from transpiler.optim import LrSchedule
-from transpiler.plans import DTYPES
+from psproto.dtypes import DTYPES
 
 from transpiler.slicing import cut_block
 
@@ -92,7 +92,7 @@ class BlockStore:
     def restore(self, saved: Dict[str, list]) -> None:
         """Set every block and its optimizer state from a checkpoint's saved blocks (any slicing).
 
-        ``saved`` is :func:`pserver.checkpoint.load_blocks`'s answer. All blocks
+        ``saved`` is :func:`pserver.checkpoint.layout.load_blocks`'s answer. All blocks
         are cut and checked first; on a mismatch (ValueError) nothing changes.
         """
         values = {}

@@ -62,7 +62,8 @@ from tests.helpers.fuzz_cases import (BAG_LEN, METHODS, SERVICE, SLOTS, TRAINERS
                         build, generate_cases, legit_change, table_grads)
 from tests.helpers.fuzz_crafted import crafted_cases
 from psproto import ps_pb2
-from psproto.codec import WIRE_DTYPES, TensorReader, WireError, as_bytes, decode_chunk
+from psproto.dtypes import DTYPES
+from psproto.codec import TensorReader, WireError, as_bytes, decode_chunk
 from transpiler import DistributeTranspilerConfig
 from transpiler.tables import shard_of
 
@@ -145,7 +146,7 @@ def make_env(cluster, channel, tmp) -> Env:
             tables={t.name: t.dim for t in program.tables},
             own_ids=candidates[owner == program.shard], foreign_ids=candidates[owner != program.shard])
     assert WRONG_DIGEST != e.digest and len(e.own_ids) >= 100 and len(e.foreign_ids) >= 20
-    e.grads = [(n, torch.full(shape, 0.01, dtype=WIRE_DTYPES[dtype])) for n, (dtype, shape) in e.blocks.items()]
+    e.grads = [(n, torch.full(shape, 0.01, dtype=DTYPES[dtype])) for n, (dtype, shape) in e.blocks.items()]
     e.grads += table_grads(e, "emb", e.own_ids[:20]) + table_grads(e, "bag", e.own_ids[20:35])
     # Repeats allowed in a prefetch: the rows come back in request order.
     e.prefetch_ids = [("emb@ids", torch.from_numpy(np.concatenate([e.own_ids[:60], e.own_ids[:5]]))),

@@ -7,7 +7,7 @@ from torch import nn
 from tests.helpers.cluster import LocalCluster
 from tests.helpers.table_models import table_program
 from transpiler import DistributeTranspiler, PserverProgram, Program, TableOptions, TrainerProgram
-from transpiler.tables import initial_rows, merge_duplicates, shard_of
+from transpiler.tables import as_ids, initial_rows, merge_duplicates, shard_of
 
 
 def spec_of(prog, name="emb"):
@@ -167,3 +167,22 @@ def test_tables_built_on_the_meta_device_train():
             for pos, i in enumerate(ids.flatten().tolist()):
                 torch.testing.assert_close(after.view(-1, 8)[pos], before.view(-1, 8)[pos] - 0.5 * uses[i] * w)
         assert sum(s.engine.tables.rows for s in cluster.servers) == 2 * 4  # 4 ids, 2 tables
+
+
+@pytest.mark.parametrize("ids, expected", [
+    (torch.tensor([[3, -1], [2**62, 0]]), [3, -1, 2**62, 0]),     # any shape, flattened
+    (torch.tensor([1, 2], dtype=torch.int32), [1, 2]),
+    (torch.tensor([7], dtype=torch.uint8), [7]),
+    (np.array([5, 6], dtype=np.uint16), [5, 6]),
+    ([4, -4], [4, -4]),
+    ([], []),                                                      # an empty list reads as float64
+])
+def test_as_ids_reads_integers_of_any_shape_as_flat_int64(ids, expected):
+    out = as_ids(ids)
+    assert out.dtype == np.int64 and out.flags["C_CONTIGUOUS"] and out.tolist() == expected
+
+
+@pytest.mark.parametrize("ids", [torch.tensor([0.5]), torch.tensor([True]), np.array([1.0, 2.0]), ["a"]])
+def test_as_ids_refuses_non_integers_naming_the_dtype(ids):
+    with pytest.raises(TypeError, match="ids must be integers, got"):
+        as_ids(ids)

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from transpiler.tables import TableSpec, merge_duplicates, shard_of
+from transpiler.tables import TableSpec, as_ids, merge_duplicates, shard_of
 
 # Dedupes remembered at most (the latest ones).
 _DEDUPE_MEMO = 8
@@ -31,18 +31,6 @@ _DEDUPE_MEMO = 8
 Pieces = Dict[str, List[Tuple[str, torch.Tensor]]]
 # (pieces per endpoint, min_updates) -> {endpoint: {wire name: rows}}
 Fetch = Callable[[Pieces, int], Dict[str, Dict[str, torch.Tensor]]]
-
-
-def _ids_array(ids) -> np.ndarray:
-    """A flat int64 numpy array of ``ids`` (a tensor, array or sequence of ints)."""
-    if isinstance(ids, torch.Tensor):
-        if ids.dtype not in (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8):
-            raise TypeError(f"embedding ids must be an integer tensor, got {ids.dtype}")
-        return ids.detach().to("cpu", torch.int64).reshape(-1).numpy()
-    arr = np.asarray(ids)
-    if arr.dtype.kind not in "iu":
-        raise TypeError(f"embedding ids must be integers, got dtype {arr.dtype}")
-    return arr.astype(np.int64, copy=False).reshape(-1)
 
 
 class TableClient:
@@ -89,7 +77,7 @@ class TableClient:
             hit = self._deduped.get(key)
             if hit is not None:
                 return hit[1], hit[2]
-        unique, inverse = np.unique(_ids_array(ids), return_inverse=True)
+        unique, inverse = np.unique(as_ids(ids), return_inverse=True)
         inverse = inverse.reshape(-1)
         if key is not None:
             if len(self._deduped) >= _DEDUPE_MEMO:  # lookups without steps (evaluation) stay bounded

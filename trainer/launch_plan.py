@@ -25,9 +25,9 @@ Local mode (--server_num/--worker_num) runs every role on this machine, pservers
 on 127.0.0.1. Per-host mode (--servers/--workers) describes the whole cluster: run
 the same command on every host and each starts only its own roles. Every role runs
 `python SCRIPT ARGS...` with TRAINING_ROLE, PADDLE_* and POD_IP set (see
-transpiler/env.py), its output in LOG_DIR/serverlog.N or LOG_DIR/workerlog.N.
+transpiler/env.py, RoleEnv), its output in LOG_DIR/serverlog.N or LOG_DIR/workerlog.N.
 Access control: --auth_token_file FILE gives every role the job's token; PS_TLS_*
-variables set for the launcher pass to every role (see transpiler/security.py).
+variables set for the launcher pass to every role (see proto/security.py).
 Exit status: 0 when every trainer exited 0, 1 when a role failed, 2 on bad input,
 130/143 when stopped by SIGINT/SIGTERM.
 """

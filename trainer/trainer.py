@@ -213,7 +213,7 @@ class Trainer:
 
     def _send(self, step: int, grads: Dict[str, list], position: Position) -> None:
         """Push-pull ``step`` on every pserver; pulled blocks land in the staging buffers."""
-        # Async only: recovery retries, never rolls back (see trainer.recovery).
+        # Async only: recovery retries, never rolls back (see trainer.recovery.decide).
         self._push_pull_all(step, grads, lambda ep, g: self.comm.push_pull(
             ep, step, g, self.blocks.expect, self.blocks.stage, position))
         self.position = position

@@ -19,22 +19,13 @@ from typing import Dict, List, Optional
 
 import torch
 
+from psproto.dtypes import DTYPES
+
 from .config import DistributeTranspilerConfig
 from .optim import OptimizerSpec
 from .tables import TableSpec
 
 FORMAT_VERSION = 1
-
-DTYPES = {
-    "float32": torch.float32, "float64": torch.float64,
-    "float16": torch.float16, "bfloat16": torch.bfloat16,
-}
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """'float32' for torch.float32: the name plans and the wire use."""
-    return str(dtype).replace("torch.", "")
-
 
 @dataclass
 class BlockSpec:
@@ -58,7 +49,7 @@ class BlockSpec:
 
     @property
     def nbytes(self) -> int:
-        return self.numel * torch.empty((), dtype=DTYPES[self.dtype]).element_size()
+        return self.numel * DTYPES[self.dtype].itemsize
 
 
 @dataclass

@@ -19,6 +19,8 @@ from typing import Dict, Mapping, Optional, Union
 import numpy as np
 import torch
 
+from psproto.dtypes import TABLE_DTYPES
+
 from .hashing import stable_hash_ids, stable_hash_name
 from .optim import OptimizerSpec
 
@@ -43,7 +45,6 @@ _DERIVED = {
 }
 
 ROW_INITS = {"normal": {"mean": 0.0, "std": 1.0}, "uniform": {"a": 0.0, "b": 1.0}, "zeros": {}}
-TABLE_DTYPES = {"float32": np.float32, "float64": np.float64}
 BAG_MODES = ("sum", "mean", "max")
 
 # Reserved in names: a sparse gradient travels as tensors "<table>@ids" and "<table>@rows".
@@ -140,7 +141,7 @@ class TableSpec:
 
     @property
     def row_bytes(self) -> int:
-        return self.dim * np.dtype(TABLE_DTYPES[self.dtype]).itemsize
+        return self.dim * np.dtype(self.dtype).itemsize
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
@@ -224,6 +225,23 @@ def table_options(value: Union[None, TableOptions, Mapping[str, object]]) -> Tab
     raise TypeError(f"table options must be a TableOptions or a dict, got {type(value).__name__}")
 
 
+def as_ids(ids) -> np.ndarray:
+    """``ids`` (a tensor, array or sequence of integers, any shape) as a flat, contiguous int64 array.
+
+    The one way every role reads ids: the trainer's lookups (any shape) and a
+    table shard's requests. Raises ``TypeError`` naming the dtype when the ids
+    are not integers.
+    """
+    if isinstance(ids, torch.Tensor):
+        if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+            raise TypeError(f"ids must be integers, got {ids.dtype}")
+        return np.ascontiguousarray(ids.detach().to("cpu", torch.int64).reshape(-1).numpy())
+    arr = np.asarray(ids)
+    if arr.size and arr.dtype.kind not in "iu":  # an empty list reads as float64
+        raise TypeError(f"ids must be integers, got {arr.dtype}")
+    return np.ascontiguousarray(arr.astype(np.int64, copy=False).reshape(-1))
+
+
 def shard_of(ids: np.ndarray, n_shards: int) -> np.ndarray:
     """The shard (pserver index) of every id: ``stable_hash_ids(id) % n_shards``, as int64."""
     return (stable_hash_ids(ids) % np.uint64(n_shards)).astype(np.int64)
@@ -257,7 +275,7 @@ def initial_rows(spec: TableSpec, ids: np.ndarray) -> np.ndarray:
     over all ids; the ``padding_idx`` row is zero, as in ``nn.Embedding``.
     """
     ids = np.ascontiguousarray(ids, dtype=np.int64).reshape(-1)
-    dtype = TABLE_DTYPES[spec.dtype]
+    dtype = np.dtype(spec.dtype)
     if spec.init == "zeros" or ids.size == 0:
         return np.zeros((ids.size, spec.dim), dtype=dtype)
     with np.errstate(over="ignore"):

@@ -9,7 +9,9 @@ import torch
 
 from .config import DistributeTranspilerConfig
 from .env import parse_endpoints
-from .plans import BlockSpec, ParamSpec, PserverProgram, StartupProgram, TrainerProgram, dtype_name
+from psproto.dtypes import dtype_name
+
+from .plans import BlockSpec, ParamSpec, PserverProgram, StartupProgram, TrainerProgram
 from .program import Program
 from .slicing import DISPATCHERS, block_count, split_rows
 

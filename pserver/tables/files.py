@@ -31,7 +31,8 @@ from typing import Dict, Iterator, List, Sequence, Tuple
 
 import numpy as np
 
-from transpiler.tables import TABLE_DTYPES, TableSpec, shard_of
+from psproto.dtypes import TABLE_DTYPES
+from transpiler.tables import TableSpec, shard_of
 
 from .. import atomic_files
 from .sparse_optim import STATE_NAMES
@@ -127,7 +128,7 @@ def _read_source(directory: str) -> Source:
             raise ValueError(f"{meta_path}: missing field {key!r}")
     if meta["dtype"] not in TABLE_DTYPES:
         raise ValueError(f"{meta_path}: dtype {meta['dtype']!r} is not one of {sorted(TABLE_DTYPES)}")
-    dtype = np.dtype(TABLE_DTYPES[meta["dtype"]])
+    dtype = np.dtype(meta["dtype"])
     n, dim = meta["rows"], meta["dim"]
     arrays = {}
     for name in meta["arrays"]:
@@ -259,7 +260,7 @@ def export_table(directories: Sequence[str], out_dir: str) -> dict:
                          f"shards; missing shards {missing}")
     sources.sort(key=lambda s: s.meta["shard"])
     meta = sources[0].meta
-    name, dim, dtype = meta["table"], meta["dim"], np.dtype(TABLE_DTYPES[meta["dtype"]])
+    name, dim, dtype = meta["table"], meta["dim"], np.dtype(meta["dtype"])
     total = sum(s.rows for s in sources)
     os.makedirs(out_dir, exist_ok=True)
     for part, shape, dt in (("ids", (total,), np.dtype(np.int64)), ("rows", (total, dim), dtype)):

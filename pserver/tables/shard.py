@@ -57,7 +57,8 @@ from typing import List, Sequence
 import numpy as np
 import torch
 
-from transpiler.tables import TABLE_DTYPES, TableSpec, initial_rows, shard_of
+from psproto.dtypes import TABLE_DTYPES
+from transpiler.tables import TableSpec, as_ids, initial_rows, shard_of
 
 from ..errors import BadRequest
 from . import files as table_files
@@ -88,17 +89,13 @@ def initial_rows_into(spec: TableSpec, ids: np.ndarray, out: np.ndarray) -> np.n
 
 
 def _as_ids(ids) -> np.ndarray:
-    """``ids`` as a contiguous int64 1-D array; :class:`BadRequest` if they are not 1-D integers."""
-    if isinstance(ids, torch.Tensor):
-        ids = ids.detach().cpu().numpy()
-    ids = np.asarray(ids)
-    if ids.ndim != 1:
+    """``ids`` read by :func:`transpiler.tables.as_ids`; :class:`BadRequest` if they are not 1-D integers."""
+    if getattr(ids, "ndim", 1) != 1:
         raise BadRequest(f"ids must be 1-D, got shape {list(ids.shape)}")
-    if ids.dtype != np.int64:
-        if ids.size and not np.issubdtype(ids.dtype, np.integer):
-            raise BadRequest(f"ids must be integers, got {ids.dtype}")
-        ids = ids.astype(np.int64)
-    return np.ascontiguousarray(ids)
+    try:
+        return as_ids(ids)
+    except TypeError as e:
+        raise BadRequest(str(e)) from None
 
 
 
@@ -121,7 +118,7 @@ class TableShard:
         self.shard = shard
         self.n_shards = n_shards
         self.step = 0
-        self.dtype = np.dtype(TABLE_DTYPES[spec.dtype])
+        self.dtype = np.dtype(spec.dtype)
         self._rule = make_rule(spec.optimizer.name, spec.optimizer.kwargs)
         self._lock = threading.Lock()
         self._n = 0

@@ -4,7 +4,7 @@ Functional cores in the style of ``torch.optim._functional``: each takes the
 gathered rows of one step (``param``, its state arrays, ``grad``; all
 ``(k, dim)`` numpy arrays of the table's dtype, ids unique) and updates them in
 place. :class:`SparseRule` binds a table's optimizer spec (torch's defaults
-filled in) to one of them; :class:`pserver.table.TableShard` gathers, calls the
+filled in) to one of them; :class:`pserver.tables.shard.TableShard` gathers, calls the
 rule and scatters back.
 
 The arithmetic is torch's, operation by operation, in the table's dtype

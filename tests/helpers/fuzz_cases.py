@@ -29,7 +29,8 @@ from torch import nn
 from .cluster import LocalCluster
 from .fuzz_wire import MASK64, byte_mutation, random_fields, wire_mutation
 from psproto import ps_pb2
-from psproto.codec import WIRE_DTYPES, decode_chunk, encode_chunks
+from psproto.dtypes import DTYPES
+from psproto.codec import decode_chunk, encode_chunks
 from transpiler import Program
 
 SERVICE = ps_pb2.DESCRIPTOR.services_by_name["ParameterServer"]
@@ -316,7 +317,7 @@ def random_chunk(rng: random.Random, e: Env, cls, header: Optional[bytes]) -> by
         shape = list(expected[1]) if rng.random() < 0.7 else rng.choice(SHAPES)
         offset = 0 if rng.random() < 0.7 else rng.choice(int_choices(ps_pb2.TensorPiece.DESCRIPTOR.fields_by_name["offset"], e))
         numel = int(np.prod(shape)) if shape and all(0 <= d < 10**5 for d in shape) else 0
-        size = WIRE_DTYPES[dtype].itemsize * numel if dtype in WIRE_DTYPES else 4 * numel
+        size = DTYPES[dtype].itemsize * numel if dtype in DTYPES else 4 * numel
         n = size if rng.random() < 0.5 else rng.randint(0, min(size + 16, 4096))
         msg.pieces.add(name=name, dtype=dtype, shape=shape, offset=offset, data=rng.randbytes(min(n, 1 << 16)))
     return msg.SerializeToString()

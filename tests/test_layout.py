@@ -1,0 +1,48 @@
+"""The layout's rules, checked on the source: which package may import which."""
+import ast
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+
+def imported_roots(package: str):
+    """{(module path, top-level name)} of every import in ``package``'s modules, relative ones resolved."""
+    found = set()
+    for path in (REPO / package).rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                found |= {(str(path.relative_to(REPO)), a.name.split(".")[0]) for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                found.add((str(path.relative_to(REPO)), node.module.split(".")[0]))
+    return found
+
+
+@pytest.mark.parametrize("package, forbidden", [
+    ("trainer", {"pserver"}),
+    ("pserver", {"trainer"}),
+    ("transpiler", {"grpc", "grpc_health", "grpc_reflection", "pserver", "trainer"}),
+    ("proto", {"pserver", "trainer", "transpiler"}),
+])
+def test_packages_import_only_what_the_layout_allows(package, forbidden):
+    assert sorted((path, name) for path, name in imported_roots(package) if name in forbidden) == []
+
+
+def test_importing_every_transpiler_module_loads_no_grpc():
+    modules = sorted(p.stem for p in (REPO / "transpiler").glob("*.py") if p.stem != "__init__")
+    code = ("import sys, importlib\n"
+            f"for m in {modules!r}: importlib.import_module('transpiler.' + m)\n"
+            "print(sorted(n for n in sys.modules if n == 'grpc' or n.startswith('grpc.')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO)
+    assert out.stdout.strip() == "[]"
+
+
+def test_transpiler_exports_the_user_api():
+    import transpiler
+
+    assert sorted(transpiler.__all__) == sorted([
+        "Program", "DistributeTranspiler", "DistributeTranspilerConfig", "TableOptions", "RoleEnv",
+        "PserverProgram", "StartupProgram", "TrainerProgram"])
