@@ -124,7 +124,7 @@ class Trainer:
         """
         fetched: Dict[str, Dict[str, torch.Tensor]] = {}
         outcome = self.recovery.heal(self.step_count, f"lookup at step {self.step_count}",
-                                lambda: fetched.update(self._prefetch_all(pieces, min_updates)))
+                                     lambda: fetched.update(self._prefetch_all(pieces, min_updates)))
         if outcome is None:
             return fetched
         self._resynced(outcome)
