@@ -103,29 +103,48 @@ class Engine:
         """Mark ``trainer_id`` done; barriers stop waiting for it. Returns trainers left."""
         with self.cv:
             if trainer_id not in self.roster.closed:
-                self.roster.closed.add(trainer_id)
-                self.roster.dropped.discard(trainer_id)
                 log.info("%s: trainer %d closed at step %d", self.endpoint, trainer_id, self.updates)
-                self._note_closed()
-                self._on_close()
-            left = len(set(range(self.trainers)) - self.roster.closed)
-            if left == 0:
-                self.all_closed.set()
-            self.cv.notify_all()
-            return left
+                self._close(trainer_id)
+            return self._trainers_left()
 
-    def drop_silent(self, timeout: float) -> List[int]:
-        """Drop trainers silent for ``timeout`` s from barriers and staleness bounds; returns them."""
+    def _close(self, trainer_id: int) -> None:
+        self.roster.close(trainer_id)
+        self._note_closed()
+        self._on_close()
+
+    def _trainers_left(self) -> int:
+        left = len(set(range(self.trainers)) - self.roster.closed)
+        if left == 0:
+            self.all_closed.set()
+        self.cv.notify_all()
+        return left
+
+    def drop_silent(self, timeout: float, rejoin_timeout: Optional[float] = None) -> List[int]:
+        """Drop trainers silent for ``timeout`` s from barriers and staleness bounds; returns them.
+
+        A trainer dropped more than ``rejoin_timeout`` s ago that has not
+        rejoined is counted as closed, so a job whose trainer died for good
+        still ends once the others close.
+        """
         with self.cv:
+            now = time.monotonic()
             silent = self.roster.silent(timeout)
             for t, quiet in silent:
-                self.roster.dropped.add(t)
+                self.roster.drop(t, now)
                 log.warning("%s: trainer %d sent nothing for %.1fs (heartbeat_timeout %gs); dropped "
                             "from the barrier at step %d; it rejoins by starting again", self.endpoint,
                             t, quiet, timeout, self.updates)
             if silent:
                 self._on_close()
                 self.cv.notify_all()
+            gone = self.roster.abandoned(rejoin_timeout, now) if rejoin_timeout is not None else []
+            for t, since in gone:
+                log.warning("%s: trainer %d was dropped %.1fs ago and has not rejoined "
+                            "(trainer_rejoin_timeout %gs); counted as closed at step %d", self.endpoint,
+                            t, since, rejoin_timeout, self.updates)
+                self._close(t)
+            if gone:
+                self._trainers_left()
             return [t for t, _ in silent]
 
     def stop(self) -> None:

@@ -28,6 +28,8 @@ class Roster:
         self.last_step: Dict[int, int] = {}
         self.positions: Dict[int, Position] = {}
         self.last_seen: Dict[int, float] = {}
+        # When each dropped trainer was dropped (monotonic seconds).
+        self.dropped_at: Dict[int, float] = {}
 
     def live(self) -> set:
         return set(range(self.trainers)) - self.closed - self.dropped
@@ -46,8 +48,25 @@ class Roster:
             how = "joined"
         self.closed.discard(trainer_id)
         self.dropped.discard(trainer_id)
+        self.dropped_at.pop(trainer_id, None)
         self.joined.add(trainer_id)
         return how
+
+    def drop(self, trainer_id: int, now: float) -> None:
+        """Take ``trainer_id`` out of the live set for silence, noting when."""
+        self.dropped.add(trainer_id)
+        self.dropped_at[trainer_id] = now
+
+    def close(self, trainer_id: int) -> None:
+        """Mark ``trainer_id`` done: neither live nor dropped any more."""
+        self.closed.add(trainer_id)
+        self.dropped.discard(trainer_id)
+        self.dropped_at.pop(trainer_id, None)
+
+    def abandoned(self, timeout: float, now: float) -> List[Tuple[int, float]]:
+        """Dropped trainers that have not rejoined ``timeout`` s after their drop: [(id, seconds since)]."""
+        return sorted((t, now - at) for t, at in self.dropped_at.items()
+                      if t in self.dropped and now - at > timeout)
 
     def silent(self, timeout: float) -> List[Tuple[int, float]]:
         """Joined, live trainers not heard from for ``timeout`` s: [(id, seconds silent)]."""
@@ -72,4 +91,4 @@ class Roster:
         # run continuing from it starts with everyone expected.
         closed = {int(t) for t in meta.get("closed", [])}
         self.closed = set() if closed >= set(range(self.trainers)) else closed
-        self.joined, self.dropped, self.last_seen = set(), set(), {}
+        self.joined, self.dropped, self.last_seen, self.dropped_at = set(), set(), {}, {}

@@ -114,7 +114,7 @@ class ParameterServer:
     def _watch_heartbeats(self) -> None:
         cfg = self.program.config
         while not self._finished.wait(cfg.heartbeat_interval / 2):
-            self.engine.drop_silent(cfg.heartbeat_timeout)
+            self.engine.drop_silent(cfg.heartbeat_timeout, cfg.trainer_rejoin_timeout)
 
     def checkpoint(self) -> Optional[str]:
         """Write a checkpoint now if ``checkpoint_dir`` is set; its path, or None (failure logged)."""

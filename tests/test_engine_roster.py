@@ -135,3 +135,43 @@ def test_async_trainer_held_back_by_a_dead_one_goes_on_once_it_is_dropped():
     assert e.drop_silent(timeout=30) == [1]
     waiter.join(5)
     assert result["push"] == (True, 5)
+
+
+# (case, dropped at, rejoined?, closed?, now, expected abandoned ids) with a 100 s rejoin timeout
+ABANDONED = [
+    ("dropped 50 s ago: may still rejoin", {1: 950.0}, set(), set(), 1000.0, []),
+    ("dropped 150 s ago, never back: abandoned", {1: 850.0}, set(), set(), 1000.0, [1]),
+    ("dropped long ago but rejoined since", {1: 0.0}, {1}, set(), 1000.0, []),
+    ("dropped long ago, then closed", {1: 0.0}, set(), {1}, 1000.0, []),
+    ("two dropped, one long enough", {1: 850.0, 2: 990.0}, set(), set(), 1000.0, [1]),
+]
+
+
+@pytest.mark.parametrize("case, dropped_at, rejoined, closed, now, expected", ABANDONED,
+                         ids=[row[0] for row in ABANDONED])
+def test_roster_abandoned_trainers(case, dropped_at, rejoined, closed, now, expected):
+    from pserver.roster import Roster
+
+    r = Roster(3)
+    for t, at in dropped_at.items():
+        r.join(t)
+        r.drop(t, at)
+    for t in rejoined:
+        r.join(t)
+    for t in closed:
+        r.close(t)
+    assert [t for t, _ in r.abandoned(100.0, now)] == expected
+
+
+def test_dropped_trainer_that_never_rejoins_is_counted_closed_and_the_job_ends(caplog):
+    e = engine(2)
+    for t in (0, 1):
+        e.hello(t)
+    e.roster.last_seen[1] -= 60                          # trainer 1 died
+    assert e.drop_silent(timeout=30, rejoin_timeout=100) == [1]
+    assert e.close(0) == 1 and not e.all_closed.is_set()  # trainer 1 may still come back
+    e.roster.dropped_at[1] -= 101                        # ... but did not, within trainer_rejoin_timeout
+    e.drop_silent(timeout=30, rejoin_timeout=100)
+    assert e.all_closed.is_set() and e.roster.closed == {0, 1}
+    assert "trainer 1 was dropped" in caplog.text and "counted as closed" in caplog.text
+    assert e.hello(1)[0] == e.updates and 1 not in e.roster.closed   # a late restart still rejoins

@@ -8,7 +8,7 @@ import torch
 
 from tests.helpers.cluster import LocalCluster
 from tests.helpers.ports import free_ports
-from tests.helpers.models import odd_mlp
+from tests.helpers.models import batches, odd_mlp
 from tests.helpers.wire import expect_refusal, push_messages
 from psproto import ps_pb2, ps_pb2_grpc
 from psproto.codec import encode_chunks
@@ -211,3 +211,21 @@ def test_push_pull_retry_is_acknowledged_not_applied_and_still_answers(cluster):
     assert all(torch.equal(applied_once[n], snapshot(cluster)[n]) for n in applied_once)
     assert blocks.keys() == applied_once.keys()
     assert all(torch.equal(blocks[n], applied_once[n]) for n in blocks)
+
+
+@pytest.mark.timeout(60)
+def test_pserver_exits_when_a_dead_trainer_never_rejoins():
+    """Trainer 1 dies without closing: dropped after heartbeat_timeout, counted as closed after
+    trainer_rejoin_timeout, so the pserver finishes once trainer 0 closes."""
+    config = DistributeTranspilerConfig(heartbeat_interval=0.1, heartbeat_timeout=0.5,
+                                        trainer_rejoin_timeout=0.5, barrier_timeout=30)
+    with LocalCluster(program, 1, 2, config=config) as c:
+        dead = c.trainer(1)
+        dead._heartbeat.stop()                           # the process "dies": no close, no heartbeat
+        dead.comm.shutdown()
+        with c.trainer(0) as tr:
+            x, y = batches(2, 4, 1)[0][0]
+            torch.nn.functional.cross_entropy(tr.model(x), y).backward()
+            tr.step()                                    # completes once trainer 1 is dropped
+        assert c.servers[0].wait(timeout=20)             # every trainer closed or counted closed
+        assert c.servers[0].engine.roster.closed == {0, 1}

@@ -8,101 +8,19 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
-from typing import Dict, List
+from typing import List
 
 import pytest
 import torch
 
 from pserver.checkpoint.layout import dense_state_dict, find_saved
-from tests.helpers.ports import free_ports
-
-HERE = os.path.dirname(os.path.abspath(__file__))
-SCRIPT = os.path.join(HERE, "scripts", "recovery_job.py")
 from tests.helpers import checkpoint_models as cm
 from tests.helpers.cluster import LocalCluster
+from tests.helpers.jobs import Job
 from tests.scripts import recovery_job
 from trainer.communicator import Communicator, PserverError
-
-
-class Job:
-    """The processes of one job; every one is killed at exit, whatever happened."""
-
-    def __init__(self, tmp_path, n_pservers: int = 2, n_trainers: int = 2, args=()):
-        self.tmp = tmp_path
-        self.endpoints = [f"127.0.0.1:{p}" for p in free_ports(n_pservers)]
-        self.n_trainers = n_trainers
-        self.ckpt = str(tmp_path / "ckpt")
-        self.out = tmp_path / "out"
-        self.pause = tmp_path / "pause"
-        self.out.mkdir()
-        self.pause.mkdir()
-        self.args = ["--checkpoint_dir", self.ckpt, "--out_dir", str(self.out), "--pause_dir",
-                     str(self.pause), *args]
-        self.procs: Dict[str, subprocess.Popen] = {}
-        self.logs: Dict[str, str] = {}
-
-    def env(self, role: str, index: int) -> dict:
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("PADDLE_", "PS_", "TRAINING_"))}
-        env.update(TRAINING_ROLE=role, PADDLE_PSERVERS_IP_PORT_LIST=",".join(self.endpoints),
-                   PADDLE_TRAINERS_NUM=str(self.n_trainers), PYTHONUNBUFFERED="1")
-        if role == "PSERVER":
-            host, port = self.endpoints[index].rsplit(":", 1)
-            env.update(POD_IP=host, PADDLE_PORT=port)
-        else:
-            env["PADDLE_TRAINER_ID"] = str(index)
-        return env
-
-    def start(self, role: str, index: int) -> subprocess.Popen:
-        name = f"{role.lower()}{index}"
-        n = sum(k.startswith(name) for k in self.logs)
-        path = str(self.tmp / f"{name}.{n}.log")
-        with open(path, "wb") as log:
-            proc = subprocess.Popen([sys.executable, SCRIPT, *self.args], env=self.env(role, index),
-                                    stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        self.procs[name], self.logs[f"{name}.{n}"] = proc, path
-        return proc
-
-    def start_all(self) -> None:
-        for i in range(len(self.endpoints)):
-            self.start("PSERVER", i)
-        for i in range(self.n_trainers):
-            self.start("TRAINER", i)
-
-    def log(self, name: str) -> str:
-        with open(self.logs[name], errors="replace") as f:
-            return f.read()
-
-    def all_logs(self) -> str:
-        return "\n".join(f"===== {k}\n{self.log(k)[-3000:]}" for k in self.logs)
-
-    def wait_file(self, name: str, timeout: float = 60.0) -> None:
-        """Wait for PAUSE_DIR/name, failing early (with the logs) if a role dies meanwhile."""
-        deadline = time.monotonic() + timeout
-        while not (self.pause / name).exists():
-            dead = {k: p.returncode for k, p in self.procs.items() if p.poll() is not None}
-            assert not dead and time.monotonic() < deadline, f"waiting for {name}: {dead}\n{self.all_logs()}"
-            time.sleep(0.05)
-
-    def wait(self, name: str, timeout: float) -> int:
-        try:
-            return self.procs[name].wait(timeout)
-        except subprocess.TimeoutExpired:
-            pytest.fail(f"{name} did not finish within {timeout}s\n{self.all_logs()}")
-
-    def kill(self, name: str) -> None:
-        proc = self.procs[name]
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(10)
-
-    def close(self) -> None:
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(10)
 
 
 @pytest.fixture

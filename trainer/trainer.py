@@ -92,7 +92,8 @@ class Trainer:
         joined = self.recovery.join()
         self.position: Position = joined.position
         self.step_count = joined.step
-        outcome = self.recovery.heal(self.step_count, "joining", lambda: self._pull_all(self.step_count))
+        outcome = self.recovery.heal(self.step_count, "joining", lambda: self._pull_all(self.step_count),
+                                     self._pull_all)
         if outcome is not None:
             self._resynced(outcome)
 
@@ -124,7 +125,8 @@ class Trainer:
         """
         fetched: Dict[str, Dict[str, torch.Tensor]] = {}
         outcome = self.recovery.heal(self.step_count, f"lookup at step {self.step_count}",
-                                     lambda: fetched.update(self._prefetch_all(pieces, min_updates)))
+                                     lambda: fetched.update(self._prefetch_all(pieces, min_updates)),
+                                     self._pull_all)
         if outcome is None:
             return fetched
         self._resynced(outcome)
@@ -200,13 +202,12 @@ class Trainer:
                        push_pull: Callable[[str, list], int]) -> Optional[Decision]:
         """``push_pull(ep, grads[ep])`` on every pserver in parallel, healing what can heal."""
         return self.recovery.heal(step, f"step {step}", lambda: self.comm.run_parallel(
-            {ep: (lambda ep=ep: push_pull(ep, grads[ep])) for ep in self._push_endpoints}))
+            {ep: (lambda ep=ep: push_pull(ep, grads[ep])) for ep in self._push_endpoints}), self._pull_all)
 
     def _resynced(self, outcome: Decision) -> None:
-        """Go on from where the pservers are after a restart or a drop: their step, their parameters."""
+        """Go on from where the pservers are after a restart or a drop (their parameters are pulled)."""
         self.tables.clear()
         self.step_count = outcome.step
-        self._pull_all(outcome.step)
         if outcome.action == ROLLBACK:
             self.position = outcome.position
             self._rewound = True  # batches() replays the data from the checkpoint's position

@@ -60,6 +60,10 @@ class DistributeTranspilerConfig:
     - ``heartbeat_timeout`` (float s, 30): a trainer silent this long is dropped
       from the barrier (sync) and the staleness bound (async), with a log line
       naming it; it rejoins by starting again.
+    - ``trainer_rejoin_timeout`` (float s, 600): a dropped trainer that has not
+      rejoined this long after its drop is counted as closed, with a log line
+      naming it, so the pservers exit once the others have closed instead of
+      serving forever. It may still rejoin later (as a closed trainer can).
     - ``recovery_timeout`` (float s, 300): how long a trainer keeps retrying an
       unavailable pserver (with backoff) before failing.
     - ``nonfinite_grads`` (str, "refuse"): a pushed gradient holding NaN or Inf
@@ -83,6 +87,7 @@ class DistributeTranspilerConfig:
     heartbeat_interval: float = 2.0
     heartbeat_timeout: float = 30.0
     recovery_timeout: float = 300.0
+    trainer_rejoin_timeout: float = 600.0
     nonfinite_grads: str = "refuse"
 
     def __post_init__(self) -> None:
@@ -102,7 +107,7 @@ class DistributeTranspilerConfig:
                 not isinstance(self.max_staleness, int) or self.max_staleness < 0):
             raise ValueError(f"max_staleness must be None or an int >= 0, got {self.max_staleness!r}")
         for name in ("connect_timeout", "barrier_timeout", "rpc_timeout", "heartbeat_interval",
-                     "heartbeat_timeout", "recovery_timeout"):
+                     "heartbeat_timeout", "recovery_timeout", "trainer_rejoin_timeout"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or value <= 0:
                 raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")

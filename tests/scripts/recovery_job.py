@@ -88,6 +88,7 @@ def main(argv=None) -> int:
     p.add_argument("--pause_at", type=int, default=-1)
     p.add_argument("--pause_trainer", type=int, default=0)
     p.add_argument("--pause_dir", default="")
+    p.add_argument("--step_delay", type=float, default=0.0, help="seconds each trainer sleeps per step")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(1)
@@ -121,6 +122,8 @@ def main(argv=None) -> int:
             wait_for(os.path.join(args.pause_dir, "go"), 120.0)
         loss_of(tr.model, x, y).backward()
         tr.step()
+        if args.step_delay:
+            time.sleep(args.step_delay)  # stretches the job so a chaos test's kills land while it trains
     torch.save(tr.state_dict(), os.path.join(args.out_dir, f"trainer-{tid}.pt"))
     logging.info("trainer %d: finished at step %d", tid, tr.step_count)
     tr.close()

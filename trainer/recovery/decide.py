@@ -20,7 +20,7 @@ joining: otherwise                                     JOIN at their step and da
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Dict, Mapping, Optional, Sequence, Tuple
 
 import grpc
@@ -70,7 +70,7 @@ class Decision:
     endpoints: Tuple[str, ...] = ()
     token: str = ""
     message: str = ""
-    restarted: Tuple[str, ...] = field(default=())
+    restarted: Tuple[str, ...] = ()
 
 
 def recoverable(code: Optional[grpc.StatusCode]) -> bool:

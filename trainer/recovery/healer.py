@@ -75,26 +75,33 @@ class Recovery:
             backoff = min(2 * backoff, 2.0)
             timeout = max(0.1, deadline - time.monotonic())
 
-    def heal(self, step: int, what: str, calls: Callable[[], object]) -> Optional[Decision]:
+    def heal(self, step: int, what: str, calls: Callable[[], object],
+             pull: Callable[[int], object]) -> Optional[Decision]:
         """Run ``calls`` (``what``, at ``step``); on a failure that can heal, re-sync and go on.
 
         ``calls`` is retried (pushes are idempotent) until it goes through
         (None), or the decision says where to go on from instead (SKIP or
-        ROLLBACK), all within ``recovery_timeout``.
+        ROLLBACK): then ``pull(step)`` fetches the parameters of that step
+        before the decision is returned. Every part of it (Hello, Restore,
+        the pull) is retried through failures that can heal, within
+        ``recovery_timeout`` of the first.
         """
-        deadline = None
+        deadline, moved = None, None
         while True:
             try:
-                calls()
-                return None
+                if moved is None:
+                    calls()
+                    return None
+                pull(moved.step)
+                return moved
             except PserverError as e:
                 if not recoverable(e):
                     raise
                 if deadline is None:
                     deadline = time.monotonic() + self.recovery_timeout
-                decision = self.resync(e, step, deadline, what)
+                decision = self.resync(e, step if moved is None else moved.step, deadline, what)
                 if decision.action != RETRY:
-                    return decision
+                    moved = decision
 
     def resync(self, failure: PserverError, step: int, deadline: float, what: str) -> Decision:
         """Wait for every pserver until ``deadline`` (monotonic) and decide how ``step`` goes on.
@@ -118,11 +125,23 @@ class Recovery:
             self.incarnations = known = {ep: a.incarnation for ep, a in answers.items()}
             if decision.action != RESTORE:
                 break
-            self.comm.run_parallel({ep: (lambda ep=ep: self.comm.restore(ep, decision.step, decision.token))
-                                    for ep in decision.endpoints})
+            try:
+                self._restore(decision)
+            except PserverError as e:
+                # A pserver lost during the roll-back: ask everyone again; its restart is a new decision.
+                if not recoverable(e) or time.monotonic() > deadline:
+                    raise
+                log.warning("trainer %d: roll-back to step %d interrupted (%s); asking the pservers again",
+                            tid, decision.step, e)
             # Their answers predate the roll-back: ask again.
         _log_decision(tid, decision, step)
         return decision
+
+
+    def _restore(self, decision: Decision) -> None:
+        """Roll ``decision.endpoints`` back to the checkpoint at ``decision.step``, in parallel."""
+        self.comm.run_parallel({ep: (lambda ep=ep: self.comm.restore(ep, decision.step, decision.token))
+                                for ep in decision.endpoints})
 
 
 def _log_decision(trainer_id: int, decision: Decision, step: int) -> None:

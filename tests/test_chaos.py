@@ -1,0 +1,94 @@
+"""Chaos: SIGKILLs at random moments of a sync job, overlapping ones included.
+
+A seeded schedule kills pservers (two within a second of each other, one while
+the trainers roll the others back, more at random) and starts each again with
+the same command; the job must finish with the model of an uninterrupted run.
+``PS_CHAOS_SEEDS=1,2,3`` picks the seeds (printed, so a failure replays).
+"""
+from __future__ import annotations
+
+import os
+import random
+import time
+from typing import List, Tuple
+
+import pytest
+import torch
+
+from tests.helpers.jobs import Job
+from tests.scripts import recovery_job
+
+pytestmark = pytest.mark.processes
+
+SEEDS = [int(s) for s in os.environ.get("PS_CHAOS_SEEDS", "1,2").split(",") if s.strip()]
+EPOCHS = 12                 # 240 steps of 2 trainers
+STEP_DELAY = 0.05           # about 13 s of training, before the time recovery adds
+
+
+def schedule(seed: int) -> List[Tuple[str, float, int]]:
+    """(when, seconds after it, pserver index) of each SIGKILL: five, overlapping ones included.
+
+    ``when``: "now" (right after the previous kill), "up" (once every pserver
+    serves again: the trainers are re-syncing and rolling pservers back), or
+    "progress" (once training has gone past the last roll-back).
+    """
+    rng = random.Random(seed)
+    first = rng.randrange(2)
+    return [
+        ("progress", rng.uniform(0.0, 1.5), first),           # mid-run
+        ("now", rng.uniform(0.2, 0.8), 1 - first),            # the other one within a second
+        ("up", rng.uniform(0.0, 0.3), rng.randrange(2)),      # while the trainers roll the others back
+        ("progress", rng.uniform(0.0, 1.0), rng.randrange(2)),
+        ("now", rng.uniform(0.0, 2.0), rng.randrange(2)),     # maybe during its restart, maybe after
+    ]
+
+
+def checkpoint_steps(job: Job) -> List[int]:
+    return sorted(int(d.split("-")[1]) for d in os.listdir(job.ckpt) if d.startswith("step-")) \
+        if os.path.isdir(job.ckpt) else []
+
+
+def serving(job: Job, index: int) -> bool:
+    """Whether the latest process of pserver ``index`` serves (its log says so)."""
+    latest = max(k for k in job.logs if k.startswith(f"pserver{index}."))
+    return "serving" in job.log(latest)
+
+
+def wait_for(ready, job: Job, seed: int, timeout: float = 60.0) -> None:
+    """Poll ``ready()`` until true; fail with the logs if a role died or ``timeout`` passed."""
+    deadline = time.monotonic() + timeout
+    while not ready():
+        dead = {k: p.returncode for k, p in job.procs.items() if p.poll() is not None}
+        assert not dead and time.monotonic() < deadline, f"seed {seed}: {dead}\n{job.all_logs()}"
+        time.sleep(0.05)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("seed", SEEDS)
+def test_sync_job_survives_overlapping_pserver_kills_with_the_model_of_an_uninterrupted_run(tmp_path, seed):
+    plan = schedule(seed)
+    print(f"chaos seed {seed}: {[(w, round(d, 2), f'pserver{i}') for w, d, i in plan]}")
+    job = Job(tmp_path, args=["--epochs", str(EPOCHS), "--step_delay", str(STEP_DELAY), "--checkpoint_every", "5"])
+    try:
+        job.start_all()
+        for when, delay, index in plan:
+            if when == "up":
+                wait_for(lambda: serving(job, 0) and serving(job, 1), job, seed)
+            elif when == "progress":
+                last = max(checkpoint_steps(job), default=0)
+                wait_for(lambda: max(checkpoint_steps(job), default=0) >= max(last, 5) + 5, job, seed)
+            time.sleep(delay)
+            alive = [job.procs[f"trainer{t}"].poll() is None for t in range(2)]
+            assert all(alive), f"seed {seed}: the job ended before the chaos did\n{job.all_logs()}"
+            job.kill(f"pserver{index}")
+            job.start("PSERVER", index)
+        for name in ("trainer0", "trainer1", "pserver0", "pserver1"):
+            assert job.wait(name, 180) == 0, f"seed {seed}: {name} failed\n{job.all_logs()}"
+    finally:
+        job.close()
+    expected = recovery_job.reference(epochs=EPOCHS)
+    for tid in range(2):
+        state = torch.load(job.out / f"trainer-{tid}.pt")
+        for k in expected:
+            torch.testing.assert_close(state[k], expected[k], rtol=0, atol=1e-5,
+                                       msg=lambda m: f"seed {seed}, trainer {tid}, {k}: {m}")

@@ -1,0 +1,120 @@
+"""Recovery's I/O against a scripted communicator: every step of a re-sync is retried.
+
+The pservers' answers and failures are played from a script, so sequences that
+real processes hit only by chance (a pserver lost during the roll-back of the
+others, a pull that fails right after a re-sync) run deterministically.
+"""
+from types import SimpleNamespace
+
+import grpc
+import pytest
+
+from trainer.communicator import PserverError
+from trainer.recovery import ROLLBACK, Recovery
+
+A, B = "127.0.0.1:6170", "127.0.0.1:6171"
+UNAVAILABLE = grpc.StatusCode.UNAVAILABLE
+
+
+def hello(incarnation, step, checkpoint_step=-1, position=(0, 0)):
+    return SimpleNamespace(incarnation=incarnation, start_step=step, checkpoint_step=checkpoint_step,
+                           epoch=position[0], batch=position[1])
+
+
+class ScriptedComm:
+    """Answers Hello from ``hellos`` in turn; a Restore to an endpoint in ``restore_fails`` fails once."""
+
+    trainer_id = 0
+
+    def __init__(self, hellos, restore_fails=()):
+        self.hellos = list(hellos)
+        self.restore_fails = set(restore_fails)
+        self.restores = []
+
+    def hello(self, timeout):
+        return self.hellos.pop(0)
+
+    def restore(self, ep, step, token):
+        if ep in self.restore_fails:
+            self.restore_fails.discard(ep)
+            raise PserverError(ep, "roll-back failed: UNAVAILABLE: Connection refused", UNAVAILABLE)
+        self.restores.append((ep, step, token))
+
+    def run_parallel(self, jobs):
+        results, error = {}, None
+        for ep, job in jobs.items():
+            try:
+                results[ep] = job()
+            except PserverError as e:
+                error = error or e
+        if error is not None:
+            raise error
+        return results
+
+
+def recovery(comm):
+    r = Recovery(comm, sync_mode=True, push_endpoints=[A, B], connect_timeout=5, recovery_timeout=30)
+    r.incarnations = {A: 11, B: 22}
+    return r
+
+
+def failing_once():
+    failures = [PserverError(B, "step 7 failed: UNAVAILABLE", UNAVAILABLE)]
+
+    def calls():
+        if failures:
+            raise failures.pop()
+    return calls
+
+
+def test_pserver_lost_during_the_roll_back_of_the_others_is_waited_for_and_the_job_converges():
+    comm = ScriptedComm([
+        {A: hello(11, 7), B: hello(99, 4, checkpoint_step=4)},        # B restarted from step 4
+        # the roll-back of A failed: A died too, and came back from the same checkpoint; B, which
+        # may have gone on meanwhile, is rolled back to it for A's restart
+        {A: hello(33, 4, checkpoint_step=4), B: hello(99, 5, checkpoint_step=4)},
+        {A: hello(33, 4, checkpoint_step=4, position=(0, 8)), B: hello(99, 4, checkpoint_step=4, position=(0, 8))},
+    ], restore_fails={A})
+    pulled = []
+    decision = recovery(comm).heal(7, "step 7", failing_once(), pulled.append)
+    assert (decision.action, decision.step, decision.position) == (ROLLBACK, 4, (0, 8))
+    assert comm.restores == [(B, 4, f"{A}#33")] and pulled == [4]
+
+
+def test_roll_back_is_asked_again_after_a_second_restart():
+    comm = ScriptedComm([
+        {A: hello(11, 7), B: hello(99, 4, checkpoint_step=4)},
+        {A: hello(11, 7), B: hello(123, 2, checkpoint_step=2)},        # B restarted again, from step 2
+        {A: hello(11, 2, checkpoint_step=2, position=(0, 3)), B: hello(123, 2, checkpoint_step=2, position=(0, 3))},
+    ], restore_fails={A})
+    r = recovery(comm)
+    decision = r.heal(7, "step 7", failing_once(), lambda step: None)
+    assert (decision.action, decision.step, decision.position) == (ROLLBACK, 2, (0, 3))
+    assert comm.restores == [(A, 2, f"{B}#123")]
+    assert r.incarnations == {A: 11, B: 123}
+
+
+def test_pull_that_fails_right_after_a_re_sync_is_healed_too():
+    comm = ScriptedComm([
+        {A: hello(11, 4, position=(1, 0)), B: hello(22, 4, position=(1, 0))},   # rolled back by another trainer
+        {A: hello(11, 4, position=(1, 0)), B: hello(22, 4, position=(1, 0))},   # after the failed pull
+    ])
+    pulls = []
+
+    def pull(step):
+        pulls.append(step)
+        if len(pulls) == 1:
+            raise PserverError(A, "pull failed: UNAVAILABLE", UNAVAILABLE)
+    decision = recovery(comm).heal(7, "step 7", failing_once(), pull)
+    assert (decision.action, decision.step, decision.position) == (ROLLBACK, 4, (1, 0))
+    assert pulls == [4, 4]
+
+
+def test_a_refused_roll_back_is_not_retried():
+    comm = ScriptedComm([{A: hello(11, 7), B: hello(99, 4, checkpoint_step=4)}])
+
+    def refuse(ep, step, token):
+        raise PserverError(ep, "no complete checkpoint at step 4", grpc.StatusCode.FAILED_PRECONDITION)
+    comm.restore = refuse
+    with pytest.raises(PserverError, match="no complete checkpoint"):
+        recovery(comm).heal(7, "step 7", failing_once(), lambda step: None)
