@@ -86,6 +86,11 @@ class Engine:
                 log.info("%s: trainer %d %s at step %d", self.endpoint, trainer_id, how, start)
             return start, self.roster.positions.get(trainer_id, (0, 0))
 
+    def counted_step(self, trainer_id: int) -> int:
+        """The last step of ``trainer_id`` this pserver counted (applied or pending), -1 if none."""
+        with self.cv:
+            return self.last_step.get(trainer_id, -1)
+
     def _start_step(self, trainer_id: int, how: str) -> int:
         return self.last_step.get(trainer_id, -1) + 1
 
@@ -251,8 +256,12 @@ class Engine:
     def restore(self, trainer_id: int, step: int, token: str) -> bool:
         """Roll back to the checkpoint at ``step`` once per ``token`` (sync recovery).
 
-        Returns False when ``token`` was already honoured. Waiters of the
-        abandoned steps are woken with :class:`MustResync`. Without a
+        Returns False when ``token`` was already honoured, or when this pserver
+        stands unchanged at that very checkpoint (loaded from it, nothing applied
+        since): then the pushes it counted for the step are valid and kept, since
+        a late roll-back, asked for a restart other trainers have already re-synced
+        past, must not discard them. Otherwise waiters of the abandoned steps are
+        woken with :class:`MustResync`. Without a
         checkpoint_dir or a complete checkpoint at ``step``: :class:`NotAllowed`;
         a checkpoint that cannot be read or does not fit: :class:`StorageFailed`,
         and nothing changes.
@@ -261,6 +270,12 @@ class Engine:
             raise NotAllowed(f"pserver {self.endpoint} has no checkpoint_dir to roll back from")
         with self.cv:
             if token in self._honoured:
+                return False
+            if self.restored_from == step == self.updates:
+                self._honoured.add(token)
+                log.info("%s: already at the checkpoint of step %d, nothing applied since; roll-back asked "
+                         "by trainer %d (%s) keeps the pushes counted for it", self.endpoint, step, trainer_id,
+                         token)
                 return False
             try:
                 meta = self.checkpointer.load(step)

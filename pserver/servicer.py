@@ -173,7 +173,8 @@ class PserverServicer:
         start_step, (epoch, batch) = self.engine.hello(request.trainer_id)
         return ps_pb2.HelloReply(start_step=start_step, sync_mode=self.engine.sync_mode,
                                  trainers=self.engine.trainers, incarnation=self.incarnation,
-                                 epoch=epoch, batch=batch, checkpoint_step=self.engine.restored_from)
+                                 epoch=epoch, batch=batch, checkpoint_step=self.engine.restored_from,
+                                 counted_step=self.engine.counted_step(request.trainer_id))
 
     def _expect(self, name: str):
         return self.store.expect(name) or self.tables.expect(name)

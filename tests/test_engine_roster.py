@@ -107,6 +107,27 @@ def test_restore_rolls_back_once_per_token_and_wakes_waiters(tmp_path):
     assert e.updates == 2
 
 
+def test_late_roll_back_to_the_checkpoint_a_pserver_stands_at_keeps_the_pushes_counted_since(tmp_path):
+    """Seen under load in the chaos test: trainer 1 re-synced to checkpoint 1 and pushed step 1; a
+    roll-back to the same checkpoint, asked later by trainer 0 for another restart, must not drop that
+    push (the pservers would end a step apart and the job would wait for the barrier timeout)."""
+    e = engine(2, tmp_path)
+    for t in (0, 1):
+        e.hello(t)
+    for t in (0, 1):
+        e.push(t, 0, grads(e, 1.0), position=(0, 1))
+    e.checkpoint()
+    e.push(0, 1, grads(e, 1.0))
+    assert e.restore(0, 1, "a#1") is True                # trainer 0 rolls back after a restart
+    e.push(1, 1, grads(e, 1.0))                          # trainer 1, already re-synced, pushes step 1
+    assert e.restore(0, 1, "b#2") is False               # a late roll-back to the same checkpoint
+    assert e.pending == {1} and e.updates == 1
+    e.push(0, 1, grads(e, 1.0))
+    assert e.updates == 2                                # step 1 applied with both trainers' gradients
+    e.push(0, 2, grads(e, 1.0))
+    assert e.restore(0, 1, "c#3") is True and e.updates == 1 and e.pending == set()  # a real roll-back
+
+
 def test_a_failing_periodic_checkpoint_does_not_fail_the_step(tmp_path, caplog):
     blocked = tmp_path / "not-a-directory"
     blocked.write_text("")                               # checkpoint_dir is a file: every write fails

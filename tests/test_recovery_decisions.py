@@ -15,8 +15,8 @@ A, B = "127.0.0.1:6170", "127.0.0.1:6171"
 KNOWN = {A: 11, B: 22}          # incarnations the trainer saw before the failure
 
 
-def ps(incarnation, step, checkpoint_step=-1, position=(0, 0)):
-    return PserverState(incarnation, step, checkpoint_step, position)
+def ps(incarnation, step, checkpoint_step=-1, position=(0, 0), counted=-1):
+    return PserverState(incarnation, step, checkpoint_step, position, counted)
 
 
 @pytest.mark.parametrize("code, healable", [
@@ -43,6 +43,10 @@ AFTER_FAILURE = [
      False, 9, {A: ps(11, 9), B: ps(99, 6, checkpoint_step=40)}, (RETRY, 9, (0, 0), (), (B,))),
     ("sync, dropped: the others went on without this trainer",
      True, 5, {A: ps(11, 8), B: ps(22, 8)}, (SKIP, 8, (0, 0), (), ())),
+    ("sync, dropped while the others were mid-step: one pserver ahead, none counted its push",
+     True, 5, {A: ps(11, 6, counted=4), B: ps(22, 5, counted=4)}, (SKIP, 6, (0, 0), (), ())),
+    ("sync, overlapping restarts: the pserver ahead counted this trainer's push, the other needs it",
+     True, 20, {A: ps(11, 21, counted=20), B: ps(22, 20, counted=19)}, (RETRY, 20, (0, 0), (), ())),
     ("sync, rolled back by another trainer: redo from the checkpoint's position",
      True, 7, {A: ps(11, 4, position=(1, 3)), B: ps(22, 4, position=(1, 3))}, (ROLLBACK, 4, (1, 3), (), ())),
     ("sync, mid roll-back: go back to the lowest step",

@@ -16,9 +16,9 @@ A, B = "127.0.0.1:6170", "127.0.0.1:6171"
 UNAVAILABLE = grpc.StatusCode.UNAVAILABLE
 
 
-def hello(incarnation, step, checkpoint_step=-1, position=(0, 0)):
+def hello(incarnation, step, checkpoint_step=-1, position=(0, 0), counted_step=-1):
     return SimpleNamespace(incarnation=incarnation, start_step=step, checkpoint_step=checkpoint_step,
-                           epoch=position[0], batch=position[1])
+                           epoch=position[0], batch=position[1], counted_step=counted_step)
 
 
 class ScriptedComm:

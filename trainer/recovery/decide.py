@@ -10,7 +10,7 @@ a call failed with UNAVAILABLE, ABORTED or CANCELLED   recoverable: wait for the
 any other status                                       not recoverable: the error reaches the user
 a pserver restarted without a checkpoint               FAIL: its parameters are lost
 sync, a pserver restarted from checkpoint *c*          RESTORE: roll every other pserver back to *c*
-sync, the others are past this trainer's step          SKIP to their step (it was dropped)
+sync, pservers ahead without this trainer's push       SKIP to their step (it was dropped)
 sync, the pservers are behind this trainer's step      ROLLBACK to their step and data position
 otherwise (async restarts included)                    RETRY the same step (pushes are idempotent)
 joining: sync pservers at different steps              WAIT and ask again, until the deadline
@@ -45,13 +45,15 @@ class PserverState:
     ``step`` is where this trainer (re)starts on it (sync: the pserver's step;
     async: this trainer's own next step); ``checkpoint_step`` is the checkpoint
     the pserver process started from (-1: none); ``position`` is this
-    trainer's data position as last pushed or checkpointed.
+    trainer's data position as last pushed or checkpointed; ``counted`` is the
+    last step of this trainer the pserver counted (-1: none).
     """
 
     incarnation: int
     step: int
     checkpoint_step: int = -1
     position: Position = (0, 0)
+    counted: int = -1
 
 
 @dataclass(frozen=True)
@@ -103,8 +105,11 @@ def after_failure(sync_mode: bool, known: Mapping[str, int], step: int,
             token = ",".join(f"{ep}#{answers[ep].incarnation}" for ep in gone)
             return Decision(RESTORE, target, endpoints=others, token=token, restarted=gone)
     steps = {ep: answers[ep].step for ep in push_endpoints} if sync_mode else {}
-    if steps and max(steps.values()) > step:
-        # The others went on without this trainer (dropped after heartbeat_timeout).
+    ahead = [ep for ep in steps if steps[ep] > step]
+    if ahead and all(answers[ep].counted < step for ep in ahead):
+        # The others went on without this trainer (dropped after heartbeat_timeout). A pserver
+        # ahead that counted this trainer's push went on with it: after overlapping restarts the
+        # others may still need that push, so the step is retried (a duplicate is acknowledged).
         return Decision(SKIP, max(steps.values()), restarted=gone)
     if steps and min(steps.values()) < step:
         # Rolled back to a checkpoint, on this trainer's request or another's.
