@@ -3,7 +3,7 @@
 Plans, the wire (``TensorPiece.dtype``) and table files all name a dtype by
 torch's name without ``torch.`` ("float32"); this module is where a name
 becomes a dtype and back. Dense parameters may be any floating dtype here;
-distributed tables are float32 or float64 (their rows live in numpy).
+distributed tables only :data:`TABLE_DTYPES` (their rows live in numpy).
 """
 from __future__ import annotations
 
@@ -13,7 +13,6 @@ DTYPES = {
     "float32": torch.float32, "float64": torch.float64, "float16": torch.float16,
     "bfloat16": torch.bfloat16, "int64": torch.int64, "int32": torch.int32,
 }
-PARAM_DTYPES = ("float32", "float64", "float16", "bfloat16")
 TABLE_DTYPES = ("float32", "float64")
 
 

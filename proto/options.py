@@ -9,12 +9,15 @@ from __future__ import annotations
 from .codec import message_limit
 
 
+def _message_limits(chunk_bytes: int) -> list:
+    limit = message_limit(chunk_bytes)
+    return [("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)]
+
+
 def server_options(chunk_bytes: int) -> list:
     """gRPC options of a pserver: bounded messages, no port sharing, tolerant keepalive."""
-    limit = message_limit(chunk_bytes)
     return [
-        ("grpc.max_receive_message_length", limit),
-        ("grpc.max_send_message_length", limit),
+        *_message_limits(chunk_bytes),
         # Off so a second pserver on the same port fails to bind instead of
         # silently sharing it.
         ("grpc.so_reuseport", 0),
@@ -25,10 +28,8 @@ def server_options(chunk_bytes: int) -> list:
 
 def channel_options(chunk_bytes: int) -> list:
     """gRPC options of a trainer's channel to a pserver: bounded messages, keepalive, fast reconnects."""
-    limit = message_limit(chunk_bytes)
     return [
-        ("grpc.max_receive_message_length", limit),
-        ("grpc.max_send_message_length", limit),
+        *_message_limits(chunk_bytes),
         ("grpc.keepalive_time_ms", 30_000),
         ("grpc.keepalive_timeout_ms", 20_000),
         # Each pserver gets its own connection even when endpoints share a host.

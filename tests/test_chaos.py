@@ -67,25 +67,17 @@ def serving(job: Job, index: int) -> bool:
     return "serving" in job.log(latest)
 
 
-def wait_for(ready, job: Job, seed: int, timeout: float = 60.0) -> None:
-    """Poll ``ready()`` until true; fail with the logs if a role died or ``timeout`` passed."""
-    deadline = time.monotonic() + timeout
-    while not ready():
-        dead = {k: p.returncode for k, p in job.procs.items() if p.poll() is not None}
-        assert not dead and time.monotonic() < deadline, f"seed {seed}: {dead}\n{job.all_logs()}"
-        time.sleep(0.05)
-
-
 def run_chaos(job: Job, plan: List[Kill], seed: int) -> None:
     """Play ``plan`` on ``job`` (each killed role started again with the same command), then wait for the end."""
     print(f"chaos seed {seed}: {[(w, round(d, 2), f'{r.lower()}{i}') for w, d, r, i in plan]}")
     job.start_all()
     for when, delay, role, index in plan:
         if when == "up":
-            wait_for(lambda: serving(job, 0) and serving(job, 1), job, seed)
+            job.wait_until(lambda: serving(job, 0) and serving(job, 1), f"seed {seed}: both pservers up")
         elif when == "progress":
             last = max(checkpoint_steps(job), default=0)
-            wait_for(lambda: max(checkpoint_steps(job), default=0) >= max(last, 5) + 5, job, seed)
+            job.wait_until(lambda: max(checkpoint_steps(job), default=0) >= max(last, 5) + 5,
+                           f"seed {seed}: training past step {max(last, 5) + 5}")
         time.sleep(delay)
         alive = [job.procs[f"trainer{t}"].poll() is None for t in range(2)]
         assert all(alive), f"seed {seed}: the job ended before the chaos did\n{job.all_logs()}"

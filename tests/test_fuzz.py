@@ -58,8 +58,8 @@ from google.protobuf.message_factory import GetMessageClass
 from torch import nn
 
 from tests.helpers.cluster import LocalCluster
-from tests.helpers.fuzz_cases import (BAG_LEN, METHODS, SERVICE, SLOTS, TRAINERS, WRONG_DIGEST, Case, Env, base_requests,
-                        build, generate_cases, legit_change, table_grads)
+from tests.helpers.fuzz_cases import (BAG_LEN, METHODS, SERVICE, SLOTS, TRAINERS, WRONG_DIGEST, Case, Env,
+                                      base_requests, build, generate_cases, legit_change, table_grads)
 from tests.helpers.fuzz_crafted import crafted_cases
 from psproto import ps_pb2
 from psproto.dtypes import DTYPES

@@ -186,7 +186,7 @@ def _imports(module: str) -> set:
 
 
 @pytest.mark.parametrize("module", ["pserver.engine", "pserver.sync_engine", "pserver.async_engine",
-                                   "pserver.errors"])
+                                    "pserver.errors"])
 def test_engines_do_not_import_grpc(module):
     # grpc is already loaded in this process, so only the source tells.
     found = sorted(n for n in _imports(module) if n == "grpc" or n.startswith("grpc."))

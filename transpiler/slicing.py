@@ -32,7 +32,7 @@ def cut_block(saved: Dict[str, List[dict]], param: str, row_start: int, row_end:
 
     def cut(get) -> torch.Tensor:
         return torch.cat([as_rows(get(e))[max(row_start, e["row_start"]) - e["row_start"]:
-                                        min(row_end, e["row_end"]) - e["row_start"]] for e in pieces])
+                                          min(row_end, e["row_end"]) - e["row_start"]] for e in pieces])
 
     value = cut(lambda e: e["value"]).reshape(shape)
     state = {}

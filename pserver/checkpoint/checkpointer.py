@@ -20,7 +20,7 @@ log = logging.getLogger(__name__)
 class Checkpointer:
     """Writes this pserver's part of checkpoints under ``root`` and loads checkpoints back.
 
-    ``every``: a checkpoint whenever the engine's version is a multiple of it
+    ``every``: a checkpoint whenever the engine's update count is a multiple of it
     (0: only when asked). ``keep``: this pserver's newest parts kept on disk.
     """
 
@@ -39,7 +39,7 @@ class Checkpointer:
         self.last: Optional[tuple] = None
 
     def due(self, version: int) -> bool:
-        """Whether the engine, having just reached ``version``, should write a checkpoint."""
+        """Whether the engine, having just reached ``version`` updates, should write a checkpoint."""
         return self.every > 0 and version > 0 and version % self.every == 0 \
             and (self.last is None or self.last[0] != version)
 
@@ -47,8 +47,8 @@ class Checkpointer:
         """Write this pserver's part at ``version`` (blocks, optimizer state, tables, trainers)."""
         started = time.monotonic()
         path = layout.write_part(self.root, version, self.shard, self.n_shards, self.store,
-                                     self.tables, {**roster_meta, "endpoint": self.endpoint,
-                                                   "sync_mode": self.sync_mode})
+                                 self.tables, {**roster_meta, "endpoint": self.endpoint,
+                                               "sync_mode": self.sync_mode})
         layout.prune(self.root, self.shard, self.n_shards, self.keep)
         self.last = (version, path, time.time())
         log.info("%s: checkpoint at step %d written to %s in %.2fs", self.endpoint, version, path,

@@ -86,7 +86,7 @@ def write_shard(directory: str, arrays: Dict[str, np.ndarray], meta: dict) -> No
         atomic_files.fsync_dir(directory)
     for name, array in arrays.items():
         atomic_files.atomic_write(os.path.join(directory, f"{name}.npy"),
-                      lambda f, a=array: np.save(f, a, allow_pickle=False))
+                                  lambda f, a=array: np.save(f, a, allow_pickle=False))
     atomic_files.fsync_dir(directory)
     atomic_files.write_json(meta_path, meta)
     atomic_files.fsync_dir(directory)

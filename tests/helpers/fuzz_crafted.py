@@ -15,7 +15,7 @@ import torch
 from google.protobuf.message_factory import GetMessageClass
 
 from .fuzz_cases import (BAG_DIM, DIM, FUTURE_STEP, METHODS, ONE_MESSAGE, PREFETCH_CHUNK, STREAM_CHUNK,
-                        WRONG_DIGEST, Case, Env, prefetch_stream, push_stream, table_grads)
+                         WRONG_DIGEST, Case, Env, prefetch_stream, push_stream, table_grads)
 from .fuzz_wire import varint
 from psproto import ps_pb2
 from transpiler.tables import shard_of
@@ -202,8 +202,10 @@ def crafted_cases(e: Env) -> Dict[str, List[Case]]:
     unary("SaveTables", "a NUL in the directory", trainer_id=0, directory=str(e.tmp / "a\0b"), layout_digest=d)
     unary("SaveTables", "a directory below a file", trainer_id=0, directory=str(a_file / "t"), layout_digest=d)
     unary("Checkpoint", "empty layout digest", trainer_id=0, layout_digest="")
-    for desc, kw in [("wrong layout digest", dict(layout_digest=WRONG_DIGEST)), ("checkpoint_step -1", dict(checkpoint_step=-1)),
-                     ("checkpoint_step 7: no such checkpoint", {}), ("checkpoint_step 2**63-1", dict(checkpoint_step=2**63 - 1)),
+    for desc, kw in [("wrong layout digest", dict(layout_digest=WRONG_DIGEST)),
+                     ("checkpoint_step -1", dict(checkpoint_step=-1)),
+                     ("checkpoint_step 7: no such checkpoint", {}),
+                     ("checkpoint_step 2**63-1", dict(checkpoint_step=2**63 - 1)),
                      ("no token", dict(token=""))]:
         unary("Restore", desc, **{"trainer_id": 0, "checkpoint_step": 7, "token": "x", "layout_digest": d, **kw})
     return out

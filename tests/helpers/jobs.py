@@ -66,13 +66,17 @@ class Job:
     def all_logs(self) -> str:
         return "\n".join(f"===== {k}\n{self.log(k)[-3000:]}" for k in self.logs)
 
-    def wait_file(self, name: str, timeout: float = 60.0) -> None:
-        """Wait for PAUSE_DIR/name, failing early (with the logs) if a role dies meanwhile."""
+    def wait_until(self, ready, what: str, timeout: float = 60.0) -> None:
+        """Poll ``ready()`` until true, failing early (with the logs) if a role dies meanwhile."""
         deadline = time.monotonic() + timeout
-        while not (self.pause / name).exists():
+        while not ready():
             dead = {k: p.returncode for k, p in self.procs.items() if p.poll() is not None}
-            assert not dead and time.monotonic() < deadline, f"waiting for {name}: {dead}\n{self.all_logs()}"
+            assert not dead and time.monotonic() < deadline, f"waiting for {what}: {dead}\n{self.all_logs()}"
             time.sleep(0.05)
+
+    def wait_file(self, name: str, timeout: float = 60.0) -> None:
+        """Wait for PAUSE_DIR/name."""
+        self.wait_until((self.pause / name).exists, name, timeout)
 
     def wait(self, name: str, timeout: float) -> int:
         try:
