@@ -94,6 +94,12 @@ class Engine:
     def _start_step(self, trainer_id: int, how: str) -> int:
         return self.last_step.get(trainer_id, -1) + 1
 
+    def presence(self, trainer_id: int) -> Tuple[Optional[float], bool]:
+        """(when ``trainer_id`` last called, monotonic or None; whether it closed or was dropped)."""
+        with self.cv:
+            roster = self.roster
+            return roster.last_seen.get(trainer_id), trainer_id in roster.closed | roster.dropped
+
     def touch(self, trainer_id: int) -> int:
         """A heartbeat (or any call) from ``trainer_id``; returns the updates applied.
 

@@ -68,3 +68,27 @@ class ShuttingDown(Refusal):
 
 class BarrierTimeout(Refusal):
     """A barrier or staleness wait outlasted ``barrier_timeout``; the message names the missing trainers."""
+
+
+class NoSession(Refusal):
+    """A call for a trainer id that carries no session: nobody said Hello for it from this caller.
+
+    A stray or hand-made message (a port scanner, a client pointed at the
+    wrong port): it must not speak for a trainer, so it changes nothing.
+    """
+
+
+class Fenced(Refusal):
+    """A call with a session that a newer process of the same trainer id replaced.
+
+    The caller is an old process that was presumed dead (a paused VM, a
+    healed partition): it must stop instead of pushing stale gradients.
+    """
+
+
+class AlreadyRunning(Refusal):
+    """A Hello for a trainer id whose session is alive, from another process.
+
+    Two processes were started with the same trainer id; the message names
+    the id and where the live one connects from.
+    """

@@ -91,4 +91,5 @@ class Roster:
         # run continuing from it starts with everyone expected.
         closed = {int(t) for t in meta.get("closed", [])}
         self.closed = set() if closed >= set(range(self.trainers)) else closed
-        self.joined, self.dropped, self.last_seen, self.dropped_at = set(), set(), {}, {}
+        # Signs of life (last_seen) are not progress: a roll-back keeps them, for the sessions.
+        self.joined, self.dropped, self.dropped_at = set(), set(), {}

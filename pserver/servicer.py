@@ -31,7 +31,9 @@ from psproto.codec import TensorReader, WireError, decode_chunk, encode_chunks
 
 from .buffers import BufferPool
 from .engine import Engine
-from .errors import BadRequest, BarrierTimeout, MustResync, NotAllowed, ShuttingDown, StorageFailed
+from .errors import (AlreadyRunning, BadRequest, BarrierTimeout, Fenced, MustResync, NoSession, NotAllowed,
+                     ShuttingDown, StorageFailed)
+from .sessions import Sessions
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +50,9 @@ STATUS: Dict[type, grpc.StatusCode] = {
     MustResync: grpc.StatusCode.ABORTED,  # the code trainers answer with Hello, then carry on
     ShuttingDown: grpc.StatusCode.UNAVAILABLE,  # trainers retry it against the restarted pserver
     BarrierTimeout: grpc.StatusCode.DEADLINE_EXCEEDED,
+    NoSession: grpc.StatusCode.FAILED_PRECONDITION,
+    Fenced: grpc.StatusCode.PERMISSION_DENIED,  # the one status trainers stop at: "fenced: ..."
+    AlreadyRunning: grpc.StatusCode.ALREADY_EXISTS,  # trainers retry it for one alive window
 }
 
 
@@ -141,8 +146,9 @@ class PserverServicer:
     """Hello / Push / Pull / Close / Stats for one pserver."""
 
     def __init__(self, engine: Engine, layout_digest: str, chunk_bytes: int,
-                 allow_nonfinite: bool = False):
+                 allow_nonfinite: bool = False, alive_window: float = 6.0):
         self.engine = engine
+        self.sessions = Sessions(engine.endpoint, alive_window)
         self.allow_nonfinite = allow_nonfinite
         # A new value per process: trainers tell a restarted pserver by it.
         self.incarnation = secrets.randbits(63) or 1
@@ -159,6 +165,11 @@ class PserverServicer:
         if not 0 <= trainer_id < self.engine.trainers:
             raise BadRequest(f"trainer id {trainer_id} is out of range [0, {self.engine.trainers})")
 
+    def _check_caller(self, request) -> None:
+        """A trainer's call (anything but Hello and Stats): its id in range and its session current."""
+        self._check_trainer(request.trainer_id)
+        self.sessions.check(request.trainer_id, request.session)
+
     def _check_digest(self, digest: str) -> None:
         if digest != self.layout_digest:
             raise NotAllowed(f"pserver {self.endpoint}: plan mismatch (layout digest {digest!r}, "
@@ -170,11 +181,17 @@ class PserverServicer:
         request = _parse(ps_pb2.HelloRequest, data)
         self._check_trainer(request.trainer_id)
         self._check_digest(request.layout_digest)
+        if not request.incarnation:
+            raise BadRequest("Hello needs the trainer process's incarnation (a random nonzero number, one "
+                             "per process)")
+        last_heard, ended = self.engine.presence(request.trainer_id)
+        session = self.sessions.hello(request.trainer_id, request.incarnation, context.peer(), last_heard,
+                                      ended)
         start_step, (epoch, batch) = self.engine.hello(request.trainer_id)
         return ps_pb2.HelloReply(start_step=start_step, sync_mode=self.engine.sync_mode,
                                  trainers=self.engine.trainers, incarnation=self.incarnation,
                                  epoch=epoch, batch=batch, checkpoint_step=self.engine.restored_from,
-                                 counted_step=self.engine.counted_step(request.trainer_id))
+                                 counted_step=self.engine.counted_step(request.trainer_id), session=session)
 
     def _expect(self, name: str):
         return self.store.expect(name) or self.tables.expect(name)
@@ -188,7 +205,7 @@ class PserverServicer:
             header, pieces = decode_chunk(first, header_type)
         if header is None:
             raise BadRequest(f"a {kind} must open with a header (trainer_id, step, layout_digest)")
-        self._check_trainer(header.trainer_id)
+        self._check_caller(header)
         self._check_digest(header.layout_digest)
         self.engine.touch(header.trainer_id)
         reader = TensorReader(expect, dest=dest)
@@ -260,7 +277,7 @@ class PserverServicer:
     @_refusals
     def Pull(self, data, context) -> Iterator[bytes]:
         request = _parse(ps_pb2.PullRequest, data)
-        self._check_trainer(request.trainer_id)
+        self._check_caller(request)
         self._check_digest(request.layout_digest)
         self.engine.touch(request.trainer_id)
         names = list(request.names) or list(self.store.names())
@@ -303,7 +320,7 @@ class PserverServicer:
     @_refusals
     def SaveTables(self, data, context):
         request = _parse(ps_pb2.SaveTablesRequest, data)
-        self._check_trainer(request.trainer_id)
+        self._check_caller(request)
         self._check_digest(request.layout_digest)
         if not request.directory:
             raise BadRequest("SaveTables needs a directory")
@@ -319,14 +336,14 @@ class PserverServicer:
     @_refusals
     def Heartbeat(self, data, context):
         request = _parse(ps_pb2.HeartbeatRequest, data)
-        self._check_trainer(request.trainer_id)
+        self._check_caller(request)
         return ps_pb2.HeartbeatReply(updates=self.engine.touch(request.trainer_id),
                                      incarnation=self.incarnation)
 
     @_refusals
     def Restore(self, data, context):
         request = _parse(ps_pb2.RestoreRequest, data)
-        self._check_trainer(request.trainer_id)
+        self._check_caller(request)
         self._check_digest(request.layout_digest)
         if not self.engine.sync_mode:
             raise NotAllowed(f"pserver {self.endpoint}: Restore is for sync mode; async pservers "
@@ -340,7 +357,7 @@ class PserverServicer:
     @_refusals
     def Checkpoint(self, data, context):
         request = _parse(ps_pb2.CheckpointRequest, data)
-        self._check_trainer(request.trainer_id)
+        self._check_caller(request)
         self._check_digest(request.layout_digest)
         step, path = self.engine.checkpoint()
         return ps_pb2.CheckpointReply(checkpoint_step=step, path=path)
@@ -348,7 +365,7 @@ class PserverServicer:
     @_refusals
     def Close(self, data, context):
         request = _parse(ps_pb2.CloseRequest, data)
-        self._check_trainer(request.trainer_id)
+        self._check_caller(request)
         return ps_pb2.CloseReply(trainers_left=self.engine.close(request.trainer_id))
 
     @_refusals

@@ -1,7 +1,8 @@
 """Fuzzing every RPC of a pserver: bad bytes get a clear status, and change nothing.
 
 A sync pserver (2 trainers, ``barrier_timeout`` 2 s) holds dense blocks and a shard of two
-distributed tables. Every method of the ParameterServer service, enumerated from the proto
+distributed tables; the live job on it is one Trainer per id, joined and heartbeating, whose
+sessions the valid base requests carry. Every method of the ParameterServer service, enumerated from the proto
 descriptor so that methods added later are covered too, gets a seeded, deterministic series
 of requests over a raw channel (bytes in, bytes out):
 
@@ -14,7 +15,10 @@ of requests over a raw channel (bytes in, bytes out):
   versions, huge or negative shapes, offsets, wrong dtypes, unknown names, short or long
   data, NaN/Inf);
 - hand-made bad requests that MUST be refused (``Case.refuse``), many of them for the
-  current step, so that accepting one would show up as a state change;
+  current step, so that accepting one would show up as a state change; among them every
+  state-changing call without the trainer's session (an empty Close, a well-formed push for
+  the current step with no, a made-up or another trainer's session) and a second process's
+  Hello for a live trainer id;
 - for client streams: garbage after a valid header, duplicated headers, pieces before the
   header, out of order, overlapping or missing, streams cut short.
 
@@ -23,8 +27,8 @@ to an unhandled exception: a stack trace instead of a clear message), never a cl
 deadline (a hang; the pserver's own DEADLINE_EXCEEDED naming the trainers a barrier waits
 for is a refusal), never UNIMPLEMENTED. After each request the pserver's state is checked
 (version, pending pushes, closed trainers, table rows, block bytes); at the end it must still
-answer Stats, Hello and Pull with bit-identical blocks, have logged no traceback, and run a
-real sync step of two trainers.
+answer Stats, Hello and Pull with bit-identical blocks, have logged no traceback, and the live
+job's two trainers, untouched by it all, must train a real sync step.
 
 The bases (``fuzz_cases.base_requests``) are requests the pserver must refuse or that cannot
 change state even when valid, e.g. pushes for step 5 while the pserver is at step 0. The rare
@@ -46,6 +50,7 @@ from __future__ import annotations
 import logging
 import os
 import random
+import threading
 import time
 from collections import Counter
 from typing import Dict, List, Optional, Tuple
@@ -106,7 +111,7 @@ def invoke(channel: grpc.Channel, method, messages: List[bytes]):
 def pull_blocks(env: Env) -> Tuple[int, Dict[str, bytes]]:
     """(version, {block: raw bytes}) of this pserver's blocks, by a valid Pull."""
     request = ps_pb2.PullRequest(trainer_id=0, min_updates=0, names=sorted(env.blocks),
-                                 layout_digest=env.digest).SerializeToString()
+                                 layout_digest=env.digest, session=env.sessions[0]).SerializeToString()
     reader, version = TensorReader(lambda n: env.blocks.get(n)), None
     for data in env.channel.unary_stream(path_of("Pull"))(request, timeout=CALL_TIMEOUT):
         header, pieces = decode_chunk(data, ps_pb2.PullHeader)
@@ -130,11 +135,17 @@ def env(tmp_path_factory):
     config = DistributeTranspilerConfig(barrier_timeout=BARRIER_TIMEOUT, checkpoint_dir=str(tmp / "checkpoints"),
                                         heartbeat_timeout=3600.0)
     with LocalCluster(build, 2, TRAINERS, config=config) as cluster:
-        with grpc.insecure_channel(cluster.endpoints[0]) as channel:
-            yield make_env(cluster, channel, tmp)
+        # The live job: both trainers joined (step 0) and heartbeating while the fuzzing runs.
+        trainers = [cluster.trainer(t) for t in range(TRAINERS)]
+        try:
+            with grpc.insecure_channel(cluster.endpoints[0]) as channel:
+                yield make_env(cluster, channel, tmp, trainers)
+        finally:
+            for tr in trainers:
+                tr.close()
 
 
-def make_env(cluster, channel, tmp) -> Env:
+def make_env(cluster, channel, tmp, trainers) -> Env:
     server, other = cluster.servers
     program = server.program
     store = server.engine.store
@@ -144,7 +155,9 @@ def make_env(cluster, channel, tmp) -> Env:
             blocks={n: store.expect(n) for n in store.names()},
             other_blocks=sorted(other.engine.store.names()),
             tables={t.name: t.dim for t in program.tables},
-            own_ids=candidates[owner == program.shard], foreign_ids=candidates[owner != program.shard])
+            own_ids=candidates[owner == program.shard], foreign_ids=candidates[owner != program.shard],
+            sessions={t: tr.comm.sessions[cluster.endpoints[0]] for t, tr in enumerate(trainers)},
+            trainers=trainers)
     assert WRONG_DIGEST != e.digest and len(e.own_ids) >= 100 and len(e.foreign_ids) >= 20
     e.grads = [(n, torch.full(shape, 0.01, dtype=DTYPES[dtype])) for n, (dtype, shape) in e.blocks.items()]
     e.grads += table_grads(e, "emb", e.own_ids[:20]) + table_grads(e, "bag", e.own_ids[20:35])
@@ -320,9 +333,11 @@ def test_after_fuzzing_the_pserver_is_unchanged_and_trains(env, caplog):
     """Runs after the fuzzing (module order): same state, still serving, a real sync step works."""
     reply = stats(env)
     assert reply.updates == 0 and reply.table_rows == 0, reply
-    hello = ps_pb2.HelloReply.FromString(env.channel.unary_unary(path_of("Hello"))(
-        ps_pb2.HelloRequest(trainer_id=0, layout_digest=env.digest).SerializeToString(), timeout=CALL_TIMEOUT))
+    assert sorted(reply.trainers_alive) == list(range(TRAINERS)) and not reply.trainers_dropped, reply
+    # The live trainer's own process says Hello again (as a re-sync does): same session, same step.
+    hello = env.trainers[0].comm.hello(CALL_TIMEOUT)[env.cluster.endpoints[0]]
     assert hello.start_step == 0 and hello.sync_mode and hello.trainers == TRAINERS
+    assert hello.session == env.sessions[0]
     version, blocks = pull_blocks(env)
     assert version == 0
     assert blocks.keys() == env.before.keys()
@@ -342,7 +357,20 @@ def test_after_fuzzing_the_pserver_is_unchanged_and_trains(env, caplog):
         tr.step()
         return loss.item()
 
-    losses = env.cluster.run_trainers(body, timeout=60)
+    losses, errors = {}, []
+
+    def train(t):
+        try:
+            losses[t] = body(env.trainers[t], t)
+        except BaseException as e:  # reported on the test's thread
+            errors.append(e)
+    threads = [threading.Thread(target=train, args=(t,)) for t in range(TRAINERS)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(60)
+    assert not any(th.is_alive() for th in threads), "the live job's step did not finish within 60s"
+    assert not errors, errors
     assert sorted(losses) == [0, 1] and all(np.isfinite(list(losses.values())))
     for server in env.cluster.servers:
         assert server.engine.updates == 1, server.endpoint

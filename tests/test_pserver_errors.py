@@ -9,7 +9,7 @@ import torch
 from tests.helpers.cluster import LocalCluster
 from tests.helpers.ports import free_ports
 from tests.helpers.models import batches, odd_mlp
-from tests.helpers.wire import expect_refusal, push_messages
+from tests.helpers.wire import expect_refusal, open_sessions, push_messages
 from psproto import ps_pb2, ps_pb2_grpc
 from psproto.codec import encode_chunks
 from trainer import PserverError, PserverUnavailableError, Trainer
@@ -47,6 +47,7 @@ def full_grads(cluster, value=0.5):
 @pytest.mark.timeout(30)
 def test_bad_pushes_are_refused_and_change_nothing(cluster, stub):
     digest = cluster.servers[0].program.layout_digest
+    sessions = open_sessions(stub, digest)
     before = snapshot(cluster)
     grads = full_grads(cluster)
     name0, g0 = grads[0]
@@ -54,22 +55,28 @@ def test_bad_pushes_are_refused_and_change_nothing(cluster, stub):
     bad_dtype = [(name0, g0.double())] + grads[1:]
     nan = [(name0, g0.clone().fill_(math.nan))] + grads[1:]
     inf = [(name0, g0.clone().fill_(math.inf))] + grads[1:]
-    truncated = list(push_messages(digest, tensors=grads))
+    push = lambda **kw: push_messages(digest, sessions=sessions, **kw)  # noqa: E731
+    truncated = list(push(tensors=grads))
     last = truncated[-1].pieces[-1]
     last.data = last.data[:-4]
     cases = [
-        (push_messages(digest, tensors=grads, header=False), grpc.StatusCode.INVALID_ARGUMENT, "must open with a header"),
-        (push_messages("0123", tensors=grads), grpc.StatusCode.FAILED_PRECONDITION, "plan mismatch"),
-        (push_messages(digest, trainer_id=2, tensors=grads), grpc.StatusCode.INVALID_ARGUMENT, "trainer id 2 is out of range"),
-        (push_messages(digest, trainer_id=-1, tensors=grads), grpc.StatusCode.INVALID_ARGUMENT, "out of range"),
-        (push_messages(digest, step=-3, tensors=grads), grpc.StatusCode.INVALID_ARGUMENT, "step must be >= 0"),
-        (push_messages(digest, step=5, tensors=grads), grpc.StatusCode.FAILED_PRECONDITION, "from the future"),
-        (push_messages(digest, tensors=[("nope.block0", torch.zeros(3))]), grpc.StatusCode.INVALID_ARGUMENT, "unknown tensor 'nope.block0'"),
-        (push_messages(digest, tensors=bad_shape), grpc.StatusCode.INVALID_ARGUMENT, "shape"),
-        (push_messages(digest, tensors=bad_dtype), grpc.StatusCode.INVALID_ARGUMENT, "dtype 'float64', expected 'float32'"),
-        (push_messages(digest, tensors=nan), grpc.StatusCode.INVALID_ARGUMENT, "NaN or Inf"),
-        (push_messages(digest, tensors=inf), grpc.StatusCode.INVALID_ARGUMENT, "NaN or Inf"),
+        (push(tensors=grads, header=False), grpc.StatusCode.INVALID_ARGUMENT, "must open with a header"),
+        (push_messages("0123", tensors=grads, sessions=sessions), grpc.StatusCode.FAILED_PRECONDITION, "plan mismatch"),
+        (push(trainer_id=2, tensors=grads), grpc.StatusCode.INVALID_ARGUMENT, "trainer id 2 is out of range"),
+        (push(trainer_id=-1, tensors=grads), grpc.StatusCode.INVALID_ARGUMENT, "out of range"),
+        (push(step=-3, tensors=grads), grpc.StatusCode.INVALID_ARGUMENT, "step must be >= 0"),
+        (push(step=5, tensors=grads), grpc.StatusCode.FAILED_PRECONDITION, "from the future"),
+        (push(tensors=[("nope.block0", torch.zeros(3))]), grpc.StatusCode.INVALID_ARGUMENT,
+         "unknown tensor 'nope.block0'"),
+        (push(tensors=bad_shape), grpc.StatusCode.INVALID_ARGUMENT, "shape"),
+        (push(tensors=bad_dtype), grpc.StatusCode.INVALID_ARGUMENT, "dtype 'float64', expected 'float32'"),
+        (push(tensors=nan), grpc.StatusCode.INVALID_ARGUMENT, "NaN or Inf"),
+        (push(tensors=inf), grpc.StatusCode.INVALID_ARGUMENT, "NaN or Inf"),
         (iter(truncated), grpc.StatusCode.INVALID_ARGUMENT, "stream moved on"),
+        # Valid pushes for the current step, but not from trainer 0's own process.
+        (push(tensors=grads, session=""), grpc.StatusCode.FAILED_PRECONDITION, "for trainer 0 without a session"),
+        (push(tensors=grads, session=sessions[1]), grpc.StatusCode.ABORTED,
+         "trainer 0's session is not known here"),
     ]
     for messages, code, match in cases:
         expect_refusal(lambda: stub.Push(messages, timeout=10), code, match)
@@ -79,9 +86,9 @@ def test_bad_pushes_are_refused_and_change_nothing(cluster, stub):
     for name in before:
         assert torch.equal(before[name], after[name]), name
     # ...and the pserver still serves: a complete, valid step goes through.
-    reply = stub.Push(push_messages(digest, 0, 0, grads), timeout=10)
+    reply = stub.Push(push_messages(digest, 0, 0, grads, sessions=sessions), timeout=10)
     assert reply.applied
-    reply = stub.Push(push_messages(digest, 1, 0, grads), timeout=10)
+    reply = stub.Push(push_messages(digest, 1, 0, grads, sessions=sessions), timeout=10)
     assert reply.applied and reply.updates == 1
     moved = snapshot(cluster)
     assert not torch.equal(moved[name0], before[name0])
@@ -90,14 +97,15 @@ def test_bad_pushes_are_refused_and_change_nothing(cluster, stub):
 @pytest.mark.timeout(30)
 def test_duplicate_push_is_acknowledged_not_applied(cluster, stub):
     digest = cluster.servers[0].program.layout_digest
+    sessions = open_sessions(stub, digest)
     grads = full_grads(cluster)
-    assert stub.Push(push_messages(digest, 0, 0, grads), timeout=10).applied
+    assert stub.Push(push_messages(digest, 0, 0, grads, sessions=sessions), timeout=10).applied
     # A retry while the step is still open, and after it was applied.
-    assert not stub.Push(push_messages(digest, 0, 0, grads), timeout=10).applied
-    assert stub.Push(push_messages(digest, 1, 0, grads), timeout=10).updates == 1
+    assert not stub.Push(push_messages(digest, 0, 0, grads, sessions=sessions), timeout=10).applied
+    assert stub.Push(push_messages(digest, 1, 0, grads, sessions=sessions), timeout=10).updates == 1
     after_one = snapshot(cluster)
     for trainer_id in (0, 1):
-        reply = stub.Push(push_messages(digest, trainer_id, 0, grads), timeout=10)
+        reply = stub.Push(push_messages(digest, trainer_id, 0, grads, sessions=sessions), timeout=10)
         assert not reply.applied and reply.updates == 1
     after_retries = snapshot(cluster)
     for name in after_one:
@@ -111,13 +119,18 @@ def test_duplicate_push_is_acknowledged_not_applied(cluster, stub):
 @pytest.mark.timeout(30)
 def test_bad_pulls_and_hellos_are_refused(cluster, stub):
     digest = cluster.servers[0].program.layout_digest
-    pull = lambda **kw: list(stub.Pull(ps_pb2.PullRequest(**{"layout_digest": digest, **kw}), timeout=10))
+    session = open_sessions(stub, digest, [0])[0]
+    pull = lambda **kw: list(stub.Pull(ps_pb2.PullRequest(  # noqa: E731
+        **{"layout_digest": digest, "session": session, **kw}), timeout=10))
     expect_refusal(lambda: pull(names=["fc9.weight.block0"]), grpc.StatusCode.INVALID_ARGUMENT, "unknown blocks")
     expect_refusal(lambda: pull(min_updates=7), grpc.StatusCode.FAILED_PRECONDITION, "can only reach 1 next")
     expect_refusal(lambda: pull(trainer_id=9), grpc.StatusCode.INVALID_ARGUMENT, "out of range")
     expect_refusal(lambda: pull(layout_digest="x"), grpc.StatusCode.FAILED_PRECONDITION, "plan mismatch")
-    expect_refusal(lambda: stub.Hello(ps_pb2.HelloRequest(trainer_id=0, layout_digest="x"), timeout=10),
+    expect_refusal(lambda: pull(session=""), grpc.StatusCode.FAILED_PRECONDITION, "without a session")
+    expect_refusal(lambda: stub.Hello(ps_pb2.HelloRequest(trainer_id=0, layout_digest="x", incarnation=3), timeout=10),
                    grpc.StatusCode.FAILED_PRECONDITION, "plan mismatch")
+    expect_refusal(lambda: stub.Hello(ps_pb2.HelloRequest(trainer_id=1, layout_digest=digest), timeout=10),
+                   grpc.StatusCode.INVALID_ARGUMENT, "needs the trainer process's incarnation")
     expect_refusal(lambda: stub.Close(ps_pb2.CloseRequest(trainer_id=5), timeout=10),
                    grpc.StatusCode.INVALID_ARGUMENT, "out of range")
     assert stub.Stats(ps_pb2.StatsRequest(), timeout=10).updates == 0
@@ -186,9 +199,12 @@ def test_push_pull_retry_is_acknowledged_not_applied_and_still_answers(cluster):
     with grpc.insecure_channel(cluster.endpoints[0]) as channel:
         push_pull = channel.unary_stream("/psproto.ParameterServer/PushPullOne")
 
+        sessions = open_sessions(ps_pb2_grpc.ParameterServerStub(channel), digest)
+
         def call(trainer_id):
-            (message,) = encode_chunks(ps_pb2.PushHeader(trainer_id=trainer_id, step=0, layout_digest=digest),
-                                       grads, 1 << 30)
+            header = ps_pb2.PushHeader(trainer_id=trainer_id, step=0, layout_digest=digest,
+                                       session=sessions[trainer_id])
+            (message,) = encode_chunks(header, grads, 1 << 30)
             reader, header = TensorReader(store.expect), None
             for data in push_pull(message, timeout=10):
                 h, pieces = decode_chunk(data, ps_pb2.PullHeader)

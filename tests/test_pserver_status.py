@@ -16,8 +16,8 @@ import torch
 from torch import nn
 
 from pserver import errors
-from pserver.errors import (BadRequest, BarrierTimeout, MustResync, NotAllowed, Refusal, ShuttingDown,
-                            StorageFailed)
+from pserver.errors import (AlreadyRunning, BadRequest, BarrierTimeout, Fenced, MustResync, NoSession, NotAllowed,
+                            Refusal, ShuttingDown, StorageFailed)
 from pserver.servicer import STATUS, PserverServicer, status_of
 from pserver.store import BlockStore
 from pserver.sync_engine import SyncEngine
@@ -36,6 +36,9 @@ EXPECTED = [
     (MustResync, grpc.StatusCode.ABORTED),
     (ShuttingDown, grpc.StatusCode.UNAVAILABLE),
     (BarrierTimeout, grpc.StatusCode.DEADLINE_EXCEEDED),
+    (NoSession, grpc.StatusCode.FAILED_PRECONDITION),
+    (Fenced, grpc.StatusCode.PERMISSION_DENIED),
+    (AlreadyRunning, grpc.StatusCode.ALREADY_EXISTS),
 ]
 
 
@@ -46,8 +49,12 @@ class Aborted(Exception):
 class FakeContext:
     """Records the one ``abort(code, details)`` a servicer method makes."""
 
-    def __init__(self):
+    def __init__(self, peer: str = "ipv4:127.0.0.1:40000"):
         self.aborted = None
+        self._peer = peer
+
+    def peer(self) -> str:
+        return self._peer
 
     def abort(self, code, details):
         assert self.aborted is None, "aborted twice"
@@ -63,6 +70,12 @@ def servicer() -> PserverServicer:
     store, tables = BlockStore(ps, t.get_startup_program(EP, ps)), TableSet(ps)
     engine = SyncEngine(store, tables, 2, EP, barrier_timeout=5.0)
     return PserverServicer(engine, ps.layout_digest, chunk_bytes=1 << 20)
+
+
+def open_session(svc: PserverServicer, trainer_id: int = 0) -> str:
+    """The session a Hello for ``trainer_id`` opens, as a trainer process gets it."""
+    request = ps_pb2.HelloRequest(trainer_id=trainer_id, layout_digest=svc.layout_digest, incarnation=77)
+    return svc.Hello(request.SerializeToString(), FakeContext()).session
 
 
 def call(svc: PserverServicer, method: str, request) -> FakeContext:
@@ -109,8 +122,9 @@ def test_an_unexpected_exception_is_internal_and_logged(method, error, caplog, m
 
     # Heartbeat is a plain method, Pull a server-streaming one: both wrappers.
     monkeypatch.setattr(svc.engine, "touch" if method == "Heartbeat" else "read", broken)
-    request = (ps_pb2.HeartbeatRequest(trainer_id=0) if method == "Heartbeat"
-               else ps_pb2.PullRequest(trainer_id=0, layout_digest=svc.layout_digest))
+    session = open_session(svc)
+    request = (ps_pb2.HeartbeatRequest(trainer_id=0, session=session) if method == "Heartbeat"
+               else ps_pb2.PullRequest(trainer_id=0, layout_digest=svc.layout_digest, session=session))
     with caplog.at_level(logging.ERROR, logger="pserver"):
         context = call(svc, method, request)
     code, details = context.aborted
@@ -138,6 +152,8 @@ def test_refusals_name_the_pserver_once_and_log_no_traceback(method, request_, c
     svc = servicer()
     if request_.DESCRIPTOR.fields_by_name.get("layout_digest") and not request_.layout_digest:
         request_.layout_digest = svc.layout_digest
+    if request_.DESCRIPTOR.fields_by_name.get("session"):
+        request_.session = open_session(svc)
     context = call(svc, method, request_)
     assert context.aborted[0] == code
     assert context.aborted[1].startswith(details) and context.aborted[1].count(f"pserver {EP}") == 1

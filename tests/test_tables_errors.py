@@ -10,7 +10,7 @@ from tests.helpers.cluster import LocalCluster
 from psproto import ps_pb2, ps_pb2_grpc
 from psproto.codec import encode_chunks
 from tests.helpers.table_models import DIM, table_program
-from tests.helpers.wire import expect_refusal, push_messages
+from tests.helpers.wire import expect_refusal, open_sessions, push_messages
 from transpiler.tables import shard_of
 
 
@@ -31,8 +31,8 @@ def ids_of_shard(shard, n=5, seed=0):
     return candidates[shard_of(candidates, 2) == shard][:n]
 
 
-def prefetch_messages(digest, tensors, trainer_id=0, min_updates=0):
-    h = ps_pb2.PrefetchHeader(trainer_id=trainer_id, min_updates=min_updates, layout_digest=digest)
+def prefetch_messages(digest, tensors, trainer_id=0, min_updates=0, session=""):
+    h = ps_pb2.PrefetchHeader(trainer_id=trainer_id, min_updates=min_updates, layout_digest=digest, session=session)
     return iter([ps_pb2.PrefetchChunk.FromString(b) for b in encode_chunks(h, tensors, 1 << 16)])
 
 
@@ -40,6 +40,7 @@ def prefetch_messages(digest, tensors, trainer_id=0, min_updates=0):
 def test_bad_sparse_pushes_are_refused_and_change_nothing(cluster, stub):
     server = cluster.servers[0]
     digest = server.program.layout_digest
+    sessions = open_sessions(stub, digest)
     mine, theirs = torch.from_numpy(ids_of_shard(0)), torch.from_numpy(ids_of_shard(1))
     rows = torch.full((len(mine), DIM), 0.25)
     nan_rows = rows.clone()
@@ -55,16 +56,16 @@ def test_bad_sparse_pushes_are_refused_and_change_nothing(cluster, stub):
         ([("emb@ids", mine), ("emb@rows", nan_rows)], "NaN or Inf"),
     ]
     for tensors, match in cases:
-        details = expect_refusal(lambda: stub.Push(push_messages(digest, tensors=tensors), timeout=10),
-                                 grpc.StatusCode.INVALID_ARGUMENT, match)
+        messages = push_messages(digest, tensors=tensors, sessions=sessions)
+        details = expect_refusal(lambda: stub.Push(messages, timeout=10), grpc.StatusCode.INVALID_ARGUMENT, match)
         assert server.endpoint in details
     tables = server.engine.tables
     assert server.engine.updates == 0 and not server.engine.pending and not server.engine.sparse_parts
     assert tables.rows == 0 and all(s.step == 0 for s in tables.shards.values())
     # The pserver still serves: a valid step from both trainers is applied.
     for trainer_id in (0, 1):
-        reply = stub.Push(push_messages(digest, trainer_id, 0, [("emb@ids", mine), ("emb@rows", rows)]),
-                          timeout=10)
+        tensors = [("emb@ids", mine), ("emb@rows", rows)]
+        reply = stub.Push(push_messages(digest, trainer_id, 0, tensors, sessions=sessions), timeout=10)
         assert reply.applied
     assert server.engine.updates == 1 and tables.rows == len(mine)
     assert tables.shards["emb"].step == 1 and tables.shards["bag"].step == 0
@@ -73,8 +74,10 @@ def test_bad_sparse_pushes_are_refused_and_change_nothing(cluster, stub):
 @pytest.mark.timeout(30)
 def test_bad_prefetches_are_refused(cluster, stub):
     digest = cluster.servers[0].program.layout_digest
+    session = open_sessions(stub, digest, [0])[0]
     mine, theirs = torch.from_numpy(ids_of_shard(0)), torch.from_numpy(ids_of_shard(1))
-    prefetch = lambda tensors, **kw: list(stub.Prefetch(prefetch_messages(digest, tensors, **kw), timeout=10))  # noqa: E731
+    prefetch = lambda tensors, **kw: list(stub.Prefetch(  # noqa: E731
+        prefetch_messages(digest, tensors, **{"session": session, **kw}), timeout=10))
     cases = [
         (lambda: prefetch([("nope@ids", mine)]), grpc.StatusCode.INVALID_ARGUMENT, "unknown tensor 'nope@ids'"),
         (lambda: prefetch([("emb@rows", torch.zeros(2, DIM))]), grpc.StatusCode.INVALID_ARGUMENT, "only '<table>@ids'"),
@@ -82,8 +85,10 @@ def test_bad_prefetches_are_refused(cluster, stub):
         (lambda: prefetch([("emb@ids", mine)], trainer_id=7), grpc.StatusCode.INVALID_ARGUMENT, "out of range"),
         (lambda: prefetch([("emb@ids", mine)], min_updates=5), grpc.StatusCode.FAILED_PRECONDITION,
          "can only reach 1 next"),
-        (lambda: list(stub.Prefetch(prefetch_messages("bad", [("emb@ids", mine)]), timeout=10)),
+        (lambda: list(stub.Prefetch(prefetch_messages("bad", [("emb@ids", mine)], session=session), timeout=10)),
          grpc.StatusCode.FAILED_PRECONDITION, "plan mismatch"),
+        (lambda: prefetch([("emb@ids", mine)], session=""), grpc.StatusCode.FAILED_PRECONDITION,
+         "a call for trainer 0 without a session"),
     ]
     for call, code, match in cases:
         expect_refusal(call, code, match)

@@ -5,7 +5,7 @@ Public surface::
     from trainer import Trainer
     tr = Trainer(transpiler.get_trainer_program())
 """
-from .communicator import PserverError, PserverUnavailableError
+from .communicator import FencedError, PserverError, PserverUnavailableError
 from .trainer import Trainer
 
-__all__ = ["Trainer", "PserverError", "PserverUnavailableError"]
+__all__ = ["Trainer", "PserverError", "PserverUnavailableError", "FencedError"]

@@ -8,6 +8,7 @@ the endpoint, the step and what the pserver said.
 from __future__ import annotations
 
 import logging
+import secrets
 import time
 from concurrent import futures
 from typing import Callable, Dict, Optional, Sequence, Tuple
@@ -42,6 +43,16 @@ class PserverUnavailableError(PserverError, TimeoutError):
     """A pserver did not come up within the connect deadline."""
 
 
+class FencedError(PserverError):
+    """A newer process of this trainer id took it over: this one must stop (its gradients are stale)."""
+
+
+def _error(endpoint: str, what: str, e: grpc.RpcError) -> PserverError:
+    """The :class:`PserverError` (or :class:`FencedError`) for a failed call ``what``."""
+    cls = FencedError if e.code() == grpc.StatusCode.PERMISSION_DENIED else PserverError
+    return cls(endpoint, f"{what} failed: {_details(e)}", e.code())
+
+
 def _details(e: grpc.RpcError) -> str:
     code = e.code() if hasattr(e, "code") else None
     details = e.details() if hasattr(e, "details") else str(e)
@@ -70,7 +81,12 @@ class Communicator:
         self.program = program
         self.trainer_id = program.trainer_id
         self.digest = program.layout_digest
+        # This process's identity at Hello; each pserver answers with the session every call carries.
+        self.incarnation = secrets.randbits(63) or 1
+        self.sessions: Dict[str, str] = {}
         cfg = program.config
+        self.alive_window = cfg.session_alive_window
+        self.heartbeat_interval = cfg.heartbeat_interval
         self.chunk_bytes = cfg.chunk_bytes
         self.rpc_timeout = cfg.rpc_timeout
         self.barrier_timeout = cfg.barrier_timeout
@@ -105,18 +121,22 @@ class Communicator:
         """Register with every pserver, waiting up to ``timeout`` s for each to come up.
 
         Returns each pserver's answer: its start_step (the step this trainer
-        starts at), incarnation, checkpoint and this trainer's data position.
-        Raises :class:`PserverUnavailableError` naming a pserver that never
-        answered, or :class:`PserverError` if one refuses (e.g. plan mismatch).
+        starts at), incarnation, checkpoint, this trainer's data position and
+        session (kept here; every later call carries it). Raises
+        :class:`PserverUnavailableError` naming a pserver that never answered,
+        or :class:`PserverError` if one refuses (e.g. plan mismatch, or another
+        process running as this trainer id after one alive window of retries).
         """
         deadline = time.monotonic() + timeout
         jobs = {ep: self._pool.submit(self._hello_one, ep, deadline, timeout) for ep in self._stubs}
         return {ep: job.result() for ep, job in jobs.items()}
 
     def _hello_one(self, endpoint: str, deadline: float, timeout: float) -> ps_pb2.HelloReply:
-        request = ps_pb2.HelloRequest(trainer_id=self.trainer_id, layout_digest=self.digest)
+        request = ps_pb2.HelloRequest(trainer_id=self.trainer_id, layout_digest=self.digest,
+                                      incarnation=self.incarnation)
         next_log = 0.0
         last = "no answer"
+        id_taken_until = None
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -130,8 +150,21 @@ class Communicator:
                 reply = self._stubs[endpoint].Hello(request, timeout=min(remaining, _WAIT_LOG_INTERVAL),
                                                     wait_for_ready=True)
                 log.info("trainer %d: %s is up (step %d)", self.trainer_id, endpoint, reply.start_step)
+                self.sessions[endpoint] = reply.session
                 return reply
             except grpc.RpcError as e:
+                if e.code() == grpc.StatusCode.ALREADY_EXISTS:
+                    # Another process holds this id. If it is this trainer's predecessor, killed
+                    # moments ago, its session ages out within one alive window; a true duplicate
+                    # is still there after it.
+                    now = time.monotonic()
+                    if id_taken_until is None:
+                        id_taken_until = now + self.alive_window + self.heartbeat_interval
+                    if now >= id_taken_until:
+                        raise PserverError(endpoint, f"refused Hello: {_details(e)}", e.code()) from None
+                    last = _details(e)
+                    time.sleep(max(0.0, min(self.heartbeat_interval / 4, deadline - now)))
+                    continue
                 # CANCELLED: a pserver shutting down cancels the calls it holds, a waiting Hello too.
                 if e.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
                                     grpc.StatusCode.CANCELLED):
@@ -152,7 +185,7 @@ class Communicator:
         Returns the updates the pserver had applied to the parameters received.
         """
         header = ps_pb2.PushHeader(trainer_id=self.trainer_id, step=step, layout_digest=self.digest,
-                                   epoch=position[0], batch=position[1])
+                                   epoch=position[0], batch=position[1], session=self.sessions.get(endpoint, ""))
         updates, _ = self._receive(
             endpoint, f"step {step} of trainer {self.trainer_id} (push and pull)",
             lambda: _call(self._push_pull_one_calls[endpoint], self._push_pull_calls[endpoint], header,
@@ -168,7 +201,8 @@ class Communicator:
         Returns the updates the pserver had applied to the parameters received.
         """
         request = ps_pb2.PullRequest(trainer_id=self.trainer_id, min_updates=min_updates,
-                                     names=list(names), layout_digest=self.digest)
+                                     names=list(names), layout_digest=self.digest,
+                                     session=self.sessions.get(endpoint, ""))
         updates, _ = self._receive(
             endpoint, f"pull after {min_updates} updates by trainer {self.trainer_id}",
             lambda: self._pull_calls[endpoint](request, timeout=self.barrier_timeout + self.rpc_timeout),
@@ -183,7 +217,7 @@ class Communicator:
         Returns ``{"<table>@rows": rows}``.
         """
         header = ps_pb2.PrefetchHeader(trainer_id=self.trainer_id, min_updates=min_updates,
-                                       layout_digest=self.digest)
+                                       layout_digest=self.digest, session=self.sessions.get(endpoint, ""))
         _, rows = self._receive(
             endpoint, f"prefetch after {min_updates} updates by trainer {self.trainer_id}",
             lambda: _call(self._prefetch_one_calls[endpoint], self._prefetch_calls[endpoint], header, ids,
@@ -205,7 +239,7 @@ class Communicator:
                     reader.add(piece)
             tensors = reader.finish()
         except grpc.RpcError as e:
-            raise PserverError(endpoint, f"{what} failed: {_details(e)}", e.code()) from None
+            raise _error(endpoint, what, e) from None
         except WireError as e:
             raise PserverError(endpoint, f"{what}: answer is malformed: {e}") from None
         if updates is None:
@@ -216,7 +250,7 @@ class Communicator:
     def save_tables(self, endpoint: str, directory: str) -> ps_pb2.SaveTablesReply:
         """Ask ``endpoint`` to write its table shards under ``directory`` (its file system)."""
         request = ps_pb2.SaveTablesRequest(trainer_id=self.trainer_id, directory=directory,
-                                           layout_digest=self.digest)
+                                           layout_digest=self.digest, session=self.sessions.get(endpoint, ""))
         return self._unary(endpoint, "SaveTables", request, f"saving tables to {directory!r}",
                            self.rpc_timeout)
 
@@ -224,23 +258,24 @@ class Communicator:
         try:
             return getattr(self._stubs[endpoint], method)(request, timeout=timeout)
         except grpc.RpcError as e:
-            raise PserverError(endpoint, f"{what} failed: {_details(e)}", e.code()) from None
+            raise _error(endpoint, what, e) from None
 
     def heartbeat(self, endpoint: str, timeout: float) -> ps_pb2.HeartbeatReply:
         """Tell ``endpoint`` this trainer lives; its answer carries its updates and incarnation."""
-        return self._unary(endpoint, "Heartbeat", ps_pb2.HeartbeatRequest(trainer_id=self.trainer_id),
-                           f"heartbeat of trainer {self.trainer_id}", timeout)
+        request = ps_pb2.HeartbeatRequest(trainer_id=self.trainer_id, session=self.sessions.get(endpoint, ""))
+        return self._unary(endpoint, "Heartbeat", request, f"heartbeat of trainer {self.trainer_id}", timeout)
 
     def restore(self, endpoint: str, step: int, token: str) -> ps_pb2.RestoreReply:
         """Ask ``endpoint`` to roll back to its checkpoint at ``step`` (once per ``token``)."""
         request = ps_pb2.RestoreRequest(trainer_id=self.trainer_id, checkpoint_step=step, token=token,
-                                        layout_digest=self.digest)
+                                        layout_digest=self.digest, session=self.sessions.get(endpoint, ""))
         return self._unary(endpoint, "Restore", request,
                            f"roll-back to step {step} asked by trainer {self.trainer_id}", self.rpc_timeout)
 
     def checkpoint(self, endpoint: str) -> ps_pb2.CheckpointReply:
         """Ask ``endpoint`` to write its part of a checkpoint now."""
-        request = ps_pb2.CheckpointRequest(trainer_id=self.trainer_id, layout_digest=self.digest)
+        request = ps_pb2.CheckpointRequest(trainer_id=self.trainer_id, layout_digest=self.digest,
+                                           session=self.sessions.get(endpoint, ""))
         return self._unary(endpoint, "Checkpoint", request,
                            f"checkpoint asked by trainer {self.trainer_id}", self.rpc_timeout)
 
@@ -259,9 +294,8 @@ class Communicator:
 
     def close(self) -> Dict[str, int]:
         """Tell every pserver this trainer is done; returns trainers left per pserver."""
-        request = ps_pb2.CloseRequest(trainer_id=self.trainer_id)
-
         def close_one(ep):
+            request = ps_pb2.CloseRequest(trainer_id=self.trainer_id, session=self.sessions.get(ep, ""))
             try:
                 return self._stubs[ep].Close(request, timeout=min(self.rpc_timeout, 30.0)).trainers_left
             except grpc.RpcError as e:

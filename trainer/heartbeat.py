@@ -5,7 +5,7 @@ import logging
 import threading
 from typing import Sequence
 
-from .communicator import Communicator, PserverError
+from .communicator import Communicator, FencedError, PserverError
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +38,10 @@ class Heartbeat:
                     return
                 try:
                     self._comm.heartbeat(ep, timeout=self._interval)
+                except FencedError as e:
+                    # Another process runs as this trainer now; the next training call raises it too.
+                    log.warning("trainer %d: heartbeats stop: %s", self._comm.trainer_id, e)
+                    return
                 except PserverError as e:
                     log.debug("trainer %d: heartbeat: %s", self._comm.trainer_id, e)
                 except ValueError:  # the channel was closed under us by close()

@@ -57,6 +57,9 @@ class DistributeTranspilerConfig:
       have closed, and when asked (``Trainer.checkpoint()``).
     - ``checkpoint_keep`` (int, 3): complete checkpoints kept; older ones are deleted.
     - ``heartbeat_interval`` (float s, 2): how often a trainer tells each pserver it lives.
+      A trainer id heard from within three intervals (:attr:`session_alive_window`)
+      is alive: a second process saying Hello for it is refused; a process
+      restarted after the old one went quiet that long takes the id over.
     - ``heartbeat_timeout`` (float s, 30): a trainer silent this long is dropped
       from the barrier (sync) and the staleness bound (async), with a log line
       naming it; it rejoins by starting again.
@@ -89,6 +92,11 @@ class DistributeTranspilerConfig:
     recovery_timeout: float = 300.0
     trainer_rejoin_timeout: float = 600.0
     nonfinite_grads: str = "refuse"
+
+    @property
+    def session_alive_window(self) -> float:
+        """Seconds a trainer's session stays alive after its last call: three heartbeat intervals."""
+        return 3 * self.heartbeat_interval
 
     def __post_init__(self) -> None:
         self.validate()

@@ -1,7 +1,9 @@
 """The pserver the fuzzer runs against, and the generated series of requests for each method.
 
 :class:`Env` describes a sync pserver of :data:`TRAINERS` trainers holding dense blocks of
-:class:`FuzzModel` and a shard of its two distributed tables. Every method of the service
+:class:`FuzzModel` and a shard of its two distributed tables, and the live job on it: one
+Trainer per id, heartbeating, whose sessions (``Env.sessions``) the bases carry so that the
+fuzzing reaches every check behind the session check. Every method of the service
 gets a valid base request (:func:`base_requests`): one the pserver must refuse, or that cannot
 change its state even when valid. :func:`generate_cases` turns it into a seeded, deterministic
 series of cases: random bytes, protobuf-shaped garbage, random tensor pieces, byte-level,
@@ -93,6 +95,8 @@ class Env:
     tables: Dict[str, int]                       # table -> dim
     own_ids: np.ndarray                          # ids of this pserver's shard
     foreign_ids: np.ndarray                      # ids of the other shard
+    sessions: Dict[int, str]                     # the live trainers' sessions on this pserver
+    trainers: list                               # the live job's Trainer per id
     grads: List[Tuple[str, torch.Tensor]] = field(default_factory=list)
     prefetch_ids: List[Tuple[str, torch.Tensor]] = field(default_factory=list)
     bases: Dict[str, List[bytes]] = field(default_factory=dict)
@@ -116,36 +120,42 @@ def table_grads(e: Env, table: str, ids: np.ndarray, dtype=torch.float32):
 # -- base requests: valid messages the pserver must refuse, or that cannot change state --
 
 def push_stream(e: Env, chunk: int, tensors=None, **header) -> List[bytes]:
-    h = dict(trainer_id=0, step=FUTURE_STEP, layout_digest=e.digest, epoch=1, batch=2)
+    h = dict(trainer_id=0, step=FUTURE_STEP, layout_digest=e.digest, epoch=1, batch=2, session=e.sessions[0])
     h.update(header)
     return list(encode_chunks(ps_pb2.PushHeader(**h), e.grads if tensors is None else tensors, chunk))
 
 
 def prefetch_stream(e: Env, chunk: int, tensors=None, **header) -> List[bytes]:
-    h = dict(trainer_id=0, min_updates=0, layout_digest=e.digest)
+    h = dict(trainer_id=0, min_updates=0, layout_digest=e.digest, session=e.sessions[0])
     h.update(header)
     return list(encode_chunks(ps_pb2.PrefetchHeader(**h), e.prefetch_ids if tensors is None else tensors,
                               chunk))
 
 
 def base_requests(e: Env) -> Dict[str, List[bytes]]:
-    """A valid request per method. ADD ONE HERE for every new method of the service."""
+    """A valid request per method. ADD ONE HERE for every new method of the service.
+
+    Each carries trainer 0's live session (the fuzzing then reaches the checks behind it);
+    the hand-made cases (fuzz_crafted) send the same calls without one, or with a wrong one.
+    """
     s = lambda m: [m.SerializeToString()]  # noqa: E731
+    own = e.sessions[0]
     return {
-        "Hello": s(ps_pb2.HelloRequest(trainer_id=0, layout_digest=WRONG_DIGEST)),
+        "Hello": s(ps_pb2.HelloRequest(trainer_id=0, layout_digest=WRONG_DIGEST, incarnation=1)),
         "Push": push_stream(e, STREAM_CHUNK),                  # step 5: from the future
         "Pull": s(ps_pb2.PullRequest(trainer_id=0, min_updates=0, names=sorted(e.blocks),
-                                     layout_digest=e.digest)),  # read-only
+                                     layout_digest=e.digest, session=own)),  # read-only
         "Prefetch": prefetch_stream(e, PREFETCH_CHUNK),        # read-only (no row is stored)
         "PushPull": push_stream(e, STREAM_CHUNK),
         "PushPullOne": push_stream(e, ONE_MESSAGE),
         "PrefetchOne": prefetch_stream(e, ONE_MESSAGE),
         "SaveTables": s(ps_pb2.SaveTablesRequest(trainer_id=0, directory=str(e.tmp / "tables"),
-                                                 layout_digest=WRONG_DIGEST)),
-        "Close": s(ps_pb2.CloseRequest(trainer_id=TRAINERS)),  # out of range
-        "Heartbeat": s(ps_pb2.HeartbeatRequest(trainer_id=0)),
-        "Restore": s(ps_pb2.RestoreRequest(trainer_id=0, checkpoint_step=7, token="x", layout_digest=e.digest)),
-        "Checkpoint": s(ps_pb2.CheckpointRequest(trainer_id=0, layout_digest=WRONG_DIGEST)),
+                                                 layout_digest=WRONG_DIGEST, session=own)),
+        "Close": s(ps_pb2.CloseRequest(trainer_id=TRAINERS, session=own)),  # out of range
+        "Heartbeat": s(ps_pb2.HeartbeatRequest(trainer_id=0, session=own)),  # a sign of life only
+        "Restore": s(ps_pb2.RestoreRequest(trainer_id=0, checkpoint_step=7, token="x", layout_digest=e.digest,
+                                           session=own)),
+        "Checkpoint": s(ps_pb2.CheckpointRequest(trainer_id=0, layout_digest=WRONG_DIGEST, session=own)),
         "Stats": s(ps_pb2.StatsRequest()),
     }
 
@@ -155,11 +165,15 @@ def legit_change(e: Env, name: str, messages: List[bytes]) -> Optional[str]:
     method = METHODS[name]
     if not messages:
         return None
-    in_range = lambda t: 0 <= t < TRAINERS  # noqa: E731
+    def speaks_for_trainer(request) -> bool:
+        # Only a trainer's own session speaks for it: without it nothing may change.
+        t = request.trainer_id
+        return 0 <= t < TRAINERS and request.session == e.sessions[t]
+
     try:
         if method.input_type.name == "PushChunk":
             header, _ = decode_chunk(messages[0], ps_pb2.PushHeader)
-            if (header is not None and in_range(header.trainer_id) and header.layout_digest == e.digest
+            if (header is not None and speaks_for_trainer(header) and header.layout_digest == e.digest
                     and header.step == e.server.engine.updates):
                 return "a push for the current step: it may be counted"
             return None
@@ -167,11 +181,11 @@ def legit_change(e: Env, name: str, messages: List[bytes]) -> Optional[str]:
     except Exception:  # not a valid request: the pserver must refuse it
         return None
     digest_ok = getattr(request, "layout_digest", e.digest) == e.digest
-    if name == "Close" and in_range(request.trainer_id):
+    if name == "Close" and speaks_for_trainer(request):
         return "closes a live trainer"
-    if name == "Checkpoint" and digest_ok and in_range(request.trainer_id):
+    if name == "Checkpoint" and digest_ok and speaks_for_trainer(request):
         return "writes a checkpoint"
-    if (name == "SaveTables" and digest_ok and in_range(request.trainer_id) and request.directory
+    if (name == "SaveTables" and digest_ok and speaks_for_trainer(request) and request.directory
             and not request.directory.startswith(str(e.tmp))):
         return "writes table files outside the test's directory"
     return None
@@ -206,6 +220,8 @@ def str_choices(fd, value: str, e: Env) -> list:
         return e.names + e.other_blocks + ["nope.block0", "emb@", "@ids", "emb@ids@ids", "emb@rows "] + junk
     if fd.name == "layout_digest":
         return [e.digest, WRONG_DIGEST] + junk
+    if fd.name == "session":
+        return [e.sessions[1]] + junk
     if fd.name == "directory":
         return [str(e.tmp / "x"), str(e.tmp), "/", "/proc/self/fd/0/x", "relative/dir"] + junk
     return junk

@@ -4,7 +4,10 @@ Pushes with bad tensors, headers or pieces are mostly for the current step (0), 
 accepting one would also show up as a state change. Pushes of valid edge-case tensors are for
 a future step: refused, but only after every check of their tensors. Prefetches of valid edge
 cases must be answered, bad ones refused; the unary methods get bad trainer ids, digests,
-versions, block names and directories.
+versions, block names and directories. All of these carry trainer 0's live session, so they
+reach the checks behind it; the cases of :func:`sessionless_cases` are calls that would change
+the job (a push for the current step, a Close of a live trainer, ...) without the trainer's
+session, and a second process's Hello for a live trainer id.
 """
 from __future__ import annotations
 
@@ -171,8 +174,10 @@ def crafted_cases(e: Env) -> Dict[str, List[Case]]:
             out[name].append(Case(f"hand-made: {desc}", messages, refuse=True))
 
     def unary(name, desc, **fields):
-        request = GetMessageClass(METHODS[name].input_type)(**fields)
-        out[name].append(Case(f"hand-made: {desc}", [request.SerializeToString()], refuse=True))
+        cls = GetMessageClass(METHODS[name].input_type)
+        if "session" in cls.DESCRIPTOR.fields_by_name:
+            fields.setdefault("session", e.sessions[0])
+        out[name].append(Case(f"hand-made: {desc}", [cls(**fields).SerializeToString()], refuse=True))
 
     names = sorted(e.blocks)
     for desc, kw in [("unknown block", dict(names=["nope.block0"])), ("a table's rows", dict(names=["emb@rows"])),
@@ -208,7 +213,39 @@ def crafted_cases(e: Env) -> Dict[str, List[Case]]:
                      ("checkpoint_step 2**63-1", dict(checkpoint_step=2**63 - 1)),
                      ("no token", dict(token=""))]:
         unary("Restore", desc, **{"trainer_id": 0, "checkpoint_step": 7, "token": "x", "layout_digest": d, **kw})
+    sessionless_cases(e, unary, out)
     return out
+
+
+def sessionless_cases(e: Env, unary, out: Dict[str, List[Case]]) -> None:
+    """Calls that would change the live job, but without trainer 0's session: all must be refused.
+
+    What a port scanner, a health checker pointed at the wrong port or a misconfigured client
+    sends: empty bytes to Close, a well-formed push for the current step, ... Also a Hello
+    from a second process for a trainer id whose process is alive, and one without an incarnation.
+    """
+    d = e.digest
+    out["Close"].append(Case("hand-made: empty bytes (Close of trainer 0, no session)", [b""], refuse=True))
+    for desc, token in (("no session", ""), ("a made-up session", "0123456789abcdef" * 2),
+                        ("trainer 1's session", e.sessions[1]), ("its session in upper case", e.sessions[0].upper())):
+        for name, chunk in (("Push", STREAM_CHUNK), ("PushPull", STREAM_CHUNK), ("PushPullOne", ONE_MESSAGE)):
+            out[name].append(Case(f"hand-made: a valid push of trainer 0 for the current step, {desc}",
+                                  push_stream(e, chunk, step=0, session=token), refuse=True))
+        for name, chunk in (("Prefetch", PREFETCH_CHUNK), ("PrefetchOne", ONE_MESSAGE)):
+            out[name].append(Case(f"hand-made: a valid prefetch of trainer 0, {desc}",
+                                  prefetch_stream(e, chunk, session=token), refuse=True))
+        unary("Close", f"Close of live trainer 0, {desc}", trainer_id=0, session=token)
+        unary("Heartbeat", f"heartbeat of trainer 0, {desc}", trainer_id=0, session=token)
+        unary("Pull", f"pull of trainer 0, {desc}", trainer_id=0, names=sorted(e.blocks), layout_digest=d,
+              session=token)
+        unary("Checkpoint", f"checkpoint asked for trainer 0, {desc}", trainer_id=0, layout_digest=d, session=token)
+        unary("SaveTables", f"SaveTables asked for trainer 0, {desc}", trainer_id=0, directory=str(e.tmp / "stray"),
+              layout_digest=d, session=token)
+        unary("Restore", f"roll-back asked for trainer 0, {desc}", trainer_id=0, checkpoint_step=0, token="stray",
+              layout_digest=d, session=token)
+    unary("Hello", "a second process for live trainer 0", trainer_id=0, layout_digest=d, incarnation=12345)
+    unary("Hello", "a second process for live trainer 1", trainer_id=1, layout_digest=d, incarnation=2**64 - 1)
+    unary("Hello", "no incarnation", trainer_id=0, layout_digest=d)
 
 
 def split_into_other_tensor(ms) -> None:

@@ -31,6 +31,7 @@ class Job:
                      str(self.pause), *args]
         self.procs: Dict[str, subprocess.Popen] = {}
         self.logs: Dict[str, str] = {}
+        self.waited: set = set()  # processes whose exit the test has taken: no longer a surprise
 
     def env(self, role: str, index: int) -> dict:
         env = {k: v for k, v in os.environ.items() if not k.startswith(("PADDLE_", "PS_", "TRAINING_"))}
@@ -43,14 +44,16 @@ class Job:
             env["PADDLE_TRAINER_ID"] = str(index)
         return env
 
-    def start(self, role: str, index: int) -> subprocess.Popen:
-        name = f"{role.lower()}{index}"
-        n = sum(k.startswith(name) for k in self.logs)
+    def start(self, role: str, index: int, tag: str = "") -> subprocess.Popen:
+        """Start role ``index`` (again: the same command); ``tag`` names a second process of the same role."""
+        name = f"{role.lower()}{index}{tag}"
+        n = sum(k.rsplit(".", 1)[0] == name for k in self.logs)
         path = str(self.tmp / f"{name}.{n}.log")
         with open(path, "wb") as log:
             proc = subprocess.Popen([sys.executable, SCRIPT, *self.args], env=self.env(role, index),
                                     stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         self.procs[name], self.logs[f"{name}.{n}"] = proc, path
+        self.waited.discard(name)
         return proc
 
     def start_all(self) -> None:
@@ -70,7 +73,7 @@ class Job:
         """Poll ``ready()`` until true, failing early (with the logs) if a role dies meanwhile."""
         deadline = time.monotonic() + timeout
         while not ready():
-            dead = {k: p.returncode for k, p in self.procs.items() if p.poll() is not None}
+            dead = {k: p.returncode for k, p in self.procs.items() if k not in self.waited and p.poll() is not None}
             assert not dead and time.monotonic() < deadline, f"waiting for {what}: {dead}\n{self.all_logs()}"
             time.sleep(0.05)
 
@@ -79,6 +82,7 @@ class Job:
         self.wait_until((self.pause / name).exists, name, timeout)
 
     def wait(self, name: str, timeout: float) -> int:
+        self.waited.add(name)
         try:
             return self.procs[name].wait(timeout)
         except subprocess.TimeoutExpired:
@@ -89,8 +93,12 @@ class Job:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(10)
 
+    def send_signal(self, name: str, signum: int) -> None:
+        """Send ``signum`` to the process group of ``name`` (SIGSTOP / SIGCONT: a VM paused and resumed)."""
+        os.killpg(self.procs[name].pid, signum)
+
     def close(self) -> None:
         for proc in self.procs.values():
             if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
+                os.killpg(proc.pid, signal.SIGKILL)  # a stopped process dies of it too
                 proc.wait(10)
