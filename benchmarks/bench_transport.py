@@ -1,8 +1,10 @@
 """Transport alone: push+pull GB/s of one trainer against pserver processes, no compute.
 
     python benchmarks/bench_transport.py [--pservers 2] [--chunk_bytes 1048576] [--steps 15] [--runs 3]
+                                         [--sizes 512,2048,2048,2048,10]
 
-The model is the dense benchmark's 38 MB MLP (512-2048-2048-2048-10), SGD;
+The model is the dense benchmark's 38 MB MLP (512-2048-2048-2048-10) unless ``--sizes`` says
+otherwise (a tiny one, e.g. ``16,16,2``, measures the per-call cost instead of bytes), SGD;
 gradients are zeros so parameters stay put. Each run starts fresh pserver
 processes on loopback, times ``Trainer.step()`` (push every block, pull every
 block) and reports the median step and the resulting push+pull GB/s.
@@ -28,31 +30,32 @@ from transpiler import DistributeTranspiler, DistributeTranspilerConfig, Program
 SIZES = (512, 2048, 2048, 2048, 10)
 
 
-def transpiler(endpoints, chunk_bytes):
+def transpiler(endpoints, chunk_bytes, sizes=SIZES):
     t = DistributeTranspiler(DistributeTranspilerConfig(chunk_bytes=chunk_bytes))
-    t.transpile(0, program=Program(build_model(SIZES, 0), "sgd", lr=0.01), pservers=endpoints, trainers=1)
+    t.transpile(0, program=Program(build_model(sizes, 0), "sgd", lr=0.01), pservers=endpoints, trainers=1)
     return t
 
 
-def serve(endpoint, endpoints, chunk_bytes):
+def serve(endpoint, endpoints, chunk_bytes, sizes):
     """Pserver role (run in a child process)."""
     from pserver import ParameterServer
 
-    t = transpiler(endpoints, chunk_bytes)
+    t = transpiler(endpoints, chunk_bytes, sizes)
     prog = t.get_pserver_program(endpoint)
     ParameterServer(prog, t.get_startup_program(endpoint, prog)).serve()
 
 
-def one_run(n_pservers, chunk_bytes, steps):
+def one_run(n_pservers, chunk_bytes, steps, sizes=SIZES):
     """Median step time (s) and model bytes of one run against fresh pservers."""
     from trainer import Trainer
 
     endpoints = [f"127.0.0.1:{p}" for p in free_ports(n_pservers)]
     procs = [subprocess.Popen([sys.executable, __file__, "--serve", ep, "--endpoints", ",".join(endpoints),
-                               "--chunk_bytes", str(chunk_bytes)], stderr=subprocess.DEVNULL)
+                               "--chunk_bytes", str(chunk_bytes), "--sizes", ",".join(map(str, sizes))],
+                              stderr=subprocess.DEVNULL)
              for ep in endpoints]
     try:
-        with Trainer(transpiler(endpoints, chunk_bytes).get_trainer_program()) as tr:
+        with Trainer(transpiler(endpoints, chunk_bytes, sizes).get_trainer_program()) as tr:
             params = list(tr.model.parameters())
             times = []
             for i in range(steps + 3):
@@ -78,15 +81,17 @@ def main(argv=None) -> int:
     ap.add_argument("--chunk_bytes", type=int, default=1 << 20)
     ap.add_argument("--steps", type=int, default=15)
     ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--sizes", default=",".join(map(str, SIZES)), help="MLP layer widths")
     ap.add_argument("--serve", help=argparse.SUPPRESS)
     ap.add_argument("--endpoints", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    sizes = tuple(int(w) for w in args.sizes.split(","))
     if args.serve:
-        serve(args.serve, args.endpoints, args.chunk_bytes)
+        serve(args.serve, args.endpoints, args.chunk_bytes, sizes)
         return 0
     torch.set_num_threads(1)
     for run in range(args.runs):
-        step, nbytes = one_run(args.pservers, args.chunk_bytes, args.steps)
+        step, nbytes = one_run(args.pservers, args.chunk_bytes, args.steps, sizes)
         print(f"run {run}: {args.pservers} pservers, chunk {args.chunk_bytes}: median step "
               f"{step * 1000:.1f} ms, push+pull {2 * nbytes / step / 1e9:.2f} GB/s", flush=True)
     return 0

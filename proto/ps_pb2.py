@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x10psproto/ps.proto\x12\x07psproto\"W\n\x0bTensorPiece\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x0e\n\x06offset\x18\x04 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x05 \x01(\x0c\"t\n\nPushHeader\x12\x12\n\ntrainer_id\x18\x01 \x01(\x05\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x15\n\rlayout_digest\x18\x03 \x01(\t\x12\r\n\x05\x65poch\x18\x04 \x01(\x03\x12\r\n\x05\x62\x61tch\x18\x05 \x01(\x03\x12\x0f\n\x07session\x18\x06 \x01(\t\"V\n\tPushChunk\x12#\n\x06header\x18\x01 \x01(\x0b\x32\x13.psproto.PushHeader\x12$\n\x06pieces\x18\x02 \x03(\x0b\x32\x14.psproto.TensorPiece\"-\n\tPushReply\x12\x0f\n\x07\x61pplied\x18\x01 \x01(\x08\x12\x0f\n\x07updates\x18\x02 \x01(\x03\"m\n\x0bPullRequest\x12\x12\n\ntrainer_id\x18\x01 \x01(\x05\x12\x13\n\x0bmin_updates\x18\x02 \x01(\x03\x12\r\n\x05names\x18\x03 \x03(\t\x12\x15\n\rlayout_digest\x18\x04 \x01(\t\x12\x0f\n\x07session\x18\x05 \x01(\t\".\n\nPullHeader\x12\x0f\n\x07updates\x18\x01 \x01(\x03\x12\x0f\n\x07\x61pplied\x18\x02 \x01(\x08\"V\n\tPullChunk\x12#\n\x06header\x18\x01 \x01(\x0b\x32\x13.psproto.PullHeader\x12$\n\x06pieces\x18\x02 \x03(\x0b\x32\x14.psproto.TensorPiece\"a\n\x0ePrefetchHeader\x12\x12\n\ntrainer_id\x18\x01 \x01(\x05\x12\x13\n\x0bmin_updates\x18\x02 \x01(\x03\x12\x15\n\rlayout_digest\x18\x03 \x01(\t\x12\x0f\n\x07session\x18\x04 \x01(\t\"^\n\rPrefetchChunk\x12\'\n\x06header\x18\x01 \x01(\x0b\x32\x17.psproto.PrefetchHeader\x12$\n\x06pieces\x18\x02 \x03(\x0b\x32\x14.psproto.TensorPiece\"N\n\x0cHelloRequest\x12\x12\n\ntrainer_id\x18\x01 \x01(\x05\x12\x15\n\rlayout_digest\x18\x02 \x01(\t\x12\x13\n\x0bincarnation\x18\x03 \x01(\x04\"\xb8\x01\n\nHelloReply\x12\x12\n\nstart_step\x18\x01 \x01(\x03\x12\x11\n\tsync_mode\x18\x02 \x01(\x08\x12\x10\n\x08trainers\x18\x03 \x01(\x05\x12\x13\n\x0bincarnation\x18\x04 \x01(\x04\x12\r\n\x05\x65poch\x18\x05 \x01(\x03\x12\r\n\x05\x62\x61tch\x18\x06 \x01(\x03\x12\x17\n\x0f\x63heckpoint_step\x18\x07 \x01(\x03\x12\x14\n\x0c\x63ounted_step\x18\x08 \x01(\x03\x12\x0f\n\x07session\x18\t \x01(\t\"7\n\x10HeartbeatRequest\x12\x12\n\ntrainer_id\x18\x01 \x01(\x05\x12\x0f\n\x07session\x18\x02 \x01(\t\"6\n\x0eHeartbeatReply\x12\x0f\n\x07updates\x18\x01 \x01(\x03\x12\x13\n\x0bincarnation\x18\x02 \x01(\x04\"t\n\x0eRestoreRequest\x12\x12\n\ntrainer_id\x18\x01 \x01(\x05\x12\x17\n\x0f\x63heckpoint_step\x18\x02 \x01(\x03\x12\r\n\x05token\x18\x03 \x01(\t\x12\x15\n\rlayout_digest\x18\x04 \x01(\t\x12\x0f\n\x07session\x18\x05 \x01(\t\"1\n\x0cRestoreReply\x12\x0f\n\x07updates\x18\x01 \x01(\x03\x12\x10\n\x08restored\x18\x02 \x01(\x08\"O\n\x11\x43heckpointRequest\x12\x12\n\ntrainer_id\x18\x01 \x01(\x05\x12\x15\n\rlayout_digest\x18\x02 \x01(\t\x12\x0f\n\x07session\x18\x03 \x01(\t\"8\n\x0f\x43heckpointReply\x12\x17\n\x0f\x63heckpoint_step\x18\x01 \x01(\x03\x12\x0c\n\x04path\x18\x02 \x01(\t\"3\n\x0c\x43loseRequest\x12\x12\n\ntrainer_id\x18\x01 \x01(\x05\x12\x0f\n\x07session\x18\x02 \x01(\t\"#\n\nCloseReply\x12\x15\n\rtrainers_left\x18\x01 \x01(\x05\"\x0e\n\x0cStatsRequest\"\x8f\x03\n\nStatsReply\x12\x10\n\x08\x65ndpoint\x18\x01 \x01(\t\x12\x0f\n\x07updates\x18\x02 \x01(\x03\x12\x16\n\x0etrainers_alive\x18\x03 \x03(\x05\x12\x0e\n\x06\x62locks\x18\x04 \x01(\x03\x12\x13\n\x0b\x62lock_bytes\x18\x05 \x01(\x03\x12\x10\n\x08\x62ytes_in\x18\x06 \x01(\x03\x12\x11\n\tbytes_out\x18\x07 \x01(\x03\x12\x0e\n\x06pushes\x18\x08 \x01(\x03\x12\x11\n\tsync_mode\x18\t \x01(\x08\x12\x12\n\ntable_rows\x18\n \x01(\x03\x12\x13\n\x0btable_bytes\x18\x0b \x01(\x03\x12\x12\n\nprefetches\x18\x0c \x01(\x03\x12\x13\n\x0bincarnation\x18\r \x01(\x04\x12\x10\n\x08uptime_s\x18\x0e \x01(\x01\x12\x18\n\x10trainers_dropped\x18\x0f \x03(\x05\x12\x17\n\x0f\x63heckpoint_step\x18\x10 \x01(\x03\x12\x17\n\x0f\x63heckpoint_path\x18\x11 \x01(\t\x12\x18\n\x10\x63heckpoint_age_s\x18\x12 \x01(\x01\x12\x0f\n\x07refused\x18\x13 \x01(\x03\"b\n\x11SaveTablesRequest\x12\x12\n\ntrainer_id\x18\x01 \x01(\x05\x12\x11\n\tdirectory\x18\x02 \x01(\t\x12\x15\n\rlayout_digest\x18\x03 \x01(\t\x12\x0f\n\x07session\x18\x04 \x01(\t\"1\n\x0fSaveTablesReply\x12\x0f\n\x07updates\x18\x01 \x01(\x03\x12\r\n\x05paths\x18\x02 \x03(\t2\x84\x06\n\x0fParameterServer\x12\x33\n\x05Hello\x12\x15.psproto.HelloRequest\x1a\x13.psproto.HelloReply\x12\x30\n\x04Push\x12\x12.psproto.PushChunk\x1a\x12.psproto.PushReply(\x01\x12\x32\n\x04Pull\x12\x14.psproto.PullRequest\x1a\x12.psproto.PullChunk0\x01\x12:\n\x08Prefetch\x12\x16.psproto.PrefetchChunk\x1a\x12.psproto.PullChunk(\x01\x30\x01\x12\x36\n\x08PushPull\x12\x12.psproto.PushChunk\x1a\x12.psproto.PullChunk(\x01\x30\x01\x12\x37\n\x0bPushPullOne\x12\x12.psproto.PushChunk\x1a\x12.psproto.PullChunk0\x01\x12;\n\x0bPrefetchOne\x12\x16.psproto.PrefetchChunk\x1a\x12.psproto.PullChunk0\x01\x12\x42\n\nSaveTables\x12\x1a.psproto.SaveTablesRequest\x1a\x18.psproto.SaveTablesReply\x12\x33\n\x05\x43lose\x12\x15.psproto.CloseRequest\x1a\x13.psproto.CloseReply\x12?\n\tHeartbeat\x12\x19.psproto.HeartbeatRequest\x1a\x17.psproto.HeartbeatReply\x12\x39\n\x07Restore\x12\x17.psproto.RestoreRequest\x1a\x15.psproto.RestoreReply\x12\x42\n\nCheckpoint\x12\x1a.psproto.CheckpointRequest\x1a\x18.psproto.CheckpointReply\x12\x33\n\x05Stats\x12\x15.psproto.StatsRequest\x1a\x13.psproto.StatsReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x10psproto/ps.proto\x12\x07psproto\"W\n\x0bTensorPiece\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x0e\n\x06offset\x18\x04 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x05 \x01(\x0c\"t\n\nPushHeader\x12\x12\n\ntrainer_id\x18\x01 \x01(\x05\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x15\n\rlayout_digest\x18\x03 \x01(\t\x12\r\n\x05\x65poch\x18\x04 \x01(\x03\x12\r\n\x05\x62\x61tch\x18\x05 \x01(\x03\x12\x0f\n\x07session\x18\x06 \x01(\t\"V\n\tPushChunk\x12#\n\x06header\x18\x01 \x01(\x0b\x32\x13.psproto.PushHeader\x12$\n\x06pieces\x18\x02 \x03(\x0b\x32\x14.psproto.TensorPiece\"-\n\tPushReply\x12\x0f\n\x07\x61pplied\x18\x01 \x01(\x08\x12\x0f\n\x07updates\x18\x02 \x01(\x03\"m\n\x0bPullRequest\x12\x12\n\ntrainer_id\x18\x01 \x01(\x05\x12\x13\n\x0bmin_updates\x18\x02 \x01(\x03\x12\r\n\x05names\x18\x03 \x03(\t\x12\x15\n\rlayout_digest\x18\x04 \x01(\t\x12\x0f\n\x07session\x18\x05 \x01(\t\".\n\nPullHeader\x12\x0f\n\x07updates\x18\x01 \x01(\x03\x12\x0f\n\x07\x61pplied\x18\x02 \x01(\x08\"V\n\tPullChunk\x12#\n\x06header\x18\x01 \x01(\x0b\x32\x13.psproto.PullHeader\x12$\n\x06pieces\x18\x02 \x03(\x0b\x32\x14.psproto.TensorPiece\"a\n\x0ePrefetchHeader\x12\x12\n\ntrainer_id\x18\x01 \x01(\x05\x12\x13\n\x0bmin_updates\x18\x02 \x01(\x03\x12\x15\n\rlayout_digest\x18\x03 \x01(\t\x12\x0f\n\x07session\x18\x04 \x01(\t\"^\n\rPrefetchChunk\x12\'\n\x06header\x18\x01 \x01(\x0b\x32\x17.psproto.PrefetchHeader\x12$\n\x06pieces\x18\x02 \x03(\x0b\x32\x14.psproto.TensorPiece\"_\n\x0cHelloRequest\x12\x12\n\ntrainer_id\x18\x01 \x01(\x05\x12\x15\n\rlayout_digest\x18\x02 \x01(\t\x12\x13\n\x0bincarnation\x18\x03 \x01(\x04\x12\x0f\n\x07join_at\x18\x04 \x01(\x03\"\xb8\x01\n\nHelloReply\x12\x12\n\nstart_step\x18\x01 \x01(\x03\x12\x11\n\tsync_mode\x18\x02 \x01(\x08\x12\x10\n\x08trainers\x18\x03 \x01(\x05\x12\x13\n\x0bincarnation\x18\x04 \x01(\x04\x12\r\n\x05\x65poch\x18\x05 \x01(\x03\x12\r\n\x05\x62\x61tch\x18\x06 \x01(\x03\x12\x17\n\x0f\x63heckpoint_step\x18\x07 \x01(\x03\x12\x14\n\x0c\x63ounted_step\x18\x08 \x01(\x03\x12\x0f\n\x07session\x18\t \x01(\t\"7\n\x10HeartbeatRequest\x12\x12\n\ntrainer_id\x18\x01 \x01(\x05\x12\x0f\n\x07session\x18\x02 \x01(\t\"6\n\x0eHeartbeatReply\x12\x0f\n\x07updates\x18\x01 \x01(\x03\x12\x13\n\x0bincarnation\x18\x02 \x01(\x04\"t\n\x0eRestoreRequest\x12\x12\n\ntrainer_id\x18\x01 \x01(\x05\x12\x17\n\x0f\x63heckpoint_step\x18\x02 \x01(\x03\x12\r\n\x05token\x18\x03 \x01(\t\x12\x15\n\rlayout_digest\x18\x04 \x01(\t\x12\x0f\n\x07session\x18\x05 \x01(\t\"1\n\x0cRestoreReply\x12\x0f\n\x07updates\x18\x01 \x01(\x03\x12\x10\n\x08restored\x18\x02 \x01(\x08\"O\n\x11\x43heckpointRequest\x12\x12\n\ntrainer_id\x18\x01 \x01(\x05\x12\x15\n\rlayout_digest\x18\x02 \x01(\t\x12\x0f\n\x07session\x18\x03 \x01(\t\"8\n\x0f\x43heckpointReply\x12\x17\n\x0f\x63heckpoint_step\x18\x01 \x01(\x03\x12\x0c\n\x04path\x18\x02 \x01(\t\"3\n\x0c\x43loseRequest\x12\x12\n\ntrainer_id\x18\x01 \x01(\x05\x12\x0f\n\x07session\x18\x02 \x01(\t\"#\n\nCloseReply\x12\x15\n\rtrainers_left\x18\x01 \x01(\x05\"\x0e\n\x0cStatsRequest\"\x8f\x03\n\nStatsReply\x12\x10\n\x08\x65ndpoint\x18\x01 \x01(\t\x12\x0f\n\x07updates\x18\x02 \x01(\x03\x12\x16\n\x0etrainers_alive\x18\x03 \x03(\x05\x12\x0e\n\x06\x62locks\x18\x04 \x01(\x03\x12\x13\n\x0b\x62lock_bytes\x18\x05 \x01(\x03\x12\x10\n\x08\x62ytes_in\x18\x06 \x01(\x03\x12\x11\n\tbytes_out\x18\x07 \x01(\x03\x12\x0e\n\x06pushes\x18\x08 \x01(\x03\x12\x11\n\tsync_mode\x18\t \x01(\x08\x12\x12\n\ntable_rows\x18\n \x01(\x03\x12\x13\n\x0btable_bytes\x18\x0b \x01(\x03\x12\x12\n\nprefetches\x18\x0c \x01(\x03\x12\x13\n\x0bincarnation\x18\r \x01(\x04\x12\x10\n\x08uptime_s\x18\x0e \x01(\x01\x12\x18\n\x10trainers_dropped\x18\x0f \x03(\x05\x12\x17\n\x0f\x63heckpoint_step\x18\x10 \x01(\x03\x12\x17\n\x0f\x63heckpoint_path\x18\x11 \x01(\t\x12\x18\n\x10\x63heckpoint_age_s\x18\x12 \x01(\x01\x12\x0f\n\x07refused\x18\x13 \x01(\x03\"b\n\x11SaveTablesRequest\x12\x12\n\ntrainer_id\x18\x01 \x01(\x05\x12\x11\n\tdirectory\x18\x02 \x01(\t\x12\x15\n\rlayout_digest\x18\x03 \x01(\t\x12\x0f\n\x07session\x18\x04 \x01(\t\"1\n\x0fSaveTablesReply\x12\x0f\n\x07updates\x18\x01 \x01(\x03\x12\r\n\x05paths\x18\x02 \x03(\t2\x84\x06\n\x0fParameterServer\x12\x33\n\x05Hello\x12\x15.psproto.HelloRequest\x1a\x13.psproto.HelloReply\x12\x30\n\x04Push\x12\x12.psproto.PushChunk\x1a\x12.psproto.PushReply(\x01\x12\x32\n\x04Pull\x12\x14.psproto.PullRequest\x1a\x12.psproto.PullChunk0\x01\x12:\n\x08Prefetch\x12\x16.psproto.PrefetchChunk\x1a\x12.psproto.PullChunk(\x01\x30\x01\x12\x36\n\x08PushPull\x12\x12.psproto.PushChunk\x1a\x12.psproto.PullChunk(\x01\x30\x01\x12\x37\n\x0bPushPullOne\x12\x12.psproto.PushChunk\x1a\x12.psproto.PullChunk0\x01\x12;\n\x0bPrefetchOne\x12\x16.psproto.PrefetchChunk\x1a\x12.psproto.PullChunk0\x01\x12\x42\n\nSaveTables\x12\x1a.psproto.SaveTablesRequest\x1a\x18.psproto.SaveTablesReply\x12\x33\n\x05\x43lose\x12\x15.psproto.CloseRequest\x1a\x13.psproto.CloseReply\x12?\n\tHeartbeat\x12\x19.psproto.HeartbeatRequest\x1a\x17.psproto.HeartbeatReply\x12\x39\n\x07Restore\x12\x17.psproto.RestoreRequest\x1a\x15.psproto.RestoreReply\x12\x42\n\nCheckpoint\x12\x1a.psproto.CheckpointRequest\x1a\x18.psproto.CheckpointReply\x12\x33\n\x05Stats\x12\x15.psproto.StatsRequest\x1a\x13.psproto.StatsReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -50,33 +50,33 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PREFETCHCHUNK']._serialized_start=717
   _globals['_PREFETCHCHUNK']._serialized_end=811
   _globals['_HELLOREQUEST']._serialized_start=813
-  _globals['_HELLOREQUEST']._serialized_end=891
-  _globals['_HELLOREPLY']._serialized_start=894
-  _globals['_HELLOREPLY']._serialized_end=1078
-  _globals['_HEARTBEATREQUEST']._serialized_start=1080
-  _globals['_HEARTBEATREQUEST']._serialized_end=1135
-  _globals['_HEARTBEATREPLY']._serialized_start=1137
-  _globals['_HEARTBEATREPLY']._serialized_end=1191
-  _globals['_RESTOREREQUEST']._serialized_start=1193
-  _globals['_RESTOREREQUEST']._serialized_end=1309
-  _globals['_RESTOREREPLY']._serialized_start=1311
-  _globals['_RESTOREREPLY']._serialized_end=1360
-  _globals['_CHECKPOINTREQUEST']._serialized_start=1362
-  _globals['_CHECKPOINTREQUEST']._serialized_end=1441
-  _globals['_CHECKPOINTREPLY']._serialized_start=1443
-  _globals['_CHECKPOINTREPLY']._serialized_end=1499
-  _globals['_CLOSEREQUEST']._serialized_start=1501
-  _globals['_CLOSEREQUEST']._serialized_end=1552
-  _globals['_CLOSEREPLY']._serialized_start=1554
-  _globals['_CLOSEREPLY']._serialized_end=1589
-  _globals['_STATSREQUEST']._serialized_start=1591
-  _globals['_STATSREQUEST']._serialized_end=1605
-  _globals['_STATSREPLY']._serialized_start=1608
-  _globals['_STATSREPLY']._serialized_end=2007
-  _globals['_SAVETABLESREQUEST']._serialized_start=2009
-  _globals['_SAVETABLESREQUEST']._serialized_end=2107
-  _globals['_SAVETABLESREPLY']._serialized_start=2109
-  _globals['_SAVETABLESREPLY']._serialized_end=2158
-  _globals['_PARAMETERSERVER']._serialized_start=2161
-  _globals['_PARAMETERSERVER']._serialized_end=2933
+  _globals['_HELLOREQUEST']._serialized_end=908
+  _globals['_HELLOREPLY']._serialized_start=911
+  _globals['_HELLOREPLY']._serialized_end=1095
+  _globals['_HEARTBEATREQUEST']._serialized_start=1097
+  _globals['_HEARTBEATREQUEST']._serialized_end=1152
+  _globals['_HEARTBEATREPLY']._serialized_start=1154
+  _globals['_HEARTBEATREPLY']._serialized_end=1208
+  _globals['_RESTOREREQUEST']._serialized_start=1210
+  _globals['_RESTOREREQUEST']._serialized_end=1326
+  _globals['_RESTOREREPLY']._serialized_start=1328
+  _globals['_RESTOREREPLY']._serialized_end=1377
+  _globals['_CHECKPOINTREQUEST']._serialized_start=1379
+  _globals['_CHECKPOINTREQUEST']._serialized_end=1458
+  _globals['_CHECKPOINTREPLY']._serialized_start=1460
+  _globals['_CHECKPOINTREPLY']._serialized_end=1516
+  _globals['_CLOSEREQUEST']._serialized_start=1518
+  _globals['_CLOSEREQUEST']._serialized_end=1569
+  _globals['_CLOSEREPLY']._serialized_start=1571
+  _globals['_CLOSEREPLY']._serialized_end=1606
+  _globals['_STATSREQUEST']._serialized_start=1608
+  _globals['_STATSREQUEST']._serialized_end=1622
+  _globals['_STATSREPLY']._serialized_start=1625
+  _globals['_STATSREPLY']._serialized_end=2024
+  _globals['_SAVETABLESREQUEST']._serialized_start=2026
+  _globals['_SAVETABLESREQUEST']._serialized_end=2124
+  _globals['_SAVETABLESREPLY']._serialized_start=2126
+  _globals['_SAVETABLESREPLY']._serialized_end=2175
+  _globals['_PARAMETERSERVER']._serialized_start=2178
+  _globals['_PARAMETERSERVER']._serialized_end=2950
 # @@protoc_insertion_point(module_scope)

@@ -67,10 +67,11 @@ class Engine:
         """Trainers expected to push: all ids that have neither closed nor been dropped."""
         return self.roster.live()
 
-    def hello(self, trainer_id: int) -> Tuple[int, Position]:
+    def hello(self, trainer_id: int, join_at: int = 0) -> Tuple[int, Position]:
         """Register ``trainer_id`` (again, after a restart); returns (step it starts at, data position).
 
-        Sync: the pserver's current step, shared by all trainers. Async: the
+        Sync: the pserver's current step, shared by all trainers (``join_at``
+        one step ahead of it: that step, see :class:`SyncEngine`). Async: the
         trainer's own next step (0 for a new trainer). The position is the one
         it pushed with its last applied step (or the checkpoint's), (0, 0) if none.
         """
@@ -81,7 +82,7 @@ class Engine:
                 self.all_closed.clear()
             if was_closed:
                 self._note_closed()
-            start = self._start_step(trainer_id, how)
+            start = self._start_step(trainer_id, how, join_at)
             if how:
                 log.info("%s: trainer %d %s at step %d", self.endpoint, trainer_id, how, start)
             return start, self.roster.positions.get(trainer_id, (0, 0))
@@ -91,7 +92,7 @@ class Engine:
         with self.cv:
             return self.last_step.get(trainer_id, -1)
 
-    def _start_step(self, trainer_id: int, how: str) -> int:
+    def _start_step(self, trainer_id: int, how: str, join_at: int) -> int:
         return self.last_step.get(trainer_id, -1) + 1
 
     def presence(self, trainer_id: int) -> Tuple[Optional[float], bool]:

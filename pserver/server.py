@@ -64,8 +64,8 @@ class ParameterServer:
                          self.engine.updates, cfg.checkpoint_dir,
                          " (tables_from is ignored)" if tables_from else "")
         self.servicer = PserverServicer(self.engine, program.layout_digest, cfg.chunk_bytes,
-                                        allow_nonfinite=cfg.nonfinite_grads == "apply",
-                                        alive_window=cfg.session_alive_window)
+                                        alive_window=cfg.session_alive_window,
+                                        allow_nonfinite=cfg.nonfinite_grads == "apply")
         self._server: Optional[grpc.Server] = None
         self._health: Optional[health.HealthServicer] = None
         self._finished = threading.Event()

@@ -145,8 +145,8 @@ def _finite(g: torch.Tensor) -> bool:
 class PserverServicer:
     """Hello / Push / Pull / Close / Stats for one pserver."""
 
-    def __init__(self, engine: Engine, layout_digest: str, chunk_bytes: int,
-                 allow_nonfinite: bool = False, alive_window: float = 6.0):
+    def __init__(self, engine: Engine, layout_digest: str, chunk_bytes: int, alive_window: float,
+                 allow_nonfinite: bool = False):
         self.engine = engine
         self.sessions = Sessions(engine.endpoint, alive_window)
         self.allow_nonfinite = allow_nonfinite
@@ -184,10 +184,12 @@ class PserverServicer:
         if not request.incarnation:
             raise BadRequest("Hello needs the trainer process's incarnation (a random nonzero number, one "
                              "per process)")
+        if request.join_at < 0:
+            raise BadRequest(f"join_at must be >= 0, got {request.join_at}")
         last_heard, ended = self.engine.presence(request.trainer_id)
         session = self.sessions.hello(request.trainer_id, request.incarnation, context.peer(), last_heard,
                                       ended)
-        start_step, (epoch, batch) = self.engine.hello(request.trainer_id)
+        start_step, (epoch, batch) = self.engine.hello(request.trainer_id, request.join_at)
         return ps_pb2.HelloReply(start_step=start_step, sync_mode=self.engine.sync_mode,
                                  trainers=self.engine.trainers, incarnation=self.incarnation,
                                  epoch=epoch, batch=batch, checkpoint_step=self.engine.restored_from,

@@ -150,8 +150,3 @@ class Sessions:
                          f"stop instead of pushing stale gradients")
         raise MustResync(f"pserver {self.endpoint}: trainer {trainer_id}'s session is not known here (this "
                          f"pserver restarted since it was opened?); call Hello to open a new one")
-
-    def peers(self) -> Dict[int, str]:
-        """Where each trainer id's current session was opened from: {trainer id: peer}."""
-        with self._lock:
-            return {t: s.peer for t, s in self._current.items()}

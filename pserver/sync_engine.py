@@ -34,21 +34,33 @@ class SyncEngine(Engine):
         self.sparse_parts: Dict[str, List[SparseGrad]] = {}
         # Data positions pushed with the current step: they count once it is applied.
         self.pending_positions: Dict[int, Position] = {}
-        # Trainers that rejoined while a step was in progress, and the step they count from.
+        # Trainers that (re)joined while a step was in progress, and the later step they count from.
         self.joins_at: Dict[int, int] = {}
 
-    def _start_step(self, trainer_id: int, how: str) -> int:
+    def _start_step(self, trainer_id: int, how: str, join_at: int) -> int:
+        later = []
         if how == "rejoined" and self.pending:
             # The step in progress goes on without it: waiting for a trainer that has
             # to pull first would stall it, and a late gradient would be stale.
-            self.joins_at[trainer_id] = self.updates + 1
-        return self.joins_at.get(trainer_id, self.updates)
+            later.append(self.updates + 1)
+        if join_at == self.updates + 1:
+            # The trainer found another pserver a step ahead and starts there: this one finishes its
+            # step without it. Waiting for it would deadlock, as it waits for the pservers to agree
+            # (and its repeated Hellos keep it from being dropped). Further ahead is a roll-back's
+            # business, not a join's: ignored.
+            later.append(join_at)
+        if later:
+            self.joins_at[trainer_id] = max(self.joins_at.get(trainer_id, 0), *later)
+        return max(self.joins_at.get(trainer_id, 0), self.updates)
 
     def _expected(self) -> set:
         return {t for t in self.live() if self.joins_at.get(t, 0) <= self.updates}
 
+    def _reset(self, meta: dict) -> None:
+        super()._reset(meta)
+        self.joins_at = {}  # every trainer says Hello again after a roll-back
+
     def _clear_pending(self) -> None:
-        self.joins_at = {}
         self.pending = set()
         self.touched = set()
         self.sparse_parts = {}
@@ -100,6 +112,7 @@ class SyncEngine(Engine):
         self.tables.apply_mean(self.sparse_parts, n, self.updates)
         log.debug("%s: applied step %d from trainers %s", self.endpoint, self.updates, sorted(self.pending))
         self.updates += 1
+        self.joins_at = {t: s for t, s in self.joins_at.items() if s > self.updates}
         self.roster.positions.update(self.pending_positions)
         self._clear_pending()
         self._checkpoint_if_due()

@@ -77,6 +77,43 @@ def test_trainer_rejoining_mid_step_counts_from_the_next_step():
     assert e.updates == 2
 
 
+def test_a_pserver_a_step_behind_finishes_its_step_without_a_trainer_joining_ahead():
+    """Two pservers mid-step: p0 applied step 0 (trainer 1 was dropped), p1 still waits for it.
+
+    Trainer 1 restarts and finds them apart (p0 says 1, p1 says 0). Waiting for them to agree while
+    p1 waits for its push of step 0 would deadlock (its repeated Hellos keep it from being dropped):
+    asked again with join_at=1, p1 finishes step 0 without it, and both then say step 1.
+    """
+    p0, p1 = engine(2), engine(2)
+    for e in (p0, p1):
+        for t in (0, 1):
+            e.hello(t)
+        e.roster.last_seen[1] -= 60
+        e.drop_silent(timeout=30)
+    p0.push(0, 0, grads(p0, 1.0))                        # trainer 0's step 0 reached p0 first
+    assert (p0.updates, p1.updates) == (1, 0)
+    assert p0.hello(1)[0] == 1 and p1.hello(1)[0] == 0    # apart: the trainer waits and asks again
+    assert p0.hello(1, join_at=1)[0] == 1 and p1.hello(1, join_at=1)[0] == 1
+    p1.push(0, 0, grads(p1, 1.0))
+    assert p1.updates == 1                               # did not wait for trainer 1
+    for e in (p0, p1):                                   # from step 1 on, trainer 1 counts again
+        e.push(0, 1, grads(e, 1.0))
+        assert e.updates == 1
+        e.push(1, 1, grads(e, 1.0))
+        assert e.updates == 2
+
+
+def test_join_at_further_ahead_is_ignored():
+    e = engine(2)
+    for t in (0, 1):
+        e.hello(t)
+    assert e.hello(1, join_at=5) == (0, (0, 0))          # a roll-back's business, not a join's
+    e.push(0, 0, grads(e, 1.0))
+    assert e.updates == 0                                # still waits for trainer 1
+    e.push(1, 0, grads(e, 1.0))
+    assert e.updates == 1
+
+
 def test_positions_count_once_their_step_is_applied_and_return_at_hello():
     e = engine(2)
     e.push(0, 0, grads(e, 1.0), position=(0, 1))

@@ -69,7 +69,8 @@ def servicer() -> PserverServicer:
     ps = t.get_pserver_program(EP)
     store, tables = BlockStore(ps, t.get_startup_program(EP, ps)), TableSet(ps)
     engine = SyncEngine(store, tables, 2, EP, barrier_timeout=5.0)
-    return PserverServicer(engine, ps.layout_digest, chunk_bytes=1 << 20)
+    return PserverServicer(engine, ps.layout_digest, chunk_bytes=1 << 20,
+                           alive_window=ps.config.session_alive_window)
 
 
 def open_session(svc: PserverServicer, trainer_id: int = 0) -> str:

@@ -122,11 +122,11 @@ def lose_pserver_1_during_the_next_join(cluster: LocalCluster, monkeypatch) -> l
     hellos = []
     real_hello = Communicator.hello
 
-    def hello(comm, timeout):
+    def hello(comm, timeout, join_at=0):
         hellos.append(timeout)
         if len(hellos) == 2:
             cluster.restart_pserver(1)
-        replies = real_hello(comm, timeout)
+        replies = real_hello(comm, timeout, join_at)
         if len(hellos) == 1:
             cluster.servers[1].stop()
         return replies

@@ -11,6 +11,7 @@ import pytest
 
 from trainer.communicator import PserverError
 from trainer.recovery import ROLLBACK, Recovery
+from trainer.recovery.decide import JOIN
 
 A, B = "127.0.0.1:6170", "127.0.0.1:6171"
 UNAVAILABLE = grpc.StatusCode.UNAVAILABLE
@@ -30,8 +31,10 @@ class ScriptedComm:
         self.hellos = list(hellos)
         self.restore_fails = set(restore_fails)
         self.restores = []
+        self.join_ats = []
 
-    def hello(self, timeout):
+    def hello(self, timeout, join_at=0):
+        self.join_ats.append(join_at)
         return self.hellos.pop(0)
 
     def restore(self, ep, step, token):
@@ -118,3 +121,15 @@ def test_a_refused_roll_back_is_not_retried():
     comm.restore = refuse
     with pytest.raises(PserverError, match="no complete checkpoint"):
         recovery(comm).heal(7, "step 7", failing_once(), lambda step: None)
+
+
+def test_a_joining_trainer_that_finds_the_pservers_apart_asks_again_saying_where_it_starts():
+    """A pserver a step behind must not wait for a trainer that waits for the pservers to agree."""
+    comm = ScriptedComm([
+        {A: hello(11, 8), B: hello(22, 7)},          # mid-step: A applied step 7, B waits for it
+        {A: hello(11, 8), B: hello(22, 8)},          # B finished step 7 without this trainer
+    ])
+    decision = Recovery(comm, sync_mode=True, push_endpoints=[A, B], connect_timeout=5,
+                        recovery_timeout=30).join()
+    assert (decision.action, decision.step) == (JOIN, 8)
+    assert comm.join_ats == [0, 8]

@@ -117,7 +117,7 @@ class Communicator:
 
     # -- connection ---------------------------------------------------------
 
-    def hello(self, timeout: float) -> Dict[str, ps_pb2.HelloReply]:
+    def hello(self, timeout: float, join_at: int = 0) -> Dict[str, ps_pb2.HelloReply]:
         """Register with every pserver, waiting up to ``timeout`` s for each to come up.
 
         Returns each pserver's answer: its start_step (the step this trainer
@@ -126,14 +126,16 @@ class Communicator:
         :class:`PserverUnavailableError` naming a pserver that never answered,
         or :class:`PserverError` if one refuses (e.g. plan mismatch, or another
         process running as this trainer id after one alive window of retries).
+        ``join_at`` (sync, joining) tells a pserver one step behind that this
+        trainer starts at that step: it finishes its own without waiting for it.
         """
         deadline = time.monotonic() + timeout
-        jobs = {ep: self._pool.submit(self._hello_one, ep, deadline, timeout) for ep in self._stubs}
+        jobs = {ep: self._pool.submit(self._hello_one, ep, deadline, timeout, join_at) for ep in self._stubs}
         return {ep: job.result() for ep, job in jobs.items()}
 
-    def _hello_one(self, endpoint: str, deadline: float, timeout: float) -> ps_pb2.HelloReply:
+    def _hello_one(self, endpoint: str, deadline: float, timeout: float, join_at: int) -> ps_pb2.HelloReply:
         request = ps_pb2.HelloRequest(trainer_id=self.trainer_id, layout_digest=self.digest,
-                                      incarnation=self.incarnation)
+                                      incarnation=self.incarnation, join_at=join_at)
         next_log = 0.0
         last = "no answer"
         id_taken_until = None
@@ -160,7 +162,7 @@ class Communicator:
                     now = time.monotonic()
                     if id_taken_until is None:
                         id_taken_until = now + self.alive_window + self.heartbeat_interval
-                    if now >= id_taken_until:
+                    if now >= min(id_taken_until, deadline):
                         raise PserverError(endpoint, f"refused Hello: {_details(e)}", e.code()) from None
                     last = _details(e)
                     time.sleep(max(0.0, min(self.heartbeat_interval / 4, deadline - now)))

@@ -13,7 +13,8 @@ sync, a pserver restarted from checkpoint *c*          RESTORE: roll every other
 sync, pservers ahead without this trainer's push       SKIP to their step (it was dropped)
 sync, the pservers are behind this trainer's step      ROLLBACK to their step and data position
 otherwise (async restarts included)                    RETRY the same step (pushes are idempotent)
-joining: sync pservers at different steps              WAIT and ask again, until the deadline
+joining: sync pservers at different steps              WAIT and ask again, saying the highest step
+                                                       (one behind then finishes its step without it)
 joining: still different at the deadline               FAIL: restart every pserver
 joining: otherwise                                     JOIN at their step and data position
 =====================================================  ============================================
@@ -123,13 +124,16 @@ def on_join(sync_mode: bool, answers: Mapping[str, PserverState], push_endpoints
     """Whether a joining trainer can start, given every pserver's ``answers`` and the time left.
 
     Sync pservers must agree on the step: apart, they are mid-step or a
-    roll-back is under way (WAIT), unless the deadline has passed (FAIL).
+    roll-back is under way (WAIT at the highest step: asked again with it as
+    ``join_at``, a pserver one step behind goes on without this trainer), unless
+    the deadline has passed (FAIL).
     """
     steps: Dict[str, int] = {ep: a.step for ep, a in answers.items() if ep in push_endpoints}
     if sync_mode and len(set(steps.values())) > 1:
         if time_left <= 0:
             return Decision(FAIL, endpoints=tuple(steps),
                             message=f"pservers disagree on the current step: {steps}; {RESTART_ALL}")
-        return Decision(WAIT, endpoints=tuple(steps), message=f"pservers disagree on the current step: {steps}")
+        return Decision(WAIT, max(steps.values()), endpoints=tuple(steps),
+                        message=f"pservers disagree on the current step: {steps}")
     first = answers[push_endpoints[0]] if push_endpoints else None
     return Decision(JOIN, max(steps.values(), default=0), first.position if first is not None else (0, 0))

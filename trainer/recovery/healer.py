@@ -56,10 +56,10 @@ class Recovery:
         Waits ``connect_timeout`` for the pservers to come up; sync pservers at
         different steps are asked again, backing off, within ``recovery_timeout``.
         """
-        timeout, backoff = self.connect_timeout, 0.1
+        timeout, backoff, join_at = self.connect_timeout, 0.1, 0
         deadline = time.monotonic() + self.recovery_timeout
         while True:
-            answers = states(self.comm.hello(timeout))
+            answers = states(self.comm.hello(timeout, join_at=join_at))
             decision = decide.on_join(self.sync_mode, answers, self.push_endpoints,
                                       deadline - time.monotonic())
             if decision.action == FAIL:
@@ -67,9 +67,10 @@ class Recovery:
             if decision.action != WAIT:
                 self.incarnations = {ep: a.incarnation for ep, a in answers.items()}
                 return decision
+            join_at = decision.step
             remaining = deadline - time.monotonic()
-            log.warning("trainer %d: %s; asking again for up to %.0fs", self.comm.trainer_id,
-                        decision.message, remaining)
+            log.warning("trainer %d: %s; asking again (joining at step %d) for up to %.0fs", self.comm.trainer_id,
+                        decision.message, join_at, remaining)
             # Hello waits for a pserver that is down, not for one that disagrees: back off.
             time.sleep(max(0.0, min(backoff, remaining)))
             backoff = min(2 * backoff, 2.0)
