@@ -172,6 +172,25 @@ def test_sole_sync_trainer_joining_while_a_pserver_restarts_rolls_the_other_back
 
 
 @pytest.mark.timeout(60)
+def test_a_pull_heals_like_a_step_and_a_sync_pull_rolls_back_with_the_restarted_pserver(tmp_path, caplog):
+    """tr.pull() (and so state_dict) with a pserver restarted since the last step: waited for and re-synced."""
+    config = cm.config(str(tmp_path / "ckpt"))
+    with LocalCluster(cm.program, 2, 1, config=config) as cluster:
+        with cluster.trainer(0) as tr:
+            cm.train(tr, cm.batches(3))
+            tr.checkpoint()
+            at_checkpoint = cm.snapshot(tr)
+            cm.train(tr, cm.batches(2))
+            cluster.servers[1].stop()
+            cluster.restart_pserver(1)                   # back at the checkpoint of step 3
+            tr.pull()
+            assert tr.step_count == 3 and tr.position == (0, 3)
+            assert [s.engine.updates for s in cluster.servers] == [3, 3]
+            assert_state_close(cm.snapshot(tr), at_checkpoint, atol=0)
+    assert "rolled back from step 5" in caplog.text and "pull at step 5 failed" in caplog.text
+
+
+@pytest.mark.timeout(60)
 def test_async_pserver_restarted_after_a_trainer_closed_does_not_wait_for_it(tmp_path):
     """Trainer 1 closed after the last checkpoint: the restarted pserver knows, and finishes with trainer 0."""
     with LocalCluster(cm.program, 2, 2, sync_mode=False, config=cm.config(str(tmp_path / "ckpt"))) as cluster:

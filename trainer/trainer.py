@@ -228,10 +228,19 @@ class Trainer:
         self.blocks.install_staged()
 
     def pull(self) -> None:
-        """Refresh the local parameters from the pservers now (async: latest; sync: current step)."""
+        """Refresh the local parameters from the pservers now (async: latest; sync: current step).
+
+        A pserver lost meanwhile is waited for and re-synced with, as in a step;
+        in sync mode that may move this trainer to another step (a roll-back:
+        :meth:`batches` then replays the data since the checkpoint).
+        """
         self._check_open()
         self._finish_in_flight()
-        self._pull_all(self.step_count if self.sync_mode else 0)
+        step = self.step_count
+        outcome = self.recovery.heal(step, f"pull at step {step}",
+                                     lambda: self._pull_all(step if self.sync_mode else 0), self._pull_all)
+        if outcome is not None:
+            self._resynced(outcome)
 
     def state_dict(self, with_tables: bool = False) -> Dict[str, torch.Tensor]:
         """The trained model as a plain ``state_dict`` (fresh parameters, local buffers).
@@ -294,6 +303,15 @@ class Trainer:
         (sync), the batches since it are trained again, as if no failure had
         happened; the position travels with every push and lands in checkpoints.
         """
+        while True:
+            yield from self._batches_from_position(loader, epochs)
+            # The last step's answer held the final parameters; a pserver lost since may have
+            # rolled the job back to a checkpoint, whose data is then trained again.
+            self.pull()
+            if self.position[0] >= epochs:
+                return
+
+    def _batches_from_position(self, loader: Iterable, epochs: int) -> Iterator:
         while self.position[0] < epochs:
             epoch, start = self.position
             set_epoch = getattr(getattr(loader, "sampler", None), "set_epoch", None)
