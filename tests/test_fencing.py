@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import signal
 import time
-from typing import List
 
 import grpc
 import pytest
@@ -17,21 +16,9 @@ import torch
 from psproto import ps_pb2
 from tests.helpers.jobs import Job
 from tests.scripts import recovery_job
-from tests.test_recovery import assert_state_close
+from tests.helpers.models import assert_state_close
 
 CLOSE = "/psproto.ParameterServer/Close"
-
-
-@pytest.fixture
-def job_factory(tmp_path):
-    jobs: List[Job] = []
-
-    def make(**kwargs) -> Job:
-        jobs.append(Job(tmp_path, **kwargs))
-        return jobs[-1]
-    yield make
-    for job in jobs:
-        job.close()
 
 
 def assert_trained_as_one_process(job: Job) -> None:

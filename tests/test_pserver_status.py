@@ -12,21 +12,15 @@ import logging
 
 import grpc
 import pytest
-import torch
-from torch import nn
 
 from pserver import errors
 from pserver.errors import (AlreadyRunning, BadRequest, BarrierTimeout, Fenced, MustResync, NoSession, NotAllowed,
                             Refusal, ShuttingDown, StorageFailed)
 from pserver.servicer import STATUS, PserverServicer, status_of
-from pserver.store import BlockStore
-from pserver.sync_engine import SyncEngine
-from pserver.tables.table_set import TableSet
+from tests.helpers.servicer import EP, Aborted, FakeContext, open_session, servicer
 from psproto import ps_pb2
 from psproto.codec import WireError
-from transpiler import DistributeTranspiler, DistributeTranspilerConfig, Program
 
-EP = "127.0.0.1:1"
 
 EXPECTED = [
     (BadRequest, grpc.StatusCode.INVALID_ARGUMENT),
@@ -40,43 +34,6 @@ EXPECTED = [
     (Fenced, grpc.StatusCode.PERMISSION_DENIED),
     (AlreadyRunning, grpc.StatusCode.ALREADY_EXISTS),
 ]
-
-
-class Aborted(Exception):
-    """What the fake context's abort raises: grpc's abort never returns either."""
-
-
-class FakeContext:
-    """Records the one ``abort(code, details)`` a servicer method makes."""
-
-    def __init__(self, peer: str = "ipv4:127.0.0.1:40000"):
-        self.aborted = None
-        self._peer = peer
-
-    def peer(self) -> str:
-        return self._peer
-
-    def abort(self, code, details):
-        assert self.aborted is None, "aborted twice"
-        self.aborted = (code, details)
-        raise Aborted(details)
-
-
-def servicer() -> PserverServicer:
-    torch.manual_seed(0)
-    t = DistributeTranspiler(DistributeTranspilerConfig())
-    t.transpile(0, program=Program(nn.Linear(4, 2), "sgd", lr=0.5), pservers=EP, trainers=2)
-    ps = t.get_pserver_program(EP)
-    store, tables = BlockStore(ps, t.get_startup_program(EP, ps)), TableSet(ps)
-    engine = SyncEngine(store, tables, 2, EP, barrier_timeout=5.0)
-    return PserverServicer(engine, ps.layout_digest, chunk_bytes=1 << 20,
-                           alive_window=ps.config.session_alive_window)
-
-
-def open_session(svc: PserverServicer, trainer_id: int = 0) -> str:
-    """The session a Hello for ``trainer_id`` opens, as a trainer process gets it."""
-    request = ps_pb2.HelloRequest(trainer_id=trainer_id, layout_digest=svc.layout_digest, incarnation=77)
-    return svc.Hello(request.SerializeToString(), FakeContext()).session
 
 
 def call(svc: PserverServicer, method: str, request) -> FakeContext:

@@ -10,7 +10,6 @@ import os
 import signal
 import threading
 import time
-from typing import List
 
 import pytest
 import torch
@@ -18,27 +17,9 @@ import torch
 from pserver.checkpoint.layout import dense_state_dict, find_saved
 from tests.helpers import checkpoint_models as cm
 from tests.helpers.cluster import LocalCluster
-from tests.helpers.jobs import Job
+from tests.helpers.models import assert_state_close
 from tests.scripts import recovery_job
 from trainer.communicator import Communicator, PserverError
-
-
-@pytest.fixture
-def job_factory(tmp_path):
-    jobs: List[Job] = []
-
-    def make(**kwargs) -> Job:
-        jobs.append(Job(tmp_path, **kwargs))
-        return jobs[-1]
-    yield make
-    for job in jobs:
-        job.close()
-
-
-def assert_state_close(state: dict, expected: dict, atol: float = 1e-5) -> None:
-    assert state.keys() == expected.keys()
-    for k in expected:
-        torch.testing.assert_close(state[k], expected[k], rtol=0, atol=atol, msg=lambda m: f"{k}: {m}")
 
 
 @pytest.mark.timeout(240)
@@ -151,6 +132,15 @@ def test_trainer_starting_while_a_pserver_restarts_waits_for_it_and_joins(tmp_pa
     assert "trainer 1: joining failed (pserver %s" % cluster.endpoints[1] in caplog.text
 
 
+def train_past_a_checkpoint(tr) -> dict:
+    """Train 3 steps, checkpoint, train 2 more; the model at the checkpoint (step 3)."""
+    cm.train(tr, cm.batches(3))
+    tr.checkpoint()
+    at_checkpoint = cm.snapshot(tr)
+    cm.train(tr, cm.batches(2))
+    return at_checkpoint
+
+
 @pytest.mark.timeout(60)
 def test_sole_sync_trainer_joining_while_a_pserver_restarts_rolls_the_other_back(tmp_path, monkeypatch,
                                                                                 caplog):
@@ -158,10 +148,7 @@ def test_sole_sync_trainer_joining_while_a_pserver_restarts_rolls_the_other_back
     config = cm.config(str(tmp_path / "ckpt"))
     with LocalCluster(cm.program, 2, 1, config=config) as cluster:
         with cluster.trainer(0) as tr:
-            cm.train(tr, cm.batches(3))
-            tr.checkpoint()
-            at_checkpoint = cm.snapshot(tr)
-            cm.train(tr, cm.batches(2))
+            at_checkpoint = train_past_a_checkpoint(tr)
         lose_pserver_1_during_the_next_join(cluster, monkeypatch)
         with cluster.trainer(0) as tr:
             monkeypatch.undo()
@@ -177,10 +164,7 @@ def test_a_pull_heals_like_a_step_and_a_sync_pull_rolls_back_with_the_restarted_
     config = cm.config(str(tmp_path / "ckpt"))
     with LocalCluster(cm.program, 2, 1, config=config) as cluster:
         with cluster.trainer(0) as tr:
-            cm.train(tr, cm.batches(3))
-            tr.checkpoint()
-            at_checkpoint = cm.snapshot(tr)
-            cm.train(tr, cm.batches(2))
+            at_checkpoint = train_past_a_checkpoint(tr)
             cluster.servers[1].stop()
             cluster.restart_pserver(1)                   # back at the checkpoint of step 3
             tr.pull()

@@ -17,7 +17,7 @@ from pserver.errors import AlreadyRunning, Fenced, MustResync, NoSession
 from pserver.sessions import Session, Sessions, on_call, on_hello
 from psproto import ps_pb2
 from psproto.codec import encode_chunks
-from tests.test_pserver_status import EP, Aborted, FakeContext, servicer
+from tests.helpers.servicer import EP, Aborted, FakeContext, servicer
 
 NOW, WINDOW = 1000.0, 6.0
 LIVE = Session(token="a" * 32, incarnation=1, peer="ipv4:127.0.0.1:1111", opened=NOW - 100)

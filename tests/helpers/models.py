@@ -46,3 +46,10 @@ def odd_program():
     from transpiler import Program
 
     return Program(odd_mlp(dtype=torch.float64), "adam", lr=0.01, weight_decay=0.01)
+
+
+def assert_state_close(state: dict, expected: dict, atol: float = 1e-5) -> None:
+    """Same keys, and every tensor within ``atol`` of the expected one (no relative tolerance)."""
+    assert state.keys() == expected.keys()
+    for k in expected:
+        torch.testing.assert_close(state[k], expected[k], rtol=0, atol=atol, msg=lambda m: f"{k}: {m}")

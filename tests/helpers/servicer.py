@@ -1,0 +1,51 @@
+"""A pserver servicer without a server: its methods called directly with a fake gRPC context."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pserver.servicer import PserverServicer
+from pserver.store import BlockStore
+from pserver.sync_engine import SyncEngine
+from pserver.tables.table_set import TableSet
+from psproto import ps_pb2
+from transpiler import DistributeTranspiler, DistributeTranspilerConfig, Program
+
+EP = "127.0.0.1:1"
+
+
+class Aborted(Exception):
+    """What the fake context's abort raises: grpc's abort never returns either."""
+
+
+class FakeContext:
+    """Records the one ``abort(code, details)`` a servicer method makes."""
+
+    def __init__(self, peer: str = "ipv4:127.0.0.1:40000"):
+        self.aborted = None
+        self._peer = peer
+
+    def peer(self) -> str:
+        return self._peer
+
+    def abort(self, code, details):
+        assert self.aborted is None, "aborted twice"
+        self.aborted = (code, details)
+        raise Aborted(details)
+
+
+def servicer() -> PserverServicer:
+    torch.manual_seed(0)
+    t = DistributeTranspiler(DistributeTranspilerConfig())
+    t.transpile(0, program=Program(nn.Linear(4, 2), "sgd", lr=0.5), pservers=EP, trainers=2)
+    ps = t.get_pserver_program(EP)
+    store, tables = BlockStore(ps, t.get_startup_program(EP, ps)), TableSet(ps)
+    engine = SyncEngine(store, tables, 2, EP, barrier_timeout=5.0)
+    return PserverServicer(engine, ps.layout_digest, chunk_bytes=1 << 20,
+                           alive_window=ps.config.session_alive_window)
+
+
+def open_session(svc: PserverServicer, trainer_id: int = 0) -> str:
+    """The session a Hello for ``trainer_id`` opens, as a trainer process gets it."""
+    request = ps_pb2.HelloRequest(trainer_id=trainer_id, layout_digest=svc.layout_digest, incarnation=77)
+    return svc.Hello(request.SerializeToString(), FakeContext()).session
