@@ -11,20 +11,10 @@ import time
 
 import grpc
 import pytest
-import torch
 
 from psproto import ps_pb2
-from tests.helpers.jobs import Job
-from tests.scripts import recovery_job
-from tests.helpers.models import assert_state_close
 
 CLOSE = "/psproto.ParameterServer/Close"
-
-
-def assert_trained_as_one_process(job: Job) -> None:
-    expected = recovery_job.reference(epochs=2)
-    for tid in range(2):
-        assert_state_close(torch.load(job.out / f"trainer-{tid}.pt"), expected)
 
 
 @pytest.mark.timeout(240)
@@ -61,7 +51,7 @@ def test_stray_closes_and_a_second_process_for_a_live_id_change_nothing(job_fact
     (job.pause / "go").touch()
     for name in ("trainer0", "trainer1", "pserver0", "pserver1"):
         assert job.wait(name, 120) == 0, job.all_logs()
-    assert_trained_as_one_process(job)
+    job.assert_trained_as_one_process()
 
 
 @pytest.mark.timeout(240)
@@ -85,4 +75,4 @@ def test_a_fenced_trainer_exits_and_its_late_push_is_not_applied(job_factory):
     for i in range(2):
         assert "trainer 1: a new process (from ipv4:127.0.0.1:" in job.log(f"pserver{i}.0")
     # Step 10 of trainer 1 counted once, from the new process: the model of an uninterrupted run.
-    assert_trained_as_one_process(job)
+    job.assert_trained_as_one_process()

@@ -9,7 +9,11 @@ import time
 from typing import Dict
 
 import pytest
+import torch
 
+from tests.scripts import recovery_job
+
+from .models import assert_state_close
 from .ports import free_ports
 
 SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "recovery_job.py")
@@ -87,6 +91,12 @@ class Job:
             return self.procs[name].wait(timeout)
         except subprocess.TimeoutExpired:
             pytest.fail(f"{name} did not finish within {timeout}s\n{self.all_logs()}")
+
+    def assert_trained_as_one_process(self, epochs: int = 2) -> None:
+        """Every trainer's saved final model equals single-process training on the same data (1e-5)."""
+        expected = recovery_job.reference(epochs=epochs)
+        for tid in range(self.n_trainers):
+            assert_state_close(torch.load(self.out / f"trainer-{tid}.pt"), expected)
 
     def kill(self, name: str) -> None:
         proc = self.procs[name]
