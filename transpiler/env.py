@@ -7,6 +7,9 @@
 ``PADDLE_TRAINER_ID``           this trainer's id (trainers only)
 ``POD_IP`` + ``PADDLE_PORT``    this pserver's own endpoint (pservers only)
 =============================== =========================================
+
+A trainer node may run several local processes (one per GPU); each also reads
+:class:`NodeEnv`'s variables, as torchrun and ``ps-launch --nproc_per_node`` set them.
 """
 from __future__ import annotations
 
@@ -20,6 +23,8 @@ ROLES = (PSERVER, TRAINER)
 # Every variable a role reads; a launcher sets these and drops inherited ones.
 ROLE_VARS = ("TRAINING_ROLE", "PADDLE_PSERVERS_IP_PORT_LIST", "PADDLE_TRAINERS_NUM",
              "PADDLE_TRAINER_ID", "POD_IP", "PADDLE_PORT")
+# A trainer node's local processes: torchrun's names, which ps-launch --nproc_per_node sets too.
+NODE_VARS = ("LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")
 
 
 def parse_endpoints(pservers: Union[str, Sequence[str]]) -> List[str]:
@@ -36,6 +41,75 @@ def parse_endpoints(pservers: Union[str, Sequence[str]]) -> List[str]:
     if dupes:
         raise ValueError(f"pserver endpoints listed twice: {dupes}")
     return endpoints
+
+
+@dataclass
+class NodeEnv:
+    """This process's place among the local processes of its trainer node.
+
+    ``master_addr:master_port`` is where the process group of these processes
+    meets (``torch.distributed``'s ``tcp://`` rendezvous): the node's own
+    group in pserver mode, the whole job's in collective mode, where ``rank``
+    and ``world_size`` count every process of every node.
+    """
+
+    local_rank: int = 0
+    local_world_size: int = 1
+    master_addr: Optional[str] = None
+    master_port: Optional[int] = None
+    rank: int = 0
+    world_size: int = 1
+
+    @property
+    def init_method(self) -> Optional[str]:
+        """``tcp://MASTER_ADDR:MASTER_PORT``, or None when either is unset."""
+        if not self.master_addr or not self.master_port:
+            return None
+        return f"tcp://{self.master_addr}:{self.master_port}"
+
+    @classmethod
+    def from_env(cls, environ: Optional[Mapping[str, str]] = None) -> "NodeEnv":
+        """Read LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE.
+
+        Unset variables mean one process per node (local rank 0 of 1); RANK
+        and WORLD_SIZE default to the local ones. Raises ValueError naming a
+        malformed or inconsistent variable.
+        """
+        env = os.environ if environ is None else environ
+
+        def get_int(name: str, default: Optional[int]) -> Optional[int]:
+            value = env.get(name)
+            if value is None or value == "":
+                return default
+            try:
+                return int(value)
+            except ValueError:
+                raise ValueError(f"{name} must be an integer, got {value!r}") from None
+
+        local_world_size = get_int("LOCAL_WORLD_SIZE", 1)
+        local_rank = get_int("LOCAL_RANK", 0)
+        if local_world_size < 1:
+            raise ValueError(f"LOCAL_WORLD_SIZE must be >= 1, got {local_world_size}")
+        if not 0 <= local_rank < local_world_size:
+            raise ValueError(f"LOCAL_RANK={local_rank} is out of range [0, LOCAL_WORLD_SIZE={local_world_size})")
+        world_size = get_int("WORLD_SIZE", local_world_size)
+        rank = get_int("RANK", local_rank)
+        if world_size < 1 or not 0 <= rank < world_size:
+            raise ValueError(f"RANK={rank} is out of range [0, WORLD_SIZE={world_size})")
+        port = get_int("MASTER_PORT", None)
+        if port is not None and not 0 < port < 65536:
+            raise ValueError(f"MASTER_PORT must be a port number, got {port}")
+        return cls(local_rank, local_world_size, env.get("MASTER_ADDR") or None, port, rank, world_size)
+
+    def to_env(self) -> Dict[str, str]:
+        """The variables that make :meth:`from_env` return this (what a launcher sets)."""
+        env = {"LOCAL_RANK": str(self.local_rank), "LOCAL_WORLD_SIZE": str(self.local_world_size),
+               "RANK": str(self.rank), "WORLD_SIZE": str(self.world_size)}
+        if self.master_addr:
+            env["MASTER_ADDR"] = self.master_addr
+        if self.master_port:
+            env["MASTER_PORT"] = str(self.master_port)
+        return env
 
 
 @dataclass
