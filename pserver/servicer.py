@@ -73,6 +73,14 @@ class _Counters:
         self.pushes = 0
         self.prefetches = 0
         self.refused = 0
+        # Per trainer (a node counts once): pushes counted and block gradients in them.
+        self.pushes_by_trainer: Dict[int, int] = {}
+        self.blocks_by_trainer: Dict[int, int] = {}
+
+    def counted(self, trainer_id: int, blocks: int) -> None:
+        with self.lock:
+            self.pushes_by_trainer[trainer_id] = self.pushes_by_trainer.get(trainer_id, 0) + 1
+            self.blocks_by_trainer[trainer_id] = self.blocks_by_trainer.get(trainer_id, 0) + blocks
 
     def add(self, bytes_in=0, bytes_out=0, pushes=0, prefetches=0, refused=0):
         with self.lock:
@@ -269,6 +277,8 @@ class PserverServicer:
             self.counters.add(bytes_in=reader.nbytes, pushes=1)
             applied, updates = self.engine.push(header.trainer_id, header.step, grads, sparse,
                                                 (header.epoch, header.batch))
+            if applied:
+                self.counters.counted(header.trainer_id, len(grads))
         finally:
             self._release(reader.tensors)
         if not applied:

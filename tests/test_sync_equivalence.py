@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from tests.helpers.cluster import LocalCluster
-from tests.helpers.models import batches, odd_mlp
+from tests.helpers.models import batches, odd_mlp, train_concatenated
 from transpiler import DistributeTranspilerConfig, Program
 
 STEPS = 4
@@ -40,22 +40,7 @@ def program(optimizer: str, dtype: torch.dtype = torch.float64) -> Program:
 
 def single_process(optimizer: str, data, dtype: torch.dtype = torch.float64) -> dict:
     """The reference: plain torch on the concatenation of all trainers' batches."""
-    prog = program(optimizer, dtype)
-    model = prog.model
-    opt = prog.optimizer.build(model.parameters())
-    sched = None
-    if prog.optimizer.lr_scheduler:
-        sched = getattr(torch.optim.lr_scheduler, prog.optimizer.lr_scheduler)(
-            opt, **prog.optimizer.lr_scheduler_kwargs)
-    for step_batches in data:
-        x = torch.cat([b[0] for b in step_batches])
-        y = torch.cat([b[1] for b in step_batches])
-        opt.zero_grad()
-        nn.functional.cross_entropy(model(x), y).backward()
-        opt.step()
-        if sched:
-            sched.step()
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return train_concatenated(program(optimizer, dtype), data)
 
 
 def assert_params_close(actual: dict, expected: dict) -> None:

@@ -18,7 +18,7 @@ class LocalBlocks:
     Checks on construction that the model has every planned parameter with
     the planned shape and dtype. Gradients are read as block views without
     copies; pulled blocks land straight in the parameters (CPU) or in a
-    staging tensor first (CUDA).
+    pinned staging tensor first (CUDA).
     """
 
     def __init__(self, program: TrainerProgram, model: nn.Module):
@@ -39,6 +39,8 @@ class LocalBlocks:
         self.by_name = {b.name: b for b in program.blocks}
         # Async pipeline: where blocks pulled in the background wait for install_staged().
         self._staging: Dict[str, torch.Tensor] = {}
+        # CUDA parameters: pulled blocks land here, then one non-blocking copy each to the device.
+        self._pinned_buffers: Dict[str, torch.Tensor] = {}
 
     def expect(self, name: str) -> Optional[Tuple[str, List[int]]]:
         """(dtype, shape) of block ``name``, None if the plan has no such block."""
@@ -49,9 +51,18 @@ class LocalBlocks:
         """The rows of block ``b`` in its parameter, shaped as the block."""
         return as_rows(self._params[b.param].data)[b.row_start:b.row_end].view(b.shape)
 
+    def grad_rows(self, b: BlockSpec) -> Optional[torch.Tensor]:
+        """This process's gradient of block ``b`` (a view, shaped as the block), None if it has none."""
+        g = self._params[b.param].grad
+        if g is None:
+            return None
+        if g.is_sparse:
+            g = g.to_dense()
+        return as_rows(g.contiguous())[b.row_start:b.row_end].view(b.shape)
+
     def grads(self, endpoint: str) -> List[Tuple[str, torch.Tensor]]:
         """(block name, gradient rows) of ``endpoint``'s blocks whose parameter has a gradient."""
-        out, flat = [], {}
+        out, flat, staged = [], {}, False
         for b in self.by_endpoint.get(endpoint, []):
             if b.param not in flat:
                 g = self._params[b.param].grad
@@ -60,7 +71,13 @@ class LocalBlocks:
                 flat[b.param] = None if g is None else as_rows(g.contiguous())
             g = flat[b.param]
             if g is not None:
-                out.append((b.name, g[b.row_start:b.row_end].view(b.shape)))
+                rows = g[b.row_start:b.row_end].view(b.shape)
+                if rows.device.type == "cuda":  # to the wire through pinned host memory
+                    rows = self._pinned("grad:" + b.name, rows).copy_(rows, non_blocking=True)
+                    staged = True
+                out.append((b.name, rows))
+        if staged:
+            torch.cuda.current_stream().synchronize()
         return out
 
     def receive(self, transfer: Callable[[Callable[[str], torch.Tensor]], int]) -> int:
@@ -71,14 +88,22 @@ class LocalBlocks:
             view = self.view(self.by_name[name])
             if view.device.type == "cpu":
                 return view
-            staged[name] = torch.empty(view.shape, dtype=view.dtype)  # CUDA params land here first
+            staged[name] = self._pinned(name, view)  # CUDA params land in pinned host memory first
             return staged[name]
 
         updates = transfer(dest)
         with torch.no_grad():
             for name, t in staged.items():
-                self.view(self.by_name[name]).copy_(t)
+                self.view(self.by_name[name]).copy_(t, non_blocking=True)
+        if staged:  # the pinned buffers are reused by the next pull
+            torch.cuda.current_stream().synchronize()
         return updates
+
+    def _pinned(self, name: str, like: torch.Tensor) -> torch.Tensor:
+        buf = self._pinned_buffers.get(name)
+        if buf is None:
+            buf = self._pinned_buffers[name] = torch.empty(like.shape, dtype=like.dtype, pin_memory=True)
+        return buf
 
     def stage(self, name: str) -> torch.Tensor:
         """A staging buffer for block ``name`` (pulled in the background, installed later)."""

@@ -183,7 +183,17 @@ class TableClient:
         table's optimizer step, as torch counts a step of a weight with a
         gradient.
         """
-        pieces: Pieces = {ep: [] for ep in self.pservers}
+        # Routed before the step is cleared: the lookups' routes of the same ids are reused.
+        pieces = self.route_gradients(self.take_table_gradients(clear=False))
+        self.clear()
+        return pieces
+
+    def take_table_gradients(self, clear: bool = True) -> Dict[str, Tuple[np.ndarray, torch.Tensor]]:
+        """This step's gradient of each table with one: (unique ids, rows on the CPU); clears the step.
+
+        Padding ids are left out (their rows never train).
+        """
+        out = {}
         for table, lookups in self._lookups.items():
             spec = self.specs[table]
             with_grad = [(ids, leaf.grad) for ids, leaf in lookups if leaf.grad is not None]
@@ -198,14 +208,23 @@ class TableClient:
                 keep = ids != spec.padding_idx
                 if not keep.all():
                     ids, grads = ids[keep], grads[torch.from_numpy(keep)]
+            out[table] = (ids, grads)
+        if clear:
+            self.clear()
+        return out
+
+    def route_gradients(self, grads: Mapping[str, Tuple[np.ndarray, torch.Tensor]]) -> Pieces:
+        """Table gradients ({table: (unique ids, rows)}) as push tensors per pserver (every pserver)."""
+        pieces: Pieces = {ep: [] for ep in self.pservers}
+        for table, (ids, rows) in grads.items():
+            spec = self.specs[table]
             order, bounds = self._route(ids)
             order_t = torch.from_numpy(order)
-            ids, grads = ids[order], grads[order_t]
+            ids, rows = ids[order], rows[order_t]
             for k, ep in enumerate(self.pservers):
                 lo, hi = int(bounds[k]), int(bounds[k + 1])
                 pieces[ep] += [(spec.ids_name, torch.from_numpy(ids[lo:hi])),
-                               (spec.rows_name, grads[lo:hi])]
-        self.clear()
+                               (spec.rows_name, rows[lo:hi])]
         return pieces
 
     def clear(self) -> None:

@@ -9,13 +9,17 @@ import torch
 from torch.utils.data import Dataset, DistributedSampler
 
 from transpiler import TrainerProgram
+from transpiler.env import NodeEnv
 from transpiler.tables import SPARSE_SEPARATOR
 
 from .blocks import LocalBlocks
 from .communicator import Communicator, PserverError
+from .devices import join_group, pick_device
 from .embedding import DistributedEmbedding, Pieces, TableClient
 from .heartbeat import Heartbeat
-from .recovery import ROLLBACK, Decision, Recovery
+from .node import Layout, NodeGroup
+from .node_steps import REPLAY, NodeSteps
+from .recovery import ROLLBACK, Decision, Recovery, recoverable
 
 Position = Tuple[int, int]
 
@@ -40,15 +44,32 @@ class Trainer:
     Every distributed table of the program is replaced in ``model`` by a
     :class:`~trainer.embedding.DistributedEmbedding`: lookups fetch rows from
     the pservers and :meth:`step` pushes the rows' gradients with the dense ones.
+
+    A trainer *node* may run several local processes, one per GPU
+    (``local_rank`` of ``local_world_size``; by default from ``LOCAL_RANK`` and
+    ``LOCAL_WORLD_SIZE`` as torchrun and ``ps-launch --nproc_per_node`` set
+    them). Each trains on its own batches; the node's gradients are reduced
+    among them (:mod:`trainer.node`) and the pservers see one trainer. Their
+    process group meets at ``init_method`` (default ``tcp://MASTER_ADDR:MASTER_PORT``).
+    The Trainer moves the model to :attr:`device`: ``cuda:<local rank>``
+    when CUDA is there, else the CPU; move each batch there too.
     """
 
-    def __init__(self, program: TrainerProgram, security=None):
+    def __init__(self, program: TrainerProgram, security=None, local_rank: Optional[int] = None,
+                 local_world_size: Optional[int] = None, init_method: Optional[str] = None):
         if not isinstance(program, TrainerProgram):
             raise TypeError(f"program must be a TrainerProgram, got {type(program).__name__}")
         if program.model is None:
             raise ValueError("the TrainerProgram carries no model; pass model= to TrainerProgram.from_bytes")
+        node = NodeEnv.from_env()
+        self.local_rank = node.local_rank if local_rank is None else local_rank
+        self.local_world_size = node.local_world_size if local_world_size is None else local_world_size
+        if not 0 <= self.local_rank < self.local_world_size:
+            raise ValueError(f"local_rank={self.local_rank} is out of range [0, local_world_size="
+                             f"{self.local_world_size})")
         self.program = program
-        self.model = program.model
+        self.device = pick_device(self.local_rank)
+        self.model = program.model.to(self.device)
         self.trainer_id = program.trainer_id
         self.sync_mode = program.sync_mode
         self.blocks = LocalBlocks(program, self.model)
@@ -58,7 +79,7 @@ class Trainer:
         self._closed = False
         # Async pipeline: the step being sent in the background; its pulled
         # blocks wait in self.blocks' staging buffers until the next step().
-        self._pipelined = not self.sync_mode and program.config.async_pipeline
+        self._pipelined = not self.sync_mode and program.config.async_pipeline and self.local_world_size == 1
         self._sender = futures.ThreadPoolExecutor(1, thread_name_prefix="trainer-send") \
             if self._pipelined else None
         self._in_flight: Optional[futures.Future] = None
@@ -71,24 +92,60 @@ class Trainer:
         self._batch_position: Optional[Position] = None
         self._rewound = False
         self._discard_step = False
+        self._lookup_error: Optional[PserverError] = None
+        self.node: Optional[NodeSteps] = None
+        self._own_group = False
         try:
+            if self.local_world_size > 1:
+                self._join_node(init_method or node.init_method)
             self._join()
             # Last, so a Trainer that failed to connect leaves the model as it was.
             self._install_tables()
         except BaseException:
             self.comm.shutdown()
+            self._leave_group()
             raise
-        self._heartbeat = Heartbeat(self.comm, program.pservers, program.config.heartbeat_interval).start()
-        log.info("trainer %d: ready at step %d (data position epoch %d batch %d), %d blocks on %d "
-                 "pservers", self.trainer_id, self.step_count, *self.position, len(self.blocks.by_name),
-                 len(self.blocks.by_endpoint))
+        self._heartbeat = None
+        if self.node is None or self.node.group.is_leader:  # the node's leader speaks for it
+            self._heartbeat = Heartbeat(self.comm, program.pservers, program.config.heartbeat_interval).start()
+        log.info("trainer %d%s: ready at step %d (data position epoch %d batch %d), %d blocks on %d "
+                 "pservers", self.trainer_id, self._local, self.step_count, *self.position,
+                 len(self.blocks.by_name), len(self.blocks.by_endpoint))
+
+    @property
+    def _local(self) -> str:
+        return f" local rank {self.local_rank}/{self.local_world_size}" if self.local_world_size > 1 else ""
+
+    def _join_node(self, init_method: Optional[str]) -> None:
+        """Meet the node's other local processes; they step as one trainer (see :mod:`trainer.node`)."""
+        cfg = self.program.config
+        self._own_group = not torch.distributed.is_initialized()
+        # Local ranks wait in collectives while their leader re-syncs or a barrier holds: allow for both.
+        timeout = max(cfg.barrier_timeout, cfg.recovery_timeout) + cfg.rpc_timeout
+        group = join_group(init_method, self.local_rank, self.local_world_size, self.device, timeout,
+                           f"trainer node {self.trainer_id} local rank {self.local_rank}")
+        layout = Layout(self.blocks.by_endpoint, self.program.pservers, self.local_world_size)
+        self.node = NodeSteps(NodeGroup(self.trainer_id, self.local_rank, layout, self.device, group), self.comm,
+                              self.recovery, self.blocks, self._pull_all, cfg.recovery_timeout)
+
+    def _leave_group(self) -> None:
+        if self._own_group and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+            self._own_group = False
 
     def _join(self) -> None:
         """Register with every pserver and pull the parameters of the step they stand at.
 
         A pserver lost before the first pull is waited for and re-synced with,
-        as in a step (see :class:`~trainer.recovery.Recovery`).
+        as in a step (see :class:`~trainer.recovery.Recovery`). On a node, its
+        leader does it for every local rank.
         """
+        if self.node is not None:
+            self.step_count, self.position = self.node.join(self._join_alone)
+            return
+        self._join_alone()
+
+    def _join_alone(self) -> Tuple[int, Position]:
         joined = self.recovery.join()
         self.position: Position = joined.position
         self.step_count = joined.step
@@ -96,6 +153,7 @@ class Trainer:
                                      self._pull_all)
         if outcome is not None:
             self._resynced(outcome)
+        return self.step_count, self.position
 
     def _install_tables(self) -> None:
         """Put a DistributedEmbedding in place of each distributed table's module."""
@@ -123,6 +181,8 @@ class Trainer:
         the others went on), the rows come from there and the current batch's
         step is discarded: its forward began before the re-sync.
         """
+        if self.node is not None:
+            return self._fetch_rows_on_node(pieces, min_updates)
         fetched: Dict[str, Dict[str, torch.Tensor]] = {}
         outcome = self.recovery.heal(self.step_count, f"lookup at step {self.step_count}",
                                      lambda: fetched.update(self._prefetch_all(pieces, min_updates)),
@@ -132,6 +192,22 @@ class Trainer:
         self._resynced(outcome)
         self._discard_step = True
         return self._prefetch_all(pieces, self.step_count if self.sync_mode else 0)
+
+    def _fetch_rows_on_node(self, pieces: Pieces, min_updates: int) -> Dict[str, Dict[str, torch.Tensor]]:
+        """A lookup of one local rank: a failure spoils the batch (zero rows), and the node heals at step()."""
+        try:
+            return self._prefetch_all(pieces, min_updates)
+        except PserverError as e:
+            if not recoverable(e):
+                raise
+            self._lookup_error = self._lookup_error or e
+        rows = {}
+        for ep, asked in pieces.items():
+            rows[ep] = {}
+            for name, ids in asked:
+                spec = self.tables.spec(name.rpartition(SPARSE_SEPARATOR)[0])
+                rows[ep][spec.rows_name] = torch.zeros((len(ids), spec.dim), dtype=getattr(torch, spec.dtype))
+        return rows
 
     def _prefetch_all(self, pieces: Pieces, min_updates: int) -> Dict[str, Dict[str, torch.Tensor]]:
         """One prefetch round trip per pserver in ``pieces``, in parallel."""
@@ -179,12 +255,14 @@ class Trainer:
             return self.step_count
         step = self.step_count
         position = self._batch_position or (0, step + 1)
+        if self.node is not None:
+            return self._step_on_node(step, position)
+        self._finish_in_flight()  # before the pinned gradient buffers (CUDA) are refilled
         sparse = self.tables.take_gradients() if self.program.tables else {}
         grads = {ep: self.blocks.grads(ep) + sparse.get(ep, [])
                  for ep in self._push_endpoints}
         resync = None
         if self._pipelined:
-            self._finish_in_flight()
             self._in_flight = self._sender.submit(self._send, step, grads, position)
         else:
             resync = self._push_pull_all(step, grads, lambda ep, g: self.blocks.receive(
@@ -196,6 +274,29 @@ class Trainer:
             self.position = position
         else:
             self._resynced(resync)
+        return self.step_count
+
+    def _step_on_node(self, step: int, position: Position) -> int:
+        """One step of a node's local rank: reduce, push and pull its share, gather (see NodeSteps)."""
+        lookup_error, self._lookup_error = self._lookup_error, None
+
+        def table_grads() -> Dict[str, list]:
+            if not self.program.tables:
+                return {}
+            dims = {t.name: (t.dim, getattr(torch, t.dtype)) for t in self.program.tables}
+            return self.tables.route_gradients(self.node.group.merge_table_grads(
+                self.tables.take_table_gradients(), dims))
+
+        outcome = self.node.step(step, position, lookup_error, table_grads, self._push_endpoints)
+        self.tables.clear()
+        self.model.zero_grad(set_to_none=True)
+        if outcome is None:
+            self.step_count, self.position = step + 1, position
+        elif outcome == REPLAY:
+            self._rewound = True  # batches() trains the batch again, at the same step
+        else:
+            self._resynced(outcome)
+            self._rewound = True
         return self.step_count
 
     def _push_pull_all(self, step: int, grads: Dict[str, list],
@@ -237,8 +338,11 @@ class Trainer:
         self._check_open()
         self._finish_in_flight()
         step = self.step_count
-        outcome = self.recovery.heal(step, f"pull at step {step}",
-                                     lambda: self._pull_all(step if self.sync_mode else 0), self._pull_all)
+        if self.node is not None:
+            outcome = self.node.pull(step, step if self.sync_mode else 0)
+        else:
+            outcome = self.recovery.heal(step, f"pull at step {step}",
+                                         lambda: self._pull_all(step if self.sync_mode else 0), self._pull_all)
         if outcome is not None:
             self._resynced(outcome)
 
@@ -287,9 +391,12 @@ class Trainer:
         """
         self._check_open()
         self._finish_in_flight()  # the saved rows include this trainer's last step
-        replies = self.comm.run_parallel({ep: (lambda ep=ep: self.comm.save_tables(ep, directory))
-                                          for ep in self.program.pservers})
-        return [p for reply in replies.values() for p in reply.paths]
+
+        def save() -> List[str]:
+            replies = self.comm.run_parallel({ep: (lambda ep=ep: self.comm.save_tables(ep, directory))
+                                              for ep in self.program.pservers})
+            return [p for reply in replies.values() for p in reply.paths]
+        return self.node.leader_does("save_tables", save) if self.node is not None else save()
 
     def batches(self, loader: Iterable, epochs: int) -> Iterator:
         """The items of ``loader`` for ``epochs`` epochs, from this trainer's data position on.
@@ -337,33 +444,43 @@ class Trainer:
         """
         self._check_open()
         self._finish_in_flight()
-        replies = self.comm.run_parallel({ep: (lambda ep=ep: self.comm.checkpoint(ep))
-                                          for ep in self.program.pservers})
-        return [replies[ep].path for ep in self.program.pservers]
+
+        def checkpoint() -> List[str]:
+            replies = self.comm.run_parallel({ep: (lambda ep=ep: self.comm.checkpoint(ep))
+                                              for ep in self.program.pservers})
+            return [replies[ep].path for ep in self.program.pservers]
+        return self.node.leader_does("checkpoint", checkpoint) if self.node is not None else checkpoint()
 
     def sampler(self, dataset: Dataset, **kwargs) -> DistributedSampler:
-        """This trainer's shard of ``dataset``: a ``DistributedSampler`` over all trainers.
+        """This process's shard of ``dataset``: a ``DistributedSampler`` over every process of every node.
 
         Keyword arguments go to ``DistributedSampler`` (``shuffle``, ``seed``,
         ``drop_last``); call ``set_epoch`` on it every epoch when shuffling.
         """
-        return DistributedSampler(dataset, num_replicas=self.program.trainers,
-                                  rank=self.trainer_id, **kwargs)
+        return DistributedSampler(dataset, num_replicas=self.program.trainers * self.local_world_size,
+                                  rank=self.trainer_id * self.local_world_size + self.local_rank, **kwargs)
 
     def close(self) -> None:
         """Tell every pserver this trainer is done and release connections. Idempotent."""
         if self._closed:
             return
         self._closed = True
-        self._heartbeat.stop()
+        if self._heartbeat is not None:
+            self._heartbeat.stop()
         try:
             self._finish_in_flight()  # the last step reaches the pservers before Close
+            if self.node is not None and not self.node.group.failed:  # all local ranks done: the leader closes
+                self.node.group.barrier(f"trainer node {self.trainer_id} closing")
         finally:
             if self._sender is not None:
                 self._sender.shutdown(wait=False)
-            self.comm.close()
-        log.info("trainer %d: closed after step %d (pushed %s bytes, pulled %s bytes)",
-                 self.trainer_id, self.step_count, f"{self.comm.bytes_pushed:,}",
+            if self.node is None or (self.node.group.is_leader and not self.node.group.failed):
+                self.comm.close()
+            else:  # a failed node does not Close: the pservers wait for it to restart and rejoin
+                self.comm.shutdown()
+            self._leave_group()
+        log.info("trainer %d%s: closed after step %d (pushed %s bytes, pulled %s bytes)",
+                 self.trainer_id, self._local, self.step_count, f"{self.comm.bytes_pushed:,}",
                  f"{self.comm.bytes_pulled:,}")
 
     def _check_open(self) -> None:

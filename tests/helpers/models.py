@@ -41,6 +41,28 @@ def batches(n_trainers: int, per_trainer: int, steps: int, seed: int = 7,
     return out
 
 
+def train_concatenated(prog, data) -> dict:
+    """Plain torch on the concatenation of every trainer's batches, step by step: the sync reference.
+
+    ``prog`` is a dense Program; ``data`` as :func:`batches` makes it. Returns the final state_dict.
+    """
+    model = prog.model
+    opt = prog.optimizer.build(model.parameters())
+    sched = None
+    if prog.optimizer.lr_scheduler:
+        sched = getattr(torch.optim.lr_scheduler, prog.optimizer.lr_scheduler)(
+            opt, **prog.optimizer.lr_scheduler_kwargs)
+    for step_batches in data:
+        x = torch.cat([b[0] for b in step_batches])
+        y = torch.cat([b[1] for b in step_batches])
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        if sched:
+            sched.step()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
 def odd_program():
     """A Program for ``ps-server --program tests/helpers/models.py:odd_program``."""
     from transpiler import Program

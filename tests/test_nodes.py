@@ -1,0 +1,69 @@
+"""Trainer nodes of several local processes (one per GPU in production; gloo on CPU here).
+
+2 nodes x 2 local processes against 2 pservers, sync: the parameters after k
+steps equal single-process training on the concatenated batches of all four
+processes; the pservers count 2 trainers, and each node pushed each block
+exactly once per step. The same with distributed tables whose ids overlap
+across local ranks (SGD and Adagrad).
+"""
+import pytest
+import torch
+
+from tests.helpers.cluster import LocalCluster
+from tests.helpers.models import assert_state_close, batches, odd_mlp, train_concatenated
+from tests.helpers.nodes import run_nodes
+from tests.helpers.table_models import BAG_VOCAB, VOCAB, single_process, table_batches, table_model
+from transpiler import DistributeTranspilerConfig, Program, TableOptions
+
+STEPS = 3
+PER_PROCESS = 6
+
+
+def dense_program() -> Program:
+    return Program(odd_mlp(dtype=torch.float32), "momentum", lr=0.05, momentum=0.9)
+
+
+def table_program() -> Program:
+    """One table trained with SGD, the other with Adagrad: both sparse updates in one job."""
+    return Program(table_model(torch.float64), "sgd", lr=0.5, distributed_tables={
+        "emb": TableOptions(optimizer="sgd", optimizer_kwargs=dict(lr=0.5)),
+        "bag": TableOptions(optimizer="adagrad", optimizer_kwargs=dict(lr=0.3, initial_accumulator_value=0.1))})
+
+
+@pytest.mark.timeout(120)
+def test_two_nodes_of_two_processes_train_as_one_process(tmp_path):
+    build = dense_program
+    data = batches(4, PER_PROCESS, STEPS)
+    config = DistributeTranspilerConfig()
+    with LocalCluster(build, 2, 2, config=config) as cluster:
+        results = run_nodes(tmp_path, build, cluster.endpoints, data, config=config)
+        counters = [s.servicer.counters for s in cluster.servers]
+        blocks = [len(list(s.servicer.store.names())) for s in cluster.servers]
+        seen = [sorted(s.engine.roster.last_step) for s in cluster.servers]
+    expected = train_concatenated(build(), data)
+    for state, _, steps in results:
+        assert steps == STEPS
+        assert_state_close(state, expected, atol=1e-5)
+    for c, n_blocks, trainers in zip(counters, blocks, seen):
+        assert trainers == [0, 1]  # the pservers saw two trainers: the nodes
+        assert c.pushes_by_trainer == {0: STEPS, 1: STEPS}  # one push per node per step
+        assert c.blocks_by_trainer == {0: STEPS * n_blocks, 1: STEPS * n_blocks}  # each block once per step
+
+
+@pytest.mark.timeout(120)
+def test_nodes_with_distributed_tables_train_as_one_process(tmp_path):
+    build = table_program
+    data = table_batches(4, PER_PROCESS, STEPS)  # zipf ids: local ranks of a node share ids
+    overlap = set(data[0][0][0].flatten().tolist()) & set(data[0][1][0].flatten().tolist())
+    assert overlap, "the data must make local ranks look up the same ids"
+    with LocalCluster(build, 2, 2) as cluster:
+        results = run_nodes(tmp_path, build, cluster.endpoints, data,
+                            tables=[("emb", VOCAB), ("bag", BAG_VOCAB)])
+        pushes = [s.servicer.counters.pushes_by_trainer for s in cluster.servers]
+    ref_state, ref_rows = single_process(build(), data)
+    for state, rows, steps in results:
+        assert steps == STEPS
+        assert_state_close(state, ref_state, atol=1e-6)
+        for name in ref_rows:
+            torch.testing.assert_close(rows[name], ref_rows[name], rtol=1e-5, atol=1e-6)
+    assert pushes == [{0: STEPS, 1: STEPS}] * 2
