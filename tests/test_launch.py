@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import os
 import re
 import signal
 import subprocess
@@ -14,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from transpiler import RoleEnv
-from tests.helpers.launch import run_ps_launch
+from tests.helpers.launch import (Launchers, assert_all_gone, finish, kill_probes, pid_alive, records,
+                                  run_ps_launch, wait_for)
 from trainer import launch, launch_plan
 
 # Every test here starts pservers and trainers as separate processes.
@@ -23,26 +23,6 @@ pytestmark = pytest.mark.processes
 REPO = Path(__file__).resolve().parents[1]
 PROBE = str(REPO / "tests" / "scripts" / "role_probe.py")
 EXAMPLE = str(REPO / "examples" / "train_mlp.py")
-
-
-def wait_for(predicate, timeout: float, what: str):
-    """Poll ``predicate`` (every 50 ms) until it is truthy; fail the test naming ``what`` on timeout."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.05)
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 # ---------------------------------------------------------------- supervising, in process
@@ -55,18 +35,7 @@ def probe_dir(tmp_path, monkeypatch):
     d.mkdir()
     monkeypatch.setenv("PROBE_DIR", str(d))
     yield d
-    for record in d.glob("*.json"):
-        pid = json.loads(record.read_text())["pid"]
-        try:
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-        except OSError:
-            continue
-        if b"role_probe" in cmdline:
-            os.kill(pid, signal.SIGKILL)
-
-
-def records(d: Path) -> dict:
-    return {p.stem: json.loads(p.read_text()) for p in d.glob("*.json")}
+    kill_probes(d, [b"role_probe"])
 
 
 def start_probes(argv, tmp_path, probe_args):
@@ -125,35 +94,9 @@ def test_supervise_second_signal_skips_the_sigterm_grace(tmp_path, probe_dir):
 @pytest.fixture
 def run_launcher(tmp_path, probe_dir):
     """Start ``python -m trainer.launch ARGS`` in tmp_path; stopped (and its roles killed) at teardown."""
-    procs = []
-
-    def start(*argv, env=None):
-        proc = subprocess.Popen([sys.executable, "-m", "trainer.launch", *argv], cwd=tmp_path,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                env=dict(os.environ, **(env or {})))
-        procs.append(proc)
-        return proc
-
-    yield start
-    for proc in procs:
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.communicate(timeout=20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.communicate()
-
-
-def finish(proc, timeout: float):
-    out, err = proc.communicate(timeout=timeout)
-    return proc.returncode, out, err
-
-
-def assert_all_gone(recs: dict):
-    assert recs
-    alive = {name: r["pid"] for name, r in recs.items() if pid_alive(r["pid"])}
-    assert not alive, f"roles outlived the launcher: {alive}"
+    launchers = Launchers(tmp_path)
+    yield launchers.start
+    launchers.close()
 
 
 @pytest.mark.timeout(60)

@@ -59,11 +59,22 @@ def start_roles(roles: List[Role], script: str, script_args: Sequence[str], log_
         raise
 
 
+def _place(role: Role) -> str:
+    if role.kind == PSERVER:
+        return role.endpoint
+    if role.local_world_size == 1 and "WORLD_SIZE" not in role.env:
+        return f"trainer {role.index} on {role.host}"
+    where = f"trainer node {role.index} local rank {role.local_rank}/{role.local_world_size}"
+    if "PADDLE_PSERVERS_IP_PORT_LIST" not in role.env:  # collective: one group of the whole job
+        where += f" rank {role.env['RANK']}/{role.env['WORLD_SIZE']}"
+    return f"{where} on {role.host}"
+
+
 def format_table(roles: List[Role]) -> str:
-    """The role/endpoint table printed at start: role, index, endpoint or trainer id, pid, log file."""
+    """The table printed at start: role, index, endpoint or trainer node (and local rank), pid, log file."""
     rows = [("ROLE", "INDEX", "ENDPOINT / TRAINER ID", "PID", "LOG")]
     for r in roles:
-        where = r.endpoint if r.kind == PSERVER else f"trainer {r.index} on {r.host}"
+        where = _place(r)
         rows.append((r.kind, str(r.index), where, str(r.proc.pid) if r.proc else "-", r.log_path or "-"))
     widths = [max(len(row[c]) for row in rows) for c in range(len(rows[0]))]
     return "\n".join("  ".join(v.ljust(w) for v, w in zip(row, widths)).rstrip() for row in rows)
@@ -148,13 +159,16 @@ def supervise(roles: List[Role], server_grace: Optional[float] = 30.0, term_time
               stops: Optional[StopSignals] = None) -> int:
     """Wait for the started roles and stop them; return the launcher's exit code.
 
+    A role is one process; a trainer node of several processes is several roles.
     Trainers all exiting 0 is success (0): pservers then get ``server_grace`` s to
     exit by themselves before being stopped (None: wait for them, as when
     trainers on other hosts still use them; pservers exit once every trainer
     of the job has closed). Any role exiting non-zero fails the
-    job (1): the others are stopped and the failure is reported with its log's
-    tail. A signal counted in ``stops`` stops every role (128 + signal number);
-    one arriving while roles are being stopped cuts their SIGTERM grace short.
+    job (1): the others are stopped (a failed trainer node's other processes
+    among them, which would wait in its collectives) and the failure is reported,
+    naming the node and local rank, with its log's tail. A signal counted in
+    ``stops`` stops every role (128 + signal number); one arriving while roles
+    are being stopped cuts their SIGTERM grace short.
     """
     stops = stops or StopSignals()
     trainers = [r for r in roles if r.kind == TRAINER]
@@ -173,10 +187,15 @@ def supervise(roles: List[Role], server_grace: Optional[float] = 30.0, term_time
             return 128 + stops.signum
         failed = [r for r in roles if r.proc.poll() not in (None, 0)]
         if failed:
+            # A process killed by a signal is a cause, never a peer's consequence (those exit
+            # with an error once a collective breaks): name it first.
+            failed.sort(key=lambda r: r.proc.returncode >= 0)
             stop(roles)
             first = failed[0]
-            also = "".join(f"\nps-launch: {r.name} {_exit_text(r)} too" for r in failed[1:])
-            print(f"ps-launch: {first.name} {_exit_text(first)}; stopped every other role{also}\n"
+            also = "".join(f"\nps-launch: {r.title} {_exit_text(r)} too" for r in failed[1:])
+            node = (f" (the other local ranks of trainer node {first.index} among them)"
+                    if first.kind == TRAINER and first.local_world_size > 1 else "")
+            print(f"ps-launch: {first.title} {_exit_text(first)}; stopped every other role{node}{also}\n"
                   f"ps-launch: last lines of {first.log_path}:\n{tail(first.log_path)}",
                   file=sys.stderr, flush=True)
             return 1
@@ -218,8 +237,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             return 2
         try:
             print(format_table(roles), flush=True)
-            local_trainers = sum(r.kind == TRAINER for r in roles)
-            all_trainers_here = local_trainers == int(roles[0].env["PADDLE_TRAINERS_NUM"])
+            local_nodes = len({r.index for r in roles if r.kind == TRAINER})
+            all_trainers_here = local_nodes == int(roles[0].env["PADDLE_TRAINERS_NUM"])
             grace = args.server_grace if all_trainers_here else None
             return supervise(roles, grace, args.term_timeout, stops)
         finally:

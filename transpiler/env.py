@@ -8,13 +8,16 @@
 ``POD_IP`` + ``PADDLE_PORT``    this pserver's own endpoint (pservers only)
 =============================== =========================================
 
+A trainer with no ``PADDLE_PSERVERS_IP_PORT_LIST`` (unset or empty) is a collective
+trainer (``RoleEnv.collective``); a pserver always needs the list.
+
 A trainer node may run several local processes (one per GPU); each also reads
 :class:`NodeEnv`'s variables, as torchrun and ``ps-launch --nproc_per_node`` set them.
 """
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Dict, List, Mapping, Optional, Sequence, Union
 
 
@@ -114,25 +117,60 @@ class NodeEnv:
 
 @dataclass
 class RoleEnv:
-    """This process's role in a distributed job."""
+    """This process's role in a distributed job, and (trainers) its place in its node.
+
+    A trainer with no pservers (``PADDLE_PSERVERS_IP_PORT_LIST`` unset or empty)
+    is a *collective* trainer: ``pservers == []`` and :attr:`collective` is True;
+    there ``node.rank``/``node.world_size`` count every process of every node and
+    default to ``trainer_id * LOCAL_WORLD_SIZE + LOCAL_RANK`` and
+    ``PADDLE_TRAINERS_NUM * LOCAL_WORLD_SIZE``. With pservers, ``node`` is the
+    trainer node's own group (ps-launch sets ``RANK = LOCAL_RANK``,
+    ``WORLD_SIZE = LOCAL_WORLD_SIZE``). Pservers have the default ``NodeEnv()``.
+    """
 
     role: str
     pservers: List[str]
     trainers: int
     trainer_id: int = 0
     current_endpoint: Optional[str] = None
+    node: NodeEnv = field(default_factory=NodeEnv)
 
     @property
     def is_pserver(self) -> bool:
         return self.role == PSERVER
 
     @property
+    def collective(self) -> bool:
+        """A trainer of a job with no pservers (collective / nccl2 mode)."""
+        return self.role == TRAINER and not self.pservers
+
+    @property
     def pserver_list(self) -> str:
         return ",".join(self.pservers)
 
+    @property
+    def local_rank(self) -> int:
+        """This process's index among its node's processes (``LOCAL_RANK``)."""
+        return self.node.local_rank
+
+    @property
+    def local_world_size(self) -> int:
+        """How many processes its node runs (``LOCAL_WORLD_SIZE``)."""
+        return self.node.local_world_size
+
+    @property
+    def rank(self) -> int:
+        """Its rank in its process group (``RANK``): the node's in pserver mode, the job's in collective mode."""
+        return self.node.rank
+
+    @property
+    def world_size(self) -> int:
+        """The size of that process group (``WORLD_SIZE``)."""
+        return self.node.world_size
+
     @classmethod
     def from_env(cls, environ: Optional[Mapping[str, str]] = None) -> Optional["RoleEnv"]:
-        """Read the role variables; None when ``TRAINING_ROLE`` is unset (a local run).
+        """Read the role variables (and a trainer's :class:`NodeEnv`); None when ``TRAINING_ROLE`` is unset.
 
         Raises ValueError naming the variable that is missing or malformed.
         """
@@ -157,7 +195,10 @@ class RoleEnv:
             except ValueError:
                 raise ValueError(f"{name} must be an integer, got {value!r}") from None
 
-        pservers = parse_endpoints(need("PADDLE_PSERVERS_IP_PORT_LIST"))
+        if role == TRAINER and not env.get("PADDLE_PSERVERS_IP_PORT_LIST", "").strip():
+            pservers = []  # collective mode: trainers only
+        else:
+            pservers = parse_endpoints(need("PADDLE_PSERVERS_IP_PORT_LIST"))
         trainers = need_int("PADDLE_TRAINERS_NUM")
         if trainers < 1:
             raise ValueError(f"PADDLE_TRAINERS_NUM must be >= 1, got {trainers}")
@@ -165,7 +206,8 @@ class RoleEnv:
             trainer_id = need_int("PADDLE_TRAINER_ID")
             if not 0 <= trainer_id < trainers:
                 raise ValueError(f"PADDLE_TRAINER_ID={trainer_id} is out of range [0, {trainers})")
-            return cls(role, pservers, trainers, trainer_id=trainer_id)
+            node = _collective_node(env, trainers, trainer_id) if not pservers else NodeEnv.from_env(env)
+            return cls(role, pservers, trainers, trainer_id=trainer_id, node=node)
         endpoint = f"{need('POD_IP')}:{need_int('PADDLE_PORT')}"
         if endpoint not in pservers:
             raise ValueError(f"this pserver's endpoint {endpoint} (POD_IP:PADDLE_PORT) is not in "
@@ -173,12 +215,39 @@ class RoleEnv:
         return cls(role, pservers, trainers, current_endpoint=endpoint)
 
     def to_env(self) -> Dict[str, str]:
-        """The role variables that make :meth:`from_env` return this role (what a launcher sets)."""
-        env = {"TRAINING_ROLE": self.role, "PADDLE_PSERVERS_IP_PORT_LIST": self.pserver_list,
-               "PADDLE_TRAINERS_NUM": str(self.trainers)}
+        """The variables that make :meth:`from_env` return this role (what a launcher sets).
+
+        A collective trainer gets no ``PADDLE_PSERVERS_IP_PORT_LIST``; a trainer
+        whose node is not the default ``NodeEnv()`` also gets the node's variables.
+        """
+        env = {"TRAINING_ROLE": self.role, "PADDLE_TRAINERS_NUM": str(self.trainers)}
+        if self.pservers or self.is_pserver:
+            env["PADDLE_PSERVERS_IP_PORT_LIST"] = self.pserver_list
         if self.is_pserver:
             ip, _, port = (self.current_endpoint or "").rpartition(":")
             env.update(POD_IP=ip, PADDLE_PORT=port)
         else:
             env["PADDLE_TRAINER_ID"] = str(self.trainer_id)
+            if self.node != NodeEnv():
+                env.update(self.node.to_env())
         return env
+
+
+def _collective_node(env: Mapping[str, str], trainers: int, trainer_id: int) -> NodeEnv:
+    """A collective trainer's place in the whole job: RANK and WORLD_SIZE count every process of every node.
+
+    Unset, they are ``trainer_id * LOCAL_WORLD_SIZE + LOCAL_RANK`` and
+    ``PADDLE_TRAINERS_NUM * LOCAL_WORLD_SIZE``; a WORLD_SIZE that says otherwise is an error.
+    """
+    given = {k: env[k] for k in NODE_VARS if env.get(k)}
+    local = NodeEnv.from_env({k: v for k, v in given.items() if k not in ("RANK", "WORLD_SIZE")})
+    world = trainers * local.local_world_size
+    if "WORLD_SIZE" in given:
+        node_world = NodeEnv.from_env({"WORLD_SIZE": given["WORLD_SIZE"]}).world_size  # an integer >= 1
+        if node_world != world:
+            raise ValueError(f"WORLD_SIZE={node_world} does not match PADDLE_TRAINERS_NUM={trainers} x "
+                             f"LOCAL_WORLD_SIZE={local.local_world_size} = {world} (collective mode: every "
+                             f"process of every node is in one group)")
+    given.setdefault("WORLD_SIZE", str(world))
+    given.setdefault("RANK", str(trainer_id * local.local_world_size + local.local_rank))
+    return NodeEnv.from_env(given)
