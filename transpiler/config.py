@@ -10,6 +10,9 @@ from dataclasses import dataclass
 from typing import Optional
 
 SPLIT_METHODS = ("RoundRobin", "HashName")
+MODES = ("pserver", "collective")
+# Paddle calls collective training "nccl2" mode; both names mean the same here.
+MODE_ALIASES = {"nccl2": "collective"}
 MIN_BLOCK_SIZE_FLOOR = 8192
 NONFINITE_GRADS = ("refuse", "apply")
 
@@ -33,7 +36,8 @@ class DistributeTranspilerConfig:
     - ``connect_timeout`` (float s, 120): how long a trainer waits for each
       pserver to come up before failing with an error that names it.
     - ``barrier_timeout`` (float s, 300): how long a sync step waits for the
-      other trainers' gradients before failing with the missing trainer ids.
+      other trainers' gradients before failing with the missing trainer ids;
+      in collective mode, the timeout of the rendezvous and of every collective.
     - ``rpc_timeout`` (float s, 300): deadline of one push or pull transfer.
     - ``chunk_bytes`` (int, 1 MiB): largest tensor piece per gRPC message.
     - ``pserver_torch_threads`` (int, 1): torch intra-op threads in a pserver;
@@ -71,6 +75,24 @@ class DistributeTranspilerConfig:
       unavailable pserver (with backoff) before failing.
     - ``nonfinite_grads`` (str, "refuse"): a pushed gradient holding NaN or Inf
       is refused with INVALID_ARGUMENT ("refuse") or applied as is ("apply").
+    - ``mode`` (str, "pserver"): "pserver" trains through pservers; "collective"
+      (Paddle's "nccl2", accepted and stored as "collective") trains with no
+      pservers: every process wraps the model in ``DistributedDataParallel`` and
+      steps the program's optimizer itself. Collective mode is synchronous and
+      refuses distributed tables; ``barrier_timeout`` bounds its collectives.
+    - ``bucket_cap_mb`` (float, 25.0): collective mode; size of DDP's fused
+      all-reduce buckets in MiB (Paddle's ``fuse_all_reduce`` /
+      ``FLAGS_fuse_parameter_memory_size``): bigger buckets mean fewer, larger
+      collectives but later overlap with the backward pass.
+    - ``use_local_sgd`` (bool, False): collective mode; Local SGD (torch's
+      ``post_localSGD_hook`` + ``PostLocalSGDOptimizer``): after the warm-up,
+      gradients are all-reduced only among a node's processes and parameters
+      are averaged over all processes every ``local_sgd_steps`` steps.
+    - ``local_sgd_steps`` (int, 1): Local SGD's averaging period in steps; 1
+      averages every step (plain synchronous SGD for sgd/momentum, slower than
+      plain all-reduce).
+    - ``local_sgd_warmup_steps`` (int, 0): steps of plain global gradient
+      all-reduce before Local SGD starts.
     """
 
     slice_var_up: bool = True
@@ -92,13 +114,25 @@ class DistributeTranspilerConfig:
     recovery_timeout: float = 300.0
     trainer_rejoin_timeout: float = 600.0
     nonfinite_grads: str = "refuse"
+    mode: str = "pserver"
+    bucket_cap_mb: float = 25.0
+    use_local_sgd: bool = False
+    local_sgd_steps: int = 1
+    local_sgd_warmup_steps: int = 0
 
     @property
     def session_alive_window(self) -> float:
         """Seconds a trainer's session stays alive after its last call: three heartbeat intervals."""
         return 3 * self.heartbeat_interval
 
+    @property
+    def collective(self) -> bool:
+        """True in collective ("nccl2") mode: DDP among the trainers, no pservers."""
+        return MODE_ALIASES.get(self.mode, self.mode) == "collective"
+
     def __post_init__(self) -> None:
+        if isinstance(self.mode, str):
+            self.mode = MODE_ALIASES.get(self.mode, self.mode)
         self.validate()
 
     def validate(self) -> None:
@@ -141,6 +175,27 @@ class DistributeTranspilerConfig:
         if not isinstance(self.pserver_rpc_workers, int) or self.pserver_rpc_workers < 0:
             raise ValueError(
                 f"pserver_rpc_workers must be an int >= 0, got {self.pserver_rpc_workers!r}")
+        self._validate_collective()
+
+    def _validate_collective(self) -> None:
+        """The collective-mode fields: mode, bucket size, Local SGD."""
+        if not isinstance(self.mode, str) or MODE_ALIASES.get(self.mode, self.mode) not in MODES:
+            raise ValueError(f"mode must be one of {MODES} (or {sorted(MODE_ALIASES)} for "
+                             f"{sorted(set(MODE_ALIASES.values()))}), got {self.mode!r}")
+        if isinstance(self.bucket_cap_mb, bool) or not isinstance(self.bucket_cap_mb, (int, float)) \
+                or not 0 < self.bucket_cap_mb < float("inf"):
+            raise ValueError(f"bucket_cap_mb must be a positive number of MiB, got {self.bucket_cap_mb!r}")
+        if not isinstance(self.use_local_sgd, bool):
+            raise ValueError(f"use_local_sgd must be a bool, got {self.use_local_sgd!r}")
+        if isinstance(self.local_sgd_steps, bool) or not isinstance(self.local_sgd_steps, int) \
+                or self.local_sgd_steps < 1:
+            raise ValueError(f"local_sgd_steps must be an int >= 1, got {self.local_sgd_steps!r}")
+        if isinstance(self.local_sgd_warmup_steps, bool) or not isinstance(self.local_sgd_warmup_steps, int) \
+                or self.local_sgd_warmup_steps < 0:
+            raise ValueError(f"local_sgd_warmup_steps must be an int >= 0, got {self.local_sgd_warmup_steps!r}")
+        if self.use_local_sgd and not self.collective:
+            raise ValueError("use_local_sgd needs mode='collective' (or 'nccl2'): in pserver mode the "
+                             "pservers hold the parameters and there is nothing to average locally")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

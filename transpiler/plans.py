@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import json
+import math
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
@@ -222,6 +223,11 @@ class TrainerProgram:
     def blocks(self) -> List[BlockSpec]:
         return [b for p in self.params for b in p.blocks]
 
+    @property
+    def collective(self) -> bool:
+        """True when the job trains in collective mode (DDP, no pservers): ``config.mode``."""
+        return self.config.collective
+
     def to_bytes(self) -> bytes:
         d = dataclasses.asdict(dataclasses.replace(self, model=None))
         d.pop("model")
@@ -244,6 +250,8 @@ class TrainerProgram:
             raise ValueError(f"malformed TrainerProgram: {e}") from None
 
     def __str__(self) -> str:
+        if self.collective:
+            return self._collective_str()
         mode = "sync" if self.sync_mode else "async"
         return (f"TrainerProgram trainer {self.trainer_id}/{self.trainers}: {mode}, "
                 f"{len(self.params)} params in {len(self.blocks)} blocks on "
@@ -251,3 +259,15 @@ class TrainerProgram:
                 f"  optimizer: {_optimizer_line(self.optimizer)}\n"
                 + _block_table(self.blocks, with_endpoint=True)
                 + _tables_table(self.tables, len(self.pservers)))
+
+    def _collective_str(self) -> str:
+        """What a collective-mode trainer runs: DDP options, optimizer, every parameter it all-reduces."""
+        c = self.config
+        local_sgd = (f"Local SGD every {c.local_sgd_steps} steps after {c.local_sgd_warmup_steps} warm-up steps"
+                     if c.use_local_sgd else "no Local SGD")
+        head = ["param", "shape", "dtype", "bytes"]
+        rows = [[p.name, "x".join(map(str, p.shape)) or "scalar", p.dtype,
+                 f"{math.prod(p.shape) * DTYPES[p.dtype].itemsize:,}"] for p in self.params]
+        return (f"TrainerProgram trainer {self.trainer_id}/{self.trainers}: collective (DDP, no pservers), "
+                f"{len(self.params)} params, all-reduce buckets of {c.bucket_cap_mb} MiB, {local_sgd}\n"
+                f"  optimizer: {_optimizer_line(self.optimizer)}\n" + _columns(head, rows))

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 from typing import Dict, List, Optional, Sequence, Union
 
 import torch
@@ -14,6 +15,8 @@ from psproto.dtypes import dtype_name
 from .plans import BlockSpec, ParamSpec, PserverProgram, StartupProgram, TrainerProgram
 from .program import Program
 from .slicing import DISPATCHERS, block_count, split_rows
+
+log = logging.getLogger(__name__)
 
 
 def _layout_digest(params: List[ParamSpec], trainers: int, sync_mode: bool, program: Program,
@@ -27,6 +30,19 @@ def _layout_digest(params: List[ParamSpec], trainers: int, sync_mode: bool, prog
         "tables": [t.to_dict() for t in program.tables],
     }, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def _collective_endpoints(program: Program, pservers, sync_mode: bool) -> List[str]:
+    """Check a collective-mode transpile's arguments; its pserver list is always empty."""
+    if program.tables:
+        raise ValueError(f"distributed tables {program.distributed_tables} need pservers: collective mode "
+                         f"keeps every parameter on every trainer; use mode='pserver'")
+    if not sync_mode:
+        raise ValueError("collective mode is synchronous (every step all-reduces the gradients of all "
+                         "trainers); use sync_mode=True, or mode='pserver' for asynchronous training")
+    if pservers:
+        log.info("collective mode: ignoring pservers %s (no pserver is contacted)", pservers)
+    return []
 
 
 class DistributeTranspiler:
@@ -49,6 +65,11 @@ class DistributeTranspiler:
         ``trainer_id`` is this process's trainer index in ``[0, trainers)``
         (any valid value on a pserver). ``startup_program`` and
         ``current_endpoint`` are accepted for Paddle compatibility and unused.
+
+        In collective mode (``config.mode="collective"``) there are no
+        pservers: ``pservers`` may be empty or None (given ones are ignored),
+        ``trainers`` counts trainer nodes, the job must be synchronous and the
+        program must have no distributed tables.
         """
         if not isinstance(program, Program):
             raise TypeError("transpile needs program=Program(model, ...)")
@@ -57,13 +78,19 @@ class DistributeTranspiler:
         if not isinstance(trainer_id, int) or not 0 <= trainer_id < trainers:
             raise ValueError(f"trainer_id {trainer_id!r} is out of range [0, {trainers})")
         self.config.validate()
-        endpoints = parse_endpoints(pservers)
+        if self.config.collective:
+            endpoints = _collective_endpoints(program, pservers, sync_mode)
+        else:
+            endpoints = parse_endpoints(pservers)
         dispatcher = DISPATCHERS[self.config.split_method](endpoints)
 
         params: List[ParamSpec] = []
         for name, p in program.dense_parameters():
             shape = list(p.shape)
             rows = shape[0] if shape else 1
+            if not endpoints:  # collective mode: no pservers, so no blocks; listed for its shape
+                params.append(ParamSpec(name, shape, dtype_name(p.dtype), []))
+                continue
             n = block_count(p.numel(), rows, len(endpoints), self.config.min_block_size,
                             self.config.slice_var_up)
             ranges = split_rows(rows, n)
@@ -88,6 +115,10 @@ class DistributeTranspiler:
 
     def _check_endpoint(self, endpoint: str) -> None:
         self._require_transpiled()
+        if self.config.collective:
+            raise ValueError(f"there is no pserver program for {endpoint!r}: the config is in collective "
+                             f"mode (mode={self.config.mode!r}), which trains with no pservers; use "
+                             f"mode='pserver' to train through pservers")
         if endpoint not in self._endpoints:
             raise ValueError(f"{endpoint!r} is not one of the pservers {self._endpoints}")
 
@@ -116,7 +147,11 @@ class DistributeTranspiler:
         return StartupProgram(endpoint, values)
 
     def get_trainer_program(self) -> TrainerProgram:
-        """The whole layout for this trainer, carrying its model."""
+        """The whole layout for this trainer, carrying its model.
+
+        In collective mode it lists no pservers and no blocks; its
+        ``collective`` property is True and ``trainer.Trainer`` trains it with DDP.
+        """
         self._require_transpiled()
         return TrainerProgram(self._trainer_id, list(self._endpoints), self._trainers,
                               self._sync_mode, self._program.optimizer, self._params,
