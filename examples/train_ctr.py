@@ -111,10 +111,11 @@ def evaluate(model: nn.Module, data: ctr_data.CtrData, batch_size: int = 8192) -
     """Test AUC of ``model``."""
     model.eval()
     scores = []
+    device = next(model.parameters()).device
     with torch.no_grad():
         for start in range(0, len(data), batch_size):
             part = data.subset(slice(start, start + batch_size))
-            scores.append(model(torch.from_numpy(part.dense), torch.from_numpy(part.ids)))
+            scores.append(model(torch.from_numpy(part.dense).to(device), torch.from_numpy(part.ids)).cpu())
     model.train()
     return ctr_data.auc(torch.cat(scores), data.label)
 
@@ -238,8 +239,11 @@ def main(argv=None) -> int:
 
     from trainer import Trainer
 
-    train, test = load_data(args, env.trainer_id, env.trainers)
-    role = f"trainer {env.trainer_id}"
+    # Every process reads its own shard: a trainer node of L processes reads L of them.
+    shard, shards = env.trainer_id * env.local_world_size + env.local_rank, env.trainers * env.local_world_size
+    train, test = load_data(args, shard, shards)
+    role = f"trainer {env.trainer_id}" + (f" local rank {env.local_rank}" if env.local_world_size > 1 else "")
+    leader = env.trainer_id == 0 and env.local_rank == 0
     log.info("%s: %d training examples, %d test examples", role, len(train), len(test))
     loss_fn = nn.BCEWithLogitsLoss()
     speed = Throughput(args.warmup, role)
@@ -247,13 +251,14 @@ def main(argv=None) -> int:
     # Every trainer runs the same number of steps, so sync barriers never wait for a finished one.
     total = args.epochs * steps_per_epoch if not args.steps else min(args.steps, args.epochs * steps_per_epoch)
     with Trainer(t.get_trainer_program()) as tr, \
-            progress(total, args.progress and env.trainer_id == 0, args.batch_size) as bar:
+            progress(total, args.progress and leader, args.batch_size) as bar:
         for epoch in range(args.epochs):
-            for dense_x, ids, y in batches(train, args.batch_size, epoch, args.seed + env.trainer_id):
+            for dense_x, ids, y in batches(train, args.batch_size, epoch, args.seed + shard):
                 if speed.steps >= total:
                     break
                 tr.prefetch({"wide": ids, "deep": ids})  # both tables, one round trip per pserver
-                loss = loss_fn(tr.model(dense_x, ids), y)
+                # ids stay on the CPU (deduplicated and routed there); the rest goes to the trainer's device
+                loss = loss_fn(tr.model(dense_x.to(tr.device), ids), y.to(tr.device))
                 loss.backward()
                 tr.step()
                 speed.step(len(y))
@@ -268,8 +273,12 @@ def main(argv=None) -> int:
                  "sync" if args.sync_mode else "async", args.target_auc)
         if not args.save_model:
             return 0 if score >= args.target_auc else 1
-        torch.save(tr.state_dict(), args.save)
+        # Every local rank of node 0 calls these (on a node they are collectives); its leader writes.
+        state = tr.state_dict()
         paths = tr.save_tables(os.path.abspath(args.tables_dir))
+        if not leader:
+            return 0 if score >= args.target_auc else 1
+        torch.save(state, args.save)
         log.info("%s: dense state_dict saved to %s, table shards to %s", role, args.save, paths)
     from pserver.tables.files import export_tables
 

@@ -6,6 +6,10 @@ One script, every role. Run it
 - as a job of 2 pservers and 2 trainers on this machine:
   ``ps-launch --server_num 2 --worker_num 2 examples/train_mlp.py``
   (add ``--async`` after the script for asynchronous updates)
+- with trainer nodes of several processes (one per GPU; gloo on CPU):
+  ``ps-launch --server_num 2 --worker_num 2 --nproc_per_node 2 examples/train_mlp.py``
+- in collective mode (DDP, no pservers): ``ps-launch --worker_num 2 examples/train_mlp.py``
+- in bf16 mixed precision, any of the above: add ``--amp bf16`` after the script
 - role by role, with the environment variables ps-launch would set
   (TRAINING_ROLE, PADDLE_PSERVERS_IP_PORT_LIST, PADDLE_TRAINERS_NUM,
   PADDLE_TRAINER_ID, POD_IP, PADDLE_PORT).
@@ -64,9 +68,10 @@ def load_digits_split():
 
 def accuracy(model: nn.Module, data: TensorDataset) -> float:
     model.eval()
+    device = next(model.parameters()).device
     with torch.no_grad():
         x, y = data.tensors
-        return (model(x).argmax(1) == y).float().mean().item()
+        return (model(x.to(device)).argmax(1).cpu() == y).float().mean().item()
 
 
 def parse_args(argv=None):
@@ -82,6 +87,7 @@ def parse_args(argv=None):
     p.add_argument("--save", default="mlp_state_dict.pt", help="where trainer 0 saves the model")
     p.add_argument("--checkpoint_dir", help="pservers checkpoint here and resume from it after a restart")
     p.add_argument("--checkpoint_every", type=int, default=50, help="steps between checkpoints")
+    p.add_argument("--amp", choices=["bf16"], help="mixed precision: autocast the forward pass to bf16")
     return p.parse_args(argv)
 
 
@@ -115,9 +121,11 @@ def main(argv=None) -> int:
         log.info("local run: test accuracy %.4f", acc)
         return 0 if acc >= TARGET_ACCURACY else 1
 
+    # Launched without pservers (ps-launch --worker_num N alone, torchrun): collective mode, DDP.
     config = DistributeTranspilerConfig(slice_var_up=args.slice_var_up, split_method=args.split_method,
                                         checkpoint_dir=args.checkpoint_dir,
-                                        checkpoint_every=args.checkpoint_every if args.checkpoint_dir else 0)
+                                        checkpoint_every=args.checkpoint_every if args.checkpoint_dir else 0,
+                                        mode="collective" if env.collective else "pserver")
     t = DistributeTranspiler(config)
     t.transpile(env.trainer_id, program=build_program(args.optimizer, args.lr),
                 pservers=env.pserver_list, trainers=env.trainers, sync_mode=args.sync_mode)
@@ -131,6 +139,7 @@ def main(argv=None) -> int:
 
     from trainer import Trainer
 
+    local = f" local rank {env.local_rank}" if env.local_world_size > 1 else ""
     with Trainer(t.get_trainer_program()) as tr:
         loader = DataLoader(train, batch_size=args.batch_size, sampler=tr.sampler(train, shuffle=True, seed=0))
         tr.model.train()
@@ -138,22 +147,26 @@ def main(argv=None) -> int:
         # batches() starts at this trainer's data position (epoch 0 unless the job resumes from a
         # checkpoint) and replays the batches since a checkpoint the pservers rolled back to.
         for x, y in tr.batches(loader, args.epochs):
-            loss = nn.functional.cross_entropy(tr.model(x), y)
+            # The Trainer put the model on its device (cuda:LOCAL_RANK when there is a GPU): the batch follows.
+            x, y = x.to(tr.device), y.to(tr.device)
+            with torch.autocast(tr.device.type, dtype=torch.bfloat16, enabled=args.amp == "bf16"):
+                loss = nn.functional.cross_entropy(tr.model(x), y)
             loss.backward()
             tr.step()
             total, batches = total + loss.item(), batches + 1
             epoch, done = tr.position
             if done == len(loader):
-                log.info("trainer %d epoch %d: mean loss %.4f", env.trainer_id, epoch, total / batches)
+                log.info("trainer %d%s epoch %d: mean loss %.4f", env.trainer_id, local, epoch, total / batches)
                 total, batches = 0.0, 0
-        state = tr.state_dict()
+        state = tr.state_dict()  # on a node every local rank calls it: it pulls for the whole node
     acc = accuracy(tr.model, test)
-    log.info("trainer %d: test accuracy %.4f (%s mode, target %.2f)", env.trainer_id, acc,
-             "sync" if args.sync_mode else "async", TARGET_ACCURACY)
-    if env.trainer_id == 0:
+    mode = "collective" if env.collective else "sync" if args.sync_mode else "async"
+    log.info("trainer %d%s: test accuracy %.4f (%s mode, target %.2f)", env.trainer_id, local, acc, mode,
+             TARGET_ACCURACY)
+    if env.trainer_id == 0 and env.local_rank == 0:
         torch.save(state, args.save)
         fresh = build_model()
-        fresh.load_state_dict(torch.load(args.save, weights_only=True))
+        fresh.load_state_dict(torch.load(args.save, weights_only=True, map_location="cpu"))
         reloaded = accuracy(fresh, test)
         log.info("trainer 0: saved %s; reloaded model test accuracy %.4f", args.save, reloaded)
         if abs(reloaded - acc) > 1e-9:

@@ -6,12 +6,16 @@ processes; the pservers count 2 trainers, and each node pushed each block
 exactly once per step. The same with distributed tables whose ids overlap
 across local ranks (SGD and Adagrad).
 """
+import multiprocessing
+import signal
+
 import pytest
 import torch
 
 from tests.helpers.cluster import LocalCluster
 from tests.helpers.models import assert_state_close, batches, odd_mlp, train_concatenated
-from tests.helpers.nodes import run_nodes
+from tests.helpers.nodes import run_nodes, start_node, stop, wait_all
+from tests.helpers.ports import free_ports
 from tests.helpers.table_models import BAG_VOCAB, VOCAB, single_process, table_batches, table_model
 from transpiler import DistributeTranspilerConfig, Program, TableOptions
 
@@ -67,3 +71,42 @@ def test_nodes_with_distributed_tables_train_as_one_process(tmp_path):
         for name in ref_rows:
             torch.testing.assert_close(rows[name], ref_rows[name], rtol=1e-5, atol=1e-6)
     assert pushes == [{0: STEPS, 1: STEPS}] * 2
+
+
+@pytest.mark.timeout(150)
+def test_a_killed_local_rank_fails_its_node_fast_and_the_restarted_node_rejoins(tmp_path):
+    """SIGKILL node 1's local rank 1 before step 2: its rank 0 fails within seconds naming itself and
+    the node, without closing the trainer id; node 1 restarted whole rejoins, and every process ends."""
+    build = dense_program
+    data = batches(4, PER_PROCESS, 5)
+    config = DistributeTranspilerConfig(heartbeat_interval=0.5, heartbeat_timeout=60)
+    ctx = multiprocessing.get_context("spawn")
+    ports = free_ports(2)
+    with LocalCluster(build, 2, 2, config=config) as cluster:
+        node0 = start_node(ctx, build, cluster.endpoints, 0, 2, 2, ports[0], data, tmp_path, config)
+        node1 = start_node(ctx, build, cluster.endpoints, 1, 2, 2, ports[1], data, tmp_path, config, kill=(1, 2))
+        restarted = []
+        try:
+            codes = wait_all([p for p, _ in node1])
+            assert codes[1] == -signal.SIGKILL and codes[0] not in (0, None), codes
+            with open(node1[1][1] + ".killed") as f:
+                killed_at = float(f.read())
+            with open(node1[0][1] + ".error") as f:
+                failed_at, error = float(f.readline()), f.read()
+            assert failed_at - killed_at < 10, f"the node's rank 0 took {failed_at - killed_at:.1f}s to fail"
+            assert error.startswith("NodeError: trainer node 1, local rank 0:"), error
+            assert "restart all its processes" in error
+            assert all(1 not in s.engine.roster.closed for s in cluster.servers)  # a failed node does not Close
+
+            restarted = start_node(ctx, build, cluster.endpoints, 1, 2, 2, ports[1], data, tmp_path, config,
+                                   tag="-restarted")
+            codes = wait_all([p for p, _ in node0 + restarted])
+            assert codes == [0, 0, 0, 0], codes
+            seen = [sorted(s.engine.roster.last_step) for s in cluster.servers]
+        finally:
+            stop([p for p, _ in node0 + node1 + restarted])
+    assert seen == [[0, 1], [0, 1]]
+    for node in (node0, restarted):  # the local ranks of a node end with the same model
+        (a, _, steps_a), (b, _, steps_b) = [torch.load(out, weights_only=False) for _, out in node]
+        assert steps_a == steps_b
+        assert_state_close(a, b, atol=0)

@@ -3,9 +3,11 @@
 Public surface::
 
     from trainer import Trainer
-    tr = Trainer(transpiler.get_trainer_program())
+    tr = Trainer(transpiler.get_trainer_program())   # a CollectiveTrainer for a collective plan
 """
+from .collective import CollectiveTrainer
 from .communicator import FencedError, PserverError, PserverUnavailableError
+from .node import NodeError
 from .trainer import Trainer
 
-__all__ = ["Trainer", "PserverError", "PserverUnavailableError", "FencedError"]
+__all__ = ["Trainer", "CollectiveTrainer", "PserverError", "PserverUnavailableError", "FencedError", "NodeError"]

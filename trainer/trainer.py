@@ -10,12 +10,11 @@ from torch.utils.data import Dataset, DistributedSampler
 
 from transpiler import TrainerProgram
 from transpiler.env import NodeEnv
-from transpiler.tables import SPARSE_SEPARATOR
 
 from .blocks import LocalBlocks
 from .communicator import Communicator, PserverError
 from .devices import join_group, pick_device
-from .embedding import DistributedEmbedding, Pieces, TableClient
+from .embedding import Pieces, TableClient, install_tables, prefetch_all, zero_rows
 from .heartbeat import Heartbeat
 from .node import Layout, NodeGroup
 from .node_steps import REPLAY, NodeSteps
@@ -53,7 +52,17 @@ class Trainer:
     process group meets at ``init_method`` (default ``tcp://MASTER_ADDR:MASTER_PORT``).
     The Trainer moves the model to :attr:`device`: ``cuda:<local rank>``
     when CUDA is there, else the CPU; move each batch there too.
+
+    A collective plan (``DistributeTranspilerConfig(mode="collective")``)
+    makes a :class:`~trainer.collective.CollectiveTrainer` instead: DDP, no pservers.
     """
+
+    def __new__(cls, program=None, *args, **kwargs):
+        # One script serves both modes: a collective plan trains with DDP and no pservers.
+        if cls is Trainer and isinstance(program, TrainerProgram) and program.collective:
+            from .collective import CollectiveTrainer
+            return CollectiveTrainer(program, *args, **kwargs)
+        return super().__new__(cls)
 
     def __init__(self, program: TrainerProgram, security=None, local_rank: Optional[int] = None,
                  local_world_size: Optional[int] = None, init_method: Optional[str] = None):
@@ -69,7 +78,7 @@ class Trainer:
                              f"{self.local_world_size})")
         self.program = program
         self.device = pick_device(self.local_rank)
-        self.model = program.model.to(self.device)
+        self.model = program.model
         self.trainer_id = program.trainer_id
         self.sync_mode = program.sync_mode
         self.blocks = LocalBlocks(program, self.model)
@@ -100,7 +109,9 @@ class Trainer:
                 self._join_node(init_method or node.init_method)
             self._join()
             # Last, so a Trainer that failed to connect leaves the model as it was.
-            self._install_tables()
+            install_tables(self.model, self.program.tables, self.tables, self.device)
+            if self.device.type != "cpu":  # after the tables left: their modules may sit on the meta device
+                self.model.to(self.device)
         except BaseException:
             self.comm.shutdown()
             self._leave_group()
@@ -155,25 +166,6 @@ class Trainer:
             self._resynced(outcome)
         return self.step_count, self.position
 
-    def _install_tables(self) -> None:
-        """Put a DistributedEmbedding in place of each distributed table's module."""
-        for spec in self.program.tables:
-            parent_name, _, attr = spec.name.rpartition(".")
-            try:
-                parent = self.model.get_submodule(parent_name)
-                module = getattr(parent, attr)
-            except AttributeError:
-                raise ValueError(f"the model has no module {spec.name!r} named as a distributed "
-                                 f"table in the plan") from None
-            if isinstance(module, DistributedEmbedding):
-                raise ValueError(f"table {spec.name!r} of this model is already served by a Trainer; "
-                                 f"build a fresh model for each Trainer")
-            if getattr(module, "embedding_dim", None) != spec.dim:
-                raise ValueError(f"module {spec.name!r} is {type(module).__name__} of dim "
-                                 f"{getattr(module, 'embedding_dim', None)}, the plan says a table of "
-                                 f"dim {spec.dim}")
-            setattr(parent, attr, DistributedEmbedding(spec, self.tables))
-
     def _fetch_rows(self, pieces: Pieces, min_updates: int) -> Dict[str, Dict[str, torch.Tensor]]:
         """Rows of ``pieces`` from the pservers, healing a failure as a step does.
 
@@ -185,46 +177,23 @@ class Trainer:
             return self._fetch_rows_on_node(pieces, min_updates)
         fetched: Dict[str, Dict[str, torch.Tensor]] = {}
         outcome = self.recovery.heal(self.step_count, f"lookup at step {self.step_count}",
-                                     lambda: fetched.update(self._prefetch_all(pieces, min_updates)),
+                                     lambda: fetched.update(prefetch_all(self.comm, self.tables, pieces, min_updates)),
                                      self._pull_all)
         if outcome is None:
             return fetched
         self._resynced(outcome)
         self._discard_step = True
-        return self._prefetch_all(pieces, self.step_count if self.sync_mode else 0)
+        return prefetch_all(self.comm, self.tables, pieces, self.step_count if self.sync_mode else 0)
 
     def _fetch_rows_on_node(self, pieces: Pieces, min_updates: int) -> Dict[str, Dict[str, torch.Tensor]]:
         """A lookup of one local rank: a failure spoils the batch (zero rows), and the node heals at step()."""
         try:
-            return self._prefetch_all(pieces, min_updates)
+            return prefetch_all(self.comm, self.tables, pieces, min_updates)
         except PserverError as e:
             if not recoverable(e):
                 raise
             self._lookup_error = self._lookup_error or e
-        rows = {}
-        for ep, asked in pieces.items():
-            rows[ep] = {}
-            for name, ids in asked:
-                spec = self.tables.spec(name.rpartition(SPARSE_SEPARATOR)[0])
-                rows[ep][spec.rows_name] = torch.zeros((len(ids), spec.dim), dtype=getattr(torch, spec.dtype))
-        return rows
-
-    def _prefetch_all(self, pieces: Pieces, min_updates: int) -> Dict[str, Dict[str, torch.Tensor]]:
-        """One prefetch round trip per pserver in ``pieces``, in parallel."""
-        def expect_for(ep):
-            sent = {}
-            for name, ids in pieces[ep]:
-                spec = self.tables.spec(name.rpartition(SPARSE_SEPARATOR)[0])
-                sent[spec.rows_name] = (spec.dtype, [len(ids), spec.dim])
-            return sent
-
-        def fetch_one(ep):
-            expected = expect_for(ep)
-            rows = self.comm.prefetch(ep, min_updates, pieces[ep], expected.get)
-            if rows.keys() != expected.keys():
-                raise PserverError(ep, f"prefetch answer holds {sorted(rows)}, asked for {sorted(expected)}")
-            return rows
-        return self.comm.run_parallel({ep: (lambda ep=ep: fetch_one(ep)) for ep in pieces})
+        return zero_rows(self.tables, pieces)
 
     # -- block views --------------------------------------------------------
 

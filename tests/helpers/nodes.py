@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import signal
 import time
 from typing import Callable, List, Optional, Sequence
 
@@ -20,11 +21,16 @@ PROCESS_TIMEOUT = 90.0
 
 
 def node_process(build: Callable, endpoints: Sequence[str], node_id: int, local_rank: int, local_world_size: int,
-                 nodes: int, port: int, data, out: str, config=None, tables: Sequence[str] = ()) -> None:
+                 nodes: int, port: int, data, out: str, config=None, tables: Sequence[str] = (),
+                 kill_at: Optional[int] = None) -> None:
     """One local process: train one step per item of ``data`` on its own batch, save what it ends with.
 
     ``data[step][node_id * local_world_size + local_rank]`` is its batch:
-    (x, y) for a dense model, (ids, bag_ids, y) for the table model.
+    (x, y) for a dense model, (ids, bag_ids, y) for the table model. The
+    batches come through ``Trainer.batches``, so a restarted node goes on
+    from its data position. ``kill_at``: SIGKILL itself before that batch's
+    step, after writing ``out + ".killed"`` (the time). A failure writes
+    ``out + ".error"`` (the time and the error) and exits non-zero.
     """
     from psproto.security import Security
     from trainer import Trainer
@@ -33,15 +39,47 @@ def node_process(build: Callable, endpoints: Sequence[str], node_id: int, local_
     torch.set_num_threads(1)
     t = DistributeTranspiler(config or DistributeTranspilerConfig())
     t.transpile(node_id, program=build(), pservers=",".join(endpoints), trainers=nodes, sync_mode=True)
-    with Trainer(t.get_trainer_program(), security=Security(), local_rank=local_rank,
-                 local_world_size=local_world_size, init_method=f"tcp://127.0.0.1:{port}") as tr:
-        me = node_id * local_world_size + local_rank
-        for step_batches in data:
-            *inputs, y = step_batches[me]
-            nn.functional.cross_entropy(tr.model(*inputs), y).backward()
-            tr.step()
-        rows = {name: tr.pull_rows(name, torch.from_numpy(vocab)) for name, vocab in tables}
-        torch.save((tr.state_dict(), rows, tr.step_count), out)
+    me = node_id * local_world_size + local_rank
+    mine = [step_batches[me] for step_batches in data]
+    try:
+        with Trainer(t.get_trainer_program(), security=Security(), local_rank=local_rank,
+                     local_world_size=local_world_size, init_method=f"tcp://127.0.0.1:{port}") as tr:
+            for *inputs, y in tr.batches(mine, 1):
+                nn.functional.cross_entropy(tr.model(*inputs), y).backward()
+                if kill_at is not None and tr.step_count == kill_at:
+                    with open(out + ".killed", "w") as f:
+                        f.write(repr(time.time()))
+                    os.kill(os.getpid(), signal.SIGKILL)
+                tr.step()
+            rows = {name: tr.pull_rows(name, torch.from_numpy(vocab)) for name, vocab in tables}
+            torch.save((tr.state_dict(), rows, tr.step_count), out)
+    except Exception as e:
+        with open(out + ".error", "w") as f:
+            f.write(f"{time.time()!r}\n{type(e).__name__}: {e}")
+        raise
+
+
+def start_node(ctx, build: Callable, endpoints: Sequence[str], node_id: int, local_world_size: int, nodes: int,
+               port: int, data, tmp_path, config=None, tables: Sequence = (), kill: Optional[tuple] = None,
+               tag: str = "") -> List[tuple]:
+    """Start the local processes of node ``node_id``; [(process, output path)]. ``kill``: (local rank, step)."""
+    started = []
+    for r in range(local_world_size):
+        out = os.path.join(str(tmp_path), f"node{node_id}-rank{r}{tag}.pt")
+        kill_at = kill[1] if kill is not None and kill[0] == r else None
+        p = ctx.Process(target=node_process, args=(build, endpoints, node_id, r, local_world_size, nodes, port,
+                                                   data, out, config, tables, kill_at))
+        p.start()
+        started.append((p, out))
+    return started
+
+
+def wait_all(procs: Sequence, timeout: float = PROCESS_TIMEOUT) -> List[Optional[int]]:
+    """Wait for ``procs`` within ``timeout`` s in all; their exit codes (None: still running)."""
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        p.join(max(0.1, deadline - time.monotonic()))
+    return [p.exitcode for p in procs]
 
 
 def run_nodes(tmp_path, build: Callable, endpoints: Sequence[str], data, nodes: int = 2,
@@ -49,24 +87,15 @@ def run_nodes(tmp_path, build: Callable, endpoints: Sequence[str], data, nodes: 
     """Start ``nodes`` x ``local_world_size`` local processes, wait for all; (state, rows, steps) of each."""
     ctx = multiprocessing.get_context("spawn")
     ports = free_ports(nodes)
-    procs, outs = [], []
-    for n in range(nodes):
-        for r in range(local_world_size):
-            out = os.path.join(str(tmp_path), f"node{n}-rank{r}.pt")
-            outs.append(out)
-            procs.append(ctx.Process(target=node_process, args=(build, endpoints, n, r, local_world_size, nodes,
-                                                                ports[n], data, out, config, tables)))
-    for p in procs:
-        p.start()
+    started = [s for n in range(nodes) for s in start_node(ctx, build, endpoints, n, local_world_size, nodes,
+                                                           ports[n], data, tmp_path, config, tables)]
+    procs = [p for p, _ in started]
     try:
-        deadline = time.monotonic() + PROCESS_TIMEOUT
-        for p in procs:
-            p.join(max(0.1, deadline - time.monotonic()))
-        codes = [p.exitcode for p in procs]
+        codes = wait_all(procs)
         assert codes == [0] * len(procs), f"local processes exited with {codes}"
     finally:
         stop(procs)
-    return [torch.load(out, weights_only=False) for out in outs]
+    return [torch.load(out, weights_only=False) for _, out in started]
 
 
 def stop(procs: Sequence, grace: Optional[float] = 5.0) -> None:
