@@ -1,37 +1,63 @@
-"""Dense MLP: 2 pservers x 2 trainers (sync / async) against DDP over gloo on 2 processes.
+"""Dense MLP: parameter servers (plain trainers, trainer nodes; sync / async) against DDP over gloo.
 
 Usage::
 
-    python benchmarks/bench_dense.py [--runs 5] [--steps 20] [--modes sync,async] [--quick]
+    python benchmarks/bench_dense.py [--processes 4] [--nproc_per_node 2] [--runs 5] [--steps 20]
+                                     [--modes sync,async] [--quick]
 
-Every run starts fresh OS processes on loopback: for DDP two ranks (gloo,
-MASTER_ADDR=127.0.0.1, a free port); for the parameter server two pservers
-(``ParameterServer(...).serve()``) and two trainers, set up through Paddle's
-role variables. Each worker does ``warmup`` untimed steps, then ``steps`` timed
-ones (see ``dense_workers.py``). Runs of the configurations are interleaved
-round by round (the order rotates each round), so machine noise hits all of
-them; the table gives medians with min/max. The script exits non-zero if any
-run fails; every child process is stopped on success, failure, Ctrl-C or
-SIGTERM, and every wait has a deadline.
+Every configuration runs the same number ``P`` of worker processes
+(``--processes``, default 4), each on its own batches (the data of global
+index ``r``, so the same index sees the same data everywhere):
+
+- ``ddp``: ``P`` DDP ranks over gloo (MASTER_ADDR=127.0.0.1, a free port);
+- ``ps-<mode>``: two pservers (``ParameterServer(...).serve()``) and ``P``
+  plain trainers, set up through Paddle's role variables;
+- ``ps-<mode>-node``: two pservers and ``P / L`` trainer nodes of ``L``
+  local processes (``--nproc_per_node``, default 2 when ``P`` > 2), set up
+  through ``LOCAL_RANK``/``LOCAL_WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT``
+  as ps-launch and torchrun do: a node's processes reduce-scatter their
+  gradients over gloo, each pushes and pulls its share (the pservers see
+  ``P / L`` trainers), and they all-gather the fresh parameters. Global
+  index of local rank ``l`` of node ``n``: ``n * L + l``.
+
+``--processes 2`` (``--nproc_per_node`` then defaults to 1: no node
+configuration) is the older job of 2 pservers x 2 trainers vs DDP on 2 ranks.
+
+Every run starts fresh OS processes on loopback. Each worker does ``warmup``
+untimed steps, then ``steps`` timed ones (see ``dense_workers.py``). Runs of
+the configurations are interleaved round by round (the order rotates each
+round), so machine noise hits all of them; the tables give medians with
+min/max. The script exits non-zero if any run fails; every child process is
+stopped on success, failure, Ctrl-C or SIGTERM, and every wait has a deadline.
 
 Figures per configuration (medians over runs, some with [min-max]):
 
-- samples/s: samples of all workers / wall time of the timed steps of the
-  slowest worker; "vs DDP" as the ratio of the medians, and as the median
-  [min-max] of the per-round ratios (each PS run / the DDP run of its round).
-- push+pull GB/s per trainer: (bytes pushed + pulled during the timed steps)
-  / time inside ``tr.step()``, averaged over trainers.
+- samples/s: samples of all worker processes / wall time of the timed steps of
+  the slowest one; "vs DDP" as the ratio of the medians, and as the median
+  [min-max] of the per-round ratios (each PS run / the DDP run of its round);
+  for a node configuration also per-round ratios against the plain trainers
+  of the same mode.
+- push+pull GB/s per process: (bytes pushed + pulled during the timed steps)
+  / time inside ``tr.step()``, averaged over trainer processes.
+- bytes pushed per step (``tr.comm.bytes_pushed``): per process; per node,
+  the sum over the node's processes (a plain trainer is a node of its own,
+  which is what the pservers count as a trainer); and per ``L`` processes
+  (global indices ``kL .. kL+L-1``: one host of ``L`` GPUs, whether they run
+  as one node or as ``L`` plain trainers), with its ratio node / plain
+  (expected ``1/L``: a node pushes its reduced gradient once).
 - other load: CPU cores busy with other work (or stolen) during the run,
   from /proc/stat minus this script's processes: the noise indicator.
 - time split, ms per step, averaged over workers: the step; forward+backward;
   the update (``tr.step()``; for DDP ``opt.step()`` + ``zero_grad``, as its
   all-reduce runs inside backward and so counts as fwd+bwd) and its share of
   the step. For the parameter server, ``tr.step()`` further split per pserver
-  call (the calls to the pservers run in parallel): push; pull until its first
-  tensor arrives (in sync mode: the wait for the other trainer and the
-  update); the rest of the pull.
-- worker CPU: CPU ms of one DDP rank or trainer per timed step, all threads,
-  and of it the main thread (forward/backward); the rest is gloo or gRPC.
+  call (the calls to the pservers run in parallel; a node's local rank calls
+  only its own pservers): push; pull until its first tensor arrives (in sync
+  mode: the wait for the other trainers and the update); the rest of the
+  pull; for nodes, the node's reduce-scatter + all-gather (waits for the
+  other local ranks included).
+- worker CPU: CPU ms of one DDP rank or trainer process per timed step, all
+  threads, and of it the main thread (forward/backward); the rest is gloo or gRPC.
 - pserver CPU: CPU ms of one pserver per training step while serving
   (warmup steps included).
 """
@@ -57,7 +83,6 @@ from dense_workers import Spec, param_bytes
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKERS = os.path.join(HERE, "dense_workers.py")
-TRAINERS = 2
 PSERVERS = 2
 # After the last trainer closes, pservers must exit on their own within this.
 PSERVER_EXIT_GRACE = 30.0
@@ -184,41 +209,53 @@ class Processes:
 
 # -- one run of each system ------------------------------------------------
 
-def run_ddp(spec: Spec, workdir: str, timeout: float) -> Tuple[List[dict], List[dict]]:
-    """Two DDP ranks over gloo on loopback; returns (each rank's timings, no servers)."""
+def run_ddp(spec: Spec, workdir: str, timeout: float, processes: int) -> Tuple[List[dict], List[dict]]:
+    """``processes`` DDP ranks over gloo on loopback; returns (each rank's timings, no servers)."""
     (port,) = free_ports(1)
-    names = [f"ddp{r}" for r in range(TRAINERS)]
+    names = [f"ddp{r}" for r in range(processes)]
     with Processes(workdir, spec) as procs:
         for rank, name in enumerate(names):
             procs.spawn(name, "ddp", {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-                                      "RANK": str(rank), "WORLD_SIZE": str(TRAINERS)})
+                                      "RANK": str(rank), "WORLD_SIZE": str(processes)})
         procs.wait(names, time.monotonic() + timeout, "the DDP ranks")
         return procs.results(names), []
 
 
-def run_ps(spec: Spec, workdir: str, timeout: float,
+def run_ps(spec: Spec, workdir: str, timeout: float, processes: int, per_node: int = 1,
            profile: Sequence[str] = ()) -> Tuple[List[dict], List[dict]]:
-    """Two pservers and two trainers; returns (each trainer's timings, each pserver's CPU).
+    """Two pservers and ``processes`` trainer processes; (each trainer process's timings, each pserver's CPU).
 
+    ``per_node`` > 1 groups the processes into ``processes // per_node``
+    trainer nodes (``LOCAL_RANK``/``LOCAL_WORLD_SIZE``, each node meeting at
+    its own ``MASTER_PORT``): the pservers then see one trainer per node.
     The pservers must exit by themselves once the trainers have closed.
     """
-    endpoints = [f"127.0.0.1:{p}" for p in free_ports(PSERVERS)]
+    nodes = processes // per_node
+    ports = free_ports(PSERVERS + (nodes if per_node > 1 else 0))
+    endpoints = [f"127.0.0.1:{p}" for p in ports[:PSERVERS]]
     common = {"PADDLE_PSERVERS_IP_PORT_LIST": ",".join(endpoints),
-              "PADDLE_TRAINERS_NUM": str(TRAINERS)}
+              "PADDLE_TRAINERS_NUM": str(nodes)}
     servers = [f"pserver{i}" for i in range(PSERVERS)]
-    trainers = [f"trainer{i}" for i in range(TRAINERS)]
+    trainers: List[Tuple[str, Dict[str, str]]] = []
+    for node in range(nodes):
+        for local in range(per_node):
+            env = {**common, "TRAINING_ROLE": "TRAINER", "PADDLE_TRAINER_ID": str(node)}
+            if per_node > 1:
+                env.update({"LOCAL_RANK": str(local), "LOCAL_WORLD_SIZE": str(per_node),
+                            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(ports[PSERVERS + node])})
+            trainers.append((f"trainer{node}" + (f".{local}" if per_node > 1 else ""), env))
+    names = [name for name, _ in trainers]
     with Processes(workdir, spec, profile) as procs:
         for name, ep in zip(servers, endpoints):
             ip, port = ep.rsplit(":", 1)
             procs.spawn(name, "pserver", {**common, "TRAINING_ROLE": "PSERVER",
                                           "POD_IP": ip, "PADDLE_PORT": port}, profile=True)
-        for tid, name in enumerate(trainers):
-            procs.spawn(name, "trainer", {**common, "TRAINING_ROLE": "TRAINER",
-                                          "PADDLE_TRAINER_ID": str(tid)}, profile=True)
-        procs.wait(trainers, time.monotonic() + timeout, "the trainers")
+        for name, env in trainers:
+            procs.spawn(name, "trainer", env, profile=True)
+        procs.wait(names, time.monotonic() + timeout, "the trainers")
         procs.wait(servers, time.monotonic() + PSERVER_EXIT_GRACE,
                    "the pservers to exit after all trainers closed")
-        return procs.results(trainers), procs.results(servers)
+        return procs.results(names), procs.results(servers)
 
 
 # -- driver --------------------------------------------------------------------
@@ -229,6 +266,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--runs", type=int, default=None, help="runs per configuration (default 5; quick 1)")
     p.add_argument("--steps", type=int, default=None, help="timed steps per run (default 20; quick 5)")
     p.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 3; quick 1)")
+    p.add_argument("--processes", type=int, default=4,
+                   help="worker processes of every configuration: DDP ranks, plain trainers, and the "
+                        "local processes of all trainer nodes together (default 4; 2 is the older "
+                        "2-trainer job)")
+    p.add_argument("--nproc_per_node", type=int, default=None,
+                   help="local processes per trainer node of the ps-<mode>-node configurations "
+                        "(default 2 when --processes > 2, else 1; 1 runs no node configuration)")
     p.add_argument("--modes", default="sync,async", help="parameter-server modes: sync,async")
     p.add_argument("--no-ddp", dest="ddp", action="store_false", help="skip the DDP baseline")
     p.add_argument("--quick", action="store_true",
@@ -247,7 +291,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     if not set(modes) <= {"sync", "async"}:
         p.error(f"--modes takes sync and/or async, got {args.modes!r}")
-    args.configs = (["ddp"] if args.ddp else []) + [f"ps-{m}" for m in modes]
+    if args.processes < 1:
+        p.error("--processes must be >= 1")
+    if args.nproc_per_node is None:
+        args.nproc_per_node = 2 if args.processes > 2 else 1
+    if args.nproc_per_node < 1 or args.processes % args.nproc_per_node:
+        p.error(f"--nproc_per_node must be >= 1 and divide --processes ({args.processes}), "
+                f"got {args.nproc_per_node}")
+    node = ["-node"] if args.nproc_per_node > 1 else []
+    args.configs = (["ddp"] if args.ddp else []) + [f"ps-{m}{n}" for m in modes for n in ["", *node]]
     if not args.configs:
         p.error("nothing to run")
     if args.py_spy and shutil.which("py-spy") is None:
@@ -306,13 +358,14 @@ def _run_config(config: str, rnd: int, args, workdir: str) -> dict:
     """Start the processes of one ``config`` run and summarize what they report."""
     spec = args.spec
     if config == "ddp":
-        workers, servers = run_ddp(spec, workdir, args.timeout)
+        workers, servers = run_ddp(spec, workdir, args.timeout, args.processes)
     else:
-        spec = Spec(**{**spec.__dict__, "sync_mode": config == "ps-sync"})
+        spec = Spec(**{**spec.__dict__, "sync_mode": config.startswith("ps-sync")})
         prefix = (py_spy_prefix(args.py_spy, f"{rnd}-{config}", args.py_spy_args)
                   if args.py_spy else ())
-        workers, servers = run_ps(spec, workdir, args.timeout, prefix)
-    return {"round": rnd, **summarize(config, spec, workers, servers)}
+        per_node = args.nproc_per_node if config.endswith("-node") else 1
+        workers, servers = run_ps(spec, workdir, args.timeout, args.processes, per_node, prefix)
+    return {"round": rnd, **summarize(config, spec, workers, servers, args.nproc_per_node)}
 
 
 def _raise_on_signal(signum, frame):
@@ -328,7 +381,8 @@ def main(argv=None) -> int:
     logdir = args.logdir or tempfile.mkdtemp(prefix="bench_dense-")
     spec = args.spec
     print(f"MLP {'-'.join(map(str, spec.sizes))}: {param_bytes(spec.sizes) / 1e6:.1f} MB float32; "
-          f"batch {spec.batch}/worker, {TRAINERS} workers, {spec.warmup} warmup + {spec.steps} "
+          f"batch {spec.batch}/worker, {args.processes} worker processes (nodes of "
+          f"{args.nproc_per_node}), {PSERVERS} pservers, {spec.warmup} warmup + {spec.steps} "
           f"timed steps, {args.runs} runs of {', '.join(args.configs)}", flush=True)
     rows: List[dict] = []
     ok = False
@@ -340,8 +394,9 @@ def main(argv=None) -> int:
                 os.makedirs(workdir, exist_ok=True)
                 row = run_one(config, rnd, args, workdir)
                 rows.append(row)
-                extra = f", {row['gbps']:.3f} GB/s push+pull per trainer" if "gbps" in row else ""
-                print(f"  round {rnd} {config:9s} {row['samples_s']:8.0f} samples/s "
+                extra = (f", {row['gbps']:.3f} GB/s push+pull per process, "
+                         f"{row['mb_pushed_node']:.1f} MB pushed per node" if "gbps" in row else "")
+                print(f"  round {rnd} {config:13s} {row['samples_s']:8.0f} samples/s "
                       f"(compute {row['compute_ms']:.0f} ms, update {row['update_ms']:.0f} ms "
                       f"per step{extra}; other load {row['other_load']:.2f} cores)", flush=True)
         ok = True
@@ -360,10 +415,12 @@ def main(argv=None) -> int:
         elif not ok:
             print(f"worker logs kept in {logdir}", file=sys.stderr)
     print()
-    print(tables(rows, args.configs))
+    print(tables(rows, args.configs, args.processes, args.nproc_per_node, PSERVERS))
     worst = loss_check(rows)
-    if worst is not None:
-        print(f"\nloss check: per-step losses of PS sync and DDP differ by at most {worst:.2e}")
+    if worst:
+        print()
+    for config, diff in worst.items():
+        print(f"loss check: per-step losses of {config} and DDP (same global rank) differ by at most {diff:.2e}")
     return 0
 
 

@@ -8,10 +8,16 @@
 The DDP rank reads ``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT``; the
 pserver and trainer read Paddle's role variables (``TRAINING_ROLE``,
 ``PADDLE_PSERVERS_IP_PORT_LIST``, ``PADDLE_TRAINERS_NUM``, ``PADDLE_TRAINER_ID``,
-``POD_IP``, ``PADDLE_PORT``), as in a real job. A DDP rank or a trainer writes
-its timings to ``--out`` as JSON; a pserver writes ``{"ok": true}`` once all
-trainers have closed. Both sides share the model, data and timing loop below,
-so the only difference between them is how the update is done.
+``POD_IP``, ``PADDLE_PORT``), as in a real job. A trainer that is one local
+process of a trainer node also reads ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``,
+``MASTER_ADDR`` and ``MASTER_PORT`` (the node's own rendezvous), as the Trainer
+does; ``PADDLE_TRAINER_ID`` is then the node's id. Every DDP rank or trainer
+process trains on the data of its global index (the DDP rank; for a trainer
+``node * LOCAL_WORLD_SIZE + LOCAL_RANK``), so the same index sees the same
+batches in every configuration. A DDP rank or a trainer writes its timings to
+``--out`` as JSON; a pserver writes its CPU time once all trainers have
+closed. Both sides share the model, data and timing loop below, so the only
+difference between them is how the update is done.
 """
 from __future__ import annotations
 
@@ -241,22 +247,61 @@ class PhaseTimer:
             return dict(self.totals)
 
 
+def time_node_collectives(group, totals: Dict[str, float]) -> None:
+    """Add the time spent in a node's collectives to ``totals["node_coll_s"]``.
+
+    Benchmark instrumentation only: wraps, on the instance, the two calls a
+    node's step makes on its :class:`~trainer.node.NodeGroup`: the gradient
+    reduce-scatter (``reduce_grads``) and the parameter all-gather
+    (``gather_params``). Both include waiting for the node's other local
+    processes to reach the same collective.
+    """
+    totals["node_coll_s"] = 0.0
+    for name in ("reduce_grads", "gather_params"):
+        call = getattr(group, name)
+
+        def timed(*args, _call=call, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return _call(*args, **kwargs)
+            finally:
+                totals["node_coll_s"] += time.perf_counter() - t0
+
+        setattr(group, name, timed)
+
+
 def run_trainer(spec: Spec) -> dict:
-    """One trainer: the shared loop with ``tr.step()`` as the update; bytes and phases counted."""
+    """One trainer process: the shared loop with ``tr.step()`` as the update; bytes and phases counted.
+
+    A plain trainer, or one local process of a trainer node when
+    ``LOCAL_WORLD_SIZE`` > 1 (the Trainer reads the node variables itself).
+    """
     from trainer import Trainer
     from transpiler import RoleEnv
 
     env = RoleEnv.from_env()
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    local_size = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    rank = env.trainer_id * local_size + local_rank
     tr = Trainer(transpile(spec, env).get_trainer_program())
     try:
         phases = PhaseTimer(tr.comm)
-        counters = lambda: {"bytes_pushed": tr.comm.bytes_pushed,
-                            "bytes_pulled": tr.comm.bytes_pulled, **phases.snapshot()}
-        result = timed_loop(tr.model, make_batches(spec, env.trainer_id), tr.step, spec.warmup,
-                            counters)
+        node_times: Dict[str, float] = {}
+        if tr.node is not None:
+            time_node_collectives(tr.node.group, node_times)
+        # The pservers this process pushes to and pulls from each step (a node's local
+        # rank: only its share of them); their calls run in parallel.
+        calls = len(tr.node.group.endpoints) if tr.node is not None else len(env.pservers)
+
+        def counters() -> Dict[str, float]:
+            return {"bytes_pushed": tr.comm.bytes_pushed, "bytes_pulled": tr.comm.bytes_pulled,
+                    **phases.snapshot(), **node_times}
+
+        result = timed_loop(tr.model, make_batches(spec, rank), tr.step, spec.warmup, counters)
     finally:
         tr.close()
-    return {"rank": env.trainer_id, "pservers": len(env.pservers), **result}
+    return {"rank": rank, "node": env.trainer_id, "local_rank": local_rank, "local_world_size": local_size,
+            "pservers": len(env.pservers), "pserver_calls": calls, **result}
 
 
 ROLES = {"ddp": run_ddp, "pserver": run_pserver, "trainer": run_trainer}
