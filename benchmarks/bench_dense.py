@@ -13,7 +13,7 @@ index ``r``, so the same index sees the same data everywhere):
 - ``ps-<mode>``: two pservers (``ParameterServer(...).serve()``) and ``P``
   plain trainers, set up through Paddle's role variables;
 - ``ps-<mode>-node``: two pservers and ``P / L`` trainer nodes of ``L``
-  local processes (``--nproc_per_node``, default 2 when ``P`` > 2), set up
+  local processes (``--nproc_per_node``, default 2 for an even ``P`` > 2), set up
   through ``LOCAL_RANK``/``LOCAL_WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT``
   as ps-launch and torchrun do: a node's processes reduce-scatter their
   gradients over gloo, each pushes and pulls its share (the pservers see
@@ -272,7 +272,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "2-trainer job)")
     p.add_argument("--nproc_per_node", type=int, default=None,
                    help="local processes per trainer node of the ps-<mode>-node configurations "
-                        "(default 2 when --processes > 2, else 1; 1 runs no node configuration)")
+                        "(default 2 when --processes is even and > 2, else 1; 1 runs no node configuration)")
     p.add_argument("--modes", default="sync,async", help="parameter-server modes: sync,async")
     p.add_argument("--no-ddp", dest="ddp", action="store_false", help="skip the DDP baseline")
     p.add_argument("--quick", action="store_true",
@@ -294,7 +294,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.processes < 1:
         p.error("--processes must be >= 1")
     if args.nproc_per_node is None:
-        args.nproc_per_node = 2 if args.processes > 2 else 1
+        args.nproc_per_node = 2 if args.processes > 2 and args.processes % 2 == 0 else 1
     if args.nproc_per_node < 1 or args.processes % args.nproc_per_node:
         p.error(f"--nproc_per_node must be >= 1 and divide --processes ({args.processes}), "
                 f"got {args.nproc_per_node}")
