@@ -14,7 +14,7 @@ import torch
 
 from tests.helpers.cluster import LocalCluster
 from tests.helpers.models import assert_state_close, batches, odd_mlp, train_concatenated
-from tests.helpers.nodes import run_nodes, start_node, stop, wait_all
+from tests.helpers.nodes import exchange_process, run_nodes, start_node, stop, wait_all
 from tests.helpers.ports import free_ports
 from tests.helpers.table_models import BAG_VOCAB, VOCAB, single_process, table_batches, table_model
 from transpiler import DistributeTranspilerConfig, Program, TableOptions
@@ -110,3 +110,35 @@ def test_a_killed_local_rank_fails_its_node_fast_and_the_restarted_node_rejoins(
         (a, _, steps_a), (b, _, steps_b) = [torch.load(out, weights_only=False) for _, out in node]
         assert steps_a == steps_b
         assert_state_close(a, b, atol=0)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("exchange", ["scatter", "all_reduce"])
+def test_the_node_exchanges_give_each_rank_its_mean_share_and_everyone_every_block(tmp_path, exchange):
+    """Both collective schemes (NCCL's default reduce-scatter + all-gather, gloo's all-reduce) on gloo:
+    each rank gets the mean gradient of its pservers' blocks only; a gather installs every block on
+    every rank; a gather in which one rank failed installs nothing and says so on both."""
+    data = [b for b in batches(2, 5, 1)[0]]
+    ctx = multiprocessing.get_context("spawn")
+    (port,) = free_ports(1)
+    outs = [str(tmp_path / f"rank{r}.pt") for r in (0, 1)]
+    procs = [ctx.Process(target=exchange_process, args=(exchange, r, port, data, outs[r])) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    try:
+        assert wait_all(procs, 50) == [0, 0]
+    finally:
+        stop(procs)
+    got = [torch.load(o, weights_only=False) for o in outs]
+    assert got[0]["endpoints"] == ["127.0.0.1:1", "127.0.0.1:3"] and got[1]["endpoints"] == ["127.0.0.1:2"]
+    shares = [set(g["share"]) for g in got]
+    assert shares[0] and shares[1] and not shares[0] & shares[1]  # every block reduced to exactly one rank
+    names = sorted(got[0]["installed"])
+    assert shares[0] | shares[1] == set(names)
+    for g in got:
+        assert not g["failed"] and g["worst"] == 0 and g["failed_gather"] == 1
+        for name, t in g["share"].items():
+            torch.testing.assert_close(t, g["expected"][name], rtol=0, atol=1e-6)
+        for i, name in enumerate(names):
+            assert bool((g["installed"][name] == i + 0.5).all()), name
+            assert bool((g["after_failed"][name] == i + 0.5).all()), name  # the failed gather left them

@@ -7,7 +7,7 @@ Public surface::
 """
 from .collective import CollectiveTrainer
 from .communicator import FencedError, PserverError, PserverUnavailableError
-from .node import NodeError
+from .node.group import NodeError
 from .trainer import Trainer
 
 __all__ = ["Trainer", "CollectiveTrainer", "PserverError", "PserverUnavailableError", "FencedError", "NodeError"]

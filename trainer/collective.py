@@ -43,7 +43,7 @@ from transpiler import TrainerProgram
 from transpiler.env import NodeEnv
 from transpiler.optim import LR_SCHEDULERS
 
-from .devices import backend_for, join_group, pick_device
+from .node.devices import backend_for, join_group, pick_device
 
 Position = Tuple[int, int]
 

@@ -13,11 +13,9 @@ from transpiler.env import NodeEnv
 
 from .blocks import LocalBlocks
 from .communicator import Communicator, PserverError
-from .devices import join_group, pick_device
 from .embedding import Pieces, TableClient, install_tables, prefetch_all, zero_rows
 from .heartbeat import Heartbeat
-from .node import Layout, NodeGroup
-from .node_steps import REPLAY, NodeSteps
+from .node import REPLAY, Layout, NodeGroup, NodeSteps, join_group, pick_device
 from .recovery import ROLLBACK, Decision, Recovery, recoverable
 
 Position = Tuple[int, int]

@@ -105,3 +105,59 @@ def stop(procs: Sequence, grace: Optional[float] = 5.0) -> None:
             p.kill()
     for p in procs:
         p.join(grace)
+
+
+def exchange_process(exchange: str, rank: int, port: int, data, out: str) -> None:
+    """One of 2 local ranks exercising NodeGroup's collectives directly (no pservers), with ``exchange``.
+
+    Saves {"share": this rank's reduced blocks, "expected": the mean of both
+    ranks' gradients of them, "installed": every block after a gather in
+    which block i came back as i + 0.5, "failed_gather": the worst status of
+    a gather where rank 1 failed, "after_failed": every block after it}.
+    """
+    import datetime
+
+    import torch.distributed as dist
+
+    from trainer.blocks import LocalBlocks
+    from trainer.node import RECOVERABLE, Layout, NodeGroup
+    from transpiler import DistributeTranspiler, Program
+
+    from .models import odd_mlp
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=60))
+    try:
+        t = DistributeTranspiler()
+        t.transpile(0, program=Program(odd_mlp(), "sgd", lr=0.1), pservers="127.0.0.1:1,127.0.0.1:2,127.0.0.1:3",
+                    trainers=1)
+        prog = t.get_trainer_program()
+        grads = []
+        for r, (x, y) in enumerate(data):  # both ranks' gradients, to know the mean
+            model = odd_mlp()
+            nn.functional.cross_entropy(model(x), y).backward()
+            grads.append(LocalBlocks(prog, model))
+        model = odd_mlp()
+        blocks = LocalBlocks(prog, model)
+        x, y = data[rank]
+        nn.functional.cross_entropy(model(x), y).backward()
+        layout = Layout(blocks.by_endpoint, prog.pservers, 2)
+        group = NodeGroup(0, rank, layout, torch.device("cpu"), dist.group.WORLD, exchange=exchange)
+        share, failed = group.reduce_grads(blocks.grad_rows, False)
+        expected = {n: (grads[0].grad_rows(blocks.by_name[n]) + grads[1].grad_rows(blocks.by_name[n])) / 2
+                    for n, _ in share}
+        names = sorted(blocks.by_name)
+        for name, _ in share:
+            group.param_dest(name).fill_(names.index(name) + 0.5)
+        worst = group.gather_params(0, blocks.view)
+        installed = {n: blocks.view(blocks.by_name[n]).clone() for n in names}
+        for name, _ in share:
+            group.param_dest(name).fill_(-1.0)
+        failed_worst = group.gather_params(RECOVERABLE if rank == 1 else 0, blocks.view)
+        after = {n: blocks.view(blocks.by_name[n]).clone() for n in names}
+        torch.save({"share": {n: t.clone() for n, t in share}, "expected": expected, "failed": failed,
+                    "worst": worst, "installed": installed, "failed_gather": failed_worst,
+                    "after_failed": after, "endpoints": group.endpoints}, out)
+    finally:
+        dist.destroy_process_group()

@@ -4,7 +4,7 @@ Local rank 0 (the *leader*) speaks for the node where one voice is needed:
 it says Hello to every pserver (the sessions it gets are shared by all local
 ranks), heartbeats, re-syncs after a failure and sends Close. Everything else
 is split: each local rank pushes and pulls the blocks of its own pservers
-(:class:`~trainer.node.NodeGroup`), and looks up its own batch's table rows.
+(:class:`~trainer.node.group.NodeGroup`), and looks up its own batch's table rows.
 
 A failure anywhere reaches every local rank through the status slots of the
 step's collectives, so they all take the same way on: a retry of the step's
@@ -22,10 +22,10 @@ from typing import Callable, Dict, List, Optional, Tuple
 import grpc
 import torch
 
-from .blocks import LocalBlocks
-from .communicator import Communicator, PserverError
-from .node import FATAL, OK, RECOVERABLE, NodeError, NodeGroup
-from .recovery import RETRY, Decision, Recovery, recoverable
+from ..blocks import LocalBlocks
+from ..communicator import Communicator, PserverError
+from ..recovery import RETRY, Decision, Recovery, recoverable
+from .group import FATAL, OK, RECOVERABLE, NodeError, NodeGroup
 
 log = logging.getLogger(__name__)
 

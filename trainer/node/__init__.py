@@ -1,0 +1,13 @@
+"""Trainer nodes: several local processes (one per GPU) that train as one trainer.
+
+- :mod:`~trainer.node.devices`: which device a process computes on, the process group it joins;
+- :mod:`~trainer.node.group`: the node's flat buffers and collectives (reduce-scatter, all-gather,
+  the merge of table gradients), with the status slots that make a failure node-wide;
+- :mod:`~trainer.node.steps`: how the node joins, steps, pulls and re-syncs as one trainer.
+"""
+from .devices import backend_for, join_group, pick_device
+from .group import FATAL, OK, RECOVERABLE, Layout, NodeError, NodeGroup, owners
+from .steps import REPLAY, NodeSteps
+
+__all__ = ["pick_device", "backend_for", "join_group", "Layout", "NodeGroup", "NodeError", "owners",
+           "NodeSteps", "REPLAY", "OK", "RECOVERABLE", "FATAL"]
