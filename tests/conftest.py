@@ -6,6 +6,7 @@ from typing import List
 import pytest
 
 from tests.helpers.jobs import Job
+from tests.helpers.launch import Launchers, kill_probes
 
 
 @pytest.fixture
@@ -19,3 +20,21 @@ def job_factory(tmp_path):
     yield make
     for job in jobs:
         job.close()
+
+
+@pytest.fixture
+def probe_dir(tmp_path, monkeypatch):
+    """A directory the launcher tests' probe scripts report to; every probe still alive at teardown is killed."""
+    d = tmp_path / "probe"
+    d.mkdir()
+    monkeypatch.setenv("PROBE_DIR", str(d))
+    yield d
+    kill_probes(d, [b"role_probe", b"node_probe"])
+
+
+@pytest.fixture
+def run_launcher(tmp_path, probe_dir):
+    """Start ``python -m trainer.launch ARGS`` in tmp_path; stopped (and its roles killed) at teardown."""
+    launchers = Launchers(tmp_path)
+    yield launchers.start
+    launchers.close()

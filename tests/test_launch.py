@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from transpiler import RoleEnv
-from tests.helpers.launch import (Launchers, assert_all_gone, finish, kill_probes, pid_alive, records,
+from tests.helpers.launch import (assert_all_gone, finish, pid_alive, records,
                                   run_ps_launch, wait_for)
 from trainer import launch, launch_plan
 
@@ -26,16 +26,6 @@ EXAMPLE = str(REPO / "examples" / "train_mlp.py")
 
 
 # ---------------------------------------------------------------- supervising, in process
-
-
-@pytest.fixture
-def probe_dir(tmp_path, monkeypatch):
-    """A directory the probe roles report to; every probe still alive at teardown is killed."""
-    d = tmp_path / "probe"
-    d.mkdir()
-    monkeypatch.setenv("PROBE_DIR", str(d))
-    yield d
-    kill_probes(d, [b"role_probe"])
 
 
 def start_probes(argv, tmp_path, probe_args):
@@ -89,14 +79,6 @@ def test_supervise_second_signal_skips_the_sigterm_grace(tmp_path, probe_dir):
 
 
 # ---------------------------------------------------------------- whole jobs through the CLI
-
-
-@pytest.fixture
-def run_launcher(tmp_path, probe_dir):
-    """Start ``python -m trainer.launch ARGS`` in tmp_path; stopped (and its roles killed) at teardown."""
-    launchers = Launchers(tmp_path)
-    yield launchers.start
-    launchers.close()
 
 
 @pytest.mark.timeout(60)

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from transpiler import RoleEnv
-from tests.helpers.launch import Launchers, assert_all_gone, finish, kill_probes, records
+from tests.helpers.launch import assert_all_gone, finish, records
 
 pytestmark = pytest.mark.processes
 
@@ -17,22 +17,6 @@ PROBE = str(REPO / "tests" / "scripts" / "node_probe.py")
 # What a launcher run under torchrun, on a GPU host, inside another job would pass on.
 OUTER = {"LOCAL_RANK": "5", "LOCAL_WORLD_SIZE": "8", "MASTER_ADDR": "10.9.9.9", "MASTER_PORT": "1",
          "RANK": "13", "WORLD_SIZE": "16", "PADDLE_TRAINER_ID": "99", "CUDA_VISIBLE_DEVICES": "0,1,2,3"}
-
-
-@pytest.fixture
-def probe_dir(tmp_path, monkeypatch):
-    d = tmp_path / "probe"
-    d.mkdir()
-    monkeypatch.setenv("PROBE_DIR", str(d))
-    yield d
-    kill_probes(d, [b"node_probe"])
-
-
-@pytest.fixture
-def run_launcher(tmp_path, probe_dir):
-    launchers = Launchers(tmp_path)
-    yield launchers.start
-    launchers.close()
 
 
 def parsed(rec: dict) -> RoleEnv:

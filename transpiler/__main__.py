@@ -39,6 +39,8 @@ def main(argv=None) -> int:
     load = Counter()
     for b in trainer_program.blocks:
         load[b.endpoint] += b.nbytes
+    if not trainer_program.pservers:  # collective mode: nothing is placed on pservers
+        return 0
     print("\nper pserver:")
     for ep in trainer_program.pservers:
         n = sum(1 for b in trainer_program.blocks if b.endpoint == ep)
