@@ -253,14 +253,19 @@ def main(argv=None) -> int:
     with Trainer(t.get_trainer_program()) as tr, \
             progress(total, args.progress and leader, args.batch_size) as bar:
         for epoch in range(args.epochs):
-            for dense_x, ids, y in batches(train, args.batch_size, epoch, args.seed + shard):
-                if speed.steps >= total:
-                    break
-                tr.prefetch({"wide": ids, "deep": ids})  # both tables, one round trip per pserver
+            epoch_batches = batches(train, args.batch_size, epoch, args.seed + shard)
+            upcoming = next(epoch_batches, None)
+            while upcoming is not None and speed.steps < total:
+                dense_x, ids, y = upcoming
+                upcoming = next(epoch_batches, None)  # one batch ahead: its ids ride with this step's push
+                # Both tables in one round trip per pserver; after the first step their rows came with
+                # the last step's answer already, and this asks nothing.
+                tr.prefetch({"wide": ids, "deep": ids})
                 # ids stay on the CPU (deduplicated and routed there); the rest goes to the trainer's device
                 loss = loss_fn(tr.model(dense_x.to(tr.device), ids), y.to(tr.device))
                 loss.backward()
-                tr.step()
+                ahead = upcoming is not None and speed.steps + 1 < total
+                tr.step(prefetch={"wide": upcoming[1], "deep": upcoming[1]} if ahead else None)
                 speed.step(len(y))
                 bar.update(len(y))
                 if speed.steps % 50 == 0:

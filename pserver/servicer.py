@@ -21,6 +21,8 @@ import threading
 import time
 from typing import Dict, Iterator, Optional
 
+import numpy as np
+
 import grpc
 import torch
 from google.protobuf.message import DecodeError
@@ -240,7 +242,7 @@ class PserverServicer:
 
     @_refusals
     def Push(self, request_iterator, context):
-        _, applied, updates = self._push(request_iterator)
+        _, applied, updates, _ = self._push(request_iterator, answered=False)
         return ps_pb2.PushReply(applied=applied, updates=updates)
 
     @_refusals
@@ -252,13 +254,17 @@ class PserverServicer:
         yield from self._push_pull(iter((data,)))
 
     def _push_pull(self, request_iterator) -> Iterator[bytes]:
-        header, applied, _ = self._push(request_iterator)
+        header, applied, _, ahead = self._push(request_iterator)
         # The trainer's next step needs this one applied (sync), or whatever is there (async).
         min_updates = header.step + 1 if self.engine.sync_mode else 0
-        yield from self._answer_pull(header.trainer_id, min_updates, list(self.store.names()), applied)
+        yield from self._answer_pull(header.trainer_id, min_updates, list(self.store.names()), applied, ahead)
 
-    def _push(self, request_iterator):
-        """Read, check and count one push; (header, applied, updates)."""
+    def _push(self, request_iterator, answered: bool = True):
+        """Read, check and count one push; (header, applied, updates, {table: ids asked for after it}).
+
+        ``answered``: whether the call answers with parameters (PushPull), so
+        may carry ``<table>@next`` ids to answer with rows too.
+        """
         header, reader = self._read_stream(request_iterator, ps_pb2.PushHeader, self._expect,
                                            dest=self.buffers.acquire)
         try:
@@ -269,6 +275,9 @@ class PserverServicer:
             tensors = reader.tensors
             grads = {n: t for n, t in tensors.items() if n in self.store.specs}
             sparse = self.tables.sparse_grads(tensors) if self.tables else {}
+            ahead = self.tables.requested_ids(tensors, "next") if self.tables else {}
+            if ahead and not answered:
+                raise BadRequest("'<table>@next' ids ask for rows in the answer: send them with PushPull, not Push")
             for name, g in [*grads.items(), *((n, rows) for n, (_, rows) in sparse.items())]:
                 if not self.allow_nonfinite and not _finite(g):
                     raise BadRequest(f"gradient of {name} from trainer {header.trainer_id} at step "
@@ -284,7 +293,7 @@ class PserverServicer:
         if not applied:
             log.info("%s: duplicate push from trainer %d for step %d acknowledged, not applied",
                      self.endpoint, header.trainer_id, header.step)
-        return header, applied, updates
+        return header, applied, updates, ahead
 
     @_refusals
     def Pull(self, data, context) -> Iterator[bytes]:
@@ -302,10 +311,17 @@ class PserverServicer:
             raise BadRequest(f"min_updates must be >= 0, got {request.min_updates}")
         yield from self._answer_pull(request.trainer_id, request.min_updates, names)
 
-    def _answer_pull(self, trainer_id: int, min_updates: int, names, applied: bool = False):
-        """Wait for ``min_updates``, then stream the blocks ``names``."""
+    def _answer_pull(self, trainer_id: int, min_updates: int, names, applied: bool = False,
+                     ahead: Optional[Dict[str, np.ndarray]] = None):
+        """Wait for ``min_updates``, then stream the blocks ``names`` and the rows of ``ahead`` ({table: ids}).
+
+        The rows come after the blocks, as of the same update: in sync mode
+        the next step's lookups find exactly what a Prefetch would have.
+        """
         self.engine.wait_updates(trainer_id, min_updates)
         updates, tensors = self.engine.read(names)
+        if ahead:
+            tensors = tensors + self.engine.lookup(ahead)[1]
         header = ps_pb2.PullHeader(updates=updates, applied=applied)
         yield from encode_chunks(header, tensors, self.chunk_bytes)
         self.counters.add(bytes_out=sum(t.numel() * t.element_size() for _, t in tensors))

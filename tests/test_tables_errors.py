@@ -54,6 +54,9 @@ def test_bad_sparse_pushes_are_refused_and_change_nothing(cluster, stub):
         ([("emb@ids", mine.float()), ("emb@rows", rows)], "dtype 'float32', expected 'int64'"),
         ([("emb@ids", mine), ("emb@rows", rows.double())], "dtype 'float64', expected 'float32'"),
         ([("emb@ids", mine), ("emb@rows", nan_rows)], "NaN or Inf"),
+        ([("emb@next", mine)], "send them with PushPull"),  # rows asked for in a call that answers none
+        ([("emb@next", theirs)], "shard"),
+        ([("emb@next", mine.float())], "dtype 'float32', expected 'int64'"),
     ]
     for tensors, match in cases:
         messages = push_messages(digest, tensors=tensors, sessions=sessions)
@@ -81,6 +84,7 @@ def test_bad_prefetches_are_refused(cluster, stub):
     cases = [
         (lambda: prefetch([("nope@ids", mine)]), grpc.StatusCode.INVALID_ARGUMENT, "unknown tensor 'nope@ids'"),
         (lambda: prefetch([("emb@rows", torch.zeros(2, DIM))]), grpc.StatusCode.INVALID_ARGUMENT, "only '<table>@ids'"),
+        (lambda: prefetch([("emb@next", mine)]), grpc.StatusCode.INVALID_ARGUMENT, "only '<table>@ids'"),
         (lambda: prefetch([("emb@ids", theirs)]), grpc.StatusCode.INVALID_ARGUMENT, "shard"),
         (lambda: prefetch([("emb@ids", mine)], trainer_id=7), grpc.StatusCode.INVALID_ARGUMENT, "out of range"),
         (lambda: prefetch([("emb@ids", mine)], min_updates=5), grpc.StatusCode.FAILED_PRECONDITION,

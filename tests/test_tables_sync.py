@@ -114,3 +114,32 @@ def test_explicit_prefetch_serves_lookups_in_one_round_trip():
                                       "bag": tr.pull_rows("bag", torch.from_numpy(BAG_VOCAB))})
         results = cluster.run_trainers(body)
     assert_matches(results[0], single_process(build(), data))
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("sync_mode", [True, False])
+@pytest.mark.parametrize("optimizer", ["sgd", "adagrad"])
+def test_next_batch_ids_ride_with_the_push_and_save_every_later_lookup_round_trip(optimizer, sync_mode):
+    """tr.batches(prefetch=...) sends each next batch's ids with the step's push; the answer brings
+    their rows as of after the step, so only the first batch's lookups call Prefetch, and the model
+    still equals single-process training (sync; async with one trainer is the same sequence)."""
+    n_trainers = 2 if sync_mode else 1
+    data = table_batches(n_trainers, PER_TRAINER, STEPS, seed=11)
+    build = lambda: table_program(optimizer, **CASES[optimizer])  # noqa: E731
+    with LocalCluster(build, 2, n_trainers, sync_mode=sync_mode) as cluster:
+        def body(tr, i):
+            calls = []
+            send = tr.comm.prefetch
+            tr.comm.prefetch = lambda ep, *a: calls.append(ep) or send(ep, *a)
+            mine = [step_batches[i] for step_batches in data]
+            for ids, bag, y in tr.batches(mine, 1, prefetch=lambda b: {"emb": b[0], "bag": b[1]}):
+                tr.prefetch({"emb": ids, "bag": bag})  # a no-op once the rows came with the last answer
+                nn.functional.cross_entropy(tr.model(ids, bag), y).backward()
+                tr.step()
+            assert sorted(calls) == sorted(cluster.endpoints)  # the first batch's one round trip per pserver
+            return (tr.state_dict(), {"emb": tr.pull_rows("emb", torch.from_numpy(VOCAB)),
+                                      "bag": tr.pull_rows("bag", torch.from_numpy(BAG_VOCAB))})
+        results = cluster.run_trainers(body)
+    expected = single_process(build(), data)
+    for i in range(n_trainers):
+        assert_matches(results[i], expected)

@@ -58,6 +58,8 @@ class TableClient:
         # This step's routes by unique-ids array (kept alive with them): a prefetch,
         # several tables fed the same ids, and the step's push hash them once.
         self._routes: Dict[int, Tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+        # The next step's ids sent with this step's push (ask_ahead), until their rows come back.
+        self._ahead: Tuple[Dict[str, np.ndarray], Dict[str, tuple]] = ({}, {})
 
     def spec(self, table: str) -> TableSpec:
         spec = self.specs.get(table)
@@ -104,22 +106,23 @@ class TableClient:
         self._routes[id(ids)] = (ids, order, bounds)
         return order, bounds
 
-    def fetch(self, wanted: Mapping[str, np.ndarray]) -> Dict[str, torch.Tensor]:
-        """Rows of ``wanted`` ({table: unique ids}) from the pservers, one round trip per pserver.
-
-        Returns ``{table: rows}`` with rows in the order of the ids given.
-        """
+    def _split(self, wanted: Mapping[str, np.ndarray], part: str) -> Tuple[Pieces, Dict[str, tuple]]:
+        """``wanted`` ({table: unique ids}) routed: ({pserver: [("<table>@<part>", ids)]}, routes by table)."""
         pieces: Pieces = {}
         routes = {}
         for table, ids in wanted.items():
             if ids.size == 0:
                 continue
             order, bounds = routes[table] = self._route(ids)
+            name = f"{table}{SPARSE_SEPARATOR}{part}"
             for k, ep in enumerate(self.pservers):
                 if bounds[k + 1] > bounds[k]:
-                    part = torch.from_numpy(ids[order[bounds[k]:bounds[k + 1]]])
-                    pieces.setdefault(ep, []).append((self.specs[table].ids_name, part))
-        replies = self._fetch(pieces, self._min_updates()) if pieces else {}
+                    pieces.setdefault(ep, []).append((name, torch.from_numpy(ids[order[bounds[k]:bounds[k + 1]]])))
+        return pieces, routes
+
+    def _assemble(self, wanted: Mapping[str, np.ndarray], routes: Mapping[str, tuple],
+                  replies: Mapping[str, Mapping[str, torch.Tensor]]) -> Dict[str, torch.Tensor]:
+        """``{table: rows}`` in the order of ``wanted``'s ids, from each pserver's rows."""
         out = {}
         for table, ids in wanted.items():
             spec = self.specs[table]
@@ -132,13 +135,52 @@ class TableClient:
             out[table] = rows
         return out
 
+    def fetch(self, wanted: Mapping[str, np.ndarray]) -> Dict[str, torch.Tensor]:
+        """Rows of ``wanted`` ({table: unique ids}) from the pservers, one round trip per pserver.
+
+        Returns ``{table: rows}`` with rows in the order of the ids given.
+        """
+        pieces, routes = self._split(wanted, "ids")
+        replies = self._fetch(pieces, self._min_updates()) if pieces else {}
+        return self._assemble(wanted, routes, replies)
+
     def prefetch(self, ids: Mapping[str, object]) -> None:
-        """Fetch the rows of several tables' ids at once, for this step's lookups to use."""
+        """Fetch the rows of several tables' ids at once, for this step's lookups to use.
+
+        Tables whose rows for exactly these ids already came (with the last
+        step's answer, see :meth:`ask_ahead`) are not asked again.
+        """
+        wanted = {}
+        for table, table_ids in ids.items():
+            self.spec(table)
+            unique = self.dedupe(table_ids)[0]
+            cached = self._cache.get(table)
+            if cached is None or cached[0] is not unique:
+                wanted[table] = unique
+        for table, rows in self.fetch(wanted).items():
+            self._cache[table] = (wanted[table], rows)
+
+    def ask_ahead(self, ids: Mapping[str, object]) -> Tuple[Pieces, Dict[str, Dict[str, tuple]]]:
+        """The next step's ids as ``<table>@next`` push tensors per pserver, and the rows each answer holds.
+
+        Call after this step's gradients were taken: the answer to the push
+        brings the rows back as of after it (:meth:`take_ahead` caches them),
+        saving the next step's Prefetch round trip. Returns (pieces, {pserver:
+        {rows wire name: (dtype, shape)}}).
+        """
         wanted = {}
         for table, table_ids in ids.items():
             self.spec(table)
             wanted[table] = self.dedupe(table_ids)[0]
-        for table, rows in self.fetch(wanted).items():
+        pieces, routes = self._split(wanted, "next")
+        self._ahead = (wanted, routes)
+        return pieces, {ep: _asked_rows(self, asked) for ep, asked in pieces.items()}
+
+    def take_ahead(self, replies: Mapping[str, Mapping[str, torch.Tensor]]) -> None:
+        """Cache the rows the push answers brought for :meth:`ask_ahead`'s ids, for the next step's lookups."""
+        wanted, routes = self._ahead
+        self._ahead = ({}, {})
+        for table, rows in self._assemble(wanted, routes, replies).items():
             self._cache[table] = (wanted[table], rows)
 
     def rows(self, table: str, unique_ids: np.ndarray) -> torch.Tensor:
@@ -262,7 +304,7 @@ def install_tables(model: torch.nn.Module, specs: Sequence[TableSpec], client: T
 
 
 def _asked_rows(tables: TableClient, asked: Sequence[Tuple[str, torch.Tensor]]) -> Dict[str, tuple]:
-    """{rows wire name: (dtype, shape)} a prefetch of ``asked`` ((ids wire name, ids) pairs) brings back."""
+    """{rows wire name: (dtype, shape)} an answer to ``asked`` ((``@ids``/``@next`` name, ids) pairs) brings back."""
     sent = {}
     for name, ids in asked:
         spec = tables.spec(name.rpartition(SPARSE_SEPARATOR)[0])

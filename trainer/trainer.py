@@ -1,6 +1,7 @@
 """Trainer: runs the model locally, keeps its parameters in step with the pservers."""
 from __future__ import annotations
 
+import itertools
 import logging
 from concurrent import futures
 from typing import Callable, Dict, Iterable, Iterator, List, Optional, Tuple
@@ -100,6 +101,8 @@ class Trainer:
         self._rewound = False
         self._discard_step = False
         self._lookup_error: Optional[PserverError] = None
+        # Set by batches(prefetch=...): the next batch's table ids, sent with this step's push.
+        self._next_prefetch: Optional[Dict[str, object]] = None
         self.node: Optional[NodeSteps] = None
         self._own_group = False
         try:
@@ -206,13 +209,17 @@ class Trainer:
 
     # -- public -------------------------------------------------------------
 
-    def step(self) -> int:
+    def step(self, prefetch: Optional[Dict[str, object]] = None) -> int:
         """Push this step's gradients, wait (sync), pull fresh parameters, zero grads.
 
         Returns the number of steps taken so far. Parameters without a
         gradient this step are not pushed (the pserver skips them, as torch
         does in single-process training); distributed tables push the
-        gradients of the rows this step looked up.
+        gradients of the rows this step looked up. ``prefetch`` ({table: ids}
+        of the *next* batch; :meth:`batches` passes it when given a
+        ``prefetch`` function) rides along with the push: each pserver answers
+        with their rows as of after this step, so the next step's lookups need
+        no round trip of their own (sync: exactly the rows a lookup would find).
         """
         self._check_open()
         if self._discard_step:  # a lookup of this batch re-synced to another step: nothing to push
@@ -228,12 +235,20 @@ class Trainer:
         sparse = self.tables.take_gradients() if self.program.tables else {}
         grads = {ep: self.blocks.grads(ep) + sparse.get(ep, [])
                  for ep in self._push_endpoints}
+        if prefetch is None:
+            prefetch, self._next_prefetch = self._next_prefetch, None
         resync = None
         if self._pipelined:
+            # The next forward runs before this push is answered: its lookups fetch for themselves.
             self._in_flight = self._sender.submit(self._send, step, grads, position)
         else:
-            resync = self._push_pull_all(step, grads, lambda ep, g: self.blocks.receive(
-                lambda dest: self.comm.push_pull(ep, step, g, self.blocks.expect, dest, position)))
+            ahead, expected = self.tables.ask_ahead(prefetch) if prefetch and self.program.tables else ({}, {})
+            rows: Dict[str, Dict[str, torch.Tensor]] = {ep: {} for ep in ahead}
+            resync = self._push_pull_all(step, {ep: g + ahead.get(ep, []) for ep, g in grads.items()},
+                                         lambda ep, g: self._push_pull(ep, step, g, position, expected.get(ep, {}),
+                                                                       rows.get(ep, {})))
+            if ahead and resync is None:
+                self.tables.take_ahead(rows)
         # The pushed gradients stay referenced until sent; the next backward makes new ones.
         self.model.zero_grad(set_to_none=True)
         if resync is None:
@@ -242,6 +257,22 @@ class Trainer:
         else:
             self._resynced(resync)
         return self.step_count
+
+    def _push_pull(self, endpoint: str, step: int, tensors: list, position: Position,
+                   expected_rows: Dict[str, tuple], rows: Dict[str, torch.Tensor]) -> int:
+        """One pserver's push and answer: blocks into the parameters, asked-ahead table rows into ``rows``."""
+        def expect(name: str):
+            return self.blocks.expect(name) or expected_rows.get(name)
+
+        def transfer(dest) -> int:
+            def block_or_rows(name: str) -> torch.Tensor:
+                if name in expected_rows:
+                    dtype, shape = expected_rows[name]
+                    rows[name] = torch.empty(shape, dtype=getattr(torch, dtype))
+                    return rows[name]
+                return dest(name)
+            return self.comm.push_pull(endpoint, step, tensors, expect, block_or_rows, position)
+        return self.blocks.receive(transfer)
 
     def _step_on_node(self, step: int, position: Position) -> int:
         """One step of a node's local rank: reduce, push and pull its share, gather (see NodeSteps)."""
@@ -365,7 +396,8 @@ class Trainer:
             return [p for reply in replies.values() for p in reply.paths]
         return self.node.leader_does("save_tables", save) if self.node is not None else save()
 
-    def batches(self, loader: Iterable, epochs: int) -> Iterator:
+    def batches(self, loader: Iterable, epochs: int,
+                prefetch: Optional[Callable[[object], Dict[str, object]]] = None) -> Iterator:
         """The items of ``loader`` for ``epochs`` epochs, from this trainer's data position on.
 
         Train one step per item. A new trainer starts at epoch 0, batch 0; one
@@ -376,31 +408,42 @@ class Trainer:
         replays in the same order. When pservers roll back to a checkpoint
         (sync), the batches since it are trained again, as if no failure had
         happened; the position travels with every push and lands in checkpoints.
+
+        ``prefetch(item)`` ({table: ids} of an item) makes the loader run one
+        item ahead: the next item's ids go with each :meth:`step`'s push and
+        their rows come back with its answer (see :meth:`step`).
         """
         while True:
-            yield from self._batches_from_position(loader, epochs)
+            yield from self._batches_from_position(loader, epochs, prefetch)
             # The last step's answer held the final parameters; a pserver lost since may have
             # rolled the job back to a checkpoint, whose data is then trained again.
             self.pull()
             if self.position[0] >= epochs:
                 return
 
-    def _batches_from_position(self, loader: Iterable, epochs: int) -> Iterator:
+    def _batches_from_position(self, loader: Iterable, epochs: int, prefetch) -> Iterator:
         while self.position[0] < epochs:
             epoch, start = self.position
             set_epoch = getattr(getattr(loader, "sampler", None), "set_epoch", None)
             if set_epoch is not None:
                 set_epoch(epoch)
             self._rewound = False
-            for i, item in enumerate(loader):
-                if i < start:
-                    continue
+            items = itertools.islice(enumerate(loader), start, None)
+            current = next(items, None)
+            while current is not None:
+                i, item = current
+                if prefetch is not None:  # one item ahead, so its ids ride with this item's push
+                    current = next(items, None)
+                    self._next_prefetch = prefetch(current[1]) if current is not None else None
+                else:
+                    current = next(items, None)
                 self._batch_position = (epoch, i + 1)
                 yield item
                 if self._rewound:
                     break
             else:
                 self.position = (epoch + 1, 0)
+            self._next_prefetch = None
             self._batch_position = None
 
     def checkpoint(self) -> List[str]:

@@ -140,6 +140,11 @@ class TableSpec:
         return f"{self.name}{SPARSE_SEPARATOR}rows"
 
     @property
+    def next_name(self) -> str:
+        """Wire name of ids a PushPull asks rows for, as of after the push (the next step's lookups)."""
+        return f"{self.name}{SPARSE_SEPARATOR}next"
+
+    @property
     def row_bytes(self) -> int:
         return self.dim * np.dtype(self.dtype).itemsize
 

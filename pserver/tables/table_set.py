@@ -51,6 +51,7 @@ class TableSet:
         for spec in self.specs.values():
             self._wire[spec.ids_name] = ("int64", [-1])
             self._wire[spec.rows_name] = (spec.dtype, [-1, spec.dim])
+            self._wire[spec.next_name] = ("int64", [-1])
 
     def __bool__(self) -> bool:
         return bool(self.specs)
@@ -64,13 +65,18 @@ class TableSet:
         suffix = SPARSE_SEPARATOR + part
         return {n[:-len(suffix)]: t for n, t in tensors.items() if n.endswith(suffix) and n in self._wire}
 
-    def requested_ids(self, tensors: Mapping[str, torch.Tensor]) -> Dict[str, np.ndarray]:
-        """``{table: ids}`` of a prefetch, each checked to belong to this shard (else :class:`BadRequest`)."""
-        extra = sorted(n for n in tensors if not n.endswith(SPARSE_SEPARATOR + "ids"))
-        if extra:
-            raise BadRequest(f"a prefetch carries only '<table>{SPARSE_SEPARATOR}ids' tensors, got {extra[:3]}")
+    def requested_ids(self, tensors: Mapping[str, torch.Tensor], part: str = "ids") -> Dict[str, np.ndarray]:
+        """``{table: ids}`` of the ``<table>@<part>`` tensors, each checked to belong to this shard.
+
+        A prefetch carries nothing else (else :class:`BadRequest`); a PushPull's
+        ``@next`` ids ask for rows as of after its push.
+        """
+        if part == "ids":
+            extra = sorted(n for n in tensors if not n.endswith(SPARSE_SEPARATOR + "ids"))
+            if extra:
+                raise BadRequest(f"a prefetch carries only '<table>{SPARSE_SEPARATOR}ids' tensors, got {extra[:3]}")
         out = {}
-        for name, ids in self._paired(tensors, "ids").items():
+        for name, ids in self._paired(tensors, part).items():
             ids = ids.numpy()
             self.shards[name].check_ids(ids)
             out[name] = ids
