@@ -11,7 +11,7 @@ import logging
 import secrets
 import time
 from concurrent import futures
-from typing import Callable, Dict, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterable, Optional, Sequence, Tuple
 
 import grpc
 import torch
@@ -175,25 +175,38 @@ class Communicator:
 
     # -- transfers ----------------------------------------------------------
 
-    def push_pull(self, endpoint: str, step: int, tensors: Sequence[Tuple[str, torch.Tensor]],
+    def push_pull(self, endpoint: str, step: int, tensors: Iterable[Tuple[str, torch.Tensor]],
                   expect: Callable, dest: Callable[[str], torch.Tensor],
-                  position: Tuple[int, int] = (0, 0)) -> int:
+                  position: Tuple[int, int] = (0, 0), streamed: bool = False) -> int:
         """Send one step's gradients to ``endpoint`` and receive its blocks in the same call.
 
         ``tensors`` are the gradients of the blocks (and table rows) this
         pserver owns; its blocks land in ``dest(name)``, checked by ``expect``.
         A sync pserver answers once every live trainer pushed the step.
         ``position`` is the trainer's (epoch, batch) after this step, kept in checkpoints.
+        ``streamed``: ``tensors`` is an iterator that may wait for each tensor
+        (blocks pushed while backward still produces the others); the call
+        streams them as they come and ends when the iterator does.
         Returns the updates the pserver had applied to the parameters received.
         """
         header = ps_pb2.PushHeader(trainer_id=self.trainer_id, step=step, layout_digest=self.digest,
                                    epoch=position[0], batch=position[1], session=self.sessions.get(endpoint, ""))
-        updates, _ = self._receive(
-            endpoint, f"step {step} of trainer {self.trainer_id} (push and pull)",
-            lambda: _call(self._push_pull_one_calls[endpoint], self._push_pull_calls[endpoint], header,
-                          tensors, self.chunk_bytes, timeout=self.barrier_timeout + self.rpc_timeout),
-            expect, dest)
-        self.bytes_pushed += sum(t.numel() * t.element_size() for _, t in tensors)
+        timeout = self.barrier_timeout + self.rpc_timeout
+        sent = [0]
+        if streamed:
+            def counted():
+                for name, t in tensors:
+                    sent[0] += t.numel() * t.element_size()
+                    yield name, t
+            call = lambda: self._push_pull_calls[endpoint](  # noqa: E731
+                encode_chunks(header, counted(), self.chunk_bytes), timeout=timeout)
+        else:
+            sent[0] = sum(t.numel() * t.element_size() for _, t in tensors)
+            call = lambda: _call(self._push_pull_one_calls[endpoint], self._push_pull_calls[endpoint],  # noqa: E731
+                                 header, tensors, self.chunk_bytes, timeout=timeout)
+        updates, _ = self._receive(endpoint, f"step {step} of trainer {self.trainer_id} (push and pull)",
+                                   call, expect, dest)
+        self.bytes_pushed += sent[0]
         return updates
 
     def pull(self, endpoint: str, names: Sequence[str], min_updates: int,
@@ -280,6 +293,10 @@ class Communicator:
                                            session=self.sessions.get(endpoint, ""))
         return self._unary(endpoint, "Checkpoint", request,
                            f"checkpoint asked by trainer {self.trainer_id}", self.rpc_timeout)
+
+    def submit(self, fn: Callable[[], object]) -> futures.Future:
+        """Run ``fn`` on one of the pserver call threads."""
+        return self._pool.submit(fn)
 
     def run_parallel(self, jobs: Dict[str, Callable[[], object]]) -> Dict[str, object]:
         """Run one callable per endpoint concurrently; re-raise the first failure."""

@@ -17,6 +17,7 @@ from .communicator import Communicator, PserverError
 from .embedding import Pieces, TableClient, install_tables, prefetch_all, zero_rows
 from .heartbeat import Heartbeat
 from .node import REPLAY, Layout, NodeGroup, NodeSteps, join_group, pick_device
+from .overlap import BackwardPush
 from .recovery import ROLLBACK, Decision, Recovery, recoverable
 
 Position = Tuple[int, int]
@@ -103,6 +104,8 @@ class Trainer:
         self._lookup_error: Optional[PserverError] = None
         # Set by batches(prefetch=...): the next batch's table ids, sent with this step's push.
         self._next_prefetch: Optional[Dict[str, object]] = None
+        # Streams opened during backward (BackwardPush): per pserver, the table rows asked ahead and got.
+        self._stream_rows: Dict[str, Tuple[Dict[str, tuple], Dict[str, torch.Tensor]]] = {}
         self.node: Optional[NodeSteps] = None
         self._own_group = False
         try:
@@ -117,6 +120,10 @@ class Trainer:
             self.comm.shutdown()
             self._leave_group()
             raise
+        self._overlap: Optional[BackwardPush] = None
+        if program.config.push_during_backward and self.node is None and not self._pipelined \
+                and self.device.type == "cpu":
+            self._overlap = BackwardPush(self.blocks, self.model, self._push_endpoints, self._start_stream)
         self._heartbeat = None
         if self.node is None or self.node.group.is_leader:  # the node's leader speaks for it
             self._heartbeat = Heartbeat(self.comm, program.pservers, program.config.heartbeat_interval).start()
@@ -224,6 +231,8 @@ class Trainer:
         self._check_open()
         if self._discard_step:  # a lookup of this batch re-synced to another step: nothing to push
             self._discard_step = False
+            if self._overlap is not None:
+                self._overlap.abort()
             self.tables.clear()
             self.model.zero_grad(set_to_none=True)
             return self.step_count
@@ -244,9 +253,24 @@ class Trainer:
         else:
             ahead, expected = self.tables.ask_ahead(prefetch) if prefetch and self.program.tables else ({}, {})
             rows: Dict[str, Dict[str, torch.Tensor]] = {ep: {} for ep in ahead}
-            resync = self._push_pull_all(step, {ep: g + ahead.get(ep, []) for ep, g in grads.items()},
-                                         lambda ep, g: self._push_pull(ep, step, g, position, expected.get(ep, {}),
-                                                                       rows.get(ep, {})))
+            streams = self._overlap is not None and self._overlap.started
+            if streams:  # the blocks are on their way since backward: add the tables, end the streams
+                for ep, (stream_expected, stream_rows) in self._stream_rows.items():
+                    stream_expected.update(expected.get(ep, {}))
+                    rows[ep] = stream_rows
+                tail = {ep: sparse.get(ep, []) + ahead.get(ep, []) for ep in self._push_endpoints}
+            full = {ep: g + ahead.get(ep, []) for ep, g in grads.items()}
+
+            def push_pull_all() -> None:
+                nonlocal streams
+                if streams:  # a retry after a failure sends everything again, as a plain push
+                    streams = False
+                    self._overlap.finish(tail)
+                    return
+                self.comm.run_parallel({ep: (lambda ep=ep: self._push_pull(
+                    ep, step, full[ep], position, expected.get(ep, {}), rows.setdefault(ep, {})))
+                    for ep in self._push_endpoints})
+            resync = self.recovery.heal(step, f"step {step}", push_pull_all, self._pull_all)
             if ahead and resync is None:
                 self.tables.take_ahead(rows)
         # The pushed gradients stay referenced until sent; the next backward makes new ones.
@@ -258,8 +282,16 @@ class Trainer:
             self._resynced(resync)
         return self.step_count
 
-    def _push_pull(self, endpoint: str, step: int, tensors: list, position: Position,
-                   expected_rows: Dict[str, tuple], rows: Dict[str, torch.Tensor]) -> int:
+    def _start_stream(self, endpoint: str, tensors) -> futures.Future:
+        """Open this step's push to ``endpoint`` fed by ``tensors`` as backward produces them (BackwardPush)."""
+        step = self.step_count
+        position = self._batch_position or (0, step + 1)
+        expected, rows = self._stream_rows[endpoint] = ({}, {})  # rows asked ahead join at step()
+        return self.comm.submit(lambda: self._push_pull(endpoint, step, tensors, position, expected, rows,
+                                                        streamed=True))
+
+    def _push_pull(self, endpoint: str, step: int, tensors, position: Position,
+                   expected_rows: Dict[str, tuple], rows: Dict[str, torch.Tensor], streamed: bool = False) -> int:
         """One pserver's push and answer: blocks into the parameters, asked-ahead table rows into ``rows``."""
         def expect(name: str):
             return self.blocks.expect(name) or expected_rows.get(name)
@@ -271,7 +303,7 @@ class Trainer:
                     rows[name] = torch.empty(shape, dtype=getattr(torch, dtype))
                     return rows[name]
                 return dest(name)
-            return self.comm.push_pull(endpoint, step, tensors, expect, block_or_rows, position)
+            return self.comm.push_pull(endpoint, step, tensors, expect, block_or_rows, position, streamed)
         return self.blocks.receive(transfer)
 
     def _step_on_node(self, step: int, position: Position) -> int:
@@ -475,6 +507,8 @@ class Trainer:
         if self._closed:
             return
         self._closed = True
+        if self._overlap is not None:
+            self._overlap.remove()
         if self._heartbeat is not None:
             self._heartbeat.stop()
         try:

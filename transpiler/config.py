@@ -75,6 +75,11 @@ class DistributeTranspilerConfig:
       unavailable pserver (with backoff) before failing.
     - ``nonfinite_grads`` (str, "refuse"): a pushed gradient holding NaN or Inf
       is refused with INVALID_ARGUMENT ("refuse") or applied as is ("apply").
+    - ``push_during_backward`` (bool, True): a step's push to each pserver
+      starts streaming while backward still runs, each block as soon as its
+      gradient is final (same result as pushing after backward). Needs one
+      backward pass per step (a second one raises, naming this switch); trainer
+      nodes, the async pipeline and CUDA models push after backward.
     - ``mode`` (str, "pserver"): "pserver" trains through pservers; "collective"
       (Paddle's "nccl2", accepted and stored as "collective") trains with no
       pservers: every process wraps the model in ``DistributedDataParallel`` and
@@ -114,6 +119,7 @@ class DistributeTranspilerConfig:
     recovery_timeout: float = 300.0
     trainer_rejoin_timeout: float = 600.0
     nonfinite_grads: str = "refuse"
+    push_during_backward: bool = True
     mode: str = "pserver"
     bucket_cap_mb: float = 25.0
     use_local_sgd: bool = False
