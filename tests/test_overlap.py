@@ -1,4 +1,4 @@
-"""Pushes that stream during backward (push_during_backward, on by default).
+"""Pushes that stream during backward (``push_during_backward=True``; off by default).
 
 Each pserver's PushPull opens when backward produces the first gradient and
 carries each block as its gradient becomes final; the result must be exactly
@@ -24,7 +24,7 @@ def program() -> Program:
 @pytest.mark.timeout(60)
 def test_pushes_open_during_backward_and_train_as_one_process():
     data = batches(2, 8, STEPS, dtype=torch.float64)
-    with LocalCluster(program, 2, 2) as cluster:
+    with LocalCluster(program, 2, 2, config=DistributeTranspilerConfig(push_during_backward=True)) as cluster:
         def body(tr, i):
             opened = []
             for step_batches in data:
@@ -45,7 +45,7 @@ def test_pushes_open_during_backward_and_train_as_one_process():
 def test_a_second_backward_in_one_step_raises_and_the_switch_allows_accumulation():
     data = batches(1, 8, 2, dtype=torch.float64)
     halves = [[(x[:4], y[:4]), (x[4:], y[4:])] for ((x, y),) in data]
-    with LocalCluster(program, 1, 1) as cluster:
+    with LocalCluster(program, 1, 1, config=DistributeTranspilerConfig(push_during_backward=True)) as cluster:
         def body(tr, i):
             x, y = data[0][0]
             nn.functional.cross_entropy(tr.model(x[:4]), y[:4]).backward()
@@ -55,8 +55,7 @@ def test_a_second_backward_in_one_step_raises_and_the_switch_allows_accumulation
         assert cluster.run_trainers(body) == {0: 0}
         assert cluster.servers[0].engine.updates == 0  # the abandoned streams counted nothing
 
-    config = DistributeTranspilerConfig(push_during_backward=False)
-    with LocalCluster(program, 1, 1, config=config) as cluster:
+    with LocalCluster(program, 1, 1) as cluster:  # the default: push after backward
         def accumulate(tr, i):
             assert tr._overlap is None
             for parts in halves:

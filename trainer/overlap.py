@@ -13,6 +13,8 @@ backward.
 A parameter whose gradient is accumulated twice in one step (several
 backward passes per step) cannot be pushed early: that raises at once, with
 the way out (``DistributeTranspilerConfig(push_during_backward=False)``).
+Opt-in (``push_during_backward=True``): it pays where the transfer is wire
+time; where it is CPU (gRPC Python on few cores) it competes with backward.
 """
 from __future__ import annotations
 
