@@ -74,6 +74,19 @@ def _call(one: Callable, streamed: Callable, header, tensors: Sequence[Tuple[str
     return streamed(encode_chunks(header, tensors, chunk_bytes), timeout=timeout)
 
 
+def results_of(calls: Dict[str, futures.Future]) -> Dict[str, object]:
+    """Every call's result by endpoint, once all ended; the first failure is re-raised after the last ends."""
+    results, error = {}, None
+    for ep, fut in calls.items():
+        try:
+            results[ep] = fut.result()
+        except Exception as e:  # surface after all finish, so none is left running
+            error = error or e
+    if error is not None:
+        raise error
+    return results
+
+
 class Communicator:
     """Push gradients to and pull parameters from every pserver of a trainer program."""
 
@@ -300,16 +313,7 @@ class Communicator:
 
     def run_parallel(self, jobs: Dict[str, Callable[[], object]]) -> Dict[str, object]:
         """Run one callable per endpoint concurrently; re-raise the first failure."""
-        submitted = {ep: self._pool.submit(fn) for ep, fn in jobs.items()}
-        results, error = {}, None
-        for ep, fut in submitted.items():
-            try:
-                results[ep] = fut.result()
-            except Exception as e:  # surface after all finish, so none is left running
-                error = error or e
-        if error is not None:
-            raise error
-        return results
+        return results_of({ep: self._pool.submit(fn) for ep, fn in jobs.items()})
 
     def close(self) -> Dict[str, int]:
         """Tell every pserver this trainer is done; returns trainers left per pserver."""

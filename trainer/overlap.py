@@ -26,6 +26,7 @@ from typing import Callable, Dict, Iterator, List, Optional, Tuple
 import torch
 
 from .blocks import LocalBlocks
+from .communicator import results_of
 
 log = logging.getLogger(__name__)
 
@@ -102,15 +103,7 @@ class BackwardPush:
             for item in tail.get(ep, []):
                 q.put(item)
             q.put(_END)
-        results, error = {}, None
-        for ep, call in calls.items():
-            try:
-                results[ep] = call.result()
-            except Exception as e:  # surfaced after all ended, so none is left running
-                error = error or e
-        if error is not None:
-            raise error
-        return results
+        return results_of(calls)
 
     def abort(self) -> None:
         """Cancel this step's streams (the step is discarded): the pservers count none of them."""
