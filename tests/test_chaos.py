@@ -3,7 +3,8 @@
 A seeded schedule kills pservers (two within a second of each other, one while
 the trainers roll the others back, more at random) and starts each again with
 the same command; the job must finish with the model of an uninterrupted run.
-``PS_CHAOS_SEEDS=1,2,3`` picks the seeds (printed, so a failure replays).
+``PS_CHAOS_SEEDS=1,2,3`` picks the seeds (printed, so a failure replays); the suite runs seed 1 of
+each variant (about 40 s each), campaigns run many.
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from tests.scripts import recovery_job
 
 pytestmark = pytest.mark.processes
 
-SEEDS = [int(s) for s in os.environ.get("PS_CHAOS_SEEDS", "1,2").split(",") if s.strip()]
+SEEDS = [int(s) for s in os.environ.get("PS_CHAOS_SEEDS", "1").split(",") if s.strip()]
 EPOCHS = 12                 # 240 steps of 2 trainers
 STEP_DELAY = 0.05           # about 13 s of training, before the time recovery adds
 
