@@ -242,14 +242,15 @@ class Trainer:
             return self._step_on_node(step, position)
         self._finish_in_flight()  # before the pinned gradient buffers (CUDA) are refilled
         sparse = self.tables.take_gradients() if self.program.tables else {}
-        grads = {ep: self.blocks.grads(ep) + sparse.get(ep, [])
-                 for ep in self._push_endpoints}
+
+        def grads(extra: Dict[str, list]) -> Dict[str, list]:
+            return {ep: self.blocks.grads(ep) + sparse.get(ep, []) + extra.get(ep, []) for ep in self._push_endpoints}
         if prefetch is None:
             prefetch, self._next_prefetch = self._next_prefetch, None
         resync = None
         if self._pipelined:
             # The next forward runs before this push is answered: its lookups fetch for themselves.
-            self._in_flight = self._sender.submit(self._send, step, grads, position)
+            self._in_flight = self._sender.submit(self._send, step, grads({}), position)
         else:
             ahead, expected = self.tables.ask_ahead(prefetch) if prefetch and self.program.tables else ({}, {})
             rows: Dict[str, Dict[str, torch.Tensor]] = {ep: {} for ep in ahead}
@@ -259,7 +260,6 @@ class Trainer:
                     stream_expected.update(expected.get(ep, {}))
                     rows[ep] = stream_rows
                 tail = {ep: sparse.get(ep, []) + ahead.get(ep, []) for ep in self._push_endpoints}
-            full = {ep: g + ahead.get(ep, []) for ep, g in grads.items()}
 
             def push_pull_all() -> None:
                 nonlocal streams
@@ -267,6 +267,7 @@ class Trainer:
                     streams = False
                     self._overlap.finish(tail)
                     return
+                full = grads(ahead)  # gathered here: a step whose blocks streamed needs them only to retry
                 self.comm.run_parallel({ep: (lambda ep=ep: self._push_pull(
                     ep, step, full[ep], position, expected.get(ep, {}), rows.setdefault(ep, {})))
                     for ep in self._push_endpoints})
