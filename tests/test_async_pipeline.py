@@ -5,6 +5,7 @@ the parameters installed at step s-1, which hold the updates of steps up to
 s-2, so the pserver computes theta[s+1] = theta[s] - lr * grad(theta[s-1]).
 """
 import math
+import threading
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ from torch import nn
 
 from tests.helpers.cluster import LocalCluster
 from tests.helpers.models import batches, odd_mlp
+from tests.helpers.table_models import VOCAB, table_batches, table_program
 from trainer import PserverError
 from transpiler import DistributeTranspilerConfig, Program
 
@@ -95,3 +97,31 @@ def test_a_refused_background_push_surfaces_at_the_next_step():
             assert cluster.servers[0].engine.updates == 0  # refused, nothing applied
         finally:
             tr.close()
+
+
+def test_pipelined_lookups_use_rows_fetched_on_the_feed_thread_while_the_last_batch_trained():
+    """Async pipeline + read_ahead: while batch s trains, the feed thread reads batch s+1 and fetches
+    its rows, so after the first batch no lookup waits for a Prefetch of its own; the rows a lookup
+    gets are the pservers' rows at most the in-flight steps behind, and training moves them."""
+    data = table_batches(1, 16, 6, seed=3)
+    with LocalCluster(lambda: table_program("sgd", lr=0.5), 2, 1, sync_mode=False, config=PIPELINED) as cluster:
+        def body(tr, _):
+            fetched_by_lookups, planned = [], []
+            fetch, plan = tr.tables.fetch, tr.tables.plan_ahead
+            tr.tables.fetch = lambda wanted: fetched_by_lookups.append(sorted(wanted)) or fetch(wanted)
+
+            def plan_and_note(*a):
+                made = plan(*a)
+                planned.append((threading.current_thread().name, made.rows is not None))
+                return made
+            tr.tables.plan_ahead = plan_and_note
+            before = tr.pull_rows("emb", torch.from_numpy(VOCAB))
+            fetched_by_lookups.clear()
+            for ids, bag, y in tr.batches([b[0] for b in data], 1, prefetch=lambda b: {"emb": b[0], "bag": b[1]}):
+                nn.functional.cross_entropy(tr.model(ids, bag), y).backward()
+                tr.step()
+            return list(fetched_by_lookups), planned, before, tr.pull_rows("emb", torch.from_numpy(VOCAB))
+        fetched_by_lookups, planned, before, after = cluster.run_trainers(body)[0]
+    assert sorted(fetched_by_lookups) == [["bag"], ["emb"]]  # the first batch's lookups only
+    assert planned == [("trainer-feed_0", True)] * 5  # batches 1-5, rows and all
+    assert not torch.equal(before, after)

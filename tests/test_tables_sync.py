@@ -5,11 +5,14 @@ parameters equal one process on the concatenated batch, for SGD, Adagrad
 and SparseAdam on the tables. Async with one trainer is the same sequence of
 updates, so it must match too.
 """
+import threading
+
 import pytest
 import torch
 from torch import nn
 
 from tests.helpers.cluster import LocalCluster
+from transpiler import DistributeTranspilerConfig
 from tests.helpers.table_models import BAG_VOCAB, VOCAB, single_process, table_batches, table_program
 
 STEPS = 4
@@ -142,4 +145,33 @@ def test_next_batch_ids_ride_with_the_push_and_save_every_later_lookup_round_tri
         results = cluster.run_trainers(body)
     expected = single_process(build(), data)
     for i in range(n_trainers):
+        assert_matches(results[i], expected)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("read_ahead", [True, False])
+def test_reading_ahead_prepares_the_next_ids_on_the_feed_thread_and_trains_exactly_the_same(read_ahead):
+    """With read_ahead the loader's next item is read, and its ids deduplicated and routed, on the
+    feed thread while the current one trains; the step sends that plan. Sync training still equals
+    single-process torch, as it does with read_ahead off (everything on the training thread)."""
+    data = table_batches(2, PER_TRAINER, STEPS, seed=13)
+    build = lambda: table_program("adagrad", **CASES["adagrad"])  # noqa: E731
+    config = DistributeTranspilerConfig(read_ahead=read_ahead)
+    with LocalCluster(build, 2, 2, config=config) as cluster:
+        def body(tr, i):
+            planned_on = []
+            plan = tr.tables.plan_ahead
+            tr.tables.plan_ahead = lambda *a: planned_on.append(threading.current_thread().name) or plan(*a)
+            mine = [step_batches[i] for step_batches in data]
+            for ids, bag, y in tr.batches(mine, 1, prefetch=lambda b: {"emb": b[0], "bag": b[1]}):
+                nn.functional.cross_entropy(tr.model(ids, bag), y).backward()
+                tr.step()
+            assert len(planned_on) == STEPS - 1  # every batch after the first
+            on_feed = {name.startswith("trainer-feed") for name in planned_on}
+            assert on_feed == {read_ahead}
+            return (tr.state_dict(), {"emb": tr.pull_rows("emb", torch.from_numpy(VOCAB)),
+                                      "bag": tr.pull_rows("bag", torch.from_numpy(BAG_VOCAB))})
+        results = cluster.run_trainers(body)
+    expected = single_process(build(), data)
+    for i in (0, 1):
         assert_matches(results[i], expected)

@@ -43,6 +43,7 @@ from transpiler import TrainerProgram
 from transpiler.env import NodeEnv
 from transpiler.optim import LR_SCHEDULERS
 
+from .feed import Feed
 from .node.devices import backend_for, join_group, pick_device
 
 Position = Tuple[int, int]
@@ -114,7 +115,8 @@ class CollectiveTrainer:
         self.device = pick_device(self.local_rank)
         self.step_count = 0
         self.position: Position = (0, 0)
-        self._batch_position: Optional[Position] = None
+        # batches(): the data position, and the next item read ahead (read_ahead).
+        self.feed = Feed(lambda: self.position, self._set_position, self.pull, None, program.config.read_ahead)
         self._closed = False
         self._owns_group = not dist.is_initialized()
         self._join(init_method or env.init_method, program.config.barrier_timeout)
@@ -205,8 +207,11 @@ class CollectiveTrainer:
             self.scheduler.step()
         self.module.zero_grad(set_to_none=True)
         self.step_count += 1
-        self.position = self._batch_position or (0, self.step_count)
+        self.position = self.feed.batch_position or (0, self.step_count)
         return self.step_count
+
+    def _set_position(self, position: Position) -> None:
+        self.position = position
 
     def pull(self) -> None:
         """Nothing to pull: every process holds the current parameters (kept for parity with Trainer)."""
@@ -224,20 +229,11 @@ class CollectiveTrainer:
 
         Calls ``loader.sampler.set_epoch(epoch)`` when there is one (see
         :meth:`sampler`), and keeps :attr:`position` at (epoch, batches done)
-        after each :meth:`step`, as :class:`trainer.Trainer` does.
+        after each :meth:`step`, as :class:`trainer.Trainer` does (reading the
+        next item on a background thread with ``read_ahead``).
         """
-        while self.position[0] < epochs:
-            epoch, start = self.position
-            set_epoch = getattr(getattr(loader, "sampler", None), "set_epoch", None)
-            if set_epoch is not None:
-                set_epoch(epoch)
-            for i, item in enumerate(loader):
-                if i < start:
-                    continue
-                self._batch_position = (epoch, i + 1)
-                yield item
-            self.position = (epoch + 1, 0)
-            self._batch_position = None
+        self._check_open()
+        return self.feed.batches(loader, epochs)
 
     def sampler(self, dataset: Dataset, **kwargs) -> DistributedSampler:
         """This process's shard of ``dataset``: a ``DistributedSampler`` over all processes of all nodes.
@@ -271,6 +267,7 @@ class CollectiveTrainer:
             return
         self._closed = True
         self.model = self.module  # the DDP wrapper cannot communicate once its group is gone
+        self.feed.close()
         self._leave()
         log.info("collective trainer %d (rank %d): closed after step %d", self.trainer_id, self.rank,
                  self.step_count)

@@ -16,6 +16,8 @@ pserver, the ``"<table>@ids"`` / ``"<table>@rows"`` tensors of the push.
 """
 from __future__ import annotations
 
+import logging
+from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
@@ -26,6 +28,8 @@ from transpiler.tables import SPARSE_SEPARATOR, TableSpec, as_ids, merge_duplica
 
 from .communicator import PserverError
 
+log = logging.getLogger(__name__)
+
 # Dedupes remembered at most (the latest ones).
 _DEDUPE_MEMO = 8
 
@@ -33,6 +37,33 @@ _DEDUPE_MEMO = 8
 Pieces = Dict[str, List[Tuple[str, torch.Tensor]]]
 # (pieces per endpoint, min_updates) -> {endpoint: {wire name: rows}}
 Fetch = Callable[[Pieces, int], Dict[str, Dict[str, torch.Tensor]]]
+
+
+@dataclass
+class AheadPlan:
+    """The next batch's table ids, prepared ahead: dedupes, routes, and (async) rows fetched already."""
+
+    # (ids as given, sorted unique ids, inverse) per table fed
+    deduped: List[Tuple[object, np.ndarray, np.ndarray]] = field(default_factory=list)
+    wanted: Dict[str, np.ndarray] = field(default_factory=dict)  # table -> sorted unique ids
+    routes: Dict[str, Tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)  # table -> (order, bounds)
+    rows: Optional[Dict[str, torch.Tensor]] = None  # table -> rows of ``wanted``, once known
+
+
+def _dedupe_key(ids) -> Optional[tuple]:
+    """What identifies a CPU ids tensor's contents for the rest of a step (memory, layout, in-place version)."""
+    if isinstance(ids, torch.Tensor) and ids.device.type == "cpu":
+        return (ids.data_ptr(), tuple(ids.shape), ids.stride(), ids.dtype, ids._version)
+    return None
+
+
+def _route(ids: np.ndarray, n_pservers: int) -> Tuple[np.ndarray, np.ndarray]:
+    """(order, bounds): ``ids[order[bounds[k]:bounds[k+1]]]`` belong to pserver k (``stable_hash % n``)."""
+    shards = shard_of(ids, n_pservers)
+    order = np.argsort(shards, kind="stable")
+    bounds = np.zeros(n_pservers + 1, dtype=np.int64)
+    np.cumsum(np.bincount(shards, minlength=n_pservers), out=bounds[1:])
+    return order, bounds
 
 
 class TableClient:
@@ -59,7 +90,7 @@ class TableClient:
         # several tables fed the same ids, and the step's push hash them once.
         self._routes: Dict[int, Tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
         # The next step's ids sent with this step's push (ask_ahead), until their rows come back.
-        self._ahead: Tuple[Dict[str, np.ndarray], Dict[str, tuple]] = ({}, {})
+        self._ahead: Optional[AheadPlan] = None
 
     def spec(self, table: str) -> TableSpec:
         spec = self.specs.get(table)
@@ -75,9 +106,8 @@ class TableClient:
         Remembered for the rest of the step for a CPU tensor, so the same
         ids are sorted once however many tables and lookups use them.
         """
-        key = None
-        if isinstance(ids, torch.Tensor) and ids.device.type == "cpu":
-            key = (ids.data_ptr(), tuple(ids.shape), ids.stride(), ids.dtype, ids._version)
+        key = _dedupe_key(ids)
+        if key is not None:
             hit = self._deduped.get(key)
             if hit is not None:
                 return hit[1], hit[2]
@@ -90,17 +120,11 @@ class TableClient:
         return unique, inverse
 
     def _route(self, ids: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
-        """(order, bounds): ``ids[order[bounds[k]:bounds[k+1]]]`` belong to pserver k.
-
-        Remembered for the rest of the step by array, like :meth:`dedupe`.
-        """
+        """(order, bounds) of :func:`_route`, remembered for the rest of the step by array, like :meth:`dedupe`."""
         hit = self._routes.get(id(ids))
         if hit is not None and hit[0] is ids:
             return hit[1], hit[2]
-        shards = shard_of(ids, len(self.pservers))
-        order = np.argsort(shards, kind="stable")
-        bounds = np.zeros(len(self.pservers) + 1, dtype=np.int64)
-        np.cumsum(np.bincount(shards, minlength=len(self.pservers)), out=bounds[1:])
+        order, bounds = _route(ids, len(self.pservers))
         if len(self._routes) >= _DEDUPE_MEMO:
             del self._routes[next(iter(self._routes))]
         self._routes[id(ids)] = (ids, order, bounds)
@@ -108,17 +132,19 @@ class TableClient:
 
     def _split(self, wanted: Mapping[str, np.ndarray], part: str) -> Tuple[Pieces, Dict[str, tuple]]:
         """``wanted`` ({table: unique ids}) routed: ({pserver: [("<table>@<part>", ids)]}, routes by table)."""
+        routes = {table: self._route(ids) for table, ids in wanted.items() if ids.size}
+        return self._pieces(wanted, routes, part), routes
+
+    def _pieces(self, wanted: Mapping[str, np.ndarray], routes: Mapping[str, tuple], part: str) -> Pieces:
+        """``wanted`` as push tensors ``"<table>@<part>"`` per pserver, cut along ``routes``."""
         pieces: Pieces = {}
-        routes = {}
-        for table, ids in wanted.items():
-            if ids.size == 0:
-                continue
-            order, bounds = routes[table] = self._route(ids)
+        for table, (order, bounds) in routes.items():
+            ids = wanted[table]
             name = f"{table}{SPARSE_SEPARATOR}{part}"
             for k, ep in enumerate(self.pservers):
                 if bounds[k + 1] > bounds[k]:
                     pieces.setdefault(ep, []).append((name, torch.from_numpy(ids[order[bounds[k]:bounds[k + 1]]])))
-        return pieces, routes
+        return pieces
 
     def _assemble(self, wanted: Mapping[str, np.ndarray], routes: Mapping[str, tuple],
                   replies: Mapping[str, Mapping[str, torch.Tensor]]) -> Dict[str, torch.Tensor]:
@@ -160,28 +186,61 @@ class TableClient:
         for table, rows in self.fetch(wanted).items():
             self._cache[table] = (wanted[table], rows)
 
-    def ask_ahead(self, ids: Mapping[str, object]) -> Tuple[Pieces, Dict[str, Dict[str, tuple]]]:
-        """The next step's ids as ``<table>@next`` push tensors per pserver, and the rows each answer holds.
+    def plan_ahead(self, ids: Mapping[str, object], fetched_for: Optional[Fetch] = None) -> "AheadPlan":
+        """The next batch's ids ({table: ids}) deduplicated and routed, ready for :meth:`ask_ahead`.
+
+        Touches no state of this client, so the trainer's pipeline runs it on
+        a background thread while the current batch trains. With
+        ``fetched_for`` (a fetch callable, async mode) the rows are fetched
+        now as well, as of the pservers' latest updates; a fetch that fails
+        leaves them to the lookups, which fetch (and heal) for themselves.
+        """
+        plan = AheadPlan()
+        for table, table_ids in ids.items():
+            self.spec(table)
+            unique, inverse = np.unique(as_ids(table_ids), return_inverse=True)
+            plan.deduped.append((table_ids, unique, inverse.reshape(-1)))
+            plan.wanted[table] = unique
+            if unique.size:
+                plan.routes[table] = _route(unique, len(self.pservers))
+        if fetched_for is not None:
+            pieces = self._pieces(plan.wanted, plan.routes, "ids")
+            try:
+                replies = fetched_for(pieces, 0) if pieces else {}
+                plan.rows = self._assemble(plan.wanted, plan.routes, replies)
+            except PserverError as e:
+                log.info("rows of the next batch were not fetched ahead (%s); its lookups fetch them", e)
+        return plan
+
+    def ask_ahead(self, plan: "AheadPlan") -> Tuple[Pieces, Dict[str, Dict[str, tuple]]]:
+        """The planned ids as ``<table>@next`` push tensors per pserver, and the rows each answer holds.
 
         Call after this step's gradients were taken: the answer to the push
         brings the rows back as of after it (:meth:`take_ahead` caches them),
         saving the next step's Prefetch round trip. Returns (pieces, {pserver:
         {rows wire name: (dtype, shape)}}).
         """
-        wanted = {}
-        for table, table_ids in ids.items():
-            self.spec(table)
-            wanted[table] = self.dedupe(table_ids)[0]
-        pieces, routes = self._split(wanted, "next")
-        self._ahead = (wanted, routes)
+        pieces = self._pieces(plan.wanted, plan.routes, "next")
+        self._ahead = plan
         return pieces, {ep: _asked_rows(self, asked) for ep, asked in pieces.items()}
 
     def take_ahead(self, replies: Mapping[str, Mapping[str, torch.Tensor]]) -> None:
         """Cache the rows the push answers brought for :meth:`ask_ahead`'s ids, for the next step's lookups."""
-        wanted, routes = self._ahead
-        self._ahead = ({}, {})
-        for table, rows in self._assemble(wanted, routes, replies).items():
-            self._cache[table] = (wanted[table], rows)
+        plan, self._ahead = self._ahead, None
+        plan.rows = self._assemble(plan.wanted, plan.routes, replies)
+        self.install_ahead(plan)
+
+    def install_ahead(self, plan: "AheadPlan") -> None:
+        """Make ``plan``'s work this step's: its dedupes and routes, and its rows when it holds them."""
+        for ids, unique, inverse in plan.deduped:
+            key = _dedupe_key(ids)
+            if key is not None:
+                self._deduped[key] = (ids, unique, inverse)
+        for table, unique in plan.wanted.items():
+            if table in plan.routes:
+                self._routes[id(unique)] = (unique, *plan.routes[table])
+            if plan.rows is not None:
+                self._cache[table] = (unique, plan.rows[table])
 
     def rows(self, table: str, unique_ids: np.ndarray) -> torch.Tensor:
         """Rows of sorted unique ids (a new tensor): from this step's prefetch where possible.

@@ -1,7 +1,6 @@
 """Trainer: runs the model locally, keeps its parameters in step with the pservers."""
 from __future__ import annotations
 
-import itertools
 import logging
 from concurrent import futures
 from typing import Callable, Dict, Iterable, Iterator, List, Optional, Tuple
@@ -14,7 +13,8 @@ from transpiler.env import NodeEnv
 
 from .blocks import LocalBlocks
 from .communicator import Communicator, PserverError
-from .embedding import Pieces, TableClient, install_tables, prefetch_all, zero_rows
+from .embedding import AheadPlan, Pieces, TableClient, install_tables, prefetch_all, zero_rows
+from .feed import Feed
 from .heartbeat import Heartbeat
 from .node import REPLAY, Layout, NodeGroup, NodeSteps, join_group, pick_device
 from .overlap import BackwardPush
@@ -97,17 +97,16 @@ class Trainer:
                                  program.config.connect_timeout, program.config.recovery_timeout)
         self.tables = TableClient(program.tables, program.pservers, self._fetch_rows,
                                   lambda: self.step_count if self.sync_mode else 0)
-        # Set by batches(): the data position after the batch being trained.
-        self._batch_position: Optional[Position] = None
-        self._rewound = False
         self._discard_step = False
         self._lookup_error: Optional[PserverError] = None
-        # Set by batches(prefetch=...): the next batch's table ids, sent with this step's push.
-        self._next_prefetch: Optional[Dict[str, object]] = None
         # Streams opened during backward (BackwardPush): per pserver, the table rows asked ahead and got.
         self._stream_rows: Dict[str, Tuple[Dict[str, tuple], Dict[str, torch.Tensor]]] = {}
         self.node: Optional[NodeSteps] = None
         self._own_group = False
+        # batches(): the data position, and the next batch read (and its table ids prepared) ahead.
+        self.feed = Feed(lambda: self.position, self._set_position, self.pull,
+                         self._prepare_ahead if program.tables and self.local_world_size == 1 else None,
+                         program.config.read_ahead)
         try:
             if self.local_world_size > 1:
                 self._join_node(init_method or node.init_method)
@@ -118,6 +117,7 @@ class Trainer:
                 self.model.to(self.device)
         except BaseException:
             self.comm.shutdown()
+            self.feed.close()
             self._leave_group()
             raise
         self._overlap: Optional[BackwardPush] = None
@@ -237,7 +237,7 @@ class Trainer:
             self.model.zero_grad(set_to_none=True)
             return self.step_count
         step = self.step_count
-        position = self._batch_position or (0, step + 1)
+        position = self.feed.batch_position or (0, step + 1)
         if self.node is not None:
             return self._step_on_node(step, position)
         self._finish_in_flight()  # before the pinned gradient buffers (CUDA) are refilled
@@ -245,14 +245,16 @@ class Trainer:
 
         def grads(extra: Dict[str, list]) -> Dict[str, list]:
             return {ep: self.blocks.grads(ep) + sparse.get(ep, []) + extra.get(ep, []) for ep in self._push_endpoints}
-        if prefetch is None:
-            prefetch, self._next_prefetch = self._next_prefetch, None
+        plan = self._prepare_ahead(prefetch) if prefetch and self.program.tables else self.feed.take_prepared()
         resync = None
         if self._pipelined:
-            # The next forward runs before this push is answered: its lookups fetch for themselves.
+            # The next forward runs before this push is answered: its rows were fetched ahead
+            # while this batch trained (read_ahead), or its lookups fetch them.
             self._in_flight = self._sender.submit(self._send, step, grads({}), position)
+            if plan is not None:
+                self.tables.install_ahead(plan)
         else:
-            ahead, expected = self.tables.ask_ahead(prefetch) if prefetch and self.program.tables else ({}, {})
+            ahead, expected = self.tables.ask_ahead(plan) if plan is not None else ({}, {})
             rows: Dict[str, Dict[str, torch.Tensor]] = {ep: {} for ep in ahead}
             streams = self._overlap is not None and self._overlap.started
             if streams:  # the blocks are on their way since backward: add the tables, end the streams
@@ -283,10 +285,21 @@ class Trainer:
             self._resynced(resync)
         return self.step_count
 
+    def _prepare_ahead(self, ids: Dict[str, object]) -> AheadPlan:
+        """The next batch's ``{table: ids}`` made ready to send ahead (async pipeline: its rows fetched now)."""
+        fetch = None
+        if self._pipelined:
+            def fetch(pieces: Pieces, min_updates: int):
+                return prefetch_all(self.comm, self.tables, pieces, min_updates)
+        return self.tables.plan_ahead(ids, fetch)
+
+    def _set_position(self, position: Position) -> None:
+        self.position = position
+
     def _start_stream(self, endpoint: str, tensors) -> futures.Future:
         """Open this step's push to ``endpoint`` fed by ``tensors`` as backward produces them (BackwardPush)."""
         step = self.step_count
-        position = self._batch_position or (0, step + 1)
+        position = self.feed.batch_position or (0, step + 1)
         expected, rows = self._stream_rows[endpoint] = ({}, {})  # rows asked ahead join at step()
         return self.comm.submit(lambda: self._push_pull(endpoint, step, tensors, position, expected, rows,
                                                         streamed=True))
@@ -324,10 +337,10 @@ class Trainer:
         if outcome is None:
             self.step_count, self.position = step + 1, position
         elif outcome == REPLAY:
-            self._rewound = True  # batches() trains the batch again, at the same step
+            self.feed.rewound = True  # batches() trains the batch again, at the same step
         else:
             self._resynced(outcome)
-            self._rewound = True
+            self.feed.rewound = True
         return self.step_count
 
     def _push_pull_all(self, step: int, grads: Dict[str, list],
@@ -342,7 +355,7 @@ class Trainer:
         self.step_count = outcome.step
         if outcome.action == ROLLBACK:
             self.position = outcome.position
-            self._rewound = True  # batches() replays the data from the checkpoint's position
+            self.feed.rewound = True  # batches() replays the data from the checkpoint's position
 
     def _send(self, step: int, grads: Dict[str, list], position: Position) -> None:
         """Push-pull ``step`` on every pserver; pulled blocks land in the staging buffers."""
@@ -442,42 +455,15 @@ class Trainer:
         (sync), the batches since it are trained again, as if no failure had
         happened; the position travels with every push and lands in checkpoints.
 
-        ``prefetch(item)`` ({table: ids} of an item) makes the loader run one
-        item ahead: the next item's ids go with each :meth:`step`'s push and
-        their rows come back with its answer (see :meth:`step`).
+        With ``read_ahead`` (the default) the next item is read from the
+        loader on a background thread while the current one trains.
+        ``prefetch(item)`` ({table: ids} of an item) sends the next item's ids
+        with each :meth:`step`'s push, and their rows come back with its
+        answer (see :meth:`step`); they are deduplicated and routed on that
+        thread too.
         """
-        while True:
-            yield from self._batches_from_position(loader, epochs, prefetch)
-            # The last step's answer held the final parameters; a pserver lost since may have
-            # rolled the job back to a checkpoint, whose data is then trained again.
-            self.pull()
-            if self.position[0] >= epochs:
-                return
-
-    def _batches_from_position(self, loader: Iterable, epochs: int, prefetch) -> Iterator:
-        while self.position[0] < epochs:
-            epoch, start = self.position
-            set_epoch = getattr(getattr(loader, "sampler", None), "set_epoch", None)
-            if set_epoch is not None:
-                set_epoch(epoch)
-            self._rewound = False
-            items = itertools.islice(enumerate(loader), start, None)
-            current = next(items, None)
-            while current is not None:
-                i, item = current
-                if prefetch is not None:  # one item ahead, so its ids ride with this item's push
-                    current = next(items, None)
-                    self._next_prefetch = prefetch(current[1]) if current is not None else None
-                else:
-                    current = next(items, None)
-                self._batch_position = (epoch, i + 1)
-                yield item
-                if self._rewound:
-                    break
-            else:
-                self.position = (epoch + 1, 0)
-            self._next_prefetch = None
-            self._batch_position = None
+        self._check_open()
+        return self.feed.batches(loader, epochs, prefetch)
 
     def checkpoint(self) -> List[str]:
         """Every pserver writes its part of a checkpoint now; returns the part directories.
@@ -517,6 +503,7 @@ class Trainer:
             if self.node is not None and not self.node.group.failed:  # all local ranks done: the leader closes
                 self.node.group.barrier(f"trainer node {self.trainer_id} closing")
         finally:
+            self.feed.close()
             if self._sender is not None:
                 self._sender.shutdown(wait=False)
             if self.node is None or (self.node.group.is_leader and not self.node.group.failed):

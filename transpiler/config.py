@@ -52,6 +52,13 @@ class DistributeTranspilerConfig:
       async communicator does the same). Off by default: momentum SGD with
       small batches can diverge under the extra staleness; Adam/Adagrad
       models such as the CTR example train as well with it.
+    - ``read_ahead`` (bool, True): ``Trainer.batches()`` reads the next item
+      from the loader on a background thread while the current one trains,
+      and, given ``prefetch=``, deduplicates and routes its table ids there
+      (with ``async_pipeline``, also fetches its rows), so the step that sends
+      them ahead does no such work itself. The same batches and ids as without
+      it, so sync training stays exact; off reads each item in turn. The
+      loader is then advanced from that thread (one item at a time).
     - ``checkpoint_dir`` (str or None, None): where pservers write checkpoints
       (blocks, table shards, optimizer state, trainers' data positions), one
       directory per step; a pserver started with a checkpoint there resumes
@@ -114,6 +121,7 @@ class DistributeTranspilerConfig:
     pserver_torch_threads: int = 1
     pserver_rpc_workers: int = 0
     async_pipeline: bool = False
+    read_ahead: bool = True
     checkpoint_dir: Optional[str] = None
     checkpoint_every: int = 0
     checkpoint_keep: int = 3
@@ -167,8 +175,9 @@ class DistributeTranspilerConfig:
         if not isinstance(self.pserver_torch_threads, int) or self.pserver_torch_threads < 1:
             raise ValueError(
                 f"pserver_torch_threads must be an int >= 1, got {self.pserver_torch_threads!r}")
-        if not isinstance(self.async_pipeline, bool):
-            raise ValueError(f"async_pipeline must be a bool, got {self.async_pipeline!r}")
+        for name in ("async_pipeline", "read_ahead"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.heartbeat_timeout <= self.heartbeat_interval:
             raise ValueError(f"heartbeat_timeout ({self.heartbeat_timeout}) must exceed "
                              f"heartbeat_interval ({self.heartbeat_interval})")

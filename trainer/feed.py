@@ -1,0 +1,133 @@
+"""The data side of a trainer: batches from its data position, read and prepared one batch ahead.
+
+:class:`Feed` backs ``Trainer.batches``. It walks the loader from the data
+position the pservers hold for this trainer (a restarted trainer or a job
+resumed from a checkpoint skips what was trained), replays the batches since
+a checkpoint when the job rolls back, and pipelines: while the current batch
+trains, a background thread reads the next one from the loader and prepares
+its table ids (deduplicated and routed, see ``TableClient.plan_ahead``), so
+``Trainer.step`` sends them with its push without doing that work itself.
+Preparing is a pure function of the ids, so sync training stays exact.
+"""
+from __future__ import annotations
+
+import itertools
+from concurrent import futures
+from typing import Callable, Iterable, Iterator, Optional, Tuple
+
+Position = Tuple[int, int]
+
+_END = object()  # the loader has no more items this epoch
+
+
+class Feed:
+    """Which batch a trainer trains next, read ``ahead`` on a background thread when asked to.
+
+    ``position()`` / ``set_position(p)`` read and move the trainer's data
+    position (epoch, batch), ``pull()`` refreshes its parameters at the end,
+    and ``prepare(ids)`` turns a batch's ``{table: ids}`` into what its step
+    sends ahead (``None``: nothing).
+    """
+
+    def __init__(self, position: Callable[[], Position], set_position: Callable[[Position], None],
+                 pull: Callable[[], None], prepare: Optional[Callable[[dict], object]], ahead: bool):
+        self._position = position
+        self._set_position = set_position
+        self._pull = pull
+        self._prepare = prepare
+        self._reader = futures.ThreadPoolExecutor(1, thread_name_prefix="trainer-feed") if ahead else None
+        # The position after the batch being trained, while batches() runs.
+        self.batch_position: Optional[Position] = None
+        # Set when the job moved this trainer elsewhere (a roll-back or re-sync): the epoch starts over.
+        self.rewound = False
+        self._next: Optional[futures.Future] = None  # the next (index, item, prepared) being read
+
+    def batches(self, loader: Iterable, epochs: int,
+                prefetch: Optional[Callable[[object], dict]] = None) -> Iterator:
+        """The items of ``loader`` for ``epochs`` epochs from the data position on (see ``Trainer.batches``)."""
+        try:
+            while True:
+                yield from self._from_position(loader, epochs, prefetch)
+                # The last step's answer held the final parameters; a pserver lost since may have
+                # rolled the job back to a checkpoint, whose data is then trained again.
+                self._pull()
+                if self._position()[0] >= epochs:
+                    return
+        finally:
+            self._drop_next()
+            self.batch_position = None
+
+    def take_prepared(self) -> object:
+        """What was prepared for the batch after the current one (``None``: nothing, or no next batch).
+
+        Waits for the background read; a loader error is raised by the
+        generator when it reaches that item, not here.
+        """
+        if self._next is None:
+            return None
+        try:
+            item = self._next.result()
+        except Exception:  # noqa: BLE001 - the generator re-raises it where the user iterates
+            return None
+        return None if item is _END else item[2]
+
+    def close(self) -> None:
+        """Stop the background reader (an item being read is finished first)."""
+        self._drop_next()
+        if self._reader is not None:
+            self._reader.shutdown(wait=True)
+
+    def _from_position(self, loader: Iterable, epochs: int, prefetch) -> Iterator:
+        while self._position()[0] < epochs:
+            epoch, start = self._position()
+            set_epoch = getattr(getattr(loader, "sampler", None), "set_epoch", None)
+            if set_epoch is not None:
+                set_epoch(epoch)
+            self.rewound = False
+            items = itertools.islice(enumerate(loader), start, None)
+            self._read(items, None)  # the first item's lookups fetch for themselves: nothing to prepare
+            current = self._take()
+            while current is not _END:
+                i, item, _ = current
+                self._read(items, prefetch)  # the next one, while this one trains
+                self.batch_position = (epoch, i + 1)
+                yield item
+                if self.rewound:
+                    break
+                current = self._take()
+            else:  # the loader ran out: the next epoch starts at its first batch
+                self._set_position((epoch + 1, 0))
+            self._drop_next()
+            self.batch_position = None
+
+    def _read(self, items: Iterator, prefetch) -> None:
+        """Start reading the next item and preparing its ``prefetch`` ids (on the reader thread when ahead)."""
+        def read():
+            got = next(items, None)
+            if got is None:
+                return _END
+            i, item = got
+            prepared = None
+            if prefetch is not None and self._prepare is not None:
+                prepared = self._prepare(prefetch(item))
+            return i, item, prepared
+        if self._reader is not None:
+            self._next = self._reader.submit(read)
+        else:
+            done: futures.Future = futures.Future()
+            try:
+                done.set_result(read())
+            except BaseException as e:  # noqa: BLE001 - raised where the user iterates, as without a feed
+                done.set_exception(e)
+            self._next = done
+
+    def _take(self):
+        """The item read by the last :meth:`_read` (its loader error raised here)."""
+        nxt, self._next = self._next, None
+        return nxt.result()
+
+    def _drop_next(self) -> None:
+        """Forget a read ahead that will not be trained (a rewind, the end, a loop the user left)."""
+        nxt, self._next = self._next, None
+        if nxt is not None:
+            futures.wait([nxt])
