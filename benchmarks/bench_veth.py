@@ -1,0 +1,460 @@
+"""Job D across two network namespaces joined by a veth pair (real TCP), and on loopback, side by side.
+
+Usage (root: it creates network namespaces)::
+
+    python benchmarks/bench_veth.py [--rounds 3] [--configs ps-veth,rpc-veth,...] [--steps 30]
+                                    [--warmup 5] [--rate 10gbit] [--delay 0.1ms] [--json FILE]
+
+Job D is the peers' (``../shared/peers/jobs.py``): MLP 512-2048-2048-2048-10
+(37.9 MB fp32), SGD lr 0.01, 2 trainers of batch 256, 5 warm-up + 30 timed
+steps, every trainer on ``jobs.dense_batch(step, rank)``, and the same initial
+weights everywhere (so the losses of all configurations agree). Each role is
+its own OS process started with ``ip netns exec``; ``netns.py`` makes the two
+namespaces ("host 1" at 10.231.N.1, "host 2" at 10.231.N.2) once for the whole
+run and removes them at the end, also on errors, Ctrl-C and SIGTERM.
+
+Configurations (``--configs``, default all, in this order):
+
+- ``ps-veth``: this product, sync, 2 pservers in host 1 (each bound to
+  10.231.N.1:PORT) x 2 trainers in host 2 (``dense_workers.py``'s roles via
+  ``veth_workers.py``): every push and pull crosses the veth.
+- ``rpc-veth``: the ``torch.distributed.rpc`` batch-updating parameter server of
+  ``torch_peers.py rpc-ps-dense --ps 2`` (its classes and trainer loop,
+  imported), ranks ps0, ps1 in host 1 and the 2 trainers in host 2; rendezvous
+  over TCP at host 1; TensorPipe restricted to what it can use between two
+  real hosts: transport ``uv`` (TCP) and channels ``mpt_uv,basic``
+  (``--tp-channels``), bound to the veth (``TP_SOCKET_IFNAME``).
+- ``ddp-veth``: DDP over gloo, rank 0 in host 1, rank 1 in host 2
+  (``GLOO_SOCKET_IFNAME`` = the veth).
+- ``rpc-veth-cma``: as ``rpc-veth`` but with TensorPipe's defaults. Its ``shm``
+  transport needs one network namespace, so TCP carries the messages, but its
+  ``cma`` channel only needs one host (same boot id and PID namespace) and
+  copies the tensors with ``process_vm_readv``: they never cross the veth.
+  The same-host shortcut, shown by the veth counters.
+- ``ps-lo``, ``ddp-lo``: the same jobs with every process in host 1 on 127.0.0.1.
+- ``rpc-lo``: the torch peer on one host with TensorPipe's defaults (``shm``
+  transport + ``cma`` channel), as ``torch_peers.py`` measures it.
+- ``rpc-lo-tcp``: the torch peer on 127.0.0.1 restricted to TCP as ``rpc-veth``.
+
+Rounds alternate the configurations (the order rotates each round). Per
+configuration, medians [min-max] over rounds: samples/s (all trainers'
+samples / the slowest trainer's timed wall time), ratios against DDP and the
+torch RPC PS on the same link (per-round ratios), MB through the veth per
+timed step (both directions, read by the workers from their namespace's
+veth counters around their timed steps), that as a share of the payload
+(PS: 2 trainers x (gradients + parameters); DDP: 2 x the model, ring
+all-reduce of 2 ranks), and the machine's other load (CPU cores busy with
+anything else, from /proc/stat). A check that the traffic did cross the veth
+(>= 90% of the payload for ``*-veth`` over TCP) and did not for ``*-lo``
+fails the run (exit 1) if not met. ``--rate`` / ``--delay`` shape both veth
+ends (tc netem; a rate alone falls back to tbf where netem is missing), off
+by default: the veth alone is a fast virtual link with no delay.
+
+Output: a markdown table on stdout and every run's figures in ``--json``
+(default ``bench_veth.json``). Worker logs go to a temp directory, kept on
+failure (or to ``--logdir``). ``python benchmarks/netns.py cleanup`` removes
+namespaces left by a SIGKILLed run.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence, Tuple
+
+from bench_dense import Processes, RunFailed, _die_with_parent, busy_cpu_seconds
+from bench_report import med, summarize
+from dense_workers import Spec, param_bytes
+from netns import NetnsError, TwoHosts
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+WORKERS = os.path.join(HERE, "veth_workers.py")
+PSERVERS = 2
+TRAINERS = 2
+PSERVER_EXIT_GRACE = 30.0
+# Shares of the payload per step that must (veth over TCP) / must not (loopback) cross the veth.
+CROSSED_MIN, LOOPBACK_MAX = 0.90, 0.01
+
+log = logging.getLogger("bench_veth")
+
+
+@dataclass(frozen=True)
+class Config:
+    """One configuration: ``system`` (ps, rpc, ddp) on ``link`` (veth: two hosts; lo: all in host 1).
+
+    ``tcp_only`` restricts TensorPipe to TCP (transport uv, channels from
+    ``--tp-channels``); otherwise it uses its defaults.
+    """
+
+    system: str
+    link: str
+    tcp_only: bool = True
+    what: str = ""
+
+
+CONFIGS: Dict[str, Config] = {
+    "ps-veth": Config("ps", "veth", what="this product, sync, 2 ps (host 1) x 2 trainers (host 2)"),
+    "rpc-veth": Config("rpc", "veth", what="torch rpc PS, 2 ps (host 1) x 2 trainers (host 2), TensorPipe TCP only"),
+    "ddp-veth": Config("ddp", "veth", what="DDP / gloo, rank 0 in host 1, rank 1 in host 2"),
+    "rpc-veth-cma": Config("rpc", "veth", tcp_only=False,
+                           what="torch rpc PS across the veth, TensorPipe defaults (cma: same-host shortcut)"),
+    "ps-lo": Config("ps", "lo", what="this product, sync, 2 ps x 2 trainers, all on 127.0.0.1"),
+    "rpc-lo": Config("rpc", "lo", tcp_only=False,
+                     what="torch rpc PS on one host, TensorPipe defaults (shm + cma), as torch_peers.py"),
+    "rpc-lo-tcp": Config("rpc", "lo", what="torch rpc PS on 127.0.0.1, TensorPipe TCP only"),
+    "ddp-lo": Config("ddp", "lo", what="DDP / gloo, 2 ranks on 127.0.0.1"),
+}
+
+
+# -- processes in namespaces ---------------------------------------------------
+
+class NsProcesses(Processes):
+    """``bench_dense.Processes`` whose children are ``veth_workers.py`` roles started inside a namespace."""
+
+    def spawn_in(self, hosts: TwoHosts, host: int, name: str, role: str, env: Dict[str, str],
+                 extra: Sequence[str] = ()) -> None:
+        """Start ``veth_workers.py role`` as ``name`` in ``host``'s namespace with environment ``env``."""
+        cmd = hosts.cmd(host, sys.executable, WORKERS, role, "--spec", self.spec.to_json(),
+                        "--out", self.path(name, "json"), *extra)
+        with open(self.path(name, "log"), "w") as out:
+            self.procs[name] = subprocess.Popen(
+                cmd, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                start_new_session=True, preexec_fn=_die_with_parent)
+
+
+def base_env() -> Dict[str, str]:
+    """This environment without proxy variables (gRPC would send 10.231.x.x to a proxy), plus the repo path."""
+    env = {k: v for k, v in os.environ.items()
+           if k.lower() not in ("http_proxy", "https_proxy", "all_proxy", "grpc_proxy", "no_proxy")}
+    env["PYTHONPATH"] = os.pathsep.join([REPO, HERE] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def role_env(hosts: TwoHosts, host: int, link: str, peers: str, **extra: str) -> Dict[str, str]:
+    """Environment of a role in ``host``: its veth counters, the interface gloo/TensorPipe bind, ``extra``."""
+    ifname = hosts.veth[host] if link == "veth" else "lo"
+    counters = hosts.sysfs_counter_paths(host)
+    return {**base_env(), "BENCH_VETH_COUNTERS": f"{counters['rx_bytes']},{counters['tx_bytes']}",
+            "BENCH_PEERS_DIR": peers, "GLOO_SOCKET_IFNAME": ifname, "TP_SOCKET_IFNAME": ifname,
+            "BENCH_GLOO_SOCKET_IFNAME": ifname, "BENCH_TP_SOCKET_IFNAME": ifname, **extra}
+
+
+class ConnectionSampler:
+    """Counts host 2's established TCP connections to host 1 every ``period`` s in a thread; ``peak`` is the most.
+
+    Tells which TensorPipe channel carried the tensors across the veth:
+    ``mpt_uv`` opens 16 TCP lanes per pipe, ``basic`` none beyond the pipe's own.
+    """
+
+    def __init__(self, hosts: TwoHosts, period: float = 0.5):
+        self.hosts, self.period, self.peak = hosts, period, 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="conn-sampler", daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period):
+            self.peak = max(self.peak, self.hosts.tcp_connections(2))
+
+    def __enter__(self) -> "ConnectionSampler":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+# -- one run of each system ------------------------------------------------------
+
+def run_ps(procs: NsProcesses, hosts: TwoHosts, link: str, ports: List[int], args) -> Tuple[List[dict], List[dict]]:
+    """2 pservers (host 1) and 2 trainers (host 2, or host 1 on lo); (trainer results, pserver results)."""
+    server_ip = hosts.ip(1) if link == "veth" else "127.0.0.1"
+    trainer_host = 2 if link == "veth" else 1
+    endpoints = [f"{server_ip}:{p}" for p in ports[:PSERVERS]]
+    common = {"PADDLE_PSERVERS_IP_PORT_LIST": ",".join(endpoints), "PADDLE_TRAINERS_NUM": str(TRAINERS)}
+    servers = [f"pserver{i}" for i in range(PSERVERS)]
+    trainers = [f"trainer{i}" for i in range(TRAINERS)]
+    for name, port in zip(servers, ports):
+        procs.spawn_in(hosts, 1, name, "pserver",
+                       role_env(hosts, 1, link, args.peers, **common, TRAINING_ROLE="PSERVER",
+                                POD_IP=server_ip, PADDLE_PORT=str(port)))
+    for i, name in enumerate(trainers):
+        procs.spawn_in(hosts, trainer_host, name, "trainer",
+                       role_env(hosts, trainer_host, link, args.peers, **common, TRAINING_ROLE="TRAINER",
+                                PADDLE_TRAINER_ID=str(i)))
+    procs.wait(trainers, time.monotonic() + args.timeout, "the trainers")
+    procs.wait(servers, time.monotonic() + PSERVER_EXIT_GRACE, "the pservers to exit after all trainers closed")
+    return procs.results(trainers), procs.results(servers)
+
+
+def run_ddp(procs: NsProcesses, hosts: TwoHosts, link: str, ports: List[int], args) -> List[dict]:
+    """2 DDP ranks over gloo: rank 0 in host 1 (the master), rank 1 in host 2 (host 1 on lo); their results."""
+    master = hosts.ip(1) if link == "veth" else "127.0.0.1"
+    names = [f"ddp{r}" for r in range(TRAINERS)]
+    for rank, name in enumerate(names):
+        host = 1 if link == "lo" or rank == 0 else 2
+        procs.spawn_in(hosts, host, name, "ddp", role_env(
+            hosts, host, link, args.peers, MASTER_ADDR=master, MASTER_PORT=str(ports[0]),
+            RANK=str(rank), WORLD_SIZE=str(TRAINERS)))
+    procs.wait(names, time.monotonic() + args.timeout, "the DDP ranks")
+    return procs.results(names)
+
+
+def run_rpc(procs: NsProcesses, hosts: TwoHosts, config: Config, ports: List[int], args) -> dict:
+    """The torch RPC PS: ranks ps0, ps1 in host 1, trainers in host 2 (host 1 on lo); rank 0's record."""
+    link = config.link
+    master = hosts.ip(1) if link == "veth" else "127.0.0.1"
+    world = PSERVERS + TRAINERS
+    tp = (["--transports", "uv", "--channels", args.tp_channels] if config.tcp_only else [])
+    names = [f"ps{r}" if r < PSERVERS else f"trainer{r - PSERVERS}" for r in range(world)]
+    for rank, name in enumerate(names):
+        host = 1 if link == "lo" or rank < PSERVERS else 2
+        procs.spawn_in(hosts, host, name, "rpc", role_env(hosts, host, link, args.peers, BENCH_MASTER_ADDR=master),
+                       ["--rank", str(rank), "--world", str(world), "--ps", str(PSERVERS),
+                        "--init", f"tcp://{master}:{ports[0]}", *tp])
+    procs.wait(names, time.monotonic() + args.timeout, "the torch RPC ranks")
+    return procs.results(["ps0"])[0]
+
+
+# -- figures ---------------------------------------------------------------------
+
+def payload_per_step(system: str, spec: Spec) -> float:
+    """Bytes a step must move between the hosts: PS, each trainer's gradients and parameters; DDP, 2 x the model."""
+    model = param_bytes(spec.sizes)
+    return TRAINERS * 2 * model if system in ("ps", "rpc") else 2 * (TRAINERS - 1) * model
+
+
+def _veth_per_step(results: List[dict]) -> Optional[float]:
+    """Mean over workers of the veth bytes (rx + tx) per timed step they counted; None if not counted."""
+    counted = [(r["veth_rx_bytes"] + r["veth_tx_bytes"]) / r["steps"] for r in results if "veth_rx_bytes" in r]
+    return sum(counted) / len(counted) if counted else None
+
+
+def run_one(name: str, rnd: int, index: int, hosts: TwoHosts, args, workdir: str) -> dict:
+    """One run of configuration ``name`` in round ``rnd``: start its processes, wait, and return its figures."""
+    config = CONFIGS[name]
+    ports = [21000 + 10 * (index % 2000) + k for k in range(4)]  # fresh ports each run: no TIME_WAIT reuse
+    spec = args.spec
+    busy0, ours0, t0 = *busy_cpu_seconds(), time.monotonic()
+    link_before = hosts.counters(2)
+    with ConnectionSampler(hosts) as conns, NsProcesses(workdir, spec) as procs:
+        if config.system == "ps":
+            workers, servers = run_ps(procs, hosts, config.link, ports, args)
+            row = summarize(name, spec, workers, servers)
+            row["losses_first_last"] = [sum(w["losses"][i] for w in workers) / len(workers) for i in (0, -1)]
+            veth = _veth_per_step(workers)
+        elif config.system == "ddp":
+            workers = run_ddp(procs, hosts, config.link, ports, args)
+            row = summarize(name, spec, workers, [])
+            row["losses_first_last"] = [sum(w["losses"][i] for w in workers) / len(workers) for i in (0, -1)]
+            veth = _veth_per_step(workers)
+        else:
+            rec = run_rpc(procs, hosts, config, ports, args)
+            row = {"config": name, "samples_s": rec["samples_per_s"], "step_ms": rec["ms_per_step"],
+                   "compute_ms": rec["trainer_compute_ms_per_step"],
+                   "update_ms": rec["trainer_comm_wait_ms_per_step"],
+                   "losses_first_last": [rec["first_loss"], rec["final_loss"]], "rpc": rec}
+            veth = _veth_per_step([{**t, "steps": spec.steps} for t in rec["per_trainer"]])
+    moved = hosts.moved(link_before, hosts.counters(2))
+    busy1, ours1 = busy_cpu_seconds()
+    elapsed = time.monotonic() - t0
+    row.pop("losses", None)
+    row.update({
+        "round": rnd, "system": config.system, "link": config.link, "tcp_only": config.tcp_only,
+        "wall_s": elapsed,
+        "other_load": max(0.0, (busy1 - busy0) - (ours1 - ours0)) / elapsed,
+        "veth_mb_step": (veth or 0.0) / 1e6,
+        "veth_share": (veth or 0.0) / payload_per_step(config.system, spec),
+        "veth_mb_run": (moved["rx_bytes"] + moved["tx_bytes"]) / 1e6, "veth_run_bytes": moved,
+        "veth_tcp_conns_peak": conns.peak,
+    })
+    return row
+
+
+def crossing_problems(rows: List[dict]) -> List[str]:
+    """Runs whose veth traffic contradicts their configuration: TCP over the veth below 90% of the payload,
+    or loopback runs that moved more than 1% of it through the veth."""
+    bad = []
+    for r in rows:
+        if r["link"] == "veth" and r["tcp_only"] and r["veth_share"] < CROSSED_MIN:
+            bad.append(f"round {r['round']} {r['config']}: only {100 * r['veth_share']:.1f}% of the payload "
+                       f"crossed the veth (expected >= {100 * CROSSED_MIN:.0f}%)")
+        if r["link"] == "lo" and r["veth_share"] > LOOPBACK_MAX:
+            bad.append(f"round {r['round']} {r['config']}: {100 * r['veth_share']:.1f}% of the payload crossed "
+                       f"the veth on a loopback run")
+    return bad
+
+
+def _per_round(rs: List[dict], base: List[dict]) -> List[float]:
+    """samples/s of each run in ``rs`` over that of the ``base`` run of its round."""
+    by_round = {b["round"]: b["samples_s"] for b in base}
+    return [r["samples_s"] / by_round[r["round"]] for r in rs if r["round"] in by_round]
+
+
+def table(rows: List[dict], configs: Sequence[str]) -> str:
+    """The markdown table: per configuration, medians [min-max] over rounds, ratios against the same link's peers."""
+    by = {c: [r for r in rows if r["config"] == c] for c in configs}
+    lines = ["| configuration | link | samples/s | vs DDP, same link | vs torch rpc PS (TCP), same link | "
+             "MB over the veth per step | of the payload | TCP conns across the veth | step ms | comm / update ms | "
+             "other load, cores | loss first -> last |",
+             "|---" * 12 + "|"]
+    for c in configs:
+        rs = by[c]
+        if not rs:
+            continue
+        cfg = CONFIGS[c]
+        ddp = by.get(f"ddp-{cfg.link}", [])
+        rpc = by.get(f"rpc-{cfg.link}" if cfg.link == "veth" else "rpc-lo-tcp", [])
+        vs_ddp = _per_round(rs, ddp) if cfg.system != "ddp" else []
+        vs_rpc = _per_round(rs, rpc) if rpc and rs is not rpc else []
+        losses = rs[0]["losses_first_last"]
+        lines.append("| " + " | ".join([
+            c, "veth (2 hosts)" if cfg.link == "veth" else "loopback (1 host)",
+            med([r["samples_s"] for r in rs], ".0f"),
+            med(vs_ddp, ".2f") if vs_ddp else "-",
+            med(vs_rpc, ".2f") if vs_rpc else "-",
+            med([r["veth_mb_step"] for r in rs], ".1f"),
+            f"{100 * statistics.median(r['veth_share'] for r in rs):.1f}%",
+            str(max(r["veth_tcp_conns_peak"] for r in rs)),
+            f"{statistics.median(r['step_ms'] for r in rs):.0f}",
+            f"{statistics.median(r['update_ms'] for r in rs):.0f}",
+            med([r["other_load"] for r in rs], ".2f"),
+            f"{losses[0]:.4f} -> {losses[1]:.4f}",
+        ]) + " |")
+    legend = [f"- `{c}`: {CONFIGS[c].what}" for c in configs] + [
+        "- samples/s: both trainers' samples / the slower one's timed wall time; ratios: per round, "
+        "against the same link's DDP and TCP-only torch rpc PS run.",
+        "- MB over the veth per step: rx + tx of the veth during the trainers' timed steps (read by each "
+        "trainer / rank in its namespace, mean); of the payload: PS, 2 trainers x (gradients + parameters); "
+        "DDP, 2 x the model (ring all-reduce of 2 ranks). TCP conns: peak of host 2's established "
+        "connections to host 1 (mpt_uv opens 16 lanes per TensorPipe pipe).",
+        "- comm / update ms: this product, `tr.step()` (push, sync wait, pull); torch rpc PS, the wait for "
+        "`update_and_fetch`; DDP, `opt.step()` only (its all-reduce overlaps backward, in the step time).",
+        "- other load: CPU cores busy with anything but this benchmark during the run (from /proc/stat).",
+    ]
+    return "\n".join(lines + [""] + legend)
+
+
+# -- driver ----------------------------------------------------------------------
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rounds", type=int, default=3, help="rounds; each runs every configuration once (default 3)")
+    p.add_argument("--configs", default=",".join(CONFIGS),
+                   help=f"comma-separated, from {', '.join(CONFIGS)} (default: all)")
+    p.add_argument("--steps", type=int, default=None, help="timed steps per run (default: jobs.py's, 30)")
+    p.add_argument("--warmup", type=int, default=None, help="untimed steps first (default: jobs.py's, 5)")
+    p.add_argument("--rate", help="shape each veth end to this rate (tc syntax, e.g. 10gbit); off by default")
+    p.add_argument("--delay", help="one-way delay on each veth end (tc netem, e.g. 0.1ms); off by default")
+    p.add_argument("--tp-channels", dest="tp_channels", default="mpt_uv,basic",
+                   help="TensorPipe channels of the TCP-only torch rpc configurations (default: %(default)s, "
+                        "what it picks between two real hosts; 'basic' sends tensors over the one uv pipe)")
+    p.add_argument("--peers", default=None, help="directory of jobs.py and torch_peers.py (default ../shared/peers)")
+    p.add_argument("--timeout", type=float, default=300.0, help="deadline of one run in s (default 300)")
+    p.add_argument("--json", default="bench_veth.json", help="every run's figures (default %(default)s)")
+    p.add_argument("--logdir", help="keep worker logs here (default: a temp dir, kept on failure)")
+    args = p.parse_args(argv)
+    args.configs = [c.strip() for c in args.configs.split(",") if c.strip()]
+    unknown = [c for c in args.configs if c not in CONFIGS]
+    if unknown or not args.configs:
+        p.error(f"unknown configurations {unknown}; choose from {', '.join(CONFIGS)}")
+    sys.path.insert(0, HERE)
+    from veth_workers import DEFAULT_PEERS
+    args.peers = os.path.abspath(args.peers or os.environ.get("BENCH_PEERS_DIR") or DEFAULT_PEERS)
+    for f in ("jobs.py", "torch_peers.py"):
+        if not os.path.exists(os.path.join(args.peers, f)):
+            p.error(f"{f} not found in {args.peers} (--peers)")
+    sys.path.insert(0, args.peers)
+    import jobs
+    args.spec = Spec(sizes=tuple(jobs.D_SIZES), batch=jobs.D_BATCH_PER_TRAINER, lr=jobs.D_LR,
+                     warmup=jobs.D_WARMUP if args.warmup is None else args.warmup,
+                     steps=jobs.D_STEPS if args.steps is None else args.steps,
+                     sync_mode=True, timeout=args.timeout)
+    if jobs.D_TRAINERS != TRAINERS:
+        p.error(f"jobs.py's job D has {jobs.D_TRAINERS} trainers; this benchmark runs {TRAINERS}")
+    if args.rounds < 1 or args.spec.steps < 1 or args.spec.warmup < 0 or args.timeout <= 0:
+        p.error("--rounds and --steps must be >= 1, --warmup >= 0, --timeout > 0")
+    if os.geteuid() != 0:
+        p.error("network namespaces need root")
+    return args
+
+
+def _raise_on_signal(signum, frame):
+    raise SystemExit(128 + signum)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _raise_on_signal)  # so the `with` blocks stop the children and remove the namespaces
+    spec = args.spec
+    logdir = args.logdir or tempfile.mkdtemp(prefix="bench_veth-")
+    shaping = " ".join(filter(None, [args.rate and f"rate {args.rate}", args.delay and f"delay {args.delay}"]))
+    log.info("job D: MLP %s (%.1f MB fp32), batch %d x %d trainers, lr %g, %d warm-up + %d timed steps; "
+             "%d rounds of %s; veth %s", "-".join(map(str, spec.sizes)), param_bytes(spec.sizes) / 1e6,
+             spec.batch, TRAINERS, spec.lr, spec.warmup, spec.steps, args.rounds, ", ".join(args.configs),
+             f"shaped ({shaping})" if shaping else "not shaped")
+    rows: List[dict] = []
+    ok = False
+    try:
+        with TwoHosts(rate=args.rate, delay=args.delay) as hosts:
+            index = 0
+            for rnd in range(args.rounds):
+                k = rnd % len(args.configs)
+                for name in args.configs[k:] + args.configs[:k]:
+                    workdir = os.path.join(logdir, f"{rnd}-{name}")
+                    os.makedirs(workdir, exist_ok=True)
+                    row = run_one(name, rnd, index, hosts, args, workdir)
+                    index += 1
+                    rows.append(row)
+                    log.info("round %d %-12s %6.0f samples/s, %6.1f MB/step over the veth (%5.1f%% of the payload; "
+                             "whole run %.0f MB; at most %d TCP connections across it), other load %.2f cores",
+                             rnd, name, row["samples_s"], row["veth_mb_step"], 100 * row["veth_share"],
+                             row["veth_mb_run"], row["veth_tcp_conns_peak"], row["other_load"])
+        ok = True
+    except (RunFailed, NetnsError) as e:
+        log.error("FAILED: %s", e)
+        return 1
+    except KeyboardInterrupt:
+        log.error("interrupted; child processes stopped, namespaces removed")
+        return 130
+    finally:
+        if rows and args.json:
+            with open(args.json, "w") as f:
+                json.dump({"spec": spec.__dict__, "configs": args.configs, "rounds": args.rounds,
+                           "shaping": shaping or None, "tp_channels": args.tp_channels,
+                           "configurations": {c: CONFIGS[c].what for c in args.configs}, "runs": rows}, f, indent=1)
+        if ok and not args.logdir:
+            shutil.rmtree(logdir, ignore_errors=True)
+        elif not ok:
+            log.error("worker logs kept in %s", logdir)
+    print()
+    print(f"Job D (MLP {'-'.join(map(str, spec.sizes))}, {param_bytes(spec.sizes) / 1e6:.1f} MB, batch {spec.batch} x "
+          f"{TRAINERS} trainers, {spec.warmup} + {spec.steps} steps), medians [min-max] of {args.rounds} rounds; "
+          f"veth {'shaped: ' + shaping if shaping else 'not shaped'}:")
+    print()
+    print(table(rows, args.configs))
+    problems = crossing_problems(rows)
+    for problem in problems:
+        log.error("veth check: %s", problem)
+    if not problems:
+        log.info("veth check passed: the TCP configurations across the veth moved >= %.0f%% of their payload "
+                 "through it, the loopback ones <= %.0f%%", 100 * CROSSED_MIN, 100 * LOOPBACK_MAX)
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
