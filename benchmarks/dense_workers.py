@@ -45,6 +45,8 @@ class Spec:
     per worker; ``warmup`` steps run before the ``steps`` that are timed.
     ``sync_mode`` only matters to the parameter-server roles; ``timeout`` (s)
     bounds every wait a worker does on its own (DDP init and collectives).
+    ``peers``: the folder of the peers' ``jobs.py``; when set, every worker
+    trains on job D's data (``jobs.dense_batch``), as the peers do.
     """
 
     sizes: Tuple[int, ...] = (512, 2048, 2048, 2048, 10)
@@ -55,6 +57,8 @@ class Spec:
     seed: int = 0
     sync_mode: bool = True
     timeout: float = 600.0
+    # Folder of the peers' jobs.py: when set, batches are job D's (jobs.dense_batch), else random.
+    peers: Optional[str] = None
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))
@@ -93,13 +97,31 @@ def make_batches(spec: Spec, rank: int) -> List[Tuple[torch.Tensor, torch.Tensor
 
     Generated up front from a seed that depends on ``rank`` only, so DDP rank
     r and trainer r see exactly the same data and no generation cost falls in
-    the timed loop.
+    the timed loop. With ``spec.peers``, the batches are job D's instead:
+    ``jobs.dense_batch(step, rank, batch, seed)`` (inputs labelled by a fixed teacher).
     """
+    if spec.peers:
+        jobs = load_peer_jobs(spec.peers)
+        return [tuple(torch.from_numpy(a) for a in jobs.dense_batch(step, rank, spec.batch, spec.seed))
+                for step in range(spec.warmup + spec.steps)]
     g = torch.Generator().manual_seed(1000 + 7919 * spec.seed + rank)
     n_in, n_classes = spec.sizes[0], spec.sizes[-1]
     return [(torch.randn(spec.batch, n_in, generator=g),
              torch.randint(0, n_classes, (spec.batch,), generator=g))
             for _ in range(spec.warmup + spec.steps)]
+
+
+def load_peer_jobs(peers_dir: str):
+    """Import the peers' ``jobs.py`` (job definitions and data generators) from ``peers_dir``."""
+    import importlib.util
+
+    path = os.path.join(peers_dir, "jobs.py")
+    spec = importlib.util.spec_from_file_location("peer_jobs", path)
+    if spec is None or not os.path.isfile(path):
+        raise FileNotFoundError(f"no jobs.py in {peers_dir!r}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def cpu_clocks() -> Dict[str, float]:

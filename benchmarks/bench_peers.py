@@ -1,0 +1,754 @@
+"""Both peer jobs against every peer in one run: a markdown table, a JSON file of every run, a PNG chart.
+
+Usage::
+
+    python benchmarks/bench_peers.py                       # everything, 3 rounds (see the README's Performance)
+    python benchmarks/bench_peers.py --rounds 1 --quick    # smoke test: few steps of every system
+    python benchmarks/bench_peers.py --jobs S --systems torch-local,ours-sync
+    python benchmarks/bench_peers.py --scaling             # job S, this project sync: trainers x pservers
+
+The jobs and the peers come from ``shared/peers/`` (``--peers DIR``, default
+``<repo>/../shared/peers``; see its README.md): ``jobs.py`` defines them,
+``torch_peers.py`` and ``paddle_ps_ctr.py`` run the peers.
+
+**Job S** (CTR: 26 Zipf slots in one shared dim-16 table, MLP 429-256-128-1,
+SGD lr 0.05, batch 512 per trainer, 2 trainers, 20 warm-up + 200 timed steps,
+AUC on a 20k hold-out), systems:
+
+- ``torch-local``: one PyTorch process, ``nn.Embedding(sparse=True)``
+  (``torch_peers.py local-ctr --batch 1024``, the global batch of 2 trainers;
+  torch's default threads: both cores), the reference of the ratios;
+- ``ours-async``, ``ours-sync``: this project, 2 pservers x 2 trainers
+  (``ps-launch --server_num 2 --worker_num 2 benchmarks/job_s.py [--async]``);
+- ``paddle-async``, ``paddle-sync``: PaddlePaddle 2.6.2's parameter server,
+  2 pservers x 2 trainers (``paddle_ps_ctr.py --data jobs``; sync with
+  ``--server-rt-prio 10``, which needs root), run with the Python of
+  ``--paddle-python`` (default ``<tmp>/paddle26-venv/bin/python``, made by
+  ``setup_paddle.sh``); skipped, with a message, when it cannot import paddle.
+
+**Job D** (dense MLP 512-2048-2048-2048-10, 37.9 MB, SGD lr 0.01, batch 256
+per trainer, 2 trainers, 5 warm-up + 30 timed steps, job D's data), systems:
+
+- ``ddp``: DDP over gloo, 2 processes (``torch_peers.py ddp-dense``);
+- ``rpc-ps``: the ``torch.distributed.rpc`` batch-updating parameter server,
+  2 pservers (``torch_peers.py rpc-ps-dense --ps 2``);
+- ``ours-sync``: this project, 2 pservers x 2 trainers, sync, default config
+  (``bench_dense.run_ps`` with ``dense_workers.py`` on ``jobs.dense_batch``).
+
+Every system runs ``--rounds`` times (default 3); each round runs every
+selected (job, system) once, in an order rotated by one each round, so the
+machine's noise falls on all of them. Every run starts fresh processes on
+127.0.0.1; every subprocess has a deadline (``--timeout``) and is killed with
+its children (whole process tree, also processes in their own sessions) on
+timeout, failure, Ctrl-C or SIGTERM; a failed run is recorded and the others go
+on (exit status 1). Reported per system: the median examples/s (job D: samples
+/s) with [min-max], the ratio of medians to the single process (job S) or to
+the better peer (job D: the faster of DDP and the rpc PS), the hold-out AUC
+(median), and the machine's *other load*: CPU cores busy with anything but
+this benchmark (or stolen) during each run, from /proc/stat, the noise
+indicator. Throughput everywhere = examples of all trainers / (latest end -
+earliest start of the timed steps). Outputs: the markdown table on stdout
+(and ``--md``), every run in ``--json`` (default ``benchmarks/peers.json``),
+the chart in ``--png`` (default ``benchmarks/peers.png``; one panel per job,
+bars = median, error bars = min-max, this project's bars highlighted).
+
+``--scaling``: job S on this project, sync, trainers in ``--trainers``
+(default 1,2,4) x pservers in ``--pservers`` (default 1,2,4), each the median
+of ``--rounds`` rounds (configurations rotated each round as above), with the
+per trainer per step figures its trainers report: calls to pservers, and
+bytes pushed and pulled. Each trainer keeps batch 512, so the global batch
+grows with the trainers. The machine has **2 cores**: every pserver and
+trainer is a process on them, so where throughput stops growing (and where it
+falls as processes are added) is part of the result, not a flaw of it.
+
+Time at full length on the 2-core machine, nothing else running (estimated
+from ``--quick`` runs: 10-25 s of start-up per run, plus the timed steps and
+the untimed data generation): about 4 min a round of the all-peer run (12-15
+min for 3 rounds) and about 5 min a round of the scaling table (about 15 min
+for 3 rounds); more when the machine is shared.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import datetime
+import json
+import logging
+import os
+import platform
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+
+from bench_dense import RunFailed, busy_cpu_seconds, run_ps  # noqa: E402
+from bench_report import summarize  # noqa: E402
+from dense_workers import Spec  # noqa: E402
+
+log = logging.getLogger("bench_peers")
+
+DEFAULT_PEERS = os.path.normpath(os.path.join(REPO, "..", "shared", "peers"))
+DEFAULT_PADDLE_PYTHON = os.path.join(tempfile.gettempdir(), "paddle26-venv", "bin", "python")
+JOB_S_SCRIPT = os.path.join(HERE, "job_s.py")
+# SIGTERM first, SIGKILL after this many seconds (ps-launch itself gives its roles 10 s).
+STOP_GRACE = 15.0
+# How often a running command's process tree is re-read (to kill it whole later).
+TREE_POLL = 2.0
+
+SYSTEMS: Dict[str, List[str]] = {
+    "S": ["torch-local", "ours-async", "ours-sync", "paddle-async", "paddle-sync"],
+    "D": ["ddp", "rpc-ps", "ours-sync"],
+}
+LABELS = {
+    ("S", "torch-local"): "PyTorch, 1 process (nn.Embedding sparse, batch 1024)",
+    ("S", "ours-async"): "this project, async (2 ps x 2 trainers)",
+    ("S", "ours-sync"): "this project, sync (2 ps x 2 trainers)",
+    ("S", "paddle-async"): "PaddlePaddle 2.6.2 PS, async (2 ps x 2 trainers)",
+    ("S", "paddle-sync"): "PaddlePaddle 2.6.2 PS, sync (2 ps x 2 trainers)",
+    ("D", "ddp"): "PyTorch DDP over gloo (2 processes)",
+    ("D", "rpc-ps"): "torch.distributed.rpc PS (2 ps x 2 trainers)",
+    ("D", "ours-sync"): "this project, sync (2 ps x 2 trainers)",
+}
+SHORT = {"torch-local": "PyTorch\n1 process", "ours-async": "this project\nasync",
+         "ours-sync": "this project\nsync", "paddle-async": "Paddle PS\nasync", "paddle-sync": "Paddle PS\nsync",
+         "ddp": "DDP\n(gloo)", "rpc-ps": "torch rpc\nPS"}
+JOB_TITLES = {"S": "Job S: CTR, one dim-16 table, 2 trainers x 512", "D": "Job D: dense MLP 37.9 MB, 2 trainers x 256"}
+
+
+# -- processes ---------------------------------------------------------------
+
+def _die_with_parent() -> None:
+    """In the child before exec: get SIGKILL if this benchmark dies (Linux)."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def _process_table() -> Dict[int, Tuple[int, int]]:
+    """{pid: (parent pid, start time in clock ticks)} of every process, from /proc."""
+    table = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                text = f.read()
+        except OSError:
+            continue
+        fields = text[text.rindex(")") + 2:].split()
+        table[int(name)] = (int(fields[1]), int(fields[19]))
+    return table
+
+
+def descendants(root: int) -> Set[Tuple[int, int]]:
+    """(pid, start time) of every living descendant of ``root``, in any session."""
+    table = _process_table()
+    children: Dict[int, List[int]] = {}
+    for pid, (ppid, _) in table.items():
+        children.setdefault(ppid, []).append(pid)
+    found, todo = set(), [root]
+    while todo:
+        for pid in children.get(todo.pop(), []):
+            found.add((pid, table[pid][1]))
+            todo.append(pid)
+    return found
+
+
+def _alive(pid: int, start: int) -> bool:
+    """Whether ``pid`` is still the process that started at ``start`` (not a reused pid)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            text = f.read()
+    except OSError:
+        return False
+    fields = text[text.rindex(")") + 2:].split()
+    return int(fields[19]) == start and fields[0] != "Z"
+
+
+class Command:
+    """One subprocess with a deadline; leaving the ``with`` block kills it and every process it started.
+
+    The command runs in its own session with stdout and stderr in ``log_path``.
+    Its process tree is re-read every few seconds while it runs, so children
+    that moved to sessions of their own (ps-launch's roles) or were orphaned
+    are stopped too: SIGTERM to the session and to each of them, then SIGKILL
+    after :data:`STOP_GRACE` s. A pid is only signalled while it is still the
+    process seen before (same start time).
+    """
+
+    def __init__(self, cmd: Sequence[str], log_path: str, env: Optional[Dict[str, str]] = None,
+                 cwd: Optional[str] = None):
+        self.cmd = list(cmd)
+        self.log_path = log_path
+        self.tree: Set[Tuple[int, int]] = set()
+        log.debug("running %s", " ".join(self.cmd))
+        with open(log_path, "w") as out:
+            self.proc = subprocess.Popen(self.cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                         env={**os.environ, **(env or {})}, cwd=cwd, start_new_session=True,
+                                         preexec_fn=_die_with_parent)
+
+    def __enter__(self) -> "Command":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def wait(self, timeout: float, what: str) -> int:
+        """Wait up to ``timeout`` s for the command to exit; its exit status. RunFailed past the deadline."""
+        deadline = time.monotonic() + timeout
+        next_scan = 0.0
+        while True:
+            if time.monotonic() >= next_scan:
+                self.tree |= descendants(self.proc.pid)
+                next_scan = time.monotonic() + TREE_POLL
+            try:
+                return self.proc.wait(timeout=min(0.2, max(0.0, deadline - time.monotonic())))
+            except subprocess.TimeoutExpired:
+                if time.monotonic() >= deadline:
+                    raise RunFailed(f"{what}: deadline of {timeout:.0f} s passed; stopped it and its "
+                                    f"children; log {self.log_path}:\n{tail(self.log_path)}") from None
+
+    def stop(self) -> None:
+        """Stop the command and everything it started that is still running (TERM, then KILL)."""
+        if self.proc.poll() is None:
+            self.tree |= descendants(self.proc.pid)
+        self._signal(signal.SIGTERM)
+        deadline = time.monotonic() + STOP_GRACE
+        while time.monotonic() < deadline and self._running():
+            time.sleep(0.1)
+        if self._running():
+            log.warning("%s: still running %.0f s after SIGTERM, killing it", self.cmd[1:3], STOP_GRACE)
+            self._signal(signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=STOP_GRACE)
+
+    def _running(self) -> bool:
+        return self.proc.poll() is None or any(_alive(pid, start) for pid, start in self.tree)
+
+    def _signal(self, sig: int) -> None:
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.proc.pid, sig)
+        for pid, start in self.tree:
+            if _alive(pid, start):
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(pid, sig)
+
+
+def tail(path: str, lines: int = 20) -> str:
+    """The last ``lines`` lines of a log file, indented, for error messages."""
+    try:
+        with open(path, errors="replace") as f:
+            text = f.readlines()[-lines:]
+    except OSError as e:
+        return f"    (no log: {e})"
+    return "".join("    " + line for line in text).rstrip()
+
+
+def run_command(cmd: Sequence[str], log_path: str, timeout: float, what: str,
+                env: Optional[Dict[str, str]] = None, cwd: Optional[str] = None) -> str:
+    """Run ``cmd`` to completion within ``timeout`` s (else killed with its tree); its output. RunFailed unless 0."""
+    with Command(cmd, log_path, env, cwd) as c:
+        rc = c.wait(timeout, what)
+    if rc != 0:
+        raise RunFailed(f"{what} exited with status {rc}; log {log_path}:\n{tail(log_path)}")
+    with open(log_path, errors="replace") as f:
+        return f.read()
+
+
+def last_json_line(text: str, what: str) -> dict:
+    """The last line of ``text`` that parses as a JSON object (the peers print one)."""
+    for line in reversed(text.splitlines()):
+        line = line.strip()
+        if line.startswith("{"):
+            with contextlib.suppress(ValueError):
+                return json.loads(line)
+    raise RunFailed(f"{what} printed no JSON result")
+
+
+# -- the systems -----------------------------------------------------------------
+
+def run_torch_peer(args, workdir: str, sub: Sequence[str], what: str) -> dict:
+    """One ``torch_peers.py`` subcommand (``sub``); its JSON line."""
+    cmd = [sys.executable, os.path.join(args.peers, "torch_peers.py"), *sub,
+           "--timeout", str(max(30.0, args.timeout - 30))]
+    text = run_command(cmd, os.path.join(workdir, "peer.log"), args.timeout, what)
+    return last_json_line(text, what)
+
+
+def run_local_ctr(args, workdir: str) -> dict:
+    """Job S in one PyTorch process at the global batch (2 x 512)."""
+    r = run_torch_peer(args, workdir, ["local-ctr", "--batch", str(2 * args.s_batch),
+                                       "--warmup", str(args.s_warmup), "--steps", str(args.s_steps)],
+                       "torch_peers.py local-ctr")
+    return {"examples_s": r["examples_per_s"], "auc": r["auc"], "detail": r}
+
+
+def job_s_results(log_dir: str, trainers: int) -> List[dict]:
+    """The RESULT objects job_s.py's trainers printed into ``log_dir/workerlog.N``."""
+    results = []
+    for n in range(trainers):
+        path = os.path.join(log_dir, f"workerlog.{n}")
+        found = None
+        with contextlib.suppress(OSError), open(path, errors="replace") as f:
+            for line in f:
+                if line.startswith("RESULT "):
+                    found = json.loads(line[len("RESULT "):])
+        if found is None:
+            raise RunFailed(f"trainer {n} printed no RESULT line; {path}:\n{tail(path)}")
+        results.append(found)
+    return results
+
+
+def run_ours_s(args, workdir: str, sync: bool, pservers: int = 2, trainers: int = 2) -> dict:
+    """Job S on this project through ps-launch; throughput over all trainers and per-trainer per-step figures."""
+    log_dir = os.path.join(workdir, "log")
+    cmd = [sys.executable, "-m", "trainer.launch", "--server_num", str(pservers), "--worker_num", str(trainers),
+           "--log_dir", log_dir, JOB_S_SCRIPT, "--peers", args.peers, "--warmup", str(args.s_warmup),
+           "--steps", str(args.s_steps), "--batch", str(args.s_batch), "--eval_examples", str(args.s_eval)]
+    if not sync:
+        cmd.append("--async")
+    run_command(cmd, os.path.join(workdir, "launch.log"), args.timeout,
+                f"ps-launch job_s.py ({pservers} ps x {trainers} trainers, {'sync' if sync else 'async'})", cwd=REPO)
+    res = job_s_results(log_dir, trainers)
+    span = max(r["end"] for r in res) - min(r["start"] for r in res)
+    out = {"examples_s": sum(r["examples"] for r in res) / span, "auc": res[0].get("auc"),
+           "pservers": pservers, "trainers": trainers}
+    for key in ("calls_per_step", "bytes_pushed_per_step", "bytes_pulled_per_step", "compute_ms", "step_ms"):
+        out[key] = statistics.mean(r[key] for r in res)
+    out["detail"] = res
+    return out
+
+
+def paddle_problem(python: str) -> Optional[str]:
+    """Why the Paddle peer cannot run with ``python`` (None: it can)."""
+    if not os.path.isfile(python):
+        return f"{python} does not exist (run shared/peers/setup_paddle.sh)"
+    try:
+        r = subprocess.run([python, "-c", "import paddle; print(paddle.__version__)"], capture_output=True,
+                           text=True, timeout=120, stdin=subprocess.DEVNULL)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"{python} -c 'import paddle' failed: {e}"
+    if r.returncode != 0:
+        return f"{python} cannot import paddle: {(r.stderr.strip().splitlines() or ['?'])[-1]}"
+    return None
+
+
+def run_paddle(args, workdir: str, sync: bool) -> dict:
+    """Job S on PaddlePaddle 2.6.2's PS (2 pservers x 2 trainers) through paddle_ps_ctr.py; its summary."""
+    mode = "sync" if sync else "async"
+    out_json = os.path.join(workdir, "paddle.json")
+    cmd = [args.paddle_python, os.path.join(args.peers, "paddle_ps_ctr.py"), "--mode", mode, "--data", "jobs",
+           "--steps", str(args.s_steps), "--warmup", str(args.s_warmup), "--batch", str(args.s_batch),
+           "--eval-examples", str(args.s_eval), "--timeout", str(args.timeout),
+           "--retries", str(args.paddle_retries), "--log-dir", os.path.join(workdir, "paddle"), "--out", out_json]
+    if sync:
+        cmd += ["--server-rt-prio", "10"]  # Paddle 2.6's sync barrier deadlocks without it (needs root)
+    what = f"paddle_ps_ctr.py --mode {mode}"
+    run_command(cmd, os.path.join(workdir, "paddle.log"), args.timeout * (1 + args.paddle_retries) + 60, what)
+    with open(out_json) as f:
+        summary = json.load(f)
+    r = summary["runs"][-1]
+    if "global_examples_per_s" not in r:
+        raise RunFailed(f"{what}: {r.get('error', 'no throughput')}")
+    return {"examples_s": r["global_examples_per_s"], "auc": r.get("holdout_auc"), "detail": summary}
+
+
+def run_ddp(args, workdir: str) -> dict:
+    """Job D on DDP over gloo, 2 processes."""
+    r = run_torch_peer(args, workdir, ["ddp-dense", "--warmup", str(args.d_warmup), "--steps", str(args.d_steps)],
+                       "torch_peers.py ddp-dense")
+    return {"examples_s": r["samples_per_s"], "detail": r}
+
+
+def run_rpc_ps(args, workdir: str) -> dict:
+    """Job D on the torch.distributed.rpc batch-updating PS, 2 pservers."""
+    r = run_torch_peer(args, workdir, ["rpc-ps-dense", "--ps", "2", "--warmup", str(args.d_warmup),
+                                       "--steps", str(args.d_steps)], "torch_peers.py rpc-ps-dense --ps 2")
+    return {"examples_s": r["samples_per_s"], "detail": r}
+
+
+def run_ours_d(args, workdir: str) -> dict:
+    """Job D on this project: 2 pservers x 2 trainers, sync, default config, job D's data (dense_workers.py)."""
+    jobs = load_jobs(args.peers)
+    spec = Spec(sizes=tuple(jobs.D_SIZES), batch=jobs.D_BATCH_PER_TRAINER, warmup=args.d_warmup,
+                steps=args.d_steps, lr=jobs.D_LR, seed=0, sync_mode=True, timeout=args.timeout, peers=args.peers)
+    workers, servers = run_ps(spec, workdir, args.timeout, jobs.D_TRAINERS)
+    row = summarize("ps-sync", spec, workers, servers)
+    row.pop("losses", None)
+    per_step = {"calls_per_step": statistics.mean(w["pserver_calls"] for w in workers),
+                "bytes_pushed_per_step": statistics.mean(w["bytes_pushed"] / w["steps"] for w in workers),
+                "bytes_pulled_per_step": statistics.mean(w["bytes_pulled"] / w["steps"] for w in workers)}
+    return {"examples_s": row["samples_s"], **per_step, "detail": row}
+
+
+RUNNERS = {
+    ("S", "torch-local"): run_local_ctr,
+    ("S", "ours-async"): lambda a, w: run_ours_s(a, w, sync=False),
+    ("S", "ours-sync"): lambda a, w: run_ours_s(a, w, sync=True),
+    ("S", "paddle-async"): lambda a, w: run_paddle(a, w, sync=False),
+    ("S", "paddle-sync"): lambda a, w: run_paddle(a, w, sync=True),
+    ("D", "ddp"): run_ddp,
+    ("D", "rpc-ps"): run_rpc_ps,
+    ("D", "ours-sync"): run_ours_d,
+}
+
+
+def load_jobs(peers_dir: str):
+    """The peers' jobs.py module (job constants)."""
+    from dense_workers import load_peer_jobs
+
+    return load_peer_jobs(peers_dir)
+
+
+def measured(fn, args, workdir: str) -> dict:
+    """Run ``fn(args, workdir)``; its figures plus ``wall_s`` and ``other_load`` (cores busy with other work)."""
+    busy0, ours0 = busy_cpu_seconds()
+    t0 = time.monotonic()
+    out = fn(args, workdir)
+    busy1, ours1 = busy_cpu_seconds()
+    wall = time.monotonic() - t0
+    out["wall_s"] = wall
+    out["other_load"] = max(0.0, (busy1 - busy0) - (ours1 - ours0)) / wall
+    return out
+
+
+# -- reporting ------------------------------------------------------------------
+
+def median_range(values: Sequence[float], fmt: str) -> str:
+    """'median [min-max]' of ``values`` (one value: just it)."""
+    if len(values) == 1:
+        return format(values[0], fmt)
+    return f"{format(statistics.median(values), fmt)} [{format(min(values), fmt)}-{format(max(values), fmt)}]"
+
+
+def short_error(message: str) -> str:
+    """The first clause of a failure message, for a table cell."""
+    first = message.splitlines()[0].split("; log ")[0].split(": log ")[0].rstrip(":; ")
+    return first if len(first) <= 90 else first[:87] + "..."
+
+
+def ok_runs(rows: Iterable[dict], job: str, system: str) -> List[dict]:
+    """The successful runs of (job, system)."""
+    return [r for r in rows if r["job"] == job and r["system"] == system and "error" not in r]
+
+
+def baseline(rows: List[dict], job: str) -> Tuple[Optional[float], str]:
+    """(the median a job's ratios refer to, its name): the single process (S), the better peer (D)."""
+    names = ["torch-local"] if job == "S" else ["ddp", "rpc-ps"]
+    meds = {n: statistics.median(r["examples_s"] for r in ok_runs(rows, job, n))
+            for n in names if ok_runs(rows, job, n)}
+    if job == "S":
+        return meds.get("torch-local"), "single process"
+    if len(meds) < len(names):
+        return None, "better peer"
+    best = max(meds, key=meds.get)
+    return meds[best], f"better peer ({best})"
+
+
+def peers_table(rows: List[dict], pairs: Sequence[Tuple[str, str]], skipped: Dict[str, str]) -> str:
+    """The markdown table of the all-peer run: one row per (job, system), medians with [min-max]."""
+    lines = ["| job | system | examples/s (D: samples/s) median [min-max] | ratio | AUC | other load (cores) | runs |",
+             "|---|---|---|---|---|---|---|"]
+    for job, system in pairs:
+        runs = [r for r in rows if r["job"] == job and r["system"] == system]
+        good = ok_runs(rows, job, system)
+        label = LABELS[(job, system)]
+        if system.startswith("ours"):
+            label = f"**{label}**"
+        if not good:
+            why = skipped.get(system) or (short_error(runs[0]["error"]) if runs else "not run")
+            lines.append(f"| {job} | {label} | failed: {why} | - | - | - | 0/{len(runs)} |")
+            continue
+        speeds = [r["examples_s"] for r in good]
+        base, base_name = baseline(rows, job)
+        ratio = f"{statistics.median(speeds) / base:.2f}x {base_name}" if base else "-"
+        aucs = [r["auc"] for r in good if r.get("auc") is not None]
+        auc = f"{statistics.median(aucs):.3f}" if aucs else "-"
+        loads = [r["other_load"] for r in good]
+        lines.append(f"| {job} | {label} | {median_range(speeds, ',.0f')} | {ratio} | {auc} | "
+                     f"{median_range(loads, '.2f')} | {len(good)}/{len(runs)} |")
+    return "\n".join(lines)
+
+
+def chart(rows: List[dict], pairs: Sequence[Tuple[str, str]], path: str, subtitle: str) -> None:
+    """The PNG: one panel per job, bars = median examples/s per system, min-max error bars, ours highlighted."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    jobs = [j for j in ("S", "D") if any(p[0] == j for p in pairs)]
+    fig, axes = plt.subplots(1, len(jobs), figsize=(6.2 * len(jobs), 4.8), squeeze=False)
+    for ax, job in zip(axes[0], jobs):
+        systems = [s for j, s in pairs if j == job]
+        meds, lo, hi, colors = [], [], [], []
+        for s in systems:
+            v = [r["examples_s"] for r in ok_runs(rows, job, s)] or [0.0]
+            m = statistics.median(v)
+            meds.append(m)
+            lo.append(m - min(v))
+            hi.append(max(v) - m)
+            colors.append("#d62728" if s.startswith("ours") else "#7f8fa6")
+        x = range(len(systems))
+        ax.bar(x, meds, yerr=[lo, hi], capsize=5, color=colors, edgecolor="black", linewidth=0.6)
+        base, base_name = baseline(rows, job)
+        for i, m in enumerate(meds):
+            text = f"{m:,.0f}" + (f"\n{m / base:.2f}x" if base and m else "") if m else "n/a"
+            ax.text(i, m + hi[i] + 0.01 * max(meds + [1.0]), text, ha="center", va="bottom", fontsize=8)
+        ax.set_xticks(list(x))
+        ax.set_xticklabels([SHORT.get(s, s) for s in systems], fontsize=8)
+        ax.set_ylabel("examples/s (median, min-max)" if job == "S" else "samples/s (median, min-max)")
+        ax.set_title(JOB_TITLES[job] + (f"\nratios: to the {base_name}" if base else ""), fontsize=9)
+        ax.set_ylim(0, max(m + h for m, h in zip(meds, hi)) * 1.22 + 1)
+        ax.grid(axis="y", alpha=0.3)
+    from matplotlib.patches import Patch
+
+    fig.legend(handles=[Patch(color="#d62728", label="this project"), Patch(color="#7f8fa6", label="peers")],
+               loc="upper right", fontsize=8, frameon=False)
+    fig.suptitle(subtitle, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def scaling_table(rows: List[dict], configs: Sequence[Tuple[int, int]]) -> str:
+    """The markdown scaling table: per (pservers, trainers), examples/s and per trainer per step figures."""
+    lines = ["| pservers | trainers | global batch | examples/s median [min-max] | vs 1x1 | "
+             "calls / trainer / step | KB pushed / trainer / step | KB pulled / trainer / step | "
+             "other load (cores) | runs |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    ref = [r["examples_s"] for r in rows if (r["pservers"], r["trainers"]) == (1, 1) and "error" not in r]
+    ref_med = statistics.median(ref) if ref else None
+    for ps, tr in configs:
+        runs = [r for r in rows if (r["pservers"], r["trainers"]) == (ps, tr)]
+        good = [r for r in runs if "error" not in r]
+        if not good:
+            why = short_error(runs[0]["error"]) if runs else "not run"
+            lines.append(f"| {ps} | {tr} | {512 * tr} | failed: {why} | - | - | - | - | - | 0/{len(runs)} |")
+            continue
+        speeds = [r["examples_s"] for r in good]
+
+        def med(key: str, scale: float = 1.0) -> float:
+            return statistics.median(r[key] for r in good) / scale
+        vs = f"{statistics.median(speeds) / ref_med:.2f}x" if ref_med else "-"
+        lines.append(f"| {ps} | {tr} | {good[0]['global_batch']} | {median_range(speeds, ',.0f')} | {vs} | "
+                     f"{med('calls_per_step'):.2f} | {med('bytes_pushed_per_step', 1e3):,.0f} | "
+                     f"{med('bytes_pulled_per_step', 1e3):,.0f} | "
+                     f"{median_range([r['other_load'] for r in good], '.2f')} | {len(good)}/{len(runs)} |")
+    return "\n".join(lines)
+
+
+# -- driver ----------------------------------------------------------------------
+
+def environment(args) -> dict:
+    """What the run ran on: date, machine, versions, commit."""
+    import torch
+
+    commit = subprocess.run(["git", "-C", REPO, "rev-parse", "--short", "HEAD"], capture_output=True,
+                            text=True).stdout.strip()
+    return {"date": datetime.datetime.now().isoformat(timespec="seconds"), "cpus": os.cpu_count(),
+            "machine": platform.processor() or platform.machine(), "python": platform.python_version(),
+            "torch": torch.__version__, "commit": commit, "loadavg_at_start": os.getloadavg(),
+            "peers": args.peers}
+
+
+def rounds_of(items: Sequence, rounds: int) -> Iterable[Tuple[int, object]]:
+    """(round, item) for every item in every round, the order rotated by one each round."""
+    for rnd in range(rounds):
+        k = rnd % len(items)
+        for item in list(items[k:]) + list(items[:k]):
+            yield rnd, item
+
+
+def run_peers(args, logdir: str) -> Tuple[List[dict], List[Tuple[str, str]], Dict[str, str]]:
+    """The all-peer run: every selected (job, system), ``--rounds`` rounds; (rows, pairs, skipped systems)."""
+    pairs = [(j, s) for j in args.jobs for s in SYSTEMS[j] if args.selected(j, s)]
+    skipped: Dict[str, str] = {}
+    if any(s.startswith("paddle") for _, s in pairs):
+        problem = paddle_problem(args.paddle_python)
+        if problem:
+            print(f"skipping PaddlePaddle: {problem}", file=sys.stderr, flush=True)
+            skipped = {s: f"skipped: {problem}" for _, s in pairs if s.startswith("paddle")}
+    runnable = [p for p in pairs if p[1] not in skipped]
+    if not runnable:
+        raise SystemExit("nothing to run")
+    rows: List[dict] = []
+    for rnd, (job, system) in rounds_of(runnable, args.rounds):
+        workdir = os.path.join(logdir, f"{rnd}-{job}-{system}")
+        os.makedirs(workdir, exist_ok=True)
+        row = {"round": rnd, "job": job, "system": system}
+        try:
+            row.update(measured(RUNNERS[(job, system)], args, workdir))
+            auc = f", AUC {row['auc']:.3f}" if row.get("auc") is not None else ""
+            print(f"  round {rnd} {job} {system:13s} {row['examples_s']:9,.0f} examples/s{auc} "
+                  f"(other load {row['other_load']:.2f} cores, {row['wall_s']:.0f} s)", flush=True)
+        except RunFailed as e:
+            row["error"] = str(e)
+            print(f"  round {rnd} {job} {system:13s} FAILED: {e}", file=sys.stderr, flush=True)
+        rows.append(row)
+        args.save(rows)
+    return rows, pairs, skipped
+
+
+def run_scaling(args, logdir: str) -> Tuple[List[dict], List[Tuple[int, int]]]:
+    """The scaling run: this project, job S sync, every (pservers, trainers), ``--rounds`` rounds."""
+    configs = [(ps, tr) for tr in args.trainers for ps in args.pservers]
+    rows: List[dict] = []
+    for rnd, (ps, tr) in rounds_of(configs, args.rounds):
+        workdir = os.path.join(logdir, f"{rnd}-{ps}ps-{tr}tr")
+        os.makedirs(workdir, exist_ok=True)
+        row = {"round": rnd, "job": "S", "system": "ours-sync", "pservers": ps, "trainers": tr,
+               "global_batch": args.s_batch * tr}
+        try:
+            row.update(measured(lambda a, w: run_ours_s(a, w, True, ps, tr), args, workdir))
+            print(f"  round {rnd} {ps} ps x {tr} trainers {row['examples_s']:9,.0f} examples/s, "
+                  f"{row['calls_per_step']:.1f} calls, {row['bytes_pushed_per_step'] / 1e3:,.0f} KB pushed, "
+                  f"{row['bytes_pulled_per_step'] / 1e3:,.0f} KB pulled per trainer per step "
+                  f"(other load {row['other_load']:.2f} cores, {row['wall_s']:.0f} s)", flush=True)
+        except RunFailed as e:
+            row["error"] = str(e)
+            print(f"  round {rnd} {ps} ps x {tr} trainers FAILED: {e}", file=sys.stderr, flush=True)
+        rows.append(row)
+        args.save(rows)
+    return rows, configs
+
+
+def _int_list(text: str) -> List[int]:
+    values = [int(v) for v in text.split(",") if v.strip()]
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers separated by commas, got {text!r}")
+    return values
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rounds", type=int, default=3, help="runs of every system, alternating (default 3)")
+    p.add_argument("--jobs", default="S,D", help="jobs to run: S,D (default both)")
+    p.add_argument("--systems", default="",
+                   help="only these systems, comma-separated, e.g. torch-local,ours-sync or S:ours-sync "
+                        f"(job S: {', '.join(SYSTEMS['S'])}; job D: {', '.join(SYSTEMS['D'])})")
+    p.add_argument("--scaling", action="store_true", help="the scaling table instead: this project, job S, sync")
+    p.add_argument("--trainers", type=_int_list, default=[1, 2, 4], help="--scaling: trainer counts (1,2,4)")
+    p.add_argument("--pservers", type=_int_list, default=[1, 2, 4], help="--scaling: pserver counts (1,2,4)")
+    p.add_argument("--quick", action="store_true",
+                   help="smoke test: job S 3 warm-up + 20 timed steps and a 2000-example hold-out, "
+                        "job D 2 + 5 steps (unless given below)")
+    p.add_argument("--s-steps", type=int, help="job S timed steps (default jobs.S_STEPS, 200)")
+    p.add_argument("--s-warmup", type=int, help="job S warm-up steps (default jobs.S_WARMUP, 20)")
+    p.add_argument("--s-eval", type=int, help="job S hold-out examples (default jobs.S_EVAL_N, 20000; "
+                                              "local-ctr always uses 20000)")
+    p.add_argument("--d-steps", type=int, help="job D timed steps (default jobs.D_STEPS, 30)")
+    p.add_argument("--d-warmup", type=int, help="job D warm-up steps (default jobs.D_WARMUP, 5)")
+    p.add_argument("--peers", default=DEFAULT_PEERS, help="the peers' folder (default: %(default)s)")
+    p.add_argument("--paddle-python", default=DEFAULT_PADDLE_PYTHON,
+                   help="Python with paddlepaddle 2.6.2 (default: %(default)s)")
+    p.add_argument("--paddle-retries", type=int, default=1,
+                   help="paddle_ps_ctr.py re-launches a run that fails or hangs this often (default 1)")
+    p.add_argument("--timeout", type=float, default=600.0, help="deadline of one run in s (default 600)")
+    p.add_argument("--json", help="every run's figures (default benchmarks/peers.json; "
+                                  "--scaling: benchmarks/scaling.json)")
+    p.add_argument("--png", default=os.path.join(HERE, "peers.png"), help="the chart (default: %(default)s)")
+    p.add_argument("--no-png", dest="png", action="store_const", const=None, help="no chart")
+    p.add_argument("--md", help="also write the markdown table here")
+    p.add_argument("--logdir", help="keep every run's logs here (default: a temp dir, removed unless a run failed)")
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    args = p.parse_args(argv)
+    args.jobs = [j.strip().upper() for j in args.jobs.split(",") if j.strip()]
+    if not args.jobs or not set(args.jobs) <= set(SYSTEMS):
+        p.error(f"--jobs takes S and/or D, got {args.jobs}")
+    wanted = {s.strip() for s in args.systems.split(",") if s.strip()}
+    known = {s for ss in SYSTEMS.values() for s in ss} | {f"{j}:{s}" for j, ss in SYSTEMS.items() for s in ss}
+    if wanted - known:
+        p.error(f"unknown --systems {sorted(wanted - known)}; known: {sorted(known)}")
+    args.selected = lambda job, system: not wanted or system in wanted or f"{job}:{system}" in wanted
+    if not any(args.selected(j, s) for j in args.jobs for s in SYSTEMS[j]) and not args.scaling:
+        p.error("--jobs and --systems select nothing")
+    jobs = load_jobs(args.peers)
+    quick = args.quick
+
+    def pick(value, quick_default, default):
+        return value if value is not None else (quick_default if quick else default)
+
+    args.s_steps = pick(args.s_steps, 20, jobs.S_STEPS)
+    args.s_warmup = pick(args.s_warmup, 3, jobs.S_WARMUP)
+    args.s_eval = pick(args.s_eval, 2000, jobs.S_EVAL_N)
+    args.s_batch = jobs.S_BATCH // 2  # jobs.S_BATCH (1024) is the global batch of 2 trainers
+    args.d_steps = pick(args.d_steps, 5, jobs.D_STEPS)
+    args.d_warmup = pick(args.d_warmup, 2, jobs.D_WARMUP)
+    if args.rounds < 1 or min(args.s_steps, args.d_steps, args.s_eval) < 1 or min(args.s_warmup, args.d_warmup) < 0:
+        p.error("--rounds, --*-steps and --s-eval must be >= 1, --*-warmup >= 0")
+    if args.json is None:
+        args.json = os.path.join(HERE, "scaling.json" if args.scaling else "peers.json")
+    return args
+
+
+def _raise_on_signal(signum, frame):
+    raise SystemExit(128 + signum)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _raise_on_signal)  # so the `with` blocks stop the children
+    env = environment(args)
+    logdir = args.logdir or tempfile.mkdtemp(prefix="bench_peers-")
+    os.makedirs(logdir, exist_ok=True)
+    what = "scaling" if args.scaling else "peers"
+    settings = {"rounds": args.rounds, "s_warmup": args.s_warmup, "s_steps": args.s_steps,
+                "s_batch_per_trainer": args.s_batch, "s_eval": args.s_eval, "d_warmup": args.d_warmup,
+                "d_steps": args.d_steps}
+
+    def save(rows: List[dict]) -> None:
+        with open(args.json, "w") as f:
+            json.dump({"kind": what, "environment": env, "settings": settings, "runs": rows}, f, indent=1)
+    args.save = save
+    print(f"{what}: {args.rounds} rounds; job S {args.s_warmup}+{args.s_steps} steps of {args.s_batch} per "
+          f"trainer, job D {args.d_warmup}+{args.d_steps} steps; logs in {logdir}", flush=True)
+    rows: List[dict] = []
+    try:
+        if args.scaling:
+            rows, configs = run_scaling(args, logdir)
+            table = scaling_table(rows, configs)
+        else:
+            rows, pairs, skipped = run_peers(args, logdir)
+            table = peers_table(rows, pairs, skipped)
+            if args.png:
+                chart(rows, pairs, args.png, f"{env['date'][:10]}, {env['cpus']} cores, commit {env['commit']}, "
+                                             f"median of {args.rounds} alternating round{'s' * (args.rounds > 1)}")
+    except KeyboardInterrupt:
+        print(f"interrupted; every child process stopped; logs in {logdir}", file=sys.stderr)
+        return 130
+    except SystemExit as e:
+        if not isinstance(e.code, int) or e.code < 128:
+            raise
+        print(f"stopped by signal {e.code - 128}; every child process stopped; logs in {logdir}", file=sys.stderr)
+        return e.code
+    failed = any("error" in r for r in rows)
+    print()
+    print(table)
+    print(f"\nevery run: {args.json}" + (f"; chart: {args.png}" if args.png and not args.scaling else ""))
+    if args.md:
+        with open(args.md, "w") as f:
+            f.write(table + "\n")
+    if failed:
+        print(f"some runs failed; logs kept in {logdir}", file=sys.stderr)
+        return 1
+    if not args.logdir:
+        import shutil
+
+        shutil.rmtree(logdir, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,334 @@
+"""Job S of the peer comparison (the CTR job of ``shared/peers/jobs.py``) on this product.
+
+One script, every role, as ``examples/train_ctr.py``::
+
+    ps-launch --server_num 2 --worker_num 2 benchmarks/job_s.py            # sync
+    ps-launch --server_num 2 --worker_num 2 benchmarks/job_s.py --async    # async
+
+(``ps-launch`` is ``python -m trainer.launch``; each role's output goes to
+``log/serverlog.N`` / ``log/workerlog.N``.) ``benchmarks/bench_peers.py`` runs it
+next to the peers and reads the ``RESULT`` lines from the worker logs.
+
+The job, exactly as ``jobs.py`` defines it: 26 slots of Zipf(1.2) ids
+``slot << 40 | z`` looked up in ONE shared dim-16 distributed table (any int64
+id; SGD lr 0.05, rows initialised N(0, 0.01^2)), concatenated with 13 dense
+features into an MLP 429-256-128-1 (SGD lr 0.05), BCE loss, batch 512 per
+trainer, 20 warm-up + 200 timed steps; trainer ``r`` at step ``t`` trains on
+``jobs.ctr_batch(t * K + r, batch=512)`` (``K`` trainers). The transpiler runs
+with the default :class:`DistributeTranspilerConfig` (what we benchmark); only
+``sync_mode`` follows ``--async``. One torch thread per role.
+
+Each trainer uses the fast path a user would: ``tr.batches(loader, 1,
+prefetch=lambda b: {"emb": ids})``, so the next batch's ids ride with each
+step's push and its rows come back with the answer (one round trip per pserver
+per step). All batches are generated before training (data generation is not
+timed, as in the peers' ``local-ctr``), and a trainer starts its steps once
+every trainer has registered with the pservers (their Stats call), so no
+trainer trains while another still generates its data.
+
+Each trainer prints one line ``RESULT {json}``: ``examples`` and the wall-clock
+``start``/``end`` (``time.time()``) of its timed steps, and per timed step:
+``calls_per_step`` (calls this trainer made to pservers: push+pull, pull and
+prefetch, counted by wrapping its Communicator's methods in this script),
+``bytes_pushed_per_step`` / ``bytes_pulled_per_step`` (the Communicator's
+counters, plus the ids of any separate prefetch call), and the split of a step
+into forward/backward and ``tr.step()``. Trainer 0 also evaluates the hold-out
+AUC on ``jobs.ctr_eval_set(20000)`` (``auc``); in async mode it first waits
+until every pserver has received every trainer's last push. It also reports the
+pservers' own counters (``ps_stats``, from their Stats call).
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import logging
+import os
+import sys
+import threading
+import time
+from typing import Dict, List, Optional
+
+import numpy as np
+import torch
+from torch import nn
+
+from transpiler import DistributeTranspiler, DistributeTranspilerConfig, Program, RoleEnv, TableOptions
+
+log = logging.getLogger("job_s")
+HERE = os.path.dirname(os.path.abspath(__file__))
+DEFAULT_PEERS = os.path.normpath(os.path.join(HERE, "..", "..", "shared", "peers"))
+# Capacity hint only: ids are any int64 (slot << 40 | z) and live on the pservers.
+CAPACITY = 26_000_000
+TABLE = "emb"
+
+
+def load_jobs(peers_dir: str):
+    """Import ``jobs.py`` (the peers' job definitions) from ``peers_dir``."""
+    path = os.path.join(peers_dir, "jobs.py")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"no jobs.py in {peers_dir!r}: pass --peers DIR (the peers' folder)")
+    spec = importlib.util.spec_from_file_location("peer_jobs", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+class CtrNet(nn.Module):
+    """Job S's model: one shared dim-16 table over 26 slots, concatenated with 13 dense features, MLP 429-256-128-1.
+
+    The table is built on the meta device (its rows live on the pservers); the
+    MLP is seeded, so every role builds the same initial weights.
+    """
+
+    def __init__(self, jobs, seed: int = 0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.emb = nn.Embedding(CAPACITY, jobs.S_EMB_DIM, sparse=True, device="meta")
+        h1, h2 = jobs.S_HIDDEN
+        self.mlp = nn.Sequential(nn.Linear(jobs.S_SLOTS * jobs.S_EMB_DIM + jobs.S_DENSE, h1), nn.ReLU(),
+                                 nn.Linear(h1, h2), nn.ReLU(), nn.Linear(h2, 1))
+
+    def forward(self, ids: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
+        e = self.emb(ids).reshape(ids.shape[0], -1)
+        return self.mlp(torch.cat([e, dense], dim=1)).squeeze(1)
+
+
+def build_program(jobs, seed: int = 0) -> Program:
+    """Dense MLP with SGD lr 0.05; the table distributed with SGD lr 0.05 and N(0, 0.01^2) initial rows."""
+    table = TableOptions(optimizer="sgd", optimizer_kwargs={"lr": jobs.S_LR},
+                         init="normal", init_kwargs={"std": 0.01})
+    return Program(CtrNet(jobs, seed), "sgd", lr=jobs.S_LR, distributed_tables={TABLE: table})
+
+
+class CallCounter:
+    """Counts the calls a Trainer makes to pservers through its Communicator.
+
+    Benchmark instrumentation only: it wraps ``push_pull``, ``pull``,
+    ``prefetch`` and ``heartbeat`` on the instance (nothing in the library
+    changes), counting calls per method and the id bytes a separate prefetch
+    sends (the Communicator's ``bytes_pushed`` counts pushes only). Thread-safe:
+    the calls to different pservers run on the Communicator's threads.
+    """
+
+    METHODS = ("push_pull", "pull", "prefetch", "heartbeat")
+
+    def __init__(self, comm):
+        self.comm = comm
+        self.calls = {m: 0 for m in self.METHODS}
+        self.prefetch_bytes = 0
+        self._lock = threading.Lock()
+        for name in self.METHODS:
+            setattr(comm, name, self._wrap(name, getattr(comm, name)))
+
+    def _wrap(self, name: str, call):
+        def counted(*args, **kwargs):
+            with self._lock:
+                self.calls[name] += 1
+                if name == "prefetch":
+                    ids = args[2] if len(args) > 2 else kwargs.get("ids", ())
+                    self.prefetch_bytes += sum(t.numel() * t.element_size() for _, t in ids)
+            return call(*args, **kwargs)
+        return counted
+
+    def snapshot(self) -> Dict[str, int]:
+        """Calls per method, step calls (all but heartbeats), bytes pushed (with prefetched ids) and pulled."""
+        with self._lock:
+            calls = dict(self.calls)
+            prefetch_bytes = self.prefetch_bytes
+        return {**{f"{m}_calls": n for m, n in calls.items()},
+                "calls": sum(n for m, n in calls.items() if m != "heartbeat"),
+                "bytes_pushed": self.comm.bytes_pushed + prefetch_bytes,
+                "bytes_pulled": self.comm.bytes_pulled}
+
+
+def pserver_stats(endpoints: List[str], timeout: float = 10.0) -> Dict[str, dict]:
+    """Each pserver's counters (updates, pushes, prefetches, bytes in/out, table rows) from its Stats call."""
+    import grpc
+
+    from psproto import ps_pb2, ps_pb2_grpc
+    from psproto.security import Security
+
+    security = Security.from_env()
+    out = {}
+    for ep in endpoints:
+        channel = security.channel(ep)
+        try:
+            r = ps_pb2_grpc.ParameterServerStub(channel).Stats(ps_pb2.StatsRequest(), timeout=timeout)
+            out[ep] = {"updates": r.updates, "pushes": r.pushes, "prefetches": r.prefetches,
+                       "bytes_in": r.bytes_in, "bytes_out": r.bytes_out, "table_rows": r.table_rows,
+                       "trainers_alive": list(r.trainers_alive)}
+        except grpc.RpcError as e:
+            out[ep] = {"error": str(e.code())}
+        finally:
+            channel.close()
+    return out
+
+
+def wait_for_trainers(endpoints: List[str], trainers: int, timeout: float) -> None:
+    """Poll every pserver's Stats until ``trainers`` trainers have registered with each.
+
+    A trainer registers when its Trainer is built, after it generated its
+    batches: so no trainer starts its steps while another one still burns CPU
+    on data generation (which would slow it and misalign the timed windows).
+    Logs a warning (and goes on) if ``timeout`` s pass first.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        stats = pserver_stats(endpoints)
+        if all(len(s.get("trainers_alive", ())) >= trainers for s in stats.values()):
+            return
+        if time.monotonic() > deadline:
+            log.warning("not every trainer registered with every pserver within %.0f s: %s", timeout, stats)
+            return
+        time.sleep(0.05)
+
+
+def wait_for_pushes(endpoints: List[str], pushes: int, timeout: float) -> Dict[str, dict]:
+    """Poll every pserver's Stats until each has received ``pushes`` pushes (async: all trainers done).
+
+    Returns the last stats; logs a warning (and goes on) if ``timeout`` s pass first.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        stats = pserver_stats(endpoints)
+        if all(s.get("pushes", 0) >= pushes for s in stats.values()):
+            return stats
+        if time.monotonic() > deadline:
+            log.warning("pservers did not reach %d pushes within %.0f s: %s", pushes, timeout, stats)
+            return stats
+        time.sleep(0.05)
+
+
+def make_batches(jobs, trainer_id: int, trainers: int, steps: int, batch: int, seed: int):
+    """This trainer's ``steps`` batches as tensors: step ``t`` is ``ctr_batch(t * trainers + trainer_id)``."""
+    out = []
+    for t in range(steps):
+        ids, dense, y = jobs.ctr_batch(t * trainers + trainer_id, batch=batch, seed=seed, stream=0)
+        out.append((torch.from_numpy(ids), torch.from_numpy(dense), torch.from_numpy(y)))
+    return out
+
+
+def evaluate(model: nn.Module, jobs, n: int, seed: int, chunk: int = 4096) -> float:
+    """Hold-out AUC of ``model`` on ``jobs.ctr_eval_set(n)`` (lookups ask the pservers)."""
+    ids, dense, y = jobs.ctr_eval_set(n, seed=seed, return_logit=False)
+    model.eval()
+    scores = []
+    with torch.no_grad():
+        for s in range(0, len(y), chunk):
+            scores.append(model(torch.from_numpy(ids[s:s + chunk]), torch.from_numpy(dense[s:s + chunk])).numpy())
+    model.train()
+    return float(jobs.auc(y, np.concatenate(scores).astype(np.float64)))
+
+
+def train(args, env, jobs, t: DistributeTranspiler) -> dict:
+    """Run this trainer's warm-up and timed steps; its RESULT figures (trainer 0: with the AUC)."""
+    from trainer import Trainer
+
+    total = args.warmup + args.steps
+    t0 = time.perf_counter()
+    batches = make_batches(jobs, env.trainer_id, env.trainers, total, args.batch, args.seed)
+    gen_s = time.perf_counter() - t0
+    loss_fn = nn.BCEWithLogitsLoss()
+    compute = step_time = 0.0
+    losses: List[float] = []
+    start = end = None
+    before: Optional[Dict[str, int]] = None
+    with Trainer(t.get_trainer_program()) as tr:
+        wait_for_trainers(env.pservers, env.trainers, args.eval_wait)
+        counter = CallCounter(tr.comm)
+        items = tr.batches(batches, 1, prefetch=lambda b: {TABLE: b[0]})
+        for i, (ids, dense, y) in enumerate(items):
+            if i == args.warmup:
+                before = counter.snapshot()
+                start = time.time()
+                compute = step_time = 0.0
+            c0 = time.perf_counter()
+            loss = loss_fn(tr.model(ids, dense), y)
+            loss.backward()
+            c1 = time.perf_counter()
+            tr.step()
+            c2 = time.perf_counter()
+            compute += c1 - c0
+            step_time += c2 - c1
+            losses.append(loss.item())
+            if i == total - 1:
+                end = time.time()
+                after = counter.snapshot()
+        steps = args.steps
+        result = {
+            "role": f"trainer {env.trainer_id}", "trainer_id": env.trainer_id, "trainers": env.trainers,
+            "pservers": len(env.pservers), "mode": "sync" if args.sync_mode else "async",
+            "batch": args.batch, "warmup": args.warmup, "steps": steps, "examples": steps * args.batch,
+            "start": start, "end": end, "examples_per_s": steps * args.batch / (end - start),
+            "calls_per_step": (after["calls"] - before["calls"]) / steps,
+            "push_pull_per_step": (after["push_pull_calls"] - before["push_pull_calls"]) / steps,
+            "pull_per_step": (after["pull_calls"] - before["pull_calls"]) / steps,
+            "prefetch_per_step": (after["prefetch_calls"] - before["prefetch_calls"]) / steps,
+            "bytes_pushed_per_step": (after["bytes_pushed"] - before["bytes_pushed"]) / steps,
+            "bytes_pulled_per_step": (after["bytes_pulled"] - before["bytes_pulled"]) / steps,
+            "compute_ms": 1e3 * compute / steps, "step_ms": 1e3 * step_time / steps,
+            "loss_first20": float(np.mean(losses[:20])), "loss_last20": float(np.mean(losses[-20:])),
+            "datagen_s_excluded": round(gen_s, 2), "torch_threads": torch.get_num_threads(),
+        }
+        if env.trainer_id == 0:
+            if not args.sync_mode:  # the other trainers may still be pushing: wait for their last step
+                wait_for_pushes(env.pservers, env.trainers * total, args.eval_wait)
+            e0 = time.perf_counter()
+            result["auc"] = evaluate(tr.model, jobs, args.eval_examples, args.seed)
+            result["eval_s"] = time.perf_counter() - e0
+            result["ps_stats"] = pserver_stats(env.pservers)
+            log.info("trainer 0: hold-out AUC %.4f (%d examples)", result["auc"], args.eval_examples)
+    log.info("%s: %d timed examples in %.2f s: %.0f examples/s", result["role"], result["examples"],
+             end - start, result["examples_per_s"])
+    return result
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--async", dest="sync_mode", action="store_false", help="asynchronous updates")
+    p.add_argument("--peers", default=DEFAULT_PEERS, help="folder of the peers' jobs.py (default: %(default)s)")
+    p.add_argument("--warmup", type=int, default=None, help="untimed steps first (default: jobs.S_WARMUP, 20)")
+    p.add_argument("--steps", type=int, default=None, help="timed steps (default: jobs.S_STEPS, 200)")
+    p.add_argument("--batch", type=int, default=512, help="per trainer (default %(default)s)")
+    p.add_argument("--eval_examples", type=int, default=None, help="hold-out size (default: jobs.S_EVAL_N, 20000)")
+    p.add_argument("--eval_wait", type=float, default=120.0,
+                   help="at most this many s a trainer waits for the others to register before its first "
+                        "step, and (async) trainer 0 for the other trainers' last pushes before evaluating")
+    p.add_argument("--seed", type=int, default=0, help="data seed of jobs.py")
+    args = p.parse_args(argv)
+    if (args.warmup is not None and args.warmup < 0) or (args.steps is not None and args.steps < 1) \
+            or args.batch < 1:
+        p.error("--warmup must be >= 0, --steps and --batch >= 1")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    env = RoleEnv.from_env()
+    if env is None:
+        print("job_s.py runs as a role of a job: ps-launch --server_num 2 --worker_num 2 benchmarks/job_s.py "
+              "[--async] (the single-process peer is torch_peers.py local-ctr)", file=sys.stderr)
+        return 2
+    jobs = load_jobs(args.peers)
+    args.warmup = jobs.S_WARMUP if args.warmup is None else args.warmup
+    args.steps = jobs.S_STEPS if args.steps is None else args.steps
+    args.eval_examples = jobs.S_EVAL_N if args.eval_examples is None else args.eval_examples
+    torch.set_num_threads(1)  # several roles share this machine's cores
+    t = DistributeTranspiler(DistributeTranspilerConfig())
+    t.transpile(env.trainer_id, program=build_program(jobs, args.seed), pservers=env.pserver_list,
+                trainers=env.trainers, sync_mode=args.sync_mode)
+    if env.is_pserver:
+        from pserver import ParameterServer
+
+        ps_program = t.get_pserver_program(env.current_endpoint)
+        ParameterServer(ps_program, t.get_startup_program(env.current_endpoint, ps_program)).serve()
+        return 0
+    result = train(args, env, jobs, t)
+    print("RESULT " + json.dumps(result), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
