@@ -58,6 +58,9 @@ class Engine:
         self.restored_from = -1
         self._honoured: set = set()
         self._rollbacks = 0
+        # Per trainer, the roll-backs counted at its last Hello: a wait from before the latest one
+        # belongs to an abandoned timeline (see waits_from_before_a_roll_back).
+        self._hello_rollbacks: Dict[int, int] = {}
 
     @property
     def last_step(self) -> Dict[int, int]:
@@ -78,6 +81,7 @@ class Engine:
         with self.cv:
             was_closed = trainer_id in self.roster.closed
             how = self.roster.join(trainer_id)
+            self._hello_rollbacks[trainer_id] = self._rollbacks
             if how == "rejoined":
                 self.all_closed.clear()
             if was_closed:
@@ -183,6 +187,19 @@ class Engine:
         return NotAllowed(f"pserver {self.endpoint}: trainer {trainer_id} {what} {target} from the "
                           f"future; the pserver is at step {self.updates} and can only reach "
                           f"{self.updates + 1} next")
+
+    def _refuse_wait_from_before_a_roll_back(self, trainer_id: int, what: str) -> None:
+        """MustResync for a trainer that said Hello before this pserver's latest roll-back and would wait.
+
+        The caller checked that the step waited for needs this trainer's own
+        push: a trainer still on the abandoned timeline would wait for it
+        until the barrier deadline. (One whose push for the step was counted
+        waits as usual.)
+        """
+        if self._hello_rollbacks.get(trainer_id, self._rollbacks) != self._rollbacks:
+            raise MustResync(f"pserver {self.endpoint}: rolled back to the checkpoint at step "
+                             f"{self.restored_from} since trainer {trainer_id} said Hello; its {what} "
+                             f"belongs to the steps abandoned; call Hello to re-sync")
 
     def _wait(self, ready, what: str, missing) -> None:
         """Wait under the lock until ``ready()``, or fail naming who is missing."""

@@ -126,6 +126,9 @@ class SyncEngine(Engine):
         with self.cv:
             if min_updates > self.updates + 1:
                 raise self._ahead(trainer_id, "waits for update", min_updates)
+            if self.updates < min_updates and trainer_id in self._expected() - self.pending:
+                # The step waited for needs this trainer's own push, which it has not made.
+                self._refuse_wait_from_before_a_roll_back(trainer_id, f"wait for update {min_updates}")
             self._wait(lambda: self.updates >= min_updates, f"step {self.updates}",
                        lambda: sorted(self._expected() - self.pending))
 

@@ -233,3 +233,57 @@ def test_dropped_trainer_that_never_rejoins_is_counted_closed_and_the_job_ends(c
     assert e.all_closed.is_set() and e.roster.closed == {0, 1}
     assert "trainer 1 was dropped" in caplog.text and "counted as closed" in caplog.text
     assert e.hello(1)[0] == e.updates and 1 not in e.roster.closed   # a late restart still rejoins
+
+
+def test_a_wait_from_before_a_roll_back_is_refused_at_once_instead_of_deadlocking(tmp_path):
+    """Seen in the chaos test: trainer 1 said Hello at step 2, then trainer 0 rolled the pserver back to
+    the checkpoint at step 1; trainer 1's pull waiting for update 2 would wait for a step that needs its
+    own push, until the barrier deadline. It is told to re-sync instead; after its Hello it waits normally."""
+    e = engine(2, tmp_path)
+    for t in (0, 1):
+        e.hello(t)
+    for t in (0, 1):
+        e.push(t, 0, grads(e, 1.0), position=(0, 1))
+    e.checkpoint()
+    for t in (0, 1):
+        e.push(t, 1, grads(e, 1.0), position=(0, 2))
+    assert e.hello(1) == (2, (0, 2))                     # trainer 1 (re)joins at step 2
+    assert e.restore(0, 1, "ps0#7") is True and e.updates == 1
+    e.hello(0)
+    with pytest.raises(MustResync) as info:
+        e.wait_updates(1, 2)                             # would need trainer 1's own push of step 1
+    assert status_of(info.value) == grpc.StatusCode.ABORTED and "since trainer 1 said Hello" in info.value.message
+    e.wait_updates(1, 1)                                 # what stands is served: nothing to wait for
+    assert e.hello(1) == (1, (0, 1))                     # re-synced: step 1 from the checkpoint
+    for t in (0, 1):
+        e.push(t, 1, grads(e, 1.0), position=(0, 2))
+    e.wait_updates(1, 2)
+    assert e.updates == 2
+
+
+def test_a_trainer_from_before_a_roll_back_that_pushed_the_step_waits_for_it_as_usual(tmp_path):
+    """Its push of the step after the roll-back was counted: refusing its wait would make it push the
+    step again after the others completed it (a stale push)."""
+    e = engine(2, tmp_path)
+    for t in (0, 1):
+        e.hello(t)
+    for t in (0, 1):
+        e.push(t, 0, grads(e, 1.0), position=(0, 1))
+    e.checkpoint()
+    e.push(0, 1, grads(e, 1.0), position=(0, 2))
+    assert e.restore(0, 1, "ps0#8") is True
+    e.hello(0)
+    e.push(1, 1, grads(e, 1.0), position=(0, 2))         # trainer 1 (Hello before the roll-back) pushes step 1
+    outcome = []
+
+    def wait():
+        try:
+            e.wait_updates(1, 2)
+            outcome.append("served")
+        except MustResync as refused:
+            outcome.append(refused)
+    waited = threading.Thread(target=wait)
+    waited.start()
+    e.push(0, 1, grads(e, 1.0), position=(0, 2))
+    waited.join(timeout=5)
+    assert outcome == ["served"] and e.updates == 2
