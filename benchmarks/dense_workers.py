@@ -329,6 +329,14 @@ def run_trainer(spec: Spec) -> dict:
 ROLES = {"ddp": run_ddp, "pserver": run_pserver, "trainer": run_trainer}
 
 
+def write_result(path: str, result: dict) -> None:
+    """Write a role's result JSON atomically (the benchmark reads it once the role has exited)."""
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(result, f)
+    os.replace(tmp, path)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("role", choices=sorted(ROLES))
@@ -339,11 +347,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.role != "pserver":
         torch.set_num_threads(1)  # pservers take theirs from the config (1)
-    result = ROLES[args.role](Spec.from_json(args.spec))
-    tmp = args.out + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(result, f)
-    os.replace(tmp, args.out)
+    write_result(args.out, ROLES[args.role](Spec.from_json(args.spec)))
     return 0
 
 

@@ -34,7 +34,6 @@ timed steps as ``veth_rx_bytes`` / ``veth_tx_bytes``. ``--peers`` (or
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import sys
@@ -247,10 +246,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         result = dense_workers.ROLES[args.role](spec)
     log.info("%s done in %.1f s", args.role, time.monotonic() - t0)
     if result is not None:
-        tmp = args.out + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(result, f)
-        os.replace(tmp, args.out)
+        from dense_workers import write_result
+        write_result(args.out, result)
     return 0
 
 

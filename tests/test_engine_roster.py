@@ -43,6 +43,17 @@ def weight(e: SyncEngine) -> torch.Tensor:
     return e.store.blocks["weight.block0"].detach().clone()
 
 
+def checkpointed_at_step_1(checkpoint_dir) -> SyncEngine:
+    """A sync engine of 2 trainers that both said Hello and pushed step 0, checkpointed at step 1."""
+    e = engine(2, checkpoint_dir)
+    for t in (0, 1):
+        e.hello(t)
+    for t in (0, 1):
+        e.push(t, 0, grads(e, 1.0), position=(0, 1))
+    e.checkpoint()
+    return e
+
+
 def test_silent_trainer_is_dropped_and_the_step_completes_without_it():
     e = engine(2)
     for t in (0, 1):
@@ -148,12 +159,7 @@ def test_late_roll_back_to_the_checkpoint_a_pserver_stands_at_keeps_the_pushes_c
     """Seen under load in the chaos test: trainer 1 re-synced to checkpoint 1 and pushed step 1; a
     roll-back to the same checkpoint, asked later by trainer 0 for another restart, must not drop that
     push (the pservers would end a step apart and the job would wait for the barrier timeout)."""
-    e = engine(2, tmp_path)
-    for t in (0, 1):
-        e.hello(t)
-    for t in (0, 1):
-        e.push(t, 0, grads(e, 1.0), position=(0, 1))
-    e.checkpoint()
+    e = checkpointed_at_step_1(tmp_path)
     e.push(0, 1, grads(e, 1.0))
     assert e.restore(0, 1, "a#1") is True                # trainer 0 rolls back after a restart
     e.push(1, 1, grads(e, 1.0))                          # trainer 1, already re-synced, pushes step 1
@@ -239,12 +245,7 @@ def test_a_wait_from_before_a_roll_back_is_refused_at_once_instead_of_deadlockin
     """Seen in the chaos test: trainer 1 said Hello at step 2, then trainer 0 rolled the pserver back to
     the checkpoint at step 1; trainer 1's pull waiting for update 2 would wait for a step that needs its
     own push, until the barrier deadline. It is told to re-sync instead; after its Hello it waits normally."""
-    e = engine(2, tmp_path)
-    for t in (0, 1):
-        e.hello(t)
-    for t in (0, 1):
-        e.push(t, 0, grads(e, 1.0), position=(0, 1))
-    e.checkpoint()
+    e = checkpointed_at_step_1(tmp_path)
     for t in (0, 1):
         e.push(t, 1, grads(e, 1.0), position=(0, 2))
     assert e.hello(1) == (2, (0, 2))                     # trainer 1 (re)joins at step 2
@@ -264,12 +265,7 @@ def test_a_wait_from_before_a_roll_back_is_refused_at_once_instead_of_deadlockin
 def test_a_trainer_from_before_a_roll_back_that_pushed_the_step_waits_for_it_as_usual(tmp_path):
     """Its push of the step after the roll-back was counted: refusing its wait would make it push the
     step again after the others completed it (a stale push)."""
-    e = engine(2, tmp_path)
-    for t in (0, 1):
-        e.hello(t)
-    for t in (0, 1):
-        e.push(t, 0, grads(e, 1.0), position=(0, 1))
-    e.checkpoint()
+    e = checkpointed_at_step_1(tmp_path)
     e.push(0, 1, grads(e, 1.0), position=(0, 2))
     assert e.restore(0, 1, "ps0#8") is True
     e.hello(0)
