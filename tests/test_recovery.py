@@ -6,6 +6,7 @@ role at a known point. The sync results are compared with single-process PyTorch
 """
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import threading
@@ -186,6 +187,39 @@ def test_async_pserver_restarted_after_a_trainer_closed_does_not_wait_for_it(tmp
             assert restarted.engine.roster.closed == {1}
             cm.train(tr0, cm.batches(2))
         assert restarted.wait(10)  # every trainer closed: it would serve on, waiting for trainer 1
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("restart", ["before_close", "while_closing"])
+def test_close_lost_to_a_stopped_pserver_is_sent_again_to_its_restart(tmp_path, caplog, restart):
+    """Trainer 1 closes while pserver 1 is down (restarted first, or while its Close waits): the Close
+    reaches the restarted pserver, which would otherwise wait for trainer 1 and never finish."""
+    caplog.set_level(logging.INFO, logger="trainer.communicator")
+    config = cm.config(str(tmp_path / "ckpt"), connect_timeout=30.0)
+    with LocalCluster(cm.program, 2, 2, sync_mode=False, config=config) as cluster:
+        with cluster.trainer(0) as tr0:
+            cm.train(tr0, cm.batches(2))
+            tr1 = cluster.trainer(1)
+            cm.train(tr1, cm.batches(2))
+            tr0.checkpoint()                   # trainer 1 has not closed in it
+            cluster.servers[1].stop()
+            if restart == "before_close":      # the restarted pserver does not know trainer 1's session
+                restarted = cluster.restart_pserver(1)
+                tr1.close()
+            else:                              # the Close waits for pserver 1 to come back
+                closing = threading.Thread(target=tr1.close)
+                closing.start()
+                deadline = time.monotonic() + 20
+                while "sending it again" not in caplog.text and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                assert "sending it again" in caplog.text
+                restarted = cluster.restart_pserver(1)
+                closing.join(30)
+                assert not closing.is_alive()
+            assert restarted.engine.roster.closed == {1}
+            assert [s.engine.roster.closed for s in cluster.servers] == [{1}, {1}]
+            cm.train(tr0, cm.batches(2))
+        assert restarted.wait(10)          # every trainer closed
 
 
 @pytest.mark.timeout(60)

@@ -87,6 +87,11 @@ def results_of(calls: Dict[str, futures.Future]) -> Dict[str, object]:
     return results
 
 
+# Close failures worth sending Close again for: the pserver died under the call or is coming back
+# (UNAVAILABLE, DEADLINE_EXCEEDED), or restarted and no longer knows this trainer's session (ABORTED).
+_RETRY_CLOSE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.ABORTED)
+
+
 class Communicator:
     """Push gradients to and pull parameters from every pserver of a trainer program."""
 
@@ -315,19 +320,44 @@ class Communicator:
         """Run one callable per endpoint concurrently; re-raise the first failure."""
         return results_of({ep: self._pool.submit(fn) for ep, fn in jobs.items()})
 
-    def close(self) -> Dict[str, int]:
-        """Tell every pserver this trainer is done; returns trainers left per pserver."""
-        def close_one(ep):
-            request = ps_pb2.CloseRequest(trainer_id=self.trainer_id, session=self.sessions.get(ep, ""))
-            try:
-                return self._stubs[ep].Close(request, timeout=min(self.rpc_timeout, 30.0)).trainers_left
-            except grpc.RpcError as e:
-                log.warning("trainer %d: close at %s failed: %s", self.trainer_id, ep, _details(e))
-                return -1
+    def close(self, timeout: float = 0.0) -> Dict[str, int]:
+        """Tell every pserver this trainer is done; returns trainers left per pserver (-1: not told).
+
+        A Close lost to a pserver that died under it (or that is restarting)
+        is sent again for up to ``timeout`` s: a pserver restarted from a
+        checkpoint written before this trainer's Close would otherwise wait for
+        it, and never finish. A restarted pserver no longer knows this
+        trainer's session, so the trainer says Hello to it first.
+        """
+        deadline = time.monotonic() + timeout
         try:
-            return self.run_parallel({ep: (lambda ep=ep: close_one(ep)) for ep in self._stubs})
+            return self.run_parallel({ep: (lambda ep=ep: self._close_one(ep, deadline)) for ep in self._stubs})
         finally:
             self.shutdown()
+
+    def _close_one(self, endpoint: str, deadline: float) -> int:
+        while True:
+            request = ps_pb2.CloseRequest(trainer_id=self.trainer_id, session=self.sessions.get(endpoint, ""))
+            remaining = deadline - time.monotonic()
+            # While retrying, each try waits for the pserver a while (and logs), as Hello does.
+            timeout = min(remaining, _WAIT_LOG_INTERVAL) if remaining > 0 else min(self.rpc_timeout, 30.0)
+            try:
+                return self._stubs[endpoint].Close(request, timeout=timeout, wait_for_ready=remaining > 0).trainers_left
+            except grpc.RpcError as e:
+                code, remaining = e.code(), deadline - time.monotonic()
+                if remaining > 0 and code in _RETRY_CLOSE:
+                    log.info("trainer %d: close at %s failed (%s); sending it again", self.trainer_id,
+                             endpoint, _details(e))
+                    if code == grpc.StatusCode.ABORTED:  # a restarted pserver: a session first
+                        try:
+                            self._hello_one(endpoint, deadline, remaining, 0)
+                        except PserverError as hello_error:
+                            log.warning("trainer %d: close at %s failed: %s", self.trainer_id, endpoint,
+                                        hello_error)
+                            return -1
+                    continue
+                log.warning("trainer %d: close at %s failed: %s", self.trainer_id, endpoint, _details(e))
+                return -1
 
     def shutdown(self) -> None:
         """Release channels and threads (without telling the pservers)."""

@@ -490,7 +490,16 @@ class Trainer:
                                   rank=self.trainer_id * self.local_world_size + self.local_rank, **kwargs)
 
     def close(self) -> None:
-        """Tell every pserver this trainer is done and release connections. Idempotent."""
+        """Tell every pserver this trainer is done and release connections. Idempotent.
+
+        A pserver that died under the Close (or is down) gets it again once it
+        is back, for up to ``connect_timeout`` s: restarted from a checkpoint
+        older than this Close, it would wait for this trainer. Leaving a
+        ``with`` block on an exception closes without waiting.
+        """
+        self._close(patient=True)
+
+    def _close(self, patient: bool) -> None:
         if self._closed:
             return
         self._closed = True
@@ -502,12 +511,15 @@ class Trainer:
             self._finish_in_flight()  # the last step reaches the pservers before Close
             if self.node is not None and not self.node.group.failed:  # all local ranks done: the leader closes
                 self.node.group.barrier(f"trainer node {self.trainer_id} closing")
+        except BaseException:
+            patient = False  # the job failed here: say so quickly, do not wait for pservers
+            raise
         finally:
             self.feed.close()
             if self._sender is not None:
                 self._sender.shutdown(wait=False)
             if self.node is None or (self.node.group.is_leader and not self.node.group.failed):
-                self.comm.close()
+                self.comm.close(self.program.config.connect_timeout if patient else 0.0)
             else:  # a failed node does not Close: the pservers wait for it to restart and rejoin
                 self.comm.shutdown()
             self._leave_group()
@@ -522,5 +534,5 @@ class Trainer:
     def __enter__(self) -> "Trainer":
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, exc_type, *exc) -> None:
+        self._close(patient=exc_type is None)

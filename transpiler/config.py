@@ -34,7 +34,9 @@ class DistributeTranspilerConfig:
     - ``max_staleness`` (int or None, None): async mode only; a trainer that is
       this many steps ahead of the slowest live trainer waits. None: unbounded.
     - ``connect_timeout`` (float s, 120): how long a trainer waits for each
-      pserver to come up before failing with an error that names it.
+      pserver to come up before failing with an error that names it; also how
+      long a finished trainer keeps sending its Close to a pserver that died
+      under it (a restarted pserver would otherwise wait for that trainer).
     - ``barrier_timeout`` (float s, 300): how long a sync step waits for the
       other trainers' gradients before failing with the missing trainer ids;
       in collective mode, the timeout of the rendezvous and of every collective.
