@@ -3,8 +3,7 @@
 Trainers train with ``Trainer.batches`` so a roll-back replays their data.
 ``--pause_at N``: the trainer ``--pause_trainer`` writes PAUSE_DIR/reached when
 it is about to train step N (once), then waits for PAUSE_DIR/go, so the test
-can kill a role at a known point; ``--pause_before_close`` pauses it the same
-way after its last step, before it closes. Each trainer saves its final ``state_dict``
+can kill a role at a known point. Each trainer saves its final ``state_dict``
 to OUT_DIR/trainer-<id>.pt and the one it started with to OUT_DIR/start-<id>.pt.
 :func:`reference` trains the same job in one process (the concatenated batches).
 """
@@ -75,12 +74,6 @@ def wait_for(path: str, timeout: float) -> None:
         time.sleep(0.02)
 
 
-def pause(pause_dir: str) -> None:
-    """Tell the test this trainer reached its pause point (PAUSE_DIR/reached), then wait for PAUSE_DIR/go."""
-    open(os.path.join(pause_dir, "reached"), "w").close()
-    wait_for(os.path.join(pause_dir, "go"), 120.0)
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--async", dest="sync_mode", action="store_false")
@@ -95,7 +88,6 @@ def main(argv=None) -> int:
     p.add_argument("--pause_at", type=int, default=-1)
     p.add_argument("--pause_trainer", type=int, default=0)
     p.add_argument("--pause_dir", default="")
-    p.add_argument("--pause_before_close", action="store_true")
     p.add_argument("--step_delay", type=float, default=0.0, help="seconds each trainer sleeps per step")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -126,15 +118,14 @@ def main(argv=None) -> int:
     for x, y in tr.batches(loader, args.epochs):
         if tid == args.pause_trainer and tr.step_count == args.pause_at and not paused:
             paused = True
-            pause(args.pause_dir)
+            open(os.path.join(args.pause_dir, "reached"), "w").close()
+            wait_for(os.path.join(args.pause_dir, "go"), 120.0)
         loss_of(tr.model, x, y).backward()
         tr.step()
         if args.step_delay:
             time.sleep(args.step_delay)  # stretches the job so a chaos test's kills land while it trains
     torch.save(tr.state_dict(), os.path.join(args.out_dir, f"trainer-{tid}.pt"))
     logging.info("trainer %d: finished at step %d", tid, tr.step_count)
-    if args.pause_before_close and tid == args.pause_trainer:
-        pause(args.pause_dir)
     tr.close()
     return 0
 
