@@ -297,6 +297,7 @@ class Engine:
                 return False
             if self.restored_from == step == self.updates:
                 self._honoured.add(token)
+                self._forget_join_steps()
                 log.info("%s: already at the checkpoint of step %d, nothing applied since; roll-back asked "
                          "by trainer %d (%s) keeps the pushes counted for it", self.endpoint, step, trainer_id,
                          token)
@@ -332,6 +333,9 @@ class Engine:
 
     def _clear_pending(self) -> None:
         pass
+
+    def _forget_join_steps(self) -> None:
+        """A roll-back to the step this pserver stands at: every trainer redoes that step."""
 
     def _reads_need_copy(self) -> bool:
         return True

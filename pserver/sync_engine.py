@@ -58,7 +58,13 @@ class SyncEngine(Engine):
 
     def _reset(self, meta: dict) -> None:
         super()._reset(meta)
-        self.joins_at = {}  # every trainer says Hello again after a roll-back
+        self._forget_join_steps()
+
+    def _forget_join_steps(self) -> None:
+        # Every trainer redoes the checkpoint's step after a roll-back, also one that had joined a
+        # step later (pservers apart): the step it joined at was abandoned. Kept, its push of the
+        # checkpoint's step would be stale, the step applied without it.
+        self.joins_at = {}
 
     def _clear_pending(self) -> None:
         self.pending = set()

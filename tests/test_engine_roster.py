@@ -171,6 +171,22 @@ def test_late_roll_back_to_the_checkpoint_a_pserver_stands_at_keeps_the_pushes_c
     assert e.restore(0, 1, "c#3") is True and e.updates == 1 and e.pending == set()  # a real roll-back
 
 
+def test_late_roll_back_to_the_checkpoint_a_pserver_stands_at_waits_for_a_trainer_that_had_joined_later(
+        tmp_path):
+    """Seen in the chaos test (seed 1, in the full suite): restarted trainer 1 found the pservers apart
+    (this one restarted at checkpoint 1, the other at step 2) and joined at step 2, so this one would
+    finish step 1 without it. It then rolled the other back to checkpoint 1 and redoes step 1: here,
+    step 1 must wait for it, or its push is stale ("pushed stale step 1; the pserver is at step 2")."""
+    e = checkpointed_at_step_1(tmp_path)
+    assert e.restore(0, 1, "a#1") is True                # back at checkpoint 1, as if restarted there
+    assert e.hello(1, join_at=2)[0] == 2                  # trainer 1 joins a step later: pservers apart
+    assert e.restore(1, 1, "b#2") is False               # trainer 1 rolls every pserver back to 1
+    e.push(0, 1, grads(e, 1.0))
+    assert e.updates == 1                                # waits for trainer 1, which redoes step 1
+    e.push(1, 1, grads(e, 3.0))
+    assert e.updates == 2 and e.last_step == {0: 1, 1: 1}
+
+
 def test_a_failing_periodic_checkpoint_does_not_fail_the_step(tmp_path, caplog):
     blocked = tmp_path / "not-a-directory"
     blocked.write_text("")                               # checkpoint_dir is a file: every write fails
