@@ -46,3 +46,14 @@ def test_transpiler_exports_the_user_api():
     assert sorted(transpiler.__all__) == sorted([
         "Program", "DistributeTranspiler", "DistributeTranspilerConfig", "TableOptions", "RoleEnv",
         "PserverProgram", "StartupProgram", "TrainerProgram"])
+
+
+def test_every_package_is_shipped():
+    """pyproject.toml lists packages by hand: a subpackage left out installs only in editable mode."""
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    config = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+    listed = set(config["packages"])
+    on_disk = {".".join(p.parent.relative_to(REPO).parts) for top in ("transpiler", "pserver", "trainer")
+               for p in (REPO / top).rglob("__init__.py")}
+    assert on_disk - listed == set()
+    assert config["package-dir"]["psproto"] == "proto" and "psproto" in listed
