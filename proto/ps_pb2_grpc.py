@@ -99,6 +99,11 @@ class ParameterServerStub:
                 request_serializer=psproto_dot_ps__pb2.StatsRequest.SerializeToString,
                 response_deserializer=psproto_dot_ps__pb2.StatsReply.FromString,
                 _registered_method=True)
+        self.Reduce = channel.unary_unary(
+                '/psproto.ParameterServer/Reduce',
+                request_serializer=psproto_dot_ps__pb2.ReduceRequest.SerializeToString,
+                response_deserializer=psproto_dot_ps__pb2.ReduceReply.FromString,
+                _registered_method=True)
 
 
 class ParameterServerServicer:
@@ -197,6 +202,14 @@ class ParameterServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Reduce(self, request, context):
+        """Sums (or max / min) of trainers' metrics over every live trainer; waits for them
+        up to barrier_timeout.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ParameterServerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -264,6 +277,11 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=psproto_dot_ps__pb2.StatsRequest.FromString,
                     response_serializer=psproto_dot_ps__pb2.StatsReply.SerializeToString,
+            ),
+            'Reduce': grpc.unary_unary_rpc_method_handler(
+                    servicer.Reduce,
+                    request_deserializer=psproto_dot_ps__pb2.ReduceRequest.FromString,
+                    response_serializer=psproto_dot_ps__pb2.ReduceReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -617,6 +635,33 @@ class ParameterServer:
             '/psproto.ParameterServer/Stats',
             psproto_dot_ps__pb2.StatsRequest.SerializeToString,
             psproto_dot_ps__pb2.StatsReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Reduce(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/psproto.ParameterServer/Reduce',
+            psproto_dot_ps__pb2.ReduceRequest.SerializeToString,
+            psproto_dot_ps__pb2.ReduceReply.FromString,
             options,
             channel_credentials,
             insecure,

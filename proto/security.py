@@ -271,6 +271,9 @@ class TokenAuthInterceptor(grpc.ServerInterceptor):
     def __init__(self, token: str):
         self._expected = f"Bearer {_check_token(token, 'the auth token')}".encode()
         self._log = _RefusalLog()
+        # Calls refused so far (the pserver's metrics report them as reason "auth").
+        self.refused = 0
+        self._count = threading.Lock()
 
     def _authorized(self, metadata) -> bool:
         for key, value in metadata or ():
@@ -281,6 +284,8 @@ class TokenAuthInterceptor(grpc.ServerInterceptor):
 
     def _refusal(self, method: str) -> Callable:
         def refuse(request_or_iterator, context):
+            with self._count:
+                self.refused += 1
             self._log(context.peer() or "unknown peer", method)
             context.abort(grpc.StatusCode.UNAUTHENTICATED, f"pserver: {method}: {_REFUSED}")
         return refuse

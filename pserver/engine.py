@@ -21,13 +21,14 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 
 from .checkpoint import Checkpointer
 from .errors import BarrierTimeout, MustResync, NotAllowed, Refusal, ShuttingDown, StorageFailed
+from .reductions import Combined, Reductions, Values
 from .roster import Position, Roster
 from .store import BlockStore
 from .tables import TableSet
@@ -61,6 +62,11 @@ class Engine:
         # Per trainer, the roll-backs counted at its last Hello: a wait from before the latest one
         # belongs to an abandoned timeline (see waits_from_before_a_roll_back).
         self._hello_rollbacks: Dict[int, int] = {}
+        # Trainers' global metrics (Reduce), combined here when this pserver is the job's first.
+        self.reductions = Reductions(endpoint)
+        # Set by the server when it exports metrics: called with the seconds a trainer's call
+        # waited for a step (sync barrier), after the lock is released.
+        self.on_wait: Optional[Callable[[float], None]] = None
 
     @property
     def last_step(self) -> Dict[int, int]:
@@ -216,6 +222,36 @@ class Engine:
                 raise BarrierTimeout(f"pserver {self.endpoint}: {what} still waits for trainers "
                                      f"{missing()} after {self.barrier_timeout:g}s")
             self.cv.wait(remaining)
+
+    def reduce(self, trainer_id: int, key: str, round_: int, op: str, values: Values) -> Combined:
+        """Combine ``values`` with those of every live trainer for ``(key, round_)``; (result, contributors).
+
+        Waits up to ``barrier_timeout`` for the trainers that have not sent
+        theirs (not for closed or dropped ones); on expiry, BarrierTimeout
+        names them, and this trainer's values leave the round.
+        """
+        deadline = time.monotonic() + self.barrier_timeout
+        with self.cv:
+            self._check_pusher(trainer_id)
+            self.reductions.add(trainer_id, key, round_, op, values)
+            try:
+                while True:
+                    combined = self.reductions.result(key, round_, self.live())
+                    if combined is not None:
+                        self.cv.notify_all()  # the others waiting for this round find it finished
+                        return combined
+                    if self._stopping:
+                        raise ShuttingDown(f"pserver {self.endpoint} is shutting down")
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        raise BarrierTimeout(
+                            f"pserver {self.endpoint}: round {round_} of reduction {key!r} still waits for "
+                            f"trainers {self.reductions.missing(key, round_, self.live())} after "
+                            f"{self.barrier_timeout:g}s")
+                    self.cv.wait(remaining)
+            except Refusal:
+                self.reductions.withdraw(trainer_id, key, round_)
+                raise
 
     def read(self, names: Sequence[str]) -> Tuple[int, List[Tuple[str, torch.Tensor]]]:
         """The updates applied and the named blocks, safe to stream."""

@@ -14,10 +14,13 @@ from grpc_reflection.v1alpha import reflection
 
 from psproto.options import server_options
 from transpiler import PserverProgram, StartupProgram
-from psproto.security import Security
+from psproto.security import Security, TokenAuthInterceptor
 
 from .async_engine import AsyncEngine
 from .checkpoint import Checkpointer
+from .health import HealthPort
+from .metrics import MetricsServer, PserverCollector
+from .ports import SidePorts, split_host
 from .servicer import SERVICE_NAME, PserverServicer
 from .store import BlockStore
 from .sync_engine import SyncEngine
@@ -36,6 +39,14 @@ class ParameterServer:
     pservers) to start the distributed tables from. ``security`` (default:
     ``Security.from_env()``, the ``PS_AUTH_TOKEN*`` / ``PS_TLS_*`` variables)
     turns on the auth token check and TLS.
+
+    Side ports (see :mod:`pserver.ports`): with ``metrics_port`` (or
+    ``PS_METRICS_PORT``) it serves Prometheus metrics at ``/metrics``
+    (:mod:`pserver.metrics`); with ``health_port`` (or ``PS_HEALTH_PORT``) a
+    health-only gRPC server without the token, for Kubernetes' probes
+    (:mod:`pserver.health`). Both bind on the endpoint's host; after
+    :meth:`start`, :attr:`metrics_port` and :attr:`health_port` hold the ports
+    bound (None: off).
     """
 
     def __init__(self, program: PserverProgram, startup: Optional[StartupProgram] = None,
@@ -48,6 +59,9 @@ class ParameterServer:
         self.program = program
         self.endpoint = program.endpoint
         cfg = program.config
+        self.side_ports = SidePorts.resolve(cfg.metrics_port, cfg.health_port, self.endpoint)
+        self.metrics_port: Optional[int] = None
+        self.health_port: Optional[int] = None
         store = BlockStore(program, startup)
         tables = TableSet(program, tables_from)
         args = (store, tables, program.trainers, program.endpoint, cfg.barrier_timeout)
@@ -68,17 +82,67 @@ class ParameterServer:
                                         allow_nonfinite=cfg.nonfinite_grads == "apply")
         self._server: Optional[grpc.Server] = None
         self._health: Optional[health.HealthServicer] = None
+        self._health_port: Optional[HealthPort] = None
+        self._metrics: Optional[MetricsServer] = None
         self._finished = threading.Event()
         self._stopped = False
+        self._interceptors = self.security.server_interceptors()
 
     def start(self) -> "ParameterServer":
-        """Bind the endpoint and start serving in background threads."""
+        """Bind the endpoint (and the side ports) and start serving in background threads.
+
+        OSError naming the address when a port cannot be bound; whatever was
+        started by then is stopped again.
+        """
+        try:
+            self._start_side_ports()
+            self._start_main()
+        except BaseException:
+            self._stop_side_ports()
+            if self._server is not None:
+                self._server.stop(0)
+                self._server = None
+            raise
+        if self._health_port is not None:
+            self._health_port.serving()
+        threading.Thread(target=self._watch_trainers, daemon=True,
+                         name="pserver-watch").start()
+        threading.Thread(target=self._watch_heartbeats, daemon=True,
+                         name="pserver-heartbeats").start()
+        return self
+
+    def _start_side_ports(self) -> None:
+        """The health port (answering NOT_SERVING until the main port serves) and the metrics server."""
+        host = split_host(self.endpoint)
+        if self.side_ports.health is not None:
+            self._health_port = HealthPort(host, self.side_ports.health, ("", SERVICE_NAME))
+            self.health_port = self._health_port.start()
+            log.info("pserver %s: health port %d on %s (grpc.health.v1 only, plaintext, no auth token)",
+                     self.endpoint, self.health_port, host)
+        if self.side_ports.metrics is not None:
+            auth = next((i for i in self._interceptors if isinstance(i, TokenAuthInterceptor)), None)
+            collector = PserverCollector(self.servicer, self.program.shard, len(self.program.pservers), auth)
+            self._metrics = MetricsServer(collector, self.endpoint)
+            self.metrics_port = self._metrics.start(host, self.side_ports.metrics)
+            self.engine.on_wait = self._metrics.barrier_wait.observe
+            log.info("pserver %s: Prometheus metrics at http://%s:%d/metrics", self.endpoint,
+                     f"[{host}]" if ":" in host else host, self.metrics_port)
+
+    def _stop_side_ports(self) -> None:
+        if self._health_port is not None:
+            self._health_port.stop()
+        if self._metrics is not None:
+            self.engine.on_wait = None
+            self._metrics.stop()
+
+    def _start_main(self) -> None:
+        """The training service (with health and reflection) on the endpoint, behind the token."""
         cfg = self.program.config
         workers = cfg.pserver_rpc_workers or max(16, 4 * self.program.trainers)
         server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers,
                                                         thread_name_prefix="pserver"),
                              options=server_options(cfg.chunk_bytes),
-                             interceptors=self.security.server_interceptors())
+                             interceptors=self._interceptors)
         self.servicer.add_to_server(server)
         self._health = health.HealthServicer(experimental_non_blocking=True)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
@@ -106,11 +170,6 @@ class ParameterServer:
                  f"{self.engine.store.nbytes:,}", self.program.shard, len(self.program.pservers),
                  len(self.program.tables), "sync" if self.program.sync_mode else "async",
                  self.program.trainers)
-        threading.Thread(target=self._watch_trainers, daemon=True,
-                         name="pserver-watch").start()
-        threading.Thread(target=self._watch_heartbeats, daemon=True,
-                         name="pserver-heartbeats").start()
-        return self
 
     def _watch_heartbeats(self) -> None:
         cfg = self.program.config
@@ -138,16 +197,23 @@ class ParameterServer:
         return self._finished.wait(timeout)
 
     def stop(self, grace: float = 5.0) -> None:
-        """Stop serving: health goes NOT_SERVING, waiters wake, in-flight calls get ``grace`` s."""
+        """Stop serving: health goes NOT_SERVING, waiters wake, in-flight calls get ``grace`` s.
+
+        The health port answers NOT_SERVING until the main port has stopped,
+        then closes; the metrics server stops last.
+        """
         if self._stopped:
             return
         self._stopped = True
         self._finished.set()
         if self._health is not None:
             self._health.enter_graceful_shutdown()
+        if self._health_port is not None:
+            self._health_port.shutting_down()
         self.engine.stop()
         if self._server is not None:
             self._server.stop(grace).wait()
+        self._stop_side_ports()
         log.info("pserver %s stopped after %d updates", self.endpoint, self.engine.updates)
 
     def serve(self) -> None:
@@ -164,7 +230,10 @@ class ParameterServer:
                 previous[sig] = signal.signal(sig, on_signal)
         try:
             self._finished.wait()
-            # SIGTERM, Ctrl-C or the end of training: keep the model.
+            # SIGTERM, Ctrl-C or the end of training: probes see the shutdown at once, while the
+            # last checkpoint is written; then keep the model.
+            if self._health_port is not None:
+                self._health_port.shutting_down()
             self.checkpoint()
         finally:
             self.stop()

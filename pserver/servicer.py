@@ -17,7 +17,6 @@ import functools
 import inspect
 import logging
 import secrets
-import threading
 import time
 from typing import Dict, Iterator, Optional
 
@@ -32,6 +31,8 @@ from psproto.dtypes import DTYPES
 from psproto.codec import TensorReader, WireError, decode_chunk, encode_chunks
 
 from .buffers import BufferPool
+from .counters import Counters
+from .reductions import to_values
 from .engine import Engine
 from .errors import (AlreadyRunning, BadRequest, BarrierTimeout, Fenced, MustResync, NoSession, NotAllowed,
                      ShuttingDown, StorageFailed)
@@ -67,32 +68,6 @@ def status_of(error: BaseException) -> Optional[grpc.StatusCode]:
     return None
 
 
-class _Counters:
-    def __init__(self):
-        self.lock = threading.Lock()
-        self.bytes_in = 0
-        self.bytes_out = 0
-        self.pushes = 0
-        self.prefetches = 0
-        self.refused = 0
-        # Per trainer (a node counts once): pushes counted and block gradients in them.
-        self.pushes_by_trainer: Dict[int, int] = {}
-        self.blocks_by_trainer: Dict[int, int] = {}
-
-    def counted(self, trainer_id: int, blocks: int) -> None:
-        with self.lock:
-            self.pushes_by_trainer[trainer_id] = self.pushes_by_trainer.get(trainer_id, 0) + 1
-            self.blocks_by_trainer[trainer_id] = self.blocks_by_trainer.get(trainer_id, 0) + blocks
-
-    def add(self, bytes_in=0, bytes_out=0, pushes=0, prefetches=0, refused=0):
-        with self.lock:
-            self.bytes_in += bytes_in
-            self.bytes_out += bytes_out
-            self.pushes += pushes
-            self.prefetches += prefetches
-            self.refused += refused
-
-
 def _parse(message_type, data: bytes):
     try:
         return message_type.FromString(data)
@@ -112,8 +87,9 @@ def _refusals(method):
     name = method.__name__
 
     def abort(self, context, e):
-        self.counters.add(refused=1)
         code = status_of(e)
+        self.counters.refuse(type(e).__name__ if code is not None else "internal",
+                             code if code is not None else grpc.StatusCode.INTERNAL)
         where = f"pserver {self.endpoint}"
         if code is None:
             log.exception("%s: %s failed with an unexpected %s; answered INTERNAL", where, name,
@@ -153,7 +129,7 @@ def _finite(g: torch.Tensor) -> bool:
 
 
 class PserverServicer:
-    """Hello / Push / Pull / Close / Stats for one pserver."""
+    """Hello / Push / Pull / Close / Stats / Reduce for one pserver."""
 
     def __init__(self, engine: Engine, layout_digest: str, chunk_bytes: int, alive_window: float,
                  allow_nonfinite: bool = False):
@@ -168,7 +144,7 @@ class PserverServicer:
         self.endpoint = engine.endpoint
         self.layout_digest = layout_digest
         self.chunk_bytes = chunk_bytes
-        self.counters = _Counters()
+        self.counters = Counters()
         self.buffers = BufferPool({n: (DTYPES[s.dtype], s.shape) for n, s in self.store.specs.items()})
 
     def _check_trainer(self, trainer_id: int) -> None:
@@ -397,6 +373,17 @@ class PserverServicer:
         return ps_pb2.CloseReply(trainers_left=self.engine.close(request.trainer_id))
 
     @_refusals
+    def Reduce(self, data, context):
+        request = _parse(ps_pb2.ReduceRequest, data)
+        self._check_caller(request)
+        self._check_digest(request.layout_digest)
+        self.engine.touch(request.trainer_id)
+        values = to_values((v.name, v.shape, v.data) for v in request.values)
+        combined, trainers = self.engine.reduce(request.trainer_id, request.key, request.round, request.op, values)
+        return ps_pb2.ReduceReply(trainers=trainers, values=[
+            ps_pb2.ReduceValue(name=name, shape=v.shape, data=v.ravel().tolist()) for name, v in combined.items()])
+
+    @_refusals
     def Stats(self, data, context):
         _parse(ps_pb2.StatsRequest, data)
         engine = self.engine
@@ -438,5 +425,6 @@ class PserverServicer:
             "Checkpoint": grpc.unary_unary_rpc_method_handler(self.Checkpoint,
                                                               response_serializer=serialize),
             "Stats": grpc.unary_unary_rpc_method_handler(self.Stats, response_serializer=serialize),
+            "Reduce": grpc.unary_unary_rpc_method_handler(self.Reduce, response_serializer=serialize),
         }
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))

@@ -6,6 +6,7 @@ on batch b equal one process on the concatenated N*b batch.
 from __future__ import annotations
 
 import logging
+import time
 from typing import Dict, List, Mapping, Optional, Tuple
 
 import torch
@@ -128,15 +129,27 @@ class SyncEngine(Engine):
         self._apply_if_complete()
 
     def wait_updates(self, trainer_id: int, min_updates: int) -> None:
-        """Block until step ``min_updates - 1`` is applied, within the barrier deadline."""
-        with self.cv:
-            if min_updates > self.updates + 1:
-                raise self._ahead(trainer_id, "waits for update", min_updates)
-            if self.updates < min_updates and trainer_id in self._expected() - self.pending:
-                # The step waited for needs this trainer's own push, which it has not made.
-                self._refuse_wait_from_before_a_roll_back(trainer_id, f"wait for update {min_updates}")
-            self._wait(lambda: self.updates >= min_updates, f"step {self.updates}",
-                       lambda: sorted(self._expected() - self.pending))
+        """Block until step ``min_updates - 1`` is applied, within the barrier deadline.
+
+        A call that had to wait reports how long to :attr:`on_wait` (the
+        barrier wait histogram), after the lock is released.
+        """
+        started = None
+        try:
+            with self.cv:
+                if min_updates > self.updates + 1:
+                    raise self._ahead(trainer_id, "waits for update", min_updates)
+                if self.updates < min_updates and trainer_id in self._expected() - self.pending:
+                    # The step waited for needs this trainer's own push, which it has not made.
+                    self._refuse_wait_from_before_a_roll_back(trainer_id, f"wait for update {min_updates}")
+                if self.updates < min_updates:
+                    started = time.monotonic()
+                self._wait(lambda: self.updates >= min_updates, f"step {self.updates}",
+                           lambda: sorted(self._expected() - self.pending))
+        finally:
+            hook = self.on_wait  # read once: the server may unset it while stopping
+            if started is not None and hook is not None:
+                hook(time.monotonic() - started)
 
     def _reads_need_copy(self) -> bool:
         # Between two sync steps nothing writes the blocks: the next update

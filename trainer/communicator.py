@@ -312,6 +312,21 @@ class Communicator:
         return self._unary(endpoint, "Checkpoint", request,
                            f"checkpoint asked by trainer {self.trainer_id}", self.rpc_timeout)
 
+    def reduce(self, endpoint: str, key: str, round_: int, op: str,
+               values: Sequence[Tuple[str, Sequence[int], Sequence[float]]]) -> ps_pb2.ReduceReply:
+        """Combine ``values`` ([(name, shape, float64 data)]) with every live trainer's at ``endpoint``.
+
+        The pserver answers once every trainer it expects has sent its values
+        for ``(key, round_)``, or refuses after its barrier_timeout naming the
+        missing ones.
+        """
+        request = ps_pb2.ReduceRequest(
+            trainer_id=self.trainer_id, layout_digest=self.digest, session=self.sessions.get(endpoint, ""),
+            key=key, round=round_, op=op,
+            values=[ps_pb2.ReduceValue(name=n, shape=shape, data=data) for n, shape, data in values])
+        return self._unary(endpoint, "Reduce", request, f"round {round_} of reduction {key!r} by trainer "
+                           f"{self.trainer_id}", self.barrier_timeout + self.rpc_timeout)
+
     def submit(self, fn: Callable[[], object]) -> futures.Future:
         """Run ``fn`` on one of the pserver call threads."""
         return self._pool.submit(fn)

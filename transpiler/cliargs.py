@@ -7,6 +7,8 @@ import dataclasses
 from .config import NONFINITE_GRADS, SPLIT_METHODS, DistributeTranspilerConfig
 
 CHOICES = {"split_method": SPLIT_METHODS, "nonfinite_grads": NONFINITE_GRADS}
+# Fields that are None or an int: their flags parse ints.
+INT_OR_NONE = ("max_staleness", "metrics_port", "health_port")
 
 
 def _bool(text: str) -> bool:
@@ -27,7 +29,7 @@ def add_transpile_arguments(parser: argparse.ArgumentParser) -> None:
         default = getattr(defaults, f.name)
         if isinstance(default, bool):
             kind = _bool
-        elif f.name == "max_staleness":
+        elif f.name in INT_OR_NONE:
             kind = int
         elif default is None:
             kind = str

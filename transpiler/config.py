@@ -110,6 +110,18 @@ class DistributeTranspilerConfig:
       plain all-reduce).
     - ``local_sgd_warmup_steps`` (int, 0): steps of plain global gradient
       all-reduce before Local SGD starts.
+    - ``metrics_port`` (int or None, None): the port on which each pserver serves
+      Prometheus metrics over HTTP (``/metrics``), bound on the pserver's own host
+      (the host of its endpoint); 0 picks a free port (logged). None: the
+      ``PS_METRICS_PORT`` environment variable, if set, else no metrics server.
+      A value here (or ``ps-server --metrics_port``) wins over the variable.
+    - ``health_port`` (int or None, None): the port of a second gRPC server on each
+      pserver that serves only ``grpc.health.v1`` (SERVING once the pserver is
+      ready, NOT_SERVING while it shuts down), in plaintext and without the auth
+      token, for Kubernetes' gRPC probes, which can send neither; the training
+      service stays on the main port behind its token. 0 picks a free port.
+      None: ``PS_HEALTH_PORT`` if set, else no health port (the main port still
+      serves health, behind the token).
     """
 
     slice_var_up: bool = True
@@ -138,6 +150,8 @@ class DistributeTranspilerConfig:
     use_local_sgd: bool = False
     local_sgd_steps: int = 1
     local_sgd_warmup_steps: int = 0
+    metrics_port: Optional[int] = None
+    health_port: Optional[int] = None
 
     @property
     def session_alive_window(self) -> float:
@@ -195,6 +209,12 @@ class DistributeTranspilerConfig:
         if not isinstance(self.pserver_rpc_workers, int) or self.pserver_rpc_workers < 0:
             raise ValueError(
                 f"pserver_rpc_workers must be an int >= 0, got {self.pserver_rpc_workers!r}")
+        for name in ("metrics_port", "health_port"):
+            port = getattr(self, name)
+            if port is not None and (isinstance(port, bool) or not isinstance(port, int) or not 0 <= port < 65536):
+                raise ValueError(f"{name} must be None or a port number in [0, 65535], got {port!r}")
+        if self.metrics_port == self.health_port and self.metrics_port:
+            raise ValueError(f"metrics_port and health_port are both {self.metrics_port}; give each its own port")
         self._validate_collective()
 
     def _validate_collective(self) -> None:

@@ -157,6 +157,9 @@ def base_requests(e: Env) -> Dict[str, List[bytes]]:
                                            session=own)),
         "Checkpoint": s(ps_pb2.CheckpointRequest(trainer_id=0, layout_digest=WRONG_DIGEST, session=own)),
         "Stats": s(ps_pb2.StatsRequest()),
+        "Reduce": s(ps_pb2.ReduceRequest(trainer_id=0, layout_digest=WRONG_DIGEST, session=own, key="auc",
+                                         op="sum", values=[ps_pb2.ReduceValue(name="pos", shape=[3],
+                                                                              data=[1.0, 2.0, 3.0])])),
     }
 
 
@@ -185,6 +188,8 @@ def legit_change(e: Env, name: str, messages: List[bytes]) -> Optional[str]:
         return "closes a live trainer"
     if name == "Checkpoint" and digest_ok and speaks_for_trainer(request):
         return "writes a checkpoint"
+    if name == "Reduce" and digest_ok and speaks_for_trainer(request):
+        return "opens a round of a reduction (and waits for the other trainer)"
     if (name == "SaveTables" and digest_ok and speaks_for_trainer(request) and request.directory
             and not request.directory.startswith(str(e.tmp))):
         return "writes table files outside the test's directory"

@@ -313,6 +313,14 @@ class NodeGroup:
                   lambda: dist.broadcast_object_list(box, 0, group=self.group, device=self._object_device()))
         return box[0]
 
+    def all_gather(self, obj, what: str) -> list:
+        """Every local rank's ``obj`` (small Python objects), in local rank order, on every rank."""
+        if self.group is None:
+            return [obj]
+        out = [None] * self.size
+        self._run(what, lambda: dist.all_gather_object(out, obj, group=self.group))
+        return out
+
     def barrier(self, what: str) -> None:
         """Wait for every local rank (``what`` names the point in errors)."""
         if self.group is not None:

@@ -1,0 +1,51 @@
+"""Counters: what a pserver's servicer has received, sent and refused, since it started.
+
+Read by the Stats RPC (``ps-stat``) and by the Prometheus collector at scrape
+time; written on the request path under one small lock of their own (never
+the engine's).
+"""
+from __future__ import annotations
+
+import threading
+from typing import Dict, Tuple
+
+import grpc
+
+
+class Counters:
+    """Traffic and refusals of one pserver's servicer, for Stats and the Prometheus metrics."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.bytes_in = 0
+        self.bytes_out = 0
+        self.pushes = 0
+        self.prefetches = 0
+        self.refused = 0
+        # Refusals by (reason, status): the refusal's class name ("internal" for a bug) and its gRPC code.
+        self.refused_by: Dict[Tuple[str, str], int] = {}
+        # Per trainer (a node counts once): pushes counted and block gradients in them.
+        self.pushes_by_trainer: Dict[int, int] = {}
+        self.blocks_by_trainer: Dict[int, int] = {}
+
+    def counted(self, trainer_id: int, blocks: int) -> None:
+        """Count one applied push of ``trainer_id`` carrying ``blocks`` block gradients."""
+        with self.lock:
+            self.pushes_by_trainer[trainer_id] = self.pushes_by_trainer.get(trainer_id, 0) + 1
+            self.blocks_by_trainer[trainer_id] = self.blocks_by_trainer.get(trainer_id, 0) + blocks
+
+    def add(self, bytes_in=0, bytes_out=0, pushes=0, prefetches=0, refused=0):
+        """Add to the traffic counters."""
+        with self.lock:
+            self.bytes_in += bytes_in
+            self.bytes_out += bytes_out
+            self.pushes += pushes
+            self.prefetches += prefetches
+            self.refused += refused
+
+    def refuse(self, reason: str, code: grpc.StatusCode) -> None:
+        """Count one refused request, by its reason and status."""
+        with self.lock:
+            self.refused += 1
+            key = (reason, code.name)
+            self.refused_by[key] = self.refused_by.get(key, 0) + 1

@@ -1,0 +1,155 @@
+"""Prometheus metrics of one pserver, served over HTTP at ``/metrics`` on its metrics port.
+
+Most values are read at scrape time from what the pserver keeps anyway (the
+servicer's counters, the engine's step and roster, the store, the tables, the
+checkpointer), by a custom collector: nothing is counted twice on the request
+path. The one exception is the barrier wait histogram, observed where a sync
+wait ends, outside the engine's lock.
+
+Every pserver has a registry of its own (several pservers in one process, as
+in tests, do not clash), and every series carries an ``endpoint`` label.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Iterator, Optional
+
+from prometheus_client import CollectorRegistry, Histogram, PlatformCollector, ProcessCollector, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+log = logging.getLogger(__name__)
+
+# Seconds; a sync step's wait spans a few milliseconds (fast trainers) to the barrier_timeout (a lost one).
+BARRIER_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0,
+                   300.0, float("inf"))
+TRAINER_STATES = ("alive", "dropped", "closed")
+
+
+class PserverCollector(Collector):
+    """Reads one pserver's state at every scrape and yields it as metric families.
+
+    ``servicer`` is the pserver's :class:`~pserver.servicer.PserverServicer`
+    (its counters, engine, store and tables); ``auth`` the token interceptor
+    whose refusals count as reason "auth", or None.
+    """
+
+    def __init__(self, servicer, shard: int, pservers: int, auth=None):
+        self.servicer = servicer
+        self.shard = shard
+        self.pservers = pservers
+        self.auth = auth
+        self.start_time = time.time() - (time.monotonic() - servicer.started)
+
+    def collect(self) -> Iterator[Metric]:
+        """One sample of every metric; the engine's lock is held only to copy the roster."""
+        svc = self.servicer
+        engine = svc.engine
+        ep = [svc.endpoint]
+        with engine.cv:
+            roster = engine.roster
+            states = {"alive": len(roster.joined & roster.live()), "dropped": len(roster.dropped),
+                      "closed": len(roster.closed)}
+            step = engine.updates
+        c = svc.counters
+        with c.lock:
+            traffic = (c.pushes, c.prefetches, c.bytes_in, c.bytes_out)
+            by_trainer = dict(c.pushes_by_trainer)
+            refused = dict(c.refused_by)
+        if self.auth is not None:
+            refused[("auth", "UNAUTHENTICATED")] = self.auth.refused
+
+        info = GaugeMetricFamily("ps_pserver_info", "This pserver: mode, shard and job size (value 1)",
+                                 labels=["endpoint", "mode", "shard", "pservers", "trainers"])
+        info.add_metric([*ep, "sync" if engine.sync_mode else "async", str(self.shard), str(self.pservers),
+                         str(engine.trainers)], 1)
+        yield info
+        yield _gauge("ps_step", "Updates applied (sync mode: the step the pserver is at)", ep, step)
+        trainers = GaugeMetricFamily("ps_trainers", "Trainers by state: alive (joined, heard from), dropped "
+                                     "(silent past heartbeat_timeout), closed", labels=["endpoint", "state"])
+        for state in TRAINER_STATES:
+            trainers.add_metric([*ep, state], states[state])
+        yield trainers
+        yield _gauge("ps_trainers_expected", "Trainers the job was transpiled for", ep, engine.trainers)
+        yield _counter("ps_pushes", "Pushes received (gradients of one step from one trainer)", ep, traffic[0])
+        yield _counter("ps_prefetches", "Prefetches (table row lookups) answered", ep, traffic[1])
+        yield _counter("ps_received_bytes", "Tensor bytes received (gradients, ids)", ep, traffic[2])
+        yield _counter("ps_sent_bytes", "Tensor bytes sent (parameters, rows)", ep, traffic[3])
+        per_trainer = CounterMetricFamily("ps_trainer_pushes", "Pushes counted per trainer (a node counts once)",
+                                          labels=["endpoint", "trainer"])
+        for t in sorted(by_trainer):
+            per_trainer.add_metric([*ep, str(t)], by_trainer[t])
+        yield per_trainer
+        refusals = CounterMetricFamily("ps_refused_requests", "Requests refused, by reason (the refusal's kind; "
+                                       "auth: no or wrong token; internal: a bug) and gRPC status",
+                                       labels=["endpoint", "reason", "code"])
+        for (reason, code), n in sorted(refused.items()):
+            refusals.add_metric([*ep, reason, code], n)
+        yield refusals
+        yield _gauge("ps_blocks", "Dense parameter blocks held", ep, len(svc.store.blocks))
+        yield _gauge("ps_block_bytes", "Bytes of the dense blocks held (parameters only)", ep, svc.store.nbytes)
+        yield _gauge("ps_table_rows", "Rows stored in this pserver's distributed table shards", ep, svc.tables.rows)
+        yield _gauge("ps_table_bytes", "Bytes those shards hold (ids, rows, optimizer state)", ep,
+                     svc.tables.nbytes)
+        last = engine.checkpointer.last if engine.checkpointer is not None else None
+        yield _gauge("ps_checkpoint_step", "Step of the latest checkpoint written or loaded (-1: none)", ep,
+                     last[0] if last else -1)
+        if last is not None:
+            yield _gauge("ps_checkpoint_timestamp_seconds", "Unix time the latest checkpoint was written or "
+                         "loaded", ep, last[2])
+            yield _gauge("ps_checkpoint_age_seconds", "Seconds since the latest checkpoint was written or loaded",
+                         ep, max(0.0, time.time() - last[2]))
+        yield _gauge("ps_start_time_seconds", "Unix time this pserver started", ep, self.start_time)
+
+
+def _gauge(name: str, text: str, labels, value) -> GaugeMetricFamily:
+    g = GaugeMetricFamily(name, text, labels=["endpoint"])
+    g.add_metric(labels, value)
+    return g
+
+
+def _counter(name: str, text: str, labels, value) -> CounterMetricFamily:
+    c = CounterMetricFamily(name, text, labels=["endpoint"])
+    c.add_metric(labels, value)
+    return c
+
+
+class MetricsServer:
+    """A pserver's registry, its barrier wait histogram, and the HTTP server that exposes them."""
+
+    def __init__(self, collector: PserverCollector, endpoint: str):
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.registry.register(collector)
+        # Process metrics (memory, CPU, open files) of this process, as the default registry would have them.
+        ProcessCollector(registry=self.registry)
+        PlatformCollector(registry=self.registry)
+        self.barrier_wait = Histogram(
+            "ps_barrier_wait_seconds", "Time a trainer's call waited for a sync step to be applied (the barrier); "
+            "calls that found it applied are not observed", ["endpoint"], registry=self.registry,
+            buckets=BARRIER_BUCKETS).labels(endpoint)
+        self.endpoint = endpoint
+        self.port: Optional[int] = None
+        self._httpd = None
+        self._thread = None
+
+    def start(self, host: str, port: int) -> int:
+        """Serve ``/metrics`` on ``host:port`` (0: a free port) in a daemon thread; returns the port.
+
+        OSError naming the address when it cannot bind.
+        """
+        try:
+            self._httpd, self._thread = start_http_server(port, addr=host, registry=self.registry)
+        except OSError as e:
+            raise OSError(f"pserver {self.endpoint} cannot bind its metrics port {host}:{port} ({e}); is the "
+                          f"port in use or the address not on this host?") from None
+        self.port = self._httpd.server_address[1]
+        return self.port
+
+    def stop(self) -> None:
+        """Stop serving and release the port (idempotent)."""
+        if self._httpd is not None:
+            self._httpd.shutdown()
+            self._httpd.server_close()
+            self._thread.join(5.0)
+            self._httpd = self._thread = None

@@ -1,0 +1,157 @@
+"""Reductions: trainers' global metrics, combined on one pserver (sum, max or min over every live trainer).
+
+Trainers in pserver mode cannot reach each other, so a global metric (the
+loss over all trainers' data, AUC from every trainer's score histograms) goes
+through a pserver: each trainer sends its local values for a ``(key, round)``,
+and once every live trainer has, the pserver combines them and answers each
+with the same result. Values are combined in float64, in ascending trainer id
+order: counts (histogram buckets, instances) are exact up to 2**53, and every
+trainer gets the very same bits.
+
+A round is finished once the trainers that the engine still expects (not
+closed, not dropped) have all sent theirs; a trainer that closed first is not
+waited for. Each key keeps its latest finished round, so a retried call gets
+the answer again.
+
+Not thread-safe: the engine holds its lock around every call.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
+
+import numpy as np
+
+from .errors import BadRequest, NotAllowed
+
+OPS = {"sum": np.add, "max": np.maximum, "min": np.minimum}
+# Rounds open at once, over all keys: bounds what a misbehaving trainer can make a pserver hold.
+MAX_OPEN = 64
+MAX_KEY_CHARS = 200
+
+Values = Dict[str, np.ndarray]
+Combined = Tuple[Values, Tuple[int, ...]]  # the values and the trainers they came from
+
+
+def to_values(items: Iterable[Tuple[str, Sequence[int], Sequence[float]]]) -> Values:
+    """``[(name, shape, data)]`` as float64 arrays; BadRequest for a missing or repeated name or a wrong length."""
+    values: Values = {}
+    for name, shape, data in items:
+        if not name:
+            raise BadRequest("a reduced value needs a name")
+        if name in values:
+            raise BadRequest(f"reduced value {name!r} is sent twice")
+        shape = tuple(int(d) for d in shape)
+        if any(d < 0 for d in shape):
+            raise BadRequest(f"reduced value {name!r} has a negative dimension in shape {list(shape)}")
+        size = math.prod(shape)
+        if len(data) != size:
+            raise BadRequest(f"reduced value {name!r} of shape {list(shape)} needs {size} numbers, got {len(data)}")
+        values[name] = np.asarray(data, dtype=np.float64).reshape(shape)
+    if not values:
+        raise BadRequest("a reduction needs at least one value")
+    return values
+
+
+def combine(op: str, parts: Mapping[int, Values]) -> Values:
+    """Combine every trainer's values by ``op`` in ascending trainer id order, in float64."""
+    ufunc = OPS[op]
+    ids = sorted(parts)
+    out = {name: np.array(v, dtype=np.float64) for name, v in parts[ids[0]].items()}
+    for t in ids[1:]:
+        for name, v in parts[t].items():
+            ufunc(out[name], v, out=out[name])
+    return out
+
+
+def _shapes(values: Values) -> Dict[str, tuple]:
+    return {name: v.shape for name, v in values.items()}
+
+
+@dataclass
+class Round:
+    """One open reduction: its op, the shapes every trainer must send, and the values sent so far."""
+
+    op: str
+    shapes: Dict[str, tuple]
+    parts: Dict[int, Values]
+
+
+class Reductions:
+    """The open and latest finished rounds of every key on one pserver."""
+
+    def __init__(self, endpoint: str):
+        self.endpoint = endpoint
+        self.open: Dict[Tuple[str, int], Round] = {}
+        # Per key, its latest finished round: (round, combined values, contributors).
+        self.done: Dict[str, Tuple[int, Values, Tuple[int, ...]]] = {}
+
+    def add(self, trainer_id: int, key: str, round_: int, op: str, values: Values) -> None:
+        """Take ``trainer_id``'s values for ``(key, round_)``; a refusal changes nothing.
+
+        Sending again to a round still open replaces the values (a retry). A
+        round already finished with this trainer in it is answered from
+        :meth:`result`; one finished without it, or an older one, is refused.
+        """
+        if not key or len(key) > MAX_KEY_CHARS:
+            raise BadRequest(f"a reduction key must have 1 to {MAX_KEY_CHARS} characters, got {len(key)}")
+        if op not in OPS:
+            raise BadRequest(f"reduction op must be one of {sorted(OPS)}, got {op!r}")
+        if round_ < 0:
+            raise BadRequest(f"reduction round must be >= 0, got {round_}")
+        done = self.done.get(key)
+        if done is not None and round_ <= done[0]:
+            if round_ == done[0] and trainer_id in done[2]:
+                return
+            raise NotAllowed(f"pserver {self.endpoint}: round {round_} of reduction {key!r} from trainer "
+                             f"{trainer_id} is over (round {done[0]} finished with trainers {list(done[2])}); "
+                             f"a trainer that restarted counts its rounds from 0 again: pass round= explicitly")
+        r = self.open.get((key, round_))
+        if r is None:
+            if len(self.open) >= MAX_OPEN:
+                raise NotAllowed(f"pserver {self.endpoint}: {MAX_OPEN} reductions are open already; "
+                                 f"trainers must reduce the same keys in the same order")
+            self.open[(key, round_)] = Round(op, _shapes(values), {trainer_id: values})
+            return
+        if r.op != op:
+            raise BadRequest(f"trainer {trainer_id} asks for {op!r} in round {round_} of reduction {key!r}, "
+                             f"others for {r.op!r}")
+        if _shapes(values) != r.shapes:
+            raise BadRequest(f"trainer {trainer_id} sends {_describe(values)} in round {round_} of reduction "
+                             f"{key!r}, others sent {_describe_shapes(r.shapes)}")
+        r.parts[trainer_id] = values
+
+    def result(self, key: str, round_: int, expected: set) -> Optional[Combined]:
+        """The combined values of ``(key, round_)`` once every trainer in ``expected`` sent its own; else None."""
+        done = self.done.get(key)
+        if done is not None and done[0] == round_:
+            return done[1], done[2]
+        r = self.open[(key, round_)]
+        if not expected <= r.parts.keys():
+            return None
+        values, contributors = combine(r.op, r.parts), tuple(sorted(r.parts))
+        del self.open[(key, round_)]
+        self.done[key] = (round_, values, contributors)
+        return values, contributors
+
+    def missing(self, key: str, round_: int, expected: set) -> List[int]:
+        """The trainers of ``expected`` that have not sent ``(key, round_)`` yet."""
+        r = self.open.get((key, round_))
+        return sorted(expected - (r.parts.keys() if r else set()))
+
+    def withdraw(self, trainer_id: int, key: str, round_: int) -> None:
+        """A caller gave up (deadline, shutdown): its values leave the round, and an empty round goes."""
+        r = self.open.get((key, round_))
+        if r is not None:
+            r.parts.pop(trainer_id, None)
+            if not r.parts:
+                del self.open[(key, round_)]
+
+
+def _describe(values: Values) -> str:
+    return _describe_shapes(_shapes(values))
+
+
+def _describe_shapes(shapes: Mapping[str, tuple]) -> str:
+    return ", ".join(f"{name} {list(shape)}" for name, shape in sorted(shapes.items()))
