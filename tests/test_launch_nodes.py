@@ -61,7 +61,7 @@ def test_pserver_job_with_two_processes_per_node(run_launcher, tmp_path, probe_d
     assert all(len(p) == 1 for p in ports.values()) and len(ports[0] | ports[1]) == 2
     assert not {f"127.0.0.1:{p}" for p in ports[0] | ports[1]} & {endpoint}
     assert sorted(p.name for p in (tmp_path / "logs").iterdir()) == [
-        "serverlog.0", "workerlog.0", "workerlog.0.1", "workerlog.1", "workerlog.1.1"]
+        "roles.json", "serverlog.0", "workerlog.0", "workerlog.0.1", "workerlog.1", "workerlog.1.1"]
     assert "all roles finished" in out
     assert_all_gone(records(probe_dir))
 

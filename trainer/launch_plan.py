@@ -1,7 +1,7 @@
-"""Planning a ps-launch job: parse the command line, decide which roles run on this host.
+"""Planning a ps-launch job: decide which roles run on this host, and with which variables.
 
 Pure pieces (no process is started here), each testable on its own:
-``parse_args`` -> ``plan_roles`` (a list of :class:`Role`) -> ``child_env``.
+``parse_args`` (launch_args) -> ``plan_roles`` (a list of :class:`Role`) -> ``child_env``.
 """
 from __future__ import annotations
 
@@ -9,35 +9,14 @@ import argparse
 import os
 import socket
 import subprocess
-import sys
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Mapping, Optional, Tuple
 
 from transpiler.env import NODE_VARS, PSERVER, ROLE_VARS, TRAINER, NodeEnv, RoleEnv, parse_endpoints
 from psproto.security import Security
 
-DESCRIPTION = """ps-launch: start the pservers and trainers of a job, as Paddle's launcher does in pserver mode.
-
-    ps-launch --server_num 2 --worker_num 2 examples/train_mlp.py --epochs 20
-    ps-launch --servers 10.0.0.1:6170,10.0.0.2:6170 --workers 10.0.0.1,10.0.0.2 train.py
-    ps-launch --server_num 2 --worker_num 2 --nproc_per_node 4 --gpus 0,1,2,3,4,5,6,7 train.py
-    ps-launch --worker_num 2 --nproc_per_node 2 train.py      # collective: no pservers
-
-Local mode (--server_num/--worker_num) runs every role on this machine, pservers
-on 127.0.0.1. Per-host mode (--servers/--workers) describes the whole cluster: run
-the same command on every host and each starts only its own roles. Every role runs
-`python SCRIPT ARGS...` with TRAINING_ROLE, PADDLE_* and POD_IP set (see
-transpiler/env.py, RoleEnv), its output in LOG_DIR/serverlog.N or LOG_DIR/workerlog.N.
-A trainer node runs --nproc_per_node processes, each with LOCAL_RANK, LOCAL_WORLD_SIZE,
-MASTER_ADDR, MASTER_PORT, RANK and WORLD_SIZE (NodeEnv); local rank R > 0 logs to
-LOG_DIR/workerlog.N.R. Without --server_num/--servers the job is collective: trainers
-only, one process group of every process of every node.
-Access control: --auth_token_file FILE gives every role the job's token; PS_TLS_*
-variables set for the launcher pass to every role (see proto/security.py).
-Exit status: 0 when every trainer exited 0, 1 when a role failed, 2 on bad input,
-130/143 when stopped by SIGINT/SIGTERM.
-"""
-
+# The command line lives in launch_args; these names stay importable from here.
+from .launch_args import DESCRIPTION, LOG_LEVEL_VAR, build_parser, parse_args, split_argv  # noqa: F401
 
 
 class LaunchError(ValueError):
@@ -57,6 +36,8 @@ class Role:
     proc: Optional[subprocess.Popen] = field(default=None, repr=False)
     local_rank: int = 0
     local_world_size: int = 1
+    command: Optional[List[str]] = None   # what started it (and starts it again on a restart)
+    restarts: int = 0                     # restarts of its unit (a trainer node restarts as a whole)
 
     @property
     def name(self) -> str:
@@ -81,79 +62,19 @@ class Role:
         return f"workerlog.{self.index}" + (f".{self.local_rank}" if self.local_rank else "")
 
     @property
+    def tag(self) -> str:
+        """The console prefix and ``--show`` name: ``pserverN``, ``trainerN``, ``trainerN.R`` (local rank R > 0)."""
+        return f"{self.kind.lower()}{self.index}" + (f".{self.local_rank}" if self.local_rank else "")
+
+    @property
+    def unit(self) -> Tuple[str, int]:
+        """What stops and restarts together: a pserver, or a trainer node with all its local ranks."""
+        return self.kind, self.index
+
+    @property
     def alive(self) -> bool:
         """Started and not yet exited (polling reaps an exited process)."""
         return self.proc is not None and self.proc.poll() is None
-
-
-def build_parser() -> argparse.ArgumentParser:
-    """The launcher's argument parser; the script and its arguments are split off before it runs."""
-    p = argparse.ArgumentParser(prog="ps-launch", usage="%(prog)s [options] SCRIPT [script args...]",
-                                description=DESCRIPTION, allow_abbrev=False,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--server_num", type=int, metavar="N", help="local mode: number of pservers on 127.0.0.1")
-    p.add_argument("--worker_num", type=int, metavar="M", help="local mode: number of trainer nodes (trainer ids)")
-    p.add_argument("--servers", metavar="IP:PORT,...", help="per-host mode: every pserver endpoint")
-    p.add_argument("--workers", metavar="IP,...", help="per-host mode: every trainer node's ip (id = position)")
-    p.add_argument("--host", metavar="IP", help="this host in --servers/--workers (default: any local ip)")
-    p.add_argument("--start_port", type=int, metavar="P", help="local mode: pserver ports P, P+1, ... "
-                   "(default: free ports)")
-    p.add_argument("--log_dir", default="log", metavar="DIR",
-                   help="where serverlog.N, workerlog.N (local rank 0) and workerlog.N.R (local rank R) go "
-                   "(default: log)")
-    p.add_argument("--server_grace", type=float, default=30.0, metavar="SEC",
-                   help="time pservers get to exit by themselves once the trainers finished (default 30); "
-                   "not applied when trainers of the job run on other hosts")
-    p.add_argument("--term_timeout", type=float, default=10.0, metavar="SEC",
-                   help="time between SIGTERM and SIGKILL when stopping roles (default 10)")
-    p.add_argument("--nproc_per_node", type=int, metavar="L",
-                   help="processes per trainer node (one per GPU): each gets LOCAL_RANK 0..L-1, "
-                   "LOCAL_WORLD_SIZE, MASTER_ADDR/MASTER_PORT, RANK, WORLD_SIZE "
-                   "(default: the number of --gpus per node on this host, else 1)")
-    p.add_argument("--gpus", metavar="ID,...",
-                   help="GPUs of this host for its trainer processes: CUDA_VISIBLE_DEVICES, split in order "
-                   "among this host's trainer nodes (L each); pservers always get CUDA_VISIBLE_DEVICES=''")
-    p.add_argument("--master_port", type=int, metavar="P",
-                   help="collective mode: the job's rendezvous port on MASTER_ADDR (the first --workers "
-                   "host; default 29500 per-host, a free port locally); pserver mode with "
-                   "--nproc_per_node > 1: this host's trainer nodes meet on P, P+1, ... (default: free ports)")
-    p.add_argument("--auth_token_file", metavar="FILE",
-                   help="access control: every role gets PS_AUTH_TOKEN_FILE=FILE (made absolute), so "
-                   "pservers refuse calls without the token in FILE and trainers send it. PS_AUTH_TOKEN "
-                   "and PS_TLS_* set for ps-launch reach every role as they are")
-    p.add_argument("script", nargs="?", metavar="SCRIPT", help="training script run by every role")
-    p.add_argument("script_args", nargs=argparse.REMAINDER, metavar="...", help="passed to SCRIPT as is")
-    return p
-
-
-def split_argv(parser: argparse.ArgumentParser, argv: Sequence[str]) -> Tuple[List[str], List[str]]:
-    """Split ``argv`` into (launcher options, [SCRIPT, script args...]) at the first positional.
-
-    Done by hand rather than with ``argparse.REMAINDER`` alone because argparse
-    swallows a ``--`` among the script's arguments; here they pass through byte for byte.
-    """
-    takes_value = {s for a in parser._actions for s in a.option_strings if a.nargs != 0}
-    argv = list(argv)
-    i = 0
-    while i < len(argv):
-        token = argv[i]
-        if token == "--":
-            return argv[:i], argv[i + 1:]
-        if not token.startswith("-") or token == "-":
-            return argv[:i], argv[i:]
-        i += 2 if token in takes_value else 1
-    return argv, []
-
-
-def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
-    """Parse the command line; argparse errors (and a missing SCRIPT) exit with code 2."""
-    parser = build_parser()
-    own, rest = split_argv(parser, sys.argv[1:] if argv is None else argv)
-    args = parser.parse_args(own)
-    if not rest:
-        parser.error("no SCRIPT given: ps-launch [options] SCRIPT [script args...]")
-    args.script, args.script_args = rest[0], rest[1:]
-    return args
 
 
 def free_ports(n: int, host: str = "127.0.0.1") -> List[int]:
@@ -237,6 +158,14 @@ def _check_args(args: argparse.Namespace) -> None:
             raise LaunchError("--start_port applies to --server_num (local mode); --servers has its ports")
         if not 0 < args.start_port <= 65536 - args.server_num:
             raise LaunchError(f"--start_port {args.start_port} leaves no room for {args.server_num} ports")
+    max_restarts = getattr(args, "max_restarts", 0)
+    if max_restarts < 0:
+        raise LaunchError(f"--max_restarts must be >= 0, got {max_restarts}")
+    if max_restarts and args.server_num is None and args.servers is None:
+        # A DDP group cannot take a new process in: a restarted collective trainer would wait
+        # for peers that never come back.
+        raise LaunchError("--max_restarts needs pservers: a collective job (no --server_num/--servers) has no "
+                          "recovery to restart a trainer into")
     if args.server_grace < 0 or args.term_timeout < 0:
         raise LaunchError("--server_grace and --term_timeout must be >= 0")
     if args.script is None or not os.path.isfile(args.script):
@@ -367,6 +296,8 @@ def plan_roles(args: argparse.Namespace, is_local: Optional[Callable[[str], bool
     if getattr(args, "auth_token_file", None) is not None:
         # Absolute: a role may change directory before it reads the variable.
         common["PS_AUTH_TOKEN_FILE"] = os.path.abspath(args.auth_token_file)
+    if getattr(args, "log_level_given", False):
+        common[LOG_LEVEL_VAR] = args.log_level
     roles = []
     for i, ep in enumerate(endpoints):
         ip = ep.rpartition(":")[0]
