@@ -45,7 +45,7 @@ def command(config: str, args, workdir: str) -> List[str]:
               "--target_auc", "0"]
     if config == "local":
         return [sys.executable] + common
-    launch = [sys.executable, "-m", "trainer.launch", "--server_num", "2", "--worker_num", "2",
+    launch = [sys.executable, "-m", "trainer.launch", "--server_num", "2", "--worker_num", "2", "--show", "none",
               "--log_dir", os.path.join(workdir, "logs")]
     return launch + common + (["--async"] if config == "async" else [])
 

@@ -33,7 +33,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 
 from psproto import ps_pb2, ps_pb2_grpc  # noqa: E402
 from trainer import Trainer  # noqa: E402
-from trainer.launch_plan import free_ports  # noqa: E402
+from trainer.launch.plan import free_ports  # noqa: E402
 from transpiler import DistributeTranspiler  # noqa: E402
 
 PROGRAM = '''

@@ -24,7 +24,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
 from dense_workers import build_model  # noqa: E402
-from trainer.launch_plan import free_ports  # noqa: E402
+from trainer.launch.plan import free_ports  # noqa: E402
 from transpiler import DistributeTranspiler, DistributeTranspilerConfig, Program  # noqa: E402
 
 SIZES = (512, 2048, 2048, 2048, 10)

@@ -15,7 +15,8 @@ import pytest
 from transpiler import RoleEnv
 from tests.helpers.launch import (assert_all_gone, finish, pid_alive, records,
                                   run_ps_launch, wait_for)
-from trainer import launch, launch_plan
+from trainer import launch
+from trainer.launch import plan as launch_plan
 
 # Every test here starts pservers and trainers as separate processes.
 pytestmark = pytest.mark.processes

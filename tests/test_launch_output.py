@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from trainer import launch_plan
-from trainer.launch_console import Console, LineSplitter, shown_roles
+from trainer.launch import plan as launch_plan
+from trainer.launch.console import Console, LineSplitter, shown_roles
 
 REPO = Path(__file__).resolve().parents[1]
 PROBE = str(REPO / "tests" / "scripts" / "role_probe.py")

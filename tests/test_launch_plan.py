@@ -9,8 +9,9 @@ import pytest
 
 from transpiler import RoleEnv
 from transpiler.env import NODE_VARS, NodeEnv
-from trainer import launch, launch_plan
-from trainer.launch_plan import PSERVER, TRAINER, LaunchError
+from trainer import launch
+from trainer.launch import plan as launch_plan
+from trainer.launch.plan import PSERVER, TRAINER, LaunchError
 
 REPO = Path(__file__).resolve().parents[1]
 PROBE = str(REPO / "tests" / "scripts" / "role_probe.py")

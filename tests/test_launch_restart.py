@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from trainer import launch_plan
-from trainer.launch_args import LOG_LEVEL_VAR
-from trainer.launch_plan import PSERVER, TRAINER, LaunchError
-from trainer.launch_restart import FINISHED, RESTART, STOP, decide_restart, exit_reason
+from trainer.launch import plan as launch_plan
+from trainer.launch.args import LOG_LEVEL_VAR
+from trainer.launch.plan import PSERVER, TRAINER, LaunchError
+from trainer.launch.restart import FINISHED, RESTART, STOP, decide_restart, exit_reason
 
 REPO = Path(__file__).resolve().parents[1]
 PROBE = str(REPO / "tests" / "scripts" / "role_probe.py")

@@ -17,8 +17,9 @@ from tests.helpers.cluster import LocalCluster
 from tests.helpers.models import batches, odd_mlp
 from psproto import ps_pb2, ps_pb2_grpc
 from pserver.servicer import SERVICE_NAME, PserverServicer
-from trainer import Trainer, launch_plan
-from trainer.launch_plan import LaunchError
+from trainer import Trainer
+from trainer.launch import plan as launch_plan
+from trainer.launch.plan import LaunchError
 from transpiler import Program
 from psproto.certs import make_test_certs
 from psproto.certs_cli import main as certs_main

@@ -1,7 +1,7 @@
 """Planning a ps-launch job: decide which roles run on this host, and with which variables.
 
 Pure pieces (no process is started here), each testable on its own:
-``parse_args`` (launch_args) -> ``plan_roles`` (a list of :class:`Role`) -> ``child_env``.
+``parse_args`` (args) -> ``plan_roles`` (a list of :class:`Role`) -> ``child_env``.
 """
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ from typing import Callable, Dict, List, Mapping, Optional, Tuple
 from transpiler.env import NODE_VARS, PSERVER, ROLE_VARS, TRAINER, NodeEnv, RoleEnv, parse_endpoints
 from psproto.security import Security
 
-# The command line lives in launch_args; these names stay importable from here.
-from .launch_args import DESCRIPTION, LOG_LEVEL_VAR, build_parser, parse_args, split_argv  # noqa: F401
+# The command line lives in args; these names stay importable from here.
+from .args import DESCRIPTION, LOG_LEVEL_VAR, build_parser, parse_args, split_argv  # noqa: F401
 
 
 class LaunchError(ValueError):

@@ -16,7 +16,7 @@ import sys
 import time
 from typing import Callable, Dict, List, Optional, Sequence, TextIO, Tuple
 
-from .launch_plan import TRAINER, Role
+from .plan import TRAINER, Role
 
 PROGRESS_EVERY = 5.0      # s between two progress lines of one role when stdout is not a terminal
 MAX_LINE = 64 * 1024      # a "line" this long without a newline is written out as it is
@@ -256,7 +256,7 @@ class ConsoleHandler(logging.Handler):
 
 
 def shown_roles(roles: Sequence[Role], show: Optional[Tuple[str, ...]]) -> List[Role]:
-    """The roles whose output goes to the console, for ``--show`` items (launch_args.show_spec).
+    """The roles whose output goes to the console, for ``--show`` items (args.show_spec).
 
     None (no ``--show``): trainer 0 (its local rank 0), or on a host without it this
     host's first trainer, or nobody. ``trainers``/``pservers`` pick a kind; a tag

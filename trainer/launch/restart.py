@@ -1,6 +1,6 @@
 """Whether ps-launch restarts a role that ended: a pure decision, and how an exit status reads.
 
-The supervisor (launch_supervisor) asks :func:`decide_restart` about each role
+The supervisor (supervisor) asks :func:`decide_restart` about each role
 that ended and does what it answers; nothing here touches a process.
 """
 from __future__ import annotations

@@ -1,23 +1,22 @@
-"""ps-launch: start and supervise the pservers and trainers of a job (usage: launch_args.DESCRIPTION).
+"""ps-launch: start and supervise the pservers and trainers of a job (usage: args.DESCRIPTION).
 
-``main`` plans the roles (launch_plan), starts each in its own session with
-its log file (launch_procs), prints the role table, copies the chosen roles'
-output to the console (launch_console), supervises and restarts them
-(launch_supervisor) and stops them all.
+``main`` plans the roles (plan), starts each in its own session with
+its log file (procs), prints the role table, copies the chosen roles'
+output to the console (console), supervises and restarts them
+(supervisor) and stops them all.
 """
 from __future__ import annotations
 
 import logging
 import os
-import sys
 from typing import List, Optional, Sequence
 
-from .launch_console import Console, ConsoleCopier, ConsoleHandler, shown_roles
-from .launch_plan import PSERVER, TRAINER, LaunchError, Role, parse_args, plan_roles
+from .console import Console, ConsoleCopier, ConsoleHandler, shown_roles
+from .plan import PSERVER, TRAINER, LaunchError, Role, parse_args, plan_roles
 # The process and supervision pieces stay importable from here (tests and tools use launch.X).
-from .launch_procs import (StopSignals, role_command, start_roles, stop_roles, tail,  # noqa: F401
+from .procs import (StopSignals, role_command, start_roles, stop_roles, tail,  # noqa: F401
                            write_roles_file)
-from .launch_supervisor import supervise  # noqa: F401
+from .supervisor import supervise  # noqa: F401
 
 log = logging.getLogger("ps-launch")
 
@@ -94,6 +93,3 @@ def _run(args, console: Console) -> int:
             copier.drain()
             write_roles_file(args.log_dir, roles)
 
-
-if __name__ == "__main__":
-    sys.exit(main())

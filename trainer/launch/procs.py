@@ -1,6 +1,6 @@
 """The processes of ps-launch's roles: starting (and starting again), signalling, stopping, the pid file.
 
-Thin I/O around :class:`launch_plan.Role`: each role runs in its own session
+Thin I/O around :class:`plan.Role`: each role runs in its own session
 (process group) with its output in its log file.
 """
 from __future__ import annotations
@@ -14,8 +14,8 @@ import sys
 import time
 from typing import Callable, List, Optional, Sequence
 
-from .launch_plan import Role, child_env
-from .launch_restart import exit_reason
+from .plan import Role, child_env
+from .restart import exit_reason
 
 log = logging.getLogger("ps-launch")
 

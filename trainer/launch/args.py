@@ -1,7 +1,7 @@
 """ps-launch's command line: the options (with torchrun's dash and Paddle 2.x spellings) and their parsing.
 
 Pure: ``parse_args(argv)`` returns an ``argparse.Namespace``; checking the
-values against each other is ``launch_plan``'s job.
+values against each other is ``plan``'s job.
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Supervising a ps-launch job: watch the roles, restart the ones that die (--max_restarts), end the job.
 
-The decisions are launch_restart's (pure); this module only acts on them.
+The decisions are restart's (pure); this module only acts on them.
 """
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import signal
 import time
 from typing import Callable, List, Optional
 
-from .launch_plan import PSERVER, TRAINER, Role
-from .launch_procs import POLL_INTERVAL, StopSignals, exit_text, start_role, stop_roles, tail
-from .launch_restart import RESTART, STOP, RestartDecision, decide_restart
+from .plan import PSERVER, TRAINER, Role
+from .procs import POLL_INTERVAL, StopSignals, exit_text, start_role, stop_roles, tail
+from .restart import RESTART, STOP, RestartDecision, decide_restart
 
 log = logging.getLogger("ps-launch")
 
@@ -37,7 +37,7 @@ def supervise(roles: List[Role], server_grace: Optional[float] = 30.0, term_time
     them; pservers exit once every trainer of the job has closed). A role that
     dies (non-zero exit, or a signal) is started again, same command and
     variables, while its unit has restarts left (``max_restarts`` each, see
-    :func:`launch_restart.decide_restart`); ``on_restart()`` runs after each.
+    :func:`restart.decide_restart`); ``on_restart()`` runs after each.
     Otherwise its death fails the job (1): the others are stopped (a failed trainer
     node's other processes among them, which would wait in its collectives) and
     the failure is reported, naming the node and local rank, with its log's tail.
