@@ -1,4 +1,4 @@
-"""CTR data in the Criteo layout: a synthetic generator, a TSV reader/writer, featurisation and AUC.
+"""CTR data in the Criteo layout: a synthetic generator, a TSV reader/writer and featurisation.
 
 Format. One example per line, 40 tab-separated fields: the label (``0`` or ``1``), 13 integer
 ("dense") columns in decimal, and 26 categorical columns as 32-bit values in hexadecimal (the
@@ -27,6 +27,8 @@ Planted model (``generate``/``generate_raw``), fixed by ``seed`` and ``vocab_siz
 The logit (standard deviation 1.38) is linear in the one-hot ids and the dense features, so
 logistic regression can learn it; the Bayes AUC (of the true logits) is 0.80 for every seed
 (:func:`bayes_auc`), and logistic regression trained on 200k examples reaches about 0.77.
+
+Streaming (each trainer reading only its shard, in batches) is in ``ctr_stream.py``.
 """
 from __future__ import annotations
 
@@ -204,15 +206,16 @@ def _planted_model(seed: int, vocab_size: int):
     return m._replace(dense_w=dense_w, bias=0.5 * (lo + hi) - dense.mean(0) @ dense_w)
 
 
-def generate_raw(n: int, seed: int = 0, vocab_size: int = 100_000, sample_seed: int | None = None,
+def generate_raw(n: int, seed: int = 0, vocab_size: int = 100_000, sample_seed=None,
                  return_logits: bool = False) -> tuple:
     """Raw values of ``n`` examples of the planted model for (seed, vocab_size), as
     ``(raw_dense int64 (n,13), dense_missing, raw_cat uint32 (n,26), cat_missing, label float32)``,
     plus the true logits (float64 (n,)) if ``return_logits``. The examples are drawn with
-    ``sample_seed`` (default: ``seed`` itself), so a different sample seed gives a held-out set
-    from the same model. Missing entries hold 0 in the raw arrays."""
+    ``sample_seed`` (an int or a tuple of ints; default: ``seed`` itself), so a different sample
+    seed gives a held-out set from the same model. Missing entries hold 0 in the raw arrays."""
     m = _planted_model(int(seed), int(vocab_size))
-    rng = np.random.default_rng([int(seed if sample_seed is None else sample_seed), int(seed), 0x73616D])
+    sample = [int(seed)] if sample_seed is None else [int(x) for x in np.atleast_1d(sample_seed)]
+    rng = np.random.default_rng([*sample, int(seed), 0x73616D])
     raw_dense, dense_missing, raw_cat, cat_missing, logit = _sample(m, int(n), rng)
     logit += m.bias
     label = (rng.random(int(n)) < 1.0 / (1.0 + np.exp(-logit))).astype(np.float32)
@@ -220,17 +223,18 @@ def generate_raw(n: int, seed: int = 0, vocab_size: int = 100_000, sample_seed: 
     return out + (logit,) if return_logits else out
 
 
-def generate(n: int, seed: int = 0, vocab_size: int = 100_000, *, sample_seed: int | None = None) -> CtrData:
+def generate(n: int, seed: int = 0, vocab_size: int = 100_000, *, sample_seed=None) -> CtrData:
     """``n`` featurized examples of the planted model (see the module docstring); the model
     depends only on (seed, vocab_size), the examples also on ``sample_seed``."""
     return featurize(*generate_raw(n, seed, vocab_size, sample_seed))
 
 
-def bayes_auc(n: int = 200_000, seed: int = 0, vocab_size: int = 100_000,
-              sample_seed: int | None = None) -> float:
+def bayes_auc(n: int = 200_000, seed: int = 0, vocab_size: int = 100_000, sample_seed=None) -> float:
     """AUC of the true logits on ``n`` fresh examples: the best AUC any model can expect."""
+    from sklearn.metrics import roc_auc_score  # here: readers and DataLoader workers never need it
+
     *_, label, logit = generate_raw(n, seed, vocab_size, sample_seed, return_logits=True)
-    return auc(logit, label)
+    return float(roc_auc_score(label, logit))
 
 
 def write_criteo_tsv(path, raw_dense, dense_missing, raw_cat, cat_missing, label) -> None:
@@ -303,15 +307,16 @@ def _parse_fields(words: np.ndarray, st: np.ndarray, ln: np.ndarray, base: int, 
     return value, bad
 
 
-def _parse_lines(buf: np.ndarray, a: int, b: int, first_line: int, path) -> tuple:
+def _parse_lines(buf: np.ndarray, a: int, b: int, line_numbers: np.ndarray, path) -> tuple:
     """Parse the whole lines in ``buf[a:b]`` (each ending in ``\\n``; ``buf`` goes on for at
-    least _PAD bytes after ``b``) into raw arrays; ``first_line`` is the 1-based number of line 1."""
+    least _PAD bytes after ``b``) into raw arrays; ``line_numbers`` are their 1-based numbers in
+    ``path``, for errors."""
     is_nl = buf[a:b] == 10
     sep = np.flatnonzero(is_nl | (buf[a:b] == 9))
     nfields = np.diff(np.flatnonzero(is_nl[sep]), prepend=-1)
     if np.any(nfields != N_FIELDS):
         i = int(np.argmax(nfields != N_FIELDS))
-        raise ValueError(f"{path}: line {first_line + i}: expected {N_FIELDS} tab-separated fields, "
+        raise ValueError(f"{path}: line {line_numbers[i]}: expected {N_FIELDS} tab-separated fields, "
                          f"got {nfields[i]}")
     starts = np.empty_like(sep)
     starts[0], starts[1:] = a, sep[:-1] + (a + 1)
@@ -336,7 +341,7 @@ def _parse_lines(buf: np.ndarray, a: int, b: int, first_line: int, path) -> tupl
     if found:  # report the first bad line, and its first bad field
         row, field0, bad, msg = min(found, key=lambda f: f[:2])
         field = field0 + int(np.argmax(bad[row])) + 1
-        raise ValueError(f"{path}: line {first_line + row}: field {field}: {msg}")
+        raise ValueError(f"{path}: line {line_numbers[row]}: field {field}: {msg}")
     label = (first == ord("1")).astype(np.float32)
     return dense, lens[:, 1:1 + N_DENSE] == 0, cat.astype(np.uint32), ln == 0, label
 
@@ -346,43 +351,34 @@ def read_criteo_tsv(path, limit: int | None = None) -> CtrData:
     examples if given. Accepts upper- or lower-case hex of 1 to 8 digits, ``\\n`` or ``\\r\\n``
     line ends, with or without a final newline. A bad line (wrong field count, non-integer dense
     value, non-hex categorical value, label not 0/1) raises ValueError naming the file and its
-    1-based line number. Parsing is vectorised over the bytes with numpy, in chunks of lines."""
+    1-based line number. Reads the whole file into memory: ``ctr_stream`` streams it instead."""
     with open(path, "rb") as f:
         data = f.read() if limit is None else b"".join(itertools.islice(f, max(0, int(limit))))
     if b"\r" in data:
         data = data.replace(b"\r\n", b"\n")
     if data and not data.endswith(b"\n"):
         data += b"\n"
+    return parse_lines(data, np.arange(1, data.count(b"\n") + 1), path)
+
+
+def parse_lines(data: bytes, line_numbers: np.ndarray, path) -> CtrData:
+    """Featurized examples of ``data``, whole Criteo lines each ending in ``\\n`` (no ``\\r``);
+    ``line_numbers`` (one per line, 1-based) and ``path`` name a bad line in the ValueError, as
+    :func:`read_criteo_tsv` does. Parsing is vectorised over the bytes with numpy, in chunks of
+    lines."""
     buf = np.frombuffer(data + b"\0" * _PAD, np.uint8)
     nl = np.flatnonzero(buf[:len(data)] == 10)
     n = len(nl)
+    if len(line_numbers) != n:
+        raise ValueError(f"{n} lines but {len(line_numbers)} line numbers")
     # Filled chunk by chunk: concatenating per-chunk arrays would touch every byte twice more.
     out = CtrData(np.empty((n, N_DENSE), np.float32), np.empty((n, N_SPARSE), np.int64),
                   np.empty(n, np.float32))
     for i in range(0, n, _CHUNK_LINES):
         j = min(i + _CHUNK_LINES, n)
         a, b = (0 if i == 0 else int(nl[i - 1]) + 1), int(nl[j - 1]) + 1
-        raw_dense, dense_missing, raw_cat, cat_missing, out.label[i:j] = _parse_lines(buf, a, b, i + 1, path)
+        raw_dense, dense_missing, raw_cat, cat_missing, out.label[i:j] = _parse_lines(
+            buf, a, b, line_numbers[i:j], path)
         out.dense[i:j] = _dense_features(raw_dense, dense_missing)
         out.ids[i:j] = slot_ids(raw_cat, cat_missing)
     return out
-
-
-def auc(scores, labels) -> float:
-    """Area under the ROC curve from ranks (Mann-Whitney U), tied scores counting one half.
-    Takes numpy arrays or torch tensors; labels are 0/1 (or bool). Raises ValueError if the
-    labels hold only one class."""
-    def to_numpy(x):
-        return x.detach().cpu().numpy() if hasattr(x, "detach") else np.asarray(x)
-    s = to_numpy(scores).astype(np.float64).ravel()
-    y = to_numpy(labels).ravel() > 0.5
-    if s.shape != y.shape:
-        raise ValueError(f"scores and labels differ in size: {s.size} vs {y.size}")
-    n_pos = int(y.sum())
-    n_neg = y.size - n_pos
-    if n_pos == 0 or n_neg == 0:
-        raise ValueError("AUC needs both classes in labels")
-    _, inverse, counts = np.unique(s, return_inverse=True, return_counts=True)
-    mid_rank = np.cumsum(counts) - (counts - 1) / 2.0  # 1-based average rank of each tie group
-    u = mid_rank[inverse.ravel()][y].sum() - n_pos * (n_pos + 1) / 2.0
-    return float(u / (n_pos * n_neg))

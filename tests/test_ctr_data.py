@@ -1,16 +1,16 @@
-"""Tests of examples/ctr_data.py: Criteo TSV reading and writing, slot ids, AUC, the planted model."""
+"""Tests of examples/ctr_data.py: Criteo TSV reading and writing, slot ids, the planted model."""
 import itertools
 import os
 import sys
 
 import numpy as np
 import pytest
-import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
 import ctr_data  # noqa: E402
-from ctr_data import (N_DENSE, N_SPARSE, CtrData, auc, featurize, generate, generate_raw,  # noqa: E402
+from ctr_data import (N_DENSE, N_SPARSE, CtrData, featurize, generate, generate_raw, parse_lines,  # noqa: E402
                       read_criteo_tsv, slot_ids, write_criteo_tsv)
+from sklearn.metrics import roc_auc_score  # noqa: E402
 
 MASK64 = (1 << 64) - 1
 
@@ -130,6 +130,17 @@ def test_malformed_line_names_file_and_line(tmp_path, bad, message):
     assert len(read_criteo_tsv(path, limit=2)) == 2  # the lines before it are fine
 
 
+def test_parse_lines_names_the_given_line_numbers():
+    """parse_lines parses whole lines from anywhere in a file: errors carry the numbers it was given."""
+    good, bad = _line("1"), _line(dense=["1"] * 12 + ["x"])
+    data = parse_lines(("\n".join([good, good]) + "\n").encode(), np.array([7, 9]), "f.tsv")
+    assert_same(data, parse_lines((good + "\n").encode() * 2, np.array([1, 2]), "f.tsv"))
+    with pytest.raises(ValueError, match="f.tsv: line 12: field 14: dense column is not an integer"):
+        parse_lines(("\n".join([good, bad]) + "\n").encode(), np.array([10, 12]), "f.tsv")
+    with pytest.raises(ValueError, match="2 lines but 1 line numbers"):
+        parse_lines((good + "\n").encode() * 2, np.array([1]), "f.tsv")
+
+
 def test_first_bad_line_is_reported_across_chunks(tmp_path):
     n = ctr_data._CHUNK_LINES * 2 + 10
     lines = [_line()] * n
@@ -178,41 +189,6 @@ def test_slot_ids_separate_slots_values_and_missing():
     assert ids.min() < -(1 << 62) and ids.max() > 1 << 62
 
 
-# ---------------------------------------------------------------- AUC
-
-
-def brute_force_auc(scores, labels):
-    pos, neg = scores[labels == 1], scores[labels == 0]
-    diff = pos[:, None] - neg[None, :]
-    return ((diff > 0).sum() + 0.5 * (diff == 0).sum()) / diff.size
-
-
-@pytest.mark.parametrize("seed", range(5))
-def test_auc_matches_brute_force_with_ties(seed):
-    rng = np.random.default_rng(seed)
-    n = 300
-    scores = rng.integers(0, 8, n).astype(np.float32)  # heavy ties
-    labels = (rng.random(n) < 0.3).astype(np.float32)
-    expected = brute_force_auc(scores, labels)
-    assert auc(scores, labels) == pytest.approx(expected, abs=1e-12)
-    assert auc(torch.from_numpy(scores), torch.from_numpy(labels)) == pytest.approx(expected, abs=1e-12)
-    cont = rng.standard_normal(n)
-    assert auc(cont, labels) == pytest.approx(brute_force_auc(cont, labels), abs=1e-12)
-
-
-def test_auc_obvious_cases():
-    labels = np.array([0, 0, 1, 1, 0, 1])
-    assert auc(labels * 2.0 - 1, labels) == 1.0
-    assert auc(1.0 - labels, labels) == 0.0
-    assert auc(np.zeros(6), labels) == 0.5
-    assert auc(torch.tensor([0.1, 0.4, 0.35, 0.8]), torch.tensor([0, 0, 1, 1])) == 0.75
-    for one_class in (np.zeros(4), np.ones(4)):
-        with pytest.raises(ValueError, match="both classes"):
-            auc(np.arange(4.0), one_class)
-    with pytest.raises(ValueError, match="differ in size"):
-        auc(np.arange(3.0), labels)
-
-
 # ---------------------------------------------------------------- CtrData and featurize
 
 
@@ -245,6 +221,10 @@ def test_generate_is_deterministic_and_sample_seed_changes_examples():
                 generate(5000, seed=3, vocab_size=20_000, sample_seed=7))
     b = generate(5000, seed=3, vocab_size=20_000, sample_seed=7)
     assert not np.array_equal(a.ids, b.ids) and not np.array_equal(a.dense, b.dense)
+    # A tuple of ints is a sample seed too (ctr_stream draws unit u of stream s with (s, u)).
+    c = generate(5000, seed=3, vocab_size=20_000, sample_seed=(0, 7))
+    assert_same(c, generate(5000, seed=3, vocab_size=20_000, sample_seed=(0, 7)))
+    assert not np.array_equal(c.ids, b.ids) and not np.array_equal(c.ids, a.ids)
     assert a.dense.shape == (5000, N_DENSE) and a.ids.shape == (5000, N_SPARSE)
     raw_dense, dense_missing, raw_cat, cat_missing, label = generate_raw(20_000, seed=3, vocab_size=20_000)
     assert raw_dense.dtype == np.int64 and raw_cat.dtype == np.uint32 and label.dtype == np.float32
@@ -297,6 +277,6 @@ def test_true_logits_are_linear_in_the_features_and_shared_across_samples():
 def test_bayes_auc_and_positive_rate_in_design_range(seed):
     *_, label, logit = generate_raw(100_000, seed=seed, sample_seed=12345, return_logits=True)
     assert 0.22 <= label.mean() <= 0.28
-    assert 0.78 <= auc(logit, label) <= 0.82
+    assert 0.78 <= roc_auc_score(label, logit) <= 0.82
     assert 1.2 < logit.std() < 1.6
-    assert ctr_data.bayes_auc(100_000, seed=seed, sample_seed=12345) == auc(logit, label)
+    assert ctr_data.bayes_auc(100_000, seed=seed, sample_seed=12345) == roc_auc_score(label, logit)

@@ -1,13 +1,17 @@
-"""The CTR example trains from a Criteo-format file under ps-launch, in sync and async mode.
+"""The CTR example trains from a Criteo-format file under ps-launch, in sync and async mode, and alone.
 
 A small file in Criteo's format (label, 13 integer columns, 26 hex columns,
 missing values) is generated from the planted model; 2 pservers x 2 trainers
-train Wide & Deep over two distributed tables on it and must reach the stated
-test AUC; trainer 0 saves the dense state_dict, the pservers save their table
-shards, and the export is a plain ids/rows file set per table.
+train Wide & Deep over two distributed tables on it, each trainer streaming its
+shard of the lines (async: through 2 DataLoader workers), and must reach the
+stated test AUC, printed last; trainer 0 saves the dense state_dict, the
+pservers save their table shards, and the export is a plain ids/rows file set
+per table. As one plain PyTorch process, the example trains on the file too.
 """
 import json
+import os
 import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -30,6 +34,8 @@ LINES = 60_000
 # model's Bayes AUC is 0.80; the example's own target, on 1M generated examples, is 0.77); the
 # bound leaves room for async noise.
 TEST_TARGET_AUC = 0.71
+# One process, one epoch over the first 10.8k of 12k lines (batch 256): 0.729 on the last 1.2k.
+LOCAL_TARGET_AUC = 0.70
 
 
 @pytest.fixture(scope="module")
@@ -44,17 +50,25 @@ def criteo_file(tmp_path_factory):
 def test_ctr_example_reaches_its_auc_from_a_criteo_file(tmp_path, criteo_file, mode):
     args = ["--server_num", "2", "--worker_num", "2", "--log_dir", "logs", EXAMPLE,
             "--data", str(criteo_file), "--epochs", "2", "--batch_size", "512",
-            "--target_auc", str(TEST_TARGET_AUC), "--no_progress"]
-    result = run_ps_launch(args + (["--async"] if mode == "async" else []), tmp_path, timeout=160)
+            "--target_auc", str(TEST_TARGET_AUC)]
+    # sync: with its progress bar, as users run it; async: each trainer reads through 2 DataLoader workers.
+    args += [] if mode == "sync" else ["--async", "--no_progress", "--workers", "2"]
+    result = run_ps_launch(args, tmp_path, timeout=160)
     log0 = (tmp_path / "logs" / "workerlog.0").read_text()
     assert result.returncode == 0, result.stderr + log0[-3000:]
-    found = re.findall(rf"test AUC ([0-9.]+) after (\d+) steps \({mode} mode", log0)
-    assert found and float(found[0][0]) >= TEST_TARGET_AUC, log0[-2000:]
-    steps = int(found[0][1])
-    assert steps == 2 * (int(0.9 * LINES) // 2 // 512)
+    # The last line says how it went.
+    last = log0.rstrip("\n").rsplit("\n", 1)[-1]
+    found = re.fullmatch(rf"trainer 0: test AUC ([0-9.]+) after (\d+) steps \({mode} mode, target [0-9.]+\)", last)
+    assert found and float(found[1]) >= TEST_TARGET_AUC, log0[-2000:]
+    # Each trainer streams every other line of the first 90%, in full batches, as many as the other.
+    assert int(found[2]) == 2 * (int(0.9 * LINES) // 2 // 512)
     for trainer_id in (0, 1):
         log = (tmp_path / "logs" / f"workerlog.{trainer_id}").read_text()
         assert "RESULT " in log and "examples/s" in log
+        assert "shard %d of 2, %d batches of 512 per epoch" % (trainer_id, int(0.9 * LINES) // 2 // 512) in log
+    if mode == "sync":  # trainer 0's bar reached the end (trainer 1 shows none)
+        assert re.search(r"train: 100%\|.*\| 53\.2k/53\.2k", log0), log0[-2000:]
+        assert "train:" not in (tmp_path / "logs" / "workerlog.1").read_text()
 
     # The dense state_dict loads into the original module (the tables are exported separately).
     state = torch.load(tmp_path / "ctr_dense.pt", weights_only=True)
@@ -75,3 +89,18 @@ def test_ctr_example_reaches_its_auc_from_a_criteo_file(tmp_path, criteo_file, m
         # Rows exist for exactly the ids trained on: most of the file's ids, none from elsewhere.
         assert np.isin(ids, seen).all() and len(ids) > 0.9 * len(seen)
         assert np.isfinite(rows).all() and np.abs(rows).max() > 0
+
+
+@pytest.mark.timeout(180)
+def test_ctr_example_trains_as_one_plain_pytorch_process(tmp_path, criteo_file):
+    """No role in the environment: nn.Embedding(sparse=True) in one process, the same streamed data."""
+    # Only what Python needs: a Slurm, torchrun or Kubernetes variable here would make it a role.
+    env = {k: v for k, v in os.environ.items() if k in ("PATH", "HOME", "TMPDIR", "LANG", "LC_ALL", "PYTHONPATH")}
+    result = subprocess.run([sys.executable, EXAMPLE, "--data", str(criteo_file), "--limit", "12000",
+                             "--batch_size", "256", "--local_capacity", "100000", "--no_progress",
+                             "--target_auc", str(LOCAL_TARGET_AUC)],
+                            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=160)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    last = result.stdout.rstrip("\n").rsplit("\n", 1)[-1]
+    found = re.fullmatch(r"local run: test AUC ([0-9.]+) after (\d+) steps \(local mode, target [0-9.]+\)", last)
+    assert found and float(found[1]) >= LOCAL_TARGET_AUC and int(found[2]) == 10_800 // 256, result.stdout
