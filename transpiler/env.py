@@ -5,15 +5,7 @@ explicit Paddle/ps-launch variables (``TRAINING_ROLE`` with ``PADDLE_TRAINER_ID`
 ``PADDLE_PORT``), Kubeflow's ``TF_CONFIG``, Kubernetes StatefulSet/Indexed Job pods
 (``PS_PSERVER_SERVICE``, ``JOB_COMPLETION_INDEX``), Slurm (``SLURM_PROCID`` with
 ``PS_PSERVER_NUM``), torchrun (``GROUP_RANK``); then, with ``TRAINING_ROLE`` set, the Paddle
-variables, whose errors name what is missing:
-
-=============================== =========================================
-``TRAINING_ROLE``               ``PSERVER`` or ``TRAINER``
-``PADDLE_PSERVERS_IP_PORT_LIST`` every pserver endpoint, comma-separated
-``PADDLE_TRAINERS_NUM``         number of trainers
-``PADDLE_TRAINER_ID``           this trainer's id (trainers only)
-``POD_IP`` + ``PADDLE_PORT``    this pserver's own endpoint (pservers only)
-=============================== =========================================
+variables, whose errors name what is missing (the table in :mod:`transpiler.roles.paddle`).
 
 A trainer with no pservers (``PADDLE_PSERVERS_IP_PORT_LIST`` unset or empty) is a collective
 trainer (``RoleEnv.collective``); a pserver always needs the list.
