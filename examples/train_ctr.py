@@ -245,7 +245,9 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # PS_LOG_LEVEL: what ps-launch --log_level passes to every role.
+    logging.basicConfig(level=os.environ.get("PS_LOG_LEVEL", "INFO").upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     env = RoleEnv.from_env()
     if args.threads:
         torch.set_num_threads(args.threads)

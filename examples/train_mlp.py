@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 import torch
@@ -111,7 +112,9 @@ def train_local(args, train, test) -> float:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # PS_LOG_LEVEL: what ps-launch --log_level passes to every role.
+    logging.basicConfig(level=os.environ.get("PS_LOG_LEVEL", "INFO").upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log = logging.getLogger("train_mlp")
     torch.set_num_threads(1)
     env = RoleEnv.from_env()
