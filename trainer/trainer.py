@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from concurrent import futures
 from typing import Callable, Dict, Iterable, Iterator, List, Optional, Tuple
 
@@ -16,7 +17,7 @@ from .communicator import Communicator, PserverError
 from .embedding import AheadPlan, Pieces, TableClient, install_tables, prefetch_all, zero_rows
 from .feed import Feed
 from .heartbeat import Heartbeat
-from .node import REPLAY, Layout, NodeGroup, NodeSteps, join_group, pick_device
+from .node import REPLAY, Layout, NodeGroup, NodeSteps, join_group, node_rendezvous, pick_device
 from .overlap import BackwardPush
 from .recovery import ROLLBACK, Decision, Recovery, recoverable
 
@@ -49,7 +50,9 @@ class Trainer:
     ``LOCAL_WORLD_SIZE`` as torchrun and ``ps-launch --nproc_per_node`` set
     them). Each trains on its own batches; the node's gradients are reduced
     among them (:mod:`trainer.node`) and the pservers see one trainer. Their
-    process group meets at ``init_method`` (default ``tcp://MASTER_ADDR:MASTER_PORT``).
+    process group meets at ``init_method`` (default ``tcp://MASTER_ADDR:MASTER_PORT``;
+    under a torchrun across nodes, whose store there is the job's, each node
+    keeps its group's keys under a prefix of its own: :mod:`trainer.node.rendezvous`).
     The Trainer moves the model to :attr:`device`: ``cuda:<local rank>``
     when CUDA is there, else the CPU; move each batch there too.
 
@@ -109,7 +112,7 @@ class Trainer:
                          program.config.read_ahead)
         try:
             if self.local_world_size > 1:
-                self._join_node(init_method or node.init_method)
+                self._join_node(init_method)
             self._join()
             # Last, so a Trainer that failed to connect leaves the model as it was.
             install_tables(self.model, self.program.tables, self.tables, self.device)
@@ -136,13 +139,19 @@ class Trainer:
         return f" local rank {self.local_rank}/{self.local_world_size}" if self.local_world_size > 1 else ""
 
     def _join_node(self, init_method: Optional[str]) -> None:
-        """Meet the node's other local processes; they step as one trainer (see :mod:`trainer.node`)."""
+        """Meet the node's other local processes; they step as one trainer (see :mod:`trainer.node`).
+
+        Where they meet comes from ``init_method`` or the environment (see
+        :mod:`trainer.node.rendezvous`): an address of the node's own, or, under
+        a torchrun across nodes, the job's store under this node's prefix.
+        """
         cfg = self.program.config
+        rendezvous = node_rendezvous(os.environ, self.trainer_id, self.local_world_size, init_method)
         self._own_group = not torch.distributed.is_initialized()
         # Local ranks wait in collectives while their leader re-syncs or a barrier holds: allow for both.
         timeout = max(cfg.barrier_timeout, cfg.recovery_timeout) + cfg.rpc_timeout
-        group = join_group(init_method, self.local_rank, self.local_world_size, self.device, timeout,
-                           f"trainer node {self.trainer_id} local rank {self.local_rank}")
+        group = join_group(rendezvous.init_method, self.local_rank, self.local_world_size, self.device, timeout,
+                           f"trainer node {self.trainer_id} local rank {self.local_rank}", store=rendezvous.store)
         layout = Layout(self.blocks.by_endpoint, self.program.pservers, self.local_world_size)
         self.node = NodeSteps(NodeGroup(self.trainer_id, self.local_rank, layout, self.device, group), self.comm,
                               self.recovery, self.blocks, self._pull_all, cfg.recovery_timeout)
