@@ -208,11 +208,14 @@ def test_child_env_is_the_role_env_plus_inherited_environment():
 def test_child_env_drops_inherited_node_variables():
     # ps-launch run under torchrun (or inside another job): its LOCAL_RANK etc. must not leak.
     base = {"PATH": "/bin", "LOCAL_RANK": "3", "LOCAL_WORLD_SIZE": "4", "MASTER_ADDR": "10.9.9.9",
-            "MASTER_PORT": "1234", "RANK": "7", "WORLD_SIZE": "16", "CUDA_VISIBLE_DEVICES": "1"}
+            "MASTER_PORT": "1234", "RANK": "7", "WORLD_SIZE": "16", "CUDA_VISIBLE_DEVICES": "1",
+            "TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RESTART_COUNT": "2", "GROUP_RANK": "1",
+            "GROUP_WORLD_SIZE": "2", "ROLE_RANK": "1", "ROLE_NAME": "default"}
     one = launch_plan.plan_roles(args_for("--server_num", "1", "--worker_num", "1"), pick_ports=PORTS, environ={})
     for role in one:
         env = launch_plan.child_env(role, base)
         assert not set(NODE_VARS) & set(env), role.name
+        assert not [k for k in env if k.startswith(("TORCHELASTIC_", "GROUP_", "ROLE_"))], role.name
         assert env["PATH"] == "/bin"
         # No --gpus: trainers keep the launcher's GPUs, pservers none.
         assert env["CUDA_VISIBLE_DEVICES"] == ("" if role.kind == PSERVER else "1")

@@ -324,15 +324,21 @@ def plan_roles(args: argparse.Namespace, is_local: Optional[Callable[[str], bool
     return roles
 
 
+# An outer torchrun's variables: with TORCHELASTIC_USE_AGENT_STORE inherited, torch's tcp:// rendezvous
+# would make a node's local rank 0 a client of a store nobody hosts here.
+_LAUNCHER_PREFIXES = ("TORCHELASTIC_", "GROUP_", "ROLE_")
+
+
 def child_env(role: Role, base: Optional[Dict[str, str]] = None) -> Dict[str, str]:
     """The environment of ``role``'s process: ``base`` (default os.environ) plus its role variables.
 
     Role and node variables inherited from ``base`` are dropped first, so a launcher
     run inside another job (or under torchrun) cannot leak, say, a PADDLE_TRAINER_ID
-    into a pserver or a LOCAL_RANK into a trainer.
+    into a pserver, a LOCAL_RANK into a trainer, or torchrun's own variables into a node.
     """
     dropped = set(ROLE_VARS) | set(NODE_VARS)
-    env = {k: v for k, v in (os.environ if base is None else base).items() if k not in dropped}
+    env = {k: v for k, v in (os.environ if base is None else base).items()
+           if k not in dropped and not k.startswith(_LAUNCHER_PREFIXES)}
     env.update(role.env)
     env["PYTHONUNBUFFERED"] = "1"
     return env
