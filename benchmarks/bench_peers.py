@@ -20,6 +20,8 @@ AUC on a 20k hold-out), systems:
   torch's default threads: both cores), the reference of the ratios;
 - ``ours-async``, ``ours-sync``: this project, 2 pservers x 2 trainers
   (``ps-launch --server_num 2 --worker_num 2 benchmarks/job_s.py [--async]``);
+  ``ours-sync-bf16``: the same, sync, gradients pushed in bfloat16
+  (``job_s.py --grad_wire_dtype bfloat16``);
 - ``paddle-async``, ``paddle-sync``: PaddlePaddle 2.6.2's parameter server,
   2 pservers x 2 trainers (``paddle_ps_ctr.py --data jobs``; sync with
   ``--server-rt-prio 10``, which needs root), run with the Python of
@@ -33,7 +35,10 @@ per trainer, 2 trainers, 5 warm-up + 30 timed steps, job D's data), systems:
 - ``rpc-ps``: the ``torch.distributed.rpc`` batch-updating parameter server,
   2 pservers (``torch_peers.py rpc-ps-dense --ps 2``);
 - ``ours-sync``: this project, 2 pservers x 2 trainers, sync, default config
-  (``bench_dense.run_ps`` with ``dense_workers.py`` on ``jobs.dense_batch``).
+  (``bench_dense.run_ps`` with ``dense_workers.py`` on ``jobs.dense_batch``);
+  ``ours-sync-bf16``: the same with ``grad_wire_dtype="bfloat16"``. Its
+  figure next to ``ours-sync``'s final loss (mean over trainers of the loss
+  at the last step, in the JSON) shows the accuracy cost of the narrow wire.
 
 Every system runs ``--rounds`` times (default 3); each round runs every
 selected (job, system) once, in an order rotated by one each round, so the
@@ -100,21 +105,24 @@ DEFAULT_PADDLE_PYTHON = os.path.join(tempfile.gettempdir(), "paddle26-venv", "bi
 JOB_S_SCRIPT = os.path.join(HERE, "job_s.py")
 
 SYSTEMS: Dict[str, List[str]] = {
-    "S": ["torch-local", "ours-async", "ours-sync", "paddle-async", "paddle-sync"],
-    "D": ["ddp", "rpc-ps", "ours-sync"],
+    "S": ["torch-local", "ours-async", "ours-sync", "ours-sync-bf16", "paddle-async", "paddle-sync"],
+    "D": ["ddp", "rpc-ps", "ours-sync", "ours-sync-bf16"],
 }
 LABELS = {
     ("S", "torch-local"): "PyTorch, 1 process (nn.Embedding sparse, batch 1024)",
     ("S", "ours-async"): "this project, async (2 ps x 2 trainers)",
     ("S", "ours-sync"): "this project, sync (2 ps x 2 trainers)",
+    ("S", "ours-sync-bf16"): "this project, sync, gradients pushed in bfloat16 (grad_wire_dtype)",
     ("S", "paddle-async"): "PaddlePaddle 2.6.2 PS, async (2 ps x 2 trainers)",
     ("S", "paddle-sync"): "PaddlePaddle 2.6.2 PS, sync (2 ps x 2 trainers)",
     ("D", "ddp"): "PyTorch DDP over gloo (2 processes)",
     ("D", "rpc-ps"): "torch.distributed.rpc PS (2 ps x 2 trainers)",
     ("D", "ours-sync"): "this project, sync (2 ps x 2 trainers)",
+    ("D", "ours-sync-bf16"): "this project, sync, gradients pushed in bfloat16 (grad_wire_dtype)",
 }
 SHORT = {"torch-local": "PyTorch\n1 process", "ours-async": "this project\nasync",
-         "ours-sync": "this project\nsync", "paddle-async": "Paddle PS\nasync", "paddle-sync": "Paddle PS\nsync",
+         "ours-sync": "this project\nsync", "ours-sync-bf16": "this project\nsync, bf16 push",
+         "paddle-async": "Paddle PS\nasync", "paddle-sync": "Paddle PS\nsync",
          "ddp": "DDP\n(gloo)", "rpc-ps": "torch rpc\nPS"}
 JOB_TITLES = {"S": "Job S: CTR, one dim-16 table, 2 trainers x 512", "D": "Job D: dense MLP 37.9 MB, 2 trainers x 256"}
 
@@ -151,7 +159,8 @@ def job_s_results(log_dir: str, trainers: int) -> List[dict]:
     return results
 
 
-def run_ours_s(args, workdir: str, sync: bool, pservers: int = 2, trainers: int = 2) -> dict:
+def run_ours_s(args, workdir: str, sync: bool, pservers: int = 2, trainers: int = 2,
+               wire: Optional[str] = None) -> dict:
     """Job S on this project through ps-launch; throughput over all trainers and per-trainer per-step figures."""
     log_dir = os.path.join(workdir, "log")
     cmd = [sys.executable, "-m", "trainer.launch", "--server_num", str(pservers), "--worker_num", str(trainers),
@@ -159,6 +168,8 @@ def run_ours_s(args, workdir: str, sync: bool, pservers: int = 2, trainers: int 
            "--steps", str(args.s_steps), "--batch", str(args.s_batch), "--eval_examples", str(args.s_eval)]
     if not sync:
         cmd.append("--async")
+    if wire:
+        cmd += ["--grad_wire_dtype", wire]
     run_command(cmd, os.path.join(workdir, "launch.log"), args.timeout,
                 f"ps-launch job_s.py ({pservers} ps x {trainers} trainers, {'sync' if sync else 'async'})", cwd=REPO)
     res = job_s_results(log_dir, trainers)
@@ -219,29 +230,33 @@ def run_rpc_ps(args, workdir: str) -> dict:
     return {"examples_s": r["samples_per_s"], "detail": r}
 
 
-def run_ours_d(args, workdir: str) -> dict:
-    """Job D on this project: 2 pservers x 2 trainers, sync, default config, job D's data (dense_workers.py)."""
+def run_ours_d(args, workdir: str, wire: Optional[str] = None) -> dict:
+    """Job D on this project: 2 pservers x 2 trainers, sync, default config (or gradients pushed in ``wire``)."""
     jobs = load_jobs(args.peers)
     spec = Spec(sizes=tuple(jobs.D_SIZES), batch=jobs.D_BATCH_PER_TRAINER, warmup=args.d_warmup,
-                steps=args.d_steps, lr=jobs.D_LR, seed=0, sync_mode=True, timeout=args.timeout, peers=args.peers)
+                steps=args.d_steps, lr=jobs.D_LR, seed=0, sync_mode=True, timeout=args.timeout, peers=args.peers,
+                grad_wire_dtype=wire)
     workers, servers = run_ps(spec, workdir, args.timeout, jobs.D_TRAINERS)
     row = summarize("ps-sync", spec, workers, servers)
-    row.pop("losses", None)
+    losses = row.pop("losses")  # the loss after the last step: what a narrower wire costs in accuracy
+    final_loss = statistics.mean(ls[-1] for ls in losses.values())
     per_step = {"calls_per_step": statistics.mean(w["pserver_calls"] for w in workers),
                 "bytes_pushed_per_step": statistics.mean(w["bytes_pushed"] / w["steps"] for w in workers),
                 "bytes_pulled_per_step": statistics.mean(w["bytes_pulled"] / w["steps"] for w in workers)}
-    return {"examples_s": row["samples_s"], **per_step, "detail": row}
+    return {"examples_s": row["samples_s"], "final_loss": final_loss, **per_step, "detail": row}
 
 
 RUNNERS = {
     ("S", "torch-local"): run_local_ctr,
     ("S", "ours-async"): lambda a, w: run_ours_s(a, w, sync=False),
     ("S", "ours-sync"): lambda a, w: run_ours_s(a, w, sync=True),
+    ("S", "ours-sync-bf16"): lambda a, w: run_ours_s(a, w, sync=True, wire="bfloat16"),
     ("S", "paddle-async"): lambda a, w: run_paddle(a, w, sync=False),
     ("S", "paddle-sync"): lambda a, w: run_paddle(a, w, sync=True),
     ("D", "ddp"): run_ddp,
     ("D", "rpc-ps"): run_rpc_ps,
     ("D", "ours-sync"): run_ours_d,
+    ("D", "ours-sync-bf16"): lambda a, w: run_ours_d(a, w, wire="bfloat16"),
 }
 
 
@@ -432,7 +447,8 @@ def run_peers(args, logdir: str) -> Tuple[List[dict], List[Tuple[str, str]], Dic
         try:
             row.update(measured(RUNNERS[(job, system)], args, workdir))
             auc = f", AUC {row['auc']:.3f}" if row.get("auc") is not None else ""
-            print(f"  round {rnd} {job} {system:13s} {row['examples_s']:9,.0f} examples/s{auc} "
+            auc += f", final loss {row['final_loss']:.4f}" if row.get("final_loss") is not None else ""
+            print(f"  round {rnd} {job} {system:14s} {row['examples_s']:9,.0f} examples/s{auc} "
                   f"(other load {row['other_load']:.2f} cores, {row['wall_s']:.0f} s)", flush=True)
         except RunFailed as e:
             row["error"] = str(e)

@@ -18,6 +18,8 @@ Configurations (``--configs``, default all, in this order):
 - ``ps-veth``: this product, sync, 2 pservers in host 1 (each bound to
   10.231.N.1:PORT) x 2 trainers in host 2 (``dense_workers.py``'s roles via
   ``veth_workers.py``): every push and pull crosses the veth.
+- ``ps-veth-bf16``: as ``ps-veth``, gradients pushed in bfloat16
+  (``grad_wire_dtype``): a quarter fewer bytes per step cross the veth.
 - ``rpc-veth``: the ``torch.distributed.rpc`` batch-updating parameter server of
   ``torch_peers.py rpc-ps-dense --ps 2`` (its classes and trainer loop,
   imported), ranks ps0, ps1 in host 1 and the 2 trainers in host 2; rendezvous
@@ -58,6 +60,7 @@ namespaces left by a SIGKILLed run.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -94,17 +97,21 @@ class Config:
     """One configuration: ``system`` (ps, rpc, ddp) on ``link`` (veth: two hosts; lo: all in host 1).
 
     ``tcp_only`` restricts TensorPipe to TCP (transport uv, channels from
-    ``--tp-channels``); otherwise it uses its defaults.
+    ``--tp-channels``); otherwise it uses its defaults. ``wire``: the PS
+    trainers push gradients in this dtype (``grad_wire_dtype``).
     """
 
     system: str
     link: str
     tcp_only: bool = True
     what: str = ""
+    wire: Optional[str] = None
 
 
 CONFIGS: Dict[str, Config] = {
     "ps-veth": Config("ps", "veth", what="this product, sync, 2 ps (host 1) x 2 trainers (host 2)"),
+    "ps-veth-bf16": Config("ps", "veth", wire="bfloat16",
+                           what="this product as ps-veth, gradients pushed in bfloat16 (grad_wire_dtype)"),
     "rpc-veth": Config("rpc", "veth", what="torch rpc PS, 2 ps (host 1) x 2 trainers (host 2), TensorPipe TCP only"),
     "ddp-veth": Config("ddp", "veth", what="DDP / gloo, rank 0 in host 1, rank 1 in host 2"),
     "rpc-veth-cma": Config("rpc", "veth", tcp_only=False,
@@ -233,7 +240,9 @@ def run_rpc(procs: NsProcesses, hosts: TwoHosts, config: Config, ports: List[int
 def payload_per_step(system: str, spec: Spec) -> float:
     """Bytes a step must move between the hosts: PS, each trainer's gradients and parameters; DDP, 2 x the model."""
     model = param_bytes(spec.sizes)
-    return TRAINERS * 2 * model if system in ("ps", "rpc") else 2 * (TRAINERS - 1) * model
+    if system in ("ps", "rpc"):
+        return TRAINERS * (1.5 if spec.grad_wire_dtype else 2) * model  # a narrow push is half a float32 one
+    return 2 * (TRAINERS - 1) * model
 
 
 def _veth_per_step(results: List[dict]) -> Optional[float]:
@@ -246,7 +255,7 @@ def run_one(name: str, rnd: int, index: int, hosts: TwoHosts, args, workdir: str
     """One run of configuration ``name`` in round ``rnd``: start its processes, wait, and return its figures."""
     config = CONFIGS[name]
     ports = [21000 + 10 * (index % 2000) + k for k in range(4)]  # fresh ports each run: no TIME_WAIT reuse
-    spec = args.spec
+    spec = dataclasses.replace(args.spec, grad_wire_dtype=config.wire)
     busy0, ours0, t0 = *busy_cpu_seconds(), time.monotonic()
     link_before = hosts.counters(2)
     with ConnectionSampler(hosts) as conns, NsProcesses(workdir, spec) as procs:

@@ -59,6 +59,8 @@ class Spec:
     timeout: float = 600.0
     # Folder of the peers' jobs.py: when set, batches are job D's (jobs.dense_batch), else random.
     peers: Optional[str] = None
+    # The PS roles' DistributeTranspilerConfig.grad_wire_dtype (None: the default, gradients as computed).
+    grad_wire_dtype: Optional[str] = None
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))
@@ -194,11 +196,11 @@ def run_ddp(spec: Spec) -> dict:
 # -- parameter server ----------------------------------------------------------
 
 def transpile(spec: Spec, env):
-    """The job's DistributeTranspiler for this role: SGD program, default config."""
+    """The job's DistributeTranspiler for this role: SGD program, default config but for the wire dtype."""
     from transpiler import DistributeTranspiler, DistributeTranspilerConfig, Program
 
     program = Program(build_model(spec.sizes, spec.seed), "sgd", lr=spec.lr)
-    t = DistributeTranspiler(DistributeTranspilerConfig())
+    t = DistributeTranspiler(DistributeTranspilerConfig(grad_wire_dtype=spec.grad_wire_dtype))
     t.transpile(env.trainer_id, program=program, pservers=env.pserver_list,
                 trainers=env.trainers, sync_mode=spec.sync_mode)
     return t

@@ -296,6 +296,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="at most this many s a trainer waits for the others to register before its first "
                         "step, and (async) trainer 0 for the other trainers' last pushes before evaluating")
     p.add_argument("--seed", type=int, default=0, help="data seed of jobs.py")
+    p.add_argument("--grad_wire_dtype", choices=["bfloat16", "float16"], default=None,
+                   help="push gradients in this dtype (DistributeTranspilerConfig.grad_wire_dtype; "
+                        "default: as computed)")
     args = p.parse_args(argv)
     if (args.warmup is not None and args.warmup < 0) or (args.steps is not None and args.steps < 1) \
             or args.batch < 1:
@@ -316,7 +319,7 @@ def main(argv=None) -> int:
     args.steps = jobs.S_STEPS if args.steps is None else args.steps
     args.eval_examples = jobs.S_EVAL_N if args.eval_examples is None else args.eval_examples
     torch.set_num_threads(1)  # several roles share this machine's cores
-    t = DistributeTranspiler(DistributeTranspilerConfig())
+    t = DistributeTranspiler(DistributeTranspilerConfig(grad_wire_dtype=args.grad_wire_dtype))
     t.transpile(env.trainer_id, program=build_program(jobs, args.seed), pservers=env.pserver_list,
                 trainers=env.trainers, sync_mode=args.sync_mode)
     if env.is_pserver:

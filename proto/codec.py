@@ -11,7 +11,10 @@ format ps.proto declares, so any protobuf client can speak to a pserver.
 Doing it by hand saves the copies the generic path makes: encoding copies
 each byte of tensor memory once, into the message; decoding copies none (a
 piece's data is a memoryview of the received message) until the reader
-copies it into its destination.
+copies it into its destination. A pushed gradient may travel narrower than
+its block (bfloat16 or float16 for float32, ``grad_wire_dtype``); pieces then
+hold whole elements, and the pserver's reader widens each into the block's
+dtype as it arrives.
 """
 from __future__ import annotations
 
@@ -116,10 +119,16 @@ def encode_chunks(header: Message, tensors: Iterable[Tuple[str, torch.Tensor]],
     for name, tensor in tensors:
         raw = as_bytes(tensor)
         dtype = str(tensor.dtype).replace("torch.", "")
+        itemsize = tensor.element_size()
         offset, total = 0, raw.nbytes
         first = True
         while first or offset < total:
+            if room < itemsize and offset < total:  # no room for one element: it opens the next message
+                yield b"".join(parts)
+                parts, room = [], chunk_bytes
             n = min(room, total - offset)
+            if n < total - offset:
+                n -= n % itemsize  # whole elements per piece, so a narrowed gradient widens piece by piece
             meta = _piece_meta(name if first else "", dtype, tensor.shape, offset)
             data_key = _len_field(_DATA, n)
             parts += [_len_field(_PIECES, len(meta) + len(data_key) + n), meta, data_key,
@@ -234,6 +243,24 @@ def decode_chunk(buf: bytes, header_type: type) -> Tuple[Optional[Message], List
 Expect = Callable[[str], Optional[Tuple[str, Sequence[int]]]]
 
 
+# A gradient may travel narrower than its block (DistributeTranspilerConfig.grad_wire_dtype):
+# the wire dtypes a reader that widens accepts for each block dtype.
+NARROWER = {"float32": ("bfloat16", "float16"), "float64": ("bfloat16", "float16", "float32")}
+_NUMPY = {"float16": np.float16, "float32": np.float32}
+
+
+def widen(data: memoryview, wire: str, out: np.ndarray) -> None:
+    """Write the ``wire``-dtype values in ``data`` into ``out`` (float32 or float64 elements), exactly."""
+    if wire == "bfloat16":
+        bits = np.frombuffer(data, np.uint16)
+        if out.dtype == np.float32:  # a bfloat16 is the top half of the float32 of the same value
+            np.left_shift(bits, 16, out=out.view(np.uint32), dtype=np.uint32, casting="unsafe")
+        else:
+            np.copyto(out, (bits.astype(np.uint32) << 16).view(np.float32))
+    else:
+        np.copyto(out, np.frombuffer(data, _NUMPY[wire]))
+
+
 # Largest tensor of a free row count (ids, table rows) one stream may carry:
 # the sender's claim is checked before anything is allocated.
 MAX_VARIABLE_BYTES = 2 << 30
@@ -247,16 +274,23 @@ class TensorReader:
     (up to :data:`MAX_VARIABLE_BYTES`) and always gets a fresh tensor.
     ``dest(name)``, if given, returns the contiguous CPU tensor to fill in
     place for fixed shapes (a trainer's parameters, a pserver's pooled
-    buffer); otherwise fresh tensors are allocated. Any inconsistency raises
+    buffer); otherwise fresh tensors are allocated. ``widen``: a float tensor
+    may arrive in a narrower dtype of :data:`NARROWER` (pushed gradients) and
+    is widened into its expected dtype piece by piece, with no staging copy;
+    its pieces must then hold whole elements. Any inconsistency raises
     :class:`WireError` with a message naming the tensor.
     """
 
-    def __init__(self, expect: Expect, dest: Optional[Callable[[str], torch.Tensor]] = None):
+    def __init__(self, expect: Expect, dest: Optional[Callable[[str], torch.Tensor]] = None, widen: bool = False):
         self._expect = expect
         self._dest = dest
+        self._widen = widen
         self.tensors: Dict[str, torch.Tensor] = {}
+        # Per open tensor: its memory as bytes, or (narrowed) as elements; bytes expected; bytes received.
         self._buffers: Dict[str, np.ndarray] = {}
+        self._total: Dict[str, int] = {}
         self._filled: Dict[str, int] = {}
+        self._narrowed: Dict[str, Tuple[str, int]] = {}  # name: (wire dtype, its itemsize)
         self._current: Optional[str] = None
         self.nbytes = 0
 
@@ -278,10 +312,18 @@ class TensorReader:
             raise WireError(f"tensor {name!r}: piece at byte {piece.offset}, expected byte {filled}")
         n = len(data)
         end = filled + n
-        if end > buf.nbytes:
-            raise WireError(f"tensor {name!r}: {end} bytes sent, it holds only {buf.nbytes}")
+        if end > self._total[name]:
+            raise WireError(f"tensor {name!r}: {end} bytes sent, it holds only {self._total[name]}")
         if n:
-            buf[filled:end] = np.frombuffer(data, dtype=np.uint8)
+            narrowed = self._narrowed.get(name)
+            if narrowed is None:
+                buf[filled:end] = np.frombuffer(data, dtype=np.uint8)
+            else:
+                wire, k = narrowed
+                if filled % k or n % k:
+                    raise WireError(f"tensor {name!r} sent as {wire}: a piece of {n} bytes at byte {filled} "
+                                    f"cuts an element")
+                widen(data, wire, buf[filled // k:end // k])
         self._filled[name] = end
         self.nbytes += n
 
@@ -294,11 +336,13 @@ class TensorReader:
         if expected is None:
             raise WireError(f"unknown tensor {name!r}")
         dtype, shape = expected
-        if piece.dtype != dtype:
-            raise WireError(f"tensor {name!r}: dtype {piece.dtype!r}, expected {dtype!r}")
+        narrowed = piece.dtype != dtype and self._widen and piece.dtype in NARROWER.get(dtype, ())
+        if piece.dtype != dtype and not narrowed:
+            also = f" or one of {NARROWER[dtype]}" if self._widen and dtype in NARROWER else ""
+            raise WireError(f"tensor {name!r}: dtype {piece.dtype!r}, expected {dtype!r}{also}")
         variable = bool(shape) and shape[0] == -1
         if variable:
-            shape = self._variable_shape(name, piece, shape)
+            shape = self._variable_shape(name, piece, shape, dtype)
         elif list(piece.shape) != list(shape):
             raise WireError(f"tensor {name!r}: shape {list(piece.shape)}, expected {list(shape)}")
         if self._dest is not None and not variable:
@@ -308,17 +352,24 @@ class TensorReader:
         else:
             tensor = torch.empty(list(shape), dtype=DTYPES[dtype])
         self.tensors[name] = tensor
-        self._buffers[name] = as_bytes(tensor)
+        if narrowed:
+            k = DTYPES[piece.dtype].itemsize
+            self._narrowed[name] = (piece.dtype, k)
+            self._buffers[name] = tensor.detach().reshape(-1).numpy()
+            self._total[name] = tensor.numel() * k
+        else:
+            self._buffers[name] = as_bytes(tensor)
+            self._total[name] = self._buffers[name].nbytes
         self._filled[name] = 0
         self._current = name
 
     @staticmethod
-    def _variable_shape(name: str, piece, shape: Sequence[int]) -> List[int]:
+    def _variable_shape(name: str, piece, shape: Sequence[int], dtype: str) -> List[int]:
         """The sent shape of a tensor whose dim 0 is free (-1), checked against the rest."""
         sent = list(piece.shape)
         if len(sent) != len(shape) or sent[1:] != list(shape[1:]) or sent[0] < 0:
             raise WireError(f"tensor {name!r}: shape {sent}, expected [n{''.join(f', {d}' for d in shape[1:])}]")
-        nbytes = DTYPES[piece.dtype].itemsize
+        nbytes = DTYPES[dtype].itemsize  # what it takes here, however narrow it travels
         for d in sent:
             nbytes *= d
         if nbytes > MAX_VARIABLE_BYTES:
@@ -328,9 +379,9 @@ class TensorReader:
 
     def _close_current(self) -> None:
         name = self._current
-        if name is not None and self._filled[name] != self._buffers[name].nbytes:
+        if name is not None and self._filled[name] != self._total[name]:
             raise WireError(f"tensor {name!r}: stream moved on after {self._filled[name]} of "
-                            f"{self._buffers[name].nbytes} bytes")
+                            f"{self._total[name]} bytes")
 
     def finish(self) -> Dict[str, torch.Tensor]:
         """Check the last tensor is complete and return every tensor by name."""

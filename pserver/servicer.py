@@ -184,8 +184,12 @@ class PserverServicer:
     def _expect(self, name: str):
         return self.store.expect(name) or self.tables.expect(name)
 
-    def _read_stream(self, request_iterator, header_type, expect, dest=None):
-        """(header, reader) of a client stream: header in the first message, then pieces."""
+    def _read_stream(self, request_iterator, header_type, expect, dest=None, widen=False):
+        """(header, reader) of a client stream: header in the first message, then pieces.
+
+        ``widen``: float tensors may come narrower than expected (gradients pushed
+        in ``grad_wire_dtype``) and are widened on arrival.
+        """
         kind = header_type.__name__.replace("Header", "").lower()
         first = next(request_iterator, None)
         header = None
@@ -196,7 +200,7 @@ class PserverServicer:
         self._check_caller(header)
         self._check_digest(header.layout_digest)
         self.engine.touch(header.trainer_id)
-        reader = TensorReader(expect, dest=dest)
+        reader = TensorReader(expect, dest=dest, widen=widen)
         try:
             for piece in pieces:
                 reader.add(piece)
@@ -242,7 +246,7 @@ class PserverServicer:
         may carry ``<table>@next`` ids to answer with rows too.
         """
         header, reader = self._read_stream(request_iterator, ps_pb2.PushHeader, self._expect,
-                                           dest=self.buffers.acquire)
+                                           dest=self.buffers.acquire, widen=True)
         try:
             if header.step < 0:
                 raise BadRequest(f"step must be >= 0, got {header.step}")

@@ -63,8 +63,10 @@ def test_supervise_second_signal_skips_the_sigterm_grace(tmp_path, probe_dir):
     stops.count, stops.signum = 1, signal.SIGINT  # as if the user pressed Ctrl-C
 
     def press_ctrl_c_again():
-        # Once the stubborn pserver has seen SIGTERM, the launcher is in its grace wait.
-        wait_for(lambda: (probe_dir / "pserver.0.sigterm").exists(), 20, "SIGTERM to reach the pserver")
+        # Once the stubborn pserver has seen SIGTERM, the launcher is in its grace wait; the trainer,
+        # which obeys SIGTERM, has then exited too (under load it may take a moment to: wait for it).
+        wait_for(lambda: (probe_dir / "pserver.0.sigterm").exists() and roles[1].proc.poll() is not None,
+                 20, "SIGTERM to reach the pserver and end the trainer")
         stops.count += 1
 
     second = threading.Thread(target=press_ctrl_c_again, daemon=True)

@@ -22,6 +22,8 @@ from psproto.options import channel_options
 from transpiler import TrainerProgram
 from psproto.security import Security
 
+from .wire import GradientNarrower
+
 log = logging.getLogger(__name__)
 
 # How often a waiting trainer says whom it waits for.
@@ -132,6 +134,7 @@ class Communicator:
                                                 thread_name_prefix="trainer-comm")
         self.bytes_pushed = 0
         self.bytes_pulled = 0
+        self.narrower = GradientNarrower(cfg.grad_wire_dtype)
 
     # -- connection ---------------------------------------------------------
 
@@ -199,7 +202,8 @@ class Communicator:
         """Send one step's gradients to ``endpoint`` and receive its blocks in the same call.
 
         ``tensors`` are the gradients of the blocks (and table rows) this
-        pserver owns; its blocks land in ``dest(name)``, checked by ``expect``.
+        pserver owns, sent in ``grad_wire_dtype`` if one is set; its blocks
+        land in ``dest(name)``, checked by ``expect``.
         A sync pserver answers once every live trainer pushed the step.
         ``position`` is the trainer's (epoch, batch) after this step, kept in checkpoints.
         ``streamed``: ``tensors`` is an iterator that may wait for each tensor
@@ -213,12 +217,13 @@ class Communicator:
         sent = [0]
         if streamed:
             def counted():
-                for name, t in tensors:
+                for name, t in self.narrower.narrow_stream(endpoint, tensors):
                     sent[0] += t.numel() * t.element_size()
                     yield name, t
             call = lambda: self._push_pull_calls[endpoint](  # noqa: E731
                 encode_chunks(header, counted(), self.chunk_bytes), timeout=timeout)
         else:
+            tensors = self.narrower.narrow(endpoint, list(tensors))
             sent[0] = sum(t.numel() * t.element_size() for _, t in tensors)
             call = lambda: _call(self._push_pull_one_calls[endpoint], self._push_pull_calls[endpoint],  # noqa: E731
                                  header, tensors, self.chunk_bytes, timeout=timeout)
