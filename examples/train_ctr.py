@@ -232,6 +232,8 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=10, help="steps before the throughput clock starts")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: 1 in a job, torch's default locally)")
     p.add_argument("--no_progress", dest="progress", action="store_false")
+    p.add_argument("--grad_wire_dtype", choices=["bfloat16", "float16"],
+                   help="push gradients (table rows, dense blocks) in this dtype: half the bytes")
     p.add_argument("--target_auc", type=float, default=TARGET_AUC, help="exit 1 below this test AUC")
     p.add_argument("--save", default="ctr_dense.pt", help="trainer 0 saves the dense state_dict here")
     p.add_argument("--tables_dir", default="ctr_tables", help="pservers save the table shards here")
@@ -260,7 +262,7 @@ def main(argv=None) -> int:
 
     # Async: overlap each step's push with the next forward/backward (Adam and Adagrad take
     # the extra step of staleness well; the AUC matches sync mode).
-    t = DistributeTranspiler(DistributeTranspilerConfig(async_pipeline=True))
+    t = DistributeTranspiler(DistributeTranspilerConfig(async_pipeline=True, grad_wire_dtype=args.grad_wire_dtype))
     t.transpile(env.trainer_id, program=build_program(args.lr), pservers=env.pserver_list,
                 trainers=env.trainers, sync_mode=args.sync_mode)
     if env.is_pserver:

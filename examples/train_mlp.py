@@ -89,6 +89,8 @@ def parse_args(argv=None):
     p.add_argument("--checkpoint_dir", help="pservers checkpoint here and resume from it after a restart")
     p.add_argument("--checkpoint_every", type=int, default=50, help="steps between checkpoints")
     p.add_argument("--amp", choices=["bf16"], help="mixed precision: autocast the forward pass to bf16")
+    p.add_argument("--grad_wire_dtype", choices=["bfloat16", "float16"],
+                   help="gradients travel in this dtype (pushes, or collective all-reduces): half the bytes")
     return p.parse_args(argv)
 
 
@@ -128,7 +130,8 @@ def main(argv=None) -> int:
     config = DistributeTranspilerConfig(slice_var_up=args.slice_var_up, split_method=args.split_method,
                                         checkpoint_dir=args.checkpoint_dir,
                                         checkpoint_every=args.checkpoint_every if args.checkpoint_dir else 0,
-                                        mode="collective" if env.collective else "pserver")
+                                        mode="collective" if env.collective else "pserver",
+                                        grad_wire_dtype=args.grad_wire_dtype)
     t = DistributeTranspiler(config)
     t.transpile(env.trainer_id, program=build_program(args.optimizer, args.lr),
                 pservers=env.pserver_list, trainers=env.trainers, sync_mode=args.sync_mode)
