@@ -248,7 +248,9 @@ def test_sync_trainer_closed_after_the_checkpoint_is_not_waited_for_after_a_roll
 @pytest.mark.timeout(60)
 def test_trainer_joining_sync_pservers_that_stay_at_different_steps_fails_after_recovery_timeout(tmp_path):
     """Nobody rolls the others back (no trainer was alive): the join gives up with an error naming the fix."""
-    config = cm.config(str(tmp_path / "ckpt"), recovery_timeout=1.0)
+    # The failed join leaves trainer 0's session open on pserver 1, so the remedy's join waits one
+    # alive window (3 heartbeat intervals) to take the id over: 1.5 s here, not the default 6 s.
+    config = cm.config(str(tmp_path / "ckpt"), recovery_timeout=1.0, heartbeat_interval=0.5)
     with LocalCluster(cm.program, 2, 1, config=config) as cluster:
         with cluster.trainer(0) as tr:
             cm.train(tr, cm.batches(3))

@@ -21,6 +21,26 @@ EPS3 = EPS2 + ",127.0.0.1:6172"
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def run_together(cmds, envs=None, expect_rc=None, timeout=60):
+    """Run ``cmds`` side by side from REPO (each mostly imports torch: the second core does the
+    other half); the stdouts, or (returncode, stdout, stderr) each if ``expect_rc`` is None."""
+    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
+                              env=env) for cmd, env in zip(cmds, envs or [None] * len(cmds))]
+    try:
+        outs = [p.communicate(timeout=timeout) for p in procs]
+        results = [(p.returncode, out, err) for p, (out, err) in zip(procs, outs)]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(10)
+    if expect_rc is None:
+        return results
+    for rc, out, err in results:
+        assert rc == expect_rc, err
+    return [out for _, out, _ in results]
+
+
 def transpile(model=None, pservers=EPS2, trainers=2, **config):
     t = DistributeTranspiler(DistributeTranspilerConfig(**config))
     t.transpile(0, program=Program(model or odd_mlp(), "sgd", lr=0.1), pservers=pservers,
@@ -74,9 +94,9 @@ def test_hash_name_is_stable_across_processes_and_independent_of_order():
         assert b.endpoint == eps[expected % 3]
     # Python's own str hash is salted per process; ours must not be.
     code = "from transpiler.hashing import stable_hash_name; print(stable_hash_name('fc2.weight.block1'))"
-    outs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                           env={**os.environ, "PYTHONHASHSEED": seed}, cwd=REPO).stdout.strip()
-            for seed in ("1", "2", "3")}
+    outs = {out.strip() for out in run_together([[sys.executable, "-c", code]] * 3,
+                                                [{**os.environ, "PYTHONHASHSEED": seed} for seed in ("1", "2", "3")],
+                                                expect_rc=0)}
     assert outs == {str(stable_hash_name("fc2.weight.block1"))}
     # Known answer, pinned so a change of hash function cannot go unnoticed.
     assert stable_hash_name("fc2.weight.block1") == int.from_bytes(
@@ -213,16 +233,13 @@ def test_role_env_reads_paddle_variables():
 
 
 def test_show_command_prints_the_layout():
-    out = subprocess.run(
-        [sys.executable, "-m", "transpiler", "show", "examples/train_mlp.py:build_program",
-         "--pservers", EPS3, "--split_method", "HashName", "--min_block_size", "16384"],
-        capture_output=True, text=True, cwd=REPO, timeout=60)
-    assert out.returncode == 0, out.stderr
-    assert "2.weight.block0" in out.stdout and "per pserver:" in out.stdout
-    bad = subprocess.run(
-        [sys.executable, "-m", "transpiler", "show", "examples/train_mlp.py:build_program",
-         "--min_block_size", "1000"], capture_output=True, text=True, cwd=REPO, timeout=60)
-    assert bad.returncode == 2 and "min_block_size=1000 is refused" in bad.stderr
+    show = [sys.executable, "-m", "transpiler", "show", "examples/train_mlp.py:build_program"]
+    (rc, out, err), (bad_rc, _, bad_err) = run_together(
+        [show + ["--pservers", EPS3, "--split_method", "HashName", "--min_block_size", "16384"],
+         show + ["--min_block_size", "1000"]])
+    assert rc == 0, err
+    assert "2.weight.block0" in out and "per pserver:" in out
+    assert bad_rc == 2 and "min_block_size=1000 is refused" in bad_err
 
 
 def test_model_without_parameters_is_refused():

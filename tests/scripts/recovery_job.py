@@ -3,7 +3,9 @@
 Trainers train with ``Trainer.batches`` so a roll-back replays their data.
 ``--pause_at N``: the trainer ``--pause_trainer`` writes PAUSE_DIR/reached when
 it is about to train step N (once), then waits for PAUSE_DIR/go, so the test
-can kill a role at a known point. Each trainer saves its final ``state_dict``
+can kill a role at a known point. ``--step_delay`` stretches each step until PAUSE_DIR/calm
+exists: a test whose kills are done writes it, and the rest of the job runs at full speed (the
+same steps and data). Each trainer saves its final ``state_dict``
 to OUT_DIR/trainer-<id>.pt and the one it started with to OUT_DIR/start-<id>.pt.
 :func:`reference` trains the same job in one process (the concatenated batches).
 """
@@ -88,7 +90,8 @@ def main(argv=None) -> int:
     p.add_argument("--pause_at", type=int, default=-1)
     p.add_argument("--pause_trainer", type=int, default=0)
     p.add_argument("--pause_dir", default="")
-    p.add_argument("--step_delay", type=float, default=0.0, help="seconds each trainer sleeps per step")
+    p.add_argument("--step_delay", type=float, default=0.0,
+                   help="seconds each trainer sleeps per step, until PAUSE_DIR/calm exists")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(1)
@@ -115,6 +118,7 @@ def main(argv=None) -> int:
     torch.save(tr.state_dict(), os.path.join(args.out_dir, f"start-{tid}.pt"))
     loader = DataLoader(data, batch_size=BATCH, sampler=tr.sampler(data, shuffle=True, seed=0))
     paused = False
+    calm = os.path.join(args.pause_dir, "calm") if args.pause_dir else None
     for x, y in tr.batches(loader, args.epochs):
         if tid == args.pause_trainer and tr.step_count == args.pause_at and not paused:
             paused = True
@@ -122,7 +126,7 @@ def main(argv=None) -> int:
             wait_for(os.path.join(args.pause_dir, "go"), 120.0)
         loss_of(tr.model, x, y).backward()
         tr.step()
-        if args.step_delay:
+        if args.step_delay and not (calm and os.path.exists(calm)):
             time.sleep(args.step_delay)  # stretches the job so a chaos test's kills land while it trains
     torch.save(tr.state_dict(), os.path.join(args.out_dir, f"trainer-{tid}.pt"))
     logging.info("trainer %d: finished at step %d", tid, tr.step_count)
