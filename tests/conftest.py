@@ -38,3 +38,20 @@ def run_launcher(tmp_path, probe_dir):
     launchers = Launchers(tmp_path)
     yield launchers.start
     launchers.close()
+
+
+@pytest.fixture(scope="session")
+def criteo_file(tmp_path_factory):
+    """A Criteo-format file of the CTR tests (:mod:`tests.helpers.ctr_job`), generated once."""
+    from tests.helpers.ctr_job import write_criteo_file
+
+    return write_criteo_file(tmp_path_factory.mktemp("criteo") / "train.tsv")
+
+
+@pytest.fixture(scope="session")
+def ctr_sync_job(tmp_path_factory, criteo_file):
+    """The CTR example's sync run under ps-launch, once: tests/test_ctr_example.py checks its training and
+    files, tests/test_launch_console.py its console (each job costs four processes importing torch)."""
+    from tests.helpers.ctr_job import run_ctr_job
+
+    return run_ctr_job(tmp_path_factory.mktemp("ctr_sync"), criteo_file, "sync")

@@ -23,39 +23,22 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "examples"))
 import ctr_data  # noqa: E402
 import train_ctr  # noqa: E402
-from tests.helpers.launch import run_ps_launch  # noqa: E402
+from tests.helpers.ctr_job import EXAMPLE, LINES, TEST_TARGET_AUC, run_ctr_job  # noqa: E402
 
 # Every test here starts pservers and trainers as separate processes.
 pytestmark = pytest.mark.processes
 
-EXAMPLE = str(REPO / "examples" / "train_ctr.py")
-LINES = 60_000
-# With 54k training lines (2 epochs) the test AUC reaches 0.73-0.74 in both modes (the planted
-# model's Bayes AUC is 0.80; the example's own target, on 1M generated examples, is 0.77); the
-# bound leaves room for async noise.
-TEST_TARGET_AUC = 0.71
 # One process, one epoch over the first 10.8k of 12k lines (batch 256): 0.729 on the last 1.2k.
 LOCAL_TARGET_AUC = 0.70
 
 
-@pytest.fixture(scope="module")
-def criteo_file(tmp_path_factory):
-    path = tmp_path_factory.mktemp("criteo") / "train.tsv"
-    ctr_data.write_criteo_tsv(path, *ctr_data.generate_raw(LINES, seed=3))
-    return path
-
-
 @pytest.mark.timeout(180)  # about 20-40 s on 2 cores; the bound leaves room for a loaded machine
 @pytest.mark.parametrize("mode", ["sync", "async"])
-def test_ctr_example_reaches_its_auc_from_a_criteo_file(tmp_path, criteo_file, mode):
-    args = ["--server_num", "2", "--worker_num", "2", "--log_dir", "logs", EXAMPLE,
-            "--data", str(criteo_file), "--epochs", "2", "--batch_size", "512",
-            "--target_auc", str(TEST_TARGET_AUC)]
-    # sync: with its progress bar, as users run it; async: each trainer reads through 2 DataLoader workers.
-    args += [] if mode == "sync" else ["--async", "--no_progress", "--workers", "2"]
-    result = run_ps_launch(args, tmp_path, timeout=160)
-    log0 = (tmp_path / "logs" / "workerlog.0").read_text()
-    assert result.returncode == 0, result.stderr + log0[-3000:]
+def test_ctr_example_reaches_its_auc_from_a_criteo_file(tmp_path, criteo_file, mode, request):
+    # sync: the run tests/test_launch_console.py also checks (the conftest fixture runs it once).
+    job = request.getfixturevalue("ctr_sync_job") if mode == "sync" else run_ctr_job(tmp_path, criteo_file, mode)
+    log0 = job.log("workerlog.0")
+    assert job.returncode == 0, job.stderr + log0[-3000:]
     # The last line says how it went.
     last = log0.rstrip("\n").rsplit("\n", 1)[-1]
     found = re.fullmatch(rf"trainer 0: test AUC ([0-9.]+) after (\d+) steps \({mode} mode, target [0-9.]+\)", last)
@@ -63,15 +46,15 @@ def test_ctr_example_reaches_its_auc_from_a_criteo_file(tmp_path, criteo_file, m
     # Each trainer streams every other line of the first 90%, in full batches, as many as the other.
     assert int(found[2]) == 2 * (int(0.9 * LINES) // 2 // 512)
     for trainer_id in (0, 1):
-        log = (tmp_path / "logs" / f"workerlog.{trainer_id}").read_text()
+        log = job.log(f"workerlog.{trainer_id}")
         assert "RESULT " in log and "examples/s" in log
         assert "shard %d of 2, %d batches of 512 per epoch" % (trainer_id, int(0.9 * LINES) // 2 // 512) in log
     if mode == "sync":  # trainer 0's bar reached the end (trainer 1 shows none)
         assert re.search(r"train: 100%\|.*\| 53\.2k/53\.2k", log0), log0[-2000:]
-        assert "train:" not in (tmp_path / "logs" / "workerlog.1").read_text()
+        assert "train:" not in job.log("workerlog.1")
 
     # The dense state_dict loads into the original module (the tables are exported separately).
-    state = torch.load(tmp_path / "ctr_dense.pt", weights_only=True)
+    state = torch.load(job.cwd / "ctr_dense.pt", weights_only=True)
     missing, unexpected = train_ctr.build_model(1000).load_state_dict(state, strict=False)
     assert sorted(missing) == ["deep.weight", "wide.weight"] and not unexpected
 
@@ -79,11 +62,11 @@ def test_ctr_example_reaches_its_auc_from_a_criteo_file(tmp_path, criteo_file, m
     train = ctr_data.read_criteo_tsv(criteo_file, limit=int(0.9 * LINES))
     seen = np.unique(train.ids)
     for table, dim in (("wide", 1), ("deep", train_ctr.DIM)):
-        assert sorted(p.name for p in (tmp_path / "ctr_tables" / table).iterdir()) == \
+        assert sorted(p.name for p in (job.cwd / "ctr_tables" / table).iterdir()) == \
             ["shard-0-of-2", "shard-1-of-2"]
-        ids = np.load(tmp_path / "ctr_export" / f"{table}.ids.npy")
-        rows = np.load(tmp_path / "ctr_export" / f"{table}.rows.npy")
-        meta = json.loads((tmp_path / "ctr_export" / f"{table}.json").read_text())
+        ids = np.load(job.cwd / "ctr_export" / f"{table}.ids.npy")
+        rows = np.load(job.cwd / "ctr_export" / f"{table}.rows.npy")
+        meta = json.loads((job.cwd / "ctr_export" / f"{table}.json").read_text())
         assert rows.shape == (len(ids), dim) and meta["rows"] == len(ids) and meta["dim"] == dim
         assert len(np.unique(ids)) == len(ids)
         # Rows exist for exactly the ids trained on: most of the file's ids, none from elsewhere.

@@ -1,77 +1,103 @@
 """Sessions in real processes: one process per trainer id, stray messages, a fenced old process.
 
 Each role is its own process (tests/scripts/recovery_job.py, heartbeat_interval 0.5 s, so a
-session stays alive 1.5 s after its last call); the job pauses one trainer at a known step
-(a file handshake). Every job must still end with the model of single-process PyTorch.
+session stays alive 1.5 s after its last call). One job serves both tests (starting four
+processes that import torch is most of what a job costs): trainer 1 pauses before step 10 (a
+file handshake) while trainer 0 waits in the barrier; stray Closes and a second process for the
+live trainer 0 arrive; then trainer 1's process is paused (SIGSTOP) and a new one replaces it.
+The job must still end with the model of single-process PyTorch.
 """
 from __future__ import annotations
 
 import signal
 import time
+from types import SimpleNamespace
 
 import grpc
 import pytest
 
 from psproto import ps_pb2
+from tests.helpers.jobs import Job
 
 CLOSE = "/psproto.ParameterServer/Close"
+# What a port scanner or a client pointed at the wrong port sends: parsed as "trainer N closes".
+STRAYS = [b"", ps_pb2.CloseRequest(trainer_id=1).SerializeToString(),
+          ps_pb2.CloseRequest(trainer_id=0, session="0123456789abcdef" * 2).SerializeToString()]
+
+
+def send_strays(endpoint: str) -> SimpleNamespace:
+    """Each stray Close to ``endpoint`` (its RpcError, or None if it was accepted), then the pserver's Stats."""
+    errors = []
+    with grpc.insecure_channel(endpoint) as channel:
+        close = channel.unary_unary(CLOSE)
+        for message in STRAYS:
+            try:
+                close(message, timeout=10)
+                errors.append(None)
+            except grpc.RpcError as e:
+                errors.append(e)
+        stats = ps_pb2.StatsReply.FromString(channel.unary_unary("/psproto.ParameterServer/Stats")(b"", timeout=10))
+    return SimpleNamespace(errors=errors, stats=stats)
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory):
+    """The shared job, run to its end; ``job.seen`` holds what the tests check from its middle."""
+    job = Job(tmp_path_factory.mktemp("fencing"), args=["--pause_at", "10", "--pause_trainer", "1"])
+    job.seen = SimpleNamespace()
+    try:
+        job.start_all()
+        job.wait_file("reached")  # trainer 1 is about to train step 10; trainer 0 waits in the barrier
+        job.seen.strays = [send_strays(endpoint) for endpoint in job.endpoints]
+
+        # A second process started as trainer 0 (a launcher typo) while trainer 0 lives.
+        started = time.monotonic()
+        job.start("TRAINER", 0, tag="-dup")
+        job.seen.dup_code = job.wait("trainer0-dup", 60)
+        job.seen.dup_seconds = time.monotonic() - started
+
+        # Trainer 1's VM pauses (no heartbeat, no call) and it is restarted elsewhere meanwhile.
+        job.send_signal("trainer1", signal.SIGSTOP)
+        job.start("TRAINER", 1, tag="-new")
+        job.wait_until(lambda: "ready at step 10" in job.log("trainer1-new.0"), "the new trainer 1 to join")
+        job.send_signal("trainer1", signal.SIGCONT)  # the old process wakes up and pushes step 10
+        (job.pause / "go").touch()
+
+        job.seen.old_code = job.wait("trainer1", 60)
+        job.seen.codes = {name: job.wait(name, 120) for name in ("trainer0", "trainer1-new", "pserver0", "pserver1")}
+        yield job
+    finally:
+        job.close()
 
 
 @pytest.mark.timeout(240)
 @pytest.mark.processes
-def test_stray_closes_and_a_second_process_for_a_live_id_change_nothing(job_factory):
-    job = job_factory(args=["--pause_at", "10"])
-    job.start_all()
-    job.wait_file("reached")  # trainer 0 is about to train step 10; trainer 1 waits in the barrier
+def test_stray_closes_and_a_second_process_for_a_live_id_change_nothing(job):
+    for strays in job.seen.strays:
+        for error in strays.errors:
+            assert error is not None, "a stray Close was accepted"
+            assert error.code() in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.ABORTED)
+            assert "trainer" in error.details()
+        assert sorted(strays.stats.trainers_alive) == [0, 1] and strays.stats.refused == len(STRAYS), strays.stats
 
-    # What a port scanner or a client pointed at the wrong port sends: parsed as "trainer N closes".
-    strays = [b"", ps_pb2.CloseRequest(trainer_id=1).SerializeToString(),
-              ps_pb2.CloseRequest(trainer_id=0, session="0123456789abcdef" * 2).SerializeToString()]
-    for endpoint in job.endpoints:
-        with grpc.insecure_channel(endpoint) as channel:
-            close = channel.unary_unary(CLOSE)
-            for message in strays:
-                with pytest.raises(grpc.RpcError) as info:
-                    close(message, timeout=10)
-                assert info.value.code() in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.ABORTED)
-                assert "trainer" in info.value.details()
-            stats = ps_pb2.StatsReply.FromString(channel.unary_unary("/psproto.ParameterServer/Stats")(b"", timeout=10))
-            assert sorted(stats.trainers_alive) == [0, 1] and stats.refused == len(strays), stats
-
-    # A second process started as trainer 1 (a launcher typo) while trainer 1 lives.
-    started = time.monotonic()
-    job.start("TRAINER", 1, tag="-dup")
-    assert job.wait("trainer1-dup", 60) != 0
-    elapsed = time.monotonic() - started
-    dup = job.log("trainer1-dup.0")
-    assert "trainer 1 is already running" in dup and "opened from ipv4:127.0.0.1:" in dup, dup
+    assert job.seen.dup_code != 0
+    dup = job.log("trainer0-dup.0")
+    assert "trainer 0 is already running" in dup and "opened from ipv4:127.0.0.1:" in dup, dup
     # Starting python and torch, then one alive window (1.5 s) of retries: seconds, not a hang.
-    assert elapsed < 30, elapsed
+    assert job.seen.dup_seconds < 30, job.seen.dup_seconds
 
-    (job.pause / "go").touch()
-    for name in ("trainer0", "trainer1", "pserver0", "pserver1"):
-        assert job.wait(name, 120) == 0, job.all_logs()
+    assert set(job.seen.codes.values()) == {0}, job.all_logs()
     job.assert_trained_as_one_process()
 
 
 @pytest.mark.timeout(240)
 @pytest.mark.processes
-def test_a_fenced_trainer_exits_and_its_late_push_is_not_applied(job_factory):
-    job = job_factory(args=["--pause_at", "10", "--pause_trainer", "1"])
-    job.start_all()
-    job.wait_file("reached")                             # trainer 1 is about to train step 10
-    job.send_signal("trainer1", signal.SIGSTOP)          # its VM pauses: no heartbeat, no call
-    job.start("TRAINER", 1, tag="-new")                  # and it is restarted elsewhere meanwhile
-    job.wait_until(lambda: "ready at step 10" in job.log("trainer1-new.0"), "the new trainer 1 to join")
-    job.send_signal("trainer1", signal.SIGCONT)          # the old process wakes up and pushes step 10
-    (job.pause / "go").touch()
-
-    assert job.wait("trainer1", 60) != 0
+def test_a_fenced_trainer_exits_and_its_late_push_is_not_applied(job):
+    assert job.seen.old_code != 0
     old = job.log("trainer1.0")
     assert "FencedError" in old and "fenced: trainer 1 rejoined" in old, old
     assert "step 10 of trainer 1 (push and pull) failed: PERMISSION_DENIED" in old, old
-    for name in ("trainer0", "trainer1-new", "pserver0", "pserver1"):
-        assert job.wait(name, 120) == 0, job.all_logs()
+    assert set(job.seen.codes.values()) == {0}, job.all_logs()
     for i in range(2):
         assert "trainer 1: a new process (from ipv4:127.0.0.1:" in job.log(f"pserver{i}.0")
     # Step 10 of trainer 1 counted once, from the new process: the model of an uninterrupted run.
