@@ -250,8 +250,10 @@ def test_console_script_reports_bad_input(tmp_path):
 @pytest.mark.timeout(120)  # about 15-30 s on 2 cores; the bound leaves room for a loaded machine
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_train_mlp_example_reaches_its_accuracy_under_ps_launch(tmp_path, mode):
-    # 12 epochs reach ~0.97 test accuracy in both modes (the example's target is 0.95).
-    args = ["--server_num", "2", "--worker_num", "2", "--log_dir", "logs", EXAMPLE, "--epochs", "12"]
+    # Sync: 8 epochs reach 0.969 test accuracy, as 12 do (single-process training on the same batches);
+    # async, noisier: 12 epochs reach ~0.97 (0.961-0.972 at 8). The example's target is 0.95.
+    epochs = "8" if mode == "sync" else "12"
+    args = ["--server_num", "2", "--worker_num", "2", "--log_dir", "logs", EXAMPLE, "--epochs", epochs]
     result = run_ps_launch(args + (["--async"] if mode == "async" else []), tmp_path, timeout=100)
     assert result.returncode == 0, result.stderr
     for trainer_id in (0, 1):

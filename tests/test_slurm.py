@@ -79,7 +79,7 @@ def test_heterogeneous_job_trains_mlp_to_its_accuracy(slurm, tmp_path):
     # Component 0: one pserver on n1; component 1: two trainers on n2.
     out = tmp_path / "job.out"
     job = slurm.submit(f"--chdir={tmp_path}", f"--output={out}", "-w", "n1", "-N1", "-n1", ":", "-w", "n2", "-N1",
-                       "-n2", str(TRAIN_HET), str(EXAMPLE), "--epochs", "12", env=job_env(tmp_path))
+                       "-n2", str(TRAIN_HET), str(EXAMPLE), "--epochs", "8", env=job_env(tmp_path))
     components = slurm.wait_job(job, JOB_TIMEOUT)
     log = out.read_text(errors="replace")
     assert [(c["JobState"], c["ExitCode"], c["NodeList"]) for c in components] == \
@@ -88,7 +88,7 @@ def test_heterogeneous_job_trains_mlp_to_its_accuracy(slurm, tmp_path):
     assert "pserver n1:6170 serving" in log
     accuracies = {int(t): float(a) for _, t, a in ACCURACY_LINE.findall(log)}
     assert sorted(accuracies) == [0, 1], log[-3000:]
-    assert all(a >= 0.95 for a in accuracies.values()), accuracies  # ~0.97 at 12 epochs
+    assert all(a >= 0.95 for a in accuracies.values()), accuracies  # ~0.97 at 8 epochs, as at 12
     assert (tmp_path / "mlp_state_dict.pt").exists()                 # trainer 0 saved the model
     assert sorted(p.name for p in (tmp_path / "checkpoints" / str(job)).glob("step-*"))
 

@@ -165,7 +165,7 @@ def refused(host: str, port: int) -> bool:
 def test_sync_job_across_two_network_namespaces(two_hosts, tmp_path):
     endpoints = [f"{IP1}:{port}" for port in PORTS]
     common = {"PADDLE_PSERVERS_IP_PORT_LIST": ",".join(endpoints), "PADDLE_TRAINERS_NUM": "2"}
-    args = ["--epochs", "12"]  # ~0.97 test accuracy (test_launch.py); the default is 20
+    args = ["--epochs", "6"]  # ~0.97 test accuracy (0.967 in one process on the same batches); the default is 20
     before = two_hosts.counters(NS1, VETH1)
 
     pservers, ps_logs = [], []
