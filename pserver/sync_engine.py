@@ -52,6 +52,9 @@ class SyncEngine(Engine):
             later.append(join_at)
         if later:
             self.joins_at[trainer_id] = max(self.joins_at.get(trainer_id, 0), *later)
+            # The others' pushes of the step in progress may all be here already: no later push
+            # would come to complete it (theirs wait for this very step).
+            self._apply_if_complete()
         return max(self.joins_at.get(trainer_id, 0), self.updates)
 
     def _expected(self) -> set:

@@ -114,6 +114,24 @@ def test_a_pserver_a_step_behind_finishes_its_step_without_a_trainer_joining_ahe
         assert e.updates == 2
 
 
+def test_a_join_a_step_ahead_completes_the_step_whose_other_pushes_are_all_in():
+    """The pushes of the step in progress may all be in when a trainer says it joins a step later:
+    no later push would complete the step (the others wait for it), so the Hello applies it."""
+    e = engine(2)
+    for t in (0, 1):
+        e.hello(t)
+    e.push(0, 0, grads(e, 1.0))
+    assert e.updates == 0                                # waits for trainer 1
+    before = weight(e)
+    assert e.hello(1, join_at=1) == (1, (0, 0))          # applied at once, with trainer 0's gradient
+    assert e.updates == 1
+    torch.testing.assert_close(weight(e), before - 0.5 * 1.0)
+    e.push(0, 1, grads(e, 1.0))
+    assert e.updates == 1                                # from step 1 on, trainer 1 counts again
+    e.push(1, 1, grads(e, 1.0))
+    assert e.updates == 2
+
+
 def test_join_at_further_ahead_is_ignored():
     e = engine(2)
     for t in (0, 1):

@@ -11,7 +11,7 @@ import pytest
 
 from trainer.communicator import PserverError
 from trainer.recovery import ROLLBACK, Recovery
-from trainer.recovery.decide import JOIN
+from trainer.recovery.decide import JOIN, SKIP
 
 A, B = "127.0.0.1:6170", "127.0.0.1:6171"
 UNAVAILABLE = grpc.StatusCode.UNAVAILABLE
@@ -121,6 +121,19 @@ def test_a_refused_roll_back_is_not_retried():
     comm.restore = refuse
     with pytest.raises(PserverError, match="no complete checkpoint"):
         recovery(comm).heal(7, "step 7", failing_once(), lambda step: None)
+
+
+def test_a_dropped_trainer_that_finds_the_pservers_a_step_apart_tells_the_one_behind_where_it_rejoins():
+    """Dropped by each pserver at a slightly different moment: A went on to step 45, B stands at 44 and
+    counts this trainer in its step 44, whose push will never come (the trainer skips to 45)."""
+    comm = ScriptedComm([
+        {A: hello(11, 45, counted_step=40), B: hello(22, 44, counted_step=40)},
+        {A: hello(11, 45, counted_step=40), B: hello(22, 45, counted_step=40)},  # B applied 44 without it
+    ])
+    pulls = []
+    decision = recovery(comm).heal(41, "step 41", failing_once(), pulls.append)
+    assert (decision.action, decision.step) == (SKIP, 45)
+    assert comm.join_ats == [0, 45] and pulls == [45]
 
 
 def test_a_joining_trainer_that_finds_the_pservers_apart_asks_again_saying_where_it_starts():

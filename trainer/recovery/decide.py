@@ -10,7 +10,9 @@ a call failed with UNAVAILABLE, ABORTED or CANCELLED   recoverable: wait for the
 any other status                                       not recoverable: the error reaches the user
 a pserver restarted without a checkpoint               FAIL: its parameters are lost
 sync, a pserver restarted from checkpoint *c*          RESTORE: roll every other pserver back to *c*
-sync, pservers ahead without this trainer's push       SKIP to their step (it was dropped)
+sync, pservers ahead without this trainer's push       SKIP to their highest step (it was dropped);
+                                                       one a step behind is told (Hello join_at) and
+                                                       finishes its step without this trainer
 sync, the pservers are behind this trainer's step      ROLLBACK to their step and data position
 otherwise (async restarts included)                    RETRY the same step (pushes are idempotent)
 joining: sync pservers at different steps              WAIT and ask again, saying the highest step
@@ -63,8 +65,10 @@ class Decision:
 
     RESTORE: roll ``endpoints`` back to the checkpoint at ``step``, once per
     ``token``. SKIP / ROLLBACK / JOIN: go on at ``step`` (ROLLBACK and JOIN from
-    data ``position``). FAIL: ``endpoints`` and ``message`` say why. ``restarted``
-    lists the pservers whose process changed since the trainer last asked.
+    data ``position``); SKIP's ``endpoints`` stand behind ``step`` and must be
+    told (Hello with ``join_at=step``) before the trainer goes on. FAIL:
+    ``endpoints`` and ``message`` say why. ``restarted`` lists the pservers
+    whose process changed since the trainer last asked.
     """
 
     action: str
@@ -111,7 +115,11 @@ def after_failure(sync_mode: bool, known: Mapping[str, int], step: int,
         # The others went on without this trainer (dropped after heartbeat_timeout). A pserver
         # ahead that counted this trainer's push went on with it: after overlapping restarts the
         # others may still need that push, so the step is retried (a duplicate is acknowledged).
-        return Decision(SKIP, max(steps.values()), restarted=gone)
+        # Pservers that dropped it at different moments may stand a step apart, the one behind
+        # waiting for this trainer's push of its step: ``endpoints`` are those to tell it joins later.
+        target = max(steps.values())
+        behind = tuple(sorted(ep for ep in steps if steps[ep] < target))
+        return Decision(SKIP, target, endpoints=behind, restarted=gone)
     if steps and min(steps.values()) < step:
         # Rolled back to a checkpoint, on this trainer's request or another's.
         source = min(steps, key=steps.get)

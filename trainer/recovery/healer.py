@@ -17,7 +17,7 @@ import grpc
 
 from ..communicator import Communicator, PserverError
 from . import decide
-from .decide import FAIL, RESTORE, RETRY, WAIT, Decision, PserverState
+from .decide import FAIL, RESTORE, RETRY, SKIP, WAIT, Decision, PserverState
 
 log = logging.getLogger(__name__)
 
@@ -113,9 +113,9 @@ class Recovery:
         tid = self.comm.trainer_id
         log.warning("trainer %d: %s failed (%s); waiting up to %.0fs for the pservers", tid, what, failure,
                     max(0.0, deadline - time.monotonic()))
-        known = self.incarnations
+        known, join_at = self.incarnations, 0
         while True:
-            answers = states(self.comm.hello(max(0.1, deadline - time.monotonic())))
+            answers = states(self.comm.hello(max(0.1, deadline - time.monotonic()), join_at=join_at))
             decision = decide.after_failure(self.sync_mode, known, step, answers, self.push_endpoints)
             for ep in decision.restarted:
                 log.warning("trainer %d: pserver %s restarted (from the checkpoint at step %d)", tid, ep,
@@ -124,8 +124,16 @@ class Recovery:
                 raise PserverError(", ".join(decision.endpoints), decision.message,
                                    grpc.StatusCode.FAILED_PRECONDITION)
             self.incarnations = known = {ep: a.incarnation for ep, a in answers.items()}
+            if decision.action == SKIP and decision.endpoints and join_at != decision.step:
+                # A pserver a step behind waits for this trainer's push of a step it skips: say
+                # where it starts (it then finishes that step without it), and decide on the answers.
+                log.warning("trainer %d: %s a step behind the other pservers; telling them this trainer "
+                            "rejoins at step %d", tid, ", ".join(decision.endpoints), decision.step)
+                join_at = decision.step
+                continue
             if decision.action != RESTORE:
                 break
+            join_at = 0  # after a roll-back every trainer redoes the checkpoint's step, this one too
             try:
                 self._restore(decision)
             except PserverError as e:
