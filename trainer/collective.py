@@ -86,10 +86,9 @@ def narrow_all_reduce_hook(dtype: torch.dtype, bucket):  # no annotations: DDP c
     NCCL; this one runs on every backend, gloo included. Returns the future of
     the widened bucket.
     """
-    group = None
     buffer = bucket.buffer()
-    narrow = buffer.to(dtype).div_(dist.get_world_size(group))
-    fut = dist.all_reduce(narrow, group=group, async_op=True).get_future()
+    narrow = buffer.to(dtype).div_(dist.get_world_size())
+    fut = dist.all_reduce(narrow, async_op=True).get_future()
 
     def widened(fut) -> torch.Tensor:
         return buffer.copy_(fut.value()[0])
