@@ -10,14 +10,14 @@ which needs none of them, starts without importing torch.
 """
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING
 
-# Public name: the module that defines it.
-_EXPORTS = {
+from transpiler.lazy import lazy_exports
+
+__getattr__ = lazy_exports(__name__, {  # public name: the module that defines it
     "Trainer": ".trainer", "CollectiveTrainer": ".collective", "PserverError": ".communicator",
     "PserverUnavailableError": ".communicator", "FencedError": ".communicator", "NodeError": ".node.group",
-}
+})
 __all__ = ["Trainer", "CollectiveTrainer", "PserverError", "PserverUnavailableError", "FencedError", "NodeError"]
 
 if TYPE_CHECKING:
@@ -26,11 +26,3 @@ if TYPE_CHECKING:
     from .node.group import NodeError
     from .trainer import Trainer
 
-
-def __getattr__(name: str):
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module, __name__), name)
-    globals()[name] = value
-    return value

@@ -14,15 +14,15 @@ starts without importing torch.
 """
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING
 
-# Public name: the module that defines it.
-_EXPORTS = {
+from .lazy import lazy_exports
+
+__getattr__ = lazy_exports(__name__, {  # public name: the module that defines it
     "Program": ".program", "DistributeTranspiler": ".transpiler", "DistributeTranspilerConfig": ".config",
     "TableOptions": ".tables", "RoleEnv": ".env", "PserverProgram": ".plans", "StartupProgram": ".plans",
     "TrainerProgram": ".plans",
-}
+})
 __all__ = [
     "Program", "DistributeTranspiler", "DistributeTranspilerConfig", "TableOptions", "RoleEnv",
     "PserverProgram", "StartupProgram", "TrainerProgram",
@@ -36,11 +36,3 @@ if TYPE_CHECKING:
     from .tables import TableOptions
     from .transpiler import DistributeTranspiler
 
-
-def __getattr__(name: str):
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module, __name__), name)
-    globals()[name] = value
-    return value
