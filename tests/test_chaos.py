@@ -28,7 +28,9 @@ STEP_DELAY = 0.05           # about 13 s of training, before the time recovery a
 
 # (when, seconds after it, role, index) of one SIGKILL. ``when``: "now" (right after the previous
 # kill), "up" (once every pserver serves again: the trainers are re-syncing and rolling pservers
-# back), or "progress" (once training has gone five steps past the last checkpoint).
+# back), or "progress" (once training has gone five steps past the last checkpoint). Role
+# TRAINERS+PSERVER: both trainers killed, then pserver ``index`` killed and started again while they
+# are down (it resumes from an older checkpoint than the other stands at), then the trainers.
 Kill = Tuple[str, float, str, int]
 
 
@@ -46,12 +48,14 @@ def pserver_schedule(seed: int) -> List[Kill]:
 
 
 def mixed_schedule(seed: int) -> List[Kill]:
-    """Pserver and trainer kills: a trainer killed during a roll-back, another mid-step."""
+    """Pserver and trainer kills: a trainer killed during a roll-back, another mid-step, a pserver
+    restarted while both trainers are down."""
     rng = random.Random(seed)
     return [
         ("progress", rng.uniform(0.0, 1.5), "PSERVER", rng.randrange(2)),
         ("up", rng.uniform(0.0, 0.3), "TRAINER", rng.randrange(2)),      # during the roll-back
         ("progress", rng.uniform(0.0, 1.0), "TRAINER", rng.randrange(2)),
+        ("progress", rng.uniform(0.0, 1.0), "TRAINERS+PSERVER", rng.randrange(2)),
         ("progress", rng.uniform(0.0, 1.0), "PSERVER", rng.randrange(2)),
         ("now", rng.uniform(0.2, 0.8), "PSERVER", rng.randrange(2)),
     ]
@@ -66,6 +70,17 @@ def serving(job: Job, index: int) -> bool:
     """Whether the latest process of pserver ``index`` serves (its log says so)."""
     latest = max(k for k in job.logs if k.startswith(f"pserver{index}."))
     return "serving" in job.log(latest)
+
+
+def restart_pserver_with_trainers_down(job: Job, index: int, seed: int) -> None:
+    """Kill both trainers, kill and start pserver ``index`` again, and once it serves start the trainers."""
+    for t in range(2):
+        job.kill(f"trainer{t}")
+    job.kill(f"pserver{index}")
+    job.start("PSERVER", index)
+    job.wait_until(lambda: serving(job, index), f"seed {seed}: pserver {index} up with both trainers down")
+    for t in range(2):
+        job.start("TRAINER", t)
 
 
 def run_chaos(job: Job, plan: List[Kill], seed: int, calm: bool = True) -> None:
@@ -85,6 +100,9 @@ def run_chaos(job: Job, plan: List[Kill], seed: int, calm: bool = True) -> None:
         time.sleep(delay)
         alive = [job.procs[f"trainer{t}"].poll() is None for t in range(2)]
         assert all(alive), f"seed {seed}: the job ended before the chaos did\n{job.all_logs()}"
+        if role == "TRAINERS+PSERVER":
+            restart_pserver_with_trainers_down(job, index, seed)
+            continue
         job.kill(f"{role.lower()}{index}")
         job.start(role, index)
     if calm:

@@ -49,6 +49,12 @@ AFTER_FAILURE = [
      True, 41, {A: ps(11, 45, counted=40), B: ps(22, 44, counted=40)}, (SKIP, 45, (0, 0), (B,), ())),
     ("sync, overlapping restarts: the pserver ahead counted this trainer's push, the other needs it",
      True, 20, {A: ps(11, 21, counted=20), B: ps(22, 20, counted=19)}, (RETRY, 20, (0, 0), (), ())),
+    ("sync, rejoin step differs from the push step: A applied it with this trainer, B dropped it and went on",
+     True, 36, {A: ps(11, 37, counted=36), B: ps(22, 37, counted=35)}, (SKIP, 37, (0, 0), (), ())),
+    ("sync, the one that counted it stands a step behind the one that dropped it: tell it",
+     True, 36, {A: ps(11, 37, counted=36), B: ps(22, 38, counted=35)}, (SKIP, 38, (0, 0), (A,), ())),
+    ("sync, one pserver dropped it and went on, the other counted it and waits: tell that one",
+     True, 36, {A: ps(11, 36, counted=36), B: ps(22, 37, counted=35)}, (SKIP, 37, (0, 0), (A,), ())),
     ("sync, rolled back by another trainer: redo from the checkpoint's position",
      True, 7, {A: ps(11, 4, position=(1, 3)), B: ps(22, 4, position=(1, 3))}, (ROLLBACK, 4, (1, 3), (), ())),
     ("sync, mid roll-back: go back to the lowest step",
@@ -99,28 +105,62 @@ def test_steps_of_pservers_this_trainer_does_not_push_to_are_ignored():
     assert (d.action, d.step) == (RETRY, 5)
 
 
-# (case, sync_mode, answers, time left, expected (action, step, position))
+# (case, sync_mode, answers, time left, roll-backs already asked for, expected (action, step, position, endpoints))
+AB = (A, B)
 ON_JOIN = [
-    ("new trainer, fresh sync job", True, {A: ps(11, 0), B: ps(22, 0)}, 10.0, (JOIN, 0, (0, 0))),
+    ("new trainer, fresh sync job", True, {A: ps(11, 0), B: ps(22, 0)}, 10.0, (), (JOIN, 0, (0, 0), ())),
     ("rejoin a sync job at its step and this trainer's data position",
-     True, {A: ps(11, 12, position=(2, 7)), B: ps(22, 12, position=(2, 7))}, 10.0, (JOIN, 12, (2, 7))),
+     True, {A: ps(11, 12, position=(2, 7)), B: ps(22, 12, position=(2, 7))}, 10.0, (), (JOIN, 12, (2, 7), ())),
     ("async: the trainer's own next step, the furthest of any pserver",
-     False, {A: ps(11, 3, position=(0, 3)), B: ps(22, 5)}, 10.0, (JOIN, 5, (0, 3))),
-    ("sync pservers apart (mid-step or mid roll-back): ask again, joining at the highest step",
-     True, {A: ps(11, 4), B: ps(22, 5)}, 10.0, (WAIT, 5, (0, 0))),
-    ("sync pservers still apart at the deadline: fail, restart them all",
-     True, {A: ps(11, 4), B: ps(22, 5)}, 0.0, (FAIL, 0, (0, 0))),
-    ("async pservers at different steps are fine", False, {A: ps(11, 4), B: ps(22, 5)}, 0.0, (JOIN, 5, (0, 0))),
+     False, {A: ps(11, 3, position=(0, 3)), B: ps(22, 5)}, 10.0, (), (JOIN, 5, (0, 3), ())),
+    ("sync pservers apart mid-step: ask again, joining at the highest step",
+     True, {A: ps(11, 4), B: ps(22, 5)}, 10.0, (), (WAIT, 5, (0, 0), AB)),
+    ("sync pservers apart mid-step after a roll-back to 4 (both came from it): ask again",
+     True, {A: ps(11, 4, checkpoint_step=4), B: ps(22, 5, checkpoint_step=4)}, 10.0, (f"{A}#11",),
+     (WAIT, 5, (0, 0), AB)),
+    ("no trainer alive: B restarted from checkpoint 28, A stands at 30: roll every pserver back to 28",
+     True, {A: ps(11, 30), B: ps(99, 28, checkpoint_step=28)}, 10.0, (), (RESTORE, 28, (0, 0), AB)),
+    ("no trainer alive: B restarted from 28, A a step ahead that never loaded 28: roll back too",
+     True, {A: ps(11, 29, checkpoint_step=20), B: ps(99, 28, checkpoint_step=28)}, 10.0, (),
+     (RESTORE, 28, (0, 0), AB)),
+    ("two trainers joining at once after that restart: the same roll-back, asked for once by each",
+     True, {A: ps(11, 30), B: ps(99, 28, checkpoint_step=28)}, 10.0, (f"{B}#99",), (WAIT, 30, (0, 0), AB)),
+    ("B restarted again from 28 after A had rolled back for its last restart: a new roll-back",
+     True, {A: ps(11, 29, checkpoint_step=28), B: ps(123, 28, checkpoint_step=28)}, 10.0, (f"{B}#99",),
+     (RESTORE, 28, (0, 0), AB)),
+    ("B behind without a checkpoint (none written, or no checkpoint_dir): wait, nothing to roll back to",
+     True, {A: ps(11, 3), B: ps(99, 0)}, 10.0, (), (WAIT, 3, (0, 0), AB)),
+    ("sync pservers still apart at the deadline: fail, naming the missing checkpoint",
+     True, {A: ps(11, 4), B: ps(22, 5)}, 0.0, (), (FAIL, 0, (0, 0), AB)),
+    ("still apart at the deadline after the roll-back was asked for: fail",
+     True, {A: ps(11, 30), B: ps(99, 28, checkpoint_step=28)}, 0.0, (f"{B}#99",), (FAIL, 0, (0, 0), AB)),
+    ("async pservers at different steps are fine", False, {A: ps(11, 4), B: ps(22, 5)}, 0.0, (),
+     (JOIN, 5, (0, 0), ())),
+    ("async, B restarted from an older checkpoint than A stands at: each goes on from where it is",
+     False, {A: ps(11, 31, position=(1, 5)), B: ps(99, 28, checkpoint_step=40, position=(1, 2))}, 10.0, (),
+     (JOIN, 31, (1, 5), ())),
 ]
 
 
-@pytest.mark.parametrize("case, sync_mode, answers, time_left, expected", ON_JOIN, ids=[r[0] for r in ON_JOIN])
-def test_on_join(case, sync_mode, answers, time_left, expected):
-    d = on_join(sync_mode, answers, [A, B], time_left)
-    assert (d.action, d.step, d.position) == expected
+@pytest.mark.parametrize("case, sync_mode, answers, time_left, restored, expected", ON_JOIN,
+                         ids=[r[0] for r in ON_JOIN])
+def test_on_join(case, sync_mode, answers, time_left, restored, expected):
+    d = on_join(sync_mode, answers, [A, B], time_left, frozenset(restored))
+    assert (d.action, d.step, d.position, d.endpoints) == expected
     if d.action == FAIL:
-        assert "disagree on the current step" in d.message and "restart them all" in d.message
-        assert d.endpoints == (A, B)
+        assert "disagree on the current step" in d.message
+    if d.action == FAIL and not restored:
+        assert "without a checkpoint at that step" in d.message and "checkpoint_dir" in d.message
+    if d.action == FAIL and restored:
+        assert "still apart after rolling them back to the checkpoint at step 28" in d.message
+
+
+def test_a_joining_trainer_names_a_restart_as_an_alive_trainer_does():
+    """Joining and alive trainers that see one restart ask for one roll-back: the same token."""
+    answers = {A: ps(11, 30), B: ps(99, 28, checkpoint_step=28)}
+    joining = on_join(True, answers, [A, B], 10.0)
+    alive = after_failure(True, KNOWN, 30, answers, [A, B])
+    assert joining.token == alive.token == f"{B}#99"
 
 
 def test_join_with_no_pserver_to_push_to():

@@ -146,3 +146,54 @@ def test_a_joining_trainer_that_finds_the_pservers_apart_asks_again_saying_where
                         recovery_timeout=30).join()
     assert (decision.action, decision.step) == (JOIN, 8)
     assert comm.join_ats == [0, 8]
+
+
+def joining(comm) -> Recovery:
+    return Recovery(comm, sync_mode=True, push_endpoints=[A, B], connect_timeout=5, recovery_timeout=30)
+
+
+def test_a_joining_trainer_rolls_every_pserver_back_to_the_checkpoint_one_restarted_from():
+    """Both trainers were down while B restarted from checkpoint 28 and A stood at 30: nobody else
+    would roll A back, so the joining trainer does, then joins at 28 from the checkpoint's position."""
+    comm = ScriptedComm([
+        {A: hello(11, 30), B: hello(99, 28, checkpoint_step=28, position=(1, 3))},
+        {A: hello(11, 28, checkpoint_step=28, position=(1, 3)), B: hello(99, 28, checkpoint_step=28,
+                                                                          position=(1, 3))},
+    ])
+    decision = joining(comm).join()
+    assert (decision.action, decision.step, decision.position) == (JOIN, 28, (1, 3))
+    # B too: it stands at 28 already, and forgets who joined a step later (an abandoned step).
+    assert comm.restores == [(A, 28, f"{B}#99"), (B, 28, f"{B}#99")]
+    assert comm.join_ats == [0, 0]
+
+
+def test_a_joining_trainer_asks_for_a_roll_back_once_then_waits_for_the_one_under_way():
+    """The roll-back was already done for this restart (another trainer asked first): the pservers are
+    still apart because an alive trainer's step is in flight; the joiner waits instead of asking again."""
+    comm = ScriptedComm([
+        {A: hello(11, 29, checkpoint_step=28), B: hello(99, 28, checkpoint_step=28)},
+        {A: hello(11, 29, checkpoint_step=28), B: hello(99, 28, checkpoint_step=28)},
+        {A: hello(11, 29, checkpoint_step=28), B: hello(99, 29, checkpoint_step=28)},
+    ])
+    decision = joining(comm).join()
+    assert (decision.action, decision.step) == (JOIN, 29)
+    assert comm.restores == [(A, 28, f"{B}#99"), (B, 28, f"{B}#99")]
+    assert comm.join_ats == [0, 0, 29]
+
+
+def test_a_joining_trainer_whose_roll_back_is_interrupted_asks_again():
+    comm = ScriptedComm([
+        {A: hello(11, 30), B: hello(99, 28, checkpoint_step=28)},
+        {A: hello(11, 30), B: hello(99, 28, checkpoint_step=28)},     # A was unreachable: same decision
+        {A: hello(11, 28, checkpoint_step=28), B: hello(99, 28, checkpoint_step=28)},
+    ], restore_fails={A})
+    decision = joining(comm).join()
+    assert (decision.action, decision.step) == (JOIN, 28)
+    assert comm.restores == [(B, 28, f"{B}#99"), (A, 28, f"{B}#99"), (B, 28, f"{B}#99")]
+
+
+def test_a_joining_trainer_with_no_checkpoint_to_roll_back_to_fails_naming_it():
+    comm = ScriptedComm([{A: hello(11, 3), B: hello(99, 0)}] * 3)
+    with pytest.raises(PserverError, match="stand at step 0 without a checkpoint at that step"):
+        Recovery(comm, sync_mode=True, push_endpoints=[A, B], connect_timeout=5, recovery_timeout=0.15).join()
+    assert comm.restores == []

@@ -102,6 +102,7 @@ class Job:
         proc = self.procs[name]
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(10)
+        self.waited.add(name)  # its end is the test's doing: no surprise for wait_until
 
     def send_signal(self, name: str, signum: int) -> None:
         """Send ``signum`` to the process group of ``name`` (SIGSTOP / SIGCONT: a VM paused and resumed)."""

@@ -3,7 +3,10 @@
 Trainers train with ``Trainer.batches`` so a roll-back replays their data.
 ``--pause_at N``: the trainer ``--pause_trainer`` writes PAUSE_DIR/reached when
 it is about to train step N (once), then waits for PAUSE_DIR/go, so the test
-can kill a role at a known point. ``--step_delay`` stretches each step until PAUSE_DIR/calm
+can kill a role at a known point. ``--hold_push S``: trainer ``--hold_trainer`` sends its push of
+step S to the first pserver, and once that one has applied it writes PAUSE_DIR/held and holds the
+push to the second until PAUSE_DIR/release exists (a trainer whose step one pserver counted and
+the other, which may drop it meanwhile, has not). ``--step_delay`` stretches each step until PAUSE_DIR/calm
 exists: a test whose kills are done writes it, and the rest of the job runs at full speed (the
 same steps and data). Each trainer saves its final ``state_dict``
 to OUT_DIR/trainer-<id>.pt and the one it started with to OUT_DIR/start-<id>.pt.
@@ -15,7 +18,9 @@ import argparse
 import logging
 import os
 import sys
+import threading
 import time
+from typing import Dict, Optional, Tuple
 
 import torch
 from torch import nn
@@ -49,8 +54,13 @@ def loss_of(model: nn.Module, x, y) -> torch.Tensor:
     return nn.functional.cross_entropy(model(x), y)
 
 
-def reference(epochs: int, optimizer: str = "momentum", lr: float = 0.05) -> dict:
-    """Single-process PyTorch on the trainers' concatenated batches: what sync training must equal."""
+def reference(epochs: int, optimizer: str = "momentum", lr: float = 0.05,
+              alone: Optional[Tuple[int, Dict[str, slice]]] = None) -> dict:
+    """Single-process PyTorch on the trainers' concatenated batches: what sync training must equal.
+
+    ``alone`` = (step, {param: rows}): at that step those rows are updated with trainer 0's
+    gradient alone, as a pserver that dropped trainer 1 from that step applies it.
+    """
     program = build_program(optimizer, lr)
     model, data = program.model, dataset()
     opt = program.optimizer.build(model.parameters())
@@ -64,8 +74,46 @@ def reference(epochs: int, optimizer: str = "momentum", lr: float = 0.05) -> dic
             x, y = data[idx]
             opt.zero_grad()
             loss_of(model, x, y).backward()
+            if alone is not None and alone[0] == epoch * (len(orders[0]) // BATCH) + b:
+                _keep_trainer0_gradient(model, data[orders[0][b * BATCH:(b + 1) * BATCH]], alone[1])
             opt.step()
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _keep_trainer0_gradient(model: nn.Module, batch0, rows: Dict[str, slice]) -> None:
+    """Replace the gradient of ``rows`` ({param: rows}) with the one of trainer 0's batch alone."""
+    params = dict(model.named_parameters())
+    mixed = {name: p.grad.clone() for name, p in params.items()}
+    model.zero_grad()
+    loss_of(model, *batch0).backward()
+    for name, p in params.items():
+        if name in rows:
+            mixed[name][rows[name]] = p.grad[rows[name]]
+        p.grad = mixed[name]
+
+
+def rows_on(program, endpoint: str) -> Dict[str, slice]:
+    """{param: rows} of the blocks a trainer program places on ``endpoint``."""
+    return {b.param: slice(b.row_start, b.row_end) for b in program.blocks if b.endpoint == endpoint}
+
+
+def hold_push(tr, step: int, pause_dir: str) -> None:
+    """Hold ``tr``'s push of ``step`` to its second pserver until the first applied it and PAUSE_DIR/release exists."""
+    first, second = tr.program.pservers[:2]
+    first_done = threading.Event()
+    push_pull = tr.comm.push_pull
+
+    def held(endpoint, at, *args, **kwargs):
+        if at == step and endpoint == second and not first_done.is_set():
+            if not first_done.wait(60.0):
+                raise TimeoutError(f"the push of step {step} to {first} did not return within 60s")
+            open(os.path.join(pause_dir, "held"), "w").close()
+            wait_for(os.path.join(pause_dir, "release"), 120.0)
+        answer = push_pull(endpoint, at, *args, **kwargs)
+        if at == step and endpoint == first:
+            first_done.set()
+        return answer
+    tr.comm.push_pull = held
 
 
 def wait_for(path: str, timeout: float) -> None:
@@ -90,6 +138,8 @@ def main(argv=None) -> int:
     p.add_argument("--pause_at", type=int, default=-1)
     p.add_argument("--pause_trainer", type=int, default=0)
     p.add_argument("--pause_dir", default="")
+    p.add_argument("--hold_push", type=int, default=-1)
+    p.add_argument("--hold_trainer", type=int, default=1)
     p.add_argument("--step_delay", type=float, default=0.0,
                    help="seconds each trainer sleeps per step, until PAUSE_DIR/calm exists")
     args = p.parse_args(argv)
@@ -115,6 +165,8 @@ def main(argv=None) -> int:
     data = dataset()
     tr = Trainer(t.get_trainer_program())
     tid = env.trainer_id
+    if tid == args.hold_trainer and args.hold_push >= 0:
+        hold_push(tr, args.hold_push, args.pause_dir)
     torch.save(tr.state_dict(), os.path.join(args.out_dir, f"start-{tid}.pt"))
     loader = DataLoader(data, batch_size=BATCH, sampler=tr.sampler(data, shuffle=True, seed=0))
     paused = False

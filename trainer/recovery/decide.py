@@ -10,21 +10,23 @@ a call failed with UNAVAILABLE, ABORTED or CANCELLED   recoverable: wait for the
 any other status                                       not recoverable: the error reaches the user
 a pserver restarted without a checkpoint               FAIL: its parameters are lost
 sync, a pserver restarted from checkpoint *c*          RESTORE: roll every other pserver back to *c*
-sync, pservers ahead without this trainer's push       SKIP to their highest step (it was dropped);
-                                                       one a step behind is told (Hello join_at) and
-                                                       finishes its step without this trainer
+sync, a pserver ahead went on without this trainer's   SKIP to their highest step (it was dropped);
+push (even if another ahead counted it)                those behind are told (Hello join_at) and
+                                                       finish their step without this trainer
 sync, the pservers are behind this trainer's step      ROLLBACK to their step and data position
 otherwise (async restarts included)                    RETRY the same step (pushes are idempotent)
-joining: sync pservers at different steps              WAIT and ask again, saying the highest step
-                                                       (one behind then finishes its step without it)
-joining: still different at the deadline               FAIL: restart every pserver
+joining: sync pservers apart, those behind standing    RESTORE: roll every pserver back to *c*, once
+at the checkpoint *c* they loaded, nothing since       per restart (the token an alive trainer uses)
+joining: sync pservers apart otherwise, or that        WAIT and ask again, saying the highest step
+roll-back already asked for                            (one behind then finishes its step without it)
+joining: still apart at the deadline                   FAIL, naming the checkpoint that is missing
 joining: otherwise                                     JOIN at their step and data position
 =====================================================  ============================================
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, Mapping, Optional, Sequence, Tuple
+from typing import AbstractSet, Dict, Mapping, Optional, Sequence, Tuple
 
 import grpc
 
@@ -37,8 +39,8 @@ RETRY, SKIP, ROLLBACK, RESTORE, FAIL, WAIT, JOIN = "retry", "skip", "rollback", 
 
 LOST_MESSAGE = ("restarted without a checkpoint, so the parameters it held are lost; set checkpoint_dir "
                 "to survive pserver restarts")
-RESTART_ALL = ("if one restarted while no trainer was alive to roll the others back, restart them all: "
-               "they resume from the latest complete checkpoint")
+NO_CHECKPOINT = ("without a checkpoint at that step to roll the others back to (no checkpoint_dir, or none "
+                 "complete yet); restart every pserver: each resumes from the latest complete checkpoint")
 
 
 @dataclass(frozen=True)
@@ -107,14 +109,15 @@ def after_failure(sync_mode: bool, known: Mapping[str, int], step: int,
         target = min(answers[ep].checkpoint_step for ep in gone)
         others = tuple(ep for ep in answers if ep not in gone or answers[ep].checkpoint_step != target)
         if others:
-            token = ",".join(f"{ep}#{answers[ep].incarnation}" for ep in gone)
-            return Decision(RESTORE, target, endpoints=others, token=token, restarted=gone)
+            return Decision(RESTORE, target, endpoints=others, token=restart_token(answers, gone),
+                            restarted=gone)
     steps = {ep: answers[ep].step for ep in push_endpoints} if sync_mode else {}
     ahead = [ep for ep in steps if steps[ep] > step]
-    if ahead and all(answers[ep].counted < step for ep in ahead):
-        # The others went on without this trainer (dropped after heartbeat_timeout). A pserver
-        # ahead that counted this trainer's push went on with it: after overlapping restarts the
-        # others may still need that push, so the step is retried (a duplicate is acknowledged).
+    if any(answers[ep].counted < step for ep in ahead):
+        # A pserver went on without this trainer (dropped after heartbeat_timeout): its push of
+        # ``step`` would be stale there, so the step cannot be retried, even where another pserver
+        # counted it (that one went on with it). When none ahead lacks it, the others may still need
+        # the push after overlapping restarts: the step is retried (a duplicate is acknowledged).
         # Pservers that dropped it at different moments may stand a step apart, the one behind
         # waiting for this trainer's push of its step: ``endpoints`` are those to tell it joins later.
         target = max(steps.values())
@@ -127,20 +130,46 @@ def after_failure(sync_mode: bool, known: Mapping[str, int], step: int,
     return Decision(RETRY, step, restarted=gone)
 
 
+def restart_token(answers: Mapping[str, PserverState], endpoints: Sequence[str]) -> str:
+    """The token of a roll-back to the checkpoint ``endpoints`` restarted from: their incarnations.
+
+    Every trainer that sees the same restart names it the same way, so each
+    pserver rolls back once for it however many trainers ask.
+    """
+    return ",".join(f"{ep}#{answers[ep].incarnation}" for ep in sorted(endpoints))
+
+
 def on_join(sync_mode: bool, answers: Mapping[str, PserverState], push_endpoints: Sequence[str],
-            time_left: float) -> Decision:
+            time_left: float, restored: AbstractSet[str] = frozenset()) -> Decision:
     """Whether a joining trainer can start, given every pserver's ``answers`` and the time left.
 
-    Sync pservers must agree on the step: apart, they are mid-step or a
-    roll-back is under way (WAIT at the highest step: asked again with it as
-    ``join_at``, a pserver one step behind goes on without this trainer), unless
-    the deadline has passed (FAIL).
+    Sync pservers must agree on the step. When those behind stand at the
+    checkpoint they loaded, nothing applied since, the others applied steps
+    they lack and no push will bring them up (a pserver restarted while no
+    trainer was alive to roll the others back, or an alive trainer is rolling
+    them back now): RESTORE every pserver to that checkpoint, with the token an
+    alive trainer would use, unless that token is in ``restored`` (already
+    asked for). Otherwise they are mid-step: WAIT at the highest step (asked
+    again with it as ``join_at``, a pserver one step behind goes on without this
+    trainer), until the deadline has passed (FAIL).
     """
     steps: Dict[str, int] = {ep: a.step for ep, a in answers.items() if ep in push_endpoints}
     if sync_mode and len(set(steps.values())) > 1:
+        low = min(steps.values())
+        behind = tuple(sorted(ep for ep in steps if steps[ep] == low))
+        at_checkpoint = all(answers[ep].checkpoint_step == low for ep in behind)
+        token = restart_token(answers, behind)
+        if at_checkpoint and token not in restored:
+            return Decision(RESTORE, low, endpoints=tuple(sorted(answers)), token=token,
+                            message=f"pservers disagree on the current step: {steps}; {', '.join(behind)} "
+                                    f"stand at the checkpoint of step {low}")
         if time_left <= 0:
+            if at_checkpoint:
+                why = f"still apart after rolling them back to the checkpoint at step {low}"
+            else:
+                why = f"{', '.join(behind)} stand at step {low} {NO_CHECKPOINT}"
             return Decision(FAIL, endpoints=tuple(steps),
-                            message=f"pservers disagree on the current step: {steps}; {RESTART_ALL}")
+                            message=f"pservers disagree on the current step: {steps}; {why}")
         return Decision(WAIT, max(steps.values()), endpoints=tuple(steps),
                         message=f"pservers disagree on the current step: {steps}")
     first = answers[push_endpoints[0]] if push_endpoints else None

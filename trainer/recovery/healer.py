@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Callable, Dict, Mapping, Optional, Sequence
+from typing import Callable, Dict, Mapping, Optional, Sequence, Set
 
 import grpc
 
@@ -54,22 +54,31 @@ class Recovery:
         """Register with every pserver; the JOIN decision says at which step and data position.
 
         Waits ``connect_timeout`` for the pservers to come up; sync pservers at
-        different steps are asked again, backing off, within ``recovery_timeout``.
+        different steps are rolled back to the checkpoint those behind stand at
+        (RESTORE), or asked again, backing off, within ``recovery_timeout``.
         """
         timeout, backoff, join_at = self.connect_timeout, 0.1, 0
         deadline = time.monotonic() + self.recovery_timeout
+        restored: Set[str] = set()
+        tid = self.comm.trainer_id
         while True:
             answers = states(self.comm.hello(timeout, join_at=join_at))
             decision = decide.on_join(self.sync_mode, answers, self.push_endpoints,
-                                      deadline - time.monotonic())
+                                      deadline - time.monotonic(), restored)
             if decision.action == FAIL:
                 raise PserverError(", ".join(decision.endpoints), decision.message)
+            if decision.action == RESTORE:
+                log.warning("trainer %d: %s; rolling every pserver back to it", tid, decision.message)
+                if self._restore_or_ask_again(decision, deadline):
+                    restored.add(decision.token)
+                join_at = 0  # after a roll-back every trainer starts at the checkpoint's step
+                continue
             if decision.action != WAIT:
                 self.incarnations = {ep: a.incarnation for ep, a in answers.items()}
                 return decision
             join_at = decision.step
             remaining = deadline - time.monotonic()
-            log.warning("trainer %d: %s; asking again (joining at step %d) for up to %.0fs", self.comm.trainer_id,
+            log.warning("trainer %d: %s; asking again (joining at step %d) for up to %.0fs", tid,
                         decision.message, join_at, remaining)
             # Hello waits for a pserver that is down, not for one that disagrees: back off.
             time.sleep(max(0.0, min(backoff, remaining)))
@@ -134,23 +143,28 @@ class Recovery:
             if decision.action != RESTORE:
                 break
             join_at = 0  # after a roll-back every trainer redoes the checkpoint's step, this one too
-            try:
-                self._restore(decision)
-            except PserverError as e:
-                # A pserver lost during the roll-back: ask everyone again; its restart is a new decision.
-                if not recoverable(e) or time.monotonic() > deadline:
-                    raise
-                log.warning("trainer %d: roll-back to step %d interrupted (%s); asking the pservers again",
-                            tid, decision.step, e)
+            self._restore_or_ask_again(decision, deadline)
             # Their answers predate the roll-back: ask again.
         _log_decision(tid, decision, step)
         return decision
 
+    def _restore_or_ask_again(self, decision: Decision, deadline: float) -> bool:
+        """Roll ``decision.endpoints`` back to the checkpoint at ``decision.step``, in parallel.
 
-    def _restore(self, decision: Decision) -> None:
-        """Roll ``decision.endpoints`` back to the checkpoint at ``decision.step``, in parallel."""
-        self.comm.run_parallel({ep: (lambda ep=ep: self.comm.restore(ep, decision.step, decision.token))
-                                for ep in decision.endpoints})
+        Returns whether every pserver answered. A pserver lost meanwhile fails
+        the roll-back in a way that can heal (False): the caller asks everyone
+        again, and its restart is a new decision, until ``deadline``.
+        """
+        try:
+            self.comm.run_parallel({ep: (lambda ep=ep: self.comm.restore(ep, decision.step, decision.token))
+                                    for ep in decision.endpoints})
+            return True
+        except PserverError as e:
+            if not recoverable(e) or time.monotonic() > deadline:
+                raise
+            log.warning("trainer %d: roll-back to step %d interrupted (%s); asking the pservers again",
+                        self.comm.trainer_id, decision.step, e)
+            return False
 
 
 def _log_decision(trainer_id: int, decision: Decision, step: int) -> None:
