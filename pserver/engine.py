@@ -102,6 +102,19 @@ class Engine:
         with self.cv:
             return self.last_step.get(trainer_id, -1)
 
+    def step_in_progress(self, trainer_id: int) -> Tuple[int, int]:
+        """(steps applied, other trainers whose push of the step in progress is counted or awaited).
+
+        Async: (updates, 0). A sync trainer that joins after the step in
+        progress while no other trainer is in it learns that the step never
+        completes (see :class:`SyncEngine`).
+        """
+        with self.cv:
+            return self.updates, self._others_in_step(trainer_id)
+
+    def _others_in_step(self, trainer_id: int) -> int:
+        return 0
+
     def _start_step(self, trainer_id: int, how: str, join_at: int) -> int:
         return self.last_step.get(trainer_id, -1) + 1
 

@@ -176,10 +176,12 @@ class PserverServicer:
         session = self.sessions.hello(request.trainer_id, request.incarnation, context.peer(), last_heard,
                                       ended)
         start_step, (epoch, batch) = self.engine.hello(request.trainer_id, request.join_at)
+        applied, others = self.engine.step_in_progress(request.trainer_id)
         return ps_pb2.HelloReply(start_step=start_step, sync_mode=self.engine.sync_mode,
                                  trainers=self.engine.trainers, incarnation=self.incarnation,
                                  epoch=epoch, batch=batch, checkpoint_step=self.engine.restored_from,
-                                 counted_step=self.engine.counted_step(request.trainer_id), session=session)
+                                 counted_step=self.engine.counted_step(request.trainer_id), session=session,
+                                 applied_step=applied, others_in_step=others)
 
     def _expect(self, name: str):
         return self.store.expect(name) or self.tables.expect(name)

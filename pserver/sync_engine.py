@@ -57,6 +57,9 @@ class SyncEngine(Engine):
             self._apply_if_complete()
         return max(self.joins_at.get(trainer_id, 0), self.updates)
 
+    def _others_in_step(self, trainer_id: int) -> int:
+        return len((self.pending | self._expected()) - {trainer_id})
+
     def _expected(self) -> set:
         return {t for t in self.live() if self.joins_at.get(t, 0) <= self.updates}
 

@@ -132,6 +132,27 @@ def test_a_join_a_step_ahead_completes_the_step_whose_other_pushes_are_all_in():
     assert e.updates == 2
 
 
+def test_step_in_progress_counts_the_other_trainers_in_it_and_shows_a_step_that_waits_for_nobody():
+    """What Hello tells a joining trainer (applied_step, others_in_step): a step nobody else is in never completes."""
+    e = engine(3)
+    for t in (0, 1, 2):
+        e.hello(t)
+    assert e.step_in_progress(0) == (0, 2)              # trainers 1 and 2 expected
+    e.push(1, 0, grads(e, 1.0))
+    assert e.step_in_progress(0) == (0, 2)              # 1 counted, 2 expected
+    assert e.step_in_progress(1) == (0, 2)              # itself not counted
+    e.close(2)
+    e.push(0, 0, grads(e, 1.0))
+    assert e.step_in_progress(0) == (1, 1)              # applied; trainer 1 expected in step 1
+
+    # All trainers down, both rejoin a step later: step 1 waits for nobody (stalled).
+    stalled = engine(2)
+    for t in (0, 1):
+        assert stalled.hello(t, join_at=1) == (1, (0, 0))
+    assert stalled.updates == 0 and stalled.step_in_progress(0) == (0, 0)
+    assert stalled.step_in_progress(1) == (0, 0)
+
+
 def test_join_at_further_ahead_is_ignored():
     e = engine(2)
     for t in (0, 1):

@@ -9,14 +9,14 @@ import pytest
 
 from trainer.recovery import decide
 from trainer.recovery.decide import (FAIL, JOIN, RESTORE, RETRY, ROLLBACK, SKIP, WAIT, PserverState,
-                                     after_failure, on_join)
+                                     after_failure, join_token, on_join)
 
 A, B = "127.0.0.1:6170", "127.0.0.1:6171"
 KNOWN = {A: 11, B: 22}          # incarnations the trainer saw before the failure
 
 
-def ps(incarnation, step, checkpoint_step=-1, position=(0, 0), counted=-1):
-    return PserverState(incarnation, step, checkpoint_step, position, counted)
+def ps(incarnation, step, checkpoint_step=-1, position=(0, 0), counted=-1, applied=None, others=0):
+    return PserverState(incarnation, step, checkpoint_step, position, counted, applied, others)
 
 
 @pytest.mark.parametrize("code, healable", [
@@ -107,33 +107,40 @@ def test_steps_of_pservers_this_trainer_does_not_push_to_are_ignored():
 
 # (case, sync_mode, answers, time left, roll-backs already asked for, expected (action, step, position, endpoints))
 AB = (A, B)
+BEHIND_28 = {A: ps(11, 30), B: ps(99, 28, checkpoint_step=28)}
+ROLL_BACK_28 = f"join@28:{A}#11@30,{B}#99@28"
 ON_JOIN = [
     ("new trainer, fresh sync job", True, {A: ps(11, 0), B: ps(22, 0)}, 10.0, (), (JOIN, 0, (0, 0), ())),
     ("rejoin a sync job at its step and this trainer's data position",
      True, {A: ps(11, 12, position=(2, 7)), B: ps(22, 12, position=(2, 7))}, 10.0, (), (JOIN, 12, (2, 7), ())),
+    ("rejoin after the step in progress, which the other trainers complete",
+     True, {A: ps(11, 13, applied=12, others=1), B: ps(22, 13, applied=12, others=1)}, 10.0, (),
+     (JOIN, 13, (0, 0), ())),
     ("async: the trainer's own next step, the furthest of any pserver",
      False, {A: ps(11, 3, position=(0, 3)), B: ps(22, 5)}, 10.0, (), (JOIN, 5, (0, 3), ())),
-    ("sync pservers apart mid-step: ask again, joining at the highest step",
-     True, {A: ps(11, 4), B: ps(22, 5)}, 10.0, (), (WAIT, 5, (0, 0), AB)),
-    ("sync pservers apart mid-step after a roll-back to 4 (both came from it): ask again",
-     True, {A: ps(11, 4, checkpoint_step=4), B: ps(22, 5, checkpoint_step=4)}, 10.0, (f"{A}#11",),
-     (WAIT, 5, (0, 0), AB)),
+    ("sync pservers a step apart mid-step: ask again, joining at the highest step",
+     True, {A: ps(11, 4, others=1), B: ps(22, 5)}, 10.0, (), (WAIT, 5, (0, 0), AB)),
+    ("a step apart, B restarted at checkpoint 50 and another trainer's push of 50 is in: mid-step, ask again",
+     True, {A: ps(11, 51, applied=51), B: ps(99, 50, checkpoint_step=50, others=1)}, 10.0, (),
+     (WAIT, 51, (0, 0), AB)),
     ("no trainer alive: B restarted from checkpoint 28, A stands at 30: roll every pserver back to 28",
-     True, {A: ps(11, 30), B: ps(99, 28, checkpoint_step=28)}, 10.0, (), (RESTORE, 28, (0, 0), AB)),
-    ("no trainer alive: B restarted from 28, A a step ahead that never loaded 28: roll back too",
-     True, {A: ps(11, 29, checkpoint_step=20), B: ps(99, 28, checkpoint_step=28)}, 10.0, (),
-     (RESTORE, 28, (0, 0), AB)),
-    ("two trainers joining at once after that restart: the same roll-back, asked for once by each",
-     True, {A: ps(11, 30), B: ps(99, 28, checkpoint_step=28)}, 10.0, (f"{B}#99",), (WAIT, 30, (0, 0), AB)),
-    ("B restarted again from 28 after A had rolled back for its last restart: a new roll-back",
-     True, {A: ps(11, 29, checkpoint_step=28), B: ps(123, 28, checkpoint_step=28)}, 10.0, (f"{B}#99",),
-     (RESTORE, 28, (0, 0), AB)),
+     True, BEHIND_28, 10.0, (), (RESTORE, 28, (0, 0), AB)),
+    ("no trainer alive, a step apart: B (restarted from 28) waits for nobody but this trainer, which joins at 29",
+     True, {A: ps(11, 29), B: ps(99, 29, checkpoint_step=28, applied=28)}, 10.0, (), (RESTORE, 28, (0, 0), AB)),
+    ("stalled a step after its checkpoint: both go back to the checkpoint it started from",
+     True, {A: ps(11, 30), B: ps(99, 30, checkpoint_step=28, applied=29)}, 10.0, (), (RESTORE, 28, (0, 0), AB)),
+    ("two trainers joining at once find the same state: the roll-back already asked for is not asked again",
+     True, BEHIND_28, 10.0, (ROLL_BACK_28,), (WAIT, 30, (0, 0), AB)),
+    ("B restarted again after a roll-back: a new state, a new roll-back",
+     True, {A: ps(11, 30), B: ps(123, 28, checkpoint_step=28)}, 10.0, (ROLL_BACK_28,), (RESTORE, 28, (0, 0), AB)),
     ("B behind without a checkpoint (none written, or no checkpoint_dir): wait, nothing to roll back to",
      True, {A: ps(11, 3), B: ps(99, 0)}, 10.0, (), (WAIT, 3, (0, 0), AB)),
-    ("sync pservers still apart at the deadline: fail, naming the missing checkpoint",
-     True, {A: ps(11, 4), B: ps(22, 5)}, 0.0, (), (FAIL, 0, (0, 0), AB)),
+    ("sync pservers still a step apart at the deadline: fail",
+     True, {A: ps(11, 4, others=1), B: ps(22, 5)}, 0.0, (), (FAIL, 0, (0, 0), AB)),
+    ("B behind without a checkpoint at the deadline: fail, naming what is missing",
+     True, {A: ps(11, 3), B: ps(99, 0)}, 0.0, (), (FAIL, 0, (0, 0), AB)),
     ("still apart at the deadline after the roll-back was asked for: fail",
-     True, {A: ps(11, 30), B: ps(99, 28, checkpoint_step=28)}, 0.0, (f"{B}#99",), (FAIL, 0, (0, 0), AB)),
+     True, BEHIND_28, 0.0, (ROLL_BACK_28,), (FAIL, 0, (0, 0), AB)),
     ("async pservers at different steps are fine", False, {A: ps(11, 4), B: ps(22, 5)}, 0.0, (),
      (JOIN, 5, (0, 0), ())),
     ("async, B restarted from an older checkpoint than A stands at: each goes on from where it is",
@@ -147,20 +154,27 @@ ON_JOIN = [
 def test_on_join(case, sync_mode, answers, time_left, restored, expected):
     d = on_join(sync_mode, answers, [A, B], time_left, frozenset(restored))
     assert (d.action, d.step, d.position, d.endpoints) == expected
-    if d.action == FAIL:
+    if d.action in (FAIL, WAIT, RESTORE):
         assert "disagree on the current step" in d.message
-    if d.action == FAIL and not restored:
-        assert "without a checkpoint at that step" in d.message and "checkpoint_dir" in d.message
-    if d.action == FAIL and restored:
-        assert "still apart after rolling them back to the checkpoint at step 28" in d.message
+    if d.action == RESTORE:
+        assert d.token == join_token(answers, d.step)
 
 
-def test_a_joining_trainer_names_a_restart_as_an_alive_trainer_does():
-    """Joining and alive trainers that see one restart ask for one roll-back: the same token."""
-    answers = {A: ps(11, 30), B: ps(99, 28, checkpoint_step=28)}
-    joining = on_join(True, answers, [A, B], 10.0)
-    alive = after_failure(True, KNOWN, 30, answers, [A, B])
-    assert joining.token == alive.token == f"{B}#99"
+@pytest.mark.parametrize("answers, restored, missing", [
+    ({A: ps(11, 3), B: ps(99, 0)}, (), "stand at step 0 without a checkpoint at that step to roll the others back "
+                                        "to (no checkpoint_dir, or none complete yet)"),
+    (BEHIND_28, (ROLL_BACK_28,), "still apart after rolling them back to the checkpoint at step 28"),
+    ({A: ps(11, 4, others=1), B: ps(22, 5)}, (), "still apart at the deadline"),
+])
+def test_a_failed_join_names_what_is_missing(answers, restored, missing):
+    d = on_join(True, answers, [A, B], 0.0, frozenset(restored))
+    assert d.action == FAIL and missing in d.message
+
+
+def test_joining_trainers_that_find_the_same_state_ask_for_the_same_roll_back():
+    assert on_join(True, BEHIND_28, [A, B], 10.0).token == on_join(True, dict(BEHIND_28), [A, B], 5.0).token
+    moved = on_join(True, {A: ps(11, 31), B: ps(99, 28, checkpoint_step=28)}, [A, B], 10.0)
+    assert moved.action == RESTORE and moved.token != ROLL_BACK_28
 
 
 def test_join_with_no_pserver_to_push_to():

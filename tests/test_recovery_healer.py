@@ -17,9 +17,10 @@ A, B = "127.0.0.1:6170", "127.0.0.1:6171"
 UNAVAILABLE = grpc.StatusCode.UNAVAILABLE
 
 
-def hello(incarnation, step, checkpoint_step=-1, position=(0, 0), counted_step=-1):
+def hello(incarnation, step, checkpoint_step=-1, position=(0, 0), counted_step=-1, applied=None, others=0):
     return SimpleNamespace(incarnation=incarnation, start_step=step, checkpoint_step=checkpoint_step,
-                           epoch=position[0], batch=position[1], counted_step=counted_step)
+                           epoch=position[0], batch=position[1], counted_step=counted_step, sync_mode=True,
+                           applied_step=step if applied is None else applied, others_in_step=others)
 
 
 class ScriptedComm:
@@ -152,6 +153,9 @@ def joining(comm) -> Recovery:
     return Recovery(comm, sync_mode=True, push_endpoints=[A, B], connect_timeout=5, recovery_timeout=30)
 
 
+ROLL_BACK_28 = f"join@28:{A}#11@30,{B}#99@28"
+
+
 def test_a_joining_trainer_rolls_every_pserver_back_to_the_checkpoint_one_restarted_from():
     """Both trainers were down while B restarted from checkpoint 28 and A stood at 30: nobody else
     would roll A back, so the joining trainer does, then joins at 28 from the checkpoint's position."""
@@ -163,22 +167,35 @@ def test_a_joining_trainer_rolls_every_pserver_back_to_the_checkpoint_one_restar
     decision = joining(comm).join()
     assert (decision.action, decision.step, decision.position) == (JOIN, 28, (1, 3))
     # B too: it stands at 28 already, and forgets who joined a step later (an abandoned step).
-    assert comm.restores == [(A, 28, f"{B}#99"), (B, 28, f"{B}#99")]
+    assert comm.restores == [(A, 28, ROLL_BACK_28), (B, 28, ROLL_BACK_28)]
     assert comm.join_ats == [0, 0]
 
 
-def test_a_joining_trainer_asks_for_a_roll_back_once_then_waits_for_the_one_under_way():
-    """The roll-back was already done for this restart (another trainer asked first): the pservers are
-    still apart because an alive trainer's step is in flight; the joiner waits instead of asking again."""
+def test_a_joining_trainer_whose_pservers_a_step_apart_stall_rolls_them_back():
+    """A step apart with no trainer alive: B, told this trainer joins at 29, waits for nobody."""
     comm = ScriptedComm([
-        {A: hello(11, 29, checkpoint_step=28), B: hello(99, 28, checkpoint_step=28)},
-        {A: hello(11, 29, checkpoint_step=28), B: hello(99, 28, checkpoint_step=28)},
-        {A: hello(11, 29, checkpoint_step=28), B: hello(99, 29, checkpoint_step=28)},
+        {A: hello(11, 29), B: hello(99, 28, checkpoint_step=28, others=1)},     # B still counts trainer 1
+        {A: hello(11, 29), B: hello(99, 29, checkpoint_step=28, applied=28)},   # trainer 1 joins later too
+        {A: hello(11, 28, checkpoint_step=28), B: hello(99, 28, checkpoint_step=28)},
     ])
     decision = joining(comm).join()
-    assert (decision.action, decision.step) == (JOIN, 29)
-    assert comm.restores == [(A, 28, f"{B}#99"), (B, 28, f"{B}#99")]
-    assert comm.join_ats == [0, 0, 29]
+    assert (decision.action, decision.step) == (JOIN, 28)
+    token = f"join@28:{A}#11@29,{B}#99@28"
+    assert comm.join_ats == [0, 29, 0] and comm.restores == [(A, 28, token), (B, 28, token)]
+
+
+def test_a_joining_trainer_asks_for_a_roll_back_once_then_waits_for_the_one_under_way():
+    """The pservers answered the same after the roll-back this trainer asked for (another trainer's Hello
+    came between): it does not ask again for the same state but asks the pservers again."""
+    comm = ScriptedComm([
+        {A: hello(11, 30), B: hello(99, 28, checkpoint_step=28)},
+        {A: hello(11, 30), B: hello(99, 28, checkpoint_step=28)},
+        {A: hello(11, 28, checkpoint_step=28), B: hello(99, 28, checkpoint_step=28)},
+    ])
+    decision = joining(comm).join()
+    assert (decision.action, decision.step) == (JOIN, 28)
+    assert comm.restores == [(A, 28, ROLL_BACK_28), (B, 28, ROLL_BACK_28)]
+    assert comm.join_ats == [0, 0, 30]
 
 
 def test_a_joining_trainer_whose_roll_back_is_interrupted_asks_again():
@@ -189,11 +206,11 @@ def test_a_joining_trainer_whose_roll_back_is_interrupted_asks_again():
     ], restore_fails={A})
     decision = joining(comm).join()
     assert (decision.action, decision.step) == (JOIN, 28)
-    assert comm.restores == [(B, 28, f"{B}#99"), (A, 28, f"{B}#99"), (B, 28, f"{B}#99")]
+    assert comm.restores == [(B, 28, ROLL_BACK_28), (A, 28, ROLL_BACK_28), (B, 28, ROLL_BACK_28)]
 
 
 def test_a_joining_trainer_with_no_checkpoint_to_roll_back_to_fails_naming_it():
-    comm = ScriptedComm([{A: hello(11, 3), B: hello(99, 0)}] * 3)
+    comm = ScriptedComm([{A: hello(11, 3), B: hello(99, 0)}] * 5)
     with pytest.raises(PserverError, match="stand at step 0 without a checkpoint at that step"):
         Recovery(comm, sync_mode=True, push_endpoints=[A, B], connect_timeout=5, recovery_timeout=0.15).join()
     assert comm.restores == []

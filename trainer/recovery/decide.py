@@ -15,9 +15,10 @@ push (even if another ahead counted it)                those behind are told (He
                                                        finish their step without this trainer
 sync, the pservers are behind this trainer's step      ROLLBACK to their step and data position
 otherwise (async restarts included)                    RETRY the same step (pushes are idempotent)
-joining: sync pservers apart, those behind standing    RESTORE: roll every pserver back to *c*, once
-at the checkpoint *c* they loaded, nothing since       per restart (the token an alive trainer uses)
-joining: sync pservers apart otherwise, or that        WAIT and ask again, saying the highest step
+joining: sync pservers that never agree by themselves  RESTORE: roll every pserver back to the
+(applied steps 2+ apart, or a step in progress that    checkpoint *c* those behind started from,
+waits for nobody else: stalled)                        once per state of the pservers
+joining: sync pservers a step apart mid-step, or the   WAIT and ask again, saying the highest step
 roll-back already asked for                            (one behind then finishes its step without it)
 joining: still apart at the deadline                   FAIL, naming the checkpoint that is missing
 joining: otherwise                                     JOIN at their step and data position
@@ -49,9 +50,13 @@ class PserverState:
 
     ``step`` is where this trainer (re)starts on it (sync: the pserver's step;
     async: this trainer's own next step); ``checkpoint_step`` is the checkpoint
-    the pserver process started from (-1: none); ``position`` is this
-    trainer's data position as last pushed or checkpointed; ``counted`` is the
-    last step of this trainer the pserver counted (-1: none).
+    the pserver process started from or was rolled back to (-1: none);
+    ``position`` is this trainer's data position as last pushed or
+    checkpointed; ``counted`` is the last step of this trainer the pserver
+    counted (-1: none). Sync: ``applied`` is the steps the pserver applied
+    (None: ``step``), less than ``step`` when this trainer joins after the step
+    in progress, and ``others`` the other trainers in that step (counted or
+    awaited): with none, it never completes.
     """
 
     incarnation: int
@@ -59,6 +64,17 @@ class PserverState:
     checkpoint_step: int = -1
     position: Position = (0, 0)
     counted: int = -1
+    applied: Optional[int] = None
+    others: int = 0
+
+    @property
+    def applied_step(self) -> int:
+        return self.step if self.applied is None else self.applied
+
+    @property
+    def stalled(self) -> bool:
+        """Sync: the step in progress waits for nobody but this trainer, which joins after it."""
+        return self.applied_step < self.step and self.others == 0
 
 
 @dataclass(frozen=True)
@@ -139,38 +155,53 @@ def restart_token(answers: Mapping[str, PserverState], endpoints: Sequence[str])
     return ",".join(f"{ep}#{answers[ep].incarnation}" for ep in sorted(endpoints))
 
 
+def join_token(answers: Mapping[str, PserverState], step: int) -> str:
+    """The token of a joining trainer's roll-back to ``step``: every pserver's incarnation and progress.
+
+    Trainers joining at once that find the pservers in the same state name it
+    the same way (one roll-back); a new state is a new roll-back.
+    """
+    return f"join@{step}:" + ",".join(f"{ep}#{answers[ep].incarnation}@{answers[ep].applied_step}"
+                                      for ep in sorted(answers))
+
+
 def on_join(sync_mode: bool, answers: Mapping[str, PserverState], push_endpoints: Sequence[str],
             time_left: float, restored: AbstractSet[str] = frozenset()) -> Decision:
     """Whether a joining trainer can start, given every pserver's ``answers`` and the time left.
 
-    Sync pservers must agree on the step. When those behind stand at the
-    checkpoint they loaded, nothing applied since, the others applied steps
-    they lack and no push will bring them up (a pserver restarted while no
-    trainer was alive to roll the others back, or an alive trainer is rolling
-    them back now): RESTORE every pserver to that checkpoint, with the token an
-    alive trainer would use, unless that token is in ``restored`` (already
-    asked for). Otherwise they are mid-step: WAIT at the highest step (asked
-    again with it as ``join_at``, a pserver one step behind goes on without this
-    trainer), until the deadline has passed (FAIL).
+    Sync pservers must agree on the step. Pservers that applied steps two or
+    more apart, or one whose step in progress waits for nobody but this
+    trainer (stalled), never agree by themselves: a pserver restarted while no
+    trainer was alive to roll the others back. RESTORE every pserver to the
+    checkpoint those behind (and stalled) started from, once per state
+    (``restored``: tokens already asked for), if they have one. Apart by one
+    step otherwise, they are mid-step: WAIT at the highest step (asked again
+    with it as ``join_at``, a pserver one step behind finishes its step
+    without this trainer). FAIL once the deadline has passed.
     """
     steps: Dict[str, int] = {ep: a.step for ep, a in answers.items() if ep in push_endpoints}
-    if sync_mode and len(set(steps.values())) > 1:
-        low = min(steps.values())
-        behind = tuple(sorted(ep for ep in steps if steps[ep] == low))
-        at_checkpoint = all(answers[ep].checkpoint_step == low for ep in behind)
-        token = restart_token(answers, behind)
-        if at_checkpoint and token not in restored:
-            return Decision(RESTORE, low, endpoints=tuple(sorted(answers)), token=token,
-                            message=f"pservers disagree on the current step: {steps}; {', '.join(behind)} "
-                                    f"stand at the checkpoint of step {low}")
+    if not sync_mode or not steps:
+        first = answers[push_endpoints[0]] if push_endpoints else None
+        return Decision(JOIN, max(steps.values(), default=0), first.position if first is not None else (0, 0))
+    applied = {ep: answers[ep].applied_step for ep in steps}
+    stalled = [ep for ep in steps if answers[ep].stalled]
+    low = min(applied.values())
+    if len(set(steps.values())) == 1 and not stalled:
+        first = answers[push_endpoints[0]]
+        return Decision(JOIN, first.step, first.position)
+    apart = f"pservers disagree on the current step: {steps}" + (
+        f", {', '.join(stalled)} waiting for no other trainer" if stalled else "")
+    if max(applied.values()) - low >= 2 or stalled:
+        behind = sorted(set(stalled) | {ep for ep in steps if applied[ep] == low})
+        target = min(answers[ep].checkpoint_step for ep in behind)
+        token = join_token(answers, target)
+        if target >= 0 and token not in restored:
+            return Decision(RESTORE, target, endpoints=tuple(sorted(answers)), token=token,
+                            message=f"{apart}; {', '.join(behind)} started from the checkpoint of step {target}")
         if time_left <= 0:
-            if at_checkpoint:
-                why = f"still apart after rolling them back to the checkpoint at step {low}"
-            else:
-                why = f"{', '.join(behind)} stand at step {low} {NO_CHECKPOINT}"
-            return Decision(FAIL, endpoints=tuple(steps),
-                            message=f"pservers disagree on the current step: {steps}; {why}")
-        return Decision(WAIT, max(steps.values()), endpoints=tuple(steps),
-                        message=f"pservers disagree on the current step: {steps}")
-    first = answers[push_endpoints[0]] if push_endpoints else None
-    return Decision(JOIN, max(steps.values(), default=0), first.position if first is not None else (0, 0))
+            why = (f"still apart after rolling them back to the checkpoint at step {target}" if target >= 0 else
+                   f"{', '.join(behind)} stand at step {low} {NO_CHECKPOINT}")
+            return Decision(FAIL, endpoints=tuple(steps), message=f"{apart}; {why}")
+    elif time_left <= 0:
+        return Decision(FAIL, endpoints=tuple(steps), message=f"{apart}; still apart at the deadline")
+    return Decision(WAIT, max(steps.values()), endpoints=tuple(steps), message=apart)

@@ -24,7 +24,8 @@ log = logging.getLogger(__name__)
 
 def states(replies: Mapping[str, object]) -> Dict[str, PserverState]:
     """The :class:`PserverState` of each pserver's ``HelloReply``."""
-    return {ep: PserverState(r.incarnation, r.start_step, r.checkpoint_step, (r.epoch, r.batch), r.counted_step)
+    return {ep: PserverState(r.incarnation, r.start_step, r.checkpoint_step, (r.epoch, r.batch), r.counted_step,
+                             r.applied_step if r.sync_mode else None, r.others_in_step)
             for ep, r in replies.items()}
 
 
