@@ -346,7 +346,11 @@ class Engine:
                 return False
             if self.restored_from == step == self.updates:
                 self._honoured.add(token)
-                self._forget_join_steps()
+                if self._forget_join_steps():
+                    # A trainer that was told it starts a step later is now expected in this one: a
+                    # wait of its from before is on the abandoned timeline, as after a roll-back.
+                    self._rollbacks += 1
+                    self.cv.notify_all()
                 log.info("%s: already at the checkpoint of step %d, nothing applied since; roll-back asked "
                          "by trainer %d (%s) keeps the pushes counted for it", self.endpoint, step, trainer_id,
                          token)
@@ -383,8 +387,12 @@ class Engine:
     def _clear_pending(self) -> None:
         pass
 
-    def _forget_join_steps(self) -> None:
-        """A roll-back to the step this pserver stands at: every trainer redoes that step."""
+    def _forget_join_steps(self) -> bool:
+        """A roll-back to the step this pserver stands at: every trainer redoes that step.
+
+        Returns whether a trainer had been told it starts a step later.
+        """
+        return False
 
     def _reads_need_copy(self) -> bool:
         return True

@@ -67,11 +67,12 @@ class SyncEngine(Engine):
         super()._reset(meta)
         self._forget_join_steps()
 
-    def _forget_join_steps(self) -> None:
+    def _forget_join_steps(self) -> bool:
         # Every trainer redoes the checkpoint's step after a roll-back, also one that had joined a
         # step later (pservers apart): the step it joined at was abandoned. Kept, its push of the
         # checkpoint's step would be stale, the step applied without it.
-        self.joins_at = {}
+        forgotten, self.joins_at = bool(self.joins_at), {}
+        return forgotten
 
     def _clear_pending(self) -> None:
         self.pending = set()

@@ -338,3 +338,22 @@ def test_a_trainer_from_before_a_roll_back_that_pushed_the_step_waits_for_it_as_
     e.push(0, 1, grads(e, 1.0), position=(0, 2))
     waited.join(timeout=5)
     assert outcome == ["served"] and e.updates == 2
+
+
+def test_a_roll_back_to_the_checkpoint_a_pserver_stands_at_refuses_waits_of_trainers_told_to_join_later(tmp_path):
+    """A joining trainer's roll-back reaches a pserver already at the checkpoint: it keeps what it counted, but a
+    trainer it had told to start a step later is expected in this step again, so that trainer's wait from before
+    (for the later step) is refused at once instead of waiting for its own push until barrier_timeout."""
+    e = checkpointed_at_step_1(tmp_path)
+    assert e.restore(0, 1, "restart") is True and e.updates == 1     # resumed from it: nothing applied since
+    for t in (0, 1):
+        e.hello(t, join_at=2)                                      # both told to start at step 2
+    assert e.step_in_progress(0) == (1, 0)                          # stalled: waits for nobody
+    assert e.restore(1, 1, "join") is False and e.updates == 1      # kept, but the join steps are forgotten
+    assert e.step_in_progress(0) == (1, 1)
+    with pytest.raises(MustResync, match="rolled back to the checkpoint at step 1 since trainer 0 said Hello"):
+        e.wait_updates(0, 2)
+    e.hello(0)
+    e.push(0, 1, grads(e, 1.0))
+    e.push(1, 1, grads(e, 1.0))
+    assert e.updates == 2                                          # step 1 redone with both trainers

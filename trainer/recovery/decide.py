@@ -10,9 +10,9 @@ a call failed with UNAVAILABLE, ABORTED or CANCELLED   recoverable: wait for the
 any other status                                       not recoverable: the error reaches the user
 a pserver restarted without a checkpoint               FAIL: its parameters are lost
 sync, a pserver restarted from checkpoint *c*          RESTORE: roll every other pserver back to *c*
-sync, a pserver ahead went on without this trainer's   SKIP to their highest step (it was dropped);
-push (even if another ahead counted it)                those behind are told (Hello join_at) and
-                                                       finish their step without this trainer
+sync, a pserver past the step the trainer would push   SKIP to their highest step (it was dropped);
+(its own, or the lowest pserver's) went on without     those behind are told (Hello join_at) and
+its push (even if another ahead counted it)            finish their step without this trainer
 sync, the pservers are behind this trainer's step      ROLLBACK to their step and data position
 otherwise (async restarts included)                    RETRY the same step (pushes are idempotent)
 joining: sync pservers that never agree by themselves  RESTORE: roll every pserver back to the
@@ -128,14 +128,17 @@ def after_failure(sync_mode: bool, known: Mapping[str, int], step: int,
             return Decision(RESTORE, target, endpoints=others, token=restart_token(answers, gone),
                             restarted=gone)
     steps = {ep: answers[ep].step for ep in push_endpoints} if sync_mode else {}
-    ahead = [ep for ep in steps if steps[ep] > step]
-    if any(answers[ep].counted < step for ep in ahead):
-        # A pserver went on without this trainer (dropped after heartbeat_timeout): its push of
-        # ``step`` would be stale there, so the step cannot be retried, even where another pserver
-        # counted it (that one went on with it). When none ahead lacks it, the others may still need
-        # the push after overlapping restarts: the step is retried (a duplicate is acknowledged).
-        # Pservers that dropped it at different moments may stand a step apart, the one behind
-        # waiting for this trainer's push of its step: ``endpoints`` are those to tell it joins later.
+    # Where this trainer would push next: its own step, or the lowest pserver's after a roll-back.
+    start = min(step, *steps.values()) if steps else step
+    ahead = [ep for ep in steps if steps[ep] > start]
+    if any(answers[ep].counted < start for ep in ahead):
+        # A pserver went on past ``start`` without this trainer (dropped after heartbeat_timeout):
+        # its push of ``start`` would be stale there, so the step can be neither retried nor redone,
+        # even where another pserver counted it (that one went on with it). When none ahead lacks
+        # it, the others may still need the push after overlapping restarts (retried: a duplicate is
+        # acknowledged), or those ahead are being rolled back. Pservers that dropped it at
+        # different moments may stand a step apart, the one behind waiting for this trainer's push
+        # of its step: ``endpoints`` are those to tell it joins later.
         target = max(steps.values())
         behind = tuple(sorted(ep for ep in steps if steps[ep] < target))
         return Decision(SKIP, target, endpoints=behind, restarted=gone)
