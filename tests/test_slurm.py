@@ -3,7 +3,8 @@
 The cluster (:mod:`tests.helpers.slurm_cluster`): munged, slurmctld and two slurmd (nodes n1 and
 n2) in a private network namespace. The jobs' roles come from Slurm's own variables
 (``RoleEnv.from_env``'s Slurm source). Skipped, naming the command that failed, where Slurm is
-not installed (``apt-get install slurm-wlm munge``) or does not start (not root, no namespaces).
+not installed (``apt-get install slurm-wlm munge iproute2``) or does not start (not root, no
+namespaces); failed instead under ``PS_REQUIRE_SYSTEM_TESTS=1``, as in CI (:mod:`tests.helpers.system`).
 
 Select it with ``python -m pytest -q tests/test_slurm.py -rs``.
 """
@@ -18,6 +19,7 @@ import torch
 
 from tests.helpers.slurm_cluster import (NODES, ClusterUnavailable, finished, hosts_file, parse_jobs, slurm_conf,
                                          start_cluster)
+from tests.helpers.system import unavailable
 from tests.scripts import recovery_job
 
 REPO = Path(__file__).resolve().parents[1]
@@ -31,10 +33,14 @@ ACCURACY_LINE = re.compile(r"^(\d+): .*trainer (\d+): test accuracy ([0-9.]+)", 
 
 @pytest.fixture(scope="module")
 def slurm(tmp_path_factory):
+    """The module's two-node cluster; every daemon, job and the namespace are gone after the module."""
+    reason = ""
     try:
         cluster = start_cluster(tmp_path_factory.mktemp("slurm"))
     except ClusterUnavailable as e:
-        pytest.skip(f"no Slurm cluster: {e}")
+        reason = f"no Slurm cluster: {e}"  # start_cluster already closed what it had started
+    if reason:
+        unavailable(reason)  # outside the except: the report shows the reason once, not chained to itself
     try:
         yield cluster
     finally:

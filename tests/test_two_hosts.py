@@ -3,7 +3,8 @@
 Namespace 1 holds the two pservers, each bound to its own 10.231.N.1:PORT address; namespace 2
 holds the two trainers. The namespaces are joined by a veth pair, so every push and pull crosses
 a real interface (not loopback), which the veth's byte counters confirm. Needs root (or
-CAP_NET_ADMIN + CAP_SYS_ADMIN) and ``ip netns``; skipped otherwise, naming the failing command.
+CAP_NET_ADMIN + CAP_SYS_ADMIN) and ``ip netns``; skipped otherwise, naming the failing command,
+or failed instead under ``PS_REQUIRE_SYSTEM_TESTS=1``, as in CI (:mod:`tests.helpers.system`).
 
 Select it with ``python -m pytest -q tests/test_two_hosts.py -rs``.
 """
@@ -12,7 +13,6 @@ from __future__ import annotations
 import errno
 import os
 import re
-import shutil
 import signal
 import socket
 import subprocess
@@ -23,6 +23,8 @@ from pathlib import Path
 from typing import List
 
 import pytest
+
+from tests.helpers.system import clear_namespace, missing_prerequisites, unavailable
 
 # Every test here starts pservers and trainers as separate processes.
 pytestmark = pytest.mark.processes
@@ -45,7 +47,11 @@ MIN_BYTES = 100_000         # each direction of the veth
 
 
 def run(cmd: List[str], timeout: float = 20) -> subprocess.CompletedProcess:
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    """Run ``cmd`` (no shell), capturing its output as text; a failure to start or a timeout reads as exit -1."""
+    try:
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return subprocess.CompletedProcess(cmd, -1, "", str(e))
 
 
 def in_ns(ns: str, *cmd: str) -> List[str]:
@@ -80,8 +86,9 @@ def kill_all(procs: List[subprocess.Popen]) -> None:
 
 
 def teardown_network(created_ns: List[str]) -> None:
+    """Delete the namespaces (and whatever still runs in them) and any veth end left in the root namespace."""
     for ns in created_ns:
-        run(["ip", "netns", "del", ns])  # also removes the veth end inside it
+        clear_namespace(ns)  # deleting it also removes the veth end inside it
     # If setup stopped before both ends were moved, an end may still be in the root namespace.
     for dev in (VETH1, VETH2):
         if run(["ip", "link", "show", dev]).returncode == 0:
@@ -90,10 +97,10 @@ def teardown_network(created_ns: List[str]) -> None:
 
 @pytest.fixture(scope="module")
 def two_hosts():
-    if not sys.platform.startswith("linux"):
-        pytest.skip("network namespaces are Linux-only")
-    if shutil.which("ip") is None:
-        pytest.skip("the `ip` command (iproute2) is not installed")
+    """Both namespaces joined by the veth pair; every process started in them and the network are gone afterwards."""
+    reason = missing_prerequisites(["ip"], "apt-get install iproute2")
+    if reason:
+        unavailable(reason)
     created_ns: List[str] = []
     steps = [
         ["ip", "netns", "add", NS1],
@@ -112,14 +119,12 @@ def two_hosts():
     hosts = TwoHosts()
     try:
         for cmd in steps:
-            try:
-                r = run(cmd)
-            except (OSError, subprocess.TimeoutExpired) as e:
-                r = subprocess.CompletedProcess(cmd, -1, "", str(e))
+            r = run(cmd)
             if r.returncode != 0:
-                pytest.skip(f"network namespace setup failed (needs root / CAP_NET_ADMIN and "
-                            f"namespaces allowed): `{' '.join(cmd)}` exited {r.returncode}: "
-                            f"{r.stderr.strip()}")
+                # Inside the try: the finally below removes what the earlier steps created.
+                unavailable(f"network namespace setup failed (needs root / CAP_NET_ADMIN and namespaces "
+                            f"allowed): `{' '.join(cmd)}` exited {r.returncode}: "
+                            f"{(r.stderr or r.stdout).strip()}")
             if cmd[:3] == ["ip", "netns", "add"]:
                 created_ns.append(cmd[3])
         yield hosts

@@ -14,7 +14,9 @@ address; and ``ip netns exec`` remounts /sys without the cgroup mounts, so cgrou
 
 Needs root (slurmd runs as SlurmdUser=root; namespaces need CAP_SYS_ADMIN) and Debian's
 ``slurm-wlm`` (22.05) with ``munge``; :func:`start_cluster` raises :class:`ClusterUnavailable`,
-naming the failing command and its output, where they are missing or do not start.
+naming the failing command and its output, where they are missing or do not start (the test's
+fixture turns that into a skip, or a failure under ``PS_REQUIRE_SYSTEM_TESTS``:
+:mod:`tests.helpers.system`).
 """
 from __future__ import annotations
 
@@ -28,6 +30,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Mapping, Optional, Sequence
+
+from tests.helpers.system import clear_namespace, missing_prerequisites
 
 NODES = {"n1": "127.0.0.1", "n2": "127.0.0.2"}
 CTLD_PORT, FIRST_SLURMD_PORT = 6817, 6818        # free in a fresh namespace
@@ -226,21 +230,14 @@ class SlurmCluster:
                 proc.wait(timeout=3)
             except subprocess.TimeoutExpired:
                 _signal_group(proc, signal.SIGKILL)
-                proc.wait(timeout=10)
+                try:
+                    proc.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    pass  # clear_namespace below still kills it; the namespace must go regardless
         if self.created_ns:
             # slurmstepd and job tasks leave their daemon's session: every process still in this
             # namespace is one the cluster started.
-            for _ in range(50):
-                pids = [int(p) for p in run(["ip", "netns", "pids", self.ns]).stdout.split()]
-                if not pids:
-                    break
-                for pid in pids:
-                    try:
-                        os.kill(pid, signal.SIGKILL)
-                    except ProcessLookupError:
-                        pass
-                time.sleep(0.1)
-            run(["ip", "netns", "del", self.ns])
+            clear_namespace(self.ns)
             self.created_ns = False
 
 
@@ -266,14 +263,15 @@ def choose_auth() -> str:
 def start_cluster(root: Path, timeout: float = 30) -> SlurmCluster:
     """Start munged, slurmctld and a slurmd per node under ``root``; return once sinfo shows both idle.
 
-    Raises ClusterUnavailable (the caller skips) where Slurm is missing or does not start; the
-    cluster is closed again before it raises.
+    Raises ClusterUnavailable (the caller skips or fails: :func:`tests.helpers.system.unavailable`)
+    where Slurm is missing or does not start; the cluster is closed again before it raises.
     """
-    missing = [b for b in BINARIES if shutil.which(b) is None]
-    if missing:
-        raise ClusterUnavailable(f"not installed: {', '.join(missing)} (apt-get install slurm-wlm munge iproute2)")
+    reason = missing_prerequisites(BINARIES, "apt-get install slurm-wlm munge iproute2")
+    if reason:
+        raise ClusterUnavailable(reason)
     if os.geteuid() != 0:
-        raise ClusterUnavailable("slurmd runs as root (SlurmdUser=root) and network namespaces need root")
+        raise ClusterUnavailable(f"not root (euid {os.geteuid()}): slurmd runs as root (SlurmdUser=root) and "
+                                 "network namespaces need root")
     auth = choose_auth()
     cluster = SlurmCluster(root, f"ps-slurm-{os.getpid()}", auth)
     try:
