@@ -161,11 +161,18 @@ def test_a_trainer_with_a_wrong_token_fails_fast_naming_it():
 def test_tls_trains_and_refuses_plaintext(certs):
     server_sec = Security(tls_cert=certs["server_cert"], tls_key=certs["server_key"])
     client_sec = Security(tls_ca=certs["ca"])
+    # The same job in plaintext, through the same Trainer path: TLS may change the channel only.
+    with LocalCluster(build, 1, 1) as plain:
+        want = train(plain, 2, Security())
+    initial = build().model.state_dict()
     with LocalCluster(build, 1, 1, security=server_sec) as cluster:
         ep = cluster.endpoints[0]
-        state = train(cluster, 1, client_sec)
-        assert stats(ep, client_sec).updates == 1
-        assert set(state) == set(build().model.state_dict())
+        got = train(cluster, 2, client_sec)
+        assert stats(ep, client_sec).updates == 2
+        assert set(got) == set(want) == set(initial)
+        for k in want:
+            assert torch.equal(got[k], want[k]), k
+        assert not torch.equal(got["fc1.weight"], initial["fc1.weight"])  # it trained
         with pytest.raises(grpc.RpcError) as e:
             stats(ep, Security(), timeout=3)
         assert e.value.code() in REFUSED

@@ -81,9 +81,35 @@ def test_sessions_open_keep_refuse_take_over_and_fence():
         s.check(1, "")
 
 
-def test_tokens_are_unguessable_and_fenced_ones_are_bounded():
+def test_tokens_are_unguessable_and_fenced_ones_are_bounded(monkeypatch):
+    # Unguessable means drawn from the OS's CSPRNG (the secrets module), at least 128 bits: a
+    # token from random, a counter or the clock would still be unique, and forgeable.
+    drawn, inside = [], []
+
+    def spy(real):
+        def draw(nbytes=None):
+            inside.append(real.__name__)  # token_hex draws through token_bytes: count the outer call
+            try:
+                out = real(nbytes)
+            finally:
+                inside.pop()
+            if not inside:
+                drawn.append((real.__name__, nbytes, out))
+            return out
+        return draw
+    for name in ("token_hex", "token_urlsafe", "token_bytes"):
+        monkeypatch.setattr(S.secrets, name, spy(getattr(S.secrets, name)))
     s = Sessions(EP, alive_window=0.0)
     tokens = [s.hello(0, incarnation=i + 1, peer="p", last_heard=None, ended=True) for i in range(S.FENCED_KEPT + 5)]
+    assert len(drawn) == len(tokens), "a session token not drawn from the secrets module"
+    assert all(nbytes is not None and nbytes >= 16 for _, nbytes, _ in drawn), {d[:2] for d in drawn}
+    assert [out for _, _, out in drawn] == tokens
+    # The same process's Hello again keeps its token: nothing new is drawn.
+    assert s.hello(0, incarnation=len(tokens), peer="p", last_heard=time.monotonic(), ended=False) == tokens[-1]
+    assert len(drawn) == len(tokens)
+    # 128 bits as 32 hex digits, every digit seen at every position over this many tokens.
+    assert all(re.fullmatch(r"[0-9a-f]{32}", t) for t in tokens), tokens[:3]
+    assert all({t[i] for t in tokens} == set("0123456789abcdef") for i in range(32))
     assert len(set(tokens)) == len(tokens)
     with pytest.raises(Fenced):
         s.check(0, tokens[-2])

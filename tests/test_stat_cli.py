@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 from torch import nn
@@ -74,18 +75,50 @@ def test_json_has_every_field(cluster, capsys, monkeypatch):
 
 
 @pytest.mark.timeout(30)
-def test_live_trainers_and_push_rate(capsys):
+def test_live_trainers_and_push_rate(capsys, monkeypatch):
+    data = batches(1, 4, 6)
     with LocalCluster(build, 1, 1) as c:
         with c.trainer(0) as tr:
-            x, y = batches(1, 4, 1)[0][0]
-            nn.functional.cross_entropy(tr.model(x), y).backward()
-            tr.step()
+            def step(i):  # one sync step: one push
+                x, y = data[i][0]
+                nn.functional.cross_entropy(tr.model(x), y).backward()
+                tr.step()
+
+            def json_stats(*args):
+                assert stat_cli.main([c.endpoints[0], "--json", *args]) == 0
+                (obj,) = [json.loads(l) for l in capsys.readouterr().out.strip().splitlines()]
+                return obj
+
+            step(0)
             assert stat_cli.main([c.endpoints[0], "--interval", "0"]) == 0
             cells = capsys.readouterr().out.strip().splitlines()[1].split()
             assert cells[2:4] == ["1", "0"]
-            assert stat_cli.main([c.endpoints[0], "--json", "--interval", "0.1"]) == 0
-            (obj,) = [json.loads(l) for l in capsys.readouterr().out.strip().splitlines()]
-            assert obj["trainers_alive"] == [0] and obj["pushes_per_s"] == 0.0
+            # --interval 0: the mean since the pserver started.
+            obj = json_stats("--interval", "0")
+            assert obj["pushes"] == 1 and obj["uptime_s"] > 0
+            assert obj["pushes_per_s"] == pytest.approx(1 / obj["uptime_s"], rel=1e-9) and obj["pushes_per_s"] > 0
+            # No push between the two samples: 0.
+            obj = json_stats("--interval", "0.1")
+            assert obj["trainers_alive"] == [0] and obj["pushes"] == 1 and obj["pushes_per_s"] == 0.0
+            # Pushes between the two samples: ps-stat's wait between them is replaced by exactly
+            # three sync steps, so the rate over the 0.5 s it believes passed is 6 pushes/s.
+            waits = []
+
+            def three_steps(seconds):
+                waits.append(seconds)
+                for i in (1, 2, 3):
+                    step(i)
+            monkeypatch.setattr(stat_cli, "time", SimpleNamespace(sleep=three_steps))
+            obj = json_stats("--interval", "0.5")
+            assert waits == [0.5]
+            assert obj["updates"] == 4 and obj["pushes"] == 4 and obj["pushes_per_s"] == 6.0
+            assert obj["trainers_alive"] == [0]
+            # The table's PUSHES/S column: two steps over 0.25 s.
+            monkeypatch.setattr(stat_cli, "time", SimpleNamespace(sleep=lambda seconds: (step(4), step(5))))
+            assert stat_cli.main([c.endpoints[0], "--interval", "0.25"]) == 0
+            header, line = capsys.readouterr().out.strip().splitlines()
+            assert line[header.index("PUSHES/S"):].split()[0] == "8.0"
+            assert line.split()[2] == "6"
 
 
 @pytest.mark.timeout(30)

@@ -8,10 +8,10 @@ import torch
 
 from tests.helpers.cluster import LocalCluster
 from psproto import ps_pb2, ps_pb2_grpc
-from psproto.codec import encode_chunks
-from tests.helpers.table_models import DIM, table_program
+from psproto.codec import TensorReader, encode_chunks
+from tests.helpers.table_models import BAG_DIM, DIM, table_program
 from tests.helpers.wire import expect_refusal, open_sessions, push_messages
-from transpiler.tables import shard_of
+from transpiler.tables import initial_rows, shard_of
 
 
 @pytest.fixture
@@ -96,10 +96,25 @@ def test_bad_prefetches_are_refused(cluster, stub):
     ]
     for call, code, match in cases:
         expect_refusal(call, code, match)
-    # A good prefetch answers with the initial rows, and does not create them.
-    (chunk,) = prefetch([("emb@ids", mine)])
+    # A good prefetch answers with the initial rows, and does not create them. A row never pushed
+    # is a pure function of (table seed, id): the plan's initial_rows, whichever pserver answers.
+    emb_ids, bag_ids = torch.cat([mine, mine[:2]]), mine.flip(0)   # repeats allowed, request order kept
+    chunks = prefetch([("emb@ids", emb_ids), ("bag@ids", bag_ids)])
     assert cluster.servers[0].engine.tables.rows == 0
-    assert chunk  # encoded PullChunk bytes
+    specs = {t.name: t for t in table_program("adagrad", lr=0.1).tables}
+    expected = {"emb@rows": ("float32", [-1, DIM]), "bag@rows": ("float32", [-1, BAG_DIM])}
+    reader = TensorReader(expected.get)
+    for piece in (p for chunk in chunks for p in chunk.pieces):
+        reader.add(piece)
+    rows = reader.finish()
+    assert chunks[0].HasField("header") and chunks[0].header.updates == 0
+    assert not any(chunk.HasField("header") for chunk in chunks[1:])
+    assert list(rows) == ["emb@rows", "bag@rows"]
+    for name, ids in (("emb", emb_ids), ("bag", bag_ids)):
+        want = initial_rows(specs[name], ids.numpy())
+        assert want.shape == (len(ids), specs[name].dim) and np.abs(want).sum() > 0
+        np.testing.assert_array_equal(rows[f"{name}@rows"].numpy(), want)
+    np.testing.assert_array_equal(rows["emb@rows"][-2:].numpy(), rows["emb@rows"][:2].numpy())
 
 
 @pytest.mark.timeout(30)

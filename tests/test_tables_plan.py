@@ -7,6 +7,7 @@ from torch import nn
 from tests.helpers.cluster import LocalCluster
 from tests.helpers.table_models import table_program
 from transpiler import DistributeTranspiler, PserverProgram, Program, TableOptions, TrainerProgram
+from transpiler.hashing import stable_hash_ids
 from transpiler.tables import as_ids, initial_rows, merge_duplicates, shard_of
 
 
@@ -64,7 +65,31 @@ def test_shard_of_spreads_ids_and_is_stable():
     shards = shard_of(ids, 3)
     counts = np.bincount(shards, minlength=3)
     assert counts.min() > 32_000  # balanced even for consecutive ids
-    assert shard_of(np.array([0, -1, 2**63 - 1]), 5).tolist() == shard_of(np.array([0, -1, 2**63 - 1]), 5).tolist()
+    # Known answers, pinned: which pserver owns an id is written into every saved checkpoint's
+    # table layout (and seeds the rows), so a change of these values breaks every saved job.
+    # The hash of 0 is splitmix64's well-known first output for seed 0 (0xE220A8397B1DCDAF).
+    pinned = np.array([0, 1, -1, 2, 7, 123456789, -987654321, 2**31, 2**32 + 5, 10**15, 2**62 + 3,
+                       2**63 - 1, -2**63], dtype=np.int64)
+    assert int(stable_hash_ids(pinned)[0]) == 0xE220A8397B1DCDAF
+    assert stable_hash_ids(pinned).tolist() == [
+        16294208416658607535, 10451216379200822465, 16490336266968443936, 10905525725756348110,
+        7191089600892374487, 2466975172287755897, 10239014496013463773, 2686745474645717868,
+        5850300198034702058, 17921233067608059739, 9219967605485066917, 3055647633038352039,
+        5196802822362493915]
+    expected = {
+        1: [0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0],
+        2: [1, 1, 0, 0, 1, 1, 1, 0, 0, 1, 1, 1, 1],
+        3: [1, 2, 2, 1, 0, 2, 1, 0, 2, 1, 1, 0, 1],
+        5: [0, 0, 1, 0, 2, 2, 3, 3, 3, 4, 2, 4, 0],
+        8: [7, 1, 0, 6, 7, 1, 5, 4, 2, 3, 5, 7, 3],
+        64: [47, 1, 32, 14, 23, 57, 29, 44, 42, 27, 37, 39, 27],
+    }
+    for n_shards, want in expected.items():
+        got = shard_of(pinned, n_shards)
+        assert got.dtype == np.int64 and got.tolist() == want, n_shards
+        # Per id or in a batch, in any order: the same owner.
+        assert [int(shard_of(pinned[i:i + 1], n_shards)[0]) for i in range(len(pinned))] == want
+        assert shard_of(pinned[::-1], n_shards).tolist() == want[::-1]
 
 
 def test_merge_duplicates_sums_rows_of_equal_ids():
