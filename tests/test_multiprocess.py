@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from tests.helpers.ports import free_ports
-from tests.helpers.models import batches, odd_program
+from tests.helpers.models import FLOAT64_EXACT, batches, odd_program
 from trainer import Trainer
 from transpiler import DistributeTranspiler
 
@@ -67,6 +67,7 @@ def test_sync_training_against_pserver_processes_matches_single_process():
         for th in threads:
             th.join(60)
         assert not errors, errors
+        assert not any(th.is_alive() for th in threads), "a trainer did not finish within 60 s"
         # Each pserver exits by itself, cleanly, once both trainers closed.
         for p in procs:
             out, _ = p.communicate(timeout=30)
@@ -85,7 +86,8 @@ def test_sync_training_against_pserver_processes_matches_single_process():
         opt.step()
     for i in range(2):
         for name, value in prog.model.state_dict().items():
-            torch.testing.assert_close(states[i][name], value, rtol=1e-5, atol=1e-7)
+            torch.testing.assert_close(states[i][name], value, **FLOAT64_EXACT,
+                                       msg=lambda m: f"trainer {i}, {name}: {m}")
 
 
 @pytest.mark.timeout(60)

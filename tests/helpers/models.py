@@ -2,6 +2,12 @@
 import torch
 from torch import nn
 
+# assert_close's tolerance for "float64 training equals the single-process reference": a mean of
+# per-trainer gradients and the gradient of the concatenated batch differ by a few ulps, which Adam
+# and Adagrad carry into a few 1e-15 after 4 steps (4e-15 at most seen, on parameters of order 1).
+# A real difference in the update (a lost or doubled push, a wrong scale) is orders above it.
+FLOAT64_EXACT = dict(rtol=1e-12, atol=1e-12)
+
 
 class OddMLP(nn.Module):
     """Parameters whose sizes are no multiples of the block size, plus a scalar.

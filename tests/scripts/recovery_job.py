@@ -8,7 +8,9 @@ step S to the first pserver, and once that one has applied it writes PAUSE_DIR/h
 push to the second until PAUSE_DIR/release exists (a trainer whose step one pserver counted and
 the other, which may drop it meanwhile, has not). ``--step_delay`` stretches each step until PAUSE_DIR/calm
 exists: a test whose kills are done writes it, and the rest of the job runs at full speed (the
-same steps and data). Each trainer saves its final ``state_dict``
+same steps and data). ``--pause_every_trainer``: every trainer pauses at step N, writing
+PAUSE_DIR/reached-<id>, until PAUSE_DIR/go. ``--counting``: the model counts the pushes applied to it
+(:func:`counting_loss`). Each trainer saves its final ``state_dict``
 to OUT_DIR/trainer-<id>.pt and the one it started with to OUT_DIR/start-<id>.pt.
 :func:`reference` trains the same job in one process (the concatenated batches).
 """
@@ -31,6 +33,8 @@ from transpiler import DistributeTranspiler, DistributeTranspilerConfig, Program
 BATCH = 8
 SAMPLES = 320          # 20 batches per trainer and epoch with 2 trainers
 TRAINERS = 2
+BARRIER_TIMEOUT = 60.0
+TALLY = 1000           # --counting: trainer t's pushes count TALLY**t each
 
 
 def build_model() -> nn.Module:
@@ -41,6 +45,22 @@ def build_model() -> nn.Module:
 def build_program(optimizer: str = "momentum", lr: float = 0.05) -> Program:
     kwargs = {"momentum": 0.9} if optimizer == "momentum" else {}
     return Program(build_model(), optimizer, lr=lr, **kwargs)
+
+
+def counting_program() -> Program:
+    """``--counting``: the model with every parameter at 0, trained by plain SGD at lr 1 on
+    :func:`counting_loss`. Each element then stands at minus (trainer 0's pushes applied to it +
+    TALLY * trainer 1's), exactly (integers far below float32's 2**24)."""
+    model = build_model()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    return Program(model, "sgd", lr=1.0)
+
+
+def counting_loss(model: nn.Module, trainer_id: int) -> torch.Tensor:
+    """A loss whose gradient is TALLY**trainer_id on every element of every parameter."""
+    return sum(p.sum() for p in model.parameters()) * float(TALLY ** trainer_id)
 
 
 def dataset() -> TensorDataset:
@@ -138,6 +158,9 @@ def main(argv=None) -> int:
     p.add_argument("--pause_at", type=int, default=-1)
     p.add_argument("--pause_trainer", type=int, default=0)
     p.add_argument("--pause_dir", default="")
+    p.add_argument("--pause_every_trainer", action="store_true",
+                   help="every trainer pauses at --pause_at (PAUSE_DIR/reached-<id>), not only --pause_trainer")
+    p.add_argument("--counting", action="store_true", help="train counting_program() on counting_loss")
     p.add_argument("--hold_push", type=int, default=-1)
     p.add_argument("--hold_trainer", type=int, default=1)
     p.add_argument("--step_delay", type=float, default=0.0,
@@ -149,9 +172,10 @@ def main(argv=None) -> int:
     config = DistributeTranspilerConfig(
         checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
         heartbeat_interval=args.heartbeat_interval, heartbeat_timeout=args.heartbeat_timeout,
-        barrier_timeout=60.0, connect_timeout=60.0, recovery_timeout=60.0)
+        barrier_timeout=BARRIER_TIMEOUT, connect_timeout=60.0, recovery_timeout=60.0)
     t = DistributeTranspiler(config)
-    t.transpile(env.trainer_id, program=build_program(args.optimizer, args.lr), pservers=env.pserver_list,
+    program = counting_program() if args.counting else build_program(args.optimizer, args.lr)
+    t.transpile(env.trainer_id, program=program, pservers=env.pserver_list,
                 trainers=env.trainers, sync_mode=args.sync_mode)
     if env.is_pserver:
         from pserver import ParameterServer
@@ -172,11 +196,13 @@ def main(argv=None) -> int:
     paused = False
     calm = os.path.join(args.pause_dir, "calm") if args.pause_dir else None
     for x, y in tr.batches(loader, args.epochs):
-        if tid == args.pause_trainer and tr.step_count == args.pause_at and not paused:
+        pauses = args.pause_every_trainer or tid == args.pause_trainer
+        if pauses and tr.step_count == args.pause_at and not paused:
             paused = True
-            open(os.path.join(args.pause_dir, "reached"), "w").close()
+            reached = f"reached-{tid}" if args.pause_every_trainer else "reached"
+            open(os.path.join(args.pause_dir, reached), "w").close()
             wait_for(os.path.join(args.pause_dir, "go"), 120.0)
-        loss_of(tr.model, x, y).backward()
+        (counting_loss(tr.model, tid) if args.counting else loss_of(tr.model, x, y)).backward()
         tr.step()
         if args.step_delay and not (calm and os.path.exists(calm)):
             time.sleep(args.step_delay)  # stretches the job so a chaos test's kills land while it trains
