@@ -366,13 +366,16 @@ def test_async_metrics_and_a_checkpoint(tmp_path):
     with LocalCluster(build, 1, 1, sync_mode=False, config=cfg) as cluster:
         data = batches(1, 4, 2)
         with cluster.trainer(0) as tr:
+            before = time.time()
             train_steps([tr], data)
             tr.checkpoint()
             got = scrape(cluster.servers[0].metrics_port)
+            after = time.time()
         assert value(got, "ps_pserver_info", mode="async", shard="0", pservers="1", trainers="1") == 1
         assert value(got, "ps_step") == 2 and value(got, "ps_checkpoint_step") == 2
-        assert 0 <= value(got, "ps_checkpoint_age_seconds") < DEADLINE
-        assert value(got, "ps_checkpoint_timestamp_seconds") == pytest.approx(time.time(), abs=DEADLINE)
+        # The checkpoint was written while the test watched (the pserver runs in this process, same clock).
+        assert before <= value(got, "ps_checkpoint_timestamp_seconds") <= after
+        assert 0 <= value(got, "ps_checkpoint_age_seconds") <= after - before
         assert value(got, "ps_barrier_wait_seconds_count") == 0  # async trainers never wait for each other
 
 
@@ -517,11 +520,13 @@ def test_a_closed_trainer_is_not_waited_for_and_a_missing_one_times_out():
             for th in threads:
                 th.join(DEADLINE)
             assert got == {0: 3.0, 1: 3.0}
-            # Trainer 1 does not come: trainer 0's next round fails after barrier_timeout, naming it.
+            # Trainer 1 does not come: trainer 0's next round fails after barrier_timeout, naming it. It waited
+            # the whole barrier_timeout (the pserver's deadline starts after `started`); that the pserver's
+            # barrier ended the wait, not the trainer's RPC deadline, the message shows (it names trainer 1).
             started = time.monotonic()
             with pytest.raises(PserverError, match=r"round 1 of reduction 'sum:x' still waits for trainers \[1\]"):
                 metrics.global_sum(trainers[0], "x", 1.0)
-            assert 2.9 < time.monotonic() - started < DEADLINE
+            assert time.monotonic() - started >= cfg.barrier_timeout
             # Shapes that do not match the round's are refused; the round goes on.
             errors = []
 

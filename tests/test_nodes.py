@@ -93,7 +93,12 @@ def test_a_killed_local_rank_fails_its_node_fast_and_the_restarted_node_rejoins(
                 killed_at = float(f.read())
             with open(node1[0][1] + ".error") as f:
                 failed_at, error = float(f.readline()), f.read()
-            assert failed_at - killed_at < 10, f"the node's rank 0 took {failed_at - killed_at:.1f}s to fail"
+            # The promise (NodeGroup): a dead local rank fails the others' collectives at once on gloo, not
+            # after the node group's timeout (the Trainer's: max(barrier, recovery) + rpc timeout), which is
+            # how long rank 0 would otherwise wait for it. Halfway between the two; it failed after the kill.
+            group_timeout = max(config.barrier_timeout, config.recovery_timeout) + config.rpc_timeout
+            assert 0 <= failed_at - killed_at < group_timeout / 2, \
+                f"the node's rank 0 took {failed_at - killed_at:.1f}s to fail"
             assert error.startswith("NodeError: trainer node 1, local rank 0:"), error
             assert "restart all its processes" in error
             assert all(1 not in s.engine.roster.closed for s in cluster.servers)  # a failed node does not Close
