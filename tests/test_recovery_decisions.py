@@ -7,6 +7,8 @@ trainer must do next.
 import grpc
 import pytest
 
+from trainer.communicator import kind_of
+from trainer.errors import DOWN, FENCED, REFUSED, RESYNC, TIMEOUT
 from trainer.recovery import decide
 from trainer.recovery.decide import (FAIL, JOIN, RESTORE, RETRY, ROLLBACK, SKIP, WAIT, PserverState,
                                      after_failure, join_token, on_join)
@@ -19,18 +21,33 @@ def ps(incarnation, step, checkpoint_step=-1, position=(0, 0), counted=-1, appli
     return PserverState(incarnation, step, checkpoint_step, position, counted, applied, others)
 
 
-@pytest.mark.parametrize("code, healable", [
-    (grpc.StatusCode.UNAVAILABLE, True),        # pserver down or restarting
-    (grpc.StatusCode.ABORTED, True),            # dropped, rolled back, resumed: call Hello again
-    (grpc.StatusCode.CANCELLED, True),          # a pserver shutting down cancels calls in flight
-    (grpc.StatusCode.FAILED_PRECONDITION, False),
-    (grpc.StatusCode.INVALID_ARGUMENT, False),
-    (grpc.StatusCode.DEADLINE_EXCEEDED, False),  # a barrier that timed out names who is missing
-    (grpc.StatusCode.INTERNAL, False),
-    (None, False),                              # a malformed answer, no status at all
+@pytest.mark.parametrize("kind, healable", [
+    (DOWN, True),         # pserver down, restarting or shutting down
+    (RESYNC, True),       # dropped, rolled back, resumed: call Hello again
+    (FENCED, False),      # a newer process holds the id: this one must stop
+    (TIMEOUT, False),     # a barrier that timed out names who is missing
+    (REFUSED, False),     # bad input, a precondition, a bug
+    (None, False),        # a malformed answer, no kind at all
 ])
-def test_which_failures_heal(code, healable):
-    assert decide.recoverable(code) is healable
+def test_which_failures_heal(kind, healable):
+    assert decide.recoverable(kind) is healable
+
+
+@pytest.mark.parametrize("code, kind", [
+    (grpc.StatusCode.UNAVAILABLE, DOWN),
+    (grpc.StatusCode.CANCELLED, DOWN),          # a pserver shutting down cancels calls in flight
+    (grpc.StatusCode.ABORTED, RESYNC),
+    (grpc.StatusCode.PERMISSION_DENIED, FENCED),
+    (grpc.StatusCode.DEADLINE_EXCEEDED, TIMEOUT),
+    (grpc.StatusCode.FAILED_PRECONDITION, REFUSED),
+    (grpc.StatusCode.INVALID_ARGUMENT, REFUSED),
+    (grpc.StatusCode.UNAUTHENTICATED, REFUSED),
+    (grpc.StatusCode.INTERNAL, REFUSED),
+    (None, REFUSED),
+])
+def test_the_communicator_maps_each_status_code_to_a_kind_once(code, kind):
+    """The only place a status code is read: recovery decides on the kind."""
+    assert kind_of(code) == kind
 
 
 # (case, sync_mode, trainer's step, answers, expected (action, step, position, endpoints, restarted))

@@ -6,15 +6,13 @@ others, a pull that fails right after a re-sync) run deterministically.
 """
 from types import SimpleNamespace
 
-import grpc
 import pytest
 
-from trainer.communicator import PserverError
+from trainer.errors import DOWN, REFUSED, PserverError
 from trainer.recovery import ROLLBACK, Recovery
 from trainer.recovery.decide import JOIN, SKIP
 
 A, B = "127.0.0.1:6170", "127.0.0.1:6171"
-UNAVAILABLE = grpc.StatusCode.UNAVAILABLE
 
 
 def hello(incarnation, step, checkpoint_step=-1, position=(0, 0), counted_step=-1, applied=None, others=0):
@@ -41,7 +39,7 @@ class ScriptedComm:
     def restore(self, ep, step, token):
         if ep in self.restore_fails:
             self.restore_fails.discard(ep)
-            raise PserverError(ep, "roll-back failed: UNAVAILABLE: Connection refused", UNAVAILABLE)
+            raise PserverError(ep, "roll-back failed: UNAVAILABLE: Connection refused", DOWN, "UNAVAILABLE")
         self.restores.append((ep, step, token))
 
     def run_parallel(self, jobs):
@@ -63,7 +61,7 @@ def recovery(comm):
 
 
 def failing_once():
-    failures = [PserverError(B, "step 7 failed: UNAVAILABLE", UNAVAILABLE)]
+    failures = [PserverError(B, "step 7 failed: UNAVAILABLE", DOWN, "UNAVAILABLE")]
 
     def calls():
         if failures:
@@ -108,7 +106,7 @@ def test_pull_that_fails_right_after_a_re_sync_is_healed_too():
     def pull(step):
         pulls.append(step)
         if len(pulls) == 1:
-            raise PserverError(A, "pull failed: UNAVAILABLE", UNAVAILABLE)
+            raise PserverError(A, "pull failed: UNAVAILABLE", DOWN, "UNAVAILABLE")
     decision = recovery(comm).heal(7, "step 7", failing_once(), pull)
     assert (decision.action, decision.step, decision.position) == (ROLLBACK, 4, (1, 0))
     assert pulls == [4, 4]
@@ -118,7 +116,7 @@ def test_a_refused_roll_back_is_not_retried():
     comm = ScriptedComm([{A: hello(11, 7), B: hello(99, 4, checkpoint_step=4)}])
 
     def refuse(ep, step, token):
-        raise PserverError(ep, "no complete checkpoint at step 4", grpc.StatusCode.FAILED_PRECONDITION)
+        raise PserverError(ep, "no complete checkpoint at step 4", REFUSED, "FAILED_PRECONDITION")
     comm.restore = refuse
     with pytest.raises(PserverError, match="no complete checkpoint"):
         recovery(comm).heal(7, "step 7", failing_once(), lambda step: None)

@@ -15,14 +15,14 @@ from typing import TYPE_CHECKING
 from transpiler.lazy import lazy_exports
 
 __getattr__ = lazy_exports(__name__, {  # public name: the module that defines it
-    "Trainer": ".trainer", "CollectiveTrainer": ".collective", "PserverError": ".communicator",
-    "PserverUnavailableError": ".communicator", "FencedError": ".communicator", "NodeError": ".node.group",
+    "Trainer": ".trainer", "CollectiveTrainer": ".collective", "PserverError": ".errors",
+    "PserverUnavailableError": ".errors", "FencedError": ".errors", "NodeError": ".node.group",
 })
 __all__ = ["Trainer", "CollectiveTrainer", "PserverError", "PserverUnavailableError", "FencedError", "NodeError"]
 
 if TYPE_CHECKING:
     from .collective import CollectiveTrainer
-    from .communicator import FencedError, PserverError, PserverUnavailableError
+    from .errors import FencedError, PserverError, PserverUnavailableError
     from .node.group import NodeError
     from .trainer import Trainer
 

@@ -22,6 +22,7 @@ from psproto.options import channel_options
 from transpiler import TrainerProgram
 from psproto.security import Security
 
+from .errors import DOWN, FENCED, REFUSED, RESYNC, TIMEOUT, FencedError, PserverError, PserverUnavailableError
 from .wire import GradientNarrower
 
 log = logging.getLogger(__name__)
@@ -32,27 +33,27 @@ _WAIT_LOG_INTERVAL = 5.0
 _SERVICE = ps_pb2.DESCRIPTOR.services_by_name["ParameterServer"].full_name
 
 
-class PserverError(RuntimeError):
-    """A pserver refused or failed a request; the message names it."""
-
-    def __init__(self, endpoint: str, message: str, code: Optional[grpc.StatusCode] = None):
-        super().__init__(f"pserver {endpoint}: {message}")
-        self.endpoint = endpoint
-        self.code = code
-
-
-class PserverUnavailableError(PserverError, TimeoutError):
-    """A pserver did not come up within the connect deadline."""
+# The one mapping of the wire's status codes to what they mean for a trainer (trainer/errors.py).
+_KINDS = {
+    grpc.StatusCode.UNAVAILABLE: DOWN,          # down, restarting, or not reachable yet
+    grpc.StatusCode.CANCELLED: DOWN,            # a pserver shutting down cancels the calls it holds
+    grpc.StatusCode.ABORTED: RESYNC,            # dropped, rolled back, resumed: call Hello again
+    grpc.StatusCode.PERMISSION_DENIED: FENCED,  # a newer process of this trainer id took over
+    grpc.StatusCode.DEADLINE_EXCEEDED: TIMEOUT,  # a barrier that timed out names who is missing
+}
 
 
-class FencedError(PserverError):
-    """A newer process of this trainer id took it over: this one must stop (its gradients are stale)."""
+def kind_of(code: Optional[grpc.StatusCode]) -> str:
+    """The :mod:`trainer.errors` kind of a call that ended with status ``code`` (None: no status at all)."""
+    return _KINDS.get(code, REFUSED)
 
 
-def _error(endpoint: str, what: str, e: grpc.RpcError) -> PserverError:
-    """The :class:`PserverError` (or :class:`FencedError`) for a failed call ``what``."""
-    cls = FencedError if e.code() == grpc.StatusCode.PERMISSION_DENIED else PserverError
-    return cls(endpoint, f"{what} failed: {_details(e)}", e.code())
+def _error(endpoint: str, what: str, e: grpc.RpcError, message: str = "") -> PserverError:
+    """The :class:`PserverError` (or :class:`FencedError`) for a failed call ``what`` (or ``message``)."""
+    code = e.code() if hasattr(e, "code") else None
+    kind, status = kind_of(code), code.name if code else ""
+    message = message or f"{what} failed: {_details(e)}"
+    return FencedError(endpoint, message, status) if kind == FENCED else PserverError(endpoint, message, kind, status)
 
 
 def _details(e: grpc.RpcError) -> str:
@@ -165,7 +166,7 @@ class Communicator:
             if remaining <= 0:
                 raise PserverUnavailableError(
                     endpoint, f"did not come up within {timeout:g}s (trainer {self.trainer_id}; "
-                              f"last error: {last})", grpc.StatusCode.UNAVAILABLE)
+                              f"last error: {last})")
             if time.monotonic() >= next_log:
                 log.info("trainer %d: waiting for %s", self.trainer_id, endpoint)
                 next_log = time.monotonic() + _WAIT_LOG_INTERVAL
@@ -184,14 +185,14 @@ class Communicator:
                     if id_taken_until is None:
                         id_taken_until = now + self.alive_window + self.heartbeat_interval
                     if now >= min(id_taken_until, deadline):
-                        raise PserverError(endpoint, f"refused Hello: {_details(e)}", e.code()) from None
+                        raise _error(endpoint, "Hello", e, f"refused Hello: {_details(e)}") from None
                     last = _details(e)
                     time.sleep(max(0.0, min(self.heartbeat_interval / 4, deadline - now)))
                     continue
                 # CANCELLED: a pserver shutting down cancels the calls it holds, a waiting Hello too.
                 if e.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
                                     grpc.StatusCode.CANCELLED):
-                    raise PserverError(endpoint, f"refused Hello: {_details(e)}", e.code()) from None
+                    raise _error(endpoint, "Hello", e, f"refused Hello: {_details(e)}") from None
                 last = _details(e)
 
     # -- transfers ----------------------------------------------------------

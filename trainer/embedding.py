@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from transpiler.tables import SPARSE_SEPARATOR, TableSpec, as_ids, merge_duplicates, shard_of
 
-from .communicator import PserverError
+from .errors import PserverError
 
 log = logging.getLogger(__name__)
 

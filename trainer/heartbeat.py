@@ -5,7 +5,8 @@ import logging
 import threading
 from typing import Sequence
 
-from .communicator import Communicator, FencedError, PserverError
+from .communicator import Communicator
+from .errors import FencedError, PserverError
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,8 @@ from transpiler import TrainerProgram
 from transpiler.env import NodeEnv
 
 from .blocks import LocalBlocks
-from .communicator import Communicator, PserverError
+from .communicator import Communicator
+from .errors import PserverError
 from .embedding import AheadPlan, Pieces, TableClient, install_tables, prefetch_all, zero_rows
 from .feed import Feed
 from .heartbeat import Heartbeat

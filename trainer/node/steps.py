@@ -19,11 +19,11 @@ import logging
 import time
 from typing import Callable, Dict, List, Optional, Tuple
 
-import grpc
 import torch
 
 from ..blocks import LocalBlocks
-from ..communicator import Communicator, PserverError
+from ..communicator import Communicator
+from ..errors import DOWN, PserverError
 from ..recovery import RETRY, Decision, Recovery, recoverable
 from .group import FATAL, OK, RECOVERABLE, NodeError, NodeGroup
 
@@ -147,7 +147,7 @@ class NodeSteps:
         """The leader waits for the pservers and decides; every rank gets the decision and sessions."""
         def decide():
             failure = error or PserverError(f"trainer node {self.node_id}", f"{what} failed on another local "
-                                            f"rank", grpc.StatusCode.UNAVAILABLE)
+                                            f"rank", DOWN)
             return self.recovery.resync(failure, step, deadline, what), dict(self.comm.sessions)
 
         decision, sessions = self._from_leader(what, decide)

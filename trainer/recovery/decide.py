@@ -6,8 +6,8 @@ acts. The decisions, by what the pservers said at ``Hello``:
 =====================================================  ============================================
 what the pservers answered                             decision
 =====================================================  ============================================
-a call failed with UNAVAILABLE, ABORTED or CANCELLED   recoverable: wait for the pservers, re-sync
-any other status                                       not recoverable: the error reaches the user
+a call failed: the pserver is DOWN or asks to RESYNC   recoverable: wait for the pservers, re-sync
+any other kind (trainer/errors.py)                     not recoverable: the error reaches the user
 a pserver restarted without a checkpoint               FAIL: its parameters are lost
 sync, a pserver restarted from checkpoint *c*          RESTORE: roll every other pserver back to *c*
 sync, a pserver past the step the trainer would push   SKIP to their highest step (it was dropped);
@@ -29,12 +29,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import AbstractSet, Dict, Mapping, Optional, Sequence, Tuple
 
-import grpc
+from ..errors import DOWN, RESYNC
 
 Position = Tuple[int, int]
 
-# CANCELLED: what a call in flight gets from a pserver that is shutting down (SIGTERM, a restart).
-RECOVERABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.ABORTED, grpc.StatusCode.CANCELLED})
+# The kinds of failure (trainer/errors.py) that heal by waiting for the pservers and re-syncing.
+RECOVERABLE = frozenset({DOWN, RESYNC})
 
 RETRY, SKIP, ROLLBACK, RESTORE, FAIL, WAIT, JOIN = "retry", "skip", "rollback", "restore", "fail", "wait", "join"
 
@@ -98,9 +98,9 @@ class Decision:
     restarted: Tuple[str, ...] = ()
 
 
-def recoverable(code: Optional[grpc.StatusCode]) -> bool:
-    """Whether a call that failed with status ``code`` may heal by waiting and re-syncing."""
-    return code in RECOVERABLE
+def recoverable(kind: Optional[str]) -> bool:
+    """Whether a call that failed with ``kind`` (trainer/errors.py) may heal by waiting and re-syncing."""
+    return kind in RECOVERABLE
 
 
 def restarted(known: Mapping[str, int], answers: Mapping[str, PserverState]) -> Tuple[str, ...]:

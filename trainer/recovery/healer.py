@@ -13,9 +13,8 @@ import logging
 import time
 from typing import Callable, Dict, Mapping, Optional, Sequence, Set
 
-import grpc
-
-from ..communicator import Communicator, PserverError
+from ..communicator import Communicator
+from ..errors import REFUSED, PserverError
 from . import decide
 from .decide import FAIL, RESTORE, RETRY, SKIP, WAIT, Decision, PserverState
 
@@ -31,7 +30,7 @@ def states(replies: Mapping[str, object]) -> Dict[str, PserverState]:
 
 def recoverable(error: BaseException) -> bool:
     """Whether ``error`` (from a step's calls) may heal by waiting and re-syncing."""
-    return isinstance(error, PserverError) and decide.recoverable(error.code)
+    return isinstance(error, PserverError) and decide.recoverable(error.kind)
 
 
 class Recovery:
@@ -131,8 +130,7 @@ class Recovery:
                 log.warning("trainer %d: pserver %s restarted (from the checkpoint at step %d)", tid, ep,
                             answers[ep].checkpoint_step)
             if decision.action == FAIL:
-                raise PserverError(", ".join(decision.endpoints), decision.message,
-                                   grpc.StatusCode.FAILED_PRECONDITION)
+                raise PserverError(", ".join(decision.endpoints), decision.message, REFUSED)
             self.incarnations = known = {ep: a.incarnation for ep, a in answers.items()}
             if decision.action == SKIP and decision.endpoints and join_at != decision.step:
                 # A pserver a step behind waits for this trainer's push of a step it skips: say
