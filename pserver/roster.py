@@ -7,8 +7,8 @@ from __future__ import annotations
 import time
 from typing import Dict, List, Tuple
 
-# (epoch, batch): where a trainer's data stands after a step; opaque to the pserver.
-Position = Tuple[int, int]
+from transpiler.position import Position
+
 
 
 class Roster:
@@ -85,7 +85,7 @@ class Roster:
         """Take progress and closed trainers from a checkpoint; nobody is joined or dropped."""
         self.last_step = {int(t): int(v["last_step"]) for t, v in meta.get("trainers", {}).items()
                           if int(v["last_step"]) >= 0}
-        self.positions = {int(t): (int(v["position"][0]), int(v["position"][1]))
+        self.positions = {int(t): Position(int(v["position"][0]), int(v["position"][1]))
                           for t, v in meta.get("trainers", {}).items()}
         # A checkpoint in which every trainer had closed ends a finished run: a new
         # run continuing from it starts with everyone expected.

@@ -42,11 +42,11 @@ from torch.utils.data import Dataset, DistributedSampler
 from transpiler import TrainerProgram
 from transpiler.env import NodeEnv
 from transpiler.optim import LR_SCHEDULERS
+from transpiler.position import Position
 
 from .feed import Feed
 from .node.devices import backend_for, join_group, pick_device
 
-Position = Tuple[int, int]
 
 log = logging.getLogger(__name__)
 

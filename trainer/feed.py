@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import itertools
 from concurrent import futures
-from typing import Callable, Iterable, Iterator, Optional, Tuple
+from typing import Callable, Iterable, Iterator, Optional
 
-Position = Tuple[int, int]
+from transpiler.position import Position
+
 
 _END = object()  # the loader has no more items this epoch
 
@@ -90,13 +91,13 @@ class Feed:
             while current is not _END:
                 i, item, _ = current
                 self._read(items, prefetch)  # the next one, while this one trains
-                self.batch_position = (epoch, i + 1)
+                self.batch_position = Position(epoch, i + 1)
                 yield item
                 if self.rewound:
                     break
                 current = self._take()
             else:  # the loader ran out: the next epoch starts at its first batch
-                self._set_position((epoch + 1, 0))
+                self._set_position(Position(epoch + 1, 0))
             self._drop_next()
             self.batch_position = None
 

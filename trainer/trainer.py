@@ -11,6 +11,7 @@ from torch.utils.data import Dataset, DistributedSampler
 
 from transpiler import TrainerProgram
 from transpiler.env import NodeEnv
+from transpiler.position import Position
 
 from .blocks import LocalBlocks
 from .communicator import Communicator
@@ -22,7 +23,6 @@ from .node import REPLAY, Layout, NodeGroup, NodeSteps, join_group, node_rendezv
 from .overlap import BackwardPush
 from .recovery import ROLLBACK, Decision, Recovery, recoverable
 
-Position = Tuple[int, int]
 
 log = logging.getLogger(__name__)
 
@@ -247,7 +247,7 @@ class Trainer:
             self.model.zero_grad(set_to_none=True)
             return self.step_count
         step = self.step_count
-        position = self.feed.batch_position or (0, step + 1)
+        position = self.feed.batch_position or Position(0, step + 1)
         if self.node is not None:
             return self._step_on_node(step, position)
         self._finish_in_flight()  # before the pinned gradient buffers (CUDA) are refilled
@@ -309,7 +309,7 @@ class Trainer:
     def _start_stream(self, endpoint: str, tensors) -> futures.Future:
         """Open this step's push to ``endpoint`` fed by ``tensors`` as backward produces them (BackwardPush)."""
         step = self.step_count
-        position = self.feed.batch_position or (0, step + 1)
+        position = self.feed.batch_position or Position(0, step + 1)
         expected, rows = self._stream_rows[endpoint] = ({}, {})  # rows asked ahead join at step()
         return self.comm.submit(lambda: self._push_pull(endpoint, step, tensors, position, expected, rows,
                                                         streamed=True))

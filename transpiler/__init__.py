@@ -6,6 +6,7 @@ Public surface::
     from transpiler import TableOptions          # per-table optimizer / initial rows
     from transpiler import RoleEnv               # this process's role, from the environment
     from transpiler import PserverProgram, StartupProgram, TrainerProgram   # the plans
+    from transpiler import Position              # (epoch, batch): where a trainer's data stands
 
 Internals (slicing, hashing, table specs, optimizer specs) are imported from
 their modules by the pserver and trainer packages. The names are imported on
@@ -21,17 +22,18 @@ from .lazy import lazy_exports
 __getattr__ = lazy_exports(__name__, {  # public name: the module that defines it
     "Program": ".program", "DistributeTranspiler": ".transpiler", "DistributeTranspilerConfig": ".config",
     "TableOptions": ".tables", "RoleEnv": ".env", "PserverProgram": ".plans", "StartupProgram": ".plans",
-    "TrainerProgram": ".plans",
+    "TrainerProgram": ".plans", "Position": ".position",
 })
 __all__ = [
     "Program", "DistributeTranspiler", "DistributeTranspilerConfig", "TableOptions", "RoleEnv",
-    "PserverProgram", "StartupProgram", "TrainerProgram",
+    "PserverProgram", "StartupProgram", "TrainerProgram", "Position",
 ]
 
 if TYPE_CHECKING:
     from .config import DistributeTranspilerConfig
     from .env import RoleEnv
     from .plans import PserverProgram, StartupProgram, TrainerProgram
+    from .position import Position
     from .program import Program
     from .tables import TableOptions
     from .transpiler import DistributeTranspiler

@@ -29,9 +29,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import AbstractSet, Dict, Mapping, Optional, Sequence, Tuple
 
+from transpiler.position import Position
+
 from ..errors import DOWN, RESYNC
 
-Position = Tuple[int, int]
 
 # The kinds of failure (trainer/errors.py) that heal by waiting for the pservers and re-syncing.
 RECOVERABLE = frozenset({DOWN, RESYNC})
@@ -62,7 +63,7 @@ class PserverState:
     incarnation: int
     step: int
     checkpoint_step: int = -1
-    position: Position = (0, 0)
+    position: Position = Position(0, 0)
     counted: int = -1
     applied: Optional[int] = None
     others: int = 0
@@ -91,7 +92,7 @@ class Decision:
 
     action: str
     step: int = 0
-    position: Position = (0, 0)
+    position: Position = Position(0, 0)
     endpoints: Tuple[str, ...] = ()
     token: str = ""
     message: str = ""

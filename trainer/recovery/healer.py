@@ -13,6 +13,8 @@ import logging
 import time
 from typing import Callable, Dict, Mapping, Optional, Sequence, Set
 
+from transpiler.position import Position
+
 from ..communicator import Communicator
 from ..errors import REFUSED, PserverError
 from . import decide
@@ -23,7 +25,7 @@ log = logging.getLogger(__name__)
 
 def states(replies: Mapping[str, object]) -> Dict[str, PserverState]:
     """The :class:`PserverState` of each pserver's ``HelloReply``."""
-    return {ep: PserverState(r.incarnation, r.start_step, r.checkpoint_step, (r.epoch, r.batch), r.counted_step,
+    return {ep: PserverState(r.incarnation, r.start_step, r.checkpoint_step, Position(r.epoch, r.batch), r.counted_step,
                              r.applied_step if r.sync_mode else None, r.others_in_step)
             for ep, r in replies.items()}
 
