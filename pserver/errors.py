@@ -1,7 +1,7 @@
 """Why a pserver refuses a request, in the domain's terms.
 
 The engines, the stores and the servicer's checks raise these; only
-:mod:`pserver.servicer` turns them into gRPC status codes (its ``STATUS``
+:mod:`pserver.rpc.servicer` turns them into gRPC status codes (its ``STATUS``
 table), so nothing below the servicer depends on the transport. Any other
 exception reaching the servicer is a bug and is answered INTERNAL.
 """

@@ -18,10 +18,10 @@ from psproto.security import Security, TokenAuthInterceptor
 
 from .async_engine import AsyncEngine
 from .checkpoint import Checkpointer
-from .health import HealthPort
-from .metrics import MetricsServer, PserverCollector
-from .ports import SidePorts, split_host
-from .servicer import SERVICE_NAME, PserverServicer
+from .ops.health import HealthPort
+from .ops.metrics import MetricsServer, PserverCollector
+from .ops.ports import SidePorts, split_host
+from .rpc import SERVICE_NAME, PserverServicer
 from .store import BlockStore
 from .sync_engine import SyncEngine
 from .tables import TableSet
@@ -40,11 +40,11 @@ class ParameterServer:
     ``Security.from_env()``, the ``PS_AUTH_TOKEN*`` / ``PS_TLS_*`` variables)
     turns on the auth token check and TLS.
 
-    Side ports (see :mod:`pserver.ports`): with ``metrics_port`` (or
+    Side ports (see :mod:`pserver.ops.ports`): with ``metrics_port`` (or
     ``PS_METRICS_PORT``) it serves Prometheus metrics at ``/metrics``
-    (:mod:`pserver.metrics`); with ``health_port`` (or ``PS_HEALTH_PORT``) a
+    (:mod:`pserver.ops.metrics`); with ``health_port`` (or ``PS_HEALTH_PORT``) a
     health-only gRPC server without the token, for Kubernetes' probes
-    (:mod:`pserver.health`). Both bind on the endpoint's host; after
+    (:mod:`pserver.ops.health`). Both bind on the endpoint's host; after
     :meth:`start`, :attr:`metrics_port` and :attr:`health_port` hold the ports
     bound (None: off).
     """

@@ -11,7 +11,7 @@ import threading
 from pserver.async_engine import AsyncEngine
 from pserver.checkpoint.checkpointer import Checkpointer
 from pserver.errors import MustResync, NotAllowed
-from pserver.servicer import status_of
+from pserver.rpc.servicer import status_of
 from pserver.store import BlockStore
 from pserver.sync_engine import SyncEngine
 from pserver.tables.table_set import TableSet

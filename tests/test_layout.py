@@ -36,6 +36,43 @@ def test_packages_import_only_what_the_layout_allows(package, forbidden):
     assert sorted((path, name) for path, name in imported_roots(package) if name in forbidden) == []
 
 
+# In pserver only the RPC layer (pserver/rpc/), the operators' side (pserver/ops/: the health port,
+# ps-stat) and server.py, which builds the gRPC server (health, reflection, credentials), speak gRPC:
+# the engines, stores, tables and checkpoints below them do not. psproto's ps_pb2_grpc and security
+# import grpc themselves, so they count as gRPC too.
+GRPC_ROOTS = {"grpc", "grpc_health", "grpc_reflection"}
+GRPC_PSPROTO = {"psproto.ps_pb2_grpc", "psproto.security"}
+GRPC_ALLOWED = ("pserver/rpc/", "pserver/ops/", "pserver/server.py")
+
+
+def grpc_importers(package: str):
+    """The modules of ``package`` (paths relative to the repository) that import gRPC."""
+    found = set()
+    for path in (REPO / package).rglob("*.py"):
+        names = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                names |= {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
+        if any(n.split(".")[0] in GRPC_ROOTS or n in GRPC_PSPROTO for n in names):
+            found.add(path.relative_to(REPO).as_posix())
+    return found
+
+
+def test_in_pserver_only_the_rpc_and_ops_layers_and_the_server_import_grpc():
+    importers = grpc_importers("pserver")
+    assert "pserver/rpc/servicer.py" in importers  # the check sees imports at all
+    assert sorted(p for p in importers if not p.startswith(GRPC_ALLOWED)) == []
+
+
+def test_trainer_decisions_import_no_grpc_only_the_communicator_reads_status_codes():
+    """Recovery and node groups decide on trainer/errors.py's kinds; the communicator maps codes to them."""
+    importers = grpc_importers("trainer")
+    assert "trainer/communicator.py" in importers  # the check sees imports at all
+    assert sorted(p for p in importers if p.startswith(("trainer/recovery/", "trainer/node/", "trainer/errors"))) == []
+
+
 def test_importing_every_transpiler_module_loads_no_grpc():
     modules = sorted(p.stem for p in (REPO / "transpiler").glob("*.py") if p.stem != "__init__")
     code = ("import sys, importlib\n"
@@ -50,7 +87,7 @@ def test_transpiler_exports_the_user_api():
 
     assert sorted(transpiler.__all__) == sorted([
         "Program", "DistributeTranspiler", "DistributeTranspilerConfig", "TableOptions", "RoleEnv",
-        "PserverProgram", "StartupProgram", "TrainerProgram"])
+        "PserverProgram", "StartupProgram", "TrainerProgram", "Position"])
 
 
 def test_the_package_surfaces_resolve_lazily_and_ps_launch_starts_without_torch():

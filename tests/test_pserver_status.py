@@ -16,7 +16,7 @@ import pytest
 from pserver import errors
 from pserver.errors import (AlreadyRunning, BadRequest, BarrierTimeout, Fenced, MustResync, NoSession, NotAllowed,
                             Refusal, ShuttingDown, StorageFailed)
-from pserver.servicer import STATUS, PserverServicer, status_of
+from pserver.rpc.servicer import STATUS, PserverServicer, status_of
 from tests.helpers.servicer import EP, Aborted, FakeContext, open_session, servicer
 from psproto import ps_pb2
 from psproto.codec import WireError
@@ -88,7 +88,7 @@ def test_an_unexpected_exception_is_internal_and_logged(method, error, caplog, m
     code, details = context.aborted
     assert code == grpc.StatusCode.INTERNAL
     assert details.startswith(f"pserver {EP}: internal error in {method}") and "boom" in details
-    logged = [r for r in caplog.records if r.name == "pserver.servicer" and r.exc_info]
+    logged = [r for r in caplog.records if r.name == "pserver.rpc.servicer" and r.exc_info]
     assert len(logged) == 1 and logged[0].exc_info[1] is error
     assert EP in logged[0].getMessage() and method in logged[0].getMessage()
     assert svc.counters.refused == 1

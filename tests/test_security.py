@@ -16,8 +16,9 @@ from torch import nn
 from tests.helpers.cluster import LocalCluster
 from tests.helpers.models import batches, odd_mlp
 from psproto import ps_pb2, ps_pb2_grpc
-from pserver.servicer import SERVICE_NAME, PserverServicer
+from pserver.rpc.servicer import SERVICE_NAME, PserverServicer
 from trainer import Trainer
+from trainer.errors import REFUSED as REFUSED_KIND, PserverError
 from trainer.launch import plan as launch_plan
 from trainer.launch.plan import LaunchError
 from transpiler import Program
@@ -151,7 +152,7 @@ def test_a_trainer_with_a_wrong_token_fails_fast_naming_it():
         program = cluster.transpiler(0).get_trainer_program()
         with pytest.raises(Exception, match="auth token") as e:
             Trainer(program, Security(token="wrong"))
-        assert getattr(e.value, "code", None) == grpc.StatusCode.UNAUTHENTICATED
+        assert isinstance(e.value, PserverError) and e.value.kind == REFUSED_KIND and e.value.status == "UNAUTHENTICATED"
 
 
 # ---------------------------------------------------------------- TLS

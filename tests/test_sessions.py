@@ -12,9 +12,9 @@ import grpc
 import pytest
 import torch
 
-from pserver import sessions as S
+from pserver.rpc import sessions as S
 from pserver.errors import AlreadyRunning, Fenced, MustResync, NoSession
-from pserver.sessions import Session, Sessions, on_call, on_hello
+from pserver.rpc.sessions import Session, Sessions, on_call, on_hello
 from psproto import ps_pb2
 from psproto.codec import encode_chunks
 from tests.helpers.servicer import EP, Aborted, FakeContext, servicer

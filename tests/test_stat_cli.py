@@ -9,7 +9,7 @@ from torch import nn
 
 from tests.helpers.cluster import LocalCluster
 from tests.helpers.models import batches, odd_mlp
-from pserver import stat_cli
+from pserver.ops import stat_cli
 from tests.helpers.ports import free_ports
 from transpiler import Program
 from psproto.security import Security

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pserver.servicer import PserverServicer
+from pserver.rpc.servicer import PserverServicer
 from pserver.store import BlockStore
 from pserver.sync_engine import SyncEngine
 from pserver.tables.table_set import TableSet

@@ -38,7 +38,7 @@ import time
 from dataclasses import dataclass
 from typing import Dict, Optional
 
-from .errors import AlreadyRunning, Fenced, MustResync, NoSession
+from ..errors import AlreadyRunning, Fenced, MustResync, NoSession
 
 log = logging.getLogger(__name__)
 

@@ -30,7 +30,7 @@ TRAINER_STATES = ("alive", "dropped", "closed")
 class PserverCollector(Collector):
     """Reads one pserver's state at every scrape and yields it as metric families.
 
-    ``servicer`` is the pserver's :class:`~pserver.servicer.PserverServicer`
+    ``servicer`` is the pserver's :class:`~pserver.rpc.servicer.PserverServicer`
     (its counters, engine, store and tables); ``auth`` the token interceptor
     whose refusals count as reason "auth", or None.
     """

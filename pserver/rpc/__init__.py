@@ -1,0 +1,12 @@
+"""The RPC layer: the one part of the pserver that speaks gRPC.
+
+``servicer.py`` checks each request and calls the engine, mapping the domain
+errors of :mod:`pserver.errors` to gRPC status codes; ``sessions.py`` decides
+which process speaks for each trainer id; ``counters.py`` counts what the servicer
+received, sent and refused; ``buffers.py`` pools the gradient receive buffers.
+Nothing below this layer (engines, stores, tables, checkpoints) imports grpc.
+:mod:`pserver.server` needs only the servicer and its service name.
+"""
+from .servicer import SERVICE_NAME, PserverServicer
+
+__all__ = ["SERVICE_NAME", "PserverServicer"]
