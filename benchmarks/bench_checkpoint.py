@@ -114,7 +114,7 @@ def main(argv=None) -> int:
             results["peer write"].append(timed(peer_save))
             results["load"].append(timed(lambda: loader.load()))
             results["peer load"].append(timed(lambda: torch.load(peer_path, weights_only=True)))
-        part = ck.last[1]
+        part = ck.last.path
         size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(part) for f in fs)
         assert torch.equal(fresh_store.blocks["mlp.0.weight.block0"], store.blocks["mlp.0.weight.block0"])
         assert len(fresh_tables.shards["emb"]) == args.rows

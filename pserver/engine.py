@@ -30,6 +30,7 @@ from .checkpoint import Checkpointer
 from .errors import BarrierTimeout, MustResync, NotAllowed, Refusal, ShuttingDown, StorageFailed
 from .reductions import Combined, Reductions, Values
 from .roster import Position, Roster
+from .snapshot import Snapshot
 from .store import BlockStore
 from .tables import TableSet
 
@@ -265,6 +266,17 @@ class Engine:
             except Refusal:
                 self.reductions.withdraw(trainer_id, key, round_)
                 raise
+
+    def snapshot(self) -> Snapshot:
+        """This pserver's state as one value (Stats, /metrics); the lock is held only to copy the roster."""
+        with self.cv:
+            roster = self.roster
+            alive, dropped, closed = roster.joined & roster.live(), set(roster.dropped), set(roster.closed)
+            step = self.updates
+        last = self.checkpointer.last if self.checkpointer is not None else None
+        return Snapshot(step, self.sync_mode, self.trainers, tuple(sorted(alive)), tuple(sorted(dropped)),
+                        tuple(sorted(closed)), len(self.store.blocks), self.store.nbytes, self.tables.rows,
+                        self.tables.nbytes, last)
 
     def read(self, names: Sequence[str]) -> Tuple[int, List[Tuple[str, torch.Tensor]]]:
         """The updates applied and the named blocks, safe to stream."""

@@ -357,3 +357,16 @@ def test_a_roll_back_to_the_checkpoint_a_pserver_stands_at_refuses_waits_of_trai
     e.push(0, 1, grads(e, 1.0))
     e.push(1, 1, grads(e, 1.0))
     assert e.updates == 2                                          # step 1 redone with both trainers
+
+
+def test_snapshot_is_the_state_stats_and_metrics_report(tmp_path):
+    """One value for ps-stat and /metrics: step, trainers by state, what is stored, the latest checkpoint."""
+    e = checkpointed_at_step_1(tmp_path)
+    e.close(1)
+    snap = e.snapshot()
+    assert (snap.step, snap.sync_mode, snap.trainers) == (1, True, 2)
+    assert (snap.alive, snap.dropped, snap.closed) == ((0,), (), (1,))
+    assert (snap.blocks, snap.block_bytes) == (len(e.store.blocks), e.store.nbytes) and snap.blocks > 0
+    assert (snap.table_rows, snap.table_bytes) == (0, 0)
+    assert snap.checkpoint.step == 1 and snap.checkpoint.path.endswith("pserver-0-of-1")
+    assert snap.checkpoint == e.checkpointer.last

@@ -11,6 +11,7 @@ import time
 from typing import Optional
 
 from . import layout
+from ..snapshot import LastCheckpoint
 from ..store import BlockStore
 from ..tables import TableSet
 
@@ -35,13 +36,13 @@ class Checkpointer:
         self.sync_mode = sync_mode
         self.every = every
         self.keep = keep
-        # The latest checkpoint written or loaded: (version, path, time.time()).
-        self.last: Optional[tuple] = None
+        # The latest checkpoint written or loaded.
+        self.last: Optional[LastCheckpoint] = None
 
     def due(self, version: int) -> bool:
         """Whether the engine, having just reached ``version`` updates, should write a checkpoint."""
         return self.every > 0 and version > 0 and version % self.every == 0 \
-            and (self.last is None or self.last[0] != version)
+            and (self.last is None or self.last.step != version)
 
     def save(self, version: int, roster_meta: dict) -> str:
         """Write this pserver's part at ``version`` (blocks, optimizer state, tables, trainers)."""
@@ -50,7 +51,7 @@ class Checkpointer:
                                  self.tables, {**roster_meta, "endpoint": self.endpoint,
                                                "sync_mode": self.sync_mode})
         layout.prune(self.root, self.shard, self.n_shards, self.keep)
-        self.last = (version, path, time.time())
+        self.last = LastCheckpoint(version, path, time.time())
         log.info("%s: checkpoint at step %d written to %s in %.2fs", self.endpoint, version, path,
                  time.monotonic() - started)
         return path
@@ -73,7 +74,7 @@ class Checkpointer:
         self.tables.install(shards)
         same = saved.n_shards == self.n_shards
         manifest = saved.manifests[self.shard if same else 0]
-        self.last = (saved.step, saved.parts[self.shard] if same else saved.parts[0], time.time())
+        self.last = LastCheckpoint(saved.step, saved.parts[self.shard] if same else saved.parts[0], time.time())
         log.info("%s: loaded the checkpoint at step %d from %d pserver part(s) under %s", self.endpoint,
                  saved.step, saved.n_shards, self.root)
         # Trainers that closed after the checkpoint was written are gone too.

@@ -1,9 +1,9 @@
 """Prometheus metrics of one pserver, served over HTTP at ``/metrics`` on its metrics port.
 
 Most values are read at scrape time from what the pserver keeps anyway (the
-servicer's counters, the engine's step and roster, the store, the tables, the
-checkpointer), by a custom collector: nothing is counted twice on the request
-path. The one exception is the barrier wait histogram, observed where a sync
+servicer's counters and the engine's :class:`~pserver.snapshot.Snapshot`, the
+same one the Stats RPC answers from), by a custom collector: nothing is counted
+twice on the request path. The one exception is the barrier wait histogram, observed where a sync
 wait ends, outside the engine's lock.
 
 Every pserver has a registry of its own (several pservers in one process, as
@@ -31,7 +31,7 @@ class PserverCollector(Collector):
     """Reads one pserver's state at every scrape and yields it as metric families.
 
     ``servicer`` is the pserver's :class:`~pserver.rpc.servicer.PserverServicer`
-    (its counters, engine, store and tables); ``auth`` the token interceptor
+    (its counters, and its engine's snapshot); ``auth`` the token interceptor
     whose refusals count as reason "auth", or None.
     """
 
@@ -45,13 +45,9 @@ class PserverCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         """One sample of every metric; the engine's lock is held only to copy the roster."""
         svc = self.servicer
-        engine = svc.engine
+        snap = svc.engine.snapshot()
         ep = [svc.endpoint]
-        with engine.cv:
-            roster = engine.roster
-            states = {"alive": len(roster.joined & roster.live()), "dropped": len(roster.dropped),
-                      "closed": len(roster.closed)}
-            step = engine.updates
+        states = {"alive": len(snap.alive), "dropped": len(snap.dropped), "closed": len(snap.closed)}
         c = svc.counters
         with c.lock:
             traffic = (c.pushes, c.prefetches, c.bytes_in, c.bytes_out)
@@ -62,16 +58,16 @@ class PserverCollector(Collector):
 
         info = GaugeMetricFamily("ps_pserver_info", "This pserver: mode, shard and job size (value 1)",
                                  labels=["endpoint", "mode", "shard", "pservers", "trainers"])
-        info.add_metric([*ep, "sync" if engine.sync_mode else "async", str(self.shard), str(self.pservers),
-                         str(engine.trainers)], 1)
+        info.add_metric([*ep, "sync" if snap.sync_mode else "async", str(self.shard), str(self.pservers),
+                         str(snap.trainers)], 1)
         yield info
-        yield _gauge("ps_step", "Updates applied (sync mode: the step the pserver is at)", ep, step)
+        yield _gauge("ps_step", "Updates applied (sync mode: the step the pserver is at)", ep, snap.step)
         trainers = GaugeMetricFamily("ps_trainers", "Trainers by state: alive (joined, heard from), dropped "
                                      "(silent past heartbeat_timeout), closed", labels=["endpoint", "state"])
         for state in TRAINER_STATES:
             trainers.add_metric([*ep, state], states[state])
         yield trainers
-        yield _gauge("ps_trainers_expected", "Trainers the job was transpiled for", ep, engine.trainers)
+        yield _gauge("ps_trainers_expected", "Trainers the job was transpiled for", ep, snap.trainers)
         yield _counter("ps_pushes", "Pushes received (gradients of one step from one trainer)", ep, traffic[0])
         yield _counter("ps_prefetches", "Prefetches (table row lookups) answered", ep, traffic[1])
         yield _counter("ps_received_bytes", "Tensor bytes received (gradients, ids)", ep, traffic[2])
@@ -87,19 +83,18 @@ class PserverCollector(Collector):
         for (reason, code), n in sorted(refused.items()):
             refusals.add_metric([*ep, reason, code], n)
         yield refusals
-        yield _gauge("ps_blocks", "Dense parameter blocks held", ep, len(svc.store.blocks))
-        yield _gauge("ps_block_bytes", "Bytes of the dense blocks held (parameters only)", ep, svc.store.nbytes)
-        yield _gauge("ps_table_rows", "Rows stored in this pserver's distributed table shards", ep, svc.tables.rows)
-        yield _gauge("ps_table_bytes", "Bytes those shards hold (ids, rows, optimizer state)", ep,
-                     svc.tables.nbytes)
-        last = engine.checkpointer.last if engine.checkpointer is not None else None
+        yield _gauge("ps_blocks", "Dense parameter blocks held", ep, snap.blocks)
+        yield _gauge("ps_block_bytes", "Bytes of the dense blocks held (parameters only)", ep, snap.block_bytes)
+        yield _gauge("ps_table_rows", "Rows stored in this pserver's distributed table shards", ep, snap.table_rows)
+        yield _gauge("ps_table_bytes", "Bytes those shards hold (ids, rows, optimizer state)", ep, snap.table_bytes)
+        last = snap.checkpoint
         yield _gauge("ps_checkpoint_step", "Step of the latest checkpoint written or loaded (-1: none)", ep,
-                     last[0] if last else -1)
+                     last.step if last else -1)
         if last is not None:
             yield _gauge("ps_checkpoint_timestamp_seconds", "Unix time the latest checkpoint was written or "
-                         "loaded", ep, last[2])
+                         "loaded", ep, last.time)
             yield _gauge("ps_checkpoint_age_seconds", "Seconds since the latest checkpoint was written or loaded",
-                         ep, max(0.0, time.time() - last[2]))
+                         ep, max(0.0, time.time() - last.time))
         yield _gauge("ps_start_time_seconds", "Unix time this pserver started", ep, self.start_time)
 
 

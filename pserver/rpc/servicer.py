@@ -392,25 +392,20 @@ class PserverServicer:
     @_refusals
     def Stats(self, data, context):
         _parse(ps_pb2.StatsRequest, data)
-        engine = self.engine
-        with engine.cv:
-            roster = engine.roster
-            alive = sorted(roster.joined & roster.live())
-            dropped = sorted(roster.dropped)
-            updates = engine.updates
-        last = engine.checkpointer.last if engine.checkpointer is not None else None
+        snap = self.engine.snapshot()
+        last = snap.checkpoint
         c = self.counters
         with c.lock:
             return ps_pb2.StatsReply(
-                endpoint=self.endpoint, updates=updates, trainers_alive=alive,
-                blocks=len(self.store.blocks), block_bytes=self.store.nbytes,
+                endpoint=self.endpoint, updates=snap.step, trainers_alive=snap.alive,
+                blocks=snap.blocks, block_bytes=snap.block_bytes,
                 bytes_in=c.bytes_in, bytes_out=c.bytes_out, pushes=c.pushes,
-                sync_mode=engine.sync_mode, table_rows=self.tables.rows,
-                table_bytes=self.tables.nbytes, prefetches=c.prefetches,
+                sync_mode=snap.sync_mode, table_rows=snap.table_rows,
+                table_bytes=snap.table_bytes, prefetches=c.prefetches,
                 incarnation=self.incarnation, uptime_s=time.monotonic() - self.started,
-                trainers_dropped=dropped, refused=c.refused,
-                checkpoint_step=last[0] if last else -1, checkpoint_path=last[1] if last else "",
-                checkpoint_age_s=time.time() - last[2] if last else 0.0)
+                trainers_dropped=snap.dropped, refused=c.refused,
+                checkpoint_step=last.step if last else -1, checkpoint_path=last.path if last else "",
+                checkpoint_age_s=time.time() - last.time if last else 0.0)
 
     def add_to_server(self, server: grpc.Server) -> None:
         """Register the service with raw-bytes requests (parsed here) and encoded replies."""
