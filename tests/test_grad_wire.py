@@ -16,7 +16,7 @@ from psproto.codec import TensorReader, WireError, decode_chunk, encode_chunks, 
 from tests.helpers.cluster import LocalCluster
 from tests.helpers.models import FLOAT64_EXACT, batches, odd_mlp, train_concatenated
 from tests.helpers.table_models import BAG_VOCAB, VOCAB, single_process, table_batches, table_program
-from trainer.wire import GradientNarrower
+from trainer.narrowing import GradientNarrower
 from transpiler import DistributeTranspilerConfig, Program
 from transpiler.tables import initial_rows
 

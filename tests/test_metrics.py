@@ -39,8 +39,8 @@ from psproto.security import Security
 from tests.helpers.cluster import LocalCluster
 from tests.helpers.models import batches, odd_mlp, odd_program
 from tests.helpers.ports import free_ports
-from trainer import PserverError, metrics
-from trainer.metrics import AucStats, auc_from_histograms
+from trainer import PserverError, job_metrics
+from trainer.job_metrics import AucStats, auc_from_histograms
 from transpiler import DistributeTranspiler, DistributeTranspilerConfig, Program
 from transpiler.cliargs import add_transpile_arguments, config_from_args
 
@@ -478,14 +478,14 @@ def test_global_metrics_equal_the_pooled_values():
         half = len(labels[i]) // 2
         stats.update(torch.from_numpy(labels[i][:half]), torch.from_numpy(scores[i][:half]))
         stats.update(labels[i][half:], scores[i][half:])
-        return (metrics.global_auc(tr, stats=stats),
-                metrics.global_auc(tr, labels[i], quantized[i], name="exact"),
-                metrics.global_mean(tr, "loss", losses[i].mean(), weight=len(losses[i])),
-                metrics.global_sum(tr, "n", len(labels[i])),
-                metrics.global_sum(tr, "hist", np.bincount(labels[i], minlength=2)),
-                metrics.global_max(tr, "worst", losses[i].max()),
-                metrics.global_min(tr, "best", losses[i].min()),
-                metrics.global_mean(tr, "loss", losses[i].mean(), weight=len(losses[i])))  # round 1
+        return (job_metrics.global_auc(tr, stats=stats),
+                job_metrics.global_auc(tr, labels[i], quantized[i], name="exact"),
+                job_metrics.global_mean(tr, "loss", losses[i].mean(), weight=len(losses[i])),
+                job_metrics.global_sum(tr, "n", len(labels[i])),
+                job_metrics.global_sum(tr, "hist", np.bincount(labels[i], minlength=2)),
+                job_metrics.global_max(tr, "worst", losses[i].max()),
+                job_metrics.global_min(tr, "best", losses[i].min()),
+                job_metrics.global_mean(tr, "loss", losses[i].mean(), weight=len(losses[i])))  # round 1
 
     with LocalCluster(build, 2, 2, config=DistributeTranspilerConfig(barrier_timeout=DEADLINE)) as cluster:
         got = in_parallel(cluster, body)
@@ -513,7 +513,7 @@ def test_a_closed_trainer_is_not_waited_for_and_a_missing_one_times_out():
         try:
             trainers[2].close()
             got = {}
-            threads = [threading.Thread(target=lambda i=i: got.update({i: metrics.global_sum(trainers[i], "x", i + 1)}))
+            threads = [threading.Thread(target=lambda i=i: got.update({i: job_metrics.global_sum(trainers[i], "x", i + 1)}))
                        for i in range(2)]
             for th in threads:
                 th.start()
@@ -525,22 +525,22 @@ def test_a_closed_trainer_is_not_waited_for_and_a_missing_one_times_out():
             # barrier ended the wait, not the trainer's RPC deadline, the message shows (it names trainer 1).
             started = time.monotonic()
             with pytest.raises(PserverError, match=r"round 1 of reduction 'sum:x' still waits for trainers \[1\]"):
-                metrics.global_sum(trainers[0], "x", 1.0)
+                job_metrics.global_sum(trainers[0], "x", 1.0)
             assert time.monotonic() - started >= cfg.barrier_timeout
             # Shapes that do not match the round's are refused; the round goes on.
             errors = []
 
             def late():
                 try:
-                    got["late"] = metrics.global_sum(trainers[0], "x", 10.0)
+                    got["late"] = job_metrics.global_sum(trainers[0], "x", 10.0)
                 except PserverError as e:
                     errors.append(e)
             th = threading.Thread(target=late)
             th.start()
             poll(lambda: cluster.servers[0].engine.reductions.open, "trainer 0 opens round 1")
             with pytest.raises(PserverError, match=r"INVALID_ARGUMENT.*others sent v \[\]"):
-                metrics.global_sum(trainers[1], "x", [1.0, 2.0])
-            assert metrics.global_sum(trainers[1], "x", 5.0) == 15.0
+                job_metrics.global_sum(trainers[1], "x", [1.0, 2.0])
+            assert job_metrics.global_sum(trainers[1], "x", 5.0) == 15.0
             th.join(DEADLINE)
             assert not errors and got["late"] == 15.0
         finally:
@@ -556,11 +556,11 @@ def test_all_reduce_refuses_bad_input_before_any_call():
                           (dict(values={}), "at least one"), (dict(values={"a": "x"}), "number")]:
         args = dict(key="k", values={"a": 1.0}) | kwargs
         with pytest.raises(ValueError, match=match):
-            metrics.all_reduce(NoCalls(), **args)
+            job_metrics.all_reduce(NoCalls(), **args)
     with pytest.raises(ValueError, match="weight"):
-        metrics.global_mean(NoCalls(), "m", 1.0, weight=-1)
+        job_metrics.global_mean(NoCalls(), "m", 1.0, weight=-1)
     with pytest.raises(ValueError, match="labels and scores, or stats"):
-        metrics.global_auc(NoCalls(), [1])
+        job_metrics.global_auc(NoCalls(), [1])
 
 
 # -- ps-server as Kubernetes runs it ------------------------------------------------------------
@@ -625,8 +625,8 @@ def collective_sums() -> tuple:
     t = DistributeTranspiler(DistributeTranspilerConfig(mode="collective", barrier_timeout=60))
     t.transpile(0, program=build(), pservers=None, trainers=1)
     with CollectiveTrainer(t.get_trainer_program()) as tr:
-        return (metrics.global_sum(tr, "n", 3), metrics.global_mean(tr, "m", 2.0, weight=4),
-                metrics.global_auc(tr, [0, 1, 1], [0.2, 0.9, 0.1]))
+        return (job_metrics.global_sum(tr, "n", 3), job_metrics.global_mean(tr, "m", 2.0, weight=4),
+                job_metrics.global_auc(tr, [0, 1, 1], [0.2, 0.9, 0.1]))
 
 
 def test_collective_trainers_reduce_among_themselves():
@@ -652,8 +652,8 @@ def test_a_trainer_node_combines_its_local_ranks_first(tmp_path):
         for p in procs:
             p.start()
         try:
-            got = in_parallel(cluster, lambda tr, i: (metrics.global_sum(tr, "n", 100.0),
-                                                      metrics.global_max(tr, "m", -1)), ids=[1])
+            got = in_parallel(cluster, lambda tr, i: (job_metrics.global_sum(tr, "n", 100.0),
+                                                      job_metrics.global_max(tr, "m", -1)), ids=[1])
             assert wait_all(procs) == [0, 0]
         finally:
             stop(procs)

@@ -23,7 +23,7 @@ from transpiler import TrainerProgram
 from psproto.security import Security
 
 from .errors import DOWN, FENCED, REFUSED, RESYNC, TIMEOUT, FencedError, PserverError, PserverUnavailableError
-from .wire import GradientNarrower
+from .narrowing import GradientNarrower
 
 log = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ def node_rank(build, endpoints: Sequence[str], local_rank: int, port: int, out: 
     import torch
 
     from psproto.security import Security
-    from trainer import Trainer, metrics
+    from trainer import Trainer, job_metrics
     from transpiler import DistributeTranspiler, DistributeTranspilerConfig
 
     torch.set_num_threads(1)
@@ -17,5 +17,5 @@ def node_rank(build, endpoints: Sequence[str], local_rank: int, port: int, out: 
     t.transpile(0, program=build(), pservers=",".join(endpoints), trainers=2)
     with Trainer(t.get_trainer_program(), security=Security(), local_rank=local_rank, local_world_size=2,
                  init_method=f"tcp://127.0.0.1:{port}") as tr:
-        got = metrics.global_sum(tr, "n", [1.0, 10.0][local_rank]), metrics.global_max(tr, "m", local_rank)
+        got = job_metrics.global_sum(tr, "n", [1.0, 10.0][local_rank]), job_metrics.global_max(tr, "m", local_rank)
     torch.save(got, out)

@@ -5,9 +5,9 @@ job's. These helpers take a trainer's *local statistics* (sums, counts, score
 histograms) and return the combination over all trainers, the same on every
 trainer::
 
-    from trainer import metrics
+    from trainer import job_metrics
 
-    auc = metrics.AucStats()                       # this trainer's positives / negatives per score bucket
+    auc = job_metrics.AucStats()                   # this trainer's positives / negatives per score bucket
     loss_sum, n = 0.0, 0
     for x, y in tr.batches(loader, epochs=1):
         p = torch.sigmoid(tr.model(x)).squeeze(1)
@@ -16,8 +16,8 @@ trainer::
         tr.step()
         auc.update(y, p)
         loss_sum, n = loss_sum + loss.item() * len(y), n + len(y)
-    job_auc = metrics.global_auc(tr, stats=auc)    # AUC over every trainer's examples
-    job_loss = metrics.global_mean(tr, "loss", loss_sum / n, weight=n)
+    job_auc = job_metrics.global_auc(tr, stats=auc)  # AUC over every trainer's examples
+    job_loss = job_metrics.global_mean(tr, "loss", loss_sum / n, weight=n)
 
 Every trainer must make the same calls in the same order: the n-th call
 with a given name is round n of that reduction, and it returns once every
