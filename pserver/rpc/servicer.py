@@ -122,6 +122,37 @@ def _refusals(method):
     return wrapper
 
 
+def _trainer_call(message_type, digest: bool = True, touch: bool = False):
+    """A trainer's unary-request method with the prologue every such call shares, then :func:`_refusals`.
+
+    The prologue parses the request (``message_type``), checks the caller (its
+    trainer id in range, its session current), then, when asked, the layout
+    digest (``digest``) and notes the call as a sign of life (``touch``); the
+    method gets the parsed request. Client streams have theirs in ``_read_stream``.
+    """
+    def wrap(method):
+        def prologue(self, data):
+            request = _parse(message_type, data)
+            self._check_caller(request)
+            if digest:
+                self._check_digest(request.layout_digest)
+            if touch:
+                self.engine.touch(request.trainer_id)
+            return request
+
+        if inspect.isgeneratorfunction(method):
+            @functools.wraps(method)
+            def streamed(self, data, context):
+                yield from method(self, prologue(self, data), context)
+            return _refusals(streamed)
+
+        @functools.wraps(method)
+        def unary(self, data, context):
+            return method(self, prologue(self, data), context)
+        return _refusals(unary)
+    return wrap
+
+
 def _finite(g: torch.Tensor) -> bool:
     # One reduction first (cheap); the elementwise pass only when the sum is
     # not finite, which also covers a sum that merely overflowed.
@@ -277,12 +308,8 @@ class PserverServicer:
                      self.endpoint, header.trainer_id, header.step)
         return header, applied, updates, ahead
 
-    @_refusals
-    def Pull(self, data, context) -> Iterator[bytes]:
-        request = _parse(ps_pb2.PullRequest, data)
-        self._check_caller(request)
-        self._check_digest(request.layout_digest)
-        self.engine.touch(request.trainer_id)
+    @_trainer_call(ps_pb2.PullRequest, touch=True)
+    def Pull(self, request, context) -> Iterator[bytes]:
         names = list(request.names) or list(self.store.names())
         if len(set(names)) != len(names):
             raise BadRequest("a pull names some blocks more than once")
@@ -327,11 +354,8 @@ class PserverServicer:
         self.counters.add(bytes_in=reader.nbytes, prefetches=1,
                           bytes_out=sum(t.numel() * t.element_size() for _, t in rows))
 
-    @_refusals
-    def SaveTables(self, data, context):
-        request = _parse(ps_pb2.SaveTablesRequest, data)
-        self._check_caller(request)
-        self._check_digest(request.layout_digest)
+    @_trainer_call(ps_pb2.SaveTablesRequest)
+    def SaveTables(self, request, context):
         if not request.directory:
             raise BadRequest("SaveTables needs a directory")
         if "\0" in request.directory:
@@ -343,18 +367,13 @@ class PserverServicer:
                  request.directory)
         return ps_pb2.SaveTablesReply(updates=updates, paths=paths)
 
-    @_refusals
-    def Heartbeat(self, data, context):
-        request = _parse(ps_pb2.HeartbeatRequest, data)
-        self._check_caller(request)
+    @_trainer_call(ps_pb2.HeartbeatRequest, digest=False)
+    def Heartbeat(self, request, context):
         return ps_pb2.HeartbeatReply(updates=self.engine.touch(request.trainer_id),
                                      incarnation=self.incarnation)
 
-    @_refusals
-    def Restore(self, data, context):
-        request = _parse(ps_pb2.RestoreRequest, data)
-        self._check_caller(request)
-        self._check_digest(request.layout_digest)
+    @_trainer_call(ps_pb2.RestoreRequest)
+    def Restore(self, request, context):
         if not self.engine.sync_mode:
             raise NotAllowed(f"pserver {self.endpoint}: Restore is for sync mode; async pservers "
                              f"resume on their own")
@@ -364,26 +383,17 @@ class PserverServicer:
         restored = self.engine.restore(request.trainer_id, request.checkpoint_step, request.token)
         return ps_pb2.RestoreReply(updates=self.engine.updates, restored=restored)
 
-    @_refusals
-    def Checkpoint(self, data, context):
-        request = _parse(ps_pb2.CheckpointRequest, data)
-        self._check_caller(request)
-        self._check_digest(request.layout_digest)
+    @_trainer_call(ps_pb2.CheckpointRequest)
+    def Checkpoint(self, request, context):
         step, path = self.engine.checkpoint()
         return ps_pb2.CheckpointReply(checkpoint_step=step, path=path)
 
-    @_refusals
-    def Close(self, data, context):
-        request = _parse(ps_pb2.CloseRequest, data)
-        self._check_caller(request)
+    @_trainer_call(ps_pb2.CloseRequest, digest=False)
+    def Close(self, request, context):
         return ps_pb2.CloseReply(trainers_left=self.engine.close(request.trainer_id))
 
-    @_refusals
-    def Reduce(self, data, context):
-        request = _parse(ps_pb2.ReduceRequest, data)
-        self._check_caller(request)
-        self._check_digest(request.layout_digest)
-        self.engine.touch(request.trainer_id)
+    @_trainer_call(ps_pb2.ReduceRequest, touch=True)
+    def Reduce(self, request, context):
         values = to_values((v.name, v.shape, v.data) for v in request.values)
         combined, trainers = self.engine.reduce(request.trainer_id, request.key, request.round, request.op, values)
         return ps_pb2.ReduceReply(trainers=trainers, values=[
