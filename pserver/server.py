@@ -16,14 +16,13 @@ from psproto.options import server_options
 from transpiler import PserverProgram, StartupProgram
 from psproto.security import Security, TokenAuthInterceptor
 
-from .async_engine import AsyncEngine
 from .checkpoint import Checkpointer
+from .engine import AsyncEngine, SyncEngine
 from .ops.health import HealthPort
 from .ops.metrics import MetricsServer, PserverCollector
 from .ops.ports import SidePorts, split_host
 from .rpc import SERVICE_NAME, PserverServicer
 from .store import BlockStore
-from .sync_engine import SyncEngine
 from .tables import TableSet
 
 log = logging.getLogger(__name__)
@@ -64,15 +63,15 @@ class ParameterServer:
         self.health_port: Optional[int] = None
         store = BlockStore(program, startup)
         tables = TableSet(program, tables_from)
-        args = (store, tables, program.trainers, program.endpoint, cfg.barrier_timeout)
+        checkpointer = None if cfg.checkpoint_dir is None else Checkpointer(
+            cfg.checkpoint_dir, store, tables, program.shard, len(program.pservers), program.endpoint,
+            program.sync_mode, every=cfg.checkpoint_every, keep=cfg.checkpoint_keep)
+        args = (store, tables, program.trainers, program.endpoint, cfg.barrier_timeout, checkpointer)
         if program.sync_mode:
             self.engine = SyncEngine(*args)
         else:
             self.engine = AsyncEngine(*args, max_staleness=cfg.max_staleness)
-        if cfg.checkpoint_dir is not None:
-            self.engine.checkpointer = Checkpointer(
-                cfg.checkpoint_dir, store, tables, program.shard, len(program.pservers), program.endpoint,
-                program.sync_mode, every=cfg.checkpoint_every, keep=cfg.checkpoint_keep)
+        if checkpointer is not None:
             if self.engine.resume():
                 log.info("pserver %s resumes from the checkpoint at step %d under %s%s", self.endpoint,
                          self.engine.updates, cfg.checkpoint_dir,

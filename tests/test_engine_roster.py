@@ -8,12 +8,11 @@ from torch import nn
 
 import threading
 
-from pserver.async_engine import AsyncEngine
 from pserver.checkpoint.checkpointer import Checkpointer
 from pserver.errors import MustResync, NotAllowed
 from pserver.rpc.servicer import status_of
 from pserver.store import BlockStore
-from pserver.sync_engine import SyncEngine
+from pserver.engine import AsyncEngine, SyncEngine
 from pserver.tables.table_set import TableSet
 from transpiler import DistributeTranspiler, DistributeTranspilerConfig, Program
 
@@ -29,10 +28,8 @@ def engine(trainers: int, checkpoint_dir=None, max_staleness=None) -> SyncEngine
     store, tables = BlockStore(ps, t.get_startup_program(EP, ps)), TableSet(ps)
     if max_staleness is not None:
         return AsyncEngine(store, tables, trainers, EP, barrier_timeout=5.0, max_staleness=max_staleness)
-    e = SyncEngine(store, tables, trainers, EP, barrier_timeout=5.0)
-    if checkpoint_dir is not None:
-        e.checkpointer = Checkpointer(str(checkpoint_dir), store, tables, 0, 1, EP, True)
-    return e
+    checkpointer = None if checkpoint_dir is None else Checkpointer(str(checkpoint_dir), store, tables, 0, 1, EP, True)
+    return SyncEngine(store, tables, trainers, EP, barrier_timeout=5.0, checkpointer=checkpointer)
 
 
 def grads(e: SyncEngine, value: float):
@@ -269,7 +266,7 @@ ABANDONED = [
 @pytest.mark.parametrize("case, dropped_at, rejoined, closed, now, expected", ABANDONED,
                          ids=[row[0] for row in ABANDONED])
 def test_roster_abandoned_trainers(case, dropped_at, rejoined, closed, now, expected):
-    from pserver.roster import Roster
+    from pserver.engine.roster import Roster
 
     r = Roster(3)
     for t, at in dropped_at.items():

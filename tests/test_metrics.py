@@ -33,7 +33,7 @@ from pserver import ParameterServer
 from pserver.errors import BadRequest, NotAllowed
 from pserver.ops.health import HealthPort
 from pserver.ops.ports import HEALTH_PORT_VAR, METRICS_PORT_VAR, SidePorts, port_setting, split_host
-from pserver.reductions import MAX_OPEN, Reductions, combine, to_values
+from pserver.engine.reductions import MAX_OPEN, Reductions, combine, to_values
 from psproto import ps_pb2, ps_pb2_grpc
 from psproto.security import Security
 from tests.helpers.cluster import LocalCluster

@@ -8,14 +8,22 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Optional
+from typing import NamedTuple, Optional
 
 from . import layout
-from ..snapshot import LastCheckpoint
 from ..store import BlockStore
 from ..tables import TableSet
 
 log = logging.getLogger(__name__)
+
+
+class LastCheckpoint(NamedTuple):
+    """The latest checkpoint a pserver wrote or loaded: its step, this pserver's part, when (Unix time)."""
+
+    step: int
+    path: str
+    time: float
+
 
 
 class Checkpointer:

@@ -1,7 +1,7 @@
 """Prometheus metrics of one pserver, served over HTTP at ``/metrics`` on its metrics port.
 
 Most values are read at scrape time from what the pserver keeps anyway (the
-servicer's counters and the engine's :class:`~pserver.snapshot.Snapshot`, the
+servicer's counters and the engine's :class:`~pserver.engine.snapshot.Snapshot`, the
 same one the Stats RPC answers from), by a custom collector: nothing is counted
 twice on the request path. The one exception is the barrier wait histogram, observed where a sync
 wait ends, outside the engine's lock.

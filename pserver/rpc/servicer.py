@@ -32,7 +32,7 @@ from psproto.codec import TensorReader, WireError, decode_chunk, encode_chunks
 
 from .buffers import BufferPool
 from .counters import Counters
-from ..reductions import to_values
+from ..engine.reductions import to_values
 from ..engine import Engine
 from ..errors import (AlreadyRunning, BadRequest, BarrierTimeout, Fenced, MustResync, NoSession, NotAllowed,
                      ShuttingDown, StorageFailed)

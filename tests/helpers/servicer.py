@@ -6,7 +6,7 @@ from torch import nn
 
 from pserver.rpc.servicer import PserverServicer
 from pserver.store import BlockStore
-from pserver.sync_engine import SyncEngine
+from pserver.engine import SyncEngine
 from pserver.tables.table_set import TableSet
 from psproto import ps_pb2
 from transpiler import DistributeTranspiler, DistributeTranspilerConfig, Program

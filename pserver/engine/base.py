@@ -1,8 +1,8 @@
 """Update engines: when a pushed gradient is applied, and who waits for whom.
 
-- :class:`~pserver.sync_engine.SyncEngine`: step *s* is applied once every live
+- :class:`~pserver.engine.sync.SyncEngine`: step *s* is applied once every live
   trainer's gradient for *s* has arrived, with the mean over the trainers that pushed it.
-- :class:`~pserver.async_engine.AsyncEngine`: each gradient is applied on arrival;
+- :class:`~pserver.engine.asynchronous.AsyncEngine`: each gradient is applied on arrival;
   with ``max_staleness`` a trainer too far ahead of the slowest one waits.
 
 This module holds what both share (:class:`Engine`).
@@ -21,29 +21,35 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from abc import ABC, abstractmethod
 from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 
-from .checkpoint import Checkpointer
-from .errors import BarrierTimeout, MustResync, NotAllowed, Refusal, ShuttingDown, StorageFailed
+from ..checkpoint import Checkpointer
+from ..errors import BarrierTimeout, MustResync, NotAllowed, Refusal, ShuttingDown, StorageFailed
+from ..store import BlockStore
+from ..tables import SparseGrad, TableSet
 from .reductions import Combined, Reductions, Values
 from .roster import Position, Roster
 from .snapshot import Snapshot
-from .store import BlockStore
-from .tables import TableSet
 
 log = logging.getLogger(__name__)
 
 
-class Engine:
-    """Trainer bookkeeping, checkpoints and roll-backs shared by the sync and async engines."""
+class Engine(ABC):
+    """The contract the RPC layer talks to, and the trainer bookkeeping, checkpoints and roll-backs both engines share.
+
+    ``checkpointer`` (None without a checkpoint_dir) saves and loads this
+    pserver's part. :meth:`push` and :meth:`wait_updates` are where the
+    engines differ.
+    """
 
     sync_mode = False
 
     def __init__(self, store: BlockStore, tables: TableSet, trainers: int, endpoint: str,
-                 barrier_timeout: float):
+                 barrier_timeout: float, checkpointer: Optional[Checkpointer] = None):
         self.store = store
         self.tables = tables
         self.trainers = trainers
@@ -54,8 +60,7 @@ class Engine:
         self.roster = Roster(trainers)
         self.all_closed = threading.Event()
         self._stopping = False
-        # Set by the server when checkpoint_dir is configured.
-        self.checkpointer: Optional[Checkpointer] = None
+        self.checkpointer = checkpointer
         # Recovery: roll-back tokens honoured, and a count that wakes waiters after one.
         self.restored_from = -1
         self._honoured: set = set()
@@ -65,8 +70,9 @@ class Engine:
         self._hello_rollbacks: Dict[int, int] = {}
         # Trainers' global metrics (Reduce), combined here when this pserver is the job's first.
         self.reductions = Reductions(endpoint)
-        # Set by the server when it exports metrics: called with the seconds a trainer's call
-        # waited for a step (sync barrier), after the lock is released.
+        # Set by the server while it exports metrics (the histogram lives with the metrics server,
+        # which starts with the ports): called with the seconds a trainer's call waited for a step
+        # (sync barrier), after the lock is released.
         self.on_wait: Optional[Callable[[float], None]] = None
 
     @property
@@ -102,6 +108,20 @@ class Engine:
         """The last step of ``trainer_id`` this pserver counted (applied or pending), -1 if none."""
         with self.cv:
             return self.last_step.get(trainer_id, -1)
+
+    @abstractmethod
+    def push(self, trainer_id: int, step: int, grads: Dict[str, torch.Tensor],
+             sparse: Optional[Mapping[str, SparseGrad]] = None,
+             position: Position = Position(0, 0)) -> Tuple[bool, int]:
+        """Count (sync) or apply (async) one trainer's gradients of ``step``; returns (counted, updates).
+
+        A retried push of a step already counted is acknowledged, not applied
+        twice. ``sparse`` is {table: (ids, rows)}.
+        """
+
+    @abstractmethod
+    def wait_updates(self, trainer_id: int, min_updates: int) -> None:
+        """Block until ``min_updates`` updates are applied (sync: the step's barrier), within its deadline."""
 
     def step_in_progress(self, trainer_id: int) -> Tuple[int, int]:
         """(steps applied, other trainers whose push of the step in progress is counted or awaited).

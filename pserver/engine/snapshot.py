@@ -7,15 +7,9 @@ numbers from the same place.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple, Optional, Tuple
+from typing import Optional, Tuple
 
-
-class LastCheckpoint(NamedTuple):
-    """The latest checkpoint a pserver wrote or loaded: its step, this pserver's part, when (Unix time)."""
-
-    step: int
-    path: str
-    time: float
+from ..checkpoint.checkpointer import LastCheckpoint
 
 
 @dataclass(frozen=True)

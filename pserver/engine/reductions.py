@@ -23,7 +23,7 @@ from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
-from .errors import BadRequest, NotAllowed
+from ..errors import BadRequest, NotAllowed
 
 OPS = {"sum": np.add, "max": np.maximum, "min": np.minimum}
 # Rounds open at once, over all keys: bounds what a misbehaving trainer can make a pserver hold.

@@ -11,10 +11,10 @@ from typing import Dict, List, Mapping, Optional, Tuple
 
 import torch
 
-from .engine import Engine
-from .errors import NotAllowed
+from ..errors import NotAllowed
+from ..tables import SparseGrad
+from .base import Engine
 from .roster import Position
-from .tables import SparseGrad
 
 log = logging.getLogger(__name__)
 

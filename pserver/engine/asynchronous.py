@@ -6,9 +6,9 @@ from typing import Dict, List, Mapping, Optional, Tuple
 
 import torch
 
-from .engine import Engine
+from ..tables import SparseGrad
+from .base import Engine
 from .roster import Position
-from .tables import SparseGrad
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,18 @@
+"""Update engines: when a pushed gradient is applied, who waits for whom, and roll-backs.
+
+- :mod:`.base`: :class:`Engine`, the contract the RPC layer talks to (push,
+  wait_updates, read, lookup, roster operations, checkpoint and roll-back) and
+  what both engines share; :mod:`.sync` (:class:`SyncEngine`, the barrier) and
+  :mod:`.asynchronous` (:class:`AsyncEngine`, apply on arrival) implement it.
+- :mod:`.roster`: the trainers as one pserver sees them; :mod:`.reductions`:
+  the Reduce service (trainers' global metrics); :mod:`.snapshot`: the state
+  Stats and /metrics report.
+
+Pure of gRPC: refusals are :mod:`pserver.errors`, mapped to statuses by :mod:`pserver.rpc`.
+"""
+from .asynchronous import AsyncEngine
+from .base import Engine
+from .snapshot import Snapshot
+from .sync import SyncEngine
+
+__all__ = ["Engine", "SyncEngine", "AsyncEngine", "Snapshot"]
