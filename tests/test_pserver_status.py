@@ -161,7 +161,7 @@ def _imports(module: str) -> set:
 
 @pytest.mark.parametrize("module", ["pserver.engine.base", "pserver.engine.sync", "pserver.engine.asynchronous",
                                     "pserver.engine.roster", "pserver.engine.reductions",
-                                    "pserver.engine.snapshot", "pserver.errors"])
+                                    "pserver.engine.snapshot", "pserver.engine.rollback", "pserver.errors"])
 def test_engines_do_not_import_grpc(module):
     # grpc is already loaded in this process, so only the source tells.
     found = sorted(n for n in _imports(module) if n == "grpc" or n.startswith("grpc."))

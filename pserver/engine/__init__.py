@@ -4,6 +4,7 @@
   wait_updates, read, lookup, roster operations, checkpoint and roll-back) and
   what both engines share; :mod:`.sync` (:class:`SyncEngine`, the barrier) and
   :mod:`.asynchronous` (:class:`AsyncEngine`, apply on arrival) implement it.
+- :mod:`.rollback`: checkpoints, resume and roll-back (a mixin of :class:`Engine`).
 - :mod:`.roster`: the trainers as one pserver sees them; :mod:`.reductions`:
   the Reduce service (trainers' global metrics); :mod:`.snapshot`: the state
   Stats and /metrics report.
