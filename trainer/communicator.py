@@ -48,11 +48,10 @@ def kind_of(code: Optional[grpc.StatusCode]) -> str:
     return _KINDS.get(code, REFUSED)
 
 
-def _error(endpoint: str, what: str, e: grpc.RpcError, message: str = "") -> PserverError:
-    """The :class:`PserverError` (or :class:`FencedError`) for a failed call ``what`` (or ``message``)."""
+def _error(endpoint: str, message: str, e: grpc.RpcError) -> PserverError:
+    """The :class:`PserverError` (or :class:`FencedError`) saying ``message`` for the failed call ``e``."""
     code = e.code() if hasattr(e, "code") else None
     kind, status = kind_of(code), code.name if code else ""
-    message = message or f"{what} failed: {_details(e)}"
     return FencedError(endpoint, message, status) if kind == FENCED else PserverError(endpoint, message, kind, status)
 
 
@@ -185,14 +184,14 @@ class Communicator:
                     if id_taken_until is None:
                         id_taken_until = now + self.alive_window + self.heartbeat_interval
                     if now >= min(id_taken_until, deadline):
-                        raise _error(endpoint, "Hello", e, f"refused Hello: {_details(e)}") from None
+                        raise _error(endpoint, f"refused Hello: {_details(e)}", e) from None
                     last = _details(e)
                     time.sleep(max(0.0, min(self.heartbeat_interval / 4, deadline - now)))
                     continue
                 # CANCELLED: a pserver shutting down cancels the calls it holds, a waiting Hello too.
                 if e.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
                                     grpc.StatusCode.CANCELLED):
-                    raise _error(endpoint, "Hello", e, f"refused Hello: {_details(e)}") from None
+                    raise _error(endpoint, f"refused Hello: {_details(e)}", e) from None
                 last = _details(e)
 
     # -- transfers ----------------------------------------------------------
@@ -278,7 +277,7 @@ class Communicator:
                     reader.add(piece)
             tensors = reader.finish()
         except grpc.RpcError as e:
-            raise _error(endpoint, what, e) from None
+            raise _error(endpoint, f"{what} failed: {_details(e)}", e) from None
         except WireError as e:
             raise PserverError(endpoint, f"{what}: answer is malformed: {e}") from None
         if updates is None:
@@ -297,7 +296,7 @@ class Communicator:
         try:
             return getattr(self._stubs[endpoint], method)(request, timeout=timeout)
         except grpc.RpcError as e:
-            raise _error(endpoint, what, e) from None
+            raise _error(endpoint, f"{what} failed: {_details(e)}", e) from None
 
     def heartbeat(self, endpoint: str, timeout: float) -> ps_pb2.HeartbeatReply:
         """Tell ``endpoint`` this trainer lives; its answer carries its updates and incarnation."""

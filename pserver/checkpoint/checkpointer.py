@@ -25,7 +25,6 @@ class LastCheckpoint(NamedTuple):
     time: float
 
 
-
 class Checkpointer:
     """Writes this pserver's part of checkpoints under ``root`` and loads checkpoints back.
 
