@@ -135,7 +135,7 @@ def refused(svc, method, request, messages=None):
 
 
 def push(svc, trainer_id, session, step=0):
-    grads = [(n, torch.full(spec.shape, 0.5)) for n, spec in svc.store.specs.items()]
+    grads = [(n, torch.full(shape, 0.5)) for n, (_, shape) in svc.engine.block_layout().items()]
     header = ps_pb2.PushHeader(trainer_id=trainer_id, step=step, layout_digest=svc.layout_digest, session=session)
     return iter(list(encode_chunks(header, grads, 1 << 20)))
 

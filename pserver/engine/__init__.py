@@ -4,6 +4,8 @@
   wait_updates, read, lookup, roster operations, checkpoint and roll-back) and
   what both engines share; :mod:`.sync` (:class:`SyncEngine`, the barrier) and
   :mod:`.asynchronous` (:class:`AsyncEngine`, apply on arrival) implement it.
+- :mod:`.contents`: what the engine holds as requests name it (block names and
+  layout, what a push or prefetch may carry, how a push splits; a mixin of :class:`Engine`).
 - :mod:`.rollback`: checkpoints, resume and roll-back (a mixin of :class:`Engine`).
 - :mod:`.roster`: the trainers as one pserver sees them; :mod:`.reductions`:
   the Reduce service (trainers' global metrics); :mod:`.snapshot`: the state
@@ -13,7 +15,8 @@ Pure of gRPC: refusals are :mod:`pserver.errors`, mapped to statuses by :mod:`ps
 """
 from .asynchronous import AsyncEngine
 from .base import Engine
+from .contents import PushParts
 from .snapshot import Snapshot
 from .sync import SyncEngine
 
-__all__ = ["Engine", "SyncEngine", "AsyncEngine", "Snapshot"]
+__all__ = ["Engine", "SyncEngine", "AsyncEngine", "PushParts", "Snapshot"]

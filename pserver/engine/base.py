@@ -14,7 +14,9 @@ applied together. All state lives behind one condition variable; updates run
 under it, transfers do not.
 
 A refused request raises a :mod:`pserver.errors` refusal; which wire status it
-becomes is the servicer's business, not the engines'.
+becomes is the servicer's business, not the engines'. The servicer reaches the
+blocks and tables only through this contract: what a push or prefetch may carry
+and how a received push splits, in :mod:`.contents`.
 """
 from __future__ import annotations
 
@@ -32,6 +34,7 @@ from ..errors import BarrierTimeout, MustResync, NotAllowed, Refusal, ShuttingDo
 from ..store import BlockStore
 from ..tables import SparseGrad, TableSet
 from .reductions import Combined, Reductions, Values
+from .contents import Contents
 from .rollback import Checkpoints
 from .roster import Position, Roster
 from .snapshot import Snapshot
@@ -39,7 +42,7 @@ from .snapshot import Snapshot
 log = logging.getLogger(__name__)
 
 
-class Engine(Checkpoints, ABC):
+class Engine(Contents, Checkpoints, ABC):
     """The contract the RPC layer talks to, and the trainer bookkeeping, checkpoints and roll-backs both engines share.
 
     ``checkpointer`` (None without a checkpoint_dir) saves and loads this

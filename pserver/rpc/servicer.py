@@ -1,5 +1,9 @@
 """The gRPC servicer: checks every request, then hands it to the engine.
 
+It knows the blocks and tables only through the engine's contract
+(:class:`~pserver.engine.Engine`: what a push or prefetch may carry, how a
+push splits), never reaching below it.
+
 Every method receives the raw request bytes and parses them itself, so
 malformed bytes get INVALID_ARGUMENT with a message instead of a generic
 deserialisation failure. Push and Pull bypass the generic protobuf path for
@@ -27,7 +31,6 @@ import torch
 from google.protobuf.message import DecodeError
 
 from psproto import ps_pb2
-from psproto.dtypes import DTYPES
 from psproto.codec import TensorReader, WireError, decode_chunk, encode_chunks
 
 from .buffers import BufferPool
@@ -170,13 +173,11 @@ class PserverServicer:
         # A new value per process: trainers tell a restarted pserver by it.
         self.incarnation = secrets.randbits(63) or 1
         self.started = time.monotonic()
-        self.store = engine.store
-        self.tables = engine.tables
         self.endpoint = engine.endpoint
         self.layout_digest = layout_digest
         self.chunk_bytes = chunk_bytes
         self.counters = Counters()
-        self.buffers = BufferPool({n: (DTYPES[s.dtype], s.shape) for n, s in self.store.specs.items()})
+        self.buffers = BufferPool(engine.block_layout())
 
     def _check_trainer(self, trainer_id: int) -> None:
         if not 0 <= trainer_id < self.engine.trainers:
@@ -214,9 +215,6 @@ class PserverServicer:
                                  counted_step=self.engine.counted_step(request.trainer_id), session=session,
                                  applied_step=applied, others_in_step=others)
 
-    def _expect(self, name: str):
-        return self.store.expect(name) or self.tables.expect(name)
-
     def _read_stream(self, request_iterator, header_type, expect, dest=None, widen=False):
         """(header, reader) of a client stream: header in the first message, then pieces.
 
@@ -251,7 +249,8 @@ class PserverServicer:
 
     def _release(self, tensors) -> None:
         # Only dense blocks come from the pool; sparse tensors are sized per push.
-        self.buffers.release({n: t for n, t in tensors.items() if n in self.store.specs})
+        blocks = self.engine.block_names()
+        self.buffers.release({n: t for n, t in tensors.items() if n in blocks})
 
     @_refusals
     def Push(self, request_iterator, context):
@@ -270,7 +269,8 @@ class PserverServicer:
         header, applied, _, ahead = self._push(request_iterator)
         # The trainer's next step needs this one applied (sync), or whatever is there (async).
         min_updates = header.step + 1 if self.engine.sync_mode else 0
-        yield from self._answer_pull(header.trainer_id, min_updates, list(self.store.names()), applied, ahead)
+        yield from self._answer_pull(header.trainer_id, min_updates, list(self.engine.block_names()), applied,
+                                     ahead)
 
     def _push(self, request_iterator, answered: bool = True):
         """Read, check and count one push; (header, applied, updates, {table: ids asked for after it}).
@@ -278,17 +278,14 @@ class PserverServicer:
         ``answered``: whether the call answers with parameters (PushPull), so
         may carry ``<table>@next`` ids to answer with rows too.
         """
-        header, reader = self._read_stream(request_iterator, ps_pb2.PushHeader, self._expect,
+        header, reader = self._read_stream(request_iterator, ps_pb2.PushHeader, self.engine.expect,
                                            dest=self.buffers.acquire, widen=True)
         try:
             if header.step < 0:
                 raise BadRequest(f"step must be >= 0, got {header.step}")
             if header.epoch < 0 or header.batch < 0:
                 raise BadRequest(f"data position must be >= 0, got epoch {header.epoch} batch {header.batch}")
-            tensors = reader.tensors
-            grads = {n: t for n, t in tensors.items() if n in self.store.specs}
-            sparse = self.tables.sparse_grads(tensors) if self.tables else {}
-            ahead = self.tables.requested_ids(tensors, "next") if self.tables else {}
+            grads, sparse, ahead = self.engine.split_push(reader.tensors)
             if ahead and not answered:
                 raise BadRequest("'<table>@next' ids ask for rows in the answer: send them with PushPull, not Push")
             for name, g in [*grads.items(), *((n, rows) for n, (_, rows) in sparse.items())]:
@@ -310,10 +307,11 @@ class PserverServicer:
 
     @_trainer_call(ps_pb2.PullRequest, touch=True)
     def Pull(self, request, context) -> Iterator[bytes]:
-        names = list(request.names) or list(self.store.names())
+        blocks = self.engine.block_names()
+        names = list(request.names) or list(blocks)
         if len(set(names)) != len(names):
             raise BadRequest("a pull names some blocks more than once")
-        unknown = [n for n in names if self.store.expect(n) is None]
+        unknown = [n for n in names if n not in blocks]
         if unknown:
             raise BadRequest(f"unknown blocks {unknown[:5]}{'...' if len(unknown) > 5 else ''}")
         if request.min_updates < 0:
@@ -344,10 +342,10 @@ class PserverServicer:
         yield from self._prefetch(iter((data,)))
 
     def _prefetch(self, request_iterator) -> Iterator[bytes]:
-        header, reader = self._read_stream(request_iterator, ps_pb2.PrefetchHeader, self.tables.expect)
+        header, reader = self._read_stream(request_iterator, ps_pb2.PrefetchHeader, self.engine.expect_table)
         if header.min_updates < 0:
             raise BadRequest(f"min_updates must be >= 0, got {header.min_updates}")
-        ids = self.tables.requested_ids(reader.tensors)
+        ids = self.engine.prefetch_ids(reader.tensors)
         self.engine.wait_updates(header.trainer_id, header.min_updates)
         updates, rows = self.engine.lookup(ids)
         yield from encode_chunks(ps_pb2.PullHeader(updates=updates), rows, self.chunk_bytes)

@@ -1,0 +1,107 @@
+"""The engine contract the servicer talks to: what a push, pull or prefetch may carry.
+
+The servicer reaches blocks and tables only through these methods, so each is
+checked here on a real engine over a plan with dense blocks and two
+distributed tables sharded over two pservers.
+"""
+from __future__ import annotations
+
+
+import numpy as np
+import pytest
+import torch
+
+from pserver.engine import AsyncEngine, PushParts, SyncEngine
+from pserver.errors import BadRequest
+from pserver.store import BlockStore
+from pserver.tables.table_set import TableSet
+from tests.helpers.table_models import BAG_DIM, DIM, table_program
+from transpiler import DistributeTranspiler, DistributeTranspilerConfig
+from transpiler.tables import shard_of
+
+EPS = ["127.0.0.1:1", "127.0.0.1:2"]
+
+
+def engine(sync: bool = True, trainers: int = 2, **hooks):
+    """An engine of pserver 0 of 2, for ``trainers`` trainers: the head's blocks, shard 0 of tables emb and bag."""
+    t = DistributeTranspiler(DistributeTranspilerConfig(slice_var_up=False))
+    t.transpile(0, program=table_program("sgd", lr=0.5), pservers=",".join(EPS), trainers=trainers,
+                sync_mode=sync)
+    ps = t.get_pserver_program(EPS[0])
+    store, tables = BlockStore(ps, t.get_startup_program(EPS[0], ps)), TableSet(ps)
+    cls = SyncEngine if sync else AsyncEngine
+    return cls(store, tables, trainers, EPS[0], barrier_timeout=5.0, **hooks)
+
+
+def ids_of(shard: int, n: int = 4) -> np.ndarray:
+    """``n`` distinct ids that belong to ``shard`` of 2."""
+    candidates = np.arange(-50, 50, dtype=np.int64)
+    return candidates[shard_of(candidates, 2) == shard][:n]
+
+
+def test_block_names_and_layout_are_the_blocks_this_pserver_owns():
+    e = engine()
+    names = e.block_names()
+    assert sorted(names) == sorted(e.store.blocks) and names  # RoundRobin gave pserver 0 some blocks
+    layout = e.block_layout()
+    assert list(layout) == list(names)
+    for name, (dtype, shape) in layout.items():
+        assert (dtype, list(shape)) == (e.store.blocks[name].dtype, list(e.store.blocks[name].shape))
+        assert dtype == torch.float32
+    assert "emb@ids" not in names and "no.such.block" not in names
+
+
+def test_expect_names_what_a_push_may_carry_and_expect_table_what_a_prefetch_may():
+    e = engine()
+    block = next(iter(e.block_names()))
+    assert e.expect(block) == ("float32", list(e.store.blocks[block].shape))
+    assert e.expect("emb@ids") == ("int64", [-1])
+    assert e.expect("emb@rows") == ("float32", [-1, DIM])
+    assert e.expect("bag@rows") == ("float32", [-1, BAG_DIM])
+    assert e.expect("bag@next") == ("int64", [-1])
+    assert e.expect("emb") is None and e.expect("nope@ids") is None and e.expect("") is None
+    assert e.expect_table("emb@ids") == ("int64", [-1])
+    assert e.expect_table(block) is None                 # a dense block is unknown in a prefetch
+
+
+def test_split_push_sorts_dense_sparse_and_ids_asked_ahead():
+    e = engine()
+    block = next(iter(e.block_names()))
+    ids = ids_of(0, 3)
+    pushed_ids = torch.from_numpy(np.concatenate([ids, ids[:1]]))          # ids[0] twice: summed
+    rows = torch.arange(4 * DIM, dtype=torch.float32).reshape(4, DIM)
+    ahead = torch.from_numpy(ids_of(0, 2))
+    grad = torch.ones(e.store.blocks[block].shape)
+    parts = e.split_push({block: grad, "emb@ids": pushed_ids, "emb@rows": rows, "bag@next": ahead})
+    assert isinstance(parts, PushParts)
+    assert list(parts.dense) == [block] and parts.dense[block] is grad
+    got_ids, got_rows = parts.sparse["emb"]
+    order = np.argsort(got_ids)
+    assert got_ids[order].tolist() == sorted(ids.tolist())
+    by_id = dict(zip(got_ids.tolist(), got_rows.tolist()))
+    assert by_id[int(ids[0])] == (rows[0] + rows[3]).tolist() and by_id[int(ids[1])] == rows[1].tolist()
+    assert list(parts.sparse) == ["emb"]
+    assert {t: v.tolist() for t, v in parts.ahead.items()} == {"bag": ahead.tolist()}
+
+
+@pytest.mark.parametrize("tensors, match", [
+    (lambda: {"emb@ids": torch.from_numpy(ids_of(0, 2))}, "needs both 'emb@ids' and 'emb@rows'"),
+    (lambda: {"emb@ids": torch.from_numpy(ids_of(0, 2)), "emb@rows": torch.zeros(3, DIM)}, "2 ids but 3"),
+    (lambda: {"emb@ids": torch.from_numpy(ids_of(1, 2)), "emb@rows": torch.zeros(2, DIM)},
+     "do not belong to shard 0 of 2"),
+    (lambda: {"bag@next": torch.from_numpy(ids_of(1, 1))}, "do not belong to shard 0 of 2"),
+])
+def test_split_push_refuses_unpaired_or_misrouted_sparse_tensors(tensors, match):
+    with pytest.raises(BadRequest, match=match):
+        engine().split_push(tensors())
+
+
+def test_prefetch_ids_are_checked_and_carry_nothing_else():
+    e = engine()
+    ids = ids_of(0, 3)
+    got = e.prefetch_ids({"emb@ids": torch.from_numpy(ids), "bag@ids": torch.from_numpy(ids[:1])})
+    assert {t: v.tolist() for t, v in got.items()} == {"emb": ids.tolist(), "bag": ids[:1].tolist()}
+    with pytest.raises(BadRequest, match="carries only '<table>@ids'"):
+        e.prefetch_ids({"emb@ids": torch.from_numpy(ids), "emb@rows": torch.zeros(3, DIM)})
+    with pytest.raises(BadRequest, match="do not belong"):
+        e.prefetch_ids({"emb@ids": torch.from_numpy(ids_of(1, 1))})
