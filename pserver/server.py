@@ -67,10 +67,11 @@ class ParameterServer:
             cfg.checkpoint_dir, store, tables, program.shard, len(program.pservers), program.endpoint,
             program.sync_mode, every=cfg.checkpoint_every, keep=cfg.checkpoint_keep)
         args = (store, tables, program.trainers, program.endpoint, cfg.barrier_timeout, checkpointer)
+        hooks = dict(on_wait=self._observe_barrier_wait)
         if program.sync_mode:
-            self.engine = SyncEngine(*args)
+            self.engine = SyncEngine(*args, **hooks)
         else:
-            self.engine = AsyncEngine(*args, max_staleness=cfg.max_staleness)
+            self.engine = AsyncEngine(*args, max_staleness=cfg.max_staleness, **hooks)
         if checkpointer is not None:
             if self.engine.resume():
                 log.info("pserver %s resumes from the checkpoint at step %d under %s%s", self.endpoint,
@@ -123,16 +124,25 @@ class ParameterServer:
             collector = PserverCollector(self.servicer, self.program.shard, len(self.program.pservers), auth)
             self._metrics = MetricsServer(collector, self.endpoint)
             self.metrics_port = self._metrics.start(host, self.side_ports.metrics)
-            self.engine.on_wait = self._metrics.barrier_wait.observe
             log.info("pserver %s: Prometheus metrics at http://%s:%d/metrics", self.endpoint,
                      f"[{host}]" if ":" in host else host, self.metrics_port)
 
     def _stop_side_ports(self) -> None:
         if self._health_port is not None:
             self._health_port.stop()
-        if self._metrics is not None:
-            self.engine.on_wait = None
-            self._metrics.stop()
+        metrics, self._metrics = self._metrics, None  # no more barrier waits observed
+        if metrics is not None:
+            metrics.stop()
+
+    def _observe_barrier_wait(self, seconds: float) -> None:
+        """The engine's ``on_wait``: how long a call waited for a sync step, into the histogram while metrics are served.
+
+        The histogram lives with the metrics server, which starts and stops
+        with the side ports; without it the wait is not recorded.
+        """
+        metrics = self._metrics  # read once: stopping the side ports unsets it
+        if metrics is not None:
+            metrics.barrier_wait.observe(seconds)
 
     def _start_main(self) -> None:
         """The training service (with health and reflection) on the endpoint, behind the token."""

@@ -1,4 +1,4 @@
-"""The engine contract the servicer talks to: what a push, pull or prefetch may carry.
+"""The engine contract the servicer talks to: what a push, pull or prefetch may carry, and its hooks.
 
 The servicer reaches blocks and tables only through these methods, so each is
 checked here on a real engine over a plan with dense blocks and two
@@ -6,6 +6,8 @@ distributed tables sharded over two pservers.
 """
 from __future__ import annotations
 
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -105,3 +107,21 @@ def test_prefetch_ids_are_checked_and_carry_nothing_else():
         e.prefetch_ids({"emb@ids": torch.from_numpy(ids), "emb@rows": torch.zeros(3, DIM)})
     with pytest.raises(BadRequest, match="do not belong"):
         e.prefetch_ids({"emb@ids": torch.from_numpy(ids_of(1, 1))})
+
+
+def test_on_wait_is_given_at_construction_and_told_how_long_a_sync_call_waited():
+    waits = []
+    e = engine(trainers=2, on_wait=waits.append)
+    for t in (0, 1):
+        e.hello(t)
+    grads = {n: torch.zeros_like(b) for n, b in e.store.blocks.items()}
+    e.push(0, 0, grads)
+    e.wait_updates(0, 0)                                 # nothing to wait for: not observed
+    assert waits == []
+    waiter = threading.Thread(target=e.wait_updates, args=(0, 1))
+    waiter.start()
+    while not e.cv._waiters:                             # the waiter is in the barrier
+        time.sleep(0.001)
+    e.push(1, 0, grads)
+    waiter.join(5)
+    assert e.updates == 1 and len(waits) == 1 and 0.0 < waits[0] < e.barrier_timeout

@@ -47,13 +47,16 @@ class Engine(Contents, Checkpoints, ABC):
 
     ``checkpointer`` (None without a checkpoint_dir) saves and loads this
     pserver's part. :meth:`push` and :meth:`wait_updates` are where the
-    engines differ.
+    engines differ. ``on_wait`` is called with the seconds a trainer's call
+    waited for a sync step (the barrier wait histogram), after the lock is
+    released.
     """
 
     sync_mode = False
 
     def __init__(self, store: BlockStore, tables: TableSet, trainers: int, endpoint: str,
-                 barrier_timeout: float, checkpointer: Optional[Checkpointer] = None):
+                 barrier_timeout: float, checkpointer: Optional[Checkpointer] = None, *,
+                 on_wait: Optional[Callable[[float], None]] = None):
         self.store = store
         self.tables = tables
         self.trainers = trainers
@@ -74,10 +77,7 @@ class Engine(Contents, Checkpoints, ABC):
         self._hello_rollbacks: Dict[int, int] = {}
         # Trainers' global metrics (Reduce), combined here when this pserver is the job's first.
         self.reductions = Reductions(endpoint)
-        # Set by the server while it exports metrics (the histogram lives with the metrics server,
-        # which starts with the ports): called with the seconds a trainer's call waited for a step
-        # (sync barrier), after the lock is released.
-        self.on_wait: Optional[Callable[[float], None]] = None
+        self.on_wait = on_wait
 
     @property
     def last_step(self) -> Dict[int, int]:

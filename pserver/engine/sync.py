@@ -154,9 +154,8 @@ class SyncEngine(Engine):
                 self._wait(lambda: self.updates >= min_updates, f"step {self.updates}",
                            lambda: sorted(self._expected() - self.pending))
         finally:
-            hook = self.on_wait  # read once: the server may unset it while stopping
-            if started is not None and hook is not None:
-                hook(time.monotonic() - started)
+            if started is not None and self.on_wait is not None:
+                self.on_wait(time.monotonic() - started)
 
     def _reads_need_copy(self) -> bool:
         # Between two sync steps nothing writes the blocks: the next update
