@@ -17,7 +17,7 @@ from transpiler import PserverProgram, StartupProgram
 from psproto.security import Security, TokenAuthInterceptor
 
 from .checkpoint import Checkpointer
-from .engine import AsyncEngine, SyncEngine
+from .engine import AsyncEngine, Reductions, SyncEngine
 from .ops.health import HealthPort
 from .ops.metrics import MetricsServer, PserverCollector
 from .ops.ports import SidePorts, split_host
@@ -66,8 +66,13 @@ class ParameterServer:
         checkpointer = None if cfg.checkpoint_dir is None else Checkpointer(
             cfg.checkpoint_dir, store, tables, program.shard, len(program.pservers), program.endpoint,
             program.sync_mode, every=cfg.checkpoint_every, keep=cfg.checkpoint_keep)
+        # The Reduce service waits for the trainers the engine still expects and is woken when that
+        # set changes: each needs the other, so the service, built first, asks self.engine (set just
+        # below) only when a trainer calls.
+        self.reductions = Reductions(self.endpoint, cfg.barrier_timeout, expected=lambda: self.engine.live(),
+                                     admit=lambda trainer_id: self.engine.check_live(trainer_id))
         args = (store, tables, program.trainers, program.endpoint, cfg.barrier_timeout, checkpointer)
-        hooks = dict(on_wait=self._observe_barrier_wait)
+        hooks = dict(on_wait=self._observe_barrier_wait, on_roster_change=self.reductions.roster_changed)
         if program.sync_mode:
             self.engine = SyncEngine(*args, **hooks)
         else:
@@ -77,7 +82,7 @@ class ParameterServer:
                 log.info("pserver %s resumes from the checkpoint at step %d under %s%s", self.endpoint,
                          self.engine.updates, cfg.checkpoint_dir,
                          " (tables_from is ignored)" if tables_from else "")
-        self.servicer = PserverServicer(self.engine, program.layout_digest, cfg.chunk_bytes,
+        self.servicer = PserverServicer(self.engine, self.reductions, program.layout_digest, cfg.chunk_bytes,
                                         alive_window=cfg.session_alive_window,
                                         allow_nonfinite=cfg.nonfinite_grads == "apply")
         self._server: Optional[grpc.Server] = None
@@ -135,7 +140,7 @@ class ParameterServer:
             metrics.stop()
 
     def _observe_barrier_wait(self, seconds: float) -> None:
-        """The engine's ``on_wait``: how long a call waited for a sync step, into the histogram while metrics are served.
+        """The engine's ``on_wait``: a sync step's wait, into the barrier histogram while metrics are served.
 
         The histogram lives with the metrics server, which starts and stops
         with the side ports; without it the wait is not recorded.
@@ -220,6 +225,7 @@ class ParameterServer:
         if self._health_port is not None:
             self._health_port.shutting_down()
         self.engine.stop()
+        self.reductions.stop()
         if self._server is not None:
             self._server.stop(grace).wait()
         self._stop_side_ports()

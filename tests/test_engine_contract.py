@@ -13,8 +13,9 @@ import numpy as np
 import pytest
 import torch
 
+from pserver.checkpoint.checkpointer import Checkpointer
 from pserver.engine import AsyncEngine, PushParts, SyncEngine
-from pserver.errors import BadRequest
+from pserver.errors import BadRequest, MustResync, NotAllowed
 from pserver.store import BlockStore
 from pserver.tables.table_set import TableSet
 from tests.helpers.table_models import BAG_DIM, DIM, table_program
@@ -24,15 +25,17 @@ from transpiler.tables import shard_of
 EPS = ["127.0.0.1:1", "127.0.0.1:2"]
 
 
-def engine(sync: bool = True, trainers: int = 2, **hooks):
-    """An engine of pserver 0 of 2, for ``trainers`` trainers: the head's blocks, shard 0 of tables emb and bag."""
+def engine(sync: bool = True, trainers: int = 2, checkpoint_dir=None, pservers: int = 2, **hooks):
+    """Pserver 0 of ``pservers``'s engine for ``trainers`` trainers: its blocks, shard 0 of tables emb and bag."""
     t = DistributeTranspiler(DistributeTranspilerConfig(slice_var_up=False))
-    t.transpile(0, program=table_program("sgd", lr=0.5), pservers=",".join(EPS), trainers=trainers,
+    t.transpile(0, program=table_program("sgd", lr=0.5), pservers=",".join(EPS[:pservers]), trainers=trainers,
                 sync_mode=sync)
     ps = t.get_pserver_program(EPS[0])
     store, tables = BlockStore(ps, t.get_startup_program(EPS[0], ps)), TableSet(ps)
+    checkpointer = None if checkpoint_dir is None else Checkpointer(str(checkpoint_dir), store, tables, 0,
+                                                                    pservers, EPS[0], sync)
     cls = SyncEngine if sync else AsyncEngine
-    return cls(store, tables, trainers, EPS[0], barrier_timeout=5.0, **hooks)
+    return cls(store, tables, trainers, EPS[0], barrier_timeout=5.0, checkpointer=checkpointer, **hooks)
 
 
 def ids_of(shard: int, n: int = 4) -> np.ndarray:
@@ -109,6 +112,76 @@ def test_prefetch_ids_are_checked_and_carry_nothing_else():
         e.prefetch_ids({"emb@ids": torch.from_numpy(ids_of(1, 1))})
 
 
+def test_live_and_check_live_follow_the_roster():
+    e = engine(trainers=3)
+    for t in range(3):
+        e.hello(t)
+    e.close(0)
+    e.roster.last_seen[1] -= 60
+    assert e.drop_silent(timeout=30) == [1]
+    assert e.live() == {2}
+    e.check_live(2)
+    with pytest.raises(NotAllowed, match="trainer 0 has closed"):
+        e.check_live(0)
+    with pytest.raises(MustResync, match="trainer 1 was dropped"):
+        e.check_live(1)
+    e.hello(1)
+    assert e.live() == {1, 2}
+
+
+def test_roster_changes_are_told_after_the_lock_is_released():
+    """The Reduce service's lock order needs it: it asks live() (the engine's lock) holding its own."""
+    calls = []
+    holder = {}
+
+    def on_roster_change():
+        # Another thread can take the engine's lock only if this one does not hold it.
+        got = []
+
+        def probe():
+            cv = holder["e"].cv
+            got.append(cv.acquire(timeout=1))
+            if got[0]:
+                cv.release()
+        prober = threading.Thread(target=probe)
+        prober.start()
+        prober.join()
+        calls.append(got[0])
+
+    e = holder["e"] = engine(trainers=3, on_roster_change=on_roster_change)
+    for t in range(3):
+        e.hello(t)
+    assert calls == []                                   # joining changes nobody's expectation
+    e.close(0)
+    e.close(0)                                           # closed already: no change
+    assert calls == [True]
+    e.roster.last_seen[1] -= 60
+    e.drop_silent(timeout=30)
+    e.drop_silent(timeout=30)                            # nobody else silent: no change
+    assert calls == [True, True]
+    e.hello(1)                                           # rejoined: expected again
+    assert calls == [True, True, True]
+
+
+def test_a_roll_back_tells_the_roster_changed(tmp_path):
+    """The checkpoint's roster replaces the live one: a trainer dropped since is expected again."""
+    seen = []
+    e = engine(trainers=2, checkpoint_dir=tmp_path, pservers=1, on_roster_change=lambda: seen.append(e.live()))
+    for t in (0, 1):
+        e.hello(t)
+    grads = {n: torch.zeros_like(b) for n, b in e.store.blocks.items()}
+    for t in (0, 1):
+        e.push(t, 0, grads)
+    assert e.checkpoint()[0] == 1
+    e.roster.last_seen[1] -= 60
+    assert e.drop_silent(timeout=30) == [1]
+    assert seen == [{0}]
+    assert e.restore(0, 1, "roll-back-1") is True
+    assert seen == [{0}, {0, 1}]
+    assert e.restore(0, 1, "roll-back-1") is False       # honoured once: nothing changes
+    assert seen == [{0}, {0, 1}]
+
+
 def test_on_wait_is_given_at_construction_and_told_how_long_a_sync_call_waited():
     waits = []
     e = engine(trainers=2, on_wait=waits.append)
@@ -125,3 +198,9 @@ def test_on_wait_is_given_at_construction_and_told_how_long_a_sync_call_waited()
     e.push(1, 0, grads)
     waiter.join(5)
     assert e.updates == 1 and len(waits) == 1 and 0.0 < waits[0] < e.barrier_timeout
+
+
+@pytest.mark.parametrize("sync", [True, False])
+def test_the_engines_leave_reduce_to_its_own_service(sync):
+    e = engine(sync=sync)
+    assert not hasattr(e, "reduce") and not hasattr(e, "reductions")

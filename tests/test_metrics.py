@@ -33,7 +33,7 @@ from pserver import ParameterServer
 from pserver.errors import BadRequest, NotAllowed
 from pserver.ops.health import HealthPort
 from pserver.ops.ports import HEALTH_PORT_VAR, METRICS_PORT_VAR, SidePorts, port_setting, split_host
-from pserver.engine.reductions import MAX_OPEN, Reductions, combine, to_values
+from pserver.engine.reductions import MAX_OPEN, Rounds, combine, to_values
 from psproto import ps_pb2, ps_pb2_grpc
 from psproto.security import Security
 from tests.helpers.cluster import LocalCluster
@@ -209,14 +209,14 @@ def test_to_values_shapes():
     assert got["pos"].shape == (2, 3) and got["pos"][1, 2] == 5.0 and got["n"].shape == () and float(got["n"]) == 7.0
 
 
-def snapshot(r: Reductions):
+def snapshot(r: Rounds):
     return ({k: (v.op, v.shapes, {t: {n: a.tolist() for n, a in p.items()} for t, p in v.parts.items()})
              for k, v in r.open.items()}, {k: (d[0], {n: a.tolist() for n, a in d[1].items()}, d[2])
                                           for k, d in r.done.items()})
 
 
 def test_a_round_finishes_once_every_expected_trainer_sent_its_values():
-    r = Reductions("ep")
+    r = Rounds("ep")
     r.add(1, "k", 0, "sum", V(1.0))
     assert r.result("k", 0, {0, 1}) is None and r.missing("k", 0, {0, 1}) == [0]
     r.add(1, "k", 0, "sum", V(2.0))                    # a retry replaces the values
@@ -241,7 +241,7 @@ def test_a_round_finishes_once_every_expected_trainer_sent_its_values():
     (lambda r: r.add(0, "old", 0, "sum", V(1.0)), NotAllowed, r"round 0 .* is over \(round 1 finished"),
 ])
 def test_bad_contributions_are_refused_and_change_nothing(call, error, match):
-    r = Reductions("ep")
+    r = Rounds("ep")
     r.add(1, "k", 1, "sum", V(1.0))
     r.add(0, "done", 0, "sum", V(1.0))
     r.result("done", 0, {0})
@@ -256,7 +256,7 @@ def test_bad_contributions_are_refused_and_change_nothing(call, error, match):
 
 
 def test_open_rounds_are_bounded_and_withdrawn_ones_go():
-    r = Reductions("ep")
+    r = Rounds("ep")
     for i in range(MAX_OPEN):
         r.add(0, f"k{i}", 0, "sum", V(1.0))
     with pytest.raises(NotAllowed, match="open already"):
@@ -537,7 +537,7 @@ def test_a_closed_trainer_is_not_waited_for_and_a_missing_one_times_out():
                     errors.append(e)
             th = threading.Thread(target=late)
             th.start()
-            poll(lambda: cluster.servers[0].engine.reductions.open, "trainer 0 opens round 1")
+            poll(lambda: cluster.servers[0].reductions.open_rounds(), "trainer 0 opens round 1")
             with pytest.raises(PserverError, match=r"INVALID_ARGUMENT.*others sent v \[\]"):
                 job_metrics.global_sum(trainers[1], "x", [1.0, 2.0])
             assert job_metrics.global_sum(trainers[1], "x", 5.0) == 15.0

@@ -160,7 +160,7 @@ def _imports(module: str) -> set:
 
 
 @pytest.mark.parametrize("module", ["pserver.engine.base", "pserver.engine.sync", "pserver.engine.asynchronous",
-                                    "pserver.engine.roster", "pserver.engine.reductions",
+                                    "pserver.engine.roster", "pserver.engine.reductions", "pserver.engine.contents",
                                     "pserver.engine.snapshot", "pserver.engine.rollback", "pserver.errors"])
 def test_engines_do_not_import_grpc(module):
     # grpc is already loaded in this process, so only the source tells.

@@ -33,7 +33,6 @@ from ..checkpoint import Checkpointer
 from ..errors import BarrierTimeout, MustResync, NotAllowed, Refusal, ShuttingDown, StorageFailed
 from ..store import BlockStore
 from ..tables import SparseGrad, TableSet
-from .reductions import Combined, Reductions, Values
 from .contents import Contents
 from .rollback import Checkpoints
 from .roster import Position, Roster
@@ -49,14 +48,18 @@ class Engine(Contents, Checkpoints, ABC):
     pserver's part. :meth:`push` and :meth:`wait_updates` are where the
     engines differ. ``on_wait`` is called with the seconds a trainer's call
     waited for a sync step (the barrier wait histogram), after the lock is
-    released.
+    released. ``on_roster_change`` is called, after the lock is released,
+    whenever the trainers :meth:`live` gives may have changed (a trainer
+    closed, was dropped, rejoined, or a roll-back reset them): the Reduce
+    service waits on that set under a lock of its own.
     """
 
     sync_mode = False
 
     def __init__(self, store: BlockStore, tables: TableSet, trainers: int, endpoint: str,
                  barrier_timeout: float, checkpointer: Optional[Checkpointer] = None, *,
-                 on_wait: Optional[Callable[[float], None]] = None):
+                 on_wait: Optional[Callable[[float], None]] = None,
+                 on_roster_change: Optional[Callable[[], None]] = None):
         self.store = store
         self.tables = tables
         self.trainers = trainers
@@ -75,17 +78,36 @@ class Engine(Contents, Checkpoints, ABC):
         # Per trainer, the roll-backs counted at its last Hello: a wait from before the latest one
         # belongs to an abandoned timeline (see waits_from_before_a_roll_back).
         self._hello_rollbacks: Dict[int, int] = {}
-        # Trainers' global metrics (Reduce), combined here when this pserver is the job's first.
-        self.reductions = Reductions(endpoint)
         self.on_wait = on_wait
+        self.on_roster_change = on_roster_change
 
     @property
     def last_step(self) -> Dict[int, int]:
         return self.roster.last_step
 
     def live(self) -> set:
-        """Trainers expected to push: all ids that have neither closed nor been dropped."""
-        return self.roster.live()
+        """Trainers expected to push: all ids that have neither closed nor been dropped (a new set).
+
+        Takes the lock (re-entrant, so the engines' own calls under it are
+        fine): the Reduce service asks from its threads, holding its own lock.
+        """
+        with self.cv:
+            return self.roster.live()
+
+    def check_live(self, trainer_id: int) -> None:
+        """Refuse a trainer that has closed (NotAllowed) or was dropped (MustResync) until it says Hello again.
+
+        What a push checks first; the Reduce service checks it before a
+        trainer's values join a round.
+        """
+        with self.cv:
+            self._check_pusher(trainer_id)
+
+    def _roster_changed(self) -> None:
+        # Never under the lock: the listener takes its own lock, and under it calls live(), which
+        # takes this one (see pserver.engine.reductions.Reductions).
+        if self.on_roster_change is not None:
+            self.on_roster_change()
 
     def hello(self, trainer_id: int, join_at: int = 0) -> Tuple[int, Position]:
         """Register ``trainer_id`` (again, after a restart); returns (step it starts at, data position).
@@ -106,7 +128,10 @@ class Engine(Contents, Checkpoints, ABC):
             start = self._start_step(trainer_id, how, join_at)
             if how:
                 log.info("%s: trainer %d %s at step %d", self.endpoint, trainer_id, how, start)
-            return start, self.roster.positions.get(trainer_id, (0, 0))
+            position = self.roster.positions.get(trainer_id, (0, 0))
+        if how == "rejoined":
+            self._roster_changed()
+        return start, position
 
     def counted_step(self, trainer_id: int) -> int:
         """The last step of ``trainer_id`` this pserver counted (applied or pending), -1 if none."""
@@ -162,10 +187,14 @@ class Engine(Contents, Checkpoints, ABC):
     def close(self, trainer_id: int) -> int:
         """Mark ``trainer_id`` done; barriers stop waiting for it. Returns trainers left."""
         with self.cv:
-            if trainer_id not in self.roster.closed:
+            closing = trainer_id not in self.roster.closed
+            if closing:
                 log.info("%s: trainer %d closed at step %d", self.endpoint, trainer_id, self.updates)
                 self._close(trainer_id)
-            return self._trainers_left()
+            left = self._trainers_left()
+        if closing:
+            self._roster_changed()
+        return left
 
     def _close(self, trainer_id: int) -> None:
         self.roster.close(trainer_id)
@@ -205,7 +234,9 @@ class Engine(Contents, Checkpoints, ABC):
                 self._close(t)
             if gone:
                 self._trainers_left()
-            return [t for t, _ in silent]
+        if silent or gone:
+            self._roster_changed()
+        return [t for t, _ in silent]
 
     def stop(self) -> None:
         """Wake every waiter so the server can shut down."""
@@ -260,36 +291,6 @@ class Engine(Contents, Checkpoints, ABC):
                 raise BarrierTimeout(f"pserver {self.endpoint}: {what} still waits for trainers "
                                      f"{missing()} after {self.barrier_timeout:g}s")
             self.cv.wait(remaining)
-
-    def reduce(self, trainer_id: int, key: str, round_: int, op: str, values: Values) -> Combined:
-        """Combine ``values`` with those of every live trainer for ``(key, round_)``; (result, contributors).
-
-        Waits up to ``barrier_timeout`` for the trainers that have not sent
-        theirs (not for closed or dropped ones); on expiry, BarrierTimeout
-        names them, and this trainer's values leave the round.
-        """
-        deadline = time.monotonic() + self.barrier_timeout
-        with self.cv:
-            self._check_pusher(trainer_id)
-            self.reductions.add(trainer_id, key, round_, op, values)
-            try:
-                while True:
-                    combined = self.reductions.result(key, round_, self.live())
-                    if combined is not None:
-                        self.cv.notify_all()  # the others waiting for this round find it finished
-                        return combined
-                    if self._stopping:
-                        raise ShuttingDown(f"pserver {self.endpoint} is shutting down")
-                    remaining = deadline - time.monotonic()
-                    if remaining <= 0:
-                        raise BarrierTimeout(
-                            f"pserver {self.endpoint}: round {round_} of reduction {key!r} still waits for "
-                            f"trainers {self.reductions.missing(key, round_, self.live())} after "
-                            f"{self.barrier_timeout:g}s")
-                    self.cv.wait(remaining)
-            except Refusal:
-                self.reductions.withdraw(trainer_id, key, round_)
-                raise
 
     def snapshot(self) -> Snapshot:
         """This pserver's state as one value (Stats, /metrics); the lock is held only to copy the roster."""

@@ -13,17 +13,22 @@ closed, not dropped) have all sent theirs; a trainer that closed first is not
 waited for. Each key keeps its latest finished round, so a retried call gets
 the answer again.
 
-Not thread-safe: the engine holds its lock around every call.
+:class:`Rounds` is the bookkeeping (pure, not thread-safe); :class:`Reductions`
+the service the RPC layer calls, with its own lock, deadline and wake-ups. It
+shares no lock with the engine: it asks the engine which trainers it expects,
+and the engine tells it when that may have changed.
 """
 from __future__ import annotations
 
 import math
+import threading
+import time
 from dataclasses import dataclass
-from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
+from typing import AbstractSet, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ..errors import BadRequest, NotAllowed
+from ..errors import BadRequest, BarrierTimeout, NotAllowed, Refusal, ShuttingDown
 
 OPS = {"sum": np.add, "max": np.maximum, "min": np.minimum}
 # Rounds open at once, over all keys: bounds what a misbehaving trainer can make a pserver hold.
@@ -78,8 +83,8 @@ class Round:
     parts: Dict[int, Values]
 
 
-class Reductions:
-    """The open and latest finished rounds of every key on one pserver."""
+class Rounds:
+    """The open and latest finished rounds of every key on one pserver (not thread-safe: see :class:`Reductions`)."""
 
     def __init__(self, endpoint: str):
         self.endpoint = endpoint
@@ -147,6 +152,80 @@ class Reductions:
             r.parts.pop(trainer_id, None)
             if not r.parts:
                 del self.open[(key, round_)]
+
+
+class Reductions:
+    """The Reduce service of one pserver: each trainer's values for a ``(key, round)``, combined once all are in.
+
+    ``expected()`` gives the trainers a round waits for (the engine's live
+    trainers: neither closed nor dropped); ``admit(trainer_id)`` raises the
+    refusal for a trainer that may not take part (closed: NotAllowed;
+    dropped: MustResync). The engine calls :meth:`roster_changed` whenever
+    that set may have changed, so a pending round finishes (or times out)
+    without waiting for a trainer that left.
+
+    Lock order: this service calls ``expected()`` holding its own lock, so
+    the engine must call :meth:`roster_changed` after releasing its lock,
+    never under it (else each would wait for the other).
+    """
+
+    def __init__(self, endpoint: str, barrier_timeout: float, expected: Callable[[], AbstractSet[int]],
+                 admit: Callable[[int], None]):
+        self.endpoint = endpoint
+        self.barrier_timeout = barrier_timeout
+        self._expected = expected
+        self._admit = admit
+        self._cv = threading.Condition()
+        self._rounds = Rounds(endpoint)
+        self._stopping = False
+
+    def reduce(self, trainer_id: int, key: str, round_: int, op: str, values: Values) -> Combined:
+        """Combine ``values`` with those of every expected trainer for ``(key, round_)``; (result, contributors).
+
+        Waits up to ``barrier_timeout`` for the trainers that have not sent
+        theirs (not for closed or dropped ones); on expiry, BarrierTimeout
+        names them, and this trainer's values leave the round. A closed or
+        dropped caller is refused before its values count.
+        """
+        deadline = time.monotonic() + self.barrier_timeout
+        self._admit(trainer_id)
+        with self._cv:
+            self._rounds.add(trainer_id, key, round_, op, values)
+            try:
+                while True:
+                    expected = self._expected()
+                    combined = self._rounds.result(key, round_, expected)
+                    if combined is not None:
+                        self._cv.notify_all()  # the others waiting for this round find it finished
+                        return combined
+                    if self._stopping:
+                        raise ShuttingDown(f"pserver {self.endpoint} is shutting down")
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        raise BarrierTimeout(
+                            f"pserver {self.endpoint}: round {round_} of reduction {key!r} still waits for "
+                            f"trainers {self._rounds.missing(key, round_, expected)} after "
+                            f"{self.barrier_timeout:g}s")
+                    self._cv.wait(remaining)
+            except Refusal:
+                self._rounds.withdraw(trainer_id, key, round_)
+                raise
+
+    def roster_changed(self) -> None:
+        """Wake the pending rounds to look again at who is expected (a trainer closed, was dropped or rejoined)."""
+        with self._cv:
+            self._cv.notify_all()
+
+    def open_rounds(self) -> List[Tuple[str, int]]:
+        """The ``(key, round)`` pairs waiting for trainers now, sorted (for tests and operators)."""
+        with self._cv:
+            return sorted(self._rounds.open)
+
+    def stop(self) -> None:
+        """Refuse every pending and later round with ShuttingDown, so the server can shut down."""
+        with self._cv:
+            self._stopping = True
+            self._cv.notify_all()
 
 
 def _describe(values: Values) -> str:

@@ -3,7 +3,8 @@
 :class:`Checkpoints` is a mixin of :class:`~pserver.engine.base.Engine`: it
 works under the engine's lock on its step (``updates``), roster and
 ``checkpointer``, and calls the engine's hooks ``_clear_pending`` and
-``_forget_join_steps`` (what the sync engine keeps of a step in progress).
+``_forget_join_steps`` (what the sync engine keeps of a step in progress), and
+``_roster_changed`` once the lock is released.
 A roll-back is honoured once per token and wakes the waits of the abandoned
 steps with :class:`~pserver.errors.MustResync`.
 """
@@ -66,6 +67,13 @@ class Checkpoints:
         """
         if self.checkpointer is None:
             raise NotAllowed(f"pserver {self.endpoint} has no checkpoint_dir to roll back from")
+        rolled_back = self._roll_back(trainer_id, step, token)
+        if rolled_back:
+            self._roster_changed()  # the checkpoint's closed trainers, nobody dropped: after the lock
+        return rolled_back
+
+    def _roll_back(self, trainer_id: int, step: int, token: str) -> bool:
+        """:meth:`restore` under the lock."""
         with self.cv:
             if token in self._honoured:
                 return False

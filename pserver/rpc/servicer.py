@@ -1,4 +1,4 @@
-"""The gRPC servicer: checks every request, then hands it to the engine.
+"""The gRPC servicer: checks every request, then hands it to the engine (or to the Reduce service).
 
 It knows the blocks and tables only through the engine's contract
 (:class:`~pserver.engine.Engine`: what a push or prefetch may carry, how a
@@ -35,8 +35,8 @@ from psproto.codec import TensorReader, WireError, decode_chunk, encode_chunks
 
 from .buffers import BufferPool
 from .counters import Counters
-from ..engine.reductions import to_values
 from ..engine import Engine
+from ..engine.reductions import Reductions, to_values
 from ..errors import (AlreadyRunning, BadRequest, BarrierTimeout, Fenced, MustResync, NoSession, NotAllowed,
                      ShuttingDown, StorageFailed)
 from .sessions import Sessions
@@ -163,11 +163,12 @@ def _finite(g: torch.Tensor) -> bool:
 
 
 class PserverServicer:
-    """Hello / Push / Pull / Close / Stats / Reduce for one pserver."""
+    """Hello / Push / Pull / Close / Stats / Reduce for one pserver: the engine's and the Reduce service's front."""
 
-    def __init__(self, engine: Engine, layout_digest: str, chunk_bytes: int, alive_window: float,
-                 allow_nonfinite: bool = False):
+    def __init__(self, engine: Engine, reductions: Reductions, layout_digest: str, chunk_bytes: int,
+                 alive_window: float, allow_nonfinite: bool = False):
         self.engine = engine
+        self.reductions = reductions
         self.sessions = Sessions(engine.endpoint, alive_window)
         self.allow_nonfinite = allow_nonfinite
         # A new value per process: trainers tell a restarted pserver by it.
@@ -393,7 +394,8 @@ class PserverServicer:
     @_trainer_call(ps_pb2.ReduceRequest, touch=True)
     def Reduce(self, request, context):
         values = to_values((v.name, v.shape, v.data) for v in request.values)
-        combined, trainers = self.engine.reduce(request.trainer_id, request.key, request.round, request.op, values)
+        combined, trainers = self.reductions.reduce(request.trainer_id, request.key, request.round, request.op,
+                                                    values)
         return ps_pb2.ReduceReply(trainers=trainers, values=[
             ps_pb2.ReduceValue(name=name, shape=v.shape, data=v.ravel().tolist()) for name, v in combined.items()])
 

@@ -6,7 +6,7 @@ from torch import nn
 
 from pserver.rpc.servicer import PserverServicer
 from pserver.store import BlockStore
-from pserver.engine import SyncEngine
+from pserver.engine import Reductions, SyncEngine
 from pserver.tables.table_set import TableSet
 from psproto import ps_pb2
 from transpiler import DistributeTranspiler, DistributeTranspilerConfig, Program
@@ -40,8 +40,10 @@ def servicer() -> PserverServicer:
     t.transpile(0, program=Program(nn.Linear(4, 2), "sgd", lr=0.5), pservers=EP, trainers=2)
     ps = t.get_pserver_program(EP)
     store, tables = BlockStore(ps, t.get_startup_program(EP, ps)), TableSet(ps)
-    engine = SyncEngine(store, tables, 2, EP, barrier_timeout=5.0)
-    return PserverServicer(engine, ps.layout_digest, chunk_bytes=1 << 20,
+    # Wired as ParameterServer wires them: the Reduce service asks the engine (bound below) whom it expects.
+    reductions = Reductions(EP, 5.0, expected=lambda: engine.live(), admit=lambda t: engine.check_live(t))
+    engine = SyncEngine(store, tables, 2, EP, barrier_timeout=5.0, on_roster_change=reductions.roster_changed)
+    return PserverServicer(engine, reductions, ps.layout_digest, chunk_bytes=1 << 20,
                            alive_window=ps.config.session_alive_window)
 
 
