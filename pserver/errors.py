@@ -1,8 +1,8 @@
 """Why a pserver refuses a request, in the domain's terms.
 
-The engines, the stores and the servicer's checks raise these; only
-:mod:`pserver.rpc.servicer` turns them into gRPC status codes (its ``STATUS``
-table), so nothing below the servicer depends on the transport. Any other
+The engines, the stores and the servicer's checks raise these; only the RPC
+layer turns them into gRPC status codes (the ``STATUS`` table of
+:mod:`pserver.rpc.prologue`), so nothing below the servicer depends on the transport. Any other
 exception reaching the servicer is a bug and is answered INTERNAL.
 """
 from __future__ import annotations

@@ -10,7 +10,7 @@ import threading
 
 from pserver.checkpoint.checkpointer import Checkpointer
 from pserver.errors import MustResync, NotAllowed
-from pserver.rpc.servicer import status_of
+from pserver.rpc.prologue import status_of
 from pserver.store import BlockStore
 from pserver.engine import AsyncEngine, SyncEngine
 from pserver.tables.table_set import TableSet

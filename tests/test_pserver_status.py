@@ -16,7 +16,8 @@ import pytest
 from pserver import errors
 from pserver.errors import (AlreadyRunning, BadRequest, BarrierTimeout, Fenced, MustResync, NoSession, NotAllowed,
                             Refusal, ShuttingDown, StorageFailed)
-from pserver.rpc.servicer import STATUS, PserverServicer, status_of
+from pserver.rpc.prologue import STATUS, status_of
+from pserver.rpc.servicer import PserverServicer
 from tests.helpers.servicer import EP, Aborted, FakeContext, open_session, servicer
 from psproto import ps_pb2
 from psproto.codec import WireError

@@ -1,9 +1,11 @@
 """The RPC layer: the one part of the pserver that speaks gRPC.
 
-``servicer.py`` checks each request and calls the engine, mapping the domain
-errors of :mod:`pserver.errors` to gRPC status codes; ``sessions.py`` decides
-which process speaks for each trainer id; ``counters.py`` counts what the servicer
-received, sent and refused; ``buffers.py`` pools the gradient receive buffers.
+``servicer.py`` checks each request and calls the engine (or the Reduce
+service); ``prologue.py`` holds what every call goes through (parsing, the
+caller's checks) and maps the domain errors of :mod:`pserver.errors` to gRPC
+status codes; ``sessions.py`` decides which process speaks for each trainer id;
+``counters.py`` counts what the servicer received, sent and refused;
+``buffers.py`` pools the gradient receive buffers.
 Nothing below this layer (engines, stores, tables, checkpoints) imports grpc.
 :mod:`pserver.server` needs only the servicer and its service name.
 """

@@ -12,13 +12,12 @@ pserver and what was wrong; a refused request changes nothing (gradients are
 fully received and checked before the engine sees them).
 
 Everything below this module refuses with :mod:`pserver.errors` exceptions;
-:data:`STATUS` is the one place they become gRPC status codes. Any other
+:data:`~pserver.rpc.prologue.STATUS` is the one place they become gRPC status
+codes (:mod:`.prologue`, with what every call goes through). Any other
 exception is a bug: answered INTERNAL, its traceback logged.
 """
 from __future__ import annotations
 
-import functools
-import inspect
 import logging
 import secrets
 import time
@@ -28,133 +27,21 @@ import numpy as np
 
 import grpc
 import torch
-from google.protobuf.message import DecodeError
 
 from psproto import ps_pb2
-from psproto.codec import TensorReader, WireError, decode_chunk, encode_chunks
+from psproto.codec import TensorReader, decode_chunk, encode_chunks
 
 from .buffers import BufferPool
 from .counters import Counters
 from ..engine import Engine
 from ..engine.reductions import Reductions, to_values
-from ..errors import (AlreadyRunning, BadRequest, BarrierTimeout, Fenced, MustResync, NoSession, NotAllowed,
-                     ShuttingDown, StorageFailed)
+from ..errors import BadRequest, NotAllowed
+from .prologue import parse, refusals, trainer_call
 from .sessions import Sessions
 
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = ps_pb2.DESCRIPTOR.services_by_name["ParameterServer"].full_name
-
-# The status each kind of refusal is answered with. Looked up along the
-# exception's MRO, so a subclass answers as its parent; an exception of no
-# listed kind (a plain ValueError included) is a bug and answered INTERNAL.
-STATUS: Dict[type, grpc.StatusCode] = {
-    BadRequest: grpc.StatusCode.INVALID_ARGUMENT,
-    WireError: grpc.StatusCode.INVALID_ARGUMENT,  # bytes the codec cannot read as the message
-    NotAllowed: grpc.StatusCode.FAILED_PRECONDITION,
-    StorageFailed: grpc.StatusCode.FAILED_PRECONDITION,
-    MustResync: grpc.StatusCode.ABORTED,  # the code trainers answer with Hello, then carry on
-    ShuttingDown: grpc.StatusCode.UNAVAILABLE,  # trainers retry it against the restarted pserver
-    BarrierTimeout: grpc.StatusCode.DEADLINE_EXCEEDED,
-    NoSession: grpc.StatusCode.FAILED_PRECONDITION,
-    Fenced: grpc.StatusCode.PERMISSION_DENIED,  # the one status trainers stop at: "fenced: ..."
-    AlreadyRunning: grpc.StatusCode.ALREADY_EXISTS,  # trainers retry it for one alive window
-}
-
-
-def status_of(error: BaseException) -> Optional[grpc.StatusCode]:
-    """The status ``error`` is answered with per :data:`STATUS`, or None for an unexpected exception."""
-    for cls in type(error).__mro__:
-        code = STATUS.get(cls)
-        if code is not None:
-            return code
-    return None
-
-
-def _parse(message_type, data: bytes):
-    try:
-        return message_type.FromString(data)
-    except DecodeError as e:
-        raise WireError(f"malformed {message_type.__name__}: {e}") from None
-
-
-def _refusals(method):
-    """Answer every exception of a servicer method with a status (plain and server-streaming methods).
-
-    A refusal gets its :data:`STATUS` code and its message, naming this
-    pserver once. Anything else gets INTERNAL and its traceback in the log,
-    naming the pserver and the method. Both count as refused. A
-    ``grpc.RpcError`` (the client cancelled while we read its stream) is
-    gRPC's own and passes through.
-    """
-    name = method.__name__
-
-    def abort(self, context, e):
-        code = status_of(e)
-        self.counters.refuse(type(e).__name__ if code is not None else "internal",
-                             code if code is not None else grpc.StatusCode.INTERNAL)
-        where = f"pserver {self.endpoint}"
-        if code is None:
-            log.exception("%s: %s failed with an unexpected %s; answered INTERNAL", where, name,
-                          type(e).__name__)
-            context.abort(grpc.StatusCode.INTERNAL, f"{where}: internal error in {name} "
-                                                    f"({type(e).__name__}: {e}); see the pserver's log")
-        text = str(e)
-        # Engine refusals name the pserver themselves; request checks below it cannot know it.
-        context.abort(code, text if text.startswith(where) else f"{where}: {text}")
-
-    if inspect.isgeneratorfunction(method):
-        @functools.wraps(method)
-        def stream_wrapper(self, request, context):
-            try:
-                yield from method(self, request, context)
-            except grpc.RpcError:
-                raise
-            except Exception as e:  # noqa: BLE001 - each one answered with a status
-                abort(self, context, e)
-        return stream_wrapper
-
-    @functools.wraps(method)
-    def wrapper(self, request, context):
-        try:
-            return method(self, request, context)
-        except grpc.RpcError:
-            raise
-        except Exception as e:  # noqa: BLE001 - each one answered with a status
-            abort(self, context, e)
-    return wrapper
-
-
-def _trainer_call(message_type, digest: bool = True, touch: bool = False):
-    """A trainer's unary-request method with the prologue every such call shares, then :func:`_refusals`.
-
-    The prologue parses the request (``message_type``), checks the caller (its
-    trainer id in range, its session current), then, when asked, the layout
-    digest (``digest``) and notes the call as a sign of life (``touch``); the
-    method gets the parsed request. Client streams have theirs in ``_read_stream``.
-    """
-    def wrap(method):
-        def prologue(self, data):
-            request = _parse(message_type, data)
-            self._check_caller(request)
-            if digest:
-                self._check_digest(request.layout_digest)
-            if touch:
-                self.engine.touch(request.trainer_id)
-            return request
-
-        if inspect.isgeneratorfunction(method):
-            @functools.wraps(method)
-            def streamed(self, data, context):
-                yield from method(self, prologue(self, data), context)
-            return _refusals(streamed)
-
-        @functools.wraps(method)
-        def unary(self, data, context):
-            return method(self, prologue(self, data), context)
-        return _refusals(unary)
-    return wrap
-
 
 def _finite(g: torch.Tensor) -> bool:
     # One reduction first (cheap); the elementwise pass only when the sum is
@@ -195,9 +82,9 @@ class PserverServicer:
                              f"this pserver runs {self.layout_digest!r}); transpile the same "
                              f"program with the same config, pservers and trainers on every role")
 
-    @_refusals
+    @refusals
     def Hello(self, data, context):
-        request = _parse(ps_pb2.HelloRequest, data)
+        request = parse(ps_pb2.HelloRequest, data)
         self._check_trainer(request.trainer_id)
         self._check_digest(request.layout_digest)
         if not request.incarnation:
@@ -253,16 +140,16 @@ class PserverServicer:
         blocks = self.engine.block_names()
         self.buffers.release({n: t for n, t in tensors.items() if n in blocks})
 
-    @_refusals
+    @refusals
     def Push(self, request_iterator, context):
         _, applied, updates, _ = self._push(request_iterator, answered=False)
         return ps_pb2.PushReply(applied=applied, updates=updates)
 
-    @_refusals
+    @refusals
     def PushPull(self, request_iterator, context) -> Iterator[bytes]:
         yield from self._push_pull(request_iterator)
 
-    @_refusals
+    @refusals
     def PushPullOne(self, data, context) -> Iterator[bytes]:
         yield from self._push_pull(iter((data,)))
 
@@ -306,7 +193,7 @@ class PserverServicer:
                      self.endpoint, header.trainer_id, header.step)
         return header, applied, updates, ahead
 
-    @_trainer_call(ps_pb2.PullRequest, touch=True)
+    @trainer_call(ps_pb2.PullRequest, touch=True)
     def Pull(self, request, context) -> Iterator[bytes]:
         blocks = self.engine.block_names()
         names = list(request.names) or list(blocks)
@@ -334,11 +221,11 @@ class PserverServicer:
         yield from encode_chunks(header, tensors, self.chunk_bytes)
         self.counters.add(bytes_out=sum(t.numel() * t.element_size() for _, t in tensors))
 
-    @_refusals
+    @refusals
     def Prefetch(self, request_iterator, context) -> Iterator[bytes]:
         yield from self._prefetch(request_iterator)
 
-    @_refusals
+    @refusals
     def PrefetchOne(self, data, context) -> Iterator[bytes]:
         yield from self._prefetch(iter((data,)))
 
@@ -353,7 +240,7 @@ class PserverServicer:
         self.counters.add(bytes_in=reader.nbytes, prefetches=1,
                           bytes_out=sum(t.numel() * t.element_size() for _, t in rows))
 
-    @_trainer_call(ps_pb2.SaveTablesRequest)
+    @trainer_call(ps_pb2.SaveTablesRequest)
     def SaveTables(self, request, context):
         if not request.directory:
             raise BadRequest("SaveTables needs a directory")
@@ -366,12 +253,12 @@ class PserverServicer:
                  request.directory)
         return ps_pb2.SaveTablesReply(updates=updates, paths=paths)
 
-    @_trainer_call(ps_pb2.HeartbeatRequest, digest=False)
+    @trainer_call(ps_pb2.HeartbeatRequest, digest=False)
     def Heartbeat(self, request, context):
         return ps_pb2.HeartbeatReply(updates=self.engine.touch(request.trainer_id),
                                      incarnation=self.incarnation)
 
-    @_trainer_call(ps_pb2.RestoreRequest)
+    @trainer_call(ps_pb2.RestoreRequest)
     def Restore(self, request, context):
         if not self.engine.sync_mode:
             raise NotAllowed(f"pserver {self.endpoint}: Restore is for sync mode; async pservers "
@@ -382,16 +269,16 @@ class PserverServicer:
         restored = self.engine.restore(request.trainer_id, request.checkpoint_step, request.token)
         return ps_pb2.RestoreReply(updates=self.engine.updates, restored=restored)
 
-    @_trainer_call(ps_pb2.CheckpointRequest)
+    @trainer_call(ps_pb2.CheckpointRequest)
     def Checkpoint(self, request, context):
         step, path = self.engine.checkpoint()
         return ps_pb2.CheckpointReply(checkpoint_step=step, path=path)
 
-    @_trainer_call(ps_pb2.CloseRequest, digest=False)
+    @trainer_call(ps_pb2.CloseRequest, digest=False)
     def Close(self, request, context):
         return ps_pb2.CloseReply(trainers_left=self.engine.close(request.trainer_id))
 
-    @_trainer_call(ps_pb2.ReduceRequest, touch=True)
+    @trainer_call(ps_pb2.ReduceRequest, touch=True)
     def Reduce(self, request, context):
         values = to_values((v.name, v.shape, v.data) for v in request.values)
         combined, trainers = self.reductions.reduce(request.trainer_id, request.key, request.round, request.op,
@@ -399,9 +286,9 @@ class PserverServicer:
         return ps_pb2.ReduceReply(trainers=trainers, values=[
             ps_pb2.ReduceValue(name=name, shape=v.shape, data=v.ravel().tolist()) for name, v in combined.items()])
 
-    @_refusals
+    @refusals
     def Stats(self, data, context):
-        _parse(ps_pb2.StatsRequest, data)
+        parse(ps_pb2.StatsRequest, data)
         snap = self.engine.snapshot()
         last = snap.checkpoint
         c = self.counters

@@ -1,0 +1,136 @@
+"""What every call of the servicer goes through: parsing, the caller's checks, and the status of a refusal.
+
+:func:`refusals` wraps each servicer method: everything below the RPC layer
+refuses with :mod:`pserver.errors` exceptions, and :data:`STATUS` is the one
+place they become gRPC status codes; any other exception is a bug, answered
+INTERNAL with its traceback logged. :func:`trainer_call` adds the prologue a
+trainer's unary call shares (parse, trainer id and session, layout digest,
+sign of life).
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+from typing import Dict, Optional
+
+import grpc
+from google.protobuf.message import DecodeError
+
+from psproto.codec import WireError
+
+from ..errors import (AlreadyRunning, BadRequest, BarrierTimeout, Fenced, MustResync, NoSession, NotAllowed,
+                      ShuttingDown, StorageFailed)
+
+# Under the servicer's name: these are its calls' records, and operators filter its log by that name.
+log = logging.getLogger("pserver.rpc.servicer")
+
+# The status each kind of refusal is answered with. Looked up along the
+# exception's MRO, so a subclass answers as its parent; an exception of no
+# listed kind (a plain ValueError included) is a bug and answered INTERNAL.
+STATUS: Dict[type, grpc.StatusCode] = {
+    BadRequest: grpc.StatusCode.INVALID_ARGUMENT,
+    WireError: grpc.StatusCode.INVALID_ARGUMENT,  # bytes the codec cannot read as the message
+    NotAllowed: grpc.StatusCode.FAILED_PRECONDITION,
+    StorageFailed: grpc.StatusCode.FAILED_PRECONDITION,
+    MustResync: grpc.StatusCode.ABORTED,  # the code trainers answer with Hello, then carry on
+    ShuttingDown: grpc.StatusCode.UNAVAILABLE,  # trainers retry it against the restarted pserver
+    BarrierTimeout: grpc.StatusCode.DEADLINE_EXCEEDED,
+    NoSession: grpc.StatusCode.FAILED_PRECONDITION,
+    Fenced: grpc.StatusCode.PERMISSION_DENIED,  # the one status trainers stop at: "fenced: ..."
+    AlreadyRunning: grpc.StatusCode.ALREADY_EXISTS,  # trainers retry it for one alive window
+}
+
+
+def status_of(error: BaseException) -> Optional[grpc.StatusCode]:
+    """The status ``error`` is answered with per :data:`STATUS`, or None for an unexpected exception."""
+    for cls in type(error).__mro__:
+        code = STATUS.get(cls)
+        if code is not None:
+            return code
+    return None
+
+
+def parse(message_type, data: bytes):
+    try:
+        return message_type.FromString(data)
+    except DecodeError as e:
+        raise WireError(f"malformed {message_type.__name__}: {e}") from None
+
+
+def refusals(method):
+    """Answer every exception of a servicer method with a status (plain and server-streaming methods).
+
+    A refusal gets its :data:`STATUS` code and its message, naming this
+    pserver once. Anything else gets INTERNAL and its traceback in the log,
+    naming the pserver and the method. Both count as refused. A
+    ``grpc.RpcError`` (the client cancelled while we read its stream) is
+    gRPC's own and passes through.
+    """
+    name = method.__name__
+
+    def abort(self, context, e):
+        code = status_of(e)
+        self.counters.refuse(type(e).__name__ if code is not None else "internal",
+                             code if code is not None else grpc.StatusCode.INTERNAL)
+        where = f"pserver {self.endpoint}"
+        if code is None:
+            log.exception("%s: %s failed with an unexpected %s; answered INTERNAL", where, name,
+                          type(e).__name__)
+            context.abort(grpc.StatusCode.INTERNAL, f"{where}: internal error in {name} "
+                                                    f"({type(e).__name__}: {e}); see the pserver's log")
+        text = str(e)
+        # Engine refusals name the pserver themselves; request checks below it cannot know it.
+        context.abort(code, text if text.startswith(where) else f"{where}: {text}")
+
+    if inspect.isgeneratorfunction(method):
+        @functools.wraps(method)
+        def stream_wrapper(self, request, context):
+            try:
+                yield from method(self, request, context)
+            except grpc.RpcError:
+                raise
+            except Exception as e:  # noqa: BLE001 - each one answered with a status
+                abort(self, context, e)
+        return stream_wrapper
+
+    @functools.wraps(method)
+    def wrapper(self, request, context):
+        try:
+            return method(self, request, context)
+        except grpc.RpcError:
+            raise
+        except Exception as e:  # noqa: BLE001 - each one answered with a status
+            abort(self, context, e)
+    return wrapper
+
+
+def trainer_call(message_type, digest: bool = True, touch: bool = False):
+    """A trainer's unary-request method with the prologue every such call shares, then :func:`refusals`.
+
+    The prologue parses the request (``message_type``), checks the caller (its
+    trainer id in range, its session current), then, when asked, the layout
+    digest (``digest``) and notes the call as a sign of life (``touch``); the
+    method gets the parsed request. Client streams have theirs in ``_read_stream``.
+    """
+    def wrap(method):
+        def prologue(self, data):
+            request = parse(message_type, data)
+            self._check_caller(request)
+            if digest:
+                self._check_digest(request.layout_digest)
+            if touch:
+                self.engine.touch(request.trainer_id)
+            return request
+
+        if inspect.isgeneratorfunction(method):
+            @functools.wraps(method)
+            def streamed(self, data, context):
+                yield from method(self, prologue(self, data), context)
+            return refusals(streamed)
+
+        @functools.wraps(method)
+        def unary(self, data, context):
+            return method(self, prologue(self, data), context)
+        return refusals(unary)
+    return wrap
