@@ -39,7 +39,7 @@ def test_bf16_autocast_with_pservers_trains_the_example_to_its_accuracy():
 
     with LocalCluster(build_program, 2, 2) as cluster:
         results = cluster.run_trainers(body, timeout=100)
-        stores = [s.servicer.store for s in cluster.servers]
+        stores = [s.engine.store for s in cluster.servers]
         master = [t for store in stores for _, t in store.read(list(store.names()), copy=True)]
     assert master and all(t.dtype == torch.float32 for t in master)
     (state0, acc0), (state1, acc1) = results[0], results[1]

@@ -15,6 +15,7 @@ from tests.helpers.cluster import LocalCluster
 from tests.helpers.models import batches, odd_mlp
 from tests.helpers.table_models import VOCAB, table_batches, table_program
 from trainer import PserverError
+from trainer.steppers.pipelined import PipelinedStepper
 from transpiler import DistributeTranspilerConfig, Program
 
 LR = 0.1
@@ -50,7 +51,7 @@ def test_pipelined_async_steps_are_one_step_stale_and_exact():
     data = batches(1, 16, steps, dtype=torch.float64)
     with LocalCluster(program, 2, 1, sync_mode=False, config=PIPELINED) as cluster:
         with cluster.trainer(0) as tr:
-            assert tr._pipelined
+            assert isinstance(tr.stepper, PipelinedStepper)
             for s in range(steps):
                 x, y = data[s][0]
                 nn.functional.cross_entropy(tr.model(x), y).backward()
@@ -74,7 +75,7 @@ def test_pipeline_off_by_default_waits_for_each_push():
     data = batches(1, 16, 3, dtype=torch.float64)
     with LocalCluster(program, 2, 1, sync_mode=False) as cluster:
         with cluster.trainer(0) as tr:
-            assert not tr._pipelined
+            assert not isinstance(tr.stepper, PipelinedStepper)
             for s in range(3):
                 x, y = data[s][0]
                 nn.functional.cross_entropy(tr.model(x), y).backward()

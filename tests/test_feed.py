@@ -9,20 +9,21 @@ import threading
 import pytest
 
 from trainer.feed import Feed
+from trainer.steppers.state import StepState
 
 
 class Job:
     """The trainer side a Feed talks to: the data position, pulls, and what prepare() saw."""
 
     def __init__(self, position=(0, 0), ahead=True, prepare=True):
-        self.position = position
+        self.state = StepState(position=position)
         self.pulls = 0
         self.prepared_on = []
-        self.feed = Feed(lambda: self.position, self.set_position, self.pull,
-                         self.prepare if prepare else None, ahead)
+        self.feed = Feed(self.state, self.pull, self.prepare if prepare else None, ahead)
 
-    def set_position(self, position):
-        self.position = position
+    @property
+    def position(self):
+        return self.state.position
 
     def pull(self):
         self.pulls += 1
@@ -33,7 +34,7 @@ class Job:
 
     def step(self):
         """What Trainer.step does with the data position."""
-        self.position = self.feed.batch_position
+        self.state.position = self.state.batch_position
 
 
 class Loader(list):
@@ -68,7 +69,7 @@ def test_items_from_the_data_position_on(start, epochs, expected, ahead):
     loader = Loader("abc")
     got = []
     for item in job.feed.batches(loader, epochs):
-        got.append((job.feed.batch_position[0], item))
+        got.append((job.state.batch_position[0], item))
         job.step()
     job.feed.close()
     assert got == expected
@@ -110,7 +111,7 @@ def test_a_rewind_replays_from_the_position_the_job_moved_to(ahead):
         got.append(item)
         job.step()
         if item == "c" and got.count("c") == 1:  # a roll-back to the checkpoint after "a"
-            job.position, job.feed.rewound = (0, 1), True
+            job.state.position, job.state.rewound = (0, 1), True
     job.feed.close()
     assert got == ["a", "b", "c", "b", "c", "d"]
     assert job.position == (1, 0)
@@ -144,6 +145,6 @@ def test_leaving_the_loop_early_finishes_the_read_ahead_and_close_stops_the_thre
         if item == 3:
             break
     assert len(loader.read_on) == 5  # items 0-3 trained, 4 read ahead, nothing more
-    assert job.position == (0, 4) and job.feed.batch_position is None
+    assert job.position == (0, 4) and job.state.batch_position is None
     job.feed.close()
     assert not [t for t in threading.enumerate() if t.name.startswith("trainer-feed")]

@@ -42,7 +42,7 @@ def test_two_nodes_of_two_processes_train_as_one_process(tmp_path):
     with LocalCluster(build, 2, 2, config=config) as cluster:
         results = run_nodes(tmp_path, build, cluster.endpoints, data, config=config)
         counters = [s.servicer.counters for s in cluster.servers]
-        blocks = [len(list(s.servicer.store.names())) for s in cluster.servers]
+        blocks = [len(list(s.engine.store.names())) for s in cluster.servers]
         seen = [sorted(s.engine.roster.last_step) for s in cluster.servers]
     expected = train_concatenated(build(), data)
     for state, _, steps in results:

@@ -29,9 +29,9 @@ def test_pushes_open_during_backward_and_train_as_one_process():
             opened = []
             for step_batches in data:
                 x, y = step_batches[i]
-                assert not tr._overlap.started
+                assert not tr.stepper.overlap.started
                 nn.functional.cross_entropy(tr.model(x), y).backward()
-                opened.append(tr._overlap.started)  # every pserver's stream is open before step()
+                opened.append(tr.stepper.overlap.started)  # every pserver's stream is open before step()
                 tr.step()
             return opened, tr.state_dict()
         results = cluster.run_trainers(body)
@@ -57,7 +57,7 @@ def test_a_second_backward_in_one_step_raises_and_the_switch_allows_accumulation
 
     with LocalCluster(program, 1, 1) as cluster:  # the default: push after backward
         def accumulate(tr, i):
-            assert tr._overlap is None
+            assert tr.stepper.overlap is None
             for parts in halves:
                 for x, y in parts:  # two half-batch losses, each halved: the full batch's mean loss
                     (nn.functional.cross_entropy(tr.model(x), y) / 2).backward()

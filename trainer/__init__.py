@@ -3,7 +3,8 @@
 Public surface::
 
     from trainer import Trainer
-    tr = Trainer(transpiler.get_trainer_program())   # a CollectiveTrainer for a collective plan
+    tr = Trainer(transpiler.get_trainer_program())   # a PserverTrainer, or a CollectiveTrainer for a
+                                                     # collective plan: both are Trainers
 
 The names are imported on first use, so ``ps-launch`` (``trainer.launch``),
 which needs none of them, starts without importing torch.
@@ -15,14 +16,17 @@ from typing import TYPE_CHECKING
 from transpiler.lazy import lazy_exports
 
 __getattr__ = lazy_exports(__name__, {  # public name: the module that defines it
-    "Trainer": ".trainer", "CollectiveTrainer": ".collective", "PserverError": ".errors",
-    "PserverUnavailableError": ".errors", "FencedError": ".errors", "NodeError": ".node.group",
+    "Trainer": ".base", "PserverTrainer": ".trainer", "CollectiveTrainer": ".collective",
+    "PserverError": ".errors", "PserverUnavailableError": ".errors", "FencedError": ".errors",
+    "NodeError": ".node.group",
 })
-__all__ = ["Trainer", "CollectiveTrainer", "PserverError", "PserverUnavailableError", "FencedError", "NodeError"]
+__all__ = ["Trainer", "PserverTrainer", "CollectiveTrainer", "PserverError", "PserverUnavailableError",
+           "FencedError", "NodeError"]
 
 if TYPE_CHECKING:
+    from .base import Trainer
     from .collective import CollectiveTrainer
     from .errors import FencedError, PserverError, PserverUnavailableError
     from .node.group import NodeError
-    from .trainer import Trainer
+    from .trainer import PserverTrainer
 

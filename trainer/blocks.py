@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -80,24 +80,9 @@ class LocalBlocks:
             torch.cuda.current_stream().synchronize()
         return out
 
-    def receive(self, transfer: Callable[[Callable[[str], torch.Tensor]], int]) -> int:
-        """Run ``transfer(dest)``, which lands blocks in ``dest(name)``, into the parameters."""
-        staged = {}
-
-        def dest(name: str) -> torch.Tensor:
-            view = self.view(self.by_name[name])
-            if view.device.type == "cpu":
-                return view
-            staged[name] = self._pinned(name, view)  # CUDA params land in pinned host memory first
-            return staged[name]
-
-        updates = transfer(dest)
-        with torch.no_grad():
-            for name, t in staged.items():
-                self.view(self.by_name[name]).copy_(t, non_blocking=True)
-        if staged:  # the pinned buffers are reused by the next pull
-            torch.cuda.current_stream().synchronize()
-        return updates
+    def landing(self) -> "Landing":
+        """Where one transfer's blocks land (call :meth:`Landing.install` once it ended)."""
+        return Landing(self)
 
     def _pinned(self, name: str, like: torch.Tensor) -> torch.Tensor:
         buf = self._pinned_buffers.get(name)
@@ -118,3 +103,35 @@ class LocalBlocks:
         with torch.no_grad():
             for name, t in self._staging.items():
                 self.view(self.by_name[name]).copy_(t)
+
+
+class Landing:
+    """Where one transfer's pulled blocks land: the parameters themselves, or pinned buffers first.
+
+    Called with a block name, it gives the tensor the communicator decodes
+    that block into: the parameter's own rows on the CPU; for a CUDA
+    parameter a pinned host buffer, copied to the device by :meth:`install`
+    (one non-blocking copy per block, then one synchronize, since the
+    buffers are reused by the next transfer).
+    """
+
+    def __init__(self, blocks: LocalBlocks):
+        self._blocks = blocks
+        self._staged: Dict[str, torch.Tensor] = {}
+
+    def __call__(self, name: str) -> torch.Tensor:
+        view = self._blocks.view(self._blocks.by_name[name])
+        if view.device.type == "cpu":
+            return view
+        self._staged[name] = self._blocks._pinned(name, view)
+        return self._staged[name]
+
+    def install(self) -> None:
+        """Copy the blocks that landed in pinned buffers into their CUDA parameters."""
+        if not self._staged:
+            return
+        with torch.no_grad():
+            for name, t in self._staged.items():
+                self._blocks.view(self._blocks.by_name[name]).copy_(t, non_blocking=True)
+        torch.cuda.current_stream().synchronize()
+        self._staged = {}

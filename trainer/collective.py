@@ -32,18 +32,17 @@ from __future__ import annotations
 import datetime
 import logging
 import os
-from typing import Dict, Iterable, Iterator, Mapping, Optional, Tuple
+from typing import Callable, Dict, Iterable, Iterator, Mapping, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils.data import Dataset, DistributedSampler
 
 from transpiler import TrainerProgram
 from transpiler.env import NodeEnv
 from transpiler.optim import LR_SCHEDULERS
-from transpiler.position import Position
 
+from .base import Trainer
 from .feed import Feed
 from .node.devices import backend_for, join_group, pick_device
 
@@ -95,8 +94,8 @@ def narrow_all_reduce_hook(dtype: torch.dtype, bucket):  # no annotations: DDP c
     return fut.then(widened)
 
 
-class CollectiveTrainer:
-    """One process of a collective-mode job: DDP over all processes, the program's optimizer stepped locally.
+class CollectiveTrainer(Trainer):
+    """One process of a collective-mode job (what ``Trainer(program)`` makes for one): DDP over all processes.
 
     Construction joins the process group of all ``trainers * local_world_size``
     processes (at ``init_method``, default ``tcp://MASTER_ADDR:MASTER_PORT``;
@@ -113,27 +112,19 @@ class CollectiveTrainer:
 
     def __init__(self, program: TrainerProgram, security=None, local_rank: Optional[int] = None,
                  local_world_size: Optional[int] = None, init_method: Optional[str] = None):
-        if not isinstance(program, TrainerProgram):
-            raise TypeError(f"program must be a TrainerProgram, got {type(program).__name__}")
+        super().__init__(program)
         if not program.collective:
             raise ValueError(f"the TrainerProgram is in {program.config.mode!r} mode; CollectiveTrainer "
                              f"trains mode='collective' programs (use trainer.Trainer for pservers)")
-        if program.model is None:
-            raise ValueError("the TrainerProgram carries no model; pass model= to TrainerProgram.from_bytes")
         if security is not None:
             log.warning("collective mode: security is ignored; torch.distributed traffic is not encrypted")
-        self.program = program
-        self.trainer_id = program.trainer_id
         self.sync_mode = True
         env = NodeEnv.from_env()
         self.local_rank, self.local_world_size, self.rank, self.world_size = _ranks(
             program, env, os.environ, local_rank, local_world_size)
         self.device = pick_device(self.local_rank)
-        self.step_count = 0
-        self.position: Position = (0, 0)
         # batches(): the data position, and the next item read ahead (read_ahead).
-        self.feed = Feed(lambda: self.position, self._set_position, self.pull, None, program.config.read_ahead)
-        self._closed = False
+        self.feed = Feed(self.state, self.pull, None, program.config.read_ahead)
         self._owns_group = not dist.is_initialized()
         self._join(init_method or env.init_method, program.config.barrier_timeout)
         try:
@@ -224,12 +215,8 @@ class CollectiveTrainer:
         if self.scheduler is not None:
             self.scheduler.step()
         self.module.zero_grad(set_to_none=True)
-        self.step_count += 1
-        self.position = self.feed.batch_position or (0, self.step_count)
-        return self.step_count
-
-    def _set_position(self, position: Position) -> None:
-        self.position = position
+        self.state.advance(self.state.step + 1, self.state.next_position())
+        return self.state.step
 
     def pull(self) -> None:
         """Nothing to pull: every process holds the current parameters (kept for parity with Trainer)."""
@@ -242,23 +229,19 @@ class CollectiveTrainer:
         """
         return {k: v.detach().clone() for k, v in self.module.state_dict().items()}
 
-    def batches(self, loader: Iterable, epochs: int) -> Iterator:
+    def batches(self, loader: Iterable, epochs: int,
+                prefetch: Optional[Callable[[object], Dict[str, object]]] = None) -> Iterator:
         """The items of ``loader`` for ``epochs`` epochs, from :attr:`position` on; train one step per item.
 
         Calls ``loader.sampler.set_epoch(epoch)`` when there is one (see
         :meth:`sampler`), and keeps :attr:`position` at (epoch, batches done)
         after each :meth:`step`, as :class:`trainer.Trainer` does (reading the
-        next item on a background thread with ``read_ahead``).
+        next item on a background thread with ``read_ahead``). ``prefetch``
+        needs distributed tables, which collective mode has not.
         """
-        self._check_open()
-        return self.feed.batches(loader, epochs)
-
-    def sampler(self, dataset: Dataset, **kwargs) -> DistributedSampler:
-        """This process's shard of ``dataset``: a ``DistributedSampler`` over all processes of all nodes.
-
-        Keyword arguments go to ``DistributedSampler`` (``shuffle``, ``seed``, ``drop_last``).
-        """
-        return DistributedSampler(dataset, num_replicas=self.world_size, rank=self.rank, **kwargs)
+        if prefetch is not None:
+            self._no_pservers("batches(prefetch=...)", "use mode='pserver' for distributed tables")
+        return super().batches(loader, epochs)
 
     def checkpoint(self):
         """Not available: checkpoints are written by pservers, and collective mode has none."""
@@ -281,9 +264,9 @@ class CollectiveTrainer:
 
         Idempotent. A default group the script made itself is left to it.
         """
-        if self._closed:
-            return
-        self._closed = True
+        super().close()
+
+    def _close(self, patient: bool) -> None:
         self.model = self.module  # the DDP wrapper cannot communicate once its group is gone
         self.feed.close()
         self._leave()
@@ -304,12 +287,6 @@ class CollectiveTrainer:
         raise RuntimeError(f"{what} needs pservers, and collective mode (mode={self.program.config.mode!r}) "
                            f"has none; {instead}")
 
-    def _check_open(self) -> None:
-        if self._closed:
-            raise RuntimeError(f"collective trainer {self.trainer_id} (rank {self.rank}) is closed")
-
-    def __enter__(self) -> "CollectiveTrainer":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
+    @property
+    def _name(self) -> str:
+        return f"collective trainer {self.trainer_id} (rank {self.rank})"

@@ -17,6 +17,8 @@ from typing import Callable, Iterable, Iterator, Optional
 
 from transpiler.position import Position
 
+from .steppers.state import StepState
+
 
 _END = object()  # the loader has no more items this epoch
 
@@ -24,23 +26,19 @@ _END = object()  # the loader has no more items this epoch
 class Feed:
     """Which batch a trainer trains next, read ``ahead`` on a background thread when asked to.
 
-    ``position()`` / ``set_position(p)`` read and move the trainer's data
-    position (epoch, batch), ``pull()`` refreshes its parameters at the end,
-    and ``prepare(ids)`` turns a batch's ``{table: ids}`` into what its step
-    sends ahead (``None``: nothing).
+    It reads and moves the trainer's data position in ``state`` (and sets
+    ``state.batch_position`` while a batch trains; ``state.rewound`` makes it
+    start the epoch over from ``state.position``). ``pull()`` refreshes the
+    parameters at the end, and ``prepare(ids)`` turns a batch's ``{table:
+    ids}`` into what its step sends ahead (``None``: nothing).
     """
 
-    def __init__(self, position: Callable[[], Position], set_position: Callable[[Position], None],
-                 pull: Callable[[], None], prepare: Optional[Callable[[dict], object]], ahead: bool):
-        self._position = position
-        self._set_position = set_position
+    def __init__(self, state: StepState, pull: Callable[[], None], prepare: Optional[Callable[[dict], object]],
+                 ahead: bool):
+        self._state = state
         self._pull = pull
         self._prepare = prepare
         self._reader = futures.ThreadPoolExecutor(1, thread_name_prefix="trainer-feed") if ahead else None
-        # The position after the batch being trained, while batches() runs.
-        self.batch_position: Optional[Position] = None
-        # Set when the job moved this trainer elsewhere (a roll-back or re-sync): the epoch starts over.
-        self.rewound = False
         self._next: Optional[futures.Future] = None  # the next (index, item, prepared) being read
 
     def batches(self, loader: Iterable, epochs: int,
@@ -52,11 +50,11 @@ class Feed:
                 # The last step's answer held the final parameters; a pserver lost since may have
                 # rolled the job back to a checkpoint, whose data is then trained again.
                 self._pull()
-                if self._position()[0] >= epochs:
+                if self._state.position[0] >= epochs:
                     return
         finally:
             self._drop_next()
-            self.batch_position = None
+            self._state.batch_position = None
 
     def take_prepared(self) -> object:
         """What was prepared for the batch after the current one (``None``: nothing, or no next batch).
@@ -79,27 +77,27 @@ class Feed:
             self._reader.shutdown(wait=True)
 
     def _from_position(self, loader: Iterable, epochs: int, prefetch) -> Iterator:
-        while self._position()[0] < epochs:
-            epoch, start = self._position()
+        while self._state.position[0] < epochs:
+            epoch, start = self._state.position
             set_epoch = getattr(getattr(loader, "sampler", None), "set_epoch", None)
             if set_epoch is not None:
                 set_epoch(epoch)
-            self.rewound = False
+            self._state.rewound = False
             items = itertools.islice(enumerate(loader), start, None)
             self._read(items, None)  # the first item's lookups fetch for themselves: nothing to prepare
             current = self._take()
             while current is not _END:
                 i, item, _ = current
                 self._read(items, prefetch)  # the next one, while this one trains
-                self.batch_position = Position(epoch, i + 1)
+                self._state.batch_position = Position(epoch, i + 1)
                 yield item
-                if self.rewound:
+                if self._state.rewound:
                     break
                 current = self._take()
             else:  # the loader ran out: the next epoch starts at its first batch
-                self._set_position(Position(epoch + 1, 0))
+                self._state.position = Position(epoch + 1, 0)
             self._drop_next()
-            self.batch_position = None
+            self._state.batch_position = None
 
     def _read(self, items: Iterator, prefetch) -> None:
         """Start reading the next item and preparing its ``prefetch`` ids (on the reader thread when ahead)."""

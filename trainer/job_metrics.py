@@ -41,6 +41,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from .collective import CollectiveTrainer
+from .steppers.node import NodeStepper
+
 #: Score buckets of :class:`AucStats` (Paddle's default ``num_thresholds``): AUC resolution 1/4095.
 DEFAULT_THRESHOLDS = 4095
 OPS = {"sum": np.add, "max": np.maximum, "min": np.minimum}
@@ -94,7 +97,7 @@ def all_reduce(tr, key: str, values: Mapping[str, ArrayLike], op: str = "sum",
     with _lock:
         rounds = _rounds.setdefault(tr, {})
         r = rounds.get(key, 0) if round is None else round
-    if getattr(tr, "comm", None) is None:  # collective mode: no pservers, the processes all-gather
+    if isinstance(tr, CollectiveTrainer):  # collective mode: no pservers, the processes all-gather
         out: List[Dict[str, np.ndarray]] = [None] * dist.get_world_size()
         dist.all_gather_object(out, arrays)
         result = _combine(op, out)
@@ -114,11 +117,11 @@ def _through_pserver(tr, key: str, round_: int, op: str, arrays: Dict[str, np.nd
                                [(n, a.shape, a.ravel().tolist()) for n, a in arrays.items()])
         return {v.name: np.array(v.data, dtype=np.float64).reshape(tuple(v.shape)) for v in reply.values}
 
-    if tr.node is None:
+    if not isinstance(tr.stepper, NodeStepper):
         return ask()
-    group = tr.node.group
+    group = tr.stepper.group
     arrays = _combine(op, group.all_gather(arrays, f"trainer node {tr.trainer_id}: gathering {key!r}"))
-    return tr.node.leader_does(f"reduction {key!r}", ask)
+    return tr.stepper.leader_does(f"reduction {key!r}", ask)
 
 
 def _scalar_or_array(a: np.ndarray, like: np.ndarray) -> Union[float, np.ndarray]:

@@ -5,12 +5,13 @@
   store under the node's prefix), decided from the environment;
 - :mod:`~trainer.node.group`: the node's flat buffers and collectives (reduce-scatter, all-gather,
   the merge of table gradients), with the status slots that make a failure node-wide;
-- :mod:`~trainer.node.steps`: how the node joins, steps, pulls and re-syncs as one trainer.
+
+How the node joins, steps, pulls and re-syncs as one trainer is its stepper's
+(:mod:`trainer.steppers.node`).
 """
 from .devices import backend_for, join_group, pick_device
 from .rendezvous import NodeRendezvous, SharedStore, node_rendezvous
 from .group import FATAL, OK, RECOVERABLE, Layout, NodeError, NodeGroup, owners
-from .steps import REPLAY, NodeSteps
 
 __all__ = ["pick_device", "backend_for", "join_group", "node_rendezvous", "NodeRendezvous", "SharedStore",
-           "Layout", "NodeGroup", "NodeError", "owners", "NodeSteps", "REPLAY", "OK", "RECOVERABLE", "FATAL"]
+           "Layout", "NodeGroup", "NodeError", "owners", "OK", "RECOVERABLE", "FATAL"]

@@ -16,7 +16,7 @@ processes' gradients, reduced among them before anything goes on the wire:
 
 Each flat region ends with a status slot, so the same two collectives also
 tell every local rank whether a lookup or a transfer failed anywhere in the
-node: the node then heals as one (see :mod:`trainer.node.steps`).
+node: the node then heals as one (see :mod:`trainer.steppers.node`).
 
 The collectives run on the node's process group: NCCL for CUDA tensors, gloo
 for CPU ones, the same code. Transfers to pservers go through pinned host

@@ -1,0 +1,156 @@
+"""Trainer: what every trainer of a job is, whatever its mode; ``Trainer(program)`` makes the right kind.
+
+A plan for pservers makes a :class:`~trainer.trainer.PserverTrainer`, a
+collective plan a :class:`~trainer.collective.CollectiveTrainer`; both are
+Trainers (``isinstance(tr, Trainer)`` holds), as ``pathlib.Path(...)`` makes
+a ``PosixPath`` or a ``WindowsPath``. One training script serves both modes.
+This base holds what they share: the step and data position
+(:class:`~trainer.steppers.state.StepState`), the batches from that position
+(:class:`~trainer.feed.Feed`), the sampler, and closing.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Callable, Dict, Iterable, Iterator, List, Optional
+
+import torch
+from torch.utils.data import Dataset, DistributedSampler
+
+from transpiler import TrainerProgram
+from transpiler.position import Position
+
+from .feed import Feed
+from .steppers.state import StepState
+
+
+class Trainer(ABC):
+    """One trainer process of a transpiled program: ``Trainer(program, security=None, local_rank=None,
+    local_world_size=None, init_method=None)``.
+
+    Returns a :class:`~trainer.trainer.PserverTrainer` (mode ``"pserver"``:
+    gradients pushed to pservers, parameters pulled back) or a
+    :class:`~trainer.collective.CollectiveTrainer` (mode ``"collective"``:
+    DDP among the trainers); see each for what construction does. Train with
+    ``tr.model``, call :meth:`step` after each backward, and :meth:`close`
+    (or use ``with``) when done.
+    """
+
+    def __new__(cls, program=None, *args, **kwargs):
+        if cls is Trainer:  # the kind the plan asks for; Python then runs its __init__
+            if isinstance(program, TrainerProgram) and program.collective:
+                from .collective import CollectiveTrainer
+                cls = CollectiveTrainer
+            else:
+                from .trainer import PserverTrainer
+                cls = PserverTrainer
+        return super().__new__(cls)
+
+    def __init__(self, program: TrainerProgram):
+        if not isinstance(program, TrainerProgram):
+            raise TypeError(f"program must be a TrainerProgram, got {type(program).__name__}")
+        if program.model is None:
+            raise ValueError("the TrainerProgram carries no model; pass model= to TrainerProgram.from_bytes")
+        self.program = program
+        self.trainer_id = program.trainer_id
+        self.state = StepState()
+        self.feed: Optional[Feed] = None
+        self._closed = False
+        # Set by the kind of trainer: this process's place among all processes of all trainer nodes.
+        self.rank = self.world_size = self.local_rank = self.local_world_size = 0
+        self.device = torch.device("cpu")
+
+    @property
+    def step_count(self) -> int:
+        """Steps taken so far (after a roll-back: the checkpoint's step)."""
+        return self.state.step
+
+    @property
+    def position(self) -> Position:
+        """This trainer's data position (epoch, batches done in it) after its last step."""
+        return self.state.position
+
+    # -- training -----------------------------------------------------------
+
+    @abstractmethod
+    def step(self, *args, **kwargs) -> int:
+        """Apply this step's gradients everywhere and zero them; returns the number of steps taken."""
+
+    @abstractmethod
+    def pull(self) -> None:
+        """Make ``model``'s parameters the job's current ones."""
+
+    @abstractmethod
+    def state_dict(self, with_tables: bool = False) -> Dict[str, torch.Tensor]:
+        """The trained model as a plain ``state_dict``."""
+
+    def batches(self, loader: Iterable, epochs: int,
+                prefetch: Optional[Callable[[object], Dict[str, object]]] = None) -> Iterator:
+        """The items of ``loader`` for ``epochs`` epochs, from this trainer's data position on.
+
+        Train one step per item. Calls ``loader.sampler.set_epoch(epoch)`` when
+        there is one (see :meth:`sampler`), reads the next item on a
+        background thread with ``read_ahead``, and keeps :attr:`position` at
+        (epoch, batches done) after each :meth:`step`. The kinds of trainer
+        say what else (data replayed after a roll-back, ``prefetch``).
+        """
+        self._check_open()
+        return self.feed.batches(loader, epochs, prefetch)
+
+    def sampler(self, dataset: Dataset, **kwargs) -> DistributedSampler:
+        """This process's shard of ``dataset``: a ``DistributedSampler`` over every process of every node.
+
+        Keyword arguments go to ``DistributedSampler`` (``shuffle``, ``seed``,
+        ``drop_last``); call ``set_epoch`` on it every epoch when shuffling
+        (:meth:`batches` does).
+        """
+        return DistributedSampler(dataset, num_replicas=self.world_size, rank=self.rank, **kwargs)
+
+    # -- what needs pservers --------------------------------------------------
+
+    @abstractmethod
+    def checkpoint(self) -> List[str]:
+        """Every pserver writes its part of a checkpoint now; returns the part directories."""
+
+    @abstractmethod
+    def save_tables(self, directory: str) -> List[str]:
+        """Every pserver writes its table shards under ``directory``; returns the shard directories."""
+
+    @abstractmethod
+    def prefetch(self, ids: Dict[str, object]) -> None:
+        """Fetch the rows of several distributed tables (``{table: ids}``) for this step's lookups."""
+
+    @abstractmethod
+    def pull_rows(self, table: str, ids) -> torch.Tensor:
+        """Current rows of distributed ``table`` for ``ids``."""
+
+    # -- closing ------------------------------------------------------------
+
+    def close(self) -> None:
+        """Leave the job (the kinds of trainer say how). Idempotent."""
+        self._shut(patient=True)
+
+    def _shut(self, patient: bool) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._close(patient)
+
+    @abstractmethod
+    def _close(self, patient: bool) -> None:
+        """Release what this trainer holds; ``patient``: the job went well, so others may be waited for."""
+
+    @property
+    @abstractmethod
+    def _name(self) -> str:
+        """How logs and errors name this process."""
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"{self._name} is closed")
+
+    def __enter__(self) -> "Trainer":
+        return self
+
+    def __exit__(self, exc_type, *exc) -> None:
+        # Leaving on an exception closes without waiting for others: the job failed here.
+        self._shut(patient=exc_type is None)

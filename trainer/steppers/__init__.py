@@ -1,0 +1,1 @@
+"""Steppers: how a trainer takes a step (local, pipelined, node), each over the same StepState (see .base)."""

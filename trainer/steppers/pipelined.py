@@ -1,0 +1,69 @@
+"""PipelinedStepper: async mode's pipeline, where a step's push-pull goes on while the next batch trains.
+
+``step()`` hands the push to a background thread and returns at once; the
+blocks it pulls wait in :class:`~trainer.blocks.LocalBlocks`' staging
+buffers and are installed by the next ``step()`` (or ``pull()``,
+``close()``), so a trainer computes on parameters one step staler than
+without the pipeline. The next batch's table rows are fetched on the feed's
+thread while the current batch trains (``read_ahead``).
+"""
+from __future__ import annotations
+
+from concurrent import futures
+from typing import Dict, Optional
+
+from transpiler.position import Position
+
+from ..embedding import AheadPlan, Pieces, prefetch_all
+from .base import Prepared, Stepper
+
+
+class PipelinedStepper(Stepper):
+    """Async only: push-pull in the background; the pulled blocks are installed by the next step."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self._sender = futures.ThreadPoolExecutor(1, thread_name_prefix="trainer-send")
+        self._in_flight: Optional[futures.Future] = None
+
+    def step(self, prefetch: Optional[Dict[str, object]], prepared: Prepared) -> None:
+        if self._discarded():
+            return
+        step, position = self.state.step, self.state.next_position()
+        self.flush()  # before the pinned gradient buffers (CUDA) are refilled
+        sparse = self.tables.take_gradients() if self.program.tables else {}
+        plan = self._plan(prefetch, prepared)
+        # The next forward runs before this push is answered: its rows were fetched ahead
+        # while this batch trained (read_ahead), or its lookups fetch them.
+        self._in_flight = self._sender.submit(self._send, step, self.gradients(sparse, {}), position)
+        if plan is not None:
+            self.tables.install_ahead(plan)
+        # The pushed gradients stay referenced until sent; the next backward makes new ones.
+        self.model.zero_grad(set_to_none=True)
+        self.state.advance(step + 1, position)
+
+    def prepare_ahead(self, ids: Dict[str, object]) -> AheadPlan:
+        """The next batch's ids deduplicated and routed, and its rows fetched now (as of the latest updates)."""
+        return self.tables.plan_ahead(ids, self._fetch_ahead)
+
+    def _fetch_ahead(self, pieces: Pieces, min_updates: int):
+        return prefetch_all(self.comm, self.tables, pieces, min_updates)
+
+    def _send(self, step: int, grads: Pieces, position: Position) -> None:
+        """Push-pull ``step`` on every pserver; pulled blocks land in the staging buffers."""
+        # Async only: recovery retries, never moves the trainer (see trainer.recovery.decide).
+        self.recovery.heal(step, f"step {step}", lambda: self.comm.run_parallel(
+            {ep: (lambda ep=ep: self.transfers.push_pull(ep, step, grads[ep], position, dest=self.blocks.stage))
+             for ep in self.push_endpoints}), self.transfers.pull_all)
+
+    def flush(self) -> None:
+        """Wait for the step sent in the background; install the parameters it pulled."""
+        if self._in_flight is None:
+            return
+        sent, self._in_flight = self._in_flight, None
+        sent.result()  # re-raises the push's PserverError here, on the caller's thread
+        self.blocks.install_staged()
+
+    def close(self, timeout: Optional[float]) -> None:
+        self._sender.shutdown(wait=False)
+        super().close(timeout)
