@@ -19,6 +19,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from tests.helpers.models import batches, odd_mlp
 from tests.helpers.ports import free_ports
+from trainer import PserverTrainer, Trainer
 from trainer.collective import CollectiveTrainer
 from transpiler import DistributeTranspiler, DistributeTranspilerConfig, Program, TrainerProgram
 from transpiler.optim import LR_SCHEDULERS
@@ -221,6 +222,21 @@ def test_local_sgd_with_a_longer_period_keeps_the_processes_apart_between_averag
     assert_close(states[1], states[0], atol=0)
     assert_close(states[3], states[2], atol=0)
     assert max((states[0][k] - states[2][k]).abs().max().item() for k in states[0]) > 1e-4
+
+
+def test_trainer_makes_the_kind_the_plan_asks_for_and_both_kinds_are_trainers():
+    from tests.helpers.cluster import LocalCluster
+    with Trainer(collective_program()) as tr:
+        assert type(tr) is CollectiveTrainer and isinstance(tr, Trainer)
+        assert tr.sampler(list(range(8))).num_replicas == 1
+    with pytest.raises(RuntimeError, match="collective trainer 0 .rank 0. is closed"):
+        tr.step()
+    with LocalCluster(program, 1, 1) as cluster:
+        with cluster.trainer(0) as tr:
+            assert type(tr) is PserverTrainer and isinstance(tr, Trainer)
+            assert not isinstance(tr, CollectiveTrainer)
+    with pytest.raises(RuntimeError, match="trainer 0 is closed"):
+        tr.pull()
 
 
 def test_one_process_equals_single_process_training():
