@@ -1,19 +1,4 @@
-"""Distributed embedding on the trainer: dedupe ids, route them, prefetch rows, push sparse gradients.
-
-The trainer replaces every distributed ``nn.Embedding`` / ``nn.EmbeddingBag``
-of the model with a :class:`DistributedEmbedding`. A lookup
-
-1. dedupes the batch's ids (``np.unique``),
-2. takes their rows from this step's prefetch cache, fetching any others
-   from the pservers (each id from pserver ``stable_hash(id) % #pservers``,
-   one round trip per pserver, all pservers in parallel),
-3. makes the unique rows a leaf tensor and runs torch's own
-   ``F.embedding`` / ``F.embedding_bag`` on it, so autograd merges the
-   gradients of duplicate ids into one row per id.
-
-At :meth:`TableClient.take_gradients` the leaves' gradients become, per
-pserver, the ``"<table>@ids"`` / ``"<table>@rows"`` tensors of the push.
-"""
+"""TableClient: a trainer's side of every distributed table (dedupe, route, prefetch cache, gradients)."""
 from __future__ import annotations
 
 import logging
@@ -22,11 +7,10 @@ from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from transpiler.tables import SPARSE_SEPARATOR, TableSpec, as_ids, merge_duplicates, shard_of
 
-from .errors import PserverError
+from ..errors import PserverError
 
 log = logging.getLogger(__name__)
 
@@ -222,7 +206,7 @@ class TableClient:
         """
         pieces = self._pieces(plan.wanted, plan.routes, "next")
         self._ahead = plan
-        return pieces, {ep: _asked_rows(self, asked) for ep, asked in pieces.items()}
+        return pieces, {ep: asked_rows(self, asked) for ep, asked in pieces.items()}
 
     def take_ahead(self, replies: Mapping[str, Mapping[str, torch.Tensor]]) -> None:
         """Cache the rows the push answers brought for :meth:`ask_ahead`'s ids, for the next step's lookups."""
@@ -338,101 +322,10 @@ class TableClient:
         self._routes = {}
 
 
-def install_tables(model: torch.nn.Module, specs: Sequence[TableSpec], client: TableClient,
-                   device: Optional[torch.device] = None) -> None:
-    """Put a :class:`DistributedEmbedding` in place of each distributed table's module of ``model``.
-
-    Their outputs land on ``device`` (the trainer's), whatever device the ids come on.
-    """
-    for spec in specs:
-        parent_name, _, attr = spec.name.rpartition(".")
-        try:
-            parent = model.get_submodule(parent_name)
-            module = getattr(parent, attr)
-        except AttributeError:
-            raise ValueError(f"the model has no module {spec.name!r} named as a distributed "
-                             f"table in the plan") from None
-        if isinstance(module, DistributedEmbedding):
-            raise ValueError(f"table {spec.name!r} of this model is already served by a Trainer; "
-                             f"build a fresh model for each Trainer")
-        if getattr(module, "embedding_dim", None) != spec.dim:
-            raise ValueError(f"module {spec.name!r} is {type(module).__name__} of dim "
-                             f"{getattr(module, 'embedding_dim', None)}, the plan says a table of "
-                             f"dim {spec.dim}")
-        setattr(parent, attr, DistributedEmbedding(spec, client, device))
-
-
-def _asked_rows(tables: TableClient, asked: Sequence[Tuple[str, torch.Tensor]]) -> Dict[str, tuple]:
+def asked_rows(tables: TableClient, asked: Sequence[Tuple[str, torch.Tensor]]) -> Dict[str, tuple]:
     """{rows wire name: (dtype, shape)} an answer to ``asked`` ((``@ids``/``@next`` name, ids) pairs) brings back."""
     sent = {}
     for name, ids in asked:
         spec = tables.spec(name.rpartition(SPARSE_SEPARATOR)[0])
         sent[spec.rows_name] = (spec.dtype, [len(ids), spec.dim])
     return sent
-
-
-def prefetch_all(comm, tables: TableClient, pieces: Pieces, min_updates: int) -> Dict[str, Dict[str, torch.Tensor]]:
-    """One prefetch round trip per pserver in ``pieces`` through ``comm``, in parallel: {pserver: {name: rows}}."""
-    def fetch_one(ep):
-        expected = _asked_rows(tables, pieces[ep])
-        rows = comm.prefetch(ep, min_updates, pieces[ep], expected.get)
-        if rows.keys() != expected.keys():
-            raise PserverError(ep, f"prefetch answer holds {sorted(rows)}, asked for {sorted(expected)}")
-        return rows
-    return comm.run_parallel({ep: (lambda ep=ep: fetch_one(ep)) for ep in pieces})
-
-
-def zero_rows(tables: TableClient, pieces: Pieces) -> Dict[str, Dict[str, torch.Tensor]]:
-    """Zero rows in the shape of ``pieces``' prefetch answers: what a spoilt batch computes with."""
-    return {ep: {name: torch.zeros(shape, dtype=getattr(torch, dtype))
-                 for name, (dtype, shape) in _asked_rows(tables, asked).items()}
-            for ep, asked in pieces.items()}
-
-
-class DistributedEmbedding(torch.nn.Module):
-    """Stands in for a distributed ``nn.Embedding`` / ``nn.EmbeddingBag``: rows come from pservers.
-
-    Called like the module it replaces: ``(ids)`` for an embedding (output
-    ``ids.shape + (dim,)``), ``(ids, offsets=None, per_sample_weights=None)``
-    for a bag (output ``(bags, dim)``). It holds no parameters. The output is
-    on ``device`` (default: the ids' device); ids are best given on the CPU,
-    where they are deduplicated and routed anyway.
-    """
-
-    def __init__(self, spec: TableSpec, client: TableClient, device: Optional[torch.device] = None):
-        super().__init__()
-        self.spec = spec
-        self._client = client
-        self._device = device
-
-    def forward(self, input: torch.Tensor, offsets: Optional[torch.Tensor] = None,
-                per_sample_weights: Optional[torch.Tensor] = None) -> torch.Tensor:
-        spec = self.spec
-        if spec.kind == "embedding" and (offsets is not None or per_sample_weights is not None):
-            raise TypeError(f"distributed table {spec.name!r} is an nn.Embedding: it takes no offsets")
-        unique, inverse = self._client.dedupe(input)
-        device = self._device or input.device
-        rows = self._client.rows(spec.name, unique).to(device)
-        padding = None
-        if spec.padding_idx is not None:
-            at = np.flatnonzero(unique == spec.padding_idx)
-            if at.size:
-                padding = int(at[0])
-                rows[padding] = 0
-        if torch.is_grad_enabled():
-            rows.requires_grad_(True)
-            self._client.record(spec.name, unique, rows)
-        index = torch.from_numpy(inverse).to(device).view(input.shape)
-        if spec.kind == "embedding":
-            return F.embedding(index, rows, padding_idx=padding)
-        if offsets is not None:
-            offsets = offsets.to(device)
-        if per_sample_weights is not None:
-            per_sample_weights = per_sample_weights.to(device)
-        return F.embedding_bag(index, rows, offsets, mode=spec.mode,
-                               per_sample_weights=per_sample_weights,
-                               include_last_offset=spec.include_last_offset, padding_idx=padding)
-
-    def extra_repr(self) -> str:
-        kind = f"EmbeddingBag mode={self.spec.mode}" if self.spec.kind == "bag" else "Embedding"
-        return f"{self.spec.name!r}, dim={self.spec.dim}, distributed {kind}"

@@ -1,0 +1,22 @@
+"""Distributed embedding on the trainer: dedupe ids, route them, prefetch rows, push sparse gradients.
+
+The trainer replaces every distributed ``nn.Embedding`` / ``nn.EmbeddingBag``
+of the model with a :class:`DistributedEmbedding`. A lookup
+
+1. dedupes the batch's ids (``np.unique``),
+2. takes their rows from this step's prefetch cache, fetching any others
+   from the pservers (each id from pserver ``stable_hash(id) % #pservers``,
+   one round trip per pserver, all pservers in parallel),
+3. makes the unique rows a leaf tensor and runs torch's own
+   ``F.embedding`` / ``F.embedding_bag`` on it, so autograd merges the
+   gradients of duplicate ids into one row per id.
+
+At :meth:`TableClient.take_gradients` the leaves' gradients become, per
+pserver, the ``"<table>@ids"`` / ``"<table>@rows"`` tensors of the push.
+"""
+from .client import AheadPlan, Fetch, Pieces, TableClient
+from .fetch import asked_rows, prefetch_all, zero_rows
+from .module import DistributedEmbedding, install_tables
+
+__all__ = ["TableClient", "AheadPlan", "Pieces", "Fetch", "DistributedEmbedding", "install_tables",
+           "prefetch_all", "zero_rows", "asked_rows"]
