@@ -95,7 +95,7 @@ def main(argv=None) -> int:
                 print(f"  {a + len(ids):>12,} rows after {time.perf_counter() - start:6.1f} s; "
                       f"pserver peak RSS {rss_peak_gib(server.pid):.2f} GiB", flush=True)
         fill_s = time.perf_counter() - start
-        tr.step_count = step + 1
+        tr.state.step = step + 1  # the pushes above went around the stepper
 
         with grpc.insecure_channel(endpoint) as ch:
             stats = ps_pb2_grpc.ParameterServerStub(ch).Stats(ps_pb2.StatsRequest(), timeout=30)

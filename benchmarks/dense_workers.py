@@ -301,6 +301,7 @@ def run_trainer(spec: Spec) -> dict:
     ``LOCAL_WORLD_SIZE`` > 1 (the Trainer reads the node variables itself).
     """
     from trainer import Trainer
+    from trainer.steppers.node import NodeStepper
     from transpiler import RoleEnv
 
     env = RoleEnv.from_env()
@@ -311,11 +312,12 @@ def run_trainer(spec: Spec) -> dict:
     try:
         phases = PhaseTimer(tr.comm)
         node_times: Dict[str, float] = {}
-        if tr.node is not None:
-            time_node_collectives(tr.node.group, node_times)
+        node = tr.stepper if isinstance(tr.stepper, NodeStepper) else None
+        if node is not None:
+            time_node_collectives(node.group, node_times)
         # The pservers this process pushes to and pulls from each step (a node's local
         # rank: only its share of them); their calls run in parallel.
-        calls = len(tr.node.group.endpoints) if tr.node is not None else len(env.pservers)
+        calls = len(node.group.endpoints) if node is not None else len(env.pservers)
 
         def counters() -> Dict[str, float]:
             return {"bytes_pushed": tr.comm.bytes_pushed, "bytes_pulled": tr.comm.bytes_pulled,
