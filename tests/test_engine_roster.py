@@ -12,9 +12,10 @@ from pserver.checkpoint.checkpointer import Checkpointer
 from pserver.errors import MustResync, NotAllowed
 from pserver.rpc.prologue import status_of
 from pserver.store import BlockStore
-from pserver.engine import AsyncEngine, SyncEngine
+from pserver.engine import AsyncEngine, Joined, SyncEngine
 from pserver.tables.table_set import TableSet
 from transpiler import DistributeTranspiler, DistributeTranspilerConfig, Program
+from transpiler.position import Position
 
 EP = "127.0.0.1:1"
 
@@ -73,7 +74,7 @@ def test_trainer_rejoining_mid_step_counts_from_the_next_step():
     e.roster.last_seen[2] -= 60
     e.drop_silent(timeout=30)
     e.push(0, 0, grads(e, 1.0))                          # step 0 in progress: trainer 1 missing
-    assert e.hello(2) == (1, (0, 0))                     # rejoins at step 1, not 0
+    assert e.hello(2)[:2] == (1, (0, 0))                     # rejoins at step 1, not 0
     before = weight(e)
     e.push(1, 0, grads(e, 3.0))
     assert e.updates == 1                                # did not wait for trainer 2
@@ -120,13 +121,27 @@ def test_a_join_a_step_ahead_completes_the_step_whose_other_pushes_are_all_in():
     e.push(0, 0, grads(e, 1.0))
     assert e.updates == 0                                # waits for trainer 1
     before = weight(e)
-    assert e.hello(1, join_at=1) == (1, (0, 0))          # applied at once, with trainer 0's gradient
+    assert e.hello(1, join_at=1)[:2] == (1, (0, 0))          # applied at once, with trainer 0's gradient
     assert e.updates == 1
     torch.testing.assert_close(weight(e), before - 0.5 * 1.0)
     e.push(0, 1, grads(e, 1.0))
     assert e.updates == 1                                # from step 1 on, trainer 1 counts again
     e.push(1, 1, grads(e, 1.0))
     assert e.updates == 2
+
+
+def test_hello_answers_one_view_of_the_trainer_and_the_step_in_progress():
+    """Everything Hello reports comes from one hold of the engine's lock, as a Joined."""
+    e = engine(2)
+    assert e.hello(0) == Joined(step=0, position=(0, 0), applied_step=0, others_in_step=1, counted_step=-1,
+                                checkpoint_step=-1)
+    e.hello(1)
+    e.push(0, 0, grads(e, 1.0), position=Position(0, 1))
+    e.push(1, 0, grads(e, 1.0), position=Position(0, 1))
+    e.push(0, 1, grads(e, 1.0), position=Position(0, 2))
+    # Trainer 0 says Hello again mid-step 1: its own push of step 1 is counted, trainer 1 is awaited.
+    assert e.hello(0) == Joined(step=1, position=(0, 1), applied_step=1, others_in_step=1, counted_step=1,
+                                checkpoint_step=-1)
 
 
 def test_step_in_progress_counts_the_other_trainers_in_it_and_shows_a_step_that_waits_for_nobody():
@@ -145,7 +160,7 @@ def test_step_in_progress_counts_the_other_trainers_in_it_and_shows_a_step_that_
     # All trainers down, both rejoin a step later: step 1 waits for nobody (stalled).
     stalled = engine(2)
     for t in (0, 1):
-        assert stalled.hello(t, join_at=1) == (1, (0, 0))
+        assert stalled.hello(t, join_at=1)[:2] == (1, (0, 0))
     assert stalled.updates == 0 and stalled.step_in_progress(0) == (0, 0)
     assert stalled.step_in_progress(1) == (0, 0)
 
@@ -154,7 +169,7 @@ def test_join_at_further_ahead_is_ignored():
     e = engine(2)
     for t in (0, 1):
         e.hello(t)
-    assert e.hello(1, join_at=5) == (0, (0, 0))          # a roll-back's business, not a join's
+    assert e.hello(1, join_at=5)[:2] == (0, (0, 0))          # a roll-back's business, not a join's
     e.push(0, 0, grads(e, 1.0))
     assert e.updates == 0                                # still waits for trainer 1
     e.push(1, 0, grads(e, 1.0))
@@ -164,10 +179,10 @@ def test_join_at_further_ahead_is_ignored():
 def test_positions_count_once_their_step_is_applied_and_return_at_hello():
     e = engine(2)
     e.push(0, 0, grads(e, 1.0), position=(0, 1))
-    assert e.hello(0) == (0, (0, 0))                     # step 0 not applied yet
+    assert e.hello(0)[:2] == (0, (0, 0))                     # step 0 not applied yet
     e.push(1, 0, grads(e, 1.0), position=(0, 1))
     e.push(0, 1, grads(e, 1.0), position=(1, 0))
-    assert e.hello(0) == (1, (0, 1))
+    assert e.hello(0)[:2] == (1, (0, 1))
 
 
 def test_restore_rolls_back_once_per_token_and_wakes_waiters(tmp_path):
@@ -179,7 +194,7 @@ def test_restore_rolls_back_once_per_token_and_wakes_waiters(tmp_path):
     e.push(0, 1, grads(e, 1.0), position=(0, 2))
     assert e.updates == 2
     assert e.restore(0, 1, "ep#42") is True
-    assert e.updates == 1 and e.hello(0) == (1, (0, 1))
+    assert e.updates == 1 and e.hello(0)[:2] == (1, (0, 1))
     torch.testing.assert_close(weight(e), at_1)
     e.push(0, 1, grads(e, 2.0))
     assert e.restore(0, 1, "ep#42") is False             # the same restart: no second roll-back
@@ -300,14 +315,14 @@ def test_a_wait_from_before_a_roll_back_is_refused_at_once_instead_of_deadlockin
     e = checkpointed_at_step_1(tmp_path)
     for t in (0, 1):
         e.push(t, 1, grads(e, 1.0), position=(0, 2))
-    assert e.hello(1) == (2, (0, 2))                     # trainer 1 (re)joins at step 2
+    assert e.hello(1)[:2] == (2, (0, 2))                     # trainer 1 (re)joins at step 2
     assert e.restore(0, 1, "ps0#7") is True and e.updates == 1
     e.hello(0)
     with pytest.raises(MustResync) as info:
         e.wait_updates(1, 2)                             # would need trainer 1's own push of step 1
     assert status_of(info.value) == grpc.StatusCode.ABORTED and "since trainer 1 said Hello" in info.value.message
     e.wait_updates(1, 1)                                 # what stands is served: nothing to wait for
-    assert e.hello(1) == (1, (0, 1))                     # re-synced: step 1 from the checkpoint
+    assert e.hello(1)[:2] == (1, (0, 1))                     # re-synced: step 1 from the checkpoint
     for t in (0, 1):
         e.push(t, 1, grads(e, 1.0), position=(0, 2))
     e.wait_updates(1, 2)

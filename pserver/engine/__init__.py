@@ -15,10 +15,10 @@
 Pure of gRPC: refusals are :mod:`pserver.errors`, mapped to statuses by :mod:`pserver.rpc`.
 """
 from .asynchronous import AsyncEngine
-from .base import Engine
+from .base import Engine, Joined
 from .contents import PushParts
 from .reductions import Reductions
 from .snapshot import Snapshot
 from .sync import SyncEngine
 
-__all__ = ["Engine", "SyncEngine", "AsyncEngine", "PushParts", "Reductions", "Snapshot"]
+__all__ = ["Engine", "Joined", "SyncEngine", "AsyncEngine", "PushParts", "Reductions", "Snapshot"]

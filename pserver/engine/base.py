@@ -24,7 +24,7 @@ import logging
 import threading
 import time
 from abc import ABC, abstractmethod
-from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -39,6 +39,22 @@ from .roster import Position, Roster
 from .snapshot import Snapshot
 
 log = logging.getLogger(__name__)
+
+
+class Joined(NamedTuple):
+    """What a trainer's Hello learns of this pserver, read under one hold of the engine's lock.
+
+    One consistent view: read piecewise, a step completing in between would
+    pair a start step with the applied steps of another moment, and a
+    joining trainer could take pservers mid-step for stalled ones.
+    """
+
+    step: int                 # where the trainer (re)starts (see Engine.hello)
+    position: Position        # its data position as last pushed or checkpointed, (0, 0) if none
+    applied_step: int         # steps applied (async: updates)
+    others_in_step: int       # other trainers counted or awaited in the step in progress (async: 0)
+    counted_step: int         # the trainer's last step counted here, -1 if none
+    checkpoint_step: int      # the checkpoint this process started from or rolled back to, -1 if none
 
 
 class Engine(Contents, Checkpoints, ABC):
@@ -109,8 +125,8 @@ class Engine(Contents, Checkpoints, ABC):
         if self.on_roster_change is not None:
             self.on_roster_change()
 
-    def hello(self, trainer_id: int, join_at: int = 0) -> Tuple[int, Position]:
-        """Register ``trainer_id`` (again, after a restart); returns (step it starts at, data position).
+    def hello(self, trainer_id: int, join_at: int = 0) -> Joined:
+        """Register ``trainer_id`` (again, after a restart); what it learns, as one :class:`Joined` view.
 
         Sync: the pserver's current step, shared by all trainers (``join_at``
         one step ahead of it: that step, see :class:`SyncEngine`). Async: the
@@ -128,10 +144,12 @@ class Engine(Contents, Checkpoints, ABC):
             start = self._start_step(trainer_id, how, join_at)
             if how:
                 log.info("%s: trainer %d %s at step %d", self.endpoint, trainer_id, how, start)
-            position = self.roster.positions.get(trainer_id, (0, 0))
+            # The queries below take the lock again (it is reentrant): one hold, one consistent view.
+            joined = Joined(start, Position(*self.roster.positions.get(trainer_id, (0, 0))),
+                            *self.step_in_progress(trainer_id), self.counted_step(trainer_id), self.restored_from)
         if how == "rejoined":
             self._roster_changed()
-        return start, position
+        return joined
 
     def counted_step(self, trainer_id: int) -> int:
         """The last step of ``trainer_id`` this pserver counted (applied or pending), -1 if none."""

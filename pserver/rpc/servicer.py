@@ -95,13 +95,13 @@ class PserverServicer:
         last_heard, ended = self.engine.presence(request.trainer_id)
         session = self.sessions.hello(request.trainer_id, request.incarnation, context.peer(), last_heard,
                                       ended)
-        start_step, (epoch, batch) = self.engine.hello(request.trainer_id, request.join_at)
-        applied, others = self.engine.step_in_progress(request.trainer_id)
-        return ps_pb2.HelloReply(start_step=start_step, sync_mode=self.engine.sync_mode,
+        joined = self.engine.hello(request.trainer_id, request.join_at)
+        return ps_pb2.HelloReply(start_step=joined.step, sync_mode=self.engine.sync_mode,
                                  trainers=self.engine.trainers, incarnation=self.incarnation,
-                                 epoch=epoch, batch=batch, checkpoint_step=self.engine.restored_from,
-                                 counted_step=self.engine.counted_step(request.trainer_id), session=session,
-                                 applied_step=applied, others_in_step=others)
+                                 epoch=joined.position[0], batch=joined.position[1],
+                                 checkpoint_step=joined.checkpoint_step, counted_step=joined.counted_step,
+                                 session=session, applied_step=joined.applied_step,
+                                 others_in_step=joined.others_in_step)
 
     def _read_stream(self, request_iterator, header_type, expect, dest=None, widen=False):
         """(header, reader) of a client stream: header in the first message, then pieces.
