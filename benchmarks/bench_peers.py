@@ -17,7 +17,14 @@ AUC on a 20k hold-out), systems:
 
 - ``torch-local``: one PyTorch process, ``nn.Embedding(sparse=True)``
   (``torch_peers.py local-ctr --batch 1024``, the global batch of 2 trainers;
-  torch's default threads: both cores), the reference of the ratios;
+  torch's default threads: both cores), the reference of the ratios when
+  TorchRec did not run;
+- ``torchrec``: TorchRec 1.8 on CPU, 2 processes over gloo, one thread each
+  (``torchrec_ctr.py``: DistributedModelParallel, table-wise sharding, fbgemm's
+  CPU kernels with SGD fused into backward, the MLP under DDP), run with the
+  Python of ``--torchrec-python`` (default ``<tmp>/torchrec-venv/bin/python``,
+  made by ``setup_torchrec.sh``); skipped, with a message, when it cannot
+  import torchrec. The reference of job S's ratios when it ran;
 - ``ours-async``, ``ours-sync``: this project, 2 pservers x 2 trainers
   (``ps-launch --server_num 2 --worker_num 2 benchmarks/job_s.py [--async]``);
   ``ours-sync-bf16``: the same, sync, gradients pushed in bfloat16
@@ -47,8 +54,9 @@ machine's noise falls on all of them. Every run starts fresh processes on
 its children (whole process tree, also processes in their own sessions) on
 timeout, failure, Ctrl-C or SIGTERM; a failed run is recorded and the others go
 on (exit status 1). Reported per system: the median examples/s (job D: samples
-/s) with [min-max], the ratio of medians to the single process (job S) or to
-the better peer (job D: the faster of DDP and the rpc PS), the hold-out AUC
+/s) with [min-max], the ratio of medians to TorchRec (job S; the single process
+when TorchRec did not run) or to the better peer (job D: the faster of DDP and
+the rpc PS), the hold-out AUC
 (median), and the machine's *other load*: CPU cores busy with anything but
 this benchmark (or stolen) during each run, from /proc/stat, the noise
 indicator. Throughput everywhere = examples of all trainers / (latest end -
@@ -102,14 +110,16 @@ log = logging.getLogger("bench_peers")
 
 DEFAULT_PEERS = os.path.normpath(os.path.join(REPO, "..", "shared", "peers"))
 DEFAULT_PADDLE_PYTHON = os.path.join(tempfile.gettempdir(), "paddle26-venv", "bin", "python")
+DEFAULT_TORCHREC_PYTHON = os.path.join(tempfile.gettempdir(), "torchrec-venv", "bin", "python")
 JOB_S_SCRIPT = os.path.join(HERE, "job_s.py")
 
 SYSTEMS: Dict[str, List[str]] = {
-    "S": ["torch-local", "ours-async", "ours-sync", "ours-sync-bf16", "paddle-async", "paddle-sync"],
+    "S": ["torch-local", "torchrec", "ours-async", "ours-sync", "ours-sync-bf16", "paddle-async", "paddle-sync"],
     "D": ["ddp", "rpc-ps", "ours-sync", "ours-sync-bf16"],
 }
 LABELS = {
     ("S", "torch-local"): "PyTorch, 1 process (nn.Embedding sparse, batch 1024)",
+    ("S", "torchrec"): "TorchRec 1.8, 2 processes (DMP over gloo, fbgemm CPU, SGD fused in backward)",
     ("S", "ours-async"): "this project, async (2 ps x 2 trainers)",
     ("S", "ours-sync"): "this project, sync (2 ps x 2 trainers)",
     ("S", "ours-sync-bf16"): "this project, sync, gradients pushed in bfloat16 (grad_wire_dtype)",
@@ -120,7 +130,7 @@ LABELS = {
     ("D", "ours-sync"): "this project, sync (2 ps x 2 trainers)",
     ("D", "ours-sync-bf16"): "this project, sync, gradients pushed in bfloat16 (grad_wire_dtype)",
 }
-SHORT = {"torch-local": "PyTorch\n1 process", "ours-async": "this project\nasync",
+SHORT = {"torch-local": "PyTorch\n1 process", "torchrec": "TorchRec\n2 processes", "ours-async": "this project\nasync",
          "ours-sync": "this project\nsync", "ours-sync-bf16": "this project\nsync, bf16 push",
          "paddle-async": "Paddle PS\nasync", "paddle-sync": "Paddle PS\nsync",
          "ddp": "DDP\n(gloo)", "rpc-ps": "torch rpc\nPS"}
@@ -182,18 +192,27 @@ def run_ours_s(args, workdir: str, sync: bool, pservers: int = 2, trainers: int 
     return out
 
 
-def paddle_problem(python: str) -> Optional[str]:
-    """Why the Paddle peer cannot run with ``python`` (None: it can)."""
+def venv_problem(python: str, module: str, setup: str) -> Optional[str]:
+    """Why a peer needing ``module`` cannot run with ``python`` (None: it can); ``setup`` makes its venv."""
     if not os.path.isfile(python):
-        return f"{python} does not exist (run shared/peers/setup_paddle.sh)"
+        return f"{python} does not exist (run shared/peers/{setup})"
     try:
-        r = subprocess.run([python, "-c", "import paddle; print(paddle.__version__)"], capture_output=True,
+        r = subprocess.run([python, "-c", f"import {module}"], capture_output=True,
                            text=True, timeout=120, stdin=subprocess.DEVNULL)
     except (OSError, subprocess.TimeoutExpired) as e:
-        return f"{python} -c 'import paddle' failed: {e}"
+        return f"{python} -c 'import {module}' failed: {e}"
     if r.returncode != 0:
-        return f"{python} cannot import paddle: {(r.stderr.strip().splitlines() or ['?'])[-1]}"
+        return f"{python} cannot import {module}: {(r.stderr.strip().splitlines() or ['?'])[-1]}"
     return None
+
+
+def run_torchrec(args, workdir: str) -> dict:
+    """Job S on TorchRec 1.8 (2 processes, one thread each) through torchrec_ctr.py; its JSON line."""
+    cmd = [args.torchrec_python, os.path.join(args.peers, "torchrec_ctr.py"), "--steps", str(args.s_steps),
+           "--warmup", str(args.s_warmup), "--batch", str(args.s_batch)]
+    what = "torchrec_ctr.py"
+    r = last_json_line(run_command(cmd, os.path.join(workdir, "torchrec.log"), args.timeout, what), what)
+    return {"examples_s": r["examples_per_s"], "auc": r["auc"], "detail": r}
 
 
 def run_paddle(args, workdir: str, sync: bool) -> dict:
@@ -248,6 +267,7 @@ def run_ours_d(args, workdir: str, wire: Optional[str] = None) -> dict:
 
 RUNNERS = {
     ("S", "torch-local"): run_local_ctr,
+    ("S", "torchrec"): run_torchrec,
     ("S", "ours-async"): lambda a, w: run_ours_s(a, w, sync=False),
     ("S", "ours-sync"): lambda a, w: run_ours_s(a, w, sync=True),
     ("S", "ours-sync-bf16"): lambda a, w: run_ours_s(a, w, sync=True, wire="bfloat16"),
@@ -300,11 +320,13 @@ def ok_runs(rows: Iterable[dict], job: str, system: str) -> List[dict]:
 
 
 def baseline(rows: List[dict], job: str) -> Tuple[Optional[float], str]:
-    """(the median a job's ratios refer to, its name): the single process (S), the better peer (D)."""
-    names = ["torch-local"] if job == "S" else ["ddp", "rpc-ps"]
+    """(the median a job's ratios refer to, its name): TorchRec, else the single process (S); the better peer (D)."""
+    names = ["torchrec", "torch-local"] if job == "S" else ["ddp", "rpc-ps"]
     meds = {n: statistics.median(r["examples_s"] for r in ok_runs(rows, job, n))
             for n in names if ok_runs(rows, job, n)}
     if job == "S":
+        if "torchrec" in meds:
+            return meds["torchrec"], "TorchRec"
         return meds.get("torch-local"), "single process"
     if len(meds) < len(names):
         return None, "better peer"
@@ -431,11 +453,14 @@ def run_peers(args, logdir: str) -> Tuple[List[dict], List[Tuple[str, str]], Dic
     """The all-peer run: every selected (job, system), ``--rounds`` rounds; (rows, pairs, skipped systems)."""
     pairs = [(j, s) for j in args.jobs for s in SYSTEMS[j] if args.selected(j, s)]
     skipped: Dict[str, str] = {}
-    if any(s.startswith("paddle") for _, s in pairs):
-        problem = paddle_problem(args.paddle_python)
-        if problem:
-            print(f"skipping PaddlePaddle: {problem}", file=sys.stderr, flush=True)
-            skipped = {s: f"skipped: {problem}" for _, s in pairs if s.startswith("paddle")}
+    for prefix, name, python, module, setup in (
+            ("paddle", "PaddlePaddle", args.paddle_python, "paddle", "setup_paddle.sh"),
+            ("torchrec", "TorchRec", args.torchrec_python, "torchrec", "setup_torchrec.sh")):
+        if any(s.startswith(prefix) for _, s in pairs):
+            problem = venv_problem(python, module, setup)
+            if problem:
+                print(f"skipping {name}: {problem}", file=sys.stderr, flush=True)
+                skipped.update({s: f"skipped: {problem}" for _, s in pairs if s.startswith(prefix)})
     runnable = [p for p in pairs if p[1] not in skipped]
     if not runnable:
         raise SystemExit("nothing to run")
@@ -510,6 +535,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--peers", default=DEFAULT_PEERS, help="the peers' folder (default: %(default)s)")
     p.add_argument("--paddle-python", default=DEFAULT_PADDLE_PYTHON,
                    help="Python with paddlepaddle 2.6.2 (default: %(default)s)")
+    p.add_argument("--torchrec-python", default=DEFAULT_TORCHREC_PYTHON,
+                   help="Python with torchrec 1.8 and fbgemm-gpu-cpu (default: %(default)s; made by "
+                        "shared/peers/setup_torchrec.sh)")
     p.add_argument("--paddle-retries", type=int, default=1,
                    help="paddle_ps_ctr.py re-launches a run that fails or hangs this often (default 1)")
     p.add_argument("--timeout", type=float, default=600.0, help="deadline of one run in s (default 600)")
