@@ -59,7 +59,7 @@ class ParameterServerStub:
                 request_serializer=psproto_dot_ps__pb2.PushChunk.SerializeToString,
                 response_deserializer=psproto_dot_ps__pb2.PullChunk.FromString,
                 _registered_method=True)
-        self.PushPullOne = channel.unary_stream(
+        self.PushPullOne = channel.unary_unary(
                 '/psproto.ParameterServer/PushPullOne',
                 request_serializer=psproto_dot_ps__pb2.PushChunk.SerializeToString,
                 response_deserializer=psproto_dot_ps__pb2.PullChunk.FromString,
@@ -146,16 +146,19 @@ class ParameterServerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def PushPullOne(self, request, context):
-        """PushPull and Prefetch for a request that fits in one message, the common
-        case: the same semantics without a client stream, which in gRPC Python
-        costs a thread per call on the client.
+        """PushPull for a request and an answer that each fit in one message (at
+        most 4 MiB of tensor data), the common case: the same semantics without
+        streams, which in gRPC Python cost a thread per call on the client and a
+        wait per message and for the status on the pserver. A push whose answer
+        would not fit is refused (INVALID_ARGUMENT) before it counts.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def PrefetchOne(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Prefetch for a request that fits in one message.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -238,7 +241,7 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     request_deserializer=psproto_dot_ps__pb2.PushChunk.FromString,
                     response_serializer=psproto_dot_ps__pb2.PullChunk.SerializeToString,
             ),
-            'PushPullOne': grpc.unary_stream_rpc_method_handler(
+            'PushPullOne': grpc.unary_unary_rpc_method_handler(
                     servicer.PushPullOne,
                     request_deserializer=psproto_dot_ps__pb2.PushChunk.FromString,
                     response_serializer=psproto_dot_ps__pb2.PullChunk.SerializeToString,
@@ -440,7 +443,7 @@ class ParameterServer:
             wait_for_ready=None,
             timeout=None,
             metadata=None):
-        return grpc.experimental.unary_stream(
+        return grpc.experimental.unary_unary(
             request,
             target,
             '/psproto.ParameterServer/PushPullOne',

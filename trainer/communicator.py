@@ -123,8 +123,9 @@ class Communicator:
                             for ep, ch in self._channels.items()}
         self._prefetch_calls = {ep: ch.stream_stream(f"/{_SERVICE}/Prefetch")
                                 for ep, ch in self._channels.items()}
-        # Requests that fit in one message go unary: no request-streaming thread per call.
-        self._push_pull_one_calls = {ep: ch.unary_stream(f"/{_SERVICE}/PushPullOne")
+        # Requests that fit in one message go unary: no request-streaming thread per call; a push
+        # whose answer fits one message too goes unary both ways (PushPullOne).
+        self._push_pull_one_calls = {ep: ch.unary_unary(f"/{_SERVICE}/PushPullOne")
                                      for ep, ch in self._channels.items()}
         self._prefetch_one_calls = {ep: ch.unary_stream(f"/{_SERVICE}/PrefetchOne")
                                     for ep, ch in self._channels.items()}
@@ -198,7 +199,8 @@ class Communicator:
 
     def push_pull(self, endpoint: str, step: int, tensors: Iterable[Tuple[str, torch.Tensor]],
                   expect: Callable, dest: Callable[[str], torch.Tensor],
-                  position: Tuple[int, int] = (0, 0), streamed: bool = False) -> int:
+                  position: Tuple[int, int] = (0, 0), streamed: bool = False,
+                  answer_bytes: Optional[int] = None) -> int:
         """Send one step's gradients to ``endpoint`` and receive its blocks in the same call.
 
         ``tensors`` are the gradients of the blocks (and table rows) this
@@ -209,6 +211,9 @@ class Communicator:
         ``streamed``: ``tensors`` is an iterator that may wait for each tensor
         (blocks pushed while backward still produces the others); the call
         streams them as they come and ends when the iterator does.
+        ``answer_bytes``: the tensor bytes the answer carries (its blocks and
+        asked rows), when known: a request and an answer that each fit in one
+        message go as one message each way (PushPullOne), else the call streams.
         Returns the updates the pserver had applied to the parameters received.
         """
         header = ps_pb2.PushHeader(trainer_id=self.trainer_id, step=step, layout_digest=self.digest,
@@ -225,8 +230,12 @@ class Communicator:
         else:
             tensors = self.narrower.narrow(endpoint, list(tensors))
             sent[0] = sum(t.numel() * t.element_size() for _, t in tensors)
-            call = lambda: _call(self._push_pull_one_calls[endpoint], self._push_pull_calls[endpoint],  # noqa: E731
-                                 header, tensors, self.chunk_bytes, timeout=timeout)
+            if sent[0] <= ONE_MESSAGE_BYTES and answer_bytes is not None and answer_bytes <= ONE_MESSAGE_BYTES:
+                (message,) = encode_chunks(header, tensors, sent[0] + 1)  # room never runs out: one message
+                call = lambda: (self._push_pull_one_calls[endpoint](message, timeout=timeout),)  # noqa: E731
+            else:
+                call = lambda: self._push_pull_calls[endpoint](  # noqa: E731
+                    encode_chunks(header, tensors, self.chunk_bytes), timeout=timeout)
         updates, _ = self._receive(endpoint, f"step {step} of trainer {self.trainer_id} (push and pull)",
                                    call, expect, dest)
         self.bytes_pushed += sent[0]

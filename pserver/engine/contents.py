@@ -12,12 +12,14 @@ each table's sharding.
 """
 from __future__ import annotations
 
+import math
 from typing import AbstractSet, Dict, List, Mapping, NamedTuple, Optional, Tuple
 
 import numpy as np
 import torch
 
 from psproto.dtypes import DTYPES
+from transpiler.tables import SPARSE_SEPARATOR
 
 from ..store import BlockStore
 from ..tables import SparseGrad, TableSet
@@ -66,6 +68,18 @@ class Contents:
         What a prefetch may carry: a dense block's name in one is unknown there.
         """
         return self.tables.expect(name)
+
+    def answer_bytes(self, ahead: Mapping[str, np.ndarray]) -> int:
+        """Bytes of tensor data a PushPull's answer carries: every block, then the rows of ``ahead`` ({table: ids}).
+
+        Known before the push counts, so a call that can carry only so much
+        (PushPullOne: one message) is refused before anything is applied.
+        """
+        total = sum(math.prod(shape) * dtype.itemsize for dtype, shape in self.block_layout().values())
+        for table, ids in ahead.items():
+            dtype, shape = self.tables.expect(f"{table}{SPARSE_SEPARATOR}rows")
+            total += len(ids) * shape[-1] * DTYPES[dtype].itemsize
+        return total
 
     def split_push(self, tensors: Mapping[str, torch.Tensor]) -> PushParts:
         """A received push's tensors sorted by what they are: dense gradients, sparse gradients, ids asked ahead.

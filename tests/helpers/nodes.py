@@ -159,5 +159,8 @@ def exchange_process(exchange: str, rank: int, port: int, data, out: str) -> Non
         torch.save({"share": {n: t.clone() for n, t in share}, "expected": expected, "failed": failed,
                     "worst": worst, "installed": installed, "failed_gather": failed_worst,
                     "after_failed": after, "endpoints": group.endpoints}, out)
+        # Both ranks out of every collective before either tears gloo down: a rank destroying the
+        # group while the other still finishes the last gather can abort it ("terminate called").
+        dist.barrier()
     finally:
         dist.destroy_process_group()

@@ -8,10 +8,12 @@ tensors of the caller's ``rows`` dict (:class:`AskedRows`).
 """
 from __future__ import annotations
 
+import math
 from typing import Callable, Dict, Iterable, Optional, Tuple
 
 import torch
 
+from psproto.dtypes import DTYPES
 from transpiler.position import Position
 
 from ..blocks import LocalBlocks
@@ -80,10 +82,13 @@ class Transfers:
         landing = self.blocks.landing() if dest is None else None
         into = dest or landing
         expect = self.blocks.expect
+        answer_bytes = self.blocks.answer_bytes.get(endpoint, 0)
         if asked is not None:
             into = AskedRows(self.blocks, into, asked, rows)
             expect = into.expect
-        updates = self.comm.push_pull(endpoint, step, tensors, expect, into, position, streamed)
+            answer_bytes += sum(math.prod(shape) * DTYPES[dtype].itemsize for dtype, shape in asked.values())
+        updates = self.comm.push_pull(endpoint, step, tensors, expect, into, position, streamed,
+                                      answer_bytes=None if streamed else answer_bytes)
         if landing is not None:
             landing.install()
         return updates
