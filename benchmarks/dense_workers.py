@@ -243,7 +243,7 @@ class PhaseTimer:
         self._lock = threading.Lock()
         push_pull = comm.push_pull
 
-        def timed_push_pull(endpoint, step, tensors, expect, dest, *args):
+        def timed_push_pull(endpoint, step, tensors, expect, dest, *args, **kwargs):
             t0 = time.perf_counter()
             first: List[float] = []
 
@@ -253,7 +253,7 @@ class PhaseTimer:
                 return expect(name)
 
             try:
-                return push_pull(endpoint, step, tensors, expect_and_note, dest, *args)
+                return push_pull(endpoint, step, tensors, expect_and_note, dest, *args, **kwargs)
             finally:
                 t2 = time.perf_counter()
                 t1 = first[0] if first else t2
