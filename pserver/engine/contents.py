@@ -12,6 +12,7 @@ each table's sharding.
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import AbstractSet, Dict, List, Mapping, NamedTuple, Optional, Tuple
 
@@ -69,13 +70,18 @@ class Contents:
         """
         return self.tables.expect(name)
 
+    @functools.cached_property
+    def _block_bytes(self) -> int:
+        # Every answer carries every block: their size, from the plan, is summed once, not per push.
+        return sum(math.prod(shape) * dtype.itemsize for dtype, shape in self.block_layout().values())
+
     def answer_bytes(self, ahead: Mapping[str, np.ndarray]) -> int:
         """Bytes of tensor data a PushPull's answer carries: every block, then the rows of ``ahead`` ({table: ids}).
 
         Known before the push counts, so a call that can carry only so much
         (PushPullOne: one message) is refused before anything is applied.
         """
-        total = sum(math.prod(shape) * dtype.itemsize for dtype, shape in self.block_layout().values())
+        total = self._block_bytes
         for table, ids in ahead.items():
             dtype, shape = self.tables.expect(f"{table}{SPARSE_SEPARATOR}rows")
             total += len(ids) * shape[-1] * DTYPES[dtype].itemsize
