@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 import torch
 
+from pserver.tables.fresh import FreshRows
 from pserver.tables.id_index import build_index, home_slots, place, probe
 from pserver.tables.rows import Growable
 from pserver.tables.shard import TableShard
@@ -128,6 +129,37 @@ def test_lookup_unknown_is_initial_and_not_inserted():
     assert t.lookup(np.empty(0, np.int64)).shape == (0, 5)
     out[:] = 0  # a new array, not a view of the table
     assert not (t.lookup(np.array([7])) == 0).all()
+
+
+def test_fresh_rows_fills_what_the_latest_lookups_kept():
+    spec = make_spec(dim=3)
+    fresh = FreshRows(keep=2, max_rows=4)
+    fresh.remember(np.array([9, 4, 9]), initial_rows(spec, np.array([9, 4, 9])))
+    fresh.remember(np.array([5, 1, 2, 3, 6]), initial_rows(spec, np.array([5, 1, 2, 3, 6])))  # > max_rows
+    fresh.remember(np.array([11]), initial_rows(spec, np.array([11])))
+    out = np.zeros((4, 3), np.float32)
+    left = fresh.take(np.array([4, 5, 11, 9]), out)
+    np.testing.assert_array_equal(left, [1])  # 5 came with a lookup too big to keep
+    np.testing.assert_array_equal(out[[0, 2, 3]], initial_rows(spec, np.array([4, 11, 9])))
+    np.testing.assert_array_equal(out[1], 0)
+    fresh.remember(np.array([12]), initial_rows(spec, np.array([12])))  # keep=2: [9, 4, 9] goes
+    np.testing.assert_array_equal(fresh.take(np.array([4, 12]), out[:2]), [0])
+
+
+@pytest.mark.parametrize("init", ["normal", "uniform"])
+def test_apply_after_lookup_stores_the_same_rows_as_without_it(init):
+    spec = make_spec(dim=6, optimizer="adagrad", init=init)
+    seen, unseen = TableShard(spec, 0, 1), TableShard(spec, 0, 1)
+    rng = np.random.default_rng(0)
+    for step in range(6):
+        ids = np.unique(rng.integers(-50, 50, size=40))
+        grads = grads_for(ids, 6, step)
+        seen.lookup(np.concatenate([ids, ids[:5]]))  # the inserts of this apply reuse its rows
+        seen.apply(ids, grads, 0.1)
+        unseen.apply(ids, grads, 0.1)
+    probe_ids = np.arange(-60, 60)
+    np.testing.assert_array_equal(seen.lookup(probe_ids), unseen.lookup(probe_ids))
+    assert len(seen) == len(unseen)
 
 
 def test_apply_checks_and_step_count():

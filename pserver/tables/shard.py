@@ -43,8 +43,11 @@ bytes). For dim 16 float32 that is at most 1.41x raw for sgd (raw 72 B) and
 Thread safety: :meth:`TableShard.lookup`, :meth:`~TableShard.apply` and
 :meth:`~TableShard.save` take one lock, so a lookup never sees an array that
 is being grown or rebuilt. ``initial_rows`` of ids a lookup misses is computed
-after releasing it (a pure function of seed and id); that of ids an apply
-inserts is computed under it, as is the whole file write of a save.
+after releasing it (a pure function of seed and id) and kept a while
+(:mod:`pserver.tables.fresh`): the apply that inserts those ids, usually the
+next push, copies them instead of computing them again under the lock, as it
+does for ids no recent lookup asked for. The whole file write of a save runs
+under the lock too.
 
 Files: see :mod:`pserver.tables.files` (``save`` / ``load`` / :func:`export_table`).
 """
@@ -62,6 +65,7 @@ from transpiler.tables import TableSpec, as_ids, initial_rows, shard_of
 
 from ..errors import BadRequest
 from . import files as table_files
+from .fresh import FreshRows
 from .id_index import EMPTY, MAX_LOAD, build_index, home_slots, place, probe, slots_for
 from .rows import Growable, gather, scatter
 from .sparse_optim import make_rule
@@ -130,6 +134,7 @@ class TableShard:
         self._refresh_views()
         self._slots = np.full(slots_for(cap), EMPTY, dtype=np.int32)
         self._index_nbytes = self._slots.nbytes
+        self._fresh = FreshRows()
 
     # -- public --------------------------------------------------------------
 
@@ -186,8 +191,10 @@ class TableShard:
             out = gather(self._rows, rows)
         missing = rows < 0
         if missing.any():
-            out[missing] = initial_rows_into(self.spec, ids[missing],
-                                             np.empty((int(missing.sum()), self.spec.dim), self.dtype))
+            new_ids = ids[missing]
+            fresh = initial_rows_into(self.spec, new_ids, np.empty((new_ids.size, self.spec.dim), self.dtype))
+            out[missing] = fresh
+            self._fresh.remember(new_ids, fresh)
         return out
 
     def apply(self, ids: np.ndarray, grads, lr: float) -> None:
@@ -312,7 +319,10 @@ class TableShard:
             stop = probe(self._slots, self._ids, new_ids, home_slots(new_ids, self._slots.size))[1]
         end = start + m
         self._ids[start:end] = new_ids
-        initial_rows_into(self.spec, new_ids, self._rows[start:end])
+        dest = self._rows[start:end]
+        left = self._fresh.take(new_ids, dest)
+        if left.size:
+            dest[left] = initial_rows_into(self.spec, new_ids[left], np.empty((left.size, self.spec.dim), self.dtype))
         for s, v in zip(self._state, self._rule.state_init):
             s[start:end] = v
         rownums = np.arange(start, end, dtype=np.int32)
