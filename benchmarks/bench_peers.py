@@ -26,7 +26,10 @@ AUC on a 20k hold-out), systems:
   made by ``setup_torchrec.sh``); skipped, with a message, when it cannot
   import torchrec. The reference of job S's ratios when it ran;
 - ``ours-async``, ``ours-sync``: this project, 2 pservers x 2 trainers
-  (``ps-launch --server_num 2 --worker_num 2 benchmarks/job_s.py [--async]``);
+  (``ps-launch --server_num 2 --worker_num 2 benchmarks/job_s.py [--async]``),
+  the loop the README recommends (``tr.batches(..., prefetch=)``);
+  ``ours-async-plain``: async, the plain loop (``job_s.py --plain``: the
+  batches read directly, each forward's lookup fetching its rows);
   ``ours-sync-bf16``: the same, sync, gradients pushed in bfloat16
   (``job_s.py --grad_wire_dtype bfloat16``);
 - ``paddle-async``, ``paddle-sync``: PaddlePaddle 2.6.2's parameter server,
@@ -114,13 +117,14 @@ DEFAULT_TORCHREC_PYTHON = os.path.join(tempfile.gettempdir(), "torchrec-venv", "
 JOB_S_SCRIPT = os.path.join(HERE, "job_s.py")
 
 SYSTEMS: Dict[str, List[str]] = {
-    "S": ["torch-local", "torchrec", "ours-async", "ours-sync", "ours-sync-bf16", "paddle-async", "paddle-sync"],
+    "S": ["torch-local", "torchrec", "ours-async", "ours-async-plain", "ours-sync", "ours-sync-bf16", "paddle-async", "paddle-sync"],
     "D": ["ddp", "rpc-ps", "ours-sync", "ours-sync-bf16"],
 }
 LABELS = {
     ("S", "torch-local"): "PyTorch, 1 process (nn.Embedding sparse, batch 1024)",
     ("S", "torchrec"): "TorchRec 1.8, 2 processes (DMP over gloo, fbgemm CPU, SGD fused in backward)",
     ("S", "ours-async"): "this project, async (2 ps x 2 trainers)",
+    ("S", "ours-async-plain"): "this project, async, the plain loop (no tr.batches(prefetch=))",
     ("S", "ours-sync"): "this project, sync (2 ps x 2 trainers)",
     ("S", "ours-sync-bf16"): "this project, sync, gradients pushed in bfloat16 (grad_wire_dtype)",
     ("S", "paddle-async"): "PaddlePaddle 2.6.2 PS, async (2 ps x 2 trainers)",
@@ -131,6 +135,7 @@ LABELS = {
     ("D", "ours-sync-bf16"): "this project, sync, gradients pushed in bfloat16 (grad_wire_dtype)",
 }
 SHORT = {"torch-local": "PyTorch\n1 process", "torchrec": "TorchRec\n2 processes", "ours-async": "this project\nasync",
+         "ours-async-plain": "this project\nasync, plain loop",
          "ours-sync": "this project\nsync", "ours-sync-bf16": "this project\nsync, bf16 push",
          "paddle-async": "Paddle PS\nasync", "paddle-sync": "Paddle PS\nsync",
          "ddp": "DDP\n(gloo)", "rpc-ps": "torch rpc\nPS"}
@@ -170,7 +175,7 @@ def job_s_results(log_dir: str, trainers: int) -> List[dict]:
 
 
 def run_ours_s(args, workdir: str, sync: bool, pservers: int = 2, trainers: int = 2,
-               wire: Optional[str] = None) -> dict:
+               wire: Optional[str] = None, plain: bool = False) -> dict:
     """Job S on this project through ps-launch; throughput over all trainers and per-trainer per-step figures."""
     log_dir = os.path.join(workdir, "log")
     cmd = [sys.executable, "-m", "trainer.launch", "--server_num", str(pservers), "--worker_num", str(trainers),
@@ -180,6 +185,8 @@ def run_ours_s(args, workdir: str, sync: bool, pservers: int = 2, trainers: int 
         cmd.append("--async")
     if wire:
         cmd += ["--grad_wire_dtype", wire]
+    if plain:
+        cmd.append("--plain")
     run_command(cmd, os.path.join(workdir, "launch.log"), args.timeout,
                 f"ps-launch job_s.py ({pservers} ps x {trainers} trainers, {'sync' if sync else 'async'})", cwd=REPO)
     res = job_s_results(log_dir, trainers)
@@ -269,6 +276,7 @@ RUNNERS = {
     ("S", "torch-local"): run_local_ctr,
     ("S", "torchrec"): run_torchrec,
     ("S", "ours-async"): lambda a, w: run_ours_s(a, w, sync=False),
+    ("S", "ours-async-plain"): lambda a, w: run_ours_s(a, w, sync=False, plain=True),
     ("S", "ours-sync"): lambda a, w: run_ours_s(a, w, sync=True),
     ("S", "ours-sync-bf16"): lambda a, w: run_ours_s(a, w, sync=True, wire="bfloat16"),
     ("S", "paddle-async"): lambda a, w: run_paddle(a, w, sync=False),

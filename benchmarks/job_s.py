@@ -237,7 +237,8 @@ def train(args, env, jobs, t: DistributeTranspiler) -> dict:
     with Trainer(t.get_trainer_program()) as tr:
         wait_for_trainers(env.pservers, env.trainers, args.eval_wait)
         counter = CallCounter(tr.comm)
-        items = tr.batches(batches, 1, prefetch=lambda b: {TABLE: b[0]})
+        # The plain loop reads the batches itself: each forward's lookup fetches its rows (a round trip).
+        items = batches if args.plain else tr.batches(batches, 1, prefetch=lambda b: {TABLE: b[0]})
         for i, (ids, dense, y) in enumerate(items):
             if i == args.warmup:
                 before = counter.snapshot()
@@ -270,6 +271,7 @@ def train(args, env, jobs, t: DistributeTranspiler) -> dict:
             "compute_ms": 1e3 * compute / steps, "step_ms": 1e3 * step_time / steps,
             "loss_first20": float(np.mean(losses[:20])), "loss_last20": float(np.mean(losses[-20:])),
             "datagen_s_excluded": round(gen_s, 2), "torch_threads": torch.get_num_threads(),
+            "loop": "plain" if args.plain else "batches(prefetch=)",
         }
         if env.trainer_id == 0:
             if not args.sync_mode:  # the other trainers may still be pushing: wait for their last step
@@ -296,6 +298,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="at most this many s a trainer waits for the others to register before its first "
                         "step, and (async) trainer 0 for the other trainers' last pushes before evaluating")
     p.add_argument("--seed", type=int, default=0, help="data seed of jobs.py")
+    p.add_argument("--plain", action="store_true",
+                   help="the plain loop: `for batch in batches: ... tr.step()`, no tr.batches(prefetch=)")
     p.add_argument("--grad_wire_dtype", choices=["bfloat16", "float16"], default=None,
                    help="push gradients in this dtype (DistributeTranspilerConfig.grad_wire_dtype; "
                         "default: as computed)")
