@@ -32,10 +32,13 @@ Each trainer prints one line ``RESULT {json}``: ``examples`` and the wall-clock
 prefetch, counted by wrapping its Communicator's methods in this script),
 ``bytes_pushed_per_step`` / ``bytes_pulled_per_step`` (the Communicator's
 counters, plus the ids of any separate prefetch call), and the split of a step
-into forward/backward and ``tr.step()``. Trainer 0 also evaluates the hold-out
+into forward (``forward_ms``, of which the table's lookups ``lookup_ms``),
+backward (``backward_ms``) and ``tr.step()`` (``step_ms``). Trainer 0 also evaluates the hold-out
 AUC on ``jobs.ctr_eval_set(20000)`` (``auc``); in async mode it first waits
 until every pserver has received every trainer's last push. It also reports the
-pservers' own counters (``ps_stats``, from their Stats call).
+pservers' own counters (``ps_stats``, from their Stats call). Each pserver prints
+``PSERVER_PHASES {json}`` as it exits: its CPU per push over the timed steps,
+phase by phase (:class:`PserverPhases`).
 """
 from __future__ import annotations
 
@@ -142,6 +145,114 @@ class CallCounter:
                 "bytes_pulled": self.comm.bytes_pulled}
 
 
+class LookupTimer:
+    """Wall time spent in a module's forward (the distributed table's lookups), summed in ``seconds``."""
+
+    def __init__(self, module: nn.Module):
+        self.seconds = 0.0
+        self._t0 = 0.0
+        module.register_forward_pre_hook(self._pre)
+        module.register_forward_hook(self._post)
+
+    def _pre(self, module, args):
+        self._t0 = time.perf_counter()
+
+    def _post(self, module, args, out):
+        self.seconds += time.perf_counter() - self._t0
+
+
+class PserverPhases:
+    """A pserver's CPU per push, phase by phase, over the trainers' timed steps (instrumentation only).
+
+    Wraps, on the instance, the servicer's one-message step call (``PushPullOne``, the whole
+    handler) and the parts it runs in its handler thread: reading the request (``_read_stream``,
+    ``split_push``: decode), the engine's ``push`` (apply; a sync barrier's wait takes no CPU),
+    ``read`` (the blocks of the answer) and ``lookup`` (the next batch's rows), each timed with
+    ``time.thread_time`` (the calling thread's CPU). What the handler spends outside them is
+    checking and encoding the answer; what the process spends outside the handlers is gRPC's own
+    threads and the rest. Counting starts at push ``first`` and stops at push ``last`` (the timed
+    steps of every trainer); :meth:`summary` gives CPU ms per push.
+    """
+
+    PARTS = ("decode", "apply", "apply: tables", "read blocks", "lookup")
+
+    def __init__(self, server, first: int, last: int):
+        self.first, self.last = first, last
+        self.pushes = 0
+        self.cpu = {p: 0.0 for p in (*self.PARTS, "handler")}
+        self.process = [0.0, 0.0]
+        self._lock = threading.Lock()
+        sv, engine = server.servicer, server.engine
+        sv._read_stream = self._timed("decode", sv._read_stream)
+        engine.split_push = self._timed("decode", engine.split_push)
+        engine.push = self._timed("apply", engine.push)
+        engine.tables.apply = self._timed("apply: tables", engine.tables.apply)
+        engine.tables.apply_mean = self._timed("apply: tables", engine.tables.apply_mean)
+        engine.read = self._timed("read blocks", engine.read)
+        engine.lookup = self._timed("lookup", engine.lookup)
+        sv.PushPullOne = self._handler(sv.PushPullOne)
+
+    def _counting(self) -> bool:
+        return self.first <= self.pushes < self.last
+
+    def _timed(self, part: str, fn):
+        def timed(*args, **kwargs):
+            t0 = time.thread_time()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                if self._counting():
+                    with self._lock:
+                        self.cpu[part] += time.thread_time() - t0
+        return timed
+
+    def _handler(self, fn):
+        """Time a step call's handler: returning the answer, or (a streamed answer) yielding it."""
+        def timed(*args, **kwargs):
+            with self._lock:
+                if self.pushes == self.first:
+                    self.process[0] = time.process_time()
+            t0 = time.thread_time()
+            out = fn(*args, **kwargs)
+            if isinstance(out, bytes):
+                self._handled(time.thread_time() - t0)
+                return out
+            return self._streamed(out, time.thread_time() - t0)
+        return timed
+
+    def _streamed(self, answer, cpu: float):
+        chunks = iter(answer)
+        try:
+            while True:
+                t0 = time.thread_time()
+                chunk = next(chunks, None)
+                cpu += time.thread_time() - t0
+                if chunk is None:
+                    return
+                yield chunk
+        finally:
+            self._handled(cpu)
+
+    def _handled(self, cpu: float) -> None:
+        with self._lock:
+            if self._counting():
+                self.cpu["handler"] += cpu
+            self.pushes += 1
+            if self.pushes == self.last:
+                self.process[1] = time.process_time()
+
+    def summary(self) -> dict:
+        """CPU ms per push of every phase, the handler's rest, and the process outside the handlers."""
+        n = max(1, min(self.pushes, self.last) - self.first)
+        ms = {p: 1e3 * self.cpu[p] / n for p in self.PARTS}
+        ms["apply: dense blocks"] = ms.pop("apply") - ms["apply: tables"]
+        handler = 1e3 * self.cpu["handler"] / n
+        process = 1e3 * (self.process[1] - self.process[0]) / n if self.process[1] else float("nan")
+        ms["checks and encoding the answer"] = handler - sum(ms.values())
+        ms["outside the handler (gRPC, other threads)"] = process - handler
+        return {"pushes": n, "process_ms_per_push": process, "phases_ms_per_push": ms}
+
+
 def pserver_stats(endpoints: List[str], timeout: float = 10.0) -> Dict[str, dict]:
     """Each pserver's counters (updates, pushes, prefetches, bytes in/out, table rows) from its Stats call."""
     import grpc
@@ -230,27 +341,31 @@ def train(args, env, jobs, t: DistributeTranspiler) -> dict:
     batches = make_batches(jobs, env.trainer_id, env.trainers, total, args.batch, args.seed)
     gen_s = time.perf_counter() - t0
     loss_fn = nn.BCEWithLogitsLoss()
-    compute = step_time = 0.0
+    compute = step_time = forward = 0.0
     losses: List[float] = []
     start = end = None
     before: Optional[Dict[str, int]] = None
     with Trainer(t.get_trainer_program()) as tr:
         wait_for_trainers(env.pservers, env.trainers, args.eval_wait)
         counter = CallCounter(tr.comm)
+        lookup = LookupTimer(tr.model.emb)
         # The plain loop reads the batches itself: each forward's lookup fetches its rows (a round trip).
         items = batches if args.plain else tr.batches(batches, 1, prefetch=lambda b: {TABLE: b[0]})
         for i, (ids, dense, y) in enumerate(items):
             if i == args.warmup:
                 before = counter.snapshot()
                 start = time.time()
-                compute = step_time = 0.0
+                compute = step_time = forward = 0.0
+                lookup.seconds = 0.0
             c0 = time.perf_counter()
             loss = loss_fn(tr.model(ids, dense), y)
+            cf = time.perf_counter()
             loss.backward()
             c1 = time.perf_counter()
             tr.step()
             c2 = time.perf_counter()
             compute += c1 - c0
+            forward += cf - c0
             step_time += c2 - c1
             losses.append(loss.item())
             if i == total - 1:
@@ -269,6 +384,8 @@ def train(args, env, jobs, t: DistributeTranspiler) -> dict:
             "bytes_pushed_per_step": (after["bytes_pushed"] - before["bytes_pushed"]) / steps,
             "bytes_pulled_per_step": (after["bytes_pulled"] - before["bytes_pulled"]) / steps,
             "compute_ms": 1e3 * compute / steps, "step_ms": 1e3 * step_time / steps,
+            "forward_ms": 1e3 * forward / steps, "backward_ms": 1e3 * (compute - forward) / steps,
+            "lookup_ms": 1e3 * lookup.seconds / steps,
             "loss_first20": float(np.mean(losses[:20])), "loss_last20": float(np.mean(losses[-20:])),
             "datagen_s_excluded": round(gen_s, 2), "torch_threads": torch.get_num_threads(),
             "loop": "plain" if args.plain else "batches(prefetch=)",
@@ -330,7 +447,10 @@ def main(argv=None) -> int:
         from pserver import ParameterServer
 
         ps_program = t.get_pserver_program(env.current_endpoint)
-        ParameterServer(ps_program, t.get_startup_program(env.current_endpoint, ps_program)).serve()
+        server = ParameterServer(ps_program, t.get_startup_program(env.current_endpoint, ps_program))
+        phases = PserverPhases(server, env.trainers * args.warmup, env.trainers * (args.warmup + args.steps))
+        server.serve()
+        print("PSERVER_PHASES " + json.dumps(phases.summary()), flush=True)
         return 0
     result = train(args, env, jobs, t)
     print("RESULT " + json.dumps(result), flush=True)
