@@ -53,8 +53,9 @@ PSERVER_PHASES: Sequence[Tuple[str, Tuple[str, ...]]] = (
 TORCHREC_PHASES: Sequence[Tuple[str, Tuple[str, ...]]] = (
     ("backward (rows' SGD fused in)", ("backward",)),
     ("dense optimizer step", ("CombinedOptimizer.step", "KeyedOptimizerWrapper.step", "SGD.step", "_single_tensor_sgd")),
-    ("forward: embedding (all-to-alls + fbgemm lookup)", ("torchrec/distributed", "fbgemm")),
-    ("forward: MLP and loss", ("forward", "Module._call_impl")),
+    ("forward: MLP and loss", ("Sequential.forward", "Linear.forward", "ReLU.forward", "BCEWithLogitsLoss",
+                               "binary_cross_entropy")),
+    ("forward: embedding (all-to-alls + fbgemm lookup)", ("torchrec/", "fbgemm")),
     ("building the batch (KeyedJaggedTensor)", ("_kjt",)),
 )
 
