@@ -120,12 +120,16 @@ class LrSchedule:
         self._lrs: List[float] = []
         self._opt = None
         self._sched = None
+        self._constant: Optional[float] = None
 
     def lr_at(self, step: int) -> float:
         if step < 0:
             raise ValueError(f"step must be >= 0, got {step}")
         if self._spec.lr_scheduler is None:
-            return float(self._spec.kwargs.get("lr", self._default_lr()))
+            if self._constant is None:  # once: reading torch's default lr inspects a signature
+                kwargs = self._spec.kwargs
+                self._constant = float(kwargs["lr"] if "lr" in kwargs else self._default_lr())
+            return self._constant
         if self._sched is None:
             self._opt = self._spec.build([torch.zeros(1, requires_grad=True)])
             cls = LR_SCHEDULERS[self._spec.lr_scheduler]
