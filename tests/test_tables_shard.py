@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from pserver.tables.fresh import FreshRows
+from pserver.tables import id_index
 from pserver.tables.id_index import build_index, home_slots, place, probe
 from pserver.tables.rows import Growable
 from pserver.tables.shard import TableShard
@@ -23,7 +24,17 @@ def stored_rows(t: TableShard, ids: np.ndarray) -> np.ndarray:
 # ---------------------------------------------------------------- index
 
 
-def test_index_random_ids_across_growth():
+@pytest.fixture(params=["compiled", "numpy rounds"])
+def index_kind(request, monkeypatch):
+    """Run a test with the compiled id-index kernels (numba), then with the numpy rounds."""
+    if request.param == "compiled":
+        assert id_index._compiled(), "numba is a dependency: the compiled kernels must load"
+    else:
+        monkeypatch.setattr(id_index, "_compiled", lambda *arrays: None)
+    return request.param
+
+
+def test_index_random_ids_across_growth(index_kind):
     rng = np.random.default_rng(0)
     t = TableShard(make_spec(dim=2, capacity=16), 0, 1)
     special = np.array([I64.min, I64.max, 0, -1, 1, I64.min + 1, I64.max - 1], dtype=np.int64)
@@ -58,7 +69,7 @@ def colliding_keys(n_slots, home, count, start=0):
 
 
 @pytest.mark.parametrize("home", [3, 15])  # 15: the cluster wraps around to slot 0
-def test_index_collisions_within_one_batch(home):
+def test_index_collisions_within_one_batch(home, index_kind):
     n_slots = 16
     keys = colliding_keys(n_slots, home, 9)
     row_ids = np.empty(32, dtype=np.int64)
@@ -76,7 +87,7 @@ def test_index_collisions_within_one_batch(home):
     assert rows[0] == -1 and stop[0] == (home + 9) % n_slots
 
 
-def test_index_long_clusters_and_mixed_batch():
+def test_index_long_clusters_and_mixed_batch(index_kind):
     # A nearly full tiny index: long clusters exercise the windowed rounds of probe/place.
     n_slots = 1024
     rng = np.random.default_rng(5)
@@ -98,6 +109,28 @@ def test_index_long_clusters_and_mixed_batch():
     expect = init - np.where(touched_twice, 2, 1)[:, None].astype(np.float32)
     np.testing.assert_allclose(t.lookup(np.arange(100)), expect, rtol=1e-6, atol=1e-6)
     assert len(t) == 100
+
+
+def test_compiled_and_numpy_index_find_the_same_rows():
+    rng = np.random.default_rng(11)
+    n_slots = 1 << 12
+    keys = np.unique(rng.integers(I64.min, I64.max, 2800, dtype=np.int64))  # load ~0.68: long clusters
+    row_ids = keys.copy()
+    rows = np.arange(keys.size, dtype=np.int32)
+    kernels = id_index._compiled()
+    compiled, rounds = np.full(n_slots, -1, np.int32), np.full(n_slots, -1, np.int32)
+    kernels.place(compiled, home_slots(keys, n_slots), rows)
+    id_index.place_rounds(rounds, home_slots(keys, n_slots), rows)
+    asked = np.concatenate([rng.permutation(keys)[:1500], rng.integers(I64.min, I64.max, 1500, dtype=np.int64)])
+    for slots in (compiled, rounds):
+        found_c, stop_c = kernels.probe(slots, row_ids, asked, home_slots(asked, n_slots), True)
+        found_r, stop_r = id_index.probe_rounds(slots, row_ids, asked, home_slots(asked, n_slots), True)
+        np.testing.assert_array_equal(found_c, found_r)
+        np.testing.assert_array_equal(stop_c, stop_r)
+        np.testing.assert_array_equal(np.where(found_c >= 0, row_ids[found_c], asked)[:1500], asked[:1500])
+        assert (found_c[:1500] >= 0).all()
+        # a missing key's probe stops at an empty slot, where an insert puts it
+        assert (slots[stop_c[found_c < 0]] == -1).all() and (found_c[1500:] < 0).sum() >= 1490
 
 
 def test_growable_moves_in_place_or_copies_when_viewed():

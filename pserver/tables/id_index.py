@@ -1,10 +1,12 @@
-"""The id index of a table shard: vectorised open addressing over numpy arrays.
+"""The id index of a table shard: open addressing over numpy arrays, compiled or vectorised.
 
 ``slots`` (int32, a power-of-two size) holds row numbers, -1 for empty; the key
 of row ``r`` is ``ids[r]`` of the shard's int64 id array. Linear probing: an
 id's home slot is the HIGH ``log2(S)`` bits of ``stable_hash_ids(id)``; the low
 bits decide the shard (``% n_shards``) and are therefore correlated on one
-shard. A lookup probes all pending ids of a batch at once per round (gather
+shard. With numba installed, probes and inserts run compiled, one key at a time
+(:mod:`pserver.tables.index_kernels`); without it, as follows, in numpy.
+A lookup probes all pending ids of a batch at once per round (gather
 slots, gather the ids of the rows they point to, compare) until each hits its
 key or an empty slot; rounds, not ids, are the Python loop. Inserting a batch
 places the new row numbers at the empty slot each id's probe stopped at; ids of
@@ -47,9 +49,40 @@ def home_slots(keys: np.ndarray, n_slots: int) -> np.ndarray:
     return h.view(np.int64)
 
 
+_kernels = None
+
+
+def _compiled(*arrays_and_dtypes):
+    """The compiled kernels if they take these arrays (numba is there, each has its one dtype), else None.
+
+    Imported on first use: loading numba and the cached kernels takes about 0.5 s, which
+    processes that never touch a table (most of the test suite's pservers) do not pay.
+    """
+    global _kernels
+    if _kernels is None:
+        from . import index_kernels
+        _kernels = index_kernels
+    if _kernels.AVAILABLE and all(a.dtype == d and a.ndim == 1 for a, d in arrays_and_dtypes):
+        return _kernels
+    return None
+
+
 def probe(slots: np.ndarray, row_ids: np.ndarray, keys: np.ndarray, pos: np.ndarray,
           want_stop: bool = True) -> Tuple[np.ndarray, np.ndarray]:
     """Find ``keys`` in the index: (row of each key or -1, slot where its probe stopped).
+
+    Compiled (:mod:`pserver.tables.index_kernels`) when numba is installed,
+    else :func:`probe_rounds`; the two give the same answer.
+    """
+    kernels = _compiled((slots, np.int32), (row_ids, np.int64), (keys, np.int64), (pos, np.int64))
+    if kernels is not None:
+        return kernels.probe(slots, row_ids, keys, pos, want_stop)
+    return probe_rounds(slots, row_ids, keys, pos, want_stop)
+
+
+def probe_rounds(slots: np.ndarray, row_ids: np.ndarray, keys: np.ndarray, pos: np.ndarray,
+                 want_stop: bool = True) -> Tuple[np.ndarray, np.ndarray]:
+    """:func:`probe` in vectorised numpy rounds: every pending key advances one slot per round.
 
     ``pos`` (the home slots, intp) is overwritten: with ``want_stop``, for a
     missing key it ends as the first empty slot of its probe sequence, where an
@@ -100,6 +133,20 @@ def probe(slots: np.ndarray, row_ids: np.ndarray, keys: np.ndarray, pos: np.ndar
 
 def place(slots: np.ndarray, pos: np.ndarray, rownums: np.ndarray) -> None:
     """Insert row numbers of absent, distinct keys into the index, starting at ``pos``.
+
+    Compiled (:mod:`pserver.tables.index_kernels`) when numba is installed,
+    else :func:`place_rounds`. Keys that collide may end in different slots
+    in the two, each a valid linear-probing layout: probes find them alike.
+    """
+    kernels = _compiled((slots, np.int32), (pos, np.int64), (rownums, np.int32))
+    if kernels is not None:
+        kernels.place(slots, pos, rownums)
+    else:
+        place_rounds(slots, pos, rownums)
+
+
+def place_rounds(slots: np.ndarray, pos: np.ndarray, rownums: np.ndarray) -> None:
+    """:func:`place` in vectorised numpy rounds.
 
     ``pos`` is where each key's probe stopped (its home slot, or further along
     if the path was occupied). Per round each pending entry looks for an empty
