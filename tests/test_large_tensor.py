@@ -74,3 +74,56 @@ def test_a_small_push_with_an_answer_beyond_one_message_streams_and_pushpullone_
         assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "more than one message holds" in refused.value.details()
         assert engine.updates == 1 and engine.last_step.get(0, -1) == 0  # step 1 was not counted
+
+
+@pytest.mark.timeout(60)
+def test_a_prefetch_whose_rows_exceed_one_message_streams_and_prefetchone_refuses_it():
+    """The trainer asks by PrefetchOne only for rows that fit one message, else it streams (Prefetch);
+    PrefetchOne refuses a request whose rows would not fit, and answers a small one in one message."""
+    import grpc
+    import numpy as np
+
+    from psproto import ps_pb2, ps_pb2_grpc
+    from psproto.codec import TensorReader, decode_chunk, encode_chunks
+    from tests.helpers.table_models import table_program
+    from transpiler.tables import initial_rows
+
+    from psproto.codec import ONE_MESSAGE_BYTES
+    from tests.helpers.table_models import DIM
+
+    n = ONE_MESSAGE_BYTES // (DIM * 4) + 1000  # rows of the float32 "emb" table: more than one message holds
+    many = torch.arange(5, 5 + n, dtype=torch.int64)
+    with LocalCluster(lambda: table_program("sgd", lr=0.5, tables=["emb"]), 1, 1) as cluster:
+        def body(tr, i):
+            used = []
+            for kind in ("_prefetch_one_calls", "_prefetch_calls"):
+                calls = getattr(tr.comm, kind)
+                for ep, call in list(calls.items()):
+                    calls[ep] = lambda *a, _call=call, _kind=kind, **kw: used.append(_kind) or _call(*a, **kw)
+            tr.prefetch({"emb": many})
+            tr.prefetch({"emb": many[:10]})
+            return used
+        used, = cluster.run_trainers(body, timeout=50).values()
+        assert used == ["_prefetch_calls", "_prefetch_one_calls"]
+
+        spec = next(t for t in cluster.servers[0].program.tables if t.name == "emb")
+        digest = cluster.servers[0].program.layout_digest
+        with grpc.insecure_channel(cluster.endpoints[0]) as channel:
+            stub = ps_pb2_grpc.ParameterServerStub(channel)
+            session = stub.Hello(ps_pb2.HelloRequest(trainer_id=0, layout_digest=digest, incarnation=7),
+                                 timeout=10).session
+            header = ps_pb2.PrefetchHeader(trainer_id=0, min_updates=0, layout_digest=digest, session=session)
+            prefetch_one = channel.unary_unary("/psproto.ParameterServer/PrefetchOne")
+            (big,) = encode_chunks(header, [("emb@ids", many)], 1 << 30)
+            with pytest.raises(grpc.RpcError) as refused:
+                prefetch_one(big, timeout=10)
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "more than one message holds" in refused.value.details()
+            (small,) = encode_chunks(header, [("emb@ids", many[:3])], 1 << 30)
+            answer_header, pieces = decode_chunk(prefetch_one(small, timeout=10), ps_pb2.PullHeader)
+        reader = TensorReader(lambda name: ("float32", [-1, spec.dim]) if name == "emb@rows" else None)
+        for piece in pieces:
+            reader.add(piece)
+        rows = reader.finish()["emb@rows"]
+        assert answer_header is not None
+        np.testing.assert_array_equal(rows.numpy(), initial_rows(spec, many[:3].numpy()))
