@@ -64,7 +64,7 @@ class ParameterServerStub:
                 request_serializer=psproto_dot_ps__pb2.PushChunk.SerializeToString,
                 response_deserializer=psproto_dot_ps__pb2.PullChunk.FromString,
                 _registered_method=True)
-        self.PrefetchOne = channel.unary_unary(
+        self.PrefetchOne = channel.unary_stream(
                 '/psproto.ParameterServer/PrefetchOne',
                 request_serializer=psproto_dot_ps__pb2.PrefetchChunk.SerializeToString,
                 response_deserializer=psproto_dot_ps__pb2.PullChunk.FromString,
@@ -157,9 +157,7 @@ class ParameterServerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def PrefetchOne(self, request, context):
-        """Prefetch for a request and an answer that each fit in one message, with no
-        streams, as PushPullOne; a request whose rows would not fit is refused
-        (INVALID_ARGUMENT).
+        """Prefetch for a request that fits in one message.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -248,7 +246,7 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     request_deserializer=psproto_dot_ps__pb2.PushChunk.FromString,
                     response_serializer=psproto_dot_ps__pb2.PullChunk.SerializeToString,
             ),
-            'PrefetchOne': grpc.unary_unary_rpc_method_handler(
+            'PrefetchOne': grpc.unary_stream_rpc_method_handler(
                     servicer.PrefetchOne,
                     request_deserializer=psproto_dot_ps__pb2.PrefetchChunk.FromString,
                     response_serializer=psproto_dot_ps__pb2.PullChunk.SerializeToString,
@@ -472,7 +470,7 @@ class ParameterServer:
             wait_for_ready=None,
             timeout=None,
             metadata=None):
-        return grpc.experimental.unary_unary(
+        return grpc.experimental.unary_stream(
             request,
             target,
             '/psproto.ParameterServer/PrefetchOne',

@@ -105,7 +105,7 @@ def test_explicit_prefetch_serves_lookups_in_one_round_trip():
         def body(tr, i):
             calls = []
             send = tr.comm.prefetch
-            tr.comm.prefetch = lambda ep, *a, **kw: calls.append(ep) or send(ep, *a, **kw)
+            tr.comm.prefetch = lambda ep, *a: calls.append(ep) or send(ep, *a)
             for step_batches in data:
                 ids, bag, y = step_batches[i]
                 tr.prefetch({"emb": ids, "bag": bag})
@@ -136,7 +136,7 @@ def test_next_batch_ids_ride_with_the_push_and_save_every_later_lookup_round_tri
         def body(tr, i):
             calls = []
             send = tr.comm.prefetch
-            tr.comm.prefetch = lambda ep, *a, **kw: calls.append(ep) or send(ep, *a, **kw)
+            tr.comm.prefetch = lambda ep, *a: calls.append(ep) or send(ep, *a)
             mine = [step_batches[i] for step_batches in data]
             for ids, bag, y in tr.batches(mine, 1, prefetch=lambda b: {"emb": b[0], "bag": b[1]}):
                 tr.prefetch({"emb": ids, "bag": bag})  # a no-op once the rows came with the last answer

@@ -62,18 +62,17 @@ def _details(e: grpc.RpcError) -> str:
 
 
 def _call(one: Callable, streamed: Callable, header, tensors: Sequence[Tuple[str, torch.Tensor]],
-          chunk_bytes: int, timeout: float, answer_bytes: Optional[int]):
-    """Send ``header`` and ``tensors`` by ``one`` (unary both ways) or, if big, ``streamed``; the answer's messages.
+          chunk_bytes: int, timeout: float):
+    """Send ``header`` and ``tensors`` by ``one`` (a unary call) or, if big, ``streamed`` in chunks.
 
-    A request of at most :data:`ONE_MESSAGE_BYTES` of tensor data whose answer
-    (``answer_bytes``, when known) fits too goes as a single message each way:
-    in gRPC Python a streamed call costs a thread per call on the client and a
-    wait per message on the pserver, which dominates small prefetches.
+    A request of at most :data:`ONE_MESSAGE_BYTES` of tensor data is encoded
+    as a single message: in gRPC Python a client-streamed call costs a thread
+    per call, which dominates small pushes and prefetches.
     """
     total = sum(t.numel() * t.element_size() for _, t in tensors)
-    if total <= ONE_MESSAGE_BYTES and answer_bytes is not None and answer_bytes <= ONE_MESSAGE_BYTES:
+    if total <= ONE_MESSAGE_BYTES:
         (message,) = encode_chunks(header, tensors, total + 1)  # room never runs out: one message
-        return (one(message, timeout=timeout),)
+        return one(message, timeout=timeout)
     return streamed(encode_chunks(header, tensors, chunk_bytes), timeout=timeout)
 
 
@@ -128,7 +127,7 @@ class Communicator:
         # whose answer fits one message too goes unary both ways (PushPullOne).
         self._push_pull_one_calls = {ep: ch.unary_unary(f"/{_SERVICE}/PushPullOne")
                                      for ep, ch in self._channels.items()}
-        self._prefetch_one_calls = {ep: ch.unary_unary(f"/{_SERVICE}/PrefetchOne")
+        self._prefetch_one_calls = {ep: ch.unary_stream(f"/{_SERVICE}/PrefetchOne")
                                     for ep, ch in self._channels.items()}
         # Two calls per pserver may run at once: a step sent in the background
         # (async pipeline) and the next step's prefetch.
@@ -258,21 +257,18 @@ class Communicator:
         return updates
 
     def prefetch(self, endpoint: str, min_updates: int,
-                 ids: Sequence[Tuple[str, torch.Tensor]], expect: Callable,
-                 answer_bytes: Optional[int] = None) -> Dict[str, torch.Tensor]:
+                 ids: Sequence[Tuple[str, torch.Tensor]], expect: Callable) -> Dict[str, torch.Tensor]:
         """Send ``ids`` (``[("<table>@ids", ids)]``) and receive their rows, checked by ``expect``.
 
         Sync pservers answer once ``min_updates`` updates are applied.
-        ``answer_bytes``: the bytes of the rows asked, when known: a request
-        and an answer that each fit in one message go as one message each way
-        (PrefetchOne), else the call streams. Returns ``{"<table>@rows": rows}``.
+        Returns ``{"<table>@rows": rows}``.
         """
         header = ps_pb2.PrefetchHeader(trainer_id=self.trainer_id, min_updates=min_updates,
                                        layout_digest=self.digest, session=self.sessions.get(endpoint, ""))
         _, rows = self._receive(
             endpoint, f"prefetch after {min_updates} updates by trainer {self.trainer_id}",
             lambda: _call(self._prefetch_one_calls[endpoint], self._prefetch_calls[endpoint], header, ids,
-                          self.chunk_bytes, self.barrier_timeout + self.rpc_timeout, answer_bytes),
+                          self.chunk_bytes, timeout=self.barrier_timeout + self.rpc_timeout),
             expect, None)
         return rows
 

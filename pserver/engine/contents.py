@@ -81,14 +81,10 @@ class Contents:
         Known before the push counts, so a call that can carry only so much
         (PushPullOne: one message) is refused before anything is applied.
         """
-        return self._block_bytes + self.rows_bytes(ahead)
-
-    def rows_bytes(self, ids: Mapping[str, np.ndarray]) -> int:
-        """Bytes of the rows of ``ids`` ({table: ids}) in an answer: what a Prefetch answers."""
-        total = 0
-        for table, table_ids in ids.items():
+        total = self._block_bytes
+        for table, ids in ahead.items():
             dtype, shape = self.tables.expect(f"{table}{SPARSE_SEPARATOR}rows")
-            total += len(table_ids) * shape[-1] * DTYPES[dtype].itemsize
+            total += len(ids) * shape[-1] * DTYPES[dtype].itemsize
         return total
 
     def split_push(self, tensors: Mapping[str, torch.Tensor]) -> PushParts:

@@ -238,26 +238,19 @@ class PserverServicer:
         yield from self._prefetch(request_iterator)
 
     @refusals
-    def PrefetchOne(self, data, context) -> bytes:
-        # One message each way, as PushPullOne: the plain loop's lookups make this call every step.
-        (answer,) = self._prefetch(iter((data,)), answer_limit=ONE_MESSAGE_BYTES)
-        return answer
+    def PrefetchOne(self, data, context) -> Iterator[bytes]:
+        yield from self._prefetch(iter((data,)))
 
-    def _prefetch(self, request_iterator, answer_limit: Optional[int] = None) -> Iterator[bytes]:
-        """The rows of the ids asked: encoded chunks, or one message when ``answer_limit`` bounds their bytes."""
+    def _prefetch(self, request_iterator) -> Iterator[bytes]:
         header, reader = self._read_stream(request_iterator, ps_pb2.PrefetchHeader, self.engine.expect_table)
         if header.min_updates < 0:
             raise BadRequest(f"min_updates must be >= 0, got {header.min_updates}")
         ids = self.engine.prefetch_ids(reader.tensors)
-        if answer_limit is not None and self.engine.rows_bytes(ids) > answer_limit:
-            raise BadRequest(f"the answer would carry {self.engine.rows_bytes(ids):,} bytes of rows, more than "
-                             f"one message holds ({answer_limit:,}): send this prefetch with Prefetch")
         self.engine.wait_updates(header.trainer_id, header.min_updates)
         updates, rows = self.engine.lookup(ids)
-        nbytes = sum(t.numel() * t.element_size() for _, t in rows)
-        self.counters.add(bytes_in=reader.nbytes, prefetches=1, bytes_out=nbytes)
-        return encode_chunks(ps_pb2.PullHeader(updates=updates), rows,
-                             nbytes + 1 if answer_limit is not None else self.chunk_bytes)
+        yield from encode_chunks(ps_pb2.PullHeader(updates=updates), rows, self.chunk_bytes)
+        self.counters.add(bytes_in=reader.nbytes, prefetches=1,
+                          bytes_out=sum(t.numel() * t.element_size() for _, t in rows))
 
     @trainer_call(ps_pb2.SaveTablesRequest)
     def SaveTables(self, request, context):
@@ -333,7 +326,7 @@ class PserverServicer:
             "Prefetch": grpc.stream_stream_rpc_method_handler(self.Prefetch),
             "PushPull": grpc.stream_stream_rpc_method_handler(self.PushPull),
             "PushPullOne": grpc.unary_unary_rpc_method_handler(self.PushPullOne),
-            "PrefetchOne": grpc.unary_unary_rpc_method_handler(self.PrefetchOne),
+            "PrefetchOne": grpc.unary_stream_rpc_method_handler(self.PrefetchOne),
             "SaveTables": grpc.unary_unary_rpc_method_handler(self.SaveTables,
                                                               response_serializer=serialize),
             "Close": grpc.unary_unary_rpc_method_handler(self.Close, response_serializer=serialize),

@@ -1,12 +1,9 @@
 """Row fetches through the communicator: one prefetch round trip per pserver, or zero rows for a spoilt batch."""
 from __future__ import annotations
 
-import math
 from typing import Dict
 
 import torch
-
-from psproto.dtypes import DTYPES
 
 from ..errors import PserverError
 from .client import Pieces, TableClient, asked_rows
@@ -16,8 +13,7 @@ def prefetch_all(comm, tables: TableClient, pieces: Pieces, min_updates: int) ->
     """One prefetch round trip per pserver in ``pieces`` through ``comm``, in parallel: {pserver: {name: rows}}."""
     def fetch_one(ep):
         expected = asked_rows(tables, pieces[ep])
-        answer_bytes = sum(math.prod(shape) * DTYPES[dtype].itemsize for dtype, shape in expected.values())
-        rows = comm.prefetch(ep, min_updates, pieces[ep], expected.get, answer_bytes=answer_bytes)
+        rows = comm.prefetch(ep, min_updates, pieces[ep], expected.get)
         if rows.keys() != expected.keys():
             raise PserverError(ep, f"prefetch answer holds {sorted(rows)}, asked for {sorted(expected)}")
         return rows
