@@ -28,7 +28,7 @@ def stored_rows(t: TableShard, ids: np.ndarray) -> np.ndarray:
 def index_kind(request, monkeypatch):
     """Run a test with the compiled id-index kernels (numba), then with the numpy rounds."""
     if request.param == "compiled":
-        assert id_index._compiled(), "numba is a dependency: the compiled kernels must load"
+        assert id_index.load_kernels() is not None, "numba is a dependency: the compiled kernels must load"
     else:
         monkeypatch.setattr(id_index, "_compiled", lambda *arrays: None)
     return request.param
@@ -117,7 +117,7 @@ def test_compiled_and_numpy_index_find_the_same_rows():
     keys = np.unique(rng.integers(I64.min, I64.max, 2800, dtype=np.int64))  # load ~0.68: long clusters
     row_ids = keys.copy()
     rows = np.arange(keys.size, dtype=np.int32)
-    kernels = id_index._compiled()
+    kernels = id_index.load_kernels()
     compiled, rounds = np.full(n_slots, -1, np.int32), np.full(n_slots, -1, np.int32)
     kernels.place(compiled, home_slots(keys, n_slots), rows)
     id_index.place_rounds(rounds, home_slots(keys, n_slots), rows)

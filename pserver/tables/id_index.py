@@ -52,16 +52,23 @@ def home_slots(keys: np.ndarray, n_slots: int) -> np.ndarray:
 _kernels = None
 
 
-def _compiled(*arrays_and_dtypes):
-    """The compiled kernels if they take these arrays (numba is there, each has its one dtype), else None.
+def load_kernels():
+    """Load the compiled kernels (:mod:`pserver.tables.index_kernels`) now; the module, or None without numba.
 
-    Imported on first use: loading numba and the cached kernels takes about 0.5 s, which
-    processes that never touch a table (most of the test suite's pservers) do not pay.
+    Loading numba and the cached kernels takes about 0.5 s (the first compile on a machine, about
+    2 s), which processes that never hold a table (most of the test suite's pservers) do not pay:
+    a table shard calls this when it is built, before its pserver serves, so no push waits for it.
     """
     global _kernels
     if _kernels is None:
         from . import index_kernels
         _kernels = index_kernels
+    return _kernels if _kernels.AVAILABLE else None
+
+
+def _compiled(*arrays_and_dtypes):
+    """The compiled kernels if they take these arrays (numba is there, each has its one dtype), else None."""
+    load_kernels()
     if _kernels.AVAILABLE and all(a.dtype == d and a.ndim == 1 for a, d in arrays_and_dtypes):
         return _kernels
     return None

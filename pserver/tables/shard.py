@@ -66,7 +66,7 @@ from transpiler.tables import TableSpec, as_ids, initial_rows, shard_of
 from ..errors import BadRequest
 from . import files as table_files
 from .fresh import FreshRows
-from .id_index import EMPTY, MAX_LOAD, build_index, home_slots, place, probe, slots_for
+from .id_index import EMPTY, MAX_LOAD, build_index, home_slots, load_kernels, place, probe, slots_for
 from .rows import Growable, gather, scatter
 from .sparse_optim import make_rule
 
@@ -135,6 +135,7 @@ class TableShard:
         self._slots = np.full(slots_for(cap), EMPTY, dtype=np.int32)
         self._index_nbytes = self._slots.nbytes
         self._fresh = FreshRows()
+        load_kernels()
 
     # -- public --------------------------------------------------------------
 
