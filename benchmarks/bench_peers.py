@@ -48,7 +48,10 @@ per trainer, 2 trainers, 5 warm-up + 30 timed steps, job D's data), systems:
   (``bench_dense.run_ps`` with ``dense_workers.py`` on ``jobs.dense_batch``);
   ``ours-sync-bf16``: the same with ``grad_wire_dtype="bfloat16"``. Its
   figure next to ``ours-sync``'s final loss (mean over trainers of the loss
-  at the last step, in the JSON) shows the accuracy cost of the narrow wire.
+  at the last step, in the JSON) shows the accuracy cost of the narrow wire;
+- ``ours-collective``: this project's collective mode, DDP through our
+  ``Trainer`` (``ps-launch --worker_num 2 benchmarks/job_d_collective.py``),
+  the same processes, threads and timing as ``ddp``.
 
 Every system runs ``--rounds`` times (default 3); each round runs every
 selected (job, system) once, in an order rotated by one each round, so the
@@ -115,10 +118,11 @@ DEFAULT_PEERS = os.path.normpath(os.path.join(REPO, "..", "shared", "peers"))
 DEFAULT_PADDLE_PYTHON = os.path.join(tempfile.gettempdir(), "paddle26-venv", "bin", "python")
 DEFAULT_TORCHREC_PYTHON = os.path.join(tempfile.gettempdir(), "torchrec-venv", "bin", "python")
 JOB_S_SCRIPT = os.path.join(HERE, "job_s.py")
+JOB_D_COLLECTIVE = os.path.join(HERE, "job_d_collective.py")
 
 SYSTEMS: Dict[str, List[str]] = {
     "S": ["torch-local", "torchrec", "ours-async", "ours-async-plain", "ours-sync", "ours-sync-bf16", "paddle-async", "paddle-sync"],
-    "D": ["ddp", "rpc-ps", "ours-sync", "ours-sync-bf16"],
+    "D": ["ddp", "rpc-ps", "ours-sync", "ours-sync-bf16", "ours-collective"],
 }
 LABELS = {
     ("S", "torch-local"): "PyTorch, 1 process (nn.Embedding sparse, batch 1024)",
@@ -133,12 +137,13 @@ LABELS = {
     ("D", "rpc-ps"): "torch.distributed.rpc PS (2 ps x 2 trainers)",
     ("D", "ours-sync"): "this project, sync (2 ps x 2 trainers)",
     ("D", "ours-sync-bf16"): "this project, sync, gradients pushed in bfloat16 (grad_wire_dtype)",
+    ("D", "ours-collective"): "this project, collective mode (DDP through our Trainer, 2 processes)",
 }
 SHORT = {"torch-local": "PyTorch\n1 process", "torchrec": "TorchRec\n2 processes", "ours-async": "this project\nasync",
          "ours-async-plain": "this project\nasync, plain loop",
          "ours-sync": "this project\nsync", "ours-sync-bf16": "this project\nsync, bf16 push",
          "paddle-async": "Paddle PS\nasync", "paddle-sync": "Paddle PS\nsync",
-         "ddp": "DDP\n(gloo)", "rpc-ps": "torch rpc\nPS"}
+         "ddp": "DDP\n(gloo)", "rpc-ps": "torch rpc\nPS", "ours-collective": "this project\ncollective (DDP)"}
 JOB_TITLES = {"S": "Job S: CTR, one dim-16 table, 2 trainers x 512", "D": "Job D: dense MLP 37.9 MB, 2 trainers x 256"}
 
 
@@ -272,6 +277,24 @@ def run_ours_d(args, workdir: str, wire: Optional[str] = None) -> dict:
     return {"examples_s": row["samples_s"], "final_loss": final_loss, **per_step, "detail": row}
 
 
+def run_ours_collective_d(args, workdir: str) -> dict:
+    """Job D on this project's collective mode: ``ps-launch --worker_num 2 job_d_collective.py``."""
+    log_dir = os.path.join(workdir, "log")
+    cmd = [sys.executable, "-m", "trainer.launch", "--worker_num", "2", "--log_dir", log_dir, JOB_D_COLLECTIVE,
+           "--peers", args.peers, "--warmup", str(args.d_warmup), "--steps", str(args.d_steps)]
+    run_command(cmd, os.path.join(workdir, "launch.log"), args.timeout,
+                "ps-launch job_d_collective.py (2 processes)", cwd=REPO)
+    path = os.path.join(log_dir, "workerlog.0")
+    found = None
+    with contextlib.suppress(OSError), open(path, errors="replace") as f:
+        for line in f:
+            if line.startswith("RESULT "):
+                found = json.loads(line[len("RESULT "):])
+    if found is None:
+        raise RunFailed(f"process 0 printed no RESULT line; {path}:\n{tail(path)}")
+    return {"examples_s": found["samples_per_s"], "detail": found}
+
+
 RUNNERS = {
     ("S", "torch-local"): run_local_ctr,
     ("S", "torchrec"): run_torchrec,
@@ -285,6 +308,7 @@ RUNNERS = {
     ("D", "rpc-ps"): run_rpc_ps,
     ("D", "ours-sync"): run_ours_d,
     ("D", "ours-sync-bf16"): lambda a, w: run_ours_d(a, w, wire="bfloat16"),
+    ("D", "ours-collective"): run_ours_collective_d,
 }
 
 
