@@ -164,7 +164,7 @@ def run_local_ctr(args, workdir: str) -> dict:
 
 
 def job_s_results(log_dir: str, trainers: int) -> List[dict]:
-    """The RESULT objects job_s.py's trainers printed into ``log_dir/workerlog.N``."""
+    """The RESULT objects ps-launch's first ``trainers`` workers printed into ``log_dir/workerlog.N``."""
     results = []
     for n in range(trainers):
         path = os.path.join(log_dir, f"workerlog.{n}")
@@ -284,14 +284,7 @@ def run_ours_collective_d(args, workdir: str) -> dict:
            "--peers", args.peers, "--warmup", str(args.d_warmup), "--steps", str(args.d_steps)]
     run_command(cmd, os.path.join(workdir, "launch.log"), args.timeout,
                 "ps-launch job_d_collective.py (2 processes)", cwd=REPO)
-    path = os.path.join(log_dir, "workerlog.0")
-    found = None
-    with contextlib.suppress(OSError), open(path, errors="replace") as f:
-        for line in f:
-            if line.startswith("RESULT "):
-                found = json.loads(line[len("RESULT "):])
-    if found is None:
-        raise RunFailed(f"process 0 printed no RESULT line; {path}:\n{tail(path)}")
+    found, = job_s_results(log_dir, 1)  # process 0 reports for both
     return {"examples_s": found["samples_per_s"], "detail": found}
 
 
