@@ -1,14 +1,12 @@
 """LocalBlocks: the trainer's model parameters seen as the plan's row blocks."""
 from __future__ import annotations
 
-import math
 from collections import defaultdict
 from typing import Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
 
-from psproto.dtypes import DTYPES
 from transpiler import TrainerProgram
 from transpiler.plans import BlockSpec
 from transpiler.slicing import as_rows
@@ -40,9 +38,8 @@ class LocalBlocks:
             self.by_endpoint[b.endpoint].append(b)
         self.by_name = {b.name: b for b in program.blocks}
         # What a pserver's answer carries of blocks: every block it owns.
-        self.answer_bytes: Dict[str, int] = {
-            ep: sum(math.prod(b.shape) * DTYPES[b.dtype].itemsize for b in blocks)
-            for ep, blocks in self.by_endpoint.items()}
+        self.answer_bytes: Dict[str, int] = {ep: sum(b.nbytes for b in blocks)
+                                             for ep, blocks in self.by_endpoint.items()}
         # Async pipeline: where blocks pulled in the background wait for install_staged().
         self._staging: Dict[str, torch.Tensor] = {}
         # CUDA parameters: pulled blocks land here, then one non-blocking copy each to the device.

@@ -71,9 +71,14 @@ def _call(one: Callable, streamed: Callable, header, tensors: Sequence[Tuple[str
     """
     total = sum(t.numel() * t.element_size() for _, t in tensors)
     if total <= ONE_MESSAGE_BYTES:
-        (message,) = encode_chunks(header, tensors, total + 1)  # room never runs out: one message
-        return one(message, timeout=timeout)
+        return one(_one_message(header, tensors, total), timeout=timeout)
     return streamed(encode_chunks(header, tensors, chunk_bytes), timeout=timeout)
+
+
+def _one_message(header, tensors: Sequence[Tuple[str, torch.Tensor]], nbytes: int) -> bytes:
+    """``header`` and ``tensors`` (``nbytes`` of tensor data) encoded as a single message."""
+    (message,) = encode_chunks(header, tensors, nbytes + 1)  # room never runs out: one message
+    return message
 
 
 def results_of(calls: Dict[str, futures.Future]) -> Dict[str, object]:
@@ -231,7 +236,7 @@ class Communicator:
             tensors = self.narrower.narrow(endpoint, list(tensors))
             sent[0] = sum(t.numel() * t.element_size() for _, t in tensors)
             if sent[0] <= ONE_MESSAGE_BYTES and answer_bytes is not None and answer_bytes <= ONE_MESSAGE_BYTES:
-                (message,) = encode_chunks(header, tensors, sent[0] + 1)  # room never runs out: one message
+                message = _one_message(header, tensors, sent[0])
                 call = lambda: (self._push_pull_one_calls[endpoint](message, timeout=timeout),)  # noqa: E731
             else:
                 call = lambda: self._push_pull_calls[endpoint](  # noqa: E731

@@ -13,14 +13,12 @@ each table's sharding.
 from __future__ import annotations
 
 import functools
-import math
 from typing import AbstractSet, Dict, List, Mapping, NamedTuple, Optional, Tuple
 
 import numpy as np
 import torch
 
 from psproto.dtypes import DTYPES
-from transpiler.tables import SPARSE_SEPARATOR
 
 from ..store import BlockStore
 from ..tables import SparseGrad, TableSet
@@ -73,7 +71,7 @@ class Contents:
     @functools.cached_property
     def _block_bytes(self) -> int:
         # Every answer carries every block: their size, from the plan, is summed once, not per push.
-        return sum(math.prod(shape) * dtype.itemsize for dtype, shape in self.block_layout().values())
+        return sum(spec.nbytes for spec in self.store.specs.values())
 
     def answer_bytes(self, ahead: Mapping[str, np.ndarray]) -> int:
         """Bytes of tensor data a PushPull's answer carries: every block, then the rows of ``ahead`` ({table: ids}).
@@ -81,11 +79,7 @@ class Contents:
         Known before the push counts, so a call that can carry only so much
         (PushPullOne: one message) is refused before anything is applied.
         """
-        total = self._block_bytes
-        for table, ids in ahead.items():
-            dtype, shape = self.tables.expect(f"{table}{SPARSE_SEPARATOR}rows")
-            total += len(ids) * shape[-1] * DTYPES[dtype].itemsize
-        return total
+        return self._block_bytes + sum(len(ids) * self.tables.specs[table].row_bytes for table, ids in ahead.items())
 
     def split_push(self, tensors: Mapping[str, torch.Tensor]) -> PushParts:
         """A received push's tensors sorted by what they are: dense gradients, sparse gradients, ids asked ahead.

@@ -182,10 +182,11 @@ class PserverServicer:
             grads, sparse, ahead = self.engine.split_push(reader.tensors)
             if ahead and not answered:
                 raise BadRequest("'<table>@next' ids ask for rows in the answer: send them with PushPull, not Push")
-            answer_bytes = self.engine.answer_bytes(ahead) if answer_limit is not None else 0
-            if answer_limit is not None and answer_bytes > answer_limit:
-                raise BadRequest(f"the answer would carry {answer_bytes:,} bytes of tensors, "
-                                 f"more than one message holds ({answer_limit:,}): send this push with PushPull")
+            if answer_limit is not None:
+                answer_bytes = self.engine.answer_bytes(ahead)
+                if answer_bytes > answer_limit:
+                    raise BadRequest(f"the answer would carry {answer_bytes:,} bytes of tensors, more than one "
+                                     f"message holds ({answer_limit:,}): send this push with PushPull")
             for name, g in [*grads.items(), *((n, rows) for n, (_, rows) in sparse.items())]:
                 if not self.allow_nonfinite and not _finite(g):
                     raise BadRequest(f"gradient of {name} from trainer {header.trainer_id} at step "
