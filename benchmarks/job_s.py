@@ -38,7 +38,7 @@ AUC on ``jobs.ctr_eval_set(20000)`` (``auc``); in async mode it first waits
 until every pserver has received every trainer's last push. It also reports the
 pservers' own counters (``ps_stats``, from their Stats call). Each pserver prints
 ``PSERVER_PHASES {json}`` as it exits: its CPU per push over the timed steps,
-phase by phase (:class:`PserverPhases`).
+phase by phase (:class:`instruments.PserverPhases`).
 """
 from __future__ import annotations
 
@@ -48,7 +48,6 @@ import json
 import logging
 import os
 import sys
-import threading
 import time
 from typing import Dict, List, Optional
 
@@ -56,6 +55,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from instruments import CallCounter, LookupTimer, PserverPhases
 from transpiler import DistributeTranspiler, DistributeTranspilerConfig, Program, RoleEnv, TableOptions
 
 log = logging.getLogger("job_s")
@@ -102,155 +102,6 @@ def build_program(jobs, seed: int = 0) -> Program:
     table = TableOptions(optimizer="sgd", optimizer_kwargs={"lr": jobs.S_LR},
                          init="normal", init_kwargs={"std": 0.01})
     return Program(CtrNet(jobs, seed), "sgd", lr=jobs.S_LR, distributed_tables={TABLE: table})
-
-
-class CallCounter:
-    """Counts the calls a Trainer makes to pservers through its Communicator.
-
-    Benchmark instrumentation only: it wraps ``push_pull``, ``pull``,
-    ``prefetch`` and ``heartbeat`` on the instance (nothing in the library
-    changes), counting calls per method and the id bytes a separate prefetch
-    sends (the Communicator's ``bytes_pushed`` counts pushes only). Thread-safe:
-    the calls to different pservers run on the Communicator's threads.
-    """
-
-    METHODS = ("push_pull", "pull", "prefetch", "heartbeat")
-
-    def __init__(self, comm):
-        self.comm = comm
-        self.calls = {m: 0 for m in self.METHODS}
-        self.prefetch_bytes = 0
-        self._lock = threading.Lock()
-        for name in self.METHODS:
-            setattr(comm, name, self._wrap(name, getattr(comm, name)))
-
-    def _wrap(self, name: str, call):
-        def counted(*args, **kwargs):
-            with self._lock:
-                self.calls[name] += 1
-                if name == "prefetch":
-                    ids = args[2] if len(args) > 2 else kwargs.get("ids", ())
-                    self.prefetch_bytes += sum(t.numel() * t.element_size() for _, t in ids)
-            return call(*args, **kwargs)
-        return counted
-
-    def snapshot(self) -> Dict[str, int]:
-        """Calls per method, step calls (all but heartbeats), bytes pushed (with prefetched ids) and pulled."""
-        with self._lock:
-            calls = dict(self.calls)
-            prefetch_bytes = self.prefetch_bytes
-        return {**{f"{m}_calls": n for m, n in calls.items()},
-                "calls": sum(n for m, n in calls.items() if m != "heartbeat"),
-                "bytes_pushed": self.comm.bytes_pushed + prefetch_bytes,
-                "bytes_pulled": self.comm.bytes_pulled}
-
-
-class LookupTimer:
-    """Wall time spent in a module's forward (the distributed table's lookups), summed in ``seconds``."""
-
-    def __init__(self, module: nn.Module):
-        self.seconds = 0.0
-        self._t0 = 0.0
-        module.register_forward_pre_hook(self._pre)
-        module.register_forward_hook(self._post)
-
-    def _pre(self, module, args):
-        self._t0 = time.perf_counter()
-
-    def _post(self, module, args, out):
-        self.seconds += time.perf_counter() - self._t0
-
-
-class PserverPhases:
-    """A pserver's CPU per push, phase by phase, over the trainers' timed steps (instrumentation only).
-
-    Wraps, on the instance, the servicer's one-message step call (``PushPullOne``, the whole
-    handler) and the parts it runs in its handler thread: reading the request (``_read_stream``,
-    ``split_push``: decode), the engine's ``push`` (apply; a sync barrier's wait takes no CPU),
-    ``read`` (the blocks of the answer) and ``lookup`` (the next batch's rows), each timed with
-    ``time.thread_time`` (the calling thread's CPU). What the handler spends outside them is
-    checking and encoding the answer; what the process spends outside the handlers is gRPC's own
-    threads and the rest. Counting starts at push ``first`` and stops at push ``last`` (the timed
-    steps of every trainer); :meth:`summary` gives CPU ms per push.
-    """
-
-    PARTS = ("decode", "apply", "apply: tables", "read blocks", "lookup")
-
-    def __init__(self, server, first: int, last: int):
-        self.first, self.last = first, last
-        self.pushes = 0
-        self.cpu = {p: 0.0 for p in (*self.PARTS, "handler")}
-        self.process = [0.0, 0.0]
-        self._lock = threading.Lock()
-        sv, engine = server.servicer, server.engine
-        sv._read_stream = self._timed("decode", sv._read_stream)
-        engine.split_push = self._timed("decode", engine.split_push)
-        engine.push = self._timed("apply", engine.push)
-        engine.tables.apply = self._timed("apply: tables", engine.tables.apply)
-        engine.tables.apply_mean = self._timed("apply: tables", engine.tables.apply_mean)
-        engine.read = self._timed("read blocks", engine.read)
-        engine.lookup = self._timed("lookup", engine.lookup)
-        sv.PushPullOne = self._handler(sv.PushPullOne)
-
-    def _counting(self) -> bool:
-        return self.first <= self.pushes < self.last
-
-    def _timed(self, part: str, fn):
-        def timed(*args, **kwargs):
-            t0 = time.thread_time()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                if self._counting():
-                    with self._lock:
-                        self.cpu[part] += time.thread_time() - t0
-        return timed
-
-    def _handler(self, fn):
-        """Time a step call's handler: returning the answer, or (a streamed answer) yielding it."""
-        def timed(*args, **kwargs):
-            with self._lock:
-                if self.pushes == self.first:
-                    self.process[0] = time.process_time()
-            t0 = time.thread_time()
-            out = fn(*args, **kwargs)
-            if isinstance(out, bytes):
-                self._handled(time.thread_time() - t0)
-                return out
-            return self._streamed(out, time.thread_time() - t0)
-        return timed
-
-    def _streamed(self, answer, cpu: float):
-        chunks = iter(answer)
-        try:
-            while True:
-                t0 = time.thread_time()
-                chunk = next(chunks, None)
-                cpu += time.thread_time() - t0
-                if chunk is None:
-                    return
-                yield chunk
-        finally:
-            self._handled(cpu)
-
-    def _handled(self, cpu: float) -> None:
-        with self._lock:
-            if self._counting():
-                self.cpu["handler"] += cpu
-            self.pushes += 1
-            if self.pushes == self.last:
-                self.process[1] = time.process_time()
-
-    def summary(self) -> dict:
-        """CPU ms per push of every phase, the handler's rest, and the process outside the handlers."""
-        n = max(1, min(self.pushes, self.last) - self.first)
-        ms = {p: 1e3 * self.cpu[p] / n for p in self.PARTS}
-        ms["apply: dense blocks"] = ms.pop("apply") - ms["apply: tables"]
-        handler = 1e3 * self.cpu["handler"] / n
-        process = 1e3 * (self.process[1] - self.process[0]) / n if self.process[1] else float("nan")
-        ms["checks and encoding the answer"] = handler - sum(ms.values())
-        ms["outside the handler (gRPC, other threads)"] = process - handler
-        return {"pushes": n, "process_ms_per_push": process, "phases_ms_per_push": ms}
 
 
 def pserver_stats(endpoints: List[str], timeout: float = 10.0) -> Dict[str, dict]:

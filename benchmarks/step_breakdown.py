@@ -8,7 +8,7 @@ Each system runs job S (``shared/peers/jobs.py``) long enough to sample a steady
   loop): the trainers time their own steps (``job_s.py``'s ``forward_ms`` (of which the table's
   ``lookup_ms``), ``backward_ms`` and ``step_ms``, wall clock per step, averaged over both
   trainers and every timed step); the pservers time the CPU of each phase of a push in the
-  handler's thread (``job_s.PserverPhases``: decode, apply, read the blocks, look up the next
+  handler's thread (``instruments.PserverPhases``: decode, apply, read the blocks, look up the next
   batch's rows, checks and encoding) and their whole process, over the same steps.
 - **TorchRec** (``torchrec_ctr.py`` in its venv, 2 ranks): the CPU of rank 0 over the window and
   py-spy's samples of it, split into the embedding's forward (input and output all-to-alls and
@@ -35,7 +35,7 @@ from typing import Dict, List, Sequence, Tuple
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
-from bench_peers import job_s_results  # noqa: E402
+from peer_runners import job_s_results  # noqa: E402
 from job_s import DEFAULT_PEERS  # noqa: E402
 
 TICKS = os.sysconf("SC_CLK_TCK")
