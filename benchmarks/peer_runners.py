@@ -42,20 +42,25 @@ def run_local_ctr(args, workdir: str) -> dict:
     return {"examples_s": r["examples_per_s"], "auc": r["auc"], "detail": r}
 
 
-def job_s_results(log_dir: str, trainers: int) -> List[dict]:
-    """The RESULT objects ps-launch's first ``trainers`` workers printed into ``log_dir/workerlog.N``."""
+def role_results(log_dir: str, log: str, count: int, prefix: str = "RESULT ") -> List[dict]:
+    """The JSON each of the first ``count`` roles printed after ``prefix`` (its last such line) into ``log_dir/log.N``."""
     results = []
-    for n in range(trainers):
-        path = os.path.join(log_dir, f"workerlog.{n}")
+    for n in range(count):
+        path = os.path.join(log_dir, f"{log}.{n}")
         found = None
         with contextlib.suppress(OSError), open(path, errors="replace") as f:
             for line in f:
-                if line.startswith("RESULT "):
-                    found = json.loads(line[len("RESULT "):])
+                if line.startswith(prefix):
+                    found = json.loads(line[len(prefix):])
         if found is None:
-            raise RunFailed(f"trainer {n} printed no RESULT line; {path}:\n{tail(path)}")
+            raise RunFailed(f"{log}.{n} has no {prefix.strip()} line; {path}:\n{tail(path)}")
         results.append(found)
     return results
+
+
+def job_s_results(log_dir: str, trainers: int) -> List[dict]:
+    """The RESULT objects ps-launch's first ``trainers`` workers printed into ``log_dir/workerlog.N``."""
+    return role_results(log_dir, "workerlog", trainers)
 
 
 def run_ours_s(args, workdir: str, sync: bool, pservers: int = 2, trainers: int = 2,

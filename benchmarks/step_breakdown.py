@@ -35,21 +35,12 @@ from typing import Dict, List, Sequence, Tuple
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
-from peer_runners import job_s_results  # noqa: E402
+from peer_runners import job_s_results, role_results  # noqa: E402
 from job_s import DEFAULT_PEERS  # noqa: E402
 
 TICKS = os.sysconf("SC_CLK_TCK")
 
-# First matching rule wins; a rule is (phase, any of these substrings in a frame of the stack).
-PSERVER_PHASES: Sequence[Tuple[str, Tuple[str, ...]]] = (
-    ("lookup of the next batch's rows", ("TableSet.lookup", "Engine.lookup")),
-    ("apply (tables)", ("TableSet.apply",)),
-    ("apply (dense blocks)", ("Engine.push", "SyncEngine.push", "AsyncEngine.push", "BlockStore")),
-    ("encode the answer", ("_answer_pull", "encode_chunks", "answer_bytes")),
-    ("decode the request", ("_read_stream", "decode_chunk", "TensorReader", "split_push", "parse_")),
-    ("rest of the handler", ("PserverServicer",)),
-    ("gRPC's Python machinery", ("grpc/",)),
-)
+# py-spy's samples of a TorchRec rank by phase: the first rule with a substring in a frame of the stack wins.
 TORCHREC_PHASES: Sequence[Tuple[str, Tuple[str, ...]]] = (
     ("backward (rows' SGD fused in)", ("backward",)),
     ("dense optimizer step", ("CombinedOptimizer.step", "KeyedOptimizerWrapper.step", "SGD.step", "_single_tensor_sgd")),
@@ -103,7 +94,7 @@ def run_ours(args, sync: bool, workdir: str) -> dict:
         raise RuntimeError(f"ps-launch exited {done.returncode}; logs in {log_dir}")
     res = job_s_results(log_dir, 2)
     mean = lambda k: sum(r[k] for r in res) / len(res)  # noqa: E731
-    servers = [_last_json(os.path.join(log_dir, f"serverlog.{n}"), "PSERVER_PHASES ") for n in range(2)]
+    servers = role_results(log_dir, "serverlog", 2, prefix="PSERVER_PHASES ")
     phases_ms = {k: sum(s["phases_ms_per_push"][k] for s in servers) / 2 for k in servers[0]["phases_ms_per_push"]}
     return {"system": f"ours-{'sync' if sync else 'async'}",
             "examples_s": sum(r["examples"] for r in res) / (max(r["end"] for r in res) - min(r["start"] for r in res)),
@@ -111,18 +102,6 @@ def run_ours(args, sync: bool, workdir: str) -> dict:
                            "step": mean("step_ms")},
             "pserver_cpu_ms_per_push": sum(s["process_ms_per_push"] for s in servers) / 2,
             "pserver_phases_ms_per_push": phases_ms}
-
-
-def _last_json(path: str, prefix: str) -> dict:
-    """The JSON of the last line of ``path`` that starts with ``prefix``."""
-    found = None
-    with open(path, errors="replace") as f:
-        for line in f:
-            if line.startswith(prefix):
-                found = json.loads(line[len(prefix):])
-    if found is None:
-        raise RuntimeError(f"{path} has no {prefix.strip()} line")
-    return found
 
 
 def run_torchrec(args, workdir: str) -> dict:
