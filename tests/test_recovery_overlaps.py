@@ -26,10 +26,13 @@ pytestmark = pytest.mark.processes
 ROLES = ("trainer0", "trainer1", "pserver0", "pserver1")
 
 
-def restart_pserver1_with_both_trainers_down(job) -> None:
+def restart_pserver1_with_both_trainers_down(job, reached=("reached",)) -> None:
     """Trainer 0 paused before step 23 (checkpoints at 5..20): kill both trainers, restart pserver 1
-    (it resumes from step 20, pserver 0 stays at 23), then start both trainers again."""
-    job.wait_file("reached")
+    (it resumes from step 20, pserver 0 stays at 23), then start both trainers again. ``reached``:
+    the pause files to wait for (async trainers each pause, else trainer 1 may finish before the kill
+    and the pserver, with every trainer closed, stop before the restarted trainer 1 joins)."""
+    for name in reached:
+        job.wait_file(name)
     job.kill("trainer0")
     job.kill("trainer1")
     job.kill("pserver1")
@@ -58,9 +61,10 @@ def test_trainers_down_while_a_pserver_restarts_behind_the_other_roll_both_back_
 
 @pytest.mark.timeout(240)
 def test_async_trainers_down_while_a_pserver_restarts_from_an_older_checkpoint_go_on(job_factory):
-    job = job_factory(args=["--async", "--optimizer", "sgd", "--lr", "0.1", "--pause_at", "23"])
+    job = job_factory(args=["--async", "--optimizer", "sgd", "--lr", "0.1", "--pause_at", "23",
+                            "--pause_every_trainer"])
     job.start_all()
-    restart_pserver1_with_both_trainers_down(job)
+    restart_pserver1_with_both_trainers_down(job, reached=("reached-0", "reached-1"))
 
     assert "resumes from" in job.log("pserver1.1")
     assert "rolled back" not in job.log("pserver0.0")  # async: each pserver goes on from where it is
