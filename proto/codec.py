@@ -113,6 +113,31 @@ def encode_chunks(header: Message, tensors: Iterable[Tuple[str, torch.Tensor]],
     live memory when nothing writes to it meanwhile. Always yields at least
     one message (the header), even for no tensors.
     """
+    for parts in _chunk_parts(header, tensors, chunk_bytes):
+        yield b"".join(parts)
+
+
+def encode_into(buf: memoryview, header: Message, tensors: Sequence[Tuple[str, torch.Tensor]]) -> int:
+    """Encode ``header`` and ``tensors`` as one message written into ``buf`` from byte 0; its length.
+
+    The tensors' bytes are copied once, straight into ``buf`` (a shared-memory
+    region). Returns -1, writing nothing, when the message would not fit.
+    """
+    nbytes = sum(t.numel() * t.element_size() for _, t in tensors)
+    (parts,) = _chunk_parts(header, tensors, nbytes + 1)  # room never runs out: one message
+    if sum(len(p) if isinstance(p, bytes) else p.nbytes for p in parts) > len(buf):
+        return -1
+    pos = 0
+    for p in parts:
+        n = len(p) if isinstance(p, bytes) else p.nbytes
+        buf[pos:pos + n] = p
+        pos += n
+    return pos
+
+
+def _chunk_parts(header: Message, tensors: Iterable[Tuple[str, torch.Tensor]],
+                 chunk_bytes: int) -> Iterator[List[object]]:
+    """The parts (bytes, and memoryviews of tensor memory) of each message :func:`encode_chunks` yields."""
     head = header.SerializeToString()
     parts: List[object] = [_len_field(_HEADER, len(head)), head]
     room = chunk_bytes
@@ -124,7 +149,7 @@ def encode_chunks(header: Message, tensors: Iterable[Tuple[str, torch.Tensor]],
         first = True
         while first or offset < total:
             if room < itemsize and offset < total:  # no room for one element: it opens the next message
-                yield b"".join(parts)
+                yield parts
                 parts, room = [], chunk_bytes
             n = min(room, total - offset)
             if n < total - offset:
@@ -137,10 +162,10 @@ def encode_chunks(header: Message, tensors: Iterable[Tuple[str, torch.Tensor]],
             offset += n
             room -= n
             if room <= 0:
-                yield b"".join(parts)
+                yield parts
                 parts, room = [], chunk_bytes
     if parts:
-        yield b"".join(parts)
+        yield parts
 
 
 # -- decoding -----------------------------------------------------------------
@@ -220,9 +245,11 @@ def _decode_piece(buf: bytes, view: memoryview, pos: int, end: int) -> Piece:
 def decode_chunk(buf: bytes, header_type: type) -> Tuple[Optional[Message], List[Piece]]:
     """Decode one PushChunk/PullChunk message into (header or None, pieces).
 
-    Raises :class:`WireError` for bytes that are not such a message.
+    ``buf`` may be a memoryview (of a shared-memory region): it is read in
+    place, and the pieces' data are views of it. Raises :class:`WireError`
+    for bytes that are not such a message.
     """
-    if not isinstance(buf, bytes):
+    if not isinstance(buf, (bytes, memoryview)):
         buf = bytes(buf)
     view = memoryview(buf)
     header, pieces = None, []

@@ -64,6 +64,11 @@ class ParameterServerStub:
                 request_serializer=psproto_dot_ps__pb2.PushChunk.SerializeToString,
                 response_deserializer=psproto_dot_ps__pb2.PullChunk.FromString,
                 _registered_method=True)
+        self.PushPullShared = channel.unary_unary(
+                '/psproto.ParameterServer/PushPullShared',
+                request_serializer=psproto_dot_ps__pb2.SharedPush.SerializeToString,
+                response_deserializer=psproto_dot_ps__pb2.SharedAnswer.FromString,
+                _registered_method=True)
         self.PrefetchOne = channel.unary_stream(
                 '/psproto.ParameterServer/PrefetchOne',
                 request_serializer=psproto_dot_ps__pb2.PrefetchChunk.SerializeToString,
@@ -151,6 +156,16 @@ class ParameterServerServicer:
         streams, which in gRPC Python cost a thread per call on the client and a
         wait per message and for the status on the pserver. A push whose answer
         would not fit is refused (INVALID_ARGUMENT) before it counts.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PushPullShared(self, request, context):
+        """PushPullOne with both messages in shared memory (SharedPush): for a
+        trainer on the pserver's host. A pserver that cannot map the regions
+        refuses with FAILED_PRECONDITION before reading anything, and the trainer
+        sends the push over gRPC instead.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -245,6 +260,11 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     servicer.PushPullOne,
                     request_deserializer=psproto_dot_ps__pb2.PushChunk.FromString,
                     response_serializer=psproto_dot_ps__pb2.PullChunk.SerializeToString,
+            ),
+            'PushPullShared': grpc.unary_unary_rpc_method_handler(
+                    servicer.PushPullShared,
+                    request_deserializer=psproto_dot_ps__pb2.SharedPush.FromString,
+                    response_serializer=psproto_dot_ps__pb2.SharedAnswer.SerializeToString,
             ),
             'PrefetchOne': grpc.unary_stream_rpc_method_handler(
                     servicer.PrefetchOne,
@@ -449,6 +469,33 @@ class ParameterServer:
             '/psproto.ParameterServer/PushPullOne',
             psproto_dot_ps__pb2.PushChunk.SerializeToString,
             psproto_dot_ps__pb2.PullChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PushPullShared(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/psproto.ParameterServer/PushPullShared',
+            psproto_dot_ps__pb2.SharedPush.SerializeToString,
+            psproto_dot_ps__pb2.SharedAnswer.FromString,
             options,
             channel_credentials,
             insecure,

@@ -7,23 +7,25 @@ the endpoint, the step and what the pserver said.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import secrets
 import time
 from concurrent import futures
-from typing import Callable, Dict, Iterable, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterable, Iterator, Optional, Sequence, Tuple
 
 import grpc
 import torch
 
 from psproto import ps_pb2, ps_pb2_grpc
-from psproto.codec import ONE_MESSAGE_BYTES, TensorReader, WireError, decode_chunk, encode_chunks
+from psproto.codec import ONE_MESSAGE_BYTES, TensorReader, WireError, decode_chunk, encode_chunks, encode_into
 from psproto.options import channel_options
 from transpiler import TrainerProgram
 from psproto.security import Security
 
 from .errors import DOWN, FENCED, REFUSED, RESYNC, TIMEOUT, FencedError, PserverError, PserverUnavailableError
 from .narrowing import GradientNarrower
+from .shared_regions import RegionPool
 
 log = logging.getLogger(__name__)
 
@@ -134,6 +136,12 @@ class Communicator:
                                      for ep, ch in self._channels.items()}
         self._prefetch_one_calls = {ep: ch.unary_stream(f"/{_SERVICE}/PrefetchOne")
                                     for ep, ch in self._channels.items()}
+        # A pserver that maps this process's regions gets pushes and answers through shared memory
+        # (psproto.shared); one that cannot (another host) is sent bytes from its first refusal on.
+        self._push_pull_shared_calls = {ep: ch.unary_unary(f"/{_SERVICE}/PushPullShared")
+                                        for ep, ch in self._channels.items()}
+        self.shared = {ep: cfg.shared_memory for ep in program.pservers}
+        self._regions = RegionPool()
         # Two calls per pserver may run at once: a step sent in the background
         # (async pipeline) and the next step's prefetch.
         self._pool = futures.ThreadPoolExecutor(max_workers=2 * len(program.pservers),
@@ -241,10 +249,51 @@ class Communicator:
             else:
                 call = lambda: self._push_pull_calls[endpoint](  # noqa: E731
                     encode_chunks(header, tensors, self.chunk_bytes), timeout=timeout)
+            if self.shared[endpoint] and answer_bytes is not None:
+                call = functools.partial(self._push_pull_shared, endpoint, header, tensors, sent[0], answer_bytes,
+                                         timeout, call)
         updates, _ = self._receive(endpoint, f"step {step} of trainer {self.trainer_id} (push and pull)",
                                    call, expect, dest)
         self.bytes_pushed += sent[0]
         return updates
+
+    def _push_pull_shared(self, endpoint: str, header, tensors: Sequence[Tuple[str, torch.Tensor]], nbytes: int,
+                          answer_bytes: int, timeout: float, by_grpc: Callable) -> Iterator:
+        """A push and its answer through shared memory (PushPullShared): yields the answer's message.
+
+        ``nbytes`` and ``answer_bytes``: the tensor bytes each way. A pserver
+        that cannot map this process's regions is sent this push, and every
+        later one, by ``by_grpc`` instead.
+        """
+        request_bytes = nbytes + 256 + sum(len(name) + 64 for name, _ in tensors)  # tensors and their pieces' meta
+        pair = self._regions.take(endpoint, request_bytes, answer_bytes + 4096)
+        done = False
+        try:
+            length = encode_into(pair.request.view, header, tensors)
+            if length < 0:  # more meta than guessed: this once through gRPC
+                done = True
+                yield from by_grpc()
+                return
+            push = ps_pb2.SharedPush(request=pair.request.address(ps_pb2.SharedRegion), request_bytes=length,
+                                     answer=pair.answer.address(ps_pb2.SharedRegion))
+            try:
+                reply = ps_pb2.SharedAnswer.FromString(
+                    self._push_pull_shared_calls[endpoint](push.SerializeToString(), timeout=timeout))
+            except grpc.RpcError as e:
+                if e.code() != grpc.StatusCode.UNIMPLEMENTED:
+                    raise
+                # Refused before the push counted: nothing was applied, so it goes again by gRPC.
+                log.info("trainer %d: %s cannot map this process's shared memory (%s); pushes to it go through "
+                         "gRPC", self.trainer_id, endpoint, _details(e))
+                self.shared[endpoint] = False
+                done = True
+                yield from by_grpc()
+                return
+            yield reply.inline if reply.inline else pair.answer.view[:reply.answer_bytes]
+            done = True
+        finally:
+            # A call that failed may still be answered into its regions: they are not reused.
+            self._regions.give_back(endpoint, pair, reusable=done)
 
     def pull(self, endpoint: str, names: Sequence[str], min_updates: int,
              expect: Callable, dest: Callable[[str], torch.Tensor]) -> int:
@@ -398,3 +447,4 @@ class Communicator:
         self._pool.shutdown(wait=False, cancel_futures=True)
         for ch in self._channels.values():
             ch.close()
+        self._regions.close()

@@ -133,6 +133,12 @@ class DistributeTranspilerConfig:
       service stays on the main port behind its token. 0 picks a free port.
       None: ``PS_HEALTH_PORT`` if set, else no health port (the main port still
       serves health, behind the token).
+    - ``shared_memory`` (bool, True): a trainer whose pserver runs on its own host
+      (the same user and PID namespace) writes each push into shared memory
+      and the pserver its answer (``psproto/shared.py``); the gRPC call carries
+      only where they are. A pserver elsewhere refuses the first such push before
+      reading it, and from then on that trainer sends it bytes through gRPC.
+      Same semantics either way; False always sends bytes through gRPC.
     """
 
     slice_var_up: bool = True
@@ -164,6 +170,7 @@ class DistributeTranspilerConfig:
     local_sgd_warmup_steps: int = 0
     metrics_port: Optional[int] = None
     health_port: Optional[int] = None
+    shared_memory: bool = True
 
     @property
     def session_alive_window(self) -> float:
@@ -203,7 +210,7 @@ class DistributeTranspilerConfig:
         if not isinstance(self.pserver_torch_threads, int) or self.pserver_torch_threads < 1:
             raise ValueError(
                 f"pserver_torch_threads must be an int >= 1, got {self.pserver_torch_threads!r}")
-        for name in ("async_pipeline", "read_ahead"):
+        for name in ("async_pipeline", "read_ahead", "shared_memory"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.heartbeat_timeout <= self.heartbeat_interval:

@@ -20,6 +20,7 @@ class Counters:
         self.bytes_in = 0
         self.bytes_out = 0
         self.pushes = 0
+        self.shared_pushes = 0  # of which through shared memory
         self.prefetches = 0
         self.refused = 0
         # Refusals by (reason, status): the refusal's class name ("internal" for a bug) and its gRPC code.
@@ -34,12 +35,13 @@ class Counters:
             self.pushes_by_trainer[trainer_id] = self.pushes_by_trainer.get(trainer_id, 0) + 1
             self.blocks_by_trainer[trainer_id] = self.blocks_by_trainer.get(trainer_id, 0) + blocks
 
-    def add(self, bytes_in=0, bytes_out=0, pushes=0, prefetches=0, refused=0):
+    def add(self, bytes_in=0, bytes_out=0, pushes=0, prefetches=0, refused=0, shared_pushes=0):
         """Add to the traffic counters."""
         with self.lock:
             self.bytes_in += bytes_in
             self.bytes_out += bytes_out
             self.pushes += pushes
+            self.shared_pushes += shared_pushes
             self.prefetches += prefetches
             self.refused += refused
 

@@ -18,6 +18,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from psproto.codec import WireError
+from psproto.shared import SharedMemoryError
 
 from ..errors import (AlreadyRunning, BadRequest, BarrierTimeout, Fenced, MustResync, NoSession, NotAllowed,
                       ShuttingDown, StorageFailed)
@@ -31,6 +32,9 @@ log = logging.getLogger("pserver.rpc.servicer")
 STATUS: Dict[type, grpc.StatusCode] = {
     BadRequest: grpc.StatusCode.INVALID_ARGUMENT,
     WireError: grpc.StatusCode.INVALID_ARGUMENT,  # bytes the codec cannot read as the message
+    # Regions this pserver cannot map: the trainer sends its bytes through gRPC instead (the
+    # status a pserver without PushPullShared answers too).
+    SharedMemoryError: grpc.StatusCode.UNIMPLEMENTED,
     NotAllowed: grpc.StatusCode.FAILED_PRECONDITION,
     StorageFailed: grpc.StatusCode.FAILED_PRECONDITION,
     MustResync: grpc.StatusCode.ABORTED,  # the code trainers answer with Hello, then carry on

@@ -29,7 +29,7 @@ import grpc
 import torch
 
 from psproto import ps_pb2
-from psproto.codec import ONE_MESSAGE_BYTES, TensorReader, decode_chunk, encode_chunks
+from psproto.codec import ONE_MESSAGE_BYTES, TensorReader, decode_chunk, encode_chunks, encode_into
 
 from .buffers import BufferPool
 from .counters import Counters
@@ -38,6 +38,7 @@ from ..engine.reductions import Reductions, to_values
 from ..errors import BadRequest, NotAllowed
 from .prologue import parse, refusals, trainer_call
 from .sessions import Sessions
+from .shared import SharedRegions
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +48,12 @@ def _finite(g: torch.Tensor) -> bool:
     # One reduction first (cheap); the elementwise pass only when the sum is
     # not finite, which also covers a sum that merely overflowed.
     return bool(torch.isfinite(g.sum())) or bool(torch.isfinite(g).all())
+
+
+def _one_message(header, tensors) -> bytes:
+    """``header`` and ``tensors`` encoded as a single PullChunk."""
+    (message,) = encode_chunks(header, tensors, sum(t.numel() * t.element_size() for _, t in tensors) + 1)
+    return message
 
 
 class PserverServicer:
@@ -66,6 +73,7 @@ class PserverServicer:
         self.chunk_bytes = chunk_bytes
         self.counters = Counters()
         self.buffers = BufferPool(engine.block_layout())
+        self.regions = SharedRegions(engine.trainers)
 
     def _check_trainer(self, trainer_id: int) -> None:
         if not 0 <= trainer_id < self.engine.trainers:
@@ -147,22 +155,35 @@ class PserverServicer:
 
     @refusals
     def PushPull(self, request_iterator, context) -> Iterator[bytes]:
-        yield from self._push_pull(request_iterator)
+        header, tensors = self._push_pull(request_iterator)
+        yield from encode_chunks(header, tensors, self.chunk_bytes)
 
     @refusals
     def PushPullOne(self, data, context) -> bytes:
         # One message each way: no response stream, whose every message and final status the
         # handler thread waits for (6-7% of job S's throughput on 2 cores).
-        (answer,) = self._push_pull(iter((data,)), answer_limit=ONE_MESSAGE_BYTES)
-        return answer
+        return _one_message(*self._push_pull(iter((data,)), answer_limit=ONE_MESSAGE_BYTES))
 
-    def _push_pull(self, request_iterator, answer_limit: Optional[int] = None) -> Iterator[bytes]:
-        """A push, then its answer: encoded chunks, or one message when ``answer_limit`` bounds its tensor bytes."""
+    @refusals
+    def PushPullShared(self, data, context) -> bytes:
+        # The regions are mapped (or refused: SharedMemoryError) before anything is read or counted.
+        request = parse(ps_pb2.SharedPush, data)
+        pushed, answer = self.regions.view(request.request), self.regions.view(request.answer)
+        if request.request_bytes > len(pushed):
+            raise BadRequest(f"a shared push of {request.request_bytes} bytes in a region of {len(pushed)}")
+        header, tensors = self._push_pull(iter((pushed[:request.request_bytes],)), answer_limit=len(answer))
+        self.counters.add(shared_pushes=1)
+        n = encode_into(answer, header, tensors)
+        if n < 0:  # the pieces' names and shapes did not fit beside the tensors
+            return ps_pb2.SharedAnswer(inline=_one_message(header, tensors)).SerializeToString()
+        return ps_pb2.SharedAnswer(answer_bytes=n).SerializeToString()
+
+    def _push_pull(self, request_iterator, answer_limit: Optional[int] = None):
+        """A push, then its answer: (PullHeader, tensors). ``answer_limit`` bounds the answer's tensor bytes."""
         header, applied, _, ahead = self._push(request_iterator, answer_limit=answer_limit)
         # The trainer's next step needs this one applied (sync), or whatever is there (async).
         min_updates = header.step + 1 if self.engine.sync_mode else 0
-        return self._answer_pull(header.trainer_id, min_updates, list(self.engine.block_names()), applied,
-                                 ahead, one_message=answer_limit is not None)
+        return self._answer_pull(header.trainer_id, min_updates, list(self.engine.block_names()), applied, ahead)
 
     def _push(self, request_iterator, answered: bool = True, answer_limit: Optional[int] = None):
         """Read, check and count one push; (header, applied, updates, {table: ids asked for after it}).
@@ -185,8 +206,9 @@ class PserverServicer:
             if answer_limit is not None:
                 answer_bytes = self.engine.answer_bytes(ahead)
                 if answer_bytes > answer_limit:
-                    raise BadRequest(f"the answer would carry {answer_bytes:,} bytes of tensors, more than one "
-                                     f"message holds ({answer_limit:,}): send this push with PushPull")
+                    room = "one message" if answer_limit == ONE_MESSAGE_BYTES else "the answer's region"
+                    raise BadRequest(f"the answer would carry {answer_bytes:,} bytes of tensors, more than {room} "
+                                     f"holds ({answer_limit:,}): send this push with PushPull")
             for name, g in [*grads.items(), *((n, rows) for n, (_, rows) in sparse.items())]:
                 if not self.allow_nonfinite and not _finite(g):
                     raise BadRequest(f"gradient of {name} from trainer {header.trainer_id} at step "
@@ -215,24 +237,22 @@ class PserverServicer:
             raise BadRequest(f"unknown blocks {unknown[:5]}{'...' if len(unknown) > 5 else ''}")
         if request.min_updates < 0:
             raise BadRequest(f"min_updates must be >= 0, got {request.min_updates}")
-        yield from self._answer_pull(request.trainer_id, request.min_updates, names)
+        yield from encode_chunks(*self._answer_pull(request.trainer_id, request.min_updates, names),
+                                 self.chunk_bytes)
 
     def _answer_pull(self, trainer_id: int, min_updates: int, names, applied: bool = False,
-                     ahead: Optional[Dict[str, np.ndarray]] = None, one_message: bool = False) -> Iterator[bytes]:
-        """Wait for ``min_updates``, then the blocks ``names`` and the rows of ``ahead`` ({table: ids}), encoded.
+                     ahead: Optional[Dict[str, np.ndarray]] = None):
+        """Wait for ``min_updates``, then (PullHeader, the blocks ``names`` and the rows of ``ahead`` ({table: ids})).
 
         The rows come after the blocks, as of the same update: in sync mode
         the next step's lookups find exactly what a Prefetch would have.
-        In chunks of ``chunk_bytes``, or one message when ``one_message``.
         """
         self.engine.wait_updates(trainer_id, min_updates)
         updates, tensors = self.engine.read(names)
         if ahead:
             tensors = tensors + self.engine.lookup(ahead)[1]
-        header = ps_pb2.PullHeader(updates=updates, applied=applied)
-        nbytes = sum(t.numel() * t.element_size() for _, t in tensors)
-        self.counters.add(bytes_out=nbytes)
-        return encode_chunks(header, tensors, nbytes + 1 if one_message else self.chunk_bytes)
+        self.counters.add(bytes_out=sum(t.numel() * t.element_size() for _, t in tensors))
+        return ps_pb2.PullHeader(updates=updates, applied=applied), tensors
 
     @refusals
     def Prefetch(self, request_iterator, context) -> Iterator[bytes]:
@@ -313,7 +333,7 @@ class PserverServicer:
                 sync_mode=snap.sync_mode, table_rows=snap.table_rows,
                 table_bytes=snap.table_bytes, prefetches=c.prefetches,
                 incarnation=self.incarnation, uptime_s=time.monotonic() - self.started,
-                trainers_dropped=snap.dropped, refused=c.refused,
+                trainers_dropped=snap.dropped, refused=c.refused, shared_pushes=c.shared_pushes,
                 checkpoint_step=last.step if last else -1, checkpoint_path=last.path if last else "",
                 checkpoint_age_s=time.time() - last.time if last else 0.0)
 
@@ -327,6 +347,7 @@ class PserverServicer:
             "Prefetch": grpc.stream_stream_rpc_method_handler(self.Prefetch),
             "PushPull": grpc.stream_stream_rpc_method_handler(self.PushPull),
             "PushPullOne": grpc.unary_unary_rpc_method_handler(self.PushPullOne),
+            "PushPullShared": grpc.unary_unary_rpc_method_handler(self.PushPullShared),
             "PrefetchOne": grpc.unary_stream_rpc_method_handler(self.PrefetchOne),
             "SaveTables": grpc.unary_unary_rpc_method_handler(self.SaveTables,
                                                               response_serializer=serialize),
