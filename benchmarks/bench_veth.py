@@ -17,7 +17,12 @@ Configurations (``--configs``, default all, in this order):
 
 - ``ps-veth``: this product, sync, 2 pservers in host 1 (each bound to
   10.231.N.1:PORT) x 2 trainers in host 2 (``dense_workers.py``'s roles via
-  ``veth_workers.py``): every push and pull crosses the veth.
+  ``veth_workers.py``): every push and pull crosses the veth. Shared memory
+  off (``shared_memory=False``), as between two real hosts.
+- ``ps-veth-shm``: as ``ps-veth`` with the default ``shared_memory=True``:
+  the namespaces share one host and PID namespace, so the pservers map the
+  trainers' regions and only gRPC's control messages cross the veth (the
+  same-host shortcut, as ``rpc-veth-cma``).
 - ``ps-veth-bf16``: as ``ps-veth``, gradients pushed in bfloat16
   (``grad_wire_dtype``): a quarter fewer bytes per step cross the veth.
 - ``rpc-veth``: the ``torch.distributed.rpc`` batch-updating parameter server of
@@ -33,7 +38,9 @@ Configurations (``--configs``, default all, in this order):
   ``cma`` channel only needs one host (same boot id and PID namespace) and
   copies the tensors with ``process_vm_readv``: they never cross the veth.
   The same-host shortcut, shown by the veth counters.
-- ``ps-lo``, ``ddp-lo``: the same jobs with every process in host 1 on 127.0.0.1.
+- ``ps-lo``, ``ddp-lo``: the same jobs with every process in host 1 on 127.0.0.1
+  (``ps-lo``: the defaults, so shared memory).
+- ``ps-lo-grpc``: as ``ps-lo`` with shared memory off: every byte through gRPC on loopback.
 - ``rpc-lo``: the torch peer on one host with TensorPipe's defaults (``shm``
   transport + ``cma`` channel), as ``torch_peers.py`` measures it.
 - ``rpc-lo-tcp``: the torch peer on 127.0.0.1 restricted to TCP as ``rpc-veth``.
@@ -98,7 +105,9 @@ class Config:
 
     ``tcp_only`` restricts TensorPipe to TCP (transport uv, channels from
     ``--tp-channels``); otherwise it uses its defaults. ``wire``: the PS
-    trainers push gradients in this dtype (``grad_wire_dtype``).
+    trainers push gradients in this dtype (``grad_wire_dtype``). ``shared``:
+    the PS trainers' ``shared_memory``. Only a ``tcp_only`` veth configuration
+    must move its payload across the veth (a PS one with ``shared`` is not).
     """
 
     system: str
@@ -106,17 +115,23 @@ class Config:
     tcp_only: bool = True
     what: str = ""
     wire: Optional[str] = None
+    shared: bool = True
 
 
 CONFIGS: Dict[str, Config] = {
-    "ps-veth": Config("ps", "veth", what="this product, sync, 2 ps (host 1) x 2 trainers (host 2)"),
-    "ps-veth-bf16": Config("ps", "veth", wire="bfloat16",
+    "ps-veth": Config("ps", "veth", shared=False,
+                      what="this product, sync, 2 ps (host 1) x 2 trainers (host 2), shared memory off"),
+    "ps-veth-bf16": Config("ps", "veth", wire="bfloat16", shared=False,
                            what="this product as ps-veth, gradients pushed in bfloat16 (grad_wire_dtype)"),
     "rpc-veth": Config("rpc", "veth", what="torch rpc PS, 2 ps (host 1) x 2 trainers (host 2), TensorPipe TCP only"),
     "ddp-veth": Config("ddp", "veth", what="DDP / gloo, rank 0 in host 1, rank 1 in host 2"),
     "rpc-veth-cma": Config("rpc", "veth", tcp_only=False,
                            what="torch rpc PS across the veth, TensorPipe defaults (cma: same-host shortcut)"),
-    "ps-lo": Config("ps", "lo", what="this product, sync, 2 ps x 2 trainers, all on 127.0.0.1"),
+    "ps-veth-shm": Config("ps", "veth", tcp_only=False,
+                          what="this product across the veth, shared memory on (the same-host shortcut)"),
+    "ps-lo": Config("ps", "lo", what="this product, sync, 2 ps x 2 trainers, all on 127.0.0.1 (shared memory)"),
+    "ps-lo-grpc": Config("ps", "lo", shared=False,
+                         what="this product on 127.0.0.1, shared memory off: every byte through gRPC"),
     "rpc-lo": Config("rpc", "lo", tcp_only=False,
                      what="torch rpc PS on one host, TensorPipe defaults (shm + cma), as torch_peers.py"),
     "rpc-lo-tcp": Config("rpc", "lo", what="torch rpc PS on 127.0.0.1, TensorPipe TCP only"),
@@ -255,7 +270,7 @@ def run_one(name: str, rnd: int, index: int, hosts: TwoHosts, args, workdir: str
     """One run of configuration ``name`` in round ``rnd``: start its processes, wait, and return its figures."""
     config = CONFIGS[name]
     ports = [21000 + 10 * (index % 2000) + k for k in range(4)]  # fresh ports each run: no TIME_WAIT reuse
-    spec = dataclasses.replace(args.spec, grad_wire_dtype=config.wire)
+    spec = dataclasses.replace(args.spec, grad_wire_dtype=config.wire, shared_memory=config.shared)
     busy0, ours0, t0 = *busy_cpu_seconds(), time.monotonic()
     link_before = hosts.counters(2)
     with ConnectionSampler(hosts) as conns, NsProcesses(workdir, spec) as procs:

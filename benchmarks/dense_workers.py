@@ -61,6 +61,8 @@ class Spec:
     peers: Optional[str] = None
     # The PS roles' DistributeTranspilerConfig.grad_wire_dtype (None: the default, gradients as computed).
     grad_wire_dtype: Optional[str] = None
+    # The PS trainers' DistributeTranspilerConfig.shared_memory (same-host payloads; the default).
+    shared_memory: bool = True
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))
@@ -196,11 +198,13 @@ def run_ddp(spec: Spec) -> dict:
 # -- parameter server ----------------------------------------------------------
 
 def transpile(spec: Spec, env):
-    """The job's DistributeTranspiler for this role: SGD program, default config but for the wire dtype."""
+    """The job's DistributeTranspiler for this role: SGD program, default config but for the wire dtype and
+    shared memory."""
     from transpiler import DistributeTranspiler, DistributeTranspilerConfig, Program
 
     program = Program(build_model(spec.sizes, spec.seed), "sgd", lr=spec.lr)
-    t = DistributeTranspiler(DistributeTranspilerConfig(grad_wire_dtype=spec.grad_wire_dtype))
+    t = DistributeTranspiler(DistributeTranspilerConfig(grad_wire_dtype=spec.grad_wire_dtype,
+                                                        shared_memory=spec.shared_memory))
     t.transpile(env.trainer_id, program=program, pservers=env.pserver_list,
                 trainers=env.trainers, sync_mode=spec.sync_mode)
     return t

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from tests.helpers.cluster import LocalCluster
-from tests.helpers.models import FLOAT64_EXACT, batches, odd_mlp, train_concatenated
+from tests.helpers.models import FLOAT64_EXACT, batches, odd_mlp, train_concatenated, train_distributed
 from transpiler import DistributeTranspilerConfig, Program
 
 STEPS = 4
@@ -50,14 +50,6 @@ def assert_params_close(actual: dict, expected: dict) -> None:
         torch.testing.assert_close(actual[name], expected[name], **tolerance, msg=lambda m: f"{name}: {m}")
 
 
-def train_distributed(cluster: LocalCluster, data) -> dict:
-    def body(tr, i):
-        for step_batches in data:
-            x, y = step_batches[i]
-            nn.functional.cross_entropy(tr.model(x), y).backward()
-            tr.step()
-        return tr.state_dict()
-    return cluster.run_trainers(body)
 
 
 CASES = [(*case, torch.float64) for case in itertools.product(

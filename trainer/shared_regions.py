@@ -32,6 +32,14 @@ def region_size(nbytes: int) -> int:
     return -(-(nbytes + nbytes // 4 + 4096) // _MIB) * _MIB
 
 
+def _big_enough(region: Region, nbytes: int) -> Region:
+    """``region`` if it holds ``nbytes``, else a new one that does (``region`` closed)."""
+    if region.size >= nbytes:
+        return region
+    region.close()
+    return Region(region_size(nbytes))
+
+
 class RegionPool:
     """Free region pairs per pserver endpoint; thread-safe."""
 
@@ -45,13 +53,11 @@ class RegionPool:
         with self._lock:
             pairs = self._free.setdefault(endpoint, [])
             pair = pairs.pop() if pairs else None
-        if pair is not None and pair.request.size >= request_bytes and pair.answer.size >= answer_bytes:
+        if pair is None:
+            return RegionPair(Region(region_size(request_bytes)), Region(region_size(answer_bytes)))
+        if pair.request.size >= request_bytes and pair.answer.size >= answer_bytes:
             return pair
-        request = region_size(max(request_bytes, pair.request.size if pair else 0))
-        answer = region_size(max(answer_bytes, pair.answer.size if pair else 0))
-        if pair is not None:
-            pair.close()
-        return RegionPair(Region(request), Region(answer))
+        return RegionPair(_big_enough(pair.request, request_bytes), _big_enough(pair.answer, answer_bytes))
 
     def give_back(self, endpoint: str, pair: RegionPair, reusable: bool) -> None:
         """Return ``pair`` after its call: kept for the next call if ``reusable``, else closed."""
