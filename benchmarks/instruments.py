@@ -73,8 +73,8 @@ class LookupTimer:
 class PserverPhases:
     """A pserver's CPU per push, phase by phase, over the trainers' timed steps (instrumentation only).
 
-    Wraps, on the instance, the servicer's one-message step call (``PushPullOne``, the whole
-    handler) and the parts it runs in its handler thread: reading the request (``_read_stream``,
+    Wraps, on the instance, the servicer's one-message step calls (``PushPullOne``,
+    ``PushPullShared``: the whole handler) and the parts it runs in its handler thread: reading the request (``_read_stream``,
     ``split_push``: decode), the engine's ``push`` (apply; a sync barrier's wait takes no CPU),
     ``read`` (the blocks of the answer) and ``lookup`` (the next batch's rows), each timed with
     ``time.thread_time`` (the calling thread's CPU). What the handler spends outside them is
@@ -100,6 +100,7 @@ class PserverPhases:
         engine.read = self._timed("read blocks", engine.read)
         engine.lookup = self._timed("lookup", engine.lookup)
         sv.PushPullOne = self._handler(sv.PushPullOne)
+        sv.PushPullShared = self._handler(sv.PushPullShared)
 
     def _counting(self) -> bool:
         return self.first <= self.pushes < self.last
