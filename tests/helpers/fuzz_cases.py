@@ -32,7 +32,8 @@ from .cluster import LocalCluster
 from .fuzz_wire import MASK64, byte_mutation, random_fields, wire_mutation
 from psproto import ps_pb2
 from psproto.dtypes import DTYPES
-from psproto.codec import decode_chunk, encode_chunks
+from psproto.codec import decode_chunk, encode_chunks, encode_into
+from psproto.shared import Region
 from transpiler import Program
 
 SERVICE = ps_pb2.DESCRIPTOR.services_by_name["ParameterServer"]
@@ -102,6 +103,8 @@ class Env:
     bases: Dict[str, List[bytes]] = field(default_factory=dict)
     crafted: Dict[str, List[Case]] = field(default_factory=dict)
     before: Dict[str, bytes] = field(default_factory=dict)   # block bytes before fuzzing
+    # PushPullShared's base: a region holding the base push (its length) and a region for the answer
+    shared: Optional[Tuple[Region, int, Region]] = None
 
     @property
     def server(self):
@@ -123,6 +126,17 @@ def push_stream(e: Env, chunk: int, tensors=None, **header) -> List[bytes]:
     h = dict(trainer_id=0, step=FUTURE_STEP, layout_digest=e.digest, epoch=1, batch=2, session=e.sessions[0])
     h.update(header)
     return list(encode_chunks(ps_pb2.PushHeader(**h), e.grads if tensors is None else tensors, chunk))
+
+
+def shared_push(e: Env) -> List[bytes]:
+    """A SharedPush naming a region of this process that holds the base push (step 5, from the future)."""
+    if e.shared is None:
+        request, answer = Region(1 << 20), Region(1 << 20)
+        h = dict(trainer_id=0, step=FUTURE_STEP, layout_digest=e.digest, epoch=1, batch=2, session=e.sessions[0])
+        e.shared = (request, encode_into(request.view, ps_pb2.PushHeader(**h), e.grads), answer)
+    request, length, answer = e.shared
+    return [ps_pb2.SharedPush(request=request.address(ps_pb2.SharedRegion), request_bytes=length,
+                              answer=answer.address(ps_pb2.SharedRegion)).SerializeToString()]
 
 
 def prefetch_stream(e: Env, chunk: int, tensors=None, **header) -> List[bytes]:
@@ -148,6 +162,7 @@ def base_requests(e: Env) -> Dict[str, List[bytes]]:
         "Prefetch": prefetch_stream(e, PREFETCH_CHUNK),        # read-only (no row is stored)
         "PushPull": push_stream(e, STREAM_CHUNK),
         "PushPullOne": push_stream(e, ONE_MESSAGE),
+        "PushPullShared": shared_push(e),
         "PrefetchOne": prefetch_stream(e, ONE_MESSAGE),
         "SaveTables": s(ps_pb2.SaveTablesRequest(trainer_id=0, directory=str(e.tmp / "tables"),
                                                  layout_digest=WRONG_DIGEST, session=own)),
@@ -174,8 +189,15 @@ def legit_change(e: Env, name: str, messages: List[bytes]) -> Optional[str]:
         return 0 <= t < TRAINERS and request.session == e.sessions[t]
 
     try:
-        if method.input_type.name == "PushChunk":
-            header, _ = decode_chunk(messages[0], ps_pb2.PushHeader)
+        pushed = messages[0]
+        if method.input_type.name == "SharedPush":  # the push is what the named region holds, if ours
+            shared = ps_pb2.SharedPush.FromString(pushed)
+            request, length, _ = e.shared
+            if shared.request.name != request.name:
+                return None
+            pushed = bytes(request.view[:min(length, shared.request_bytes)])
+        if method.input_type.name in ("PushChunk", "SharedPush"):
+            header, _ = decode_chunk(pushed, ps_pb2.PushHeader)
             if (header is not None and speaks_for_trainer(header) and header.layout_digest == e.digest
                     and header.step == e.server.engine.updates):
                 return "a push for the current step: it may be counted"
