@@ -20,6 +20,7 @@ from transpiler import TrainerProgram
 from transpiler.position import Position
 
 from .feed import Feed
+from .memory import retain_freed_memory
 from .steppers.state import StepState
 
 
@@ -52,6 +53,8 @@ class Trainer(ABC):
             raise ValueError("the TrainerProgram carries no model; pass model= to TrainerProgram.from_bytes")
         self.program = program
         self.trainer_id = program.trainer_id
+        if program.config.retain_freed_memory:
+            retain_freed_memory()
         self.state = StepState()
         self.feed: Optional[Feed] = None
         self._closed = False
