@@ -144,7 +144,7 @@ class DistributeTranspilerConfig:
       for its next step instead of returning them to the kernel
       (``trainer/memory.py``): every step frees and re-allocates its gradients
       and activations, and fresh pages cost a page fault and zeroing each (job D:
-      10-20 ms of system time per step, ~10% of forward/backward). The process's
+      11-27 ms of system time per step, ~10% of forward/backward). The process's
       resident memory then stays at its peak. False: malloc's defaults. No effect
       where the C library is not glibc.
     """
