@@ -11,15 +11,19 @@ that was 11-27 ms of system time per step and ~10% of a trainer's
 forward/backward (``benchmarks/RESULTS.md``). Raising both thresholds keeps
 freed memory in the process for the next step, as PyTorch's caching allocator
 does on CUDA and Paddle's allocator does everywhere: the process's resident
-memory then stays at its peak instead of shrinking between steps.
+memory then stays at its peak instead of shrinking between steps. The first
+steps may still grow the heap: torch asks for 64-byte-aligned buffers, which do
+not always fit the chunk the previous step freed, so a few extra copies of a
+large buffer can pile up before the heap settles (in a loop of one 40 MB tensor,
+up to 8 of them; then none more, and no page faults).
 
 Only glibc has ``mallopt``; elsewhere (musl, macOS) nothing changes.
 """
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
-import threading
 
 log = logging.getLogger(__name__)
 
@@ -33,10 +37,7 @@ MMAP_THRESHOLD = 256 << 20
 # Free memory kept at the top of the heap before it is returned to the kernel.
 TRIM_THRESHOLD = 1 << 30
 
-_lock = threading.Lock()
-_retained = None
-
-
+@functools.lru_cache(maxsize=None)
 def retain_freed_memory() -> bool:
     """Ask glibc's malloc to keep freed buffers of up to 256 MiB (and up to 1 GiB of free heap) for reuse.
 
@@ -45,14 +46,6 @@ def retain_freed_memory() -> bool:
     is no glibc ``mallopt``, or it refused one; then nothing is changed beyond
     what it took, and a line at DEBUG level says why).
     """
-    global _retained
-    with _lock:
-        if _retained is None:
-            _retained = _set_thresholds()
-        return _retained
-
-
-def _set_thresholds() -> bool:
     try:
         mallopt = ctypes.CDLL(None).mallopt
     except (OSError, AttributeError):
