@@ -87,7 +87,7 @@ def test_transpiler_exports_the_user_api():
 
     assert sorted(transpiler.__all__) == sorted([
         "Program", "DistributeTranspiler", "DistributeTranspilerConfig", "TableOptions", "RoleEnv",
-        "PserverProgram", "StartupProgram", "TrainerProgram", "Position"])
+        "PserverProgram", "StartupProgram", "TrainerProgram", "Position", "TableLifecycle"])
 
 
 def test_the_package_surfaces_resolve_lazily_and_ps_launch_starts_without_torch():

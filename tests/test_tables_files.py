@@ -49,7 +49,7 @@ def test_save_load_same_shard_count(tmp_path, optimizer):
     shards = trained_shards(spec, 2)
     dirs = save_all(shards, tmp_path)
     assert sorted(os.listdir(dirs[0])) == sorted(
-        ["meta.json", "ids.npy", "rows.npy"]
+        ["meta.json", "ids.npy", "rows.npy", "seen_step.npy"]
         + {"sgd": [], "adagrad": ["sum.npy"], "adam": ["exp_avg.npy", "exp_avg_sq.npy"]}[optimizer])
     for t in shards:
         u = TableShard.load(spec, t.shard, 2, [dirs[t.shard]])

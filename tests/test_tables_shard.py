@@ -294,7 +294,7 @@ def test_matches_torch_float64_adam():
 def test_bytes_per_row_within_1_5x_raw(optimizer, n_state):
     spec = make_spec(dim=16, optimizer=optimizer, capacity=1000)
     t = TableShard(spec, 0, 1)
-    raw = 8 + 16 * 4 * (1 + n_state)
+    raw = 8 + 16 * 4 * (1 + n_state) + 8  # id, values, state, seen_step
     assert t.raw_bytes_per_row == raw
     rng = np.random.default_rng(2)
     ratios_after_growth = []

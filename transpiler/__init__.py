@@ -4,6 +4,7 @@ Public surface::
 
     from transpiler import Program, DistributeTranspiler, DistributeTranspilerConfig
     from transpiler import TableOptions          # per-table optimizer / initial rows
+    from transpiler import TableLifecycle        # per-table admission, eviction, disk tier
     from transpiler import RoleEnv               # this process's role, from the environment
     from transpiler import PserverProgram, StartupProgram, TrainerProgram   # the plans
     from transpiler import Position              # (epoch, batch): where a trainer's data stands
@@ -22,16 +23,17 @@ from .lazy import lazy_exports
 __getattr__ = lazy_exports(__name__, {  # public name: the module that defines it
     "Program": ".program", "DistributeTranspiler": ".transpiler", "DistributeTranspilerConfig": ".config",
     "TableOptions": ".tables", "RoleEnv": ".env", "PserverProgram": ".plans", "StartupProgram": ".plans",
-    "TrainerProgram": ".plans", "Position": ".position",
+    "TrainerProgram": ".plans", "Position": ".position", "TableLifecycle": ".lifecycle",
 })
 __all__ = [
     "Program", "DistributeTranspiler", "DistributeTranspilerConfig", "TableOptions", "RoleEnv",
-    "PserverProgram", "StartupProgram", "TrainerProgram", "Position",
+    "PserverProgram", "StartupProgram", "TrainerProgram", "Position", "TableLifecycle",
 ]
 
 if TYPE_CHECKING:
     from .config import DistributeTranspilerConfig
     from .env import RoleEnv
+    from .lifecycle import TableLifecycle
     from .plans import PserverProgram, StartupProgram, TrainerProgram
     from .position import Position
     from .program import Program

@@ -22,6 +22,7 @@ import torch
 from psproto.dtypes import TABLE_DTYPES
 
 from .hashing import stable_hash_ids, stable_hash_name
+from .lifecycle import TableLifecycle, table_lifecycle
 from .optim import OptimizerSpec
 
 # Sparse optimizers, with torch's semantics for sparse gradients: the class
@@ -98,6 +99,8 @@ class TableOptions:
       ``nn.Embedding`` itself does.
     - ``seed`` (int or None, None): seed of the initial rows; None derives it
       from the table name, so every role agrees without configuration.
+    - ``lifecycle`` (:class:`~transpiler.lifecycle.TableLifecycle` or a dict of
+      its fields, all off): admission, eviction and the disk tier.
     """
 
     optimizer: Optional[str] = None
@@ -105,6 +108,7 @@ class TableOptions:
     init: str = "normal"
     init_kwargs: Dict[str, float] = field(default_factory=dict)
     seed: Optional[int] = None
+    lifecycle: Union[TableLifecycle, Mapping[str, object], None] = None
 
 
 @dataclass
@@ -113,7 +117,8 @@ class TableSpec:
 
     ``kind`` is "embedding" or "bag" (``nn.EmbeddingBag``, pooled by ``mode``);
     ``capacity`` is the module's ``num_embeddings``, a sizing hint only;
-    ``padding_idx`` rows are zero and never trained, as in torch.
+    ``padding_idx`` rows are zero and never trained, as in torch;
+    ``lifecycle`` bounds the table (admission, eviction, disk tier).
     """
 
     name: str
@@ -128,6 +133,7 @@ class TableSpec:
     mode: str = ""
     padding_idx: Optional[int] = None
     include_last_offset: bool = False
+    lifecycle: TableLifecycle = field(default_factory=TableLifecycle)
 
     @property
     def ids_name(self) -> str:
@@ -157,6 +163,7 @@ class TableSpec:
     def from_dict(cls, data: dict) -> "TableSpec":
         data = dict(data)
         data["optimizer"] = TableOptimizerSpec.from_dict(data["optimizer"])
+        data["lifecycle"] = TableLifecycle(**data.get("lifecycle", {}))
         return cls(**data)
 
 
@@ -212,7 +219,8 @@ def table_spec(name: str, module: torch.nn.Module, options: TableOptions,
                      capacity=module.num_embeddings, seed=seed, init=options.init,
                      init_kwargs=init_kwargs, optimizer=optimizer, mode=mode,
                      padding_idx=module.padding_idx,
-                     include_last_offset=bool(getattr(module, "include_last_offset", False)))
+                     include_last_offset=bool(getattr(module, "include_last_offset", False)),
+                     lifecycle=table_lifecycle(options.lifecycle, name))
 
 
 def table_options(value: Union[None, TableOptions, Mapping[str, object]]) -> TableOptions:

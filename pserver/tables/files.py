@@ -8,6 +8,10 @@ one directory::
     rows.npy      dtype (n, dim)      their rows
     <state>.npy   dtype (n, dim)      one per optimizer state array ("sum" for
                                       adagrad, "exp_avg" and "exp_avg_sq" for adam)
+    <column>.npy  (n,)                row metadata (:mod:`pserver.tables.lifecycle`):
+                                      seen_step always, score / seen_time with their rules
+    sketch.npy    uint16 (4, width)   the admission counts (``admit_count`` > 1); a
+                                      re-shard sums the saved shards' sketches
     meta.json     table, dim, dtype, optimizer, step, rows, shard, n_shards,
                   format version and the full table spec (init, seed, ...)
 
@@ -35,6 +39,7 @@ from psproto.dtypes import TABLE_DTYPES
 from transpiler.tables import TableSpec, shard_of
 
 from .. import atomic_files
+from .lifecycle import META_COLUMNS
 from .sparse_optim import STATE_NAMES
 
 __all__ = ["FORMAT", "VERSION", "shard_meta", "write_shard", "open_shards", "iter_selected",
@@ -64,17 +69,19 @@ def saved_shards(root: str, table: str) -> List[str]:
     return found
 
 
-def shard_meta(spec: TableSpec, shard: int, n_shards: int, step: int, rows: int) -> dict:
-    """The ``meta.json`` of one saved shard."""
+def shard_meta(spec: TableSpec, shard: int, n_shards: int, step: int, rows: int,
+               arrays: Sequence[str] = (), extra: Sequence[str] = ()) -> dict:
+    """The ``meta.json`` of one saved shard: ``arrays`` hold one entry per row, ``extra`` do not."""
     return {"format": FORMAT, "version": VERSION, "table": spec.name, "dim": spec.dim,
             "dtype": spec.dtype, "optimizer": spec.optimizer.name, "step": int(step),
             "rows": int(rows), "shard": int(shard), "n_shards": int(n_shards),
-            "arrays": ["ids", "rows", *STATE_NAMES[spec.optimizer.name]],
-            "spec": spec.to_dict()}
+            "arrays": list(arrays) or ["ids", "rows", *STATE_NAMES[spec.optimizer.name]],
+            "extra": list(extra), "spec": spec.to_dict()}
 
 
-def write_shard(directory: str, arrays: Dict[str, np.ndarray], meta: dict) -> None:
-    """Write ``arrays`` as ``<name>.npy`` and then ``meta.json`` into ``directory``, atomically.
+def write_shard(directory: str, arrays: Dict[str, np.ndarray], meta: dict,
+                extra: Dict[str, np.ndarray] = None) -> None:
+    """Write ``arrays`` (and ``extra``) as ``<name>.npy`` and then ``meta.json`` into ``directory``, atomically.
 
     The previous ``meta.json`` is removed before any array is replaced, so no
     moment exists at which a meta describes arrays of another save.
@@ -84,7 +91,7 @@ def write_shard(directory: str, arrays: Dict[str, np.ndarray], meta: dict) -> No
     if os.path.exists(meta_path):
         os.unlink(meta_path)
         atomic_files.fsync_dir(directory)
-    for name, array in arrays.items():
+    for name, array in {**arrays, **(extra or {})}.items():
         atomic_files.atomic_write(os.path.join(directory, f"{name}.npy"),
                                   lambda f, a=array: np.save(f, a, allow_pickle=False))
     atomic_files.fsync_dir(directory)
@@ -101,6 +108,7 @@ class Source:
     directory: str
     meta: dict
     arrays: Dict[str, np.ndarray]
+    extra: Dict[str, np.ndarray]
 
     @property
     def rows(self) -> int:
@@ -136,12 +144,23 @@ def _read_source(directory: str) -> Source:
         if not os.path.isfile(path):
             raise ValueError(f"{directory}: {name}.npy is missing")
         a = np.load(path, mmap_mode="r", allow_pickle=False)
-        want = ((n,), np.dtype(np.int64)) if name == "ids" else ((n, dim), dtype)
+        if name == "ids":
+            want = ((n,), np.dtype(np.int64))
+        elif name in META_COLUMNS:
+            want = ((n,), META_COLUMNS[name])
+        else:
+            want = ((n, dim), dtype)
         if a.shape != want[0] or a.dtype != want[1]:
             raise ValueError(f"{path}: holds {a.dtype} {list(a.shape)}, but {META} says "
                              f"{want[1]} {list(want[0])} (rows {n}); files of different saves?")
         arrays[name] = a
-    return Source(directory, meta, arrays)
+    extra = {}
+    for name in meta.get("extra", []):
+        path = os.path.join(directory, f"{name}.npy")
+        if not os.path.isfile(path):
+            raise ValueError(f"{directory}: {name}.npy is missing")
+        extra[name] = np.load(path, allow_pickle=False)
+    return Source(directory, meta, arrays, extra)
 
 
 def _check_set(sources: List[Source]) -> Tuple[int, int]:

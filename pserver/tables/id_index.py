@@ -12,7 +12,8 @@ key or an empty slot; rounds, not ids, are the Python loop. Inserting a batch
 places the new row numbers at the empty slot each id's probe stopped at; ids of
 the batch that land on the same empty slot are resolved by writing all of them
 and reading back (exactly one write survives per slot, its owner wins, the
-others move on), which needs no sort. Rows are never deleted: no tombstones.
+others move on), which needs no sort. Deleting keys (eviction) shifts later entries of
+their cluster back (:func:`delete`), so there are no tombstones.
 The load factor stays at most :data:`MAX_LOAD` (the owner doubles and rebuilds).
 """
 from __future__ import annotations
@@ -185,6 +186,23 @@ def place_rounds(slots: np.ndarray, pos: np.ndarray, rownums: np.ndarray) -> Non
         nxt = target + 1 if w == 1 else np.where(found, target + 1, p + w)
         p, r = nxt.take(sel), r.take(sel)
         p &= mask
+
+
+def delete(slots: np.ndarray, row_ids: np.ndarray, keys: np.ndarray) -> bool:
+    """Remove ``keys`` (present, distinct; ``row_ids`` still holding them) from the index in place.
+
+    Compiled backward-shift deletion (no tombstones, so probes stay as short
+    as before); returns False, changing nothing, where numba is missing: the
+    caller then rebuilds the index (:func:`build_index`) over the rows it keeps.
+    """
+    kernels = _compiled((slots, np.int32), (row_ids, np.int64), (keys, np.int64))
+    if kernels is None:
+        return False
+    shift = np.uint64(64 - (slots.size.bit_length() - 1))
+    found = kernels.delete(slots, row_ids, keys, shift)
+    if found != keys.size:
+        raise RuntimeError(f"id index: {keys.size - found} of {keys.size} keys to delete were not in it")
+    return True
 
 
 def build_index(row_ids: np.ndarray, n: int, n_slots: int) -> np.ndarray:

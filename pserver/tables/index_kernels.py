@@ -74,5 +74,50 @@ if AVAILABLE:
             while slots[p] >= 0:
                 p = (p + 1) & mask
             slots[p] = rownums[i]
+
+    @numba.njit("uint64(int64, uint64)", cache=True, nogil=True)
+    def _home(key, shift):  # pragma: no cover - compiled
+        x = np.uint64(key) + np.uint64(0x9E3779B97F4A7C15)
+        x ^= x >> np.uint64(30)
+        x *= np.uint64(0xBF58476D1CE4E5B9)
+        x ^= x >> np.uint64(27)
+        x *= np.uint64(0x94D049BB133111EB)
+        x ^= x >> np.uint64(31)
+        return x >> shift
+
+    @numba.njit("int64(int32[:], int64[:], int64[:], uint64)", cache=True, nogil=True)
+    def delete(slots, row_ids, keys, shift):  # pragma: no cover - compiled
+        """Remove ``keys`` from the index by backward shift; return how many were found.
+
+        Linear probing needs no tombstones: after emptying slot ``i``, each
+        later entry of the cluster whose home is not cyclically in ``(i, j]``
+        moves back into the hole, which moves on to ``j``; the cluster ends at
+        an empty slot. Each key is found again from its home first, as the
+        shifts of earlier keys move entries. ``row_ids`` must still hold the
+        keys' ids, and the home is :func:`pserver.tables.id_index.home_slots`'s
+        (the top bits of the splitmix64 finaliser, ``shift`` = 64 - log2(slots)), recomputed here.
+        """
+        mask = slots.size - 1
+        found = 0
+        for key in keys:
+            i = np.int64(_home(key, shift))
+            while slots[i] >= 0 and row_ids[slots[i]] != key:
+                i = (i + 1) & mask
+            if slots[i] < 0:
+                continue
+            found += 1
+            j = i
+            while True:
+                j = (j + 1) & mask
+                r = slots[j]
+                if r < 0:
+                    break
+                k = np.int64(_home(row_ids[r], shift))
+                if (i <= j and (k <= i or k > j)) or (i > j and k <= i and k > j):
+                    slots[i] = r
+                    i = j
+            slots[i] = -1
+        return found
+
 else:
     log.debug("numba is not installed: the id index probes in numpy rounds")

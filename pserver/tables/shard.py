@@ -12,17 +12,14 @@ Layout (``n`` rows stored, ``C`` row capacity, ``S`` index slots)::
     ids    int64 (C,)         ids[r] = the id of row r (the index's keys)
     rows   dtype (C, dim)     row values; rows [0, n) are live
     state  dtype (C, dim) x k optimizer state (k = 0 sgd, 1 adagrad, 2 adam)
+    meta   (C,) x c           row metadata (:mod:`pserver.tables.lifecycle`): seen_step
+                              always, score and seen_time when a rule needs them
 
-Index: linear probing. An id's home slot is the HIGH ``log2(S)`` bits of
-``stable_hash_ids(id)``; the low bits decide the shard (``% n_shards``) and are
-therefore correlated on one shard. A lookup probes all pending ids of the batch
-at once per round (gather slots, gather ``ids`` of the rows they point to,
-compare) until each one hits its key or an empty slot; rounds, not ids, are the
-Python loop. Inserting a batch places the new row numbers at the empty slot
-each id's probe stopped at; ids of the batch that land on the same empty slot
-are resolved by writing all of them and reading back (exactly one write
-survives per slot, its owner wins, the others move on), which needs no sort.
-Rows are never deleted, so no tombstones.
+Index: linear probing (:mod:`pserver.tables.id_index`). Inserting a batch
+places the new row numbers at the empty slot each id's probe stopped at.
+Eviction (:mod:`pserver.tables.lifecycle`) deletes keys from the index by
+backward shift and keeps rows dense: the live rows past the new end move into
+the holes, and the slots after ``n`` are reused by later inserts.
 
 Growth: the row arrays live on private anonymous memory maps (huge pages
 requested) and grow by 1.25x with ``mmap.resize``, i.e. ``mremap``: no copy and
@@ -32,13 +29,14 @@ initial capacity is ``num_embeddings / n_shards`` capped at 1M rows, so a huge
 hint does not allocate gigabytes up front. Rows are gathered and scattered as
 opaque ``dim * itemsize``-byte records (:func:`gather`, :func:`scatter`).
 
-Memory per stored row, with raw = ``8 + dim * itemsize * (1 + k)``::
+Memory per stored row, with raw = ``8 + dim * itemsize * (1 + k) + meta``
+(meta 8 bytes, 16 with a score rule, 24 with a wall-clock rule as well)::
 
     bytes/row = (C / n) * raw + 4 * S / n  <=  1.25 * raw + 4 / 0.35
 
 (right after both a row growth and an index doubling; 4 * S / n is 5.7-11.4
-bytes). For dim 16 float32 that is at most 1.41x raw for sgd (raw 72 B) and
-1.31x for adam (raw 200 B).
+bytes). For dim 16 float32 that is at most 1.39x raw for sgd (raw 80 B) and
+1.30x for adam (raw 208 B).
 
 Thread safety: :meth:`TableShard.lookup`, :meth:`~TableShard.apply` and
 :meth:`~TableShard.save` take one lock, so a lookup never sees an array that
@@ -55,7 +53,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import List, Sequence
+from typing import Dict, List, Sequence
 
 import numpy as np
 import torch
@@ -66,7 +64,8 @@ from transpiler.tables import TableSpec, as_ids, initial_rows, shard_of
 from ..errors import BadRequest
 from . import files as table_files
 from .fresh import FreshRows
-from .id_index import EMPTY, MAX_LOAD, build_index, home_slots, load_kernels, place, probe, slots_for
+from .id_index import EMPTY, MAX_LOAD, build_index, delete, home_slots, load_kernels, place, probe, slots_for
+from .lifecycle import META_COLUMNS, RowLifecycle
 from .rows import Growable, gather, scatter
 from .sparse_optim import make_rule
 
@@ -124,6 +123,8 @@ class TableShard:
         self.step = 0
         self.dtype = np.dtype(spec.dtype)
         self._rule = make_rule(spec.optimizer.name, spec.optimizer.kwargs)
+        self.life = RowLifecycle(spec, n_shards)
+        self.exported_step = -1  # table step of the last export; -1: none since this shard was built
         self._lock = threading.Lock()
         self._n = 0
         hint = -(-int(spec.capacity) // n_shards) if spec.capacity else 0
@@ -131,6 +132,7 @@ class TableShard:
         # ids, rows, then the optimizer's state arrays; the attributes below are their views.
         self._store = [Growable(cap, (), np.int64), Growable(cap, (spec.dim,), self.dtype)]
         self._store += [Growable(cap, (spec.dim,), self.dtype) for _ in self._rule.state_names]
+        self._store += [Growable(cap, (), META_COLUMNS[c]) for c in self.life.columns]
         self._refresh_views()
         self._slots = np.full(slots_for(cap), EMPTY, dtype=np.int32)
         self._index_nbytes = self._slots.nbytes
@@ -159,7 +161,13 @@ class TableShard:
     @property
     def raw_bytes_per_row(self) -> int:
         """Bytes one row needs at least: its int64 id, its values and its state."""
-        return 8 + self.spec.dim * self.dtype.itemsize * (1 + len(self._state))
+        meta = sum(META_COLUMNS[c].itemsize for c in self.life.columns)
+        return 8 + self.spec.dim * self.dtype.itemsize * (1 + len(self._state)) + meta
+
+    def stored_ids(self) -> np.ndarray:
+        """A copy of the ids holding a row, in row order."""
+        with self._lock:
+            return self._ids[:self._n].copy()
 
     def check_ids(self, ids: np.ndarray) -> None:
         """Raise :class:`BadRequest` naming the table, this shard and an example id if any id is not ours.
@@ -217,6 +225,13 @@ class TableShard:
                 rows, stop = probe(self._slots, self._ids, ids, home_slots(ids, self._slots.size))
                 missing = rows < 0
                 if missing.any():
+                    miss = np.flatnonzero(missing)
+                    admitted = self.life.admit(ids[miss])
+                    if not admitted.all():  # pending ids: their gradients are dropped
+                        keep = np.ones(ids.size, dtype=bool)
+                        keep[miss[~admitted]] = False
+                        ids, g, rows, stop = ids[keep], g[keep], rows[keep], stop[keep]
+                        missing = rows < 0
                     rows[missing] = self._insert(ids[missing], stop[missing])
                 param = gather(self._rows, rows)
                 states = [gather(s, rows) for s in self._state]
@@ -224,7 +239,9 @@ class TableShard:
                 scatter(self._rows, rows, param)
                 for s, v in zip(self._state, states):
                     scatter(s, rows, v)
+                self.life.touch(self._meta, rows, step)
             self.step = step
+            self._end_step(step)
 
     def save(self, directory: str) -> None:
         """Write this shard's stored rows, state and step to ``directory`` (see :mod:`pserver.tables.files`).
@@ -237,8 +254,10 @@ class TableShard:
             arrays = {"ids": self._ids[:n], "rows": self._rows[:n]}
             for name, s in zip(self._rule.state_names, self._state):
                 arrays[name] = s[:n]
+            arrays.update(self._live())
+            extra = self.life.admission.sketch.state() if self.life.admission and self.life.admission.sketch else {}
             table_files.write_shard(directory, arrays, table_files.shard_meta(
-                self.spec, self.shard, self.n_shards, self.step, n))
+                self.spec, self.shard, self.n_shards, self.step, n, list(arrays), list(extra)), extra)
 
     @classmethod
     def load(cls, spec: TableSpec, shard: int, n_shards: int, directories: Sequence[str]) -> "TableShard":
@@ -255,15 +274,64 @@ class TableShard:
         sources, step = table_files.open_shards(spec, directories, shard, n_shards)
         table = cls(spec, shard, n_shards)
         names = ["rows", *table._rule.state_names]
+        defaults = table.life.defaults(step)
         for src in sources:
-            for ids, arrays in table_files.iter_selected(src, names, shard, n_shards, _CHUNK):
+            columns = [c for c in table.life.columns if c in src.arrays]
+            for ids, arrays in table_files.iter_selected(src, names + columns, shard, n_shards, _CHUNK):
                 table._append(ids, arrays, src.directory)
+                saved = dict(zip(columns, arrays[len(names):]))
+                for c, column in table._meta.items():
+                    column[table._n - ids.size:table._n] = saved[c] if c in saved else defaults[c]
+            sketch = table.life.admission.sketch if table.life.admission else None
+            if sketch is not None and "sketch" in src.extra:
+                sketch.merge_saved(src.extra["sketch"])
         table.step = step
         log.info("table %s: loaded shard %d/%d, %d rows, step %d, from %d directories",
                  spec.name, shard, n_shards, table._n, step, len(sources))
         return table
 
     # -- internals (caller holds the lock, or owns the object) ---------------
+
+    def _live(self) -> Dict[str, np.ndarray]:
+        return {name: column[:self._n] for name, column in self._meta.items()}
+
+    def _end_step(self, step: int) -> None:
+        """The lifecycle's end of ``step``: evictions due, then the admission counts' decay."""
+        if self.life.evicts:
+            self._remove(self.life.victims(self._ids[:self._n], self._live(), step))
+        self.life.end_step(step)
+
+    def _remove(self, victims: np.ndarray) -> None:
+        """Delete the rows ``victims`` (sorted, distinct row numbers): index entries, then compaction.
+
+        Rows stay dense in ``[0, n)``: the live rows after the new end move
+        into the holes below it (every array: ids, rows, state, metadata), and
+        their index entries are re-pointed; the space after ``n`` is reused
+        by the next inserts. Without numba the index is rebuilt instead.
+        """
+        k = victims.size
+        if k == 0:
+            return
+        n, m = self._n, self._n - victims.size
+        gone = self._ids[victims]
+        in_place = delete(self._slots, self._ids, gone)
+        holes = victims[victims < m]
+        movers = np.setdiff1d(np.arange(m, n), victims, assume_unique=True)
+        moved_ids = self._ids[movers]
+        for g in self._store:
+            a = g.array
+            if a.ndim == 2:
+                scatter(a, holes, gather(a, movers))
+            else:
+                a[holes] = a[movers]
+        self._n = m
+        if in_place:
+            pos = probe(self._slots, self._ids, moved_ids, home_slots(moved_ids, self._slots.size))[1]
+            self._slots[pos] = holes.astype(np.int32)
+        else:
+            self._slots = build_index(self._ids, m, self._slots.size)
+        self.life.evicted(gone)
+        log.debug("table %s shard %d: evicted %d rows, %d left", self.spec.name, self.shard, k, m)
 
     def _reserve(self, n_rows: int) -> None:
         """Room for ``n_rows`` rows in the row arrays and the index."""
@@ -287,12 +355,15 @@ class TableShard:
             log.debug("table %s shard %d: index rebuilt with %d slots", self.spec.name, self.shard, n_slots)
 
     def _refresh_views(self) -> None:
-        self._ids, self._rows, *self._state = (g.array for g in self._store)
+        self._ids, self._rows, *rest = (g.array for g in self._store)
+        k = len(self._rule.state_names)
+        self._state = rest[:k]
+        self._meta = dict(zip(self.life.columns, rest[k:]))
 
     def _grow_rows(self, capacity: int) -> None:
         """Grow every row array to ``capacity``; our views are dropped first so maps can move."""
         self._ids = self._rows = None
-        self._state = []
+        self._state, self._meta = [], {}
         try:
             for g in self._store:
                 g.grow(capacity, self._n)
@@ -326,6 +397,8 @@ class TableShard:
             dest[left] = initial_rows_into(self.spec, new_ids[left], np.empty((left.size, self.spec.dim), self.dtype))
         for s, v in zip(self._state, self._rule.state_init):
             s[start:end] = v
+        for column in self._meta.values():  # score 0: the update that follows makes it 1
+            column[start:end] = 0
         rownums = np.arange(start, end, dtype=np.int32)
         place(self._slots, stop, rownums)
         self._n = end
