@@ -24,6 +24,7 @@ from .ops.ports import SidePorts, split_host
 from .rpc import SERVICE_NAME, PserverServicer
 from .store import BlockStore
 from .tables import TableSet
+from .tables.exporter import TableExporter
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +78,9 @@ class ParameterServer:
             self.engine = SyncEngine(*args, **hooks)
         else:
             self.engine = AsyncEngine(*args, max_staleness=cfg.max_staleness, **hooks)
+        if cfg.export_dir is not None and cfg.export_every and tables:
+            self.engine.exporter = TableExporter(tables, cfg.export_dir, cfg.export_every,
+                                                 cfg.export_base_every, cfg.export_keep_bases)
         if checkpointer is not None:
             if self.engine.resume():
                 log.info("pserver %s resumes from the checkpoint at step %d under %s%s", self.endpoint,
@@ -225,6 +229,8 @@ class ParameterServer:
         if self._health_port is not None:
             self._health_port.shutting_down()
         self.engine.stop()
+        if self.engine.exporter is not None:
+            self.engine.exporter.close()
         self.reductions.stop()
         if self._server is not None:
             self._server.stop(grace).wait()

@@ -70,6 +70,16 @@ class DistributeTranspilerConfig:
       async, updates of each pserver); 0: only on SIGTERM, when all trainers
       have closed, and when asked (``Trainer.checkpoint()``).
     - ``checkpoint_keep`` (int, 3): complete checkpoints kept; older ones are deleted.
+    - ``export_dir`` (str or None, None): where pservers export the distributed
+      tables for serving (README "Tables that live for months"): a base, then
+      deltas (rows changed since the previous export, tombstones of evicted
+      ids), each completed by a ``DONE`` file. Storage every pserver sees.
+    - ``export_every`` (int, 0): export every this many steps (sync; in async,
+      updates of each pserver); 0: no exports.
+    - ``export_base_every`` (int, 10): every this-many-th export is a base
+      (the first always is); the others are deltas.
+    - ``export_keep_bases`` (int, 2): complete bases kept (with their deltas);
+      older exports are deleted.
     - ``heartbeat_interval`` (float s, 2): how often a trainer tells each pserver it lives.
       A trainer id heard from within three intervals (:attr:`session_alive_window`)
       is alive: a second process saying Hello for it is refused; a process
@@ -164,6 +174,10 @@ class DistributeTranspilerConfig:
     checkpoint_dir: Optional[str] = None
     checkpoint_every: int = 0
     checkpoint_keep: int = 3
+    export_dir: Optional[str] = None
+    export_every: int = 0
+    export_base_every: int = 10
+    export_keep_bases: int = 2
     heartbeat_interval: float = 2.0
     heartbeat_timeout: float = 30.0
     recovery_timeout: float = 300.0
@@ -232,6 +246,14 @@ class DistributeTranspilerConfig:
             raise ValueError(f"checkpoint_every must be an int >= 0, got {self.checkpoint_every!r}")
         if not isinstance(self.checkpoint_keep, int) or self.checkpoint_keep < 1:
             raise ValueError(f"checkpoint_keep must be an int >= 1, got {self.checkpoint_keep!r}")
+        if self.export_dir is not None and (not isinstance(self.export_dir, str) or not self.export_dir):
+            raise ValueError(f"export_dir must be None or a non-empty path, got {self.export_dir!r}")
+        for name, low in (("export_every", 0), ("export_base_every", 1), ("export_keep_bases", 1)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+        if self.export_every and self.export_dir is None:
+            raise ValueError(f"export_every={self.export_every} needs an export_dir to write to")
         if self.nonfinite_grads not in NONFINITE_GRADS:
             raise ValueError(f"nonfinite_grads must be one of {NONFINITE_GRADS}, got {self.nonfinite_grads!r}")
         if self.grad_wire_dtype not in GRAD_WIRE_DTYPES:

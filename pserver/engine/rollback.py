@@ -42,6 +42,8 @@ class Checkpoints:
             except Exception:  # a full disk must not fail the push that was just applied
                 log.exception("%s: checkpoint at step %d failed; training goes on and the previous "
                               "checkpoint stays the latest", self.endpoint, self.updates)
+        if self.exporter is not None:
+            self.exporter.after_update(self.updates)
 
     def resume(self, step: Optional[int] = None) -> bool:
         """Load the latest complete checkpoint (or the one at ``step``); False if there is none."""
@@ -112,3 +114,5 @@ class Checkpoints:
         self._clear_pending()
         if self.checkpointer is not None:
             self.checkpointer.forget_after(self.updates)
+        if self.exporter is not None:
+            self.exporter.restored()

@@ -53,7 +53,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Dict, List, Sequence
+from typing import Dict, List, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -242,6 +242,28 @@ class TableShard:
                 self.life.touch(self._meta, rows, step)
             self.step = step
             self._end_step(step)
+
+    def export_changes(self, full: bool) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(ids, rows, tombstones) for an export: every row (``full``) or those updated since the last.
+
+        Tombstones are the ids evicted since the last export that hold no row
+        now (an id evicted and admitted again is among the rows); a full
+        export drops them. Copies under the lock; marks this step exported.
+        """
+        with self._lock:
+            n = self._n
+            gone = self.life.take_tombstones()
+            if full:
+                sel, gone = np.arange(n), np.empty(0, np.int64)
+            else:
+                sel = np.flatnonzero(self._meta["seen_step"][:n] > self.exported_step)
+                if gone.size:
+                    back = probe(self._slots, self._ids, gone, home_slots(gone, self._slots.size),
+                                 want_stop=False)[0]
+                    gone = gone[back < 0]
+            out = self._ids[sel].copy(), gather(self._rows, sel)
+            self.exported_step = self.step
+        return out[0], out[1], gone
 
     def save(self, directory: str) -> None:
         """Write this shard's stored rows, state and step to ``directory`` (see :mod:`pserver.tables.files`).

@@ -1,0 +1,153 @@
+"""TableExporter: a pserver's scheduled base and delta exports of its table shards, for serving.
+
+Every ``export_every`` updates (the engine's update count: the step in sync
+mode), each pserver exports its shard of every table into
+``export_dir/<step>-<kind>`` (format: :mod:`pserver.tables.exports`). The
+kind and the export a delta follows are functions of the step alone, so every
+pserver names the same export without talking to the others: export ``i =
+step // export_every`` is a base when ``i % export_base_every == 0`` and
+otherwise a delta following export ``i - 1``.
+
+A delta holds the rows updated since this pserver's previous export (their
+``seen_step`` is later) and the ids evicted since then that hold no row now.
+A pserver that has not exported since it started or was rolled back does not
+know what its previous export held, so its first delta is a *resync*: every
+row it holds, and tombstones for the ids the export chain on disk holds for
+its shard but it does not. Either way a reader applying the chain ends with
+exactly the live table.
+
+The rows are copied under each shard's lock when the step ends (a delta is
+small; a base copies the shard once) and written on a background thread, so
+training goes on meanwhile. The next export waits for the previous write: an
+export is never skipped, since the next delta names it. A failed write (a
+full disk) is logged and leaves that export incomplete; readers stay at the
+previous complete export until the next base.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import logging
+import os
+from typing import Dict, Optional, Tuple
+
+import numpy as np
+
+from . import exports
+
+log = logging.getLogger(__name__)
+
+
+def export_plan(step: int, every: int, base_every: int) -> Optional[Tuple[str, str, Optional[str]]]:
+    """(name, kind, previous name) of the export due at ``step``, or None when none is.
+
+    Export ``i = step // every`` (step a multiple of ``every``, above 0) is a
+    base when ``i % base_every == 0`` or it is the first; otherwise a delta
+    following export ``i - 1``.
+    """
+    if every <= 0 or step <= 0 or step % every:
+        return None
+    i = step // every
+    if i == 1 or i % base_every == 0:
+        return exports.export_name(step, "base"), "base", None
+    before = step - every
+    kind_before = "base" if (i - 1 == 1 or (i - 1) % base_every == 0) else "delta"
+    return exports.export_name(step, "delta"), "delta", exports.export_name(before, kind_before)
+
+
+def chain_ids(root: str, name: str, table: str, shard: int, n_shards: int) -> Optional[np.ndarray]:
+    """The ids export ``name`` and the exports it follows hold for one table shard; None if unreadable.
+
+    Walks ``previous`` links back to a base, then replays the ids and
+    tombstones forward. Reads only this shard's files.
+    """
+    chain = []
+    while name is not None:
+        d = os.path.join(root, name, table, f"shard-{shard}-of-{n_shards}")
+        try:
+            meta = exports_meta(d)
+            ids = np.load(os.path.join(d, "ids.npy"), allow_pickle=False)
+            gone = np.load(os.path.join(d, "tombstones.npy"), allow_pickle=False)
+        except (OSError, ValueError) as e:
+            log.warning("export %s: table %s shard %d/%d is unreadable (%s)", name, table, shard, n_shards, e)
+            return None
+        chain.append((ids, gone))
+        name = meta.get("previous")
+    held = np.empty(0, np.int64)
+    for ids, gone in reversed(chain):
+        held = np.union1d(np.setdiff1d(held, gone, assume_unique=True), ids)
+    return held
+
+
+def exports_meta(directory: str) -> dict:
+    """The ``meta.json`` of one export shard directory."""
+    with open(os.path.join(directory, exports.META), "rb") as f:
+        return json.loads(f.read())
+
+
+class TableExporter:
+    """Scheduled exports of one pserver's table shards (``tables``: a :class:`TableSet`)."""
+
+    def __init__(self, tables, root: str, every: int, base_every: int, keep_bases: int):
+        self.tables, self.root = tables, root
+        self.every, self.base_every, self.keep_bases = every, base_every, keep_bases
+        self.shard, self.n_shards = tables.shard, tables.n_shards
+        self.resync = True   # nothing exported since start: the first delta is a resync
+        self.last: Optional[str] = None
+        self.failures = 0
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="table-export")
+        self._writing: Optional[concurrent.futures.Future] = None
+        for shard in tables.shards.values():
+            shard.life.track_tombstones = True
+
+    def after_update(self, step: int) -> None:
+        """Export if one is due at ``step``: copy the shards' changes now, write them in the background."""
+        plan = export_plan(step, self.every, self.base_every)
+        if plan is None:
+            return
+        name, kind, previous = plan
+        self.wait()
+        resync = self.resync and kind == "delta"
+        parts = {}
+        for table, shard in self.tables.shards.items():
+            ids, rows, gone = shard.export_changes(full=kind == "base" or resync)
+            parts[table] = (ids, rows, gone, shard.step)
+        self.resync = False
+        self._writing = self._pool.submit(self._write, name, kind, previous, resync, parts)
+
+    def restored(self) -> None:
+        """The tables were reloaded (a roll-back): the next delta is a resync."""
+        self.wait()
+        self.resync = True
+
+    def wait(self) -> None:
+        """Wait for the export being written, if any."""
+        if self._writing is not None:
+            self._writing.result()
+            self._writing = None
+
+    def close(self) -> None:
+        self.wait()
+        self._pool.shutdown(wait=True)
+
+    def _write(self, name: str, kind: str, previous: Optional[str], resync: bool,
+               parts: Dict[str, tuple]) -> None:
+        try:
+            for table, (ids, rows, gone, table_step) in parts.items():
+                if resync:
+                    held = chain_ids(self.root, previous, table, self.shard, self.n_shards)
+                    gone = np.empty(0, np.int64) if held is None else np.setdiff1d(held, ids)
+                meta = {"kind": kind, "step": int(name.split("-")[0]), "previous": previous,
+                        "table_step": int(table_step), "resync": resync}
+                exports.write_export_shard(self.root, name, table, self.shard, self.n_shards,
+                                           ids, rows, gone, meta)
+            exports.finish_export_shard(self.root, name, self.shard, self.n_shards)
+            self.last = name
+            if self.shard == 0:
+                exports.prune_exports(self.root, self.keep_bases)
+            log.info("tables exported: %s (%s%s) by pserver %d of %d", name, kind,
+                     ", resync" if resync else "", self.shard, self.n_shards)
+        except Exception:  # a full disk must not stop training; readers keep the previous export
+            self.failures += 1
+            log.exception("export %s of pserver %d failed; readers stay at the previous complete "
+                          "export until the next base", name, self.shard)
