@@ -321,7 +321,7 @@ class Engine(Contents, Checkpoints, ABC):
         last = self.checkpointer.last if self.checkpointer is not None else None
         return Snapshot(step, self.sync_mode, self.trainers, tuple(sorted(alive)), tuple(sorted(dropped)),
                         tuple(sorted(closed)), len(self.store.blocks), self.store.nbytes, self.tables.rows,
-                        self.tables.nbytes, last)
+                        self.tables.nbytes, last, self.tables.stats())
 
     def read(self, names: Sequence[str]) -> Tuple[int, List[Tuple[str, torch.Tensor]]]:
         """The updates applied and the named blocks, safe to stream."""

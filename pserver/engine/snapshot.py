@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Optional, Tuple
 
 from ..checkpoint.checkpointer import LastCheckpoint
+from ..tables.table_set import TableStats
 
 
 @dataclass(frozen=True)
@@ -32,3 +33,4 @@ class Snapshot:
     table_rows: int
     table_bytes: int
     checkpoint: Optional[LastCheckpoint]
+    tables: Tuple[TableStats, ...] = ()

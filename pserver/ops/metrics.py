@@ -87,6 +87,7 @@ class PserverCollector(Collector):
         yield _gauge("ps_block_bytes", "Bytes of the dense blocks held (parameters only)", ep, snap.block_bytes)
         yield _gauge("ps_table_rows", "Rows stored in this pserver's distributed table shards", ep, snap.table_rows)
         yield _gauge("ps_table_bytes", "Bytes those shards hold (ids, rows, optimizer state)", ep, snap.table_bytes)
+        yield from _table_metrics(ep, snap.tables)
         last = snap.checkpoint
         yield _gauge("ps_checkpoint_step", "Step of the latest checkpoint written or loaded (-1: none)", ep,
                      last.step if last else -1)
@@ -96,6 +97,29 @@ class PserverCollector(Collector):
             yield _gauge("ps_checkpoint_age_seconds", "Seconds since the latest checkpoint was written or loaded",
                          ep, max(0.0, time.time() - last.time))
         yield _gauge("ps_start_time_seconds", "Unix time this pserver started", ep, self.start_time)
+
+
+_LIFECYCLE_EVENTS = ("admitted", "refused", "evicted", "spilled", "promoted")
+
+
+def _table_metrics(ep, tables) -> Iterator[Metric]:
+    """Per table: rows by tier, disk bytes, and the lifecycle's counts (README "Tables that live for months")."""
+    rows = GaugeMetricFamily("ps_table_shard_rows", "Rows of one table's shard on this pserver, by tier "
+                             "(ram, disk)", labels=["endpoint", "table", "tier"])
+    disk = GaugeMetricFamily("ps_table_disk_bytes", "Bytes one table's disk tier uses on this pserver",
+                             labels=["endpoint", "table"])
+    events = CounterMetricFamily("ps_table_lifecycle_rows", "Table rows by lifecycle event: admitted (created), "
+                                 "refused (a gradient of an id not admitted yet, dropped), evicted, spilled "
+                                 "(moved to disk), promoted (back from disk)", labels=["endpoint", "table", "event"])
+    for t in tables:
+        rows.add_metric([*ep, t.table, "ram"], t.rows - t.disk_rows)
+        rows.add_metric([*ep, t.table, "disk"], t.disk_rows)
+        disk.add_metric([*ep, t.table], t.disk_bytes)
+        for event in _LIFECYCLE_EVENTS:
+            events.add_metric([*ep, t.table, event], getattr(t, event))
+    yield rows
+    yield disk
+    yield events
 
 
 def _gauge(name: str, text: str, labels, value) -> GaugeMetricFamily:

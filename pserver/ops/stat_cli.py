@@ -1,4 +1,6 @@
-"""``ps-stat``: one line per pserver of a running job: step, trainers, sizes, traffic, checkpoint.
+"""``ps-stat``: one line per pserver of a running job: step, trainers, sizes, traffic, checkpoint;
+then one line per distributed table and pserver: rows in memory and on disk, and the lifecycle's
+counts (admitted, refused, evicted, spilled, promoted).
 
     ps-stat 127.0.0.1:6170,127.0.0.1:6171          # or PADDLE_PSERVERS_IP_PORT_LIST
     ps-stat --json --interval 0 127.0.0.1:6170     # one JSON object per pserver
@@ -32,6 +34,8 @@ _INT64 = {descriptor.FieldDescriptor.TYPE_INT64, descriptor.FieldDescriptor.TYPE
           descriptor.FieldDescriptor.TYPE_SINT64, descriptor.FieldDescriptor.TYPE_FIXED64,
           descriptor.FieldDescriptor.TYPE_SFIXED64}
 
+TABLE_HEADERS = ("TABLE", "ENDPOINT", "ROWS", "ON DISK", "DISK BYTES", "ADMITTED", "REFUSED", "EVICTED",
+                 "SPILLED", "PROMOTED")
 Sample = Union[ps_pb2.StatsReply, str]  # a reply, or the error that came instead
 
 
@@ -105,17 +109,27 @@ def as_json(endpoint: str, r: Sample, rate: Optional[float]) -> dict:
         if f.type in _INT64 and f.name in d:
             v = d[f.name]
             d[f.name] = [int(x) for x in v] if isinstance(v, list) else int(v)
+    for t in d.get("tables", []):
+        for f in ps_pb2.TableStats.DESCRIPTOR.fields:
+            if f.type in _INT64 and f.name in t:
+                t[f.name] = int(t[f.name])
     d["endpoint"] = endpoint  # the address asked, even if the pserver names itself otherwise
     d["pushes_per_s"] = rate
     return d
 
 
-def format_table(rows: List[Tuple[str, ...]]) -> str:
-    """Left-aligned columns under HEADERS; an error row's message runs past the columns."""
-    full = [r for r in rows if len(r) == len(HEADERS)]
-    widths = [max(len(r[c]) for r in [HEADERS, *full]) for c in range(len(HEADERS))]
+def table_rows(endpoint: str, r: ps_pb2.StatsReply) -> List[Tuple[str, ...]]:
+    """The per-table rows of one pserver's reply."""
+    return [(t.table, endpoint, f"{t.rows:,}", f"{t.disk_rows:,}", human_bytes(t.disk_bytes), f"{t.admitted:,}",
+             f"{t.refused:,}", f"{t.evicted:,}", f"{t.spilled:,}", f"{t.promoted:,}") for t in r.tables]
+
+
+def format_table(rows: List[Tuple[str, ...]], headers: Tuple[str, ...] = HEADERS) -> str:
+    """Left-aligned columns under ``headers``; an error row's message runs past the columns."""
+    full = [r for r in rows if len(r) == len(headers)]
+    widths = [max(len(r[c]) for r in [headers, *full]) for c in range(len(headers))]
     lines = []
-    for r in [HEADERS, *rows]:
+    for r in [headers, *rows]:
         lines.append("  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip())
     return "\n".join(lines)
 
@@ -178,7 +192,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             ch.close()
 
     failed = False
-    rows, objects = [], []
+    rows, objects, tables = [], [], []
     for ep in endpoints:
         r, rate = first[ep], None
         later = second.get(ep)
@@ -192,12 +206,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             if later is not None:
                 r = later  # show the newer numbers
             rows.append(row(ep, r, rate))
+            tables += table_rows(ep, r)
         objects.append(as_json(ep, r, rate))
     if args.json:
         for obj in objects:
             print(json.dumps(obj, sort_keys=True))
     else:
         print(format_table(rows))
+        if tables:
+            print()
+            print(format_table(sorted(tables), TABLE_HEADERS))
     return 1 if failed else 0
 
 

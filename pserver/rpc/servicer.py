@@ -335,7 +335,8 @@ class PserverServicer:
                 incarnation=self.incarnation, uptime_s=time.monotonic() - self.started,
                 trainers_dropped=snap.dropped, refused=c.refused, shared_pushes=c.shared_pushes,
                 checkpoint_step=last.step if last else -1, checkpoint_path=last.path if last else "",
-                checkpoint_age_s=time.time() - last.time if last else 0.0)
+                checkpoint_age_s=time.time() - last.time if last else 0.0,
+                tables=[ps_pb2.TableStats(**t.to_dict()) for t in snap.tables])
 
     def add_to_server(self, server: grpc.Server) -> None:
         """Register the service with raw-bytes requests (parsed here) and encoded replies."""

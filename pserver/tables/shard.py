@@ -146,6 +146,21 @@ class TableShard:
         return self._n
 
     @property
+    def rows_held(self) -> int:
+        """Rows held, in memory and in the disk tier (lock-free)."""
+        return self._n + self.disk_rows
+
+    @property
+    def disk_rows(self) -> int:
+        """Rows in the disk tier (0 without one)."""
+        return 0
+
+    @property
+    def disk_bytes(self) -> int:
+        """Bytes the disk tier uses (0 without one)."""
+        return 0
+
+    @property
     def capacity(self) -> int:
         """Rows allocated (stored + spare) in every row array."""
         return min(g.capacity for g in self._store)

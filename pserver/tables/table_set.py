@@ -7,7 +7,9 @@ applies gradients with each table's optimizer and learning-rate schedule.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
+from dataclasses import dataclass
 from typing import Dict, Iterable, List, Mapping, Optional, Tuple
 
 import numpy as np
@@ -26,6 +28,25 @@ log = logging.getLogger(__name__)
 
 # (unique ids, gradient rows) of one table.
 SparseGrad = Tuple[np.ndarray, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class TableStats:
+    """One table shard's rows and lifecycle counts, for ps-stat and /metrics (fields as ps.proto's)."""
+
+    table: str
+    rows: int
+    disk_rows: int
+    disk_bytes: int
+    admitted: int
+    refused: int
+    evicted: int
+    spilled: int
+    promoted: int
+    bytes: int
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
 
 
 class TableSet:
@@ -146,6 +167,15 @@ class TableSet:
             shard.save(path)
             paths.append(path)
         return paths
+
+    def stats(self) -> Tuple[TableStats, ...]:
+        """Every table shard's rows and lifecycle counts, lock-free (read while training runs)."""
+        out = []
+        for name, shard in self.shards.items():
+            c = shard.life.counts
+            out.append(TableStats(name, shard.rows_held, shard.disk_rows, shard.disk_bytes, c.admitted,
+                                  c.refused, c.evicted, c.spilled, c.promoted, shard.nbytes))
+        return tuple(out)
 
     @property
     def rows(self) -> int:
