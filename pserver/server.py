@@ -24,7 +24,7 @@ from .ops.ports import SidePorts, split_host
 from .rpc import SERVICE_NAME, PserverServicer
 from .store import BlockStore
 from .tables import TableSet
-from .tables.exporter import TableExporter
+from .tables.serving.exporter import TableExporter
 
 log = logging.getLogger(__name__)
 

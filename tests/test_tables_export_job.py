@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 from torch import nn
 
-from pserver.tables.exporter import TableExporter, export_plan
-from pserver.tables.serving_reader import ServingTables
+from pserver.tables.serving.exporter import TableExporter, export_plan
+from pserver.tables.serving.reader import ServingTables
 from pserver.tables.shard import TableShard
 from tests.helpers.cluster import LocalCluster
 from tests.helpers.table_models import VOCAB, table_batches, table_program

@@ -10,13 +10,13 @@ import sys
 import numpy as np
 import pytest
 
-from pserver.tables import serving_reader
-from pserver.tables.exports import (export_name, finish_export_shard, is_complete, prune_exports,
+from pserver.tables.serving import reader as serving_reader
+from pserver.tables.serving.exports import (export_name, finish_export_shard, is_complete, prune_exports,
                                     write_export_shard)
-from pserver.tables.serving_reader import ServingTables
+from pserver.tables.serving.reader import ServingTables
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-READER = os.path.join(REPO, "pserver", "tables", "serving_reader.py")
+READER = os.path.join(REPO, "pserver", "tables", "serving", "reader.py")
 SPECS = {"emb": (4, np.float32), "wide": (3, np.float64)}
 
 
@@ -340,7 +340,7 @@ def test_write_validates_its_inputs(tmp_path):
 WRITER = """
 import sys
 import numpy as np
-from pserver.tables.exports import export_name, finish_export_shard, write_export_shard
+from pserver.tables.serving.exports import export_name, finish_export_shard, write_export_shard
 root = sys.argv[1]
 rng = np.random.default_rng(0)
 ids, rows = np.arange(1000, dtype=np.int64), rng.standard_normal((1000, 8)).astype(np.float32)

@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 
 from pserver.tables import id_index
-from pserver.tables.admission import Admission, CountSketch, admissible
-from pserver.tables.eviction import budget_keep, coldest, lowest_ranked, sweep_due, sweep_victims
+from pserver.tables.lifecycle.admission import Admission, CountSketch, admissible
+from pserver.tables.lifecycle.eviction import budget_keep, coldest, lowest_ranked, sweep_due, sweep_victims
 from pserver.tables.shard import TableShard
 from tests.helpers.table_specs import grads_for, make_spec
 from transpiler.lifecycle import TableLifecycle, table_lifecycle

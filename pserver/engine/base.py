@@ -87,7 +87,7 @@ class Engine(Contents, Checkpoints, ABC):
         self.all_closed = threading.Event()
         self._stopping = False
         self.checkpointer = checkpointer
-        # Scheduled table exports for serving (pserver.tables.exporter), set by the server; None: off.
+        # Scheduled table exports for serving (pserver.tables.serving.exporter), set by the server; None: off.
         self.exporter = None
         # Recovery: roll-back tokens honoured, and a count that wakes waiters after one.
         self.restored_from = -1

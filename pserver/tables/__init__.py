@@ -6,6 +6,8 @@
 - :mod:`.rows`: growable row storage.
 - :mod:`.sparse_optim`: torch-exact sparse SGD, Adagrad and Adam (SparseAdam) rules.
 - :mod:`.files`: shard files (atomic save, re-sharding load, export); :mod:`.cli` exports them.
+- :mod:`.lifecycle`: admission, eviction and their row metadata (README "Tables that live for months").
+- :mod:`.serving`: base + delta exports for serving, and the numpy-only reader.
 """
 from .shard import TableShard
 from .table_set import SparseGrad, TableSet

@@ -5,38 +5,9 @@ A shard holds the rows of the ids ``i`` with ``shard_of(i, n_shards) == shard``
 sparse-optimizer state. Nothing is stored per id in Python objects; every
 operation works on whole batches with numpy.
 
-Layout (``n`` rows stored, ``C`` row capacity, ``S`` index slots)::
-
-    slots  int32 (S,)         open-addressing index: row number or -1 (empty);
-                              S a power of two, n / S <= 0.7 (doubled beyond)
-    ids    int64 (C,)         ids[r] = the id of row r (the index's keys)
-    rows   dtype (C, dim)     row values; rows [0, n) are live
-    state  dtype (C, dim) x k optimizer state (k = 0 sgd, 1 adagrad, 2 adam)
-    meta   (C,) x c           row metadata (:mod:`pserver.tables.lifecycle`): seen_step
-                              always, score and seen_time when a rule needs them
-
-Index: linear probing (:mod:`pserver.tables.id_index`). Inserting a batch
-places the new row numbers at the empty slot each id's probe stopped at.
-Eviction (:mod:`pserver.tables.lifecycle`) deletes keys from the index by
-backward shift and keeps rows dense: the live rows past the new end move into
-the holes, and the slots after ``n`` are reused by later inserts.
-
-Growth: the row arrays live on private anonymous memory maps (huge pages
-requested) and grow by 1.25x with ``mmap.resize``, i.e. ``mremap``: no copy and
-no second copy of the table in memory (see :class:`Growable`). The index
-doubles and is rebuilt from ``ids`` when the load factor would pass 0.7. The
-initial capacity is ``num_embeddings / n_shards`` capped at 1M rows, so a huge
-hint does not allocate gigabytes up front. Rows are gathered and scattered as
-opaque ``dim * itemsize``-byte records (:func:`gather`, :func:`scatter`).
-
-Memory per stored row, with raw = ``8 + dim * itemsize * (1 + k) + meta``
-(meta 8 bytes, 16 with a score rule, 24 with a wall-clock rule as well)::
-
-    bytes/row = (C / n) * raw + 4 * S / n  <=  1.25 * raw + 4 / 0.35
-
-(right after both a row growth and an index doubling; 4 * S / n is 5.7-11.4
-bytes). For dim 16 float32 that is at most 1.39x raw for sgd (raw 80 B) and
-1.30x for adam (raw 208 B).
+Storage (arrays, index, growth, removal, memory per row): :class:`RowStore`
+(:mod:`pserver.tables.row_store`). Admission, eviction and row metadata:
+:mod:`pserver.tables.lifecycle`, applied at the end of each :meth:`apply`.
 
 Thread safety: :meth:`TableShard.lookup`, :meth:`~TableShard.apply` and
 :meth:`~TableShard.save` take one lock, so a lookup never sees an array that
@@ -53,7 +24,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Dict, List, Sequence, Tuple
+from typing import Sequence, Tuple
 
 import numpy as np
 import torch
@@ -64,16 +35,14 @@ from transpiler.tables import TableSpec, as_ids, initial_rows, shard_of
 from ..errors import BadRequest
 from . import files as table_files
 from .fresh import FreshRows
-from .id_index import EMPTY, MAX_LOAD, build_index, delete, home_slots, load_kernels, place, probe, slots_for
-from .lifecycle import META_COLUMNS, RowLifecycle
-from .rows import Growable, gather, scatter
+from .id_index import home_slots, probe
+from .lifecycle import RowLifecycle
+from .row_store import RowStore
+from .rows import gather, scatter
 from .sparse_optim import make_rule
 
 log = logging.getLogger(__name__)
 
-GROWTH = 1.25             # row capacity growth factor: small, to stay near raw bytes
-MAX_INITIAL_ROWS = 1 << 20  # cap on the num_embeddings-derived initial capacity
-MIN_ROWS = 16
 _CHUNK = 1 << 22          # ids read at once when loading: bounds temporaries
 _INIT_VALUES = 1 << 16    # values of initial rows computed at once (see initial_rows_into)
 
@@ -102,7 +71,7 @@ def _as_ids(ids) -> np.ndarray:
 
 
 
-class TableShard:
+class TableShard(RowStore):
     """One pserver's shard of a distributed table: id index, rows, optimizer state.
 
     Rows are created when an id is first updated by :meth:`apply`, with its
@@ -117,27 +86,14 @@ class TableShard:
         if spec.dtype not in TABLE_DTYPES:
             raise ValueError(f"table {spec.name!r}: dtype {spec.dtype!r} is not one of "
                              f"{sorted(TABLE_DTYPES)}")
-        self.spec = spec
-        self.shard = shard
         self.n_shards = n_shards
         self.step = 0
-        self.dtype = np.dtype(spec.dtype)
         self._rule = make_rule(spec.optimizer.name, spec.optimizer.kwargs)
         self.life = RowLifecycle(spec, n_shards)
         self.exported_step = -1  # table step of the last export; -1: none since this shard was built
         self._lock = threading.Lock()
-        self._n = 0
-        hint = -(-int(spec.capacity) // n_shards) if spec.capacity else 0
-        cap = min(max(hint, MIN_ROWS), MAX_INITIAL_ROWS)
-        # ids, rows, then the optimizer's state arrays; the attributes below are their views.
-        self._store = [Growable(cap, (), np.int64), Growable(cap, (spec.dim,), self.dtype)]
-        self._store += [Growable(cap, (spec.dim,), self.dtype) for _ in self._rule.state_names]
-        self._store += [Growable(cap, (), META_COLUMNS[c]) for c in self.life.columns]
-        self._refresh_views()
-        self._slots = np.full(slots_for(cap), EMPTY, dtype=np.int32)
-        self._index_nbytes = self._slots.nbytes
         self._fresh = FreshRows()
-        load_kernels()
+        super().__init__(spec, shard, n_shards, self._rule.state_init, self.life.columns)
 
     # -- public --------------------------------------------------------------
 
@@ -159,25 +115,6 @@ class TableShard:
     def disk_bytes(self) -> int:
         """Bytes the disk tier uses (0 without one)."""
         return 0
-
-    @property
-    def capacity(self) -> int:
-        """Rows allocated (stored + spare) in every row array."""
-        return min(g.capacity for g in self._store)
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of every array this shard holds, at allocated capacity (index, ids, rows, state).
-
-        Lock-free (safe to poll from another thread, even during a growth).
-        """
-        return self._index_nbytes + sum(g.capacity * g.row_bytes for g in self._store)
-
-    @property
-    def raw_bytes_per_row(self) -> int:
-        """Bytes one row needs at least: its int64 id, its values and its state."""
-        meta = sum(META_COLUMNS[c].itemsize for c in self.life.columns)
-        return 8 + self.spec.dim * self.dtype.itemsize * (1 + len(self._state)) + meta
 
     def stored_ids(self) -> np.ndarray:
         """A copy of the ids holding a row, in row order."""
@@ -329,140 +266,14 @@ class TableShard:
 
     # -- internals (caller holds the lock, or owns the object) ---------------
 
-    def _live(self) -> Dict[str, np.ndarray]:
-        return {name: column[:self._n] for name, column in self._meta.items()}
+    def _initial_into(self, ids: np.ndarray, out: np.ndarray) -> None:
+        """Initial rows of new ids: those a recent lookup computed are copied, the rest computed."""
+        left = self._fresh.take(ids, out)
+        if left.size:
+            out[left] = initial_rows_into(self.spec, ids[left], np.empty((left.size, self.spec.dim), self.dtype))
 
     def _end_step(self, step: int) -> None:
         """The lifecycle's end of ``step``: evictions due, then the admission counts' decay."""
         if self.life.evicts:
-            self._remove(self.life.victims(self._ids[:self._n], self._live(), step))
+            self.life.evicted(self._remove(self.life.victims(self._ids[:self._n], self._live(), step)))
         self.life.end_step(step)
-
-    def _remove(self, victims: np.ndarray) -> None:
-        """Delete the rows ``victims`` (sorted, distinct row numbers): index entries, then compaction.
-
-        Rows stay dense in ``[0, n)``: the live rows after the new end move
-        into the holes below it (every array: ids, rows, state, metadata), and
-        their index entries are re-pointed; the space after ``n`` is reused
-        by the next inserts. Without numba the index is rebuilt instead.
-        """
-        k = victims.size
-        if k == 0:
-            return
-        n, m = self._n, self._n - victims.size
-        gone = self._ids[victims]
-        in_place = delete(self._slots, self._ids, gone)
-        holes = victims[victims < m]
-        movers = np.setdiff1d(np.arange(m, n), victims, assume_unique=True)
-        moved_ids = self._ids[movers]
-        for g in self._store:
-            a = g.array
-            if a.ndim == 2:
-                scatter(a, holes, gather(a, movers))
-            else:
-                a[holes] = a[movers]
-        self._n = m
-        if in_place:
-            pos = probe(self._slots, self._ids, moved_ids, home_slots(moved_ids, self._slots.size))[1]
-            self._slots[pos] = holes.astype(np.int32)
-        else:
-            self._slots = build_index(self._ids, m, self._slots.size)
-        self.life.evicted(gone)
-        log.debug("table %s shard %d: evicted %d rows, %d left", self.spec.name, self.shard, k, m)
-
-    def _reserve(self, n_rows: int) -> None:
-        """Room for ``n_rows`` rows in the row arrays and the index."""
-        if n_rows >= 2 ** 31:  # row numbers are int32 in the index
-            raise MemoryError(f"table {self.spec.name!r}: shard {self.shard} would hold {n_rows} "
-                              f"rows, more than 2**31 - 1; use more pservers")
-        cap = self.capacity
-        if n_rows > cap:
-            new = max(n_rows, int(cap * GROWTH) + 1)
-            self._grow_rows(new)
-            log.debug("table %s shard %d: capacity %d -> %d rows", self.spec.name, self.shard, cap, new)
-        if n_rows > MAX_LOAD * self._slots.size:
-            n_slots, old = slots_for(n_rows), self._slots.size
-            self._slots = None  # free the old index before building the new one
-            try:
-                self._slots = build_index(self._ids, self._n, n_slots)
-            except MemoryError:
-                self._slots = build_index(self._ids, self._n, old)
-                raise
-            self._index_nbytes = self._slots.nbytes
-            log.debug("table %s shard %d: index rebuilt with %d slots", self.spec.name, self.shard, n_slots)
-
-    def _refresh_views(self) -> None:
-        self._ids, self._rows, *rest = (g.array for g in self._store)
-        k = len(self._rule.state_names)
-        self._state = rest[:k]
-        self._meta = dict(zip(self.life.columns, rest[k:]))
-
-    def _grow_rows(self, capacity: int) -> None:
-        """Grow every row array to ``capacity``; our views are dropped first so maps can move."""
-        self._ids = self._rows = None
-        self._state, self._meta = [], {}
-        try:
-            for g in self._store:
-                g.grow(capacity, self._n)
-        finally:
-            self._refresh_views()
-
-    def _insert(self, new_ids: np.ndarray, stop: np.ndarray) -> np.ndarray:
-        """Store absent, distinct ``new_ids`` with initial rows and state; return their row numbers.
-
-        ``stop`` is where their probes stopped; it is recomputed if the index
-        had to be rebuilt to make room. Repeated new ids would each get a row
-        and corrupt the index, so they are refused first (a sort of the new
-        ids only; cheap next to computing their initial rows).
-        """
-        if new_ids.size > 1:
-            s = np.sort(new_ids)
-            if (s[1:] == s[:-1]).any():
-                dup = int(s[1:][s[1:] == s[:-1]][0])
-                raise ValueError(f"table {self.spec.name!r}: id {dup} appears twice in one update; "
-                                 f"ids must be unique (see merge_duplicates)")
-        start, m = self._n, new_ids.size
-        n_slots = self._slots.size
-        self._reserve(start + m)
-        if self._slots.size != n_slots:
-            stop = probe(self._slots, self._ids, new_ids, home_slots(new_ids, self._slots.size))[1]
-        end = start + m
-        self._ids[start:end] = new_ids
-        dest = self._rows[start:end]
-        left = self._fresh.take(new_ids, dest)
-        if left.size:
-            dest[left] = initial_rows_into(self.spec, new_ids[left], np.empty((left.size, self.spec.dim), self.dtype))
-        for s, v in zip(self._state, self._rule.state_init):
-            s[start:end] = v
-        for column in self._meta.values():  # score 0: the update that follows makes it 1
-            column[start:end] = 0
-        rownums = np.arange(start, end, dtype=np.int32)
-        place(self._slots, stop, rownums)
-        self._n = end
-        return rownums
-
-    def _append(self, ids: np.ndarray, arrays: List[np.ndarray], origin: str) -> None:
-        """Store saved rows (ids, [rows, *state]) as they are, refusing ids already present."""
-        m = ids.size
-        if m == 0:
-            return
-        start = self._n
-        self._reserve(start + m)
-        found, stop = probe(self._slots, self._ids, ids, home_slots(ids, self._slots.size))
-        end = start + m
-        rownums = np.arange(start, end, dtype=np.int32)
-        if (found >= 0).any():
-            dup = int(ids[np.argmax(found >= 0)])
-            raise ValueError(f"table {self.spec.name!r}: id {dup} in {origin} was already loaded "
-                             f"from another directory; a shard directory was given twice or is corrupt")
-        self._ids[start:end] = ids
-        self._rows[start:end] = arrays[0]
-        for s, v in zip(self._state, arrays[1:]):
-            s[start:end] = v
-        place(self._slots, stop, rownums)
-        self._n = end
-        # A file repeating an id would leave two slots for one key; the second is unreachable.
-        again = probe(self._slots, self._ids, ids, home_slots(ids, self._slots.size), want_stop=False)[0]
-        if not np.array_equal(again, rownums):
-            dup = int(ids[np.argmax(again != rownums)])
-            raise ValueError(f"table {self.spec.name!r}: id {dup} appears twice in {origin}")

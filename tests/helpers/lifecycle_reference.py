@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from pserver.tables.admission import admissible
+from pserver.tables.lifecycle.admission import admissible
 from transpiler import Program
 from transpiler.tables import initial_rows
 

@@ -2,7 +2,7 @@
 
 Every ``export_every`` updates (the engine's update count: the step in sync
 mode), each pserver exports its shard of every table into
-``export_dir/<step>-<kind>`` (format: :mod:`pserver.tables.exports`). The
+``export_dir/<step>-<kind>`` (format: :mod:`pserver.tables.serving.exports`). The
 kind and the export a delta follows are functions of the step alone, so every
 pserver names the same export without talking to the others: export ``i =
 step // export_every`` is a base when ``i % export_base_every == 0`` and

@@ -33,7 +33,7 @@ reader never applies a delta on top of a state it does not follow from. At
 most one export per step exists (a base and a delta of one step would make
 the chain ambiguous). A delta writes every table, unchanged ones with empty
 arrays, so each table's shards carry the link. The reader, numpy only, is
-:mod:`pserver.tables.serving_reader`.
+:mod:`pserver.tables.serving.reader`.
 """
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ from typing import List, Optional, Tuple
 
 import numpy as np
 
-from .. import atomic_files
+from ... import atomic_files
 
 __all__ = ["FORMAT", "VERSION", "KINDS", "export_name", "parse_export_name", "write_export_shard",
            "finish_export_shard", "prune_exports", "is_complete"]

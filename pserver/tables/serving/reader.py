@@ -3,7 +3,7 @@
 This one file is the whole reader. It imports only the standard library and
 numpy (never torch, grpc or this repository's packages), so a serving host
 copies it, or loads it by path, and needs nothing else. The exports are
-written by :mod:`pserver.tables.exports`, whose docstring has the format::
+written by :mod:`pserver.tables.serving.exports`, whose docstring has the format::
 
     ROOT/<step:012d>-<base|delta>/<table>/shard-K-of-N/{ids,rows,tombstones}.npy, meta.json
     ROOT/<step:012d>-<base|delta>/DONE.shard-K-of-N, DONE
@@ -22,7 +22,7 @@ lookups from other threads see the old state or the new one.
 Each table is a sorted int64 id array and the matching rows; a lookup is one
 ``searchsorted``, a delta one ``isin`` plus one ``argsort``.
 
-CLI: ``python serving_reader.py ROOT TABLE ID [ID ...]`` prints each id's row.
+CLI: ``python reader.py ROOT TABLE ID [ID ...]`` prints each id's row.
 """
 from __future__ import annotations
 
@@ -297,11 +297,11 @@ class ServingTables:
 
 
 def main(argv=None) -> int:
-    """``serving_reader.py ROOT TABLE ID [ID ...]``: print each id's row from the newest export."""
+    """``reader.py ROOT TABLE ID [ID ...]``: print each id's row from the newest export."""
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) < 3:
         print(__doc__.strip().splitlines()[0], file=sys.stderr)
-        print("usage: serving_reader.py ROOT TABLE ID [ID ...]", file=sys.stderr)
+        print("usage: reader.py ROOT TABLE ID [ID ...]", file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
     root, table, raw = argv[0], argv[1], argv[2:]
