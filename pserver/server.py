@@ -234,6 +234,7 @@ class ParameterServer:
         self.reductions.stop()
         if self._server is not None:
             self._server.stop(grace).wait()
+        self.engine.tables.close()
         self._stop_side_ports()
         log.info("pserver %s stopped after %d updates", self.endpoint, self.engine.updates)
 

@@ -35,7 +35,7 @@ def spec_with(dim=4, optimizer="sgd", **rules):
     ({"evict_score_below": 1, "score_decay": 1.5}, "score_decay"),
     ({"sweep_every_steps": 0}, "sweep_every_steps"),
     ({"sweep_every_steps": 5}, "sweep_every_steps"),           # nothing to sweep for
-    ({"max_rows": 100, "ram_rows": 200}, "ram_rows"),
+    ({"max_rows": 1000, "ram_rows": 200}, "ram_rows"),
     ({"max_rows": True}, "max_rows"),
 ])
 def test_contradictory_or_bad_settings_name_the_field(rules, field):

@@ -80,6 +80,9 @@ class DistributeTranspilerConfig:
       (the first always is); the others are deltas.
     - ``export_keep_bases`` (int, 2): complete bases kept (with their deltas);
       older exports are deleted.
+    - ``table_disk_dir`` (str or None, None): local directory of the tables' disk
+      tiers (tables with ``ram_rows``); a working area each pserver empties when
+      it starts (checkpoints hold the rows). None: the system's temp directory.
     - ``heartbeat_interval`` (float s, 2): how often a trainer tells each pserver it lives.
       A trainer id heard from within three intervals (:attr:`session_alive_window`)
       is alive: a second process saying Hello for it is refused; a process
@@ -178,6 +181,7 @@ class DistributeTranspilerConfig:
     export_every: int = 0
     export_base_every: int = 10
     export_keep_bases: int = 2
+    table_disk_dir: Optional[str] = None
     heartbeat_interval: float = 2.0
     heartbeat_timeout: float = 30.0
     recovery_timeout: float = 300.0
@@ -252,6 +256,8 @@ class DistributeTranspilerConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+        if self.table_disk_dir is not None and (not isinstance(self.table_disk_dir, str) or not self.table_disk_dir):
+            raise ValueError(f"table_disk_dir must be None or a non-empty path, got {self.table_disk_dir!r}")
         if self.export_every and self.export_dir is None:
             raise ValueError(f"export_every={self.export_every} needs an export_dir to write to")
         if self.nonfinite_grads not in NONFINITE_GRADS:

@@ -159,5 +159,6 @@ def _check(lc: TableLifecycle, table: str) -> None:
         bad("sweep_every_steps", "must be >= 1")
     if lc.sweep_every_steps > 1 and not lc.sweeps:
         bad("sweep_every_steps", "has no effect without an evict_* rule")
-    if lc.ram_rows and lc.max_rows and lc.ram_rows >= lc.max_rows:
-        bad("ram_rows", f"must be below max_rows={lc.max_rows} to ever use the disk tier")
+    if lc.ram_rows and lc.max_rows:
+        bad("ram_rows", f"cannot be combined with max_rows={lc.max_rows} (yet): the row budget would "
+                        f"rank the rows on disk too; bound the table with an evict_* rule instead")

@@ -31,7 +31,7 @@ import json
 import logging
 import os
 from dataclasses import dataclass
-from typing import Dict, Iterator, List, Sequence, Tuple
+from typing import Callable, Dict, Iterable, Iterator, List, Sequence, Tuple
 
 import numpy as np
 
@@ -79,6 +79,36 @@ def shard_meta(spec: TableSpec, shard: int, n_shards: int, step: int, rows: int,
             "extra": list(extra), "spec": spec.to_dict()}
 
 
+@dataclass
+class Chunked:
+    """An array written part by part (``parts()`` yields them in order), never whole in memory.
+
+    A shard with a disk tier saves its rows on disk this way, chunk by chunk.
+    """
+
+    length: int
+    tail: Tuple[int, ...]
+    dtype: np.dtype
+    parts: Callable[[], Iterable[np.ndarray]]
+
+
+def _write_array(path: str, array) -> None:
+    """``array`` (an ndarray or :class:`Chunked`) as a ``.npy`` file at ``path``, atomically."""
+    if not isinstance(array, Chunked):
+        atomic_files.atomic_write(path, lambda f: np.save(f, array, allow_pickle=False))
+        return
+    with atomic_files.replacing(path) as tmp:
+        out = np.lib.format.open_memmap(tmp, mode="w+", dtype=array.dtype, shape=(array.length, *array.tail))
+        at = 0
+        for part in array.parts():
+            out[at:at + len(part)] = part
+            at += len(part)
+        if at != array.length:
+            raise RuntimeError(f"{path}: {at} rows written, {array.length} expected")
+        out.flush()
+        del out
+
+
 def write_shard(directory: str, arrays: Dict[str, np.ndarray], meta: dict,
                 extra: Dict[str, np.ndarray] = None) -> None:
     """Write ``arrays`` (and ``extra``) as ``<name>.npy`` and then ``meta.json`` into ``directory``, atomically.
@@ -92,8 +122,7 @@ def write_shard(directory: str, arrays: Dict[str, np.ndarray], meta: dict,
         os.unlink(meta_path)
         atomic_files.fsync_dir(directory)
     for name, array in {**arrays, **(extra or {})}.items():
-        atomic_files.atomic_write(os.path.join(directory, f"{name}.npy"),
-                                  lambda f, a=array: np.save(f, a, allow_pickle=False))
+        _write_array(os.path.join(directory, f"{name}.npy"), array)
     atomic_files.fsync_dir(directory)
     atomic_files.write_json(meta_path, meta)
     atomic_files.fsync_dir(directory)

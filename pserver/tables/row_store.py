@@ -39,7 +39,7 @@ under its lock.
 from __future__ import annotations
 
 import logging
-from typing import Dict, List, Sequence
+from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 
@@ -181,13 +181,17 @@ class RowStore:
         finally:
             self._refresh_views()
 
-    def _insert(self, new_ids: np.ndarray, stop: np.ndarray) -> np.ndarray:
-        """Store absent, distinct ``new_ids`` with initial rows and state; return their row numbers.
+    def _insert(self, new_ids: np.ndarray, stop: np.ndarray, values: Optional[Sequence[np.ndarray]] = None) -> np.ndarray:
+        """Store absent, distinct ``new_ids``; return their row numbers.
 
-        ``stop`` is where their probes stopped; it is recomputed if the index
-        had to be rebuilt to make room. Repeated new ids would each get a row
-        and corrupt the index, so they are refused first (a sort of the new
-        ids only; cheap next to computing their initial rows).
+        Without ``values`` the rows start at their initial values and state
+        (metadata 0: the update that follows sets it); with ``values`` (one
+        array per stored array after ids: rows, each state array, each metadata
+        column, as :meth:`_columns_of` gives them) they are stored as given (a
+        row promoted from the disk tier). ``stop`` is where their probes
+        stopped; it is recomputed if the index had to be rebuilt to make room.
+        Repeated new ids would each get a row and corrupt the index, so they
+        are refused first (a sort of the new ids only).
         """
         if new_ids.size > 1:
             s = np.sort(new_ids)
@@ -202,15 +206,23 @@ class RowStore:
             stop = probe(self._slots, self._ids, new_ids, home_slots(new_ids, self._slots.size))[1]
         end = start + m
         self._ids[start:end] = new_ids
-        self._initial_into(new_ids, self._rows[start:end])
-        for s, v in zip(self._state, self._state_init):
-            s[start:end] = v
-        for column in self._meta.values():  # score 0: the update that follows makes it 1
-            column[start:end] = 0
+        if values is None:
+            self._initial_into(new_ids, self._rows[start:end])
+            for s, v in zip(self._state, self._state_init):
+                s[start:end] = v
+            for column in self._meta.values():  # score 0: the update that follows makes it 1
+                column[start:end] = 0
+        else:
+            for a, v in zip(self._columns_of(), values):
+                a[start:end] = v
         rownums = np.arange(start, end, dtype=np.int32)
         place(self._slots, stop, rownums)
         self._n = end
         return rownums
+
+    def _columns_of(self) -> List[np.ndarray]:
+        """Every stored array after ids, in order: rows, the state arrays, the metadata columns."""
+        return [self._rows, *self._state, *self._meta.values()]
 
     def _append(self, ids: np.ndarray, arrays: List[np.ndarray], origin: str) -> None:
         """Store saved rows (ids, [rows, *state]) as they are, refusing ids already present.

@@ -22,9 +22,10 @@ Files: see :mod:`pserver.tables.files` (``save`` / ``load`` / :func:`export_tabl
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
-from typing import Sequence, Tuple
+from typing import Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -37,6 +38,7 @@ from . import files as table_files
 from .fresh import FreshRows
 from .id_index import home_slots, probe
 from .lifecycle import RowLifecycle
+from .lifecycle.tiering import DiskTiering
 from .row_store import RowStore
 from .rows import gather, scatter
 from .sparse_optim import make_rule
@@ -71,16 +73,18 @@ def _as_ids(ids) -> np.ndarray:
 
 
 
-class TableShard(RowStore):
+class TableShard(DiskTiering, RowStore):
     """One pserver's shard of a distributed table: id index, rows, optimizer state.
 
     Rows are created when an id is first updated by :meth:`apply`, with its
     initial value ``initial_rows(spec, id)``; :meth:`lookup` of an id never
     updated returns that value without storing it. ``step`` counts
     :meth:`apply` calls (the optimizer's per-table step). Thread-safe.
+    ``disk_dir``: where the disk tier goes when the table has ``ram_rows``
+    (:mod:`pserver.tables.lifecycle.tiering`).
     """
 
-    def __init__(self, spec: TableSpec, shard: int, n_shards: int):
+    def __init__(self, spec: TableSpec, shard: int, n_shards: int, disk_dir: Optional[str] = None):
         if n_shards < 1 or not 0 <= shard < n_shards:
             raise ValueError(f"table {spec.name!r}: shard {shard} is not in [0, {n_shards})")
         if spec.dtype not in TABLE_DTYPES:
@@ -94,11 +98,12 @@ class TableShard(RowStore):
         self._lock = threading.Lock()
         self._fresh = FreshRows()
         super().__init__(spec, shard, n_shards, self._rule.state_init, self.life.columns)
+        self._open_disk(disk_dir)
 
     # -- public --------------------------------------------------------------
 
     def __len__(self) -> int:
-        """Rows stored (ids updated at least once)."""
+        """Rows held in memory (all rows, without a disk tier)."""
         return self._n
 
     @property
@@ -109,17 +114,19 @@ class TableShard(RowStore):
     @property
     def disk_rows(self) -> int:
         """Rows in the disk tier (0 without one)."""
-        return 0
+        return 0 if self._disk is None else len(self._disk)
 
     @property
     def disk_bytes(self) -> int:
         """Bytes the disk tier uses (0 without one)."""
-        return 0
+        return 0 if self._disk is None else self._disk.nbytes
 
     def stored_ids(self) -> np.ndarray:
-        """A copy of the ids holding a row, in row order."""
+        """A copy of the ids holding a row: in memory (in row order), then on disk."""
         with self._lock:
-            return self._ids[:self._n].copy()
+            if self._disk is None:
+                return self._ids[:self._n].copy()
+            return np.concatenate([self._ids[:self._n], *self._disk_chunks(-1)])
 
     def check_ids(self, ids: np.ndarray) -> None:
         """Raise :class:`BadRequest` naming the table, this shard and an example id if any id is not ours.
@@ -150,7 +157,12 @@ class TableShard(RowStore):
                             want_stop=False)
             # An empty slot's -1 gathers the last allocated row; overwritten below.
             out = gather(self._rows, rows)
-        missing = rows < 0
+            missing = rows < 0
+            if self._disk is not None and missing.any():
+                at = np.flatnonzero(missing)
+                found, values = self._disk_rows_of(ids[at])
+                out[at[found]] = values
+                missing[at[found]] = False
         if missing.any():
             new_ids = ids[missing]
             fresh = initial_rows_into(self.spec, new_ids, np.empty((new_ids.size, self.spec.dim), self.dtype))
@@ -174,7 +186,9 @@ class TableShard(RowStore):
         with self._lock:
             step = self.step + 1
             if ids.size:
-                rows, stop = probe(self._slots, self._ids, ids, home_slots(ids, self._slots.size))
+                rows, stop = self._find(ids)
+                if self._promote(ids, rows):  # rows on disk come back first: they hold rows already
+                    rows, stop = self._find(ids)
                 missing = rows < 0
                 if missing.any():
                     miss = np.flatnonzero(missing)
@@ -210,12 +224,18 @@ class TableShard(RowStore):
             else:
                 sel = np.flatnonzero(self._meta["seen_step"][:n] > self.exported_step)
                 if gone.size:
-                    back = probe(self._slots, self._ids, gone, home_slots(gone, self._slots.size),
-                                 want_stop=False)[0]
-                    gone = gone[back < 0]
-            out = self._ids[sel].copy(), gather(self._rows, sel)
+                    gone = gone[self._find(gone, want_stop=False)[0] < 0]
+                    if self._disk is not None and gone.size:
+                        gone = gone[~self._disk.get(gone)[0]]
+            ids, rows = [self._ids[sel].copy()], [gather(self._rows, sel)]
+            if self._disk is not None:
+                for part_ids, records in self._disk.iter_chunks():
+                    values = self._unpack(records)
+                    keep = slice(None) if full else values[1 + self._n_state] > self.exported_step
+                    ids.append(part_ids[keep])
+                    rows.append(values[0][keep])
             self.exported_step = self.step
-        return out[0], out[1], gone
+        return np.concatenate(ids), np.concatenate(rows), gone
 
     def save(self, directory: str) -> None:
         """Write this shard's stored rows, state and step to ``directory`` (see :mod:`pserver.tables.files`).
@@ -229,12 +249,18 @@ class TableShard(RowStore):
             for name, s in zip(self._rule.state_names, self._state):
                 arrays[name] = s[:n]
             arrays.update(self._live())
+            if self._disk is not None and len(self._disk):  # every row: memory, then disk, chunk by chunk
+                arrays = {name: table_files.Chunked(n + len(self._disk), a.shape[1:], a.dtype,
+                                                    lambda a=a, i=i - 1: itertools.chain([a], self._disk_chunks(i)))
+                          for i, (name, a) in enumerate(arrays.items())}
+                n += len(self._disk)
             extra = self.life.admission.sketch.state() if self.life.admission and self.life.admission.sketch else {}
             table_files.write_shard(directory, arrays, table_files.shard_meta(
                 self.spec, self.shard, self.n_shards, self.step, n, list(arrays), list(extra)), extra)
 
     @classmethod
-    def load(cls, spec: TableSpec, shard: int, n_shards: int, directories: Sequence[str]) -> "TableShard":
+    def load(cls, spec: TableSpec, shard: int, n_shards: int, directories: Sequence[str],
+             disk_dir: Optional[str] = None) -> "TableShard":
         """Rebuild shard ``shard`` of ``n_shards`` from the shard directories of a saved run.
 
         The saved run may have had another number of shards: only ids with
@@ -244,9 +270,10 @@ class TableShard(RowStore):
         Directories of another table, dim, dtype or optimizer, incomplete
         saves and repeated shards are refused with ValueError. Shards saved at
         different steps (an async job) load; a re-shard takes the highest step.
+        With a disk tier, rows beyond the RAM budget go to disk chunk by chunk.
         """
         sources, step = table_files.open_shards(spec, directories, shard, n_shards)
-        table = cls(spec, shard, n_shards)
+        table = cls(spec, shard, n_shards, disk_dir)
         names = ["rows", *table._rule.state_names]
         defaults = table.life.defaults(step)
         for src in sources:
@@ -256,6 +283,7 @@ class TableShard(RowStore):
                 saved = dict(zip(columns, arrays[len(names):]))
                 for c, column in table._meta.items():
                     column[table._n - ids.size:table._n] = saved[c] if c in saved else defaults[c]
+                table._spill()
             sketch = table.life.admission.sketch if table.life.admission else None
             if sketch is not None and "sketch" in src.extra:
                 sketch.merge_saved(src.extra["sketch"])
@@ -276,4 +304,6 @@ class TableShard(RowStore):
         """The lifecycle's end of ``step``: evictions due, then the admission counts' decay."""
         if self.life.evicts:
             self.life.evicted(self._remove(self.life.victims(self._ids[:self._n], self._live(), step)))
+            self.life.evicted(self._sweep_disk(step))
         self.life.end_step(step)
+        self._spill()

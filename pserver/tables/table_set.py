@@ -60,9 +60,10 @@ class TableSet:
         self.endpoint = program.endpoint
         self.shard = program.shard
         self.n_shards = len(program.pservers)
+        self.disk_dir = program.config.table_disk_dir
         self.specs: Dict[str, TableSpec] = {t.name: t for t in program.tables}
         if tables_from is None:
-            self.shards = {name: TableShard(spec, self.shard, self.n_shards)
+            self.shards = {name: TableShard(spec, self.shard, self.n_shards, self.disk_dir)
                            for name, spec in self.specs.items()}
         else:
             self.shards = self.load_shards({name: saved_shards(tables_from, name) for name in self.specs})
@@ -152,12 +153,23 @@ class TableSet:
 
         Changes nothing here; :meth:`install` puts them in place.
         """
-        return {name: TableShard.load(self.specs[name], self.shard, self.n_shards, directories[name])
+        return {name: TableShard.load(self.specs[name], self.shard, self.n_shards, directories[name],
+                                      self.disk_dir)
                 for name in self.specs}
 
     def install(self, shards: Mapping[str, TableShard]) -> None:
-        """Replace the table shards (after a checkpoint load)."""
+        """Replace the table shards (after a checkpoint load); the old ones' disk tiers are removed."""
+        for name, shard in shards.items():
+            old = self.shards.get(name)
+            shard.life.track_tombstones = old is not None and old.life.track_tombstones
+            if old is not None and old is not shard:
+                old.close_disk()
         self.shards.update(shards)
+
+    def close(self) -> None:
+        """Remove the disk tiers' working stores (the pserver is stopping)."""
+        for shard in self.shards.values():
+            shard.close_disk()
 
     def save(self, root: str) -> List[str]:
         """Write every shard to ``root/<table>/shard-K-of-N``; returns those directories."""

@@ -1,0 +1,154 @@
+"""The disk tier of a table shard: a RAM budget, cold rows on local disk, promoted on access.
+
+With ``ram_rows`` (:mod:`transpiler.lifecycle`), a shard keeps at most its
+share of that many rows in memory at the end of every step: the least
+recently updated rows beyond it (then the smallest ids) move, with their
+optimizer state and metadata packed into one fixed-size record each, to a
+:class:`~pserver.tables.lifecycle.disk_tier.DiskTier` (LMDB) in the pserver's
+``table_disk_dir``. An update of a row on disk first brings its record back
+into memory (promotion), so the update is exactly the all-in-RAM table's; a
+lookup reads the record without moving it. Eviction sweeps cover the rows on
+disk too. Records move bit for bit, so training equals the all-in-RAM table.
+
+The store is a working area: checkpoints and saves write every row (memory
+and disk) into the usual shard files, and a (re)started pserver opens an
+empty store and loads those files, spilling as it goes. A SIGKILL in the
+middle of a spill therefore loses nothing the last checkpoint had. A spill
+that fails (the disk or the store's size limit is full) changes nothing: the
+rows stay in memory, the failure is logged with what to do, and the next
+step tries again.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import re
+import tempfile
+from typing import Iterator, Optional
+
+import numpy as np
+
+from .disk_tier import DiskTier, DiskTierFull
+from .eviction import coldest, sweep_due, sweep_victims
+from .policy import META_COLUMNS
+
+log = logging.getLogger(__name__)
+
+_DISK_CHUNK = 1 << 16   # records read at once when sweeping or saving the disk tier
+
+
+def record_dtype(dim: int, dtype: np.dtype, n_state: int, columns) -> np.dtype:
+    """One packed record: the row, each optimizer state array, each metadata column."""
+    fields = [("rows", dtype, (dim,))] + [(f"state{i}", dtype, (dim,)) for i in range(n_state)]
+    fields += [(c, META_COLUMNS[c]) for c in columns]
+    return np.dtype(fields)
+
+
+class DiskTiering:
+    """Mixin of :class:`pserver.tables.shard.TableShard`: the disk tier, when ``ram_rows`` is set.
+
+    Uses the shard's :class:`~pserver.tables.row_store.RowStore` internals;
+    every method runs under the shard's lock.
+    """
+
+    _disk: Optional[DiskTier] = None
+
+    def _open_disk(self, root: Optional[str]) -> None:
+        lc = self.spec.lifecycle
+        if not lc.ram_rows:
+            return
+        if root is None:
+            root = os.path.join(tempfile.gettempdir(), "ps-table-disk-tier")
+            log.warning("table %s: no table_disk_dir set; its disk tier goes to %s", self.spec.name, root)
+        name = re.sub(r"[^A-Za-z0-9_.-]", "_", self.spec.name)
+        directory = os.path.join(root, f"{name}.shard-{self.shard}-of-{self.n_shards}.pid-{os.getpid()}")
+        self._ram_share = lc.shard_share(lc.ram_rows, self.n_shards)
+        self._record = record_dtype(self.spec.dim, self.dtype, self._n_state, self._columns)
+        self._disk = DiskTier(directory, self._record.itemsize)
+        self.spill_failures = 0
+        log.info("table %s shard %d: %d rows in memory, the rest in %s", self.spec.name, self.shard,
+                 self._ram_share, directory)
+
+    def close_disk(self) -> None:
+        """Close and remove the disk tier's working store (the shard's rows on disk are gone)."""
+        if self._disk is not None:
+            self._disk.close()
+
+    # -- records -------------------------------------------------------------
+
+    def _pack(self, rownums: np.ndarray) -> np.ndarray:
+        rec = np.empty(rownums.size, self._record)
+        for name, a in zip(self._record.names, self._columns_of()):
+            rec[name] = a[rownums]
+        return rec.view(np.uint8).reshape(rownums.size, self._record.itemsize)
+
+    def _unpack(self, records: np.ndarray) -> list:
+        rec = np.ascontiguousarray(records).view(self._record).reshape(-1)
+        return [rec[name] for name in self._record.names]
+
+    # -- promotion and reads ---------------------------------------------------
+
+    def _promote(self, ids: np.ndarray, rows: np.ndarray) -> int:
+        """Bring the rows of ``ids`` (distinct) that are on disk into memory; how many were.
+
+        ``rows`` (the ids' rows in memory, -1 where absent) is updated in place.
+        """
+        if self._disk is None or not len(self._disk):
+            return 0
+        miss = np.flatnonzero(rows < 0)
+        if miss.size == 0:
+            return 0
+        found, records = self._disk.pop(ids[miss])
+        if not found.any():
+            return 0
+        at = miss[found]
+        stop = self._find(ids[at])[1]
+        rows[at] = self._insert(ids[at], stop, self._unpack(records[found]))
+        self.life.counts.promoted += at.size
+        return at.size
+
+    def _disk_rows_of(self, ids: np.ndarray):
+        """(found, their rows) of ``ids`` on disk, without moving them."""
+        found, records = self._disk.get(ids)
+        return found, self._unpack(records[found])[0]
+
+    # -- end of step -----------------------------------------------------------
+
+    def _spill(self) -> None:
+        """Move the coldest rows beyond the RAM share to disk; on a full disk, keep them and log."""
+        if self._disk is None or self._n <= self._ram_share:
+            return
+        n = self._n
+        victims = np.sort(coldest(n - self._ram_share, self._ids[:n], self._meta["seen_step"][:n]))
+        try:
+            self._disk.put(self._ids[victims], self._pack(victims))
+        except DiskTierFull as e:
+            self.spill_failures += 1
+            if self.spill_failures == 1 or self.spill_failures % 100 == 0:
+                log.error("table %s shard %d: spill of %d rows failed (%d failures so far); the rows stay "
+                          "in memory: %s", self.spec.name, self.shard, victims.size, self.spill_failures, e)
+            return
+        self._remove(victims)
+        self.life.counts.spilled += victims.size
+
+    def _sweep_disk(self, step: int) -> np.ndarray:
+        """The ids on disk an eviction sweep at ``step`` removes (deleted from the store)."""
+        if self._disk is None or not len(self._disk) or not sweep_due(self.spec.lifecycle, step):
+            return np.empty(0, np.int64)
+        gone = []
+        now = self.life.clock()
+        for ids, records in self._disk.iter_chunks(_DISK_CHUNK):
+            meta = dict(zip(self._record.names, self._unpack(records)))
+            go = sweep_victims(self.spec.lifecycle, step, now, meta["seen_step"], meta.get("score"),
+                               meta.get("seen_time"))
+            gone.append(ids[go])
+        gone = np.concatenate(gone) if gone else np.empty(0, np.int64)
+        self._disk.delete(gone)
+        return gone
+
+    # -- saves -------------------------------------------------------------------
+
+    def _disk_chunks(self, index: int) -> Iterator[np.ndarray]:
+        """Field ``index`` of every record on disk (-1: the ids), chunk by chunk."""
+        for ids, records in self._disk.iter_chunks(_DISK_CHUNK):
+            yield ids if index < 0 else self._unpack(records)[index]
