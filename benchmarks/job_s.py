@@ -97,10 +97,14 @@ class CtrNet(nn.Module):
         return self.mlp(torch.cat([e, dense], dim=1)).squeeze(1)
 
 
-def build_program(jobs, seed: int = 0) -> Program:
-    """Dense MLP with SGD lr 0.05; the table distributed with SGD lr 0.05 and N(0, 0.01^2) initial rows."""
+def build_program(jobs, seed: int = 0, ram_rows: int = 0) -> Program:
+    """Dense MLP with SGD lr 0.05; the table distributed with SGD lr 0.05 and N(0, 0.01^2) initial rows.
+
+    ``ram_rows``: the table keeps that many rows in memory and the rest in its disk tier (0: all in memory).
+    """
     table = TableOptions(optimizer="sgd", optimizer_kwargs={"lr": jobs.S_LR},
-                         init="normal", init_kwargs={"std": 0.01})
+                         init="normal", init_kwargs={"std": 0.01},
+                         lifecycle={"ram_rows": ram_rows} if ram_rows else None)
     return Program(CtrNet(jobs, seed), "sgd", lr=jobs.S_LR, distributed_tables={TABLE: table})
 
 
@@ -119,6 +123,7 @@ def pserver_stats(endpoints: List[str], timeout: float = 10.0) -> Dict[str, dict
             r = ps_pb2_grpc.ParameterServerStub(channel).Stats(ps_pb2.StatsRequest(), timeout=timeout)
             out[ep] = {"updates": r.updates, "pushes": r.pushes, "prefetches": r.prefetches,
                        "bytes_in": r.bytes_in, "bytes_out": r.bytes_out, "table_rows": r.table_rows,
+                       "disk_rows": sum(t.disk_rows for t in r.tables),
                        "trainers_alive": list(r.trainers_alive)}
         except grpc.RpcError as e:
             out[ep] = {"error": str(e.code())}
@@ -268,6 +273,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0, help="data seed of jobs.py")
     p.add_argument("--plain", action="store_true",
                    help="the plain loop: `for batch in batches: ... tr.step()`, no tr.batches(prefetch=)")
+    p.add_argument("--ram_rows", type=int, default=0,
+                   help="the table's RAM budget in rows (TableLifecycle.ram_rows); the rest goes to its disk tier")
+    p.add_argument("--table_disk_dir", default=None, help="DistributeTranspilerConfig.table_disk_dir")
     p.add_argument("--grad_wire_dtype", choices=["bfloat16", "float16"], default=None,
                    help="push gradients in this dtype (DistributeTranspilerConfig.grad_wire_dtype; "
                         "default: as computed)")
@@ -291,8 +299,9 @@ def main(argv=None) -> int:
     args.steps = jobs.S_STEPS if args.steps is None else args.steps
     args.eval_examples = jobs.S_EVAL_N if args.eval_examples is None else args.eval_examples
     torch.set_num_threads(1)  # several roles share this machine's cores
-    t = DistributeTranspiler(DistributeTranspilerConfig(grad_wire_dtype=args.grad_wire_dtype))
-    t.transpile(env.trainer_id, program=build_program(jobs, args.seed), pservers=env.pserver_list,
+    t = DistributeTranspiler(DistributeTranspilerConfig(grad_wire_dtype=args.grad_wire_dtype,
+                                                        table_disk_dir=args.table_disk_dir))
+    t.transpile(env.trainer_id, program=build_program(jobs, args.seed, args.ram_rows), pservers=env.pserver_list,
                 trainers=env.trainers, sync_mode=args.sync_mode)
     if env.is_pserver:
         from pserver import ParameterServer

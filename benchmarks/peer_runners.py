@@ -64,7 +64,7 @@ def job_s_results(log_dir: str, trainers: int) -> List[dict]:
 
 
 def run_ours_s(args, workdir: str, sync: bool, pservers: int = 2, trainers: int = 2,
-               wire: Optional[str] = None, plain: bool = False) -> dict:
+               wire: Optional[str] = None, plain: bool = False, ram_rows: int = 0) -> dict:
     """Job S on this project through ps-launch; throughput over all trainers and per-trainer per-step figures."""
     log_dir = os.path.join(workdir, "log")
     cmd = [sys.executable, "-m", "trainer.launch", "--server_num", str(pservers), "--worker_num", str(trainers),
@@ -76,6 +76,8 @@ def run_ours_s(args, workdir: str, sync: bool, pservers: int = 2, trainers: int 
         cmd += ["--grad_wire_dtype", wire]
     if plain:
         cmd.append("--plain")
+    if ram_rows:
+        cmd += ["--ram_rows", str(ram_rows), "--table_disk_dir", os.path.join(workdir, "disk-tier")]
     run_command(cmd, os.path.join(workdir, "launch.log"), args.timeout,
                 f"ps-launch job_s.py ({pservers} ps x {trainers} trainers, {'sync' if sync else 'async'})", cwd=REPO)
     res = job_s_results(log_dir, trainers)

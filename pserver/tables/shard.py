@@ -119,7 +119,7 @@ class TableShard(DiskTiering, RowStore):
     @property
     def disk_bytes(self) -> int:
         """Bytes the disk tier uses (0 without one)."""
-        return 0 if self._disk is None else self._disk.nbytes
+        return 0 if self._disk is None else self._disk_nbytes
 
     def stored_ids(self) -> np.ndarray:
         """A copy of the ids holding a row: in memory (in row order), then on disk."""
@@ -148,21 +148,21 @@ class TableShard(DiskTiering, RowStore):
     def lookup(self, ids: np.ndarray) -> np.ndarray:
         """Rows of ``ids`` (int64 1-D, any order, repeats allowed) as a new (len(ids), dim) array.
 
-        Stored rows are gathered under the lock; ids never updated get their
-        initial value, computed after releasing it, and are not inserted.
+        Stored rows are gathered under the lock (rows in the disk tier are
+        brought back to memory first); ids never updated get their initial
+        value, computed after releasing it, and are not inserted.
         """
         ids = _as_ids(ids)
         with self._lock:
+            if self._disk is not None:
+                # Rows on disk come back to memory now: the push that follows a lookup updates
+                # them, and finds them in memory.
+                self._promote_ids(ids)
             rows, _ = probe(self._slots, self._ids, ids, home_slots(ids, self._slots.size),
                             want_stop=False)
             # An empty slot's -1 gathers the last allocated row; overwritten below.
             out = gather(self._rows, rows)
-            missing = rows < 0
-            if self._disk is not None and missing.any():
-                at = np.flatnonzero(missing)
-                found, values = self._disk_rows_of(ids[at])
-                out[at[found]] = values
-                missing[at[found]] = False
+        missing = rows < 0
         if missing.any():
             new_ids = ids[missing]
             fresh = initial_rows_into(self.spec, new_ids, np.empty((new_ids.size, self.spec.dim), self.dtype))

@@ -191,7 +191,8 @@ class TableSet:
 
     @property
     def rows(self) -> int:
-        return sum(len(s) for s in self.shards.values())
+        """Rows held by every shard, in memory and on disk."""
+        return sum(s.rows_held for s in self.shards.values())
 
     @property
     def nbytes(self) -> int:

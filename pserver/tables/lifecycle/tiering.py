@@ -6,8 +6,8 @@ recently updated rows beyond it (then the smallest ids) move, with their
 optimizer state and metadata packed into one fixed-size record each, to a
 :class:`~pserver.tables.lifecycle.disk_tier.DiskTier` (LMDB) in the pserver's
 ``table_disk_dir``. An update of a row on disk first brings its record back
-into memory (promotion), so the update is exactly the all-in-RAM table's; a
-lookup reads the record without moving it. Eviction sweeps cover the rows on
+into memory (promotion), so the update is exactly the all-in-RAM table's; so
+does a lookup (its push follows). Eviction sweeps cover the rows on
 disk too. Records move bit for bit, so training equals the all-in-RAM table.
 
 The store is a working area: checkpoints and saves write every row (memory
@@ -65,6 +65,7 @@ class DiskTiering:
         self._ram_share = lc.shard_share(lc.ram_rows, self.n_shards)
         self._record = record_dtype(self.spec.dim, self.dtype, self._n_state, self._columns)
         self._disk = DiskTier(directory, self._record.itemsize)
+        self._disk_nbytes = 0    # as of the last spill: read lock-free by the metrics
         self.spill_failures = 0
         log.info("table %s shard %d: %d rows in memory, the rest in %s", self.spec.name, self.shard,
                  self._ram_share, directory)
@@ -107,10 +108,13 @@ class DiskTiering:
         self.life.counts.promoted += at.size
         return at.size
 
-    def _disk_rows_of(self, ids: np.ndarray):
-        """(found, their rows) of ``ids`` on disk, without moving them."""
-        found, records = self._disk.get(ids)
-        return found, self._unpack(records[found])[0]
+    def _promote_ids(self, ids: np.ndarray) -> None:
+        """Bring the rows of ``ids`` (any, repeats allowed) that are on disk into memory."""
+        if not len(self._disk):
+            return
+        rows = self._find(ids, want_stop=False)[0]
+        miss = np.unique(ids[rows < 0])
+        self._promote(miss, np.full(miss.size, -1, dtype=np.int32))
 
     # -- end of step -----------------------------------------------------------
 
@@ -130,6 +134,7 @@ class DiskTiering:
             return
         self._remove(victims)
         self.life.counts.spilled += victims.size
+        self._disk_nbytes = self._disk.nbytes
 
     def _sweep_disk(self, step: int) -> np.ndarray:
         """The ids on disk an eviction sweep at ``step`` removes (deleted from the store)."""
