@@ -214,3 +214,42 @@ def test_sync_job_with_tables_five_times_their_budget_equals_single_process(tmp_
     for i in (0, 1):
         assert_matches(results[i], expected)
     assert not os.listdir(tmp_path)                                  # stopped pservers remove their stores
+
+
+@pytest.mark.timeout(90)
+def test_a_restarted_pserver_restores_its_disk_tier_from_the_checkpoint_and_the_job_stays_exact(tmp_path, caplog):
+    """A sync job with a disk tier and eviction checkpoints at step 5, trains 3 more steps; pserver 1
+    stops and starts again from the checkpoint (its working store emptied, rows loaded from the
+    checkpoint files and spilled again), both roll back, the trainer redoes the steps: the model
+    equals the single-process reference of the rules over all the data."""
+    from tests.helpers.lifecycle_reference import single_process_lifecycle
+    rules = {"ram_rows": 6, "evict_unseen_steps": 4, "admit_count": 2}
+    tables = {"emb": {"lifecycle": rules}, "bag": {"lifecycle": rules}}
+    build = lambda: table_program("adagrad", tables=tables, lr=0.3)  # noqa: E731
+    data = table_batches(1, 12, 12, seed=8)
+    config = DistributeTranspilerConfig(checkpoint_dir=str(tmp_path / "ckpt"), barrier_timeout=30.0,
+                                        table_disk_dir=str(tmp_path / "tier"))
+
+    def train(tr, steps):
+        for step_batches in steps:
+            ids, bag, y = step_batches[0]
+            nn.functional.cross_entropy(tr.model(ids, bag), y).backward()
+            tr.step()
+    with LocalCluster(build, 2, 1, config=config) as cluster:
+        with cluster.trainer(0) as tr:
+            train(tr, data[:5])
+            tr.checkpoint()
+            train(tr, data[5:8])
+            assert all(s.engine.tables.shards["emb"].disk_rows for s in cluster.servers)
+            cluster.servers[1].stop()
+            cluster.restart_pserver(1)                       # back at the checkpoint of step 5
+            tr.pull()
+            assert tr.step_count == 5
+            restored = cluster.servers[1].engine.tables.shards["emb"]
+            assert restored.disk_rows and len(restored) <= 3   # loaded, and spilled to its share again
+            train(tr, data[5:])
+            result = (tr.state_dict(), {"emb": tr.pull_rows("emb", torch.from_numpy(VOCAB)),
+                                        "bag": tr.pull_rows("bag", torch.from_numpy(BAG_VOCAB))})
+    state, rows, _ = single_process_lifecycle(build(), data)
+    assert_matches(result, (state, rows))
+    assert "rolled back from step 8" in caplog.text

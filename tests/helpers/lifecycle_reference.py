@@ -85,7 +85,8 @@ def _filter_grad(weight: torch.Tensor, vocab: np.ndarray, table: ReferenceTable)
     g = weight.grad.coalesce()
     pos = g.indices()[0].numpy()
     keep = torch.from_numpy(table.admit(vocab[pos]))
-    weight.grad = torch.sparse_coo_tensor(g.indices()[:, keep], g.values()[keep], g.shape).coalesce()
+    weight.grad = torch.sparse_coo_tensor(g.indices()[:, keep], g.values()[keep], g.shape,
+                                          check_invariants=False).coalesce()
 
 
 def _reset(weight: torch.Tensor, optimizer: torch.optim.Optimizer, vocab: np.ndarray,
