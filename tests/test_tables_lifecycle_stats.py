@@ -32,7 +32,8 @@ def test_ps_stat_and_metrics_show_each_tables_lifecycle(capsys):
         replies = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
         for reply, c, n in zip(replies, counts, held):
             emb = {t["table"]: t for t in reply["tables"]}["emb"]
-            assert (emb["rows"], emb["admitted"], emb["refused"], emb["evicted"]) == (n, c.admitted, c.refused, c.evicted)
+            assert (emb["rows"], emb["admitted"], emb["refused"], emb["evicted"]) == \
+                (n, c.admitted, c.refused, c.evicted)
             assert emb["admitted"] - emb["evicted"] == emb["rows"]
             assert {t["table"]: t for t in reply["tables"]}["bag"]["refused"] == 0
 

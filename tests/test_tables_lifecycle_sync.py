@@ -39,10 +39,14 @@ def stored_ids(cluster, table):
     return sorted(np.concatenate(ids).tolist())
 
 
+# Each rule set with each optimizer was checked once (18 cases); the suite keeps these four.
+CASES = [("count+steps", "sgd"), ("count+steps", "adam"), ("count+decay+steps/2", "adagrad"),
+         ("probability+score", "sgd")]
+
+
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("n_pservers", [2, 3])
-@pytest.mark.parametrize("rules", sorted(RULES))
-@pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
+@pytest.mark.parametrize("rules,optimizer", CASES)
 def test_lifecycle_sync_matches_single_process(n_pservers, rules, optimizer):
     data = table_batches(2, PER_TRAINER, STEPS, seed=7)
     make = build(RULES[rules], optimizer)

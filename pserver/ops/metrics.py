@@ -85,7 +85,8 @@ class PserverCollector(Collector):
         yield refusals
         yield _gauge("ps_blocks", "Dense parameter blocks held", ep, snap.blocks)
         yield _gauge("ps_block_bytes", "Bytes of the dense blocks held (parameters only)", ep, snap.block_bytes)
-        yield _gauge("ps_table_rows", "Rows stored in this pserver's distributed table shards", ep, snap.table_rows)
+        yield _gauge("ps_table_rows", "Rows held by this pserver's distributed table shards (in memory and on disk)",
+                     ep, snap.table_rows)
         yield _gauge("ps_table_bytes", "Bytes those shards hold (ids, rows, optimizer state)", ep, snap.table_bytes)
         yield from _table_metrics(ep, snap.tables)
         last = snap.checkpoint

@@ -181,7 +181,8 @@ class RowStore:
         finally:
             self._refresh_views()
 
-    def _insert(self, new_ids: np.ndarray, stop: np.ndarray, values: Optional[Sequence[np.ndarray]] = None) -> np.ndarray:
+    def _insert(self, new_ids: np.ndarray, stop: np.ndarray,
+                values: Optional[Sequence[np.ndarray]] = None) -> np.ndarray:
         """Store absent, distinct ``new_ids``; return their row numbers.
 
         Without ``values`` the rows start at their initial values and state

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List
 
 import numpy as np
 
@@ -122,15 +122,6 @@ class RowLifecycle:
         out = np.unique(np.concatenate(self._tombstones)) if self._tombstones else np.empty(0, np.int64)
         self._tombstones = []
         return out
-
-    def restore_tombstones(self, ids: Optional[np.ndarray]) -> None:
-        """Put back tombstones a failed export took, or a checkpoint saved."""
-        if ids is not None and ids.size:
-            self._tombstones.insert(0, np.asarray(ids, dtype=np.int64))
-
-    def pending_tombstones(self) -> np.ndarray:
-        """The tombstones not yet exported, without forgetting them (for a checkpoint)."""
-        return np.unique(np.concatenate(self._tombstones)) if self._tombstones else np.empty(0, np.int64)
 
     def _count(self, rule: str, n: int) -> None:
         if n:
