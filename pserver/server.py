@@ -78,9 +78,10 @@ class ParameterServer:
             self.engine = SyncEngine(*args, **hooks)
         else:
             self.engine = AsyncEngine(*args, max_staleness=cfg.max_staleness, **hooks)
-        if cfg.export_dir is not None and cfg.export_every and tables:
-            self.engine.exporter = TableExporter(tables, cfg.export_dir, cfg.export_every,
-                                                 cfg.export_base_every, cfg.export_keep_bases)
+        if cfg.export_dir is not None and (cfg.export_every or cfg.export_every_seconds) and tables:
+            self.engine.exporter = TableExporter(tables, cfg.export_dir, cfg.export_every, cfg.export_base_every,
+                                                 cfg.export_keep_bases, cfg.export_every_seconds,
+                                                 program.sync_mode)
         if checkpointer is not None:
             if self.engine.resume():
                 log.info("pserver %s resumes from the checkpoint at step %d under %s%s", self.endpoint,

@@ -122,3 +122,46 @@ def test_a_restored_shard_writes_a_resync_delta(tmp_path):
     assert_reader_equals_live(reader, "emb", shards)
     for e in exporters:
         e.close()
+
+
+@pytest.mark.timeout(90)
+def test_exports_every_so_many_seconds_follow_pserver_0s_clock(tmp_path):
+    """export_every_seconds: pserver 0's clock (a fake one here) says when; it announces the step two
+    ahead in export_dir/NEXT and both pservers export there. The first is a base, the next a delta
+    after it; after each, the reader equals the live table."""
+    root = str(tmp_path / "exports")
+    config = DistributeTranspilerConfig(export_dir=root, export_every_seconds=60.0, export_base_every=5)
+    rules = {"evict_unseen_steps": 3}
+    build = lambda: table_program("sgd", tables={"emb": {"lifecycle": rules}, "bag": None}, lr=0.3)  # noqa: E731
+    data = table_batches(1, 12, 12, seed=5)
+    reader = ServingTables(root)
+    now = [1000.0]
+    applied = {}
+    with LocalCluster(build, 2, 1, config=config) as cluster:
+        schedule = cluster.servers[0].engine.exporter.schedule
+        schedule.clock, schedule._since = (lambda: now[0]), now[0]
+        shards = {t: [s.engine.tables.shards[t] for s in cluster.servers] for t in ("emb", "bag")}
+        with cluster.trainer(0) as tr:
+            for step, step_batches in enumerate(data, start=1):
+                if step in (4, 8):
+                    now[0] += 61.0                      # pserver 0 announces at the end of this step
+                ids, bag, y = step_batches[0]
+                nn.functional.cross_entropy(tr.model(ids, bag), y).backward()
+                tr.step()
+                for s in cluster.servers:
+                    s.engine.exporter.wait()
+                got = reader.refresh()
+                if got:
+                    applied[step] = got
+                    for table in ("emb", "bag"):
+                        assert_reader_equals_live(reader, table, shards[table])
+    assert applied == {6: ["000000000006-base"], 10: ["000000000010-delta"]}
+
+
+def test_export_every_seconds_is_refused_in_async_mode_and_with_export_every():
+    with pytest.raises(ValueError, match="choose one schedule"):
+        DistributeTranspilerConfig(export_dir="x", export_every=5, export_every_seconds=10.0)
+    with pytest.raises(ValueError, match="need an export_dir"):
+        DistributeTranspilerConfig(export_every_seconds=10.0)
+    with pytest.raises(ValueError, match="needs sync mode"):
+        TableExporter(SimpleNamespace(shards={}, shard=0, n_shards=1), "x", 0, 10, 2, 30.0, sync_mode=False)

@@ -76,6 +76,9 @@ class DistributeTranspilerConfig:
       ids), each completed by a ``DONE`` file. Storage every pserver sees.
     - ``export_every`` (int, 0): export every this many steps (sync; in async,
       updates of each pserver); 0: no exports.
+    - ``export_every_seconds`` (float, 0): sync mode; instead of ``export_every``,
+      an export about every this many seconds (pserver 0's clock picks the step,
+      two steps ahead, and the others follow it); 0: off.
     - ``export_base_every`` (int, 10): every this-many-th export is a base
       (the first always is); the others are deltas.
     - ``export_keep_bases`` (int, 2): complete bases kept (with their deltas);
@@ -179,6 +182,7 @@ class DistributeTranspilerConfig:
     checkpoint_keep: int = 3
     export_dir: Optional[str] = None
     export_every: int = 0
+    export_every_seconds: float = 0.0
     export_base_every: int = 10
     export_keep_bases: int = 2
     table_disk_dir: Optional[str] = None
@@ -258,8 +262,13 @@ class DistributeTranspilerConfig:
                 raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
         if self.table_disk_dir is not None and (not isinstance(self.table_disk_dir, str) or not self.table_disk_dir):
             raise ValueError(f"table_disk_dir must be None or a non-empty path, got {self.table_disk_dir!r}")
-        if self.export_every and self.export_dir is None:
-            raise ValueError(f"export_every={self.export_every} needs an export_dir to write to")
+        seconds = self.export_every_seconds
+        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 <= seconds < float("inf"):
+            raise ValueError(f"export_every_seconds must be a number of seconds >= 0, got {seconds!r}")
+        if self.export_every and seconds:
+            raise ValueError("export_every and export_every_seconds are both set; choose one schedule")
+        if (self.export_every or seconds) and self.export_dir is None:
+            raise ValueError("export_every / export_every_seconds need an export_dir to write to")
         if self.nonfinite_grads not in NONFINITE_GRADS:
             raise ValueError(f"nonfinite_grads must be one of {NONFINITE_GRADS}, got {self.nonfinite_grads!r}")
         if self.grad_wire_dtype not in GRAD_WIRE_DTYPES:

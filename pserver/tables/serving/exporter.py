@@ -8,6 +8,10 @@ pserver names the same export without talking to the others: export ``i =
 step // export_every`` is a base when ``i % export_base_every == 0`` and
 otherwise a delta following export ``i - 1``.
 
+With ``export_every_seconds`` instead (sync mode), pserver 0 watches the
+clock and announces each export's step, kind and predecessor in
+``export_dir/NEXT`` two steps ahead (:class:`ClockSchedule`).
+
 A delta holds the rows updated since this pserver's previous export (their
 ``seen_step`` is later) and the ids evicted since then that hold no row now.
 A pserver that has not exported since it started or was rolled back does not
@@ -29,10 +33,12 @@ import concurrent.futures
 import json
 import logging
 import os
-from typing import Dict, Optional, Tuple
+import time
+from typing import Callable, Dict, Optional, Tuple
 
 import numpy as np
 
+from ... import atomic_files
 from . import exports
 
 log = logging.getLogger(__name__)
@@ -53,6 +59,66 @@ def export_plan(step: int, every: int, base_every: int) -> Optional[Tuple[str, s
     before = step - every
     kind_before = "base" if (i - 1 == 1 or (i - 1) % base_every == 0) else "delta"
     return exports.export_name(step, "delta"), "delta", exports.export_name(before, kind_before)
+
+
+class ClockSchedule:
+    """``export_every_seconds`` (sync mode): pserver 0 reads the clock and announces the export's step.
+
+    When ``seconds`` have passed since its last announcement, pserver 0 picks
+    the step two after the one it just applied and writes it, with the kind
+    and the export it follows, to ``export_dir/NEXT`` (atomically); every
+    pserver reads that file at its step ends and exports at that step. Two
+    steps suffice: in sync mode no pserver can apply step s + 1 before
+    pserver 0 has answered step s, which it does after writing the file.
+    """
+
+    NEXT = "NEXT"
+
+    def __init__(self, root: str, seconds: float, base_every: int, shard: int,
+                 clock: Callable[[], float] = time.time):
+        self.root, self.seconds, self.base_every, self.shard = root, seconds, base_every, shard
+        self.clock = clock
+        self._since = clock()
+        self._count = 0
+        self._announced: Optional[dict] = None
+        self._seen: Tuple[int, int] = (-1, -1)   # NEXT's (mtime_ns, size) when last read
+
+    def plan(self, step: int) -> Optional[Tuple[str, str, Optional[str]]]:
+        """(name, kind, previous) of the export due at ``step``, or None; pserver 0 may announce one."""
+        if self.shard == 0:
+            due = self._announced
+            if (due is None or due["step"] < step) and self.clock() - self._since >= self.seconds:
+                self._announce(step + 2)
+        else:
+            self._read()
+        due = self._announced
+        if due is None or due["step"] != step:
+            return None
+        return exports.export_name(step, due["kind"]), due["kind"], due["previous"]
+
+    def _announce(self, at: int) -> None:
+        kind = "base" if self._count % self.base_every == 0 else "delta"
+        previous = None
+        if kind == "delta":
+            last = self._announced
+            previous = exports.export_name(last["step"], last["kind"])
+        self._announced = {"step": at, "kind": kind, "previous": previous}
+        os.makedirs(self.root, exist_ok=True)
+        atomic_files.write_json(os.path.join(self.root, self.NEXT), self._announced)
+        self._count += 1
+        self._since = self.clock()
+
+    def _read(self) -> None:
+        path = os.path.join(self.root, self.NEXT)
+        try:
+            st = os.stat(path)
+            if (st.st_mtime_ns, st.st_size) == self._seen:
+                return
+            with open(path, "rb") as f:
+                self._announced = json.loads(f.read())
+            self._seen = (st.st_mtime_ns, st.st_size)
+        except (OSError, ValueError):
+            return  # none yet, or being replaced: read at the next step's end
 
 
 def chain_ids(root: str, name: str, table: str, shard: int, n_shards: int) -> Optional[np.ndarray]:
@@ -88,9 +154,14 @@ def exports_meta(directory: str) -> dict:
 class TableExporter:
     """Scheduled exports of one pserver's table shards (``tables``: a :class:`TableSet`)."""
 
-    def __init__(self, tables, root: str, every: int, base_every: int, keep_bases: int):
+    def __init__(self, tables, root: str, every: int, base_every: int, keep_bases: int,
+                 every_seconds: float = 0.0, sync_mode: bool = True):
+        if every_seconds and not sync_mode:
+            raise ValueError("export_every_seconds needs sync mode: async pservers apply their steps "
+                             "independently and cannot agree on one; use export_every")
         self.tables, self.root = tables, root
         self.every, self.base_every, self.keep_bases = every, base_every, keep_bases
+        self.schedule = ClockSchedule(root, every_seconds, base_every, tables.shard) if every_seconds else None
         self.shard, self.n_shards = tables.shard, tables.n_shards
         self.resync = True   # nothing exported since start: the first delta is a resync
         self.last: Optional[str] = None
@@ -102,7 +173,10 @@ class TableExporter:
 
     def after_update(self, step: int) -> None:
         """Export if one is due at ``step``: copy the shards' changes now, write them in the background."""
-        plan = export_plan(step, self.every, self.base_every)
+        if self.schedule is not None:
+            plan = self.schedule.plan(step)
+        else:
+            plan = export_plan(step, self.every, self.base_every)
         if plan is None:
             return
         name, kind, previous = plan
