@@ -35,7 +35,7 @@ class Checkpoints:
             except OSError as e:
                 raise StorageFailed(f"pserver {self.endpoint}: checkpoint failed: {e}") from None
 
-    def _checkpoint_if_due(self) -> None:
+    def _checkpoint_and_export_if_due(self) -> None:
         if self.checkpointer is not None and self.checkpointer.due(self.updates):
             try:
                 self.checkpointer.save(self.updates, self.roster.to_meta())

@@ -129,7 +129,7 @@ class SyncEngine(Engine):
         self.joins_at = {t: s for t, s in self.joins_at.items() if s > self.updates}
         self.roster.positions.update(self.pending_positions)
         self._clear_pending()
-        self._checkpoint_if_due()
+        self._checkpoint_and_export_if_due()
         self.cv.notify_all()
 
     def _on_close(self) -> None:
