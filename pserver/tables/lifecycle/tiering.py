@@ -20,6 +20,7 @@ step tries again.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
@@ -74,6 +75,8 @@ class DiskTiering:
         """Close and remove the disk tier's working store (the shard's rows on disk are gone)."""
         if self._disk is not None:
             self._disk.close()
+            with contextlib.suppress(OSError):   # the shard's own directory, empty now
+                os.rmdir(self._disk.directory)
 
     # -- records -------------------------------------------------------------
 
