@@ -79,13 +79,19 @@ def transpile(config: str, endpoint: str):
     return t
 
 
-def stream(step: int, batch: int, bag: int, new: int, rng: np.random.Generator) -> np.ndarray:
-    """The ids of ``step``: (batch, bag) int64, half hot (Zipf), half from the window of new ids."""
+def stream(step: int, batch: int, bag: int, new: int, rng: np.random.Generator, seen=None) -> np.ndarray:
+    """The ids of ``step``: (batch, bag) int64, half hot (Zipf), half from the window of new ids.
+
+    ``seen`` (a bool array over [0, HOT + steps * new)) marks the ids drawn, to count distinct ids.
+    """
     n = batch * bag
     hot = (rng.zipf(1.2, size=n // 2) - 1) % HOT
     # Ages of window ids: geometric, mean 2 steps' worth of new ids: each is seen ~2 times, then gone.
     age = rng.geometric(1.0 / (2 * new), size=n - n // 2) - 1
     fresh = HOT + step * new + new - 1 - age
+    if seen is not None:
+        seen[hot] = True
+        seen[fresh[fresh >= 0]] = True
     ids = np.concatenate([hot, fresh]).astype(np.uint64)
     with np.errstate(over="ignore"):
         ids = (ids * _SCRAMBLE).view(np.int64)  # arbitrary-looking int64 ids
@@ -106,17 +112,18 @@ def run_trainer(args) -> int:
     from trainer import Trainer
     t = transpile(args.config, args.endpoint)
     rng = np.random.default_rng(1)
+    seen = np.zeros(HOT + (args.steps + 1) * args.new, dtype=bool)
     with Trainer(t.get_trainer_program()) as tr:
         started = None
         for step in range(args.steps):
             if step == args.warmup:
                 started = time.perf_counter()
-            ids = torch.from_numpy(stream(step, args.batch, args.bag, args.new, rng))
+            ids = torch.from_numpy(stream(step, args.batch, args.bag, args.new, rng, seen))
             y = torch.from_numpy((rng.random(args.batch) < 0.2).astype(np.float32))
             torch.nn.functional.binary_cross_entropy_with_logits(tr.model(ids), y).backward()
             tr.step()
         wall = time.perf_counter() - started
-    print(json.dumps({"steps_s": (args.steps - args.warmup) / wall,
+    print(json.dumps({"distinct_ids": int(seen.sum()), "steps_s": (args.steps - args.warmup) / wall,
                       "ids_s": (args.steps - args.warmup) * args.batch * args.bag / wall}), flush=True)
     return 0
 
@@ -219,6 +226,7 @@ def main(argv=None) -> int:
     p.add_argument("--bag", type=int, default=8)
     p.add_argument("--new", type=int, default=16384)
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--configs", default="on,off", help="which configurations to run (default: on,off)")
     p.add_argument("--port", type=int, default=47311)
     p.add_argument("--out", default=os.path.join(HERE, "lifecycle.json"))
     p.add_argument("--plot", action="store_true", help="draw benchmarks/lifecycle.png from --out and exit")
@@ -235,10 +243,12 @@ def main(argv=None) -> int:
         return sketch_accuracy(args)
     runs = []
     for r in range(args.rounds):
-        for config in (["on", "off"] if r % 2 == 0 else ["off", "on"]):
+        order = [c for c in ("on", "off") if c in args.configs.split(",")]
+        for config in (order if r % 2 == 0 else order[::-1]):
             res = one_run(config, args, args.port)
             runs.append(res)
             print(f"round {r} {config}: {res['steps_s']:.1f} steps/s, {res['ids_s'] / 1e6:.2f}M ids/s, "
+                  f"{res['distinct_ids'] / 1e6:.1f}M distinct ids, "
                   f"peak RSS {res['peak_rss'] / 2**30:.2f} GiB, rows {res['final_rows']:,}", flush=True)
     with open(args.out, "w") as f:
         json.dump({"args": vars(args), "runs": runs}, f)
@@ -249,13 +259,16 @@ def main(argv=None) -> int:
     print("|---|---|---|---|---|")
     for config in CONFIGS:
         mine = [r for r in runs if r["config"] == config]
+        if not mine:
+            continue
         print(f"| {config} | {statistics.median(r['steps_s'] for r in mine):.1f} | "
               f"{statistics.median(r['ids_s'] for r in mine) / 1e6:.2f} | "
               f"{statistics.median(r['peak_rss'] for r in mine) / 2**30:.2f} GiB | "
               f"{int(statistics.median(r['final_rows'] for r in mine)):,} |")
     ratios = [on["steps_s"] / off["steps_s"] for on, off in zip(
         [r for r in runs if r["config"] == "on"], [r for r in runs if r["config"] == "off"])]
-    print(f"\non / off throughput per round: {', '.join(f'{x:.2f}' for x in ratios)}")
+    if ratios:
+        print(f"\non / off throughput per round: {', '.join(f'{x:.2f}' for x in ratios)}")
     return 0
 
 
