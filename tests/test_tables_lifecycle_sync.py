@@ -9,11 +9,11 @@ the README's rules by hand with exact counts.
 import numpy as np
 import pytest
 import torch
-from torch import nn
 
 from tests.helpers.cluster import LocalCluster
 from tests.helpers.lifecycle_reference import single_process_lifecycle
-from tests.helpers.table_models import BAG_VOCAB, VOCAB, table_batches, table_program
+from tests.helpers.table_models import VOCAB, table_batches, table_program
+from tests.test_tables_sync import train
 
 STEPS = 14
 PER_TRAINER = 6
@@ -51,14 +51,7 @@ def test_lifecycle_sync_matches_single_process(n_pservers, rules, optimizer):
     data = table_batches(2, PER_TRAINER, STEPS, seed=7)
     make = build(RULES[rules], optimizer)
     with LocalCluster(make, n_pservers, 2) as cluster:
-        def body(tr, i):
-            for step_batches in data:
-                ids, bag, y = step_batches[i]
-                nn.functional.cross_entropy(tr.model(ids, bag), y).backward()
-                tr.step()
-            return (tr.state_dict(), {"emb": tr.pull_rows("emb", torch.from_numpy(VOCAB)),
-                                      "bag": tr.pull_rows("bag", torch.from_numpy(BAG_VOCAB))})
-        results = cluster.run_trainers(body)
+        results = train(cluster, data)
         stored = {t: stored_ids(cluster, t) for t in ("emb", "bag")}
         counts = [s.engine.tables.shards["emb"].life.counts for s in cluster.servers]
     state, rows, ref_stored = single_process_lifecycle(make(), data)

@@ -24,7 +24,7 @@ from pserver.tables.shard import TableShard
 from tests.helpers.cluster import LocalCluster
 from tests.helpers.table_models import BAG_VOCAB, VOCAB, single_process, table_batches, table_program
 from tests.helpers.table_specs import grads_for, make_spec
-from tests.test_tables_sync import assert_matches
+from tests.test_tables_sync import assert_matches, train
 from transpiler import DistributeTranspilerConfig
 from transpiler.lifecycle import TableLifecycle
 from transpiler.tables import shard_of
@@ -176,14 +176,7 @@ def test_sync_job_with_tables_five_times_their_budget_equals_single_process(tmp_
     data = table_batches(2, 8, 8, seed=6)
     config = DistributeTranspilerConfig(table_disk_dir=str(tmp_path))
     with LocalCluster(build, 2, 2, config=config) as cluster:
-        def body(tr, i):
-            for step_batches in data:
-                ids, bag, y = step_batches[i]
-                nn.functional.cross_entropy(tr.model(ids, bag), y).backward()
-                tr.step()
-            return (tr.state_dict(), {"emb": tr.pull_rows("emb", torch.from_numpy(VOCAB)),
-                                      "bag": tr.pull_rows("bag", torch.from_numpy(BAG_VOCAB))})
-        results = cluster.run_trainers(body)
+        results = train(cluster, data)
         shards = [s.engine.tables.shards["emb"] for s in cluster.servers]
         # The final pull_rows looked up every id, which brought them all back to memory.
         assert sum(s.rows_held for s in shards) >= 5 * 8 - 10

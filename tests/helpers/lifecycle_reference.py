@@ -27,7 +27,7 @@ from pserver.tables.lifecycle.admission import admissible
 from transpiler import Program
 from transpiler.tables import initial_rows
 
-from .table_models import BAG_DIM, BAG_VOCAB, DIM, VOCAB, _positions
+from .table_models import BAG_VOCAB, VOCAB, VOCABS, _positions, local_tables
 
 
 class ReferenceTable:
@@ -107,18 +107,8 @@ def _reset(weight: torch.Tensor, optimizer: torch.optim.Optimizer, vocab: np.nda
 
 def single_process_lifecycle(prog: Program, data):
     """(dense state, {table: rows over its vocabulary}, {table: stored ids}) after training ``data``."""
-    model = prog.model
-    specs = {t.name: t for t in prog.tables}
-    vocabs = {"emb": VOCAB, "bag": BAG_VOCAB}
-    local = {"emb": nn.Embedding(len(VOCAB), DIM, sparse=True, dtype=model.emb.weight.dtype),
-             "bag": nn.EmbeddingBag(len(BAG_VOCAB), BAG_DIM, mode="mean", sparse=True,
-                                    dtype=model.bag.weight.dtype)}
-    with torch.no_grad():
-        for name, module in local.items():
-            if name in specs:
-                module.weight.copy_(torch.from_numpy(initial_rows(specs[name], vocabs[name])))
-    model.emb, model.bag = local["emb"], local["bag"]
-    dense = [p for n, p in model.named_parameters() if not n.startswith(tuple(specs))]
+    model, specs, local, dense = local_tables(prog)
+    vocabs = VOCABS
     dense_opt = prog.optimizer.build(dense)
     table_opts = {name: spec.optimizer.build([local[name].weight]) for name, spec in specs.items()}
     tables = {name: ReferenceTable(spec, vocabs[name]) for name, spec in specs.items()}

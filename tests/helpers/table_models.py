@@ -62,22 +62,32 @@ def _positions(vocab: np.ndarray, ids: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(np.searchsorted(vocab, ids.numpy()))
 
 
-def single_process(prog: Program, data):
-    """Plain torch on the concatenated batches: the dense optimizer on dense parameters, the
-    tables' sparse optimizers (SGD, Adagrad, SparseAdam) on ``nn.Embedding(sparse=True)``
-    weights initialised with the tables' initial rows. Returns (dense state, {table: rows})."""
+VOCABS = {"emb": VOCAB, "bag": BAG_VOCAB}
+
+
+def local_tables(prog: Program):
+    """``prog``'s model with plain ``nn.Embedding(sparse=True)`` / ``nn.EmbeddingBag`` tables over the
+    vocabularies, rows starting at the tables' initial values: (model, {table: spec}, {table: module},
+    dense parameters)."""
     model = prog.model
     specs = {t.name: t for t in prog.tables}
-    vocabs = {"emb": VOCAB, "bag": BAG_VOCAB}
     local = {"emb": nn.Embedding(len(VOCAB), DIM, sparse=True, dtype=model.emb.weight.dtype),
              "bag": nn.EmbeddingBag(len(BAG_VOCAB), BAG_DIM, mode="mean", sparse=True,
                                     dtype=model.bag.weight.dtype)}
     with torch.no_grad():
         for name, module in local.items():
             if name in specs:
-                module.weight.copy_(torch.from_numpy(initial_rows(specs[name], vocabs[name])))
+                module.weight.copy_(torch.from_numpy(initial_rows(specs[name], VOCABS[name])))
     model.emb, model.bag = local["emb"], local["bag"]
     dense = [p for n, p in model.named_parameters() if not n.startswith(tuple(specs))]
+    return model, specs, local, dense
+
+
+def single_process(prog: Program, data):
+    """Plain torch on the concatenated batches: the dense optimizer on dense parameters, the
+    tables' sparse optimizers (SGD, Adagrad, SparseAdam) on ``nn.Embedding(sparse=True)``
+    weights initialised with the tables' initial rows. Returns (dense state, {table: rows})."""
+    model, specs, local, dense = local_tables(prog)
     optimizers = [prog.optimizer.build(dense)]
     schedules = [prog.optimizer]
     for name, spec in specs.items():
