@@ -36,7 +36,6 @@ from transpiler.tables import TableSpec, as_ids, initial_rows, shard_of
 from ..errors import BadRequest
 from . import files as table_files
 from .fresh import FreshRows
-from .id_index import home_slots, probe
 from .lifecycle import RowLifecycle
 from .lifecycle.tiering import DiskTiering
 from .row_store import RowStore
@@ -154,15 +153,15 @@ class TableShard(DiskTiering, RowStore):
         """
         ids = _as_ids(ids)
         with self._lock:
-            if self._disk is not None:
-                # Rows on disk come back to memory now: the push that follows a lookup updates
-                # them, and finds them in memory.
-                self._promote_ids(ids)
-            rows, _ = probe(self._slots, self._ids, ids, home_slots(ids, self._slots.size),
-                            want_stop=False)
+            rows = self._find(ids, want_stop=False)[0]
+            missing = rows < 0
+            # Rows on disk come back to memory now: the push that follows a lookup updates them,
+            # and finds them in memory.
+            if self._disk is not None and missing.any() and self._promote_absent(ids[missing]):
+                rows = self._find(ids, want_stop=False)[0]
+                missing = rows < 0
             # An empty slot's -1 gathers the last allocated row; overwritten below.
             out = gather(self._rows, rows)
-        missing = rows < 0
         if missing.any():
             new_ids = ids[missing]
             fresh = initial_rows_into(self.spec, new_ids, np.empty((new_ids.size, self.spec.dim), self.dtype))

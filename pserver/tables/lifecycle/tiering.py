@@ -111,13 +111,10 @@ class DiskTiering:
         self.life.counts.promoted += at.size
         return at.size
 
-    def _promote_ids(self, ids: np.ndarray) -> None:
-        """Bring the rows of ``ids`` (any, repeats allowed) that are on disk into memory."""
-        if not len(self._disk):
-            return
-        rows = self._find(ids, want_stop=False)[0]
-        miss = np.unique(ids[rows < 0])
-        self._promote(miss, np.full(miss.size, -1, dtype=np.int32))
+    def _promote_absent(self, ids: np.ndarray) -> int:
+        """Bring the rows of ``ids`` (none in memory; repeats allowed) that are on disk into memory; how many."""
+        miss = np.unique(ids)
+        return self._promote(miss, np.full(miss.size, -1, dtype=np.int32))
 
     # -- end of step -----------------------------------------------------------
 
