@@ -164,8 +164,6 @@ class TableExporter:
         self.schedule = ClockSchedule(root, every_seconds, base_every, tables.shard) if every_seconds else None
         self.shard, self.n_shards = tables.shard, tables.n_shards
         self.resync = True   # nothing exported since start: the first delta is a resync
-        self.last: Optional[str] = None
-        self.failures = 0
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="table-export")
         self._writing: Optional[concurrent.futures.Future] = None
         for shard in tables.shards.values():
@@ -211,17 +209,15 @@ class TableExporter:
                 if resync:
                     held = chain_ids(self.root, previous, table, self.shard, self.n_shards)
                     gone = np.empty(0, np.int64) if held is None else np.setdiff1d(held, ids)
-                meta = {"kind": kind, "step": int(name.split("-")[0]), "previous": previous,
+                meta = {"kind": kind, "step": exports.parse_export_name(name)[0], "previous": previous,
                         "table_step": int(table_step), "resync": resync}
                 exports.write_export_shard(self.root, name, table, self.shard, self.n_shards,
                                            ids, rows, gone, meta)
             exports.finish_export_shard(self.root, name, self.shard, self.n_shards)
-            self.last = name
             if self.shard == 0:
                 exports.prune_exports(self.root, self.keep_bases)
             log.info("tables exported: %s (%s%s) by pserver %d of %d", name, kind,
                      ", resync" if resync else "", self.shard, self.n_shards)
         except Exception:  # a full disk must not stop training; readers keep the previous export
-            self.failures += 1
             log.exception("export %s of pserver %d failed; readers stay at the previous complete "
                           "export until the next base", name, self.shard)
