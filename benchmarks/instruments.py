@@ -96,7 +96,6 @@ class PserverPhases:
         engine.split_push = self._timed("decode", engine.split_push)
         engine.push = self._timed("apply", engine.push)
         engine.tables.apply = self._timed("apply: tables", engine.tables.apply)
-        engine.tables.apply_mean = self._timed("apply: tables", engine.tables.apply_mean)
         engine.read = self._timed("read blocks", engine.read)
         engine.lookup = self._timed("lookup", engine.lookup)
         sv.PushPullOne = self._handler(sv.PushPullOne)

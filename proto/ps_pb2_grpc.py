@@ -109,6 +109,31 @@ class ParameterServerStub:
                 request_serializer=psproto_dot_ps__pb2.ReduceRequest.SerializeToString,
                 response_deserializer=psproto_dot_ps__pb2.ReduceReply.FromString,
                 _registered_method=True)
+        self.Replicate = channel.stream_unary(
+                '/psproto.ParameterServer/Replicate',
+                request_serializer=psproto_dot_ps__pb2.ReplicaChunk.SerializeToString,
+                response_deserializer=psproto_dot_ps__pb2.ReplicaAck.FromString,
+                _registered_method=True)
+        self.ReplicateOne = channel.unary_unary(
+                '/psproto.ParameterServer/ReplicateOne',
+                request_serializer=psproto_dot_ps__pb2.ReplicaChunk.SerializeToString,
+                response_deserializer=psproto_dot_ps__pb2.ReplicaAck.FromString,
+                _registered_method=True)
+        self.Snapshot = channel.unary_stream(
+                '/psproto.ParameterServer/Snapshot',
+                request_serializer=psproto_dot_ps__pb2.SnapshotRequest.SerializeToString,
+                response_deserializer=psproto_dot_ps__pb2.SnapshotChunk.FromString,
+                _registered_method=True)
+        self.Follow = channel.unary_unary(
+                '/psproto.ParameterServer/Follow',
+                request_serializer=psproto_dot_ps__pb2.FollowRequest.SerializeToString,
+                response_deserializer=psproto_dot_ps__pb2.FollowReply.FromString,
+                _registered_method=True)
+        self.Lead = channel.unary_unary(
+                '/psproto.ParameterServer/Lead',
+                request_serializer=psproto_dot_ps__pb2.LeadRequest.SerializeToString,
+                response_deserializer=psproto_dot_ps__pb2.LeadReply.FromString,
+                _registered_method=True)
 
 
 class ParameterServerServicer:
@@ -228,6 +253,41 @@ class ParameterServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Replicate(self, request_iterator, context):
+        """Hot standby: a primary's update to its backup, streamed in pieces ...
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReplicateOne(self, request, context):
+        """... or, when it fits in one message, in one.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Snapshot(self, request, context):
+        """Hot standby: a joining backup copies the primary's state ...
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Follow(self, request, context):
+        """... and then asks for the updates since the snapshot.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Lead(self, request, context):
+        """Hot standby: who leads this shard (no session needed).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ParameterServerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -305,6 +365,31 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     servicer.Reduce,
                     request_deserializer=psproto_dot_ps__pb2.ReduceRequest.FromString,
                     response_serializer=psproto_dot_ps__pb2.ReduceReply.SerializeToString,
+            ),
+            'Replicate': grpc.stream_unary_rpc_method_handler(
+                    servicer.Replicate,
+                    request_deserializer=psproto_dot_ps__pb2.ReplicaChunk.FromString,
+                    response_serializer=psproto_dot_ps__pb2.ReplicaAck.SerializeToString,
+            ),
+            'ReplicateOne': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReplicateOne,
+                    request_deserializer=psproto_dot_ps__pb2.ReplicaChunk.FromString,
+                    response_serializer=psproto_dot_ps__pb2.ReplicaAck.SerializeToString,
+            ),
+            'Snapshot': grpc.unary_stream_rpc_method_handler(
+                    servicer.Snapshot,
+                    request_deserializer=psproto_dot_ps__pb2.SnapshotRequest.FromString,
+                    response_serializer=psproto_dot_ps__pb2.SnapshotChunk.SerializeToString,
+            ),
+            'Follow': grpc.unary_unary_rpc_method_handler(
+                    servicer.Follow,
+                    request_deserializer=psproto_dot_ps__pb2.FollowRequest.FromString,
+                    response_serializer=psproto_dot_ps__pb2.FollowReply.SerializeToString,
+            ),
+            'Lead': grpc.unary_unary_rpc_method_handler(
+                    servicer.Lead,
+                    request_deserializer=psproto_dot_ps__pb2.LeadRequest.FromString,
+                    response_serializer=psproto_dot_ps__pb2.LeadReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -712,6 +797,141 @@ class ParameterServer:
             '/psproto.ParameterServer/Reduce',
             psproto_dot_ps__pb2.ReduceRequest.SerializeToString,
             psproto_dot_ps__pb2.ReduceReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Replicate(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/psproto.ParameterServer/Replicate',
+            psproto_dot_ps__pb2.ReplicaChunk.SerializeToString,
+            psproto_dot_ps__pb2.ReplicaAck.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReplicateOne(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/psproto.ParameterServer/ReplicateOne',
+            psproto_dot_ps__pb2.ReplicaChunk.SerializeToString,
+            psproto_dot_ps__pb2.ReplicaAck.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Snapshot(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/psproto.ParameterServer/Snapshot',
+            psproto_dot_ps__pb2.SnapshotRequest.SerializeToString,
+            psproto_dot_ps__pb2.SnapshotChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Follow(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/psproto.ParameterServer/Follow',
+            psproto_dot_ps__pb2.FollowRequest.SerializeToString,
+            psproto_dot_ps__pb2.FollowReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Lead(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/psproto.ParameterServer/Lead',
+            psproto_dot_ps__pb2.LeadRequest.SerializeToString,
+            psproto_dot_ps__pb2.LeadReply.FromString,
             options,
             channel_credentials,
             insecure,

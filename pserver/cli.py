@@ -18,6 +18,7 @@ from transpiler import DistributeTranspiler, RoleEnv
 from transpiler.loader import load_program
 from transpiler.cliargs import add_transpile_arguments, config_from_args
 
+from .errors import LostLead
 from .server import ParameterServer
 
 log = logging.getLogger("pserver")
@@ -62,6 +63,9 @@ def main(argv=None) -> int:
     except OSError as e:
         print(f"ps-server: error: {e}", file=sys.stderr)
         return 1
+    except LostLead as e:
+        print(f"ps-server: {e}", file=sys.stderr)
+        return 3
     return 0
 
 

@@ -92,3 +92,24 @@ class AlreadyRunning(Refusal):
     Two processes were started with the same trainer id; the message names
     the id and where the live one connects from.
     """
+
+
+class NotPrimary(Refusal):
+    """Hot standby: this process does not lead its shard now (a backup, joining, or fenced).
+
+    The trainer asks the shard's processes who leads and sends the call there.
+    """
+
+
+class OutOfSync(Refusal):
+    """Hot standby: a replication message this backup cannot apply (a gap, or an older epoch's).
+
+    The primary stops counting this backup as in sync; the backup copies its state again.
+    """
+
+
+class LostLead(RuntimeError):
+    """Hot standby: :meth:`ParameterServer.serve` ended because this process lost the lead (was fenced).
+
+    Not a refusal: the process stops; started again, it rejoins as the backup.
+    """

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import secrets
 import signal
 import threading
 from concurrent import futures
@@ -18,6 +19,7 @@ from psproto.security import Security, TokenAuthInterceptor
 
 from .checkpoint import Checkpointer
 from .engine import AsyncEngine, Reductions, SyncEngine
+from .errors import LostLead
 from .ops.health import HealthPort
 from .ops.metrics import MetricsServer, PserverCollector
 from .ops.ports import SidePorts, split_host
@@ -97,6 +99,35 @@ class ParameterServer:
         self._finished = threading.Event()
         self._stopped = False
         self._interceptors = self.security.server_interceptors()
+        self.replica = None
+        self.fenced = False
+        if program.replicated:
+            self._replicate(program)
+
+    def _replicate(self, program: PserverProgram) -> None:
+        """Hot standby: this process is one of its shard's two; etcd decides whether it leads or follows."""
+        from .replication.coordination import EtcdCoordinator
+        from .replication.replica import Replica
+        from .rpc.replica_link import ReplicaLink
+        cfg = program.config
+        prefix = (cfg.coordinator_prefix or f"/torch-pserver/{program.layout_digest}").rstrip("/")
+        coordinator = EtcdCoordinator(cfg.coordinator, prefix, program.shard, secrets.token_hex(8),
+                                      ttl=cfg.replica_lease_ttl)
+        # Until it leads, a replica writes no checkpoint and no export: its primary does.
+        self.engine.writes_files = False
+        self._link = ReplicaLink(self.security, cfg.chunk_bytes)
+        self.replica = Replica(self.engine, program, coordinator, self._link, on_lineage=self._set_incarnation,
+                               on_fenced=self._on_fenced)
+        self.servicer.replica = self.replica
+
+    def _set_incarnation(self, incarnation: int) -> None:
+        # Trainers tell a restarted shard by the incarnation Hello answers: with replicas it names the
+        # state's lineage, the same on both processes, so a failover is no restart to them.
+        self.servicer.incarnation = incarnation
+
+    def _on_fenced(self) -> None:
+        self.fenced = True
+        self._finished.set()
 
     def start(self) -> "ParameterServer":
         """Bind the endpoint (and the side ports) and start serving in background threads.
@@ -115,6 +146,8 @@ class ParameterServer:
             raise
         if self._health_port is not None:
             self._health_port.serving()
+        if self.replica is not None:
+            self.replica.start()
         threading.Thread(target=self._watch_trainers, daemon=True,
                          name="pserver-watch").start()
         threading.Thread(target=self._watch_heartbeats, daemon=True,
@@ -196,8 +229,12 @@ class ParameterServer:
             self.engine.drop_silent(cfg.heartbeat_timeout, cfg.trainer_rejoin_timeout)
 
     def checkpoint(self) -> Optional[str]:
-        """Write a checkpoint now if ``checkpoint_dir`` is set; its path, or None (failure logged)."""
-        if self.engine.checkpointer is None:
+        """Write a checkpoint now if ``checkpoint_dir`` is set; its path, or None (failure logged).
+
+        A replica that does not lead writes none: its primary does, and a
+        fenced one may hold updates nobody acknowledged.
+        """
+        if self.engine.checkpointer is None or not self.engine.writes_files or self.fenced:
             return None
         try:
             return self.engine.checkpoint()[1]
@@ -225,6 +262,8 @@ class ParameterServer:
             return
         self._stopped = True
         self._finished.set()
+        if self.replica is not None:
+            self.replica.stop()  # a primary steps down first: its backup leads without waiting for the lease
         if self._health is not None:
             self._health.enter_graceful_shutdown()
         if self._health_port is not None:
@@ -236,11 +275,18 @@ class ParameterServer:
         if self._server is not None:
             self._server.stop(grace).wait()
         self.engine.tables.close()
+        if self.replica is not None:
+            self._link.close()
         self._stop_side_ports()
         log.info("pserver %s stopped after %d updates", self.endpoint, self.engine.updates)
 
     def serve(self) -> None:
-        """Start, block until all trainers closed or SIGTERM/SIGINT, then stop cleanly."""
+        """Start, block until all trainers closed or SIGTERM/SIGINT, then stop cleanly.
+
+        Hot standby: a process that lost the lead of its shard (fenced) stops
+        and raises :class:`~pserver.errors.LostLead`, so that its supervisor
+        restarts it; it then rejoins as the backup.
+        """
         torch.set_num_threads(self.program.config.pserver_torch_threads)
         self.start()
         previous = {}
@@ -262,6 +308,9 @@ class ParameterServer:
             self.stop()
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
+        if self.fenced:
+            raise LostLead(f"pserver {self.endpoint} lost the lead of shard {self.program.shard} and stopped; "
+                           f"start it again to rejoin as the backup")
 
     def __enter__(self) -> "ParameterServer":
         return self.start()

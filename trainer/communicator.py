@@ -12,7 +12,7 @@ import logging
 import secrets
 import time
 from concurrent import futures
-from typing import Callable, Dict, Iterable, Iterator, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import grpc
 import torch
@@ -25,6 +25,7 @@ from psproto.security import Security
 
 from .errors import DOWN, FENCED, REFUSED, RESYNC, TIMEOUT, FencedError, PserverError, PserverUnavailableError
 from .narrowing import GradientNarrower
+from .primaries import Primaries
 from .shared_regions import RegionPool
 
 log = logging.getLogger(__name__)
@@ -117,29 +118,19 @@ class Communicator:
         self.chunk_bytes = cfg.chunk_bytes
         self.rpc_timeout = cfg.rpc_timeout
         self.barrier_timeout = cfg.barrier_timeout
-        opts = channel_options(cfg.chunk_bytes)
-        security = security if security is not None else Security.from_env()
-        self._channels = {ep: security.channel(ep, opts) for ep in program.pservers}
-        self._stubs = {ep: ps_pb2_grpc.ParameterServerStub(ch) for ep, ch in self._channels.items()}
-        # PushPull, Pull and Prefetch carry tensor bytes: encoded and decoded by
-        # psproto.codec (the same wire format, fewer copies), so the channel passes raw bytes.
-        self._push_pull_calls = {ep: ch.stream_stream(f"/{_SERVICE}/PushPull")
-                                 for ep, ch in self._channels.items()}
-        self._pull_calls = {ep: ch.unary_stream(f"/{_SERVICE}/Pull",
-                                                request_serializer=ps_pb2.PullRequest.SerializeToString)
-                            for ep, ch in self._channels.items()}
-        self._prefetch_calls = {ep: ch.stream_stream(f"/{_SERVICE}/Prefetch")
-                                for ep, ch in self._channels.items()}
-        # Requests that fit in one message go unary: no request-streaming thread per call; a push
-        # whose answer fits one message too goes unary both ways (PushPullOne).
-        self._push_pull_one_calls = {ep: ch.unary_unary(f"/{_SERVICE}/PushPullOne")
-                                     for ep, ch in self._channels.items()}
-        self._prefetch_one_calls = {ep: ch.unary_stream(f"/{_SERVICE}/PrefetchOne")
-                                    for ep, ch in self._channels.items()}
-        # A pserver that maps this process's regions gets pushes and answers through shared memory
-        # (psproto.shared); one that cannot (another host) is sent bytes from its first refusal on.
-        self._push_pull_shared_calls = {ep: ch.unary_unary(f"/{_SERVICE}/PushPullShared")
-                                        for ep, ch in self._channels.items()}
+        self._options = channel_options(cfg.chunk_bytes)
+        self._security = security if security is not None else Security.from_env()
+        self._channels: Dict[str, grpc.Channel] = {}
+        self._stubs: Dict[str, ps_pb2_grpc.ParameterServerStub] = {}
+        self._push_pull_calls, self._pull_calls, self._prefetch_calls = {}, {}, {}
+        self._push_pull_one_calls, self._prefetch_one_calls, self._push_pull_shared_calls = {}, {}, {}
+        self._lead_calls = {}
+        for ep in program.pservers:
+            self._connect(ep, ep)
+        # Hot standby: each pserver's processes, and which one leads (trainer/primaries.py).
+        self._hello_replies: Dict[str, ps_pb2.HelloReply] = {}
+        self.primaries = Primaries(program.replica_groups, self._connect, self._lead, self._hello_primary,
+                                   self.trainer_id, cfg.recovery_timeout)
         self.shared = {ep: cfg.shared_memory for ep in program.pservers}
         self._regions = RegionPool()
         # Two calls per pserver may run at once: a step sent in the background
@@ -151,6 +142,47 @@ class Communicator:
         self.narrower = GradientNarrower(cfg.grad_wire_dtype)
 
     # -- connection ---------------------------------------------------------
+
+    def _connect(self, endpoint: str, address: str) -> None:
+        """Point every call to pserver ``endpoint`` at the process at ``address`` (itself, or its replica)."""
+        old = self._channels.get(endpoint)
+        ch = self._channels[endpoint] = self._security.channel(address, self._options)
+        self._stubs[endpoint] = ps_pb2_grpc.ParameterServerStub(ch)
+        # PushPull, Pull and Prefetch carry tensor bytes: encoded and decoded by
+        # psproto.codec (the same wire format, fewer copies), so the channel passes raw bytes.
+        self._push_pull_calls[endpoint] = ch.stream_stream(f"/{_SERVICE}/PushPull")
+        self._pull_calls[endpoint] = ch.unary_stream(f"/{_SERVICE}/Pull",
+                                                     request_serializer=ps_pb2.PullRequest.SerializeToString)
+        self._prefetch_calls[endpoint] = ch.stream_stream(f"/{_SERVICE}/Prefetch")
+        # Requests that fit in one message go unary: no request-streaming thread per call; a push
+        # whose answer fits one message too goes unary both ways (PushPullOne).
+        self._push_pull_one_calls[endpoint] = ch.unary_unary(f"/{_SERVICE}/PushPullOne")
+        self._prefetch_one_calls[endpoint] = ch.unary_stream(f"/{_SERVICE}/PrefetchOne")
+        # A pserver that maps this process's regions gets pushes and answers through shared memory
+        # (psproto.shared); one that cannot (another host) is sent bytes from its first refusal on.
+        self._push_pull_shared_calls[endpoint] = ch.unary_unary(f"/{_SERVICE}/PushPullShared")
+        if old is not None:
+            old.close()
+
+    def _lead(self, address: str, timeout: float) -> Optional[Tuple[str, int]]:
+        """Ask the process at ``address`` whether it leads its shard: (role, epoch), or None if it did not answer."""
+        call = self._lead_calls.get(address)
+        if call is None:
+            channel = self._security.channel(address, self._options)
+            call = self._lead_calls[address] = (channel, channel.unary_unary(
+                f"/{_SERVICE}/Lead", request_serializer=ps_pb2.LeadRequest.SerializeToString,
+                response_deserializer=ps_pb2.LeadReply.FromString))
+        try:
+            reply = call[1](ps_pb2.LeadRequest(), timeout=timeout)
+        except grpc.RpcError:
+            return None
+        return reply.role, reply.epoch
+
+    def _hello_primary(self, endpoint: str, deadline: float) -> int:
+        """Hello to the process ``endpoint``'s calls now go to; the epoch it leads at."""
+        reply = self._hello_one(endpoint, deadline, max(0.0, deadline - time.monotonic()), 0)
+        self._hello_replies[endpoint] = reply
+        return reply.replica_epoch
 
     def hello(self, timeout: float, join_at: int = 0) -> Dict[str, ps_pb2.HelloReply]:
         """Register with every pserver, waiting up to ``timeout`` s for each to come up.
@@ -165,8 +197,16 @@ class Communicator:
         trainer starts at that step: it finishes its own without waiting for it.
         """
         deadline = time.monotonic() + timeout
-        jobs = {ep: self._pool.submit(self._hello_one, ep, deadline, timeout, join_at) for ep in self._stubs}
+        jobs = {ep: self._pool.submit(self._hello_shard, ep, deadline, timeout, join_at) for ep in self._stubs}
         return {ep: job.result() for ep, job in jobs.items()}
+
+    def _hello_shard(self, endpoint: str, deadline: float, timeout: float, join_at: int) -> ps_pb2.HelloReply:
+        if not self.primaries.replicated(endpoint):
+            return self._hello_one(endpoint, deadline, timeout, join_at)
+        # Hot standby: whichever process leads now (a joining trainer's join_at matters to sync
+        # pservers a step apart, which a shard's failover does not make).
+        self.primaries.follow(endpoint, self.primaries.generation[endpoint], deadline)
+        return self._hello_replies[endpoint]
 
     def _hello_one(self, endpoint: str, deadline: float, timeout: float, join_at: int) -> ps_pb2.HelloReply:
         request = ps_pb2.HelloRequest(trainer_id=self.trainer_id, layout_digest=self.digest,
@@ -202,6 +242,9 @@ class Communicator:
                     last = _details(e)
                     time.sleep(max(0.0, min(self.heartbeat_interval / 4, deadline - now)))
                     continue
+                if e.code() == grpc.StatusCode.UNAVAILABLE and self.primaries.replicated(endpoint):
+                    # Down, or a replica that does not lead: the caller asks the shard who leads.
+                    raise _error(endpoint, f"Hello: {_details(e)}", e) from None
                 # CANCELLED: a pserver shutting down cancels the calls it holds, a waiting Hello too.
                 if e.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
                                     grpc.StatusCode.CANCELLED):
@@ -229,31 +272,48 @@ class Communicator:
         message go as one message each way (PushPullOne), else the call streams.
         Returns the updates the pserver had applied to the parameters received.
         """
-        header = ps_pb2.PushHeader(trainer_id=self.trainer_id, step=step, layout_digest=self.digest,
-                                   epoch=position[0], batch=position[1], session=self.sessions.get(endpoint, ""))
         timeout = self.barrier_timeout + self.rpc_timeout
         sent = [0]
         if streamed:
-            def counted():
-                for name, t in self.narrower.narrow_stream(endpoint, tensors):
-                    sent[0] += t.numel() * t.element_size()
-                    yield name, t
-            call = lambda: self._push_pull_calls[endpoint](  # noqa: E731
-                encode_chunks(header, counted(), self.chunk_bytes), timeout=timeout)
+            # Kept as they stream: a push resent to a shard's new primary sends them again.
+            kept: List[Tuple[str, torch.Tensor]] = []
+            source = iter(tensors)
+
+            def replayed():
+                yield from list(kept)
+                for item in source:
+                    kept.append(item)
+                    yield item
         else:
             tensors = self.narrower.narrow(endpoint, list(tensors))
             sent[0] = sum(t.numel() * t.element_size() for _, t in tensors)
-            if sent[0] <= ONE_MESSAGE_BYTES and answer_bytes is not None and answer_bytes <= ONE_MESSAGE_BYTES:
+
+        def attempt():
+            header = ps_pb2.PushHeader(trainer_id=self.trainer_id, step=step, layout_digest=self.digest,
+                                       epoch=position[0], batch=position[1],
+                                       session=self.sessions.get(endpoint, ""))
+            if streamed:
+                sent[0] = 0
+
+                def narrowed():
+                    for name, t in self.narrower.narrow_stream(endpoint, replayed()):
+                        sent[0] += t.numel() * t.element_size()
+                        yield name, t
+                call = lambda: self._push_pull_calls[endpoint](  # noqa: E731
+                    encode_chunks(header, narrowed(), self.chunk_bytes), timeout=timeout)
+            elif sent[0] <= ONE_MESSAGE_BYTES and answer_bytes is not None and answer_bytes <= ONE_MESSAGE_BYTES:
                 message = _one_message(header, tensors, sent[0])
                 call = lambda: (self._push_pull_one_calls[endpoint](message, timeout=timeout),)  # noqa: E731
             else:
                 call = lambda: self._push_pull_calls[endpoint](  # noqa: E731
                     encode_chunks(header, tensors, self.chunk_bytes), timeout=timeout)
-            if self.shared[endpoint] and answer_bytes is not None:
+            if not streamed and self.shared[endpoint] and answer_bytes is not None:
                 call = functools.partial(self._push_pull_shared, endpoint, header, tensors, sent[0], answer_bytes,
                                          timeout, call)
-        updates, _ = self._receive(endpoint, f"step {step} of trainer {self.trainer_id} (push and pull)",
-                                   call, expect, dest)
+            return self._receive(endpoint, f"step {step} of trainer {self.trainer_id} (push and pull)",
+                                 call, expect, dest)[0]
+
+        updates = self.primaries.run(endpoint, attempt)
         self.bytes_pushed += sent[0]
         return updates
 
@@ -301,14 +361,15 @@ class Communicator:
 
         Returns the updates the pserver had applied to the parameters received.
         """
-        request = ps_pb2.PullRequest(trainer_id=self.trainer_id, min_updates=min_updates,
-                                     names=list(names), layout_digest=self.digest,
-                                     session=self.sessions.get(endpoint, ""))
-        updates, _ = self._receive(
-            endpoint, f"pull after {min_updates} updates by trainer {self.trainer_id}",
-            lambda: self._pull_calls[endpoint](request, timeout=self.barrier_timeout + self.rpc_timeout),
-            expect, dest)
-        return updates
+        def attempt():
+            request = ps_pb2.PullRequest(trainer_id=self.trainer_id, min_updates=min_updates,
+                                         names=list(names), layout_digest=self.digest,
+                                         session=self.sessions.get(endpoint, ""))
+            return self._receive(
+                endpoint, f"pull after {min_updates} updates by trainer {self.trainer_id}",
+                lambda: self._pull_calls[endpoint](request, timeout=self.barrier_timeout + self.rpc_timeout),
+                expect, dest)[0]
+        return self.primaries.run(endpoint, attempt)
 
     def prefetch(self, endpoint: str, min_updates: int,
                  ids: Sequence[Tuple[str, torch.Tensor]], expect: Callable) -> Dict[str, torch.Tensor]:
@@ -317,14 +378,15 @@ class Communicator:
         Sync pservers answer once ``min_updates`` updates are applied.
         Returns ``{"<table>@rows": rows}``.
         """
-        header = ps_pb2.PrefetchHeader(trainer_id=self.trainer_id, min_updates=min_updates,
-                                       layout_digest=self.digest, session=self.sessions.get(endpoint, ""))
-        _, rows = self._receive(
-            endpoint, f"prefetch after {min_updates} updates by trainer {self.trainer_id}",
-            lambda: _call(self._prefetch_one_calls[endpoint], self._prefetch_calls[endpoint], header, ids,
-                          self.chunk_bytes, timeout=self.barrier_timeout + self.rpc_timeout),
-            expect, None)
-        return rows
+        def attempt():
+            header = ps_pb2.PrefetchHeader(trainer_id=self.trainer_id, min_updates=min_updates,
+                                           layout_digest=self.digest, session=self.sessions.get(endpoint, ""))
+            return self._receive(
+                endpoint, f"prefetch after {min_updates} updates by trainer {self.trainer_id}",
+                lambda: _call(self._prefetch_one_calls[endpoint], self._prefetch_calls[endpoint], header, ids,
+                              self.chunk_bytes, timeout=self.barrier_timeout + self.rpc_timeout),
+                expect, None)[1]
+        return self.primaries.run(endpoint, attempt)
 
     def _receive(self, endpoint: str, what: str, call: Callable, expect: Callable,
                  dest: Optional[Callable]) -> Tuple[int, Dict[str, torch.Tensor]]:
@@ -356,10 +418,13 @@ class Communicator:
                            self.rpc_timeout)
 
     def _unary(self, endpoint: str, method: str, request, what: str, timeout: float):
-        try:
-            return getattr(self._stubs[endpoint], method)(request, timeout=timeout)
-        except grpc.RpcError as e:
-            raise _error(endpoint, f"{what} failed: {_details(e)}", e) from None
+        def attempt():
+            request.session = self.sessions.get(endpoint, "")  # a new one after a failover
+            try:
+                return getattr(self._stubs[endpoint], method)(request, timeout=timeout)
+            except grpc.RpcError as e:
+                raise _error(endpoint, f"{what} failed: {_details(e)}", e) from None
+        return self.primaries.run(endpoint, attempt)
 
     def heartbeat(self, endpoint: str, timeout: float) -> ps_pb2.HeartbeatReply:
         """Tell ``endpoint`` this trainer lives; its answer carries its updates and incarnation."""
@@ -420,6 +485,7 @@ class Communicator:
 
     def _close_one(self, endpoint: str, deadline: float) -> int:
         while True:
+            generation = self.primaries.generation.get(endpoint, 0)
             request = ps_pb2.CloseRequest(trainer_id=self.trainer_id, session=self.sessions.get(endpoint, ""))
             remaining = deadline - time.monotonic()
             # While retrying, each try waits for the pserver a while (and logs), as Hello does.
@@ -431,7 +497,14 @@ class Communicator:
                 if remaining > 0 and code in _RETRY_CLOSE:
                     log.info("trainer %d: close at %s failed (%s); sending it again", self.trainer_id,
                              endpoint, _details(e))
-                    if code == grpc.StatusCode.ABORTED:  # a restarted pserver: a session first
+                    if code == grpc.StatusCode.UNAVAILABLE and self.primaries.replicated(endpoint):
+                        try:  # hot standby: the shard's other process may lead now
+                            self.primaries.follow(endpoint, generation, deadline)
+                        except PserverError as follow_error:
+                            log.warning("trainer %d: close at %s failed: %s", self.trainer_id, endpoint,
+                                        follow_error)
+                            return -1
+                    elif code == grpc.StatusCode.ABORTED:  # a restarted pserver: a session first
                         try:
                             self._hello_one(endpoint, deadline, remaining, 0)
                         except PserverError as hello_error:
@@ -446,5 +519,7 @@ class Communicator:
         """Release channels and threads (without telling the pservers)."""
         self._pool.shutdown(wait=False, cancel_futures=True)
         for ch in self._channels.values():
+            ch.close()
+        for ch, _ in self._lead_calls.values():
             ch.close()
         self._regions.close()

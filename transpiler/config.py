@@ -163,6 +163,32 @@ class DistributeTranspilerConfig:
       11-27 ms of system time per step, ~10% of forward/backward). The process's
       resident memory then stays at its peak. False: malloc's defaults. No effect
       where the C library is not glibc.
+    - ``server_replicas`` (int or None, None): 2 gives every pserver shard a hot
+      standby (README "Hot standby"): the process at ``replica_endpoints[k]`` holds
+      the same state as shard k's primary, which acknowledges a push only once the
+      backup has it; who leads is decided through ``coordinator``. 1: no replicas.
+      None: the ``PS_SERVER_REPLICAS`` environment variable (ps-launch sets it), else 1.
+    - ``replica_endpoints`` (str or None, None): with two replicas, the second
+      process of each shard, comma-separated in the order of the pservers (shard
+      k's pair is ``pservers[k]`` and ``replica_endpoints[k]``; either may lead).
+      None: ``PS_REPLICA_ENDPOINTS``.
+    - ``coordinator`` (str or None, None): the etcd cluster that decides each
+      shard's primary, as ``http://host:port`` URLs, comma-separated. None:
+      ``PS_COORDINATOR``.
+    - ``coordinator_prefix`` (str or None, None): the etcd key prefix of this job;
+      None: ``/torch-pserver/<layout digest>``. Two jobs with the same plan on one
+      etcd need their own prefixes. None: ``PS_COORDINATOR_PREFIX`` (ps-launch sets one per launch).
+    - ``replica_lease_ttl`` (int s, 1): the primary's lease in etcd, whole seconds. A
+      primary that dies is replaced about this long after its last renewal (etcd
+      rounds a TTL below 1.5 of its election timeout up: start etcd with
+      ``--election-timeout 500 --heartbeat-interval 50`` for 1 s).
+    - ``replica_takeover_timeout`` (float s, 30): a pserver process that is not among
+      its shard's in-sync replicas (a restart after both were lost) waits this long
+      for one to lead, then leads from its checkpoint: trainers roll back to it as
+      without replicas.
+    - ``replica_digest_every`` (int, 100): every this many updates the primary sends
+      a digest of its state (blocks, optimizer state, table rows, roster) with the
+      update and the backup compares it with its own, logging a mismatch; 0: off.
     """
 
     slice_var_up: bool = True
@@ -202,6 +228,13 @@ class DistributeTranspilerConfig:
     health_port: Optional[int] = None
     shared_memory: bool = True
     retain_freed_memory: bool = True
+    server_replicas: Optional[int] = None
+    replica_endpoints: Optional[str] = None
+    coordinator: Optional[str] = None
+    coordinator_prefix: Optional[str] = None
+    replica_lease_ttl: int = 1
+    replica_takeover_timeout: float = 30.0
+    replica_digest_every: int = 100
 
     @property
     def session_alive_window(self) -> float:
@@ -283,6 +316,29 @@ class DistributeTranspilerConfig:
         if self.metrics_port == self.health_port and self.metrics_port:
             raise ValueError(f"metrics_port and health_port are both {self.metrics_port}; give each its own port")
         self._validate_collective()
+        self._validate_replicas()
+
+    def _validate_replicas(self) -> None:
+        """The hot-standby fields (README "Hot standby"); their environment fallbacks are read at transpile."""
+        if self.server_replicas is not None and (isinstance(self.server_replicas, bool)
+                                                 or self.server_replicas not in (1, 2)):
+            raise ValueError(f"server_replicas must be 1 (no replicas) or 2 (a backup per pserver shard), "
+                             f"got {self.server_replicas!r}")
+        for name in ("replica_endpoints", "coordinator", "coordinator_prefix"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value.strip()):
+                raise ValueError(f"{name} must be None or a non-empty string, got {value!r}")
+        ttl = self.replica_lease_ttl
+        if isinstance(ttl, bool) or not isinstance(ttl, int) or ttl < 1:
+            raise ValueError(f"replica_lease_ttl must be a whole number of seconds >= 1 (etcd's unit), got {ttl!r}")
+        timeout = self.replica_takeover_timeout
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):
+            raise ValueError(f"replica_takeover_timeout must be a positive number of seconds, got {timeout!r}")
+        every = self.replica_digest_every
+        if isinstance(every, bool) or not isinstance(every, int) or every < 0:
+            raise ValueError(f"replica_digest_every must be an int >= 0, got {every!r}")
+        if self.server_replicas == 2 and self.collective:
+            raise ValueError("server_replicas=2 replicates pservers; collective mode has none")
 
     def _validate_collective(self) -> None:
         """The collective-mode fields: mode, bucket size, Local SGD."""

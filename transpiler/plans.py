@@ -24,6 +24,7 @@ from psproto.dtypes import DTYPES
 
 from .config import DistributeTranspilerConfig
 from .optim import OptimizerSpec
+from .replicas import replica_endpoints
 from .tables import TableSpec
 
 FORMAT_VERSION = 1
@@ -138,7 +139,20 @@ class PserverProgram:
 
     @property
     def shard(self) -> int:
-        return self.pservers.index(self.endpoint)
+        """This pserver's shard: its position in ``pservers``, or its replica's (``server_replicas=2``)."""
+        for k, group in enumerate(self.replica_groups):
+            if self.endpoint in group:
+                return k
+        raise ValueError(f"{self.endpoint} is neither a pserver nor a replica of this plan")
+
+    @property
+    def replica_groups(self) -> List[List[str]]:
+        """Each shard's processes: ``[[pservers[k], its replica], ...]`` (one each without replicas)."""
+        return replica_endpoints(self.config, self.pservers)
+
+    @property
+    def replicated(self) -> bool:
+        return (self.config.server_replicas or 1) > 1
 
     def to_bytes(self) -> bytes:
         d = dataclasses.asdict(self)
@@ -227,6 +241,14 @@ class TrainerProgram:
     def collective(self) -> bool:
         """True when the job trains in collective mode (DDP, no pservers): ``config.mode``."""
         return self.config.collective
+
+    @property
+    def replica_groups(self) -> Dict[str, List[str]]:
+        """Each pserver's processes by its endpoint: ``{pservers[k]: [pservers[k], its replica]}``.
+
+        Without replicas every list holds the pserver alone.
+        """
+        return {group[0]: group for group in replica_endpoints(self.config, self.pservers)}
 
     def to_bytes(self) -> bytes:
         d = dataclasses.asdict(dataclasses.replace(self, model=None))

@@ -4,6 +4,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 from typing import Dict, List, Optional, Sequence, Union
 
 import torch
@@ -12,6 +13,7 @@ from .config import DistributeTranspilerConfig
 from .env import parse_endpoints
 from psproto.dtypes import dtype_name
 
+from .replicas import replica_endpoints, resolve_replicas
 from .plans import BlockSpec, ParamSpec, PserverProgram, StartupProgram, TrainerProgram
 from .program import Program
 from .slicing import DISPATCHERS, block_count, split_rows
@@ -82,6 +84,7 @@ class DistributeTranspiler:
             endpoints = _collective_endpoints(program, pservers, sync_mode)
         else:
             endpoints = parse_endpoints(pservers)
+            resolve_replicas(self.config, endpoints, os.environ)
         dispatcher = DISPATCHERS[self.config.split_method](endpoints)
 
         params: List[ParamSpec] = []
@@ -119,13 +122,27 @@ class DistributeTranspiler:
             raise ValueError(f"there is no pserver program for {endpoint!r}: the config is in collective "
                              f"mode (mode={self.config.mode!r}), which trains with no pservers; use "
                              f"mode='pserver' to train through pservers")
-        if endpoint not in self._endpoints:
-            raise ValueError(f"{endpoint!r} is not one of the pservers {self._endpoints}")
+        if endpoint not in self._endpoints and self._shard_endpoint(endpoint) is None:
+            raise ValueError(f"{endpoint!r} is not one of the pservers {self._endpoints}"
+                             + (f" or their replicas {self.config.replica_endpoints}"
+                                if self.config.replica_endpoints else ""))
+
+    def _shard_endpoint(self, endpoint: str):
+        """The pserver whose shard ``endpoint`` serves (itself, or the one it replicates); None: neither."""
+        for group in replica_endpoints(self.config, self._endpoints):
+            if endpoint in group:
+                return group[0]
+        return None
 
     def get_pserver_program(self, endpoint: str) -> PserverProgram:
-        """The plan of the pserver at ``endpoint``: its blocks and update rule."""
+        """The plan of the pserver at ``endpoint``: its blocks and update rule.
+
+        With ``server_replicas=2`` the endpoint may be a replica's: it serves the
+        same blocks and table shard as the pserver it replicates.
+        """
         self._check_endpoint(endpoint)
-        blocks = [b for p in self._params for b in p.blocks if b.endpoint == endpoint]
+        owner = self._shard_endpoint(endpoint)
+        blocks = [b for p in self._params for b in p.blocks if b.endpoint == owner]
         return PserverProgram(endpoint, list(self._endpoints), self._trainers, self._sync_mode,
                               self._program.optimizer, blocks, self.config, self._digest,
                               tables=list(self._program.tables))
@@ -142,7 +159,7 @@ class DistributeTranspiler:
             data = named[p.name].detach()
             rows = data.reshape(p.shape[0] if p.shape else 1, -1)
             for b in p.blocks:
-                if b.endpoint == endpoint:
+                if b.endpoint == self._shard_endpoint(endpoint):
                     values[b.name] = rows[b.row_start:b.row_end].reshape(b.shape).clone()
         return StartupProgram(endpoint, values)
 

@@ -51,6 +51,7 @@ class AsyncEngine(Engine):
             self.updates += 1
             self.last_step[trainer_id] = step
             self.roster.positions[trainer_id] = position
+            self._replicate(step, grads, sparse or {})
             self._checkpoint_and_export_if_due()
             self.cv.notify_all()
             return True, self.updates

@@ -34,6 +34,7 @@ from ..errors import BarrierTimeout, MustResync, NotAllowed, Refusal, ShuttingDo
 from ..store import BlockStore
 from ..tables import SparseGrad, TableSet
 from .contents import Contents
+from .replicated import Replicated
 from .rollback import Checkpoints
 from .roster import Position, Roster
 from .snapshot import Snapshot
@@ -57,7 +58,7 @@ class Joined(NamedTuple):
     checkpoint_step: int      # the checkpoint this process started from or rolled back to, -1 if none
 
 
-class Engine(Contents, Checkpoints, ABC):
+class Engine(Contents, Checkpoints, Replicated, ABC):
     """The contract the RPC layer talks to, and the trainer bookkeeping, checkpoints and roll-backs both engines share.
 
     ``checkpointer`` (None without a checkpoint_dir) saves and loads this
@@ -143,6 +144,7 @@ class Engine(Contents, Checkpoints, ABC):
                 self.all_closed.clear()
             if was_closed:
                 self._note_closed()
+                self._replicate_roster()
             start = self._start_step(trainer_id, how, join_at)
             if how:
                 log.info("%s: trainer %d %s at step %d", self.endpoint, trainer_id, how, start)
@@ -220,6 +222,7 @@ class Engine(Contents, Checkpoints, ABC):
         self.roster.close(trainer_id)
         self._note_closed()
         self._on_close()
+        self._replicate_roster()
 
     def _trainers_left(self) -> int:
         left = len(set(range(self.trainers)) - self.roster.closed)

@@ -36,6 +36,8 @@ class Checkpoints:
                 raise StorageFailed(f"pserver {self.endpoint}: checkpoint failed: {e}") from None
 
     def _checkpoint_and_export_if_due(self) -> None:
+        if not self.writes_files:  # a hot standby: its primary writes them
+            return
         if self.checkpointer is not None and self.checkpointer.due(self.updates):
             try:
                 self.checkpointer.save(self.updates, self.roster.to_meta())
@@ -116,3 +118,5 @@ class Checkpoints:
             self.checkpointer.forget_after(self.updates)
         if self.exporter is not None:
             self.exporter.restored()
+        if self.replicator is not None:
+            self.replicator.reset()

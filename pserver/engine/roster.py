@@ -81,6 +81,14 @@ class Roster:
                                       "position": list(self.positions.get(t, (0, 0)))} for t in ids},
                 "closed": sorted(self.closed)}
 
+    def follow(self, meta: dict) -> None:
+        """Take progress and closed trainers from the primary's roster (hot standby), as they are."""
+        self.last_step = {int(t): int(v["last_step"]) for t, v in meta.get("trainers", {}).items()
+                          if int(v["last_step"]) >= 0}
+        self.positions = {int(t): Position(int(v["position"][0]), int(v["position"][1]))
+                          for t, v in meta.get("trainers", {}).items()}
+        self.closed = {int(t) for t in meta.get("closed", [])}
+
     def load_meta(self, meta: dict) -> None:
         """Take progress and closed trainers from a checkpoint; nobody is joined or dropped."""
         self.last_step = {int(t): int(v["last_step"]) for t, v in meta.get("trainers", {}).items()

@@ -122,12 +122,15 @@ class SyncEngine(Engine):
             return
         n = len(self.pending)
         mean = {name: self.grad_sum[name].div_(n) for name in self.touched}
-        self.store.apply(mean, self.updates)
-        self.tables.apply_mean(self.sparse_parts, n, self.updates)
+        sparse = self.tables.mean_of(self.sparse_parts, n)
+        step = self.updates
+        self.store.apply(mean, step)
+        self.tables.apply(sparse, step)
         log.debug("%s: applied step %d from trainers %s", self.endpoint, self.updates, sorted(self.pending))
         self.updates += 1
         self.joins_at = {t: s for t, s in self.joins_at.items() if s > self.updates}
         self.roster.positions.update(self.pending_positions)
+        self._replicate(step, mean, sparse)
         self._clear_pending()
         self._checkpoint_and_export_if_due()
         self.cv.notify_all()

@@ -89,6 +89,8 @@ class PserverCollector(Collector):
                      ep, snap.table_rows)
         yield _gauge("ps_table_bytes", "Bytes those shards hold (ids, rows, optimizer state)", ep, snap.table_bytes)
         yield from _table_metrics(ep, snap.tables)
+        if svc.replica is not None:
+            yield from _replica_metrics(ep, svc.replica.stats())
         last = snap.checkpoint
         yield _gauge("ps_checkpoint_step", "Step of the latest checkpoint written or loaded (-1: none)", ep,
                      last.step if last else -1)
@@ -101,6 +103,24 @@ class PserverCollector(Collector):
 
 
 _LIFECYCLE_EVENTS = ("admitted", "refused", "evicted", "spilled", "promoted")
+
+
+def _replica_metrics(ep, replica) -> Iterator[Metric]:
+    """Hot standby: this process's role, epoch, backup and replication lag (README "Hot standby")."""
+    info = GaugeMetricFamily("ps_replica_info", "This process's place in its shard's replica set (value 1)",
+                             labels=["endpoint", "role", "primary", "backup"])
+    info.add_metric([*ep, replica.role, replica.primary, replica.backup], 1)
+    yield info
+    yield _gauge("ps_replica_epoch", "The fencing epoch of the shard's primary as this process knows it", ep,
+                 replica.epoch)
+    yield _gauge("ps_replica_backup_in_sync", "1 when the shard's backup holds every acknowledged update", ep,
+                 int(replica.backup_in_sync))
+    yield _gauge("ps_replica_lag_messages", "Replication messages the backup has not acknowledged yet (primary)",
+                 ep, replica.lag)
+    yield _counter("ps_replica_messages", "Replication messages sent (primary) or applied (backup)", ep,
+                   replica.replicated)
+    yield _counter("ps_replica_digest_mismatches", "State digests of the primary this backup did not match", ep,
+                   replica.digest_mismatches)
 
 
 def _table_metrics(ep, tables) -> Iterator[Metric]:

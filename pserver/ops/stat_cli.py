@@ -36,6 +36,7 @@ _INT64 = {descriptor.FieldDescriptor.TYPE_INT64, descriptor.FieldDescriptor.TYPE
 
 TABLE_HEADERS = ("TABLE", "ENDPOINT", "ROWS", "ON DISK", "DISK BYTES", "ADMITTED", "REFUSED", "EVICTED",
                  "SPILLED", "PROMOTED")
+REPLICA_HEADERS = ("ENDPOINT", "ROLE", "EPOCH", "PRIMARY", "BACKUP", "IN SYNC", "LAG", "REPLICATED", "DIGEST MISMATCHES")
 Sample = Union[ps_pb2.StatsReply, str]  # a reply, or the error that came instead
 
 
@@ -113,6 +114,12 @@ def as_json(endpoint: str, r: Sample, rate: Optional[float]) -> dict:
         for f in ps_pb2.TableStats.DESCRIPTOR.fields:
             if f.type in _INT64 and f.name in t:
                 t[f.name] = int(t[f.name])
+    if r.HasField("replica"):
+        for f in ps_pb2.ReplicaStats.DESCRIPTOR.fields:
+            if f.type in _INT64 and f.name in d["replica"]:
+                d["replica"][f.name] = int(d["replica"][f.name])
+    else:
+        d.pop("replica", None)
     d["endpoint"] = endpoint  # the address asked, even if the pserver names itself otherwise
     d["pushes_per_s"] = rate
     return d
@@ -122,6 +129,15 @@ def table_rows(endpoint: str, r: ps_pb2.StatsReply) -> List[Tuple[str, ...]]:
     """The per-table rows of one pserver's reply."""
     return [(t.table, endpoint, f"{t.rows:,}", f"{t.disk_rows:,}", human_bytes(t.disk_bytes), f"{t.admitted:,}",
              f"{t.refused:,}", f"{t.evicted:,}", f"{t.spilled:,}", f"{t.promoted:,}") for t in r.tables]
+
+
+def replica_row(endpoint: str, r: ps_pb2.StatsReply) -> List[Tuple[str, ...]]:
+    """The hot-standby row of one pserver process's reply ([] without replicas)."""
+    if not r.HasField("replica"):
+        return []
+    p = r.replica
+    return [(endpoint, p.role, str(p.epoch), p.primary or "-", p.backup or "-", "yes" if p.backup_in_sync else "no",
+             str(p.lag), f"{p.replicated:,}", str(p.digest_mismatches))]
 
 
 def format_table(rows: List[Tuple[str, ...]], headers: Tuple[str, ...] = HEADERS) -> str:
@@ -172,6 +188,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if not text.strip():
             raise ValueError("no endpoints: give ENDPOINTS or set PADDLE_PSERVERS_IP_PORT_LIST")
         endpoints = parse_endpoints(text)
+        if not args.endpoints and os.environ.get("PS_REPLICA_ENDPOINTS", "").strip():
+            endpoints += parse_endpoints(os.environ["PS_REPLICA_ENDPOINTS"])  # hot standby: every process
         security = Security.from_env()
     except ValueError as e:
         print(f"ps-stat: error: {e}", file=sys.stderr)
@@ -192,7 +210,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             ch.close()
 
     failed = False
-    rows, objects, tables = [], [], []
+    rows, objects, tables, replicas = [], [], [], []
     for ep in endpoints:
         r, rate = first[ep], None
         later = second.get(ep)
@@ -207,6 +225,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 r = later  # show the newer numbers
             rows.append(row(ep, r, rate))
             tables += table_rows(ep, r)
+            replicas += replica_row(ep, r)
         objects.append(as_json(ep, r, rate))
     if args.json:
         for obj in objects:
@@ -216,6 +235,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if tables:
             print()
             print(format_table(sorted(tables), TABLE_HEADERS))
+        if replicas:
+            print()
+            print(format_table(replicas, REPLICA_HEADERS))
     return 1 if failed else 0
 
 

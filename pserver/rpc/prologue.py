@@ -21,7 +21,7 @@ from psproto.codec import WireError
 from psproto.shared import SharedMemoryError
 
 from ..errors import (AlreadyRunning, BadRequest, BarrierTimeout, Fenced, MustResync, NoSession, NotAllowed,
-                      ShuttingDown, StorageFailed)
+                      NotPrimary, OutOfSync, ShuttingDown, StorageFailed)
 
 # Under the servicer's name: these are its calls' records, and operators filter its log by that name.
 log = logging.getLogger("pserver.rpc.servicer")
@@ -43,6 +43,10 @@ STATUS: Dict[type, grpc.StatusCode] = {
     NoSession: grpc.StatusCode.FAILED_PRECONDITION,
     Fenced: grpc.StatusCode.PERMISSION_DENIED,  # the one status trainers stop at: "fenced: ..."
     AlreadyRunning: grpc.StatusCode.ALREADY_EXISTS,  # trainers retry it for one alive window
+    # Hot standby: a replica that does not lead answers as a pserver that is down; trainers then
+    # ask the shard's processes who leads (Lead) and go there.
+    NotPrimary: grpc.StatusCode.UNAVAILABLE,
+    OutOfSync: grpc.StatusCode.OUT_OF_RANGE,  # the primary drops this backup, which copies its state again
 }
 
 

@@ -37,6 +37,7 @@ from ..engine import Engine
 from ..engine.reductions import Reductions, to_values
 from ..errors import BadRequest, NotAllowed
 from .prologue import parse, refusals, trainer_call
+from .replica_link import ReplicaServicer
 from .sessions import Sessions
 from .shared import SharedRegions
 
@@ -74,6 +75,20 @@ class PserverServicer:
         self.counters = Counters()
         self.buffers = BufferPool(engine.block_layout())
         self.regions = SharedRegions(engine.trainers)
+        # Hot standby (pserver.replication.replica.Replica), set by the server; None without replicas.
+        self.replica = None
+
+    def _serving(self) -> None:
+        """Refuse a trainer's call (NotPrimary) on a replica that does not lead its shard."""
+        replica = self.replica
+        if replica is not None:
+            replica.check_serving()
+
+    def _acked(self) -> None:
+        """Before an answer that reports applied updates: the backup holds every one of them."""
+        replica = self.replica
+        if replica is not None:
+            replica.wait_acked()
 
     def _check_trainer(self, trainer_id: int) -> None:
         if not 0 <= trainer_id < self.engine.trainers:
@@ -81,6 +96,7 @@ class PserverServicer:
 
     def _check_caller(self, request) -> None:
         """A trainer's call (anything but Hello and Stats): its id in range and its session current."""
+        self._serving()
         self._check_trainer(request.trainer_id)
         self.sessions.check(request.trainer_id, request.session)
 
@@ -93,6 +109,7 @@ class PserverServicer:
     @refusals
     def Hello(self, data, context):
         request = parse(ps_pb2.HelloRequest, data)
+        self._serving()
         self._check_trainer(request.trainer_id)
         self._check_digest(request.layout_digest)
         if not request.incarnation:
@@ -109,7 +126,8 @@ class PserverServicer:
                                  epoch=joined.position[0], batch=joined.position[1],
                                  checkpoint_step=joined.checkpoint_step, counted_step=joined.counted_step,
                                  session=session, applied_step=joined.applied_step,
-                                 others_in_step=joined.others_in_step)
+                                 others_in_step=joined.others_in_step,
+                                 replica_epoch=self.replica.epoch if self.replica is not None else 0)
 
     def _read_stream(self, request_iterator, header_type, expect, dest=None, widen=False):
         """(header, reader) of a client stream: header in the first message, then pieces.
@@ -151,6 +169,7 @@ class PserverServicer:
     @refusals
     def Push(self, request_iterator, context):
         _, applied, updates, _ = self._push(request_iterator, answered=False)
+        self._acked()
         return ps_pb2.PushReply(applied=applied, updates=updates)
 
     @refusals
@@ -248,6 +267,7 @@ class PserverServicer:
         the next step's lookups find exactly what a Prefetch would have.
         """
         self.engine.wait_updates(trainer_id, min_updates)
+        self._acked()
         updates, tensors = self.engine.read(names)
         if ahead:
             tensors = tensors + self.engine.lookup(ahead)[1]
@@ -268,6 +288,7 @@ class PserverServicer:
             raise BadRequest(f"min_updates must be >= 0, got {header.min_updates}")
         ids = self.engine.prefetch_ids(reader.tensors)
         self.engine.wait_updates(header.trainer_id, header.min_updates)
+        self._acked()
         updates, rows = self.engine.lookup(ids)
         yield from encode_chunks(ps_pb2.PullHeader(updates=updates), rows, self.chunk_bytes)
         self.counters.add(bytes_in=reader.nbytes, prefetches=1,
@@ -309,7 +330,9 @@ class PserverServicer:
 
     @trainer_call(ps_pb2.CloseRequest, digest=False)
     def Close(self, request, context):
-        return ps_pb2.CloseReply(trainers_left=self.engine.close(request.trainer_id))
+        left = self.engine.close(request.trainer_id)
+        self._acked()
+        return ps_pb2.CloseReply(trainers_left=left)
 
     @trainer_call(ps_pb2.ReduceRequest, touch=True)
     def Reduce(self, request, context):
@@ -336,7 +359,8 @@ class PserverServicer:
                 trainers_dropped=snap.dropped, refused=c.refused, shared_pushes=c.shared_pushes,
                 checkpoint_step=last.step if last else -1, checkpoint_path=last.path if last else "",
                 checkpoint_age_s=time.time() - last.time if last else 0.0,
-                tables=[ps_pb2.TableStats(**t.to_dict()) for t in snap.tables])
+                tables=[ps_pb2.TableStats(**t.to_dict()) for t in snap.tables],
+                replica=self.replica.stats() if self.replica is not None else None)
 
     def add_to_server(self, server: grpc.Server) -> None:
         """Register the service with raw-bytes requests (parsed here) and encoded replies."""
@@ -360,4 +384,5 @@ class PserverServicer:
             "Stats": grpc.unary_unary_rpc_method_handler(self.Stats, response_serializer=serialize),
             "Reduce": grpc.unary_unary_rpc_method_handler(self.Reduce, response_serializer=serialize),
         }
+        handlers.update(ReplicaServicer(self.replica, self.engine, self.endpoint, self.counters).handlers())
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))

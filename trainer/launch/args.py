@@ -19,6 +19,7 @@ DESCRIPTION = """ps-launch: start the pservers and trainers of a job, as Paddle'
     ps-launch --server_num 2 --worker_num 2 --nproc_per_node 4 --gpus 0,1,2,3,4,5,6,7 train.py
     ps-launch --worker_num 2 --nproc_per_node 2 train.py      # collective: no pservers
     ps-launch --server_num 2 --worker_num 2 --max_restarts 3 train.py --checkpoint_dir ckpt
+    ps-launch --server_num 2 --server_replicas 2 --coordinator http://127.0.0.1:2379 --worker_num 2 train.py
 
 Local mode (--server_num/--worker_num) runs every role on this machine, pservers
 on 127.0.0.1. Per-host mode (--servers/--workers) describes the whole cluster: run
@@ -37,6 +38,10 @@ Restarts: with --max_restarts N a role that dies (non-zero exit or a signal) is 
 again, same command and variables, its log appended, up to N times per role (a trainer
 node restarts as a whole); the pservers' and trainers' recovery does the rest (a
 pserver resumes from its checkpoint_dir). LOG_DIR/roles.json lists every process's pid.
+Hot standby: --server_replicas 2 starts a second process for every pserver (pserverN.replica,
+LOG_DIR/serverlog.N.replica); etcd at --coordinator decides which of the two leads. Every role
+gets PS_SERVER_REPLICAS, PS_REPLICA_ENDPOINTS, PS_COORDINATOR and PS_COORDINATOR_PREFIX (one per
+launch, so a new launch never waits for an old one's replicas).
 Access control: --auth_token_file FILE gives every role the job's token; PS_TLS_*
 variables set for the launcher pass to every role (see proto/security.py).
 Exit status: 0 when every trainer exited 0, 1 when a role failed (with no restarts
@@ -101,6 +106,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add(p, "--servers", metavar="IP:PORT,...", help="per-host mode: every pserver endpoint")
     _add(p, "--workers", "--trainers", metavar="IP,...",
          help="per-host mode: every trainer node's ip (id = position; Paddle's ip:port also accepted)")
+    _add(p, "--server_replicas", type=int, default=1, metavar="R",
+         help="2: a hot-standby backup for every pserver (README \"Hot standby\"); local mode picks its ports, "
+         "per-host mode takes them from --replica_servers; needs --coordinator (default 1)")
+    _add(p, "--replica_servers", metavar="IP:PORT,...",
+         help="per-host mode with --server_replicas 2: each pserver's backup, in the order of --servers")
+    _add(p, "--coordinator", metavar="URL,...",
+         help="with --server_replicas 2: the etcd URLs that decide each shard's primary (PS_COORDINATOR)")
     _add(p, "--host", metavar="IP", help="this host in --servers/--workers (default: any local ip)")
     _add(p, "--start_port", type=int, metavar="P", help="local mode: pserver ports P, P+1, ... "
          "(default: free ports)")

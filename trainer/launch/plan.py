@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import secrets
 import socket
 import subprocess
 from dataclasses import dataclass, field
@@ -38,13 +39,14 @@ class Role:
     local_world_size: int = 1
     command: Optional[List[str]] = None   # what started it (and starts it again on a restart)
     restarts: int = 0                     # restarts of its unit (a trainer node restarts as a whole)
+    replica: int = 0                      # hot standby: 1 for a pserver's second process
 
     @property
     def name(self) -> str:
         """``pserver.N``, ``trainer.N`` or (a node of several processes) ``trainer.N.R``."""
         if self.local_world_size > 1:
             return f"{self.kind.lower()}.{self.index}.{self.local_rank}"
-        return f"{self.kind.lower()}.{self.index}"
+        return f"{self.kind.lower()}.{self.index}" + (".replica" if self.replica else "")
 
     @property
     def title(self) -> str:
@@ -58,18 +60,19 @@ class Role:
     def log_name(self) -> str:
         """``serverlog.N``, ``workerlog.N`` (local rank 0) or ``workerlog.N.R`` (local rank R > 0)."""
         if self.kind == PSERVER:
-            return f"serverlog.{self.index}"
+            return f"serverlog.{self.index}" + (".replica" if self.replica else "")
         return f"workerlog.{self.index}" + (f".{self.local_rank}" if self.local_rank else "")
 
     @property
     def tag(self) -> str:
         """The console prefix and ``--show`` name: ``pserverN``, ``trainerN``, ``trainerN.R`` (local rank R > 0)."""
-        return f"{self.kind.lower()}{self.index}" + (f".{self.local_rank}" if self.local_rank else "")
+        return f"{self.kind.lower()}{self.index}" + (f".{self.local_rank}" if self.local_rank else "") \
+            + (".replica" if self.replica else "")
 
     @property
-    def unit(self) -> Tuple[str, int]:
-        """What stops and restarts together: a pserver, or a trainer node with all its local ranks."""
-        return self.kind, self.index
+    def unit(self) -> Tuple[str, int, int]:
+        """What stops and restarts together: a pserver process, or a trainer node with all its local ranks."""
+        return self.kind, self.index, self.replica
 
     @property
     def alive(self) -> bool:
@@ -133,6 +136,32 @@ def host_matcher(host: Optional[str] = None) -> Callable[[str], bool]:
 def is_collective(args: argparse.Namespace) -> bool:
     """No --server_num and no --servers: a collective job, trainers only."""
     return args.server_num is None and args.servers is None
+
+
+def _check_replicas(args: argparse.Namespace) -> None:
+    replicas = getattr(args, "server_replicas", 1)
+    if replicas not in (1, 2):
+        raise LaunchError(f"--server_replicas must be 1 or 2 (a backup per pserver), got {replicas}")
+    if replicas == 1:
+        if getattr(args, "replica_servers", None) or getattr(args, "coordinator", None):
+            raise LaunchError("--replica_servers and --coordinator need --server_replicas 2")
+        return
+    if is_collective(args):
+        raise LaunchError("--server_replicas 2 replicates pservers; a collective job has none")
+    if not getattr(args, "coordinator", None):
+        raise LaunchError("--server_replicas 2 needs --coordinator: the etcd URLs that decide each shard's "
+                          "primary (e.g. http://127.0.0.1:2379; README \"Hot standby\")")
+    if args.servers is not None:
+        if not getattr(args, "replica_servers", None):
+            raise LaunchError("--server_replicas 2 with --servers needs --replica_servers: each pserver's backup")
+        try:
+            n, m = len(parse_endpoints(args.servers)), len(parse_endpoints(args.replica_servers))
+        except ValueError as e:
+            raise LaunchError(f"--replica_servers: {e}") from None
+        if n != m:
+            raise LaunchError(f"--replica_servers lists {m} endpoints for {n} --servers; give one backup each")
+    elif getattr(args, "replica_servers", None):
+        raise LaunchError("--replica_servers is for per-host mode (--servers); local mode picks the ports")
 
 
 def _check_args(args: argparse.Namespace) -> None:
@@ -237,6 +266,7 @@ def plan_roles(args: argparse.Namespace, is_local: Optional[Callable[[str], bool
     the k-th slice of L GPUs.
     """
     _check_args(args)
+    _check_replicas(args)
     environ = os.environ if environ is None else environ
     is_local = is_local or host_matcher(args.host)
     collective = is_collective(args)
@@ -264,8 +294,9 @@ def plan_roles(args: argparse.Namespace, is_local: Optional[Callable[[str], bool
     # (local collective), none of them in the --start_port range.
     master_port = getattr(args, "master_port", None)
     local_servers = endpoints is None
-    taken = set(range(args.start_port, args.start_port + args.server_num)) if args.start_port else set()
-    n_servers = args.server_num if local_servers and not args.start_port else 0
+    replicas = getattr(args, "server_replicas", 1) or 1
+    taken = set(range(args.start_port, args.start_port + args.server_num * replicas)) if args.start_port else set()
+    n_servers = args.server_num * replicas if local_servers and not args.start_port else 0
     if collective:
         n_meet = 0 if master_port or args.workers is not None else 1
     else:
@@ -273,9 +304,13 @@ def plan_roles(args: argparse.Namespace, is_local: Optional[Callable[[str], bool
     ports = []
     if n_servers + n_meet:
         ports = [p for p in pick_ports(n_servers + n_meet + (len(taken) if n_meet else 0)) if p not in taken]
+    backups: List[str] = []
     if local_servers:
         server_ports = sorted(taken) if args.start_port else ports[:n_servers]
         endpoints = [f"127.0.0.1:{p}" for p in server_ports]
+        endpoints, backups = endpoints[:args.server_num], endpoints[args.server_num:]
+    elif replicas == 2:
+        backups = parse_endpoints(args.replica_servers)
     ports = ports[n_servers:]
     if collective:
         if args.workers is not None:
@@ -298,13 +333,16 @@ def plan_roles(args: argparse.Namespace, is_local: Optional[Callable[[str], bool
         common["PS_AUTH_TOKEN_FILE"] = os.path.abspath(args.auth_token_file)
     if getattr(args, "log_level_given", False):
         common[LOG_LEVEL_VAR] = args.log_level
+    if replicas == 2:
+        common.update(replica_env(backups, args.coordinator))
     roles = []
-    for i, ep in enumerate(endpoints):
-        ip = ep.rpartition(":")[0]
-        if args.servers is None or is_local(ip):
-            env = dict(common, **RoleEnv(PSERVER, endpoints, len(workers), current_endpoint=ep).to_env())
-            env["CUDA_VISIBLE_DEVICES"] = ""  # a pserver is a CPU process: no CUDA context on a trainer's GPU
-            roles.append(Role(PSERVER, i, ip, env, endpoint=ep))
+    for replica, group in enumerate((endpoints, backups)):
+        for i, ep in enumerate(group):
+            ip = ep.rpartition(":")[0]
+            if args.servers is None or is_local(ip):
+                env = dict(common, **RoleEnv(PSERVER, endpoints, len(workers), current_endpoint=ep).to_env())
+                env["CUDA_VISIBLE_DEVICES"] = ""  # a pserver is a CPU process: no CUDA context on a trainer's GPU
+                roles.append(Role(PSERVER, i, ip, env, endpoint=ep, replica=replica))
     for k, i in enumerate(local_nodes):
         ip = workers[i]
         for r in range(nproc):
@@ -327,6 +365,15 @@ def plan_roles(args: argparse.Namespace, is_local: Optional[Callable[[str], bool
 # An outer torchrun's variables: with TORCHELASTIC_USE_AGENT_STORE inherited, torch's tcp:// rendezvous
 # would make a node's local rank 0 a client of a store nobody hosts here.
 _LAUNCHER_PREFIXES = ("TORCHELASTIC_", "GROUP_", "ROLE_")
+
+
+def replica_env(backups: List[str], coordinator: str) -> Dict[str, str]:
+    """The hot-standby variables every role of a replicated job gets (transpiler/replicas.py reads them).
+
+    The etcd key prefix is new per launch: a launch never waits for the replicas of an earlier one.
+    """
+    return {"PS_SERVER_REPLICAS": "2", "PS_REPLICA_ENDPOINTS": ",".join(backups), "PS_COORDINATOR": coordinator,
+            "PS_COORDINATOR_PREFIX": f"/torch-pserver/launch-{secrets.token_hex(6)}"}
 
 
 def child_env(role: Role, base: Optional[Dict[str, str]] = None) -> Dict[str, str]:

@@ -14,7 +14,9 @@
 =========================== ===================================================================
 
 Pserver ``i`` is ``<statefulset>-<i>.<service>:<port>``; a pserver is the one whose
-``HOSTNAME`` ordinal is ``i``. ``PADDLE_PSERVERS_IP_PORT_LIST`` may give the list instead of
+``HOSTNAME`` ordinal is ``i``. With hot standby (``PS_SERVER_REPLICAS=2``, README "Hot standby")
+the StatefulSet runs twice ``PS_PSERVER_NUM`` pods: pod ``N + i`` is pserver ``i``'s backup
+(:func:`replica_endpoints`). ``PADDLE_PSERVERS_IP_PORT_LIST`` may give the list instead of
 the Service (with both, they must agree). The role is ``TRAINING_ROLE`` when set; otherwise a
 pod with ``JOB_COMPLETION_INDEX`` is a trainer and any other a pserver. A pserver pod may also
 run in an Indexed Job (``JOB_COMPLETION_INDEX`` is then its ordinal).
@@ -62,11 +64,31 @@ def _pserver(env: Mapping[str, str], trainers: int) -> Role:
     if not pservers:
         raise ValueError("a PSERVER pod needs the pserver list: set PS_PSERVER_SERVICE and PS_PSERVER_NUM "
                          "(or PADDLE_PSERVERS_IP_PORT_LIST)")
-    if ordinal >= len(pservers):
+    processes = pservers + (replica_endpoints(env, statefulset) or [])
+    if ordinal >= len(processes):
         raise ValueError(f"this pod is pserver {ordinal} (HOSTNAME={env.get('HOSTNAME')}) but the job has "
-                         f"{len(pservers)} pservers ({NUM}={env.get(NUM)}): scale the StatefulSet and "
-                         f"{NUM} together")
-    return Role(PSERVER, pservers, trainers, current_endpoint=pservers[ordinal], source="kubernetes")
+                         f"{len(processes)} pserver processes ({NUM}={env.get(NUM)}, {REPLICAS}="
+                         f"{env.get(REPLICAS, '1')}): scale the StatefulSet to {NUM} x {REPLICAS}")
+    return Role(PSERVER, pservers, trainers, current_endpoint=processes[ordinal], source="kubernetes")
+
+
+REPLICAS = "PS_SERVER_REPLICAS"
+
+
+def replica_endpoints(env: Mapping[str, str], statefulset: Optional[str] = None) -> Optional[List[str]]:
+    """Hot standby in one StatefulSet: pods ``N .. 2N-1`` back up pservers ``0 .. N-1``; None unless replicated.
+
+    Only with ``PS_PSERVER_SERVICE`` and ``PS_SERVER_REPLICAS=2`` (trainers also need
+    ``PS_PSERVER_STATEFULSET``, as for the pserver list).
+    """
+    service = env.get(SERVICE, "").strip()
+    if not service or env.get(REPLICAS, "").strip() != "2":
+        return None
+    num = get_int(env, NUM, minimum=1)
+    name = env.get(STATEFULSET, "").strip() or statefulset
+    if num is None or not name:
+        return None
+    return service_endpoints(service, name, 2 * num, get_port(env, PORT, DEFAULT_PSERVER_PORT))[num:]
 
 
 def _trainer(env: Mapping[str, str], trainers: int) -> Role:

@@ -14,6 +14,10 @@
 ``PS_SLURM_HOST_SUFFIX``        appended to node names to make pserver host names (e.g. ``-ib``)
 =============================== ===============================================================
 
+Hot standby (``PS_SERVER_REPLICAS=2``, README "Hot standby"): the first ``2K`` tasks are pserver
+processes, task ``K + i`` pserver ``i``'s backup (:func:`replica_endpoints`), and trainer ``t``
+is task ``2K + t``. Homogeneous steps only.
+
 Tasks are placed by Slurm's default block distribution (``-m block``): node 0 of the node
 list runs tasks ``0..n0-1``, node 1 the next ``n1``, ... So pserver ``i`` (task ``i < K``) is
 ``<its node>:<PS_PSERVER_PORT + its slot on the node>`` and trainer ``t`` is task ``K + t``.
@@ -62,15 +66,37 @@ def _homogeneous(env: Mapping[str, str], procid: int) -> Role:
     if procid >= ntasks:
         raise ValueError(f"SLURM_PROCID={procid} is out of range [0, {ntasks_var}={ntasks})")
     k = get_int(env, NUM, minimum=0)
-    if k >= ntasks:
-        raise ValueError(f"{NUM}={k} leaves no trainer among the step's {ntasks} tasks ({ntasks_var})")
+    servers = k * _replicas(env)
+    times = f" x {REPLICAS}={_replicas(env)}" if _replicas(env) > 1 else ""
+    if servers >= ntasks:
+        raise ValueError(f"{NUM}={k}{times} leaves no trainer among the step's {ntasks} tasks ({ntasks_var})")
     pservers = _endpoints(env, layout[:k])
-    if procid < k:
-        check_role(env, PSERVER, f"SLURM_PROCID={procid} < {NUM}={k}")
+    if procid < servers:
+        check_role(env, PSERVER, f"SLURM_PROCID={procid} < {NUM}={k}{times}")
         _check_placement(env, layout[procid], procid, check_slot=True)
-        return Role(PSERVER, pservers, ntasks - k, current_endpoint=pservers[procid], source="slurm")
-    check_role(env, TRAINER, f"SLURM_PROCID={procid} >= {NUM}={k}")
-    return _trainer(env, pservers, ntasks - k, procid - k, f"{ntasks_var} - {NUM}")
+        return Role(PSERVER, pservers, ntasks - servers, current_endpoint=_endpoints(env, layout[:servers])[procid],
+                    source="slurm")
+    check_role(env, TRAINER, f"SLURM_PROCID={procid} >= {NUM}={k}{times}")
+    return _trainer(env, pservers, ntasks - servers, procid - servers, f"{ntasks_var} - {NUM}")
+
+
+REPLICAS = "PS_SERVER_REPLICAS"
+
+
+def _replicas(env: Mapping[str, str]) -> int:
+    return 2 if env.get(REPLICAS, "").strip() == "2" else 1
+
+
+def replica_endpoints(env: Mapping[str, str]) -> Optional[List[str]]:
+    """Hot standby in one homogeneous step: tasks ``K .. 2K-1`` back up pservers ``0 .. K-1``; None otherwise."""
+    if not env.get("SLURM_PROCID", "").strip() or _replicas(env) != 2 or get_int(env, "SLURM_HET_SIZE", 0) >= 2:
+        return None
+    k = get_int(env, NUM, minimum=0)
+    if not k:
+        return None
+    layout = _layout(env, _first_set(env, "SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST"),
+                     _first_set(env, "SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE"))
+    return _endpoints(env, layout[:2 * k])[k:]
 
 
 def _heterogeneous(env: Mapping[str, str], procid: int) -> Role:

@@ -1,0 +1,1 @@
+"""Hot-standby replicas of a pserver shard (README "Hot standby")."""

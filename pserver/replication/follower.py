@@ -1,0 +1,67 @@
+"""The backup's side of the replication stream: apply the primary's messages in order, check its digest."""
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from typing import Callable, Dict
+
+import torch
+
+from ..errors import OutOfSync
+
+log = logging.getLogger(__name__)
+
+
+class Follower:
+    """Applies the messages of the primary at ``epoch`` after the snapshot at ``seq``.
+
+    A message of another epoch, or one that skips a seq, is refused
+    (:class:`OutOfSync`): the primary then drops this backup, which copies the
+    state again. A message already applied (a resend) is acknowledged as is.
+    ``digest()`` gives this process's state digest, compared with the
+    primary's when a message carries one.
+    """
+
+    def __init__(self, engine, epoch: int, seq: int, digest: Callable[[], str]):
+        self.engine = engine
+        self.epoch = epoch
+        self.seq = seq
+        self.digest = digest
+        self.applied = 0
+        self.mismatches = 0
+        self._lock = threading.Lock()
+        self._stopped = False
+
+    def receive(self, header, tensors: Dict[str, torch.Tensor]) -> int:
+        """Apply one message (its header and tensors); returns the last seq this backup holds."""
+        with self._lock:
+            if self._stopped:
+                raise OutOfSync(f"this process no longer follows the primary at epoch {self.epoch}")
+            if header.epoch != self.epoch:
+                raise OutOfSync(f"a message of epoch {header.epoch}; this backup follows epoch {self.epoch}")
+            if header.seq <= self.seq:
+                return self.seq
+            if header.seq != self.seq + 1:
+                raise OutOfSync(f"message {header.seq} after {self.seq}: a gap")
+            dense, sparse, _ = self.engine.split_push(tensors)
+            self.engine.apply_replicated(header.lr_step, header.updates, json.loads(header.roster or "{}"),
+                                         dense, sparse)
+            self.seq = header.seq
+            self.applied += 1
+            if header.digest:
+                with self.engine.cv:
+                    mine = self.digest()
+                if mine != header.digest:
+                    self.mismatches += 1
+                    log.error("backup %s: state digest after update %d differs from the primary's (%s here, "
+                              "%s there): the replicas diverged", self.engine.endpoint, header.updates, mine,
+                              header.digest)
+                else:
+                    log.debug("backup %s: digest after update %d matches", self.engine.endpoint, header.updates)
+            return self.seq
+
+    def stop(self) -> None:
+        """Refuse every later message (this process leads now, or copies a new primary's state)."""
+        with self._lock:
+            self._stopped = True

@@ -1,0 +1,105 @@
+"""Hot standby under chaos: seeded SIGKILLs of primaries and backups while a job trains.
+
+Every shard runs on two processes (tests/helpers/replicated_job.py) and etcd, started as its own
+process, decides who leads. A seeded schedule kills, one at a time, the primary or the backup of a
+shard, starts it again at once with the same command, and waits until the shard is back to an
+in-sync pair before the next kill (never both replicas of a shard at once). Sync: the final model
+equals single-process training and no trainer or pserver rolled back. Async: the parameters count
+every push applied to them (recovery_job --counting), so every acknowledged push of every trainer is
+in the final model exactly once. ``PS_REPLICA_CHAOS_SEEDS=1,2,3`` picks the seeds (the suite runs
+seed 1 of each); campaigns run many.
+"""
+from __future__ import annotations
+
+import os
+import random
+from typing import List, Tuple
+
+import pytest
+
+from pserver.checkpoint.layout import find_saved
+from tests.helpers.etcd import etcd_fixture  # noqa: F401
+from tests.helpers.replicated_job import ReplicatedJob
+from tests.scripts import recovery_job
+from tests.test_recovery import tallies
+
+pytestmark = pytest.mark.processes
+
+SEEDS = [int(s) for s in os.environ.get("PS_REPLICA_CHAOS_SEEDS", "1").split(",") if s.strip()]
+EPOCHS = 30                  # 600 steps of each trainer
+STEP_DELAY = 0.05            # the kills land while the job trains; the rest runs at full speed
+KILLS = 4
+
+
+def schedule(seed: int, shards: int = 2) -> List[Tuple[int, str, int]]:
+    """(shard, "primary" or "backup", updates the shard applies first) of each kill."""
+    rng = random.Random(seed)
+    return [(rng.randrange(shards), rng.choice(("primary", "backup")), rng.randint(3, 20)) for _ in range(KILLS)]
+
+
+def updates_of(job: ReplicatedJob, name: str) -> int:
+    stats = job.stats(name)
+    return -1 if stats is None else stats.updates
+
+
+def run_chaos(job: ReplicatedJob, seed: int) -> List[str]:
+    """Start the job, kill and restart processes per ``schedule(seed)``; the kills, as "name (role)"."""
+    job.start_all()
+    for shard in range(len(job.endpoints)):
+        job.wait_in_sync(shard)
+    done = []
+    for shard, role, after in schedule(seed):
+        for k in range(len(job.endpoints)):
+            job.wait_in_sync(k)
+        primary, backup = job.roles(shard)
+        start = updates_of(job, primary)
+        # Training goes on a while: the kill lands mid-step, wherever that is.
+        job.wait_until(lambda: updates_of(job, primary) >= start + after, f"{after} updates on {primary}")
+        victim = primary if role == "primary" else backup
+        job.kill(victim)
+        job.restart(victim)
+        done.append(f"{victim} ({role} of shard {shard})")
+    for k in range(len(job.endpoints)):
+        job.wait_in_sync(k)
+    (job.pause / "calm").touch()
+    return done
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("seed", SEEDS)
+def test_sync_job_with_primaries_and_backups_killed_equals_one_process_and_never_rolls_back(etcd, tmp_path,
+                                                                                           seed):
+    job = ReplicatedJob(tmp_path, etcd.url, args=["--epochs", str(EPOCHS), "--step_delay", str(STEP_DELAY)])
+    try:
+        kills = run_chaos(job, seed)
+        job.wait_trainers(180)
+        print(f"seed {seed}: killed {kills}")
+        job.assert_trained_as_one_process(epochs=EPOCHS)
+        assert job.rollback_lines() == []
+        codes = job.finish_pservers()
+        assert set(codes.values()) == {0}, (codes, job.all_logs())
+    finally:
+        job.close()
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("seed", SEEDS)
+def test_async_job_with_primaries_and_backups_killed_keeps_every_acknowledged_push_once(etcd, tmp_path, seed):
+    job = ReplicatedJob(tmp_path, etcd.url, args=["--async", "--counting", "--epochs", str(EPOCHS),
+                                                  "--step_delay", str(STEP_DELAY)])
+    steps = EPOCHS * recovery_job.SAMPLES // recovery_job.TRAINERS // recovery_job.BATCH
+    try:
+        kills = run_chaos(job, seed)
+        job.wait_trainers(180)
+        print(f"seed {seed}: killed {kills}")
+        codes = job.finish_pservers()
+        assert set(codes.values()) == {0}, (codes, job.all_logs())
+        # Each trainer finished all its steps, each acknowledged; what the shards' primaries saved once
+        # every trainer had closed holds each of those pushes once: no more (none twice), no fewer.
+        final = find_saved(job.ckpt, sync_mode=False)
+        for shard in range(len(job.endpoints)):
+            assert tallies(final.parts[shard]) == {(steps, steps)}, (shard, kills)
+            assert final.manifests[shard]["step"] == 2 * steps
+        assert job.rollback_lines() == []
+    finally:
+        job.close()
