@@ -27,7 +27,8 @@ import requests
 from etcd3gw import exceptions as etcd_exceptions
 from etcd3gw.client import Etcd3Client
 from etcd3gw.lease import Lease
-from etcd3gw.utils import _encode
+from etcd3gw.utils import _encode, _increment_last_byte
+from etcd3gw.watch import Watcher
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -100,6 +101,15 @@ class Coordinator(ABC):
         True while the lease's last successful keep-alive was *sent* less than ``ttl - ttl/4`` seconds ago
         (etcd cannot have expired it earlier). A keep-alive answering that the lease expired makes it False at
         once, failing keep-alives at that deadline; either way ``on_lost(epoch)`` is called once."""
+
+    def watch(self, on_change: Callable[[], None]) -> None:
+        """Call ``on_change()`` (from another thread) whenever the shard's records change; a new call replaces it.
+
+        A hint that saves polling: the caller still reads :meth:`leader` and
+        :meth:`in_sync` itself, and re-reads them now and then in case a
+        change went unreported (the watch's connection lost). The default
+        reports nothing.
+        """
 
     @abstractmethod
     def resign(self) -> None:
@@ -382,7 +392,30 @@ class EtcdCoordinator(Coordinator):
             log.warning("%s: resigning %s failed (its lease expires within %d s): %s", self._base,
                         self._replica_id, self._ttl, e)
 
+    def watch(self, on_change: Callable[[], None]) -> None:
+        """etcd's watch on the shard's keys (one streamed HTTP request, its own session), calling ``on_change``."""
+        self._unwatch()
+        url = urlsplit(self._gw.urls[0])
+        client = Etcd3Client(host=url.hostname, port=url.port or 2379, protocol=url.scheme, api_path="/v3/")
+        prefix = f"{self._base}/".encode()
+        try:
+            self._watcher = (Watcher(client, prefix, lambda event: on_change(), range_end=_increment_last_byte(prefix)),
+                             client)
+        except (etcd_exceptions.Etcd3Exception, requests.RequestException) as e:
+            client.session.close()
+            log.info("%s: no watch (%s); changes are found by reading", self._base, _detail(e))
+
+    def _unwatch(self) -> None:
+        watcher, self._watcher = getattr(self, "_watcher", None), None
+        if watcher is not None:
+            try:
+                watcher[0].stop()
+                watcher[1].session.close()
+            except Exception:  # noqa: BLE001 - a stream already broken
+                log.debug("stopping the watch of %s failed", self._base, exc_info=True)
+
     def close(self) -> None:
+        self._unwatch()
         with self._lock:
             self._lease, self._epoch = None, None  # no longer kept alive: it expires within the TTL
         self._stop.set()

@@ -42,7 +42,7 @@ import torch
 from psproto import ps_pb2
 from psproto.codec import encode_chunks
 
-from ..errors import NotPrimary
+from ..errors import NotPrimary, OutOfSync
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +53,10 @@ KEEP_BYTES = 1 << 30
 
 class ReplicaUnreachable(Exception):
     """The backup did not take a message (down, refused it, or out of sync); the message names why."""
+
+
+class NotFollowed(ConnectionError):
+    """A backup's primary answered that it does not count it as its backup (dropped): it copies the state again."""
 
 
 class Transport:
@@ -168,8 +172,8 @@ class Outbox:
         """The joining backup loaded the snapshot: send it the messages since."""
         with self.cv:
             if self.backup is None or self.backup.replica_id != replica_id:
-                raise NotPrimary(f"primary {self.me[1]}: {replica_id} is not the joining backup (dropped "
-                                 f"since its snapshot?); it asks for a snapshot again")
+                raise OutOfSync(f"primary {self.me[1]}: {replica_id} is not its backup (dropped since its "
+                                f"snapshot?); it copies the state again")
             if self.backup.following:
                 return  # the backup asking again whether it still is one: it is
             self.backup.following = True
@@ -204,6 +208,22 @@ class Outbox:
             if self.fenced:
                 raise NotPrimary(f"pserver {self.me[1]} lost the lead of its shard (epoch {self.epoch}); "
                                  f"ask the shard's processes who leads")
+
+    def drain(self, timeout: float) -> bool:
+        """Before this primary stops: wait up to ``timeout`` s until a following backup holds every message.
+
+        So a backup still catching up learns the last changes too (the
+        trainers' Close above all), and ends with the job instead of leading
+        it after its primary left. True when nothing is left to send.
+        """
+        deadline = time.monotonic() + timeout
+        with self.cv:
+            while self.backup is not None and self.backup.following and self.backup.queue and not self.fenced:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return False
+                self.cv.wait(remaining)
+            return self.backup is None or not self.backup.queue
 
     def state(self) -> Tuple[Optional[Backup], int]:
         """(the backup or None, messages it has not acknowledged yet), for ps-stat and metrics."""

@@ -25,15 +25,19 @@ from . import snapshot
 from .coordination import CoordinationError, Coordinator
 from .digest import state_digest
 from .follower import Follower
-from .outbox import Outbox
-from .roles import (BACKUP, CAMPAIGN, FENCED, JOIN, JOINING, PRIMARY, RECOVER, REJOIN, STAY, next_step)
+from .outbox import NotFollowed, Outbox
+from .roles import (BACKUP, CAMPAIGN, FENCED, JOIN, JOINING, PRIMARY, RECOVER, REJOIN, STAY, WAIT, next_step)
 
 log = logging.getLogger(__name__)
 
-# How often a replica asks etcd what to do, and a primary checks its lease (seconds).
+# How often a primary checks its lease (seconds).
 POLL = 0.05
+# How often a replica that is not leading reads etcd without being told of a change by its watch.
+REREAD = 0.5
 # How often a backup asks its primary whether it still is its backup (seconds).
 CHECK_EVERY = 0.5
+# How long a primary that stops waits for its backup to take the last changes (seconds).
+DRAIN = 5.0
 
 
 class Replica:
@@ -158,6 +162,8 @@ class Replica:
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(timeout=5)
         if self.role == PRIMARY:
+            if self.outbox is not None:
+                self.outbox.drain(DRAIN)
             self.coordinator.resign()
         if self.outbox is not None:
             self.outbox.stop()
@@ -165,13 +171,21 @@ class Replica:
 
     def _run(self) -> None:
         no_leader_since = time.monotonic()
+        changed = threading.Event()
+        self.coordinator.watch(changed.set)
+        lost_etcd = False
         while not self._stop.is_set():
+            changed.clear()
             try:
                 leader, in_sync = self.coordinator.leader(), self.coordinator.in_sync()
             except CoordinationError as e:
                 log.warning("replica %s: %s", self.endpoint, e)
+                lost_etcd = True
                 self._stop.wait(0.5)
                 continue
+            if lost_etcd:  # etcd answers again: its watch broke with the connection
+                lost_etcd = False
+                self.coordinator.watch(changed.set)
             if leader is not None:
                 no_leader_since = time.monotonic()
             if self.role == BACKUP and in_sync is not None and self.coordinator.replica_id in in_sync.replicas:
@@ -196,7 +210,10 @@ class Replica:
                 log.exception("replica %s: %s failed; trying again", self.endpoint, step)
                 self.role = JOINING
                 self._stop.wait(0.5)
-            self._stop.wait(POLL)
+            if step in (STAY, "done") or step == WAIT:
+                changed.wait(REREAD)  # etcd's watch wakes it at once when the primary or the list changes
+            else:
+                self._stop.wait(POLL)
 
     def _still_followed(self) -> bool:
         """Whether the primary still counts this process as its backup (asked every ``CHECK_EVERY`` s).
@@ -211,10 +228,12 @@ class Replica:
         try:
             self.link.follow(self.leader, ps_pb2.FollowRequest(replica_id=self.coordinator.replica_id,
                                                                epoch=self.epoch), min(self.timeout, 2.0))
-        except ConnectionError as e:
+        except NotFollowed as e:
             log.info("replica %s: its primary %s no longer counts it as the backup (%s); copying the state "
                      "again", self.endpoint, self.leader, e)
             return False
+        except ConnectionError:
+            pass  # the primary is unreachable: etcd says when another leads
         return True
 
     def _campaign(self, recover: bool) -> bool:

@@ -19,7 +19,7 @@ from psproto.options import channel_options
 from psproto.security import Security
 
 from ..errors import BadRequest, NotAllowed
-from ..replication.outbox import ReplicaUnreachable, Transport
+from ..replication.outbox import NotFollowed, ReplicaUnreachable, Transport
 from .prologue import parse, refusals
 
 log = logging.getLogger(__name__)
@@ -79,6 +79,8 @@ class ReplicaLink(Transport):
         try:
             call(request, timeout=timeout)
         except grpc.RpcError as e:
+            if e.code() == grpc.StatusCode.OUT_OF_RANGE:  # OutOfSync: that primary dropped this backup
+                raise NotFollowed(f"follow {endpoint}: {e.details()}") from None
             raise ConnectionError(f"follow {endpoint}: {e.code().name}: {e.details()}") from None
 
     def close(self) -> None:

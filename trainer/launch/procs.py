@@ -122,14 +122,14 @@ def tail(path: Optional[str], lines: int = TAIL_LINES) -> str:
 
 
 def write_roles_file(log_dir: str, roles: List[Role]) -> None:
-    """``LOG_DIR/roles.json``: the launcher's pid and each role's name, tag, pid, restarts, log and exit status.
+    """``LOG_DIR/roles.json``: the launcher's pid and each role's name, tag, endpoint, pid, restarts, log and exit status.
 
     Rewritten (atomically) at every start and restart, so tools and tests find
     the live process of a role; ``returncode`` is null while it runs.
     """
     doc = {"launcher_pid": os.getpid(), "roles": [
         {"name": r.name, "tag": r.tag, "kind": r.kind, "index": r.index, "local_rank": r.local_rank,
-         "pid": r.proc.pid if r.proc else None, "restarts": r.restarts, "log": r.log_path,
+         "endpoint": r.endpoint, "pid": r.proc.pid if r.proc else None, "restarts": r.restarts, "log": r.log_path,
          "returncode": r.proc.returncode if r.proc else None} for r in roles]}
     path = os.path.join(log_dir, ROLES_FILE)
     try:
