@@ -69,7 +69,7 @@ def test_in_pserver_only_the_rpc_and_ops_layers_and_the_server_import_grpc():
 def test_trainer_decisions_import_no_grpc_only_the_communicator_reads_status_codes():
     """Recovery and node groups decide on trainer/errors.py's kinds; the communicator maps codes to them."""
     importers = grpc_importers("trainer")
-    assert "trainer/communicator.py" in importers  # the check sees imports at all
+    assert "trainer/communicator/status.py" in importers  # the check sees imports at all
     assert sorted(p for p in importers if p.startswith(("trainer/recovery/", "trainer/node/", "trainer/errors"))) == []
 
 

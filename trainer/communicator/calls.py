@@ -1,4 +1,4 @@
-"""Communicator: a trainer's channels to the pservers, and push / pull over them.
+"""Communicator: a trainer's channels to the pservers, and push / pull over them (Hello and Close: .sessions).
 
 One channel per pserver; transfers to different pservers run in parallel on
 a small thread pool (gRPC releases the GIL while bytes move). Every call has
@@ -10,7 +10,6 @@ from __future__ import annotations
 import functools
 import logging
 import secrets
-import time
 from concurrent import futures
 from typing import Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
@@ -23,45 +22,14 @@ from psproto.options import channel_options
 from transpiler import TrainerProgram
 from psproto.security import Security
 
-from .errors import DOWN, FENCED, REFUSED, RESYNC, TIMEOUT, FencedError, PserverError, PserverUnavailableError
-from .narrowing import GradientNarrower
-from .primaries import Primaries
-from .shared_regions import RegionPool
+from ..errors import PserverError
+from ..narrowing import GradientNarrower
+from ..primaries import Primaries
+from ..shared_regions import RegionPool
+from .sessions import SessionCalls
+from .status import SERVICE, details, error_of
 
 log = logging.getLogger(__name__)
-
-# How often a waiting trainer says whom it waits for.
-_WAIT_LOG_INTERVAL = 5.0
-
-_SERVICE = ps_pb2.DESCRIPTOR.services_by_name["ParameterServer"].full_name
-
-
-# The one mapping of the wire's status codes to what they mean for a trainer (trainer/errors.py).
-_KINDS = {
-    grpc.StatusCode.UNAVAILABLE: DOWN,          # down, restarting, or not reachable yet
-    grpc.StatusCode.CANCELLED: DOWN,            # a pserver shutting down cancels the calls it holds
-    grpc.StatusCode.ABORTED: RESYNC,            # dropped, rolled back, resumed: call Hello again
-    grpc.StatusCode.PERMISSION_DENIED: FENCED,  # a newer process of this trainer id took over
-    grpc.StatusCode.DEADLINE_EXCEEDED: TIMEOUT,  # a barrier that timed out names who is missing
-}
-
-
-def kind_of(code: Optional[grpc.StatusCode]) -> str:
-    """The :mod:`trainer.errors` kind of a call that ended with status ``code`` (None: no status at all)."""
-    return _KINDS.get(code, REFUSED)
-
-
-def _error(endpoint: str, message: str, e: grpc.RpcError) -> PserverError:
-    """The :class:`PserverError` (or :class:`FencedError`) saying ``message`` for the failed call ``e``."""
-    code = e.code() if hasattr(e, "code") else None
-    kind, status = kind_of(code), code.name if code else ""
-    return FencedError(endpoint, message, status) if kind == FENCED else PserverError(endpoint, message, kind, status)
-
-
-def _details(e: grpc.RpcError) -> str:
-    code = e.code() if hasattr(e, "code") else None
-    details = e.details() if hasattr(e, "details") else str(e)
-    return f"{code.name if code else 'ERROR'}: {details}"
 
 
 def _call(one: Callable, streamed: Callable, header, tensors: Sequence[Tuple[str, torch.Tensor]],
@@ -97,12 +65,7 @@ def results_of(calls: Dict[str, futures.Future]) -> Dict[str, object]:
     return results
 
 
-# Close failures worth sending Close again for: the pserver died under the call or is coming back
-# (UNAVAILABLE, DEADLINE_EXCEEDED), or restarted and no longer knows this trainer's session (ABORTED).
-_RETRY_CLOSE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.ABORTED)
-
-
-class Communicator:
+class Communicator(SessionCalls):
     """Push gradients to and pull parameters from every pserver of a trainer program."""
 
     def __init__(self, program: TrainerProgram, security: Optional[Security] = None):
@@ -150,106 +113,19 @@ class Communicator:
         self._stubs[endpoint] = ps_pb2_grpc.ParameterServerStub(ch)
         # PushPull, Pull and Prefetch carry tensor bytes: encoded and decoded by
         # psproto.codec (the same wire format, fewer copies), so the channel passes raw bytes.
-        self._push_pull_calls[endpoint] = ch.stream_stream(f"/{_SERVICE}/PushPull")
-        self._pull_calls[endpoint] = ch.unary_stream(f"/{_SERVICE}/Pull",
+        self._push_pull_calls[endpoint] = ch.stream_stream(f"/{SERVICE}/PushPull")
+        self._pull_calls[endpoint] = ch.unary_stream(f"/{SERVICE}/Pull",
                                                      request_serializer=ps_pb2.PullRequest.SerializeToString)
-        self._prefetch_calls[endpoint] = ch.stream_stream(f"/{_SERVICE}/Prefetch")
+        self._prefetch_calls[endpoint] = ch.stream_stream(f"/{SERVICE}/Prefetch")
         # Requests that fit in one message go unary: no request-streaming thread per call; a push
         # whose answer fits one message too goes unary both ways (PushPullOne).
-        self._push_pull_one_calls[endpoint] = ch.unary_unary(f"/{_SERVICE}/PushPullOne")
-        self._prefetch_one_calls[endpoint] = ch.unary_stream(f"/{_SERVICE}/PrefetchOne")
+        self._push_pull_one_calls[endpoint] = ch.unary_unary(f"/{SERVICE}/PushPullOne")
+        self._prefetch_one_calls[endpoint] = ch.unary_stream(f"/{SERVICE}/PrefetchOne")
         # A pserver that maps this process's regions gets pushes and answers through shared memory
         # (psproto.shared); one that cannot (another host) is sent bytes from its first refusal on.
-        self._push_pull_shared_calls[endpoint] = ch.unary_unary(f"/{_SERVICE}/PushPullShared")
+        self._push_pull_shared_calls[endpoint] = ch.unary_unary(f"/{SERVICE}/PushPullShared")
         if old is not None:
             old.close()
-
-    def _lead(self, address: str, timeout: float) -> Optional[Tuple[str, int]]:
-        """Ask the process at ``address`` whether it leads its shard: (role, epoch), or None if it did not answer."""
-        call = self._lead_calls.get(address)
-        if call is None:
-            channel = self._security.channel(address, self._options)
-            call = self._lead_calls[address] = (channel, channel.unary_unary(
-                f"/{_SERVICE}/Lead", request_serializer=ps_pb2.LeadRequest.SerializeToString,
-                response_deserializer=ps_pb2.LeadReply.FromString))
-        try:
-            reply = call[1](ps_pb2.LeadRequest(), timeout=timeout)
-        except grpc.RpcError:
-            return None
-        return reply.role, reply.epoch
-
-    def _hello_primary(self, endpoint: str, deadline: float) -> int:
-        """Hello to the process ``endpoint``'s calls now go to; the epoch it leads at."""
-        reply = self._hello_one(endpoint, deadline, max(0.0, deadline - time.monotonic()), 0)
-        self._hello_replies[endpoint] = reply
-        return reply.replica_epoch
-
-    def hello(self, timeout: float, join_at: int = 0) -> Dict[str, ps_pb2.HelloReply]:
-        """Register with every pserver, waiting up to ``timeout`` s for each to come up.
-
-        Returns each pserver's answer: its start_step (the step this trainer
-        starts at), incarnation, checkpoint, this trainer's data position and
-        session (kept here; every later call carries it). Raises
-        :class:`PserverUnavailableError` naming a pserver that never answered,
-        or :class:`PserverError` if one refuses (e.g. plan mismatch, or another
-        process running as this trainer id after one alive window of retries).
-        ``join_at`` (sync, joining) tells a pserver one step behind that this
-        trainer starts at that step: it finishes its own without waiting for it.
-        """
-        deadline = time.monotonic() + timeout
-        jobs = {ep: self._pool.submit(self._hello_shard, ep, deadline, timeout, join_at) for ep in self._stubs}
-        return {ep: job.result() for ep, job in jobs.items()}
-
-    def _hello_shard(self, endpoint: str, deadline: float, timeout: float, join_at: int) -> ps_pb2.HelloReply:
-        if not self.primaries.replicated(endpoint):
-            return self._hello_one(endpoint, deadline, timeout, join_at)
-        # Hot standby: whichever process leads now (a joining trainer's join_at matters to sync
-        # pservers a step apart, which a shard's failover does not make).
-        self.primaries.follow(endpoint, self.primaries.generation[endpoint], deadline)
-        return self._hello_replies[endpoint]
-
-    def _hello_one(self, endpoint: str, deadline: float, timeout: float, join_at: int) -> ps_pb2.HelloReply:
-        request = ps_pb2.HelloRequest(trainer_id=self.trainer_id, layout_digest=self.digest,
-                                      incarnation=self.incarnation, join_at=join_at)
-        next_log = 0.0
-        last = "no answer"
-        id_taken_until = None
-        while True:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise PserverUnavailableError(
-                    endpoint, f"did not come up within {timeout:g}s (trainer {self.trainer_id}; "
-                              f"last error: {last})")
-            if time.monotonic() >= next_log:
-                log.info("trainer %d: waiting for %s", self.trainer_id, endpoint)
-                next_log = time.monotonic() + _WAIT_LOG_INTERVAL
-            try:
-                reply = self._stubs[endpoint].Hello(request, timeout=min(remaining, _WAIT_LOG_INTERVAL),
-                                                    wait_for_ready=True)
-                log.info("trainer %d: %s is up (step %d)", self.trainer_id, endpoint, reply.start_step)
-                self.sessions[endpoint] = reply.session
-                return reply
-            except grpc.RpcError as e:
-                if e.code() == grpc.StatusCode.ALREADY_EXISTS:
-                    # Another process holds this id. If it is this trainer's predecessor, killed
-                    # moments ago, its session ages out within one alive window; a true duplicate
-                    # is still there after it.
-                    now = time.monotonic()
-                    if id_taken_until is None:
-                        id_taken_until = now + self.alive_window + self.heartbeat_interval
-                    if now >= min(id_taken_until, deadline):
-                        raise _error(endpoint, f"refused Hello: {_details(e)}", e) from None
-                    last = _details(e)
-                    time.sleep(max(0.0, min(self.heartbeat_interval / 4, deadline - now)))
-                    continue
-                if e.code() == grpc.StatusCode.UNAVAILABLE and self.primaries.replicated(endpoint):
-                    # Down, or a replica that does not lead: the caller asks the shard who leads.
-                    raise _error(endpoint, f"Hello: {_details(e)}", e) from None
-                # CANCELLED: a pserver shutting down cancels the calls it holds, a waiting Hello too.
-                if e.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
-                                    grpc.StatusCode.CANCELLED):
-                    raise _error(endpoint, f"refused Hello: {_details(e)}", e) from None
-                last = _details(e)
 
     # -- transfers ----------------------------------------------------------
 
@@ -344,7 +220,7 @@ class Communicator:
                     raise
                 # Refused before the push counted: nothing was applied, so it goes again by gRPC.
                 log.info("trainer %d: %s cannot map this process's shared memory (%s); pushes to it go through "
-                         "gRPC", self.trainer_id, endpoint, _details(e))
+                         "gRPC", self.trainer_id, endpoint, details(e))
                 self.shared[endpoint] = False
                 done = True
                 yield from by_grpc()
@@ -402,7 +278,7 @@ class Communicator:
                     reader.add(piece)
             tensors = reader.finish()
         except grpc.RpcError as e:
-            raise _error(endpoint, f"{what} failed: {_details(e)}", e) from None
+            raise error_of(endpoint, f"{what} failed: {details(e)}", e) from None
         except WireError as e:
             raise PserverError(endpoint, f"{what}: answer is malformed: {e}") from None
         if updates is None:
@@ -423,7 +299,7 @@ class Communicator:
             try:
                 return getattr(self._stubs[endpoint], method)(request, timeout=timeout)
             except grpc.RpcError as e:
-                raise _error(endpoint, f"{what} failed: {_details(e)}", e) from None
+                raise error_of(endpoint, f"{what} failed: {details(e)}", e) from None
         return self.primaries.run(endpoint, attempt)
 
     def heartbeat(self, endpoint: str, timeout: float) -> ps_pb2.HeartbeatReply:
@@ -467,53 +343,6 @@ class Communicator:
     def run_parallel(self, jobs: Dict[str, Callable[[], object]]) -> Dict[str, object]:
         """Run one callable per endpoint concurrently; re-raise the first failure."""
         return results_of({ep: self._pool.submit(fn) for ep, fn in jobs.items()})
-
-    def close(self, timeout: float = 0.0) -> Dict[str, int]:
-        """Tell every pserver this trainer is done; returns trainers left per pserver (-1: not told).
-
-        A Close lost to a pserver that died under it (or that is restarting)
-        is sent again for up to ``timeout`` s: a pserver restarted from a
-        checkpoint written before this trainer's Close would otherwise wait for
-        it, and never finish. A restarted pserver no longer knows this
-        trainer's session, so the trainer says Hello to it first.
-        """
-        deadline = time.monotonic() + timeout
-        try:
-            return self.run_parallel({ep: (lambda ep=ep: self._close_one(ep, deadline)) for ep in self._stubs})
-        finally:
-            self.shutdown()
-
-    def _close_one(self, endpoint: str, deadline: float) -> int:
-        while True:
-            generation = self.primaries.generation.get(endpoint, 0)
-            request = ps_pb2.CloseRequest(trainer_id=self.trainer_id, session=self.sessions.get(endpoint, ""))
-            remaining = deadline - time.monotonic()
-            # While retrying, each try waits for the pserver a while (and logs), as Hello does.
-            timeout = min(remaining, _WAIT_LOG_INTERVAL) if remaining > 0 else min(self.rpc_timeout, 30.0)
-            try:
-                return self._stubs[endpoint].Close(request, timeout=timeout, wait_for_ready=remaining > 0).trainers_left
-            except grpc.RpcError as e:
-                code, remaining = e.code(), deadline - time.monotonic()
-                if remaining > 0 and code in _RETRY_CLOSE:
-                    log.info("trainer %d: close at %s failed (%s); sending it again", self.trainer_id,
-                             endpoint, _details(e))
-                    if code == grpc.StatusCode.UNAVAILABLE and self.primaries.replicated(endpoint):
-                        try:  # hot standby: the shard's other process may lead now
-                            self.primaries.follow(endpoint, generation, deadline)
-                        except PserverError as follow_error:
-                            log.warning("trainer %d: close at %s failed: %s", self.trainer_id, endpoint,
-                                        follow_error)
-                            return -1
-                    elif code == grpc.StatusCode.ABORTED:  # a restarted pserver: a session first
-                        try:
-                            self._hello_one(endpoint, deadline, remaining, 0)
-                        except PserverError as hello_error:
-                            log.warning("trainer %d: close at %s failed: %s", self.trainer_id, endpoint,
-                                        hello_error)
-                            return -1
-                    continue
-                log.warning("trainer %d: close at %s failed: %s", self.trainer_id, endpoint, _details(e))
-                return -1
 
     def shutdown(self) -> None:
         """Release channels and threads (without telling the pservers)."""

@@ -1,0 +1,44 @@
+"""The one mapping of the wire's status codes to what they mean for a trainer (trainer/errors.py).
+
+Only the communicator reads gRPC status codes; everything above it (recovery,
+node groups, the steppers) decides on the kinds of :mod:`trainer.errors`.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import grpc
+
+from psproto import ps_pb2
+
+from ..errors import DOWN, FENCED, REFUSED, RESYNC, TIMEOUT, FencedError, PserverError
+
+SERVICE = ps_pb2.DESCRIPTOR.services_by_name["ParameterServer"].full_name
+
+# The one mapping of the wire's status codes to what they mean for a trainer (trainer/errors.py).
+_KINDS = {
+    grpc.StatusCode.UNAVAILABLE: DOWN,          # down, restarting, or not reachable yet
+    grpc.StatusCode.CANCELLED: DOWN,            # a pserver shutting down cancels the calls it holds
+    grpc.StatusCode.ABORTED: RESYNC,            # dropped, rolled back, resumed: call Hello again
+    grpc.StatusCode.PERMISSION_DENIED: FENCED,  # a newer process of this trainer id took over
+    grpc.StatusCode.DEADLINE_EXCEEDED: TIMEOUT,  # a barrier that timed out names who is missing
+}
+
+
+def kind_of(code: Optional[grpc.StatusCode]) -> str:
+    """The :mod:`trainer.errors` kind of a call that ended with status ``code`` (None: no status at all)."""
+    return _KINDS.get(code, REFUSED)
+
+
+def error_of(endpoint: str, message: str, e: grpc.RpcError) -> PserverError:
+    """The :class:`PserverError` (or :class:`FencedError`) saying ``message`` for the failed call ``e``."""
+    code = e.code() if hasattr(e, "code") else None
+    kind, status = kind_of(code), code.name if code else ""
+    return FencedError(endpoint, message, status) if kind == FENCED else PserverError(endpoint, message, kind, status)
+
+
+def details(e: grpc.RpcError) -> str:
+    """``CODE: details`` of a failed call, for messages."""
+    code = e.code() if hasattr(e, "code") else None
+    text = e.details() if hasattr(e, "details") else str(e)
+    return f"{code.name if code else 'ERROR'}: {text}"
