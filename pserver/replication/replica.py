@@ -129,7 +129,8 @@ class Replica:
                 updates = self.engine.updates
             log.info("primary %s: snapshot at update %d (message %d) for %s, written in %.2fs", self.endpoint,
                      updates, seq, request.endpoint, time.monotonic() - started)
-            first = ps_pb2.SnapshotChunk(seq=seq, updates=updates, lineage=str(self.lineage))
+            first = ps_pb2.SnapshotChunk(seq=seq, updates=updates, lineage=str(self.lineage),
+                                         checkpoint_step=self.engine.restored_from)
             yield first
             for data in snapshot.chunks(archive):
                 yield ps_pb2.SnapshotChunk(data=data)
@@ -296,6 +297,8 @@ class Replica:
             snapshot.unpack((chunk.data for chunk in answer), directory)
             with self.engine.cv:
                 snapshot.load(self.engine, self.program, directory)
+                # The primary's history, not this process's own start: what Hello reports once it leads.
+                self.engine.restored_from = first.checkpoint_step
                 self.follower = Follower(self.engine, leader.epoch, first.seq, self.digest)
             self.lineage = int(first.lineage)
             self.epoch, self.role = leader.epoch, BACKUP
