@@ -113,13 +113,16 @@ class Primaries:
                             raise
                         log.info("trainer %d: %s at %s: %s", self.trainer_id, pserver, address, e)
                     else:
-                        moved = epoch != self.epoch[pserver]
-                        self.epoch[pserver] = max(self.epoch[pserver], epoch)
+                        before = self.epoch[pserver]
+                        self.epoch[pserver] = max(before, epoch)
                         self.generation[pserver] += 1
-                        if moved:
+                        if before and epoch != before:
                             self.failovers += 1
                             log.warning("trainer %d: %s is served by %s now (epoch %d), found in %.2fs",
                                         self.trainer_id, pserver, address, epoch, time.monotonic() - started)
+                        elif not before:
+                            log.info("trainer %d: %s is served by %s (epoch %d)", self.trainer_id, pserver,
+                                     address, epoch)
                         return
                 if time.monotonic() >= deadline:
                     raise PserverUnavailableError(pserver, f"no process of {self.groups[pserver]} leads after "
