@@ -68,6 +68,7 @@ import contextlib
 import ctypes
 import json
 import os
+import secrets
 import shlex
 import shutil
 import signal
@@ -76,7 +77,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from bench_report import loss_check, summarize, tables
 from dense_workers import Spec, param_bytes
@@ -222,38 +223,53 @@ def run_ddp(spec: Spec, workdir: str, timeout: float, processes: int) -> Tuple[L
 
 
 def run_ps(spec: Spec, workdir: str, timeout: float, processes: int, per_node: int = 1,
-           profile: Sequence[str] = ()) -> Tuple[List[dict], List[dict]]:
+           profile: Sequence[str] = (), replicas: int = 1,
+           coordinator: Optional[str] = None) -> Tuple[List[dict], List[dict]]:
     """Two pservers and ``processes`` trainer processes; (each trainer process's timings, each pserver's CPU).
 
     ``per_node`` > 1 groups the processes into ``processes // per_node``
     trainer nodes (``LOCAL_RANK``/``LOCAL_WORLD_SIZE``, each node meeting at
     its own ``MASTER_PORT``): the pservers then see one trainer per node.
     The pservers must exit by themselves once the trainers have closed.
+    ``replicas`` 2 (hot standby) also starts a backup per pserver
+    (``pserverN.replica``, not in the returned figures) and gives every role
+    the ``PS_*`` replica variables, with etcd at ``coordinator`` and a key
+    prefix of this run's own, as ps-launch does.
     """
     nodes = processes // per_node
-    ports = free_ports(PSERVERS + (nodes if per_node > 1 else 0))
+    backups = PSERVERS if replicas == 2 else 0
+    ports = free_ports(PSERVERS + backups + (nodes if per_node > 1 else 0))
     endpoints = [f"127.0.0.1:{p}" for p in ports[:PSERVERS]]
+    replica_eps = [f"127.0.0.1:{p}" for p in ports[PSERVERS:PSERVERS + backups]]
+    node_ports = ports[PSERVERS + backups:]
     common = {"PADDLE_PSERVERS_IP_PORT_LIST": ",".join(endpoints),
               "PADDLE_TRAINERS_NUM": str(nodes)}
+    if replicas == 2:
+        if not coordinator:
+            raise ValueError("replicas=2 needs coordinator: the etcd URL that decides each shard's primary")
+        common.update({"PS_SERVER_REPLICAS": "2", "PS_REPLICA_ENDPOINTS": ",".join(replica_eps),
+                       "PS_COORDINATOR": coordinator,
+                       "PS_COORDINATOR_PREFIX": f"/torch-pserver/bench-dense-{secrets.token_hex(6)}"})
     servers = [f"pserver{i}" for i in range(PSERVERS)]
+    replica_names = [f"pserver{i}.replica" for i in range(backups)]
     trainers: List[Tuple[str, Dict[str, str]]] = []
     for node in range(nodes):
         for local in range(per_node):
             env = {**common, "TRAINING_ROLE": "TRAINER", "PADDLE_TRAINER_ID": str(node)}
             if per_node > 1:
                 env.update({"LOCAL_RANK": str(local), "LOCAL_WORLD_SIZE": str(per_node),
-                            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(ports[PSERVERS + node])})
+                            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(node_ports[node])})
             trainers.append((f"trainer{node}" + (f".{local}" if per_node > 1 else ""), env))
     names = [name for name, _ in trainers]
     with Processes(workdir, spec, profile) as procs:
-        for name, ep in zip(servers, endpoints):
+        for name, ep in zip(servers + replica_names, endpoints + replica_eps):
             ip, port = ep.rsplit(":", 1)
             procs.spawn(name, "pserver", {**common, "TRAINING_ROLE": "PSERVER",
                                           "POD_IP": ip, "PADDLE_PORT": port}, profile=True)
         for name, env in trainers:
             procs.spawn(name, "trainer", env, profile=True)
         procs.wait(names, time.monotonic() + timeout, "the trainers")
-        procs.wait(servers, time.monotonic() + PSERVER_EXIT_GRACE,
+        procs.wait(servers + replica_names, time.monotonic() + PSERVER_EXIT_GRACE,
                    "the pservers to exit after all trainers closed")
         return procs.results(names), procs.results(servers)
 

@@ -109,26 +109,38 @@ def build_program(jobs, seed: int = 0, ram_rows: int = 0) -> Program:
 
 
 def pserver_stats(endpoints: List[str], timeout: float = 10.0) -> Dict[str, dict]:
-    """Each pserver's counters (updates, pushes, prefetches, bytes in/out, table rows) from its Stats call."""
+    """Each pserver's counters (updates, pushes, prefetches, bytes in/out, table rows) from its Stats call.
+
+    With hot standby (``PS_REPLICA_ENDPOINTS``) each pserver's two processes are asked and the one
+    that leads answers for it: the backup has no trainers and counts no pushes.
+    """
     import grpc
 
     from psproto import ps_pb2, ps_pb2_grpc
     from psproto.security import Security
 
+    backups = [b for b in os.environ.get("PS_REPLICA_ENDPOINTS", "").split(",") if b.strip()]
+    groups = {ep: [ep, *backups[k:k + 1]] for k, ep in enumerate(endpoints)}
     security = Security.from_env()
     out = {}
-    for ep in endpoints:
-        channel = security.channel(ep)
-        try:
-            r = ps_pb2_grpc.ParameterServerStub(channel).Stats(ps_pb2.StatsRequest(), timeout=timeout)
+    for ep, processes in groups.items():
+        out[ep] = {"error": "no process of this pserver leads"}
+        for address in processes:
+            channel = security.channel(address)
+            try:
+                r = ps_pb2_grpc.ParameterServerStub(channel).Stats(ps_pb2.StatsRequest(), timeout=timeout)
+            except grpc.RpcError as e:
+                out[ep] = {"error": str(e.code())}
+                continue
+            finally:
+                channel.close()
+            if r.HasField("replica") and r.replica.role != "primary":
+                continue
             out[ep] = {"updates": r.updates, "pushes": r.pushes, "prefetches": r.prefetches,
                        "bytes_in": r.bytes_in, "bytes_out": r.bytes_out, "table_rows": r.table_rows,
                        "disk_rows": sum(t.disk_rows for t in r.tables),
                        "trainers_alive": list(r.trainers_alive)}
-        except grpc.RpcError as e:
-            out[ep] = {"error": str(e.code())}
-        finally:
-            channel.close()
+            break
     return out
 
 

@@ -64,10 +64,16 @@ def job_s_results(log_dir: str, trainers: int) -> List[dict]:
 
 
 def run_ours_s(args, workdir: str, sync: bool, pservers: int = 2, trainers: int = 2,
-               wire: Optional[str] = None, plain: bool = False, ram_rows: int = 0) -> dict:
-    """Job S on this project through ps-launch; throughput over all trainers and per-trainer per-step figures."""
+               wire: Optional[str] = None, plain: bool = False, ram_rows: int = 0,
+               replicas: int = 1, coordinator: Optional[str] = None) -> dict:
+    """Job S on this project through ps-launch; throughput over all trainers and per-trainer per-step figures.
+
+    ``replicas`` 2: a backup per pserver (``--server_replicas 2 --coordinator COORDINATOR``, hot standby).
+    """
     log_dir = os.path.join(workdir, "log")
+    hot_standby = ["--server_replicas", "2", "--coordinator", coordinator] if replicas == 2 else []
     cmd = [sys.executable, "-m", "trainer.launch", "--server_num", str(pservers), "--worker_num", str(trainers),
+           *hot_standby,
            "--log_dir", log_dir, JOB_S_SCRIPT, "--peers", args.peers, "--warmup", str(args.s_warmup),
            "--steps", str(args.s_steps), "--batch", str(args.s_batch), "--eval_examples", str(args.s_eval)]
     if not sync:
@@ -147,13 +153,18 @@ def run_rpc_ps(args, workdir: str) -> dict:
     return {"examples_s": r["samples_per_s"], "detail": r}
 
 
-def run_ours_d(args, workdir: str, wire: Optional[str] = None) -> dict:
-    """Job D on this project: 2 pservers x 2 trainers, sync, default config (or gradients pushed in ``wire``)."""
+def run_ours_d(args, workdir: str, wire: Optional[str] = None, replicas: int = 1,
+               coordinator: Optional[str] = None) -> dict:
+    """Job D on this project: 2 pservers x 2 trainers, sync, default config (or gradients pushed in ``wire``).
+
+    ``replicas`` 2: a backup per pserver, etcd at ``coordinator`` (hot standby; :func:`bench_dense.run_ps`).
+    """
     jobs = load_jobs(args.peers)
     spec = Spec(sizes=tuple(jobs.D_SIZES), batch=jobs.D_BATCH_PER_TRAINER, warmup=args.d_warmup,
                 steps=args.d_steps, lr=jobs.D_LR, seed=0, sync_mode=True, timeout=args.timeout, peers=args.peers,
                 grad_wire_dtype=wire)
-    workers, servers = run_ps(spec, workdir, args.timeout, jobs.D_TRAINERS)
+    workers, servers = run_ps(spec, workdir, args.timeout, jobs.D_TRAINERS, replicas=replicas,
+                              coordinator=coordinator)
     row = summarize("ps-sync", spec, workers, servers)
     losses = row.pop("losses")  # the loss after the last step: what a narrower wire costs in accuracy
     final_loss = statistics.mean(ls[-1] for ls in losses.values())

@@ -43,6 +43,13 @@ def updates_of(job: ReplicatedJob, name: str) -> int:
     return -1 if stats is None else stats.updates
 
 
+def assert_replicas_agreed(job: ReplicatedJob) -> None:
+    """Every digest a backup compared matched its primary's, and backups did compare some."""
+    logs = {k: job.log(k) for k in job.logs}
+    assert not [k for k, text in logs.items() if "differs from the primary's" in text]
+    assert sum("matches the primary's" in text for text in logs.values()) >= len(job.endpoints)
+
+
 def run_chaos(job: ReplicatedJob, seed: int) -> List[str]:
     """Start the job, kill and restart processes per ``schedule(seed)``; the kills, as "name (role)"."""
     job.start_all()
@@ -77,6 +84,7 @@ def test_sync_job_with_primaries_and_backups_killed_equals_one_process_and_never
         print(f"seed {seed}: killed {kills}")
         job.assert_trained_as_one_process(epochs=EPOCHS)
         assert job.rollback_lines() == []
+        assert_replicas_agreed(job)
         codes = job.finish_pservers()
         assert set(codes.values()) == {0}, (codes, job.all_logs())
     finally:
@@ -105,5 +113,6 @@ def test_async_job_with_primaries_and_backups_killed_keeps_every_acknowledged_pu
                     assert torch.equal(block["value"], torch.full_like(block["value"], counted)), (shard, kills)
             assert final.manifests[shard]["step"] == 2 * steps
         assert job.rollback_lines() == []
+        assert_replicas_agreed(job)
     finally:
         job.close()

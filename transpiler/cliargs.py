@@ -8,7 +8,7 @@ from .config import NONFINITE_GRADS, SPLIT_METHODS, DistributeTranspilerConfig
 
 CHOICES = {"split_method": SPLIT_METHODS, "nonfinite_grads": NONFINITE_GRADS}
 # Fields that are None or an int: their flags parse ints.
-INT_OR_NONE = ("max_staleness", "metrics_port", "health_port", "server_replicas")
+INT_OR_NONE = ("max_staleness", "metrics_port", "health_port", "server_replicas", "replica_lease_ttl")
 
 
 def _bool(text: str) -> bool:

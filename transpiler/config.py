@@ -178,10 +178,13 @@ class DistributeTranspilerConfig:
     - ``coordinator_prefix`` (str or None, None): the etcd key prefix of this job;
       None: ``/torch-pserver/<layout digest>``. Two jobs with the same plan on one
       etcd need their own prefixes. None: ``PS_COORDINATOR_PREFIX`` (ps-launch sets one per launch).
-    - ``replica_lease_ttl`` (int s, 1): the primary's lease in etcd, whole seconds. A
-      primary that dies is replaced about this long after its last renewal (etcd
-      rounds a TTL below 1.5 of its election timeout up: start etcd with
-      ``--election-timeout 500 --heartbeat-interval 50`` for 1 s).
+    - ``replica_lease_ttl`` (int s or None, None): the primary's lease in etcd, whole
+      seconds. A primary that dies is replaced about this long after its last
+      renewal; one that cannot renew it for three quarters of it (cut off, or its
+      process starved of CPU) is fenced, so a host that runs far more busy
+      processes than cores wants 2-3 (etcd rounds a TTL below 1.5 of its election
+      timeout up: start etcd with ``--election-timeout 500 --heartbeat-interval 50``
+      for 1 s). None: ``PS_REPLICA_LEASE_TTL``, else 1.
     - ``replica_takeover_timeout`` (float s, 30): a pserver process that is not among
       its shard's in-sync replicas (a restart after both were lost) waits this long
       for one to lead, then leads from its checkpoint: trainers roll back to it as
@@ -232,7 +235,7 @@ class DistributeTranspilerConfig:
     replica_endpoints: Optional[str] = None
     coordinator: Optional[str] = None
     coordinator_prefix: Optional[str] = None
-    replica_lease_ttl: int = 1
+    replica_lease_ttl: Optional[int] = None
     replica_takeover_timeout: float = 30.0
     replica_digest_every: int = 100
 
@@ -329,7 +332,7 @@ class DistributeTranspilerConfig:
             if value is not None and (not isinstance(value, str) or not value.strip()):
                 raise ValueError(f"{name} must be None or a non-empty string, got {value!r}")
         ttl = self.replica_lease_ttl
-        if isinstance(ttl, bool) or not isinstance(ttl, int) or ttl < 1:
+        if ttl is not None and (isinstance(ttl, bool) or not isinstance(ttl, int) or ttl < 1):
             raise ValueError(f"replica_lease_ttl must be a whole number of seconds >= 1 (etcd's unit), got {ttl!r}")
         timeout = self.replica_takeover_timeout
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):

@@ -17,6 +17,7 @@ REPLICAS_VAR = "PS_SERVER_REPLICAS"
 ENDPOINTS_VAR = "PS_REPLICA_ENDPOINTS"
 COORDINATOR_VAR = "PS_COORDINATOR"
 PREFIX_VAR = "PS_COORDINATOR_PREFIX"
+TTL_VAR = "PS_REPLICA_LEASE_TTL"
 
 
 def resolve_replicas(config: DistributeTranspilerConfig, pservers: List[str],
@@ -44,6 +45,12 @@ def resolve_replicas(config: DistributeTranspilerConfig, pservers: List[str],
         config.coordinator = environ[COORDINATOR_VAR].strip()
     if config.coordinator_prefix is None and environ.get(PREFIX_VAR, "").strip():
         config.coordinator_prefix = environ[PREFIX_VAR].strip()
+    if config.replica_lease_ttl is None:
+        text = environ.get(TTL_VAR, "").strip()
+        try:
+            config.replica_lease_ttl = int(text) if text else 1
+        except ValueError:
+            raise ValueError(f"{TTL_VAR}={text!r} is not a whole number of seconds") from None
     config.validate()
     if config.server_replicas == 1:
         return

@@ -30,6 +30,7 @@ class Follower:
         self.digest = digest
         self.applied = 0
         self.mismatches = 0
+        self.matches = 0
         self._lock = threading.Lock()
         self._stopped = False
 
@@ -58,7 +59,11 @@ class Follower:
                               "%s there): the replicas diverged", self.engine.endpoint, header.updates, mine,
                               header.digest)
                 else:
-                    log.debug("backup %s: digest after update %d matches", self.engine.endpoint, header.updates)
+                    self.matches += 1
+                    # The first match says digests are being compared at all; later ones only at debug level.
+                    log.log(logging.INFO if self.matches == 1 else logging.DEBUG,
+                            "backup %s: state digest after update %d matches the primary's", self.engine.endpoint,
+                            header.updates)
             return self.seq
 
     def stop(self) -> None:

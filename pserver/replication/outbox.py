@@ -200,6 +200,8 @@ class Outbox:
             while self.acked < target:
                 if self.fenced:
                     break
+                if self._stopping:
+                    raise NotPrimary(f"pserver {self.me[1]} is stopping; ask the shard's processes who leads")
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise NotPrimary(f"primary {self.me[1]}: the backup did not acknowledge message {target} "

@@ -141,7 +141,9 @@ class SessionCalls:
             # While retrying, each try waits for the pserver a while (and logs), as Hello does.
             timeout = min(remaining, WAIT_LOG_INTERVAL) if remaining > 0 else min(self.rpc_timeout, 30.0)
             try:
-                return self._stubs[endpoint].Close(request, timeout=timeout, wait_for_ready=remaining > 0).trainers_left
+                # Hot standby: no waiting for a dead primary to come back (its backup leads): UNAVAILABLE at once.
+                ready = remaining > 0 and not self.primaries.replicated(endpoint)
+                return self._stubs[endpoint].Close(request, timeout=timeout, wait_for_ready=ready).trainers_left
             except grpc.RpcError as e:
                 code, remaining = e.code(), deadline - time.monotonic()
                 if remaining > 0 and code in RETRY_CLOSE:
