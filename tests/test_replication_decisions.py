@@ -3,6 +3,7 @@ acknowledgements, the replica settings."""
 from __future__ import annotations
 
 import threading
+import time
 from collections import namedtuple
 
 import pytest
@@ -183,3 +184,33 @@ def test_bad_replica_settings_are_refused_naming_the_field(fields, env, message)
     with pytest.raises(ValueError, match=message):
         config = DistributeTranspilerConfig(**fields)
         resolve_replicas(config, ["127.0.0.1:1", "127.0.0.1:3"], env)
+
+
+def test_primaries_follow_the_new_primary_and_resend_once_per_failover():
+    """A call that finds its shard's primary gone asks both processes, says Hello to the one that leads
+    (with the caller's join_at), and is sent again there; a call failing on the old generation after
+    another already followed does not follow twice."""
+    from trainer.errors import DOWN, PserverError
+    from trainer.primaries import Primaries
+
+    answers = {"a": ("primary", 3), "b": ("backup", 0)}
+    connected, hellos, sent = [], [], []
+    primaries = Primaries({"a": ["a", "b"], "z": ["z"]}, lambda ep, address: connected.append(address),
+                          lambda address, timeout: answers[address],
+                          lambda ep, deadline, join_at: hellos.append(join_at) or answers[primaries.address[ep]][1],
+                          trainer_id=0, timeout=5.0)
+    primaries.follow("a", 0, time.monotonic() + 5, join_at=7)
+    assert (primaries.address["a"], primaries.epoch["a"], hellos, connected) == ("a", 3, [7], [])
+
+    def attempt():
+        sent.append(primaries.address["a"])
+        if primaries.address["a"] == "a":
+            raise PserverError("a", "UNAVAILABLE: gone", DOWN)
+        return "answered"
+    answers.update(a=None, b=("primary", 9))  # a died; b leads at a later epoch
+    assert primaries.run("a", attempt) == "answered"
+    assert sent == ["a", "b"] and connected == ["b"] and primaries.epoch["a"] == 9 and primaries.failovers == 1
+    before = primaries.generation["a"]
+    primaries.follow("a", before - 1, time.monotonic() + 5)  # a stale failure: already followed
+    assert primaries.generation["a"] == before and len(hellos) == 2
+    assert primaries.run("z", lambda: "plain") == "plain" and not primaries.replicated("z")

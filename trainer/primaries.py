@@ -53,7 +53,7 @@ class Primaries:
 
     def __init__(self, groups: Mapping[str, List[str]], connect: Callable[[str, str], None],
                  lead: Callable[[str, float], Optional[Tuple[str, int]]],
-                 hello: Callable[[str, float], int], trainer_id: int, timeout: float):
+                 hello: Callable[[str, float, int], int], trainer_id: int, timeout: float):
         self.groups = {ep: list(group) for ep, group in groups.items()}
         self.connect = connect
         self.lead = lead
@@ -92,8 +92,11 @@ class Primaries:
                 log.info("trainer %d: %s: %s; asking its processes who leads", self.trainer_id, pserver, e)
                 self.follow(pserver, generation, deadline)
 
-    def follow(self, pserver: str, generation: int, deadline: float) -> None:
-        """Find ``pserver``'s primary and open a session there, unless another call already did since ``generation``."""
+    def follow(self, pserver: str, generation: int, deadline: float, join_at: int = 0) -> None:
+        """Find ``pserver``'s primary and open a session there, unless another call already did since ``generation``.
+
+        ``join_at``: what a (re)joining trainer's Hello says (see Communicator.hello).
+        """
         with self._locks[pserver]:
             if self.generation[pserver] != generation:
                 return
@@ -107,7 +110,7 @@ class Primaries:
                         if address != self.address[pserver]:
                             self.connect(pserver, address)
                             self.address[pserver] = address
-                        epoch = self.hello(pserver, min(deadline, time.monotonic() + 5.0))
+                        epoch = self.hello(pserver, min(deadline, time.monotonic() + 5.0), join_at)
                     except PserverError as e:
                         if e.kind != DOWN:
                             raise

@@ -45,9 +45,9 @@ class SessionCalls:
             return None
         return reply.role, reply.epoch
 
-    def _hello_primary(self, endpoint: str, deadline: float) -> int:
+    def _hello_primary(self, endpoint: str, deadline: float, join_at: int = 0) -> int:
         """Hello to the process ``endpoint``'s calls now go to; the epoch it leads at."""
-        reply = self._hello_one(endpoint, deadline, max(0.0, deadline - time.monotonic()), 0)
+        reply = self._hello_one(endpoint, deadline, max(0.0, deadline - time.monotonic()), join_at)
         self._hello_replies[endpoint] = reply
         return reply.replica_epoch
 
@@ -70,9 +70,8 @@ class SessionCalls:
     def _hello_shard(self, endpoint: str, deadline: float, timeout: float, join_at: int) -> ps_pb2.HelloReply:
         if not self.primaries.replicated(endpoint):
             return self._hello_one(endpoint, deadline, timeout, join_at)
-        # Hot standby: whichever process leads now (a joining trainer's join_at matters to sync
-        # pservers a step apart, which a shard's failover does not make).
-        self.primaries.follow(endpoint, self.primaries.generation[endpoint], deadline)
+        # Hot standby: whichever process leads now.
+        self.primaries.follow(endpoint, self.primaries.generation[endpoint], deadline, join_at)
         return self._hello_replies[endpoint]
 
     def _hello_one(self, endpoint: str, deadline: float, timeout: float, join_at: int) -> ps_pb2.HelloReply:
