@@ -86,6 +86,9 @@ def replica_endpoints(env: Mapping[str, str], statefulset: Optional[str] = None)
         return None
     num = get_int(env, NUM, minimum=1)
     name = env.get(STATEFULSET, "").strip() or statefulset
+    if not name:  # a pserver pod: its own StatefulSet, from HOSTNAME (trainers must set PS_PSERVER_STATEFULSET)
+        match = _POD_ORDINAL.match(env.get("HOSTNAME", "").strip())
+        name = match["name"] if match else None
     if num is None or not name:
         return None
     return service_endpoints(service, name, 2 * num, get_port(env, PORT, DEFAULT_PSERVER_PORT))[num:]
