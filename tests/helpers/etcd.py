@@ -97,11 +97,13 @@ class EtcdServer:
         self.stop()
 
 
-def start_etcd(tmp_path: Path, name: str = "etcd") -> EtcdServer:
+def start_etcd(tmp_path: Path, name: str = "etcd", host: str = "127.0.0.1") -> EtcdServer:
     """Start a single-member etcd on free loopback ports with its data and log under ``tmp_path``; wait until healthy.
 
     ``name`` names the member and its files (``tmp_path/NAME.data``, ``tmp_path/NAME.log``), so a
-    test may start several. Skips (or fails where system tests are required) when ``etcd`` is not
+    test may start several. ``host`` is the address its client URL binds (an address of this host
+    that processes in another network namespace can reach, e.g. a veth end's); the peer URL stays
+    on loopback. Skips (or fails where system tests are required) when ``etcd`` is not
     on PATH; raises RuntimeError with the log's tail when it does not come up within 15 s. A port
     taken between picking and binding it (another test's process) is retried with new ports.
     """
@@ -112,7 +114,7 @@ def start_etcd(tmp_path: Path, name: str = "etcd") -> EtcdServer:
     log_path = tmp_path / f"{name}.log"
     for attempt in range(3):
         client_port, peer_port = free_ports(2)
-        url = f"http://127.0.0.1:{client_port}"
+        url = f"http://{host}:{client_port}"
         peer = f"http://127.0.0.1:{peer_port}"
         cmd = [binary, "--name", name, "--data-dir", str(data_dir),
                "--listen-client-urls", url, "--advertise-client-urls", url,
