@@ -106,7 +106,7 @@ class ParameterServer:
 
     def _replicate(self, program: PserverProgram) -> None:
         """Hot standby: this process is one of its shard's two; etcd decides whether it leads or follows."""
-        from .replication.coordination import EtcdCoordinator
+        from .replication.etcd import EtcdCoordinator
         from .replication.replica import Replica
         from .rpc.replica_link import ReplicaLink
         cfg = program.config

@@ -1,4 +1,4 @@
-"""The replicas' coordination layer (pserver/replication/coordination.py) against a real etcd.
+"""The replicas' coordination layer (pserver/replication/coordination.py, etcd.py) against a real etcd.
 
 One winner per campaign however many replicas race, epochs that only grow, the in-sync list
 gating who may lead, a deposed primary unable to write, and leases that end when their holder
@@ -20,8 +20,8 @@ from typing import List, Optional
 
 import pytest
 
-from pserver.replication.coordination import (CoordinationError, EtcdCoordinator, InSync, Leader,
-                                              may_campaign)
+from pserver.replication.coordination import CoordinationError, InSync, Leader, may_campaign
+from pserver.replication.etcd import EtcdCoordinator
 from tests.helpers.etcd import etcd_fixture  # noqa: F401 - the `etcd` fixture
 from tests.helpers.polling import poll
 from tests.helpers.ports import free_ports
@@ -160,7 +160,7 @@ def test_a_deposed_primary_cannot_write_the_in_sync_list(coordinators):
 
 CHILD = """
 import sys
-from pserver.replication.coordination import EtcdCoordinator
+from pserver.replication.etcd import EtcdCoordinator
 c = EtcdCoordinator(sys.argv[1], sys.argv[2], 0, "child", ttl=int(sys.argv[3]))
 print(c.campaign("127.0.0.1:9", "lin"), flush=True)
 sys.stdin.read()
