@@ -14,24 +14,39 @@ def _message_limits(chunk_bytes: int) -> list:
     return [("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)]
 
 
-def server_options(chunk_bytes: int) -> list:
-    """gRPC options of a pserver: bounded messages, no port sharing, tolerant keepalive."""
+# Hot standby: how often a trainer (or a primary) pings a replicated pserver's connection while a call
+# waits on it, and how long an answer may take. A process cut off by the network sends no reset; this
+# tells its peers within about two seconds instead of TCP's twenty, so they ask who leads instead.
+FAST_KEEPALIVE_MS = 1_000
+
+
+def server_options(chunk_bytes: int, fast_keepalive: bool = False) -> list:
+    """gRPC options of a pserver: bounded messages, no port sharing, tolerant keepalive.
+
+    ``fast_keepalive`` (hot standby) accepts pings every :data:`FAST_KEEPALIVE_MS` / 2 ms, even
+    while a call waits without data (a sync barrier), instead of answering them with GOAWAY.
+    """
     return [
         *_message_limits(chunk_bytes),
         # Off so a second pserver on the same port fails to bind instead of
         # silently sharing it.
         ("grpc.so_reuseport", 0),
-        ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+        ("grpc.http2.min_ping_interval_without_data_ms", FAST_KEEPALIVE_MS // 2 if fast_keepalive else 10_000),
         ("grpc.keepalive_permit_without_calls", 1),
+        *([("grpc.http2.max_ping_strikes", 0)] if fast_keepalive else []),
     ]
 
 
-def channel_options(chunk_bytes: int) -> list:
-    """gRPC options of a trainer's channel to a pserver: bounded messages, keepalive, fast reconnects."""
+def channel_options(chunk_bytes: int, fast_keepalive: bool = False) -> list:
+    """gRPC options of a trainer's channel to a pserver: bounded messages, keepalive, fast reconnects.
+
+    ``fast_keepalive`` (hot standby): ping every :data:`FAST_KEEPALIVE_MS` and give up on a
+    connection whose ping is not answered within as long.
+    """
     return [
         *_message_limits(chunk_bytes),
-        ("grpc.keepalive_time_ms", 30_000),
-        ("grpc.keepalive_timeout_ms", 20_000),
+        ("grpc.keepalive_time_ms", FAST_KEEPALIVE_MS if fast_keepalive else 30_000),
+        ("grpc.keepalive_timeout_ms", FAST_KEEPALIVE_MS if fast_keepalive else 20_000),
         # Each pserver gets its own connection even when endpoints share a host.
         ("grpc.use_local_subchannel_pool", 1),
         # A trainer that starts before its pservers retries within ~0.1 s of them

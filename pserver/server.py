@@ -193,7 +193,7 @@ class ParameterServer:
         workers = cfg.pserver_rpc_workers or max(16, 4 * self.program.trainers)
         server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers,
                                                         thread_name_prefix="pserver"),
-                             options=server_options(cfg.chunk_bytes),
+                             options=server_options(cfg.chunk_bytes, fast_keepalive=self.program.replicated),
                              interceptors=self._interceptors)
         self.servicer.add_to_server(server)
         self._health = health.HealthServicer(experimental_non_blocking=True)
@@ -305,7 +305,7 @@ class ParameterServer:
                 self._health_port.shutting_down()
             self.checkpoint()
         finally:
-            self.stop()
+            self.stop(grace=1.0 if self.fenced else 5.0)  # a fenced process answers nothing worth waiting for
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
         if self.fenced:

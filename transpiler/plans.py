@@ -250,6 +250,10 @@ class TrainerProgram:
         """
         return {group[0]: group for group in replica_endpoints(self.config, self.pservers)}
 
+    @property
+    def replicated(self) -> bool:
+        return (self.config.server_replicas or 1) > 1
+
     def to_bytes(self) -> bytes:
         d = dataclasses.asdict(dataclasses.replace(self, model=None))
         d.pop("model")

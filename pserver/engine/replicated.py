@@ -58,14 +58,16 @@ class Replicated:
             self.cv.notify_all()
 
     def take_lead(self) -> None:
-        """A backup becomes the primary: every trainer still live is expected, as if just heard from.
+        """A backup becomes the primary: every live trainer that pushed is expected, as if just heard from.
 
         The backup heard from no trainer; those that do not come within
         heartbeat_timeout are dropped as on any primary.
         """
         with self.cv:
             now = time.monotonic()
-            for t in self.roster.live():
+            # Only those that pushed: a trainer yet to say its first Hello is not waited for by the
+            # heartbeat watchdog, as on any pserver (a fresh shard's first primary has none).
+            for t in self.roster.live() & set(self.roster.last_step):
                 self.roster.joined.add(t)
                 self.roster.last_seen[t] = now
             self.writes_files = True

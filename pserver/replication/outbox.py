@@ -245,7 +245,7 @@ class Outbox:
         with self.cv:
             self._stopping = True
             self.cv.notify_all()
-        self._thread.join(timeout=5)
+        self._thread.join(timeout=1)  # a daemon, maybe in a send to an unreachable backup: not waited for long
 
     # -- the sender thread ----------------------------------------------------
 

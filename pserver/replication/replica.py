@@ -78,8 +78,8 @@ class Replica:
     # -- what the servicer asks -------------------------------------------------
 
     def check_serving(self) -> None:
-        """Refuse (NotPrimary) unless this process leads its shard."""
-        if self.role != PRIMARY:
+        """Refuse (NotPrimary) unless this process leads its shard and its lease is certainly valid."""
+        if self.role != PRIMARY or not self.coordinator.holds(self.epoch):
             where = f"; the primary is {self.leader}" if self.leader and self.leader != self.endpoint else ""
             raise NotPrimary(f"pserver {self.endpoint} does not lead shard {self.shard} ({self.role}{where}); "
                              f"ask the shard's processes who leads")

@@ -40,7 +40,8 @@ class ReplicaLink(Transport):
         with self._lock:
             channel = self._channels.get(endpoint)
             if channel is None:
-                channel = self._channels[endpoint] = self.security.channel(endpoint, channel_options(self.chunk_bytes))
+                channel = self._channels[endpoint] = self.security.channel(
+                    endpoint, channel_options(self.chunk_bytes, fast_keepalive=True))
             return channel
 
     def reconnect(self, endpoint: str) -> None:

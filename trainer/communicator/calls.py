@@ -81,7 +81,8 @@ class Communicator(SessionCalls):
         self.chunk_bytes = cfg.chunk_bytes
         self.rpc_timeout = cfg.rpc_timeout
         self.barrier_timeout = cfg.barrier_timeout
-        self._options = channel_options(cfg.chunk_bytes)
+        # Hot standby: a primary cut off by the network is noticed by keepalive pings, not TCP's timeout.
+        self._options = channel_options(cfg.chunk_bytes, fast_keepalive=program.replicated)
         self._security = security if security is not None else Security.from_env()
         self._channels: Dict[str, grpc.Channel] = {}
         self._stubs: Dict[str, ps_pb2_grpc.ParameterServerStub] = {}
