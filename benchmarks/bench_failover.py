@@ -15,7 +15,8 @@ Runs ``benchmarks/failover_job.py`` (2 pservers x 2 trainers, sync) through
   starts it again, it resumes from its checkpoint and the trainers roll back to it.
 
 For each kill, the longest step (a trainer's whole iteration, failover_job.py's step log) that was
-in flight at the kill or started within 30 s after it is the stall the user saw; the report gives
+in flight at the kill or started after it (within 30 s, and before the next kill) is the stall the
+user saw; the report gives
 their distribution (median, 95th percentile, max) and the median step without kills.
 """
 from __future__ import annotations
@@ -159,9 +160,10 @@ def steps(out: str) -> List[Tuple[float, float]]:
 
 
 def stalls(rows: List[Tuple[float, float]], kills: List[float]) -> List[float]:
-    """Per kill, the longest step in flight at it or started within WINDOW s after it (seconds)."""
-    return [max((end - start for start, end in rows if end >= t and start <= t + WINDOW), default=float("nan"))
-            for t in kills]
+    """Per kill, the longest step in flight at it or started after it, within WINDOW s and before the next kill."""
+    ends = [min(t + WINDOW, nxt) for t, nxt in zip(kills, kills[1:] + [float("inf")])]
+    return [max((end - start for start, end in rows if end >= t and start < until), default=float("nan"))
+            for t, until in zip(kills, ends)]
 
 
 def quantile(values: List[float], q: float) -> float:

@@ -189,7 +189,7 @@ class DistributeTranspilerConfig:
       its shard's in-sync replicas (a restart after both were lost) waits this long
       for one to lead, then leads from its checkpoint: trainers roll back to it as
       without replicas.
-    - ``replica_digest_every`` (int, 100): every this many updates the primary sends
+    - ``replica_digest_every`` (int, 500): every this many updates the primary sends
       a digest of its state (blocks, optimizer state, table rows, roster) with the
       update and the backup compares it with its own, logging a mismatch; 0: off.
     """
@@ -237,7 +237,7 @@ class DistributeTranspilerConfig:
     coordinator_prefix: Optional[str] = None
     replica_lease_ttl: Optional[int] = None
     replica_takeover_timeout: float = 30.0
-    replica_digest_every: int = 100
+    replica_digest_every: int = 500
 
     @property
     def session_alive_window(self) -> float:

@@ -95,6 +95,18 @@ class Contents:
             return PushParts(dense, {}, {})
         return PushParts(dense, self.tables.sparse_grads(tensors), self.tables.requested_ids(tensors, "next"))
 
+    def split_replicated(self, tensors: Mapping[str, torch.Tensor]) -> Tuple[Dict[str, torch.Tensor], Dict[str, SparseGrad]]:
+        """(dense gradients, {table: (ids, rows)}) of an update this process's primary applied (hot standby).
+
+        The primary merged and checked it: its ids are unique and of this shard,
+        so they are taken as they are (no hashing, no merging on the backup).
+        """
+        blocks = self.block_names()
+        dense = {name: t for name, t in tensors.items() if name in blocks}
+        sparse = {name[:-len("@ids")]: (t.numpy(), tensors[name[:-len("@ids")] + "@rows"])
+                  for name, t in tensors.items() if name.endswith("@ids")}
+        return dense, sparse
+
     def prefetch_ids(self, tensors: Mapping[str, torch.Tensor]) -> Dict[str, np.ndarray]:
         """``{table: ids}`` a prefetch asks rows for, from its ``<table>@ids`` tensors.
 

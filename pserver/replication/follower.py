@@ -45,7 +45,7 @@ class Follower:
                 return self.seq
             if header.seq != self.seq + 1:
                 raise OutOfSync(f"message {header.seq} after {self.seq}: a gap")
-            dense, sparse, _ = self.engine.split_push(tensors)
+            dense, sparse = self.engine.split_replicated(tensors)
             self.engine.apply_replicated(header.lr_step, header.updates, json.loads(header.roster or "{}"),
                                          dense, sparse)
             self.seq = header.seq

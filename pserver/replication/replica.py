@@ -38,6 +38,8 @@ REREAD = 0.5
 CHECK_EVERY = 0.5
 # How long a primary that stops waits for its backup to take the last changes (seconds).
 DRAIN = 5.0
+# The job is over (every trainer closed): a replica that finds no primary leads nothing.
+DONE = "done"
 
 
 class Replica:
@@ -197,7 +199,7 @@ class Replica:
             if step == STAY and self.role == BACKUP and not self._still_followed():
                 step = REJOIN
             if step in (CAMPAIGN, RECOVER) and self.engine.all_closed.is_set():
-                step = "done"  # every trainer closed: nothing left to lead (the primary wrote the last checkpoint)
+                step = DONE  # every trainer closed: nothing left to lead (the primary wrote the last checkpoint)
             try:
                 if step in (CAMPAIGN, RECOVER):
                     if self._campaign(step == RECOVER):
@@ -211,7 +213,7 @@ class Replica:
                 log.exception("replica %s: %s failed; trying again", self.endpoint, step)
                 self.role = JOINING
                 self._stop.wait(0.5)
-            if step in (STAY, "done") or step == WAIT:
+            if step in (STAY, WAIT, DONE):
                 changed.wait(REREAD)  # etcd's watch wakes it at once when the primary or the list changes
             else:
                 self._stop.wait(POLL)
