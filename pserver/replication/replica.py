@@ -147,7 +147,7 @@ class Replica:
         self.outbox.follow(request.replica_id)
 
     def receive(self, header, tensors) -> int:
-        """A message from the primary (this process follows it): held for applying; the seq held."""
+        """A message from the primary (this process follows it): applied; the seq held."""
         follower = self.follower
         if follower is None or self.role != BACKUP:
             raise OutOfSync(f"pserver {self.endpoint} does not follow a primary ({self.role})")
@@ -252,7 +252,7 @@ class Replica:
             return False
         follower = self.follower
         if follower is not None:
-            follower.drain()  # every update it acknowledged is applied before this process answers anyone
+            follower.stop()
         self.outbox = Outbox((self.coordinator.replica_id, self.endpoint), epoch, self.link,
                              lambda replicas: self.coordinator.set_in_sync(epoch, replicas), self.chunk_bytes,
                              self.timeout, digest=self.digest, digest_every=self.digest_every,
@@ -287,7 +287,7 @@ class Replica:
         """Copy ``leader``'s state, then follow it."""
         follower = self.follower
         if follower is not None:
-            follower.discard()  # the snapshot replaces the state
+            follower.stop()
         self.role, self.follower, self.was_in_sync = JOINING, None, False
         self.leader = leader.endpoint
         directory = snapshot.scratch(self.program)
