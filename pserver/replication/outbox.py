@@ -160,7 +160,9 @@ class Outbox:
         Called under the engine's lock, with the snapshot taken under the same
         hold. A previous backup is dropped first (out of etcd's in-sync list).
         """
-        self._drop_backup("a new backup joins")
+        if not self._drop_backup("a new backup joins"):
+            # Its predecessor stays in etcd's in-sync list until etcd answers: no second backup meanwhile.
+            raise NotPrimary(f"primary {self.me[1]}: cannot update the in-sync list in etcd now; ask again")
         self.transport.reconnect(endpoint)
         with self.cv:
             self.backup = Backup(replica_id, endpoint)
@@ -182,8 +184,16 @@ class Outbox:
             self.cv.notify_all()
 
     def reset(self) -> None:
-        """The state was rolled back to a checkpoint: the backup's copy no longer follows; it copies again."""
-        self._drop_backup("this primary rolled back to a checkpoint")
+        """The state was rolled back to a checkpoint: the backup's copy no longer follows; it copies again.
+
+        The backup must leave etcd's in-sync list before another update is made: until etcd answers
+        this waits, and a primary that cannot reach it within the deadline gives up the lead.
+        """
+        deadline = time.monotonic() + self.timeout
+        while not self._drop_backup("this primary rolled back to a checkpoint"):
+            if self.fenced or time.monotonic() > deadline:
+                self.fence()
+                return
 
     # -- the servicer's side --------------------------------------------------
 
@@ -307,25 +317,29 @@ class Outbox:
             self.cv.notify_all()
             log.info("primary %s: backup %s is in sync at message %d", self.me[1], backup.endpoint, self.seq)
 
-    def _drop_backup(self, why: str, only: Optional[Backup] = None) -> None:
-        """Take the backup out of etcd's in-sync list, then stop waiting for it; fenced if etcd says so."""
+    def _drop_backup(self, why: str, only: Optional[Backup] = None) -> bool:
+        """Take the backup out of etcd's in-sync list, then stop waiting for it; fenced if etcd says so.
+
+        False when the backup is still there (etcd did not answer, or this process was fenced).
+        """
         with self.cv:
             backup = self.backup
             if backup is None or (only is not None and backup is not only):
-                return
+                return True
             if backup.in_sync:
                 written = self._write_in_sync({self.me[0]: self.me[1]})
                 if written is None:  # etcd did not answer: the sender tries again, waits go on waiting
                     self.cv.wait(0.1)
-                    return
+                    return False
                 if not written:
                     self._fenced_by_etcd()
-                    return
+                    return False
             self.backup = None
             self.acked = self.seq
             self.cv.notify_all()
         log.warning("primary %s: backup %s dropped (%s); acknowledging alone until a backup catches up",
                     self.me[1], backup.endpoint, why)
+        return True
 
     def _write_in_sync(self, replicas: Dict[str, str]) -> Optional[bool]:
         """etcd's in-sync list := ``replicas``, under this epoch; None when etcd could not be asked."""
