@@ -141,5 +141,6 @@ def test_role_tags_and_units():
                                                            "--nproc_per_node", "2", PROBE]),
                                    pick_ports=lambda n: [7100 + i for i in range(n)], environ={})
     assert [r.tag for r in roles] == ["pserver0", "pserver1", "trainer0", "trainer0.1", "trainer1", "trainer1.1"]
-    assert [r.unit for r in roles] == [(PSERVER, 0), (PSERVER, 1), (TRAINER, 0), (TRAINER, 0),
-                                       (TRAINER, 1), (TRAINER, 1)]
+    # (kind, index, replica): with hot standby a pserver's two processes restart on their own.
+    assert [r.unit for r in roles] == [(PSERVER, 0, 0), (PSERVER, 1, 0), (TRAINER, 0, 0), (TRAINER, 0, 0),
+                                       (TRAINER, 1, 0), (TRAINER, 1, 0)]

@@ -15,7 +15,7 @@ import pytest
 
 from pserver import errors
 from pserver.errors import (AlreadyRunning, BadRequest, BarrierTimeout, Fenced, MustResync, NoSession, NotAllowed,
-                            Refusal, ShuttingDown, StorageFailed)
+                            NotPrimary, OutOfSync, Refusal, ShuttingDown, StorageFailed)
 from pserver.rpc.prologue import STATUS, status_of
 from pserver.rpc.servicer import PserverServicer
 from tests.helpers.servicer import EP, Aborted, FakeContext, open_session, servicer
@@ -34,6 +34,8 @@ EXPECTED = [
     (NoSession, grpc.StatusCode.FAILED_PRECONDITION),
     (Fenced, grpc.StatusCode.PERMISSION_DENIED),
     (AlreadyRunning, grpc.StatusCode.ALREADY_EXISTS),
+    (NotPrimary, grpc.StatusCode.UNAVAILABLE),
+    (OutOfSync, grpc.StatusCode.OUT_OF_RANGE),
 ]
 
 

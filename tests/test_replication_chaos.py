@@ -116,3 +116,37 @@ def test_async_job_with_primaries_and_backups_killed_keeps_every_acknowledged_pu
         assert_replicas_agreed(job)
     finally:
         job.close()
+
+
+@pytest.mark.timeout(300)
+def test_a_shard_that_loses_both_processes_recovers_from_its_checkpoint_as_without_replicas(etcd, tmp_path):
+    """Checkpoints stay the last resort: both processes of shard 1 SIGKILLed at once and started again. Neither
+    is in the in-sync list, so after replica_takeover_timeout one leads from the checkpoint under a new lineage;
+    the trainers roll every shard back to it (shard 0's backup copies its rolled-back primary again), and the
+    job ends with the model of an uninterrupted run."""
+    job = ReplicatedJob(tmp_path, etcd.url, args=["--epochs", str(EPOCHS), "--step_delay", str(STEP_DELAY),
+                                                  "--takeover_timeout", "3"])
+    try:
+        job.start_all()
+        for shard in range(len(job.endpoints)):
+            job.wait_in_sync(shard)
+        primary, _ = job.roles(1)
+        start = updates_of(job, primary)
+        job.wait_until(lambda: updates_of(job, primary) >= start + 12, f"12 updates on {primary}")
+        job.kill("pserver1")
+        job.kill("replica1")
+        job.restart("pserver1")
+        job.restart("replica1")
+        for shard in range(len(job.endpoints)):
+            job.wait_in_sync(shard, timeout=120)
+        (job.pause / "calm").touch()
+        job.wait_trainers(240)
+        job.assert_trained_as_one_process(epochs=EPOCHS)
+        logs = "\n".join(job.log(k) for k in job.logs)
+        assert "leading from its own state" in logs          # the checkpoint recovery of shard 1
+        assert job.rollback_lines()                          # and the trainers rolled back to it
+        assert_replicas_agreed(job)
+        codes = job.finish_pservers()
+        assert set(codes.values()) == {0}, (codes, job.all_logs())
+    finally:
+        job.close()

@@ -92,17 +92,31 @@ class ReplicaLink(Transport):
 
 
 class ReplicaServicer:
-    """Replicate / ReplicateOne / Snapshot / Follow / Lead, answered by this process's :class:`Replica`.
+    """Replicate / ReplicateOne / Snapshot / Follow / Lead, answered by the pserver's :class:`Replica`.
 
-    ``replica`` is None on a pserver without replicas: Lead then answers that
-    it leads (epoch 0), the others refuse.
+    Reads the :class:`~pserver.rpc.servicer.PserverServicer` it serves beside at each call: its
+    ``replica`` (None on a pserver without replicas: Lead then answers that it leads, at epoch 0,
+    and the others refuse), engine, endpoint and counters.
     """
 
-    def __init__(self, replica, engine, endpoint: str, counters):
-        self.replica = replica
-        self.engine = engine
-        self.endpoint = endpoint
-        self.counters = counters
+    def __init__(self, servicer):
+        self.servicer = servicer
+
+    @property
+    def replica(self):
+        return self.servicer.replica
+
+    @property
+    def engine(self):
+        return self.servicer.engine
+
+    @property
+    def endpoint(self) -> str:
+        return self.servicer.endpoint
+
+    @property
+    def counters(self):
+        return self.servicer.counters
 
     def _replica(self):
         if self.replica is None:

@@ -60,6 +60,9 @@ def _one_message(header, tensors) -> bytes:
 class PserverServicer:
     """Hello / Push / Pull / Close / Stats / Reduce for one pserver: the engine's and the Reduce service's front."""
 
+    # Hot standby (pserver.replication.replica.Replica), set by the server; None without replicas.
+    replica = None
+
     def __init__(self, engine: Engine, reductions: Reductions, layout_digest: str, chunk_bytes: int,
                  alive_window: float, allow_nonfinite: bool = False):
         self.engine = engine
@@ -75,8 +78,6 @@ class PserverServicer:
         self.counters = Counters()
         self.buffers = BufferPool(engine.block_layout())
         self.regions = SharedRegions(engine.trainers)
-        # Hot standby (pserver.replication.replica.Replica), set by the server; None without replicas.
-        self.replica = None
 
     def _serving(self) -> None:
         """Refuse a trainer's call (NotPrimary) on a replica that does not lead its shard."""
@@ -384,5 +385,5 @@ class PserverServicer:
             "Stats": grpc.unary_unary_rpc_method_handler(self.Stats, response_serializer=serialize),
             "Reduce": grpc.unary_unary_rpc_method_handler(self.Reduce, response_serializer=serialize),
         }
-        handlers.update(ReplicaServicer(self.replica, self.engine, self.endpoint, self.counters).handlers())
+        handlers.update(ReplicaServicer(self).handlers())
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))

@@ -175,7 +175,19 @@ def base_requests(e: Env) -> Dict[str, List[bytes]]:
         "Reduce": s(ps_pb2.ReduceRequest(trainer_id=0, layout_digest=WRONG_DIGEST, session=own, key="auc",
                                          op="sum", values=[ps_pb2.ReduceValue(name="pos", shape=[3],
                                                                               data=[1.0, 2.0, 3.0])])),
+        # Hot standby's calls, to a pserver without replicas: refused (Lead only reads).
+        "Replicate": replica_stream(e, STREAM_CHUNK),
+        "ReplicateOne": replica_stream(e, ONE_MESSAGE),
+        "Snapshot": s(ps_pb2.SnapshotRequest(replica_id="r", endpoint="127.0.0.1:1", epoch=1)),
+        "Follow": s(ps_pb2.FollowRequest(replica_id="r", epoch=1)),
+        "Lead": s(ps_pb2.LeadRequest()),
     }
+
+
+def replica_stream(e: Env, chunk: int) -> List[bytes]:
+    """A primary's update message (the step's gradient of every block) as a backup would receive it."""
+    header = ps_pb2.ReplicaHeader(epoch=1, seq=1, updates=1, lr_step=0, roster='{"trainers": {}, "closed": []}')
+    return list(encode_chunks(header, e.grads, chunk))
 
 
 def legit_change(e: Env, name: str, messages: List[bytes]) -> Optional[str]:

@@ -163,6 +163,8 @@ def main(argv=None) -> int:
     p.add_argument("--counting", action="store_true", help="train counting_program() on counting_loss")
     p.add_argument("--hold_push", type=int, default=-1)
     p.add_argument("--hold_trainer", type=int, default=1)
+    p.add_argument("--takeover_timeout", type=float, default=30.0,
+                   help="hot standby: DistributeTranspilerConfig.replica_takeover_timeout")
     p.add_argument("--step_delay", type=float, default=0.0,
                    help="seconds each trainer sleeps per step, until PAUSE_DIR/calm exists")
     args = p.parse_args(argv)
@@ -172,7 +174,8 @@ def main(argv=None) -> int:
     config = DistributeTranspilerConfig(
         checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
         heartbeat_interval=args.heartbeat_interval, heartbeat_timeout=args.heartbeat_timeout,
-        barrier_timeout=BARRIER_TIMEOUT, connect_timeout=60.0, recovery_timeout=60.0)
+        barrier_timeout=BARRIER_TIMEOUT, connect_timeout=60.0, recovery_timeout=60.0,
+        replica_takeover_timeout=args.takeover_timeout)
     t = DistributeTranspiler(config)
     program = counting_program() if args.counting else build_program(args.optimizer, args.lr)
     t.transpile(env.trainer_id, program=program, pservers=env.pserver_list,
