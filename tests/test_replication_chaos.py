@@ -124,7 +124,7 @@ def test_a_shard_that_loses_both_processes_recovers_from_its_checkpoint_as_witho
     is in the in-sync list, so after replica_takeover_timeout one leads from the checkpoint under a new lineage;
     the trainers roll every shard back to it (shard 0's backup copies its rolled-back primary again), and the
     job ends with the model of an uninterrupted run."""
-    job = ReplicatedJob(tmp_path, etcd.url, args=["--epochs", str(EPOCHS), "--step_delay", str(STEP_DELAY),
+    job = ReplicatedJob(tmp_path, etcd.url, args=["--epochs", str(EPOCHS // 2), "--step_delay", str(STEP_DELAY),
                                                   "--takeover_timeout", "3"])
     try:
         job.start_all()
@@ -141,7 +141,7 @@ def test_a_shard_that_loses_both_processes_recovers_from_its_checkpoint_as_witho
             job.wait_in_sync(shard, timeout=120)
         (job.pause / "calm").touch()
         job.wait_trainers(240)
-        job.assert_trained_as_one_process(epochs=EPOCHS)
+        job.assert_trained_as_one_process(epochs=EPOCHS // 2)
         logs = "\n".join(job.log(k) for k in job.logs)
         assert "leading from its own state" in logs          # the checkpoint recovery of shard 1
         assert job.rollback_lines()                          # and the trainers rolled back to it
