@@ -29,28 +29,18 @@ def resolve_replicas(config: DistributeTranspilerConfig, pservers: List[str],
     endpoint listed twice, or two replicas without a coordinator.
     """
     if config.server_replicas is None:
-        text = environ.get(REPLICAS_VAR, "").strip()
-        try:
-            config.server_replicas = int(text) if text else 1
-        except ValueError:
-            raise ValueError(f"{REPLICAS_VAR}={text!r} is not a replica count (1 or 2)") from None
-    if config.replica_endpoints is None and environ.get(ENDPOINTS_VAR, "").strip():
-        config.replica_endpoints = environ[ENDPOINTS_VAR].strip()
+        config.server_replicas = _int_var(environ, REPLICAS_VAR, 1, "a replica count (1 or 2)")
+    for field, var in (("replica_endpoints", ENDPOINTS_VAR), ("coordinator", COORDINATOR_VAR),
+                       ("coordinator_prefix", PREFIX_VAR)):
+        if getattr(config, field) is None and environ.get(var, "").strip():
+            setattr(config, field, environ[var].strip())
     if config.replica_endpoints is None and config.server_replicas == 2:
         # One StatefulSet of 2N pods, or one Slurm step whose first 2K tasks are pserver processes.
         derived = kubernetes.replica_endpoints(environ) or slurm.replica_endpoints(environ)
         if derived:
             config.replica_endpoints = ",".join(derived)
-    if config.coordinator is None and environ.get(COORDINATOR_VAR, "").strip():
-        config.coordinator = environ[COORDINATOR_VAR].strip()
-    if config.coordinator_prefix is None and environ.get(PREFIX_VAR, "").strip():
-        config.coordinator_prefix = environ[PREFIX_VAR].strip()
     if config.replica_lease_ttl is None:
-        text = environ.get(TTL_VAR, "").strip()
-        try:
-            config.replica_lease_ttl = int(text) if text else 1
-        except ValueError:
-            raise ValueError(f"{TTL_VAR}={text!r} is not a whole number of seconds") from None
+        config.replica_lease_ttl = _int_var(environ, TTL_VAR, 1, "a whole number of seconds")
     config.validate()
     if config.server_replicas == 1:
         return
@@ -68,6 +58,15 @@ def resolve_replicas(config: DistributeTranspilerConfig, pservers: List[str],
     if not config.coordinator:
         raise ValueError(f"server_replicas=2 needs a coordinator (or {COORDINATOR_VAR}): the etcd URLs "
                          f"that decide each shard's primary, e.g. http://127.0.0.1:2379")
+
+
+def _int_var(environ: Mapping[str, str], var: str, default: int, what: str) -> int:
+    """The integer in ``environ[var]``, ``default`` when unset or empty; ValueError naming it otherwise."""
+    text = environ.get(var, "").strip()
+    try:
+        return int(text) if text else default
+    except ValueError:
+        raise ValueError(f"{var}={text!r} is not {what}") from None
 
 
 def replica_endpoints(config: DistributeTranspilerConfig, pservers: List[str]) -> List[List[str]]:
