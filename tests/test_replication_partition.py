@@ -69,7 +69,7 @@ import torch
 from tests.helpers.etcd import start_etcd
 from tests.helpers.jobs import SCRIPT
 from tests.helpers.replicated_job import ReplicatedJob
-from tests.helpers.system import clear_namespace, missing_prerequisites, unavailable
+from tests.helpers.system import clear_namespace, in_ns, missing_prerequisites, run, unavailable
 from tests.scripts import recovery_job
 
 pytestmark = pytest.mark.processes
@@ -163,18 +163,6 @@ channel.close()
 with open(out, "w") as f:
     json.dump({"etcd": etcd, "records": records}, f)
 """
-
-
-def run(cmd: List[str], timeout: float = 20) -> subprocess.CompletedProcess:
-    """Run ``cmd`` (no shell), capturing its output as text; a failure to start or a timeout reads as exit -1."""
-    try:
-        return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-    except (OSError, subprocess.TimeoutExpired) as e:
-        return subprocess.CompletedProcess(cmd, -1, "", str(e))
-
-
-def in_ns(ns: str, *cmd: str) -> List[str]:
-    return ["ip", "netns", "exec", ns, *cmd]
 
 
 def clean_env(env: Dict[str, str]) -> Dict[str, str]:

@@ -24,7 +24,7 @@ from typing import List
 
 import pytest
 
-from tests.helpers.system import clear_namespace, missing_prerequisites, unavailable
+from tests.helpers.system import clear_namespace, in_ns, missing_prerequisites, run, unavailable
 
 # Every test here starts pservers and trainers as separate processes.
 pytestmark = pytest.mark.processes
@@ -44,18 +44,6 @@ PORTS = [20000 + 2 * (PID % 5000), 20001 + 2 * (PID % 5000)]
 TRAINERS_DEADLINE = 150.0   # both trainers, from their start
 PSERVERS_DEADLINE = 30.0    # the pservers, once the trainers are done
 MIN_BYTES = 100_000         # each direction of the veth
-
-
-def run(cmd: List[str], timeout: float = 20) -> subprocess.CompletedProcess:
-    """Run ``cmd`` (no shell), capturing its output as text; a failure to start or a timeout reads as exit -1."""
-    try:
-        return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-    except (OSError, subprocess.TimeoutExpired) as e:
-        return subprocess.CompletedProcess(cmd, -1, "", str(e))
-
-
-def in_ns(ns: str, *cmd: str) -> List[str]:
-    return ["ip", "netns", "exec", ns, *cmd]
 
 
 @dataclass

@@ -13,7 +13,7 @@ import signal
 import subprocess
 import sys
 import time
-from typing import NoReturn, Optional, Sequence
+from typing import List, NoReturn, Optional, Sequence
 
 import pytest
 
@@ -79,3 +79,16 @@ def clear_namespace(ns: str, timeout: float = 5.0) -> None:
         subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=10)
     except (OSError, subprocess.TimeoutExpired):
         pass
+
+
+def run(cmd: List[str], timeout: float = 20) -> subprocess.CompletedProcess:
+    """Run ``cmd`` (no shell), capturing its output as text; a failure to start or a timeout reads as exit -1."""
+    try:
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return subprocess.CompletedProcess(cmd, -1, "", str(e))
+
+
+def in_ns(ns: str, *cmd: str) -> List[str]:
+    """``cmd`` run inside network namespace ``ns``."""
+    return ["ip", "netns", "exec", ns, *cmd]
