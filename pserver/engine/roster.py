@@ -91,13 +91,10 @@ class Roster:
 
     def load_meta(self, meta: dict) -> None:
         """Take progress and closed trainers from a checkpoint; nobody is joined or dropped."""
-        self.last_step = {int(t): int(v["last_step"]) for t, v in meta.get("trainers", {}).items()
-                          if int(v["last_step"]) >= 0}
-        self.positions = {int(t): Position(int(v["position"][0]), int(v["position"][1]))
-                          for t, v in meta.get("trainers", {}).items()}
+        self.follow(meta)
         # A checkpoint in which every trainer had closed ends a finished run: a new
         # run continuing from it starts with everyone expected.
-        closed = {int(t) for t in meta.get("closed", [])}
-        self.closed = set() if closed >= set(range(self.trainers)) else closed
+        if self.closed >= set(range(self.trainers)):
+            self.closed = set()
         # Signs of life (last_seen) are not progress: a roll-back keeps them, for the sessions.
         self.joined, self.dropped, self.dropped_at = set(), set(), {}
