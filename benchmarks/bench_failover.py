@@ -78,20 +78,21 @@ def start_etcd(work: str) -> Tuple[subprocess.Popen, str]:
     raise RuntimeError(f"etcd did not come up; see {work}/etcd.log")
 
 
-def lead(endpoint: str) -> Optional[ps_pb2.LeadReply]:
+def ask(endpoint: str, method: str, request, timeout: float):
+    """One unary call to the process at ``endpoint``; its answer, or None when it does not answer."""
     with grpc.insecure_channel(endpoint) as ch:
         try:
-            return ps_pb2_grpc.ParameterServerStub(ch).Lead(ps_pb2.LeadRequest(), timeout=1.0)
+            return getattr(ps_pb2_grpc.ParameterServerStub(ch), method)(request, timeout=timeout)
         except grpc.RpcError:
             return None
+
+
+def lead(endpoint: str) -> Optional[ps_pb2.LeadReply]:
+    return ask(endpoint, "Lead", ps_pb2.LeadRequest(), 1.0)
 
 
 def stats(endpoint: str) -> Optional[ps_pb2.StatsReply]:
-    with grpc.insecure_channel(endpoint) as ch:
-        try:
-            return ps_pb2_grpc.ParameterServerStub(ch).Stats(ps_pb2.StatsRequest(), timeout=2.0)
-        except grpc.RpcError:
-            return None
+    return ask(endpoint, "Stats", ps_pb2.StatsRequest(), 2.0)
 
 
 def roles(log_dir: str) -> List[dict]:
