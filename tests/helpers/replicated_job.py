@@ -51,20 +51,20 @@ class ReplicatedJob(Job):
         k = int(name[-1])
         return self.endpoints[k] if name.startswith("pserver") else self.backups[k]
 
-    def lead(self, name: str, timeout: float = 1.0) -> Optional[ps_pb2.LeadReply]:
-        """What process ``name`` says of its shard's lead (None: it does not answer)."""
+    def ask(self, name: str, method: str, request, timeout: float):
+        """One unary call to process ``name``; its answer, or None when it does not answer."""
         with grpc.insecure_channel(self.address(name)) as ch:
             try:
-                return ps_pb2_grpc.ParameterServerStub(ch).Lead(ps_pb2.LeadRequest(), timeout=timeout)
+                return getattr(ps_pb2_grpc.ParameterServerStub(ch), method)(request, timeout=timeout)
             except grpc.RpcError:
                 return None
 
+    def lead(self, name: str, timeout: float = 1.0) -> Optional[ps_pb2.LeadReply]:
+        """What process ``name`` says of its shard's lead (None: it does not answer)."""
+        return self.ask(name, "Lead", ps_pb2.LeadRequest(), timeout)
+
     def stats(self, name: str, timeout: float = 2.0) -> Optional[ps_pb2.StatsReply]:
-        with grpc.insecure_channel(self.address(name)) as ch:
-            try:
-                return ps_pb2_grpc.ParameterServerStub(ch).Stats(ps_pb2.StatsRequest(), timeout=timeout)
-            except grpc.RpcError:
-                return None
+        return self.ask(name, "Stats", ps_pb2.StatsRequest(), timeout)
 
     def roles(self, shard: int) -> Tuple[str, str]:
         """(the primary's name, the backup's name) of ``shard``, as the processes say now."""
