@@ -1,7 +1,7 @@
 """Regenerate ps_pb2.py and ps_pb2_grpc.py from ps.proto.
 
 Run ``python proto/generate.py`` after editing ps.proto and commit the result;
-``tests/test_proto.py`` fails while the committed modules are stale. The proto
+``tests/proto/test_proto.py`` fails while the committed modules are stale. The proto
 folder is mapped to the virtual import path ``psproto`` so the generated stubs
 import each other as ``psproto.ps_pb2`` (the folder is installed under that
 name; see pyproject.toml).

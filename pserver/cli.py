@@ -15,8 +15,8 @@ import logging
 import sys
 
 from transpiler import DistributeTranspiler, RoleEnv
-from transpiler.loader import load_program
-from transpiler.cliargs import add_transpile_arguments, config_from_args
+from transpiler.cli import load_program
+from transpiler.cli import add_transpile_arguments, config_from_args
 
 from .errors import LostLead
 from .server import ParameterServer

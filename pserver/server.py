@@ -14,6 +14,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from psproto.options import server_options
+from psproto.wire import SERVICE as SERVICE_NAME
 from transpiler import PserverProgram, StartupProgram
 from psproto.security import Security, TokenAuthInterceptor
 
@@ -23,7 +24,7 @@ from .errors import LostLead
 from .ops.health import HealthPort
 from .ops.metrics import MetricsServer, PserverCollector
 from .ops.ports import SidePorts, split_host
-from .rpc import SERVICE_NAME, PserverServicer
+from .rpc import PserverServicer
 from .store import BlockStore
 from .tables import TableSet
 from .tables.serving.exporter import TableExporter

@@ -9,7 +9,7 @@ from transpiler import PserverProgram, StartupProgram
 from transpiler.optim import LrSchedule
 from psproto.dtypes import DTYPES
 
-from transpiler.slicing import cut_block
+from transpiler.placement import cut_block
 
 
 class BlockStore:

@@ -50,8 +50,8 @@ def criteo_file(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def ctr_sync_job(tmp_path_factory, criteo_file):
-    """The CTR example's sync run under ps-launch, once: tests/test_ctr_example.py checks its training and
-    files, tests/test_launch_console.py its console (each job costs four processes importing torch)."""
+    """The CTR example's sync run under ps-launch, once: tests/examples/test_ctr_example.py checks its training and
+    files, tests/launch/test_console.py its console (each job costs four processes importing torch)."""
     from tests.helpers.ctr_job import run_ctr_job
 
     return run_ctr_job(tmp_path_factory.mktemp("ctr_sync"), criteo_file, "sync")

@@ -11,7 +11,7 @@ if sys.version_info >= (3, 11):
 else:  # requires-python is >=3.10: the test extra installs tomli there
     import tomli as tomllib
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+REPO = pathlib.Path(__file__).resolve().parents[1]  # tests/ is one level below the repository
 
 
 def imported_roots(package: str):
@@ -92,7 +92,7 @@ def test_transpiler_exports_the_user_api():
 
 def test_the_package_surfaces_resolve_lazily_and_ps_launch_starts_without_torch():
     """The exports are imported on first use: every name resolves, and the launcher needs no torch."""
-    code = ("import sys, trainer.launch, transpiler.env\n"
+    code = ("import sys, trainer.launch, transpiler.roles.role_env\n"
             "print('torch' in sys.modules)\n"
             "import trainer, transpiler\n"
             "print([n for pkg in (trainer, transpiler) for n in pkg.__all__ if getattr(pkg, n).__name__ != n])\n"

@@ -9,7 +9,7 @@ from torch import nn
 
 from transpiler import TrainerProgram
 from transpiler.plans import BlockSpec
-from transpiler.slicing import as_rows
+from transpiler.placement import as_rows
 
 
 class LocalBlocks:

@@ -39,7 +39,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from transpiler import TrainerProgram
-from transpiler.env import NodeEnv
+from transpiler.roles.role_env import NodeEnv
 from transpiler.optim import LR_SCHEDULERS
 
 from .base import Trainer

@@ -1,4 +1,4 @@
-"""A trainer's shared-memory regions (psproto.shared), kept per pserver and reused call after call.
+"""A trainer's shared-memory regions (psproto.shared_memory), kept per pserver and reused call after call.
 
 A push through shared memory takes a pair of regions, one for its request and
 one for its answer, and gives it back when the answer has been read. A pair
@@ -11,7 +11,7 @@ from __future__ import annotations
 import threading
 from typing import Dict, List, NamedTuple
 
-from psproto.shared import Region
+from psproto.shared_memory import Region
 
 _MIB = 1 << 20
 

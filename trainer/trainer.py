@@ -12,7 +12,7 @@ from typing import Callable, Dict, Iterable, Iterator, List, Optional
 import torch
 
 from transpiler import TrainerProgram
-from transpiler.env import NodeEnv
+from transpiler.roles.role_env import NodeEnv
 
 from .base import Trainer
 from .blocks import LocalBlocks

@@ -9,9 +9,9 @@ Public surface::
     from transpiler import PserverProgram, StartupProgram, TrainerProgram   # the plans
     from transpiler import Position              # (epoch, batch): where a trainer's data stands
 
-Internals (slicing, hashing, table specs, optimizer specs) are imported from
+Internals (placement, table specs, optimizer specs) are imported from
 their modules by the pserver and trainer packages. The names are imported on
-first use, so what needs only the environment (``transpiler.env``, ``ps-launch``)
+first use, so what needs only the environment (``transpiler.roles.role_env``, ``ps-launch``)
 starts without importing torch.
 """
 from __future__ import annotations
@@ -22,7 +22,7 @@ from .lazy import lazy_exports
 
 __getattr__ = lazy_exports(__name__, {  # public name: the module that defines it
     "Program": ".program", "DistributeTranspiler": ".transpiler", "DistributeTranspilerConfig": ".config",
-    "TableOptions": ".tables", "RoleEnv": ".env", "PserverProgram": ".plans", "StartupProgram": ".plans",
+    "TableOptions": ".tables", "RoleEnv": ".roles.role_env", "PserverProgram": ".plans", "StartupProgram": ".plans",
     "TrainerProgram": ".plans", "Position": ".position", "TableLifecycle": ".lifecycle",
 })
 __all__ = [
@@ -32,7 +32,7 @@ __all__ = [
 
 if TYPE_CHECKING:
     from .config import DistributeTranspilerConfig
-    from .env import RoleEnv
+    from .roles.role_env import RoleEnv
     from .lifecycle import TableLifecycle
     from .plans import PserverProgram, StartupProgram, TrainerProgram
     from .position import Position

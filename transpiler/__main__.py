@@ -11,8 +11,7 @@ import argparse
 import sys
 from collections import Counter
 
-from .cliargs import add_transpile_arguments, config_from_args
-from .loader import load_program
+from .cli import add_transpile_arguments, config_from_args, load_program
 from .transpiler import DistributeTranspiler
 
 

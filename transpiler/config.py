@@ -151,7 +151,7 @@ class DistributeTranspilerConfig:
       serves health, behind the token).
     - ``shared_memory`` (bool, True): a trainer whose pserver runs on its own host
       (the same user and PID namespace) writes each push into shared memory
-      and the pserver its answer (``psproto/shared.py``); the gRPC call carries
+      and the pserver its answer (``psproto/shared_memory.py``); the gRPC call carries
       only where they are. A pserver elsewhere refuses the first such push before
       reading it, and from then on that trainer sends it bytes through gRPC.
       Same semantics either way; False always sends bytes through gRPC.

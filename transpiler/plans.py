@@ -24,7 +24,7 @@ from psproto.dtypes import DTYPES
 
 from .config import DistributeTranspilerConfig
 from .optim import OptimizerSpec
-from .replicas import replica_endpoints
+from .roles.replicas import replica_endpoints
 from .tables import TableSpec
 
 FORMAT_VERSION = 1

@@ -21,7 +21,7 @@ import torch
 
 from psproto.dtypes import TABLE_DTYPES
 
-from .hashing import stable_hash_ids, stable_hash_name
+from .placement import stable_hash_ids, stable_hash_name
 from .lifecycle import TableLifecycle, table_lifecycle
 from .optim import OptimizerSpec
 

@@ -10,13 +10,13 @@ from typing import Dict, List, Optional, Sequence, Union
 import torch
 
 from .config import DistributeTranspilerConfig
-from .env import parse_endpoints
+from .roles.common import parse_endpoints
 from psproto.dtypes import dtype_name
 
-from .replicas import replica_endpoints, resolve_replicas
+from .roles.replicas import replica_endpoints, resolve_replicas
 from .plans import BlockSpec, ParamSpec, PserverProgram, StartupProgram, TrainerProgram
 from .program import Program
-from .slicing import DISPATCHERS, block_count, split_rows
+from .placement import DISPATCHERS, block_count, split_rows
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +84,7 @@ class DistributeTranspiler:
             endpoints = _collective_endpoints(program, pservers, sync_mode)
         else:
             endpoints = parse_endpoints(pservers)
-            resolve_replicas(self.config, endpoints, os.environ)
+            self.config = resolve_replicas(self.config, endpoints, os.environ)
         dispatcher = DISPATCHERS[self.config.split_method](endpoints)
 
         params: List[ParamSpec] = []

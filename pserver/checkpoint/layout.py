@@ -33,7 +33,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from transpiler.slicing import cut_block
+from transpiler.placement import cut_block
 
 from .. import atomic_files
 from ..tables import files as table_files

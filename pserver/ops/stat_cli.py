@@ -25,7 +25,7 @@ import grpc
 from google.protobuf import descriptor, json_format
 
 from psproto import ps_pb2, ps_pb2_grpc
-from transpiler.env import parse_endpoints
+from transpiler.roles.role_env import parse_endpoints
 from psproto.security import Security
 
 HEADERS = ("ENDPOINT", "MODE", "STEP", "TRAINERS", "DROPPED", "BLOCKS", "BLOCK BYTES", "TABLE ROWS",

@@ -7,8 +7,8 @@ status codes; ``sessions.py`` decides which process speaks for each trainer id;
 ``counters.py`` counts what the servicer received, sent and refused;
 ``buffers.py`` pools the gradient receive buffers.
 Nothing below this layer (engines, stores, tables, checkpoints) imports grpc.
-:mod:`pserver.server` needs only the servicer and its service name.
+:mod:`pserver.server` needs only the servicer (the service's name is :data:`psproto.wire.SERVICE`).
 """
-from .servicer import SERVICE_NAME, PserverServicer
+from .servicer import PserverServicer
 
-__all__ = ["SERVICE_NAME", "PserverServicer"]
+__all__ = ["PserverServicer"]

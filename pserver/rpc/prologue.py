@@ -18,7 +18,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from psproto.codec import WireError
-from psproto.shared import SharedMemoryError
+from psproto.shared_memory import SharedMemoryError
 
 from ..errors import (AlreadyRunning, BadRequest, BarrierTimeout, Fenced, MustResync, NoSession, NotAllowed,
                       NotPrimary, OutOfSync, ShuttingDown, StorageFailed)

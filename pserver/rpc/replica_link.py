@@ -17,15 +17,13 @@ from psproto import ps_pb2
 from psproto.codec import TensorReader, decode_chunk
 from psproto.options import channel_options
 from psproto.security import Security
+from psproto.wire import method_path
 
 from ..errors import BadRequest, NotAllowed
 from ..replication.outbox import NotFollowed, ReplicaUnreachable, Transport
 from .prologue import parse, refusals
 
 log = logging.getLogger(__name__)
-
-_SERVICE = ps_pb2.DESCRIPTOR.services_by_name["ParameterServer"].full_name
-
 
 class ReplicaLink(Transport):
     """Channels to the shard's other process, one per endpoint, made on first use."""
@@ -55,16 +53,16 @@ class ReplicaLink(Transport):
         channel = self._channel(endpoint)
         try:
             if len(messages) == 1:
-                reply = channel.unary_unary(f"/{_SERVICE}/ReplicateOne")(messages[0], timeout=timeout)
+                reply = channel.unary_unary(method_path("ReplicateOne"))(messages[0], timeout=timeout)
             else:
-                reply = channel.stream_unary(f"/{_SERVICE}/Replicate")(iter(messages), timeout=timeout)
+                reply = channel.stream_unary(method_path("Replicate"))(iter(messages), timeout=timeout)
         except grpc.RpcError as e:
             raise ReplicaUnreachable(f"{endpoint}: {e.code().name}: {e.details()}") from None
         return ps_pb2.ReplicaAck.FromString(reply).seq
 
     def fetch_snapshot(self, endpoint: str, request, timeout: float) -> Iterator:
         """The primary's snapshot chunks (the first carries the stream position); ConnectionError on failure."""
-        call = self._channel(endpoint).unary_stream(f"/{_SERVICE}/Snapshot",
+        call = self._channel(endpoint).unary_stream(method_path("Snapshot"),
                                                     request_serializer=ps_pb2.SnapshotRequest.SerializeToString,
                                                     response_deserializer=ps_pb2.SnapshotChunk.FromString)
         try:
@@ -74,7 +72,7 @@ class ReplicaLink(Transport):
 
     def follow(self, endpoint: str, request, timeout: float) -> None:
         """Ask the primary at ``endpoint`` for the changes since the snapshot; ConnectionError on failure."""
-        call = self._channel(endpoint).unary_unary(f"/{_SERVICE}/Follow",
+        call = self._channel(endpoint).unary_unary(method_path("Follow"),
                                                    request_serializer=ps_pb2.FollowRequest.SerializeToString,
                                                    response_deserializer=ps_pb2.FollowReply.FromString)
         try:

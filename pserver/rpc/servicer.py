@@ -30,6 +30,7 @@ import torch
 
 from psproto import ps_pb2
 from psproto.codec import ONE_MESSAGE_BYTES, TensorReader, decode_chunk, encode_chunks, encode_into
+from psproto.wire import SERVICE, one_message
 
 from .buffers import BufferPool
 from .counters import Counters
@@ -43,18 +44,11 @@ from .shared import SharedRegions
 
 log = logging.getLogger(__name__)
 
-SERVICE_NAME = ps_pb2.DESCRIPTOR.services_by_name["ParameterServer"].full_name
 
 def _finite(g: torch.Tensor) -> bool:
     # One reduction first (cheap); the elementwise pass only when the sum is
     # not finite, which also covers a sum that merely overflowed.
     return bool(torch.isfinite(g.sum())) or bool(torch.isfinite(g).all())
-
-
-def _one_message(header, tensors) -> bytes:
-    """``header`` and ``tensors`` encoded as a single PullChunk."""
-    (message,) = encode_chunks(header, tensors, sum(t.numel() * t.element_size() for _, t in tensors) + 1)
-    return message
 
 
 class PserverServicer:
@@ -182,7 +176,7 @@ class PserverServicer:
     def PushPullOne(self, data, context) -> bytes:
         # One message each way: no response stream, whose every message and final status the
         # handler thread waits for (6-7% of job S's throughput on 2 cores).
-        return _one_message(*self._push_pull(iter((data,)), answer_limit=ONE_MESSAGE_BYTES))
+        return one_message(*self._push_pull(iter((data,)), answer_limit=ONE_MESSAGE_BYTES))
 
     @refusals
     def PushPullShared(self, data, context) -> bytes:
@@ -195,7 +189,7 @@ class PserverServicer:
         self.counters.add(shared_pushes=1)
         n = encode_into(answer, header, tensors)
         if n < 0:  # the pieces' names and shapes did not fit beside the tensors
-            return ps_pb2.SharedAnswer(inline=_one_message(header, tensors)).SerializeToString()
+            return ps_pb2.SharedAnswer(inline=one_message(header, tensors)).SerializeToString()
         return ps_pb2.SharedAnswer(answer_bytes=n).SerializeToString()
 
     def _push_pull(self, request_iterator, answer_limit: Optional[int] = None):
@@ -386,4 +380,4 @@ class PserverServicer:
             "Reduce": grpc.unary_unary_rpc_method_handler(self.Reduce, response_serializer=serialize),
         }
         handlers.update(ReplicaServicer(self).handlers())
-        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))

@@ -3,7 +3,7 @@
 A trainer process says ``Hello`` with its trainer id and its *incarnation*
 (a random number per process) and gets an unguessable session token; every
 other call it makes carries the token. The decisions are pure functions,
-table-tested in ``tests/test_sessions.py``:
+table-tested in ``tests/pserver/test_sessions.py``:
 
 =================================================  ==============================================
 at Hello, the trainer id's current session is ...   decision

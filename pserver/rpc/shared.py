@@ -1,4 +1,4 @@
-"""The shared-memory regions trainers on this host named (psproto.shared), mapped once and kept.
+"""The shared-memory regions trainers on this host named (psproto.shared_memory), mapped once and kept.
 
 A trainer reuses a few regions call after call, so each is mapped on its first
 use and kept, up to a bound: past it the least recently used goes (its memory
@@ -11,7 +11,7 @@ import collections
 import threading
 from typing import Tuple
 
-from psproto.shared import map_region
+from psproto.shared_memory import map_region
 
 # Per trainer: two calls at once (a step and a prefetch), a request and an answer region each.
 REGIONS_PER_TRAINER = 4

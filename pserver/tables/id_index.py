@@ -22,7 +22,7 @@ from typing import Tuple
 
 import numpy as np
 
-from transpiler.hashing import stable_hash_ids
+from transpiler.placement import stable_hash_ids
 
 MAX_LOAD = 0.7            # index load factor above which the slots double
 EMPTY = np.int32(-1)

@@ -1,7 +1,7 @@
 """The CTR example (examples/train_ctr.py) under ps-launch on a Criteo-format file, for the tests.
 
-One sync run serves two tests (its training and files in tests/test_ctr_example.py, the console
-as a user sees it in tests/test_launch_console.py): starting 2 pservers and 2 trainers that
+One sync run serves two tests (its training and files in tests/examples/test_ctr_example.py, the console
+as a user sees it in tests/launch/test_console.py): starting 2 pservers and 2 trainers that
 import torch is most of what a run costs on 2 cores. See the ``ctr_sync_job`` fixture in conftest.
 """
 from __future__ import annotations

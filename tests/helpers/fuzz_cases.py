@@ -33,7 +33,7 @@ from .fuzz_wire import MASK64, byte_mutation, random_fields, wire_mutation
 from psproto import ps_pb2
 from psproto.dtypes import DTYPES
 from psproto.codec import decode_chunk, encode_chunks, encode_into
-from psproto.shared import Region
+from psproto.shared_memory import Region
 from transpiler import Program
 
 SERVICE = ps_pb2.DESCRIPTOR.services_by_name["ParameterServer"]

@@ -11,12 +11,13 @@ from typing import Dict
 import pytest
 import torch
 
+from tests.helpers.paths import SCRIPTS
 from tests.scripts import recovery_job
 
 from .models import assert_state_close
 from .ports import free_ports
 
-SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "recovery_job.py")
+SCRIPT = str(SCRIPTS / "recovery_job.py")
 
 
 class Job:

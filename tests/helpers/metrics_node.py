@@ -1,4 +1,4 @@
-"""A local rank of a trainer node that reports global metrics (tests/test_metrics.py); spawned, so it imports little."""
+"""A local rank of a trainer node that reports global metrics (tests/pserver/test_metrics.py); spawned, so it imports little."""
 from __future__ import annotations
 
 from typing import Sequence

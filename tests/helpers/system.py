@@ -1,6 +1,6 @@
 """Tests that need the machine itself (root, network namespaces, Slurm): skip, or fail where required.
 
-``tests/test_slurm.py`` and ``tests/test_two_hosts.py`` cannot run everywhere: a developer without
+``tests/system/test_slurm.py`` and ``tests/system/test_two_hosts.py`` cannot run everywhere: a developer without
 root, ``ip`` or Slurm gets a skip naming what is missing. CI exports ``PS_REQUIRE_SYSTEM_TESTS=1``
 (``.ci/run``): there the same condition is a failure, so a green CI run is one in which these
 tests ran. Every "cannot run here" decision of those modules goes through :func:`unavailable`.

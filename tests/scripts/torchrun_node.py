@@ -1,4 +1,4 @@
-"""One local process of a trainer node that torchrun started across nodes (tests/test_torchrun_nodes.py).
+"""One local process of a trainer node that torchrun started across nodes (tests/trainer/test_torchrun_nodes.py).
 
 Run as ``python -m torch.distributed.run --nnodes 2 --node-rank N ... torchrun_node.py OUT_DIR`` with
 ``TRAINING_ROLE=TRAINER`` and ``PADDLE_PSERVERS_IP_PORT_LIST`` set; the pservers serve

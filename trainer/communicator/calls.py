@@ -18,6 +18,7 @@ import torch
 
 from psproto import ps_pb2, ps_pb2_grpc
 from psproto.codec import ONE_MESSAGE_BYTES, TensorReader, WireError, decode_chunk, encode_chunks, encode_into
+from psproto.wire import method_path, one_message
 from psproto.options import channel_options
 from transpiler import TrainerProgram
 from psproto.security import Security
@@ -27,7 +28,7 @@ from ..narrowing import GradientNarrower
 from ..primaries import Primaries
 from ..shared_regions import RegionPool
 from .sessions import SessionCalls
-from .status import SERVICE, details, error_of
+from .status import details, error_of
 
 log = logging.getLogger(__name__)
 
@@ -42,14 +43,8 @@ def _call(one: Callable, streamed: Callable, header, tensors: Sequence[Tuple[str
     """
     total = sum(t.numel() * t.element_size() for _, t in tensors)
     if total <= ONE_MESSAGE_BYTES:
-        return one(_one_message(header, tensors, total), timeout=timeout)
+        return one(one_message(header, tensors, total), timeout=timeout)
     return streamed(encode_chunks(header, tensors, chunk_bytes), timeout=timeout)
-
-
-def _one_message(header, tensors: Sequence[Tuple[str, torch.Tensor]], nbytes: int) -> bytes:
-    """``header`` and ``tensors`` (``nbytes`` of tensor data) encoded as a single message."""
-    (message,) = encode_chunks(header, tensors, nbytes + 1)  # room never runs out: one message
-    return message
 
 
 def results_of(calls: Dict[str, futures.Future]) -> Dict[str, object]:
@@ -114,17 +109,17 @@ class Communicator(SessionCalls):
         self._stubs[endpoint] = ps_pb2_grpc.ParameterServerStub(ch)
         # PushPull, Pull and Prefetch carry tensor bytes: encoded and decoded by
         # psproto.codec (the same wire format, fewer copies), so the channel passes raw bytes.
-        self._push_pull_calls[endpoint] = ch.stream_stream(f"/{SERVICE}/PushPull")
-        self._pull_calls[endpoint] = ch.unary_stream(f"/{SERVICE}/Pull",
+        self._push_pull_calls[endpoint] = ch.stream_stream(method_path("PushPull"))
+        self._pull_calls[endpoint] = ch.unary_stream(method_path("Pull"),
                                                      request_serializer=ps_pb2.PullRequest.SerializeToString)
-        self._prefetch_calls[endpoint] = ch.stream_stream(f"/{SERVICE}/Prefetch")
+        self._prefetch_calls[endpoint] = ch.stream_stream(method_path("Prefetch"))
         # Requests that fit in one message go unary: no request-streaming thread per call; a push
         # whose answer fits one message too goes unary both ways (PushPullOne).
-        self._push_pull_one_calls[endpoint] = ch.unary_unary(f"/{SERVICE}/PushPullOne")
-        self._prefetch_one_calls[endpoint] = ch.unary_stream(f"/{SERVICE}/PrefetchOne")
+        self._push_pull_one_calls[endpoint] = ch.unary_unary(method_path("PushPullOne"))
+        self._prefetch_one_calls[endpoint] = ch.unary_stream(method_path("PrefetchOne"))
         # A pserver that maps this process's regions gets pushes and answers through shared memory
-        # (psproto.shared); one that cannot (another host) is sent bytes from its first refusal on.
-        self._push_pull_shared_calls[endpoint] = ch.unary_unary(f"/{SERVICE}/PushPullShared")
+        # (psproto.shared_memory); one that cannot (another host) is sent bytes from its first refusal on.
+        self._push_pull_shared_calls[endpoint] = ch.unary_unary(method_path("PushPullShared"))
         if old is not None:
             old.close()
 
@@ -179,7 +174,7 @@ class Communicator(SessionCalls):
                 call = lambda: self._push_pull_calls[endpoint](  # noqa: E731
                     encode_chunks(header, narrowed(), self.chunk_bytes), timeout=timeout)
             elif sent[0] <= ONE_MESSAGE_BYTES and answer_bytes is not None and answer_bytes <= ONE_MESSAGE_BYTES:
-                message = _one_message(header, tensors, sent[0])
+                message = one_message(header, tensors, sent[0])
                 call = lambda: (self._push_pull_one_calls[endpoint](message, timeout=timeout),)  # noqa: E731
             else:
                 call = lambda: self._push_pull_calls[endpoint](  # noqa: E731

@@ -15,7 +15,9 @@ import grpc
 from psproto import ps_pb2
 
 from ..errors import PserverError, PserverUnavailableError
-from .status import SERVICE, details, error_of
+from psproto.wire import method_path
+
+from .status import details, error_of
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +39,7 @@ class SessionCalls:
         if call is None:
             channel = self._security.channel(address, self._options)
             call = self._lead_calls[address] = (channel, channel.unary_unary(
-                f"/{SERVICE}/Lead", request_serializer=ps_pb2.LeadRequest.SerializeToString,
+                method_path("Lead"), request_serializer=ps_pb2.LeadRequest.SerializeToString,
                 response_deserializer=ps_pb2.LeadReply.FromString))
         try:
             reply = call[1](ps_pb2.LeadRequest(), timeout=timeout)

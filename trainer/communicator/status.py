@@ -9,11 +9,8 @@ from typing import Optional
 
 import grpc
 
-from psproto import ps_pb2
 
 from ..errors import DOWN, FENCED, REFUSED, RESYNC, TIMEOUT, FencedError, PserverError
-
-SERVICE = ps_pb2.DESCRIPTOR.services_by_name["ParameterServer"].full_name
 
 # The one mapping of the wire's status codes to what they mean for a trainer (trainer/errors.py).
 _KINDS = {

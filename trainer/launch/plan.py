@@ -13,7 +13,7 @@ import subprocess
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Mapping, Optional, Tuple
 
-from transpiler.env import NODE_VARS, PSERVER, ROLE_VARS, TRAINER, NodeEnv, RoleEnv, parse_endpoints
+from transpiler.roles.role_env import NODE_VARS, PSERVER, ROLE_VARS, TRAINER, NodeEnv, RoleEnv, parse_endpoints
 from psproto.security import Security
 
 # The command line lives in args; these names stay importable from here.

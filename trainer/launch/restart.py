@@ -8,7 +8,7 @@ from __future__ import annotations
 import signal
 from dataclasses import dataclass
 
-from transpiler.env import PSERVER
+from transpiler.roles.role_env import PSERVER
 
 FINISHED = "finished"   # exit 0: the role is done (a trainer's data ran out, a pserver saw every Close)
 RESTART = "restart"     # start the same command again, same role id and variables

@@ -202,7 +202,7 @@ def trainer_node(env: Mapping[str, str], pservers: Sequence[str], trainers: int,
 
 @dataclass
 class Role:
-    """What a source found: the fields of :class:`transpiler.env.RoleEnv`, and which source found them."""
+    """What a source found: the fields of :class:`transpiler.roles.role_env.RoleEnv`, and which source found them."""
 
     role: str
     pservers: List[str]

@@ -19,7 +19,7 @@ from typing import Dict
 
 import numpy as np
 
-from transpiler.hashing import stable_hash_ids
+from transpiler.placement import stable_hash_ids
 from transpiler.lifecycle import TableLifecycle
 
 DEPTH = 4

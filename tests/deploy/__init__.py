@@ -1,0 +1,1 @@
+"""Tests of deploy/: Kubernetes manifests and Slurm scripts, checked offline."""

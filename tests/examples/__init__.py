@@ -1,0 +1,1 @@
+"""Tests of the examples' data readers and the CTR example under ps-launch."""

@@ -1,0 +1,1 @@
+"""Tests of ps-launch: its pure pieces and real supervised jobs."""

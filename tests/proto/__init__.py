@@ -1,0 +1,1 @@
+"""Tests of psproto: the generated modules, the codec, shared memory, security."""

@@ -1,0 +1,1 @@
+"""Tests of the pserver: engines, servicer, sessions, statuses, fuzzing, operators' views."""

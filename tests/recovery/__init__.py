@@ -1,0 +1,1 @@
+"""Tests of faults, checkpoints and recovery: pure decisions, then killed processes."""

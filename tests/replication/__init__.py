@@ -1,0 +1,1 @@
+"""Tests of hot standby: decisions, coordination against etcd, chaos, ps-launch."""

@@ -1,0 +1,1 @@
+"""Tests of system tests: Slurm, network namespaces (real TCP), partitions."""

@@ -1,0 +1,488 @@
+"""Hot standby across a network partition: an isolated primary is fenced and refuses pushes; no split brain.
+
+Topology (two network namespaces, as tests/system/test_two_hosts.py sets them up)::
+
+    namespace NS_A (made here)                root namespace
+    pserver0: shard 0's first process  ==veth==  replica0 (its second process), etcd, trainers 0 and 1
+    bound to IP_A:port only                      bound to IP_B (etcd's client URL too; its peer URL on 127.0.0.1)
+
+The job (tests/scripts/recovery_job.py, sync, one shard on two processes, two trainers) starts with
+pserver0 leading; replica0 joins, and only once it is in sync do the trainers (started with pserver0,
+waiting at step 0) train. After WARMUP_UPDATES replicated steps NS_A is cut off by taking its end
+of the veth down (``ip netns exec NS_A ip link set VETH_A down``). That drops every packet between
+the namespaces in both directions, and leaks none elsewhere: in NS_A the route to IP_B goes with the
+link (sends fail with ENETUNREACH at once), and in the root namespace the route to IP_A stays (marked
+``linkdown``), so packets for NS_A are dropped at the veth rather than sent out of the default route
+(taking the root end down instead would remove that route, and the root namespace's default route
+would carry them off the machine). Local addresses stay reachable on both sides: a probe run inside
+NS_A still reaches pserver0, and replica0 and the trainers still reach etcd. The test checks the cut
+holds both ways before relying on it.
+
+What it asserts, each from real observations (polls with deadlines, no sleeps standing in for them):
+
+1. pserver0 is fenced: its log says it lost the lead of shard 0 at the epoch it led at, within
+   ``FENCED_DEADLINE`` (the lease TTL + 1 s) of the cut, and it exits on its own with status 1
+   (``LostLead``) within ``EXIT_DEADLINE`` of the cut (the fence, then ``serve()``'s graceful stop, which
+   can wait 5 s for the replication sender and gives the trainers' calls cut off in flight 5 s, then the
+   interpreter's exit).
+2. pserver0 refuses pushes: a probe inside NS_A calls it over and over from the cut on (Lead, a
+   Hello for trainer 0 from a fresh incarnation with the job's real layout digest, and a Push for
+   trainer 0). No Hello or Push is ever accepted. Every call that started after pserver0 logged its
+   fence is refused with UNAVAILABLE "does not lead shard 0 (fenced" -- the check every trainer call
+   (Hello, Push, PushPull...) passes first, so no push can be applied there any more -- or finds the
+   process gone (its server stopped); Lead then answers "fenced", never "primary". The probe's last
+   calls find it gone. Before the fence the isolated primary still leads (its lease has not lapsed) and
+   refuses them for other reasons: trainer 0 is live (ALREADY_EXISTS), the Push has no session. And
+   nothing it applied after the cut was acknowledged: it stopped at most one update (the one in flight
+   at the cut) beyond the update replica0 took over at.
+3. No split brain: pserver0's fence line precedes replica0's "leads shard 0 at epoch E2" line (both
+   logs stamp the same host clock), with E2 greater than pserver0's epoch; Lead sampled from the root
+   namespace during the whole failover never finds two primaries, and no "primary" answer the probe got
+   from pserver0 inside NS_A ends after replica0 first answered "primary".
+4. The job finishes as if nothing happened: trainers exit 0, their final model equals single-process
+   training, and no log line tells of a roll-back.
+5. Heal: with the link up again, pserver0 is started again (the same command, inside NS_A) and
+   rejoins as replica0's backup, in sync (replica0's Stats), while the trainers still train.
+
+Needs root (or CAP_NET_ADMIN + CAP_SYS_ADMIN), ``ip`` and ``etcd``; skipped otherwise, naming the
+failing command, or failed under ``PS_REQUIRE_SYSTEM_TESTS=1`` (:mod:`tests.helpers.system`).
+"""
+from __future__ import annotations
+
+import errno
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent import futures
+from datetime import datetime
+from typing import Dict, List, Optional, Tuple
+
+import pytest
+import torch
+
+from tests.helpers.etcd import start_etcd
+from tests.helpers.jobs import SCRIPT
+from tests.helpers.replicated_job import ReplicatedJob
+from tests.helpers.system import clear_namespace, in_ns, missing_prerequisites, run, unavailable
+from tests.scripts import recovery_job
+
+pytestmark = pytest.mark.processes
+
+PID = os.getpid()
+NS_A = f"ps-pa-{PID}"                           # pserver0's "host"
+VETH_A, VETH_B = f"pspa-{PID}", f"pspb-{PID}"   # NS_A's end, the root namespace's end (<= 15 characters)
+# A /30 of 10.231.x (test_two_hosts uses x.1 and x.2 inside its own namespaces): the root namespace
+# gets IP_B, so two concurrent runs of this test must not pick the same one; the offset spreads them.
+SUBNET = f"10.231.{PID % 250}"
+OFFSET = 4 * (1 + (PID // 250) % 63)
+IP_A, IP_B = f"{SUBNET}.{OFFSET + 1}", f"{SUBNET}.{OFFSET + 2}"
+PREFIX = 30
+
+EPOCHS = 20                 # 400 steps of each trainer, >= 40 s at STEP_DELAY: the heal is over long before
+STEP_DELAY = 0.1            # until PAUSE_DIR/calm (written after the heal); the rest runs at full speed
+WARMUP_UPDATES = 20         # steps the shard applies (replicated) before the cut
+LEASE_TTL = 1               # the job's lease: replica_lease_ttl's default (Job.env drops PS_REPLICA_LEASE_TTL)
+FENCED_DEADLINE = LEASE_TTL + 1.0   # the cut -> pserver0's fence (its lease's deadline: <= 0.75 s after the last
+                                    # keep-alive it sent, <= 0.25 s before the cut; then its 50 ms poll)
+# The cut -> pserver0 exited: the fence; its stop, which may wait 5 s for its replication sender (blocked on the
+# cut-off backup) and gives calls in flight (the trainers', cut off) 5 s of grace; the interpreter's exit.
+EXIT_DEADLINE = LEASE_TTL + 5.0 + 5.0 + 9.0
+FAILOVER_DEADLINE = 60.0    # the cut -> replica0 leads
+START_DEADLINE = 120.0      # a process started -> it leads / is in sync (importing torch on a loaded machine)
+TRAINERS_DEADLINE = 180.0
+
+PROXY_VARS = ("http_proxy", "https_proxy", "all_proxy", "grpc_proxy", "no_proxy")
+
+FENCED_LINE = re.compile(r"^(\S+ \S+) ERROR \S+: replica (\S+): lost the lead of shard 0 \(epoch (\d+)\): fenced",
+                         re.M)
+LEADS_LINE = re.compile(r"^(\S+ \S+) WARNING \S+: replica (\S+) leads shard 0 at epoch (\d+) \(update (\d+)\)", re.M)
+FOLLOWED_LINE = re.compile(r"^(\S+ \S+) WARNING \S+: trainer (\d): \S+ is served by (\S+) now \(epoch (\d+)\)", re.M)
+STOPPED_LINE = re.compile(r"pserver \S+ stopped after (\d+) updates")
+
+# The probe run inside NS_A: after PAUSE_DIR/probe-go it calls pserver0 (Lead, Hello, Push) in a loop,
+# recording each call's wall-clock start and end and its outcome, until GONE_CALLS calls in a row found no
+# server (UNAVAILABLE without the replica's "does not lead", or CANCELLED), or 90 s passed; first it tries
+# to reach etcd (the partition's other direction). argv: target etcd_host etcd_port digest pause_dir out
+# gone_calls.
+GONE_CALLS = 12
+PROBE = r"""
+import json, os, secrets, socket, sys, time
+import grpc
+from psproto import ps_pb2, ps_pb2_grpc
+
+target, etcd_host, etcd_port, digest, pause, out, gone_calls = sys.argv[1:8]
+open(os.path.join(pause, "probe-ready"), "w").close()
+deadline = time.monotonic() + 120
+while not os.path.exists(os.path.join(pause, "probe-go")):
+    if time.monotonic() > deadline:
+        sys.exit("no probe-go within 120 s")
+    time.sleep(0.005)
+
+s = socket.socket()
+s.settimeout(1.0)
+try:
+    s.connect((etcd_host, int(etcd_port)))
+    etcd = "connected"
+except OSError as e:
+    etcd = f"{type(e).__name__} errno={e.errno}: {e}"
+finally:
+    s.close()
+
+channel = grpc.insecure_channel(target)
+stub = ps_pb2_grpc.ParameterServerStub(channel)
+calls = {
+    "Lead": lambda: stub.Lead(ps_pb2.LeadRequest(), timeout=1.0),
+    "Hello": lambda: stub.Hello(ps_pb2.HelloRequest(trainer_id=0, layout_digest=digest,
+                                                    incarnation=secrets.randbits(63) or 1), timeout=1.0),
+    "Push": lambda: stub.Push(iter([ps_pb2.PushChunk(header=ps_pb2.PushHeader(
+        trainer_id=0, step=1, layout_digest=digest))]), timeout=1.0),
+}
+records = []
+deadline = time.monotonic() + 90
+gone = 0
+while gone < int(gone_calls) and time.monotonic() < deadline:
+    for name, call in calls.items():
+        t0 = time.time()
+        try:
+            reply = call()
+            rec = {"code": "OK", "detail": "", "role": getattr(reply, "role", ""), "epoch": getattr(reply, "epoch", 0)}
+        except grpc.RpcError as e:
+            rec = {"code": e.code().name, "detail": e.details() or "", "role": "", "epoch": 0}
+        rec.update(call=name, t0=t0, t1=time.time())
+        records.append(rec)
+        refused = rec["code"] == "UNAVAILABLE" and "does not lead" in rec["detail"]
+        gone = gone + 1 if rec["code"] in ("UNAVAILABLE", "CANCELLED") and not refused else 0
+    time.sleep(0.01)
+channel.close()
+with open(out, "w") as f:
+    json.dump({"etcd": etcd, "records": records}, f)
+"""
+
+
+def clean_env(env: Dict[str, str]) -> Dict[str, str]:
+    """``env`` without proxy variables: gRPC and etcd's HTTP client would otherwise send 10.231.x.x through a proxy."""
+    return {k: v for k, v in env.items() if k.lower() not in PROXY_VARS}
+
+
+def teardown_network() -> None:
+    """Delete NS_A (SIGKILLing whatever still runs in it, which removes its veth end) and a veth end left behind."""
+    clear_namespace(NS_A)
+    for dev in (VETH_B, VETH_A):
+        if run(["ip", "link", "show", dev]).returncode == 0:
+            run(["ip", "link", "del", dev])
+
+
+@pytest.fixture
+def partition_net():
+    """NS_A joined to the root namespace by the veth pair (IP_A in NS_A, IP_B here); all of it is gone afterwards."""
+    reason = missing_prerequisites(["ip"], "apt-get install iproute2")
+    if reason:
+        unavailable(reason)
+    steps = [
+        ["ip", "netns", "add", NS_A],
+        in_ns(NS_A, "true"),  # `ip netns exec` must be able to remount /sys in a container
+        ["ip", "link", "add", VETH_B, "type", "veth", "peer", "name", VETH_A],
+        ["ip", "link", "set", VETH_A, "netns", NS_A],
+        in_ns(NS_A, "ip", "addr", "add", f"{IP_A}/{PREFIX}", "dev", VETH_A),
+        ["ip", "addr", "add", f"{IP_B}/{PREFIX}", "dev", VETH_B],
+        in_ns(NS_A, "ip", "link", "set", "lo", "up"),
+        in_ns(NS_A, "ip", "link", "set", VETH_A, "up"),
+        ["ip", "link", "set", VETH_B, "up"],
+    ]
+    try:
+        for cmd in steps:
+            r = run(cmd)
+            if r.returncode != 0:
+                # Inside the try: the finally below removes what the earlier steps created.
+                unavailable(f"network namespace setup failed (needs root / CAP_NET_ADMIN and namespaces "
+                            f"allowed): `{' '.join(cmd)}` exited {r.returncode}: {(r.stderr or r.stdout).strip()}")
+        yield
+    finally:
+        teardown_network()
+
+
+def free_port(host: str) -> int:
+    """A port the OS reports free on ``host`` (an address of this namespace)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class PartitionJob(ReplicatedJob):
+    """One shard: ``pserver0`` at IP_A inside NS_A, ``replica0`` at IP_B here; two trainers here."""
+
+    def __init__(self, tmp_path, etcd_url: str, args):
+        super().__init__(tmp_path, etcd_url, n_pservers=1, n_trainers=2, args=args)
+        self.endpoints = [f"{IP_A}:{free_port('127.0.0.1')}"]  # NS_A is empty: any port is free there
+        self.backups = [f"{IP_B}:{free_port(IP_B)}"]
+
+    def env(self, role: str, index: int) -> dict:
+        return clean_env(super().env(role, index))
+
+    def start(self, role: str, index: int, tag: str = "") -> subprocess.Popen:
+        """As :meth:`Job.start`, with ``pserverK`` run inside NS_A (``ip netns exec`` execs it: same pid)."""
+        if role != "PSERVER":
+            return super().start(role, index, tag)
+        name = f"pserver{index}{tag}"
+        n = sum(k.rsplit(".", 1)[0] == name for k in self.logs)
+        path = str(self.tmp / f"{name}.{n}.log")
+        with open(path, "wb") as log:
+            proc = subprocess.Popen(in_ns(NS_A, sys.executable, SCRIPT, *self.args), env=self.env(role, index),
+                                    stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.procs[name], self.logs[f"{name}.{n}"] = proc, path
+        self.waited.discard(name)
+        return proc
+
+
+def layout_digest(pservers: str) -> str:
+    """The digest the job's trainers say Hello with (recovery_job's program and plan, sync, 2 trainers)."""
+    from transpiler import DistributeTranspiler, DistributeTranspilerConfig
+
+    t = DistributeTranspiler(DistributeTranspilerConfig())
+    t.transpile(0, program=recovery_job.build_program(), pservers=pservers, trainers=recovery_job.TRAINERS,
+                sync_mode=True)
+    return t.get_trainer_program().layout_digest
+
+
+def stamp(text: str) -> float:
+    """A log line's time (recovery_job's ``%(asctime)s``: local time, milliseconds truncated) as epoch seconds."""
+    return datetime.strptime(text, "%Y-%m-%d %H:%M:%S,%f").timestamp()
+
+
+class LeadSampler:
+    """Asks both processes ``Lead`` from the root namespace, concurrently, every ~50 ms, until stopped."""
+
+    def __init__(self, job: PartitionJob):
+        self.job = job
+        self.samples: List[Dict[str, Tuple[float, float, Optional[Tuple[str, int]]]]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="lead-sampler")
+
+    def _ask(self, name: str) -> Tuple[float, float, Optional[Tuple[str, int]]]:
+        t0 = time.time()
+        reply = self.job.lead(name, timeout=0.5)
+        return t0, time.time(), None if reply is None else (reply.role, reply.epoch)
+
+    def _run(self) -> None:
+        with futures.ThreadPoolExecutor(2) as pool:
+            while not self._stop.is_set():
+                asked = {n: pool.submit(self._ask, n) for n in ("pserver0", "replica0")}
+                self.samples.append({n: f.result() for n, f in asked.items()})
+                self._stop.wait(0.05)
+
+    def start(self) -> "LeadSampler":
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(10)
+
+
+def wait_for(predicate, deadline: float, what: str, job: PartitionJob):
+    """Poll ``predicate`` every 20 ms until it returns something truthy (returned); fail at ``deadline``."""
+    while True:
+        got = predicate()
+        if got:
+            return got
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out waiting for {what}\n{job.all_logs()}")
+        time.sleep(0.02)
+
+
+def leading(job: PartitionJob, name: str):
+    """Process ``name``'s Lead answer if it says it is the primary, else None (another role, or no answer)."""
+    reply = job.lead(name)
+    return reply if reply is not None and reply.role == "primary" else None
+
+
+def classify(rec: dict) -> str:
+    """A probe record's outcome: "ok" / "role R" (Lead), "not leading" (the replica's refusal), "gone" (no server),
+    "timed out", or "refused: CODE" (another refusal)."""
+    if rec["code"] == "OK":
+        return f"role {rec['role']}" if rec["call"] == "Lead" else "ok"
+    if rec["code"] == "UNAVAILABLE" and "does not lead shard 0" in rec["detail"]:
+        return "not leading"
+    if rec["code"] in ("UNAVAILABLE", "CANCELLED"):  # connection refused, reset or closed under the call
+        return "gone"
+    if rec["code"] == "DEADLINE_EXCEEDED":  # no answer within the probe's 1 s: not accepted either
+        return "timed out"
+    return f"refused: {rec['code']}"
+
+
+@pytest.mark.timeout(300, method="signal")  # SIGALRM: the finally blocks and the fixture's teardown still run
+def test_isolated_primary_is_fenced_refuses_pushes_and_never_leads_beside_its_backup(partition_net, tmp_path):
+    started = time.monotonic()
+    etcd = start_etcd(tmp_path, host=IP_B)
+    job = PartitionJob(tmp_path, etcd.url, args=["--epochs", str(EPOCHS), "--step_delay", str(STEP_DELAY),
+                                                 "--pause_at", "0", "--pause_every_trainer"])
+    probe: Optional[subprocess.Popen] = None
+    sampler: Optional[LeadSampler] = None
+    timeline: Dict[str, float] = {}
+    try:
+        # -- pserver0 (in NS_A) leads; replica0 joins and is in sync; then the trainers train -------------
+        # The trainers start with pserver0 and wait at step 0 (--pause_at 0) until replica0 is in sync: a
+        # trainer that has not said Hello within heartbeat_timeout (30 s) of pserver0's start would be
+        # dropped and join late, which a loaded machine's imports can take.
+        job.start("PSERVER", 0)
+        for i in range(2):
+            job.start("TRAINER", i)
+        first = wait_for(lambda: leading(job, "pserver0"), time.monotonic() + START_DEADLINE, "pserver0 to lead", job)
+        epoch1 = first.epoch
+        job.start("REPLICA", 0)
+        assert job.wait_in_sync(0, timeout=START_DEADLINE) == ("pserver0", "replica0")
+        for i in range(2):
+            job.wait_file(f"reached-{i}", START_DEADLINE)
+        (job.pause / "go").touch()
+        job.wait_until(lambda: (lambda st: st is not None and st.updates >= WARMUP_UPDATES)(job.stats("pserver0")),
+                       f"{WARMUP_UPDATES} updates on pserver0", START_DEADLINE)
+        stats = job.stats("pserver0")
+        assert stats.replica.role == "primary" and stats.replica.backup_in_sync, stats.replica
+
+        digest = layout_digest(job.endpoints[0])
+        probe_out = tmp_path / "probe.json"
+        etcd_host, etcd_port = etcd.url.rsplit("/", 1)[-1].rsplit(":", 1)
+        with open(tmp_path / "probe.log", "wb") as log:
+            probe = subprocess.Popen(in_ns(NS_A, sys.executable, "-c", PROBE, job.endpoints[0], etcd_host, etcd_port,
+                                           digest, str(job.pause), str(probe_out), str(GONE_CALLS)),
+                                     env=clean_env(dict(os.environ)), stdout=log, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, start_new_session=True)
+        job.wait_until(lambda: (job.pause / "probe-ready").exists() or probe.poll() is not None, "the probe",
+                       START_DEADLINE)
+        assert probe.poll() is None, (tmp_path / "probe.log").read_text()
+        sampler = LeadSampler(job).start()
+        wait_for(lambda: len(sampler.samples) >= 3, time.monotonic() + 10, "Lead samples", job)
+
+        # -- the cut -------------------------------------------------------------------------------------
+        r = run(in_ns(NS_A, "ip", "link", "set", VETH_A, "down"))
+        assert r.returncode == 0, r.stderr
+        cut = time.time()
+        cut_mono = time.monotonic()
+        (job.pause / "probe-go").touch()
+        # The cut holds this way too: nothing here reaches pserver0's port (no answer, not even a refusal).
+        with socket.socket() as s:
+            s.settimeout(0.5)
+            reached = s.connect_ex((IP_A, int(job.endpoints[0].rsplit(":", 1)[1])))
+        assert reached not in (0, errno.ECONNREFUSED), \
+            f"the root namespace reached {job.endpoints[0]} across the cut ({errno.errorcode.get(reached, reached)})"
+
+        # 1. pserver0 fences itself and exits on its own, non-zero (LostLead), within the deadline.
+        old = job.procs["pserver0"]
+        job.waited.add("pserver0")  # its exit is expected from now on
+        deadline = cut_mono + EXIT_DEADLINE
+        while old.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        timeline["pserver0 exited"] = time.monotonic() - cut_mono
+        log0 = job.log("pserver0.0")
+        assert old.returncode is not None, (f"pserver0 still runs {EXIT_DEADLINE}s after the cut:\n"
+                                            f"{log0[-3000:]}")
+        assert old.returncode == 1 and "LostLead" in log0, (old.returncode, log0[-3000:])
+        fenced = FENCED_LINE.findall(log0)
+        assert [(ep, int(e)) for _, ep, e in fenced] == [(job.endpoints[0], epoch1)], log0[-3000:]
+        fenced_at = stamp(fenced[0][0])
+        timeline["pserver0 fenced (log)"] = fenced_at - cut
+        assert fenced_at - cut <= FENCED_DEADLINE, f"pserver0 fenced itself {fenced_at - cut:.2f}s after the cut"
+
+        # 2. What the probe inside NS_A got from pserver0 since the cut (it ends once pserver0 is gone).
+        try:
+            assert probe.wait(30) == 0, (tmp_path / "probe.log").read_text()
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the probe still finds pserver0 answering 30 s after it exited:\n"
+                        f"{(tmp_path / 'probe.log').read_text()}")
+        found = json.loads(probe_out.read_text())
+        assert found["etcd"].startswith("OSError errno=101"), f"NS_A reached etcd across the cut: {found['etcd']}"
+        records = found["records"]
+        outcomes = [(rec["call"], classify(rec)) for rec in records]
+        assert records and records[0]["t0"] >= cut
+        assert not [rec for rec in records if rec["call"] != "Lead" and rec["code"] == "OK"], \
+            f"pserver0 accepted a Hello or Push after the cut: {records}"
+        # Its digest is right: a Hello a primary refuses is refused for the trainer id being live, not the plan.
+        assert not [rec for rec in records if "plan mismatch" in rec["detail"]], records[:6]
+        after_fence = [(rec, o) for rec, (_, o) in zip(records, outcomes) if rec["t0"] >= fenced_at + 0.001]
+        assert after_fence, "the probe made no call after pserver0's fence"
+        allowed = {"Lead": {"role fenced", "gone", "timed out"}, "Hello": {"not leading", "gone", "timed out"},
+                   "Push": {"not leading", "gone", "timed out"}}
+        wrong = [(rec["call"], o, rec["detail"]) for rec, o in after_fence if o not in allowed[rec["call"]]]
+        assert not wrong, f"pserver0 answered after its fence: {wrong[:10]}"
+        last = outcomes[-GONE_CALLS:]
+        assert len(last) == GONE_CALLS and {o for _, o in last} == {"gone"}, f"pserver0 still answers: {records[-6:]}"
+        counts: Dict[str, int] = {}
+        for call, o in outcomes:
+            counts[f"{call}: {o}"] = counts.get(f"{call}: {o}", 0) + 1
+
+        # 3. replica0 takes over at a higher epoch, after pserver0 stopped serving (same host clock).
+        second = wait_for(lambda: leading(job, "replica0"), cut_mono + FAILOVER_DEADLINE, "replica0 to lead", job)
+        epoch2 = second.epoch
+        assert epoch2 > epoch1
+        leads = [(stamp(t), ep, int(e), int(u)) for t, ep, e, u in LEADS_LINE.findall(job.log("replica0.0"))]
+        assert [(ep, e) for _, ep, e, _ in leads] == [(job.backups[0], epoch2)], job.log("replica0.0")[-3000:]
+        led_at, took_over_at = leads[0][0], leads[0][3]
+        timeline["replica0 leads (log)"] = led_at - cut
+        assert fenced_at < led_at, f"replica0 led at {led_at} before pserver0 was fenced at {fenced_at}"
+        # Nothing pserver0 applied after the cut was acknowledged: in sync mode a step's update is answered only
+        # once the backup holds it, and the next step needs that answer, so the isolated primary stopped at most
+        # one update (the one in flight at the cut, never acknowledged) beyond what replica0 took over with.
+        stopped = [int(u) for u in STOPPED_LINE.findall(log0)]
+        assert len(stopped) == 1 and stopped[0] <= took_over_at + 1, (stopped, took_over_at)
+
+        # -- heal: the link up again; pserver0 started again in NS_A rejoins as the backup ----------------
+        r = run(in_ns(NS_A, "ip", "link", "set", VETH_A, "up"))
+        assert r.returncode == 0, r.stderr
+        healed = time.monotonic()
+        job.restart("pserver0")
+        assert job.wait_in_sync(0, timeout=START_DEADLINE) == ("replica0", "pserver0")
+        timeline["pserver0 back in sync (after the heal)"] = time.monotonic() - healed
+        stats = job.stats("replica0")
+        assert (stats.replica.role, stats.replica.epoch, stats.replica.backup, stats.replica.backup_in_sync) == \
+            ("primary", epoch2, job.endpoints[0], True), stats.replica
+        running = {f"trainer{i}": job.procs[f"trainer{i}"].poll() for i in range(2)}
+        assert running == {"trainer0": None, "trainer1": None}, f"the trainers finished before the heal: {running}"
+        sampler.stop()
+        (job.pause / "calm").touch()
+
+        # The samples from the root namespace, and the probe's Lead answers from inside NS_A: never two primaries.
+        both = [s for s in sampler.samples if sum(a is not None and a[0] == "primary" for _, _, a in s.values()) > 1]
+        assert not both, f"two primaries answered at once: {both[:3]}"
+        new_primary = [t0 for s in sampler.samples for name, (t0, _, a) in s.items()
+                       if name == "replica0" and a == ("primary", epoch2)]
+        assert new_primary, "the root namespace never saw replica0 lead"
+        old_primary = [rec["t1"] for rec in records if rec["call"] == "Lead" and rec["role"] == "primary"]
+        assert not old_primary or max(old_primary) < min(new_primary), \
+            (f"pserver0 answered 'primary' in NS_A until {max(old_primary)}, after replica0 answered 'primary' "
+             f"here at {min(new_primary)}")
+
+        # 4. The job finishes: exit 0, the model of one process, no roll-back.
+        job.wait_trainers(TRAINERS_DEADLINE)
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)  # the reference's small matmuls: two threads fighting a loaded machine took 10x longer
+        try:
+            job.assert_trained_as_one_process(epochs=EPOCHS)
+        finally:
+            torch.set_num_threads(threads)
+        assert job.rollback_lines() == []
+        codes = job.finish_pservers()
+        assert codes == {"pserver0": 0, "replica0": 0}, (codes, job.all_logs())
+
+        followed = [(stamp(t) - cut, int(tid), addr) for k in ("trainer0.0", "trainer1.0")
+                    for t, tid, addr, e in FOLLOWED_LINE.findall(job.log(k)) if int(e) == epoch2]
+        for at, tid, addr in followed:
+            timeline[f"trainer {tid} follows {addr}"] = at
+        timeline["total"] = time.monotonic() - started
+        print(f"\nepochs {epoch1} -> {epoch2}; pserver0 stopped after {stopped[0]} updates, replica0 took over at "
+              f"{took_over_at}; probe outcomes {counts}; {len(sampler.samples)} Lead samples")
+        print("timeline (s after the cut, unless noted): " +
+              ", ".join(f"{k} {v:.2f}" for k, v in timeline.items()))
+    finally:
+        if sampler is not None:
+            sampler.stop()
+        if probe is not None and probe.poll() is None:
+            os.killpg(probe.pid, signal.SIGKILL)
+            probe.wait(10)
+        job.close()
+        etcd.stop()

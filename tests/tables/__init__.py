@@ -1,0 +1,1 @@
+"""Tests of distributed tables: shards, files, lifecycle, disk tier, exports, sync equivalence."""

@@ -1,0 +1,1 @@
+"""Tests of the trainer: feed, steppers, nodes, collective mode, AMP, CUDA."""

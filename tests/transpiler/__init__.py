@@ -1,0 +1,1 @@
+"""Tests of the transpiler: slicing, placement, plans, roles from the environment."""
