@@ -2,7 +2,7 @@
 
 Usage::
 
-    python benchmarks/bench_checkpoint.py [--runs 5] [--rows 2000000] [--dim 16] [--dir DIR]
+    python -m benchmarks.bench_checkpoint [--runs 5] [--rows 2000000] [--dim 16] [--dir DIR]
 
 One pserver (in this process, no trainers) holds every block of the dense MLP
 of ``bench_dense.py`` (38 MB) with Adam state, and one distributed table of
@@ -34,13 +34,11 @@ import numpy as np
 import torch
 from torch import nn
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from dense_workers import build_model  # noqa: E402
-
-from pserver.checkpoint.checkpointer import Checkpointer  # noqa: E402
-from pserver.store import BlockStore  # noqa: E402
-from pserver.tables.table_set import TableSet  # noqa: E402
-from transpiler import DistributeTranspiler, DistributeTranspilerConfig, Program, TableOptions  # noqa: E402
+from benchmarks.jobs.dense_workers import build_model
+from pserver.checkpoint.checkpointer import Checkpointer
+from pserver.store import BlockStore
+from pserver.tables.table_set import TableSet
+from transpiler import DistributeTranspiler, DistributeTranspilerConfig, Program, TableOptions
 
 ENDPOINT = "127.0.0.1:1"
 
@@ -87,10 +85,10 @@ def timed(fn) -> float:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--runs", type=int, default=5)
-    p.add_argument("--rows", type=int, default=2_000_000)
-    p.add_argument("--dim", type=int, default=16)
-    p.add_argument("--dir", default=None)
+    p.add_argument("--runs", type=int, default=5, help="alternating runs of each (default %(default)s)")
+    p.add_argument("--rows", type=int, default=2_000_000, help="stored rows of the table (default %(default)s)")
+    p.add_argument("--dim", type=int, default=16, help="the table's row width (default %(default)s)")
+    p.add_argument("--dir", default=None, help="where to write (default: a temp dir)")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     root = tempfile.mkdtemp(prefix="bench-ckpt-", dir=args.dir)

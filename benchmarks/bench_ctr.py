@@ -2,7 +2,7 @@
 
 Usage::
 
-    python benchmarks/bench_ctr.py [--runs 5] [--steps 300] [--batch_size 1024] [--configs local,async,sync]
+    python -m benchmarks.bench_ctr [--runs 5] [--steps 300] [--batch_size 1024] [--configs local,async,sync]
 
 Every run starts the real example, ``examples/train_ctr.py`` (Wide & Deep over two distributed
 tables, generated Criteo-layout data), in fresh processes:
@@ -29,12 +29,12 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from typing import Dict, List
 
-from bench_dense import _die_with_parent, busy_cpu_seconds
+from benchmarks.common.machine import OtherLoad
+from benchmarks.common.paths import REPO
+from benchmarks.common.processes import die_with_parent
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(REPO, "examples", "train_ctr.py")
 
 
@@ -57,18 +57,16 @@ def results(output: str) -> List[dict]:
 def run(config: str, args, workdir: str) -> Dict[str, float]:
     """One run of ``config``; its examples/s and the other load on the machine."""
     os.makedirs(workdir, exist_ok=True)
-    busy0, ours0, t0 = *busy_cpu_seconds(), time.monotonic()
     out_path = os.path.join(workdir, "out.log")
-    with open(out_path, "w") as out:
+    with OtherLoad() as load, open(out_path, "w") as out:
         proc = subprocess.Popen(command(config, args, workdir), cwd=workdir, stdout=out,
-                                stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
+                                stderr=subprocess.STDOUT, preexec_fn=die_with_parent)
         try:
             code = proc.wait(timeout=args.timeout)
         except subprocess.TimeoutExpired:
             proc.terminate()  # ps-launch stops its roles on SIGTERM
             proc.wait(timeout=30)
             raise SystemExit(f"{config} run exceeded {args.timeout}s; log in {out_path}")
-    busy1, ours1 = busy_cpu_seconds()
     text = open(out_path).read()
     if config != "local":
         logs = os.path.join(workdir, "logs")
@@ -80,8 +78,7 @@ def run(config: str, args, workdir: str) -> Dict[str, float]:
         raise SystemExit(f"{config} run failed (exit {code}, {len(found)} RESULT lines); log in {workdir}")
     examples = sum(r["examples"] for r in found)
     seconds = max(r["end"] for r in found) - min(r["start"] for r in found)
-    other = max(0.0, (busy1 - busy0) - (ours1 - ours0)) / (time.monotonic() - t0)
-    return {"examples_s": examples / seconds, "other_load": other}
+    return {"examples_s": examples / seconds, "other_load": load.cores}
 
 
 def fmt(values: List[float], spec: str) -> str:
@@ -90,13 +87,14 @@ def fmt(values: List[float], spec: str) -> str:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--runs", type=int, default=5)
-    p.add_argument("--steps", type=int, default=300, help="timed steps per trainer")
-    p.add_argument("--warmup", type=int, default=20)
+    p.add_argument("--runs", type=int, default=5, help="rounds of every configuration (default %(default)s)")
+    p.add_argument("--steps", type=int, default=300, help="timed steps per trainer (default %(default)s)")
+    p.add_argument("--warmup", type=int, default=20, help="untimed steps first (default %(default)s)")
     p.add_argument("--batch_size", type=int, default=1024, help="per trainer (and of the local run)")
     p.add_argument("--train_examples", type=int, default=400_000, help="generated, all trainers together")
-    p.add_argument("--configs", default="local,async,sync")
-    p.add_argument("--timeout", type=float, default=600)
+    p.add_argument("--configs", default="local,async,sync", help="comma-separated, of local, async, sync "
+                                                                 "(default %(default)s)")
+    p.add_argument("--timeout", type=float, default=600, help="deadline of one run in s (default %(default)s)")
     p.add_argument("--logdir", help="keep every run's logs here (default: a temporary folder)")
     p.add_argument("--json", help="write every run's figures here")
     args = p.parse_args(argv)

@@ -2,7 +2,7 @@
 
 Usage::
 
-    python benchmarks/bench_dense.py [--processes 4] [--nproc_per_node 2] [--runs 5] [--steps 20]
+    python -m benchmarks.bench_dense [--processes 4] [--nproc_per_node 2] [--runs 5] [--steps 20]
                                      [--modes sync,async] [--quick]
 
 Every configuration runs the same number ``P`` of worker processes
@@ -24,7 +24,7 @@ index ``r``, so the same index sees the same data everywhere):
 configuration) is the older job of 2 pservers x 2 trainers vs DDP on 2 ranks.
 
 Every run starts fresh OS processes on loopback. Each worker does ``warmup``
-untimed steps, then ``steps`` timed ones (see ``dense_workers.py``). Runs of
+untimed steps, then ``steps`` timed ones (see ``jobs/dense_workers.py``). Runs of
 the configurations are interleaved round by round (the order rotates each
 round), so machine noise hits all of them; the tables give medians with
 min/max. The script exits non-zero if any run fails; every child process is
@@ -64,217 +64,21 @@ Figures per configuration (medians over runs, some with [min-max]):
 from __future__ import annotations
 
 import argparse
-import contextlib
-import ctypes
 import json
 import os
-import secrets
 import shlex
 import shutil
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
-import time
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import List
 
-from bench_report import loss_check, summarize, tables
-from dense_workers import Spec, param_bytes
+from benchmarks.common.dense_report import loss_check, summarize, tables
+from benchmarks.common.dense_runs import PSERVERS, run_ddp, run_ps
+from benchmarks.common.machine import OtherLoad
+from benchmarks.common.processes import RunFailed, stop_on_signals
+from benchmarks.jobs.dense_workers import Spec, param_bytes
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-WORKERS = os.path.join(HERE, "dense_workers.py")
-PSERVERS = 2
-# After the last trainer closes, pservers must exit on their own within this.
-PSERVER_EXIT_GRACE = 30.0
-# SIGTERM, then SIGKILL after this many seconds.
-STOP_GRACE = 5.0
 QUICK_SIZES = (64, 256, 256, 10)
-
-
-class RunFailed(RuntimeError):
-    """A run's process failed or missed its deadline; the message says which and why."""
-
-
-# -- processes ---------------------------------------------------------------
-
-def _die_with_parent() -> None:
-    """In the child before exec: get SIGKILL if the benchmark process dies (Linux)."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-
-
-def free_ports(n: int) -> List[int]:
-    """``n`` distinct TCP ports free on 127.0.0.1 right now (all held open while choosing)."""
-    with contextlib.ExitStack() as stack:
-        socks = [stack.enter_context(socket.socket()) for _ in range(n)]
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-
-
-def tail(path: str, lines: int = 25) -> str:
-    """The last ``lines`` lines of a log file, indented, for error messages."""
-    try:
-        with open(path, errors="replace") as f:
-            text = f.readlines()[-lines:]
-    except OSError as e:
-        return f"    (no log: {e})"
-    return "".join("    " + line for line in text).rstrip()
-
-
-class Processes:
-    """The child processes of one run; leaving the ``with`` block stops any still running.
-
-    Each child runs ``dense_workers.py <role>`` in its own session (so Ctrl-C
-    reaches only this script, which then stops the children, and a stop
-    reaches the child's own children too), logs to ``<dir>/<name>.log`` and
-    writes its result to ``<dir>/<name>.json``. ``prefix`` (e.g. a profiler
-    command) goes in front of the Python command.
-    """
-
-    def __init__(self, workdir: str, spec: Spec, prefix: Sequence[str] = ()):
-        self.workdir = workdir
-        self.spec = spec
-        self.prefix = list(prefix)
-        self.procs: Dict[str, subprocess.Popen] = {}
-
-    def __enter__(self) -> "Processes":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
-
-    def path(self, name: str, ext: str) -> str:
-        return os.path.join(self.workdir, f"{name}.{ext}")
-
-    def spawn(self, name: str, role: str, env: Dict[str, str], profile: bool = False) -> None:
-        """Start worker ``name`` in ``role`` with extra environment ``env``."""
-        cmd = [sys.executable, WORKERS, role, "--spec", self.spec.to_json(),
-               "--out", self.path(name, "json")]
-        if profile and self.prefix:
-            cmd = [a.replace("{name}", name) for a in self.prefix] + cmd
-        with open(self.path(name, "log"), "w") as log:
-            self.procs[name] = subprocess.Popen(
-                cmd, env={**os.environ, **env}, stdout=log, stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=_die_with_parent)
-
-    def wait(self, names: Sequence[str], deadline: float, what: str) -> None:
-        """Until ``names`` all exit 0; raise RunFailed if any child fails or ``deadline`` passes.
-
-        Every child is watched, not only ``names``: a pserver that dies
-        early fails the run at once instead of leaving trainers waiting.
-        """
-        while True:
-            for name, p in self.procs.items():
-                rc = p.poll()
-                if rc not in (None, 0):
-                    raise RunFailed(f"{name} exited with code {rc} while waiting for {what}; "
-                                    f"log {self.path(name, 'log')}:\n{tail(self.path(name, 'log'))}")
-            if all(self.procs[n].poll() == 0 for n in names):
-                return
-            if time.monotonic() > deadline:
-                late = [n for n in names if self.procs[n].poll() is None]
-                raise RunFailed(f"deadline passed while waiting for {what}: {late} still running; "
-                                f"last lines of {late[0]}:\n{tail(self.path(late[0], 'log'))}")
-            time.sleep(0.1)
-
-    def results(self, names: Sequence[str]) -> List[dict]:
-        """The result JSON each of ``names`` wrote."""
-        out = []
-        for name in names:
-            try:
-                with open(self.path(name, "json")) as f:
-                    out.append(json.load(f))
-            except (OSError, ValueError) as e:
-                raise RunFailed(f"{name} exited 0 but left no readable result: {e}") from None
-        return out
-
-    def stop(self) -> None:
-        """SIGTERM every running child's process group, SIGKILL what is left after a grace."""
-        running = [p for p in self.procs.values() if p.poll() is None]
-        for p in running:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(p.pid, signal.SIGTERM)
-        deadline = time.monotonic() + STOP_GRACE
-        for p in running:
-            try:
-                p.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(p.pid, signal.SIGKILL)
-                p.wait(timeout=STOP_GRACE)
-
-
-# -- one run of each system ------------------------------------------------
-
-def run_ddp(spec: Spec, workdir: str, timeout: float, processes: int) -> Tuple[List[dict], List[dict]]:
-    """``processes`` DDP ranks over gloo on loopback; returns (each rank's timings, no servers)."""
-    (port,) = free_ports(1)
-    names = [f"ddp{r}" for r in range(processes)]
-    with Processes(workdir, spec) as procs:
-        for rank, name in enumerate(names):
-            procs.spawn(name, "ddp", {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-                                      "RANK": str(rank), "WORLD_SIZE": str(processes)})
-        procs.wait(names, time.monotonic() + timeout, "the DDP ranks")
-        return procs.results(names), []
-
-
-def run_ps(spec: Spec, workdir: str, timeout: float, processes: int, per_node: int = 1,
-           profile: Sequence[str] = (), replicas: int = 1,
-           coordinator: Optional[str] = None) -> Tuple[List[dict], List[dict]]:
-    """Two pservers and ``processes`` trainer processes; (each trainer process's timings, each pserver's CPU).
-
-    ``per_node`` > 1 groups the processes into ``processes // per_node``
-    trainer nodes (``LOCAL_RANK``/``LOCAL_WORLD_SIZE``, each node meeting at
-    its own ``MASTER_PORT``): the pservers then see one trainer per node.
-    The pservers must exit by themselves once the trainers have closed.
-    ``replicas`` 2 (hot standby) also starts a backup per pserver
-    (``pserverN.replica``, not in the returned figures) and gives every role
-    the ``PS_*`` replica variables, with etcd at ``coordinator`` and a key
-    prefix of this run's own, as ps-launch does.
-    """
-    nodes = processes // per_node
-    backups = PSERVERS if replicas == 2 else 0
-    ports = free_ports(PSERVERS + backups + (nodes if per_node > 1 else 0))
-    endpoints = [f"127.0.0.1:{p}" for p in ports[:PSERVERS]]
-    replica_eps = [f"127.0.0.1:{p}" for p in ports[PSERVERS:PSERVERS + backups]]
-    node_ports = ports[PSERVERS + backups:]
-    common = {"PADDLE_PSERVERS_IP_PORT_LIST": ",".join(endpoints),
-              "PADDLE_TRAINERS_NUM": str(nodes)}
-    if replicas == 2:
-        if not coordinator:
-            raise ValueError("replicas=2 needs coordinator: the etcd URL that decides each shard's primary")
-        common.update({"PS_SERVER_REPLICAS": "2", "PS_REPLICA_ENDPOINTS": ",".join(replica_eps),
-                       "PS_COORDINATOR": coordinator,
-                       "PS_COORDINATOR_PREFIX": f"/torch-pserver/bench-dense-{secrets.token_hex(6)}"})
-    servers = [f"pserver{i}" for i in range(PSERVERS)]
-    replica_names = [f"pserver{i}.replica" for i in range(backups)]
-    trainers: List[Tuple[str, Dict[str, str]]] = []
-    for node in range(nodes):
-        for local in range(per_node):
-            env = {**common, "TRAINING_ROLE": "TRAINER", "PADDLE_TRAINER_ID": str(node)}
-            if per_node > 1:
-                env.update({"LOCAL_RANK": str(local), "LOCAL_WORLD_SIZE": str(per_node),
-                            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(node_ports[node])})
-            trainers.append((f"trainer{node}" + (f".{local}" if per_node > 1 else ""), env))
-    names = [name for name, _ in trainers]
-    with Processes(workdir, spec, profile) as procs:
-        for name, ep in zip(servers + replica_names, endpoints + replica_eps):
-            ip, port = ep.rsplit(":", 1)
-            procs.spawn(name, "pserver", {**common, "TRAINING_ROLE": "PSERVER",
-                                          "POD_IP": ip, "PADDLE_PORT": port}, profile=True)
-        for name, env in trainers:
-            procs.spawn(name, "trainer", env, profile=True)
-        procs.wait(names, time.monotonic() + timeout, "the trainers")
-        procs.wait(servers + replica_names, time.monotonic() + PSERVER_EXIT_GRACE,
-                   "the pservers to exit after all trainers closed")
-        return procs.results(names), procs.results(servers)
-
-
-# -- driver --------------------------------------------------------------------
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -341,21 +145,6 @@ def py_spy_prefix(outdir: str, tag: str, options: str) -> List[str]:
             "--output", os.path.join(outdir, f"{tag}-{{name}}.txt"), "--"]
 
 
-def busy_cpu_seconds() -> Tuple[float, float]:
-    """(CPU seconds the whole machine was busy or stolen, CPU seconds of this process and its
-    reaped children), both since boot; on a system without /proc/stat the first is NaN."""
-    mine = os.times()
-    ours = mine.user + mine.system + mine.children_user + mine.children_system
-    try:
-        with open("/proc/stat") as f:
-            fields = [int(v) for v in f.readline().split()[1:]]
-    except (OSError, ValueError):
-        return float("nan"), ours
-    # user nice system idle iowait irq softirq steal ...: all but idle and iowait are busy
-    busy = sum(fields[:8]) - fields[3] - fields[4]
-    return busy / os.sysconf("SC_CLK_TCK"), ours
-
-
 def run_one(config: str, rnd: int, args, workdir: str) -> dict:
     """One run of ``config`` in round ``rnd``; its figures.
 
@@ -363,10 +152,9 @@ def run_one(config: str, rnd: int, args, workdir: str) -> dict:
     included), that were busy with something other than this benchmark or
     stolen by the hypervisor; a noise indicator for a shared machine.
     """
-    busy0, ours0, t0 = *busy_cpu_seconds(), time.monotonic()
-    row = _run_config(config, rnd, args, workdir)
-    busy1, ours1 = busy_cpu_seconds()
-    row["other_load"] = max(0.0, (busy1 - busy0) - (ours1 - ours0)) / (time.monotonic() - t0)
+    with OtherLoad() as load:
+        row = _run_config(config, rnd, args, workdir)
+    row["other_load"] = load.cores
     return row
 
 
@@ -384,14 +172,9 @@ def _run_config(config: str, rnd: int, args, workdir: str) -> dict:
     return {"round": rnd, **summarize(config, spec, workers, servers, args.nproc_per_node)}
 
 
-def _raise_on_signal(signum, frame):
-    raise SystemExit(128 + signum)
-
-
 def main(argv=None) -> int:
     args = parse_args(argv)
-    for sig in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, _raise_on_signal)  # so the `with` blocks stop the children
+    stop_on_signals()
     if args.py_spy:
         os.makedirs(args.py_spy, exist_ok=True)
     logdir = args.logdir or tempfile.mkdtemp(prefix="bench_dense-")

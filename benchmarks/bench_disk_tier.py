@@ -1,8 +1,8 @@
 """Job S with its table 4x its RAM budget (the disk tier) against the same job all in RAM.
 
-    python benchmarks/bench_disk_tier.py [--rounds 3] [--factor 4] [--async]
+    python -m benchmarks.bench_disk_tier [--rounds 3] [--factor 4] [--async]
 
-Job S (``benchmarks/job_s.py``: 26 Zipf(1.2) id slots into one dim-16 table, 2 pservers x 2
+Job S (``benchmarks/jobs/job_s.py``: 26 Zipf(1.2) id slots into one dim-16 table, 2 pservers x 2
 trainers, sync unless ``--async``) runs first all in RAM to learn how many rows the table ends
 with; then, in alternating rounds, all in RAM and with ``ram_rows`` = rows / ``--factor``, the
 rest in each pserver's LMDB disk tier (under the run's work directory, on this machine's disk).
@@ -17,9 +17,9 @@ import statistics
 import sys
 import tempfile
 
-from bench_report import med
-from peer_runners import run_ours_s
-from job_s import DEFAULT_PEERS
+from benchmarks.common.dense_report import med
+from benchmarks.common.paths import DEFAULT_PEERS
+from benchmarks.common.peer_runners import run_ours_s
 
 
 def run(args, work: str, name: str, ram_rows: int = 0) -> dict:
@@ -30,15 +30,15 @@ def run(args, work: str, name: str, ram_rows: int = 0) -> dict:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=3, help="alternating rounds of both (default %(default)s)")
     p.add_argument("--factor", type=float, default=4.0, help="table rows / RAM budget (default 4)")
-    p.add_argument("--async", dest="sync", action="store_false")
-    p.add_argument("--peers", default=DEFAULT_PEERS)
-    p.add_argument("--s_warmup", type=int, default=20)
-    p.add_argument("--s_steps", type=int, default=200)
-    p.add_argument("--s_batch", type=int, default=512)
-    p.add_argument("--s_eval", type=int, default=20000)
-    p.add_argument("--timeout", type=float, default=900)
+    p.add_argument("--async", dest="sync", action="store_false", help="asynchronous updates (default sync)")
+    p.add_argument("--peers", default=DEFAULT_PEERS, help="the peers' folder, for jobs.py (default: %(default)s)")
+    p.add_argument("--s_warmup", type=int, default=20, help="job S warm-up steps (default %(default)s)")
+    p.add_argument("--s_steps", type=int, default=200, help="job S timed steps (default %(default)s)")
+    p.add_argument("--s_batch", type=int, default=512, help="job S batch per trainer (default %(default)s)")
+    p.add_argument("--s_eval", type=int, default=20000, help="job S hold-out examples (default %(default)s)")
+    p.add_argument("--timeout", type=float, default=900, help="deadline of one run in s (default %(default)s)")
     args = p.parse_args(argv)
     work = tempfile.mkdtemp(prefix="bench-disk-tier-")
     first = run(args, work, "probe")
@@ -70,5 +70,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     sys.exit(main())

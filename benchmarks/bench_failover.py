@@ -1,8 +1,8 @@
 """Failover time: the longest training step while a pserver process is SIGKILLed, over many kills.
 
-    python benchmarks/bench_failover.py [--kills 20] [--baseline_kills 5]
+    python -m benchmarks.bench_failover [--kills 20] [--baseline_kills 5]
 
-Runs ``benchmarks/failover_job.py`` (2 pservers x 2 trainers, sync) through
+Runs ``benchmarks/jobs/failover_job.py`` (2 pservers x 2 trainers, sync) through
 ``ps-launch --max_restarts``, which starts every killed process again:
 
 - **hot standby**: ``--server_replicas 2`` with an etcd started here (its own process and data
@@ -27,7 +27,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -37,45 +36,13 @@ from typing import Dict, List, Optional, Tuple
 
 import grpc
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(HERE)
-sys.path.insert(0, REPO)
+from benchmarks.common.etcd import Etcd
+from benchmarks.common.machine import cpu_model
+from benchmarks.common.paths import REPO, job_script, pythonpath_with_repo
+from psproto import ps_pb2, ps_pb2_grpc
 
-from psproto import ps_pb2, ps_pb2_grpc  # noqa: E402
-
-JOB = os.path.join(HERE, "failover_job.py")
+JOB = job_script("failover_job")
 WINDOW = 30.0   # seconds after a kill in which a step counts as stalled by it
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_etcd(work: str) -> Tuple[subprocess.Popen, str]:
-    """etcd as users start it: its own process and data directory, loopback URLs; (process, client URL)."""
-    client, peer = free_port(), free_port()
-    url = f"http://127.0.0.1:{client}"
-    log = open(os.path.join(work, "etcd.log"), "wb")
-    proc = subprocess.Popen(["etcd", "--name", "bench", "--data-dir", os.path.join(work, "etcd.data"),
-                             "--listen-client-urls", url, "--advertise-client-urls", url,
-                             "--listen-peer-urls", f"http://127.0.0.1:{peer}",
-                             "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
-                             "--initial-cluster", f"bench=http://127.0.0.1:{peer}",
-                             "--heartbeat-interval", "50", "--election-timeout", "500"],
-                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    deadline = time.monotonic() + 15
-    import urllib.request
-    while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=1) as r:
-                if b"true" in r.read():
-                    return proc, url
-        except OSError:
-            time.sleep(0.1)
-    proc.kill()
-    raise RuntimeError(f"etcd did not come up; see {work}/etcd.log")
 
 
 def ask(endpoint: str, method: str, request, timeout: float):
@@ -139,7 +106,8 @@ def launch(work: str, name: str, extra: List[str], job_args: List[str]) -> Tuple
     cmd = [sys.executable, "-m", "trainer.launch", "--server_num", "2", "--worker_num", "2", "--log_dir", log_dir,
            "--max_restarts", "100", "--show", "none", *extra, JOB, "--out_dir", out, *job_args]
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=open(os.path.join(work, name, "launch.log"), "wb"),
-                            stderr=subprocess.STDOUT, start_new_session=True)
+                            stderr=subprocess.STDOUT, start_new_session=True,
+                            env={**os.environ, "PYTHONPATH": pythonpath_with_repo()})
     return proc, log_dir, out
 
 
@@ -228,29 +196,27 @@ def summary(name: str, kills: List[float], rows) -> Dict[str, float]:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--kills", type=int, default=20)
-    p.add_argument("--baseline_kills", type=int, default=5)
-    p.add_argument("--step_delay", type=float, default=0.02)
+    p.add_argument("--kills", type=int, default=20, help="SIGKILLs of a primary with hot standby (default %(default)s)")
+    p.add_argument("--baseline_kills", type=int, default=5,
+                   help="SIGKILLs of a pserver restarted from its checkpoint; 0 skips them (default %(default)s)")
+    p.add_argument("--step_delay", type=float, default=0.02,
+                   help="seconds between a trainer's steps (failover_job.py; default %(default)s)")
     p.add_argument("--json", help="write the figures here too")
     args = p.parse_args(argv)
     if shutil.which("etcd") is None:
         print("bench_failover: etcd is not installed (apt-get install etcd-server)", file=sys.stderr)
         return 2
     work = tempfile.mkdtemp(prefix="bench-failover-")
-    etcd, url = start_etcd(work)
     job_args = ["--step_delay", str(args.step_delay)]
-    try:
+    with Etcd(work) as etcd:
         print(f"hot standby: {args.kills} kills of a primary", flush=True)
-        rep = summary("hot standby (server_replicas=2)", *run_replicated(work, url, args.kills, job_args))
+        rep = summary("hot standby (server_replicas=2)", *run_replicated(work, etcd.url, args.kills, job_args))
         results = [rep]
         if args.baseline_kills:
             print(f"checkpoint restart: {args.baseline_kills} kills of a pserver", flush=True)
             results.append(summary("checkpoint restart (no replicas)",
                                    *run_checkpoint(work, args.baseline_kills, job_args)))
-    finally:
-        os.killpg(etcd.pid, signal.SIGKILL)
-        etcd.wait()
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?")
+    cpu = cpu_model()
     print(f"\nfailover_job.py, sync, 2 pservers x 2 trainers, {os.cpu_count()} cores ({cpu}), work dir {work}\n")
     print("| recovery | kills | longest step per kill: median | p95 | max | median step of the run |")
     print("|---|---|---|---|---|---|")

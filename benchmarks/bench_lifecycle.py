@@ -1,6 +1,6 @@
 """A table that lives for months: an endless id stream with admission + eviction on and off.
 
-    python benchmarks/bench_lifecycle.py [--steps 6000] [--rounds 2] [--out benchmarks/lifecycle.json]
+    python -m benchmarks.bench_lifecycle [--steps 6000] [--rounds 2] [--out benchmarks/results/lifecycle.json]
 
 One pserver process and one trainer process (sync) train a CTR-like model (one
 EmbeddingBag table, dim 8, sgd) on a stream whose distinct ids grow without
@@ -23,7 +23,7 @@ without decay.
 Every second the harness samples the pserver's RSS (/proc) and its stored rows
 (the Stats RPC); the trainer reports steps/s over the timed steps. Prints a
 markdown table (medians over rounds) and writes the samples to ``--out`` for
-the chart (``--plot`` draws ``benchmarks/lifecycle.png`` from that file).
+the chart (``--plot`` draws ``lifecycle.png`` beside that file: ``benchmarks/results/``).
 """
 from __future__ import annotations
 
@@ -37,8 +37,7 @@ import time
 
 import numpy as np
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
+from benchmarks.common.paths import RESULTS, pythonpath_with_repo
 
 CONFIGS = {
     "off": None,
@@ -186,10 +185,10 @@ def stored_rows(endpoint: str) -> int:
 def one_run(config: str, args, port: int) -> dict:
     """One pserver + one trainer of ``config``; RSS and rows sampled every second."""
     endpoint = f"127.0.0.1:{port}"
-    base = [sys.executable, os.path.abspath(__file__), "--config", config, "--endpoint", endpoint,
+    base = [sys.executable, "-m", "benchmarks.bench_lifecycle", "--config", config, "--endpoint", endpoint,
             "--steps", str(args.steps), "--batch", str(args.batch), "--bag", str(args.bag),
             "--new", str(args.new), "--warmup", str(args.warmup)]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=pythonpath_with_repo())
     ps = subprocess.Popen(base + ["--role", "pserver"], env=env, stderr=subprocess.DEVNULL)
     tr = subprocess.Popen(base + ["--role", "trainer"], env=env, stdout=subprocess.PIPE, text=True)
     samples, t0 = [], time.monotonic()
@@ -217,21 +216,23 @@ def one_run(config: str, args, port: int) -> dict:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--role", choices=["harness", "pserver", "trainer"], default="harness")
-    p.add_argument("--config", choices=sorted(CONFIGS), default="on")
-    p.add_argument("--endpoint", default="")
-    p.add_argument("--steps", type=int, default=6000)
-    p.add_argument("--warmup", type=int, default=20)
-    p.add_argument("--batch", type=int, default=4096)
-    p.add_argument("--bag", type=int, default=8)
-    p.add_argument("--new", type=int, default=16384)
-    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--role", choices=["harness", "pserver", "trainer"], default="harness",
+                   help="harness (default) runs the benchmark; pserver and trainer are the processes it starts")
+    p.add_argument("--config", choices=sorted(CONFIGS), default="on", help="pserver/trainer: the table's rules")
+    p.add_argument("--endpoint", default="", help="pserver/trainer: the pserver's address")
+    p.add_argument("--steps", type=int, default=6000, help="training steps (default %(default)s)")
+    p.add_argument("--warmup", type=int, default=20, help="untimed steps first (default %(default)s)")
+    p.add_argument("--batch", type=int, default=4096, help="bags per step (default %(default)s)")
+    p.add_argument("--bag", type=int, default=8, help="ids per bag (default %(default)s)")
+    p.add_argument("--new", type=int, default=16384, help="fresh ids per step (default %(default)s)")
+    p.add_argument("--rounds", type=int, default=2, help="alternating rounds (default %(default)s)")
     p.add_argument("--configs", default="on,off", help="which configurations to run (default: on,off)")
-    p.add_argument("--port", type=int, default=47311)
-    p.add_argument("--out", default=os.path.join(HERE, "lifecycle.json"))
-    p.add_argument("--plot", action="store_true", help="draw benchmarks/lifecycle.png from --out and exit")
+    p.add_argument("--port", type=int, default=47311, help="the pserver's port (default %(default)s)")
+    p.add_argument("--out", default=os.path.join(RESULTS, "lifecycle.json"),
+                   help="the samples, for --plot (default %(default)s)")
+    p.add_argument("--plot", action="store_true", help="draw lifecycle.png beside --out from it and exit")
     p.add_argument("--sketch", action="store_true", help="measure the sketch's false admissions and exit")
-    p.add_argument("--sketch_steps", type=int, default=600)
+    p.add_argument("--sketch_steps", type=int, default=600, help="--sketch: steps of the stream (default %(default)s)")
     args = p.parse_args(argv)
     if args.role == "pserver":
         return run_pserver(args)

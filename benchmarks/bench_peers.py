@@ -2,10 +2,10 @@
 
 Usage::
 
-    python benchmarks/bench_peers.py                       # everything, 3 rounds (see the README's Performance)
-    python benchmarks/bench_peers.py --rounds 1 --quick    # smoke test: few steps of every system
-    python benchmarks/bench_peers.py --jobs S --systems torch-local,ours-sync
-    python benchmarks/bench_peers.py --scaling             # job S, this project sync: trainers x pservers
+    python -m benchmarks.bench_peers                       # everything, 3 rounds (see the README's Performance)
+    python -m benchmarks.bench_peers --rounds 1 --quick    # smoke test: few steps of every system
+    python -m benchmarks.bench_peers --jobs S --systems torch-local,ours-sync
+    python -m benchmarks.bench_peers --scaling             # job S, this project sync: trainers x pservers
 
 The jobs and the peers come from ``shared/peers/`` (``--peers DIR``, default
 ``<repo>/../shared/peers``; see its README.md): ``jobs.py`` defines them,
@@ -26,7 +26,7 @@ AUC on a 20k hold-out), systems:
   made by ``setup_torchrec.sh``); skipped, with a message, when it cannot
   import torchrec. The reference of job S's ratios when it ran;
 - ``ours-async``, ``ours-sync``: this project, 2 pservers x 2 trainers
-  (``ps-launch --server_num 2 --worker_num 2 benchmarks/job_s.py [--async]``),
+  (``ps-launch --server_num 2 --worker_num 2 benchmarks/jobs/job_s.py [--async]``),
   the loop the README recommends (``tr.batches(..., prefetch=)``);
   ``ours-async-plain``: async, the plain loop (``job_s.py --plain``: the
   batches read directly, each forward's lookup fetching its rows);
@@ -45,12 +45,12 @@ per trainer, 2 trainers, 5 warm-up + 30 timed steps, job D's data), systems:
 - ``rpc-ps``: the ``torch.distributed.rpc`` batch-updating parameter server,
   2 pservers (``torch_peers.py rpc-ps-dense --ps 2``);
 - ``ours-sync``: this project, 2 pservers x 2 trainers, sync, default config
-  (``bench_dense.run_ps`` with ``dense_workers.py`` on ``jobs.dense_batch``);
+  (``common/dense_runs.run_ps`` with ``jobs/dense_workers.py`` on ``jobs.dense_batch``);
   ``ours-sync-bf16``: the same with ``grad_wire_dtype="bfloat16"``. Its
   figure next to ``ours-sync``'s final loss (mean over trainers of the loss
   at the last step, in the JSON) shows the accuracy cost of the narrow wire;
 - ``ours-collective``: this project's collective mode, DDP through our
-  ``Trainer`` (``ps-launch --worker_num 2 benchmarks/job_d_collective.py``),
+  ``Trainer`` (``ps-launch --worker_num 2 benchmarks/jobs/job_d_collective.py``),
   the same processes, threads and timing as ``ddp``.
 
 Every system runs ``--rounds`` times (default 3); each round runs every
@@ -67,8 +67,8 @@ the rpc PS), the hold-out AUC
 this benchmark (or stolen) during each run, from /proc/stat, the noise
 indicator. Throughput everywhere = examples of all trainers / (latest end -
 earliest start of the timed steps). Outputs: the markdown table on stdout
-(and ``--md``), every run in ``--json`` (default ``benchmarks/peers.json``),
-the chart in ``--png`` (default ``benchmarks/peers.png``; one panel per job,
+(and ``--md``), every run in ``--json`` (default ``benchmarks/results/peers.json``),
+the chart in ``--png`` (default ``benchmarks/results/peers.png``; one panel per job,
 bars = median, error bars = min-max, this project's bars highlighted).
 
 ``--scaling``: job S on this project, sync, trainers in ``--trainers``
@@ -94,24 +94,19 @@ import json
 import logging
 import os
 import platform
-import signal
 import subprocess
 import sys
 import tempfile
-import time
 from typing import Dict, Iterable, List, Sequence, Tuple
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(HERE)
-sys.path.insert(0, HERE)
-
-from bench_dense import RunFailed, busy_cpu_seconds  # noqa: E402
-from peer_runners import RUNNERS, load_jobs, run_ours_s, venv_problem  # noqa: E402
-from peers_report import chart, peers_table, scaling_table  # noqa: E402
+from benchmarks.common.machine import OtherLoad
+from benchmarks.common.paths import DEFAULT_PEERS, REPO, RESULTS, peer_module
+from benchmarks.common.peer_runners import RUNNERS, run_ours_s, venv_problem
+from benchmarks.common.peers_report import chart, peers_table, scaling_table
+from benchmarks.common.processes import RunFailed, stop_on_signals
 
 log = logging.getLogger("bench_peers")
 
-DEFAULT_PEERS = os.path.normpath(os.path.join(REPO, "..", "shared", "peers"))
 DEFAULT_PADDLE_PYTHON = os.path.join(tempfile.gettempdir(), "paddle26-venv", "bin", "python")
 DEFAULT_TORCHREC_PYTHON = os.path.join(tempfile.gettempdir(), "torchrec-venv", "bin", "python")
 
@@ -123,13 +118,10 @@ SYSTEMS: Dict[str, List[str]] = {
 
 def measured(fn, args, workdir: str) -> dict:
     """Run ``fn(args, workdir)``; its figures plus ``wall_s`` and ``other_load`` (cores busy with other work)."""
-    busy0, ours0 = busy_cpu_seconds()
-    t0 = time.monotonic()
-    out = fn(args, workdir)
-    busy1, ours1 = busy_cpu_seconds()
-    wall = time.monotonic() - t0
-    out["wall_s"] = wall
-    out["other_load"] = max(0.0, (busy1 - busy0) - (ours1 - ours0)) / wall
+    with OtherLoad() as load:
+        out = fn(args, workdir)
+    out["wall_s"] = load.wall
+    out["other_load"] = load.cores
     return out
 
 
@@ -247,9 +239,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--paddle-retries", type=int, default=1,
                    help="paddle_ps_ctr.py re-launches a run that fails or hangs this often (default 1)")
     p.add_argument("--timeout", type=float, default=600.0, help="deadline of one run in s (default 600)")
-    p.add_argument("--json", help="every run's figures (default benchmarks/peers.json; "
-                                  "--scaling: benchmarks/scaling.json)")
-    p.add_argument("--png", default=os.path.join(HERE, "peers.png"), help="the chart (default: %(default)s)")
+    p.add_argument("--json", help="every run's figures (default benchmarks/results/peers.json; "
+                                  "--scaling: benchmarks/results/scaling.json)")
+    p.add_argument("--png", default=os.path.join(RESULTS, "peers.png"), help="the chart (default: %(default)s)")
     p.add_argument("--no-png", dest="png", action="store_const", const=None, help="no chart")
     p.add_argument("--md", help="also write the markdown table here")
     p.add_argument("--logdir", help="keep every run's logs here (default: a temp dir, removed unless a run failed)")
@@ -265,7 +257,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.selected = lambda job, system: not wanted or system in wanted or f"{job}:{system}" in wanted
     if not any(args.selected(j, s) for j in args.jobs for s in SYSTEMS[j]) and not args.scaling:
         p.error("--jobs and --systems select nothing")
-    jobs = load_jobs(args.peers)
+    jobs = peer_module(args.peers, "jobs")
     quick = args.quick
 
     def pick(value, quick_default, default):
@@ -280,20 +272,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.rounds < 1 or min(args.s_steps, args.d_steps, args.s_eval) < 1 or min(args.s_warmup, args.d_warmup) < 0:
         p.error("--rounds, --*-steps and --s-eval must be >= 1, --*-warmup >= 0")
     if args.json is None:
-        args.json = os.path.join(HERE, "scaling.json" if args.scaling else "peers.json")
+        args.json = os.path.join(RESULTS, "scaling.json" if args.scaling else "peers.json")
     return args
-
-
-def _raise_on_signal(signum, frame):
-    raise SystemExit(128 + signum)
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    for sig in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, _raise_on_signal)  # so the `with` blocks stop the children
+    stop_on_signals()
     env = environment(args)
     logdir = args.logdir or tempfile.mkdtemp(prefix="bench_peers-")
     os.makedirs(logdir, exist_ok=True)

@@ -1,16 +1,16 @@
 """The throughput cost of hot standby: job S and job D with a backup per pserver against the same job without.
 
-    python benchmarks/bench_replication.py [--rounds 3] [--jobs s,d] [--async]
+    python -m benchmarks.bench_replication [--rounds 3] [--jobs s,d] [--async]
 
 One etcd process serves the whole run (its own data directory in the run's temp folder, free
 127.0.0.1 ports, ``--heartbeat-interval 50 --election-timeout 500`` as the tests start it); it is
 stopped at the end, failure or Ctrl-C included. Each job runs 2 pservers x 2 trainers, in
 alternating rounds (round r runs "plain" then "replicated" when r is even, the reverse when odd):
 
-- job S (``benchmarks/job_s.py`` through ps-launch, sync unless ``--async``): "replicated" adds
+- job S (``benchmarks/jobs/job_s.py`` through ps-launch, sync unless ``--async``): "replicated" adds
   ``--server_replicas 2 --coordinator URL``, so ps-launch starts ``pserverN.replica`` next to
   each pserver and gives every role its own etcd key prefix (one per launch);
-- job D (the dense MLP of ``bench_dense.run_ps``, sync): "replicated" spawns a backup pserver per
+- job D (the dense MLP of ``common/dense_runs.run_ps``, sync): "replicated" spawns a backup pserver per
   pserver with ``PS_SERVER_REPLICAS``/``PS_REPLICA_ENDPOINTS``/``PS_COORDINATOR`` and a
   ``PS_COORDINATOR_PREFIX`` of the run's own.
 
@@ -24,44 +24,35 @@ which gives the messages the primaries sent (``replica.replicated``, as of the l
 
 Prints examples/s (job D: samples/s) of each configuration as median [min-max] over rounds, the
 per-round ratio replicated / plain and its median (goal >= 0.8x), the AUC (job S) or final loss
-(job D) of both (the same training), and a markdown table for ``benchmarks/RESULTS.md`` with the
+(job D) of both (the same training), and a markdown table for ``benchmarks/results/RESULTS.md`` with the
 command and the machine. ``--s_steps``/``--d_steps`` and the other step flags make a smoke run short.
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import glob
-import json
 import os
 import re
 import shlex
 import shutil
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
-import time
-import urllib.error
-import urllib.request
-from typing import Dict, List, Optional
+from typing import Dict, List
 
-from bench_dense import RunFailed, free_ports, tail
-from bench_report import med
-from dense_workers import param_bytes
-from job_s import DEFAULT_PEERS
-from peer_runners import load_jobs, run_ours_d, run_ours_s
+from benchmarks.common.dense_report import med
+from benchmarks.common.etcd import Etcd
+from benchmarks.common.machine import cpu_model
+from benchmarks.common.paths import DEFAULT_PEERS, peer_module
+from benchmarks.common.peer_runners import run_ours_d, run_ours_s
+from benchmarks.common.processes import RunFailed, tail
+from benchmarks.jobs.dense_workers import param_bytes
 
 CONFIGS = ("plain", "replicated")
 # The variables that would turn a "plain" run into a replicated one if the caller's shell had them.
 REPLICA_VARS = ("PS_SERVER_REPLICAS", "PS_REPLICA_ENDPOINTS", "PS_COORDINATOR", "PS_COORDINATOR_PREFIX")
-# etcd's timing as the tests start it: a 1 s lease stays 1 s (tests/helpers/etcd.py explains why).
-ETCD_TIMING = ["--heartbeat-interval", "50", "--election-timeout", "500"]
-ETCD_START_TIMEOUT = 15.0
-STOP_GRACE = 5.0
 STATS_PERIOD = 1.0
 
 # What the pserver processes log (pserver/server.py, pserver/replication/{outbox,replica,follower}.py).
@@ -71,87 +62,6 @@ FOLLOWS = re.compile(r"replica (\S+) follows (\S+) \(epoch (\d+)\) from update (
 LEADS = re.compile(r"replica (\S+) leads shard (\d+) at epoch (\d+)")
 STOPPED = re.compile(r"pserver (\S+) stopped after (\d+) updates")
 TROUBLE = re.compile(r"differs from the primary's|: fenced|lost the lead|backup \S+ dropped|did not take message")
-
-
-# -- etcd --------------------------------------------------------------------------------------
-
-def _die_with_parent() -> None:
-    """In the child before exec: SIGKILL if this benchmark dies (Linux ``PR_SET_PDEATHSIG``)."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)
-
-
-class Etcd:
-    """One single-member etcd on loopback for the whole benchmark, in its own process group.
-
-    Started as the tests start it (``tests/helpers/etcd.py``, copied here: a
-    benchmark imports no test code): its own data directory under ``work``, free
-    127.0.0.1 client and peer ports, the timing flags of :data:`ETCD_TIMING`.
-    :meth:`stop` kills its whole process group (TERM, then KILL) and is idempotent.
-    """
-
-    def __init__(self, work: str):
-        binary = shutil.which("etcd")
-        if binary is None:
-            raise RunFailed("etcd is not on PATH (apt-get install etcd-server): hot standby needs it")
-        self.log_path = os.path.join(work, "etcd.log")
-        self.proc: Optional[subprocess.Popen] = None
-        for attempt in range(3):
-            data_dir = os.path.join(work, f"etcd.data.{attempt}")
-            client, peer = (f"http://127.0.0.1:{p}" for p in free_ports(2))
-            self.url = client
-            cmd = [binary, "--name", "bench", "--data-dir", data_dir,
-                   "--listen-client-urls", client, "--advertise-client-urls", client,
-                   "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
-                   "--initial-cluster", f"bench={peer}", "--initial-cluster-state", "new", *ETCD_TIMING]
-            with open(self.log_path, "ab") as log:
-                self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                             start_new_session=True, preexec_fn=_die_with_parent)
-            try:
-                self._wait_healthy()
-                return
-            except RunFailed:
-                self.stop()
-                if attempt < 2 and "address already in use" in tail(self.log_path, 40):
-                    continue  # a port taken between picking and binding it: new ports
-                raise
-
-    def _healthy(self) -> bool:
-        """Whether etcd answers ``/health`` with ``{"health": "true"}`` right now."""
-        try:
-            with urllib.request.urlopen(self.url + "/health", timeout=1.0) as r:
-                return json.loads(r.read()).get("health") == "true"
-        except (OSError, ValueError, urllib.error.URLError):
-            return False
-
-    def _wait_healthy(self) -> None:
-        """Return once etcd is healthy; RunFailed with its log's tail if it exits or does not answer in time."""
-        deadline = time.monotonic() + ETCD_START_TIMEOUT
-        while not self._healthy():
-            if self.proc.poll() is not None:
-                raise RunFailed(f"etcd exited with {self.proc.returncode}; log {self.log_path}:\n{tail(self.log_path)}")
-            if time.monotonic() > deadline:
-                raise RunFailed(f"etcd did not answer at {self.url}/health within {ETCD_START_TIMEOUT:g}s; "
-                                f"log {self.log_path}:\n{tail(self.log_path)}")
-            time.sleep(0.05)
-
-    def stop(self) -> None:
-        """SIGTERM to etcd's process group, SIGKILL after a grace; reaped; idempotent.
-
-        The group is signalled only while its leader is unreaped, so its id
-        cannot have been reused by an unrelated process.
-        """
-        proc = self.proc
-        if proc is None or proc.poll() is not None:
-            return
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=STOP_GRACE)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
 
 
 # -- Stats while a run goes on ------------------------------------------------------------------
@@ -317,13 +227,7 @@ JOBS = {"s": run_s, "d": run_d}
 
 def machine() -> str:
     """``nproc`` and the CPU model from /proc/cpuinfo."""
-    model = "unknown CPU"
-    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    return f"{model}, nproc {os.cpu_count()}"
+    return f"{cpu_model()}, nproc {os.cpu_count()}"
 
 
 def bytes_to_backups(args, job: str, res: dict) -> str:
@@ -335,7 +239,7 @@ def bytes_to_backups(args, job: str, res: dict) -> str:
     """
     if job != "d":
         return "-"
-    sizes = load_jobs(args.peers).D_SIZES
+    sizes = peer_module(args.peers, "jobs").D_SIZES
     return f"{param_bytes(sizes) / 1e6:.1f} MB (computed: the float32 gradient)"
 
 
@@ -366,8 +270,8 @@ def report(args, runs: Dict[str, Dict[str, List[dict]]], argv: List[str]) -> Non
             print(f"  NOTE: the {quality} of plain and replicated differ by up to {spread:.4g}: "
                   f"sync training should be the same arithmetic with or without a backup")
         rows.append((job, mode, unit, quality, speed, q, ratios, messages, bytes_to_backups(args, job, last)))
-    print("\n--- for benchmarks/RESULTS.md ---\n")
-    print("```\npython benchmarks/bench_replication.py " + " ".join(shlex.quote(a) for a in argv) + "\n```\n")
+    print("\n--- for benchmarks/results/RESULTS.md ---\n")
+    print("```\npython -m benchmarks.bench_replication " + " ".join(shlex.quote(a) for a in argv) + "\n```\n")
     print(f"Machine: {machine()}. 2 pservers x 2 trainers each; \"replicated\" adds a backup per pserver "
           f"(`server_replicas=2`, one local etcd); alternating rounds, medians [min-max].\n")
     print("| job | plain | replicated | replicated / plain per round | median | AUC / final loss "
@@ -384,16 +288,16 @@ def report(args, runs: Dict[str, Dict[str, List[dict]]], argv: List[str]) -> Non
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=3, help="alternating rounds of plain and replicated (default 3)")
     p.add_argument("--jobs", default="s,d", help="jobs to run: s,d (default both)")
     p.add_argument("--async", dest="sync", action="store_false", help="job S asynchronous (job D is always sync)")
     p.add_argument("--peers", default=DEFAULT_PEERS, help="the peers' folder, for jobs.py (default: %(default)s)")
-    p.add_argument("--s_warmup", type=int, default=20)
-    p.add_argument("--s_steps", type=int, default=200)
-    p.add_argument("--s_batch", type=int, default=512)
-    p.add_argument("--s_eval", type=int, default=20000)
-    p.add_argument("--d_warmup", type=int, default=5)
-    p.add_argument("--d_steps", type=int, default=30)
+    p.add_argument("--s_warmup", type=int, default=20, help="job S warm-up steps (default %(default)s)")
+    p.add_argument("--s_steps", type=int, default=200, help="job S timed steps (default %(default)s)")
+    p.add_argument("--s_batch", type=int, default=512, help="job S batch per trainer (default %(default)s)")
+    p.add_argument("--s_eval", type=int, default=20000, help="job S hold-out examples (default %(default)s)")
+    p.add_argument("--d_warmup", type=int, default=5, help="job D warm-up steps (default %(default)s)")
+    p.add_argument("--d_steps", type=int, default=30, help="job D timed steps (default %(default)s)")
     p.add_argument("--timeout", type=float, default=900, help="deadline of one run in s (default 900)")
     p.add_argument("--keep", action="store_true", help="keep the work directory (logs) after a successful run")
     args = p.parse_args(argv)
@@ -450,5 +354,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     sys.exit(main())

@@ -1,7 +1,7 @@
 """Distributed-table shard alone: memory per row, row lookups/s and updates/s, with two peers.
 
-    python benchmarks/bench_table.py [--runs 5] [--table_rows 10000000] [--batch 100000]
-    python benchmarks/bench_table.py --rows 50000000 [--runs 5]
+    python -m benchmarks.bench_table [--runs 5] [--table_rows 10000000] [--batch 100000]
+    python -m benchmarks.bench_table --rows 50000000 [--runs 5]
 
 Default mode, for dim 16 float32 and each of SGD and Adam (SparseAdam): fill one
 ``pserver.tables.shard.TableShard`` with ``--table_rows`` rows by ``apply()`` of batches of
@@ -34,10 +34,9 @@ import time
 import numpy as np
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from pserver.tables.shard import TableShard  # noqa: E402
-from transpiler.tables import TableOptimizerSpec, TableSpec  # noqa: E402
+from benchmarks.common.machine import OtherLoad, cpu_model
+from pserver.tables.shard import TableShard
+from transpiler.tables import TableOptimizerSpec, TableSpec
 
 DIM = 16
 FILL_BATCH = 1_000_000
@@ -62,26 +61,6 @@ def status_kb(field: str) -> int:
             if line.startswith(field + ":"):
                 return int(line.split()[1])
     return 0
-
-
-def busy_seconds() -> float:
-    """CPU seconds all cores spent busy since boot (/proc/stat)."""
-    with open("/proc/stat") as f:
-        v = [int(x) for x in f.readline().split()[1:]]
-    idle = v[3] + v[4]
-    return (sum(v[:8]) - idle) / os.sysconf("SC_CLK_TCK")
-
-
-class OtherLoad:
-    """Cores' worth of CPU used by other processes while this one ran."""
-
-    def __enter__(self):
-        self.t, self.busy, self.own = time.time(), busy_seconds(), sum(os.times()[:2])
-        return self
-
-    def __exit__(self, *exc):
-        wall = time.time() - self.t
-        self.cores = max(0.0, (busy_seconds() - self.busy - (sum(os.times()[:2]) - self.own)) / wall)
 
 
 def fill(table: TableShard, n: int) -> float:
@@ -191,12 +170,7 @@ def bench_peers(n_rows: int, batch: int, runs: int, rng) -> dict:
 
 
 def machine() -> str:
-    model = "?"
-    with open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
+    model = cpu_model()
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     return (f"nproc {os.cpu_count()}, {model}, {mem:.0f} GiB, "
             f"torch {torch.__version__} ({torch.get_num_threads()} threads), numpy {np.__version__}")
@@ -204,15 +178,15 @@ def machine() -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--runs", type=int, default=5)
-    ap.add_argument("--batch", type=int, default=100_000)
+    ap.add_argument("--runs", type=int, default=5, help="timed runs, median [min-max] (default %(default)s)")
+    ap.add_argument("--batch", type=int, default=100_000, help="ids per lookup or update (default %(default)s)")
     ap.add_argument("--table_rows", type=int, default=10_000_000, help="rows of the default mode's tables")
     ap.add_argument("--rows", type=int, default=0, help="big mode: fill one SGD shard with this many rows")
-    ap.add_argument("--optimizers", default="sgd,adam")
+    ap.add_argument("--optimizers", default="sgd,adam", help="the default mode's tables (default %(default)s)")
     args = ap.parse_args()
     rng = np.random.default_rng(0)
     started = datetime.datetime.now(datetime.timezone.utc)
-    print(f"# {' '.join(['python'] + sys.argv)}")
+    print(f"# {' '.join(['python -m benchmarks.bench_table'] + sys.argv[1:])}")
     print(f"# {started:%Y-%m-%d %H:%M} UTC; {machine()}; load average before {os.getloadavg()[0]:.2f}")
 
     if args.rows:

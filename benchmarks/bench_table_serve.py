@@ -2,7 +2,7 @@
 
 Usage::
 
-    python benchmarks/bench_table_serve.py [--rows 50000000] [--batch 1000000] [--runs 5]
+    python -m benchmarks.bench_table_serve [--rows 50000000] [--batch 1000000] [--runs 5]
 
 Starts one real pserver process (``ps-server``, async mode, one table, no dense
 parameters) on loopback, then a trainer in this process pushes sparse
@@ -17,6 +17,7 @@ The pserver is stopped on exit, also on failure or Ctrl-C.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import statistics
 import subprocess
@@ -28,13 +29,11 @@ import grpc
 import numpy as np
 import torch
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
-
-from psproto import ps_pb2, ps_pb2_grpc  # noqa: E402
-from trainer import Trainer  # noqa: E402
-from trainer.launch.plan import free_ports  # noqa: E402
-from transpiler import DistributeTranspiler  # noqa: E402
+from benchmarks.common.paths import pythonpath_with_repo
+from benchmarks.common.ports import free_ports
+from psproto import ps_pb2, ps_pb2_grpc
+from trainer import Trainer
+from transpiler import DistributeTranspiler
 
 PROGRAM = '''
 import torch
@@ -47,6 +46,14 @@ def build():
 '''
 
 
+def load_program(path: str):
+    """The module of the program file the pserver loads (``--program FILE:build``), loaded here from its file."""
+    spec = importlib.util.spec_from_file_location("program", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def rss_peak_gib(pid: int) -> float:
     with open(f"/proc/{pid}/status") as f:
         for line in f:
@@ -57,9 +64,9 @@ def rss_peak_gib(pid: int) -> float:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--rows", type=int, default=50_000_000)
+    p.add_argument("--rows", type=int, default=50_000_000, help="rows the table ends with (default %(default)s)")
     p.add_argument("--batch", type=int, default=1_000_000, help="new ids per push")
-    p.add_argument("--runs", type=int, default=5)
+    p.add_argument("--runs", type=int, default=5, help="runs of 10 calls per latency (default %(default)s)")
     args = p.parse_args(argv)
 
     workdir = tempfile.mkdtemp(prefix="bench_table_serve-")
@@ -68,14 +75,13 @@ def main(argv=None) -> int:
         f.write(PROGRAM % args.rows)
     endpoint = f"127.0.0.1:{free_ports(1)[0]}"
     log_path = os.path.join(workdir, "pserver.log")
-    env = {**os.environ, "PYTHONPATH": os.path.dirname(HERE)}
+    env = {**os.environ, "PYTHONPATH": pythonpath_with_repo()}
     with open(log_path, "w") as log:
         server = subprocess.Popen([sys.executable, "-m", "pserver.cli", "--program", f"{program_file}:build",
                                    "--endpoint", endpoint, "--pservers", endpoint, "--trainers", "1",
                                    "--sync_mode", "false"], stdout=log, stderr=subprocess.STDOUT, env=env)
     try:
-        sys.path.insert(0, workdir)
-        import program  # noqa: E402  (the same Program the pserver loaded)
+        program = load_program(program_file)  # the same Program the pserver loaded
 
         t = DistributeTranspiler()
         t.transpile(0, program=program.build(), pservers=endpoint, trainers=1, sync_mode=False)

@@ -1,6 +1,6 @@
 """Transport alone: push+pull GB/s of one trainer against pserver processes, no compute.
 
-    python benchmarks/bench_transport.py [--pservers 2] [--chunk_bytes 1048576] [--steps 15] [--runs 3]
+    python -m benchmarks.bench_transport [--pservers 2] [--chunk_bytes 1048576] [--steps 15] [--runs 3]
                                          [--sizes 512,2048,2048,2048,10]
 
 The model is the dense benchmark's 38 MB MLP (512-2048-2048-2048-10) unless ``--sizes`` says
@@ -20,12 +20,10 @@ import time
 
 import torch
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
-
-from dense_workers import build_model  # noqa: E402
-from trainer.launch.plan import free_ports  # noqa: E402
-from transpiler import DistributeTranspiler, DistributeTranspilerConfig, Program  # noqa: E402
+from benchmarks.common.paths import pythonpath_with_repo
+from benchmarks.common.ports import free_ports
+from benchmarks.jobs.dense_workers import build_model
+from transpiler import DistributeTranspiler, DistributeTranspilerConfig, Program
 
 SIZES = (512, 2048, 2048, 2048, 10)
 
@@ -50,9 +48,10 @@ def one_run(n_pservers, chunk_bytes, steps, sizes=SIZES):
     from trainer import Trainer
 
     endpoints = [f"127.0.0.1:{p}" for p in free_ports(n_pservers)]
-    procs = [subprocess.Popen([sys.executable, __file__, "--serve", ep, "--endpoints", ",".join(endpoints),
-                               "--chunk_bytes", str(chunk_bytes), "--sizes", ",".join(map(str, sizes))],
-                              stderr=subprocess.DEVNULL)
+    procs = [subprocess.Popen([sys.executable, "-m", "benchmarks.bench_transport", "--serve", ep,
+                               "--endpoints", ",".join(endpoints), "--chunk_bytes", str(chunk_bytes),
+                               "--sizes", ",".join(map(str, sizes))],
+                              stderr=subprocess.DEVNULL, env={**os.environ, "PYTHONPATH": pythonpath_with_repo()})
              for ep in endpoints]
     try:
         with Trainer(transpiler(endpoints, chunk_bytes, sizes).get_trainer_program()) as tr:
@@ -77,10 +76,11 @@ def one_run(n_pservers, chunk_bytes, steps, sizes=SIZES):
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--pservers", type=int, default=2)
-    ap.add_argument("--chunk_bytes", type=int, default=1 << 20)
-    ap.add_argument("--steps", type=int, default=15)
-    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--pservers", type=int, default=2, help="pserver processes (default %(default)s)")
+    ap.add_argument("--chunk_bytes", type=int, default=1 << 20,
+                    help="DistributeTranspilerConfig.chunk_bytes (default %(default)s)")
+    ap.add_argument("--steps", type=int, default=15, help="timed steps per run, after 3 untimed (default %(default)s)")
+    ap.add_argument("--runs", type=int, default=3, help="runs, each against fresh pservers (default %(default)s)")
     ap.add_argument("--sizes", default=",".join(map(str, SIZES)), help="MLP layer widths")
     ap.add_argument("--serve", help=argparse.SUPPRESS)
     ap.add_argument("--endpoints", help=argparse.SUPPRESS)

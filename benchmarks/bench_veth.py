@@ -2,22 +2,22 @@
 
 Usage (root: it creates network namespaces)::
 
-    python benchmarks/bench_veth.py [--rounds 3] [--configs ps-veth,rpc-veth,...] [--steps 30]
+    python -m benchmarks.bench_veth [--rounds 3] [--configs ps-veth,rpc-veth,...] [--steps 30]
                                     [--warmup 5] [--rate 10gbit] [--delay 0.1ms] [--json FILE]
 
 Job D is the peers' (``../shared/peers/jobs.py``): MLP 512-2048-2048-2048-10
 (37.9 MB fp32), SGD lr 0.01, 2 trainers of batch 256, 5 warm-up + 30 timed
 steps, every trainer on ``jobs.dense_batch(step, rank)``, and the same initial
 weights everywhere (so the losses of all configurations agree). Each role is
-its own OS process started with ``ip netns exec``; ``netns.py`` makes the two
+its own OS process started with ``ip netns exec``; ``common/netns.py`` makes the two
 namespaces ("host 1" at 10.231.N.1, "host 2" at 10.231.N.2) once for the whole
 run and removes them at the end, also on errors, Ctrl-C and SIGTERM.
 
 Configurations (``--configs``, default all, in this order):
 
 - ``ps-veth``: this product, sync, 2 pservers in host 1 (each bound to
-  10.231.N.1:PORT) x 2 trainers in host 2 (``dense_workers.py``'s roles via
-  ``veth_workers.py``): every push and pull crosses the veth. Shared memory
+  10.231.N.1:PORT) x 2 trainers in host 2 (``jobs/dense_workers.py``'s roles via
+  ``jobs/veth_workers.py``): every push and pull crosses the veth. Shared memory
   off (``shared_memory=False``), as between two real hosts.
 - ``ps-veth-shm``: as ``ps-veth`` with the default ``shared_memory=True``:
   the namespaces share one host and PID namespace, so the pservers map the
@@ -60,8 +60,8 @@ ends (tc netem; a rate alone falls back to tbf where netem is missing), off
 by default: the veth alone is a fast virtual link with no delay.
 
 Output: a markdown table on stdout and every run's figures in ``--json``
-(default ``bench_veth.json``). Worker logs go to a temp directory, kept on
-failure (or to ``--logdir``). ``python benchmarks/netns.py cleanup`` removes
+(default ``benchmarks/results/bench_veth.json``). Worker logs go to a temp directory, kept on
+failure (or to ``--logdir``). ``python -m benchmarks.common.netns cleanup`` removes
 namespaces left by a SIGKILLed run.
 """
 from __future__ import annotations
@@ -72,7 +72,6 @@ import json
 import logging
 import os
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -82,14 +81,15 @@ import time
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from bench_dense import Processes, RunFailed, _die_with_parent, busy_cpu_seconds
-from bench_report import med, summarize
-from dense_workers import Spec, param_bytes
-from netns import NetnsError, TwoHosts
+from benchmarks.common.dense_report import med, summarize
+from benchmarks.common.dense_runs import Processes
+from benchmarks.common.machine import OtherLoad
+from benchmarks.common.netns import NetnsError, TwoHosts
+from benchmarks.common.paths import DEFAULT_PEERS, RESULTS, peer_module, pythonpath_with_repo
+from benchmarks.common.processes import RunFailed, die_with_parent, stop_on_signals
+from benchmarks.jobs.dense_workers import Spec, param_bytes
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(HERE)
-WORKERS = os.path.join(HERE, "veth_workers.py")
+WORKERS = "benchmarks.jobs.veth_workers"
 PSERVERS = 2
 TRAINERS = 2
 PSERVER_EXIT_GRACE = 30.0
@@ -142,24 +142,24 @@ CONFIGS: Dict[str, Config] = {
 # -- processes in namespaces ---------------------------------------------------
 
 class NsProcesses(Processes):
-    """``bench_dense.Processes`` whose children are ``veth_workers.py`` roles started inside a namespace."""
+    """``dense_runs.Processes`` whose children are ``veth_workers`` roles started inside a namespace."""
 
     def spawn_in(self, hosts: TwoHosts, host: int, name: str, role: str, env: Dict[str, str],
                  extra: Sequence[str] = ()) -> None:
-        """Start ``veth_workers.py role`` as ``name`` in ``host``'s namespace with environment ``env``."""
-        cmd = hosts.cmd(host, sys.executable, WORKERS, role, "--spec", self.spec.to_json(),
+        """Start ``python -m benchmarks.jobs.veth_workers role`` as ``name`` in ``host``'s namespace with ``env``."""
+        cmd = hosts.cmd(host, sys.executable, "-m", WORKERS, role, "--spec", self.spec.to_json(),
                         "--out", self.path(name, "json"), *extra)
         with open(self.path(name, "log"), "w") as out:
             self.procs[name] = subprocess.Popen(
                 cmd, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                start_new_session=True, preexec_fn=_die_with_parent)
+                start_new_session=True, preexec_fn=die_with_parent)
 
 
 def base_env() -> Dict[str, str]:
     """This environment without proxy variables (gRPC would send 10.231.x.x to a proxy), plus the repo path."""
     env = {k: v for k, v in os.environ.items()
            if k.lower() not in ("http_proxy", "https_proxy", "all_proxy", "grpc_proxy", "no_proxy")}
-    env["PYTHONPATH"] = os.pathsep.join([REPO, HERE] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    env["PYTHONPATH"] = pythonpath_with_repo()
     env["PYTHONUNBUFFERED"] = "1"
     return env
 
@@ -271,34 +271,32 @@ def run_one(name: str, rnd: int, index: int, hosts: TwoHosts, args, workdir: str
     config = CONFIGS[name]
     ports = [21000 + 10 * (index % 2000) + k for k in range(4)]  # fresh ports each run: no TIME_WAIT reuse
     spec = dataclasses.replace(args.spec, grad_wire_dtype=config.wire, shared_memory=config.shared)
-    busy0, ours0, t0 = *busy_cpu_seconds(), time.monotonic()
-    link_before = hosts.counters(2)
-    with ConnectionSampler(hosts) as conns, NsProcesses(workdir, spec) as procs:
-        if config.system == "ps":
-            workers, servers = run_ps(procs, hosts, config.link, ports, args)
-            row = summarize(name, spec, workers, servers)
-            row["losses_first_last"] = [sum(w["losses"][i] for w in workers) / len(workers) for i in (0, -1)]
-            veth = _veth_per_step(workers)
-        elif config.system == "ddp":
-            workers = run_ddp(procs, hosts, config.link, ports, args)
-            row = summarize(name, spec, workers, [])
-            row["losses_first_last"] = [sum(w["losses"][i] for w in workers) / len(workers) for i in (0, -1)]
-            veth = _veth_per_step(workers)
-        else:
-            rec = run_rpc(procs, hosts, config, ports, args)
-            row = {"config": name, "samples_s": rec["samples_per_s"], "step_ms": rec["ms_per_step"],
-                   "compute_ms": rec["trainer_compute_ms_per_step"],
-                   "update_ms": rec["trainer_comm_wait_ms_per_step"],
-                   "losses_first_last": [rec["first_loss"], rec["final_loss"]], "rpc": rec}
-            veth = _veth_per_step([{**t, "steps": spec.steps} for t in rec["per_trainer"]])
-    moved = hosts.moved(link_before, hosts.counters(2))
-    busy1, ours1 = busy_cpu_seconds()
-    elapsed = time.monotonic() - t0
+    with OtherLoad() as load:
+        link_before = hosts.counters(2)
+        with ConnectionSampler(hosts) as conns, NsProcesses(workdir, spec) as procs:
+            if config.system == "ps":
+                workers, servers = run_ps(procs, hosts, config.link, ports, args)
+                row = summarize(name, spec, workers, servers)
+                row["losses_first_last"] = [sum(w["losses"][i] for w in workers) / len(workers) for i in (0, -1)]
+                veth = _veth_per_step(workers)
+            elif config.system == "ddp":
+                workers = run_ddp(procs, hosts, config.link, ports, args)
+                row = summarize(name, spec, workers, [])
+                row["losses_first_last"] = [sum(w["losses"][i] for w in workers) / len(workers) for i in (0, -1)]
+                veth = _veth_per_step(workers)
+            else:
+                rec = run_rpc(procs, hosts, config, ports, args)
+                row = {"config": name, "samples_s": rec["samples_per_s"], "step_ms": rec["ms_per_step"],
+                       "compute_ms": rec["trainer_compute_ms_per_step"],
+                       "update_ms": rec["trainer_comm_wait_ms_per_step"],
+                       "losses_first_last": [rec["first_loss"], rec["final_loss"]], "rpc": rec}
+                veth = _veth_per_step([{**t, "steps": spec.steps} for t in rec["per_trainer"]])
+        moved = hosts.moved(link_before, hosts.counters(2))
     row.pop("losses", None)
     row.update({
         "round": rnd, "system": config.system, "link": config.link, "tcp_only": config.tcp_only,
-        "wall_s": elapsed,
-        "other_load": max(0.0, (busy1 - busy0) - (ours1 - ours0)) / elapsed,
+        "wall_s": load.wall,
+        "other_load": load.cores,
         "veth_mb_step": (veth or 0.0) / 1e6,
         "veth_share": (veth or 0.0) / payload_per_step(config.system, spec),
         "veth_mb_run": (moved["rx_bytes"] + moved["tx_bytes"]) / 1e6, "veth_run_bytes": moved,
@@ -387,21 +385,19 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "what it picks between two real hosts; 'basic' sends tensors over the one uv pipe)")
     p.add_argument("--peers", default=None, help="directory of jobs.py and torch_peers.py (default ../shared/peers)")
     p.add_argument("--timeout", type=float, default=300.0, help="deadline of one run in s (default 300)")
-    p.add_argument("--json", default="bench_veth.json", help="every run's figures (default %(default)s)")
+    p.add_argument("--json", default=os.path.join(RESULTS, "bench_veth.json"),
+                   help="every run's figures (default %(default)s)")
     p.add_argument("--logdir", help="keep worker logs here (default: a temp dir, kept on failure)")
     args = p.parse_args(argv)
     args.configs = [c.strip() for c in args.configs.split(",") if c.strip()]
     unknown = [c for c in args.configs if c not in CONFIGS]
     if unknown or not args.configs:
         p.error(f"unknown configurations {unknown}; choose from {', '.join(CONFIGS)}")
-    sys.path.insert(0, HERE)
-    from veth_workers import DEFAULT_PEERS
     args.peers = os.path.abspath(args.peers or os.environ.get("BENCH_PEERS_DIR") or DEFAULT_PEERS)
     for f in ("jobs.py", "torch_peers.py"):
         if not os.path.exists(os.path.join(args.peers, f)):
             p.error(f"{f} not found in {args.peers} (--peers)")
-    sys.path.insert(0, args.peers)
-    import jobs
+    jobs = peer_module(args.peers, "jobs")
     args.spec = Spec(sizes=tuple(jobs.D_SIZES), batch=jobs.D_BATCH_PER_TRAINER, lr=jobs.D_LR,
                      warmup=jobs.D_WARMUP if args.warmup is None else args.warmup,
                      steps=jobs.D_STEPS if args.steps is None else args.steps,
@@ -415,15 +411,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def _raise_on_signal(signum, frame):
-    raise SystemExit(128 + signum)
-
-
 def main(argv=None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    for sig in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, _raise_on_signal)  # so the `with` blocks stop the children and remove the namespaces
+    stop_on_signals()  # so the `with` blocks stop the children and remove the namespaces
     spec = args.spec
     logdir = args.logdir or tempfile.mkdtemp(prefix="bench_veth-")
     shaping = " ".join(filter(None, [args.rate and f"rate {args.rate}", args.delay and f"delay {args.delay}"]))

@@ -1,14 +1,14 @@
 """Where a job S step's time goes: this project's trainer and pserver, and TorchRec, phase by phase.
 
-    python benchmarks/step_breakdown.py [--systems ours-async,ours-sync,torchrec] [--window 10]
+    python -m benchmarks.step_breakdown [--systems ours-async,ours-sync,torchrec] [--window 10]
 
 Each system runs job S (``shared/peers/jobs.py``) long enough to sample a steady window:
 
-- **this project** (2 pservers x 2 trainers through ``ps-launch``, ``job_s.py``, the README's
+- **this project** (2 pservers x 2 trainers through ``ps-launch``, ``jobs/job_s.py``, the README's
   loop): the trainers time their own steps (``job_s.py``'s ``forward_ms`` (of which the table's
   ``lookup_ms``), ``backward_ms`` and ``step_ms``, wall clock per step, averaged over both
   trainers and every timed step); the pservers time the CPU of each phase of a push in the
-  handler's thread (``instruments.PserverPhases``: decode, apply, read the blocks, look up the next
+  handler's thread (``jobs/instruments.PserverPhases``: decode, apply, read the blocks, look up the next
   batch's rows, checks and encoding) and their whole process, over the same steps.
 - **TorchRec** (``torchrec_ctr.py`` in its venv, 2 ranks): the CPU of rank 0 over the window and
   py-spy's samples of it, split into the embedding's forward (input and output all-to-alls and
@@ -32,11 +32,8 @@ import tempfile
 import time
 from typing import Dict, List, Sequence, Tuple
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(HERE)
-sys.path.insert(0, HERE)
-from peer_runners import job_s_results, role_results  # noqa: E402
-from job_s import DEFAULT_PEERS  # noqa: E402
+from benchmarks.common.paths import DEFAULT_PEERS, REPO, job_script, pythonpath_with_repo
+from benchmarks.common.peer_runners import job_s_results, role_results
 
 TICKS = os.sysconf("SC_CLK_TCK")
 
@@ -84,12 +81,13 @@ def run_ours(args, sync: bool, workdir: str) -> dict:
     """Job S on this project: the trainers' and the pservers' own timers (job_s.py)."""
     log_dir = os.path.join(workdir, "log")
     cmd = [sys.executable, "-m", "trainer.launch", "--server_num", "2", "--worker_num", "2", "--log_dir", log_dir,
-           os.path.join(HERE, "job_s.py"), "--peers", args.peers, "--steps", str(args.steps),
+           job_script("job_s"), "--peers", args.peers, "--steps", str(args.steps),
            "--eval_examples", "2000"]
     if not sync:
         cmd.append("--async")
     done = subprocess.run(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
-                          stdin=subprocess.DEVNULL, timeout=args.timeout)
+                          stdin=subprocess.DEVNULL, timeout=args.timeout,
+                          env={**os.environ, "PYTHONPATH": pythonpath_with_repo()})
     if done.returncode != 0:
         raise RuntimeError(f"ps-launch exited {done.returncode}; logs in {log_dir}")
     res = job_s_results(log_dir, 2)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import statistics
 from typing import Dict, List, Sequence
 
-from dense_workers import Spec
+from benchmarks.jobs.dense_workers import Spec
 
 
 def label(config: str, processes: int, per_node: int, pservers: int) -> str:

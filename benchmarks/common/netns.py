@@ -1,8 +1,8 @@
 """Two "hosts" on one machine: two network namespaces joined by a veth pair (real TCP between them).
 
-Used by ``bench_veth.py``; usable on its own::
+Used by ``bench_veth``; usable on its own::
 
-    from netns import TwoHosts
+    from benchmarks.common.netns import TwoHosts
     with TwoHosts(rate="10gbit", delay="0.1ms") as hosts:   # shaping is optional
         before = hosts.counters(2)
         subprocess.run(hosts.cmd(2, "ping", "-c", "1", hosts.ip(1)))
@@ -16,15 +16,16 @@ error, Ctrl-C or SIGTERM turned into SystemExit) deletes both namespaces and
 any veth end still in the root namespace; processes started inside must be
 stopped first (a namespace lives on while a process holds it).
 
-``python benchmarks/netns.py cleanup`` removes namespaces and veths left by a
+``python -m benchmarks.common.netns cleanup`` removes namespaces and veths left by a
 run that was SIGKILLed (only those whose pid no longer lives);
-``python benchmarks/netns.py check [rate=1gbit] [delay=1ms]`` creates a pair,
+``python -m benchmarks.common.netns check [rate=1gbit] [delay=1ms]`` creates a pair,
 sends 16 MiB over TCP from namespace 2 to namespace 1 and logs the counters.
 Needs root (CAP_NET_ADMIN + CAP_SYS_ADMIN) and iproute2; a delay needs the
 kernel's ``sch_netem`` (a rate alone falls back to ``tbf`` without it).
 """
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import os
@@ -212,20 +213,26 @@ _SOURCE = ("import socket,sys,time\nfor _ in range(100):\n"
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.common.netns",
+                                description=__doc__.splitlines()[0] + " Needs root.")
+    p.add_argument("command", nargs="?", default="check", choices=["check", "cleanup"],
+                   help="check (default): a pair, 16 MiB over TCP across it; cleanup: remove what a "
+                        "SIGKILLed run left")
+    p.add_argument("options", nargs="*", metavar="KEY=VALUE",
+                   help="check: rate=R (e.g. 1gbit) and delay=D (e.g. 1ms) shape the veth")
+    args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    what = (list(argv) if argv is not None else sys.argv[1:]) or ["check"]
-    if what[0] == "cleanup":
+    if args.command == "cleanup":
         removed = cleanup_stale()
         log.info("removed %s", ", ".join(removed) if removed else "nothing")
         return 0
-    if what[0] == "check":
-        try:
-            return _check(dict(a.split("=", 1) for a in what[1:]))
-        except NetnsError as e:
-            log.error("%s", e)
-            return 1
-    log.error("usage: netns.py [check [rate=R] [delay=D] | cleanup]")
-    return 2
+    if any("=" not in o for o in args.options):
+        p.error(f"check takes rate=R and delay=D, got {args.options}")
+    try:
+        return _check(dict(o.split("=", 1) for o in args.options))
+    except NetnsError as e:
+        log.error("%s", e)
+        return 1
 
 
 def _check(opts: Dict[str, str]) -> int:

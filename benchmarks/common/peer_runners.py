@@ -3,7 +3,9 @@
 Each takes the parsed arguments and a work directory, runs the system once (a peer's script from
 ``shared/peers``, or this project through ``ps-launch``), and returns its figures:
 ``examples_s`` (job D: samples/s) and whatever else it measured (AUC, calls and bytes per step,
-``detail``). A run that fails raises :class:`bench_dense.RunFailed` with the log's tail.
+``detail``). A run that fails raises :class:`~benchmarks.common.processes.RunFailed` with the log's
+tail. This project's jobs run through ps-launch as scripts (``benchmarks/jobs/*.py``), with the
+repository on their PYTHONPATH; the peers run as scripts of their own Python (venv).
 """
 from __future__ import annotations
 
@@ -15,15 +17,14 @@ import subprocess
 import sys
 from typing import List, Optional, Sequence
 
-from bench_dense import RunFailed, run_ps
-from bench_report import summarize
-from dense_workers import Spec
-from procs import last_json_line, run_command, tail
+from benchmarks.common.dense_report import summarize
+from benchmarks.common.dense_runs import run_ps
+from benchmarks.common.paths import REPO, job_script, peer_module, pythonpath_with_repo
+from benchmarks.common.processes import RunFailed, last_json_line, run_command, tail
+from benchmarks.jobs.dense_workers import Spec
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(HERE)
-JOB_S_SCRIPT = os.path.join(HERE, "job_s.py")
-JOB_D_COLLECTIVE = os.path.join(HERE, "job_d_collective.py")
+JOB_S_SCRIPT = job_script("job_s")
+JOB_D_COLLECTIVE = job_script("job_d_collective")
 
 
 def run_torch_peer(args, workdir: str, sub: Sequence[str], what: str) -> dict:
@@ -85,7 +86,8 @@ def run_ours_s(args, workdir: str, sync: bool, pservers: int = 2, trainers: int 
     if ram_rows:
         cmd += ["--ram_rows", str(ram_rows), "--table_disk_dir", os.path.join(workdir, "disk-tier")]
     run_command(cmd, os.path.join(workdir, "launch.log"), args.timeout,
-                f"ps-launch job_s.py ({pservers} ps x {trainers} trainers, {'sync' if sync else 'async'})", cwd=REPO)
+                f"ps-launch job_s.py ({pservers} ps x {trainers} trainers, {'sync' if sync else 'async'})",
+                env={"PYTHONPATH": pythonpath_with_repo()}, cwd=REPO)
     res = job_s_results(log_dir, trainers)
     span = max(r["end"] for r in res) - min(r["start"] for r in res)
     out = {"examples_s": sum(r["examples"] for r in res) / span, "auc": res[0].get("auc"),
@@ -157,9 +159,9 @@ def run_ours_d(args, workdir: str, wire: Optional[str] = None, replicas: int = 1
                coordinator: Optional[str] = None) -> dict:
     """Job D on this project: 2 pservers x 2 trainers, sync, default config (or gradients pushed in ``wire``).
 
-    ``replicas`` 2: a backup per pserver, etcd at ``coordinator`` (hot standby; :func:`bench_dense.run_ps`).
+    ``replicas`` 2: a backup per pserver, etcd at ``coordinator`` (hot standby; :func:`dense_runs.run_ps`).
     """
-    jobs = load_jobs(args.peers)
+    jobs = peer_module(args.peers, "jobs")
     spec = Spec(sizes=tuple(jobs.D_SIZES), batch=jobs.D_BATCH_PER_TRAINER, warmup=args.d_warmup,
                 steps=args.d_steps, lr=jobs.D_LR, seed=0, sync_mode=True, timeout=args.timeout, peers=args.peers,
                 grad_wire_dtype=wire)
@@ -180,7 +182,7 @@ def run_ours_collective_d(args, workdir: str) -> dict:
     cmd = [sys.executable, "-m", "trainer.launch", "--worker_num", "2", "--log_dir", log_dir, JOB_D_COLLECTIVE,
            "--peers", args.peers, "--warmup", str(args.d_warmup), "--steps", str(args.d_steps)]
     run_command(cmd, os.path.join(workdir, "launch.log"), args.timeout,
-                "ps-launch job_d_collective.py (2 processes)", cwd=REPO)
+                "ps-launch job_d_collective.py (2 processes)", env={"PYTHONPATH": pythonpath_with_repo()}, cwd=REPO)
     found, = job_s_results(log_dir, 1)  # process 0 reports for both
     return {"examples_s": found["samples_per_s"], "detail": found}
 
@@ -200,10 +202,3 @@ RUNNERS = {
     ("D", "ours-sync-bf16"): lambda a, w: run_ours_d(a, w, wire="bfloat16"),
     ("D", "ours-collective"): run_ours_collective_d,
 }
-
-
-def load_jobs(peers_dir: str):
-    """The peers' jobs.py module (job constants)."""
-    from dense_workers import load_peer_jobs
-
-    return load_peer_jobs(peers_dir)

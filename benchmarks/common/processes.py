@@ -1,5 +1,8 @@
 """Subprocesses of the benchmarks: run a command with a deadline and stop its whole process tree.
 
+Every child a benchmark starts gets :func:`die_with_parent` and runs in a session of its own;
+a failure is a :class:`RunFailed` whose message ends with the tail of the child's log.
+
 A run (``ps-launch`` and its roles, a torch peer and its spawned ranks, Paddle's
 launcher) is killed as a tree, SIGTERM first and SIGKILL after a grace period,
 on timeout, on failure and when the benchmark itself is interrupted; each child
@@ -17,9 +20,7 @@ import subprocess
 import time
 from typing import Dict, List, Optional, Sequence, Set, Tuple
 
-from bench_dense import RunFailed, tail  # noqa: F401 - tail: a failed run's log, for bench_peers
-
-log = logging.getLogger("bench_procs")
+log = logging.getLogger("benchmarks.processes")
 
 # SIGTERM first, SIGKILL after this many seconds (ps-launch itself gives its roles 10 s).
 STOP_GRACE = 15.0
@@ -27,10 +28,34 @@ STOP_GRACE = 15.0
 TREE_POLL = 2.0
 
 
-def _die_with_parent() -> None:
-    """In the child before exec: get SIGKILL if this benchmark dies (Linux)."""
+class RunFailed(RuntimeError):
+    """A run's process failed or missed its deadline; the message says which and why."""
+
+
+def die_with_parent() -> None:
+    """In the child before exec (``preexec_fn``): get SIGKILL if this benchmark dies (Linux)."""
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def tail(path: str, lines: int = 25) -> str:
+    """The last ``lines`` lines of a log file, indented, for error messages."""
+    try:
+        with open(path, errors="replace") as f:
+            text = f.readlines()[-lines:]
+    except OSError as e:
+        return f"    (no log: {e})"
+    return "".join("    " + line for line in text).rstrip()
+
+
+def _raise_on_signal(signum, frame):
+    raise SystemExit(128 + signum)
+
+
+def stop_on_signals() -> None:
+    """Turn SIGTERM and SIGHUP into SystemExit(128 + signal), so ``with`` blocks stop the children."""
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _raise_on_signal)
 
 
 def _process_table() -> Dict[int, Tuple[int, int]]:
@@ -94,7 +119,7 @@ class Command:
         with open(log_path, "w") as out:
             self.proc = subprocess.Popen(self.cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                          env={**os.environ, **(env or {})}, cwd=cwd, start_new_session=True,
-                                         preexec_fn=_die_with_parent)
+                                         preexec_fn=die_with_parent)
 
     def __enter__(self) -> "Command":
         return self
@@ -163,7 +188,4 @@ def last_json_line(text: str, what: str) -> dict:
             with contextlib.suppress(ValueError):
                 return json.loads(line)
     raise RunFailed(f"{what} printed no JSON result")
-
-
-# -- the systems -----------------------------------------------------------------
 

@@ -1,8 +1,8 @@
 """Worker processes of the dense-MLP benchmark: a DDP rank, a pserver, a trainer.
 
-``bench_dense.py`` starts each role as its own OS process::
+``benchmarks.common.dense_runs`` starts each role as its own OS process::
 
-    python benchmarks/dense_workers.py {ddp,pserver,trainer} --spec JSON --out FILE
+    python -m benchmarks.jobs.dense_workers {ddp,pserver,trainer} --spec JSON --out FILE
 
 ``--spec`` is the JSON of a :class:`Spec` (model sizes, batch, steps, mode...).
 The DDP rank reads ``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT``; the
@@ -35,6 +35,8 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
+
+from benchmarks.common.paths import peer_module
 
 
 @dataclass
@@ -105,7 +107,7 @@ def make_batches(spec: Spec, rank: int) -> List[Tuple[torch.Tensor, torch.Tensor
     ``jobs.dense_batch(step, rank, batch, seed)`` (inputs labelled by a fixed teacher).
     """
     if spec.peers:
-        jobs = load_peer_jobs(spec.peers)
+        jobs = peer_module(spec.peers, "jobs")
         return [tuple(torch.from_numpy(a) for a in jobs.dense_batch(step, rank, spec.batch, spec.seed))
                 for step in range(spec.warmup + spec.steps)]
     g = torch.Generator().manual_seed(1000 + 7919 * spec.seed + rank)
@@ -113,19 +115,6 @@ def make_batches(spec: Spec, rank: int) -> List[Tuple[torch.Tensor, torch.Tensor
     return [(torch.randn(spec.batch, n_in, generator=g),
              torch.randint(0, n_classes, (spec.batch,), generator=g))
             for _ in range(spec.warmup + spec.steps)]
-
-
-def load_peer_jobs(peers_dir: str):
-    """Import the peers' ``jobs.py`` (job definitions and data generators) from ``peers_dir``."""
-    import importlib.util
-
-    path = os.path.join(peers_dir, "jobs.py")
-    spec = importlib.util.spec_from_file_location("peer_jobs", path)
-    if spec is None or not os.path.isfile(path):
-        raise FileNotFoundError(f"no jobs.py in {peers_dir!r}")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def cpu_clocks() -> Dict[str, float]:

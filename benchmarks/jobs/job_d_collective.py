@@ -1,13 +1,13 @@
 """Job D of the peer comparison on this project's collective mode (DDP through our Trainer).
 
-    ps-launch --worker_num 2 benchmarks/job_d_collective.py
+    PYTHONPATH=. ps-launch --worker_num 2 benchmarks/jobs/job_d_collective.py    # from the repository root
 
 The job exactly as ``shared/peers/torch_peers.py ddp-dense`` runs it (its peer): the MLP
 512-2048-2048-2048-10 seeded as there, SGD lr 0.01, cross-entropy, batch 256 per process,
 process ``r`` at step ``t`` trains on ``jobs.dense_batch(t, r, 256)``, 5 warm-up + 30 timed steps,
 one torch thread per process, gloo. The difference is the path: ``Program`` ->
 ``DistributeTranspiler(mode="collective")`` -> ``Trainer`` (a ``CollectiveTrainer``) and its
-``tr.step()``, what a user of this project writes. ``benchmarks/bench_peers.py`` runs it as
+``tr.step()``, what a user of this project writes. ``python -m benchmarks.bench_peers`` runs it as
 ``D:ours-collective`` next to ``D:ddp`` and reads the ``RESULT`` line of process 0: samples/s
 over all processes, the slowest process's time of the timed steps, as the peer measures.
 """
@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from job_s import DEFAULT_PEERS, load_jobs
+from benchmarks.common.paths import DEFAULT_PEERS, peer_module
 from transpiler import DistributeTranspiler, DistributeTranspilerConfig, Program, RoleEnv
 
 log = logging.getLogger("job_d_collective")
@@ -51,10 +51,10 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     env = RoleEnv.from_env()
     if env is None or not env.collective:
-        print("job_d_collective.py runs as a collective job: ps-launch --worker_num 2 "
-              "benchmarks/job_d_collective.py", file=sys.stderr)
+        print("job_d_collective.py runs as a collective job: PYTHONPATH=. ps-launch --worker_num 2 "
+              "benchmarks/jobs/job_d_collective.py", file=sys.stderr)
         return 2
-    jobs = load_jobs(args.peers)
+    jobs = peer_module(args.peers, "jobs")
     warmup = jobs.D_WARMUP if args.warmup is None else args.warmup
     steps = jobs.D_STEPS if args.steps is None else args.steps
     torch.set_num_threads(1)  # as the peer: one thread per process

@@ -1,12 +1,13 @@
 """Job S of the peer comparison (the CTR job of ``shared/peers/jobs.py``) on this product.
 
-One script, every role, as ``examples/train_ctr.py``::
+One script, every role, as ``examples/train_ctr.py``; from the repository root (the roles import
+``benchmarks.*``, so the repository goes on their PYTHONPATH)::
 
-    ps-launch --server_num 2 --worker_num 2 benchmarks/job_s.py            # sync
-    ps-launch --server_num 2 --worker_num 2 benchmarks/job_s.py --async    # async
+    PYTHONPATH=. ps-launch --server_num 2 --worker_num 2 benchmarks/jobs/job_s.py            # sync
+    PYTHONPATH=. ps-launch --server_num 2 --worker_num 2 benchmarks/jobs/job_s.py --async    # async
 
 (``ps-launch`` is ``python -m trainer.launch``; each role's output goes to
-``log/serverlog.N`` / ``log/workerlog.N``.) ``benchmarks/bench_peers.py`` runs it
+``log/serverlog.N`` / ``log/workerlog.N``.) ``python -m benchmarks.bench_peers`` runs it
 next to the peers and reads the ``RESULT`` lines from the worker logs.
 
 The job, exactly as ``jobs.py`` defines it: 26 slots of Zipf(1.2) ids
@@ -38,12 +39,11 @@ AUC on ``jobs.ctr_eval_set(20000)`` (``auc``); in async mode it first waits
 until every pserver has received every trainer's last push. It also reports the
 pservers' own counters (``ps_stats``, from their Stats call). Each pserver prints
 ``PSERVER_PHASES {json}`` as it exits: its CPU per push over the timed steps,
-phase by phase (:class:`instruments.PserverPhases`).
+phase by phase (:class:`benchmarks.jobs.instruments.PserverPhases`).
 """
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import logging
 import os
@@ -55,26 +55,14 @@ import numpy as np
 import torch
 from torch import nn
 
-from instruments import CallCounter, LookupTimer, PserverPhases
+from benchmarks.common.paths import DEFAULT_PEERS, peer_module
+from benchmarks.jobs.instruments import CallCounter, LookupTimer, PserverPhases
 from transpiler import DistributeTranspiler, DistributeTranspilerConfig, Program, RoleEnv, TableOptions
 
 log = logging.getLogger("job_s")
-HERE = os.path.dirname(os.path.abspath(__file__))
-DEFAULT_PEERS = os.path.normpath(os.path.join(HERE, "..", "..", "shared", "peers"))
 # Capacity hint only: ids are any int64 (slot << 40 | z) and live on the pservers.
 CAPACITY = 26_000_000
 TABLE = "emb"
-
-
-def load_jobs(peers_dir: str):
-    """Import ``jobs.py`` (the peers' job definitions) from ``peers_dir``."""
-    path = os.path.join(peers_dir, "jobs.py")
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"no jobs.py in {peers_dir!r}: pass --peers DIR (the peers' folder)")
-    spec = importlib.util.spec_from_file_location("peer_jobs", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 class CtrNet(nn.Module):
@@ -303,10 +291,11 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     env = RoleEnv.from_env()
     if env is None:
-        print("job_s.py runs as a role of a job: ps-launch --server_num 2 --worker_num 2 benchmarks/job_s.py "
-              "[--async] (the single-process peer is torch_peers.py local-ctr)", file=sys.stderr)
+        print("job_s.py runs as a role of a job: PYTHONPATH=. ps-launch --server_num 2 --worker_num 2 "
+              "benchmarks/jobs/job_s.py [--async] (the single-process peer is torch_peers.py local-ctr)",
+              file=sys.stderr)
         return 2
-    jobs = load_jobs(args.peers)
+    jobs = peer_module(args.peers, "jobs")
     args.warmup = jobs.S_WARMUP if args.warmup is None else args.warmup
     args.steps = jobs.S_STEPS if args.steps is None else args.steps
     args.eval_examples = jobs.S_EVAL_N if args.eval_examples is None else args.eval_examples

@@ -1,9 +1,10 @@
 """Worker processes of ``bench_veth.py``: job D's roles, each started inside a network namespace.
 
-``bench_veth.py`` starts every role as its own OS process with ``ip netns exec NS``::
+``bench_veth`` starts every role as its own OS process with ``ip netns exec NS`` (the repository
+on its PYTHONPATH)::
 
-    python benchmarks/veth_workers.py {pserver,trainer,ddp} --spec JSON --out FILE
-    python benchmarks/veth_workers.py rpc --spec JSON --out FILE --rank R --world W --ps 2 \\
+    python -m benchmarks.jobs.veth_workers {pserver,trainer,ddp} --spec JSON --out FILE
+    python -m benchmarks.jobs.veth_workers rpc --spec JSON --out FILE --rank R --world W --ps 2 \\
         --init tcp://ADDR:PORT [--transports uv] [--channels mpt_uv,basic]
 
 ``pserver``, ``trainer`` and ``ddp`` are ``dense_workers.py``'s roles (this
@@ -17,7 +18,8 @@ namespace's veth end during the timed steps.
 ``rpc`` is one rank of the peers' ``torch.distributed.rpc`` batch-updating
 parameter server (``torch_peers.py rpc-ps-dense``): ranks ``0..ps-1`` are the
 pservers ``ps<i>`` (rank 0 also drives, as in PyTorch's tutorial), the rest
-the trainers. It imports ``torch_peers`` and uses its parameter server class,
+the trainers. It loads ``torch_peers`` (:func:`~benchmarks.common.paths.peer_module`,
+registered under that name, as RPC pickles its classes by it) and uses its parameter server class,
 trainer loop, shards and result record unchanged; what differs is the start:
 one process per rank (not ``mp.spawn``), a TCP rendezvous (``--init``) instead
 of a shared file, and TensorPipe's transports and channels as given (none
@@ -40,8 +42,7 @@ import sys
 import time
 from typing import Dict, Optional, Sequence
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-DEFAULT_PEERS = os.path.normpath(os.path.join(HERE, "..", "..", "shared", "peers"))
+from benchmarks.common.paths import DEFAULT_PEERS, peer_module
 
 log = logging.getLogger("veth_workers")
 
@@ -53,10 +54,12 @@ def peers_dir() -> str:
 
 def import_jobs():
     """The peers' ``jobs`` module (job D's sizes, hyper-parameters and data)."""
-    if peers_dir() not in sys.path:
-        sys.path.insert(0, peers_dir())
-    import jobs
-    return jobs
+    return peer_module(peers_dir(), "jobs")
+
+
+def import_torch_peers():
+    """The peers' ``torch_peers`` module (the torch RPC parameter server and its trainer loop)."""
+    return peer_module(peers_dir(), "torch_peers")
 
 
 def veth_counters() -> Dict[str, float]:
@@ -79,7 +82,7 @@ def patch_dense_workers():
     """
     import torch
 
-    import dense_workers
+    from benchmarks.jobs import dense_workers
 
     jobs = import_jobs()
     timed_loop = dense_workers.timed_loop
@@ -143,8 +146,7 @@ _WINDOW: Optional[VethWindow] = None
 
 def rpc_trainer(tid, ps_rrefs, shards, a, threads):
     """Run on a trainer rank by the driver: the peer's ``_rpc_run_trainer``, plus the veth bytes of its timed steps."""
-    import torch_peers
-
+    torch_peers = import_torch_peers()
     _WINDOW.warmup = a.warmup
     result = torch_peers._rpc_run_trainer(tid, ps_rrefs, shards, a, threads)
     return {**result, "tid": tid, **_WINDOW.deltas()}
@@ -164,7 +166,7 @@ def run_rpc(spec, args) -> Optional[dict]:
     import torch.distributed.rpc as rpc
 
     jobs = import_jobs()
-    import torch_peers  # sets GLOO/TP_SOCKET_IFNAME=lo and MASTER_ADDR on import: put ours back
+    torch_peers = import_torch_peers()  # sets GLOO/TP_SOCKET_IFNAME=lo and MASTER_ADDR on import: put ours back
     for key in ("GLOO_SOCKET_IFNAME", "TP_SOCKET_IFNAME", "MASTER_ADDR"):
         if os.environ.get("BENCH_" + key):
             os.environ[key] = os.environ["BENCH_" + key]
@@ -231,9 +233,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--channels", default="", help="rpc: TensorPipe channels, e.g. mpt_uv,basic (default: all)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    sys.path.insert(0, HERE)
     dense_workers = patch_dense_workers() if args.role != "rpc" else None
-    from dense_workers import Spec
+    from benchmarks.jobs.dense_workers import Spec, write_result
 
     spec = Spec.from_json(args.spec)
     t0 = time.monotonic()
@@ -246,7 +247,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         result = dense_workers.ROLES[args.role](spec)
     log.info("%s done in %.1f s", args.role, time.monotonic() - t0)
     if result is not None:
-        from dense_workers import write_result
         write_result(args.out, result)
     return 0
 
