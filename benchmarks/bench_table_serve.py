@@ -34,6 +34,7 @@ from benchmarks.common.ports import free_ports
 from psproto import ps_pb2, ps_pb2_grpc
 from trainer import Trainer
 from transpiler import DistributeTranspiler
+from transpiler.tables import initial_rows
 
 PROGRAM = '''
 import torch
@@ -133,8 +134,8 @@ def main(argv=None) -> int:
                 print(f"| {n:,} ids, {'stored' if stored else 'never seen'} | {ms:.1f} | "
                       f"{n / ms * 1e3 / 1e6:.2f}M |", flush=True)
         check = tr.pull_rows("emb", torch.from_numpy(ids_all[:5]))
-        assert torch.allclose(check, torch.from_numpy(
-            __import__("transpiler").initial_rows(spec, ids_all[:5])) - 1e-4, atol=1e-6), "rows moved wrongly"
+        assert torch.allclose(check, torch.from_numpy(initial_rows(spec, ids_all[:5])) - 1e-4,
+                              atol=1e-6), "rows moved wrongly"
         print(f"\npserver still serving: {server.poll() is None}; final peak RSS "
               f"{rss_peak_gib(server.pid):.2f} GiB")
         tr.close()
