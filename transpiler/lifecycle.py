@@ -66,7 +66,8 @@ class TableLifecycle:
     - ``admit_decay_steps``: halve every pending count at the end of every
       this-many-th step; 0: never.
     - ``evict_unseen_steps``: evict rows not updated for this many steps; 0: off.
-    - ``evict_unseen_seconds``: evict rows not updated for this long; 0: off.
+    - ``evict_unseen_seconds``: evict rows not updated for this many seconds of wall-clock
+      time; 0: off.
     - ``evict_score_below``: evict rows whose decayed score is below this; 0: off.
     - ``score_decay``: per-step decay of a row's score, in (0, 1].
     - ``max_rows``: row budget of the whole table, split evenly over the
