@@ -130,7 +130,7 @@ def _default_text(f: dataclasses.Field) -> str:
 
 
 def _markdown(text: str) -> str:
-    """A docstring's reST as a markdown table cell; ``docs/page.md#anchor`` becomes a link beside it."""
+    """A docstring's reST as a markdown table cell; ``docs/page.md#anchor`` becomes a link to it."""
     text = re.sub(r":\w+:`~?([^`]+)`", r"``\1``", text)
     text = text.replace("``", "`").replace("|", "\\|")
     return re.sub(r"docs/([\w-]+\.md)(#[\w-]+)?", r"[\1\2](\1\2)", text)
