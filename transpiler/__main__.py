@@ -4,6 +4,9 @@ Prints, for the program FUNC() returns, every block (param, rows, shape,
 bytes) and the pserver that owns it, plus a per-pserver load summary, so the
 effect of ``slice_var_up``, ``split_method`` and ``min_block_size`` is visible
 before a job starts.
+
+``python -m transpiler config-reference`` prints the configuration reference
+(docs/configuration.md), generated from the config dataclasses.
 """
 from __future__ import annotations
 
@@ -11,7 +14,7 @@ import argparse
 import sys
 from collections import Counter
 
-from .cli import add_transpile_arguments, config_from_args, load_program
+from .cli import add_transpile_arguments, config_from_args, config_reference, load_program
 from .transpiler import DistributeTranspiler
 
 
@@ -24,7 +27,11 @@ def main(argv=None) -> int:
                       help="comma-separated pserver endpoints (default: two on loopback)")
     show.add_argument("--trainers", type=int, default=2, help="number of trainers (default 2)")
     add_transpile_arguments(show)
+    sub.add_parser("config-reference", help="print the configuration reference (docs/configuration.md)")
     args = parser.parse_args(argv)
+    if args.command == "config-reference":
+        sys.stdout.write(config_reference())
+        return 0
     try:
         program = load_program(args.program)
         t = DistributeTranspiler(config_from_args(args))

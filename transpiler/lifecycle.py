@@ -2,7 +2,7 @@
 
 Every policy is off by default (rows are then created on their first update
 and kept forever). The exact rules, which the pservers apply and a
-single-process reference can repeat (README, "Tables that live for months"):
+single-process reference can repeat (docs/tables.md, "Table lifecycle"):
 
 - The table's **step** counts its optimizer steps: one per applied step in
   sync mode (all trainers' gradients merged), one per applied push in async
@@ -53,20 +53,29 @@ BUDGET_LOW_WATER = 0.9    # a full row budget evicts down to this fraction of it
 class TableLifecycle:
     """Admission, eviction and disk-tier policy of one distributed table; all off by default.
 
-    - ``admit_count`` (int, 1): steps with a gradient an id needs before it gets a row.
-    - ``admit_probability`` (float, 1.0): fraction of ids admissible, by a hash of (seed, id).
-    - ``admit_sketch_width`` (int, 2**20): counters per row of the 4-row count-min sketch that
-      counts pending ids on each shard (2 bytes each: 8 MiB per shard by default).
-    - ``admit_decay_steps`` (int, 0): halve every pending count at the end of every
-      this-many-th step; 0 never.
-    - ``evict_unseen_steps`` (int, 0): evict rows not updated for this many steps; 0 off.
-    - ``evict_unseen_seconds`` (float, 0): evict rows not updated for this long; 0 off.
-    - ``evict_score_below`` (float, 0): evict rows whose decayed score is below this; 0 off.
-    - ``score_decay`` (float, 1.0): per-step decay of a row's score, in (0, 1].
-    - ``max_rows`` (int, 0): row budget of the whole table (split evenly over shards); 0 none.
-    - ``sweep_every_steps`` (int, 1): eviction sweeps run at the end of every this-many-th step.
-    - ``ram_rows`` (int, 0): rows of the whole table kept in memory; the rest go to the disk
-      tier (the pserver's ``table_disk_dir``); 0 keeps every row in memory.
+    Fields (type and default are the dataclass's own; ``python -m transpiler
+    config-reference`` renders them with these meanings in docs/configuration.md):
+
+    - ``admit_count``: steps with a gradient an id needs before it gets a row
+      (1: every id at once).
+    - ``admit_probability``: fraction of ids ever admitted, decided by a hash of
+      (table seed, id).
+    - ``admit_sketch_width``: counters per row of the 4-row count-min sketch that
+      counts pending ids on each shard (a power of two; 2 bytes each: 8 MiB per
+      shard by default).
+    - ``admit_decay_steps``: halve every pending count at the end of every
+      this-many-th step; 0: never.
+    - ``evict_unseen_steps``: evict rows not updated for this many steps; 0: off.
+    - ``evict_unseen_seconds``: evict rows not updated for this many seconds of wall-clock
+      time; 0: off.
+    - ``evict_score_below``: evict rows whose decayed score is below this; 0: off.
+    - ``score_decay``: per-step decay of a row's score, in (0, 1].
+    - ``max_rows``: row budget of the whole table, split evenly over the
+      pservers; 0: none.
+    - ``sweep_every_steps``: eviction sweeps run at the end of every this-many-th
+      step.
+    - ``ram_rows``: rows of the whole table kept in memory; the rest go to the
+      disk tier (the pserver's ``table_disk_dir``); 0: every row in memory.
     """
 
     admit_count: int = 1

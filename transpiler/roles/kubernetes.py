@@ -14,7 +14,7 @@
 =========================== ===================================================================
 
 Pserver ``i`` is ``<statefulset>-<i>.<service>:<port>``; a pserver is the one whose
-``HOSTNAME`` ordinal is ``i``. With hot standby (``PS_SERVER_REPLICAS=2``, README "Hot standby")
+``HOSTNAME`` ordinal is ``i``. With hot standby (``PS_SERVER_REPLICAS=2``, docs/recovery.md, "Hot standby")
 the StatefulSet runs twice ``PS_PSERVER_NUM`` pods: pod ``N + i`` is pserver ``i``'s backup
 (:func:`replica_endpoints`). ``PADDLE_PSERVERS_IP_PORT_LIST`` may give the list instead of
 the Service (with both, they must agree). The role is ``TRAINING_ROLE`` when set; otherwise a

@@ -71,7 +71,7 @@ def read(env: Mapping[str, str]) -> Optional[Role]:
                 else NodeEnv.from_env(env))
         return Role(role, pservers, trainers, trainer_id=trainer_id, node=node, source="paddle")
     endpoint = f"{need('POD_IP')}:{need_int('PADDLE_PORT')}"
-    # Hot standby: a pserver's backup runs at an endpoint of PS_REPLICA_ENDPOINTS (README "Hot standby").
+    # Hot standby: a pserver's backup runs at an endpoint of PS_REPLICA_ENDPOINTS (docs/recovery.md, "Hot standby").
     backups = parse_endpoints(env["PS_REPLICA_ENDPOINTS"]) if env.get("PS_REPLICA_ENDPOINTS", "").strip() else []
     if endpoint not in pservers and endpoint not in backups:
         raise ValueError(f"this pserver's endpoint {endpoint} (POD_IP:PADDLE_PORT) is not in "

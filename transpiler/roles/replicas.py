@@ -1,4 +1,4 @@
-"""Which processes serve each pserver shard: the hot-standby settings resolved (README "Hot standby").
+"""Which processes serve each pserver shard: the hot-standby settings resolved (docs/recovery.md, "Hot standby").
 
 With ``server_replicas=2`` shard k is served by two processes, ``pservers[k]`` and
 ``replica_endpoints[k]``; either may lead. The plan's layout (blocks, placement,

@@ -14,7 +14,7 @@
 ``PS_SLURM_HOST_SUFFIX``        appended to node names to make pserver host names (e.g. ``-ib``)
 =============================== ===============================================================
 
-Hot standby (``PS_SERVER_REPLICAS=2``, README "Hot standby"): the first ``2K`` tasks are pserver
+Hot standby (``PS_SERVER_REPLICAS=2``, docs/recovery.md, "Hot standby"): the first ``2K`` tasks are pserver
 processes, task ``K + i`` pserver ``i``'s backup (:func:`replica_endpoints`), and trainer ``t``
 is task ``2K + t``. Homogeneous steps only.
 

@@ -1,0 +1,337 @@
+"""The documentation against the code: links, named paths and names, the generated reference, length.
+
+README.md and docs/*.md may drift from the code as it changes; these tests make the drift fail:
+every relative link reaches a file (and its ``#anchor`` a heading there, by GitHub's slug rules),
+every repository path a page mentions exists, every dotted name it writes in backticks
+(``trainer.PserverError``, ``Trainer.step``, ``TableSet.apply_mean``) resolves by import and
+getattr, docs/configuration.md is what ``python -m transpiler config-reference`` prints now, and
+the README stays a newcomer's ten minutes.
+"""
+from __future__ import annotations
+
+import ast
+import dataclasses
+import functools
+import importlib
+import inspect
+import re
+import textwrap
+from pathlib import Path
+from typing import Optional
+
+import pytest
+
+from transpiler.cli import config_reference, field_docs
+from transpiler.config import DistributeTranspilerConfig
+from transpiler.lifecycle import TableLifecycle
+
+REPO = Path(__file__).resolve().parents[1]
+PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+README_MAX_LINES = 350
+
+# Paths another change of the same step moves into place (benchmarks' results into benchmarks/results/).
+# Until it lands, a mention of the new path passes while the old one still exists; once both changes
+# are merged the new path exists and this table can go.
+MOVING = {
+    "benchmarks/results/RESULTS.md": "benchmarks/RESULTS.md",
+    "benchmarks/results/peers.png": "benchmarks/peers.png",
+    "benchmarks/results/lifecycle.png": "benchmarks/lifecycle.png",
+}
+
+PACKAGES = ("trainer", "pserver", "psproto", "transpiler")
+SOURCE_DIRS = {"trainer": "trainer", "pserver": "pserver", "psproto": "proto", "transpiler": "transpiler"}
+# Short names the docs use for public classes and modules: `Trainer.step` means trainer.Trainer.step.
+ALIASES = {
+    "Trainer": "trainer.Trainer", "PserverTrainer": "trainer.PserverTrainer",
+    "CollectiveTrainer": "trainer.CollectiveTrainer", "PserverError": "trainer.PserverError",
+    "job_metrics": "trainer.job_metrics", "ParameterServer": "pserver.ParameterServer",
+    "Program": "transpiler.Program", "DistributeTranspiler": "transpiler.DistributeTranspiler",
+    "DistributeTranspilerConfig": "transpiler.DistributeTranspilerConfig",
+    "TableOptions": "transpiler.TableOptions", "TableLifecycle": "transpiler.TableLifecycle",
+    "RoleEnv": "transpiler.RoleEnv", "Position": "transpiler.Position",
+    "PserverProgram": "transpiler.PserverProgram", "StartupProgram": "transpiler.StartupProgram",
+    "TrainerProgram": "transpiler.TrainerProgram", "Security": "psproto.security.Security",
+}
+# Instances the examples name: `tr.step` is a method of one of the trainers, `env.rank` of RoleEnv.
+INSTANCES = {
+    "tr": ("trainer.Trainer", "trainer.PserverTrainer", "trainer.CollectiveTrainer"),
+    "env": ("transpiler.RoleEnv",),
+}
+# Top-level folders whose paths a page may name: `pserver/engine/sync.py`, deploy/slurm/train.sbatch.
+PATH_ROOTS = ("trainer", "pserver", "proto", "transpiler", "tests", "benchmarks", "examples", "deploy", "docs")
+# A path: a root, then nothing (the folder) or at least two characters ("examples/s" is a unit).
+PATH = re.compile(r"(?<![\w/.-])(?:" + "|".join(PATH_ROOTS) + r")/(?:[\w./-]*[\w/]{2}|(?!\w))")
+FENCE = re.compile(r"^\s*```")
+LINK = re.compile(r"!?\[(?:[^\]\[]|\[[^\]]*\])*\]\(([^)\s]+)\)")
+CODE_SPAN = re.compile(r"(`+)(.+?)\1")
+DOTTED = re.compile(r"(?<![\w.])([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)+)")
+CAMEL_DOTTED = re.compile(r"^[A-Z][a-z]\w*\.[a-z_]\w*")
+# `transpiler.py`, `job_metrics.py`: file names, checked as paths, not as names
+FILE_SUFFIXES = {"py", "md", "proto", "json", "yaml", "png", "npy", "pt", "sbatch", "sh", "txt"}
+
+
+def prose_lines(text: str):
+    """(line number, line) of the lines outside fenced code blocks."""
+    fenced = False
+    for number, line in enumerate(text.splitlines(), 1):
+        if FENCE.match(line):
+            fenced = not fenced
+            continue
+        if not fenced:
+            yield number, line
+
+
+def code_spans(text: str):
+    """(line number, content) of every inline code span outside fenced blocks."""
+    for number, line in prose_lines(text):
+        for match in CODE_SPAN.finditer(line):
+            yield number, match.group(2).strip()
+
+
+def github_slug(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation dropped, each space a hyphen."""
+    text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", heading.strip())  # a link keeps its text
+    return re.sub(r"[^\w\- ]", "", text.lower()).replace(" ", "-")
+
+
+@functools.cache
+def anchors(page: Path) -> frozenset:
+    """Every heading anchor of ``page``, repeated headings numbered as GitHub numbers them."""
+    seen, found = {}, set()
+    for _, line in prose_lines(page.read_text()):
+        match = re.match(r"#{1,6}\s+(.*?)\s*#*\s*$", line)
+        if not match:
+            continue
+        slug = github_slug(match.group(1))
+        count = seen.get(slug, 0)
+        seen[slug] = count + 1
+        found.add(slug if count == 0 else f"{slug}-{count}")
+    return frozenset(found)
+
+
+def repo_file(relative: str) -> Optional[Path]:
+    """The repository path ``relative`` names, if it exists (or is still on its way: :data:`MOVING`)."""
+    path = REPO / relative
+    if path.exists():
+        return path
+    old = MOVING.get(relative.rstrip("/"))
+    return REPO / old if old and (REPO / old).exists() else None
+
+
+def relative_links(page: Path):
+    for number, line in prose_lines(page.read_text()):
+        for match in LINK.finditer(CODE_SPAN.sub("", line)):
+            target = match.group(1)
+            if not re.match(r"[a-z][a-z0-9+.-]*:", target):  # http:, https:, mailto: are not checked
+                yield number, target
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(REPO)))
+def test_every_relative_link_reaches_a_file_and_its_heading(page):
+    broken = []
+    for number, target in relative_links(page):
+        path_part, _, anchor = target.partition("#")
+        target_file = page if not path_part else (page.parent / path_part).resolve()
+        relative = target_file.relative_to(REPO).as_posix() if target_file.is_relative_to(REPO) else None
+        found = target_file if target_file.exists() else (repo_file(relative) if relative else None)
+        if found is None:
+            broken.append(f"line {number}: {target} (no such file)")
+        elif anchor and found.suffix == ".md" and anchor not in anchors(found):
+            broken.append(f"line {number}: {target} (no heading #{anchor} in {found.name})")
+    assert broken == [], f"{page.name} links to what is not there:\n" + "\n".join(broken)
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(REPO)))
+def test_every_repository_path_a_page_names_exists(page):
+    """Paths in prose and in code blocks alike: `pserver/engine/sync.py`, examples/train_mlp.py."""
+    missing = []
+    for number, line in enumerate(page.read_text().splitlines(), 1):
+        for match in PATH.finditer(line):
+            if repo_file(match.group(0)) is None:
+                missing.append(f"line {number}: {match.group(0)}")
+    assert missing == [], f"{page.name} names paths that do not exist:\n" + "\n".join(missing)
+
+
+@functools.cache
+def project_classes() -> dict:
+    """Class name -> modules that define it, across trainer/, pserver/, proto/ (psproto), transpiler/."""
+    found = {}
+    for package, folder in SOURCE_DIRS.items():
+        for path in (REPO / folder).rglob("*.py"):
+            module = ".".join((package, *path.relative_to(REPO / folder).with_suffix("").parts))
+            module = module.removesuffix(".__init__")
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                if isinstance(node, ast.ClassDef):
+                    found.setdefault(node.name, []).append(module)
+    return found
+
+
+@functools.cache
+def instance_attributes(cls: type) -> frozenset:
+    """The names ``cls`` (or a base of ours) assigns as ``self.<name> = ...`` in its methods."""
+    names = set()
+    for base in cls.__mro__:
+        if base.__module__.split(".")[0] not in PACKAGES:
+            continue
+        tree = ast.parse(textwrap.dedent(inspect.getsource(base)))
+        for node in ast.walk(tree):
+            targets = node.targets if isinstance(node, ast.Assign) else \
+                [node.target] if isinstance(node, (ast.AnnAssign, ast.AugAssign)) else []
+            names |= {t.attr for t in targets if isinstance(t, ast.Attribute)
+                      and isinstance(t.value, ast.Name) and t.value.id == "self"}
+    return frozenset(names)
+
+
+def has_attribute(owner, name: str) -> bool:
+    """getattr, or a dataclass field, annotated or instance attribute (no class attribute of their own)."""
+    if hasattr(owner, name):
+        return True
+    if isinstance(owner, type):
+        if dataclasses.is_dataclass(owner) and name in {f.name for f in dataclasses.fields(owner)}:
+            return True
+        if any(name in getattr(base, "__annotations__", {}) for base in owner.__mro__):
+            return True
+        return name in instance_attributes(owner)
+    return False
+
+
+def resolve(dotted: str) -> Optional[str]:
+    """None when ``dotted`` (a module path, then attributes) exists; else what is missing."""
+    parts = dotted.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            owner = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        for i, name in enumerate(parts[cut:], cut):
+            if not has_attribute(owner, name):
+                return f"{'.'.join(parts[:i])} has no {name!r}"
+            if not hasattr(owner, name):  # a field without a class-level value: its type is not followed
+                return None
+            owner = getattr(owner, name)
+        return None
+    return f"no module {parts[0]!r}"
+
+
+def name_problem(dotted: str) -> Optional[str]:
+    """What is wrong with a dotted name a page writes in backticks, or None (also for names not ours)."""
+    head, _, rest = dotted.partition(".")
+    if head in PACKAGES:
+        return resolve(dotted)
+    if head in ALIASES:
+        return resolve(f"{ALIASES[head]}.{rest}")
+    if head in INSTANCES:
+        problems = [resolve(f"{cls}.{rest}") for cls in INSTANCES[head]]
+        return None if None in problems else problems[0]
+    if CAMEL_DOTTED.match(dotted):  # Class.method: the class must be one of ours and have it
+        modules = project_classes().get(head)
+        if not modules:
+            return f"no class {head!r} in trainer, pserver, psproto or transpiler"
+        problems = [resolve(f"{module}.{dotted}") for module in modules]
+        return None if None in problems else problems[0]
+    return None
+
+
+def named_in(page: Path):
+    """(line, dotted name) for every dotted name in the page's inline code and its code blocks' imports."""
+    text = page.read_text()
+    for number, span in code_spans(text):
+        for match in DOTTED.finditer(span):
+            if match.group(1).rsplit(".", 1)[1] not in FILE_SUFFIXES:
+                yield number, match.group(1)
+    for number, line in enumerate(text.splitlines(), 1):
+        match = re.match(r"\s*from\s+([\w.]+)\s+import\s+([\w, ]+)", line)
+        if match and match.group(1).split(".")[0] in PACKAGES:
+            for name in match.group(2).split(","):
+                yield number, f"{match.group(1)}.{name.strip()}"
+        match = re.match(r"\s*import\s+([\w.]+)\s*$", line)
+        if match and match.group(1).split(".")[0] in PACKAGES:
+            yield number, match.group(1)
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(REPO)))
+def test_every_name_a_page_writes_exists(page):
+    wrong = []
+    for number, dotted in named_in(page):
+        problem = name_problem(dotted)
+        if problem:
+            wrong.append(f"line {number}: `{dotted}`: {problem}")
+    assert wrong == [], f"{page.name} names what the code does not have:\n" + "\n".join(wrong)
+
+
+@pytest.mark.parametrize("dotted, ok", [
+    ("trainer.PserverError", True),
+    ("Trainer.step", True),
+    ("RoleEnv.from_env", True),
+    ("DistributeTranspilerConfig.checkpoint_dir", True),
+    ("transpiler.tables.initial_rows", True),
+    ("TableSet.apply_mean", False),          # the README's walk named it after it was gone
+    ("Trainer.no_such_method", False),
+    ("transpiler.no_such_module", False),
+    ("NoSuchClass.method", False),
+    ("tr.step", True),                       # tr: a trainer of the examples
+    ("tr.model", True),                      # set in __init__
+    ("tr.no_such_method", False),
+    ("env.rank", True),
+    ("model.load_state_dict", True),         # not ours: not checked
+])
+def test_the_names_check_itself(dotted, ok):
+    assert (name_problem(dotted) is None) == ok
+
+
+@pytest.mark.parametrize("heading, slug", [
+    ("Collective mode (nccl2): DDP, no pservers", "collective-mode-nccl2-ddp-no-pservers"),
+    ("Launching a job: `ps-launch`", "launching-a-job-ps-launch"),
+    ("Environment variables (one script, every role)", "environment-variables-one-script-every-role"),
+    ("A sync step, file by file", "a-sync-step-file-by-file"),
+    ("max_rows and ram_rows", "max_rows-and-ram_rows"),
+])
+def test_github_slugs(heading, slug):
+    assert github_slug(heading) == slug
+
+
+def test_configuration_reference_is_current():
+    committed = (REPO / "docs" / "configuration.md").read_text()
+    assert committed == config_reference(), (
+        "docs/configuration.md is stale: run `python -m transpiler config-reference > docs/configuration.md`")
+
+
+def test_the_command_prints_the_reference(capsys):
+    from transpiler.__main__ import main
+    assert main(["config-reference"]) == 0
+    assert capsys.readouterr().out == config_reference()
+
+
+@pytest.mark.parametrize("cls", [DistributeTranspilerConfig, TableLifecycle], ids=lambda c: c.__name__)
+def test_every_config_field_is_documented(cls):
+    docs = field_docs(cls)  # raises, naming them, for fields without a description
+    assert list(docs) == [f.name for f in dataclasses.fields(cls)]
+    assert all(docs.values())
+
+
+def test_an_undocumented_field_is_an_error():
+    @dataclasses.dataclass
+    class Settings:
+        """Fields:
+
+        - ``a``: documented.
+        - ``gone``: a field that no longer exists.
+        """
+        a: int = 1
+        b: int = 2
+
+    with pytest.raises(ValueError, match=r"undocumented \['b'\], not fields \['gone'\]"):
+        field_docs(Settings)
+
+
+def test_the_environment_variables_the_reference_lists_are_read_by_the_code():
+    listed = set(re.findall(r"^\| `(PS_[A-Z_]+)` \|", config_reference(), re.MULTILINE))
+    assert listed, "the reference lists no environment variables"
+    source = "".join(p.read_text() for d in SOURCE_DIRS.values() for p in (REPO / d).rglob("*.py")
+                     if p.name != "config.py")
+    assert sorted(v for v in listed if f'"{v}"' not in source) == []
+
+
+def test_readme_is_a_newcomers_ten_minutes():
+    lines = len((REPO / "README.md").read_text().splitlines())
+    assert lines <= README_MAX_LINES, f"README.md has {lines} lines; move detail to docs/"
