@@ -29,15 +29,6 @@ REPO = Path(__file__).resolve().parents[1]
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 README_MAX_LINES = 350
 
-# Paths another change of the same step moves into place (benchmarks' results into benchmarks/results/).
-# Until it lands, a mention of the new path passes while the old one still exists; once both changes
-# are merged the new path exists and this table can go.
-MOVING = {
-    "benchmarks/results/RESULTS.md": "benchmarks/RESULTS.md",
-    "benchmarks/results/peers.png": "benchmarks/peers.png",
-    "benchmarks/results/lifecycle.png": "benchmarks/lifecycle.png",
-}
-
 PACKAGES = ("trainer", "pserver", "psproto", "transpiler")
 SOURCE_DIRS = {"trainer": "trainer", "pserver": "pserver", "psproto": "proto", "transpiler": "transpiler"}
 # Short names the docs use for public classes and modules: `Trainer.step` means trainer.Trainer.step.
@@ -110,12 +101,9 @@ def anchors(page: Path) -> frozenset:
 
 
 def repo_file(relative: str) -> Optional[Path]:
-    """The repository path ``relative`` names, if it exists (or is still on its way: :data:`MOVING`)."""
+    """The repository path ``relative`` names, if it exists."""
     path = REPO / relative
-    if path.exists():
-        return path
-    old = MOVING.get(relative.rstrip("/"))
-    return REPO / old if old and (REPO / old).exists() else None
+    return path if path.exists() else None
 
 
 def relative_links(page: Path):

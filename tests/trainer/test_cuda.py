@@ -1,7 +1,7 @@
 """The CUDA path of a trainer: device placement, pinned staging, NCCL pre-reduction in a node.
 
 Runs only where CUDA is present (CI has none: the same logic runs on CPU with
-gloo in tests/trainer/test_nodes.py). Numbers from a GPU run are in benchmarks/RESULTS.md.
+gloo in tests/trainer/test_nodes.py). Numbers from a GPU run are in benchmarks/results/RESULTS.md.
 """
 import datetime
 
