@@ -7,7 +7,7 @@ from typing import Dict, List, Mapping, Optional, Tuple
 import torch
 
 from ..tables import SparseGrad
-from .base import Engine
+from .engine import Engine
 from .roster import Position
 
 log = logging.getLogger(__name__)
@@ -51,8 +51,7 @@ class AsyncEngine(Engine):
             self.updates += 1
             self.last_step[trainer_id] = step
             self.roster.positions[trainer_id] = position
-            self._replicate(step, grads, sparse or {})
-            self._checkpoint_and_export_if_due()
+            self._applied(step, grads, sparse or {})
             self.cv.notify_all()
             return True, self.updates
 

@@ -1,14 +1,29 @@
-"""Roster: what a pserver knows about each trainer (joined, closed, dropped, progress).
+"""Roster: what a pserver knows about each trainer (joined, closed, dropped, progress); Joined: what a Hello learns.
 
 Not thread-safe: the engine holds its lock around every call.
 """
 from __future__ import annotations
 
 import time
-from typing import Dict, List, Tuple
+from typing import Dict, Iterable, List, NamedTuple, Tuple
 
 from transpiler.position import Position
 
+
+class Joined(NamedTuple):
+    """What a trainer's Hello learns of this pserver, read under one hold of the engine's lock.
+
+    One consistent view: read piecewise, a step completing in between would
+    pair a start step with the applied steps of another moment, and a
+    joining trainer could take pservers mid-step for stalled ones.
+    """
+
+    step: int                 # where the trainer (re)starts (see Engine.hello)
+    position: Position        # its data position as last pushed or checkpointed, (0, 0) if none
+    applied_step: int         # steps applied (async: updates)
+    others_in_step: int       # other trainers counted or awaited in the step in progress (async: 0)
+    counted_step: int         # the trainer's last step counted here, -1 if none
+    checkpoint_step: int      # the checkpoint this process started from or rolled back to, -1 if none
 
 
 class Roster:
@@ -51,6 +66,12 @@ class Roster:
         self.dropped_at.pop(trainer_id, None)
         self.joined.add(trainer_id)
         return how
+
+    def heard_from(self, trainers: Iterable[int], now: float) -> None:
+        """Count ``trainers`` as joined and just heard from (a backup that takes the lead expects them)."""
+        for t in trainers:
+            self.joined.add(t)
+            self.last_seen[t] = now
 
     def drop(self, trainer_id: int, now: float) -> None:
         """Take ``trainer_id`` out of the live set for silence, noting when."""
