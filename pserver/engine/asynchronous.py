@@ -36,12 +36,12 @@ class AsyncEngine(Engine):
         Nothing is kept once this returns: the caller keeps its buffers.
         """
         with self.cv:
-            self._check_pusher(trainer_id)
+            self.roster.check_pusher(trainer_id, self.endpoint, self.updates)
             if self.max_staleness is not None:
                 def fresh_enough():
                     low, _ = self._slowest(trainer_id)
                     return low is None or step - low <= self.max_staleness
-                self._wait(fresh_enough, f"trainer {trainer_id}'s step {step} (max_staleness="
+                self.waits.wait(fresh_enough, f"trainer {trainer_id}'s step {step} (max_staleness="
                            f"{self.max_staleness})", lambda: self._slowest(trainer_id)[1])
             # Checked after the wait: a retry may have been applied meanwhile.
             if step <= self.last_step.get(trainer_id, -1):

@@ -76,7 +76,7 @@ class Contents:
         return sum(spec.nbytes for spec in self.store.specs.values())
 
     def answer_bytes(self, answer_ids: Mapping[str, np.ndarray]) -> int:
-        """Bytes of tensor data a PushPull's answer carries: every block, then the rows of ``answer_ids`` ({table: ids}).
+        """Tensor bytes a PushPull's answer carries: every block, then the rows of ``answer_ids`` ({table: ids}).
 
         Known before the push counts, so a call that can carry only so much
         (PushPullOne: one message) is refused before anything is applied.
@@ -85,7 +85,7 @@ class Contents:
                                        for table, ids in answer_ids.items())
 
     def split_push(self, tensors: Mapping[str, torch.Tensor]) -> PushParts:
-        """A received push's tensors sorted by what they are: dense gradients, sparse gradients, ids its answer carries rows of.
+        """A received push's tensors sorted: dense gradients, sparse gradients, ids whose rows its answer carries.
 
         Sparse ids and rows must come in pairs of equal length (duplicate ids
         are summed) and every id must belong to this shard, else

@@ -1,24 +1,17 @@
 """Engine: the contract the RPC layer talks to, and what the sync and async engines share.
 
-- :class:`~pserver.engine.sync.SyncEngine`: step *s* is applied once every live
-  trainer's gradient for *s* has arrived, with the mean over the trainers that pushed it.
-- :class:`~pserver.engine.asynchronous.AsyncEngine`: each gradient is applied on arrival;
-  with ``max_staleness`` a trainer too far ahead of the slowest one waits.
+:class:`~pserver.engine.sync.SyncEngine` applies step *s* once every live
+trainer's gradient for *s* has arrived (their mean);
+:class:`~pserver.engine.asynchronous.AsyncEngine` applies each on arrival.
 
-An engine is composed of parts handed to it at construction: the blocks
-(:class:`~pserver.store.BlockStore`) and table shards (:class:`~pserver.tables.TableSet`)
-it updates, the ``checkpointer`` its resumes and roll-backs load from
-(:mod:`.rollback`), and the listeners told of every change
-(:mod:`.listeners`: scheduled checkpoints, exports, replication). It builds its
-own state: the roster (:mod:`.roster`), the roll-backs made (:class:`.rollback.Recovery`)
-and, in sync mode, the step in progress (:class:`.pending.PendingStep`).
-
-Both engines keep trainer bookkeeping (joined, closed, last counted step) and
-make a retried push for an already counted (trainer, step) a no-op. A push
-carries dense block gradients and sparse table gradients of one step, counted
-and applied together. All state lives behind one condition variable; updates
-and the listeners run under it, transfers do not. A refused request raises a
-:mod:`pserver.errors` refusal; which wire status it becomes is the servicer's business.
+An engine is composed of parts handed to its constructor: the blocks and
+table shards it updates, the ``checkpointer`` its resumes and roll-backs load
+from, the listeners told of every change (:mod:`.listeners`), and the sync
+engine's step in progress (:mod:`.pending`). It builds its own state: the
+roster (:mod:`.roster`), the roll-backs made (:mod:`.rollback`), its waits
+(:mod:`.waits`). All state lives behind one condition variable; updates and
+the listeners run under it, transfers do not. A retried push for an already
+counted (trainer, step) is a no-op. Refusals are :mod:`pserver.errors`.
 """
 from __future__ import annotations
 
@@ -32,7 +25,7 @@ import numpy as np
 import torch
 
 from ..checkpoint import Checkpointer
-from ..errors import BarrierTimeout, MustResync, NotAllowed, Refusal, ShuttingDown, StorageFailed
+from ..errors import StorageFailed
 from ..store import BlockStore
 from ..tables import SparseGrad, TableSet
 from .listeners import UpdateListener
@@ -40,6 +33,7 @@ from .pending import PendingStep
 from .rollback import Recovery, RollBack
 from .roster import Joined, Position, Roster
 from .stats import PserverStats
+from .waits import Waits
 
 log = logging.getLogger(__name__)
 
@@ -48,16 +42,12 @@ class Engine(ABC):
     """The contract the RPC layer talks to, and the trainer bookkeeping, checkpoints and roll-backs both engines share.
 
     ``checkpointer`` (None without a checkpoint_dir) saves and loads this
-    pserver's part on demand (:meth:`checkpoint`, :meth:`resume`,
-    :meth:`restore`). ``listeners`` are told of every change under the lock,
-    in order. ``pending`` is the sync engine's step in progress (None: async).
-    :meth:`push` and :meth:`wait_updates` are where the engines differ.
-    ``on_wait`` is called with the seconds a trainer's call waited for a sync
-    step (the barrier wait histogram), after the lock is released.
-    ``on_roster_change`` is called, after the lock is released, whenever the
-    trainers :meth:`live` gives may have changed (a trainer closed, was
-    dropped, rejoined, or a roll-back reset them): the Reduce service waits on
-    that set under a lock of its own.
+    pserver's part on demand. ``listeners`` are told of every change under
+    the lock, in order. ``pending``: the sync engine's step in progress (None:
+    async). ``on_wait`` gets the seconds a call waited for a sync step (the
+    barrier histogram) and ``on_roster_change`` is called whenever the
+    trainers :meth:`live` gives may have changed (the Reduce service waits on
+    them under a lock of its own), both after the lock is released.
     """
 
     sync_mode = False
@@ -76,8 +66,8 @@ class Engine(ABC):
         self.updates = 0
         self.roster = Roster(trainers)
         self.all_closed = threading.Event()
-        self._stopping = False
         self.recovery = Recovery(checkpointer, endpoint)
+        self.waits = Waits(self.cv, endpoint, barrier_timeout, self.recovery)
         self.listeners = tuple(listeners)
         self.pending = pending
         self.on_wait = on_wait
@@ -113,7 +103,7 @@ class Engine(ABC):
         trainer's values join a round.
         """
         with self.cv:
-            self._check_pusher(trainer_id)
+            self.roster.check_pusher(trainer_id, self.endpoint, self.updates)
 
     # -- telling the listeners (under the lock) and the Reduce service (after it) -----------
 
@@ -273,45 +263,7 @@ class Engine(ABC):
     def stop(self) -> None:
         """Wake every waiter so the server can shut down."""
         with self.cv:
-            self._stopping = True
-            self.cv.notify_all()
-
-    # -- refusals and waits ----------------------------------------------------------------
-
-    def _check_pusher(self, trainer_id: int) -> None:
-        if trainer_id in self.roster.closed:
-            raise NotAllowed(f"pserver {self.endpoint}: trainer {trainer_id} has closed; "
-                             f"call Hello to rejoin before pushing")
-        if trainer_id in self.roster.dropped:
-            raise MustResync(f"pserver {self.endpoint}: trainer {trainer_id} was dropped after "
-                             f"heartbeat_timeout at step {self.updates}; call Hello to rejoin")
-
-    def _ahead(self, trainer_id: int, what: str, target: int) -> Refusal:
-        """The refusal of a push or wait for a step beyond the next one."""
-        if self.restored_from >= 0:
-            # This pserver restarted or rolled back to a checkpoint: the trainer must re-sync.
-            return MustResync(f"pserver {self.endpoint}: trainer {trainer_id} {what} {target}, but this "
-                              f"pserver resumed from the checkpoint at step {self.restored_from} and "
-                              f"is at step {self.updates}; call Hello to re-sync")
-        return NotAllowed(f"pserver {self.endpoint}: trainer {trainer_id} {what} {target} from the "
-                          f"future; the pserver is at step {self.updates} and can only reach "
-                          f"{self.updates + 1} next")
-
-    def _wait(self, ready, what: str, missing) -> None:
-        """Wait under the lock until ``ready()``, or fail naming who is missing."""
-        deadline = time.monotonic() + self.barrier_timeout
-        rollbacks = self.recovery.rollbacks
-        while not ready():
-            if self._stopping:
-                raise ShuttingDown(f"pserver {self.endpoint} is shutting down")
-            if self.recovery.rollbacks != rollbacks:
-                raise MustResync(f"pserver {self.endpoint}: rolled back to the checkpoint at step "
-                                 f"{self.restored_from} while {what} waited; call Hello to re-sync")
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise BarrierTimeout(f"pserver {self.endpoint}: {what} still waits for trainers "
-                                     f"{missing()} after {self.barrier_timeout:g}s")
-            self.cv.wait(remaining)
+            self.waits.stop()
 
     # -- reads -----------------------------------------------------------------------------
 
@@ -380,22 +332,12 @@ class Engine(ABC):
         """Roll back to the checkpoint at ``step`` once per ``token`` (sync recovery).
 
         Returns False when ``token`` was already honoured, or when this pserver
-        stands unchanged at that very checkpoint (loaded from it, nothing applied
-        since): then the pushes it counted for the step are valid and kept, since
-        a late roll-back, asked for a restart other trainers have already re-synced
-        past, must not discard them. Otherwise waiters of the abandoned steps are
-        woken with :class:`MustResync`. Without a checkpoint_dir or a complete
-        checkpoint at ``step``: :class:`NotAllowed`; a checkpoint that cannot be
-        read or does not fit: :class:`StorageFailed`, and nothing changes.
+        stands unchanged at that very checkpoint: the pushes it counted since are
+        kept (see :meth:`Recovery.roll_back`). Otherwise the waits of the abandoned
+        steps end with :class:`MustResync`. Without a checkpoint_dir:
+        :class:`NotAllowed`; a checkpoint that cannot be loaded changes nothing.
         """
         self.recovery.check_can_roll_back()
-        rolled_back = self._roll_back(trainer_id, step, token)
-        if rolled_back:
-            self._roster_changed()  # the checkpoint's closed trainers, nobody dropped: after the lock
-        return rolled_back
-
-    def _roll_back(self, trainer_id: int, step: int, token: str) -> bool:
-        """:meth:`restore` under the lock."""
         with self.cv:
             outcome, meta = self.recovery.roll_back(trainer_id, step, token, self.updates)
             if outcome is RollBack.STAYS and self.pending is not None and self.pending.forget_joins():
@@ -403,12 +345,13 @@ class Engine(ABC):
                 # wait of its from before is on the abandoned timeline, as after a roll-back.
                 self.recovery.abandon_timeline()
                 self.cv.notify_all()
-            if outcome is not RollBack.LOADED:
-                return False
-            self._reset(meta)
-            self.recovery.abandon_timeline()
-            self.cv.notify_all()
-            return True
+            if outcome is RollBack.LOADED:
+                self._reset(meta)
+                self.recovery.abandon_timeline()
+                self.cv.notify_all()
+        if outcome is RollBack.LOADED:
+            self._roster_changed()  # the checkpoint's closed trainers, nobody dropped: after the lock
+        return outcome is RollBack.LOADED
 
     def _reset(self, meta: dict) -> None:
         """Take the step and trainers from a loaded checkpoint's manifest (blocks and tables are loaded)."""
@@ -452,15 +395,12 @@ class Engine(ABC):
                 self.tables.apply(sparse, lr_step)
             self.updates = updates
             self.roster.follow(roster_meta)
-            if set(range(self.trainers)) <= self.roster.closed:
-                self.all_closed.set()
-            self.cv.notify_all()
+            self._trainers_left()  # every trainer closed on the primary: the job is over here too
 
     def take_lead(self) -> None:
         """A backup becomes the primary: every live trainer that pushed is expected, as if just heard from.
 
-        The backup heard from no trainer; those that do not come within
-        heartbeat_timeout are dropped as on any primary.
+        Those that do not come within heartbeat_timeout are dropped as on any primary.
         """
         with self.cv:
             now = time.monotonic()

@@ -43,7 +43,7 @@ class UpdateListener(ABC):
     @abstractmethod
     def on_update(self, lr_step: int, updates: int, roster: Roster, dense: Mapping[str, torch.Tensor],
                   sparse: Mapping[str, SparseGrad]) -> None:
-        """Gradients of step ``lr_step`` were applied (``dense`` by block, ``sparse`` by table); ``updates`` counts them."""
+        """Gradients of step ``lr_step`` were applied (``dense`` by block, ``sparse`` by table), ``updates`` now."""
 
     def on_roster(self, updates: int, roster: Roster) -> None:
         """The roster changed without an update: a trainer closed or came back."""

@@ -89,7 +89,7 @@ class PendingStep:
         self.positions = {}
 
     def forget_joins(self) -> bool:
-        """Every trainer redoes the step the pserver stands at (a roll-back): returns whether one had been told it joins later.
+        """Every trainer redoes the step the pserver stands at (a roll-back); whether one was told it joins later.
 
         Kept, the push of a trainer that had joined a step later (pservers
         apart) would be stale: the step it joined at was abandoned.

@@ -16,7 +16,7 @@ import logging
 from typing import Dict, Optional, Tuple
 
 from ..checkpoint import Checkpointer
-from ..errors import MustResync, NotAllowed, StorageFailed
+from ..errors import MustResync, NotAllowed, Refusal, StorageFailed
 from .roster import Roster
 
 log = logging.getLogger(__name__)
@@ -58,7 +58,7 @@ class Recovery:
             raise StorageFailed(f"pserver {self.endpoint}: checkpoint failed: {e}") from None
 
     def load(self, step: Optional[int] = None) -> Optional[dict]:
-        """Load the latest complete checkpoint (or the one at ``step``) into the blocks and tables; its manifest, or None."""
+        """Load the latest complete checkpoint (or the one at ``step``) into blocks and tables; its manifest or None."""
         return self.checkpointer.load(step)
 
     def check_can_roll_back(self) -> None:
@@ -67,9 +67,13 @@ class Recovery:
             raise NotAllowed(f"pserver {self.endpoint} has no checkpoint_dir to roll back from")
 
     def roll_back(self, trainer_id: int, step: int, token: str, updates: int) -> Tuple[RollBack, Optional[dict]]:
-        """What a roll-back to the checkpoint at ``step`` asked with ``token`` does, at ``updates``; the manifest loaded.
+        """What a roll-back to the checkpoint at ``step`` asked with ``token`` does at ``updates``; the manifest.
 
-        :class:`RollBack.LOADED` has loaded the checkpoint into the blocks
+        :class:`RollBack.STAYS` when this pserver stands unchanged at that very
+        checkpoint (loaded from it, nothing applied since): the pushes counted
+        for the step are valid and kept, since a late roll-back, asked for a
+        restart other trainers have already re-synced past, must not discard
+        them. :class:`RollBack.LOADED` has loaded the checkpoint into the blocks
         and tables; the caller resets the rest of its state to the manifest.
         Without a complete checkpoint at ``step``: :class:`NotAllowed`; one
         that cannot be read or does not fit: :class:`StorageFailed`, and
@@ -116,6 +120,16 @@ class Recovery:
     def hello(self, trainer_id: int) -> None:
         """Note the roll-backs ``trainer_id``'s Hello saw."""
         self._hello_rollbacks[trainer_id] = self.rollbacks
+
+    def refusal_ahead(self, trainer_id: int, what: str, target: int, updates: int) -> Refusal:
+        """The refusal of a push or wait for ``target``, beyond the step after ``updates``."""
+        if self.restored_from >= 0:
+            # This pserver restarted or rolled back to a checkpoint: the trainer must re-sync.
+            return MustResync(f"pserver {self.endpoint}: trainer {trainer_id} {what} {target}, but this "
+                              f"pserver resumed from the checkpoint at step {self.restored_from} and "
+                              f"is at step {updates}; call Hello to re-sync")
+        return NotAllowed(f"pserver {self.endpoint}: trainer {trainer_id} {what} {target} from the "
+                          f"future; the pserver is at step {updates} and can only reach {updates + 1} next")
 
     def refuse_wait_from_before_a_roll_back(self, trainer_id: int, what: str) -> None:
         """MustResync for a trainer that said Hello before this pserver's latest roll-back and would wait.

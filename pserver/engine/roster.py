@@ -9,6 +9,8 @@ from typing import Dict, Iterable, List, NamedTuple, Tuple
 
 from transpiler.position import Position
 
+from ..errors import MustResync, NotAllowed
+
 
 class Joined(NamedTuple):
     """What a trainer's Hello learns of this pserver, read under one hold of the engine's lock.
@@ -48,6 +50,15 @@ class Roster:
 
     def live(self) -> set:
         return set(range(self.trainers)) - self.closed - self.dropped
+
+    def check_pusher(self, trainer_id: int, endpoint: str, updates: int) -> None:
+        """Refuse a trainer that has closed (NotAllowed) or was dropped (MustResync) until it says Hello again."""
+        if trainer_id in self.closed:
+            raise NotAllowed(f"pserver {endpoint}: trainer {trainer_id} has closed; "
+                             f"call Hello to rejoin before pushing")
+        if trainer_id in self.dropped:
+            raise MustResync(f"pserver {endpoint}: trainer {trainer_id} was dropped after "
+                             f"heartbeat_timeout at step {updates}; call Hello to rejoin")
 
     def touch(self, trainer_id: int) -> None:
         """Note a sign of life from ``trainer_id`` (any call it makes)."""

@@ -72,7 +72,7 @@ class Transport:
 
 @dataclass
 class Backup:
-    """The shard's other process as its primary sees it; changed by the outbox under its lock, through the methods below."""
+    """The shard's other process as its primary sees it; the outbox changes it under its lock, by these methods."""
 
     replica_id: str
     endpoint: str
@@ -93,7 +93,7 @@ class Backup:
         self.queued_bytes -= sum(len(m) for m in messages)
 
     def follows(self) -> None:
-        """It loaded the snapshot and asks for the messages since; nearly caught up (one message at most left), it counts."""
+        """It loaded the snapshot and asks for the messages since; nearly caught up already, it counts."""
         self.following = True
         self.count_if_caught_up()
 

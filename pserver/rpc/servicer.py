@@ -72,7 +72,7 @@ class Incarnation:
 
 
 class PserverServicer:
-    """Hello / PushPull / Pull / Prefetch / Close / Stats / Reduce for one pserver: the engine's and the Reduce service's front.
+    """Hello / PushPull / Pull / Prefetch / Close / Stats / Reduce: the engine's and the Reduce service's front.
 
     ``replica``: the process's place in its replicated shard (None without
     replicas); ``incarnation`` (default: a new one) what trainers tell this
@@ -276,7 +276,7 @@ class PserverServicer:
 
     def _answer_pull(self, trainer_id: int, min_updates: int, names, applied: bool = False,
                      answer_ids: Optional[Dict[str, np.ndarray]] = None):
-        """Wait for ``min_updates``, then (PullHeader, the blocks ``names`` and the rows of ``answer_ids`` ({table: ids})).
+        """Wait for ``min_updates``; (PullHeader, the blocks ``names``, the rows of ``answer_ids`` ({table: ids})).
 
         The rows come after the blocks, as of the same update: in sync mode
         the next step's lookups find exactly what a Prefetch would have.

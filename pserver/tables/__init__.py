@@ -8,8 +8,19 @@
 - :mod:`.files`: shard files (atomic save, re-sharding load, export); :mod:`.cli` exports them.
 - :mod:`.lifecycle`: admission, eviction and their row metadata (README "Tables that live for months").
 - :mod:`.serving`: base + delta exports for serving, and the numpy-only reader.
-"""
-from .shard import TableShard
-from .table_set import SparseGrad, TableSet
 
+The names are imported on first use: a light module of the package (the
+serving reader, the id index) loads neither torch nor the shard's modules.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from transpiler.lazy import lazy_exports
+
+__getattr__ = lazy_exports(__name__, {"TableSet": ".table_set", "TableShard": ".shard", "SparseGrad": ".table_set"})
 __all__ = ["TableSet", "TableShard", "SparseGrad"]
+
+if TYPE_CHECKING:
+    from .shard import TableShard
+    from .table_set import SparseGrad, TableSet

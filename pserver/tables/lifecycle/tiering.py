@@ -168,7 +168,7 @@ class DiskTiering:
     # -- exports and saves ---------------------------------------------------------
 
     def changed(self, since: Optional[int]) -> Iterator[Tuple[np.ndarray, np.ndarray]]:
-        """(ids, rows) on disk, chunk by chunk: every row (``since`` None) or those updated after table step ``since``."""
+        """(ids, rows) on disk, chunk by chunk: all (``since`` None) or those updated after table step ``since``."""
         for ids, records in self._store.iter_chunks():
             values = self._unpack(records)
             keep = slice(None) if since is None else values[self._seen_step] > since
