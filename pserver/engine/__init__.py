@@ -10,7 +10,8 @@
   scheduled exports (and :class:`FileWrites`, the switch a backup keeps off).
 - :mod:`.pending`: :class:`PendingStep`, the sync engine's step in progress.
 - :mod:`.rollback`: :class:`Recovery`, the engine's checkpoints on demand,
-  resume and roll-backs once per token.
+  resume and roll-backs once per token; :mod:`.waits`: its waits (deadline,
+  shutdown, roll-back).
 - :mod:`.roster`: the trainers as one pserver sees them, and what a Hello learns;
   :mod:`.stats`: the state Stats and /metrics report.
 - :mod:`.contents`: what the pserver holds as requests name it (block names

@@ -1,8 +1,9 @@
 """The primary's side of the replication stream: what it sends its backup, and who waits for the backup's answer.
 
 Every change the engine makes is handed to :meth:`Outbox.record` under the
-engine's lock, numbered (``seq``) and, while the shard has a backup, encoded at
-once (the engine reuses its gradient buffers at the next step). One sender
+engine's lock (by its :class:`~pserver.engine.listeners.Replication` listener),
+numbered (``seq``) and, while the shard has a backup, encoded at once (the
+engine reuses its gradient buffers at the next step). One sender
 thread sends the messages in order (:class:`Transport`); a trainer's call is
 answered only after :meth:`Outbox.wait_acked` saw the backup acknowledge every
 message recorded before it, so whatever a trainer was told survives the loss of
