@@ -42,7 +42,7 @@ class AsyncEngine(Engine):
                     low, _ = self._slowest(trainer_id)
                     return low is None or step - low <= self.max_staleness
                 self.waits.wait(fresh_enough, f"trainer {trainer_id}'s step {step} (max_staleness="
-                           f"{self.max_staleness})", lambda: self._slowest(trainer_id)[1])
+                                f"{self.max_staleness})", lambda: self._slowest(trainer_id)[1])
             # Checked after the wait: a retry may have been applied meanwhile.
             if step <= self.last_step.get(trainer_id, -1):
                 return False, self.updates

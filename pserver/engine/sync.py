@@ -117,7 +117,7 @@ class SyncEngine(Engine):
                 if self.updates < min_updates:
                     started = time.monotonic()
                 self.waits.wait(lambda: self.updates >= min_updates, f"step {self.updates}",
-                           lambda: sorted(self._expected() - self.pending.trainers))
+                                lambda: sorted(self._expected() - self.pending.trainers))
         finally:
             if started is not None and self.on_wait is not None:
                 self.on_wait(time.monotonic() - started)
