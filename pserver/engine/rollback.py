@@ -7,7 +7,10 @@ wakes every wait of the abandoned steps with :class:`~pserver.errors.MustResync`
 the roll-backs each trainer's last Hello saw, and the checkpoint this pserver
 started from or rolled back to. It decides what a roll-back asked with a
 token does (:meth:`Recovery.roll_back`) and loads the checkpoint; the engine
-resets its own state from what was loaded.
+resets its own state from what was loaded. Beside the checkpoints it records
+at once which trainers closed, and deletes the parts a roll-back abandoned.
+Checkpoints written every ``checkpoint_every`` updates are a listener's
+(:class:`~pserver.engine.listeners.ScheduledCheckpoints`).
 """
 from __future__ import annotations
 

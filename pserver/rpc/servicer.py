@@ -41,9 +41,9 @@ from .counters import Counters
 from ..engine import Contents, Engine
 from ..engine.reductions import Reductions, to_values
 from ..errors import BadRequest, NotAllowed
+from .mapped_regions import SharedRegions
 from .prologue import parse, refusals, trainer_call
 from .replica_link import ReplicaServicer
-from .mapped_regions import SharedRegions
 from .sessions import Sessions
 
 log = logging.getLogger(__name__)
