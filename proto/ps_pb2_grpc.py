@@ -39,11 +39,6 @@ class ParameterServerStub:
                 request_serializer=psproto_dot_ps__pb2.HelloRequest.SerializeToString,
                 response_deserializer=psproto_dot_ps__pb2.HelloReply.FromString,
                 _registered_method=True)
-        self.Push = channel.stream_unary(
-                '/psproto.ParameterServer/Push',
-                request_serializer=psproto_dot_ps__pb2.PushChunk.SerializeToString,
-                response_deserializer=psproto_dot_ps__pb2.PushReply.FromString,
-                _registered_method=True)
         self.Pull = channel.unary_stream(
                 '/psproto.ParameterServer/Pull',
                 request_serializer=psproto_dot_ps__pb2.PullRequest.SerializeToString,
@@ -146,13 +141,6 @@ class ParameterServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def Push(self, request_iterator, context):
-        """Sends one step's gradients for blocks this pserver owns.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
     def Pull(self, request, context):
         """Receives parameters once `min_updates` updates are applied.
         """
@@ -168,7 +156,8 @@ class ParameterServerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def PushPull(self, request_iterator, context):
-        """A training step in one call: Push, then Pull of every block of this
+        """A training step in one call: push one step's gradients for the blocks
+        and table shards this pserver owns, then Pull of every block of this
         pserver once the step is applied (sync) or at once (async).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -296,11 +285,6 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     request_deserializer=psproto_dot_ps__pb2.HelloRequest.FromString,
                     response_serializer=psproto_dot_ps__pb2.HelloReply.SerializeToString,
             ),
-            'Push': grpc.stream_unary_rpc_method_handler(
-                    servicer.Push,
-                    request_deserializer=psproto_dot_ps__pb2.PushChunk.FromString,
-                    response_serializer=psproto_dot_ps__pb2.PushReply.SerializeToString,
-            ),
             'Pull': grpc.unary_stream_rpc_method_handler(
                     servicer.Pull,
                     request_deserializer=psproto_dot_ps__pb2.PullRequest.FromString,
@@ -419,33 +403,6 @@ class ParameterServer:
             '/psproto.ParameterServer/Hello',
             psproto_dot_ps__pb2.HelloRequest.SerializeToString,
             psproto_dot_ps__pb2.HelloReply.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def Push(request_iterator,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.stream_unary(
-            request_iterator,
-            target,
-            '/psproto.ParameterServer/Push',
-            psproto_dot_ps__pb2.PushChunk.SerializeToString,
-            psproto_dot_ps__pb2.PushReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,4 +1,12 @@
-"""ParameterServer: one pserver process's gRPC server and its lifecycle."""
+"""ParameterServer: one pserver process's gRPC server and its lifecycle.
+
+It builds every part first and hands each to the parts that use it: the
+blocks and table shards; the listeners of the engine's changes (replication,
+scheduled checkpoints and exports, with the :class:`~pserver.engine.FileWrites`
+switch a hot standby's backup keeps off); the engine; what requests may carry
+(:class:`~pserver.engine.Contents`); with replicas, the
+:class:`~pserver.replication.replica.Replica`; and the servicer over them.
+"""
 from __future__ import annotations
 
 import logging
@@ -19,12 +27,14 @@ from transpiler import PserverProgram, StartupProgram
 from psproto.security import Security, TokenAuthInterceptor
 
 from .checkpoint import Checkpointer
-from .engine import AsyncEngine, Reductions, SyncEngine
+from .engine import (AsyncEngine, Contents, FileWrites, Reductions, Replication, ScheduledCheckpoints,
+                     ScheduledExports, SyncEngine)
 from .errors import LostLead
 from .ops.health import HealthPort
 from .ops.metrics import MetricsServer, PserverCollector
 from .ops.ports import SidePorts, split_host
 from .rpc import PserverServicer
+from .rpc.servicer import Incarnation
 from .store import BlockStore
 from .tables import TableSet
 from .tables.serving.exporter import TableExporter
@@ -70,29 +80,36 @@ class ParameterServer:
         checkpointer = None if cfg.checkpoint_dir is None else Checkpointer(
             cfg.checkpoint_dir, store, tables, program.shard, len(program.pservers), program.endpoint,
             program.sync_mode, every=cfg.checkpoint_every, keep=cfg.checkpoint_keep)
+        # Until it leads, a replica writes no checkpoint and no export: its primary does.
+        self.files = FileWrites(on=not program.replicated)
+        self.exporter: Optional[TableExporter] = None
+        if cfg.export_dir is not None and (cfg.export_every or cfg.export_every_seconds) and tables:
+            self.exporter = TableExporter(tables, cfg.export_dir, cfg.export_every, cfg.export_base_every,
+                                          cfg.export_keep_bases, cfg.export_every_seconds, program.sync_mode)
+        # The backup first learns of each change, then the files are written.
+        replication = Replication() if program.replicated else None
+        listeners = [replication] if replication is not None else []
+        if checkpointer is not None:
+            listeners.append(ScheduledCheckpoints(checkpointer, self.files, program.endpoint))
+        if self.exporter is not None:
+            listeners.append(ScheduledExports(self.exporter, self.files))
         # The Reduce service waits for the trainers the engine still expects and is woken when that
         # set changes: each needs the other, so the service, built first, asks self.engine (set just
         # below) only when a trainer calls.
         self.reductions = Reductions(self.endpoint, cfg.barrier_timeout, expected=lambda: self.engine.live(),
                                      admit=lambda trainer_id: self.engine.check_live(trainer_id))
         args = (store, tables, program.trainers, program.endpoint, cfg.barrier_timeout, checkpointer)
-        hooks = dict(on_wait=self._observe_barrier_wait, on_roster_change=self.reductions.roster_changed)
+        parts = dict(listeners=listeners, on_wait=self._observe_barrier_wait,
+                     on_roster_change=self.reductions.roster_changed)
         if program.sync_mode:
-            self.engine = SyncEngine(*args, **hooks)
+            self.engine = SyncEngine(*args, **parts)
         else:
-            self.engine = AsyncEngine(*args, max_staleness=cfg.max_staleness, **hooks)
-        if cfg.export_dir is not None and (cfg.export_every or cfg.export_every_seconds) and tables:
-            self.engine.exporter = TableExporter(tables, cfg.export_dir, cfg.export_every, cfg.export_base_every,
-                                                 cfg.export_keep_bases, cfg.export_every_seconds,
-                                                 program.sync_mode)
+            self.engine = AsyncEngine(*args, max_staleness=cfg.max_staleness, **parts)
         if checkpointer is not None:
             if self.engine.resume():
                 log.info("pserver %s resumes from the checkpoint at step %d under %s%s", self.endpoint,
                          self.engine.updates, cfg.checkpoint_dir,
                          " (tables_from is ignored)" if tables_from else "")
-        self.servicer = PserverServicer(self.engine, self.reductions, program.layout_digest, cfg.chunk_bytes,
-                                        alive_window=cfg.session_alive_window,
-                                        allow_nonfinite=cfg.nonfinite_grads == "apply")
         self._server: Optional[grpc.Server] = None
         self._health: Optional[health.HealthServicer] = None
         self._health_port: Optional[HealthPort] = None
@@ -100,12 +117,19 @@ class ParameterServer:
         self._finished = threading.Event()
         self._stopped = False
         self._interceptors = self.security.server_interceptors()
-        self.replica = None
+        # Trainers tell a restarted shard by the incarnation Hello answers: with replicas it names the
+        # state's lineage, the same on both processes, so a failover is no restart to them.
+        incarnation = Incarnation()
         self.fenced = False
+        self.replica = None
         if program.replicated:
-            self._replicate(program)
+            self.replica = self._replica(program, replication, incarnation)
+        self.servicer = PserverServicer(self.engine, Contents(store, tables), self.reductions, program.layout_digest,
+                                        cfg.chunk_bytes, alive_window=cfg.session_alive_window,
+                                        allow_nonfinite=cfg.nonfinite_grads == "apply", replica=self.replica,
+                                        incarnation=incarnation)
 
-    def _replicate(self, program: PserverProgram) -> None:
+    def _replica(self, program: PserverProgram, replication: Replication, incarnation: Incarnation):
         """Hot standby: this process is one of its shard's two; etcd decides whether it leads or follows."""
         from .replication.etcd import EtcdCoordinator
         from .replication.replica import Replica
@@ -114,17 +138,9 @@ class ParameterServer:
         prefix = (cfg.coordinator_prefix or f"/torch-pserver/{program.layout_digest}").rstrip("/")
         coordinator = EtcdCoordinator(cfg.coordinator, prefix, program.shard, secrets.token_hex(8),
                                       ttl=cfg.replica_lease_ttl)
-        # Until it leads, a replica writes no checkpoint and no export: its primary does.
-        self.engine.writes_files = False
         self._link = ReplicaLink(self.security, cfg.chunk_bytes)
-        self.replica = Replica(self.engine, program, coordinator, self._link, on_lineage=self._set_incarnation,
-                               on_fenced=self._on_fenced)
-        self.servicer.replica = self.replica
-
-    def _set_incarnation(self, incarnation: int) -> None:
-        # Trainers tell a restarted shard by the incarnation Hello answers: with replicas it names the
-        # state's lineage, the same on both processes, so a failover is no restart to them.
-        self.servicer.incarnation = incarnation
+        return Replica(self.engine, program, coordinator, self._link, replication, self.files,
+                       on_lineage=incarnation.adopt, on_fenced=self._on_fenced)
 
     def _on_fenced(self) -> None:
         self.fenced = True
@@ -235,7 +251,7 @@ class ParameterServer:
         A replica that does not lead writes none: its primary does, and a
         fenced one may hold updates nobody acknowledged.
         """
-        if self.engine.checkpointer is None or not self.engine.writes_files or self.fenced:
+        if self.engine.checkpointer is None or not self.files.on or self.fenced:
             return None
         try:
             return self.engine.checkpoint()[1]
@@ -270,8 +286,8 @@ class ParameterServer:
         if self._health_port is not None:
             self._health_port.shutting_down()
         self.engine.stop()
-        if self.engine.exporter is not None:
-            self.engine.exporter.close()
+        if self.exporter is not None:
+            self.exporter.close()
         self.reductions.stop()
         if self._server is not None:
             self._server.stop(grace).wait()

@@ -82,6 +82,17 @@ def test_importing_every_transpiler_module_loads_no_grpc():
     assert out.stdout.strip() == "[]"
 
 
+@pytest.mark.parametrize("module", ["pserver.tables.rows", "pserver.tables.serving.reader", "pserver.engine",
+                                    "pserver.checkpoint.layout", "pserver.tables"])
+def test_importing_a_pserver_helper_loads_no_grpc(module):
+    """pserver/__init__.py imports ParameterServer on first use: a helper of the package needs no gRPC."""
+    code = (f"import sys, importlib\nimportlib.import_module({module!r})\n"
+            "print(sorted(n for n in sys.modules if n == 'grpc' or n.startswith('grpc.') or n == 'pserver.server'))\n"
+            "import pserver\nprint(pserver.ParameterServer.__module__)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO)
+    assert out.stdout.splitlines() == ["[]", "pserver.server"]
+
+
 def test_transpiler_exports_the_user_api():
     import transpiler
 

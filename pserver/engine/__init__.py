@@ -1,24 +1,35 @@
 """Update engines: when a pushed gradient is applied, who waits for whom, and roll-backs.
 
-- :mod:`.base`: :class:`Engine`, the contract the RPC layer talks to (push,
-  wait_updates, read, lookup, roster operations, checkpoint and roll-back) and
-  what both engines share; :mod:`.sync` (:class:`SyncEngine`, the barrier) and
+- :mod:`.engine`: :class:`Engine`, the contract the RPC layer talks to (push,
+  wait_updates, read, lookup, roster operations, checkpoint and roll-back,
+  the backup's side of hot standby), composed of parts handed to its
+  constructor; :mod:`.sync` (:class:`SyncEngine`, the barrier) and
   :mod:`.asynchronous` (:class:`AsyncEngine`, apply on arrival) implement it.
-- :mod:`.contents`: what the engine holds as requests name it (block names and
-  layout, what a push or prefetch may carry, how a push splits; a mixin of :class:`Engine`).
-- :mod:`.rollback`: checkpoints, resume and roll-back (a mixin of :class:`Engine`).
-- :mod:`.roster`: the trainers as one pserver sees them; :mod:`.snapshot`: the
-  state Stats and /metrics report.
+- :mod:`.listeners`: :class:`UpdateListener`, told of every change under the
+  engine's lock, and its implementations: replication, scheduled checkpoints,
+  scheduled exports (and :class:`FileWrites`, the switch a backup keeps off).
+- :mod:`.pending`: :class:`PendingStep`, the sync engine's step in progress.
+- :mod:`.rollback`: :class:`Recovery`, the engine's checkpoints on demand,
+  resume and roll-backs once per token; :mod:`.waits`: its waits (deadline,
+  shutdown, roll-back).
+- :mod:`.roster`: the trainers as one pserver sees them, and what a Hello learns;
+  :mod:`.stats`: the state Stats and /metrics report.
+- :mod:`.contents`: what the pserver holds as requests name it (block names
+  and layout, what a push or prefetch may carry, how a push splits): the
+  servicer's, not the engine's.
 - :mod:`.reductions`: :class:`Reductions`, the Reduce service (trainers' global
   metrics), with its own lock; it asks the engine which trainers it expects.
 
 Pure of gRPC: refusals are :mod:`pserver.errors`, mapped to statuses by :mod:`pserver.rpc`.
 """
 from .asynchronous import AsyncEngine
-from .base import Engine, Joined
-from .contents import PushParts
+from .contents import Contents, PushParts
+from .engine import Engine
+from .listeners import FileWrites, Replication, ScheduledCheckpoints, ScheduledExports, UpdateListener
 from .reductions import Reductions
-from .snapshot import Snapshot
+from .roster import Joined
+from .stats import PserverStats
 from .sync import SyncEngine
 
-__all__ = ["Engine", "Joined", "SyncEngine", "AsyncEngine", "PushParts", "Reductions", "Snapshot"]
+__all__ = ["Engine", "Joined", "SyncEngine", "AsyncEngine", "Contents", "PushParts", "Reductions", "PserverStats",
+           "UpdateListener", "FileWrites", "Replication", "ScheduledCheckpoints", "ScheduledExports"]

@@ -7,7 +7,7 @@ from typing import Dict, List, Mapping, Optional, Tuple
 import torch
 
 from ..tables import SparseGrad
-from .base import Engine
+from .engine import Engine
 from .roster import Position
 
 log = logging.getLogger(__name__)
@@ -36,13 +36,13 @@ class AsyncEngine(Engine):
         Nothing is kept once this returns: the caller keeps its buffers.
         """
         with self.cv:
-            self._check_pusher(trainer_id)
+            self.roster.check_pusher(trainer_id, self.endpoint, self.updates)
             if self.max_staleness is not None:
                 def fresh_enough():
                     low, _ = self._slowest(trainer_id)
                     return low is None or step - low <= self.max_staleness
-                self._wait(fresh_enough, f"trainer {trainer_id}'s step {step} (max_staleness="
-                           f"{self.max_staleness})", lambda: self._slowest(trainer_id)[1])
+                self.waits.wait(fresh_enough, f"trainer {trainer_id}'s step {step} (max_staleness="
+                                f"{self.max_staleness})", lambda: self._slowest(trainer_id)[1])
             # Checked after the wait: a retry may have been applied meanwhile.
             if step <= self.last_step.get(trainer_id, -1):
                 return False, self.updates
@@ -51,8 +51,7 @@ class AsyncEngine(Engine):
             self.updates += 1
             self.last_step[trainer_id] = step
             self.roster.positions[trainer_id] = position
-            self._replicate(step, grads, sparse or {})
-            self._checkpoint_and_export_if_due()
+            self._applied(step, grads, sparse or {})
             self.cv.notify_all()
             return True, self.updates
 

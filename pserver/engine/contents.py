@@ -1,10 +1,11 @@
 """What a pserver holds, as requests name it: its blocks and its table shards' wire tensors.
 
-:class:`Contents` is a mixin of :class:`~pserver.engine.base.Engine`: the part
-of the engine contract that says which tensors a push, pull or prefetch may
-carry, with which dtype and shape, and how a received push splits into dense
-gradients, sparse gradients and ids asked ahead. The RPC layer asks these
-instead of reaching into the block store or the table set.
+:class:`Contents` says which tensors a push, pull or prefetch may carry, with
+which dtype and shape, and how a received push splits into dense gradients,
+sparse gradients and the ids whose rows its answer carries. The servicer holds
+one (built by the server over the same blocks and tables as the engine) and
+asks it instead of reaching into the block store or the table set; the engine
+is told only what to count and apply.
 
 None of it takes the engine's lock: names, dtypes and shapes come from the
 plan and never change while the pserver runs, and the id checks read only
@@ -30,16 +31,17 @@ Expected = Tuple[str, List[int]]
 class PushParts(NamedTuple):
     """A received push, split by what each tensor is (see :meth:`Contents.split_push`)."""
 
-    dense: Dict[str, torch.Tensor]   # {block: gradient}
-    sparse: Dict[str, SparseGrad]    # {table: (unique ids, summed gradient rows)}
-    ahead: Dict[str, np.ndarray]     # {table: ids whose rows the answer carries, as of after the push}
+    dense: Dict[str, torch.Tensor]     # {block: gradient}
+    sparse: Dict[str, SparseGrad]      # {table: (unique ids, summed gradient rows)}
+    answer_ids: Dict[str, np.ndarray]  # {table: ids whose rows the answer carries, as of after the push}
 
 
 class Contents:
     """Names, dtypes and shapes of this pserver's blocks and table tensors; splitting what a push carries."""
 
-    store: BlockStore
-    tables: TableSet
+    def __init__(self, store: BlockStore, tables: TableSet):
+        self.store = store
+        self.tables = tables
 
     def block_names(self) -> AbstractSet[str]:
         """The dense blocks this pserver owns: a read-only set view, in plan order.
@@ -73,16 +75,17 @@ class Contents:
         # Every answer carries every block: their size, from the plan, is summed once, not per push.
         return sum(spec.nbytes for spec in self.store.specs.values())
 
-    def answer_bytes(self, ahead: Mapping[str, np.ndarray]) -> int:
-        """Bytes of tensor data a PushPull's answer carries: every block, then the rows of ``ahead`` ({table: ids}).
+    def answer_bytes(self, answer_ids: Mapping[str, np.ndarray]) -> int:
+        """Tensor bytes a PushPull's answer carries: every block, then the rows of ``answer_ids`` ({table: ids}).
 
         Known before the push counts, so a call that can carry only so much
         (PushPullOne: one message) is refused before anything is applied.
         """
-        return self._block_bytes + sum(len(ids) * self.tables.specs[table].row_bytes for table, ids in ahead.items())
+        return self._block_bytes + sum(len(ids) * self.tables.specs[table].row_bytes
+                                       for table, ids in answer_ids.items())
 
     def split_push(self, tensors: Mapping[str, torch.Tensor]) -> PushParts:
-        """A received push's tensors sorted by what they are: dense gradients, sparse gradients, ids asked ahead.
+        """A received push's tensors sorted: dense gradients, sparse gradients, ids whose rows its answer carries.
 
         Sparse ids and rows must come in pairs of equal length (duplicate ids
         are summed) and every id must belong to this shard, else
@@ -94,18 +97,6 @@ class Contents:
         if not self.tables:
             return PushParts(dense, {}, {})
         return PushParts(dense, self.tables.sparse_grads(tensors), self.tables.requested_ids(tensors, "next"))
-
-    def split_replicated(self, tensors: Mapping[str, torch.Tensor]) -> Tuple[Dict[str, torch.Tensor], Dict[str, SparseGrad]]:
-        """(dense gradients, {table: (ids, rows)}) of an update this process's primary applied (hot standby).
-
-        The primary merged and checked it: its ids are unique and of this shard,
-        so they are taken as they are (no hashing, no merging on the backup).
-        """
-        blocks = self.block_names()
-        dense = {name: t for name, t in tensors.items() if name in blocks}
-        sparse = {name[:-len("@ids")]: (t.numpy(), tensors[name[:-len("@ids")] + "@rows"])
-                  for name, t in tensors.items() if name.endswith("@ids")}
-        return dense, sparse
 
     def prefetch_ids(self, tensors: Mapping[str, torch.Tensor]) -> Dict[str, np.ndarray]:
         """``{table: ids}`` a prefetch asks rows for, from its ``<table>@ids`` tensors.

@@ -1,14 +1,31 @@
-"""Roster: what a pserver knows about each trainer (joined, closed, dropped, progress).
+"""Roster: what a pserver knows about each trainer (joined, closed, dropped, progress); Joined: what a Hello learns.
 
 Not thread-safe: the engine holds its lock around every call.
 """
 from __future__ import annotations
 
 import time
-from typing import Dict, List, Tuple
+from typing import Dict, Iterable, List, NamedTuple, Tuple
 
 from transpiler.position import Position
 
+from ..errors import MustResync, NotAllowed
+
+
+class Joined(NamedTuple):
+    """What a trainer's Hello learns of this pserver, read under one hold of the engine's lock.
+
+    One consistent view: read piecewise, a step completing in between would
+    pair a start step with the applied steps of another moment, and a
+    joining trainer could take pservers mid-step for stalled ones.
+    """
+
+    step: int                 # where the trainer (re)starts (see Engine.hello)
+    position: Position        # its data position as last pushed or checkpointed, (0, 0) if none
+    applied_step: int         # steps applied (async: updates)
+    others_in_step: int       # other trainers counted or awaited in the step in progress (async: 0)
+    counted_step: int         # the trainer's last step counted here, -1 if none
+    checkpoint_step: int      # the checkpoint this process started from or rolled back to, -1 if none
 
 
 class Roster:
@@ -34,6 +51,15 @@ class Roster:
     def live(self) -> set:
         return set(range(self.trainers)) - self.closed - self.dropped
 
+    def check_pusher(self, trainer_id: int, endpoint: str, updates: int) -> None:
+        """Refuse a trainer that has closed (NotAllowed) or was dropped (MustResync) until it says Hello again."""
+        if trainer_id in self.closed:
+            raise NotAllowed(f"pserver {endpoint}: trainer {trainer_id} has closed; "
+                             f"call Hello to rejoin before pushing")
+        if trainer_id in self.dropped:
+            raise MustResync(f"pserver {endpoint}: trainer {trainer_id} was dropped after "
+                             f"heartbeat_timeout at step {updates}; call Hello to rejoin")
+
     def touch(self, trainer_id: int) -> None:
         """Note a sign of life from ``trainer_id`` (any call it makes)."""
         self.last_seen[trainer_id] = time.monotonic()
@@ -51,6 +77,12 @@ class Roster:
         self.dropped_at.pop(trainer_id, None)
         self.joined.add(trainer_id)
         return how
+
+    def heard_from(self, trainers: Iterable[int], now: float) -> None:
+        """Count ``trainers`` as joined and just heard from (a backup that takes the lead expects them)."""
+        for t in trainers:
+            self.joined.add(t)
+            self.last_seen[t] = now
 
     def drop(self, trainer_id: int, now: float) -> None:
         """Take ``trainer_id`` out of the live set for silence, noting when."""

@@ -7,40 +7,34 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Dict, List, Mapping, Optional, Tuple
+from typing import Dict, Mapping, Optional, Tuple
 
 import torch
 
 from ..errors import NotAllowed
 from ..tables import SparseGrad
-from .base import Engine
+from .engine import Engine
+from .pending import PendingStep
 from .roster import Position
 
 log = logging.getLogger(__name__)
 
 
 class SyncEngine(Engine):
-    """Applies step s once all live trainers pushed it, with their mean gradient."""
+    """Applies step s once all live trainers pushed it, with their mean gradient.
+
+    Its step in progress is a :class:`~pserver.engine.pending.PendingStep`
+    part (``pending``), which the engine's roll-backs clear too.
+    """
 
     sync_mode = True
 
     def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.pending: set = set()
-        # Per-block sums, allocated once and reused every step; `touched`
-        # holds the blocks some trainer pushed in the current step.
-        self.grad_sum: Dict[str, torch.Tensor] = {}
-        self.touched: set = set()
-        # Per table, the (ids, rows) each trainer pushed in the current step.
-        self.sparse_parts: Dict[str, List[SparseGrad]] = {}
-        # Data positions pushed with the current step: they count once it is applied.
-        self.pending_positions: Dict[int, Position] = {}
-        # Trainers that (re)joined while a step was in progress, and the later step they count from.
-        self.joins_at: Dict[int, int] = {}
+        super().__init__(*args, pending=PendingStep(), **kwargs)
 
     def _start_step(self, trainer_id: int, how: str, join_at: int) -> int:
         later = []
-        if how == "rejoined" and self.pending:
+        if how == "rejoined" and self.pending.trainers:
             # The step in progress goes on without it: waiting for a trainer that has
             # to pull first would stall it, and a late gradient would be stale.
             later.append(self.updates + 1)
@@ -51,34 +45,17 @@ class SyncEngine(Engine):
             # business, not a join's: ignored.
             later.append(join_at)
         if later:
-            self.joins_at[trainer_id] = max(self.joins_at.get(trainer_id, 0), *later)
+            self.pending.join_later(trainer_id, max(later))
             # The others' pushes of the step in progress may all be here already: no later push
             # would come to complete it (theirs wait for this very step).
             self._apply_if_complete()
-        return max(self.joins_at.get(trainer_id, 0), self.updates)
+        return max(self.pending.joins_at_step(trainer_id), self.updates)
 
     def _others_in_step(self, trainer_id: int) -> int:
-        return len((self.pending | self._expected()) - {trainer_id})
+        return len((self.pending.trainers | self._expected()) - {trainer_id})
 
     def _expected(self) -> set:
-        return {t for t in self.live() if self.joins_at.get(t, 0) <= self.updates}
-
-    def _reset(self, meta: dict) -> None:
-        super()._reset(meta)
-        self._forget_join_steps()
-
-    def _forget_join_steps(self) -> bool:
-        # Every trainer redoes the checkpoint's step after a roll-back, also one that had joined a
-        # step later (pservers apart): the step it joined at was abandoned. Kept, its push of the
-        # checkpoint's step would be stale, the step applied without it.
-        forgotten, self.joins_at = bool(self.joins_at), {}
-        return forgotten
-
-    def _clear_pending(self) -> None:
-        self.pending = set()
-        self.touched = set()
-        self.sparse_parts = {}
-        self.pending_positions = {}
+        return self.pending.expected(self.roster.live(), self.updates)
 
     def push(self, trainer_id: int, step: int, grads: Dict[str, torch.Tensor],
              sparse: Optional[Mapping[str, SparseGrad]] = None,
@@ -90,8 +67,8 @@ class SyncEngine(Engine):
         applied: the caller must not reuse it.
         """
         with self.cv:
-            self._check_pusher(trainer_id)
-            if step == self.updates and trainer_id in self.pending:
+            self.roster.check_pusher(trainer_id, self.endpoint, self.updates)
+            if step == self.updates and trainer_id in self.pending.trainers:
                 return False, self.updates
             if step < self.updates:
                 if self.last_step.get(trainer_id, -1) >= step:
@@ -99,40 +76,25 @@ class SyncEngine(Engine):
                 raise NotAllowed(f"pserver {self.endpoint}: trainer {trainer_id} pushed stale step "
                                  f"{step}; the pserver is at step {self.updates}")
             if step > self.updates:
-                raise self._ahead(trainer_id, "pushed step", step)
-            for name, g in grads.items():
-                if name in self.touched:
-                    self.grad_sum[name].add_(g)
-                else:
-                    acc = self.grad_sum.get(name)
-                    if acc is None:
-                        acc = self.grad_sum[name] = torch.empty_like(g)
-                    acc.copy_(g)
-                    self.touched.add(name)
-            for name, part in (sparse or {}).items():
-                self.sparse_parts.setdefault(name, []).append(part)
-            self.pending.add(trainer_id)
-            self.pending_positions[trainer_id] = position
+                raise self.recovery.refusal_ahead(trainer_id, "pushed step", step, self.updates)
+            self.pending.add(trainer_id, grads, sparse or {}, position)
             self.last_step[trainer_id] = step
             self._apply_if_complete()
             return True, self.updates
 
     def _apply_if_complete(self) -> None:
-        if not self.pending or not self.pending >= self._expected():
+        pending = self.pending
+        if not pending.complete(self.roster.live(), self.updates):
             return
-        n = len(self.pending)
-        mean = {name: self.grad_sum[name].div_(n) for name in self.touched}
-        sparse = self.tables.mean_of(self.sparse_parts, n)
+        mean, sparse = pending.mean(self.tables)
         step = self.updates
         self.store.apply(mean, step)
         self.tables.apply(sparse, step)
-        log.debug("%s: applied step %d from trainers %s", self.endpoint, self.updates, sorted(self.pending))
+        log.debug("%s: applied step %d from trainers %s", self.endpoint, step, sorted(pending.trainers))
         self.updates += 1
-        self.joins_at = {t: s for t, s in self.joins_at.items() if s > self.updates}
-        self.roster.positions.update(self.pending_positions)
-        self._replicate(step, mean, sparse)
-        self._clear_pending()
-        self._checkpoint_and_export_if_due()
+        self.roster.positions.update(pending.positions)
+        pending.applied(self.updates)
+        self._applied(step, mean, sparse)
         self.cv.notify_all()
 
     def _on_close(self) -> None:
@@ -148,14 +110,14 @@ class SyncEngine(Engine):
         try:
             with self.cv:
                 if min_updates > self.updates + 1:
-                    raise self._ahead(trainer_id, "waits for update", min_updates)
-                if self.updates < min_updates and trainer_id in self._expected() - self.pending:
+                    raise self.recovery.refusal_ahead(trainer_id, "waits for update", min_updates, self.updates)
+                if self.updates < min_updates and trainer_id in self._expected() - self.pending.trainers:
                     # The step waited for needs this trainer's own push, which it has not made.
-                    self._refuse_wait_from_before_a_roll_back(trainer_id, f"wait for update {min_updates}")
+                    self.recovery.refuse_wait_from_before_a_roll_back(trainer_id, f"wait for update {min_updates}")
                 if self.updates < min_updates:
                     started = time.monotonic()
-                self._wait(lambda: self.updates >= min_updates, f"step {self.updates}",
-                           lambda: sorted(self._expected() - self.pending))
+                self.waits.wait(lambda: self.updates >= min_updates, f"step {self.updates}",
+                                lambda: sorted(self._expected() - self.pending.trainers))
         finally:
             if started is not None and self.on_wait is not None:
                 self.on_wait(time.monotonic() - started)

@@ -1,7 +1,7 @@
 """Prometheus metrics of one pserver, served over HTTP at ``/metrics`` on its metrics port.
 
 Most values are read at scrape time from what the pserver keeps anyway (the
-servicer's counters and the engine's :class:`~pserver.engine.snapshot.Snapshot`, the
+servicer's counters and the engine's :class:`~pserver.engine.stats.PserverStats`, the
 same one the Stats RPC answers from), by a custom collector: nothing is counted
 twice on the request path. The one exception is the barrier wait histogram, observed where a sync
 wait ends, outside the engine's lock.
@@ -31,7 +31,7 @@ class PserverCollector(Collector):
     """Reads one pserver's state at every scrape and yields it as metric families.
 
     ``servicer`` is the pserver's :class:`~pserver.rpc.servicer.PserverServicer`
-    (its counters, and its engine's snapshot); ``auth`` the token interceptor
+    (its counters, and its engine's stats); ``auth`` the token interceptor
     whose refusals count as reason "auth", or None.
     """
 
@@ -45,7 +45,7 @@ class PserverCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         """One sample of every metric; the engine's lock is held only to copy the roster."""
         svc = self.servicer
-        snap = svc.engine.snapshot()
+        snap = svc.engine.stats()
         ep = [svc.endpoint]
         states = {"alive": len(snap.alive), "dropped": len(snap.dropped), "closed": len(snap.closed)}
         c = svc.counters

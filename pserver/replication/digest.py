@@ -68,10 +68,9 @@ def state_digest(store, tables, roster_meta: dict) -> str:
                 h.update(repr(value).encode())
     for name in sorted(tables.names()):
         shard = tables.shards[name]
-        with shard._lock:
-            n = shard._n
-            columns = [shard._rows, *shard._state,
-                       *(values for column, values in sorted(shard._meta.items()) if column not in CLOCK_COLUMNS)]
-            h.update(f"{name}:{shard.step}:{n}:{shard.disk_rows}:{fold_rows(shard._ids[:n], columns)}".encode())
+        with shard.reading() as memory:
+            columns = [memory.rows, *memory.state,
+                       *(values for column, values in sorted(memory.meta.items()) if column not in CLOCK_COLUMNS)]
+            h.update(f"{name}:{shard.step}:{len(memory)}:{shard.disk_rows}:{fold_rows(memory.ids, columns)}".encode())
     h.update(json.dumps(roster_meta, sort_keys=True).encode())
     return h.hexdigest()[:32]

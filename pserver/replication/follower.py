@@ -4,13 +4,27 @@ from __future__ import annotations
 import json
 import logging
 import threading
-from typing import Callable, Dict
+from typing import AbstractSet, Callable, Dict, Mapping, Tuple
 
 import torch
 
 from ..errors import OutOfSync
+from ..tables import SparseGrad
 
 log = logging.getLogger(__name__)
+
+
+def split_update(tensors: Mapping[str, torch.Tensor],
+                 blocks: AbstractSet[str]) -> Tuple[Dict[str, torch.Tensor], Dict[str, SparseGrad]]:
+    """(dense gradients, {table: (ids, rows)}) of an update the primary applied, from a message's tensors.
+
+    The primary merged and checked it: its ids are unique and of this shard,
+    so they are taken as they are (no hashing, no merging on the backup).
+    """
+    dense = {name: t for name, t in tensors.items() if name in blocks}
+    sparse = {name[:-len("@ids")]: (t.numpy(), tensors[name[:-len("@ids")] + "@rows"])
+              for name, t in tensors.items() if name.endswith("@ids")}
+    return dense, sparse
 
 
 class Follower:
@@ -45,7 +59,7 @@ class Follower:
                 return self.seq
             if header.seq != self.seq + 1:
                 raise OutOfSync(f"message {header.seq} after {self.seq}: a gap")
-            dense, sparse = self.engine.split_replicated(tensors)
+            dense, sparse = split_update(tensors, self.engine.store.names())
             self.engine.apply_replicated(header.lr_step, header.updates, json.loads(header.roster or "{}"),
                                          dense, sparse)
             self.seq = header.seq

@@ -1,8 +1,9 @@
 """The primary's side of the replication stream: what it sends its backup, and who waits for the backup's answer.
 
 Every change the engine makes is handed to :meth:`Outbox.record` under the
-engine's lock, numbered (``seq``) and, while the shard has a backup, encoded at
-once (the engine reuses its gradient buffers at the next step). One sender
+engine's lock (by its :class:`~pserver.engine.listeners.Replication` listener),
+numbered (``seq``) and, while the shard has a backup, encoded at once (the
+engine reuses its gradient buffers at the next step). One sender
 thread sends the messages in order (:class:`Transport`); a trainer's call is
 answered only after :meth:`Outbox.wait_acked` saw the backup acknowledge every
 message recorded before it, so whatever a trainer was told survives the loss of
@@ -72,7 +73,7 @@ class Transport:
 
 @dataclass
 class Backup:
-    """The shard's other process as its primary sees it."""
+    """The shard's other process as its primary sees it; the outbox changes it under its lock, by these methods."""
 
     replica_id: str
     endpoint: str
@@ -81,6 +82,30 @@ class Backup:
     in_sync: bool = False       # in etcd's in-sync list: it may lead if this process is lost
     queue: Deque[Tuple[int, List[bytes]]] = field(default_factory=collections.deque)
     queued_bytes: int = 0
+
+    def queue_message(self, seq: int, messages: List[bytes]) -> None:
+        """Keep message ``seq`` (its encoded parts) until the backup takes it."""
+        self.queue.append((seq, messages))
+        self.queued_bytes += sum(len(m) for m in messages)
+
+    def took_first(self) -> None:
+        """The backup acknowledged the first queued message: it leaves the queue."""
+        _, messages = self.queue.popleft()
+        self.queued_bytes -= sum(len(m) for m in messages)
+
+    def follows(self) -> None:
+        """It loaded the snapshot and asks for the messages since; nearly caught up already, it counts."""
+        self.following = True
+        self.count_if_caught_up()
+
+    def count_if_caught_up(self) -> None:
+        """Count it from the next message on once one message at most is left for it."""
+        if len(self.queue) <= 1:
+            self.counted = True
+
+    def now_in_sync(self) -> None:
+        """It entered etcd's in-sync list."""
+        self.in_sync = True
 
 
 def encode_update(epoch: int, seq: int, lr_step: int, updates: int, roster: str, digest: str,
@@ -143,8 +168,7 @@ class Outbox:
                 digest = self.digest()
             messages = encode_update(self.epoch, self.seq, lr_step, updates, json.dumps(roster_meta), digest,
                                      dense, sparse, self.chunk_bytes)
-            backup.queue.append((self.seq, messages))
-            backup.queued_bytes += sum(len(m) for m in messages)
+            backup.queue_message(self.seq, messages)
             if not backup.following and backup.queued_bytes > KEEP_BYTES:
                 log.warning("primary %s: backup %s copies its snapshot too slowly (%d MiB of updates kept "
                             "since); it copies the state again", self.me[1], backup.endpoint,
@@ -178,9 +202,8 @@ class Outbox:
                                 f"snapshot?); it copies the state again")
             if self.backup.following:
                 return  # the backup asking again whether it still is one: it is
-            self.backup.following = True
             # Nearly caught up already (a quiet moment): from now on nothing is acknowledged without it.
-            self.backup.counted = len(self.backup.queue) <= 1
+            self.backup.follows()
             self.cv.notify_all()
 
     def reset(self) -> None:
@@ -291,14 +314,13 @@ class Outbox:
             with self.cv:
                 if self.backup is not backup:
                     continue
-                backup.queue.popleft()
-                backup.queued_bytes -= sum(len(m) for m in messages)
+                backup.took_first()
                 self.sent += 1
                 if backup.counted:
                     self.acked = max(self.acked, seq)
-                elif len(backup.queue) <= 1:
+                else:
                     # Nearly caught up: from the next message on, nothing is acknowledged without it.
-                    backup.counted = True
+                    backup.count_if_caught_up()
                 self.cv.notify_all()
 
     def _count_in(self, backup: Backup) -> None:
@@ -313,7 +335,7 @@ class Outbox:
             if not written:
                 self._fenced_by_etcd()
                 return
-            backup.in_sync = True
+            backup.now_in_sync()
             self.cv.notify_all()
             log.info("primary %s: backup %s is in sync at message %d", self.me[1], backup.endpoint, self.seq)
 

@@ -8,7 +8,11 @@ ends, and a restart brings it back as the backup. The gRPC side (sending
 messages, fetching snapshots) is the injected ``link``
 (:class:`pserver.rpc.replica_link.ReplicaLink`); the servicer asks
 :meth:`check_serving` before every trainer call and :meth:`wait_acked` before
-every answer that reports an applied update.
+every answer that reports an applied update. What the engine tells the
+backup goes through the engine's :class:`~pserver.engine.listeners.Replication`
+listener, which a new primary hands its outbox; it turns the process's
+:class:`~pserver.engine.listeners.FileWrites` on (a backup writes no
+checkpoint and no export).
 """
 from __future__ import annotations
 
@@ -20,6 +24,7 @@ from typing import Callable, Iterator, Optional
 
 from psproto import ps_pb2
 
+from ..engine.listeners import FileWrites, Replication
 from ..errors import NotPrimary, OutOfSync
 from . import snapshot
 from .coordination import CoordinationError, Coordinator
@@ -45,15 +50,20 @@ DONE = "done"
 class Replica:
     """This process's place in its shard's replica set, and the threads that keep it.
 
-    ``on_lineage(incarnation)`` tells the servicer the incarnation trainers
-    see (the state's lineage: one value for both replicas, a new one when the
-    shard restarts from a checkpoint); ``on_fenced()`` ends the process.
+    ``replication`` is the engine's listener that hands each change to the
+    outbox while this process leads; ``files`` the switch of checkpoint and
+    export writes, turned on when it starts to lead. ``on_lineage(incarnation)``
+    tells the servicer the incarnation trainers see (the state's lineage: one
+    value for both replicas, a new one when the shard restarts from a
+    checkpoint); ``on_fenced()`` ends the process.
     """
 
-    def __init__(self, engine, program, coordinator: Coordinator, link,
-                 on_lineage: Callable[[int], None], on_fenced: Callable[[], None]):
+    def __init__(self, engine, program, coordinator: Coordinator, link, replication: Replication,
+                 files: FileWrites, on_lineage: Callable[[int], None], on_fenced: Callable[[], None]):
         cfg = program.config
         self.engine = engine
+        self.replication = replication
+        self.files = files
         self.program = program
         self.endpoint = program.endpoint
         self.shard = program.shard
@@ -258,7 +268,8 @@ class Replica:
                              self.timeout, digest=self.digest, digest_every=self.digest_every,
                              on_fenced=self._fence)
         with self.engine.cv:
-            self.engine.replicator = self.outbox
+            self.replication.lead(self.outbox)
+            self.files.take_over()
             self.epoch, self.leader, self.role = epoch, self.endpoint, PRIMARY
         self.engine.take_lead()
         self.on_lineage(self.lineage)
@@ -298,9 +309,8 @@ class Replica:
             first = next(answer)
             snapshot.unpack((chunk.data for chunk in answer), directory)
             with self.engine.cv:
-                snapshot.load(self.engine, self.program, directory)
                 # The primary's history, not this process's own start: what Hello reports once it leads.
-                self.engine.restored_from = first.checkpoint_step
+                self.engine.follow_copy(snapshot.load(self.engine, self.program, directory), first.checkpoint_step)
                 self.follower = Follower(self.engine, leader.epoch, first.seq, self.digest)
             self.lineage = int(first.lineage)
             self.epoch, self.role = leader.epoch, BACKUP

@@ -67,15 +67,15 @@ def unpack(data: Iterable[bytes], directory: str) -> None:
     os.remove(archive)
 
 
-def load(engine, program, directory: str) -> int:
-    """Under the engine's lock: load the unpacked snapshot in ``directory``; the update count it stands at."""
+def load(engine, program, directory: str) -> dict:
+    """Under the engine's lock: load the unpacked snapshot in ``directory`` into the blocks and tables; its manifest.
+
+    The engine takes its step and roster from it (:meth:`~pserver.engine.Engine.follow_copy`).
+    """
     meta = _checkpointer(engine, program, directory).load()
     if meta is None:
         raise ValueError(f"the snapshot in {directory} holds no complete checkpoint part")
-    engine.updates = int(meta["step"])
-    engine.roster.follow(meta)
-    engine._clear_pending()
-    return engine.updates
+    return meta
 
 
 def remove(directory: str) -> None:

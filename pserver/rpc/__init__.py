@@ -1,11 +1,15 @@
 """The RPC layer: the one part of the pserver that speaks gRPC.
 
 ``servicer.py`` checks each request and calls the engine (or the Reduce
-service); ``prologue.py`` holds what every call goes through (parsing, the
-caller's checks) and maps the domain errors of :mod:`pserver.errors` to gRPC
-status codes; ``sessions.py`` decides which process speaks for each trainer id;
-``counters.py`` counts what the servicer received, sent and refused;
-``buffers.py`` pools the gradient receive buffers.
+service), asking the pserver's :class:`~pserver.engine.Contents` what a
+request may carry; ``prologue.py`` holds what every call goes through
+(parsing, the caller's checks) and maps the domain errors of
+:mod:`pserver.errors` to gRPC status codes; ``sessions.py`` decides which
+process speaks for each trainer id; ``counters.py`` counts what the servicer
+received, sent and refused; ``buffers.py`` pools the gradient receive buffers;
+``mapped_regions.py`` keeps the shared-memory regions of trainers on this host
+mapped (PushPullShared); ``replica_link.py`` is hot standby's side of the
+service and its client (:mod:`pserver.replication`).
 Nothing below this layer (engines, stores, tables, checkpoints) imports grpc.
 :mod:`pserver.server` needs only the servicer (the service's name is :data:`psproto.wire.SERVICE`).
 """

@@ -94,7 +94,8 @@ class ReplicaServicer:
 
     Reads the :class:`~pserver.rpc.servicer.PserverServicer` it serves beside at each call: its
     ``replica`` (None on a pserver without replicas: Lead then answers that it leads, at epoch 0,
-    and the others refuse), engine, endpoint and counters.
+    and the others refuse), engine, contents (what a replication message may carry), endpoint
+    and counters.
     """
 
     def __init__(self, servicer):
@@ -122,7 +123,7 @@ class ReplicaServicer:
         return self.replica
 
     def _receive(self, messages) -> bytes:
-        header, reader = None, TensorReader(self.engine.expect)
+        header, reader = None, TensorReader(self.servicer.contents.expect)
         for data in messages:
             extra, pieces = decode_chunk(data, ps_pb2.ReplicaHeader)
             if extra is not None:

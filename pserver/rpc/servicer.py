@@ -1,12 +1,16 @@
 """The gRPC servicer: checks every request, then hands it to the engine (or to the Reduce service).
 
-It knows the blocks and tables only through the engine's contract
-(:class:`~pserver.engine.Engine`: what a push or prefetch may carry, how a
-push splits), never reaching below it.
+It knows the blocks and tables only through two parts the server hands it:
+what a push, pull or prefetch may carry and how a push splits
+(:class:`~pserver.engine.contents.Contents`), and what to count, apply and
+read (:class:`~pserver.engine.Engine`), never reaching below them. With hot
+standby it holds the process's :class:`~pserver.replication.replica.Replica`
+too, and the :class:`Incarnation` trainers tell this pserver's state by.
 
 Every method receives the raw request bytes and parses them itself, so
 malformed bytes get INVALID_ARGUMENT with a message instead of a generic
-deserialisation failure. Push and Pull bypass the generic protobuf path for
+deserialisation failure. The step calls (PushPull, PushPullOne,
+PushPullShared), Pull and Prefetch bypass the generic protobuf path for
 tensor data (see psproto.codec). Every refusal is a gRPC status naming this
 pserver and what was wrong; a refused request changes nothing (gradients are
 fully received and checked before the engine sees them).
@@ -34,13 +38,13 @@ from psproto.wire import SERVICE, one_message
 
 from .buffers import BufferPool
 from .counters import Counters
-from ..engine import Engine
+from ..engine import Contents, Engine
 from ..engine.reductions import Reductions, to_values
 from ..errors import BadRequest, NotAllowed
+from .mapped_regions import SharedRegions
 from .prologue import parse, refusals, trainer_call
 from .replica_link import ReplicaServicer
 from .sessions import Sessions
-from .shared import SharedRegions
 
 log = logging.getLogger(__name__)
 
@@ -51,27 +55,51 @@ def _finite(g: torch.Tensor) -> bool:
     return bool(torch.isfinite(g.sum())) or bool(torch.isfinite(g).all())
 
 
+class Incarnation:
+    """The number trainers tell this pserver's state by, in Hello, Heartbeat and Stats answers.
+
+    A new value per process: trainers tell a restarted pserver by it. A
+    replicated shard's processes answer with the state's lineage instead, the
+    same on both, so a failover is no restart to trainers (:meth:`adopt`).
+    """
+
+    def __init__(self):
+        self.value = secrets.randbits(63) or 1
+
+    def adopt(self, lineage: int) -> None:
+        """Answer ``lineage`` from now on (this process leads its replicated shard)."""
+        self.value = lineage
+
+
 class PserverServicer:
-    """Hello / Push / Pull / Close / Stats / Reduce for one pserver: the engine's and the Reduce service's front."""
+    """Hello / PushPull / Pull / Prefetch / Close / Stats / Reduce: the engine's and the Reduce service's front.
 
-    # Hot standby (pserver.replication.replica.Replica), set by the server; None without replicas.
-    replica = None
+    ``replica``: the process's place in its replicated shard (None without
+    replicas); ``incarnation`` (default: a new one) what trainers tell this
+    pserver's state by.
+    """
 
-    def __init__(self, engine: Engine, reductions: Reductions, layout_digest: str, chunk_bytes: int,
-                 alive_window: float, allow_nonfinite: bool = False):
+    def __init__(self, engine: Engine, contents: Contents, reductions: Reductions, layout_digest: str,
+                 chunk_bytes: int, alive_window: float, allow_nonfinite: bool = False, replica=None,
+                 incarnation: Optional[Incarnation] = None):
         self.engine = engine
+        self.contents = contents
         self.reductions = reductions
+        self.replica = replica
+        self._incarnation = incarnation if incarnation is not None else Incarnation()
         self.sessions = Sessions(engine.endpoint, alive_window)
         self.allow_nonfinite = allow_nonfinite
-        # A new value per process: trainers tell a restarted pserver by it.
-        self.incarnation = secrets.randbits(63) or 1
         self.started = time.monotonic()
         self.endpoint = engine.endpoint
         self.layout_digest = layout_digest
         self.chunk_bytes = chunk_bytes
         self.counters = Counters()
-        self.buffers = BufferPool(engine.block_layout())
+        self.buffers = BufferPool(contents.block_layout())
         self.regions = SharedRegions(engine.trainers)
+
+    @property
+    def incarnation(self) -> int:
+        return self._incarnation.value
 
     def _serving(self) -> None:
         """Refuse a trainer's call (NotPrimary) on a replica that does not lead its shard."""
@@ -158,14 +186,8 @@ class PserverServicer:
 
     def _release(self, tensors) -> None:
         # Only dense blocks come from the pool; sparse tensors are sized per push.
-        blocks = self.engine.block_names()
+        blocks = self.contents.block_names()
         self.buffers.release({n: t for n, t in tensors.items() if n in blocks})
-
-    @refusals
-    def Push(self, request_iterator, context):
-        _, applied, updates, _ = self._push(request_iterator, answered=False)
-        self._acked()
-        return ps_pb2.PushReply(applied=applied, updates=updates)
 
     @refusals
     def PushPull(self, request_iterator, context) -> Iterator[bytes]:
@@ -194,31 +216,29 @@ class PserverServicer:
 
     def _push_pull(self, request_iterator, answer_limit: Optional[int] = None):
         """A push, then its answer: (PullHeader, tensors). ``answer_limit`` bounds the answer's tensor bytes."""
-        header, applied, _, ahead = self._push(request_iterator, answer_limit=answer_limit)
+        header, applied, answer_ids = self._push(request_iterator, answer_limit=answer_limit)
         # The trainer's next step needs this one applied (sync), or whatever is there (async).
         min_updates = header.step + 1 if self.engine.sync_mode else 0
-        return self._answer_pull(header.trainer_id, min_updates, list(self.engine.block_names()), applied, ahead)
+        return self._answer_pull(header.trainer_id, min_updates, list(self.contents.block_names()), applied,
+                                 answer_ids)
 
-    def _push(self, request_iterator, answered: bool = True, answer_limit: Optional[int] = None):
-        """Read, check and count one push; (header, applied, updates, {table: ids asked for after it}).
+    def _push(self, request_iterator, answer_limit: Optional[int] = None):
+        """Read, check and count one push; (header, applied, {table: ids whose rows the answer carries}).
 
-        ``answered``: whether the call answers with parameters (PushPull), so
-        may carry ``<table>@next`` ids to answer with rows too. ``answer_limit``:
-        the tensor bytes the answer may carry; a push whose answer would carry
-        more is refused before it counts.
+        A push may carry ``<table>@next`` ids: its answer carries their rows
+        too. ``answer_limit``: the tensor bytes the answer may carry; a push
+        whose answer would carry more is refused before it counts.
         """
-        header, reader = self._read_stream(request_iterator, ps_pb2.PushHeader, self.engine.expect,
+        header, reader = self._read_stream(request_iterator, ps_pb2.PushHeader, self.contents.expect,
                                            dest=self.buffers.acquire, widen=True)
         try:
             if header.step < 0:
                 raise BadRequest(f"step must be >= 0, got {header.step}")
             if header.epoch < 0 or header.batch < 0:
                 raise BadRequest(f"data position must be >= 0, got epoch {header.epoch} batch {header.batch}")
-            grads, sparse, ahead = self.engine.split_push(reader.tensors)
-            if ahead and not answered:
-                raise BadRequest("'<table>@next' ids ask for rows in the answer: send them with PushPull, not Push")
+            grads, sparse, answer_ids = self.contents.split_push(reader.tensors)
             if answer_limit is not None:
-                answer_bytes = self.engine.answer_bytes(ahead)
+                answer_bytes = self.contents.answer_bytes(answer_ids)
                 if answer_bytes > answer_limit:
                     room = "one message" if answer_limit == ONE_MESSAGE_BYTES else "the answer's region"
                     raise BadRequest(f"the answer would carry {answer_bytes:,} bytes of tensors, more than {room} "
@@ -229,8 +249,8 @@ class PserverServicer:
                                      f"{header.step} holds NaN or Inf; push refused "
                                      f"(nonfinite_grads='refuse')")
             self.counters.add(bytes_in=reader.nbytes, pushes=1)
-            applied, updates = self.engine.push(header.trainer_id, header.step, grads, sparse,
-                                                (header.epoch, header.batch))
+            applied, _ = self.engine.push(header.trainer_id, header.step, grads, sparse,
+                                          (header.epoch, header.batch))
             if applied:
                 self.counters.counted(header.trainer_id, len(grads))
         finally:
@@ -238,11 +258,11 @@ class PserverServicer:
         if not applied:
             log.info("%s: duplicate push from trainer %d for step %d acknowledged, not applied",
                      self.endpoint, header.trainer_id, header.step)
-        return header, applied, updates, ahead
+        return header, applied, answer_ids
 
     @trainer_call(ps_pb2.PullRequest, touch=True)
     def Pull(self, request, context) -> Iterator[bytes]:
-        blocks = self.engine.block_names()
+        blocks = self.contents.block_names()
         names = list(request.names) or list(blocks)
         if len(set(names)) != len(names):
             raise BadRequest("a pull names some blocks more than once")
@@ -255,8 +275,8 @@ class PserverServicer:
                                  self.chunk_bytes)
 
     def _answer_pull(self, trainer_id: int, min_updates: int, names, applied: bool = False,
-                     ahead: Optional[Dict[str, np.ndarray]] = None):
-        """Wait for ``min_updates``, then (PullHeader, the blocks ``names`` and the rows of ``ahead`` ({table: ids})).
+                     answer_ids: Optional[Dict[str, np.ndarray]] = None):
+        """Wait for ``min_updates``; (PullHeader, the blocks ``names``, the rows of ``answer_ids`` ({table: ids})).
 
         The rows come after the blocks, as of the same update: in sync mode
         the next step's lookups find exactly what a Prefetch would have.
@@ -264,8 +284,8 @@ class PserverServicer:
         self.engine.wait_updates(trainer_id, min_updates)
         self._acked()
         updates, tensors = self.engine.read(names)
-        if ahead:
-            tensors = tensors + self.engine.lookup(ahead)[1]
+        if answer_ids:
+            tensors = tensors + self.engine.lookup(answer_ids)[1]
         self.counters.add(bytes_out=sum(t.numel() * t.element_size() for _, t in tensors))
         return ps_pb2.PullHeader(updates=updates, applied=applied), tensors
 
@@ -278,10 +298,10 @@ class PserverServicer:
         yield from self._prefetch(iter((data,)))
 
     def _prefetch(self, request_iterator) -> Iterator[bytes]:
-        header, reader = self._read_stream(request_iterator, ps_pb2.PrefetchHeader, self.engine.expect_table)
+        header, reader = self._read_stream(request_iterator, ps_pb2.PrefetchHeader, self.contents.expect_table)
         if header.min_updates < 0:
             raise BadRequest(f"min_updates must be >= 0, got {header.min_updates}")
-        ids = self.engine.prefetch_ids(reader.tensors)
+        ids = self.contents.prefetch_ids(reader.tensors)
         self.engine.wait_updates(header.trainer_id, header.min_updates)
         self._acked()
         updates, rows = self.engine.lookup(ids)
@@ -340,7 +360,7 @@ class PserverServicer:
     @refusals
     def Stats(self, data, context):
         parse(ps_pb2.StatsRequest, data)
-        snap = self.engine.snapshot()
+        snap = self.engine.stats()
         last = snap.checkpoint
         c = self.counters
         with c.lock:
@@ -362,7 +382,6 @@ class PserverServicer:
         serialize = lambda m: m.SerializeToString()  # noqa: E731
         handlers = {
             "Hello": grpc.unary_unary_rpc_method_handler(self.Hello, response_serializer=serialize),
-            "Push": grpc.stream_unary_rpc_method_handler(self.Push, response_serializer=serialize),
             "Pull": grpc.unary_stream_rpc_method_handler(self.Pull),  # yields encoded bytes
             "Prefetch": grpc.stream_stream_rpc_method_handler(self.Prefetch),
             "PushPull": grpc.stream_stream_rpc_method_handler(self.PushPull),

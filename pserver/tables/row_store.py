@@ -33,13 +33,15 @@ Memory per stored row, with raw = ``8 + dim * itemsize * (1 + k) + meta``
 bytes). For dim 16 float32 that is at most 1.39x raw for sgd (raw 80 B) and
 1.30x for adam (raw 208 B).
 
-Not thread-safe: :class:`pserver.tables.shard.TableShard` calls every method
-under its lock.
+Not thread-safe: :class:`pserver.tables.shard.TableShard` holds one (its rows
+in memory) and calls every method under its lock; its disk tier
+(:mod:`pserver.tables.lifecycle.tiering`) moves rows in and out through the
+same public methods.
 """
 from __future__ import annotations
 
 import logging
-from typing import Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -60,29 +62,68 @@ class RowStore:
     """Rows, optimizer state and metadata of one table shard, found by id through the index.
 
     ``state_init``: the initial value of each optimizer state array;
-    ``columns``: the metadata columns rows carry. Subclasses give new rows
-    their initial values (:meth:`_initial_into`).
+    ``columns``: the metadata columns rows carry; ``initial_into(ids, out)``
+    writes the initial values of new rows into ``out`` (see :meth:`insert`).
+    Row numbers (what :meth:`find` and :meth:`insert` give) index the views
+    :attr:`ids`, :attr:`rows`, :attr:`state` and :attr:`meta` until the next
+    call that changes the rows.
     """
 
     def __init__(self, spec: TableSpec, shard: int, n_shards: int, state_init: Sequence[float],
-                 columns: Sequence[str]):
+                 columns: Sequence[str], initial_into: Callable[[np.ndarray, np.ndarray], None]):
         self.spec = spec
         self.shard = shard
         self.dtype = np.dtype(spec.dtype)
+        self._initial_into = initial_into
         self._state_init = list(state_init)
-        self._n_state = len(self._state_init)
-        self._columns = list(columns)
+        self.n_state = len(self._state_init)
+        self.columns = list(columns)
         self._n = 0
         hint = -(-int(spec.capacity) // n_shards) if spec.capacity else 0
         cap = min(max(hint, MIN_ROWS), MAX_INITIAL_ROWS)
         # ids, rows, the optimizer's state arrays, the metadata; the attributes below are their views.
         self._store = [Growable(cap, (), np.int64), Growable(cap, (spec.dim,), self.dtype)]
-        self._store += [Growable(cap, (spec.dim,), self.dtype) for _ in range(self._n_state)]
-        self._store += [Growable(cap, (), META_COLUMNS[c]) for c in self._columns]
+        self._store += [Growable(cap, (spec.dim,), self.dtype) for _ in range(self.n_state)]
+        self._store += [Growable(cap, (), META_COLUMNS[c]) for c in self.columns]
         self._refresh_views()
         self._slots = np.full(slots_for(cap), EMPTY, dtype=np.int32)
         self._index_nbytes = self._slots.nbytes
         load_kernels()
+
+    def __len__(self) -> int:
+        """Rows stored."""
+        return self._n
+
+    # -- views of the rows stored (rows [0, n)) ---------------------------------
+
+    @property
+    def ids(self) -> np.ndarray:
+        """The id of each stored row (a view)."""
+        return self._ids[:self._n]
+
+    @property
+    def rows(self) -> np.ndarray:
+        """The stored rows' values, (n, dim) (a view)."""
+        return self._rows[:self._n]
+
+    @property
+    def state(self) -> List[np.ndarray]:
+        """The stored rows' optimizer state arrays, (n, dim) each (views)."""
+        return [s[:self._n] for s in self._state]
+
+    @property
+    def meta(self) -> Dict[str, np.ndarray]:
+        """The stored rows' metadata, {column: (n,) view}."""
+        return {name: column[:self._n] for name, column in self._meta.items()}
+
+    def arrays(self) -> List[np.ndarray]:
+        """Every stored array after ids, in order: rows, the state arrays, the metadata columns (views)."""
+        return [self.rows, *self.state, *self.meta.values()]
+
+    @property
+    def index_slots(self) -> int:
+        """Slots of the id index (a power of two; rows stored / slots <= 0.7)."""
+        return self._slots.size
 
     @property
     def capacity(self) -> int:
@@ -100,20 +141,34 @@ class RowStore:
     @property
     def raw_bytes_per_row(self) -> int:
         """Bytes one row needs at least: its int64 id, its values, its state and its metadata."""
-        meta = sum(META_COLUMNS[c].itemsize for c in self._columns)
-        return 8 + self.spec.dim * self.dtype.itemsize * (1 + self._n_state) + meta
+        meta = sum(META_COLUMNS[c].itemsize for c in self.columns)
+        return 8 + self.spec.dim * self.dtype.itemsize * (1 + self.n_state) + meta
 
-    def _initial_into(self, ids: np.ndarray, out: np.ndarray) -> None:
-        raise NotImplementedError
+    # -- finding, reading and writing rows ------------------------------------------
 
-    def _find(self, ids: np.ndarray, want_stop: bool = True):
-        """(row of each id or -1, slot where its probe stopped)."""
+    def find(self, ids: np.ndarray, want_stop: bool = True) -> Tuple[np.ndarray, np.ndarray]:
+        """(row of each id or -1, slot where its probe stopped): one probe per id."""
         return probe(self._slots, self._ids, ids, home_slots(ids, self._slots.size), want_stop=want_stop)
 
-    def _live(self) -> Dict[str, np.ndarray]:
-        return {name: column[:self._n] for name, column in self._meta.items()}
+    def gather(self, rownums: np.ndarray) -> np.ndarray:
+        """A new (len(rownums), dim) array of the rows ``rownums``' values.
 
-    def _remove(self, victims: np.ndarray) -> np.ndarray:
+        A -1 (an id :meth:`find` did not find) gathers the last allocated row:
+        the caller overwrites it.
+        """
+        return gather(self._rows, rownums)
+
+    def gather_state(self, rownums: np.ndarray) -> List[np.ndarray]:
+        """New arrays of the optimizer state of the rows ``rownums``, one per state array."""
+        return [gather(s, rownums) for s in self._state]
+
+    def scatter(self, rownums: np.ndarray, values: np.ndarray, state: Sequence[np.ndarray]) -> None:
+        """Write the values and optimizer state of the distinct stored rows ``rownums``."""
+        scatter(self._rows, rownums, values)
+        for s, v in zip(self._state, state):
+            scatter(s, rownums, v)
+
+    def remove(self, victims: np.ndarray) -> np.ndarray:
         """Delete the rows ``victims`` (sorted, distinct row numbers) and return their ids.
 
         Rows stay dense in ``[0, n)``: the live rows after the new end move
@@ -168,8 +223,8 @@ class RowStore:
 
     def _refresh_views(self) -> None:
         self._ids, self._rows, *rest = (g.array for g in self._store)
-        self._state = rest[:self._n_state]
-        self._meta = dict(zip(self._columns, rest[self._n_state:]))
+        self._state = rest[:self.n_state]
+        self._meta = dict(zip(self.columns, rest[self.n_state:]))
 
     def _grow_rows(self, capacity: int) -> None:
         """Grow every row array to ``capacity``; our views are dropped first so maps can move."""
@@ -181,14 +236,14 @@ class RowStore:
         finally:
             self._refresh_views()
 
-    def _insert(self, new_ids: np.ndarray, stop: np.ndarray,
+    def insert(self, new_ids: np.ndarray, stop: np.ndarray,
                 values: Optional[Sequence[np.ndarray]] = None) -> np.ndarray:
         """Store absent, distinct ``new_ids``; return their row numbers.
 
         Without ``values`` the rows start at their initial values and state
         (metadata 0: the update that follows sets it); with ``values`` (one
         array per stored array after ids: rows, each state array, each metadata
-        column, as :meth:`_columns_of` gives them) they are stored as given (a
+        column, as :meth:`arrays` gives them) they are stored as given (a
         row promoted from the disk tier). ``stop`` is where their probes
         stopped; it is recomputed if the index had to be rebuilt to make room.
         Repeated new ids would each get a row and corrupt the index, so they
@@ -214,21 +269,18 @@ class RowStore:
             for column in self._meta.values():  # score 0: the update that follows makes it 1
                 column[start:end] = 0
         else:
-            for a, v in zip(self._columns_of(), values):
+            for a, v in zip([self._rows, *self._state, *self._meta.values()], values):
                 a[start:end] = v
         rownums = np.arange(start, end, dtype=np.int32)
         place(self._slots, stop, rownums)
         self._n = end
         return rownums
 
-    def _columns_of(self) -> List[np.ndarray]:
-        """Every stored array after ids, in order: rows, the state arrays, the metadata columns."""
-        return [self._rows, *self._state, *self._meta.values()]
-
-    def _append(self, ids: np.ndarray, arrays: List[np.ndarray], origin: str) -> None:
+    def append(self, ids: np.ndarray, arrays: List[np.ndarray], meta: Mapping[str, object], origin: str) -> None:
         """Store saved rows (ids, [rows, *state]) as they are, refusing ids already present.
 
-        Metadata columns are the caller's to fill (rows ``[n - len(ids), n)``).
+        ``meta`` gives every metadata column's values for them (an array, or
+        one value for all); ``origin`` names where they come from in errors.
         """
         m = ids.size
         if m == 0:
@@ -246,6 +298,8 @@ class RowStore:
         self._rows[start:end] = arrays[0]
         for s, v in zip(self._state, arrays[1:]):
             s[start:end] = v
+        for name, column in self._meta.items():
+            column[start:end] = meta[name]
         place(self._slots, stop, rownums)
         self._n = end
         # A file repeating an id would leave two slots for one key; the second is unreachable.

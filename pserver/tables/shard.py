@@ -5,9 +5,13 @@ A shard holds the rows of the ids ``i`` with ``shard_of(i, n_shards) == shard``
 sparse-optimizer state. Nothing is stored per id in Python objects; every
 operation works on whole batches with numpy.
 
-Storage (arrays, index, growth, removal, memory per row): :class:`RowStore`
-(:mod:`pserver.tables.row_store`). Admission, eviction and row metadata:
-:mod:`pserver.tables.lifecycle`, applied at the end of each :meth:`apply`.
+A shard is composed of parts it holds: its rows in memory, a
+:class:`RowStore` (:mod:`pserver.tables.row_store`: arrays, index, growth,
+removal, memory per row); with ``ram_rows``, its disk tier, a
+:class:`DiskTiering` (:mod:`pserver.tables.lifecycle.tiering`), which moves
+rows in and out of the row store through its public methods; and its
+:class:`RowLifecycle` (admission, eviction, row metadata:
+:mod:`pserver.tables.lifecycle`), applied at the end of each :meth:`apply`.
 
 Thread safety: :meth:`TableShard.lookup`, :meth:`~TableShard.apply` and
 :meth:`~TableShard.save` take one lock, so a lookup never sees an array that
@@ -22,10 +26,11 @@ Files: see :mod:`pserver.tables.files` (``save`` / ``load`` / :func:`export_tabl
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import threading
-from typing import Optional, Sequence, Tuple
+from typing import Iterator, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -39,7 +44,6 @@ from .fresh import FreshRows
 from .lifecycle import RowLifecycle
 from .lifecycle.tiering import DiskTiering
 from .row_store import RowStore
-from .rows import gather, scatter
 from .sparse_optim import make_rule
 
 log = logging.getLogger(__name__)
@@ -72,7 +76,7 @@ def _as_ids(ids) -> np.ndarray:
 
 
 
-class TableShard(DiskTiering, RowStore):
+class TableShard:
     """One pserver's shard of a distributed table: id index, rows, optimizer state.
 
     Rows are created when an id is first updated by :meth:`apply`, with its
@@ -80,7 +84,8 @@ class TableShard(DiskTiering, RowStore):
     updated returns that value without storing it. ``step`` counts
     :meth:`apply` calls (the optimizer's per-table step). Thread-safe.
     ``disk_dir``: where the disk tier goes when the table has ``ram_rows``
-    (:mod:`pserver.tables.lifecycle.tiering`).
+    (:mod:`pserver.tables.lifecycle.tiering`). ``memory`` holds the rows in
+    memory, ``disk`` the disk tier (None without ``ram_rows``).
     """
 
     def __init__(self, spec: TableSpec, shard: int, n_shards: int, disk_dir: Optional[str] = None):
@@ -89,43 +94,73 @@ class TableShard(DiskTiering, RowStore):
         if spec.dtype not in TABLE_DTYPES:
             raise ValueError(f"table {spec.name!r}: dtype {spec.dtype!r} is not one of "
                              f"{sorted(TABLE_DTYPES)}")
+        self.spec = spec
+        self.shard = shard
         self.n_shards = n_shards
+        self.dtype = np.dtype(spec.dtype)
         self.step = 0
         self._rule = make_rule(spec.optimizer.name, spec.optimizer.kwargs)
         self.life = RowLifecycle(spec, n_shards)
         self.exported_step = -1  # table step of the last export; -1: none since this shard was built
         self._lock = threading.Lock()
         self._fresh = FreshRows()
-        super().__init__(spec, shard, n_shards, self._rule.state_init, self.life.columns)
-        self._open_disk(disk_dir)
+        self.memory = RowStore(spec, shard, n_shards, self._rule.state_init, self.life.columns, self._initial_into)
+        self.disk = DiskTiering(spec, shard, n_shards, self.memory, self.life, disk_dir) \
+            if spec.lifecycle.ram_rows else None
 
     # -- public --------------------------------------------------------------
 
     def __len__(self) -> int:
         """Rows held in memory (all rows, without a disk tier)."""
-        return self._n
+        return len(self.memory)
+
+    @property
+    def capacity(self) -> int:
+        """Rows allocated in memory (stored + spare)."""
+        return self.memory.capacity
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of every array held in memory, at allocated capacity (lock-free)."""
+        return self.memory.nbytes
+
+    @property
+    def raw_bytes_per_row(self) -> int:
+        """Bytes one row needs at least: its int64 id, its values, its state and its metadata."""
+        return self.memory.raw_bytes_per_row
 
     @property
     def rows_held(self) -> int:
         """Rows held, in memory and in the disk tier (lock-free)."""
-        return self._n + self.disk_rows
+        return len(self.memory) + self.disk_rows
 
     @property
     def disk_rows(self) -> int:
         """Rows in the disk tier (0 without one)."""
-        return 0 if self._disk is None else len(self._disk)
+        return 0 if self.disk is None else len(self.disk)
 
     @property
     def disk_bytes(self) -> int:
         """Bytes the disk tier uses (0 without one)."""
-        return 0 if self._disk is None else self._disk_nbytes
+        return 0 if self.disk is None else self.disk.nbytes
+
+    def close_disk(self) -> None:
+        """Close and remove the disk tier's working store, if any (the shard's rows on disk are gone)."""
+        if self.disk is not None:
+            self.disk.close()
+
+    @contextlib.contextmanager
+    def reading(self) -> Iterator[RowStore]:
+        """The shard's lock held: its rows in memory, to read (a digest) while nothing changes them."""
+        with self._lock:
+            yield self.memory
 
     def stored_ids(self) -> np.ndarray:
         """A copy of the ids holding a row: in memory (in row order), then on disk."""
         with self._lock:
-            if self._disk is None:
-                return self._ids[:self._n].copy()
-            return np.concatenate([self._ids[:self._n], *self._disk_chunks(-1)])
+            if self.disk is None:
+                return self.memory.ids.copy()
+            return np.concatenate([self.memory.ids, *self.disk.field_chunks(-1)])
 
     def check_ids(self, ids: np.ndarray) -> None:
         """Raise :class:`BadRequest` naming the table, this shard and an example id if any id is not ours.
@@ -153,15 +188,15 @@ class TableShard(DiskTiering, RowStore):
         """
         ids = _as_ids(ids)
         with self._lock:
-            rows = self._find(ids, want_stop=False)[0]
+            rows = self.memory.find(ids, want_stop=False)[0]
             missing = rows < 0
             # Rows on disk come back to memory now: the push that follows a lookup updates them,
             # and finds them in memory.
-            if self._disk is not None and missing.any() and self._promote_absent(ids[missing]):
-                rows = self._find(ids, want_stop=False)[0]
+            if self.disk is not None and missing.any() and self.disk.promote_absent(ids[missing]):
+                rows = self.memory.find(ids, want_stop=False)[0]
                 missing = rows < 0
             # An empty slot's -1 gathers the last allocated row; overwritten below.
-            out = gather(self._rows, rows)
+            out = self.memory.gather(rows)
         if missing.any():
             new_ids = ids[missing]
             fresh = initial_rows_into(self.spec, new_ids, np.empty((new_ids.size, self.spec.dim), self.dtype))
@@ -182,12 +217,14 @@ class TableShard(DiskTiering, RowStore):
         if g.shape != (ids.size, self.spec.dim) or g.dtype != self.dtype:
             raise ValueError(f"table {self.spec.name!r}: gradient is {g.dtype} {list(g.shape)}, "
                              f"expected {self.dtype} {[ids.size, self.spec.dim]}")
+        memory = self.memory
         with self._lock:
             step = self.step + 1
             if ids.size:
-                rows, stop = self._find(ids)
-                if self._promote(ids, rows):  # rows on disk come back first: they hold rows already
-                    rows, stop = self._find(ids)
+                rows, stop = memory.find(ids)
+                # Rows on disk come back first: they hold rows already.
+                if self.disk is not None and self.disk.promote(ids, rows):
+                    rows, stop = memory.find(ids)
                 missing = rows < 0
                 if missing.any():
                     miss = np.flatnonzero(missing)
@@ -197,14 +234,11 @@ class TableShard(DiskTiering, RowStore):
                         keep[miss[~admitted]] = False
                         ids, g, rows, stop = ids[keep], g[keep], rows[keep], stop[keep]
                         missing = rows < 0
-                    rows[missing] = self._insert(ids[missing], stop[missing])
-                param = gather(self._rows, rows)
-                states = [gather(s, rows) for s in self._state]
+                    rows[missing] = memory.insert(ids[missing], stop[missing])
+                param, states = memory.gather(rows), memory.gather_state(rows)
                 self._rule.update(param, states, g, float(lr), step)
-                scatter(self._rows, rows, param)
-                for s, v in zip(self._state, states):
-                    scatter(s, rows, v)
-                self.life.touch(self._meta, rows, step)
+                memory.scatter(rows, param, states)
+                self.life.touch(memory.meta, rows, step)
             self.step = step
             self._end_step(step)
 
@@ -215,24 +249,22 @@ class TableShard(DiskTiering, RowStore):
         now (an id evicted and admitted again is among the rows); a full
         export drops them. Copies under the lock; marks this step exported.
         """
+        memory = self.memory
         with self._lock:
-            n = self._n
             gone = self.life.take_tombstones()
             if full:
-                sel, gone = np.arange(n), np.empty(0, np.int64)
+                sel, gone = np.arange(len(memory)), np.empty(0, np.int64)
             else:
-                sel = np.flatnonzero(self._meta["seen_step"][:n] > self.exported_step)
+                sel = np.flatnonzero(memory.meta["seen_step"] > self.exported_step)
                 if gone.size:
-                    gone = gone[self._find(gone, want_stop=False)[0] < 0]
-                    if self._disk is not None and gone.size:
-                        gone = gone[~self._disk.get(gone)[0]]
-            ids, rows = [self._ids[sel].copy()], [gather(self._rows, sel)]
-            if self._disk is not None:
-                for part_ids, records in self._disk.iter_chunks():
-                    values = self._unpack(records)
-                    keep = slice(None) if full else values[1 + self._n_state] > self.exported_step
-                    ids.append(part_ids[keep])
-                    rows.append(values[0][keep])
+                    gone = gone[memory.find(gone, want_stop=False)[0] < 0]
+                    if self.disk is not None and gone.size:
+                        gone = gone[~self.disk.holds(gone)]
+            ids, rows = [memory.ids[sel].copy()], [memory.gather(sel)]
+            if self.disk is not None:
+                for part_ids, part_rows in self.disk.changed(None if full else self.exported_step):
+                    ids.append(part_ids)
+                    rows.append(part_rows)
             self.exported_step = self.step
         return np.concatenate(ids), np.concatenate(rows), gone
 
@@ -242,17 +274,17 @@ class TableShard(DiskTiering, RowStore):
         Holds the lock for the whole write, so the files are one consistent
         snapshot; updates wait meanwhile.
         """
+        memory, disk = self.memory, self.disk
         with self._lock:
-            n = self._n
-            arrays = {"ids": self._ids[:n], "rows": self._rows[:n]}
-            for name, s in zip(self._rule.state_names, self._state):
-                arrays[name] = s[:n]
-            arrays.update(self._live())
-            if self._disk is not None and len(self._disk):  # every row: memory, then disk, chunk by chunk
-                arrays = {name: table_files.Chunked(n + len(self._disk), a.shape[1:], a.dtype,
-                                                    lambda a=a, i=i - 1: itertools.chain([a], self._disk_chunks(i)))
+            n = len(memory)
+            arrays = {"ids": memory.ids, "rows": memory.rows}
+            arrays.update(zip(self._rule.state_names, memory.state))
+            arrays.update(memory.meta)
+            if disk is not None and len(disk):  # every row: memory, then disk, chunk by chunk
+                arrays = {name: table_files.Chunked(n + len(disk), a.shape[1:], a.dtype,
+                                                    lambda a=a, i=i - 1: itertools.chain([a], disk.field_chunks(i)))
                           for i, (name, a) in enumerate(arrays.items())}
-                n += len(self._disk)
+                n += len(disk)
             extra = self.life.admission.sketch.state() if self.life.admission and self.life.admission.sketch else {}
             table_files.write_shard(directory, arrays, table_files.shard_meta(
                 self.spec, self.shard, self.n_shards, self.step, n, list(arrays), list(extra)), extra)
@@ -278,17 +310,18 @@ class TableShard(DiskTiering, RowStore):
         for src in sources:
             columns = [c for c in table.life.columns if c in src.arrays]
             for ids, arrays in table_files.iter_selected(src, names + columns, shard, n_shards, _CHUNK):
-                table._append(ids, arrays, src.directory)
                 saved = dict(zip(columns, arrays[len(names):]))
-                for c, column in table._meta.items():
-                    column[table._n - ids.size:table._n] = saved[c] if c in saved else defaults[c]
-                table._spill()
+                table.memory.append(ids, arrays[:len(names)],
+                                    {c: saved[c] if c in saved else defaults[c] for c in table.life.columns},
+                                    src.directory)
+                if table.disk is not None:
+                    table.disk.spill()
             sketch = table.life.admission.sketch if table.life.admission else None
             if sketch is not None and "sketch" in src.extra:
                 sketch.merge_saved(src.extra["sketch"])
         table.step = step
         log.info("table %s: loaded shard %d/%d, %d rows, step %d, from %d directories",
-                 spec.name, shard, n_shards, table._n, step, len(sources))
+                 spec.name, shard, n_shards, len(table.memory), step, len(sources))
         return table
 
     # -- internals (caller holds the lock, or owns the object) ---------------
@@ -300,9 +333,12 @@ class TableShard(DiskTiering, RowStore):
             out[left] = initial_rows_into(self.spec, ids[left], np.empty((left.size, self.spec.dim), self.dtype))
 
     def _end_step(self, step: int) -> None:
-        """The lifecycle's end of ``step``: evictions due, then the admission counts' decay."""
+        """The lifecycle's end of ``step``: evictions due, then the admission counts' decay, then the spill."""
+        memory, disk = self.memory, self.disk
         if self.life.evicts:
-            self.life.evicted(self._remove(self.life.victims(self._ids[:self._n], self._live(), step)))
-            self.life.evicted(self._sweep_disk(step))
+            self.life.evicted(memory.remove(self.life.victims(memory.ids, memory.meta, step)))
+            if disk is not None:
+                self.life.evicted(disk.sweep(step))
         self.life.end_step(step)
-        self._spill()
+        if disk is not None:
+            disk.spill()

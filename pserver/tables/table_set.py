@@ -164,7 +164,7 @@ class TableSet:
         """Replace the table shards (after a checkpoint load); the old ones' disk tiers are removed."""
         for name, shard in shards.items():
             old = self.shards.get(name)
-            shard.life.track_tombstones = old is not None and old.life.track_tombstones
+            shard.life.track_tombstones(old is not None and old.life.tracks_tombstones)
             if old is not None and old is not shard:
                 old.close_disk()
         self.shards.update(shards)

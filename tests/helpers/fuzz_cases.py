@@ -156,11 +156,10 @@ def base_requests(e: Env) -> Dict[str, List[bytes]]:
     own = e.sessions[0]
     return {
         "Hello": s(ps_pb2.HelloRequest(trainer_id=0, layout_digest=WRONG_DIGEST, incarnation=1)),
-        "Push": push_stream(e, STREAM_CHUNK),                  # step 5: from the future
         "Pull": s(ps_pb2.PullRequest(trainer_id=0, min_updates=0, names=sorted(e.blocks),
                                      layout_digest=e.digest, session=own)),  # read-only
         "Prefetch": prefetch_stream(e, PREFETCH_CHUNK),        # read-only (no row is stored)
-        "PushPull": push_stream(e, STREAM_CHUNK),
+        "PushPull": push_stream(e, STREAM_CHUNK),              # step 5: from the future
         "PushPullOne": push_stream(e, ONE_MESSAGE),
         "PushPullShared": shared_push(e),
         "PrefetchOne": prefetch_stream(e, ONE_MESSAGE),

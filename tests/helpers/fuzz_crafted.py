@@ -104,7 +104,7 @@ def crafted_cases(e: Env) -> Dict[str, List[Case]]:
     ]
     for desc, tensors, header, edit in pushes:
         header = {"step": 0, **header}
-        for name, chunk in (("Push", STREAM_CHUNK), ("PushPull", STREAM_CHUNK), ("PushPullOne", ONE_MESSAGE)):
+        for name, chunk in (("PushPull", STREAM_CHUNK), ("PushPullOne", ONE_MESSAGE)):
             messages = push_stream(e, chunk, tensors, **header)
             if edit is not None:
                 messages = edit_chunks(messages, ps_pb2.PushChunk, edit)
@@ -113,7 +113,7 @@ def crafted_cases(e: Env) -> Dict[str, List[Case]]:
     # Protobuf merges a message field that occurs twice: this header says step 5 (refused), not 0.
     split = (ps_pb2.PushHeader(step=FUTURE_STEP).SerializeToString(),
              ps_pb2.PushHeader(trainer_id=0, layout_digest=d, epoch=1, batch=2).SerializeToString())
-    for name, chunk in (("Push", STREAM_CHUNK), ("PushPull", STREAM_CHUNK), ("PushPullOne", ONE_MESSAGE)):
+    for name, chunk in (("PushPull", STREAM_CHUNK), ("PushPullOne", ONE_MESSAGE)):
         messages = push_stream(e, chunk, step=0)
         first = ps_pb2.PushChunk.FromString(messages[0])
         first.ClearField("header")
@@ -130,7 +130,7 @@ def crafted_cases(e: Env) -> Dict[str, List[Case]]:
              ("only a scalar-sized block", [(n, t) for n, t in e.grads if t.numel() <= 2]),
              ("nothing but the header", [])]
     for desc, tensors in edges:
-        for name, chunk in (("Push", STREAM_CHUNK), ("PushPull", STREAM_CHUNK), ("PushPullOne", ONE_MESSAGE)):
+        for name, chunk in (("PushPull", STREAM_CHUNK), ("PushPullOne", ONE_MESSAGE)):
             out[name].append(Case(f"hand-made: {desc} at step {FUTURE_STEP}", push_stream(e, chunk, tensors),
                                   refuse=True))
     valid_prefetches = [("empty ids", [("emb@ids", torch.zeros(0, dtype=torch.int64))]),
@@ -228,7 +228,7 @@ def sessionless_cases(e: Env, unary, out: Dict[str, List[Case]]) -> None:
     out["Close"].append(Case("hand-made: empty bytes (Close of trainer 0, no session)", [b""], refuse=True))
     for desc, token in (("no session", ""), ("a made-up session", "0123456789abcdef" * 2),
                         ("trainer 1's session", e.sessions[1]), ("its session in upper case", e.sessions[0].upper())):
-        for name, chunk in (("Push", STREAM_CHUNK), ("PushPull", STREAM_CHUNK), ("PushPullOne", ONE_MESSAGE)):
+        for name, chunk in (("PushPull", STREAM_CHUNK), ("PushPullOne", ONE_MESSAGE)):
             out[name].append(Case(f"hand-made: a valid push of trainer 0 for the current step, {desc}",
                                   push_stream(e, chunk, step=0, session=token), refuse=True))
         for name, chunk in (("Prefetch", PREFETCH_CHUNK), ("PrefetchOne", ONE_MESSAGE)):

@@ -1,12 +1,15 @@
 """A pserver servicer without a server: its methods called directly with a fake gRPC context."""
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+from typing import List
+
 import torch
 from torch import nn
 
 from pserver.rpc.servicer import PserverServicer
 from pserver.store import BlockStore
-from pserver.engine import Reductions, SyncEngine
+from pserver.engine import Contents, Reductions, SyncEngine
 from pserver.tables.table_set import TableSet
 from psproto import ps_pb2
 from transpiler import DistributeTranspiler, DistributeTranspilerConfig, Program
@@ -43,8 +46,16 @@ def servicer() -> PserverServicer:
     # Wired as ParameterServer wires them: the Reduce service asks the engine (bound below) whom it expects.
     reductions = Reductions(EP, 5.0, expected=lambda: engine.live(), admit=lambda t: engine.check_live(t))
     engine = SyncEngine(store, tables, 2, EP, barrier_timeout=5.0, on_roster_change=reductions.roster_changed)
-    return PserverServicer(engine, reductions, ps.layout_digest, chunk_bytes=1 << 20,
+    return PserverServicer(engine, Contents(store, tables), reductions, ps.layout_digest, chunk_bytes=1 << 20,
                            alive_window=ps.config.session_alive_window)
+
+
+def push_pulls(svc: PserverServicer, *pushes) -> List[ps_pb2.PullHeader]:
+    """PushPull calls of several trainers made at once (a sync step waits for all of them): each answer's header."""
+    def call(messages) -> ps_pb2.PullHeader:
+        return ps_pb2.PullChunk.FromString(list(svc.PushPull(messages, FakeContext()))[0]).header
+    with ThreadPoolExecutor(len(pushes)) as pool:
+        return [f.result(30) for f in [pool.submit(call, m) for m in pushes]]
 
 
 def open_session(svc: PserverServicer, trainer_id: int = 0) -> str:

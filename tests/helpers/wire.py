@@ -37,6 +37,15 @@ def push_messages(digest, trainer_id=0, step=0, tensors=(), header=True, session
     return iter(msgs)
 
 
+def answer(call) -> ps_pb2.PullHeader:
+    """The header (applied, updates) of a started PushPull's answer, read to its end.
+
+    ``stub.PushPull(messages)`` sends the push at once; a sync step's answer
+    comes once every trainer pushed it, so start each trainer's call first.
+    """
+    return list(call)[0].header
+
+
 def expect_refusal(call, code, match):
     """Run ``call``; assert it fails with gRPC status ``code`` and details containing ``match``."""
     with pytest.raises(grpc.RpcError) as info:

@@ -102,7 +102,7 @@ def certs(tmp_path_factory):
 def test_every_method_refuses_without_the_right_token():
     server_sec = Security(token=TOKEN)
     registered = registered_methods()
-    assert {"Hello", "Push", "Pull", "PushPull", "Close", "Stats"} <= registered
+    assert {"Hello", "Pull", "PushPull", "PushPullOne", "Close", "Stats"} <= registered
     methods = [(f"/{SERVICE_NAME}/{m.name}", m.client_streaming, m.server_streaming, m.name in registered)
                for m in ps_pb2.DESCRIPTOR.services_by_name["ParameterServer"].methods]
     methods += [("/grpc.health.v1.Health/Check", False, False, True),

@@ -171,12 +171,12 @@ def test_sync_training_through_shared_memory_equals_grpc_bytes_and_one_process()
 @pytest.mark.timeout(120)
 def test_a_pserver_that_cannot_map_the_regions_refuses_before_counting_and_the_trainer_goes_on_over_grpc(
         monkeypatch, caplog):
-    import pserver.rpc.shared
+    import pserver.rpc.mapped_regions
 
     caplog.set_level(logging.INFO, logger="trainer.communicator")
     def cannot_map(*address):
         raise SharedMemoryError("cannot open /proc/1/fd/3 (No such file or directory): a trainer on another host")
-    monkeypatch.setattr(pserver.rpc.shared, "map_region", cannot_map)
+    monkeypatch.setattr(pserver.rpc.mapped_regions, "map_region", cannot_map)
     data = batches(N_TRAINERS, PER_TRAINER, STEPS, dtype=torch.float64)
     expected = train_concatenated(_program(), data)
     with LocalCluster(_program, 2, N_TRAINERS) as cluster:

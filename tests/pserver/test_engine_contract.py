@@ -1,8 +1,8 @@
-"""The engine contract the servicer talks to: what a push, pull or prefetch may carry, and its hooks.
+"""The contract the servicer talks to: what a push, pull or prefetch may carry (Contents), and the engine's hooks.
 
 The servicer reaches blocks and tables only through these methods, so each is
-checked here on a real engine over a plan with dense blocks and two
-distributed tables sharded over two pservers.
+checked here on a real engine and its contents over a plan with dense blocks
+and two distributed tables sharded over two pservers.
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from pserver.checkpoint.checkpointer import Checkpointer
-from pserver.engine import AsyncEngine, PushParts, SyncEngine
+from pserver.engine import AsyncEngine, Contents, FileWrites, PushParts, ScheduledCheckpoints, SyncEngine
 from pserver.errors import BadRequest, MustResync, NotAllowed
 from pserver.store import BlockStore
 from pserver.tables.table_set import TableSet
@@ -35,7 +35,16 @@ def engine(sync: bool = True, trainers: int = 2, checkpoint_dir=None, pservers: 
     checkpointer = None if checkpoint_dir is None else Checkpointer(str(checkpoint_dir), store, tables, 0,
                                                                     pservers, EPS[0], sync)
     cls = SyncEngine if sync else AsyncEngine
-    return cls(store, tables, trainers, EPS[0], barrier_timeout=5.0, checkpointer=checkpointer, **hooks)
+    # Wired as ParameterServer wires them: the checkpointer also writes the scheduled checkpoints.
+    listeners = [] if checkpointer is None else [ScheduledCheckpoints(checkpointer, FileWrites(), EPS[0])]
+    return cls(store, tables, trainers, EPS[0], barrier_timeout=5.0, checkpointer=checkpointer, listeners=listeners,
+               **hooks)
+
+
+def contents() -> Contents:
+    """What pserver 0's requests may carry: its engine's blocks and table shards."""
+    e = engine()
+    return Contents(e.store, e.tables)
 
 
 def ids_of(shard: int, n: int = 4) -> np.ndarray:
@@ -45,7 +54,7 @@ def ids_of(shard: int, n: int = 4) -> np.ndarray:
 
 
 def test_block_names_and_layout_are_the_blocks_this_pserver_owns():
-    e = engine()
+    e = contents()
     names = e.block_names()
     assert sorted(names) == sorted(e.store.blocks) and names  # RoundRobin gave pserver 0 some blocks
     layout = e.block_layout()
@@ -57,7 +66,7 @@ def test_block_names_and_layout_are_the_blocks_this_pserver_owns():
 
 
 def test_expect_names_what_a_push_may_carry_and_expect_table_what_a_prefetch_may():
-    e = engine()
+    e = contents()
     block = next(iter(e.block_names()))
     assert e.expect(block) == ("float32", list(e.store.blocks[block].shape))
     assert e.expect("emb@ids") == ("int64", [-1])
@@ -69,8 +78,8 @@ def test_expect_names_what_a_push_may_carry_and_expect_table_what_a_prefetch_may
     assert e.expect_table(block) is None                 # a dense block is unknown in a prefetch
 
 
-def test_split_push_sorts_dense_sparse_and_ids_asked_ahead():
-    e = engine()
+def test_split_push_sorts_dense_sparse_and_the_ids_the_answer_carries_rows_of():
+    e = contents()
     block = next(iter(e.block_names()))
     ids = ids_of(0, 3)
     pushed_ids = torch.from_numpy(np.concatenate([ids, ids[:1]]))          # ids[0] twice: summed
@@ -86,7 +95,7 @@ def test_split_push_sorts_dense_sparse_and_ids_asked_ahead():
     by_id = dict(zip(got_ids.tolist(), got_rows.tolist()))
     assert by_id[int(ids[0])] == (rows[0] + rows[3]).tolist() and by_id[int(ids[1])] == rows[1].tolist()
     assert list(parts.sparse) == ["emb"]
-    assert {t: v.tolist() for t, v in parts.ahead.items()} == {"bag": ahead.tolist()}
+    assert {t: v.tolist() for t, v in parts.answer_ids.items()} == {"bag": ahead.tolist()}
 
 
 @pytest.mark.parametrize("tensors, match", [
@@ -98,11 +107,11 @@ def test_split_push_sorts_dense_sparse_and_ids_asked_ahead():
 ])
 def test_split_push_refuses_unpaired_or_misrouted_sparse_tensors(tensors, match):
     with pytest.raises(BadRequest, match=match):
-        engine().split_push(tensors())
+        contents().split_push(tensors())
 
 
 def test_prefetch_ids_are_checked_and_carry_nothing_else():
-    e = engine()
+    e = contents()
     ids = ids_of(0, 3)
     got = e.prefetch_ids({"emb@ids": torch.from_numpy(ids), "bag@ids": torch.from_numpy(ids[:1])})
     assert {t: v.tolist() for t, v in got.items()} == {"emb": ids.tolist(), "bag": ids[:1].tolist()}

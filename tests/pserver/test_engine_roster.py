@@ -12,7 +12,7 @@ from pserver.checkpoint.checkpointer import Checkpointer
 from pserver.errors import MustResync, NotAllowed
 from pserver.rpc.prologue import status_of
 from pserver.store import BlockStore
-from pserver.engine import AsyncEngine, Joined, SyncEngine
+from pserver.engine import AsyncEngine, FileWrites, Joined, ScheduledCheckpoints, SyncEngine
 from pserver.tables.table_set import TableSet
 from transpiler import DistributeTranspiler, DistributeTranspilerConfig, Program
 from transpiler.position import Position
@@ -30,7 +30,9 @@ def engine(trainers: int, checkpoint_dir=None, max_staleness=None) -> SyncEngine
     if max_staleness is not None:
         return AsyncEngine(store, tables, trainers, EP, barrier_timeout=5.0, max_staleness=max_staleness)
     checkpointer = None if checkpoint_dir is None else Checkpointer(str(checkpoint_dir), store, tables, 0, 1, EP, True)
-    return SyncEngine(store, tables, trainers, EP, barrier_timeout=5.0, checkpointer=checkpointer)
+    # Wired as ParameterServer wires them: the checkpointer also writes the scheduled checkpoints.
+    listeners = [] if checkpointer is None else [ScheduledCheckpoints(checkpointer, FileWrites(), EP)]
+    return SyncEngine(store, tables, trainers, EP, barrier_timeout=5.0, checkpointer=checkpointer, listeners=listeners)
 
 
 def grads(e: SyncEngine, value: float):
@@ -215,11 +217,11 @@ def test_late_roll_back_to_the_checkpoint_a_pserver_stands_at_keeps_the_pushes_c
     assert e.restore(0, 1, "a#1") is True                # trainer 0 rolls back after a restart
     e.push(1, 1, grads(e, 1.0))                          # trainer 1, already re-synced, pushes step 1
     assert e.restore(0, 1, "b#2") is False               # a late roll-back to the same checkpoint
-    assert e.pending == {1} and e.updates == 1
+    assert e.pending.trainers == {1} and e.updates == 1
     e.push(0, 1, grads(e, 1.0))
     assert e.updates == 2                                # step 1 applied with both trainers' gradients
     e.push(0, 2, grads(e, 1.0))
-    assert e.restore(0, 1, "c#3") is True and e.updates == 1 and e.pending == set()  # a real roll-back
+    assert e.restore(0, 1, "c#3") is True and e.updates == 1 and e.pending.trainers == set()  # a real roll-back
 
 
 def test_late_roll_back_to_the_checkpoint_a_pserver_stands_at_waits_for_a_trainer_that_had_joined_later(
@@ -371,11 +373,11 @@ def test_a_roll_back_to_the_checkpoint_a_pserver_stands_at_refuses_waits_of_trai
     assert e.updates == 2                                          # step 1 redone with both trainers
 
 
-def test_snapshot_is_the_state_stats_and_metrics_report(tmp_path):
+def test_stats_is_the_state_stats_and_metrics_report(tmp_path):
     """One value for ps-stat and /metrics: step, trainers by state, what is stored, the latest checkpoint."""
     e = checkpointed_at_step_1(tmp_path)
     e.close(1)
-    snap = e.snapshot()
+    snap = e.stats()
     assert (snap.step, snap.sync_mode, snap.trainers) == (1, True, 2)
     assert (snap.alive, snap.dropped, snap.closed) == ((0,), (), (1,))
     assert (snap.blocks, snap.block_bytes) == (len(e.store.blocks), e.store.nbytes) and snap.blocks > 0

@@ -220,13 +220,13 @@ def state_change(e: Env) -> Optional[str]:
         found.append(f"version {engine.updates}")
     # Joining (Hello) and signs of life (last_seen) are no change; anything else counted is.
     roster = getattr(engine, "roster", engine)
-    for owner, attrs in ((engine, ("pending", "touched", "sparse_parts", "pending_positions")),
+    for owner, attrs in ((engine.pending, ("trainers", "touched", "sparse_parts", "positions")),
                          (roster, ("closed", "dropped", "last_step", "positions"))):
         for attr in attrs:
             value = getattr(owner, attr, None)
             if value:
                 found.append(f"{attr} = {sorted(value) if not isinstance(value, dict) else value}")
-    if getattr(engine, "restored_from", -1) != -1 or getattr(engine, "_rollbacks", 0):
+    if engine.restored_from != -1 or engine.recovery.rollbacks:
         found.append("rolled back to a checkpoint")
     if engine.tables.rows:
         found.append(f"{engine.tables.rows} table rows stored")

@@ -67,7 +67,7 @@ def test_a_small_push_with_an_answer_beyond_one_message_streams_and_pushpullone_
             session = stub.Hello(ps_pb2.HelloRequest(trainer_id=0, layout_digest=digest, incarnation=7),
                                  timeout=10).session
             header = ps_pb2.PushHeader(trainer_id=0, step=1, layout_digest=digest, session=session)
-            small_block = next(n for n in engine.block_names() if n.startswith("small"))
+            small_block = next(n for n in cluster.servers[0].servicer.contents.block_names() if n.startswith("small"))
             (message,) = encode_chunks(header, [(small_block, torch.full((4, 4), -1.0))], 1 << 30)
             with pytest.raises(grpc.RpcError) as refused:
                 channel.unary_unary("/psproto.ParameterServer/PushPullOne")(message, timeout=10)

@@ -9,7 +9,8 @@ import torch
 from tests.helpers.cluster import LocalCluster
 from tests.helpers.ports import free_ports
 from tests.helpers.models import batches, odd_mlp
-from tests.helpers.wire import expect_refusal, open_sessions, push_messages
+from tests.helpers.polling import poll
+from tests.helpers.wire import answer, expect_refusal, open_sessions, push_messages
 from psproto import ps_pb2, ps_pb2_grpc
 from psproto.codec import encode_chunks
 from trainer import PserverError, PserverUnavailableError, Trainer
@@ -79,16 +80,18 @@ def test_bad_pushes_are_refused_and_change_nothing(cluster, stub):
          "trainer 0's session is not known here"),
     ]
     for messages, code, match in cases:
-        expect_refusal(lambda: stub.Push(messages, timeout=10), code, match)
+        expect_refusal(lambda: answer(stub.PushPull(messages, timeout=10)), code, match)
     after = snapshot(cluster)
     engine = cluster.servers[0].engine
-    assert engine.updates == 0 and not engine.pending and not engine.touched
+    assert engine.updates == 0 and not engine.pending.trainers and not engine.pending.touched
     for name in before:
         assert torch.equal(before[name], after[name]), name
     # ...and the pserver still serves: a complete, valid step goes through.
-    reply = stub.Push(push_messages(digest, 0, 0, grads, sessions=sessions), timeout=10)
+    first = stub.PushPull(push_messages(digest, 0, 0, grads, sessions=sessions), timeout=10)
+    second = stub.PushPull(push_messages(digest, 1, 0, grads, sessions=sessions), timeout=10)
+    reply = answer(first)
     assert reply.applied
-    reply = stub.Push(push_messages(digest, 1, 0, grads, sessions=sessions), timeout=10)
+    reply = answer(second)
     assert reply.applied and reply.updates == 1
     moved = snapshot(cluster)
     assert not torch.equal(moved[name0], before[name0])
@@ -99,13 +102,20 @@ def test_duplicate_push_is_acknowledged_not_applied(cluster, stub):
     digest = cluster.servers[0].program.layout_digest
     sessions = open_sessions(stub, digest)
     grads = full_grads(cluster)
-    assert stub.Push(push_messages(digest, 0, 0, grads, sessions=sessions), timeout=10).applied
+    engine = cluster.servers[0].engine
+    # Each call waits for the step once its push is counted (or acknowledged): a waiter more on the engine.
+    first = stub.PushPull(push_messages(digest, 0, 0, grads, sessions=sessions), timeout=10)
+    poll(lambda: len(engine.cv._waiters) == 1, "trainer 0's push counted")
     # A retry while the step is still open, and after it was applied.
-    assert not stub.Push(push_messages(digest, 0, 0, grads, sessions=sessions), timeout=10).applied
-    assert stub.Push(push_messages(digest, 1, 0, grads, sessions=sessions), timeout=10).updates == 1
+    retry = stub.PushPull(push_messages(digest, 0, 0, grads, sessions=sessions), timeout=10)
+    poll(lambda: len(engine.cv._waiters) == 2, "trainer 0's retry acknowledged")
+    second = stub.PushPull(push_messages(digest, 1, 0, grads, sessions=sessions), timeout=10)
+    assert answer(first).applied
+    assert not answer(retry).applied
+    assert answer(second).updates == 1
     after_one = snapshot(cluster)
     for trainer_id in (0, 1):
-        reply = stub.Push(push_messages(digest, trainer_id, 0, grads, sessions=sessions), timeout=10)
+        reply = answer(stub.PushPull(push_messages(digest, trainer_id, 0, grads, sessions=sessions), timeout=10))
         assert not reply.applied and reply.updates == 1
     after_retries = snapshot(cluster)
     for name in after_one:

@@ -17,6 +17,7 @@ from pserver import errors
 from pserver.errors import (AlreadyRunning, BadRequest, BarrierTimeout, Fenced, MustResync, NoSession, NotAllowed,
                             NotPrimary, OutOfSync, Refusal, ShuttingDown, StorageFailed)
 from pserver.rpc.prologue import STATUS, status_of
+from pserver.engine import SyncEngine
 from pserver.rpc.servicer import PserverServicer
 from tests.helpers.servicer import EP, Aborted, FakeContext, open_session, servicer
 from psproto import ps_pb2
@@ -132,7 +133,7 @@ def test_malformed_bytes_are_invalid_argument():
 
 
 def test_storage_failures_are_refusals_of_their_own(monkeypatch):
-    engine = servicer().engine
+    built = servicer().engine
 
     class Broken:
         def load(self, step):
@@ -141,7 +142,8 @@ def test_storage_failures_are_refusals_of_their_own(monkeypatch):
         def save(self, *args):
             raise OSError("disk full")
 
-    engine.checkpointer = Broken()
+    engine = SyncEngine(built.store, built.tables, built.trainers, built.endpoint, barrier_timeout=5.0,
+                        checkpointer=Broken())
     with pytest.raises(StorageFailed, match="cannot roll back to step 3: checkpoint does not fit"):
         engine.restore(0, 3, "t")
     with pytest.raises(StorageFailed, match="checkpoint failed: disk full"):
@@ -162,9 +164,10 @@ def _imports(module: str) -> set:
     return names
 
 
-@pytest.mark.parametrize("module", ["pserver.engine.base", "pserver.engine.sync", "pserver.engine.asynchronous",
+@pytest.mark.parametrize("module", ["pserver.engine.engine", "pserver.engine.sync", "pserver.engine.asynchronous",
                                     "pserver.engine.roster", "pserver.engine.reductions", "pserver.engine.contents",
-                                    "pserver.engine.snapshot", "pserver.engine.rollback", "pserver.errors"])
+                                    "pserver.engine.stats", "pserver.engine.rollback", "pserver.engine.pending",
+                                    "pserver.engine.listeners", "pserver.errors"])
 def test_engines_do_not_import_grpc(module):
     # grpc is already loaded in this process, so only the source tells.
     found = sorted(n for n in _imports(module) if n == "grpc" or n.startswith("grpc."))

@@ -17,7 +17,7 @@ from pserver.errors import AlreadyRunning, Fenced, MustResync, NoSession
 from pserver.rpc.sessions import Session, Sessions, on_call, on_hello
 from psproto import ps_pb2
 from psproto.codec import encode_chunks
-from tests.helpers.servicer import EP, Aborted, FakeContext, servicer
+from tests.helpers.servicer import EP, Aborted, FakeContext, push_pulls, servicer
 
 NOW, WINDOW = 1000.0, 6.0
 LIVE = Session(token="a" * 32, incarnation=1, peer="ipv4:127.0.0.1:1111", opened=NOW - 100)
@@ -135,14 +135,14 @@ def refused(svc, method, request, messages=None):
 
 
 def push(svc, trainer_id, session, step=0):
-    grads = [(n, torch.full(shape, 0.5)) for n, (_, shape) in svc.engine.block_layout().items()]
+    grads = [(n, torch.full(shape, 0.5)) for n, (_, shape) in svc.contents.block_layout().items()]
     header = ps_pb2.PushHeader(trainer_id=trainer_id, step=step, layout_digest=svc.layout_digest, session=session)
     return iter(list(encode_chunks(header, grads, 1 << 20)))
 
 
 def engine_state(svc):
     e = svc.engine
-    return (e.updates, set(e.pending), set(e.roster.closed), set(e.roster.dropped), dict(e.roster.last_step),
+    return (e.updates, set(e.pending.trainers), set(e.roster.closed), set(e.roster.dropped), dict(e.roster.last_step),
             dict(e.roster.last_seen))
 
 
@@ -160,23 +160,24 @@ def test_calls_without_the_session_are_refused_and_change_nothing():
                                 ("Pull", ps_pb2.PullRequest(trainer_id=0, layout_digest=digest, session=token))):
             got, details = refused(svc, method, request)
             assert got == code and "trainer 0" in details, (method, token, details)
-        for method in ("Push", "PushPull"):
-            got, details = refused(svc, method, None, push(svc, 0, token))
+        for method, messages in (("PushPullOne", next(push(svc, 0, token))), ("PushPull", push(svc, 0, token))):
+            got, details = refused(svc, method, None, messages)
             assert got == code, (method, details)
     got, details = refused(svc, "Close", None, b"")          # the issue's stray message: empty bytes
     assert got == grpc.StatusCode.FAILED_PRECONDITION and "trainer 0 without a session" in details
     assert engine_state(svc) == before                        # not even a sign of life was noted
     assert svc.counters.refused == 3 * 6 + 1
     # The live trainers' own calls still go through.
-    assert svc.Push(push(svc, 0, live[0]), FakeContext()).applied
-    assert svc.Push(push(svc, 1, live[1]), FakeContext()).updates == 1
+    first, second = push_pulls(svc, push(svc, 0, live[0]), push(svc, 1, live[1]))
+    assert first.applied
+    assert second.updates == 1
 
 
 def test_a_second_process_is_refused_and_a_restart_fences_the_old_one():
     svc = servicer()
     svc.sessions.alive_window = 0.2
     old = hello(svc, 1, incarnation=5, peer="ipv4:127.0.0.1:5555").session
-    hello(svc, 0, incarnation=6)
+    zero = hello(svc, 0, incarnation=6).session
     code, details = refused(svc, "Hello", ps_pb2.HelloRequest(trainer_id=1, layout_digest=svc.layout_digest,
                                                               incarnation=7))
     assert code == grpc.StatusCode.ALREADY_EXISTS
@@ -188,10 +189,10 @@ def test_a_second_process_is_refused_and_a_restart_fences_the_old_one():
     new = hello(svc, 1, incarnation=7, peer="ipv4:127.0.0.1:7777").session
     assert new != old
     before = engine_state(svc)
-    code, details = refused(svc, "Push", None, push(svc, 1, old))
+    code, details = refused(svc, "PushPull", None, push(svc, 1, old))
     assert code == grpc.StatusCode.PERMISSION_DENIED
     assert details == (f"pserver {EP}: fenced: trainer 1 rejoined (a new process from ipv4:127.0.0.1:7777 took "
                        f"the id over after this one went silent); this process must stop instead of pushing "
                        f"stale gradients")
     assert engine_state(svc) == before                        # the late push was not counted
-    assert svc.Push(push(svc, 1, new), FakeContext()).applied
+    assert push_pulls(svc, push(svc, 1, new), push(svc, 0, zero))[0].applied

@@ -26,13 +26,13 @@ What it asserts, each from real observations (polls with deadlines, no sleeps st
    can wait 5 s for the replication sender and gives the trainers' calls cut off in flight 5 s, then the
    interpreter's exit).
 2. pserver0 refuses pushes: a probe inside NS_A calls it over and over from the cut on (Lead, a
-   Hello for trainer 0 from a fresh incarnation with the job's real layout digest, and a Push for
-   trainer 0). No Hello or Push is ever accepted. Every call that started after pserver0 logged its
+   Hello for trainer 0 from a fresh incarnation with the job's real layout digest, and a PushPullOne for
+   trainer 0). No Hello or push is ever accepted. Every call that started after pserver0 logged its
    fence is refused with UNAVAILABLE "does not lead shard 0 (fenced" -- the check every trainer call
-   (Hello, Push, PushPull...) passes first, so no push can be applied there any more -- or finds the
+   (Hello, PushPull, PushPullOne...) passes first, so no push can be applied there any more -- or finds the
    process gone (its server stopped); Lead then answers "fenced", never "primary". The probe's last
    calls find it gone. Before the fence the isolated primary still leads (its lease has not lapsed) and
-   refuses them for other reasons: trainer 0 is live (ALREADY_EXISTS), the Push has no session. And
+   refuses them for other reasons: trainer 0 is live (ALREADY_EXISTS), the push has no session. And
    nothing it applied after the cut was acknowledged: it stopped at most one update (the one in flight
    at the cut) beyond the update replica0 took over at.
 3. No split brain: pserver0's fence line precedes replica0's "leads shard 0 at epoch E2" line (both
@@ -105,7 +105,7 @@ LEADS_LINE = re.compile(r"^(\S+ \S+) WARNING \S+: replica (\S+) leads shard 0 at
 FOLLOWED_LINE = re.compile(r"^(\S+ \S+) WARNING \S+: trainer (\d): \S+ is served by (\S+) now \(epoch (\d+)\)", re.M)
 STOPPED_LINE = re.compile(r"pserver \S+ stopped after (\d+) updates")
 
-# The probe run inside NS_A: after PAUSE_DIR/probe-go it calls pserver0 (Lead, Hello, Push) in a loop,
+# The probe run inside NS_A: after PAUSE_DIR/probe-go it calls pserver0 (Lead, Hello, PushPullOne) in a loop,
 # recording each call's wall-clock start and end and its outcome, until GONE_CALLS calls in a row found no
 # server (UNAVAILABLE without the replica's "does not lead", or CANCELLED), or 90 s passed; first it tries
 # to reach etcd (the partition's other direction). argv: target etcd_host etcd_port digest pause_dir out
@@ -140,8 +140,8 @@ calls = {
     "Lead": lambda: stub.Lead(ps_pb2.LeadRequest(), timeout=1.0),
     "Hello": lambda: stub.Hello(ps_pb2.HelloRequest(trainer_id=0, layout_digest=digest,
                                                     incarnation=secrets.randbits(63) or 1), timeout=1.0),
-    "Push": lambda: stub.Push(iter([ps_pb2.PushChunk(header=ps_pb2.PushHeader(
-        trainer_id=0, step=1, layout_digest=digest))]), timeout=1.0),
+    "PushPullOne": lambda: stub.PushPullOne(ps_pb2.PushChunk(header=ps_pb2.PushHeader(
+        trainer_id=0, step=1, layout_digest=digest)), timeout=1.0),
 }
 records = []
 deadline = time.monotonic() + 90
@@ -401,13 +401,13 @@ def test_isolated_primary_is_fenced_refuses_pushes_and_never_leads_beside_its_ba
         outcomes = [(rec["call"], classify(rec)) for rec in records]
         assert records and records[0]["t0"] >= cut
         assert not [rec for rec in records if rec["call"] != "Lead" and rec["code"] == "OK"], \
-            f"pserver0 accepted a Hello or Push after the cut: {records}"
+            f"pserver0 accepted a Hello or a push after the cut: {records}"
         # Its digest is right: a Hello a primary refuses is refused for the trainer id being live, not the plan.
         assert not [rec for rec in records if "plan mismatch" in rec["detail"]], records[:6]
         after_fence = [(rec, o) for rec, (_, o) in zip(records, outcomes) if rec["t0"] >= fenced_at + 0.001]
         assert after_fence, "the probe made no call after pserver0's fence"
         allowed = {"Lead": {"role fenced", "gone", "timed out"}, "Hello": {"not leading", "gone", "timed out"},
-                   "Push": {"not leading", "gone", "timed out"}}
+                   "PushPullOne": {"not leading", "gone", "timed out"}}
         wrong = [(rec["call"], o, rec["detail"]) for rec, o in after_fence if o not in allowed[rec["call"]]]
         assert not wrong, f"pserver0 answered after its fence: {wrong[:10]}"
         last = outcomes[-GONE_CALLS:]

@@ -10,7 +10,7 @@ from tests.helpers.cluster import LocalCluster
 from psproto import ps_pb2, ps_pb2_grpc
 from psproto.codec import TensorReader, encode_chunks
 from tests.helpers.table_models import BAG_DIM, DIM, table_program
-from tests.helpers.wire import expect_refusal, open_sessions, push_messages
+from tests.helpers.wire import answer, expect_refusal, open_sessions, push_messages
 from transpiler.tables import initial_rows, shard_of
 
 
@@ -54,21 +54,23 @@ def test_bad_sparse_pushes_are_refused_and_change_nothing(cluster, stub):
         ([("emb@ids", mine.float()), ("emb@rows", rows)], "dtype 'float32', expected 'int64'"),
         ([("emb@ids", mine), ("emb@rows", rows.double())], "dtype 'float64', expected 'float32'"),
         ([("emb@ids", mine), ("emb@rows", nan_rows)], "NaN or Inf"),
-        ([("emb@next", mine)], "send them with PushPull"),  # rows asked for in a call that answers none
         ([("emb@next", theirs)], "shard"),
         ([("emb@next", mine.float())], "dtype 'float32', expected 'int64'"),
     ]
     for tensors, match in cases:
         messages = push_messages(digest, tensors=tensors, sessions=sessions)
-        details = expect_refusal(lambda: stub.Push(messages, timeout=10), grpc.StatusCode.INVALID_ARGUMENT, match)
+        details = expect_refusal(lambda: answer(stub.PushPull(messages, timeout=10)), grpc.StatusCode.INVALID_ARGUMENT,
+                                 match)
         assert server.endpoint in details
     tables = server.engine.tables
-    assert server.engine.updates == 0 and not server.engine.pending and not server.engine.sparse_parts
+    assert server.engine.updates == 0 and not server.engine.pending.trainers and not server.engine.pending.sparse_parts
     assert tables.rows == 0 and all(s.step == 0 for s in tables.shards.values())
     # The pserver still serves: a valid step from both trainers is applied.
-    for trainer_id in (0, 1):
-        tensors = [("emb@ids", mine), ("emb@rows", rows)]
-        reply = stub.Push(push_messages(digest, trainer_id, 0, tensors, sessions=sessions), timeout=10)
+    tensors = [("emb@ids", mine), ("emb@rows", rows)]
+    calls = [stub.PushPull(push_messages(digest, trainer_id, 0, tensors, sessions=sessions), timeout=10)
+             for trainer_id in (0, 1)]
+    for call in calls:
+        reply = answer(call)
         assert reply.applied
     assert server.engine.updates == 1 and tables.rows == len(mine)
     assert tables.shards["emb"].step == 1 and tables.shards["bag"].step == 0

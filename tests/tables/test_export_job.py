@@ -70,7 +70,7 @@ def test_exports_of_a_training_job_equal_the_live_table(tmp_path, n_pservers):
                 tr.step()
                 if i == 0 and step % 2 == 0:  # the step is applied and exported; trainer 0 holds the next one
                     for s in cluster.servers:
-                        s.engine.exporter.wait()
+                        s.exporter.wait()
                     applied = reader.refresh()
                     assert applied and applied[-1].startswith(f"{step:012d}-")
                     for table in ("emb", "bag"):
@@ -138,7 +138,7 @@ def test_exports_every_so_many_seconds_follow_pserver_0s_clock(tmp_path):
     now = [1000.0]
     applied = {}
     with LocalCluster(build, 2, 1, config=config) as cluster:
-        schedule = cluster.servers[0].engine.exporter.schedule
+        schedule = cluster.servers[0].exporter.schedule
         schedule.clock, schedule._since = (lambda: now[0]), now[0]
         shards = {t: [s.engine.tables.shards[t] for s in cluster.servers] for t in ("emb", "bag")}
         with cluster.trainer(0) as tr:
@@ -149,7 +149,7 @@ def test_exports_every_so_many_seconds_follow_pserver_0s_clock(tmp_path):
                 nn.functional.cross_entropy(tr.model(ids, bag), y).backward()
                 tr.step()
                 for s in cluster.servers:
-                    s.engine.exporter.wait()
+                    s.exporter.wait()
                 got = reader.refresh()
                 if got:
                     applied[step] = got

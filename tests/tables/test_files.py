@@ -57,9 +57,9 @@ def test_save_load_same_shard_count(tmp_path, optimizer):
         for w in (u, v):
             assert w.step == t.step and len(w) == len(t)
             n = len(t)
-            np.testing.assert_array_equal(w._ids[:n], t._ids[:n])
-            np.testing.assert_array_equal(w._rows[:n], t._rows[:n])
-            for a, b in zip(w._state, t._state):
+            np.testing.assert_array_equal(w.memory.ids[:n], t.memory.ids[:n])
+            np.testing.assert_array_equal(w.memory.rows[:n], t.memory.rows[:n])
+            for a, b in zip(w.memory.state, t.memory.state):
                 np.testing.assert_array_equal(a[:n], b[:n])
     meta = json.loads(open(os.path.join(dirs[1], "meta.json")).read())
     assert meta["table"] == "emb" and meta["shard"] == 1 and meta["n_shards"] == 2

@@ -205,7 +205,7 @@ def test_evicted_rows_free_their_slots_and_the_index_stays_exact(index_kind):
 
 
 def probe_rows(t, ids):
-    return id_index.probe(t._slots, t._ids, ids, id_index.home_slots(ids, t._slots.size), want_stop=False)[0]
+    return t.memory.find(ids, want_stop=False)[0]
 
 
 def test_an_evicted_id_comes_back_from_its_initial_row_and_fresh_state():
@@ -271,8 +271,9 @@ def test_metadata_and_sketch_survive_save_load_and_reshard(tmp_path, n_from, n_t
         out = {}
         for s in ss:
             n = len(s)
-            for j, i in enumerate(s._ids[:n].tolist()):
-                out[i] = (s._rows[j].tolist(), int(s._meta["seen_step"][j]), float(s._meta["score"][j]))
+            memory = s.memory
+            for j, i in enumerate(memory.ids[:n].tolist()):
+                out[i] = (memory.rows[j].tolist(), int(memory.meta["seen_step"][j]), float(memory.meta["score"][j]))
         return out
     assert table(loaded) == table(shards) and len(table(shards)) > 20
     probe_ids = np.arange(300, dtype=np.int64)

@@ -18,7 +18,7 @@ I64 = np.iinfo(np.int64)
 
 def stored_rows(t: TableShard, ids: np.ndarray) -> np.ndarray:
     """Row numbers of ``ids`` in ``t``'s index (-1 = missing)."""
-    return probe(t._slots, t._ids, ids, home_slots(ids, t._slots.size))[0]
+    return t.memory.find(ids)[0]
 
 
 # ---------------------------------------------------------------- index
@@ -46,7 +46,7 @@ def test_index_random_ids_across_growth(index_kind):
     for batch in np.array_split(all_ids, [5, 40, 1000, 1001, 9000, 30000]):
         t.apply(batch, np.zeros((batch.size, 2), np.float32), 0.1)
         inserted = np.concatenate([inserted, batch])
-        slots_seen.add(t._slots.size)
+        slots_seen.add(t.memory.index_slots)
         caps_seen.add(t.capacity)
         # every id sits at the row it was given (insertion order), nothing else is found
         assert np.array_equal(stored_rows(t, inserted), np.arange(inserted.size))
@@ -54,11 +54,11 @@ def test_index_random_ids_across_growth(index_kind):
         unknown = unknown[~np.isin(unknown, all_ids)]
         assert (stored_rows(t, unknown) == -1).all()
         assert len(t) == inserted.size
-        assert len(t) <= 0.7 * t._slots.size
+        assert len(t) <= 0.7 * t.memory.index_slots
     assert len(slots_seen) >= 4 and len(caps_seen) >= 4  # grew several times
     # repeated and unordered lookups
     q = rng.choice(inserted, 5000)
-    assert np.array_equal(t._ids[stored_rows(t, q)], q)
+    assert np.array_equal(t.memory.ids[stored_rows(t, q)], q)
 
 
 def colliding_keys(n_slots, home, count, start=0):
@@ -303,12 +303,12 @@ def test_bytes_per_row_within_1_5x_raw(optimizer, n_state):
         m = int(rng.integers(1000, 6000))
         ids = np.arange(next_id, next_id + m, dtype=np.int64)
         next_id += m
-        cap, n_slots = t.capacity, t._slots.size
+        cap, n_slots = t.capacity, t.memory.index_slots
         t.apply(ids, np.zeros((m, 16), np.float32), 0.1)
         ratio = t.nbytes / len(t) / raw
-        if t.capacity != cap or t._slots.size != n_slots:
+        if t.capacity != cap or t.memory.index_slots != n_slots:
             ratios_after_growth.append(ratio)
-        assert ratio <= 1.5, (i, len(t), t.capacity, t._slots.size, ratio)
+        assert ratio <= 1.5, (i, len(t), t.capacity, t.memory.index_slots, ratio)
     assert len(ratios_after_growth) >= 8
     # steady point: updates of stored rows allocate nothing
     before = t.nbytes

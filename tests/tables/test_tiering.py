@@ -84,7 +84,7 @@ def test_a_full_disk_fails_the_spill_and_keeps_the_rows(tmp_path, monkeypatch, c
             train_step([tiered], step, rng_a)
             train_step([ram], step, rng_b)
             np.testing.assert_array_equal(tiered.lookup(IDS), ram.lookup(IDS))
-    assert tiered.spill_failures > 0 and len(tiered) > 10
+    assert tiered.disk.spill_failures > 0 and len(tiered) > 10
     assert tiered.rows_held == ram.rows_held
     assert any("is full" in r.getMessage() and str(tmp_path) in r.getMessage() for r in caplog.records)
 
@@ -105,10 +105,10 @@ def test_saves_hold_every_row_and_reshard_with_metadata(tmp_path, n_to):
     def content(ss):
         out = {}
         for s in ss:
-            with s._lock:
-                ids = np.concatenate([s._ids[:s._n], *s._disk_chunks(-1)])
-                fields = [np.concatenate([a[:s._n], *s._disk_chunks(i)])
-                          for i, a in enumerate([s._rows, *s._meta.values()])]
+            with s.reading() as memory:
+                ids = np.concatenate([memory.ids, *s.disk.field_chunks(-1)])
+                fields = [np.concatenate([a, *s.disk.field_chunks(i)])
+                          for i, a in enumerate([memory.rows, *memory.meta.values()])]
             for j, i in enumerate(ids.tolist()):
                 out[i] = tuple(f[j].tolist() for f in fields)
         return out

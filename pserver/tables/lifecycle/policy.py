@@ -62,7 +62,7 @@ class RowLifecycle:
             self.columns.append("seen_time")
         self.admission = None if lc.admits_all else Admission(lc, spec.seed)
         self.counts = LifecycleCounts()
-        self.track_tombstones = False
+        self.tracks_tombstones = False
         self._tombstones: List[np.ndarray] = []
 
     @property
@@ -114,8 +114,20 @@ class RowLifecycle:
     def evicted(self, ids: np.ndarray) -> None:
         """Note ``ids`` evicted (for the count and, when exports run, the next delta's tombstones)."""
         self.counts.evicted += ids.size
-        if self.track_tombstones and ids.size:
+        if self.tracks_tombstones and ids.size:
             self._tombstones.append(ids.copy())
+
+    def track_tombstones(self, on: bool = True) -> None:
+        """Keep the ids evicted from now on for :meth:`take_tombstones` (exports run), or stop."""
+        self.tracks_tombstones = on
+
+    def spilled(self, n: int) -> None:
+        """Note ``n`` rows moved to the disk tier."""
+        self.counts.spilled += n
+
+    def promoted(self, n: int) -> None:
+        """Note ``n`` rows brought back from the disk tier."""
+        self.counts.promoted += n
 
     def take_tombstones(self) -> np.ndarray:
         """Ids evicted since the previous call (sorted, distinct), forgetting them."""

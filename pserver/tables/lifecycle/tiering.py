@@ -25,13 +25,16 @@ import logging
 import os
 import re
 import tempfile
-from typing import Iterator, Optional
+from typing import Iterator, Optional, Tuple
 
 import numpy as np
 
+from transpiler.tables import TableSpec
+
+from ..row_store import RowStore
 from .disk_tier import DiskTier, DiskTierFull
 from .eviction import coldest, sweep_due, sweep_victims
-from .policy import META_COLUMNS
+from .policy import META_COLUMNS, RowLifecycle
 
 log = logging.getLogger(__name__)
 
@@ -46,43 +49,50 @@ def record_dtype(dim: int, dtype: np.dtype, n_state: int, columns) -> np.dtype:
 
 
 class DiskTiering:
-    """Mixin of :class:`pserver.tables.shard.TableShard`: the disk tier, when ``ram_rows`` is set.
+    """The disk tier of one table shard (``ram_rows`` set): what moves between its rows in memory and disk.
 
-    Uses the shard's :class:`~pserver.tables.row_store.RowStore` internals;
-    every method runs under the shard's lock.
+    ``memory`` is the shard's :class:`~pserver.tables.row_store.RowStore`,
+    reached through its public methods; ``life`` its
+    :class:`~pserver.tables.lifecycle.RowLifecycle` (counts, sweep clock).
+    Every method runs under the shard's lock. ``root``: the pserver's
+    ``table_disk_dir`` (None: the system's temporary directory, with a warning).
     """
 
-    _disk: Optional[DiskTier] = None
-
-    def _open_disk(self, root: Optional[str]) -> None:
-        lc = self.spec.lifecycle
-        if not lc.ram_rows:
-            return
+    def __init__(self, spec: TableSpec, shard: int, n_shards: int, memory: RowStore, life: RowLifecycle,
+                 root: Optional[str]):
+        self.spec, self.shard = spec, shard
+        self.memory = memory
+        self.life = life
+        lc = spec.lifecycle
         if root is None:
             root = os.path.join(tempfile.gettempdir(), "ps-table-disk-tier")
-            log.warning("table %s: no table_disk_dir set; its disk tier goes to %s", self.spec.name, root)
-        name = re.sub(r"[^A-Za-z0-9_.-]", "_", self.spec.name)
-        directory = os.path.join(root, f"{name}.shard-{self.shard}-of-{self.n_shards}.pid-{os.getpid()}")
-        self._ram_share = lc.shard_share(lc.ram_rows, self.n_shards)
-        self._record = record_dtype(self.spec.dim, self.dtype, self._n_state, self._columns)
-        self._disk = DiskTier(directory, self._record.itemsize)
-        self._disk_nbytes = 0    # as of the last spill: read lock-free by the metrics
+            log.warning("table %s: no table_disk_dir set; its disk tier goes to %s", spec.name, root)
+        name = re.sub(r"[^A-Za-z0-9_.-]", "_", spec.name)
+        directory = os.path.join(root, f"{name}.shard-{shard}-of-{n_shards}.pid-{os.getpid()}")
+        self.ram_share = lc.shard_share(lc.ram_rows, n_shards)
+        self._record = record_dtype(spec.dim, memory.dtype, memory.n_state, memory.columns)
+        self._seen_step = 1 + memory.n_state  # the record field of the seen_step column
+        self._store = DiskTier(directory, self._record.itemsize)
+        self.nbytes = 0    # as of the last spill: read lock-free by the metrics
         self.spill_failures = 0
-        log.info("table %s shard %d: %d rows in memory, the rest in %s", self.spec.name, self.shard,
-                 self._ram_share, directory)
+        log.info("table %s shard %d: %d rows in memory, the rest in %s", spec.name, shard, self.ram_share,
+                 directory)
 
-    def close_disk(self) -> None:
-        """Close and remove the disk tier's working store (the shard's rows on disk are gone)."""
-        if self._disk is not None:
-            self._disk.close()
-            with contextlib.suppress(OSError):   # the shard's own directory, empty now
-                os.rmdir(self._disk.directory)
+    def __len__(self) -> int:
+        """Rows on disk."""
+        return len(self._store)
+
+    def close(self) -> None:
+        """Close and remove the working store (the shard's rows on disk are gone)."""
+        self._store.close()
+        with contextlib.suppress(OSError):   # the shard's own directory, empty now
+            os.rmdir(self._store.directory)
 
     # -- records -------------------------------------------------------------
 
     def _pack(self, rownums: np.ndarray) -> np.ndarray:
         rec = np.empty(rownums.size, self._record)
-        for name, a in zip(self._record.names, self._columns_of()):
+        for name, a in zip(self._record.names, self.memory.arrays()):
             rec[name] = a[rownums]
         return rec.view(np.uint8).reshape(rownums.size, self._record.itemsize)
 
@@ -92,68 +102,79 @@ class DiskTiering:
 
     # -- promotion and reads ---------------------------------------------------
 
-    def _promote(self, ids: np.ndarray, rows: np.ndarray) -> int:
+    def promote(self, ids: np.ndarray, rows: np.ndarray) -> int:
         """Bring the rows of ``ids`` (distinct) that are on disk into memory; how many were.
 
         ``rows`` (the ids' rows in memory, -1 where absent) is updated in place.
         """
-        if self._disk is None or not len(self._disk):
+        if not len(self._store):
             return 0
         miss = np.flatnonzero(rows < 0)
         if miss.size == 0:
             return 0
-        found, records = self._disk.pop(ids[miss])
+        found, records = self._store.pop(ids[miss])
         if not found.any():
             return 0
         at = miss[found]
-        stop = self._find(ids[at])[1]
-        rows[at] = self._insert(ids[at], stop, self._unpack(records[found]))
-        self.life.counts.promoted += at.size
+        stop = self.memory.find(ids[at])[1]
+        rows[at] = self.memory.insert(ids[at], stop, self._unpack(records[found]))
+        self.life.promoted(at.size)
         return at.size
 
-    def _promote_absent(self, ids: np.ndarray) -> int:
+    def promote_absent(self, ids: np.ndarray) -> int:
         """Bring the rows of ``ids`` (none in memory; repeats allowed) that are on disk into memory; how many."""
         miss = np.unique(ids)
-        return self._promote(miss, np.full(miss.size, -1, dtype=np.int32))
+        return self.promote(miss, np.full(miss.size, -1, dtype=np.int32))
+
+    def holds(self, ids: np.ndarray) -> np.ndarray:
+        """Whether each of ``ids`` has its row on disk (bool per id)."""
+        return self._store.get(ids)[0]
 
     # -- end of step -----------------------------------------------------------
 
-    def _spill(self) -> None:
+    def spill(self) -> None:
         """Move the coldest rows beyond the RAM share to disk; on a full disk, keep them and log."""
-        if self._disk is None or self._n <= self._ram_share:
+        memory = self.memory
+        if len(memory) <= self.ram_share:
             return
-        n = self._n
-        victims = np.sort(coldest(n - self._ram_share, self._ids[:n], self._meta["seen_step"][:n]))
+        victims = np.sort(coldest(len(memory) - self.ram_share, memory.ids, memory.meta["seen_step"]))
         try:
-            self._disk.put(self._ids[victims], self._pack(victims))
+            self._store.put(memory.ids[victims], self._pack(victims))
         except DiskTierFull as e:
             self.spill_failures += 1
             if self.spill_failures == 1 or self.spill_failures % 100 == 0:
                 log.error("table %s shard %d: spill of %d rows failed (%d failures so far); the rows stay "
                           "in memory: %s", self.spec.name, self.shard, victims.size, self.spill_failures, e)
             return
-        self._remove(victims)
-        self.life.counts.spilled += victims.size
-        self._disk_nbytes = self._disk.nbytes
+        memory.remove(victims)
+        self.life.spilled(victims.size)
+        self.nbytes = self._store.nbytes
 
-    def _sweep_disk(self, step: int) -> np.ndarray:
+    def sweep(self, step: int) -> np.ndarray:
         """The ids on disk an eviction sweep at ``step`` removes (deleted from the store)."""
-        if self._disk is None or not len(self._disk) or not sweep_due(self.spec.lifecycle, step):
+        if not len(self._store) or not sweep_due(self.spec.lifecycle, step):
             return np.empty(0, np.int64)
         gone = []
         now = self.life.clock()
-        for ids, records in self._disk.iter_chunks(_DISK_CHUNK):
+        for ids, records in self._store.iter_chunks(_DISK_CHUNK):
             meta = dict(zip(self._record.names, self._unpack(records)))
             go = sweep_victims(self.spec.lifecycle, step, now, meta["seen_step"], meta.get("score"),
                                meta.get("seen_time"))
             gone.append(ids[go])
         gone = np.concatenate(gone) if gone else np.empty(0, np.int64)
-        self._disk.delete(gone)
+        self._store.delete(gone)
         return gone
 
-    # -- saves -------------------------------------------------------------------
+    # -- exports and saves ---------------------------------------------------------
 
-    def _disk_chunks(self, index: int) -> Iterator[np.ndarray]:
-        """Field ``index`` of every record on disk (-1: the ids), chunk by chunk."""
-        for ids, records in self._disk.iter_chunks(_DISK_CHUNK):
+    def changed(self, since: Optional[int]) -> Iterator[Tuple[np.ndarray, np.ndarray]]:
+        """(ids, rows) on disk, chunk by chunk: all (``since`` None) or those updated after table step ``since``."""
+        for ids, records in self._store.iter_chunks():
+            values = self._unpack(records)
+            keep = slice(None) if since is None else values[self._seen_step] > since
+            yield ids[keep], values[0][keep]
+
+    def field_chunks(self, index: int) -> Iterator[np.ndarray]:
+        """Field ``index`` of every record on disk (-1: the ids; then rows, state, metadata), chunk by chunk."""
+        for ids, records in self._store.iter_chunks(_DISK_CHUNK):
             yield ids if index < 0 else self._unpack(records)[index]

@@ -167,7 +167,7 @@ class TableExporter:
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="table-export")
         self._writing: Optional[concurrent.futures.Future] = None
         for shard in tables.shards.values():
-            shard.life.track_tombstones = True
+            shard.life.track_tombstones()
 
     def after_update(self, step: int) -> None:
         """Export if one is due at ``step``: copy the shards' changes now, write them in the background."""

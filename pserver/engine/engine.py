@@ -1,22 +1,17 @@
-"""Update engines: when a pushed gradient is applied, and who waits for whom.
+"""Engine: the contract the RPC layer talks to, and what the sync and async engines share.
 
-- :class:`~pserver.engine.sync.SyncEngine`: step *s* is applied once every live
-  trainer's gradient for *s* has arrived, with the mean over the trainers that pushed it.
-- :class:`~pserver.engine.asynchronous.AsyncEngine`: each gradient is applied on arrival;
-  with ``max_staleness`` a trainer too far ahead of the slowest one waits.
+:class:`~pserver.engine.sync.SyncEngine` applies step *s* once every live
+trainer's gradient for *s* has arrived (their mean);
+:class:`~pserver.engine.asynchronous.AsyncEngine` applies each on arrival.
 
-This module holds what both share (:class:`Engine`).
-
-Both keep trainer bookkeeping (joined, closed, last counted step) and make a
-retried push for an already counted (trainer, step) a no-op. A push carries
-dense block gradients and sparse table gradients of one step, counted and
-applied together. All state lives behind one condition variable; updates run
-under it, transfers do not.
-
-A refused request raises a :mod:`pserver.errors` refusal; which wire status it
-becomes is the servicer's business, not the engines'. The servicer reaches the
-blocks and tables only through this contract: what a push or prefetch may carry
-and how a received push splits, in :mod:`.contents`.
+An engine is composed of parts handed to its constructor: the blocks and
+table shards it updates, the ``checkpointer`` its resumes and roll-backs load
+from, the listeners told of every change (:mod:`.listeners`), and the sync
+engine's step in progress (:mod:`.pending`). It builds its own state: the
+roster (:mod:`.roster`), the roll-backs made (:mod:`.rollback`), its waits
+(:mod:`.waits`). All state lives behind one condition variable; updates and
+the listeners run under it, transfers do not. A retried push for an already
+counted (trainer, step) is a no-op. Refusals are :mod:`pserver.errors`.
 """
 from __future__ import annotations
 
@@ -24,57 +19,42 @@ import logging
 import threading
 import time
 from abc import ABC, abstractmethod
-from typing import Callable, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 
 from ..checkpoint import Checkpointer
-from ..errors import BarrierTimeout, MustResync, NotAllowed, Refusal, ShuttingDown, StorageFailed
+from ..errors import StorageFailed
 from ..store import BlockStore
 from ..tables import SparseGrad, TableSet
-from .contents import Contents
-from .replicated import Replicated
-from .rollback import Checkpoints
-from .roster import Position, Roster
-from .snapshot import Snapshot
+from .listeners import UpdateListener
+from .pending import PendingStep
+from .rollback import Recovery, RollBack
+from .roster import Joined, Position, Roster
+from .stats import PserverStats
+from .waits import Waits
 
 log = logging.getLogger(__name__)
 
 
-class Joined(NamedTuple):
-    """What a trainer's Hello learns of this pserver, read under one hold of the engine's lock.
-
-    One consistent view: read piecewise, a step completing in between would
-    pair a start step with the applied steps of another moment, and a
-    joining trainer could take pservers mid-step for stalled ones.
-    """
-
-    step: int                 # where the trainer (re)starts (see Engine.hello)
-    position: Position        # its data position as last pushed or checkpointed, (0, 0) if none
-    applied_step: int         # steps applied (async: updates)
-    others_in_step: int       # other trainers counted or awaited in the step in progress (async: 0)
-    counted_step: int         # the trainer's last step counted here, -1 if none
-    checkpoint_step: int      # the checkpoint this process started from or rolled back to, -1 if none
-
-
-class Engine(Contents, Checkpoints, Replicated, ABC):
+class Engine(ABC):
     """The contract the RPC layer talks to, and the trainer bookkeeping, checkpoints and roll-backs both engines share.
 
     ``checkpointer`` (None without a checkpoint_dir) saves and loads this
-    pserver's part. :meth:`push` and :meth:`wait_updates` are where the
-    engines differ. ``on_wait`` is called with the seconds a trainer's call
-    waited for a sync step (the barrier wait histogram), after the lock is
-    released. ``on_roster_change`` is called, after the lock is released,
-    whenever the trainers :meth:`live` gives may have changed (a trainer
-    closed, was dropped, rejoined, or a roll-back reset them): the Reduce
-    service waits on that set under a lock of its own.
+    pserver's part on demand. ``listeners`` are told of every change under
+    the lock, in order. ``pending``: the sync engine's step in progress (None:
+    async). ``on_wait`` gets the seconds a call waited for a sync step (the
+    barrier histogram) and ``on_roster_change`` is called whenever the
+    trainers :meth:`live` gives may have changed (the Reduce service waits on
+    them under a lock of its own), both after the lock is released.
     """
 
     sync_mode = False
 
     def __init__(self, store: BlockStore, tables: TableSet, trainers: int, endpoint: str,
                  barrier_timeout: float, checkpointer: Optional[Checkpointer] = None, *,
+                 listeners: Sequence[UpdateListener] = (), pending: Optional[PendingStep] = None,
                  on_wait: Optional[Callable[[float], None]] = None,
                  on_roster_change: Optional[Callable[[], None]] = None):
         self.store = store
@@ -86,23 +66,26 @@ class Engine(Contents, Checkpoints, Replicated, ABC):
         self.updates = 0
         self.roster = Roster(trainers)
         self.all_closed = threading.Event()
-        self._stopping = False
-        self.checkpointer = checkpointer
-        # Scheduled table exports for serving (pserver.tables.serving.exporter), set by the server; None: off.
-        self.exporter = None
-        # Recovery: roll-back tokens honoured, and a count that wakes waiters after one.
-        self.restored_from = -1
-        self._honoured: set = set()
-        self._rollbacks = 0
-        # Per trainer, the roll-backs counted at its last Hello: a wait from before the latest one
-        # belongs to an abandoned timeline (see waits_from_before_a_roll_back).
-        self._hello_rollbacks: Dict[int, int] = {}
+        self.recovery = Recovery(checkpointer, endpoint)
+        self.waits = Waits(self.cv, endpoint, barrier_timeout, self.recovery)
+        self.listeners = tuple(listeners)
+        self.pending = pending
         self.on_wait = on_wait
         self.on_roster_change = on_roster_change
 
     @property
     def last_step(self) -> Dict[int, int]:
         return self.roster.last_step
+
+    @property
+    def checkpointer(self) -> Optional[Checkpointer]:
+        """What this pserver's checkpoints are written with and loaded from (None without a checkpoint_dir)."""
+        return self.recovery.checkpointer
+
+    @property
+    def restored_from(self) -> int:
+        """The checkpoint step this pserver started from or rolled back to (a backup: its primary's), -1 if none."""
+        return self.recovery.restored_from
 
     def live(self) -> set:
         """Trainers expected to push: all ids that have neither closed nor been dropped (a new set).
@@ -120,13 +103,26 @@ class Engine(Contents, Checkpoints, Replicated, ABC):
         trainer's values join a round.
         """
         with self.cv:
-            self._check_pusher(trainer_id)
+            self.roster.check_pusher(trainer_id, self.endpoint, self.updates)
+
+    # -- telling the listeners (under the lock) and the Reduce service (after it) -----------
+
+    def _applied(self, lr_step: int, dense: Mapping[str, torch.Tensor], sparse: Mapping[str, SparseGrad]) -> None:
+        for listener in self.listeners:
+            listener.on_update(lr_step, self.updates, self.roster, dense, sparse)
+
+    def _roster_noted(self) -> None:
+        """Under the lock: the roster changed without an update (a trainer closed or came back)."""
+        for listener in self.listeners:
+            listener.on_roster(self.updates, self.roster)
 
     def _roster_changed(self) -> None:
         # Never under the lock: the listener takes its own lock, and under it calls live(), which
         # takes this one (see pserver.engine.reductions.Reductions).
         if self.on_roster_change is not None:
             self.on_roster_change()
+
+    # -- trainers ------------------------------------------------------------------------
 
     def hello(self, trainer_id: int, join_at: int = 0) -> Joined:
         """Register ``trainer_id`` (again, after a restart); what it learns, as one :class:`Joined` view.
@@ -139,12 +135,12 @@ class Engine(Contents, Checkpoints, Replicated, ABC):
         with self.cv:
             was_closed = trainer_id in self.roster.closed
             how = self.roster.join(trainer_id)
-            self._hello_rollbacks[trainer_id] = self._rollbacks
+            self.recovery.hello(trainer_id)
             if how == "rejoined":
                 self.all_closed.clear()
             if was_closed:
-                self._note_closed()
-                self._replicate_roster()
+                self.recovery.note_closed(self.roster.closed)
+                self._roster_noted()
             start = self._start_step(trainer_id, how, join_at)
             if how:
                 log.info("%s: trainer %d %s at step %d", self.endpoint, trainer_id, how, start)
@@ -220,9 +216,9 @@ class Engine(Contents, Checkpoints, Replicated, ABC):
 
     def _close(self, trainer_id: int) -> None:
         self.roster.close(trainer_id)
-        self._note_closed()
+        self.recovery.note_closed(self.roster.closed)
         self._on_close()
-        self._replicate_roster()
+        self._roster_noted()
 
     def _trainers_left(self) -> int:
         left = len(set(range(self.trainers)) - self.roster.closed)
@@ -261,75 +257,34 @@ class Engine(Contents, Checkpoints, Replicated, ABC):
             self._roster_changed()
         return [t for t, _ in silent]
 
+    def _on_close(self) -> None:
+        """Under the lock: a trainer closed or was dropped (sync: the step may be complete now)."""
+
     def stop(self) -> None:
         """Wake every waiter so the server can shut down."""
         with self.cv:
-            self._stopping = True
-            self.cv.notify_all()
+            self.waits.stop()
 
-    def _check_pusher(self, trainer_id: int) -> None:
-        if trainer_id in self.roster.closed:
-            raise NotAllowed(f"pserver {self.endpoint}: trainer {trainer_id} has closed; "
-                             f"call Hello to rejoin before pushing")
-        if trainer_id in self.roster.dropped:
-            raise MustResync(f"pserver {self.endpoint}: trainer {trainer_id} was dropped after "
-                             f"heartbeat_timeout at step {self.updates}; call Hello to rejoin")
+    # -- reads -----------------------------------------------------------------------------
 
-    def _ahead(self, trainer_id: int, what: str, target: int) -> Refusal:
-        """The refusal of a push or wait for a step beyond the next one."""
-        if self.restored_from >= 0:
-            # This pserver restarted or rolled back to a checkpoint: the trainer must re-sync.
-            return MustResync(f"pserver {self.endpoint}: trainer {trainer_id} {what} {target}, but this "
-                              f"pserver resumed from the checkpoint at step {self.restored_from} and "
-                              f"is at step {self.updates}; call Hello to re-sync")
-        return NotAllowed(f"pserver {self.endpoint}: trainer {trainer_id} {what} {target} from the "
-                          f"future; the pserver is at step {self.updates} and can only reach "
-                          f"{self.updates + 1} next")
-
-    def _refuse_wait_from_before_a_roll_back(self, trainer_id: int, what: str) -> None:
-        """MustResync for a trainer that said Hello before this pserver's latest roll-back and would wait.
-
-        The caller checked that the step waited for needs this trainer's own
-        push: a trainer still on the abandoned timeline would wait for it
-        until the barrier deadline. (One whose push for the step was counted
-        waits as usual.)
-        """
-        if self._hello_rollbacks.get(trainer_id, self._rollbacks) != self._rollbacks:
-            raise MustResync(f"pserver {self.endpoint}: rolled back to the checkpoint at step "
-                             f"{self.restored_from} since trainer {trainer_id} said Hello; its {what} "
-                             f"belongs to the steps abandoned; call Hello to re-sync")
-
-    def _wait(self, ready, what: str, missing) -> None:
-        """Wait under the lock until ``ready()``, or fail naming who is missing."""
-        deadline = time.monotonic() + self.barrier_timeout
-        rollbacks = self._rollbacks
-        while not ready():
-            if self._stopping:
-                raise ShuttingDown(f"pserver {self.endpoint} is shutting down")
-            if self._rollbacks != rollbacks:
-                raise MustResync(f"pserver {self.endpoint}: rolled back to the checkpoint at step "
-                                 f"{self.restored_from} while {what} waited; call Hello to re-sync")
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise BarrierTimeout(f"pserver {self.endpoint}: {what} still waits for trainers "
-                                     f"{missing()} after {self.barrier_timeout:g}s")
-            self.cv.wait(remaining)
-
-    def snapshot(self) -> Snapshot:
+    def stats(self) -> PserverStats:
         """This pserver's state as one value (Stats, /metrics); the lock is held only to copy the roster."""
         with self.cv:
             roster = self.roster
             alive, dropped, closed = roster.joined & roster.live(), set(roster.dropped), set(roster.closed)
             step = self.updates
         last = self.checkpointer.last if self.checkpointer is not None else None
-        return Snapshot(step, self.sync_mode, self.trainers, tuple(sorted(alive)), tuple(sorted(dropped)),
-                        tuple(sorted(closed)), len(self.store.blocks), self.store.nbytes, self.tables.rows,
-                        self.tables.nbytes, last, self.tables.stats())
+        return PserverStats(step, self.sync_mode, self.trainers, tuple(sorted(alive)), tuple(sorted(dropped)),
+                            tuple(sorted(closed)), len(self.store.blocks), self.store.nbytes, self.tables.rows,
+                            self.tables.nbytes, last, self.tables.stats())
 
     def read(self, names: Sequence[str]) -> Tuple[int, List[Tuple[str, torch.Tensor]]]:
         """The updates applied and the named blocks, safe to stream."""
         with self.cv:
             return self.updates, self.store.read(names, copy=self._reads_need_copy())
+
+    def _reads_need_copy(self) -> bool:
+        return True
 
     def lookup(self, ids: Mapping[str, np.ndarray]) -> Tuple[int, List[Tuple[str, torch.Tensor]]]:
         """The updates applied and the rows of ``ids`` ({table: ids}), in request order.
@@ -353,22 +308,104 @@ class Engine(Contents, Checkpoints, Replicated, ABC):
                 raise StorageFailed(f"pserver {self.endpoint}: cannot save tables to {directory!r}: "
                                     f"{e}") from None
 
-    def _note_closed(self) -> None:
-        if self.checkpointer is not None:
-            self.checkpointer.note_closed(self.roster.closed)
+    # -- checkpoints, resume and roll-back --------------------------------------------------
 
-    def _clear_pending(self) -> None:
-        pass
+    def checkpoint(self) -> Tuple[int, str]:
+        """Write a checkpoint of this pserver now, at a step boundary; (its step, part directory).
 
-    def _forget_join_steps(self) -> bool:
-        """A roll-back to the step this pserver stands at: every trainer redoes that step.
-
-        Returns whether a trainer had been told it starts a step later.
+        Refused (:class:`NotAllowed`) without a checkpoint_dir; a file system
+        error is :class:`StorageFailed`.
         """
-        return False
+        with self.cv:
+            return self.recovery.checkpoint(self.updates, self.roster)
 
-    def _reads_need_copy(self) -> bool:
-        return True
+    def resume(self, step: Optional[int] = None) -> bool:
+        """Load the latest complete checkpoint (or the one at ``step``); False if there is none."""
+        with self.cv:
+            meta = self.recovery.load(step)
+            if meta is None:
+                return False
+            self._reset(meta)
+            return True
 
-    def _on_close(self) -> None:
-        pass
+    def restore(self, trainer_id: int, step: int, token: str) -> bool:
+        """Roll back to the checkpoint at ``step`` once per ``token`` (sync recovery).
+
+        Returns False when ``token`` was already honoured, or when this pserver
+        stands unchanged at that very checkpoint: the pushes it counted since are
+        kept (see :meth:`Recovery.roll_back`). Otherwise the waits of the abandoned
+        steps end with :class:`MustResync`. Without a checkpoint_dir:
+        :class:`NotAllowed`; a checkpoint that cannot be loaded changes nothing.
+        """
+        self.recovery.check_can_roll_back()
+        with self.cv:
+            outcome, meta = self.recovery.roll_back(trainer_id, step, token, self.updates)
+            if outcome is RollBack.STAYS and self.pending is not None and self.pending.forget_joins():
+                # A trainer that was told it starts a step later is now expected in this one: a
+                # wait of its from before is on the abandoned timeline, as after a roll-back.
+                self.recovery.abandon_timeline()
+                self.cv.notify_all()
+            if outcome is RollBack.LOADED:
+                self._reset(meta)
+                self.recovery.abandon_timeline()
+                self.cv.notify_all()
+        if outcome is RollBack.LOADED:
+            self._roster_changed()  # the checkpoint's closed trainers, nobody dropped: after the lock
+        return outcome is RollBack.LOADED
+
+    def _reset(self, meta: dict) -> None:
+        """Take the step and trainers from a loaded checkpoint's manifest (blocks and tables are loaded)."""
+        self.updates = int(meta["step"])
+        self.roster.load_meta(meta)
+        if self.pending is not None:
+            self.pending.clear()
+            self.pending.forget_joins()
+        self.recovery.reset_to(self.updates)
+        for listener in self.listeners:
+            listener.on_reset(self.updates)
+
+    # -- hot standby (README "Hot standby") ----------------------------------------------------
+
+    def follow_copy(self, meta: dict, checkpoint_step: int) -> int:
+        """Backup: take the step and roster of the primary's state copy just loaded into the blocks and tables.
+
+        ``checkpoint_step`` is the primary's history (what Hello reports once
+        this process leads), not this process's own start. Returns the updates.
+        """
+        with self.cv:
+            self.updates = int(meta["step"])
+            self.roster.follow(meta)
+            if self.pending is not None:
+                self.pending.clear()
+            self.recovery.stands_on(checkpoint_step)
+            return self.updates
+
+    def apply_replicated(self, lr_step: int, updates: int, roster_meta: dict, dense: Dict[str, torch.Tensor],
+                         sparse: Mapping[str, SparseGrad]) -> None:
+        """Backup: apply the primary's update (``lr_step`` -1: its roster alone) and take its count and roster.
+
+        The dense gradients and the merged table gradients are the ones the
+        primary applied with the learning rate of ``lr_step`` (its mean, never
+        computed again here from pushes whose order could differ); trainers'
+        progress and who closed come as the primary's roster after it.
+        """
+        with self.cv:
+            if lr_step >= 0:
+                self.store.apply(dense, lr_step)
+                self.tables.apply(sparse, lr_step)
+            self.updates = updates
+            self.roster.follow(roster_meta)
+            self._trainers_left()  # every trainer closed on the primary: the job is over here too
+
+    def take_lead(self) -> None:
+        """A backup becomes the primary: every live trainer that pushed is expected, as if just heard from.
+
+        Those that do not come within heartbeat_timeout are dropped as on any primary.
+        """
+        with self.cv:
+            now = time.monotonic()
+            # Only those that pushed: a trainer yet to say its first Hello is not waited for by the
+            # heartbeat watchdog, as on any pserver (a fresh shard's first primary has none).
+            self.roster.heard_from(self.roster.live() & set(self.roster.last_step), now)
+            self.cv.notify_all()
+        log.info("%s: leads its shard at update %d", self.endpoint, self.updates)

@@ -1,6 +1,6 @@
 """What a pserver holds right now, as one value: read by the Stats RPC and the Prometheus collector.
 
-:meth:`pserver.engine.Engine.snapshot` takes it (the roster under the engine's
+:meth:`pserver.engine.Engine.stats` takes it (the roster under the engine's
 lock, nothing else held), so ``ps-stat`` and ``/metrics`` report the same
 numbers from the same place.
 """
@@ -14,7 +14,7 @@ from ..tables.table_set import TableStats
 
 
 @dataclass(frozen=True)
-class Snapshot:
+class PserverStats:
     """One pserver's state: its step, trainers by state, what it stores, its latest checkpoint.
 
     ``alive`` are the trainers joined and live (heard from, not dropped or

@@ -1,0 +1,128 @@
+"""Listeners of the engine's changes: checkpoints, exports and replication, handed to the engine at construction.
+
+ps-lite's servers take their request handle as a parameter; here the engine
+(:class:`~pserver.engine.engine.Engine`) takes a list of :class:`UpdateListener`
+and tells each, in order and under its lock, of every change it makes to its
+state: an update applied, a roster change that is no update (a trainer closed
+or came back), and a reset to a checkpoint (resume or roll-back). The
+implementations, built by :class:`pserver.server.ParameterServer`:
+
+- :class:`Replication`: hands each change to the replicator while this process
+  leads a replicated shard (hot standby), first, so the backup copies exactly
+  what was applied;
+- :class:`ScheduledCheckpoints`: a checkpoint whenever one is due (the
+  checkpoints a roll-back loads, and its record of closed trainers, are the
+  engine's own: :mod:`.rollback`);
+- :class:`ScheduledExports`: the tables' base and delta exports for serving.
+
+A hot standby's backup writes no checkpoint and no export (its primary does)
+until it leads: both consult one :class:`FileWrites` switch.
+"""
+from __future__ import annotations
+
+import logging
+from abc import ABC, abstractmethod
+from typing import Mapping
+
+import torch
+
+from ..checkpoint import Checkpointer
+from ..tables import SparseGrad
+from .roster import Roster
+
+log = logging.getLogger(__name__)
+
+
+class UpdateListener(ABC):
+    """Told, under the engine's lock, of each change the engine makes to its state.
+
+    The tensors are the engine's: valid during the call only (a sync engine
+    reuses its sums at the next step). A listener never calls back into the engine.
+    """
+
+    @abstractmethod
+    def on_update(self, lr_step: int, updates: int, roster: Roster, dense: Mapping[str, torch.Tensor],
+                  sparse: Mapping[str, SparseGrad]) -> None:
+        """Gradients of step ``lr_step`` were applied (``dense`` by block, ``sparse`` by table), ``updates`` now."""
+
+    def on_roster(self, updates: int, roster: Roster) -> None:
+        """The roster changed without an update: a trainer closed or came back."""
+
+    def on_reset(self, step: int) -> None:
+        """The state was loaded from the checkpoint at ``step`` (resume or roll-back): what came after is abandoned."""
+
+
+class FileWrites:
+    """Whether this process writes checkpoints and exports: a hot standby's backup leaves them to its primary."""
+
+    def __init__(self, on: bool = True):
+        self._on = on
+
+    @property
+    def on(self) -> bool:
+        return self._on
+
+    def take_over(self) -> None:
+        """This process leads its shard from now on: it writes them."""
+        self._on = True
+
+
+class Replication(UpdateListener):
+    """The engine's side of hot standby: every change, while this process leads, to its replicator.
+
+    The replicator (:class:`pserver.replication.outbox.Outbox`) encodes each
+    change at once and sends it to the backup; :meth:`lead` installs it when
+    the process starts to lead (under the engine's lock). A roll-back makes the
+    backup's copy useless: it copies the state again.
+    """
+
+    def __init__(self):
+        self._outbox = None
+
+    def lead(self, outbox) -> None:
+        """Under the engine's lock: hand every later change to ``outbox``."""
+        self._outbox = outbox
+
+    def on_update(self, lr_step, updates, roster, dense, sparse) -> None:
+        if self._outbox is not None:
+            self._outbox.record(lr_step, updates, roster.to_meta(), dense, sparse)
+
+    def on_roster(self, updates: int, roster: Roster) -> None:
+        if self._outbox is not None:
+            self._outbox.record(-1, updates, roster.to_meta(), {}, {})
+
+    def on_reset(self, step: int) -> None:
+        if self._outbox is not None:
+            self._outbox.reset()
+
+
+class ScheduledCheckpoints(UpdateListener):
+    """A checkpoint every ``checkpoint_every`` updates (see :meth:`Checkpointer.due`)."""
+
+    def __init__(self, checkpointer: Checkpointer, files: FileWrites, endpoint: str):
+        self.checkpointer = checkpointer
+        self.files = files
+        self.endpoint = endpoint
+
+    def on_update(self, lr_step, updates, roster, dense, sparse) -> None:
+        if self.files.on and self.checkpointer.due(updates):
+            try:
+                self.checkpointer.save(updates, roster.to_meta())
+            except Exception:  # a full disk must not fail the push that was just applied
+                log.exception("%s: checkpoint at step %d failed; training goes on and the previous "
+                              "checkpoint stays the latest", self.endpoint, updates)
+
+
+class ScheduledExports(UpdateListener):
+    """The table exports for serving (:class:`pserver.tables.serving.exporter.TableExporter`), when due."""
+
+    def __init__(self, exporter, files: FileWrites):
+        self.exporter = exporter
+        self.files = files
+
+    def on_update(self, lr_step, updates, roster, dense, sparse) -> None:
+        if self.files.on:
+            self.exporter.after_update(updates)
+
+    def on_reset(self, step: int) -> None:
+        self.exporter.restored()

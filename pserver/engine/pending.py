@@ -1,0 +1,98 @@
+"""PendingStep: what a sync pserver holds of the step in progress, and who joins it a step later.
+
+The sync engine (:mod:`.sync`) counts every trainer's push of step *s* here
+until the step is complete, then applies the mean. The engine's roll-backs and
+a backup's state copy (:mod:`.engine`) reach it through :meth:`PendingStep.clear`
+and :meth:`PendingStep.forget_joins`: a step abandoned is never applied.
+
+Not thread-safe: the engine holds its lock around every call.
+"""
+from __future__ import annotations
+
+from typing import AbstractSet, Dict, List, Mapping, Tuple
+
+import torch
+
+from ..tables import SparseGrad, TableSet
+from .roster import Position
+
+
+class PendingStep:
+    """The pushes counted for the step in progress, their sums, and the trainers that join at a later step.
+
+    ``trainers``: those whose push of the step is counted; ``positions``: the
+    data positions pushed with it (they count once the step is applied);
+    ``joins_at``: trainers that (re)joined while a step was in progress (or
+    found another pserver a step ahead), and the later step they count from.
+    """
+
+    def __init__(self):
+        self.trainers: set = set()
+        # Per-block sums, allocated once and reused every step; `touched` holds the blocks some
+        # trainer pushed in the current step.
+        self.grad_sum: Dict[str, torch.Tensor] = {}
+        self.touched: set = set()
+        # Per table, the (ids, rows) each trainer pushed in the current step.
+        self.sparse_parts: Dict[str, List[SparseGrad]] = {}
+        self.positions: Dict[int, Position] = {}
+        self.joins_at: Dict[int, int] = {}
+
+    def add(self, trainer_id: int, grads: Mapping[str, torch.Tensor], sparse: Mapping[str, SparseGrad],
+            position: Position) -> None:
+        """Count one trainer's push: ``grads`` are added into the sums (copied), ``sparse`` kept until applied."""
+        for name, g in grads.items():
+            if name in self.touched:
+                self.grad_sum[name].add_(g)
+            else:
+                acc = self.grad_sum.get(name)
+                if acc is None:
+                    acc = self.grad_sum[name] = torch.empty_like(g)
+                acc.copy_(g)
+                self.touched.add(name)
+        for name, part in sparse.items():
+            self.sparse_parts.setdefault(name, []).append(part)
+        self.trainers.add(trainer_id)
+        self.positions[trainer_id] = position
+
+    def expected(self, live: AbstractSet[int], updates: int) -> set:
+        """The ``live`` trainers the step after ``updates`` applied waits for: all but those joining later."""
+        return {t for t in live if self.joins_at.get(t, 0) <= updates}
+
+    def complete(self, live: AbstractSet[int], updates: int) -> bool:
+        """Whether some push is counted and every expected trainer's is."""
+        return bool(self.trainers) and self.trainers >= self.expected(live, updates)
+
+    def mean(self, tables: TableSet) -> Tuple[Dict[str, torch.Tensor], Dict[str, SparseGrad]]:
+        """(dense, sparse) means over the trainers counted; the dense ones in the sums' buffers."""
+        n = len(self.trainers)
+        return ({name: self.grad_sum[name].div_(n) for name in self.touched},
+                tables.mean_of(self.sparse_parts, n))
+
+    def applied(self, updates: int) -> None:
+        """The step was applied (``updates`` now): forget its pushes and the join steps reached."""
+        self.joins_at = {t: s for t, s in self.joins_at.items() if s > updates}
+        self.clear()
+
+    def join_later(self, trainer_id: int, step: int) -> None:
+        """``trainer_id`` counts from ``step`` on (or from a later step it was told before)."""
+        self.joins_at[trainer_id] = max(self.joins_at.get(trainer_id, 0), step)
+
+    def joins_at_step(self, trainer_id: int) -> int:
+        """The step ``trainer_id`` was told it joins at, 0 if none."""
+        return self.joins_at.get(trainer_id, 0)
+
+    def clear(self) -> None:
+        """Drop the pushes counted for the step in progress (the sums' buffers are kept for reuse)."""
+        self.trainers = set()
+        self.touched = set()
+        self.sparse_parts = {}
+        self.positions = {}
+
+    def forget_joins(self) -> bool:
+        """Every trainer redoes the step the pserver stands at (a roll-back); whether one was told it joins later.
+
+        Kept, the push of a trainer that had joined a step later (pservers
+        apart) would be stale: the step it joined at was abandoned.
+        """
+        forgotten, self.joins_at = bool(self.joins_at), {}
+        return forgotten
