@@ -117,22 +117,26 @@ class PserverChannel:
         """Carry ``session`` from now on: a node's local ranks use the one their leader's Hello opened."""
         self._session = session
 
-    def hello(self, deadline: float, join_at: int = 0) -> ps_pb2.HelloReply:
+    def hello(self, deadline: float, timeout: float, join_at: int = 0) -> ps_pb2.HelloReply:
         """Open this trainer's session at the pserver (with hot standby: its shard's primary); its answer.
 
-        Waits for the pserver until ``deadline`` (monotonic); ``join_at``: see ``Channels.hello``.
+        Waits for the pserver until ``deadline`` (monotonic), ``timeout`` s in
+        all; ``join_at``: see ``Channels.hello``.
         """
         if not self.primary.replicated:
-            return self.hello_here(deadline, join_at)
+            return self.hello_here(deadline, join_at, timeout)
         while True:  # None: another call followed the primary meanwhile; say Hello there too
             reply = self.primary.follow(self.primary.generation, deadline, join_at)
             if reply is not None:
                 return reply
 
-    def hello_here(self, deadline: float, join_at: int = 0) -> ps_pb2.HelloReply:
-        """Hello to the process calls go to now, waiting for it (and for a predecessor's session) until ``deadline``."""
+    def hello_here(self, deadline: float, join_at: int = 0, timeout: Optional[float] = None) -> ps_pb2.HelloReply:
+        """Hello to the process calls go to now, waiting for it (and for a predecessor's session) until ``deadline``.
+
+        ``timeout``: how long the caller waits in all, for the error that says so (default: until ``deadline``).
+        """
         tid = self._identity.trainer_id
-        timeout = max(0.0, deadline - time.monotonic())
+        timeout = max(0.0, deadline - time.monotonic()) if timeout is None else timeout
         request = ps_pb2.HelloRequest(trainer_id=tid, layout_digest=self._identity.layout_digest,
                                       incarnation=self._identity.incarnation, join_at=join_at)
         next_log, last, id_taken_until = 0.0, "no answer", None

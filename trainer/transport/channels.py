@@ -90,7 +90,7 @@ class Channels:
         trainer starts at that step: it finishes its own without waiting for it.
         """
         deadline = time.monotonic() + timeout
-        jobs = {ep: self._pool.submit(ch.hello, deadline, join_at) for ep, ch in self._by_endpoint.items()}
+        jobs = {ep: self._pool.submit(ch.hello, deadline, timeout, join_at) for ep, ch in self._by_endpoint.items()}
         return {ep: job.result() for ep, job in jobs.items()}
 
     def close(self, timeout: float = 0.0) -> Dict[str, int]:
