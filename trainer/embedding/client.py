@@ -331,8 +331,7 @@ class TableClient:
             ids, rows = ids[order], rows[order_t]
             for k, ep in enumerate(self.pservers):
                 lo, hi = int(bounds[k]), int(bounds[k + 1])
-                by_pserver[ep] += [(spec.ids_name, torch.from_numpy(ids[lo:hi])),
-                               (spec.rows_name, rows[lo:hi])]
+                by_pserver[ep] += [(spec.ids_name, torch.from_numpy(ids[lo:hi])), (spec.rows_name, rows[lo:hi])]
         return by_pserver
 
     def clear(self) -> None:
@@ -341,4 +340,3 @@ class TableClient:
         self._cache = {}
         self._deduped = {}
         self._routes = {}
-

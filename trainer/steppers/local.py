@@ -41,15 +41,15 @@ class LocalStepper(Stepper):
         next_batch = self.tables.ask_next_batch(plan) if plan is not None else None
         next_ids = next_batch.ids if next_batch is not None else {}
         streams = self.overlap if self.overlap is not None and self.overlap.started else None
+        gradients = self.gradients(table_grads, next_ids)
         next_rows = {ep: {} for ep in self.push_endpoints}
         first = None
         if streams is not None:  # the blocks are on their way since backward: the tables join them
             for ep, (stream_asked, stream_landed) in self._stream_rows.items():
                 stream_asked.update(next_batch.rows.get(ep, {}) if next_batch is not None else {})
                 next_rows[ep] = stream_landed
-            first = functools.partial(streams.finish, {ep: table_grads.get(ep, []) + next_ids.get(ep, [])
-                                                       for ep in self.push_endpoints})
-        push = StepPush(step, position, self.gradients(table_grads, next_ids), next_batch, next_rows)
+            first = functools.partial(streams.finish, gradients.tail)
+        push = StepPush(step, position, gradients, next_batch, next_rows)
         resync = self.push(push, first)
         if next_batch is not None and resync is None:
             self.tables.take_next_batch_rows(next_rows)

@@ -35,7 +35,8 @@ class PipelinedStepper(Stepper):
         # The next forward runs before this push is answered: its rows were fetched ahead
         # while this batch trained (read_ahead), or its lookups fetch them.
         # Async only: recovery retries, never moves the trainer (see trainer.recovery.decide).
-        push = StepPush(step, position, self.gradients(table_grads, {}), blocks_into=self.blocks.stage)
+        # Gathered now, on this thread: the sender reads them while the next batch trains.
+        push = StepPush(step, position, dict(self.gradients(table_grads, {})), blocks_into=self.blocks.stage)
         self._in_flight = self._sender.submit(self.push, push)
         if plan is not None:
             self.tables.install_next_batch(plan)

@@ -34,7 +34,7 @@ from ..embedding import NextBatchPlan, RowFetch, RowsByPserver, TableClient
 from ..recovery import Decision, Recovery
 from ..transport import Channels, TensorsByPserver
 from .state import StepState
-from .transfers import StepPush, Transfers
+from .transfers import GatheredGradients, StepPush, Transfers
 
 # The plan the feed made for the batch after the current one (None: none); waits for its reader.
 TakeNextPlan = Callable[[], Optional[NextBatchPlan]]
@@ -143,9 +143,10 @@ class Stepper(ABC):
             return self.plan_next_batch(prefetch)
         return take_next_plan()
 
-    def gradients(self, tables: TensorsByPserver, next_ids: TensorsByPserver) -> TensorsByPserver:
-        """Per pserver pushed to: its blocks' gradients, then the ``tables``', then ``next_ids`` (asked ahead)."""
-        return {ep: self.blocks.grads(ep) + tables.get(ep, []) + next_ids.get(ep, []) for ep in self.push_endpoints}
+    def gradients(self, tables: TensorsByPserver, next_ids: TensorsByPserver) -> GatheredGradients:
+        """Per pserver pushed to: its blocks' gradients (read when sent), the ``tables``', then ``next_ids``."""
+        return GatheredGradients(self.blocks, self.push_endpoints,
+                                 {ep: tables.get(ep, []) + next_ids.get(ep, []) for ep in self.push_endpoints})
 
     def _discarded(self) -> bool:
         """Drop this batch's step if a lookup of it re-synced (:meth:`StepState.discard_batch`); whether it did."""

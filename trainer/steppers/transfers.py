@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass, field
-from typing import Dict, Iterable, Optional, Sequence
+from typing import Dict, Iterable, Iterator, Mapping, Optional, Sequence
 
 import torch
 
@@ -22,7 +22,7 @@ from transpiler.position import Position
 from ..blocks import LocalBlocks
 from ..embedding import RowFetch, RowsByPserver, RowShapes
 from ..errors import PserverError
-from ..transport import Channels, DecodeInto, DtypeAndShape, Named, TensorsByPserver
+from ..transport import Channels, DecodeInto, DtypeAndShape, Named, NamedTensors, TensorsByPserver
 
 
 @dataclass(frozen=True)
@@ -40,10 +40,35 @@ class StepPush:
 
     step: int
     position: Position  # the data position after this step, kept in checkpoints
-    gradients: TensorsByPserver
+    gradients: Mapping[str, NamedTensors]
     next_batch: Optional[RowFetch] = None
     next_rows: RowsByPserver = field(default_factory=dict)
     blocks_into: Optional[DecodeInto] = None
+
+
+class GatheredGradients(Mapping[str, NamedTensors]):
+    """Per pserver of ``endpoints``: its blocks' gradients, read when the push is sent, then its tensors of ``tail``.
+
+    ``tail``: the tables' gradients and the next batch's ids. Read when sent,
+    so a push whose blocks streamed during backward reads them only to send
+    them again; a push sent later (the async pipeline) gathers them at once
+    (``dict(...)``), before the next backward.
+    """
+
+    def __init__(self, blocks: LocalBlocks, endpoints: Sequence[str], tail: TensorsByPserver):
+        self._blocks, self._endpoints = blocks, list(endpoints)
+        self.tail = tail
+
+    def __getitem__(self, endpoint: str) -> NamedTensors:
+        if endpoint not in self._endpoints:
+            raise KeyError(endpoint)
+        return self._blocks.grads(endpoint) + self.tail.get(endpoint, [])
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._endpoints)
+
+    def __len__(self) -> int:
+        return len(self._endpoints)
 
 
 class BlocksAndNextRows:
