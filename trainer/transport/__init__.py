@@ -10,11 +10,10 @@
   shared-memory regions; ``status_codes.py``: the one mapping of status codes to
   :mod:`trainer.errors`' kinds.
 """
-from ..errors import PserverError
 from .channel import DecodeInto, DtypeAndShape, PserverChannel
 from .channels import Channels, results_of
 from .status_codes import kind_of
 from .wire_paths import Named, NamedTensors, TensorsByPserver
 
-__all__ = ["Channels", "PserverChannel", "PserverError", "kind_of", "results_of", "DecodeInto", "DtypeAndShape",
-           "Named", "NamedTensors", "TensorsByPserver"]
+__all__ = ["Channels", "PserverChannel", "kind_of", "results_of", "DecodeInto", "DtypeAndShape", "Named", "NamedTensors",
+           "TensorsByPserver"]
