@@ -66,11 +66,17 @@ def test_in_pserver_only_the_rpc_and_ops_layers_and_the_server_import_grpc():
     assert sorted(p for p in importers if not p.startswith(GRPC_ALLOWED)) == []
 
 
-def test_trainer_decisions_import_no_grpc_only_the_communicator_reads_status_codes():
-    """Recovery and node groups decide on trainer/errors.py's kinds; the communicator maps codes to them."""
+# In trainer only the transport speaks gRPC and reads status codes; ps-launch reads the security
+# settings (psproto.security) to hand them to the roles it starts, and makes no call.
+TRAINER_GRPC_ALLOWED = ("trainer/transport/", "trainer/launch/plan.py")
+
+
+def test_in_trainer_only_the_transport_speaks_grpc_and_reads_status_codes():
+    """Recovery, node groups and steppers decide on trainer/errors.py's kinds; the transport maps codes to them."""
     importers = grpc_importers("trainer")
-    assert "trainer/communicator/status.py" in importers  # the check sees imports at all
+    assert "trainer/transport/status_codes.py" in importers  # the check sees imports at all
     assert sorted(p for p in importers if p.startswith(("trainer/recovery/", "trainer/node/", "trainer/errors"))) == []
+    assert sorted(p for p in importers if not p.startswith(TRAINER_GRPC_ALLOWED)) == []
 
 
 def test_importing_every_transpiler_module_loads_no_grpc():

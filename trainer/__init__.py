@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 from transpiler.lazy import lazy_exports
 
 __getattr__ = lazy_exports(__name__, {  # public name: the module that defines it
-    "Trainer": ".base", "PserverTrainer": ".trainer", "CollectiveTrainer": ".collective",
+    "Trainer": ".factory", "PserverTrainer": ".pserver_trainer", "CollectiveTrainer": ".collective",
     "PserverError": ".errors", "PserverUnavailableError": ".errors", "FencedError": ".errors",
     "NodeError": ".node.group",
 })
@@ -24,9 +24,9 @@ __all__ = ["Trainer", "PserverTrainer", "CollectiveTrainer", "PserverError", "Ps
            "FencedError", "NodeError"]
 
 if TYPE_CHECKING:
-    from .base import Trainer
     from .collective import CollectiveTrainer
     from .errors import FencedError, PserverError, PserverUnavailableError
+    from .factory import Trainer
     from .node.group import NodeError
-    from .trainer import PserverTrainer
+    from .pserver_trainer import PserverTrainer
 

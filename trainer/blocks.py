@@ -45,7 +45,7 @@ class LocalBlocks:
         # CUDA parameters: pulled blocks land here, then one non-blocking copy each to the device.
         self._pinned_buffers: Dict[str, torch.Tensor] = {}
 
-    def expect(self, name: str) -> Optional[Tuple[str, List[int]]]:
+    def dtype_and_shape(self, name: str) -> Optional[Tuple[str, List[int]]]:
         """(dtype, shape) of block ``name``, None if the plan has no such block."""
         b = self.by_name.get(name)
         return None if b is None else (b.dtype, b.shape)
@@ -111,7 +111,7 @@ class LocalBlocks:
 class Landing:
     """Where one transfer's pulled blocks land: the parameters themselves, or pinned buffers first.
 
-    Called with a block name, it gives the tensor the communicator decodes
+    Called with a block name, it gives the tensor the transport decodes
     that block into: the parameter's own rows on the CPU; for a CUDA
     parameter a pinned host buffer, copied to the device by :meth:`install`
     (one non-blocking copy per block, then one synchronize, since the

@@ -9,7 +9,7 @@ single-process training on the concatenated batches of N·b examples.
 
 The public surface matches :class:`trainer.Trainer`, so one training script
 serves both modes; what needs pservers (checkpoints on pservers, distributed
-tables) raises a clear error here.
+tables) is not there: asking for it raises an AttributeError naming collective mode.
 
 Processes and devices: ``trainers`` in the plan counts trainer nodes; each
 runs ``local_world_size`` processes (``LOCAL_WORLD_SIZE``, torchrun's or
@@ -42,12 +42,20 @@ from transpiler import TrainerProgram
 from transpiler.roles.role_env import NodeEnv
 from transpiler.optim import LR_SCHEDULERS
 
-from .base import Trainer
 from .feed import Feed
 from .node.devices import backend_for, join_group, pick_device
+from .trainer_base import TrainerBase
 
 
 log = logging.getLogger(__name__)
+
+# What a PserverTrainer offers that needs pservers, and what to do instead in collective mode.
+PSERVER_ONLY = {
+    "checkpoint": "save state_dict() yourself (e.g. on rank 0)",
+    "save_tables": "use mode='pserver' for distributed tables",
+    "prefetch": "use mode='pserver' for distributed tables",
+    "pull_rows": "use mode='pserver' for distributed tables",
+}
 
 
 def _ranks(program: TrainerProgram, env: NodeEnv, environ: Mapping[str, str], local_rank: Optional[int],
@@ -94,7 +102,7 @@ def narrow_all_reduce_hook(dtype: torch.dtype, bucket):  # no annotations: DDP c
     return fut.then(widened)
 
 
-class CollectiveTrainer(Trainer):
+class CollectiveTrainer(TrainerBase):
     """One process of a collective-mode job (what ``Trainer(program)`` makes for one): DDP over all processes.
 
     Construction joins the process group of all ``trainers * local_world_size``
@@ -243,21 +251,11 @@ class CollectiveTrainer(Trainer):
             self._no_pservers("batches(prefetch=...)", "use mode='pserver' for distributed tables")
         return super().batches(loader, epochs)
 
-    def checkpoint(self):
-        """Not available: checkpoints are written by pservers, and collective mode has none."""
-        self._no_pservers("checkpoint()", "save state_dict() yourself (e.g. on rank 0)")
-
-    def save_tables(self, directory: str):
-        """Not available: collective mode has no pservers and no distributed tables."""
-        self._no_pservers("save_tables()", "use mode='pserver' for distributed tables")
-
-    def prefetch(self, ids):
-        """Not available: collective mode has no pservers and no distributed tables."""
-        self._no_pservers("prefetch()", "use mode='pserver' for distributed tables")
-
-    def pull_rows(self, table: str, ids):
-        """Not available: collective mode has no pservers and no distributed tables."""
-        self._no_pservers("pull_rows()", "use mode='pserver' for distributed tables")
+    def __getattr__(self, name: str):
+        """Only for names not found otherwise: a pserver-mode method gets an error naming collective mode."""
+        if name in PSERVER_ONLY:
+            raise AttributeError(self._needs_pservers(f"{name}()", PSERVER_ONLY[name]), name=name, obj=self)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}", name=name, obj=self)
 
     def close(self) -> None:
         """Leave the job: destroy the process group this trainer made; :attr:`model` becomes the plain module.
@@ -284,8 +282,10 @@ class CollectiveTrainer(Trainer):
         self._subgroup = None
 
     def _no_pservers(self, what: str, instead: str):
-        raise RuntimeError(f"{what} needs pservers, and collective mode (mode={self.program.config.mode!r}) "
-                           f"has none; {instead}")
+        raise RuntimeError(self._needs_pservers(what, instead))
+
+    def _needs_pservers(self, what: str, instead: str) -> str:
+        return f"{what} needs pservers, and collective mode (mode={self.program.config.mode!r}) has none; {instead}"
 
     @property
     def _name(self) -> str:

@@ -1,6 +1,6 @@
 """What went wrong with a pserver, in the trainer's words: :class:`PserverError` and its kinds.
 
-The communicator is the one place that reads the wire's status codes: it maps
+The transport (:mod:`trainer.transport`) is the one place that reads the wire's status codes: it maps
 each once to a kind below, and recovery (:mod:`trainer.recovery`) and node
 groups decide on the kind alone, knowing nothing of gRPC.
 

@@ -5,7 +5,7 @@ position the pservers hold for this trainer (a restarted trainer or a job
 resumed from a checkpoint skips what was trained), replays the batches since
 a checkpoint when the job rolls back, and pipelines: while the current batch
 trains, a background thread reads the next one from the loader and prepares
-its table ids (deduplicated and routed, see ``TableClient.plan_ahead``), so
+its table ids (deduplicated and routed, see ``TableClient.plan_next_batch``), so
 ``Trainer.step`` sends them with its push without doing that work itself.
 Preparing is a pure function of the ids, so sync training stays exact.
 """
@@ -24,22 +24,22 @@ _END = object()  # the loader has no more items this epoch
 
 
 class Feed:
-    """Which batch a trainer trains next, read ``ahead`` on a background thread when asked to.
+    """Which batch a trainer trains next, read on a background thread with ``read_ahead``.
 
-    It reads and moves the trainer's data position in ``state`` (and sets
-    ``state.batch_position`` while a batch trains; ``state.rewound`` makes it
-    start the epoch over from ``state.position``). ``pull()`` refreshes the
-    parameters at the end, and ``prepare(ids)`` turns a batch's ``{table:
-    ids}`` into what its step sends ahead (``None``: nothing).
+    It reads and moves the trainer's data position in ``state`` (a batch
+    begins, an epoch ends; ``state.rewound`` makes it start the epoch over
+    from ``state.position``). ``pull()`` refreshes the parameters at the end,
+    and ``plan_next(ids)`` turns a batch's ``{table: ids}`` into the plan its
+    step sends with the push before it (``None``: nothing).
     """
 
-    def __init__(self, state: StepState, pull: Callable[[], None], prepare: Optional[Callable[[dict], object]],
-                 ahead: bool):
+    def __init__(self, state: StepState, pull: Callable[[], None], plan_next: Optional[Callable[[dict], object]],
+                 read_ahead: bool):
         self._state = state
         self._pull = pull
-        self._prepare = prepare
-        self._reader = futures.ThreadPoolExecutor(1, thread_name_prefix="trainer-feed") if ahead else None
-        self._next: Optional[futures.Future] = None  # the next (index, item, prepared) being read
+        self._plan_next = plan_next
+        self._reader = futures.ThreadPoolExecutor(1, thread_name_prefix="trainer-feed") if read_ahead else None
+        self._next: Optional[futures.Future] = None  # the next (index, item, plan) being read
 
     def batches(self, loader: Iterable, epochs: int,
                 prefetch: Optional[Callable[[object], dict]] = None) -> Iterator:
@@ -54,10 +54,10 @@ class Feed:
                     return
         finally:
             self._drop_next()
-            self._state.batch_position = None
+            self._state.end_batches()
 
-    def take_prepared(self) -> object:
-        """What was prepared for the batch after the current one (``None``: nothing, or no next batch).
+    def take_next_plan(self) -> object:
+        """The plan made for the batch after the current one (``None``: none, or no next batch).
 
         Waits for the background read; a loader error is raised by the
         generator when it reaches that item, not here.
@@ -82,34 +82,34 @@ class Feed:
             set_epoch = getattr(getattr(loader, "sampler", None), "set_epoch", None)
             if set_epoch is not None:
                 set_epoch(epoch)
-            self._state.rewound = False
+            self._state.begin_epoch()
             items = itertools.islice(enumerate(loader), start, None)
-            self._read(items, None)  # the first item's lookups fetch for themselves: nothing to prepare
+            self._read(items, None)  # the first item's lookups fetch for themselves: nothing to plan
             current = self._take()
             while current is not _END:
                 i, item, _ = current
                 self._read(items, prefetch)  # the next one, while this one trains
-                self._state.batch_position = Position(epoch, i + 1)
+                self._state.begin_batch(Position(epoch, i + 1))
                 yield item
                 if self._state.rewound:
                     break
                 current = self._take()
             else:  # the loader ran out: the next epoch starts at its first batch
-                self._state.position = Position(epoch + 1, 0)
+                self._state.end_epoch(epoch)
             self._drop_next()
-            self._state.batch_position = None
+            self._state.end_batches()
 
     def _read(self, items: Iterator, prefetch) -> None:
-        """Start reading the next item and preparing its ``prefetch`` ids (on the reader thread when ahead)."""
+        """Start reading the next item and planning its ``prefetch`` ids (on the reader thread when reading ahead)."""
         def read():
             got = next(items, None)
             if got is None:
                 return _END
             i, item = got
-            prepared = None
-            if prefetch is not None and self._prepare is not None:
-                prepared = self._prepare(prefetch(item))
-            return i, item, prepared
+            plan = None
+            if prefetch is not None and self._plan_next is not None:
+                plan = self._plan_next(prefetch(item))
+            return i, item, plan
         if self._reader is not None:
             self._next = self._reader.submit(read)
         else:

@@ -5,8 +5,8 @@ import logging
 import threading
 from typing import Sequence
 
-from .communicator import Communicator
 from .errors import FencedError, PserverError
+from .transport import Channels
 
 log = logging.getLogger(__name__)
 
@@ -20,13 +20,13 @@ class Heartbeat:
     level only: the training calls report unreachable pservers.
     """
 
-    def __init__(self, comm: Communicator, endpoints: Sequence[str], interval: float):
-        self._comm = comm
+    def __init__(self, channels: Channels, endpoints: Sequence[str], interval: float):
+        self._channels = channels
         self._endpoints = list(endpoints)
         self._interval = interval
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True,
-                                        name=f"trainer-{comm.trainer_id}-heartbeat")
+                                        name=f"trainer-{channels.trainer_id}-heartbeat")
 
     def start(self) -> "Heartbeat":
         self._thread.start()
@@ -38,13 +38,13 @@ class Heartbeat:
                 if self._stopped.is_set():
                     return
                 try:
-                    self._comm.heartbeat(ep, timeout=self._interval)
+                    self._channels[ep].heartbeat(timeout=self._interval)
                 except FencedError as e:
                     # Another process runs as this trainer now; the next training call raises it too.
-                    log.warning("trainer %d: heartbeats stop: %s", self._comm.trainer_id, e)
+                    log.warning("trainer %d: heartbeats stop: %s", self._channels.trainer_id, e)
                     return
                 except PserverError as e:
-                    log.debug("trainer %d: heartbeat: %s", self._comm.trainer_id, e)
+                    log.debug("trainer %d: heartbeat: %s", self._channels.trainer_id, e)
                 except ValueError:  # the channel was closed under us by close()
                     return
 

@@ -113,8 +113,8 @@ def _through_pserver(tr, key: str, round_: int, op: str, arrays: Dict[str, np.nd
     tr._check_open()
 
     def ask() -> Dict[str, np.ndarray]:
-        reply = tr.comm.reduce(tr.program.pservers[0], key, round_, op,
-                               [(n, a.shape, a.ravel().tolist()) for n, a in arrays.items()])
+        values = [(n, a.shape, a.ravel().tolist()) for n, a in arrays.items()]
+        reply = tr.channels[tr.program.pservers[0]].reduce(key, round_, op, values)
         return {v.name: np.array(v.data, dtype=np.float64).reshape(tuple(v.shape)) for v in reply.values}
 
     if not isinstance(tr.stepper, NodeStepper):

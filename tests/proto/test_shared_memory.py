@@ -19,7 +19,7 @@ from psproto.codec import TensorReader, decode_chunk, encode_chunks, encode_into
 from psproto.shared_memory import NAME_PREFIX, Region, SharedMemoryError, map_region
 from tests.helpers.cluster import LocalCluster
 from tests.helpers.models import FLOAT64_EXACT, batches, odd_mlp, train_concatenated, train_distributed
-from trainer.shared_regions import RegionPool, region_size
+from trainer.transport.shared_regions import RegionPool, region_size
 from transpiler import DistributeTranspilerConfig, Program
 
 # -- regions ------------------------------------------------------------------
@@ -173,7 +173,7 @@ def test_a_pserver_that_cannot_map_the_regions_refuses_before_counting_and_the_t
         monkeypatch, caplog):
     import pserver.rpc.mapped_regions
 
-    caplog.set_level(logging.INFO, logger="trainer.communicator")
+    caplog.set_level(logging.INFO, logger="trainer.transport")
     def cannot_map(*address):
         raise SharedMemoryError("cannot open /proc/1/fd/3 (No such file or directory): a trainer on another host")
     monkeypatch.setattr(pserver.rpc.mapped_regions, "map_region", cannot_map)

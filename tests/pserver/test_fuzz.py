@@ -158,7 +158,7 @@ def make_env(cluster, channel, tmp, trainers) -> Env:
             other_blocks=sorted(other.engine.store.names()),
             tables={t.name: t.dim for t in program.tables},
             own_ids=candidates[owner == program.shard], foreign_ids=candidates[owner != program.shard],
-            sessions={t: tr.comm.sessions[cluster.endpoints[0]] for t, tr in enumerate(trainers)},
+            sessions={t: tr.channels[cluster.endpoints[0]].session for t, tr in enumerate(trainers)},
             trainers=trainers)
     assert WRONG_DIGEST != e.digest and len(e.own_ids) >= 100 and len(e.foreign_ids) >= 20
     e.grads = [(n, torch.full(shape, 0.01, dtype=DTYPES[dtype])) for n, (dtype, shape) in e.blocks.items()]
@@ -311,7 +311,7 @@ def test_after_fuzzing_the_pserver_is_unchanged_and_trains(env, caplog):
     assert reply.updates == 0 and reply.table_rows == 0, reply
     assert sorted(reply.trainers_alive) == list(range(TRAINERS)) and not reply.trainers_dropped, reply
     # The live trainer's own process says Hello again (as a re-sync does): same session, same step.
-    hello = env.trainers[0].comm.hello(CALL_TIMEOUT)[env.cluster.endpoints[0]]
+    hello = env.trainers[0].channels.hello(CALL_TIMEOUT)[env.cluster.endpoints[0]]
     assert hello.start_step == 0 and hello.sync_mode and hello.trainers == TRAINERS
     assert hello.session == env.sessions[0]
     version, blocks = pull_blocks(env)

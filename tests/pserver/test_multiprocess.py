@@ -100,7 +100,7 @@ def test_pserver_process_stops_cleanly_on_sigterm():
         t = DistributeTranspiler()
         t.transpile(0, program=odd_program(), pservers=endpoints, trainers=1)
         tr = Trainer(t.get_trainer_program())
-        tr.comm.shutdown()  # leave without closing: the pserver still expects this trainer
+        tr.channels.shutdown()  # leave without closing: the pserver still expects this trainer
         procs[0].send_signal(signal.SIGTERM)
         out, _ = procs[0].communicate(timeout=30)
         assert procs[0].returncode == 0, out

@@ -257,7 +257,7 @@ def test_pserver_exits_when_a_dead_trainer_never_rejoins():
     with LocalCluster(program, 1, 2, config=config) as c:
         dead = c.trainer(1)
         dead._heartbeat.stop()                           # the process "dies": no close, no heartbeat
-        dead.comm.shutdown()
+        dead.channels.shutdown()
         with c.trainer(0) as tr:
             x, y = batches(2, 4, 1)[0][0]
             torch.nn.functional.cross_entropy(tr.model(x), y).backward()

@@ -7,7 +7,7 @@ trainer must do next.
 import grpc
 import pytest
 
-from trainer.communicator import kind_of
+from trainer.transport import kind_of
 from trainer.errors import DOWN, FENCED, REFUSED, RESYNC, TIMEOUT
 from trainer.recovery import decide
 from trainer.recovery.decide import (FAIL, JOIN, RESTORE, RETRY, ROLLBACK, SKIP, WAIT, PserverState,
@@ -45,7 +45,7 @@ def test_which_failures_heal(kind, healable):
     (grpc.StatusCode.INTERNAL, REFUSED),
     (None, REFUSED),
 ])
-def test_the_communicator_maps_each_status_code_to_a_kind_once(code, kind):
+def test_the_transport_maps_each_status_code_to_a_kind_once(code, kind):
     """The only place a status code is read: recovery decides on the kind."""
     assert kind_of(code) == kind
 

@@ -1,9 +1,10 @@
-"""Recovery's I/O against a scripted communicator: every step of a re-sync is retried.
+"""Recovery's I/O against scripted channels: every step of a re-sync is retried.
 
 The pservers' answers and failures are played from a script, so sequences that
 real processes hit only by chance (a pserver lost during the roll-back of the
 others, a pull that fails right after a re-sync) run deterministically.
 """
+import functools
 from types import SimpleNamespace
 
 import pytest
@@ -21,7 +22,7 @@ def hello(incarnation, step, checkpoint_step=-1, position=(0, 0), counted_step=-
                            applied_step=step if applied is None else applied, others_in_step=others)
 
 
-class ScriptedComm:
+class ScriptedChannels:
     """Answers Hello from ``hellos`` in turn; a Restore to an endpoint in ``restore_fails`` fails once."""
 
     trainer_id = 0
@@ -35,6 +36,10 @@ class ScriptedComm:
     def hello(self, timeout, join_at=0):
         self.join_ats.append(join_at)
         return self.hellos.pop(0)
+
+    def __getitem__(self, ep):
+        """The channel to ``ep``: its Restore is this script's."""
+        return SimpleNamespace(restore=functools.partial(self.restore, ep))
 
     def restore(self, ep, step, token):
         if ep in self.restore_fails:
@@ -70,7 +75,7 @@ def failing_once():
 
 
 def test_pserver_lost_during_the_roll_back_of_the_others_is_waited_for_and_the_job_converges():
-    comm = ScriptedComm([
+    comm = ScriptedChannels([
         {A: hello(11, 7), B: hello(99, 4, checkpoint_step=4)},        # B restarted from step 4
         # the roll-back of A failed: A died too, and came back from the same checkpoint; B, which
         # may have gone on meanwhile, is rolled back to it for A's restart
@@ -84,7 +89,7 @@ def test_pserver_lost_during_the_roll_back_of_the_others_is_waited_for_and_the_j
 
 
 def test_roll_back_is_asked_again_after_a_second_restart():
-    comm = ScriptedComm([
+    comm = ScriptedChannels([
         {A: hello(11, 7), B: hello(99, 4, checkpoint_step=4)},
         {A: hello(11, 7), B: hello(123, 2, checkpoint_step=2)},        # B restarted again, from step 2
         {A: hello(11, 2, checkpoint_step=2, position=(0, 3)), B: hello(123, 2, checkpoint_step=2, position=(0, 3))},
@@ -97,7 +102,7 @@ def test_roll_back_is_asked_again_after_a_second_restart():
 
 
 def test_pull_that_fails_right_after_a_re_sync_is_healed_too():
-    comm = ScriptedComm([
+    comm = ScriptedChannels([
         {A: hello(11, 4, position=(1, 0)), B: hello(22, 4, position=(1, 0))},   # rolled back by another trainer
         {A: hello(11, 4, position=(1, 0)), B: hello(22, 4, position=(1, 0))},   # after the failed pull
     ])
@@ -113,7 +118,7 @@ def test_pull_that_fails_right_after_a_re_sync_is_healed_too():
 
 
 def test_a_refused_roll_back_is_not_retried():
-    comm = ScriptedComm([{A: hello(11, 7), B: hello(99, 4, checkpoint_step=4)}])
+    comm = ScriptedChannels([{A: hello(11, 7), B: hello(99, 4, checkpoint_step=4)}])
 
     def refuse(ep, step, token):
         raise PserverError(ep, "no complete checkpoint at step 4", REFUSED, "FAILED_PRECONDITION")
@@ -125,7 +130,7 @@ def test_a_refused_roll_back_is_not_retried():
 def test_a_dropped_trainer_that_finds_the_pservers_a_step_apart_tells_the_one_behind_where_it_rejoins():
     """Dropped by each pserver at a slightly different moment: A went on to step 45, B stands at 44 and
     counts this trainer in its step 44, whose push will never come (the trainer skips to 45)."""
-    comm = ScriptedComm([
+    comm = ScriptedChannels([
         {A: hello(11, 45, counted_step=40), B: hello(22, 44, counted_step=40)},
         {A: hello(11, 45, counted_step=40), B: hello(22, 45, counted_step=40)},  # B applied 44 without it
     ])
@@ -137,7 +142,7 @@ def test_a_dropped_trainer_that_finds_the_pservers_a_step_apart_tells_the_one_be
 
 def test_a_joining_trainer_that_finds_the_pservers_apart_asks_again_saying_where_it_starts():
     """A pserver a step behind must not wait for a trainer that waits for the pservers to agree."""
-    comm = ScriptedComm([
+    comm = ScriptedChannels([
         {A: hello(11, 8), B: hello(22, 7)},          # mid-step: A applied step 7, B waits for it
         {A: hello(11, 8), B: hello(22, 8)},          # B finished step 7 without this trainer
     ])
@@ -157,7 +162,7 @@ ROLL_BACK_28 = f"join@28:{A}#11@30,{B}#99@28"
 def test_a_joining_trainer_rolls_every_pserver_back_to_the_checkpoint_one_restarted_from():
     """Both trainers were down while B restarted from checkpoint 28 and A stood at 30: nobody else
     would roll A back, so the joining trainer does, then joins at 28 from the checkpoint's position."""
-    comm = ScriptedComm([
+    comm = ScriptedChannels([
         {A: hello(11, 30), B: hello(99, 28, checkpoint_step=28, position=(1, 3))},
         {A: hello(11, 28, checkpoint_step=28, position=(1, 3)), B: hello(99, 28, checkpoint_step=28,
                                                                           position=(1, 3))},
@@ -171,7 +176,7 @@ def test_a_joining_trainer_rolls_every_pserver_back_to_the_checkpoint_one_restar
 
 def test_a_joining_trainer_whose_pservers_a_step_apart_stall_rolls_them_back():
     """A step apart with no trainer alive: B, told this trainer joins at 29, waits for nobody."""
-    comm = ScriptedComm([
+    comm = ScriptedChannels([
         {A: hello(11, 29), B: hello(99, 28, checkpoint_step=28, others=1)},     # B still counts trainer 1
         {A: hello(11, 29), B: hello(99, 29, checkpoint_step=28, applied=28)},   # trainer 1 joins later too
         {A: hello(11, 28, checkpoint_step=28), B: hello(99, 28, checkpoint_step=28)},
@@ -185,7 +190,7 @@ def test_a_joining_trainer_whose_pservers_a_step_apart_stall_rolls_them_back():
 def test_a_joining_trainer_asks_for_a_roll_back_once_then_waits_for_the_one_under_way():
     """The pservers answered the same after the roll-back this trainer asked for (another trainer's Hello
     came between): it does not ask again for the same state but asks the pservers again."""
-    comm = ScriptedComm([
+    comm = ScriptedChannels([
         {A: hello(11, 30), B: hello(99, 28, checkpoint_step=28)},
         {A: hello(11, 30), B: hello(99, 28, checkpoint_step=28)},
         {A: hello(11, 28, checkpoint_step=28), B: hello(99, 28, checkpoint_step=28)},
@@ -197,7 +202,7 @@ def test_a_joining_trainer_asks_for_a_roll_back_once_then_waits_for_the_one_unde
 
 
 def test_a_joining_trainer_whose_roll_back_is_interrupted_asks_again():
-    comm = ScriptedComm([
+    comm = ScriptedChannels([
         {A: hello(11, 30), B: hello(99, 28, checkpoint_step=28)},
         {A: hello(11, 30), B: hello(99, 28, checkpoint_step=28)},     # A was unreachable: same decision
         {A: hello(11, 28, checkpoint_step=28), B: hello(99, 28, checkpoint_step=28)},
@@ -208,7 +213,7 @@ def test_a_joining_trainer_whose_roll_back_is_interrupted_asks_again():
 
 
 def test_a_joining_trainer_with_no_checkpoint_to_roll_back_to_fails_naming_it():
-    comm = ScriptedComm([{A: hello(11, 3), B: hello(99, 0)}] * 5)
+    comm = ScriptedChannels([{A: hello(11, 3), B: hello(99, 0)}] * 5)
     with pytest.raises(PserverError, match="stand at step 0 without a checkpoint at that step"):
         Recovery(comm, sync_mode=True, push_endpoints=[A, B], connect_timeout=5, recovery_timeout=0.15).join()
     assert comm.restores == []

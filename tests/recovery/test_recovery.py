@@ -20,7 +20,8 @@ from tests.helpers import checkpoint_models as cm
 from tests.helpers.cluster import LocalCluster
 from tests.helpers.models import assert_state_close
 from tests.scripts import recovery_job
-from trainer.communicator import Communicator, PserverError
+from trainer.errors import PserverError
+from trainer.transport import Channels
 
 
 class Background:
@@ -154,17 +155,17 @@ def lose_pserver_1_during_the_next_join(cluster: LocalCluster, monkeypatch) -> l
     checkpoint) at the Hello after that, once the trainer's first pull has failed; returns the
     list of Hello timeouts, one per Hello round."""
     hellos = []
-    real_hello = Communicator.hello
+    real_hello = Channels.hello
 
-    def hello(comm, timeout, join_at=0):
+    def hello(channels, timeout, join_at=0):
         hellos.append(timeout)
         if len(hellos) == 2:
             cluster.restart_pserver(1)
-        replies = real_hello(comm, timeout, join_at)
+        replies = real_hello(channels, timeout, join_at)
         if len(hellos) == 1:
             cluster.servers[1].stop()
         return replies
-    monkeypatch.setattr(Communicator, "hello", hello)
+    monkeypatch.setattr(Channels, "hello", hello)
     return hellos
 
 
@@ -248,7 +249,7 @@ def test_async_pserver_restarted_after_a_trainer_closed_does_not_wait_for_it(tmp
 def test_close_lost_to_a_stopped_pserver_is_sent_again_to_its_restart(tmp_path, caplog, restart):
     """Trainer 1 closes while pserver 1 is down (restarted first, or while its Close waits): the Close
     reaches the restarted pserver, which would otherwise wait for trainer 1 and never finish."""
-    caplog.set_level(logging.INFO, logger="trainer.communicator")
+    caplog.set_level(logging.INFO, logger="trainer.transport")
     config = cm.config(str(tmp_path / "ckpt"), connect_timeout=30.0)
     with LocalCluster(cm.program, 2, 2, sync_mode=False, config=config) as cluster:
         with cluster.trainer(0) as tr0:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import namedtuple
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -13,7 +14,7 @@ from pserver.errors import NotPrimary
 from pserver.replication.outbox import Outbox, ReplicaUnreachable, Transport
 from pserver.replication.roles import (BACKUP, CAMPAIGN, JOIN, JOINING, PRIMARY, RECOVER, REJOIN, STAY, WAIT,
                                        next_step)
-from trainer.primaries import choose_primary
+from trainer.transport.primaries import choose_primary
 from transpiler import DistributeTranspiler, DistributeTranspilerConfig, Program
 from transpiler.roles.replicas import resolve_replicas
 
@@ -188,26 +189,38 @@ def test_primaries_follow_the_new_primary_and_resend_once_per_failover():
     (with the caller's join_at), and is sent again there; a call failing on the old generation after
     another already followed does not follow twice."""
     from trainer.errors import DOWN, PserverError
-    from trainer.primaries import Primaries
+    from trainer.transport.primaries import ShardPrimary
 
     answers = {"a": ("primary", 3), "b": ("backup", 0)}
     connected, hellos, sent = [], [], []
-    primaries = Primaries({"a": ["a", "b"], "z": ["z"]}, lambda ep, address: connected.append(address),
-                          lambda address, timeout: answers[address],
-                          lambda ep, deadline, join_at: hellos.append(join_at) or answers[primaries.address[ep]][1],
-                          trainer_id=0, timeout=5.0)
-    primaries.follow("a", 0, time.monotonic() + 5, join_at=7)
-    assert (primaries.address["a"], primaries.epoch["a"], hellos, connected) == ("a", 3, [7], [])
+
+    class Channel:  # the calls a shard's primary is followed with, scripted
+        endpoint = "a"
+
+        def connect(self, address):
+            connected.append(address)
+
+        def lead(self, address, timeout):
+            return answers[address]
+
+        def hello_here(self, deadline, join_at):
+            hellos.append(join_at)
+            return SimpleNamespace(replica_epoch=answers[primary.address][1])
+
+    primary = ShardPrimary(Channel(), ["a", "b"], trainer_id=0, timeout=5.0)
+    primary.follow(0, time.monotonic() + 5, join_at=7)
+    assert (primary.address, primary.epoch, hellos, connected) == ("a", 3, [7], [])
 
     def attempt():
-        sent.append(primaries.address["a"])
-        if primaries.address["a"] == "a":
+        sent.append(primary.address)
+        if primary.address == "a":
             raise PserverError("a", "UNAVAILABLE: gone", DOWN)
         return "answered"
     answers.update(a=None, b=("primary", 9))  # a died; b leads at a later epoch
-    assert primaries.run("a", attempt) == "answered"
-    assert sent == ["a", "b"] and connected == ["b"] and primaries.epoch["a"] == 9 and primaries.failovers == 1
-    before = primaries.generation["a"]
-    primaries.follow("a", before - 1, time.monotonic() + 5)  # a stale failure: already followed
-    assert primaries.generation["a"] == before and len(hellos) == 2
-    assert primaries.run("z", lambda: "plain") == "plain" and not primaries.replicated("z")
+    assert primary.run(attempt) == "answered"
+    assert sent == ["a", "b"] and connected == ["b"] and primary.epoch == 9 and primary.failovers == 1
+    before = primary.generation
+    primary.follow(before - 1, time.monotonic() + 5)  # a stale failure: already followed
+    assert primary.generation == before and len(hellos) == 2
+    alone = ShardPrimary(Channel(), ["z"], trainer_id=0, timeout=5.0)
+    assert alone.run(lambda: "plain") == "plain" and not alone.replicated

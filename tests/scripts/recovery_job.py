@@ -119,21 +119,24 @@ def rows_on(program, endpoint: str) -> Dict[str, slice]:
 
 def hold_push(tr, step: int, pause_dir: str) -> None:
     """Hold ``tr``'s push of ``step`` to its second pserver until the first applied it and PAUSE_DIR/release exists."""
-    first, second = tr.program.pservers[:2]
+    first, second = (tr.channels[ep] for ep in tr.program.pservers[:2])
     first_done = threading.Event()
-    push_pull = tr.comm.push_pull
+    first_push, second_push = first.push_pull, second.push_pull
 
-    def held(endpoint, at, *args, **kwargs):
-        if at == step and endpoint == second and not first_done.is_set():
-            if not first_done.wait(60.0):
-                raise TimeoutError(f"the push of step {step} to {first} did not return within 60s")
-            open(os.path.join(pause_dir, "held"), "w").close()
-            wait_for(os.path.join(pause_dir, "release"), 120.0)
-        answer = push_pull(endpoint, at, *args, **kwargs)
-        if at == step and endpoint == first:
+    def noted(at, *args, **kwargs):
+        answer = first_push(at, *args, **kwargs)
+        if at == step:
             first_done.set()
         return answer
-    tr.comm.push_pull = held
+
+    def held(at, *args, **kwargs):
+        if at == step and not first_done.is_set():
+            if not first_done.wait(60.0):
+                raise TimeoutError(f"the push of step {step} to {first.endpoint} did not return within 60s")
+            open(os.path.join(pause_dir, "held"), "w").close()
+            wait_for(os.path.join(pause_dir, "release"), 120.0)
+        return second_push(at, *args, **kwargs)
+    first.push_pull, second.push_pull = noted, held
 
 
 def wait_for(path: str, timeout: float) -> None:

@@ -96,6 +96,15 @@ def test_async_single_trainer_matches_single_process(optimizer):
     assert_matches(results[0], single_process(build(), data))
 
 
+def count_prefetches(tr) -> list:
+    """The endpoint of every Prefetch ``tr`` sends from now on, in a list that grows as they go."""
+    calls = []
+    for ep in tr.program.pservers:
+        channel = tr.channels[ep]
+        channel.prefetch = lambda *a, ep=ep, send=channel.prefetch: calls.append(ep) or send(*a)
+    return calls
+
+
 @pytest.mark.timeout(60)
 def test_explicit_prefetch_serves_lookups_in_one_round_trip():
     """tr.prefetch() fetches every table at once; the step's lookups then ask the pservers nothing."""
@@ -103,9 +112,7 @@ def test_explicit_prefetch_serves_lookups_in_one_round_trip():
     build = lambda: table_program("sgd", lr=0.5)  # noqa: E731
     with LocalCluster(build, 2, 2) as cluster:
         def body(tr, i):
-            calls = []
-            send = tr.comm.prefetch
-            tr.comm.prefetch = lambda ep, *a: calls.append(ep) or send(ep, *a)
+            calls = count_prefetches(tr)
             for step_batches in data:
                 ids, bag, y = step_batches[i]
                 tr.prefetch({"emb": ids, "bag": bag})
@@ -134,9 +141,7 @@ def test_next_batch_ids_ride_with_the_push_and_save_every_later_lookup_round_tri
     build = lambda: table_program(optimizer, **CASES[optimizer])  # noqa: E731
     with LocalCluster(build, 2, n_trainers, sync_mode=sync_mode) as cluster:
         def body(tr, i):
-            calls = []
-            send = tr.comm.prefetch
-            tr.comm.prefetch = lambda ep, *a: calls.append(ep) or send(ep, *a)
+            calls = count_prefetches(tr)
             mine = [step_batches[i] for step_batches in data]
             for ids, bag, y in tr.batches(mine, 1, prefetch=lambda b: {"emb": b[0], "bag": b[1]}):
                 tr.prefetch({"emb": ids, "bag": bag})  # a no-op once the rows came with the last answer
@@ -163,8 +168,8 @@ def test_reading_ahead_prepares_the_next_ids_on_the_feed_thread_and_trains_exact
     with LocalCluster(build, 2, 2, config=config) as cluster:
         def body(tr, i):
             planned_on = []
-            plan = tr.tables.plan_ahead
-            tr.tables.plan_ahead = lambda *a: planned_on.append(threading.current_thread().name) or plan(*a)
+            plan = tr.tables.plan_next_batch
+            tr.tables.plan_next_batch = lambda *a: planned_on.append(threading.current_thread().name) or plan(*a)
             mine = [step_batches[i] for step_batches in data]
             for ids, bag, y in tr.batches(mine, 1, prefetch=lambda b: {"emb": b[0], "bag": b[1]}):
                 nn.functional.cross_entropy(tr.model(ids, bag), y).backward()

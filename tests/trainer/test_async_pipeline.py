@@ -108,14 +108,14 @@ def test_pipelined_lookups_use_rows_fetched_on_the_feed_thread_while_the_last_ba
     with LocalCluster(lambda: table_program("sgd", lr=0.5), 2, 1, sync_mode=False, config=PIPELINED) as cluster:
         def body(tr, _):
             fetched_by_lookups, planned = [], []
-            fetch, plan = tr.tables.fetch, tr.tables.plan_ahead
+            fetch, plan = tr.tables.fetch, tr.tables.plan_next_batch
             tr.tables.fetch = lambda wanted: fetched_by_lookups.append(sorted(wanted)) or fetch(wanted)
 
             def plan_and_note(*a):
                 made = plan(*a)
                 planned.append((threading.current_thread().name, made.rows is not None))
                 return made
-            tr.tables.plan_ahead = plan_and_note
+            tr.tables.plan_next_batch = plan_and_note
             before = tr.pull_rows("emb", torch.from_numpy(VOCAB))
             fetched_by_lookups.clear()
             for ids, bag, y in tr.batches([b[0] for b in data], 1, prefetch=lambda b: {"emb": b[0], "bag": b[1]}):

@@ -83,7 +83,7 @@ def test_reading_ahead_reads_and_prepares_the_next_item_on_the_feed_thread():
     loader = Loader([10, 11, 12])
     seen = []
     for item in job.feed.batches(loader, 1, prefetch=lambda b: {"t": b}):
-        seen.append((item, job.feed.take_prepared()))  # what this step sends ahead: the next item's ids
+        seen.append((item, job.feed.take_next_plan()))  # what this step sends ahead: the next item's ids
         job.step()
     job.feed.close()
     assert seen == [(10, ("prepared", {"t": 11})), (11, ("prepared", {"t": 12})), (12, None)]
@@ -96,7 +96,7 @@ def test_without_reading_ahead_everything_runs_on_the_callers_thread():
     loader = Loader([10, 11])
     seen = []
     for item in job.feed.batches(loader, 1, prefetch=lambda b: {"t": b}):
-        seen.append((item, job.feed.take_prepared()))
+        seen.append((item, job.feed.take_next_plan()))
         job.step()
     assert seen == [(10, ("prepared", {"t": 11})), (11, None)]
     me = threading.current_thread().name

@@ -16,7 +16,7 @@ from psproto.codec import TensorReader, WireError, decode_chunk, encode_chunks, 
 from tests.helpers.cluster import LocalCluster
 from tests.helpers.models import FLOAT64_EXACT, batches, odd_mlp, train_concatenated
 from tests.helpers.table_models import BAG_VOCAB, VOCAB, single_process, table_batches, table_program
-from trainer.narrowing import GradientNarrower
+from trainer.transport.narrowing import GradientNarrower
 from transpiler import DistributeTranspilerConfig, Program
 from transpiler.tables import initial_rows
 
@@ -155,7 +155,7 @@ def test_sync_with_a_narrow_wire_equals_single_process_with_rounded_gradients(wi
                 x, y = step_batches[i]
                 nn.functional.cross_entropy(tr.model(x), y).backward()
                 tr.step()
-            return tr.state_dict(), tr.comm.bytes_pushed
+            return tr.state_dict(), tr.channels.bytes_pushed
         results = cluster.run_trainers(body)
         received = sum(s.servicer.counters.bytes_in for s in cluster.servers)
     expected = rounded_reference(dtype, WIRE[wire], data)
@@ -197,7 +197,7 @@ def test_table_row_gradients_travel_narrow_and_train_within_its_rounding():
                 ids, bag, y = step_batches[i]
                 nn.functional.cross_entropy(tr.model(ids, bag), y).backward()
                 tr.step()
-            narrowed = {name: t.dtype for (_, name), t in tr.comm.narrower._buffers.items()}
+            narrowed = {name: t.dtype for (_, name), t in tr.channels.narrower._buffers.items()}
             rows = {"emb": tr.pull_rows("emb", torch.from_numpy(VOCAB)),
                     "bag": tr.pull_rows("bag", torch.from_numpy(BAG_VOCAB))}
             return tr.state_dict(), rows, narrowed

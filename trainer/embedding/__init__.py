@@ -14,9 +14,8 @@ of the model with a :class:`DistributedEmbedding`. A lookup
 At :meth:`TableClient.take_gradients` the leaves' gradients become, per
 pserver, the ``"<table>@ids"`` / ``"<table>@rows"`` tensors of the push.
 """
-from .client import AheadPlan, Fetch, Pieces, TableClient
-from .fetch import asked_rows, prefetch_all, zero_rows
+from .client import Fetch, NextBatchPlan, RowFetch, RowsByPserver, RowShapes, TableClient
 from .module import DistributedEmbedding, install_tables
 
-__all__ = ["TableClient", "AheadPlan", "Pieces", "Fetch", "DistributedEmbedding", "install_tables",
-           "prefetch_all", "zero_rows", "asked_rows"]
+__all__ = ["TableClient", "NextBatchPlan", "RowFetch", "RowsByPserver", "RowShapes", "Fetch", "DistributedEmbedding",
+           "install_tables"]

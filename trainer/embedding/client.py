@@ -11,21 +11,39 @@ import torch
 from transpiler.tables import SPARSE_SEPARATOR, TableSpec, as_ids, merge_duplicates, shard_of
 
 from ..errors import PserverError
+from ..transport import TensorsByPserver
 
 log = logging.getLogger(__name__)
 
 # Dedupes remembered at most (the latest ones).
 _DEDUPE_MEMO = 8
 
-# endpoint -> [(wire name, tensor)]
-Pieces = Dict[str, List[Tuple[str, torch.Tensor]]]
-# (pieces per endpoint, min_updates) -> {endpoint: {wire name: rows}}
-Fetch = Callable[[Pieces, int], Dict[str, Dict[str, torch.Tensor]]]
+# {rows wire name: (dtype, shape)}: the rows an answer brings.
+RowShapes = Dict[str, Tuple[str, List[int]]]
+# Per pserver endpoint: {rows wire name: rows}.
+RowsByPserver = Dict[str, Dict[str, torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class RowFetch:
+    """Table ids asked of each pserver, and the rows each answer brings back."""
+
+    ids: TensorsByPserver                # per pserver: [("<table>@ids" or "<table>@next", ids)]
+    rows: Dict[str, RowShapes]           # per pserver: the rows its answer holds
+
+    def zero_rows(self) -> RowsByPserver:
+        """Zero rows in the shape of the answers: what a batch whose lookup failed computes with."""
+        return {ep: {name: torch.zeros(shape, dtype=getattr(torch, dtype)) for name, (dtype, shape) in rows.items()}
+                for ep, rows in self.rows.items()}
+
+
+# (a RowFetch, min_updates) -> the rows each pserver answered
+Fetch = Callable[[RowFetch, int], RowsByPserver]
 
 
 @dataclass
-class AheadPlan:
-    """The next batch's table ids, prepared ahead: dedupes, routes, and (async) rows fetched already."""
+class NextBatchPlan:
+    """The next batch's table ids, prepared while this one trains: dedupes, routes, and (async) rows fetched already."""
 
     # (ids as given, sorted unique ids, inverse) per table fed
     deduped: List[Tuple[object, np.ndarray, np.ndarray]] = field(default_factory=list)
@@ -53,9 +71,10 @@ def _route(ids: np.ndarray, n_pservers: int) -> Tuple[np.ndarray, np.ndarray]:
 class TableClient:
     """A trainer's side of every distributed table: routing, prefetch cache, pending gradients.
 
-    ``fetch`` performs one prefetch round trip per pserver given; the
-    trainer passes its communicator's. ``min_updates`` returns the pserver
-    updates a read must wait for (sync: the current step; async: 0).
+    ``fetch`` performs one prefetch round trip per pserver of a
+    :class:`RowFetch` (the trainer's stepper, which heals a failure).
+    ``min_updates`` returns the pserver updates a read must wait for (sync:
+    the current step; async: 0).
     """
 
     def __init__(self, tables: Sequence[TableSpec], pservers: Sequence[str], fetch: Fetch,
@@ -73,8 +92,8 @@ class TableClient:
         # This step's routes by unique-ids array (kept alive with them): a prefetch,
         # several tables fed the same ids, and the step's push hash them once.
         self._routes: Dict[int, Tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
-        # The next step's ids sent with this step's push (ask_ahead), until their rows come back.
-        self._ahead: Optional[AheadPlan] = None
+        # The next batch's ids sent with this step's push (ask_next_batch), until their rows come back.
+        self._next_batch: Optional[NextBatchPlan] = None
 
     def spec(self, table: str) -> TableSpec:
         spec = self.specs.get(table)
@@ -114,21 +133,24 @@ class TableClient:
         self._routes[id(ids)] = (ids, order, bounds)
         return order, bounds
 
-    def _split(self, wanted: Mapping[str, np.ndarray], part: str) -> Tuple[Pieces, Dict[str, tuple]]:
-        """``wanted`` ({table: unique ids}) routed: ({pserver: [("<table>@<part>", ids)]}, routes by table)."""
-        routes = {table: self._route(ids) for table, ids in wanted.items() if ids.size}
-        return self._pieces(wanted, routes, part), routes
-
-    def _pieces(self, wanted: Mapping[str, np.ndarray], routes: Mapping[str, tuple], part: str) -> Pieces:
-        """``wanted`` as push tensors ``"<table>@<part>"`` per pserver, cut along ``routes``."""
-        pieces: Pieces = {}
+    def _row_fetch(self, wanted: Mapping[str, np.ndarray], routes: Mapping[str, tuple], part: str) -> RowFetch:
+        """``wanted`` ({table: unique ids}) as ``"<table>@<part>"`` tensors per pserver, cut along ``routes``."""
+        ids: TensorsByPserver = {}
         for table, (order, bounds) in routes.items():
-            ids = wanted[table]
+            table_ids = wanted[table]
             name = f"{table}{SPARSE_SEPARATOR}{part}"
             for k, ep in enumerate(self.pservers):
                 if bounds[k + 1] > bounds[k]:
-                    pieces.setdefault(ep, []).append((name, torch.from_numpy(ids[order[bounds[k]:bounds[k + 1]]])))
-        return pieces
+                    ids.setdefault(ep, []).append((name, torch.from_numpy(table_ids[order[bounds[k]:bounds[k + 1]]])))
+        return RowFetch(ids, {ep: self.row_shapes(asked) for ep, asked in ids.items()})
+
+    def row_shapes(self, asked: Sequence[Tuple[str, torch.Tensor]]) -> RowShapes:
+        """The rows an answer to ``asked`` ((``@ids``/``@next`` name, ids) pairs) brings back."""
+        shapes = {}
+        for name, ids in asked:
+            spec = self.spec(name.rpartition(SPARSE_SEPARATOR)[0])
+            shapes[spec.rows_name] = (spec.dtype, [len(ids), spec.dim])
+        return shapes
 
     def _assemble(self, wanted: Mapping[str, np.ndarray], routes: Mapping[str, tuple],
                   replies: Mapping[str, Mapping[str, torch.Tensor]]) -> Dict[str, torch.Tensor]:
@@ -150,15 +172,16 @@ class TableClient:
 
         Returns ``{table: rows}`` with rows in the order of the ids given.
         """
-        pieces, routes = self._split(wanted, "ids")
-        replies = self._fetch(pieces, self._min_updates()) if pieces else {}
+        routes = {table: self._route(ids) for table, ids in wanted.items() if ids.size}
+        request = self._row_fetch(wanted, routes, "ids")
+        replies = self._fetch(request, self._min_updates()) if request.ids else {}
         return self._assemble(wanted, routes, replies)
 
     def prefetch(self, ids: Mapping[str, object]) -> None:
         """Fetch the rows of several tables' ids at once, for this step's lookups to use.
 
         Tables whose rows for exactly these ids already came (with the last
-        step's answer, see :meth:`ask_ahead`) are not asked again.
+        step's answer, see :meth:`ask_next_batch`) are not asked again.
         """
         wanted = {}
         for table, table_ids in ids.items():
@@ -170,8 +193,8 @@ class TableClient:
         for table, rows in self.fetch(wanted).items():
             self._cache[table] = (wanted[table], rows)
 
-    def plan_ahead(self, ids: Mapping[str, object], fetched_for: Optional[Fetch] = None) -> "AheadPlan":
-        """The next batch's ids ({table: ids}) deduplicated and routed, ready for :meth:`ask_ahead`.
+    def plan_next_batch(self, ids: Mapping[str, object], fetched_for: Optional[Fetch] = None) -> NextBatchPlan:
+        """The next batch's ids ({table: ids}) deduplicated and routed, ready for :meth:`ask_next_batch`.
 
         Touches no state of this client, so the trainer's pipeline runs it on
         a background thread while the current batch trains. With
@@ -179,7 +202,7 @@ class TableClient:
         now as well, as of the pservers' latest updates; a fetch that fails
         leaves them to the lookups, which fetch (and heal) for themselves.
         """
-        plan = AheadPlan()
+        plan = NextBatchPlan()
         for table, table_ids in ids.items():
             self.spec(table)
             unique, inverse = np.unique(as_ids(table_ids), return_inverse=True)
@@ -188,33 +211,31 @@ class TableClient:
             if unique.size:
                 plan.routes[table] = _route(unique, len(self.pservers))
         if fetched_for is not None:
-            pieces = self._pieces(plan.wanted, plan.routes, "ids")
+            request = self._row_fetch(plan.wanted, plan.routes, "ids")
             try:
-                replies = fetched_for(pieces, 0) if pieces else {}
+                replies = fetched_for(request, 0) if request.ids else {}
                 plan.rows = self._assemble(plan.wanted, plan.routes, replies)
             except PserverError as e:
                 log.info("rows of the next batch were not fetched ahead (%s); its lookups fetch them", e)
         return plan
 
-    def ask_ahead(self, plan: "AheadPlan") -> Tuple[Pieces, Dict[str, Dict[str, tuple]]]:
+    def ask_next_batch(self, plan: NextBatchPlan) -> RowFetch:
         """The planned ids as ``<table>@next`` push tensors per pserver, and the rows each answer holds.
 
         Call after this step's gradients were taken: the answer to the push
-        brings the rows back as of after it (:meth:`take_ahead` caches them),
-        saving the next step's Prefetch round trip. Returns (pieces, {pserver:
-        {rows wire name: (dtype, shape)}}).
+        brings the rows back as of after it (:meth:`take_next_batch_rows`
+        caches them), saving the next step's Prefetch round trip.
         """
-        pieces = self._pieces(plan.wanted, plan.routes, "next")
-        self._ahead = plan
-        return pieces, {ep: asked_rows(self, asked) for ep, asked in pieces.items()}
+        self._next_batch = plan
+        return self._row_fetch(plan.wanted, plan.routes, "next")
 
-    def take_ahead(self, replies: Mapping[str, Mapping[str, torch.Tensor]]) -> None:
-        """Cache the rows the push answers brought for :meth:`ask_ahead`'s ids, for the next step's lookups."""
-        plan, self._ahead = self._ahead, None
+    def take_next_batch_rows(self, replies: Mapping[str, Mapping[str, torch.Tensor]]) -> None:
+        """Cache the rows the push answers brought for :meth:`ask_next_batch`'s ids, for the next step's lookups."""
+        plan, self._next_batch = self._next_batch, None
         plan.rows = self._assemble(plan.wanted, plan.routes, replies)
-        self.install_ahead(plan)
+        self.install_next_batch(plan)
 
-    def install_ahead(self, plan: "AheadPlan") -> None:
+    def install_next_batch(self, plan: NextBatchPlan) -> None:
         """Make ``plan``'s work this step's: its dedupes and routes, and its rows when it holds them."""
         for ids, unique, inverse in plan.deduped:
             key = _dedupe_key(ids)
@@ -262,7 +283,7 @@ class TableClient:
         """Remember a lookup's leaf rows; their gradient is pushed at the next step."""
         self._lookups.setdefault(table, []).append((unique_ids, leaf))
 
-    def take_gradients(self) -> Pieces:
+    def take_gradients(self) -> TensorsByPserver:
         """This step's sparse gradients as push tensors per pserver; clears lookups and cache.
 
         A table whose lookups got a gradient is sent to every pserver, with no
@@ -271,9 +292,9 @@ class TableClient:
         gradient.
         """
         # Routed before the step is cleared: the lookups' routes of the same ids are reused.
-        pieces = self.route_gradients(self.take_table_gradients(clear=False))
+        grads = self.route_gradients(self.take_table_gradients(clear=False))
         self.clear()
-        return pieces
+        return grads
 
     def take_table_gradients(self, clear: bool = True) -> Dict[str, Tuple[np.ndarray, torch.Tensor]]:
         """This step's gradient of each table with one: (unique ids, rows on the CPU); clears the step.
@@ -300,9 +321,9 @@ class TableClient:
             self.clear()
         return out
 
-    def route_gradients(self, grads: Mapping[str, Tuple[np.ndarray, torch.Tensor]]) -> Pieces:
+    def route_gradients(self, grads: Mapping[str, Tuple[np.ndarray, torch.Tensor]]) -> TensorsByPserver:
         """Table gradients ({table: (unique ids, rows)}) as push tensors per pserver (every pserver)."""
-        pieces: Pieces = {ep: [] for ep in self.pservers}
+        by_pserver: TensorsByPserver = {ep: [] for ep in self.pservers}
         for table, (ids, rows) in grads.items():
             spec = self.specs[table]
             order, bounds = self._route(ids)
@@ -310,9 +331,8 @@ class TableClient:
             ids, rows = ids[order], rows[order_t]
             for k, ep in enumerate(self.pservers):
                 lo, hi = int(bounds[k]), int(bounds[k + 1])
-                pieces[ep] += [(spec.ids_name, torch.from_numpy(ids[lo:hi])),
-                               (spec.rows_name, rows[lo:hi])]
-        return pieces
+                by_pserver[ep] += [(spec.ids_name, torch.from_numpy(ids[lo:hi])), (spec.rows_name, rows[lo:hi])]
+        return by_pserver
 
     def clear(self) -> None:
         """Forget this step's lookups, prefetched rows and dedupes."""
@@ -320,12 +340,3 @@ class TableClient:
         self._cache = {}
         self._deduped = {}
         self._routes = {}
-
-
-def asked_rows(tables: TableClient, asked: Sequence[Tuple[str, torch.Tensor]]) -> Dict[str, tuple]:
-    """{rows wire name: (dtype, shape)} an answer to ``asked`` ((``@ids``/``@next`` name, ids) pairs) brings back."""
-    sent = {}
-    for name, ids in asked:
-        spec = tables.spec(name.rpartition(SPARSE_SEPARATOR)[0])
-        sent[spec.rows_name] = (spec.dtype, [len(ids), spec.dim])
-    return sent

@@ -41,6 +41,10 @@ class Role:
     restarts: int = 0                     # restarts of its unit (a trainer node restarts as a whole)
     replica: int = 0                      # hot standby: 1 for a pserver's second process
 
+    def started(self, proc: subprocess.Popen) -> None:
+        """The role runs as ``proc`` now (its first start, or a restart)."""
+        self.proc = proc
+
     @property
     def name(self) -> str:
         """``pserver.N``, ``trainer.N`` or (a node of several processes) ``trainer.N.R``."""

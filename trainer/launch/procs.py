@@ -57,8 +57,8 @@ def start_role(role: Role, note: str = "") -> None:
             out.flush()
         # Own session: a terminal Ctrl-C reaches only the launcher, which
         # forwards it once, and killpg() also reaches the role's own children.
-        role.proc = subprocess.Popen(role.command, env=child_env(role), stdin=subprocess.DEVNULL,
-                                     stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        role.started(subprocess.Popen(role.command, env=child_env(role), stdin=subprocess.DEVNULL,
+                                      stdout=out, stderr=subprocess.STDOUT, start_new_session=True))
 
 
 def start_roles(roles: List[Role], script: str, script_args: Sequence[str], log_dir: str) -> None:

@@ -9,16 +9,19 @@ and goes on where the decision says.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import time
-from typing import Callable, Dict, Mapping, Optional, Sequence, Set
+from typing import TYPE_CHECKING, Callable, Dict, Mapping, Optional, Sequence, Set
 
 from transpiler.position import Position
 
-from ..communicator import Communicator
 from ..errors import REFUSED, PserverError
 from . import decide
 from .decide import FAIL, RESTORE, RETRY, SKIP, WAIT, Decision, PserverState
+
+if TYPE_CHECKING:  # the channels are handed in; recovery decides on trainer.errors' kinds, not on the wire
+    from ..transport import Channels
 
 log = logging.getLogger(__name__)
 
@@ -43,9 +46,9 @@ class Recovery:
     calls and re-syncs on a recoverable failure.
     """
 
-    def __init__(self, comm: Communicator, sync_mode: bool, push_endpoints: Sequence[str],
+    def __init__(self, channels: "Channels", sync_mode: bool, push_endpoints: Sequence[str],
                  connect_timeout: float, recovery_timeout: float):
-        self.comm = comm
+        self.channels = channels
         self.sync_mode = sync_mode
         self.push_endpoints = list(push_endpoints)
         self.connect_timeout = connect_timeout
@@ -62,9 +65,9 @@ class Recovery:
         timeout, backoff, join_at = self.connect_timeout, 0.1, 0
         deadline = time.monotonic() + self.recovery_timeout
         restored: Set[str] = set()
-        tid = self.comm.trainer_id
+        tid = self.channels.trainer_id
         while True:
-            answers = states(self.comm.hello(timeout, join_at=join_at))
+            answers = states(self.channels.hello(timeout, join_at=join_at))
             decision = decide.on_join(self.sync_mode, answers, self.push_endpoints,
                                       deadline - time.monotonic(), restored)
             if decision.action == FAIL:
@@ -121,12 +124,12 @@ class Recovery:
         Raises :class:`PserverError` when a pserver stays away past the
         deadline, or restarted without a checkpoint (its parameters are lost).
         """
-        tid = self.comm.trainer_id
+        tid = self.channels.trainer_id
         log.warning("trainer %d: %s failed (%s); waiting up to %.0fs for the pservers", tid, what, failure,
                     max(0.0, deadline - time.monotonic()))
         known, join_at = self.incarnations, 0
         while True:
-            answers = states(self.comm.hello(max(0.1, deadline - time.monotonic()), join_at=join_at))
+            answers = states(self.channels.hello(max(0.1, deadline - time.monotonic()), join_at=join_at))
             decision = decide.after_failure(self.sync_mode, known, step, answers, self.push_endpoints)
             for ep in decision.restarted:
                 log.warning("trainer %d: pserver %s restarted (from the checkpoint at step %d)", tid, ep,
@@ -157,14 +160,14 @@ class Recovery:
         again, and its restart is a new decision, until ``deadline``.
         """
         try:
-            self.comm.run_parallel({ep: (lambda ep=ep: self.comm.restore(ep, decision.step, decision.token))
-                                    for ep in decision.endpoints})
+            self.channels.run_parallel({ep: functools.partial(self.channels[ep].restore, decision.step, decision.token)
+                                        for ep in decision.endpoints})
             return True
         except PserverError as e:
             if not recoverable(e) or time.monotonic() > deadline:
                 raise
             log.warning("trainer %d: roll-back to step %d interrupted (%s); asking the pservers again",
-                        self.comm.trainer_id, decision.step, e)
+                        self.channels.trainer_id, decision.step, e)
             return False
 
 

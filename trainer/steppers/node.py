@@ -15,6 +15,7 @@ batch: the node then pushes nothing and trains the batch again
 """
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
@@ -24,11 +25,13 @@ import torch
 
 from transpiler.position import Position
 
-from ..embedding import Pieces, prefetch_all, zero_rows
+from ..embedding import RowFetch, RowsByPserver
 from ..errors import DOWN, PserverError
 from ..node import FATAL, OK, RECOVERABLE, Layout, NodeError, NodeGroup, join_group, node_rendezvous
 from ..recovery import RETRY, Decision, recoverable
-from .base import Prepared, Stepper
+from ..transport import TensorsByPserver
+from .stepper import Stepper, TakeNextPlan
+from .transfers import StepPush
 
 log = logging.getLogger(__name__)
 
@@ -69,24 +72,24 @@ class NodeStepper(Stepper):
         """The leader joins (Hello, first pull); every rank gets its step, data position and parameters."""
         def joined():
             super(NodeStepper, self).join()
-            return self.state.step, self.state.position, dict(self.comm.sessions)
+            return self.state.step, self.state.position, self.channels.sessions()
 
         step, position, sessions = self._from_leader("joining the pservers", joined)
-        self.comm.sessions = dict(sessions)
+        self.channels.use_sessions(sessions)
         self.state.advance(step, Position(*position))
         self.group.broadcast_params(self.blocks.view)
 
-    def fetch_rows(self, pieces: Pieces, min_updates: int) -> Dict[str, Dict[str, torch.Tensor]]:
+    def fetch_rows(self, fetch: RowFetch, min_updates: int) -> RowsByPserver:
         """A lookup of one local rank: a failure spoils the batch (zero rows), and the node heals at step()."""
         try:
-            return prefetch_all(self.comm, self.tables, pieces, min_updates)
+            return self.transfers.prefetch_all(fetch, min_updates)
         except PserverError as e:
             if not recoverable(e):
                 raise
             self._lookup_error = self._lookup_error or e
-        return zero_rows(self.tables, pieces)
+        return fetch.zero_rows()
 
-    def step(self, prefetch: Optional[Dict[str, object]], prepared: Prepared) -> None:
+    def step(self, prefetch: Optional[Dict[str, object]], take_next_plan: TakeNextPlan) -> None:
         """Reduce, push and pull this rank's share, gather the node's fresh blocks (see the module doc)."""
         step, position = self.state.step, self.state.next_position()
         lookup_error, self._lookup_error = self._lookup_error, None
@@ -98,25 +101,23 @@ class NodeStepper(Stepper):
             return
         if isinstance(outcome, Decision):
             self.resynced(outcome)
-        self.state.rewound = True  # batches() trains the batch again (moved or not)
+        self.state.rewind()  # batches() trains the batch again (moved or not)
 
     def _step(self, step: int, position: Position, lookup_error: Optional[PserverError]):
         """None when the step went through, REPLAY when the batch is trained again, or the Decision that moved."""
         share, failed = self.group.reduce_grads(self.blocks.grad_rows, lookup_error is not None)
         if failed:
             return self._replay(step, lookup_error)
-        sparse = self._table_grads()
+        table_grads = self._table_grads()
         mine = [ep for ep in self.push_endpoints if ep in self.group.endpoints]
-        grads: Dict[str, list] = {ep: [] for ep in mine}
+        grads: TensorsByPserver = {ep: [] for ep in mine}
         for name, t in share:
             grads[self.blocks.by_name[name].endpoint].append((name, t))
         for ep in mine:
-            grads[ep] += sparse.get(ep, [])
-        return self._transfer(step, f"step {step}", lambda: self.comm.run_parallel(
-            {ep: (lambda ep=ep: self.transfers.push_pull(ep, step, grads[ep], position, dest=self.group.param_dest))
-             for ep in mine}))
+            grads[ep] += table_grads.get(ep, [])
+        return self.push(StepPush(step, position, grads, blocks_into=self.group.param_dest))
 
-    def _table_grads(self) -> Pieces:
+    def _table_grads(self) -> TensorsByPserver:
         """The node's merged table gradients routed per pserver (a collective: every rank, after the dense reduce)."""
         if not self.program.tables:
             return {}
@@ -127,13 +128,12 @@ class NodeStepper(Stepper):
         """Each rank pulls its pservers' blocks; the node gathers them (healing as one)."""
         step = self.state.step
         mine = [ep for ep in self.group.endpoints if ep in self.blocks.by_endpoint]
-        min_updates = self._min_updates()
-        outcome = self._transfer(step, f"pull at step {step}", lambda: self.comm.run_parallel(
-            {ep: (lambda ep=ep: self.transfers.pull(ep, min_updates, dest=self.group.param_dest)) for ep in mine}))
+        outcome = self._heal(step, f"pull at step {step}", functools.partial(
+            self.transfers.pull_all, self._min_updates(), mine, self.group.param_dest))
         if outcome is not None:
             self.resynced(outcome)
 
-    def _transfer(self, step: int, what: str, calls: Callable[[], object]) -> Optional[Decision]:
+    def _heal(self, step: int, what: str, calls: Callable[[], object]) -> Optional[Decision]:
         """Run this rank's ``calls``, then gather; on a failure anywhere, heal as one node.
 
         Returns None when the transfers went through everywhere (the fresh
@@ -176,10 +176,10 @@ class NodeStepper(Stepper):
         def decide():
             failure = error or PserverError(f"trainer node {self.node_id}", f"{what} failed on another local "
                                             f"rank", DOWN)
-            return self.recovery.resync(failure, step, deadline, what), dict(self.comm.sessions)
+            return self.recovery.resync(failure, step, deadline, what), self.channels.sessions()
 
         decision, sessions = self._from_leader(what, decide)
-        self.comm.sessions = dict(sessions)
+        self.channels.use_sessions(sessions)
         return decision
 
     def _move(self, decision: Decision, what: str) -> Decision:
@@ -187,10 +187,10 @@ class NodeStepper(Stepper):
         def pull():
             outcome = self.recovery.heal(decision.step, what, lambda: self.transfers.pull_all(decision.step),
                                          self.transfers.pull_all)
-            return outcome or decision, dict(self.comm.sessions)
+            return outcome or decision, self.channels.sessions()
 
         final, sessions = self._from_leader(what, pull)
-        self.comm.sessions = dict(sessions)
+        self.channels.use_sessions(sessions)
         self.group.broadcast_params(self.blocks.view)
         return final
 

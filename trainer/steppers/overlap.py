@@ -26,7 +26,7 @@ from typing import Callable, Dict, Iterator, List, Optional, Tuple
 import torch
 
 from ..blocks import LocalBlocks
-from ..communicator import results_of
+from ..transport import results_of
 
 log = logging.getLogger(__name__)
 

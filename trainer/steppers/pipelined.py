@@ -12,10 +12,9 @@ from __future__ import annotations
 from concurrent import futures
 from typing import Dict, Optional
 
-from transpiler.position import Position
-
-from ..embedding import AheadPlan, Pieces, prefetch_all
-from .base import Prepared, Stepper
+from ..embedding import NextBatchPlan
+from .stepper import Stepper, TakeNextPlan
+from .transfers import StepPush
 
 
 class PipelinedStepper(Stepper):
@@ -26,35 +25,28 @@ class PipelinedStepper(Stepper):
         self._sender = futures.ThreadPoolExecutor(1, thread_name_prefix="trainer-send")
         self._in_flight: Optional[futures.Future] = None
 
-    def step(self, prefetch: Optional[Dict[str, object]], prepared: Prepared) -> None:
+    def step(self, prefetch: Optional[Dict[str, object]], take_next_plan: TakeNextPlan) -> None:
         if self._discarded():
             return
         step, position = self.state.step, self.state.next_position()
         self.flush()  # before the pinned gradient buffers (CUDA) are refilled
-        sparse = self.tables.take_gradients() if self.program.tables else {}
-        plan = self._plan(prefetch, prepared)
+        table_grads = self.tables.take_gradients() if self.program.tables else {}
+        plan = self._next_plan(prefetch, take_next_plan)
         # The next forward runs before this push is answered: its rows were fetched ahead
         # while this batch trained (read_ahead), or its lookups fetch them.
-        self._in_flight = self._sender.submit(self._send, step, self.gradients(sparse, {}), position)
+        # Async only: recovery retries, never moves the trainer (see trainer.recovery.decide).
+        # Gathered now, on this thread: the sender reads them while the next batch trains.
+        push = StepPush(step, position, dict(self.gradients(table_grads, {})), blocks_into=self.blocks.stage)
+        self._in_flight = self._sender.submit(self.push, push)
         if plan is not None:
-            self.tables.install_ahead(plan)
+            self.tables.install_next_batch(plan)
         # The pushed gradients stay referenced until sent; the next backward makes new ones.
         self.model.zero_grad(set_to_none=True)
         self.state.advance(step + 1, position)
 
-    def prepare_ahead(self, ids: Dict[str, object]) -> AheadPlan:
+    def plan_next_batch(self, ids: Dict[str, object]) -> NextBatchPlan:
         """The next batch's ids deduplicated and routed, and its rows fetched now (as of the latest updates)."""
-        return self.tables.plan_ahead(ids, self._fetch_ahead)
-
-    def _fetch_ahead(self, pieces: Pieces, min_updates: int):
-        return prefetch_all(self.comm, self.tables, pieces, min_updates)
-
-    def _send(self, step: int, grads: Pieces, position: Position) -> None:
-        """Push-pull ``step`` on every pserver; pulled blocks land in the staging buffers."""
-        # Async only: recovery retries, never moves the trainer (see trainer.recovery.decide).
-        self.recovery.heal(step, f"step {step}", lambda: self.comm.run_parallel(
-            {ep: (lambda ep=ep: self.transfers.push_pull(ep, step, grads[ep], position, dest=self.blocks.stage))
-             for ep in self.push_endpoints}), self.transfers.pull_all)
+        return self.tables.plan_next_batch(ids, self.transfers.prefetch_all)
 
     def flush(self) -> None:
         """Wait for the step sent in the background; install the parameters it pulled."""

@@ -13,11 +13,10 @@ from ..recovery import ROLLBACK, Decision
 class StepState:
     """A trainer's step, data position, and the two flags that change what its next step does.
 
-    The stepper moves ``step`` and ``position`` (a step taken, a re-sync);
-    the feed sets ``batch_position`` while a batch trains and reads
-    ``rewound``; a lookup that re-synced sets ``discard``. Every part holds
-    the same object, so none calls back into the trainer to learn or move
-    where it stands.
+    Every part holds the same object and moves it through the methods below,
+    which say what happened: the stepper's steps and re-syncs, the feed's
+    batches and epochs, a lookup that re-synced. So none calls back into the
+    trainer to learn or move where it stands.
     """
 
     step: int = 0
@@ -42,4 +41,33 @@ class StepState:
         self.step = decision.step
         if decision.action == ROLLBACK:
             self.position = decision.position
-            self.rewound = True  # batches() replays the data from the checkpoint's position
+            self.rewind()  # batches() replays the data from the checkpoint's position
+
+    def rewind(self) -> None:
+        """The batch being trained is not the next one: ``batches()`` starts over from :attr:`position`."""
+        self.rewound = True
+
+    def begin_epoch(self) -> None:
+        """``batches()`` starts a pass over the data at :attr:`position`: any rewind is done with."""
+        self.rewound = False
+
+    def end_epoch(self, epoch: int) -> None:
+        """The loader ran out in ``epoch``: the data goes on at the first batch of the next one."""
+        self.position = Position(epoch + 1, 0)
+
+    def begin_batch(self, position: Position) -> None:
+        """A batch starts training; ``position``: the data position once it is trained."""
+        self.batch_position = position
+
+    def end_batches(self) -> None:
+        """``batches()`` stopped handing out batches (the epoch ended, a rewind, or the loop was left)."""
+        self.batch_position = None
+
+    def discard_batch(self) -> None:
+        """A lookup of this batch re-synced the trainer: the batch's step pushes nothing."""
+        self.discard = True
+
+    def take_discarded(self) -> bool:
+        """Whether this batch's step was discarded (:meth:`discard_batch`); the next one is not."""
+        discarded, self.discard = self.discard, False
+        return discarded

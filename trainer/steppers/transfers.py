@@ -1,15 +1,18 @@
-"""Transfers: one pserver's pull or push-pull, landing blocks where the caller says; every stepper uses these.
+"""Transfers: a step's push to every pserver, pulls, and row fetches, in parallel over the trainer's channels.
 
-Blocks land in a destination the caller picks: the parameters
-(:meth:`LocalBlocks.landing`), the async pipeline's staging buffers
-(:meth:`LocalBlocks.stage`), or a node's flat parameter buffer
-(``NodeGroup.param_dest``). Table rows asked ahead with a push land in new
-tensors of the caller's ``rows`` dict (:class:`AskedRows`).
+A stepper describes a step's push once (:class:`StepPush`) and hands it to
+:meth:`Transfers.push_all`, through its heal (``Stepper.push``). Blocks land
+where the push says: the parameters (:meth:`LocalBlocks.landing`), the async
+pipeline's staging buffers (:meth:`LocalBlocks.stage`), or a node's flat
+parameter buffer (``NodeGroup.param_dest``). Table rows asked ahead with a
+push land in new tensors of the push's ``next_rows`` (:class:`BlocksAndNextRows`).
 """
 from __future__ import annotations
 
+import functools
 import math
-from typing import Callable, Dict, Iterable, Optional, Tuple
+from dataclasses import dataclass, field
+from typing import Dict, Iterable, Iterator, Mapping, Optional, Sequence
 
 import torch
 
@@ -17,78 +20,146 @@ from psproto.dtypes import DTYPES
 from transpiler.position import Position
 
 from ..blocks import LocalBlocks
-from ..communicator import Communicator
+from ..embedding import RowFetch, RowsByPserver, RowShapes
+from ..errors import PserverError
+from ..transport import Channels, DecodeInto, DtypeAndShape, Named, NamedTensors, TensorsByPserver
 
-Dest = Callable[[str], torch.Tensor]
 
+@dataclass(frozen=True)
+class StepPush:
+    """One step's push to every pserver it goes to, and where the answers land.
 
-class AskedRows:
-    """A push answer's destination that also takes the table rows asked ahead with the push.
-
-    ``asked`` ({rows wire name: (dtype, shape)}) may grow until the answer
-    comes (a push streamed during backward learns the next batch's ids at
-    ``step()``); each asked name lands in a new tensor stored in ``rows``,
-    every other name in ``blocks_dest``.
+    ``gradients``: per pserver pushed to, its blocks' gradients, then the
+    tables', then the next batch's ids asked ahead (``"<table>@next"``);
+    every pserver in it is pushed to, even with nothing for it, so sync
+    barriers count this trainer. ``next_batch``: what those ids ask each
+    pserver for; the rows land in ``next_rows`` (a dict per pserver that
+    gets rows, filled as the answers come). ``blocks_into``: where fresh
+    blocks land (None: the parameters).
     """
 
-    def __init__(self, blocks: LocalBlocks, blocks_dest: Dest, asked: Dict[str, tuple],
-                 rows: Dict[str, torch.Tensor]):
-        self._blocks, self._dest, self._asked, self._rows = blocks, blocks_dest, asked, rows
+    step: int
+    position: Position  # the data position after this step, kept in checkpoints
+    gradients: Mapping[str, NamedTensors]
+    next_batch: Optional[RowFetch] = None
+    next_rows: RowsByPserver = field(default_factory=dict)
+    blocks_into: Optional[DecodeInto] = None
 
-    def expect(self, name: str) -> Optional[Tuple[str, list]]:
-        """(dtype, shape) of block or asked rows ``name``; None if neither."""
-        return self._blocks.expect(name) or self._asked.get(name)
+
+class GatheredGradients(Mapping[str, NamedTensors]):
+    """Per pserver of ``endpoints``: its blocks' gradients, read when the push is sent, then its tensors of ``tail``.
+
+    ``tail``: the tables' gradients and the next batch's ids. Read when sent,
+    so a push whose blocks streamed during backward reads them only to send
+    them again; a push sent later (the async pipeline) gathers them at once
+    (``dict(...)``), before the next backward.
+    """
+
+    def __init__(self, blocks: LocalBlocks, endpoints: Sequence[str], tail: TensorsByPserver):
+        self._blocks, self._endpoints = blocks, list(endpoints)
+        self.tail = tail
+
+    def __getitem__(self, endpoint: str) -> NamedTensors:
+        if endpoint not in self._endpoints:
+            raise KeyError(endpoint)
+        return self._blocks.grads(endpoint) + self.tail.get(endpoint, [])
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._endpoints)
+
+    def __len__(self) -> int:
+        return len(self._endpoints)
+
+
+class BlocksAndNextRows:
+    """A push answer's destination: blocks where ``blocks_into`` says, and the rows asked ahead in new tensors.
+
+    ``next_rows`` ({rows wire name: (dtype, shape)}) may grow until the
+    answer comes (a push streamed during backward learns the next batch's
+    ids at ``step()``); each of those lands in a new tensor stored in
+    ``landed``, every other name in ``blocks_into``.
+    """
+
+    def __init__(self, blocks: LocalBlocks, blocks_into: DecodeInto, next_rows: RowShapes,
+                 landed: Dict[str, torch.Tensor]):
+        self._blocks, self._blocks_into, self._next_rows, self._landed = blocks, blocks_into, next_rows, landed
+
+    def dtype_and_shape(self, name: str) -> Optional[tuple]:
+        """(dtype, shape) of block or rows ``name``; None if neither."""
+        return self._blocks.dtype_and_shape(name) or self._next_rows.get(name)
 
     def __call__(self, name: str) -> torch.Tensor:
-        if name in self._asked:
-            dtype, shape = self._asked[name]
-            self._rows[name] = torch.empty(shape, dtype=getattr(torch, dtype))
-            return self._rows[name]
-        return self._dest(name)
+        if name in self._next_rows:
+            dtype, shape = self._next_rows[name]
+            self._landed[name] = torch.empty(shape, dtype=getattr(torch, dtype))
+            return self._landed[name]
+        return self._blocks_into(name)
 
 
 class Transfers:
-    """A trainer's per-pserver pulls and push-pulls of its blocks (the communicator does the wire)."""
+    """A trainer's pulls, push-pulls and row fetches over its :class:`~trainer.transport.Channels`."""
 
-    def __init__(self, comm: Communicator, blocks: LocalBlocks):
-        self.comm = comm
+    def __init__(self, channels: Channels, blocks: LocalBlocks):
+        self.channels = channels
         self.blocks = blocks
 
-    def pull(self, endpoint: str, min_updates: int, dest: Optional[Dest] = None) -> int:
-        """``endpoint``'s blocks once it applied ``min_updates``, into ``dest`` (default: the parameters).
+    def pull(self, endpoint: str, min_updates: int, blocks_into: Optional[DecodeInto] = None) -> int:
+        """``endpoint``'s blocks once it applied ``min_updates``, into ``blocks_into`` (default: the parameters).
 
         Returns the updates the pserver had applied.
         """
-        landing = self.blocks.landing() if dest is None else None
+        landing = self.blocks.landing() if blocks_into is None else None
         names = [b.name for b in self.blocks.by_endpoint[endpoint]]
-        updates = self.comm.pull(endpoint, names, min_updates, self.blocks.expect, dest or landing)
+        updates = self.channels[endpoint].pull(names, min_updates, self.blocks.dtype_and_shape, blocks_into or landing)
         if landing is not None:
             landing.install()
         return updates
 
-    def pull_all(self, min_updates: int) -> None:
-        """Every pserver's blocks into the parameters, all pservers in parallel."""
-        self.comm.run_parallel({ep: (lambda ep=ep: self.pull(ep, min_updates)) for ep in self.blocks.by_endpoint})
+    def pull_all(self, min_updates: int, endpoints: Optional[Sequence[str]] = None,
+                 blocks_into: Optional[DecodeInto] = None) -> None:
+        """The blocks of ``endpoints`` (default: every pserver's), all pservers in parallel."""
+        endpoints = self.blocks.by_endpoint if endpoints is None else endpoints
+        self.channels.run_parallel({ep: functools.partial(self.pull, ep, min_updates, blocks_into) for ep in endpoints})
 
-    def push_pull(self, endpoint: str, step: int, tensors: Iterable[Tuple[str, torch.Tensor]], position: Position,
-                  dest: Optional[Dest] = None, asked: Optional[Dict[str, tuple]] = None,
-                  rows: Optional[Dict[str, torch.Tensor]] = None, streamed: bool = False) -> int:
-        """Push ``step``'s ``tensors`` to ``endpoint``; its fresh blocks land in ``dest`` (default: the parameters).
+    def push_all(self, push: StepPush) -> None:
+        """Push ``push`` to every pserver it goes to, in parallel; each answer lands where it says."""
+        asked = push.next_batch.rows if push.next_batch is not None else {}
+        self.channels.run_parallel({ep: functools.partial(
+            self.push_pull, ep, push.step, tensors, push.position, push.blocks_into,
+            asked.get(ep, {}) if ep in push.next_rows else None, push.next_rows.get(ep))
+            for ep, tensors in push.gradients.items()})
 
-        ``asked`` / ``rows``: table rows asked ahead with the push, landing in
-        ``rows`` (see :class:`AskedRows`). ``streamed``: ``tensors`` come as
-        backward produces them. Returns the updates the pserver had applied.
+    def push_pull(self, endpoint: str, step: int, tensors: Iterable[Named], position: Position,
+                  blocks_into: Optional[DecodeInto] = None, next_rows: Optional[RowShapes] = None,
+                  landed: Optional[Dict[str, torch.Tensor]] = None, during_backward: bool = False) -> int:
+        """Push ``step``'s ``tensors`` to ``endpoint``; fresh blocks land in ``blocks_into`` (default: the parameters).
+
+        ``next_rows`` / ``landed``: table rows asked ahead with the push,
+        landing in ``landed`` (see :class:`BlocksAndNextRows`). ``during_backward``:
+        ``tensors`` come as backward produces them. Returns the updates the pserver had applied.
         """
-        landing = self.blocks.landing() if dest is None else None
-        into = dest or landing
-        expect = self.blocks.expect
+        landing = self.blocks.landing() if blocks_into is None else None
+        into = blocks_into or landing
+        dtype_and_shape: DtypeAndShape = self.blocks.dtype_and_shape
         answer_bytes = self.blocks.answer_bytes.get(endpoint, 0)
-        if asked is not None:
-            into = AskedRows(self.blocks, into, asked, rows)
-            expect = into.expect
-            answer_bytes += sum(math.prod(shape) * DTYPES[dtype].itemsize for dtype, shape in asked.values())
-        updates = self.comm.push_pull(endpoint, step, tensors, expect, into, position, streamed,
-                                      answer_bytes=None if streamed else answer_bytes)
+        if next_rows is not None:
+            into = BlocksAndNextRows(self.blocks, into, next_rows, landed)
+            dtype_and_shape = into.dtype_and_shape
+            answer_bytes += sum(math.prod(shape) * DTYPES[dtype].itemsize for dtype, shape in next_rows.values())
+        updates = self.channels[endpoint].push_pull(step, tensors, dtype_and_shape, into, position, during_backward,
+                                                    answer_bytes=None if during_backward else answer_bytes)
         if landing is not None:
             landing.install()
         return updates
+
+    def prefetch_all(self, fetch: RowFetch, min_updates: int) -> RowsByPserver:
+        """One prefetch round trip per pserver of ``fetch``, in parallel: {pserver: {rows wire name: rows}}."""
+        return self.channels.run_parallel({ep: functools.partial(self._prefetch, ep, fetch, min_updates)
+                                           for ep in fetch.ids})
+
+    def _prefetch(self, endpoint: str, fetch: RowFetch, min_updates: int) -> Dict[str, torch.Tensor]:
+        expected = fetch.rows[endpoint]
+        rows = self.channels[endpoint].prefetch(min_updates, fetch.ids[endpoint], expected.get)
+        if rows.keys() != expected.keys():
+            raise PserverError(endpoint, f"prefetch answer holds {sorted(rows)}, asked for {sorted(expected)}")
+        return rows

@@ -6,6 +6,7 @@ or without the async pipeline, on a node of several local processes) is one
 """
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Callable, Dict, Iterable, Iterator, List, Optional
 
@@ -14,23 +15,23 @@ import torch
 from transpiler import TrainerProgram
 from transpiler.roles.role_env import NodeEnv
 
-from .base import Trainer
 from .blocks import LocalBlocks
-from .communicator import Communicator
 from .embedding import install_tables
 from .feed import Feed
 from .heartbeat import Heartbeat
 from .node import pick_device
 from .recovery import Recovery
-from .steppers.base import Stepper
 from .steppers.local import LocalStepper
 from .steppers.node import NodeStepper
 from .steppers.pipelined import PipelinedStepper
+from .steppers.stepper import Stepper
+from .trainer_base import TrainerBase
+from .transport import Channels
 
 log = logging.getLogger(__name__)
 
 
-class PserverTrainer(Trainer):
+class PserverTrainer(TrainerBase):
     """One trainer of a pserver-mode program (what ``Trainer(program)`` makes for one).
 
     On construction it waits for every pserver (logging "waiting for <endpoint>"
@@ -77,19 +78,19 @@ class PserverTrainer(Trainer):
         self.model = program.model
         self.sync_mode = program.sync_mode
         self.blocks = LocalBlocks(program, self.model)
-        self.comm = Communicator(program, security)
+        self.channels = Channels(program, security)
         # Every step pushes to each pserver that owns blocks or table shards,
         # even with nothing for it, so sync barriers count this trainer.
         push_endpoints = list(program.pservers) if program.tables else list(self.blocks.by_endpoint)
-        self.recovery = Recovery(self.comm, self.sync_mode, push_endpoints, cfg.connect_timeout,
+        self.recovery = Recovery(self.channels, self.sync_mode, push_endpoints, cfg.connect_timeout,
                                  cfg.recovery_timeout)
         self.stepper: Optional[Stepper] = None
         try:
             self.stepper = self._stepper(init_method)
             self.tables = self.stepper.tables
-            # batches(): the data position, and the next batch read (and its table ids prepared) ahead.
-            prepare = self.stepper.prepare_ahead if program.tables and self.local_world_size == 1 else None
-            self.feed = Feed(self.state, self.stepper.pull, prepare, cfg.read_ahead)
+            # batches(): the data position, and the next batch read (and its table ids planned) ahead.
+            plan_next = self.stepper.plan_next_batch if program.tables and self.local_world_size == 1 else None
+            self.feed = Feed(self.state, self.stepper.pull, plan_next, cfg.read_ahead)
             self.stepper.join()
             # Last, so a Trainer that failed to connect leaves the model as it was.
             install_tables(self.model, program.tables, self.tables, self.device)
@@ -101,19 +102,19 @@ class PserverTrainer(Trainer):
             if self.stepper is not None:
                 self.stepper.close(None)
             else:
-                self.comm.shutdown()
+                self.channels.shutdown()
             raise
         self._heartbeat = None
         if self.stepper.speaks_for_trainer:  # a node's leader heartbeats for the node
-            self._heartbeat = Heartbeat(self.comm, program.pservers, cfg.heartbeat_interval).start()
+            self._heartbeat = Heartbeat(self.channels, program.pservers, cfg.heartbeat_interval).start()
         log.info("trainer %d%s: ready at step %d (data position epoch %d batch %d), %s, %d blocks on %d "
                  "pservers", self.trainer_id, self._local, self.step_count, *self.position,
                  type(self.stepper).__name__, len(self.blocks.by_name), len(self.blocks.by_endpoint))
 
     def _stepper(self, init_method: Optional[str]) -> Stepper:
-        """The stepper this trainer's plan and process ask for (see :mod:`trainer.steppers.base`)."""
+        """The stepper this trainer's plan and process ask for (see :mod:`trainer.steppers.stepper`)."""
         cfg = self.program.config
-        parts = (self.program, self.model, self.comm, self.blocks, self.recovery, self.state)
+        parts = (self.program, self.model, self.channels, self.blocks, self.recovery, self.state)
         if self.local_world_size > 1:
             return NodeStepper(*parts, local_rank=self.local_rank, local_world_size=self.local_world_size,
                                device=self.device, init_method=init_method)
@@ -144,7 +145,7 @@ class PserverTrainer(Trainer):
         no round trip of their own (sync: exactly the rows a lookup would find).
         """
         self._check_open()
-        self.stepper.step(prefetch, self.feed.take_prepared)
+        self.stepper.step(prefetch, self.feed.take_next_plan)
         return self.state.step
 
     def pull(self) -> None:
@@ -204,8 +205,8 @@ class PserverTrainer(Trainer):
         self.stepper.flush()  # the saved rows include this trainer's last step
 
         def save() -> List[str]:
-            replies = self.comm.run_parallel({ep: (lambda ep=ep: self.comm.save_tables(ep, directory))
-                                              for ep in self.program.pservers})
+            replies = self.channels.run_parallel({ep: functools.partial(self.channels[ep].save_tables, directory)
+                                                  for ep in self.program.pservers})
             return [p for reply in replies.values() for p in reply.paths]
         return self.stepper.leader_does("save_tables", save)
 
@@ -241,8 +242,7 @@ class PserverTrainer(Trainer):
         self.stepper.flush()
 
         def checkpoint() -> List[str]:
-            replies = self.comm.run_parallel({ep: (lambda ep=ep: self.comm.checkpoint(ep))
-                                              for ep in self.program.pservers})
+            replies = self.channels.run_parallel({ep: self.channels[ep].checkpoint for ep in self.program.pservers})
             return [replies[ep].path for ep in self.program.pservers]
         return self.stepper.leader_does("checkpoint", checkpoint)
 
@@ -268,5 +268,5 @@ class PserverTrainer(Trainer):
             self.feed.close()
             self.stepper.close(self.program.config.connect_timeout if patient else 0.0)
         log.info("trainer %d%s: closed after step %d (pushed %s bytes, pulled %s bytes)",
-                 self.trainer_id, self._local, self.step_count, f"{self.comm.bytes_pushed:,}",
-                 f"{self.comm.bytes_pulled:,}")
+                 self.trainer_id, self._local, self.step_count, f"{self.channels.bytes_pushed:,}",
+                 f"{self.channels.bytes_pulled:,}")

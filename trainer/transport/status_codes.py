@@ -1,6 +1,6 @@
 """The one mapping of the wire's status codes to what they mean for a trainer (trainer/errors.py).
 
-Only the communicator reads gRPC status codes; everything above it (recovery,
+Only the transport reads gRPC status codes; everything above it (recovery,
 node groups, the steppers) decides on the kinds of :mod:`trainer.errors`.
 """
 from __future__ import annotations
@@ -8,7 +8,6 @@ from __future__ import annotations
 from typing import Optional
 
 import grpc
-
 
 from ..errors import DOWN, FENCED, REFUSED, RESYNC, TIMEOUT, FencedError, PserverError
 

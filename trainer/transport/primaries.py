@@ -9,17 +9,22 @@ again. Resending is safe: a push of a (trainer, step) the new primary already
 holds is acknowledged and not applied twice, and what the old primary
 acknowledged the new one holds. Without replicas every call goes through as is.
 
-:func:`choose_primary` is the decision (pure, table-tested); :class:`Primaries`
-wraps it with the communicator's calls, which it is given.
+:func:`choose_primary` is the decision (pure, table-tested); :class:`ShardPrimary`
+wraps it with the calls of the pserver's channel, which it is given.
 """
 from __future__ import annotations
 
 import logging
 import threading
 import time
-from typing import Callable, List, Mapping, Optional, Tuple, TypeVar
+from typing import TYPE_CHECKING, Callable, Mapping, Optional, Sequence, Tuple, TypeVar
 
-from .errors import DOWN, PserverError, PserverUnavailableError
+from psproto import ps_pb2
+
+from ..errors import DOWN, PserverError, PserverUnavailableError
+
+if TYPE_CHECKING:
+    from .channel import PserverChannel
 
 log = logging.getLogger(__name__)
 
@@ -41,44 +46,42 @@ def choose_primary(answers: Mapping[str, Optional[Tuple[str, int]]], known_epoch
     return max(leading)[1] if leading else None
 
 
-class Primaries:
-    """Where each shard's primary is, and the calls that follow it when it moves.
+class ShardPrimary:
+    """Which process of one pserver's shard its calls go to, and following the primary when it moves.
 
-    ``groups``: each pserver of the plan and its processes. ``connect(pserver,
-    address)`` points the communicator's channel for ``pserver`` at
-    ``address``; ``lead(address, timeout)`` asks one process (role, epoch) or
-    None; ``hello(pserver, deadline)`` opens a session there and returns the
-    epoch it answered at.
+    ``addresses``: the shard's processes (one without hot standby). The
+    pserver's ``channel`` does the calls: ``connect(address)`` points its
+    calls at a process, ``lead(address, timeout)`` asks one process who
+    leads, ``hello_here(deadline, join_at)`` opens a session where the calls go.
     """
 
-    def __init__(self, groups: Mapping[str, List[str]], connect: Callable[[str, str], None],
-                 lead: Callable[[str, float], Optional[Tuple[str, int]]],
-                 hello: Callable[[str, float, int], int], trainer_id: int, timeout: float):
-        self.groups = {ep: list(group) for ep, group in groups.items()}
-        self.connect = connect
-        self.lead = lead
-        self.hello = hello
+    def __init__(self, channel: "PserverChannel", addresses: Sequence[str], trainer_id: int, timeout: float):
+        self._channel = channel
+        self.addresses = list(addresses)
         self.trainer_id = trainer_id
         self.timeout = timeout
-        self.address = {ep: group[0] for ep, group in self.groups.items()}
-        self.epoch = {ep: 0 for ep in self.groups}
-        self.generation = {ep: 0 for ep in self.groups}
+        self.address = self.addresses[0]
+        self.epoch = 0
+        # Moves on each follow: a call that failed before it need not follow again.
+        self.generation = 0
         self.failovers = 0
-        self._locks = {ep: threading.Lock() for ep in self.groups}
+        self._lock = threading.Lock()
 
-    def replicated(self, pserver: str) -> bool:
-        return len(self.groups.get(pserver, ())) > 1
+    @property
+    def replicated(self) -> bool:
+        """Whether the shard has a backup to follow (hot standby)."""
+        return len(self.addresses) > 1
 
-    def run(self, pserver: str, attempt: Callable[[], T]) -> T:
-        """``attempt()`` (one call to ``pserver``'s current process); on DOWN, follow the primary and call again.
+    def run(self, attempt: Callable[[], T]) -> T:
+        """``attempt()`` (one call to the current process); on DOWN, follow the primary and call again.
 
         Gives up after ``timeout`` seconds without a primary, raising the last error.
         """
-        if not self.replicated(pserver):
+        if not self.replicated:
             return attempt()
         deadline = None
         while True:
-            generation = self.generation[pserver]
+            generation = self.generation
             try:
                 return attempt()
             except PserverError as e:
@@ -89,36 +92,38 @@ class Primaries:
                     deadline = now + self.timeout
                 if now >= deadline:
                     raise
-                log.info("trainer %d: %s: %s; asking its processes who leads", self.trainer_id, pserver, e)
-                self.follow(pserver, generation, deadline)
+                log.info("trainer %d: %s: %s; asking its processes who leads", self.trainer_id,
+                         self._channel.endpoint, e)
+                self.follow(generation, deadline)
 
-    def follow(self, pserver: str, generation: int, deadline: float, join_at: int = 0) -> None:
-        """Find ``pserver``'s primary and open a session there, unless another call already did since ``generation``.
+    def follow(self, generation: int, deadline: float, join_at: int = 0) -> Optional[ps_pb2.HelloReply]:
+        """Find the primary and open a session there: its Hello answer; None if another call did since ``generation``.
 
-        ``join_at``: what a (re)joining trainer's Hello says (see Communicator.hello).
+        ``join_at``: what a (re)joining trainer's Hello says (see ``Channels.hello``).
         """
-        with self._locks[pserver]:
-            if self.generation[pserver] != generation:
-                return
+        pserver = self._channel.endpoint
+        with self._lock:
+            if self.generation != generation:
+                return None
             started = time.monotonic()
             while True:
-                answers = {address: self.lead(address, min(1.0, max(0.05, deadline - time.monotonic())))
-                           for address in self.groups[pserver]}
-                address = choose_primary(answers, self.epoch[pserver])
+                answers = {address: self._channel.lead(address, min(1.0, max(0.05, deadline - time.monotonic())))
+                           for address in self.addresses}
+                address = choose_primary(answers, self.epoch)
                 if address is not None:
                     try:
-                        if address != self.address[pserver]:
-                            self.connect(pserver, address)
-                            self.address[pserver] = address
-                        epoch = self.hello(pserver, min(deadline, time.monotonic() + 5.0), join_at)
+                        if address != self.address:
+                            self._channel.connect(address)
+                            self.address = address
+                        reply = self._channel.hello_here(min(deadline, time.monotonic() + 5.0), join_at)
                     except PserverError as e:
                         if e.kind != DOWN:
                             raise
                         log.info("trainer %d: %s at %s: %s", self.trainer_id, pserver, address, e)
                     else:
-                        before = self.epoch[pserver]
-                        self.epoch[pserver] = max(before, epoch)
-                        self.generation[pserver] += 1
+                        before, epoch = self.epoch, reply.replica_epoch
+                        self.epoch = max(before, epoch)
+                        self.generation += 1
                         if before and epoch != before:
                             self.failovers += 1
                             log.warning("trainer %d: %s is served by %s now (epoch %d), found in %.2fs",
@@ -126,8 +131,8 @@ class Primaries:
                         elif not before:
                             log.info("trainer %d: %s is served by %s (epoch %d)", self.trainer_id, pserver,
                                      address, epoch)
-                        return
+                        return reply
                 if time.monotonic() >= deadline:
-                    raise PserverUnavailableError(pserver, f"no process of {self.groups[pserver]} leads after "
+                    raise PserverUnavailableError(pserver, f"no process of {self.addresses} leads after "
                                                            f"{self.timeout:g}s (answers: {answers})")
                 time.sleep(POLL)

@@ -1,6 +1,6 @@
 """The Stepper interface: how a trainer takes a step, pulls, and fetches table rows, healing failures.
 
-A :class:`~trainer.trainer.PserverTrainer` picks one stepper at
+A :class:`~trainer.pserver_trainer.PserverTrainer` picks one stepper at
 construction and hands it every step:
 
 - :class:`~trainer.steppers.local.LocalStepper`: push-pull after backward (or
@@ -13,10 +13,15 @@ construction and hands it every step:
 Every stepper reads and moves the same :class:`StepState`, owns the
 trainer's :class:`~trainer.embedding.TableClient` (it pushes the tables'
 gradients and fetches their rows), and heals a failed call through
-:class:`~trainer.recovery.Recovery`.
+:class:`~trainer.recovery.Recovery`. A step's push is one
+:class:`~trainer.steppers.transfers.StepPush`, sent by :meth:`Stepper.push`
+to every pserver in parallel and healed; a lookup's rows come through
+:meth:`Stepper.fetch_rows`, healed the same way.
 """
 from __future__ import annotations
 
+import functools
+import itertools
 from abc import ABC, abstractmethod
 from typing import Callable, Dict, List, Optional
 
@@ -25,30 +30,30 @@ import torch
 from transpiler import TrainerProgram
 
 from ..blocks import LocalBlocks
-from ..communicator import Communicator
-from ..embedding import AheadPlan, Pieces, TableClient, prefetch_all
+from ..embedding import NextBatchPlan, RowFetch, RowsByPserver, TableClient
 from ..recovery import Decision, Recovery
+from ..transport import Channels, TensorsByPserver
 from .state import StepState
-from .transfers import Transfers
+from .transfers import GatheredGradients, StepPush, Transfers
 
-# What the feed prepared for the batch after the current one (None: nothing); waits for its reader.
-Prepared = Callable[[], Optional[AheadPlan]]
+# The plan the feed made for the batch after the current one (None: none); waits for its reader.
+TakeNextPlan = Callable[[], Optional[NextBatchPlan]]
 
 
 class Stepper(ABC):
     """How one trainer process steps, pulls and fetches rows (see the module doc)."""
 
-    def __init__(self, program: TrainerProgram, model: torch.nn.Module, comm: Communicator, blocks: LocalBlocks,
+    def __init__(self, program: TrainerProgram, model: torch.nn.Module, channels: Channels, blocks: LocalBlocks,
                  recovery: Recovery, state: StepState):
         self.program = program
         self.model = model
-        self.comm = comm
+        self.channels = channels
         self.blocks = blocks
         self.recovery = recovery
         self.state = state
         self.sync_mode = program.sync_mode
         self.push_endpoints: List[str] = recovery.push_endpoints
-        self.transfers = Transfers(comm, blocks)
+        self.transfers = Transfers(channels, blocks)
         self.tables = TableClient(program.tables, program.pservers, self.fetch_rows, self._min_updates)
 
     @property
@@ -78,59 +83,75 @@ class Stepper(ABC):
     # -- stepping -----------------------------------------------------------
 
     @abstractmethod
-    def step(self, prefetch: Optional[Dict[str, object]], prepared: Prepared) -> None:
+    def step(self, prefetch: Optional[Dict[str, object]], take_next_plan: TakeNextPlan) -> None:
         """Push this step's gradients, pull fresh parameters, zero the gradients; move :class:`StepState`.
 
-        ``prefetch`` ({table: ids} of the next batch) or else ``prepared()``
-        (the same, prepared by the feed) rides along with the push.
+        ``prefetch`` ({table: ids} of the next batch) or else ``take_next_plan()``
+        (the same, planned by the feed) rides along with the push.
         """
+
+    def push(self, push: StepPush, first: Optional[Callable[[], object]] = None) -> Optional[Decision]:
+        """Push ``push`` to every pserver it goes to, in parallel, healed: the one way a step's push goes.
+
+        A failure that can heal re-syncs and the push goes again (pushes are
+        idempotent), unless the decision moves the trainer elsewhere: then the
+        parameters of that step are pulled and the decision returned (None:
+        the push went through). ``first``: what the first attempt does instead
+        (ending the streams opened during backward, which cannot be resent).
+        """
+        attempts = itertools.chain([first] if first is not None else [],
+                                   itertools.repeat(functools.partial(self.transfers.push_all, push)))
+        return self._heal(push.step, f"step {push.step}", lambda: next(attempts)())
+
+    def _heal(self, step: int, what: str, calls: Callable[[], object]) -> Optional[Decision]:
+        """Run ``calls`` (``what``, at ``step``), healing failures: None, or the decision that moved the trainer."""
+        return self.recovery.heal(step, what, calls, self.transfers.pull_all)
 
     def pull(self) -> None:
         """Refresh the parameters (sync: as of the current step; async: latest), healing as a step does."""
         self.flush()
         step = self.state.step
-        outcome = self.recovery.heal(step, f"pull at step {step}",
-                                     lambda: self.transfers.pull_all(self._min_updates()), self.transfers.pull_all)
+        outcome = self._heal(step, f"pull at step {step}", lambda: self.transfers.pull_all(self._min_updates()))
         if outcome is not None:
             self.resynced(outcome)
 
-    def fetch_rows(self, pieces: Pieces, min_updates: int) -> Dict[str, Dict[str, torch.Tensor]]:
-        """Rows of ``pieces`` from the pservers (a lookup), healing a failure as a step does.
+    def fetch_rows(self, fetch: RowFetch, min_updates: int) -> RowsByPserver:
+        """The rows ``fetch`` asks of the pservers (a lookup), healing a failure as a step does.
 
         When healing moved this trainer to another step (sync: a roll-back, or
         the others went on), the rows come from there and the current batch's
         step is discarded: its forward began before the re-sync.
         """
-        fetched: Dict[str, Dict[str, torch.Tensor]] = {}
+        fetched: RowsByPserver = {}
         step = self.state.step
-        outcome = self.recovery.heal(step, f"lookup at step {step}",
-                                     lambda: fetched.update(prefetch_all(self.comm, self.tables, pieces, min_updates)),
-                                     self.transfers.pull_all)
+        outcome = self._heal(step, f"lookup at step {step}",
+                             lambda: fetched.update(self.transfers.prefetch_all(fetch, min_updates)))
         if outcome is None:
             return fetched
         self.resynced(outcome)
-        self.state.discard = True
-        return prefetch_all(self.comm, self.tables, pieces, self._min_updates())
+        self.state.discard_batch()
+        return self.transfers.prefetch_all(fetch, self._min_updates())
 
-    def prepare_ahead(self, ids: Dict[str, object]) -> AheadPlan:
+    def plan_next_batch(self, ids: Dict[str, object]) -> NextBatchPlan:
         """The next batch's ``{table: ids}`` made ready to send with this step's push (the feed's thread)."""
-        return self.tables.plan_ahead(ids)
+        return self.tables.plan_next_batch(ids)
 
-    def _plan(self, prefetch: Optional[Dict[str, object]], prepared: Prepared) -> Optional[AheadPlan]:
-        """The next batch's ids to send ahead: ``prefetch`` given to step(), or what the feed prepared."""
+    def _next_plan(self, prefetch: Optional[Dict[str, object]],
+                   take_next_plan: TakeNextPlan) -> Optional[NextBatchPlan]:
+        """The next batch's ids to send with this step: ``prefetch`` given to step(), or what the feed planned."""
         if prefetch and self.program.tables:
-            return self.prepare_ahead(prefetch)
-        return prepared()
+            return self.plan_next_batch(prefetch)
+        return take_next_plan()
 
-    def gradients(self, sparse: Pieces, extra: Pieces) -> Pieces:
-        """Per pserver pushed to: its blocks' gradients, then table gradients, then ``extra`` (ids asked ahead)."""
-        return {ep: self.blocks.grads(ep) + sparse.get(ep, []) + extra.get(ep, []) for ep in self.push_endpoints}
+    def gradients(self, tables: TensorsByPserver, next_ids: TensorsByPserver) -> GatheredGradients:
+        """Per pserver pushed to: its blocks' gradients (read when sent), the ``tables``', then ``next_ids``."""
+        return GatheredGradients(self.blocks, self.push_endpoints,
+                                 {ep: tables.get(ep, []) + next_ids.get(ep, []) for ep in self.push_endpoints})
 
     def _discarded(self) -> bool:
-        """Drop this batch's step if a lookup of it re-synced (:attr:`StepState.discard`); whether it did."""
-        if not self.state.discard:
+        """Drop this batch's step if a lookup of it re-synced (:meth:`StepState.discard_batch`); whether it did."""
+        if not self.state.take_discarded():
             return False
-        self.state.discard = False
         self._abandon()
         self.tables.clear()
         self.model.zero_grad(set_to_none=True)
@@ -160,6 +181,6 @@ class Stepper(ABC):
     def close(self, timeout: Optional[float]) -> None:
         """Release the connections: ``Close`` every pserver, retrying up to ``timeout`` s (None: tell none)."""
         if timeout is None:
-            self.comm.shutdown()
+            self.channels.shutdown()
         else:
-            self.comm.close(timeout)
+            self.channels.close(timeout)

@@ -1,17 +1,15 @@
-"""Trainer: what every trainer of a job is, whatever its mode; ``Trainer(program)`` makes the right kind.
+"""TrainerBase: what every kind of trainer shares, whatever its mode.
 
-A plan for pservers makes a :class:`~trainer.trainer.PserverTrainer`, a
-collective plan a :class:`~trainer.collective.CollectiveTrainer`; both are
-Trainers (``isinstance(tr, Trainer)`` holds), as ``pathlib.Path(...)`` makes
-a ``PosixPath`` or a ``WindowsPath``. One training script serves both modes.
-This base holds what they share: the step and data position
-(:class:`~trainer.steppers.state.StepState`), the batches from that position
-(:class:`~trainer.feed.Feed`), the sampler, and closing.
+:class:`~trainer.pserver_trainer.PserverTrainer` and
+:class:`~trainer.collective.CollectiveTrainer` derive from it: the step and
+data position (:class:`~trainer.steppers.state.StepState`), the batches from
+that position (:class:`~trainer.feed.Feed`), the sampler, and closing. Which
+kind a plan makes is :class:`trainer.Trainer`'s business (trainer/factory.py).
 """
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Callable, Dict, Iterable, Iterator, List, Optional
+from typing import Callable, Dict, Iterable, Iterator, Optional
 
 import torch
 from torch.utils.data import Dataset, DistributedSampler
@@ -24,27 +22,12 @@ from .memory import retain_freed_memory
 from .steppers.state import StepState
 
 
-class Trainer(ABC):
-    """One trainer process of a transpiled program: ``Trainer(program, security=None, local_rank=None,
-    local_world_size=None, init_method=None)``.
+class TrainerBase(ABC):
+    """One trainer process of a transpiled program, whatever its kind: its step, data position and batches.
 
-    Returns a :class:`~trainer.trainer.PserverTrainer` (mode ``"pserver"``:
-    gradients pushed to pservers, parameters pulled back) or a
-    :class:`~trainer.collective.CollectiveTrainer` (mode ``"collective"``:
-    DDP among the trainers); see each for what construction does. Train with
-    ``tr.model``, call :meth:`step` after each backward, and :meth:`close`
-    (or use ``with``) when done.
+    Train with ``tr.model``, call :meth:`step` after each backward, and
+    :meth:`close` (or use ``with``) when done.
     """
-
-    def __new__(cls, program=None, *args, **kwargs):
-        if cls is Trainer:  # the kind the plan asks for; Python then runs its __init__
-            if isinstance(program, TrainerProgram) and program.collective:
-                from .collective import CollectiveTrainer
-                cls = CollectiveTrainer
-            else:
-                from .trainer import PserverTrainer
-                cls = PserverTrainer
-        return super().__new__(cls)
 
     def __init__(self, program: TrainerProgram):
         if not isinstance(program, TrainerProgram):
@@ -108,24 +91,6 @@ class Trainer(ABC):
         """
         return DistributedSampler(dataset, num_replicas=self.world_size, rank=self.rank, **kwargs)
 
-    # -- what needs pservers --------------------------------------------------
-
-    @abstractmethod
-    def checkpoint(self) -> List[str]:
-        """Every pserver writes its part of a checkpoint now; returns the part directories."""
-
-    @abstractmethod
-    def save_tables(self, directory: str) -> List[str]:
-        """Every pserver writes its table shards under ``directory``; returns the shard directories."""
-
-    @abstractmethod
-    def prefetch(self, ids: Dict[str, object]) -> None:
-        """Fetch the rows of several distributed tables (``{table: ids}``) for this step's lookups."""
-
-    @abstractmethod
-    def pull_rows(self, table: str, ids) -> torch.Tensor:
-        """Current rows of distributed ``table`` for ``ids``."""
-
     # -- closing ------------------------------------------------------------
 
     def close(self) -> None:
@@ -151,7 +116,7 @@ class Trainer(ABC):
         if self._closed:
             raise RuntimeError(f"{self._name} is closed")
 
-    def __enter__(self) -> "Trainer":
+    def __enter__(self) -> "TrainerBase":
         return self
 
     def __exit__(self, exc_type, *exc) -> None:

@@ -1,0 +1,19 @@
+"""A trainer's transport: the only part of the trainer that speaks gRPC and reads status codes.
+
+- ``channels.py``: :class:`Channels`, a channel per pserver and the threads their calls run on;
+- ``channel.py``: :class:`PserverChannel`, every call to one pserver (session, unary calls, transfers);
+- ``primaries.py``: following a shard's primary under hot standby;
+- ``connection.py``: the gRPC calls over one channel to one process;
+- ``wire_paths.py``: the ways a push-pull or a prefetch goes (shared memory, one message, a
+  stream, streamed during backward) and the rule that picks one;
+- ``narrowing.py``: gradients cast to the wire dtype; ``shared_regions.py``: a trainer's
+  shared-memory regions; ``status_codes.py``: the one mapping of status codes to
+  :mod:`trainer.errors`' kinds.
+"""
+from .channel import DecodeInto, DtypeAndShape, PserverChannel
+from .channels import Channels, results_of
+from .status_codes import kind_of
+from .wire_paths import Named, NamedTensors, TensorsByPserver
+
+__all__ = ["Channels", "PserverChannel", "kind_of", "results_of", "DecodeInto", "DtypeAndShape", "Named", "NamedTensors",
+           "TensorsByPserver"]

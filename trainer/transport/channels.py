@@ -1,0 +1,122 @@
+"""Channels: a trainer's channel to every pserver, the threads their calls run on, and what goes to all at once.
+
+Transfers to different pservers run in parallel on a small thread pool (gRPC
+releases the GIL while bytes move): two calls per pserver may run at once,
+a step sent in the background (async pipeline) and the next step's prefetch.
+"""
+from __future__ import annotations
+
+import functools
+import secrets
+import time
+from concurrent import futures
+from typing import Callable, Dict, List, Optional
+
+from psproto import ps_pb2
+from psproto.options import channel_options
+from psproto.security import Security
+from transpiler import TrainerProgram
+
+from .channel import PserverChannel, TrainerIdentity
+from .narrowing import GradientNarrower
+from .shared_regions import RegionPool
+
+
+def results_of(calls: Dict[str, futures.Future]) -> Dict[str, object]:
+    """Every call's result by endpoint, once all ended; the first failure is re-raised after the last ends."""
+    results, error = {}, None
+    for ep, fut in calls.items():
+        try:
+            results[ep] = fut.result()
+        except Exception as e:  # surface after all finish, so none is left running
+            error = error or e
+    if error is not None:
+        raise error
+    return results
+
+
+class Channels:
+    """A :class:`PserverChannel` per pserver of ``program`` (``channels[endpoint]``) and the pool their calls use."""
+
+    def __init__(self, program: TrainerProgram, security: Optional[Security] = None):
+        cfg = program.config
+        self.trainer_id = program.trainer_id
+        self.endpoints: List[str] = list(program.pservers)
+        # This process's identity at Hello; each pserver answers with the session every call carries.
+        identity = TrainerIdentity(program.trainer_id, program.layout_digest, secrets.randbits(63) or 1)
+        security = security if security is not None else Security.from_env()
+        # Hot standby: a primary cut off by the network is noticed by keepalive pings, not TCP's timeout.
+        open_channel = functools.partial(security.channel,
+                                         options=channel_options(cfg.chunk_bytes, fast_keepalive=program.replicated))
+        self.narrower = GradientNarrower(cfg.grad_wire_dtype)
+        self._regions = RegionPool()
+        groups = program.replica_groups
+        self._by_endpoint = {ep: PserverChannel(ep, groups[ep], identity, cfg, open_channel, self._regions,
+                                                self.narrower) for ep in self.endpoints}
+        self._pool = futures.ThreadPoolExecutor(max_workers=2 * len(self.endpoints), thread_name_prefix="trainer-comm")
+
+    def __getitem__(self, endpoint: str) -> PserverChannel:
+        return self._by_endpoint[endpoint]
+
+    @property
+    def bytes_pushed(self) -> int:
+        """Tensor bytes of every push that went through, as sent (narrowed)."""
+        return sum(ch.bytes_pushed for ch in self._by_endpoint.values())
+
+    @property
+    def bytes_pulled(self) -> int:
+        """Tensor bytes of every answer received."""
+        return sum(ch.bytes_pulled for ch in self._by_endpoint.values())
+
+    def sessions(self) -> Dict[str, str]:
+        """The session each pserver's calls carry (what a node's leader hands its local ranks)."""
+        return {ep: ch.session for ep, ch in self._by_endpoint.items()}
+
+    def use_sessions(self, sessions: Dict[str, str]) -> None:
+        """Carry ``sessions`` ({pserver: session}) from now on: the ones a node's leader opened."""
+        for ep, session in sessions.items():
+            self._by_endpoint[ep].use_session(session)
+
+    def hello(self, timeout: float, join_at: int = 0) -> Dict[str, ps_pb2.HelloReply]:
+        """Register with every pserver, waiting up to ``timeout`` s for each to come up.
+
+        Returns each pserver's answer: its start_step (the step this trainer
+        starts at), incarnation, checkpoint, this trainer's data position and
+        session (kept by its channel; every later call carries it). Raises
+        :class:`PserverUnavailableError` naming a pserver that never answered,
+        or :class:`PserverError` if one refuses (e.g. plan mismatch, or another
+        process running as this trainer id after one alive window of retries).
+        ``join_at`` (sync, joining) tells a pserver one step behind that this
+        trainer starts at that step: it finishes its own without waiting for it.
+        """
+        deadline = time.monotonic() + timeout
+        jobs = {ep: self._pool.submit(ch.hello, deadline, timeout, join_at) for ep, ch in self._by_endpoint.items()}
+        return {ep: job.result() for ep, job in jobs.items()}
+
+    def close(self, timeout: float = 0.0) -> Dict[str, int]:
+        """Tell every pserver this trainer is done, then release everything; trainers left per pserver (-1: not told).
+
+        A pserver that does not answer is asked again for up to ``timeout`` s
+        (see :meth:`PserverChannel.close`).
+        """
+        deadline = time.monotonic() + timeout
+        try:
+            return self.run_parallel({ep: functools.partial(ch.close, deadline)
+                                      for ep, ch in self._by_endpoint.items()})
+        finally:
+            self.shutdown()
+
+    def submit(self, fn: Callable[[], object]) -> futures.Future:
+        """Run ``fn`` on one of the pserver call threads."""
+        return self._pool.submit(fn)
+
+    def run_parallel(self, jobs: Dict[str, Callable[[], object]]) -> Dict[str, object]:
+        """Run one callable per endpoint concurrently; re-raise the first failure once all ended."""
+        return results_of({ep: self._pool.submit(fn) for ep, fn in jobs.items()})
+
+    def shutdown(self) -> None:
+        """Release channels and threads (without telling the pservers)."""
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        for ch in self._by_endpoint.values():
+            ch.shutdown()
+        self._regions.close()
