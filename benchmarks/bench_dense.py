@@ -39,7 +39,7 @@ Figures per configuration (medians over runs, some with [min-max]):
   of the same mode.
 - push+pull GB/s per process: (bytes pushed + pulled during the timed steps)
   / time inside ``tr.step()``, averaged over trainer processes.
-- bytes pushed per step (``tr.comm.bytes_pushed``): per process; per node,
+- bytes pushed per step (``tr.channels.bytes_pushed``): per process; per node,
   the sum over the node's processes (a plain trainer is a node of its own,
   which is what the pservers count as a trainer); and per ``L`` processes
   (global indices ``kL .. kL+L-1``: one host of ``L`` GPUs, whether they run

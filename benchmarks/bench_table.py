@@ -134,7 +134,7 @@ def bench_table(optimizer: str, n_rows: int, batch: int, runs: int, rng) -> dict
     out = {"optimizer": optimizer, "rows": len(table), "bytes_per_row": bpr, "raw": raw,
            "fill": fill_rate, "lookup": t_lookup, "update_mixed": t_mixed,
            "update_existing": t_existing, "capacity": table.capacity,
-           "slots": table._slots.size}
+           "slots": table.memory.index_slots}
     del table
     gc.collect()
     return out
@@ -209,7 +209,7 @@ def main() -> None:
               f"({table.nbytes / len(table) / table.raw_bytes_per_row:.2f}x) | {table.raw_bytes_per_row} B | "
               f"{rate(args.batch, t_lookup)} |")
         print(f"\nprocess RSS before the table {rss0 / 2**20:.0f} MiB (interpreter, torch, numpy); "
-              f"capacity {table.capacity:,} rows, index {table._slots.size:,} slots; "
+              f"capacity {table.capacity:,} rows, index {table.memory.index_slots:,} slots; "
               f"other load during the run: {load.cores:.2f} cores")
         return
 

@@ -97,12 +97,13 @@ def main(argv=None) -> int:
         for step, a in enumerate(range(0, args.rows, args.batch)):
             ids = torch.from_numpy(ids_all[a:a + args.batch])
             g = grad[:len(ids)]
-            tr.comm.push_pull(endpoint, step, [(spec.ids_name, ids), (spec.rows_name, g)], tr.blocks.expect, None)
+            tr.channels[endpoint].push_pull(step, [(spec.ids_name, ids), (spec.rows_name, g)],
+                                            tr.blocks.dtype_and_shape, None)
             if step % 10 == 9:
                 print(f"  {a + len(ids):>12,} rows after {time.perf_counter() - start:6.1f} s; "
                       f"pserver peak RSS {rss_peak_gib(server.pid):.2f} GiB", flush=True)
         fill_s = time.perf_counter() - start
-        tr.state.step = step + 1  # the pushes above went around the stepper
+        tr.state.advance(step + 1, tr.state.position)  # the pushes above went around the stepper
 
         with grpc.insecure_channel(endpoint) as ch:
             stats = ps_pb2_grpc.ParameterServerStub(ch).Stats(ps_pb2.StatsRequest(), timeout=30)

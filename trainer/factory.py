@@ -9,9 +9,14 @@ training script serves both modes. What the kinds share is
 """
 from __future__ import annotations
 
-from abc import ABC
+from abc import ABC, abstractmethod
+from typing import Callable, Dict, Iterable, Iterator, Optional
+
+import torch
+from torch.utils.data import Dataset, DistributedSampler
 
 from transpiler import TrainerProgram
+from transpiler.position import Position
 
 from .collective import CollectiveTrainer
 from .pserver_trainer import PserverTrainer
@@ -30,10 +35,49 @@ class Trainer(ABC):
     when done.
     """
 
+    model: torch.nn.Module  # the model to train: forward and backward on it, then step()
+
     def __new__(cls, program: TrainerProgram = None, *args, **kwargs):
         kind = CollectiveTrainer if isinstance(program, TrainerProgram) and program.collective else PserverTrainer
         # Built whole here: the kinds are Trainers by registration, so Python runs no __init__ after this.
         return kind(program, *args, **kwargs)
+
+    # What every kind offers (the interface; each kind documents its own behaviour).
+
+    @abstractmethod
+    def step(self, *args, **kwargs) -> int:
+        """Apply this step's gradients everywhere and zero them; returns the number of steps taken."""
+
+    @abstractmethod
+    def pull(self) -> None:
+        """Make ``model``'s parameters the job's current ones."""
+
+    @abstractmethod
+    def state_dict(self, with_tables: bool = False) -> Dict[str, torch.Tensor]:
+        """The trained model as a plain ``state_dict``."""
+
+    @abstractmethod
+    def batches(self, loader: Iterable, epochs: int,
+                prefetch: Optional[Callable[[object], Dict[str, object]]] = None) -> Iterator:
+        """The items of ``loader`` for ``epochs`` epochs, from this trainer's data position on."""
+
+    @abstractmethod
+    def sampler(self, dataset: Dataset, **kwargs) -> DistributedSampler:
+        """This process's shard of ``dataset``: a ``DistributedSampler`` over every process of every node."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Leave the job. Idempotent; leaving a ``with`` block closes too."""
+
+    @property
+    @abstractmethod
+    def step_count(self) -> int:
+        """Steps taken so far (after a roll-back: the checkpoint's step)."""
+
+    @property
+    @abstractmethod
+    def position(self) -> Position:
+        """This trainer's data position (epoch, batches done in it) after its last step."""
 
 
 Trainer.register(PserverTrainer)

@@ -57,17 +57,7 @@ class TrainerBase(ABC):
 
     # -- training -----------------------------------------------------------
 
-    @abstractmethod
-    def step(self, *args, **kwargs) -> int:
-        """Apply this step's gradients everywhere and zero them; returns the number of steps taken."""
-
-    @abstractmethod
-    def pull(self) -> None:
-        """Make ``model``'s parameters the job's current ones."""
-
-    @abstractmethod
-    def state_dict(self, with_tables: bool = False) -> Dict[str, torch.Tensor]:
-        """The trained model as a plain ``state_dict``."""
+    # step(), pull() and state_dict() are each kind's own (the interface: trainer.Trainer).
 
     def batches(self, loader: Iterable, epochs: int,
                 prefetch: Optional[Callable[[object], Dict[str, object]]] = None) -> Iterator:

@@ -70,7 +70,7 @@ class DistributeTranspilerConfig:
       one. Must be storage every pserver sees (docs/recovery.md#checkpoints).
     - ``checkpoint_every``: a checkpoint every this many steps (sync; in async,
       updates of each pserver); 0: only on SIGTERM, when all trainers have
-      closed, and when asked (``Trainer.checkpoint()``).
+      closed, and when asked (``PserverTrainer.checkpoint()``).
     - ``checkpoint_keep``: complete checkpoints kept per pserver; older ones are
       deleted.
     - ``export_dir``: where pservers export the distributed tables for serving

@@ -220,39 +220,40 @@ def run_pserver(spec: Spec) -> dict:
 
 
 class PhaseTimer:
-    """Times the step calls a Trainer makes through its Communicator.
+    """Times the step calls a Trainer makes through its pserver channels (``tr.channels``).
 
-    Benchmark instrumentation only: it wraps ``comm.push_pull`` on the
+    Benchmark instrumentation only: it wraps ``push_pull`` on each channel
     instance (nothing in the library changes), so it follows its current
-    signature (``push_pull(endpoint, step, tensors, expect, dest)``, ``expect``
-    called once per tensor as it arrives). Times are summed over the parallel
+    signature (``push_pull(step, tensors, dtype_and_shape, decode_into, ...)``,
+    ``dtype_and_shape`` called once per tensor as it arrives). Times are summed over the parallel
     per-pserver calls: ``push_wait_s``, from the call until the first tensor
     of the answer is read (the push, and in sync mode the barrier wait for
     the other trainers, and the update); ``pull_recv_s``, the rest of the answer.
     """
 
-    def __init__(self, comm):
+    def __init__(self, channels, endpoints):
         self.totals = {"push_wait_s": 0.0, "pull_recv_s": 0.0}
         self._lock = threading.Lock()
-        push_pull = comm.push_pull
+        for ep in endpoints:
+            channels[ep].push_pull = self._timed(channels[ep].push_pull)
 
-        def timed_push_pull(endpoint, step, tensors, expect, dest, *args, **kwargs):
+    def _timed(self, push_pull):
+        def timed_push_pull(step, tensors, dtype_and_shape, decode_into, *args, **kwargs):
             t0 = time.perf_counter()
             first: List[float] = []
 
-            def expect_and_note(name):
+            def dtype_and_shape_noted(name):
                 if not first:
                     first.append(time.perf_counter())
-                return expect(name)
+                return dtype_and_shape(name)
 
             try:
-                return push_pull(endpoint, step, tensors, expect_and_note, dest, *args, **kwargs)
+                return push_pull(step, tensors, dtype_and_shape_noted, decode_into, *args, **kwargs)
             finally:
                 t2 = time.perf_counter()
                 t1 = first[0] if first else t2
                 self._add(push_wait_s=t1 - t0, pull_recv_s=t2 - t1)
-
-        comm.push_pull = timed_push_pull
+        return timed_push_pull
 
     def _add(self, **seconds: float) -> None:
         with self._lock:
@@ -303,7 +304,7 @@ def run_trainer(spec: Spec) -> dict:
     rank = env.trainer_id * local_size + local_rank
     tr = Trainer(transpile(spec, env).get_trainer_program())
     try:
-        phases = PhaseTimer(tr.comm)
+        phases = PhaseTimer(tr.channels, tr.program.pservers)
         node_times: Dict[str, float] = {}
         node = tr.stepper if isinstance(tr.stepper, NodeStepper) else None
         if node is not None:
@@ -313,7 +314,7 @@ def run_trainer(spec: Spec) -> dict:
         calls = len(node.group.endpoints) if node is not None else len(env.pservers)
 
         def counters() -> Dict[str, float]:
-            return {"bytes_pushed": tr.comm.bytes_pushed, "bytes_pulled": tr.comm.bytes_pulled,
+            return {"bytes_pushed": tr.channels.bytes_pushed, "bytes_pulled": tr.channels.bytes_pulled,
                     **phases.snapshot(), **node_times}
 
         result = timed_loop(tr.model, make_batches(spec, rank), tr.step, spec.warmup, counters)

@@ -1,6 +1,6 @@
 """Benchmark instrumentation: counters and timers wrapped around a live Trainer or pserver.
 
-Nothing in the library changes: each wraps methods on one instance (a Trainer's Communicator,
+Nothing in the library changes: each wraps methods on one instance (a Trainer's pserver channels,
 a module's forward, a ParameterServer's servicer and engine) and sums what it sees, thread-safely.
 ``job_s.py`` uses them to report calls, bytes and a step's phases on both sides.
 """
@@ -14,31 +14,33 @@ from torch import nn
 
 
 class CallCounter:
-    """Counts the calls a Trainer makes to pservers through its Communicator.
+    """Counts the calls a Trainer makes to pservers through its channels (``tr.channels``).
 
     Benchmark instrumentation only: it wraps ``push_pull``, ``pull``,
-    ``prefetch`` and ``heartbeat`` on the instance (nothing in the library
-    changes), counting calls per method and the id bytes a separate prefetch
-    sends (the Communicator's ``bytes_pushed`` counts pushes only). Thread-safe:
-    the calls to different pservers run on the Communicator's threads.
+    ``prefetch`` and ``heartbeat`` on each pserver's channel instance
+    (nothing in the library changes), counting calls per method and the id
+    bytes a separate prefetch sends (``bytes_pushed`` counts pushes only).
+    Thread-safe: the calls to different pservers run on the channels' threads.
     """
 
     METHODS = ("push_pull", "pull", "prefetch", "heartbeat")
 
-    def __init__(self, comm):
-        self.comm = comm
+    def __init__(self, channels, endpoints):
+        self.channels = channels
         self.calls = {m: 0 for m in self.METHODS}
         self.prefetch_bytes = 0
         self._lock = threading.Lock()
-        for name in self.METHODS:
-            setattr(comm, name, self._wrap(name, getattr(comm, name)))
+        for ep in endpoints:
+            channel = channels[ep]
+            for name in self.METHODS:
+                setattr(channel, name, self._wrap(name, getattr(channel, name)))
 
     def _wrap(self, name: str, call):
         def counted(*args, **kwargs):
             with self._lock:
                 self.calls[name] += 1
-                if name == "prefetch":
-                    ids = args[2] if len(args) > 2 else kwargs.get("ids", ())
+                if name == "prefetch":  # prefetch(min_updates, ids, dtype_and_shape)
+                    ids = args[1] if len(args) > 1 else kwargs.get("ids", ())
                     self.prefetch_bytes += sum(t.numel() * t.element_size() for _, t in ids)
             return call(*args, **kwargs)
         return counted
@@ -50,8 +52,8 @@ class CallCounter:
             prefetch_bytes = self.prefetch_bytes
         return {**{f"{m}_calls": n for m, n in calls.items()},
                 "calls": sum(n for m, n in calls.items() if m != "heartbeat"),
-                "bytes_pushed": self.comm.bytes_pushed + prefetch_bytes,
-                "bytes_pulled": self.comm.bytes_pulled}
+                "bytes_pushed": self.channels.bytes_pushed + prefetch_bytes,
+                "bytes_pulled": self.channels.bytes_pulled}
 
 
 class LookupTimer:
@@ -93,7 +95,7 @@ class PserverPhases:
         self._lock = threading.Lock()
         sv, engine = server.servicer, server.engine
         sv._read_stream = self._timed("decode", sv._read_stream)
-        engine.split_push = self._timed("decode", engine.split_push)
+        sv.contents.split_push = self._timed("decode", sv.contents.split_push)
         engine.push = self._timed("apply", engine.push)
         engine.tables.apply = self._timed("apply: tables", engine.tables.apply)
         engine.read = self._timed("read blocks", engine.read)

@@ -30,8 +30,8 @@ trainer trains while another still generates its data.
 Each trainer prints one line ``RESULT {json}``: ``examples`` and the wall-clock
 ``start``/``end`` (``time.time()``) of its timed steps, and per timed step:
 ``calls_per_step`` (calls this trainer made to pservers: push+pull, pull and
-prefetch, counted by wrapping its Communicator's methods in this script),
-``bytes_pushed_per_step`` / ``bytes_pulled_per_step`` (the Communicator's
+prefetch, counted by wrapping its pserver channels' methods in this script),
+``bytes_pushed_per_step`` / ``bytes_pulled_per_step`` (the channels'
 counters, plus the ids of any separate prefetch call), and the split of a step
 into forward (``forward_ms``, of which the table's lookups ``lookup_ms``),
 backward (``backward_ms``) and ``tr.step()`` (``step_ms``). Trainer 0 also evaluates the hold-out
@@ -203,7 +203,7 @@ def train(args, env, jobs, t: DistributeTranspiler) -> dict:
     before: Optional[Dict[str, int]] = None
     with Trainer(t.get_trainer_program()) as tr:
         wait_for_trainers(env.pservers, env.trainers, args.eval_wait)
-        counter = CallCounter(tr.comm)
+        counter = CallCounter(tr.channels, tr.program.pservers)
         lookup = LookupTimer(tr.model.emb)
         # The plain loop reads the batches itself: each forward's lookup fetches its rows (a round trip).
         items = batches if args.plain else tr.batches(batches, 1, prefetch=lambda b: {TABLE: b[0]})

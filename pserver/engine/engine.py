@@ -364,7 +364,7 @@ class Engine(ABC):
         for listener in self.listeners:
             listener.on_reset(self.updates)
 
-    # -- hot standby (README "Hot standby") ----------------------------------------------------
+    # -- hot standby (docs/recovery.md, "Hot standby") ----------------------------------------------------
 
     def follow_copy(self, meta: dict, checkpoint_step: int) -> int:
         """Backup: take the step and roster of the primary's state copy just loaded into the blocks and tables.

@@ -106,7 +106,7 @@ _LIFECYCLE_EVENTS = ("admitted", "refused", "evicted", "spilled", "promoted")
 
 
 def _replica_metrics(ep, replica) -> Iterator[Metric]:
-    """Hot standby: this process's role, epoch, backup and replication lag (README "Hot standby")."""
+    """Hot standby: this process's role, epoch, backup and replication lag (docs/recovery.md, "Hot standby")."""
     info = GaugeMetricFamily("ps_replica_info", "This process's place in its shard's replica set (value 1)",
                              labels=["endpoint", "role", "primary", "backup"])
     info.add_metric([*ep, replica.role, replica.primary, replica.backup], 1)
@@ -124,7 +124,7 @@ def _replica_metrics(ep, replica) -> Iterator[Metric]:
 
 
 def _table_metrics(ep, tables) -> Iterator[Metric]:
-    """Per table: rows by tier, disk bytes, and the lifecycle's counts (README "Tables that live for months")."""
+    """Per table: rows by tier, disk bytes, and the lifecycle's counts (docs/tables.md, "Table lifecycle")."""
     rows = GaugeMetricFamily("ps_table_shard_rows", "Rows of one table's shard on this pserver, by tier "
                              "(ram, disk)", labels=["endpoint", "table", "tier"])
     disk = GaugeMetricFamily("ps_table_disk_bytes", "Bytes one table's disk tier uses on this pserver",

@@ -1,4 +1,4 @@
-"""Hot-standby replicas of a pserver shard (README "Hot standby").
+"""Hot-standby replicas of a pserver shard (docs/recovery.md, "Hot standby").
 
 - :mod:`.replica`: :class:`~.replica.Replica`, this process's place in its shard's replica set
   and the thread that keeps it (lead, follow, fence), built by the server with what it needs.

@@ -10,7 +10,7 @@
   lookup computed, kept for the insert that follows.
 - :mod:`.sparse_optim`: torch-exact sparse SGD, Adagrad and Adam (SparseAdam) rules.
 - :mod:`.files`: shard files (atomic save, re-sharding load, export); :mod:`.cli` exports them.
-- :mod:`.lifecycle`: admission, eviction and their row metadata (README "Tables that live for months").
+- :mod:`.lifecycle`: admission, eviction and their row metadata (docs/tables.md, "Table lifecycle").
 - :mod:`.serving`: base + delta exports for serving, and the numpy-only reader.
 
 The names are imported on first use: a light module of the package (the

@@ -2,7 +2,7 @@
 
 Plain torch trains the model on the concatenated batches (as
 :func:`tests.helpers.table_models.single_process`), with ``nn.Embedding(sparse=True)``
-tables, and applies the rules of README "Tables that live for months" by hand,
+tables, and applies the rules of docs/tables.md, "Table lifecycle" by hand,
 with exact per-id counts instead of a sketch:
 
 - a table's step is one optimizer step; an id holding no row is pending; its

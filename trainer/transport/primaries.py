@@ -1,4 +1,4 @@
-"""Following each pserver shard's primary (hot standby, README "Hot standby").
+"""Following each pserver shard's primary (hot standby, docs/recovery.md, "Hot standby").
 
 With ``server_replicas=2`` each pserver of the plan is served by two processes;
 one leads at a time. A call that finds its shard's process gone (the kind
