@@ -9,7 +9,7 @@
   engine's lock, and its implementations: replication, scheduled checkpoints,
   scheduled exports (and :class:`FileWrites`, the switch a backup keeps off).
 - :mod:`.pending`: :class:`PendingStep`, the sync engine's step in progress.
-- :mod:`.rollback`: :class:`Recovery`, the engine's checkpoints on demand,
+- :mod:`.rollback`: :class:`RollBacks`, the engine's checkpoints on demand,
   resume and roll-backs once per token; :mod:`.waits`: its waits (deadline,
   shutdown, roll-back).
 - :mod:`.roster`: the trainers as one pserver sees them, and what a Hello learns;

@@ -30,7 +30,7 @@ from ..store import BlockStore
 from ..tables import SparseGrad, TableSet
 from .listeners import UpdateListener
 from .pending import PendingStep
-from .rollback import Recovery, RollBack
+from .rollback import RollBacks, RollBack
 from .roster import Joined, Position, Roster
 from .stats import PserverStats
 from .waits import Waits
@@ -66,8 +66,8 @@ class Engine(ABC):
         self.updates = 0
         self.roster = Roster(trainers)
         self.all_closed = threading.Event()
-        self.recovery = Recovery(checkpointer, endpoint)
-        self.waits = Waits(self.cv, endpoint, barrier_timeout, self.recovery)
+        self.rollbacks = RollBacks(checkpointer, endpoint)
+        self.waits = Waits(self.cv, endpoint, barrier_timeout, self.rollbacks)
         self.listeners = tuple(listeners)
         self.pending = pending
         self.on_wait = on_wait
@@ -80,12 +80,12 @@ class Engine(ABC):
     @property
     def checkpointer(self) -> Optional[Checkpointer]:
         """What this pserver's checkpoints are written with and loaded from (None without a checkpoint_dir)."""
-        return self.recovery.checkpointer
+        return self.rollbacks.checkpointer
 
     @property
     def restored_from(self) -> int:
         """The checkpoint step this pserver started from or rolled back to (a backup: its primary's), -1 if none."""
-        return self.recovery.restored_from
+        return self.rollbacks.restored_from
 
     def live(self) -> set:
         """Trainers expected to push: all ids that have neither closed nor been dropped (a new set).
@@ -135,11 +135,11 @@ class Engine(ABC):
         with self.cv:
             was_closed = trainer_id in self.roster.closed
             how = self.roster.join(trainer_id)
-            self.recovery.hello(trainer_id)
+            self.rollbacks.hello(trainer_id)
             if how == "rejoined":
                 self.all_closed.clear()
             if was_closed:
-                self.recovery.note_closed(self.roster.closed)
+                self.rollbacks.note_closed(self.roster.closed)
                 self._roster_noted()
             start = self._start_step(trainer_id, how, join_at)
             if how:
@@ -216,7 +216,7 @@ class Engine(ABC):
 
     def _close(self, trainer_id: int) -> None:
         self.roster.close(trainer_id)
-        self.recovery.note_closed(self.roster.closed)
+        self.rollbacks.note_closed(self.roster.closed)
         self._on_close()
         self._roster_noted()
 
@@ -317,12 +317,12 @@ class Engine(ABC):
         error is :class:`StorageFailed`.
         """
         with self.cv:
-            return self.recovery.checkpoint(self.updates, self.roster)
+            return self.rollbacks.checkpoint(self.updates, self.roster)
 
     def resume(self, step: Optional[int] = None) -> bool:
         """Load the latest complete checkpoint (or the one at ``step``); False if there is none."""
         with self.cv:
-            meta = self.recovery.load(step)
+            meta = self.rollbacks.load(step)
             if meta is None:
                 return False
             self._reset(meta)
@@ -333,21 +333,21 @@ class Engine(ABC):
 
         Returns False when ``token`` was already honoured, or when this pserver
         stands unchanged at that very checkpoint: the pushes it counted since are
-        kept (see :meth:`Recovery.roll_back`). Otherwise the waits of the abandoned
+        kept (see :meth:`RollBacks.roll_back`). Otherwise the waits of the abandoned
         steps end with :class:`MustResync`. Without a checkpoint_dir:
         :class:`NotAllowed`; a checkpoint that cannot be loaded changes nothing.
         """
-        self.recovery.check_can_roll_back()
+        self.rollbacks.check_can_roll_back()
         with self.cv:
-            outcome, meta = self.recovery.roll_back(trainer_id, step, token, self.updates)
+            outcome, meta = self.rollbacks.roll_back(trainer_id, step, token, self.updates)
             if outcome is RollBack.STAYS and self.pending is not None and self.pending.forget_joins():
                 # A trainer that was told it starts a step later is now expected in this one: a
                 # wait of its from before is on the abandoned timeline, as after a roll-back.
-                self.recovery.abandon_timeline()
+                self.rollbacks.abandon_timeline()
                 self.cv.notify_all()
             if outcome is RollBack.LOADED:
                 self._reset(meta)
-                self.recovery.abandon_timeline()
+                self.rollbacks.abandon_timeline()
                 self.cv.notify_all()
         if outcome is RollBack.LOADED:
             self._roster_changed()  # the checkpoint's closed trainers, nobody dropped: after the lock
@@ -360,7 +360,7 @@ class Engine(ABC):
         if self.pending is not None:
             self.pending.clear()
             self.pending.forget_joins()
-        self.recovery.reset_to(self.updates)
+        self.rollbacks.reset_to(self.updates)
         for listener in self.listeners:
             listener.on_reset(self.updates)
 
@@ -377,7 +377,7 @@ class Engine(ABC):
             self.roster.follow(meta)
             if self.pending is not None:
                 self.pending.clear()
-            self.recovery.stands_on(checkpoint_step)
+            self.rollbacks.stands_on(checkpoint_step)
             return self.updates
 
     def apply_replicated(self, lr_step: int, updates: int, roster_meta: dict, dense: Dict[str, torch.Tensor],

@@ -1,12 +1,12 @@
-"""Recovery: a pserver's checkpoints as its engine uses them, and the roll-backs it made.
+"""RollBacks: a pserver's checkpoints as its engine uses them, and the roll-backs it made.
 
-:class:`Recovery` is a part of :class:`~pserver.engine.engine.Engine`, built by
+:class:`RollBacks` is a part of :class:`~pserver.engine.engine.Engine`, built by
 it from the ``checkpointer``, and called under the engine's lock. It holds
 which roll-back tokens were honoured, how many roll-backs were made (a change
 wakes every wait of the abandoned steps with :class:`~pserver.errors.MustResync`),
 the roll-backs each trainer's last Hello saw, and the checkpoint this pserver
 started from or rolled back to. It decides what a roll-back asked with a
-token does (:meth:`Recovery.roll_back`) and loads the checkpoint; the engine
+token does (:meth:`RollBacks.roll_back`) and loads the checkpoint; the engine
 resets its own state from what was loaded. Beside the checkpoints it records
 at once which trainers closed, and deletes the parts a roll-back abandoned.
 Checkpoints written every ``checkpoint_every`` updates are a listener's
@@ -33,7 +33,7 @@ class RollBack(enum.Enum):
     LOADED = "loaded"       # the checkpoint was loaded: the engine resets to it
 
 
-class Recovery:
+class RollBacks:
     """Checkpoints on demand, resume, and roll-backs honoured once per token (sync recovery)."""
 
     def __init__(self, checkpointer: Optional[Checkpointer], endpoint: str):
@@ -41,7 +41,7 @@ class Recovery:
         self.endpoint = endpoint
         # The checkpoint this process started from, rolled back to, or (hot standby) its primary's; -1: none.
         self.restored_from = -1
-        self.rollbacks = 0
+        self.made = 0  # roll-backs made: a change wakes the waits of the abandoned steps
         self._honoured: set = set()
         # Per trainer, the roll-backs counted at its last Hello: a wait from before the latest one
         # belongs to an abandoned timeline (see refuse_wait_from_before_a_roll_back).
@@ -118,11 +118,11 @@ class Recovery:
 
     def abandon_timeline(self) -> None:
         """The steps after the checkpoint are abandoned: every wait begun before ends with MustResync."""
-        self.rollbacks += 1
+        self.made += 1
 
     def hello(self, trainer_id: int) -> None:
         """Note the roll-backs ``trainer_id``'s Hello saw."""
-        self._hello_rollbacks[trainer_id] = self.rollbacks
+        self._hello_rollbacks[trainer_id] = self.made
 
     def refusal_ahead(self, trainer_id: int, what: str, target: int, updates: int) -> Refusal:
         """The refusal of a push or wait for ``target``, beyond the step after ``updates``."""
@@ -142,7 +142,7 @@ class Recovery:
         until the barrier deadline. (One whose push for the step was counted
         waits as usual.)
         """
-        if self._hello_rollbacks.get(trainer_id, self.rollbacks) != self.rollbacks:
+        if self._hello_rollbacks.get(trainer_id, self.made) != self.made:
             raise MustResync(f"pserver {self.endpoint}: rolled back to the checkpoint at step "
                              f"{self.restored_from} since trainer {trainer_id} said Hello; its {what} "
                              f"belongs to the steps abandoned; call Hello to re-sync")

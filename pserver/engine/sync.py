@@ -76,7 +76,7 @@ class SyncEngine(Engine):
                 raise NotAllowed(f"pserver {self.endpoint}: trainer {trainer_id} pushed stale step "
                                  f"{step}; the pserver is at step {self.updates}")
             if step > self.updates:
-                raise self.recovery.refusal_ahead(trainer_id, "pushed step", step, self.updates)
+                raise self.rollbacks.refusal_ahead(trainer_id, "pushed step", step, self.updates)
             self.pending.add(trainer_id, grads, sparse or {}, position)
             self.last_step[trainer_id] = step
             self._apply_if_complete()
@@ -110,10 +110,10 @@ class SyncEngine(Engine):
         try:
             with self.cv:
                 if min_updates > self.updates + 1:
-                    raise self.recovery.refusal_ahead(trainer_id, "waits for update", min_updates, self.updates)
+                    raise self.rollbacks.refusal_ahead(trainer_id, "waits for update", min_updates, self.updates)
                 if self.updates < min_updates and trainer_id in self._expected() - self.pending.trainers:
                     # The step waited for needs this trainer's own push, which it has not made.
-                    self.recovery.refuse_wait_from_before_a_roll_back(trainer_id, f"wait for update {min_updates}")
+                    self.rollbacks.refuse_wait_from_before_a_roll_back(trainer_id, f"wait for update {min_updates}")
                 if self.updates < min_updates:
                     started = time.monotonic()
                 self.waits.wait(lambda: self.updates >= min_updates, f"step {self.updates}",

@@ -6,7 +6,7 @@ A sync trainer's pull waits for its step's barrier, an async push past
 missing), ends at once when the pserver shuts down
 (:class:`~pserver.errors.ShuttingDown`), and ends with
 :class:`~pserver.errors.MustResync` when a roll-back abandoned the steps it
-waited in (:class:`~pserver.engine.rollback.Recovery` counts them).
+waited in (:class:`~pserver.engine.rollback.RollBacks` counts them).
 """
 from __future__ import annotations
 
@@ -15,17 +15,17 @@ import time
 from typing import Callable, Iterable
 
 from ..errors import BarrierTimeout, MustResync, ShuttingDown
-from .rollback import Recovery
+from .rollback import RollBacks
 
 
 class Waits:
     """The engine's waits on its condition variable ``cv``, each within ``barrier_timeout`` seconds."""
 
-    def __init__(self, cv: threading.Condition, endpoint: str, barrier_timeout: float, recovery: Recovery):
+    def __init__(self, cv: threading.Condition, endpoint: str, barrier_timeout: float, rollbacks: RollBacks):
         self.cv = cv
         self.endpoint = endpoint
         self.barrier_timeout = barrier_timeout
-        self.recovery = recovery
+        self.rollbacks = rollbacks
         self._stopping = False
 
     def stop(self) -> None:
@@ -36,13 +36,13 @@ class Waits:
     def wait(self, ready: Callable[[], bool], what: str, missing: Callable[[], Iterable[int]]) -> None:
         """Wait under the lock until ``ready()``, or fail naming who is ``missing()``."""
         deadline = time.monotonic() + self.barrier_timeout
-        rollbacks = self.recovery.rollbacks
+        rollbacks = self.rollbacks.made
         while not ready():
             if self._stopping:
                 raise ShuttingDown(f"pserver {self.endpoint} is shutting down")
-            if self.recovery.rollbacks != rollbacks:
+            if self.rollbacks.made != rollbacks:
                 raise MustResync(f"pserver {self.endpoint}: rolled back to the checkpoint at step "
-                                 f"{self.recovery.restored_from} while {what} waited; call Hello to re-sync")
+                                 f"{self.rollbacks.restored_from} while {what} waited; call Hello to re-sync")
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise BarrierTimeout(f"pserver {self.endpoint}: {what} still waits for trainers "

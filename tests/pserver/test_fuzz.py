@@ -226,7 +226,7 @@ def state_change(e: Env) -> Optional[str]:
             value = getattr(owner, attr, None)
             if value:
                 found.append(f"{attr} = {sorted(value) if not isinstance(value, dict) else value}")
-    if engine.restored_from != -1 or engine.recovery.rollbacks:
+    if engine.restored_from != -1 or engine.rollbacks.made:
         found.append("rolled back to a checkpoint")
     if engine.tables.rows:
         found.append(f"{engine.tables.rows} table rows stored")
