@@ -2,7 +2,7 @@
 
 Usage::
 
-    python -m benchmarks.bench_peers                       # everything, 3 rounds (see the README's Performance)
+    python -m benchmarks.bench_peers                       # everything, 3 rounds (see docs/performance.md)
     python -m benchmarks.bench_peers --rounds 1 --quick    # smoke test: few steps of every system
     python -m benchmarks.bench_peers --jobs S --systems torch-local,ours-sync
     python -m benchmarks.bench_peers --scaling             # job S, this project sync: trainers x pservers

@@ -1,4 +1,4 @@
-"""A single-process reference of the table lifecycle rules, written from the README's definitions.
+"""A single-process reference of the table lifecycle rules, written from the definitions of docs/tables.md.
 
 Plain torch trains the model on the concatenated batches (as
 :func:`tests.helpers.table_models.single_process`), with ``nn.Embedding(sparse=True)``

@@ -29,6 +29,7 @@ pytestmark = pytest.mark.processes
 SEEDS = [int(s) for s in os.environ.get("PS_REPLICA_CHAOS_SEEDS", "1").split(",") if s.strip()]
 EPOCHS = 60                  # 1200 steps of each trainer
 STEP_DELAY = 0.05            # the kills land while the job trains; the rest runs at full speed
+KILL_AT = 42                 # the step before which a whole shard dies (its checkpoint: step 40)
 KILLS = 4
 
 
@@ -124,22 +125,28 @@ def test_a_shard_that_loses_both_processes_recovers_from_its_checkpoint_as_witho
     is in the in-sync list, so after replica_takeover_timeout one leads from the checkpoint under a new lineage;
     the trainers roll every shard back to it (shard 0's backup copies its rolled-back primary again), and the
     job ends with the model of an uninterrupted run."""
+    # Every trainer waits before step KILL_AT while shard 1 dies: both shards have applied steps
+    # 0..KILL_AT-1, and shard 1's latest checkpoint (every 5 steps) is two steps behind, so the trainers
+    # must roll shard 0 back to it, whatever the machine's load.
     job = ReplicatedJob(tmp_path, etcd.url, args=["--epochs", str(EPOCHS // 2), "--step_delay", str(STEP_DELAY),
-                                                  "--takeover_timeout", "3"])
+                                                  "--takeover_timeout", "3", "--pause_at", str(KILL_AT),
+                                                  "--pause_every_trainer"])
     try:
         job.start_all()
         for shard in range(len(job.endpoints)):
             job.wait_in_sync(shard)
+        for trainer_id in range(job.n_trainers):
+            job.wait_file(f"reached-{trainer_id}", timeout=120)
         primary, _ = job.roles(1)
-        start = updates_of(job, primary)
-        job.wait_until(lambda: updates_of(job, primary) >= start + 12, f"12 updates on {primary}")
+        assert updates_of(job, primary) == KILL_AT
         job.kill("pserver1")
         job.kill("replica1")
         job.restart("pserver1")
         job.restart("replica1")
         for shard in range(len(job.endpoints)):
-            job.wait_in_sync(shard, timeout=120)
+            job.wait_in_sync(shard, timeout=90)
         (job.pause / "calm").touch()
+        (job.pause / "go").touch()
         job.wait_trainers(240)
         job.assert_trained_as_one_process(epochs=EPOCHS // 2)
         logs = "\n".join(job.log(k) for k in job.logs)

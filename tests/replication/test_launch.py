@@ -7,13 +7,15 @@ import os
 import subprocess
 import sys
 
+import grpc
 import pytest
 import torch
 
-from psproto import ps_pb2
+from psproto import ps_pb2, ps_pb2_grpc
 from pserver.ops import stat_cli
 from tests.helpers.etcd import etcd_fixture  # noqa: F401
 from tests.helpers.models import assert_state_close
+from tests.helpers.polling import poll
 from tests.helpers import paths
 from tests.scripts import recovery_job
 from trainer.launch import plan as launch_plan
@@ -108,15 +110,29 @@ def test_a_backups_plan_serves_its_pservers_shard():
 def test_ps_launch_runs_a_replicated_job_and_ps_stat_shows_the_pairs(etcd, tmp_path):
     """ps-launch --server_replicas 2: every shard gets an in-sync backup, the job trains and ends 0, and each
     trainer's model equals single-process training."""
-    log_dir = tmp_path / "log"
+    log_dir, pause = tmp_path / "log", tmp_path / "pause"
+    pause.mkdir()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PADDLE_", "PS_", "TRAINING_"))}
+    # The trainers wait before their first step until every shard's backup is in sync: a backup still
+    # starting (a loaded machine) would otherwise find a job that already ended.
     cmd = [sys.executable, "-m", "trainer.launch", "--server_num", "2", "--server_replicas", "2",
            "--coordinator", etcd.url, "--worker_num", "2", "--log_dir", str(log_dir), "--show", "none",
            str(REPO / "tests" / "scripts" / "recovery_job.py"), "--checkpoint_dir", str(tmp_path / "ckpt"),
-           "--out_dir", str(tmp_path)]
-    done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=200)
+           "--out_dir", str(tmp_path), "--pause_at", "0", "--pause_every_trainer", "--pause_dir", str(pause)]
+    launcher = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        poll(lambda: all((pause / f"reached-{t}").exists() for t in (0, 1)), "both trainers before step 0", 120)
+        endpoints = [r["endpoint"] for r in json.loads((log_dir / "roles.json").read_text())["roles"]
+                     if r["kind"] == "PSERVER"]
+        poll(lambda: primaries_in_sync(endpoints) == 2, "a primary with its backup in sync for each shard", 120)
+        (pause / "go").touch()
+        stdout, stderr = launcher.communicate(timeout=180)
+    finally:
+        if launcher.poll() is None:
+            launcher.terminate()  # ps-launch stops every role it started
+            launcher.communicate(timeout=30)
     logs = {p.name: p.read_text(errors="replace") for p in log_dir.glob("*log*")}
-    assert done.returncode == 0, (done.stdout[-2000:], done.stderr[-2000:], {k: v[-1500:] for k, v in logs.items()})
+    assert launcher.returncode == 0, (stdout[-2000:], stderr[-2000:], {k: v[-1500:] for k, v in logs.items()})
     servers = {k: v for k, v in logs.items() if k.startswith("serverlog")}
     assert sorted(servers) == ["serverlog.0", "serverlog.0.replica", "serverlog.1", "serverlog.1.replica"]
     for shard in (0, 1):
@@ -127,3 +143,16 @@ def test_ps_launch_runs_a_replicated_job_and_ps_stat_shows_the_pairs(etcd, tmp_p
         assert_state_close(torch.load(tmp_path / f"trainer-{t}.pt"), expected)
     roles = json.loads((log_dir / "roles.json").read_text())["roles"]
     assert sum(r["kind"] == "PSERVER" for r in roles) == 4 and all(r["endpoint"] for r in roles if r["kind"] == "PSERVER")
+
+
+def primaries_in_sync(endpoints) -> int:
+    """How many of the processes at ``endpoints`` lead their shard with the backup in sync (Stats)."""
+    found = 0
+    for endpoint in endpoints:
+        with grpc.insecure_channel(endpoint) as channel:
+            try:
+                stats = ps_pb2_grpc.ParameterServerStub(channel).Stats(ps_pb2.StatsRequest(), timeout=2)
+            except grpc.RpcError:
+                continue
+        found += stats.replica.role == "primary" and stats.replica.backup_in_sync
+    return found

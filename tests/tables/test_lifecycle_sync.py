@@ -4,7 +4,7 @@
 refused, admitted, evicted and admitted again, the rows the trainers pull for the whole
 vocabulary (initial rows for ids holding none), the dense parameters and the set of stored
 ids equal :func:`tests.helpers.lifecycle_reference.single_process_lifecycle`, which applies
-the README's rules by hand with exact counts.
+docs/tables.md's rules by hand with exact counts.
 """
 import numpy as np
 import pytest
