@@ -164,6 +164,44 @@ class Throughput:
                                       "end": self.end}), flush=True)
 
 
+class JobCurves:
+    """Every ``every`` steps, the job's training AUC and mean loss over those steps, reduced over every trainer.
+
+    Each trainer adds its batches' scores and losses; at each multiple of
+    ``every`` of its step count it sends them through a pserver
+    (trainer/job_metrics.py) and starts over. With TensorBoard on they are the
+    curves ``job/train_auc`` and ``job/loss_mean``. Every trainer makes the same
+    rounds (round = step // every), so a faster async trainer waits there for
+    the others; a trainer that has closed is not waited for, and a round
+    already passed (batches replayed after a roll-back) is skipped.
+    """
+
+    def __init__(self, every: int):
+        from trainer import job_metrics
+
+        self.every, self.metrics = every, job_metrics
+        self.auc = job_metrics.AucStats()
+        self.loss_sum, self.batches, self.last_round = 0.0, 0, 0
+
+    def add(self, logits: torch.Tensor, labels: torch.Tensor, loss: torch.Tensor) -> None:
+        """A trained batch: its logits, 0/1 labels and mean loss."""
+        self.auc.update(labels.cpu().numpy(), torch.sigmoid(logits.detach().float()).cpu().numpy())
+        self.loss_sum += float(loss)
+        self.batches += 1
+
+    def maybe_reduce(self, tr, role: str, report: bool) -> None:
+        """At a new multiple of ``every`` steps: the job's figures since the last one (logged if ``report``)."""
+        round_ = tr.step_count // self.every
+        if round_ <= self.last_round or not self.batches:
+            return
+        auc = self.metrics.global_auc(tr, stats=self.auc, name="train_auc", round=round_)
+        loss = self.metrics.global_mean(tr, "loss", self.loss_sum / self.batches, weight=self.batches, round=round_)
+        if report:
+            log.info("%s: step %d: the job's training AUC %.4f, mean loss %.4f", role, tr.step_count, auc, loss)
+        self.auc = self.metrics.AucStats()
+        self.loss_sum, self.batches, self.last_round = 0.0, 0, round_
+
+
 def progress(total: int, enabled: bool, batch_size: int, done: int = 0):
     """A tqdm bar over ``total`` steps (``done`` of them already) in examples, with examples/s and the loss."""
     from tqdm import tqdm
@@ -234,6 +272,9 @@ def parse_args(argv=None):
     p.add_argument("--no_progress", dest="progress", action="store_false")
     p.add_argument("--grad_wire_dtype", choices=["bfloat16", "float16"],
                    help="push gradients (table rows, dense blocks) in this dtype: half the bytes")
+    p.add_argument("--metrics_every", type=int, default=100,
+                   help="every this many steps, the job's training AUC and mean loss over them, reduced over every "
+                   "trainer (TensorBoard: job/train_auc, job/loss_mean); 0: off")
     p.add_argument("--target_auc", type=float, default=TARGET_AUC, help="exit 1 below this test AUC")
     p.add_argument("--save", default="ctr_dense.pt", help="trainer 0 saves the dense state_dict here")
     p.add_argument("--tables_dir", default="ctr_tables", help="pservers save the table shards here")
@@ -247,6 +288,8 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.metrics_every < 0:
+        raise SystemExit(f"--metrics_every must be >= 0, got {args.metrics_every}")
     # PS_LOG_LEVEL: what ps-launch --log_level passes to every role.
     logging.basicConfig(level=os.environ.get("PS_LOG_LEVEL", "INFO").upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -289,6 +332,7 @@ def main(argv=None) -> int:
         epoch, batch = position
         return epoch * len(train) + batch
 
+    curves = JobCurves(args.metrics_every) if args.metrics_every > 0 else None
     with Trainer(t.get_trainer_program()) as tr:
         # A restarted trainer (or a job resumed from a checkpoint) goes on from its data position:
         # tr.batches skips the batches before it, and replays those since a checkpoint the job rolled back to.
@@ -301,11 +345,17 @@ def main(argv=None) -> int:
                 # the last step's answer already, and this asks nothing.
                 tr.prefetch({"wide": ids, "deep": ids})
                 # ids stay on the CPU (deduplicated and routed there); the rest goes to the trainer's device
-                loss = loss_fn(tr.model(dense_x.to(tr.device), ids), y.to(tr.device))
+                logits = tr.model(dense_x.to(tr.device), ids)
+                loss = loss_fn(logits, y.to(tr.device))
                 loss.backward()
                 tr.step()
                 speed.step(len(y))
                 bar.update(len(y))
+                if speed.steps % 10 == 0:  # TensorBoard (--tensorboard_dir): nothing is written when it is off
+                    tr.log_scalars({"loss": loss.item()})
+                if curves is not None:
+                    curves.add(logits, y, loss)
+                    curves.maybe_reduce(tr, role, leader)
                 if speed.steps % 50 == 0:
                     bar.set_postfix(loss=f"{loss.item():.4f}")
         speed.report()
@@ -314,6 +364,7 @@ def main(argv=None) -> int:
         steps = steps_done(tr.position)
         mode = "sync" if args.sync_mode else "async"
         score = evaluate(tr.model, test_stream(args))
+        tr.log_scalars({"test_auc": score})
         if not args.save_model:
             print(result_line(role, score, steps, mode, args.target_auc), flush=True)
             return 0 if score >= args.target_auc else 1

@@ -137,6 +137,7 @@ class CollectiveTrainer(TrainerBase):
         self._join(init_method or env.init_method, program.config.barrier_timeout)
         try:
             self._build(program)
+            self._open_board("step_time/optimizer_ms")  # TensorBoard (docs/tensorboard.md); no pservers to ask
         except BaseException:
             self._leave()
             raise
@@ -215,6 +216,7 @@ class CollectiveTrainer(TrainerBase):
         gradients were all-reduced before, so every process skips alike.
         """
         self._check_open()
+        self.board.step_begins()
         if scaler is not None:
             scaler.step(self.optimizer)
             scaler.update()
@@ -224,6 +226,7 @@ class CollectiveTrainer(TrainerBase):
             self.scheduler.step()
         self.module.zero_grad(set_to_none=True)
         self.state.advance(self.state.step + 1, self.state.next_position())
+        self.board.step_ends(self.state.step)
         return self.state.step
 
     def pull(self) -> None:
@@ -266,6 +269,10 @@ class CollectiveTrainer(TrainerBase):
 
     def _close(self, patient: bool) -> None:
         self.model = self.module  # the DDP wrapper cannot communicate once its group is gone
+        try:
+            self.board.finish(self.state.step, patient)
+        finally:
+            self.board.close()
         self.feed.close()
         self._leave()
         log.info("collective trainer %d (rank %d): closed after step %d", self.trainer_id, self.rank,

@@ -10,7 +10,7 @@ training script serves both modes. What the kinds share is
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Callable, Dict, Iterable, Iterator, Optional
+from typing import Callable, Dict, Iterable, Iterator, Mapping, Optional
 
 import torch
 from torch.utils.data import Dataset, DistributedSampler
@@ -64,6 +64,10 @@ class Trainer(ABC):
     @abstractmethod
     def sampler(self, dataset: Dataset, **kwargs) -> DistributedSampler:
         """This process's shard of ``dataset``: a ``DistributedSampler`` over every process of every node."""
+
+    @abstractmethod
+    def log_scalars(self, values: Mapping[str, float], step: Optional[int] = None) -> None:
+        """Write the script's scalars (``{"loss": loss.item()}``) to TensorBoard at ``step`` (default: step_count)."""
 
     @abstractmethod
     def close(self) -> None:

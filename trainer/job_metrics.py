@@ -29,6 +29,11 @@ combines them in float64 in trainer id order: sums of counts are exact up to
 processes combine theirs first; collective trainers all-gather among
 themselves. A trainer restarted mid-job counts its rounds from 0 again: pass
 ``round=`` (e.g. the epoch) where that can happen.
+
+With TensorBoard on (docs/tensorboard.md), each helper's scalar result is also
+written, at the trainer's step, by every process that writes: ``job/<name>``
+for :func:`global_auc` (``job/auc`` by default) and ``job/<name>_<op>`` for the
+others (``global_mean(tr, "loss", ...)``: ``job/loss_mean``).
 """
 from __future__ import annotations
 
@@ -128,22 +133,32 @@ def _scalar_or_array(a: np.ndarray, like: np.ndarray) -> Union[float, np.ndarray
     return float(a) if like.ndim == 0 else a
 
 
+def _logged(tr, tag: str, value: Union[float, np.ndarray]) -> Union[float, np.ndarray]:
+    """``value``, written to ``tr``'s TensorBoard board as ``tag`` when it is a scalar (arrays are not)."""
+    if isinstance(value, float):
+        tr.log_scalars({tag: value})
+    return value
+
+
 def global_sum(tr, name: str, value: ArrayLike, round: Optional[int] = None) -> Union[float, np.ndarray]:
     """The sum of ``value`` (a number or an array) over every trainer: a float, or an array of its shape."""
     local = _array(value, "value")
-    return _scalar_or_array(all_reduce(tr, f"sum:{name}", {"v": local}, "sum", round)["v"], local)
+    return _logged(tr, f"job/{name}_sum",
+                   _scalar_or_array(all_reduce(tr, f"sum:{name}", {"v": local}, "sum", round)["v"], local))
 
 
 def global_max(tr, name: str, value: ArrayLike, round: Optional[int] = None) -> Union[float, np.ndarray]:
     """The largest ``value`` over every trainer (elementwise for arrays)."""
     local = _array(value, "value")
-    return _scalar_or_array(all_reduce(tr, f"max:{name}", {"v": local}, "max", round)["v"], local)
+    return _logged(tr, f"job/{name}_max",
+                   _scalar_or_array(all_reduce(tr, f"max:{name}", {"v": local}, "max", round)["v"], local))
 
 
 def global_min(tr, name: str, value: ArrayLike, round: Optional[int] = None) -> Union[float, np.ndarray]:
     """The smallest ``value`` over every trainer (elementwise for arrays)."""
     local = _array(value, "value")
-    return _scalar_or_array(all_reduce(tr, f"min:{name}", {"v": local}, "min", round)["v"], local)
+    return _logged(tr, f"job/{name}_min",
+                   _scalar_or_array(all_reduce(tr, f"min:{name}", {"v": local}, "min", round)["v"], local))
 
 
 def global_mean(tr, name: str, value: ArrayLike, weight: float = 1.0,
@@ -161,7 +176,7 @@ def global_mean(tr, name: str, value: ArrayLike, weight: float = 1.0,
     got = all_reduce(tr, f"mean:{name}", {"sum": local * w, "weight": np.array(w)}, "sum", round)
     total = float(got["weight"])
     mean = got["sum"] / total if total > 0 else np.full(local.shape, math.nan)
-    return _scalar_or_array(mean, local)
+    return _logged(tr, f"job/{name}_mean", _scalar_or_array(mean, local))
 
 
 # -- AUC ------------------------------------------------------------------------------------------
@@ -246,4 +261,4 @@ def global_auc(tr, labels: Optional[ArrayLike] = None, scores: Optional[ArrayLik
     elif labels is not None or scores is not None:
         raise ValueError("give labels and scores, or stats, not both")
     got = all_reduce(tr, f"auc:{name}", {"pos": stats.pos, "neg": stats.neg}, "sum", round)
-    return auc_from_histograms(got["pos"], got["neg"])
+    return _logged(tr, f"job/{name}", auc_from_histograms(got["pos"], got["neg"]))

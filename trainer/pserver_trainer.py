@@ -96,6 +96,8 @@ class PserverTrainer(TrainerBase):
             install_tables(self.model, program.tables, self.tables, self.device)
             if self.device.type != "cpu":  # after the tables left: their modules may sit on the meta device
                 self.model.to(self.device)
+            # TensorBoard (docs/tensorboard.md): trainer 0's first process also writes the pservers' Stats.
+            self._open_board("step_time/push_pull_ms", self.channels.stats, list(program.pservers))
         except BaseException:
             if self.feed is not None:
                 self.feed.close()
@@ -145,7 +147,9 @@ class PserverTrainer(TrainerBase):
         no round trip of their own (sync: exactly the rows a lookup would find).
         """
         self._check_open()
+        self.board.step_begins()
         self.stepper.step(prefetch, self.feed.take_next_plan)
+        self.board.step_ends(self.state.step)
         return self.state.step
 
     def pull(self) -> None:
@@ -265,8 +269,12 @@ class PserverTrainer(TrainerBase):
             patient = False  # the job failed here: say so quickly, do not wait for pservers
             raise
         finally:
-            self.feed.close()
-            self.stepper.close(self.program.config.connect_timeout if patient else 0.0)
+            try:  # the last scalars (and pserver Stats) while the channels are open; then flushed
+                self.board.finish(self.state.step, patient)
+            finally:
+                self.board.close()
+                self.feed.close()
+                self.stepper.close(self.program.config.connect_timeout if patient else 0.0)
         log.info("trainer %d%s: closed after step %d (pushed %s bytes, pulled %s bytes)",
                  self.trainer_id, self._local, self.step_count, f"{self.channels.bytes_pushed:,}",
                  f"{self.channels.bytes_pulled:,}")

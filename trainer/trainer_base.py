@@ -3,13 +3,15 @@
 :class:`~trainer.pserver_trainer.PserverTrainer` and
 :class:`~trainer.collective.CollectiveTrainer` derive from it: the step and
 data position (:class:`~trainer.steppers.state.StepState`), the batches from
-that position (:class:`~trainer.feed.Feed`), the sampler, and closing. Which
+that position (:class:`~trainer.feed.Feed`), the sampler, the TensorBoard
+board (:mod:`trainer.board`) and the script's scalars, and closing. Which
 kind a plan makes is :class:`trainer.Trainer`'s business (trainer/factory.py).
 """
 from __future__ import annotations
 
+import os
 from abc import ABC, abstractmethod
-from typing import Callable, Dict, Iterable, Iterator, Optional
+from typing import Callable, Dict, Iterable, Iterator, List, Mapping, Optional
 
 import torch
 from torch.utils.data import Dataset, DistributedSampler
@@ -17,6 +19,9 @@ from torch.utils.data import Dataset, DistributedSampler
 from transpiler import TrainerProgram
 from transpiler.position import Position
 
+from .board.pserver_stats import AskStats
+from .board.settings import BoardSettings
+from .board.writer import NULL_BOARD, open_board, scalar_values
 from .feed import Feed
 from .memory import retain_freed_memory
 from .steppers.state import StepState
@@ -40,6 +45,9 @@ class TrainerBase(ABC):
             retain_freed_memory()
         self.state = StepState()
         self.feed: Optional[Feed] = None
+        # Read first: a malformed PS_TENSORBOARD_* variable fails the trainer before it joins anything.
+        self._board_settings = BoardSettings.resolve(program.config, os.environ)
+        self.board = NULL_BOARD  # each kind opens its own once it knows this process's rank (_open_board)
         self._closed = False
         # Set by the kind of trainer: this process's place among all processes of all trainer nodes.
         self.rank = self.world_size = self.local_rank = self.local_world_size = 0
@@ -70,7 +78,7 @@ class TrainerBase(ABC):
         say what else (data replayed after a roll-back, ``prefetch``).
         """
         self._check_open()
-        return self.feed.batches(loader, epochs, prefetch)
+        return self.board.batches(self.feed.batches(loader, epochs, prefetch))
 
     def sampler(self, dataset: Dataset, **kwargs) -> DistributedSampler:
         """This process's shard of ``dataset``: a ``DistributedSampler`` over every process of every node.
@@ -80,6 +88,31 @@ class TrainerBase(ABC):
         (:meth:`batches` does).
         """
         return DistributedSampler(dataset, num_replicas=self.world_size, rank=self.rank, **kwargs)
+
+    # -- TensorBoard --------------------------------------------------------
+
+    def log_scalars(self, values: Mapping[str, float], step: Optional[int] = None) -> None:
+        """Write the script's own scalars (``{"loss": loss.item()}``) to this process's TensorBoard run.
+
+        Written at ``step`` (default :attr:`step_count`, the steps taken so
+        far), under the tags as given, when this process writes
+        (``tensorboard_dir``, ``tensorboard_trainers``; docs/tensorboard.md);
+        otherwise nothing is written. Values are real numbers or one-element
+        tensors. Bad input raises ValueError either way, and writes nothing.
+        """
+        self._check_open()
+        scalars = scalar_values(values)
+        if step is None:
+            step = self.state.step
+        elif isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"step must be None or an int >= 0, got {step!r}")
+        self.board.scalars(scalars, step)
+
+    def _open_board(self, inside_tag: str, stats: Optional[AskStats] = None,
+                    endpoints: Optional[List[str]] = None) -> None:
+        """Open this process's board (once its rank is known); ``inside_tag`` names the time spent in ``step()``."""
+        self.board = open_board(self.program.config, self.trainer_id, self.local_rank, self.rank, inside_tag,
+                                stats, endpoints, self._board_settings)
 
     # -- closing ------------------------------------------------------------
 

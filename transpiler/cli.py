@@ -19,7 +19,7 @@ import re
 import sys
 from typing import Dict
 
-from .config import NONFINITE_GRADS, SPLIT_METHODS, DistributeTranspilerConfig
+from .config import NONFINITE_GRADS, SPLIT_METHODS, TENSORBOARD_TRAINERS, DistributeTranspilerConfig
 from .lifecycle import TableLifecycle
 from .program import Program
 
@@ -48,9 +48,11 @@ def load_program(ref: str) -> Program:
     return program
 
 
-CHOICES = {"split_method": SPLIT_METHODS, "nonfinite_grads": NONFINITE_GRADS}
+CHOICES = {"split_method": SPLIT_METHODS, "nonfinite_grads": NONFINITE_GRADS,
+           "tensorboard_trainers": TENSORBOARD_TRAINERS}
 # Fields that are None or an int: their flags parse ints.
-INT_OR_NONE = ("max_staleness", "metrics_port", "health_port", "server_replicas", "replica_lease_ttl")
+INT_OR_NONE = ("max_staleness", "metrics_port", "health_port", "server_replicas", "replica_lease_ttl",
+               "tensorboard_every")
 
 
 def _bool(text: str) -> bool:

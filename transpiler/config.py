@@ -16,6 +16,7 @@ MODE_ALIASES = {"nccl2": "collective"}
 MIN_BLOCK_SIZE_FLOOR = 8192
 NONFINITE_GRADS = ("refuse", "apply")
 GRAD_WIRE_DTYPES = (None, "bfloat16", "float16")
+TENSORBOARD_TRAINERS = ("first", "all")
 
 
 @dataclass
@@ -202,6 +203,20 @@ class DistributeTranspilerConfig:
     - ``replica_digest_every``: every this many updates the primary sends a
       digest of its state (blocks, optimizer state, table rows, roster) with the
       update and the backup compares it with its own, logging a mismatch; 0: off.
+    - ``tensorboard_dir``: the job's TensorBoard log directory; each trainer
+      process that writes uses its own subdirectory, ``trainer-<id>`` (local rank
+      R > 0 of a node: ``trainer-<id>.<R>``) (docs/tensorboard.md). Needs the
+      ``tensorboard`` package (the ``tensorboard`` extra); without it nothing is
+      written and one log line says so. None: ``PS_TENSORBOARD_DIR``
+      (``ps-launch --tensorboard_dir`` sets it for every role), else off.
+    - ``tensorboard_trainers``: who writes: "first", trainer 0's first process
+      (rank 0 in collective mode); "all", every trainer process. Only trainer
+      0's first process asks the pservers for their Stats. None:
+      ``PS_TENSORBOARD_TRAINERS``, else "first".
+    - ``tensorboard_every``: the periodic scalars (rates, step time split,
+      pserver Stats) are written every this many steps, as means over them; one
+      Stats call per pserver per this many steps at most, on a background thread
+      with a deadline each. None: ``PS_TENSORBOARD_EVERY``, else 20.
     """
 
     slice_var_up: bool = True
@@ -248,6 +263,9 @@ class DistributeTranspilerConfig:
     replica_lease_ttl: Optional[int] = None
     replica_takeover_timeout: float = 30.0
     replica_digest_every: int = 500
+    tensorboard_dir: Optional[str] = None
+    tensorboard_trainers: Optional[str] = None
+    tensorboard_every: Optional[int] = None
 
     @property
     def session_alive_window(self) -> float:
@@ -330,6 +348,18 @@ class DistributeTranspilerConfig:
             raise ValueError(f"metrics_port and health_port are both {self.metrics_port}; give each its own port")
         self._validate_collective()
         self._validate_replicas()
+        self._validate_tensorboard()
+
+    def _validate_tensorboard(self) -> None:
+        """The TensorBoard fields; the trainer reads their variables (trainer/board/settings.py)."""
+        if self.tensorboard_dir is not None and (not isinstance(self.tensorboard_dir, str) or not self.tensorboard_dir):
+            raise ValueError(f"tensorboard_dir must be None or a non-empty path, got {self.tensorboard_dir!r}")
+        if self.tensorboard_trainers not in (None, *TENSORBOARD_TRAINERS):
+            raise ValueError(f"tensorboard_trainers must be None or one of {TENSORBOARD_TRAINERS}, "
+                             f"got {self.tensorboard_trainers!r}")
+        every = self.tensorboard_every
+        if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
+            raise ValueError(f"tensorboard_every must be None or an int >= 1, got {every!r}")
 
     def _validate_replicas(self) -> None:
         """The hot-standby fields (docs/recovery.md, "Hot standby"); their environment fallbacks are read at transpile."""

@@ -10,6 +10,7 @@ import sys
 import grpc
 import pytest
 import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from psproto import ps_pb2, ps_pb2_grpc
 from pserver.ops import stat_cli
@@ -113,10 +114,12 @@ def test_ps_launch_runs_a_replicated_job_and_ps_stat_shows_the_pairs(etcd, tmp_p
     log_dir, pause = tmp_path / "log", tmp_path / "pause"
     pause.mkdir()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PADDLE_", "PS_", "TRAINING_"))}
+    env["PS_TENSORBOARD_EVERY"] = "2"  # trainer 0 writes each shard's replication lag (docs/tensorboard.md)
     # The trainers wait before their first step until every shard's backup is in sync: a backup still
     # starting (a loaded machine) would otherwise find a job that already ended.
     cmd = [sys.executable, "-m", "trainer.launch", "--server_num", "2", "--server_replicas", "2",
            "--coordinator", etcd.url, "--worker_num", "2", "--log_dir", str(log_dir), "--show", "none",
+           "--tensorboard_dir", str(tmp_path / "tb"),
            str(REPO / "tests" / "scripts" / "recovery_job.py"), "--checkpoint_dir", str(tmp_path / "ckpt"),
            "--out_dir", str(tmp_path), "--pause_at", "0", "--pause_every_trainer", "--pause_dir", str(pause)]
     launcher = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -141,6 +144,11 @@ def test_ps_launch_runs_a_replicated_job_and_ps_stat_shows_the_pairs(etcd, tmp_p
     expected = recovery_job.reference(epochs=2)
     for t in (0, 1):
         assert_state_close(torch.load(tmp_path / f"trainer-{t}.pt"), expected)
+    board = EventAccumulator(str(tmp_path / "tb" / "trainer-0"))
+    board.Reload()
+    for shard in (0, 1):  # what the primary's backup had not acknowledged when asked: a few messages at most
+        lag = [e.value for e in board.Scalars(f"pserver{shard}/replication_lag")]
+        assert lag and all(0 <= v <= 8 for v in lag), lag
     roles = json.loads((log_dir / "roles.json").read_text())["roles"]
     assert sum(r["kind"] == "PSERVER" for r in roles) == 4 and all(r["endpoint"] for r in roles if r["kind"] == "PSERVER")
 

@@ -42,6 +42,7 @@ Hot standby: --server_replicas 2 starts a second process for every pserver (pser
 LOG_DIR/serverlog.N.replica); etcd at --coordinator decides which of the two leads. Every role
 gets PS_SERVER_REPLICAS, PS_REPLICA_ENDPOINTS, PS_COORDINATOR and PS_COORDINATOR_PREFIX (one per
 launch, so a new launch never waits for an old one's replicas).
+TensorBoard: --tensorboard_dir DIR gives every role PS_TENSORBOARD_DIR; `tensorboard --logdir DIR` shows it.
 Access control: --auth_token_file FILE gives every role the job's token; PS_TLS_*
 variables set for the launcher pass to every role (see proto/security.py).
 Exit status: 0 when every trainer exited 0, 1 when a role failed (with no restarts
@@ -148,6 +149,10 @@ def build_parser() -> argparse.ArgumentParser:
          help="access control: every role gets PS_AUTH_TOKEN_FILE=FILE (made absolute), so "
          "pservers refuse calls without the token in FILE and trainers send it. PS_AUTH_TOKEN "
          "and PS_TLS_* set for ps-launch reach every role as they are")
+    _add(p, "--tensorboard_dir", metavar="DIR",
+         help="TensorBoard: every role gets PS_TENSORBOARD_DIR=DIR (made absolute); trainer 0 writes its scalars "
+         "and the pservers' under DIR/trainer-0 (PS_TENSORBOARD_TRAINERS=all: every trainer, DIR/trainer-N); "
+         "needs the tensorboard package (docs/tensorboard.md)")
     p.add_argument("script", nargs="?", metavar="SCRIPT", help="training script run by every role")
     p.add_argument("script_args", nargs=argparse.REMAINDER, metavar="...", help="passed to SCRIPT as is")
     return p

@@ -16,6 +16,7 @@ from typing import Callable, Dict, List, Mapping, Optional, Tuple
 from transpiler.roles.role_env import NODE_VARS, PSERVER, ROLE_VARS, TRAINER, NodeEnv, RoleEnv, parse_endpoints
 from psproto.security import Security
 
+from ..board.settings import DIR_VAR as TENSORBOARD_DIR_VAR
 # The command line lives in args; these names stay importable from here.
 from .args import DESCRIPTION, LOG_LEVEL_VAR, build_parser, parse_args, split_argv  # noqa: F401
 
@@ -201,6 +202,9 @@ def _check_args(args: argparse.Namespace) -> None:
                           "recovery to restart a trainer into")
     if args.server_grace < 0 or args.term_timeout < 0:
         raise LaunchError("--server_grace and --term_timeout must be >= 0")
+    board = getattr(args, "tensorboard_dir", None)
+    if board is not None and (not board.strip() or (os.path.exists(board) and not os.path.isdir(board))):
+        raise LaunchError(f"--tensorboard_dir {board!r} is not a directory (TensorBoard's log directory of the job)")
     if args.script is None or not os.path.isfile(args.script):
         raise LaunchError(f"script {args.script!r} not found")
     if getattr(args, "auth_token_file", None) is not None:
@@ -337,6 +341,8 @@ def plan_roles(args: argparse.Namespace, is_local: Optional[Callable[[str], bool
         common["PS_AUTH_TOKEN_FILE"] = os.path.abspath(args.auth_token_file)
     if getattr(args, "log_level_given", False):
         common[LOG_LEVEL_VAR] = args.log_level
+    if getattr(args, "tensorboard_dir", None):
+        common[TENSORBOARD_DIR_VAR] = os.path.abspath(args.tensorboard_dir)  # absolute, as the token file
     if replicas == 2:
         common.update(replica_env(backups, args.coordinator))
     roles = []

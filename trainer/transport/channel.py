@@ -2,7 +2,7 @@
 
 Every call to a pserver goes through its channel: Hello and Close (the
 session every other call carries), the unary calls (Heartbeat, Restore,
-Checkpoint, SaveTables, Reduce) and the transfers (push-pull, pull,
+Checkpoint, SaveTables, Reduce, Stats) and the transfers (push-pull, pull,
 prefetch), each push-pull and prefetch by the way
 :func:`~trainer.transport.wire_paths.choose_path` picks. Every call has a
 deadline, and every failure is re-raised as :class:`PserverError` naming the
@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
+from concurrent import futures
 from dataclasses import dataclass
 from typing import Callable, Dict, Iterable, Optional, Sequence, Tuple
 
@@ -379,6 +380,26 @@ class PserverChannel:
             op=op, values=[ps_pb2.ReduceValue(name=n, shape=shape, data=data) for n, shape, data in values])
         return self._unary("Reduce", request, f"round {round_} of reduction {key!r} by trainer {tid}",
                            self._wait_timeout)
+
+    def stats(self, timeout: float) -> futures.Future:
+        """The pserver's counters (``StatsReply``), asked of the process calls go to now: a future.
+
+        One attempt with a deadline of ``timeout`` s, no session and no
+        following of the shard's primary (an observer must not move the
+        trainer's calls): its result raises :class:`PserverError` when the
+        call failed. The gRPC call runs without a thread of its own.
+        """
+        done: futures.Future = futures.Future()
+
+        def finished(call) -> None:
+            try:
+                done.set_result(call.result())
+            except grpc.RpcError as e:
+                done.set_exception(error_of(self.endpoint, f"Stats failed: {details(e)}", e))
+            except Exception as e:  # noqa: BLE001 - a channel closed under the call: the caller sees why
+                done.set_exception(PserverError(self.endpoint, f"Stats failed: {e}"))
+        self._connection.unary["Stats"].future(ps_pb2.StatsRequest(), timeout=timeout).add_done_callback(finished)
+        return done
 
     def shutdown(self) -> None:
         """Close the gRPC channels (without telling the pserver); calls still running end CANCELLED."""

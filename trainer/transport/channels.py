@@ -10,13 +10,14 @@ import functools
 import secrets
 import time
 from concurrent import futures
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Union
 
 from psproto import ps_pb2
 from psproto.options import channel_options
 from psproto.security import Security
 from transpiler import TrainerProgram
 
+from ..errors import PserverError
 from .channel import PserverChannel, TrainerIdentity
 from .narrowing import GradientNarrower
 from .shared_regions import RegionPool
@@ -105,6 +106,23 @@ class Channels:
                                       for ep, ch in self._by_endpoint.items()})
         finally:
             self.shutdown()
+
+    def stats(self, timeout: float) -> Dict[str, Union[ps_pb2.StatsReply, PserverError]]:
+        """Every pserver's ``StatsReply`` (or the error that came instead), asked all at once, each within ``timeout`` s.
+
+        Uses no pool thread: a push never waits behind an observer's call.
+        """
+        calls = {ep: ch.stats(timeout) for ep, ch in self._by_endpoint.items()}
+        futures.wait(calls.values(), timeout=timeout + 1.0)  # each call has its deadline; this bounds the wait too
+        out: Dict[str, Union[ps_pb2.StatsReply, PserverError]] = {}
+        for ep, call in calls.items():
+            try:
+                out[ep] = call.result(timeout=0)
+            except PserverError as e:
+                out[ep] = e
+            except futures.TimeoutError:
+                out[ep] = PserverError(ep, f"Stats: no answer within {timeout:g}s")
+        return out
 
     def submit(self, fn: Callable[[], object]) -> futures.Future:
         """Run ``fn`` on one of the pserver call threads."""
