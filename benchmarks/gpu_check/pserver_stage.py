@@ -72,7 +72,7 @@ def run(args) -> Outcome:
                                   (cluster.endpoints, i, [step[i] for step in data], args.device))
                    for i in range(TRAINERS)]
         results = children.wait(started, TIMEOUT)
-    job_s = time.monotonic() - t0
+    job_seconds = time.monotonic() - t0
     expected = reference(data, device)
     compared = [compare_states(r["state"], expected) for r in results]
     worst = max(diff for _, diff, _ in compared)
@@ -82,7 +82,7 @@ def run(args) -> Outcome:
     losses_ok = all(finite(r["losses"]) for r in results)
     figures = {"max_abs_diff": worst, "devices": sorted({r["device"] for r in results}),
                "pinned_buffers": [r["pinned"] for r in results], "tf32_off": all(r["tf32_off"] for r in results)
-               and tf32_off(), "steps": STEPS, "job_s": round(job_s, 1)}
+               and tf32_off(), "steps": STEPS, "job_seconds": round(job_seconds, 1)}
     bad = [f"trainer {i}: {key} outside rtol 1e-4/atol 1e-5" for i, (ok, _, key) in enumerate(compared) if not ok]
     if not on_device:
         bad.append(f"a trainer was not on {device}: {[r['params_on'] for r in results]}")

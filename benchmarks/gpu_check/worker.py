@@ -17,6 +17,7 @@ import logging
 import math
 import multiprocessing
 import os
+import shutil
 import tempfile
 import time
 import traceback
@@ -182,12 +183,13 @@ class Children:
         raise RuntimeError(f"{self.what}: {name} failed: {error[-1] if error else '?'}\n" + "\n".join(error[-12:]))
 
     def stop(self) -> None:
-        """Kill every child still running, and reap it."""
+        """Kill every child still running, reap it, and remove the children's result files."""
         for p, _, _ in self.procs:
             if p.is_alive():
                 p.kill()
         for p, _, _ in self.procs:
             p.join(5)
+        shutil.rmtree(self.dir, ignore_errors=True)
 
 
 # -- the worker's main ------------------------------------------------------------
