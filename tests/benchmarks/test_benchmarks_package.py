@@ -17,7 +17,9 @@ from tests.helpers.paths import REPO
 
 BENCHMARKS = REPO / "benchmarks"
 MODULES = sorted(BENCHMARKS.rglob("*.py"))
-ENTRY_POINTS = sorted(p for p in BENCHMARKS.glob("*.py") if p.name != "__init__.py")
+# `python -m benchmarks.<name>`: a module, or a package's __main__ (benchmarks/gpu_check/).
+ENTRY_POINTS = sorted(p for p in BENCHMARKS.glob("*.py") if p.name != "__init__.py") + sorted(
+    BENCHMARKS.glob("*/__main__.py"))
 # Helpers that were written two or three times before benchmarks/ became a package.
 SHARED = ("free_ports", "die_with_parent", "tail", "RunFailed", "busy_cpu_seconds", "OtherLoad", "cpu_model",
           "stop_on_signals", "peer_module", "Etcd", "Processes", "DEFAULT_PEERS")
@@ -65,7 +67,7 @@ def test_each_shared_helper_is_defined_once():
     assert {name: defined[name] for name in SHARED} == {name: 1 for name in SHARED}
 
 
-@pytest.mark.parametrize("path", ENTRY_POINTS, ids=lambda p: p.stem)
+@pytest.mark.parametrize("path", ENTRY_POINTS, ids=lambda p: p.parent.name if p.stem == "__main__" else p.stem)
 def test_every_entry_point_has_an_argument_parser_and_a_main_guard(path):
     source = path.read_text()
     assert "argparse.ArgumentParser(" in source
@@ -73,6 +75,7 @@ def test_every_entry_point_has_an_argument_parser_and_a_main_guard(path):
 
 
 def test_results_live_in_their_own_folder():
+    """Beside the scripts (Python, and shell wrappers such as gpu_check.sh) only the README."""
     assert (BENCHMARKS / "results" / "RESULTS.md").is_file()
-    beside_scripts = sorted(p.name for p in BENCHMARKS.iterdir() if p.is_file() and p.suffix not in (".py", ".md"))
+    beside_scripts = sorted(p.name for p in BENCHMARKS.iterdir() if p.is_file() and p.suffix not in (".py", ".sh", ".md"))
     assert beside_scripts == []
