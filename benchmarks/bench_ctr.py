@@ -10,7 +10,8 @@ tables, generated Criteo-layout data), in fresh processes:
 - ``local``: ``python examples/train_ctr.py``: one process, ``nn.Embedding(sparse=True)`` with
   torch's Adagrad on the tables and Adam on the MLP, torch's default threads (2 here);
 - ``async`` / ``sync``: ``ps-launch --server_num 2 --worker_num 2 examples/train_ctr.py [--async]``,
-  one torch thread per role, batch ``--batch_size`` per trainer.
+  one torch thread per role, batch ``--batch_size`` per trainer; ``async+tb`` / ``sync+tb``: the
+  same with ``--tensorboard_dir`` (what writing TensorBoard scalars costs).
 
 Each run does ``--warmup`` untimed steps, then ``--steps`` timed ones; the example prints a
 RESULT line per trainer (examples and wall-clock interval of its timed steps). Throughput is all
@@ -36,6 +37,7 @@ from benchmarks.common.paths import REPO
 from benchmarks.common.processes import die_with_parent
 
 EXAMPLE = os.path.join(REPO, "examples", "train_ctr.py")
+CONFIGS = ("local", "async", "sync", "async+tb", "sync+tb")
 
 
 def command(config: str, args, workdir: str) -> List[str]:
@@ -48,7 +50,10 @@ def command(config: str, args, workdir: str) -> List[str]:
     launch = [sys.executable, "-m", "trainer.launch", "--server_num", "2", "--worker_num", "2", "--show", "none",
               "--log_dir", os.path.join(workdir, "logs")]
     # No job-wide training AUC: the one-process run has none, and the figures stay those of earlier rounds.
-    return launch + common + ["--metrics_every", "0"] + (["--async"] if config == "async" else [])
+    mode, _, board = config.partition("+")
+    if board:  # "+tb": trainer 0 writes TensorBoard scalars (docs/tensorboard.md) into the run's folder
+        launch += ["--tensorboard_dir", os.path.join(workdir, "tb")]
+    return launch + common + ["--metrics_every", "0"] + (["--async"] if mode == "async" else [])
 
 
 def results(output: str) -> List[dict]:
@@ -93,13 +98,16 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=20, help="untimed steps first (default %(default)s)")
     p.add_argument("--batch_size", type=int, default=1024, help="per trainer (and of the local run)")
     p.add_argument("--train_examples", type=int, default=400_000, help="generated, all trainers together")
-    p.add_argument("--configs", default="local,async,sync", help="comma-separated, of local, async, sync "
-                                                                 "(default %(default)s)")
+    p.add_argument("--configs", default="local,async,sync", help="comma-separated, of local, async, sync, and "
+                   "async+tb, sync+tb: the same with TensorBoard on (default %(default)s)")
     p.add_argument("--timeout", type=float, default=600, help="deadline of one run in s (default %(default)s)")
     p.add_argument("--logdir", help="keep every run's logs here (default: a temporary folder)")
     p.add_argument("--json", help="write every run's figures here")
     args = p.parse_args(argv)
     configs = args.configs.split(",")
+    unknown = sorted(set(configs) - set(CONFIGS))
+    if unknown:
+        p.error(f"--configs: unknown {unknown}; choose among {', '.join(CONFIGS)}")
     logdir = args.logdir or tempfile.mkdtemp(prefix="bench_ctr-")
     print(f"CTR Wide & Deep, batch {args.batch_size}, {args.warmup} warmup + {args.steps} timed steps, "
           f"{args.runs} rounds of {', '.join(configs)}; logs in {logdir}", flush=True)
@@ -109,7 +117,7 @@ def main(argv=None) -> int:
         for config in configs[k:] + configs[:k]:
             row = run(config, args, os.path.join(logdir, f"{rnd}-{config}"))
             rows[config].append(row)
-            print(f"  round {rnd} {config:6s} {row['examples_s']:8.0f} examples/s "
+            print(f"  round {rnd} {config:8s} {row['examples_s']:8.0f} examples/s "
                   f"(other load {row['other_load']:.2f} cores)", flush=True)
     if args.json:
         with open(args.json, "w") as f:
