@@ -143,8 +143,10 @@ def test_ctr_example_shows_trainer_0_progress_and_auc_on_the_console(ctr_sync_jo
     # tqdm's '\r' updates arrive as whole lines (a pipe is no terminal), its final state included.
     bars = [line for line in trainer0 if re.match(r"train:\s+\d+%\|", line)]
     assert bars and re.match(r"train:\s+100%\|", bars[-1]), out
-    (auc,) = [line for line in trainer0 if "AUC" in line]
+    (auc,) = [line for line in trainer0 if "test AUC" in line]
     assert re.search(r"AUC 0\.\d+", auc), auc
+    # Every 100 steps (--metrics_every) the job's training AUC, reduced over both trainers, in trainer 0's log.
+    assert [line for line in trainer0 if "the job's training AUC" in line], out
     assert not any(line.startswith(("[trainer1]", "[pserver")) for line in out.splitlines())  # default: trainer 0
     assert "\r" not in out and len(bars) >= 2  # the first state and at least the last
     # The table first, the launcher's last word after trainer 0's last line.
