@@ -71,12 +71,16 @@ def tf32_off() -> bool:
     return not torch.backends.cuda.matmul.allow_tf32 and not torch.backends.cudnn.allow_tf32
 
 
+class PeersMissing(FileNotFoundError):
+    """The peers' ``jobs.py`` is in neither place: jobs D and S cannot be defined here."""
+
+
 def peers_dir() -> str:
     """The folder of the peers' ``jobs.py``: ``../shared/peers``, else the copy carried in ``.whl/peers``."""
     for folder in (DEFAULT_PEERS, CARRIED_PEERS):
         if os.path.isfile(os.path.join(folder, "jobs.py")):
             return folder
-    raise FileNotFoundError(f"no jobs.py in {DEFAULT_PEERS} nor {CARRIED_PEERS}: run `python -m benchmarks.gpu_check "
+    raise PeersMissing(f"no jobs.py in {DEFAULT_PEERS} nor {CARRIED_PEERS}: run `python -m benchmarks.gpu_check "
                             f"--fetch-wheels` where ../shared/peers exists, and carry .whl")
 
 

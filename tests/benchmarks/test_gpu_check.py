@@ -16,7 +16,7 @@ import sys
 import pytest
 import torch
 
-from benchmarks.gpu_check import report, stages, wheels
+from benchmarks.gpu_check import report, stages, wheels, worker
 from benchmarks.gpu_check.report import FAIL, PASS, READY, StageResult
 from benchmarks.gpu_check.worker import compare_states
 from tests.helpers.paths import REPO
@@ -59,6 +59,20 @@ def test_a_stage_that_cannot_be_planned_fails_the_dry_run_naming_why(tmp_path):
     result = stages.dry_check(broken, "cuda", str(tmp_path))
     assert result.outcome == FAIL and "no_such_stage" in result.note
     assert report.exit_code([result], "dry-run") == 1
+
+
+def test_without_the_peers_jobs_the_dry_run_finds_jobs_d_and_s_ready_and_says_their_plan_was_not_built(
+        tmp_path, monkeypatch):
+    """A checkout without ../shared/peers (CI's): stages d and e import and parse; their jobs travel in .whl/peers."""
+    monkeypatch.setattr(worker, "DEFAULT_PEERS", str(tmp_path / "shared" / "peers"))
+    monkeypatch.setattr(worker, "CARRIED_PEERS", str(tmp_path / ".whl" / "peers"))
+    with pytest.raises(worker.PeersMissing, match="--fetch-wheels"):
+        worker.jobs_module()
+    for stage in stages.select("d,e"):
+        result = stages.dry_check(stage, "cuda", str(tmp_path))
+        assert result.outcome == READY and result.figures == {"jobs": "not here"}
+        assert result.note.startswith("plan not built: PeersMissing: no jobs.py in")
+    assert report.exit_code([result], "dry-run") == 0
 
 
 @pytest.mark.parametrize("keys, expected", [
