@@ -209,6 +209,9 @@ def one_run(config: str, args, port: int) -> dict:
                 p.kill()
                 p.wait()
     result = json.loads(out.strip().splitlines()[-1])
+    if not samples:  # the run ended before the first sample: no peak to report, and saying so beats a crash
+        raise RuntimeError(f"{config}: the run ended within {time.monotonic() - t0:.1f} s, before the first "
+                           f"one-second sample of the pserver; give it more --steps")
     result.update(config=config, samples=samples, peak_rss=max(s[1] for s in samples),
                   final_rows=samples[-1][2])
     return result
