@@ -91,13 +91,16 @@ class DistributeTranspilerConfig:
       ``ram_rows``): a working area each pserver empties when it starts and
       removes when it stops (checkpoints hold the rows). None: the system's temp
       directory.
-    - ``heartbeat_interval``: seconds between a trainer's heartbeats to each
-      pserver. A trainer id heard from within three intervals
-      (:attr:`session_alive_window`) is alive: a second process saying Hello for
-      it is refused; a process restarted after the old one went quiet that long
-      takes the id over.
-    - ``heartbeat_timeout``: seconds; a trainer silent this long is dropped from
-      the barrier (sync) and the staleness bound (async), with a log line naming
+    - ``heartbeat_interval``: seconds; a trainer heartbeats only the pservers it
+      has been silent towards for an interval (no push, pull, lookup or other
+      call that reached them: a data stall, a long evaluation, a wait in a sync
+      barrier), one heartbeat per pserver per interval at most; in steady
+      training it sends none, its calls are its signs of life. A trainer id
+      heard from within three intervals (:attr:`session_alive_window`) is
+      alive: a second process saying Hello for it is refused; a process
+      restarted after the old one went quiet that long takes the id over.
+    - ``heartbeat_timeout``: seconds; a trainer silent this long (no call of any
+      kind, heartbeats included) is dropped from the barrier (sync) and the staleness bound (async), with a log line naming
       it; it rejoins by starting again.
     - ``recovery_timeout``: seconds a trainer keeps retrying an unavailable or
       restarted pserver (with backoff) before failing.

@@ -52,6 +52,7 @@ class PserverCollector(Collector):
         with c.lock:
             traffic = (c.pushes, c.prefetches, c.bytes_in, c.bytes_out)
             by_trainer = dict(c.pushes_by_trainer)
+            heartbeats, heartbeats_by_trainer = c.heartbeats, dict(c.heartbeats_by_trainer)
             refused = dict(c.refused_by)
         if self.auth is not None:
             refused[("auth", "UNAUTHENTICATED")] = self.auth.refused
@@ -77,6 +78,13 @@ class PserverCollector(Collector):
         for t in sorted(by_trainer):
             per_trainer.add_metric([*ep, str(t)], by_trainer[t])
         yield per_trainer
+        yield _counter("ps_heartbeats", "Heartbeats received (trainers send them only towards a pserver they were "
+                       "silent to for a heartbeat_interval: none in steady training)", ep, heartbeats)
+        beats = CounterMetricFamily("ps_trainer_heartbeats", "Heartbeats received per trainer (a node counts once)",
+                                    labels=["endpoint", "trainer"])
+        for t in sorted(heartbeats_by_trainer):
+            beats.add_metric([*ep, str(t)], heartbeats_by_trainer[t])
+        yield beats
         refusals = CounterMetricFamily("ps_refused_requests", "Requests refused, by reason (the refusal's kind; "
                                        "auth: no or wrong token; internal: a bug) and gRPC status",
                                        labels=["endpoint", "reason", "code"])

@@ -23,17 +23,26 @@ class Counters:
         self.shared_pushes = 0  # of which through shared memory
         self.prefetches = 0
         self.refused = 0
+        # Heartbeats received: trainers send them only towards pservers they were silent to for an interval.
+        self.heartbeats = 0
         # Refusals by (reason, status): the refusal's class name ("internal" for a bug) and its gRPC code.
         self.refused_by: Dict[Tuple[str, str], int] = {}
         # Per trainer (a node counts once): pushes counted and block gradients in them.
         self.pushes_by_trainer: Dict[int, int] = {}
         self.blocks_by_trainer: Dict[int, int] = {}
+        self.heartbeats_by_trainer: Dict[int, int] = {}
 
     def counted(self, trainer_id: int, blocks: int) -> None:
         """Count one applied push of ``trainer_id`` carrying ``blocks`` block gradients."""
         with self.lock:
             self.pushes_by_trainer[trainer_id] = self.pushes_by_trainer.get(trainer_id, 0) + 1
             self.blocks_by_trainer[trainer_id] = self.blocks_by_trainer.get(trainer_id, 0) + blocks
+
+    def heartbeat(self, trainer_id: int) -> None:
+        """Count one heartbeat of ``trainer_id`` (a node counts once)."""
+        with self.lock:
+            self.heartbeats += 1
+            self.heartbeats_by_trainer[trainer_id] = self.heartbeats_by_trainer.get(trainer_id, 0) + 1
 
     def add(self, bytes_in=0, bytes_out=0, pushes=0, prefetches=0, refused=0, shared_pushes=0):
         """Add to the traffic counters."""

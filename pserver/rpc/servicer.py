@@ -309,7 +309,7 @@ class PserverServicer:
         self.counters.add(bytes_in=reader.nbytes, prefetches=1,
                           bytes_out=sum(t.numel() * t.element_size() for _, t in rows))
 
-    @trainer_call(ps_pb2.SaveTablesRequest)
+    @trainer_call(ps_pb2.SaveTablesRequest, touch=True)
     def SaveTables(self, request, context):
         if not request.directory:
             raise BadRequest("SaveTables needs a directory")
@@ -324,10 +324,11 @@ class PserverServicer:
 
     @trainer_call(ps_pb2.HeartbeatRequest, digest=False)
     def Heartbeat(self, request, context):
+        self.counters.heartbeat(request.trainer_id)
         return ps_pb2.HeartbeatReply(updates=self.engine.touch(request.trainer_id),
                                      incarnation=self.incarnation)
 
-    @trainer_call(ps_pb2.RestoreRequest)
+    @trainer_call(ps_pb2.RestoreRequest, touch=True)
     def Restore(self, request, context):
         if not self.engine.sync_mode:
             raise NotAllowed(f"pserver {self.endpoint}: Restore is for sync mode; async pservers "
@@ -338,7 +339,7 @@ class PserverServicer:
         restored = self.engine.restore(request.trainer_id, request.checkpoint_step, request.token)
         return ps_pb2.RestoreReply(updates=self.engine.updates, restored=restored)
 
-    @trainer_call(ps_pb2.CheckpointRequest)
+    @trainer_call(ps_pb2.CheckpointRequest, touch=True)
     def Checkpoint(self, request, context):
         step, path = self.engine.checkpoint()
         return ps_pb2.CheckpointReply(checkpoint_step=step, path=path)
@@ -372,6 +373,7 @@ class PserverServicer:
                 table_bytes=snap.table_bytes, prefetches=c.prefetches,
                 incarnation=self.incarnation, uptime_s=time.monotonic() - self.started,
                 trainers_dropped=snap.dropped, refused=c.refused, shared_pushes=c.shared_pushes,
+                heartbeats=c.heartbeats,
                 checkpoint_step=last.step if last else -1, checkpoint_path=last.path if last else "",
                 checkpoint_age_s=time.time() - last.time if last else 0.0,
                 tables=[ps_pb2.TableStats(**t.to_dict()) for t in snap.tables],

@@ -84,6 +84,8 @@ class PserverChannel:
         self.primary = ShardPrimary(self, addresses, identity.trainer_id, config.recovery_timeout)
         self.bytes_pushed = 0
         self.bytes_pulled = 0
+        # Start of the latest call the pserver notes as a sign of life on arrival (trainer/heartbeat.py).
+        self.last_contact = float("-inf")
 
     # -- connection and session ---------------------------------------------
 
@@ -149,11 +151,12 @@ class PserverChannel:
             if time.monotonic() >= next_log:
                 log.info("trainer %d: waiting for %s", tid, self.endpoint)
                 next_log = time.monotonic() + WAIT_LOG_INTERVAL
+            started = time.monotonic()
             try:
                 reply = self._connection.unary["Hello"](request, timeout=min(remaining, WAIT_LOG_INTERVAL),
                                                         wait_for_ready=True)
                 log.info("trainer %d: %s is up (step %d)", tid, self.endpoint, reply.start_step)
-                self._session = reply.session
+                self._session, self.last_contact = reply.session, started
                 return reply
             except grpc.RpcError as e:
                 code = e.code()
@@ -303,11 +306,18 @@ class PserverChannel:
                  decode_into: Optional[DecodeInto]) -> Tuple[int, Dict[str, torch.Tensor]]:
         """Send ``request`` by ``path`` with a header carrying the current session; read its answer."""
         call = functools.partial(path.send, header(session=self._session), request, self._wait_timeout)
-        return self._receive(what, call, dtype_and_shape, decode_into)
+        return self._receive(what, call, dtype_and_shape, decode_into, not isinstance(request.tensors, BackwardTensors))
 
     def _receive(self, what: str, call: Callable[[], Iterable[bytes]], dtype_and_shape: DtypeAndShape,
-                 decode_into: Optional[DecodeInto]) -> Tuple[int, Dict[str, torch.Tensor]]:
-        """Run ``call`` (its answer: PullChunk messages) and rebuild the answer's tensors: (updates, tensors)."""
+                 decode_into: Optional[DecodeInto], sent_at_once: bool = True) -> Tuple[int, Dict[str, torch.Tensor]]:
+        """Run ``call`` (its answer: PullChunks) and rebuild the answer's tensors: (updates, tensors).
+
+        The pserver notes the call as a sign of life on arrival (a sync push parked in its barrier too), so it is
+        contact from its start; one not ``sent_at_once`` (its tensors stream during backward) once it went through.
+        """
+        started = time.monotonic()
+        if sent_at_once:
+            self.last_contact = started
         reader = TensorReader(dtype_and_shape, decode_into)
         updates = None
         try:
@@ -325,6 +335,7 @@ class PserverChannel:
         if updates is None:
             raise PserverError(self.endpoint, f"{what}: answer carried no header")
         self.bytes_pulled += reader.nbytes
+        self.last_contact = max(self.last_contact, started)
         return updates, tensors
 
     # -- unary calls ----------------------------------------------------------
@@ -334,6 +345,7 @@ class PserverChannel:
         return self.primary.run(functools.partial(self._unary_once, method, request, what, timeout))
 
     def _unary_once(self, method: str, request: Callable, what: str, timeout: float):
+        self.last_contact = time.monotonic()  # Heartbeat, SaveTables, Restore, Checkpoint, Reduce: all touch on arrival
         try:
             return self._connection.unary[method](request(session=self._session), timeout=timeout)
         except grpc.RpcError as e:
