@@ -104,11 +104,6 @@ class StepMeter:
         self._batch_examples = 0
         self._stepped = True
 
-    @property
-    def pending(self) -> int:
-        """Steps in the current window."""
-        return self._steps
-
     def take(self) -> Optional[Window]:
         """The current window (None if no step ended in it), up to its last step's end; the next one starts there."""
         if self._steps == 0:

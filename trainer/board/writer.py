@@ -65,8 +65,6 @@ def scalar_values(values: Mapping[str, object]) -> Dict[str, float]:
 class NullBoard:
     """The board of a process that writes nothing: every call returns at once."""
 
-    on = False
-
     def scalars(self, values: Dict[str, float], step: int) -> None:
         """Write nothing."""
 
@@ -92,8 +90,6 @@ NULL_BOARD = NullBoard()
 
 class Board:
     """One process's writer (see the module doc). ``inside_tag``: what the time inside ``step()`` is called."""
-
-    on = True
 
     def __init__(self, writer, every: int, inside_tag: str, stats: Optional[AskStats] = None,
                  endpoints: Optional[List[str]] = None, clock: Optional[Callable[[], float]] = None):
