@@ -269,10 +269,7 @@ class CollectiveTrainer(TrainerBase):
 
     def _close(self, patient: bool) -> None:
         self.model = self.module  # the DDP wrapper cannot communicate once its group is gone
-        try:
-            self.board.finish(self.state.step, patient)
-        finally:
-            self.board.close()
+        self.board.close(self.state.step, patient)
         self.feed.close()
         self._leave()
         log.info("collective trainer %d (rank %d): closed after step %d", self.trainer_id, self.rank,

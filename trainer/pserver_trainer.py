@@ -270,9 +270,8 @@ class PserverTrainer(TrainerBase):
             raise
         finally:
             try:  # the last scalars (and pserver Stats) while the channels are open; then flushed
-                self.board.finish(self.state.step, patient)
+                self.board.close(self.state.step, patient)
             finally:
-                self.board.close()
                 self.feed.close()
                 self.stepper.close(self.program.config.connect_timeout if patient else 0.0)
         log.info("trainer %d%s: closed after step %d (pushed %s bytes, pulled %s bytes)",

@@ -73,7 +73,7 @@ def train_trainer(endpoints: List[str], trainer_id: int, size: dict, device_name
     from psproto.security import Security
     from trainer import Trainer
 
-    device = device_of(device_name)
+    device_of(device_name)  # TF32 off, and no GPU when one was asked for fails here; the Trainer picks cuda:0
     torch.set_num_threads(1)
     jobs = jobs_module()
     total = size["warmup"] + size["steps"]

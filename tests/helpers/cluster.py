@@ -72,24 +72,32 @@ class LocalCluster:
 
         Each trainer is closed when its body returns or raises.
         """
+        def with_trainer(i: int) -> object:
+            with self.trainer(i) as tr:
+                return body(tr, i)
+
         ids = list(range(self.n_trainers)) if ids is None else ids
-        results: Dict[int, object] = {}
-        errors: Dict[int, BaseException] = {}
+        return in_threads({i: (lambda i=i: with_trainer(i)) for i in ids}, timeout)
 
-        def run(i):
-            try:
-                with self.trainer(i) as tr:
-                    results[i] = body(tr, i)
-            except BaseException as e:  # reported below, on the test's thread
-                errors[i] = e
 
-        threads = [threading.Thread(target=run, args=(i,), name=f"trainer-{i}") for i in ids]
-        for th in threads:
-            th.start()
-        for th in threads:
-            th.join(timeout)
-            if th.is_alive():
-                raise TimeoutError(f"{th.name} did not finish within {timeout}s")
-        if errors:
-            raise next(iter(errors.values()))
-        return results
+def in_threads(bodies: Dict[int, Callable[[], object]], timeout: float = 60.0) -> Dict[int, object]:
+    """Run each of ``bodies`` (by trainer id) in a thread ``trainer-<id>``; their results, or the first failure re-raised."""
+    results: Dict[int, object] = {}
+    errors: Dict[int, BaseException] = {}
+
+    def run(i: int) -> None:
+        try:
+            results[i] = bodies[i]()
+        except BaseException as e:  # reported below, on the test's thread
+            errors[i] = e
+
+    threads = [threading.Thread(target=run, args=(i,), name=f"trainer-{i}") for i in bodies]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(timeout)
+        if th.is_alive():
+            raise TimeoutError(f"{th.name} did not finish within {timeout}s")
+    if errors:
+        raise next(iter(errors.values()))
+    return results

@@ -12,15 +12,14 @@ SIGSTOPped past the timeout in test_recovery.py and test_overlaps.py.
 from __future__ import annotations
 
 import logging
-import threading
 import time
-from typing import Callable, Dict
+from typing import Dict
 
 import pytest
 import torch
 from torch import nn
 
-from tests.helpers.cluster import LocalCluster
+from tests.helpers.cluster import LocalCluster, in_threads
 from tests.helpers.models import FLOAT64_EXACT, batches, odd_mlp, train_concatenated
 from tests.pserver.test_metrics import scrape, value
 from transpiler import DistributeTranspilerConfig, Program
@@ -36,28 +35,6 @@ def build() -> Program:
 
 def config(**overrides) -> DistributeTranspilerConfig:
     return DistributeTranspilerConfig(**{"heartbeat_interval": INTERVAL, "heartbeat_timeout": TIMEOUT, **overrides})
-
-
-def in_threads(bodies: Dict[int, Callable[[], object]], timeout: float = 60.0) -> Dict[int, object]:
-    """Run each trainer's body in its own thread; their results, or the first failure re-raised."""
-    results: Dict[int, object] = {}
-    errors: Dict[int, BaseException] = {}
-
-    def run(i: int) -> None:
-        try:
-            results[i] = bodies[i]()
-        except BaseException as e:  # reported below, on the test's thread
-            errors[i] = e
-
-    threads = [threading.Thread(target=run, args=(i,), name=f"trainer-{i}") for i in bodies]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join(timeout)
-        assert not th.is_alive(), f"{th.name} did not finish within {timeout}s"
-    if errors:
-        raise next(iter(errors.values()))
-    return results
 
 
 def train_step(tr, batch) -> None:

@@ -78,11 +78,8 @@ class NullBoard:
     def step_ends(self, step: int) -> None:
         """Nothing to time."""
 
-    def finish(self, step: int, patient: bool) -> None:
-        """Nothing to write."""
-
-    def close(self) -> None:
-        """Nothing to close."""
+    def close(self, step: int, patient: bool) -> None:
+        """Nothing to write or close."""
 
 
 NULL_BOARD = NullBoard()
@@ -137,26 +134,24 @@ class Board:
         if self.poller is not None:
             self.poller.request(step)
 
-    def finish(self, step: int, patient: bool) -> None:
-        """The trainer closes at ``step``: the last window, and (``patient``: the job went well) a last Stats round."""
-        window = self.meter.take()
-        if window is not None:
-            self.scalars(window.scalars(self._inside_tag), step)
-        if self.poller is not None:
-            if patient:
-                self.poller.final(step)
-            else:
-                self.poller.stop()
-
-    def close(self) -> None:
-        """Stop the Stats thread, flush and close the event file. Idempotent."""
-        if self.poller is not None:
-            self.poller.stop()
+    def close(self, step: int, patient: bool) -> None:
+        """The trainer closes at ``step``: the last window and (``patient``: the job went well) a last Stats round,
+        then the Stats thread stopped and the event file flushed and closed. Idempotent."""
         with self._lock:
             if self._closed:
                 return
-            self._closed = True
-        self._writer.close()
+        try:
+            window = self.meter.take()
+            if window is not None:
+                self.scalars(window.scalars(self._inside_tag), step)
+            if self.poller is not None and patient:
+                self.poller.final(step)
+        finally:
+            if self.poller is not None:
+                self.poller.stop()
+            with self._lock:
+                self._closed = True
+            self._writer.close()
 
 
 def open_board(config: DistributeTranspilerConfig, trainer_id: int, local_rank: int, rank: int, inside_tag: str,
