@@ -37,7 +37,7 @@ from .ops.metrics import MetricsServer, PserverCollector
 from .ops.ports import SidePorts, split_host
 from .rpc import PserverServicer
 from .rpc.aio import Parking
-from .rpc.servicer import Incarnation
+from .rpc.sessions import Incarnation
 from .store import BlockStore
 from .tables import TableSet
 from .tables.serving.exporter import TableExporter

@@ -104,11 +104,12 @@ class Waits:
     """The engine's parked waits on its condition variable ``cv``, each within ``barrier_timeout`` seconds.
 
     Every method but :meth:`finish` is called under the lock of ``cv``.
+    ``rollbacks`` (None: waits no roll-back ends, as the Reduce service's)
     ``on_wait`` gets the seconds a measured wait took, outside the lock.
     """
 
-    def __init__(self, cv: threading.Condition, endpoint: str, barrier_timeout: float, rollbacks: RollBacks,
-                 on_wait: Optional[Callable[[float], None]] = None):
+    def __init__(self, cv: threading.Condition, endpoint: str, barrier_timeout: float,
+                 rollbacks: Optional[RollBacks] = None, on_wait: Optional[Callable[[float], None]] = None):
         self.cv = cv
         self.endpoint = endpoint
         self.barrier_timeout = barrier_timeout
@@ -130,7 +131,7 @@ class Waits:
     def park(self, ready: Callable[[], bool], what: str, missing: Callable[[], Iterable[int]],
              measured: bool = False) -> Parked:
         """A handle that completes once ``ready()`` holds (maybe done already), or fails naming ``missing()``."""
-        handle = Parked(self, ready, what, missing, time.monotonic() + self.barrier_timeout, self.rollbacks.made,
+        handle = Parked(self, ready, what, missing, time.monotonic() + self.barrier_timeout, self._rollbacks_made(),
                         measured)
         if self._settle(handle):
             handle.measured = False  # it never waited
@@ -148,14 +149,16 @@ class Waits:
         """The waiter's deadline passed: unless its condition holds now, ``handle`` fails with BarrierTimeout."""
         if handle.done:
             return
+        self._forget(handle)
         if not self._settle(handle):
-            self._forget(handle)
             handle._end(BarrierTimeout(f"pserver {self.endpoint}: {handle.what} still waits for trainers "
                                        f"{handle.missing()} after {self.barrier_timeout:g}s"))
 
     def cancel(self, handle: Parked) -> None:
-        """The waiter gave up (its client cancelled): forget ``handle`` without ending it."""
-        self._forget(handle)
+        """The waiter gave up (its client cancelled): ``handle`` is forgotten, and ends unless it has."""
+        if not handle.done:
+            self._forget(handle)
+            handle._end(Refusal(f"pserver {self.endpoint}: the caller of {handle.what} went away"))
 
     def wait(self, ready: Callable[[], bool], what: str, missing: Callable[[], Iterable[int]],
              measured: bool = False) -> Parked:
@@ -188,13 +191,16 @@ class Waits:
             handle._end(None)
         elif self._stopping:
             handle._end(ShuttingDown(f"pserver {self.endpoint} is shutting down"))
-        elif self.rollbacks.made != handle.rollbacks:
+        elif self._rollbacks_made() != handle.rollbacks:
             handle._end(MustResync(f"pserver {self.endpoint}: rolled back to the checkpoint at step "
                                    f"{self.rollbacks.restored_from} while {handle.what} waited; call Hello "
                                    f"to re-sync"))
         else:
             return False
         return True
+
+    def _rollbacks_made(self) -> int:
+        return self.rollbacks.made if self.rollbacks is not None else 0
 
     def _forget(self, handle: Parked) -> None:
         try:

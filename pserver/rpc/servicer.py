@@ -23,7 +23,6 @@ exception is a bug: answered INTERNAL, its traceback logged.
 from __future__ import annotations
 
 import logging
-import secrets
 import time
 from typing import Callable, Dict, Iterator, Optional
 
@@ -46,7 +45,7 @@ from .mapped_regions import SharedRegions
 from .parking import park, parks
 from .prologue import parse, refusals, trainer_call
 from .replica_link import ReplicaServicer
-from .sessions import Sessions
+from .sessions import Incarnation, Sessions
 
 log = logging.getLogger(__name__)
 
@@ -55,22 +54,6 @@ def _finite(g: torch.Tensor) -> bool:
     # One reduction first (cheap); the elementwise pass only when the sum is
     # not finite, which also covers a sum that merely overflowed.
     return bool(torch.isfinite(g.sum())) or bool(torch.isfinite(g).all())
-
-
-class Incarnation:
-    """The number trainers tell this pserver's state by, in Hello, Heartbeat and Stats answers.
-
-    A new value per process: trainers tell a restarted pserver by it. A
-    replicated shard's processes answer with the state's lineage instead, the
-    same on both, so a failover is no restart to trainers (:meth:`adopt`).
-    """
-
-    def __init__(self):
-        self.value = secrets.randbits(63) or 1
-
-    def adopt(self, lineage: int) -> None:
-        """Answer ``lineage`` from now on (this process leads its replicated shard)."""
-        self.value = lineage
 
 
 class PserverServicer:
@@ -370,12 +353,14 @@ class PserverServicer:
         self._acked()
         return ps_pb2.CloseReply(trainers_left=left)
 
+    @parks()
     @trainer_call(ps_pb2.ReduceRequest, touch=True)
     def Reduce(self, request, context):
         values = to_values((v.name, v.shape, v.data) for v in request.values)
-        combined, trainers = self.reductions.reduce(request.trainer_id, request.key, request.round, request.op,
-                                                    values)
-        return ps_pb2.ReduceReply(trainers=trainers, values=[
+        handle, result = self.reductions.park(request.trainer_id, request.key, request.round, request.op, values)
+        yield from park(handle)
+        combined, trainers = result()
+        yield ps_pb2.ReduceReply(trainers=trainers, values=[
             ps_pb2.ReduceValue(name=name, shape=v.shape, data=v.ravel().tolist()) for name, v in combined.items()])
 
     @refusals
