@@ -162,28 +162,20 @@ class Engine(ABC):
         """Count (sync) or apply (async) one trainer's gradients of ``step``; returns (counted, updates).
 
         A retried push of a step already counted is acknowledged, not applied
-        twice. ``sparse`` is {table: (ids, rows)}. A push that must first wait
-        (async, past ``max_staleness``) blocks, or with ``park`` returns the
-        :class:`~.waits.Parked` handle of that wait having changed nothing:
-        push again once it is done.
+        twice. ``sparse`` is {table: (ids, rows)}. A push that must wait (async,
+        past ``max_staleness``) blocks, or with ``park`` changes nothing and
+        returns the wait's :class:`~.waits.Parked` handle: push again once done.
         """
 
     def park_updates(self, trainer_id: int, min_updates: int) -> Optional[Parked]:
-        """A wait until ``min_updates`` updates are applied (sync: the step's barrier); None: no wait.
+        """A wait (:mod:`.waits`) until ``min_updates`` updates are applied (sync: the barrier); None: no wait.
 
-        Refusals that need no wait are raised at once; the handle (see
-        :mod:`.waits`) completes when the step is applied, or fails as the
-        blocking :meth:`wait_updates` would. Async pulls never wait.
+        Refusals that need no wait are raised at once. Async pulls never wait.
         """
         return None
 
     def wait_updates(self, trainer_id: int, min_updates: int) -> None:
-        """Block until ``min_updates`` updates are applied (sync: the step's barrier), within its deadline.
-
-        :meth:`park_updates`, then waits on the lock for the handle: the same
-        rules as a parked call's. A wait reports how long it took to
-        ``on_wait`` (the barrier histogram), after the lock is released.
-        """
+        """Block on :meth:`park_updates`'s handle (the same rules); the barrier histogram hears of the wait."""
         handle = self.park_updates(trainer_id, min_updates)
         if handle is not None:
             with self.cv:

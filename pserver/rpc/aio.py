@@ -5,11 +5,13 @@ for other trainers stays synchronous: gRPC runs it in the server's pool (its
 ``migration_thread_pool``), as the threaded server did. A method written to
 park (:mod:`.parking`) gets an asyncio handler from :meth:`Parking.adapt`: its
 request stream is collected on the loop, then its generator runs in the same
-pool up to its next wait; the handle of that wait is awaited on the loop (the
-thread that applies the step wakes it with ``call_soon_threadsafe``), and the
-rest of the call (reading and encoding the answer) runs in the pool again.
-A parked call whose client goes away (cancel, deadline) forgets its handle
-and closes its generator, which releases what it held.
+pool up to its next wait, and the pool thread goes back to the pool. The
+thread that ends the wait (the one whose push applied the step, under the
+engine's lock) queues the rest of the call (reading and encoding the answer)
+to the pool at once; the loop awaits only the answers, and keeps each wait's
+deadline (its expiry runs in the pool). A parked call whose client goes away
+(cancel, deadline) forgets its handle and closes its generator, which
+releases what it held.
 
 Statuses are still chosen by :mod:`.prologue` only: a method running in the
 pool sees a :class:`PoolContext`, whose ``abort(code, details)`` raises
@@ -19,14 +21,14 @@ from __future__ import annotations
 
 import asyncio
 import time
-from concurrent.futures import Executor, Future
-from typing import Callable, Dict
+from concurrent.futures import Executor, Future, InvalidStateError
+from typing import Callable, Dict, Optional
 
 import grpc
 
 from ..engine.waits import Parked
 
-_END, _PARK, _ANSWER = range(3)
+_END, _ANSWER = range(2)
 
 
 class Abort(grpc.RpcError):
@@ -59,27 +61,77 @@ class PoolContext:
         raise Abort(code, details)
 
 
-def _advance(answers, wake: Callable[[Parked], None]):
-    """In the pool: run ``answers`` to its next answer, its end, or a wait not over yet (``wake`` registered)."""
-    for item in answers:
-        if not isinstance(item, Parked):
-            return _ANSWER, item
-        if not item.done:
-            item.on_done(wake)  # under the engine's lock: called at once if it ended meanwhile
-            return _PARK, item
-    return _END, None
+class _Call:
+    """One parking call's generator, advanced in the pool; the loop awaits only its answers.
 
-
-def _abandon(answers, step: Future) -> None:
-    """The client went away after ``step`` (an :func:`_advance`): forget its wait, close the generator.
-
-    Closing runs the method's ``finally`` clauses (receive buffers go back to their pool).
+    When a wait ends, the thread that ended it (the one that applied the
+    step) queues the generator's next stretch to the pool at once: the
+    answer is read and encoded without a detour through the event loop. The
+    loop hears of a park only to arm its deadline (:meth:`Parking.drive`).
     """
-    if not step.cancelled() and step.exception() is None:
-        kind, item = step.result()
-        if kind == _PARK:
-            item.cancel()
-    answers.close()
+
+    def __init__(self, pool: Executor, answers, loop: asyncio.AbstractEventLoop,
+                 on_park: Callable[[Parked], None]):
+        self.pool, self.answers, self.loop, self.on_park = pool, answers, loop, on_park
+        self.next: Future = Future()
+        self.parked: Optional[Parked] = None
+        self.abandoned = False
+
+    def start(self) -> Future:
+        """Run the generator to its next answer (or its end) in the pool; the future of that outcome."""
+        self.next = Future()
+        self.pool.submit(self._advance)
+        return self.next
+
+    def _advance(self) -> None:
+        if self.abandoned:  # the client went away while this stretch was queued
+            self.answers.close()
+            return
+        try:
+            for item in self.answers:
+                if not isinstance(item, Parked):
+                    self._deliver((_ANSWER, item))
+                    return
+                if not item.done:
+                    self.parked = item
+                    self.loop.call_soon_threadsafe(self.on_park, item)
+                    item.on_done(self._resume)  # under the engine's lock: at once if it ended meanwhile
+                    if self.abandoned:  # gone while this ran: abandon() saw no wait to forget
+                        item.cancel()
+                    return
+        except BaseException as e:  # noqa: BLE001 - the loop answers it (Abort) or gRPC does
+            self._deliver(error=e)
+            return
+        self._deliver((_END, None))
+
+    def _deliver(self, outcome=None, error: Optional[BaseException] = None) -> None:
+        if self.next.cancelled():  # the loop stopped waiting (the client went away)
+            self.answers.close()
+            return
+        try:
+            if error is not None:
+                self.next.set_exception(error)
+            else:
+                self.next.set_result(outcome)
+        except InvalidStateError:  # cancelled just now
+            self.answers.close()
+
+    def _resume(self, _handle: Parked) -> None:
+        # Called by the thread that ended the wait, under the engine's lock: queue, never run, here.
+        try:
+            self.pool.submit(self._advance)
+        except RuntimeError:  # the pool is shut down: the server stops, nobody reads the answer
+            self.answers.close()
+
+    def abandon(self) -> None:
+        """The client went away: forget the parked wait (in the pool: that takes the engine's lock)."""
+        self.abandoned = True
+        parked = self.parked
+        if parked is not None and not parked.done:
+            try:
+                self.pool.submit(parked.cancel)  # ends it: _resume then closes the generator
+            except RuntimeError:
+                pass
 
 
 class Parking:
@@ -129,42 +181,32 @@ class Parking:
         return make(unary, **serializers)
 
     async def drive(self, answers):
-        """The answers of a parking generator: its steps in the pool, its waits awaited here."""
+        """The answers of a parking generator: its stretches run in the pool, each wait's deadline kept here."""
         loop = asyncio.get_running_loop()
-        while True:
-            woken = loop.create_future()
+        timers = []
 
-            def wake(_handle, woken=woken):
-                loop.call_soon_threadsafe(_settle, woken)
+        def on_park(handle: Parked) -> None:
+            timers.append(loop.call_at(loop.time() + max(0.0, handle.deadline - time.monotonic()),
+                                       self._expire, handle))
 
-            step = self.pool.submit(_advance, answers, wake)
-            try:
-                kind, item = await asyncio.wrap_future(step)
+        call = _Call(self.pool, answers, loop, on_park)
+        try:
+            while True:
+                kind, item = await asyncio.wrap_future(call.start())
                 if kind == _END:
                     return
-                if kind == _ANSWER:
-                    yield item
-                    continue
-                await self._wait(item, woken, loop)
-            except asyncio.CancelledError:
-                step.add_done_callback(lambda done: self._abandon(answers, done))
-                raise
+                yield item
+        except asyncio.CancelledError:
+            call.abandon()
+            raise
+        finally:
+            for timer in timers:
+                timer.cancel()
 
-    def _abandon(self, answers, step: Future) -> None:
-        # In the pool: forgetting the handle takes the engine's lock, which the loop must not wait for.
-        try:
-            self.pool.submit(_abandon, answers, step)
-        except RuntimeError:  # the pool is shut down (the server stops): nothing waits any more
-            _abandon(answers, step)
-
-    async def _wait(self, handle: Parked, woken: asyncio.Future, loop) -> None:
-        """Until ``handle`` is done; past its deadline it is expired (in the pool: that takes the engine's lock)."""
-        try:
-            await asyncio.wait_for(woken, max(0.0, handle.deadline - time.monotonic()))
-        except asyncio.TimeoutError:
-            await loop.run_in_executor(self.pool, handle.expire)
-
-
-def _settle(woken: asyncio.Future) -> None:
-    if not woken.done():
-        woken.set_result(None)
+    def _expire(self, handle: Parked) -> None:
+        # The deadline passed: expiring takes the engine's lock, so in the pool, never on the loop.
+        if not handle.done:
+            try:
+                self.pool.submit(handle.expire)
+            except RuntimeError:  # the pool is shut down: the server's stop ended every wait
+                pass

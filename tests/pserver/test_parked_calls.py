@@ -8,11 +8,16 @@ the trainers' gradients), and the pserver's threads stay within the pool's bound
 """
 import threading
 
+import grpc
 import pytest
 import torch
 
+from psproto import ps_pb2, ps_pb2_grpc
+from psproto.wire import SERVICE, one_message
 from tests.helpers.cluster import LocalCluster
 from tests.helpers.models import FLOAT64_EXACT, batches, odd_mlp, train_concatenated
+from tests.helpers.polling import poll
+from tests.helpers.wire import answer, open_sessions, push_messages
 from transpiler import DistributeTranspilerConfig, Program
 
 TRAINERS = 12
@@ -56,3 +61,34 @@ def test_more_trainers_than_handler_threads_complete_every_step():
     # Per pserver: at most WORKERS pool threads, its event loop and its two watchers, whatever the trainers.
     assert len(seen) == TRAINERS * STEPS
     assert max(seen) - before <= 2 * (WORKERS + 3), seen
+
+
+def full_grads(server, value=0.5):
+    return [(n, torch.full(spec.shape, value)) for n, spec in server.engine.store.specs.items()]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("method", ["PushPull", "PushPullOne"])
+def test_a_parked_push_whose_client_gives_up_leaves_no_handle(method):
+    """Trainer 1 never pushes: trainer 0's parked push ends at its client's deadline, and the pserver forgets it."""
+    config = DistributeTranspilerConfig(pserver_rpc_workers=1)
+    with LocalCluster(lambda: Program(odd_mlp(), "sgd", lr=0.1), 1, 2, config=config) as cluster:
+        server = cluster.servers[0]
+        digest = server.program.layout_digest
+        with grpc.insecure_channel(cluster.endpoints[0]) as channel:
+            stub = ps_pb2_grpc.ParameterServerStub(channel)
+            sessions = open_sessions(stub, digest)
+            messages = list(push_messages(digest, 0, 0, full_grads(server), sessions=sessions))
+            with pytest.raises(grpc.RpcError) as refused:
+                if method == "PushPull":
+                    list(stub.PushPull(iter(messages), timeout=1.0))
+                else:
+                    header = ps_pb2.PushHeader(trainer_id=0, step=0, layout_digest=digest, session=sessions[0])
+                    channel.unary_unary(f"/{SERVICE}/PushPullOne")(one_message(header, full_grads(server)),
+                                                                    timeout=1.0)
+            assert refused.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            poll(lambda: server.engine.waits.parked == 0, "the abandoned wait forgotten")
+            # The push itself was counted: trainer 1's completes the step, and the one handler thread still serves.
+            reply = answer(stub.PushPull(push_messages(digest, 1, 0, full_grads(server), sessions=sessions),
+                                         timeout=10))
+            assert reply.updates == 1 and server.engine.updates == 1
