@@ -162,16 +162,12 @@ class Engine(ABC):
         """Count (sync) or apply (async) one trainer's gradients of ``step``; returns (counted, updates).
 
         A retried push of a step already counted is acknowledged, not applied
-        twice. ``sparse`` is {table: (ids, rows)}. A push that must wait (async,
-        past ``max_staleness``) blocks, or with ``park`` changes nothing and
-        returns the wait's :class:`~.waits.Parked` handle: push again once done.
+        twice. ``sparse`` is {table: (ids, rows)}. A push that must wait (async, past
+        ``max_staleness``) blocks; with ``park`` it returns that wait's handle instead, having done nothing.
         """
 
     def park_updates(self, trainer_id: int, min_updates: int) -> Optional[Parked]:
-        """A wait (:mod:`.waits`) until ``min_updates`` updates are applied (sync: the barrier); None: no wait.
-
-        Refusals that need no wait are raised at once. Async pulls never wait.
-        """
+        """A wait (:mod:`.waits`) for ``min_updates`` updates (sync: the barrier); None: none (async: never)."""
         return None
 
     def wait_updates(self, trainer_id: int, min_updates: int) -> None:
