@@ -14,6 +14,7 @@ import logging
 import os
 import secrets
 import signal
+import sys
 import threading
 from concurrent import futures
 from typing import Optional
@@ -43,6 +44,8 @@ from .tables import TableSet
 from .tables.serving.exporter import TableExporter
 
 log = logging.getLogger(__name__)
+
+SWITCH_INTERVAL_S = 0.0005  # how soon a thread waiting for the GIL gets it (see serve)
 
 
 class ParameterServer:
@@ -341,6 +344,9 @@ class ParameterServer:
         restarts it; it then rejoins as the backup.
         """
         torch.set_num_threads(self.program.config.pserver_torch_threads)
+        # The event loop sends every answer: it must get the GIL back from the pool's threads soon
+        # (Python's default hands it over after 5 ms, longer than a job S push's CPU).
+        sys.setswitchinterval(SWITCH_INTERVAL_S)
         self.start()
         previous = {}
         if threading.current_thread() is threading.main_thread():
