@@ -17,7 +17,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable, List, Mapping, Optional, Sequence, Tuple
+from typing import List, Mapping, Optional, Sequence, Tuple
 
 import grpc
 
@@ -147,9 +147,11 @@ class Security:
             raise ValueError("PS_TLS_CA is set but PS_TLS_CERT / PS_TLS_KEY are not: a pserver "
                              "requiring client certificates needs its own certificate and key")
 
-    def server_interceptors(self) -> List[grpc.ServerInterceptor]:
-        """Interceptors for ``grpc.server(interceptors=...)``: the token check when a token is set."""
-        return [TokenAuthInterceptor(self.token)] if self.token else []
+    def server_interceptors(self, aio: bool = False) -> List[TokenCheck]:
+        """Interceptors for ``grpc.server(interceptors=...)`` (``aio``: ``grpc.aio.server``): the token check, if set."""
+        if not self.token:
+            return []
+        return [AioTokenAuthInterceptor(self.token) if aio else TokenAuthInterceptor(self.token)]
 
     def add_port(self, server: grpc.Server, endpoint: str) -> int:
         """Bind ``endpoint`` on ``server``, with TLS when ``tls_cert`` is set; returns the port (0: failed).
@@ -261,11 +263,13 @@ class _RefusalLog:
                     f" ({more} more refused from {address} since the last report)" if more else "")
 
 
-class TokenAuthInterceptor(grpc.ServerInterceptor):
-    """Refuses, with UNAUTHENTICATED, every call whose ``authorization`` is not ``Bearer <token>``.
+class TokenCheck:
+    """The token check both server interceptors share: which calls pass, and the count and log of refusals.
 
-    Applies to every service on the server (the pserver's, health, reflection)
-    and runs before any servicer code, so a refused call changes nothing.
+    Every call whose ``authorization`` is not ``Bearer <token>`` is refused
+    with UNAUTHENTICATED, on every service of the server (the pserver's,
+    health, reflection), before any servicer code runs: a refused call
+    changes nothing.
     """
 
     def __init__(self, token: str):
@@ -282,22 +286,15 @@ class TokenAuthInterceptor(grpc.ServerInterceptor):
                 return hmac.compare_digest(got, self._expected)
         return False
 
-    def _refusal(self, method: str) -> Callable:
-        def refuse(request_or_iterator, context):
-            with self._count:
-                self.refused += 1
-            self._log(context.peer() or "unknown peer", method)
-            context.abort(grpc.StatusCode.UNAUTHENTICATED, f"pserver: {method}: {_REFUSED}")
-        return refuse
+    def _refused(self, context, method: str) -> str:
+        """Count and log one refusal; the details to abort it with."""
+        with self._count:
+            self.refused += 1
+        self._log(context.peer() or "unknown peer", method)
+        return f"pserver: {method}: {_REFUSED}"
 
-    def intercept_service(self, continuation, handler_call_details):
-        """Pass the call on when its token matches; otherwise a handler that aborts UNAUTHENTICATED."""
-        if self._authorized(handler_call_details.invocation_metadata):
-            return continuation(handler_call_details)
-        handler = continuation(handler_call_details)
-        if handler is None:
-            return None
-        refuse = self._refusal(handler_call_details.method)
+    @staticmethod
+    def _shaped(handler, refuse):
         # The refusal must have the real method's shape, or gRPC mis-handles the stream.
         if handler.request_streaming and handler.response_streaming:
             return grpc.stream_stream_rpc_method_handler(refuse)
@@ -306,3 +303,37 @@ class TokenAuthInterceptor(grpc.ServerInterceptor):
         if handler.response_streaming:
             return grpc.unary_stream_rpc_method_handler(refuse)
         return grpc.unary_unary_rpc_method_handler(refuse)
+
+
+class TokenAuthInterceptor(TokenCheck, grpc.ServerInterceptor):
+    """The token check (:class:`TokenCheck`) on a threaded ``grpc.server``."""
+
+    def intercept_service(self, continuation, handler_call_details):
+        """Pass the call on when its token matches; otherwise a handler that aborts UNAUTHENTICATED."""
+        if self._authorized(handler_call_details.invocation_metadata):
+            return continuation(handler_call_details)
+        handler = continuation(handler_call_details)
+        if handler is None:
+            return None
+        method = handler_call_details.method
+
+        def refuse(request_or_iterator, context):
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, self._refused(context, method))
+        return self._shaped(handler, refuse)
+
+
+class AioTokenAuthInterceptor(TokenCheck, grpc.aio.ServerInterceptor):
+    """The token check (:class:`TokenCheck`) on gRPC's asyncio server (the pserver's main port)."""
+
+    async def intercept_service(self, continuation, handler_call_details):
+        """Pass the call on when its token matches; otherwise a handler that aborts UNAUTHENTICATED."""
+        if self._authorized(handler_call_details.invocation_metadata):
+            return await continuation(handler_call_details)
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return None
+        method = handler_call_details.method
+
+        async def refuse(request_or_iterator, context):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, self._refused(context, method))
+        return self._shaped(handler, refuse)

@@ -9,9 +9,12 @@ switch a hot standby's backup keeps off); the engine; what requests may carry
 """
 from __future__ import annotations
 
+import asyncio
 import logging
+import os
 import secrets
 import signal
+import sys
 import threading
 from concurrent import futures
 from typing import Optional
@@ -24,7 +27,7 @@ from grpc_reflection.v1alpha import reflection
 from psproto.options import server_options
 from psproto.wire import SERVICE as SERVICE_NAME
 from transpiler import PserverProgram, StartupProgram
-from psproto.security import Security, TokenAuthInterceptor
+from psproto.security import Security, TokenCheck
 
 from .checkpoint import Checkpointer
 from .engine import (AsyncEngine, Contents, FileWrites, Reductions, Replication, ScheduledCheckpoints,
@@ -34,12 +37,15 @@ from .ops.health import HealthPort
 from .ops.metrics import MetricsServer, PserverCollector
 from .ops.ports import SidePorts, split_host
 from .rpc import PserverServicer
-from .rpc.servicer import Incarnation
+from .rpc.aio import Parking
+from .rpc.sessions import Incarnation
 from .store import BlockStore
 from .tables import TableSet
 from .tables.serving.exporter import TableExporter
 
 log = logging.getLogger(__name__)
+
+SWITCH_INTERVAL_S = 0.0005  # how soon a thread waiting for the GIL gets it (see serve)
 
 
 class ParameterServer:
@@ -110,13 +116,16 @@ class ParameterServer:
                 log.info("pserver %s resumes from the checkpoint at step %d under %s%s", self.endpoint,
                          self.engine.updates, cfg.checkpoint_dir,
                          " (tables_from is ignored)" if tables_from else "")
-        self._server: Optional[grpc.Server] = None
-        self._health: Optional[health.HealthServicer] = None
+        self._server: Optional[grpc.aio.Server] = None
+        self._loop: Optional[asyncio.AbstractEventLoop] = None
+        self._loop_thread: Optional[threading.Thread] = None
+        self._pool: Optional[futures.ThreadPoolExecutor] = None
+        self._health = None  # grpc_health's asyncio HealthServicer, once serving
         self._health_port: Optional[HealthPort] = None
         self._metrics: Optional[MetricsServer] = None
         self._finished = threading.Event()
         self._stopped = False
-        self._interceptors = self.security.server_interceptors()
+        self._interceptors = self.security.server_interceptors(aio=True)
         # Trainers tell a restarted shard by the incarnation Hello answers: with replicas it names the
         # state's lineage, the same on both processes, so a failover is no restart to them.
         incarnation = Incarnation()
@@ -157,9 +166,7 @@ class ParameterServer:
             self._start_main()
         except BaseException:
             self._stop_side_ports()
-            if self._server is not None:
-                self._server.stop(0)
-                self._server = None
+            self._stop_main(0)
             raise
         if self._health_port is not None:
             self._health_port.serving()
@@ -180,7 +187,7 @@ class ParameterServer:
             log.info("pserver %s: health port %d on %s (grpc.health.v1 only, plaintext, no auth token)",
                      self.endpoint, self.health_port, host)
         if self.side_ports.metrics is not None:
-            auth = next((i for i in self._interceptors if isinstance(i, TokenAuthInterceptor)), None)
+            auth = next((i for i in self._interceptors if isinstance(i, TokenCheck)), None)
             collector = PserverCollector(self.servicer, self.program.shard, len(self.program.pservers), auth)
             self._metrics = MetricsServer(collector, self.endpoint)
             self.metrics_port = self._metrics.start(host, self.side_ports.metrics)
@@ -205,15 +212,42 @@ class ParameterServer:
             metrics.barrier_wait.observe(seconds)
 
     def _start_main(self) -> None:
-        """The training service (with health and reflection) on the endpoint, behind the token."""
+        """The training service (with health and reflection) on the endpoint, behind the token.
+
+        gRPC's asyncio server on an event-loop thread of this server's own: a
+        call that waits (a sync step's barrier, ``min_updates``, staleness, a
+        Reduce round) parks on the loop and holds no thread (:mod:`.rpc.aio`);
+        the CPU work of every call runs in a pool of ``pserver_rpc_workers``
+        threads (0: ``max(4, cores)``), whatever the number of trainers.
+        """
         cfg = self.program.config
-        workers = cfg.pserver_rpc_workers or max(16, 4 * self.program.trainers)
-        server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers,
-                                                        thread_name_prefix="pserver"),
-                             options=server_options(cfg.chunk_bytes, fast_keepalive=self.program.replicated),
-                             interceptors=self._interceptors)
-        self.servicer.add_to_server(server)
-        self._health = health.HealthServicer(experimental_non_blocking=True)
+        workers = cfg.pserver_rpc_workers or max(4, os.cpu_count() or 1)
+        self._pool = futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="pserver")
+        self._loop = asyncio.new_event_loop()
+        self._loop_thread = threading.Thread(target=self._loop.run_forever, daemon=True, name="pserver-loop")
+        self._loop_thread.start()
+        self._server = self._on_loop(self._serve_main(cfg))
+        log.info("pserver %s: %s", self.endpoint, self.security.describe(server=True))
+        if self.security.token and not self.security.tls:
+            log.warning("pserver %s: the auth token travels in plaintext; set PS_TLS_CERT and "
+                        "PS_TLS_KEY to encrypt it", self.endpoint)
+        log.info("pserver %s serving %d blocks (%s bytes) and shard %d/%d of %d tables, %s mode, "
+                 "%d trainers (%d handler threads)", self.endpoint, len(self.program.blocks),
+                 f"{self.engine.store.nbytes:,}", self.program.shard, len(self.program.pservers),
+                 len(self.program.tables), "sync" if self.program.sync_mode else "async",
+                 self.program.trainers, workers)
+
+    def _on_loop(self, coroutine, timeout: Optional[float] = None):
+        """Run ``coroutine`` on the server's event loop and wait for its result."""
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result(timeout)
+
+    async def _serve_main(self, cfg) -> grpc.aio.Server:
+        """On the loop: build, bind and start the asyncio server; OSError naming the address if it cannot bind."""
+        server = grpc.aio.server(migration_thread_pool=self._pool,
+                                 options=server_options(cfg.chunk_bytes, fast_keepalive=self.program.replicated),
+                                 interceptors=self._interceptors)
+        self.servicer.add_to_server(server, Parking(self._pool).adapt)
+        self._health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         reflection.enable_server_reflection(
             (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
@@ -224,21 +258,27 @@ class ParameterServer:
         else:
             detail = "bind returned port 0"
         if port == 0:
+            await server.stop(None)
             raise OSError(f"pserver cannot bind {self.endpoint} ({detail}); is the port in use "
                           f"or the address not on this host?")
-        server.start()
-        self._server = server
-        log.info("pserver %s: %s", self.endpoint, self.security.describe(server=True))
-        if self.security.token and not self.security.tls:
-            log.warning("pserver %s: the auth token travels in plaintext; set PS_TLS_CERT and "
-                        "PS_TLS_KEY to encrypt it", self.endpoint)
+        await server.start()
         for service in ("", SERVICE_NAME):
-            self._health.set(service, health_pb2.HealthCheckResponse.SERVING)
-        log.info("pserver %s serving %d blocks (%s bytes) and shard %d/%d of %d tables, %s mode, "
-                 "%d trainers", self.endpoint, len(self.program.blocks),
-                 f"{self.engine.store.nbytes:,}", self.program.shard, len(self.program.pservers),
-                 len(self.program.tables), "sync" if self.program.sync_mode else "async",
-                 self.program.trainers)
+            await self._health.set(service, health_pb2.HealthCheckResponse.SERVING)
+        return server
+
+    def _stop_main(self, grace: Optional[float]) -> None:
+        """Stop the asyncio server (in-flight calls get ``grace`` s), then its loop and its pool."""
+        if self._server is not None:
+            self._on_loop(self._server.stop(grace))
+            self._server = None
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._loop_thread.join()
+            self._loop.close()
+            self._loop = None
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
 
     def _watch_heartbeats(self) -> None:
         cfg = self.program.config
@@ -281,16 +321,15 @@ class ParameterServer:
         self._finished.set()
         if self.replica is not None:
             self.replica.stop()  # a primary steps down first: its backup leads without waiting for the lease
-        if self._health is not None:
-            self._health.enter_graceful_shutdown()
+        if self._health is not None and self._loop is not None:
+            self._on_loop(self._health.enter_graceful_shutdown())
         if self._health_port is not None:
             self._health_port.shutting_down()
         self.engine.stop()
         if self.exporter is not None:
             self.exporter.close()
         self.reductions.stop()
-        if self._server is not None:
-            self._server.stop(grace).wait()
+        self._stop_main(grace)
         self.engine.tables.close()
         if self.replica is not None:
             self._link.close()
@@ -305,6 +344,9 @@ class ParameterServer:
         restarts it; it then rejoins as the backup.
         """
         torch.set_num_threads(self.program.config.pserver_torch_threads)
+        # The event loop sends every answer: it must get the GIL back from the pool's threads soon
+        # (Python's default hands it over after 5 ms, longer than a job S push's CPU).
+        sys.setswitchinterval(SWITCH_INTERVAL_S)
         self.start()
         previous = {}
         if threading.current_thread() is threading.main_thread():

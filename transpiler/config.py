@@ -48,8 +48,8 @@ class DistributeTranspilerConfig:
     - ``chunk_bytes``: largest tensor piece per gRPC message (4 KiB to 64 MiB).
     - ``pserver_torch_threads``: torch intra-op threads in a pserver; its updates
       are memory-bound, and extra threads steal cores from trainers.
-    - ``pserver_rpc_workers``: gRPC handler threads per pserver; 0 picks
-      ``max(16, 4 * trainers)``.
+    - ``pserver_rpc_workers``: gRPC handler threads per pserver; 0 picks ``max(4, cores)``. Not per
+      trainer: a waiting call (sync barrier, min_updates, staleness, Reduce) parks, holding no thread.
     - ``async_pipeline``: async mode only; ``Trainer.step()`` sends the step's
       gradients in the background and returns at once, and the parameters that
       push brings back are installed at the next ``step()``: the next

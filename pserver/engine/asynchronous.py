@@ -2,13 +2,14 @@
 from __future__ import annotations
 
 import logging
-from typing import Dict, List, Mapping, Optional, Tuple
+from typing import Dict, List, Mapping, Optional, Tuple, Union
 
 import torch
 
 from ..tables import SparseGrad
 from .engine import Engine
 from .roster import Position
+from .waits import Parked
 
 log = logging.getLogger(__name__)
 
@@ -30,9 +31,11 @@ class AsyncEngine(Engine):
 
     def push(self, trainer_id: int, step: int, grads: Dict[str, torch.Tensor],
              sparse: Optional[Mapping[str, SparseGrad]] = None,
-             position: Position = (0, 0)) -> Tuple[bool, int]:
+             position: Position = (0, 0), park: bool = False) -> Union[Tuple[bool, int], Parked]:
         """Apply ``grads`` and ``sparse`` now (after any staleness wait); returns (applied, updates).
 
+        With ``park``, a push past ``max_staleness`` changes nothing and
+        returns the handle of its wait instead: push again once it is done.
         Nothing is kept once this returns: the caller keeps its buffers.
         """
         with self.cv:
@@ -41,8 +44,12 @@ class AsyncEngine(Engine):
                 def fresh_enough():
                     low, _ = self._slowest(trainer_id)
                     return low is None or step - low <= self.max_staleness
-                self.waits.wait(fresh_enough, f"trainer {trainer_id}'s step {step} (max_staleness="
-                                f"{self.max_staleness})", lambda: self._slowest(trainer_id)[1])
+                if not fresh_enough():
+                    what = f"trainer {trainer_id}'s step {step} (max_staleness={self.max_staleness})"
+                    missing = lambda: self._slowest(trainer_id)[1]  # noqa: E731
+                    if park:
+                        return self.waits.park(fresh_enough, what, missing)
+                    self.waits.wait(fresh_enough, what, missing)
             # Checked after the wait: a retry may have been applied meanwhile.
             if step <= self.last_step.get(trainer_id, -1):
                 return False, self.updates
@@ -52,8 +59,5 @@ class AsyncEngine(Engine):
             self.last_step[trainer_id] = step
             self.roster.positions[trainer_id] = position
             self._applied(step, grads, sparse or {})
-            self.cv.notify_all()
+            self.waits.notify()
             return True, self.updates
-
-    def wait_updates(self, trainer_id: int, min_updates: int) -> None:
-        """Async pulls never wait for other trainers."""

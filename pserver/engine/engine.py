@@ -19,7 +19,7 @@ import logging
 import threading
 import time
 from abc import ABC, abstractmethod
-from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
@@ -33,7 +33,7 @@ from .pending import PendingStep
 from .rollback import RollBacks, RollBack
 from .roster import Joined, Position, Roster
 from .stats import PserverStats
-from .waits import Waits
+from .waits import Parked, Waits
 
 log = logging.getLogger(__name__)
 
@@ -67,10 +67,9 @@ class Engine(ABC):
         self.roster = Roster(trainers)
         self.all_closed = threading.Event()
         self.rollbacks = RollBacks(checkpointer, endpoint)
-        self.waits = Waits(self.cv, endpoint, barrier_timeout, self.rollbacks)
+        self.waits = Waits(self.cv, endpoint, barrier_timeout, self.rollbacks, on_wait)
         self.listeners = tuple(listeners)
         self.pending = pending
-        self.on_wait = on_wait
         self.on_roster_change = on_roster_change
 
     @property
@@ -159,16 +158,25 @@ class Engine(ABC):
     @abstractmethod
     def push(self, trainer_id: int, step: int, grads: Dict[str, torch.Tensor],
              sparse: Optional[Mapping[str, SparseGrad]] = None,
-             position: Position = Position(0, 0)) -> Tuple[bool, int]:
+             position: Position = Position(0, 0), park: bool = False) -> Union[Tuple[bool, int], Parked]:
         """Count (sync) or apply (async) one trainer's gradients of ``step``; returns (counted, updates).
 
         A retried push of a step already counted is acknowledged, not applied
-        twice. ``sparse`` is {table: (ids, rows)}.
+        twice. ``sparse`` is {table: (ids, rows)}. A push that must wait (async, past
+        ``max_staleness``) blocks; with ``park`` it returns that wait's handle instead, having done nothing.
         """
 
-    @abstractmethod
+    def park_updates(self, trainer_id: int, min_updates: int) -> Optional[Parked]:
+        """A wait (:mod:`.waits`) for ``min_updates`` updates (sync: the barrier); None: none (async: never)."""
+        return None
+
     def wait_updates(self, trainer_id: int, min_updates: int) -> None:
-        """Block until ``min_updates`` updates are applied (sync: the step's barrier), within its deadline."""
+        """Block on :meth:`park_updates`'s handle (the same rules); the barrier histogram hears of the wait."""
+        handle = self.park_updates(trainer_id, min_updates)
+        if handle is not None:
+            with self.cv:
+                self.waits.block(handle)
+            handle.finish()
 
     def step_in_progress(self, trainer_id: int) -> Tuple[int, int]:
         """(steps applied, other trainers whose push of the step in progress is counted or awaited).
@@ -224,7 +232,7 @@ class Engine(ABC):
         left = len(set(range(self.trainers)) - self.roster.closed)
         if left == 0:
             self.all_closed.set()
-        self.cv.notify_all()
+        self.waits.notify()
         return left
 
     def drop_silent(self, timeout: float, rejoin_timeout: Optional[float] = None) -> List[int]:
@@ -244,7 +252,7 @@ class Engine(ABC):
                             t, quiet, timeout, self.updates)
             if silent:
                 self._on_close()
-                self.cv.notify_all()
+                self.waits.notify()
             gone = self.roster.abandoned(rejoin_timeout, now) if rejoin_timeout is not None else []
             for t, since in gone:
                 log.warning("%s: trainer %d was dropped %.1fs ago and has not rejoined "
@@ -344,11 +352,11 @@ class Engine(ABC):
                 # A trainer that was told it starts a step later is now expected in this one: a
                 # wait of its from before is on the abandoned timeline, as after a roll-back.
                 self.rollbacks.abandon_timeline()
-                self.cv.notify_all()
+                self.waits.notify()
             if outcome is RollBack.LOADED:
                 self._reset(meta)
                 self.rollbacks.abandon_timeline()
-                self.cv.notify_all()
+                self.waits.notify()
         if outcome is RollBack.LOADED:
             self._roster_changed()  # the checkpoint's closed trainers, nobody dropped: after the lock
         return outcome is RollBack.LOADED
@@ -407,5 +415,5 @@ class Engine(ABC):
             # Only those that pushed: a trainer yet to say its first Hello is not waited for by the
             # heartbeat watchdog, as on any pserver (a fresh shard's first primary has none).
             self.roster.heard_from(self.roster.live() & set(self.roster.last_step), now)
-            self.cv.notify_all()
+            self.waits.notify()
         log.info("%s: leads its shard at update %d", self.endpoint, self.updates)

@@ -22,13 +22,13 @@ from __future__ import annotations
 
 import math
 import threading
-import time
 from dataclasses import dataclass
 from typing import AbstractSet, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ..errors import BadRequest, BarrierTimeout, NotAllowed, Refusal, ShuttingDown
+from ..errors import BadRequest, NotAllowed
+from .waits import Parked, Waits
 
 OPS = {"sum": np.add, "max": np.maximum, "min": np.minimum}
 # Rounds open at once, over all keys: bounds what a misbehaving trainer can make a pserver hold.
@@ -177,44 +177,55 @@ class Reductions:
         self._admit = admit
         self._cv = threading.Condition()
         self._rounds = Rounds(endpoint)
-        self._stopping = False
+        self._waits = Waits(self._cv, endpoint, barrier_timeout)
+
+    def park(self, trainer_id: int, key: str, round_: int, op: str,
+             values: Values) -> Tuple[Parked, Callable[[], Combined]]:
+        """Add ``values`` to ``(key, round_)``: the wait for the round (see :mod:`.waits`) and its result, once done.
+
+        The round finishes once every expected trainer sent its values (not
+        closed or dropped ones); after ``barrier_timeout`` the wait fails with
+        BarrierTimeout naming those missing, and this trainer's values leave
+        the round (as on ShuttingDown). A closed or dropped caller is refused
+        before its values count.
+        """
+        self._admit(trainer_id)
+        with self._cv:
+            self._rounds.add(trainer_id, key, round_, op, values)
+            found: List[Combined] = []
+
+            def finished() -> bool:
+                combined = self._rounds.result(key, round_, self._expected())
+                if combined is not None:
+                    found.append(combined)
+                return combined is not None
+
+            def withdraw(handle: Parked) -> None:
+                if handle.error is not None:
+                    self._rounds.withdraw(trainer_id, key, round_)
+
+            handle = self._waits.park(finished, f"round {round_} of reduction {key!r}",
+                                      lambda: self._rounds.missing(key, round_, self._expected()))
+            handle.add_callback(withdraw)
+            if handle.done:
+                self._waits.notify()  # the others waiting for this round find it finished
+            return handle, lambda: found[-1]
 
     def reduce(self, trainer_id: int, key: str, round_: int, op: str, values: Values) -> Combined:
         """Combine ``values`` with those of every expected trainer for ``(key, round_)``; (result, contributors).
 
-        Waits up to ``barrier_timeout`` for the trainers that have not sent
-        theirs (not for closed or dropped ones); on expiry, BarrierTimeout
-        names them, and this trainer's values leave the round. A closed or
-        dropped caller is refused before its values count.
+        Blocks on :meth:`park`'s wait: the same rules, for in-process callers.
         """
-        deadline = time.monotonic() + self.barrier_timeout
-        self._admit(trainer_id)
+        handle, result = self.park(trainer_id, key, round_, op, values)
         with self._cv:
-            self._rounds.add(trainer_id, key, round_, op, values)
-            try:
-                while True:
-                    expected = self._expected()
-                    combined = self._rounds.result(key, round_, expected)
-                    if combined is not None:
-                        self._cv.notify_all()  # the others waiting for this round find it finished
-                        return combined
-                    if self._stopping:
-                        raise ShuttingDown(f"pserver {self.endpoint} is shutting down")
-                    remaining = deadline - time.monotonic()
-                    if remaining <= 0:
-                        raise BarrierTimeout(
-                            f"pserver {self.endpoint}: round {round_} of reduction {key!r} still waits for "
-                            f"trainers {self._rounds.missing(key, round_, expected)} after "
-                            f"{self.barrier_timeout:g}s")
-                    self._cv.wait(remaining)
-            except Refusal:
-                self._rounds.withdraw(trainer_id, key, round_)
-                raise
+            self._waits.block(handle)
+        handle.finish()
+        return result()
 
     def roster_changed(self) -> None:
         """Wake the pending rounds to look again at who is expected (a trainer closed, was dropped or rejoined)."""
         with self._cv:
-            self._cv.notify_all()
+            self._waits.notify()
 
     def open_rounds(self) -> List[Tuple[str, int]]:
         """The ``(key, round)`` pairs waiting for trainers now, sorted (for tests and operators)."""
@@ -224,8 +235,7 @@ class Reductions:
     def stop(self) -> None:
         """Refuse every pending and later round with ShuttingDown, so the server can shut down."""
         with self._cv:
-            self._stopping = True
-            self._cv.notify_all()
+            self._waits.stop()
 
 
 def _describe(values: Values) -> str:

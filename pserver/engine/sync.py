@@ -6,7 +6,6 @@ on batch b equal one process on the concatenated N*b batch.
 from __future__ import annotations
 
 import logging
-import time
 from typing import Dict, Mapping, Optional, Tuple
 
 import torch
@@ -15,6 +14,7 @@ from ..errors import NotAllowed
 from ..tables import SparseGrad
 from .engine import Engine
 from .pending import PendingStep
+from .waits import Parked
 from .roster import Position
 
 log = logging.getLogger(__name__)
@@ -59,7 +59,7 @@ class SyncEngine(Engine):
 
     def push(self, trainer_id: int, step: int, grads: Dict[str, torch.Tensor],
              sparse: Optional[Mapping[str, SparseGrad]] = None,
-             position: Position = (0, 0)) -> Tuple[bool, int]:
+             position: Position = (0, 0), park: bool = False) -> Tuple[bool, int]:
         """Count ``grads`` and ``sparse`` for ``step``; returns (counted, updates). Applies when complete.
 
         ``grads`` are copied into the step's sums: the caller keeps its
@@ -95,32 +95,26 @@ class SyncEngine(Engine):
         self.roster.positions.update(pending.positions)
         pending.applied(self.updates)
         self._applied(step, mean, sparse)
-        self.cv.notify_all()
+        self.waits.notify()
 
     def _on_close(self) -> None:
         self._apply_if_complete()
 
-    def wait_updates(self, trainer_id: int, min_updates: int) -> None:
-        """Block until step ``min_updates - 1`` is applied, within the barrier deadline.
+    def park_updates(self, trainer_id: int, min_updates: int) -> Optional[Parked]:
+        """A wait for step ``min_updates - 1`` to be applied (None: it is), within the barrier deadline.
 
-        A call that had to wait reports how long to :attr:`on_wait` (the
-        barrier wait histogram), after the lock is released.
+        Refused at once when that step is ahead of this pserver, or needs this
+        trainer's own push, which it has not made (a wait from before a roll-back).
         """
-        started = None
-        try:
-            with self.cv:
-                if min_updates > self.updates + 1:
-                    raise self.rollbacks.refusal_ahead(trainer_id, "waits for update", min_updates, self.updates)
-                if self.updates < min_updates and trainer_id in self._expected() - self.pending.trainers:
-                    # The step waited for needs this trainer's own push, which it has not made.
-                    self.rollbacks.refuse_wait_from_before_a_roll_back(trainer_id, f"wait for update {min_updates}")
-                if self.updates < min_updates:
-                    started = time.monotonic()
-                self.waits.wait(lambda: self.updates >= min_updates, f"step {self.updates}",
-                                lambda: sorted(self._expected() - self.pending.trainers))
-        finally:
-            if started is not None and self.on_wait is not None:
-                self.on_wait(time.monotonic() - started)
+        with self.cv:
+            if min_updates > self.updates + 1:
+                raise self.rollbacks.refusal_ahead(trainer_id, "waits for update", min_updates, self.updates)
+            if self.updates >= min_updates:
+                return None
+            if trainer_id in self._expected() - self.pending.trainers:
+                self.rollbacks.refuse_wait_from_before_a_roll_back(trainer_id, f"wait for update {min_updates}")
+            return self.waits.park(lambda: self.updates >= min_updates, f"step {self.updates}",
+                                   lambda: sorted(self._expected() - self.pending.trainers), measured=True)
 
     def _reads_need_copy(self) -> bool:
         # Between two sync steps nothing writes the blocks: the next update

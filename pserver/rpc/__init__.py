@@ -9,7 +9,12 @@ process speaks for each trainer id; ``counters.py`` counts what the servicer
 received, sent and refused; ``buffers.py`` pools the gradient receive buffers;
 ``mapped_regions.py`` keeps the shared-memory regions of trainers on this host
 mapped (PushPullShared); ``replica_link.py`` is hot standby's side of the
-service and its client (:mod:`pserver.replication`).
+service and its client (:mod:`pserver.replication`). ``parking.py`` lets a
+servicer method that waits (a sync step, ``min_updates``, staleness, a Reduce
+round) yield its :class:`~pserver.engine.waits.Parked` handle, and ``aio.py``
+drives those methods on gRPC's asyncio server, awaiting the handle on the
+event loop instead of holding a thread; ``sessions.py`` also holds the
+:class:`~.sessions.Incarnation` trainers tell a pserver's state by.
 Nothing below this layer (engines, stores, tables, checkpoints) imports grpc.
 :mod:`pserver.server` needs only the servicer (the service's name is :data:`psproto.wire.SERVICE`).
 """

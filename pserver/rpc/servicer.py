@@ -23,9 +23,8 @@ exception is a bug: answered INTERNAL, its traceback logged.
 from __future__ import annotations
 
 import logging
-import secrets
 import time
-from typing import Dict, Iterator, Optional
+from typing import Callable, Dict, Iterator, Optional
 
 import numpy as np
 
@@ -40,11 +39,13 @@ from .buffers import BufferPool
 from .counters import Counters
 from ..engine import Contents, Engine
 from ..engine.reductions import Reductions, to_values
+from ..engine.waits import Parked
 from ..errors import BadRequest, NotAllowed
 from .mapped_regions import SharedRegions
+from .parking import park, parks
 from .prologue import parse, refusals, trainer_call
 from .replica_link import ReplicaServicer
-from .sessions import Sessions
+from .sessions import Incarnation, Sessions
 
 log = logging.getLogger(__name__)
 
@@ -53,22 +54,6 @@ def _finite(g: torch.Tensor) -> bool:
     # One reduction first (cheap); the elementwise pass only when the sum is
     # not finite, which also covers a sum that merely overflowed.
     return bool(torch.isfinite(g.sum())) or bool(torch.isfinite(g).all())
-
-
-class Incarnation:
-    """The number trainers tell this pserver's state by, in Hello, Heartbeat and Stats answers.
-
-    A new value per process: trainers tell a restarted pserver by it. A
-    replicated shard's processes answer with the state's lineage instead, the
-    same on both, so a failover is no restart to trainers (:meth:`adopt`).
-    """
-
-    def __init__(self):
-        self.value = secrets.randbits(63) or 1
-
-    def adopt(self, lineage: int) -> None:
-        """Answer ``lineage`` from now on (this process leads its replicated shard)."""
-        self.value = lineage
 
 
 class PserverServicer:
@@ -189,41 +174,51 @@ class PserverServicer:
         blocks = self.contents.block_names()
         self.buffers.release({n: t for n, t in tensors.items() if n in blocks})
 
+    @parks(stream=True)
     @refusals
     def PushPull(self, request_iterator, context) -> Iterator[bytes]:
-        header, tensors = self._push_pull(request_iterator)
+        header, tensors = yield from self._push_pull(request_iterator)
         yield from encode_chunks(header, tensors, self.chunk_bytes)
 
+    @parks()
     @refusals
-    def PushPullOne(self, data, context) -> bytes:
+    def PushPullOne(self, data, context) -> Iterator[bytes]:
         # One message each way: no response stream, whose every message and final status the
-        # handler thread waits for (6-7% of job S's throughput on 2 cores).
-        return one_message(*self._push_pull(iter((data,)), answer_limit=ONE_MESSAGE_BYTES))
+        # handler waits for (6-7% of job S's throughput on 2 cores).
+        yield one_message(*(yield from self._push_pull(iter((data,)), answer_limit=ONE_MESSAGE_BYTES)))
 
+    @parks()
     @refusals
-    def PushPullShared(self, data, context) -> bytes:
+    def PushPullShared(self, data, context) -> Iterator[bytes]:
         # The regions are mapped (or refused: SharedMemoryError) before anything is read or counted.
         request = parse(ps_pb2.SharedPush, data)
         pushed, answer = self.regions.view(request.request), self.regions.view(request.answer)
         if request.request_bytes > len(pushed):
             raise BadRequest(f"a shared push of {request.request_bytes} bytes in a region of {len(pushed)}")
-        header, tensors = self._push_pull(iter((pushed[:request.request_bytes],)), answer_limit=len(answer))
+        header, tensors = yield from self._push_pull(iter((pushed[:request.request_bytes],)),
+                                                     answer_limit=len(answer))
         self.counters.add(shared_pushes=1)
         n = encode_into(answer, header, tensors)
         if n < 0:  # the pieces' names and shapes did not fit beside the tensors
-            return ps_pb2.SharedAnswer(inline=one_message(header, tensors)).SerializeToString()
-        return ps_pb2.SharedAnswer(answer_bytes=n).SerializeToString()
+            yield ps_pb2.SharedAnswer(inline=one_message(header, tensors)).SerializeToString()
+        else:
+            yield ps_pb2.SharedAnswer(answer_bytes=n).SerializeToString()
 
     def _push_pull(self, request_iterator, answer_limit: Optional[int] = None):
-        """A push, then its answer: (PullHeader, tensors). ``answer_limit`` bounds the answer's tensor bytes."""
-        header, applied, answer_ids = self._push(request_iterator, answer_limit=answer_limit)
+        """A push, then its answer: (PullHeader, tensors); parks (see :mod:`.parking`).
+
+        ``answer_limit`` bounds the answer's tensor bytes.
+        """
+        header, applied, answer_ids = yield from self._push(request_iterator, answer_limit=answer_limit)
         # The trainer's next step needs this one applied (sync), or whatever is there (async).
         min_updates = header.step + 1 if self.engine.sync_mode else 0
-        return self._answer_pull(header.trainer_id, min_updates, list(self.contents.block_names()), applied,
-                                 answer_ids)
+        return (yield from self._answer_pull(header.trainer_id, min_updates, list(self.contents.block_names()), applied,
+                                 answer_ids))
 
     def _push(self, request_iterator, answer_limit: Optional[int] = None):
         """Read, check and count one push; (header, applied, {table: ids whose rows the answer carries}).
+
+        Parks (see :mod:`.parking`) while an async push is past ``max_staleness``.
 
         A push may carry ``<table>@next`` ids: its answer carries their rows
         too. ``answer_limit``: the tensor bytes the answer may carry; a push
@@ -249,8 +244,13 @@ class PserverServicer:
                                      f"{header.step} holds NaN or Inf; push refused "
                                      f"(nonfinite_grads='refuse')")
             self.counters.add(bytes_in=reader.nbytes, pushes=1)
-            applied, _ = self.engine.push(header.trainer_id, header.step, grads, sparse,
-                                          (header.epoch, header.batch))
+            while True:
+                outcome = self.engine.push(header.trainer_id, header.step, grads, sparse,
+                                           (header.epoch, header.batch), park=True)
+                if not isinstance(outcome, Parked):
+                    break
+                yield from park(outcome)  # then push again: it checks the bound anew
+            applied, _ = outcome
             if applied:
                 self.counters.counted(header.trainer_id, len(grads))
         finally:
@@ -260,6 +260,7 @@ class PserverServicer:
                      self.endpoint, header.trainer_id, header.step)
         return header, applied, answer_ids
 
+    @parks(stream=True)
     @trainer_call(ps_pb2.PullRequest, touch=True)
     def Pull(self, request, context) -> Iterator[bytes]:
         blocks = self.contents.block_names()
@@ -271,17 +272,17 @@ class PserverServicer:
             raise BadRequest(f"unknown blocks {unknown[:5]}{'...' if len(unknown) > 5 else ''}")
         if request.min_updates < 0:
             raise BadRequest(f"min_updates must be >= 0, got {request.min_updates}")
-        yield from encode_chunks(*self._answer_pull(request.trainer_id, request.min_updates, names),
-                                 self.chunk_bytes)
+        header, tensors = yield from self._answer_pull(request.trainer_id, request.min_updates, names)
+        yield from encode_chunks(header, tensors, self.chunk_bytes)
 
     def _answer_pull(self, trainer_id: int, min_updates: int, names, applied: bool = False,
                      answer_ids: Optional[Dict[str, np.ndarray]] = None):
         """Wait for ``min_updates``; (PullHeader, the blocks ``names``, the rows of ``answer_ids`` ({table: ids})).
 
         The rows come after the blocks, as of the same update: in sync mode
-        the next step's lookups find exactly what a Prefetch would have.
+        the next step's lookups find exactly what a Prefetch would have. Parks (see :mod:`.parking`).
         """
-        self.engine.wait_updates(trainer_id, min_updates)
+        yield from park(self.engine.park_updates(trainer_id, min_updates))
         self._acked()
         updates, tensors = self.engine.read(names)
         if answer_ids:
@@ -289,10 +290,12 @@ class PserverServicer:
         self.counters.add(bytes_out=sum(t.numel() * t.element_size() for _, t in tensors))
         return ps_pb2.PullHeader(updates=updates, applied=applied), tensors
 
+    @parks(stream=True)
     @refusals
     def Prefetch(self, request_iterator, context) -> Iterator[bytes]:
         yield from self._prefetch(request_iterator)
 
+    @parks(stream=True)
     @refusals
     def PrefetchOne(self, data, context) -> Iterator[bytes]:
         yield from self._prefetch(iter((data,)))
@@ -302,7 +305,7 @@ class PserverServicer:
         if header.min_updates < 0:
             raise BadRequest(f"min_updates must be >= 0, got {header.min_updates}")
         ids = self.contents.prefetch_ids(reader.tensors)
-        self.engine.wait_updates(header.trainer_id, header.min_updates)
+        yield from park(self.engine.park_updates(header.trainer_id, header.min_updates))
         self._acked()
         updates, rows = self.engine.lookup(ids)
         yield from encode_chunks(ps_pb2.PullHeader(updates=updates), rows, self.chunk_bytes)
@@ -350,12 +353,14 @@ class PserverServicer:
         self._acked()
         return ps_pb2.CloseReply(trainers_left=left)
 
+    @parks()
     @trainer_call(ps_pb2.ReduceRequest, touch=True)
     def Reduce(self, request, context):
         values = to_values((v.name, v.shape, v.data) for v in request.values)
-        combined, trainers = self.reductions.reduce(request.trainer_id, request.key, request.round, request.op,
-                                                    values)
-        return ps_pb2.ReduceReply(trainers=trainers, values=[
+        handle, result = self.reductions.park(request.trainer_id, request.key, request.round, request.op, values)
+        yield from park(handle)
+        combined, trainers = result()
+        yield ps_pb2.ReduceReply(trainers=trainers, values=[
             ps_pb2.ReduceValue(name=name, shape=v.shape, data=v.ravel().tolist()) for name, v in combined.items()])
 
     @refusals
@@ -379,8 +384,12 @@ class PserverServicer:
                 tables=[ps_pb2.TableStats(**t.to_dict()) for t in snap.tables],
                 replica=self.replica.stats() if self.replica is not None else None)
 
-    def add_to_server(self, server: grpc.Server) -> None:
-        """Register the service with raw-bytes requests (parsed here) and encoded replies."""
+    def handlers(self) -> Dict[str, grpc.RpcMethodHandler]:
+        """The service's handlers by method name: raw-bytes requests (parsed here), encoded replies.
+
+        The parking methods' behaviours carry ``parking`` (:mod:`.parking`):
+        :class:`~.aio.Parking` gives them asyncio handlers.
+        """
         serialize = lambda m: m.SerializeToString()  # noqa: E731
         handlers = {
             "Hello": grpc.unary_unary_rpc_method_handler(self.Hello, response_serializer=serialize),
@@ -401,4 +410,8 @@ class PserverServicer:
             "Reduce": grpc.unary_unary_rpc_method_handler(self.Reduce, response_serializer=serialize),
         }
         handlers.update(ReplicaServicer(self).handlers())
-        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
+        return handlers
+
+    def add_to_server(self, server, adapt: Callable[[Dict[str, grpc.RpcMethodHandler]], Dict] = dict) -> None:
+        """Register :meth:`handlers` on ``server``, through ``adapt`` (the asyncio server: :meth:`.aio.Parking.adapt`)."""
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, adapt(self.handlers())),))

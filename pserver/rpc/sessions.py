@@ -150,3 +150,19 @@ class Sessions:
                          f"stop instead of pushing stale gradients")
         raise MustResync(f"pserver {self.endpoint}: trainer {trainer_id}'s session is not known here (this "
                          f"pserver restarted since it was opened?); call Hello to open a new one")
+
+
+class Incarnation:
+    """The number trainers tell this pserver's state by, in Hello, Heartbeat and Stats answers.
+
+    A new value per process: trainers tell a restarted pserver by it. A
+    replicated shard's processes answer with the state's lineage instead, the
+    same on both, so a failover is no restart to trainers (:meth:`adopt`).
+    """
+
+    def __init__(self):
+        self.value = secrets.randbits(63) or 1
+
+    def adopt(self, lineage: int) -> None:
+        """Answer ``lineage`` from now on (this process leads its replicated shard)."""
+        self.value = lineage

@@ -103,12 +103,12 @@ def test_duplicate_push_is_acknowledged_not_applied(cluster, stub):
     sessions = open_sessions(stub, digest)
     grads = full_grads(cluster)
     engine = cluster.servers[0].engine
-    # Each call waits for the step once its push is counted (or acknowledged): a waiter more on the engine.
+    # Each call waits for the step once its push is counted (or acknowledged): one more parked wait.
     first = stub.PushPull(push_messages(digest, 0, 0, grads, sessions=sessions), timeout=10)
-    poll(lambda: len(engine.cv._waiters) == 1, "trainer 0's push counted")
+    poll(lambda: engine.waits.parked == 1, "trainer 0's push counted")
     # A retry while the step is still open, and after it was applied.
     retry = stub.PushPull(push_messages(digest, 0, 0, grads, sessions=sessions), timeout=10)
-    poll(lambda: len(engine.cv._waiters) == 2, "trainer 0's retry acknowledged")
+    poll(lambda: engine.waits.parked == 2, "trainer 0's retry acknowledged")
     second = stub.PushPull(push_messages(digest, 1, 0, grads, sessions=sessions), timeout=10)
     assert answer(first).applied
     assert not answer(retry).applied
