@@ -119,5 +119,51 @@ if AVAILABLE:
             slots[i] = -1
         return found
 
+    _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+    _UNIT = 1.0 / (1 << 53)
+
+    @numba.njit("uint64(uint64)", cache=True, nogil=True)
+    def _mix(x):  # pragma: no cover - compiled
+        x ^= x >> np.uint64(30)
+        x *= np.uint64(0xBF58476D1CE4E5B9)
+        x ^= x >> np.uint64(27)
+        x *= np.uint64(0x94D049BB133111EB)
+        x ^= x >> np.uint64(31)
+        return x
+
+    @numba.njit("void(uint64[:], uint64, uint64[:], float64[:, :], float64[:, :], boolean)",
+                cache=True, nogil=True)
+    def row_uniforms(ids, seed, cols, u1, u2, both):  # pragma: no cover - compiled
+        """The uniforms of :func:`transpiler.tables.initial_rows`, exactly: ``u1`` (and with ``both``, ``u2``).
+
+        Per id ``base = mix(id * GOLDEN + seed)``; element j takes the top 53 bits of
+        ``mix(base ^ cols[j])`` (``u1``) and of ``mix((base + GOLDEN) ^ cols[j])`` (``u2``)
+        as ``(bits + 1) / 2**53``: integer arithmetic and exact conversions, so the values are
+        those of the numpy formula bit for bit, without its uint64 temporaries.
+        """
+        for i in range(ids.size):
+            base = _mix(ids[i] * _GOLDEN + seed)
+            other = base + _GOLDEN
+            for j in range(cols.size):
+                u1[i, j] = (np.float64(_mix(base ^ cols[j]) >> np.uint64(11)) + 1.0) * _UNIT
+                if both:
+                    u2[i, j] = (np.float64(_mix(other ^ cols[j]) >> np.uint64(11)) + 1.0) * _UNIT
+
+    @numba.njit("int64(int64[:], uint64, uint64)", cache=True, nogil=True)
+    def first_foreign(ids, n_shards, shard):  # pragma: no cover - compiled
+        """Index of the first id whose shard (``stable_hash_ids(id) % n_shards``) is not ``shard``; -1 if none."""
+        for i in range(ids.size):
+            if _mix(np.uint64(ids[i]) + _GOLDEN) % n_shards != shard:
+                return i
+        return -1
+
+    @numba.njit("int64[:](int64[:], uint64)", cache=True, nogil=True)
+    def homes(ids, shift):  # pragma: no cover - compiled
+        """:func:`pserver.tables.id_index.home_slots` compiled: the top bits of each id's stable hash."""
+        out = np.empty(ids.size, np.int64)
+        for i in range(ids.size):
+            out[i] = np.int64(_home(ids[i], shift))
+        return out
+
 else:
     log.debug("numba is not installed: the id index probes in numpy rounds")
