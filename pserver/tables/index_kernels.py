@@ -165,5 +165,37 @@ if AVAILABLE:
             out[i] = np.int64(_home(ids[i], shift))
         return out
 
+    @numba.njit(["Tuple((int64, boolean))(int32[:], int64[:], int64, int64[:], float32[:, :], float32[:, :], uint64)",
+                 "Tuple((int64, boolean))(int32[:], int64[:], int64, int64[:], float64[:, :], float64[:, :], uint64)"],
+                cache=True, nogil=True)
+    def accumulate(slots, keys, n, ids, rows, sums, shift):  # pragma: no cover - compiled
+        """Add ``rows`` into ``sums`` by id (:class:`pserver.tables.step_sums.StepSums`); (distinct ids now, any repeat).
+
+        ``keys[:n]`` are the ids summed so far, ``slots`` their index (linear probing from
+        :func:`_home`, room for every new id); a new id is appended (its row copied), a
+        known one has its row added element by element, in float of the rows' own width.
+        """
+        mask = slots.size - 1
+        repeated = False
+        for i in range(ids.size):
+            key = ids[i]
+            p = np.int64(_home(key, shift))
+            while True:
+                r = slots[p]
+                if r < 0:
+                    slots[p] = n
+                    keys[n] = key
+                    for j in range(rows.shape[1]):
+                        sums[n, j] = rows[i, j]
+                    n += 1
+                    break
+                if keys[r] == key:
+                    for j in range(rows.shape[1]):
+                        sums[r, j] += rows[i, j]
+                    repeated = True
+                    break
+                p = (p + 1) & mask
+        return n, repeated
+
 else:
     log.debug("numba is not installed: the id index probes in numpy rounds")

@@ -43,6 +43,7 @@ from . import id_index
 from .table_set import SparseGrad
 
 _MIN_ROWS = 1024  # rows allocated at first: one small push needs no growth
+_COMPILED = (torch.float32, torch.float64)  # row dtypes the compiled accumulate takes
 
 
 class StepSums:
@@ -90,6 +91,13 @@ class StepSums:
             return
         self._reserve(self.n + m)
         ids = np.ascontiguousarray(ids, dtype=np.int64)
+        kernels = id_index._compiled((ids, np.int64)) if self.dtype in _COMPILED else None
+        if kernels is not None:  # one compiled pass: probe, append or add, no temporaries
+            shift = np.uint64(64 - (self.slots.size.bit_length() - 1))
+            self.n, repeated = kernels.accumulate(self.slots, self.keys, self.n, ids,
+                                                  rows.detach().contiguous().numpy(), self.sums.numpy(), shift)
+            self.repeated |= repeated
+            return
         pos = id_index.home_slots(ids, self.slots.size)
         at, pos = id_index.probe(self.slots, self.keys, ids, pos)
         at = at.astype(np.int64)
@@ -114,8 +122,8 @@ class StepSums:
         ids, sums = self.keys[:self.n], self.sums[:self.n]
         if not self.repeated:
             return ids.copy(), sums / n_trainers
-        order = np.argsort(ids, kind="stable")
-        rows = sums[torch.from_numpy(order)]
+        order = np.argsort(ids)  # distinct ids: any sort gives np.unique's order
+        rows = torch.index_select(sums, 0, torch.from_numpy(order))
         rows.add_(0.0)
         return ids[order], rows.div_(n_trainers)
 
