@@ -1,4 +1,9 @@
-"""The id index's probe and insert compiled with numba.
+"""The id index's probe and insert compiled with numba, and the other per-id loops of a push.
+
+Besides the index: :func:`homes` (home slots), :func:`first_foreign` (the shard check),
+:func:`row_uniforms` (the integer half of an initial row, :mod:`pserver.tables.fresh`) and
+:func:`accumulate` (a sync step's sums, :mod:`pserver.tables.step_sums`), each exactly the
+numpy formula it replaces (tests/tables/test_initial_rows.py, test_step_sums.py).
 
 :mod:`pserver.tables.id_index` probes a batch in vectorised numpy rounds, a dozen or more numpy
 calls and temporaries per round over the keys still pending; compiled, the same rounds are plain
