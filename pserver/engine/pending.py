@@ -1,7 +1,11 @@
 """PendingStep: what a sync pserver holds of the step in progress, and who joins it a step later.
 
 The sync engine (:mod:`.sync`) counts every trainer's push of step *s* here
-until the step is complete, then applies the mean. The engine's roll-backs and
+until the step is complete, then applies the mean. Dense gradients are summed
+into one buffer per block and sparse ones merged on arrival
+(:mod:`pserver.tables.step_sums`), so what a step holds for its pushes grows
+with the step's distinct ids, not with the number of trainers K: per trainer
+only its id and data position. The engine's roll-backs and
 a backup's state copy (:mod:`.engine`) reach it through :meth:`PendingStep.clear`
 and :meth:`PendingStep.forget_joins`: a step abandoned is never applied.
 
@@ -9,11 +13,12 @@ Not thread-safe: the engine holds its lock around every call.
 """
 from __future__ import annotations
 
-from typing import AbstractSet, Dict, List, Mapping, Tuple
+from typing import AbstractSet, Dict, Mapping, Tuple
 
 import torch
 
-from ..tables import SparseGrad, TableSet
+from ..tables import SparseGrad
+from ..tables.step_sums import SparseSums
 from .roster import Position
 
 
@@ -32,14 +37,15 @@ class PendingStep:
         # trainer pushed in the current step.
         self.grad_sum: Dict[str, torch.Tensor] = {}
         self.touched: set = set()
-        # Per table, the (ids, rows) each trainer pushed in the current step.
-        self.sparse_parts: Dict[str, List[SparseGrad]] = {}
+        # Per table, the sums of the rows pushed in the current step, merged on arrival: bounded by
+        # the step's distinct ids, not by the trainers (memory: pserver.tables.step_sums).
+        self.sparse_sums = SparseSums()
         self.positions: Dict[int, Position] = {}
         self.joins_at: Dict[int, int] = {}
 
     def add(self, trainer_id: int, grads: Mapping[str, torch.Tensor], sparse: Mapping[str, SparseGrad],
             position: Position) -> None:
-        """Count one trainer's push: ``grads`` are added into the sums (copied), ``sparse`` kept until applied."""
+        """Count one trainer's push: ``grads`` and ``sparse`` are added into the step's sums (copied)."""
         for name, g in grads.items():
             if name in self.touched:
                 self.grad_sum[name].add_(g)
@@ -49,8 +55,7 @@ class PendingStep:
                     acc = self.grad_sum[name] = torch.empty_like(g)
                 acc.copy_(g)
                 self.touched.add(name)
-        for name, part in sparse.items():
-            self.sparse_parts.setdefault(name, []).append(part)
+        self.sparse_sums.add(sparse)
         self.trainers.add(trainer_id)
         self.positions[trainer_id] = position
 
@@ -62,11 +67,14 @@ class PendingStep:
         """Whether some push is counted and every expected trainer's is."""
         return bool(self.trainers) and self.trainers >= self.expected(live, updates)
 
-    def mean(self, tables: TableSet) -> Tuple[Dict[str, torch.Tensor], Dict[str, SparseGrad]]:
-        """(dense, sparse) means over the trainers counted; the dense ones in the sums' buffers."""
+    def mean(self) -> Tuple[Dict[str, torch.Tensor], Dict[str, SparseGrad]]:
+        """(dense, sparse) means over the trainers counted; the dense ones in the sums' buffers.
+
+        Rows several trainers pushed are summed before the division, so the
+        update equals one process's gradient of the concatenated batch.
+        """
         n = len(self.trainers)
-        return ({name: self.grad_sum[name].div_(n) for name in self.touched},
-                tables.mean_of(self.sparse_parts, n))
+        return ({name: self.grad_sum[name].div_(n) for name in self.touched}, self.sparse_sums.mean(n))
 
     def applied(self, updates: int) -> None:
         """The step was applied (``updates`` now): forget its pushes and the join steps reached."""
@@ -85,7 +93,7 @@ class PendingStep:
         """Drop the pushes counted for the step in progress (the sums' buffers are kept for reuse)."""
         self.trainers = set()
         self.touched = set()
-        self.sparse_parts = {}
+        self.sparse_sums.clear()
         self.positions = {}
 
     def forget_joins(self) -> bool:

@@ -86,7 +86,7 @@ class SyncEngine(Engine):
         pending = self.pending
         if not pending.complete(self.roster.live(), self.updates):
             return
-        mean, sparse = pending.mean(self.tables)
+        mean, sparse = pending.mean()
         step = self.updates
         self.store.apply(mean, step)
         self.tables.apply(sparse, step)

@@ -45,8 +45,12 @@ def home_slots(keys: np.ndarray, n_slots: int) -> np.ndarray:
     the high bits are independent of them. Shifting by at least one bit
     leaves the sign bit clear, so the uint64 buffer is reused as int64.
     """
+    shift = np.uint64(64 - (n_slots.bit_length() - 1))
+    kernels = _compiled((keys, np.int64))
+    if kernels is not None:
+        return kernels.homes(keys, shift)
     h = stable_hash_ids(keys)
-    h >>= np.uint64(64 - (n_slots.bit_length() - 1))
+    h >>= shift
     return h.view(np.int64)
 
 

@@ -1,4 +1,9 @@
-"""The id index's probe and insert compiled with numba.
+"""The id index's probe and insert compiled with numba, and the other per-id loops of a push.
+
+Besides the index: :func:`homes` (home slots), :func:`first_foreign` (the shard check),
+:func:`row_uniforms` (the integer half of an initial row, :mod:`pserver.tables.fresh`) and
+:func:`accumulate` (a sync step's sums, :mod:`pserver.tables.step_sums`), each exactly the
+numpy formula it replaces (tests/tables/test_initial_rows.py, test_step_sums.py).
 
 :mod:`pserver.tables.id_index` probes a batch in vectorised numpy rounds, a dozen or more numpy
 calls and temporaries per round over the keys still pending; compiled, the same rounds are plain
@@ -118,6 +123,84 @@ if AVAILABLE:
                     i = j
             slots[i] = -1
         return found
+
+    _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+    _UNIT = 1.0 / (1 << 53)
+
+    @numba.njit("uint64(uint64)", cache=True, nogil=True)
+    def _mix(x):  # pragma: no cover - compiled
+        x ^= x >> np.uint64(30)
+        x *= np.uint64(0xBF58476D1CE4E5B9)
+        x ^= x >> np.uint64(27)
+        x *= np.uint64(0x94D049BB133111EB)
+        x ^= x >> np.uint64(31)
+        return x
+
+    @numba.njit("void(uint64[:], uint64, uint64[:], float64[:, :], float64[:, :], boolean)",
+                cache=True, nogil=True)
+    def row_uniforms(ids, seed, cols, u1, u2, both):  # pragma: no cover - compiled
+        """The uniforms of :func:`transpiler.tables.initial_rows`, exactly: ``u1`` (and with ``both``, ``u2``).
+
+        Per id ``base = mix(id * GOLDEN + seed)``; element j takes the top 53 bits of
+        ``mix(base ^ cols[j])`` (``u1``) and of ``mix((base + GOLDEN) ^ cols[j])`` (``u2``)
+        as ``(bits + 1) / 2**53``: integer arithmetic and exact conversions, so the values are
+        those of the numpy formula bit for bit, without its uint64 temporaries.
+        """
+        for i in range(ids.size):
+            base = _mix(ids[i] * _GOLDEN + seed)
+            other = base + _GOLDEN
+            for j in range(cols.size):
+                u1[i, j] = (np.float64(_mix(base ^ cols[j]) >> np.uint64(11)) + 1.0) * _UNIT
+                if both:
+                    u2[i, j] = (np.float64(_mix(other ^ cols[j]) >> np.uint64(11)) + 1.0) * _UNIT
+
+    @numba.njit("int64(int64[:], uint64, uint64)", cache=True, nogil=True)
+    def first_foreign(ids, n_shards, shard):  # pragma: no cover - compiled
+        """Index of the first id whose shard (``stable_hash_ids(id) % n_shards``) is not ``shard``; -1 if none."""
+        for i in range(ids.size):
+            if _mix(np.uint64(ids[i]) + _GOLDEN) % n_shards != shard:
+                return i
+        return -1
+
+    @numba.njit("int64[:](int64[:], uint64)", cache=True, nogil=True)
+    def homes(ids, shift):  # pragma: no cover - compiled
+        """:func:`pserver.tables.id_index.home_slots` compiled: the top bits of each id's stable hash."""
+        out = np.empty(ids.size, np.int64)
+        for i in range(ids.size):
+            out[i] = np.int64(_home(ids[i], shift))
+        return out
+
+    @numba.njit(["Tuple((int64, boolean))(int32[:], int64[:], int64, int64[:], float32[:, :], float32[:, :], uint64)",
+                 "Tuple((int64, boolean))(int32[:], int64[:], int64, int64[:], float64[:, :], float64[:, :], uint64)"],
+                cache=True, nogil=True)
+    def accumulate(slots, keys, n, ids, rows, sums, shift):  # pragma: no cover - compiled
+        """Add ``rows`` into ``sums`` by id (:class:`pserver.tables.step_sums.StepSums`); (distinct ids now, any repeat).
+
+        ``keys[:n]`` are the ids summed so far, ``slots`` their index (linear probing from
+        :func:`_home`, room for every new id); a new id is appended (its row copied), a
+        known one has its row added element by element, in float of the rows' own width.
+        """
+        mask = slots.size - 1
+        repeated = False
+        for i in range(ids.size):
+            key = ids[i]
+            p = np.int64(_home(key, shift))
+            while True:
+                r = slots[p]
+                if r < 0:
+                    slots[p] = n
+                    keys[n] = key
+                    for j in range(rows.shape[1]):
+                        sums[n, j] = rows[i, j]
+                    n += 1
+                    break
+                if keys[r] == key:
+                    for j in range(rows.shape[1]):
+                        sums[r, j] += rows[i, j]
+                    repeated = True
+                    break
+                p = (p + 1) & mask
+        return n, repeated
 
 else:
     log.debug("numba is not installed: the id index probes in numpy rounds")

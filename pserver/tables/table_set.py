@@ -134,23 +134,6 @@ class TableSet:
         for name, (ids, rows) in grads.items():
             self.shards[name].apply(ids, rows, self.schedules[name].lr_at(step))
 
-    def mean_of(self, parts: Mapping[str, List[SparseGrad]], n_trainers: int) -> Dict[str, SparseGrad]:
-        """The mean over ``n_trainers`` of each table's pushed parts (sync mode): {table: (ids, rows)}.
-
-        Rows several trainers pushed are summed before the division, so the
-        update equals one process's gradient of the concatenated batch. What
-        :meth:`apply` then applies, and a hot standby applies the same.
-        """
-        merged = {}
-        for name, table_parts in parts.items():
-            if len(table_parts) == 1:
-                ids, rows = table_parts[0]
-            else:
-                ids, rows = merge_duplicates(np.concatenate([p[0] for p in table_parts]),
-                                             torch.cat([p[1] for p in table_parts]))
-            merged[name] = (ids, rows / n_trainers)
-        return merged
-
     def load_shards(self, directories: Mapping[str, List[str]]) -> Dict[str, TableShard]:
         """This pserver's shard of each table rebuilt from saved shard ``directories`` ({table: dirs}).
 

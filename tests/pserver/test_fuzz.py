@@ -220,7 +220,7 @@ def state_change(e: Env) -> Optional[str]:
         found.append(f"version {engine.updates}")
     # Joining (Hello) and signs of life (last_seen) are no change; anything else counted is.
     roster = getattr(engine, "roster", engine)
-    for owner, attrs in ((engine.pending, ("trainers", "touched", "sparse_parts", "positions")),
+    for owner, attrs in ((engine.pending, ("trainers", "touched", "sparse_sums", "positions")),
                          (roster, ("closed", "dropped", "last_step", "positions"))):
         for attr in attrs:
             value = getattr(owner, attr, None)

@@ -63,7 +63,7 @@ def test_bad_sparse_pushes_are_refused_and_change_nothing(cluster, stub):
                                  match)
         assert server.endpoint in details
     tables = server.engine.tables
-    assert server.engine.updates == 0 and not server.engine.pending.trainers and not server.engine.pending.sparse_parts
+    assert server.engine.updates == 0 and not server.engine.pending.trainers and not server.engine.pending.sparse_sums
     assert tables.rows == 0 and all(s.step == 0 for s in tables.shards.values())
     # The pserver still serves: a valid step from both trainers is applied.
     tensors = [("emb@ids", mine), ("emb@rows", rows)]
