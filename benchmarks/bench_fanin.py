@@ -230,8 +230,8 @@ def main(argv=None) -> int:
     work = args.work or tempfile.mkdtemp(prefix="bench-fanin-")
     os.makedirs(work, exist_ok=True)
     rows: List[dict] = []
-    for mode in args.modes:
-        for k in args.trainers:
+    for k in args.trainers:  # both modes of a K next to each other: the same load on the machine
+        for mode in args.modes:
             t0 = time.monotonic()
             rows.append(run_one(args, k, mode == "sync", work))
             log.info("%s K=%d done in %.0f s", mode, k, time.monotonic() - t0)
