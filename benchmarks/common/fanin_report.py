@@ -16,8 +16,8 @@ How each figure is measured (P pservers, K trainers, ``steps`` steps each):
   peak resident size (VmHWM, and the sampled VmRSS) up to the last answer minus VmRSS with K idle
   sessions (in sync mode: what a step holds for its K pushes; ``step_holds_kb_per_trainer`` = that / K).
 - ``pushes_per_s``, ``prefetches_per_s``, ``heartbeats_per_s``: the pservers' Stats counters over the
-  same window as the CPU, summed over pservers; ``heartbeats_per_trainer_min``: heartbeats per trainer
-  per pserver per minute.
+  same window as the CPU, summed over pservers (sync: one prefetch per pserver is the check's read of the
+  initial rows); ``heartbeats_per_trainer_min``: heartbeats per trainer per pserver per minute.
 - ``push_p50_ms`` / ``push_p99_ms``: each push-pull's latency at its trainer, from the call to its
   answer received (sync: the wait for the other trainers included). ``release_p50_ms`` /
   ``release_p99_ms`` (sync): per pserver and step, each answer's arrival after the start of that step's

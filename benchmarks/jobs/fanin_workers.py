@@ -18,9 +18,10 @@ What is not emulated is the model: no forward or backward runs; the gradients co
 driver thread here (a real trainer's main thread) and the threads its Channels start.
 
 The processes of a run meet through files in the spec's ``run_dir``: a load generator writes
-``hello-G`` once its trainers all have sessions (trainer 0's load generator first reads the initial
-model for the sync check), steps when ``go`` appears, writes ``stepped-G`` when its trainers are done,
-and when ``finish`` appears (trainer 0: reads the model after the last step), closes every session
+``hello-G`` once its trainers all have sessions, steps when ``go`` appears (sync: trainer 0 first reads
+the initial model for the check, one pull and one prefetch per pserver: no step applies before its first
+push), writes ``stepped-G`` when its trainers are done, and when ``finish`` appears (sync: trainer 0 reads
+the model after the last step), closes every session
 and writes ``result-G.pt``: per push its pserver, step, start and end (``time.monotonic()``, one clock
 for every process of the host), and the models read. Every wait has the spec's deadline.
 """
@@ -165,13 +166,13 @@ def run_load(spec: Spec, index: int, of: int) -> None:
     try:
         for f in futures.as_completed([pool.submit(t.hello) for t in trainers], timeout=spec.timeout):
             f.result()
-        checker = trainers[0] if index == 0 else None
-        if checker is not None and spec.sync_mode:
-            models["initial"] = checker.read_model(0)
+        checker = trainers[0] if index == 0 and spec.sync_mode else None
         touch(os.path.join(spec.run_dir, f"hello-{index}"))
         wait_for_file(os.path.join(spec.run_dir, "go"), deadline, f"load generator {index}")
 
         def train(t: EmulatedTrainer) -> None:
+            if t is checker:  # sync: no step applies before this trainer's first push, so this is the initial model
+                models["initial"] = checker.read_model(0)
             for step in range(spec.steps):
                 t.step(step)
         remaining = max(1.0, deadline - time.monotonic())
@@ -179,7 +180,7 @@ def run_load(spec: Spec, index: int, of: int) -> None:
             f.result()
         touch(os.path.join(spec.run_dir, f"stepped-{index}"))
         wait_for_file(os.path.join(spec.run_dir, "finish"), deadline, f"load generator {index}")
-        if checker is not None and spec.sync_mode:
+        if checker is not None:
             models["final"] = checker.read_model(spec.steps)
         for f in futures.as_completed([pool.submit(t.close) for t in trainers], timeout=spec.timeout):
             f.result()
