@@ -151,17 +151,19 @@ def run_one(args, k: int, sync_mode: bool, work: str) -> dict:
         pservers = [stack.enter_context(Command(worker + ["pserver", "--spec", spec_file, "--index", str(i)],
                                                 os.path.join(run_dir, f"pserver-{i}.log"), env, REPO))
                     for i in range(args.pservers)]
-        stats = PserverStats(endpoints)
-        stack.callback(stats.close)
-        stats.wait_up(deadline, pservers)
-        pids = [c.proc.pid for c in pservers]
-        sampler = Sampler(pids).start()
-        stack.callback(sampler.stop)
-        at_start = [status(pid) for pid in pids]
+        # Every process of the run starts before this one opens a gRPC channel (see main()).
         load = [stack.enter_context(Command(worker + ["load", "--spec", spec_file, "--index", str(g), "--of",
                                                       str(loads)], os.path.join(run_dir, f"load-{g}.log"), env, REPO))
                 for g in range(loads)]
         everyone = pservers + load
+        stats = PserverStats(endpoints)
+        stack.callback(stats.close)
+        stats.wait_up(deadline, everyone)
+        pids = [c.proc.pid for c in pservers]
+        sampler = Sampler(pids).start()
+        stack.callback(sampler.stop)
+        at_start = [status(pid) for pid in pids]
+        touch(os.path.join(run_dir, "hello"))  # the load generators say Hello for their trainers now
         wait_for_files([os.path.join(run_dir, f"hello-{g}") for g in range(loads)], deadline, everyone,
                        f"{mode} K={k}: Hello")
         check_dropped(stats.get(), k, f"{mode} K={k} after Hello")
@@ -225,6 +227,10 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    # This process starts processes (fork, then exec) after its gRPC is running (Stats): with gRPC's fork
+    # support on, its fork handlers may abort the child ("epoll_wait error: Bad file descriptor"). Read when
+    # gRPC starts, so run as `python -m` (a process whose gRPC has not started yet).
+    os.environ["GRPC_ENABLE_FORK_SUPPORT"] = "false"
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     stop_on_signals()
     work = args.work or tempfile.mkdtemp(prefix="bench-fanin-")

@@ -54,7 +54,7 @@ class Spec:
     ``heartbeat_interval``: the trainers' (DistributeTranspilerConfig); ``rpc_workers``: the
     pservers' ``pserver_rpc_workers`` (0: the library's default, left out of the config);
     ``timeout``: seconds every wait of a run may take at most; ``run_dir``: where the processes
-    of a run meet (files ``go``, ``finish``, ``hello-G``, ``stepped-G``, ``result-G.pt``);
+    of a run meet (files ``hello``, ``go``, ``finish``, ``hello-G``, ``stepped-G``, ``result-G.pt``);
     ``check_ids``: how many ids' rows the sync check reads.
     """
 

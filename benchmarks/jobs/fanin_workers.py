@@ -17,8 +17,8 @@ What is not emulated is the model: no forward or backward runs; the gradients co
 :mod:`benchmarks.jobs.fanin_job`, a function of (trainer, step). Each emulated trainer has one
 driver thread here (a real trainer's main thread) and the threads its Channels start.
 
-The processes of a run meet through files in the spec's ``run_dir``: a load generator writes
-``hello-G`` once its trainers all have sessions, steps when ``go`` appears (sync: trainer 0 first reads
+The processes of a run meet through files in the spec's ``run_dir``: a load generator says Hello for
+its trainers when ``hello`` appears, writes ``hello-G`` once they all have sessions, steps when ``go`` appears (sync: trainer 0 first reads
 the initial model for the check, one pull and one prefetch per pserver: no step applies before its first
 push), writes ``stepped-G`` when its trainers are done, and when ``finish`` appears (sync: trainer 0 reads
 the model after the last step), closes every session
@@ -164,6 +164,7 @@ def run_load(spec: Spec, index: int, of: int) -> None:
     pool = futures.ThreadPoolExecutor(max_workers=len(trainers), thread_name_prefix="emulated")
     models: Dict[str, Dict[str, torch.Tensor]] = {}
     try:
+        wait_for_file(os.path.join(spec.run_dir, "hello"), deadline, f"load generator {index}")
         for f in futures.as_completed([pool.submit(t.hello) for t in trainers], timeout=spec.timeout):
             f.result()
         checker = trainers[0] if index == 0 and spec.sync_mode else None
