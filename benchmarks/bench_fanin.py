@@ -1,0 +1,262 @@
+"""An emulated fan-in: K trainers (up to 1,024) in a few load-generator processes against P real pservers.
+
+For each mode (``--modes sync,async``) and K (``--trainers 16,64,256,1024``) one run starts P pserver
+processes (job S's program transpiled for K trainers: the MLP's blocks and the table's shards) and
+``--load`` load-generator processes that share the K emulated trainers between them. Each emulated
+trainer is a real trainer session through the trainer's own client code, with its own channel (and TCP
+connection) to every pserver, its own Hello, session, heartbeat thread and Close; each of its ``--steps``
+steps pushes job S-sized gradients (a batch's unique ids of 26 Zipf slots, dim-16 rows, the MLP's
+dense blocks) to every pserver with the next batch's ids, as job S does
+(:mod:`benchmarks.jobs.fanin_workers`). No forward or backward runs: gradients are a function of
+(trainer, step) (:mod:`benchmarks.jobs.fanin_job`).
+
+Every run must complete within ``--timeout`` s, every pserver must count exactly K x steps pushes, and
+none may report a dropped trainer (``StatsReply.trainers_dropped``): otherwise the benchmark fails.
+In sync mode it CHECKS the applied model: after the last step trainer 0 pulls the dense blocks and the
+rows of about 250 ids (one never pushed among them), and each must equal its initial value minus lr
+times the sum over steps of the mean of the K pushed gradients, computed again here in float64
+(within ``fanin_job.TOLERANCE``, 1e-6; the runs here stay under 1e-8).
+
+Per (mode, K) it reports, for the window from the first push to the last answer
+(``benchmarks.common.fanin_report`` says exactly how each figure is measured): steps a second;
+pserver CPU per push; pserver threads (the most seen); pserver resident memory at start, per idle
+session, and what a sync step holds; calls a second by kind (pushes, prefetches, heartbeats) and
+heartbeats per trainer per pserver per minute; the p50/p99 of a push's client-side latency and, in
+sync mode, of a parked push's release (its answer after the step's last push was sent).
+
+The pservers run with the library's defaults (``pserver_rpc_workers`` included unless
+``--rpc_workers`` is given), no shared memory, on loopback; every process started is stopped.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import os
+import sys
+import tempfile
+import time
+from typing import Dict, List, Sequence
+
+import numpy as np
+import torch
+
+from benchmarks.common.fanin_report import markdown_table, summarise
+from benchmarks.common.paths import REPO, RESULTS, pythonpath_with_repo
+from benchmarks.common.ports import free_ports
+from benchmarks.common.proc_stats import Sampler, cpu_seconds, status
+from benchmarks.common.processes import Command, RunFailed, stop_on_signals, tail
+from benchmarks.jobs.fanin_job import TOLERANCE, Spec, check_ids, expected_model, transpiler
+from benchmarks.jobs.fanin_workers import touch
+
+log = logging.getLogger("benchmarks.bench_fanin")
+
+
+class PserverStats:
+    """``Stats`` of every pserver of a run, asked as an observer (no session), each call with a deadline."""
+
+    def __init__(self, endpoints: Sequence[str]):
+        from psproto import ps_pb2_grpc
+        from psproto.security import Security
+
+        security = Security.from_env()
+        self._channels = {ep: security.channel(ep) for ep in endpoints}
+        self._stubs = {ep: ps_pb2_grpc.ParameterServerStub(ch) for ep, ch in self._channels.items()}
+
+    def get(self, timeout: float = 10.0) -> Dict[str, object]:
+        from psproto import ps_pb2
+
+        return {ep: stub.Stats(ps_pb2.StatsRequest(), timeout=timeout) for ep, stub in self._stubs.items()}
+
+    def wait_up(self, deadline: float, processes: Sequence[Command]) -> None:
+        """Return once every pserver answers Stats; RunFailed if one exits or ``deadline`` passes first."""
+        import grpc
+
+        while True:
+            try:
+                self.get(timeout=1.0)
+                return
+            except grpc.RpcError:
+                check_alive(processes, "pserver start")
+                if time.monotonic() > deadline:
+                    raise RunFailed("the pservers did not answer Stats in time") from None
+                time.sleep(0.05)
+
+    def close(self) -> None:
+        for ch in self._channels.values():
+            ch.close()
+
+
+def check_alive(processes: Sequence[Command], what: str) -> None:
+    """RunFailed naming the first of ``processes`` that exited, with its log's tail."""
+    for c in processes:
+        if c.proc.poll() is not None:
+            raise RunFailed(f"{what}: {os.path.basename(c.log_path)[:-4]} exited with status {c.proc.returncode}; "
+                            f"log {c.log_path}:\n{tail(c.log_path)}")
+
+
+def wait_for_files(paths: Sequence[str], deadline: float, processes: Sequence[Command], what: str) -> None:
+    """Return once every path exists; RunFailed if a process exits or ``deadline`` passes first."""
+    while not all(os.path.exists(p) for p in paths):
+        check_alive(processes, what)
+        if time.monotonic() > deadline:
+            missing = [os.path.basename(p) for p in paths if not os.path.exists(p)]
+            raise RunFailed(f"{what}: deadline passed; still missing {missing}")
+        time.sleep(0.01)
+
+
+def check_dropped(stats: Dict[str, object], k: int, what: str) -> None:
+    """RunFailed if a pserver dropped a trainer or does not see all ``k`` alive."""
+    for ep, s in stats.items():
+        if list(s.trainers_dropped):
+            raise RunFailed(f"{what}: pserver {ep} dropped trainers {sorted(s.trainers_dropped)}")
+        if len(s.trainers_alive) != k:
+            raise RunFailed(f"{what}: pserver {ep} sees {len(s.trainers_alive)} trainers alive, not {k}")
+
+
+def check_model(spec: Spec, models: Dict[str, Dict[str, torch.Tensor]]) -> Dict[str, float]:
+    """The sync check: RunFailed unless the applied model is the initial one minus lr x the mean pushed gradients."""
+    blocks = transpiler(spec).get_trainer_program().blocks
+    initial, final = models["initial"], models["final"]
+    ids = check_ids(spec)
+    want, want_rows = expected_model(spec, blocks, {b.name: initial[b.name] for b in blocks}, ids,
+                                     initial["@rows"])
+    dense_err = max(float((final[name].double() - w).abs().max()) for name, w in want.items())
+    rows_err = float((final["@rows"].double() - want_rows).abs().max())
+    moved = float((final["@rows"].double() - initial["@rows"].double()).abs().max())
+    if not (dense_err <= TOLERANCE and rows_err <= TOLERANCE and moved > 100 * TOLERANCE):
+        raise RunFailed(f"sync model check failed for K={spec.trainers}: max |error| dense {dense_err:.3g}, rows "
+                        f"{rows_err:.3g} (tolerance {TOLERANCE:g}); rows moved at most {moved:.3g}")
+    return {"dense_max_error": dense_err, "rows_max_error": rows_err, "rows_checked": int(ids.size),
+            "tolerance": TOLERANCE}
+
+
+def run_one(args, k: int, sync_mode: bool, work: str) -> dict:
+    """One run of K emulated trainers against ``args.pservers`` pservers; its figures (see the module doc)."""
+    mode = "sync" if sync_mode else "async"
+    run_dir = tempfile.mkdtemp(prefix=f"fanin-{mode}-{k}-", dir=work)
+    endpoints = [f"127.0.0.1:{p}" for p in free_ports(args.pservers)]
+    spec = Spec(trainers=k, pservers=endpoints, sync_mode=sync_mode, steps=args.steps, batch=args.batch,
+                seed=args.seed, heartbeat_interval=args.heartbeat_interval, rpc_workers=args.rpc_workers,
+                timeout=args.timeout, run_dir=run_dir)
+    spec_file = os.path.join(run_dir, "spec.json")
+    with open(spec_file, "w") as f:
+        f.write(spec.to_json())
+    loads = min(args.load, k)
+    deadline = time.monotonic() + args.timeout
+    env = {"PYTHONPATH": pythonpath_with_repo()}
+    worker = [sys.executable, "-m", "benchmarks.jobs.fanin_workers"]
+    with contextlib.ExitStack() as stack:
+        pservers = [stack.enter_context(Command(worker + ["pserver", "--spec", spec_file, "--index", str(i)],
+                                                os.path.join(run_dir, f"pserver-{i}.log"), env, REPO))
+                    for i in range(args.pservers)]
+        # Every process of the run starts before this one opens a gRPC channel (see main()).
+        load = [stack.enter_context(Command(worker + ["load", "--spec", spec_file, "--index", str(g), "--of",
+                                                      str(loads)], os.path.join(run_dir, f"load-{g}.log"), env, REPO))
+                for g in range(loads)]
+        everyone = pservers + load
+        stats = PserverStats(endpoints)
+        stack.callback(stats.close)
+        stats.wait_up(deadline, everyone)
+        pids = [c.proc.pid for c in pservers]
+        sampler = Sampler(pids).start()
+        stack.callback(sampler.stop)
+        at_start = [status(pid) for pid in pids]
+        touch(os.path.join(run_dir, "hello"))  # the load generators say Hello for their trainers now
+        wait_for_files([os.path.join(run_dir, f"hello-{g}") for g in range(loads)], deadline, everyone,
+                       f"{mode} K={k}: Hello")
+        check_dropped(stats.get(), k, f"{mode} K={k} after Hello")
+        idle = [status(pid) for pid in pids]
+        before, cpu_before, t_before = stats.get(), [cpu_seconds(pid) for pid in pids], time.monotonic()
+        touch(os.path.join(run_dir, "go"))
+        wait_for_files([os.path.join(run_dir, f"stepped-{g}") for g in range(loads)], deadline, everyone,
+                       f"{mode} K={k}: steps")
+        t_after, cpu_after, after = time.monotonic(), [cpu_seconds(pid) for pid in pids], stats.get()
+        stepped = [status(pid) for pid in pids]
+        check_dropped(after, k, f"{mode} K={k} after the last step")
+        for ep in endpoints:
+            if after[ep].pushes - before[ep].pushes != k * args.steps:
+                raise RunFailed(f"{mode} K={k}: pserver {ep} counted {after[ep].pushes - before[ep].pushes} "
+                                f"pushes, not {k * args.steps}")
+        touch(os.path.join(run_dir, "finish"))
+        for g, c in enumerate(load):
+            rc = c.wait(max(1.0, deadline - time.monotonic()), f"{mode} K={k}: load generator {g}")
+            if rc != 0:
+                raise RunFailed(f"{mode} K={k}: load generator {g} exited with {rc}:\n{tail(c.log_path)}")
+        for i, c in enumerate(pservers):  # every trainer closed: each pserver ends by itself
+            rc = c.wait(max(1.0, deadline - time.monotonic()), f"{mode} K={k}: pserver {i} after every Close")
+            if rc != 0:
+                raise RunFailed(f"{mode} K={k}: pserver {i} exited with {rc}:\n{tail(c.log_path)}")
+        peaks = sampler.stop()
+    results = [torch.load(os.path.join(run_dir, f"result-{g}.pt")) for g in range(loads)]
+    pushes = np.array([p for r in results for p in r["pushes"]], dtype=np.float64)
+    check = check_model(spec, results[0]["models"]) if sync_mode else None
+    return summarise(mode=mode, k=k, spec=spec, loads=loads, pushes=pushes, at_start=at_start, idle=idle,
+                     stepped=stepped, peaks=[peaks[pid] for pid in pids], cpu=np.subtract(cpu_after, cpu_before),
+                     before=before, after=after, window=t_after - t_before, check=check)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--trainers", default="16,64,256,1024", help="values of K, comma-separated (default %(default)s)")
+    p.add_argument("--modes", default="sync,async", help="sync, async or both (default %(default)s)")
+    p.add_argument("--pservers", type=int, default=2, help="pserver processes, 1-4 (default %(default)s)")
+    p.add_argument("--load", type=int, default=4, help="load-generator processes (default %(default)s)")
+    p.add_argument("--steps", type=int, default=5, help="steps each trainer pushes (default %(default)s)")
+    p.add_argument("--batch", type=int, default=512, help="rows of a job S batch (its ids; default %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="of the gradients and ids (default %(default)s)")
+    p.add_argument("--heartbeat_interval", type=float, default=2.0, help="the trainers' (default %(default)s)")
+    p.add_argument("--rpc_workers", type=int, default=0,
+                   help="the pservers' pserver_rpc_workers (default 0: the library's default)")
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds one run may take in all (default %(default)s)")
+    p.add_argument("--json", default=os.path.join(RESULTS, "bench_fanin.json"), help="(default %(default)s)")
+    p.add_argument("--work", default=None, help="folder for the runs' logs and files (default: a new temporary one)")
+    args = p.parse_args(argv)
+    try:
+        args.trainers = [int(k) for k in args.trainers.split(",")]
+    except ValueError:
+        p.error(f"--trainers takes integers, got {args.trainers!r}")
+    args.modes = [m.strip() for m in args.modes.split(",")]
+    if set(args.modes) - {"sync", "async"} or not args.modes:
+        p.error(f"--modes takes sync and/or async, got {args.modes}")
+    if not 1 <= args.pservers <= 4 or args.load < 1 or args.steps < 1 or args.batch < 1 or min(args.trainers) < 1:
+        p.error("--pservers must be 1-4; --load, --steps, --batch and every K at least 1")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    # This process starts processes (fork, then exec) after its gRPC is running (Stats): with gRPC's fork
+    # support on, its fork handlers may abort the child ("epoll_wait error: Bad file descriptor"). Read when
+    # gRPC starts, so run as `python -m` (a process whose gRPC has not started yet).
+    os.environ["GRPC_ENABLE_FORK_SUPPORT"] = "false"
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    stop_on_signals()
+    work = args.work or tempfile.mkdtemp(prefix="bench-fanin-")
+    os.makedirs(work, exist_ok=True)
+    rows: List[dict] = []
+    for k in args.trainers:  # both modes of a K next to each other: the same load on the machine
+        for mode in args.modes:
+            t0 = time.monotonic()
+            rows.append(run_one(args, k, mode == "sync", work))
+            log.info("%s K=%d done in %.0f s", mode, k, time.monotonic() - t0)
+            if args.json:  # after every run: a later run that fails leaves the earlier ones recorded
+                write_json(args.json, rows)
+    print(markdown_table(rows))
+    if args.json:
+        print(f"wrote {args.json}")
+    return 0
+
+
+def write_json(path: str, rows: List[dict]) -> None:
+    """The runs so far, with the command, date and core count, to ``path`` (replaced whole)."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path + ".tmp", "w") as f:
+        json.dump({"command": "python -m benchmarks.bench_fanin " + " ".join(sys.argv[1:]),
+                   "date": time.strftime("%Y-%m-%d %H:%M"), "cores": os.cpu_count(), "runs": rows}, f, indent=1)
+    os.replace(path + ".tmp", path)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,82 @@
+"""The emulated fan-in (benchmarks/bench_fanin.py): its smoke run at K = 64, and its sync check's teeth.
+
+The smoke run starts real processes (2 pservers, 4 load generators of 16 emulated trainers each),
+sync and async, 2 steps: it must complete with no trainer dropped, the sync model must pass the check,
+and every figure the benchmark reports must be there. No timing is asserted.
+"""
+from __future__ import annotations
+
+import json
+import math
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from benchmarks import bench_fanin
+from benchmarks.common.paths import REPO, pythonpath_with_repo
+from benchmarks.common.processes import RunFailed, run_command
+from benchmarks.jobs import fanin_job
+from benchmarks.jobs.fanin_job import GRID, TOLERANCE, Spec
+
+POSITIVE = ("steps_per_s", "trainer_steps_per_s", "cpu_ms_per_push", "threads_idle", "threads_max", "rss_start_mb",
+            "pushes_per_s", "push_p50_ms", "push_p99_ms", "push_window_s", "stats_window_s")
+PRESENT = ("idle_kb_per_session", "step_holds_mb", "step_holds_kb_per_trainer", "prefetches_per_s",
+           "heartbeats_per_s", "heartbeats_per_trainer_min")
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(600)
+def test_fanin_at_64_trainers_completes_with_no_trainer_dropped_and_the_sync_model_checked(tmp_path):
+    out = tmp_path / "fanin.json"
+    # Its own process, as CI would run it: its gRPC must not be running before it starts processes (bench_fanin.main).
+    run_command([sys.executable, "-m", "benchmarks.bench_fanin", "--trainers", "64", "--modes", "sync,async",
+                 "--pservers", "2", "--load", "4", "--steps", "2", "--timeout", "400", "--json", str(out),
+                 "--work", str(tmp_path)], str(tmp_path / "bench.log"), timeout=540, what="bench_fanin K=64",
+                env={"PYTHONPATH": pythonpath_with_repo()}, cwd=REPO)
+    runs = {r["mode"]: r for r in json.loads(out.read_text())["runs"]}
+    assert sorted(runs) == ["async", "sync"]
+    for mode, r in runs.items():
+        assert (r["trainers"], r["pservers"], r["load_processes"], r["steps"], r["dropped"]) == (64, 2, 4, 2, 0)
+        assert {key: r[key] for key in POSITIVE if not r[key] > 0} == {}, mode
+        assert all(math.isfinite(r[key]) for key in PRESENT), mode
+        assert min(r["heartbeats_per_s"], r["prefetches_per_s"]) >= 0
+        assert r["threads_max"] >= r["threads_idle"]
+    sync = runs["sync"]
+    assert sync["release_p50_ms"] > 0 and sync["release_p99_ms"] >= sync["release_p50_ms"]
+    check = sync["model_check"]
+    assert check["rows_checked"] > 100
+    assert max(check["dense_max_error"], check["rows_max_error"]) <= TOLERANCE
+    assert runs["async"]["model_check"] is None
+
+
+def test_gradients_are_a_function_of_trainer_and_step_on_an_exact_grid():
+    spec = Spec(trainers=4, pservers=["127.0.0.1:1"])
+    ids = fanin_job.batch_ids(spec, 1, 2)
+    assert np.array_equal(ids, fanin_job.batch_ids(spec, 1, 2))
+    assert not np.array_equal(ids, fanin_job.batch_ids(spec, 2, 2))
+    assert np.all(np.diff(ids) > 0) and np.all((ids >> fanin_job.SLOT_SHIFT) < fanin_job.JOB_S.S_SLOTS)
+    rows = fanin_job.sparse_rows(spec, 1, 2, ids)
+    assert rows.shape == (ids.size, 16)
+    # A row depends on (trainer, step, id) only: the same for any subset of ids asked.
+    assert torch.equal(fanin_job.sparse_rows(spec, 1, 2, ids[::7]), rows[::7])
+    assert torch.equal(rows / GRID, (rows / GRID).round()) and rows.abs().max() <= 8 * GRID
+
+
+def test_the_sync_check_fails_a_model_that_missed_one_trainers_gradients():
+    spec = Spec(trainers=4, pservers=["127.0.0.1:1", "127.0.0.1:2"], steps=2)
+    blocks = fanin_job.transpiler(spec).get_trainer_program().blocks
+    ids = fanin_job.check_ids(spec)
+    initial = {b.name: torch.randn(b.shape) * 0.05 for b in blocks}
+    initial["@rows"] = torch.randn(ids.size, 16) * 0.01
+    want, want_rows = fanin_job.expected_model(spec, blocks, {b.name: initial[b.name] for b in blocks}, ids,
+                                               initial["@rows"])
+    final = {name: w.float() for name, w in want.items()}
+    final["@rows"] = want_rows.float()
+    assert bench_fanin.check_model(spec, {"initial": initial, "final": final})["rows_checked"] == ids.size
+    # Trainer 3's step-1 gradient left out of the mean of the dense blocks: the check must see it.
+    missing = fanin_job.dense_gradients(spec, blocks, 3, 1)
+    wrong = {**final, **{name: final[name] + fanin_job.JOB_S.S_LR * g / spec.trainers for name, g in missing.items()}}
+    with pytest.raises(RunFailed, match="sync model check failed"):
+        bench_fanin.check_model(spec, {"initial": initial, "final": wrong})
