@@ -283,7 +283,9 @@ class ParameterServer:
     def _watch_heartbeats(self) -> None:
         cfg = self.program.config
         while not self._finished.wait(cfg.heartbeat_interval / 2):
-            self.engine.drop_silent(cfg.heartbeat_timeout, cfg.trainer_rejoin_timeout)
+            # The Reduce service's lock is taken before, never inside, the engine's.
+            self.engine.drop_silent(cfg.heartbeat_timeout, cfg.trainer_rejoin_timeout,
+                                    busy=self.reductions.parked_trainers())
 
     def checkpoint(self) -> Optional[str]:
         """Write a checkpoint now if ``checkpoint_dir`` is set; its path, or None (failure logged).

@@ -2,15 +2,17 @@
 
 Pservers drop a trainer silent for ``heartbeat_timeout``. Every call a pserver
 notes as a sign of life on arrival (a push-pull by any path, a pull, a
-prefetch, Hello, Reduce, Restore, Checkpoint, SaveTables, a heartbeat) is
-noted by its :class:`~trainer.transport.PserverChannel` when it starts
-(``last_contact``), so the thread heartbeats only the pservers this trainer
-has been silent towards for a ``heartbeat_interval``: none in steady
-training; those it waits on while a data loader stalls, an evaluation runs or
-a sync push is parked in a barrier (its start grows old there too); and,
-on a node, those only the other local ranks reach (this thread, on local
-rank 0, counts local rank 0's calls only: heartbeats that are not strictly
-needed, never one missing).
+prefetch, Hello, Reduce, Restore, Checkpoint, SaveTables, a heartbeat), and
+it holds a parked call (a sync push in its barrier, a Reduce in its round)
+without counting the wait as silence. Its :class:`~trainer.transport.PserverChannel`
+keeps the same account (:class:`~trainer.transport.contact.Contact`: contact
+while a call is in flight, and until its answer), so the thread heartbeats
+only the pservers this trainer has been silent towards for a
+``heartbeat_interval``: none in steady training, however long a step's
+barrier takes; those it waits on while a data loader stalls or an evaluation
+runs; and, on a node, those only the other local ranks reach (this thread, on
+local rank 0, counts local rank 0's calls only: heartbeats that are not
+strictly needed, never one missing).
 
 Bounds: one thread per trainer (per node), at most :data:`CHECKS_PER_INTERVAL`
 wake-ups an interval, at most one heartbeat per pserver an interval. A
@@ -66,8 +68,9 @@ class Heartbeat:
         return self
 
     def _last_contact(self) -> Dict[str, float]:
-        """Per pserver: its channel's last contact, or this thread's last try if later."""
-        return {ep: max(self._channels[ep].last_contact, self._tried.get(ep, float("-inf")))
+        """Per pserver: its channel's last contact (now, while a call is in flight), or this thread's last try if later."""
+        now = time.monotonic()
+        return {ep: max(self._channels[ep].contact.last(now), self._tried.get(ep, float("-inf")))
                 for ep in self._endpoints}
 
     def _run(self) -> None:

@@ -48,7 +48,7 @@ class AsyncEngine(Engine):
                     what = f"trainer {trainer_id}'s step {step} (max_staleness={self.max_staleness})"
                     missing = lambda: self._slowest(trainer_id)[1]  # noqa: E731
                     if park:
-                        return self.waits.park(fresh_enough, what, missing)
+                        return self.waits.park(fresh_enough, what, missing, trainer=trainer_id)
                     self.waits.wait(fresh_enough, what, missing)
             # Checked after the wait: a retry may have been applied meanwhile.
             if step <= self.last_step.get(trainer_id, -1):

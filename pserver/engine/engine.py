@@ -19,7 +19,7 @@ import logging
 import threading
 import time
 from abc import ABC, abstractmethod
-from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import AbstractSet, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
@@ -67,7 +67,7 @@ class Engine(ABC):
         self.roster = Roster(trainers)
         self.all_closed = threading.Event()
         self.rollbacks = RollBacks(checkpointer, endpoint)
-        self.waits = Waits(self.cv, endpoint, barrier_timeout, self.rollbacks, on_wait)
+        self.waits = Waits(self.cv, endpoint, barrier_timeout, self.rollbacks, on_wait, released=self.touch)
         self.listeners = tuple(listeners)
         self.pending = pending
         self.on_roster_change = on_roster_change
@@ -235,16 +235,15 @@ class Engine(ABC):
         self.waits.notify()
         return left
 
-    def drop_silent(self, timeout: float, rejoin_timeout: Optional[float] = None) -> List[int]:
-        """Drop trainers silent for ``timeout`` s from barriers and staleness bounds; returns them.
+    def drop_silent(self, timeout: float, rejoin_timeout: Optional[float] = None,
+                    busy: AbstractSet[int] = frozenset()) -> List[int]:
+        """Drop trainers silent for ``timeout`` s, unless a call of theirs is parked here or ``busy`` (Reduce).
 
-        A trainer dropped more than ``rejoin_timeout`` s ago that has not
-        rejoined is counted as closed, so a job whose trainer died for good
-        still ends once the others close.
+        One dropped ``rejoin_timeout`` s ago and not back counts as closed, so a job whose trainer died ends.
         """
         with self.cv:
             now = time.monotonic()
-            silent = self.roster.silent(timeout)
+            silent = self.roster.silent(timeout, busy=self.waits.parked_trainers() | set(busy))
             for t, quiet in silent:
                 self.roster.drop(t, now)
                 log.warning("%s: trainer %d sent nothing for %.1fs (heartbeat_timeout %gs); dropped "

@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 import threading
 from dataclasses import dataclass
-from typing import AbstractSet, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
+from typing import AbstractSet, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Set, Tuple
 
 import numpy as np
 
@@ -205,7 +205,7 @@ class Reductions:
                     self._rounds.withdraw(trainer_id, key, round_)
 
             handle = self._waits.park(finished, f"round {round_} of reduction {key!r}",
-                                      lambda: self._rounds.missing(key, round_, self._expected()))
+                                      lambda: self._rounds.missing(key, round_, self._expected()), trainer=trainer_id)
             handle.add_callback(withdraw)
             if handle.done:
                 self._waits.notify()  # the others waiting for this round find it finished
@@ -226,6 +226,11 @@ class Reductions:
         """Wake the pending rounds to look again at who is expected (a trainer closed, was dropped or rejoined)."""
         with self._cv:
             self._waits.notify()
+
+    def parked_trainers(self) -> Set[int]:
+        """The trainers whose Reduce waits for a round now."""
+        with self._cv:
+            return self._waits.parked_trainers()
 
     def open_rounds(self) -> List[Tuple[str, int]]:
         """The ``(key, round)`` pairs waiting for trainers now, sorted (for tests and operators)."""

@@ -5,7 +5,7 @@ Not thread-safe: the engine holds its lock around every call.
 from __future__ import annotations
 
 import time
-from typing import Dict, Iterable, List, NamedTuple, Tuple
+from typing import AbstractSet, Dict, Iterable, List, NamedTuple, Tuple
 
 from transpiler.position import Position
 
@@ -100,10 +100,10 @@ class Roster:
         return sorted((t, now - at) for t, at in self.dropped_at.items()
                       if t in self.dropped and now - at > timeout)
 
-    def silent(self, timeout: float) -> List[Tuple[int, float]]:
-        """Joined, live trainers not heard from for ``timeout`` s: [(id, seconds silent)]."""
+    def silent(self, timeout: float, busy: AbstractSet[int] = frozenset()) -> List[Tuple[int, float]]:
+        """Joined, live trainers not heard from for ``timeout`` s and not ``busy``: [(id, seconds silent)]."""
         now = time.monotonic()
-        return sorted((t, now - self.last_seen.get(t, now)) for t in self.joined & self.live()
+        return sorted((t, now - self.last_seen.get(t, now)) for t in (self.joined & self.live()) - busy
                       if now - self.last_seen.get(t, now) > timeout)
 
     def to_meta(self) -> dict:

@@ -114,7 +114,8 @@ class SyncEngine(Engine):
             if trainer_id in self._expected() - self.pending.trainers:
                 self.rollbacks.refuse_wait_from_before_a_roll_back(trainer_id, f"wait for update {min_updates}")
             return self.waits.park(lambda: self.updates >= min_updates, f"step {self.updates}",
-                                   lambda: sorted(self._expected() - self.pending.trainers), measured=True)
+                                   lambda: sorted(self._expected() - self.pending.trainers), measured=True,
+                                   trainer=trainer_id)
 
     def _reads_need_copy(self) -> bool:
         # Between two sync steps nothing writes the blocks: the next update

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Callable, Iterable, List, Optional
+from typing import Callable, Iterable, List, Optional, Set
 
 from ..errors import BarrierTimeout, MustResync, Refusal, ShuttingDown
 from .rollback import RollBacks
@@ -34,14 +34,15 @@ class Parked:
     ``callbacks`` are called once, with the handle, when it completes or
     fails, by the thread that resolved it and under the engine's lock: they
     must be quick (set an event, schedule a wake-up). ``measured``: the wait
-    counts in the barrier histogram (a sync step's).
+    counts in the barrier histogram (a sync step's). ``trainer``: whose call
+    waits (None: no trainer's), a sign of life while the wait lasts.
     """
 
     __slots__ = ("waits", "ready", "what", "missing", "deadline", "rollbacks", "parked_at", "done_at", "error",
-                 "measured", "_callbacks")
+                 "measured", "trainer", "_callbacks")
 
     def __init__(self, waits: "Waits", ready: Callable[[], bool], what: str, missing: Callable[[], Iterable[int]],
-                 deadline: float, rollbacks: int, measured: bool = False):
+                 deadline: float, rollbacks: int, measured: bool = False, trainer: Optional[int] = None):
         self.waits = waits
         self.ready = ready
         self.what = what
@@ -52,6 +53,7 @@ class Parked:
         self.done_at: Optional[float] = None
         self.error: Optional[Refusal] = None
         self.measured = measured
+        self.trainer = trainer
         self._callbacks: List[Callable[["Parked"], None]] = []
 
     @property
@@ -106,15 +108,19 @@ class Waits:
     Every method but :meth:`finish` is called under the lock of ``cv``.
     ``rollbacks`` (None: waits no roll-back ends, as the Reduce service's)
     ``on_wait`` gets the seconds a measured wait took, outside the lock.
+    ``released`` hears of each trainer whose wait completed: the pserver held
+    its call until now, so that is when the trainer was last heard from.
     """
 
     def __init__(self, cv: threading.Condition, endpoint: str, barrier_timeout: float,
-                 rollbacks: Optional[RollBacks] = None, on_wait: Optional[Callable[[float], None]] = None):
+                 rollbacks: Optional[RollBacks] = None, on_wait: Optional[Callable[[float], None]] = None,
+                 released: Optional[Callable[[int], object]] = None):
         self.cv = cv
         self.endpoint = endpoint
         self.barrier_timeout = barrier_timeout
         self.rollbacks = rollbacks
         self.on_wait = on_wait
+        self.released = released
         self._stopping = False
         self._parked: List[Parked] = []
 
@@ -123,16 +129,20 @@ class Waits:
         """How many waits are parked now."""
         return len(self._parked)
 
+    def parked_trainers(self) -> Set[int]:
+        """The trainers whose calls wait here now: the pserver holds them, so they are not silent."""
+        return {h.trainer for h in self._parked if h.trainer is not None}
+
     def stop(self) -> None:
         """Every wait ends with ShuttingDown, now and later."""
         self._stopping = True
         self.notify()
 
     def park(self, ready: Callable[[], bool], what: str, missing: Callable[[], Iterable[int]],
-             measured: bool = False) -> Parked:
+             measured: bool = False, trainer: Optional[int] = None) -> Parked:
         """A handle that completes once ``ready()`` holds (maybe done already), or fails naming ``missing()``."""
         handle = Parked(self, ready, what, missing, time.monotonic() + self.barrier_timeout, self._rollbacks_made(),
-                        measured)
+                        measured, trainer)
         if self._settle(handle):
             handle.measured = False  # it never waited
         else:
@@ -188,6 +198,8 @@ class Waits:
     def _settle(self, handle: Parked) -> bool:
         """End ``handle`` if its wait is over (the rules, in today's order); whether it ended."""
         if handle.ready():
+            if handle.trainer is not None and self.released is not None:
+                self.released(handle.trainer)
             handle._end(None)
         elif self._stopping:
             handle._end(ShuttingDown(f"pserver {self.endpoint} is shutting down"))

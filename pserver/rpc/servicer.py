@@ -359,6 +359,7 @@ class PserverServicer:
         values = to_values((v.name, v.shape, v.data) for v in request.values)
         handle, result = self.reductions.park(request.trainer_id, request.key, request.round, request.op, values)
         yield from park(handle)
+        self.engine.touch(request.trainer_id)  # heard from until now: the round held its call (engine.drop_silent)
         combined, trainers = result()
         yield ps_pb2.ReduceReply(trainers=trainers, values=[
             ps_pb2.ReduceValue(name=name, shape=v.shape, data=v.ravel().tolist()) for name, v in combined.items()])

@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 import threading
+import time
 
 from pserver.checkpoint.checkpointer import Checkpointer
 from pserver.errors import MustResync, NotAllowed
@@ -384,3 +385,22 @@ def test_stats_is_the_state_stats_and_metrics_report(tmp_path):
     assert (snap.table_rows, snap.table_bytes) == (0, 0)
     assert snap.checkpoint.step == 1 and snap.checkpoint.path.endswith("pserver-0-of-1")
     assert snap.checkpoint == e.checkpointer.last
+
+
+def test_a_trainer_whose_push_is_parked_is_not_silent_and_is_heard_from_when_released():
+    e = engine(3)
+    for t in (0, 1, 2):
+        e.hello(t)
+    e.push(0, 0, grads(e, 1.0))
+    e.push(1, 0, grads(e, 1.0))
+    handle = e.park_updates(0, 1)                        # trainer 0's answer waits for trainer 2's push
+    assert handle is not None and not handle.done and e.waits.parked_trainers() == {0}
+    e.roster.last_seen[0] -= 60                          # its push arrived a minute ago, and it still waits
+    e.roster.last_seen[1] -= 60                          # trainer 1 pushed then, and holds no call here
+    assert e.drop_silent(timeout=30) == [1]              # trainer 0 is held by this pserver, not silent
+    assert e.drop_silent(timeout=30, busy={2}) == []     # a trainer busy in a Reduce round is not silent
+    e.push(2, 0, grads(e, 1.0))
+    assert handle.done and handle.error is None and e.waits.parked_trainers() == set()
+    # Released just now: heard from at the step's end, not at its push a minute ago.
+    assert e.presence(0)[0] > time.monotonic() - 5
+    assert e.drop_silent(timeout=30) == []

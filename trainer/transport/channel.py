@@ -29,6 +29,7 @@ from transpiler import DistributeTranspilerConfig
 
 from ..errors import PserverError, PserverUnavailableError
 from .connection import Connection
+from .contact import Contact
 from .narrowing import GradientNarrower
 from .primaries import ShardPrimary
 from .shared_regions import RegionPool
@@ -84,8 +85,7 @@ class PserverChannel:
         self.primary = ShardPrimary(self, addresses, identity.trainer_id, config.recovery_timeout)
         self.bytes_pushed = 0
         self.bytes_pulled = 0
-        # Start of the latest call the pserver notes as a sign of life on arrival (trainer/heartbeat.py).
-        self.last_contact = float("-inf")
+        self.contact = Contact()  # when the pserver last heard from this trainer (trainer/heartbeat.py)
 
     # -- connection and session ---------------------------------------------
 
@@ -156,7 +156,8 @@ class PserverChannel:
                 reply = self._connection.unary["Hello"](request, timeout=min(remaining, WAIT_LOG_INTERVAL),
                                                         wait_for_ready=True)
                 log.info("trainer %d: %s is up (step %d)", tid, self.endpoint, reply.start_step)
-                self._session, self.last_contact = reply.session, started
+                self._session = reply.session
+                self.contact.noted(started)
                 return reply
             except grpc.RpcError as e:
                 code = e.code()
@@ -312,21 +313,19 @@ class PserverChannel:
                  decode_into: Optional[DecodeInto], sent_at_once: bool = True) -> Tuple[int, Dict[str, torch.Tensor]]:
         """Run ``call`` (its answer: PullChunks) and rebuild the answer's tensors: (updates, tensors).
 
-        The pserver notes the call as a sign of life on arrival (a sync push parked in its barrier too), so it is
-        contact from its start; one not ``sent_at_once`` (its tensors stream during backward) once it went through.
+        The pserver notes the call as a sign of life on arrival and holds a parked one (:mod:`.contact`): it is
+        contact while in flight; one not ``sent_at_once`` (its tensors stream during backward) once it went through.
         """
-        started = time.monotonic()
-        if sent_at_once:
-            self.last_contact = started
         reader = TensorReader(dtype_and_shape, decode_into)
         updates = None
         try:
-            for data in call():
-                header, pieces = decode_chunk(data, ps_pb2.PullHeader)
-                if header is not None:
-                    updates = header.updates
-                for piece in pieces:
-                    reader.add(piece)
+            with self.contact.call(from_start=sent_at_once):
+                for data in call():
+                    header, pieces = decode_chunk(data, ps_pb2.PullHeader)
+                    if header is not None:
+                        updates = header.updates
+                    for piece in pieces:
+                        reader.add(piece)
             tensors = reader.finish()
         except grpc.RpcError as e:
             raise error_of(self.endpoint, f"{what} failed: {details(e)}", e) from None
@@ -335,7 +334,6 @@ class PserverChannel:
         if updates is None:
             raise PserverError(self.endpoint, f"{what}: answer carried no header")
         self.bytes_pulled += reader.nbytes
-        self.last_contact = max(self.last_contact, started)
         return updates, tensors
 
     # -- unary calls ----------------------------------------------------------
@@ -345,9 +343,9 @@ class PserverChannel:
         return self.primary.run(functools.partial(self._unary_once, method, request, what, timeout))
 
     def _unary_once(self, method: str, request: Callable, what: str, timeout: float):
-        self.last_contact = time.monotonic()  # Heartbeat, SaveTables, Restore, Checkpoint, Reduce: all touch on arrival
-        try:
-            return self._connection.unary[method](request(session=self._session), timeout=timeout)
+        try:  # Heartbeat, SaveTables, Restore, Checkpoint, Reduce: all touch on arrival
+            with self.contact.call():
+                return self._connection.unary[method](request(session=self._session), timeout=timeout)
         except grpc.RpcError as e:
             raise error_of(self.endpoint, f"{what} failed: {details(e)}", e) from None
 
