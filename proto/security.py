@@ -177,13 +177,15 @@ class Security:
         # system's roots rather than silently trying plaintext.
         return bool(self.tls_ca or self.tls_client_cert or self.tls_cert)
 
-    def channel(self, endpoint: str, options: Sequence[Tuple[str, object]] = ()) -> grpc.Channel:
+    def channel(self, endpoint: str, options: Sequence[Tuple[str, object]] = (),
+                metadata: Sequence[Tuple[str, str]] = ()) -> grpc.Channel:
         """A channel to ``endpoint`` that satisfies a pserver with these settings.
 
         Secure (verifying the server against ``tls_ca``, presenting the client
         certificate if given, checking ``tls_server_name`` if given) when TLS
         is configured, plaintext otherwise; when a token is set, every call
-        (all four call types, raw multicallables included) carries it.
+        (all four call types, raw multicallables included) carries it, and
+        ``metadata`` too.
         """
         options = list(options)
         if self._client_tls():
@@ -197,8 +199,10 @@ class Security:
             ch = grpc.secure_channel(endpoint, creds, options=options)
         else:
             ch = grpc.insecure_channel(endpoint, options=options)
-        if self.token:
-            ch = grpc.intercept_channel(ch, TokenClientInterceptor(self.token))
+        entries = [(_HEADER, f"Bearer {self.token}")] if self.token else []
+        entries += list(metadata)
+        if entries:
+            ch = grpc.intercept_channel(ch, MetadataClientInterceptor(entries))
         return ch
 
 
@@ -211,15 +215,16 @@ class _CallDetails(collections.namedtuple(
     pass
 
 
-class TokenClientInterceptor(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
-                             grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
-    """Adds ``authorization: Bearer <token>`` to the metadata of every call, whatever its type."""
+class MetadataClientInterceptor(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
+                                grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
+    """Adds ``entries`` (the token's ``authorization: Bearer <token>``, the trainer id) to every call's metadata."""
 
-    def __init__(self, token: str):
-        self._entry = (_HEADER, f"Bearer {token}")
+    def __init__(self, entries: Sequence[Tuple[str, str]]):
+        self._entries = list(entries)
+        self._keys = {key for key, _ in self._entries}
 
     def _details(self, d: grpc.ClientCallDetails) -> _CallDetails:
-        metadata = [m for m in (d.metadata or ()) if m[0] != _HEADER] + [self._entry]
+        metadata = [m for m in (d.metadata or ()) if m[0] not in self._keys] + self._entries
         return _CallDetails(d.method, d.timeout, metadata, d.credentials,
                             getattr(d, "wait_for_ready", None), getattr(d, "compression", None))
 

@@ -15,10 +15,13 @@ import torch
 from . import ps_pb2
 from .codec import ONE_MESSAGE_BYTES, encode_chunks
 
-__all__ = ["SERVICE", "METHODS", "ONE_MESSAGE_BYTES", "method_path", "one_message"]
+__all__ = ["SERVICE", "METHODS", "ONE_MESSAGE_BYTES", "TRAINER_METADATA", "method_path", "one_message"]
 
 SERVICE = ps_pb2.DESCRIPTOR.services_by_name["ParameterServer"].full_name
 METHODS = frozenset(m.name for m in ps_pb2.DESCRIPTOR.services_by_name["ParameterServer"].methods)
+# The metadata key every trainer call carries its trainer id under: the pserver notes the call as a sign of
+# life on arrival, before it waits for a handler thread (pserver/rpc/arrival.py).
+TRAINER_METADATA = "ps-trainer"
 
 
 def method_path(name: str) -> str:

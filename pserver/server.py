@@ -37,6 +37,7 @@ from .ops.health import HealthPort
 from .ops.metrics import MetricsServer, PserverCollector
 from .ops.ports import SidePorts, split_host
 from .rpc import PserverServicer
+from .rpc.arrival import ArrivalInterceptor
 from .rpc.aio import Parking
 from .rpc.sessions import Incarnation
 from .store import BlockStore
@@ -245,7 +246,8 @@ class ParameterServer:
         """On the loop: build, bind and start the asyncio server; OSError naming the address if it cannot bind."""
         server = grpc.aio.server(migration_thread_pool=self._pool,
                                  options=server_options(cfg.chunk_bytes, fast_keepalive=self.program.replicated),
-                                 interceptors=self._interceptors)
+                                 interceptors=[*self._interceptors,
+                                               ArrivalInterceptor(self.engine.touch, self.program.trainers)])
         self.servicer.add_to_server(server, Parking(self._pool).adapt)
         self._health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
