@@ -139,6 +139,7 @@ def run_one(args, k: int, sync_mode: bool, work: str) -> dict:
     endpoints = [f"127.0.0.1:{p}" for p in free_ports(args.pservers)]
     spec = Spec(trainers=k, pservers=endpoints, sync_mode=sync_mode, steps=args.steps, batch=args.batch,
                 seed=args.seed, heartbeat_interval=args.heartbeat_interval, rpc_workers=args.rpc_workers,
+                heartbeat_timeout=args.heartbeat_timeout,
                 timeout=args.timeout, run_dir=run_dir)
     spec_file = os.path.join(run_dir, "spec.json")
     with open(spec_file, "w") as f:
@@ -207,6 +208,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=512, help="rows of a job S batch (its ids; default %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="of the gradients and ids (default %(default)s)")
     p.add_argument("--heartbeat_interval", type=float, default=2.0, help="the trainers' (default %(default)s)")
+    p.add_argument("--heartbeat_timeout", type=float, default=0.0,
+                   help="the pservers' (default 0: the library's default, 30 s)")
     p.add_argument("--rpc_workers", type=int, default=0,
                    help="the pservers' pserver_rpc_workers (default 0: the library's default)")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds one run may take in all (default %(default)s)")

@@ -51,7 +51,8 @@ class Spec:
     """One fan-in run: ``trainers`` (K) emulated trainers against ``pservers``, in ``sync_mode``, for ``steps`` steps.
 
     ``batch``: rows of a job S batch (its ids per step); ``seed``: of the gradients and ids;
-    ``heartbeat_interval``: the trainers' (DistributeTranspilerConfig); ``rpc_workers``: the
+    ``heartbeat_interval``: the trainers', ``heartbeat_timeout``: the pservers' (DistributeTranspilerConfig;
+    0: the library's default); ``rpc_workers``: the
     pservers' ``pserver_rpc_workers`` (0: the library's default, left out of the config);
     ``timeout``: seconds every wait of a run may take at most; ``run_dir``: where the processes
     of a run meet (files ``hello``, ``go``, ``finish``, ``hello-G``, ``stepped-G``, ``result-G.pt``);
@@ -65,6 +66,7 @@ class Spec:
     batch: int = 512
     seed: int = 0
     heartbeat_interval: float = 2.0
+    heartbeat_timeout: float = 0.0
     rpc_workers: int = 0
     timeout: float = 600.0
     run_dir: str = ""
@@ -87,6 +89,8 @@ def transpiler(spec: Spec, trainer_id: int = 0) -> DistributeTranspiler:
     options = {"shared_memory": False, "heartbeat_interval": spec.heartbeat_interval}
     if spec.rpc_workers:
         options["pserver_rpc_workers"] = spec.rpc_workers
+    if spec.heartbeat_timeout:
+        options["heartbeat_timeout"] = spec.heartbeat_timeout
     t = DistributeTranspiler(DistributeTranspilerConfig(**options))
     t.transpile(trainer_id, program=build_program(JOB_S), pservers=",".join(spec.pservers),
                 trainers=spec.trainers, sync_mode=spec.sync_mode)
