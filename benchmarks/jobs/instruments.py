@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import threading
 import time
+import types
 from typing import Dict
 
 from torch import nn
+
+from pserver.rpc.parking import parks
 
 
 class CallCounter:
@@ -117,32 +120,30 @@ class PserverPhases:
                         self.cpu[part] += time.thread_time() - t0
         return timed
 
-    def _handler(self, fn):
-        """Time a step call's handler: returning the answer, or (a streamed answer) yielding it."""
-        def timed(*args, **kwargs):
+    def _handler(self, method):
+        """Time a step call's handler, a parking generator (pserver/rpc/parking.py) run in stretches.
+
+        The timed method stays a parking one (its ``parking`` generator, bound to the servicer), so the
+        asyncio server still parks it: each stretch between waits is timed on the thread that runs it.
+        """
+        parking, done = method.parking, object()
+
+        def timed(servicer, request, context):
             with self._lock:
                 if self.pushes == self.first:
                     self.process[0] = time.process_time()
-            t0 = time.thread_time()
-            out = fn(*args, **kwargs)
-            if isinstance(out, bytes):
-                self._handled(time.thread_time() - t0)
-                return out
-            return self._streamed(out, time.thread_time() - t0)
-        return timed
-
-    def _streamed(self, answer, cpu: float):
-        chunks = iter(answer)
-        try:
-            while True:
-                t0 = time.thread_time()
-                chunk = next(chunks, None)
-                cpu += time.thread_time() - t0
-                if chunk is None:
-                    return
-                yield chunk
-        finally:
-            self._handled(cpu)
+            answers, cpu = parking(servicer, request, context), 0.0
+            try:
+                while True:
+                    t0 = time.thread_time()
+                    item = next(answers, done)
+                    cpu += time.thread_time() - t0
+                    if item is done:
+                        return
+                    yield item
+            finally:
+                self._handled(cpu)
+        return types.MethodType(parks(stream=method.streams)(timed), method.__self__)
 
     def _handled(self, cpu: float) -> None:
         with self._lock:
