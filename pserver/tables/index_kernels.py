@@ -22,6 +22,9 @@ import logging
 
 import numpy as np
 
+from transpiler import tables as transpiler_tables
+from transpiler.tables import _GOLDEN
+
 log = logging.getLogger(__name__)
 
 try:
@@ -124,17 +127,9 @@ if AVAILABLE:
             slots[i] = -1
         return found
 
-    _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
     _UNIT = 1.0 / (1 << 53)
-
-    @numba.njit("uint64(uint64)", cache=True, nogil=True)
-    def _mix(x):  # pragma: no cover - compiled
-        x ^= x >> np.uint64(30)
-        x *= np.uint64(0xBF58476D1CE4E5B9)
-        x ^= x >> np.uint64(27)
-        x *= np.uint64(0x94D049BB133111EB)
-        x ^= x >> np.uint64(31)
-        return x
+    # splitmix64's finaliser: the transpiler's own definition (on arrays there), compiled for one value.
+    _mix = numba.njit("uint64(uint64)", cache=True, nogil=True)(transpiler_tables._mix)
 
     @numba.njit("void(uint64[:], uint64, uint64[:], float64[:, :], float64[:, :], boolean)",
                 cache=True, nogil=True)
