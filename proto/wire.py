@@ -19,8 +19,9 @@ __all__ = ["SERVICE", "METHODS", "ONE_MESSAGE_BYTES", "TRAINER_METADATA", "metho
 
 SERVICE = ps_pb2.DESCRIPTOR.services_by_name["ParameterServer"].full_name
 METHODS = frozenset(m.name for m in ps_pb2.DESCRIPTOR.services_by_name["ParameterServer"].methods)
-# The metadata key every trainer call carries its trainer id under: the pserver notes the call as a sign of
-# life on arrival, before it waits for a handler thread (pserver/rpc/arrival.py).
+# The metadata key every trainer call carries "<trainer id>:<incarnation>" under: the pserver notes the call as
+# a sign of life of the process holding the id's session on arrival, before it waits for a handler thread
+# (pserver/rpc/arrival.py).
 TRAINER_METADATA = "ps-trainer"
 
 

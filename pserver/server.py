@@ -247,7 +247,7 @@ class ParameterServer:
         server = grpc.aio.server(migration_thread_pool=self._pool,
                                  options=server_options(cfg.chunk_bytes, fast_keepalive=self.program.replicated),
                                  interceptors=[*self._interceptors,
-                                               ArrivalInterceptor(self.engine.touch, self.program.trainers)])
+                                               ArrivalInterceptor(self._arrived, self.program.trainers)])
         self.servicer.add_to_server(server, Parking(self._pool).adapt)
         self._health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
@@ -281,6 +281,11 @@ class ParameterServer:
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
             self._pool = None
+
+    def _arrived(self, trainer_id: int, incarnation: int) -> None:
+        """A call of ``trainer_id``'s process ``incarnation`` arrived: a sign of life if it holds the id's session."""
+        if self.servicer.sessions.incarnation(trainer_id) == incarnation:
+            self.engine.touch(trainer_id)
 
     def _watch_heartbeats(self) -> None:
         cfg = self.program.config

@@ -194,11 +194,12 @@ class Engine(ABC):
     def _start_step(self, trainer_id: int, how: str, join_at: int) -> int:
         return self.last_step.get(trainer_id, -1) + 1
 
-    def presence(self, trainer_id: int) -> Tuple[Optional[float], bool]:
-        """(when ``trainer_id`` last called, monotonic or None; whether it closed or was dropped)."""
+    def presence(self, trainer_id: int, busy: AbstractSet[int] = frozenset()) -> Tuple[Optional[float], bool]:
+        """(last call, monotonic or None; now while one is parked here or ``busy``; closed or dropped)."""
         with self.cv:
-            roster = self.roster
-            return roster.last_seen.get(trainer_id), trainer_id in roster.closed | roster.dropped
+            roster, held = self.roster, trainer_id in busy or trainer_id in self.waits.parked_trainers()
+            heard = time.monotonic() if held else roster.last_seen.get(trainer_id)
+            return heard, trainer_id in roster.closed | roster.dropped
 
     def touch(self, trainer_id: int) -> int:
         """A heartbeat (or any call) from ``trainer_id``; returns the updates applied.

@@ -125,7 +125,7 @@ class PserverServicer:
                              "per process)")
         if request.join_at < 0:
             raise BadRequest(f"join_at must be >= 0, got {request.join_at}")
-        last_heard, ended = self.engine.presence(request.trainer_id)
+        last_heard, ended = self.engine.presence(request.trainer_id, busy=self.reductions.parked_trainers())
         session = self.sessions.hello(request.trainer_id, request.incarnation, context.peer(), last_heard,
                                       ended)
         joined = self.engine.hello(request.trainer_id, request.join_at)

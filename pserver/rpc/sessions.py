@@ -130,6 +130,11 @@ class Sessions:
                             "session is fenced", self.endpoint, trainer_id, peer, current.peer)
             return session.token
 
+    def incarnation(self, trainer_id: int) -> Optional[int]:
+        """The incarnation of the process holding ``trainer_id``'s session, None if none (lock-free: one dict read)."""
+        current = self._current.get(trainer_id)
+        return current.incarnation if current is not None else None
+
     def check(self, trainer_id: int, token: str) -> None:
         """Pass a call of ``trainer_id`` carrying ``token``, or refuse it (it then changes nothing).
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from psproto.wire import TRAINER_METADATA
-from pserver.rpc.arrival import trainer_of
+from pserver.rpc.arrival import caller_of
 from tests.helpers.cluster import LocalCluster
 from tests.helpers.models import odd_mlp
 from tests.helpers.polling import poll
@@ -18,15 +18,17 @@ from transpiler import DistributeTranspilerConfig, Program
     ((), 4, None),                                              # no metadata: a call of no trainer (ps-stat)
     (None, 4, None),
     ((("authorization", "Bearer x"),), 4, None),
-    (((TRAINER_METADATA, "2"),), 4, 2),
-    ((("authorization", "Bearer x"), (TRAINER_METADATA, "0")), 4, 0),
-    (((TRAINER_METADATA, "4"),), 4, None),                      # out of the job's range: ignored
-    (((TRAINER_METADATA, "-1"),), 4, None),
-    (((TRAINER_METADATA, "one"),), 4, None),                    # not a number: ignored
+    (((TRAINER_METADATA, "2:77"),), 4, (2, 77)),
+    ((("authorization", "Bearer x"), (TRAINER_METADATA, "0:5")), 4, (0, 5)),
+    (((TRAINER_METADATA, "4:77"),), 4, None),                   # out of the job's range: ignored
+    (((TRAINER_METADATA, "-1:77"),), 4, None),
+    (((TRAINER_METADATA, "2"),), 4, None),                      # no incarnation: ignored
+    (((TRAINER_METADATA, "one:77"),), 4, None),                 # not numbers: ignored
+    (((TRAINER_METADATA, "2:x"),), 4, None),
     (((TRAINER_METADATA, ""),), 4, None),
 ])
-def test_trainer_of(metadata, trainers, expected):
-    assert trainer_of(metadata, trainers) == expected
+def test_caller_of(metadata, trainers, expected):
+    assert caller_of(metadata, trainers) == expected
 
 
 def program() -> Program:
@@ -55,3 +57,18 @@ def test_a_call_queued_behind_a_busy_pool_is_noted_on_arrival():
                 gate.set()
             call.join(30)
             assert done["reply"].incarnation == server.servicer.incarnation
+
+
+@pytest.mark.timeout(60)
+def test_a_call_of_another_process_of_the_id_is_not_noted():
+    """A restarted trainer's Hello (or a stray duplicate's call) must not pass for the session holder's sign of life."""
+    with LocalCluster(program, 1, 2, config=DistributeTranspilerConfig()) as cluster:
+        server = cluster.servers[0]
+        with cluster.trainer(1):
+            holder = server.servicer.sessions.incarnation(1)
+            server.engine.roster.last_seen[1] -= 60                  # the holder fell silent a minute ago
+            quiet_since = server.engine.presence(1)[0]
+            server._arrived(1, holder + 1)                           # another process of trainer 1 calls
+            assert server.engine.presence(1)[0] == quiet_since
+            server._arrived(1, holder)                               # the holder calls
+            assert server.engine.presence(1)[0] > quiet_since + 59

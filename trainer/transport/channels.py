@@ -48,10 +48,10 @@ class Channels:
         identity = TrainerIdentity(program.trainer_id, program.layout_digest, secrets.randbits(63) or 1)
         security = security if security is not None else Security.from_env()
         # Hot standby: a primary cut off by the network is noticed by keepalive pings, not TCP's timeout.
-        # Every call names its trainer: the pserver notes it as a sign of life on arrival, queued or not.
+        # Every call names its trainer process: the pserver notes it as a sign of life on arrival, queued or not.
         open_channel = functools.partial(security.channel,
                                          options=channel_options(cfg.chunk_bytes, fast_keepalive=program.replicated),
-                                         metadata=((TRAINER_METADATA, str(program.trainer_id)),))
+                                         metadata=((TRAINER_METADATA, f"{program.trainer_id}:{identity.incarnation}"),))
         self.narrower = GradientNarrower(cfg.grad_wire_dtype)
         self._regions = RegionPool()
         groups = program.replica_groups
