@@ -102,12 +102,14 @@ class ParameterServer:
             listeners.append(ScheduledExports(self.exporter, self.files))
         # The Reduce service waits for the trainers the engine still expects and is woken when that
         # set changes: each needs the other, so the service, built first, asks self.engine (set just
-        # below) only when a trainer calls.
+        # below) only when a trainer calls. A trainer whose Reduce waits is alive to the engine, and
+        # heard from when its round ends.
         self.reductions = Reductions(self.endpoint, cfg.barrier_timeout, expected=lambda: self.engine.live(),
-                                     admit=lambda trainer_id: self.engine.check_live(trainer_id))
+                                     admit=lambda trainer_id: self.engine.check_live(trainer_id),
+                                     released=lambda trainer_id: self.engine.touch(trainer_id))
         args = (store, tables, program.trainers, program.endpoint, cfg.barrier_timeout, checkpointer)
         parts = dict(listeners=listeners, on_wait=self._observe_barrier_wait,
-                     on_roster_change=self.reductions.roster_changed)
+                     on_roster_change=self.reductions.roster_changed, held_elsewhere=self.reductions.parked_trainers)
         if program.sync_mode:
             self.engine = SyncEngine(*args, **parts)
         else:
@@ -290,9 +292,7 @@ class ParameterServer:
     def _watch_heartbeats(self) -> None:
         cfg = self.program.config
         while not self._finished.wait(cfg.heartbeat_interval / 2):
-            # The Reduce service's lock is taken before, never inside, the engine's.
-            self.engine.drop_silent(cfg.heartbeat_timeout, cfg.trainer_rejoin_timeout,
-                                    busy=self.reductions.parked_trainers())
+            self.engine.drop_silent(cfg.heartbeat_timeout, cfg.trainer_rejoin_timeout)
 
     def checkpoint(self) -> Optional[str]:
         """Write a checkpoint now if ``checkpoint_dir`` is set; its path, or None (failure logged).

@@ -19,7 +19,7 @@ import logging
 import threading
 import time
 from abc import ABC, abstractmethod
-from typing import AbstractSet, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import AbstractSet, Callable, Dict, List, Mapping, Optional, Sequence, Set, Tuple, Union
 
 import numpy as np
 import torch
@@ -41,13 +41,11 @@ log = logging.getLogger(__name__)
 class Engine(ABC):
     """The contract the RPC layer talks to, and the trainer bookkeeping, checkpoints and roll-backs both engines share.
 
-    ``checkpointer`` (None without a checkpoint_dir) saves and loads this
-    pserver's part on demand. ``listeners`` are told of every change under
-    the lock, in order. ``pending``: the sync engine's step in progress (None:
-    async). ``on_wait`` gets the seconds a call waited for a sync step (the
-    barrier histogram) and ``on_roster_change`` is called whenever the
-    trainers :meth:`live` gives may have changed (the Reduce service waits on
-    them under a lock of its own), both after the lock is released.
+    ``checkpointer`` (None without a checkpoint_dir) saves and loads this pserver's part on demand. ``listeners`` are
+    told of every change under the lock, in order. ``pending``: the sync engine's step in progress (None: async).
+    ``on_wait`` gets the seconds a call waited for a sync step (the barrier histogram) and ``on_roster_change`` is
+    called whenever the trainers :meth:`live` gives may have changed (the Reduce service waits on them under a lock of
+    its own), both after the lock is released. ``held_elsewhere``: who has a call held elsewhere (:meth:`held`).
     """
 
     sync_mode = False
@@ -56,7 +54,8 @@ class Engine(ABC):
                  barrier_timeout: float, checkpointer: Optional[Checkpointer] = None, *,
                  listeners: Sequence[UpdateListener] = (), pending: Optional[PendingStep] = None,
                  on_wait: Optional[Callable[[float], None]] = None,
-                 on_roster_change: Optional[Callable[[], None]] = None):
+                 on_roster_change: Optional[Callable[[], None]] = None,
+                 held_elsewhere: Callable[[], AbstractSet[int]] = frozenset):
         self.store = store
         self.tables = tables
         self.trainers = trainers
@@ -71,6 +70,7 @@ class Engine(ABC):
         self.listeners = tuple(listeners)
         self.pending = pending
         self.on_roster_change = on_roster_change
+        self.held_elsewhere = held_elsewhere
 
     @property
     def last_step(self) -> Dict[int, int]:
@@ -194,12 +194,17 @@ class Engine(ABC):
     def _start_step(self, trainer_id: int, how: str, join_at: int) -> int:
         return self.last_step.get(trainer_id, -1) + 1
 
-    def presence(self, trainer_id: int, busy: AbstractSet[int] = frozenset()) -> Tuple[Optional[float], bool]:
-        """(last call, monotonic or None; now while one is parked here or ``busy``; closed or dropped)."""
+    def held(self) -> Set[int]:
+        """Trainers whose calls this pserver holds now, so alive: parked here or elsewhere (a Reduce round)."""
+        elsewhere = set(self.held_elsewhere())  # first: the Reduce service's lock is never taken inside ours
         with self.cv:
-            roster, held = self.roster, trainer_id in busy or trainer_id in self.waits.parked_trainers()
-            heard = time.monotonic() if held else roster.last_seen.get(trainer_id)
-            return heard, trainer_id in roster.closed | roster.dropped
+            return self.waits.parked_trainers() | elsewhere
+
+    def presence(self, trainer_id: int) -> Tuple[Optional[float], bool]:
+        """(when last heard from, monotonic or None, :meth:`held` ones now; closed or dropped): a takeover's test."""
+        held = self.held()
+        with self.cv:
+            return self.roster.presence(trainer_id, held, time.monotonic())
 
     def touch(self, trainer_id: int) -> int:
         """A heartbeat (or any call) from ``trainer_id``; returns the updates applied.
@@ -236,28 +241,25 @@ class Engine(ABC):
         self.waits.notify()
         return left
 
-    def drop_silent(self, timeout: float, rejoin_timeout: Optional[float] = None,
-                    busy: AbstractSet[int] = frozenset()) -> List[int]:
-        """Drop trainers silent for ``timeout`` s, unless a call of theirs is parked here or ``busy`` (Reduce).
+    def drop_silent(self, timeout: float, rejoin_timeout: Optional[float] = None) -> List[int]:
+        """Drop trainers silent for ``timeout`` s: not heard from (:func:`~.roster.heard_at`), nor :meth:`held`.
 
         One dropped ``rejoin_timeout`` s ago and not back counts as closed, so a job whose trainer died ends.
         """
+        held = self.held()
         with self.cv:
             now = time.monotonic()
-            silent = self.roster.silent(timeout, busy=self.waits.parked_trainers() | set(busy))
+            silent = self.roster.drop_silent(timeout, held, now)
             for t, quiet in silent:
-                self.roster.drop(t, now)
-                log.warning("%s: trainer %d sent nothing for %.1fs (heartbeat_timeout %gs); dropped "
-                            "from the barrier at step %d; it rejoins by starting again", self.endpoint,
-                            t, quiet, timeout, self.updates)
+                log.warning("%s: trainer %d sent nothing for %.1fs (heartbeat_timeout %gs); dropped from the barrier "
+                            "at step %d; it rejoins by starting again", self.endpoint, t, quiet, timeout, self.updates)
             if silent:
                 self._on_close()
                 self.waits.notify()
             gone = self.roster.abandoned(rejoin_timeout, now) if rejoin_timeout is not None else []
             for t, since in gone:
-                log.warning("%s: trainer %d was dropped %.1fs ago and has not rejoined "
-                            "(trainer_rejoin_timeout %gs); counted as closed at step %d", self.endpoint,
-                            t, since, rejoin_timeout, self.updates)
+                log.warning("%s: trainer %d was dropped %.1fs ago and has not rejoined (trainer_rejoin_timeout %gs); "
+                            "counted as closed at step %d", self.endpoint, t, since, rejoin_timeout, self.updates)
                 self._close(t)
             if gone:
                 self._trainers_left()
@@ -339,10 +341,9 @@ class Engine(ABC):
     def restore(self, trainer_id: int, step: int, token: str) -> bool:
         """Roll back to the checkpoint at ``step`` once per ``token`` (sync recovery).
 
-        Returns False when ``token`` was already honoured, or when this pserver
-        stands unchanged at that very checkpoint: the pushes it counted since are
-        kept (see :meth:`RollBacks.roll_back`). Otherwise the waits of the abandoned
-        steps end with :class:`MustResync`. Without a checkpoint_dir:
+        Returns False when ``token`` was already honoured, or when this pserver stands unchanged at that
+        very checkpoint: the pushes it counted since are kept (see :meth:`RollBacks.roll_back`). Otherwise
+        the waits of the abandoned steps end with :class:`MustResync`. Without a checkpoint_dir:
         :class:`NotAllowed`; a checkpoint that cannot be loaded changes nothing.
         """
         self.rollbacks.check_can_roll_back()

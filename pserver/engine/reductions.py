@@ -162,7 +162,9 @@ class Reductions:
     refusal for a trainer that may not take part (closed: NotAllowed;
     dropped: MustResync). The engine calls :meth:`roster_changed` whenever
     that set may have changed, so a pending round finishes (or times out)
-    without waiting for a trainer that left.
+    without waiting for a trainer that left. ``released(trainer_id)`` hears
+    of each trainer whose wait for a round completed (the engine's ``touch``):
+    the round held its call until now, so that is when it was last heard from.
 
     Lock order: this service calls ``expected()`` holding its own lock, so
     the engine must call :meth:`roster_changed` after releasing its lock,
@@ -170,14 +172,14 @@ class Reductions:
     """
 
     def __init__(self, endpoint: str, barrier_timeout: float, expected: Callable[[], AbstractSet[int]],
-                 admit: Callable[[int], None]):
+                 admit: Callable[[int], None], released: Optional[Callable[[int], object]] = None):
         self.endpoint = endpoint
         self.barrier_timeout = barrier_timeout
         self._expected = expected
         self._admit = admit
         self._cv = threading.Condition()
         self._rounds = Rounds(endpoint)
-        self._waits = Waits(self._cv, endpoint, barrier_timeout)
+        self._waits = Waits(self._cv, endpoint, barrier_timeout, released=released)
 
     def park(self, trainer_id: int, key: str, round_: int, op: str,
              values: Values) -> Tuple[Parked, Callable[[], Combined]]:

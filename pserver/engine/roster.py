@@ -5,11 +5,23 @@ Not thread-safe: the engine holds its lock around every call.
 from __future__ import annotations
 
 import time
-from typing import AbstractSet, Dict, Iterable, List, NamedTuple, Tuple
+from typing import AbstractSet, Dict, Iterable, List, Mapping, NamedTuple, Optional, Tuple
 
 from transpiler.position import Position
 
 from ..errors import MustResync, NotAllowed
+
+
+def heard_at(trainer_id: int, last_seen: Mapping[int, float], held: AbstractSet[int],
+             now: float) -> Optional[float]:
+    """When ``trainer_id`` was last heard from, as liveness counts it (monotonic seconds; None: never).
+
+    ``now`` while a call of its is ``held`` (parked in a sync barrier, or in a
+    Reduce round): the pserver holds that call, so the wait is no silence
+    (``Engine.drop_silent``) and no sign that the id's holder died (a second
+    process's Hello, ``Engine.presence``). Else the time of its last call.
+    """
+    return now if trainer_id in held else last_seen.get(trainer_id)
 
 
 class Joined(NamedTuple):
@@ -100,11 +112,24 @@ class Roster:
         return sorted((t, now - at) for t, at in self.dropped_at.items()
                       if t in self.dropped and now - at > timeout)
 
-    def silent(self, timeout: float, busy: AbstractSet[int] = frozenset()) -> List[Tuple[int, float]]:
-        """Joined, live trainers not heard from for ``timeout`` s and not ``busy``: [(id, seconds silent)]."""
-        now = time.monotonic()
-        return sorted((t, now - self.last_seen.get(t, now)) for t in (self.joined & self.live()) - busy
-                      if now - self.last_seen.get(t, now) > timeout)
+    def silent(self, timeout: float, held: AbstractSet[int], now: float) -> List[Tuple[int, float]]:
+        """Joined, live trainers not heard from (:func:`heard_at`) for over ``timeout`` s: [(id, seconds silent)].
+
+        One never heard from is not silent: it has not called yet.
+        """
+        heard = {t: heard_at(t, self.last_seen, held, now) for t in self.joined & self.live()}
+        return sorted((t, now - at) for t, at in heard.items() if at is not None and now - at > timeout)
+
+    def drop_silent(self, timeout: float, held: AbstractSet[int], now: float) -> List[Tuple[int, float]]:
+        """Drop the :meth:`silent` trainers (see :meth:`drop`); them, with the seconds each was silent."""
+        silent = self.silent(timeout, held, now)
+        for t, _ in silent:
+            self.drop(t, now)
+        return silent
+
+    def presence(self, trainer_id: int, held: AbstractSet[int], now: float) -> Tuple[Optional[float], bool]:
+        """(when ``trainer_id`` was last heard from, :func:`heard_at`; whether it closed or was dropped)."""
+        return heard_at(trainer_id, self.last_seen, held, now), trainer_id in self.closed | self.dropped
 
     def to_meta(self) -> dict:
         """The roster as a checkpoint manifest stores it."""

@@ -125,7 +125,7 @@ class PserverServicer:
                              "per process)")
         if request.join_at < 0:
             raise BadRequest(f"join_at must be >= 0, got {request.join_at}")
-        last_heard, ended = self.engine.presence(request.trainer_id, busy=self.reductions.parked_trainers())
+        last_heard, ended = self.engine.presence(request.trainer_id)
         session = self.sessions.hello(request.trainer_id, request.incarnation, context.peer(), last_heard,
                                       ended)
         joined = self.engine.hello(request.trainer_id, request.join_at)
@@ -359,7 +359,6 @@ class PserverServicer:
         values = to_values((v.name, v.shape, v.data) for v in request.values)
         handle, result = self.reductions.park(request.trainer_id, request.key, request.round, request.op, values)
         yield from park(handle)
-        self.engine.touch(request.trainer_id)  # heard from until now: the round held its call (engine.drop_silent)
         combined, trainers = result()
         yield ps_pb2.ReduceReply(trainers=trainers, values=[
             ps_pb2.ReduceValue(name=name, shape=v.shape, data=v.ravel().tolist()) for name, v in combined.items()])

@@ -44,8 +44,10 @@ def servicer() -> PserverServicer:
     ps = t.get_pserver_program(EP)
     store, tables = BlockStore(ps, t.get_startup_program(EP, ps)), TableSet(ps)
     # Wired as ParameterServer wires them: the Reduce service asks the engine (bound below) whom it expects.
-    reductions = Reductions(EP, 5.0, expected=lambda: engine.live(), admit=lambda t: engine.check_live(t))
-    engine = SyncEngine(store, tables, 2, EP, barrier_timeout=5.0, on_roster_change=reductions.roster_changed)
+    reductions = Reductions(EP, 5.0, expected=lambda: engine.live(), admit=lambda t: engine.check_live(t),
+                            released=lambda t: engine.touch(t))
+    engine = SyncEngine(store, tables, 2, EP, barrier_timeout=5.0, on_roster_change=reductions.roster_changed,
+                        held_elsewhere=reductions.parked_trainers)
     return PserverServicer(engine, Contents(store, tables), reductions, ps.layout_digest, chunk_bytes=1 << 20,
                            alive_window=ps.config.session_alive_window)
 

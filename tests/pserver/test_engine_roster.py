@@ -399,8 +399,7 @@ def test_a_trainer_whose_push_is_parked_is_not_silent_and_is_heard_from_when_rel
     e.roster.last_seen[1] -= 60                          # trainer 1 pushed then, and holds no call here
     assert e.drop_silent(timeout=30) == [1]              # trainer 0 is held by this pserver, not silent
     # A second process saying Hello for trainer 0 finds it heard from now: the id's holder is alive.
-    assert e.presence(0)[0] > time.monotonic() - 5 and e.presence(1, busy={1})[0] > time.monotonic() - 5
-    assert e.drop_silent(timeout=30, busy={2}) == []     # a trainer busy in a Reduce round is not silent
+    assert e.presence(0)[0] > time.monotonic() - 5 and e.presence(1)[0] < time.monotonic() - 59
     e.push(2, 0, grads(e, 1.0))
     assert handle.done and handle.error is None and e.waits.parked_trainers() == set()
     # Released just now: heard from at the step's end, not at its push a minute ago.

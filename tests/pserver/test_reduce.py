@@ -177,9 +177,10 @@ def wired(trainers: int, barrier_timeout: float = JOIN):
     t.transpile(0, program=Program(nn.Linear(4, 2), "sgd", lr=0.5), pservers=EP, trainers=trainers)
     ps = t.get_pserver_program(EP)
     store, tables = BlockStore(ps, t.get_startup_program(EP, ps)), TableSet(ps)
-    svc = Reductions(EP, barrier_timeout, expected=lambda: engine.live(), admit=lambda t: engine.check_live(t))
+    svc = Reductions(EP, barrier_timeout, expected=lambda: engine.live(), admit=lambda t: engine.check_live(t),
+                     released=lambda t: engine.touch(t))
     engine = SyncEngine(store, tables, trainers, EP, barrier_timeout=barrier_timeout,
-                        on_roster_change=svc.roster_changed)
+                        on_roster_change=svc.roster_changed, held_elsewhere=svc.parked_trainers)
     for trainer_id in range(trainers):
         engine.hello(trainer_id)
     return engine, svc

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from tests.helpers.cluster import LocalCluster, in_threads
+from trainer import job_metrics
 from tests.helpers.models import FLOAT64_EXACT, batches, odd_mlp, train_concatenated
 from tests.pserver.test_metrics import scrape, value
 from transpiler import DistributeTranspilerConfig, Program
@@ -145,6 +146,36 @@ def test_a_stalled_trainer_heartbeats_the_one_parked_waiting_for_it_does_not_and
         assert states[i].keys() == expected.keys()
         for name in expected:
             torch.testing.assert_close(states[i][name], expected[name], **FLOAT64_EXACT)
+
+
+@pytest.mark.timeout(120)
+def test_a_trainer_waiting_in_a_reduce_round_past_heartbeat_timeout_is_not_dropped(caplog):
+    """Trainer 1 comes to the round 1.5 s (> heartbeat_timeout) after trainer 0, whose Reduce the pserver holds."""
+    caplog.set_level(logging.INFO)
+    with LocalCluster(build, 2, 2, config=config()) as cluster:
+        server = cluster.servers[0]                      # the pserver reductions go through
+        with cluster.trainer(0) as tr0, cluster.trainer(1) as tr1:
+            seen = {}
+
+            def late():
+                deadline = time.monotonic() + 30
+                while server.reductions.parked_trainers() != {0}:
+                    assert time.monotonic() < deadline, "trainer 0's Reduce never parked"
+                    time.sleep(0.005)
+                # Trainer 1's evaluation takes long: this sleep is the behaviour under test, not a synchronisation.
+                time.sleep(1.5 * TIMEOUT)
+                seen["held"] = server.engine.presence(0)[0] - time.monotonic()
+                seen["before_release"] = time.monotonic()
+                return job_metrics.all_reduce(tr1, "loss", {"v": 2.0})
+
+            out = in_threads({0: lambda: job_metrics.all_reduce(tr0, "loss", {"v": 1.0}), 1: late})
+            heard, ended = server.engine.presence(0)
+            heartbeats = heartbeats_by_trainer(cluster)[cluster.endpoints[0]].get(0, 0)
+    assert out[0]["v"].tolist() == out[1]["v"].tolist() == 3.0
+    assert not drops(caplog) and not ended
+    assert seen["held"] > -0.5                           # alive to a takeover while its round holds it
+    assert heard >= seen["before_release"]               # heard from when the round released it
+    assert heartbeats == 0                               # its call in flight was contact: no heartbeat needed
 
 
 def die(tr) -> None:
