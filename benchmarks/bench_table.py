@@ -131,19 +131,17 @@ def bench_table(optimizer: str, n_rows: int, batch: int, runs: int, rng) -> dict
     # One apply per run with new ids: more would grow the table past a rebuild.
     t_mixed = only_apply(mixed, 1)
     t_existing = only_apply(existing, REPS)
-    out = {"optimizer": optimizer, "rows": len(table), "bytes_per_row": bpr, "raw": raw,
-           "fill": fill_rate, "lookup": t_lookup, "update_mixed": t_mixed,
-           "update_existing": t_existing, "capacity": table.capacity,
-           "slots": table.memory.index_slots}
-    del table
-    gc.collect()
-    return out
+    # The table goes with this frame (the caller collects): the next one is measured without it.
+    return {"optimizer": optimizer, "rows": len(table), "bytes_per_row": bpr, "raw": raw,
+            "fill": fill_rate, "lookup": t_lookup, "update_mixed": t_mixed,
+            "update_existing": t_existing, "capacity": table.capacity,
+            "slots": table.memory.index_slots}
 
 
-def bench_peers(n_rows: int, batch: int, runs: int, rng) -> dict:
+def bench_embedding(n_rows: int, batch: int, runs: int, rng) -> dict:
+    """Lookups of a dense ``nn.Embedding`` of ``n_rows`` rows, 1 thread and all: {"torch_<threads>": times}."""
     res = {}
-    weight = torch.randn(n_rows, DIM)
-    emb = torch.nn.Embedding.from_pretrained(weight, freeze=True)
+    emb = torch.nn.Embedding.from_pretrained(torch.randn(n_rows, DIM), freeze=True)
     idx = batches(lambda: torch.from_numpy(rng.integers(0, n_rows, batch)), runs)
     threads = torch.get_num_threads()
     with torch.no_grad():
@@ -152,19 +150,30 @@ def bench_peers(n_rows: int, batch: int, runs: int, rng) -> dict:
             emb(idx[-1])
             res[f"torch_{n_threads}"] = timed(lambda r: emb(idx[r]), runs)
     torch.set_num_threads(threads)
-    del emb, weight
-    gc.collect()
+    return res
+
+
+def bench_dict(n_rows: int, batch: int, runs: int, rng) -> dict:
+    """A Python dict id -> numpy row: its build time, the RSS it added per row, and its lookups."""
+    res = {}
     rss0 = status_kb("VmRSS")
     t0 = time.perf_counter()
     rows = np.random.default_rng(0).standard_normal((n_rows, DIM)).astype(np.float32)
     table = dict(zip(id_of(np.arange(n_rows)).tolist(), (row.copy() for row in rows)))
-    del rows
+    del rows  # only the dict's own rows count in its RSS
     gc.collect()
     res["dict_build_s"] = time.perf_counter() - t0
     res["dict_bytes_per_row"] = (status_kb("VmRSS") - rss0) * 1024 / n_rows
     keys = batches(lambda: id_of(rng.integers(0, n_rows, batch)).tolist(), runs, 1)
     res["dict"] = timed(lambda r: np.stack([table[k] for k in keys[r]]), runs, 1)
-    del table
+    return res
+
+
+def bench_peers(n_rows: int, batch: int, runs: int, rng) -> dict:
+    """The peers of a TableShard lookup on as many rows, each measured after the previous one's memory is freed."""
+    res = bench_embedding(n_rows, batch, runs, rng)
+    gc.collect()  # the embedding's weight is gone before the dict's RSS is measured
+    res.update(bench_dict(n_rows, batch, runs, rng))
     gc.collect()
     return res
 
@@ -214,8 +223,10 @@ def main() -> None:
         return
 
     with OtherLoad() as load:
-        tables = [bench_table(o, args.table_rows, args.batch, args.runs, rng)
-                  for o in args.optimizers.split(",")]
+        tables = []
+        for o in args.optimizers.split(","):
+            tables.append(bench_table(o, args.table_rows, args.batch, args.runs, rng))
+            gc.collect()  # the shard just measured is freed before the next is filled
         peers = bench_peers(args.table_rows, args.batch, args.runs, rng)
     n, b = args.table_rows, args.batch
     print()
