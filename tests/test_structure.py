@@ -9,7 +9,9 @@ The rules of DEVELOPERS.md and DESIGN.md's layout that a reader of the tree reli
   builds itself (defines ``__init__``);
 - no attribute of another object set after its construction: a part that needs a collaborator
   gets it in its constructor, and a state it shares is moved through that state's methods;
-- no module past ~400 lines and no folder past ~12 modules; one module name, one meaning.
+- no module past ~400 lines and no folder past ~12 modules; one module name, one meaning;
+- library code logs, it never prints: ``print`` only in a command's own output (a ``cli`` or
+  ``__main__`` module, or a ``main`` function: the serving reader is one file with its command).
 """
 from __future__ import annotations
 
@@ -225,3 +227,31 @@ def test_one_module_name_one_meaning():
         if path.stem not in SHARED_NAMES:
             by_name[path.stem].append(path.relative_to(REPO).as_posix())
     assert {name: paths for name, paths in by_name.items() if len(paths) > 1} == {}
+
+
+def prints_outside_a_command(path: pathlib.Path) -> List[str]:
+    """``path:line`` of each ``print(...)`` outside a command's own code (see the module docstring)."""
+    if path.stem in ("cli", "__main__") or path.stem.endswith("_cli"):
+        return []
+    tree = ast.parse(path.read_text(), str(path))
+    in_main = {id(n) for f in ast.walk(tree) if isinstance(f, ast.FunctionDef) and f.name == "main"
+               for n in ast.walk(f)}
+    return [f"{path.relative_to(REPO)}:{n.lineno}" for n in ast.walk(tree)
+            if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id == "print" and id(n) not in in_main]
+
+
+@pytest.mark.parametrize("package", sorted(PACKAGES))
+def test_library_code_logs_and_never_prints(package):
+    assert [p for path in sources(package) for p in prints_outside_a_command(path)] == []
+
+
+def test_the_print_finder_finds_a_print(tmp_path, monkeypatch):
+    """The check above sees a print at all, and only outside a command's code."""
+    monkeypatch.setattr(f"{__name__}.REPO", tmp_path)
+    (tmp_path / "pkg").mkdir()
+    for name, text in {"lib.py": "def f():\n    print('x')\n", "tool.py": "def main():\n    print('x')\n",
+                       "cli.py": "print('x')\n", "stat_cli.py": "def table():\n    print('x')\n"}.items():
+        (tmp_path / "pkg" / name).write_text(text)
+    found = [p for name in ("lib.py", "tool.py", "cli.py", "stat_cli.py")
+             for p in prints_outside_a_command(tmp_path / "pkg" / name)]
+    assert found == ["pkg/lib.py:2"]
