@@ -62,7 +62,8 @@ by default: the veth alone is a fast virtual link with no delay.
 Output: a markdown table on stdout and every run's figures in ``--json``
 (default ``benchmarks/results/bench_veth.json``). Worker logs go to a temp directory, kept on
 failure (or to ``--logdir``). ``python -m benchmarks.common.netns cleanup`` removes
-namespaces left by a SIGKILLed run.
+namespaces left by a SIGKILLed run. The configurations, the veth check and the table are
+``common/veth_report.py``'s; this module runs them.
 """
 from __future__ import annotations
 
@@ -72,71 +73,28 @@ import json
 import logging
 import os
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from benchmarks.common.dense_report import med, summarize
+from benchmarks.common.dense_report import summarize
 from benchmarks.common.dense_runs import Processes
 from benchmarks.common.machine import OtherLoad
 from benchmarks.common.netns import NetnsError, TwoHosts
 from benchmarks.common.paths import DEFAULT_PEERS, RESULTS, peer_module, pythonpath_with_repo
 from benchmarks.common.processes import RunFailed, die_with_parent, stop_on_signals
+from benchmarks.common.veth_report import CONFIGS, CROSSED_MIN, LOOPBACK_MAX, Config, crossing_problems, table
 from benchmarks.jobs.dense_workers import Spec, param_bytes
 
 WORKERS = "benchmarks.jobs.veth_workers"
 PSERVERS = 2
 TRAINERS = 2
 PSERVER_EXIT_GRACE = 30.0
-# Shares of the payload per step that must (veth over TCP) / must not (loopback) cross the veth.
-CROSSED_MIN, LOOPBACK_MAX = 0.90, 0.01
 
 log = logging.getLogger("bench_veth")
-
-
-@dataclass(frozen=True)
-class Config:
-    """One configuration: ``system`` (ps, rpc, ddp) on ``link`` (veth: two hosts; lo: all in host 1).
-
-    ``tcp_only`` restricts TensorPipe to TCP (transport uv, channels from
-    ``--tp-channels``); otherwise it uses its defaults. ``wire``: the PS
-    trainers push gradients in this dtype (``grad_wire_dtype``). ``shared``:
-    the PS trainers' ``shared_memory``. Only a ``tcp_only`` veth configuration
-    must move its payload across the veth (a PS one with ``shared`` is not).
-    """
-
-    system: str
-    link: str
-    tcp_only: bool = True
-    what: str = ""
-    wire: Optional[str] = None
-    shared: bool = True
-
-
-CONFIGS: Dict[str, Config] = {
-    "ps-veth": Config("ps", "veth", shared=False,
-                      what="this product, sync, 2 ps (host 1) x 2 trainers (host 2), shared memory off"),
-    "ps-veth-bf16": Config("ps", "veth", wire="bfloat16", shared=False,
-                           what="this product as ps-veth, gradients pushed in bfloat16 (grad_wire_dtype)"),
-    "rpc-veth": Config("rpc", "veth", what="torch rpc PS, 2 ps (host 1) x 2 trainers (host 2), TensorPipe TCP only"),
-    "ddp-veth": Config("ddp", "veth", what="DDP / gloo, rank 0 in host 1, rank 1 in host 2"),
-    "rpc-veth-cma": Config("rpc", "veth", tcp_only=False,
-                           what="torch rpc PS across the veth, TensorPipe defaults (cma: same-host shortcut)"),
-    "ps-veth-shm": Config("ps", "veth", tcp_only=False,
-                          what="this product across the veth, shared memory on (the same-host shortcut)"),
-    "ps-lo": Config("ps", "lo", what="this product, sync, 2 ps x 2 trainers, all on 127.0.0.1 (shared memory)"),
-    "ps-lo-grpc": Config("ps", "lo", shared=False,
-                         what="this product on 127.0.0.1, shared memory off: every byte through gRPC"),
-    "rpc-lo": Config("rpc", "lo", tcp_only=False,
-                     what="torch rpc PS on one host, TensorPipe defaults (shm + cma), as torch_peers.py"),
-    "rpc-lo-tcp": Config("rpc", "lo", what="torch rpc PS on 127.0.0.1, TensorPipe TCP only"),
-    "ddp-lo": Config("ddp", "lo", what="DDP / gloo, 2 ranks on 127.0.0.1"),
-}
 
 
 # -- processes in namespaces ---------------------------------------------------
@@ -303,70 +261,6 @@ def run_one(name: str, rnd: int, index: int, hosts: TwoHosts, args, workdir: str
         "veth_tcp_conns_peak": conns.peak,
     })
     return row
-
-
-def crossing_problems(rows: List[dict]) -> List[str]:
-    """Runs whose veth traffic contradicts their configuration: TCP over the veth below 90% of the payload,
-    or loopback runs that moved more than 1% of it through the veth."""
-    bad = []
-    for r in rows:
-        if r["link"] == "veth" and r["tcp_only"] and r["veth_share"] < CROSSED_MIN:
-            bad.append(f"round {r['round']} {r['config']}: only {100 * r['veth_share']:.1f}% of the payload "
-                       f"crossed the veth (expected >= {100 * CROSSED_MIN:.0f}%)")
-        if r["link"] == "lo" and r["veth_share"] > LOOPBACK_MAX:
-            bad.append(f"round {r['round']} {r['config']}: {100 * r['veth_share']:.1f}% of the payload crossed "
-                       f"the veth on a loopback run")
-    return bad
-
-
-def _per_round(rs: List[dict], base: List[dict]) -> List[float]:
-    """samples/s of each run in ``rs`` over that of the ``base`` run of its round."""
-    by_round = {b["round"]: b["samples_s"] for b in base}
-    return [r["samples_s"] / by_round[r["round"]] for r in rs if r["round"] in by_round]
-
-
-def table(rows: List[dict], configs: Sequence[str]) -> str:
-    """The markdown table: per configuration, medians [min-max] over rounds, ratios against the same link's peers."""
-    by = {c: [r for r in rows if r["config"] == c] for c in configs}
-    lines = ["| configuration | link | samples/s | vs DDP, same link | vs torch rpc PS (TCP), same link | "
-             "MB over the veth per step | of the payload | TCP conns across the veth | step ms | comm / update ms | "
-             "other load, cores | loss first -> last |",
-             "|---" * 12 + "|"]
-    for c in configs:
-        rs = by[c]
-        if not rs:
-            continue
-        cfg = CONFIGS[c]
-        ddp = by.get(f"ddp-{cfg.link}", [])
-        rpc = by.get(f"rpc-{cfg.link}" if cfg.link == "veth" else "rpc-lo-tcp", [])
-        vs_ddp = _per_round(rs, ddp) if cfg.system != "ddp" else []
-        vs_rpc = _per_round(rs, rpc) if rpc and rs is not rpc else []
-        losses = rs[0]["losses_first_last"]
-        lines.append("| " + " | ".join([
-            c, "veth (2 hosts)" if cfg.link == "veth" else "loopback (1 host)",
-            med([r["samples_s"] for r in rs], ".0f"),
-            med(vs_ddp, ".2f") if vs_ddp else "-",
-            med(vs_rpc, ".2f") if vs_rpc else "-",
-            med([r["veth_mb_step"] for r in rs], ".1f"),
-            f"{100 * statistics.median(r['veth_share'] for r in rs):.1f}%",
-            str(max(r["veth_tcp_conns_peak"] for r in rs)),
-            f"{statistics.median(r['step_ms'] for r in rs):.0f}",
-            f"{statistics.median(r['update_ms'] for r in rs):.0f}",
-            med([r["other_load"] for r in rs], ".2f"),
-            f"{losses[0]:.4f} -> {losses[1]:.4f}",
-        ]) + " |")
-    legend = [f"- `{c}`: {CONFIGS[c].what}" for c in configs] + [
-        "- samples/s: both trainers' samples / the slower one's timed wall time; ratios: per round, "
-        "against the same link's DDP and TCP-only torch rpc PS run.",
-        "- MB over the veth per step: rx + tx of the veth during the trainers' timed steps (read by each "
-        "trainer / rank in its namespace, mean); of the payload: PS, 2 trainers x (gradients + parameters); "
-        "DDP, 2 x the model (ring all-reduce of 2 ranks). TCP conns: peak of host 2's established "
-        "connections to host 1 (mpt_uv opens 16 lanes per TensorPipe pipe).",
-        "- comm / update ms: this product, `tr.step()` (push, sync wait, pull); torch rpc PS, the wait for "
-        "`update_and_fetch`; DDP, `opt.step()` only (its all-reduce overlaps backward, in the step time).",
-        "- other load: CPU cores busy with anything but this benchmark during the run (from /proc/stat).",
-    ]
-    return "\n".join(lines + [""] + legend)
 
 
 # -- driver ----------------------------------------------------------------------
