@@ -38,8 +38,8 @@ current step, a Close of a live trainer, ...) is skipped (``fuzz_cases.legit_cha
 A failure names the method, the case (seed, number, description) and the input in hex.
 ``PS_FUZZ_SCALE=10 PS_FUZZ_SEED=7 pytest tests/pserver/test_fuzz.py`` runs a deeper, different series.
 
-The cases come from fuzz_cases (the setup, the bases and the generated series), fuzz_crafted
-(the hand-made ones) and fuzz_wire (protobuf wire-level mutations); this module runs the
+The cases come from fuzz_cases (the setup and the bases), fuzz_series (the generated series),
+fuzz_crafted (the hand-made ones) and fuzz_wire (protobuf wire-level mutations); this module runs the
 pserver, sends them and judges the answers and the state.
 
 test_codec_decodes_like_protobuf also decodes every fuzzed chunk message with psproto.codec
@@ -68,7 +68,8 @@ from torch import nn
 
 from tests.helpers.cluster import LocalCluster
 from tests.helpers.fuzz_cases import (BAG_LEN, METHODS, SERVICE, SLOTS, TRAINERS, WRONG_DIGEST, Case, Env,
-                                      base_requests, build, generate_cases, legit_change, table_grads)
+                                      base_requests, build, legit_change, table_grads)
+from tests.helpers.fuzz_series import generate_cases
 from tests.helpers.fuzz_crafted import crafted_cases
 from tests.helpers.fuzz_wire import varint
 from psproto import ps_pb2
@@ -77,7 +78,7 @@ from psproto.codec import TensorReader, WireError, as_bytes, decode_chunk
 from transpiler import DistributeTranspilerConfig
 from transpiler.tables import shard_of
 
-# PS_FUZZ_SEED: another seed, for a different series (PS_FUZZ_SCALE, in fuzz_cases: a longer one).
+# PS_FUZZ_SEED: another seed, for a different series (PS_FUZZ_SCALE, in fuzz_series: a longer one).
 SEED = int(os.environ.get("PS_FUZZ_SEED", "20240611"))
 BARRIER_TIMEOUT = 2.0
 CALL_TIMEOUT = 4.0        # per call; longer than the barrier, so a barrier refusal is not a hang
