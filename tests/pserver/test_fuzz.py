@@ -40,7 +40,7 @@ A failure names the method, the case (seed, number, description) and the input i
 
 The cases come from fuzz_cases (the setup and the bases), fuzz_series (the generated series),
 fuzz_crafted (the hand-made ones) and fuzz_wire (protobuf wire-level mutations); this module runs the
-pserver, sends them and judges the answers and the state.
+pserver and sends them, and fuzz_judge's raw calls and judges read the answers and the state.
 
 test_codec_decodes_like_protobuf also decodes every fuzzed chunk message with psproto.codec
 and with the generated protobuf classes: the hand-written decoder must not accept what
@@ -57,7 +57,6 @@ import re
 import threading
 import time
 from collections import Counter
-from typing import Dict, List, Optional, Tuple
 
 import grpc
 import numpy as np
@@ -67,63 +66,24 @@ from google.protobuf.message_factory import GetMessageClass
 from torch import nn
 
 from tests.helpers.cluster import LocalCluster
-from tests.helpers.fuzz_cases import (BAG_LEN, METHODS, SERVICE, SLOTS, TRAINERS, WRONG_DIGEST, Case, Env,
+from tests.helpers.fuzz_cases import (BAG_LEN, METHODS, SLOTS, TRAINERS, WRONG_DIGEST, Env,
                                       base_requests, build, legit_change, table_grads)
 from tests.helpers.fuzz_series import generate_cases
+from tests.helpers.fuzz_judge import (CALL_TIMEOUT, invoke, judge, pull_blocks, show, state_change, stats,
+                                      tracebacks)
 from tests.helpers.fuzz_crafted import crafted_cases
 from tests.helpers.fuzz_wire import varint
-from psproto import ps_pb2
 from psproto.dtypes import DTYPES
-from psproto.codec import TensorReader, WireError, as_bytes, decode_chunk
+from psproto.codec import WireError, as_bytes, decode_chunk
 from transpiler import DistributeTranspilerConfig
 from transpiler.tables import shard_of
 
 # PS_FUZZ_SEED: another seed, for a different series (PS_FUZZ_SCALE, in fuzz_series: a longer one).
 SEED = int(os.environ.get("PS_FUZZ_SEED", "20240611"))
 BARRIER_TIMEOUT = 2.0
-CALL_TIMEOUT = 4.0        # per call; longer than the barrier, so a barrier refusal is not a hang
 
 
-# -- the cluster and raw calls ---------------------------------------------------------
-
-def path_of(name: str) -> str:
-    return f"/{SERVICE.full_name}/{name}"
-
-
-def invoke(channel: grpc.Channel, method, messages: List[bytes]):
-    """Call ``method`` with raw ``messages``; (status code, details, raw replies)."""
-    kinds = {(False, False): channel.unary_unary, (False, True): channel.unary_stream,
-             (True, False): channel.stream_unary, (True, True): channel.stream_stream}
-    call = kinds[method.client_streaming, method.server_streaming](path_of(method.name))
-    request = iter(list(messages)) if method.client_streaming else messages[0]
-    try:
-        if method.server_streaming:
-            replies = list(call(request, timeout=CALL_TIMEOUT))
-        else:
-            replies = [call(request, timeout=CALL_TIMEOUT)]
-    except grpc.RpcError as e:
-        return e.code(), e.details() or "", []
-    return grpc.StatusCode.OK, "", replies
-
-
-def pull_blocks(env: Env) -> Tuple[int, Dict[str, bytes]]:
-    """(version, {block: raw bytes}) of this pserver's blocks, by a valid Pull."""
-    request = ps_pb2.PullRequest(trainer_id=0, min_updates=0, names=sorted(env.blocks),
-                                 layout_digest=env.digest, session=env.sessions[0]).SerializeToString()
-    reader, version = TensorReader(lambda n: env.blocks.get(n)), None
-    for data in env.channel.unary_stream(path_of("Pull"))(request, timeout=CALL_TIMEOUT):
-        header, pieces = decode_chunk(data, ps_pb2.PullHeader)
-        if header is not None:
-            version = header.updates
-        for piece in pieces:
-            reader.add(piece)
-    return version, {n: as_bytes(t).tobytes() for n, t in reader.finish().items()}
-
-
-def stats(env: Env) -> ps_pb2.StatsReply:
-    raw = env.channel.unary_unary(path_of("Stats"))(b"", timeout=CALL_TIMEOUT)
-    return ps_pb2.StatsReply.FromString(raw)
-
+# -- the cluster ---------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
@@ -172,90 +132,6 @@ def make_env(cluster, channel, tmp, trainers) -> Env:
     version, e.before = pull_blocks(e)
     assert version == 0
     return e
-
-
-
-# -- judging --------------------------------------------------------------------------------
-
-BAD_CODES = {
-    grpc.StatusCode.UNKNOWN: "UNKNOWN: an unhandled exception in the handler (a stack trace, not a clear refusal)",
-    grpc.StatusCode.INTERNAL: "INTERNAL: the server failed internally",
-    grpc.StatusCode.UNAVAILABLE: "UNAVAILABLE: the pserver stopped answering",
-    grpc.StatusCode.CANCELLED: "CANCELLED",
-    grpc.StatusCode.DATA_LOSS: "DATA_LOSS",
-    grpc.StatusCode.UNIMPLEMENTED: "UNIMPLEMENTED: the method is not registered",
-}
-
-
-def judge(method, case: Case, code, details: str, replies: List[bytes]) -> Optional[str]:
-    """What is wrong with an answer, or None."""
-    if code == grpc.StatusCode.OK:
-        if case.refuse:
-            return "accepted, but this request must be refused"
-        try:
-            if method.server_streaming:
-                headers = [decode_chunk(r, ps_pb2.PullHeader)[0] for r in replies]
-                if not headers or headers[0] is None:
-                    return "OK, but the answer stream does not open with a header"
-            else:
-                GetMessageClass(method.output_type).FromString(replies[0])
-        except Exception as ex:  # noqa: BLE001
-            return f"OK, but the answer does not decode: {ex!r}"
-        return None
-    if code == grpc.StatusCode.UNIMPLEMENTED and method.name == "PushPullShared" and details.startswith("pserver "):
-        return None  # the regions cannot be mapped: the pserver's own refusal, not a missing method
-    if code in BAD_CODES:
-        return BAD_CODES[code]
-    if code == grpc.StatusCode.DEADLINE_EXCEEDED and not details.startswith("pserver "):
-        return f"no answer within {CALL_TIMEOUT}s (a hang)"
-    if not details.strip():
-        return f"{code.name} without details"
-    return None
-
-
-def state_change(e: Env) -> Optional[str]:
-    """What changed in the pserver since fuzzing began, or None."""
-    engine = e.server.engine
-    found = []
-    if engine.updates != 0:
-        found.append(f"version {engine.updates}")
-    # Joining (Hello) and signs of life (last_seen) are no change; anything else counted is.
-    roster = getattr(engine, "roster", engine)
-    for owner, attrs in ((engine.pending, ("trainers", "touched", "sparse_sums", "positions")),
-                         (roster, ("closed", "dropped", "last_step", "positions"))):
-        for attr in attrs:
-            value = getattr(owner, attr, None)
-            if value:
-                found.append(f"{attr} = {sorted(value) if not isinstance(value, dict) else value}")
-    if engine.restored_from != -1 or engine.rollbacks.made:
-        found.append("rolled back to a checkpoint")
-    if engine.tables.rows:
-        found.append(f"{engine.tables.rows} table rows stored")
-    for name, block in engine.store.blocks.items():
-        if as_bytes(block).tobytes() != e.before[name]:
-            found.append(f"block {name} changed")
-    return "; ".join(found) or None
-
-
-def show(messages: List[bytes], nbytes: int = 40, limit: int = 2) -> str:
-    if not messages:
-        return "(no messages)"
-    parts = [f"msg{i} [{len(m)} B] {m[:nbytes].hex()}{'...' if len(m) > nbytes else ''}"
-             for i, m in enumerate(messages[:limit])]
-    if len(messages) > limit:
-        parts.append(f"+{len(messages) - limit} more messages")
-    return " | ".join(parts)
-
-
-def tracebacks(caplog) -> List[str]:
-    """Log records of unhandled exceptions: gRPC's 'Exception calling application', pserver errors."""
-    out = []
-    for r in caplog.records:
-        if (r.name.startswith("grpc") and r.levelno >= logging.ERROR) or (
-                r.name.startswith("pserver") and r.levelno >= logging.ERROR and r.exc_info):
-            out.append(f"log {r.name} {r.levelname}: {r.getMessage()[:300]}"
-                       + (f" ({r.exc_info[0].__name__}: {r.exc_info[1]})" if r.exc_info else ""))
-    return out
 
 
 # -- tests ------------------------------------------------------------------------------------
