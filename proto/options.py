@@ -20,9 +20,12 @@ def _message_limits(chunk_bytes: int) -> list:
 FAST_KEEPALIVE_MS = 1_000
 
 
-def server_options(chunk_bytes: int, fast_keepalive: bool = False) -> list:
-    """gRPC options of a pserver: bounded messages, no port sharing, tolerant keepalive.
+def server_options(chunk_bytes: int, fast_keepalive: bool = False, queue_s: int = 600) -> list:
+    """gRPC options of a pserver: bounded messages, no port sharing, tolerant keepalive, a patient queue.
 
+    ``queue_s``: how long a call that reached the server may wait to be taken up by it (gRPC's
+    default, 30 s, cancels it CANCELLED, unseen by the servicer); the pserver passes its trainers'
+    own deadline for a call, so a call is given up by its trainer, not by the queue.
     ``fast_keepalive`` (hot standby) accepts pings every :data:`FAST_KEEPALIVE_MS` / 2 ms, even
     while a call waits without data (a sync barrier), instead of answering them with GOAWAY.
     """
@@ -34,6 +37,9 @@ def server_options(chunk_bytes: int, fast_keepalive: bool = False) -> list:
         ("grpc.http2.min_ping_interval_without_data_ms", FAST_KEEPALIVE_MS // 2 if fast_keepalive else 10_000),
         ("grpc.keepalive_permit_without_calls", 1),
         *([("grpc.http2.max_ping_strikes", 0)] if fast_keepalive else []),
+        # The asyncio server takes up arrived calls one per turn of its event loop: a thousand
+        # trainers pushing at once on a busy pserver queue longer than gRPC's 30 s (tests/proto/test_options.py).
+        ("grpc.server_max_unrequested_time_in_server", queue_s),
     ]
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import secrets
 import signal
@@ -247,7 +248,8 @@ class ParameterServer:
     async def _serve_main(self, cfg) -> grpc.aio.Server:
         """On the loop: build, bind and start the asyncio server; OSError naming the address if it cannot bind."""
         server = grpc.aio.server(migration_thread_pool=self._pool,
-                                 options=server_options(cfg.chunk_bytes, fast_keepalive=self.program.replicated),
+                                 options=server_options(cfg.chunk_bytes, fast_keepalive=self.program.replicated,
+                                                        queue_s=math.ceil(cfg.barrier_timeout + cfg.rpc_timeout)),
                                  interceptors=[*self._interceptors,
                                                ArrivalInterceptor(self._arrived, self.program.trainers)])
         self.servicer.add_to_server(server, Parking(self._pool).adapt)
