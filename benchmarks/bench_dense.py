@@ -72,7 +72,7 @@ import sys
 import tempfile
 from typing import List
 
-from benchmarks.common.dense_report import loss_check, summarize, tables
+from benchmarks.reports.dense import loss_check, summarize, tables
 from benchmarks.common.dense_runs import PSERVERS, run_ddp, run_ps
 from benchmarks.common.machine import OtherLoad
 from benchmarks.common.processes import RunFailed, stop_on_signals

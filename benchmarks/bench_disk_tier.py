@@ -17,7 +17,7 @@ import statistics
 import sys
 import tempfile
 
-from benchmarks.common.dense_report import med
+from benchmarks.reports.dense import med
 from benchmarks.common.paths import DEFAULT_PEERS
 from benchmarks.common.peer_runners import run_ours_s
 

@@ -18,7 +18,7 @@ times the sum over steps of the mean of the K pushed gradients, computed again h
 (within ``fanin_job.TOLERANCE``, 1e-6; the runs here stay under 1e-8).
 
 Per (mode, K) it reports, for the window from the first push to the last answer
-(``benchmarks.common.fanin_report`` says exactly how each figure is measured): steps a second;
+(``benchmarks.reports.fanin`` says exactly how each figure is measured): steps a second;
 pserver CPU per push; pserver threads (the most seen); pserver resident memory at start, per idle
 session, and what a sync step holds; calls a second by kind (pushes, prefetches, heartbeats) and
 heartbeats per trainer per pserver per minute; the p50/p99 of a push's client-side latency and, in
@@ -42,7 +42,7 @@ from typing import Dict, List, Sequence
 import numpy as np
 import torch
 
-from benchmarks.common.fanin_report import markdown_table, summarise
+from benchmarks.reports.fanin import markdown_table, summarise
 from benchmarks.common.paths import REPO, RESULTS, pythonpath_with_repo
 from benchmarks.common.ports import free_ports
 from benchmarks.common.proc_stats import Sampler, cpu_seconds, status

@@ -42,7 +42,7 @@ import tempfile
 import threading
 from typing import Dict, List
 
-from benchmarks.common.dense_report import med
+from benchmarks.reports.dense import med
 from benchmarks.common.etcd import Etcd
 from benchmarks.common.machine import cpu_model
 from benchmarks.common.paths import DEFAULT_PEERS, peer_module

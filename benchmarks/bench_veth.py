@@ -63,7 +63,7 @@ Output: a markdown table on stdout and every run's figures in ``--json``
 (default ``benchmarks/results/bench_veth.json``). Worker logs go to a temp directory, kept on
 failure (or to ``--logdir``). ``python -m benchmarks.common.netns cleanup`` removes
 namespaces left by a SIGKILLed run. The configurations, the veth check and the table are
-``common/veth_report.py``'s; this module runs them.
+``reports/veth.py``'s; this module runs them.
 """
 from __future__ import annotations
 
@@ -80,13 +80,13 @@ import threading
 import time
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from benchmarks.common.dense_report import summarize
+from benchmarks.reports.dense import summarize
 from benchmarks.common.dense_runs import Processes
 from benchmarks.common.machine import OtherLoad
 from benchmarks.common.netns import NetnsError, TwoHosts
 from benchmarks.common.paths import DEFAULT_PEERS, RESULTS, peer_module, pythonpath_with_repo
 from benchmarks.common.processes import RunFailed, die_with_parent, stop_on_signals
-from benchmarks.common.veth_report import CONFIGS, CROSSED_MIN, LOOPBACK_MAX, Config, crossing_problems, table
+from benchmarks.reports.veth import CONFIGS, CROSSED_MIN, LOOPBACK_MAX, Config, crossing_problems, table
 from benchmarks.jobs.dense_workers import Spec, param_bytes
 
 WORKERS = "benchmarks.jobs.veth_workers"

@@ -17,7 +17,7 @@ import subprocess
 import sys
 from typing import List, Optional, Sequence
 
-from benchmarks.common.dense_report import summarize
+from benchmarks.reports.dense import summarize
 from benchmarks.common.dense_runs import run_ps
 from benchmarks.common.paths import REPO, job_script, peer_module, pythonpath_with_repo
 from benchmarks.common.processes import RunFailed, last_json_line, run_command, tail

@@ -10,7 +10,7 @@ import statistics
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence
 
-from benchmarks.common.dense_report import med
+from benchmarks.reports.dense import med
 
 # Shares of the payload per step that must (veth over TCP) / must not (loopback) cross the veth.
 CROSSED_MIN, LOOPBACK_MAX = 0.90, 0.01

@@ -9,7 +9,7 @@ from __future__ import annotations
 import statistics
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
-from benchmarks.common.dense_report import med
+from benchmarks.reports.dense import med
 
 LABELS = {
     ("S", "torch-local"): "PyTorch, 1 process (nn.Embedding sparse, batch 1024)",
