@@ -64,3 +64,24 @@ def open_session(svc: PserverServicer, trainer_id: int = 0) -> str:
     """The session a Hello for ``trainer_id`` opens, as a trainer process gets it."""
     request = ps_pb2.HelloRequest(trainer_id=trainer_id, layout_digest=svc.layout_digest, incarnation=77)
     return svc.Hello(request.SerializeToString(), FakeContext()).session
+
+
+def wired_engine(trainers: int, barrier_timeout: float):
+    """(sync engine, Reduce service) wired as ParameterServer wires them (pserver/server.py), every trainer said Hello.
+
+    The engine tells the service of roster changes and asks it who waits in a
+    round (``held_elsewhere``); the service's rounds touch the trainers they
+    release (``released``).
+    """
+    torch.manual_seed(0)
+    t = DistributeTranspiler(DistributeTranspilerConfig())
+    t.transpile(0, program=Program(nn.Linear(4, 2), "sgd", lr=0.5), pservers=EP, trainers=trainers)
+    ps = t.get_pserver_program(EP)
+    store, tables = BlockStore(ps, t.get_startup_program(EP, ps)), TableSet(ps)
+    svc = Reductions(EP, barrier_timeout, expected=lambda: engine.live(), admit=lambda t: engine.check_live(t),
+                     released=lambda t: engine.touch(t))
+    engine = SyncEngine(store, tables, trainers, EP, barrier_timeout=barrier_timeout,
+                        on_roster_change=svc.roster_changed, held_elsewhere=svc.parked_trainers)
+    for trainer_id in range(trainers):
+        engine.hello(trainer_id)
+    return engine, svc

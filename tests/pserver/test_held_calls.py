@@ -14,7 +14,6 @@ import time
 
 import numpy as np
 import pytest
-import torch
 from torch import nn
 
 from pserver.engine import Reductions, SyncEngine
@@ -22,6 +21,7 @@ from pserver.engine.roster import Roster, heard_at
 from pserver.errors import BarrierTimeout
 from pserver.store import BlockStore
 from pserver.tables.table_set import TableSet
+from tests.helpers.servicer import wired_engine
 from transpiler import DistributeTranspiler, DistributeTranspilerConfig, Program
 
 EP = "127.0.0.1:1"
@@ -70,18 +70,7 @@ def test_roster_silent(case, last_seen, held, closed, dropped, expected):
 
 def wired(trainers: int, barrier_timeout: float = JOIN):
     """(engine, Reduce service) wired as ParameterServer wires them (pserver/server.py)."""
-    torch.manual_seed(0)
-    t = DistributeTranspiler(DistributeTranspilerConfig())
-    t.transpile(0, program=Program(nn.Linear(4, 2), "sgd", lr=0.5), pservers=EP, trainers=trainers)
-    ps = t.get_pserver_program(EP)
-    store, tables = BlockStore(ps, t.get_startup_program(EP, ps)), TableSet(ps)
-    svc = Reductions(EP, barrier_timeout, expected=lambda: engine.live(), admit=lambda t: engine.check_live(t),
-                     released=lambda t: engine.touch(t))
-    engine = SyncEngine(store, tables, trainers, EP, barrier_timeout=barrier_timeout,
-                        on_roster_change=svc.roster_changed, held_elsewhere=svc.parked_trainers)
-    for trainer_id in range(trainers):
-        engine.hello(trainer_id)
-    return engine, svc
+    return wired_engine(trainers, barrier_timeout)
 
 
 def reduce_in_thread(svc: Reductions, trainer_id: int, value: float) -> dict:

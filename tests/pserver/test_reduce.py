@@ -14,14 +14,11 @@ import time
 import numpy as np
 import pytest
 import torch
-from torch import nn
 
-from pserver.engine import Reductions, SyncEngine
+from pserver.engine import Reductions
 from pserver.engine.reductions import MAX_OPEN
 from pserver.errors import BarrierTimeout, MustResync, NotAllowed, ShuttingDown
-from pserver.store import BlockStore
-from pserver.tables.table_set import TableSet
-from transpiler import DistributeTranspiler, DistributeTranspilerConfig, Program
+from tests.helpers.servicer import wired_engine
 
 EP = "127.0.0.1:1"
 JOIN = 10.0  # seconds a test thread may take at most; the rounds below finish in milliseconds
@@ -173,17 +170,7 @@ def test_stop_refuses_the_pending_rounds_and_the_later_ones():
 
 def wired(trainers: int, barrier_timeout: float = JOIN):
     """(engine, service) as ParameterServer builds them: the engine tells the service of roster changes."""
-    t = DistributeTranspiler(DistributeTranspilerConfig())
-    t.transpile(0, program=Program(nn.Linear(4, 2), "sgd", lr=0.5), pservers=EP, trainers=trainers)
-    ps = t.get_pserver_program(EP)
-    store, tables = BlockStore(ps, t.get_startup_program(EP, ps)), TableSet(ps)
-    svc = Reductions(EP, barrier_timeout, expected=lambda: engine.live(), admit=lambda t: engine.check_live(t),
-                     released=lambda t: engine.touch(t))
-    engine = SyncEngine(store, tables, trainers, EP, barrier_timeout=barrier_timeout,
-                        on_roster_change=svc.roster_changed, held_elsewhere=svc.parked_trainers)
-    for trainer_id in range(trainers):
-        engine.hello(trainer_id)
-    return engine, svc
+    return wired_engine(trainers, barrier_timeout)
 
 
 def test_a_round_finishes_when_the_engine_drops_the_silent_trainer():
