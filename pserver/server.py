@@ -38,7 +38,7 @@ from .ops.health import HealthPort
 from .ops.metrics import MetricsServer, PserverCollector
 from .ops.ports import SidePorts, split_host
 from .rpc import PserverServicer
-from .rpc.arrival import ArrivalInterceptor
+from .rpc.arrival import ArrivalInterceptor, CallsInProgress
 from .rpc.aio import Parking
 from .rpc.sessions import Incarnation
 from .store import BlockStore
@@ -108,9 +108,13 @@ class ParameterServer:
         self.reductions = Reductions(self.endpoint, cfg.barrier_timeout, expected=lambda: self.engine.live(),
                                      admit=lambda trainer_id: self.engine.check_live(trainer_id),
                                      released=lambda trainer_id: self.engine.touch(trainer_id))
+        # A trainer whose push, pull or prefetch is still being served (its answer made and sent after
+        # its step applied) is alive to the engine too, and heard from when the answer is done.
+        self._serving = CallsInProgress(self._arrived, program.trainers)
         args = (store, tables, program.trainers, program.endpoint, cfg.barrier_timeout, checkpointer)
         parts = dict(listeners=listeners, on_wait=self._observe_barrier_wait,
-                     on_roster_change=self.reductions.roster_changed, held_elsewhere=self.reductions.parked_trainers)
+                     on_roster_change=self.reductions.roster_changed,
+                     held_elsewhere=lambda: self.reductions.parked_trainers() | self._serving.trainers())
         if program.sync_mode:
             self.engine = SyncEngine(*args, **parts)
         else:
@@ -249,10 +253,11 @@ class ParameterServer:
         """On the loop: build, bind and start the asyncio server; OSError naming the address if it cannot bind."""
         server = grpc.aio.server(migration_thread_pool=self._pool,
                                  options=server_options(cfg.chunk_bytes, fast_keepalive=self.program.replicated,
-                                                        queue_s=math.ceil(cfg.barrier_timeout + cfg.rpc_timeout)),
+                                                        queue_s=math.ceil(cfg.barrier_timeout + cfg.rpc_timeout),
+                                                        trainers=self.program.trainers),
                                  interceptors=[*self._interceptors,
                                                ArrivalInterceptor(self._arrived, self.program.trainers)])
-        self.servicer.add_to_server(server, Parking(self._pool).adapt)
+        self.servicer.add_to_server(server, Parking(self._pool, self._serving).adapt)
         self._health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         reflection.enable_server_reflection(

@@ -20,6 +20,7 @@ pool sees a :class:`PoolContext`, whose ``abort(code, details)`` raises
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from concurrent.futures import Executor, Future, InvalidStateError
 from typing import Callable, Dict, Optional
@@ -27,6 +28,7 @@ from typing import Callable, Dict, Optional
 import grpc
 
 from ..engine.waits import Parked
+from .arrival import CallsInProgress
 
 _END, _ANSWER = range(2)
 
@@ -135,10 +137,17 @@ class _Call:
 
 
 class Parking:
-    """Builds the asyncio handlers of the parking servicer methods; CPU work goes to ``pool``."""
+    """Builds the asyncio handlers of the parking servicer methods; CPU work goes to ``pool``.
 
-    def __init__(self, pool: Executor):
+    ``calls`` (if given) counts each call in progress, from its start to its answer's end.
+    """
+
+    def __init__(self, pool: Executor, calls: Optional[CallsInProgress] = None):
         self.pool = pool
+        self.calls = calls
+
+    def _serving(self, context):
+        return self.calls.serving(context.invocation_metadata()) if self.calls else contextlib.nullcontext()
 
     def adapt(self, handlers: Dict[str, grpc.RpcMethodHandler]) -> Dict[str, grpc.RpcMethodHandler]:
         """``handlers`` with each parking method's behaviour replaced by an asyncio one (others kept)."""
@@ -161,22 +170,24 @@ class Parking:
                            response_serializer=handler.response_serializer)
         if behaviour.streams:
             async def streamed(request, context):
-                try:
-                    async for answer in self.drive(await answers(request, context)):
-                        yield answer
-                except Abort as e:
-                    await context.abort(e.code, e.details)
+                with self._serving(context):
+                    try:
+                        async for answer in self.drive(await answers(request, context)):
+                            yield answer
+                    except Abort as e:
+                        await context.abort(e.code, e.details)
             make = grpc.stream_stream_rpc_method_handler if collect else grpc.unary_stream_rpc_method_handler
             return make(streamed, **serializers)
 
         async def unary(request, context):
-            driven = self.drive(await answers(request, context))
-            try:
-                return await driven.__anext__()  # a unary answer: the generator's one
-            except Abort as e:
-                await context.abort(e.code, e.details)
-            finally:
-                await driven.aclose()
+            with self._serving(context):
+                driven = self.drive(await answers(request, context))
+                try:
+                    return await driven.__anext__()  # a unary answer: the generator's one
+                except Abort as e:
+                    await context.abort(e.code, e.details)
+                finally:
+                    await driven.aclose()
         make = grpc.stream_unary_rpc_method_handler if collect else grpc.unary_unary_rpc_method_handler
         return make(unary, **serializers)
 

@@ -15,10 +15,18 @@ holder is alive is what a takeover decides by.
 Only liveness rides on it: the session, the layout digest and every other
 check stay with the call itself. A value that names no trainer of the job is
 ignored.
+
+A call's end is heard too, and in between the trainer is not silent
+(:class:`CallsInProgress`): a sync push released by its step still has its
+answer made and sent, and a thousand trainers' answers of one step take a
+busy pserver longer than ``heartbeat_timeout``; its trainer cannot push the
+next step, nor has a reason to heartbeat, before that answer reaches it.
 """
 from __future__ import annotations
 
-from typing import Callable, Optional, Tuple
+import contextlib
+import threading
+from typing import Callable, Dict, Iterator, Optional, Set, Tuple
 
 import grpc
 
@@ -51,3 +59,41 @@ class ArrivalInterceptor(grpc.aio.ServerInterceptor):
         if caller is not None:
             self._note(*caller)
         return await continuation(handler_call_details)
+
+
+class CallsInProgress:
+    """Trainers with a call this pserver is serving (taken up, not yet answered): not silent (see the module doc).
+
+    ``note(trainer id, incarnation)``: what a call's end is handed to, as its
+    arrival is (the pserver's ``_arrived``). Bounded by the calls in progress:
+    one count per trainer with any.
+    """
+
+    def __init__(self, note: Callable[[int, int], object], trainers: int):
+        self._note = note
+        self._trainers = trainers
+        self._lock = threading.Lock()
+        self._count: Dict[int, int] = {}
+
+    @contextlib.contextmanager
+    def serving(self, metadata) -> Iterator[None]:
+        """Around serving one call whose invocation ``metadata`` may name its trainer (else nothing is counted)."""
+        caller = caller_of(metadata, self._trainers)
+        if caller is None:
+            yield
+            return
+        with self._lock:
+            self._count[caller[0]] = self._count.get(caller[0], 0) + 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                left = self._count.pop(caller[0]) - 1
+                if left:
+                    self._count[caller[0]] = left
+            self._note(*caller)
+
+    def trainers(self) -> Set[int]:
+        """The trainers with a call in progress now."""
+        with self._lock:
+            return set(self._count)

@@ -76,18 +76,14 @@ def raw_call(ch: grpc.Channel, path: str, client_streaming: bool, server_streami
 def registered_methods() -> set:
     """The ParameterServer methods the servicer registers (others answer UNIMPLEMENTED to anyone)."""
     class Recorder:
-        def add_generic_rpc_handlers(self, handlers):
-            self.handlers = handlers
-
-    class Details(grpc.HandlerCallDetails):
-        def __init__(self, method):
-            self.method, self.invocation_metadata = method, ()
+        def add_registered_method_handlers(self, service, handlers):
+            self.service, self.handlers = service, handlers
 
     rec = Recorder()
     PserverServicer.add_to_server(PserverServicer.__new__(PserverServicer), rec)
+    assert rec.service == SERVICE_NAME
     service = ps_pb2.DESCRIPTOR.services_by_name["ParameterServer"]
-    return {m.name for m in service.methods
-            if any(h.service(Details(f"/{SERVICE_NAME}/{m.name}")) for h in rec.handlers)}
+    return {m.name for m in service.methods if m.name in rec.handlers}
 
 
 @pytest.fixture(scope="module")

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -72,3 +73,32 @@ def test_a_call_of_another_process_of_the_id_is_not_noted():
             assert server.engine.presence(1)[0] == quiet_since
             server._arrived(1, holder)                               # the holder calls
             assert server.engine.presence(1)[0] > quiet_since + 59
+
+
+@pytest.mark.timeout(60)
+def test_a_call_in_progress_holds_its_trainer_until_its_answer_is_made():
+    """A pull taken up but not yet answered (its stretch waits for the pool) is no silence; its end is heard."""
+    config = DistributeTranspilerConfig(pserver_rpc_workers=1)
+    with LocalCluster(program, 1, 2, config=config) as cluster:
+        server, endpoint = cluster.servers[0], cluster.endpoints[0]
+        with cluster.trainer(1) as tr:
+            blocks = [b for b in tr.program.blocks if b.endpoint == endpoint]
+            shapes = {b.name: (b.dtype, list(b.shape)) for b in blocks}
+            answers = {}
+            gate, busy = threading.Event(), threading.Event()
+            server._pool.submit(lambda: (busy.set(), gate.wait(30)))  # the pool's one thread, held
+            assert busy.wait(10)
+            try:
+                call = threading.Thread(target=lambda: tr.channels[endpoint].pull(
+                    list(shapes), 0, shapes.get,
+                    lambda name: answers.setdefault(name, torch.empty(shapes[name][1], dtype=torch.float64))))
+                call.start()
+                poll(lambda: 1 in server.engine.held(), "trainer 1 held while its pull is served", timeout=20)
+                server.engine.roster.last_seen[1] -= 60  # a minute since its last call arrived: still not silent
+                assert server.engine.roster.silent(30.0, server.engine.held(), time.monotonic()) == []
+            finally:
+                gate.set()
+            call.join(30)
+            assert sorted(answers) == sorted(shapes)
+            poll(lambda: 1 not in server.engine.held(), "trainer 1 no longer held once answered", timeout=20)
+            assert time.monotonic() - server.engine.presence(1)[0] < 10  # the answer's end was heard
