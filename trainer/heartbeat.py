@@ -14,33 +14,45 @@ runs; and, on a node, those only the other local ranks reach (this thread, on
 local rank 0, counts local rank 0's calls only: heartbeats that are not
 strictly needed, never one missing).
 
+The heartbeats to different pservers go out at once and are read later
+(gRPC futures, no thread of their own), each with the pserver's own
+patience (``heartbeat_timeout``) as its deadline: one that is in flight is
+contact, so no second one follows it while it waits. A pserver too busy to
+take calls up for a while thus finds one heartbeat per trainer waiting, not
+one per trainer per interval, and a slow pserver delays no other's.
+
 Bounds: one thread per trainer (per node), at most :data:`CHECKS_PER_INTERVAL`
-wake-ups an interval, at most one heartbeat per pserver an interval. A
-pserver hears from the trainer at most ``interval * (1 + 1 / CHECKS_PER_INTERVAL)``
-after its last contact, plus the time the heartbeats to other pservers take.
+wake-ups an interval, at most one heartbeat per pserver in flight and one
+started per pserver an interval. A pserver hears from the trainer at most
+``interval * (1 + 1 / CHECKS_PER_INTERVAL)`` after its last contact, plus the
+time the pserver takes to take the heartbeat up.
 """
 from __future__ import annotations
 
 import logging
 import threading
+from concurrent import futures
 import time
-from typing import Dict, List, Mapping, Sequence
+from typing import Dict, List, Mapping, Sequence, Tuple, TypeVar, Union
 
-from .errors import FencedError, PserverError
-from .transport import Channels
+from .errors import DOWN, FencedError, PserverError
+from .transport import Channels, PserverChannel
 
 log = logging.getLogger(__name__)
 
 # The thread looks at most this many times an interval: a heartbeat is at most 1/this of an interval late.
 CHECKS_PER_INTERVAL = 10
 
+K = TypeVar("K")  # what a contact is kept by: a pserver, or (trainer, pserver) in the thread
+Key = Tuple[int, str]  # (index of a trainer's channels in the thread, pserver endpoint)
 
-def heartbeats_due(last_contact: Mapping[str, float], now: float, interval: float) -> List[str]:
+
+def heartbeats_due(last_contact: Mapping[K, float], now: float, interval: float) -> List[K]:
     """The pservers to heartbeat at ``now``: those whose last contact (monotonic s) is ``interval`` s old or older."""
     return [ep for ep, at in last_contact.items() if now - at >= interval]
 
 
-def next_check(last_contact: Mapping[str, float], now: float, interval: float) -> float:
+def next_check(last_contact: Mapping[K, float], now: float, interval: float) -> float:
     """Seconds to the earliest pserver's due time, at least ``interval / CHECKS_PER_INTERVAL``, at most ``interval``."""
     soonest = min((at + interval for at in last_contact.values()), default=now + interval)
     return min(interval, max(interval / CHECKS_PER_INTERVAL, soonest - now))
@@ -49,48 +61,98 @@ def next_check(last_contact: Mapping[str, float], now: float, interval: float) -
 class Heartbeat:
     """Sends ``Heartbeat`` to each pserver silent for ``interval`` s until :meth:`stop` (see the module doc).
 
-    A heartbeat's own start is contact (the pserver notes it on arrival);
-    one that failed is not sent again before an interval. Failures are
-    logged at debug level only: the training calls report unreachable pservers.
+    A heartbeat's own start is contact (the pserver notes it on arrival), and
+    so is the time it is in flight, up to ``deadline`` s (the pserver's
+    ``heartbeat_timeout``: past it, the pserver has dropped the trainer
+    anyway); one that failed is not sent again before an interval. Failures
+    are logged at debug level only: the training calls report unreachable
+    pservers. A failed heartbeat to a replicated shard is sent again at once
+    in place, following its new primary (:meth:`PserverChannel.heartbeat`).
+
+    ``channels``: a trainer's, or several trainers' of one process (the
+    emulated fan-in's, which :meth:`add` each once it said Hello): one thread
+    heartbeats them all, each on its own account; a fenced trainer's
+    heartbeats stop, the others' go on, and the thread ends with the last.
     """
 
-    def __init__(self, channels: Channels, endpoints: Sequence[str], interval: float):
-        self._channels = channels
+    def __init__(self, channels: Union[Channels, Sequence[Channels]], endpoints: Sequence[str], interval: float,
+                 deadline: float):
         self._endpoints = list(endpoints)
+        self._lock = threading.Lock()  # guards the trainers and keys: add() comes from other threads
+        self._trainers: List[Channels] = []
+        self._keys: List[Key] = []
+        for c in [channels] if isinstance(channels, Channels) else channels:
+            self.add(c)
         self._interval = interval
-        self._tried: Dict[str, float] = {}  # when the thread last tried each pserver (monotonic s)
+        self._deadline = deadline
+        self._tried: Dict[Key, float] = {}  # when the thread last tried each (trainer, pserver) (monotonic s)
+        self._in_flight: Dict[Key, futures.Future] = {}  # the heartbeat sent to each, until read
         self._stopped = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True,
-                                        name=f"trainer-{channels.trainer_id}-heartbeat")
+        self._thread = threading.Thread(target=self._run, daemon=True, name="trainer-{}-heartbeat".format(
+            self._trainers[0].trainer_id if len(self._trainers) == 1 else "s"))
 
     def start(self) -> "Heartbeat":
         self._thread.start()
         return self
 
-    def _last_contact(self) -> Dict[str, float]:
-        """Per pserver: its channel's last contact (now, while a call is in flight), or this thread's last try if later."""
+    def add(self, channels: Channels) -> None:
+        """Heartbeat ``channels``' pservers too, from now on (its trainer said Hello)."""
+        with self._lock:
+            self._trainers.append(channels)
+            self._keys = self._keys + [(len(self._trainers) - 1, ep) for ep in self._endpoints]
+
+    def _channel(self, key: Key) -> PserverChannel:
+        return self._trainers[key[0]][key[1]]
+
+    def _last_contact(self) -> Dict[Key, float]:
+        """Per (trainer, pserver): its last contact (now, while a call is in flight), or this thread's last try if later."""
         now = time.monotonic()
-        return {ep: max(self._channels[ep].contact.last(now), self._tried.get(ep, float("-inf")))
-                for ep in self._endpoints}
+        return {key: max(self._channel(key).contact.last(now), self._tried.get(key, float("-inf")))
+                for key in self._keys}  # a snapshot: add() and _retire() replace the list, never change it
+
+    def _retire(self, trainer: int) -> None:
+        """No more heartbeats for the ``trainer``-th channels (fenced, or closed under us)."""
+        with self._lock:
+            self._keys = [key for key in self._keys if key[0] != trainer]
 
     def _run(self) -> None:
-        while True:
-            for ep in heartbeats_due(self._last_contact(), time.monotonic(), self._interval):
+        while self._keys or not self._trainers:
+            self._read_answers()
+            for key in heartbeats_due(self._last_contact(), time.monotonic(), self._interval):
                 if self._stopped.is_set():
                     return
-                self._tried[ep] = time.monotonic()
+                if key in self._in_flight or key not in self._keys:  # in flight: its contact covers it until answered
+                    continue
+                self._tried[key] = time.monotonic()
                 try:
-                    self._channels[ep].heartbeat(timeout=self._interval)
-                except FencedError as e:
-                    # Another process runs as this trainer now; the next training call raises it too.
-                    log.warning("trainer %d: heartbeats stop: %s", self._channels.trainer_id, e)
-                    return
-                except PserverError as e:
-                    log.debug("trainer %d: heartbeat: %s", self._channels.trainer_id, e)
+                    self._in_flight[key] = self._channel(key).start_heartbeat(timeout=self._deadline)
                 except ValueError:  # the channel was closed under us by close()
-                    return
+                    self._retire(key[0])
             if self._stopped.wait(next_check(self._last_contact(), time.monotonic(), self._interval)):
                 return
+
+    def _read_answers(self) -> None:
+        """Read the heartbeats that ended; retire the trainers whose heartbeats must stop."""
+        for key, sent in list(self._in_flight.items()):
+            if not sent.done():
+                continue
+            del self._in_flight[key]
+            channel, trainer_id, error = self._channel(key), self._trainers[key[0]].trainer_id, sent.exception()
+            if error is not None and channel.primary.replicated and getattr(error, "kind", None) == DOWN:
+                try:  # its shard's primary may have moved: follow it, as every other call does
+                    channel.heartbeat(timeout=self._interval)
+                    error = None
+                except PserverError as e:
+                    error = e
+                except ValueError:
+                    self._retire(key[0])
+                    continue
+            if isinstance(error, FencedError):
+                # Another process runs as this trainer now; the next training call raises it too.
+                log.warning("trainer %d: heartbeats stop: %s", trainer_id, error)
+                self._retire(key[0])
+            elif error is not None:
+                log.debug("trainer %d: heartbeat: %s", trainer_id, error)
 
     def stop(self) -> None:
         """Stop sending; returns once the thread has finished its current call."""

@@ -108,7 +108,8 @@ class PserverTrainer(TrainerBase):
             raise
         self._heartbeat = None
         if self.stepper.speaks_for_trainer:  # a node's leader heartbeats for the node
-            self._heartbeat = Heartbeat(self.channels, program.pservers, cfg.heartbeat_interval).start()
+            self._heartbeat = Heartbeat(self.channels, program.pservers, cfg.heartbeat_interval,
+                                        cfg.heartbeat_timeout).start()
         log.info("trainer %d%s: ready at step %d (data position epoch %d batch %d), %s, %d blocks on %d "
                  "pservers", self.trainer_id, self._local, self.step_count, *self.position,
                  type(self.stepper).__name__, len(self.blocks.by_name), len(self.blocks.by_endpoint))

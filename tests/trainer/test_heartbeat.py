@@ -1,6 +1,11 @@
-"""The heartbeat thread's decisions: which pservers get a heartbeat now, and when it looks again (tables)."""
+"""The heartbeat thread's decisions: which pservers get a heartbeat now, and when it looks again (tables);
+and the thread itself against real gRPC servers: one heartbeat in flight per pserver, none delayed by another.
+"""
 import math
+import threading
+import time
 
+import numpy as np
 import pytest
 
 from trainer.heartbeat import CHECKS_PER_INTERVAL, heartbeats_due, next_check
@@ -42,3 +47,82 @@ NEXT = [
 @pytest.mark.parametrize("case, contacts, now, expected", NEXT, ids=[c[0] for c in NEXT])
 def test_next_check(case, contacts, now, expected):
     assert next_check(contacts, now, I) == pytest.approx(expected)
+
+
+# -- the thread against real gRPC servers ------------------------------------------------------------
+
+class FakePserver:
+    """A gRPC server that answers only Heartbeat, counting them; while ``held`` is clear it holds each one."""
+
+    def __init__(self):
+        from concurrent import futures
+
+        import grpc
+
+        from psproto import ps_pb2
+        from psproto.wire import method_path
+
+        self.arrived = []  # monotonic time of each heartbeat's arrival
+        self.held = threading.Event()
+        self.held.set()
+        self._lock = threading.Lock()
+
+        def heartbeat(request, context):
+            with self._lock:
+                self.arrived.append(time.monotonic())
+            self.held.wait(30)
+            return ps_pb2.HeartbeatReply()
+        service, method = method_path("Heartbeat").strip("/").split("/")
+        handler = grpc.method_handlers_generic_handler(service, {method: grpc.unary_unary_rpc_method_handler(
+            heartbeat, request_deserializer=ps_pb2.HeartbeatRequest.FromString,
+            response_serializer=ps_pb2.HeartbeatReply.SerializeToString)})
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), handlers=(handler,))
+        self.endpoint = f"127.0.0.1:{self.server.add_insecure_port('127.0.0.1:0')}"
+        self.server.start()
+
+    def count(self) -> int:
+        with self._lock:
+            return len(self.arrived)
+
+    def stop(self) -> None:
+        self.held.set()
+        self.server.stop(0)
+
+
+def test_a_pserver_that_takes_no_call_up_gets_one_heartbeat_and_delays_no_other_pserver_s():
+    from tests.helpers.models import odd_program
+    from trainer.heartbeat import Heartbeat
+    from trainer.transport import Channels
+    from transpiler import DistributeTranspiler, DistributeTranspilerConfig
+
+    stalled, healthy = FakePserver(), FakePserver()
+    interval, deadline = 0.2, 30.0
+    t = DistributeTranspiler(DistributeTranspilerConfig(heartbeat_interval=interval, heartbeat_timeout=deadline))
+    t.transpile(0, program=odd_program(), pservers=f"{stalled.endpoint},{healthy.endpoint}", trainers=1)
+    channels = Channels(t.get_trainer_program())
+    stalled.held.clear()  # its handler holds every heartbeat: a pserver whose loop takes nothing up
+    beat = Heartbeat(channels, [stalled.endpoint, healthy.endpoint], interval, deadline).start()
+    try:
+        start = time.monotonic()
+        # Over ten intervals the healthy pserver is heartbeaten about once an interval, on time...
+        wait_until(lambda: healthy.count() >= 8, 10.0, "the healthy pserver's heartbeats")
+        elapsed = time.monotonic() - start
+        gaps = np.diff(healthy.arrived)
+        assert gaps.max() < interval * (1 + 1 / CHECKS_PER_INTERVAL) + 0.5, gaps
+        # ... while the stalled one, its first heartbeat still in flight, got no second one.
+        assert stalled.count() == 1 and elapsed >= 7 * interval
+        assert channels[stalled.endpoint].contact.last(time.monotonic()) == pytest.approx(time.monotonic(), abs=0.1)
+        stalled.held.set()  # it answers: heartbeats to it go on once an interval
+        wait_until(lambda: stalled.count() >= 3, 10.0, "the released pserver's next heartbeats")
+    finally:
+        beat.stop()
+        channels.shutdown()
+        stalled.stop()
+        healthy.stop()
+
+
+def wait_until(condition, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)

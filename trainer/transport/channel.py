@@ -34,6 +34,7 @@ from .narrowing import GradientNarrower
 from .primaries import ShardPrimary
 from .shared_regions import RegionPool
 from .status_codes import details, error_of
+from .unary_future import start_unary
 from .wire_paths import ANSWER_STREAMS, BackwardTensors, Named, Request, SharedMemoryRefused, choose_path
 
 log = logging.getLogger(__name__)
@@ -355,6 +356,16 @@ class PserverChannel:
         return self._unary("Heartbeat", functools.partial(ps_pb2.HeartbeatRequest, trainer_id=tid),
                            f"heartbeat of trainer {tid}", timeout)
 
+    def start_heartbeat(self, timeout: float) -> futures.Future:
+        """Send ``Heartbeat`` and return at once: the future of its reply (see :func:`.unary_future.start_unary`).
+
+        In flight (contact) until it ends. One attempt at the process calls go
+        to now: :meth:`heartbeat` is the one that follows a new primary.
+        """
+        tid = self._identity.trainer_id
+        return start_unary(self._connection.unary["Heartbeat"], ps_pb2.HeartbeatRequest(
+            trainer_id=tid, session=self._session), self.endpoint, f"heartbeat of trainer {tid}", timeout, self.contact)
+
     def save_tables(self, directory: str) -> ps_pb2.SaveTablesReply:
         """Ask the pserver to write its table shards under ``directory`` (its file system)."""
         request = functools.partial(ps_pb2.SaveTablesRequest, trainer_id=self._identity.trainer_id,
@@ -394,22 +405,10 @@ class PserverChannel:
     def stats(self, timeout: float) -> futures.Future:
         """The pserver's counters (``StatsReply``), asked of the process calls go to now: a future.
 
-        One attempt with a deadline of ``timeout`` s, no session and no
-        following of the shard's primary (an observer must not move the
-        trainer's calls): its result raises :class:`PserverError` when the
-        call failed. The gRPC call runs without a thread of its own.
+        No session and no following of the shard's primary (an observer must
+        not move the trainer's calls); see :func:`.unary_future.start_unary`.
         """
-        done: futures.Future = futures.Future()
-
-        def finished(call) -> None:
-            try:
-                done.set_result(call.result())
-            except grpc.RpcError as e:
-                done.set_exception(error_of(self.endpoint, f"Stats failed: {details(e)}", e))
-            except Exception as e:  # noqa: BLE001 - a channel closed under the call: the caller sees why
-                done.set_exception(PserverError(self.endpoint, f"Stats failed: {e}"))
-        self._connection.unary["Stats"].future(ps_pb2.StatsRequest(), timeout=timeout).add_done_callback(finished)
-        return done
+        return start_unary(self._connection.unary["Stats"], ps_pb2.StatsRequest(), self.endpoint, "Stats", timeout)
 
     def shutdown(self) -> None:
         """Close the gRPC channels (without telling the pserver); calls still running end CANCELLED."""

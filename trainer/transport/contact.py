@@ -37,19 +37,29 @@ class Contact:
         """
         started = time.monotonic()
         if from_start:
-            with self._lock:
-                self._in_flight += 1
-                self._last = max(self._last, started)
+            self.begin()
         answered = False
         try:
             yield
             answered = True
         finally:
-            with self._lock:
-                if from_start:
-                    self._in_flight -= 1
-                if answered:
-                    self._last = max(self._last, time.monotonic() if from_start else started)
+            if from_start:
+                self.end(answered)
+            elif answered:
+                self.noted(started)
+
+    def begin(self) -> None:
+        """A call starts now: in flight, so contact, until its :meth:`end` (a call not awaited in place)."""
+        with self._lock:
+            self._in_flight += 1
+            self._last = max(self._last, time.monotonic())
+
+    def end(self, answered: bool) -> None:
+        """The call :meth:`begin` counted ended; if ``answered``, the pserver heard it up to now."""
+        with self._lock:
+            self._in_flight -= 1
+            if answered:
+                self._last = max(self._last, time.monotonic())
 
     def last(self, now: float) -> float:
         """When the pserver last heard from this trainer: ``now`` while a call is in flight."""
