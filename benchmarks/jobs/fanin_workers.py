@@ -8,8 +8,9 @@
 A load generator runs trainers ``G, G + N, G + 2N, ...`` of the spec's K. Each emulated trainer is a
 real trainer session speaking the wire through the trainer's own client code: its own
 :class:`~trainer.transport.Channels` (so its own gRPC channel, and TCP connection, to every pserver:
-the channel options keep a local subchannel pool), its own Hello and session, its own
-:class:`~trainer.heartbeat.Heartbeat` thread, and each step one ``PserverChannel.push_pull`` per
+the channel options keep a local subchannel pool), its own Hello and session, its own heartbeats
+(one :class:`~trainer.heartbeat.Heartbeat` thread of the load generator sends every trainer's, each on
+its own account, as a trainer's thread would), and each step one ``PserverChannel.push_pull`` per
 pserver run in parallel by ``Channels.run_parallel``, as a trainer's LocalStepper does, then Close.
 Its table gradients are routed by a :class:`~trainer.embedding.client.TableClient`, which also sends
 the next batch's ids with the push (``<table>@next``, job S's fast path: the answer brings their rows).
@@ -33,6 +34,7 @@ import functools
 import logging
 import os
 import sys
+import threading
 import time
 from concurrent import futures
 from typing import Dict, List, Optional, Tuple
@@ -43,6 +45,12 @@ from benchmarks.jobs.fanin_job import Spec, batch_ids, check_ids, dense_gradient
 from benchmarks.jobs.job_s import TABLE
 
 log = logging.getLogger("benchmarks.fanin")
+
+# How many of a load generator's trainers make their step's gradients at once. A real trainer makes them
+# on a host of its own; hundreds of threads making them at once in one process would starve its heartbeat
+# thread of the interpreter lock for longer than heartbeat_timeout, and the pservers would drop trainers
+# that live (the emulator's limit, not the pservers').
+MAKING_GRADIENTS = threading.BoundedSemaphore(4)
 
 
 def wait_for_file(path: str, deadline: float, what: str) -> None:
@@ -89,27 +97,26 @@ class EmulatedTrainer:
         self.by_endpoint = {ep: [b for b in program.blocks if b.endpoint == ep] for ep in program.pservers}
         self.tables = TableClient(program.tables, program.pservers, self._fetch, lambda: self._min_updates)
         self._min_updates = 0
-        self.heartbeat = None
         self.pushes: List[Tuple[int, int, float, float]] = []  # (pserver index, step, start, end)
 
-    def hello(self) -> None:
-        from trainer.heartbeat import Heartbeat
-
+    def hello(self, heartbeat) -> None:
+        """Open this trainer's sessions, then have ``heartbeat`` (its process's Heartbeat thread) keep them."""
         replies = self.channels.hello(self.spec.timeout)
         starts = {r.start_step for r in replies.values()}
         if starts != {0}:
             raise RuntimeError(f"trainer {self.trainer_id}: pservers start it at steps {sorted(starts)}, not 0")
-        self.heartbeat = Heartbeat(self.channels, self.program.pservers, self.program.config.heartbeat_interval).start()
+        heartbeat.add(self.channels)
 
     def step(self, step: int) -> None:
         """Push ``step``'s gradients to every pserver (with the next batch's ids) and receive the answers."""
-        ids = batch_ids(self.spec, self.trainer_id, step)
-        sparse = self.tables.route_gradients({TABLE: (ids, sparse_rows(self.spec, self.trainer_id, step, ids))})
-        ask = None
-        if step + 1 < self.spec.steps:
-            plan = self.tables.plan_next_batch({TABLE: batch_ids(self.spec, self.trainer_id, step + 1)})
-            ask = self.tables.ask_next_batch(plan)
-        dense = dense_gradients(self.spec, self.program.blocks, self.trainer_id, step)
+        with MAKING_GRADIENTS:
+            ids = batch_ids(self.spec, self.trainer_id, step)
+            sparse = self.tables.route_gradients({TABLE: (ids, sparse_rows(self.spec, self.trainer_id, step, ids))})
+            ask = None
+            if step + 1 < self.spec.steps:
+                plan = self.tables.plan_next_batch({TABLE: batch_ids(self.spec, self.trainer_id, step + 1)})
+                ask = self.tables.ask_next_batch(plan)
+            dense = dense_gradients(self.spec, self.program.blocks, self.trainer_id, step)
         jobs = {}
         for k, ep in enumerate(self.program.pservers):
             tensors = ([(b.name, dense[b.name]) for b in self.by_endpoint[ep]] + sparse[ep]
@@ -147,8 +154,6 @@ class EmulatedTrainer:
         return answers
 
     def close(self) -> None:
-        if self.heartbeat is not None:
-            self.heartbeat.stop()
         left = self.channels.close(self.spec.timeout)
         if any(n < 0 for n in left.values()):
             raise RuntimeError(f"trainer {self.trainer_id}: Close was not answered by {left}")
@@ -156,16 +161,22 @@ class EmulatedTrainer:
 
 def run_load(spec: Spec, index: int, of: int) -> None:
     """Run trainers ``index, index + of, ...`` of ``spec`` (see the module doc); write ``result-<index>.pt``."""
+    from trainer.heartbeat import Heartbeat
+
     deadline = time.monotonic() + spec.timeout
     program = transpiler(spec).get_trainer_program()
     ids = range(index, spec.trainers, of)
     trainers = [EmulatedTrainer(spec, dataclasses.replace(program, trainer_id=k, model=None)) for k in ids]
     # One driver thread per emulated trainer (a trainer's main thread); pushes run on its Channels' threads.
     pool = futures.ThreadPoolExecutor(max_workers=len(trainers), thread_name_prefix="emulated")
+    # One heartbeat thread for them all: a thread each would starve on this process's share of the machine,
+    # where a real trainer's has a host of its own, and the pservers would drop trainers that live.
+    heartbeat = Heartbeat([], program.pservers, program.config.heartbeat_interval,
+                          program.config.heartbeat_timeout).start()
     models: Dict[str, Dict[str, torch.Tensor]] = {}
     try:
         wait_for_file(os.path.join(spec.run_dir, "hello"), deadline, f"load generator {index}")
-        for f in futures.as_completed([pool.submit(t.hello) for t in trainers], timeout=spec.timeout):
+        for f in futures.as_completed([pool.submit(t.hello, heartbeat) for t in trainers], timeout=spec.timeout):
             f.result()
         checker = trainers[0] if index == 0 and spec.sync_mode else None
         touch(os.path.join(spec.run_dir, f"hello-{index}"))
@@ -183,12 +194,12 @@ def run_load(spec: Spec, index: int, of: int) -> None:
         wait_for_file(os.path.join(spec.run_dir, "finish"), deadline, f"load generator {index}")
         if checker is not None:
             models["final"] = checker.read_model(spec.steps)
+        heartbeat.stop()
         for f in futures.as_completed([pool.submit(t.close) for t in trainers], timeout=spec.timeout):
             f.result()
     except BaseException:
+        heartbeat.stop()
         for t in trainers:  # no Close: the pservers must not count a failed run's trainers as done
-            if t.heartbeat is not None:
-                t.heartbeat.stop()
             t.channels.shutdown()
         raise
     finally:
