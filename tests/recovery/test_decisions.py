@@ -80,12 +80,12 @@ AFTER_FAILURE = [
      True, 26, {A: ps(11, 25, counted=24, position=(1, 2)), B: ps(22, 26, counted=24)}, (SKIP, 26, (0, 0), (A,), ())),
     ("sync restart from checkpoint 4: roll the other pserver back to it",
      True, 7, {A: ps(11, 7), B: ps(99, 4, checkpoint_step=4)}, (RESTORE, 4, (0, 0), (A,), (B,))),
-    ("sync, both restarted from different checkpoints: all go to the earliest",
+    ("sync, both restarted from different checkpoints: all go to the earliest, each told of the other's restart",
      True, 7, {A: ps(33, 6, checkpoint_step=6), B: ps(99, 4, checkpoint_step=4)},
-     (RESTORE, 4, (0, 0), (A,), (A, B))),
-    ("sync, both restarted from the same checkpoint: nothing to restore, roll back",
+     (RESTORE, 4, (0, 0), (A, B), (A, B))),
+    ("sync, both restarted from the same checkpoint: each is told of the other's restart (it stays where it is)",
      True, 7, {A: ps(33, 4, checkpoint_step=4, position=(0, 2)), B: ps(99, 4, checkpoint_step=4, position=(0, 2))},
-     (ROLLBACK, 4, (0, 2), (), (A, B))),
+     (RESTORE, 4, (0, 0), (A, B), (A, B))),
     ("sync restart without a checkpoint: its parameters are lost",
      True, 7, {A: ps(11, 7), B: ps(99, 0, checkpoint_step=-1)}, (FAIL, 7, (0, 0), (B,), (B,))),
     ("async restart without a checkpoint: lost too",
@@ -106,9 +106,19 @@ def test_restore_token_names_the_restart_so_pservers_roll_back_once():
     answers = {A: ps(11, 7), B: ps(99, 4, checkpoint_step=4)}
     first = after_failure(True, KNOWN, 7, answers, [A, B])
     again = after_failure(True, KNOWN, 7, answers, [A, B])  # another trainer sees the same restart
-    assert first.token == again.token == f"{B}#99"
+    assert first.restores == again.restores == ((A, f"{B}#99"),)
     later = after_failure(True, KNOWN, 7, {A: ps(11, 7), B: ps(123, 4, checkpoint_step=4)}, [A, B])
-    assert later.token != first.token  # a second restart is a new roll-back
+    assert later.restores == ((A, f"{B}#123"),)  # a second restart is a new roll-back
+
+
+def test_each_restart_has_its_own_token_however_many_a_trainer_sees_at_once():
+    """A trainer that saw A's and B's restarts at once names each as one that saw only one of them does, so a
+    pserver that honoured a restart's token for the first does not roll back for it again for the second."""
+    both = {A: ps(33, 4, checkpoint_step=4), B: ps(99, 4, checkpoint_step=4)}
+    d = after_failure(True, KNOWN, 7, both, [A, B])
+    assert d.restores == ((A, f"{B}#99"), (B, f"{A}#33")) and d.tokens_for(A) == (f"{B}#99",)
+    only_b = after_failure(True, {A: 33, B: 22}, 7, both, [A, B])
+    assert only_b.restores == ((A, f"{B}#99"),)
 
 
 def test_after_a_restore_the_restart_is_known_and_the_trainer_rolls_back():
@@ -176,7 +186,7 @@ def test_on_join(case, sync_mode, answers, time_left, restored, expected):
     if d.action in (FAIL, WAIT, RESTORE):
         assert "disagree on the current step" in d.message
     if d.action == RESTORE:
-        assert d.token == join_token(answers, d.step)
+        assert d.restores == tuple((ep, join_token(answers, d.step)) for ep in sorted(answers))
 
 
 @pytest.mark.parametrize("answers, restored, missing", [
@@ -191,9 +201,9 @@ def test_a_failed_join_names_what_is_missing(answers, restored, missing):
 
 
 def test_joining_trainers_that_find_the_same_state_ask_for_the_same_roll_back():
-    assert on_join(True, BEHIND_28, [A, B], 10.0).token == on_join(True, dict(BEHIND_28), [A, B], 5.0).token
+    assert on_join(True, BEHIND_28, [A, B], 10.0).restores == on_join(True, dict(BEHIND_28), [A, B], 5.0).restores
     moved = on_join(True, {A: ps(11, 31), B: ps(99, 28, checkpoint_step=28)}, [A, B], 10.0)
-    assert moved.action == RESTORE and moved.token != ROLL_BACK_28
+    assert moved.action == RESTORE and ROLL_BACK_28 not in moved.tokens_for(A)
 
 
 def test_join_with_no_pserver_to_push_to():

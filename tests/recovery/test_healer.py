@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from trainer.errors import DOWN, REFUSED, PserverError
+from trainer.errors import DOWN, REFUSED, RESYNC, PserverError
 from trainer.recovery import ROLLBACK, Recovery
 from trainer.recovery.decide import JOIN, SKIP
 
@@ -23,13 +23,18 @@ def hello(incarnation, step, checkpoint_step=-1, position=(0, 0), counted_step=-
 
 
 class ScriptedChannels:
-    """Answers Hello from ``hellos`` in turn; a Restore to an endpoint in ``restore_fails`` fails once."""
+    """Answers Hello from ``hellos`` in turn; a Restore to an endpoint in ``restore_fails`` fails once.
+
+    ``restore_fails`` names endpoints (down: UNAVAILABLE) or maps each to the kind of its failure
+    (RESYNC: the pserver restarted since this trainer's Hello and no longer knows its session).
+    """
 
     trainer_id = 0
 
     def __init__(self, hellos, restore_fails=()):
         self.hellos = list(hellos)
-        self.restore_fails = set(restore_fails)
+        self.restore_fails = dict(restore_fails) if isinstance(restore_fails, dict) else dict.fromkeys(restore_fails,
+                                                                                                           DOWN)
         self.restores = []
         self.join_ats = []
 
@@ -42,9 +47,11 @@ class ScriptedChannels:
         return SimpleNamespace(restore=functools.partial(self.restore, ep))
 
     def restore(self, ep, step, token):
-        if ep in self.restore_fails:
-            self.restore_fails.discard(ep)
+        kind = self.restore_fails.pop(ep, None)
+        if kind == DOWN:
             raise PserverError(ep, "roll-back failed: UNAVAILABLE: Connection refused", DOWN, "UNAVAILABLE")
+        if kind is not None:
+            raise PserverError(ep, "roll-back failed: ABORTED: trainer 0's session is not known here", kind, "ABORTED")
         self.restores.append((ep, step, token))
 
     def run_parallel(self, jobs):
@@ -78,14 +85,34 @@ def test_pserver_lost_during_the_roll_back_of_the_others_is_waited_for_and_the_j
     comm = ScriptedChannels([
         {A: hello(11, 7), B: hello(99, 4, checkpoint_step=4)},        # B restarted from step 4
         # the roll-back of A failed: A died too, and came back from the same checkpoint; B, which
-        # may have gone on meanwhile, is rolled back to it for A's restart
+        # may have gone on meanwhile, is rolled back to it for A's restart, and A hears of B's
         {A: hello(33, 4, checkpoint_step=4), B: hello(99, 5, checkpoint_step=4)},
         {A: hello(33, 4, checkpoint_step=4, position=(0, 8)), B: hello(99, 4, checkpoint_step=4, position=(0, 8))},
     ], restore_fails={A})
     pulled = []
     decision = recovery(comm).heal(7, "step 7", failing_once(), pulled.append)
     assert (decision.action, decision.step, decision.position) == (ROLLBACK, 4, (0, 8))
-    assert comm.restores == [(B, 4, f"{A}#33")] and pulled == [4]
+    assert comm.restores == [(A, 4, f"{B}#99"), (B, 4, f"{A}#33")] and pulled == [4]
+
+
+def test_a_restart_whose_roll_back_of_the_others_was_interrupted_is_still_told_to_them():
+    """The chaos test's flake (seed 1, a full suite on a busy machine), as trainer 1 lived it: A restarted
+    from checkpoint 20; rolling B back for it failed, as B had restarted too (from 20) and no longer knew
+    the session. B must still hear A's restart (its token): it stands at 20 unchanged and keeps the
+    pushes it counted, and a roll-back for that restart asked later by trainer 0, once B has applied
+    step 20 with both trainers, is one B already honoured. Forgotten, it rolled B back from 21 to 20
+    while trainer 1 went on, which left the job with no step applied until barrier_timeout."""
+    comm = ScriptedChannels([
+        {A: hello(12, 20, checkpoint_step=20), B: hello(22, 24)},                      # A restarted
+        {A: hello(12, 20, checkpoint_step=20), B: hello(33, 20, checkpoint_step=20, others=1)},  # B too
+        {A: hello(12, 20, checkpoint_step=20, position=(0, 20)),
+         B: hello(33, 20, checkpoint_step=20, position=(0, 20), others=1)},
+    ], restore_fails={B: RESYNC})
+    r = recovery(comm)
+    decision = r.heal(23, "step 23", failing_once(), lambda step: None)
+    assert (decision.action, decision.step, decision.position) == (ROLLBACK, 20, (0, 20))
+    assert sorted(comm.restores) == [(A, 20, f"{B}#33"), (B, 20, f"{A}#12")]
+    assert r.incarnations == {A: 12, B: 33}
 
 
 def test_roll_back_is_asked_again_after_a_second_restart():

@@ -9,7 +9,8 @@ what the pservers answered                             decision
 a call failed: the pserver is DOWN or asks to RESYNC   recoverable: wait for the pservers, re-sync
 any other kind (trainer/errors.py)                     not recoverable: the error reaches the user
 a pserver restarted without a checkpoint               FAIL: its parameters are lost
-sync, a pserver restarted from checkpoint *c*          RESTORE: roll every other pserver back to *c*
+sync, a pserver restarted from checkpoint *c*          RESTORE: roll every other pserver back to *c*,
+                                                       telling each every restart seen (its token)
 sync, a pserver past the step the trainer would push   SKIP to their highest step (it was dropped);
 (its own, or the lowest pserver's) went on without     those behind are told (Hello join_at) and
 its push (even if another ahead counted it)            finish their step without this trainer
@@ -82,21 +83,26 @@ class PserverState:
 class Decision:
     """What to do next: ``action`` (one of the constants above) and what it needs.
 
-    RESTORE: roll ``endpoints`` back to the checkpoint at ``step``, once per
-    ``token``. SKIP / ROLLBACK / JOIN: go on at ``step`` (ROLLBACK and JOIN from
-    data ``position``); SKIP's ``endpoints`` stand behind ``step`` and must be
-    told (Hello with ``join_at=step``) before the trainer goes on. FAIL:
-    ``endpoints`` and ``message`` say why. ``restarted`` lists the pservers
-    whose process changed since the trainer last asked.
+    RESTORE: roll ``endpoints`` back to the checkpoint at ``step``: each gets
+    the tokens ``restores`` pairs with it ((pserver, token), in order), and
+    rolls back once per token. SKIP / ROLLBACK / JOIN: go on at ``step``
+    (ROLLBACK and JOIN from data ``position``); SKIP's ``endpoints`` stand
+    behind ``step`` and must be told (Hello with ``join_at=step``) before the
+    trainer goes on. FAIL: ``endpoints`` and ``message`` say why. ``restarted``
+    lists the pservers whose process changed since the trainer last asked.
     """
 
     action: str
     step: int = 0
     position: Position = Position(0, 0)
     endpoints: Tuple[str, ...] = ()
-    token: str = ""
+    restores: Tuple[Tuple[str, str], ...] = ()
     message: str = ""
     restarted: Tuple[str, ...] = ()
+
+    def tokens_for(self, endpoint: str) -> Tuple[str, ...]:
+        """The roll-back tokens ``endpoint`` is sent, in order."""
+        return tuple(token for ep, token in self.restores if ep == endpoint)
 
 
 def recoverable(kind: Optional[str]) -> bool:
@@ -114,19 +120,25 @@ def after_failure(sync_mode: bool, known: Mapping[str, int], step: int,
     """How step ``step`` goes on after a recoverable failure, given every pserver's ``answers``.
 
     ``known`` holds the incarnations the trainer saw before the failure. After
-    a RESTORE the caller asks the pservers again and decides anew with the
-    incarnations it restored for as ``known``.
+    a RESTORE that reached every pserver the caller asks the pservers again and
+    decides anew with the incarnations it restored for as ``known``; after one
+    interrupted (a pserver lost meanwhile), with the same ``known`` as before,
+    so the restarts it was for are decided again, with any seen meanwhile.
     """
     gone = restarted(known, answers)
     lost = tuple(ep for ep in gone if answers[ep].checkpoint_step < 0)
     if lost:
         return Decision(FAIL, step, endpoints=lost, message=LOST_MESSAGE, restarted=gone)
     if gone and sync_mode:
-        # Every pserver goes back to the restarted ones' (earliest) checkpoint.
+        # Every pserver goes back to the restarted ones' (earliest) checkpoint. Each restart has a token of its
+        # own, sent to every other pserver, restarted ones too: one standing at the checkpoint unchanged keeps
+        # what it counted but honours the token, so a trainer that saw only that restart, asking later once the
+        # pserver has gone on with every trainer, rolls nothing back that the others already re-synced past.
         target = min(answers[ep].checkpoint_step for ep in gone)
-        others = tuple(ep for ep in answers if ep not in gone or answers[ep].checkpoint_step != target)
-        if others:
-            return Decision(RESTORE, target, endpoints=others, token=restart_token(answers, gone),
+        restores = tuple((ep, restart_token(r, answers[r].incarnation)) for ep in sorted(answers)
+                         for r in gone if r != ep)
+        if restores:
+            return Decision(RESTORE, target, endpoints=tuple(sorted({ep for ep, _ in restores})), restores=restores,
                             restarted=gone)
     steps = {ep: answers[ep].step for ep in push_endpoints} if sync_mode else {}
     # Where this trainer would push next: its own step, or the lowest pserver's after a roll-back.
@@ -150,13 +162,14 @@ def after_failure(sync_mode: bool, known: Mapping[str, int], step: int,
     return Decision(RETRY, step, restarted=gone)
 
 
-def restart_token(answers: Mapping[str, PserverState], endpoints: Sequence[str]) -> str:
-    """The token of a roll-back to the checkpoint ``endpoints`` restarted from: their incarnations.
+def restart_token(endpoint: str, incarnation: int) -> str:
+    """The token of a roll-back to the checkpoint pserver ``endpoint`` restarted from, as ``incarnation``.
 
-    Every trainer that sees the same restart names it the same way, so each
-    pserver rolls back once for it however many trainers ask.
+    Every trainer that sees the same restart names it the same way, whichever
+    other restarts it saw with it, so each pserver rolls back once for it
+    however many trainers ask.
     """
-    return ",".join(f"{ep}#{answers[ep].incarnation}" for ep in sorted(endpoints))
+    return f"{endpoint}#{incarnation}"
 
 
 def join_token(answers: Mapping[str, PserverState], step: int) -> str:
@@ -200,7 +213,8 @@ def on_join(sync_mode: bool, answers: Mapping[str, PserverState], push_endpoints
         target = min(answers[ep].checkpoint_step for ep in behind)
         token = join_token(answers, target)
         if target >= 0 and token not in restored:
-            return Decision(RESTORE, target, endpoints=tuple(sorted(answers)), token=token,
+            return Decision(RESTORE, target, endpoints=tuple(sorted(answers)),
+                            restores=tuple((ep, token) for ep in sorted(answers)),
                             message=f"{apart}; {', '.join(behind)} started from the checkpoint of step {target}")
         if time_left <= 0:
             why = (f"still apart after rolling them back to the checkpoint at step {target}" if target >= 0 else

@@ -75,7 +75,7 @@ class Recovery:
             if decision.action == RESTORE:
                 log.warning("trainer %d: %s; rolling every pserver back to it", tid, decision.message)
                 if self._restore_or_ask_again(decision, deadline):
-                    restored.add(decision.token)
+                    restored.update(token for _, token in decision.restores)
                 join_at = 0  # after a roll-back every trainer starts at the checkpoint's step
                 continue
             if decision.action != WAIT:
@@ -136,6 +136,15 @@ class Recovery:
                             answers[ep].checkpoint_step)
             if decision.action == FAIL:
                 raise PserverError(", ".join(decision.endpoints), decision.message, REFUSED)
+            if decision.action == RESTORE:
+                join_at = 0  # after a roll-back every trainer redoes the checkpoint's step, this one too
+                if self._restore_or_ask_again(decision, deadline):
+                    self.incarnations = known = {ep: a.incarnation for ep, a in answers.items()}
+                # Interrupted, ``known`` stays: its restarts are no news to the next answers, yet some pserver
+                # has not heard of them; forgotten, another trainer's roll-back for one of them could reach that
+                # pserver after it went on with this trainer, and roll it back behind this trainer's back.
+                # Their answers predate the roll-back: ask again.
+                continue
             self.incarnations = known = {ep: a.incarnation for ep, a in answers.items()}
             if decision.action == SKIP and decision.endpoints and join_at != decision.step:
                 # A pserver a step behind waits for this trainer's push of a step it skips: say
@@ -144,24 +153,22 @@ class Recovery:
                             "rejoins at step %d", tid, ", ".join(decision.endpoints), decision.step)
                 join_at = decision.step
                 continue
-            if decision.action != RESTORE:
-                break
-            join_at = 0  # after a roll-back every trainer redoes the checkpoint's step, this one too
-            self._restore_or_ask_again(decision, deadline)
-            # Their answers predate the roll-back: ask again.
+            break
         _log_decision(tid, decision, step)
         return decision
 
     def _restore_or_ask_again(self, decision: Decision, deadline: float) -> bool:
-        """Roll ``decision.endpoints`` back to the checkpoint at ``decision.step``, in parallel.
+        """Roll ``decision.endpoints`` back to the checkpoint at ``decision.step``, in parallel, each with its tokens.
 
         Returns whether every pserver answered. A pserver lost meanwhile fails
         the roll-back in a way that can heal (False): the caller asks everyone
         again, and its restart is a new decision, until ``deadline``.
         """
+        def restore(ep: str) -> None:
+            for token in decision.tokens_for(ep):
+                self.channels[ep].restore(decision.step, token)
         try:
-            self.channels.run_parallel({ep: functools.partial(self.channels[ep].restore, decision.step, decision.token)
-                                        for ep in decision.endpoints})
+            self.channels.run_parallel({ep: functools.partial(restore, ep) for ep in decision.endpoints})
             return True
         except PserverError as e:
             if not recoverable(e) or time.monotonic() > deadline:
