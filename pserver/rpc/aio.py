@@ -15,9 +15,10 @@ expiry runs in the pool). A parked call whose client goes away (cancel,
 deadline) forgets its handle and closes its generator, which releases what it
 held.
 
-Statuses are still chosen by :mod:`.prologue` only: a method running in the
-pool sees a :class:`PoolContext`, whose ``abort(code, details)`` raises
-:class:`Abort`, answered on the loop with ``await context.abort``.
+Statuses are still chosen by :mod:`.prologue` only: a parking method (on the
+loop or in the pool) sees a :class:`PoolContext`, whose ``abort(code,
+details)`` raises :class:`Abort`, answered on the loop with ``await
+context.abort``.
 """
 from __future__ import annotations
 
@@ -46,7 +47,7 @@ class Abort(grpc.RpcError):
 
 
 class PoolContext:
-    """What a servicer method running in the pool sees of its asyncio call: its peer, and abort."""
+    """What a parking servicer method (on the loop or in the pool) sees of its asyncio call: its peer, and abort."""
 
     def __init__(self, context: grpc.aio.ServicerContext):
         self._context = context
@@ -221,7 +222,7 @@ class Parking:
         return make(unary, **serializers)
 
     async def drive(self, answers):
-        """The answers of a parking generator: its stretches run on the loop or in the pool, each wait's deadline kept here."""
+        """The answers of a parking generator: its stretches run on the loop or in the pool; each wait's deadline here."""
         loop = asyncio.get_running_loop()
         timers = []
 
