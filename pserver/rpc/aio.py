@@ -102,8 +102,9 @@ class _Call:
     def _to_pool(self) -> None:
         try:
             self.pool.submit(self._advance)
-        except RuntimeError:  # the pool is shut down: the server stops, nobody reads the answer
+        except RuntimeError as e:  # the pool is shut down: the server stops; the call ends with the error
             self.answers.close()
+            self._deliver(error=e)
 
     def _advance(self) -> None:
         if self.abandoned:  # the client went away while this stretch was queued

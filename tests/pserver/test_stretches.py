@@ -171,3 +171,14 @@ def test_without_a_loop_or_where_not_allowed_off_loop_changes_nothing():
     for stretches in (Stretches(True), Stretches(False)):
         with stretches.off_loop():
             assert stretches.on_loop() is stretches.allowed
+
+
+@pytest.mark.timeout(30)
+def test_a_call_started_after_the_pool_shut_down_ends_with_the_error_instead_of_hanging():
+    pool = ThreadPoolExecutor(1)
+    pool.shutdown()
+
+    async def main():
+        return [a async for a in Parking(pool, Stretches(False)).drive(x for x in ["never"])]
+    with pytest.raises(RuntimeError, match="shutdown"):
+        asyncio.run(asyncio.wait_for(main(), 10))
