@@ -40,6 +40,7 @@ from .ops.ports import SidePorts, split_host
 from .rpc import PserverServicer
 from .rpc.arrival import ArrivalInterceptor, CallsInProgress
 from .rpc.aio import Parking
+from .rpc.stretches import Stretches, stretch_place
 from .rpc.sessions import Incarnation
 from .store import BlockStore
 from .tables import TableSet
@@ -141,10 +142,15 @@ class ParameterServer:
         self.replica = None
         if program.replicated:
             self.replica = self._replica(program, replication, incarnation)
+        # Where parked calls' CPU stretches run: on the event loop where nothing in them blocks.
+        on_loop, why = stretch_place(program)
+        self.stretches = Stretches(on_loop)
+        log.info("pserver %s: parked calls' stretches run %s (%s)", self.endpoint,
+                 "on the event loop" if on_loop else "in the handler pool", why)
         self.servicer = PserverServicer(self.engine, Contents(store, tables), self.reductions, program.layout_digest,
                                         cfg.chunk_bytes, alive_window=cfg.session_alive_window,
                                         allow_nonfinite=cfg.nonfinite_grads == "apply", replica=self.replica,
-                                        incarnation=incarnation)
+                                        incarnation=incarnation, stretches=self.stretches)
 
     def _replica(self, program: PserverProgram, replication: Replication, incarnation: Incarnation):
         """Hot standby: this process is one of its shard's two; etcd decides whether it leads or follows."""
@@ -257,7 +263,8 @@ class ParameterServer:
                                                         trainers=self.program.trainers),
                                  interceptors=[*self._interceptors,
                                                ArrivalInterceptor(self._arrived, self.program.trainers)])
-        self.servicer.add_to_server(server, Parking(self._pool, self._serving).adapt)
+        self.stretches.bind(asyncio.get_running_loop())
+        self.servicer.add_to_server(server, Parking(self._pool, self.stretches, self._serving).adapt)
         self._health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         reflection.enable_server_reflection(

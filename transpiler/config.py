@@ -50,6 +50,8 @@ class DistributeTranspilerConfig:
       are memory-bound, and extra threads steal cores from trainers.
     - ``pserver_rpc_workers``: gRPC handler threads per pserver; 0 picks ``max(4, cores)``. Not per
       trainer: a waiting call (sync barrier, min_updates, staleness, Reduce) parks, holding no thread.
+    - ``pserver_stretches_on_loop``: a parked call's CPU stretches run on the event loop where nothing in them
+      can block, else in the handler pool (docs/performance.md); False: always in the pool (long step-end updates).
     - ``async_pipeline``: async mode only; ``Trainer.step()`` sends the step's
       gradients in the background and returns at once, and the parameters that
       push brings back are installed at the next ``step()``: the next
@@ -232,6 +234,7 @@ class DistributeTranspilerConfig:
     chunk_bytes: int = 1 << 20
     pserver_torch_threads: int = 1
     pserver_rpc_workers: int = 0
+    pserver_stretches_on_loop: bool = True
     async_pipeline: bool = False
     read_ahead: bool = True
     checkpoint_dir: Optional[str] = None
@@ -306,16 +309,14 @@ class DistributeTranspilerConfig:
         if not isinstance(self.chunk_bytes, int) or not (4096 <= self.chunk_bytes <= (64 << 20)):
             raise ValueError(f"chunk_bytes must be an int in [4096, 64 MiB], got {self.chunk_bytes!r}")
         if not isinstance(self.pserver_torch_threads, int) or self.pserver_torch_threads < 1:
-            raise ValueError(
-                f"pserver_torch_threads must be an int >= 1, got {self.pserver_torch_threads!r}")
-        for name in ("async_pipeline", "read_ahead", "shared_memory", "retain_freed_memory"):
+            raise ValueError(f"pserver_torch_threads must be an int >= 1, got {self.pserver_torch_threads!r}")
+        for name in ("async_pipeline", "read_ahead", "shared_memory", "retain_freed_memory", "pserver_stretches_on_loop"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.heartbeat_timeout <= self.heartbeat_interval:
             raise ValueError(f"heartbeat_timeout ({self.heartbeat_timeout}) must exceed "
                              f"heartbeat_interval ({self.heartbeat_interval})")
-        if self.checkpoint_dir is not None and (not isinstance(self.checkpoint_dir, str)
-                                                or not self.checkpoint_dir):
+        if self.checkpoint_dir is not None and (not isinstance(self.checkpoint_dir, str) or not self.checkpoint_dir):
             raise ValueError(f"checkpoint_dir must be None or a non-empty path, got {self.checkpoint_dir!r}")
         if not isinstance(self.checkpoint_every, int) or self.checkpoint_every < 0:
             raise ValueError(f"checkpoint_every must be an int >= 0, got {self.checkpoint_every!r}")
@@ -341,8 +342,7 @@ class DistributeTranspilerConfig:
         if self.grad_wire_dtype not in GRAD_WIRE_DTYPES:
             raise ValueError(f"grad_wire_dtype must be one of {GRAD_WIRE_DTYPES}, got {self.grad_wire_dtype!r}")
         if not isinstance(self.pserver_rpc_workers, int) or self.pserver_rpc_workers < 0:
-            raise ValueError(
-                f"pserver_rpc_workers must be an int >= 0, got {self.pserver_rpc_workers!r}")
+            raise ValueError(f"pserver_rpc_workers must be an int >= 0, got {self.pserver_rpc_workers!r}")
         for name in ("metrics_port", "health_port"):
             port = getattr(self, name)
             if port is not None and (isinstance(port, bool) or not isinstance(port, int) or not 0 <= port < 65536):

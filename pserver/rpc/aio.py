@@ -1,34 +1,38 @@
-"""The servicer on gRPC's asyncio server: parked calls hold no thread, CPU work runs in a bounded pool.
+"""The servicer on gRPC's asyncio server: parked calls hold no thread, CPU work runs on the loop or in a bounded pool.
 
 The server runs on one event-loop thread. A servicer method that never waits
 for other trainers stays synchronous: gRPC runs it in the server's pool (its
 ``migration_thread_pool``), as the threaded server did. A method written to
 park (:mod:`.parking`) gets an asyncio handler from :meth:`Parking.adapt`: its
-request stream is collected on the loop, then its generator runs in the same
-pool up to its next wait, and the pool thread goes back to the pool. The
-thread that ends the wait (the one whose push applied the step, under the
-engine's lock) queues the rest of the call (reading and encoding the answer)
-to the pool at once; the loop awaits only the answers, and keeps each wait's
-deadline (its expiry runs in the pool). A parked call whose client goes away
-(cancel, deadline) forgets its handle and closes its generator, which
-releases what it held.
+request stream is collected on the loop, then its generator runs up to its
+next wait (a stretch), and the thread goes back to what it did. A stretch runs
+on the loop itself where nothing in a stretch can block (:mod:`.stretches`:
+no thread hop), in the same pool otherwise. The thread that ends the wait (the
+one whose push applied the step, under the engine's lock) queues the rest of
+the call (reading and encoding the answer) at once, to the pool or to the
+loop; the loop awaits only the answers, and keeps each wait's deadline (its
+expiry runs in the pool). A parked call whose client goes away (cancel,
+deadline) forgets its handle and closes its generator, which releases what it
+held.
 
-Statuses are still chosen by :mod:`.prologue` only: a method running in the
-pool sees a :class:`PoolContext`, whose ``abort(code, details)`` raises
-:class:`Abort`, answered on the loop with ``await context.abort``.
+Statuses are still chosen by :mod:`.prologue` only: a parking method (on the
+loop or in the pool) sees a :class:`PoolContext`, whose ``abort(code,
+details)`` raises :class:`Abort`, answered on the loop with ``await
+context.abort``.
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import time
-from concurrent.futures import Executor, Future, InvalidStateError
+from concurrent.futures import Executor
 from typing import Callable, Dict, Optional
 
 import grpc
 
 from ..engine.waits import Parked
 from .arrival import CallsInProgress
+from .stretches import Stretches
 
 _END, _ANSWER = range(2)
 
@@ -45,7 +49,7 @@ class Abort(grpc.RpcError):
 
 
 class PoolContext:
-    """What a servicer method running in the pool sees of its asyncio call: its peer, and abort."""
+    """What a parking servicer method (on the loop or in the pool) sees of its asyncio call: its peer, and abort."""
 
     def __init__(self, context: grpc.aio.ServicerContext):
         self._context = context
@@ -64,26 +68,45 @@ class PoolContext:
 
 
 class _Call:
-    """One parking call's generator, advanced in the pool; the loop awaits only its answers.
+    """One parking call's generator, advanced in stretches; the loop awaits only its answers.
 
-    When a wait ends, the thread that ended it (the one that applied the
-    step) queues the generator's next stretch to the pool at once: the
-    answer is read and encoded without a detour through the event loop. The
-    loop hears of a park only to arm its deadline (:meth:`Parking.drive`).
+    A stretch runs on the loop when :class:`~.stretches.Stretches` allows it
+    at its start, in the pool otherwise. When a wait ends, the thread that
+    ended it (the one that applied the step, under the engine's lock) queues
+    the next stretch at once, never runs it: to the pool (the answer is read
+    and encoded without a detour through the loop), or, where stretches run
+    on the loop, to the loop (``call_soon`` from the loop's own thread, which
+    may be inside another call's stretch: no stretch ever runs inside
+    another). The loop hears of a park to arm its deadline (:meth:`Parking.drive`).
     """
 
     def __init__(self, pool: Executor, answers, loop: asyncio.AbstractEventLoop,
-                 on_park: Callable[[Parked], None]):
+                 on_park: Callable[[Parked], None], stretches: Stretches):
         self.pool, self.answers, self.loop, self.on_park = pool, answers, loop, on_park
-        self.next: Future = Future()
+        self.stretches = stretches
+        self.next: Optional[asyncio.Future] = None
         self.parked: Optional[Parked] = None
         self.abandoned = False
 
-    def start(self) -> Future:
-        """Run the generator to its next answer (or its end) in the pool; the future of that outcome."""
-        self.next = Future()
-        self.pool.submit(self._advance)
+    def start(self) -> asyncio.Future:
+        """On the loop: run the generator to its next answer (or its end); the future of that outcome."""
+        self.next = self.loop.create_future()
+        self._stretch()
         return self.next
+
+    def _stretch(self) -> None:
+        # On the loop: the next stretch, here if it may run on the loop now, else in the pool.
+        if self.stretches.on_loop():
+            self._advance()
+        else:
+            self._to_pool()
+
+    def _to_pool(self) -> None:
+        try:
+            self.pool.submit(self._advance)
+        except RuntimeError as e:  # the pool is shut down: the server stops; the call ends with the error
+            self.answers.close()
+            self._deliver(error=e)
 
     def _advance(self) -> None:
         if self.abandoned:  # the client went away while this stretch was queued
@@ -96,7 +119,7 @@ class _Call:
                     return
                 if not item.done:
                     self.parked = item
-                    self.loop.call_soon_threadsafe(self.on_park, item)
+                    self._on_loop(self.on_park, item)
                     item.on_done(self._resume)  # under the engine's lock: at once if it ended meanwhile
                     if self.abandoned:  # gone while this ran: abandon() saw no wait to forget
                         item.cancel()
@@ -106,24 +129,38 @@ class _Call:
             return
         self._deliver((_END, None))
 
-    def _deliver(self, outcome=None, error: Optional[BaseException] = None) -> None:
-        if self.next.cancelled():  # the loop stopped waiting (the client went away)
-            self.answers.close()
+    def _on_loop(self, fn, *args) -> None:
+        """``fn(*args)`` on the loop: here if this is the loop's thread, else queued to it."""
+        if self.stretches.in_loop_thread():
+            fn(*args)
             return
         try:
-            if error is not None:
-                self.next.set_exception(error)
-            else:
-                self.next.set_result(outcome)
-        except InvalidStateError:  # cancelled just now
+            self.loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # the loop is closed: the server stopped, nobody reads the answer
             self.answers.close()
+
+    def _deliver(self, outcome=None, error: Optional[BaseException] = None) -> None:
+        self._on_loop(self._settle, outcome, error)
+
+    def _settle(self, outcome, error: Optional[BaseException]) -> None:
+        if self.next.done():  # the loop stopped waiting (the client went away)
+            self.answers.close()
+        elif error is not None:
+            self.next.set_exception(error)
+        else:
+            self.next.set_result(outcome)
 
     def _resume(self, _handle: Parked) -> None:
         # Called by the thread that ended the wait, under the engine's lock: queue, never run, here.
-        try:
-            self.pool.submit(self._advance)
-        except RuntimeError:  # the pool is shut down: the server stops, nobody reads the answer
-            self.answers.close()
+        if not self.stretches.allowed:
+            self._to_pool()
+        elif self.stretches.in_loop_thread():
+            self.loop.call_soon(self._stretch)
+        else:
+            try:
+                self.loop.call_soon_threadsafe(self._stretch)
+            except RuntimeError:  # the loop is closed: the server stopped, nobody reads the answer
+                self.answers.close()
 
     def abandon(self) -> None:
         """The client went away: forget the parked wait (in the pool: that takes the engine's lock)."""
@@ -139,11 +176,15 @@ class _Call:
 class Parking:
     """Builds the asyncio handlers of the parking servicer methods; CPU work goes to ``pool``.
 
-    ``calls`` (if given) counts each call in progress, from its start to its answer's end.
+    ``stretches`` (default: never on the loop) says where each stretch of a
+    parked call runs (:mod:`.stretches`); ``calls`` (if given) counts each
+    call in progress, from its start to its answer's end.
     """
 
-    def __init__(self, pool: Executor, calls: Optional[CallsInProgress] = None):
+    def __init__(self, pool: Executor, stretches: Optional[Stretches] = None,
+                 calls: Optional[CallsInProgress] = None):
         self.pool = pool
+        self.stretches = stretches if stretches is not None else Stretches(allowed=False)
         self.calls = calls
 
     def _serving(self, context):
@@ -192,7 +233,7 @@ class Parking:
         return make(unary, **serializers)
 
     async def drive(self, answers):
-        """The answers of a parking generator: its stretches run in the pool, each wait's deadline kept here."""
+        """The answers of a parking generator: its stretches run on the loop or in the pool; each wait's deadline here."""
         loop = asyncio.get_running_loop()
         timers = []
 
@@ -200,10 +241,10 @@ class Parking:
             timers.append(loop.call_at(loop.time() + max(0.0, handle.deadline - time.monotonic()),
                                        self._expire, handle))
 
-        call = _Call(self.pool, answers, loop, on_park)
+        call = _Call(self.pool, answers, loop, on_park, self.stretches)
         try:
             while True:
-                kind, item = await asyncio.wrap_future(call.start())
+                kind, item = await call.start()
                 if kind == _END:
                     return
                 yield item

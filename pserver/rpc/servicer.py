@@ -46,6 +46,7 @@ from .parking import park, parks
 from .prologue import parse, refusals, trainer_call
 from .replica_link import ReplicaServicer
 from .sessions import Incarnation, Sessions
+from .stretches import Stretches
 
 log = logging.getLogger(__name__)
 
@@ -61,12 +62,12 @@ class PserverServicer:
 
     ``replica``: the process's place in its replicated shard (None without
     replicas); ``incarnation`` (default: a new one) what trainers tell this
-    pserver's state by.
+    pserver's state by; ``stretches`` where parked calls' stretches run (:mod:`.stretches`).
     """
 
     def __init__(self, engine: Engine, contents: Contents, reductions: Reductions, layout_digest: str,
                  chunk_bytes: int, alive_window: float, allow_nonfinite: bool = False, replica=None,
-                 incarnation: Optional[Incarnation] = None):
+                 incarnation: Optional[Incarnation] = None, stretches: Optional[Stretches] = None):
         self.engine = engine
         self.contents = contents
         self.reductions = reductions
@@ -81,6 +82,7 @@ class PserverServicer:
         self.counters = Counters()
         self.buffers = BufferPool(contents.block_layout())
         self.regions = SharedRegions(engine.trainers)
+        self.stretches = stretches if stretches is not None else Stretches(allowed=False)
 
     @property
     def incarnation(self) -> int:
@@ -320,7 +322,8 @@ class PserverServicer:
             # The file system calls refuse it with a plain ValueError, which would read as a bug
             # here; checked first, in the same words.
             raise BadRequest("embedded null byte")
-        updates, paths = self.engine.save_tables(request.directory)
+        with self.stretches.off_loop():  # its writes hold the engine's lock: no stretch may wait on the loop
+            updates, paths = self.engine.save_tables(request.directory)
         log.info("%s: saved %d table shards after %d updates to %s", self.endpoint, len(paths), updates,
                  request.directory)
         return ps_pb2.SaveTablesReply(updates=updates, paths=paths)

@@ -35,9 +35,11 @@ def pserver_threads() -> int:
 
 
 @pytest.mark.timeout(120)
-def test_more_trainers_than_handler_threads_complete_every_step():
+@pytest.mark.parametrize("on_loop", [True, False], ids=["stretches-on-loop", "stretches-in-pool"])
+def test_more_trainers_than_handler_threads_complete_every_step(on_loop):
+    """Each step applies once and releases every parked push, its stretches on the event loop or in the pool."""
     data = batches(TRAINERS, 4, STEPS, dtype=torch.float64)
-    config = DistributeTranspilerConfig(pserver_rpc_workers=WORKERS)
+    config = DistributeTranspilerConfig(pserver_rpc_workers=WORKERS, pserver_stretches_on_loop=on_loop)
     before = pserver_threads()
     seen = []
 
@@ -50,6 +52,7 @@ def test_more_trainers_than_handler_threads_complete_every_step():
         return tr.state_dict()
 
     with LocalCluster(program, 2, TRAINERS, config=config) as cluster:
+        assert all(s.stretches.allowed is on_loop for s in cluster.servers)
         states = cluster.run_trainers(body, timeout=100)
         assert all(s.engine.updates == STEPS for s in cluster.servers)
         assert all(s.engine.waits.parked == 0 for s in cluster.servers)  # every parked push was released
@@ -69,9 +72,10 @@ def full_grads(server, value=0.5):
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("method", ["PushPull", "PushPullOne"])
-def test_a_parked_push_whose_client_gives_up_leaves_no_handle(method):
+@pytest.mark.parametrize("on_loop", [True, False], ids=["stretches-on-loop", "stretches-in-pool"])
+def test_a_parked_push_whose_client_gives_up_leaves_no_handle(method, on_loop):
     """Trainer 1 never pushes: trainer 0's parked push ends at its client's deadline, and the pserver forgets it."""
-    config = DistributeTranspilerConfig(pserver_rpc_workers=1)
+    config = DistributeTranspilerConfig(pserver_rpc_workers=1, pserver_stretches_on_loop=on_loop)
     with LocalCluster(lambda: Program(odd_mlp(), "sgd", lr=0.1), 1, 2, config=config) as cluster:
         server = cluster.servers[0]
         digest = server.program.layout_digest
