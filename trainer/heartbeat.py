@@ -3,8 +3,8 @@
 Pservers drop a trainer silent for ``heartbeat_timeout``. Every call a pserver
 notes as a sign of life on arrival (a push-pull by any path, a pull, a
 prefetch, Hello, Reduce, Restore, Checkpoint, SaveTables, a heartbeat), and
-it holds a parked call (a sync push in its barrier, a Reduce in its round)
-without counting the wait as silence. Its :class:`~trainer.transport.PserverChannel`
+it holds a call it parked or is still serving (a sync push in its barrier, a
+Reduce in its round, an answer still being made) without counting the wait as silence. Its :class:`~trainer.transport.PserverChannel`
 keeps the same account (:class:`~trainer.transport.contact.Contact`: contact
 while a call is in flight, and until its answer), so the thread heartbeats
 only the pservers this trainer has been silent towards for a
@@ -21,7 +21,8 @@ contact, so no second one follows it while it waits. A pserver too busy to
 take calls up for a while thus finds one heartbeat per trainer waiting, not
 one per trainer per interval, and a slow pserver delays no other's.
 
-Bounds: one thread per trainer (per node), at most :data:`CHECKS_PER_INTERVAL`
+Bounds: one thread per trainer (per node; or per process, for all the trainers
+it runs), at most :data:`CHECKS_PER_INTERVAL`
 wake-ups an interval, at most one heartbeat per pserver in flight and one
 started per pserver an interval. A pserver hears from the trainer at most
 ``interval * (1 + 1 / CHECKS_PER_INTERVAL)`` after its last contact, plus the
@@ -31,8 +32,8 @@ from __future__ import annotations
 
 import logging
 import threading
-from concurrent import futures
 import time
+from concurrent import futures
 from typing import Dict, List, Mapping, Sequence, Tuple, TypeVar, Union
 
 from .errors import DOWN, FencedError, PserverError

@@ -96,8 +96,8 @@ class DistributeTranspilerConfig:
     - ``heartbeat_interval``: seconds; a trainer heartbeats only the pservers it
       has been silent towards for an interval (no push, pull, lookup or other
       call that reached them: a data stall, a long evaluation, a wait in a sync
-      barrier), one heartbeat per pserver per interval at most; in steady
-      training it sends none, its calls are its signs of life. A trainer id
+      barrier), one heartbeat per pserver per interval at most, none while one
+      is in flight (deadline ``heartbeat_timeout``); in steady training none: its calls are its signs of life. A trainer id
       heard from within three intervals (:attr:`session_alive_window`) is
       alive: a second process saying Hello for it is refused; a process
       restarted after the old one went quiet that long takes the id over.

@@ -12,6 +12,7 @@ import pytest
 from trainer.errors import DOWN, REFUSED, RESYNC, PserverError
 from trainer.recovery import ROLLBACK, Recovery
 from trainer.recovery.decide import JOIN, SKIP
+from tests.helpers.scripted_channels import run_parallel
 
 A, B = "127.0.0.1:6170", "127.0.0.1:6171"
 
@@ -55,15 +56,7 @@ class ScriptedChannels:
         self.restores.append((ep, step, token))
 
     def run_parallel(self, jobs):
-        results, error = {}, None
-        for ep, job in jobs.items():
-            try:
-                results[ep] = job()
-            except PserverError as e:
-                error = error or e
-        if error is not None:
-            raise error
-        return results
+        return run_parallel(jobs)
 
 
 def recovery(comm):

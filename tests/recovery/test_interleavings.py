@@ -24,6 +24,7 @@ from trainer.errors import DOWN, RESYNC, PserverError
 from trainer.recovery import ROLLBACK, Recovery
 from trainer.recovery.decide import JOIN
 from transpiler import DistributeTranspiler, DistributeTranspilerConfig, Program
+from tests.helpers.scripted_channels import run_parallel
 
 A, B = "127.0.0.1:1", "127.0.0.1:2"   # pserver 0 holds the weight, pserver 1 the bias
 
@@ -95,15 +96,7 @@ class Channels:
         return SimpleNamespace(restore=lambda step, token: self._engine(ep).restore(self.trainer_id, step, token))
 
     def run_parallel(self, jobs):
-        results, error = {}, None
-        for ep, job in jobs.items():
-            try:
-                results[ep] = job()
-            except PserverError as e:
-                error = error or e
-        if error is not None:
-            raise error
-        return results
+        return run_parallel(jobs)
 
     def push(self, step: int, fail_at: str = "") -> None:
         """Push this trainer's gradients of ``step`` to both pservers (``fail_at``: that one's call was lost)."""
