@@ -26,9 +26,8 @@ import logging
 import time
 from typing import Callable, Dict, Iterator, Optional
 
-import numpy as np
-
 import grpc
+import numpy as np
 import torch
 
 from psproto import ps_pb2
@@ -324,8 +323,7 @@ class PserverServicer:
             raise BadRequest("embedded null byte")
         with self.stretches.off_loop():  # its writes hold the engine's lock: no stretch may wait on the loop
             updates, paths = self.engine.save_tables(request.directory)
-        log.info("%s: saved %d table shards after %d updates to %s", self.endpoint, len(paths), updates,
-                 request.directory)
+        log.info("%s: saved %d table shards after %d updates to %s", self.endpoint, len(paths), updates, request.directory)
         return ps_pb2.SaveTablesReply(updates=updates, paths=paths)
 
     @trainer_call(ps_pb2.HeartbeatRequest, digest=False)
@@ -416,9 +414,7 @@ class PserverServicer:
         return handlers
 
     def add_to_server(self, server, adapt: Callable[[Dict[str, grpc.RpcMethodHandler]], Dict] = dict) -> None:
-        """Register :meth:`handlers` on ``server``, through ``adapt`` (the asyncio server: :meth:`.aio.Parking.adapt`).
-
-        As registered methods: gRPC queues each method's arrived calls apart and the asyncio server
-        takes them up in parallel, so a heartbeat waits behind heartbeats, not behind a thousand pushes.
-        """
+        """Register :meth:`handlers` on ``server`` through ``adapt`` (asyncio: :meth:`.aio.Parking.adapt`)."""
+        # Registered, not generic: gRPC queues each method's arrived calls apart and the asyncio server
+        # takes them up in parallel, so a heartbeat waits behind heartbeats, not behind a thousand pushes.
         server.add_registered_method_handlers(SERVICE, adapt(self.handlers()))
