@@ -50,8 +50,8 @@ class DistributeTranspilerConfig:
       are memory-bound, and extra threads steal cores from trainers.
     - ``pserver_rpc_workers``: gRPC handler threads per pserver; 0 picks ``max(4, cores)``. Not per
       trainer: a waiting call (sync barrier, min_updates, staleness, Reduce) parks, holding no thread.
-    - ``pserver_stretches_on_loop``: a parked call's CPU stretches run on the event loop where nothing in them
-      can block, else in the handler pool (docs/performance.md); False: always in the pool (long step-end updates).
+    - ``pserver_stretches_on_loop``: in sync training a parked call's CPU stretches run on the event loop where
+      nothing in them can block, else in the handler pool (docs/performance.md); False: always in the pool.
     - ``async_pipeline``: async mode only; ``Trainer.step()`` sends the step's
       gradients in the background and returns at once, and the parameters that
       push brings back are installed at the next ``step()``: the next

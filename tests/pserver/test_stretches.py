@@ -25,10 +25,10 @@ from transpiler import DistributeTranspiler, DistributeTranspilerConfig, TableLi
 EP = "127.0.0.1:1"
 
 
-def program(tables_ram_rows=0, **config):
+def program(tables_ram_rows=0, sync_mode=True, **config):
     """A pserver program of a two-table model, with ``config`` and every table's ``ram_rows``."""
     t = DistributeTranspiler(DistributeTranspilerConfig(**config))
-    t.transpile(0, program=table_program("sgd", lr=0.1), pservers=EP, trainers=2)
+    t.transpile(0, program=table_program("sgd", lr=0.1), pservers=EP, trainers=2, sync_mode=sync_mode)
     ps = t.get_pserver_program(EP)
     tables = [dataclasses.replace(s, lifecycle=TableLifecycle(ram_rows=tables_ram_rows)) for s in ps.tables]
     return dataclasses.replace(ps, tables=tables)
@@ -50,6 +50,8 @@ CASES = [
     (dict(tables_ram_rows=100, table_disk_dir="/disk"), False, "disk tier"),
     (REPLICAS, False, "server_replicas=2"),
     (dict(max_staleness=2, heartbeat_interval=5.0), True, "nothing in them blocks"),
+    (dict(sync_mode=False), False, "asynchronous training"),
+    (dict(sync_mode=False, pserver_stretches_on_loop=False), False, "pserver_stretches_on_loop=False"),
 ]
 
 
