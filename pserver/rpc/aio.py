@@ -133,9 +133,16 @@ class _Call:
         """``fn(*args)`` on the loop: here if this is the loop's thread, else queued to it."""
         if self.stretches.in_loop_thread():
             fn(*args)
-            return
+        else:
+            self._queue(fn, *args)
+
+    def _queue(self, fn, *args) -> None:
+        """Queue ``fn(*args)`` to the loop from any thread, the loop's own too; never run it here."""
         try:
-            self.loop.call_soon_threadsafe(fn, *args)
+            if self.stretches.in_loop_thread():
+                self.loop.call_soon(fn, *args)
+            else:
+                self.loop.call_soon_threadsafe(fn, *args)
         except RuntimeError:  # the loop is closed: the server stopped, nobody reads the answer
             self.answers.close()
 
@@ -152,15 +159,10 @@ class _Call:
 
     def _resume(self, _handle: Parked) -> None:
         # Called by the thread that ended the wait, under the engine's lock: queue, never run, here.
-        if not self.stretches.allowed:
-            self._to_pool()
-        elif self.stretches.in_loop_thread():
-            self.loop.call_soon(self._stretch)
+        if self.stretches.allowed:
+            self._queue(self._stretch)
         else:
-            try:
-                self.loop.call_soon_threadsafe(self._stretch)
-            except RuntimeError:  # the loop is closed: the server stopped, nobody reads the answer
-                self.answers.close()
+            self._to_pool()
 
     def abandon(self) -> None:
         """The client went away: forget the parked wait (in the pool: that takes the engine's lock)."""
