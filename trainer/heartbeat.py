@@ -4,8 +4,8 @@ Pservers drop a trainer silent for ``heartbeat_timeout``. Every call a pserver
 notes as a sign of life on arrival (a push-pull by any path, a pull, a
 prefetch, Hello, Reduce, Restore, Checkpoint, SaveTables, a heartbeat), and
 it holds a call it parked or is still serving (a sync push in its barrier, a
-Reduce in its round, an answer still being made) without counting the wait as silence. Its :class:`~trainer.transport.PserverChannel`
-keeps the same account (:class:`~trainer.transport.contact.Contact`: contact
+Reduce in its round, an answer still being made) without counting the wait as
+silence. Its :class:`~trainer.transport.PserverChannel` keeps the same account (:class:`~trainer.transport.contact.Contact`: contact
 while a call is in flight, and until its answer), so the thread heartbeats
 only the pservers this trainer has been silent towards for a
 ``heartbeat_interval``: none in steady training, however long a step's
@@ -14,29 +14,36 @@ runs; and, on a node, those only the other local ranks reach (this thread, on
 local rank 0, counts local rank 0's calls only: heartbeats that are not
 strictly needed, never one missing).
 
-The heartbeats to different pservers go out at once and are read later
-(gRPC futures, no thread of their own), each with the pserver's own
-patience (``heartbeat_timeout``) as its deadline: one that is in flight is
-contact, so no second one follows it while it waits. A pserver too busy to
-take calls up for a while thus finds one heartbeat per trainer waiting, not
-one per trainer per interval, and a slow pserver delays no other's.
+The heartbeats to different pservers go out at once, each a blocking call on
+one of its trainer's own call threads (:meth:`Channels.submit`: they idle
+exactly while a heartbeat is due, and start none of their own; a gRPC future
+would start a thread to poll its idle channel, each heartbeat, which hundreds
+of trainers in one process could not afford), and this thread reads them
+later. Each has the pserver's own patience (``heartbeat_timeout``) as its
+deadline: one that is in flight is contact, so no second one follows it
+while it waits. A pserver too busy to take calls up for a while thus finds
+one heartbeat per trainer waiting, not one per trainer per interval, and a
+slow pserver delays no other's. A heartbeat to a replicated shard follows
+its new primary, as every call does.
 
 Bounds: one thread per trainer (per node; or per process, for all the trainers
 it runs), at most :data:`CHECKS_PER_INTERVAL`
-wake-ups an interval, at most one heartbeat per pserver in flight and one
+wake-ups an interval, at most one heartbeat per pserver in flight (so at most
+half of a trainer's call threads, which are two per pserver) and one
 started per pserver an interval. A pserver hears from the trainer at most
 ``interval * (1 + 1 / CHECKS_PER_INTERVAL)`` after its last contact, plus the
 time the pserver takes to take the heartbeat up.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
 from concurrent import futures
 from typing import Dict, List, Mapping, Sequence, Tuple, TypeVar, Union
 
-from .errors import DOWN, FencedError, PserverError
+from .errors import FencedError
 from .transport import Channels, PserverChannel
 
 log = logging.getLogger(__name__)
@@ -67,8 +74,7 @@ class Heartbeat:
     ``heartbeat_timeout``: past it, the pserver has dropped the trainer
     anyway); one that failed is not sent again before an interval. Failures
     are logged at debug level only: the training calls report unreachable
-    pservers. A failed heartbeat to a replicated shard is sent again at once
-    in place, following its new primary (:meth:`PserverChannel.heartbeat`).
+    pservers.
 
     ``channels``: a trainer's, or several trainers' of one process (the
     emulated fan-in's, which :meth:`add` each once it said Hello): one thread
@@ -106,7 +112,7 @@ class Heartbeat:
         return self._trainers[key[0]][key[1]]
 
     def _last_contact(self) -> Dict[Key, float]:
-        """Per (trainer, pserver): its last contact (now, while a call is in flight), or this thread's last try if later."""
+        """Per (trainer, pserver): its last contact (now, while a call is in flight), or this thread's later try."""
         now = time.monotonic()
         return {key: max(self._channel(key).contact.last(now), self._tried.get(key, float("-inf")))
                 for key in self._keys}  # a snapshot: add() and _retire() replace the list, never change it
@@ -126,8 +132,9 @@ class Heartbeat:
                     continue
                 self._tried[key] = time.monotonic()
                 try:
-                    self._in_flight[key] = self._channel(key).start_heartbeat(timeout=self._deadline)
-                except ValueError:  # the channel was closed under us by close()
+                    self._in_flight[key] = self._trainers[key[0]].submit(
+                        functools.partial(self._channel(key).heartbeat, timeout=self._deadline))
+                except RuntimeError:  # its Channels were shut down under us by close()
                     self._retire(key[0])
             if self._stopped.wait(next_check(self._last_contact(), time.monotonic(), self._interval)):
                 return
@@ -138,17 +145,11 @@ class Heartbeat:
             if not sent.done():
                 continue
             del self._in_flight[key]
-            channel, trainer_id, error = self._channel(key), self._trainers[key[0]].trainer_id, sent.exception()
-            if error is not None and channel.primary.replicated and getattr(error, "kind", None) == DOWN:
-                try:  # its shard's primary may have moved: follow it, as every other call does
-                    channel.heartbeat(timeout=self._interval)
-                    error = None
-                except PserverError as e:
-                    error = e
-                except ValueError:
-                    self._retire(key[0])
-                    continue
-            if isinstance(error, FencedError):
+            trainer_id = self._trainers[key[0]].trainer_id
+            error = None if sent.cancelled() else sent.exception()
+            if sent.cancelled() or isinstance(error, ValueError):  # its Channels were closed under it
+                self._retire(key[0])
+            elif isinstance(error, FencedError):
                 # Another process runs as this trainer now; the next training call raises it too.
                 log.warning("trainer %d: heartbeats stop: %s", trainer_id, error)
                 self._retire(key[0])

@@ -1,6 +1,8 @@
 """The heartbeat thread's decisions: which pservers get a heartbeat now, and when it looks again (tables);
-and the thread itself against real gRPC servers: one heartbeat in flight per pserver, none delayed by another.
+and the thread itself against real gRPC servers: one heartbeat in flight per pserver, none delayed by another,
+and no thread started per heartbeat.
 """
+import dataclasses
 import math
 import threading
 import time
@@ -119,6 +121,43 @@ def test_a_pserver_that_takes_no_call_up_gets_one_heartbeat_and_delays_no_other_
         channels.shutdown()
         stalled.stop()
         healthy.stop()
+
+
+def test_heartbeats_of_many_idle_trainers_start_no_thread_per_heartbeat(monkeypatch):
+    """The emulated fan-in's case: one thread heartbeats many idle trainers' channels, each its own connection.
+
+    A gRPC future on an idle channel starts a thread to poll it, so each heartbeat did: hundreds of such
+    starts an interval in a crowded process left the heartbeats late and the pservers dropped trainers.
+    """
+    from tests.helpers.models import odd_program
+    from trainer.heartbeat import Heartbeat
+    from trainer.transport import Channels
+    from transpiler import DistributeTranspiler, DistributeTranspilerConfig
+
+    pserver = FakePserver()
+    interval, trainers = 0.1, 8
+    t = DistributeTranspiler(DistributeTranspilerConfig(heartbeat_interval=interval, heartbeat_timeout=30.0))
+    t.transpile(0, program=odd_program(), pservers=pserver.endpoint, trainers=trainers)
+    channels = [Channels(dataclasses.replace(t.get_trainer_program(), trainer_id=k)) for k in range(trainers)]
+    started_by_heartbeat = []
+    thread_start = threading.Thread.start
+
+    def counted_start(thread):
+        if "heartbeat" in threading.current_thread().name:
+            started_by_heartbeat.append(thread.name)
+        return thread_start(thread)
+    monkeypatch.setattr(threading.Thread, "start", counted_start)
+    beat = Heartbeat(channels, [pserver.endpoint], interval, 30.0).start()
+    try:
+        wait_until(lambda: pserver.count() >= 10 * trainers, 20.0, "ten intervals of heartbeats")
+    finally:
+        beat.stop()
+        for c in channels:
+            c.shutdown()
+        pserver.stop()
+    # Each trainer's call threads (two per pserver) start once; the heartbeats reuse them.
+    assert len(started_by_heartbeat) <= 2 * trainers, started_by_heartbeat
+    assert all(name.startswith("trainer-comm") for name in started_by_heartbeat), started_by_heartbeat
 
 
 def wait_until(condition, timeout: float, what: str) -> None:

@@ -356,16 +356,6 @@ class PserverChannel:
         return self._unary("Heartbeat", functools.partial(ps_pb2.HeartbeatRequest, trainer_id=tid),
                            f"heartbeat of trainer {tid}", timeout)
 
-    def start_heartbeat(self, timeout: float) -> futures.Future:
-        """Send ``Heartbeat`` and return at once: the future of its reply (see :func:`.unary_future.start_unary`).
-
-        In flight (contact) until it ends. One attempt at the process calls go
-        to now: :meth:`heartbeat` is the one that follows a new primary.
-        """
-        tid = self._identity.trainer_id
-        return start_unary(self._connection.unary["Heartbeat"], ps_pb2.HeartbeatRequest(
-            trainer_id=tid, session=self._session), self.endpoint, f"heartbeat of trainer {tid}", timeout, self.contact)
-
     def save_tables(self, directory: str) -> ps_pb2.SaveTablesReply:
         """Ask the pserver to write its table shards under ``directory`` (its file system)."""
         request = functools.partial(ps_pb2.SaveTablesRequest, trainer_id=self._identity.trainer_id,
