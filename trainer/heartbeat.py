@@ -5,8 +5,9 @@ notes as a sign of life on arrival (a push-pull by any path, a pull, a
 prefetch, Hello, Reduce, Restore, Checkpoint, SaveTables, a heartbeat), and
 it holds a call it parked or is still serving (a sync push in its barrier, a
 Reduce in its round, an answer still being made) without counting the wait as
-silence. Its :class:`~trainer.transport.PserverChannel` keeps the same account (:class:`~trainer.transport.contact.Contact`: contact
-while a call is in flight, and until its answer), so the thread heartbeats
+silence. Its :class:`~trainer.transport.PserverChannel` keeps the same
+account (:class:`~trainer.transport.contact.Contact`: contact while a call is
+in flight, and until its answer), so the thread heartbeats
 only the pservers this trainer has been silent towards for a
 ``heartbeat_interval``: none in steady training, however long a step's
 barrier takes; those it waits on while a data loader stalls or an evaluation
@@ -94,6 +95,7 @@ class Heartbeat:
         self._deadline = deadline
         self._tried: Dict[Key, float] = {}  # when the thread last tried each (trainer, pserver) (monotonic s)
         self._in_flight: Dict[Key, futures.Future] = {}  # the heartbeat sent to each, until read
+        self._late: List[float] = []  # how late each heartbeat went out, if by more than an interval (s)
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True, name="trainer-{}-heartbeat".format(
             self._trainers[0].trainer_id if len(self._trainers) == 1 else "s"))
@@ -125,19 +127,37 @@ class Heartbeat:
     def _run(self) -> None:
         while self._keys or not self._trainers:
             self._read_answers()
-            for key in heartbeats_due(self._last_contact(), time.monotonic(), self._interval):
+            keys = set(self._keys)
+            contacts = self._last_contact()
+            for key in heartbeats_due(contacts, time.monotonic(), self._interval):
                 if self._stopped.is_set():
                     return
-                if key in self._in_flight or key not in self._keys:  # in flight: its contact covers it until answered
+                if key in self._in_flight or key not in keys:  # in flight: its contact covers it until answered
                     continue
                 self._tried[key] = time.monotonic()
                 try:
                     self._in_flight[key] = self._trainers[key[0]].submit(
-                        functools.partial(self._channel(key).heartbeat, timeout=self._deadline))
+                        functools.partial(self._beat, self._channel(key), contacts[key] + self._interval))
                 except RuntimeError:  # its Channels were shut down under us by close()
                     self._retire(key[0])
+            self._report_late()
             if self._stopped.wait(next_check(self._last_contact(), time.monotonic(), self._interval)):
                 return
+
+    def _beat(self, channel: PserverChannel, due: float):
+        """One heartbeat, on a call thread of its trainer; notes how late it went out if by more than an interval."""
+        late = time.monotonic() - due
+        if late > self._interval:
+            self._late.append(late)
+        return channel.heartbeat(timeout=self._deadline)
+
+    def _report_late(self) -> None:
+        """Warn once a round of the heartbeats that went out more than an interval late since the last."""
+        late, self._late = self._late, []
+        if late:
+            log.warning("%d heartbeat(s) went out more than heartbeat_interval (%.1f s) late, the latest by %.1f s: "
+                        "this process is short of CPU; pservers drop a trainer silent for heartbeat_timeout "
+                        "(%.1f s)", len(late), self._interval, max(late), self._deadline)
 
     def _read_answers(self) -> None:
         """Read the heartbeats that ended; retire the trainers whose heartbeats must stop."""

@@ -160,6 +160,37 @@ def test_heartbeats_of_many_idle_trainers_start_no_thread_per_heartbeat(monkeypa
     assert all(name.startswith("trainer-comm") for name in started_by_heartbeat), started_by_heartbeat
 
 
+def test_a_heartbeat_that_waited_for_a_call_thread_is_reported(caplog):
+    """Late heartbeats are what drop live trainers: the process says so, before any pserver does."""
+    from tests.helpers.models import odd_program
+    from trainer.heartbeat import Heartbeat
+    from trainer.transport import Channels
+    from transpiler import DistributeTranspiler, DistributeTranspilerConfig
+
+    pserver = FakePserver()
+    interval = 0.1
+    t = DistributeTranspiler(DistributeTranspilerConfig(heartbeat_interval=interval, heartbeat_timeout=30.0))
+    t.transpile(0, program=odd_program(), pservers=pserver.endpoint, trainers=1)
+    channels = Channels(t.get_trainer_program())
+    busy = threading.Event()
+    held = [channels.submit(lambda: busy.wait(30)) for _ in range(2)]  # both of its call threads
+    beat = Heartbeat(channels, [pserver.endpoint], interval, 30.0).start()
+    try:
+        time.sleep(5 * interval)  # the heartbeat due after an interval waits for a call thread for four more
+        assert pserver.count() == 0
+        busy.set()
+        wait_until(lambda: pserver.count() >= 1, 10.0, "the heartbeat, once a call thread is free")
+        wait_until(lambda: any("late" in r.getMessage() for r in caplog.records), 10.0, "the warning")
+    finally:
+        busy.set()
+        beat.stop()
+        channels.shutdown()
+        pserver.stop()
+    assert all(f.result(0) for f in held)
+    warning = next(r for r in caplog.records if "late" in r.getMessage())
+    assert warning.levelname == "WARNING" and "1 heartbeat(s) went out more than heartbeat_interval" in warning.getMessage()
+
+
 def wait_until(condition, timeout: float, what: str) -> None:
     deadline = time.monotonic() + timeout
     while not condition():
