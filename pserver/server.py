@@ -109,9 +109,9 @@ class ParameterServer:
         self.reductions = Reductions(self.endpoint, cfg.barrier_timeout, expected=lambda: self.engine.live(),
                                      admit=lambda trainer_id: self.engine.check_live(trainer_id),
                                      released=lambda trainer_id: self.engine.touch(trainer_id))
-        # A trainer whose push, pull or prefetch is still being served (its answer made and sent after
-        # its step applied) is alive to the engine too, and heard from when the answer is done.
-        self._serving = CallsInProgress(self._arrived, program.trainers)
+        # A trainer with a call still being served (a push's answer made and sent after its step applied,
+        # a heartbeat waiting for a pool thread) is alive to the engine too, and heard from when it ends.
+        self._serving = CallsInProgress(self._arrived, program.trainers, holds=self._holds)
         args = (store, tables, program.trainers, program.endpoint, cfg.barrier_timeout, checkpointer)
         parts = dict(listeners=listeners, on_wait=self._observe_barrier_wait,
                      on_roster_change=self.reductions.roster_changed,
@@ -298,9 +298,13 @@ class ParameterServer:
             self._pool.shutdown(wait=False, cancel_futures=True)
             self._pool = None
 
+    def _holds(self, trainer_id: int, incarnation: int) -> bool:
+        """Whether ``trainer_id``'s process ``incarnation`` holds the id's session (not a newcomer, nor a fenced one)."""
+        return self.servicer.sessions.incarnation(trainer_id) == incarnation
+
     def _arrived(self, trainer_id: int, incarnation: int) -> None:
         """A call of ``trainer_id``'s process ``incarnation`` arrived: a sign of life if it holds the id's session."""
-        if self.servicer.sessions.incarnation(trainer_id) == incarnation:
+        if self._holds(trainer_id, incarnation):
             self.engine.touch(trainer_id)
 
     def _watch_heartbeats(self) -> None:

@@ -1,8 +1,12 @@
 """The servicer on gRPC's asyncio server: parked calls hold no thread, CPU work runs on the loop or in a bounded pool.
 
 The server runs on one event-loop thread. A servicer method that never waits
-for other trainers stays synchronous: gRPC runs it in the server's pool (its
-``migration_thread_pool``), as the threaded server did. A method written to
+for other trainers stays synchronous and runs in the server's pool, as on the
+threaded server; a unary one (a heartbeat, Hello, Restore, ...) is sent there
+from an asyncio handler of :meth:`Parking.adapt` rather than by gRPC, so that
+its call counts as in progress while it waits for a pool thread (behind a
+thousand async pushes, that can be longer than ``heartbeat_timeout``: the
+trainer is not silent). A method written to
 park (:mod:`.parking`) gets an asyncio handler from :meth:`Parking.adapt`: its
 request stream is collected on the loop, then its generator runs up to its
 next wait (a stretch), and the thread goes back to what it did. A stretch runs
@@ -49,7 +53,7 @@ class Abort(grpc.RpcError):
 
 
 class PoolContext:
-    """What a parking servicer method (on the loop or in the pool) sees of its asyncio call: its peer, and abort."""
+    """What a servicer method adapted here (on the loop or in the pool) sees of its asyncio call: peer, abort."""
 
     def __init__(self, context: grpc.aio.ServicerContext):
         self._context = context
@@ -180,7 +184,8 @@ class Parking:
 
     ``stretches`` (default: never on the loop) says where each stretch of a
     parked call runs (:mod:`.stretches`); ``calls`` (if given) counts each
-    call in progress, from its start to its answer's end.
+    call in progress, from its start to its answer's end: a parking call's,
+    and a synchronous unary method's, which then runs in ``pool`` from here.
     """
 
     def __init__(self, pool: Executor, stretches: Optional[Stretches] = None,
@@ -200,8 +205,12 @@ class Parking:
         behaviour = (handler.unary_unary or handler.unary_stream or handler.stream_unary
                      or handler.stream_stream)
         parking = getattr(behaviour, "parking", None)
+        serializers = dict(request_deserializer=handler.request_deserializer,
+                           response_serializer=handler.response_serializer)
         if parking is None:
-            return handler
+            if handler.unary_unary is None or self.calls is None:
+                return handler
+            return grpc.unary_unary_rpc_method_handler(self._counted(handler.unary_unary), **serializers)
         servicer, collect = behaviour.__self__, handler.request_streaming
 
         async def answers(request, context):
@@ -209,8 +218,6 @@ class Parking:
                 request = iter([m async for m in request])
             return parking(servicer, request, PoolContext(context))
 
-        serializers = dict(request_deserializer=handler.request_deserializer,
-                           response_serializer=handler.response_serializer)
         if behaviour.streams:
             async def streamed(request, context):
                 with self._serving(context):
@@ -234,8 +241,23 @@ class Parking:
         make = grpc.stream_unary_rpc_method_handler if collect else grpc.unary_unary_rpc_method_handler
         return make(unary, **serializers)
 
+    def _counted(self, behaviour: Callable):
+        """``behaviour`` (synchronous, unary) run in the pool, its call in progress from its start here to its end.
+
+        A call cancelled while it waits for a pool thread never runs, and
+        stops counting with the cancellation.
+        """
+        async def counted(request, context):
+            with self._serving(context):
+                try:
+                    return await asyncio.get_running_loop().run_in_executor(self.pool, behaviour, request,
+                                                                            PoolContext(context))
+                except Abort as e:
+                    await context.abort(e.code, e.details)
+        return counted
+
     async def drive(self, answers):
-        """The answers of a parking generator: its stretches run on the loop or in the pool; each wait's deadline here."""
+        """A parking generator's answers: its stretches run on the loop or in the pool; its waits' deadlines here."""
         loop = asyncio.get_running_loop()
         timers = []
 

@@ -21,6 +21,9 @@ A call's end is heard too, and in between the trainer is not silent
 answer made and sent, and a thousand trainers' answers of one step take a
 busy pserver longer than ``heartbeat_timeout``; its trainer cannot push the
 next step, nor has a reason to heartbeat, before that answer reaches it.
+Likewise a heartbeat (or any unary call) waiting for a pool thread behind a
+thousand async pushes: the trainer sends no second one while the first is
+in flight.
 """
 from __future__ import annotations
 
@@ -65,13 +68,18 @@ class CallsInProgress:
     """Trainers with a call this pserver is serving (taken up, not yet answered): not silent (see the module doc).
 
     ``note(trainer id, incarnation)``: what a call's end is handed to, as its
-    arrival is (the pserver's ``_arrived``). Bounded by the calls in progress:
-    one count per trainer with any.
+    arrival is (the pserver's ``_arrived``). ``holds(trainer id,
+    incarnation)``: whether that process holds the id's session when the call
+    starts; only its calls count (a second process's Hello must not pass for
+    the holder's life, as on arrival). Bounded by the calls in progress: one
+    count per trainer with any.
     """
 
-    def __init__(self, note: Callable[[int, int], object], trainers: int):
+    def __init__(self, note: Callable[[int, int], object], trainers: int,
+                 holds: Callable[[int, int], bool] = lambda trainer_id, incarnation: True):
         self._note = note
         self._trainers = trainers
+        self._holds = holds
         self._lock = threading.Lock()
         self._count: Dict[int, int] = {}
 
@@ -79,7 +87,7 @@ class CallsInProgress:
     def serving(self, metadata) -> Iterator[None]:
         """Around serving one call whose invocation ``metadata`` may name its trainer (else nothing is counted)."""
         caller = caller_of(metadata, self._trainers)
-        if caller is None:
+        if caller is None or not self._holds(*caller):
             yield
             return
         with self._lock:

@@ -416,5 +416,5 @@ class PserverServicer:
     def add_to_server(self, server, adapt: Callable[[Dict[str, grpc.RpcMethodHandler]], Dict] = dict) -> None:
         """Register :meth:`handlers` on ``server`` through ``adapt`` (asyncio: :meth:`.aio.Parking.adapt`)."""
         # Registered, not generic: gRPC queues each method's arrived calls apart and the asyncio server
-        # takes them up in parallel, so a heartbeat waits behind heartbeats, not behind a thousand pushes.
+        # takes them up in parallel, so a heartbeat is taken up behind heartbeats, not a thousand pushes.
         server.add_registered_method_handlers(SERVICE, adapt(self.handlers()))

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from psproto.wire import TRAINER_METADATA
-from pserver.rpc.arrival import caller_of
+from pserver.rpc.arrival import CallsInProgress, caller_of
 from tests.helpers.cluster import LocalCluster
 from tests.helpers.models import odd_mlp
 from tests.helpers.polling import poll
@@ -30,6 +30,19 @@ from transpiler import DistributeTranspilerConfig, Program
 ])
 def test_caller_of(metadata, trainers, expected):
     assert caller_of(metadata, trainers) == expected
+
+
+def test_only_the_session_holder_s_calls_in_progress_hold_its_id():
+    """A second process's Hello, in progress, must not keep the id's silent holder from being taken over."""
+    noted = []
+    calls = CallsInProgress(lambda *caller: noted.append(caller), 4, holds=lambda trainer, incarnation: incarnation == 7)
+    with calls.serving(((TRAINER_METADATA, "1:8"),)):      # a newcomer with id 1
+        assert calls.trainers() == set()
+    with calls.serving(((TRAINER_METADATA, "1:7"),)):      # the holder of id 1
+        with calls.serving(((TRAINER_METADATA, "1:7"),)):  # two of its calls at once
+            assert calls.trainers() == {1}
+        assert calls.trainers() == {1}
+    assert calls.trainers() == set() and noted == [(1, 7), (1, 7)]
 
 
 def program() -> Program:
@@ -58,6 +71,34 @@ def test_a_call_queued_behind_a_busy_pool_is_noted_on_arrival():
                 gate.set()
             call.join(30)
             assert done["reply"].incarnation == server.servicer.incarnation
+
+
+@pytest.mark.timeout(60)
+def test_a_heartbeat_waiting_for_a_pool_thread_holds_its_trainer():
+    """Behind a thousand async pushes a heartbeat waits in the pool longer than heartbeat_timeout; the trainer,
+    which sends no second one while it is in flight, is not silent (K = 1,024 async dropped whole load generators)."""
+    config = DistributeTranspilerConfig(pserver_rpc_workers=1)
+    with LocalCluster(program, 1, 2, config=config) as cluster:
+        server, endpoint = cluster.servers[0], cluster.endpoints[0]
+        with cluster.trainer(1) as tr:
+            gate, busy = threading.Event(), threading.Event()
+            server._pool.submit(lambda: (busy.set(), gate.wait(30)))  # the pool's one thread, held
+            assert busy.wait(10)
+            try:
+                done = {}
+                call = threading.Thread(target=lambda: done.setdefault(
+                    "reply", tr.channels[endpoint].heartbeat(timeout=30)))
+                call.start()
+                poll(lambda: 1 in server.engine.held(), "trainer 1 held while its heartbeat waits", timeout=20)
+                server.engine.roster.last_seen[1] -= 60  # its heartbeat arrived a minute ago: still not silent
+                assert server.engine.roster.silent(30.0, server.engine.held(), time.monotonic()) == []
+                assert "reply" not in done
+            finally:
+                gate.set()
+            call.join(30)
+            assert done["reply"].incarnation == server.servicer.incarnation
+            poll(lambda: 1 not in server.engine.held(), "trainer 1 no longer held once answered", timeout=20)
+            assert time.monotonic() - server.engine.presence(1)[0] < 10  # the heartbeat's end was heard
 
 
 @pytest.mark.timeout(60)
