@@ -90,6 +90,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.util
 import json
 import logging
 import os
@@ -271,6 +272,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.d_warmup = pick(args.d_warmup, 2, jobs.D_WARMUP)
     if args.rounds < 1 or min(args.s_steps, args.d_steps, args.s_eval) < 1 or min(args.s_warmup, args.d_warmup) < 0:
         p.error("--rounds, --*-steps and --s-eval must be >= 1, --*-warmup >= 0")
+    if args.png and not args.scaling and importlib.util.find_spec("matplotlib") is None:
+        # Said before the rounds run, not after minutes of them.
+        p.error("the chart (--png) needs matplotlib: pip install -e '.[bench]', or pass --no-png")
     if args.json is None:
         args.json = os.path.join(RESULTS, "scaling.json" if args.scaling else "peers.json")
     return args
