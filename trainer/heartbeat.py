@@ -86,7 +86,7 @@ class Heartbeat:
     def __init__(self, channels: Union[Channels, Sequence[Channels]], endpoints: Sequence[str], interval: float,
                  deadline: float):
         self._endpoints = list(endpoints)
-        self._lock = threading.Lock()  # guards the trainers and keys: add() comes from other threads
+        self._lock = threading.Lock()  # guards the trainers, keys and lateness: other threads add to them
         self._trainers: List[Channels] = []
         self._keys: List[Key] = []
         for c in [channels] if isinstance(channels, Channels) else channels:
@@ -148,12 +148,14 @@ class Heartbeat:
         """One heartbeat, on a call thread of its trainer; notes how late it went out if by more than an interval."""
         late = time.monotonic() - due
         if late > self._interval:
-            self._late.append(late)
+            with self._lock:
+                self._late.append(late)
         return channel.heartbeat(timeout=self._deadline)
 
     def _report_late(self) -> None:
         """Warn once a round of the heartbeats that went out more than an interval late since the last."""
-        late, self._late = self._late, []
+        with self._lock:
+            late, self._late = self._late, []
         if late:
             log.warning("%d heartbeat(s) went out more than heartbeat_interval (%.1f s) late, the latest by %.1f s: "
                         "this process is short of CPU; pservers drop a trainer silent for heartbeat_timeout "
