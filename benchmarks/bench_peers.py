@@ -258,6 +258,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.selected = lambda job, system: not wanted or system in wanted or f"{job}:{system}" in wanted
     if not any(args.selected(j, s) for j in args.jobs for s in SYSTEMS[j]) and not args.scaling:
         p.error("--jobs and --systems select nothing")
+    if args.png and not args.scaling and importlib.util.find_spec("matplotlib") is None:
+        # Said before the rounds run, not after minutes of them.
+        p.error("the chart (--png) needs matplotlib: pip install -e '.[bench]', or pass --no-png")
     jobs = peer_module(args.peers, "jobs")
     quick = args.quick
 
@@ -272,9 +275,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.d_warmup = pick(args.d_warmup, 2, jobs.D_WARMUP)
     if args.rounds < 1 or min(args.s_steps, args.d_steps, args.s_eval) < 1 or min(args.s_warmup, args.d_warmup) < 0:
         p.error("--rounds, --*-steps and --s-eval must be >= 1, --*-warmup >= 0")
-    if args.png and not args.scaling and importlib.util.find_spec("matplotlib") is None:
-        # Said before the rounds run, not after minutes of them.
-        p.error("the chart (--png) needs matplotlib: pip install -e '.[bench]', or pass --no-png")
     if args.json is None:
         args.json = os.path.join(RESULTS, "scaling.json" if args.scaling else "peers.json")
     return args
