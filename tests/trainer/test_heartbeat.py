@@ -155,8 +155,9 @@ def test_heartbeats_of_many_idle_trainers_start_no_thread_per_heartbeat(monkeypa
         for c in channels:
             c.shutdown()
         pserver.stop()
-    # Each trainer's call threads (two per pserver) started with its Channels; the heartbeats reuse them.
-    assert started_by_heartbeat == []
+    # Each trainer's call threads (two per pserver) start once; the heartbeats reuse them.
+    assert len(started_by_heartbeat) <= 2 * trainers, started_by_heartbeat
+    assert all(name.startswith("trainer-comm") for name in started_by_heartbeat), started_by_heartbeat
 
 
 def test_a_heartbeat_that_waited_for_a_call_thread_is_reported(caplog):

@@ -141,21 +141,3 @@ def test_the_healed_push_sends_the_first_attempt_then_the_whole_push_until_it_go
     assert Stepper.push(stepper, push, end_streams if streamed else None) is None
     rounds = len(channels.sent) // 2  # each push goes to a and b, a failed one too
     assert done + ["push"] * rounds == attempts
-
-
-def test_a_trainer_s_call_threads_all_start_with_its_channels():
-    """No later submit starts a thread (ThreadPoolExecutor starts them under a lock global to the process)."""
-    import threading
-
-    from trainer.transport.channels import started_pool
-
-    before = {t.ident for t in threading.enumerate()}
-    pool = started_pool(6, "started-pool-test")
-    try:
-        mine = [t for t in threading.enumerate() if t.ident not in before and t.name.startswith("started-pool-test")]
-        assert len(mine) == 6
-        assert [pool.submit(lambda k=k: k * k).result(10) for k in range(12)] == [k * k for k in range(12)]
-        after = [t for t in threading.enumerate() if t.ident not in before and t.name.startswith("started-pool-test")]
-        assert sorted(t.ident for t in after) == sorted(t.ident for t in mine)
-    finally:
-        pool.shutdown(wait=True)

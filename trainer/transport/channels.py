@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import functools
 import secrets
-import threading
 import time
 from concurrent import futures
 from typing import Callable, Dict, List, Optional, Union
@@ -24,26 +23,6 @@ from ..errors import PserverError
 from .channel import PserverChannel, TrainerIdentity
 from .narrowing import GradientNarrower
 from .shared_regions import RegionPool
-
-
-def started_pool(threads: int, name: str) -> futures.ThreadPoolExecutor:
-    """A pool whose ``threads`` threads all start now, so that no later submit starts one.
-
-    ``ThreadPoolExecutor.submit`` starts a thread under a lock global to the
-    process: in one that runs many trainers (the emulated fan-in), a
-    heartbeat's submit waited on other trainers' thread starts.
-    """
-    pool = futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix=name)
-    together = threading.Barrier(threads)
-
-    def meet() -> None:  # each submit finds every earlier thread busy here, so it starts the next
-        try:
-            together.wait(timeout=60)
-        except threading.BrokenBarrierError:
-            pass
-    for _ in range(threads):
-        pool.submit(meet)
-    return pool
 
 
 def results_of(calls: Dict[str, futures.Future]) -> Dict[str, object]:
@@ -79,7 +58,7 @@ class Channels:
         groups = program.replica_groups
         self._by_endpoint = {ep: PserverChannel(ep, groups[ep], identity, cfg, open_channel, self._regions,
                                                 self.narrower) for ep in self.endpoints}
-        self._pool = started_pool(2 * len(self.endpoints), "trainer-comm")
+        self._pool = futures.ThreadPoolExecutor(max_workers=2 * len(self.endpoints), thread_name_prefix="trainer-comm")
 
     def __getitem__(self, endpoint: str) -> PserverChannel:
         return self._by_endpoint[endpoint]
