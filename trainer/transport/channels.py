@@ -3,7 +3,7 @@
 Transfers to different pservers run in parallel on a small thread pool (gRPC
 releases the GIL while bytes move): two calls per pserver may run at once,
 a step sent in the background (async pipeline) and the next step's prefetch;
-or a heartbeat, while the trainer is silent. Its threads all start with it.
+or a heartbeat, while the trainer is silent.
 """
 from __future__ import annotations
 
