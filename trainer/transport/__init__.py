@@ -9,7 +9,7 @@
 - ``narrowing.py``: gradients cast to the wire dtype; ``shared_regions.py``: a trainer's
   shared-memory regions; ``status_codes.py``: the one mapping of status codes to
   :mod:`trainer.errors`' kinds; ``contact.py``: when a pserver last heard from this trainer;
-  ``unary_future.py``: a unary call read later (heartbeats, Stats).
+  ``unary_future.py``: a unary call read later (Stats).
 """
 from .channel import DecodeInto, DtypeAndShape, PserverChannel
 from .channels import Channels, results_of

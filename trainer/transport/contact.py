@@ -37,25 +37,25 @@ class Contact:
         """
         started = time.monotonic()
         if from_start:
-            self.begin()
+            self._begin()
         answered = False
         try:
             yield
             answered = True
         finally:
             if from_start:
-                self.end(answered)
+                self._end(answered)
             elif answered:
                 self.noted(started)
 
-    def begin(self) -> None:
-        """A call starts now: in flight, so contact, until its :meth:`end` (a call not awaited in place)."""
+    def _begin(self) -> None:
+        """A call starts now: in flight, so contact, until its :meth:`_end`."""
         with self._lock:
             self._in_flight += 1
             self._last = max(self._last, time.monotonic())
 
-    def end(self, answered: bool) -> None:
-        """The call :meth:`begin` counted ended; if ``answered``, the pserver heard it up to now."""
+    def _end(self, answered: bool) -> None:
+        """The call :meth:`_begin` counted ended; if ``answered``, the pserver heard it up to now."""
         with self._lock:
             self._in_flight -= 1
             if answered:
