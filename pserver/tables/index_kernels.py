@@ -1,7 +1,8 @@
 """The id index's probe and insert compiled with numba, and the other per-id loops of a push.
 
 Besides the index: :func:`homes` (home slots), :func:`first_foreign` (the shard check),
-:func:`row_uniforms` (the integer half of an initial row, :mod:`pserver.tables.fresh`) and
+:func:`row_uniforms` (the integer half of an initial row, :mod:`pserver.tables.fresh`),
+:func:`copy_known` (kept initial rows found by id, :class:`pserver.tables.fresh.FreshRows`) and
 :func:`accumulate` (a sync step's sums, :mod:`pserver.tables.step_sums`), each exactly the
 numpy formula it replaces (tests/tables/test_initial_rows.py, test_step_sums.py).
 
@@ -148,6 +149,33 @@ if AVAILABLE:
                 u1[i, j] = (np.float64(_mix(base ^ cols[j]) >> np.uint64(11)) + 1.0) * _UNIT
                 if both:
                     u2[i, j] = (np.float64(_mix(other ^ cols[j]) >> np.uint64(11)) + 1.0) * _UNIT
+
+    @numba.njit(["int64(int64[:], float32[:, :], int64[:], int64[:], int64, float32[:, :])",
+                 "int64(int64[:], float64[:, :], int64[:], int64[:], int64, float64[:, :])"],
+                cache=True, nogil=True)
+    def copy_known(known, rows, ids, left, n, out):  # pragma: no cover - compiled
+        """One kept lookup's rows into ``out`` (:meth:`pserver.tables.fresh.FreshRows.take`); the ids still left.
+
+        ``left[:n]`` are indices into ``ids`` in ascending order of their ids, ``known`` is
+        sorted: one merge walk (a binary search per id mispredicts its branches on random
+        ids, 4x slower). Where ``ids[i] == known[k]``, ``out[i] = rows[k]``; the other
+        indices stay in ``left``, compacted to its first entries in the same order, and
+        their count is returned. Copies only: the rows are those kept.
+        """
+        m = 0
+        k = 0
+        for t in range(n):
+            i = left[t]
+            key = ids[i]
+            while k < known.size and known[k] < key:
+                k += 1
+            if k < known.size and known[k] == key:
+                for j in range(out.shape[1]):
+                    out[i, j] = rows[k, j]
+            else:
+                left[m] = i
+                m += 1
+        return m
 
     @numba.njit("int64(int64[:], uint64, uint64)", cache=True, nogil=True)
     def first_foreign(ids, n_shards, shard):  # pragma: no cover - compiled

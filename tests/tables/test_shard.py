@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from pserver.tables.fresh import FreshRows
+from pserver.tables.fresh import FreshRows, fill_compiled, fill_numpy
 from pserver.tables import id_index
 from pserver.tables.id_index import build_index, home_slots, place, probe
 from pserver.tables.rows import Growable
@@ -177,6 +177,32 @@ def test_fresh_rows_fills_what_the_latest_lookups_kept():
     np.testing.assert_array_equal(out[1], 0)
     fresh.remember(np.array([12]), initial_rows(spec, np.array([12])))  # keep=2: [9, 4, 9] goes
     np.testing.assert_array_equal(fresh.take(np.array([4, 12]), out[:2]), [0])
+
+
+@pytest.mark.skipif(id_index.load_kernels() is None, reason="numba is not installed")
+@pytest.mark.parametrize("order,dtype", [("ascending", np.float32), ("shuffled", np.float32),
+                                         ("descending", np.float64), ("repeats", np.float32)])
+def test_fresh_rows_compiled_fill_equals_the_numpy_rounds(order, dtype):
+    rng = np.random.default_rng(3)
+    fresh = FreshRows(keep=4)
+    kept_ids = []
+    for _ in range(5):  # keep=4: the first is gone
+        ids = rng.integers(-(1 << 62), 1 << 62, size=300)
+        ids[:20] = ids[20:40]  # a lookup may carry repeats
+        fresh.remember(ids, rng.random((ids.size, 4)).astype(dtype))
+        kept_ids.append(ids)
+    # Ids from each kept lookup (the dropped one too), the same id in two lookups, and ids never kept.
+    want = np.unique(np.concatenate([k[::7] for k in kept_ids] + [rng.integers(0, 1 << 40, size=50)]))
+    want = {"ascending": want, "shuffled": rng.permutation(want), "descending": want[::-1],
+            "repeats": np.sort(np.concatenate([want, want[::5]]))}[order]
+    with fresh._lock:
+        kept = list(fresh._kept)
+    got, expected = np.full((want.size, 4), -1, dtype), np.full((want.size, 4), -1, dtype)
+    left = fill_compiled(id_index.load_kernels(), kept, want, got)
+    np.testing.assert_array_equal(left, fill_numpy(kept, want, expected))
+    np.testing.assert_array_equal(got, expected)
+    assert 50 <= left.size < want.size  # some found, the never-kept ones left
+    np.testing.assert_array_equal(got[left], -1)
 
 
 @pytest.mark.parametrize("init", ["normal", "uniform"])
