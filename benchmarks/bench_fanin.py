@@ -8,7 +8,11 @@ connection) to every pserver, its own Hello, session, heartbeat thread and Close
 steps pushes job S-sized gradients (a batch's unique ids of 26 Zipf slots, dim-16 rows, the MLP's
 dense blocks) to every pserver with the next batch's ids, as job S does
 (:mod:`benchmarks.jobs.fanin_workers`). No forward or backward runs: gradients are a function of
-(trainer, step) (:mod:`benchmarks.jobs.fanin_job`).
+(trainer, step) (:mod:`benchmarks.jobs.fanin_job`). In async runs ``--in_flight N`` lets at most N of a
+load generator's trainers be inside a step at once (default: all of them). Real async trainers spread
+their steps out with their own forward and backward; the emulated ones, with none, all push at once,
+and on a small host a load generator of hundreds of trainers then starves itself
+(:func:`benchmarks.jobs.fanin_workers.stepping`). Sync runs always have every trainer push at once.
 
 Every run must complete within ``--timeout`` s, every pserver must count exactly K x steps pushes, and
 none may report a dropped trainer (``StatsReply.trainers_dropped``): otherwise the benchmark fails.
@@ -139,7 +143,7 @@ def run_one(args, k: int, sync_mode: bool, work: str) -> dict:
     endpoints = [f"127.0.0.1:{p}" for p in free_ports(args.pservers)]
     spec = Spec(trainers=k, pservers=endpoints, sync_mode=sync_mode, steps=args.steps, batch=args.batch,
                 seed=args.seed, heartbeat_interval=args.heartbeat_interval, rpc_workers=args.rpc_workers,
-                heartbeat_timeout=args.heartbeat_timeout,
+                heartbeat_timeout=args.heartbeat_timeout, in_flight=0 if sync_mode else args.in_flight,
                 timeout=args.timeout, run_dir=run_dir)
     spec_file = os.path.join(run_dir, "spec.json")
     with open(spec_file, "w") as f:
@@ -212,6 +216,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="the pservers' (default 0: the library's default, 30 s)")
     p.add_argument("--rpc_workers", type=int, default=0,
                    help="the pservers' pserver_rpc_workers (default 0: the library's default)")
+    p.add_argument("--in_flight", type=int, default=0,
+                   help="async runs: at most this many of a load generator's trainers inside a step at once "
+                        "(default 0: all of them; sync runs: always all)")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds one run may take in all (default %(default)s)")
     p.add_argument("--json", default=os.path.join(RESULTS, "bench_fanin.json"), help="(default %(default)s)")
     p.add_argument("--work", default=None, help="folder for the runs' logs and files (default: a new temporary one)")
@@ -225,6 +232,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--modes takes sync and/or async, got {args.modes}")
     if not 1 <= args.pservers <= 4 or args.load < 1 or args.steps < 1 or args.batch < 1 or min(args.trainers) < 1:
         p.error("--pservers must be 1-4; --load, --steps, --batch and every K at least 1")
+    if args.in_flight < 0:
+        p.error(f"--in_flight must be >= 0 (0: no bound), got {args.in_flight}")
     return args
 
 

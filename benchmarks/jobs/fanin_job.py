@@ -56,7 +56,8 @@ class Spec:
     pservers' ``pserver_rpc_workers`` (0: the library's default, left out of the config);
     ``timeout``: seconds every wait of a run may take at most; ``run_dir``: where the processes
     of a run meet (files ``hello``, ``go``, ``finish``, ``hello-G``, ``stepped-G``, ``result-G.pt``);
-    ``check_ids``: how many ids' rows the sync check reads.
+    ``check_ids``: how many ids' rows the sync check reads; ``in_flight`` (async only; 0: no bound):
+    how many of a load generator's trainers are inside a step at once (:func:`benchmarks.jobs.fanin_workers.run_load`).
     """
 
     trainers: int
@@ -71,6 +72,7 @@ class Spec:
     timeout: float = 600.0
     run_dir: str = ""
     check_ids: int = 256
+    in_flight: int = 0
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))

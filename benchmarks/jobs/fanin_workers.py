@@ -29,6 +29,7 @@ for every process of the host), and the models read. Every wait has the spec's d
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -159,6 +160,21 @@ class EmulatedTrainer:
             raise RuntimeError(f"trainer {self.trainer_id}: Close was not answered by {left}")
 
 
+def stepping(spec: Spec):
+    """What a load generator's trainer holds while inside a step: a bound of ``spec.in_flight`` (async) or nothing.
+
+    Async trainers do not wait for each other, so a bound only spreads their steps out in time, as
+    their own forward and backward would on hosts of their own. Without it, at K = 1,024 on this
+    2-core machine every trainer of a load generator is inside a step at once, its ~1,000 threads
+    take turns at one interpreter lock, and its heartbeats left up to 40 s late while the pservers'
+    event loops lagged at most 3.8 s: the emulator starved itself, not the pservers (RESULTS.md,
+    issue 34's sixth part). A sync step needs every trainer's push at once: no bound there.
+    """
+    if spec.in_flight and not spec.sync_mode:
+        return threading.BoundedSemaphore(spec.in_flight)
+    return contextlib.nullcontext()
+
+
 def run_load(spec: Spec, index: int, of: int) -> None:
     """Run trainers ``index, index + of, ...`` of ``spec`` (see the module doc); write ``result-<index>.pt``."""
     from trainer.heartbeat import Heartbeat
@@ -182,11 +198,14 @@ def run_load(spec: Spec, index: int, of: int) -> None:
         touch(os.path.join(spec.run_dir, f"hello-{index}"))
         wait_for_file(os.path.join(spec.run_dir, "go"), deadline, f"load generator {index}")
 
+        in_step = stepping(spec)
+
         def train(t: EmulatedTrainer) -> None:
             if t is checker:  # sync: no step applies before this trainer's first push, so this is the initial model
                 models["initial"] = checker.read_model(0)
             for step in range(spec.steps):
-                t.step(step)
+                with in_step:
+                    t.step(step)
         remaining = max(1.0, deadline - time.monotonic())
         for f in futures.as_completed([pool.submit(train, t) for t in trainers], timeout=remaining):
             f.result()

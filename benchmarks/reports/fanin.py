@@ -48,7 +48,8 @@ def summarise(*, mode: str, k: int, spec, loads: int, pushes: np.ndarray, at_sta
     counted = {kind: sum(getattr(after[ep], kind) - getattr(before[ep], kind) for ep in spec.pservers)
                for kind in ("pushes", "prefetches", "heartbeats")}
     row = {
-        "mode": mode, "trainers": k, "pservers": p, "load_processes": loads, "steps": spec.steps,
+        "mode": mode, "trainers": k, "pservers": p, "load_processes": loads, "in_flight": spec.in_flight,
+        "steps": spec.steps,
         "batch": spec.batch, "push_window_s": round(wall, 3),
         "steps_per_s": round(spec.steps / wall, 3), "trainer_steps_per_s": round(k * spec.steps / wall, 1),
         "cpu_ms_per_push": round(1e3 * float(np.sum(cpu)) / counted["pushes"], 2),

@@ -17,7 +17,7 @@ import torch
 from benchmarks import bench_fanin
 from benchmarks.common.paths import REPO, pythonpath_with_repo
 from benchmarks.common.processes import RunFailed, run_command
-from benchmarks.jobs import fanin_job
+from benchmarks.jobs import fanin_job, fanin_workers
 from benchmarks.jobs.fanin_job import GRID, TOLERANCE, Spec
 
 POSITIVE = ("steps_per_s", "trainer_steps_per_s", "cpu_ms_per_push", "threads_idle", "threads_max", "rss_start_mb",
@@ -32,13 +32,15 @@ def test_fanin_at_64_trainers_completes_with_no_trainer_dropped_and_the_sync_mod
     out = tmp_path / "fanin.json"
     # Its own process, as CI would run it: its gRPC must not be running before it starts processes (bench_fanin.main).
     run_command([sys.executable, "-m", "benchmarks.bench_fanin", "--trainers", "64", "--modes", "sync,async",
-                 "--pservers", "2", "--load", "2", "--steps", "2", "--timeout", "400", "--json", str(out),
+                 "--pservers", "2", "--load", "2", "--steps", "2", "--in_flight", "8", "--timeout", "400",
+                 "--json", str(out),
                  "--work", str(tmp_path)], str(tmp_path / "bench.log"), timeout=540, what="bench_fanin K=64",
                 env={"PYTHONPATH": pythonpath_with_repo()}, cwd=REPO)
     runs = {r["mode"]: r for r in json.loads(out.read_text())["runs"]}
     assert sorted(runs) == ["async", "sync"]
     for mode, r in runs.items():
         assert (r["trainers"], r["pservers"], r["load_processes"], r["steps"], r["dropped"]) == (64, 2, 2, 2, 0)
+        assert r["in_flight"] == (8 if mode == "async" else 0)  # a sync step needs every push at once
         assert {key: r[key] for key in POSITIVE if not r[key] > 0} == {}, mode
         assert all(math.isfinite(r[key]) for key in PRESENT), mode
         assert min(r["heartbeats_per_s"], r["prefetches_per_s"]) >= 0
@@ -49,6 +51,25 @@ def test_fanin_at_64_trainers_completes_with_no_trainer_dropped_and_the_sync_mod
     assert check["rows_checked"] > 100
     assert max(check["dense_max_error"], check["rows_max_error"]) <= TOLERANCE
     assert runs["async"]["model_check"] is None
+
+
+@pytest.mark.parametrize("sync_mode,in_flight,bound", [(False, 3, 3), (False, 0, None), (True, 3, None)])
+def test_a_load_generators_trainers_in_a_step_at_once_are_bounded_in_async_runs_only(sync_mode, in_flight, bound):
+    window = fanin_workers.stepping(Spec(trainers=8, pservers=["127.0.0.1:1"], sync_mode=sync_mode,
+                                         in_flight=in_flight))
+    entered = 0
+    while entered < 10 and (bound is None or window.acquire(blocking=False)):
+        if bound is None:
+            window.__enter__()
+        entered += 1
+    assert entered == (bound if bound is not None else 10)
+
+
+def test_in_flight_is_refused_below_zero(capsys):
+    with pytest.raises(SystemExit):
+        bench_fanin.parse_args(["--in_flight", "-1"])
+    assert "--in_flight must be >= 0" in capsys.readouterr().err
+    assert bench_fanin.parse_args(["--in_flight", "16"]).in_flight == 16
 
 
 def test_gradients_are_a_function_of_trainer_and_step_on_an_exact_grid():
