@@ -2,11 +2,12 @@
 
 The server runs on one event-loop thread. A servicer method that never waits
 for other trainers stays synchronous and runs in the server's pool, as on the
-threaded server; a unary one (a heartbeat, Hello, Restore, ...) is sent there
+threaded server; a unary one (Hello, Restore, ...) is sent there
 from an asyncio handler of :meth:`Parking.adapt` rather than by gRPC, so that
 its call counts as in progress while it waits for a pool thread (behind a
 thousand async pushes, that can be longer than ``heartbeat_timeout``: the
-trainer is not silent). A method written to
+trainer is not silent). One that only touches memory (a heartbeat,
+:func:`~.stretches.answered_on_loop`) runs on the loop itself. A method written to
 park (:mod:`.parking`) gets an asyncio handler from :meth:`Parking.adapt`: its
 request stream is collected on the loop, then its generator runs up to its
 next wait (a stretch), and the thread goes back to what it did. A stretch runs
@@ -208,7 +209,11 @@ class Parking:
         serializers = dict(request_deserializer=handler.request_deserializer,
                            response_serializer=handler.response_serializer)
         if parking is None:
-            if handler.unary_unary is None or self.calls is None:
+            if handler.unary_unary is None:
+                return handler
+            if getattr(behaviour, "answered_on_loop", False):
+                return grpc.unary_unary_rpc_method_handler(self._inline(handler.unary_unary), **serializers)
+            if self.calls is None:
                 return handler
             return grpc.unary_unary_rpc_method_handler(self._counted(handler.unary_unary), **serializers)
         servicer, collect = behaviour.__self__, handler.request_streaming
@@ -240,6 +245,16 @@ class Parking:
                     await driven.aclose()
         make = grpc.stream_unary_rpc_method_handler if collect else grpc.unary_unary_rpc_method_handler
         return make(unary, **serializers)
+
+    def _inline(self, behaviour: Callable):
+        """``behaviour`` (synchronous, unary, marked ``answered_on_loop``) run here on the loop, its call in progress meanwhile."""
+        async def inline(request, context):
+            with self._serving(context):
+                try:
+                    return behaviour(request, PoolContext(context))
+                except Abort as e:
+                    await context.abort(e.code, e.details)
+        return inline
 
     def _counted(self, behaviour: Callable):
         """``behaviour`` (synchronous, unary) run in the pool, its call in progress from its start here to its end.

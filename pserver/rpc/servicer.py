@@ -45,7 +45,7 @@ from .parking import park, parks
 from .prologue import parse, refusals, trainer_call
 from .replica_link import ReplicaServicer
 from .sessions import Incarnation, Sessions
-from .stretches import Stretches
+from .stretches import Stretches, answered_on_loop
 
 log = logging.getLogger(__name__)
 
@@ -318,14 +318,14 @@ class PserverServicer:
         if not request.directory:
             raise BadRequest("SaveTables needs a directory")
         if "\0" in request.directory:
-            # The file system calls refuse it with a plain ValueError, which would read as a bug
-            # here; checked first, in the same words.
+            # The file system would refuse it with a plain ValueError, read as a bug here: checked first.
             raise BadRequest("embedded null byte")
         with self.stretches.off_loop():  # its writes hold the engine's lock: no stretch may wait on the loop
             updates, paths = self.engine.save_tables(request.directory)
         log.info("%s: saved %d table shards after %d updates to %s", self.endpoint, len(paths), updates, request.directory)
         return ps_pb2.SaveTablesReply(updates=updates, paths=paths)
 
+    @answered_on_loop  # a session check, a counter and a lock-free touch: no pool hop
     @trainer_call(ps_pb2.HeartbeatRequest, digest=False)
     def Heartbeat(self, request, context):
         self.counters.heartbeat(request.trainer_id)

@@ -95,6 +95,18 @@ def stretch_place(program: PserverProgram) -> Tuple[bool, str]:
     return True, "nothing in them blocks"
 
 
+def answered_on_loop(method):
+    """Mark a unary servicer method whose whole call runs on the server's event loop, never in the pool.
+
+    For a method that only reads and writes memory without waiting (a heartbeat: the session
+    check, a counter, the engine's lock-free ``touch``): its pool hop would cost more than its
+    work (two thread switches and the GIL handed back and forth), and behind a thousand async
+    pushes it would wait for a pool thread while its trainer waits for the answer.
+    """
+    method.answered_on_loop = True
+    return method
+
+
 class Stretches:
     """Whether a stretch may start on the loop now: ``allowed`` (:func:`stretch_place`) and no call holds the lock across I/O.
 

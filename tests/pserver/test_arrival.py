@@ -50,9 +50,9 @@ def program() -> Program:
 
 
 @pytest.mark.timeout(60)
-def test_a_heartbeat_queued_behind_a_busy_pool_is_noted_on_arrival_and_holds_its_trainer():
-    """Behind a thousand async pushes a heartbeat waits in the pool longer than heartbeat_timeout; the trainer,
-    which sends no second one while it is in flight, is not silent (K = 1,024 async dropped whole load generators)."""
+def test_a_unary_call_queued_behind_a_busy_pool_is_noted_on_arrival_and_holds_its_trainer(tmp_path):
+    """Behind a thousand async pushes a unary call waits in the pool longer than heartbeat_timeout; the trainer,
+    waiting for its answer, is not silent (K = 1,024 async dropped whole load generators)."""
     config = DistributeTranspilerConfig(pserver_rpc_workers=1)
     with LocalCluster(program, 1, 2, config=config) as cluster:
         server, endpoint = cluster.servers[0], cluster.endpoints[0]
@@ -64,21 +64,44 @@ def test_a_heartbeat_queued_behind_a_busy_pool_is_noted_on_arrival_and_holds_its
             try:
                 done = {}
                 call = threading.Thread(target=lambda: done.setdefault(
-                    "reply", tr.channels[endpoint].heartbeat(timeout=30)))
+                    "reply", tr.channels[endpoint].save_tables(str(tmp_path))))
                 call.start()
-                # The heartbeat cannot run (no free thread), yet the pserver heard from trainer 1 as it arrived...
+                # The call cannot run (no free thread), yet the pserver heard from trainer 1 as it arrived...
                 poll(lambda: server.engine.presence(1)[0] > heard, "trainer 1 noted on arrival", timeout=20)
-                # ... and holds it while the heartbeat waits: a minute after its arrival it is still not silent.
-                poll(lambda: 1 in server.engine.held(), "trainer 1 held while its heartbeat waits", timeout=20)
+                # ... and holds it while the call waits: a minute after its arrival it is still not silent.
+                poll(lambda: 1 in server.engine.held(), "trainer 1 held while its call waits", timeout=20)
                 server.engine.roster.last_seen[1] -= 60
                 assert server.engine.roster.silent(30.0, server.engine.held(), time.monotonic()) == []
                 assert "reply" not in done
             finally:
                 gate.set()
             call.join(30)
-            assert done["reply"].incarnation == server.servicer.incarnation
+            assert list(done["reply"].paths) == []  # answered once the thread was free (no tables to save)
             poll(lambda: 1 not in server.engine.held(), "trainer 1 no longer held once answered", timeout=20)
-            assert time.monotonic() - server.engine.presence(1)[0] < 10  # the heartbeat's end was heard
+            assert time.monotonic() - server.engine.presence(1)[0] < 10  # the call's end was heard
+
+
+@pytest.mark.timeout(60)
+def test_a_heartbeat_is_answered_on_the_loop_while_every_pool_thread_is_busy():
+    """A heartbeat touches memory only: it never waits for the pool (behind async pushes, or a stuck handler)."""
+    config = DistributeTranspilerConfig(pserver_rpc_workers=1)
+    with LocalCluster(program, 1, 2, config=config) as cluster:
+        server, endpoint = cluster.servers[0], cluster.endpoints[0]
+        with cluster.trainer(1) as tr:
+            gate, busy = threading.Event(), threading.Event()
+            server._pool.submit(lambda: (busy.set(), gate.wait(30)))  # the pool's one thread, held
+            assert busy.wait(10)
+            try:
+                server.engine.roster.last_seen[1] -= 60
+                before = server.servicer.counters.heartbeats
+                reply = tr.channels[endpoint].heartbeat(timeout=10)   # answered while the pool is still held
+                assert not gate.is_set()
+            finally:
+                gate.set()
+            assert reply.incarnation == server.servicer.incarnation
+            assert server.servicer.counters.heartbeats == before + 1
+            assert time.monotonic() - server.engine.presence(1)[0] < 10  # the heartbeat was heard
+            assert 1 not in server.engine.held()
 
 
 @pytest.mark.timeout(60)
