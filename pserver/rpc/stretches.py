@@ -14,6 +14,7 @@ the engine's lock while a call in the pool holds it across I/O.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import threading
 from typing import Iterator, List, Optional, Tuple
@@ -103,8 +104,11 @@ def answered_on_loop(method):
     work (two thread switches and the GIL handed back and forth), and behind a thousand async
     pushes it would wait for a pool thread while its trainer waits for the answer.
     """
-    method.answered_on_loop = True
-    return method
+    @functools.wraps(method)
+    def on_loop(self, request, context):
+        return method(self, request, context)
+    on_loop.answered_on_loop = True
+    return on_loop
 
 
 class Stretches:
