@@ -57,7 +57,7 @@ class Spec:
     ``timeout``: seconds every wait of a run may take at most; ``run_dir``: where the processes
     of a run meet (files ``hello``, ``go``, ``finish``, ``hello-G``, ``stepped-G``, ``result-G.pt``);
     ``check_ids``: how many ids' rows the sync check reads; ``in_flight`` (async only; 0: no bound):
-    how many of a load generator's trainers are inside a step at once (:func:`benchmarks.jobs.fanin_workers.run_load`).
+    how many of a load generator's trainers are inside a step at once (:func:`benchmarks.jobs.fanin_workers.stepping`).
     """
 
     trainers: int

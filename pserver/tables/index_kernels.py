@@ -158,7 +158,7 @@ if AVAILABLE:
 
         ``left[:n]`` are indices into ``ids`` in ascending order of their ids, ``known`` is
         sorted: one merge walk (a binary search per id mispredicts its branches on random
-        ids, 4x slower). Where ``ids[i] == known[k]``, ``out[i] = rows[k]``; the other
+        ids, 2-4x slower). Where ``ids[i] == known[k]``, ``out[i] = rows[k]``; the other
         indices stay in ``left``, compacted to its first entries in the same order, and
         their count is returned. Copies only: the rows are those kept.
         """
