@@ -211,11 +211,10 @@ class Parking:
         if parking is None:
             if handler.unary_unary is None:
                 return handler
-            if getattr(behaviour, "answered_on_loop", False):
-                return grpc.unary_unary_rpc_method_handler(self._inline(handler.unary_unary), **serializers)
-            if self.calls is None:
+            on_loop = getattr(behaviour, "answered_on_loop", False)
+            if not on_loop and self.calls is None:
                 return handler
-            return grpc.unary_unary_rpc_method_handler(self._counted(handler.unary_unary), **serializers)
+            return grpc.unary_unary_rpc_method_handler(self._unary(handler.unary_unary, on_loop), **serializers)
         servicer, collect = behaviour.__self__, handler.request_streaming
 
         async def answers(request, context):
@@ -246,30 +245,22 @@ class Parking:
         make = grpc.stream_unary_rpc_method_handler if collect else grpc.unary_unary_rpc_method_handler
         return make(unary, **serializers)
 
-    def _inline(self, behaviour: Callable):
-        """``behaviour`` (synchronous, unary, marked ``answered_on_loop``) run here on the loop, its call in progress meanwhile."""
-        async def inline(request, context):
-            with self._serving(context):
-                try:
-                    return behaviour(request, PoolContext(context))
-                except Abort as e:
-                    await context.abort(e.code, e.details)
-        return inline
+    def _unary(self, behaviour: Callable, on_loop: bool):
+        """``behaviour`` (synchronous, unary) run on the loop (``on_loop``) or in the pool, its call in progress meanwhile.
 
-    def _counted(self, behaviour: Callable):
-        """``behaviour`` (synchronous, unary) run in the pool, its call in progress from its start here to its end.
-
-        A call cancelled while it waits for a pool thread never runs, and
-        stops counting with the cancellation.
+        In the pool, the call counts from its start here: a call cancelled while it waits for a
+        pool thread never runs, and stops counting with the cancellation.
         """
-        async def counted(request, context):
+        async def unary(request, context):
             with self._serving(context):
                 try:
+                    if on_loop:
+                        return behaviour(request, PoolContext(context))
                     return await asyncio.get_running_loop().run_in_executor(self.pool, behaviour, request,
                                                                             PoolContext(context))
                 except Abort as e:
                     await context.abort(e.code, e.details)
-        return counted
+        return unary
 
     async def drive(self, answers):
         """A parking generator's answers: its stretches run on the loop or in the pool; its waits' deadlines here."""
