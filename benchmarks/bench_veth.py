@@ -1,4 +1,4 @@
-"""Job D across two network namespaces joined by a veth pair (real TCP), and on loopback, side by side.
+"""Job D across two network namespaces ("hosts" on a bridge, real TCP), and on loopback, side by side.
 
 Usage (root: it creates network namespaces)::
 
@@ -83,7 +83,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 from benchmarks.reports.dense import summarize
 from benchmarks.common.dense_runs import Processes
 from benchmarks.common.machine import OtherLoad
-from benchmarks.common.netns import NetnsError, TwoHosts
+from benchmarks.common.netns import IFNAME, Hosts, NetnsError
 from benchmarks.common.paths import DEFAULT_PEERS, RESULTS, peer_module, pythonpath_with_repo
 from benchmarks.common.processes import RunFailed, die_with_parent, stop_on_signals
 from benchmarks.reports.veth import CONFIGS, CROSSED_MIN, LOOPBACK_MAX, Config, crossing_problems, table
@@ -102,7 +102,7 @@ log = logging.getLogger("bench_veth")
 class NsProcesses(Processes):
     """``dense_runs.Processes`` whose children are ``veth_workers`` roles started inside a namespace."""
 
-    def spawn_in(self, hosts: TwoHosts, host: int, name: str, role: str, env: Dict[str, str],
+    def spawn_in(self, hosts: Hosts, host: int, name: str, role: str, env: Dict[str, str],
                  extra: Sequence[str] = ()) -> None:
         """Start ``python -m benchmarks.jobs.veth_workers role`` as ``name`` in ``host``'s namespace with ``env``."""
         cmd = hosts.cmd(host, sys.executable, "-m", WORKERS, role, "--spec", self.spec.to_json(),
@@ -122,10 +122,10 @@ def base_env() -> Dict[str, str]:
     return env
 
 
-def role_env(hosts: TwoHosts, host: int, link: str, peers: str, **extra: str) -> Dict[str, str]:
+def role_env(hosts: Hosts, host: int, link: str, peers: str, **extra: str) -> Dict[str, str]:
     """Environment of a role in ``host``: its veth counters, the interface gloo/TensorPipe bind, ``extra``."""
-    ifname = hosts.veth[host] if link == "veth" else "lo"
-    counters = hosts.sysfs_counter_paths(host)
+    ifname = IFNAME if link == "veth" else "lo"
+    counters = hosts.sysfs_counter_paths()
     return {**base_env(), "BENCH_VETH_COUNTERS": f"{counters['rx_bytes']},{counters['tx_bytes']}",
             "BENCH_PEERS_DIR": peers, "GLOO_SOCKET_IFNAME": ifname, "TP_SOCKET_IFNAME": ifname,
             "BENCH_GLOO_SOCKET_IFNAME": ifname, "BENCH_TP_SOCKET_IFNAME": ifname, **extra}
@@ -138,7 +138,7 @@ class ConnectionSampler:
     ``mpt_uv`` opens 16 TCP lanes per pipe, ``basic`` none beyond the pipe's own.
     """
 
-    def __init__(self, hosts: TwoHosts, period: float = 0.5):
+    def __init__(self, hosts: Hosts, period: float = 0.5):
         self.hosts, self.period, self.peak = hosts, period, 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="conn-sampler", daemon=True)
@@ -158,7 +158,7 @@ class ConnectionSampler:
 
 # -- one run of each system ------------------------------------------------------
 
-def run_ps(procs: NsProcesses, hosts: TwoHosts, link: str, ports: List[int], args) -> Tuple[List[dict], List[dict]]:
+def run_ps(procs: NsProcesses, hosts: Hosts, link: str, ports: List[int], args) -> Tuple[List[dict], List[dict]]:
     """2 pservers (host 1) and 2 trainers (host 2, or host 1 on lo); (trainer results, pserver results)."""
     server_ip = hosts.ip(1) if link == "veth" else "127.0.0.1"
     trainer_host = 2 if link == "veth" else 1
@@ -179,7 +179,7 @@ def run_ps(procs: NsProcesses, hosts: TwoHosts, link: str, ports: List[int], arg
     return procs.results(trainers), procs.results(servers)
 
 
-def run_ddp(procs: NsProcesses, hosts: TwoHosts, link: str, ports: List[int], args) -> List[dict]:
+def run_ddp(procs: NsProcesses, hosts: Hosts, link: str, ports: List[int], args) -> List[dict]:
     """2 DDP ranks over gloo: rank 0 in host 1 (the master), rank 1 in host 2 (host 1 on lo); their results."""
     master = hosts.ip(1) if link == "veth" else "127.0.0.1"
     names = [f"ddp{r}" for r in range(TRAINERS)]
@@ -192,7 +192,7 @@ def run_ddp(procs: NsProcesses, hosts: TwoHosts, link: str, ports: List[int], ar
     return procs.results(names)
 
 
-def run_rpc(procs: NsProcesses, hosts: TwoHosts, config: Config, ports: List[int], args) -> dict:
+def run_rpc(procs: NsProcesses, hosts: Hosts, config: Config, ports: List[int], args) -> dict:
     """The torch RPC PS: ranks ps0, ps1 in host 1, trainers in host 2 (host 1 on lo); rank 0's record."""
     link = config.link
     master = hosts.ip(1) if link == "veth" else "127.0.0.1"
@@ -224,7 +224,7 @@ def _veth_per_step(results: List[dict]) -> Optional[float]:
     return sum(counted) / len(counted) if counted else None
 
 
-def run_one(name: str, rnd: int, index: int, hosts: TwoHosts, args, workdir: str) -> dict:
+def run_one(name: str, rnd: int, index: int, hosts: Hosts, args, workdir: str) -> dict:
     """One run of configuration ``name`` in round ``rnd``: start its processes, wait, and return its figures."""
     config = CONFIGS[name]
     ports = [21000 + 10 * (index % 2000) + k for k in range(4)]  # fresh ports each run: no TIME_WAIT reuse
@@ -319,7 +319,7 @@ def main(argv=None) -> int:
     rows: List[dict] = []
     ok = False
     try:
-        with TwoHosts(rate=args.rate, delay=args.delay) as hosts:
+        with Hosts(2, rate=args.rate, delay=args.delay) as hosts:
             index = 0
             for rnd in range(args.rounds):
                 k = rnd % len(args.configs)

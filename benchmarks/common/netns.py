@@ -1,25 +1,34 @@
-"""Two "hosts" on one machine: two network namespaces joined by a veth pair (real TCP between them).
+"""Hosts on one machine: network namespaces on a bridge, so that roles talk over real TCP between them.
 
-Used by ``bench_veth``; usable on its own::
+Used by ``bench_veth`` and ``bench_hosts``; usable on its own::
 
-    from benchmarks.common.netns import TwoHosts
-    with TwoHosts(rate="10gbit", delay="0.1ms") as hosts:   # shaping is optional
+    from benchmarks.common.netns import Hosts
+    with Hosts(4, rate="10gbit", delay="0.1ms") as hosts:        # shaping is optional
         before = hosts.counters(2)
         subprocess.run(hosts.cmd(2, "ping", "-c", "1", hosts.ip(1)))
         moved = hosts.moved(before, hosts.counters(2))       # {"rx_bytes": ..., "tx_bytes": ...}
 
-Namespace 1 gets ``10.231.N.1/24`` on its veth end, namespace 2 ``10.231.N.2/24``
-(``N`` from the pid), both with loopback up. Names carry this process's pid
-(``bv-h1-PID``, ``bvv1-PID``: at most 15 characters for a veth), so runs of
-several people at once do not meet. Leaving the ``with`` block (also on an
-error, Ctrl-C or SIGTERM turned into SystemExit) deletes both namespaces and
-any veth end still in the root namespace; processes started inside must be
-stopped first (a namespace lives on while a process holds it).
+Host ``k`` (1..N) is a namespace whose one interface, ``eth0``, has ``10.231.T.k/24``
+(``T`` from the pid) and is one end of a veth pair; the other end is a port of a
+bridge in a namespace of its own (the "switch"), so every host reaches every
+other one, and nothing of it is in the root namespace. Loopback is up in each.
+Names carry this process's pid (``bv-h1-PID``, ``bv-sw-PID``, veths ``bvh1-PID`` /
+``bvs1-PID`` while in the root namespace: at most 15 characters), so runs of
+several people at once do not meet. Leaving the ``with`` block (also on an error,
+Ctrl-C or SIGTERM turned into SystemExit) deletes every namespace it made, and
+with them the veths; processes started inside must be stopped first (a namespace
+lives on while a process holds it).
+
+Shaping (``rate``, ``delay``; tc netem syntax, e.g. ``"10gbit"``, ``"0.1ms"``) gives
+every host a link of that rate each way and that one-way delay: a host's egress
+carries the rate and the delay, the switch's port towards it the rate, so what
+several hosts send to one is limited by that one's link too, as with real NICs.
+A round trip between two hosts then takes twice the delay.
 
 ``python -m benchmarks.common.netns cleanup`` removes namespaces and veths left by a
 run that was SIGKILLed (only those whose pid no longer lives);
-``python -m benchmarks.common.netns check [rate=1gbit] [delay=1ms]`` creates a pair,
-sends 16 MiB over TCP from namespace 2 to namespace 1 and logs the counters.
+``python -m benchmarks.common.netns check [hosts=2] [rate=1gbit] [delay=1ms]`` creates
+the hosts, sends 16 MiB over TCP from the last host to host 1 and logs the counters.
 Needs root (CAP_NET_ADMIN + CAP_SYS_ADMIN) and iproute2; a delay needs the
 kernel's ``sch_netem`` (a rate alone falls back to ``tbf`` without it).
 """
@@ -37,9 +46,12 @@ from typing import Dict, List, Optional, Sequence
 
 log = logging.getLogger("netns")
 
-PREFIX_NS = "bv-h"      # bv-h1-PID, bv-h2-PID
-PREFIX_VETH = "bvv"     # bvv1-PID, bvv2-PID
+PREFIX_NS = "bv-"       # bv-h1-PID (hosts), bv-sw-PID (the switch)
+PREFIX_VETH = "bv"      # bvh1-PID, bvs1-PID, while in the root namespace
+IFNAME = "eth0"         # each host's interface, inside its namespace
+BRIDGE = "br0"          # inside the switch's namespace
 SUBNET_BASE = "10.231"
+MAX_HOSTS = 32          # addresses .1 to .32; the switch's veth names stay within 15 characters
 COUNTERS = ("rx_bytes", "tx_bytes")
 
 
@@ -60,26 +72,50 @@ def _run(cmd: Sequence[str], timeout: float = 20, check: bool = True) -> subproc
     return r
 
 
-class TwoHosts:
-    """Two network namespaces joined by a veth pair; a context manager that always tears down.
+def shaping_qdisc(rate: Optional[str], delay: Optional[str], netem: bool) -> List[str]:
+    """The tc qdisc (``root`` onwards) for ``rate`` and ``delay``, or [] when neither is set.
 
-    ``host`` arguments are 1 or 2. ``rate`` / ``delay`` (tc netem syntax,
-    e.g. ``"10gbit"``, ``"0.1ms"``) shape both veth ends' egress, so each
-    direction sees the rate and one-way delay (a round trip: twice the delay).
+    ``netem rate R delay D`` when the kernel has ``sch_netem`` (``netem``). A
+    rate alone falls back to ``tbf`` (token bucket: burst the larger of 512 KiB
+    and 1 ms at the rate, as veth hands over 64 KiB GSO segments); a delay
+    needs netem and raises NetnsError without it.
     """
+    if not (rate or delay):
+        return []
+    if netem:
+        return ["netem"] + (["rate", rate] if rate else []) + (["delay", delay] if delay else [])
+    if delay:
+        raise NetnsError("a delay needs the netem qdisc, which this kernel lacks")
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)([kmg]?)bit", rate.lower())
+    if not m:
+        raise NetnsError(f"netem is missing and the tbf fallback needs a rate like 10gbit, got {rate!r}")
+    bytes_per_s = float(m.group(1)) * {"": 1, "k": 1e3, "m": 1e6, "g": 1e9}[m.group(2)] / 8
+    burst = max(512 * 1024, int(bytes_per_s * 1e-3))
+    return ["tbf", "rate", rate, "burst", str(burst), "latency", "50ms"]
 
-    def __init__(self, tag: Optional[int] = None, rate: Optional[str] = None, delay: Optional[str] = None):
+
+class Hosts:
+    """``count`` network namespaces ("hosts" 1..count) on a bridge; a context manager that always tears down."""
+
+    def __init__(self, count: int = 2, rate: Optional[str] = None, delay: Optional[str] = None,
+                 tag: Optional[int] = None):
+        if not 1 <= count <= MAX_HOSTS:
+            raise ValueError(f"hosts: 1 to {MAX_HOSTS}, got {count}")
         tag = os.getpid() if tag is None else tag
-        self.tag = tag
-        self.ns = {1: f"{PREFIX_NS}1-{tag}", 2: f"{PREFIX_NS}2-{tag}"}
-        self.veth = {1: f"{PREFIX_VETH}1-{tag}", 2: f"{PREFIX_VETH}2-{tag}"}
+        self.count, self.tag = count, tag
+        self.ns = {h: f"{PREFIX_NS}h{h}-{tag}" for h in self.numbers()}
+        self.switch = f"{PREFIX_NS}sw-{tag}"
         self.subnet = f"{SUBNET_BASE}.{tag % 250}"
         self.rate, self.delay = rate, delay
         self._created: List[str] = []
 
+    def numbers(self) -> range:
+        """The hosts' numbers, 1..count."""
+        return range(1, self.count + 1)
+
     # -- set up / tear down ---------------------------------------------------
 
-    def __enter__(self) -> "TwoHosts":
+    def __enter__(self) -> "Hosts":
         try:
             self.setup()
         except BaseException:
@@ -91,65 +127,63 @@ class TwoHosts:
         self.teardown()
 
     def ip(self, host: int) -> str:
-        """The address of ``host``'s veth end."""
+        """The address of ``host``'s interface."""
         return f"{self.subnet}.{host}"
 
+    def _veths(self, host: int) -> tuple:
+        return f"{PREFIX_VETH}h{host}-{self.tag}", f"{PREFIX_VETH}s{host}-{self.tag}"
+
     def setup(self) -> None:
-        """Create both namespaces, the veth pair, addresses, links up, optional netem shaping."""
-        for host in (1, 2):
-            _run(["ip", "netns", "add", self.ns[host]])
-            self._created.append(self.ns[host])
-        _run(self.cmd(1, "true"))  # `ip netns exec` must be able to remount /sys here
-        _run(["ip", "link", "add", self.veth[1], "type", "veth", "peer", "name", self.veth[2]])
-        for host in (1, 2):
-            _run(["ip", "link", "set", self.veth[host], "netns", self.ns[host]])
-        for host in (1, 2):
-            _run(["ip", "-n", self.ns[host], "addr", "add", f"{self.ip(host)}/24", "dev", self.veth[host]])
-            _run(["ip", "-n", self.ns[host], "link", "set", "lo", "up"])
-            _run(["ip", "-n", self.ns[host], "link", "set", self.veth[host], "up"])
-        shaping = self.qdisc()
-        if shaping:
-            for host in (1, 2):
-                _run(["tc", "-n", self.ns[host], "qdisc", "add", "dev", self.veth[host], "root", *shaping])
-        log.info("namespaces %s (%s on %s) and %s (%s on %s) up%s", self.ns[1], self.ip(1), self.veth[1],
-                 self.ns[2], self.ip(2), self.veth[2],
-                 f", veth shaped: {' '.join(shaping)}" if shaping else "")
+        """Create the switch and every host, their links, addresses and optional shaping."""
+        for ns in (self.switch, *self.ns.values()):
+            _run(["ip", "netns", "add", ns])
+            self._created.append(ns)
+        _run(["ip", "netns", "exec", self.switch, "true"])  # `ip netns exec` must be able to remount /sys here
+        _run(["ip", "-n", self.switch, "link", "add", BRIDGE, "type", "bridge"])
+        _run(["ip", "-n", self.switch, "link", "set", BRIDGE, "up"])
+        for host in self.numbers():
+            ns, (host_end, switch_end) = self.ns[host], self._veths(host)
+            _run(["ip", "link", "add", host_end, "type", "veth", "peer", "name", switch_end])
+            _run(["ip", "link", "set", switch_end, "netns", self.switch])
+            _run(["ip", "link", "set", host_end, "netns", ns])
+            _run(["ip", "-n", ns, "link", "set", host_end, "name", IFNAME])
+            _run(["ip", "-n", self.switch, "link", "set", switch_end, "master", BRIDGE])
+            _run(["ip", "-n", self.switch, "link", "set", switch_end, "up"])
+            _run(["ip", "-n", ns, "addr", "add", f"{self.ip(host)}/24", "dev", IFNAME])
+            _run(["ip", "-n", ns, "link", "set", "lo", "up"])
+            _run(["ip", "-n", ns, "link", "set", IFNAME, "up"])
+        if self.rate or self.delay:
+            self._shape()
+        log.info("%d hosts %s..%s on a bridge in %s%s", self.count, self.ip(1), self.ip(self.count), self.switch,
+                 f", links shaped: rate {self.rate or '-'}, delay {self.delay or '-'}"
+                 if self.rate or self.delay else "")
 
-    def qdisc(self) -> List[str]:
-        """The tc qdisc (``root`` onwards) that shapes each veth end, or [] when not shaped.
-
-        ``netem rate R delay D`` when the kernel has ``sch_netem``. A rate
-        alone falls back to ``tbf`` (token bucket: burst the larger of 512 KiB
-        and 1 ms at the rate, as veth hands over 64 KiB GSO segments) when
-        netem is missing; a delay needs netem and raises NetnsError without it.
-        """
-        if not (self.rate or self.delay):
-            return []
-        netem = ["netem"] + (["rate", self.rate] if self.rate else []) + (["delay", self.delay] if self.delay else [])
-        probe = _run(["tc", "-n", self.ns[1], "qdisc", "add", "dev", "lo", "root", *netem], check=False)
-        if probe.returncode == 0:
-            _run(["tc", "-n", self.ns[1], "qdisc", "del", "dev", "lo", "root"], check=False)
-            return netem
-        if self.delay:
-            raise NetnsError(f"--delay needs the netem qdisc, which this kernel lacks: {probe.stderr.strip()}")
-        m = re.fullmatch(r"(\d+(?:\.\d+)?)([kmg]?)bit", self.rate.lower())
-        if not m:
-            raise NetnsError(f"netem is missing and the tbf fallback needs a rate like 10gbit, got {self.rate!r}")
-        bytes_per_s = float(m.group(1)) * {"": 1, "k": 1e3, "m": 1e6, "g": 1e9}[m.group(2)] / 8
-        burst = max(512 * 1024, int(bytes_per_s * 1e-3))
-        log.warning("netem missing (%s): shaping with tbf rate %s only", probe.stderr.strip(), self.rate)
-        return ["tbf", "rate", self.rate, "burst", str(burst), "latency", "50ms"]
+    def _shape(self) -> None:
+        probe = _run(["tc", "-n", self.switch, "qdisc", "add", "dev", "lo", "root", "netem", "delay", "0ms"],
+                     check=False)
+        netem = probe.returncode == 0
+        if netem:
+            _run(["tc", "-n", self.switch, "qdisc", "del", "dev", "lo", "root"], check=False)
+        else:
+            log.warning("netem missing (%s): shaping with tbf, rate only", probe.stderr.strip())
+        egress = shaping_qdisc(self.rate, self.delay, netem)
+        towards = shaping_qdisc(self.rate, None, netem)
+        for host in self.numbers():
+            _run(["tc", "-n", self.ns[host], "qdisc", "add", "dev", IFNAME, "root", *egress])
+            if towards:
+                _run(["tc", "-n", self.switch, "qdisc", "add", "dev", self._veths(host)[1], "root", *towards])
 
     def teardown(self) -> None:
-        """Delete the namespaces made here (their veth ends go with them) and any stray veth end."""
-        for ns in self._created:
+        """Delete the namespaces made here (their veths go with them) and any veth left in the root namespace."""
+        for ns in reversed(self._created):
             r = _run(["ip", "netns", "del", ns], check=False)
             if r.returncode != 0:
                 log.warning("could not delete namespace %s: %s", ns, r.stderr.strip())
         self._created.clear()
-        for dev in self.veth.values():  # setup may have stopped before moving an end
-            if _run(["ip", "link", "show", dev], check=False).returncode == 0:
-                _run(["ip", "link", "del", dev], check=False)
+        for host in self.numbers():  # setup may have stopped before moving both ends
+            for dev in self._veths(host):
+                if _run(["ip", "link", "show", dev], check=False).returncode == 0:
+                    _run(["ip", "link", "del", dev], check=False)
 
     # -- use ------------------------------------------------------------------
 
@@ -158,8 +192,8 @@ class TwoHosts:
         return ["ip", "netns", "exec", self.ns[host], *argv]
 
     def counters(self, host: int) -> Dict[str, int]:
-        """Bytes received and sent so far by ``host``'s veth end: ``{"rx_bytes": .., "tx_bytes": ..}``."""
-        r = _run(["ip", "-n", self.ns[host], "-s", "-j", "link", "show", "dev", self.veth[host]])
+        """Bytes received and sent so far by ``host``'s interface: ``{"rx_bytes": .., "tx_bytes": ..}``."""
+        r = _run(["ip", "-n", self.ns[host], "-s", "-j", "link", "show", "dev", IFNAME])
         stats = json.loads(r.stdout)[0]["stats64"]
         return {"rx_bytes": int(stats["rx"]["bytes"]), "tx_bytes": int(stats["tx"]["bytes"])}
 
@@ -169,14 +203,15 @@ class TwoHosts:
         return {k: after[k] - before[k] for k in COUNTERS}
 
     def tcp_connections(self, host: int) -> int:
-        """Established TCP connections of ``host``'s namespace to or from the other host (over the veth)."""
-        r = _run(["ss", "-H", "-t", "-n", "-N", self.ns[host], "state", "established", "dst", self.ip(3 - host)],
-                 check=False)
+        """Established TCP connections of ``host``'s namespace to or from the other hosts."""
+        r = _run(["ss", "-H", "-t", "-n", "-N", self.ns[host], "state", "established",
+                  "dst", f"{self.subnet}.0/24"], check=False)
         return len(r.stdout.splitlines()) if r.returncode == 0 else -1
 
-    def sysfs_counter_paths(self, host: int) -> Dict[str, str]:
-        """Where a process inside ``host``'s namespace reads its veth end's counters (sysfs)."""
-        return {k: f"/sys/class/net/{self.veth[host]}/statistics/{k}" for k in COUNTERS}
+    @staticmethod
+    def sysfs_counter_paths() -> Dict[str, str]:
+        """Where a process inside a host's namespace reads its interface's counters (sysfs)."""
+        return {k: f"/sys/class/net/{IFNAME}/statistics/{k}" for k in COUNTERS}
 
 
 def _pid_alive(pid: int) -> bool:
@@ -193,18 +228,17 @@ def cleanup_stale() -> List[str]:
     """Remove namespaces and root-namespace veths of this module whose creating pid is gone; their names."""
     removed = []
     listing = _run(["ip", "netns", "list"], check=False).stdout
-    for name in re.findall(rf"^({PREFIX_NS}[12]-(\d+))", listing, flags=re.M):
-        ns, pid = name[0], int(name[1])
-        if not _pid_alive(pid) and _run(["ip", "netns", "del", ns], check=False).returncode == 0:
+    for ns, pid in re.findall(rf"^({PREFIX_NS}(?:h\d+|sw)-(\d+))", listing, flags=re.M):
+        if not _pid_alive(int(pid)) and _run(["ip", "netns", "del", ns], check=False).returncode == 0:
             removed.append(ns)
     links = _run(["ip", "-o", "link", "show"], check=False).stdout
-    for dev, pid in re.findall(rf"^\d+: ({PREFIX_VETH}[12]-(\d+))[@:]", links, flags=re.M):
+    for dev, pid in re.findall(rf"^\d+: ({PREFIX_VETH}[hs]\d+-(\d+))[@:]", links, flags=re.M):
         if not _pid_alive(int(pid)) and _run(["ip", "link", "del", dev], check=False).returncode == 0:
             removed.append(dev)
     return removed
 
 
-# `check`: a TCP sink in namespace 1 (prints the bytes it got) and a source of 16 MiB in namespace 2.
+# `check`: a TCP sink in host 1 (prints the bytes it got) and a source of 16 MiB in the last host.
 _SINK = ("import socket,sys; s=socket.create_server((sys.argv[1], 7000)); c=s.accept()[0]; n=0\n"
          "while (b := c.recv(1 << 20)): n += len(b)\nprint(n)")
 _SOURCE = ("import socket,sys,time\nfor _ in range(100):\n"
@@ -216,40 +250,42 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.common.netns",
                                 description=__doc__.splitlines()[0] + " Needs root.")
     p.add_argument("command", nargs="?", default="check", choices=["check", "cleanup"],
-                   help="check (default): a pair, 16 MiB over TCP across it; cleanup: remove what a "
-                        "SIGKILLed run left")
+                   help="check (default): the hosts, 16 MiB over TCP from the last to host 1; cleanup: "
+                        "remove what a SIGKILLed run left")
     p.add_argument("options", nargs="*", metavar="KEY=VALUE",
-                   help="check: rate=R (e.g. 1gbit) and delay=D (e.g. 1ms) shape the veth")
+                   help="check: hosts=N (default 2), rate=R (e.g. 1gbit) and delay=D (e.g. 1ms) shape the links")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     if args.command == "cleanup":
         removed = cleanup_stale()
         log.info("removed %s", ", ".join(removed) if removed else "nothing")
         return 0
-    if any("=" not in o for o in args.options):
-        p.error(f"check takes rate=R and delay=D, got {args.options}")
+    opts = dict(o.split("=", 1) for o in args.options if "=" in o)
+    if len(opts) != len(args.options) or set(opts) - {"hosts", "rate", "delay"}:
+        p.error(f"check takes hosts=N, rate=R and delay=D, got {args.options}")
     try:
-        return _check(dict(o.split("=", 1) for o in args.options))
-    except NetnsError as e:
+        return _check(int(opts.get("hosts", 2)), opts.get("rate"), opts.get("delay"))
+    except (NetnsError, ValueError) as e:
         log.error("%s", e)
         return 1
 
 
-def _check(opts: Dict[str, str]) -> int:
-    """`check`: 16 MiB over TCP from namespace 2 to namespace 1, shaped by ``opts`` (rate, delay)."""
-    with TwoHosts(rate=opts.get("rate"), delay=opts.get("delay")) as hosts:
-        before, t0 = hosts.counters(2), time.monotonic()
+def _check(count: int, rate: Optional[str], delay: Optional[str]) -> int:
+    """`check`: 16 MiB over TCP from the last host to host 1, over links shaped by ``rate`` and ``delay``."""
+    with Hosts(count, rate=rate, delay=delay) as hosts:
+        last = hosts.count
+        before, t0 = hosts.counters(last), time.monotonic()
         server = subprocess.Popen(hosts.cmd(1, sys.executable, "-c", _SINK, hosts.ip(1)),
                                   stdout=subprocess.PIPE, text=True)
         try:
-            _run(hosts.cmd(2, sys.executable, "-c", _SOURCE, hosts.ip(1)), timeout=60)
+            _run(hosts.cmd(last, sys.executable, "-c", _SOURCE, hosts.ip(1)), timeout=60)
             got = server.communicate(timeout=30)[0].strip()
         finally:
             server.kill()
             server.wait()
         log.info("%s bytes sent %s -> %s over TCP in %.2f s (processes' start included); "
-                 "the veth end of host 2 moved %s", got, hosts.ip(2), hosts.ip(1),
-                 time.monotonic() - t0, hosts.moved(before, hosts.counters(2)))
+                 "host %d's interface moved %s", got, hosts.ip(last), hosts.ip(1),
+                 time.monotonic() - t0, last, hosts.moved(before, hosts.counters(last)))
     return 0
 
 
