@@ -279,6 +279,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--grad_wire_dtype", choices=["bfloat16", "float16"], default=None,
                    help="push gradients in this dtype (DistributeTranspilerConfig.grad_wire_dtype; "
                         "default: as computed)")
+    p.add_argument("--no_shared_memory", dest="shared_memory", action="store_false",
+                   help="every byte through gRPC (DistributeTranspilerConfig.shared_memory=False): hosts emulated "
+                        "by network namespaces share /dev/shm, real ones do not")
     args = p.parse_args(argv)
     if (args.warmup is not None and args.warmup < 0) or (args.steps is not None and args.steps < 1) \
             or args.batch < 1:
@@ -301,7 +304,8 @@ def main(argv=None) -> int:
     args.eval_examples = jobs.S_EVAL_N if args.eval_examples is None else args.eval_examples
     torch.set_num_threads(1)  # several roles share this machine's cores
     t = DistributeTranspiler(DistributeTranspilerConfig(grad_wire_dtype=args.grad_wire_dtype,
-                                                        table_disk_dir=args.table_disk_dir))
+                                                        table_disk_dir=args.table_disk_dir,
+                                                        shared_memory=args.shared_memory))
     t.transpile(env.trainer_id, program=build_program(jobs, args.seed, args.ram_rows), pservers=env.pserver_list,
                 trainers=env.trainers, sync_mode=args.sync_mode)
     if env.is_pserver:

@@ -170,6 +170,8 @@ def main(argv=None) -> int:
                    help="hot standby: DistributeTranspilerConfig.replica_takeover_timeout")
     p.add_argument("--step_delay", type=float, default=0.0,
                    help="seconds each trainer sleeps per step, until PAUSE_DIR/calm exists")
+    p.add_argument("--no_shared_memory", dest="shared_memory", action="store_false",
+                   help="every byte through gRPC: hosts emulated by network namespaces share /dev/shm")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(1)
@@ -178,7 +180,7 @@ def main(argv=None) -> int:
         checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
         heartbeat_interval=args.heartbeat_interval, heartbeat_timeout=args.heartbeat_timeout,
         barrier_timeout=BARRIER_TIMEOUT, connect_timeout=60.0, recovery_timeout=60.0,
-        replica_takeover_timeout=args.takeover_timeout)
+        replica_takeover_timeout=args.takeover_timeout, shared_memory=args.shared_memory)
     t = DistributeTranspiler(config)
     program = counting_program() if args.counting else build_program(args.optimizer, args.lr)
     t.transpile(env.trainer_id, program=program, pservers=env.pserver_list,
