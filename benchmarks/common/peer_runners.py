@@ -43,20 +43,21 @@ def run_local_ctr(args, workdir: str) -> dict:
     return {"examples_s": r["examples_per_s"], "auc": r["auc"], "detail": r}
 
 
+def role_result(path: str, prefix: str = "RESULT ") -> dict:
+    """The JSON a role printed after ``prefix`` (its last such line) into its log ``path``; RunFailed if none."""
+    found = None
+    with contextlib.suppress(OSError), open(path, errors="replace") as f:
+        for line in f:
+            if line.startswith(prefix):
+                found = json.loads(line[len(prefix):])
+    if found is None:
+        raise RunFailed(f"{os.path.basename(path)} has no {prefix.strip()} line; {path}:\n{tail(path)}")
+    return found
+
+
 def role_results(log_dir: str, log: str, count: int, prefix: str = "RESULT ") -> List[dict]:
-    """The JSON each of the first ``count`` roles printed after ``prefix`` (its last such line) into ``log_dir/log.N``."""
-    results = []
-    for n in range(count):
-        path = os.path.join(log_dir, f"{log}.{n}")
-        found = None
-        with contextlib.suppress(OSError), open(path, errors="replace") as f:
-            for line in f:
-                if line.startswith(prefix):
-                    found = json.loads(line[len(prefix):])
-        if found is None:
-            raise RunFailed(f"{log}.{n} has no {prefix.strip()} line; {path}:\n{tail(path)}")
-        results.append(found)
-    return results
+    """The JSON each of the first ``count`` roles printed after ``prefix`` into ``log_dir/log.N`` (:func:`role_result`)."""
+    return [role_result(os.path.join(log_dir, f"{log}.{n}"), prefix) for n in range(count)]
 
 
 def job_s_results(log_dir: str, trainers: int) -> List[dict]:

@@ -1,0 +1,232 @@
+"""Job S across hosts: this project (async, sync) and TorchRec, on network namespaces joined by a bridge.
+
+Usage (root: it creates network namespaces)::
+
+    python -m benchmarks.bench_hosts [--layouts split,colocated] [--links unshaped,10gbit]
+                                     [--systems torchrec,ours-async,ours-sync] [--rounds 3] [--json FILE]
+
+Job S is the peers' (``../shared/peers/jobs.py``): 26 slots of 1M ids x 16, MLP 429-256-128-1,
+global batch 1,024 (split over the trainers), 20 warm-up + 200 timed steps, AUC on 2,000
+held-out examples. Every host is a network namespace of ``common/netns.py`` on one bridge, with
+its own address; what crosses between hosts is real TCP through veths, counted at every host's
+interface. Roles are placed by a layout (``common/host_layouts.py``):
+
+- ``split``: pservers on hosts 1-2, trainers on hosts 3-4. TorchRec's two ranks run on the
+  trainer hosts (it has no pservers; hosts 1-2 idle).
+- ``colocated``: four hosts, each one pserver and one trainer (batch 256 each); TorchRec runs
+  four ranks, one per host (batch 256 each).
+
+This project runs as users would run it on real machines: ``ps-launch --servers ... --workers
+... --host IP`` on every host (``benchmarks/jobs/job_s.py``), with ``--no_shared_memory`` (the
+namespaces share /dev/shm, real hosts do not: every byte goes through gRPC and TCP). TorchRec
+runs ``torchrec_ctr.py``'s own worker per rank (``jobs/torchrec_rank.py``, gloo over TCP,
+``GLOO_SOCKET_IFNAME`` the host's interface), in its venv (``shared/peers/setup_torchrec.sh``).
+
+Links (``--links``): ``unshaped`` (veths as fast as the CPU moves them) or a rate (``10gbit``,
+``1gbit``) given to every host's link each way (``netns.Hosts``). A delay needs the kernel's
+netem, which this machine's kernel lacks: ``--delay`` is passed on where it exists.
+
+Rounds alternate the systems (the order rotates each round). Per layout and link: examples/s
+median [min-max], the ratio to TorchRec round by round, AUC, and bytes on the wire per trained
+example (every host's transmitted bytes over the whole run, start and evaluation included, over
+the warm-up and timed examples), and the machine's other load. Output: a Markdown table and
+every run in ``--json`` (default ``benchmarks/results/bench_hosts.json``).
+``python -m benchmarks.common.netns cleanup`` removes namespaces left by a SIGKILLed run.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import statistics
+import sys
+import tempfile
+from typing import Dict, List, Optional
+
+from benchmarks.common.host_layouts import HostLayout, parse_layout, per_host_commands
+from benchmarks.common.machine import OtherLoad
+from benchmarks.common.netns import IFNAME, Hosts, NetnsError
+from benchmarks.common.paths import DEFAULT_PEERS, REPO, RESULTS, job_script, peer_module, pythonpath_with_repo
+from benchmarks.common.peer_runners import role_result, venv_problem
+from benchmarks.common.processes import Command, RunFailed, stop_on_signals
+
+SYSTEMS = ("torchrec", "ours-async", "ours-sync")
+GLOBAL_BATCH = 1024
+PS_PORT, GLOO_PORT = 6200, 29600
+
+log = logging.getLogger("bench_hosts")
+
+
+def base_env() -> Dict[str, str]:
+    """This environment without proxy variables (gRPC would send 10.231.x.x to a proxy), plus the repo path."""
+    env = {k: v for k, v in os.environ.items()
+           if k.lower() not in ("http_proxy", "https_proxy", "all_proxy", "grpc_proxy", "no_proxy")}
+    env.update(PYTHONPATH=pythonpath_with_repo(), PYTHONUNBUFFERED="1", GLOO_SOCKET_IFNAME=IFNAME)
+    return env
+
+
+def wait_all(commands: Dict[str, Command], timeout: float) -> None:
+    """Wait for every command (one deadline for all); RunFailed naming the first that failed."""
+    for what, c in commands.items():
+        rc = c.wait(timeout, what)
+        if rc != 0:
+            raise RunFailed(f"{what} exited with status {rc}; log {c.log_path}")
+
+
+def run_ours(hosts: Hosts, layout: HostLayout, sync: bool, args, workdir: str, index: int) -> dict:
+    """Job S on this project: ps-launch per host, as on real machines; throughput and AUC from its trainers."""
+    batch = GLOBAL_BATCH // len(layout.trainers)
+    script = [job_script("job_s"), "--peers", args.peers, "--warmup", str(args.warmup), "--steps", str(args.steps),
+              "--batch", str(batch), "--eval_examples", str(args.eval), "--no_shared_memory",
+              *([] if sync else ["--async"])]
+    cmds = per_host_commands(layout, hosts.ip, PS_PORT + 10 * index, lambda h: os.path.join(workdir, f"host{h}"),
+                             script)
+    running: Dict[str, Command] = {}
+    try:
+        for h, cmd in cmds.items():
+            running[f"ps-launch on host {h}"] = Command(hosts.cmd(h, *cmd), os.path.join(workdir, f"launch{h}.log"),
+                                                        env=base_env(), cwd=REPO)
+        wait_all(running, args.timeout)
+    finally:
+        for c in running.values():
+            c.stop()
+    res = [role_result(os.path.join(workdir, f"host{h}", f"workerlog.{j}")) for j, h in enumerate(layout.trainers)]
+    span = max(r["end"] for r in res) - min(r["start"] for r in res)
+    return {"examples_s": sum(r["examples"] for r in res) / span, "auc": res[0].get("auc"), "batch": batch}
+
+
+def run_torchrec(hosts: Hosts, layout: HostLayout, args, workdir: str, index: int) -> dict:
+    """Job S on TorchRec: one rank per trainer host, gloo over TCP between them; rank 0's result."""
+    world = len(layout.trainers)
+    batch = GLOBAL_BATCH // world
+    out = os.path.join(workdir, "torchrec.json")
+    running: Dict[str, Command] = {}
+    try:
+        for rank, h in enumerate(layout.trainers):
+            cmd = [args.torchrec_python, os.path.join(REPO, "benchmarks", "jobs", "torchrec_rank.py"),
+                   "--peers", args.peers, "--rank", str(rank), "--world", str(world),
+                   "--master", hosts.ip(layout.trainers[0]), "--port", str(GLOO_PORT + index),
+                   "--out", out, "--steps", str(args.steps), "--warmup", str(args.warmup), "--batch", str(batch)]
+            running[f"TorchRec rank {rank} on host {h}"] = Command(
+                hosts.cmd(h, *cmd), os.path.join(workdir, f"rank{rank}.log"), env=base_env())
+        wait_all(running, args.timeout)
+    finally:
+        for c in running.values():
+            c.stop()
+    with open(out) as f:
+        r = json.load(f)
+    return {"examples_s": r["examples_per_s"], "auc": r["auc"], "batch": batch, "plan": r.get("plan")}
+
+
+def run_one(system: str, hosts: Hosts, layout: HostLayout, link: str, rnd: int, index: int, args) -> dict:
+    """One run of ``system`` on ``layout``: its figures, the bytes every host sent, the other load."""
+    workdir = os.path.join(args.work, f"{link}-{layout.name.replace(':', '_')}-{rnd}-{system}")
+    os.makedirs(workdir, exist_ok=True)
+    before = {h: hosts.counters(h) for h in hosts.numbers()}
+    with OtherLoad() as load:
+        if system == "torchrec":
+            row = run_torchrec(hosts, layout, args, workdir, index)
+        else:
+            row = run_ours(hosts, layout, system == "ours-sync", args, workdir, index)
+    sent = sum(hosts.moved(before[h], hosts.counters(h))["tx_bytes"] for h in hosts.numbers())
+    trained = (args.warmup + args.steps) * GLOBAL_BATCH
+    row.update(system=system, layout=layout.name, link=link, round=rnd, wire_bytes=sent,
+               wire_bytes_per_example=sent / trained, other_load=load.cores, wall_s=load.wall)
+    log.info("%s, %s, %s, round %d: %.0f examples/s, AUC %s, %.0f bytes on the wire per example, other load %.2f",
+             link, layout.name, system, rnd, row["examples_s"], row["auc"], row["wire_bytes_per_example"], load.cores)
+    return row
+
+
+def table(rows: List[dict]) -> str:
+    """Markdown: per link and layout, each system's median [min-max], its ratio to TorchRec per round, AUC, bytes."""
+    out = ["| link | layout | system | examples/s median [min-max] | vs TorchRec, round by round | AUC | "
+           "wire bytes / example | other load |", "|---|---|---|---|---|---|---|---|"]
+    for link, layout in dict.fromkeys((r["link"], r["layout"]) for r in rows):  # in the order they ran
+        mine = [r for r in rows if (r["link"], r["layout"]) == (link, layout)]
+        ref = {r["round"]: r["examples_s"] for r in mine if r["system"] == "torchrec"}
+        for system in dict.fromkeys(r["system"] for r in mine):
+            runs = sorted((r for r in mine if r["system"] == system), key=lambda r: r["round"])
+            xs = [r["examples_s"] for r in runs]
+            ratios = [r["examples_s"] / ref[r["round"]] for r in runs if r["round"] in ref]
+            vs = "-"
+            if ratios:
+                vs = ", ".join(f"{x:.2f}" for x in ratios) + f": **{statistics.median(ratios):.2f}x**"
+            out.append(f"| {link} | {layout} | {system} | "
+                       f"{statistics.median(xs):,.0f} [{min(xs):,.0f}-{max(xs):,.0f}] | {vs} | "
+                       f"{statistics.median(r['auc'] for r in runs):.3f} | "
+                       f"{statistics.median(r['wire_bytes_per_example'] for r in runs):,.0f} | "
+                       f"{max(r['other_load'] for r in runs):.2f} |")
+    return "\n".join(out)
+
+
+def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--layouts", default="split,colocated",
+                   help="comma-separated (common/host_layouts.py; default %(default)s)")
+    p.add_argument("--links", default="unshaped,10gbit",
+                   help="comma-separated: unshaped, or a rate per host link such as 10gbit (default %(default)s)")
+    p.add_argument("--delay", default=None, help="one-way delay per link (needs the kernel's netem)")
+    p.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated, of %(default)s")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--steps", type=int, default=200, help="timed steps (default %(default)s)")
+    p.add_argument("--warmup", type=int, default=20)
+    p.add_argument("--eval", type=int, default=2000, help="held-out examples for the AUC (default %(default)s)")
+    p.add_argument("--peers", default=DEFAULT_PEERS)
+    p.add_argument("--torchrec-python", default=os.path.join(tempfile.gettempdir(), "torchrec-venv", "bin", "python"))
+    p.add_argument("--timeout", type=float, default=600.0, help="per run, s")
+    p.add_argument("--work", default=None, help="logs of every run (default: a temporary folder)")
+    p.add_argument("--json", default=os.path.join(RESULTS, "bench_hosts.json"))
+    args = p.parse_args(argv)
+    try:
+        args.layouts = [parse_layout(x) for x in args.layouts.split(",")]
+    except ValueError as e:
+        p.error(str(e))
+    args.links = args.links.split(",")
+    args.systems = args.systems.split(",")
+    unknown = [s for s in args.systems if s not in SYSTEMS]
+    if unknown or args.rounds < 1 or args.steps < 1 or args.warmup < 0:
+        p.error(f"systems of {SYSTEMS} (got {unknown or 'ok'}); --rounds, --steps >= 1, --warmup >= 0")
+    if any(GLOBAL_BATCH % len(lay.trainers) for lay in args.layouts):
+        p.error(f"every layout's trainers must divide the global batch of {GLOBAL_BATCH}")
+    if "torchrec" in args.systems:
+        problem = venv_problem(args.torchrec_python, "torchrec", "setup_torchrec.sh")
+        if problem:
+            p.error(problem)
+    peer_module(args.peers, "jobs")  # fails early, naming the folder, when the peers are not there
+    return args
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if os.geteuid() != 0:
+        log.error("network namespaces need root")
+        return 2
+    stop_on_signals()  # so the `with` blocks stop the children and remove the namespaces
+    args.work = args.work or tempfile.mkdtemp(prefix="bench_hosts-")
+    rows: List[dict] = []
+    index = 0
+    try:
+        for link in args.links:
+            rate = None if link == "unshaped" else link
+            with Hosts(max(lay.hosts for lay in args.layouts), rate=rate, delay=args.delay) as hosts:
+                for layout in args.layouts:
+                    for rnd in range(args.rounds):
+                        k = rnd % len(args.systems)
+                        for system in args.systems[k:] + args.systems[:k]:
+                            rows.append(run_one(system, hosts, layout, link, rnd, index, args))
+                            index += 1
+    except (RunFailed, NetnsError) as e:
+        log.error("%s (logs in %s)", e, args.work)
+        return 1
+    finally:
+        if rows:
+            with open(args.json, "w") as f:
+                json.dump({"argv": sys.argv[1:], "runs": rows}, f, indent=1)
+    print(table(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
