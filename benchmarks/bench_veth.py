@@ -1,17 +1,24 @@
-"""Job D across two network namespaces ("hosts" on a bridge, real TCP), and on loopback, side by side.
+"""Job D across network namespaces ("hosts" on a bridge, real TCP), and on loopback, side by side.
 
 Usage (root: it creates network namespaces)::
 
     python -m benchmarks.bench_veth [--rounds 3] [--configs ps-veth,rpc-veth,...] [--steps 30]
-                                    [--warmup 5] [--rate 10gbit] [--delay 0.1ms] [--json FILE]
+                                    [--warmup 5] [--layout pair|split|colocated:2] [--rate 10gbit]
+                                    [--delay 0.1ms] [--json FILE]
 
 Job D is the peers' (``../shared/peers/jobs.py``): MLP 512-2048-2048-2048-10
 (37.9 MB fp32), SGD lr 0.01, 2 trainers of batch 256, 5 warm-up + 30 timed
 steps, every trainer on ``jobs.dense_batch(step, rank)``, and the same initial
 weights everywhere (so the losses of all configurations agree). Each role is
-its own OS process started with ``ip netns exec``; ``common/netns.py`` makes the two
-namespaces ("host 1" at 10.231.N.1, "host 2" at 10.231.N.2) once for the whole
+its own OS process started with ``ip netns exec``; ``common/netns.py`` makes the
+namespaces ("host 1" at 10.231.N.1, "host 2" at 10.231.N.2, ...) once for the whole
 run and removes them at the end, also on errors, Ctrl-C and SIGTERM.
+
+``--layout`` places the roles of the ``*-veth`` configurations (``common/host_layouts.py``):
+``pair`` (the default, as described below: pservers in host 1, trainers in host 2), ``split``
+(pserver i in host i, trainer j in host 3 + j; DDP's ranks and the rpc PS's trainers on the
+trainer hosts) or ``colocated:2`` (pserver i and trainer i in host i + 1: half of each trainer's
+blocks stay on its host). The ``*-lo`` configurations always run in host 1.
 
 Configurations (``--configs``, default all, in this order):
 
@@ -48,11 +55,12 @@ Configurations (``--configs``, default all, in this order):
 Rounds alternate the configurations (the order rotates each round). Per
 configuration, medians [min-max] over rounds: samples/s (all trainers'
 samples / the slowest trainer's timed wall time), ratios against DDP and the
-torch RPC PS on the same link (per-round ratios), MB through the veth per
-timed step (both directions, read by the workers from their namespace's
-veth counters around their timed steps), that as a share of the payload
-(PS: 2 trainers x (gradients + parameters); DDP: 2 x the model, ring
-all-reduce of 2 ranks), and the machine's other load (CPU cores busy with
+torch RPC PS on the same link (per-round ratios), MB between the hosts per
+step (what every host's interface sent over the whole run, start included,
+over the warm-up and timed steps), that as a share of the payload the layout
+must move between hosts (PS: 2 trainers x (gradients + parameters) times the
+share of trainer-pserver pairs on different hosts; DDP, one rank per host:
+2 x the model, ring all-reduce of 2 ranks), and the machine's other load (CPU cores busy with
 anything else, from /proc/stat). A check that the traffic did cross the veth
 (>= 90% of the payload for ``*-veth`` over TCP) and did not for ``*-lo``
 fails the run (exit 1) if not met. ``--rate`` / ``--delay`` shape both veth
@@ -83,6 +91,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 from benchmarks.reports.dense import summarize
 from benchmarks.common.dense_runs import Processes
 from benchmarks.common.machine import OtherLoad
+from benchmarks.common.host_layouts import HostLayout, parse_layout
 from benchmarks.common.netns import IFNAME, Hosts, NetnsError
 from benchmarks.common.paths import DEFAULT_PEERS, RESULTS, peer_module, pythonpath_with_repo
 from benchmarks.common.processes import RunFailed, die_with_parent, stop_on_signals
@@ -132,20 +141,21 @@ def role_env(hosts: Hosts, host: int, link: str, peers: str, **extra: str) -> Di
 
 
 class ConnectionSampler:
-    """Counts host 2's established TCP connections to host 1 every ``period`` s in a thread; ``peak`` is the most.
+    """Counts ``host``'s established TCP connections to the other hosts every ``period`` s in a thread; ``peak``
+    is the most.
 
     Tells which TensorPipe channel carried the tensors across the veth:
     ``mpt_uv`` opens 16 TCP lanes per pipe, ``basic`` none beyond the pipe's own.
     """
 
-    def __init__(self, hosts: Hosts, period: float = 0.5):
-        self.hosts, self.period, self.peak = hosts, period, 0
+    def __init__(self, hosts: Hosts, host: int, period: float = 0.5):
+        self.hosts, self.host, self.period, self.peak = hosts, host, period, 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="conn-sampler", daemon=True)
 
     def _run(self) -> None:
         while not self._stop.wait(self.period):
-            self.peak = max(self.peak, self.hosts.tcp_connections(2))
+            self.peak = max(self.peak, self.hosts.tcp_connections(self.host))
 
     def __enter__(self) -> "ConnectionSampler":
         self._thread.start()
@@ -158,33 +168,52 @@ class ConnectionSampler:
 
 # -- one run of each system ------------------------------------------------------
 
+def placed(layout: HostLayout, link: str) -> HostLayout:
+    """Where the roles run: as ``layout`` across the veths, or every role on host 1 on loopback."""
+    if link == "veth":
+        return layout
+    return HostLayout("lo", (1,) * len(layout.pservers), (1,) * len(layout.trainers))
+
+
+def address(hosts: Hosts, host: int, link: str) -> str:
+    """A role's address on ``host``: the host's own across the veths, 127.0.0.1 on loopback."""
+    return hosts.ip(host) if link == "veth" else "127.0.0.1"
+
+
 def run_ps(procs: NsProcesses, hosts: Hosts, link: str, ports: List[int], args) -> Tuple[List[dict], List[dict]]:
-    """2 pservers (host 1) and 2 trainers (host 2, or host 1 on lo); (trainer results, pserver results)."""
-    server_ip = hosts.ip(1) if link == "veth" else "127.0.0.1"
-    trainer_host = 2 if link == "veth" else 1
-    endpoints = [f"{server_ip}:{p}" for p in ports[:PSERVERS]]
+    """2 pservers and 2 trainers placed by ``args.layout`` (all in host 1 on lo); (trainer results, pserver results)."""
+    layout = placed(args.layout, link)
+    endpoints = [f"{address(hosts, h, link)}:{p}" for h, p in zip(layout.pservers, ports)]
     common = {"PADDLE_PSERVERS_IP_PORT_LIST": ",".join(endpoints), "PADDLE_TRAINERS_NUM": str(TRAINERS)}
     servers = [f"pserver{i}" for i in range(PSERVERS)]
     trainers = [f"trainer{i}" for i in range(TRAINERS)]
-    for name, port in zip(servers, ports):
-        procs.spawn_in(hosts, 1, name, "pserver",
-                       role_env(hosts, 1, link, args.peers, **common, TRAINING_ROLE="PSERVER",
-                                POD_IP=server_ip, PADDLE_PORT=str(port)))
-    for i, name in enumerate(trainers):
-        procs.spawn_in(hosts, trainer_host, name, "trainer",
-                       role_env(hosts, trainer_host, link, args.peers, **common, TRAINING_ROLE="TRAINER",
+    for name, host, port in zip(servers, layout.pservers, ports):
+        procs.spawn_in(hosts, host, name, "pserver",
+                       role_env(hosts, host, link, args.peers, **common, TRAINING_ROLE="PSERVER",
+                                POD_IP=address(hosts, host, link), PADDLE_PORT=str(port)))
+    for i, (name, host) in enumerate(zip(trainers, layout.trainers)):
+        procs.spawn_in(hosts, host, name, "trainer",
+                       role_env(hosts, host, link, args.peers, **common, TRAINING_ROLE="TRAINER",
                                 PADDLE_TRAINER_ID=str(i)))
     procs.wait(trainers, time.monotonic() + args.timeout, "the trainers")
     procs.wait(servers, time.monotonic() + PSERVER_EXIT_GRACE, "the pservers to exit after all trainers closed")
     return procs.results(trainers), procs.results(servers)
 
 
+def ddp_hosts(layout: HostLayout) -> Tuple[int, ...]:
+    """Where DDP's ranks run across the veths: one per host, as DDP is run across hosts."""
+    trainers = layout.trainers
+    return trainers if len(set(trainers)) == len(trainers) else tuple(range(1, len(trainers) + 1))
+
+
 def run_ddp(procs: NsProcesses, hosts: Hosts, link: str, ports: List[int], args) -> List[dict]:
-    """2 DDP ranks over gloo: rank 0 in host 1 (the master), rank 1 in host 2 (host 1 on lo); their results."""
-    master = hosts.ip(1) if link == "veth" else "127.0.0.1"
+    """2 DDP ranks over gloo, one per host: the layout's trainer hosts, or hosts 1 and 2 where its trainers share
+    one (``pair``); all in host 1 on lo. Rank 0's host is the master. Their results."""
+    on = ddp_hosts(args.layout) if link == "veth" else (1,) * TRAINERS
+    master = address(hosts, on[0], link)
     names = [f"ddp{r}" for r in range(TRAINERS)]
     for rank, name in enumerate(names):
-        host = 1 if link == "lo" or rank == 0 else 2
+        host = on[rank]
         procs.spawn_in(hosts, host, name, "ddp", role_env(
             hosts, host, link, args.peers, MASTER_ADDR=master, MASTER_PORT=str(ports[0]),
             RANK=str(rank), WORLD_SIZE=str(TRAINERS)))
@@ -193,14 +222,16 @@ def run_ddp(procs: NsProcesses, hosts: Hosts, link: str, ports: List[int], args)
 
 
 def run_rpc(procs: NsProcesses, hosts: Hosts, config: Config, ports: List[int], args) -> dict:
-    """The torch RPC PS: ranks ps0, ps1 in host 1, trainers in host 2 (host 1 on lo); rank 0's record."""
+    """The torch RPC PS: ranks ps0, ps1 on the layout's pserver hosts, trainers on its trainer hosts (host 1 on lo);
+    rank 0's record."""
     link = config.link
-    master = hosts.ip(1) if link == "veth" else "127.0.0.1"
+    layout = placed(args.layout, link)
+    master = address(hosts, layout.pservers[0], link)
     world = PSERVERS + TRAINERS
     tp = (["--transports", "uv", "--channels", args.tp_channels] if config.tcp_only else [])
     names = [f"ps{r}" if r < PSERVERS else f"trainer{r - PSERVERS}" for r in range(world)]
     for rank, name in enumerate(names):
-        host = 1 if link == "lo" or rank < PSERVERS else 2
+        host = layout.pservers[rank] if rank < PSERVERS else layout.trainers[rank - PSERVERS]
         procs.spawn_in(hosts, host, name, "rpc", role_env(hosts, host, link, args.peers, BENCH_MASTER_ADDR=master),
                        ["--rank", str(rank), "--world", str(world), "--ps", str(PSERVERS),
                         "--init", f"tcp://{master}:{ports[0]}", *tp])
@@ -210,16 +241,23 @@ def run_rpc(procs: NsProcesses, hosts: Hosts, config: Config, ports: List[int], 
 
 # -- figures ---------------------------------------------------------------------
 
-def payload_per_step(system: str, spec: Spec) -> float:
-    """Bytes a step must move between the hosts: PS, each trainer's gradients and parameters; DDP, 2 x the model."""
+def payload_per_step(system: str, spec: Spec, layout: HostLayout) -> float:
+    """Bytes a step must move between the hosts of ``layout``.
+
+    PS (and the rpc PS): each trainer's gradients and parameters, times the share of (trainer,
+    pserver) pairs on different hosts (the blocks are dealt evenly); DDP (one rank per host): 2 x the
+    model, a ring all-reduce of 2 ranks.
+    """
     model = param_bytes(spec.sizes)
     if system in ("ps", "rpc"):
-        return TRAINERS * (1.5 if spec.grad_wire_dtype else 2) * model  # a narrow push is half a float32 one
+        pairs = [(t, p) for t in layout.trainers for p in layout.pservers]
+        remote = sum(t != p for t, p in pairs) / len(pairs)
+        return remote * TRAINERS * (1.5 if spec.grad_wire_dtype else 2) * model  # a narrow push is half a float32 one
     return 2 * (TRAINERS - 1) * model
 
 
 def _veth_per_step(results: List[dict]) -> Optional[float]:
-    """Mean over workers of the veth bytes (rx + tx) per timed step they counted; None if not counted."""
+    """Mean over workers of their host's interface bytes (rx + tx) per timed step they counted; None if not counted."""
     counted = [(r["veth_rx_bytes"] + r["veth_tx_bytes"]) / r["steps"] for r in results if "veth_rx_bytes" in r]
     return sum(counted) / len(counted) if counted else None
 
@@ -230,8 +268,8 @@ def run_one(name: str, rnd: int, index: int, hosts: Hosts, args, workdir: str) -
     ports = [21000 + 10 * (index % 2000) + k for k in range(4)]  # fresh ports each run: no TIME_WAIT reuse
     spec = dataclasses.replace(args.spec, grad_wire_dtype=config.wire, shared_memory=config.shared)
     with OtherLoad() as load:
-        link_before = hosts.counters(2)
-        with ConnectionSampler(hosts) as conns, NsProcesses(workdir, spec) as procs:
+        before = {h: hosts.counters(h) for h in hosts.numbers()}
+        with ConnectionSampler(hosts, args.layout.trainers[0]) as conns, NsProcesses(workdir, spec) as procs:
             if config.system == "ps":
                 workers, servers = run_ps(procs, hosts, config.link, ports, args)
                 row = summarize(name, spec, workers, servers)
@@ -249,15 +287,21 @@ def run_one(name: str, rnd: int, index: int, hosts: Hosts, args, workdir: str) -
                        "update_ms": rec["trainer_comm_wait_ms_per_step"],
                        "losses_first_last": [rec["first_loss"], rec["final_loss"]], "rpc": rec}
                 veth = _veth_per_step([{**t, "steps": spec.steps} for t in rec["per_trainer"]])
-        moved = hosts.moved(link_before, hosts.counters(2))
+        moved = {h: hosts.moved(before[h], hosts.counters(h)) for h in hosts.numbers()}
+    # Every byte between two hosts leaves exactly one host's interface: what they all sent is what crossed.
+    sent = sum(m["tx_bytes"] for m in moved.values())
+    sent_per_step = sent / (spec.warmup + spec.steps)
+    payload = payload_per_step(config.system, spec, args.layout)  # on lo too: what it would have had to move
     row.pop("losses", None)
     row.update({
         "round": rnd, "system": config.system, "link": config.link, "tcp_only": config.tcp_only,
         "wall_s": load.wall,
         "other_load": load.cores,
-        "veth_mb_step": (veth or 0.0) / 1e6,
-        "veth_share": (veth or 0.0) / payload_per_step(config.system, spec),
-        "veth_mb_run": (moved["rx_bytes"] + moved["tx_bytes"]) / 1e6, "veth_run_bytes": moved,
+        "layout": args.layout.name,
+        "veth_mb_step": sent_per_step / 1e6,
+        "veth_share": sent_per_step / payload if payload else 0.0,
+        "veth_mb_run": sent / 1e6, "veth_run_bytes": moved,
+        "workers_veth_mb_step": (veth or 0.0) / 1e6,
         "veth_tcp_conns_peak": conns.peak,
     })
     return row
@@ -272,6 +316,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help=f"comma-separated, from {', '.join(CONFIGS)} (default: all)")
     p.add_argument("--steps", type=int, default=None, help="timed steps per run (default: jobs.py's, 30)")
     p.add_argument("--warmup", type=int, default=None, help="untimed steps first (default: jobs.py's, 5)")
+    p.add_argument("--layout", default="pair",
+                   help="where the roles run across the veths (common/host_layouts.py): pair (default: pservers "
+                        "on host 1, trainers on host 2), split (pservers on hosts 1-2, trainers on 3-4) or "
+                        "colocated:2 (a pserver and a trainer on each of 2 hosts)")
     p.add_argument("--rate", help="shape each veth end to this rate (tc syntax, e.g. 10gbit); off by default")
     p.add_argument("--delay", help="one-way delay on each veth end (tc netem, e.g. 0.1ms); off by default")
     p.add_argument("--tp-channels", dest="tp_channels", default="mpt_uv,basic",
@@ -283,6 +331,13 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="every run's figures (default %(default)s)")
     p.add_argument("--logdir", help="keep worker logs here (default: a temp dir, kept on failure)")
     args = p.parse_args(argv)
+    try:
+        args.layout = parse_layout(args.layout)
+    except ValueError as e:
+        p.error(str(e))
+    if (len(args.layout.pservers), len(args.layout.trainers)) != (PSERVERS, TRAINERS):
+        p.error(f"job D runs {PSERVERS} pservers and {TRAINERS} trainers; layout {args.layout.name} places "
+                f"{len(args.layout.pservers)} and {len(args.layout.trainers)} (colocated: use colocated:2)")
     args.configs = [c.strip() for c in args.configs.split(",") if c.strip()]
     unknown = [c for c in args.configs if c not in CONFIGS]
     if unknown or not args.configs:
@@ -319,7 +374,7 @@ def main(argv=None) -> int:
     rows: List[dict] = []
     ok = False
     try:
-        with Hosts(2, rate=args.rate, delay=args.delay) as hosts:
+        with Hosts(args.layout.hosts, rate=args.rate, delay=args.delay) as hosts:
             index = 0
             for rnd in range(args.rounds):
                 k = rnd % len(args.configs)
@@ -344,7 +399,7 @@ def main(argv=None) -> int:
         if rows and args.json:
             with open(args.json, "w") as f:
                 json.dump({"spec": spec.__dict__, "configs": args.configs, "rounds": args.rounds,
-                           "shaping": shaping or None, "tp_channels": args.tp_channels,
+                           "shaping": shaping or None, "tp_channels": args.tp_channels, "layout": args.layout.name,
                            "configurations": {c: CONFIGS[c].what for c in args.configs}, "runs": rows}, f, indent=1)
         if ok and not args.logdir:
             shutil.rmtree(logdir, ignore_errors=True)
@@ -353,7 +408,8 @@ def main(argv=None) -> int:
     print()
     print(f"Job D (MLP {'-'.join(map(str, spec.sizes))}, {param_bytes(spec.sizes) / 1e6:.1f} MB, batch {spec.batch} x "
           f"{TRAINERS} trainers, {spec.warmup} + {spec.steps} steps), medians [min-max] of {args.rounds} rounds; "
-          f"veth {'shaped: ' + shaping if shaping else 'not shaped'}:")
+          f"veth {'shaped: ' + shaping if shaping else 'not shaped'}; the veth configurations' roles placed by layout "
+          f"{args.layout.name} (the host numbers below are pair's):")
     print()
     print(table(rows, args.configs))
     problems = crossing_problems(rows)

@@ -7,6 +7,7 @@ A layout places pserver ``i`` on host ``pservers[i]`` and trainer ``j`` on host
   pull crosses the network, as when pservers get machines of their own.
 - ``colocated`` (``colocated:N``): N hosts each running one pserver and one trainer (default 4),
   as Paddle's manuals recommend; a trainer's blocks on its own host's pserver stay on that host.
+- ``pair``: two pservers on host 1, two trainers on host 2 (what ``bench_veth`` measured first).
 
 :func:`per_host_commands` is the multi-host recipe users run (docs/operations.md, "Jobs across
 hosts"): the same ``ps-launch --servers ... --workers ...`` on every host, each with ``--host``
@@ -40,10 +41,12 @@ class HostLayout:
 
 
 def parse_layout(text: str) -> HostLayout:
-    """``split``, ``split:P+T``, ``colocated`` or ``colocated:N`` as a :class:`HostLayout`; ValueError otherwise."""
+    """``split``, ``split:P+T``, ``colocated``, ``colocated:N`` or ``pair`` as a :class:`HostLayout`; else ValueError."""
+    if text.strip() == "pair":
+        return HostLayout("pair", (1, 1), (2, 2))
     m = re.fullmatch(r"(split|colocated)(?::(\d+)(?:\+(\d+))?)?", text.strip())
     if not m:
-        raise ValueError(f"a layout is split, split:P+T, colocated or colocated:N; got {text!r}")
+        raise ValueError(f"a layout is split, split:P+T, colocated, colocated:N or pair; got {text!r}")
     kind, a, b = m.groups()
     if kind == "split":
         if a is not None and b is None:

@@ -94,7 +94,7 @@ def table(rows: List[dict], configs: Sequence[str]) -> str:
         vs_rpc = _per_round(rs, rpc) if rpc and rs is not rpc else []
         losses = rs[0]["losses_first_last"]
         lines.append("| " + " | ".join([
-            c, "veth (2 hosts)" if cfg.link == "veth" else "loopback (1 host)",
+            c, "veth (across hosts)" if cfg.link == "veth" else "loopback (1 host)",
             med([r["samples_s"] for r in rs], ".0f"),
             med(vs_ddp, ".2f") if vs_ddp else "-",
             med(vs_rpc, ".2f") if vs_rpc else "-",
@@ -109,10 +109,11 @@ def table(rows: List[dict], configs: Sequence[str]) -> str:
     legend = [f"- `{c}`: {CONFIGS[c].what}" for c in configs] + [
         "- samples/s: both trainers' samples / the slower one's timed wall time; ratios: per round, "
         "against the same link's DDP and TCP-only torch rpc PS run.",
-        "- MB over the veth per step: rx + tx of the veth during the trainers' timed steps (read by each "
-        "trainer / rank in its namespace, mean); of the payload: PS, 2 trainers x (gradients + parameters); "
-        "DDP, 2 x the model (ring all-reduce of 2 ranks). TCP conns: peak of host 2's established "
-        "connections to host 1 (mpt_uv opens 16 lanes per TensorPipe pipe).",
+        "- MB over the veth per step: what every host's interface sent over the whole run (start included) "
+        "per warm-up and timed step; of the payload: what the layout must move between hosts (PS, 2 trainers "
+        "x (gradients + parameters) x the share of trainer-pserver pairs on different hosts; DDP, one rank per "
+        "host, 2 x the model). TCP conns: peak of trainer 0's host's established "
+        "connections to the other hosts (mpt_uv opens 16 lanes per TensorPipe pipe).",
         "- comm / update ms: this product, `tr.step()` (push, sync wait, pull); torch rpc PS, the wait for "
         "`update_and_fetch`; DDP, `opt.step()` only (its all-reduce overlaps backward, in the step time).",
         "- other load: CPU cores busy with anything but this benchmark during the run (from /proc/stat).",

@@ -14,6 +14,7 @@ from benchmarks.common.netns import NetnsError, shaping_qdisc
     ("colocated", (1, 2, 3, 4), (1, 2, 3, 4), 4),
     ("colocated:2", (1, 2), (1, 2), 2),
     ("colocated:1", (1,), (1,), 1),
+    ("pair", (1, 1), (2, 2), 2),
 ])
 def test_a_layout_places_pservers_and_trainers_on_hosts(text, pservers, trainers, hosts):
     layout = parse_layout(text)
@@ -23,7 +24,7 @@ def test_a_layout_places_pservers_and_trainers_on_hosts(text, pservers, trainers
 @pytest.mark.parametrize("text", ["", "split:2", "split:0+2", "split:2+0", "colocated:0", "colocated:2+2",
                                   "ring", "split:a+b", "split 2+2"])
 def test_a_malformed_layout_is_refused_naming_the_forms(text):
-    with pytest.raises(ValueError, match="split, split:P\\+T, colocated or colocated:N|split|colocated"):
+    with pytest.raises(ValueError, match="split|colocated"):
         parse_layout(text)
 
 
