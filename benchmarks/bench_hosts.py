@@ -36,18 +36,20 @@ every run in ``--json`` (default ``benchmarks/results/bench_hosts.json``).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
 import statistics
 import sys
 import tempfile
-from typing import Dict, List, Optional
+import time
+from typing import Dict, List, Optional, Tuple
 
 from benchmarks.common.host_layouts import HostLayout, parse_layout, per_host_commands
 from benchmarks.common.machine import OtherLoad
-from benchmarks.common.netns import IFNAME, Hosts, NetnsError
-from benchmarks.common.paths import DEFAULT_PEERS, REPO, RESULTS, job_script, peer_module, pythonpath_with_repo
+from benchmarks.common.netns import IFNAME, Hosts, NetnsError, host_env
+from benchmarks.common.paths import DEFAULT_PEERS, REPO, RESULTS, job_script, peer_module
 from benchmarks.common.peer_runners import role_result, venv_problem
 from benchmarks.common.processes import Command, RunFailed, stop_on_signals
 
@@ -58,20 +60,20 @@ PS_PORT, GLOO_PORT = 6200, 29600
 log = logging.getLogger("bench_hosts")
 
 
-def base_env() -> Dict[str, str]:
-    """This environment without proxy variables (gRPC would send 10.231.x.x to a proxy), plus the repo path."""
-    env = {k: v for k, v in os.environ.items()
-           if k.lower() not in ("http_proxy", "https_proxy", "all_proxy", "grpc_proxy", "no_proxy")}
-    env.update(PYTHONPATH=pythonpath_with_repo(), PYTHONUNBUFFERED="1", GLOO_SOCKET_IFNAME=IFNAME)
-    return env
+def run_in_hosts(hosts: Hosts, commands: Dict[str, Tuple[int, List[str], str]], timeout: float) -> None:
+    """Run ``{what: (host, argv, log)}`` at once, each in its host, to completion within one deadline.
 
-
-def wait_all(commands: Dict[str, Command], timeout: float) -> None:
-    """Wait for every command (one deadline for all); RunFailed naming the first that failed."""
-    for what, c in commands.items():
-        rc = c.wait(timeout, what)
-        if rc != 0:
-            raise RunFailed(f"{what} exited with status {rc}; log {c.log_path}")
+    RunFailed names the first that failed or ran past it; every command and what it started is
+    stopped on the way out, whatever happened.
+    """
+    deadline = time.monotonic() + timeout
+    with contextlib.ExitStack() as running:
+        started = {what: running.enter_context(Command(hosts.cmd(host, *argv), log, env=host_env(
+            GLOO_SOCKET_IFNAME=IFNAME), cwd=REPO)) for what, (host, argv, log) in commands.items()}
+        for what, c in started.items():
+            rc = c.wait(max(0.0, deadline - time.monotonic()), what)
+            if rc != 0:
+                raise RunFailed(f"{what} exited with status {rc}; log {c.log_path}")
 
 
 def run_ours(hosts: Hosts, layout: HostLayout, sync: bool, args, workdir: str, index: int) -> dict:
@@ -82,15 +84,8 @@ def run_ours(hosts: Hosts, layout: HostLayout, sync: bool, args, workdir: str, i
               *([] if sync else ["--async"])]
     cmds = per_host_commands(layout, hosts.ip, PS_PORT + 10 * index, lambda h: os.path.join(workdir, f"host{h}"),
                              script)
-    running: Dict[str, Command] = {}
-    try:
-        for h, cmd in cmds.items():
-            running[f"ps-launch on host {h}"] = Command(hosts.cmd(h, *cmd), os.path.join(workdir, f"launch{h}.log"),
-                                                        env=base_env(), cwd=REPO)
-        wait_all(running, args.timeout)
-    finally:
-        for c in running.values():
-            c.stop()
+    run_in_hosts(hosts, {f"ps-launch on host {h}": (h, cmd, os.path.join(workdir, f"launch{h}.log"))
+                         for h, cmd in cmds.items()}, args.timeout)
     res = [role_result(os.path.join(workdir, f"host{h}", f"workerlog.{j}")) for j, h in enumerate(layout.trainers)]
     span = max(r["end"] for r in res) - min(r["start"] for r in res)
     return {"examples_s": sum(r["examples"] for r in res) / span, "auc": res[0].get("auc"), "batch": batch}
@@ -101,19 +96,14 @@ def run_torchrec(hosts: Hosts, layout: HostLayout, args, workdir: str, index: in
     world = len(layout.trainers)
     batch = GLOBAL_BATCH // world
     out = os.path.join(workdir, "torchrec.json")
-    running: Dict[str, Command] = {}
-    try:
-        for rank, h in enumerate(layout.trainers):
-            cmd = [args.torchrec_python, os.path.join(REPO, "benchmarks", "jobs", "torchrec_rank.py"),
-                   "--peers", args.peers, "--rank", str(rank), "--world", str(world),
-                   "--master", hosts.ip(layout.trainers[0]), "--port", str(GLOO_PORT + index),
-                   "--out", out, "--steps", str(args.steps), "--warmup", str(args.warmup), "--batch", str(batch)]
-            running[f"TorchRec rank {rank} on host {h}"] = Command(
-                hosts.cmd(h, *cmd), os.path.join(workdir, f"rank{rank}.log"), env=base_env())
-        wait_all(running, args.timeout)
-    finally:
-        for c in running.values():
-            c.stop()
+    ranks = {}
+    for rank, h in enumerate(layout.trainers):
+        cmd = [args.torchrec_python, os.path.join(REPO, "benchmarks", "jobs", "torchrec_rank.py"),
+               "--peers", args.peers, "--rank", str(rank), "--world", str(world),
+               "--master", hosts.ip(layout.trainers[0]), "--port", str(GLOO_PORT + index),
+               "--out", out, "--steps", str(args.steps), "--warmup", str(args.warmup), "--batch", str(batch)]
+        ranks[f"TorchRec rank {rank} on host {h}"] = (h, cmd, os.path.join(workdir, f"rank{rank}.log"))
+    run_in_hosts(hosts, ranks, args.timeout)
     with open(out) as f:
         r = json.load(f)
     return {"examples_s": r["examples_per_s"], "auc": r["auc"], "batch": batch, "plan": r.get("plan")}

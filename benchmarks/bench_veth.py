@@ -92,8 +92,8 @@ from benchmarks.reports.dense import summarize
 from benchmarks.common.dense_runs import Processes
 from benchmarks.common.machine import OtherLoad
 from benchmarks.common.host_layouts import HostLayout, parse_layout
-from benchmarks.common.netns import IFNAME, Hosts, NetnsError
-from benchmarks.common.paths import DEFAULT_PEERS, RESULTS, peer_module, pythonpath_with_repo
+from benchmarks.common.netns import IFNAME, Hosts, NetnsError, host_env
+from benchmarks.common.paths import DEFAULT_PEERS, RESULTS, peer_module
 from benchmarks.common.processes import RunFailed, die_with_parent, stop_on_signals
 from benchmarks.reports.veth import CONFIGS, CROSSED_MIN, LOOPBACK_MAX, Config, crossing_problems, table
 from benchmarks.jobs.dense_workers import Spec, param_bytes
@@ -122,20 +122,11 @@ class NsProcesses(Processes):
                 start_new_session=True, preexec_fn=die_with_parent)
 
 
-def base_env() -> Dict[str, str]:
-    """This environment without proxy variables (gRPC would send 10.231.x.x to a proxy), plus the repo path."""
-    env = {k: v for k, v in os.environ.items()
-           if k.lower() not in ("http_proxy", "https_proxy", "all_proxy", "grpc_proxy", "no_proxy")}
-    env["PYTHONPATH"] = pythonpath_with_repo()
-    env["PYTHONUNBUFFERED"] = "1"
-    return env
-
-
 def role_env(hosts: Hosts, host: int, link: str, peers: str, **extra: str) -> Dict[str, str]:
     """Environment of a role in ``host``: its veth counters, the interface gloo/TensorPipe bind, ``extra``."""
     ifname = IFNAME if link == "veth" else "lo"
     counters = hosts.sysfs_counter_paths()
-    return {**base_env(), "BENCH_VETH_COUNTERS": f"{counters['rx_bytes']},{counters['tx_bytes']}",
+    return {**host_env(), "BENCH_VETH_COUNTERS": f"{counters['rx_bytes']},{counters['tx_bytes']}",
             "BENCH_PEERS_DIR": peers, "GLOO_SOCKET_IFNAME": ifname, "TP_SOCKET_IFNAME": ifname,
             "BENCH_GLOO_SOCKET_IFNAME": ifname, "BENCH_TP_SOCKET_IFNAME": ifname, **extra}
 

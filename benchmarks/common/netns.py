@@ -44,6 +44,8 @@ import sys
 import time
 from typing import Dict, List, Optional, Sequence
 
+from .paths import pythonpath_with_repo
+
 log = logging.getLogger("netns")
 
 PREFIX_NS = "bv-"       # bv-h1-PID (hosts), bv-sw-PID (the switch)
@@ -53,6 +55,7 @@ BRIDGE = "br0"          # inside the switch's namespace
 SUBNET_BASE = "10.231"
 MAX_HOSTS = 32          # addresses .1 to .32; the switch's veth names stay within 15 characters
 COUNTERS = ("rx_bytes", "tx_bytes")
+PROXY_VARS = ("http_proxy", "https_proxy", "all_proxy", "grpc_proxy", "no_proxy")
 
 
 class NetnsError(RuntimeError):
@@ -70,6 +73,13 @@ def _run(cmd: Sequence[str], timeout: float = 20, check: bool = True) -> subproc
     if check and r.returncode != 0:
         raise NetnsError(f"`{' '.join(cmd)}` exited {r.returncode}: {r.stderr.strip()}")
     return r
+
+
+def host_env(**extra: str) -> Dict[str, str]:
+    """The environment of a process started in a host: this one without proxy variables (gRPC would send
+    10.231.x.x to a proxy), the repository first on PYTHONPATH, output unbuffered, and ``extra``."""
+    env = {k: v for k, v in os.environ.items() if k.lower() not in PROXY_VARS}
+    return {**env, "PYTHONPATH": pythonpath_with_repo(), "PYTHONUNBUFFERED": "1", **extra}
 
 
 def shaping_qdisc(rate: Optional[str], delay: Optional[str], netem: bool) -> List[str]:

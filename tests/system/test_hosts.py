@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from benchmarks.common.host_layouts import parse_layout, per_host_commands
-from benchmarks.common.netns import Hosts, NetnsError
+from benchmarks.common.netns import Hosts, NetnsError, host_env
 from benchmarks.common.processes import Command
 from tests.helpers import paths
 from tests.helpers.models import assert_state_close
@@ -61,10 +61,7 @@ def test_sync_job_across_four_hosts_launched_per_host_equals_one_process(hosts, 
               "--no_shared_memory"]
     commands = per_host_commands(layout, hosts.ip, PORT, lambda h: str(tmp_path / f"host{h}"), script)
     assert sorted(commands) == [1, 2, 3, 4]
-    env = {k: v for k, v in os.environ.items()
-           if k.lower() not in ("http_proxy", "https_proxy", "all_proxy", "grpc_proxy", "no_proxy")
-           and not k.startswith(("PADDLE_", "PS_", "TRAINING_"))}
-    env.update(PYTHONPATH=str(paths.REPO), PYTHONUNBUFFERED="1")
+    env = {k: v for k, v in host_env().items() if not k.startswith(("PADDLE_", "PS_", "TRAINING_"))}
     before = {h: hosts.counters(h) for h in hosts.numbers()}
 
     started = {}
