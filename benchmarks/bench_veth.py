@@ -32,6 +32,8 @@ Configurations (``--configs``, default all, in this order):
   same-host shortcut, as ``rpc-veth-cma``).
 - ``ps-veth-bf16``: as ``ps-veth``, gradients pushed in bfloat16
   (``grad_wire_dtype``): a quarter fewer bytes per step cross the veth.
+- ``ps-veth-lanes2``, ``ps-veth-lanes4``: as ``ps-veth``, each push-pull split across 2 or 4
+  connections per pserver (``push_lanes``).
 - ``rpc-veth``: the ``torch.distributed.rpc`` batch-updating parameter server of
   ``torch_peers.py rpc-ps-dense --ps 2`` (its classes and trainer loop,
   imported), ranks ps0, ps1 in host 1 and the 2 trainers in host 2; rendezvous
@@ -257,7 +259,8 @@ def run_one(name: str, rnd: int, index: int, hosts: Hosts, args, workdir: str) -
     """One run of configuration ``name`` in round ``rnd``: start its processes, wait, and return its figures."""
     config = CONFIGS[name]
     ports = [21000 + 10 * (index % 2000) + k for k in range(4)]  # fresh ports each run: no TIME_WAIT reuse
-    spec = dataclasses.replace(args.spec, grad_wire_dtype=config.wire, shared_memory=config.shared)
+    spec = dataclasses.replace(args.spec, grad_wire_dtype=config.wire, shared_memory=config.shared,
+                               push_lanes=config.lanes)
     with OtherLoad() as load:
         before = {h: hosts.counters(h) for h in hosts.numbers()}
         with ConnectionSampler(hosts, args.layout.trainers[0]) as conns, NsProcesses(workdir, spec) as procs:

@@ -9,6 +9,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
+from psproto.lane_blocks import MAX_LANES
+
 SPLIT_METHODS = ("RoundRobin", "HashName")
 MODES = ("pserver", "collective")
 # Paddle calls collective training "nccl2" mode; both names mean the same here.
@@ -46,6 +48,9 @@ class DistributeTranspilerConfig:
       the timeout of the rendezvous and of every collective.
     - ``rpc_timeout``: seconds; the deadline of one push or pull transfer.
     - ``chunk_bytes``: largest tensor piece per gRPC message (4 KiB to 64 MiB).
+    - ``push_lanes``: connections per pserver (1-16) a streamed push-pull (over 4 MiB; not through shared
+      memory) of at least ``push_lanes`` chunks is split across, blocks dealt by bytes (``proto/lane_blocks.py``);
+      same semantics. 1: one connection (docs/performance.md#across-hosts).
     - ``pserver_torch_threads``: torch intra-op threads in a pserver; its updates
       are memory-bound, and extra threads steal cores from trainers.
     - ``pserver_rpc_workers``: gRPC handler threads per pserver; 0 picks ``max(4, cores)``. Not per
@@ -232,6 +237,7 @@ class DistributeTranspilerConfig:
     barrier_timeout: float = 300.0
     rpc_timeout: float = 300.0
     chunk_bytes: int = 1 << 20
+    push_lanes: int = 1
     pserver_torch_threads: int = 1
     pserver_rpc_workers: int = 0
     pserver_stretches_on_loop: bool = True
@@ -291,13 +297,11 @@ class DistributeTranspilerConfig:
     def validate(self) -> None:
         """Raise ValueError naming the first field that is out of range."""
         if self.split_method not in SPLIT_METHODS:
-            raise ValueError(
-                f"split_method must be one of {SPLIT_METHODS}, got {self.split_method!r}")
+            raise ValueError(f"split_method must be one of {SPLIT_METHODS}, got {self.split_method!r}")
         if not isinstance(self.min_block_size, int) or self.min_block_size < MIN_BLOCK_SIZE_FLOOR:
-            raise ValueError(
-                f"min_block_size={self.min_block_size!r} is refused: it must be an int of at "
-                f"least {MIN_BLOCK_SIZE_FLOOR} elements, because smaller blocks cost more in "
-                f"per-message and per-update overhead than they gain in load balance")
+            raise ValueError(f"min_block_size={self.min_block_size!r} is refused: it must be an int of at "
+                             f"least {MIN_BLOCK_SIZE_FLOOR} elements, because smaller blocks cost more in "
+                             f"per-message and per-update overhead than they gain in load balance")
         if self.max_staleness is not None and (
                 not isinstance(self.max_staleness, int) or self.max_staleness < 0):
             raise ValueError(f"max_staleness must be None or an int >= 0, got {self.max_staleness!r}")
@@ -324,7 +328,9 @@ class DistributeTranspilerConfig:
             raise ValueError(f"checkpoint_keep must be an int >= 1, got {self.checkpoint_keep!r}")
         if self.export_dir is not None and (not isinstance(self.export_dir, str) or not self.export_dir):
             raise ValueError(f"export_dir must be None or a non-empty path, got {self.export_dir!r}")
-        for name, low in (("export_every", 0), ("export_base_every", 1), ("export_keep_bases", 1)):
+        for name, low in (("export_every", 0), ("export_base_every", 1), ("export_keep_bases", 1),
+                          ("pserver_rpc_workers", 0), ("push_lanes", 1), ("local_sgd_steps", 1),
+                          ("local_sgd_warmup_steps", 0)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
@@ -341,8 +347,8 @@ class DistributeTranspilerConfig:
             raise ValueError(f"nonfinite_grads must be one of {NONFINITE_GRADS}, got {self.nonfinite_grads!r}")
         if self.grad_wire_dtype not in GRAD_WIRE_DTYPES:
             raise ValueError(f"grad_wire_dtype must be one of {GRAD_WIRE_DTYPES}, got {self.grad_wire_dtype!r}")
-        if not isinstance(self.pserver_rpc_workers, int) or self.pserver_rpc_workers < 0:
-            raise ValueError(f"pserver_rpc_workers must be an int >= 0, got {self.pserver_rpc_workers!r}")
+        if self.push_lanes > MAX_LANES:
+            raise ValueError(f"push_lanes must be at most {MAX_LANES}, got {self.push_lanes!r}")
         for name in ("metrics_port", "health_port"):
             port = getattr(self, name)
             if port is not None and (isinstance(port, bool) or not isinstance(port, int) or not 0 <= port < 65536):
@@ -396,12 +402,6 @@ class DistributeTranspilerConfig:
             raise ValueError(f"bucket_cap_mb must be a positive number of MiB, got {self.bucket_cap_mb!r}")
         if not isinstance(self.use_local_sgd, bool):
             raise ValueError(f"use_local_sgd must be a bool, got {self.use_local_sgd!r}")
-        if isinstance(self.local_sgd_steps, bool) or not isinstance(self.local_sgd_steps, int) \
-                or self.local_sgd_steps < 1:
-            raise ValueError(f"local_sgd_steps must be an int >= 1, got {self.local_sgd_steps!r}")
-        if isinstance(self.local_sgd_warmup_steps, bool) or not isinstance(self.local_sgd_warmup_steps, int) \
-                or self.local_sgd_warmup_steps < 0:
-            raise ValueError(f"local_sgd_warmup_steps must be an int >= 0, got {self.local_sgd_warmup_steps!r}")
         if self.use_local_sgd and self.grad_wire_dtype is not None:
             raise ValueError("grad_wire_dtype and use_local_sgd both set DDP's communication hook; choose one")
         if self.use_local_sgd and not self.collective:

@@ -65,6 +65,8 @@ class Spec:
     grad_wire_dtype: Optional[str] = None
     # The PS trainers' DistributeTranspilerConfig.shared_memory (same-host payloads; the default).
     shared_memory: bool = True
+    # The PS trainers' DistributeTranspilerConfig.push_lanes (connections a large push-pull is split across).
+    push_lanes: int = 1
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))
@@ -187,13 +189,13 @@ def run_ddp(spec: Spec) -> dict:
 # -- parameter server ----------------------------------------------------------
 
 def transpile(spec: Spec, env):
-    """The job's DistributeTranspiler for this role: SGD program, default config but for the wire dtype and
-    shared memory."""
+    """The job's DistributeTranspiler for this role: SGD program, default config but for the wire dtype,
+    shared memory and lanes."""
     from transpiler import DistributeTranspiler, DistributeTranspilerConfig, Program
 
     program = Program(build_model(spec.sizes, spec.seed), "sgd", lr=spec.lr)
     t = DistributeTranspiler(DistributeTranspilerConfig(grad_wire_dtype=spec.grad_wire_dtype,
-                                                        shared_memory=spec.shared_memory))
+                                                        shared_memory=spec.shared_memory, push_lanes=spec.push_lanes))
     t.transpile(env.trainer_id, program=program, pservers=env.pserver_list,
                 trainers=env.trainers, sync_mode=spec.sync_mode)
     return t

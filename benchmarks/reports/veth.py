@@ -23,7 +23,7 @@ class Config:
     ``tcp_only`` restricts TensorPipe to TCP (transport uv, channels from
     ``--tp-channels``); otherwise it uses its defaults. ``wire``: the PS
     trainers push gradients in this dtype (``grad_wire_dtype``). ``shared``:
-    the PS trainers' ``shared_memory``. Only a ``tcp_only`` veth configuration
+    the PS trainers' ``shared_memory``; ``lanes``: their ``push_lanes``. Only a ``tcp_only`` veth configuration
     must move its payload across the veth (a PS one with ``shared`` is not).
     """
 
@@ -33,6 +33,7 @@ class Config:
     what: str = ""
     wire: Optional[str] = None
     shared: bool = True
+    lanes: int = 1  # the PS trainers' push_lanes
 
 
 CONFIGS: Dict[str, Config] = {
@@ -40,6 +41,10 @@ CONFIGS: Dict[str, Config] = {
                       what="this product, sync, 2 ps (host 1) x 2 trainers (host 2), shared memory off"),
     "ps-veth-bf16": Config("ps", "veth", wire="bfloat16", shared=False,
                            what="this product as ps-veth, gradients pushed in bfloat16 (grad_wire_dtype)"),
+    "ps-veth-lanes2": Config("ps", "veth", shared=False, lanes=2,
+                             what="this product as ps-veth, each push-pull split across 2 connections (push_lanes)"),
+    "ps-veth-lanes4": Config("ps", "veth", shared=False, lanes=4,
+                             what="this product as ps-veth, each push-pull split across 4 connections (push_lanes)"),
     "rpc-veth": Config("rpc", "veth", what="torch rpc PS, 2 ps (host 1) x 2 trainers (host 2), TensorPipe TCP only"),
     "ddp-veth": Config("ddp", "veth", what="DDP / gloo, rank 0 in host 1, rank 1 in host 2"),
     "rpc-veth-cma": Config("rpc", "veth", tcp_only=False,

@@ -55,6 +55,10 @@ class Contents:
         """Each dense block's torch dtype and shape: what a buffer receiving its gradient must be."""
         return {name: (DTYPES[spec.dtype], spec.shape) for name, spec in self.store.specs.items()}
 
+    def block_nbytes(self) -> Dict[str, int]:
+        """Each dense block's bytes, in plan order: what :mod:`psproto.lane_blocks` deals blocks to lanes by."""
+        return {name: spec.nbytes for name, spec in self.store.specs.items()}
+
     def expect(self, name: str) -> Optional[Expected]:
         """(dtype name, shape) a push's tensor ``name`` must have; None for a name this pserver does not hold.
 

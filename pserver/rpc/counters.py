@@ -7,9 +7,12 @@ the engine's).
 from __future__ import annotations
 
 import threading
+import time
 from typing import Dict, Tuple
 
 import grpc
+
+from psproto import ps_pb2
 
 
 class Counters:
@@ -60,3 +63,21 @@ class Counters:
             self.refused += 1
             key = (reason, code.name)
             self.refused_by[key] = self.refused_by.get(key, 0) + 1
+
+    def stats_reply(self, endpoint: str, snap, incarnation: int, uptime_s: float, replica) -> ps_pb2.StatsReply:
+        """The Stats answer: these counters beside the engine's snapshot ``snap`` and the replica's stats (or None)."""
+        last = snap.checkpoint
+        with self.lock:
+            return ps_pb2.StatsReply(
+                endpoint=endpoint, updates=snap.step, trainers_alive=snap.alive,
+                blocks=snap.blocks, block_bytes=snap.block_bytes,
+                bytes_in=self.bytes_in, bytes_out=self.bytes_out, pushes=self.pushes,
+                sync_mode=snap.sync_mode, table_rows=snap.table_rows,
+                table_bytes=snap.table_bytes, prefetches=self.prefetches,
+                incarnation=incarnation, uptime_s=uptime_s,
+                trainers_dropped=snap.dropped, refused=self.refused, shared_pushes=self.shared_pushes,
+                heartbeats=self.heartbeats,
+                checkpoint_step=last.step if last else -1, checkpoint_path=last.path if last else "",
+                checkpoint_age_s=time.time() - last.time if last else 0.0,
+                tables=[ps_pb2.TableStats(**t.to_dict()) for t in snap.tables],
+                replica=replica)

@@ -35,6 +35,7 @@ from psproto.codec import ONE_MESSAGE_BYTES, TensorReader, decode_chunk, encode_
 from psproto.wire import SERVICE, one_message
 
 from .buffers import BufferPool
+from .split_pushes import SplitPushes
 from .counters import Counters
 from ..engine import Contents, Engine
 from ..engine.reductions import Reductions, to_values
@@ -80,6 +81,7 @@ class PserverServicer:
         self.chunk_bytes = chunk_bytes
         self.counters = Counters()
         self.buffers = BufferPool(contents.block_layout())
+        self.lanes = SplitPushes(engine.waits, self._release, contents.block_nbytes())
         self.regions = SharedRegions(engine.trainers)
         self.stretches = stretches if stretches is not None else Stretches(allowed=False)
 
@@ -122,13 +124,11 @@ class PserverServicer:
         self._check_trainer(request.trainer_id)
         self._check_digest(request.layout_digest)
         if not request.incarnation:
-            raise BadRequest("Hello needs the trainer process's incarnation (a random nonzero number, one "
-                             "per process)")
+            raise BadRequest("Hello needs the trainer process's incarnation (a random nonzero number, one a process)")
         if request.join_at < 0:
             raise BadRequest(f"join_at must be >= 0, got {request.join_at}")
         last_heard, ended = self.engine.presence(request.trainer_id)
-        session = self.sessions.hello(request.trainer_id, request.incarnation, context.peer(), last_heard,
-                                      ended)
+        session = self.sessions.hello(request.trainer_id, request.incarnation, context.peer(), last_heard, ended)
         joined = self.engine.hello(request.trainer_id, request.join_at)
         return ps_pb2.HelloReply(start_step=joined.step, sync_mode=self.engine.sync_mode,
                                  trainers=self.engine.trainers, incarnation=self.incarnation,
@@ -213,20 +213,22 @@ class PserverServicer:
         header, applied, answer_ids = yield from self._push(request_iterator, answer_limit=answer_limit)
         # The trainer's next step needs this one applied (sync), or whatever is there (async).
         min_updates = header.step + 1 if self.engine.sync_mode else 0
-        return (yield from self._answer_pull(header.trainer_id, min_updates, list(self.contents.block_names()), applied,
-                                 answer_ids))
+        names = list(self.contents.block_names())
+        if header.lanes > 1:  # one lane's call answers its lane's blocks
+            names = self.lanes.blocks_of(header.lane, header.lanes)
+        return (yield from self._answer_pull(header.trainer_id, min_updates, names, applied, answer_ids))
 
     def _push(self, request_iterator, answer_limit: Optional[int] = None):
         """Read, check and count one push; (header, applied, {table: ids whose rows the answer carries}).
 
-        Parks (see :mod:`.parking`) while an async push is past ``max_staleness``.
-
-        A push may carry ``<table>@next`` ids: its answer carries their rows
-        too. ``answer_limit``: the tensor bytes the answer may carry; a push
+        Parks (:mod:`.parking`) while an async push is past ``max_staleness``, and a lane of a push split
+        across lanes until its push is whole (:mod:`.split_pushes`). A push may carry ``<table>@next`` ids: its
+        answer carries their rows too. ``answer_limit``: the tensor bytes the answer may carry; a push
         whose answer would carry more is refused before it counts.
         """
         header, reader = self._read_stream(request_iterator, ps_pb2.PushHeader, self.contents.expect,
                                            dest=self.buffers.acquire, widen=True)
+        held = False  # a lane's buffers are held until its push is whole (SplitPushes releases them)
         try:
             if header.step < 0:
                 raise BadRequest(f"step must be >= 0, got {header.step}")
@@ -241,25 +243,37 @@ class PserverServicer:
                                      f"holds ({answer_limit:,}): send this push with PushPull")
             for name, g in [*grads.items(), *((n, rows) for n, (_, rows) in sparse.items())]:
                 if not self.allow_nonfinite and not _finite(g):
-                    raise BadRequest(f"gradient of {name} from trainer {header.trainer_id} at step "
-                                     f"{header.step} holds NaN or Inf; push refused "
-                                     f"(nonfinite_grads='refuse')")
-            self.counters.add(bytes_in=reader.nbytes, pushes=1)
-            while True:
-                outcome = self.engine.push(header.trainer_id, header.step, grads, sparse,
-                                           (header.epoch, header.batch), park=True)
-                if not isinstance(outcome, Parked):
-                    break
-                yield from park(outcome)  # then push again: it checks the bound anew
-            applied, _ = outcome
-            if applied:
-                self.counters.counted(header.trainer_id, len(grads))
+                    raise BadRequest(f"gradient of {name} from trainer {header.trainer_id} at step {header.step} "
+                                     f"holds NaN or Inf; push refused (nonfinite_grads='refuse')")
+            self.counters.add(bytes_in=reader.nbytes)
+            if header.lanes > 1:
+                held = True  # SplitPushes.add owns the buffers from here, whatever happens
+                ticket = self.lanes.add(header.trainer_id, header.step, header.lane, header.lanes, (grads, sparse),
+                                        reader.tensors)
+                applied = yield from self.lanes.settle(ticket, lambda d, s: self._push_whole(header, d, s))
+            else:
+                applied = yield from self._push_whole(header, grads, sparse)
         finally:
-            self._release(reader.tensors)
+            if not held:
+                self._release(reader.tensors)
         if not applied:
             log.info("%s: duplicate push from trainer %d for step %d acknowledged, not applied",
                      self.endpoint, header.trainer_id, header.step)
         return header, applied, answer_ids
+
+    def _push_whole(self, header, grads, sparse):
+        """Count or apply one whole push (parking while an async one is past ``max_staleness``); whether applied."""
+        self.counters.add(pushes=1)
+        while True:
+            outcome = self.engine.push(header.trainer_id, header.step, grads, sparse,
+                                       (header.epoch, header.batch), park=True)
+            if not isinstance(outcome, Parked):
+                break
+            yield from park(outcome)  # then push again: it checks the bound anew
+        applied, _ = outcome
+        if applied:
+            self.counters.counted(header.trainer_id, len(grads))
+        return applied
 
     @parks(stream=True)
     @trainer_call(ps_pb2.PullRequest, touch=True)
@@ -367,23 +381,9 @@ class PserverServicer:
     @refusals
     def Stats(self, data, context):
         parse(ps_pb2.StatsRequest, data)
-        snap = self.engine.stats()
-        last = snap.checkpoint
-        c = self.counters
-        with c.lock:
-            return ps_pb2.StatsReply(
-                endpoint=self.endpoint, updates=snap.step, trainers_alive=snap.alive,
-                blocks=snap.blocks, block_bytes=snap.block_bytes,
-                bytes_in=c.bytes_in, bytes_out=c.bytes_out, pushes=c.pushes,
-                sync_mode=snap.sync_mode, table_rows=snap.table_rows,
-                table_bytes=snap.table_bytes, prefetches=c.prefetches,
-                incarnation=self.incarnation, uptime_s=time.monotonic() - self.started,
-                trainers_dropped=snap.dropped, refused=c.refused, shared_pushes=c.shared_pushes,
-                heartbeats=c.heartbeats,
-                checkpoint_step=last.step if last else -1, checkpoint_path=last.path if last else "",
-                checkpoint_age_s=time.time() - last.time if last else 0.0,
-                tables=[ps_pb2.TableStats(**t.to_dict()) for t in snap.tables],
-                replica=self.replica.stats() if self.replica is not None else None)
+        replica = self.replica.stats() if self.replica is not None else None
+        return self.counters.stats_reply(self.endpoint, self.engine.stats(), self.incarnation,
+                                         time.monotonic() - self.started, replica)
 
     def handlers(self) -> Dict[str, grpc.RpcMethodHandler]:
         """The service's handlers by method name: raw-bytes requests (parsed here), encoded replies.

@@ -127,6 +127,49 @@ def test_sync_job_survives_overlapping_pserver_kills_with_the_model_of_an_uninte
                                        msg=lambda m: f"seed {seed}, trainer {tid}, {k}: {m}")
 
 
+# Lanes: a model of 8.5 MB (its pushes stream and split), at an lr small enough that float32 rounding stays
+# rounding over 240 steps (its 57k-wide layer sums; at 0.05 mean-of-halves against whole-batch drifts apart).
+LANES_ARGS = ["--epochs", str(EPOCHS), "--checkpoint_every", "5", "--hidden", str(recovery_job.WIDE),
+              "--lr", "0.002", "--push_lanes", "3", "--no_shared_memory"]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_in_lanes(tmp_path_factory) -> dict:
+    """Trainer 0's model after the lanes job ran with nothing killed."""
+    job = Job(tmp_path_factory.mktemp("uninterrupted"), args=LANES_ARGS)
+    try:
+        job.start_all()
+        for name in ("trainer0", "trainer1", "pserver0", "pserver1"):
+            assert job.wait(name, 180) == 0, f"uninterrupted: {name} failed\n{job.all_logs()}"
+    finally:
+        job.close()
+    return torch.load(job.out / "trainer-0.pt")
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("seed", SEEDS)
+def test_sync_job_in_lanes_survives_overlapping_pserver_kills_with_the_model_of_an_uninterrupted_run(
+        tmp_path, seed, uninterrupted_in_lanes):
+    """As above, every push split across three connections per pserver (``push_lanes``), through gRPC only: a
+    killed pserver leaves pushes half-received, and their retries must still count each step once."""
+    job = Job(tmp_path, args=LANES_ARGS + ["--step_delay", str(STEP_DELAY)])
+    try:
+        run_chaos(job, pserver_schedule(seed), seed)
+    finally:
+        job.close()
+    for tid in range(2):  # each trainer split its pushes to each pserver
+        log = job.log(f"trainer{tid}.0")
+        assert log.count("split across lanes: 3 connections") >= 2, log[-3000:]
+    single = recovery_job.reference(epochs=EPOCHS, lr=0.002, hidden=recovery_job.WIDE)
+    for tid in range(2):
+        state = torch.load(job.out / f"trainer-{tid}.pt")
+        for k in single:
+            torch.testing.assert_close(state[k], uninterrupted_in_lanes[k], rtol=0, atol=1e-6,
+                                       msg=lambda m: f"seed {seed}, trainer {tid}, {k}, against uninterrupted: {m}")
+            torch.testing.assert_close(state[k], single[k], rtol=0, atol=1e-4,
+                                       msg=lambda m: f"seed {seed}, trainer {tid}, {k}, against one process: {m}")
+
+
 def accuracy(state: dict) -> float:
     model = recovery_job.build_model()
     model.load_state_dict(state)

@@ -37,14 +37,20 @@ BARRIER_TIMEOUT = 60.0
 TALLY = 1000           # --counting: trainer t's pushes count TALLY**t each
 
 
-def build_model() -> nn.Module:
+HIDDEN = 512
+# --hidden WIDE: a model of 8.5 MB, so that each step's push to each of two pservers (4.2 MB) streams and
+# splits across --push_lanes connections (a push of at most 4 MiB goes as one message).
+WIDE = 57344
+
+
+def build_model(hidden: int = HIDDEN) -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(32, 512), nn.Tanh(), nn.Linear(512, 4))  # 16k-element weight: 2 blocks
+    return nn.Sequential(nn.Linear(32, hidden), nn.Tanh(), nn.Linear(hidden, 4))  # 16k-element weight: 2 blocks
 
 
-def build_program(optimizer: str = "momentum", lr: float = 0.05) -> Program:
+def build_program(optimizer: str = "momentum", lr: float = 0.05, hidden: int = HIDDEN) -> Program:
     kwargs = {"momentum": 0.9} if optimizer == "momentum" else {}
-    return Program(build_model(), optimizer, lr=lr, **kwargs)
+    return Program(build_model(hidden), optimizer, lr=lr, **kwargs)
 
 
 def counting_program() -> Program:
@@ -75,13 +81,13 @@ def loss_of(model: nn.Module, x, y) -> torch.Tensor:
 
 
 def reference(epochs: int, optimizer: str = "momentum", lr: float = 0.05,
-              alone: Optional[Tuple[int, Dict[str, slice]]] = None) -> dict:
+              alone: Optional[Tuple[int, Dict[str, slice]]] = None, hidden: int = HIDDEN) -> dict:
     """Single-process PyTorch on the trainers' concatenated batches: what sync training must equal.
 
     ``alone`` = (step, {param: rows}): at that step those rows are updated with trainer 0's
     gradient alone, as a pserver that dropped trainer 1 from that step applies it.
     """
-    program = build_program(optimizer, lr)
+    program = build_program(optimizer, lr, hidden)
     model, data = program.model, dataset()
     opt = program.optimizer.build(model.parameters())
     samplers = [DistributedSampler(data, TRAINERS, t, shuffle=True, seed=0) for t in range(TRAINERS)]
@@ -170,6 +176,8 @@ def main(argv=None) -> int:
                    help="hot standby: DistributeTranspilerConfig.replica_takeover_timeout")
     p.add_argument("--step_delay", type=float, default=0.0,
                    help="seconds each trainer sleeps per step, until PAUSE_DIR/calm exists")
+    p.add_argument("--hidden", type=int, default=HIDDEN, help=f"the hidden layer's width ({WIDE}: pushes split)")
+    p.add_argument("--push_lanes", type=int, default=1)
     p.add_argument("--no_shared_memory", dest="shared_memory", action="store_false",
                    help="every byte through gRPC: hosts emulated by network namespaces share /dev/shm")
     args = p.parse_args(argv)
@@ -180,9 +188,10 @@ def main(argv=None) -> int:
         checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
         heartbeat_interval=args.heartbeat_interval, heartbeat_timeout=args.heartbeat_timeout,
         barrier_timeout=BARRIER_TIMEOUT, connect_timeout=60.0, recovery_timeout=60.0,
-        replica_takeover_timeout=args.takeover_timeout, shared_memory=args.shared_memory)
+        replica_takeover_timeout=args.takeover_timeout, shared_memory=args.shared_memory,
+        push_lanes=args.push_lanes)
     t = DistributeTranspiler(config)
-    program = counting_program() if args.counting else build_program(args.optimizer, args.lr)
+    program = counting_program() if args.counting else build_program(args.optimizer, args.lr, args.hidden)
     t.transpile(env.trainer_id, program=program, pservers=env.pserver_list,
                 trainers=env.trainers, sync_mode=args.sync_mode)
     if env.is_pserver:

@@ -1,14 +1,12 @@
 """PserverChannel: one pserver of the plan as this trainer reaches it (its calls, its session, its shard's primary).
 
-Every call to a pserver goes through its channel: Hello and Close (the
-session every other call carries), the unary calls (Heartbeat, Restore,
-Checkpoint, SaveTables, Reduce, Stats) and the transfers (push-pull, pull,
-prefetch), each push-pull and prefetch by the way
-:func:`~trainer.transport.wire_paths.choose_path` picks. Every call has a
-deadline, and every failure is re-raised as :class:`PserverError` naming the
-endpoint, the call and what the pserver said. With hot standby the channel
-follows its shard's primary (:class:`~trainer.transport.primaries.ShardPrimary`):
-a call that finds it gone goes again to the process that leads now.
+Every call to a pserver goes through its channel: Hello and Close (the session every other call carries), the
+unary calls (Heartbeat, Restore, Checkpoint, SaveTables, Reduce, Stats) and the transfers (push-pull, pull,
+prefetch), each push-pull and prefetch by the way :func:`~trainer.transport.wire_paths.choose_path` picks (a large
+push-pull split across :mod:`.lanes`). Every call has a deadline, and every failure is re-raised as
+:class:`PserverError` naming the endpoint, the call and what the pserver said. With hot standby the channel follows
+its shard's primary (:class:`~trainer.transport.primaries.ShardPrimary`): a call that finds it gone goes again to
+the process that leads now.
 """
 from __future__ import annotations
 
@@ -35,7 +33,8 @@ from .primaries import ShardPrimary
 from .shared_regions import RegionPool
 from .status_codes import details, error_of
 from .unary_future import start_unary
-from .wire_paths import ANSWER_STREAMS, BackwardTensors, Named, Request, SharedMemoryRefused, choose_path
+from .lanes import Lanes
+from .wire_paths import ANSWER_STREAMS, STREAM, BackwardTensors, Named, Request, SharedMemoryRefused, choose_path
 
 log = logging.getLogger(__name__)
 
@@ -70,8 +69,9 @@ class PserverChannel:
 
     def __init__(self, endpoint: str, addresses: Sequence[str], identity: TrainerIdentity,
                  config: DistributeTranspilerConfig, open_channel: Callable[[str], grpc.Channel],
-                 regions: RegionPool, narrower: GradientNarrower):
+                 regions: RegionPool, narrower: GradientNarrower, blocks: Optional[Dict[str, int]] = None):
         self.endpoint = endpoint
+        self._address = endpoint  # the process calls go to now (hot standby: the shard's primary)
         self._identity = identity
         self._config = config
         self._open_channel = open_channel
@@ -82,6 +82,9 @@ class PserverChannel:
         # Whether the pserver maps this process's shared memory: until it refuses (another host).
         self._shared_memory = config.shared_memory
         self._connection = self._connect_to(endpoint)
+        # ``blocks``: this pserver's blocks and their bytes, what a push-pull split across lanes is dealt by.
+        self.lanes = Lanes(config.push_lanes, blocks or {}, config.chunk_bytes,
+                           lambda: self._connect_to(self._address), endpoint)
         self._lead_calls: Dict[str, Tuple[grpc.Channel, Callable]] = {}
         self.primary = ShardPrimary(self, addresses, identity.trainer_id, config.recovery_timeout)
         self.bytes_pushed = 0
@@ -95,8 +98,9 @@ class PserverChannel:
 
     def connect(self, address: str) -> None:
         """Point every later call at the process at ``address`` (the pserver itself, or its backup)."""
-        old, self._connection = self._connection, self._connect_to(address)
+        old, self._connection, self._address = self._connection, self._connect_to(address), address
         old.close()
+        self.lanes.reset()
 
     def lead(self, address: str, timeout: float) -> Optional[Tuple[str, int]]:
         """Ask the process at ``address`` whether it leads its shard: (role, epoch), or None if it did not answer."""
@@ -225,16 +229,13 @@ class PserverChannel:
                   answer_bytes: Optional[int] = None) -> int:
         """Send one step's gradients and receive the pserver's blocks in the same call.
 
-        ``tensors`` are the gradients of the blocks (and table rows) this
-        pserver owns, sent in ``grad_wire_dtype`` if one is set; the answer's
-        tensors land in ``decode_into(name)``, checked by ``dtype_and_shape``.
-        A sync pserver answers once every live trainer pushed the step.
-        ``position`` is the trainer's (epoch, batch) after this step, kept in
-        checkpoints. ``during_backward``: ``tensors`` is an iterator that may
-        wait for each tensor (blocks pushed while backward still produces the
-        others); the call ends when it does. ``answer_bytes``: the tensor
-        bytes of the answer (its blocks and rows asked ahead), when known.
-        Returns the updates the pserver had applied to the parameters received.
+        ``tensors`` are the gradients of the blocks (and table rows) this pserver owns, sent in
+        ``grad_wire_dtype`` if one is set; the answer's tensors land in ``decode_into(name)``, checked by
+        ``dtype_and_shape``. A sync pserver answers once every live trainer pushed the step. ``position`` is
+        the trainer's (epoch, batch) after this step, kept in checkpoints. ``during_backward``: ``tensors`` is
+        an iterator that may wait for each tensor (blocks pushed while backward still produces the others);
+        the call ends when it does. ``answer_bytes``: the tensor bytes of the answer (its blocks and rows
+        asked ahead), when known. Returns the updates the pserver had applied to the parameters received.
         """
         if during_backward:
             request = Request(BackwardTensors(tensors, functools.partial(self._narrower.narrow_stream, self.endpoint)))
@@ -253,6 +254,8 @@ class PserverChannel:
                         dtype_and_shape: DtypeAndShape, decode_into: DecodeInto) -> int:
         """One attempt of a push-pull, to the process calls go to now (with its session)."""
         way = choose_path(request.nbytes, request.answer_bytes, self._shared_memory, during_backward)
+        if self.lanes.split(way, request.nbytes):
+            return self._push_pull_lanes(header, request, what, dtype_and_shape, decode_into)
         try:
             return self._attempt(self._connection.push_pull_paths[way], header, request, what, dtype_and_shape,
                                  decode_into)[0]
@@ -264,6 +267,16 @@ class PserverChannel:
             way = choose_path(request.nbytes, request.answer_bytes, False, during_backward)
             return self._attempt(self._connection.push_pull_paths[way], header, request, what, dtype_and_shape,
                                  decode_into)[0]
+
+    def _push_pull_lanes(self, header: Callable, request: Request, what: str, dtype_and_shape: DtypeAndShape,
+                         decode_into: DecodeInto) -> int:
+        """One attempt of a push-pull split across the lanes (:mod:`.lanes`); the fewest updates a lane's answer had."""
+        def lane(k: int, connection: Connection, part: Request, started: Callable) -> int:
+            call = connection.push_pull_paths[STREAM].send(header(session=self._session, lane=k,
+                                                                  lanes=self.lanes.lanes), part, self._wait_timeout)
+            started(call)
+            return self._receive(what, lambda: call, dtype_and_shape, decode_into)[0]
+        return self.lanes.push_pull(request.tensors, self._connection, lane)
 
     def pull(self, names: Sequence[str], min_updates: int, dtype_and_shape: DtypeAndShape,
              decode_into: DecodeInto) -> int:
@@ -381,9 +394,8 @@ class PserverChannel:
                values: Sequence[Tuple[str, Sequence[int], Sequence[float]]]) -> ps_pb2.ReduceReply:
         """Combine ``values`` ([(name, shape, float64 data)]) with every live trainer's at the pserver.
 
-        The pserver answers once every trainer it expects has sent its values
-        for ``(key, round_)``, or refuses after its barrier_timeout naming the
-        missing ones.
+        The pserver answers once every trainer it expects has sent its values for ``(key, round_)``, or
+        refuses after its barrier_timeout naming the missing ones.
         """
         tid = self._identity.trainer_id
         request = functools.partial(
@@ -403,5 +415,6 @@ class PserverChannel:
     def shutdown(self) -> None:
         """Close the gRPC channels (without telling the pserver); calls still running end CANCELLED."""
         self._connection.close()
+        self.lanes.close()
         for channel, _ in self._lead_calls.values():
             channel.close()

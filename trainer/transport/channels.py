@@ -56,8 +56,9 @@ class Channels:
         self.narrower = GradientNarrower(cfg.grad_wire_dtype)
         self._regions = RegionPool()
         groups = program.replica_groups
+        blocks = {ep: {b.name: b.nbytes for b in program.blocks if b.endpoint == ep} for ep in self.endpoints}
         self._by_endpoint = {ep: PserverChannel(ep, groups[ep], identity, cfg, open_channel, self._regions,
-                                                self.narrower) for ep in self.endpoints}
+                                                self.narrower, blocks[ep]) for ep in self.endpoints}
         self._pool = futures.ThreadPoolExecutor(max_workers=2 * len(self.endpoints), thread_name_prefix="trainer-comm")
 
     def __getitem__(self, endpoint: str) -> PserverChannel:
