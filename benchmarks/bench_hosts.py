@@ -3,7 +3,8 @@
 Usage (root: it creates network namespaces)::
 
     python -m benchmarks.bench_hosts [--layouts split,colocated] [--links unshaped,10gbit]
-                                     [--systems torchrec,ours-async,ours-sync] [--rounds 3] [--json FILE]
+                                     [--systems torchrec,ours-async,ours-sync,paddle-async] [--rounds 3]
+                                     [--json FILE]
 
 Job S is the peers' (``../shared/peers/jobs.py``): 26 slots of 1M ids x 16, MLP 429-256-128-1,
 global batch 1,024 (split over the trainers), 20 warm-up + 200 timed steps, AUC on 2,000
@@ -21,6 +22,12 @@ This project runs as users would run it on real machines: ``ps-launch --servers 
 namespaces share /dev/shm, real hosts do not: every byte goes through gRPC and TCP). TorchRec
 runs ``torchrec_ctr.py``'s own worker per rank (``jobs/torchrec_rank.py``, gloo over TCP,
 ``GLOO_SOCKET_IFNAME`` the host's interface), in its venv (``shared/peers/setup_torchrec.sh``).
+
+PaddlePaddle 2.6.2's parameter server (``--systems ...,paddle-async,paddle-sync``, where its venv
+exists: ``shared/peers/setup_paddle.sh``) runs ``paddle_ps_ctr.py``'s own role processes, pservers
+and trainers on the same hosts as this project's, with Paddle's role variables carrying the hosts'
+addresses (``--data jobs``: job S's data; Paddle sums sparse gradients over the batch and clips
+rows, so its AUC is not comparable one to one).
 
 Links (``--links``): ``unshaped`` (veths as fast as the CPU moves them) or a rate (``10gbit``,
 ``1gbit``) given to every host's link each way (``netns.Hosts``). A delay needs the kernel's
@@ -53,9 +60,10 @@ from benchmarks.common.paths import DEFAULT_PEERS, REPO, RESULTS, job_script, pe
 from benchmarks.common.peer_runners import role_result, venv_problem
 from benchmarks.common.processes import Command, RunFailed, stop_on_signals
 
-SYSTEMS = ("torchrec", "ours-async", "ours-sync")
+SYSTEMS = ("torchrec", "ours-async", "ours-sync", "paddle-async", "paddle-sync")
 GLOBAL_BATCH = 1024
-PS_PORT, GLOO_PORT = 6200, 29600
+PS_PORT, GLOO_PORT, PADDLE_PORT = 6200, 29600, 36000
+DEFAULT_PADDLE_PYTHON = os.path.join(tempfile.gettempdir(), "paddle26-venv", "bin", "python")
 
 log = logging.getLogger("bench_hosts")
 
@@ -109,6 +117,57 @@ def run_torchrec(hosts: Hosts, layout: HostLayout, args, workdir: str, index: in
     return {"examples_s": r["examples_per_s"], "auc": r["auc"], "batch": batch, "plan": r.get("plan")}
 
 
+def run_paddle(hosts: Hosts, layout: HostLayout, sync: bool, args, workdir: str, index: int) -> dict:
+    """Job S on PaddlePaddle 2.6's PS: ``paddle_ps_ctr.py``'s own role process per pserver and trainer, each on
+    its host (Paddle's role variables, with the hosts' addresses); throughput over its trainers, trainer 0's AUC.
+
+    Its pservers never leave ``run_server()`` (fleetrun kills them too): they are stopped once the trainers ended.
+    A sync pserver runs SCHED_RR (``chrt``), as ``bench_peers`` runs it: Paddle 2.6's sync barrier loses a
+    wake-up under normal scheduling.
+    """
+    batch = GLOBAL_BATCH // len(layout.trainers)
+    base = PADDLE_PORT + 20 * index
+    gloo = os.path.join(workdir, "gloo_fs")
+    os.makedirs(gloo, exist_ok=True)
+    env = {"PADDLE_PSERVERS_IP_PORT_LIST": ",".join(f"{hosts.ip(h)}:{base + i}" for i, h in enumerate(layout.pservers)),
+           "PADDLE_TRAINER_ENDPOINTS": ",".join(f"{hosts.ip(h)}:{base + 10 + t}"
+                                                for t, h in enumerate(layout.trainers)),
+           "PADDLE_TRAINERS_NUM": str(len(layout.trainers)), "PADDLE_WITH_GLOO": "1", "PADDLE_GLOO_RENDEZVOUS": "2",
+           "PADDLE_GLOO_FS_PATH": gloo, "FLAGS_enable_pir_api": "0", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
+           "CPU_NUM": "1", "GLOO_SOCKET_IFNAME": IFNAME}
+    argv = [args.paddle_python, os.path.join(args.peers, "paddle_ps_ctr.py"), "--role-proc",
+            "--mode", "sync" if sync else "async", "--data", "jobs", "--seed", "0", "--steps", str(args.steps),
+            "--warmup", str(args.warmup), "--batch", str(batch), "--eval-examples", str(args.eval),
+            "--result-dir", workdir]
+    rt = ["chrt", "-r", "10"] if sync else []
+
+    def role(h: int, name: str, **extra: str) -> Command:
+        # Paddle's gloo (its trainers' barriers) publishes the address its host name resolves to: each role
+        # gets a UTS namespace whose host name is its host's address.
+        named = ["unshare", "--uts", "sh", "-c", 'hostname "$0" && exec "$@"', hosts.ip(h)]
+        return Command(hosts.cmd(h, *named, *(rt if extra["TRAINING_ROLE"] == "PSERVER" else []), *argv),
+                       os.path.join(workdir, f"{name}.log"), env=host_env(**env, POD_IP=hosts.ip(h), **extra),
+                       cwd=workdir)
+
+    deadline = time.monotonic() + args.timeout
+    with contextlib.ExitStack() as running:
+        for i, h in enumerate(layout.pservers):
+            running.enter_context(role(h, f"pserver{i}", TRAINING_ROLE="PSERVER", PADDLE_PORT=str(base + i)))
+        trainers = [running.enter_context(role(h, f"trainer{t}", TRAINING_ROLE="TRAINER", PADDLE_TRAINER_ID=str(t),
+                                               PADDLE_PORT=str(base + 10 + t))) for t, h in enumerate(layout.trainers)]
+        for t, c in enumerate(trainers):
+            rc = c.wait(max(0.0, deadline - time.monotonic()), f"Paddle trainer {t}")
+            if rc != 0:
+                raise RunFailed(f"Paddle trainer {t} exited with status {rc}; log {c.log_path}")
+    res = []
+    for t in range(len(layout.trainers)):
+        with open(os.path.join(workdir, f"trainer{t}.json")) as f:
+            res.append(json.load(f))
+    span = max(r["t_end"] for r in res) - min(r["t_start"] for r in res)
+    return {"examples_s": sum(r["measured_steps"] * r["batch"] for r in res) / span,
+            "auc": res[0].get("holdout_auc"), "batch": batch}
+
+
 def run_one(system: str, hosts: Hosts, layout: HostLayout, link: str, rnd: int, index: int, args) -> dict:
     """One run of ``system`` on ``layout``: its figures, the bytes every host sent, the other load."""
     workdir = os.path.join(args.work, f"{link}-{layout.name.replace(':', '_')}-{rnd}-{system}")
@@ -117,6 +176,8 @@ def run_one(system: str, hosts: Hosts, layout: HostLayout, link: str, rnd: int, 
     with OtherLoad() as load:
         if system == "torchrec":
             row = run_torchrec(hosts, layout, args, workdir, index)
+        elif system.startswith("paddle"):
+            row = run_paddle(hosts, layout, system == "paddle-sync", args, workdir, index)
         else:
             row = run_ours(hosts, layout, system == "ours-sync", args, workdir, index)
     sent = sum(hosts.moved(before[h], hosts.counters(h))["tx_bytes"] for h in hosts.numbers())
@@ -157,13 +218,16 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--links", default="unshaped,10gbit",
                    help="comma-separated: unshaped, or a rate per host link such as 10gbit (default %(default)s)")
     p.add_argument("--delay", default=None, help="one-way delay per link (needs the kernel's netem)")
-    p.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated, of %(default)s")
+    p.add_argument("--systems", default="torchrec,ours-async,ours-sync",
+                   help=f"comma-separated, of {','.join(SYSTEMS)} (default %(default)s)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--steps", type=int, default=200, help="timed steps (default %(default)s)")
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--eval", type=int, default=2000, help="held-out examples for the AUC (default %(default)s)")
     p.add_argument("--peers", default=DEFAULT_PEERS)
     p.add_argument("--torchrec-python", default=os.path.join(tempfile.gettempdir(), "torchrec-venv", "bin", "python"))
+    p.add_argument("--paddle-python", default=DEFAULT_PADDLE_PYTHON,
+                   help="PaddlePaddle 2.6.2's venv (shared/peers/setup_paddle.sh; default %(default)s)")
     p.add_argument("--timeout", type=float, default=600.0, help="per run, s")
     p.add_argument("--work", default=None, help="logs of every run (default: a temporary folder)")
     p.add_argument("--json", default=os.path.join(RESULTS, "bench_hosts.json"))
@@ -181,6 +245,10 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         p.error(f"every layout's trainers must divide the global batch of {GLOBAL_BATCH}")
     if "torchrec" in args.systems:
         problem = venv_problem(args.torchrec_python, "torchrec", "setup_torchrec.sh")
+        if problem:
+            p.error(problem)
+    if any(s.startswith("paddle") for s in args.systems):
+        problem = venv_problem(args.paddle_python, "paddle", "setup_paddle.sh")
         if problem:
             p.error(problem)
     peer_module(args.peers, "jobs")  # fails early, naming the folder, when the peers are not there

@@ -32,6 +32,7 @@ def test_the_table_gives_medians_and_each_rounds_ratio_to_torchrec_per_link_and_
     (["--systems", "ours-sync,paddle"], "systems of"),
     (["--rounds", "0", "--systems", "ours-sync"], "--rounds"),
     (["--layouts", "split:1+3", "--systems", "ours-sync"], "divide the global batch"),
+    (["--systems", "ours-sync,paddle-async", "--paddle-python", "/nonexistent/python"], "setup_paddle.sh"),
 ])
 def test_bad_arguments_are_refused_before_anything_starts(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_:
