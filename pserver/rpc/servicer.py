@@ -249,7 +249,7 @@ class PserverServicer:
             if header.lanes > 1:
                 held = True  # SplitPushes.add owns the buffers from here, whatever happens
                 ticket = self.lanes.add(header.trainer_id, header.step, header.lane, header.lanes, (grads, sparse),
-                                        reader.tensors)
+                                        reader.tensors, (header.session, header.attempt))
                 applied = yield from self.lanes.settle(ticket, lambda d, s: self._push_whole(header, d, s))
             else:
                 applied = yield from self._push_whole(header, grads, sparse)

@@ -11,8 +11,9 @@ raised. Whether a push counts is the engine's to say, never this module's: a
 retried attempt is made whole again and pushed again (the engine acknowledges a
 duplicate; after a roll-back, it counts the step anew).
 
-Held per trainer: at most one push, the latest to arrive (a lane of another
-step or attempt drops a push that never became whole, releasing its buffers). A
+Held per trainer: at most one push, the latest attempt's (a lane of a newer
+attempt drops a push that never became whole, releasing its buffers; a late lane
+of an older attempt, one its trainer cancelled, is refused). A
 lane whose partners never come waits at most ``barrier_timeout``, as any wait
 does, naming its trainer; a roll-back ends its wait as it ends every wait.
 """
@@ -29,14 +30,17 @@ from .parking import park
 
 # (dense gradients by block, sparse gradients by table) of one lane, or of the whole push
 Gradients = Tuple[Dict[str, object], Dict[str, object]]
+# (session, number): which attempt of a push a lane belongs to; numbers rise within a session
+Attempt = Tuple[str, int]
 
 
 class _Push:
     """One trainer's push of ``step`` as its lanes arrive; changed only under the engine's lock."""
 
-    def __init__(self, step: int, lanes: int):
+    def __init__(self, step: int, lanes: int, attempt: Attempt):
         self.step = step
         self.lanes = lanes
+        self.attempt = attempt
         self.parts: Dict[int, Tuple[Gradients, dict]] = {}  # lane -> (gradients, buffers)
         self.taken = False       # whole, and handed to the engine by the lane that completed it
         self.done = False        # the engine answered (``applied``) or raised (``error``), or it was dropped
@@ -122,11 +126,15 @@ class SplitPushes:
         lane_of = self.lane_of(lanes)
         return [n for n in self._blocks if lane_of[n] == lane]
 
-    def add(self, trainer: int, step: int, lane: int, lanes: int, gradients: Gradients, buffers: dict) -> Ticket:
+    def add(self, trainer: int, step: int, lane: int, lanes: int, gradients: Gradients, buffers: dict,
+            attempt: Attempt = ("", 0)) -> Ticket:
         """Hold lane ``lane`` of ``lanes`` of ``trainer``'s push of ``step``; what the call does next (:class:`Ticket`).
 
         ``buffers``: the lane's received tensors, owned from now on (released once the push is done with
-        them, or at once if the lane is refused).
+        them, or at once if the lane is refused). ``attempt``: (session, number) of the attempt the lane
+        belongs to. A lane of an older attempt of the same session than the one held is refused: its
+        trainer cancelled it, and it must not make a newer attempt's push whole (and leave that
+        attempt's own lane waiting for partners that already went).
         """
         try:
             self.lane_of(lanes)
@@ -139,12 +147,16 @@ class SplitPushes:
         try:
             with self._waits.cv:
                 push = self._held.get(trainer)
-                if push is None or push.taken or push.step != step or push.lanes != lanes:
+                if push is not None and push.attempt[0] == attempt[0] and attempt[1] < push.attempt[1]:
+                    dropped.append(buffers)
+                    raise Refusal(f"lane {lane} of trainer {trainer}'s attempt {attempt[1]} at step {step} came "
+                                  f"after attempt {push.attempt[1]}: dropped")
+                if push is None or push.taken or (push.attempt, push.step, push.lanes) != (attempt, step, lanes):
                     if push is not None and not push.taken:  # never whole: its parked lanes end
                         dropped += push.end(error=Refusal(f"trainer {trainer}'s push of step {push.step} was "
                                                           f"replaced by another attempt before all its lanes came"))
                         self._waits.notify()
-                    push = self._held[trainer] = _Push(step, lanes)
+                    push = self._held[trainer] = _Push(step, lanes, attempt)
                 earlier = push.hold(lane, gradients, buffers)
                 if earlier is not None:  # the same lane again (a retry before the push was whole): the newer copy
                     dropped.append(earlier)
@@ -173,8 +185,9 @@ class SplitPushes:
             return self.outcome(ticket)
         try:
             applied = yield from push_whole(*ticket.whole)
-        except BaseException as e:
-            self.finish(ticket.push, error=e)
+        except BaseException as e:  # GeneratorExit too: the call went away while its push waited (staleness)
+            self.finish(ticket.push, error=e if isinstance(e, Exception) else Refusal(
+                f"the call that made the push of step {ticket.push.step} whole went away before it counted"))
             raise
         self.finish(ticket.push, applied=applied)
         return applied

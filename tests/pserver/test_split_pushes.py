@@ -183,3 +183,79 @@ def test_pushes_of_several_trainers_are_held_apart():
 def test_merge_keeps_sparse_and_dense_apart():
     dense, sparse = merge({1: ({"w.block1": 1}, {}), 0: ({"w.block0": 0}, {"emb": ("ids", "rows")})})
     assert dense == {"w.block0": 0, "w.block1": 1} and sparse == {"emb": ("ids", "rows")}
+
+
+def test_settle_pushes_the_whole_once_and_the_other_lane_learns_it():
+    pushes, _ = lanes()
+    waiting = pushes.add(3, 7, 0, 2, grads("w.block0"), {})
+    whole = pushes.add(3, 7, 1, 2, grads("w.block1"), {})
+    pushed = []
+
+    def push_whole(dense, sparse):
+        pushed.append(sorted(dense))
+        return True
+        yield  # a parking generator that never parks
+
+    assert list(_drive(pushes.settle(whole, push_whole))) == [True]
+    assert pushed == [["w.block0", "w.block1"]]
+    assert list(_drive(pushes.settle(waiting, push_whole))) == [True]
+    assert len(pushed) == 1
+
+
+def test_a_completing_call_that_goes_away_while_its_push_waits_ends_the_other_lanes():
+    pushes, released = lanes()
+    waiting = pushes.add(3, 7, 0, 2, grads("w.block0"), {})
+    whole = pushes.add(3, 7, 1, 2, grads("w.block1"), {})
+
+    def push_whole(dense, sparse):
+        yield "parked past max_staleness"
+        return True
+
+    settling = pushes.settle(whole, push_whole)
+    assert next(settling) == "parked past max_staleness"
+    settling.close()  # the client cancelled: GeneratorExit at the wait
+    with pytest.raises(Refusal, match="went away before it counted"):
+        pushes.outcome(waiting)
+    assert len(released.seen) == 2
+
+
+def _drive(settling):
+    """Run a settle generator that never parks; its result."""
+    try:
+        while True:
+            next(settling)
+    except StopIteration as done:
+        yield done.value
+
+
+def test_a_late_lane_of_an_abandoned_attempt_cannot_make_a_newer_attempt_whole():
+    # Attempt 1 failed at the trainer, which cancelled its lanes and sent attempt 2; attempt 1's lane 2 still
+    # reached the pserver. Taken for attempt 2's, it would complete the push and leave attempt 2's own lane 2
+    # waiting for partners that already went: the stall the chaos variant in lanes found.
+    pushes, released = lanes()
+    three = {0: grads("w.block0"), 1: grads("w.block1"), 2: grads("b.block0")}
+    second = [pushes.add(3, 15, k, 3, three[k], {"attempt": 2, "lane": k}, ("s", 2)) for k in (0, 1)]
+    with pytest.raises(Refusal, match="attempt 1 at step 15 came after attempt 2"):
+        pushes.add(3, 15, 2, 3, three[2], {"attempt": 1, "lane": 2}, ("s", 1))
+    assert released.seen == [{"attempt": 1, "lane": 2}]
+    assert not any(t.wait.done for t in second)
+    whole = pushes.add(3, 15, 2, 3, three[2], {"attempt": 2, "lane": 2}, ("s", 2))
+    assert whole.whole is not None
+
+
+def test_a_newer_attempt_replaces_an_older_one_that_never_became_whole():
+    pushes, released = lanes()
+    old = pushes.add(3, 15, 0, 2, grads("w.block0"), {"attempt": 1}, ("s", 1))
+    new = pushes.add(3, 15, 0, 2, grads("w.block0"), {"attempt": 2}, ("s", 2))
+    with pytest.raises(Refusal, match="replaced by another attempt"):
+        pushes.outcome(old)
+    assert released.seen == [{"attempt": 1}] and not new.wait.done
+
+
+def test_a_new_session_starts_its_attempts_afresh():
+    # A restarted trainer process counts attempts from 1 again, under a session of its own.
+    pushes, released = lanes()
+    pushes.add(3, 15, 0, 2, grads("w.block0"), {"old": True}, ("old session", 9))
+    fresh = pushes.add(3, 15, 0, 2, grads("w.block0"), {"new": True}, ("new session", 1))
+    assert not fresh.wait.done and released.seen == [{"old": True}]
+    assert pushes.add(3, 15, 1, 2, grads("w.block1"), {}, ("new session", 1)).whole is not None

@@ -271,12 +271,11 @@ class PserverChannel:
     def _push_pull_lanes(self, header: Callable, request: Request, what: str, dtype_and_shape: DtypeAndShape,
                          decode_into: DecodeInto) -> int:
         """One attempt of a push-pull split across the lanes (:mod:`.lanes`); the fewest updates a lane's answer had."""
-        def lane(k: int, connection: Connection, part: Request, started: Callable) -> int:
-            call = connection.push_pull_paths[STREAM].send(header(session=self._session, lane=k,
-                                                                  lanes=self.lanes.lanes), part, self._wait_timeout)
-            started(call)
-            return self._receive(what, lambda: call, dtype_and_shape, decode_into)[0]
-        return self.lanes.push_pull(request.tensors, self._connection, lane)
+        def send(connection: Connection, part: Request, **lane: int):
+            return connection.push_pull_paths[STREAM].send(header(session=self._session, **lane), part,
+                                                           self._wait_timeout)
+        return self.lanes.push_pull(request.tensors, self._connection, send,
+                                    lambda call: self._receive(what, lambda: call, dtype_and_shape, decode_into)[0])
 
     def pull(self, names: Sequence[str], min_updates: int, dtype_and_shape: DtypeAndShape,
              decode_into: DecodeInto) -> int:

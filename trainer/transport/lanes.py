@@ -16,6 +16,7 @@ at the first split push (never for a pserver reached through shared memory).
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 import threading
 from concurrent import futures
@@ -46,6 +47,7 @@ class Lanes:
         self._chunk_bytes = chunk_bytes
         self._connect = connect
         self._lock = threading.Lock()
+        self._attempts = itertools.count(1)  # each split push-pull's attempt, rising (the pserver drops late lanes)
         self._connections: List[Connection] = []
         self._pool: Optional[futures.ThreadPoolExecutor] = None
 
@@ -68,19 +70,23 @@ class Lanes:
                 self._connections.append(self._connect())
             return [first, *self._connections]
 
-    def push_pull(self, tensors: Sequence[Named], first: Connection,
-                  lane: Callable[[int, Connection, Request, Callable[[object], None]], int]) -> int:
-        """One push-pull of ``tensors`` split across the lanes (``first``: the channel's connection, lane 0).
+    def push_pull(self, tensors: Sequence[Named], first: Connection, send: Callable[..., object],
+                  receive: Callable[[object], int]) -> int:
+        """One attempt of a push-pull of ``tensors`` split across the lanes (``first``: the channel's connection).
 
-        ``lane(k, connection, request, started)`` sends lane ``k``'s part,
-        hands its gRPC call to ``started`` and reads the answer: the updates it
-        had. Returns the fewest updates a lane's answer had.
+        ``send(connection, request, lane=k, lanes=n, attempt=a)`` sends lane ``k``'s part and returns its
+        gRPC call; ``receive(call)`` reads its answer: the updates it had. Returns the fewest a lane's had.
         """
         parts = split_push(tensors, self.lane_of, self.lanes)
         requests = [Request(part, sum(t.numel() * t.element_size() for _, t in part)) for part in parts]
-        connections = self.connections(first)
-        return min(self.run([functools.partial(lane, k, c, r)
-                             for k, (c, r) in enumerate(zip(connections, requests, strict=True))]))
+        attempt = next(self._attempts)
+
+        def lane(k: int, connection: Connection, started: Callable[[object], None]) -> int:
+            call = send(connection, requests[k], lane=k, lanes=self.lanes, attempt=attempt)
+            started(call)
+            return receive(call)
+
+        return min(self.run([functools.partial(lane, k, c) for k, c in enumerate(self.connections(first))]))
 
     def run(self, calls: Sequence[Callable[[Callable[[object], None]], object]]) -> List[object]:
         """Run one call per lane at once; their results.
@@ -88,7 +94,8 @@ class Lanes:
         Each call gets ``started(rpc)`` to hand over its gRPC call once sent:
         when one lane fails, every other lane's call is cancelled (or is, as it
         starts), so no lane waits at the pserver for a partner that will not
-        come; the failure that came first is raised once every call ended.
+        come; the failure that came first is raised once every call ended, and
+        the next attempt opens new connections.
         """
         with self._lock:
             if self._pool is None:
@@ -102,6 +109,9 @@ class Lanes:
             sent.cancel()
         futures.wait(running)
         if first is not None:
+            # Fresh connections for the next attempt: a channel that lost its pserver waits out gRPC's
+            # reconnect backoff before it takes calls again, and this trainer's Hello went by another.
+            self.reset()
             raise first
         return [f.result() for f in running]
 
