@@ -81,7 +81,7 @@ class PserverServicer:
         self.chunk_bytes = chunk_bytes
         self.counters = Counters()
         self.buffers = BufferPool(contents.block_layout())
-        self.lanes = SplitPushes(engine.waits, self._release, contents.block_nbytes())
+        self.split_pushes = SplitPushes(engine.waits, self._release, contents.block_nbytes())
         self.regions = SharedRegions(engine.trainers)
         self.stretches = stretches if stretches is not None else Stretches(allowed=False)
 
@@ -215,7 +215,7 @@ class PserverServicer:
         min_updates = header.step + 1 if self.engine.sync_mode else 0
         names = list(self.contents.block_names())
         if header.lanes > 1:  # one lane's call answers its lane's blocks
-            names = self.lanes.blocks_of(header.lane, header.lanes)
+            names = self.split_pushes.blocks_of(header.lane, header.lanes)
         return (yield from self._answer_pull(header.trainer_id, min_updates, names, applied, answer_ids))
 
     def _push(self, request_iterator, answer_limit: Optional[int] = None):
@@ -245,14 +245,14 @@ class PserverServicer:
                 if not self.allow_nonfinite and not _finite(g):
                     raise BadRequest(f"gradient of {name} from trainer {header.trainer_id} at step {header.step} "
                                      f"holds NaN or Inf; push refused (nonfinite_grads='refuse')")
-            self.counters.add(bytes_in=reader.nbytes)
             if header.lanes > 1:
+                self.counters.add(bytes_in=reader.nbytes)
                 held = True  # SplitPushes.add owns the buffers from here, whatever happens
-                ticket = self.lanes.add(header.trainer_id, header.step, header.lane, header.lanes, (grads, sparse),
-                                        reader.tensors, (header.session, header.attempt))
-                applied = yield from self.lanes.settle(ticket, lambda d, s: self._push_whole(header, d, s))
+                ticket = self.split_pushes.add(header.trainer_id, header.step, header.lane, header.lanes,
+                                               (grads, sparse), reader.tensors, (header.session, header.attempt))
+                applied = yield from self.split_pushes.settle(ticket, lambda d, s: self._push_whole(header, d, s))
             else:
-                applied = yield from self._push_whole(header, grads, sparse)
+                applied = yield from self._push_whole(header, grads, sparse, reader.nbytes)
         finally:
             if not held:
                 self._release(reader.tensors)
@@ -261,9 +261,9 @@ class PserverServicer:
                      self.endpoint, header.trainer_id, header.step)
         return header, applied, answer_ids
 
-    def _push_whole(self, header, grads, sparse):
-        """Count or apply one whole push (parking while an async one is past ``max_staleness``); whether applied."""
-        self.counters.add(pushes=1)
+    def _push_whole(self, header, grads, sparse, bytes_in: int = 0):
+        """Count or apply one whole push (``bytes_in``: its bytes not counted yet); whether it was applied."""
+        self.counters.add(bytes_in=bytes_in, pushes=1)
         while True:
             outcome = self.engine.push(header.trainer_id, header.step, grads, sparse,
                                        (header.epoch, header.batch), park=True)

@@ -110,6 +110,7 @@ class SplitPushes:
         self._release = release
         self._blocks = dict(blocks)
         self._lane_of: Dict[int, Dict[str, int]] = {}
+        self._lane_blocks: Dict[int, List[List[str]]] = {}  # lanes -> each lane's blocks, in plan order
         self._held: Dict[int, _Push] = {}
 
     def lane_of(self, lanes: int) -> Dict[str, int]:
@@ -119,12 +120,13 @@ class SplitPushes:
             if not 1 < lanes <= MAX_LANES:
                 raise BadRequest(f"a push split across {lanes} lanes (2 to {MAX_LANES})")
             lane_of = self._lane_of[lanes] = lane_of_blocks(self._blocks.items(), lanes)
+            self._lane_blocks[lanes] = [[n for n in self._blocks if lane_of[n] == k] for k in range(lanes)]
         return lane_of
 
     def blocks_of(self, lane: int, lanes: int) -> List[str]:
-        """The blocks lane ``lane`` of ``lanes`` carries and is answered with, in plan order."""
-        lane_of = self.lane_of(lanes)
-        return [n for n in self._blocks if lane_of[n] == lane]
+        """The blocks lane ``lane`` of ``lanes`` carries and is answered with, in plan order (computed once)."""
+        self.lane_of(lanes)
+        return self._lane_blocks[lanes][lane]
 
     def add(self, trainer: int, step: int, lane: int, lanes: int, gradients: Gradients, buffers: dict,
             attempt: Attempt = ("", 0)) -> Ticket:
