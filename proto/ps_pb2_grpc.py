@@ -104,6 +104,11 @@ class ParameterServerStub:
                 request_serializer=psproto_dot_ps__pb2.ReduceRequest.SerializeToString,
                 response_deserializer=psproto_dot_ps__pb2.ReduceReply.FromString,
                 _registered_method=True)
+        self.Claim = channel.unary_unary(
+                '/psproto.ParameterServer/Claim',
+                request_serializer=psproto_dot_ps__pb2.ClaimRequest.SerializeToString,
+                response_deserializer=psproto_dot_ps__pb2.ClaimReply.FromString,
+                _registered_method=True)
         self.Replicate = channel.stream_unary(
                 '/psproto.ParameterServer/Replicate',
                 request_serializer=psproto_dot_ps__pb2.ReplicaChunk.SerializeToString,
@@ -242,6 +247,14 @@ class ParameterServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Claim(self, request, context):
+        """Backup trainers: whether this trainer's push counts in a sync step, once the step's trainers are known;
+        waits for them up to barrier_timeout. Only the first pserver decides.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Replicate(self, request_iterator, context):
         """Hot standby: a primary's update to its backup, streamed in pieces ...
         """
@@ -349,6 +362,11 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     servicer.Reduce,
                     request_deserializer=psproto_dot_ps__pb2.ReduceRequest.FromString,
                     response_serializer=psproto_dot_ps__pb2.ReduceReply.SerializeToString,
+            ),
+            'Claim': grpc.unary_unary_rpc_method_handler(
+                    servicer.Claim,
+                    request_deserializer=psproto_dot_ps__pb2.ClaimRequest.FromString,
+                    response_serializer=psproto_dot_ps__pb2.ClaimReply.SerializeToString,
             ),
             'Replicate': grpc.stream_unary_rpc_method_handler(
                     servicer.Replicate,
@@ -754,6 +772,33 @@ class ParameterServer:
             '/psproto.ParameterServer/Reduce',
             psproto_dot_ps__pb2.ReduceRequest.SerializeToString,
             psproto_dot_ps__pb2.ReduceReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Claim(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/psproto.ParameterServer/Claim',
+            psproto_dot_ps__pb2.ClaimRequest.SerializeToString,
+            psproto_dot_ps__pb2.ClaimReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -32,7 +32,7 @@ from psproto.security import Security, TokenCheck
 
 from .checkpoint import Checkpointer
 from .engine import (AsyncEngine, Contents, FileWrites, Reductions, Replication, ScheduledCheckpoints,
-                     ScheduledExports, SyncEngine)
+                     ScheduledExports, StepClaims, SyncEngine)
 from .errors import LostLead
 from .ops.health import HealthPort
 from .ops.metrics import MetricsServer, PserverCollector
@@ -113,13 +113,20 @@ class ParameterServer:
         # a heartbeat waiting for a pool thread) is alive to the engine too, and heard from when it ends.
         self._serving = CallsInProgress(self._arrived, program.trainers, holds=self._holds)
         args = (store, tables, program.trainers, program.endpoint, cfg.barrier_timeout, checkpointer)
-        parts = dict(listeners=listeners, on_wait=self._observe_barrier_wait,
-                     on_roster_change=self.reductions.roster_changed,
-                     held_elsewhere=lambda: self.reductions.parked_trainers() | self._serving.trainers())
+        # Backup trainers: the first pserver decides each sync step's trainers (claims wait like Reduce rounds).
+        self.claims: Optional[StepClaims] = None
+        parts = dict(listeners=listeners, on_wait=self._observe_barrier_wait, on_roster_change=self._roster_changed,
+                     held_elsewhere=lambda: self.reductions.parked_trainers() | self._serving.trainers()
+                     | (self.claims.parked_trainers() if self.claims is not None else set()))
         if program.sync_mode:
             self.engine = SyncEngine(*args, **parts)
         else:
             self.engine = AsyncEngine(*args, max_staleness=cfg.max_staleness, **parts)
+        if cfg.backup_trainers and program.sync_mode and program.shard == 0:
+            self.claims = StepClaims(self.endpoint, program.trainers, cfg.backup_trainers, cfg.barrier_timeout,
+                                     live=self.engine.live, applied=lambda: self.engine.updates,
+                                     admit=self.engine.check_live, rollbacks=self.engine.rollbacks,
+                                     released=self.engine.touch)
         if checkpointer is not None:
             if self.engine.resume():
                 log.info("pserver %s resumes from the checkpoint at step %d under %s%s", self.endpoint,
@@ -150,7 +157,13 @@ class ParameterServer:
         self.servicer = PserverServicer(self.engine, Contents(store, tables), self.reductions, program.layout_digest,
                                         cfg.chunk_bytes, alive_window=cfg.session_alive_window,
                                         allow_nonfinite=cfg.nonfinite_grads == "apply", replica=self.replica,
-                                        incarnation=incarnation, stretches=self.stretches)
+                                        incarnation=incarnation, stretches=self.stretches, claims=self.claims)
+
+    def _roster_changed(self) -> None:
+        """The engine's live trainers may have changed (or it rolled back): the waiting rounds and claims look again."""
+        self.reductions.roster_changed()
+        if self.claims is not None:
+            self.claims.roster_changed()
 
     def _replica(self, program: PserverProgram, replication: Replication, incarnation: Incarnation):
         """Hot standby: this process is one of its shard's two; etcd decides whether it leads or follows."""
@@ -356,6 +369,8 @@ class ParameterServer:
         if self.exporter is not None:
             self.exporter.close()
         self.reductions.stop()
+        if self.claims is not None:
+            self.claims.stop()
         self._stop_main(grace)
         self.engine.tables.close()
         if self.replica is not None:

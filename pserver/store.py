@@ -20,6 +20,10 @@ class BlockStore:
     Because the supported torch optimizers act elementwise, updating row
     blocks separately equals updating the whole parameter. Not thread-safe:
     the engine serialises calls.
+
+    In GEO mode (``config.k_steps``) the trainers run the optimizer and push
+    deltas: :meth:`apply` adds each divided by the number of trainers
+    (:attr:`geo_scale`), and there is no optimizer state.
     """
 
     def __init__(self, program: PserverProgram, startup: Optional[StartupProgram]):
@@ -42,7 +46,12 @@ class BlockStore:
             else:
                 block = torch.zeros(spec.shape, dtype=dtype)
             self.blocks[name] = block.requires_grad_(True)
-        self.optimizer = program.optimizer.build(self.blocks.values()) if self.blocks else None
+        # GEO: Paddle's scaling. Trainers that synced from the same values move the block to the mean of
+        # their models (Local SGD's averaging, each trainer on its own clock); a plain sum would take
+        # ``trainers`` optimizer steps' worth per window and diverge at the learning rate of one.
+        self.geo_scale: Optional[float] = 1.0 / program.trainers if program.config.k_steps else None
+        self.optimizer = (program.optimizer.build(self.blocks.values())
+                          if self.blocks and self.geo_scale is None else None)
         self.schedule = LrSchedule(program.optimizer)
 
     def expect(self, name: str) -> Optional[Tuple[str, List[int]]]:
@@ -55,12 +64,17 @@ class BlockStore:
         return sum(b.numel() * b.element_size() for b in self.blocks.values())
 
     def apply(self, grads: Dict[str, torch.Tensor], step: int) -> None:
-        """One optimizer step on the blocks in ``grads`` with the lr of ``step``.
+        """One optimizer step on the blocks in ``grads`` with the lr of ``step`` (GEO: add the deltas, scaled).
 
         Blocks absent from ``grads`` keep ``grad=None`` and are skipped by
         torch, as a parameter without gradient is in single-process training.
         """
         if not grads:
+            return
+        if self.geo_scale is not None:
+            with torch.no_grad():
+                for name, delta in grads.items():
+                    self.blocks[name].add_(delta, alpha=self.geo_scale)
             return
         lr = self.schedule.lr_at(step)
         for group in self.optimizer.param_groups:

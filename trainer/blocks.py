@@ -45,6 +45,11 @@ class LocalBlocks:
         # CUDA parameters: pulled blocks land here, then one non-blocking copy each to the device.
         self._pinned_buffers: Dict[str, torch.Tensor] = {}
 
+    @property
+    def params(self) -> Dict[str, nn.Parameter]:
+        """The planned parameters by name, in the plan's order."""
+        return self._params
+
     def dtype_and_shape(self, name: str) -> Optional[Tuple[str, List[int]]]:
         """(dtype, shape) of block ``name``, None if the plan has no such block."""
         b = self.by_name.get(name)

@@ -21,6 +21,7 @@ from .feed import Feed
 from .heartbeat import Heartbeat
 from .node import pick_device
 from .recovery import Recovery
+from .steppers.geo import GeoStepper
 from .steppers.local import LocalStepper
 from .steppers.node import NodeStepper
 from .steppers.pipelined import PipelinedStepper
@@ -81,7 +82,9 @@ class PserverTrainer(TrainerBase):
         self.channels = Channels(program, security)
         # Every step pushes to each pserver that owns blocks or table shards,
         # even with nothing for it, so sync barriers count this trainer.
-        push_endpoints = list(program.pservers) if program.tables else list(self.blocks.by_endpoint)
+        # With backup trainers, the first pserver (which decides each step's trainers) steps with the others.
+        push_endpoints = (list(program.pservers) if program.tables or cfg.backup_trainers
+                          else list(self.blocks.by_endpoint))
         self.recovery = Recovery(self.channels, self.sync_mode, push_endpoints, cfg.connect_timeout,
                                  cfg.recovery_timeout)
         self.stepper: Optional[Stepper] = None
@@ -118,6 +121,12 @@ class PserverTrainer(TrainerBase):
         """The stepper this trainer's plan and process ask for (see :mod:`trainer.steppers.stepper`)."""
         cfg = self.program.config
         parts = (self.program, self.model, self.channels, self.blocks, self.recovery, self.state)
+        if (cfg.k_steps or cfg.backup_trainers) and self.local_world_size > 1:
+            mode = f"GEO mode (k_steps={cfg.k_steps})" if cfg.k_steps else f"backup_trainers={cfg.backup_trainers}"
+            raise ValueError(f"{mode} trains one process per trainer; this trainer node has local_world_size="
+                             f"{self.local_world_size}: start one trainer per process instead")
+        if cfg.k_steps:
+            return GeoStepper(*parts)
         if self.local_world_size > 1:
             return NodeStepper(*parts, local_rank=self.local_rank, local_world_size=self.local_world_size,
                                device=self.device, init_method=init_method)

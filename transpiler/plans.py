@@ -78,6 +78,13 @@ def _block_table(blocks: List[BlockSpec], with_endpoint: bool) -> str:
     return _columns(head, rows)
 
 
+def _mode_name(sync_mode: bool, config: DistributeTranspilerConfig) -> str:
+    """How a plan's printout names its mode: sync, async, or GEO with its period."""
+    if config.k_steps:
+        return f"geo (k_steps={config.k_steps})"
+    return "sync" if sync_mode else "async"
+
+
 def _optimizer_line(spec: OptimizerSpec) -> str:
     line = f"{spec.name} {spec.kwargs}"
     if spec.lr_scheduler:
@@ -174,7 +181,7 @@ class PserverProgram:
             raise ValueError(f"malformed PserverProgram: {e}") from None
 
     def __str__(self) -> str:
-        mode = "sync" if self.sync_mode else "async"
+        mode = _mode_name(self.sync_mode, self.config)
         total = sum(b.nbytes for b in self.blocks)
         return (f"PserverProgram {self.endpoint}: {mode}, {self.trainers} trainers, "
                 f"{len(self.blocks)} blocks, {total:,} bytes, shard {self.shard} of "
@@ -278,7 +285,7 @@ class TrainerProgram:
     def __str__(self) -> str:
         if self.collective:
             return self._collective_str()
-        mode = "sync" if self.sync_mode else "async"
+        mode = _mode_name(self.sync_mode, self.config)
         return (f"TrainerProgram trainer {self.trainer_id}/{self.trainers}: {mode}, "
                 f"{len(self.params)} params in {len(self.blocks)} blocks on "
                 f"{len(self.pservers)} pservers, {len(self.tables)} distributed tables\n"

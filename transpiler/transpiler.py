@@ -30,6 +30,9 @@ def _layout_digest(params: List[ParamSpec], trainers: int, sync_mode: bool, prog
         "trainers": trainers, "sync_mode": sync_mode,
         "optimizer": program.optimizer.to_dict(), "max_staleness": config.max_staleness,
         "tables": [t.to_dict() for t in program.tables],
+        # Only when set, so the digests of jobs (and checkpoints) from before the mode stay as they were.
+        **({"k_steps": config.k_steps} if config.k_steps else {}),
+        **({"backup_trainers": config.backup_trainers} if config.backup_trainers else {}),
     }, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
@@ -45,6 +48,35 @@ def _collective_endpoints(program: Program, pservers, sync_mode: bool) -> List[s
     if pservers:
         log.info("collective mode: ignoring pservers %s (no pserver is contacted)", pservers)
     return []
+
+
+def _check_backups(sync_mode: bool, trainers: int, config: DistributeTranspilerConfig) -> None:
+    """Backup trainers need a sync job with more trainers than backups, without replicas (even from the environment)."""
+    backups = config.backup_trainers
+    if backups and (config.server_replicas or 1) > 1:
+        raise ValueError(f"backup_trainers={backups} does not combine with server_replicas=2 (set here or by "
+                         f"PS_SERVER_REPLICAS): which pserver decides a step's trainers is not replicated yet")
+    if backups and not sync_mode:
+        raise ValueError(f"backup_trainers={backups} drops the slowest trainers of a sync step; async trainers "
+                         f"never wait for each other: use sync_mode=True, or backup_trainers=0")
+    if backups >= trainers:
+        raise ValueError(f"backup_trainers={backups} leaves no trainer to make a step: it must be below the number "
+                         f"of trainers ({trainers})")
+
+
+def _check_geo(program: Program, sync_mode: bool, k_steps: int) -> None:
+    """GEO mode (``k_steps`` > 0) is asynchronous, and its tables train with sgd: refuse what it cannot train."""
+    if not k_steps:
+        return
+    if sync_mode:
+        raise ValueError(f"k_steps={k_steps} is GEO mode, which is asynchronous (every trainer syncs on its own "
+                         f"every k_steps); use sync_mode=False, or k_steps=0 for synchronous training")
+    stateful = sorted(t.name for t in program.tables if t.optimizer.name != "sgd")
+    if stateful:
+        raise ValueError(f"GEO mode (k_steps={k_steps}) trains distributed tables with sgd (as Paddle's GEO-SGD): "
+                         f"a trainer keeps only the rows it touched since its last sync, so per-row optimizer "
+                         f"state could not last; tables {stateful} use another optimizer: give them "
+                         f"TableOptions(optimizer='sgd')")
 
 
 class DistributeTranspiler:
@@ -85,6 +117,8 @@ class DistributeTranspiler:
         else:
             endpoints = parse_endpoints(pservers)
             self.config = resolve_replicas(self.config, endpoints, os.environ)
+            _check_geo(program, sync_mode, self.config.k_steps)
+            _check_backups(sync_mode, trainers, self.config)
         dispatcher = DISPATCHERS[self.config.split_method](endpoints)
 
         params: List[ParamSpec] = []

@@ -67,10 +67,11 @@ def job_s_results(log_dir: str, trainers: int) -> List[dict]:
 
 def run_ours_s(args, workdir: str, sync: bool, pservers: int = 2, trainers: int = 2,
                wire: Optional[str] = None, plain: bool = False, ram_rows: int = 0,
-               replicas: int = 1, coordinator: Optional[str] = None) -> dict:
+               replicas: int = 1, coordinator: Optional[str] = None, extra: Sequence[str] = ()) -> dict:
     """Job S on this project through ps-launch; throughput over all trainers and per-trainer per-step figures.
 
     ``replicas`` 2: a backup per pserver (``--server_replicas 2 --coordinator COORDINATOR``, hot standby).
+    ``extra``: more ``job_s.py`` arguments (``--k_steps 4``, ``--slow_trainer 3 --slow_ms 40``).
     """
     log_dir = os.path.join(workdir, "log")
     hot_standby = ["--server_replicas", "2", "--coordinator", coordinator] if replicas == 2 else []
@@ -86,6 +87,7 @@ def run_ours_s(args, workdir: str, sync: bool, pservers: int = 2, trainers: int 
         cmd.append("--plain")
     if ram_rows:
         cmd += ["--ram_rows", str(ram_rows), "--table_disk_dir", os.path.join(workdir, "disk-tier")]
+    cmd += list(extra)
     run_command(cmd, os.path.join(workdir, "launch.log"), args.timeout,
                 f"ps-launch job_s.py ({pservers} ps x {trainers} trainers, {'sync' if sync else 'async'})",
                 env={"PYTHONPATH": pythonpath_with_repo()}, cwd=REPO)

@@ -5,6 +5,8 @@ One script, every role, as ``examples/train_ctr.py``; from the repository root (
 
     PYTHONPATH=. ps-launch --server_num 2 --worker_num 2 benchmarks/jobs/job_s.py            # sync
     PYTHONPATH=. ps-launch --server_num 2 --worker_num 2 benchmarks/jobs/job_s.py --async    # async
+    PYTHONPATH=. ps-launch --server_num 2 --worker_num 4 benchmarks/jobs/job_s.py --async --k_steps 4 \
+        --slow_trainer 3 --slow_ms 40                                                       # GEO, a slow trainer
 
 (``ps-launch`` is ``python -m trainer.launch``; each role's output goes to
 ``log/serverlog.N`` / ``log/workerlog.N``.) ``python -m benchmarks.bench_peers`` runs it
@@ -17,7 +19,9 @@ features into an MLP 429-256-128-1 (SGD lr 0.05), BCE loss, batch 512 per
 trainer, 20 warm-up + 200 timed steps; trainer ``r`` at step ``t`` trains on
 ``jobs.ctr_batch(t * K + r, batch=512)`` (``K`` trainers). The transpiler runs
 with the default :class:`DistributeTranspilerConfig` (what we benchmark); only
-``sync_mode`` follows ``--async``. One torch thread per role.
+``sync_mode`` follows ``--async`` (and ``k_steps``, GEO mode, ``--k_steps``; ``backup_trainers``,
+``--backup_trainers``). One torch thread per role.
+``--slow_trainer T --slow_ms MS``: trainer T sleeps MS after each step (a straggler: a busier host).
 
 Each trainer uses the fast path a user would: ``tr.batches(loader, 1,
 prefetch=lambda b: {"emb": ids})``, so the next batch's ids ride with each
@@ -35,8 +39,9 @@ prefetch, counted by wrapping its pserver channels' methods in this script),
 counters, plus the ids of any separate prefetch call), and the split of a step
 into forward (``forward_ms``, of which the table's lookups ``lookup_ms``),
 backward (``backward_ms``) and ``tr.step()`` (``step_ms``). Trainer 0 also evaluates the hold-out
-AUC on ``jobs.ctr_eval_set(20000)`` (``auc``); in async mode it first waits
-until every pserver has received every trainer's last push. It also reports the
+AUC on ``jobs.ctr_eval_set(20000)`` (``auc``); in async and GEO mode it first waits
+until every pserver has received every trainer's last push, and pulls. (In sync mode, with backup
+trainers too, it evaluates at once: a live trainer that no longer steps would hold the others' steps.) It also reports the
 pservers' own counters (``ps_stats``, from their Stats call). Each pserver prints
 ``PSERVER_PHASES {json}`` as it exits: its CPU per push over the timed steps,
 phase by phase (:class:`benchmarks.jobs.instruments.PserverPhases`).
@@ -220,6 +225,8 @@ def train(args, env, jobs, t: DistributeTranspiler) -> dict:
             c1 = time.perf_counter()
             tr.step()
             c2 = time.perf_counter()
+            if env.trainer_id == args.slow_trainer:
+                time.sleep(args.slow_ms / 1e3)
             compute += c1 - c0
             forward += cf - c0
             step_time += c2 - c1
@@ -230,7 +237,8 @@ def train(args, env, jobs, t: DistributeTranspiler) -> dict:
         steps = args.steps
         result = {
             "role": f"trainer {env.trainer_id}", "trainer_id": env.trainer_id, "trainers": env.trainers,
-            "pservers": len(env.pservers), "mode": "sync" if args.sync_mode else "async",
+            "pservers": len(env.pservers), "mode": mode_name(args),
+            "slow_ms": args.slow_ms if env.trainer_id == args.slow_trainer else 0.0,
             "batch": args.batch, "warmup": args.warmup, "steps": steps, "examples": steps * args.batch,
             "start": start, "end": end, "examples_per_s": steps * args.batch / (end - start),
             "calls_per_step": (after["calls"] - before["calls"]) / steps,
@@ -248,7 +256,10 @@ def train(args, env, jobs, t: DistributeTranspiler) -> dict:
         }
         if env.trainer_id == 0:
             if not args.sync_mode:  # the other trainers may still be pushing: wait for their last step
-                wait_for_pushes(env.pservers, env.trainers * total, args.eval_wait)
+                tr.pull()  # GEO: this trainer's own last steps first
+                per_trainer = -(-total // args.k_steps) if args.k_steps else total  # GEO: one push per window
+                wait_for_pushes(env.pservers, env.trainers * per_trainer, args.eval_wait)
+                tr.pull()
             e0 = time.perf_counter()
             result["auc"] = evaluate(tr.model, jobs, args.eval_examples, args.seed)
             result["eval_s"] = time.perf_counter() - e0
@@ -259,9 +270,20 @@ def train(args, env, jobs, t: DistributeTranspiler) -> dict:
     return result
 
 
+def mode_name(args) -> str:
+    """sync, sync-bB (backup trainers), async, or geo-K."""
+    if args.k_steps:
+        return f"geo-{args.k_steps}"
+    return (f"sync-b{args.backup_trainers}" if args.backup_trainers else "sync") if args.sync_mode else "async"
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--async", dest="sync_mode", action="store_false", help="asynchronous updates")
+    p.add_argument("--k_steps", type=int, default=0, help="GEO mode, with --async: sync every K steps")
+    p.add_argument("--backup_trainers", type=int, default=0, help="sync: steps made by the first trainers - B")
+    p.add_argument("--slow_trainer", type=int, default=-1, help="this trainer sleeps --slow_ms after each step")
+    p.add_argument("--slow_ms", type=float, default=0.0, help="the slow trainer's delay per step (ms)")
     p.add_argument("--peers", default=DEFAULT_PEERS, help="folder of the peers' jobs.py (default: %(default)s)")
     p.add_argument("--warmup", type=int, default=None, help="untimed steps first (default: jobs.S_WARMUP, 20)")
     p.add_argument("--steps", type=int, default=None, help="timed steps (default: jobs.S_STEPS, 200)")
@@ -305,7 +327,8 @@ def main(argv=None) -> int:
     torch.set_num_threads(1)  # several roles share this machine's cores
     t = DistributeTranspiler(DistributeTranspilerConfig(grad_wire_dtype=args.grad_wire_dtype,
                                                         table_disk_dir=args.table_disk_dir,
-                                                        shared_memory=args.shared_memory))
+                                                        shared_memory=args.shared_memory, k_steps=args.k_steps,
+                                                        backup_trainers=args.backup_trainers))
     t.transpile(env.trainer_id, program=build_program(jobs, args.seed, args.ram_rows), pservers=env.pserver_list,
                 trainers=env.trainers, sync_mode=args.sync_mode)
     if env.is_pserver:

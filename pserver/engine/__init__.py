@@ -19,10 +19,13 @@
   servicer's, not the engine's.
 - :mod:`.reductions`: :class:`Reductions`, the Reduce service (trainers' global
   metrics), with its own lock; it asks the engine which trainers it expects.
+- :mod:`.claims`: :class:`StepClaims`, backup trainers' Claim service on the
+  first pserver (which trainers make each sync step), built the same way.
 
 Pure of gRPC: refusals are :mod:`pserver.errors`, mapped to statuses by :mod:`pserver.rpc`.
 """
 from .asynchronous import AsyncEngine
+from .claims import StepClaims
 from .contents import Contents, PushParts
 from .engine import Engine
 from .listeners import FileWrites, Replication, ScheduledCheckpoints, ScheduledExports, UpdateListener
@@ -31,5 +34,5 @@ from .roster import Joined
 from .stats import PserverStats
 from .sync import SyncEngine
 
-__all__ = ["Engine", "Joined", "SyncEngine", "AsyncEngine", "Contents", "PushParts", "Reductions", "PserverStats",
-           "UpdateListener", "FileWrites", "Replication", "ScheduledCheckpoints", "ScheduledExports"]
+__all__ = ["Engine", "Joined", "SyncEngine", "AsyncEngine", "Contents", "PushParts", "Reductions", "StepClaims",
+           "PserverStats", "UpdateListener", "FileWrites", "Replication", "ScheduledCheckpoints", "ScheduledExports"]

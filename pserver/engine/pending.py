@@ -13,7 +13,7 @@ Not thread-safe: the engine holds its lock around every call.
 """
 from __future__ import annotations
 
-from typing import AbstractSet, Dict, Mapping, Tuple
+from typing import AbstractSet, Dict, FrozenSet, Mapping, Optional, Tuple
 
 import torch
 
@@ -29,6 +29,9 @@ class PendingStep:
     data positions pushed with it (they count once the step is applied);
     ``joins_at``: trainers that (re)joined while a step was in progress (or
     found another pserver a step ahead), and the later step they count from.
+    With backup trainers, ``admitted``: the step's trainers as its first push
+    named them (None: every expected trainer), and ``dropped``: those that
+    pushed it dropped (:mod:`.claims`).
     """
 
     def __init__(self):
@@ -42,6 +45,8 @@ class PendingStep:
         self.sparse_sums = SparseSums()
         self.positions: Dict[int, Position] = {}
         self.joins_at: Dict[int, int] = {}
+        self.admitted: Optional[FrozenSet[int]] = None
+        self.dropped: set = set()
 
     def add(self, trainer_id: int, grads: Mapping[str, torch.Tensor], sparse: Mapping[str, SparseGrad],
             position: Position) -> None:
@@ -60,8 +65,21 @@ class PendingStep:
         self.positions[trainer_id] = position
 
     def expected(self, live: AbstractSet[int], updates: int) -> set:
-        """The ``live`` trainers the step after ``updates`` applied waits for: all but those joining later."""
-        return {t for t in live if self.joins_at.get(t, 0) <= updates}
+        """The ``live`` trainers the step after ``updates`` applied waits for: all but those joining later
+        (with backup trainers: of the step's trainers, all but those dropped)."""
+        expected = {t for t in live if self.joins_at.get(t, 0) <= updates} - self.dropped
+        return expected if self.admitted is None else expected & self.admitted
+
+    def admit(self, trainers: FrozenSet[int]) -> bool:
+        """Backup trainers: the step is made of ``trainers`` (from a push); False if it was made of others."""
+        if self.admitted is None:
+            self.admitted = trainers
+        return self.admitted == trainers
+
+    def drop(self, trainer_id: int, position: Position) -> None:
+        """Backup trainers: ``trainer_id`` pushed the step dropped; its data position counts once the step applies."""
+        self.dropped.add(trainer_id)
+        self.positions[trainer_id] = position
 
     def complete(self, live: AbstractSet[int], updates: int) -> bool:
         """Whether some push is counted and every expected trainer's is."""
@@ -95,6 +113,8 @@ class PendingStep:
         self.touched = set()
         self.sparse_sums.clear()
         self.positions = {}
+        self.admitted = None
+        self.dropped = set()
 
     def forget_joins(self) -> bool:
         """Every trainer redoes the step the pserver stands at (a roll-back); whether one was told it joins later.

@@ -6,7 +6,7 @@ on batch b equal one process on the concatenated N*b batch.
 from __future__ import annotations
 
 import logging
-from typing import Dict, Mapping, Optional, Tuple
+from typing import Dict, Mapping, Optional, Sequence, Tuple
 
 import torch
 
@@ -59,15 +59,20 @@ class SyncEngine(Engine):
 
     def push(self, trainer_id: int, step: int, grads: Dict[str, torch.Tensor],
              sparse: Optional[Mapping[str, SparseGrad]] = None,
-             position: Position = (0, 0), park: bool = False) -> Tuple[bool, int]:
+             position: Position = (0, 0), park: bool = False, step_trainers: Sequence[int] = (),
+             dropped: bool = False) -> Tuple[bool, int]:
         """Count ``grads`` and ``sparse`` for ``step``; returns (counted, updates). Applies when complete.
 
         ``grads`` are copied into the step's sums: the caller keeps its
         buffers. ``sparse`` ({table: (ids, rows)}) is kept until the step is
-        applied: the caller must not reuse it.
+        applied: the caller must not reuse it. Backup trainers (:mod:`.claims`):
+        ``step_trainers`` are the step's trainers, the only ones it waits for;
+        a ``dropped`` push carries nothing and is acknowledged, not counted.
         """
         with self.cv:
             self.roster.check_pusher(trainer_id, self.endpoint, self.updates)
+            if dropped:
+                return self._dropped(trainer_id, step, position)
             if step == self.updates and trainer_id in self.pending.trainers:
                 return False, self.updates
             if step < self.updates:
@@ -77,10 +82,24 @@ class SyncEngine(Engine):
                                  f"{step}; the pserver is at step {self.updates}")
             if step > self.updates:
                 raise self.rollbacks.refusal_ahead(trainer_id, "pushed step", step, self.updates)
+            if step_trainers and not self.pending.admit(frozenset(step_trainers)):
+                raise NotAllowed(f"pserver {self.endpoint}: trainer {trainer_id} pushed step {step} as made of "
+                                 f"trainers {sorted(step_trainers)}, but the step is made of "
+                                 f"{sorted(self.pending.admitted)}")
             self.pending.add(trainer_id, grads, sparse or {}, position)
             self.last_step[trainer_id] = step
             self._apply_if_complete()
             return True, self.updates
+
+    def _dropped(self, trainer_id: int, step: int, position: Position) -> Tuple[bool, int]:
+        """A push of a trainer dropped from ``step`` (backup trainers): acknowledged, its position kept, not counted."""
+        if step > self.updates:
+            raise self.rollbacks.refusal_ahead(trainer_id, "pushed step", step, self.updates)
+        if step == self.updates and trainer_id not in self.pending.trainers:
+            self.pending.drop(trainer_id, position)
+            self._apply_if_complete()  # the step may have waited for this trainer until now
+        self.last_step[trainer_id] = max(step, self.last_step.get(trainer_id, -1))
+        return False, self.updates
 
     def _apply_if_complete(self) -> None:
         pending = self.pending

@@ -50,7 +50,7 @@ class PserverCollector(Collector):
         states = {"alive": len(snap.alive), "dropped": len(snap.dropped), "closed": len(snap.closed)}
         c = svc.counters
         with c.lock:
-            traffic = (c.pushes, c.prefetches, c.bytes_in, c.bytes_out)
+            traffic = (c.pushes, c.prefetches, c.bytes_in, c.bytes_out, c.dropped_pushes)
             by_trainer = dict(c.pushes_by_trainer)
             heartbeats, heartbeats_by_trainer = c.heartbeats, dict(c.heartbeats_by_trainer)
             refused = dict(c.refused_by)
@@ -70,6 +70,8 @@ class PserverCollector(Collector):
         yield trainers
         yield _gauge("ps_trainers_expected", "Trainers the job was transpiled for", ep, snap.trainers)
         yield _counter("ps_pushes", "Pushes received (gradients of one step from one trainer)", ep, traffic[0])
+        yield _counter("ps_dropped_pushes", "Backup trainers: pushes of trainers dropped from their step (left out)",
+                       ep, traffic[4])
         yield _counter("ps_prefetches", "Prefetches (table row lookups) answered", ep, traffic[1])
         yield _counter("ps_received_bytes", "Tensor bytes received (gradients, ids)", ep, traffic[2])
         yield _counter("ps_sent_bytes", "Tensor bytes sent (parameters, rows)", ep, traffic[3])

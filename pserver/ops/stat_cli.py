@@ -1,4 +1,5 @@
-"""``ps-stat``: one line per pserver of a running job: step, trainers, sizes, traffic, heartbeats, checkpoint;
+"""``ps-stat``: one line per pserver of a running job: step, trainers, sizes, traffic, dropped pushes (backup
+trainers), heartbeats, checkpoint;
 then one line per distributed table and pserver: rows in memory and on disk, and the lifecycle's
 counts (admitted, refused, evicted, spilled, promoted).
 
@@ -29,7 +30,7 @@ from transpiler.roles.role_env import parse_endpoints
 from psproto.security import Security
 
 HEADERS = ("ENDPOINT", "MODE", "STEP", "TRAINERS", "DROPPED", "BLOCKS", "BLOCK BYTES", "TABLE ROWS",
-           "BYTES IN", "BYTES OUT", "PUSHES/S", "HEARTBEATS", "CHECKPOINT")
+           "BYTES IN", "BYTES OUT", "PUSHES/S", "DROPPED PUSHES", "HEARTBEATS", "CHECKPOINT")
 _INT64 = {descriptor.FieldDescriptor.TYPE_INT64, descriptor.FieldDescriptor.TYPE_UINT64,
           descriptor.FieldDescriptor.TYPE_SINT64, descriptor.FieldDescriptor.TYPE_FIXED64,
           descriptor.FieldDescriptor.TYPE_SFIXED64}
@@ -96,7 +97,7 @@ def row(endpoint: str, r: ps_pb2.StatsReply, rate: Optional[float]) -> Tuple[str
     return (endpoint, "sync" if r.sync_mode else "async", str(r.updates), _ids(r.trainers_alive),
             _ids(r.trainers_dropped), str(r.blocks), human_bytes(r.block_bytes), f"{r.table_rows:,}",
             human_bytes(r.bytes_in), human_bytes(r.bytes_out), "-" if rate is None else f"{rate:.1f}",
-            f"{r.heartbeats:,}", _checkpoint(r))
+            f"{r.dropped_pushes:,}", f"{r.heartbeats:,}", _checkpoint(r))
 
 
 def as_json(endpoint: str, r: Sample, rate: Optional[float]) -> dict:

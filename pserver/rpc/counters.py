@@ -26,6 +26,7 @@ class Counters:
         self.shared_pushes = 0  # of which through shared memory
         self.prefetches = 0
         self.refused = 0
+        self.dropped_pushes = 0  # backup trainers: pushes of trainers dropped from their step
         # Heartbeats received: trainers send them only towards pservers they were silent to for an interval.
         self.heartbeats = 0
         # Refusals by (reason, status): the refusal's class name ("internal" for a bug) and its gRPC code.
@@ -47,9 +48,10 @@ class Counters:
             self.heartbeats += 1
             self.heartbeats_by_trainer[trainer_id] = self.heartbeats_by_trainer.get(trainer_id, 0) + 1
 
-    def add(self, bytes_in=0, bytes_out=0, pushes=0, prefetches=0, refused=0, shared_pushes=0):
+    def add(self, bytes_in=0, bytes_out=0, pushes=0, prefetches=0, refused=0, shared_pushes=0, dropped_pushes=0):
         """Add to the traffic counters."""
         with self.lock:
+            self.dropped_pushes += dropped_pushes
             self.bytes_in += bytes_in
             self.bytes_out += bytes_out
             self.pushes += pushes
@@ -76,7 +78,7 @@ class Counters:
                 table_bytes=snap.table_bytes, prefetches=self.prefetches,
                 incarnation=incarnation, uptime_s=uptime_s,
                 trainers_dropped=snap.dropped, refused=self.refused, shared_pushes=self.shared_pushes,
-                heartbeats=self.heartbeats,
+                heartbeats=self.heartbeats, dropped_pushes=self.dropped_pushes,
                 checkpoint_step=last.step if last else -1, checkpoint_path=last.path if last else "",
                 checkpoint_age_s=time.time() - last.time if last else 0.0,
                 tables=[ps_pb2.TableStats(**t.to_dict()) for t in snap.tables],

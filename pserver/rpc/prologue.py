@@ -5,19 +5,19 @@ refuses with :mod:`pserver.errors` exceptions, and :data:`STATUS` is the one
 place they become gRPC status codes; any other exception is a bug, answered
 INTERNAL with its traceback logged. :func:`trainer_call` adds the prologue a
 trainer's unary call shares (parse, trainer id and session, layout digest,
-sign of life).
+sign of life); :func:`read_stream` is a client stream's (its header first).
 """
 from __future__ import annotations
 
 import functools
 import inspect
 import logging
-from typing import Dict, Optional
+from typing import Callable, Dict, Optional
 
 import grpc
 from google.protobuf.message import DecodeError
 
-from psproto.codec import WireError
+from psproto.codec import TensorReader, WireError, decode_chunk
 from psproto.shared_memory import SharedMemoryError
 
 from ..errors import (AlreadyRunning, BadRequest, BarrierTimeout, Fenced, MustResync, NoSession, NotAllowed,
@@ -119,7 +119,7 @@ def trainer_call(message_type, digest: bool = True, touch: bool = False):
     The prologue parses the request (``message_type``), checks the caller (its
     trainer id in range, its session current), then, when asked, the layout
     digest (``digest``) and notes the call as a sign of life (``touch``); the
-    method gets the parsed request. Client streams have theirs in ``_read_stream``.
+    method gets the parsed request. Client streams have theirs in :func:`read_stream`.
     """
     def wrap(method):
         def prologue(self, data):
@@ -142,3 +142,36 @@ def trainer_call(message_type, digest: bool = True, touch: bool = False):
             return method(self, prologue(self, data), context)
         return refusals(unary)
     return wrap
+
+
+def read_stream(request_iterator, header_type, expect, check: Callable[[object], None],
+                release: Callable[[dict], None], dest=None, widen: bool = False):
+    """(header, reader) of a client stream: the header first (``check(header)``: the caller's checks), then pieces.
+
+    ``expect``, ``dest``: the :class:`~psproto.codec.TensorReader`'s; ``widen``: float tensors may come
+    narrower than expected (gradients pushed in ``grad_wire_dtype``) and are widened on arrival. On a
+    failure the tensors read so far go to ``release``.
+    """
+    kind = header_type.__name__.replace("Header", "").lower()
+    first = next(request_iterator, None)
+    header = None
+    if first is not None:
+        header, pieces = decode_chunk(first, header_type)
+    if header is None:
+        raise BadRequest(f"a {kind} must open with a header (trainer_id, step, layout_digest)")
+    check(header)
+    reader = TensorReader(expect, dest=dest, widen=widen)
+    try:
+        for piece in pieces:
+            reader.add(piece)
+        for data in request_iterator:
+            extra, pieces = decode_chunk(data, header_type)
+            if extra is not None:
+                raise BadRequest(f"a {kind} carries exactly one header, in its first message")
+            for piece in pieces:
+                reader.add(piece)
+        reader.finish()
+    except BaseException:
+        release(reader.tensors)
+        raise
+    return header, reader

@@ -31,19 +31,20 @@ import numpy as np
 import torch
 
 from psproto import ps_pb2
-from psproto.codec import ONE_MESSAGE_BYTES, TensorReader, decode_chunk, encode_chunks, encode_into
+from psproto.codec import ONE_MESSAGE_BYTES, encode_chunks, encode_into
 from psproto.wire import SERVICE, one_message
 
 from .buffers import BufferPool
 from .split_pushes import SplitPushes
 from .counters import Counters
 from ..engine import Contents, Engine
+from ..engine.claims import StepClaims
 from ..engine.reductions import Reductions, to_values
 from ..engine.waits import Parked
 from ..errors import BadRequest, NotAllowed
 from .mapped_regions import SharedRegions
 from .parking import park, parks
-from .prologue import parse, refusals, trainer_call
+from .prologue import parse, read_stream, refusals, trainer_call
 from .replica_link import ReplicaServicer
 from .sessions import Incarnation, Sessions
 from .stretches import Stretches, answered_on_loop
@@ -62,15 +63,18 @@ class PserverServicer:
 
     ``replica``: the process's place in its replicated shard (None without
     replicas); ``incarnation`` (default: a new one) what trainers tell this
-    pserver's state by; ``stretches`` where parked calls' stretches run (:mod:`.stretches`).
+    pserver's state by; ``stretches`` where parked calls' stretches run (:mod:`.stretches`);
+    ``claims`` the Claim service (backup trainers; None: this pserver does not decide).
     """
 
     def __init__(self, engine: Engine, contents: Contents, reductions: Reductions, layout_digest: str,
                  chunk_bytes: int, alive_window: float, allow_nonfinite: bool = False, replica=None,
-                 incarnation: Optional[Incarnation] = None, stretches: Optional[Stretches] = None):
+                 incarnation: Optional[Incarnation] = None, stretches: Optional[Stretches] = None,
+                 claims: Optional[StepClaims] = None):
         self.engine = engine
         self.contents = contents
         self.reductions = reductions
+        self.claims = claims  # backup trainers, on the first pserver: who makes each step
         self.replica = replica
         self._incarnation = incarnation if incarnation is not None else Incarnation()
         self.sessions = Sessions(engine.endpoint, alive_window)
@@ -139,36 +143,12 @@ class PserverServicer:
                                  replica_epoch=self.replica.epoch if self.replica is not None else 0)
 
     def _read_stream(self, request_iterator, header_type, expect, dest=None, widen=False):
-        """(header, reader) of a client stream: header in the first message, then pieces.
-
-        ``widen``: float tensors may come narrower than expected (gradients pushed
-        in ``grad_wire_dtype``) and are widened on arrival.
-        """
-        kind = header_type.__name__.replace("Header", "").lower()
-        first = next(request_iterator, None)
-        header = None
-        if first is not None:
-            header, pieces = decode_chunk(first, header_type)
-        if header is None:
-            raise BadRequest(f"a {kind} must open with a header (trainer_id, step, layout_digest)")
-        self._check_caller(header)
-        self._check_digest(header.layout_digest)
-        self.engine.touch(header.trainer_id)
-        reader = TensorReader(expect, dest=dest, widen=widen)
-        try:
-            for piece in pieces:
-                reader.add(piece)
-            for data in request_iterator:
-                extra, pieces = decode_chunk(data, header_type)
-                if extra is not None:
-                    raise BadRequest(f"a {kind} carries exactly one header, in its first message")
-                for piece in pieces:
-                    reader.add(piece)
-            reader.finish()
-        except BaseException:
-            self._release(reader.tensors)
-            raise
-        return header, reader
+        """(header, reader) of a client stream (:func:`~.prologue.read_stream`), its caller checked as a trainer."""
+        def check(header) -> None:
+            self._check_caller(header)
+            self._check_digest(header.layout_digest)
+            self.engine.touch(header.trainer_id)
+        return read_stream(request_iterator, header_type, expect, check, self._release, dest, widen)
 
     def _release(self, tensors) -> None:
         # Only dense blocks come from the pool; sparse tensors are sized per push.
@@ -263,10 +243,18 @@ class PserverServicer:
 
     def _push_whole(self, header, grads, sparse, bytes_in: int = 0):
         """Count or apply one whole push (``bytes_in``: its bytes not counted yet); whether it was applied."""
-        self.counters.add(bytes_in=bytes_in, pushes=1)
+        backups = {}
+        if header.step_trainers or header.dropped:
+            if not self.engine.sync_mode or (header.dropped and (grads or sparse)):
+                raise BadRequest("a push with step_trainers or dropped is a sync step's, and a dropped one carries "
+                                 "no gradients (backup_trainers)")
+            backups = dict(step_trainers=tuple(header.step_trainers), dropped=header.dropped)
+            if self.claims is not None and header.step_trainers:  # a restarted first pserver learns the set
+                self.claims.learn(header.step, header.step_trainers)
+        self.counters.add(bytes_in=bytes_in, pushes=1, dropped_pushes=int(header.dropped))
         while True:
             outcome = self.engine.push(header.trainer_id, header.step, grads, sparse,
-                                       (header.epoch, header.batch), park=True)
+                                       (header.epoch, header.batch), park=True, **backups)
             if not isinstance(outcome, Parked):
                 break
             yield from park(outcome)  # then push again: it checks the bound anew
@@ -378,6 +366,17 @@ class PserverServicer:
         yield ps_pb2.ReduceReply(trainers=trainers, values=[
             ps_pb2.ReduceValue(name=name, shape=v.shape, data=v.ravel().tolist()) for name, v in combined.items()])
 
+    @parks()
+    @trainer_call(ps_pb2.ClaimRequest, touch=True)
+    def Claim(self, request, context):
+        if self.claims is None:
+            raise NotAllowed(f"pserver {self.endpoint} does not decide which trainers make a step: the first pserver "
+                             f"does, with backup_trainers set")
+        handle, verdict = self.claims.park(request.trainer_id, request.step)
+        yield from park(handle)
+        v = verdict()
+        yield ps_pb2.ClaimReply(admitted=v.admitted, trainers=v.trainers)
+
     @refusals
     def Stats(self, data, context):
         parse(ps_pb2.StatsRequest, data)
@@ -409,6 +408,7 @@ class PserverServicer:
                                                               response_serializer=serialize),
             "Stats": grpc.unary_unary_rpc_method_handler(self.Stats, response_serializer=serialize),
             "Reduce": grpc.unary_unary_rpc_method_handler(self.Reduce, response_serializer=serialize),
+            "Claim": grpc.unary_unary_rpc_method_handler(self.Claim, response_serializer=serialize),
         }
         handlers.update(ReplicaServicer(self).handlers())
         return handlers

@@ -69,6 +69,8 @@ class TableSet:
             self.shards = self.load_shards({name: saved_shards(tables_from, name) for name in self.specs})
             log.info("%s: %d tables loaded from %s", self.endpoint, len(self.shards), tables_from)
         self.schedules = {name: LrSchedule(spec.optimizer) for name, spec in self.specs.items()}
+        # GEO: a pushed row is a delta, added divided by the number of trainers (as BlockStore's blocks).
+        self.geo_scale: Optional[float] = 1.0 / program.trainers if program.config.k_steps else None
         self._wire = {}
         for spec in self.specs.values():
             self._wire[spec.ids_name] = ("int64", [-1])
@@ -130,9 +132,12 @@ class TableSet:
                 for name, table_ids in ids.items()]
 
     def apply(self, grads: Mapping[str, SparseGrad], step: int) -> None:
-        """One optimizer step per table in ``grads``, with the table's lr of ``step``."""
+        """One optimizer step per table in ``grads``, with the table's lr of ``step`` (GEO: add the deltas, scaled)."""
         for name, (ids, rows) in grads.items():
-            self.shards[name].apply(ids, rows, self.schedules[name].lr_at(step))
+            # GEO tables train with sgd (the transpiler refuses others): its ``row += (-lr) * pushed`` with
+            # lr = -scale is ``row += scale * delta``, through the shard's one update path (admission, tiers).
+            lr = -self.geo_scale if self.geo_scale is not None else self.schedules[name].lr_at(step)
+            self.shards[name].apply(ids, rows, lr)
 
     def load_shards(self, directories: Mapping[str, List[str]]) -> Dict[str, TableShard]:
         """This pserver's shard of each table rebuilt from saved shard ``directories`` ({table: dirs}).

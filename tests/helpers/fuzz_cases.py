@@ -159,6 +159,8 @@ def base_requests(e: Env) -> Dict[str, List[bytes]]:
         "Reduce": s(ps_pb2.ReduceRequest(trainer_id=0, layout_digest=WRONG_DIGEST, session=own, key="auc",
                                          op="sum", values=[ps_pb2.ReduceValue(name="pos", shape=[3],
                                                                               data=[1.0, 2.0, 3.0])])),
+        # Backup trainers' claim, to a pserver that does not decide (none set): refused.
+        "Claim": s(ps_pb2.ClaimRequest(trainer_id=0, layout_digest=e.digest, session=own, step=0)),
         # Hot standby's calls, to a pserver without replicas: refused (Lead only reads).
         "Replicate": replica_stream(e, STREAM_CHUNK),
         "ReplicateOne": replica_stream(e, ONE_MESSAGE),

@@ -81,11 +81,13 @@ def loss_of(model: nn.Module, x, y) -> torch.Tensor:
 
 
 def reference(epochs: int, optimizer: str = "momentum", lr: float = 0.05,
-              alone: Optional[Tuple[int, Dict[str, slice]]] = None, hidden: int = HIDDEN) -> dict:
+              alone: Optional[Tuple[int, Dict[str, slice]]] = None, hidden: int = HIDDEN,
+              trainers: Tuple[int, ...] = tuple(range(TRAINERS))) -> dict:
     """Single-process PyTorch on the trainers' concatenated batches: what sync training must equal.
 
     ``alone`` = (step, {param: rows}): at that step those rows are updated with trainer 0's
-    gradient alone, as a pserver that dropped trainer 1 from that step applies it.
+    gradient alone, as a pserver that dropped trainer 1 from that step applies it. ``trainers``:
+    whose batches make each step (one backup trainer of two: one trainer's).
     """
     program = build_program(optimizer, lr, hidden)
     model, data = program.model, dataset()
@@ -96,7 +98,7 @@ def reference(epochs: int, optimizer: str = "momentum", lr: float = 0.05,
             s.set_epoch(epoch)
         orders = [list(s) for s in samplers]
         for b in range(len(orders[0]) // BATCH):
-            idx = [i for o in orders for i in o[b * BATCH:(b + 1) * BATCH]]
+            idx = [i for t in trainers for i in orders[t][b * BATCH:(b + 1) * BATCH]]
             x, y = data[idx]
             opt.zero_grad()
             loss_of(model, x, y).backward()
@@ -178,6 +180,8 @@ def main(argv=None) -> int:
                    help="seconds each trainer sleeps per step, until PAUSE_DIR/calm exists")
     p.add_argument("--hidden", type=int, default=HIDDEN, help=f"the hidden layer's width ({WIDE}: pushes split)")
     p.add_argument("--push_lanes", type=int, default=1)
+    p.add_argument("--k_steps", type=int, default=0, help="GEO mode (with --async): sync every k_steps steps")
+    p.add_argument("--backup_trainers", type=int, default=0, help="sync: steps made by the first trainers - b")
     p.add_argument("--no_shared_memory", dest="shared_memory", action="store_false",
                    help="every byte through gRPC: hosts emulated by network namespaces share /dev/shm")
     args = p.parse_args(argv)
@@ -189,7 +193,7 @@ def main(argv=None) -> int:
         heartbeat_interval=args.heartbeat_interval, heartbeat_timeout=args.heartbeat_timeout,
         barrier_timeout=BARRIER_TIMEOUT, connect_timeout=60.0, recovery_timeout=60.0,
         replica_takeover_timeout=args.takeover_timeout, shared_memory=args.shared_memory,
-        push_lanes=args.push_lanes)
+        push_lanes=args.push_lanes, k_steps=args.k_steps, backup_trainers=args.backup_trainers)
     t = DistributeTranspiler(config)
     program = counting_program() if args.counting else build_program(args.optimizer, args.lr, args.hidden)
     t.transpile(env.trainer_id, program=program, pservers=env.pserver_list,

@@ -13,9 +13,13 @@ of the model with a :class:`DistributedEmbedding`. A lookup
 
 At :meth:`TableClient.take_gradients` the leaves' gradients become, per
 pserver, the ``"<table>@ids"`` / ``"<table>@rows"`` tensors of the push.
+In GEO mode the rows live on the trainer between syncs instead
+(:class:`TouchedRows`): lookups read them there, each step trains them, and
+a sync pushes how far they moved.
 """
 from .client import Fetch, NextBatchPlan, RowFetch, RowsByPserver, RowShapes, TableClient
 from .module import DistributedEmbedding, install_tables
+from .touched import TouchedRows
 
-__all__ = ["TableClient", "NextBatchPlan", "RowFetch", "RowsByPserver", "RowShapes", "Fetch", "DistributedEmbedding",
-           "install_tables"]
+__all__ = ["TableClient", "TouchedRows", "NextBatchPlan", "RowFetch", "RowsByPserver", "RowShapes", "Fetch",
+           "DistributedEmbedding", "install_tables"]

@@ -12,6 +12,7 @@ from transpiler.tables import SPARSE_SEPARATOR, TableSpec, as_ids, merge_duplica
 
 from ..errors import PserverError
 from ..transport import TensorsByPserver
+from .touched import TouchedRows
 
 log = logging.getLogger(__name__)
 
@@ -74,12 +75,15 @@ class TableClient:
     ``fetch`` performs one prefetch round trip per pserver of a
     :class:`RowFetch` (the trainer's stepper, which heals a failure).
     ``min_updates`` returns the pserver updates a read must wait for (sync:
-    the current step; async: 0).
+    the current step; async: 0). ``touched`` (GEO mode): the rows trained on
+    this trainer since its last sync; lookups read them there and keep the
+    others they fetch there.
     """
 
     def __init__(self, tables: Sequence[TableSpec], pservers: Sequence[str], fetch: Fetch,
-                 min_updates: Callable[[], int]):
+                 min_updates: Callable[[], int], touched: Optional[TouchedRows] = None):
         self.specs: Dict[str, TableSpec] = {t.name: t for t in tables}
+        self.touched = touched
         self.pservers = list(pservers)
         self._fetch = fetch
         self._min_updates = min_updates
@@ -248,11 +252,25 @@ class TableClient:
                 self._cache[table] = (unique, plan.rows[table])
 
     def rows(self, table: str, unique_ids: np.ndarray) -> torch.Tensor:
-        """Rows of sorted unique ids (a new tensor): from this step's prefetch where possible.
+        """Rows of sorted unique ids (a new tensor): GEO's touched rows, then this step's prefetch where possible.
 
         A prefetch of exactly these ids (the same array) is handed over whole
         and forgotten, so no two lookups share a tensor of rows.
         """
+        if self.touched is not None:
+            hit, at = self.touched.find(table, unique_ids)
+            if hit.any():
+                if hit.all():
+                    return self.touched.rows(table, at)
+                rows = self._rows_from_pservers(table, unique_ids[~hit])
+                out = torch.empty((unique_ids.size, rows.shape[1]), dtype=rows.dtype)
+                out[torch.from_numpy(hit)] = self.touched.rows(table, at[hit])
+                out[torch.from_numpy(~hit)] = rows
+                return out
+        return self._rows_from_pservers(table, unique_ids)
+
+    def _rows_from_pservers(self, table: str, unique_ids: np.ndarray) -> torch.Tensor:
+        """Rows of sorted unique ids as the pservers hold them: this step's prefetch, fetching the others."""
         cached = self._cache.get(table)
         if cached is None:
             return self.fetch({table: unique_ids})[table]
@@ -280,8 +298,13 @@ class TableClient:
     # -- gradients --------------------------------------------------------------
 
     def record(self, table: str, unique_ids: np.ndarray, leaf: torch.Tensor) -> None:
-        """Remember a lookup's leaf rows; their gradient is pushed at the next step."""
+        """Remember a lookup's leaf rows; their gradient is pushed at the next step (GEO: trained here).
+
+        GEO keeps the rows fetched for ids it did not hold yet as they came (before backward).
+        """
         self._lookups.setdefault(table, []).append((unique_ids, leaf))
+        if self.touched is not None:
+            self.touched.add(table, unique_ids, leaf, self.specs[table].padding_idx)
 
     def take_gradients(self) -> TensorsByPserver:
         """This step's sparse gradients as push tensors per pserver; clears lookups and cache.

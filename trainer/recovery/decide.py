@@ -10,7 +10,7 @@ a call failed: the pserver is DOWN or asks to RESYNC   recoverable: wait for the
 any other kind (trainer/errors.py)                     not recoverable: the error reaches the user
 a pserver restarted without a checkpoint               FAIL: its parameters are lost
 sync, a pserver restarted from checkpoint *c*          RESTORE: roll every other pserver back to *c*,
-                                                       telling each every restart seen (its token)
+(and applied nothing since)                            telling each every restart seen (its token)
 sync, a pserver past the step the trainer would push   SKIP to their highest step (it was dropped);
 (its own, or the lowest pserver's) went on without     those behind are told (Hello join_at) and
 its push (even if another ahead counted it)            finish their step without this trainer
@@ -129,12 +129,17 @@ def after_failure(sync_mode: bool, known: Mapping[str, int], step: int,
     lost = tuple(ep for ep in gone if answers[ep].checkpoint_step < 0)
     if lost:
         return Decision(FAIL, step, endpoints=lost, message=LOST_MESSAGE, restarted=gone)
-    if gone and sync_mode:
+    # A restarted pserver that applied steps since its checkpoint was re-synced with by the trainers that
+    # made them (they push only once the others are rolled back): when every restart seen is such, this
+    # trainer, which was not needed for them (dropped for silence, or left out by backup trainers), rolls
+    # nothing back and goes on where the pservers stand (the checkpoint may be gone by now: checkpoint_keep).
+    behind = tuple(ep for ep in gone if answers[ep].applied_step <= answers[ep].checkpoint_step)
+    if behind and sync_mode:
         # Every pserver goes back to the restarted ones' (earliest) checkpoint. Each restart has a token of its
         # own, sent to every other pserver, restarted ones too: one standing at the checkpoint unchanged keeps
         # what it counted but honours the token, so a trainer that saw only that restart, asking later once the
         # pserver has gone on with every trainer, rolls nothing back that the others already re-synced past.
-        target = min(answers[ep].checkpoint_step for ep in gone)
+        target = min(answers[ep].checkpoint_step for ep in behind)
         restores = tuple((ep, restart_token(r, answers[r].incarnation)) for ep in sorted(answers)
                          for r in gone if r != ep)
         if restores:

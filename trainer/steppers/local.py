@@ -5,6 +5,12 @@ The default stepper (sync mode, and async mode without the pipeline). With
 (:class:`~trainer.steppers.overlap.BackwardPush`); ``step()`` then adds the
 table gradients and ends the streams. The next batch's table ids ride along
 with the push, and their rows come back with its answer.
+
+With backup trainers (``backup_trainers``, sync) a step first claims its
+place at the first pserver (:mod:`pserver.engine.claims`): admitted, it
+pushes its gradients naming the step's trainers; dropped, it pushes nothing
+but the next batch's ids, and goes on from the step the pservers stand at
+once it applied (no roll-back).
 """
 from __future__ import annotations
 
@@ -36,12 +42,22 @@ class LocalStepper(Stepper):
         if self._discarded():
             return
         step, position = self.state.step, self.state.next_position()
+        claim = self._claim(step) if self.program.config.backup_trainers else None
+        if claim is False:  # the claim re-synced the trainer elsewhere: this batch's step is gone
+            self.tables.clear()
+            self.model.zero_grad(set_to_none=True)
+            return
         table_grads = self.tables.take_gradients() if self.program.tables else {}
+        dropped = claim is not None and not claim.admitted
+        if dropped:
+            table_grads = {}
         plan = self._next_plan(prefetch, take_next_plan)
         next_batch = self.tables.ask_next_batch(plan) if plan is not None else None
         next_ids = next_batch.ids if next_batch is not None else {}
         streams = self.overlap if self.overlap is not None and self.overlap.started else None
         gradients = self.gradients(table_grads, next_ids)
+        if dropped:  # no gradients: the next batch's ids alone
+            gradients = {ep: next_ids.get(ep, []) for ep in self.push_endpoints}
         next_rows = {ep: {} for ep in self.push_endpoints}
         first = None
         if streams is not None:  # the blocks are on their way since backward: the tables join them
@@ -49,16 +65,30 @@ class LocalStepper(Stepper):
                 stream_asked.update(next_batch.rows.get(ep, {}) if next_batch is not None else {})
                 next_rows[ep] = stream_landed
             first = functools.partial(streams.finish, gradients.tail)
-        push = StepPush(step, position, gradients, next_batch, next_rows)
+        admitted = tuple(claim.trainers) if claim is not None and claim.admitted else ()
+        push = StepPush(step, position, gradients, next_batch, next_rows, step_trainers=admitted, dropped=dropped)
         resync = self.push(push, first)
         if next_batch is not None and resync is None:
             self.tables.take_next_batch_rows(next_rows)
         # The pushed gradients stay referenced until sent; the next backward makes new ones.
         self.model.zero_grad(set_to_none=True)
-        if resync is None:
-            self.state.advance(step + 1, position)
-        else:
+        if resync is not None:
             self.resynced(resync)
+        elif dropped:  # on from where the pservers stand: past this step, and maybe past later ones
+            self.state.advance(max(step + 1, min(push.answered.values(), default=step + 1)), position)
+        else:
+            self.state.advance(step + 1, position)
+
+    def _claim(self, step: int):
+        """Backup trainers: the first pserver's verdict on this trainer's ``step`` (ClaimReply); False if healing
+        the call moved the trainer to another step (re-synced here)."""
+        verdict = []
+        decider = self.program.pservers[0]
+        outcome = self._heal(step, f"claim of step {step}", lambda: verdict.append(self.channels[decider].claim(step)))
+        if outcome is not None:
+            self.resynced(outcome)
+            return False
+        return verdict[-1]
 
     def _start_stream(self, endpoint: str, tensors: Iterator[Named]) -> futures.Future:
         """Open this step's push to ``endpoint`` fed by ``tensors`` as backward produces them (BackwardPush)."""

@@ -8,7 +8,9 @@ construction and hands it every step:
 - :class:`~trainer.steppers.pipelined.PipelinedStepper`: async mode's
   pipeline, the push-pull sent in the background;
 - :class:`~trainer.steppers.node.NodeStepper`: one local process of a trainer
-  node, reducing gradients inside the node first.
+  node, reducing gradients inside the node first;
+- :class:`~trainer.steppers.geo.GeoStepper`: GEO mode, the optimizer run
+  here and the change pushed every ``k_steps`` steps.
 
 Every stepper reads and moves the same :class:`StepState`, owns the
 trainer's :class:`~trainer.embedding.TableClient` (it pushes the tables'
@@ -30,7 +32,7 @@ import torch
 from transpiler import TrainerProgram
 
 from ..blocks import LocalBlocks
-from ..embedding import NextBatchPlan, RowFetch, RowsByPserver, TableClient
+from ..embedding import NextBatchPlan, RowFetch, RowsByPserver, TableClient, TouchedRows
 from ..recovery import Decision, Recovery
 from ..transport import Channels, TensorsByPserver
 from .state import StepState
@@ -44,7 +46,7 @@ class Stepper(ABC):
     """How one trainer process steps, pulls and fetches rows (see the module doc)."""
 
     def __init__(self, program: TrainerProgram, model: torch.nn.Module, channels: Channels, blocks: LocalBlocks,
-                 recovery: Recovery, state: StepState):
+                 recovery: Recovery, state: StepState, touched: Optional[TouchedRows] = None):
         self.program = program
         self.model = model
         self.channels = channels
@@ -54,7 +56,7 @@ class Stepper(ABC):
         self.sync_mode = program.sync_mode
         self.push_endpoints: List[str] = recovery.push_endpoints
         self.transfers = Transfers(channels, blocks)
-        self.tables = TableClient(program.tables, program.pservers, self.fetch_rows, self._min_updates)
+        self.tables = TableClient(program.tables, program.pservers, self.fetch_rows, self._min_updates, touched)
 
     @property
     def speaks_for_trainer(self) -> bool:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass, field
-from typing import Dict, Iterable, Iterator, Mapping, Optional, Sequence
+from typing import Dict, Iterable, Iterator, Mapping, Optional, Sequence, Tuple
 
 import torch
 
@@ -35,7 +35,9 @@ class StepPush:
     barriers count this trainer. ``next_batch``: what those ids ask each
     pserver for; the rows land in ``next_rows`` (a dict per pserver that
     gets rows, filled as the answers come). ``blocks_into``: where fresh
-    blocks land (None: the parameters).
+    blocks land (None: the parameters). Backup trainers: ``step_trainers``, the
+    step's trainers this push counts among, or ``dropped`` (it carries no
+    gradients); ``answered`` gets each pserver's updates as its answer comes.
     """
 
     step: int
@@ -44,6 +46,9 @@ class StepPush:
     next_batch: Optional[RowFetch] = None
     next_rows: RowsByPserver = field(default_factory=dict)
     blocks_into: Optional[DecodeInto] = None
+    step_trainers: Tuple[int, ...] = ()
+    dropped: bool = False
+    answered: Dict[str, int] = field(default_factory=dict)
 
 
 class GatheredGradients(Mapping[str, NamedTensors]):
@@ -124,14 +129,16 @@ class Transfers:
     def push_all(self, push: StepPush) -> None:
         """Push ``push`` to every pserver it goes to, in parallel; each answer lands where it says."""
         asked = push.next_batch.rows if push.next_batch is not None else {}
-        self.channels.run_parallel({ep: functools.partial(
+        push.answered.update(self.channels.run_parallel({ep: functools.partial(
             self.push_pull, ep, push.step, tensors, push.position, push.blocks_into,
-            asked.get(ep, {}) if ep in push.next_rows else None, push.next_rows.get(ep))
-            for ep, tensors in push.gradients.items()})
+            asked.get(ep, {}) if ep in push.next_rows else None, push.next_rows.get(ep),
+            step_trainers=push.step_trainers, dropped=push.dropped)
+            for ep, tensors in push.gradients.items()}))
 
     def push_pull(self, endpoint: str, step: int, tensors: Iterable[Named], position: Position,
                   blocks_into: Optional[DecodeInto] = None, next_rows: Optional[RowShapes] = None,
-                  landed: Optional[Dict[str, torch.Tensor]] = None, during_backward: bool = False) -> int:
+                  landed: Optional[Dict[str, torch.Tensor]] = None, during_backward: bool = False,
+                  step_trainers: Sequence[int] = (), dropped: bool = False) -> int:
         """Push ``step``'s ``tensors`` to ``endpoint``; fresh blocks land in ``blocks_into`` (default: the parameters).
 
         ``next_rows`` / ``landed``: table rows asked ahead with the push,
@@ -147,7 +154,8 @@ class Transfers:
             dtype_and_shape = into.dtype_and_shape
             answer_bytes += sum(math.prod(shape) * DTYPES[dtype].itemsize for dtype, shape in next_rows.values())
         updates = self.channels[endpoint].push_pull(step, tensors, dtype_and_shape, into, position, during_backward,
-                                                    answer_bytes=None if during_backward else answer_bytes)
+                                                    answer_bytes=None if during_backward else answer_bytes,
+                                                    step_trainers=step_trainers, dropped=dropped)
         if landing is not None:
             landing.install()
         return updates

@@ -34,7 +34,8 @@ from .shared_regions import RegionPool
 from .status_codes import details, error_of
 from .unary_future import start_unary
 from .lanes import Lanes
-from .wire_paths import ANSWER_STREAMS, STREAM, BackwardTensors, Named, Request, SharedMemoryRefused, choose_path
+from .wire_paths import (ANSWER_STREAMS, STREAM, BackwardTensors, DecodeInto, DtypeAndShape, Named, Request,
+                         SharedMemoryRefused, choose_path)
 
 log = logging.getLogger(__name__)
 
@@ -44,11 +45,6 @@ WAIT_LOG_INTERVAL = 5.0
 # Close failures worth sending Close again for: the pserver died under the call or is coming back
 # (UNAVAILABLE, DEADLINE_EXCEEDED), or restarted and no longer knows this trainer's session (ABORTED).
 RETRY_CLOSE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.ABORTED)
-
-# (dtype, shape) of a tensor an answer may carry, by name; None for a name it must not carry.
-DtypeAndShape = Callable[[str], Optional[Tuple[str, list]]]
-# The tensor a received name is decoded into.
-DecodeInto = Callable[[str], torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -226,7 +222,7 @@ class PserverChannel:
 
     def push_pull(self, step: int, tensors: Iterable[Named], dtype_and_shape: DtypeAndShape,
                   decode_into: DecodeInto, position: Tuple[int, int] = (0, 0), during_backward: bool = False,
-                  answer_bytes: Optional[int] = None) -> int:
+                  answer_bytes: Optional[int] = None, step_trainers: Sequence[int] = (), dropped: bool = False) -> int:
         """Send one step's gradients and receive the pserver's blocks in the same call.
 
         ``tensors`` are the gradients of the blocks (and table rows) this pserver owns, sent in
@@ -235,7 +231,8 @@ class PserverChannel:
         the trainer's (epoch, batch) after this step, kept in checkpoints. ``during_backward``: ``tensors`` is
         an iterator that may wait for each tensor (blocks pushed while backward still produces the others);
         the call ends when it does. ``answer_bytes``: the tensor bytes of the answer (its blocks and rows
-        asked ahead), when known. Returns the updates the pserver had applied to the parameters received.
+        asked ahead), when known. ``step_trainers`` / ``dropped``: backup trainers' verdict on the step (:meth:`claim`).
+        Returns the updates the pserver had applied to the parameters received.
         """
         if during_backward:
             request = Request(BackwardTensors(tensors, functools.partial(self._narrower.narrow_stream, self.endpoint)))
@@ -243,7 +240,8 @@ class PserverChannel:
             narrowed = self._narrower.narrow(self.endpoint, list(tensors))
             request = Request(narrowed, sum(t.numel() * t.element_size() for _, t in narrowed), answer_bytes)
         header = functools.partial(ps_pb2.PushHeader, trainer_id=self._identity.trainer_id, step=step,
-                                   layout_digest=self._identity.layout_digest, epoch=position[0], batch=position[1])
+                                   layout_digest=self._identity.layout_digest, epoch=position[0], batch=position[1],
+                                   step_trainers=list(step_trainers), dropped=dropped)
         what = f"step {step} of trainer {self._identity.trainer_id} (push and pull)"
         updates = self.primary.run(functools.partial(self._push_pull_once, header, request, during_backward, what,
                                                      dtype_and_shape, decode_into))
@@ -391,17 +389,20 @@ class PserverChannel:
 
     def reduce(self, key: str, round_: int, op: str,
                values: Sequence[Tuple[str, Sequence[int], Sequence[float]]]) -> ps_pb2.ReduceReply:
-        """Combine ``values`` ([(name, shape, float64 data)]) with every live trainer's at the pserver.
-
-        The pserver answers once every trainer it expects has sent its values for ``(key, round_)``, or
-        refuses after its barrier_timeout naming the missing ones.
-        """
+        """Combine ``values`` ([(name, shape, float64 data)]) with every live trainer's for ``(key, round_)``
+        (answered once all are in, or refused after the pserver's barrier_timeout naming the missing ones)."""
         tid = self._identity.trainer_id
         request = functools.partial(
             ps_pb2.ReduceRequest, trainer_id=tid, layout_digest=self._identity.layout_digest, key=key, round=round_,
             op=op, values=[ps_pb2.ReduceValue(name=n, shape=shape, data=data) for n, shape, data in values])
         return self._unary("Reduce", request, f"round {round_} of reduction {key!r} by trainer {tid}",
                            self._wait_timeout)
+
+    def claim(self, step: int) -> ps_pb2.ClaimReply:
+        """Backup trainers: whether this trainer's push counts in ``step``, and the step's trainers (first pserver)."""
+        request = functools.partial(ps_pb2.ClaimRequest, trainer_id=self._identity.trainer_id, step=step,
+                                    layout_digest=self._identity.layout_digest)
+        return self._unary("Claim", request, f"claim of step {step}", self._wait_timeout)
 
     def stats(self, timeout: float) -> futures.Future:
         """The pserver's counters (``StatsReply``), asked of the process calls go to now: a future.

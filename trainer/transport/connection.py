@@ -21,6 +21,7 @@ UNARY = {
     "Checkpoint": (ps_pb2.CheckpointRequest, ps_pb2.CheckpointReply),
     "SaveTables": (ps_pb2.SaveTablesRequest, ps_pb2.SaveTablesReply),
     "Reduce": (ps_pb2.ReduceRequest, ps_pb2.ReduceReply),
+    "Claim": (ps_pb2.ClaimRequest, ps_pb2.ClaimReply),
     "Stats": (ps_pb2.StatsRequest, ps_pb2.StatsReply),
 }
 

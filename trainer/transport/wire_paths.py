@@ -31,6 +31,10 @@ from psproto.wire import one_message
 from .shared_regions import RegionPool
 from .status_codes import details
 
+# (dtype, shape) of a tensor an answer may carry, by name; None for a name it must not carry.
+DtypeAndShape = Callable[[str], Optional[Tuple[str, list]]]
+# The tensor a received name is decoded into.
+DecodeInto = Callable[[str], torch.Tensor]
 Named = Tuple[str, torch.Tensor]
 NamedTensors = List[Named]
 # Per pserver endpoint: the (wire name, tensor) pairs a call to it carries.

@@ -1,4 +1,4 @@
-"""DistributeTranspilerConfig: every knob of a distributed job, in one place.
+"""DistributeTranspilerConfig: every knob of a distributed job, in one place (its checks: :mod:`.checks`).
 
 The config travels inside the plans, so a pserver and its trainers agree on
 deadlines and chunk sizes without further flags.
@@ -9,16 +9,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
-from psproto.lane_blocks import MAX_LANES
 
-SPLIT_METHODS = ("RoundRobin", "HashName")
-MODES = ("pserver", "collective")
-# Paddle calls collective training "nccl2" mode; both names mean the same here.
-MODE_ALIASES = {"nccl2": "collective"}
-MIN_BLOCK_SIZE_FLOOR = 8192
-NONFINITE_GRADS = ("refuse", "apply")
-GRAD_WIRE_DTYPES = (None, "bfloat16", "float16")
-TENSORBOARD_TRAINERS = ("first", "all")
+from .checks import MIN_BLOCK_SIZE_FLOOR, MODE_ALIASES, validate
 
 
 @dataclass
@@ -39,6 +31,14 @@ class DistributeTranspilerConfig:
       cost more in per-message overhead than they gain in balance).
     - ``max_staleness``: async mode only; a trainer that is this many steps ahead
       of the slowest live trainer waits. None: unbounded.
+    - ``k_steps``: GEO mode (Paddle's ``a_sync_configs["k_steps"]``; needs ``sync_mode=False``): each trainer
+      runs the optimizer on its own copy and every ``k_steps`` steps pushes the change since its last sync (dense
+      blocks whole, tables the rows it touched; tables train with sgd); each pserver adds it divided by the number
+      of trainers and the trainer pulls the sum (docs/modes.md#geo). 0: off (async pushes every step's gradients).
+    - ``backup_trainers``: sync mode; b > 0: step s applies with the mean of the first ``trainers - b`` trainers
+      to claim it (TensorFlow's ``SyncReplicasOptimizer`` with ``replicas_to_aggregate``); the first pserver
+      decides for all. A later trainer is told it was dropped: its gradients of s are left out, it goes on from
+      the applied step without a roll-back (docs/modes.md#backup-trainers). 0: every live trainer's push.
     - ``connect_timeout``: seconds a trainer waits for each pserver to come up
       before failing with an error that names it; also how long a finished
       trainer keeps sending its Close to a pserver that died under it (a
@@ -233,6 +233,8 @@ class DistributeTranspilerConfig:
     split_method: str = "RoundRobin"
     min_block_size: int = MIN_BLOCK_SIZE_FLOOR
     max_staleness: Optional[int] = None
+    k_steps: int = 0
+    backup_trainers: int = 0
     connect_timeout: float = 120.0
     barrier_timeout: float = 300.0
     rpc_timeout: float = 300.0
@@ -295,118 +297,8 @@ class DistributeTranspilerConfig:
         self.validate()
 
     def validate(self) -> None:
-        """Raise ValueError naming the first field that is out of range."""
-        if self.split_method not in SPLIT_METHODS:
-            raise ValueError(f"split_method must be one of {SPLIT_METHODS}, got {self.split_method!r}")
-        if not isinstance(self.min_block_size, int) or self.min_block_size < MIN_BLOCK_SIZE_FLOOR:
-            raise ValueError(f"min_block_size={self.min_block_size!r} is refused: it must be an int of at "
-                             f"least {MIN_BLOCK_SIZE_FLOOR} elements, because smaller blocks cost more in "
-                             f"per-message and per-update overhead than they gain in load balance")
-        if self.max_staleness is not None and (
-                not isinstance(self.max_staleness, int) or self.max_staleness < 0):
-            raise ValueError(f"max_staleness must be None or an int >= 0, got {self.max_staleness!r}")
-        for name in ("connect_timeout", "barrier_timeout", "rpc_timeout", "heartbeat_interval",
-                     "heartbeat_timeout", "recovery_timeout", "trainer_rejoin_timeout"):
-            value = getattr(self, name)
-            if not isinstance(value, (int, float)) or value <= 0:
-                raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
-        if not isinstance(self.chunk_bytes, int) or not (4096 <= self.chunk_bytes <= (64 << 20)):
-            raise ValueError(f"chunk_bytes must be an int in [4096, 64 MiB], got {self.chunk_bytes!r}")
-        if not isinstance(self.pserver_torch_threads, int) or self.pserver_torch_threads < 1:
-            raise ValueError(f"pserver_torch_threads must be an int >= 1, got {self.pserver_torch_threads!r}")
-        for name in ("async_pipeline", "read_ahead", "shared_memory", "retain_freed_memory", "pserver_stretches_on_loop"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
-        if self.heartbeat_timeout <= self.heartbeat_interval:
-            raise ValueError(f"heartbeat_timeout ({self.heartbeat_timeout}) must exceed "
-                             f"heartbeat_interval ({self.heartbeat_interval})")
-        if self.checkpoint_dir is not None and (not isinstance(self.checkpoint_dir, str) or not self.checkpoint_dir):
-            raise ValueError(f"checkpoint_dir must be None or a non-empty path, got {self.checkpoint_dir!r}")
-        if not isinstance(self.checkpoint_every, int) or self.checkpoint_every < 0:
-            raise ValueError(f"checkpoint_every must be an int >= 0, got {self.checkpoint_every!r}")
-        if not isinstance(self.checkpoint_keep, int) or self.checkpoint_keep < 1:
-            raise ValueError(f"checkpoint_keep must be an int >= 1, got {self.checkpoint_keep!r}")
-        if self.export_dir is not None and (not isinstance(self.export_dir, str) or not self.export_dir):
-            raise ValueError(f"export_dir must be None or a non-empty path, got {self.export_dir!r}")
-        for name, low in (("export_every", 0), ("export_base_every", 1), ("export_keep_bases", 1),
-                          ("pserver_rpc_workers", 0), ("push_lanes", 1), ("local_sgd_steps", 1),
-                          ("local_sgd_warmup_steps", 0)):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
-        if self.table_disk_dir is not None and (not isinstance(self.table_disk_dir, str) or not self.table_disk_dir):
-            raise ValueError(f"table_disk_dir must be None or a non-empty path, got {self.table_disk_dir!r}")
-        seconds = self.export_every_seconds
-        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 <= seconds < float("inf"):
-            raise ValueError(f"export_every_seconds must be a number of seconds >= 0, got {seconds!r}")
-        if self.export_every and seconds:
-            raise ValueError("export_every and export_every_seconds are both set; choose one schedule")
-        if (self.export_every or seconds) and self.export_dir is None:
-            raise ValueError("export_every / export_every_seconds need an export_dir to write to")
-        if self.nonfinite_grads not in NONFINITE_GRADS:
-            raise ValueError(f"nonfinite_grads must be one of {NONFINITE_GRADS}, got {self.nonfinite_grads!r}")
-        if self.grad_wire_dtype not in GRAD_WIRE_DTYPES:
-            raise ValueError(f"grad_wire_dtype must be one of {GRAD_WIRE_DTYPES}, got {self.grad_wire_dtype!r}")
-        if self.push_lanes > MAX_LANES:
-            raise ValueError(f"push_lanes must be at most {MAX_LANES}, got {self.push_lanes!r}")
-        for name in ("metrics_port", "health_port"):
-            port = getattr(self, name)
-            if port is not None and (isinstance(port, bool) or not isinstance(port, int) or not 0 <= port < 65536):
-                raise ValueError(f"{name} must be None or a port number in [0, 65535], got {port!r}")
-        if self.metrics_port == self.health_port and self.metrics_port:
-            raise ValueError(f"metrics_port and health_port are both {self.metrics_port}; give each its own port")
-        self._validate_collective()
-        self._validate_replicas()
-        self._validate_tensorboard()
-
-    def _validate_tensorboard(self) -> None:
-        """The TensorBoard fields; the trainer reads their variables (trainer/board/settings.py)."""
-        if self.tensorboard_dir is not None and (not isinstance(self.tensorboard_dir, str) or not self.tensorboard_dir):
-            raise ValueError(f"tensorboard_dir must be None or a non-empty path, got {self.tensorboard_dir!r}")
-        if self.tensorboard_trainers not in (None, *TENSORBOARD_TRAINERS):
-            raise ValueError(f"tensorboard_trainers must be None or one of {TENSORBOARD_TRAINERS}, "
-                             f"got {self.tensorboard_trainers!r}")
-        every = self.tensorboard_every
-        if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
-            raise ValueError(f"tensorboard_every must be None or an int >= 1, got {every!r}")
-
-    def _validate_replicas(self) -> None:
-        """The hot-standby fields (docs/recovery.md, "Hot standby"); their environment fallbacks are read at transpile."""
-        if self.server_replicas is not None and (isinstance(self.server_replicas, bool)
-                                                 or self.server_replicas not in (1, 2)):
-            raise ValueError(f"server_replicas must be 1 (no replicas) or 2 (a backup per pserver shard), "
-                             f"got {self.server_replicas!r}")
-        for name in ("replica_endpoints", "coordinator", "coordinator_prefix"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, str) or not value.strip()):
-                raise ValueError(f"{name} must be None or a non-empty string, got {value!r}")
-        ttl = self.replica_lease_ttl
-        if ttl is not None and (isinstance(ttl, bool) or not isinstance(ttl, int) or ttl < 1):
-            raise ValueError(f"replica_lease_ttl must be a whole number of seconds >= 1 (etcd's unit), got {ttl!r}")
-        timeout = self.replica_takeover_timeout
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):
-            raise ValueError(f"replica_takeover_timeout must be a positive number of seconds, got {timeout!r}")
-        every = self.replica_digest_every
-        if isinstance(every, bool) or not isinstance(every, int) or every < 0:
-            raise ValueError(f"replica_digest_every must be an int >= 0, got {every!r}")
-        if self.server_replicas == 2 and self.collective:
-            raise ValueError("server_replicas=2 replicates pservers; collective mode has none")
-
-    def _validate_collective(self) -> None:
-        """The collective-mode fields: mode, bucket size, Local SGD."""
-        if not isinstance(self.mode, str) or MODE_ALIASES.get(self.mode, self.mode) not in MODES:
-            raise ValueError(f"mode must be one of {MODES} (or {sorted(MODE_ALIASES)} for "
-                             f"{sorted(set(MODE_ALIASES.values()))}), got {self.mode!r}")
-        if isinstance(self.bucket_cap_mb, bool) or not isinstance(self.bucket_cap_mb, (int, float)) \
-                or not 0 < self.bucket_cap_mb < float("inf"):
-            raise ValueError(f"bucket_cap_mb must be a positive number of MiB, got {self.bucket_cap_mb!r}")
-        if not isinstance(self.use_local_sgd, bool):
-            raise ValueError(f"use_local_sgd must be a bool, got {self.use_local_sgd!r}")
-        if self.use_local_sgd and self.grad_wire_dtype is not None:
-            raise ValueError("grad_wire_dtype and use_local_sgd both set DDP's communication hook; choose one")
-        if self.use_local_sgd and not self.collective:
-            raise ValueError("use_local_sgd needs mode='collective' (or 'nccl2'): in pserver mode the "
-                             "pservers hold the parameters and there is nothing to average locally")
+        """Raise ValueError naming the first field that is out of range (or two fields that clash)."""
+        validate(self)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -1,0 +1,141 @@
+"""StepClaims: with backup trainers, which trainers' pushes make each sync step, decided on the first pserver.
+
+With ``backup_trainers`` b of N trainers, a trainer that finished a step's
+backward *claims* the step at the first pserver before pushing. The first
+``min(N - b, live)`` claims make the step's set of trainers; each of them
+pushes its gradients with the set (``PushHeader.step_trainers``), so every
+pserver waits for exactly those trainers and applies the same mean; a trainer
+that claims later is told it was dropped, pushes nothing for the step and
+goes on from where the step leaves the job. The decision is one pserver's, so
+pservers never mix trainer sets within a step.
+
+A set, once made, stays the step's for :data:`KEEP` steps: a step redone after
+a roll-back is made of the same trainers again. A claim of a step decided too
+long ago (the pservers applied it already) is a straggler's: dropped. A first
+pserver that restarted learns the set of a step in progress from the pushes
+retried to it (:meth:`StepClaims.learn`), so later claims of it agree.
+
+Rules: :func:`verdict` and :func:`full`, pure and table-tested; the service
+holds the claims under its own lock and parks a claim until its step's set is
+made (``barrier_timeout``), like :mod:`.reductions`. Memory: at most
+:data:`KEEP` sets of at most N trainer ids, and the claims of the steps open.
+"""
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import AbstractSet, Callable, Dict, Mapping, Optional, Set, Tuple
+
+from .rollback import RollBacks
+from .waits import Parked, Waits
+
+# Steps whose trainer sets are remembered (those a roll-back may redo are recent ones).
+KEEP = 4096
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What a claim learns: whether the trainer's push counts, and the step's trainers (sorted)."""
+
+    admitted: bool
+    trainers: Tuple[int, ...]
+
+
+def verdict(step: int, trainer_id: int, made: Mapping[int, Tuple[int, ...]], applied: int) -> Optional[Verdict]:
+    """The verdict on ``trainer_id``'s claim of ``step`` now, or None: the step is open and the claim counts.
+
+    ``made``: the steps whose sets are made; ``applied``: the steps the deciding pserver applied.
+    """
+    if step in made:
+        return Verdict(trainer_id in made[step], made[step])
+    if step < applied:  # decided and forgotten: this trainer is that far behind
+        return Verdict(False, ())
+    return None
+
+
+def full(claimed: int, live: int, needed: int) -> bool:
+    """Whether a step with ``claimed`` claims is made: ``needed`` (N - b) of them, or every live trainer's."""
+    return claimed >= max(1, min(needed, live))
+
+
+class StepClaims:
+    """The first pserver's claims service (see the module doc).
+
+    ``live()``: the trainers a step may wait for (the engine's: neither closed
+    nor dropped); ``applied()``: the steps the engine applied; ``admit(trainer_id)``
+    raises the refusal for a trainer that may not claim (closed or dropped).
+    The engine calls :meth:`roster_changed` (outside its own lock) when the
+    live set may have shrunk, so a step waiting for claims is made without
+    the trainers that left, and after a roll-back: a claim from before it
+    (``rollbacks``, the engine's) then ends with MustResync, as the engine's
+    own waits do, unless its step's set is made.
+    """
+
+    def __init__(self, endpoint: str, trainers: int, backups: int, barrier_timeout: float,
+                 live: Callable[[], AbstractSet[int]], applied: Callable[[], int], admit: Callable[[int], None],
+                 rollbacks: Optional[RollBacks] = None, released: Optional[Callable[[int], object]] = None):
+        self.endpoint = endpoint
+        self.needed = trainers - backups
+        self._live, self._applied, self._admit = live, applied, admit
+        self._cv = threading.Condition()
+        self._waits = Waits(self._cv, endpoint, barrier_timeout, rollbacks=rollbacks, released=released)
+        self._open: Dict[int, Set[int]] = {}
+        self._made: "OrderedDict[int, Tuple[int, ...]]" = OrderedDict()
+
+    def park(self, trainer_id: int, step: int) -> Tuple[Parked, Callable[[], Verdict]]:
+        """Claim ``step`` for ``trainer_id``: the wait until its set is made, and then the verdict."""
+        self._admit(trainer_id)
+        with self._cv:
+            if verdict(step, trainer_id, self._made, self._applied()) is None:
+                self._open.setdefault(step, set()).add(trainer_id)
+                self._make_full()
+            handle = self._waits.park(
+                lambda: verdict(step, trainer_id, self._made, self._applied()) is not None,
+                f"the trainers of step {step}", lambda: sorted(self._live() - self._open.get(step, set())),
+                trainer=trainer_id)
+            if handle.done:
+                self._waits.notify()  # the others that claimed this step find it made
+            return handle, lambda: verdict(step, trainer_id, self._made, self._applied())
+
+    def claim(self, trainer_id: int, step: int) -> Verdict:
+        """:meth:`park`'s verdict, blocking: for in-process callers."""
+        handle, result = self.park(trainer_id, step)
+        with self._cv:
+            self._waits.block(handle)
+        handle.finish()
+        return result()
+
+    def _make_full(self) -> None:
+        """Make every open step that has its claims (under the lock)."""
+        live = len(self._live())
+        for step in [s for s, claimed in self._open.items() if full(len(claimed), live, self.needed)]:
+            self._made[step] = tuple(sorted(self._open.pop(step)))
+            self._made.move_to_end(step)
+        while len(self._made) > KEEP:
+            self._made.popitem(last=False)
+
+    def learn(self, step: int, trainers) -> None:
+        """A push names ``step``'s trainers: keep them if this process does not know the step's set (it
+        restarted after making it), so that later claims of the step get the set the pushes carry."""
+        with self._cv:
+            if step not in self._made:
+                self._made[step] = tuple(sorted(trainers))
+                self._open.pop(step, None)
+                self._waits.notify()
+
+    def roster_changed(self) -> None:
+        """A trainer closed, was dropped or came back: a step may be made without those that left."""
+        with self._cv:
+            self._make_full()
+            self._waits.notify()
+
+    def parked_trainers(self) -> Set[int]:
+        """The trainers whose claim waits now (alive while they wait)."""
+        with self._cv:
+            return self._waits.parked_trainers()
+
+    def stop(self) -> None:
+        """Refuse every waiting and later claim with ShuttingDown."""
+        with self._cv:
+            self._waits.stop()
