@@ -14,9 +14,18 @@ again (``--role-proc``), so each applies the setting too.
 from __future__ import annotations
 
 import argparse
-import importlib
+import importlib.util
 import os
 import sys
+
+
+def _load(peers: str, name: str):
+    """The peers' module ``name`` from ``peers/name.py``, registered under that name (the script imports ``jobs``)."""
+    spec = importlib.util.spec_from_file_location(name, os.path.join(peers, f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 def main(argv=None) -> int:
@@ -28,7 +37,7 @@ def main(argv=None) -> int:
     if ours.k_steps < 1:
         p.error("--k_steps must be >= 1 (GEO)")
     peers = os.path.abspath(ours.peers)
-    sys.path.insert(0, peers)  # its jobs.py, as the script finds it next to itself
+    _load(peers, "jobs")  # the script imports it by name, as found next to itself
     from paddle.distributed import fleet
 
     base = fleet.DistributedStrategy
@@ -47,7 +56,7 @@ def main(argv=None) -> int:
                 self.a_sync_configs = {"k_steps": ours.k_steps}
 
     fleet.DistributedStrategy = GeoStrategy
-    script = importlib.import_module("paddle_ps_ctr")
+    script = _load(peers, "paddle_ps_ctr")
     # Its launcher starts each role as ``python <its __file__> --role-proc ...``: this file, with our arguments.
     script.__file__ = os.path.abspath(__file__)
     os.environ["PADDLE_GEO_ARGS"] = f"--k_steps {ours.k_steps} --peers {peers}"

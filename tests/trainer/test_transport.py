@@ -63,7 +63,8 @@ class ScriptedChannels:
         return SimpleNamespace(push_pull=lambda *args, **kwargs: self._push_pull(endpoint, *args, **kwargs))
 
     def _push_pull(self, endpoint, step, tensors, dtype_and_shape, decode_into, position, during_backward,
-                   answer_bytes):
+                   answer_bytes, step_trainers=(), dropped=False):
+        assert (step_trainers, dropped) == ((), False)  # backup trainers' fields: none in these plain steps
         self.sent.append((endpoint, step, [name for name, _ in tensors], position, type(decode_into).__name__,
                           answer_bytes))
         if endpoint in self.failing:
