@@ -81,11 +81,12 @@ class TouchedRows:
             new &= unique_ids != padding_idx
         if not new.any():
             return
-        rows = fetched.detach().to("cpu")
+        # Only the new rows leave the lookup's device (most of a window's lookups hit rows held already).
+        rows = fetched.detach()[torch.from_numpy(new).to(fetched.device)].to("cpu")
         held = self._tables.get(table)
         if held is None:
             held = self._tables[table] = _Table(rows)
-        held.append(unique_ids[new], rows[torch.from_numpy(new)])
+        held.append(unique_ids[new], rows)
 
     def train(self, table: str, ids: np.ndarray, grads: torch.Tensor, lr: float) -> None:
         """One sgd step on the rows of ``ids`` (unique; each looked up since the last sync): ``row += -lr * grad``.
