@@ -20,6 +20,7 @@ round by round, medians of ``--runs``:
 
 ``--dir`` should be on the disk a job would use (default: a temp dir).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -52,8 +53,9 @@ class Model(nn.Module):
 
 def pserver_state(rows: int, dim: int):
     """(store, tables) of one pserver holding the whole model, optimizer state filled."""
-    prog = Program(Model(rows, dim), "adam", lr=1e-3,
-                   distributed_tables={"emb": TableOptions(optimizer="adagrad")})
+    prog = Program(
+        Model(rows, dim), "adam", lr=1e-3, distributed_tables={"emb": TableOptions(optimizer="adagrad")}
+    )
     t = DistributeTranspiler(DistributeTranspilerConfig(slice_var_up=False))
     t.transpile(0, program=prog, pservers=ENDPOINT, trainers=1, sync_mode=True)
     ps = t.get_pserver_program(ENDPOINT)
@@ -62,7 +64,7 @@ def pserver_state(rows: int, dim: int):
     shard = tables.shards["emb"]
     ids = np.arange(rows, dtype=np.int64)
     for a in range(0, rows, 500_000):
-        part = ids[a:a + 500_000]
+        part = ids[a : a + 500_000]
         shard.apply(part, torch.randn(len(part), dim), 0.01)
     return ps, store, tables
 
@@ -73,8 +75,12 @@ def torch_peer_state(store, rows: int, dim: int) -> dict:
     for p in model.parameters():
         p.grad = torch.randn_like(p)
     opt.step()
-    return {"model": model.state_dict(), "optimizer": opt.state_dict(),
-            "emb.weight": torch.randn(rows, dim), "emb.sum": torch.rand(rows, dim)}
+    return {
+        "model": model.state_dict(),
+        "optimizer": opt.state_dict(),
+        "emb.weight": torch.randn(rows, dim),
+        "emb.sum": torch.rand(rows, dim),
+    }
 
 
 def timed(fn) -> float:
@@ -86,7 +92,9 @@ def timed(fn) -> float:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--runs", type=int, default=5, help="alternating runs of each (default %(default)s)")
-    p.add_argument("--rows", type=int, default=2_000_000, help="stored rows of the table (default %(default)s)")
+    p.add_argument(
+        "--rows", type=int, default=2_000_000, help="stored rows of the table (default %(default)s)"
+    )
     p.add_argument("--dim", type=int, default=16, help="the table's row width (default %(default)s)")
     p.add_argument("--dir", default=None, help="where to write (default: a temp dir)")
     args = p.parse_args(argv)
@@ -116,17 +124,21 @@ def main(argv=None) -> int:
         size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(part) for f in fs)
         assert torch.equal(fresh_store.blocks["mlp.0.weight.block0"], store.blocks["mlp.0.weight.block0"])
         assert len(fresh_tables.shards["emb"]) == args.rows
-        print(f"state: dense {store.nbytes / 1e6:.1f} MB + Adam state; table {args.rows:,} rows x {args.dim} "
-              f"+ Adagrad state; checkpoint part {size / 1e6:.1f} MB, peer file "
-              f"{os.path.getsize(peer_path) / 1e6:.1f} MB; {args.runs} runs, cores {os.cpu_count()}")
+        print(
+            f"state: dense {store.nbytes / 1e6:.1f} MB + Adam state; table {args.rows:,} rows x {args.dim} "
+            f"+ Adagrad state; checkpoint part {size / 1e6:.1f} MB, peer file "
+            f"{os.path.getsize(peer_path) / 1e6:.1f} MB; {args.runs} runs, cores {os.cpu_count()}"
+        )
         print(f"{'':12} {'median s':>9} {'min':>7} {'max':>7} {'MB/s':>7}")
         for name, times in results.items():
             mb = (os.path.getsize(peer_path) if name.startswith("peer") else size) / 1e6
             med = statistics.median(times)
             print(f"{name:12} {med:9.3f} {min(times):7.3f} {max(times):7.3f} {mb / med:7.0f}")
         # A restarted pserver loads once, into memory it never touched: the first load is its case.
-        print(f"first load in this process: ours {results['load'][0]:.3f} s, "
-              f"torch.load {results['peer load'][0]:.3f} s")
+        print(
+            f"first load in this process: ours {results['load'][0]:.3f} s, "
+            f"torch.load {results['peer load'][0]:.3f} s"
+        )
     finally:
         shutil.rmtree(root, ignore_errors=True)
     return 0

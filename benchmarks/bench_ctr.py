@@ -21,6 +21,7 @@ load" (CPU cores busy with something else during the run: the noise indicator of
 A run that fails or exceeds ``--timeout`` stops the benchmark with its log; ps-launch stops every
 role it started, also when this script is interrupted.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,14 +42,40 @@ CONFIGS = ("local", "async", "sync", "async+tb", "sync+tb")
 
 
 def command(config: str, args, workdir: str) -> List[str]:
-    common = [EXAMPLE, "--steps", str(args.steps), "--warmup", str(args.warmup),
-              "--batch_size", str(args.batch_size), "--train_examples", str(args.train_examples),
-              "--test_examples", "5000", "--epochs", "100", "--no_progress", "--no_save",
-              "--target_auc", "0"]
+    common = [
+        EXAMPLE,
+        "--steps",
+        str(args.steps),
+        "--warmup",
+        str(args.warmup),
+        "--batch_size",
+        str(args.batch_size),
+        "--train_examples",
+        str(args.train_examples),
+        "--test_examples",
+        "5000",
+        "--epochs",
+        "100",
+        "--no_progress",
+        "--no_save",
+        "--target_auc",
+        "0",
+    ]
     if config == "local":
         return [sys.executable] + common
-    launch = [sys.executable, "-m", "trainer.launch", "--server_num", "2", "--worker_num", "2", "--show", "none",
-              "--log_dir", os.path.join(workdir, "logs")]
+    launch = [
+        sys.executable,
+        "-m",
+        "trainer.launch",
+        "--server_num",
+        "2",
+        "--worker_num",
+        "2",
+        "--show",
+        "none",
+        "--log_dir",
+        os.path.join(workdir, "logs"),
+    ]
     # No job-wide training AUC: the one-process run has none, and the figures stay those of earlier rounds.
     mode, _, board = config.partition("+")
     if board:  # "+tb": trainer 0 writes TensorBoard scalars (docs/tensorboard.md) into the run's folder
@@ -65,8 +92,13 @@ def run(config: str, args, workdir: str) -> Dict[str, float]:
     os.makedirs(workdir, exist_ok=True)
     out_path = os.path.join(workdir, "out.log")
     with OtherLoad() as load, open(out_path, "w") as out:
-        proc = subprocess.Popen(command(config, args, workdir), cwd=workdir, stdout=out,
-                                stderr=subprocess.STDOUT, preexec_fn=die_with_parent)
+        proc = subprocess.Popen(
+            command(config, args, workdir),
+            cwd=workdir,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            preexec_fn=die_with_parent,
+        )
         try:
             code = proc.wait(timeout=args.timeout)
         except subprocess.TimeoutExpired:
@@ -76,8 +108,9 @@ def run(config: str, args, workdir: str) -> Dict[str, float]:
     text = open(out_path).read()
     if config != "local":
         logs = os.path.join(workdir, "logs")
-        text += "".join(open(os.path.join(logs, f)).read() for f in sorted(os.listdir(logs))
-                        if f.startswith("workerlog"))
+        text += "".join(
+            open(os.path.join(logs, f)).read() for f in sorted(os.listdir(logs)) if f.startswith("workerlog")
+        )
     found = results(text)
     expected = 1 if config == "local" else 2
     if code != 0 or len(found) != expected:
@@ -98,9 +131,15 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=20, help="untimed steps first (default %(default)s)")
     p.add_argument("--batch_size", type=int, default=1024, help="per trainer (and of the local run)")
     p.add_argument("--train_examples", type=int, default=400_000, help="generated, all trainers together")
-    p.add_argument("--configs", default="local,async,sync", help="comma-separated, of local, async, sync, and "
-                   "async+tb, sync+tb: the same with TensorBoard on (default %(default)s)")
-    p.add_argument("--timeout", type=float, default=600, help="deadline of one run in s (default %(default)s)")
+    p.add_argument(
+        "--configs",
+        default="local,async,sync",
+        help="comma-separated, of local, async, sync, and "
+        "async+tb, sync+tb: the same with TensorBoard on (default %(default)s)",
+    )
+    p.add_argument(
+        "--timeout", type=float, default=600, help="deadline of one run in s (default %(default)s)"
+    )
     p.add_argument("--logdir", help="keep every run's logs here (default: a temporary folder)")
     p.add_argument("--json", help="write every run's figures here")
     args = p.parse_args(argv)
@@ -109,16 +148,22 @@ def main(argv=None) -> int:
     if unknown:
         p.error(f"--configs: unknown {unknown}; choose among {', '.join(CONFIGS)}")
     logdir = args.logdir or tempfile.mkdtemp(prefix="bench_ctr-")
-    print(f"CTR Wide & Deep, batch {args.batch_size}, {args.warmup} warmup + {args.steps} timed steps, "
-          f"{args.runs} rounds of {', '.join(configs)}; logs in {logdir}", flush=True)
+    print(
+        f"CTR Wide & Deep, batch {args.batch_size}, {args.warmup} warmup + {args.steps} timed steps, "
+        f"{args.runs} rounds of {', '.join(configs)}; logs in {logdir}",
+        flush=True,
+    )
     rows: Dict[str, List[Dict[str, float]]] = {c: [] for c in configs}
     for rnd in range(args.runs):
         k = rnd % len(configs)
         for config in configs[k:] + configs[:k]:
             row = run(config, args, os.path.join(logdir, f"{rnd}-{config}"))
             rows[config].append(row)
-            print(f"  round {rnd} {config:8s} {row['examples_s']:8.0f} examples/s "
-                  f"(other load {row['other_load']:.2f} cores)", flush=True)
+            print(
+                f"  round {rnd} {config:8s} {row['examples_s']:8.0f} examples/s "
+                f"(other load {row['other_load']:.2f} cores)",
+                flush=True,
+            )
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "runs": rows}, f, indent=1)
@@ -128,7 +173,10 @@ def main(argv=None) -> int:
     for config in configs:
         rates = [r["examples_s"] for r in rows[config]]
         ratio = f"{statistics.median(rates) / base:.2f}x" if base else "-"
-        print(f"| {config} | {fmt(rates, '.0f')} | {ratio} | {fmt([r['other_load'] for r in rows[config]], '.2f')} |")
+        print(
+            f"| {config} | {fmt(rates, '.0f')} | {ratio} | "
+            f"{fmt([r['other_load'] for r in rows[config]], '.2f')} |"
+        )
     return 0
 
 

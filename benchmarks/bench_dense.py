@@ -61,6 +61,7 @@ Figures per configuration (medians over runs, some with [min-max]):
 - pserver CPU: CPU ms of one pserver per training step while serving
   (warmup steps included).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -72,11 +73,11 @@ import sys
 import tempfile
 from typing import List
 
-from benchmarks.reports.dense import loss_check, summarize, tables
 from benchmarks.common.dense_runs import PSERVERS, run_ddp, run_ps
 from benchmarks.common.machine import OtherLoad
 from benchmarks.common.processes import RunFailed, stop_on_signals
 from benchmarks.jobs.dense_workers import Spec, param_bytes
+from benchmarks.reports.dense import loss_check, summarize, tables
 
 QUICK_SIZES = (64, 256, 256, 10)
 
@@ -86,27 +87,46 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--runs", type=int, default=None, help="runs per configuration (default 5; quick 1)")
     p.add_argument("--steps", type=int, default=None, help="timed steps per run (default 20; quick 5)")
     p.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 3; quick 1)")
-    p.add_argument("--processes", type=int, default=4,
-                   help="worker processes of every configuration: DDP ranks, plain trainers, and the "
-                        "local processes of all trainer nodes together (default 4; 2 is the older "
-                        "2-trainer job)")
-    p.add_argument("--nproc_per_node", type=int, default=None,
-                   help="local processes per trainer node of the ps-<mode>-node configurations "
-                        "(default 2 when --processes is even and > 2, else 1; 1 runs no node configuration)")
+    p.add_argument(
+        "--processes",
+        type=int,
+        default=4,
+        help="worker processes of every configuration: DDP ranks, plain trainers, and the "
+        "local processes of all trainer nodes together (default 4; 2 is the older "
+        "2-trainer job)",
+    )
+    p.add_argument(
+        "--nproc_per_node",
+        type=int,
+        default=None,
+        help="local processes per trainer node of the ps-<mode>-node configurations "
+        "(default 2 when --processes is even and > 2, else 1; 1 runs no node configuration)",
+    )
     p.add_argument("--modes", default="sync,async", help="parameter-server modes: sync,async")
     p.add_argument("--no-ddp", dest="ddp", action="store_false", help="skip the DDP baseline")
-    p.add_argument("--quick", action="store_true",
-                   help=f"smoke test: MLP {'-'.join(map(str, QUICK_SIZES))}, batch 32, 1 run")
-    p.add_argument("--timeout", type=float, default=None,
-                   help="deadline of one run in s (default 600; quick 120)")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help=f"smoke test: MLP {'-'.join(map(str, QUICK_SIZES))}, batch 32, 1 run",
+    )
+    p.add_argument(
+        "--timeout", type=float, default=None, help="deadline of one run in s (default 600; quick 120)"
+    )
     p.add_argument("--json", help="also write every run's figures here")
     p.add_argument("--logdir", help="keep worker logs here (default: a temp dir, kept on failure)")
-    p.add_argument("--py-spy", dest="py_spy", metavar="DIR",
-                   help="record each pserver and trainer with py-spy (raw collapsed stacks) "
-                        "into DIR/<round>-<config>-<name>.txt")
-    p.add_argument("--py-spy-args", default="--threads --rate 100",
-                   help="py-spy record options (default: %(default)s, i.e. on-CPU samples "
-                        "only; add --idle for wall-clock, --native for C/C++ frames)")
+    p.add_argument(
+        "--py-spy",
+        dest="py_spy",
+        metavar="DIR",
+        help="record each pserver and trainer with py-spy (raw collapsed stacks) "
+        "into DIR/<round>-<config>-<name>.txt",
+    )
+    p.add_argument(
+        "--py-spy-args",
+        default="--threads --rate 100",
+        help="py-spy record options (default: %(default)s, i.e. on-CPU samples "
+        "only; add --idle for wall-clock, --native for C/C++ frames)",
+    )
     args = p.parse_args(argv)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     if not set(modes) <= {"sync", "async"}:
@@ -116,8 +136,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.nproc_per_node is None:
         args.nproc_per_node = 2 if args.processes > 2 and args.processes % 2 == 0 else 1
     if args.nproc_per_node < 1 or args.processes % args.nproc_per_node:
-        p.error(f"--nproc_per_node must be >= 1 and divide --processes ({args.processes}), "
-                f"got {args.nproc_per_node}")
+        p.error(
+            f"--nproc_per_node must be >= 1 and divide --processes ({args.processes}), "
+            f"got {args.nproc_per_node}"
+        )
     node = ["-node"] if args.nproc_per_node > 1 else []
     args.configs = (["ddp"] if args.ddp else []) + [f"ps-{m}{n}" for m in modes for n in ["", *node]]
     if not args.configs:
@@ -131,9 +153,13 @@ def parse_args(argv=None) -> argparse.Namespace:
 
     args.runs = pick(args.runs, 1, 5)
     args.timeout = pick(args.timeout, 120.0, 600.0)
-    args.spec = Spec(sizes=QUICK_SIZES if quick else Spec.sizes, batch=32 if quick else 256,
-                     steps=pick(args.steps, 5, 20), warmup=pick(args.warmup, 1, 3),
-                     timeout=args.timeout)
+    args.spec = Spec(
+        sizes=QUICK_SIZES if quick else Spec.sizes,
+        batch=32 if quick else 256,
+        steps=pick(args.steps, 5, 20),
+        warmup=pick(args.warmup, 1, 3),
+        timeout=args.timeout,
+    )
     if args.runs < 1 or args.spec.steps < 1 or args.spec.warmup < 0 or args.timeout <= 0:
         p.error("--runs and --steps must be >= 1, --warmup >= 0, --timeout > 0")
     return args
@@ -141,8 +167,16 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def py_spy_prefix(outdir: str, tag: str, options: str) -> List[str]:
     """A py-spy command that records the wrapped worker into ``outdir/<tag>-{name}.txt``."""
-    return ["py-spy", "record", *shlex.split(options), "--format", "raw",
-            "--output", os.path.join(outdir, f"{tag}-{{name}}.txt"), "--"]
+    return [
+        "py-spy",
+        "record",
+        *shlex.split(options),
+        "--format",
+        "raw",
+        "--output",
+        os.path.join(outdir, f"{tag}-{{name}}.txt"),
+        "--",
+    ]
 
 
 def run_one(config: str, rnd: int, args, workdir: str) -> dict:
@@ -165,8 +199,7 @@ def _run_config(config: str, rnd: int, args, workdir: str) -> dict:
         workers, servers = run_ddp(spec, workdir, args.timeout, args.processes)
     else:
         spec = Spec(**{**spec.__dict__, "sync_mode": config.startswith("ps-sync")})
-        prefix = (py_spy_prefix(args.py_spy, f"{rnd}-{config}", args.py_spy_args)
-                  if args.py_spy else ())
+        prefix = py_spy_prefix(args.py_spy, f"{rnd}-{config}", args.py_spy_args) if args.py_spy else ()
         per_node = args.nproc_per_node if config.endswith("-node") else 1
         workers, servers = run_ps(spec, workdir, args.timeout, args.processes, per_node, prefix)
     return {"round": rnd, **summarize(config, spec, workers, servers, args.nproc_per_node)}
@@ -179,10 +212,13 @@ def main(argv=None) -> int:
         os.makedirs(args.py_spy, exist_ok=True)
     logdir = args.logdir or tempfile.mkdtemp(prefix="bench_dense-")
     spec = args.spec
-    print(f"MLP {'-'.join(map(str, spec.sizes))}: {param_bytes(spec.sizes) / 1e6:.1f} MB float32; "
-          f"batch {spec.batch}/worker, {args.processes} worker processes (nodes of "
-          f"{args.nproc_per_node}), {PSERVERS} pservers, {spec.warmup} warmup + {spec.steps} "
-          f"timed steps, {args.runs} runs of {', '.join(args.configs)}", flush=True)
+    print(
+        f"MLP {'-'.join(map(str, spec.sizes))}: {param_bytes(spec.sizes) / 1e6:.1f} MB float32; "
+        f"batch {spec.batch}/worker, {args.processes} worker processes (nodes of "
+        f"{args.nproc_per_node}), {PSERVERS} pservers, {spec.warmup} warmup + {spec.steps} "
+        f"timed steps, {args.runs} runs of {', '.join(args.configs)}",
+        flush=True,
+    )
     rows: List[dict] = []
     ok = False
     try:
@@ -193,11 +229,18 @@ def main(argv=None) -> int:
                 os.makedirs(workdir, exist_ok=True)
                 row = run_one(config, rnd, args, workdir)
                 rows.append(row)
-                extra = (f", {row['gbps']:.3f} GB/s push+pull per process, "
-                         f"{row['mb_pushed_node']:.1f} MB pushed per node" if "gbps" in row else "")
-                print(f"  round {rnd} {config:13s} {row['samples_s']:8.0f} samples/s "
-                      f"(compute {row['compute_ms']:.0f} ms, update {row['update_ms']:.0f} ms "
-                      f"per step{extra}; other load {row['other_load']:.2f} cores)", flush=True)
+                extra = (
+                    f", {row['gbps']:.3f} GB/s push+pull per process, "
+                    f"{row['mb_pushed_node']:.1f} MB pushed per node"
+                    if "gbps" in row
+                    else ""
+                )
+                print(
+                    f"  round {rnd} {config:13s} {row['samples_s']:8.0f} samples/s "
+                    f"(compute {row['compute_ms']:.0f} ms, update {row['update_ms']:.0f} ms "
+                    f"per step{extra}; other load {row['other_load']:.2f} cores)",
+                    flush=True,
+                )
         ok = True
     except RunFailed as e:
         print(f"FAILED: {e}", file=sys.stderr)
@@ -219,7 +262,9 @@ def main(argv=None) -> int:
     if worst:
         print()
     for config, diff in worst.items():
-        print(f"loss check: per-step losses of {config} and DDP (same global rank) differ by at most {diff:.2e}")
+        print(
+            f"loss check: per-step losses of {config} and DDP (same global rank) differ by at most {diff:.2e}"
+        )
     return 0
 
 

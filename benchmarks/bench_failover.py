@@ -19,6 +19,7 @@ in flight at the kill or started after it (within 30 s, and before the next kill
 user saw; the report gives
 their distribution (median, 95th percentile, max) and the median step of the whole run.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -42,7 +43,7 @@ from benchmarks.common.paths import REPO, job_script, pythonpath_with_repo
 from psproto import ps_pb2, ps_pb2_grpc
 
 JOB = job_script("failover_job")
-WINDOW = 30.0   # seconds after a kill in which a step counts as stalled by it
+WINDOW = 30.0  # seconds after a kill in which a step counts as stalled by it
 
 
 def ask(endpoint: str, method: str, request, timeout: float):
@@ -103,11 +104,34 @@ def pid_of(log_dir: str, endpoint: str) -> Optional[int]:
 def launch(work: str, name: str, extra: List[str], job_args: List[str]) -> Tuple[subprocess.Popen, str, str]:
     log_dir, out = os.path.join(work, name, "log"), os.path.join(work, name, "out")
     os.makedirs(out)
-    cmd = [sys.executable, "-m", "trainer.launch", "--server_num", "2", "--worker_num", "2", "--log_dir", log_dir,
-           "--max_restarts", "100", "--show", "none", *extra, JOB, "--out_dir", out, *job_args]
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=open(os.path.join(work, name, "launch.log"), "wb"),
-                            stderr=subprocess.STDOUT, start_new_session=True,
-                            env={**os.environ, "PYTHONPATH": pythonpath_with_repo()})
+    cmd = [
+        sys.executable,
+        "-m",
+        "trainer.launch",
+        "--server_num",
+        "2",
+        "--worker_num",
+        "2",
+        "--log_dir",
+        log_dir,
+        "--max_restarts",
+        "100",
+        "--show",
+        "none",
+        *extra,
+        JOB,
+        "--out_dir",
+        out,
+        *job_args,
+    ]
+    proc = subprocess.Popen(
+        cmd,
+        cwd=REPO,
+        stdout=open(os.path.join(work, name, "launch.log"), "wb"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        env={**os.environ, "PYTHONPATH": pythonpath_with_repo()},
+    )
     return proc, log_dir, out
 
 
@@ -129,10 +153,13 @@ def steps(out: str) -> List[Tuple[float, float]]:
 
 
 def stalls(rows: List[Tuple[float, float]], kills: List[float]) -> List[float]:
-    """Per kill, the longest step in flight at it or started after it, within WINDOW s and before the next kill."""
+    """Per kill, the longest step in flight at it or started after it, within WINDOW s and before the next
+    kill."""
     ends = [min(t + WINDOW, nxt) for t, nxt in zip(kills, kills[1:] + [float("inf")])]
-    return [max((end - start for start, end in rows if end >= t and start < until), default=float("nan"))
-            for t, until in zip(kills, ends)]
+    return [
+        max((end - start for start, end in rows if end >= t and start < until), default=float("nan"))
+        for t, until in zip(kills, ends)
+    ]
 
 
 def quantile(values: List[float], q: float) -> float:
@@ -141,7 +168,9 @@ def quantile(values: List[float], q: float) -> float:
 
 
 def run_replicated(work: str, url: str, kills: int, job_args: List[str]) -> Tuple[List[float], List[Tuple]]:
-    proc, log_dir, out = launch(work, "replicated", ["--server_replicas", "2", "--coordinator", url], job_args)
+    proc, log_dir, out = launch(
+        work, "replicated", ["--server_replicas", "2", "--coordinator", url], job_args
+    )
     try:
         wait(lambda: len(roles(log_dir)) >= 6, "the roles", launcher=proc)
         eps = [r["endpoint"] for r in roles(log_dir) if r["kind"] == "PSERVER"]
@@ -173,8 +202,11 @@ def run_checkpoint(work: str, kills: int, job_args: List[str]) -> Tuple[List[flo
         eps = [r["endpoint"] for r in roles(log_dir) if r["kind"] == "PSERVER"]
         times = []
         for i in range(kills):
-            wait(lambda: len(steps(out)) > 0 and time.time() - max(e for _, e in steps(out)) < 0.5,
-                 "training to run", launcher=proc)
+            wait(
+                lambda: len(steps(out)) > 0 and time.time() - max(e for _, e in steps(out)) < 0.5,
+                "training to run",
+                launcher=proc,
+            )
             time.sleep(3.0)  # past the next checkpoint, and steady again after the last recovery
             pid = pid_of(log_dir, eps[i % 2])
             times.append(time.time())
@@ -190,17 +222,34 @@ def run_checkpoint(work: str, kills: int, job_args: List[str]) -> Tuple[List[flo
 def summary(name: str, kills: List[float], rows) -> Dict[str, float]:
     s = stalls(rows, kills)
     # Every step of the run: the few stalled ones do not move the median.
-    return {"name": name, "kills": len(kills), "median": statistics.median(s), "p95": quantile(s, 0.95),
-            "max": max(s), "calm_step": statistics.median(end - start for start, end in rows), "stalls": s}
+    return {
+        "name": name,
+        "kills": len(kills),
+        "median": statistics.median(s),
+        "p95": quantile(s, 0.95),
+        "max": max(s),
+        "calm_step": statistics.median(end - start for start, end in rows),
+        "stalls": s,
+    }
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--kills", type=int, default=20, help="SIGKILLs of a primary with hot standby (default %(default)s)")
-    p.add_argument("--baseline_kills", type=int, default=5,
-                   help="SIGKILLs of a pserver restarted from its checkpoint; 0 skips them (default %(default)s)")
-    p.add_argument("--step_delay", type=float, default=0.02,
-                   help="seconds between a trainer's steps (failover_job.py; default %(default)s)")
+    p.add_argument(
+        "--kills", type=int, default=20, help="SIGKILLs of a primary with hot standby (default %(default)s)"
+    )
+    p.add_argument(
+        "--baseline_kills",
+        type=int,
+        default=5,
+        help="SIGKILLs of a pserver restarted from its checkpoint; 0 skips them (default %(default)s)",
+    )
+    p.add_argument(
+        "--step_delay",
+        type=float,
+        default=0.02,
+        help="seconds between a trainer's steps (failover_job.py; default %(default)s)",
+    )
     p.add_argument("--json", help="write the figures here too")
     args = p.parse_args(argv)
     if shutil.which("etcd") is None:
@@ -210,20 +259,32 @@ def main(argv=None) -> int:
     job_args = ["--step_delay", str(args.step_delay)]
     with Etcd(work) as etcd:
         print(f"hot standby: {args.kills} kills of a primary", flush=True)
-        rep = summary("hot standby (server_replicas=2)", *run_replicated(work, etcd.url, args.kills, job_args))
+        rep = summary(
+            "hot standby (server_replicas=2)", *run_replicated(work, etcd.url, args.kills, job_args)
+        )
         results = [rep]
         if args.baseline_kills:
             print(f"checkpoint restart: {args.baseline_kills} kills of a pserver", flush=True)
-            results.append(summary("checkpoint restart (no replicas)",
-                                   *run_checkpoint(work, args.baseline_kills, job_args)))
+            results.append(
+                summary(
+                    "checkpoint restart (no replicas)", *run_checkpoint(work, args.baseline_kills, job_args)
+                )
+            )
     cpu = cpu_model()
-    print(f"\nfailover_job.py, sync, 2 pservers x 2 trainers, {os.cpu_count()} cores ({cpu}), work dir {work}\n")
+    print(
+        f"\nfailover_job.py, sync, 2 pservers x 2 trainers, {os.cpu_count()} cores ({cpu}), work dir {work}\n"
+    )
     print("| recovery | kills | longest step per kill: median | p95 | max | median step of the run |")
     print("|---|---|---|---|---|---|")
     for r in results:
-        print(f"| {r['name']} | {r['kills']} | {r['median']:.2f} s | {r['p95']:.2f} s | {r['max']:.2f} s | "
-              f"{r['calm_step'] * 1000:.1f} ms |")
-    print("\nstalls (s): " + "; ".join(f"{r['name']}: " + ", ".join(f"{x:.2f}" for x in r["stalls"]) for r in results))
+        print(
+            f"| {r['name']} | {r['kills']} | {r['median']:.2f} s | {r['p95']:.2f} s | {r['max']:.2f} s | "
+            f"{r['calm_step'] * 1000:.1f} ms |"
+        )
+    print(
+        "\nstalls (s): "
+        + "; ".join(f"{r['name']}: " + ", ".join(f"{x:.2f}" for x in r["stalls"]) for r in results)
+    )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

@@ -31,6 +31,7 @@ sync mode, of a parked push's release (its answer after the step's last push was
 The pservers run with the library's defaults (``pserver_rpc_workers`` included unless
 ``--rpc_workers`` is given), no shared memory, on loopback; every process started is stopped.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -46,13 +47,13 @@ from typing import Dict, List, Sequence
 import numpy as np
 import torch
 
-from benchmarks.reports.fanin import markdown_table, summarise
 from benchmarks.common.paths import REPO, RESULTS, pythonpath_with_repo
 from benchmarks.common.ports import free_ports
 from benchmarks.common.proc_stats import Sampler, cpu_seconds, status
 from benchmarks.common.processes import Command, RunFailed, stop_on_signals, tail
 from benchmarks.jobs.fanin_job import TOLERANCE, Spec, check_ids, expected_model, transpiler
 from benchmarks.jobs.fanin_workers import touch
+from benchmarks.reports.fanin import markdown_table, summarise
 
 log = logging.getLogger("benchmarks.bench_fanin")
 
@@ -96,8 +97,10 @@ def check_alive(processes: Sequence[Command], what: str) -> None:
     """RunFailed naming the first of ``processes`` that exited, with its log's tail."""
     for c in processes:
         if c.proc.poll() is not None:
-            raise RunFailed(f"{what}: {os.path.basename(c.log_path)[:-4]} exited with status {c.proc.returncode}; "
-                            f"log {c.log_path}:\n{tail(c.log_path)}")
+            raise RunFailed(
+                f"{what}: {os.path.basename(c.log_path)[:-4]} exited with status {c.proc.returncode}; "
+                f"log {c.log_path}:\n{tail(c.log_path)}"
+            )
 
 
 def wait_for_files(paths: Sequence[str], deadline: float, processes: Sequence[Command], what: str) -> None:
@@ -120,20 +123,28 @@ def check_dropped(stats: Dict[str, object], k: int, what: str) -> None:
 
 
 def check_model(spec: Spec, models: Dict[str, Dict[str, torch.Tensor]]) -> Dict[str, float]:
-    """The sync check: RunFailed unless the applied model is the initial one minus lr x the mean pushed gradients."""
+    """The sync check: RunFailed unless the applied model is the initial one minus lr x the mean pushed
+    gradients."""
     blocks = transpiler(spec).get_trainer_program().blocks
     initial, final = models["initial"], models["final"]
     ids = check_ids(spec)
-    want, want_rows = expected_model(spec, blocks, {b.name: initial[b.name] for b in blocks}, ids,
-                                     initial["@rows"])
+    want, want_rows = expected_model(
+        spec, blocks, {b.name: initial[b.name] for b in blocks}, ids, initial["@rows"]
+    )
     dense_err = max(float((final[name].double() - w).abs().max()) for name, w in want.items())
     rows_err = float((final["@rows"].double() - want_rows).abs().max())
     moved = float((final["@rows"].double() - initial["@rows"].double()).abs().max())
     if not (dense_err <= TOLERANCE and rows_err <= TOLERANCE and moved > 100 * TOLERANCE):
-        raise RunFailed(f"sync model check failed for K={spec.trainers}: max |error| dense {dense_err:.3g}, rows "
-                        f"{rows_err:.3g} (tolerance {TOLERANCE:g}); rows moved at most {moved:.3g}")
-    return {"dense_max_error": dense_err, "rows_max_error": rows_err, "rows_checked": int(ids.size),
-            "tolerance": TOLERANCE}
+        raise RunFailed(
+            f"sync model check failed for K={spec.trainers}: max |error| dense {dense_err:.3g}, rows "
+            f"{rows_err:.3g} (tolerance {TOLERANCE:g}); rows moved at most {moved:.3g}"
+        )
+    return {
+        "dense_max_error": dense_err,
+        "rows_max_error": rows_err,
+        "rows_checked": int(ids.size),
+        "tolerance": TOLERANCE,
+    }
 
 
 def run_one(args, k: int, sync_mode: bool, work: str) -> dict:
@@ -141,10 +152,20 @@ def run_one(args, k: int, sync_mode: bool, work: str) -> dict:
     mode = "sync" if sync_mode else "async"
     run_dir = tempfile.mkdtemp(prefix=f"fanin-{mode}-{k}-", dir=work)
     endpoints = [f"127.0.0.1:{p}" for p in free_ports(args.pservers)]
-    spec = Spec(trainers=k, pservers=endpoints, sync_mode=sync_mode, steps=args.steps, batch=args.batch,
-                seed=args.seed, heartbeat_interval=args.heartbeat_interval, rpc_workers=args.rpc_workers,
-                heartbeat_timeout=args.heartbeat_timeout, in_flight=0 if sync_mode else args.in_flight,
-                timeout=args.timeout, run_dir=run_dir)
+    spec = Spec(
+        trainers=k,
+        pservers=endpoints,
+        sync_mode=sync_mode,
+        steps=args.steps,
+        batch=args.batch,
+        seed=args.seed,
+        heartbeat_interval=args.heartbeat_interval,
+        rpc_workers=args.rpc_workers,
+        heartbeat_timeout=args.heartbeat_timeout,
+        in_flight=0 if sync_mode else args.in_flight,
+        timeout=args.timeout,
+        run_dir=run_dir,
+    )
     spec_file = os.path.join(run_dir, "spec.json")
     with open(spec_file, "w") as f:
         f.write(spec.to_json())
@@ -153,13 +174,29 @@ def run_one(args, k: int, sync_mode: bool, work: str) -> dict:
     env = {"PYTHONPATH": pythonpath_with_repo()}
     worker = [sys.executable, "-m", "benchmarks.jobs.fanin_workers"]
     with contextlib.ExitStack() as stack:
-        pservers = [stack.enter_context(Command(worker + ["pserver", "--spec", spec_file, "--index", str(i)],
-                                                os.path.join(run_dir, f"pserver-{i}.log"), env, REPO))
-                    for i in range(args.pservers)]
+        pservers = [
+            stack.enter_context(
+                Command(
+                    worker + ["pserver", "--spec", spec_file, "--index", str(i)],
+                    os.path.join(run_dir, f"pserver-{i}.log"),
+                    env,
+                    REPO,
+                )
+            )
+            for i in range(args.pservers)
+        ]
         # Every process of the run starts before this one opens a gRPC channel (see main()).
-        load = [stack.enter_context(Command(worker + ["load", "--spec", spec_file, "--index", str(g), "--of",
-                                                      str(loads)], os.path.join(run_dir, f"load-{g}.log"), env, REPO))
-                for g in range(loads)]
+        load = [
+            stack.enter_context(
+                Command(
+                    worker + ["load", "--spec", spec_file, "--index", str(g), "--of", str(loads)],
+                    os.path.join(run_dir, f"load-{g}.log"),
+                    env,
+                    REPO,
+                )
+            )
+            for g in range(loads)
+        ]
         everyone = pservers + load
         stats = PserverStats(endpoints)
         stack.callback(stats.close)
@@ -169,21 +206,31 @@ def run_one(args, k: int, sync_mode: bool, work: str) -> dict:
         stack.callback(sampler.stop)
         at_start = [status(pid) for pid in pids]
         touch(os.path.join(run_dir, "hello"))  # the load generators say Hello for their trainers now
-        wait_for_files([os.path.join(run_dir, f"hello-{g}") for g in range(loads)], deadline, everyone,
-                       f"{mode} K={k}: Hello")
+        wait_for_files(
+            [os.path.join(run_dir, f"hello-{g}") for g in range(loads)],
+            deadline,
+            everyone,
+            f"{mode} K={k}: Hello",
+        )
         check_dropped(stats.get(), k, f"{mode} K={k} after Hello")
         idle = [status(pid) for pid in pids]
         before, cpu_before, t_before = stats.get(), [cpu_seconds(pid) for pid in pids], time.monotonic()
         touch(os.path.join(run_dir, "go"))
-        wait_for_files([os.path.join(run_dir, f"stepped-{g}") for g in range(loads)], deadline, everyone,
-                       f"{mode} K={k}: steps")
+        wait_for_files(
+            [os.path.join(run_dir, f"stepped-{g}") for g in range(loads)],
+            deadline,
+            everyone,
+            f"{mode} K={k}: steps",
+        )
         t_after, cpu_after, after = time.monotonic(), [cpu_seconds(pid) for pid in pids], stats.get()
         stepped = [status(pid) for pid in pids]
         check_dropped(after, k, f"{mode} K={k} after the last step")
         for ep in endpoints:
             if after[ep].pushes - before[ep].pushes != k * args.steps:
-                raise RunFailed(f"{mode} K={k}: pserver {ep} counted {after[ep].pushes - before[ep].pushes} "
-                                f"pushes, not {k * args.steps}")
+                raise RunFailed(
+                    f"{mode} K={k}: pserver {ep} counted {after[ep].pushes - before[ep].pushes} "
+                    f"pushes, not {k * args.steps}"
+                )
         touch(os.path.join(run_dir, "finish"))
         for g, c in enumerate(load):
             rc = c.wait(max(1.0, deadline - time.monotonic()), f"{mode} K={k}: load generator {g}")
@@ -197,31 +244,66 @@ def run_one(args, k: int, sync_mode: bool, work: str) -> dict:
     results = [torch.load(os.path.join(run_dir, f"result-{g}.pt")) for g in range(loads)]
     pushes = np.array([p for r in results for p in r["pushes"]], dtype=np.float64)
     check = check_model(spec, results[0]["models"]) if sync_mode else None
-    return summarise(mode=mode, k=k, spec=spec, loads=loads, pushes=pushes, at_start=at_start, idle=idle,
-                     stepped=stepped, peaks=[peaks[pid] for pid in pids], cpu=np.subtract(cpu_after, cpu_before),
-                     before=before, after=after, window=t_after - t_before, check=check)
+    return summarise(
+        mode=mode,
+        k=k,
+        spec=spec,
+        loads=loads,
+        pushes=pushes,
+        at_start=at_start,
+        idle=idle,
+        stepped=stepped,
+        peaks=[peaks[pid] for pid in pids],
+        cpu=np.subtract(cpu_after, cpu_before),
+        before=before,
+        after=after,
+        window=t_after - t_before,
+        check=check,
+    )
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--trainers", default="16,64,256,1024", help="values of K, comma-separated (default %(default)s)")
+    p.add_argument(
+        "--trainers", default="16,64,256,1024", help="values of K, comma-separated (default %(default)s)"
+    )
     p.add_argument("--modes", default="sync,async", help="sync, async or both (default %(default)s)")
     p.add_argument("--pservers", type=int, default=2, help="pserver processes, 1-4 (default %(default)s)")
     p.add_argument("--load", type=int, default=4, help="load-generator processes (default %(default)s)")
     p.add_argument("--steps", type=int, default=5, help="steps each trainer pushes (default %(default)s)")
-    p.add_argument("--batch", type=int, default=512, help="rows of a job S batch (its ids; default %(default)s)")
+    p.add_argument(
+        "--batch", type=int, default=512, help="rows of a job S batch (its ids; default %(default)s)"
+    )
     p.add_argument("--seed", type=int, default=0, help="of the gradients and ids (default %(default)s)")
-    p.add_argument("--heartbeat_interval", type=float, default=2.0, help="the trainers' (default %(default)s)")
-    p.add_argument("--heartbeat_timeout", type=float, default=0.0,
-                   help="the pservers' (default 0: the library's default, 30 s)")
-    p.add_argument("--rpc_workers", type=int, default=0,
-                   help="the pservers' pserver_rpc_workers (default 0: the library's default)")
-    p.add_argument("--in_flight", type=int, default=0,
-                   help="async runs: at most this many of a load generator's trainers inside a step at once "
-                        "(default 0: all of them; sync runs: always all)")
-    p.add_argument("--timeout", type=float, default=900.0, help="seconds one run may take in all (default %(default)s)")
+    p.add_argument(
+        "--heartbeat_interval", type=float, default=2.0, help="the trainers' (default %(default)s)"
+    )
+    p.add_argument(
+        "--heartbeat_timeout",
+        type=float,
+        default=0.0,
+        help="the pservers' (default 0: the library's default, 30 s)",
+    )
+    p.add_argument(
+        "--rpc_workers",
+        type=int,
+        default=0,
+        help="the pservers' pserver_rpc_workers (default 0: the library's default)",
+    )
+    p.add_argument(
+        "--in_flight",
+        type=int,
+        default=0,
+        help="async runs: at most this many of a load generator's trainers inside a step at once "
+        "(default 0: all of them; sync runs: always all)",
+    )
+    p.add_argument(
+        "--timeout", type=float, default=900.0, help="seconds one run may take in all (default %(default)s)"
+    )
     p.add_argument("--json", default=os.path.join(RESULTS, "bench_fanin.json"), help="(default %(default)s)")
-    p.add_argument("--work", default=None, help="folder for the runs' logs and files (default: a new temporary one)")
+    p.add_argument(
+        "--work", default=None, help="folder for the runs' logs and files (default: a new temporary one)"
+    )
     args = p.parse_args(argv)
     try:
         args.trainers = [int(k) for k in args.trainers.split(",")]
@@ -230,7 +312,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.modes = [m.strip() for m in args.modes.split(",")]
     if set(args.modes) - {"sync", "async"} or not args.modes:
         p.error(f"--modes takes sync and/or async, got {args.modes}")
-    if not 1 <= args.pservers <= 4 or args.load < 1 or args.steps < 1 or args.batch < 1 or min(args.trainers) < 1:
+    if (
+        not 1 <= args.pservers <= 4
+        or args.load < 1
+        or args.steps < 1
+        or args.batch < 1
+        or min(args.trainers) < 1
+    ):
         p.error("--pservers must be 1-4; --load, --steps, --batch and every K at least 1")
     if args.in_flight < 0:
         p.error(f"--in_flight must be >= 0 (0: no bound), got {args.in_flight}")
@@ -265,8 +353,16 @@ def write_json(path: str, rows: List[dict]) -> None:
     """The runs so far, with the command, date and core count, to ``path`` (replaced whole)."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path + ".tmp", "w") as f:
-        json.dump({"command": "python -m benchmarks.bench_fanin " + " ".join(sys.argv[1:]),
-                   "date": time.strftime("%Y-%m-%d %H:%M"), "cores": os.cpu_count(), "runs": rows}, f, indent=1)
+        json.dump(
+            {
+                "command": "python -m benchmarks.bench_fanin " + " ".join(sys.argv[1:]),
+                "date": time.strftime("%Y-%m-%d %H:%M"),
+                "cores": os.cpu_count(),
+                "runs": rows,
+            },
+            f,
+            indent=1,
+        )
     os.replace(path + ".tmp", path)
 
 

@@ -40,6 +40,7 @@ the warm-up and timed examples), and the machine's other load. Output: a Markdow
 every run in ``--json`` (default ``benchmarks/results/bench_hosts.json``).
 ``python -m benchmarks.common.netns cleanup`` removes namespaces left by a SIGKILLed run.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -76,8 +77,12 @@ def run_in_hosts(hosts: Hosts, commands: Dict[str, Tuple[int, List[str], str]], 
     """
     deadline = time.monotonic() + timeout
     with contextlib.ExitStack() as running:
-        started = {what: running.enter_context(Command(hosts.cmd(host, *argv), log, env=host_env(
-            GLOO_SOCKET_IFNAME=IFNAME), cwd=REPO)) for what, (host, argv, log) in commands.items()}
+        started = {
+            what: running.enter_context(
+                Command(hosts.cmd(host, *argv), log, env=host_env(GLOO_SOCKET_IFNAME=IFNAME), cwd=REPO)
+            )
+            for what, (host, argv, log) in commands.items()
+        }
         for what, c in started.items():
             rc = c.wait(max(0.0, deadline - time.monotonic()), what)
             if rc != 0:
@@ -85,16 +90,39 @@ def run_in_hosts(hosts: Hosts, commands: Dict[str, Tuple[int, List[str], str]], 
 
 
 def run_ours(hosts: Hosts, layout: HostLayout, sync: bool, args, workdir: str, index: int) -> dict:
-    """Job S on this project: ps-launch per host, as on real machines; throughput and AUC from its trainers."""
+    """Job S on this project: ps-launch per host, as on real machines; throughput and AUC from its
+    trainers."""
     batch = GLOBAL_BATCH // len(layout.trainers)
-    script = [job_script("job_s"), "--peers", args.peers, "--warmup", str(args.warmup), "--steps", str(args.steps),
-              "--batch", str(batch), "--eval_examples", str(args.eval), "--no_shared_memory",
-              *([] if sync else ["--async"])]
-    cmds = per_host_commands(layout, hosts.ip, PS_PORT + 10 * index, lambda h: os.path.join(workdir, f"host{h}"),
-                             script)
-    run_in_hosts(hosts, {f"ps-launch on host {h}": (h, cmd, os.path.join(workdir, f"launch{h}.log"))
-                         for h, cmd in cmds.items()}, args.timeout)
-    res = [role_result(os.path.join(workdir, f"host{h}", f"workerlog.{j}")) for j, h in enumerate(layout.trainers)]
+    script = [
+        job_script("job_s"),
+        "--peers",
+        args.peers,
+        "--warmup",
+        str(args.warmup),
+        "--steps",
+        str(args.steps),
+        "--batch",
+        str(batch),
+        "--eval_examples",
+        str(args.eval),
+        "--no_shared_memory",
+        *([] if sync else ["--async"]),
+    ]
+    cmds = per_host_commands(
+        layout, hosts.ip, PS_PORT + 10 * index, lambda h: os.path.join(workdir, f"host{h}"), script
+    )
+    run_in_hosts(
+        hosts,
+        {
+            f"ps-launch on host {h}": (h, cmd, os.path.join(workdir, f"launch{h}.log"))
+            for h, cmd in cmds.items()
+        },
+        args.timeout,
+    )
+    res = [
+        role_result(os.path.join(workdir, f"host{h}", f"workerlog.{j}"))
+        for j, h in enumerate(layout.trainers)
+    ]
     span = max(r["end"] for r in res) - min(r["start"] for r in res)
     return {"examples_s": sum(r["examples"] for r in res) / span, "auc": res[0].get("auc"), "batch": batch}
 
@@ -106,10 +134,28 @@ def run_torchrec(hosts: Hosts, layout: HostLayout, args, workdir: str, index: in
     out = os.path.join(workdir, "torchrec.json")
     ranks = {}
     for rank, h in enumerate(layout.trainers):
-        cmd = [args.torchrec_python, os.path.join(REPO, "benchmarks", "jobs", "torchrec_rank.py"),
-               "--peers", args.peers, "--rank", str(rank), "--world", str(world),
-               "--master", hosts.ip(layout.trainers[0]), "--port", str(GLOO_PORT + index),
-               "--out", out, "--steps", str(args.steps), "--warmup", str(args.warmup), "--batch", str(batch)]
+        cmd = [
+            args.torchrec_python,
+            os.path.join(REPO, "benchmarks", "jobs", "torchrec_rank.py"),
+            "--peers",
+            args.peers,
+            "--rank",
+            str(rank),
+            "--world",
+            str(world),
+            "--master",
+            hosts.ip(layout.trainers[0]),
+            "--port",
+            str(GLOO_PORT + index),
+            "--out",
+            out,
+            "--steps",
+            str(args.steps),
+            "--warmup",
+            str(args.warmup),
+            "--batch",
+            str(batch),
+        ]
         ranks[f"TorchRec rank {rank} on host {h}"] = (h, cmd, os.path.join(workdir, f"rank{rank}.log"))
     run_in_hosts(hosts, ranks, args.timeout)
     with open(out) as f:
@@ -118,43 +164,85 @@ def run_torchrec(hosts: Hosts, layout: HostLayout, args, workdir: str, index: in
 
 
 def run_paddle(hosts: Hosts, layout: HostLayout, sync: bool, args, workdir: str, index: int) -> dict:
-    """Job S on PaddlePaddle 2.6's PS: ``paddle_ps_ctr.py``'s own role process per pserver and trainer, each on
-    its host (Paddle's role variables, with the hosts' addresses); throughput over its trainers, trainer 0's AUC.
+    """Job S on PaddlePaddle 2.6's PS: ``paddle_ps_ctr.py``'s own role process per pserver and trainer,
+    each on its host (Paddle's role variables, with the hosts' addresses); throughput over its trainers,
+    trainer 0's AUC.
 
-    Its pservers never leave ``run_server()`` (fleetrun kills them too): they are stopped once the trainers ended.
-    A sync pserver runs SCHED_RR (``chrt``), as ``bench_peers`` runs it: Paddle 2.6's sync barrier loses a
-    wake-up under normal scheduling.
+    Its pservers never leave ``run_server()`` (fleetrun kills them too): they are stopped once the trainers
+    ended. A sync pserver runs SCHED_RR (``chrt``), as ``bench_peers`` runs it: Paddle 2.6's sync barrier
+    loses a wake-up under normal scheduling.
     """
     batch = GLOBAL_BATCH // len(layout.trainers)
     base = PADDLE_PORT + 20 * index
     gloo = os.path.join(workdir, "gloo_fs")
     os.makedirs(gloo, exist_ok=True)
-    env = {"PADDLE_PSERVERS_IP_PORT_LIST": ",".join(f"{hosts.ip(h)}:{base + i}" for i, h in enumerate(layout.pservers)),
-           "PADDLE_TRAINER_ENDPOINTS": ",".join(f"{hosts.ip(h)}:{base + 10 + t}"
-                                                for t, h in enumerate(layout.trainers)),
-           "PADDLE_TRAINERS_NUM": str(len(layout.trainers)), "PADDLE_WITH_GLOO": "1", "PADDLE_GLOO_RENDEZVOUS": "2",
-           "PADDLE_GLOO_FS_PATH": gloo, "FLAGS_enable_pir_api": "0", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
-           "CPU_NUM": "1", "GLOO_SOCKET_IFNAME": IFNAME}
-    argv = [args.paddle_python, os.path.join(args.peers, "paddle_ps_ctr.py"), "--role-proc",
-            "--mode", "sync" if sync else "async", "--data", "jobs", "--seed", "0", "--steps", str(args.steps),
-            "--warmup", str(args.warmup), "--batch", str(batch), "--eval-examples", str(args.eval),
-            "--result-dir", workdir]
+    env = {
+        "PADDLE_PSERVERS_IP_PORT_LIST": ",".join(
+            f"{hosts.ip(h)}:{base + i}" for i, h in enumerate(layout.pservers)
+        ),
+        "PADDLE_TRAINER_ENDPOINTS": ",".join(
+            f"{hosts.ip(h)}:{base + 10 + t}" for t, h in enumerate(layout.trainers)
+        ),
+        "PADDLE_TRAINERS_NUM": str(len(layout.trainers)),
+        "PADDLE_WITH_GLOO": "1",
+        "PADDLE_GLOO_RENDEZVOUS": "2",
+        "PADDLE_GLOO_FS_PATH": gloo,
+        "FLAGS_enable_pir_api": "0",
+        "OMP_NUM_THREADS": "1",
+        "MKL_NUM_THREADS": "1",
+        "CPU_NUM": "1",
+        "GLOO_SOCKET_IFNAME": IFNAME,
+    }
+    argv = [
+        args.paddle_python,
+        os.path.join(args.peers, "paddle_ps_ctr.py"),
+        "--role-proc",
+        "--mode",
+        "sync" if sync else "async",
+        "--data",
+        "jobs",
+        "--seed",
+        "0",
+        "--steps",
+        str(args.steps),
+        "--warmup",
+        str(args.warmup),
+        "--batch",
+        str(batch),
+        "--eval-examples",
+        str(args.eval),
+        "--result-dir",
+        workdir,
+    ]
     rt = ["chrt", "-r", "10"] if sync else []
 
     def role(h: int, name: str, **extra: str) -> Command:
         # Paddle's gloo (its trainers' barriers) publishes the address its host name resolves to: each role
         # gets a UTS namespace whose host name is its host's address.
         named = ["unshare", "--uts", "sh", "-c", 'hostname "$0" && exec "$@"', hosts.ip(h)]
-        return Command(hosts.cmd(h, *named, *(rt if extra["TRAINING_ROLE"] == "PSERVER" else []), *argv),
-                       os.path.join(workdir, f"{name}.log"), env=host_env(**env, POD_IP=hosts.ip(h), **extra),
-                       cwd=workdir)
+        return Command(
+            hosts.cmd(h, *named, *(rt if extra["TRAINING_ROLE"] == "PSERVER" else []), *argv),
+            os.path.join(workdir, f"{name}.log"),
+            env=host_env(**env, POD_IP=hosts.ip(h), **extra),
+            cwd=workdir,
+        )
 
     deadline = time.monotonic() + args.timeout
     with contextlib.ExitStack() as running:
         for i, h in enumerate(layout.pservers):
             running.enter_context(role(h, f"pserver{i}", TRAINING_ROLE="PSERVER", PADDLE_PORT=str(base + i)))
-        trainers = [running.enter_context(role(h, f"trainer{t}", TRAINING_ROLE="TRAINER", PADDLE_TRAINER_ID=str(t),
-                                               PADDLE_PORT=str(base + 10 + t))) for t, h in enumerate(layout.trainers)]
+        trainers = [
+            running.enter_context(
+                role(
+                    h,
+                    f"trainer{t}",
+                    TRAINING_ROLE="TRAINER",
+                    PADDLE_TRAINER_ID=str(t),
+                    PADDLE_PORT=str(base + 10 + t),
+                )
+            )
+            for t, h in enumerate(layout.trainers)
+        ]
         for t, c in enumerate(trainers):
             rc = c.wait(max(0.0, deadline - time.monotonic()), f"Paddle trainer {t}")
             if rc != 0:
@@ -164,8 +252,11 @@ def run_paddle(hosts: Hosts, layout: HostLayout, sync: bool, args, workdir: str,
         with open(os.path.join(workdir, f"trainer{t}.json")) as f:
             res.append(json.load(f))
     span = max(r["t_end"] for r in res) - min(r["t_start"] for r in res)
-    return {"examples_s": sum(r["measured_steps"] * r["batch"] for r in res) / span,
-            "auc": res[0].get("holdout_auc"), "batch": batch}
+    return {
+        "examples_s": sum(r["measured_steps"] * r["batch"] for r in res) / span,
+        "auc": res[0].get("holdout_auc"),
+        "batch": batch,
+    }
 
 
 def run_one(system: str, hosts: Hosts, layout: HostLayout, link: str, rnd: int, index: int, args) -> dict:
@@ -182,17 +273,38 @@ def run_one(system: str, hosts: Hosts, layout: HostLayout, link: str, rnd: int, 
             row = run_ours(hosts, layout, system == "ours-sync", args, workdir, index)
     sent = sum(hosts.moved(before[h], hosts.counters(h))["tx_bytes"] for h in hosts.numbers())
     trained = (args.warmup + args.steps) * GLOBAL_BATCH
-    row.update(system=system, layout=layout.name, link=link, round=rnd, wire_bytes=sent,
-               wire_bytes_per_example=sent / trained, other_load=load.cores, wall_s=load.wall)
-    log.info("%s, %s, %s, round %d: %.0f examples/s, AUC %s, %.0f bytes on the wire per example, other load %.2f",
-             link, layout.name, system, rnd, row["examples_s"], row["auc"], row["wire_bytes_per_example"], load.cores)
+    row.update(
+        system=system,
+        layout=layout.name,
+        link=link,
+        round=rnd,
+        wire_bytes=sent,
+        wire_bytes_per_example=sent / trained,
+        other_load=load.cores,
+        wall_s=load.wall,
+    )
+    log.info(
+        "%s, %s, %s, round %d: %.0f examples/s, AUC %s, %.0f bytes on the wire per example, other load %.2f",
+        link,
+        layout.name,
+        system,
+        rnd,
+        row["examples_s"],
+        row["auc"],
+        row["wire_bytes_per_example"],
+        load.cores,
+    )
     return row
 
 
 def table(rows: List[dict]) -> str:
-    """Markdown: per link and layout, each system's median [min-max], its ratio to TorchRec per round, AUC, bytes."""
-    out = ["| link | layout | system | examples/s median [min-max] | vs TorchRec, round by round | AUC | "
-           "wire bytes / example | other load |", "|---|---|---|---|---|---|---|---|"]
+    """Markdown: per link and layout, each system's median [min-max], its ratio to TorchRec per round, AUC,
+    bytes."""
+    out = [
+        "| link | layout | system | examples/s median [min-max] | vs TorchRec, round by round | AUC | "
+        "wire bytes / example | other load |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for link, layout in dict.fromkeys((r["link"], r["layout"]) for r in rows):  # in the order they ran
         mine = [r for r in rows if (r["link"], r["layout"]) == (link, layout)]
         ref = {r["round"]: r["examples_s"] for r in mine if r["system"] == "torchrec"}
@@ -203,31 +315,49 @@ def table(rows: List[dict]) -> str:
             vs = "-"
             if ratios:
                 vs = ", ".join(f"{x:.2f}" for x in ratios) + f": **{statistics.median(ratios):.2f}x**"
-            out.append(f"| {link} | {layout} | {system} | "
-                       f"{statistics.median(xs):,.0f} [{min(xs):,.0f}-{max(xs):,.0f}] | {vs} | "
-                       f"{statistics.median(r['auc'] for r in runs):.3f} | "
-                       f"{statistics.median(r['wire_bytes_per_example'] for r in runs):,.0f} | "
-                       f"{max(r['other_load'] for r in runs):.2f} |")
+            out.append(
+                f"| {link} | {layout} | {system} | "
+                f"{statistics.median(xs):,.0f} [{min(xs):,.0f}-{max(xs):,.0f}] | {vs} | "
+                f"{statistics.median(r['auc'] for r in runs):.3f} | "
+                f"{statistics.median(r['wire_bytes_per_example'] for r in runs):,.0f} | "
+                f"{max(r['other_load'] for r in runs):.2f} |"
+            )
     return "\n".join(out)
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--layouts", default="split,colocated",
-                   help="comma-separated (common/host_layouts.py; default %(default)s)")
-    p.add_argument("--links", default="unshaped,10gbit",
-                   help="comma-separated: unshaped, or a rate per host link such as 10gbit (default %(default)s)")
+    p.add_argument(
+        "--layouts",
+        default="split,colocated",
+        help="comma-separated (common/host_layouts.py; default %(default)s)",
+    )
+    p.add_argument(
+        "--links",
+        default="unshaped,10gbit",
+        help="comma-separated: unshaped, or a rate per host link such as 10gbit (default %(default)s)",
+    )
     p.add_argument("--delay", default=None, help="one-way delay per link (needs the kernel's netem)")
-    p.add_argument("--systems", default="torchrec,ours-async,ours-sync",
-                   help=f"comma-separated, of {','.join(SYSTEMS)} (default %(default)s)")
+    p.add_argument(
+        "--systems",
+        default="torchrec,ours-async,ours-sync",
+        help=f"comma-separated, of {','.join(SYSTEMS)} (default %(default)s)",
+    )
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--steps", type=int, default=200, help="timed steps (default %(default)s)")
     p.add_argument("--warmup", type=int, default=20)
-    p.add_argument("--eval", type=int, default=2000, help="held-out examples for the AUC (default %(default)s)")
+    p.add_argument(
+        "--eval", type=int, default=2000, help="held-out examples for the AUC (default %(default)s)"
+    )
     p.add_argument("--peers", default=DEFAULT_PEERS)
-    p.add_argument("--torchrec-python", default=os.path.join(tempfile.gettempdir(), "torchrec-venv", "bin", "python"))
-    p.add_argument("--paddle-python", default=DEFAULT_PADDLE_PYTHON,
-                   help="PaddlePaddle 2.6.2's venv (shared/peers/setup_paddle.sh; default %(default)s)")
+    p.add_argument(
+        "--torchrec-python", default=os.path.join(tempfile.gettempdir(), "torchrec-venv", "bin", "python")
+    )
+    p.add_argument(
+        "--paddle-python",
+        default=DEFAULT_PADDLE_PYTHON,
+        help="PaddlePaddle 2.6.2's venv (shared/peers/setup_paddle.sh; default %(default)s)",
+    )
     p.add_argument("--timeout", type=float, default=600.0, help="per run, s")
     p.add_argument("--work", default=None, help="logs of every run (default: a temporary folder)")
     p.add_argument("--json", default=os.path.join(RESULTS, "bench_hosts.json"))

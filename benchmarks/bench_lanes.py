@@ -1,24 +1,26 @@
-"""Bulk bytes between two hosts over gRPC Python: one connection or several lanes, push then pull or both at once.
+"""Bulk bytes between two hosts over gRPC Python: one connection or several lanes, push then pull or both
+at once.
 
     sudo python -m benchmarks.bench_lanes [--lanes 1,2,4] [--chunks 262144,1048576,4194304]
                                           [--links unshaped,1gbit] [--mb 38.5] [--rounds 3] [--moves 8]
 
-What issue 35's "bulk bytes in parallel lanes" would buy, measured before it is built: a trainer
-host moves ``--mb`` MB of gradients to a pserver host and gets as many bytes of parameters back
-(job D's 38.5 MB model, one trainer's push and pull), over ``lanes`` gRPC channels at once, each
-its own TCP connection (``grpc.use_local_subchannel_pool``, as this project's channels are), in
-chunks of ``chunk`` bytes. Two ways to answer:
+What issue 35's "bulk bytes in parallel lanes" would buy, measured before it is built: a trainer host moves
+``--mb`` MB of gradients to a pserver host and gets as many bytes of parameters back (job D's 38.5 MB
+model, one trainer's push and pull), over ``lanes`` gRPC channels at once, each its own TCP connection
+(``grpc.use_local_subchannel_pool``, as this project's channels are), in chunks of ``chunk`` bytes. Two
+ways to answer:
 
-- ``turns``: the pserver answers once every byte arrived (a sync step today: the pull starts when
-  the step applied);
-- ``duplex``: it answers each chunk as it arrives (what answering a block as soon as its step
-  applies would give: both directions of the link busy at once).
+- ``turns``: the pserver answers once every byte arrived (a sync step today: the pull starts when the step
+  applied);
+- ``duplex``: it answers each chunk as it arrives (what answering a block as soon as its step applies would
+  give: both directions of the link busy at once).
 
-Transport only: raw bytes messages (this project's tensor calls pass raw bytes too), no codec, no
-engine. Every configuration runs ``--moves`` timed moves after one untimed, ``--rounds`` rounds
-alternating over the configurations; the report is each configuration's median MB/s of gradient
-bytes (one direction), and for shaped links, that against the link's rate.
+Transport only: raw bytes messages (this project's tensor calls pass raw bytes too), no codec, no engine.
+Every configuration runs ``--moves`` timed moves after one untimed, ``--rounds`` rounds alternating over
+the configurations; the report is each configuration's median MB/s of gradient bytes (one direction), and
+for shaped links, that against the link's rate.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,13 +40,17 @@ log = logging.getLogger("bench_lanes")
 
 PORT = 47411
 METHOD = "/bench.Lanes/Move"
-OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20),
-           ("grpc.use_local_subchannel_pool", 1)]
+OPTIONS = [
+    ("grpc.max_receive_message_length", 64 << 20),
+    ("grpc.max_send_message_length", 64 << 20),
+    ("grpc.use_local_subchannel_pool", 1),
+]
 MODES = ("turns", "duplex")
 
 
 def lane_bytes(total: int, lanes: int) -> List[int]:
-    """How many of ``total`` bytes each of ``lanes`` lanes carries: equal shares, the remainder to the first."""
+    """How many of ``total`` bytes each of ``lanes`` lanes carries: equal shares, the remainder to the
+    first."""
     if lanes < 1 or total < 0:
         raise ValueError(f"lanes >= 1 and total >= 0, got {lanes}, {total}")
     share = total // lanes
@@ -65,7 +71,7 @@ def link_bytes_per_s(link: str) -> Optional[float]:
     units = {"gbit": 1e9, "mbit": 1e6, "kbit": 1e3}
     for unit, scale in units.items():
         if link.endswith(unit):
-            return float(link[:-len(unit)]) * scale / 8
+            return float(link[: -len(unit)]) * scale / 8
     raise ValueError(f"a link is unshaped or a rate like 1gbit, got {link!r}")
 
 
@@ -83,10 +89,10 @@ def serve(address: str) -> None:
         duplex = first[:1] == b"d"
         sizes = [len(first)]
         if duplex:
-            yield block[:len(first)]
+            yield block[: len(first)]
         for data in requests:
             if duplex:
-                yield block[:len(data)]
+                yield block[: len(data)]
             else:
                 sizes.append(len(data))
         if not duplex:
@@ -94,7 +100,9 @@ def serve(address: str) -> None:
                 yield block[:n]
 
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=16), options=OPTIONS)
-    handler = grpc.method_handlers_generic_handler("bench.Lanes", {"Move": grpc.stream_stream_rpc_method_handler(move)})
+    handler = grpc.method_handlers_generic_handler(
+        "bench.Lanes", {"Move": grpc.stream_stream_rpc_method_handler(move)}
+    )
     server.add_generic_rpc_handlers((handler,))
     server.add_insecure_port(address)
     server.start()
@@ -125,7 +133,10 @@ def move_once(calls, total: int, chunk: int, mode: str) -> float:
             errors.append(e)
 
     t0 = time.perf_counter()
-    threads = [threading.Thread(target=lane, args=(c, n)) for c, n in zip(calls, lane_bytes(total, len(calls)), strict=True)]
+    threads = [
+        threading.Thread(target=lane, args=(c, n))
+        for c, n in zip(calls, lane_bytes(total, len(calls)), strict=True)
+    ]
     for t in threads:
         t.start()
     for t in threads:
@@ -141,7 +152,9 @@ def client(address: str, configs: Sequence[dict], total: int, moves: int) -> Lis
 
     out = []
     for cfg in configs:
-        channels = [grpc.insecure_channel(address, options=OPTIONS + [("bench.lane", i)]) for i in range(cfg["lanes"])]
+        channels = [
+            grpc.insecure_channel(address, options=OPTIONS + [("bench.lane", i)]) for i in range(cfg["lanes"])
+        ]
         try:
             for ch in channels:
                 grpc.channel_ready_future(ch).result(timeout=30)
@@ -164,19 +177,39 @@ def configurations(lanes: Sequence[int], chunks: Sequence[int]) -> List[dict]:
 
 
 def run_link(link: str, configs: List[dict], total: int, rounds: int, moves: int) -> Dict[str, List[float]]:
-    """Every configuration over ``link``, ``rounds`` rounds (each round in another order); MB/s per round by key."""
+    """Every configuration over ``link``, ``rounds`` rounds (each round in another order); MB/s per round
+    by key."""
     rate = None if link == "unshaped" else link
     by_key: Dict[str, List[float]] = {}
     with Hosts(2, rate=rate) as hosts:
-        server = subprocess.Popen(hosts.cmd(1, sys.executable, "-m", "benchmarks.bench_lanes", "--serve",
-                                            f"{hosts.ip(1)}:{PORT}"), env=host_env())
+        server = subprocess.Popen(
+            hosts.cmd(1, sys.executable, "-m", "benchmarks.bench_lanes", "--serve", f"{hosts.ip(1)}:{PORT}"),
+            env=host_env(),
+        )
         try:
             for r in range(rounds):
                 order = configs if r % 2 == 0 else configs[::-1]
-                argv = [sys.executable, "-m", "benchmarks.bench_lanes", "--client", f"{hosts.ip(1)}:{PORT}",
-                        "--configs", json.dumps(order), "--bytes", str(total), "--moves", str(moves)]
-                done = subprocess.run(hosts.cmd(2, *argv), env=host_env(), capture_output=True, text=True,
-                                      timeout=1800, check=True)
+                argv = [
+                    sys.executable,
+                    "-m",
+                    "benchmarks.bench_lanes",
+                    "--client",
+                    f"{hosts.ip(1)}:{PORT}",
+                    "--configs",
+                    json.dumps(order),
+                    "--bytes",
+                    str(total),
+                    "--moves",
+                    str(moves),
+                ]
+                done = subprocess.run(
+                    hosts.cmd(2, *argv),
+                    env=host_env(),
+                    capture_output=True,
+                    text=True,
+                    timeout=1800,
+                    check=True,
+                )
                 for row in json.loads(done.stdout.strip().splitlines()[-1]):
                     by_key.setdefault(key(row), []).append(row["mb_per_s"])
         finally:
@@ -191,9 +224,15 @@ def key(cfg: dict) -> str:
 
 
 def report(link: str, by_key: Dict[str, List[float]]) -> str:
-    """A markdown table: median MB/s [min-max], against one lane with the same mode and chunk, and the link."""
+    """A markdown table: median MB/s [min-max], against one lane with the same mode and chunk, and the
+    link."""
     rate = link_bytes_per_s(link)
-    lines = [f"**{link}**", "", "| mode, lanes, chunk | MB/s one way | vs 1 lane | of the link |", "|---|---|---|---|"]
+    lines = [
+        f"**{link}**",
+        "",
+        "| mode, lanes, chunk | MB/s one way | vs 1 lane | of the link |",
+        "|---|---|---|---|",
+    ]
     for k, vals in by_key.items():
         med = statistics.median(vals)
         one = statistics.median(by_key.get(k.replace(k.split()[1], "lanes=1"), vals))
@@ -223,7 +262,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(json.dumps(client(args.client, json.loads(args.configs), args.bytes, args.moves)))
         return 0
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    configs = configurations([int(x) for x in args.lanes.split(",")], [int(x) for x in args.chunks.split(",")])
+    configs = configurations(
+        [int(x) for x in args.lanes.split(",")], [int(x) for x in args.chunks.split(",")]
+    )
     total = int(args.mb * 1e6)
     results = {}
     for link in args.links.split(","):

@@ -25,6 +25,7 @@ Every second the harness samples the pserver's RSS (/proc) and its stored rows
 markdown table (medians over rounds) and writes the samples to ``--out`` for
 the chart (``--plot`` draws ``lifecycle.png`` beside that file: ``benchmarks/results/``).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,8 +42,13 @@ from benchmarks.common.paths import RESULTS, pythonpath_with_repo
 
 CONFIGS = {
     "off": None,
-    "on": {"admit_count": 2, "admit_decay_steps": 100, "admit_sketch_width": 1 << 22,
-           "evict_unseen_steps": 500, "sweep_every_steps": 50},
+    "on": {
+        "admit_count": 2,
+        "admit_decay_steps": 100,
+        "admit_sketch_width": 1 << 22,
+        "evict_unseen_steps": 500,
+        "sweep_every_steps": 50,
+    },
 }
 DIM = 8
 HOT = 2_000_000
@@ -66,13 +72,13 @@ def program(config: str):
 
     torch.manual_seed(0)
     rules = CONFIGS[config]
-    tables = {"emb": {"optimizer": "sgd", "optimizer_kwargs": {"lr": 0.05},
-                      "lifecycle": rules}}
+    tables = {"emb": {"optimizer": "sgd", "optimizer_kwargs": {"lr": 0.05}, "lifecycle": rules}}
     return Program(CTR(), "sgd", lr=0.05, distributed_tables=tables)
 
 
 def transpile(config: str, endpoint: str):
     from transpiler import DistributeTranspiler
+
     t = DistributeTranspiler()
     t.transpile(0, program=program(config), pservers=endpoint, trainers=1, sync_mode=True)
     return t
@@ -99,6 +105,7 @@ def stream(step: int, batch: int, bag: int, new: int, rng: np.random.Generator, 
 
 def run_pserver(args) -> int:
     from pserver import ParameterServer
+
     t = transpile(args.config, args.endpoint)
     prog = t.get_pserver_program(args.endpoint)
     ParameterServer(prog, t.get_startup_program(args.endpoint, prog)).serve()
@@ -109,6 +116,7 @@ def run_trainer(args) -> int:
     import torch
 
     from trainer import Trainer
+
     t = transpile(args.config, args.endpoint)
     rng = np.random.default_rng(1)
     seen = np.zeros(HOT + (args.steps + 1) * args.new, dtype=bool)
@@ -122,8 +130,16 @@ def run_trainer(args) -> int:
             torch.nn.functional.binary_cross_entropy_with_logits(tr.model(ids), y).backward()
             tr.step()
         wall = time.perf_counter() - started
-    print(json.dumps({"distinct_ids": int(seen.sum()), "steps_s": (args.steps - args.warmup) / wall,
-                      "ids_s": (args.steps - args.warmup) * args.batch * args.bag / wall}), flush=True)
+    print(
+        json.dumps(
+            {
+                "distinct_ids": int(seen.sum()),
+                "steps_s": (args.steps - args.warmup) / wall,
+                "ids_s": (args.steps - args.warmup) * args.batch * args.bag / wall,
+            }
+        ),
+        flush=True,
+    )
     return 0
 
 
@@ -135,8 +151,11 @@ def sketch_accuracy(args) -> int:
     """
     from pserver.tables.lifecycle.admission import Admission
     from transpiler.lifecycle import TableLifecycle
-    print("| sketch width (x4 rows) | admit_decay_steps | ids pushed | admitted | false admissions "
-          "| of the ids seen once |")
+
+    print(
+        "| sketch width (x4 rows) | admit_decay_steps | ids pushed | admitted | false admissions "
+        "| of the ids seen once |"
+    )
     print("|---|---|---|---|---|---|")
     for width in (1 << 18, 1 << 20, 1 << 22):
         for decay in (0, 100):
@@ -161,8 +180,11 @@ def sketch_accuracy(args) -> int:
                 if decay and (step + 1) % decay == 0:
                     exact = {i: c // 2 for i, c in exact.items()}
             once = sum(1 for c in exact.values() if c <= 1) or 1
-            print(f"| 2^{width.bit_length() - 1} | {decay or '-'} | {pushed:,} | {admitted:,} | "
-                  f"{false:,} of {len(exact):,} sampled | {false / once:.2%} |", flush=True)
+            print(
+                f"| 2^{width.bit_length() - 1} | {decay or '-'} | {pushed:,} | {admitted:,} | "
+                f"{false:,} of {len(exact):,} sampled | {false / once:.2%} |",
+                flush=True,
+            )
     return 0
 
 
@@ -178,6 +200,7 @@ def stored_rows(endpoint: str) -> int:
     import grpc
 
     from psproto import ps_pb2, ps_pb2_grpc
+
     with grpc.insecure_channel(endpoint) as ch:
         return int(ps_pb2_grpc.ParameterServerStub(ch).Stats(ps_pb2.StatsRequest(), timeout=5).table_rows)
 
@@ -185,9 +208,25 @@ def stored_rows(endpoint: str) -> int:
 def one_run(config: str, args, port: int) -> dict:
     """One pserver + one trainer of ``config``; RSS and rows sampled every second."""
     endpoint = f"127.0.0.1:{port}"
-    base = [sys.executable, "-m", "benchmarks.bench_lifecycle", "--config", config, "--endpoint", endpoint,
-            "--steps", str(args.steps), "--batch", str(args.batch), "--bag", str(args.bag),
-            "--new", str(args.new), "--warmup", str(args.warmup)]
+    base = [
+        sys.executable,
+        "-m",
+        "benchmarks.bench_lifecycle",
+        "--config",
+        config,
+        "--endpoint",
+        endpoint,
+        "--steps",
+        str(args.steps),
+        "--batch",
+        str(args.batch),
+        "--bag",
+        str(args.bag),
+        "--new",
+        str(args.new),
+        "--warmup",
+        str(args.warmup),
+    ]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=pythonpath_with_repo())
     ps = subprocess.Popen(base + ["--role", "pserver"], env=env, stderr=subprocess.DEVNULL)
     tr = subprocess.Popen(base + ["--role", "trainer"], env=env, stdout=subprocess.PIPE, text=True)
@@ -210,18 +249,27 @@ def one_run(config: str, args, port: int) -> dict:
                 p.wait()
     result = json.loads(out.strip().splitlines()[-1])
     if not samples:  # the run ended before the first sample: no peak to report, and saying so beats a crash
-        raise RuntimeError(f"{config}: the run ended within {time.monotonic() - t0:.1f} s, before the first "
-                           f"one-second sample of the pserver; give it more --steps")
-    result.update(config=config, samples=samples, peak_rss=max(s[1] for s in samples),
-                  final_rows=samples[-1][2])
+        raise RuntimeError(
+            f"{config}: the run ended within {time.monotonic() - t0:.1f} s, before the first "
+            f"one-second sample of the pserver; give it more --steps"
+        )
+    result.update(
+        config=config, samples=samples, peak_rss=max(s[1] for s in samples), final_rows=samples[-1][2]
+    )
     return result
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--role", choices=["harness", "pserver", "trainer"], default="harness",
-                   help="harness (default) runs the benchmark; pserver and trainer are the processes it starts")
-    p.add_argument("--config", choices=sorted(CONFIGS), default="on", help="pserver/trainer: the table's rules")
+    p.add_argument(
+        "--role",
+        choices=["harness", "pserver", "trainer"],
+        default="harness",
+        help="harness (default) runs the benchmark; pserver and trainer are the processes it starts",
+    )
+    p.add_argument(
+        "--config", choices=sorted(CONFIGS), default="on", help="pserver/trainer: the table's rules"
+    )
     p.add_argument("--endpoint", default="", help="pserver/trainer: the pserver's address")
     p.add_argument("--steps", type=int, default=6000, help="training steps (default %(default)s)")
     p.add_argument("--warmup", type=int, default=20, help="untimed steps first (default %(default)s)")
@@ -231,11 +279,16 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=2, help="alternating rounds (default %(default)s)")
     p.add_argument("--configs", default="on,off", help="which configurations to run (default: on,off)")
     p.add_argument("--port", type=int, default=47311, help="the pserver's port (default %(default)s)")
-    p.add_argument("--out", default=os.path.join(RESULTS, "lifecycle.json"),
-                   help="the samples, for --plot (default %(default)s)")
+    p.add_argument(
+        "--out",
+        default=os.path.join(RESULTS, "lifecycle.json"),
+        help="the samples, for --plot (default %(default)s)",
+    )
     p.add_argument("--plot", action="store_true", help="draw lifecycle.png beside --out from it and exit")
     p.add_argument("--sketch", action="store_true", help="measure the sketch's false admissions and exit")
-    p.add_argument("--sketch_steps", type=int, default=600, help="--sketch: steps of the stream (default %(default)s)")
+    p.add_argument(
+        "--sketch_steps", type=int, default=600, help="--sketch: steps of the stream (default %(default)s)"
+    )
     args = p.parse_args(argv)
     if args.role == "pserver":
         return run_pserver(args)
@@ -248,29 +301,40 @@ def main(argv=None) -> int:
     runs = []
     for r in range(args.rounds):
         order = [c for c in ("on", "off") if c in args.configs.split(",")]
-        for config in (order if r % 2 == 0 else order[::-1]):
+        for config in order if r % 2 == 0 else order[::-1]:
             res = one_run(config, args, args.port)
             runs.append(res)
-            print(f"round {r} {config}: {res['steps_s']:.1f} steps/s, {res['ids_s'] / 1e6:.2f}M ids/s, "
-                  f"{res['distinct_ids'] / 1e6:.1f}M distinct ids, "
-                  f"peak RSS {res['peak_rss'] / 2**30:.2f} GiB, rows {res['final_rows']:,}", flush=True)
+            print(
+                f"round {r} {config}: {res['steps_s']:.1f} steps/s, {res['ids_s'] / 1e6:.2f}M ids/s, "
+                f"{res['distinct_ids'] / 1e6:.1f}M distinct ids, "
+                f"peak RSS {res['peak_rss'] / 2**30:.2f} GiB, rows {res['final_rows']:,}",
+                flush=True,
+            )
     with open(args.out, "w") as f:
         json.dump({"args": vars(args), "runs": runs}, f)
-    print(f"\n{args.steps} steps x {args.batch * args.bag:,} ids (half hot, half from a window moving by "
-          f"{args.new:,} new ids per step; 'off' keeps a row for every distinct id pushed), nproc "
-          f"{os.cpu_count()}, medians of {args.rounds} rounds\n")
+    print(
+        f"\n{args.steps} steps x {args.batch * args.bag:,} ids (half hot, half from a window moving by "
+        f"{args.new:,} new ids per step; 'off' keeps a row for every distinct id pushed), nproc "
+        f"{os.cpu_count()}, medians of {args.rounds} rounds\n"
+    )
     print("| config | steps/s | M ids/s | peak pserver RSS | rows at the end |")
     print("|---|---|---|---|---|")
     for config in CONFIGS:
         mine = [r for r in runs if r["config"] == config]
         if not mine:
             continue
-        print(f"| {config} | {statistics.median(r['steps_s'] for r in mine):.1f} | "
-              f"{statistics.median(r['ids_s'] for r in mine) / 1e6:.2f} | "
-              f"{statistics.median(r['peak_rss'] for r in mine) / 2**30:.2f} GiB | "
-              f"{int(statistics.median(r['final_rows'] for r in mine)):,} |")
-    ratios = [on["steps_s"] / off["steps_s"] for on, off in zip(
-        [r for r in runs if r["config"] == "on"], [r for r in runs if r["config"] == "off"])]
+        print(
+            f"| {config} | {statistics.median(r['steps_s'] for r in mine):.1f} | "
+            f"{statistics.median(r['ids_s'] for r in mine) / 1e6:.2f} | "
+            f"{statistics.median(r['peak_rss'] for r in mine) / 2**30:.2f} GiB | "
+            f"{int(statistics.median(r['final_rows'] for r in mine)):,} |"
+        )
+    ratios = [
+        on["steps_s"] / off["steps_s"]
+        for on, off in zip(
+            [r for r in runs if r["config"] == "on"], [r for r in runs if r["config"] == "off"]
+        )
+    ]
     if ratios:
         print(f"\non / off throughput per round: {', '.join(f'{x:.2f}' for x in ratios)}")
     return 0
@@ -278,8 +342,10 @@ def main(argv=None) -> int:
 
 def plot(path: str) -> int:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     with open(path) as f:
         data = json.load(f)
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.6))

@@ -86,6 +86,7 @@ the untimed data generation): about 4 min a round of the all-peer run (12-15
 min for 3 rounds) and about 5 min a round of the scaling table (about 15 min
 for 3 rounds); more when the machine is shared.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -103,8 +104,8 @@ from typing import Dict, Iterable, List, Sequence, Tuple
 from benchmarks.common.machine import OtherLoad
 from benchmarks.common.paths import DEFAULT_PEERS, REPO, RESULTS, peer_module
 from benchmarks.common.peer_runners import RUNNERS, run_ours_s, venv_problem
-from benchmarks.reports.peers import chart, peers_table, scaling_table
 from benchmarks.common.processes import RunFailed, stop_on_signals
+from benchmarks.reports.peers import chart, peers_table, scaling_table
 
 log = logging.getLogger("bench_peers")
 
@@ -112,13 +113,23 @@ DEFAULT_PADDLE_PYTHON = os.path.join(tempfile.gettempdir(), "paddle26-venv", "bi
 DEFAULT_TORCHREC_PYTHON = os.path.join(tempfile.gettempdir(), "torchrec-venv", "bin", "python")
 
 SYSTEMS: Dict[str, List[str]] = {
-    "S": ["torch-local", "torchrec", "ours-async", "ours-async-plain", "ours-sync", "ours-sync-bf16", "paddle-async", "paddle-sync"],
+    "S": [
+        "torch-local",
+        "torchrec",
+        "ours-async",
+        "ours-async-plain",
+        "ours-sync",
+        "ours-sync-bf16",
+        "paddle-async",
+        "paddle-sync",
+    ],
     "D": ["ddp", "rpc-ps", "ours-sync", "ours-sync-bf16", "ours-collective"],
 }
 
 
 def measured(fn, args, workdir: str) -> dict:
-    """Run ``fn(args, workdir)``; its figures plus ``wall_s`` and ``other_load`` (cores busy with other work)."""
+    """Run ``fn(args, workdir)``; its figures plus ``wall_s`` and ``other_load`` (cores busy with other
+    work)."""
     with OtherLoad() as load:
         out = fn(args, workdir)
     out["wall_s"] = load.wall
@@ -128,16 +139,24 @@ def measured(fn, args, workdir: str) -> dict:
 
 # -- driver ----------------------------------------------------------------------
 
+
 def environment(args) -> dict:
     """What the run ran on: date, machine, versions, commit."""
     import torch
 
-    commit = subprocess.run(["git", "-C", REPO, "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True).stdout.strip()
-    return {"date": datetime.datetime.now().isoformat(timespec="seconds"), "cpus": os.cpu_count(),
-            "machine": platform.processor() or platform.machine(), "python": platform.python_version(),
-            "torch": torch.__version__, "commit": commit, "loadavg_at_start": os.getloadavg(),
-            "peers": args.peers}
+    commit = subprocess.run(
+        ["git", "-C", REPO, "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+    ).stdout.strip()
+    return {
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "cpus": os.cpu_count(),
+        "machine": platform.processor() or platform.machine(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "commit": commit,
+        "loadavg_at_start": os.getloadavg(),
+        "peers": args.peers,
+    }
 
 
 def rounds_of(items: Sequence, rounds: int) -> Iterable[Tuple[int, object]]:
@@ -153,8 +172,9 @@ def run_peers(args, logdir: str) -> Tuple[List[dict], List[Tuple[str, str]], Dic
     pairs = [(j, s) for j in args.jobs for s in SYSTEMS[j] if args.selected(j, s)]
     skipped: Dict[str, str] = {}
     for prefix, name, python, module, setup in (
-            ("paddle", "PaddlePaddle", args.paddle_python, "paddle", "setup_paddle.sh"),
-            ("torchrec", "TorchRec", args.torchrec_python, "torchrec", "setup_torchrec.sh")):
+        ("paddle", "PaddlePaddle", args.paddle_python, "paddle", "setup_paddle.sh"),
+        ("torchrec", "TorchRec", args.torchrec_python, "torchrec", "setup_torchrec.sh"),
+    ):
         if any(s.startswith(prefix) for _, s in pairs):
             problem = venv_problem(python, module, setup)
             if problem:
@@ -172,8 +192,11 @@ def run_peers(args, logdir: str) -> Tuple[List[dict], List[Tuple[str, str]], Dic
             row.update(measured(RUNNERS[(job, system)], args, workdir))
             auc = f", AUC {row['auc']:.3f}" if row.get("auc") is not None else ""
             auc += f", final loss {row['final_loss']:.4f}" if row.get("final_loss") is not None else ""
-            print(f"  round {rnd} {job} {system:14s} {row['examples_s']:9,.0f} examples/s{auc} "
-                  f"(other load {row['other_load']:.2f} cores, {row['wall_s']:.0f} s)", flush=True)
+            print(
+                f"  round {rnd} {job} {system:14s} {row['examples_s']:9,.0f} examples/s{auc} "
+                f"(other load {row['other_load']:.2f} cores, {row['wall_s']:.0f} s)",
+                flush=True,
+            )
         except RunFailed as e:
             row["error"] = str(e)
             print(f"  round {rnd} {job} {system:13s} FAILED: {e}", file=sys.stderr, flush=True)
@@ -189,14 +212,23 @@ def run_scaling(args, logdir: str) -> Tuple[List[dict], List[Tuple[int, int]]]:
     for rnd, (ps, tr) in rounds_of(configs, args.rounds):
         workdir = os.path.join(logdir, f"{rnd}-{ps}ps-{tr}tr")
         os.makedirs(workdir, exist_ok=True)
-        row = {"round": rnd, "job": "S", "system": "ours-sync", "pservers": ps, "trainers": tr,
-               "global_batch": args.s_batch * tr}
+        row = {
+            "round": rnd,
+            "job": "S",
+            "system": "ours-sync",
+            "pservers": ps,
+            "trainers": tr,
+            "global_batch": args.s_batch * tr,
+        }
         try:
             row.update(measured(lambda a, w: run_ours_s(a, w, True, ps, tr), args, workdir))
-            print(f"  round {rnd} {ps} ps x {tr} trainers {row['examples_s']:9,.0f} examples/s, "
-                  f"{row['calls_per_step']:.1f} calls, {row['bytes_pushed_per_step'] / 1e3:,.0f} KB pushed, "
-                  f"{row['bytes_pulled_per_step'] / 1e3:,.0f} KB pulled per trainer per step "
-                  f"(other load {row['other_load']:.2f} cores, {row['wall_s']:.0f} s)", flush=True)
+            print(
+                f"  round {rnd} {ps} ps x {tr} trainers {row['examples_s']:9,.0f} examples/s, "
+                f"{row['calls_per_step']:.1f} calls, {row['bytes_pushed_per_step'] / 1e3:,.0f} KB pushed, "
+                f"{row['bytes_pulled_per_step'] / 1e3:,.0f} KB pulled per trainer per step "
+                f"(other load {row['other_load']:.2f} cores, {row['wall_s']:.0f} s)",
+                flush=True,
+            )
         except RunFailed as e:
             row["error"] = str(e)
             print(f"  round {rnd} {ps} ps x {tr} trainers FAILED: {e}", file=sys.stderr, flush=True)
@@ -216,36 +248,64 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rounds", type=int, default=3, help="runs of every system, alternating (default 3)")
     p.add_argument("--jobs", default="S,D", help="jobs to run: S,D (default both)")
-    p.add_argument("--systems", default="",
-                   help="only these systems, comma-separated, e.g. torch-local,ours-sync or S:ours-sync "
-                        f"(job S: {', '.join(SYSTEMS['S'])}; job D: {', '.join(SYSTEMS['D'])})")
-    p.add_argument("--scaling", action="store_true", help="the scaling table instead: this project, job S, sync")
+    p.add_argument(
+        "--systems",
+        default="",
+        help="only these systems, comma-separated, e.g. torch-local,ours-sync or S:ours-sync "
+        f"(job S: {', '.join(SYSTEMS['S'])}; job D: {', '.join(SYSTEMS['D'])})",
+    )
+    p.add_argument(
+        "--scaling", action="store_true", help="the scaling table instead: this project, job S, sync"
+    )
     p.add_argument("--trainers", type=_int_list, default=[1, 2, 4], help="--scaling: trainer counts (1,2,4)")
     p.add_argument("--pservers", type=_int_list, default=[1, 2, 4], help="--scaling: pserver counts (1,2,4)")
-    p.add_argument("--quick", action="store_true",
-                   help="smoke test: job S 3 warm-up + 20 timed steps and a 2000-example hold-out, "
-                        "job D 2 + 5 steps (unless given below)")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="smoke test: job S 3 warm-up + 20 timed steps and a 2000-example hold-out, "
+        "job D 2 + 5 steps (unless given below)",
+    )
     p.add_argument("--s-steps", type=int, help="job S timed steps (default jobs.S_STEPS, 200)")
     p.add_argument("--s-warmup", type=int, help="job S warm-up steps (default jobs.S_WARMUP, 20)")
-    p.add_argument("--s-eval", type=int, help="job S hold-out examples (default jobs.S_EVAL_N, 20000; "
-                                              "local-ctr always uses 20000)")
+    p.add_argument(
+        "--s-eval",
+        type=int,
+        help="job S hold-out examples (default jobs.S_EVAL_N, 20000; local-ctr always uses 20000)",
+    )
     p.add_argument("--d-steps", type=int, help="job D timed steps (default jobs.D_STEPS, 30)")
     p.add_argument("--d-warmup", type=int, help="job D warm-up steps (default jobs.D_WARMUP, 5)")
     p.add_argument("--peers", default=DEFAULT_PEERS, help="the peers' folder (default: %(default)s)")
-    p.add_argument("--paddle-python", default=DEFAULT_PADDLE_PYTHON,
-                   help="Python with paddlepaddle 2.6.2 (default: %(default)s)")
-    p.add_argument("--torchrec-python", default=DEFAULT_TORCHREC_PYTHON,
-                   help="Python with torchrec 1.8 and fbgemm-gpu-cpu (default: %(default)s; made by "
-                        "shared/peers/setup_torchrec.sh)")
-    p.add_argument("--paddle-retries", type=int, default=1,
-                   help="paddle_ps_ctr.py re-launches a run that fails or hangs this often (default 1)")
+    p.add_argument(
+        "--paddle-python",
+        default=DEFAULT_PADDLE_PYTHON,
+        help="Python with paddlepaddle 2.6.2 (default: %(default)s)",
+    )
+    p.add_argument(
+        "--torchrec-python",
+        default=DEFAULT_TORCHREC_PYTHON,
+        help="Python with torchrec 1.8 and fbgemm-gpu-cpu (default: %(default)s; made by "
+        "shared/peers/setup_torchrec.sh)",
+    )
+    p.add_argument(
+        "--paddle-retries",
+        type=int,
+        default=1,
+        help="paddle_ps_ctr.py re-launches a run that fails or hangs this often (default 1)",
+    )
     p.add_argument("--timeout", type=float, default=600.0, help="deadline of one run in s (default 600)")
-    p.add_argument("--json", help="every run's figures (default benchmarks/results/peers.json; "
-                                  "--scaling: benchmarks/results/scaling.json)")
-    p.add_argument("--png", default=os.path.join(RESULTS, "peers.png"), help="the chart (default: %(default)s)")
+    p.add_argument(
+        "--json",
+        help="every run's figures (default benchmarks/results/peers.json; "
+        "--scaling: benchmarks/results/scaling.json)",
+    )
+    p.add_argument(
+        "--png", default=os.path.join(RESULTS, "peers.png"), help="the chart (default: %(default)s)"
+    )
     p.add_argument("--no-png", dest="png", action="store_const", const=None, help="no chart")
     p.add_argument("--md", help="also write the markdown table here")
-    p.add_argument("--logdir", help="keep every run's logs here (default: a temp dir, removed unless a run failed)")
+    p.add_argument(
+        "--logdir", help="keep every run's logs here (default: a temp dir, removed unless a run failed)"
+    )
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     args = p.parse_args(argv)
     args.jobs = [j.strip().upper() for j in args.jobs.split(",") if j.strip()]
@@ -273,7 +333,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.s_batch = jobs.S_BATCH // 2  # jobs.S_BATCH (1024) is the global batch of 2 trainers
     args.d_steps = pick(args.d_steps, 5, jobs.D_STEPS)
     args.d_warmup = pick(args.d_warmup, 2, jobs.D_WARMUP)
-    if args.rounds < 1 or min(args.s_steps, args.d_steps, args.s_eval) < 1 or min(args.s_warmup, args.d_warmup) < 0:
+    if (
+        args.rounds < 1
+        or min(args.s_steps, args.d_steps, args.s_eval) < 1
+        or min(args.s_warmup, args.d_warmup) < 0
+    ):
         p.error("--rounds, --*-steps and --s-eval must be >= 1, --*-warmup >= 0")
     if args.json is None:
         args.json = os.path.join(RESULTS, "scaling.json" if args.scaling else "peers.json")
@@ -282,23 +346,35 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
     stop_on_signals()
     env = environment(args)
     logdir = args.logdir or tempfile.mkdtemp(prefix="bench_peers-")
     os.makedirs(logdir, exist_ok=True)
     what = "scaling" if args.scaling else "peers"
-    settings = {"rounds": args.rounds, "s_warmup": args.s_warmup, "s_steps": args.s_steps,
-                "s_batch_per_trainer": args.s_batch, "s_eval": args.s_eval, "d_warmup": args.d_warmup,
-                "d_steps": args.d_steps}
+    settings = {
+        "rounds": args.rounds,
+        "s_warmup": args.s_warmup,
+        "s_steps": args.s_steps,
+        "s_batch_per_trainer": args.s_batch,
+        "s_eval": args.s_eval,
+        "d_warmup": args.d_warmup,
+        "d_steps": args.d_steps,
+    }
 
     def save(rows: List[dict]) -> None:
         with open(args.json, "w") as f:
             json.dump({"kind": what, "environment": env, "settings": settings, "runs": rows}, f, indent=1)
+
     args.save = save
-    print(f"{what}: {args.rounds} rounds; job S {args.s_warmup}+{args.s_steps} steps of {args.s_batch} per "
-          f"trainer, job D {args.d_warmup}+{args.d_steps} steps; logs in {logdir}", flush=True)
+    print(
+        f"{what}: {args.rounds} rounds; job S {args.s_warmup}+{args.s_steps} steps of {args.s_batch} per "
+        f"trainer, job D {args.d_warmup}+{args.d_steps} steps; logs in {logdir}",
+        flush=True,
+    )
     rows: List[dict] = []
     try:
         if args.scaling:
@@ -308,15 +384,23 @@ def main(argv=None) -> int:
             rows, pairs, skipped = run_peers(args, logdir)
             table = peers_table(rows, pairs, skipped)
             if args.png:
-                chart(rows, pairs, args.png, f"{env['date'][:10]}, {env['cpus']} cores, commit {env['commit']}, "
-                                             f"median of {args.rounds} alternating round{'s' * (args.rounds > 1)}")
+                chart(
+                    rows,
+                    pairs,
+                    args.png,
+                    f"{env['date'][:10]}, {env['cpus']} cores, commit {env['commit']}, "
+                    f"median of {args.rounds} alternating round{'s' * (args.rounds > 1)}",
+                )
     except KeyboardInterrupt:
         print(f"interrupted; every child process stopped; logs in {logdir}", file=sys.stderr)
         return 130
     except SystemExit as e:
         if not isinstance(e.code, int) or e.code < 128:
             raise
-        print(f"stopped by signal {e.code - 128}; every child process stopped; logs in {logdir}", file=sys.stderr)
+        print(
+            f"stopped by signal {e.code - 128}; every child process stopped; logs in {logdir}",
+            file=sys.stderr,
+        )
         return e.code
     failed = any("error" in r for r in rows)
     print()

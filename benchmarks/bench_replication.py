@@ -27,6 +27,7 @@ per-round ratio replicated / plain and its median (goal >= 0.8x), the AUC (job S
 (job D) of both (the same training), and a markdown table for ``benchmarks/results/RESULTS.md`` with the
 command and the machine. ``--s_steps``/``--d_steps`` and the other step flags make a smoke run short.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -42,13 +43,13 @@ import tempfile
 import threading
 from typing import Dict, List
 
-from benchmarks.reports.dense import med
 from benchmarks.common.etcd import Etcd
 from benchmarks.common.machine import cpu_model
 from benchmarks.common.paths import DEFAULT_PEERS, peer_module
 from benchmarks.common.peer_runners import run_ours_d, run_ours_s
 from benchmarks.common.processes import RunFailed, tail
 from benchmarks.jobs.dense_workers import param_bytes
+from benchmarks.reports.dense import med
 
 CONFIGS = ("plain", "replicated")
 # The variables that would turn a "plain" run into a replicated one if the caller's shell had them.
@@ -61,20 +62,23 @@ IN_SYNC = re.compile(r"primary (\S+): backup (\S+) is in sync at message (\d+)")
 FOLLOWS = re.compile(r"replica (\S+) follows (\S+) \(epoch (\d+)\) from update (\d+)")
 LEADS = re.compile(r"replica (\S+) leads shard (\d+) at epoch (\d+)")
 STOPPED = re.compile(r"pserver (\S+) stopped after (\d+) updates")
-TROUBLE = re.compile(r"differs from the primary's|: fenced|lost the lead|backup \S+ dropped|did not take message")
+TROUBLE = re.compile(
+    r"differs from the primary's|: fenced|lost the lead|backup \S+ dropped|did not take message"
+)
 
 
 # -- Stats while a run goes on ------------------------------------------------------------------
 
-class StatsPoller:
-    """Reads every pserver process's Stats each :data:`STATS_PERIOD` s while one run goes on; keeps the last answer.
 
-    The pserver processes are found by their "serving" log line in the files
-    matching ``log_glob``. A process that stopped answering keeps its last
-    answer, so :attr:`last` holds each one's figures from shortly before it
-    exited: ``updates``, and with replicas its ``role``, ``replicated``
-    (messages sent by a primary, applied by a backup), ``in_sync`` and
-    ``mismatches``. A context manager: the thread stops on exit.
+class StatsPoller:
+    """Reads every pserver process's Stats each :data:`STATS_PERIOD` s while one run goes on; keeps the
+    last answer.
+
+    The pserver processes are found by their "serving" log line in the files matching ``log_glob``. A
+    process that stopped answering keeps its last answer, so :attr:`last` holds each one's figures from
+    shortly before it exited: ``updates``, and with replicas its ``role``, ``replicated`` (messages sent by
+    a primary, applied by a backup), ``in_sync`` and ``mismatches``. A context manager: the thread stops on
+    exit.
     """
 
     def __init__(self, log_glob: str):
@@ -106,7 +110,8 @@ class StatsPoller:
                 self._endpoints[path] = m.group(1)
 
     def _run(self) -> None:
-        """The thread: each period, find new pserver logs, then ask every known process for its Stats (1 s deadline)."""
+        """The thread: each period, find new pserver logs, then ask every known process for its Stats (1 s
+        deadline)."""
         from psproto import ps_pb2, ps_pb2_grpc
         from psproto.security import Security
 
@@ -117,17 +122,24 @@ class StatsPoller:
                 if ep not in self._channels:
                     self._channels[ep] = security.channel(ep)
                 try:
-                    r = ps_pb2_grpc.ParameterServerStub(self._channels[ep]).Stats(ps_pb2.StatsRequest(), timeout=1.0)
+                    r = ps_pb2_grpc.ParameterServerStub(self._channels[ep]).Stats(
+                        ps_pb2.StatsRequest(), timeout=1.0
+                    )
                 except Exception:  # noqa: BLE001 - not up yet, or gone: keep the last answer
                     continue
                 answer = {"updates": r.updates}
                 if r.HasField("replica"):
-                    answer.update(role=r.replica.role, replicated=r.replica.replicated,
-                                  in_sync=r.replica.backup_in_sync, mismatches=r.replica.digest_mismatches)
+                    answer.update(
+                        role=r.replica.role,
+                        replicated=r.replica.replicated,
+                        in_sync=r.replica.backup_in_sync,
+                        mismatches=r.replica.digest_mismatches,
+                    )
                 self.last[ep] = answer
 
 
 # -- the replication check ----------------------------------------------------------------------
+
 
 def _read(path: str) -> str:
     """A log file's text ('' if it is missing)."""
@@ -139,18 +151,16 @@ def _read(path: str) -> str:
 
 
 def check_replicated(pairs: List[List[str]], stats: Dict[str, dict]) -> dict:
-    """Whether each shard really had a backup in sync to the end, from its two processes' logs; RunFailed if not.
+    """Whether each shard really had a backup in sync to the end, from its two processes' logs; RunFailed
+    if not.
 
-    ``pairs`` holds each shard's two log files. Per shard: one process led,
-    from start to end (no takeover), and logged its backup "in sync at
-    message N"; the other logged that it follows it from some update; both
-    logged the same final update count (so the backup applied every update
-    the primary made after the snapshot); and neither logged a digest
-    mismatch, fencing, or a dropped backup. Returns per shard the primary,
-    the update the backup started from, the final updates, the updates the
-    backup received as messages (``messages``: final updates - the update
-    of its snapshot), and the messages the primary had sent by its last
-    Stats (``stats``; roster changes included, the last second missing).
+    ``pairs`` holds each shard's two log files. Per shard: one process led, from start to end (no
+    takeover), and logged its backup "in sync at message N"; the other logged that it follows it from some
+    update; both logged the same final update count (so the backup applied every update the primary made
+    after the snapshot); and neither logged a digest mismatch, fencing, or a dropped backup. Returns per
+    shard the primary, the update the backup started from, the final updates, the updates the backup
+    received as messages (``messages``: final updates - the update of its snapshot), and the messages the
+    primary had sent by its last Stats (``stats``; roster changes included, the last second missing).
     """
     shards = []
     for k, logs in enumerate(pairs):
@@ -163,26 +173,45 @@ def check_replicated(pairs: List[List[str]], stats: Dict[str, dict]) -> dict:
         follows = [m for t in texts for m in FOLLOWS.finditer(t)]
         stopped = [int(m.group(2)) for t in texts for m in STOPPED.finditer(t)]
         if not in_sync or not follows:
-            raise RunFailed(f"shard {k} did not replicate: {'no' if not in_sync else 'a'} 'is in sync at message' "
-                            f"line, {'no' if not follows else 'a'} 'follows' line; logs {where}:\n"
-                            + "\n".join(tail(p, 15) for p in logs))
+            raise RunFailed(
+                f"shard {k} did not replicate: {'no' if not in_sync else 'a'} 'is in sync at message' "
+                f"line, {'no' if not follows else 'a'} 'follows' line; logs {where}:\n"
+                + "\n".join(tail(p, 15) for p in logs)
+            )
         leads = [m.group(0) for t in texts for m in LEADS.finditer(t)]
         if len(leads) != 1:
-            raise RunFailed(f"shard {k}: {len(leads)} processes took the lead ({leads}); a healthy run has one "
-                            f"primary from start to end; logs {where}")
+            raise RunFailed(
+                f"shard {k}: {len(leads)} processes took the lead ({leads}); a healthy run has one "
+                f"primary from start to end; logs {where}"
+            )
         if len(stopped) != 2 or stopped[0] != stopped[1] or stopped[0] == 0:
-            raise RunFailed(f"shard {k}: its two processes ended at different update counts {stopped} "
-                            f"(the backup must hold every update); logs {where}")
+            raise RunFailed(
+                f"shard {k}: its two processes ended at different update counts {stopped} "
+                f"(the backup must hold every update); logs {where}"
+            )
         primary = in_sync[-1].group(1)
         from_update = int(follows[-1].group(4))
         sent = stats.get(primary, {}).get("replicated")
-        shards.append({"primary": primary, "backup": in_sync[-1].group(2), "backup_from_update": from_update,
-                       "updates": stopped[0], "messages": stopped[0] - from_update, "messages_stats": sent or 0})
-    return {"shards": shards, "messages": sum(s["messages"] for s in shards),
-            "messages_stats": sum(s["messages_stats"] for s in shards), "updates": shards[0]["updates"]}
+        shards.append(
+            {
+                "primary": primary,
+                "backup": in_sync[-1].group(2),
+                "backup_from_update": from_update,
+                "updates": stopped[0],
+                "messages": stopped[0] - from_update,
+                "messages_stats": sent or 0,
+            }
+        )
+    return {
+        "shards": shards,
+        "messages": sum(s["messages"] for s in shards),
+        "messages_stats": sum(s["messages_stats"] for s in shards),
+        "updates": shards[0]["updates"],
+    }
 
 
 # -- one run of each job ------------------------------------------------------------------------
+
 
 def run_s(args, work: str, name: str, config: str, etcd: Etcd) -> dict:
     """One job S run (``config`` plain or replicated) in its own work directory, checked when replicated."""
@@ -194,14 +223,23 @@ def run_s(args, work: str, name: str, config: str, etcd: Etcd) -> dict:
     if replicas == 2:
         logs = os.path.join(workdir, "log")
         res["replication"] = check_replicated(
-            [[os.path.join(logs, f"serverlog.{k}"), os.path.join(logs, f"serverlog.{k}.replica")]
-             for k in range(res["pservers"])], poller.last)
+            [
+                [os.path.join(logs, f"serverlog.{k}"), os.path.join(logs, f"serverlog.{k}.replica")]
+                for k in range(res["pservers"])
+            ],
+            poller.last,
+        )
     res["quality"] = res["auc"]
-    waited = [p for p in glob.glob(os.path.join(workdir, "log", "workerlog.*"))
-              if "not every trainer registered" in _read(p)]
+    waited = [
+        p
+        for p in glob.glob(os.path.join(workdir, "log", "workerlog.*"))
+        if "not every trainer registered" in _read(p)
+    ]
     if waited:
-        res["note"] = (f"{len(waited)} trainer(s) waited job_s.py's --eval_wait (120 s, untimed) for a backup's "
-                       f"Stats to list them")
+        res["note"] = (
+            f"{len(waited)} trainer(s) waited job_s.py's --eval_wait (120 s, untimed) for a backup's "
+            f"Stats to list them"
+        )
     return res
 
 
@@ -214,8 +252,12 @@ def run_d(args, work: str, name: str, config: str, etcd: Etcd) -> dict:
         res = run_ours_d(args, workdir, replicas=replicas, coordinator=etcd.url)
     if replicas == 2:
         res["replication"] = check_replicated(
-            [[os.path.join(workdir, f"pserver{k}.log"), os.path.join(workdir, f"pserver{k}.replica.log")]
-             for k in range(2)], poller.last)
+            [
+                [os.path.join(workdir, f"pserver{k}.log"), os.path.join(workdir, f"pserver{k}.replica.log")]
+                for k in range(2)
+            ],
+            poller.last,
+        )
     res["quality"] = res["final_loss"]
     return res
 
@@ -224,6 +266,7 @@ JOBS = {"s": run_s, "d": run_d}
 
 
 # -- report -------------------------------------------------------------------------------------
+
 
 def machine() -> str:
     """``nproc`` and the CPU model from /proc/cpuinfo."""
@@ -249,7 +292,9 @@ def report(args, runs: Dict[str, Dict[str, List[dict]]], argv: List[str]) -> Non
     for job, by_config in runs.items():
         unit = "examples/s" if job == "s" else "samples/s"
         quality = "AUC" if job == "s" else "final loss"
-        ratios = [r["examples_s"] / p["examples_s"] for p, r in zip(by_config["plain"], by_config["replicated"])]
+        ratios = [
+            r["examples_s"] / p["examples_s"] for p, r in zip(by_config["plain"], by_config["replicated"])
+        ]
         speed = {c: med([r["examples_s"] for r in rs], ",.0f") for c, rs in by_config.items()}
         q = {c: [r["quality"] for r in rs] for c, rs in by_config.items()}
         last = by_config["replicated"][-1]["replication"]
@@ -259,39 +304,60 @@ def report(args, runs: Dict[str, Dict[str, List[dict]]], argv: List[str]) -> Non
         print(f"\njob {job.upper()} ({mode}, 2 ps x 2 trainers), {len(ratios)} alternating rounds")
         for c in CONFIGS:
             print(f"  {c:>10}: {speed[c]} {unit}; {quality} {', '.join(f'{x:.4f}' for x in q[c])}")
-        print(f"  replicated / plain per round: {', '.join(f'{x:.2f}' for x in ratios)} "
-              f"(median {statistics.median(ratios):.2f}, goal >= 0.8)")
-        led = ", ".join(f"shard {k} led by {s['primary']}, its backup from update {s['backup_from_update']}"
-                        for k, s in enumerate(last["shards"]))
-        print(f"  replication (last round): {led}; {last['updates']} updates per shard; "
-              f"updates replicated per run (both shards) {messages}, messages sent by the last Stats {sent}")
+        print(
+            f"  replicated / plain per round: {', '.join(f'{x:.2f}' for x in ratios)} "
+            f"(median {statistics.median(ratios):.2f}, goal >= 0.8)"
+        )
+        led = ", ".join(
+            f"shard {k} led by {s['primary']}, its backup from update {s['backup_from_update']}"
+            for k, s in enumerate(last["shards"])
+        )
+        print(
+            f"  replication (last round): {led}; {last['updates']} updates per shard; "
+            f"updates replicated per run (both shards) {messages}, messages sent by the last Stats {sent}"
+        )
         spread = max(abs(a - b) for a in q["plain"] for b in q["replicated"])
         if mode == "sync" and spread > 1e-3:
-            print(f"  NOTE: the {quality} of plain and replicated differ by up to {spread:.4g}: "
-                  f"sync training should be the same arithmetic with or without a backup")
+            print(
+                f"  NOTE: the {quality} of plain and replicated differ by up to {spread:.4g}: "
+                f"sync training should be the same arithmetic with or without a backup"
+            )
         rows.append((job, mode, unit, quality, speed, q, ratios, messages, bytes_to_backups(args, job, last)))
     print("\n--- for benchmarks/results/RESULTS.md ---\n")
     print("```\npython -m benchmarks.bench_replication " + " ".join(shlex.quote(a) for a in argv) + "\n```\n")
-    print(f"Machine: {machine()}. 2 pservers x 2 trainers each; \"replicated\" adds a backup per pserver "
-          f"(`server_replicas=2`, one local etcd); alternating rounds, medians [min-max].\n")
-    print("| job | plain | replicated | replicated / plain per round | median | AUC / final loss "
-          "(plain; replicated) | updates replicated per run | bytes to the backups per step |")
+    print(
+        f'Machine: {machine()}. 2 pservers x 2 trainers each; "replicated" adds a backup per pserver '
+        f"(`server_replicas=2`, one local etcd); alternating rounds, medians [min-max].\n"
+    )
+    print(
+        "| job | plain | replicated | replicated / plain per round | median | AUC / final loss "
+        "(plain; replicated) | updates replicated per run | bytes to the backups per step |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for job, mode, unit, quality, speed, q, ratios, messages, per_step in rows:
-        print(f"| {job.upper()}, {mode} ({unit}) | {speed['plain']} | {speed['replicated']} | "
-              f"{', '.join(f'{x:.2f}' for x in ratios)} | **{statistics.median(ratios):.2f}x** | "
-              f"{quality} {statistics.median(q['plain']):.4f}; {statistics.median(q['replicated']):.4f} | "
-              f"{', '.join(map(str, messages))} | {per_step} |")
+        print(
+            f"| {job.upper()}, {mode} ({unit}) | {speed['plain']} | {speed['replicated']} | "
+            f"{', '.join(f'{x:.2f}' for x in ratios)} | **{statistics.median(ratios):.2f}x** | "
+            f"{quality} {statistics.median(q['plain']):.4f}; {statistics.median(q['replicated']):.4f} | "
+            f"{', '.join(map(str, messages))} | {per_step} |"
+        )
 
 
 # -- driver -------------------------------------------------------------------------------------
 
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--rounds", type=int, default=3, help="alternating rounds of plain and replicated (default 3)")
+    p.add_argument(
+        "--rounds", type=int, default=3, help="alternating rounds of plain and replicated (default 3)"
+    )
     p.add_argument("--jobs", default="s,d", help="jobs to run: s,d (default both)")
-    p.add_argument("--async", dest="sync", action="store_false", help="job S asynchronous (job D is always sync)")
-    p.add_argument("--peers", default=DEFAULT_PEERS, help="the peers' folder, for jobs.py (default: %(default)s)")
+    p.add_argument(
+        "--async", dest="sync", action="store_false", help="job S asynchronous (job D is always sync)"
+    )
+    p.add_argument(
+        "--peers", default=DEFAULT_PEERS, help="the peers' folder, for jobs.py (default: %(default)s)"
+    )
     p.add_argument("--s_warmup", type=int, default=20, help="job S warm-up steps (default %(default)s)")
     p.add_argument("--s_steps", type=int, default=200, help="job S timed steps (default %(default)s)")
     p.add_argument("--s_batch", type=int, default=512, help="job S batch per trainer (default %(default)s)")
@@ -299,7 +365,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--d_warmup", type=int, default=5, help="job D warm-up steps (default %(default)s)")
     p.add_argument("--d_steps", type=int, default=30, help="job D timed steps (default %(default)s)")
     p.add_argument("--timeout", type=float, default=900, help="deadline of one run in s (default 900)")
-    p.add_argument("--keep", action="store_true", help="keep the work directory (logs) after a successful run")
+    p.add_argument(
+        "--keep", action="store_true", help="keep the work directory (logs) after a successful run"
+    )
     args = p.parse_args(argv)
     args.jobs = [j.strip().lower() for j in args.jobs.split(",") if j.strip()]
     if not args.jobs or not set(args.jobs) <= set(JOBS):
@@ -310,7 +378,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def main(argv=None) -> int:
-    """Start etcd, run every job's rounds alternating plain and replicated, report; etcd stopped whatever happens."""
+    """Start etcd, run every job's rounds alternating plain and replicated, report; etcd stopped whatever
+    happens."""
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(argv)
     for var in REPLICA_VARS:  # a plain run must be plain, whatever this shell exported
@@ -324,21 +393,26 @@ def main(argv=None) -> int:
         print(f"etcd at {etcd.url} (pid {etcd.proc.pid})", flush=True)
         for r in range(args.rounds):
             for job in args.jobs:
-                for config in (CONFIGS if r % 2 == 0 else CONFIGS[::-1]):
+                for config in CONFIGS if r % 2 == 0 else CONFIGS[::-1]:
                     res = JOBS[job](args, work, f"{job}-{config}-{r}", config, etcd)
                     runs[job][config].append(res)
                     extra = ""
                     if config == "replicated":
                         rep = res["replication"]
-                        extra = (f"; {rep['messages']} updates replicated ({rep['messages_stats']} messages by "
-                                 f"the last Stats), "
-                                 f"{rep['updates']} updates per shard, "
-                                 f"primaries {[s['primary'] for s in rep['shards']]}")
+                        extra = (
+                            f"; {rep['messages']} updates replicated ({rep['messages_stats']} messages by "
+                            f"the last Stats), "
+                            f"{rep['updates']} updates per shard, "
+                            f"primaries {[s['primary'] for s in rep['shards']]}"
+                        )
                     if res.get("note"):
                         extra += f" (note: {res['note']})"
-                    print(f"round {r} job {job.upper()} {config}: {res['examples_s']:,.0f} "
-                          f"{'examples' if job == 's' else 'samples'}/s, "
-                          f"{'AUC' if job == 's' else 'final loss'} {res['quality']:.4f}{extra}", flush=True)
+                    print(
+                        f"round {r} job {job.upper()} {config}: {res['examples_s']:,.0f} "
+                        f"{'examples' if job == 's' else 'samples'}/s, "
+                        f"{'AUC' if job == 's' else 'final loss'} {res['quality']:.4f}{extra}",
+                        flush=True,
+                    )
     except (RunFailed, KeyboardInterrupt) as e:
         print(f"FAILED: {e}\nlogs kept in {work}", file=sys.stderr, flush=True)
         return 1

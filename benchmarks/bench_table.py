@@ -21,6 +21,7 @@ a naive table does), with the dict's memory per row from the RSS it added.
 Prints markdown tables, the machine (nproc, CPU model) and the other load on
 the machine during the run (busy CPU from /proc/stat minus this process's own).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -50,9 +51,17 @@ def id_of(i: np.ndarray) -> np.ndarray:
 
 
 def spec_for(optimizer: str, rows: int) -> TableSpec:
-    return TableSpec(name="emb", dim=DIM, dtype="float32", kind="embedding", capacity=rows,
-                     seed=1, init="normal", init_kwargs={"mean": 0.0, "std": 1.0},
-                     optimizer=TableOptimizerSpec(optimizer, {}))
+    return TableSpec(
+        name="emb",
+        dim=DIM,
+        dtype="float32",
+        kind="embedding",
+        capacity=rows,
+        seed=1,
+        init="normal",
+        init_kwargs={"mean": 0.0, "std": 1.0},
+        optimizer=TableOptimizerSpec(optimizer, {}),
+    )
 
 
 def status_kb(field: str) -> int:
@@ -69,7 +78,7 @@ def fill(table: TableShard, n: int) -> float:
     t0 = time.perf_counter()
     for a in range(len(table), n, FILL_BATCH):
         b = min(n, a + FILL_BATCH)
-        table.apply(id_of(np.arange(a, b)), zero[:b - a], 0.01)
+        table.apply(id_of(np.arange(a, b)), zero[: b - a], 0.01)
     return n / (time.perf_counter() - t0)
 
 
@@ -132,14 +141,23 @@ def bench_table(optimizer: str, n_rows: int, batch: int, runs: int, rng) -> dict
     t_mixed = only_apply(mixed, 1)
     t_existing = only_apply(existing, REPS)
     # The table goes with this frame (the caller collects): the next one is measured without it.
-    return {"optimizer": optimizer, "rows": len(table), "bytes_per_row": bpr, "raw": raw,
-            "fill": fill_rate, "lookup": t_lookup, "update_mixed": t_mixed,
-            "update_existing": t_existing, "capacity": table.capacity,
-            "slots": table.memory.index_slots}
+    return {
+        "optimizer": optimizer,
+        "rows": len(table),
+        "bytes_per_row": bpr,
+        "raw": raw,
+        "fill": fill_rate,
+        "lookup": t_lookup,
+        "update_mixed": t_mixed,
+        "update_existing": t_existing,
+        "capacity": table.capacity,
+        "slots": table.memory.index_slots,
+    }
 
 
 def bench_embedding(n_rows: int, batch: int, runs: int, rng) -> dict:
-    """Lookups of a dense ``nn.Embedding`` of ``n_rows`` rows, 1 thread and all: {"torch_<threads>": times}."""
+    """Lookups of a dense ``nn.Embedding`` of ``n_rows`` rows, 1 thread and all: {"torch_<threads>":
+    times}."""
     res = {}
     emb = torch.nn.Embedding.from_pretrained(torch.randn(n_rows, DIM), freeze=True)
     idx = batches(lambda: torch.from_numpy(rng.integers(0, n_rows, batch)), runs)
@@ -170,7 +188,8 @@ def bench_dict(n_rows: int, batch: int, runs: int, rng) -> dict:
 
 
 def bench_peers(n_rows: int, batch: int, runs: int, rng) -> dict:
-    """The peers of a TableShard lookup on as many rows, each measured after the previous one's memory is freed."""
+    """The peers of a TableShard lookup on as many rows, each measured after the previous one's memory is
+    freed."""
     res = bench_embedding(n_rows, batch, runs, rng)
     gc.collect()  # the embedding's weight is gone before the dict's RSS is measured
     res.update(bench_dict(n_rows, batch, runs, rng))
@@ -181,17 +200,23 @@ def bench_peers(n_rows: int, batch: int, runs: int, rng) -> dict:
 def machine() -> str:
     model = cpu_model()
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    return (f"nproc {os.cpu_count()}, {model}, {mem:.0f} GiB, "
-            f"torch {torch.__version__} ({torch.get_num_threads()} threads), numpy {np.__version__}")
+    return (
+        f"nproc {os.cpu_count()}, {model}, {mem:.0f} GiB, "
+        f"torch {torch.__version__} ({torch.get_num_threads()} threads), numpy {np.__version__}"
+    )
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--runs", type=int, default=5, help="timed runs, median [min-max] (default %(default)s)")
-    ap.add_argument("--batch", type=int, default=100_000, help="ids per lookup or update (default %(default)s)")
+    ap.add_argument(
+        "--batch", type=int, default=100_000, help="ids per lookup or update (default %(default)s)"
+    )
     ap.add_argument("--table_rows", type=int, default=10_000_000, help="rows of the default mode's tables")
     ap.add_argument("--rows", type=int, default=0, help="big mode: fill one SGD shard with this many rows")
-    ap.add_argument("--optimizers", default="sgd,adam", help="the default mode's tables (default %(default)s)")
+    ap.add_argument(
+        "--optimizers", default="sgd,adam", help="the default mode's tables (default %(default)s)"
+    )
     args = ap.parse_args()
     rng = np.random.default_rng(0)
     started = datetime.datetime.now(datetime.timezone.utc)
@@ -209,17 +234,23 @@ def main() -> None:
             table.lookup(lookups[-1])
             t_lookup = timed(lambda r: table.lookup(lookups[r]), args.runs)
         print()
-        print(f"| rows | fill (apply of 1M new ids) | peak RSS (VmHWM) | RSS / row | bytes/row (nbytes) "
-              f"| raw | lookups/s ({args.batch // 1000}k ids, median [min-max] of {args.runs}) |")
+        print(
+            f"| rows | fill (apply of 1M new ids) | peak RSS (VmHWM) | RSS / row | bytes/row (nbytes) "
+            f"| raw | lookups/s ({args.batch // 1000}k ids, median [min-max] of {args.runs}) |"
+        )
         print("|---|---|---|---|---|---|---|")
         hwm = status_kb("VmHWM") * 1024
-        print(f"| {len(table):,} | {fill_s:.0f} s ({fill_rate / 1e6:.2f}M rows/s) | {hwm / 2**30:.2f} GiB | "
-              f"{hwm / len(table):.1f} B | {table.nbytes / len(table):.1f} B "
-              f"({table.nbytes / len(table) / table.raw_bytes_per_row:.2f}x) | {table.raw_bytes_per_row} B | "
-              f"{rate(args.batch, t_lookup)} |")
-        print(f"\nprocess RSS before the table {rss0 / 2**20:.0f} MiB (interpreter, torch, numpy); "
-              f"capacity {table.capacity:,} rows, index {table.memory.index_slots:,} slots; "
-              f"other load during the run: {load.cores:.2f} cores")
+        print(
+            f"| {len(table):,} | {fill_s:.0f} s ({fill_rate / 1e6:.2f}M rows/s) | {hwm / 2**30:.2f} GiB | "
+            f"{hwm / len(table):.1f} B | {table.nbytes / len(table):.1f} B "
+            f"({table.nbytes / len(table) / table.raw_bytes_per_row:.2f}x) | {table.raw_bytes_per_row} B | "
+            f"{rate(args.batch, t_lookup)} |"
+        )
+        print(
+            f"\nprocess RSS before the table {rss0 / 2**20:.0f} MiB (interpreter, torch, numpy); "
+            f"capacity {table.capacity:,} rows, index {table.memory.index_slots:,} slots; "
+            f"other load during the run: {load.cores:.2f} cores"
+        )
         return
 
     with OtherLoad() as load:
@@ -230,28 +261,40 @@ def main() -> None:
         peers = bench_peers(args.table_rows, args.batch, args.runs, rng)
     n, b = args.table_rows, args.batch
     print()
-    print(f"| table (dim {DIM} float32, {n / 1e6:g}M rows) | bytes/row | raw | ratio | "
-          f"fill: new rows/s | lookups/s | updates/s (50% new) | updates/s (stored) |")
+    print(
+        f"| table (dim {DIM} float32, {n / 1e6:g}M rows) | bytes/row | raw | ratio | "
+        f"fill: new rows/s | lookups/s | updates/s (50% new) | updates/s (stored) |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for r in tables:
-        print(f"| TableShard {r['optimizer']} | {r['bytes_per_row']:.1f} | {r['raw']} | "
-              f"**{r['bytes_per_row'] / r['raw']:.2f}x** | {r['fill'] / 1e6:.2f}M | "
-              f"**{rate(b, r['lookup'])}** | {rate(b, r['update_mixed'])} | "
-              f"{rate(b, r['update_existing'])} |")
+        print(
+            f"| TableShard {r['optimizer']} | {r['bytes_per_row']:.1f} | {r['raw']} | "
+            f"**{r['bytes_per_row'] / r['raw']:.2f}x** | {r['fill'] / 1e6:.2f}M | "
+            f"**{rate(b, r['lookup'])}** | {rate(b, r['update_mixed'])} | "
+            f"{rate(b, r['update_existing'])} |"
+        )
     print()
     print(f"| lookup of {b // 1000}k ids among {n / 1e6:g}M rows of dim {DIM} | lookups/s | bytes/row |")
     print("|---|---|---|")
     for r in tables:
-        print(f"| TableShard ({r['optimizer']}), numpy open addressing | {rate(b, r['lookup'])} | "
-              f"{r['bytes_per_row']:.1f} |")
+        print(
+            f"| TableShard ({r['optimizer']}), numpy open addressing | {rate(b, r['lookup'])} | "
+            f"{r['bytes_per_row']:.1f} |"
+        )
     for k in sorted(x for x in peers if x.startswith("torch_")):
         t = k.split("_")[1]
-        print(f"| dense nn.Embedding forward (index_select), {t} thread{'s' if t != '1' else ''} | "
-              f"{rate(b, peers[k])} | {DIM * 4} (ids 0..n-1 only) |")
-    print(f"| Python dict id -> numpy row, np.stack | {rate(b, peers['dict'])} | "
-          f"{peers['dict_bytes_per_row']:.0f} (RSS added; built in {peers['dict_build_s']:.0f} s) |")
-    print(f"\nmedian [min-max] of {args.runs} runs; other load during the run: {load.cores:.2f} cores; "
-          f"load average after {os.getloadavg()[0]:.2f}")
+        print(
+            f"| dense nn.Embedding forward (index_select), {t} thread{'s' if t != '1' else ''} | "
+            f"{rate(b, peers[k])} | {DIM * 4} (ids 0..n-1 only) |"
+        )
+    print(
+        f"| Python dict id -> numpy row, np.stack | {rate(b, peers['dict'])} | "
+        f"{peers['dict_bytes_per_row']:.0f} (RSS added; built in {peers['dict_build_s']:.0f} s) |"
+    )
+    print(
+        f"\nmedian [min-max] of {args.runs} runs; other load during the run: {load.cores:.2f} cores; "
+        f"load average after {os.getloadavg()[0]:.2f}"
+    )
 
 
 if __name__ == "__main__":

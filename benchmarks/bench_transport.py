@@ -9,6 +9,7 @@ gradients are zeros so parameters stay put. Each run starts fresh pserver
 processes on loopback, times ``Trainer.step()`` (push every block, pull every
 block) and reports the median step and the resulting push+pull GB/s.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -48,11 +49,26 @@ def one_run(n_pservers, chunk_bytes, steps, sizes=SIZES):
     from trainer import Trainer
 
     endpoints = [f"127.0.0.1:{p}" for p in free_ports(n_pservers)]
-    procs = [subprocess.Popen([sys.executable, "-m", "benchmarks.bench_transport", "--serve", ep,
-                               "--endpoints", ",".join(endpoints), "--chunk_bytes", str(chunk_bytes),
-                               "--sizes", ",".join(map(str, sizes))],
-                              stderr=subprocess.DEVNULL, env={**os.environ, "PYTHONPATH": pythonpath_with_repo()})
-             for ep in endpoints]
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "benchmarks.bench_transport",
+                "--serve",
+                ep,
+                "--endpoints",
+                ",".join(endpoints),
+                "--chunk_bytes",
+                str(chunk_bytes),
+                "--sizes",
+                ",".join(map(str, sizes)),
+            ],
+            stderr=subprocess.DEVNULL,
+            env={**os.environ, "PYTHONPATH": pythonpath_with_repo()},
+        )
+        for ep in endpoints
+    ]
     try:
         with Trainer(transpiler(endpoints, chunk_bytes, sizes).get_trainer_program()) as tr:
             params = list(tr.model.parameters())
@@ -77,10 +93,18 @@ def one_run(n_pservers, chunk_bytes, steps, sizes=SIZES):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--pservers", type=int, default=2, help="pserver processes (default %(default)s)")
-    ap.add_argument("--chunk_bytes", type=int, default=1 << 20,
-                    help="DistributeTranspilerConfig.chunk_bytes (default %(default)s)")
-    ap.add_argument("--steps", type=int, default=15, help="timed steps per run, after 3 untimed (default %(default)s)")
-    ap.add_argument("--runs", type=int, default=3, help="runs, each against fresh pservers (default %(default)s)")
+    ap.add_argument(
+        "--chunk_bytes",
+        type=int,
+        default=1 << 20,
+        help="DistributeTranspilerConfig.chunk_bytes (default %(default)s)",
+    )
+    ap.add_argument(
+        "--steps", type=int, default=15, help="timed steps per run, after 3 untimed (default %(default)s)"
+    )
+    ap.add_argument(
+        "--runs", type=int, default=3, help="runs, each against fresh pservers (default %(default)s)"
+    )
     ap.add_argument("--sizes", default=",".join(map(str, SIZES)), help="MLP layer widths")
     ap.add_argument("--serve", help=argparse.SUPPRESS)
     ap.add_argument("--endpoints", help=argparse.SUPPRESS)
@@ -92,8 +116,11 @@ def main(argv=None) -> int:
     torch.set_num_threads(1)
     for run in range(args.runs):
         step, nbytes = one_run(args.pservers, args.chunk_bytes, args.steps, sizes)
-        print(f"run {run}: {args.pservers} pservers, chunk {args.chunk_bytes}: median step "
-              f"{step * 1000:.1f} ms, push+pull {2 * nbytes / step / 1e9:.2f} GB/s", flush=True)
+        print(
+            f"run {run}: {args.pservers} pservers, chunk {args.chunk_bytes}: median step "
+            f"{step * 1000:.1f} ms, push+pull {2 * nbytes / step / 1e9:.2f} GB/s",
+            flush=True,
+        )
     return 0
 
 

@@ -75,6 +75,7 @@ failure (or to ``--logdir``). ``python -m benchmarks.common.netns cleanup`` remo
 namespaces left by a SIGKILLed run. The configurations, the veth check and the table are
 ``reports/veth.py``'s; this module runs them.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -90,15 +91,15 @@ import threading
 import time
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from benchmarks.reports.dense import summarize
 from benchmarks.common.dense_runs import Processes
-from benchmarks.common.machine import OtherLoad
 from benchmarks.common.host_layouts import HostLayout, parse_layout
+from benchmarks.common.machine import OtherLoad
 from benchmarks.common.netns import IFNAME, Hosts, NetnsError, host_env
 from benchmarks.common.paths import DEFAULT_PEERS, RESULTS, peer_module
 from benchmarks.common.processes import RunFailed, die_with_parent, stop_on_signals
-from benchmarks.reports.veth import CONFIGS, CROSSED_MIN, LOOPBACK_MAX, Config, crossing_problems, table
 from benchmarks.jobs.dense_workers import Spec, param_bytes
+from benchmarks.reports.dense import summarize
+from benchmarks.reports.veth import CONFIGS, CROSSED_MIN, LOOPBACK_MAX, Config, crossing_problems, table
 
 WORKERS = "benchmarks.jobs.veth_workers"
 PSERVERS = 2
@@ -110,35 +111,61 @@ log = logging.getLogger("bench_veth")
 
 # -- processes in namespaces ---------------------------------------------------
 
+
 class NsProcesses(Processes):
     """``dense_runs.Processes`` whose children are ``veth_workers`` roles started inside a namespace."""
 
-    def spawn_in(self, hosts: Hosts, host: int, name: str, role: str, env: Dict[str, str],
-                 extra: Sequence[str] = ()) -> None:
-        """Start ``python -m benchmarks.jobs.veth_workers role`` as ``name`` in ``host``'s namespace with ``env``."""
-        cmd = hosts.cmd(host, sys.executable, "-m", WORKERS, role, "--spec", self.spec.to_json(),
-                        "--out", self.path(name, "json"), *extra)
+    def spawn_in(
+        self, hosts: Hosts, host: int, name: str, role: str, env: Dict[str, str], extra: Sequence[str] = ()
+    ) -> None:
+        """Start ``python -m benchmarks.jobs.veth_workers role`` as ``name`` in ``host``'s namespace with
+        ``env``."""
+        cmd = hosts.cmd(
+            host,
+            sys.executable,
+            "-m",
+            WORKERS,
+            role,
+            "--spec",
+            self.spec.to_json(),
+            "--out",
+            self.path(name, "json"),
+            *extra,
+        )
         with open(self.path(name, "log"), "w") as out:
             self.procs[name] = subprocess.Popen(
-                cmd, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                start_new_session=True, preexec_fn=die_with_parent)
+                cmd,
+                env=env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+                preexec_fn=die_with_parent,
+            )
 
 
 def role_env(hosts: Hosts, host: int, link: str, peers: str, **extra: str) -> Dict[str, str]:
     """Environment of a role in ``host``: its veth counters, the interface gloo/TensorPipe bind, ``extra``."""
     ifname = IFNAME if link == "veth" else "lo"
     counters = hosts.sysfs_counter_paths()
-    return {**host_env(), "BENCH_VETH_COUNTERS": f"{counters['rx_bytes']},{counters['tx_bytes']}",
-            "BENCH_PEERS_DIR": peers, "GLOO_SOCKET_IFNAME": ifname, "TP_SOCKET_IFNAME": ifname,
-            "BENCH_GLOO_SOCKET_IFNAME": ifname, "BENCH_TP_SOCKET_IFNAME": ifname, **extra}
+    return {
+        **host_env(),
+        "BENCH_VETH_COUNTERS": f"{counters['rx_bytes']},{counters['tx_bytes']}",
+        "BENCH_PEERS_DIR": peers,
+        "GLOO_SOCKET_IFNAME": ifname,
+        "TP_SOCKET_IFNAME": ifname,
+        "BENCH_GLOO_SOCKET_IFNAME": ifname,
+        "BENCH_TP_SOCKET_IFNAME": ifname,
+        **extra,
+    }
 
 
 class ConnectionSampler:
-    """Counts ``host``'s established TCP connections to the other hosts every ``period`` s in a thread; ``peak``
-    is the most.
+    """Counts ``host``'s established TCP connections to the other hosts every ``period`` s in a thread;
+    ``peak`` is the most.
 
-    Tells which TensorPipe channel carried the tensors across the veth:
-    ``mpt_uv`` opens 16 TCP lanes per pipe, ``basic`` none beyond the pipe's own.
+    Tells which TensorPipe channel carried the tensors across the veth: ``mpt_uv`` opens 16 TCP lanes per
+    pipe, ``basic`` none beyond the pipe's own.
     """
 
     def __init__(self, hosts: Hosts, host: int, period: float = 0.5):
@@ -161,6 +188,7 @@ class ConnectionSampler:
 
 # -- one run of each system ------------------------------------------------------
 
+
 def placed(layout: HostLayout, link: str) -> HostLayout:
     """Where the roles run: as ``layout`` across the veths, or every role on host 1 on loopback."""
     if link == "veth":
@@ -173,23 +201,47 @@ def address(hosts: Hosts, host: int, link: str) -> str:
     return hosts.ip(host) if link == "veth" else "127.0.0.1"
 
 
-def run_ps(procs: NsProcesses, hosts: Hosts, link: str, ports: List[int], args) -> Tuple[List[dict], List[dict]]:
-    """2 pservers and 2 trainers placed by ``args.layout`` (all in host 1 on lo); (trainer results, pserver results)."""
+def run_ps(
+    procs: NsProcesses, hosts: Hosts, link: str, ports: List[int], args
+) -> Tuple[List[dict], List[dict]]:
+    """2 pservers and 2 trainers placed by ``args.layout`` (all in host 1 on lo); (trainer results, pserver
+    results)."""
     layout = placed(args.layout, link)
     endpoints = [f"{address(hosts, h, link)}:{p}" for h, p in zip(layout.pservers, ports)]
     common = {"PADDLE_PSERVERS_IP_PORT_LIST": ",".join(endpoints), "PADDLE_TRAINERS_NUM": str(TRAINERS)}
     servers = [f"pserver{i}" for i in range(PSERVERS)]
     trainers = [f"trainer{i}" for i in range(TRAINERS)]
     for name, host, port in zip(servers, layout.pservers, ports):
-        procs.spawn_in(hosts, host, name, "pserver",
-                       role_env(hosts, host, link, args.peers, **common, TRAINING_ROLE="PSERVER",
-                                POD_IP=address(hosts, host, link), PADDLE_PORT=str(port)))
+        procs.spawn_in(
+            hosts,
+            host,
+            name,
+            "pserver",
+            role_env(
+                hosts,
+                host,
+                link,
+                args.peers,
+                **common,
+                TRAINING_ROLE="PSERVER",
+                POD_IP=address(hosts, host, link),
+                PADDLE_PORT=str(port),
+            ),
+        )
     for i, (name, host) in enumerate(zip(trainers, layout.trainers)):
-        procs.spawn_in(hosts, host, name, "trainer",
-                       role_env(hosts, host, link, args.peers, **common, TRAINING_ROLE="TRAINER",
-                                PADDLE_TRAINER_ID=str(i)))
+        procs.spawn_in(
+            hosts,
+            host,
+            name,
+            "trainer",
+            role_env(
+                hosts, host, link, args.peers, **common, TRAINING_ROLE="TRAINER", PADDLE_TRAINER_ID=str(i)
+            ),
+        )
     procs.wait(trainers, time.monotonic() + args.timeout, "the trainers")
-    procs.wait(servers, time.monotonic() + PSERVER_EXIT_GRACE, "the pservers to exit after all trainers closed")
+    procs.wait(
+        servers, time.monotonic() + PSERVER_EXIT_GRACE, "the pservers to exit after all trainers closed"
+    )
     return procs.results(trainers), procs.results(servers)
 
 
@@ -200,39 +252,68 @@ def ddp_hosts(layout: HostLayout) -> Tuple[int, ...]:
 
 
 def run_ddp(procs: NsProcesses, hosts: Hosts, link: str, ports: List[int], args) -> List[dict]:
-    """2 DDP ranks over gloo, one per host: the layout's trainer hosts, or hosts 1 and 2 where its trainers share
-    one (``pair``); all in host 1 on lo. Rank 0's host is the master. Their results."""
+    """2 DDP ranks over gloo, one per host: the layout's trainer hosts, or hosts 1 and 2 where its trainers
+    share one (``pair``); all in host 1 on lo. Rank 0's host is the master. Their results."""
     on = ddp_hosts(args.layout) if link == "veth" else (1,) * TRAINERS
     master = address(hosts, on[0], link)
     names = [f"ddp{r}" for r in range(TRAINERS)]
     for rank, name in enumerate(names):
         host = on[rank]
-        procs.spawn_in(hosts, host, name, "ddp", role_env(
-            hosts, host, link, args.peers, MASTER_ADDR=master, MASTER_PORT=str(ports[0]),
-            RANK=str(rank), WORLD_SIZE=str(TRAINERS)))
+        procs.spawn_in(
+            hosts,
+            host,
+            name,
+            "ddp",
+            role_env(
+                hosts,
+                host,
+                link,
+                args.peers,
+                MASTER_ADDR=master,
+                MASTER_PORT=str(ports[0]),
+                RANK=str(rank),
+                WORLD_SIZE=str(TRAINERS),
+            ),
+        )
     procs.wait(names, time.monotonic() + args.timeout, "the DDP ranks")
     return procs.results(names)
 
 
 def run_rpc(procs: NsProcesses, hosts: Hosts, config: Config, ports: List[int], args) -> dict:
-    """The torch RPC PS: ranks ps0, ps1 on the layout's pserver hosts, trainers on its trainer hosts (host 1 on lo);
-    rank 0's record."""
+    """The torch RPC PS: ranks ps0, ps1 on the layout's pserver hosts, trainers on its trainer hosts (host
+    1 on lo); rank 0's record."""
     link = config.link
     layout = placed(args.layout, link)
     master = address(hosts, layout.pservers[0], link)
     world = PSERVERS + TRAINERS
-    tp = (["--transports", "uv", "--channels", args.tp_channels] if config.tcp_only else [])
+    tp = ["--transports", "uv", "--channels", args.tp_channels] if config.tcp_only else []
     names = [f"ps{r}" if r < PSERVERS else f"trainer{r - PSERVERS}" for r in range(world)]
     for rank, name in enumerate(names):
         host = layout.pservers[rank] if rank < PSERVERS else layout.trainers[rank - PSERVERS]
-        procs.spawn_in(hosts, host, name, "rpc", role_env(hosts, host, link, args.peers, BENCH_MASTER_ADDR=master),
-                       ["--rank", str(rank), "--world", str(world), "--ps", str(PSERVERS),
-                        "--init", f"tcp://{master}:{ports[0]}", *tp])
+        procs.spawn_in(
+            hosts,
+            host,
+            name,
+            "rpc",
+            role_env(hosts, host, link, args.peers, BENCH_MASTER_ADDR=master),
+            [
+                "--rank",
+                str(rank),
+                "--world",
+                str(world),
+                "--ps",
+                str(PSERVERS),
+                "--init",
+                f"tcp://{master}:{ports[0]}",
+                *tp,
+            ],
+        )
     procs.wait(names, time.monotonic() + args.timeout, "the torch RPC ranks")
     return procs.results(["ps0"])[0]
 
 
 # -- figures ---------------------------------------------------------------------
+
 
 def payload_per_step(system: str, spec: Spec, layout: HostLayout) -> float:
     """Bytes a step must move between the hosts of ``layout``.
@@ -245,41 +326,57 @@ def payload_per_step(system: str, spec: Spec, layout: HostLayout) -> float:
     if system in ("ps", "rpc"):
         pairs = [(t, p) for t in layout.trainers for p in layout.pservers]
         remote = sum(t != p for t, p in pairs) / len(pairs)
-        return remote * TRAINERS * (1.5 if spec.grad_wire_dtype else 2) * model  # a narrow push is half a float32 one
+        return (
+            remote * TRAINERS * (1.5 if spec.grad_wire_dtype else 2) * model
+        )  # a narrow push is half a float32 one
     return 2 * (TRAINERS - 1) * model
 
 
 def _veth_per_step(results: List[dict]) -> Optional[float]:
-    """Mean over workers of their host's interface bytes (rx + tx) per timed step they counted; None if not counted."""
-    counted = [(r["veth_rx_bytes"] + r["veth_tx_bytes"]) / r["steps"] for r in results if "veth_rx_bytes" in r]
+    """Mean over workers of their host's interface bytes (rx + tx) per timed step they counted; None if not
+    counted."""
+    counted = [
+        (r["veth_rx_bytes"] + r["veth_tx_bytes"]) / r["steps"] for r in results if "veth_rx_bytes" in r
+    ]
     return sum(counted) / len(counted) if counted else None
 
 
 def run_one(name: str, rnd: int, index: int, hosts: Hosts, args, workdir: str) -> dict:
-    """One run of configuration ``name`` in round ``rnd``: start its processes, wait, and return its figures."""
+    """One run of configuration ``name`` in round ``rnd``: start its processes, wait, and return its
+    figures."""
     config = CONFIGS[name]
     ports = [21000 + 10 * (index % 2000) + k for k in range(4)]  # fresh ports each run: no TIME_WAIT reuse
-    spec = dataclasses.replace(args.spec, grad_wire_dtype=config.wire, shared_memory=config.shared,
-                               push_lanes=config.lanes)
+    spec = dataclasses.replace(
+        args.spec, grad_wire_dtype=config.wire, shared_memory=config.shared, push_lanes=config.lanes
+    )
     with OtherLoad() as load:
         before = {h: hosts.counters(h) for h in hosts.numbers()}
         with ConnectionSampler(hosts, args.layout.trainers[0]) as conns, NsProcesses(workdir, spec) as procs:
             if config.system == "ps":
                 workers, servers = run_ps(procs, hosts, config.link, ports, args)
                 row = summarize(name, spec, workers, servers)
-                row["losses_first_last"] = [sum(w["losses"][i] for w in workers) / len(workers) for i in (0, -1)]
+                row["losses_first_last"] = [
+                    sum(w["losses"][i] for w in workers) / len(workers) for i in (0, -1)
+                ]
                 veth = _veth_per_step(workers)
             elif config.system == "ddp":
                 workers = run_ddp(procs, hosts, config.link, ports, args)
                 row = summarize(name, spec, workers, [])
-                row["losses_first_last"] = [sum(w["losses"][i] for w in workers) / len(workers) for i in (0, -1)]
+                row["losses_first_last"] = [
+                    sum(w["losses"][i] for w in workers) / len(workers) for i in (0, -1)
+                ]
                 veth = _veth_per_step(workers)
             else:
                 rec = run_rpc(procs, hosts, config, ports, args)
-                row = {"config": name, "samples_s": rec["samples_per_s"], "step_ms": rec["ms_per_step"],
-                       "compute_ms": rec["trainer_compute_ms_per_step"],
-                       "update_ms": rec["trainer_comm_wait_ms_per_step"],
-                       "losses_first_last": [rec["first_loss"], rec["final_loss"]], "rpc": rec}
+                row = {
+                    "config": name,
+                    "samples_s": rec["samples_per_s"],
+                    "step_ms": rec["ms_per_step"],
+                    "compute_ms": rec["trainer_compute_ms_per_step"],
+                    "update_ms": rec["trainer_comm_wait_ms_per_step"],
+                    "losses_first_last": [rec["first_loss"], rec["final_loss"]],
+                    "rpc": rec,
+                }
                 veth = _veth_per_step([{**t, "steps": spec.steps} for t in rec["per_trainer"]])
         moved = {h: hosts.moved(before[h], hosts.counters(h)) for h in hosts.numbers()}
     # Every byte between two hosts leaves exactly one host's interface: what they all sent is what crossed.
@@ -287,42 +384,66 @@ def run_one(name: str, rnd: int, index: int, hosts: Hosts, args, workdir: str) -
     sent_per_step = sent / (spec.warmup + spec.steps)
     payload = payload_per_step(config.system, spec, args.layout)  # on lo too: what it would have had to move
     row.pop("losses", None)
-    row.update({
-        "round": rnd, "system": config.system, "link": config.link, "tcp_only": config.tcp_only,
-        "wall_s": load.wall,
-        "other_load": load.cores,
-        "layout": args.layout.name,
-        "veth_mb_step": sent_per_step / 1e6,
-        "veth_share": sent_per_step / payload if payload else 0.0,
-        "veth_mb_run": sent / 1e6, "veth_run_bytes": moved,
-        "workers_veth_mb_step": (veth or 0.0) / 1e6,
-        "veth_tcp_conns_peak": conns.peak,
-    })
+    row.update(
+        {
+            "round": rnd,
+            "system": config.system,
+            "link": config.link,
+            "tcp_only": config.tcp_only,
+            "wall_s": load.wall,
+            "other_load": load.cores,
+            "layout": args.layout.name,
+            "veth_mb_step": sent_per_step / 1e6,
+            "veth_share": sent_per_step / payload if payload else 0.0,
+            "veth_mb_run": sent / 1e6,
+            "veth_run_bytes": moved,
+            "workers_veth_mb_step": (veth or 0.0) / 1e6,
+            "veth_tcp_conns_peak": conns.peak,
+        }
+    )
     return row
 
 
 # -- driver ----------------------------------------------------------------------
 
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--rounds", type=int, default=3, help="rounds; each runs every configuration once (default 3)")
-    p.add_argument("--configs", default=",".join(CONFIGS),
-                   help=f"comma-separated, from {', '.join(CONFIGS)} (default: all)")
+    p.add_argument(
+        "--rounds", type=int, default=3, help="rounds; each runs every configuration once (default 3)"
+    )
+    p.add_argument(
+        "--configs",
+        default=",".join(CONFIGS),
+        help=f"comma-separated, from {', '.join(CONFIGS)} (default: all)",
+    )
     p.add_argument("--steps", type=int, default=None, help="timed steps per run (default: jobs.py's, 30)")
     p.add_argument("--warmup", type=int, default=None, help="untimed steps first (default: jobs.py's, 5)")
-    p.add_argument("--layout", default="pair",
-                   help="where the roles run across the veths (common/host_layouts.py): pair (default: pservers "
-                        "on host 1, trainers on host 2), split (pservers on hosts 1-2, trainers on 3-4) or "
-                        "colocated:2 (a pserver and a trainer on each of 2 hosts)")
+    p.add_argument(
+        "--layout",
+        default="pair",
+        help="where the roles run across the veths (common/host_layouts.py): pair (default: pservers "
+        "on host 1, trainers on host 2), split (pservers on hosts 1-2, trainers on 3-4) or "
+        "colocated:2 (a pserver and a trainer on each of 2 hosts)",
+    )
     p.add_argument("--rate", help="shape each veth end to this rate (tc syntax, e.g. 10gbit); off by default")
     p.add_argument("--delay", help="one-way delay on each veth end (tc netem, e.g. 0.1ms); off by default")
-    p.add_argument("--tp-channels", dest="tp_channels", default="mpt_uv,basic",
-                   help="TensorPipe channels of the TCP-only torch rpc configurations (default: %(default)s, "
-                        "what it picks between two real hosts; 'basic' sends tensors over the one uv pipe)")
-    p.add_argument("--peers", default=None, help="directory of jobs.py and torch_peers.py (default ../shared/peers)")
+    p.add_argument(
+        "--tp-channels",
+        dest="tp_channels",
+        default="mpt_uv,basic",
+        help="TensorPipe channels of the TCP-only torch rpc configurations (default: %(default)s, "
+        "what it picks between two real hosts; 'basic' sends tensors over the one uv pipe)",
+    )
+    p.add_argument(
+        "--peers", default=None, help="directory of jobs.py and torch_peers.py (default ../shared/peers)"
+    )
     p.add_argument("--timeout", type=float, default=300.0, help="deadline of one run in s (default 300)")
-    p.add_argument("--json", default=os.path.join(RESULTS, "bench_veth.json"),
-                   help="every run's figures (default %(default)s)")
+    p.add_argument(
+        "--json",
+        default=os.path.join(RESULTS, "bench_veth.json"),
+        help="every run's figures (default %(default)s)",
+    )
     p.add_argument("--logdir", help="keep worker logs here (default: a temp dir, kept on failure)")
     args = p.parse_args(argv)
     try:
@@ -330,8 +451,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     except ValueError as e:
         p.error(str(e))
     if (len(args.layout.pservers), len(args.layout.trainers)) != (PSERVERS, TRAINERS):
-        p.error(f"job D runs {PSERVERS} pservers and {TRAINERS} trainers; layout {args.layout.name} places "
-                f"{len(args.layout.pservers)} and {len(args.layout.trainers)} (colocated: use colocated:2)")
+        p.error(
+            f"job D runs {PSERVERS} pservers and {TRAINERS} trainers; layout {args.layout.name} places "
+            f"{len(args.layout.pservers)} and {len(args.layout.trainers)} (colocated: use colocated:2)"
+        )
     args.configs = [c.strip() for c in args.configs.split(",") if c.strip()]
     unknown = [c for c in args.configs if c not in CONFIGS]
     if unknown or not args.configs:
@@ -341,10 +464,15 @@ def parse_args(argv=None) -> argparse.Namespace:
         if not os.path.exists(os.path.join(args.peers, f)):
             p.error(f"{f} not found in {args.peers} (--peers)")
     jobs = peer_module(args.peers, "jobs")
-    args.spec = Spec(sizes=tuple(jobs.D_SIZES), batch=jobs.D_BATCH_PER_TRAINER, lr=jobs.D_LR,
-                     warmup=jobs.D_WARMUP if args.warmup is None else args.warmup,
-                     steps=jobs.D_STEPS if args.steps is None else args.steps,
-                     sync_mode=True, timeout=args.timeout)
+    args.spec = Spec(
+        sizes=tuple(jobs.D_SIZES),
+        batch=jobs.D_BATCH_PER_TRAINER,
+        lr=jobs.D_LR,
+        warmup=jobs.D_WARMUP if args.warmup is None else args.warmup,
+        steps=jobs.D_STEPS if args.steps is None else args.steps,
+        sync_mode=True,
+        timeout=args.timeout,
+    )
     if jobs.D_TRAINERS != TRAINERS:
         p.error(f"jobs.py's job D has {jobs.D_TRAINERS} trainers; this benchmark runs {TRAINERS}")
     if args.rounds < 1 or args.spec.steps < 1 or args.spec.warmup < 0 or args.timeout <= 0:
@@ -360,11 +488,23 @@ def main(argv=None) -> int:
     stop_on_signals()  # so the `with` blocks stop the children and remove the namespaces
     spec = args.spec
     logdir = args.logdir or tempfile.mkdtemp(prefix="bench_veth-")
-    shaping = " ".join(filter(None, [args.rate and f"rate {args.rate}", args.delay and f"delay {args.delay}"]))
-    log.info("job D: MLP %s (%.1f MB fp32), batch %d x %d trainers, lr %g, %d warm-up + %d timed steps; "
-             "%d rounds of %s; veth %s", "-".join(map(str, spec.sizes)), param_bytes(spec.sizes) / 1e6,
-             spec.batch, TRAINERS, spec.lr, spec.warmup, spec.steps, args.rounds, ", ".join(args.configs),
-             f"shaped ({shaping})" if shaping else "not shaped")
+    shaping = " ".join(
+        filter(None, [args.rate and f"rate {args.rate}", args.delay and f"delay {args.delay}"])
+    )
+    log.info(
+        "job D: MLP %s (%.1f MB fp32), batch %d x %d trainers, lr %g, %d warm-up + %d timed steps; "
+        "%d rounds of %s; veth %s",
+        "-".join(map(str, spec.sizes)),
+        param_bytes(spec.sizes) / 1e6,
+        spec.batch,
+        TRAINERS,
+        spec.lr,
+        spec.warmup,
+        spec.steps,
+        args.rounds,
+        ", ".join(args.configs),
+        f"shaped ({shaping})" if shaping else "not shaped",
+    )
     rows: List[dict] = []
     ok = False
     try:
@@ -378,10 +518,19 @@ def main(argv=None) -> int:
                     row = run_one(name, rnd, index, hosts, args, workdir)
                     index += 1
                     rows.append(row)
-                    log.info("round %d %-12s %6.0f samples/s, %6.1f MB/step over the veth (%5.1f%% of the payload; "
-                             "whole run %.0f MB; at most %d TCP connections across it), other load %.2f cores",
-                             rnd, name, row["samples_s"], row["veth_mb_step"], 100 * row["veth_share"],
-                             row["veth_mb_run"], row["veth_tcp_conns_peak"], row["other_load"])
+                    log.info(
+                        "round %d %-12s %6.0f samples/s, %6.1f MB/step over the veth (%5.1f%% of the "
+                        "payload; "
+                        "whole run %.0f MB; at most %d TCP connections across it), other load %.2f cores",
+                        rnd,
+                        name,
+                        row["samples_s"],
+                        row["veth_mb_step"],
+                        100 * row["veth_share"],
+                        row["veth_mb_run"],
+                        row["veth_tcp_conns_peak"],
+                        row["other_load"],
+                    )
         ok = True
     except (RunFailed, NetnsError) as e:
         log.error("FAILED: %s", e)
@@ -392,26 +541,46 @@ def main(argv=None) -> int:
     finally:
         if rows and args.json:
             with open(args.json, "w") as f:
-                json.dump({"spec": spec.__dict__, "configs": args.configs, "rounds": args.rounds,
-                           "shaping": shaping or None, "tp_channels": args.tp_channels, "layout": args.layout.name,
-                           "configurations": {c: CONFIGS[c].what for c in args.configs}, "runs": rows}, f, indent=1)
+                json.dump(
+                    {
+                        "spec": spec.__dict__,
+                        "configs": args.configs,
+                        "rounds": args.rounds,
+                        "shaping": shaping or None,
+                        "tp_channels": args.tp_channels,
+                        "layout": args.layout.name,
+                        "configurations": {c: CONFIGS[c].what for c in args.configs},
+                        "runs": rows,
+                    },
+                    f,
+                    indent=1,
+                )
         if ok and not args.logdir:
             shutil.rmtree(logdir, ignore_errors=True)
         elif not ok:
             log.error("worker logs kept in %s", logdir)
     print()
-    print(f"Job D (MLP {'-'.join(map(str, spec.sizes))}, {param_bytes(spec.sizes) / 1e6:.1f} MB, batch {spec.batch} x "
-          f"{TRAINERS} trainers, {spec.warmup} + {spec.steps} steps), medians [min-max] of {args.rounds} rounds; "
-          f"veth {'shaped: ' + shaping if shaping else 'not shaped'}; the veth configurations' roles placed by layout "
-          f"{args.layout.name} (the host numbers below are pair's):")
+    print(
+        f"Job D (MLP {'-'.join(map(str, spec.sizes))}, {param_bytes(spec.sizes) / 1e6:.1f} MB, batch "
+        f"{spec.batch} x "
+        f"{TRAINERS} trainers, {spec.warmup} + {spec.steps} steps), medians [min-max] of {args.rounds} "
+        "rounds; "
+        f"veth {'shaped: ' + shaping if shaping else 'not shaped'}; the veth configurations' roles placed by "
+        "layout "
+        f"{args.layout.name} (the host numbers below are pair's):"
+    )
     print()
     print(table(rows, args.configs))
     problems = crossing_problems(rows)
     for problem in problems:
         log.error("veth check: %s", problem)
     if not problems:
-        log.info("veth check passed: the TCP configurations across the veth moved >= %.0f%% of their payload "
-                 "through it, the loopback ones <= %.0f%%", 100 * CROSSED_MIN, 100 * LOOPBACK_MAX)
+        log.info(
+            "veth check passed: the TCP configurations across the veth moved >= %.0f%% of their payload "
+            "through it, the loopback ones <= %.0f%%",
+            100 * CROSSED_MIN,
+            100 * LOOPBACK_MAX,
+        )
     return 1 if problems else 0
 
 

@@ -11,6 +11,7 @@ the name resolves to ``POD_IP`` (to any address when ``POD_IP`` is unset), at mo
 ``PS_RESOLVE_TIMEOUT`` seconds (default 300). Trainers, IP endpoints and local runs start at once.
 A malformed role environment exits 2 with the variable's name, before the script starts.
 """
+
 from __future__ import annotations
 
 import ipaddress
@@ -52,10 +53,17 @@ def resolve(host: str) -> List[str]:
         return []
 
 
-def wait_for_name(host: str, pod_ip: Optional[str], timeout: float, resolver: Optional[Resolver] = None,
-                  clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep,
-                  every: float = 1.0) -> List[str]:
-    """Resolve ``host`` every ``every`` s until it gives ``pod_ip``: its addresses; TimeoutError after ``timeout`` s."""
+def wait_for_name(
+    host: str,
+    pod_ip: Optional[str],
+    timeout: float,
+    resolver: Optional[Resolver] = None,
+    clock: Callable[[], float] = time.monotonic,
+    sleep: Callable[[float], None] = time.sleep,
+    every: float = 1.0,
+) -> List[str]:
+    """Resolve ``host`` every ``every`` s until it gives ``pod_ip``: its addresses; TimeoutError after
+    ``timeout`` s."""
     resolver = resolver or resolve
     deadline = clock() + timeout
     while True:
@@ -63,10 +71,12 @@ def wait_for_name(host: str, pod_ip: Optional[str], timeout: float, resolver: Op
         if resolves_here(addresses, pod_ip):
             return addresses
         if clock() >= deadline:
-            raise TimeoutError(f"{host} did not resolve to {pod_ip or 'an address'} within {timeout:g} s "
-                               f"(PS_RESOLVE_TIMEOUT; last answer: {addresses or 'no such name'}); is the "
-                               f"pserver Service headless with publishNotReadyAddresses, and its name in "
-                               f"PS_PSERVER_SERVICE?")
+            raise TimeoutError(
+                f"{host} did not resolve to {pod_ip or 'an address'} within {timeout:g} s "
+                f"(PS_RESOLVE_TIMEOUT; last answer: {addresses or 'no such name'}); is the "
+                f"pserver Service headless with publishNotReadyAddresses, and its name in "
+                f"PS_PSERVER_SERVICE?"
+            )
         sleep(every)
 
 
@@ -85,11 +95,22 @@ def main(argv: Optional[Sequence[str]] = None, environ: Mapping[str, str] = os.e
     if role is None:
         log.info("no role in the environment: a local run")
     elif role.is_pserver:
-        log.info("pserver %d of %d at %s (from %s), %d trainers", role.pservers.index(role.current_endpoint),
-                 len(role.pservers), role.current_endpoint, role.source, role.trainers)
+        log.info(
+            "pserver %d of %d at %s (from %s), %d trainers",
+            role.pservers.index(role.current_endpoint),
+            len(role.pservers),
+            role.current_endpoint,
+            role.source,
+            role.trainers,
+        )
     else:
-        log.info("trainer %d of %d (from %s), %s", role.trainer_id, role.trainers, role.source,
-                 f"pservers {role.pserver_list}" if role.pservers else "collective")
+        log.info(
+            "trainer %d of %d (from %s), %s",
+            role.trainer_id,
+            role.trainers,
+            role.source,
+            f"pservers {role.pserver_list}" if role.pservers else "collective",
+        )
     host = name_to_wait_for(role)
     if host is not None:
         try:

@@ -30,6 +30,7 @@ logistic regression can learn it; the Bayes AUC (of the true logits) is 0.80 for
 
 Streaming (each trainer reading only its shard, in batches) is in ``ctr_stream.py``.
 """
+
 from __future__ import annotations
 
 import functools
@@ -45,17 +46,18 @@ N_FIELDS = 1 + N_DENSE + N_SPARSE
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _MISSING_MARK = np.uint64(1 << 32)  # outside uint32, so no real value can hash to "missing"
-_SLOT_SHIFT = np.uint64(33)         # (slot << 33) | value is injective for value <= 2**32
+_SLOT_SHIFT = np.uint64(33)  # (slot << 33) | value is injective for value <= 2**32
 _MASK32 = np.uint64(0xFFFFFFFF)
-_CHUNK_LINES = 1 << 12              # bounds the reader's and writer's memory per pass
-_MAX_DIGITS = 18                    # decimal digits that always fit in int64
-_PAD = 32                           # bytes after the data, so every field's 8-byte words fit
+_CHUNK_LINES = 1 << 12  # bounds the reader's and writer's memory per pass
+_MAX_DIGITS = 18  # decimal digits that always fit in int64
+_PAD = 32  # bytes after the data, so every field's 8-byte words fit
 
 
 @dataclass
 class CtrData:
     """Featurized examples, ready for a model: dense float32 (n, 13), ids int64 (n, 26), label
     float32 (n,) of 0.0 / 1.0."""
+
     dense: np.ndarray
     ids: np.ndarray
     label: np.ndarray
@@ -121,13 +123,21 @@ def _dense_features(raw_dense: np.ndarray, dense_missing: np.ndarray) -> np.ndar
     return dense
 
 
-def featurize(raw_dense: np.ndarray, dense_missing: np.ndarray, raw_cat: np.ndarray,
-              cat_missing: np.ndarray, label: np.ndarray) -> CtrData:
+def featurize(
+    raw_dense: np.ndarray,
+    dense_missing: np.ndarray,
+    raw_cat: np.ndarray,
+    cat_missing: np.ndarray,
+    label: np.ndarray,
+) -> CtrData:
     """Featurize raw values: dense = ``log1p(max(x, 0))`` as float32 with missing -> 0, ids from
     :func:`slot_ids`, label as float32. ``raw_dense`` is int64 (n, 13) (negative values occur in
     real Criteo data and are clipped), ``raw_cat`` uint32 (n, 26); masks are bool of the same shapes."""
-    return CtrData(_dense_features(raw_dense, dense_missing), slot_ids(raw_cat, cat_missing),
-                   np.asarray(label, np.float32))
+    return CtrData(
+        _dense_features(raw_dense, dense_missing),
+        slot_ids(raw_cat, cat_missing),
+        np.asarray(label, np.float32),
+    )
 
 
 # Per slot (26,): vocab size, zipf exponent, cat_missing rate, salt; cat_w holds slot s's
@@ -187,12 +197,20 @@ def _planted_model(seed: int, vocab_size: int):
         p = np.append(np.diff(cdf) * (1.0 - r), r)  # as _sample draws: values 0..v-1, then missing
         w = rng.standard_normal(v + 1)
         w -= p @ w
-        cat_w.append(w * (sigma[s] / np.sqrt(p @ w ** 2)))
-    m = _Model(vocab=vocab, offset=np.concatenate([[0], np.cumsum(vocab + 1)]), zipf=zipf,
-               cat_missing=cat_missing, salt=rng.integers(0, 1 << 32, N_SPARSE, dtype=np.uint64),
-               cat_w=np.concatenate(cat_w), mu=rng.uniform(0.0, 4.0, N_DENSE),
-               sd=rng.uniform(0.5, 1.5, N_DENSE), dense_missing=rng.uniform(0.05, 0.10, N_DENSE),
-               dense_w=np.zeros(N_DENSE), bias=0.0)
+        cat_w.append(w * (sigma[s] / np.sqrt(p @ w**2)))
+    m = _Model(
+        vocab=vocab,
+        offset=np.concatenate([[0], np.cumsum(vocab + 1)]),
+        zipf=zipf,
+        cat_missing=cat_missing,
+        salt=rng.integers(0, 1 << 32, N_SPARSE, dtype=np.uint64),
+        cat_w=np.concatenate(cat_w),
+        mu=rng.uniform(0.0, 4.0, N_DENSE),
+        sd=rng.uniform(0.5, 1.5, N_DENSE),
+        dense_missing=rng.uniform(0.05, 0.10, N_DENSE),
+        dense_w=np.zeros(N_DENSE),
+        bias=0.0,
+    )
     calibration = np.random.default_rng([seed, vocab_size, 0x626961])
     raw_dense, dense_missing, *_, logit = _sample(m, 50_000, calibration)
     dense = _dense_features(raw_dense, dense_missing).astype(np.float64)
@@ -206,8 +224,9 @@ def _planted_model(seed: int, vocab_size: int):
     return m._replace(dense_w=dense_w, bias=0.5 * (lo + hi) - dense.mean(0) @ dense_w)
 
 
-def generate_raw(n: int, seed: int = 0, vocab_size: int = 100_000, sample_seed=None,
-                 return_logits: bool = False) -> tuple:
+def generate_raw(
+    n: int, seed: int = 0, vocab_size: int = 100_000, sample_seed=None, return_logits: bool = False
+) -> tuple:
     """Raw values of ``n`` examples of the planted model for (seed, vocab_size), as
     ``(raw_dense int64 (n,13), dense_missing, raw_cat uint32 (n,26), cat_missing, label float32)``,
     plus the true logits (float64 (n,)) if ``return_logits``. The examples are drawn with
@@ -316,8 +335,9 @@ def _parse_lines(buf: np.ndarray, a: int, b: int, line_numbers: np.ndarray, path
     nfields = np.diff(np.flatnonzero(is_nl[sep]), prepend=-1)
     if np.any(nfields != N_FIELDS):
         i = int(np.argmax(nfields != N_FIELDS))
-        raise ValueError(f"{path}: line {line_numbers[i]}: expected {N_FIELDS} tab-separated fields, "
-                         f"got {nfields[i]}")
+        raise ValueError(
+            f"{path}: line {line_numbers[i]}: expected {N_FIELDS} tab-separated fields, got {nfields[i]}"
+        )
     starts = np.empty_like(sep)
     starts[0], starts[1:] = a, sep[:-1] + (a + 1)
     starts = starts.reshape(-1, N_FIELDS)
@@ -327,23 +347,25 @@ def _parse_lines(buf: np.ndarray, a: int, b: int, line_numbers: np.ndarray, path
     label_bad = (lens[:, 0] != 1) | ((first | 1) != ord("1"))  # only '0' and '1' survive | 1 as '1'
     # Every byte offset as the start of an (unaligned) little-endian uint64: one gather reads 8 bytes.
     words = np.ndarray((len(buf) - 7,), "<u8", buf, 0, (1,))
-    st, ln = starts[:, 1:1 + N_DENSE], lens[:, 1:1 + N_DENSE]
+    st, ln = starts[:, 1 : 1 + N_DENSE], lens[:, 1 : 1 + N_DENSE]
     neg = buf[st] == ord("-")
     dense, dense_bad = _parse_fields(words, st + neg, ln - neg, 10, _MAX_DIGITS)
     dense_bad |= neg & (ln == 1)
     dense = np.where(neg, -dense.astype(np.int64), dense.astype(np.int64))
-    st, ln = starts[:, 1 + N_DENSE:], lens[:, 1 + N_DENSE:]
+    st, ln = starts[:, 1 + N_DENSE :], lens[:, 1 + N_DENSE :]
     cat, cat_bad = _parse_fields(words, st, ln, 16, 8)
-    problems = [(label_bad[:, None], 0, "label must be 0 or 1"),
-                (dense_bad, 1, "dense column is not an integer"),
-                (cat_bad, 1 + N_DENSE, "categorical column is not hex of 1 to 8 digits")]
+    problems = [
+        (label_bad[:, None], 0, "label must be 0 or 1"),
+        (dense_bad, 1, "dense column is not an integer"),
+        (cat_bad, 1 + N_DENSE, "categorical column is not hex of 1 to 8 digits"),
+    ]
     found = [(int(np.argmax(bad.any(1))), field0, bad, msg) for bad, field0, msg in problems if bad.any()]
     if found:  # report the first bad line, and its first bad field
         row, field0, bad, msg = min(found, key=lambda f: f[:2])
         field = field0 + int(np.argmax(bad[row])) + 1
         raise ValueError(f"{path}: line {line_numbers[row]}: field {field}: {msg}")
     label = (first == ord("1")).astype(np.float32)
-    return dense, lens[:, 1:1 + N_DENSE] == 0, cat.astype(np.uint32), ln == 0, label
+    return dense, lens[:, 1 : 1 + N_DENSE] == 0, cat.astype(np.uint32), ln == 0, label
 
 
 def read_criteo_tsv(path, limit: int | None = None) -> CtrData:
@@ -367,18 +389,20 @@ def parse_lines(data: bytes, line_numbers: np.ndarray, path) -> CtrData:
     :func:`read_criteo_tsv` does. Parsing is vectorised over the bytes with numpy, in chunks of
     lines."""
     buf = np.frombuffer(data + b"\0" * _PAD, np.uint8)
-    nl = np.flatnonzero(buf[:len(data)] == 10)
+    nl = np.flatnonzero(buf[: len(data)] == 10)
     n = len(nl)
     if len(line_numbers) != n:
         raise ValueError(f"{n} lines but {len(line_numbers)} line numbers")
     # Filled chunk by chunk: concatenating per-chunk arrays would touch every byte twice more.
-    out = CtrData(np.empty((n, N_DENSE), np.float32), np.empty((n, N_SPARSE), np.int64),
-                  np.empty(n, np.float32))
+    out = CtrData(
+        np.empty((n, N_DENSE), np.float32), np.empty((n, N_SPARSE), np.int64), np.empty(n, np.float32)
+    )
     for i in range(0, n, _CHUNK_LINES):
         j = min(i + _CHUNK_LINES, n)
         a, b = (0 if i == 0 else int(nl[i - 1]) + 1), int(nl[j - 1]) + 1
         raw_dense, dense_missing, raw_cat, cat_missing, out.label[i:j] = _parse_lines(
-            buf, a, b, line_numbers[i:j], path)
+            buf, a, b, line_numbers[i:j], path
+        )
         out.dense[i:j] = _dense_features(raw_dense, dense_missing)
         out.ids[i:j] = slot_ids(raw_cat, cat_missing)
     return out

@@ -22,23 +22,24 @@ An epoch is the same sequence every time (no shuffling: shuffle a sorted file
 once beforehand), so a trainer's data position (epoch, batch) names one batch
 for good, and ``Trainer.batches`` resumes a restarted trainer exactly at it.
 """
+
 from __future__ import annotations
 
 import os
 from typing import Callable, Iterator, Optional, Tuple
 
+import ctr_data
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-import ctr_data
-
 READ_BYTES = 4 << 20  # a file is read in blocks of about this many bytes
-UNIT = 1024           # records per generated unit: one seed, one draw
+UNIT = 1024  # records per generated unit: one seed, one draw
 
 
 def shard_sizes(records: int, shards: int, unit: int = 1) -> np.ndarray:
-    """Records of each shard when unit ``u`` (records ``[u * unit, (u + 1) * unit)``) goes to shard ``u % shards``."""
+    """Records of each shard when unit ``u`` (records ``[u * unit, (u + 1) * unit)``) goes to shard ``u %
+    shards``."""
     if records < 0 or shards < 1 or unit < 1:
         raise ValueError(f"need records >= 0, shards >= 1, unit >= 1; got {records}, {shards}, {unit}")
     full, rest = divmod(records, unit)
@@ -61,8 +62,7 @@ def assign(index: np.ndarray, shards: int, unit: int, batch_size: int) -> Tuple[
     return unit_no % shards, rank // batch_size
 
 
-def batches_per_epoch(records: int, shards: int, unit: int, batch_size: int, shard: int,
-                      even: bool) -> int:
+def batches_per_epoch(records: int, shards: int, unit: int, batch_size: int, shard: int, even: bool) -> int:
     """Batches of ``shard`` per epoch: all of them (the last one may be short), or with ``even``
     only full ones, as many as the smallest shard has, so every trainer takes the same number of steps."""
     sizes = shard_sizes(records, shards, unit)
@@ -95,7 +95,8 @@ class CriteoFile:
         return self.stop - self.start
 
     def read(self, want: Callable[[np.ndarray], np.ndarray]) -> Iterator[Tuple[np.ndarray, ctr_data.CtrData]]:
-        """(record numbers, their examples) of the records ``want(numbers)`` selects, block by block, in order."""
+        """(record numbers, their examples) of the records ``want(numbers)`` selects, block by block, in
+        order."""
         first = 0  # record number of the block's first line
         with open(self.path, "rb") as f:
             f.seek(self._offset)
@@ -110,7 +111,7 @@ class CriteoFile:
                         return
                 data, tail = data[:end], data[end:]
                 buf = np.frombuffer(data, np.uint8)
-                line_end = np.flatnonzero(buf == 10)[:len(self) - first]
+                line_end = np.flatnonzero(buf == 10)[: len(self) - first]
                 numbers = first + np.arange(len(line_end))
                 first += len(line_end)
                 mine = want(numbers)
@@ -125,7 +126,8 @@ class CriteoFile:
 
 
 def _count_lines(path: str, start: int, stop: Optional[int]) -> Tuple[int, int]:
-    """(lines in the file, or ``stop`` if it has at least that many; byte offset of line ``start``, or the end)."""
+    """(lines in the file, or ``stop`` if it has at least that many; byte offset of line ``start``, or the
+    end)."""
     lines, offset, pos = 0, None, 0
     with open(path, "rb") as f:
         last = b"\n"
@@ -145,7 +147,8 @@ def _count_lines(path: str, start: int, stop: Optional[int]) -> Tuple[int, int]:
 
 
 def _gather_lines(data: bytes, start: np.ndarray, end: np.ndarray) -> bytes:
-    """The lines ``data[start:end + 1]`` (``end`` at their ``\\n``) one after another, ``\\r\\n`` made ``\\n``."""
+    """The lines ``data[start:end + 1]`` (``end`` at their ``\\n``) one after another, ``\\r\\n`` made
+    ``\\n``."""
     # bytes slices are memcpy: far cheaper than an index per byte, even with a Python step per line.
     out = b"".join([data[a:b] for a, b in zip(start.tolist(), (end + 1).tolist())])
     return out.replace(b"\r\n", b"\n") if b"\r" in out else out
@@ -169,29 +172,33 @@ class Generated:
         return self.records
 
     def read(self, want: Callable[[np.ndarray], np.ndarray]) -> Iterator[Tuple[np.ndarray, ctr_data.CtrData]]:
-        """(record numbers, their examples) of the records ``want(numbers)`` selects, unit by unit, in order."""
+        """(record numbers, their examples) of the records ``want(numbers)`` selects, unit by unit, in
+        order."""
         for first in range(0, self.records, self.unit):
             numbers = np.arange(first, min(first + self.unit, self.records))
             mine = want(numbers)
             if mine.any():
-                data = ctr_data.generate(len(numbers), self.seed, self.vocab_size,
-                                         sample_seed=(self.stream, first // self.unit))
+                data = ctr_data.generate(
+                    len(numbers), self.seed, self.vocab_size, sample_seed=(self.stream, first // self.unit)
+                )
                 yield numbers[mine], data.subset(mine)
 
 
 class CtrStream(IterableDataset):
-    """Batches ``(dense float32 (b, 13), ids int64 (b, 26), label float32 (b,))`` of shard ``shard`` of ``source``.
+    """Batches ``(dense float32 (b, 13), ids int64 (b, 26), label float32 (b,))`` of shard ``shard`` of
+    ``source``.
 
-    See the module docstring for which records and in which order. With
-    ``even`` (training) every shard yields the same number of full batches
-    (:func:`batches_per_epoch`); without it, every record of the shard, the
-    last batch possibly short (evaluation, or a single trainer). Use it with
+    See the module docstring for which records and in which order. With ``even`` (training) every shard
+    yields the same number of full batches (:func:`batches_per_epoch`); without it, every record of the
+    shard, the last batch possibly short (evaluation, or a single trainer). Use it with
     ``DataLoader(stream, batch_size=None, ...)`` (see :func:`loader`).
     """
 
     def __init__(self, source, batch_size: int, shard: int = 0, shards: int = 1, even: bool = True):
         if batch_size < 1 or not 0 <= shard < shards:
-            raise ValueError(f"need batch_size >= 1 and 0 <= shard < shards; got {batch_size}, {shard}, {shards}")
+            raise ValueError(
+                f"need batch_size >= 1 and 0 <= shard < shards; got {batch_size}, {shard}, {shards}"
+            )
         self.source, self.batch_size, self.shard, self.shards = source, batch_size, shard, shards
         self.batches = batches_per_epoch(len(source), shards, source.unit, batch_size, shard, even)
 
@@ -237,5 +244,10 @@ def loader(stream: CtrStream, workers: int = 0) -> DataLoader:
     """
     if workers == 0:
         return DataLoader(stream, batch_size=None)
-    return DataLoader(stream, batch_size=None, num_workers=workers, multiprocessing_context="forkserver",
-                      persistent_workers=True)
+    return DataLoader(
+        stream,
+        batch_size=None,
+        num_workers=workers,
+        multiprocessing_context="forkserver",
+        persistent_workers=True,
+    )

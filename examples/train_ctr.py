@@ -25,6 +25,7 @@ the dense parameters (``--save``), saves the tables on the pservers (``--tables_
 them as one ids/rows file set per table (``--export_dir``), and prints the test AUC (scikit-learn's
 ``roc_auc_score``) last: ``trainer 0: test AUC 0.7925 after 488 steps (sync mode, target 0.77)``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -42,8 +43,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import ctr_data  # noqa: E402
 import ctr_stream  # noqa: E402
 
-from transpiler import (DistributeTranspiler, DistributeTranspilerConfig, Program, RoleEnv,  # noqa: E402
-                        TableOptions)
+from transpiler import DistributeTranspiler, DistributeTranspilerConfig, Program, RoleEnv, TableOptions  # noqa: E402
 
 TARGET_AUC = 0.77
 DIM = 16
@@ -55,8 +55,9 @@ log = logging.getLogger("train_ctr")
 class WideDeep(nn.Module):
     """logit = wide(ids).sum + MLP([deep(ids) flattened, dense features])."""
 
-    def __init__(self, capacity: int = CAPACITY, dim: int = DIM, hidden=(400, 400, 400),
-                 table_device: str = "cpu"):
+    def __init__(
+        self, capacity: int = CAPACITY, dim: int = DIM, hidden=(400, 400, 400), table_device: str = "cpu"
+    ):
         super().__init__()
         self.wide = nn.Embedding(capacity, 1, sparse=True, device=table_device)
         self.deep = nn.Embedding(capacity, dim, sparse=True, device=table_device)
@@ -77,9 +78,12 @@ def build_model(capacity: int = CAPACITY, table_device: str = "cpu") -> WideDeep
     return WideDeep(capacity, table_device=table_device)
 
 
-TABLES = {"wide": TableOptions(optimizer="adagrad", optimizer_kwargs={"lr": 0.05}, init="zeros"),
-          "deep": TableOptions(optimizer="adagrad", optimizer_kwargs={"lr": 0.05},
-                               init="normal", init_kwargs={"std": 0.01})}
+TABLES = {
+    "wide": TableOptions(optimizer="adagrad", optimizer_kwargs={"lr": 0.05}, init="zeros"),
+    "deep": TableOptions(
+        optimizer="adagrad", optimizer_kwargs={"lr": 0.05}, init="normal", init_kwargs={"std": 0.01}
+    ),
+}
 
 
 def build_program(lr: float = 1e-3) -> Program:
@@ -120,7 +124,8 @@ def test_stream(args, batch_size: int = 8192) -> ctr_stream.CtrStream:
 
 
 def evaluate(model: nn.Module, test: ctr_stream.CtrStream, capacity: int = 0) -> float:
-    """Test AUC of ``model`` (scikit-learn's ``roc_auc_score``); ids are taken modulo ``capacity`` if given."""
+    """Test AUC of ``model`` (scikit-learn's ``roc_auc_score``); ids are taken modulo ``capacity`` if
+    given."""
     model.eval()
     scores, labels = [], []
     device = next(model.parameters()).device
@@ -158,22 +163,31 @@ class Throughput:
         if self.start is None or self.end is None:
             return
         rate = self.examples / max(self.end - self.start, 1e-9)
-        log.info("%s: %d timed examples in %.2f s: %.0f examples/s", self.role, self.examples,
-                 self.end - self.start, rate)
-        print("RESULT " + json.dumps({"role": self.role, "examples": self.examples, "start": self.start,
-                                      "end": self.end}), flush=True)
+        log.info(
+            "%s: %d timed examples in %.2f s: %.0f examples/s",
+            self.role,
+            self.examples,
+            self.end - self.start,
+            rate,
+        )
+        print(
+            "RESULT "
+            + json.dumps(
+                {"role": self.role, "examples": self.examples, "start": self.start, "end": self.end}
+            ),
+            flush=True,
+        )
 
 
 class JobCurves:
-    """Every ``every`` steps, the job's training AUC and mean loss over those steps, reduced over every trainer.
+    """Every ``every`` steps, the job's training AUC and mean loss over those steps, reduced over every
+    trainer.
 
-    Each trainer adds its batches' scores and losses; at each multiple of
-    ``every`` of its step count it sends them through a pserver
-    (trainer/job_metrics.py) and starts over. With TensorBoard on they are the
-    curves ``job/train_auc`` and ``job/loss_mean``. Every trainer makes the same
-    rounds (round = step // every), so a faster async trainer waits there for
-    the others; a trainer that has closed is not waited for, and a round
-    already passed (batches replayed after a roll-back) is skipped.
+    Each trainer adds its batches' scores and losses; at each multiple of ``every`` of its step count it
+    sends them through a pserver (trainer/job_metrics.py) and starts over. With TensorBoard on they are the
+    curves ``job/train_auc`` and ``job/loss_mean``. Every trainer makes the same rounds (round = step //
+    every), so a faster async trainer waits there for the others; a trainer that has closed is not waited
+    for, and a round already passed (batches replayed after a roll-back) is skipped.
     """
 
     def __init__(self, every: int):
@@ -190,24 +204,38 @@ class JobCurves:
         self.batches += 1
 
     def maybe_reduce(self, tr, role: str, report: bool) -> None:
-        """At a new multiple of ``every`` steps: the job's figures since the last one (logged if ``report``)."""
+        """At a new multiple of ``every`` steps: the job's figures since the last one (logged if
+        ``report``)."""
         round_ = tr.step_count // self.every
         if round_ <= self.last_round or not self.batches:
             return
         auc = self.metrics.global_auc(tr, stats=self.auc, name="train_auc", round=round_)
-        loss = self.metrics.global_mean(tr, "loss", self.loss_sum / self.batches, weight=self.batches, round=round_)
+        loss = self.metrics.global_mean(
+            tr, "loss", self.loss_sum / self.batches, weight=self.batches, round=round_
+        )
         if report:
-            log.info("%s: step %d: the job's training AUC %.4f, mean loss %.4f", role, tr.step_count, auc, loss)
+            log.info(
+                "%s: step %d: the job's training AUC %.4f, mean loss %.4f", role, tr.step_count, auc, loss
+            )
         self.auc = self.metrics.AucStats()
         self.loss_sum, self.batches, self.last_round = 0.0, 0, round_
 
 
 def progress(total: int, enabled: bool, batch_size: int, done: int = 0):
-    """A tqdm bar over ``total`` steps (``done`` of them already) in examples, with examples/s and the loss."""
+    """A tqdm bar over ``total`` steps (``done`` of them already) in examples, with examples/s and the
+    loss."""
     from tqdm import tqdm
 
-    return tqdm(total=total * batch_size, initial=done * batch_size, disable=not enabled, mininterval=2.0,
-                unit="ex", unit_scale=True, file=sys.stderr, desc="train")
+    return tqdm(
+        total=total * batch_size,
+        initial=done * batch_size,
+        disable=not enabled,
+        mininterval=2.0,
+        unit="ex",
+        unit_scale=True,
+        file=sys.stderr,
+        desc="train",
+    )
 
 
 def train_local(args) -> tuple:
@@ -256,10 +284,16 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--async", dest="sync_mode", action="store_false", help="asynchronous updates")
     p.add_argument("--data", help="Criteo-format TSV file (default: generated data)")
-    p.add_argument("--test_data", help="with --data: the test set's TSV file (default: the last 10%% of --data)")
+    p.add_argument(
+        "--test_data", help="with --data: the test set's TSV file (default: the last 10%% of --data)"
+    )
     p.add_argument("--limit", type=int, help="with --data: read at most this many lines")
-    p.add_argument("--workers", type=int, default=0,
-                   help="DataLoader processes reading each trainer's shard (0: the trainer's read-ahead thread)")
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=0,
+        help="DataLoader processes reading each trainer's shard (0: the trainer's read-ahead thread)",
+    )
     p.add_argument("--train_examples", type=int, default=1_000_000, help="generated, all trainers together")
     p.add_argument("--test_examples", type=int, default=100_000)
     p.add_argument("--epochs", type=int, default=1)
@@ -268,21 +302,35 @@ def parse_args(argv=None):
     p.add_argument("--lr", type=float, default=1e-3, help="Adam's lr for the MLP")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--warmup", type=int, default=10, help="steps before the throughput clock starts")
-    p.add_argument("--threads", type=int, default=0, help="torch threads (0: 1 in a job, torch's default locally)")
+    p.add_argument(
+        "--threads", type=int, default=0, help="torch threads (0: 1 in a job, torch's default locally)"
+    )
     p.add_argument("--no_progress", dest="progress", action="store_false")
-    p.add_argument("--grad_wire_dtype", choices=["bfloat16", "float16"],
-                   help="push gradients (table rows, dense blocks) in this dtype: half the bytes")
-    p.add_argument("--metrics_every", type=int, default=100,
-                   help="every this many steps, the job's training AUC and mean loss over them, reduced over every "
-                   "trainer (TensorBoard: job/train_auc, job/loss_mean); 0: off")
+    p.add_argument(
+        "--grad_wire_dtype",
+        choices=["bfloat16", "float16"],
+        help="push gradients (table rows, dense blocks) in this dtype: half the bytes",
+    )
+    p.add_argument(
+        "--metrics_every",
+        type=int,
+        default=100,
+        help="every this many steps, the job's training AUC and mean loss over them, reduced over every "
+        "trainer (TensorBoard: job/train_auc, job/loss_mean); 0: off",
+    )
     p.add_argument("--target_auc", type=float, default=TARGET_AUC, help="exit 1 below this test AUC")
     p.add_argument("--save", default="ctr_dense.pt", help="trainer 0 saves the dense state_dict here")
     p.add_argument("--tables_dir", default="ctr_tables", help="pservers save the table shards here")
     p.add_argument("--export_dir", default="ctr_export", help="trainer 0 exports ids/rows files here")
-    p.add_argument("--no_save", dest="save_model", action="store_false",
-                   help="skip saving and exporting (benchmarks)")
-    p.add_argument("--local_capacity", type=int, default=1 << 21,
-                   help="local run: rows of the dense nn.Embedding (ids taken modulo this)")
+    p.add_argument(
+        "--no_save", dest="save_model", action="store_false", help="skip saving and exporting (benchmarks)"
+    )
+    p.add_argument(
+        "--local_capacity",
+        type=int,
+        default=1 << 21,
+        help="local run: rows of the dense nn.Embedding (ids taken modulo this)",
+    )
     return p.parse_args(argv)
 
 
@@ -291,8 +339,10 @@ def main(argv=None) -> int:
     if args.metrics_every < 0:
         raise SystemExit(f"--metrics_every must be >= 0, got {args.metrics_every}")
     # PS_LOG_LEVEL: what ps-launch --log_level passes to every role.
-    logging.basicConfig(level=os.environ.get("PS_LOG_LEVEL", "INFO").upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=os.environ.get("PS_LOG_LEVEL", "INFO").upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
     env = RoleEnv.from_env()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -305,9 +355,16 @@ def main(argv=None) -> int:
 
     # Async: overlap each step's push with the next forward/backward (Adam and Adagrad take
     # the extra step of staleness well; the AUC matches sync mode).
-    t = DistributeTranspiler(DistributeTranspilerConfig(async_pipeline=True, grad_wire_dtype=args.grad_wire_dtype))
-    t.transpile(env.trainer_id, program=build_program(args.lr), pservers=env.pserver_list,
-                trainers=env.trainers, sync_mode=args.sync_mode)
+    t = DistributeTranspiler(
+        DistributeTranspilerConfig(async_pipeline=True, grad_wire_dtype=args.grad_wire_dtype)
+    )
+    t.transpile(
+        env.trainer_id,
+        program=build_program(args.lr),
+        pservers=env.pserver_list,
+        trainers=env.trainers,
+        sync_mode=args.sync_mode,
+    )
     if env.is_pserver:
         from pserver import ParameterServer
 
@@ -318,12 +375,17 @@ def main(argv=None) -> int:
     from trainer import Trainer
 
     # Every process reads its own shard: a trainer node of L processes reads L of them.
-    shard, shards = env.trainer_id * env.local_world_size + env.local_rank, env.trainers * env.local_world_size
+    shard, shards = (
+        env.trainer_id * env.local_world_size + env.local_rank,
+        env.trainers * env.local_world_size,
+    )
     train = train_stream(args, shard, shards)
     loader = ctr_stream.loader(train, args.workers)
     role = f"trainer {env.trainer_id}" + (f" local rank {env.local_rank}" if env.local_world_size > 1 else "")
     leader = env.trainer_id == 0 and env.local_rank == 0
-    log.info("%s: shard %d of %d, %d batches of %d per epoch", role, shard, shards, len(train), args.batch_size)
+    log.info(
+        "%s: shard %d of %d, %d batches of %d per epoch", role, shard, shards, len(train), args.batch_size
+    )
     loss_fn = nn.BCEWithLogitsLoss()
     speed = Throughput(args.warmup, role)
     total = steps_to_train(args, len(train))
@@ -336,9 +398,13 @@ def main(argv=None) -> int:
     with Trainer(t.get_trainer_program()) as tr:
         # A restarted trainer (or a job resumed from a checkpoint) goes on from its data position:
         # tr.batches skips the batches before it, and replays those since a checkpoint the job rolled back to.
-        with progress(total, args.progress and leader, args.batch_size, min(steps_done(tr.position), total)) as bar:
+        with progress(
+            total, args.progress and leader, args.batch_size, min(steps_done(tr.position), total)
+        ) as bar:
             # Each next batch's ids ride with this step's push (read and routed on the feed thread).
-            for dense_x, ids, y in tr.batches(loader, args.epochs, prefetch=lambda b: {"wide": b[1], "deep": b[1]}):
+            for dense_x, ids, y in tr.batches(
+                loader, args.epochs, prefetch=lambda b: {"wide": b[1], "deep": b[1]}
+            ):
                 if steps_done(tr.position) >= total:
                     break
                 # Both tables in one round trip per pserver; after the first step their rows came with
@@ -351,7 +417,9 @@ def main(argv=None) -> int:
                 tr.step()
                 speed.step(len(y))
                 bar.update(len(y))
-                if speed.steps % 10 == 0:  # TensorBoard (--tensorboard_dir): nothing is written when it is off
+                if (
+                    speed.steps % 10 == 0
+                ):  # TensorBoard (--tensorboard_dir): nothing is written when it is off
                     tr.log_scalars({"loss": loss.item()})
                 if curves is not None:
                     curves.add(logits, y, loss)

@@ -20,6 +20,7 @@ accuracy in sync and in async mode; trainer 0 prints the accuracy, saves the
 trained ``state_dict`` with ``torch.save`` and checks that reloading it into a
 fresh module gives the same predictions.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,8 +40,7 @@ TARGET_ACCURACY = 0.95
 def build_model() -> nn.Module:
     # Seeded so every role builds the same initial weights.
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(),
-                         nn.Linear(256, 10))
+    return nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 10))
 
 
 SCHEDULE = {"step_size": 100, "gamma": 0.5}
@@ -50,8 +50,14 @@ def build_program(optimizer: str = "momentum", lr: float = 0.05) -> Program:
     """The single-machine program: model + optimizer (also used by ``python -m transpiler show``)."""
     # The rate halves every 100 steps, so training (~276 steps per trainer at the defaults) ends
     # calm: async momentum SGD at full rate to the last step was noisy (1 in 8 runs ended < 0.95).
-    return Program(build_model(), optimizer, lr=lr, weight_decay=1e-4,
-                   lr_scheduler="StepLR", lr_scheduler_kwargs=SCHEDULE)
+    return Program(
+        build_model(),
+        optimizer,
+        lr=lr,
+        weight_decay=1e-4,
+        lr_scheduler="StepLR",
+        lr_scheduler_kwargs=SCHEDULE,
+    )
 
 
 def load_digits_split():
@@ -83,14 +89,16 @@ def parse_args(argv=None):
     p.add_argument("--optimizer", default="momentum", help="sgd, momentum, adam, adagrad, ...")
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--split_method", default="RoundRobin", choices=["RoundRobin", "HashName"])
-    p.add_argument("--no_slice", dest="slice_var_up", action="store_false",
-                   help="one block per parameter")
+    p.add_argument("--no_slice", dest="slice_var_up", action="store_false", help="one block per parameter")
     p.add_argument("--save", default="mlp_state_dict.pt", help="where trainer 0 saves the model")
     p.add_argument("--checkpoint_dir", help="pservers checkpoint here and resume from it after a restart")
     p.add_argument("--checkpoint_every", type=int, default=50, help="steps between checkpoints")
     p.add_argument("--amp", choices=["bf16"], help="mixed precision: autocast the forward pass to bf16")
-    p.add_argument("--grad_wire_dtype", choices=["bfloat16", "float16"],
-                   help="gradients travel in this dtype (pushes, or collective all-reduces): half the bytes")
+    p.add_argument(
+        "--grad_wire_dtype",
+        choices=["bfloat16", "float16"],
+        help="gradients travel in this dtype (pushes, or collective all-reduces): half the bytes",
+    )
     return p.parse_args(argv)
 
 
@@ -100,8 +108,9 @@ def train_local(args, train, test) -> float:
     model = program.model
     opt = program.optimizer.build(model.parameters())
     sched = torch.optim.lr_scheduler.StepLR(opt, **SCHEDULE)
-    loader = DataLoader(train, batch_size=args.batch_size, shuffle=True,
-                        generator=torch.Generator().manual_seed(0))
+    loader = DataLoader(
+        train, batch_size=args.batch_size, shuffle=True, generator=torch.Generator().manual_seed(0)
+    )
     for epoch in range(args.epochs):
         model.train()
         for x, y in loader:
@@ -115,8 +124,10 @@ def train_local(args, train, test) -> float:
 def main(argv=None) -> int:
     args = parse_args(argv)
     # PS_LOG_LEVEL: what ps-launch --log_level passes to every role.
-    logging.basicConfig(level=os.environ.get("PS_LOG_LEVEL", "INFO").upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=os.environ.get("PS_LOG_LEVEL", "INFO").upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
     log = logging.getLogger("train_mlp")
     torch.set_num_threads(1)
     env = RoleEnv.from_env()
@@ -127,14 +138,22 @@ def main(argv=None) -> int:
         return 0 if acc >= TARGET_ACCURACY else 1
 
     # Launched without pservers (ps-launch --worker_num N alone, torchrun): collective mode, DDP.
-    config = DistributeTranspilerConfig(slice_var_up=args.slice_var_up, split_method=args.split_method,
-                                        checkpoint_dir=args.checkpoint_dir,
-                                        checkpoint_every=args.checkpoint_every if args.checkpoint_dir else 0,
-                                        mode="collective" if env.collective else "pserver",
-                                        grad_wire_dtype=args.grad_wire_dtype)
+    config = DistributeTranspilerConfig(
+        slice_var_up=args.slice_var_up,
+        split_method=args.split_method,
+        checkpoint_dir=args.checkpoint_dir,
+        checkpoint_every=args.checkpoint_every if args.checkpoint_dir else 0,
+        mode="collective" if env.collective else "pserver",
+        grad_wire_dtype=args.grad_wire_dtype,
+    )
     t = DistributeTranspiler(config)
-    t.transpile(env.trainer_id, program=build_program(args.optimizer, args.lr),
-                pservers=env.pserver_list, trainers=env.trainers, sync_mode=args.sync_mode)
+    t.transpile(
+        env.trainer_id,
+        program=build_program(args.optimizer, args.lr),
+        pservers=env.pserver_list,
+        trainers=env.trainers,
+        sync_mode=args.sync_mode,
+    )
 
     if env.is_pserver:
         from pserver import ParameterServer
@@ -147,13 +166,16 @@ def main(argv=None) -> int:
 
     local = f" local rank {env.local_rank}" if env.local_world_size > 1 else ""
     with Trainer(t.get_trainer_program()) as tr:
-        loader = DataLoader(train, batch_size=args.batch_size, sampler=tr.sampler(train, shuffle=True, seed=0))
+        loader = DataLoader(
+            train, batch_size=args.batch_size, sampler=tr.sampler(train, shuffle=True, seed=0)
+        )
         tr.model.train()
         total, batches = 0.0, 0
         # batches() starts at this trainer's data position (epoch 0 unless the job resumes from a
         # checkpoint) and replays the batches since a checkpoint the pservers rolled back to.
         for x, y in tr.batches(loader, args.epochs):
-            # The Trainer put the model on its device (cuda:LOCAL_RANK when there is a GPU): the batch follows.
+            # The Trainer put the model on its device (cuda:LOCAL_RANK when there is a GPU): the batch
+            # follows.
             x, y = x.to(tr.device), y.to(tr.device)
             with torch.autocast(tr.device.type, dtype=torch.bfloat16, enabled=args.amp == "bf16"):
                 loss = nn.functional.cross_entropy(tr.model(x), y)
@@ -162,13 +184,21 @@ def main(argv=None) -> int:
             total, batches = total + loss.item(), batches + 1
             epoch, done = tr.position
             if done == len(loader):
-                log.info("trainer %d%s epoch %d: mean loss %.4f", env.trainer_id, local, epoch, total / batches)
+                log.info(
+                    "trainer %d%s epoch %d: mean loss %.4f", env.trainer_id, local, epoch, total / batches
+                )
                 total, batches = 0.0, 0
         state = tr.state_dict()  # on a node every local rank calls it: it pulls for the whole node
     acc = accuracy(tr.model, test)
     mode = "collective" if env.collective else "sync" if args.sync_mode else "async"
-    log.info("trainer %d%s: test accuracy %.4f (%s mode, target %.2f)", env.trainer_id, local, acc, mode,
-             TARGET_ACCURACY)
+    log.info(
+        "trainer %d%s: test accuracy %.4f (%s mode, target %.2f)",
+        env.trainer_id,
+        local,
+        acc,
+        mode,
+        TARGET_ACCURACY,
+    )
     if env.trainer_id == 0 and env.local_rank == 0:
         torch.save(state, args.save)
         fresh = build_model()

@@ -16,6 +16,7 @@ its block (bfloat16 or float16 for float32, ``grad_wire_dtype``); pieces then
 hold whole elements, and the pserver's reader widens each into the block's
 dtype as it arrives.
 """
+
 from __future__ import annotations
 
 import sys
@@ -75,6 +76,7 @@ def as_bytes(t: torch.Tensor) -> np.ndarray:
 
 # -- encoding -----------------------------------------------------------------
 
+
 def _varint(value: int) -> bytes:
     value &= (1 << 64) - 1  # int64 negatives as two's complement, as protobuf does
     out = bytearray()
@@ -104,8 +106,9 @@ def _piece_meta(name: str, dtype: str, shape: Sequence[int], offset: int) -> byt
     return b"".join(parts)
 
 
-def encode_chunks(header: Message, tensors: Iterable[Tuple[str, torch.Tensor]],
-                  chunk_bytes: int) -> Iterator[bytes]:
+def encode_chunks(
+    header: Message, tensors: Iterable[Tuple[str, torch.Tensor]], chunk_bytes: int
+) -> Iterator[bytes]:
     """Yield encoded PushChunk/PullChunk messages: ``header`` in the first, then pieces.
 
     Each message holds at most ``chunk_bytes`` of tensor data. Tensors are
@@ -130,13 +133,14 @@ def encode_into(buf: memoryview, header: Message, tensors: Sequence[Tuple[str, t
     pos = 0
     for p in parts:
         n = len(p) if isinstance(p, bytes) else p.nbytes
-        buf[pos:pos + n] = p
+        buf[pos : pos + n] = p
         pos += n
     return pos
 
 
-def _chunk_parts(header: Message, tensors: Iterable[Tuple[str, torch.Tensor]],
-                 chunk_bytes: int) -> Iterator[List[object]]:
+def _chunk_parts(
+    header: Message, tensors: Iterable[Tuple[str, torch.Tensor]], chunk_bytes: int
+) -> Iterator[List[object]]:
     """The parts (bytes, and memoryviews of tensor memory) of each message :func:`encode_chunks` yields."""
     head = header.SerializeToString()
     parts: List[object] = [_len_field(_HEADER, len(head)), head]
@@ -156,8 +160,12 @@ def _chunk_parts(header: Message, tensors: Iterable[Tuple[str, torch.Tensor]],
                 n -= n % itemsize  # whole elements per piece, so a narrowed gradient widens piece by piece
             meta = _piece_meta(name if first else "", dtype, tensor.shape, offset)
             data_key = _len_field(_DATA, n)
-            parts += [_len_field(_PIECES, len(meta) + len(data_key) + n), meta, data_key,
-                      raw[offset:offset + n].data]
+            parts += [
+                _len_field(_PIECES, len(meta) + len(data_key) + n),
+                meta,
+                data_key,
+                raw[offset : offset + n].data,
+            ]
             first = False
             offset += n
             room -= n
@@ -169,6 +177,7 @@ def _chunk_parts(header: Message, tensors: Iterable[Tuple[str, torch.Tensor]],
 
 
 # -- decoding -----------------------------------------------------------------
+
 
 def _read_varint(buf: bytes, pos: int, end: int) -> Tuple[int, int]:
     result = shift = 0
@@ -308,7 +317,9 @@ class TensorReader:
     :class:`WireError` with a message naming the tensor.
     """
 
-    def __init__(self, expect: Expect, dest: Optional[Callable[[str], torch.Tensor]] = None, widen: bool = False):
+    def __init__(
+        self, expect: Expect, dest: Optional[Callable[[str], torch.Tensor]] = None, widen: bool = False
+    ):
         self._expect = expect
         self._dest = dest
         self._widen = widen
@@ -330,8 +341,10 @@ class TensorReader:
             raise WireError("a tensor piece arrived before any tensor was opened")
         elif piece.name and piece.name != self._current:
             # Later pieces carry only bytes; one that names another tensor is not ours to guess.
-            raise WireError(f"a piece of tensor {piece.name!r} at byte {piece.offset}, but tensor "
-                            f"{self._current!r} is open (a tensor opens with its piece at byte 0)")
+            raise WireError(
+                f"a piece of tensor {piece.name!r} at byte {piece.offset}, but tensor "
+                f"{self._current!r} is open (a tensor opens with its piece at byte 0)"
+            )
         name = self._current
         buf = self._buffers[name]
         filled = self._filled[name]
@@ -348,9 +361,11 @@ class TensorReader:
             else:
                 wire, k = narrowed
                 if filled % k or n % k:
-                    raise WireError(f"tensor {name!r} sent as {wire}: a piece of {n} bytes at byte {filled} "
-                                    f"cuts an element")
-                widen(data, wire, buf[filled // k:end // k])
+                    raise WireError(
+                        f"tensor {name!r} sent as {wire}: a piece of {n} bytes at byte {filled} "
+                        f"cuts an element"
+                    )
+                widen(data, wire, buf[filled // k : end // k])
         self._filled[name] = end
         self.nbytes += n
 
@@ -395,20 +410,25 @@ class TensorReader:
         """The sent shape of a tensor whose dim 0 is free (-1), checked against the rest."""
         sent = list(piece.shape)
         if len(sent) != len(shape) or sent[1:] != list(shape[1:]) or sent[0] < 0:
-            raise WireError(f"tensor {name!r}: shape {sent}, expected [n{''.join(f', {d}' for d in shape[1:])}]")
+            raise WireError(
+                f"tensor {name!r}: shape {sent}, expected [n{''.join(f', {d}' for d in shape[1:])}]"
+            )
         nbytes = DTYPES[dtype].itemsize  # what it takes here, however narrow it travels
         for d in sent:
             nbytes *= d
         if nbytes > MAX_VARIABLE_BYTES:
-            raise WireError(f"tensor {name!r}: {nbytes:,} bytes is more than one request may carry "
-                            f"({MAX_VARIABLE_BYTES:,}); send fewer rows per request")
+            raise WireError(
+                f"tensor {name!r}: {nbytes:,} bytes is more than one request may carry "
+                f"({MAX_VARIABLE_BYTES:,}); send fewer rows per request"
+            )
         return sent
 
     def _close_current(self) -> None:
         name = self._current
         if name is not None and self._filled[name] != self._total[name]:
-            raise WireError(f"tensor {name!r}: stream moved on after {self._filled[name]} of "
-                            f"{self._total[name]} bytes")
+            raise WireError(
+                f"tensor {name!r}: stream moved on after {self._filled[name]} of {self._total[name]} bytes"
+            )
 
     def finish(self) -> Dict[str, torch.Tensor]:
         """Check the last tensor is complete and return every tensor by name."""

@@ -6,6 +6,7 @@ folder is mapped to the virtual import path ``psproto`` so the generated stubs
 import each other as ``psproto.ps_pb2`` (the folder is installed under that
 name; see pyproject.toml).
 """
+
 import pathlib
 import shutil
 import sys
@@ -18,13 +19,15 @@ def main() -> int:
     from grpc_tools import protoc
 
     with tempfile.TemporaryDirectory() as out:
-        rc = protoc.main([
-            "protoc",
-            f"--proto_path=psproto={HERE}",
-            f"--python_out={out}",
-            f"--grpc_python_out={out}",
-            "psproto/ps.proto",
-        ])
+        rc = protoc.main(
+            [
+                "protoc",
+                f"--proto_path=psproto={HERE}",
+                f"--python_out={out}",
+                f"--grpc_python_out={out}",
+                "psproto/ps.proto",
+            ]
+        )
         if rc != 0:
             return rc
         for name in ("ps_pb2.py", "ps_pb2_grpc.py"):

@@ -8,6 +8,7 @@ tables' tensors (sparse gradients, ids asked ahead) and their rows ride in
 lane 0. Both sides compute the same answer from the pserver's blocks, so it is
 part of the wire protocol, not a choice either side makes alone.
 """
+
 from __future__ import annotations
 
 from typing import Dict, Iterable, List, Sequence, Tuple
@@ -35,7 +36,8 @@ def lane_of_blocks(blocks: Iterable[Tuple[str, int]], lanes: int) -> Dict[str, i
 
 
 def split_by_lane(names: Sequence[str], lane_of: Dict[str, int], lanes: int) -> List[List[int]]:
-    """Positions of ``names`` per lane: a block's where :func:`lane_of_blocks` put it, any other name's in lane 0."""
+    """Positions of ``names`` per lane: a block's where :func:`lane_of_blocks` put it, any other name's in
+    lane 0."""
     out: List[List[int]] = [[] for _ in range(lanes)]
     for i, name in enumerate(names):
         out[lane_of.get(name, 0)].append(i)

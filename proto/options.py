@@ -4,6 +4,7 @@ Both sides bound messages by the chunk size the plan chose (see
 :func:`psproto.codec.message_limit`); securing them (token, TLS) is
 :mod:`psproto.security`.
 """
+
 from __future__ import annotations
 
 from .codec import message_limit
@@ -46,7 +47,9 @@ def pending_call_limits(trainers: int) -> tuple:
     return soft, max(GRPC_PENDING_HARD, 3 * soft)
 
 
-def server_options(chunk_bytes: int, fast_keepalive: bool = False, queue_s: int = 600, trainers: int = 0) -> list:
+def server_options(
+    chunk_bytes: int, fast_keepalive: bool = False, queue_s: int = 600, trainers: int = 0
+) -> list:
     """gRPC options of a pserver: bounded messages, no port sharing, tolerant keepalive, a patient queue.
 
     ``queue_s``: how long a call that reached the server may wait to be taken up by it (gRPC's
@@ -61,15 +64,20 @@ def server_options(chunk_bytes: int, fast_keepalive: bool = False, queue_s: int 
         # Off so a second pserver on the same port fails to bind instead of
         # silently sharing it.
         ("grpc.so_reuseport", 0),
-        ("grpc.http2.min_ping_interval_without_data_ms", FAST_KEEPALIVE_MS // 2 if fast_keepalive else 10_000),
+        (
+            "grpc.http2.min_ping_interval_without_data_ms",
+            FAST_KEEPALIVE_MS // 2 if fast_keepalive else 10_000,
+        ),
         ("grpc.keepalive_permit_without_calls", 1),
         *([("grpc.http2.max_ping_strikes", 0)] if fast_keepalive else []),
-        # The asyncio server takes up arrived calls one per turn of its event loop: a thousand
-        # trainers pushing at once on a busy pserver queue longer than gRPC's 30 s (tests/proto/test_options.py).
+        # The asyncio server takes up arrived calls one per turn of its event loop: a thousand trainers
+        # pushing at once on a busy pserver queue longer than gRPC's 30 s (tests/proto/test_options.py).
         ("grpc.server_max_unrequested_time_in_server", queue_s),
         # ... and a thousand trainers' pushes plus their heartbeats outnumber gRPC's 1,000 waiting calls.
-        *zip(("grpc.server.max_pending_requests", "grpc.server.max_pending_requests_hard_limit"),
-             pending_call_limits(trainers)),
+        *zip(
+            ("grpc.server.max_pending_requests", "grpc.server.max_pending_requests_hard_limit"),
+            pending_call_limits(trainers),
+        ),
     ]
 
 

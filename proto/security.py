@@ -8,6 +8,7 @@ client side opens (secure) channels that send the token on every call. It
 lives here, in the package both roles already depend on, because pserver and
 trainer must never import each other.
 """
+
 from __future__ import annotations
 
 import collections
@@ -24,11 +25,15 @@ import grpc
 log = logging.getLogger(__name__)
 
 # (field, environment variable) of every file path a Security may name.
-_PATH_FIELDS = (("tls_cert", "PS_TLS_CERT"), ("tls_key", "PS_TLS_KEY"), ("tls_ca", "PS_TLS_CA"),
-                ("tls_client_cert", "PS_TLS_CLIENT_CERT"), ("tls_client_key", "PS_TLS_CLIENT_KEY"))
+_PATH_FIELDS = (
+    ("tls_cert", "PS_TLS_CERT"),
+    ("tls_key", "PS_TLS_KEY"),
+    ("tls_ca", "PS_TLS_CA"),
+    ("tls_client_cert", "PS_TLS_CLIENT_CERT"),
+    ("tls_client_key", "PS_TLS_CLIENT_KEY"),
+)
 _HEADER = "authorization"
-_REFUSED = ("missing or wrong auth token; set PS_AUTH_TOKEN or PS_AUTH_TOKEN_FILE "
-            "to the job's token")
+_REFUSED = "missing or wrong auth token; set PS_AUTH_TOKEN or PS_AUTH_TOKEN_FILE to the job's token"
 # At most one refusal log line per client address per this many seconds: a
 # misconfigured trainer retrying in a loop must not flood the pserver's log.
 _LOG_EVERY_S = 10.0
@@ -85,8 +90,7 @@ class Security:
         for a, b in (("tls_cert", "tls_key"), ("tls_client_cert", "tls_client_key")):
             if (getattr(self, a) is None) != (getattr(self, b) is None):
                 have, lack = (a, b) if getattr(self, a) is not None else (b, a)
-                raise ValueError(f"{have} ({var[have]}) is set but {lack} ({var[lack]}) is not; "
-                                 f"give both")
+                raise ValueError(f"{have} ({var[have]}) is set but {lack} ({var[lack]}) is not; give both")
         for name, var in _PATH_FIELDS:
             path = getattr(self, name)
             if path is not None:
@@ -116,8 +120,7 @@ class Security:
             from_file = _read(token_file, "PS_AUTH_TOKEN_FILE").decode("utf-8", "replace").strip()
             _check_token(from_file, f"the token in PS_AUTH_TOKEN_FILE ({token_file})")
             if token is not None and not hmac.compare_digest(token.encode(), from_file.encode()):
-                raise ValueError("PS_AUTH_TOKEN and PS_AUTH_TOKEN_FILE are both set and disagree; "
-                                 "unset one")
+                raise ValueError("PS_AUTH_TOKEN and PS_AUTH_TOKEN_FILE are both set and disagree; unset one")
             token = from_file
         paths = {name: environ.get(var) for name, var in _PATH_FIELDS}
         return cls(token=token, tls_server_name=environ.get("PS_TLS_SERVER_NAME") or None, **paths)
@@ -144,11 +147,14 @@ class Security:
     def check_server(self) -> None:
         """Raise ValueError if a pserver cannot serve with these settings (a CA but no certificate)."""
         if self.tls_ca is not None and not self.tls:
-            raise ValueError("PS_TLS_CA is set but PS_TLS_CERT / PS_TLS_KEY are not: a pserver "
-                             "requiring client certificates needs its own certificate and key")
+            raise ValueError(
+                "PS_TLS_CA is set but PS_TLS_CERT / PS_TLS_KEY are not: a pserver "
+                "requiring client certificates needs its own certificate and key"
+            )
 
     def server_interceptors(self, aio: bool = False) -> List[TokenCheck]:
-        """Interceptors for ``grpc.server(interceptors=...)`` (``aio``: ``grpc.aio.server``): the token check, if set."""
+        """Interceptors for ``grpc.server(interceptors=...)`` (``aio``: ``grpc.aio.server``): the token
+        check, if set."""
         if not self.token:
             return []
         return [AioTokenAuthInterceptor(self.token) if aio else TokenAuthInterceptor(self.token)]
@@ -166,7 +172,9 @@ class Security:
         ca = _read(self.tls_ca, "PS_TLS_CA") if self.tls_ca else None
         creds = grpc.ssl_server_credentials(
             [(_read(self.tls_key, "PS_TLS_KEY"), _read(self.tls_cert, "PS_TLS_CERT"))],
-            root_certificates=ca, require_client_auth=ca is not None)
+            root_certificates=ca,
+            require_client_auth=ca is not None,
+        )
         return server.add_secure_port(endpoint, creds)
 
     # -- client side ---------------------------------------------------------
@@ -177,8 +185,12 @@ class Security:
         # system's roots rather than silently trying plaintext.
         return bool(self.tls_ca or self.tls_client_cert or self.tls_cert)
 
-    def channel(self, endpoint: str, options: Sequence[Tuple[str, object]] = (),
-                metadata: Sequence[Tuple[str, str]] = ()) -> grpc.Channel:
+    def channel(
+        self,
+        endpoint: str,
+        options: Sequence[Tuple[str, object]] = (),
+        metadata: Sequence[Tuple[str, str]] = (),
+    ) -> grpc.Channel:
         """A channel to ``endpoint`` that satisfies a pserver with these settings.
 
         Secure (verifying the server against ``tls_ca``, presenting the client
@@ -192,8 +204,10 @@ class Security:
             creds = grpc.ssl_channel_credentials(
                 root_certificates=_read(self.tls_ca, "PS_TLS_CA") if self.tls_ca else None,
                 private_key=_read(self.tls_client_key, "PS_TLS_CLIENT_KEY") if self.tls_client_key else None,
-                certificate_chain=(_read(self.tls_client_cert, "PS_TLS_CLIENT_CERT")
-                                   if self.tls_client_cert else None))
+                certificate_chain=(
+                    _read(self.tls_client_cert, "PS_TLS_CLIENT_CERT") if self.tls_client_cert else None
+                ),
+            )
             if self.tls_server_name:
                 options.append(("grpc.ssl_target_name_override", self.tls_server_name))
             ch = grpc.secure_channel(endpoint, creds, options=options)
@@ -209,15 +223,23 @@ class Security:
 # -- interceptors --------------------------------------------------------------
 
 
-class _CallDetails(collections.namedtuple(
-        "_CallDetails", ("method", "timeout", "metadata", "credentials", "wait_for_ready", "compression")),
-        grpc.ClientCallDetails):
+class _CallDetails(
+    collections.namedtuple(
+        "_CallDetails", ("method", "timeout", "metadata", "credentials", "wait_for_ready", "compression")
+    ),
+    grpc.ClientCallDetails,
+):
     pass
 
 
-class MetadataClientInterceptor(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
-                                grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
-    """Adds ``entries`` (the token's ``authorization: Bearer <token>``, the trainer id) to every call's metadata."""
+class MetadataClientInterceptor(
+    grpc.UnaryUnaryClientInterceptor,
+    grpc.UnaryStreamClientInterceptor,
+    grpc.StreamUnaryClientInterceptor,
+    grpc.StreamStreamClientInterceptor,
+):
+    """Adds ``entries`` (the token's ``authorization: Bearer <token>``, the trainer id) to every call's
+    metadata."""
 
     def __init__(self, entries: Sequence[Tuple[str, str]]):
         self._entries = list(entries)
@@ -225,8 +247,14 @@ class MetadataClientInterceptor(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStre
 
     def _details(self, d: grpc.ClientCallDetails) -> _CallDetails:
         metadata = [m for m in (d.metadata or ()) if m[0] not in self._keys] + self._entries
-        return _CallDetails(d.method, d.timeout, metadata, d.credentials,
-                            getattr(d, "wait_for_ready", None), getattr(d, "compression", None))
+        return _CallDetails(
+            d.method,
+            d.timeout,
+            metadata,
+            d.credentials,
+            getattr(d, "wait_for_ready", None),
+            getattr(d, "compression", None),
+        )
 
     def intercept_unary_unary(self, continuation, client_call_details, request):
         return continuation(self._details(client_call_details), request)
@@ -246,7 +274,7 @@ class _RefusalLog:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._last = {}        # address -> monotonic time of its last line
+        self._last = {}  # address -> monotonic time of its last line
         self._suppressed = {}  # address -> refusals not logged since
 
     def __call__(self, peer: str, method: str) -> None:
@@ -264,8 +292,12 @@ class _RefusalLog:
                     self._suppressed.pop(a, None)
             self._last[address] = now
             more = self._suppressed.pop(address, 0)
-        log.warning("refused %s from %s: missing or wrong auth token%s", method, peer,
-                    f" ({more} more refused from {address} since the last report)" if more else "")
+        log.warning(
+            "refused %s from %s: missing or wrong auth token%s",
+            method,
+            peer,
+            f" ({more} more refused from {address} since the last report)" if more else "",
+        )
 
 
 class TokenCheck:
@@ -324,6 +356,7 @@ class TokenAuthInterceptor(TokenCheck, grpc.ServerInterceptor):
 
         def refuse(request_or_iterator, context):
             context.abort(grpc.StatusCode.UNAUTHENTICATED, self._refused(context, method))
+
         return self._shaped(handler, refuse)
 
 
@@ -341,4 +374,5 @@ class AioTokenAuthInterceptor(TokenCheck, grpc.aio.ServerInterceptor):
 
         async def refuse(request_or_iterator, context):
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, self._refused(context, method))
+
         return self._shaped(handler, refuse)

@@ -17,6 +17,7 @@ mapping), and it needs no file descriptor passing. Opening another process's
 and the same PID namespace; where either is missing, :func:`map_region`
 refuses and the trainer goes back to sending bytes through gRPC.
 """
+
 from __future__ import annotations
 
 import mmap
@@ -75,8 +76,9 @@ def map_region(pid: int, fd: int, name: str, size: int) -> memoryview:
             raise SharedMemoryError(f"process {pid} belongs to another user")
         opened = os.open(path, os.O_RDWR)
     except OSError as e:
-        raise SharedMemoryError(f"cannot open {path} ({e.strerror}): a trainer on another host or in another "
-                                f"PID namespace") from None
+        raise SharedMemoryError(
+            f"cannot open {path} ({e.strerror}): a trainer on another host or in another PID namespace"
+        ) from None
     try:
         # Checked on what was opened: a reused fd number names another file.
         if os.readlink(f"/proc/self/fd/{opened}") != f"/memfd:{name} (deleted)":

@@ -6,6 +6,7 @@ travel as :mod:`psproto.codec` encodes them; a request (or answer) of at most
 :data:`~psproto.codec.ONE_MESSAGE_BYTES` of tensor data may go as one message
 (:func:`one_message`) instead of a stream of chunks.
 """
+
 from __future__ import annotations
 
 from typing import Optional, Sequence, Tuple
@@ -19,14 +20,15 @@ __all__ = ["SERVICE", "METHODS", "ONE_MESSAGE_BYTES", "TRAINER_METADATA", "metho
 
 SERVICE = ps_pb2.DESCRIPTOR.services_by_name["ParameterServer"].full_name
 METHODS = frozenset(m.name for m in ps_pb2.DESCRIPTOR.services_by_name["ParameterServer"].methods)
-# The metadata key every trainer call carries "<trainer id>:<incarnation>" under: the pserver notes the call as
-# a sign of life of the process holding the id's session on arrival, before it waits for a handler thread
+# The metadata key every trainer call carries "<trainer id>:<incarnation>" under: the pserver notes the call
+# as a sign of life of the process holding the id's session on arrival, before it waits for a handler thread
 # (pserver/rpc/arrival.py).
 TRAINER_METADATA = "ps-trainer"
 
 
 def method_path(name: str) -> str:
-    """``/<service>/<name>``: the path a call to method ``name`` goes to; KeyError for a method ps.proto lacks."""
+    """``/<service>/<name>``: the path a call to method ``name`` goes to; KeyError for a method ps.proto
+    lacks."""
     if name not in METHODS:
         raise KeyError(f"{SERVICE} has no method {name!r} (ps.proto defines {sorted(METHODS)})")
     return f"/{SERVICE}/{name}"

@@ -5,6 +5,7 @@ renamed over the target; directories are fsynced after renames so the new
 name survives a crash. Table shard files (:mod:`pserver.tables.files`) and
 checkpoints (:mod:`pserver.checkpoint`) are both written through here.
 """
+
 from __future__ import annotations
 
 import contextlib

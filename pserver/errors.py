@@ -5,6 +5,7 @@ layer turns them into gRPC status codes (the ``STATUS`` table of
 :mod:`pserver.rpc.prologue`), so nothing below the servicer depends on the transport. Any other
 exception reaching the servicer is a bug and is answered INTERNAL.
 """
+
 from __future__ import annotations
 
 

@@ -7,6 +7,7 @@ switch a hot standby's backup keeps off); the engine; what requests may carry
 (:class:`~pserver.engine.Contents`); with replicas, the
 :class:`~pserver.replication.replica.Replica`; and the servicer over them.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -26,22 +27,31 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from psproto.options import server_options
+from psproto.security import Security, TokenCheck
 from psproto.wire import SERVICE as SERVICE_NAME
 from transpiler import PserverProgram, StartupProgram
-from psproto.security import Security, TokenCheck
 
 from .checkpoint import Checkpointer
-from .engine import (AsyncEngine, Contents, FileWrites, Reductions, Replication, ScheduledCheckpoints,
-                     ScheduledExports, StepClaims, SyncEngine)
+from .engine import (
+    AsyncEngine,
+    Contents,
+    FileWrites,
+    Reductions,
+    Replication,
+    ScheduledCheckpoints,
+    ScheduledExports,
+    StepClaims,
+    SyncEngine,
+)
 from .errors import LostLead
 from .ops.health import HealthPort
 from .ops.metrics import MetricsServer, PserverCollector
 from .ops.ports import SidePorts, split_host
 from .rpc import PserverServicer
-from .rpc.arrival import ArrivalInterceptor, CallsInProgress
 from .rpc.aio import Parking
-from .rpc.stretches import Stretches, stretch_place
+from .rpc.arrival import ArrivalInterceptor, CallsInProgress
 from .rpc.sessions import Incarnation
+from .rpc.stretches import Stretches, stretch_place
 from .store import BlockStore
 from .tables import TableSet
 from .tables.serving.exporter import TableExporter
@@ -71,8 +81,13 @@ class ParameterServer:
     bound (None: off).
     """
 
-    def __init__(self, program: PserverProgram, startup: Optional[StartupProgram] = None,
-                 tables_from: Optional[str] = None, security: Optional[Security] = None):
+    def __init__(
+        self,
+        program: PserverProgram,
+        startup: Optional[StartupProgram] = None,
+        tables_from: Optional[str] = None,
+        security: Optional[Security] = None,
+    ):
         if not isinstance(program, PserverProgram):
             raise TypeError(f"program must be a PserverProgram, got {type(program).__name__}")
         # Resolved first: a bad token or certificate setting fails before any state is built.
@@ -86,15 +101,34 @@ class ParameterServer:
         self.health_port: Optional[int] = None
         store = BlockStore(program, startup)
         tables = TableSet(program, tables_from)
-        checkpointer = None if cfg.checkpoint_dir is None else Checkpointer(
-            cfg.checkpoint_dir, store, tables, program.shard, len(program.pservers), program.endpoint,
-            program.sync_mode, every=cfg.checkpoint_every, keep=cfg.checkpoint_keep)
+        checkpointer = (
+            None
+            if cfg.checkpoint_dir is None
+            else Checkpointer(
+                cfg.checkpoint_dir,
+                store,
+                tables,
+                program.shard,
+                len(program.pservers),
+                program.endpoint,
+                program.sync_mode,
+                every=cfg.checkpoint_every,
+                keep=cfg.checkpoint_keep,
+            )
+        )
         # Until it leads, a replica writes no checkpoint and no export: its primary does.
         self.files = FileWrites(on=not program.replicated)
         self.exporter: Optional[TableExporter] = None
         if cfg.export_dir is not None and (cfg.export_every or cfg.export_every_seconds) and tables:
-            self.exporter = TableExporter(tables, cfg.export_dir, cfg.export_every, cfg.export_base_every,
-                                          cfg.export_keep_bases, cfg.export_every_seconds, program.sync_mode)
+            self.exporter = TableExporter(
+                tables,
+                cfg.export_dir,
+                cfg.export_every,
+                cfg.export_base_every,
+                cfg.export_keep_bases,
+                cfg.export_every_seconds,
+                program.sync_mode,
+            )
         # The backup first learns of each change, then the files are written.
         replication = Replication() if program.replicated else None
         listeners = [replication] if replication is not None else []
@@ -106,32 +140,55 @@ class ParameterServer:
         # set changes: each needs the other, so the service, built first, asks self.engine (set just
         # below) only when a trainer calls. A trainer whose Reduce waits is alive to the engine, and
         # heard from when its round ends.
-        self.reductions = Reductions(self.endpoint, cfg.barrier_timeout, expected=lambda: self.engine.live(),
-                                     admit=lambda trainer_id: self.engine.check_live(trainer_id),
-                                     released=lambda trainer_id: self.engine.touch(trainer_id))
+        self.reductions = Reductions(
+            self.endpoint,
+            cfg.barrier_timeout,
+            expected=lambda: self.engine.live(),
+            admit=lambda trainer_id: self.engine.check_live(trainer_id),
+            released=lambda trainer_id: self.engine.touch(trainer_id),
+        )
         # A trainer with a call still being served (a push's answer made and sent after its step applied,
         # a heartbeat waiting for a pool thread) is alive to the engine too, and heard from when it ends.
         self._serving = CallsInProgress(self._arrived, program.trainers, holds=self._holds)
         args = (store, tables, program.trainers, program.endpoint, cfg.barrier_timeout, checkpointer)
-        # Backup trainers: the first pserver decides each sync step's trainers (claims wait like Reduce rounds).
+        # Backup trainers: the first pserver decides each sync step's trainers (claims wait like Reduce
+        # rounds).
         self.claims: Optional[StepClaims] = None
-        parts = dict(listeners=listeners, on_wait=self._observe_barrier_wait, on_roster_change=self._roster_changed,
-                     held_elsewhere=lambda: self.reductions.parked_trainers() | self._serving.trainers()
-                     | (self.claims.parked_trainers() if self.claims is not None else set()))
+        parts = dict(
+            listeners=listeners,
+            on_wait=self._observe_barrier_wait,
+            on_roster_change=self._roster_changed,
+            held_elsewhere=lambda: (
+                self.reductions.parked_trainers()
+                | self._serving.trainers()
+                | (self.claims.parked_trainers() if self.claims is not None else set())
+            ),
+        )
         if program.sync_mode:
             self.engine = SyncEngine(*args, **parts)
         else:
             self.engine = AsyncEngine(*args, max_staleness=cfg.max_staleness, **parts)
         if cfg.backup_trainers and program.sync_mode and program.shard == 0:
-            self.claims = StepClaims(self.endpoint, program.trainers, cfg.backup_trainers, cfg.barrier_timeout,
-                                     live=self.engine.live, applied=lambda: self.engine.updates,
-                                     admit=self.engine.check_live, rollbacks=self.engine.rollbacks,
-                                     released=self.engine.touch)
+            self.claims = StepClaims(
+                self.endpoint,
+                program.trainers,
+                cfg.backup_trainers,
+                cfg.barrier_timeout,
+                live=self.engine.live,
+                applied=lambda: self.engine.updates,
+                admit=self.engine.check_live,
+                rollbacks=self.engine.rollbacks,
+                released=self.engine.touch,
+            )
         if checkpointer is not None:
             if self.engine.resume():
-                log.info("pserver %s resumes from the checkpoint at step %d under %s%s", self.endpoint,
-                         self.engine.updates, cfg.checkpoint_dir,
-                         " (tables_from is ignored)" if tables_from else "")
+                log.info(
+                    "pserver %s resumes from the checkpoint at step %d under %s%s",
+                    self.endpoint,
+                    self.engine.updates,
+                    cfg.checkpoint_dir,
+                    " (tables_from is ignored)" if tables_from else "",
+                )
         self._server: Optional[grpc.aio.Server] = None
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._loop_thread: Optional[threading.Thread] = None
@@ -152,15 +209,29 @@ class ParameterServer:
         # Where parked calls' CPU stretches run: on the event loop where nothing in them blocks.
         on_loop, why = stretch_place(program)
         self.stretches = Stretches(on_loop)
-        log.info("pserver %s: parked calls' stretches run %s (%s)", self.endpoint,
-                 "on the event loop" if on_loop else "in the handler pool", why)
-        self.servicer = PserverServicer(self.engine, Contents(store, tables), self.reductions, program.layout_digest,
-                                        cfg.chunk_bytes, alive_window=cfg.session_alive_window,
-                                        allow_nonfinite=cfg.nonfinite_grads == "apply", replica=self.replica,
-                                        incarnation=incarnation, stretches=self.stretches, claims=self.claims)
+        log.info(
+            "pserver %s: parked calls' stretches run %s (%s)",
+            self.endpoint,
+            "on the event loop" if on_loop else "in the handler pool",
+            why,
+        )
+        self.servicer = PserverServicer(
+            self.engine,
+            Contents(store, tables),
+            self.reductions,
+            program.layout_digest,
+            cfg.chunk_bytes,
+            alive_window=cfg.session_alive_window,
+            allow_nonfinite=cfg.nonfinite_grads == "apply",
+            replica=self.replica,
+            incarnation=incarnation,
+            stretches=self.stretches,
+            claims=self.claims,
+        )
 
     def _roster_changed(self) -> None:
-        """The engine's live trainers may have changed (or it rolled back): the waiting rounds and claims look again."""
+        """The engine's live trainers may have changed (or it rolled back): the waiting rounds and claims
+        look again."""
         self.reductions.roster_changed()
         if self.claims is not None:
             self.claims.roster_changed()
@@ -170,13 +241,23 @@ class ParameterServer:
         from .replication.etcd import EtcdCoordinator
         from .replication.replica import Replica
         from .rpc.replica_link import ReplicaLink
+
         cfg = program.config
         prefix = (cfg.coordinator_prefix or f"/torch-pserver/{program.layout_digest}").rstrip("/")
-        coordinator = EtcdCoordinator(cfg.coordinator, prefix, program.shard, secrets.token_hex(8),
-                                      ttl=cfg.replica_lease_ttl)
+        coordinator = EtcdCoordinator(
+            cfg.coordinator, prefix, program.shard, secrets.token_hex(8), ttl=cfg.replica_lease_ttl
+        )
         self._link = ReplicaLink(self.security, cfg.chunk_bytes)
-        return Replica(self.engine, program, coordinator, self._link, replication, self.files,
-                       on_lineage=incarnation.adopt, on_fenced=self._on_fenced)
+        return Replica(
+            self.engine,
+            program,
+            coordinator,
+            self._link,
+            replication,
+            self.files,
+            on_lineage=incarnation.adopt,
+            on_fenced=self._on_fenced,
+        )
 
     def _on_fenced(self) -> None:
         self.fenced = True
@@ -199,10 +280,8 @@ class ParameterServer:
             self._health_port.serving()
         if self.replica is not None:
             self.replica.start()
-        threading.Thread(target=self._watch_trainers, daemon=True,
-                         name="pserver-watch").start()
-        threading.Thread(target=self._watch_heartbeats, daemon=True,
-                         name="pserver-heartbeats").start()
+        threading.Thread(target=self._watch_trainers, daemon=True, name="pserver-watch").start()
+        threading.Thread(target=self._watch_heartbeats, daemon=True, name="pserver-heartbeats").start()
         return self
 
     def _start_side_ports(self) -> None:
@@ -211,15 +290,23 @@ class ParameterServer:
         if self.side_ports.health is not None:
             self._health_port = HealthPort(host, self.side_ports.health, ("", SERVICE_NAME))
             self.health_port = self._health_port.start()
-            log.info("pserver %s: health port %d on %s (grpc.health.v1 only, plaintext, no auth token)",
-                     self.endpoint, self.health_port, host)
+            log.info(
+                "pserver %s: health port %d on %s (grpc.health.v1 only, plaintext, no auth token)",
+                self.endpoint,
+                self.health_port,
+                host,
+            )
         if self.side_ports.metrics is not None:
             auth = next((i for i in self._interceptors if isinstance(i, TokenCheck)), None)
             collector = PserverCollector(self.servicer, self.program.shard, len(self.program.pservers), auth)
             self._metrics = MetricsServer(collector, self.endpoint)
             self.metrics_port = self._metrics.start(host, self.side_ports.metrics)
-            log.info("pserver %s: Prometheus metrics at http://%s:%d/metrics", self.endpoint,
-                     f"[{host}]" if ":" in host else host, self.metrics_port)
+            log.info(
+                "pserver %s: Prometheus metrics at http://%s:%d/metrics",
+                self.endpoint,
+                f"[{host}]" if ":" in host else host,
+                self.metrics_port,
+            )
 
     def _stop_side_ports(self) -> None:
         if self._health_port is not None:
@@ -256,32 +343,49 @@ class ParameterServer:
         self._server = self._on_loop(self._serve_main(cfg))
         log.info("pserver %s: %s", self.endpoint, self.security.describe(server=True))
         if self.security.token and not self.security.tls:
-            log.warning("pserver %s: the auth token travels in plaintext; set PS_TLS_CERT and "
-                        "PS_TLS_KEY to encrypt it", self.endpoint)
-        log.info("pserver %s serving %d blocks (%s bytes) and shard %d/%d of %d tables, %s mode, "
-                 "%d trainers (%d handler threads)", self.endpoint, len(self.program.blocks),
-                 f"{self.engine.store.nbytes:,}", self.program.shard, len(self.program.pservers),
-                 len(self.program.tables), "sync" if self.program.sync_mode else "async",
-                 self.program.trainers, workers)
+            log.warning(
+                "pserver %s: the auth token travels in plaintext; set PS_TLS_CERT and "
+                "PS_TLS_KEY to encrypt it",
+                self.endpoint,
+            )
+        log.info(
+            "pserver %s serving %d blocks (%s bytes) and shard %d/%d of %d tables, %s mode, "
+            "%d trainers (%d handler threads)",
+            self.endpoint,
+            len(self.program.blocks),
+            f"{self.engine.store.nbytes:,}",
+            self.program.shard,
+            len(self.program.pservers),
+            len(self.program.tables),
+            "sync" if self.program.sync_mode else "async",
+            self.program.trainers,
+            workers,
+        )
 
     def _on_loop(self, coroutine, timeout: Optional[float] = None):
         """Run ``coroutine`` on the server's event loop and wait for its result."""
         return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result(timeout)
 
     async def _serve_main(self, cfg) -> grpc.aio.Server:
-        """On the loop: build, bind and start the asyncio server; OSError naming the address if it cannot bind."""
-        server = grpc.aio.server(migration_thread_pool=self._pool,
-                                 options=server_options(cfg.chunk_bytes, fast_keepalive=self.program.replicated,
-                                                        queue_s=math.ceil(cfg.barrier_timeout + cfg.rpc_timeout),
-                                                        trainers=self.program.trainers),
-                                 interceptors=[*self._interceptors,
-                                               ArrivalInterceptor(self._arrived, self.program.trainers)])
+        """On the loop: build, bind and start the asyncio server; OSError naming the address if it cannot
+        bind."""
+        server = grpc.aio.server(
+            migration_thread_pool=self._pool,
+            options=server_options(
+                cfg.chunk_bytes,
+                fast_keepalive=self.program.replicated,
+                queue_s=math.ceil(cfg.barrier_timeout + cfg.rpc_timeout),
+                trainers=self.program.trainers,
+            ),
+            interceptors=[*self._interceptors, ArrivalInterceptor(self._arrived, self.program.trainers)],
+        )
         self.stretches.bind(asyncio.get_running_loop())
         self.servicer.add_to_server(server, Parking(self._pool, self.stretches, self._serving).adapt)
         self._health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         reflection.enable_server_reflection(
-            (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+            (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+        )
         try:
             port = self.security.add_port(server, self.endpoint)
         except RuntimeError as e:
@@ -290,8 +394,10 @@ class ParameterServer:
             detail = "bind returned port 0"
         if port == 0:
             await server.stop(None)
-            raise OSError(f"pserver cannot bind {self.endpoint} ({detail}); is the port in use "
-                          f"or the address not on this host?")
+            raise OSError(
+                f"pserver cannot bind {self.endpoint} ({detail}); is the port in use "
+                f"or the address not on this host?"
+            )
         await server.start()
         for service in ("", SERVICE_NAME):
             await self._health.set(service, health_pb2.HealthCheckResponse.SERVING)
@@ -312,11 +418,13 @@ class ParameterServer:
             self._pool = None
 
     def _holds(self, trainer_id: int, incarnation: int) -> bool:
-        """Whether ``trainer_id``'s process ``incarnation`` holds the id's session (not a newcomer, nor a fenced one)."""
+        """Whether ``trainer_id``'s process ``incarnation`` holds the id's session (not a newcomer, nor a
+        fenced one)."""
         return self.servicer.sessions.incarnation(trainer_id) == incarnation
 
     def _arrived(self, trainer_id: int, incarnation: int) -> None:
-        """A call of ``trainer_id``'s process ``incarnation`` arrived: a sign of life if it holds the id's session."""
+        """A call of ``trainer_id``'s process ``incarnation`` arrived: a sign of life if it holds the id's
+        session."""
         if self._holds(trainer_id, incarnation):
             self.engine.touch(trainer_id)
 
@@ -392,10 +500,11 @@ class ParameterServer:
         self.start()
         previous = {}
         if threading.current_thread() is threading.main_thread():
+
             def on_signal(signum, frame):
-                log.info("pserver %s: %s received, shutting down", self.endpoint,
-                         signal.Signals(signum).name)
+                log.info("pserver %s: %s received, shutting down", self.endpoint, signal.Signals(signum).name)
                 self._finished.set()
+
             for sig in (signal.SIGTERM, signal.SIGINT):
                 previous[sig] = signal.signal(sig, on_signal)
         try:
@@ -410,8 +519,10 @@ class ParameterServer:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
         if self.fenced:
-            raise LostLead(f"pserver {self.endpoint} lost the lead of shard {self.program.shard} and stopped; "
-                           f"start it again to rejoin as the backup")
+            raise LostLead(
+                f"pserver {self.endpoint} lost the lead of shard {self.program.shard} and stopped; "
+                f"start it again to rejoin as the backup"
+            )
 
     def __enter__(self) -> "ParameterServer":
         return self.start()

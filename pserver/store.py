@@ -1,14 +1,14 @@
 """BlockStore: one pserver's parameter blocks and the torch optimizer that updates them."""
+
 from __future__ import annotations
 
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
+from psproto.dtypes import DTYPES
 from transpiler import PserverProgram, StartupProgram
 from transpiler.optim import LrSchedule
-from psproto.dtypes import DTYPES
-
 from transpiler.placement import cut_block
 
 
@@ -31,15 +31,18 @@ class BlockStore:
         self.blocks: Dict[str, torch.Tensor] = {}
         initial = startup.tensors if startup is not None else {}
         if startup is not None and startup.endpoint != program.endpoint:
-            raise ValueError(f"startup program is for {startup.endpoint}, "
-                             f"the pserver program for {program.endpoint}")
+            raise ValueError(
+                f"startup program is for {startup.endpoint}, the pserver program for {program.endpoint}"
+            )
         for name, spec in self.specs.items():
             dtype = DTYPES[spec.dtype]
             if name in initial:
                 value = initial[name]
                 if list(value.shape) != list(spec.shape) or value.dtype != dtype:
-                    raise ValueError(f"startup value of {name} is {value.dtype} {list(value.shape)}, "
-                                     f"the plan says {dtype} {spec.shape}")
+                    raise ValueError(
+                        f"startup value of {name} is {value.dtype} {list(value.shape)}, "
+                        f"the plan says {dtype} {spec.shape}"
+                    )
                 block = value.detach().clone().contiguous()
             elif startup is not None:
                 raise ValueError(f"startup program has no value for block {name}")
@@ -50,8 +53,9 @@ class BlockStore:
         # their models (Local SGD's averaging, each trainer on its own clock); a plain sum would take
         # ``trainers`` optimizer steps' worth per window and diverge at the learning rate of one.
         self.geo_scale: Optional[float] = 1.0 / program.trainers if program.config.k_steps else None
-        self.optimizer = (program.optimizer.build(self.blocks.values())
-                          if self.blocks and self.geo_scale is None else None)
+        self.optimizer = (
+            program.optimizer.build(self.blocks.values()) if self.blocks and self.geo_scale is None else None
+        )
         self.schedule = LrSchedule(program.optimizer)
 
     def expect(self, name: str) -> Optional[Tuple[str, List[int]]]:
@@ -64,10 +68,11 @@ class BlockStore:
         return sum(b.numel() * b.element_size() for b in self.blocks.values())
 
     def apply(self, grads: Dict[str, torch.Tensor], step: int) -> None:
-        """One optimizer step on the blocks in ``grads`` with the lr of ``step`` (GEO: add the deltas, scaled).
+        """One optimizer step on the blocks in ``grads`` with the lr of ``step`` (GEO: add the deltas,
+        scaled).
 
-        Blocks absent from ``grads`` keep ``grad=None`` and are skipped by
-        torch, as a parameter without gradient is in single-process training.
+        Blocks absent from ``grads`` keep ``grad=None`` and are skipped by torch, as a parameter without
+        gradient is in single-process training.
         """
         if not grads:
             return
@@ -97,10 +102,13 @@ class BlockStore:
         for name, block in self.blocks.items():
             spec = self.specs[name]
             state = opt_state.get(block, {})
-            out[name] = {"param": spec.param, "row_start": spec.row_start, "row_end": spec.row_end,
-                         "value": block.detach().clone(),
-                         "state": {k: (v.detach().clone() if torch.is_tensor(v) else v)
-                                   for k, v in state.items()}}
+            out[name] = {
+                "param": spec.param,
+                "row_start": spec.row_start,
+                "row_end": spec.row_end,
+                "value": block.detach().clone(),
+                "state": {k: (v.detach().clone() if torch.is_tensor(v) else v) for k, v in state.items()},
+            }
         return out
 
     def restore(self, saved: Dict[str, list]) -> None:
@@ -116,7 +124,9 @@ class BlockStore:
             except RuntimeError as e:  # the saved rows do not reshape to this block
                 raise ValueError(f"checkpoint does not fit block {name}: {e}") from None
             if value.dtype != self.blocks[name].dtype:
-                raise ValueError(f"checkpoint holds {spec.param} as {value.dtype}, the plan says {spec.dtype}")
+                raise ValueError(
+                    f"checkpoint holds {spec.param} as {value.dtype}, the plan says {spec.dtype}"
+                )
             values[name] = (value, state)
         with torch.no_grad():
             for name, (value, state) in values.items():

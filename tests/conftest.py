@@ -1,4 +1,5 @@
 """Fixtures shared by the test modules."""
+
 from __future__ import annotations
 
 from typing import List
@@ -17,6 +18,7 @@ def job_factory(tmp_path):
     def make(**kwargs) -> Job:
         jobs.append(Job(tmp_path, **kwargs))
         return jobs[-1]
+
     yield make
     for job in jobs:
         job.close()
@@ -24,7 +26,8 @@ def job_factory(tmp_path):
 
 @pytest.fixture
 def probe_dir(tmp_path, monkeypatch):
-    """A directory the launcher tests' probe scripts report to; every probe still alive at teardown is killed."""
+    """A directory the launcher tests' probe scripts report to; every probe still alive at teardown is
+    killed."""
     d = tmp_path / "probe"
     d.mkdir()
     monkeypatch.setenv("PROBE_DIR", str(d))
@@ -50,8 +53,9 @@ def criteo_file(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def ctr_sync_job(tmp_path_factory, criteo_file):
-    """The CTR example's sync run under ps-launch, once: tests/examples/test_ctr_example.py checks its training and
-    files, tests/launch/test_console.py its console (each job costs four processes importing torch)."""
+    """The CTR example's sync run under ps-launch, once: tests/examples/test_ctr_example.py checks its
+    training and files, tests/launch/test_console.py its console (each job costs four processes importing
+    torch)."""
     from tests.helpers.ctr_job import run_ctr_job
 
     return run_ctr_job(tmp_path_factory.mktemp("ctr_sync"), criteo_file, "sync")

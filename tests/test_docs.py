@@ -7,6 +7,7 @@ every repository path a page mentions exists, every dotted name it writes in bac
 getattr, docs/configuration.md is what ``python -m transpiler config-reference`` prints now, and
 the README stays a newcomer's ten minutes.
 """
+
 from __future__ import annotations
 
 import ast
@@ -33,15 +34,23 @@ PACKAGES = ("trainer", "pserver", "psproto", "transpiler")
 SOURCE_DIRS = {"trainer": "trainer", "pserver": "pserver", "psproto": "proto", "transpiler": "transpiler"}
 # Short names the docs use for public classes and modules: `Trainer.step` means trainer.Trainer.step.
 ALIASES = {
-    "Trainer": "trainer.Trainer", "PserverTrainer": "trainer.PserverTrainer",
-    "CollectiveTrainer": "trainer.CollectiveTrainer", "PserverError": "trainer.PserverError",
-    "job_metrics": "trainer.job_metrics", "ParameterServer": "pserver.ParameterServer",
-    "Program": "transpiler.Program", "DistributeTranspiler": "transpiler.DistributeTranspiler",
+    "Trainer": "trainer.Trainer",
+    "PserverTrainer": "trainer.PserverTrainer",
+    "CollectiveTrainer": "trainer.CollectiveTrainer",
+    "PserverError": "trainer.PserverError",
+    "job_metrics": "trainer.job_metrics",
+    "ParameterServer": "pserver.ParameterServer",
+    "Program": "transpiler.Program",
+    "DistributeTranspiler": "transpiler.DistributeTranspiler",
     "DistributeTranspilerConfig": "transpiler.DistributeTranspilerConfig",
-    "TableOptions": "transpiler.TableOptions", "TableLifecycle": "transpiler.TableLifecycle",
-    "RoleEnv": "transpiler.RoleEnv", "Position": "transpiler.Position",
-    "PserverProgram": "transpiler.PserverProgram", "StartupProgram": "transpiler.StartupProgram",
-    "TrainerProgram": "transpiler.TrainerProgram", "Security": "psproto.security.Security",
+    "TableOptions": "transpiler.TableOptions",
+    "TableLifecycle": "transpiler.TableLifecycle",
+    "RoleEnv": "transpiler.RoleEnv",
+    "Position": "transpiler.Position",
+    "PserverProgram": "transpiler.PserverProgram",
+    "StartupProgram": "transpiler.StartupProgram",
+    "TrainerProgram": "transpiler.TrainerProgram",
+    "Security": "psproto.security.Security",
 }
 # Instances the examples name: `tr.step` is a method of one of the trainers, `env.rank` of RoleEnv.
 INSTANCES = {
@@ -49,7 +58,17 @@ INSTANCES = {
     "env": ("transpiler.RoleEnv",),
 }
 # Top-level folders whose paths a page may name: `pserver/engine/sync.py`, deploy/slurm/train.sbatch.
-PATH_ROOTS = ("trainer", "pserver", "proto", "transpiler", "tests", "benchmarks", "examples", "deploy", "docs")
+PATH_ROOTS = (
+    "trainer",
+    "pserver",
+    "proto",
+    "transpiler",
+    "tests",
+    "benchmarks",
+    "examples",
+    "deploy",
+    "docs",
+)
 # A path: a root, then nothing (the folder) or at least two characters ("examples/s" is a unit).
 PATH = re.compile(r"(?<![\w/.-])(?:" + "|".join(PATH_ROOTS) + r")/(?:[\w./-]*[\w/]{2}|(?!\w))")
 FENCE = re.compile(r"^\s*```")
@@ -163,10 +182,18 @@ def instance_attributes(cls: type) -> frozenset:
             continue
         tree = ast.parse(textwrap.dedent(inspect.getsource(base)))
         for node in ast.walk(tree):
-            targets = node.targets if isinstance(node, ast.Assign) else \
-                [node.target] if isinstance(node, (ast.AnnAssign, ast.AugAssign)) else []
-            names |= {t.attr for t in targets if isinstance(t, ast.Attribute)
-                      and isinstance(t.value, ast.Name) and t.value.id == "self"}
+            targets = (
+                node.targets
+                if isinstance(node, ast.Assign)
+                else [node.target]
+                if isinstance(node, (ast.AnnAssign, ast.AugAssign))
+                else []
+            )
+            names |= {
+                t.attr
+                for t in targets
+                if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self"
+            }
     return frozenset(names)
 
 
@@ -247,33 +274,39 @@ def test_every_name_a_page_writes_exists(page):
     assert wrong == [], f"{page.name} names what the code does not have:\n" + "\n".join(wrong)
 
 
-@pytest.mark.parametrize("dotted, ok", [
-    ("trainer.PserverError", True),
-    ("Trainer.step", True),
-    ("RoleEnv.from_env", True),
-    ("DistributeTranspilerConfig.checkpoint_dir", True),
-    ("transpiler.tables.initial_rows", True),
-    ("TableSet.apply_mean", False),          # the README's walk named it after it was gone
-    ("Trainer.no_such_method", False),
-    ("transpiler.no_such_module", False),
-    ("NoSuchClass.method", False),
-    ("tr.step", True),                       # tr: a trainer of the examples
-    ("tr.model", True),                      # set in __init__
-    ("tr.no_such_method", False),
-    ("env.rank", True),
-    ("model.load_state_dict", True),         # not ours: not checked
-])
+@pytest.mark.parametrize(
+    "dotted, ok",
+    [
+        ("trainer.PserverError", True),
+        ("Trainer.step", True),
+        ("RoleEnv.from_env", True),
+        ("DistributeTranspilerConfig.checkpoint_dir", True),
+        ("transpiler.tables.initial_rows", True),
+        ("TableSet.apply_mean", False),  # the README's walk named it after it was gone
+        ("Trainer.no_such_method", False),
+        ("transpiler.no_such_module", False),
+        ("NoSuchClass.method", False),
+        ("tr.step", True),  # tr: a trainer of the examples
+        ("tr.model", True),  # set in __init__
+        ("tr.no_such_method", False),
+        ("env.rank", True),
+        ("model.load_state_dict", True),  # not ours: not checked
+    ],
+)
 def test_the_names_check_itself(dotted, ok):
     assert (name_problem(dotted) is None) == ok
 
 
-@pytest.mark.parametrize("heading, slug", [
-    ("Collective mode (nccl2): DDP, no pservers", "collective-mode-nccl2-ddp-no-pservers"),
-    ("Launching a job: `ps-launch`", "launching-a-job-ps-launch"),
-    ("Environment variables (one script, every role)", "environment-variables-one-script-every-role"),
-    ("A sync step, file by file", "a-sync-step-file-by-file"),
-    ("max_rows and ram_rows", "max_rows-and-ram_rows"),
-])
+@pytest.mark.parametrize(
+    "heading, slug",
+    [
+        ("Collective mode (nccl2): DDP, no pservers", "collective-mode-nccl2-ddp-no-pservers"),
+        ("Launching a job: `ps-launch`", "launching-a-job-ps-launch"),
+        ("Environment variables (one script, every role)", "environment-variables-one-script-every-role"),
+        ("A sync step, file by file", "a-sync-step-file-by-file"),
+        ("max_rows and ram_rows", "max_rows-and-ram_rows"),
+    ],
+)
 def test_github_slugs(heading, slug):
     assert github_slug(heading) == slug
 
@@ -281,11 +314,13 @@ def test_github_slugs(heading, slug):
 def test_configuration_reference_is_current():
     committed = (REPO / "docs" / "configuration.md").read_text()
     assert committed == config_reference(), (
-        "docs/configuration.md is stale: run `python -m transpiler config-reference > docs/configuration.md`")
+        "docs/configuration.md is stale: run `python -m transpiler config-reference > docs/configuration.md`"
+    )
 
 
 def test_the_command_prints_the_reference(capsys):
     from transpiler.__main__ import main
+
     assert main(["config-reference"]) == 0
     assert capsys.readouterr().out == config_reference()
 
@@ -305,6 +340,7 @@ def test_an_undocumented_field_is_an_error():
         - ``a``: documented.
         - ``gone``: a field that no longer exists.
         """
+
         a: int = 1
         b: int = 2
 
@@ -315,8 +351,9 @@ def test_an_undocumented_field_is_an_error():
 def test_the_environment_variables_the_reference_lists_are_read_by_the_code():
     listed = set(re.findall(r"^\| `(PS_[A-Z_]+)` \|", config_reference(), re.MULTILINE))
     assert listed, "the reference lists no environment variables"
-    source = "".join(p.read_text() for d in SOURCE_DIRS.values() for p in (REPO / d).rglob("*.py")
-                     if p.name != "config.py")
+    source = "".join(
+        p.read_text() for d in SOURCE_DIRS.values() for p in (REPO / d).rglob("*.py") if p.name != "config.py"
+    )
     assert sorted(v for v in listed if f'"{v}"' not in source) == []
 
 

@@ -1,4 +1,5 @@
 """The layout's rules, checked on the source: which package may import which."""
+
 import ast
 import pathlib
 import subprocess
@@ -26,12 +27,15 @@ def imported_roots(package: str):
     return found
 
 
-@pytest.mark.parametrize("package, forbidden", [
-    ("trainer", {"pserver"}),
-    ("pserver", {"trainer"}),
-    ("transpiler", {"grpc", "grpc_health", "grpc_reflection", "pserver", "trainer"}),
-    ("proto", {"pserver", "trainer", "transpiler"}),
-])
+@pytest.mark.parametrize(
+    "package, forbidden",
+    [
+        ("trainer", {"pserver"}),
+        ("pserver", {"trainer"}),
+        ("transpiler", {"grpc", "grpc_health", "grpc_reflection", "pserver", "trainer"}),
+        ("proto", {"pserver", "trainer", "transpiler"}),
+    ],
+)
 def test_packages_import_only_what_the_layout_allows(package, forbidden):
     assert sorted((path, name) for path, name in imported_roots(package) if name in forbidden) == []
 
@@ -72,29 +76,46 @@ TRAINER_GRPC_ALLOWED = ("trainer/transport/", "trainer/launch/plan.py")
 
 
 def test_in_trainer_only_the_transport_speaks_grpc_and_reads_status_codes():
-    """Recovery, node groups and steppers decide on trainer/errors.py's kinds; the transport maps codes to them."""
+    """Recovery, node groups and steppers decide on trainer/errors.py's kinds; the transport maps codes to
+    them."""
     importers = grpc_importers("trainer")
     assert "trainer/transport/status_codes.py" in importers  # the check sees imports at all
-    assert sorted(p for p in importers if p.startswith(("trainer/recovery/", "trainer/node/", "trainer/errors"))) == []
+    assert (
+        sorted(p for p in importers if p.startswith(("trainer/recovery/", "trainer/node/", "trainer/errors")))
+        == []
+    )
     assert sorted(p for p in importers if not p.startswith(TRAINER_GRPC_ALLOWED)) == []
 
 
 def test_importing_every_transpiler_module_loads_no_grpc():
     modules = sorted(p.stem for p in (REPO / "transpiler").glob("*.py") if p.stem != "__init__")
-    code = ("import sys, importlib\n"
-            f"for m in {modules!r}: importlib.import_module('transpiler.' + m)\n"
-            "print(sorted(n for n in sys.modules if n == 'grpc' or n.startswith('grpc.')))")
+    code = (
+        "import sys, importlib\n"
+        f"for m in {modules!r}: importlib.import_module('transpiler.' + m)\n"
+        "print(sorted(n for n in sys.modules if n == 'grpc' or n.startswith('grpc.')))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO)
     assert out.stdout.strip() == "[]"
 
 
-@pytest.mark.parametrize("module", ["pserver.tables.rows", "pserver.tables.serving.reader", "pserver.engine",
-                                    "pserver.checkpoint.layout", "pserver.tables"])
+@pytest.mark.parametrize(
+    "module",
+    [
+        "pserver.tables.rows",
+        "pserver.tables.serving.reader",
+        "pserver.engine",
+        "pserver.checkpoint.layout",
+        "pserver.tables",
+    ],
+)
 def test_importing_a_pserver_helper_loads_no_grpc(module):
     """pserver/__init__.py imports ParameterServer on first use: a helper of the package needs no gRPC."""
-    code = (f"import sys, importlib\nimportlib.import_module({module!r})\n"
-            "print(sorted(n for n in sys.modules if n == 'grpc' or n.startswith('grpc.') or n == 'pserver.server'))\n"
-            "import pserver\nprint(pserver.ParameterServer.__module__)")
+    code = (
+        f"import sys, importlib\nimportlib.import_module({module!r})\n"
+        "print(sorted(n for n in sys.modules if n == 'grpc' or n.startswith('grpc.') or n == "
+        "'pserver.server'))\n"
+        "import pserver\nprint(pserver.ParameterServer.__module__)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO)
     assert out.stdout.splitlines() == ["[]", "pserver.server"]
 
@@ -102,18 +123,31 @@ def test_importing_a_pserver_helper_loads_no_grpc(module):
 def test_transpiler_exports_the_user_api():
     import transpiler
 
-    assert sorted(transpiler.__all__) == sorted([
-        "Program", "DistributeTranspiler", "DistributeTranspilerConfig", "TableOptions", "RoleEnv",
-        "PserverProgram", "StartupProgram", "TrainerProgram", "Position", "TableLifecycle"])
+    assert sorted(transpiler.__all__) == sorted(
+        [
+            "Program",
+            "DistributeTranspiler",
+            "DistributeTranspilerConfig",
+            "TableOptions",
+            "RoleEnv",
+            "PserverProgram",
+            "StartupProgram",
+            "TrainerProgram",
+            "Position",
+            "TableLifecycle",
+        ]
+    )
 
 
 def test_the_package_surfaces_resolve_lazily_and_ps_launch_starts_without_torch():
     """The exports are imported on first use: every name resolves, and the launcher needs no torch."""
-    code = ("import sys, trainer.launch, transpiler.roles.role_env\n"
-            "print('torch' in sys.modules)\n"
-            "import trainer, transpiler\n"
-            "print([n for pkg in (trainer, transpiler) for n in pkg.__all__ if getattr(pkg, n).__name__ != n])\n"
-            "try:\n    trainer.NoSuchName\nexcept AttributeError as e:\n    print(e)\n")
+    code = (
+        "import sys, trainer.launch, transpiler.roles.role_env\n"
+        "print('torch' in sys.modules)\n"
+        "import trainer, transpiler\n"
+        "print([n for pkg in (trainer, transpiler) for n in pkg.__all__ if getattr(pkg, n).__name__ != n])\n"
+        "try:\n    trainer.NoSuchName\nexcept AttributeError as e:\n    print(e)\n"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO)
     assert out.stdout.splitlines() == ["False", "[]", "module 'trainer' has no attribute 'NoSuchName'"]
 
@@ -122,7 +156,10 @@ def test_every_package_is_shipped():
     """pyproject.toml lists packages by hand: a subpackage left out installs only in editable mode."""
     config = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
     listed = set(config["packages"])
-    on_disk = {".".join(p.parent.relative_to(REPO).parts) for top in ("transpiler", "pserver", "trainer")
-               for p in (REPO / top).rglob("__init__.py")}
+    on_disk = {
+        ".".join(p.parent.relative_to(REPO).parts)
+        for top in ("transpiler", "pserver", "trainer")
+        for p in (REPO / top).rglob("__init__.py")
+    }
     assert on_disk - listed == set()
     assert config["package-dir"]["psproto"] == "proto" and "psproto" in listed

@@ -13,6 +13,7 @@ The rules of DEVELOPERS.md and DESIGN.md's layout that a reader of the tree reli
 - library code logs, it never prints: ``print`` only in a command's own output (a ``cli`` or
   ``__main__`` module, or a ``main`` function: the serving reader is one file with its command).
 """
+
 from __future__ import annotations
 
 import ast
@@ -26,8 +27,8 @@ REPO = pathlib.Path(__file__).resolve().parents[1]  # tests/ is one level below 
 PACKAGES = {"trainer": "trainer", "pserver": "pserver", "proto": "psproto", "transpiler": "transpiler"}
 GENERATED = ("ps_pb2.py", "ps_pb2_grpc.py")  # protoc's output, regenerated, never edited
 
-MAX_LINES = 420       # "~400"
-MAX_MODULES = 12      # per folder, __init__.py not counted
+MAX_LINES = 420  # "~400"
+MAX_MODULES = 12  # per folder, __init__.py not counted
 # Module names that mean the same thing wherever they are.
 SHARED_NAMES = {"__init__", "__main__", "cli", "errors"}
 # Where parts are composed: no mixins.
@@ -52,8 +53,12 @@ def module_name(path: pathlib.Path) -> str:
 def runtime_imports(path: pathlib.Path, modules: Set[str]) -> Set[str]:
     """The project modules ``path`` imports when it runs (at import time or in a function)."""
     tree = ast.parse(path.read_text(), str(path))
-    type_only = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If) and "TYPE_CHECKING" in
-                 ast.unparse(node.test) for n in ast.walk(node)}
+    type_only = {
+        id(n)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+        for n in ast.walk(node)
+    }
     me = module_name(path)
     package = me.split(".") if path.name == "__init__.py" else me.split(".")[:-1]
     found = set()
@@ -65,7 +70,9 @@ def runtime_imports(path: pathlib.Path, modules: Set[str]) -> Set[str]:
             targets = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom):
             if node.level:
-                base = ".".join(package[:len(package) - node.level + 1] + ([node.module] if node.module else []))
+                base = ".".join(
+                    package[: len(package) - node.level + 1] + ([node.module] if node.module else [])
+                )
             else:
                 base = node.module or ""
             targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
@@ -141,8 +148,12 @@ def classes() -> Dict[str, Tuple[pathlib.Path, ast.ClassDef]]:
 
 def is_interface(node: ast.ClassDef, known: Dict[str, Tuple[pathlib.Path, ast.ClassDef]]) -> bool:
     """An abstract base: ABC among its bases (or its bases'), or a method marked @abstractmethod."""
-    if any("abstractmethod" in ast.unparse(d) for f in node.body if isinstance(f, ast.FunctionDef)
-           for d in f.decorator_list):
+    if any(
+        "abstractmethod" in ast.unparse(d)
+        for f in node.body
+        if isinstance(f, ast.FunctionDef)
+        for d in f.decorator_list
+    ):
         return True
     for base in node.bases:
         name = ast.unparse(base).split(".")[-1]
@@ -161,9 +172,13 @@ def test_no_mixin_where_parts_are_composed(folder):
                 continue
             own = [ast.unparse(b).split(".")[-1] for b in node.bases]
             own = [b for b in own if b in known]
-            builds_itself = lambda b: any(isinstance(f, ast.FunctionDef) and f.name == "__init__"  # noqa: E731
-                                          for f in known[b][1].body)
-            if len(own) > 1 or any(not is_interface(known[b][1], known) and not builds_itself(b) for b in own):
+
+            def builds_itself(b):
+                return any(isinstance(f, ast.FunctionDef) and f.name == "__init__" for f in known[b][1].body)
+
+            if len(own) > 1 or any(
+                not is_interface(known[b][1], known) and not builds_itself(b) for b in own
+            ):
                 mixed.append(f"{path.relative_to(REPO)}: {node.name}({', '.join(own)})")
     assert mixed == []
 
@@ -185,10 +200,13 @@ def writes_on_other_objects(path: pathlib.Path) -> List[str]:
             continue
         params = {a.arg for a in fn.args.args + fn.args.kwonlyargs + fn.args.posonlyargs} - {"self", "cls"}
         for node in ast.walk(fn):
-            targets = node.targets if isinstance(node, ast.Assign) else (
-                [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else [])
+            targets = (
+                node.targets
+                if isinstance(node, ast.Assign)
+                else ([node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else [])
+            )
             for target in targets:
-                for t in (target.elts if isinstance(target, ast.Tuple) else [target]):
+                for t in target.elts if isinstance(target, ast.Tuple) else [target]:
                     if not isinstance(t, ast.Attribute):
                         continue
                     root, depth = t.value, 1
@@ -209,19 +227,27 @@ def test_no_attribute_of_another_object_is_set_after_its_construction(package):
 
 @pytest.mark.parametrize("package", sorted(PACKAGES))
 def test_no_module_past_about_400_lines(package):
-    long = {str(p.relative_to(REPO)): n for p in sources(package) if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    long = {
+        str(p.relative_to(REPO)): n
+        for p in sources(package)
+        if (n := len(p.read_text().splitlines())) > MAX_LINES
+    }
     assert long == {}
 
 
 @pytest.mark.parametrize("package", sorted(PACKAGES))
 def test_no_folder_past_about_12_modules(package):
-    folders = collections.Counter(p.parent.relative_to(REPO).as_posix() for p in (REPO / package).rglob("*.py")
-                                  if p.name != "__init__.py")
+    folders = collections.Counter(
+        p.parent.relative_to(REPO).as_posix()
+        for p in (REPO / package).rglob("*.py")
+        if p.name != "__init__.py"
+    )
     assert {folder: n for folder, n in folders.items() if n > MAX_MODULES} == {}
 
 
 def test_one_module_name_one_meaning():
-    """A module name is used once across the packages (cli, errors and package files mean one thing everywhere)."""
+    """A module name is used once across the packages (cli, errors and package files mean one thing
+    everywhere)."""
     by_name = collections.defaultdict(list)
     for path in sources():
         if path.stem not in SHARED_NAMES:
@@ -234,10 +260,20 @@ def prints_outside_a_command(path: pathlib.Path) -> List[str]:
     if path.stem in ("cli", "__main__") or path.stem.endswith("_cli"):
         return []
     tree = ast.parse(path.read_text(), str(path))
-    in_main = {id(n) for f in ast.walk(tree) if isinstance(f, ast.FunctionDef) and f.name == "main"
-               for n in ast.walk(f)}
-    return [f"{path.relative_to(REPO)}:{n.lineno}" for n in ast.walk(tree)
-            if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id == "print" and id(n) not in in_main]
+    in_main = {
+        id(n)
+        for f in ast.walk(tree)
+        if isinstance(f, ast.FunctionDef) and f.name == "main"
+        for n in ast.walk(f)
+    }
+    return [
+        f"{path.relative_to(REPO)}:{n.lineno}"
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Call)
+        and isinstance(n.func, ast.Name)
+        and n.func.id == "print"
+        and id(n) not in in_main
+    ]
 
 
 @pytest.mark.parametrize("package", sorted(PACKAGES))
@@ -249,9 +285,16 @@ def test_the_print_finder_finds_a_print(tmp_path, monkeypatch):
     """The check above sees a print at all, and only outside a command's code."""
     monkeypatch.setattr(f"{__name__}.REPO", tmp_path)
     (tmp_path / "pkg").mkdir()
-    for name, text in {"lib.py": "def f():\n    print('x')\n", "tool.py": "def main():\n    print('x')\n",
-                       "cli.py": "print('x')\n", "stat_cli.py": "def table():\n    print('x')\n"}.items():
+    for name, text in {
+        "lib.py": "def f():\n    print('x')\n",
+        "tool.py": "def main():\n    print('x')\n",
+        "cli.py": "print('x')\n",
+        "stat_cli.py": "def table():\n    print('x')\n",
+    }.items():
         (tmp_path / "pkg" / name).write_text(text)
-    found = [p for name in ("lib.py", "tool.py", "cli.py", "stat_cli.py")
-             for p in prints_outside_a_command(tmp_path / "pkg" / name)]
+    found = [
+        p
+        for name in ("lib.py", "tool.py", "cli.py", "stat_cli.py")
+        for p in prints_outside_a_command(tmp_path / "pkg" / name)
+    ]
     assert found == ["pkg/lib.py:2"]

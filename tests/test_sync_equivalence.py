@@ -11,6 +11,7 @@ amplified up to lr * 1e-3 (seen with Adagrad). In float64 the same logic is
 checked to 1e-12, rounding's own size there; float32 runs check sgd and
 momentum, whose updates are linear in the gradient.
 """
+
 import itertools
 
 import pytest
@@ -27,8 +28,13 @@ N_TRAINERS = 2
 
 OPTIMIZERS = {
     "sgd": dict(lr=0.1),
-    "momentum": dict(lr=0.05, momentum=0.9, weight_decay=0.01,
-                     lr_scheduler="StepLR", lr_scheduler_kwargs={"step_size": 2, "gamma": 0.5}),
+    "momentum": dict(
+        lr=0.05,
+        momentum=0.9,
+        weight_decay=0.01,
+        lr_scheduler="StepLR",
+        lr_scheduler_kwargs={"step_size": 2, "gamma": 0.5},
+    ),
     "adam": dict(lr=0.01, weight_decay=0.01),
     "adagrad": dict(lr=0.1, weight_decay=0.01),
 }
@@ -50,10 +56,10 @@ def assert_params_close(actual: dict, expected: dict) -> None:
         torch.testing.assert_close(actual[name], expected[name], **tolerance, msg=lambda m: f"{name}: {m}")
 
 
-
-
-CASES = [(*case, torch.float64) for case in itertools.product(
-    [2, 3], ["RoundRobin", "HashName"], [True, False], sorted(OPTIMIZERS))]
+CASES = [
+    (*case, torch.float64)
+    for case in itertools.product([2, 3], ["RoundRobin", "HashName"], [True, False], sorted(OPTIMIZERS))
+]
 CASES += [(n, "RoundRobin", True, opt, torch.float32) for n in (2, 3) for opt in ("sgd", "momentum")]
 
 

@@ -1,4 +1,5 @@
 """LocalBlocks: the trainer's model parameters seen as the plan's row blocks."""
+
 from __future__ import annotations
 
 from collections import defaultdict
@@ -8,8 +9,8 @@ import torch
 from torch import nn
 
 from transpiler import TrainerProgram
-from transpiler.plans import BlockSpec
 from transpiler.placement import as_rows
+from transpiler.plans import BlockSpec
 
 
 class LocalBlocks:
@@ -28,8 +29,10 @@ class LocalBlocks:
             if p is None:
                 raise ValueError(f"the model has no parameter {spec.name!r} named in the plan")
             if list(p.shape) != list(spec.shape) or str(p.dtype).replace("torch.", "") != spec.dtype:
-                raise ValueError(f"parameter {spec.name!r} is {p.dtype} {list(p.shape)}, "
-                                 f"the plan says {spec.dtype} {spec.shape}")
+                raise ValueError(
+                    f"parameter {spec.name!r} is {p.dtype} {list(p.shape)}, "
+                    f"the plan says {spec.dtype} {spec.shape}"
+                )
             if not p.is_contiguous():
                 p.data = p.data.contiguous()
         self._params = {spec.name: params[spec.name] for spec in program.params}
@@ -38,8 +41,9 @@ class LocalBlocks:
             self.by_endpoint[b.endpoint].append(b)
         self.by_name = {b.name: b for b in program.blocks}
         # What a pserver's answer carries of blocks: every block it owns.
-        self.answer_bytes: Dict[str, int] = {ep: sum(b.nbytes for b in blocks)
-                                             for ep, blocks in self.by_endpoint.items()}
+        self.answer_bytes: Dict[str, int] = {
+            ep: sum(b.nbytes for b in blocks) for ep, blocks in self.by_endpoint.items()
+        }
         # Async pipeline: where blocks pulled in the background wait for install_staged().
         self._staging: Dict[str, torch.Tensor] = {}
         # CUDA parameters: pulled blocks land here, then one non-blocking copy each to the device.
@@ -57,7 +61,7 @@ class LocalBlocks:
 
     def view(self, b: BlockSpec) -> torch.Tensor:
         """The rows of block ``b`` in its parameter, shaped as the block."""
-        return as_rows(self._params[b.param].data)[b.row_start:b.row_end].view(b.shape)
+        return as_rows(self._params[b.param].data)[b.row_start : b.row_end].view(b.shape)
 
     def grad_rows(self, b: BlockSpec) -> Optional[torch.Tensor]:
         """This process's gradient of block ``b`` (a view, shaped as the block), None if it has none."""
@@ -66,7 +70,7 @@ class LocalBlocks:
             return None
         if g.is_sparse:
             g = g.to_dense()
-        return as_rows(g.contiguous())[b.row_start:b.row_end].view(b.shape)
+        return as_rows(g.contiguous())[b.row_start : b.row_end].view(b.shape)
 
     def grads(self, endpoint: str) -> List[Tuple[str, torch.Tensor]]:
         """(block name, gradient rows) of ``endpoint``'s blocks whose parameter has a gradient."""
@@ -79,7 +83,7 @@ class LocalBlocks:
                 flat[b.param] = None if g is None else as_rows(g.contiguous())
             g = flat[b.param]
             if g is not None:
-                rows = g[b.row_start:b.row_end].view(b.shape)
+                rows = g[b.row_start : b.row_end].view(b.shape)
                 if rows.device.type == "cuda":  # to the wire through pinned host memory
                     rows = self._pinned("grad:" + b.name, rows).copy_(rows, non_blocking=True)
                     staged = True

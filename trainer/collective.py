@@ -1,32 +1,29 @@
-"""CollectiveTrainer: collective ("nccl2") mode, where trainers all-reduce among themselves and no pserver runs.
+"""CollectiveTrainer: collective ("nccl2") mode, where trainers all-reduce among themselves and no pserver
+runs.
 
 Every process of every trainer node holds the whole model, wrapped in
-``torch.nn.parallel.DistributedDataParallel``: the backward pass all-reduces
-(averages) the gradients in fused buckets of ``bucket_cap_mb``, and each
-process then steps the program's optimizer (and lr scheduler) itself. With N
-processes each on a batch of b examples and a mean loss, k steps equal
-single-process training on the concatenated batches of N·b examples.
+``torch.nn.parallel.DistributedDataParallel``: the backward pass all-reduces (averages) the gradients in
+fused buckets of ``bucket_cap_mb``, and each process then steps the program's optimizer (and lr scheduler)
+itself. With N processes each on a batch of b examples and a mean loss, k steps equal single-process
+training on the concatenated batches of N·b examples.
 
-The public surface matches :class:`trainer.Trainer`, so one training script
-serves both modes; what needs pservers (checkpoints on pservers, distributed
-tables) is not there: asking for it raises an AttributeError naming collective mode.
+The public surface matches :class:`trainer.Trainer`, so one training script serves both modes; what needs
+pservers (checkpoints on pservers, distributed tables) is not there: asking for it raises an AttributeError
+naming collective mode.
 
-Processes and devices: ``trainers`` in the plan counts trainer nodes; each
-runs ``local_world_size`` processes (``LOCAL_WORLD_SIZE``, torchrun's or
-``ps-launch --nproc_per_node``'s variable), so the job has
-``trainers * local_world_size`` processes, the global rank of local rank ``l``
-of node ``t`` being ``t * local_world_size + l`` unless ``RANK`` says
-otherwise. Each process computes on ``cuda:LOCAL_RANK`` when CUDA is there
-(NCCL), on the CPU otherwise (gloo). The trainer moves the model to
-:attr:`CollectiveTrainer.device`; batches must be moved by the caller
-(``x.to(tr.device)``).
+Processes and devices: ``trainers`` in the plan counts trainer nodes; each runs ``local_world_size``
+processes (``LOCAL_WORLD_SIZE``, torchrun's or ``ps-launch --nproc_per_node``'s variable), so the job has
+``trainers * local_world_size`` processes, the global rank of local rank ``l`` of node ``t`` being ``t *
+local_world_size + l`` unless ``RANK`` says otherwise. Each process computes on ``cuda:LOCAL_RANK`` when
+CUDA is there (NCCL), on the CPU otherwise (gloo). The trainer moves the model to
+:attr:`CollectiveTrainer.device`; batches must be moved by the caller (``x.to(tr.device)``).
 
-Hierarchical all-reduce (Paddle's ``use_hierarchical_allreduce``) is not an
-option: DDP offers no such switch, and NCCL already picks topology-aware
-rings and trees itself. The nearest torch offers is Local SGD's two levels
-(gradients all-reduced inside a node every step, parameters averaged over
-all nodes every ``local_sgd_steps``), which ``use_local_sgd`` turns on.
+Hierarchical all-reduce (Paddle's ``use_hierarchical_allreduce``) is not an option: DDP offers no such
+switch, and NCCL already picks topology-aware rings and trees itself. The nearest torch offers is Local
+SGD's two levels (gradients all-reduced inside a node every step, parameters averaged over all nodes every
+``local_sgd_steps``), which ``use_local_sgd`` turns on.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -39,13 +36,12 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from transpiler import TrainerProgram
-from transpiler.roles.role_env import NodeEnv
 from transpiler.optim import LR_SCHEDULERS
+from transpiler.roles.role_env import NodeEnv
 
 from .feed import Feed
 from .node.devices import backend_for, join_group, pick_device
 from .trainer_base import TrainerBase
-
 
 log = logging.getLogger(__name__)
 
@@ -58,8 +54,13 @@ PSERVER_ONLY = {
 }
 
 
-def _ranks(program: TrainerProgram, env: NodeEnv, environ: Mapping[str, str], local_rank: Optional[int],
-           local_world_size: Optional[int]) -> Tuple[int, int, int, int]:
+def _ranks(
+    program: TrainerProgram,
+    env: NodeEnv,
+    environ: Mapping[str, str],
+    local_rank: Optional[int],
+    local_world_size: Optional[int],
+) -> Tuple[int, int, int, int]:
     """(local_rank, local_world_size, rank, world_size) of this process; explicit arguments win over the env.
 
     Raises ValueError when the job's size from the environment disagrees with
@@ -76,22 +77,29 @@ def _ranks(program: TrainerProgram, env: NodeEnv, environ: Mapping[str, str], lo
         raise ValueError(
             f"WORLD_SIZE={env.world_size}, but collective mode runs trainers ({program.trainers}, "
             f"PADDLE_TRAINERS_NUM: trainer nodes) x LOCAL_WORLD_SIZE ({lws}, processes per node) = "
-            f"{world_size} processes; make them agree")
+            f"{world_size} processes; make them agree"
+        )
     rank = program.trainer_id * lws + lrank
     if local_rank is None and environ.get("RANK") and env.rank != rank:
         # torchrun numbers nodes itself; its RANK is what the other processes use, so it wins.
-        log.warning("RANK=%d is not trainer_id (%d) * local_world_size (%d) + local_rank (%d) = %d; "
-                    "using RANK", env.rank, program.trainer_id, lws, lrank, rank)
+        log.warning(
+            "RANK=%d is not trainer_id (%d) * local_world_size (%d) + local_rank (%d) = %d; using RANK",
+            env.rank,
+            program.trainer_id,
+            lws,
+            lrank,
+            rank,
+        )
         rank = env.rank
     return lrank, lws, rank, world_size
 
 
 def narrow_all_reduce_hook(dtype: torch.dtype, bucket):  # no annotations: DDP checks them, as objects
-    """DDP communication hook: the bucket cast to ``dtype`` and divided by the world size, all-reduced, widened.
+    """DDP communication hook: the bucket cast to ``dtype`` and divided by the world size, all-reduced,
+    widened.
 
-    torch's ``bf16_compress_hook`` does the same, but DDP accepts it only over
-    NCCL; this one runs on every backend, gloo included. Returns the future of
-    the widened bucket.
+    torch's ``bf16_compress_hook`` does the same, but DDP accepts it only over NCCL; this one runs on every
+    backend, gloo included. Returns the future of the widened bucket.
     """
     buffer = bucket.buffer()
     narrow = buffer.to(dtype).div_(dist.get_world_size())
@@ -99,6 +107,7 @@ def narrow_all_reduce_hook(dtype: torch.dtype, bucket):  # no annotations: DDP c
 
     def widened(fut) -> torch.Tensor:
         return buffer.copy_(fut.value()[0])
+
     return fut.then(widened)
 
 
@@ -118,18 +127,27 @@ class CollectiveTrainer(TrainerBase):
     encrypted.
     """
 
-    def __init__(self, program: TrainerProgram, security=None, local_rank: Optional[int] = None,
-                 local_world_size: Optional[int] = None, init_method: Optional[str] = None):
+    def __init__(
+        self,
+        program: TrainerProgram,
+        security=None,
+        local_rank: Optional[int] = None,
+        local_world_size: Optional[int] = None,
+        init_method: Optional[str] = None,
+    ):
         super().__init__(program)
         if not program.collective:
-            raise ValueError(f"the TrainerProgram is in {program.config.mode!r} mode; CollectiveTrainer "
-                             f"trains mode='collective' programs (use trainer.Trainer for pservers)")
+            raise ValueError(
+                f"the TrainerProgram is in {program.config.mode!r} mode; CollectiveTrainer "
+                f"trains mode='collective' programs (use trainer.Trainer for pservers)"
+            )
         if security is not None:
             log.warning("collective mode: security is ignored; torch.distributed traffic is not encrypted")
         self.sync_mode = True
         env = NodeEnv.from_env()
         self.local_rank, self.local_world_size, self.rank, self.world_size = _ranks(
-            program, env, os.environ, local_rank, local_world_size)
+            program, env, os.environ, local_rank, local_world_size
+        )
         self.device = pick_device(self.local_rank)
         # batches(): the data position, and the next item read ahead (read_ahead).
         self.feed = Feed(self.state, self.pull, None, program.config.read_ahead)
@@ -137,15 +155,27 @@ class CollectiveTrainer(TrainerBase):
         self._join(init_method or env.init_method, program.config.barrier_timeout)
         try:
             self._build(program)
-            self._open_board("step_time/optimizer_ms")  # TensorBoard (docs/tensorboard.md); no pservers to ask
+            self._open_board(
+                "step_time/optimizer_ms"
+            )  # TensorBoard (docs/tensorboard.md); no pservers to ask
         except BaseException:
             self._leave()
             raise
-        log.info("collective trainer %d: rank %d of %d (local rank %d of %d) on %s, %s, buckets of %s MiB%s",
-                 self.trainer_id, self.rank, self.world_size, self.local_rank, self.local_world_size,
-                 self.device, backend_for(self.device), program.config.bucket_cap_mb,
-                 f", Local SGD every {program.config.local_sgd_steps} steps after "
-                 f"{program.config.local_sgd_warmup_steps} warm-up steps" if program.config.use_local_sgd else "")
+        log.info(
+            "collective trainer %d: rank %d of %d (local rank %d of %d) on %s, %s, buckets of %s MiB%s",
+            self.trainer_id,
+            self.rank,
+            self.world_size,
+            self.local_rank,
+            self.local_world_size,
+            self.device,
+            backend_for(self.device),
+            program.config.bucket_cap_mb,
+            f", Local SGD every {program.config.local_sgd_steps} steps after "
+            f"{program.config.local_sgd_warmup_steps} warm-up steps"
+            if program.config.use_local_sgd
+            else "",
+        )
 
     def _join(self, init_method: Optional[str], timeout: float) -> None:
         """Join (or make) the default process group; a one-process job gets an in-memory one.
@@ -158,31 +188,43 @@ class CollectiveTrainer(TrainerBase):
             join_group(init_method, self.rank, self.world_size, self.device, timeout, what)
         elif dist.is_initialized():
             if dist.get_world_size() != 1:
-                raise ValueError(f"{what}: torch.distributed is already initialised with "
-                                 f"{dist.get_world_size()} processes, the plan says 1")
+                raise ValueError(
+                    f"{what}: torch.distributed is already initialised with "
+                    f"{dist.get_world_size()} processes, the plan says 1"
+                )
         else:
             if self.device.type == "cuda":
                 torch.cuda.set_device(self.device)
-            dist.init_process_group(backend_for(self.device), store=dist.HashStore(), rank=0, world_size=1,
-                                    timeout=datetime.timedelta(seconds=timeout))
+            dist.init_process_group(
+                backend_for(self.device),
+                store=dist.HashStore(),
+                rank=0,
+                world_size=1,
+                timeout=datetime.timedelta(seconds=timeout),
+            )
         if dist.get_rank() != self.rank:
             self._leave()
-            raise ValueError(f"{what}: the process group numbers this process {dist.get_rank()}, the plan "
-                             f"and environment say rank {self.rank}")
+            raise ValueError(
+                f"{what}: the process group numbers this process {dist.get_rank()}, the plan "
+                f"and environment say rank {self.rank}"
+            )
 
     def _build(self, program: TrainerProgram) -> None:
         """DDP around the model on its device, the optimizer, the scheduler and Local SGD."""
         config = program.config
         self.module = program.model.to(self.device)
         self.model = DistributedDataParallel(
-            self.module, device_ids=[self.device] if self.device.type == "cuda" else None,
-            bucket_cap_mb=config.bucket_cap_mb)
+            self.module,
+            device_ids=[self.device] if self.device.type == "cuda" else None,
+            bucket_cap_mb=config.bucket_cap_mb,
+        )
         # Built on the moved parameters: Module.to() keeps the Parameter objects, changing their data.
         base = program.optimizer.build([p for p in self.module.parameters() if p.requires_grad])
         spec = program.optimizer
         # The scheduler drives the plain optimizer: a Local SGD wrapper shares its param_groups (and lr).
-        self.scheduler = (LR_SCHEDULERS[spec.lr_scheduler](base, **spec.lr_scheduler_kwargs)
-                          if spec.lr_scheduler else None)
+        self.scheduler = (
+            LR_SCHEDULERS[spec.lr_scheduler](base, **spec.lr_scheduler_kwargs) if spec.lr_scheduler else None
+        )
         self.optimizer = base
         self._subgroup = None
         if config.use_local_sgd:
@@ -192,8 +234,10 @@ class CollectiveTrainer(TrainerBase):
 
     def _local_sgd(self, base: torch.optim.Optimizer, period: int, warmup: int) -> torch.optim.Optimizer:
         """Register torch's post-local-SGD hook and wrap ``base`` in ``PostLocalSGDOptimizer``."""
-        from torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook import (PostLocalSGDState,
-                                                                                    post_localSGD_hook)
+        from torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook import (
+            PostLocalSGDState,
+            post_localSGD_hook,
+        )
         from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
         from torch.distributed.optim import PostLocalSGDOptimizer
 
@@ -240,8 +284,9 @@ class CollectiveTrainer(TrainerBase):
         """
         return {k: v.detach().clone() for k, v in self.module.state_dict().items()}
 
-    def batches(self, loader: Iterable, epochs: int,
-                prefetch: Optional[Callable[[object], Dict[str, object]]] = None) -> Iterator:
+    def batches(
+        self, loader: Iterable, epochs: int, prefetch: Optional[Callable[[object], Dict[str, object]]] = None
+    ) -> Iterator:
         """The items of ``loader`` for ``epochs`` epochs, from :attr:`position` on; train one step per item.
 
         Calls ``loader.sampler.set_epoch(epoch)`` when there is one (see
@@ -272,8 +317,12 @@ class CollectiveTrainer(TrainerBase):
         self.board.close(self.state.step, patient)
         self.feed.close()
         self._leave()
-        log.info("collective trainer %d (rank %d): closed after step %d", self.trainer_id, self.rank,
-                 self.step_count)
+        log.info(
+            "collective trainer %d (rank %d): closed after step %d",
+            self.trainer_id,
+            self.rank,
+            self.step_count,
+        )
 
     def _leave(self) -> None:
         """Destroy the groups this trainer made (the default one only if it made it)."""
@@ -289,7 +338,8 @@ class CollectiveTrainer(TrainerBase):
         raise RuntimeError(self._needs_pservers(what, instead))
 
     def _needs_pservers(self, what: str, instead: str) -> str:
-        return f"{what} needs pservers, and collective mode (mode={self.program.config.mode!r}) has none; {instead}"
+        mode = self.program.config.mode
+        return f"{what} needs pservers, and collective mode (mode={mode!r}) has none; {instead}"
 
     @property
     def _name(self) -> str:

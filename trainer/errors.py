@@ -17,6 +17,7 @@ REFUSED   anything else: bad input, a precondition, a bug          the error rea
                                                                    user
 ========  =======================================================  ====================
 """
+
 from __future__ import annotations
 
 DOWN, RESYNC, FENCED, TIMEOUT, REFUSED = "down", "resync", "fenced", "timeout", "refused"

@@ -7,6 +7,7 @@ Trainers (``isinstance(tr, Trainer)`` holds: each is registered here), as
 training script serves both modes. What the kinds share is
 :class:`~trainer.trainer_base.TrainerBase`.
 """
+
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
@@ -38,7 +39,11 @@ class Trainer(ABC):
     model: torch.nn.Module  # the model to train: forward and backward on it, then step()
 
     def __new__(cls, program: TrainerProgram = None, *args, **kwargs):
-        kind = CollectiveTrainer if isinstance(program, TrainerProgram) and program.collective else PserverTrainer
+        kind = (
+            CollectiveTrainer
+            if isinstance(program, TrainerProgram) and program.collective
+            else PserverTrainer
+        )
         # Built whole here: the kinds are Trainers by registration, so Python runs no __init__ after this.
         return kind(program, *args, **kwargs)
 
@@ -57,8 +62,9 @@ class Trainer(ABC):
         """The trained model as a plain ``state_dict``."""
 
     @abstractmethod
-    def batches(self, loader: Iterable, epochs: int,
-                prefetch: Optional[Callable[[object], Dict[str, object]]] = None) -> Iterator:
+    def batches(
+        self, loader: Iterable, epochs: int, prefetch: Optional[Callable[[object], Dict[str, object]]] = None
+    ) -> Iterator:
         """The items of ``loader`` for ``epochs`` epochs, from this trainer's data position on."""
 
     @abstractmethod
@@ -67,7 +73,8 @@ class Trainer(ABC):
 
     @abstractmethod
     def log_scalars(self, values: Mapping[str, float], step: Optional[int] = None) -> None:
-        """Write the script's scalars (``{"loss": loss.item()}``) to TensorBoard at ``step`` (default: step_count)."""
+        """Write the script's scalars (``{"loss": loss.item()}``) to TensorBoard at ``step`` (default:
+        step_count)."""
 
     @abstractmethod
     def close(self) -> None:

@@ -9,6 +9,7 @@ its table ids (deduplicated and routed, see ``TableClient.plan_next_batch``), so
 ``Trainer.step`` sends them with its push without doing that work itself.
 Preparing is a pure function of the ids, so sync training stays exact.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -18,7 +19,6 @@ from typing import Callable, Iterable, Iterator, Optional
 from transpiler.position import Position
 
 from .steppers.state import StepState
-
 
 _END = object()  # the loader has no more items this epoch
 
@@ -33,17 +33,26 @@ class Feed:
     step sends with the push before it (``None``: nothing).
     """
 
-    def __init__(self, state: StepState, pull: Callable[[], None], plan_next: Optional[Callable[[dict], object]],
-                 read_ahead: bool):
+    def __init__(
+        self,
+        state: StepState,
+        pull: Callable[[], None],
+        plan_next: Optional[Callable[[dict], object]],
+        read_ahead: bool,
+    ):
         self._state = state
         self._pull = pull
         self._plan_next = plan_next
-        self._reader = futures.ThreadPoolExecutor(1, thread_name_prefix="trainer-feed") if read_ahead else None
+        self._reader = (
+            futures.ThreadPoolExecutor(1, thread_name_prefix="trainer-feed") if read_ahead else None
+        )
         self._next: Optional[futures.Future] = None  # the next (index, item, plan) being read
 
-    def batches(self, loader: Iterable, epochs: int,
-                prefetch: Optional[Callable[[object], dict]] = None) -> Iterator:
-        """The items of ``loader`` for ``epochs`` epochs from the data position on (see ``Trainer.batches``)."""
+    def batches(
+        self, loader: Iterable, epochs: int, prefetch: Optional[Callable[[object], dict]] = None
+    ) -> Iterator:
+        """The items of ``loader`` for ``epochs`` epochs from the data position on (see
+        ``Trainer.batches``)."""
         try:
             while True:
                 yield from self._from_position(loader, epochs, prefetch)
@@ -100,7 +109,9 @@ class Feed:
             self._state.end_batches()
 
     def _read(self, items: Iterator, prefetch) -> None:
-        """Start reading the next item and planning its ``prefetch`` ids (on the reader thread when reading ahead)."""
+        """Start reading the next item and planning its ``prefetch`` ids (on the reader thread when reading
+        ahead)."""
+
         def read():
             got = next(items, None)
             if got is None:
@@ -110,6 +121,7 @@ class Feed:
             if prefetch is not None and self._plan_next is not None:
                 plan = self._plan_next(prefetch(item))
             return i, item, plan
+
         if self._reader is not None:
             self._next = self._reader.submit(read)
         else:

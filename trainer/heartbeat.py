@@ -35,6 +35,7 @@ started per pserver an interval. A pserver hears from the trainer at most
 ``interval * (1 + 1 / CHECKS_PER_INTERVAL)`` after its last contact, plus the
 time the pserver takes to take the heartbeat up.
 """
+
 from __future__ import annotations
 
 import functools
@@ -57,12 +58,14 @@ Key = Tuple[int, str]  # (index of a trainer's channels in the thread, pserver e
 
 
 def heartbeats_due(last_contact: Mapping[K, float], now: float, interval: float) -> List[K]:
-    """The pservers to heartbeat at ``now``: those whose last contact (monotonic s) is ``interval`` s old or older."""
+    """The pservers to heartbeat at ``now``: those whose last contact (monotonic s) is ``interval`` s old
+    or older."""
     return [ep for ep, at in last_contact.items() if now - at >= interval]
 
 
 def next_check(last_contact: Mapping[K, float], now: float, interval: float) -> float:
-    """Seconds to the earliest pserver's due time, at least ``interval / CHECKS_PER_INTERVAL``, at most ``interval``."""
+    """Seconds to the earliest pserver's due time, at least ``interval / CHECKS_PER_INTERVAL``, at most
+    ``interval``."""
     soonest = min((at + interval for at in last_contact.values()), default=now + interval)
     return min(interval, max(interval / CHECKS_PER_INTERVAL, soonest - now))
 
@@ -83,8 +86,13 @@ class Heartbeat:
     heartbeats stop, the others' go on, and the thread ends with the last.
     """
 
-    def __init__(self, channels: Union[Channels, Sequence[Channels]], endpoints: Sequence[str], interval: float,
-                 deadline: float):
+    def __init__(
+        self,
+        channels: Union[Channels, Sequence[Channels]],
+        endpoints: Sequence[str],
+        interval: float,
+        deadline: float,
+    ):
         self._endpoints = list(endpoints)
         self._lock = threading.Lock()  # guards the trainers, keys and lateness: other threads add to them
         self._trainers: List[Channels] = []
@@ -97,8 +105,13 @@ class Heartbeat:
         self._in_flight: Dict[Key, futures.Future] = {}  # the heartbeat sent to each, until read
         self._late: List[float] = []  # how late each heartbeat went out, if by more than an interval (s)
         self._stopped = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True, name="trainer-{}-heartbeat".format(
-            self._trainers[0].trainer_id if len(self._trainers) == 1 else "s"))
+        self._thread = threading.Thread(
+            target=self._run,
+            daemon=True,
+            name="trainer-{}-heartbeat".format(
+                self._trainers[0].trainer_id if len(self._trainers) == 1 else "s"
+            ),
+        )
 
     def start(self) -> "Heartbeat":
         self._thread.start()
@@ -114,10 +127,13 @@ class Heartbeat:
         return self._trainers[key[0]][key[1]]
 
     def _last_contact(self) -> Dict[Key, float]:
-        """Per (trainer, pserver): its last contact (now, while a call is in flight), or this thread's later try."""
+        """Per (trainer, pserver): its last contact (now, while a call is in flight), or this thread's
+        later try."""
         now = time.monotonic()
-        return {key: max(self._channel(key).contact.last(now), self._tried.get(key, float("-inf")))
-                for key in self._keys}  # a snapshot: add() and _retire() replace the list, never change it
+        return {
+            key: max(self._channel(key).contact.last(now), self._tried.get(key, float("-inf")))
+            for key in self._keys
+        }  # a snapshot: add() and _retire() replace the list, never change it
 
     def _retire(self, trainer: int) -> None:
         """No more heartbeats for the ``trainer``-th channels (fenced, or closed under us)."""
@@ -132,12 +148,15 @@ class Heartbeat:
             for key in heartbeats_due(contacts, time.monotonic(), self._interval):
                 if self._stopped.is_set():
                     return
-                if key in self._in_flight or key not in keys:  # in flight: its contact covers it until answered
+                if (
+                    key in self._in_flight or key not in keys
+                ):  # in flight: its contact covers it until answered
                     continue
                 self._tried[key] = time.monotonic()
                 try:
                     self._in_flight[key] = self._trainers[key[0]].submit(
-                        functools.partial(self._beat, self._channel(key), contacts[key] + self._interval))
+                        functools.partial(self._beat, self._channel(key), contacts[key] + self._interval)
+                    )
                 except RuntimeError:  # its Channels were shut down under us by close()
                     self._retire(key[0])
             self._report_late()
@@ -145,7 +164,8 @@ class Heartbeat:
                 return
 
     def _beat(self, channel: PserverChannel, due: float):
-        """One heartbeat, on a call thread of its trainer; notes how late it went out if by more than an interval."""
+        """One heartbeat, on a call thread of its trainer; notes how late it went out if by more than an
+        interval."""
         late = time.monotonic() - due
         if late > self._interval:
             with self._lock:
@@ -157,9 +177,15 @@ class Heartbeat:
         with self._lock:
             late, self._late = self._late, []
         if late:
-            log.warning("%d heartbeat(s) went out more than heartbeat_interval (%.1f s) late, the latest by %.1f s: "
-                        "this process is short of CPU; pservers drop a trainer silent for heartbeat_timeout "
-                        "(%.1f s)", len(late), self._interval, max(late), self._deadline)
+            log.warning(
+                "%d heartbeat(s) went out more than heartbeat_interval (%.1f s) late, the latest by %.1f s: "
+                "this process is short of CPU; pservers drop a trainer silent for heartbeat_timeout "
+                "(%.1f s)",
+                len(late),
+                self._interval,
+                max(late),
+                self._deadline,
+            )
 
     def _read_answers(self) -> None:
         """Read the heartbeats that ended; retire the trainers whose heartbeats must stop."""

@@ -35,6 +35,7 @@ written, at the trainer's step, by every process that writes: ``job/<name>``
 for :func:`global_auc` (``job/auc`` by default) and ``job/<name>_<op>`` for the
 others (``global_mean(tr, "loss", ...)``: ``job/loss_mean``).
 """
+
 from __future__ import annotations
 
 import math
@@ -66,7 +67,9 @@ def _array(value: ArrayLike, what: str) -> np.ndarray:
     try:
         return np.array(value, dtype=np.float64)
     except (TypeError, ValueError) as e:
-        raise ValueError(f"{what} must be a number or an array of numbers, got {type(value).__name__}: {e}") from None
+        raise ValueError(
+            f"{what} must be a number or an array of numbers, got {type(value).__name__}: {e}"
+        ) from None
 
 
 def _combine(op: str, parts: List[Mapping[str, np.ndarray]]) -> Dict[str, np.ndarray]:
@@ -80,8 +83,9 @@ def _combine(op: str, parts: List[Mapping[str, np.ndarray]]) -> Dict[str, np.nda
     return out
 
 
-def all_reduce(tr, key: str, values: Mapping[str, ArrayLike], op: str = "sum",
-               round: Optional[int] = None) -> Dict[str, np.ndarray]:
+def all_reduce(
+    tr, key: str, values: Mapping[str, ArrayLike], op: str = "sum", round: Optional[int] = None
+) -> Dict[str, np.ndarray]:
     """``values`` ({name: number or array}) combined by ``op`` ("sum", "max", "min") over every trainer.
 
     The building block of the other helpers: every trainer calls it with the
@@ -113,7 +117,9 @@ def all_reduce(tr, key: str, values: Mapping[str, ArrayLike], op: str = "sum",
     return result
 
 
-def _through_pserver(tr, key: str, round_: int, op: str, arrays: Dict[str, np.ndarray]) -> Dict[str, np.ndarray]:
+def _through_pserver(
+    tr, key: str, round_: int, op: str, arrays: Dict[str, np.ndarray]
+) -> Dict[str, np.ndarray]:
     """Reduce through the job's first pserver; a node's local ranks combine theirs first."""
     tr._check_open()
 
@@ -143,26 +149,36 @@ def _logged(tr, tag: str, value: Union[float, np.ndarray]) -> Union[float, np.nd
 def global_sum(tr, name: str, value: ArrayLike, round: Optional[int] = None) -> Union[float, np.ndarray]:
     """The sum of ``value`` (a number or an array) over every trainer: a float, or an array of its shape."""
     local = _array(value, "value")
-    return _logged(tr, f"job/{name}_sum",
-                   _scalar_or_array(all_reduce(tr, f"sum:{name}", {"v": local}, "sum", round)["v"], local))
+    return _logged(
+        tr,
+        f"job/{name}_sum",
+        _scalar_or_array(all_reduce(tr, f"sum:{name}", {"v": local}, "sum", round)["v"], local),
+    )
 
 
 def global_max(tr, name: str, value: ArrayLike, round: Optional[int] = None) -> Union[float, np.ndarray]:
     """The largest ``value`` over every trainer (elementwise for arrays)."""
     local = _array(value, "value")
-    return _logged(tr, f"job/{name}_max",
-                   _scalar_or_array(all_reduce(tr, f"max:{name}", {"v": local}, "max", round)["v"], local))
+    return _logged(
+        tr,
+        f"job/{name}_max",
+        _scalar_or_array(all_reduce(tr, f"max:{name}", {"v": local}, "max", round)["v"], local),
+    )
 
 
 def global_min(tr, name: str, value: ArrayLike, round: Optional[int] = None) -> Union[float, np.ndarray]:
     """The smallest ``value`` over every trainer (elementwise for arrays)."""
     local = _array(value, "value")
-    return _logged(tr, f"job/{name}_min",
-                   _scalar_or_array(all_reduce(tr, f"min:{name}", {"v": local}, "min", round)["v"], local))
+    return _logged(
+        tr,
+        f"job/{name}_min",
+        _scalar_or_array(all_reduce(tr, f"min:{name}", {"v": local}, "min", round)["v"], local),
+    )
 
 
-def global_mean(tr, name: str, value: ArrayLike, weight: float = 1.0,
-                round: Optional[int] = None) -> Union[float, np.ndarray]:
+def global_mean(
+    tr, name: str, value: ArrayLike, weight: float = 1.0, round: Optional[int] = None
+) -> Union[float, np.ndarray]:
     """The mean over every trainer of ``value``, each weighted by its ``weight`` (e.g. its example count).
 
     With each trainer's mean loss and ``weight`` = its number of examples,
@@ -209,7 +225,9 @@ class AucStats:
         y = _array(labels, "labels").reshape(-1)
         s = _array(scores, "scores").reshape(-1)
         if y.shape != s.shape:
-            raise ValueError(f"labels and scores must have the same number of elements, got {y.size} and {s.size}")
+            raise ValueError(
+                f"labels and scores must have the same number of elements, got {y.size} and {s.size}"
+            )
         if not np.isin(y, (0.0, 1.0)).all():
             raise ValueError("labels must be 0 or 1")
         if not ((s >= 0) & (s <= 1)).all():  # NaN fails both
@@ -243,9 +261,16 @@ def auc_from_histograms(pos: np.ndarray, neg: np.ndarray) -> float:
     return area / (total_pos * total_neg)
 
 
-def global_auc(tr, labels: Optional[ArrayLike] = None, scores: Optional[ArrayLike] = None, *,
-               stats: Optional[AucStats] = None, num_thresholds: int = DEFAULT_THRESHOLDS, name: str = "auc",
-               round: Optional[int] = None) -> float:
+def global_auc(
+    tr,
+    labels: Optional[ArrayLike] = None,
+    scores: Optional[ArrayLike] = None,
+    *,
+    stats: Optional[AucStats] = None,
+    num_thresholds: int = DEFAULT_THRESHOLDS,
+    name: str = "auc",
+    round: Optional[int] = None,
+) -> float:
     """ROC AUC over every trainer's examples, the same on every trainer.
 
     Give this trainer's ``labels`` and ``scores`` (probabilities of label 1),

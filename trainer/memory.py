@@ -19,6 +19,7 @@ up to 8 of them; then none more, and no page faults).
 
 Only glibc has ``mallopt``; elsewhere (musl, macOS) nothing changes.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -36,6 +37,7 @@ M_MMAP_THRESHOLD = -3
 MMAP_THRESHOLD = 256 << 20
 # Free memory kept at the top of the heap before it is returned to the kernel.
 TRIM_THRESHOLD = 1 << 30
+
 
 @functools.lru_cache(maxsize=None)
 def retain_freed_memory() -> bool:

@@ -4,6 +4,7 @@ A facade: the public API and the wiring of its parts. How a step goes (with
 or without the async pipeline, on a node of several local processes) is one
 :mod:`stepper <trainer.steppers>` chosen here at construction.
 """
+
 from __future__ import annotations
 
 import functools
@@ -63,15 +64,22 @@ class PserverTrainer(TrainerBase):
     when CUDA is there, else the CPU; move each batch there too.
     """
 
-    def __init__(self, program: TrainerProgram, security=None, local_rank: Optional[int] = None,
-                 local_world_size: Optional[int] = None, init_method: Optional[str] = None):
+    def __init__(
+        self,
+        program: TrainerProgram,
+        security=None,
+        local_rank: Optional[int] = None,
+        local_world_size: Optional[int] = None,
+        init_method: Optional[str] = None,
+    ):
         super().__init__(program)
         node = NodeEnv.from_env()
         self.local_rank = node.local_rank if local_rank is None else local_rank
         self.local_world_size = node.local_world_size if local_world_size is None else local_world_size
         if not 0 <= self.local_rank < self.local_world_size:
-            raise ValueError(f"local_rank={self.local_rank} is out of range [0, local_world_size="
-                             f"{self.local_world_size})")
+            raise ValueError(
+                f"local_rank={self.local_rank} is out of range [0, local_world_size={self.local_world_size})"
+            )
         self.rank = self.trainer_id * self.local_world_size + self.local_rank
         self.world_size = program.trainers * self.local_world_size
         cfg = program.config
@@ -83,16 +91,20 @@ class PserverTrainer(TrainerBase):
         # Every step pushes to each pserver that owns blocks or table shards,
         # even with nothing for it, so sync barriers count this trainer.
         # With backup trainers, the first pserver (which decides each step's trainers) steps with the others.
-        push_endpoints = (list(program.pservers) if program.tables or cfg.backup_trainers
-                          else list(self.blocks.by_endpoint))
-        self.recovery = Recovery(self.channels, self.sync_mode, push_endpoints, cfg.connect_timeout,
-                                 cfg.recovery_timeout)
+        push_endpoints = (
+            list(program.pservers) if program.tables or cfg.backup_trainers else list(self.blocks.by_endpoint)
+        )
+        self.recovery = Recovery(
+            self.channels, self.sync_mode, push_endpoints, cfg.connect_timeout, cfg.recovery_timeout
+        )
         self.stepper: Optional[Stepper] = None
         try:
             self.stepper = self._stepper(init_method)
             self.tables = self.stepper.tables
             # batches(): the data position, and the next batch read (and its table ids planned) ahead.
-            plan_next = self.stepper.plan_next_batch if program.tables and self.local_world_size == 1 else None
+            plan_next = (
+                self.stepper.plan_next_batch if program.tables and self.local_world_size == 1 else None
+            )
             self.feed = Feed(self.state, self.stepper.pull, plan_next, cfg.read_ahead)
             self.stepper.join()
             # Last, so a Trainer that failed to connect leaves the model as it was.
@@ -111,28 +123,49 @@ class PserverTrainer(TrainerBase):
             raise
         self._heartbeat = None
         if self.stepper.speaks_for_trainer:  # a node's leader heartbeats for the node
-            self._heartbeat = Heartbeat(self.channels, program.pservers, cfg.heartbeat_interval,
-                                        cfg.heartbeat_timeout).start()
-        log.info("trainer %d%s: ready at step %d (data position epoch %d batch %d), %s, %d blocks on %d "
-                 "pservers", self.trainer_id, self._local, self.step_count, *self.position,
-                 type(self.stepper).__name__, len(self.blocks.by_name), len(self.blocks.by_endpoint))
+            self._heartbeat = Heartbeat(
+                self.channels, program.pservers, cfg.heartbeat_interval, cfg.heartbeat_timeout
+            ).start()
+        log.info(
+            "trainer %d%s: ready at step %d (data position epoch %d batch %d), %s, %d blocks on %d pservers",
+            self.trainer_id,
+            self._local,
+            self.step_count,
+            *self.position,
+            type(self.stepper).__name__,
+            len(self.blocks.by_name),
+            len(self.blocks.by_endpoint),
+        )
 
     def _stepper(self, init_method: Optional[str]) -> Stepper:
         """The stepper this trainer's plan and process ask for (see :mod:`trainer.steppers.stepper`)."""
         cfg = self.program.config
         parts = (self.program, self.model, self.channels, self.blocks, self.recovery, self.state)
         if (cfg.k_steps or cfg.backup_trainers) and self.local_world_size > 1:
-            mode = f"GEO mode (k_steps={cfg.k_steps})" if cfg.k_steps else f"backup_trainers={cfg.backup_trainers}"
-            raise ValueError(f"{mode} trains one process per trainer; this trainer node has local_world_size="
-                             f"{self.local_world_size}: start one trainer per process instead")
+            mode = (
+                f"GEO mode (k_steps={cfg.k_steps})"
+                if cfg.k_steps
+                else f"backup_trainers={cfg.backup_trainers}"
+            )
+            raise ValueError(
+                f"{mode} trains one process per trainer; this trainer node has local_world_size="
+                f"{self.local_world_size}: start one trainer per process instead"
+            )
         if cfg.k_steps:
             return GeoStepper(*parts)
         if self.local_world_size > 1:
-            return NodeStepper(*parts, local_rank=self.local_rank, local_world_size=self.local_world_size,
-                               device=self.device, init_method=init_method)
+            return NodeStepper(
+                *parts,
+                local_rank=self.local_rank,
+                local_world_size=self.local_world_size,
+                device=self.device,
+                init_method=init_method,
+            )
         if not self.sync_mode and cfg.async_pipeline:
             return PipelinedStepper(*parts)
-        return LocalStepper(*parts, push_during_backward=cfg.push_during_backward and self.device.type == "cpu")
+        return LocalStepper(
+            *parts, push_during_backward=cfg.push_during_backward and self.device.type == "cpu"
+        )
 
     @property
     def _local(self) -> str:
@@ -219,13 +252,19 @@ class PserverTrainer(TrainerBase):
         self.stepper.flush()  # the saved rows include this trainer's last step
 
         def save() -> List[str]:
-            replies = self.channels.run_parallel({ep: functools.partial(self.channels[ep].save_tables, directory)
-                                                  for ep in self.program.pservers})
+            replies = self.channels.run_parallel(
+                {
+                    ep: functools.partial(self.channels[ep].save_tables, directory)
+                    for ep in self.program.pservers
+                }
+            )
             return [p for reply in replies.values() for p in reply.paths]
+
         return self.stepper.leader_does("save_tables", save)
 
-    def batches(self, loader: Iterable, epochs: int,
-                prefetch: Optional[Callable[[object], Dict[str, object]]] = None) -> Iterator:
+    def batches(
+        self, loader: Iterable, epochs: int, prefetch: Optional[Callable[[object], Dict[str, object]]] = None
+    ) -> Iterator:
         """The items of ``loader`` for ``epochs`` epochs, from this trainer's data position on.
 
         Train one step per item. A new trainer starts at epoch 0, batch 0; one
@@ -256,8 +295,11 @@ class PserverTrainer(TrainerBase):
         self.stepper.flush()
 
         def checkpoint() -> List[str]:
-            replies = self.channels.run_parallel({ep: self.channels[ep].checkpoint for ep in self.program.pservers})
+            replies = self.channels.run_parallel(
+                {ep: self.channels[ep].checkpoint for ep in self.program.pservers}
+            )
             return [replies[ep].path for ep in self.program.pservers]
+
         return self.stepper.leader_does("checkpoint", checkpoint)
 
     def close(self) -> None:
@@ -284,6 +326,11 @@ class PserverTrainer(TrainerBase):
             finally:
                 self.feed.close()
                 self.stepper.close(self.program.config.connect_timeout if patient else 0.0)
-        log.info("trainer %d%s: closed after step %d (pushed %s bytes, pulled %s bytes)",
-                 self.trainer_id, self._local, self.step_count, f"{self.channels.bytes_pushed:,}",
-                 f"{self.channels.bytes_pulled:,}")
+        log.info(
+            "trainer %d%s: closed after step %d (pushed %s bytes, pulled %s bytes)",
+            self.trainer_id,
+            self._local,
+            self.step_count,
+            f"{self.channels.bytes_pushed:,}",
+            f"{self.channels.bytes_pulled:,}",
+        )

@@ -7,6 +7,7 @@ that position (:class:`~trainer.feed.Feed`), the sampler, the TensorBoard
 board (:mod:`trainer.board`) and the script's scalars, and closing. Which
 kind a plan makes is :class:`trainer.Trainer`'s business (trainer/factory.py).
 """
+
 from __future__ import annotations
 
 import os
@@ -67,8 +68,9 @@ class TrainerBase(ABC):
 
     # step(), pull() and state_dict() are each kind's own (the interface: trainer.Trainer).
 
-    def batches(self, loader: Iterable, epochs: int,
-                prefetch: Optional[Callable[[object], Dict[str, object]]] = None) -> Iterator:
+    def batches(
+        self, loader: Iterable, epochs: int, prefetch: Optional[Callable[[object], Dict[str, object]]] = None
+    ) -> Iterator:
         """The items of ``loader`` for ``epochs`` epochs, from this trainer's data position on.
 
         Train one step per item. Calls ``loader.sampler.set_epoch(epoch)`` when
@@ -108,11 +110,21 @@ class TrainerBase(ABC):
             raise ValueError(f"step must be None or an int >= 0, got {step!r}")
         self.board.scalars(scalars, step)
 
-    def _open_board(self, inside_tag: str, stats: Optional[AskStats] = None,
-                    endpoints: Optional[List[str]] = None) -> None:
-        """Open this process's board (once its rank is known); ``inside_tag`` names the time spent in ``step()``."""
-        self.board = open_board(self.program.config, self.trainer_id, self.local_rank, self.rank, inside_tag,
-                                stats, endpoints, self._board_settings)
+    def _open_board(
+        self, inside_tag: str, stats: Optional[AskStats] = None, endpoints: Optional[List[str]] = None
+    ) -> None:
+        """Open this process's board (once its rank is known); ``inside_tag`` names the time spent in
+        ``step()``."""
+        self.board = open_board(
+            self.program.config,
+            self.trainer_id,
+            self.local_rank,
+            self.rank,
+            inside_tag,
+            stats,
+            endpoints,
+            self._board_settings,
+        )
 
     # -- closing ------------------------------------------------------------
 

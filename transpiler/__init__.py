@@ -14,29 +14,47 @@ their modules by the pserver and trainer packages. The names are imported on
 first use, so what needs only the environment (``transpiler.roles.role_env``, ``ps-launch``)
 starts without importing torch.
 """
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
 from .lazy import lazy_exports
 
-__getattr__ = lazy_exports(__name__, {  # public name: the module that defines it
-    "Program": ".program", "DistributeTranspiler": ".transpiler", "DistributeTranspilerConfig": ".config",
-    "TableOptions": ".tables", "RoleEnv": ".roles.role_env", "PserverProgram": ".plans", "StartupProgram": ".plans",
-    "TrainerProgram": ".plans", "Position": ".position", "TableLifecycle": ".lifecycle",
-})
+__getattr__ = lazy_exports(
+    __name__,
+    {  # public name: the module that defines it
+        "Program": ".program",
+        "DistributeTranspiler": ".transpiler",
+        "DistributeTranspilerConfig": ".config",
+        "TableOptions": ".tables",
+        "RoleEnv": ".roles.role_env",
+        "PserverProgram": ".plans",
+        "StartupProgram": ".plans",
+        "TrainerProgram": ".plans",
+        "Position": ".position",
+        "TableLifecycle": ".lifecycle",
+    },
+)
 __all__ = [
-    "Program", "DistributeTranspiler", "DistributeTranspilerConfig", "TableOptions", "RoleEnv",
-    "PserverProgram", "StartupProgram", "TrainerProgram", "Position", "TableLifecycle",
+    "Program",
+    "DistributeTranspiler",
+    "DistributeTranspilerConfig",
+    "TableOptions",
+    "RoleEnv",
+    "PserverProgram",
+    "StartupProgram",
+    "TrainerProgram",
+    "Position",
+    "TableLifecycle",
 ]
 
 if TYPE_CHECKING:
     from .config import DistributeTranspilerConfig
-    from .roles.role_env import RoleEnv
     from .lifecycle import TableLifecycle
     from .plans import PserverProgram, StartupProgram, TrainerProgram
     from .position import Position
     from .program import Program
+    from .roles.role_env import RoleEnv
     from .tables import TableOptions
     from .transpiler import DistributeTranspiler
-

@@ -8,6 +8,7 @@ before a job starts.
 ``python -m transpiler config-reference`` prints the configuration reference
 (docs/configuration.md), generated from the config dataclasses.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,8 +24,11 @@ def main(argv=None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     show = sub.add_parser("show", help="print the block layout of a program")
     show.add_argument("program", help="FILE.py:FUNC or module:FUNC returning a transpiler.Program")
-    show.add_argument("--pservers", default="127.0.0.1:6170,127.0.0.1:6171",
-                      help="comma-separated pserver endpoints (default: two on loopback)")
+    show.add_argument(
+        "--pservers",
+        default="127.0.0.1:6170,127.0.0.1:6171",
+        help="comma-separated pserver endpoints (default: two on loopback)",
+    )
     show.add_argument("--trainers", type=int, default=2, help="number of trainers (default 2)")
     add_transpile_arguments(show)
     sub.add_parser("config-reference", help="print the configuration reference (docs/configuration.md)")
@@ -35,8 +39,9 @@ def main(argv=None) -> int:
     try:
         program = load_program(args.program)
         t = DistributeTranspiler(config_from_args(args))
-        t.transpile(0, program=program, pservers=args.pservers, trainers=args.trainers,
-                    sync_mode=args.sync_mode)
+        t.transpile(
+            0, program=program, pservers=args.pservers, trainers=args.trainers, sync_mode=args.sync_mode
+        )
     except (ValueError, TypeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -1,12 +1,13 @@
-"""What the command-line tools share: a program loaded from ``FILE.py:FUNC``, the config's flags and reference.
+"""What the command-line tools share: a program loaded from ``FILE.py:FUNC``, the config's flags and
+reference.
 
 Command-line tools (``python -m transpiler show``, ``ps-server``) take the user's program as a
-``FILE.py:FUNC`` or ``package.module:FUNC`` reference (FUNC is called with no arguments and must
-return a :class:`Program`), and every :class:`DistributeTranspilerConfig` field as a flag.
-``python -m transpiler config-reference`` prints docs/configuration.md: the fields' types and
-defaults read from the dataclasses, their meanings from the dataclasses' docstrings, so the
-reference cannot drift from the code.
+``FILE.py:FUNC`` or ``package.module:FUNC`` reference (FUNC is called with no arguments and must return a
+:class:`Program`), and every :class:`DistributeTranspilerConfig` field as a flag. ``python -m transpiler
+config-reference`` prints docs/configuration.md: the fields' types and defaults read from the dataclasses,
+their meanings from the dataclasses' docstrings, so the reference cannot drift from the code.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -48,11 +49,20 @@ def load_program(ref: str) -> Program:
     return program
 
 
-CHOICES = {"split_method": SPLIT_METHODS, "nonfinite_grads": NONFINITE_GRADS,
-           "tensorboard_trainers": TENSORBOARD_TRAINERS}
+CHOICES = {
+    "split_method": SPLIT_METHODS,
+    "nonfinite_grads": NONFINITE_GRADS,
+    "tensorboard_trainers": TENSORBOARD_TRAINERS,
+}
 # Fields that are None or an int: their flags parse ints.
-INT_OR_NONE = ("max_staleness", "metrics_port", "health_port", "server_replicas", "replica_lease_ttl",
-               "tensorboard_every")
+INT_OR_NONE = (
+    "max_staleness",
+    "metrics_port",
+    "health_port",
+    "server_replicas",
+    "replica_lease_ttl",
+    "tensorboard_every",
+)
 
 
 def _bool(text: str) -> bool:
@@ -66,8 +76,13 @@ def _bool(text: str) -> bool:
 
 def add_transpile_arguments(parser: argparse.ArgumentParser) -> None:
     """Add ``--sync_mode`` and one flag per DistributeTranspilerConfig field."""
-    parser.add_argument("--sync_mode", type=_bool, default=True, metavar="BOOL",
-                        help="true: synchronous updates (default); false: asynchronous")
+    parser.add_argument(
+        "--sync_mode",
+        type=_bool,
+        default=True,
+        metavar="BOOL",
+        help="true: synchronous updates (default); false: asynchronous",
+    )
     defaults = DistributeTranspilerConfig()
     for f in dataclasses.fields(DistributeTranspilerConfig):
         default = getattr(defaults, f.name)
@@ -79,9 +94,13 @@ def add_transpile_arguments(parser: argparse.ArgumentParser) -> None:
             kind = str
         else:
             kind = type(default)
-        parser.add_argument(f"--{f.name}", type=kind, default=default,
-                            choices=CHOICES.get(f.name),
-                            help=f"DistributeTranspilerConfig.{f.name} (default {default!r})")
+        parser.add_argument(
+            f"--{f.name}",
+            type=kind,
+            default=default,
+            choices=CHOICES.get(f.name),
+            help=f"DistributeTranspilerConfig.{f.name} (default {default!r})",
+        )
 
 
 def config_from_args(args: argparse.Namespace) -> DistributeTranspilerConfig:
@@ -115,8 +134,10 @@ def field_docs(cls) -> Dict[str, str]:
     missing = [n for n in names if n not in entries]
     unknown = sorted(set(entries) - set(names))
     if missing or unknown:
-        raise ValueError(f"{cls.__name__}'s docstring must describe every field and nothing else: "
-                         f"undocumented {missing}, not fields {unknown}")
+        raise ValueError(
+            f"{cls.__name__}'s docstring must describe every field and nothing else: "
+            f"undocumented {missing}, not fields {unknown}"
+        )
     return {n: " ".join(entries[n]) for n in names}
 
 
@@ -142,15 +163,18 @@ def _field_table(cls) -> list:
     docs = field_docs(cls)
     rows = ["| field | type | default | meaning |", "|---|---|---|---|"]
     for f in dataclasses.fields(cls):
-        rows.append(f"| `{f.name}` | {_type_name(f.type)} | `{_default_text(f)}` | {_markdown(docs[f.name])} |")
+        rows.append(
+            f"| `{f.name}` | {_type_name(f.type)} | `{_default_text(f)}` | {_markdown(docs[f.name])} |"
+        )
     return rows
 
 
 def config_reference() -> str:
-    """docs/configuration.md: every DistributeTranspilerConfig and TableLifecycle field, and the variables read.
+    """docs/configuration.md: every DistributeTranspilerConfig and TableLifecycle field, and the variables
+    read.
 
-    Types and defaults come from the dataclasses, meanings from their docstrings (:func:`field_docs`,
-    which refuses a field without one); tests/test_docs.py checks the committed file equals this.
+    Types and defaults come from the dataclasses, meanings from their docstrings (:func:`field_docs`, which
+    refuses a field without one); tests/test_docs.py checks the committed file equals this.
     """
     env_rows = ["| variable | field it fills when the field is None |", "|---|---|"]
     for name, doc in field_docs(DistributeTranspilerConfig).items():
@@ -159,14 +183,16 @@ def config_reference() -> str:
         "# Configuration reference",
         "",
         "<!-- Generated by `python -m transpiler config-reference > docs/configuration.md` from the",
-        "     dataclasses in transpiler/config/fields.py and transpiler/lifecycle.py: edit their docstrings, then",
+        "     dataclasses in transpiler/config/fields.py and transpiler/lifecycle.py: edit their docstrings, "
+        "then",
         "     regenerate (tests/test_docs.py fails while this file is stale). -->",
         "",
         "`DistributeTranspilerConfig(...)` is handed to `DistributeTranspiler`; the config travels inside",
         "the plans, so a pserver and its trainers agree on deadlines and chunk sizes without further flags.",
         "`transpile(..., sync_mode=True)`: `True` synchronous, `False` asynchronous. Every field is also a",
         "flag of the same name of `python -m transpiler show` and `ps-server`; `show` prints every block",
-        "(param, rows, shape, bytes), the pserver that owns it, and the bytes per pserver, before a job starts:",
+        "(param, rows, shape, bytes), the pserver that owns it, and the bytes per pserver, before a job "
+        "starts:",
         "",
         "```bash",
         "python -m transpiler show examples/train_mlp.py:build_program \\",
@@ -187,7 +213,8 @@ def config_reference() -> str:
         "## TableLifecycle",
         "",
         "Per distributed table, `TableOptions(lifecycle=TableLifecycle(...))` or a dict of its fields; every",
-        "rule is off by default. What the rules do exactly: [tables.md#table-lifecycle](tables.md#table-lifecycle).",
+        "rule is off by default. What the rules do exactly: "
+        "[tables.md#table-lifecycle](tables.md#table-lifecycle).",
         "",
         *_field_table(TableLifecycle),
     ]

@@ -38,6 +38,7 @@ single-process reference can repeat (docs/tables.md, "Table lifecycle"):
   rows (with their optimizer state and metadata) to a store on local disk;
   any access brings a row back. Results equal the all-in-RAM table.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -45,8 +46,8 @@ import math
 from dataclasses import dataclass
 from typing import Mapping, Union
 
-MAX_ADMIT_COUNT = 65535   # counters are uint16 (saturating)
-BUDGET_LOW_WATER = 0.9    # a full row budget evicts down to this fraction of it
+MAX_ADMIT_COUNT = 65535  # counters are uint16 (saturating)
+BUDGET_LOW_WATER = 0.9  # a full row budget evicts down to this fraction of it
 
 
 @dataclass
@@ -113,8 +114,15 @@ class TableLifecycle:
         return dataclasses.asdict(self)
 
 
-_INTS = ("admit_count", "admit_sketch_width", "admit_decay_steps", "evict_unseen_steps",
-         "max_rows", "sweep_every_steps", "ram_rows")
+_INTS = (
+    "admit_count",
+    "admit_sketch_width",
+    "admit_decay_steps",
+    "evict_unseen_steps",
+    "max_rows",
+    "sweep_every_steps",
+    "ram_rows",
+)
 
 
 def table_lifecycle(value: Union[None, TableLifecycle, Mapping[str, object]], table: str) -> TableLifecycle:
@@ -129,12 +137,15 @@ def table_lifecycle(value: Union[None, TableLifecycle, Mapping[str, object]], ta
         known = {f.name for f in dataclasses.fields(TableLifecycle)}
         unknown = sorted(set(value) - known)
         if unknown:
-            raise ValueError(f"distributed table {table!r}: unknown lifecycle settings {unknown}; "
-                             f"known: {sorted(known)}")
+            raise ValueError(
+                f"distributed table {table!r}: unknown lifecycle settings {unknown}; known: {sorted(known)}"
+            )
         value = TableLifecycle(**value)
     if not isinstance(value, TableLifecycle):
-        raise TypeError(f"distributed table {table!r}: lifecycle must be a TableLifecycle or a dict, "
-                        f"got {type(value).__name__}")
+        raise TypeError(
+            f"distributed table {table!r}: lifecycle must be a TableLifecycle or a dict, "
+            f"got {type(value).__name__}"
+        )
     _check(value, table)
     return value
 
@@ -142,6 +153,7 @@ def table_lifecycle(value: Union[None, TableLifecycle, Mapping[str, object]], ta
 def _check(lc: TableLifecycle, table: str) -> None:
     def bad(name, why):
         raise ValueError(f"distributed table {table!r}: lifecycle {name}={getattr(lc, name)!r} {why}")
+
     for name in _INTS:
         v = getattr(lc, name)
         if not isinstance(v, int) or isinstance(v, bool) or v < 0:
@@ -169,5 +181,8 @@ def _check(lc: TableLifecycle, table: str) -> None:
     if lc.sweep_every_steps > 1 and not lc.sweeps:
         bad("sweep_every_steps", "has no effect without an evict_* rule")
     if lc.ram_rows and lc.max_rows:
-        bad("ram_rows", f"cannot be combined with max_rows={lc.max_rows} (yet): the row budget would "
-                        f"rank the rows on disk too; bound the table with an evict_* rule instead")
+        bad(
+            "ram_rows",
+            f"cannot be combined with max_rows={lc.max_rows} (yet): the row budget would "
+            f"rank the rows on disk too; bound the table with an evict_* rule instead",
+        )

@@ -4,6 +4,7 @@
 an optional learning-rate schedule; :class:`LrSchedule` turns the schedule into
 the learning rate of any training step, exactly as torch computes it.
 """
+
 from __future__ import annotations
 
 import inspect
@@ -27,8 +28,15 @@ OPTIMIZERS = {
 # once per training step.
 LR_SCHEDULERS = {
     name: getattr(torch.optim.lr_scheduler, name)
-    for name in ("StepLR", "MultiStepLR", "ExponentialLR", "CosineAnnealingLR",
-                 "LinearLR", "ConstantLR", "PolynomialLR")
+    for name in (
+        "StepLR",
+        "MultiStepLR",
+        "ExponentialLR",
+        "CosineAnnealingLR",
+        "LinearLR",
+        "ConstantLR",
+        "PolynomialLR",
+    )
 }
 
 # Keyword arguments that would change the numerics or the execution engine on
@@ -40,8 +48,7 @@ def _check_kwargs(what: str, cls: type, kwargs: Dict[str, object], skip: Iterabl
     accepted = set(inspect.signature(cls.__init__).parameters) - {"self"} - set(skip)
     unknown = sorted(set(kwargs) - accepted)
     if unknown:
-        raise ValueError(
-            f"{what} does not take {unknown}; it accepts {sorted(accepted)}")
+        raise ValueError(f"{what} does not take {unknown}; it accepts {sorted(accepted)}")
 
 
 @dataclass
@@ -76,10 +83,15 @@ class OptimizerSpec:
         self._check_optimizer_kwargs(cls)
         if self.lr_scheduler is not None:
             if self.lr_scheduler not in LR_SCHEDULERS:
-                raise ValueError(f"unknown lr_scheduler {self.lr_scheduler!r}; "
-                                 f"choose one of {sorted(LR_SCHEDULERS)}")
-            _check_kwargs(f"lr_scheduler {self.lr_scheduler!r}", LR_SCHEDULERS[self.lr_scheduler],
-                          self.lr_scheduler_kwargs, {"optimizer", "verbose"})
+                raise ValueError(
+                    f"unknown lr_scheduler {self.lr_scheduler!r}; choose one of {sorted(LR_SCHEDULERS)}"
+                )
+            _check_kwargs(
+                f"lr_scheduler {self.lr_scheduler!r}",
+                LR_SCHEDULERS[self.lr_scheduler],
+                self.lr_scheduler_kwargs,
+                {"optimizer", "verbose"},
+            )
         # Build once on a throwaway tensor so bad values fail here, in the
         # user's process, not later on a pserver.
         self.build([torch.zeros(1, requires_grad=True)])
@@ -98,8 +110,12 @@ class OptimizerSpec:
 
     def to_dict(self) -> dict:
         kwargs = {k: list(v) if isinstance(v, tuple) else v for k, v in self.kwargs.items()}
-        return {"name": self.name, "kwargs": kwargs, "lr_scheduler": self.lr_scheduler,
-                "lr_scheduler_kwargs": dict(self.lr_scheduler_kwargs)}
+        return {
+            "name": self.name,
+            "kwargs": kwargs,
+            "lr_scheduler": self.lr_scheduler,
+            "lr_scheduler_kwargs": dict(self.lr_scheduler_kwargs),
+        }
 
     @classmethod
     def from_dict(cls, data: dict) -> "OptimizerSpec":

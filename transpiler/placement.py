@@ -1,8 +1,11 @@
-"""Where everything lives: parameters sliced into row blocks, blocks dealt to pservers, ids routed by stable hashes.
+"""Where everything lives: parameters sliced into row blocks, blocks dealt to pservers, ids routed by
+stable hashes.
 
-Stable hashes give the same answer in every process, run and Python version. Python's ``hash()`` of a str is
-salted per process, so it cannot place blocks or route ids: two roles would disagree on where a block lives.
+Stable hashes give the same answer in every process, run and Python version. Python's ``hash()`` of a str
+is salted per process, so it cannot place blocks or route ids: two roles would disagree on where a block
+lives.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -42,8 +45,9 @@ def as_rows(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(t.shape[0] if t.dim() else 1, -1)
 
 
-def cut_block(saved: Dict[str, List[dict]], param: str, row_start: int, row_end: int,
-              shape: Sequence[int]) -> Tuple[torch.Tensor, dict]:
+def cut_block(
+    saved: Dict[str, List[dict]], param: str, row_start: int, row_end: int, shape: Sequence[int]
+) -> Tuple[torch.Tensor, dict]:
     """(value, optimizer state) of rows ``[row_start, row_end)`` of ``param``, cut from saved blocks.
 
     The saved blocks may slice the parameter differently. State tensors shaped
@@ -60,8 +64,15 @@ def cut_block(saved: Dict[str, List[dict]], param: str, row_start: int, row_end:
         raise ValueError(f"the checkpoint holds no rows {covered}..{row_end} of parameter {param!r}")
 
     def cut(get) -> torch.Tensor:
-        return torch.cat([as_rows(get(e))[max(row_start, e["row_start"]) - e["row_start"]:
-                                          min(row_end, e["row_end"]) - e["row_start"]] for e in pieces])
+        return torch.cat(
+            [
+                as_rows(get(e))[
+                    max(row_start, e["row_start"]) - e["row_start"] : min(row_end, e["row_end"])
+                    - e["row_start"]
+                ]
+                for e in pieces
+            ]
+        )
 
     value = cut(lambda e: e["value"]).reshape(shape)
     state = {}
@@ -73,8 +84,7 @@ def cut_block(saved: Dict[str, List[dict]], param: str, row_start: int, row_end:
     return value, state
 
 
-def block_count(numel: int, rows: int, n_pservers: int, min_block_size: int,
-                slice_var_up: bool) -> int:
+def block_count(numel: int, rows: int, n_pservers: int, min_block_size: int, slice_var_up: bool) -> int:
     """Number of blocks for a parameter of ``numel`` elements and ``rows`` dim-0 rows.
 
     ``min(#pservers, max(1, numel // min_block_size))`` when slicing, never more

@@ -9,6 +9,7 @@
 Layout plans serialise as UTF-8 JSON (readable with any tool); the startup
 program carries tensors and serialises with ``torch.save``.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -28,6 +29,7 @@ from .roles.replicas import replica_endpoints
 from .tables import TableSpec
 
 FORMAT_VERSION = 1
+
 
 @dataclass
 class BlockSpec:
@@ -73,8 +75,17 @@ def _columns(head: List[str], rows: List[List[str]]) -> str:
 
 def _block_table(blocks: List[BlockSpec], with_endpoint: bool) -> str:
     head = ["block", "param", "rows", "shape", "bytes"] + (["pserver"] if with_endpoint else [])
-    rows = [[b.name, b.param, f"{b.row_start}:{b.row_end}", "x".join(map(str, b.shape)) or "scalar",
-             f"{b.nbytes:,}"] + ([b.endpoint] if with_endpoint else []) for b in blocks]
+    rows = [
+        [
+            b.name,
+            b.param,
+            f"{b.row_start}:{b.row_end}",
+            "x".join(map(str, b.shape)) or "scalar",
+            f"{b.nbytes:,}",
+        ]
+        + ([b.endpoint] if with_endpoint else [])
+        for b in blocks
+    ]
     return _columns(head, rows)
 
 
@@ -96,16 +107,28 @@ def _tables_table(tables: List[TableSpec], n_shards: int) -> str:
     if not tables:
         return ""
     head = ["table", "kind", "dim", "dtype", "capacity hint", "init", "optimizer"]
-    rows = [[t.name, t.kind + (f" ({t.mode})" if t.mode else ""), str(t.dim), t.dtype,
-             f"{t.capacity:,}", f"{t.init} {t.init_kwargs}", _optimizer_line(t.optimizer)]
-            for t in tables]
-    return (f"\n\n  distributed tables, sharded by id over {n_shards} pservers "
-            f"(stable_hash(id) % {n_shards}):\n" + _columns(head, rows))
+    rows = [
+        [
+            t.name,
+            t.kind + (f" ({t.mode})" if t.mode else ""),
+            str(t.dim),
+            t.dtype,
+            f"{t.capacity:,}",
+            f"{t.init} {t.init_kwargs}",
+            _optimizer_line(t.optimizer),
+        ]
+        for t in tables
+    ]
+    return (
+        f"\n\n  distributed tables, sharded by id over {n_shards} pservers "
+        f"(stable_hash(id) % {n_shards}):\n" + _columns(head, rows)
+    )
 
 
 def _dumps(kind: str, payload: dict) -> bytes:
-    return json.dumps({"kind": kind, "format_version": FORMAT_VERSION, **payload},
-                      sort_keys=True).encode("utf-8")
+    return json.dumps({"kind": kind, "format_version": FORMAT_VERSION, **payload}, sort_keys=True).encode(
+        "utf-8"
+    )
 
 
 def _loads(kind: str, data: bytes) -> dict:
@@ -114,7 +137,9 @@ def _loads(kind: str, data: bytes) -> dict:
     except (UnicodeDecodeError, json.JSONDecodeError, TypeError) as e:
         raise ValueError(f"not a serialised {kind}: {e}") from None
     if not isinstance(obj, dict) or obj.get("kind") != kind:
-        raise ValueError(f"not a serialised {kind} (kind={obj.get('kind') if isinstance(obj, dict) else None!r})")
+        raise ValueError(
+            f"not a serialised {kind} (kind={obj.get('kind') if isinstance(obj, dict) else None!r})"
+        )
     if obj.get("format_version") != FORMAT_VERSION:
         raise ValueError(f"{kind} format_version {obj.get('format_version')!r} is not {FORMAT_VERSION}")
     obj.pop("kind")
@@ -183,12 +208,14 @@ class PserverProgram:
     def __str__(self) -> str:
         mode = _mode_name(self.sync_mode, self.config)
         total = sum(b.nbytes for b in self.blocks)
-        return (f"PserverProgram {self.endpoint}: {mode}, {self.trainers} trainers, "
-                f"{len(self.blocks)} blocks, {total:,} bytes, shard {self.shard} of "
-                f"{len(self.tables)} tables\n"
-                f"  optimizer: {_optimizer_line(self.optimizer)}\n"
-                + _block_table(self.blocks, with_endpoint=False)
-                + _tables_table(self.tables, len(self.pservers)))
+        return (
+            f"PserverProgram {self.endpoint}: {mode}, {self.trainers} trainers, "
+            f"{len(self.blocks)} blocks, {total:,} bytes, shard {self.shard} of "
+            f"{len(self.tables)} tables\n"
+            f"  optimizer: {_optimizer_line(self.optimizer)}\n"
+            + _block_table(self.blocks, with_endpoint=False)
+            + _tables_table(self.tables, len(self.pservers))
+        )
 
 
 @dataclass
@@ -200,8 +227,15 @@ class StartupProgram:
 
     def to_bytes(self) -> bytes:
         buf = io.BytesIO()
-        torch.save({"kind": "StartupProgram", "format_version": FORMAT_VERSION,
-                    "endpoint": self.endpoint, "tensors": self.tensors}, buf)
+        torch.save(
+            {
+                "kind": "StartupProgram",
+                "format_version": FORMAT_VERSION,
+                "endpoint": self.endpoint,
+                "tensors": self.tensors,
+            },
+            buf,
+        )
         return buf.getvalue()
 
     @classmethod
@@ -275,8 +309,9 @@ class TrainerProgram:
         try:
             d["optimizer"] = OptimizerSpec.from_dict(d["optimizer"])
             d["config"] = DistributeTranspilerConfig.from_dict(d["config"])
-            d["params"] = [ParamSpec(p["name"], p["shape"], p["dtype"], _blocks_from(p["blocks"]))
-                           for p in d["params"]]
+            d["params"] = [
+                ParamSpec(p["name"], p["shape"], p["dtype"], _blocks_from(p["blocks"])) for p in d["params"]
+            ]
             d["tables"] = [TableSpec.from_dict(t) for t in d.get("tables", [])]
             return cls(**d, model=model)
         except (KeyError, TypeError) as e:
@@ -286,21 +321,35 @@ class TrainerProgram:
         if self.collective:
             return self._collective_str()
         mode = _mode_name(self.sync_mode, self.config)
-        return (f"TrainerProgram trainer {self.trainer_id}/{self.trainers}: {mode}, "
-                f"{len(self.params)} params in {len(self.blocks)} blocks on "
-                f"{len(self.pservers)} pservers, {len(self.tables)} distributed tables\n"
-                f"  optimizer: {_optimizer_line(self.optimizer)}\n"
-                + _block_table(self.blocks, with_endpoint=True)
-                + _tables_table(self.tables, len(self.pservers)))
+        return (
+            f"TrainerProgram trainer {self.trainer_id}/{self.trainers}: {mode}, "
+            f"{len(self.params)} params in {len(self.blocks)} blocks on "
+            f"{len(self.pservers)} pservers, {len(self.tables)} distributed tables\n"
+            f"  optimizer: {_optimizer_line(self.optimizer)}\n"
+            + _block_table(self.blocks, with_endpoint=True)
+            + _tables_table(self.tables, len(self.pservers))
+        )
 
     def _collective_str(self) -> str:
         """What a collective-mode trainer runs: DDP options, optimizer, every parameter it all-reduces."""
         c = self.config
-        local_sgd = (f"Local SGD every {c.local_sgd_steps} steps after {c.local_sgd_warmup_steps} warm-up steps"
-                     if c.use_local_sgd else "no Local SGD")
+        local_sgd = (
+            f"Local SGD every {c.local_sgd_steps} steps after {c.local_sgd_warmup_steps} warm-up steps"
+            if c.use_local_sgd
+            else "no Local SGD"
+        )
         head = ["param", "shape", "dtype", "bytes"]
-        rows = [[p.name, "x".join(map(str, p.shape)) or "scalar", p.dtype,
-                 f"{math.prod(p.shape) * DTYPES[p.dtype].itemsize:,}"] for p in self.params]
-        return (f"TrainerProgram trainer {self.trainer_id}/{self.trainers}: collective (DDP, no pservers), "
-                f"{len(self.params)} params, all-reduce buckets of {c.bucket_cap_mb} MiB, {local_sgd}\n"
-                f"  optimizer: {_optimizer_line(self.optimizer)}\n" + _columns(head, rows))
+        rows = [
+            [
+                p.name,
+                "x".join(map(str, p.shape)) or "scalar",
+                p.dtype,
+                f"{math.prod(p.shape) * DTYPES[p.dtype].itemsize:,}",
+            ]
+            for p in self.params
+        ]
+        return (
+            f"TrainerProgram trainer {self.trainer_id}/{self.trainers}: collective (DDP, no pservers), "
+            f"{len(self.params)} params, all-reduce buckets of {c.bucket_cap_mb} MiB, {local_sgd}\n"
+            f"  optimizer: {_optimizer_line(self.optimizer)}\n" + _columns(head, rows)
+        )

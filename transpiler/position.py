@@ -4,6 +4,7 @@ A trainer pushes its position with each step; pservers keep it with the step
 (checkpoints save it), and a trainer that rejoins or rolls back resumes its
 data there. Opaque to the pservers. Torch-free, so pure decision code can use it.
 """
+
 from __future__ import annotations
 
 from typing import NamedTuple

@@ -4,6 +4,7 @@ A Program is what a user writes for one machine: a module, the optimizer that
 would train it (name + torch keyword arguments), an optional learning-rate
 schedule, and which embedding tables are distributed.
 """
+
 from __future__ import annotations
 
 from typing import Dict, List, Mapping, Optional, Sequence, Union
@@ -12,7 +13,6 @@ import torch
 
 from .optim import OptimizerSpec
 from .tables import TableOptions, TableSpec, table_options, table_spec
-
 
 TablesArg = Union[Sequence[str], Mapping[str, Union[TableOptions, Mapping[str, object], None]]]
 
@@ -31,16 +31,22 @@ class Program:
     to choose a table's optimizer, initial rows or seed.
     """
 
-    def __init__(self, model: torch.nn.Module, optimizer: str = "sgd", *,
-                 distributed_tables: TablesArg = (),
-                 lr_scheduler: Optional[str] = None,
-                 lr_scheduler_kwargs: Optional[Dict[str, object]] = None,
-                 **optimizer_kwargs):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: str = "sgd",
+        *,
+        distributed_tables: TablesArg = (),
+        lr_scheduler: Optional[str] = None,
+        lr_scheduler_kwargs: Optional[Dict[str, object]] = None,
+        **optimizer_kwargs,
+    ):
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         self.model = model
-        self.optimizer = OptimizerSpec(optimizer, optimizer_kwargs, lr_scheduler,
-                                       dict(lr_scheduler_kwargs or {}))
+        self.optimizer = OptimizerSpec(
+            optimizer, optimizer_kwargs, lr_scheduler, dict(lr_scheduler_kwargs or {})
+        )
         if isinstance(distributed_tables, str):
             distributed_tables = [distributed_tables]
         if not isinstance(distributed_tables, Mapping):
@@ -57,17 +63,21 @@ class Program:
             raise ValueError("the model has no trainable parameters")
         for name, p in params:
             if not p.dtype.is_floating_point:
-                raise ValueError(f"parameter {name!r} has dtype {p.dtype}; only floating-point "
-                                 f"parameters can be trained")
+                raise ValueError(
+                    f"parameter {name!r} has dtype {p.dtype}; only floating-point parameters can be trained"
+                )
             if "@" in name:
                 raise ValueError(f"parameter name {name!r} must not contain '@' (reserved on the wire)")
 
     def dense_parameters(self) -> List[tuple]:
         """(name, parameter) pairs that the pservers own as row blocks."""
         tables = tuple(t + "." for t in self.distributed_tables)
-        return [(n, p) for n, p in self.model.named_parameters()
-                if p.requires_grad and not n.startswith(tables)]
+        return [
+            (n, p) for n, p in self.model.named_parameters() if p.requires_grad and not n.startswith(tables)
+        ]
 
     def __repr__(self) -> str:
-        return (f"Program({type(self.model).__name__}, optimizer={self.optimizer.name!r}, "
-                f"kwargs={self.optimizer.kwargs}, distributed_tables={self.distributed_tables})")
+        return (
+            f"Program({type(self.model).__name__}, optimizer={self.optimizer.name!r}, "
+            f"kwargs={self.optimizer.kwargs}, distributed_tables={self.distributed_tables})"
+        )

@@ -9,6 +9,7 @@ A row that was never updated has its *initial value*, a pure function of
 (table seed, id) computed by :func:`initial_rows`, so a run does not depend on
 the number of pservers or on the order in which ids arrive.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -21,9 +22,9 @@ import torch
 
 from psproto.dtypes import TABLE_DTYPES
 
-from .placement import stable_hash_ids, stable_hash_name
 from .lifecycle import TableLifecycle, table_lifecycle
 from .optim import OptimizerSpec
+from .placement import stable_hash_ids, stable_hash_name
 
 # Sparse optimizers, with torch's semantics for sparse gradients: the class
 # whose update a table applies, and the only keyword arguments it takes.
@@ -40,9 +41,11 @@ _TABLE_OPTIMIZER_KWARGS = {
 }
 # The table optimizer a dense optimizer implies, and which of its kwargs carry over.
 _DERIVED = {
-    "sgd": "sgd", "momentum": "sgd",
+    "sgd": "sgd",
+    "momentum": "sgd",
     "adagrad": "adagrad",
-    "adam": "adam", "adamw": "adam",
+    "adam": "adam",
+    "adamw": "adam",
 }
 
 ROW_INITS = {"normal": {"mean": 0.0, "std": 1.0}, "uniform": {"a": 0.0, "b": 1.0}, "zeros": {}}
@@ -67,8 +70,10 @@ class TableOptimizerSpec(OptimizerSpec):
         allowed = _TABLE_OPTIMIZER_KWARGS[self.name]
         unknown = sorted(set(self.kwargs) - allowed)
         if unknown:
-            raise ValueError(f"table optimizer {self.name!r} does not take {unknown}; it accepts "
-                             f"{sorted(allowed)} (sparse updates have no weight decay or momentum)")
+            raise ValueError(
+                f"table optimizer {self.name!r} does not take {unknown}; it accepts "
+                f"{sorted(allowed)} (sparse updates have no weight decay or momentum)"
+            )
 
     @classmethod
     def derived_from(cls, dense: OptimizerSpec) -> "TableOptimizerSpec":
@@ -79,8 +84,10 @@ class TableOptimizerSpec(OptimizerSpec):
         """
         name = _DERIVED.get(dense.name)
         if name is None:
-            raise ValueError(f"optimizer {dense.name!r} has no sparse form for distributed tables; "
-                             f"give the table an optimizer: one of {sorted(TABLE_OPTIMIZERS)}")
+            raise ValueError(
+                f"optimizer {dense.name!r} has no sparse form for distributed tables; "
+                f"give the table an optimizer: one of {sorted(TABLE_OPTIMIZERS)}"
+            )
         kwargs = {k: v for k, v in dense.kwargs.items() if k in _TABLE_OPTIMIZER_KWARGS[name]}
         return cls(name, kwargs, dense.lr_scheduler, dict(dense.lr_scheduler_kwargs))
 
@@ -167,8 +174,9 @@ class TableSpec:
         return cls(**data)
 
 
-def table_spec(name: str, module: torch.nn.Module, options: TableOptions,
-               dense_optimizer: OptimizerSpec) -> TableSpec:
+def table_spec(
+    name: str, module: torch.nn.Module, options: TableOptions, dense_optimizer: OptimizerSpec
+) -> TableSpec:
     """Describe ``module`` (an ``nn.Embedding`` or ``nn.EmbeddingBag``) as a distributed table.
 
     Raises ValueError for what a distributed table cannot do (``max_norm``,
@@ -179,48 +187,71 @@ def table_spec(name: str, module: torch.nn.Module, options: TableOptions,
     if isinstance(module, torch.nn.EmbeddingBag):
         kind, mode = "bag", module.mode
         if mode not in BAG_MODES:
-            raise ValueError(f"distributed table {name!r}: EmbeddingBag mode {mode!r} is not one of {BAG_MODES}")
+            raise ValueError(
+                f"distributed table {name!r}: EmbeddingBag mode {mode!r} is not one of {BAG_MODES}"
+            )
     elif isinstance(module, torch.nn.Embedding):
         kind, mode = "embedding", ""
     else:
-        raise ValueError(f"distributed table {name!r} is not an nn.Embedding or nn.EmbeddingBag module "
-                         f"of the model (it is {type(module).__name__})")
+        raise ValueError(
+            f"distributed table {name!r} is not an nn.Embedding or nn.EmbeddingBag module "
+            f"of the model (it is {type(module).__name__})"
+        )
     if module.max_norm is not None:
-        raise ValueError(f"distributed table {name!r}: max_norm renormalises rows in place during "
-                         f"lookup, which a distributed table cannot do; remove it")
+        raise ValueError(
+            f"distributed table {name!r}: max_norm renormalises rows in place during "
+            f"lookup, which a distributed table cannot do; remove it"
+        )
     if module.scale_grad_by_freq:
-        raise ValueError(f"distributed table {name!r}: scale_grad_by_freq depends on the local batch, "
-                         f"so sync training would differ from one process; remove it")
+        raise ValueError(
+            f"distributed table {name!r}: scale_grad_by_freq depends on the local batch, "
+            f"so sync training would differ from one process; remove it"
+        )
     dtype = str(module.weight.dtype).replace("torch.", "")
     if dtype not in TABLE_DTYPES:
-        raise ValueError(f"distributed table {name!r} has dtype {dtype}; tables hold "
-                         f"{sorted(TABLE_DTYPES)}")
+        raise ValueError(f"distributed table {name!r} has dtype {dtype}; tables hold {sorted(TABLE_DTYPES)}")
     if options.init not in ROW_INITS:
-        raise ValueError(f"distributed table {name!r}: init {options.init!r} is not one of {sorted(ROW_INITS)}")
+        raise ValueError(
+            f"distributed table {name!r}: init {options.init!r} is not one of {sorted(ROW_INITS)}"
+        )
     unknown = sorted(set(options.init_kwargs) - set(ROW_INITS[options.init]))
     if unknown:
-        raise ValueError(f"distributed table {name!r}: init {options.init!r} does not take {unknown}; "
-                         f"it accepts {sorted(ROW_INITS[options.init])}")
+        raise ValueError(
+            f"distributed table {name!r}: init {options.init!r} does not take {unknown}; "
+            f"it accepts {sorted(ROW_INITS[options.init])}"
+        )
     if options.optimizer is None:
         if options.optimizer_kwargs:
             raise ValueError(f"distributed table {name!r}: optimizer_kwargs given without an optimizer")
         optimizer = TableOptimizerSpec.derived_from(dense_optimizer)
     else:
-        optimizer = TableOptimizerSpec(options.optimizer, dict(options.optimizer_kwargs),
-                                       dense_optimizer.lr_scheduler,
-                                       dict(dense_optimizer.lr_scheduler_kwargs))
+        optimizer = TableOptimizerSpec(
+            options.optimizer,
+            dict(options.optimizer_kwargs),
+            dense_optimizer.lr_scheduler,
+            dict(dense_optimizer.lr_scheduler_kwargs),
+        )
     seed = options.seed
     if seed is None:
         seed = stable_hash_name(f"table:{name}") & 0x7FFFFFFFFFFFFFFF
     if not isinstance(seed, int) or not 0 <= seed < 1 << 63:
         raise ValueError(f"distributed table {name!r}: seed must be an int in [0, 2**63), got {seed!r}")
     init_kwargs = {**ROW_INITS[options.init], **{k: float(v) for k, v in options.init_kwargs.items()}}
-    return TableSpec(name=name, dim=module.embedding_dim, dtype=dtype, kind=kind,
-                     capacity=module.num_embeddings, seed=seed, init=options.init,
-                     init_kwargs=init_kwargs, optimizer=optimizer, mode=mode,
-                     padding_idx=module.padding_idx,
-                     include_last_offset=bool(getattr(module, "include_last_offset", False)),
-                     lifecycle=table_lifecycle(options.lifecycle, name))
+    return TableSpec(
+        name=name,
+        dim=module.embedding_dim,
+        dtype=dtype,
+        kind=kind,
+        capacity=module.num_embeddings,
+        seed=seed,
+        init=options.init,
+        init_kwargs=init_kwargs,
+        optimizer=optimizer,
+        mode=mode,
+        padding_idx=module.padding_idx,
+        include_last_offset=bool(getattr(module, "include_last_offset", False)),
+        lifecycle=table_lifecycle(options.lifecycle, name),
+    )
 
 
 def table_options(value: Union[None, TableOptions, Mapping[str, object]]) -> TableOptions:

@@ -1,4 +1,5 @@
 """DistributeTranspiler: split a Program into pserver and trainer programs."""
+
 from __future__ import annotations
 
 import hashlib
@@ -9,74 +10,102 @@ from typing import Dict, List, Optional, Sequence, Union
 
 import torch
 
-from .config import DistributeTranspilerConfig
-from .roles.common import parse_endpoints
 from psproto.dtypes import dtype_name
 
-from .roles.replicas import replica_endpoints, resolve_replicas
+from .config import DistributeTranspilerConfig
+from .placement import DISPATCHERS, block_count, split_rows
 from .plans import BlockSpec, ParamSpec, PserverProgram, StartupProgram, TrainerProgram
 from .program import Program
-from .placement import DISPATCHERS, block_count, split_rows
+from .roles.common import parse_endpoints
+from .roles.replicas import replica_endpoints, resolve_replicas
 
 log = logging.getLogger(__name__)
 
 
-def _layout_digest(params: List[ParamSpec], trainers: int, sync_mode: bool, program: Program,
-                   config: DistributeTranspilerConfig) -> str:
+def _layout_digest(
+    params: List[ParamSpec],
+    trainers: int,
+    sync_mode: bool,
+    program: Program,
+    config: DistributeTranspilerConfig,
+) -> str:
     """A short hash of everything both sides must agree on; checked at Hello."""
-    blob = json.dumps({
-        "params": [[p.name, p.shape, p.dtype, [[b.name, b.row_start, b.row_end, b.endpoint]
-                                               for b in p.blocks]] for p in params],
-        "trainers": trainers, "sync_mode": sync_mode,
-        "optimizer": program.optimizer.to_dict(), "max_staleness": config.max_staleness,
-        "tables": [t.to_dict() for t in program.tables],
-        # Only when set, so the digests of jobs (and checkpoints) from before the mode stay as they were.
-        **({"k_steps": config.k_steps} if config.k_steps else {}),
-        **({"backup_trainers": config.backup_trainers} if config.backup_trainers else {}),
-    }, sort_keys=True)
+    blob = json.dumps(
+        {
+            "params": [
+                [p.name, p.shape, p.dtype, [[b.name, b.row_start, b.row_end, b.endpoint] for b in p.blocks]]
+                for p in params
+            ],
+            "trainers": trainers,
+            "sync_mode": sync_mode,
+            "optimizer": program.optimizer.to_dict(),
+            "max_staleness": config.max_staleness,
+            "tables": [t.to_dict() for t in program.tables],
+            # Only when set, so the digests of jobs (and checkpoints) from before the mode stay as they were.
+            **({"k_steps": config.k_steps} if config.k_steps else {}),
+            **({"backup_trainers": config.backup_trainers} if config.backup_trainers else {}),
+        },
+        sort_keys=True,
+    )
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
 def _collective_endpoints(program: Program, pservers, sync_mode: bool) -> List[str]:
     """Check a collective-mode transpile's arguments; its pserver list is always empty."""
     if program.tables:
-        raise ValueError(f"distributed tables {program.distributed_tables} need pservers: collective mode "
-                         f"keeps every parameter on every trainer; use mode='pserver'")
+        raise ValueError(
+            f"distributed tables {program.distributed_tables} need pservers: collective mode "
+            f"keeps every parameter on every trainer; use mode='pserver'"
+        )
     if not sync_mode:
-        raise ValueError("collective mode is synchronous (every step all-reduces the gradients of all "
-                         "trainers); use sync_mode=True, or mode='pserver' for asynchronous training")
+        raise ValueError(
+            "collective mode is synchronous (every step all-reduces the gradients of all "
+            "trainers); use sync_mode=True, or mode='pserver' for asynchronous training"
+        )
     if pservers:
         log.info("collective mode: ignoring pservers %s (no pserver is contacted)", pservers)
     return []
 
 
 def _check_backups(sync_mode: bool, trainers: int, config: DistributeTranspilerConfig) -> None:
-    """Backup trainers need a sync job with more trainers than backups, without replicas (even from the environment)."""
+    """Backup trainers need a sync job with more trainers than backups, without replicas (even from the
+    environment)."""
     backups = config.backup_trainers
     if backups and (config.server_replicas or 1) > 1:
-        raise ValueError(f"backup_trainers={backups} does not combine with server_replicas=2 (set here or by "
-                         f"PS_SERVER_REPLICAS): which pserver decides a step's trainers is not replicated yet")
+        raise ValueError(
+            f"backup_trainers={backups} does not combine with server_replicas=2 (set here or by "
+            f"PS_SERVER_REPLICAS): which pserver decides a step's trainers is not replicated yet"
+        )
     if backups and not sync_mode:
-        raise ValueError(f"backup_trainers={backups} drops the slowest trainers of a sync step; async trainers "
-                         f"never wait for each other: use sync_mode=True, or backup_trainers=0")
+        raise ValueError(
+            f"backup_trainers={backups} drops the slowest trainers of a sync step; async trainers "
+            f"never wait for each other: use sync_mode=True, or backup_trainers=0"
+        )
     if backups >= trainers:
-        raise ValueError(f"backup_trainers={backups} leaves no trainer to make a step: it must be below the number "
-                         f"of trainers ({trainers})")
+        raise ValueError(
+            f"backup_trainers={backups} leaves no trainer to make a step: it must be below the number "
+            f"of trainers ({trainers})"
+        )
 
 
 def _check_geo(program: Program, sync_mode: bool, k_steps: int) -> None:
-    """GEO mode (``k_steps`` > 0) is asynchronous, and its tables train with sgd: refuse what it cannot train."""
+    """GEO mode (``k_steps`` > 0) is asynchronous, and its tables train with sgd: refuse what it cannot
+    train."""
     if not k_steps:
         return
     if sync_mode:
-        raise ValueError(f"k_steps={k_steps} is GEO mode, which is asynchronous (every trainer syncs on its own "
-                         f"every k_steps); use sync_mode=False, or k_steps=0 for synchronous training")
+        raise ValueError(
+            f"k_steps={k_steps} is GEO mode, which is asynchronous (every trainer syncs on its own "
+            f"every k_steps); use sync_mode=False, or k_steps=0 for synchronous training"
+        )
     stateful = sorted(t.name for t in program.tables if t.optimizer.name != "sgd")
     if stateful:
-        raise ValueError(f"GEO mode (k_steps={k_steps}) trains distributed tables with sgd (as Paddle's GEO-SGD): "
-                         f"a trainer keeps only the rows it touched since its last sync, so per-row optimizer "
-                         f"state could not last; tables {stateful} use another optimizer: give them "
-                         f"TableOptions(optimizer='sgd')")
+        raise ValueError(
+            f"GEO mode (k_steps={k_steps}) trains distributed tables with sgd (as Paddle's GEO-SGD): "
+            f"a trainer keeps only the rows it touched since its last sync, so per-row optimizer "
+            f"state could not last; tables {stateful} use another optimizer: give them "
+            f"TableOptions(optimizer='sgd')"
+        )
 
 
 class DistributeTranspiler:
@@ -90,10 +119,16 @@ class DistributeTranspiler:
         self.config = config if config is not None else DistributeTranspilerConfig()
         self._program: Optional[Program] = None
 
-    def transpile(self, trainer_id: int, program: Optional[Program] = None,
-                  pservers: Union[str, Sequence[str]] = "127.0.0.1:6174", trainers: int = 1,
-                  sync_mode: bool = True, startup_program=None,
-                  current_endpoint: Optional[str] = None) -> None:
+    def transpile(
+        self,
+        trainer_id: int,
+        program: Optional[Program] = None,
+        pservers: Union[str, Sequence[str]] = "127.0.0.1:6174",
+        trainers: int = 1,
+        sync_mode: bool = True,
+        startup_program=None,
+        current_endpoint: Optional[str] = None,
+    ) -> None:
         """Slice the program's parameters into blocks and place them on ``pservers``.
 
         ``trainer_id`` is this process's trainer index in ``[0, trainers)``
@@ -128,14 +163,25 @@ class DistributeTranspiler:
             if not endpoints:  # collective mode: no pservers, so no blocks; listed for its shape
                 params.append(ParamSpec(name, shape, dtype_name(p.dtype), []))
                 continue
-            n = block_count(p.numel(), rows, len(endpoints), self.config.min_block_size,
-                            self.config.slice_var_up)
+            n = block_count(
+                p.numel(), rows, len(endpoints), self.config.min_block_size, self.config.slice_var_up
+            )
             ranges = split_rows(rows, n)
             names = [f"{name}.block{i}" for i in range(n)]
             placed = dispatcher.dispatch(names)
-            blocks = [BlockSpec(bn, name, i, start, end, ([end - start] + shape[1:]) if shape else [],
-                                dtype_name(p.dtype), ep)
-                      for i, (bn, (start, end), ep) in enumerate(zip(names, ranges, placed))]
+            blocks = [
+                BlockSpec(
+                    bn,
+                    name,
+                    i,
+                    start,
+                    end,
+                    ([end - start] + shape[1:]) if shape else [],
+                    dtype_name(p.dtype),
+                    ep,
+                )
+                for i, (bn, (start, end), ep) in enumerate(zip(names, ranges, placed))
+            ]
             params.append(ParamSpec(name, shape, dtype_name(p.dtype), blocks))
 
         self._program = program
@@ -153,13 +199,20 @@ class DistributeTranspiler:
     def _check_endpoint(self, endpoint: str) -> None:
         self._require_transpiled()
         if self.config.collective:
-            raise ValueError(f"there is no pserver program for {endpoint!r}: the config is in collective "
-                             f"mode (mode={self.config.mode!r}), which trains with no pservers; use "
-                             f"mode='pserver' to train through pservers")
+            raise ValueError(
+                f"there is no pserver program for {endpoint!r}: the config is in collective "
+                f"mode (mode={self.config.mode!r}), which trains with no pservers; use "
+                f"mode='pserver' to train through pservers"
+            )
         if endpoint not in self._endpoints and self._shard_endpoint(endpoint) is None:
-            raise ValueError(f"{endpoint!r} is not one of the pservers {self._endpoints}"
-                             + (f" or their replicas {self.config.replica_endpoints}"
-                                if self.config.replica_endpoints else ""))
+            raise ValueError(
+                f"{endpoint!r} is not one of the pservers {self._endpoints}"
+                + (
+                    f" or their replicas {self.config.replica_endpoints}"
+                    if self.config.replica_endpoints
+                    else ""
+                )
+            )
 
     def _shard_endpoint(self, endpoint: str):
         """The pserver whose shard ``endpoint`` serves (itself, or the one it replicates); None: neither."""
@@ -177,12 +230,21 @@ class DistributeTranspiler:
         self._check_endpoint(endpoint)
         owner = self._shard_endpoint(endpoint)
         blocks = [b for p in self._params for b in p.blocks if b.endpoint == owner]
-        return PserverProgram(endpoint, list(self._endpoints), self._trainers, self._sync_mode,
-                              self._program.optimizer, blocks, self.config, self._digest,
-                              tables=list(self._program.tables))
+        return PserverProgram(
+            endpoint,
+            list(self._endpoints),
+            self._trainers,
+            self._sync_mode,
+            self._program.optimizer,
+            blocks,
+            self.config,
+            self._digest,
+            tables=list(self._program.tables),
+        )
 
-    def get_startup_program(self, endpoint: str,
-                            pserver_program: Optional[PserverProgram] = None) -> StartupProgram:
+    def get_startup_program(
+        self, endpoint: str, pserver_program: Optional[PserverProgram] = None
+    ) -> StartupProgram:
         """Initial values of the blocks at ``endpoint``, cut from this process's model."""
         self._check_endpoint(endpoint)
         if pserver_program is not None and pserver_program.endpoint != endpoint:
@@ -194,7 +256,7 @@ class DistributeTranspiler:
             rows = data.reshape(p.shape[0] if p.shape else 1, -1)
             for b in p.blocks:
                 if b.endpoint == self._shard_endpoint(endpoint):
-                    values[b.name] = rows[b.row_start:b.row_end].reshape(b.shape).clone()
+                    values[b.name] = rows[b.row_start : b.row_end].reshape(b.shape).clone()
         return StartupProgram(endpoint, values)
 
     def get_trainer_program(self) -> TrainerProgram:
@@ -204,7 +266,15 @@ class DistributeTranspiler:
         ``collective`` property is True and ``trainer.Trainer`` trains it with DDP.
         """
         self._require_transpiled()
-        return TrainerProgram(self._trainer_id, list(self._endpoints), self._trainers,
-                              self._sync_mode, self._program.optimizer, self._params,
-                              self.config, self._digest, tables=list(self._program.tables),
-                              model=self._program.model)
+        return TrainerProgram(
+            self._trainer_id,
+            list(self._endpoints),
+            self._trainers,
+            self._sync_mode,
+            self._program.optimizer,
+            self._params,
+            self.config,
+            self._digest,
+            tables=list(self._program.tables),
+            model=self._program.model,
+        )

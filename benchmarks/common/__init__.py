@@ -1,1 +1,2 @@
-"""Helpers the benchmarks share: child processes, ports, the machine's load, etcd, network namespaces, reports."""
+"""Helpers the benchmarks share: child processes, ports, the machine's load, etcd, network namespaces,
+reports."""

@@ -5,6 +5,7 @@ PYTHONPATH), logs to ``<workdir>/<name>.log`` and writes its result to ``<workdi
 ``bench_dense``, ``bench_peers`` (job D) and ``bench_replication`` run the job through
 :func:`run_ddp` and :func:`run_ps`; ``bench_veth`` starts the same roles inside network namespaces.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -57,15 +58,28 @@ class Processes:
 
     def spawn(self, name: str, role: str, env: Dict[str, str], profile: bool = False) -> None:
         """Start worker ``name`` in ``role`` with extra environment ``env``."""
-        cmd = [sys.executable, "-m", WORKERS, role, "--spec", self.spec.to_json(),
-               "--out", self.path(name, "json")]
+        cmd = [
+            sys.executable,
+            "-m",
+            WORKERS,
+            role,
+            "--spec",
+            self.spec.to_json(),
+            "--out",
+            self.path(name, "json"),
+        ]
         if profile and self.prefix:
             cmd = [a.replace("{name}", name) for a in self.prefix] + cmd
         with open(self.path(name, "log"), "w") as log:
             self.procs[name] = subprocess.Popen(
-                cmd, env={**os.environ, "PYTHONPATH": pythonpath_with_repo(), **env}, stdout=log,
-                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
-                preexec_fn=die_with_parent)
+                cmd,
+                env={**os.environ, "PYTHONPATH": pythonpath_with_repo(), **env},
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+                preexec_fn=die_with_parent,
+            )
 
     def wait(self, names: Sequence[str], deadline: float, what: str) -> None:
         """Until ``names`` all exit 0; raise RunFailed if any child fails or ``deadline`` passes.
@@ -77,14 +91,18 @@ class Processes:
             for name, p in self.procs.items():
                 rc = p.poll()
                 if rc not in (None, 0):
-                    raise RunFailed(f"{name} exited with code {rc} while waiting for {what}; "
-                                    f"log {self.path(name, 'log')}:\n{tail(self.path(name, 'log'))}")
+                    raise RunFailed(
+                        f"{name} exited with code {rc} while waiting for {what}; "
+                        f"log {self.path(name, 'log')}:\n{tail(self.path(name, 'log'))}"
+                    )
             if all(self.procs[n].poll() == 0 for n in names):
                 return
             if time.monotonic() > deadline:
                 late = [n for n in names if self.procs[n].poll() is None]
-                raise RunFailed(f"deadline passed while waiting for {what}: {late} still running; "
-                                f"last lines of {late[0]}:\n{tail(self.path(late[0], 'log'))}")
+                raise RunFailed(
+                    f"deadline passed while waiting for {what}: {late} still running; "
+                    f"last lines of {late[0]}:\n{tail(self.path(late[0], 'log'))}"
+                )
             time.sleep(0.1)
 
     def results(self, names: Sequence[str]) -> List[dict]:
@@ -120,15 +138,30 @@ def run_ddp(spec: Spec, workdir: str, timeout: float, processes: int) -> Tuple[L
     names = [f"ddp{r}" for r in range(processes)]
     with Processes(workdir, spec) as procs:
         for rank, name in enumerate(names):
-            procs.spawn(name, "ddp", {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-                                      "RANK": str(rank), "WORLD_SIZE": str(processes)})
+            procs.spawn(
+                name,
+                "ddp",
+                {
+                    "MASTER_ADDR": "127.0.0.1",
+                    "MASTER_PORT": str(port),
+                    "RANK": str(rank),
+                    "WORLD_SIZE": str(processes),
+                },
+            )
         procs.wait(names, time.monotonic() + timeout, "the DDP ranks")
         return procs.results(names), []
 
 
-def run_ps(spec: Spec, workdir: str, timeout: float, processes: int, per_node: int = 1,
-           profile: Sequence[str] = (), replicas: int = 1,
-           coordinator: Optional[str] = None) -> Tuple[List[dict], List[dict]]:
+def run_ps(
+    spec: Spec,
+    workdir: str,
+    timeout: float,
+    processes: int,
+    per_node: int = 1,
+    profile: Sequence[str] = (),
+    replicas: int = 1,
+    coordinator: Optional[str] = None,
+) -> Tuple[List[dict], List[dict]]:
     """Two pservers and ``processes`` trainer processes; (each trainer process's timings, each pserver's CPU).
 
     ``per_node`` > 1 groups the processes into ``processes // per_node``
@@ -144,16 +177,20 @@ def run_ps(spec: Spec, workdir: str, timeout: float, processes: int, per_node: i
     backups = PSERVERS if replicas == 2 else 0
     ports = free_ports(PSERVERS + backups + (nodes if per_node > 1 else 0))
     endpoints = [f"127.0.0.1:{p}" for p in ports[:PSERVERS]]
-    replica_eps = [f"127.0.0.1:{p}" for p in ports[PSERVERS:PSERVERS + backups]]
-    node_ports = ports[PSERVERS + backups:]
-    common = {"PADDLE_PSERVERS_IP_PORT_LIST": ",".join(endpoints),
-              "PADDLE_TRAINERS_NUM": str(nodes)}
+    replica_eps = [f"127.0.0.1:{p}" for p in ports[PSERVERS : PSERVERS + backups]]
+    node_ports = ports[PSERVERS + backups :]
+    common = {"PADDLE_PSERVERS_IP_PORT_LIST": ",".join(endpoints), "PADDLE_TRAINERS_NUM": str(nodes)}
     if replicas == 2:
         if not coordinator:
             raise ValueError("replicas=2 needs coordinator: the etcd URL that decides each shard's primary")
-        common.update({"PS_SERVER_REPLICAS": "2", "PS_REPLICA_ENDPOINTS": ",".join(replica_eps),
-                       "PS_COORDINATOR": coordinator,
-                       "PS_COORDINATOR_PREFIX": f"/torch-pserver/bench-dense-{secrets.token_hex(6)}"})
+        common.update(
+            {
+                "PS_SERVER_REPLICAS": "2",
+                "PS_REPLICA_ENDPOINTS": ",".join(replica_eps),
+                "PS_COORDINATOR": coordinator,
+                "PS_COORDINATOR_PREFIX": f"/torch-pserver/bench-dense-{secrets.token_hex(6)}",
+            }
+        )
     servers = [f"pserver{i}" for i in range(PSERVERS)]
     replica_names = [f"pserver{i}.replica" for i in range(backups)]
     trainers: List[Tuple[str, Dict[str, str]]] = []
@@ -161,18 +198,31 @@ def run_ps(spec: Spec, workdir: str, timeout: float, processes: int, per_node: i
         for local in range(per_node):
             env = {**common, "TRAINING_ROLE": "TRAINER", "PADDLE_TRAINER_ID": str(node)}
             if per_node > 1:
-                env.update({"LOCAL_RANK": str(local), "LOCAL_WORLD_SIZE": str(per_node),
-                            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(node_ports[node])})
+                env.update(
+                    {
+                        "LOCAL_RANK": str(local),
+                        "LOCAL_WORLD_SIZE": str(per_node),
+                        "MASTER_ADDR": "127.0.0.1",
+                        "MASTER_PORT": str(node_ports[node]),
+                    }
+                )
             trainers.append((f"trainer{node}" + (f".{local}" if per_node > 1 else ""), env))
     names = [name for name, _ in trainers]
     with Processes(workdir, spec, profile) as procs:
         for name, ep in zip(servers + replica_names, endpoints + replica_eps):
             ip, port = ep.rsplit(":", 1)
-            procs.spawn(name, "pserver", {**common, "TRAINING_ROLE": "PSERVER",
-                                          "POD_IP": ip, "PADDLE_PORT": port}, profile=True)
+            procs.spawn(
+                name,
+                "pserver",
+                {**common, "TRAINING_ROLE": "PSERVER", "POD_IP": ip, "PADDLE_PORT": port},
+                profile=True,
+            )
         for name, env in trainers:
             procs.spawn(name, "trainer", env, profile=True)
         procs.wait(names, time.monotonic() + timeout, "the trainers")
-        procs.wait(servers + replica_names, time.monotonic() + PSERVER_EXIT_GRACE,
-                   "the pservers to exit after all trainers closed")
+        procs.wait(
+            servers + replica_names,
+            time.monotonic() + PSERVER_EXIT_GRACE,
+            "the pservers to exit after all trainers closed",
+        )
         return procs.results(names), procs.results(servers)

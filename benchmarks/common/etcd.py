@@ -4,6 +4,7 @@ Hot standby (``server_replicas=2``) needs etcd to decide each shard's primary; `
 and ``bench_failover`` start one for their whole run, as users start it (its own process and data
 directory) and as the tests do.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -46,13 +47,35 @@ class Etcd:
             data_dir = os.path.join(work, f"etcd.data.{attempt}")
             client, peer = (f"http://127.0.0.1:{p}" for p in free_ports(2))
             self.url = client
-            cmd = [binary, "--name", "bench", "--data-dir", data_dir,
-                   "--listen-client-urls", client, "--advertise-client-urls", client,
-                   "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
-                   "--initial-cluster", f"bench={peer}", "--initial-cluster-state", "new", *ETCD_TIMING]
+            cmd = [
+                binary,
+                "--name",
+                "bench",
+                "--data-dir",
+                data_dir,
+                "--listen-client-urls",
+                client,
+                "--advertise-client-urls",
+                client,
+                "--listen-peer-urls",
+                peer,
+                "--initial-advertise-peer-urls",
+                peer,
+                "--initial-cluster",
+                f"bench={peer}",
+                "--initial-cluster-state",
+                "new",
+                *ETCD_TIMING,
+            ]
             with open(self.log_path, "ab") as log:
-                self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                             start_new_session=True, preexec_fn=die_with_parent)
+                self.proc = subprocess.Popen(
+                    cmd,
+                    stdin=subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                    preexec_fn=die_with_parent,
+                )
             try:
                 self._wait_healthy()
                 return
@@ -71,14 +94,19 @@ class Etcd:
             return False
 
     def _wait_healthy(self) -> None:
-        """Return once etcd is healthy; RunFailed with its log's tail if it exits or does not answer in time."""
+        """Return once etcd is healthy; RunFailed with its log's tail if it exits or does not answer in
+        time."""
         deadline = time.monotonic() + ETCD_START_TIMEOUT
         while not self._healthy():
             if self.proc.poll() is not None:
-                raise RunFailed(f"etcd exited with {self.proc.returncode}; log {self.log_path}:\n{tail(self.log_path)}")
+                raise RunFailed(
+                    f"etcd exited with {self.proc.returncode}; log {self.log_path}:\n{tail(self.log_path)}"
+                )
             if time.monotonic() > deadline:
-                raise RunFailed(f"etcd did not answer at {self.url}/health within {ETCD_START_TIMEOUT:g}s; "
-                                f"log {self.log_path}:\n{tail(self.log_path)}")
+                raise RunFailed(
+                    f"etcd did not answer at {self.url}/health within {ETCD_START_TIMEOUT:g}s; "
+                    f"log {self.log_path}:\n{tail(self.log_path)}"
+                )
             time.sleep(0.05)
 
     def stop(self) -> None:

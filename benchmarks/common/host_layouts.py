@@ -13,6 +13,7 @@ A layout places pserver ``i`` on host ``pservers[i]`` and trainer ``j`` on host
 hosts"): the same ``ps-launch --servers ... --workers ...`` on every host, each with ``--host``
 its own address, so each starts only its own roles.
 """
+
 from __future__ import annotations
 
 import re
@@ -36,12 +37,15 @@ class HostLayout:
 
     def roles_on(self, host: int) -> Tuple[List[int], List[int]]:
         """(pserver indexes, trainer ids) that run on ``host``."""
-        return ([i for i, h in enumerate(self.pservers) if h == host],
-                [j for j, h in enumerate(self.trainers) if h == host])
+        return (
+            [i for i, h in enumerate(self.pservers) if h == host],
+            [j for j, h in enumerate(self.trainers) if h == host],
+        )
 
 
 def parse_layout(text: str) -> HostLayout:
-    """``split``, ``split:P+T``, ``colocated``, ``colocated:N`` or ``pair`` as a :class:`HostLayout`; else ValueError."""
+    """``split``, ``split:P+T``, ``colocated``, ``colocated:N`` or ``pair`` as a :class:`HostLayout`; else
+    ValueError."""
     if text.strip() == "pair":
         return HostLayout("pair", (1, 1), (2, 2))
     m = re.fullmatch(r"(split|colocated)(?::(\d+)(?:\+(\d+))?)?", text.strip())
@@ -64,13 +68,19 @@ def parse_layout(text: str) -> HostLayout:
 
 
 def endpoints(layout: HostLayout, ip: Callable[[int], str], port: int) -> List[str]:
-    """Every pserver's ``ip:port``: pserver ``i`` at ``port + i`` on its host (distinct even where hosts repeat)."""
+    """Every pserver's ``ip:port``: pserver ``i`` at ``port + i`` on its host (distinct even where hosts
+    repeat)."""
     return [f"{ip(h)}:{port + i}" for i, h in enumerate(layout.pservers)]
 
 
-def per_host_commands(layout: HostLayout, ip: Callable[[int], str], port: int, log_dir: Callable[[int], str],
-                      script: Sequence[str], launcher: Sequence[str] = (sys.executable, "-m", "trainer.launch"),
-                      ) -> Dict[int, List[str]]:
+def per_host_commands(
+    layout: HostLayout,
+    ip: Callable[[int], str],
+    port: int,
+    log_dir: Callable[[int], str],
+    script: Sequence[str],
+    launcher: Sequence[str] = (sys.executable, "-m", "trainer.launch"),
+) -> Dict[int, List[str]]:
     """{host: the ps-launch command it runs} for the hosts that run a role: the same cluster on every host.
 
     ``ip(host)`` is a host's address, ``log_dir(host)`` where its launcher writes its roles' logs,
@@ -81,6 +91,16 @@ def per_host_commands(layout: HostLayout, ip: Callable[[int], str], port: int, l
     out = {}
     for host in range(1, layout.hosts + 1):
         if any(layout.roles_on(host)):
-            out[host] = [*launcher, "--servers", servers, "--workers", workers, "--host", ip(host),
-                         "--log_dir", log_dir(host), *script]
+            out[host] = [
+                *launcher,
+                "--servers",
+                servers,
+                "--workers",
+                workers,
+                "--host",
+                ip(host),
+                "--log_dir",
+                log_dir(host),
+                *script,
+            ]
     return out

@@ -4,6 +4,7 @@ On a shared machine a figure means little without the load that ran beside it, s
 benchmark reports its *other load*: CPU cores busy with anything but the benchmark and its
 children (or stolen by the hypervisor) while it ran, from /proc/stat.
 """
+
 from __future__ import annotations
 
 import contextlib

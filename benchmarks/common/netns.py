@@ -32,6 +32,7 @@ the hosts, sends 16 MiB over TCP from the last host to host 1 and logs the count
 Needs root (CAP_NET_ADMIN + CAP_SYS_ADMIN) and iproute2; a delay needs the
 kernel's ``sch_netem`` (a rate alone falls back to ``tbf`` without it).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -48,12 +49,12 @@ from .paths import pythonpath_with_repo
 
 log = logging.getLogger("netns")
 
-PREFIX_NS = "bv-"       # bv-h1-PID (hosts), bv-sw-PID (the switch)
-PREFIX_VETH = "bv"      # bvh1-PID, bvs1-PID, while in the root namespace
-IFNAME = "eth0"         # each host's interface, inside its namespace
-BRIDGE = "br0"          # inside the switch's namespace
+PREFIX_NS = "bv-"  # bv-h1-PID (hosts), bv-sw-PID (the switch)
+PREFIX_VETH = "bv"  # bvh1-PID, bvs1-PID, while in the root namespace
+IFNAME = "eth0"  # each host's interface, inside its namespace
+BRIDGE = "br0"  # inside the switch's namespace
 SUBNET_BASE = "10.231"
-MAX_HOSTS = 32          # addresses .1 to .32; the switch's veth names stay within 15 characters
+MAX_HOSTS = 32  # addresses .1 to .32; the switch's veth names stay within 15 characters
 COUNTERS = ("rx_bytes", "tx_bytes")
 PROXY_VARS = ("http_proxy", "https_proxy", "all_proxy", "grpc_proxy", "no_proxy")
 
@@ -105,10 +106,16 @@ def shaping_qdisc(rate: Optional[str], delay: Optional[str], netem: bool) -> Lis
 
 
 class Hosts:
-    """``count`` network namespaces ("hosts" 1..count) on a bridge; a context manager that always tears down."""
+    """``count`` network namespaces ("hosts" 1..count) on a bridge; a context manager that always tears
+    down."""
 
-    def __init__(self, count: int = 2, rate: Optional[str] = None, delay: Optional[str] = None,
-                 tag: Optional[int] = None):
+    def __init__(
+        self,
+        count: int = 2,
+        rate: Optional[str] = None,
+        delay: Optional[str] = None,
+        tag: Optional[int] = None,
+    ):
         if not 1 <= count <= MAX_HOSTS:
             raise ValueError(f"hosts: 1 to {MAX_HOSTS}, got {count}")
         tag = os.getpid() if tag is None else tag
@@ -148,7 +155,9 @@ class Hosts:
         for ns in (self.switch, *self.ns.values()):
             _run(["ip", "netns", "add", ns])
             self._created.append(ns)
-        _run(["ip", "netns", "exec", self.switch, "true"])  # `ip netns exec` must be able to remount /sys here
+        _run(
+            ["ip", "netns", "exec", self.switch, "true"]
+        )  # `ip netns exec` must be able to remount /sys here
         _run(["ip", "-n", self.switch, "link", "add", BRIDGE, "type", "bridge"])
         _run(["ip", "-n", self.switch, "link", "set", BRIDGE, "up"])
         for host in self.numbers():
@@ -164,13 +173,22 @@ class Hosts:
             _run(["ip", "-n", ns, "link", "set", IFNAME, "up"])
         if self.rate or self.delay:
             self._shape()
-        log.info("%d hosts %s..%s on a bridge in %s%s", self.count, self.ip(1), self.ip(self.count), self.switch,
-                 f", links shaped: rate {self.rate or '-'}, delay {self.delay or '-'}"
-                 if self.rate or self.delay else "")
+        log.info(
+            "%d hosts %s..%s on a bridge in %s%s",
+            self.count,
+            self.ip(1),
+            self.ip(self.count),
+            self.switch,
+            f", links shaped: rate {self.rate or '-'}, delay {self.delay or '-'}"
+            if self.rate or self.delay
+            else "",
+        )
 
     def _shape(self) -> None:
-        probe = _run(["tc", "-n", self.switch, "qdisc", "add", "dev", "lo", "root", "netem", "delay", "0ms"],
-                     check=False)
+        probe = _run(
+            ["tc", "-n", self.switch, "qdisc", "add", "dev", "lo", "root", "netem", "delay", "0ms"],
+            check=False,
+        )
         netem = probe.returncode == 0
         if netem:
             _run(["tc", "-n", self.switch, "qdisc", "del", "dev", "lo", "root"], check=False)
@@ -184,7 +202,8 @@ class Hosts:
                 _run(["tc", "-n", self.switch, "qdisc", "add", "dev", self._veths(host)[1], "root", *towards])
 
     def teardown(self) -> None:
-        """Delete the namespaces made here (their veths go with them) and any veth left in the root namespace."""
+        """Delete the namespaces made here (their veths go with them) and any veth left in the root
+        namespace."""
         for ns in reversed(self._created):
             r = _run(["ip", "netns", "del", ns], check=False)
             if r.returncode != 0:
@@ -214,8 +233,21 @@ class Hosts:
 
     def tcp_connections(self, host: int) -> int:
         """Established TCP connections of ``host``'s namespace to or from the other hosts."""
-        r = _run(["ss", "-H", "-t", "-n", "-N", self.ns[host], "state", "established",
-                  "dst", f"{self.subnet}.0/24"], check=False)
+        r = _run(
+            [
+                "ss",
+                "-H",
+                "-t",
+                "-n",
+                "-N",
+                self.ns[host],
+                "state",
+                "established",
+                "dst",
+                f"{self.subnet}.0/24",
+            ],
+            check=False,
+        )
         return len(r.stdout.splitlines()) if r.returncode == 0 else -1
 
     @staticmethod
@@ -249,21 +281,35 @@ def cleanup_stale() -> List[str]:
 
 
 # `check`: a TCP sink in host 1 (prints the bytes it got) and a source of 16 MiB in the last host.
-_SINK = ("import socket,sys; s=socket.create_server((sys.argv[1], 7000)); c=s.accept()[0]; n=0\n"
-         "while (b := c.recv(1 << 20)): n += len(b)\nprint(n)")
-_SOURCE = ("import socket,sys,time\nfor _ in range(100):\n"
-           "  try: c=socket.create_connection((sys.argv[1], 7000)); break\n"
-           "  except OSError: time.sleep(0.05)\nc.sendall(bytes(16 << 20)); c.close()")
+_SINK = (
+    "import socket,sys; s=socket.create_server((sys.argv[1], 7000)); c=s.accept()[0]; n=0\n"
+    "while (b := c.recv(1 << 20)): n += len(b)\nprint(n)"
+)
+_SOURCE = (
+    "import socket,sys,time\nfor _ in range(100):\n"
+    "  try: c=socket.create_connection((sys.argv[1], 7000)); break\n"
+    "  except OSError: time.sleep(0.05)\nc.sendall(bytes(16 << 20)); c.close()"
+)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.common.netns",
-                                description=__doc__.splitlines()[0] + " Needs root.")
-    p.add_argument("command", nargs="?", default="check", choices=["check", "cleanup"],
-                   help="check (default): the hosts, 16 MiB over TCP from the last to host 1; cleanup: "
-                        "remove what a SIGKILLed run left")
-    p.add_argument("options", nargs="*", metavar="KEY=VALUE",
-                   help="check: hosts=N (default 2), rate=R (e.g. 1gbit) and delay=D (e.g. 1ms) shape the links")
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.common.netns", description=__doc__.splitlines()[0] + " Needs root."
+    )
+    p.add_argument(
+        "command",
+        nargs="?",
+        default="check",
+        choices=["check", "cleanup"],
+        help="check (default): the hosts, 16 MiB over TCP from the last to host 1; cleanup: "
+        "remove what a SIGKILLed run left",
+    )
+    p.add_argument(
+        "options",
+        nargs="*",
+        metavar="KEY=VALUE",
+        help="check: hosts=N (default 2), rate=R (e.g. 1gbit) and delay=D (e.g. 1ms) shape the links",
+    )
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     if args.command == "cleanup":
@@ -285,17 +331,25 @@ def _check(count: int, rate: Optional[str], delay: Optional[str]) -> int:
     with Hosts(count, rate=rate, delay=delay) as hosts:
         last = hosts.count
         before, t0 = hosts.counters(last), time.monotonic()
-        server = subprocess.Popen(hosts.cmd(1, sys.executable, "-c", _SINK, hosts.ip(1)),
-                                  stdout=subprocess.PIPE, text=True)
+        server = subprocess.Popen(
+            hosts.cmd(1, sys.executable, "-c", _SINK, hosts.ip(1)), stdout=subprocess.PIPE, text=True
+        )
         try:
             _run(hosts.cmd(last, sys.executable, "-c", _SOURCE, hosts.ip(1)), timeout=60)
             got = server.communicate(timeout=30)[0].strip()
         finally:
             server.kill()
             server.wait()
-        log.info("%s bytes sent %s -> %s over TCP in %.2f s (processes' start included); "
-                 "host %d's interface moved %s", got, hosts.ip(last), hosts.ip(1),
-                 time.monotonic() - t0, last, hosts.moved(before, hosts.counters(last)))
+        log.info(
+            "%s bytes sent %s -> %s over TCP in %.2f s (processes' start included); "
+            "host %d's interface moved %s",
+            got,
+            hosts.ip(last),
+            hosts.ip(1),
+            time.monotonic() - t0,
+            last,
+            hosts.moved(before, hosts.counters(last)),
+        )
     return 0
 
 

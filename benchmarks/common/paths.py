@@ -3,6 +3,7 @@
 The peers (``../shared/peers``: the jobs' definitions and the systems users would run instead)
 are not part of the repository; :func:`peer_module` loads one of their modules from its file.
 """
+
 from __future__ import annotations
 
 import importlib.util

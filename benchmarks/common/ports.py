@@ -1,4 +1,5 @@
 """Free TCP ports on loopback for the processes a benchmark starts."""
+
 from __future__ import annotations
 
 import contextlib

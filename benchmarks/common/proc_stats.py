@@ -4,6 +4,7 @@ Linux only. ``cpu_seconds`` is user + system time (``/proc/<pid>/stat`` utime + 
 ``status`` reads ``/proc/<pid>/status``: ``VmRSS`` (resident now), ``VmHWM`` (the peak resident
 size since the process started) in bytes, and ``Threads``.
 """
+
 from __future__ import annotations
 
 import os
@@ -34,10 +35,11 @@ def status(pid: int) -> Dict[str, int]:
 
 
 class Sampler:
-    """Reads ``status`` of ``pids`` every ``interval`` s on a thread: the largest thread count and RSS of each.
+    """Reads ``status`` of ``pids`` every ``interval`` s on a thread: the largest thread count and RSS of
+    each.
 
-    A process that exited is no longer read. ``stop()`` ends the thread and returns
-    ``{pid: {"threads": max, "rss": max}}``.
+    A process that exited is no longer read. ``stop()`` ends the thread and returns ``{pid: {"threads":
+    max, "rss": max}}``.
     """
 
     def __init__(self, pids: Sequence[int], interval: float = 0.05):

@@ -8,6 +8,7 @@ launcher) is killed as a tree, SIGTERM first and SIGKILL after a grace period,
 on timeout, on failure and when the benchmark itself is interrupted; each child
 also gets SIGKILL if the benchmark dies (Linux ``PR_SET_PDEATHSIG``).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -69,7 +70,7 @@ def _process_table() -> Dict[int, Tuple[int, int]]:
                 text = f.read()
         except OSError:
             continue
-        fields = text[text.rindex(")") + 2:].split()
+        fields = text[text.rindex(")") + 2 :].split()
         table[int(name)] = (int(fields[1]), int(fields[19]))
     return table
 
@@ -95,7 +96,7 @@ def _alive(pid: int, start: int) -> bool:
             text = f.read()
     except OSError:
         return False
-    fields = text[text.rindex(")") + 2:].split()
+    fields = text[text.rindex(")") + 2 :].split()
     return int(fields[19]) == start and fields[0] != "Z"
 
 
@@ -110,16 +111,28 @@ class Command:
     process seen before (same start time).
     """
 
-    def __init__(self, cmd: Sequence[str], log_path: str, env: Optional[Dict[str, str]] = None,
-                 cwd: Optional[str] = None):
+    def __init__(
+        self,
+        cmd: Sequence[str],
+        log_path: str,
+        env: Optional[Dict[str, str]] = None,
+        cwd: Optional[str] = None,
+    ):
         self.cmd = list(cmd)
         self.log_path = log_path
         self.tree: Set[Tuple[int, int]] = set()
         log.debug("running %s", " ".join(self.cmd))
         with open(log_path, "w") as out:
-            self.proc = subprocess.Popen(self.cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         env={**os.environ, **(env or {})}, cwd=cwd, start_new_session=True,
-                                         preexec_fn=die_with_parent)
+            self.proc = subprocess.Popen(
+                self.cmd,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env={**os.environ, **(env or {})},
+                cwd=cwd,
+                start_new_session=True,
+                preexec_fn=die_with_parent,
+            )
 
     def __enter__(self) -> "Command":
         return self
@@ -139,8 +152,10 @@ class Command:
                 return self.proc.wait(timeout=min(0.2, max(0.0, deadline - time.monotonic())))
             except subprocess.TimeoutExpired:
                 if time.monotonic() >= deadline:
-                    raise RunFailed(f"{what}: deadline of {timeout:.0f} s passed; stopped it and its "
-                                    f"children; log {self.log_path}:\n{tail(self.log_path)}") from None
+                    raise RunFailed(
+                        f"{what}: deadline of {timeout:.0f} s passed; stopped it and its "
+                        f"children; log {self.log_path}:\n{tail(self.log_path)}"
+                    ) from None
 
     def stop(self) -> None:
         """Stop the command and everything it started that is still running (TERM, then KILL)."""
@@ -169,9 +184,16 @@ class Command:
                     os.kill(pid, sig)
 
 
-def run_command(cmd: Sequence[str], log_path: str, timeout: float, what: str,
-                env: Optional[Dict[str, str]] = None, cwd: Optional[str] = None) -> str:
-    """Run ``cmd`` to completion within ``timeout`` s (else killed with its tree); its output. RunFailed unless 0."""
+def run_command(
+    cmd: Sequence[str],
+    log_path: str,
+    timeout: float,
+    what: str,
+    env: Optional[Dict[str, str]] = None,
+    cwd: Optional[str] = None,
+) -> str:
+    """Run ``cmd`` to completion within ``timeout`` s (else killed with its tree); its output. RunFailed
+    unless 0."""
     with Command(cmd, log_path, env, cwd) as c:
         rc = c.wait(timeout, what)
     if rc != 0:
@@ -188,4 +210,3 @@ def last_json_line(text: str, what: str) -> dict:
             with contextlib.suppress(ValueError):
                 return json.loads(line)
     raise RunFailed(f"{what} printed no JSON result")
-

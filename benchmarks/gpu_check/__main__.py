@@ -25,6 +25,7 @@ On a machine without a GPU it says so and makes a dry run: it imports every stag
 command, builds its plan (programs transpiled, jobs' definitions loaded), and collects the CUDA
 tests with ``pytest --collect-only``, running nothing.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -40,7 +41,14 @@ from typing import Dict, List
 
 from benchmarks.common.paths import REPO
 from benchmarks.common.processes import stop_on_signals
-from benchmarks.gpu_check.report import StageResult, exit_code, markdown_table, report_json, report_markdown, summary
+from benchmarks.gpu_check.report import (
+    StageResult,
+    exit_code,
+    markdown_table,
+    report_json,
+    report_markdown,
+    summary,
+)
 from benchmarks.gpu_check.stages import dry_check, run_stage, select
 
 log = logging.getLogger("gpu_check")
@@ -51,15 +59,32 @@ BUDGET_S = 450.0  # the whole check on a GPU: under 8 minutes, with room for the
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dry-run", action="store_true", help="check that every stage would run; run none")
-    p.add_argument("--device", choices=["cuda", "cpu"], default=None,
-                   help="cuda (the default where torch sees a GPU) or cpu: the stages on the CPU, quick sizes")
-    p.add_argument("--stages", default=None, help="comma-separated keys of the stages to run (default: all, a-f)")
-    p.add_argument("--budget", type=float, default=None,
-                   help=f"seconds for all stages together (default {BUDGET_S:.0f} on a GPU, none on the CPU)")
-    p.add_argument("--out", default=None, help="where the table, JSON and logs go when $OUT is not set "
-                                               "(default: a new folder under the temporary directory)")
-    p.add_argument("--fetch-wheels", action="store_true",
-                   help="download the wheels the GPU machine lacks into .whl/ (needs the package index) and exit")
+    p.add_argument(
+        "--device",
+        choices=["cuda", "cpu"],
+        default=None,
+        help="cuda (the default where torch sees a GPU) or cpu: the stages on the CPU, quick sizes",
+    )
+    p.add_argument(
+        "--stages", default=None, help="comma-separated keys of the stages to run (default: all, a-f)"
+    )
+    p.add_argument(
+        "--budget",
+        type=float,
+        default=None,
+        help=f"seconds for all stages together (default {BUDGET_S:.0f} on a GPU, none on the CPU)",
+    )
+    p.add_argument(
+        "--out",
+        default=None,
+        help="where the table, JSON and logs go when $OUT is not set "
+        "(default: a new folder under the temporary directory)",
+    )
+    p.add_argument(
+        "--fetch-wheels",
+        action="store_true",
+        help="download the wheels the GPU machine lacks into .whl/ (needs the package index) and exit",
+    )
     args = p.parse_args(argv)
     if args.budget is not None and args.budget <= 0:
         p.error("--budget must be positive")
@@ -79,8 +104,12 @@ def out_dir(args) -> str:
 
 def _git_commit() -> str:
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
-                              timeout=10).stdout.strip() or "unknown"
+        return (
+            subprocess.run(
+                ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True, timeout=10
+            ).stdout.strip()
+            or "unknown"
+        )
     except (OSError, subprocess.SubprocessError):
         return "unknown"
 
@@ -90,9 +119,16 @@ def header(mode: str) -> Dict[str, object]:
     import torch
 
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"
-    return {"mode": mode, "gpu": gpu, "torch": torch.__version__, "cuda": torch.version.cuda or "none",
-            "python": platform.python_version(), "host": platform.node(), "commit": _git_commit(),
-            "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds")}
+    return {
+        "mode": mode,
+        "gpu": gpu,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda or "none",
+        "python": platform.python_version(),
+        "host": platform.node(),
+        "commit": _git_commit(),
+        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+    }
 
 
 def write(results: List[StageResult], head: Dict[str, object], folder: str) -> None:
@@ -109,8 +145,10 @@ def main(argv=None) -> int:
         from benchmarks.gpu_check.wheels import fetch
 
         manifest = fetch()
-        print(f"{len(manifest['wheels'])} wheels, {manifest['bytes'] / 2**20:.1f} MiB, in .whl/ "
-              f"(peers' jobs.py: {'carried' if manifest['peers_jobs'] else 'missing'})")
+        print(
+            f"{len(manifest['wheels'])} wheels, {manifest['bytes'] / 2**20:.1f} MiB, in .whl/ "
+            f"(peers' jobs.py: {'carried' if manifest['peers_jobs'] else 'missing'})"
+        )
         return 0
     stop_on_signals()
     import torch
@@ -121,8 +159,11 @@ def main(argv=None) -> int:
         return 2
     mode = "dry-run" if args.dry_run or (args.device is None and not has_gpu) else (args.device or "cuda")
     if mode == "dry-run" and not args.dry_run:
-        print("No GPU here (torch.cuda.is_available() is False): a dry run, checking that every stage would "
-              "run (imports, commands, plans, the CUDA tests collected); nothing runs.", flush=True)
+        print(
+            "No GPU here (torch.cuda.is_available() is False): a dry run, checking that every stage would "
+            "run (imports, commands, plans, the CUDA tests collected); nothing runs.",
+            flush=True,
+        )
     folder = out_dir(args)
     budget = args.budget or (BUDGET_S if mode == "cuda" else float("inf"))
     start = time.monotonic()
@@ -132,10 +173,14 @@ def main(argv=None) -> int:
         if mode == "dry-run":
             result = dry_check(stage, "cuda", folder)
         else:
-            result = run_stage(stage, mode, folder, quick=mode == "cpu",
-                               budget_left=budget - (time.monotonic() - start))
-        print(f"stage {stage.key} {stage.name}: {result.outcome} ({result.seconds:.1f} s)"
-              f"{': ' + result.note if result.note else ''}", flush=True)
+            result = run_stage(
+                stage, mode, folder, quick=mode == "cpu", budget_left=budget - (time.monotonic() - start)
+            )
+        print(
+            f"stage {stage.key} {stage.name}: {result.outcome} ({result.seconds:.1f} s)"
+            f"{': ' + result.note if result.note else ''}",
+            flush=True,
+        )
         results.append(result)
     head = {**header(mode), "seconds": round(time.monotonic() - start, 1)}
     write(results, head, folder)

@@ -14,6 +14,7 @@ On the CPU (``--device cpu``) the same runs with CPU autocast and gloo.
 
     python -m benchmarks.gpu_check.amp_stage --device cuda --result f.json
 """
+
 from __future__ import annotations
 
 import sys
@@ -43,7 +44,9 @@ def train_bf16(endpoints: List[str], trainer_id: int, data, device_name: str, wi
 
     device_of(device_name)
     t = DistributeTranspiler(DistributeTranspilerConfig(grad_wire_dtype=wire))
-    t.transpile(trainer_id, program=program(), pservers=",".join(endpoints), trainers=TRAINERS, sync_mode=True)
+    t.transpile(
+        trainer_id, program=program(), pservers=",".join(endpoints), trainers=TRAINERS, sync_mode=True
+    )
     losses, dtypes = [], set()
     with Trainer(t.get_trainer_program(), security=Security(), local_rank=0, local_world_size=1) as tr:
         for x, y in data:
@@ -56,25 +59,39 @@ def train_bf16(endpoints: List[str], trainer_id: int, data, device_name: str, wi
             losses.append(loss.item())
         state = {k: v.detach().cpu() for k, v in tr.state_dict().items()}
         pushed = tr.channels.bytes_pushed
-    return {"losses": losses, "logits": sorted(dtypes), "state": state, "device": str(tr.device), "pushed": pushed}
+    return {
+        "losses": losses,
+        "logits": sorted(dtypes),
+        "state": state,
+        "device": str(tr.device),
+        "pushed": pushed,
+    }
 
 
 def run_bf16(children: Children, data, device_name: str, wire: Optional[str]) -> dict:
     config = DistributeTranspilerConfig(grad_wire_dtype=wire)
     with LocalCluster(program, PSERVERS, TRAINERS, config=config) as cluster:
-        started = [children.start(f"bf16 trainer {i}{' (wire bf16)' if wire else ''}", train_bf16,
-                                  (cluster.endpoints, i, [step[i] for step in data], device_name, wire))
-                   for i in range(TRAINERS)]
+        started = [
+            children.start(
+                f"bf16 trainer {i}{' (wire bf16)' if wire else ''}",
+                train_bf16,
+                (cluster.endpoints, i, [step[i] for step in data], device_name, wire),
+            )
+            for i in range(TRAINERS)
+        ]
         results = children.wait(started, TIMEOUT)
         stores = [s.engine.store for s in cluster.servers]
         master = [t for store in stores for _, t in store.read(list(store.names()), copy=True)]
     a, b = results[0]["state"], results[1]["state"]
     numel = sum(t.numel() for t in a.values())
     per_element = results[0]["pushed"] / (STEPS * numel)  # every parameter has a gradient every step
-    checks = {"wire_bytes": per_element == (2 if wire else 4),"losses_finite": all(finite(r["losses"]) for r in results),
-              "logits_bf16": all(r["logits"] == ["torch.bfloat16"] for r in results),
-              "master_fp32": bool(master) and all(t.dtype == torch.float32 for t in master),
-              "trainers_equal_fp32": all(a[k].dtype == torch.float32 and torch.equal(a[k], b[k]) for k in a)}
+    checks = {
+        "wire_bytes": per_element == (2 if wire else 4),
+        "losses_finite": all(finite(r["losses"]) for r in results),
+        "logits_bf16": all(r["logits"] == ["torch.bfloat16"] for r in results),
+        "master_fp32": bool(master) and all(t.dtype == torch.float32 for t in master),
+        "trainers_equal_fp32": all(a[k].dtype == torch.float32 and torch.equal(a[k], b[k]) for k in a),
+    }
     return {"checks": checks, "loss_last": results[0]["losses"][-1], "push_bytes_per_element": per_element}
 
 
@@ -100,9 +117,12 @@ def run_fp16_scaler(device: torch.device, data) -> dict:
         params = [p.dtype for p in tr.module.parameters()]
     finally:
         tr.close()
-    checks = {"losses_finite": finite(losses), "logits_fp16": dtypes == {"torch.float16"},
-              "scale_finite": finite([float(scaler.get_scale())]),
-              "params_fp32": all(d == torch.float32 for d in params)}
+    checks = {
+        "losses_finite": finite(losses),
+        "logits_fp16": dtypes == {"torch.float16"},
+        "scale_finite": finite([float(scaler.get_scale())]),
+        "params_fp32": all(d == torch.float32 for d in params),
+    }
     return {"checks": checks, "loss_last": losses[-1], "scale": float(scaler.get_scale())}
 
 
@@ -111,9 +131,11 @@ def run(args) -> Outcome:
     data = batches(TRAINERS, PER_TRAINER, STEPS)
     parts: Dict[str, dict] = {}
     with Children("mixed precision") as children:
-        for name, call in (("bf16", lambda: run_bf16(children, data, args.device, None)),
-                           ("bf16-wire", lambda: run_bf16(children, data, args.device, "bfloat16")),
-                           ("fp16-scaler", lambda: run_fp16_scaler(device, data))):
+        for name, call in (
+            ("bf16", lambda: run_bf16(children, data, args.device, None)),
+            ("bf16-wire", lambda: run_bf16(children, data, args.device, "bfloat16")),
+            ("fp16-scaler", lambda: run_fp16_scaler(device, data)),
+        ):
             try:
                 parts[name] = call()
             except Exception as e:  # one part failing does not hide the others'
@@ -127,8 +149,11 @@ def run(args) -> Outcome:
             figures[f"{name}_push_bytes_per_element"] = p["push_bytes_per_element"]
     if "scale" in parts.get("fp16-scaler", {}):
         figures["fp16_scale"] = parts["fp16-scaler"]["scale"]
-    notes = [f"{n}: {p.get('error') or 'failed ' + ','.join(k for k, v in p['checks'].items() if not v)}"
-             for n, p in parts.items() if not ok[n]]
+    notes = [
+        f"{n}: {p.get('error') or 'failed ' + ','.join(k for k, v in p['checks'].items() if not v)}"
+        for n, p in parts.items()
+        if not ok[n]
+    ]
     return not notes, figures, "; ".join(notes)
 
 
@@ -136,11 +161,19 @@ def plan(device: str, quick: bool) -> Dict[str, object]:
     """What the stage runs; builds both configurations' plans (nothing starts)."""
     for wire in (None, "bfloat16"):
         t = DistributeTranspiler(DistributeTranspilerConfig(grad_wire_dtype=wire))
-        t.transpile(0, program=program(), pservers="127.0.0.1:1,127.0.0.1:2", trainers=TRAINERS, sync_mode=True)
+        t.transpile(
+            0, program=program(), pservers="127.0.0.1:1,127.0.0.1:2", trainers=TRAINERS, sync_mode=True
+        )
     DistributeTranspiler(DistributeTranspilerConfig(mode="collective")).transpile(
-        0, program=program(), pservers=None, trainers=1)
-    return {"parts": ["bf16", "bf16-wire", "fp16-scaler"], "trainers": TRAINERS, "pservers": PSERVERS,
-            "steps": STEPS, "autocast": f"torch.autocast({device!r})"}
+        0, program=program(), pservers=None, trainers=1
+    )
+    return {
+        "parts": ["bf16", "bf16-wire", "fp16-scaler"],
+        "trainers": TRAINERS,
+        "pservers": PSERVERS,
+        "steps": STEPS,
+        "autocast": f"torch.autocast({device!r})",
+    }
 
 
 def main(argv=None) -> int:

@@ -12,6 +12,7 @@ On the CPU (``--device cpu``) both runs use gloo.
 
     python -m benchmarks.gpu_check.collective_stage --device cuda --result d.json
 """
+
 from __future__ import annotations
 
 import datetime
@@ -25,7 +26,15 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from benchmarks.gpu_check.worker import Outcome, compare_states, device_of, finite, jobs_module, run_worker, tf32_off
+from benchmarks.gpu_check.worker import (
+    Outcome,
+    compare_states,
+    device_of,
+    finite,
+    jobs_module,
+    run_worker,
+    tf32_off,
+)
 from benchmarks.jobs.job_d_collective import make_model
 from transpiler import DistributeTranspiler, DistributeTranspilerConfig, Program
 
@@ -69,7 +78,9 @@ class OursLoop:
 
         config = DistributeTranspilerConfig(mode="collective")
         t = DistributeTranspiler(config)
-        t.transpile(0, program=Program(make_model(jobs, SEED), "sgd", lr=jobs.D_LR), pservers=None, trainers=1)
+        t.transpile(
+            0, program=Program(make_model(jobs, SEED), "sgd", lr=jobs.D_LR), pservers=None, trainers=1
+        )
         self.tr = Trainer(t.get_trainer_program(), local_rank=0, local_world_size=1)
         self.batches = batches
         self.bucket_cap_mb = config.bucket_cap_mb
@@ -87,11 +98,17 @@ class DdpLoop:
     """Plain DDP as a user writes it, with the same model, optimizer and bucket size."""
 
     def __init__(self, jobs, batches, device: torch.device, bucket_cap_mb: float):
-        dist.init_process_group(backend_for(device), store=dist.HashStore(), rank=0, world_size=1,
-                                timeout=datetime.timedelta(seconds=60))
+        dist.init_process_group(
+            backend_for(device),
+            store=dist.HashStore(),
+            rank=0,
+            world_size=1,
+            timeout=datetime.timedelta(seconds=60),
+        )
         self.module = make_model(jobs, SEED).to(device)
-        self.model = DistributedDataParallel(self.module, device_ids=[device] if device.type == "cuda" else None,
-                                             bucket_cap_mb=bucket_cap_mb)
+        self.model = DistributedDataParallel(
+            self.module, device_ids=[device] if device.type == "cuda" else None, bucket_cap_mb=bucket_cap_mb
+        )
         self.opt = torch.optim.SGD(self.module.parameters(), lr=jobs.D_LR)
         self.batches = batches
         self.loss_fn = nn.CrossEntropyLoss()
@@ -129,14 +146,23 @@ def run(args) -> Outcome:
     loss_diff = max(abs(a - b) for a, b in zip(ours_losses, ddp_losses))
     steps = size["steps"]
     figures: Dict[str, object] = {
-        "backend": backend, "ours_steps_per_s": steps / ours_s, "ddp_steps_per_s": steps / ddp_s,
-        "ours_vs_ddp": ddp_s / ours_s, "max_abs_diff": worst, "loss_last": ours_losses[-1],
-        "max_loss_diff": loss_diff, "steps": steps, "batch": size["batch"], "tf32_off": tf32_off()}
+        "backend": backend,
+        "ours_steps_per_s": steps / ours_s,
+        "ddp_steps_per_s": steps / ddp_s,
+        "ours_vs_ddp": ddp_s / ours_s,
+        "max_abs_diff": worst,
+        "loss_last": ours_losses[-1],
+        "max_loss_diff": loss_diff,
+        "steps": steps,
+        "batch": size["batch"],
+        "tf32_off": tf32_off(),
+    }
     bad = []
     if not same:
         bad.append(f"parameters differ from plain DDP at {key}")
     if not (finite(ours_losses) and finite(ddp_losses)) or not math.isclose(
-            ours_losses[-1], ddp_losses[-1], rel_tol=1e-4, abs_tol=1e-5):
+        ours_losses[-1], ddp_losses[-1], rel_tol=1e-4, abs_tol=1e-5
+    ):
         bad.append(f"losses differ or are not finite (last: {ours_losses[-1]} against {ddp_losses[-1]})")
     if backend != backend_for(device):
         bad.append(f"the collective trainer used {backend}, not {backend_for(device)}")
@@ -149,9 +175,15 @@ def plan(device: str, quick: bool) -> Dict[str, object]:
     t = DistributeTranspiler(DistributeTranspilerConfig(mode="collective"))
     t.transpile(0, program=Program(make_model(jobs, SEED), "sgd", lr=jobs.D_LR), pservers=None, trainers=1)
     params = sum(p.numel() for p in t.get_trainer_program().model.parameters())
-    return {"model": "x".join(map(str, jobs.D_SIZES)), "params": params,
-            "backend": backend_for(torch.device(device)), "world": 1, **SIZES[quick],
-            "against": "plain DDP, same bucket size", "tolerance": "rtol 1e-4, atol 1e-5"}
+    return {
+        "model": "x".join(map(str, jobs.D_SIZES)),
+        "params": params,
+        "backend": backend_for(torch.device(device)),
+        "world": 1,
+        **SIZES[quick],
+        "against": "plain DDP, same bucket size",
+        "tolerance": "rtol 1e-4, atol 1e-5",
+    }
 
 
 def main(argv=None) -> int:

@@ -13,6 +13,7 @@ within 0.01.
 
     python -m benchmarks.gpu_check.ctr_stage --device cuda --result e.json
 """
+
 from __future__ import annotations
 
 import math
@@ -31,8 +32,10 @@ from transpiler import DistributeTranspiler
 from transpiler.tables import initial_rows
 
 TRAINERS, PSERVERS = 2, 2
-SIZES = {False: dict(warmup=20, steps=200, batch=512, eval=20000),   # the job's own
-         True: dict(warmup=2, steps=12, batch=128, eval=4000)}
+SIZES = {
+    False: dict(warmup=20, steps=200, batch=512, eval=20000),  # the job's own
+    True: dict(warmup=2, steps=12, batch=128, eval=4000),
+}
 SEED = 0
 AUC_TOLERANCE = 0.01
 TIMEOUT = 110.0  # the trainers, start to end: under the stage's own deadline (150 s), so a hang is reported
@@ -40,15 +43,20 @@ TIMEOUT = 110.0  # the trainers, start to end: under the stage's own deadline (1
 
 def transpiled(jobs, endpoints: List[str], trainer_id: int) -> DistributeTranspiler:
     t = DistributeTranspiler()  # the job's default configuration
-    t.transpile(trainer_id, program=build_program(jobs, SEED), pservers=",".join(endpoints), trainers=TRAINERS,
-                sync_mode=True)
+    t.transpile(
+        trainer_id,
+        program=build_program(jobs, SEED),
+        pservers=",".join(endpoints),
+        trainers=TRAINERS,
+        sync_mode=True,
+    )
     return t
 
 
 def serve_pserver(endpoints: List[str], index: int) -> dict:
     """One pserver process; returns when both trainers closed."""
-    from psproto.security import Security
     from pserver import ParameterServer
+    from psproto.security import Security
 
     torch.set_num_threads(1)
     t = transpiled(jobs_module(), endpoints, 0)
@@ -64,7 +72,7 @@ def auc_of(forward: Callable[[np.ndarray, np.ndarray], torch.Tensor], jobs, n: i
     scores = []
     with torch.no_grad():
         for s in range(0, len(y), 4096):
-            scores.append(forward(ids[s:s + 4096], dense[s:s + 4096]).float().cpu().numpy())
+            scores.append(forward(ids[s : s + 4096], dense[s : s + 4096]).float().cpu().numpy())
     return float(jobs.auc(y, np.concatenate(scores).astype(np.float64)))
 
 
@@ -81,8 +89,12 @@ def train_trainer(endpoints: List[str], trainer_id: int, size: dict, device_name
     loss_fn = nn.BCEWithLogitsLoss()
     losses: List[float] = []
     start = end = 0.0
-    with Trainer(transpiled(jobs, endpoints, trainer_id).get_trainer_program(), security=Security(),
-                 local_rank=0, local_world_size=1) as tr:
+    with Trainer(
+        transpiled(jobs, endpoints, trainer_id).get_trainer_program(),
+        security=Security(),
+        local_rank=0,
+        local_world_size=1,
+    ) as tr:
         wait_for_trainers(endpoints, TRAINERS, 60.0)
         for i, (ids, dense, y) in enumerate(tr.batches(data, 1, prefetch=lambda b: {TABLE: b[0]})):
             if i == size["warmup"]:
@@ -95,11 +107,21 @@ def train_trainer(endpoints: List[str], trainer_id: int, size: dict, device_name
         auc = float("nan")
         if trainer_id == 0:
             tr.model.eval()
-            auc = auc_of(lambda i, d: tr.model(torch.from_numpy(i), torch.from_numpy(d).to(tr.device)), jobs,
-                         size["eval"])
+            auc = auc_of(
+                lambda i, d: tr.model(torch.from_numpy(i), torch.from_numpy(d).to(tr.device)),
+                jobs,
+                size["eval"],
+            )
         on = sorted({str(p.device) for p in tr.model.parameters()})
-    return {"start": start, "end": end, "examples": size["steps"] * size["batch"], "losses": losses, "auc": auc,
-            "device": str(tr.device), "params_on": on}
+    return {
+        "start": start,
+        "end": end,
+        "examples": size["steps"] * size["batch"],
+        "losses": losses,
+        "auc": auc,
+        "device": str(tr.device),
+        "params_on": on,
+    }
 
 
 class LocalCtr(nn.Module):
@@ -125,7 +147,11 @@ def reference(jobs, size: dict, device: torch.device) -> dict:
     data = [tuple(torch.cat([per[r][t][k] for r in range(TRAINERS)]) for k in range(3)) for t in range(total)]
     eval_ids = jobs.ctr_eval_set(size["eval"], seed=SEED, return_logit=False)[0]
     vocab = np.unique(np.concatenate([d[0].numpy().ravel() for d in data] + [eval_ids.ravel()]))
-    spec = next(s for s in transpiled(jobs, ["127.0.0.1:1", "127.0.0.1:2"], 0).get_trainer_program().tables if s.name == TABLE)
+    spec = next(
+        s
+        for s in transpiled(jobs, ["127.0.0.1:1", "127.0.0.1:2"], 0).get_trainer_program().tables
+        if s.name == TABLE
+    )
     model = LocalCtr(jobs, vocab, spec).to(device)
     opt_e = torch.optim.SGD(model.emb.parameters(), lr=jobs.S_LR)
     opt_m = torch.optim.SGD(model.mlp.parameters(), lr=jobs.S_LR)
@@ -145,10 +171,19 @@ def reference(jobs, size: dict, device: torch.device) -> dict:
         losses.append(loss.item())
     seconds = time.perf_counter() - t0
     model.eval()
-    auc = auc_of(lambda i, d: model(torch.from_numpy(np.searchsorted(vocab, i)).to(device),
-                                    torch.from_numpy(d).to(device)), jobs, size["eval"])
-    return {"examples_per_s": size["steps"] * size["batch"] * TRAINERS / seconds, "auc": auc, "losses": losses,
-            "rows": int(len(vocab))}
+    auc = auc_of(
+        lambda i, d: model(
+            torch.from_numpy(np.searchsorted(vocab, i)).to(device), torch.from_numpy(d).to(device)
+        ),
+        jobs,
+        size["eval"],
+    )
+    return {
+        "examples_per_s": size["steps"] * size["batch"] * TRAINERS / seconds,
+        "auc": auc,
+        "losses": losses,
+        "rows": int(len(vocab)),
+    }
 
 
 def run(args) -> Outcome:
@@ -158,25 +193,42 @@ def run(args) -> Outcome:
     endpoints = [f"127.0.0.1:{p}" for p in free_ports(PSERVERS)]
     with Children("job S") as children:
         servers = [children.start(f"pserver {i}", serve_pserver, (endpoints, i)) for i in range(PSERVERS)]
-        trainers = [children.start(f"trainer {i}", train_trainer, (endpoints, i, size, args.device))
-                    for i in range(TRAINERS)]
+        trainers = [
+            children.start(f"trainer {i}", train_trainer, (endpoints, i, size, args.device))
+            for i in range(TRAINERS)
+        ]
         results = children.wait(trainers, TIMEOUT)
         children.wait(servers, 30.0)  # they return once both trainers closed
-    ours_rate = sum(r["examples"] for r in results) / (max(r["end"] for r in results) - min(r["start"] for r in results))
+    ours_rate = sum(r["examples"] for r in results) / (
+        max(r["end"] for r in results) - min(r["start"] for r in results)
+    )
     ours_auc = results[0]["auc"]
     ref = reference(jobs, size, device)
     figures: Dict[str, object] = {
-        "ours_examples_per_s": ours_rate, "one_process_examples_per_s": ref["examples_per_s"],
-        "ours_vs_one": ours_rate / ref["examples_per_s"], "ours_auc": ours_auc, "one_auc": ref["auc"],
-        "trainer0_loss_last": results[0]["losses"][-1], "one_loss_last": ref["losses"][-1], "steps": size["steps"],
-        "batch": size["batch"], "table_rows": ref["rows"], "devices": sorted({r["device"] for r in results})}
+        "ours_examples_per_s": ours_rate,
+        "one_process_examples_per_s": ref["examples_per_s"],
+        "ours_vs_one": ours_rate / ref["examples_per_s"],
+        "ours_auc": ours_auc,
+        "one_auc": ref["auc"],
+        "trainer0_loss_last": results[0]["losses"][-1],
+        "one_loss_last": ref["losses"][-1],
+        "steps": size["steps"],
+        "batch": size["batch"],
+        "table_rows": ref["rows"],
+        "devices": sorted({r["device"] for r in results}),
+    }
     bad = []
-    if not all(math.isfinite(a) for a in (ours_auc, ref["auc"])) or abs(ours_auc - ref["auc"]) > AUC_TOLERANCE:
+    if (
+        not all(math.isfinite(a) for a in (ours_auc, ref["auc"]))
+        or abs(ours_auc - ref["auc"]) > AUC_TOLERANCE
+    ):
         bad.append(f"AUC {ours_auc:.4f} against one process's {ref['auc']:.4f} (tolerance {AUC_TOLERANCE})")
     if not all(finite(r["losses"]) for r in results) or not finite(ref["losses"]):
         bad.append("a loss was not finite")
     if any(r["params_on"] != [str(device)] for r in results):
-        bad.append(f"the trainers' dense parameters were on {[r['params_on'] for r in results]}, not {device}")
+        bad.append(
+            f"the trainers' dense parameters were on {[r['params_on'] for r in results]}, not {device}"
+        )
     return not bad, figures, "; ".join(bad)
 
 
@@ -184,8 +236,14 @@ def plan(device: str, quick: bool) -> Dict[str, object]:
     """What the stage runs; loads job S's definition and transpiles it (nothing starts)."""
     jobs = jobs_module()
     prog = transpiled(jobs, ["127.0.0.1:1", "127.0.0.1:2"], 0).get_trainer_program()
-    return {"trainers": TRAINERS, "pservers": PSERVERS, "tables": [s.name for s in prog.tables], **SIZES[quick],
-            "against": "one process, nn.Embedding(sparse=True)", "auc_tolerance": AUC_TOLERANCE}
+    return {
+        "trainers": TRAINERS,
+        "pservers": PSERVERS,
+        "tables": [s.name for s in prog.tables],
+        **SIZES[quick],
+        "against": "one process, nn.Embedding(sparse=True)",
+        "auc_tolerance": AUC_TOLERANCE,
+    }
 
 
 def main(argv=None) -> int:

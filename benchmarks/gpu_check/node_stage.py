@@ -20,6 +20,7 @@ On the CPU (``--device cpu``) ``nccl1`` is a gloo group of one and every tensor 
 
     python -m benchmarks.gpu_check.node_stage --device cuda --result c.json
 """
+
 from __future__ import annotations
 
 import datetime
@@ -33,8 +34,16 @@ import torch.distributed as dist
 from torch import nn
 
 from benchmarks.common.ports import free_ports
-from benchmarks.gpu_check.worker import (ATOL, RTOL, Children, Outcome, compare_states, device_of, first_line,
-                                         run_worker)
+from benchmarks.gpu_check.worker import (
+    ATOL,
+    RTOL,
+    Children,
+    Outcome,
+    compare_states,
+    device_of,
+    first_line,
+    run_worker,
+)
 from tests.helpers.cluster import LocalCluster
 from tests.helpers.models import batches, odd_mlp, train_concatenated
 from transpiler import DistributeTranspiler, Program
@@ -53,18 +62,22 @@ def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.allclose(a.detach().cpu().double(), b.detach().cpu().double(), rtol=RTOL, atol=ATOL)
 
 
-def exchange(backend: str, exchange_kind: str, rank: int, world: int, port: int, data, device_name: str) -> dict:
-    """One rank exercising NodeGroup directly (no pservers): {check: passed}, {check: error}, the gradient error.
+def exchange(
+    backend: str, exchange_kind: str, rank: int, world: int, port: int, data, device_name: str
+) -> dict:
+    """One rank exercising NodeGroup directly (no pservers): {check: passed}, {check: error}, the gradient
+    error.
 
-    Each check runs on its own: one that raises (a collective the backend lacks for CUDA tensors)
-    is recorded with its error and the next still runs, on every rank alike.
+    Each check runs on its own: one that raises (a collective the backend lacks for CUDA tensors) is
+    recorded with its error and the next still runs, on every rank alike.
     """
     from trainer.blocks import LocalBlocks
     from trainer.node import OK, RECOVERABLE, Layout, NodeGroup
 
     device = device_of(device_name)
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=GROUP_TIMEOUT)
+    dist.init_process_group(
+        backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=GROUP_TIMEOUT
+    )
     checks: Dict[str, bool] = {}
     errors: Dict[str, str] = {}
 
@@ -87,8 +100,14 @@ def exchange(backend: str, exchange_kind: str, rank: int, world: int, port: int,
         blocks = LocalBlocks(prog, model)
         x, y = data[rank]
         nn.functional.cross_entropy(model(x.to(device)), y.to(device)).backward()
-        group = NodeGroup(0, rank, Layout(blocks.by_endpoint, prog.pservers, world), device, dist.group.WORLD,
-                          exchange=exchange_kind)
+        group = NodeGroup(
+            0,
+            rank,
+            Layout(blocks.by_endpoint, prog.pservers, world),
+            device,
+            dist.group.WORLD,
+            exchange=exchange_kind,
+        )
         names = sorted(blocks.by_name)
         share: List = []
         worst = [float("inf")]
@@ -106,7 +125,8 @@ def exchange(backend: str, exchange_kind: str, rank: int, world: int, port: int,
             for n, _ in share:
                 group.param_dest(n).fill_(value[n])
             return group.gather_params(OK, blocks.view) == OK and all(
-                bool((blocks.view(blocks.by_name[n]) == value[n]).all()) for n in names)
+                bool((blocks.view(blocks.by_name[n]) == value[n]).all()) for n in names
+            )
 
         def failed_gather() -> bool:  # the last rank's pull failed: nobody installs anything
             before = {n: blocks.view(blocks.by_name[n]).clone() for n in names}
@@ -114,7 +134,8 @@ def exchange(backend: str, exchange_kind: str, rank: int, world: int, port: int,
                 group.param_dest(n).fill_(-7.0)
             status = RECOVERABLE if rank == world - 1 else OK
             return group.gather_params(status, blocks.view) == RECOVERABLE and all(
-                torch.equal(blocks.view(blocks.by_name[n]), before[n]) for n in names)
+                torch.equal(blocks.view(blocks.by_name[n]), before[n]) for n in names
+            )
 
         def broadcast() -> bool:
             if rank == 0:
@@ -132,14 +153,25 @@ def exchange(backend: str, exchange_kind: str, rank: int, world: int, port: int,
                 for i in (1, 2 + r):
                     expected[i] = expected.get(i, 0.0) + (r + 1) / world
             return sorted(ids.tolist()) == sorted(expected) and all(
-                bool((rows[k] == expected[int(i)]).all()) for k, i in enumerate(ids.tolist()))
+                bool((rows[k] == expected[int(i)]).all()) for k, i in enumerate(ids.tolist())
+            )
 
-        for name, check in (("reduce", reduce), ("gather", gather), ("failed_gather", failed_gather),
-                            ("broadcast", broadcast), ("tables", tables)):
+        for name, check in (
+            ("reduce", reduce),
+            ("gather", gather),
+            ("failed_gather", failed_gather),
+            ("broadcast", broadcast),
+            ("tables", tables),
+        ):
             attempt(name, check)
         group.barrier("the end of the check")
-        return {"checks": checks, "errors": errors, "max_abs_diff": worst[0], "device": str(device),
-                "backend": dist.get_backend()}
+        return {
+            "checks": checks,
+            "errors": errors,
+            "max_abs_diff": worst[0],
+            "device": str(device),
+            "backend": dist.get_backend(),
+        }
     finally:
         dist.destroy_process_group()
 
@@ -152,14 +184,16 @@ def _one_gpu_for_every_local_rank(device: torch.device) -> None:
 
 
 def node_rank(endpoints: List[str], rank: int, port: int, data, device_name: str) -> dict:
-    """Local rank ``rank`` of trainer node 0 (two local ranks over gloo on one device): train, keep the model."""
+    """Local rank ``rank`` of trainer node 0 (two local ranks over gloo on one device): train, keep the
+    model."""
     from psproto.security import Security
     from trainer import Trainer
 
     device = device_of(device_name)
     _one_gpu_for_every_local_rank(device)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
-                            timeout=GROUP_TIMEOUT)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, timeout=GROUP_TIMEOUT
+    )
     try:
         t = DistributeTranspiler()
         t.transpile(0, program=node_program(), pservers=",".join(endpoints), trainers=1, sync_mode=True)
@@ -177,36 +211,58 @@ def node_rank(endpoints: List[str], rank: int, port: int, data, device_name: str
 def start_exchange(children: Children, backend: str, kind: str, world: int, data, device: str) -> List[int]:
     """Start the ``world`` ranks of one exchange part; their indices for :func:`exchange_result`."""
     port = free_ports(1)[0]
-    return [children.start(f"{backend} rank {r} ({kind})", exchange, (backend, kind, r, world, port, data, device))
-            for r in range(world)]
+    return [
+        children.start(
+            f"{backend} rank {r} ({kind})", exchange, (backend, kind, r, world, port, data, device)
+        )
+        for r in range(world)
+    ]
 
 
 def exchange_result(children: Children, started: List[int]) -> dict:
     results = children.wait(started, TIMEOUT)
     errors = {k: v for r in results for k, v in r["errors"].items()}
-    return {"ok": all(all(r["checks"].values()) for r in results),
-            "failed": sorted({k for r in results for k, v in r["checks"].items() if not v}), "errors": errors,
-            "max_abs_diff": max(r["max_abs_diff"] for r in results), "backend": results[0]["backend"]}
+    return {
+        "ok": all(all(r["checks"].values()) for r in results),
+        "failed": sorted({k for r in results for k, v in r["checks"].items() if not v}),
+        "errors": errors,
+        "max_abs_diff": max(r["max_abs_diff"] for r in results),
+        "backend": results[0]["backend"],
+    }
 
 
 def run_node(children: Children, data, device: torch.device) -> dict:
     ranks = [[step[r] for step in data] for r in range(2)]
     port = free_ports(1)[0]
     with LocalCluster(node_program, 2, 1) as cluster:
-        started = [children.start(f"node rank {r}", node_rank, (cluster.endpoints, r, port, ranks[r], device.type))
-                   for r in range(2)]
+        started = [
+            children.start(f"node rank {r}", node_rank, (cluster.endpoints, r, port, ranks[r], device.type))
+            for r in range(2)
+        ]
         results = children.wait(started, TIMEOUT)
         pushes = [dict(s.servicer.counters.pushes_by_trainer) for s in cluster.servers]
     prog = node_program()
     prog.model.to(device)
     expected = train_concatenated(prog, [[(x.to(device), y.to(device)) for x, y in step] for step in data])
     compared = [compare_states(r["state"], expected) for r in results]
-    failed = [what for what, ok in (("state", all(ok for ok, _, _ in compared)),
-                                    ("pushes", pushes == [{0: STEPS}] * 2),
-                                    ("device", all(r["device"] == str(device) for r in results))) if not ok]
-    return {"ok": not failed, "failed": failed, "max_abs_diff": max(d for _, d, _ in compared), "pushes": pushes,
-            "stepper": results[0]["stepper"], "backend": results[0]["backend"],
-            "devices": sorted({r["device"] for r in results})}
+    failed = [
+        what
+        for what, ok in (
+            ("state", all(ok for ok, _, _ in compared)),
+            ("pushes", pushes == [{0: STEPS}] * 2),
+            ("device", all(r["device"] == str(device) for r in results)),
+        )
+        if not ok
+    ]
+    return {
+        "ok": not failed,
+        "failed": failed,
+        "max_abs_diff": max(d for _, d, _ in compared),
+        "pushes": pushes,
+        "stepper": results[0]["stepper"],
+        "backend": results[0]["backend"],
+        "devices": sorted({r["device"] for r in results}),
+    }
 
 
 def run(args) -> Outcome:
@@ -217,9 +273,11 @@ def run(args) -> Outcome:
     t0 = time.monotonic()
     with Children("the node path") as children:
         # The three exchange parts run side by side (each its own group and port), the node meanwhile.
-        started = {f"{one}1": start_exchange(children, one, "scatter", 1, data[0], args.device),
-                   "gloo2-scatter": start_exchange(children, "gloo", "scatter", 2, data[0], args.device),
-                   "gloo2-all_reduce": start_exchange(children, "gloo", "all_reduce", 2, data[0], args.device)}
+        started = {
+            f"{one}1": start_exchange(children, one, "scatter", 1, data[0], args.device),
+            "gloo2-scatter": start_exchange(children, "gloo", "scatter", 2, data[0], args.device),
+            "gloo2-all_reduce": start_exchange(children, "gloo", "all_reduce", 2, data[0], args.device),
+        }
         calls = [("node-trainer", lambda: run_node(children, data, device))]
         calls += [(name, lambda ids=ids: exchange_result(children, ids)) for name, ids in started.items()]
         for name, call in calls:
@@ -238,7 +296,9 @@ def run(args) -> Outcome:
     for name in order:
         p = parts[name]
         if not p["ok"]:
-            why = p.get("error") or ", ".join(f"{k} ({p.get('errors', {}).get(k, 'wrong values')})" for k in p["failed"])
+            why = p.get("error") or ", ".join(
+                f"{k} ({p.get('errors', {}).get(k, 'wrong values')})" for k in p["failed"]
+            )
             notes.append(f"{name}: {why}")
     return not notes, figures, "; ".join(notes)
 
@@ -257,10 +317,17 @@ def plan(device: str, quick: bool) -> Dict[str, object]:
         if not hasattr(NodeGroup, name):
             raise AttributeError(f"trainer.node.NodeGroup has no {name}: the node stage needs updating")
     if not callable(getattr(trainer.pserver_trainer, "pick_device", None)):
-        raise AttributeError("trainer.pserver_trainer.pick_device is gone: the node-trainer part needs updating")
+        raise AttributeError(
+            "trainer.pserver_trainer.pick_device is gone: the node-trainer part needs updating"
+        )
     parts: Sequence[str] = (f"{backend_of_one(device)}1", "gloo2-scatter", "gloo2-all_reduce", "node-trainer")
-    return {"parts": list(parts), "device": f"{device}:0 for every rank" if device == "cuda" else "cpu",
-            "node": "2 local ranks, 2 pservers, sync", "steps": STEPS, "tolerance": "rtol 1e-4, atol 1e-5"}
+    return {
+        "parts": list(parts),
+        "device": f"{device}:0 for every rank" if device == "cuda" else "cpu",
+        "node": "2 local ranks, 2 pservers, sync",
+        "steps": STEPS,
+        "tolerance": "rtol 1e-4, atol 1e-5",
+    }
 
 
 def main(argv=None) -> int:

@@ -8,6 +8,7 @@ tests' tolerance (rtol 1e-4, atol 1e-5), TF32 off everywhere.
 
     python -m benchmarks.gpu_check.pserver_stage --device cuda --result b.json
 """
+
 from __future__ import annotations
 
 import sys
@@ -17,7 +18,15 @@ from typing import Dict, List
 import torch
 from torch import nn
 
-from benchmarks.gpu_check.worker import Children, Outcome, compare_states, device_of, finite, run_worker, tf32_off
+from benchmarks.gpu_check.worker import (
+    Children,
+    Outcome,
+    compare_states,
+    device_of,
+    finite,
+    run_worker,
+    tf32_off,
+)
 from tests.helpers.cluster import LocalCluster
 from tests.helpers.models import batches, odd_mlp, train_concatenated
 from transpiler import DistributeTranspiler, Program
@@ -39,7 +48,9 @@ def train_trainer(endpoints: List[str], trainer_id: int, data, device_name: str)
 
     device = device_of(device_name)
     t = DistributeTranspiler()
-    t.transpile(trainer_id, program=program(), pservers=",".join(endpoints), trainers=TRAINERS, sync_mode=True)
+    t.transpile(
+        trainer_id, program=program(), pservers=",".join(endpoints), trainers=TRAINERS, sync_mode=True
+    )
     losses = []
     with Trainer(t.get_trainer_program(), security=Security(), local_rank=0, local_world_size=1) as tr:
         on = {str(p.device) for p in tr.model.parameters()}
@@ -50,9 +61,16 @@ def train_trainer(endpoints: List[str], trainer_id: int, data, device_name: str)
             losses.append(loss.item())
         pinned = list(tr.blocks._pinned_buffers.values())
         state = {k: v.detach().cpu() for k, v in tr.state_dict().items()}
-    return {"device": str(tr.device), "params_on": sorted(on), "expected_device": str(device),
-            "pinned": len(pinned), "all_pinned": all(b.is_pinned() for b in pinned), "losses": losses,
-            "state": state, "tf32_off": tf32_off()}
+    return {
+        "device": str(tr.device),
+        "params_on": sorted(on),
+        "expected_device": str(device),
+        "pinned": len(pinned),
+        "all_pinned": all(b.is_pinned() for b in pinned),
+        "losses": losses,
+        "state": state,
+        "tf32_off": tf32_off(),
+    }
 
 
 def reference(data, device: torch.device) -> Dict[str, torch.Tensor]:
@@ -68,9 +86,12 @@ def run(args) -> Outcome:
     data = batches(TRAINERS, PER_TRAINER, STEPS)
     t0 = time.monotonic()
     with LocalCluster(program, PSERVERS, TRAINERS) as cluster, Children("pserver-mode trainers") as children:
-        started = [children.start(f"trainer {i}", train_trainer,
-                                  (cluster.endpoints, i, [step[i] for step in data], args.device))
-                   for i in range(TRAINERS)]
+        started = [
+            children.start(
+                f"trainer {i}", train_trainer, (cluster.endpoints, i, [step[i] for step in data], args.device)
+            )
+            for i in range(TRAINERS)
+        ]
         results = children.wait(started, TIMEOUT)
     job_seconds = time.monotonic() - t0
     expected = reference(data, device)
@@ -80,10 +101,17 @@ def run(args) -> Outcome:
     # Pinned staging is what a GPU trainer does; the CPU has nothing to stage.
     pinned_ok = all(r["pinned"] > 0 and r["all_pinned"] for r in results) if device.type == "cuda" else True
     losses_ok = all(finite(r["losses"]) for r in results)
-    figures = {"max_abs_diff": worst, "devices": sorted({r["device"] for r in results}),
-               "pinned_buffers": [r["pinned"] for r in results], "tf32_off": all(r["tf32_off"] for r in results)
-               and tf32_off(), "steps": STEPS, "job_seconds": round(job_seconds, 1)}
-    bad = [f"trainer {i}: {key} outside rtol 1e-4/atol 1e-5" for i, (ok, _, key) in enumerate(compared) if not ok]
+    figures = {
+        "max_abs_diff": worst,
+        "devices": sorted({r["device"] for r in results}),
+        "pinned_buffers": [r["pinned"] for r in results],
+        "tf32_off": all(r["tf32_off"] for r in results) and tf32_off(),
+        "steps": STEPS,
+        "job_seconds": round(job_seconds, 1),
+    }
+    bad = [
+        f"trainer {i}: {key} outside rtol 1e-4/atol 1e-5" for i, (ok, _, key) in enumerate(compared) if not ok
+    ]
     if not on_device:
         bad.append(f"a trainer was not on {device}: {[r['params_on'] for r in results]}")
     if not pinned_ok:
@@ -98,9 +126,15 @@ def plan(device: str, quick: bool) -> Dict[str, object]:
     t = DistributeTranspiler()
     t.transpile(0, program=program(), pservers="127.0.0.1:1,127.0.0.1:2", trainers=TRAINERS, sync_mode=True)
     blocks = len(t.get_trainer_program().blocks)
-    return {"trainers": f"{TRAINERS} processes on {device}:0" if device == "cuda" else f"{TRAINERS} on cpu",
-            "pservers": PSERVERS, "blocks": blocks, "steps": STEPS, "batch": PER_TRAINER,
-            "against": "train_concatenated on one process", "tolerance": "rtol 1e-4, atol 1e-5"}
+    return {
+        "trainers": f"{TRAINERS} processes on {device}:0" if device == "cuda" else f"{TRAINERS} on cpu",
+        "pservers": PSERVERS,
+        "blocks": blocks,
+        "steps": STEPS,
+        "batch": PER_TRAINER,
+        "against": "train_concatenated on one process",
+        "tolerance": "rtol 1e-4, atol 1e-5",
+    }
 
 
 def main(argv=None) -> int:

@@ -2,6 +2,7 @@
 
 Pure logic (no torch, no processes), so it is tested table-driven on any machine.
 """
+
 from __future__ import annotations
 
 import json
@@ -38,8 +39,8 @@ class StageResult:
 
 
 def format_value(value: object) -> str:
-    """A figure as the table shows it: floats to 4 significant digits (whole above 1,000), tiny and huge ones in
-    e-notation."""
+    """A figure as the table shows it: floats to 4 significant digits (whole above 1,000), tiny and huge
+    ones in e-notation."""
     if isinstance(value, bool):
         return "yes" if value else "no"
     if isinstance(value, float):
@@ -104,8 +105,9 @@ def report_markdown(results: Sequence[StageResult], header: Mapping[str, object]
 
 def report_json(results: Sequence[StageResult], header: Mapping[str, object]) -> str:
     """The JSON file: the header's fields, ``stages`` (every field of every row) and ``summary``."""
-    return json.dumps({**header, "stages": [asdict(r) for r in results], "summary": summary(results)},
-                      indent=2, default=str)
+    return json.dumps(
+        {**header, "stages": [asdict(r) for r in results], "summary": summary(results)}, indent=2, default=str
+    )
 
 
 # pytest's closing line: "3 passed, 1 failed, 2 skipped in 12.34s" (any order, any subset, -q or not).

@@ -13,6 +13,7 @@ PYTHONPATH, without touching the machine's packages.
 The peers' ``jobs.py`` (jobs D and S; ``../shared/peers``, beside the repository, not in it)
 travels in ``.whl/peers/``.
 """
+
 from __future__ import annotations
 
 import glob
@@ -35,12 +36,21 @@ PYTHON_VERSION = "3.12"
 PLATFORMS = ("manylinux2014_x86_64", "manylinux_2_28_x86_64")
 # What the GPU machine has (its own builds, matched to its CUDA torch), or what the check never imports.
 NOT_CARRIED = {
-    "torch": "the machine's CUDA build", "numpy": "the machine's (its numba and torch are built for it)",
-    "numba": "the machine's", "llvmlite": "numba's, the machine's", "pytest": "the machine's",
-    "pytest-xdist": "the machine's", "execnet": "pytest-xdist's", "pluggy": "pytest's",
-    "iniconfig": "pytest's", "packaging": "pytest's", "scikit-learn": "the machine's (13 MB)",
-    "grpcio-tools": "regenerates the wire code; the check does not", "cryptography": "the TLS tests' only",
-    "kubernetes-validate": "the deploy tests' only", "tomli": "Python 3.10 only",
+    "torch": "the machine's CUDA build",
+    "numpy": "the machine's (its numba and torch are built for it)",
+    "numba": "the machine's",
+    "llvmlite": "numba's, the machine's",
+    "pytest": "the machine's",
+    "pytest-xdist": "the machine's",
+    "execnet": "pytest-xdist's",
+    "pluggy": "pytest's",
+    "iniconfig": "pytest's",
+    "packaging": "pytest's",
+    "scikit-learn": "the machine's (13 MB)",
+    "grpcio-tools": "regenerates the wire code; the check does not",
+    "cryptography": "the TLS tests' only",
+    "kubernetes-validate": "the deploy tests' only",
+    "tomli": "Python 3.10 only",
 }
 MAX_BYTES = 40 * 2**20  # the tree travels in 64 MiB at most
 
@@ -70,10 +80,17 @@ def _requires(name: str) -> List[str]:
     """The distributions ``name`` (installed here) needs on Linux under Python 3.12, extras aside."""
     from packaging.requirements import Requirement
 
-    env = {"python_version": PYTHON_VERSION, "python_full_version": PYTHON_VERSION + ".0",
-           "sys_platform": "linux", "platform_system": "Linux", "platform_machine": "x86_64",
-           "os_name": "posix", "implementation_name": "cpython", "platform_python_implementation": "CPython",
-           "extra": ""}
+    env = {
+        "python_version": PYTHON_VERSION,
+        "python_full_version": PYTHON_VERSION + ".0",
+        "sys_platform": "linux",
+        "platform_system": "Linux",
+        "platform_machine": "x86_64",
+        "os_name": "posix",
+        "implementation_name": "cpython",
+        "platform_python_implementation": "CPython",
+        "extra": "",
+    }
     out = []
     for text in importlib.metadata.distribution(name).requires or []:
         req = Requirement(text)
@@ -83,7 +100,8 @@ def _requires(name: str) -> List[str]:
 
 
 def closure(names: Iterable[str], skip: Iterable[str]) -> Dict[str, str]:
-    """{distribution: version installed here} of ``names`` and all they need, less ``skip`` and what they need.
+    """{distribution: version installed here} of ``names`` and all they need, less ``skip`` and what they
+    need.
 
     Raises LookupError naming a distribution that is not installed here (its version is unknown).
     """
@@ -99,16 +117,31 @@ def closure(names: Iterable[str], skip: Iterable[str]) -> Dict[str, str]:
         try:
             found[name] = importlib.metadata.version(name)
         except importlib.metadata.PackageNotFoundError:
-            raise LookupError(f"{name} is not installed here, so its version is unknown: "
-                              f"pip install -e '.[test]' first") from None
+            raise LookupError(
+                f"{name} is not installed here, so its version is unknown: pip install -e '.[test]' first"
+            ) from None
         todo += _requires(name)
     return found
 
 
 def download_command(pins: Dict[str, str], dest: str) -> List[str]:
-    """``pip download`` of exactly these versions as cp312 manylinux x86_64 wheels, no dependency resolution."""
-    cmd = [sys.executable, "-m", "pip", "download", "--only-binary=:all:", "--python-version", PYTHON_VERSION,
-           "--implementation", "cp", "--no-deps", "--disable-pip-version-check", "-d", dest]
+    """``pip download`` of exactly these versions as cp312 manylinux x86_64 wheels, no dependency
+    resolution."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--only-binary=:all:",
+        "--python-version",
+        PYTHON_VERSION,
+        "--implementation",
+        "cp",
+        "--no-deps",
+        "--disable-pip-version-check",
+        "-d",
+        dest,
+    ]
     for platform in PLATFORMS:
         cmd += ["--platform", platform]
     return cmd + [f"{name}=={version}" for name, version in sorted(pins.items())]
@@ -122,26 +155,39 @@ def fetch(dest: str = WHEEL_DIR, peers: str = DEFAULT_PEERS) -> Dict[str, object
     os.makedirs(dest, exist_ok=True)
     for old in glob.glob(os.path.join(dest, "*.whl")):
         os.remove(old)
-    log.info("downloading %d wheels for Python %s: %s", len(pins), PYTHON_VERSION,
-             ", ".join(f"{k}=={v}" for k, v in sorted(pins.items())))
+    log.info(
+        "downloading %d wheels for Python %s: %s",
+        len(pins),
+        PYTHON_VERSION,
+        ", ".join(f"{k}=={v}" for k, v in sorted(pins.items())),
+    )
     subprocess.run(download_command(pins, dest), check=True)
     jobs = os.path.join(peers, "jobs.py")
     if os.path.isfile(jobs):
         os.makedirs(os.path.join(dest, "peers"), exist_ok=True)
         shutil.copy2(jobs, os.path.join(dest, "peers", "jobs.py"))
     else:
-        log.warning("no %s: stages d and e will fail on the GPU machine unless ../shared/peers is there", jobs)
+        log.warning(
+            "no %s: stages d and e will fail on the GPU machine unless ../shared/peers is there", jobs
+        )
     wheels = sorted(glob.glob(os.path.join(dest, "*.whl")))
     total = sum(os.path.getsize(w) for w in wheels)
-    manifest = {"python": PYTHON_VERSION, "platforms": list(PLATFORMS), "pins": pins,
-                "wheels": [os.path.basename(w) for w in wheels], "bytes": total,
-                "peers_jobs": os.path.isfile(os.path.join(dest, "peers", "jobs.py")),
-                "not_carried": NOT_CARRIED}
+    manifest = {
+        "python": PYTHON_VERSION,
+        "platforms": list(PLATFORMS),
+        "pins": pins,
+        "wheels": [os.path.basename(w) for w in wheels],
+        "bytes": total,
+        "peers_jobs": os.path.isfile(os.path.join(dest, "peers", "jobs.py")),
+        "not_carried": NOT_CARRIED,
+    }
     with open(os.path.join(dest, "MANIFEST.json"), "w") as f:
         json.dump(manifest, f, indent=2)
     with open(os.path.join(dest, "PYTHON"), "w") as f:  # gpu_check.sh installs only into this Python
         f.write(PYTHON_VERSION + "\n")
     if total > MAX_BYTES:
-        raise RuntimeError(f"the wheels take {total / 2**20:.1f} MiB, over the {MAX_BYTES / 2**20:.0f} MiB "
-                           f"the tree can spare: leave something the GPU machine has out")
+        raise RuntimeError(
+            f"the wheels take {total / 2**20:.1f} MiB, over the {MAX_BYTES / 2**20:.0f} MiB "
+            f"the tree can spare: leave something the GPU machine has out"
+        )
     return manifest

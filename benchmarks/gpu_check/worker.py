@@ -9,6 +9,7 @@ Processes a stage starts (trainers, pservers) are spawned (``multiprocessing``'s
 cannot be forked), each with a deadline; a child's result comes back through a file, and its error
 (the traceback) through another, so the stage can say which child failed and why.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -42,8 +43,12 @@ Outcome = Tuple[bool, Dict[str, object], str]
 def parser(description: str) -> argparse.ArgumentParser:
     """The command line every stage worker takes."""
     p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
-                   help="cuda: the stage as the check runs it; cpu: the same code on the CPU (gloo for NCCL)")
+    p.add_argument(
+        "--device",
+        choices=["cuda", "cpu"],
+        default="cuda",
+        help="cuda: the stage as the check runs it; cpu: the same code on the CPU (gloo for NCCL)",
+    )
     p.add_argument("--quick", action="store_true", help="smaller sizes (the CPU simulation's)")
     p.add_argument("--result", help="write the stage's result (JSON) here")
     p.add_argument("--plan", action="store_true", help="print what the stage would run (JSON) and exit")
@@ -80,8 +85,10 @@ def peers_dir() -> str:
     for folder in (DEFAULT_PEERS, CARRIED_PEERS):
         if os.path.isfile(os.path.join(folder, "jobs.py")):
             return folder
-    raise PeersMissing(f"no jobs.py in {DEFAULT_PEERS} nor {CARRIED_PEERS}: run `python -m benchmarks.gpu_check "
-                            f"--fetch-wheels` where ../shared/peers exists, and carry .whl")
+    raise PeersMissing(
+        f"no jobs.py in {DEFAULT_PEERS} nor {CARRIED_PEERS}: run `python -m benchmarks.gpu_check "
+        f"--fetch-wheels` where ../shared/peers exists, and carry .whl"
+    )
 
 
 def jobs_module():
@@ -100,8 +107,12 @@ def finite(values: Sequence[float]) -> bool:
     return bool(values) and all(math.isfinite(v) for v in values)
 
 
-def compare_states(got: Mapping[str, torch.Tensor], expected: Mapping[str, torch.Tensor],
-                   rtol: float = RTOL, atol: float = ATOL) -> Tuple[bool, float, str]:
+def compare_states(
+    got: Mapping[str, torch.Tensor],
+    expected: Mapping[str, torch.Tensor],
+    rtol: float = RTOL,
+    atol: float = ATOL,
+) -> Tuple[bool, float, str]:
     """(every tensor within tolerance, the largest |difference|, the first key outside or "")."""
     if set(got) != set(expected):
         return False, math.inf, f"keys differ: {sorted(set(got) ^ set(expected))}"
@@ -184,7 +195,9 @@ class Children:
                 error = f.read().strip().splitlines()
         except OSError:
             error = [f"no traceback (exit code {p.exitcode})"]
-        raise RuntimeError(f"{self.what}: {name} failed: {error[-1] if error else '?'}\n" + "\n".join(error[-12:]))
+        raise RuntimeError(
+            f"{self.what}: {name} failed: {error[-1] if error else '?'}\n" + "\n".join(error[-12:])
+        )
 
     def stop(self) -> None:
         """Kill every child still running, reap it, and remove the children's result files."""
@@ -199,8 +212,12 @@ class Children:
 # -- the worker's main ------------------------------------------------------------
 
 
-def run_worker(argv: Optional[Sequence[str]], description: str, run: Callable[[argparse.Namespace], Outcome],
-               plan: Callable[[str, bool], Dict[str, object]]) -> int:
+def run_worker(
+    argv: Optional[Sequence[str]],
+    description: str,
+    run: Callable[[argparse.Namespace], Outcome],
+    plan: Callable[[str, bool], Dict[str, object]],
+) -> int:
     """Parse the worker's command line; print the plan, or run the stage and write its result.
 
     Exit status 0 when the stage passed, 1 when it failed (its result file says why).

@@ -19,6 +19,7 @@ batches in every configuration. A DDP rank or a trainer writes its timings to
 closed. Both sides share the model, data and timing loop below, so the only
 difference between them is how the update is done.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -80,6 +81,7 @@ class Spec:
 
 # -- shared by both systems ---------------------------------------------------
 
+
 def build_model(sizes: Sequence[int], seed: int) -> nn.Sequential:
     """The MLP: Linear/ReLU pairs through ``sizes``, no ReLU after the last layer.
 
@@ -110,24 +112,31 @@ def make_batches(spec: Spec, rank: int) -> List[Tuple[torch.Tensor, torch.Tensor
     """
     if spec.peers:
         jobs = peer_module(spec.peers, "jobs")
-        return [tuple(torch.from_numpy(a) for a in jobs.dense_batch(step, rank, spec.batch, spec.seed))
-                for step in range(spec.warmup + spec.steps)]
+        return [
+            tuple(torch.from_numpy(a) for a in jobs.dense_batch(step, rank, spec.batch, spec.seed))
+            for step in range(spec.warmup + spec.steps)
+        ]
     g = torch.Generator().manual_seed(1000 + 7919 * spec.seed + rank)
     n_in, n_classes = spec.sizes[0], spec.sizes[-1]
-    return [(torch.randn(spec.batch, n_in, generator=g),
-             torch.randint(0, n_classes, (spec.batch,), generator=g))
-            for _ in range(spec.warmup + spec.steps)]
+    return [
+        (torch.randn(spec.batch, n_in, generator=g), torch.randint(0, n_classes, (spec.batch,), generator=g))
+        for _ in range(spec.warmup + spec.steps)
+    ]
 
 
 def cpu_clocks() -> Dict[str, float]:
     """CPU seconds so far: the process, all threads (``cpu_s``), of it in the kernel
     (``sys_s``), and the calling thread alone (``main_cpu_s``)."""
-    return {"cpu_s": time.process_time(), "sys_s": os.times().system,
-            "main_cpu_s": time.thread_time()}
+    return {"cpu_s": time.process_time(), "sys_s": os.times().system, "main_cpu_s": time.thread_time()}
 
 
-def timed_loop(model: nn.Module, batches, update: Callable[[], object], warmup: int,
-               counters: Callable[[], Dict[str, float]] = dict) -> dict:
+def timed_loop(
+    model: nn.Module,
+    batches,
+    update: Callable[[], object],
+    warmup: int,
+    counters: Callable[[], Dict[str, float]] = dict,
+) -> dict:
     """Train on ``batches``: forward + cross-entropy + backward, then ``update()``.
 
     The first ``warmup`` steps are not timed. For the rest it returns the
@@ -157,12 +166,18 @@ def timed_loop(model: nn.Module, batches, update: Callable[[], object], warmup: 
         losses.append(loss.item())
     wall = time.perf_counter() - start
     after = {**counters(), **cpu_clocks()}
-    return {"wall_s": wall, "compute_s": compute, "update_s": update_time,
-            "steps": len(batches) - warmup, "losses": losses,
-            **{k: after[k] - before[k] for k in after}}
+    return {
+        "wall_s": wall,
+        "compute_s": compute,
+        "update_s": update_time,
+        "steps": len(batches) - warmup,
+        "losses": losses,
+        **{k: after[k] - before[k] for k in after},
+    }
 
 
 # -- DDP over gloo -----------------------------------------------------------
+
 
 def run_ddp(spec: Spec) -> dict:
     """One DDP rank over gloo: SGD on its own batches, grads all-reduced in backward."""
@@ -188,16 +203,25 @@ def run_ddp(spec: Spec) -> dict:
 
 # -- parameter server ----------------------------------------------------------
 
+
 def transpile(spec: Spec, env):
     """The job's DistributeTranspiler for this role: SGD program, default config but for the wire dtype,
     shared memory and lanes."""
     from transpiler import DistributeTranspiler, DistributeTranspilerConfig, Program
 
     program = Program(build_model(spec.sizes, spec.seed), "sgd", lr=spec.lr)
-    t = DistributeTranspiler(DistributeTranspilerConfig(grad_wire_dtype=spec.grad_wire_dtype,
-                                                        shared_memory=spec.shared_memory, push_lanes=spec.push_lanes))
-    t.transpile(env.trainer_id, program=program, pservers=env.pserver_list,
-                trainers=env.trainers, sync_mode=spec.sync_mode)
+    t = DistributeTranspiler(
+        DistributeTranspilerConfig(
+            grad_wire_dtype=spec.grad_wire_dtype, shared_memory=spec.shared_memory, push_lanes=spec.push_lanes
+        )
+    )
+    t.transpile(
+        env.trainer_id,
+        program=program,
+        pservers=env.pserver_list,
+        trainers=env.trainers,
+        sync_mode=spec.sync_mode,
+    )
     return t
 
 
@@ -217,8 +241,11 @@ def run_pserver(spec: Spec) -> dict:
     before = cpu_clocks()
     server.serve()
     after = cpu_clocks()
-    return {"endpoint": env.current_endpoint, "cpu_s": after["cpu_s"] - before["cpu_s"],
-            "sys_s": after["sys_s"] - before["sys_s"]}
+    return {
+        "endpoint": env.current_endpoint,
+        "cpu_s": after["cpu_s"] - before["cpu_s"],
+        "sys_s": after["sys_s"] - before["sys_s"],
+    }
 
 
 class PhaseTimer:
@@ -255,6 +282,7 @@ class PhaseTimer:
                 t2 = time.perf_counter()
                 t1 = first[0] if first else t2
                 self._add(push_wait_s=t1 - t0, pull_recv_s=t2 - t1)
+
         return timed_push_pull
 
     def _add(self, **seconds: float) -> None:
@@ -316,14 +344,25 @@ def run_trainer(spec: Spec) -> dict:
         calls = len(node.group.endpoints) if node is not None else len(env.pservers)
 
         def counters() -> Dict[str, float]:
-            return {"bytes_pushed": tr.channels.bytes_pushed, "bytes_pulled": tr.channels.bytes_pulled,
-                    **phases.snapshot(), **node_times}
+            return {
+                "bytes_pushed": tr.channels.bytes_pushed,
+                "bytes_pulled": tr.channels.bytes_pulled,
+                **phases.snapshot(),
+                **node_times,
+            }
 
         result = timed_loop(tr.model, make_batches(spec, rank), tr.step, spec.warmup, counters)
     finally:
         tr.close()
-    return {"rank": rank, "node": env.trainer_id, "local_rank": local_rank, "local_world_size": local_size,
-            "pservers": len(env.pservers), "pserver_calls": calls, **result}
+    return {
+        "rank": rank,
+        "node": env.trainer_id,
+        "local_rank": local_rank,
+        "local_world_size": local_size,
+        "pservers": len(env.pservers),
+        "pserver_calls": calls,
+        **result,
+    }
 
 
 ROLES = {"ddp": run_ddp, "pserver": run_pserver, "trainer": run_trainer}
@@ -343,8 +382,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--spec", required=True, help="JSON of a Spec")
     p.add_argument("--out", required=True, help="where to write the result JSON")
     args = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.role != "pserver":
         torch.set_num_threads(1)  # pservers take theirs from the config (1)
     write_result(args.out, ROLES[args.role](Spec.from_json(args.spec)))

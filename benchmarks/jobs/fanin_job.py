@@ -1,17 +1,17 @@
 """The emulated fan-in's job: job S's program transpiled for K trainers, and every trainer's gradients.
 
-Shared by ``benchmarks.bench_fanin`` (which checks the applied model), its pservers and its load
-generators (``benchmarks.jobs.fanin_workers``). The program is job S's (:func:`benchmarks.jobs.job_s.build_program`:
-one shared dim-16 distributed table over 26 slots, MLP 429-256-128-1, plain SGD lr 0.05 for both) with
-job S's shape given here, so the peers' ``jobs.py`` is not needed (CI has none).
+Shared by ``benchmarks.bench_fanin`` (which checks the applied model), its pservers and its load generators
+(``benchmarks.jobs.fanin_workers``). The program is job S's (:func:`benchmarks.jobs.job_s.build_program`:
+one shared dim-16 distributed table over 26 slots, MLP 429-256-128-1, plain SGD lr 0.05 for both) with job
+S's shape given here, so the peers' ``jobs.py`` is not needed (CI has none).
 
-A trainer's gradients are a pure function of (seed, trainer, step), so whoever checks the model can
-compute what was pushed without being told:
+A trainer's gradients are a pure function of (seed, trainer, step), so whoever checks the model can compute
+what was pushed without being told:
 
 - ids: job S's batch draw, ``slot << 40 | z`` with z ~ Zipf(1.2) - 1 mod 1,000,000 over 26 slots and
   ``batch`` rows (:func:`batch_ids`, sorted unique, as a trainer dedupes them);
-- the rows of those ids: one 64-bit hash of (seed, trainer, step, id) cut into 16 four-bit columns,
-  each an integer in [-8, 7] times 2^-6 (:func:`sparse_rows`);
+- the rows of those ids: one 64-bit hash of (seed, trainer, step, id) cut into 16 four-bit columns, each an
+  integer in [-8, 7] times 2^-6 (:func:`sparse_rows`);
 - each dense block: integers in [-8, 7] times 2^-6 from a generator seeded by (seed, trainer, step)
   (:func:`dense_gradients`).
 
@@ -19,6 +19,7 @@ On that grid every sum of up to 2^17 gradients is exact in float32 and so is its
 K: the sync model after the run differs from ``initial - lr * sum over steps of the mean`` only by the
 rounding of ``lr * mean`` and of the subtraction, once per step (see :data:`TOLERANCE`).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -38,7 +39,7 @@ JOB_S = SimpleNamespace(S_SLOTS=26, S_DENSE=13, S_EMB_DIM=16, S_HIDDEN=(256, 128
 VOCAB = 1_000_000
 ZIPF_A = 1.2
 SLOT_SHIFT = 40
-GRID = 2.0 ** -6
+GRID = 2.0**-6
 # Largest |applied - expected| accepted by the sync check: float32's spacing near the largest parameter
 # (|w| < 0.07 for the MLP's default init; spacing 7.5e-9) times a margin for the two roundings per step.
 TOLERANCE = 1e-6
@@ -48,16 +49,17 @@ _M64 = np.uint64(0xFFFFFFFFFFFFFFFF)
 
 @dataclass
 class Spec:
-    """One fan-in run: ``trainers`` (K) emulated trainers against ``pservers``, in ``sync_mode``, for ``steps`` steps.
+    """One fan-in run: ``trainers`` (K) emulated trainers against ``pservers``, in ``sync_mode``, for
+    ``steps`` steps.
 
     ``batch``: rows of a job S batch (its ids per step); ``seed``: of the gradients and ids;
-    ``heartbeat_interval``: the trainers', ``heartbeat_timeout``: the pservers' (DistributeTranspilerConfig;
-    0: the library's default); ``rpc_workers``: the
-    pservers' ``pserver_rpc_workers`` (0: the library's default, left out of the config);
-    ``timeout``: seconds every wait of a run may take at most; ``run_dir``: where the processes
-    of a run meet (files ``hello``, ``go``, ``finish``, ``hello-G``, ``stepped-G``, ``result-G.pt``);
-    ``check_ids``: how many ids' rows the sync check reads; ``in_flight`` (async only; 0: no bound):
-    how many of a load generator's trainers are inside a step at once (:func:`benchmarks.jobs.fanin_workers.stepping`).
+    ``heartbeat_interval``: the trainers', ``heartbeat_timeout``: the pservers'
+    (DistributeTranspilerConfig; 0: the library's default); ``rpc_workers``: the pservers'
+    ``pserver_rpc_workers`` (0: the library's default, left out of the config); ``timeout``: seconds every
+    wait of a run may take at most; ``run_dir``: where the processes of a run meet (files ``hello``,
+    ``go``, ``finish``, ``hello-G``, ``stepped-G``, ``result-G.pt``); ``check_ids``: how many ids' rows the
+    sync check reads; ``in_flight`` (async only; 0: no bound): how many of a load generator's trainers are
+    inside a step at once (:func:`benchmarks.jobs.fanin_workers.stepping`).
     """
 
     trainers: int
@@ -94,8 +96,13 @@ def transpiler(spec: Spec, trainer_id: int = 0) -> DistributeTranspiler:
     if spec.heartbeat_timeout:
         options["heartbeat_timeout"] = spec.heartbeat_timeout
     t = DistributeTranspiler(DistributeTranspilerConfig(**options))
-    t.transpile(trainer_id, program=build_program(JOB_S), pservers=",".join(spec.pservers),
-                trainers=spec.trainers, sync_mode=spec.sync_mode)
+    t.transpile(
+        trainer_id,
+        program=build_program(JOB_S),
+        pservers=",".join(spec.pservers),
+        trainers=spec.trainers,
+        sync_mode=spec.sync_mode,
+    )
     return t
 
 
@@ -132,12 +139,15 @@ def sparse_rows(spec: Spec, trainer: int, step: int, ids: np.ndarray) -> torch.T
 def dense_gradients(spec: Spec, blocks: Sequence, trainer: int, step: int) -> Dict[str, torch.Tensor]:
     """Trainer ``trainer``'s gradient of every block of ``blocks`` (the plan's BlockSpecs) at ``step``."""
     g = torch.Generator().manual_seed(_key(spec.seed, trainer, step))
-    return {b.name: torch.randint(-8, 8, tuple(b.shape), generator=g, dtype=torch.float32).mul_(GRID)
-            for b in blocks}
+    return {
+        b.name: torch.randint(-8, 8, tuple(b.shape), generator=g, dtype=torch.float32).mul_(GRID)
+        for b in blocks
+    }
 
 
 def check_ids(spec: Spec) -> np.ndarray:
-    """Ids whose rows the sync check reads: each slot's most frequent id, trainer 0's first ids, one never drawn."""
+    """Ids whose rows the sync check reads: each slot's most frequent id, trainer 0's first ids, one never
+    drawn."""
     heads = np.arange(JOB_S.S_SLOTS, dtype=np.int64) << SLOT_SHIFT
     first = batch_ids(spec, 0, 0)
     drawn = first[np.linspace(0, first.size - 1, max(1, spec.check_ids - heads.size - 1)).astype(np.int64)]
@@ -145,8 +155,13 @@ def check_ids(spec: Spec) -> np.ndarray:
     return np.unique(np.concatenate([heads, drawn, never]))
 
 
-def expected_model(spec: Spec, blocks: Sequence, initial: Dict[str, torch.Tensor], ids: np.ndarray,
-                   initial_rows: torch.Tensor) -> tuple:
+def expected_model(
+    spec: Spec,
+    blocks: Sequence,
+    initial: Dict[str, torch.Tensor],
+    ids: np.ndarray,
+    initial_rows: torch.Tensor,
+) -> tuple:
     """(blocks, rows of ``ids``) after ``spec.steps`` sync steps of plain SGD, in float64.
 
     ``initial - lr * sum over steps of (sum over trainers of the pushed gradient) / K``: every

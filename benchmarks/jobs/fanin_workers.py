@@ -19,13 +19,14 @@ What is not emulated is the model: no forward or backward runs; the gradients co
 driver thread here (a real trainer's main thread) and the threads its Channels start.
 
 The processes of a run meet through files in the spec's ``run_dir``: a load generator says Hello for
-its trainers when ``hello`` appears, writes ``hello-G`` once they all have sessions, steps when ``go`` appears (sync: trainer 0 first reads
-the initial model for the check, one pull and one prefetch per pserver: no step applies before its first
-push), writes ``stepped-G`` when its trainers are done, and when ``finish`` appears (sync: trainer 0 reads
-the model after the last step), closes every session
-and writes ``result-G.pt``: per push its pserver, step, start and end (``time.monotonic()``, one clock
+its trainers when ``hello`` appears, writes ``hello-G`` once they all have sessions, steps when ``go``
+appears (sync: trainer 0 first reads the initial model for the check, one pull and one prefetch per
+pserver: no step applies before its first push), writes ``stepped-G`` when its trainers are done, and
+when ``finish`` appears (sync: trainer 0 reads the model after the last step), closes every session and
+writes ``result-G.pt``: per push its pserver, step, start and end (``time.monotonic()``, one clock
 for every process of the host), and the models read. Every wait has the spec's deadline.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -101,18 +102,23 @@ class EmulatedTrainer:
         self.pushes: List[Tuple[int, int, float, float]] = []  # (pserver index, step, start, end)
 
     def hello(self, heartbeat) -> None:
-        """Open this trainer's sessions, then have ``heartbeat`` (its process's Heartbeat thread) keep them."""
+        """Open this trainer's sessions, then have ``heartbeat`` (its process's Heartbeat thread) keep
+        them."""
         replies = self.channels.hello(self.spec.timeout)
         starts = {r.start_step for r in replies.values()}
         if starts != {0}:
-            raise RuntimeError(f"trainer {self.trainer_id}: pservers start it at steps {sorted(starts)}, not 0")
+            raise RuntimeError(
+                f"trainer {self.trainer_id}: pservers start it at steps {sorted(starts)}, not 0"
+            )
         heartbeat.add(self.channels)
 
     def step(self, step: int) -> None:
         """Push ``step``'s gradients to every pserver (with the next batch's ids) and receive the answers."""
         with MAKING_GRADIENTS:
             ids = batch_ids(self.spec, self.trainer_id, step)
-            sparse = self.tables.route_gradients({TABLE: (ids, sparse_rows(self.spec, self.trainer_id, step, ids))})
+            sparse = self.tables.route_gradients(
+                {TABLE: (ids, sparse_rows(self.spec, self.trainer_id, step, ids))}
+            )
             ask = None
             if step + 1 < self.spec.steps:
                 plan = self.tables.plan_next_batch({TABLE: batch_ids(self.spec, self.trainer_id, step + 1)})
@@ -120,8 +126,11 @@ class EmulatedTrainer:
             dense = dense_gradients(self.spec, self.program.blocks, self.trainer_id, step)
         jobs = {}
         for k, ep in enumerate(self.program.pservers):
-            tensors = ([(b.name, dense[b.name]) for b in self.by_endpoint[ep]] + sparse[ep]
-                       + (ask.ids.get(ep, []) if ask is not None else []))
+            tensors = (
+                [(b.name, dense[b.name]) for b in self.by_endpoint[ep]]
+                + sparse[ep]
+                + (ask.ids.get(ep, []) if ask is not None else [])
+            )
             rows = ask.rows.get(ep, {}) if ask is not None else {}
             jobs[ep] = functools.partial(self._push, k, ep, step, tensors, rows)
         self.channels.run_parallel(jobs)
@@ -130,16 +139,24 @@ class EmulatedTrainer:
     def _push(self, k: int, endpoint: str, step: int, tensors, rows) -> None:
         answer = Answer({b.name: (b.dtype, b.shape) for b in self.by_endpoint[endpoint]}, rows)
         answer_bytes = sum(b.nbytes for b in self.by_endpoint[endpoint]) + sum(
-            torch.Size(shape).numel() * 4 for _, shape in rows.values())
+            torch.Size(shape).numel() * 4 for _, shape in rows.values()
+        )
         start = time.monotonic()
-        self.channels[endpoint].push_pull(step, tensors, answer.dtype_and_shape, answer, (0, step + 1),
-                                          answer_bytes=answer_bytes)
+        self.channels[endpoint].push_pull(
+            step, tensors, answer.dtype_and_shape, answer, (0, step + 1), answer_bytes=answer_bytes
+        )
         self.pushes.append((k, step, start, time.monotonic()))
 
     def _fetch(self, fetch, min_updates: int):
         """Rows of a RowFetch, one prefetch per pserver (what the TableClient's reads call)."""
-        return self.channels.run_parallel({ep: functools.partial(
-            self.channels[ep].prefetch, min_updates, fetch.ids[ep], fetch.rows[ep].get) for ep in fetch.ids})
+        return self.channels.run_parallel(
+            {
+                ep: functools.partial(
+                    self.channels[ep].prefetch, min_updates, fetch.ids[ep], fetch.rows[ep].get
+                )
+                for ep in fetch.ids
+            }
+        )
 
     def read_model(self, min_updates: int) -> Dict[str, torch.Tensor]:
         """The dense blocks and the check ids' rows once every pserver applied ``min_updates`` updates."""
@@ -161,14 +178,15 @@ class EmulatedTrainer:
 
 
 def stepping(spec: Spec):
-    """What a load generator's trainer holds while inside a step: a bound of ``spec.in_flight`` (async) or nothing.
+    """What a load generator's trainer holds while inside a step: a bound of ``spec.in_flight`` (async) or
+    nothing.
 
-    Async trainers do not wait for each other, so a bound only spreads their steps out in time, as
-    their own forward and backward would on hosts of their own. Without it, at K = 1,024 on this
-    2-core machine every trainer of a load generator is inside a step at once, its ~1,000 threads
-    take turns at one interpreter lock, and its heartbeats left up to 40 s late while the pservers'
-    event loops lagged at most 3.8 s: the emulator starved itself, not the pservers (RESULTS.md,
-    issue 34's sixth part). A sync step needs every trainer's push at once: no bound there.
+    Async trainers do not wait for each other, so a bound only spreads their steps out in time, as their
+    own forward and backward would on hosts of their own. Without it, at K = 1,024 on this 2-core machine
+    every trainer of a load generator is inside a step at once, its ~1,000 threads take turns at one
+    interpreter lock, and its heartbeats left up to 40 s late while the pservers' event loops lagged at
+    most 3.8 s: the emulator starved itself, not the pservers (RESULTS.md, issue 34's sixth part). A sync
+    step needs every trainer's push at once: no bound there.
     """
     if spec.in_flight and not spec.sync_mode:
         return threading.BoundedSemaphore(spec.in_flight)
@@ -176,7 +194,8 @@ def stepping(spec: Spec):
 
 
 def run_load(spec: Spec, index: int, of: int) -> None:
-    """Run trainers ``index, index + of, ...`` of ``spec`` (see the module doc); write ``result-<index>.pt``."""
+    """Run trainers ``index, index + of, ...`` of ``spec`` (see the module doc); write
+    ``result-<index>.pt``."""
     from trainer.heartbeat import Heartbeat
 
     deadline = time.monotonic() + spec.timeout
@@ -187,12 +206,15 @@ def run_load(spec: Spec, index: int, of: int) -> None:
     pool = futures.ThreadPoolExecutor(max_workers=len(trainers), thread_name_prefix="emulated")
     # One heartbeat thread for them all: a thread each would starve on this process's share of the machine,
     # where a real trainer's has a host of its own, and the pservers would drop trainers that live.
-    heartbeat = Heartbeat([], program.pservers, program.config.heartbeat_interval,
-                          program.config.heartbeat_timeout).start()
+    heartbeat = Heartbeat(
+        [], program.pservers, program.config.heartbeat_interval, program.config.heartbeat_timeout
+    ).start()
     models: Dict[str, Dict[str, torch.Tensor]] = {}
     try:
         wait_for_file(os.path.join(spec.run_dir, "hello"), deadline, f"load generator {index}")
-        for f in futures.as_completed([pool.submit(t.hello, heartbeat) for t in trainers], timeout=spec.timeout):
+        for f in futures.as_completed(
+            [pool.submit(t.hello, heartbeat) for t in trainers], timeout=spec.timeout
+        ):
             f.result()
         checker = trainers[0] if index == 0 and spec.sync_mode else None
         touch(os.path.join(spec.run_dir, f"hello-{index}"))
@@ -201,11 +223,14 @@ def run_load(spec: Spec, index: int, of: int) -> None:
         in_step = stepping(spec)
 
         def train(t: EmulatedTrainer) -> None:
-            if t is checker:  # sync: no step applies before this trainer's first push, so this is the initial model
+            if (
+                t is checker
+            ):  # sync: no step applies before this trainer's first push, so this is the initial model
                 models["initial"] = checker.read_model(0)
             for step in range(spec.steps):
                 with in_step:
                     t.step(step)
+
         remaining = max(1.0, deadline - time.monotonic())
         for f in futures.as_completed([pool.submit(train, t) for t in trainers], timeout=remaining):
             f.result()

@@ -4,6 +4,7 @@ Nothing in the library changes: each wraps methods on one instance (a Trainer's 
 a module's forward, a ParameterServer's servicer and engine) and sums what it sees, thread-safely.
 ``job_s.py`` uses them to report calls, bytes and a step's phases on both sides.
 """
+
 from __future__ import annotations
 
 import threading
@@ -46,17 +47,21 @@ class CallCounter:
                     ids = args[1] if len(args) > 1 else kwargs.get("ids", ())
                     self.prefetch_bytes += sum(t.numel() * t.element_size() for _, t in ids)
             return call(*args, **kwargs)
+
         return counted
 
     def snapshot(self) -> Dict[str, int]:
-        """Calls per method, step calls (all but heartbeats), bytes pushed (with prefetched ids) and pulled."""
+        """Calls per method, step calls (all but heartbeats), bytes pushed (with prefetched ids) and
+        pulled."""
         with self._lock:
             calls = dict(self.calls)
             prefetch_bytes = self.prefetch_bytes
-        return {**{f"{m}_calls": n for m, n in calls.items()},
-                "calls": sum(n for m, n in calls.items() if m != "heartbeat"),
-                "bytes_pushed": self.channels.bytes_pushed + prefetch_bytes,
-                "bytes_pulled": self.channels.bytes_pulled}
+        return {
+            **{f"{m}_calls": n for m, n in calls.items()},
+            "calls": sum(n for m, n in calls.items() if m != "heartbeat"),
+            "bytes_pushed": self.channels.bytes_pushed + prefetch_bytes,
+            "bytes_pulled": self.channels.bytes_pulled,
+        }
 
 
 class LookupTimer:
@@ -78,14 +83,14 @@ class LookupTimer:
 class PserverPhases:
     """A pserver's CPU per push, phase by phase, over the trainers' timed steps (instrumentation only).
 
-    Wraps, on the instance, the servicer's one-message step calls (``PushPullOne``,
-    ``PushPullShared``: the whole handler) and the parts it runs in its handler thread: reading the request (``_read_stream``,
-    ``split_push``: decode), the engine's ``push`` (apply; a sync barrier's wait takes no CPU),
-    ``read`` (the blocks of the answer) and ``lookup`` (the next batch's rows), each timed with
-    ``time.thread_time`` (the calling thread's CPU). What the handler spends outside them is
-    checking and encoding the answer; what the process spends outside the handlers is gRPC's own
-    threads and the rest. Counting starts at push ``first`` and stops at push ``last`` (the timed
-    steps of every trainer); :meth:`summary` gives CPU ms per push.
+    Wraps, on the instance, the servicer's one-message step calls (``PushPullOne``, ``PushPullShared``: the
+    whole handler) and the parts it runs in its handler thread: reading the request (``_read_stream``,
+    ``split_push``: decode), the engine's ``push`` (apply; a sync barrier's wait takes no CPU), ``read``
+    (the blocks of the answer) and ``lookup`` (the next batch's rows), each timed with ``time.thread_time``
+    (the calling thread's CPU). What the handler spends outside them is checking and encoding the answer;
+    what the process spends outside the handlers is gRPC's own threads and the rest. Counting starts at
+    push ``first`` and stops at push ``last`` (the timed steps of every trainer); :meth:`summary` gives CPU
+    ms per push.
     """
 
     PARTS = ("decode", "apply", "apply: tables", "read blocks", "lookup")
@@ -118,6 +123,7 @@ class PserverPhases:
                 if self._counting():
                     with self._lock:
                         self.cpu[part] += time.thread_time() - t0
+
         return timed
 
     def _handler(self, method):
@@ -143,6 +149,7 @@ class PserverPhases:
                     yield item
             finally:
                 self._handled(cpu)
+
         return types.MethodType(parks(stream=method.streams)(timed), method.__self__)
 
     def _handled(self, cpu: float) -> None:

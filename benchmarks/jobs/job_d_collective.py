@@ -11,6 +11,7 @@ one torch thread per process, gloo. The difference is the path: ``Program`` ->
 ``D:ours-collective`` next to ``D:ddp`` and reads the ``RESULT`` line of process 0: samples/s
 over all processes, the slowest process's time of the timed steps, as the peer measures.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -43,7 +44,9 @@ def make_model(jobs, seed: int = 0) -> nn.Sequential:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--peers", default=DEFAULT_PEERS, help="folder of the peers' jobs.py (default: %(default)s)")
+    p.add_argument(
+        "--peers", default=DEFAULT_PEERS, help="folder of the peers' jobs.py (default: %(default)s)"
+    )
     p.add_argument("--warmup", type=int, default=None, help="untimed steps first (default: jobs.D_WARMUP)")
     p.add_argument("--steps", type=int, default=None, help="timed steps (default: jobs.D_STEPS)")
     p.add_argument("--seed", type=int, default=0)
@@ -51,16 +54,23 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     env = RoleEnv.from_env()
     if env is None or not env.collective:
-        print("job_d_collective.py runs as a collective job: PYTHONPATH=. ps-launch --worker_num 2 "
-              "benchmarks/jobs/job_d_collective.py", file=sys.stderr)
+        print(
+            "job_d_collective.py runs as a collective job: PYTHONPATH=. ps-launch --worker_num 2 "
+            "benchmarks/jobs/job_d_collective.py",
+            file=sys.stderr,
+        )
         return 2
     jobs = peer_module(args.peers, "jobs")
     warmup = jobs.D_WARMUP if args.warmup is None else args.warmup
     steps = jobs.D_STEPS if args.steps is None else args.steps
     torch.set_num_threads(1)  # as the peer: one thread per process
     t = DistributeTranspiler(DistributeTranspilerConfig(mode="collective"))
-    t.transpile(env.trainer_id, program=Program(make_model(jobs, args.seed), "sgd", lr=jobs.D_LR),
-                pservers=None, trainers=env.trainers)
+    t.transpile(
+        env.trainer_id,
+        program=Program(make_model(jobs, args.seed), "sgd", lr=jobs.D_LR),
+        pservers=None,
+        trainers=env.trainers,
+    )
     from trainer import Trainer
 
     loss_fn = nn.CrossEntropyLoss()
@@ -85,10 +95,21 @@ def main(argv=None) -> int:
         dist.all_gather_object(times, elapsed)
         if rank == 0:
             slowest = max(times)
-            print("RESULT " + json.dumps({
-                "samples_per_s": steps * jobs.D_BATCH_PER_TRAINER * world / slowest, "procs": world,
-                "steps": steps, "per_rank_s": [round(s, 3) for s in times], "first_loss": losses[0],
-                "last_loss": losses[-1], "torch_threads": torch.get_num_threads()}), flush=True)
+            print(
+                "RESULT "
+                + json.dumps(
+                    {
+                        "samples_per_s": steps * jobs.D_BATCH_PER_TRAINER * world / slowest,
+                        "procs": world,
+                        "steps": steps,
+                        "per_rank_s": [round(s, 3) for s in times],
+                        "first_loss": losses[0],
+                        "last_loss": losses[-1],
+                        "torch_threads": torch.get_num_threads(),
+                    }
+                ),
+                flush=True,
+            )
     return 0
 
 

@@ -5,8 +5,9 @@ One script, every role, as ``examples/train_ctr.py``; from the repository root (
 
     PYTHONPATH=. ps-launch --server_num 2 --worker_num 2 benchmarks/jobs/job_s.py            # sync
     PYTHONPATH=. ps-launch --server_num 2 --worker_num 2 benchmarks/jobs/job_s.py --async    # async
+    # GEO, a slow trainer:
     PYTHONPATH=. ps-launch --server_num 2 --worker_num 4 benchmarks/jobs/job_s.py --async --k_steps 4 \
-        --slow_trainer 3 --slow_ms 40                                                       # GEO, a slow trainer
+        --slow_trainer 3 --slow_ms 40
 
 (``ps-launch`` is ``python -m trainer.launch``; each role's output goes to
 ``log/serverlog.N`` / ``log/workerlog.N``.) ``python -m benchmarks.bench_peers`` runs it
@@ -41,11 +42,12 @@ into forward (``forward_ms``, of which the table's lookups ``lookup_ms``),
 backward (``backward_ms``) and ``tr.step()`` (``step_ms``). Trainer 0 also evaluates the hold-out
 AUC on ``jobs.ctr_eval_set(20000)`` (``auc``); in async and GEO mode it first waits
 until every pserver has received every trainer's last push, and pulls. (In sync mode, with backup
-trainers too, it evaluates at once: a live trainer that no longer steps would hold the others' steps.) It also reports the
-pservers' own counters (``ps_stats``, from their Stats call). Each pserver prints
+trainers too, it evaluates at once: a live trainer that no longer steps would hold the others' steps.)
+It also reports the pservers' own counters (``ps_stats``, from their Stats call). Each pserver prints
 ``PSERVER_PHASES {json}`` as it exits: its CPU per push over the timed steps,
 phase by phase (:class:`benchmarks.jobs.instruments.PserverPhases`).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -71,10 +73,11 @@ TABLE = "emb"
 
 
 class CtrNet(nn.Module):
-    """Job S's model: one shared dim-16 table over 26 slots, concatenated with 13 dense features, MLP 429-256-128-1.
+    """Job S's model: one shared dim-16 table over 26 slots, concatenated with 13 dense features, MLP
+    429-256-128-1.
 
-    The table is built on the meta device (its rows live on the pservers); the
-    MLP is seeded, so every role builds the same initial weights.
+    The table is built on the meta device (its rows live on the pservers); the MLP is seeded, so every role
+    builds the same initial weights.
     """
 
     def __init__(self, jobs, seed: int = 0):
@@ -82,8 +85,13 @@ class CtrNet(nn.Module):
         torch.manual_seed(seed)
         self.emb = nn.Embedding(CAPACITY, jobs.S_EMB_DIM, sparse=True, device="meta")
         h1, h2 = jobs.S_HIDDEN
-        self.mlp = nn.Sequential(nn.Linear(jobs.S_SLOTS * jobs.S_EMB_DIM + jobs.S_DENSE, h1), nn.ReLU(),
-                                 nn.Linear(h1, h2), nn.ReLU(), nn.Linear(h2, 1))
+        self.mlp = nn.Sequential(
+            nn.Linear(jobs.S_SLOTS * jobs.S_EMB_DIM + jobs.S_DENSE, h1),
+            nn.ReLU(),
+            nn.Linear(h1, h2),
+            nn.ReLU(),
+            nn.Linear(h2, 1),
+        )
 
     def forward(self, ids: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
         e = self.emb(ids).reshape(ids.shape[0], -1)
@@ -95,9 +103,13 @@ def build_program(jobs, seed: int = 0, ram_rows: int = 0) -> Program:
 
     ``ram_rows``: the table keeps that many rows in memory and the rest in its disk tier (0: all in memory).
     """
-    table = TableOptions(optimizer="sgd", optimizer_kwargs={"lr": jobs.S_LR},
-                         init="normal", init_kwargs={"std": 0.01},
-                         lifecycle={"ram_rows": ram_rows} if ram_rows else None)
+    table = TableOptions(
+        optimizer="sgd",
+        optimizer_kwargs={"lr": jobs.S_LR},
+        init="normal",
+        init_kwargs={"std": 0.01},
+        lifecycle={"ram_rows": ram_rows} if ram_rows else None,
+    )
     return Program(CtrNet(jobs, seed), "sgd", lr=jobs.S_LR, distributed_tables={TABLE: table})
 
 
@@ -113,7 +125,7 @@ def pserver_stats(endpoints: List[str], timeout: float = 10.0) -> Dict[str, dict
     from psproto.security import Security
 
     backups = [b for b in os.environ.get("PS_REPLICA_ENDPOINTS", "").split(",") if b.strip()]
-    groups = {ep: [ep, *backups[k:k + 1]] for k, ep in enumerate(endpoints)}
+    groups = {ep: [ep, *backups[k : k + 1]] for k, ep in enumerate(endpoints)}
     security = Security.from_env()
     out = {}
     for ep, processes in groups.items():
@@ -129,10 +141,16 @@ def pserver_stats(endpoints: List[str], timeout: float = 10.0) -> Dict[str, dict
                 channel.close()
             if r.HasField("replica") and r.replica.role != "primary":
                 continue
-            out[ep] = {"updates": r.updates, "pushes": r.pushes, "prefetches": r.prefetches,
-                       "bytes_in": r.bytes_in, "bytes_out": r.bytes_out, "table_rows": r.table_rows,
-                       "disk_rows": sum(t.disk_rows for t in r.tables),
-                       "trainers_alive": list(r.trainers_alive)}
+            out[ep] = {
+                "updates": r.updates,
+                "pushes": r.pushes,
+                "prefetches": r.prefetches,
+                "bytes_in": r.bytes_in,
+                "bytes_out": r.bytes_out,
+                "table_rows": r.table_rows,
+                "disk_rows": sum(t.disk_rows for t in r.tables),
+                "trainers_alive": list(r.trainers_alive),
+            }
             break
     return out
 
@@ -188,7 +206,9 @@ def evaluate(model: nn.Module, jobs, n: int, seed: int, chunk: int = 4096) -> fl
     scores = []
     with torch.no_grad():
         for s in range(0, len(y), chunk):
-            scores.append(model(torch.from_numpy(ids[s:s + chunk]), torch.from_numpy(dense[s:s + chunk])).numpy())
+            scores.append(
+                model(torch.from_numpy(ids[s : s + chunk]), torch.from_numpy(dense[s : s + chunk])).numpy()
+            )
     model.train()
     return float(jobs.auc(y, np.concatenate(scores).astype(np.float64)))
 
@@ -236,22 +256,34 @@ def train(args, env, jobs, t: DistributeTranspiler) -> dict:
                 after = counter.snapshot()
         steps = args.steps
         result = {
-            "role": f"trainer {env.trainer_id}", "trainer_id": env.trainer_id, "trainers": env.trainers,
-            "pservers": len(env.pservers), "mode": mode_name(args),
+            "role": f"trainer {env.trainer_id}",
+            "trainer_id": env.trainer_id,
+            "trainers": env.trainers,
+            "pservers": len(env.pservers),
+            "mode": mode_name(args),
             "slow_ms": args.slow_ms if env.trainer_id == args.slow_trainer else 0.0,
-            "batch": args.batch, "warmup": args.warmup, "steps": steps, "examples": steps * args.batch,
-            "start": start, "end": end, "examples_per_s": steps * args.batch / (end - start),
+            "batch": args.batch,
+            "warmup": args.warmup,
+            "steps": steps,
+            "examples": steps * args.batch,
+            "start": start,
+            "end": end,
+            "examples_per_s": steps * args.batch / (end - start),
             "calls_per_step": (after["calls"] - before["calls"]) / steps,
             "push_pull_per_step": (after["push_pull_calls"] - before["push_pull_calls"]) / steps,
             "pull_per_step": (after["pull_calls"] - before["pull_calls"]) / steps,
             "prefetch_per_step": (after["prefetch_calls"] - before["prefetch_calls"]) / steps,
             "bytes_pushed_per_step": (after["bytes_pushed"] - before["bytes_pushed"]) / steps,
             "bytes_pulled_per_step": (after["bytes_pulled"] - before["bytes_pulled"]) / steps,
-            "compute_ms": 1e3 * compute / steps, "step_ms": 1e3 * step_time / steps,
-            "forward_ms": 1e3 * forward / steps, "backward_ms": 1e3 * (compute - forward) / steps,
+            "compute_ms": 1e3 * compute / steps,
+            "step_ms": 1e3 * step_time / steps,
+            "forward_ms": 1e3 * forward / steps,
+            "backward_ms": 1e3 * (compute - forward) / steps,
             "lookup_ms": 1e3 * lookup.seconds / steps,
-            "loss_first20": float(np.mean(losses[:20])), "loss_last20": float(np.mean(losses[-20:])),
-            "datagen_s_excluded": round(gen_s, 2), "torch_threads": torch.get_num_threads(),
+            "loss_first20": float(np.mean(losses[:20])),
+            "loss_last20": float(np.mean(losses[-20:])),
+            "datagen_s_excluded": round(gen_s, 2),
+            "torch_threads": torch.get_num_threads(),
             "loop": "plain" if args.plain else "batches(prefetch=)",
         }
         if env.trainer_id == 0:
@@ -265,8 +297,13 @@ def train(args, env, jobs, t: DistributeTranspiler) -> dict:
             result["eval_s"] = time.perf_counter() - e0
             result["ps_stats"] = pserver_stats(env.pservers)
             log.info("trainer 0: hold-out AUC %.4f (%d examples)", result["auc"], args.eval_examples)
-    log.info("%s: %d timed examples in %.2f s: %.0f examples/s", result["role"], result["examples"],
-             end - start, result["examples_per_s"])
+    log.info(
+        "%s: %d timed examples in %.2f s: %.0f examples/s",
+        result["role"],
+        result["examples"],
+        end - start,
+        result["examples_per_s"],
+    )
     return result
 
 
@@ -274,39 +311,73 @@ def mode_name(args) -> str:
     """sync, sync-bB (backup trainers), async, or geo-K."""
     if args.k_steps:
         return f"geo-{args.k_steps}"
-    return (f"sync-b{args.backup_trainers}" if args.backup_trainers else "sync") if args.sync_mode else "async"
+    return (
+        (f"sync-b{args.backup_trainers}" if args.backup_trainers else "sync") if args.sync_mode else "async"
+    )
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--async", dest="sync_mode", action="store_false", help="asynchronous updates")
     p.add_argument("--k_steps", type=int, default=0, help="GEO mode, with --async: sync every K steps")
-    p.add_argument("--backup_trainers", type=int, default=0, help="sync: steps made by the first trainers - B")
-    p.add_argument("--slow_trainer", type=int, default=-1, help="this trainer sleeps --slow_ms after each step")
+    p.add_argument(
+        "--backup_trainers", type=int, default=0, help="sync: steps made by the first trainers - B"
+    )
+    p.add_argument(
+        "--slow_trainer", type=int, default=-1, help="this trainer sleeps --slow_ms after each step"
+    )
     p.add_argument("--slow_ms", type=float, default=0.0, help="the slow trainer's delay per step (ms)")
-    p.add_argument("--peers", default=DEFAULT_PEERS, help="folder of the peers' jobs.py (default: %(default)s)")
-    p.add_argument("--warmup", type=int, default=None, help="untimed steps first (default: jobs.S_WARMUP, 20)")
+    p.add_argument(
+        "--peers", default=DEFAULT_PEERS, help="folder of the peers' jobs.py (default: %(default)s)"
+    )
+    p.add_argument(
+        "--warmup", type=int, default=None, help="untimed steps first (default: jobs.S_WARMUP, 20)"
+    )
     p.add_argument("--steps", type=int, default=None, help="timed steps (default: jobs.S_STEPS, 200)")
     p.add_argument("--batch", type=int, default=512, help="per trainer (default %(default)s)")
-    p.add_argument("--eval_examples", type=int, default=None, help="hold-out size (default: jobs.S_EVAL_N, 20000)")
-    p.add_argument("--eval_wait", type=float, default=120.0,
-                   help="at most this many s a trainer waits for the others to register before its first "
-                        "step, and (async) trainer 0 for the other trainers' last pushes before evaluating")
+    p.add_argument(
+        "--eval_examples", type=int, default=None, help="hold-out size (default: jobs.S_EVAL_N, 20000)"
+    )
+    p.add_argument(
+        "--eval_wait",
+        type=float,
+        default=120.0,
+        help="at most this many s a trainer waits for the others to register before its first "
+        "step, and (async) trainer 0 for the other trainers' last pushes before evaluating",
+    )
     p.add_argument("--seed", type=int, default=0, help="data seed of jobs.py")
-    p.add_argument("--plain", action="store_true",
-                   help="the plain loop: `for batch in batches: ... tr.step()`, no tr.batches(prefetch=)")
-    p.add_argument("--ram_rows", type=int, default=0,
-                   help="the table's RAM budget in rows (TableLifecycle.ram_rows); the rest goes to its disk tier")
+    p.add_argument(
+        "--plain",
+        action="store_true",
+        help="the plain loop: `for batch in batches: ... tr.step()`, no tr.batches(prefetch=)",
+    )
+    p.add_argument(
+        "--ram_rows",
+        type=int,
+        default=0,
+        help="the table's RAM budget in rows (TableLifecycle.ram_rows); the rest goes to its disk tier",
+    )
     p.add_argument("--table_disk_dir", default=None, help="DistributeTranspilerConfig.table_disk_dir")
-    p.add_argument("--grad_wire_dtype", choices=["bfloat16", "float16"], default=None,
-                   help="push gradients in this dtype (DistributeTranspilerConfig.grad_wire_dtype; "
-                        "default: as computed)")
-    p.add_argument("--no_shared_memory", dest="shared_memory", action="store_false",
-                   help="every byte through gRPC (DistributeTranspilerConfig.shared_memory=False): hosts emulated "
-                        "by network namespaces share /dev/shm, real ones do not")
+    p.add_argument(
+        "--grad_wire_dtype",
+        choices=["bfloat16", "float16"],
+        default=None,
+        help="push gradients in this dtype (DistributeTranspilerConfig.grad_wire_dtype; "
+        "default: as computed)",
+    )
+    p.add_argument(
+        "--no_shared_memory",
+        dest="shared_memory",
+        action="store_false",
+        help="every byte through gRPC (DistributeTranspilerConfig.shared_memory=False): hosts emulated "
+        "by network namespaces share /dev/shm, real ones do not",
+    )
     args = p.parse_args(argv)
-    if (args.warmup is not None and args.warmup < 0) or (args.steps is not None and args.steps < 1) \
-            or args.batch < 1:
+    if (
+        (args.warmup is not None and args.warmup < 0)
+        or (args.steps is not None and args.steps < 1)
+        or args.batch < 1
+    ):
         p.error("--warmup must be >= 0, --steps and --batch >= 1")
     return args
 
@@ -316,21 +387,33 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     env = RoleEnv.from_env()
     if env is None:
-        print("job_s.py runs as a role of a job: PYTHONPATH=. ps-launch --server_num 2 --worker_num 2 "
-              "benchmarks/jobs/job_s.py [--async] (the single-process peer is torch_peers.py local-ctr)",
-              file=sys.stderr)
+        print(
+            "job_s.py runs as a role of a job: PYTHONPATH=. ps-launch --server_num 2 --worker_num 2 "
+            "benchmarks/jobs/job_s.py [--async] (the single-process peer is torch_peers.py local-ctr)",
+            file=sys.stderr,
+        )
         return 2
     jobs = peer_module(args.peers, "jobs")
     args.warmup = jobs.S_WARMUP if args.warmup is None else args.warmup
     args.steps = jobs.S_STEPS if args.steps is None else args.steps
     args.eval_examples = jobs.S_EVAL_N if args.eval_examples is None else args.eval_examples
     torch.set_num_threads(1)  # several roles share this machine's cores
-    t = DistributeTranspiler(DistributeTranspilerConfig(grad_wire_dtype=args.grad_wire_dtype,
-                                                        table_disk_dir=args.table_disk_dir,
-                                                        shared_memory=args.shared_memory, k_steps=args.k_steps,
-                                                        backup_trainers=args.backup_trainers))
-    t.transpile(env.trainer_id, program=build_program(jobs, args.seed, args.ram_rows), pservers=env.pserver_list,
-                trainers=env.trainers, sync_mode=args.sync_mode)
+    t = DistributeTranspiler(
+        DistributeTranspilerConfig(
+            grad_wire_dtype=args.grad_wire_dtype,
+            table_disk_dir=args.table_disk_dir,
+            shared_memory=args.shared_memory,
+            k_steps=args.k_steps,
+            backup_trainers=args.backup_trainers,
+        )
+    )
+    t.transpile(
+        env.trainer_id,
+        program=build_program(jobs, args.seed, args.ram_rows),
+        pservers=env.pserver_list,
+        trainers=env.trainers,
+        sync_mode=args.sync_mode,
+    )
     if env.is_pserver:
         from pserver import ParameterServer
 

@@ -1,4 +1,4 @@
-"""PaddlePaddle 2.6's GEO mode on job S: the peers' ``paddle_ps_ctr.py`` with ``a_sync_configs["k_steps"]`` set.
+"""PaddlePaddle 2.6's GEO mode on job S: the peers' ``paddle_ps_ctr.py`` with ``k_steps`` set.
 
 The peers' script runs Paddle's sync and async modes; GEO is its async mode with
 ``strategy.a_sync_configs = {"k_steps": K}``, so this wrapper runs that script
@@ -11,6 +11,7 @@ whenever it turns ``a_sync`` on. Run it with Paddle's Python, as the script::
 Every other argument is ``paddle_ps_ctr.py``'s. Its role processes run this file
 again (``--role-proc``), so each applies the setting too.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -20,7 +21,8 @@ import sys
 
 
 def _load(peers: str, name: str):
-    """The peers' module ``name`` from ``peers/name.py``, registered under that name (the script imports ``jobs``)."""
+    """The peers' module ``name`` from ``peers/name.py``, registered under that name (the script imports
+    ``jobs``)."""
     spec = importlib.util.spec_from_file_location(name, os.path.join(peers, f"{name}.py"))
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
@@ -57,7 +59,8 @@ def main(argv=None) -> int:
 
     fleet.DistributedStrategy = GeoStrategy
     script = _load(peers, "paddle_ps_ctr")
-    # Its launcher starts each role as ``python <its __file__> --role-proc ...``: this file, with our arguments.
+    # Its launcher starts each role as ``python <its __file__> --role-proc ...``: this file, with our
+    # arguments.
     script.__file__ = os.path.abspath(__file__)
     os.environ["PADDLE_GEO_ARGS"] = f"--k_steps {ours.k_steps} --peers {peers}"
     return script.main(rest)

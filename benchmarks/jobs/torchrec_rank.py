@@ -10,6 +10,7 @@ needs nothing of this repository::
     GLOO_SOCKET_IFNAME=eth0 torchrec-venv/bin/python benchmarks/jobs/torchrec_rank.py \\
         --peers ../shared/peers --rank R --world 2 --master 10.231.5.3 --port 29600 --out rank0.json
 """
+
 from __future__ import annotations
 
 import argparse
@@ -48,9 +49,11 @@ def main(argv=None) -> int:
         p.error(f"--rank must be in [0, {a.world}), got {a.rank}")
     import torch.distributed as dist
 
-    # By its path: this runs in TorchRec's venv, where neither the peers' folder nor this repository is importable.
-    spec = importlib.util.spec_from_file_location("torchrec_ctr", os.path.join(os.path.abspath(a.peers),
-                                                                               "torchrec_ctr.py"))
+    # By its path: this runs in TorchRec's venv, where neither the peers' folder nor this repository is
+    # importable.
+    spec = importlib.util.spec_from_file_location(
+        "torchrec_ctr", os.path.join(os.path.abspath(a.peers), "torchrec_ctr.py")
+    )
     torchrec_ctr = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(torchrec_ctr)
 

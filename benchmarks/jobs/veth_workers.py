@@ -33,6 +33,7 @@ counters of this namespace's veth end) and reports their growth over its
 timed steps as ``veth_rx_bytes`` / ``veth_tx_bytes``. ``--peers`` (or
 ``BENCH_PEERS_DIR``) is the directory of ``jobs.py`` and ``torch_peers.py``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -48,7 +49,8 @@ log = logging.getLogger("veth_workers")
 
 
 def peers_dir() -> str:
-    """The directory of the peers' ``jobs.py`` and ``torch_peers.py`` (``BENCH_PEERS_DIR`` or ../shared/peers)."""
+    """The directory of the peers' ``jobs.py`` and ``torch_peers.py`` (``BENCH_PEERS_DIR`` or
+    ../shared/peers)."""
     return os.environ.get("BENCH_PEERS_DIR") or DEFAULT_PEERS
 
 
@@ -74,11 +76,13 @@ def veth_counters() -> Dict[str, float]:
 
 # -- this product and DDP: dense_workers' roles on job D's data -------------------
 
-def patch_dense_workers():
-    """Make ``dense_workers`` train on ``jobs.dense_batch`` and count veth bytes in its timed loop; the module.
 
-    Both patches replace module attributes that ``run_trainer`` and ``run_ddp``
-    look up when called, so the roles themselves run unchanged.
+def patch_dense_workers():
+    """Make ``dense_workers`` train on ``jobs.dense_batch`` and count veth bytes in its timed loop; the
+    module.
+
+    Both patches replace module attributes that ``run_trainer`` and ``run_ddp`` look up when called, so the
+    roles themselves run unchanged.
     """
     import torch
 
@@ -91,8 +95,10 @@ def patch_dense_workers():
         """Job D's batches of trainer ``rank``: ``jobs.dense_batch(step, rank)`` for every step."""
         if tuple(spec.sizes) != tuple(jobs.D_SIZES):
             raise ValueError(f"jobs.py's data is for sizes {jobs.D_SIZES}, the spec has {spec.sizes}")
-        return [tuple(torch.from_numpy(a) for a in jobs.dense_batch(step, rank, spec.batch, spec.seed))
-                for step in range(spec.warmup + spec.steps)]
+        return [
+            tuple(torch.from_numpy(a) for a in jobs.dense_batch(step, rank, spec.batch, spec.seed))
+            for step in range(spec.warmup + spec.steps)
+        ]
 
     def timed_loop_with_veth(model, batches, update, warmup, counters=dict):
         """dense_workers.timed_loop, with this namespace's veth counters among the counted ones."""
@@ -104,6 +110,7 @@ def patch_dense_workers():
 
 
 # -- torch.distributed.rpc parameter server (the peer) ----------------------------
+
 
 class VethWindow:
     """Reads the veth counters around the timed steps of ``torch_peers._rpc_run_trainer``.
@@ -145,7 +152,8 @@ _WINDOW: Optional[VethWindow] = None
 
 
 def rpc_trainer(tid, ps_rrefs, shards, a, threads):
-    """Run on a trainer rank by the driver: the peer's ``_rpc_run_trainer``, plus the veth bytes of its timed steps."""
+    """Run on a trainer rank by the driver: the peer's ``_rpc_run_trainer``, plus the veth bytes of its
+    timed steps."""
     torch_peers = import_torch_peers()
     _WINDOW.warmup = a.warmup
     result = torch_peers._rpc_run_trainer(tid, ps_rrefs, shards, a, threads)
@@ -166,14 +174,23 @@ def run_rpc(spec, args) -> Optional[dict]:
     import torch.distributed.rpc as rpc
 
     jobs = import_jobs()
-    torch_peers = import_torch_peers()  # sets GLOO/TP_SOCKET_IFNAME=lo and MASTER_ADDR on import: put ours back
+    torch_peers = (
+        import_torch_peers()
+    )  # sets GLOO/TP_SOCKET_IFNAME=lo and MASTER_ADDR on import: put ours back
     for key in ("GLOO_SOCKET_IFNAME", "TP_SOCKET_IFNAME", "MASTER_ADDR"):
         if os.environ.get("BENCH_" + key):
             os.environ[key] = os.environ["BENCH_" + key]
     n_ps, world, rank = args.ps, args.world, args.rank
     trainers = world - n_ps
-    a = argparse.Namespace(seed=spec.seed, warmup=spec.warmup, steps=spec.steps, batch=spec.batch,
-                           trainers=trainers, timeout=spec.timeout, ps=n_ps)
+    a = argparse.Namespace(
+        seed=spec.seed,
+        warmup=spec.warmup,
+        steps=spec.steps,
+        batch=spec.batch,
+        trainers=trainers,
+        timeout=spec.timeout,
+        ps=n_ps,
+    )
     if (tuple(spec.sizes), spec.lr) != (tuple(jobs.D_SIZES), jobs.D_LR):
         raise ValueError("the torch peer runs job D as jobs.py defines it (sizes, lr)")
     threads = max(1, (os.cpu_count() or 1) // trainers)  # as torch_peers.cmd_rpc_ps_dense
@@ -186,39 +203,72 @@ def run_rpc(spec, args) -> Optional[dict]:
     if args.channels:
         options["_channels"] = args.channels.split(",")
     name = f"ps{rank}" if rank < n_ps else f"trainer{rank - n_ps}"
-    log.info("%s: init_rpc rank %d/%d at %s, TP_SOCKET_IFNAME=%s, transports %s, channels %s", name, rank,
-             world, args.init, os.environ.get("TP_SOCKET_IFNAME"), args.transports or "default",
-             args.channels or "default")
-    rpc.init_rpc(name, rank=rank, world_size=world,
-                 rpc_backend_options=rpc.TensorPipeRpcBackendOptions(**options))
+    log.info(
+        "%s: init_rpc rank %d/%d at %s, TP_SOCKET_IFNAME=%s, transports %s, channels %s",
+        name,
+        rank,
+        world,
+        args.init,
+        os.environ.get("TP_SOCKET_IFNAME"),
+        args.transports or "default",
+        args.channels or "default",
+    )
+    rpc.init_rpc(
+        name, rank=rank, world_size=world, rpc_backend_options=rpc.TensorPipeRpcBackendOptions(**options)
+    )
     result = None
     if rank == 0:
         shards = torch_peers._shards(n_ps)
-        ps_rrefs = [rpc.remote(f"ps{i}", torch_peers.BatchUpdateParameterServer,
-                               args=(i, n_ps, trainers, jobs.D_LR, spec.seed, threads)) for i in range(n_ps)]
-        futs = [rpc.rpc_async(f"trainer{t}", rpc_trainer, args=(t, ps_rrefs, shards, a, threads))
-                for t in range(trainers)]
+        ps_rrefs = [
+            rpc.remote(
+                f"ps{i}",
+                torch_peers.BatchUpdateParameterServer,
+                args=(i, n_ps, trainers, jobs.D_LR, spec.seed, threads),
+            )
+            for i in range(n_ps)
+        ]
+        futs = [
+            rpc.rpc_async(f"trainer{t}", rpc_trainer, args=(t, ps_rrefs, shards, a, threads))
+            for t in range(trainers)
+        ]
         st = [f.wait() for f in futs]
         ps_st = [r.rpc_sync().stats() for r in ps_rrefs]
         tmax = max(s["t"] for s in st)
-        result = torch_peers._dense_result("rpc-ps-dense", a, tmax, a.steps, a.batch * trainers, {
-            "procs": world, "n_ps": n_ps, "n_trainers": trainers, "backend": "tensorpipe",
-            "transports": args.transports or "default", "channels": args.channels or "default",
-            "per_trainer_s": [round(s["t"], 3) for s in st],
-            "trainer_compute_ms_per_step": round(1e3 * np.mean([s["compute_s"] for s in st]) / a.steps, 2),
-            "trainer_comm_wait_ms_per_step": round(1e3 * np.mean([s["comm_wait_s"] for s in st]) / a.steps, 2),
-            "ps_rounds": [p["rounds"] for p in ps_st],
-            "ps_numel": [p["numel"] for p in ps_st],
-            "ps_apply_ms_per_round": [round(1e3 * p["apply_s"] / max(1, p["rounds"]), 2) for p in ps_st],
-            "first_loss": round(float(np.mean([s["first"] for s in st])), 4),
-            "final_loss": round(float(np.mean([s["last"] for s in st])), 4),
-            "per_trainer": st})
+        result = torch_peers._dense_result(
+            "rpc-ps-dense",
+            a,
+            tmax,
+            a.steps,
+            a.batch * trainers,
+            {
+                "procs": world,
+                "n_ps": n_ps,
+                "n_trainers": trainers,
+                "backend": "tensorpipe",
+                "transports": args.transports or "default",
+                "channels": args.channels or "default",
+                "per_trainer_s": [round(s["t"], 3) for s in st],
+                "trainer_compute_ms_per_step": round(
+                    1e3 * np.mean([s["compute_s"] for s in st]) / a.steps, 2
+                ),
+                "trainer_comm_wait_ms_per_step": round(
+                    1e3 * np.mean([s["comm_wait_s"] for s in st]) / a.steps, 2
+                ),
+                "ps_rounds": [p["rounds"] for p in ps_st],
+                "ps_numel": [p["numel"] for p in ps_st],
+                "ps_apply_ms_per_round": [round(1e3 * p["apply_s"] / max(1, p["rounds"]), 2) for p in ps_st],
+                "first_loss": round(float(np.mean([s["first"] for s in st])), 4),
+                "final_loss": round(float(np.mean([s["last"] for s in st])), 4),
+                "per_trainer": st,
+            },
+        )
         del ps_rrefs
     rpc.shutdown()
     return result
 
 
 # -- driver ----------------------------------------------------------------------
+
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -229,8 +279,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--world", type=int, default=4, help="rpc: pservers + trainers")
     p.add_argument("--ps", type=int, default=2, help="rpc: pservers (1 or 2)")
     p.add_argument("--init", help="rpc: init_method, tcp://ADDR:PORT of rank 0")
-    p.add_argument("--transports", default="", help="rpc: TensorPipe transports, e.g. uv (default: all viable)")
-    p.add_argument("--channels", default="", help="rpc: TensorPipe channels, e.g. mpt_uv,basic (default: all)")
+    p.add_argument(
+        "--transports", default="", help="rpc: TensorPipe transports, e.g. uv (default: all viable)"
+    )
+    p.add_argument(
+        "--channels", default="", help="rpc: TensorPipe channels, e.g. mpt_uv,basic (default: all)"
+    )
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     dense_workers = patch_dense_workers() if args.role != "rpc" else None
@@ -243,6 +297,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     else:
         if args.role != "pserver":
             import torch
+
             torch.set_num_threads(1)  # as dense_workers.main; pservers take theirs from the config (1)
         result = dense_workers.ROLES[args.role](spec)
     log.info("%s done in %.1f s", args.role, time.monotonic() - t0)

@@ -1,1 +1,2 @@
-"""What the benchmarks print and record: one module per benchmark's tables and summaries (pure functions of its runs)."""
+"""What the benchmarks print and record: one module per benchmark's tables and summaries (pure functions of
+its runs)."""

@@ -1,4 +1,5 @@
 """Figures and tables of the dense benchmark: one row per run, medians per configuration."""
+
 from __future__ import annotations
 
 import statistics
@@ -43,8 +44,9 @@ def summarize(config: str, spec: Spec, workers: List[dict], servers: List[dict],
         "step_ms": 1e3 * _mean(workers, "wall_s"),
         "compute_ms": 1e3 * _mean(workers, "compute_s"),
         "update_ms": 1e3 * _mean(workers, "update_s"),
-        "update_pct": 100 * sum(w["update_s"] / (w["compute_s"] + w["update_s"])
-                                for w in workers) / len(workers),
+        "update_pct": 100
+        * sum(w["update_s"] / (w["compute_s"] + w["update_s"]) for w in workers)
+        / len(workers),
         "cpu_ms": 1e3 * _mean(workers, "cpu_s"),
         "main_cpu_ms": 1e3 * _mean(workers, "main_cpu_s"),
         "sys_cpu_ms": 1e3 * _mean(workers, "sys_s"),
@@ -58,8 +60,9 @@ def summarize(config: str, spec: Spec, workers: List[dict], servers: List[dict],
         row["mb_pushed_node"] = _pushed_per_group(workers, lambda w: w["node"]) / 1e6
         row["mb_pushed_host"] = _pushed_per_group(workers, lambda w: w["rank"] // per_node) / 1e6
         for phase in ("push_wait", "pull_recv"):  # per pserver call, a process's calls run in parallel
-            row[f"{phase}_ms"] = 1e3 * sum(w[f"{phase}_s"] / w["steps"] / w["pserver_calls"]
-                                           for w in workers) / len(workers)
+            row[f"{phase}_ms"] = (
+                1e3 * sum(w[f"{phase}_s"] / w["steps"] / w["pserver_calls"] for w in workers) / len(workers)
+            )
         if "node_coll_s" in workers[0]:
             row["node_coll_ms"] = 1e3 * _mean(workers, "node_coll_s")
     if servers:
@@ -71,22 +74,28 @@ def summarize(config: str, spec: Spec, workers: List[dict], servers: List[dict],
 
 def med(values: Sequence[float], fmt: str) -> str:
     """'median [min-max]' of ``values`` with format ``fmt``."""
-    return (f"{format(statistics.median(values), fmt)} "
-            f"[{format(min(values), fmt)}-{format(max(values), fmt)}]")
+    return f"{format(statistics.median(values), fmt)} [{format(min(values), fmt)}-{format(max(values), fmt)}]"
 
 
 # (header, row key, format, with [min-max]) of the tables.
-THROUGHPUT = [("samples/s", "samples_s", ".0f", True),
-              ("push+pull GB/s per process", "gbps", ".3f", True),
-              ("MB moved per process step", "mb_per_step", ".1f", False),
-              ("other load, cores", "other_load", ".2f", True)]
-TIME_SPLIT = [("step", "step_ms", ".0f", False), ("fwd+bwd", "compute_ms", ".0f", True),
-              ("update", "update_ms", ".0f", True), ("share in update %", "update_pct", ".0f", False),
-              ("push + wait for 1st tensor", "push_wait_ms", ".0f", False),
-              ("receive rest", "pull_recv_ms", ".0f", False),
-              ("node reduce-scatter + all-gather", "node_coll_ms", ".0f", False),
-              ("worker CPU", "cpu_ms", ".0f", False), ("of it main thread", "main_cpu_ms", ".0f", False),
-              ("pserver CPU (each)", "ps_cpu_ms", ".0f", False)]
+THROUGHPUT = [
+    ("samples/s", "samples_s", ".0f", True),
+    ("push+pull GB/s per process", "gbps", ".3f", True),
+    ("MB moved per process step", "mb_per_step", ".1f", False),
+    ("other load, cores", "other_load", ".2f", True),
+]
+TIME_SPLIT = [
+    ("step", "step_ms", ".0f", False),
+    ("fwd+bwd", "compute_ms", ".0f", True),
+    ("update", "update_ms", ".0f", True),
+    ("share in update %", "update_pct", ".0f", False),
+    ("push + wait for 1st tensor", "push_wait_ms", ".0f", False),
+    ("receive rest", "pull_recv_ms", ".0f", False),
+    ("node reduce-scatter + all-gather", "node_coll_ms", ".0f", False),
+    ("worker CPU", "cpu_ms", ".0f", False),
+    ("of it main thread", "main_cpu_ms", ".0f", False),
+    ("pserver CPU (each)", "ps_cpu_ms", ".0f", False),
+]
 
 
 def _cells(rs: List[dict], columns) -> List[str]:
@@ -107,8 +116,9 @@ def _per_round(rs: List[dict], base: List[dict], key: str) -> List[float]:
     return [r[key] / by_round[r["round"]] for r in rs if r["round"] in by_round and key in r]
 
 
-def tables(rows: List[dict], configs: Sequence[str], processes: int = 2, per_node: int = 1,
-           pservers: int = 2) -> str:
+def tables(
+    rows: List[dict], configs: Sequence[str], processes: int = 2, per_node: int = 1, pservers: int = 2
+) -> str:
     """Markdown tables, medians over runs: throughput vs DDP, time split; with trainer nodes also
     samples/s and bytes pushed of each node configuration vs the plain trainers of its mode."""
     name = {c: label(c, processes, per_node, pservers) for c in configs}
@@ -116,38 +126,54 @@ def tables(rows: List[dict], configs: Sequence[str], processes: int = 2, per_nod
     ddp_rows = by.get("ddp", [])
     ddp = statistics.median(r["samples_s"] for r in ddp_rows) if ddp_rows else None
     nodes = any(c.endswith("-node") for c in configs)
-    head = ["| configuration | samples/s | vs DDP (ratio of medians) | vs DDP (per-round ratios) | "
-            + ("vs plain trainers (per-round ratios) | " if nodes else "")
-            + " | ".join(h for h, *_ in THROUGHPUT[1:]) + " |",
-            "|---" * (len(THROUGHPUT) + 3 + nodes) + "|"]
+    head = [
+        "| configuration | samples/s | vs DDP (ratio of medians) | vs DDP (per-round ratios) | "
+        + ("vs plain trainers (per-round ratios) | " if nodes else "")
+        + " | ".join(h for h, *_ in THROUGHPUT[1:])
+        + " |",
+        "|---" * (len(THROUGHPUT) + 3 + nodes) + "|",
+    ]
     for c in configs:
         rs = by[c]
         cells = _cells(rs, THROUGHPUT)
         paired = _per_round(rs, ddp_rows, "samples_s")
         sps = statistics.median(r["samples_s"] for r in rs)
-        ratio = [f"{sps / ddp:.2f}x" if ddp and c != "ddp" else "-",
-                 med(paired, ".2f") if paired and c != "ddp" else "-"]
+        ratio = [
+            f"{sps / ddp:.2f}x" if ddp and c != "ddp" else "-",
+            med(paired, ".2f") if paired and c != "ddp" else "-",
+        ]
         if nodes:
-            vs_plain = _per_round(rs, by.get(c[:-len("-node")], []), "samples_s") if c.endswith("-node") else []
+            vs_plain = (
+                _per_round(rs, by.get(c[: -len("-node")], []), "samples_s") if c.endswith("-node") else []
+            )
             ratio.append(med(vs_plain, ".2f") if vs_plain else "-")
         head.append("| " + " | ".join([name[c], cells[0], *ratio, *cells[1:]]) + " |")
     out = "\n".join(head)
     ps = [c for c in configs if c != "ddp"]
     if nodes:  # bytes pushed: node vs plain trainers
-        lines = [f"| configuration | MB pushed per process step | MB pushed per node step (pservers' trainer) | "
-                 f"MB pushed per {per_node} processes step | node / plain, per {per_node} processes |",
-                 "|---" * 5 + "|"]
+        lines = [
+            f"| configuration | MB pushed per process step | MB pushed per node step (pservers' trainer) | "
+            f"MB pushed per {per_node} processes step | node / plain, per {per_node} processes |",
+            "|---" * 5 + "|",
+        ]
         for c in ps:
-            cells = _cells(by[c], [(None, k, ".1f", False) for k in
-                                   ("mb_pushed_proc", "mb_pushed_node", "mb_pushed_host")])
-            plain = by.get(c[:-len("-node")], []) if c.endswith("-node") else []
+            cells = _cells(
+                by[c],
+                [(None, k, ".1f", False) for k in ("mb_pushed_proc", "mb_pushed_node", "mb_pushed_host")],
+            )
+            plain = by.get(c[: -len("-node")], []) if c.endswith("-node") else []
             ratio = _per_round(by[c], plain, "mb_pushed_host")
-            lines.append("| " + " | ".join([name[c], *cells, f"{statistics.median(ratio):.3f}" if ratio else "-"])
-                         + " |")
+            lines.append(
+                "| "
+                + " | ".join([name[c], *cells, f"{statistics.median(ratio):.3f}" if ratio else "-"])
+                + " |"
+            )
         out += "\n\n" + "\n".join(lines)
     columns = [col for col in TIME_SPLIT if nodes or col[1] != "node_coll_ms"]
-    split = ["| configuration (ms per step, medians) | " + " | ".join(h for h, *_ in columns) + " |",
-             "|---" * (len(columns) + 1) + "|"]
+    split = [
+        "| configuration (ms per step, medians) | " + " | ".join(h for h, *_ in columns) + " |",
+        "|---" * (len(columns) + 1) + "|",
+    ]
     for c in configs:
         split.append("| " + " | ".join([name[c], *_cells(by[c], columns)]) + " |")
     return out + "\n\n" + "\n".join(split)

@@ -24,6 +24,7 @@ How each figure is measured (P pservers, K trainers, ``steps`` steps each):
   LAST push-pull call to that pserver: the last push's transfer, the step's apply, and the answers to
   the K parked pushes.
 """
+
 from __future__ import annotations
 
 from typing import Dict, List, Optional, Sequence
@@ -37,39 +38,65 @@ def _ms(values: np.ndarray, q: float) -> float:
     return round(float(np.percentile(values, q)) * 1e3, 1)
 
 
-def summarise(*, mode: str, k: int, spec, loads: int, pushes: np.ndarray, at_start: Sequence[dict],
-              idle: Sequence[dict], stepped: Sequence[dict], peaks: Sequence[dict], cpu: np.ndarray,
-              before: Dict[str, object], after: Dict[str, object], window: float,
-              check: Optional[dict]) -> dict:
+def summarise(
+    *,
+    mode: str,
+    k: int,
+    spec,
+    loads: int,
+    pushes: np.ndarray,
+    at_start: Sequence[dict],
+    idle: Sequence[dict],
+    stepped: Sequence[dict],
+    peaks: Sequence[dict],
+    cpu: np.ndarray,
+    before: Dict[str, object],
+    after: Dict[str, object],
+    window: float,
+    check: Optional[dict],
+) -> dict:
     """One run's row: ``pushes`` holds (trainer, pserver index, step, start, end) per push-pull."""
     p = len(spec.pservers)
     start, end = pushes[:, 3], pushes[:, 4]
     wall = float(end.max() - start.min())
-    counted = {kind: sum(getattr(after[ep], kind) - getattr(before[ep], kind) for ep in spec.pservers)
-               for kind in ("pushes", "prefetches", "heartbeats")}
+    counted = {
+        kind: sum(getattr(after[ep], kind) - getattr(before[ep], kind) for ep in spec.pservers)
+        for kind in ("pushes", "prefetches", "heartbeats")
+    }
     row = {
-        "mode": mode, "trainers": k, "pservers": p, "load_processes": loads, "in_flight": spec.in_flight,
+        "mode": mode,
+        "trainers": k,
+        "pservers": p,
+        "load_processes": loads,
+        "in_flight": spec.in_flight,
         "steps": spec.steps,
-        "batch": spec.batch, "push_window_s": round(wall, 3),
-        "steps_per_s": round(spec.steps / wall, 3), "trainer_steps_per_s": round(k * spec.steps / wall, 1),
+        "batch": spec.batch,
+        "push_window_s": round(wall, 3),
+        "steps_per_s": round(spec.steps / wall, 3),
+        "trainer_steps_per_s": round(k * spec.steps / wall, 1),
         "cpu_ms_per_push": round(1e3 * float(np.sum(cpu)) / counted["pushes"], 2),
         "cpu_s_per_pserver": [round(float(c), 2) for c in cpu],
         "threads_idle": max(s["threads"] for s in idle),
         "threads_max": max(s["threads"] for s in peaks),
         "rss_start_mb": round(float(np.mean([s["rss"] for s in at_start])) / MB, 1),
-        "idle_kb_per_session": round(float(np.mean([(i["rss"] - s["rss"]) / k for i, s in zip(idle, at_start)]))
-                                     / 1024, 1),
+        "idle_kb_per_session": round(
+            float(np.mean([(i["rss"] - s["rss"]) / k for i, s in zip(idle, at_start)])) / 1024, 1
+        ),
     }
     held = float(np.mean([max(st["hwm"], pk["rss"]) - i["rss"] for st, pk, i in zip(stepped, peaks, idle)]))
-    row.update({
-        "step_holds_mb": round(held / MB, 1), "step_holds_kb_per_trainer": round(held / k / 1024, 1),
-        "pushes_per_s": round(counted["pushes"] / window, 1),
-        "prefetches_per_s": round(counted["prefetches"] / window, 1),
-        "heartbeats_per_s": round(counted["heartbeats"] / window, 2),
-        "heartbeats_per_trainer_min": round(counted["heartbeats"] / p / k / (window / 60.0), 2),
-        "stats_window_s": round(window, 3),
-        "push_p50_ms": _ms(end - start, 50), "push_p99_ms": _ms(end - start, 99),
-    })
+    row.update(
+        {
+            "step_holds_mb": round(held / MB, 1),
+            "step_holds_kb_per_trainer": round(held / k / 1024, 1),
+            "pushes_per_s": round(counted["pushes"] / window, 1),
+            "prefetches_per_s": round(counted["prefetches"] / window, 1),
+            "heartbeats_per_s": round(counted["heartbeats"] / window, 2),
+            "heartbeats_per_trainer_min": round(counted["heartbeats"] / p / k / (window / 60.0), 2),
+            "stats_window_s": round(window, 3),
+            "push_p50_ms": _ms(end - start, 50),
+            "push_p99_ms": _ms(end - start, 99),
+        }
+    )
     if mode == "sync":
         release = []
         for ep in range(p):
@@ -78,27 +105,46 @@ def summarise(*, mode: str, k: int, spec, loads: int, pushes: np.ndarray, at_sta
                 release.append(end[mine] - start[mine].max())
         release = np.concatenate(release)
         row.update({"release_p50_ms": _ms(release, 50), "release_p99_ms": _ms(release, 99)})
-    row["dropped"] = sum(len(after[ep].trainers_dropped) for ep in spec.pservers)  # a run with one fails before
+    row["dropped"] = sum(
+        len(after[ep].trainers_dropped) for ep in spec.pservers
+    )  # a run with one fails before
     row["model_check"] = check
     return row
 
 
-COLUMNS = [("mode", "mode"), ("trainers", "K"), ("steps_per_s", "steps/s"), ("trainer_steps_per_s", "trainer steps/s"),
-           ("cpu_ms_per_push", "CPU ms/push"), ("threads_idle", "threads idle"), ("threads_max", "threads max"),
-           ("rss_start_mb", "RSS start MB"), ("idle_kb_per_session", "KB/idle session"),
-           ("step_holds_mb", "peak-idle MB"), ("step_holds_kb_per_trainer", "KB/trainer"),
-           ("pushes_per_s", "pushes/s"), ("prefetches_per_s", "prefetch/s"), ("heartbeats_per_s", "heartbeats/s"),
-           ("heartbeats_per_trainer_min", "hb/trainer/pserver/min"), ("push_p50_ms", "push p50 ms"),
-           ("push_p99_ms", "push p99 ms"), ("release_p50_ms", "release p50 ms"), ("release_p99_ms", "release p99 ms")]
+COLUMNS = [
+    ("mode", "mode"),
+    ("trainers", "K"),
+    ("steps_per_s", "steps/s"),
+    ("trainer_steps_per_s", "trainer steps/s"),
+    ("cpu_ms_per_push", "CPU ms/push"),
+    ("threads_idle", "threads idle"),
+    ("threads_max", "threads max"),
+    ("rss_start_mb", "RSS start MB"),
+    ("idle_kb_per_session", "KB/idle session"),
+    ("step_holds_mb", "peak-idle MB"),
+    ("step_holds_kb_per_trainer", "KB/trainer"),
+    ("pushes_per_s", "pushes/s"),
+    ("prefetches_per_s", "prefetch/s"),
+    ("heartbeats_per_s", "heartbeats/s"),
+    ("heartbeats_per_trainer_min", "hb/trainer/pserver/min"),
+    ("push_p50_ms", "push p50 ms"),
+    ("push_p99_ms", "push p99 ms"),
+    ("release_p50_ms", "release p50 ms"),
+    ("release_p99_ms", "release p99 ms"),
+]
 
 
 def markdown_table(rows: List[dict]) -> str:
     """The runs as one markdown table (per pserver figures are means; ``-``: not measured in that mode)."""
-    lines = ["| " + " | ".join(title for _, title in COLUMNS) + " | model check |",
-             "|" + "---|" * (len(COLUMNS) + 1)]
+    lines = [
+        "| " + " | ".join(title for _, title in COLUMNS) + " | model check |",
+        "|" + "---|" * (len(COLUMNS) + 1),
+    ]
     for r in rows:
         check = r.get("model_check")
-        verdict = (f"ok (max err {max(check['dense_max_error'], check['rows_max_error']):.1e})" if check
-                   else "-")
+        verdict = (
+            f"ok (max err {max(check['dense_max_error'], check['rows_max_error']):.1e})" if check else "-"
+        )
         lines.append("| " + " | ".join(str(r.get(key, "-")) for key, _ in COLUMNS) + f" | {verdict} |")
     return "\n".join(lines)

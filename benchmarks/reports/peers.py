@@ -4,6 +4,7 @@ A row is one run of one system (``job``, ``system``, ``examples_s`` or an ``erro
 else the run measured); the ratios refer to TorchRec on job S (else the single process) and to
 the better peer on job D.
 """
+
 from __future__ import annotations
 
 import statistics
@@ -26,12 +27,23 @@ LABELS = {
     ("D", "ours-sync-bf16"): "this project, sync, gradients pushed in bfloat16 (grad_wire_dtype)",
     ("D", "ours-collective"): "this project, collective mode (DDP through our Trainer, 2 processes)",
 }
-SHORT = {"torch-local": "PyTorch\n1 process", "torchrec": "TorchRec\n2 processes", "ours-async": "this project\nasync",
-         "ours-async-plain": "this project\nasync, plain loop",
-         "ours-sync": "this project\nsync", "ours-sync-bf16": "this project\nsync, bf16 push",
-         "paddle-async": "Paddle PS\nasync", "paddle-sync": "Paddle PS\nsync",
-         "ddp": "DDP\n(gloo)", "rpc-ps": "torch rpc\nPS", "ours-collective": "this project\ncollective (DDP)"}
-JOB_TITLES = {"S": "Job S: CTR, one dim-16 table, 2 trainers x 512", "D": "Job D: dense MLP 37.9 MB, 2 trainers x 256"}
+SHORT = {
+    "torch-local": "PyTorch\n1 process",
+    "torchrec": "TorchRec\n2 processes",
+    "ours-async": "this project\nasync",
+    "ours-async-plain": "this project\nasync, plain loop",
+    "ours-sync": "this project\nsync",
+    "ours-sync-bf16": "this project\nsync, bf16 push",
+    "paddle-async": "Paddle PS\nasync",
+    "paddle-sync": "Paddle PS\nsync",
+    "ddp": "DDP\n(gloo)",
+    "rpc-ps": "torch rpc\nPS",
+    "ours-collective": "this project\ncollective (DDP)",
+}
+JOB_TITLES = {
+    "S": "Job S: CTR, one dim-16 table, 2 trainers x 512",
+    "D": "Job D: dense MLP 37.9 MB, 2 trainers x 256",
+}
 
 
 def median_range(values: Sequence[float], fmt: str) -> str:
@@ -51,10 +63,14 @@ def ok_runs(rows: Iterable[dict], job: str, system: str) -> List[dict]:
 
 
 def baseline(rows: List[dict], job: str) -> Tuple[Optional[float], str]:
-    """(the median a job's ratios refer to, its name): TorchRec, else the single process (S); the better peer (D)."""
+    """(the median a job's ratios refer to, its name): TorchRec, else the single process (S); the better
+    peer (D)."""
     names = ["torchrec", "torch-local"] if job == "S" else ["ddp", "rpc-ps"]
-    meds = {n: statistics.median(r["examples_s"] for r in ok_runs(rows, job, n))
-            for n in names if ok_runs(rows, job, n)}
+    meds = {
+        n: statistics.median(r["examples_s"] for r in ok_runs(rows, job, n))
+        for n in names
+        if ok_runs(rows, job, n)
+    }
     if job == "S":
         if "torchrec" in meds:
             return meds["torchrec"], "TorchRec"
@@ -67,8 +83,11 @@ def baseline(rows: List[dict], job: str) -> Tuple[Optional[float], str]:
 
 def peers_table(rows: List[dict], pairs: Sequence[Tuple[str, str]], skipped: Dict[str, str]) -> str:
     """The markdown table of the all-peer run: one row per (job, system), medians with [min-max]."""
-    lines = ["| job | system | examples/s (D: samples/s) median [min-max] | ratio | AUC | other load (cores) | runs |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        "| job | system | examples/s (D: samples/s) median [min-max] | ratio | AUC | other load (cores) | "
+        "runs |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for job, system in pairs:
         runs = [r for r in rows if r["job"] == job and r["system"] == system]
         good = ok_runs(rows, job, system)
@@ -85,13 +104,16 @@ def peers_table(rows: List[dict], pairs: Sequence[Tuple[str, str]], skipped: Dic
         aucs = [r["auc"] for r in good if r.get("auc") is not None]
         auc = f"{statistics.median(aucs):.3f}" if aucs else "-"
         loads = [r["other_load"] for r in good]
-        lines.append(f"| {job} | {label} | {median_range(speeds, ',.0f')} | {ratio} | {auc} | "
-                     f"{median_range(loads, '.2f')} | {len(good)}/{len(runs)} |")
+        lines.append(
+            f"| {job} | {label} | {median_range(speeds, ',.0f')} | {ratio} | {auc} | "
+            f"{median_range(loads, '.2f')} | {len(good)}/{len(runs)} |"
+        )
     return "\n".join(lines)
 
 
 def chart(rows: List[dict], pairs: Sequence[Tuple[str, str]], path: str, subtitle: str) -> None:
-    """The PNG: one panel per job, bars = median examples/s per system, min-max error bars, ours highlighted."""
+    """The PNG: one panel per job, bars = median examples/s per system, min-max error bars, ours
+    highlighted."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -123,8 +145,12 @@ def chart(rows: List[dict], pairs: Sequence[Tuple[str, str]], path: str, subtitl
         ax.grid(axis="y", alpha=0.3)
     from matplotlib.patches import Patch
 
-    fig.legend(handles=[Patch(color="#d62728", label="this project"), Patch(color="#7f8fa6", label="peers")],
-               loc="upper right", fontsize=8, frameon=False)
+    fig.legend(
+        handles=[Patch(color="#d62728", label="this project"), Patch(color="#7f8fa6", label="peers")],
+        loc="upper right",
+        fontsize=8,
+        frameon=False,
+    )
     fig.suptitle(subtitle, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -133,10 +159,12 @@ def chart(rows: List[dict], pairs: Sequence[Tuple[str, str]], path: str, subtitl
 
 def scaling_table(rows: List[dict], configs: Sequence[Tuple[int, int]]) -> str:
     """The markdown scaling table: per (pservers, trainers), examples/s and per trainer per step figures."""
-    lines = ["| pservers | trainers | global batch | examples/s median [min-max] | vs 1x1 | "
-             "calls / trainer / step | KB pushed / trainer / step | KB pulled / trainer / step | "
-             "other load (cores) | runs |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| pservers | trainers | global batch | examples/s median [min-max] | vs 1x1 | "
+        "calls / trainer / step | KB pushed / trainer / step | KB pulled / trainer / step | "
+        "other load (cores) | runs |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     ref = [r["examples_s"] for r in rows if (r["pservers"], r["trainers"]) == (1, 1) and "error" not in r]
     ref_med = statistics.median(ref) if ref else None
     for ps, tr in configs:
@@ -150,9 +178,12 @@ def scaling_table(rows: List[dict], configs: Sequence[Tuple[int, int]]) -> str:
 
         def median_of(key: str, scale: float = 1.0) -> float:
             return statistics.median(r[key] for r in good) / scale
+
         vs = f"{statistics.median(speeds) / ref_med:.2f}x" if ref_med else "-"
-        lines.append(f"| {ps} | {tr} | {good[0]['global_batch']} | {median_range(speeds, ',.0f')} | {vs} | "
-                     f"{median_of('calls_per_step'):.2f} | {median_of('bytes_pushed_per_step', 1e3):,.0f} | "
-                     f"{median_of('bytes_pulled_per_step', 1e3):,.0f} | "
-                     f"{median_range([r['other_load'] for r in good], '.2f')} | {len(good)}/{len(runs)} |")
+        lines.append(
+            f"| {ps} | {tr} | {good[0]['global_batch']} | {median_range(speeds, ',.0f')} | {vs} | "
+            f"{median_of('calls_per_step'):.2f} | {median_of('bytes_pushed_per_step', 1e3):,.0f} | "
+            f"{median_of('bytes_pulled_per_step', 1e3):,.0f} | "
+            f"{median_range([r['other_load'] for r in good], '.2f')} | {len(good)}/{len(runs)} |"
+        )
     return "\n".join(lines)

@@ -6,6 +6,7 @@
   and loads, its pruning and its record of closed trainers.
 - :mod:`.cli`: ``ps-checkpoint list|export``.
 """
+
 from .checkpointer import Checkpointer
 
 __all__ = ["Checkpointer"]

@@ -8,6 +8,7 @@ for ``load_state_dict(strict=False)``) and OUT/tables/<table>.{ids,rows}.npy
 (each distributed table's stored rows), from the latest complete checkpoint
 or the one at ``--step``, whatever the number of pservers that wrote it.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -36,8 +37,9 @@ def _list(root: str) -> int:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="ps-checkpoint", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="ps-checkpoint", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     p_list = sub.add_parser("list", help="the checkpoints under a directory")
     p_list.add_argument("root")
@@ -45,8 +47,11 @@ def main(argv=None) -> int:
     p_export.add_argument("root")
     p_export.add_argument("out")
     p_export.add_argument("--step", type=int, help="the checkpoint's step (default: the latest complete)")
-    p_export.add_argument("--async_parts", action="store_true",
-                          help="take each pserver's latest part (checkpoints of an async job)")
+    p_export.add_argument(
+        "--async_parts",
+        action="store_true",
+        help="take each pserver's latest part (checkpoints of an async job)",
+    )
     args = parser.parse_args(argv)
     try:
         if args.command == "list":
@@ -58,8 +63,10 @@ def main(argv=None) -> int:
     print(f"checkpoint at step {summary['step']} ({summary['pservers']} pservers) -> {args.out}")
     print(f"  {summary['state_dict']}: {len(summary['params'])} dense parameters")
     for table, info in summary["tables"].items():
-        print(f"  {table}: {info['rows']:,} rows of dim {info['dim']} -> "
-              f"{os.path.join(args.out, 'tables', info['ids_file'])}")
+        print(
+            f"  {table}: {info['rows']:,} rows of dim {info['dim']} -> "
+            f"{os.path.join(args.out, 'tables', info['ids_file'])}"
+        )
     return 0
 
 

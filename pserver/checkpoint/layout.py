@@ -19,6 +19,7 @@ parameter rows, so a checkpoint loads into any number of pservers (re-sharding):
 each new block is cut from the saved rows of its parameter, optimizer state
 included, and each table shard selects its ids from every saved shard.
 """
+
 from __future__ import annotations
 
 import glob
@@ -112,13 +113,14 @@ def list_parts(root: str) -> Dict[Tuple[int, int], Dict[int, Tuple[str, dict]]]:
             if manifest is None:
                 continue
             shard, n = int(mm.group(1)), int(mm.group(2))
-            part = os.path.join(step_dir, name[:-len(".json")])
+            part = os.path.join(step_dir, name[: -len(".json")])
             found.setdefault((int(m.group(1)), n), {})[shard] = (part, manifest)
     return found
 
 
-def find_saved(root: str, sync_mode: bool, step: Optional[int] = None,
-               shard: Optional[int] = None) -> Optional[Saved]:
+def find_saved(
+    root: str, sync_mode: bool, step: Optional[int] = None, shard: Optional[int] = None
+) -> Optional[Saved]:
     """The checkpoint to load from ``root``: the latest complete one (or the one at ``step``).
 
     Sync: the latest step at which every pserver of the writing job left a
@@ -128,7 +130,7 @@ def find_saved(root: str, sync_mode: bool, step: Optional[int] = None,
     """
     parts = list_parts(root)
     if sync_mode or step is not None:
-        for (s, n) in sorted(parts, reverse=True):
+        for s, n in sorted(parts, reverse=True):
             if step is not None and s != step:
                 continue
             have = parts[(s, n)]
@@ -146,8 +148,9 @@ def find_saved(root: str, sync_mode: bool, step: Optional[int] = None,
             if k not in latest or s > latest[k][0]:
                 latest[k] = (s, part, manifest)
     if sorted(latest) != list(range(n)):
-        log.warning("%s: async checkpoints of %d pservers lack parts %s", root, n,
-                    sorted(set(range(n)) - set(latest)))
+        log.warning(
+            "%s: async checkpoints of %d pservers lack parts %s", root, n, sorted(set(range(n)) - set(latest))
+        )
         return None
     own = latest[shard][0] if shard is not None and shard in latest else max(s for s, _, _ in latest.values())
     return Saved(own, [latest[k][1] for k in range(n)], [latest[k][2] for k in range(n)])
@@ -183,10 +186,20 @@ def write_part(root: str, step: int, shard: int, n_shards: int, store, tables, m
         shutil.rmtree(part)
     os.rename(tmp, part)
     atomic_files.fsync_dir(step_dir)
-    _write_manifest(manifest_path, {**manifest, "format": FORMAT, "format_version": FORMAT_VERSION,
-                                    "step": int(step), "shard": shard, "n_shards": n_shards,
-                                    "written_at": time.time(), "blocks": sorted(payload),
-                                    "tables": sorted(tables.names())})
+    _write_manifest(
+        manifest_path,
+        {
+            **manifest,
+            "format": FORMAT,
+            "format_version": FORMAT_VERSION,
+            "step": int(step),
+            "shard": shard,
+            "n_shards": n_shards,
+            "written_at": time.time(),
+            "blocks": sorted(payload),
+            "tables": sorted(tables.names()),
+        },
+    )
     atomic_files.fsync_dir(step_dir)
     return part
 
@@ -242,8 +255,9 @@ def prune(root: str, shard: int, n_shards: int, keep: int, newer_than: Optional[
 
     Parts after ``newer_than`` belong to a timeline abandoned by a roll-back.
     """
-    mine = sorted((s, have[shard][0]) for (s, n), have in list_parts(root).items()
-                  if n == n_shards and shard in have)
+    mine = sorted(
+        (s, have[shard][0]) for (s, n), have in list_parts(root).items() if n == n_shards and shard in have
+    )
     if newer_than is not None:
         for s, part in mine:
             if s > newer_than:
@@ -274,7 +288,9 @@ def load_blocks(parts: Sequence[str]) -> Dict[str, List[dict]]:
 
 def table_directories(saved: Saved, table: str) -> List[str]:
     """The saved shard directories of ``table`` across every part of ``saved``."""
-    return [d for part in saved.parts for d in table_files.saved_shards(os.path.join(part, TABLES_DIR), table)]
+    return [
+        d for part in saved.parts for d in table_files.saved_shards(os.path.join(part, TABLES_DIR), table)
+    ]
 
 
 # -- export ----------------------------------------------------------------------
@@ -311,6 +327,13 @@ def export(root: str, out_dir: str, step: Optional[int] = None, sync_mode: bool 
     atomic_files.atomic_write(state_path, lambda f: torch.save(state, f))
     tables = {}
     for name in saved.manifests[0].get("tables", []):
-        tables[name] = table_files.export_table(table_directories(saved, name), os.path.join(out_dir, TABLES_DIR))
-    return {"step": saved.step, "pservers": saved.n_shards, "state_dict": state_path,
-            "params": {k: list(v.shape) for k, v in state.items()}, "tables": tables}
+        tables[name] = table_files.export_table(
+            table_directories(saved, name), os.path.join(out_dir, TABLES_DIR)
+        )
+    return {
+        "step": saved.step,
+        "pservers": saved.n_shards,
+        "state_dict": state_path,
+        "params": {k: list(v.shape) for k, v in state.items()},
+        "tables": tables,
+    }

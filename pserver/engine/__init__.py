@@ -24,6 +24,7 @@
 
 Pure of gRPC: refusals are :mod:`pserver.errors`, mapped to statuses by :mod:`pserver.rpc`.
 """
+
 from .asynchronous import AsyncEngine
 from .claims import StepClaims
 from .contents import Contents, PushParts
@@ -34,5 +35,19 @@ from .roster import Joined
 from .stats import PserverStats
 from .sync import SyncEngine
 
-__all__ = ["Engine", "Joined", "SyncEngine", "AsyncEngine", "Contents", "PushParts", "Reductions", "StepClaims",
-           "PserverStats", "UpdateListener", "FileWrites", "Replication", "ScheduledCheckpoints", "ScheduledExports"]
+__all__ = [
+    "Engine",
+    "Joined",
+    "SyncEngine",
+    "AsyncEngine",
+    "Contents",
+    "PushParts",
+    "Reductions",
+    "StepClaims",
+    "PserverStats",
+    "UpdateListener",
+    "FileWrites",
+    "Replication",
+    "ScheduledCheckpoints",
+    "ScheduledExports",
+]

@@ -1,4 +1,5 @@
 """AsyncEngine: each gradient is applied on arrival; ``max_staleness`` bounds how far ahead a trainer runs."""
+
 from __future__ import annotations
 
 import logging
@@ -29,9 +30,15 @@ class AsyncEngine(Engine):
         low = min(progress.values())
         return low, sorted(t for t, p in progress.items() if p == low)
 
-    def push(self, trainer_id: int, step: int, grads: Dict[str, torch.Tensor],
-             sparse: Optional[Mapping[str, SparseGrad]] = None,
-             position: Position = (0, 0), park: bool = False) -> Union[Tuple[bool, int], Parked]:
+    def push(
+        self,
+        trainer_id: int,
+        step: int,
+        grads: Dict[str, torch.Tensor],
+        sparse: Optional[Mapping[str, SparseGrad]] = None,
+        position: Position = (0, 0),
+        park: bool = False,
+    ) -> Union[Tuple[bool, int], Parked]:
         """Apply ``grads`` and ``sparse`` now (after any staleness wait); returns (applied, updates).
 
         With ``park``, a push past ``max_staleness`` changes nothing and
@@ -41,9 +48,11 @@ class AsyncEngine(Engine):
         with self.cv:
             self.roster.check_pusher(trainer_id, self.endpoint, self.updates)
             if self.max_staleness is not None:
+
                 def fresh_enough():
                     low, _ = self._slowest(trainer_id)
                     return low is None or step - low <= self.max_staleness
+
                 if not fresh_enough():
                     what = f"trainer {trainer_id}'s step {step} (max_staleness={self.max_staleness})"
                     missing = lambda: self._slowest(trainer_id)[1]  # noqa: E731

@@ -20,6 +20,7 @@ holds the claims under its own lock and parks a claim until its step's set is
 made (``barrier_timeout``), like :mod:`.reductions`. Memory: at most
 :data:`KEEP` sets of at most N trainer ids, and the claims of the steps open.
 """
+
 from __future__ import annotations
 
 import threading
@@ -42,7 +43,9 @@ class Verdict:
     trainers: Tuple[int, ...]
 
 
-def verdict(step: int, trainer_id: int, made: Mapping[int, Tuple[int, ...]], applied: int) -> Optional[Verdict]:
+def verdict(
+    step: int, trainer_id: int, made: Mapping[int, Tuple[int, ...]], applied: int
+) -> Optional[Verdict]:
     """The verdict on ``trainer_id``'s claim of ``step`` now, or None: the step is open and the claim counts.
 
     ``made``: the steps whose sets are made; ``applied``: the steps the deciding pserver applied.
@@ -72,9 +75,18 @@ class StepClaims:
     own waits do, unless its step's set is made.
     """
 
-    def __init__(self, endpoint: str, trainers: int, backups: int, barrier_timeout: float,
-                 live: Callable[[], AbstractSet[int]], applied: Callable[[], int], admit: Callable[[int], None],
-                 rollbacks: Optional[RollBacks] = None, released: Optional[Callable[[int], object]] = None):
+    def __init__(
+        self,
+        endpoint: str,
+        trainers: int,
+        backups: int,
+        barrier_timeout: float,
+        live: Callable[[], AbstractSet[int]],
+        applied: Callable[[], int],
+        admit: Callable[[int], None],
+        rollbacks: Optional[RollBacks] = None,
+        released: Optional[Callable[[int], object]] = None,
+    ):
         self.endpoint = endpoint
         self.needed = trainers - backups
         self._live, self._applied, self._admit = live, applied, admit
@@ -92,8 +104,10 @@ class StepClaims:
                 self._make_full()
             handle = self._waits.park(
                 lambda: verdict(step, trainer_id, self._made, self._applied()) is not None,
-                f"the trainers of step {step}", lambda: sorted(self._live() - self._open.get(step, set())),
-                trainer=trainer_id)
+                f"the trainers of step {step}",
+                lambda: sorted(self._live() - self._open.get(step, set())),
+                trainer=trainer_id,
+            )
             if handle.done:
                 self._waits.notify()  # the others that claimed this step find it made
             return handle, lambda: verdict(step, trainer_id, self._made, self._applied())

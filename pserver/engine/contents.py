@@ -11,6 +11,7 @@ None of it takes the engine's lock: names, dtypes and shapes come from the
 plan and never change while the pserver runs, and the id checks read only
 each table's sharding.
 """
+
 from __future__ import annotations
 
 import functools
@@ -31,8 +32,8 @@ Expected = Tuple[str, List[int]]
 class PushParts(NamedTuple):
     """A received push, split by what each tensor is (see :meth:`Contents.split_push`)."""
 
-    dense: Dict[str, torch.Tensor]     # {block: gradient}
-    sparse: Dict[str, SparseGrad]      # {table: (unique ids, summed gradient rows)}
+    dense: Dict[str, torch.Tensor]  # {block: gradient}
+    sparse: Dict[str, SparseGrad]  # {table: (unique ids, summed gradient rows)}
     answer_ids: Dict[str, np.ndarray]  # {table: ids whose rows the answer carries, as of after the push}
 
 
@@ -56,7 +57,8 @@ class Contents:
         return {name: (DTYPES[spec.dtype], spec.shape) for name, spec in self.store.specs.items()}
 
     def block_nbytes(self) -> Dict[str, int]:
-        """Each dense block's bytes, in plan order: what :mod:`psproto.lane_blocks` deals blocks to lanes by."""
+        """Each dense block's bytes, in plan order: what :mod:`psproto.lane_blocks` deals blocks to lanes
+        by."""
         return {name: spec.nbytes for name, spec in self.store.specs.items()}
 
     def expect(self, name: str) -> Optional[Expected]:
@@ -80,20 +82,22 @@ class Contents:
         return sum(spec.nbytes for spec in self.store.specs.values())
 
     def answer_bytes(self, answer_ids: Mapping[str, np.ndarray]) -> int:
-        """Tensor bytes a PushPull's answer carries: every block, then the rows of ``answer_ids`` ({table: ids}).
+        """Tensor bytes a PushPull's answer carries: every block, then the rows of ``answer_ids`` ({table:
+        ids}).
 
-        Known before the push counts, so a call that can carry only so much
-        (PushPullOne: one message) is refused before anything is applied.
+        Known before the push counts, so a call that can carry only so much (PushPullOne: one message) is
+        refused before anything is applied.
         """
-        return self._block_bytes + sum(len(ids) * self.tables.specs[table].row_bytes
-                                       for table, ids in answer_ids.items())
+        return self._block_bytes + sum(
+            len(ids) * self.tables.specs[table].row_bytes for table, ids in answer_ids.items()
+        )
 
     def split_push(self, tensors: Mapping[str, torch.Tensor]) -> PushParts:
-        """A received push's tensors sorted: dense gradients, sparse gradients, ids whose rows its answer carries.
+        """A received push's tensors sorted: dense gradients, sparse gradients, ids whose rows its answer
+        carries.
 
-        Sparse ids and rows must come in pairs of equal length (duplicate ids
-        are summed) and every id must belong to this shard, else
-        :class:`~pserver.errors.BadRequest`; ``<table>@next`` ids ask a
+        Sparse ids and rows must come in pairs of equal length (duplicate ids are summed) and every id must
+        belong to this shard, else :class:`~pserver.errors.BadRequest`; ``<table>@next`` ids ask a
         PushPull's answer for rows. Nothing is applied or counted here.
         """
         blocks = self.block_names()

@@ -13,6 +13,7 @@ roster (:mod:`.roster`), the roll-backs made (:mod:`.rollback`), its waits
 the listeners run under it, transfers do not. A retried push for an already
 counted (trainer, step) is a no-op. Refusals are :mod:`pserver.errors`.
 """
+
 from __future__ import annotations
 
 import logging
@@ -30,7 +31,7 @@ from ..store import BlockStore
 from ..tables import SparseGrad, TableSet
 from .listeners import UpdateListener
 from .pending import PendingStep
-from .rollback import RollBacks, RollBack
+from .rollback import RollBack, RollBacks
 from .roster import Joined, Position, Roster
 from .stats import PserverStats
 from .waits import Parked, Waits
@@ -39,23 +40,34 @@ log = logging.getLogger(__name__)
 
 
 class Engine(ABC):
-    """The contract the RPC layer talks to, and the trainer bookkeeping, checkpoints and roll-backs both engines share.
+    """The contract the RPC layer talks to, and the trainer bookkeeping, checkpoints and roll-backs both
+    engines share.
 
-    ``checkpointer`` (None without a checkpoint_dir) saves and loads this pserver's part on demand. ``listeners`` are
-    told of every change under the lock, in order. ``pending``: the sync engine's step in progress (None: async).
-    ``on_wait`` gets the seconds a call waited for a sync step (the barrier histogram) and ``on_roster_change`` is
-    called whenever the trainers :meth:`live` gives may have changed (the Reduce service waits on them under a lock of
-    its own), both after the lock is released. ``held_elsewhere``: who has a call held elsewhere (:meth:`held`).
+    ``checkpointer`` (None without a checkpoint_dir) saves and loads this pserver's part on demand.
+    ``listeners`` are told of every change under the lock, in order. ``pending``: the sync engine's step in
+    progress (None: async). ``on_wait`` gets the seconds a call waited for a sync step (the barrier
+    histogram) and ``on_roster_change`` is called whenever the trainers :meth:`live` gives may have changed
+    (the Reduce service waits on them under a lock of its own), both after the lock is released.
+    ``held_elsewhere``: who has a call held elsewhere (:meth:`held`).
     """
 
     sync_mode = False
 
-    def __init__(self, store: BlockStore, tables: TableSet, trainers: int, endpoint: str,
-                 barrier_timeout: float, checkpointer: Optional[Checkpointer] = None, *,
-                 listeners: Sequence[UpdateListener] = (), pending: Optional[PendingStep] = None,
-                 on_wait: Optional[Callable[[float], None]] = None,
-                 on_roster_change: Optional[Callable[[], None]] = None,
-                 held_elsewhere: Callable[[], AbstractSet[int]] = frozenset):
+    def __init__(
+        self,
+        store: BlockStore,
+        tables: TableSet,
+        trainers: int,
+        endpoint: str,
+        barrier_timeout: float,
+        checkpointer: Optional[Checkpointer] = None,
+        *,
+        listeners: Sequence[UpdateListener] = (),
+        pending: Optional[PendingStep] = None,
+        on_wait: Optional[Callable[[float], None]] = None,
+        on_roster_change: Optional[Callable[[], None]] = None,
+        held_elsewhere: Callable[[], AbstractSet[int]] = frozenset,
+    ):
         self.store = store
         self.tables = tables
         self.trainers = trainers
@@ -78,12 +90,14 @@ class Engine(ABC):
 
     @property
     def checkpointer(self) -> Optional[Checkpointer]:
-        """What this pserver's checkpoints are written with and loaded from (None without a checkpoint_dir)."""
+        """What this pserver's checkpoints are written with and loaded from (None without a
+        checkpoint_dir)."""
         return self.rollbacks.checkpointer
 
     @property
     def restored_from(self) -> int:
-        """The checkpoint step this pserver started from or rolled back to (a backup: its primary's), -1 if none."""
+        """The checkpoint step this pserver started from or rolled back to (a backup: its primary's), -1 if
+        none."""
         return self.rollbacks.restored_from
 
     def live(self) -> set:
@@ -96,17 +110,19 @@ class Engine(ABC):
             return self.roster.live()
 
     def check_live(self, trainer_id: int) -> None:
-        """Refuse a trainer that has closed (NotAllowed) or was dropped (MustResync) until it says Hello again.
+        """Refuse a trainer that has closed (NotAllowed) or was dropped (MustResync) until it says Hello
+        again.
 
-        What a push checks first; the Reduce service checks it before a
-        trainer's values join a round.
+        What a push checks first; the Reduce service checks it before a trainer's values join a round.
         """
         with self.cv:
             self.roster.check_pusher(trainer_id, self.endpoint, self.updates)
 
     # -- telling the listeners (under the lock) and the Reduce service (after it) -----------
 
-    def _applied(self, lr_step: int, dense: Mapping[str, torch.Tensor], sparse: Mapping[str, SparseGrad]) -> None:
+    def _applied(
+        self, lr_step: int, dense: Mapping[str, torch.Tensor], sparse: Mapping[str, SparseGrad]
+    ) -> None:
         for listener in self.listeners:
             listener.on_update(lr_step, self.updates, self.roster, dense, sparse)
 
@@ -144,8 +160,13 @@ class Engine(ABC):
             if how:
                 log.info("%s: trainer %d %s at step %d", self.endpoint, trainer_id, how, start)
             # The queries below take the lock again (it is reentrant): one hold, one consistent view.
-            joined = Joined(start, Position(*self.roster.positions.get(trainer_id, (0, 0))),
-                            *self.step_in_progress(trainer_id), self.counted_step(trainer_id), self.restored_from)
+            joined = Joined(
+                start,
+                Position(*self.roster.positions.get(trainer_id, (0, 0))),
+                *self.step_in_progress(trainer_id),
+                self.counted_step(trainer_id),
+                self.restored_from,
+            )
         if how == "rejoined":
             self._roster_changed()
         return joined
@@ -156,9 +177,15 @@ class Engine(ABC):
             return self.last_step.get(trainer_id, -1)
 
     @abstractmethod
-    def push(self, trainer_id: int, step: int, grads: Dict[str, torch.Tensor],
-             sparse: Optional[Mapping[str, SparseGrad]] = None,
-             position: Position = Position(0, 0), park: bool = False) -> Union[Tuple[bool, int], Parked]:
+    def push(
+        self,
+        trainer_id: int,
+        step: int,
+        grads: Dict[str, torch.Tensor],
+        sparse: Optional[Mapping[str, SparseGrad]] = None,
+        position: Position = Position(0, 0),
+        park: bool = False,
+    ) -> Union[Tuple[bool, int], Parked]:
         """Count (sync) or apply (async) one trainer's gradients of ``step``; returns (counted, updates).
 
         A retried push of a step already counted is acknowledged, not applied
@@ -167,11 +194,13 @@ class Engine(ABC):
         """
 
     def park_updates(self, trainer_id: int, min_updates: int) -> Optional[Parked]:
-        """A wait (:mod:`.waits`) for ``min_updates`` updates (sync: the barrier); None: none (async: never)."""
+        """A wait (:mod:`.waits`) for ``min_updates`` updates (sync: the barrier); None: none (async:
+        never)."""
         return None
 
     def wait_updates(self, trainer_id: int, min_updates: int) -> None:
-        """Block on :meth:`park_updates`'s handle (the same rules); the barrier histogram hears of the wait."""
+        """Block on :meth:`park_updates`'s handle (the same rules); the barrier histogram hears of the
+        wait."""
         handle = self.park_updates(trainer_id, min_updates)
         if handle is not None:
             with self.cv:
@@ -195,13 +224,15 @@ class Engine(ABC):
         return self.last_step.get(trainer_id, -1) + 1
 
     def held(self) -> Set[int]:
-        """Trainers whose calls this pserver holds now, so alive: parked here or elsewhere (a Reduce round)."""
+        """Trainers whose calls this pserver holds now, so alive: parked here or elsewhere (a Reduce
+        round)."""
         elsewhere = set(self.held_elsewhere())  # first: the Reduce service's lock is never taken inside ours
         with self.cv:
             return self.waits.parked_trainers() | elsewhere
 
     def presence(self, trainer_id: int) -> Tuple[Optional[float], bool]:
-        """(when last heard from, monotonic or None, :meth:`held` ones now; closed or dropped): a takeover's test."""
+        """(when last heard from, monotonic or None, :meth:`held` ones now; closed or dropped): a
+        takeover's test."""
         held = self.held()
         with self.cv:
             return self.roster.presence(trainer_id, held, time.monotonic())
@@ -242,24 +273,40 @@ class Engine(ABC):
         return left
 
     def drop_silent(self, timeout: float, rejoin_timeout: Optional[float] = None) -> List[int]:
-        """Drop trainers silent for ``timeout`` s: not heard from (:func:`~.roster.heard_at`), nor :meth:`held`.
+        """Drop trainers silent for ``timeout`` s: not heard from (:func:`~.roster.heard_at`), nor
+        :meth:`held`.
 
-        One dropped ``rejoin_timeout`` s ago and not back counts as closed, so a job whose trainer died ends.
+        One dropped ``rejoin_timeout`` s ago and not back counts as closed, so a job whose trainer died
+        ends.
         """
         held = self.held()
         with self.cv:
             now = time.monotonic()
             silent = self.roster.drop_silent(timeout, held, now)
             for t, quiet in silent:
-                log.warning("%s: trainer %d sent nothing for %.1fs (heartbeat_timeout %gs); dropped from the barrier "
-                            "at step %d; it rejoins by starting again", self.endpoint, t, quiet, timeout, self.updates)
+                log.warning(
+                    "%s: trainer %d sent nothing for %.1fs (heartbeat_timeout %gs); dropped from the barrier "
+                    "at step %d; it rejoins by starting again",
+                    self.endpoint,
+                    t,
+                    quiet,
+                    timeout,
+                    self.updates,
+                )
             if silent:
                 self._on_close()
                 self.waits.notify()
             gone = self.roster.abandoned(rejoin_timeout, now) if rejoin_timeout is not None else []
             for t, since in gone:
-                log.warning("%s: trainer %d was dropped %.1fs ago and has not rejoined (trainer_rejoin_timeout %gs); "
-                            "counted as closed at step %d", self.endpoint, t, since, rejoin_timeout, self.updates)
+                log.warning(
+                    "%s: trainer %d was dropped %.1fs ago and has not rejoined (trainer_rejoin_timeout %gs); "
+                    "counted as closed at step %d",
+                    self.endpoint,
+                    t,
+                    since,
+                    rejoin_timeout,
+                    self.updates,
+                )
                 self._close(t)
             if gone:
                 self._trainers_left()
@@ -284,9 +331,20 @@ class Engine(ABC):
             alive, dropped, closed = roster.joined & roster.live(), set(roster.dropped), set(roster.closed)
             step = self.updates
         last = self.checkpointer.last if self.checkpointer is not None else None
-        return PserverStats(step, self.sync_mode, self.trainers, tuple(sorted(alive)), tuple(sorted(dropped)),
-                            tuple(sorted(closed)), len(self.store.blocks), self.store.nbytes, self.tables.rows,
-                            self.tables.nbytes, last, self.tables.stats())
+        return PserverStats(
+            step,
+            self.sync_mode,
+            self.trainers,
+            tuple(sorted(alive)),
+            tuple(sorted(dropped)),
+            tuple(sorted(closed)),
+            len(self.store.blocks),
+            self.store.nbytes,
+            self.tables.rows,
+            self.tables.nbytes,
+            last,
+            self.tables.stats(),
+        )
 
     def read(self, names: Sequence[str]) -> Tuple[int, List[Tuple[str, torch.Tensor]]]:
         """The updates applied and the named blocks, safe to stream."""
@@ -315,8 +373,9 @@ class Engine(ABC):
             try:
                 return self.updates, self.tables.save(directory)
             except OSError as e:
-                raise StorageFailed(f"pserver {self.endpoint}: cannot save tables to {directory!r}: "
-                                    f"{e}") from None
+                raise StorageFailed(
+                    f"pserver {self.endpoint}: cannot save tables to {directory!r}: {e}"
+                ) from None
 
     # -- checkpoints, resume and roll-back --------------------------------------------------
 
@@ -376,10 +435,11 @@ class Engine(ABC):
     # -- hot standby (docs/recovery.md, "Hot standby") ----------------------------------------------------
 
     def follow_copy(self, meta: dict, checkpoint_step: int) -> int:
-        """Backup: take the step and roster of the primary's state copy just loaded into the blocks and tables.
+        """Backup: take the step and roster of the primary's state copy just loaded into the blocks and
+        tables.
 
-        ``checkpoint_step`` is the primary's history (what Hello reports once
-        this process leads), not this process's own start. Returns the updates.
+        ``checkpoint_step`` is the primary's history (what Hello reports once this process leads), not this
+        process's own start. Returns the updates.
         """
         with self.cv:
             self.updates = int(meta["step"])
@@ -389,14 +449,20 @@ class Engine(ABC):
             self.rollbacks.stands_on(checkpoint_step)
             return self.updates
 
-    def apply_replicated(self, lr_step: int, updates: int, roster_meta: dict, dense: Dict[str, torch.Tensor],
-                         sparse: Mapping[str, SparseGrad]) -> None:
-        """Backup: apply the primary's update (``lr_step`` -1: its roster alone) and take its count and roster.
+    def apply_replicated(
+        self,
+        lr_step: int,
+        updates: int,
+        roster_meta: dict,
+        dense: Dict[str, torch.Tensor],
+        sparse: Mapping[str, SparseGrad],
+    ) -> None:
+        """Backup: apply the primary's update (``lr_step`` -1: its roster alone) and take its count and
+        roster.
 
-        The dense gradients and the merged table gradients are the ones the
-        primary applied with the learning rate of ``lr_step`` (its mean, never
-        computed again here from pushes whose order could differ); trainers'
-        progress and who closed come as the primary's roster after it.
+        The dense gradients and the merged table gradients are the ones the primary applied with the
+        learning rate of ``lr_step`` (its mean, never computed again here from pushes whose order could
+        differ); trainers' progress and who closed come as the primary's roster after it.
         """
         with self.cv:
             if lr_step >= 0:

@@ -1,23 +1,22 @@
-"""Listeners of the engine's changes: checkpoints, exports and replication, handed to the engine at construction.
+"""Listeners of the engine's changes: checkpoints, exports and replication, handed to the engine at
+construction.
 
 ps-lite's servers take their request handle as a parameter; here the engine
-(:class:`~pserver.engine.engine.Engine`) takes a list of :class:`UpdateListener`
-and tells each, in order and under its lock, of every change it makes to its
-state: an update applied, a roster change that is no update (a trainer closed
-or came back), and a reset to a checkpoint (resume or roll-back). The
+(:class:`~pserver.engine.engine.Engine`) takes a list of :class:`UpdateListener` and tells each, in order
+and under its lock, of every change it makes to its state: an update applied, a roster change that is no
+update (a trainer closed or came back), and a reset to a checkpoint (resume or roll-back). The
 implementations, built by :class:`pserver.server.ParameterServer`:
 
-- :class:`Replication`: hands each change to the replicator while this process
-  leads a replicated shard (hot standby), first, so the backup copies exactly
-  what was applied;
-- :class:`ScheduledCheckpoints`: a checkpoint whenever one is due (the
-  checkpoints a roll-back loads, and its record of closed trainers, are the
-  engine's own: :mod:`.rollback`);
+- :class:`Replication`: hands each change to the replicator while this process leads a replicated shard
+  (hot standby), first, so the backup copies exactly what was applied;
+- :class:`ScheduledCheckpoints`: a checkpoint whenever one is due (the checkpoints a roll-back loads, and
+  its record of closed trainers, are the engine's own: :mod:`.rollback`);
 - :class:`ScheduledExports`: the tables' base and delta exports for serving.
 
-A hot standby's backup writes no checkpoint and no export (its primary does)
-until it leads: both consult one :class:`FileWrites` switch.
+A hot standby's backup writes no checkpoint and no export (its primary does) until it leads: both consult
+one :class:`FileWrites` switch.
 """
+
 from __future__ import annotations
 
 import logging
@@ -41,19 +40,28 @@ class UpdateListener(ABC):
     """
 
     @abstractmethod
-    def on_update(self, lr_step: int, updates: int, roster: Roster, dense: Mapping[str, torch.Tensor],
-                  sparse: Mapping[str, SparseGrad]) -> None:
-        """Gradients of step ``lr_step`` were applied (``dense`` by block, ``sparse`` by table), ``updates`` now."""
+    def on_update(
+        self,
+        lr_step: int,
+        updates: int,
+        roster: Roster,
+        dense: Mapping[str, torch.Tensor],
+        sparse: Mapping[str, SparseGrad],
+    ) -> None:
+        """Gradients of step ``lr_step`` were applied (``dense`` by block, ``sparse`` by table),
+        ``updates`` now."""
 
     def on_roster(self, updates: int, roster: Roster) -> None:
         """The roster changed without an update: a trainer closed or came back."""
 
     def on_reset(self, step: int) -> None:
-        """The state was loaded from the checkpoint at ``step`` (resume or roll-back): what came after is abandoned."""
+        """The state was loaded from the checkpoint at ``step`` (resume or roll-back): what came after is
+        abandoned."""
 
 
 class FileWrites:
-    """Whether this process writes checkpoints and exports: a hot standby's backup leaves them to its primary."""
+    """Whether this process writes checkpoints and exports: a hot standby's backup leaves them to its
+    primary."""
 
     def __init__(self, on: bool = True):
         self._on = on
@@ -109,8 +117,12 @@ class ScheduledCheckpoints(UpdateListener):
             try:
                 self.checkpointer.save(updates, roster.to_meta())
             except Exception:  # a full disk must not fail the push that was just applied
-                log.exception("%s: checkpoint at step %d failed; training goes on and the previous "
-                              "checkpoint stays the latest", self.endpoint, updates)
+                log.exception(
+                    "%s: checkpoint at step %d failed; training goes on and the previous "
+                    "checkpoint stays the latest",
+                    self.endpoint,
+                    updates,
+                )
 
 
 class ScheduledExports(UpdateListener):

@@ -11,6 +11,7 @@ and :meth:`PendingStep.forget_joins`: a step abandoned is never applied.
 
 Not thread-safe: the engine holds its lock around every call.
 """
+
 from __future__ import annotations
 
 from typing import AbstractSet, Dict, FrozenSet, Mapping, Optional, Tuple
@@ -48,8 +49,13 @@ class PendingStep:
         self.admitted: Optional[FrozenSet[int]] = None
         self.dropped: set = set()
 
-    def add(self, trainer_id: int, grads: Mapping[str, torch.Tensor], sparse: Mapping[str, SparseGrad],
-            position: Position) -> None:
+    def add(
+        self,
+        trainer_id: int,
+        grads: Mapping[str, torch.Tensor],
+        sparse: Mapping[str, SparseGrad],
+        position: Position,
+    ) -> None:
         """Count one trainer's push: ``grads`` and ``sparse`` are added into the step's sums (copied)."""
         for name, g in grads.items():
             if name in self.touched:
@@ -77,7 +83,8 @@ class PendingStep:
         return self.admitted == trainers
 
     def drop(self, trainer_id: int, position: Position) -> None:
-        """Backup trainers: ``trainer_id`` pushed the step dropped; its data position counts once the step applies."""
+        """Backup trainers: ``trainer_id`` pushed the step dropped; its data position counts once the step
+        applies."""
         self.dropped.add(trainer_id)
         self.positions[trainer_id] = position
 
@@ -117,10 +124,11 @@ class PendingStep:
         self.dropped = set()
 
     def forget_joins(self) -> bool:
-        """Every trainer redoes the step the pserver stands at (a roll-back); whether one was told it joins later.
+        """Every trainer redoes the step the pserver stands at (a roll-back); whether one was told it joins
+        later.
 
-        Kept, the push of a trainer that had joined a step later (pservers
-        apart) would be stale: the step it joined at was abandoned.
+        Kept, the push of a trainer that had joined a step later (pservers apart) would be stale: the step
+        it joined at was abandoned.
         """
         forgotten, self.joins_at = bool(self.joins_at), {}
         return forgotten

@@ -18,6 +18,7 @@ the service the RPC layer calls, with its own lock, deadline and wake-ups. It
 shares no lock with the engine: it asks the engine which trainers it expects,
 and the engine tells it when that may have changed.
 """
+
 from __future__ import annotations
 
 import math
@@ -40,7 +41,8 @@ Combined = Tuple[Values, Tuple[int, ...]]  # the values and the trainers they ca
 
 
 def to_values(items: Iterable[Tuple[str, Sequence[int], Sequence[float]]]) -> Values:
-    """``[(name, shape, data)]`` as float64 arrays; BadRequest for a missing or repeated name or a wrong length."""
+    """``[(name, shape, data)]`` as float64 arrays; BadRequest for a missing or repeated name or a wrong
+    length."""
     values: Values = {}
     for name, shape, data in items:
         if not name:
@@ -52,7 +54,9 @@ def to_values(items: Iterable[Tuple[str, Sequence[int], Sequence[float]]]) -> Va
             raise BadRequest(f"reduced value {name!r} has a negative dimension in shape {list(shape)}")
         size = math.prod(shape)
         if len(data) != size:
-            raise BadRequest(f"reduced value {name!r} of shape {list(shape)} needs {size} numbers, got {len(data)}")
+            raise BadRequest(
+                f"reduced value {name!r} of shape {list(shape)} needs {size} numbers, got {len(data)}"
+            )
         values[name] = np.asarray(data, dtype=np.float64).reshape(shape)
     if not values:
         raise BadRequest("a reduction needs at least one value")
@@ -84,7 +88,8 @@ class Round:
 
 
 class Rounds:
-    """The open and latest finished rounds of every key on one pserver (not thread-safe: see :class:`Reductions`)."""
+    """The open and latest finished rounds of every key on one pserver (not thread-safe: see
+    :class:`Reductions`)."""
 
     def __init__(self, endpoint: str):
         self.endpoint = endpoint
@@ -109,26 +114,35 @@ class Rounds:
         if done is not None and round_ <= done[0]:
             if round_ == done[0] and trainer_id in done[2]:
                 return
-            raise NotAllowed(f"pserver {self.endpoint}: round {round_} of reduction {key!r} from trainer "
-                             f"{trainer_id} is over (round {done[0]} finished with trainers {list(done[2])}); "
-                             f"a trainer that restarted counts its rounds from 0 again: pass round= explicitly")
+            raise NotAllowed(
+                f"pserver {self.endpoint}: round {round_} of reduction {key!r} from trainer "
+                f"{trainer_id} is over (round {done[0]} finished with trainers {list(done[2])}); "
+                f"a trainer that restarted counts its rounds from 0 again: pass round= explicitly"
+            )
         r = self.open.get((key, round_))
         if r is None:
             if len(self.open) >= MAX_OPEN:
-                raise NotAllowed(f"pserver {self.endpoint}: {MAX_OPEN} reductions are open already; "
-                                 f"trainers must reduce the same keys in the same order")
+                raise NotAllowed(
+                    f"pserver {self.endpoint}: {MAX_OPEN} reductions are open already; "
+                    f"trainers must reduce the same keys in the same order"
+                )
             self.open[(key, round_)] = Round(op, _shapes(values), {trainer_id: values})
             return
         if r.op != op:
-            raise BadRequest(f"trainer {trainer_id} asks for {op!r} in round {round_} of reduction {key!r}, "
-                             f"others for {r.op!r}")
+            raise BadRequest(
+                f"trainer {trainer_id} asks for {op!r} in round {round_} of reduction {key!r}, "
+                f"others for {r.op!r}"
+            )
         if _shapes(values) != r.shapes:
-            raise BadRequest(f"trainer {trainer_id} sends {_describe(values)} in round {round_} of reduction "
-                             f"{key!r}, others sent {_describe_shapes(r.shapes)}")
+            raise BadRequest(
+                f"trainer {trainer_id} sends {_describe(values)} in round {round_} of reduction "
+                f"{key!r}, others sent {_describe_shapes(r.shapes)}"
+            )
         r.parts[trainer_id] = values
 
     def result(self, key: str, round_: int, expected: set) -> Optional[Combined]:
-        """The combined values of ``(key, round_)`` once every trainer in ``expected`` sent its own; else None."""
+        """The combined values of ``(key, round_)`` once every trainer in ``expected`` sent its own; else
+        None."""
         done = self.done.get(key)
         if done is not None and done[0] == round_:
             return done[1], done[2]
@@ -155,24 +169,28 @@ class Rounds:
 
 
 class Reductions:
-    """The Reduce service of one pserver: each trainer's values for a ``(key, round)``, combined once all are in.
+    """The Reduce service of one pserver: each trainer's values for a ``(key, round)``, combined once all
+    are in.
 
-    ``expected()`` gives the trainers a round waits for (the engine's live
-    trainers: neither closed nor dropped); ``admit(trainer_id)`` raises the
-    refusal for a trainer that may not take part (closed: NotAllowed;
-    dropped: MustResync). The engine calls :meth:`roster_changed` whenever
-    that set may have changed, so a pending round finishes (or times out)
-    without waiting for a trainer that left. ``released(trainer_id)`` hears
-    of each trainer whose wait for a round completed (the engine's ``touch``):
-    the round held its call until now, so that is when it was last heard from.
+    ``expected()`` gives the trainers a round waits for (the engine's live trainers: neither closed nor
+    dropped); ``admit(trainer_id)`` raises the refusal for a trainer that may not take part (closed:
+    NotAllowed; dropped: MustResync). The engine calls :meth:`roster_changed` whenever that set may have
+    changed, so a pending round finishes (or times out) without waiting for a trainer that left.
+    ``released(trainer_id)`` hears of each trainer whose wait for a round completed (the engine's
+    ``touch``): the round held its call until now, so that is when it was last heard from.
 
-    Lock order: this service calls ``expected()`` holding its own lock, so
-    the engine must call :meth:`roster_changed` after releasing its lock,
-    never under it (else each would wait for the other).
+    Lock order: this service calls ``expected()`` holding its own lock, so the engine must call
+    :meth:`roster_changed` after releasing its lock, never under it (else each would wait for the other).
     """
 
-    def __init__(self, endpoint: str, barrier_timeout: float, expected: Callable[[], AbstractSet[int]],
-                 admit: Callable[[int], None], released: Optional[Callable[[int], object]] = None):
+    def __init__(
+        self,
+        endpoint: str,
+        barrier_timeout: float,
+        expected: Callable[[], AbstractSet[int]],
+        admit: Callable[[int], None],
+        released: Optional[Callable[[int], object]] = None,
+    ):
         self.endpoint = endpoint
         self.barrier_timeout = barrier_timeout
         self._expected = expected
@@ -181,15 +199,16 @@ class Reductions:
         self._rounds = Rounds(endpoint)
         self._waits = Waits(self._cv, endpoint, barrier_timeout, released=released)
 
-    def park(self, trainer_id: int, key: str, round_: int, op: str,
-             values: Values) -> Tuple[Parked, Callable[[], Combined]]:
-        """Add ``values`` to ``(key, round_)``: the wait for the round (see :mod:`.waits`) and its result, once done.
+    def park(
+        self, trainer_id: int, key: str, round_: int, op: str, values: Values
+    ) -> Tuple[Parked, Callable[[], Combined]]:
+        """Add ``values`` to ``(key, round_)``: the wait for the round (see :mod:`.waits`) and its result,
+        once done.
 
-        The round finishes once every expected trainer sent its values (not
-        closed or dropped ones); after ``barrier_timeout`` the wait fails with
-        BarrierTimeout naming those missing, and this trainer's values leave
-        the round (as on ShuttingDown). A closed or dropped caller is refused
-        before its values count.
+        The round finishes once every expected trainer sent its values (not closed or dropped ones); after
+        ``barrier_timeout`` the wait fails with BarrierTimeout naming those missing, and this trainer's
+        values leave the round (as on ShuttingDown). A closed or dropped caller is refused before its
+        values count.
         """
         self._admit(trainer_id)
         with self._cv:
@@ -206,15 +225,20 @@ class Reductions:
                 if handle.error is not None:
                     self._rounds.withdraw(trainer_id, key, round_)
 
-            handle = self._waits.park(finished, f"round {round_} of reduction {key!r}",
-                                      lambda: self._rounds.missing(key, round_, self._expected()), trainer=trainer_id)
+            handle = self._waits.park(
+                finished,
+                f"round {round_} of reduction {key!r}",
+                lambda: self._rounds.missing(key, round_, self._expected()),
+                trainer=trainer_id,
+            )
             handle.add_callback(withdraw)
             if handle.done:
                 self._waits.notify()  # the others waiting for this round find it finished
             return handle, lambda: found[-1]
 
     def reduce(self, trainer_id: int, key: str, round_: int, op: str, values: Values) -> Combined:
-        """Combine ``values`` with those of every expected trainer for ``(key, round_)``; (result, contributors).
+        """Combine ``values`` with those of every expected trainer for ``(key, round_)``; (result,
+        contributors).
 
         Blocks on :meth:`park`'s wait: the same rules, for in-process callers.
         """
@@ -225,7 +249,8 @@ class Reductions:
         return result()
 
     def roster_changed(self) -> None:
-        """Wake the pending rounds to look again at who is expected (a trainer closed, was dropped or rejoined)."""
+        """Wake the pending rounds to look again at who is expected (a trainer closed, was dropped or
+        rejoined)."""
         with self._cv:
             self._waits.notify()
 

@@ -12,6 +12,7 @@ at once which trainers closed, and deletes the parts a roll-back abandoned.
 Checkpoints written every ``checkpoint_every`` updates are a listener's
 (:class:`~pserver.engine.listeners.ScheduledCheckpoints`).
 """
+
 from __future__ import annotations
 
 import enum
@@ -28,9 +29,9 @@ log = logging.getLogger(__name__)
 class RollBack(enum.Enum):
     """What a roll-back asked with a token does."""
 
-    HONOURED = "honoured"   # the token was honoured before: nothing
-    STAYS = "stays"         # this pserver stands unchanged at that very checkpoint: the pushes counted are kept
-    LOADED = "loaded"       # the checkpoint was loaded: the engine resets to it
+    HONOURED = "honoured"  # the token was honoured before: nothing
+    STAYS = "stays"  # this pserver stands unchanged at that very checkpoint: the pushes counted are kept
+    LOADED = "loaded"  # the checkpoint was loaded: the engine resets to it
 
 
 class RollBacks:
@@ -61,7 +62,8 @@ class RollBacks:
             raise StorageFailed(f"pserver {self.endpoint}: checkpoint failed: {e}") from None
 
     def load(self, step: Optional[int] = None) -> Optional[dict]:
-        """Load the latest complete checkpoint (or the one at ``step``) into blocks and tables; its manifest or None."""
+        """Load the latest complete checkpoint (or the one at ``step``) into blocks and tables; its
+        manifest or None."""
         return self.checkpointer.load(step)
 
     def check_can_roll_back(self) -> None:
@@ -69,35 +71,51 @@ class RollBacks:
         if self.checkpointer is None:
             raise NotAllowed(f"pserver {self.endpoint} has no checkpoint_dir to roll back from")
 
-    def roll_back(self, trainer_id: int, step: int, token: str, updates: int) -> Tuple[RollBack, Optional[dict]]:
-        """What a roll-back to the checkpoint at ``step`` asked with ``token`` does at ``updates``; the manifest.
+    def roll_back(
+        self, trainer_id: int, step: int, token: str, updates: int
+    ) -> Tuple[RollBack, Optional[dict]]:
+        """What a roll-back to the checkpoint at ``step`` asked with ``token`` does at ``updates``; the
+        manifest.
 
-        :class:`RollBack.STAYS` when this pserver stands unchanged at that very
-        checkpoint (loaded from it, nothing applied since): the pushes counted
-        for the step are valid and kept, since a late roll-back, asked for a
-        restart other trainers have already re-synced past, must not discard
-        them. :class:`RollBack.LOADED` has loaded the checkpoint into the blocks
-        and tables; the caller resets the rest of its state to the manifest.
-        Without a complete checkpoint at ``step``: :class:`NotAllowed`; one
-        that cannot be read or does not fit: :class:`StorageFailed`, and
-        nothing changes. The token counts as honoured unless it raised.
+        :class:`RollBack.STAYS` when this pserver stands unchanged at that very checkpoint (loaded from it,
+        nothing applied since): the pushes counted for the step are valid and kept, since a late roll-back,
+        asked for a restart other trainers have already re-synced past, must not discard them.
+        :class:`RollBack.LOADED` has loaded the checkpoint into the blocks and tables; the caller resets
+        the rest of its state to the manifest. Without a complete checkpoint at ``step``:
+        :class:`NotAllowed`; one that cannot be read or does not fit: :class:`StorageFailed`, and nothing
+        changes. The token counts as honoured unless it raised.
         """
         if token in self._honoured:
             return RollBack.HONOURED, None
         if self.restored_from == step == updates:
             self._honoured.add(token)
-            log.info("%s: already at the checkpoint of step %d, nothing applied since; roll-back asked "
-                     "by trainer %d (%s) keeps the pushes counted for it", self.endpoint, step, trainer_id, token)
+            log.info(
+                "%s: already at the checkpoint of step %d, nothing applied since; roll-back asked "
+                "by trainer %d (%s) keeps the pushes counted for it",
+                self.endpoint,
+                step,
+                trainer_id,
+                token,
+            )
             return RollBack.STAYS, None
         try:
             meta = self.checkpointer.load(step)
         except (OSError, ValueError) as e:  # load's contract: unreadable or unfit, nothing changed
             raise StorageFailed(f"pserver {self.endpoint}: cannot roll back to step {step}: {e}") from None
         if meta is None:
-            raise NotAllowed(f"pserver {self.endpoint}: no complete checkpoint at step {step} "
-                             f"to roll back to (asked by trainer {trainer_id})")
-        log.warning("%s: rolled back from step %d to the checkpoint at step %d (asked by trainer %d "
-                    "after pservers restarted: %s)", self.endpoint, updates, step, trainer_id, token)
+            raise NotAllowed(
+                f"pserver {self.endpoint}: no complete checkpoint at step {step} "
+                f"to roll back to (asked by trainer {trainer_id})"
+            )
+        log.warning(
+            "%s: rolled back from step %d to the checkpoint at step %d (asked by trainer %d "
+            "after pservers restarted: %s)",
+            self.endpoint,
+            updates,
+            step,
+            trainer_id,
+            token,
+        )
         self._honoured.add(token)
         return RollBack.LOADED, meta
 
@@ -112,7 +130,8 @@ class RollBacks:
         self.restored_from = step
 
     def note_closed(self, closed) -> None:
-        """Record at once which trainers have closed, beside the checkpoints (a restart from one expects them not)."""
+        """Record at once which trainers have closed, beside the checkpoints (a restart from one expects
+        them not)."""
         if self.checkpointer is not None:
             self.checkpointer.note_closed(closed)
 
@@ -128,11 +147,15 @@ class RollBacks:
         """The refusal of a push or wait for ``target``, beyond the step after ``updates``."""
         if self.restored_from >= 0:
             # This pserver restarted or rolled back to a checkpoint: the trainer must re-sync.
-            return MustResync(f"pserver {self.endpoint}: trainer {trainer_id} {what} {target}, but this "
-                              f"pserver resumed from the checkpoint at step {self.restored_from} and "
-                              f"is at step {updates}; call Hello to re-sync")
-        return NotAllowed(f"pserver {self.endpoint}: trainer {trainer_id} {what} {target} from the "
-                          f"future; the pserver is at step {updates} and can only reach {updates + 1} next")
+            return MustResync(
+                f"pserver {self.endpoint}: trainer {trainer_id} {what} {target}, but this "
+                f"pserver resumed from the checkpoint at step {self.restored_from} and "
+                f"is at step {updates}; call Hello to re-sync"
+            )
+        return NotAllowed(
+            f"pserver {self.endpoint}: trainer {trainer_id} {what} {target} from the "
+            f"future; the pserver is at step {updates} and can only reach {updates + 1} next"
+        )
 
     def refuse_wait_from_before_a_roll_back(self, trainer_id: int, what: str) -> None:
         """MustResync for a trainer that said Hello before this pserver's latest roll-back and would wait.
@@ -143,6 +166,8 @@ class RollBacks:
         waits as usual.)
         """
         if self._hello_rollbacks.get(trainer_id, self.made) != self.made:
-            raise MustResync(f"pserver {self.endpoint}: rolled back to the checkpoint at step "
-                             f"{self.restored_from} since trainer {trainer_id} said Hello; its {what} "
-                             f"belongs to the steps abandoned; call Hello to re-sync")
+            raise MustResync(
+                f"pserver {self.endpoint}: rolled back to the checkpoint at step "
+                f"{self.restored_from} since trainer {trainer_id} said Hello; its {what} "
+                f"belongs to the steps abandoned; call Hello to re-sync"
+            )

@@ -1,7 +1,9 @@
-"""Roster: what a pserver knows about each trainer (joined, closed, dropped, progress); Joined: what a Hello learns.
+"""Roster: what a pserver knows about each trainer (joined, closed, dropped, progress); Joined: what a
+Hello learns.
 
 Not thread-safe: the engine holds its lock around every call.
 """
+
 from __future__ import annotations
 
 import time
@@ -12,8 +14,9 @@ from transpiler.position import Position
 from ..errors import MustResync, NotAllowed
 
 
-def heard_at(trainer_id: int, last_seen: Mapping[int, float], held: AbstractSet[int],
-             now: float) -> Optional[float]:
+def heard_at(
+    trainer_id: int, last_seen: Mapping[int, float], held: AbstractSet[int], now: float
+) -> Optional[float]:
     """When ``trainer_id`` was last heard from, as liveness counts it (monotonic seconds; None: never).
 
     ``now`` while a call of its is ``held`` (parked in a sync barrier, or in a
@@ -32,12 +35,12 @@ class Joined(NamedTuple):
     joining trainer could take pservers mid-step for stalled ones.
     """
 
-    step: int                 # where the trainer (re)starts (see Engine.hello)
-    position: Position        # its data position as last pushed or checkpointed, (0, 0) if none
-    applied_step: int         # steps applied (async: updates)
-    others_in_step: int       # other trainers counted or awaited in the step in progress (async: 0)
-    counted_step: int         # the trainer's last step counted here, -1 if none
-    checkpoint_step: int      # the checkpoint this process started from or rolled back to, -1 if none
+    step: int  # where the trainer (re)starts (see Engine.hello)
+    position: Position  # its data position as last pushed or checkpointed, (0, 0) if none
+    applied_step: int  # steps applied (async: updates)
+    others_in_step: int  # other trainers counted or awaited in the step in progress (async: 0)
+    counted_step: int  # the trainer's last step counted here, -1 if none
+    checkpoint_step: int  # the checkpoint this process started from or rolled back to, -1 if none
 
 
 class Roster:
@@ -64,13 +67,17 @@ class Roster:
         return set(range(self.trainers)) - self.closed - self.dropped
 
     def check_pusher(self, trainer_id: int, endpoint: str, updates: int) -> None:
-        """Refuse a trainer that has closed (NotAllowed) or was dropped (MustResync) until it says Hello again."""
+        """Refuse a trainer that has closed (NotAllowed) or was dropped (MustResync) until it says Hello
+        again."""
         if trainer_id in self.closed:
-            raise NotAllowed(f"pserver {endpoint}: trainer {trainer_id} has closed; "
-                             f"call Hello to rejoin before pushing")
+            raise NotAllowed(
+                f"pserver {endpoint}: trainer {trainer_id} has closed; call Hello to rejoin before pushing"
+            )
         if trainer_id in self.dropped:
-            raise MustResync(f"pserver {endpoint}: trainer {trainer_id} was dropped after "
-                             f"heartbeat_timeout at step {updates}; call Hello to rejoin")
+            raise MustResync(
+                f"pserver {endpoint}: trainer {trainer_id} was dropped after "
+                f"heartbeat_timeout at step {updates}; call Hello to rejoin"
+            )
 
     def touch(self, trainer_id: int) -> None:
         """Note a sign of life from ``trainer_id`` (any call it makes)."""
@@ -109,11 +116,13 @@ class Roster:
 
     def abandoned(self, timeout: float, now: float) -> List[Tuple[int, float]]:
         """Dropped trainers that have not rejoined ``timeout`` s after their drop: [(id, seconds since)]."""
-        return sorted((t, now - at) for t, at in self.dropped_at.items()
-                      if t in self.dropped and now - at > timeout)
+        return sorted(
+            (t, now - at) for t, at in self.dropped_at.items() if t in self.dropped and now - at > timeout
+        )
 
     def silent(self, timeout: float, held: AbstractSet[int], now: float) -> List[Tuple[int, float]]:
-        """Joined, live trainers not heard from (:func:`heard_at`) for over ``timeout`` s: [(id, seconds silent)].
+        """Joined, live trainers not heard from (:func:`heard_at`) for over ``timeout`` s: [(id, seconds
+        silent)].
 
         One never heard from is not silent: it has not called yet.
         """
@@ -134,16 +143,28 @@ class Roster:
     def to_meta(self) -> dict:
         """The roster as a checkpoint manifest stores it."""
         ids = sorted(set(self.last_step) | set(self.positions))
-        return {"trainers": {str(t): {"last_step": self.last_step.get(t, -1),
-                                      "position": list(self.positions.get(t, (0, 0)))} for t in ids},
-                "closed": sorted(self.closed)}
+        return {
+            "trainers": {
+                str(t): {
+                    "last_step": self.last_step.get(t, -1),
+                    "position": list(self.positions.get(t, (0, 0))),
+                }
+                for t in ids
+            },
+            "closed": sorted(self.closed),
+        }
 
     def follow(self, meta: dict) -> None:
         """Take progress and closed trainers from the primary's roster (hot standby), as they are."""
-        self.last_step = {int(t): int(v["last_step"]) for t, v in meta.get("trainers", {}).items()
-                          if int(v["last_step"]) >= 0}
-        self.positions = {int(t): Position(int(v["position"][0]), int(v["position"][1]))
-                          for t, v in meta.get("trainers", {}).items()}
+        self.last_step = {
+            int(t): int(v["last_step"])
+            for t, v in meta.get("trainers", {}).items()
+            if int(v["last_step"]) >= 0
+        }
+        self.positions = {
+            int(t): Position(int(v["position"][0]), int(v["position"][1]))
+            for t, v in meta.get("trainers", {}).items()
+        }
         self.closed = {int(t) for t in meta.get("closed", [])}
 
     def load_meta(self, meta: dict) -> None:

@@ -4,6 +4,7 @@
 lock, nothing else held), so ``ps-stat`` and ``/metrics`` report the same
 numbers from the same place.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -3,6 +3,7 @@
 The update uses the mean over the trainers that pushed the step, so N trainers
 on batch b equal one process on the concatenated N*b batch.
 """
+
 from __future__ import annotations
 
 import logging
@@ -14,8 +15,8 @@ from ..errors import NotAllowed
 from ..tables import SparseGrad
 from .engine import Engine
 from .pending import PendingStep
-from .waits import Parked
 from .roster import Position
+from .waits import Parked
 
 log = logging.getLogger(__name__)
 
@@ -57,10 +58,17 @@ class SyncEngine(Engine):
     def _expected(self) -> set:
         return self.pending.expected(self.roster.live(), self.updates)
 
-    def push(self, trainer_id: int, step: int, grads: Dict[str, torch.Tensor],
-             sparse: Optional[Mapping[str, SparseGrad]] = None,
-             position: Position = (0, 0), park: bool = False, step_trainers: Sequence[int] = (),
-             dropped: bool = False) -> Tuple[bool, int]:
+    def push(
+        self,
+        trainer_id: int,
+        step: int,
+        grads: Dict[str, torch.Tensor],
+        sparse: Optional[Mapping[str, SparseGrad]] = None,
+        position: Position = (0, 0),
+        park: bool = False,
+        step_trainers: Sequence[int] = (),
+        dropped: bool = False,
+    ) -> Tuple[bool, int]:
         """Count ``grads`` and ``sparse`` for ``step``; returns (counted, updates). Applies when complete.
 
         ``grads`` are copied into the step's sums: the caller keeps its
@@ -78,21 +86,26 @@ class SyncEngine(Engine):
             if step < self.updates:
                 if self.last_step.get(trainer_id, -1) >= step:
                     return False, self.updates  # a retry of a push already applied
-                raise NotAllowed(f"pserver {self.endpoint}: trainer {trainer_id} pushed stale step "
-                                 f"{step}; the pserver is at step {self.updates}")
+                raise NotAllowed(
+                    f"pserver {self.endpoint}: trainer {trainer_id} pushed stale step "
+                    f"{step}; the pserver is at step {self.updates}"
+                )
             if step > self.updates:
                 raise self.rollbacks.refusal_ahead(trainer_id, "pushed step", step, self.updates)
             if step_trainers and not self.pending.admit(frozenset(step_trainers)):
-                raise NotAllowed(f"pserver {self.endpoint}: trainer {trainer_id} pushed step {step} as made of "
-                                 f"trainers {sorted(step_trainers)}, but the step is made of "
-                                 f"{sorted(self.pending.admitted)}")
+                raise NotAllowed(
+                    f"pserver {self.endpoint}: trainer {trainer_id} pushed step {step} as made of "
+                    f"trainers {sorted(step_trainers)}, but the step is made of "
+                    f"{sorted(self.pending.admitted)}"
+                )
             self.pending.add(trainer_id, grads, sparse or {}, position)
             self.last_step[trainer_id] = step
             self._apply_if_complete()
             return True, self.updates
 
     def _dropped(self, trainer_id: int, step: int, position: Position) -> Tuple[bool, int]:
-        """A push of a trainer dropped from ``step`` (backup trainers): acknowledged, its position kept, not counted."""
+        """A push of a trainer dropped from ``step`` (backup trainers): acknowledged, its position kept,
+        not counted."""
         if step > self.updates:
             raise self.rollbacks.refusal_ahead(trainer_id, "pushed step", step, self.updates)
         if step == self.updates and trainer_id not in self.pending.trainers:
@@ -131,10 +144,16 @@ class SyncEngine(Engine):
             if self.updates >= min_updates:
                 return None
             if trainer_id in self._expected() - self.pending.trainers:
-                self.rollbacks.refuse_wait_from_before_a_roll_back(trainer_id, f"wait for update {min_updates}")
-            return self.waits.park(lambda: self.updates >= min_updates, f"step {self.updates}",
-                                   lambda: sorted(self._expected() - self.pending.trainers), measured=True,
-                                   trainer=trainer_id)
+                self.rollbacks.refuse_wait_from_before_a_roll_back(
+                    trainer_id, f"wait for update {min_updates}"
+                )
+            return self.waits.park(
+                lambda: self.updates >= min_updates,
+                f"step {self.updates}",
+                lambda: sorted(self._expected() - self.pending.trainers),
+                measured=True,
+                trainer=trainer_id,
+            )
 
     def _reads_need_copy(self) -> bool:
         # Between two sync steps nothing writes the blocks: the next update

@@ -18,6 +18,7 @@ handle, naming who is missing; a waiter that gives up (its client cancelled)
 calls :meth:`Waits.cancel`. :meth:`Waits.wait` is the blocking form over the
 same handles, for in-process callers: one set of rules.
 """
+
 from __future__ import annotations
 
 import threading
@@ -38,11 +39,32 @@ class Parked:
     waits (None: no trainer's), a sign of life while the wait lasts.
     """
 
-    __slots__ = ("waits", "ready", "what", "missing", "deadline", "rollbacks", "parked_at", "done_at", "error",
-                 "measured", "trainer", "_callbacks")
+    __slots__ = (
+        "waits",
+        "ready",
+        "what",
+        "missing",
+        "deadline",
+        "rollbacks",
+        "parked_at",
+        "done_at",
+        "error",
+        "measured",
+        "trainer",
+        "_callbacks",
+    )
 
-    def __init__(self, waits: "Waits", ready: Callable[[], bool], what: str, missing: Callable[[], Iterable[int]],
-                 deadline: float, rollbacks: int, measured: bool = False, trainer: Optional[int] = None):
+    def __init__(
+        self,
+        waits: "Waits",
+        ready: Callable[[], bool],
+        what: str,
+        missing: Callable[[], Iterable[int]],
+        deadline: float,
+        rollbacks: int,
+        measured: bool = False,
+        trainer: Optional[int] = None,
+    ):
         self.waits = waits
         self.ready = ready
         self.what = what
@@ -112,9 +134,15 @@ class Waits:
     its call until now, so that is when the trainer was last heard from.
     """
 
-    def __init__(self, cv: threading.Condition, endpoint: str, barrier_timeout: float,
-                 rollbacks: Optional[RollBacks] = None, on_wait: Optional[Callable[[float], None]] = None,
-                 released: Optional[Callable[[int], object]] = None):
+    def __init__(
+        self,
+        cv: threading.Condition,
+        endpoint: str,
+        barrier_timeout: float,
+        rollbacks: Optional[RollBacks] = None,
+        on_wait: Optional[Callable[[float], None]] = None,
+        released: Optional[Callable[[int], object]] = None,
+    ):
         self.cv = cv
         self.endpoint = endpoint
         self.barrier_timeout = barrier_timeout
@@ -138,11 +166,26 @@ class Waits:
         self._stopping = True
         self.notify()
 
-    def park(self, ready: Callable[[], bool], what: str, missing: Callable[[], Iterable[int]],
-             measured: bool = False, trainer: Optional[int] = None) -> Parked:
-        """A handle that completes once ``ready()`` holds (maybe done already), or fails naming ``missing()``."""
-        handle = Parked(self, ready, what, missing, time.monotonic() + self.barrier_timeout, self._rollbacks_made(),
-                        measured, trainer)
+    def park(
+        self,
+        ready: Callable[[], bool],
+        what: str,
+        missing: Callable[[], Iterable[int]],
+        measured: bool = False,
+        trainer: Optional[int] = None,
+    ) -> Parked:
+        """A handle that completes once ``ready()`` holds (maybe done already), or fails naming
+        ``missing()``."""
+        handle = Parked(
+            self,
+            ready,
+            what,
+            missing,
+            time.monotonic() + self.barrier_timeout,
+            self._rollbacks_made(),
+            measured,
+            trainer,
+        )
         if self._settle(handle):
             handle.measured = False  # it never waited
         else:
@@ -156,13 +199,18 @@ class Waits:
             self._parked = [h for h in self._parked if not self._settle(h)]
 
     def expire(self, handle: Parked) -> None:
-        """The waiter's deadline passed: unless its condition holds now, ``handle`` fails with BarrierTimeout."""
+        """The waiter's deadline passed: unless its condition holds now, ``handle`` fails with
+        BarrierTimeout."""
         if handle.done:
             return
         self._forget(handle)
         if not self._settle(handle):
-            handle._end(BarrierTimeout(f"pserver {self.endpoint}: {handle.what} still waits for trainers "
-                                       f"{handle.missing()} after {self.barrier_timeout:g}s"))
+            handle._end(
+                BarrierTimeout(
+                    f"pserver {self.endpoint}: {handle.what} still waits for trainers "
+                    f"{handle.missing()} after {self.barrier_timeout:g}s"
+                )
+            )
 
     def cancel(self, handle: Parked) -> None:
         """The waiter gave up (its client cancelled): ``handle`` is forgotten, and ends unless it has."""
@@ -170,8 +218,13 @@ class Waits:
             self._forget(handle)
             handle._end(Refusal(f"pserver {self.endpoint}: the caller of {handle.what} went away"))
 
-    def wait(self, ready: Callable[[], bool], what: str, missing: Callable[[], Iterable[int]],
-             measured: bool = False) -> Parked:
+    def wait(
+        self,
+        ready: Callable[[], bool],
+        what: str,
+        missing: Callable[[], Iterable[int]],
+        measured: bool = False,
+    ) -> Parked:
         """Block under the lock (released while waiting) until ``ready()``, or raise what ended the wait."""
         handle = self.park(ready, what, missing, measured)
         self.block(handle)
@@ -188,7 +241,8 @@ class Waits:
             self.cv.wait(remaining)
 
     def finish(self, handle: Optional[Parked]) -> None:
-        """Outside the lock, once ``handle`` is done: report a measured wait to ``on_wait``, raise its error."""
+        """Outside the lock, once ``handle`` is done: report a measured wait to ``on_wait``, raise its
+        error."""
         if handle is None:
             return
         if handle.measured and self.on_wait is not None:
@@ -204,9 +258,13 @@ class Waits:
         elif self._stopping:
             handle._end(ShuttingDown(f"pserver {self.endpoint} is shutting down"))
         elif self._rollbacks_made() != handle.rollbacks:
-            handle._end(MustResync(f"pserver {self.endpoint}: rolled back to the checkpoint at step "
-                                   f"{self.rollbacks.restored_from} while {handle.what} waited; call Hello "
-                                   f"to re-sync"))
+            handle._end(
+                MustResync(
+                    f"pserver {self.endpoint}: rolled back to the checkpoint at step "
+                    f"{self.rollbacks.restored_from} while {handle.what} waited; call Hello "
+                    f"to re-sync"
+                )
+            )
         else:
             return False
         return True

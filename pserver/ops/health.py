@@ -9,6 +9,7 @@ interceptors and listens in plaintext: what it tells anyone is whether the
 pserver is ready. The training service, and the health service on the main
 port, stay behind the token.
 """
+
 from __future__ import annotations
 
 import logging
@@ -22,7 +23,8 @@ log = logging.getLogger(__name__)
 
 
 class HealthPort:
-    """A health-only gRPC server on ``host:port``: NOT_SERVING until :meth:`serving`, again at :meth:`stop`."""
+    """A health-only gRPC server on ``host:port``: NOT_SERVING until :meth:`serving`, again at
+    :meth:`stop`."""
 
     def __init__(self, host: str, port: int, services: Iterable[str] = ("",)):
         self.address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
@@ -33,8 +35,10 @@ class HealthPort:
 
     def start(self) -> int:
         """Bind and start (answering NOT_SERVING); returns the bound port. OSError if it cannot bind."""
-        server = grpc.server(futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="pserver-health"),
-                             options=[("grpc.so_reuseport", 0)])
+        server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="pserver-health"),
+            options=[("grpc.so_reuseport", 0)],
+        )
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         for service in self.services:
             self._health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)

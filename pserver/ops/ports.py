@@ -7,6 +7,7 @@ environment variable a deployment sets (Kubernetes manifests set
 the variable: a value written for this job is more specific than one the pod
 template gives every process.
 """
+
 from __future__ import annotations
 
 import os
@@ -46,24 +47,35 @@ class SidePorts:
     health: Optional[int]
 
     @classmethod
-    def resolve(cls, metrics_field: Optional[int], health_field: Optional[int], endpoint: str,
-                environ: Mapping[str, str] = os.environ) -> "SidePorts":
+    def resolve(
+        cls,
+        metrics_field: Optional[int],
+        health_field: Optional[int],
+        endpoint: str,
+        environ: Mapping[str, str] = os.environ,
+    ) -> "SidePorts":
         """Resolve both ports; ValueError when a variable is malformed or two ports coincide.
 
         Two side ports equal to each other or to the endpoint's port could
         never both bind; refusing here names the settings instead of failing
         at bind time with a bare "address in use".
         """
-        ports = cls(port_setting(metrics_field, METRICS_PORT_VAR, environ),
-                    port_setting(health_field, HEALTH_PORT_VAR, environ))
+        ports = cls(
+            port_setting(metrics_field, METRICS_PORT_VAR, environ),
+            port_setting(health_field, HEALTH_PORT_VAR, environ),
+        )
         main = endpoint.rpartition(":")[2]
         named: Tuple[Tuple[str, Optional[int]], ...] = (
             (f"the metrics port (metrics_port / {METRICS_PORT_VAR})", ports.metrics),
-            (f"the health port (health_port / {HEALTH_PORT_VAR})", ports.health))
+            (f"the health port (health_port / {HEALTH_PORT_VAR})", ports.health),
+        )
         for what, port in named:
             if port and main.isdigit() and port == int(main):
-                raise ValueError(f"{what} is {port}, the port of the pserver's endpoint {endpoint}; "
-                                 f"give it another port")
+                raise ValueError(
+                    f"{what} is {port}, the port of the pserver's endpoint {endpoint}; give it another port"
+                )
         if ports.metrics and ports.metrics == ports.health:
-            raise ValueError(f"{named[0][0]} and {named[1][0]} are both {ports.metrics}; give each its own port")
+            raise ValueError(
+                f"{named[0][0]} and {named[1][0]} are both {ports.metrics}; give each its own port"
+            )
         return ports

@@ -12,6 +12,7 @@ over --interval seconds (two samples); with --interval 0 it is the average
 since the pserver started. Exit status: 0 when every pserver answered, 1 when
 one did not (its row says why), 2 on bad input.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,18 +27,56 @@ import grpc
 from google.protobuf import descriptor, json_format
 
 from psproto import ps_pb2, ps_pb2_grpc
-from transpiler.roles.role_env import parse_endpoints
 from psproto.security import Security
+from transpiler.roles.role_env import parse_endpoints
 
-HEADERS = ("ENDPOINT", "MODE", "STEP", "TRAINERS", "DROPPED", "BLOCKS", "BLOCK BYTES", "TABLE ROWS",
-           "BYTES IN", "BYTES OUT", "PUSHES/S", "DROPPED PUSHES", "HEARTBEATS", "CHECKPOINT")
-_INT64 = {descriptor.FieldDescriptor.TYPE_INT64, descriptor.FieldDescriptor.TYPE_UINT64,
-          descriptor.FieldDescriptor.TYPE_SINT64, descriptor.FieldDescriptor.TYPE_FIXED64,
-          descriptor.FieldDescriptor.TYPE_SFIXED64}
+HEADERS = (
+    "ENDPOINT",
+    "MODE",
+    "STEP",
+    "TRAINERS",
+    "DROPPED",
+    "BLOCKS",
+    "BLOCK BYTES",
+    "TABLE ROWS",
+    "BYTES IN",
+    "BYTES OUT",
+    "PUSHES/S",
+    "DROPPED PUSHES",
+    "HEARTBEATS",
+    "CHECKPOINT",
+)
+_INT64 = {
+    descriptor.FieldDescriptor.TYPE_INT64,
+    descriptor.FieldDescriptor.TYPE_UINT64,
+    descriptor.FieldDescriptor.TYPE_SINT64,
+    descriptor.FieldDescriptor.TYPE_FIXED64,
+    descriptor.FieldDescriptor.TYPE_SFIXED64,
+}
 
-TABLE_HEADERS = ("TABLE", "ENDPOINT", "ROWS", "ON DISK", "DISK BYTES", "ADMITTED", "REFUSED", "EVICTED",
-                 "SPILLED", "PROMOTED")
-REPLICA_HEADERS = ("ENDPOINT", "ROLE", "EPOCH", "PRIMARY", "BACKUP", "IN SYNC", "LAG", "REPLICATED", "DIGEST MISMATCHES")
+TABLE_HEADERS = (
+    "TABLE",
+    "ENDPOINT",
+    "ROWS",
+    "ON DISK",
+    "DISK BYTES",
+    "ADMITTED",
+    "REFUSED",
+    "EVICTED",
+    "SPILLED",
+    "PROMOTED",
+)
+REPLICA_HEADERS = (
+    "ENDPOINT",
+    "ROLE",
+    "EPOCH",
+    "PRIMARY",
+    "BACKUP",
+    "IN SYNC",
+    "LAG",
+    "REPLICATED",
+    "DIGEST MISMATCHES",
+)
 Sample = Union[ps_pb2.StatsReply, str]  # a reply, or the error that came instead
 
 
@@ -58,20 +97,24 @@ def _error_text(e: grpc.RpcError) -> str:
     return f"{code.name if code else 'ERROR'}: {details}"
 
 
-def sample(stubs: Dict[str, ps_pb2_grpc.ParameterServerStub], timeout: float,
-           pool: futures.Executor) -> Dict[str, Sample]:
+def sample(
+    stubs: Dict[str, ps_pb2_grpc.ParameterServerStub], timeout: float, pool: futures.Executor
+) -> Dict[str, Sample]:
     """One Stats reply (or error text) per endpoint, all endpoints asked in parallel."""
+
     def one(stub) -> Sample:
         try:
             return stub.Stats(ps_pb2.StatsRequest(), timeout=timeout)
         except grpc.RpcError as e:
             return _error_text(e)
+
     jobs = {ep: pool.submit(one, stub) for ep, stub in stubs.items()}
     return {ep: job.result() for ep, job in jobs.items()}
 
 
-def pushes_per_s(first: ps_pb2.StatsReply, second: Optional[ps_pb2.StatsReply],
-                 interval: float) -> Optional[float]:
+def pushes_per_s(
+    first: ps_pb2.StatsReply, second: Optional[ps_pb2.StatsReply], interval: float
+) -> Optional[float]:
     """Push rate: between two samples ``interval`` s apart, else the mean since start (None: unknown)."""
     if second is not None and interval > 0:
         if second.incarnation != first.incarnation:
@@ -94,18 +137,31 @@ def _checkpoint(r: ps_pb2.StatsReply) -> str:
 
 def row(endpoint: str, r: ps_pb2.StatsReply, rate: Optional[float]) -> Tuple[str, ...]:
     """The table row of one pserver's reply."""
-    return (endpoint, "sync" if r.sync_mode else "async", str(r.updates), _ids(r.trainers_alive),
-            _ids(r.trainers_dropped), str(r.blocks), human_bytes(r.block_bytes), f"{r.table_rows:,}",
-            human_bytes(r.bytes_in), human_bytes(r.bytes_out), "-" if rate is None else f"{rate:.1f}",
-            f"{r.dropped_pushes:,}", f"{r.heartbeats:,}", _checkpoint(r))
+    return (
+        endpoint,
+        "sync" if r.sync_mode else "async",
+        str(r.updates),
+        _ids(r.trainers_alive),
+        _ids(r.trainers_dropped),
+        str(r.blocks),
+        human_bytes(r.block_bytes),
+        f"{r.table_rows:,}",
+        human_bytes(r.bytes_in),
+        human_bytes(r.bytes_out),
+        "-" if rate is None else f"{rate:.1f}",
+        f"{r.dropped_pushes:,}",
+        f"{r.heartbeats:,}",
+        _checkpoint(r),
+    )
 
 
 def as_json(endpoint: str, r: Sample, rate: Optional[float]) -> dict:
     """One pserver as a JSON-ready dict: every StatsReply field plus ``pushes_per_s``, or its error."""
     if isinstance(r, str):
         return {"endpoint": endpoint, "error": r}
-    d = json_format.MessageToDict(r, preserving_proto_field_name=True,
-                                  always_print_fields_with_no_presence=True)
+    d = json_format.MessageToDict(
+        r, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
+    )
     # Proto3 JSON writes 64-bit integers as strings; a monitoring script wants numbers.
     for f in r.DESCRIPTOR.fields:
         if f.type in _INT64 and f.name in d:
@@ -128,8 +184,21 @@ def as_json(endpoint: str, r: Sample, rate: Optional[float]) -> dict:
 
 def table_rows(endpoint: str, r: ps_pb2.StatsReply) -> List[Tuple[str, ...]]:
     """The per-table rows of one pserver's reply."""
-    return [(t.table, endpoint, f"{t.rows:,}", f"{t.disk_rows:,}", human_bytes(t.disk_bytes), f"{t.admitted:,}",
-             f"{t.refused:,}", f"{t.evicted:,}", f"{t.spilled:,}", f"{t.promoted:,}") for t in r.tables]
+    return [
+        (
+            t.table,
+            endpoint,
+            f"{t.rows:,}",
+            f"{t.disk_rows:,}",
+            human_bytes(t.disk_bytes),
+            f"{t.admitted:,}",
+            f"{t.refused:,}",
+            f"{t.evicted:,}",
+            f"{t.spilled:,}",
+            f"{t.promoted:,}",
+        )
+        for t in r.tables
+    ]
 
 
 def replica_row(endpoint: str, r: ps_pb2.StatsReply) -> List[Tuple[str, ...]]:
@@ -137,8 +206,19 @@ def replica_row(endpoint: str, r: ps_pb2.StatsReply) -> List[Tuple[str, ...]]:
     if not r.HasField("replica"):
         return []
     p = r.replica
-    return [(endpoint, p.role, str(p.epoch), p.primary or "-", p.backup or "-", "yes" if p.backup_in_sync else "no",
-             str(p.lag), f"{p.replicated:,}", str(p.digest_mismatches))]
+    return [
+        (
+            endpoint,
+            p.role,
+            str(p.epoch),
+            p.primary or "-",
+            p.backup or "-",
+            "yes" if p.backup_in_sync else "no",
+            str(p.lag),
+            f"{p.replicated:,}",
+            str(p.digest_mismatches),
+        )
+    ]
 
 
 def format_table(rows: List[Tuple[str, ...]], headers: Tuple[str, ...] = HEADERS) -> str:
@@ -160,20 +240,36 @@ def _positive(kind: str, allow_zero: bool):
         if v < 0 or (v == 0 and not allow_zero) or v != v or v == float("inf"):
             raise argparse.ArgumentTypeError(f"{kind} must be {'>= 0' if allow_zero else '> 0'}, got {text}")
         return v
+
     return parse
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``ps-stat`` argument parser."""
-    p = argparse.ArgumentParser(prog="ps-stat", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("endpoints", nargs="?", metavar="ENDPOINTS",
-                   help="comma-separated pserver endpoints (default: PADDLE_PSERVERS_IP_PORT_LIST)")
-    p.add_argument("--interval", type=_positive("--interval", True), default=1.0, metavar="S",
-                   help="measure pushes/s over S seconds (default 1); 0: average since start")
+    p = argparse.ArgumentParser(
+        prog="ps-stat", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "endpoints",
+        nargs="?",
+        metavar="ENDPOINTS",
+        help="comma-separated pserver endpoints (default: PADDLE_PSERVERS_IP_PORT_LIST)",
+    )
+    p.add_argument(
+        "--interval",
+        type=_positive("--interval", True),
+        default=1.0,
+        metavar="S",
+        help="measure pushes/s over S seconds (default 1); 0: average since start",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object per pserver per line")
-    p.add_argument("--timeout", type=_positive("--timeout", False), default=5.0, metavar="S",
-                   help="deadline of each Stats call (default 5)")
+    p.add_argument(
+        "--timeout",
+        type=_positive("--timeout", False),
+        default=5.0,
+        metavar="S",
+        help="deadline of each Stats call (default 5)",
+    )
     return p
 
 

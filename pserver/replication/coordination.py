@@ -10,6 +10,7 @@ them all: only a listed replica may take over without losing updates (or one tol
 This module is the interface (:class:`Coordinator`) and its records; :mod:`.etcd` implements it
 over etcd's HTTP gateway. Nothing here knows gRPC: failures are :class:`CoordinationError`.
 """
+
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
@@ -20,6 +21,7 @@ from typing import Callable, Mapping, Optional, Tuple
 @dataclass(frozen=True)
 class Leader:
     """What ``shard-k/primary`` says; ``epoch`` is the key's create revision."""
+
     endpoint: str
     replica_id: str
     epoch: int
@@ -28,6 +30,7 @@ class Leader:
 @dataclass(frozen=True)
 class InSync:
     """What ``shard-k/in_sync`` says; ``revision`` is the key's mod revision (for compare-and-swap)."""
+
     replicas: Tuple[str, ...]
     endpoints: Mapping[str, str] = field(hash=False)
     epoch: int
@@ -40,10 +43,11 @@ class CoordinationError(Exception):
 
 
 def may_campaign(in_sync: Optional[InSync], replica_id: str, force: bool) -> bool:
-    """Whether ``replica_id`` may try to lead: the shard is fresh (no in-sync list), it is listed, or ``force``.
+    """Whether ``replica_id`` may try to lead: the shard is fresh (no in-sync list), it is listed, or
+    ``force``.
 
-    A replica missing from the list may lack acknowledged updates; leading would lose them, which
-    only an explicit ``force`` (recovery from a checkpoint, under a new lineage) accepts.
+    A replica missing from the list may lack acknowledged updates; leading would lose them, which only an
+    explicit ``force`` (recovery from a checkpoint, under a new lineage) accepts.
     """
     return in_sync is None or force or replica_id in in_sync.replicas
 
@@ -66,32 +70,34 @@ class Coordinator(ABC):
 
     @abstractmethod
     def campaign(self, endpoint: str, lineage: str, force: bool = False) -> Optional[int]:
-        """Become the primary at ``endpoint`` if no replica leads and :func:`may_campaign` allows; return the new epoch,
-        or None when another replica leads or the conditions fail. The decision is one etcd transaction (no
-        primary key, in-sync list unchanged since read), so of replicas campaigning at once at most one wins.
-        The primary key lives on this process's lease (granted here, then kept alive); the in-sync list becomes
-        this replica alone at the new epoch, keeping the stored lineage unless ``force`` or the shard is fresh."""
+        """Become the primary at ``endpoint`` if no replica leads and :func:`may_campaign` allows; return
+        the new epoch, or None when another replica leads or the conditions fail. The decision is one etcd
+        transaction (no primary key, in-sync list unchanged since read), so of replicas campaigning at once
+        at most one wins. The primary key lives on this process's lease (granted here, then kept alive);
+        the in-sync list becomes this replica alone at the new epoch, keeping the stored lineage unless
+        ``force`` or the shard is fresh."""
 
     @abstractmethod
     def set_in_sync(self, epoch: int, replicas: Mapping[str, str]) -> bool:
-        """As the primary at ``epoch``, replace the in-sync list by ``replicas`` ({replica_id: endpoint}), keeping
-        the lineage: one transaction, applied only while the primary key's create revision is still ``epoch``.
-        False means this process no longer leads at ``epoch`` and must fence itself."""
+        """As the primary at ``epoch``, replace the in-sync list by ``replicas`` ({replica_id: endpoint}),
+        keeping the lineage: one transaction, applied only while the primary key's create revision is still
+        ``epoch``. False means this process no longer leads at ``epoch`` and must fence itself."""
 
     @abstractmethod
     def holds(self, epoch: int) -> bool:
-        """Whether this process certainly still leads at ``epoch``: local, no I/O, cheap enough for every request.
-        True while the lease's last successful keep-alive was *sent* less than ``ttl - ttl/4`` seconds ago
-        (etcd cannot have expired it earlier). A keep-alive answering that the lease expired makes it False at
-        once, failing keep-alives at that deadline; either way ``on_lost(epoch)`` is called once."""
+        """Whether this process certainly still leads at ``epoch``: local, no I/O, cheap enough for every
+        request. True while the lease's last successful keep-alive was *sent* less than ``ttl - ttl/4``
+        seconds ago (etcd cannot have expired it earlier). A keep-alive answering that the lease expired
+        makes it False at once, failing keep-alives at that deadline; either way ``on_lost(epoch)`` is
+        called once."""
 
     def watch(self, on_change: Callable[[], None]) -> None:
-        """Call ``on_change()`` (from another thread) whenever the shard's records change; a new call replaces it.
+        """Call ``on_change()`` (from another thread) whenever the shard's records change; a new call
+        replaces it.
 
-        A hint that saves polling: the caller still reads :meth:`leader` and
-        :meth:`in_sync` itself, and re-reads them now and then in case a
-        change went unreported (the watch's connection lost). The default
-        reports nothing.
+        A hint that saves polling: the caller still reads :meth:`leader` and :meth:`in_sync` itself, and
+        re-reads them now and then in case a change went unreported (the watch's connection lost). The
+        default reports nothing.
         """
 
     @abstractmethod

@@ -13,6 +13,7 @@ cost the primary, under its lock, half a second per million rows). It detects
 divergence; it is no cryptographic hash. The wall-clock ``seen_time`` column is
 left out: it is each process's own clock.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -45,14 +46,17 @@ def fold_rows(ids: np.ndarray, columns) -> int:
         acc = ids.astype(np.int64).view(np.uint64) * _GOLDEN
         for k, column in enumerate(columns):
             words = _words(column, ids.size)
-            weights = (np.arange(words.shape[1], dtype=np.uint64) * np.uint64(2) + np.uint64(2 * k + 1)) * _GOLDEN
+            weights = (
+                np.arange(words.shape[1], dtype=np.uint64) * np.uint64(2) + np.uint64(2 * k + 1)
+            ) * _GOLDEN
             acc = (acc ^ (words * weights).sum(axis=1, dtype=np.uint64)) * _MIX
             acc ^= acc >> np.uint64(29)
         return int(acc.sum(dtype=np.uint64))
 
 
 def state_digest(store, tables, roster_meta: dict) -> str:
-    """The hex digest of the blocks, optimizer state, table shards and ``roster_meta`` (under the engine's lock)."""
+    """The hex digest of the blocks, optimizer state, table shards and ``roster_meta`` (under the engine's
+    lock)."""
     h = hashlib.sha256()
     for name in sorted(store.blocks):
         block = store.blocks[name]
@@ -69,8 +73,12 @@ def state_digest(store, tables, roster_meta: dict) -> str:
     for name in sorted(tables.names()):
         shard = tables.shards[name]
         with shard.reading() as memory:
-            columns = [memory.rows, *memory.state,
-                       *(values for column, values in sorted(memory.meta.items()) if column not in CLOCK_COLUMNS)]
-            h.update(f"{name}:{shard.step}:{len(memory)}:{shard.disk_rows}:{fold_rows(memory.ids, columns)}".encode())
+            columns = [
+                memory.rows,
+                *memory.state,
+                *(values for column, values in sorted(memory.meta.items()) if column not in CLOCK_COLUMNS),
+            ]
+            rows = fold_rows(memory.ids, columns)
+            h.update(f"{name}:{shard.step}:{len(memory)}:{shard.disk_rows}:{rows}".encode())
     h.update(json.dumps(roster_meta, sort_keys=True).encode())
     return h.hexdigest()[:32]

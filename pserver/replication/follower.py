@@ -1,4 +1,5 @@
 """The backup's side of the replication stream: apply the primary's messages in order, check its digest."""
+
 from __future__ import annotations
 
 import json
@@ -14,16 +15,20 @@ from ..tables import SparseGrad
 log = logging.getLogger(__name__)
 
 
-def split_update(tensors: Mapping[str, torch.Tensor],
-                 blocks: AbstractSet[str]) -> Tuple[Dict[str, torch.Tensor], Dict[str, SparseGrad]]:
+def split_update(
+    tensors: Mapping[str, torch.Tensor], blocks: AbstractSet[str]
+) -> Tuple[Dict[str, torch.Tensor], Dict[str, SparseGrad]]:
     """(dense gradients, {table: (ids, rows)}) of an update the primary applied, from a message's tensors.
 
     The primary merged and checked it: its ids are unique and of this shard,
     so they are taken as they are (no hashing, no merging on the backup).
     """
     dense = {name: t for name, t in tensors.items() if name in blocks}
-    sparse = {name[:-len("@ids")]: (t.numpy(), tensors[name[:-len("@ids")] + "@rows"])
-              for name, t in tensors.items() if name.endswith("@ids")}
+    sparse = {
+        name[: -len("@ids")]: (t.numpy(), tensors[name[: -len("@ids")] + "@rows"])
+        for name, t in tensors.items()
+        if name.endswith("@ids")
+    }
     return dense, sparse
 
 
@@ -60,8 +65,9 @@ class Follower:
             if header.seq != self.seq + 1:
                 raise OutOfSync(f"message {header.seq} after {self.seq}: a gap")
             dense, sparse = split_update(tensors, self.engine.store.names())
-            self.engine.apply_replicated(header.lr_step, header.updates, json.loads(header.roster or "{}"),
-                                         dense, sparse)
+            self.engine.apply_replicated(
+                header.lr_step, header.updates, json.loads(header.roster or "{}"), dense, sparse
+            )
             self.seq = header.seq
             self.applied += 1
             if header.digest:
@@ -69,15 +75,23 @@ class Follower:
                     mine = self.digest()
                 if mine != header.digest:
                     self.mismatches += 1
-                    log.error("backup %s: state digest after update %d differs from the primary's (%s here, "
-                              "%s there): the replicas diverged", self.engine.endpoint, header.updates, mine,
-                              header.digest)
+                    log.error(
+                        "backup %s: state digest after update %d differs from the primary's (%s here, "
+                        "%s there): the replicas diverged",
+                        self.engine.endpoint,
+                        header.updates,
+                        mine,
+                        header.digest,
+                    )
                 else:
                     self.matches += 1
                     # The first match says digests are being compared at all; later ones only at debug level.
-                    log.log(logging.INFO if self.matches == 1 else logging.DEBUG,
-                            "backup %s: state digest after update %d matches the primary's", self.engine.endpoint,
-                            header.updates)
+                    log.log(
+                        logging.INFO if self.matches == 1 else logging.DEBUG,
+                        "backup %s: state digest after update %d matches the primary's",
+                        self.engine.endpoint,
+                        header.updates,
+                    )
             return self.seq
 
     def stop(self) -> None:

@@ -1,33 +1,32 @@
-"""The primary's side of the replication stream: what it sends its backup, and who waits for the backup's answer.
+"""The primary's side of the replication stream: what it sends its backup, and who waits for the backup's
+answer.
 
-Every change the engine makes is handed to :meth:`Outbox.record` under the
-engine's lock (by its :class:`~pserver.engine.listeners.Replication` listener),
-numbered (``seq``) and, while the shard has a backup, encoded at once (the
-engine reuses its gradient buffers at the next step). One sender
-thread sends the messages in order (:class:`Transport`); a trainer's call is
-answered only after :meth:`Outbox.wait_acked` saw the backup acknowledge every
-message recorded before it, so whatever a trainer was told survives the loss of
-either process.
+Every change the engine makes is handed to :meth:`Outbox.record` under the engine's lock (by its
+:class:`~pserver.engine.listeners.Replication` listener), numbered (``seq``) and, while the shard has a
+backup, encoded at once (the engine reuses its gradient buffers at the next step). One sender thread sends
+the messages in order (:class:`Transport`); a trainer's call is answered only after
+:meth:`Outbox.wait_acked` saw the backup acknowledge every message recorded before it, so whatever a
+trainer was told survives the loss of either process.
 
 The backup's states, and what a wait needs:
 
 ==========================  ============================================  ==============================
 backup                      what the sender does                          a trainer's call waits for
 ==========================  ============================================  ==============================
-none                        nothing (messages are not even encoded)       nothing
-copying the snapshot        keeps the messages since the snapshot         nothing (not counted yet)
-catching up                 sends them                                    nothing (not counted yet)
-counted (a message behind)  sends each as it comes                        the backup's acknowledgement
-in sync (in etcd's list)    sends each as it comes                        the backup's acknowledgement
-==========================  ============================================  ==============================
+none                        nothing (messages are not even encoded)       nothing copying the snapshot
+keeps the messages since the snapshot         nothing (not counted yet) catching up                 sends
+them                                    nothing (not counted yet) counted (a message behind)  sends each as
+it comes                        the backup's acknowledgement in sync (in etcd's list)    sends each as it
+comes                        the backup's acknowledgement ==========================
+============================================  ==============================
 
-Waits start counting on a catching-up backup when one message at most is left
-for it (so catching up never stalls training), and it enters the shard's
-in-sync list in etcd only once it holds every message; a backup that fails is taken out of
-it *before* the waits stop counting on it. Either etcd write is guarded by the
-primary's epoch: a primary that lost its lease can do neither, so it can
-neither acknowledge alone nor be replaced by a backup that misses an update.
+Waits start counting on a catching-up backup when one message at most is left for it (so catching up never
+stalls training), and it enters the shard's in-sync list in etcd only once it holds every message; a backup
+that fails is taken out of it *before* the waits stop counting on it. Either etcd write is guarded by the
+primary's epoch: a primary that lost its lease can do neither, so it can neither acknowledge alone nor be
+replaced by a backup that misses an update.
 """
+
 from __future__ import annotations
 
 import collections
@@ -57,14 +56,19 @@ class ReplicaUnreachable(Exception):
 
 
 class NotFollowed(ConnectionError):
-    """A backup's primary answered that it does not count it as its backup (dropped): it copies the state again."""
+    """A backup's primary answered that it does not count it as its backup (dropped): it copies the state
+    again."""
 
 
 class Transport:
-    """How a primary reaches its backup: one method, implemented over gRPC by :mod:`pserver.rpc.replica_link`."""
+    """How a primary reaches its backup: one method, implemented over gRPC by
+    :mod:`pserver.rpc.replica_link`."""
 
-    def send(self, endpoint: str, messages: List[bytes], timeout: float) -> int:  # pragma: no cover - interface
-        """Send one update's messages (a header first, then pieces) to ``endpoint``; the seq it acknowledged."""
+    def send(
+        self, endpoint: str, messages: List[bytes], timeout: float
+    ) -> int:  # pragma: no cover - interface
+        """Send one update's messages (a header first, then pieces) to ``endpoint``; the seq it
+        acknowledged."""
         raise NotImplementedError
 
     def reconnect(self, endpoint: str) -> None:
@@ -73,13 +77,14 @@ class Transport:
 
 @dataclass
 class Backup:
-    """The shard's other process as its primary sees it; the outbox changes it under its lock, by these methods."""
+    """The shard's other process as its primary sees it; the outbox changes it under its lock, by these
+    methods."""
 
     replica_id: str
     endpoint: str
-    following: bool = False     # loaded the snapshot and asked for the messages since
-    counted: bool = False       # waits count on it: nothing more is acknowledged without it
-    in_sync: bool = False       # in etcd's in-sync list: it may lead if this process is lost
+    following: bool = False  # loaded the snapshot and asked for the messages since
+    counted: bool = False  # waits count on it: nothing more is acknowledged without it
+    in_sync: bool = False  # in etcd's in-sync list: it may lead if this process is lost
     queue: Deque[Tuple[int, List[bytes]]] = field(default_factory=collections.deque)
     queued_bytes: int = 0
 
@@ -108,11 +113,21 @@ class Backup:
         self.in_sync = True
 
 
-def encode_update(epoch: int, seq: int, lr_step: int, updates: int, roster: str, digest: str,
-                  dense: Mapping[str, torch.Tensor], sparse: Mapping, chunk_bytes: int) -> List[bytes]:
+def encode_update(
+    epoch: int,
+    seq: int,
+    lr_step: int,
+    updates: int,
+    roster: str,
+    digest: str,
+    dense: Mapping[str, torch.Tensor],
+    sparse: Mapping,
+    chunk_bytes: int,
+) -> List[bytes]:
     """One change as ReplicaChunk messages: the header, the dense gradients, each table's ids and rows."""
-    header = ps_pb2.ReplicaHeader(epoch=epoch, seq=seq, updates=updates, lr_step=lr_step, roster=roster,
-                                  digest=digest)
+    header = ps_pb2.ReplicaHeader(
+        epoch=epoch, seq=seq, updates=updates, lr_step=lr_step, roster=roster, digest=digest
+    )
     tensors = list(dense.items())
     for name, (ids, rows) in sparse.items():
         tensors.append((f"{name}@ids", torch.as_tensor(ids)))
@@ -129,10 +144,18 @@ class Outbox:
     ``on_fenced`` is called once when an etcd write shows this process lost the lead.
     """
 
-    def __init__(self, me: Tuple[str, str], epoch: int, transport: Transport,
-                 set_in_sync: Callable[[Dict[str, str]], bool], chunk_bytes: int, timeout: float,
-                 digest: Optional[Callable[[], str]] = None, digest_every: int = 0,
-                 on_fenced: Optional[Callable[[], None]] = None):
+    def __init__(
+        self,
+        me: Tuple[str, str],
+        epoch: int,
+        transport: Transport,
+        set_in_sync: Callable[[Dict[str, str]], bool],
+        chunk_bytes: int,
+        timeout: float,
+        digest: Optional[Callable[[], str]] = None,
+        digest_every: int = 0,
+        on_fenced: Optional[Callable[[], None]] = None,
+    ):
         self.me = me
         self.epoch = epoch
         self.transport = transport
@@ -143,9 +166,9 @@ class Outbox:
         self.digest_every = digest_every
         self.on_fenced = on_fenced
         self.cv = threading.Condition()
-        self.seq = 0          # the last message recorded
-        self.acked = 0        # every message up to here is held by the backup, or needs no backup
-        self.sent = 0         # messages sent (for ps-stat)
+        self.seq = 0  # the last message recorded
+        self.acked = 0  # every message up to here is held by the backup, or needs no backup
+        self.sent = 0  # messages sent (for ps-stat)
         self.backup: Optional[Backup] = None
         self.fenced = False
         self._stopping = False
@@ -164,15 +187,33 @@ class Outbox:
             if backup is None:
                 return self.seq
             digest = ""
-            if self.digest is not None and self.digest_every and lr_step >= 0 and updates % self.digest_every == 0:
+            if (
+                self.digest is not None
+                and self.digest_every
+                and lr_step >= 0
+                and updates % self.digest_every == 0
+            ):
                 digest = self.digest()
-            messages = encode_update(self.epoch, self.seq, lr_step, updates, json.dumps(roster_meta), digest,
-                                     dense, sparse, self.chunk_bytes)
+            messages = encode_update(
+                self.epoch,
+                self.seq,
+                lr_step,
+                updates,
+                json.dumps(roster_meta),
+                digest,
+                dense,
+                sparse,
+                self.chunk_bytes,
+            )
             backup.queue_message(self.seq, messages)
             if not backup.following and backup.queued_bytes > KEEP_BYTES:
-                log.warning("primary %s: backup %s copies its snapshot too slowly (%d MiB of updates kept "
-                            "since); it copies the state again", self.me[1], backup.endpoint,
-                            backup.queued_bytes >> 20)
+                log.warning(
+                    "primary %s: backup %s copies its snapshot too slowly (%d MiB of updates kept "
+                    "since); it copies the state again",
+                    self.me[1],
+                    backup.endpoint,
+                    backup.queued_bytes >> 20,
+                )
                 self.backup = None
                 self.acked = self.seq
             self.cv.notify_all()
@@ -190,16 +231,23 @@ class Outbox:
         self.transport.reconnect(endpoint)
         with self.cv:
             self.backup = Backup(replica_id, endpoint)
-            log.info("primary %s: %s (%s) joins as the backup from message %d", self.me[1], endpoint,
-                     replica_id, self.seq)
+            log.info(
+                "primary %s: %s (%s) joins as the backup from message %d",
+                self.me[1],
+                endpoint,
+                replica_id,
+                self.seq,
+            )
             return self.seq
 
     def follow(self, replica_id: str) -> None:
         """The joining backup loaded the snapshot: send it the messages since."""
         with self.cv:
             if self.backup is None or self.backup.replica_id != replica_id:
-                raise OutOfSync(f"primary {self.me[1]}: {replica_id} is not its backup (dropped since its "
-                                f"snapshot?); it copies the state again")
+                raise OutOfSync(
+                    f"primary {self.me[1]}: {replica_id} is not its backup (dropped since its "
+                    f"snapshot?); it copies the state again"
+                )
             if self.backup.following:
                 return  # the backup asking again whether it still is one: it is
             # Nearly caught up already (a quiet moment): from now on nothing is acknowledged without it.
@@ -237,12 +285,16 @@ class Outbox:
                     raise NotPrimary(f"pserver {self.me[1]} is stopping; ask the shard's processes who leads")
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
-                    raise NotPrimary(f"primary {self.me[1]}: the backup did not acknowledge message {target} "
-                                     f"within {self.timeout:g}s")
+                    raise NotPrimary(
+                        f"primary {self.me[1]}: the backup did not acknowledge message {target} "
+                        f"within {self.timeout:g}s"
+                    )
                 self.cv.wait(remaining)
             if self.fenced:
-                raise NotPrimary(f"pserver {self.me[1]} lost the lead of its shard (epoch {self.epoch}); "
-                                 f"ask the shard's processes who leads")
+                raise NotPrimary(
+                    f"pserver {self.me[1]} lost the lead of its shard (epoch {self.epoch}); "
+                    f"ask the shard's processes who leads"
+                )
 
     def drain(self, timeout: float) -> bool:
         """Before this primary stops: wait up to ``timeout`` s until a following backup holds every message.
@@ -264,7 +316,9 @@ class Outbox:
         """(the backup or None, messages it has not acknowledged yet), for ps-stat and metrics."""
         with self.cv:
             backup = self.backup
-            lag = 0 if backup is None else (backup.queue[-1][0] - backup.queue[0][0] + 1 if backup.queue else 0)
+            lag = (
+                0 if backup is None else (backup.queue[-1][0] - backup.queue[0][0] + 1 if backup.queue else 0)
+            )
             return backup, lag
 
     def fence(self) -> None:
@@ -278,7 +332,9 @@ class Outbox:
         with self.cv:
             self._stopping = True
             self.cv.notify_all()
-        self._thread.join(timeout=1)  # a daemon, maybe in a send to an unreachable backup: not waited for long
+        self._thread.join(
+            timeout=1
+        )  # a daemon, maybe in a send to an unreachable backup: not waited for long
 
     # -- the sender thread ----------------------------------------------------
 
@@ -307,8 +363,9 @@ class Outbox:
             try:
                 self.transport.send(backup.endpoint, messages, self.timeout)
             except ReplicaUnreachable as e:
-                log.warning("primary %s: backup %s did not take message %d: %s", self.me[1], backup.endpoint,
-                            seq, e)
+                log.warning(
+                    "primary %s: backup %s did not take message %d: %s", self.me[1], backup.endpoint, seq, e
+                )
                 self._drop_backup(str(e), only=backup)
                 continue
             with self.cv:
@@ -359,8 +416,12 @@ class Outbox:
             self.backup = None
             self.acked = self.seq
             self.cv.notify_all()
-        log.warning("primary %s: backup %s dropped (%s); acknowledging alone until a backup catches up",
-                    self.me[1], backup.endpoint, why)
+        log.warning(
+            "primary %s: backup %s dropped (%s); acknowledging alone until a backup catches up",
+            self.me[1],
+            backup.endpoint,
+            why,
+        )
         return True
 
     def _write_in_sync(self, replicas: Dict[str, str]) -> Optional[bool]:
@@ -368,13 +429,20 @@ class Outbox:
         try:
             return self.set_in_sync(replicas)
         except Exception as e:  # noqa: BLE001 - CoordinationError or a transport error: retried
-            log.warning("primary %s: cannot write the in-sync replicas %s to etcd: %s", self.me[1],
-                        sorted(replicas.values()), e)
+            log.warning(
+                "primary %s: cannot write the in-sync replicas %s to etcd: %s",
+                self.me[1],
+                sorted(replicas.values()),
+                e,
+            )
             return None
 
     def _fenced_by_etcd(self) -> None:
-        log.error("primary %s: etcd says this process no longer leads its shard (epoch %d); fenced",
-                  self.me[1], self.epoch)
+        log.error(
+            "primary %s: etcd says this process no longer leads its shard (epoch %d); fenced",
+            self.me[1],
+            self.epoch,
+        )
         self.fenced = True
         self.backup = None
         self.cv.notify_all()

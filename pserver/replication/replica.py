@@ -14,6 +14,7 @@ listener, which a new primary hands its outbox; it turns the process's
 :class:`~pserver.engine.listeners.FileWrites` on (a backup writes no
 checkpoint and no export).
 """
+
 from __future__ import annotations
 
 import logging
@@ -31,7 +32,7 @@ from .coordination import CoordinationError, Coordinator
 from .digest import state_digest
 from .follower import Follower
 from .outbox import NotFollowed, Outbox
-from .roles import (BACKUP, CAMPAIGN, FENCED, JOIN, JOINING, PRIMARY, RECOVER, REJOIN, STAY, WAIT, next_step)
+from .roles import BACKUP, CAMPAIGN, FENCED, JOIN, JOINING, PRIMARY, RECOVER, REJOIN, STAY, WAIT, next_step
 
 log = logging.getLogger(__name__)
 
@@ -58,8 +59,17 @@ class Replica:
     checkpoint); ``on_fenced()`` ends the process.
     """
 
-    def __init__(self, engine, program, coordinator: Coordinator, link, replication: Replication,
-                 files: FileWrites, on_lineage: Callable[[int], None], on_fenced: Callable[[], None]):
+    def __init__(
+        self,
+        engine,
+        program,
+        coordinator: Coordinator,
+        link,
+        replication: Replication,
+        files: FileWrites,
+        on_lineage: Callable[[int], None],
+        on_fenced: Callable[[], None],
+    ):
         cfg = program.config
         self.engine = engine
         self.replication = replication
@@ -93,8 +103,10 @@ class Replica:
         """Refuse (NotPrimary) unless this process leads its shard and its lease is certainly valid."""
         if self.role != PRIMARY or not self.coordinator.holds(self.epoch):
             where = f"; the primary is {self.leader}" if self.leader and self.leader != self.endpoint else ""
-            raise NotPrimary(f"pserver {self.endpoint} does not lead shard {self.shard} ({self.role}{where}); "
-                             f"ask the shard's processes who leads")
+            raise NotPrimary(
+                f"pserver {self.endpoint} does not lead shard {self.shard} ({self.role}{where}); "
+                f"ask the shard's processes who leads"
+            )
 
     def wait_acked(self) -> None:
         """Block until the backup holds every change made so far (nothing to wait for without one)."""
@@ -106,8 +118,13 @@ class Replica:
         return state_digest(self.engine.store, self.engine.tables, self.engine.roster.to_meta())
 
     def lead_reply(self) -> ps_pb2.LeadReply:
-        return ps_pb2.LeadReply(role=self.role, epoch=self.epoch, primary=self.leader, shard=self.shard,
-                                updates=self.engine.updates)
+        return ps_pb2.LeadReply(
+            role=self.role,
+            epoch=self.epoch,
+            primary=self.leader,
+            shard=self.shard,
+            updates=self.engine.updates,
+        )
 
     def stats(self) -> ps_pb2.ReplicaStats:
         """This process's replication state for ps-stat and /metrics."""
@@ -126,12 +143,14 @@ class Replica:
     # -- the primary's answers to a joining backup --------------------------------
 
     def serve_snapshot(self, request) -> Iterator[ps_pb2.SnapshotChunk]:
-        """Copy this primary's state for the process ``request`` names; it becomes the (catching-up) backup."""
+        """Copy this primary's state for the process ``request`` names; it becomes the (catching-up)
+        backup."""
         self.check_serving()
         outbox = self.outbox
         if request.epoch != self.epoch or outbox is None:
-            raise NotPrimary(f"pserver {self.endpoint} leads shard {self.shard} at epoch {self.epoch}, not "
-                             f"{request.epoch}")
+            raise NotPrimary(
+                f"pserver {self.endpoint} leads shard {self.shard} at epoch {self.epoch}, not {request.epoch}"
+            )
         directory = snapshot.scratch(self.program)
         try:
             started = time.monotonic()
@@ -139,10 +158,17 @@ class Replica:
                 archive = snapshot.write(self.engine, self.program, directory)
                 seq = outbox.attach(request.replica_id, request.endpoint)
                 updates = self.engine.updates
-            log.info("primary %s: snapshot at update %d (message %d) for %s, written in %.2fs", self.endpoint,
-                     updates, seq, request.endpoint, time.monotonic() - started)
-            first = ps_pb2.SnapshotChunk(seq=seq, updates=updates, lineage=str(self.lineage),
-                                         checkpoint_step=self.engine.restored_from)
+            log.info(
+                "primary %s: snapshot at update %d (message %d) for %s, written in %.2fs",
+                self.endpoint,
+                updates,
+                seq,
+                request.endpoint,
+                time.monotonic() - started,
+            )
+            first = ps_pb2.SnapshotChunk(
+                seq=seq, updates=updates, lineage=str(self.lineage), checkpoint_step=self.engine.restored_from
+            )
             yield first
             for data in snapshot.chunks(archive):
                 yield ps_pb2.SnapshotChunk(data=data)
@@ -201,15 +227,28 @@ class Replica:
                 self.coordinator.watch(changed.set)
             if leader is not None:
                 no_leader_since = time.monotonic()
-            if self.role == BACKUP and in_sync is not None and self.coordinator.replica_id in in_sync.replicas:
+            if (
+                self.role == BACKUP
+                and in_sync is not None
+                and self.coordinator.replica_id in in_sync.replicas
+            ):
                 self.was_in_sync = True
-            step = next_step(self.role, leader, in_sync, self.coordinator.replica_id,
-                             self.epoch if self.role == BACKUP else 0, self.was_in_sync,
-                             time.monotonic() - no_leader_since, self.takeover_timeout)
+            step = next_step(
+                self.role,
+                leader,
+                in_sync,
+                self.coordinator.replica_id,
+                self.epoch if self.role == BACKUP else 0,
+                self.was_in_sync,
+                time.monotonic() - no_leader_since,
+                self.takeover_timeout,
+            )
             if step == STAY and self.role == BACKUP and not self._still_followed():
                 step = REJOIN
             if step in (CAMPAIGN, RECOVER) and self.engine.all_closed.is_set():
-                step = DONE  # every trainer closed: nothing left to lead (the primary wrote the last checkpoint)
+                step = (
+                    DONE  # every trainer closed: nothing left to lead (the primary wrote the last checkpoint)
+                )
             try:
                 if step in (CAMPAIGN, RECOVER):
                     if self._campaign(step == RECOVER):
@@ -239,11 +278,18 @@ class Replica:
             return True
         self._next_check = now + CHECK_EVERY
         try:
-            self.link.follow(self.leader, ps_pb2.FollowRequest(replica_id=self.coordinator.replica_id,
-                                                               epoch=self.epoch), min(self.timeout, 2.0))
+            self.link.follow(
+                self.leader,
+                ps_pb2.FollowRequest(replica_id=self.coordinator.replica_id, epoch=self.epoch),
+                min(self.timeout, 2.0),
+            )
         except NotFollowed as e:
-            log.info("replica %s: its primary %s no longer counts it as the backup (%s); copying the state "
-                     "again", self.endpoint, self.leader, e)
+            log.info(
+                "replica %s: its primary %s no longer counts it as the backup (%s); copying the state again",
+                self.endpoint,
+                self.leader,
+                e,
+            )
             return False
         except ConnectionError:
             pass  # the primary is unreachable: etcd says when another leads
@@ -254,27 +300,44 @@ class Replica:
             # Nobody holding every acknowledged update came back: this process leads from what it has
             # (its checkpoint), as a shard without replicas would, under a new lineage.
             self.lineage = secrets.randbits(63) or 1
-            log.warning("replica %s: no in-sync replica of shard %d led within %gs; leading from its own "
-                        "state (update %d); trainers roll back to it", self.endpoint, self.shard,
-                        self.takeover_timeout, self.engine.updates)
+            log.warning(
+                "replica %s: no in-sync replica of shard %d led within %gs; leading from its own "
+                "state (update %d); trainers roll back to it",
+                self.endpoint,
+                self.shard,
+                self.takeover_timeout,
+                self.engine.updates,
+            )
         epoch = self.coordinator.campaign(self.endpoint, str(self.lineage), force=recover)
         if epoch is None:
             return False
         follower = self.follower
         if follower is not None:
             follower.stop()
-        self.outbox = Outbox((self.coordinator.replica_id, self.endpoint), epoch, self.link,
-                             lambda replicas: self.coordinator.set_in_sync(epoch, replicas), self.chunk_bytes,
-                             self.timeout, digest=self.digest, digest_every=self.digest_every,
-                             on_fenced=self._fence)
+        self.outbox = Outbox(
+            (self.coordinator.replica_id, self.endpoint),
+            epoch,
+            self.link,
+            lambda replicas: self.coordinator.set_in_sync(epoch, replicas),
+            self.chunk_bytes,
+            self.timeout,
+            digest=self.digest,
+            digest_every=self.digest_every,
+            on_fenced=self._fence,
+        )
         with self.engine.cv:
             self.replication.lead(self.outbox)
             self.files.take_over()
             self.epoch, self.leader, self.role = epoch, self.endpoint, PRIMARY
         self.engine.take_lead()
         self.on_lineage(self.lineage)
-        log.warning("replica %s leads shard %d at epoch %d (update %d)", self.endpoint, self.shard, epoch,
-                    self.engine.updates)
+        log.warning(
+            "replica %s leads shard %d at epoch %d (update %d)",
+            self.endpoint,
+            self.shard,
+            epoch,
+            self.engine.updates,
+        )
         return True
 
     def _hold(self) -> None:
@@ -290,8 +353,13 @@ class Replica:
         self.role = FENCED
         if self.outbox is not None:
             self.outbox.fence()
-        log.error("replica %s: lost the lead of shard %d (epoch %d): fenced; it answers nothing more and "
-                  "stops (restarted, it rejoins as the backup)", self.endpoint, self.shard, self.epoch)
+        log.error(
+            "replica %s: lost the lead of shard %d (epoch %d): fenced; it answers nothing more and "
+            "stops (restarted, it rejoins as the backup)",
+            self.endpoint,
+            self.shard,
+            self.epoch,
+        )
         self.on_fenced()
 
     def _join(self, leader) -> None:
@@ -304,19 +372,35 @@ class Replica:
         directory = snapshot.scratch(self.program)
         try:
             started = time.monotonic()
-            answer = self.link.fetch_snapshot(leader.endpoint, ps_pb2.SnapshotRequest(
-                replica_id=self.coordinator.replica_id, endpoint=self.endpoint, epoch=leader.epoch), self.timeout)
+            answer = self.link.fetch_snapshot(
+                leader.endpoint,
+                ps_pb2.SnapshotRequest(
+                    replica_id=self.coordinator.replica_id, endpoint=self.endpoint, epoch=leader.epoch
+                ),
+                self.timeout,
+            )
             first = next(answer)
             snapshot.unpack((chunk.data for chunk in answer), directory)
             with self.engine.cv:
                 # The primary's history, not this process's own start: what Hello reports once it leads.
-                self.engine.follow_copy(snapshot.load(self.engine, self.program, directory), first.checkpoint_step)
+                self.engine.follow_copy(
+                    snapshot.load(self.engine, self.program, directory), first.checkpoint_step
+                )
                 self.follower = Follower(self.engine, leader.epoch, first.seq, self.digest)
             self.lineage = int(first.lineage)
             self.epoch, self.role = leader.epoch, BACKUP
-            self.link.follow(leader.endpoint, ps_pb2.FollowRequest(replica_id=self.coordinator.replica_id,
-                                                                   epoch=leader.epoch), self.timeout)
-            log.info("replica %s follows %s (epoch %d) from update %d, copied in %.2fs", self.endpoint,
-                     leader.endpoint, leader.epoch, first.updates, time.monotonic() - started)
+            self.link.follow(
+                leader.endpoint,
+                ps_pb2.FollowRequest(replica_id=self.coordinator.replica_id, epoch=leader.epoch),
+                self.timeout,
+            )
+            log.info(
+                "replica %s follows %s (epoch %d) from update %d, copied in %.2fs",
+                self.endpoint,
+                leader.endpoint,
+                leader.epoch,
+                first.updates,
+                time.monotonic() - started,
+            )
         finally:
             snapshot.remove(directory)

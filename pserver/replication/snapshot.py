@@ -6,6 +6,7 @@ into a scratch directory under the engine's lock, so the copy stands at one
 update, and archives it; the backup unpacks the archive into its own scratch
 directory and loads it as a checkpoint. Nothing touches ``checkpoint_dir``.
 """
+
 from __future__ import annotations
 
 import logging
@@ -26,8 +27,9 @@ def _checkpointer(engine, program, directory: str, alone: bool = False) -> Check
     # Written as the only part of a one-pserver checkpoint (``alone``): complete by itself, and
     # loaded by the backup as shard k of n like any checkpoint of another pserver count.
     shard, n = (0, 1) if alone else (program.shard, len(program.pservers))
-    return Checkpointer(directory, engine.store, engine.tables, shard, n, program.endpoint, program.sync_mode,
-                        every=0, keep=1)
+    return Checkpointer(
+        directory, engine.store, engine.tables, shard, n, program.endpoint, program.sync_mode, every=0, keep=1
+    )
 
 
 def scratch(program) -> str:
@@ -36,7 +38,8 @@ def scratch(program) -> str:
 
 
 def write(engine, program, directory: str) -> str:
-    """Under the engine's lock: this process's state as a checkpoint part in ``directory``, archived; the archive."""
+    """Under the engine's lock: this process's state as a checkpoint part in ``directory``, archived; the
+    archive."""
     _checkpointer(engine, program, directory, alone=True).save(engine.updates, engine.roster.to_meta())
     archive = os.path.join(directory, "snapshot.tar")
     with tarfile.open(archive, "w") as tar:
@@ -68,7 +71,8 @@ def unpack(data: Iterable[bytes], directory: str) -> None:
 
 
 def load(engine, program, directory: str) -> dict:
-    """Under the engine's lock: load the unpacked snapshot in ``directory`` into the blocks and tables; its manifest.
+    """Under the engine's lock: load the unpacked snapshot in ``directory`` into the blocks and tables; its
+    manifest.
 
     The engine takes its step and roster from it (:meth:`~pserver.engine.Engine.follow_copy`).
     """

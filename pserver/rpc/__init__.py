@@ -18,6 +18,7 @@ event loop instead of holding a thread; ``sessions.py`` also holds the
 Nothing below this layer (engines, stores, tables, checkpoints) imports grpc.
 :mod:`pserver.server` needs only the servicer (the service's name is :data:`psproto.wire.SERVICE`).
 """
+
 from .servicer import PserverServicer
 
 __all__ = ["PserverServicer"]

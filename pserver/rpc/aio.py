@@ -1,30 +1,26 @@
-"""The servicer on gRPC's asyncio server: parked calls hold no thread, CPU work runs on the loop or in a bounded pool.
+"""The servicer on gRPC's asyncio server: parked calls hold no thread, CPU work runs on the loop or in a
+bounded pool.
 
-The server runs on one event-loop thread. A servicer method that never waits
-for other trainers stays synchronous and runs in the server's pool, as on the
-threaded server; a unary one (Hello, Restore, ...) is sent there
-from an asyncio handler of :meth:`Parking.adapt` rather than by gRPC, so that
-its call counts as in progress while it waits for a pool thread (behind a
-thousand async pushes, that can be longer than ``heartbeat_timeout``: the
-trainer is not silent). One that only touches memory (a heartbeat,
-:func:`~.stretches.answered_on_loop`) runs on the loop itself. A method written to
-park (:mod:`.parking`) gets an asyncio handler from :meth:`Parking.adapt`: its
-request stream is collected on the loop, then its generator runs up to its
-next wait (a stretch), and the thread goes back to what it did. A stretch runs
-on the loop itself where nothing in a stretch can block (:mod:`.stretches`:
-no thread hop), in the same pool otherwise. The thread that ends the wait (the
-one whose push applied the step, under the engine's lock) queues the rest of
-the call (reading and encoding the answer) at once, to the pool or to the
-loop; the loop awaits only the answers, and keeps each wait's deadline (its
-expiry runs in the pool). A parked call whose client goes away (cancel,
-deadline) forgets its handle and closes its generator, which releases what it
+The server runs on one event-loop thread. A servicer method that never waits for other trainers stays
+synchronous and runs in the server's pool, as on the threaded server; a unary one (Hello, Restore, ...) is
+sent there from an asyncio handler of :meth:`Parking.adapt` rather than by gRPC, so that its call counts as
+in progress while it waits for a pool thread (behind a thousand async pushes, that can be longer than
+``heartbeat_timeout``: the trainer is not silent). One that only touches memory (a heartbeat,
+:func:`~.stretches.answered_on_loop`) runs on the loop itself. A method written to park (:mod:`.parking`)
+gets an asyncio handler from :meth:`Parking.adapt`: its request stream is collected on the loop, then its
+generator runs up to its next wait (a stretch), and the thread goes back to what it did. A stretch runs on
+the loop itself where nothing in a stretch can block (:mod:`.stretches`: no thread hop), in the same pool
+otherwise. The thread that ends the wait (the one whose push applied the step, under the engine's lock)
+queues the rest of the call (reading and encoding the answer) at once, to the pool or to the loop; the loop
+awaits only the answers, and keeps each wait's deadline (its expiry runs in the pool). A parked call whose
+client goes away (cancel, deadline) forgets its handle and closes its generator, which releases what it
 held.
 
-Statuses are still chosen by :mod:`.prologue` only: a parking method (on the
-loop or in the pool) sees a :class:`PoolContext`, whose ``abort(code,
-details)`` raises :class:`Abort`, answered on the loop with ``await
-context.abort``.
+Statuses are still chosen by :mod:`.prologue` only: a parking method (on the loop or in the pool) sees a
+:class:`PoolContext`, whose ``abort(code, details)`` raises :class:`Abort`, answered on the loop with
+``await context.abort``.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -54,7 +50,8 @@ class Abort(grpc.RpcError):
 
 
 class PoolContext:
-    """What a servicer method adapted here (on the loop or in the pool) sees of its asyncio call: peer, abort."""
+    """What a servicer method adapted here (on the loop or in the pool) sees of its asyncio call: peer,
+    abort."""
 
     def __init__(self, context: grpc.aio.ServicerContext):
         self._context = context
@@ -85,8 +82,14 @@ class _Call:
     another). The loop hears of a park to arm its deadline (:meth:`Parking.drive`).
     """
 
-    def __init__(self, pool: Executor, answers, loop: asyncio.AbstractEventLoop,
-                 on_park: Callable[[Parked], None], stretches: Stretches):
+    def __init__(
+        self,
+        pool: Executor,
+        answers,
+        loop: asyncio.AbstractEventLoop,
+        on_park: Callable[[Parked], None],
+        stretches: Stretches,
+    ):
         self.pool, self.answers, self.loop, self.on_park = pool, answers, loop, on_park
         self.stretches = stretches
         self.next: Optional[asyncio.Future] = None
@@ -189,8 +192,9 @@ class Parking:
     and a synchronous unary method's, which then runs in ``pool`` from here.
     """
 
-    def __init__(self, pool: Executor, stretches: Optional[Stretches] = None,
-                 calls: Optional[CallsInProgress] = None):
+    def __init__(
+        self, pool: Executor, stretches: Optional[Stretches] = None, calls: Optional[CallsInProgress] = None
+    ):
         self.pool = pool
         self.stretches = stretches if stretches is not None else Stretches(allowed=False)
         self.calls = calls
@@ -203,18 +207,22 @@ class Parking:
         return {name: self._adapt(h) for name, h in handlers.items()}
 
     def _adapt(self, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
-        behaviour = (handler.unary_unary or handler.unary_stream or handler.stream_unary
-                     or handler.stream_stream)
+        behaviour = (
+            handler.unary_unary or handler.unary_stream or handler.stream_unary or handler.stream_stream
+        )
         parking = getattr(behaviour, "parking", None)
-        serializers = dict(request_deserializer=handler.request_deserializer,
-                           response_serializer=handler.response_serializer)
+        serializers = dict(
+            request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer
+        )
         if parking is None:
             if handler.unary_unary is None:
                 return handler
             on_loop = getattr(behaviour, "answered_on_loop", False)
             if not on_loop and self.calls is None:
                 return handler
-            return grpc.unary_unary_rpc_method_handler(self._unary(handler.unary_unary, on_loop), **serializers)
+            return grpc.unary_unary_rpc_method_handler(
+                self._unary(handler.unary_unary, on_loop), **serializers
+            )
         servicer, collect = behaviour.__self__, handler.request_streaming
 
         async def answers(request, context):
@@ -223,6 +231,7 @@ class Parking:
             return parking(servicer, request, PoolContext(context))
 
         if behaviour.streams:
+
             async def streamed(request, context):
                 with self._serving(context):
                     try:
@@ -230,6 +239,7 @@ class Parking:
                             yield answer
                     except Abort as e:
                         await context.abort(e.code, e.details)
+
             make = grpc.stream_stream_rpc_method_handler if collect else grpc.unary_stream_rpc_method_handler
             return make(streamed, **serializers)
 
@@ -242,34 +252,41 @@ class Parking:
                     await context.abort(e.code, e.details)
                 finally:
                     await driven.aclose()
+
         make = grpc.stream_unary_rpc_method_handler if collect else grpc.unary_unary_rpc_method_handler
         return make(unary, **serializers)
 
     def _unary(self, behaviour: Callable, on_loop: bool):
-        """``behaviour`` (synchronous, unary) run on the loop (``on_loop``) or in the pool, its call in progress meanwhile.
+        """``behaviour`` (synchronous, unary) run on the loop (``on_loop``) or in the pool, its call in
+        progress meanwhile.
 
-        In the pool, the call counts from its start here: a call cancelled while it waits for a
-        pool thread never runs, and stops counting with the cancellation.
+        In the pool, the call counts from its start here: a call cancelled while it waits for a pool thread
+        never runs, and stops counting with the cancellation.
         """
+
         async def unary(request, context):
             with self._serving(context):
                 try:
                     if on_loop:
                         return behaviour(request, PoolContext(context))
-                    return await asyncio.get_running_loop().run_in_executor(self.pool, behaviour, request,
-                                                                            PoolContext(context))
+                    return await asyncio.get_running_loop().run_in_executor(
+                        self.pool, behaviour, request, PoolContext(context)
+                    )
                 except Abort as e:
                     await context.abort(e.code, e.details)
+
         return unary
 
     async def drive(self, answers):
-        """A parking generator's answers: its stretches run on the loop or in the pool; its waits' deadlines here."""
+        """A parking generator's answers: its stretches run on the loop or in the pool; its waits'
+        deadlines here."""
         loop = asyncio.get_running_loop()
         timers = []
 
         def on_park(handle: Parked) -> None:
-            timers.append(loop.call_at(loop.time() + max(0.0, handle.deadline - time.monotonic()),
-                                       self._expire, handle))
+            timers.append(
+                loop.call_at(loop.time() + max(0.0, handle.deadline - time.monotonic()), self._expire, handle)
+            )
 
         call = _Call(self.pool, answers, loop, on_park, self.stretches)
         try:

@@ -1,30 +1,25 @@
-"""Arrival: a trainer's call is a sign of life when it reaches the pserver, not when a handler thread takes it.
+"""Arrival: a trainer's call is a sign of life when it reaches the pserver, not when a handler thread takes
+it.
 
-Every trainer call names its process in its metadata
-(:data:`psproto.wire.TRAINER_METADATA`: ``<trainer id>:<incarnation>``). The
-server's event loop hears of each call as it arrives and hands the caller to
-``note``, which notes the trainer at once (the engine's lock-free ``touch``)
-if that process holds the id's session: before the call waits for one of the
-pool's threads. Under a burst (a thousand trainers' pushes of a step queued
-behind a few handler threads) a trainer whose push is queued is then not
-silent, and its heartbeats, queued behind the same pushes, are not what
-keeps it in. A call of another process of the id (a restarted trainer's
-Hello, a stray duplicate, a fenced one) is not noted: whether the id's
-holder is alive is what a takeover decides by.
+Every trainer call names its process in its metadata (:data:`psproto.wire.TRAINER_METADATA`: ``<trainer
+id>:<incarnation>``). The server's event loop hears of each call as it arrives and hands the caller to
+``note``, which notes the trainer at once (the engine's lock-free ``touch``) if that process holds the id's
+session: before the call waits for one of the pool's threads. Under a burst (a thousand trainers' pushes of
+a step queued behind a few handler threads) a trainer whose push is queued is then not silent, and its
+heartbeats, queued behind the same pushes, are not what keeps it in. A call of another process of the id (a
+restarted trainer's Hello, a stray duplicate, a fenced one) is not noted: whether the id's holder is alive
+is what a takeover decides by.
 
-Only liveness rides on it: the session, the layout digest and every other
-check stay with the call itself. A value that names no trainer of the job is
-ignored.
+Only liveness rides on it: the session, the layout digest and every other check stay with the call itself.
+A value that names no trainer of the job is ignored.
 
-A call's end is heard too, and in between the trainer is not silent
-(:class:`CallsInProgress`): a sync push released by its step still has its
-answer made and sent, and a thousand trainers' answers of one step take a
-busy pserver longer than ``heartbeat_timeout``; its trainer cannot push the
-next step, nor has a reason to heartbeat, before that answer reaches it.
-Likewise a heartbeat (or any unary call) waiting for a pool thread behind a
-thousand async pushes: the trainer sends no second one while the first is
-in flight.
+A call's end is heard too, and in between the trainer is not silent (:class:`CallsInProgress`): a sync push
+released by its step still has its answer made and sent, and a thousand trainers' answers of one step take
+a busy pserver longer than ``heartbeat_timeout``; its trainer cannot push the next step, nor has a reason
+to heartbeat, before that answer reaches it. Likewise a heartbeat (or any unary call) waiting for a pool
+thread behind a thousand async pushes: the trainer sends no second one while the first is in flight.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -37,7 +32,8 @@ from psproto.wire import TRAINER_METADATA
 
 
 def caller_of(metadata, trainers: int) -> Optional[Tuple[int, int]]:
-    """(trainer id, incarnation) ``metadata`` names under TRAINER_METADATA, the id one of ``trainers``; else None."""
+    """(trainer id, incarnation) ``metadata`` names under TRAINER_METADATA, the id one of ``trainers``;
+    else None."""
     for key, value in metadata or ():
         if key == TRAINER_METADATA:
             trainer, _, incarnation = str(value).partition(":")
@@ -65,18 +61,21 @@ class ArrivalInterceptor(grpc.aio.ServerInterceptor):
 
 
 class CallsInProgress:
-    """Trainers with a call this pserver is serving (taken up, not yet answered): not silent (see the module doc).
+    """Trainers with a call this pserver is serving (taken up, not yet answered): not silent (see the
+    module doc).
 
-    ``note(trainer id, incarnation)``: what a call's end is handed to, as its
-    arrival is (the pserver's ``_arrived``). ``holds(trainer id,
-    incarnation)``: whether that process holds the id's session when the call
-    starts; only its calls count (a second process's Hello must not pass for
-    the holder's life, as on arrival). Bounded by the calls in progress: one
-    count per trainer with any.
+    ``note(trainer id, incarnation)``: what a call's end is handed to, as its arrival is (the pserver's
+    ``_arrived``). ``holds(trainer id, incarnation)``: whether that process holds the id's session when the
+    call starts; only its calls count (a second process's Hello must not pass for the holder's life, as on
+    arrival). Bounded by the calls in progress: one count per trainer with any.
     """
 
-    def __init__(self, note: Callable[[int, int], object], trainers: int,
-                 holds: Callable[[int, int], bool] = lambda trainer_id, incarnation: True):
+    def __init__(
+        self,
+        note: Callable[[int, int], object],
+        trainers: int,
+        holds: Callable[[int, int], bool] = lambda trainer_id, incarnation: True,
+    ):
         self._note = note
         self._trainers = trainers
         self._holds = holds
@@ -85,7 +84,8 @@ class CallsInProgress:
 
     @contextlib.contextmanager
     def serving(self, metadata) -> Iterator[None]:
-        """Around serving one call whose invocation ``metadata`` may name its trainer (else nothing is counted)."""
+        """Around serving one call whose invocation ``metadata`` may name its trainer (else nothing is
+        counted)."""
         caller = caller_of(metadata, self._trainers)
         if caller is None or not self._holds(*caller):
             yield

@@ -5,6 +5,7 @@ has folded it into the step's sum (sync) or applied it (async). Reusing warm
 memory instead of allocating per push avoids the page faults of fresh large
 allocations, which cost several times a plain copy.
 """
+
 from __future__ import annotations
 
 import threading

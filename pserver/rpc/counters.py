@@ -4,6 +4,7 @@ Read by the Stats RPC (``ps-stat``) and by the Prometheus collector at scrape
 time; written on the request path under one small lock of their own (never
 the engine's).
 """
+
 from __future__ import annotations
 
 import threading
@@ -48,7 +49,9 @@ class Counters:
             self.heartbeats += 1
             self.heartbeats_by_trainer[trainer_id] = self.heartbeats_by_trainer.get(trainer_id, 0) + 1
 
-    def add(self, bytes_in=0, bytes_out=0, pushes=0, prefetches=0, refused=0, shared_pushes=0, dropped_pushes=0):
+    def add(
+        self, bytes_in=0, bytes_out=0, pushes=0, prefetches=0, refused=0, shared_pushes=0, dropped_pushes=0
+    ):
         """Add to the traffic counters."""
         with self.lock:
             self.dropped_pushes += dropped_pushes
@@ -66,20 +69,36 @@ class Counters:
             key = (reason, code.name)
             self.refused_by[key] = self.refused_by.get(key, 0) + 1
 
-    def stats_reply(self, endpoint: str, snap, incarnation: int, uptime_s: float, replica) -> ps_pb2.StatsReply:
-        """The Stats answer: these counters beside the engine's snapshot ``snap`` and the replica's stats (or None)."""
+    def stats_reply(
+        self, endpoint: str, snap, incarnation: int, uptime_s: float, replica
+    ) -> ps_pb2.StatsReply:
+        """The Stats answer: these counters beside the engine's snapshot ``snap`` and the replica's stats
+        (or None)."""
         last = snap.checkpoint
         with self.lock:
             return ps_pb2.StatsReply(
-                endpoint=endpoint, updates=snap.step, trainers_alive=snap.alive,
-                blocks=snap.blocks, block_bytes=snap.block_bytes,
-                bytes_in=self.bytes_in, bytes_out=self.bytes_out, pushes=self.pushes,
-                sync_mode=snap.sync_mode, table_rows=snap.table_rows,
-                table_bytes=snap.table_bytes, prefetches=self.prefetches,
-                incarnation=incarnation, uptime_s=uptime_s,
-                trainers_dropped=snap.dropped, refused=self.refused, shared_pushes=self.shared_pushes,
-                heartbeats=self.heartbeats, dropped_pushes=self.dropped_pushes,
-                checkpoint_step=last.step if last else -1, checkpoint_path=last.path if last else "",
+                endpoint=endpoint,
+                updates=snap.step,
+                trainers_alive=snap.alive,
+                blocks=snap.blocks,
+                block_bytes=snap.block_bytes,
+                bytes_in=self.bytes_in,
+                bytes_out=self.bytes_out,
+                pushes=self.pushes,
+                sync_mode=snap.sync_mode,
+                table_rows=snap.table_rows,
+                table_bytes=snap.table_bytes,
+                prefetches=self.prefetches,
+                incarnation=incarnation,
+                uptime_s=uptime_s,
+                trainers_dropped=snap.dropped,
+                refused=self.refused,
+                shared_pushes=self.shared_pushes,
+                heartbeats=self.heartbeats,
+                dropped_pushes=self.dropped_pushes,
+                checkpoint_step=last.step if last else -1,
+                checkpoint_path=last.path if last else "",
                 checkpoint_age_s=time.time() - last.time if last else 0.0,
                 tables=[ps_pb2.TableStats(**t.to_dict()) for t in snap.tables],
-                replica=replica)
+                replica=replica,
+            )

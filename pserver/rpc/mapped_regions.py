@@ -5,6 +5,7 @@ use and kept, up to a bound: past it the least recently used goes (its memory
 is freed once no call reads it any more). Regions of a trainer that died stay
 mapped only until newer ones push them out.
 """
+
 from __future__ import annotations
 
 import collections

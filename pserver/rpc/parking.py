@@ -9,6 +9,7 @@ whose waits block (in-process callers, tests); the asyncio server
 (:mod:`.aio`) drives the same generator through ``method.parking``, awaiting
 each handle on its event loop without holding a thread.
 """
+
 from __future__ import annotations
 
 import functools
@@ -40,18 +41,23 @@ def parks(stream: bool = False):
     The method returned blocks at each wait; its ``parking`` attribute is
     the generator function, and ``streams`` says the answer's shape.
     """
+
     def wrap(method):
         if stream:
+
             @functools.wraps(method)
             def blocking(self, request, context):
                 yield from _blocking(method(self, request, context))
         else:
+
             @functools.wraps(method)
             def blocking(self, request, context):
                 for answer in _blocking(method(self, request, context)):
                     return answer
                 return None
+
         blocking.parking = method
         blocking.streams = stream
         return blocking
+
     return wrap

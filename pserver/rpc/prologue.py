@@ -7,6 +7,7 @@ INTERNAL with its traceback logged. :func:`trainer_call` adds the prologue a
 trainer's unary call shares (parse, trainer id and session, layout digest,
 sign of life); :func:`read_stream` is a client stream's (its header first).
 """
+
 from __future__ import annotations
 
 import functools
@@ -20,8 +21,19 @@ from google.protobuf.message import DecodeError
 from psproto.codec import TensorReader, WireError, decode_chunk
 from psproto.shared_memory import SharedMemoryError
 
-from ..errors import (AlreadyRunning, BadRequest, BarrierTimeout, Fenced, MustResync, NoSession, NotAllowed,
-                      NotPrimary, OutOfSync, ShuttingDown, StorageFailed)
+from ..errors import (
+    AlreadyRunning,
+    BadRequest,
+    BarrierTimeout,
+    Fenced,
+    MustResync,
+    NoSession,
+    NotAllowed,
+    NotPrimary,
+    OutOfSync,
+    ShuttingDown,
+    StorageFailed,
+)
 
 # Under the servicer's name: these are its calls' records, and operators filter its log by that name.
 log = logging.getLogger("pserver.rpc.servicer")
@@ -79,19 +91,25 @@ def refusals(method):
 
     def abort(self, context, e):
         code = status_of(e)
-        self.counters.refuse(type(e).__name__ if code is not None else "internal",
-                             code if code is not None else grpc.StatusCode.INTERNAL)
+        self.counters.refuse(
+            type(e).__name__ if code is not None else "internal",
+            code if code is not None else grpc.StatusCode.INTERNAL,
+        )
         where = f"pserver {self.endpoint}"
         if code is None:
-            log.exception("%s: %s failed with an unexpected %s; answered INTERNAL", where, name,
-                          type(e).__name__)
-            context.abort(grpc.StatusCode.INTERNAL, f"{where}: internal error in {name} "
-                                                    f"({type(e).__name__}: {e}); see the pserver's log")
+            log.exception(
+                "%s: %s failed with an unexpected %s; answered INTERNAL", where, name, type(e).__name__
+            )
+            context.abort(
+                grpc.StatusCode.INTERNAL,
+                f"{where}: internal error in {name} ({type(e).__name__}: {e}); see the pserver's log",
+            )
         text = str(e)
         # Engine refusals name the pserver themselves; request checks below it cannot know it.
         context.abort(code, text if text.startswith(where) else f"{where}: {text}")
 
     if inspect.isgeneratorfunction(method):
+
         @functools.wraps(method)
         def stream_wrapper(self, request, context):
             try:
@@ -100,6 +118,7 @@ def refusals(method):
                 raise
             except Exception as e:  # noqa: BLE001 - each one answered with a status
                 abort(self, context, e)
+
         return stream_wrapper
 
     @functools.wraps(method)
@@ -110,6 +129,7 @@ def refusals(method):
             raise
         except Exception as e:  # noqa: BLE001 - each one answered with a status
             abort(self, context, e)
+
     return wrapper
 
 
@@ -121,6 +141,7 @@ def trainer_call(message_type, digest: bool = True, touch: bool = False):
     digest (``digest``) and notes the call as a sign of life (``touch``); the
     method gets the parsed request. Client streams have theirs in :func:`read_stream`.
     """
+
     def wrap(method):
         def prologue(self, data):
             request = parse(message_type, data)
@@ -132,21 +153,33 @@ def trainer_call(message_type, digest: bool = True, touch: bool = False):
             return request
 
         if inspect.isgeneratorfunction(method):
+
             @functools.wraps(method)
             def streamed(self, data, context):
                 yield from method(self, prologue(self, data), context)
+
             return refusals(streamed)
 
         @functools.wraps(method)
         def unary(self, data, context):
             return method(self, prologue(self, data), context)
+
         return refusals(unary)
+
     return wrap
 
 
-def read_stream(request_iterator, header_type, expect, check: Callable[[object], None],
-                release: Callable[[dict], None], dest=None, widen: bool = False):
-    """(header, reader) of a client stream: the header first (``check(header)``: the caller's checks), then pieces.
+def read_stream(
+    request_iterator,
+    header_type,
+    expect,
+    check: Callable[[object], None],
+    release: Callable[[dict], None],
+    dest=None,
+    widen: bool = False,
+):
+    """(header, reader) of a client stream: the header first (``check(header)``: the caller's checks), then
+    pieces.
 
     ``expect``, ``dest``: the :class:`~psproto.codec.TensorReader`'s; ``widen``: float tensors may come
     narrower than expected (gradients pushed in ``grad_wire_dtype``) and are widened on arrival. On a

@@ -5,6 +5,7 @@ and the two calls a joining backup makes; :class:`ReplicaServicer` answers the
 four replication methods of the service (Replicate, ReplicateOne, Snapshot,
 Follow) and Lead. Failures become the replication package's domain errors here.
 """
+
 from __future__ import annotations
 
 import logging
@@ -25,6 +26,7 @@ from .prologue import parse, refusals
 
 log = logging.getLogger(__name__)
 
+
 class ReplicaLink(Transport):
     """Channels to the shard's other process, one per endpoint, made on first use."""
 
@@ -39,7 +41,8 @@ class ReplicaLink(Transport):
             channel = self._channels.get(endpoint)
             if channel is None:
                 channel = self._channels[endpoint] = self.security.channel(
-                    endpoint, channel_options(self.chunk_bytes, fast_keepalive=True))
+                    endpoint, channel_options(self.chunk_bytes, fast_keepalive=True)
+                )
             return channel
 
     def reconnect(self, endpoint: str) -> None:
@@ -49,7 +52,8 @@ class ReplicaLink(Transport):
             channel.close()
 
     def send(self, endpoint: str, messages: List[bytes], timeout: float) -> int:
-        """One change's messages to the backup at ``endpoint``; the seq it holds. ReplicaUnreachable if it did not take it."""
+        """One change's messages to the backup at ``endpoint``; the seq it holds. ReplicaUnreachable if it
+        did not take it."""
         channel = self._channel(endpoint)
         try:
             if len(messages) == 1:
@@ -61,10 +65,13 @@ class ReplicaLink(Transport):
         return ps_pb2.ReplicaAck.FromString(reply).seq
 
     def fetch_snapshot(self, endpoint: str, request, timeout: float) -> Iterator:
-        """The primary's snapshot chunks (the first carries the stream position); ConnectionError on failure."""
-        call = self._channel(endpoint).unary_stream(method_path("Snapshot"),
-                                                    request_serializer=ps_pb2.SnapshotRequest.SerializeToString,
-                                                    response_deserializer=ps_pb2.SnapshotChunk.FromString)
+        """The primary's snapshot chunks (the first carries the stream position); ConnectionError on
+        failure."""
+        call = self._channel(endpoint).unary_stream(
+            method_path("Snapshot"),
+            request_serializer=ps_pb2.SnapshotRequest.SerializeToString,
+            response_deserializer=ps_pb2.SnapshotChunk.FromString,
+        )
         try:
             yield from call(request, timeout=timeout)
         except grpc.RpcError as e:
@@ -72,9 +79,11 @@ class ReplicaLink(Transport):
 
     def follow(self, endpoint: str, request, timeout: float) -> None:
         """Ask the primary at ``endpoint`` for the changes since the snapshot; ConnectionError on failure."""
-        call = self._channel(endpoint).unary_unary(method_path("Follow"),
-                                                   request_serializer=ps_pb2.FollowRequest.SerializeToString,
-                                                   response_deserializer=ps_pb2.FollowReply.FromString)
+        call = self._channel(endpoint).unary_unary(
+            method_path("Follow"),
+            request_serializer=ps_pb2.FollowRequest.SerializeToString,
+            response_deserializer=ps_pb2.FollowReply.FromString,
+        )
         try:
             call(request, timeout=timeout)
         except grpc.RpcError as e:
@@ -158,7 +167,9 @@ class ReplicaServicer:
     def Lead(self, data, context) -> bytes:
         parse(ps_pb2.LeadRequest, data)
         if self.replica is None:
-            return ps_pb2.LeadReply(role="primary", primary=self.endpoint, updates=self.engine.updates).SerializeToString()
+            return ps_pb2.LeadReply(
+                role="primary", primary=self.endpoint, updates=self.engine.updates
+            ).SerializeToString()
         return self.replica.lead_reply().SerializeToString()
 
     def handlers(self) -> dict:

@@ -20,6 +20,7 @@ Everything below this module refuses with :mod:`pserver.errors` exceptions;
 codes (:mod:`.prologue`, with what every call goes through). Any other
 exception is a bug: answered INTERNAL, its traceback logged.
 """
+
 from __future__ import annotations
 
 import logging
@@ -34,19 +35,19 @@ from psproto import ps_pb2
 from psproto.codec import ONE_MESSAGE_BYTES, encode_chunks, encode_into
 from psproto.wire import SERVICE, one_message
 
-from .buffers import BufferPool
-from .split_pushes import SplitPushes
-from .counters import Counters
 from ..engine import Contents, Engine
 from ..engine.claims import StepClaims
 from ..engine.reductions import Reductions, to_values
 from ..engine.waits import Parked
 from ..errors import BadRequest, NotAllowed
+from .buffers import BufferPool
+from .counters import Counters
 from .mapped_regions import SharedRegions
 from .parking import park, parks
 from .prologue import parse, read_stream, refusals, trainer_call
 from .replica_link import ReplicaServicer
 from .sessions import Incarnation, Sessions
+from .split_pushes import SplitPushes
 from .stretches import Stretches, answered_on_loop
 
 log = logging.getLogger(__name__)
@@ -59,18 +60,29 @@ def _finite(g: torch.Tensor) -> bool:
 
 
 class PserverServicer:
-    """Hello / PushPull / Pull / Prefetch / Close / Stats / Reduce: the engine's and the Reduce service's front.
+    """Hello / PushPull / Pull / Prefetch / Close / Stats / Reduce: the engine's and the Reduce service's
+    front.
 
-    ``replica``: the process's place in its replicated shard (None without
-    replicas); ``incarnation`` (default: a new one) what trainers tell this
-    pserver's state by; ``stretches`` where parked calls' stretches run (:mod:`.stretches`);
-    ``claims`` the Claim service (backup trainers; None: this pserver does not decide).
+    ``replica``: the process's place in its replicated shard (None without replicas); ``incarnation``
+    (default: a new one) what trainers tell this pserver's state by; ``stretches`` where parked calls'
+    stretches run (:mod:`.stretches`); ``claims`` the Claim service (backup trainers; None: this pserver
+    does not decide).
     """
 
-    def __init__(self, engine: Engine, contents: Contents, reductions: Reductions, layout_digest: str,
-                 chunk_bytes: int, alive_window: float, allow_nonfinite: bool = False, replica=None,
-                 incarnation: Optional[Incarnation] = None, stretches: Optional[Stretches] = None,
-                 claims: Optional[StepClaims] = None):
+    def __init__(
+        self,
+        engine: Engine,
+        contents: Contents,
+        reductions: Reductions,
+        layout_digest: str,
+        chunk_bytes: int,
+        alive_window: float,
+        allow_nonfinite: bool = False,
+        replica=None,
+        incarnation: Optional[Incarnation] = None,
+        stretches: Optional[Stretches] = None,
+        claims: Optional[StepClaims] = None,
+    ):
         self.engine = engine
         self.contents = contents
         self.reductions = reductions
@@ -117,9 +129,11 @@ class PserverServicer:
 
     def _check_digest(self, digest: str) -> None:
         if digest != self.layout_digest:
-            raise NotAllowed(f"pserver {self.endpoint}: plan mismatch (layout digest {digest!r}, "
-                             f"this pserver runs {self.layout_digest!r}); transpile the same "
-                             f"program with the same config, pservers and trainers on every role")
+            raise NotAllowed(
+                f"pserver {self.endpoint}: plan mismatch (layout digest {digest!r}, "
+                f"this pserver runs {self.layout_digest!r}); transpile the same "
+                f"program with the same config, pservers and trainers on every role"
+            )
 
     @refusals
     def Hello(self, data, context):
@@ -128,26 +142,40 @@ class PserverServicer:
         self._check_trainer(request.trainer_id)
         self._check_digest(request.layout_digest)
         if not request.incarnation:
-            raise BadRequest("Hello needs the trainer process's incarnation (a random nonzero number, one a process)")
+            raise BadRequest(
+                "Hello needs the trainer process's incarnation (a random nonzero number, one a process)"
+            )
         if request.join_at < 0:
             raise BadRequest(f"join_at must be >= 0, got {request.join_at}")
         last_heard, ended = self.engine.presence(request.trainer_id)
-        session = self.sessions.hello(request.trainer_id, request.incarnation, context.peer(), last_heard, ended)
+        session = self.sessions.hello(
+            request.trainer_id, request.incarnation, context.peer(), last_heard, ended
+        )
         joined = self.engine.hello(request.trainer_id, request.join_at)
-        return ps_pb2.HelloReply(start_step=joined.step, sync_mode=self.engine.sync_mode,
-                                 trainers=self.engine.trainers, incarnation=self.incarnation,
-                                 epoch=joined.position[0], batch=joined.position[1],
-                                 checkpoint_step=joined.checkpoint_step, counted_step=joined.counted_step,
-                                 session=session, applied_step=joined.applied_step,
-                                 others_in_step=joined.others_in_step,
-                                 replica_epoch=self.replica.epoch if self.replica is not None else 0)
+        return ps_pb2.HelloReply(
+            start_step=joined.step,
+            sync_mode=self.engine.sync_mode,
+            trainers=self.engine.trainers,
+            incarnation=self.incarnation,
+            epoch=joined.position[0],
+            batch=joined.position[1],
+            checkpoint_step=joined.checkpoint_step,
+            counted_step=joined.counted_step,
+            session=session,
+            applied_step=joined.applied_step,
+            others_in_step=joined.others_in_step,
+            replica_epoch=self.replica.epoch if self.replica is not None else 0,
+        )
 
     def _read_stream(self, request_iterator, header_type, expect, dest=None, widen=False):
-        """(header, reader) of a client stream (:func:`~.prologue.read_stream`), its caller checked as a trainer."""
+        """(header, reader) of a client stream (:func:`~.prologue.read_stream`), its caller checked as a
+        trainer."""
+
         def check(header) -> None:
             self._check_caller(header)
             self._check_digest(header.layout_digest)
             self.engine.touch(header.trainer_id)
+
         return read_stream(request_iterator, header_type, expect, check, self._release, dest, widen)
 
     def _release(self, tensors) -> None:
@@ -176,8 +204,9 @@ class PserverServicer:
         pushed, answer = self.regions.view(request.request), self.regions.view(request.answer)
         if request.request_bytes > len(pushed):
             raise BadRequest(f"a shared push of {request.request_bytes} bytes in a region of {len(pushed)}")
-        header, tensors = yield from self._push_pull(iter((pushed[:request.request_bytes],)),
-                                                     answer_limit=len(answer))
+        header, tensors = yield from self._push_pull(
+            iter((pushed[: request.request_bytes],)), answer_limit=len(answer)
+        )
         self.counters.add(shared_pushes=1)
         n = encode_into(answer, header, tensors)
         if n < 0:  # the pieces' names and shapes did not fit beside the tensors
@@ -202,12 +231,13 @@ class PserverServicer:
         """Read, check and count one push; (header, applied, {table: ids whose rows the answer carries}).
 
         Parks (:mod:`.parking`) while an async push is past ``max_staleness``, and a lane of a push split
-        across lanes until its push is whole (:mod:`.split_pushes`). A push may carry ``<table>@next`` ids: its
-        answer carries their rows too. ``answer_limit``: the tensor bytes the answer may carry; a push
+        across lanes until its push is whole (:mod:`.split_pushes`). A push may carry ``<table>@next`` ids:
+        its answer carries their rows too. ``answer_limit``: the tensor bytes the answer may carry; a push
         whose answer would carry more is refused before it counts.
         """
-        header, reader = self._read_stream(request_iterator, ps_pb2.PushHeader, self.contents.expect,
-                                           dest=self.buffers.acquire, widen=True)
+        header, reader = self._read_stream(
+            request_iterator, ps_pb2.PushHeader, self.contents.expect, dest=self.buffers.acquire, widen=True
+        )
         held = False  # a lane's buffers are held until its push is whole (SplitPushes releases them)
         try:
             if header.step < 0:
@@ -219,26 +249,43 @@ class PserverServicer:
                 answer_bytes = self.contents.answer_bytes(answer_ids)
                 if answer_bytes > answer_limit:
                     room = "one message" if answer_limit == ONE_MESSAGE_BYTES else "the answer's region"
-                    raise BadRequest(f"the answer would carry {answer_bytes:,} bytes of tensors, more than {room} "
-                                     f"holds ({answer_limit:,}): send this push with PushPull")
+                    raise BadRequest(
+                        f"the answer would carry {answer_bytes:,} bytes of tensors, more than {room} "
+                        f"holds ({answer_limit:,}): send this push with PushPull"
+                    )
             for name, g in [*grads.items(), *((n, rows) for n, (_, rows) in sparse.items())]:
                 if not self.allow_nonfinite and not _finite(g):
-                    raise BadRequest(f"gradient of {name} from trainer {header.trainer_id} at step {header.step} "
-                                     f"holds NaN or Inf; push refused (nonfinite_grads='refuse')")
+                    raise BadRequest(
+                        f"gradient of {name} from trainer {header.trainer_id} at step {header.step} "
+                        f"holds NaN or Inf; push refused (nonfinite_grads='refuse')"
+                    )
             if header.lanes > 1:
                 self.counters.add(bytes_in=reader.nbytes)
                 held = True  # SplitPushes.add owns the buffers from here, whatever happens
-                ticket = self.split_pushes.add(header.trainer_id, header.step, header.lane, header.lanes,
-                                               (grads, sparse), reader.tensors, (header.session, header.attempt))
-                applied = yield from self.split_pushes.settle(ticket, lambda d, s: self._push_whole(header, d, s))
+                ticket = self.split_pushes.add(
+                    header.trainer_id,
+                    header.step,
+                    header.lane,
+                    header.lanes,
+                    (grads, sparse),
+                    reader.tensors,
+                    (header.session, header.attempt),
+                )
+                applied = yield from self.split_pushes.settle(
+                    ticket, lambda d, s: self._push_whole(header, d, s)
+                )
             else:
                 applied = yield from self._push_whole(header, grads, sparse, reader.nbytes)
         finally:
             if not held:
                 self._release(reader.tensors)
         if not applied:
-            log.info("%s: duplicate push from trainer %d for step %d acknowledged, not applied",
-                     self.endpoint, header.trainer_id, header.step)
+            log.info(
+                "%s: duplicate push from trainer %d for step %d acknowledged, not applied",
+                self.endpoint,
+                header.trainer_id,
+                header.step,
+            )
         return header, applied, answer_ids
 
     def _push_whole(self, header, grads, sparse, bytes_in: int = 0):
@@ -246,15 +293,24 @@ class PserverServicer:
         backups = {}
         if header.step_trainers or header.dropped:
             if not self.engine.sync_mode or (header.dropped and (grads or sparse)):
-                raise BadRequest("a push with step_trainers or dropped is a sync step's, and a dropped one carries "
-                                 "no gradients (backup_trainers)")
+                raise BadRequest(
+                    "a push with step_trainers or dropped is a sync step's, and a dropped one carries "
+                    "no gradients (backup_trainers)"
+                )
             backups = dict(step_trainers=tuple(header.step_trainers), dropped=header.dropped)
             if self.claims is not None and header.step_trainers:  # a restarted first pserver learns the set
                 self.claims.learn(header.step, header.step_trainers)
         self.counters.add(bytes_in=bytes_in, pushes=1, dropped_pushes=int(header.dropped))
         while True:
-            outcome = self.engine.push(header.trainer_id, header.step, grads, sparse,
-                                       (header.epoch, header.batch), park=True, **backups)
+            outcome = self.engine.push(
+                header.trainer_id,
+                header.step,
+                grads,
+                sparse,
+                (header.epoch, header.batch),
+                park=True,
+                **backups,
+            )
             if not isinstance(outcome, Parked):
                 break
             yield from park(outcome)  # then push again: it checks the bound anew
@@ -278,12 +334,19 @@ class PserverServicer:
         header, tensors = yield from self._answer_pull(request.trainer_id, request.min_updates, names)
         yield from encode_chunks(header, tensors, self.chunk_bytes)
 
-    def _answer_pull(self, trainer_id: int, min_updates: int, names, applied: bool = False,
-                     answer_ids: Optional[Dict[str, np.ndarray]] = None):
-        """Wait for ``min_updates``; (PullHeader, the blocks ``names``, the rows of ``answer_ids`` ({table: ids})).
+    def _answer_pull(
+        self,
+        trainer_id: int,
+        min_updates: int,
+        names,
+        applied: bool = False,
+        answer_ids: Optional[Dict[str, np.ndarray]] = None,
+    ):
+        """Wait for ``min_updates``; (PullHeader, the blocks ``names``, the rows of ``answer_ids`` ({table:
+        ids})).
 
-        The rows come after the blocks, as of the same update: in sync mode
-        the next step's lookups find exactly what a Prefetch would have. Parks (see :mod:`.parking`).
+        The rows come after the blocks, as of the same update: in sync mode the next step's lookups find
+        exactly what a Prefetch would have. Parks (see :mod:`.parking`).
         """
         yield from park(self.engine.park_updates(trainer_id, min_updates))
         self._acked()
@@ -304,7 +367,9 @@ class PserverServicer:
         yield from self._prefetch(iter((data,)))
 
     def _prefetch(self, request_iterator) -> Iterator[bytes]:
-        header, reader = self._read_stream(request_iterator, ps_pb2.PrefetchHeader, self.contents.expect_table)
+        header, reader = self._read_stream(
+            request_iterator, ps_pb2.PrefetchHeader, self.contents.expect_table
+        )
         if header.min_updates < 0:
             raise BadRequest(f"min_updates must be >= 0, got {header.min_updates}")
         ids = self.contents.prefetch_ids(reader.tensors)
@@ -312,8 +377,9 @@ class PserverServicer:
         self._acked()
         updates, rows = self.engine.lookup(ids)
         yield from encode_chunks(ps_pb2.PullHeader(updates=updates), rows, self.chunk_bytes)
-        self.counters.add(bytes_in=reader.nbytes, prefetches=1,
-                          bytes_out=sum(t.numel() * t.element_size() for _, t in rows))
+        self.counters.add(
+            bytes_in=reader.nbytes, prefetches=1, bytes_out=sum(t.numel() * t.element_size() for _, t in rows)
+        )
 
     @trainer_call(ps_pb2.SaveTablesRequest, touch=True)
     def SaveTables(self, request, context):
@@ -324,24 +390,34 @@ class PserverServicer:
             raise BadRequest("embedded null byte")
         with self.stretches.off_loop():  # its writes hold the engine's lock: no stretch may wait on the loop
             updates, paths = self.engine.save_tables(request.directory)
-        log.info("%s: saved %d table shards after %d updates to %s", self.endpoint, len(paths), updates, request.directory)
+        log.info(
+            "%s: saved %d table shards after %d updates to %s",
+            self.endpoint,
+            len(paths),
+            updates,
+            request.directory,
+        )
         return ps_pb2.SaveTablesReply(updates=updates, paths=paths)
 
     @answered_on_loop  # a session check, a counter and a lock-free touch: no pool hop
     @trainer_call(ps_pb2.HeartbeatRequest, digest=False)
     def Heartbeat(self, request, context):
         self.counters.heartbeat(request.trainer_id)
-        return ps_pb2.HeartbeatReply(updates=self.engine.touch(request.trainer_id),
-                                     incarnation=self.incarnation)
+        return ps_pb2.HeartbeatReply(
+            updates=self.engine.touch(request.trainer_id), incarnation=self.incarnation
+        )
 
     @trainer_call(ps_pb2.RestoreRequest, touch=True)
     def Restore(self, request, context):
         if not self.engine.sync_mode:
-            raise NotAllowed(f"pserver {self.endpoint}: Restore is for sync mode; async pservers "
-                             f"resume on their own")
+            raise NotAllowed(
+                f"pserver {self.endpoint}: Restore is for sync mode; async pservers resume on their own"
+            )
         if request.checkpoint_step < 0 or not request.token:
-            raise BadRequest(f"Restore needs a checkpoint_step >= 0 and a token, got {request.checkpoint_step} "
-                             f"{request.token!r}")
+            raise BadRequest(
+                f"Restore needs a checkpoint_step >= 0 and a token, got {request.checkpoint_step} "
+                f"{request.token!r}"
+            )
         restored = self.engine.restore(request.trainer_id, request.checkpoint_step, request.token)
         return ps_pb2.RestoreReply(updates=self.engine.updates, restored=restored)
 
@@ -360,18 +436,27 @@ class PserverServicer:
     @trainer_call(ps_pb2.ReduceRequest, touch=True)
     def Reduce(self, request, context):
         values = to_values((v.name, v.shape, v.data) for v in request.values)
-        handle, result = self.reductions.park(request.trainer_id, request.key, request.round, request.op, values)
+        handle, result = self.reductions.park(
+            request.trainer_id, request.key, request.round, request.op, values
+        )
         yield from park(handle)
         combined, trainers = result()
-        yield ps_pb2.ReduceReply(trainers=trainers, values=[
-            ps_pb2.ReduceValue(name=name, shape=v.shape, data=v.ravel().tolist()) for name, v in combined.items()])
+        yield ps_pb2.ReduceReply(
+            trainers=trainers,
+            values=[
+                ps_pb2.ReduceValue(name=name, shape=v.shape, data=v.ravel().tolist())
+                for name, v in combined.items()
+            ],
+        )
 
     @parks()
     @trainer_call(ps_pb2.ClaimRequest, touch=True)
     def Claim(self, request, context):
         if self.claims is None:
-            raise NotAllowed(f"pserver {self.endpoint} does not decide which trainers make a step: the first pserver "
-                             f"does, with backup_trainers set")
+            raise NotAllowed(
+                f"pserver {self.endpoint} does not decide which trainers make a step: the first pserver "
+                f"does, with backup_trainers set"
+            )
         handle, verdict = self.claims.park(request.trainer_id, request.step)
         yield from park(handle)
         v = verdict()
@@ -381,8 +466,9 @@ class PserverServicer:
     def Stats(self, data, context):
         parse(ps_pb2.StatsRequest, data)
         replica = self.replica.stats() if self.replica is not None else None
-        return self.counters.stats_reply(self.endpoint, self.engine.stats(), self.incarnation,
-                                         time.monotonic() - self.started, replica)
+        return self.counters.stats_reply(
+            self.endpoint, self.engine.stats(), self.incarnation, time.monotonic() - self.started, replica
+        )
 
     def handlers(self) -> Dict[str, grpc.RpcMethodHandler]:
         """The service's handlers by method name: raw-bytes requests (parsed here), encoded replies.
@@ -399,13 +485,11 @@ class PserverServicer:
             "PushPullOne": grpc.unary_unary_rpc_method_handler(self.PushPullOne),
             "PushPullShared": grpc.unary_unary_rpc_method_handler(self.PushPullShared),
             "PrefetchOne": grpc.unary_stream_rpc_method_handler(self.PrefetchOne),
-            "SaveTables": grpc.unary_unary_rpc_method_handler(self.SaveTables,
-                                                              response_serializer=serialize),
+            "SaveTables": grpc.unary_unary_rpc_method_handler(self.SaveTables, response_serializer=serialize),
             "Close": grpc.unary_unary_rpc_method_handler(self.Close, response_serializer=serialize),
             "Heartbeat": grpc.unary_unary_rpc_method_handler(self.Heartbeat, response_serializer=serialize),
             "Restore": grpc.unary_unary_rpc_method_handler(self.Restore, response_serializer=serialize),
-            "Checkpoint": grpc.unary_unary_rpc_method_handler(self.Checkpoint,
-                                                              response_serializer=serialize),
+            "Checkpoint": grpc.unary_unary_rpc_method_handler(self.Checkpoint, response_serializer=serialize),
             "Stats": grpc.unary_unary_rpc_method_handler(self.Stats, response_serializer=serialize),
             "Reduce": grpc.unary_unary_rpc_method_handler(self.Reduce, response_serializer=serialize),
             "Claim": grpc.unary_unary_rpc_method_handler(self.Claim, response_serializer=serialize),

@@ -27,6 +27,7 @@ Sessions live in memory only: a restarted pserver has none, and every
 trainer opens a new one when its re-sync says Hello. The alive window is
 three heartbeat intervals (``DistributeTranspilerConfig.session_alive_window``).
 """
+
 from __future__ import annotations
 
 import collections
@@ -60,8 +61,14 @@ class Session:
     opened: float  # monotonic seconds
 
 
-def on_hello(current: Optional[Session], incarnation: int, last_heard: Optional[float], ended: bool,
-             now: float, alive_window: float) -> str:
+def on_hello(
+    current: Optional[Session],
+    incarnation: int,
+    last_heard: Optional[float],
+    ended: bool,
+    now: float,
+    alive_window: float,
+) -> str:
     """What a Hello from process ``incarnation`` does to the id's ``current`` session (see the table).
 
     ``last_heard`` is when the id last called (monotonic; None if never),
@@ -99,8 +106,9 @@ class Sessions:
         self._fenced: "collections.OrderedDict[str, tuple]" = collections.OrderedDict()
         self._lock = threading.Lock()
 
-    def hello(self, trainer_id: int, incarnation: int, peer: str, last_heard: Optional[float],
-              ended: bool) -> str:
+    def hello(
+        self, trainer_id: int, incarnation: int, peer: str, last_heard: Optional[float], ended: bool
+    ) -> str:
         """Open, keep or take over the session of ``trainer_id``; returns its token.
 
         Raises :class:`AlreadyRunning` naming the id and the live process's
@@ -119,19 +127,27 @@ class Sessions:
                     f"opened from {current.peer} and it was heard from {now - heard:.1f}s ago; this Hello "
                     f"came from {peer}. Two processes were started with trainer id {trainer_id} (check "
                     f"PADDLE_TRAINER_ID); a restarted trainer takes the id over once the old process has "
-                    f"been silent for {self.alive_window:g}s")
+                    f"been silent for {self.alive_window:g}s"
+                )
             session = Session(secrets.token_hex(16), incarnation, peer, now)
             self._current[trainer_id] = session
             if decision == TAKE_OVER:
                 self._fenced[current.token] = (trainer_id, peer)
                 while len(self._fenced) > FENCED_KEPT:
                     self._fenced.popitem(last=False)
-                log.warning("%s: trainer %d: a new process (from %s) takes over from the one at %s; the old "
-                            "session is fenced", self.endpoint, trainer_id, peer, current.peer)
+                log.warning(
+                    "%s: trainer %d: a new process (from %s) takes over from the one at %s; the old "
+                    "session is fenced",
+                    self.endpoint,
+                    trainer_id,
+                    peer,
+                    current.peer,
+                )
             return session.token
 
     def incarnation(self, trainer_id: int) -> Optional[int]:
-        """The incarnation of the process holding ``trainer_id``'s session, None if none (lock-free: one dict read)."""
+        """The incarnation of the process holding ``trainer_id``'s session, None if none (lock-free: one
+        dict read)."""
         current = self._current.get(trainer_id)
         return current.incarnation if current is not None else None
 
@@ -146,15 +162,21 @@ class Sessions:
         if verdict == OK:
             return
         if verdict == NO_SESSION:
-            raise NoSession(f"pserver {self.endpoint}: a call for trainer {trainer_id} without a session; "
-                            f"only the process that said Hello for trainer {trainer_id} may speak for it, "
-                            f"with the session Hello returned")
+            raise NoSession(
+                f"pserver {self.endpoint}: a call for trainer {trainer_id} without a session; "
+                f"only the process that said Hello for trainer {trainer_id} may speak for it, "
+                f"with the session Hello returned"
+            )
         if verdict == FENCED:
-            raise Fenced(f"pserver {self.endpoint}: fenced: trainer {trainer_id} rejoined (a new process "
-                         f"from {fenced[1]} took the id over after this one went silent); this process must "
-                         f"stop instead of pushing stale gradients")
-        raise MustResync(f"pserver {self.endpoint}: trainer {trainer_id}'s session is not known here (this "
-                         f"pserver restarted since it was opened?); call Hello to open a new one")
+            raise Fenced(
+                f"pserver {self.endpoint}: fenced: trainer {trainer_id} rejoined (a new process "
+                f"from {fenced[1]} took the id over after this one went silent); this process must "
+                f"stop instead of pushing stale gradients"
+            )
+        raise MustResync(
+            f"pserver {self.endpoint}: trainer {trainer_id}'s session is not known here (this "
+            f"pserver restarted since it was opened?); call Hello to open a new one"
+        )
 
 
 class Incarnation:

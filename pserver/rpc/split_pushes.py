@@ -17,6 +17,7 @@ of an older attempt, one its trainer cancelled, is refused). A
 lane whose partners never come waits at most ``barrier_timeout``, as any wait
 does, naming its trainer; a roll-back ends its wait as it ends every wait.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -42,8 +43,8 @@ class _Push:
         self.lanes = lanes
         self.attempt = attempt
         self.parts: Dict[int, Tuple[Gradients, dict]] = {}  # lane -> (gradients, buffers)
-        self.taken = False       # whole, and handed to the engine by the lane that completed it
-        self.done = False        # the engine answered (``applied``) or raised (``error``), or it was dropped
+        self.taken = False  # whole, and handed to the engine by the lane that completed it
+        self.done = False  # the engine answered (``applied``) or raised (``error``), or it was dropped
         self.applied = False
         self.error: Optional[BaseException] = None
 
@@ -114,7 +115,8 @@ class SplitPushes:
         self._held: Dict[int, _Push] = {}
 
     def lane_of(self, lanes: int) -> Dict[str, int]:
-        """Which lane carries each block when a push-pull comes in ``lanes`` lanes (:mod:`psproto.lane_blocks`)."""
+        """Which lane carries each block when a push-pull comes in ``lanes`` lanes
+        (:mod:`psproto.lane_blocks`)."""
         lane_of = self._lane_of.get(lanes)
         if lane_of is None:
             if not 1 < lanes <= MAX_LANES:
@@ -124,19 +126,29 @@ class SplitPushes:
         return lane_of
 
     def blocks_of(self, lane: int, lanes: int) -> List[str]:
-        """The blocks lane ``lane`` of ``lanes`` carries and is answered with, in plan order (computed once)."""
+        """The blocks lane ``lane`` of ``lanes`` carries and is answered with, in plan order (computed
+        once)."""
         self.lane_of(lanes)
         return self._lane_blocks[lanes][lane]
 
-    def add(self, trainer: int, step: int, lane: int, lanes: int, gradients: Gradients, buffers: dict,
-            attempt: Attempt = ("", 0)) -> Ticket:
-        """Hold lane ``lane`` of ``lanes`` of ``trainer``'s push of ``step``; what the call does next (:class:`Ticket`).
+    def add(
+        self,
+        trainer: int,
+        step: int,
+        lane: int,
+        lanes: int,
+        gradients: Gradients,
+        buffers: dict,
+        attempt: Attempt = ("", 0),
+    ) -> Ticket:
+        """Hold lane ``lane`` of ``lanes`` of ``trainer``'s push of ``step``; what the call does next
+        (:class:`Ticket`).
 
         ``buffers``: the lane's received tensors, owned from now on (released once the push is done with
         them, or at once if the lane is refused). ``attempt``: (session, number) of the attempt the lane
         belongs to. A lane of an older attempt of the same session than the one held is refused: its
-        trainer cancelled it, and it must not make a newer attempt's push whole (and leave that
-        attempt's own lane waiting for partners that already went).
+        trainer cancelled it, and it must not make a newer attempt's push whole (and leave that attempt's
+        own lane waiting for partners that already went).
         """
         try:
             self.lane_of(lanes)
@@ -151,16 +163,28 @@ class SplitPushes:
                 push = self._held.get(trainer)
                 if push is not None and push.attempt[0] == attempt[0] and attempt[1] < push.attempt[1]:
                     dropped.append(buffers)
-                    raise Refusal(f"lane {lane} of trainer {trainer}'s attempt {attempt[1]} at step {step} came "
-                                  f"after attempt {push.attempt[1]}: dropped")
-                if push is None or push.taken or (push.attempt, push.step, push.lanes) != (attempt, step, lanes):
+                    raise Refusal(
+                        f"lane {lane} of trainer {trainer}'s attempt {attempt[1]} at step {step} came "
+                        f"after attempt {push.attempt[1]}: dropped"
+                    )
+                if (
+                    push is None
+                    or push.taken
+                    or (push.attempt, push.step, push.lanes) != (attempt, step, lanes)
+                ):
                     if push is not None and not push.taken:  # never whole: its parked lanes end
-                        dropped += push.end(error=Refusal(f"trainer {trainer}'s push of step {push.step} was "
-                                                          f"replaced by another attempt before all its lanes came"))
+                        dropped += push.end(
+                            error=Refusal(
+                                f"trainer {trainer}'s push of step {push.step} was "
+                                f"replaced by another attempt before all its lanes came"
+                            )
+                        )
                         self._waits.notify()
                     push = self._held[trainer] = _Push(step, lanes, attempt)
                 earlier = push.hold(lane, gradients, buffers)
-                if earlier is not None:  # the same lane again (a retry before the push was whole): the newer copy
+                if (
+                    earlier is not None
+                ):  # the same lane again (a retry before the push was whole): the newer copy
                     dropped.append(earlier)
                 parts = push.take()
                 if parts is None:
@@ -176,8 +200,12 @@ class SplitPushes:
 
     def _park(self, trainer: int, push: _Push) -> Parked:
         """Under the lock: a wait for ``push`` to be answered."""
-        return self._waits.park(lambda: push.done, f"lanes of trainer {trainer}'s push of step {push.step}",
-                                lambda: [trainer], trainer=trainer)
+        return self._waits.park(
+            lambda: push.done,
+            f"lanes of trainer {trainer}'s push of step {push.step}",
+            lambda: [trainer],
+            trainer=trainer,
+        )
 
     def settle(self, ticket: Ticket, push_whole: Callable[..., Iterator]) -> Iterator:
         """``applied = yield from settle(...)``: the lane that completed its push pushes it with
@@ -188,14 +216,22 @@ class SplitPushes:
         try:
             applied = yield from push_whole(*ticket.whole)
         except BaseException as e:  # GeneratorExit too: the call went away while its push waited (staleness)
-            self.finish(ticket.push, error=e if isinstance(e, Exception) else Refusal(
-                f"the call that made the push of step {ticket.push.step} whole went away before it counted"))
+            self.finish(
+                ticket.push,
+                error=e
+                if isinstance(e, Exception)
+                else Refusal(
+                    f"the call that made the push of step {ticket.push.step} whole went away before it "
+                    "counted"
+                ),
+            )
             raise
         self.finish(ticket.push, applied=applied)
         return applied
 
     def finish(self, push: _Push, applied: bool = False, error: Optional[BaseException] = None) -> None:
-        """The engine answered ``push`` (``applied``) or raised ``error``: its parked lanes go on; buffers released."""
+        """The engine answered ``push`` (``applied``) or raised ``error``: its parked lanes go on; buffers
+        released."""
         with self._waits.cv:
             buffers = push.end(applied, error)
             self._waits.notify()
@@ -204,7 +240,8 @@ class SplitPushes:
 
     @staticmethod
     def outcome(ticket: Ticket) -> bool:
-        """Once a waiting lane's push was answered: whether it was applied (False: a duplicate); raises its error."""
+        """Once a waiting lane's push was answered: whether it was applied (False: a duplicate); raises its
+        error."""
         if ticket.push.error is not None:
             raise ticket.push.error
         return ticket.push.applied

@@ -25,6 +25,7 @@ save is interrupted: save each checkpoint into a fresh directory.)
 Loading memory-maps the files (``np.load(mmap_mode="r")``) and copies the
 selected ids chunk by chunk, so a big shard set needs no second copy in memory.
 """
+
 from __future__ import annotations
 
 import json
@@ -42,8 +43,19 @@ from .. import atomic_files
 from .lifecycle import META_COLUMNS
 from .sparse_optim import STATE_NAMES
 
-__all__ = ["FORMAT", "VERSION", "shard_meta", "write_shard", "open_shards", "iter_selected",
-           "export_table", "export_tables", "shard_directory", "saved_shards", "Source"]
+__all__ = [
+    "FORMAT",
+    "VERSION",
+    "shard_meta",
+    "write_shard",
+    "open_shards",
+    "iter_selected",
+    "export_table",
+    "export_tables",
+    "shard_directory",
+    "saved_shards",
+    "Source",
+]
 
 log = logging.getLogger(__name__)
 
@@ -69,14 +81,31 @@ def saved_shards(root: str, table: str) -> List[str]:
     return found
 
 
-def shard_meta(spec: TableSpec, shard: int, n_shards: int, step: int, rows: int,
-               arrays: Sequence[str] = (), extra: Sequence[str] = ()) -> dict:
+def shard_meta(
+    spec: TableSpec,
+    shard: int,
+    n_shards: int,
+    step: int,
+    rows: int,
+    arrays: Sequence[str] = (),
+    extra: Sequence[str] = (),
+) -> dict:
     """The ``meta.json`` of one saved shard: ``arrays`` hold one entry per row, ``extra`` do not."""
-    return {"format": FORMAT, "version": VERSION, "table": spec.name, "dim": spec.dim,
-            "dtype": spec.dtype, "optimizer": spec.optimizer.name, "step": int(step),
-            "rows": int(rows), "shard": int(shard), "n_shards": int(n_shards),
-            "arrays": list(arrays) or ["ids", "rows", *STATE_NAMES[spec.optimizer.name]],
-            "extra": list(extra), "spec": spec.to_dict()}
+    return {
+        "format": FORMAT,
+        "version": VERSION,
+        "table": spec.name,
+        "dim": spec.dim,
+        "dtype": spec.dtype,
+        "optimizer": spec.optimizer.name,
+        "step": int(step),
+        "rows": int(rows),
+        "shard": int(shard),
+        "n_shards": int(n_shards),
+        "arrays": list(arrays) or ["ids", "rows", *STATE_NAMES[spec.optimizer.name]],
+        "extra": list(extra),
+        "spec": spec.to_dict(),
+    }
 
 
 @dataclass
@@ -101,7 +130,7 @@ def _write_array(path: str, array) -> None:
         out = np.lib.format.open_memmap(tmp, mode="w+", dtype=array.dtype, shape=(array.length, *array.tail))
         at = 0
         for part in array.parts():
-            out[at:at + len(part)] = part
+            out[at : at + len(part)] = part
             at += len(part)
         if at != array.length:
             raise RuntimeError(f"{path}: {at} rows written, {array.length} expected")
@@ -109,12 +138,14 @@ def _write_array(path: str, array) -> None:
         del out
 
 
-def write_shard(directory: str, arrays: Dict[str, np.ndarray], meta: dict,
-                extra: Dict[str, np.ndarray] = None) -> None:
-    """Write ``arrays`` (and ``extra``) as ``<name>.npy`` and then ``meta.json`` into ``directory``, atomically.
+def write_shard(
+    directory: str, arrays: Dict[str, np.ndarray], meta: dict, extra: Dict[str, np.ndarray] = None
+) -> None:
+    """Write ``arrays`` (and ``extra``) as ``<name>.npy`` and then ``meta.json`` into ``directory``,
+    atomically.
 
-    The previous ``meta.json`` is removed before any array is replaced, so no
-    moment exists at which a meta describes arrays of another save.
+    The previous ``meta.json`` is removed before any array is replaced, so no moment exists at which a meta
+    describes arrays of another save.
     """
     os.makedirs(directory, exist_ok=True)
     meta_path = os.path.join(directory, META)
@@ -126,8 +157,15 @@ def write_shard(directory: str, arrays: Dict[str, np.ndarray], meta: dict,
     atomic_files.fsync_dir(directory)
     atomic_files.write_json(meta_path, meta)
     atomic_files.fsync_dir(directory)
-    log.info("table %s: saved shard %d/%d (%d rows, step %d) to %s", meta["table"],
-             meta["shard"], meta["n_shards"], meta["rows"], meta["step"], directory)
+    log.info(
+        "table %s: saved shard %d/%d (%d rows, step %d) to %s",
+        meta["table"],
+        meta["shard"],
+        meta["n_shards"],
+        meta["rows"],
+        meta["step"],
+        directory,
+    )
 
 
 @dataclass
@@ -148,16 +186,21 @@ def _read_source(directory: str) -> Source:
     """Read and check one shard directory against its own meta (not yet against a spec)."""
     meta_path = os.path.join(directory, META)
     if not os.path.isfile(meta_path):
-        raise ValueError(f"{directory}: no {META}; not a saved table shard, or its save was "
-                         f"interrupted (meta.json is written last)")
+        raise ValueError(
+            f"{directory}: no {META}; not a saved table shard, or its save was "
+            f"interrupted (meta.json is written last)"
+        )
     try:
         with open(meta_path, "rb") as f:
             meta = json.loads(f.read())
     except (OSError, ValueError) as e:
         raise ValueError(f"{meta_path}: unreadable ({e})") from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-        raise ValueError(f"{meta_path}: not a table shard meta (format {meta.get('format')!r})"
-                         if isinstance(meta, dict) else f"{meta_path}: not a table shard meta")
+        raise ValueError(
+            f"{meta_path}: not a table shard meta (format {meta.get('format')!r})"
+            if isinstance(meta, dict)
+            else f"{meta_path}: not a table shard meta"
+        )
     if meta.get("version") != VERSION:
         raise ValueError(f"{meta_path}: format version {meta.get('version')}, this build reads {VERSION}")
     for key in ("table", "dim", "dtype", "optimizer", "step", "rows", "shard", "n_shards", "arrays"):
@@ -180,8 +223,10 @@ def _read_source(directory: str) -> Source:
         else:
             want = ((n, dim), dtype)
         if a.shape != want[0] or a.dtype != want[1]:
-            raise ValueError(f"{path}: holds {a.dtype} {list(a.shape)}, but {META} says "
-                             f"{want[1]} {list(want[0])} (rows {n}); files of different saves?")
+            raise ValueError(
+                f"{path}: holds {a.dtype} {list(a.shape)}, but {META} says "
+                f"{want[1]} {list(want[0])} (rows {n}); files of different saves?"
+            )
         arrays[name] = a
     extra = {}
     for name in meta.get("extra", []):
@@ -202,25 +247,31 @@ def _check_set(sources: List[Source]) -> Tuple[int, int]:
     for s in sources[1:]:
         for key in ("table", "dim", "dtype", "optimizer", "n_shards"):
             if s.meta[key] != first[key]:
-                raise ValueError(f"shard directories disagree on {key}: {sources[0].directory} has "
-                                 f"{first[key]!r}, {s.directory} has {s.meta[key]!r}; "
-                                 f"they are not one save of one table")
+                raise ValueError(
+                    f"shard directories disagree on {key}: {sources[0].directory} has "
+                    f"{first[key]!r}, {s.directory} has {s.meta[key]!r}; "
+                    f"they are not one save of one table"
+                )
     seen: Dict[int, str] = {}
     for s in sources:
         k = s.meta["shard"]
         if k in seen:
-            raise ValueError(f"{seen[k]} and {s.directory} are both shard {k} of table "
-                             f"{first['table']!r}")
+            raise ValueError(f"{seen[k]} and {s.directory} are both shard {k} of table {first['table']!r}")
         seen[k] = s.directory
     steps = sorted({s.meta["step"] for s in sources})
     if len(steps) > 1:
-        log.info("table %s: saved shards are at steps %s (an async save); taking %d", first["table"],
-                 steps, steps[-1])
+        log.info(
+            "table %s: saved shards are at steps %s (an async save); taking %d",
+            first["table"],
+            steps,
+            steps[-1],
+        )
     return first["n_shards"], steps[-1]
 
 
-def open_shards(spec: TableSpec, directories: Sequence[str], shard: int,
-                n_shards: int) -> Tuple[List[Source], int]:
+def open_shards(
+    spec: TableSpec, directories: Sequence[str], shard: int, n_shards: int
+) -> Tuple[List[Source], int]:
     """Validate the saved shard directories a new shard ``shard`` of ``n_shards`` loads from.
 
     Returns the sources that can hold its ids and the saved step. Refuses
@@ -235,38 +286,57 @@ def open_shards(spec: TableSpec, directories: Sequence[str], shard: int,
     sources = [_read_source(os.fspath(d)) for d in directories]
     for s in sources:
         m = s.meta
-        for key, want in (("table", spec.name), ("dim", spec.dim), ("dtype", spec.dtype),
-                          ("optimizer", spec.optimizer.name)):
+        for key, want in (
+            ("table", spec.name),
+            ("dim", spec.dim),
+            ("dtype", spec.dtype),
+            ("optimizer", spec.optimizer.name),
+        ):
             if m[key] != want:
-                raise ValueError(f"{s.directory}: saved table has {key} {m[key]!r}, but table "
-                                 f"{spec.name!r} being loaded has {key} {want!r}")
+                raise ValueError(
+                    f"{s.directory}: saved table has {key} {m[key]!r}, but table "
+                    f"{spec.name!r} being loaded has {key} {want!r}"
+                )
         missing = sorted(set(["ids", "rows", *STATE_NAMES[spec.optimizer.name]]) - set(s.arrays))
         if missing:
-            raise ValueError(f"{s.directory}: {META} lists no arrays {missing} for optimizer "
-                             f"{spec.optimizer.name!r}")
+            raise ValueError(
+                f"{s.directory}: {META} lists no arrays {missing} for optimizer {spec.optimizer.name!r}"
+            )
         saved = m.get("spec", {})
         if saved.get("seed") != spec.seed or saved.get("init") != spec.init:
-            log.warning("table %s: %s was saved with init %s seed %s, now %s seed %s; rows never "
-                        "updated will start from different values", spec.name, s.directory,
-                        saved.get("init"), saved.get("seed"), spec.init, spec.seed)
+            log.warning(
+                "table %s: %s was saved with init %s seed %s, now %s seed %s; rows never "
+                "updated will start from different values",
+                spec.name,
+                s.directory,
+                saved.get("init"),
+                saved.get("seed"),
+                spec.init,
+                spec.seed,
+            )
     old_n, step = _check_set(sources)
     present = {s.meta["shard"] for s in sources}
     if old_n == n_shards:
         if shard not in present:
-            raise ValueError(f"table {spec.name!r}: loading shard {shard} of {n_shards} needs the saved "
-                             f"shard {shard}, got shards {sorted(present)}")
+            raise ValueError(
+                f"table {spec.name!r}: loading shard {shard} of {n_shards} needs the saved "
+                f"shard {shard}, got shards {sorted(present)}"
+            )
         sources = [s for s in sources if s.meta["shard"] == shard]
         step = sources[0].meta["step"]
     else:
         missing = sorted(set(range(old_n)) - present)
         if missing:
-            raise ValueError(f"table {spec.name!r}: re-sharding {old_n} -> {n_shards} shards needs every "
-                             f"saved shard; missing {missing}")
+            raise ValueError(
+                f"table {spec.name!r}: re-sharding {old_n} -> {n_shards} shards needs every "
+                f"saved shard; missing {missing}"
+            )
     return sources, step
 
 
-def iter_selected(src: Source, names: Sequence[str], shard: int, n_shards: int,
-                  chunk: int) -> Iterator[Tuple[np.ndarray, List[np.ndarray]]]:
+def iter_selected(
+    src: Source, names: Sequence[str], shard: int, n_shards: int, chunk: int
+) -> Iterator[Tuple[np.ndarray, List[np.ndarray]]]:
     """Yield (ids, [arrays named ``names``]) of ``src``'s rows that belong to ``shard`` of ``n_shards``.
 
     Reads ``chunk`` rows at a time from the memory maps, so memory stays
@@ -304,8 +374,10 @@ def export_table(directories: Sequence[str], out_dir: str) -> dict:
     n_shards, step = _check_set(sources)
     missing = sorted(set(range(n_shards)) - {s.meta["shard"] for s in sources})
     if missing:
-        raise ValueError(f"export_table: table {sources[0].meta['table']!r} was saved as {n_shards} "
-                         f"shards; missing shards {missing}")
+        raise ValueError(
+            f"export_table: table {sources[0].meta['table']!r} was saved as {n_shards} "
+            f"shards; missing shards {missing}"
+        )
     sources.sort(key=lambda s: s.meta["shard"])
     meta = sources[0].meta
     name, dim, dtype = meta["table"], meta["dim"], np.dtype(meta["dtype"])
@@ -319,16 +391,27 @@ def export_table(directories: Sequence[str], out_dir: str) -> dict:
                 src = s.arrays[part]
                 for a in range(0, s.rows, _COPY_ROWS):
                     b = min(s.rows, a + _COPY_ROWS)
-                    out[at + a:at + b] = src[a:b]
+                    out[at + a : at + b] = src[a:b]
                 at += s.rows
             out.flush()
             del out
     spec = meta.get("spec", {})
-    info = {"name": name, "dim": dim, "dtype": meta["dtype"], "rows": total,
-            "init": spec.get("init"), "init_kwargs": spec.get("init_kwargs"),
-            "seed": spec.get("seed"), "padding_idx": spec.get("padding_idx"),
-            "optimizer": meta["optimizer"], "step": step, "saved_shards": n_shards,
-            "ids_file": f"{name}.ids.npy", "rows_file": f"{name}.rows.npy", "spec": spec}
+    info = {
+        "name": name,
+        "dim": dim,
+        "dtype": meta["dtype"],
+        "rows": total,
+        "init": spec.get("init"),
+        "init_kwargs": spec.get("init_kwargs"),
+        "seed": spec.get("seed"),
+        "padding_idx": spec.get("padding_idx"),
+        "optimizer": meta["optimizer"],
+        "step": step,
+        "saved_shards": n_shards,
+        "ids_file": f"{name}.ids.npy",
+        "rows_file": f"{name}.rows.npy",
+        "spec": spec,
+    }
     atomic_files.write_json(os.path.join(out_dir, f"{name}.json"), info)
     log.info("table %s: exported %d rows of %d shards to %s", name, total, n_shards, out_dir)
     return info

@@ -12,6 +12,7 @@ them, bit for bit, at about half the CPU: the splitmix64 hashing runs compiled
 (:mod:`pserver.tables.index_kernels`), the float64 ``log``, ``sqrt`` and ``cos`` stay numpy's
 own (the very loops the definition runs, so no libm can differ), in place, without temporaries.
 """
+
 from __future__ import annotations
 
 import collections
@@ -21,17 +22,18 @@ from typing import Deque, Tuple
 
 import numpy as np
 
-from transpiler.tables import TableSpec, _COLUMN
+from transpiler.tables import _COLUMN, TableSpec
 
 from . import id_index
 
 
 def initial_rows_compiled(spec: TableSpec, ids: np.ndarray, out: np.ndarray) -> bool:
-    """``out[:] = initial_rows(spec, ids)`` (``out``: (len(ids), dim) of the table's dtype); False where numba is missing.
+    """``out[:] = initial_rows(spec, ids)`` (``out``: (len(ids), dim) of the table's dtype); False where
+    numba is missing.
 
-    Every step is the definition's own operation on the same float64 values
-    (products commuted, which IEEE arithmetic leaves exact), so the rows are
-    identical; ``tests/tables/test_initial_rows.py`` compares them on many ids.
+    Every step is the definition's own operation on the same float64 values (products commuted, which IEEE
+    arithmetic leaves exact), so the rows are identical; ``tests/tables/test_initial_rows.py`` compares
+    them on many ids.
     """
     kernels = id_index.load_kernels()
     if kernels is None:
@@ -87,7 +89,8 @@ class FreshRows:
             self._kept.append(entry)
 
     def take(self, ids: np.ndarray, out: np.ndarray) -> np.ndarray:
-        """Fill ``out[i]`` with the kept row of ``ids[i]`` where one is kept; return the indices of the others."""
+        """Fill ``out[i]`` with the kept row of ``ids[i]`` where one is kept; return the indices of the
+        others."""
         with self._lock:
             kept = list(self._kept)
         kernels = id_index.load_kernels()
@@ -97,11 +100,12 @@ class FreshRows:
 
 
 def fill_compiled(kernels, kept, ids: np.ndarray, out: np.ndarray) -> np.ndarray:
-    """:meth:`FreshRows.take` over ``kept`` ((sorted ids, rows), oldest first), one compiled merge walk per entry.
+    """:meth:`FreshRows.take` over ``kept`` ((sorted ids, rows), oldest first), one compiled merge walk per
+    entry.
 
-    The walk needs the ids in ascending order; a push's new ids usually come so, others are
-    argsorted. For job S's ~950 new ids per push against 4 kept lookups, the numpy rounds of
-    :func:`fill_numpy` take 0.09-0.27 ms, this 0.03-0.06 (benchmarks/results/RESULTS.md).
+    The walk needs the ids in ascending order; a push's new ids usually come so, others are argsorted. For
+    job S's ~950 new ids per push against 4 kept lookups, the numpy rounds of :func:`fill_numpy` take
+    0.09-0.27 ms, this 0.03-0.06 (benchmarks/results/RESULTS.md).
     """
     ids = np.ascontiguousarray(ids)
     ascending = ids.size < 2 or bool((ids[1:] >= ids[:-1]).all())

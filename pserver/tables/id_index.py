@@ -16,6 +16,7 @@ others move on), which needs no sort. Deleting keys (eviction) shifts later entr
 their cluster back (:func:`delete`), so there are no tombstones.
 The load factor stays at most :data:`MAX_LOAD` (the owner doubles and rebuilds).
 """
+
 from __future__ import annotations
 
 from typing import Tuple
@@ -24,11 +25,11 @@ import numpy as np
 
 from transpiler.placement import stable_hash_ids
 
-MAX_LOAD = 0.7            # index load factor above which the slots double
+MAX_LOAD = 0.7  # index load factor above which the slots double
 EMPTY = np.int32(-1)
-_CHUNK = 1 << 22          # ids hashed at once when rebuilding: bounds temporaries
-_FEW = 512                # below this many pending keys, probe windows of slots per round
-_WINDOW = 64              # slots read per pending key and round, then (probe) doubled
+_CHUNK = 1 << 22  # ids hashed at once when rebuilding: bounds temporaries
+_FEW = 512  # below this many pending keys, probe windows of slots per round
+_WINDOW = 64  # slots read per pending key and round, then (probe) doubled
 _OFFSETS = np.arange(1 << 16, dtype=np.intp)
 
 
@@ -67,6 +68,7 @@ def load_kernels():
     global _kernels
     if _kernels is None:
         from . import index_kernels
+
         _kernels = index_kernels
     return _kernels if _kernels.AVAILABLE else None
 
@@ -79,8 +81,9 @@ def _compiled(*arrays_and_dtypes):
     return None
 
 
-def probe(slots: np.ndarray, row_ids: np.ndarray, keys: np.ndarray, pos: np.ndarray,
-          want_stop: bool = True) -> Tuple[np.ndarray, np.ndarray]:
+def probe(
+    slots: np.ndarray, row_ids: np.ndarray, keys: np.ndarray, pos: np.ndarray, want_stop: bool = True
+) -> Tuple[np.ndarray, np.ndarray]:
     """Find ``keys`` in the index: (row of each key or -1, slot where its probe stopped).
 
     Compiled (:mod:`pserver.tables.index_kernels`) when numba is installed,
@@ -92,8 +95,9 @@ def probe(slots: np.ndarray, row_ids: np.ndarray, keys: np.ndarray, pos: np.ndar
     return probe_rounds(slots, row_ids, keys, pos, want_stop)
 
 
-def probe_rounds(slots: np.ndarray, row_ids: np.ndarray, keys: np.ndarray, pos: np.ndarray,
-                 want_stop: bool = True) -> Tuple[np.ndarray, np.ndarray]:
+def probe_rounds(
+    slots: np.ndarray, row_ids: np.ndarray, keys: np.ndarray, pos: np.ndarray, want_stop: bool = True
+) -> Tuple[np.ndarray, np.ndarray]:
     """:func:`probe` in vectorised numpy rounds: every pending key advances one slot per round.
 
     ``pos`` (the home slots, intp) is overwritten: with ``want_stop``, for a
@@ -127,7 +131,7 @@ def probe_rounds(slots: np.ndarray, row_ids: np.ndarray, keys: np.ndarray, pos: 
         idx, p, k = idx.take(sel), p.take(sel), k.take(sel)
     w = _WINDOW
     while idx.size:
-        win = p[:, None] + _OFFSETS[1:w + 1]
+        win = p[:, None] + _OFFSETS[1 : w + 1]
         win &= mask
         r = slots.take(win)
         stop = row_ids.take(r) == k[:, None]

@@ -17,6 +17,7 @@ pserver does not compile on its first push.
 Without numba (``pip install`` on a platform it has no wheel for), :data:`AVAILABLE` is False
 and the index keeps its numpy rounds: the same index, slower.
 """
+
 from __future__ import annotations
 
 import logging
@@ -36,8 +37,10 @@ except ImportError:  # the numpy rounds of id_index serve instead
 AVAILABLE = numba is not None
 
 if AVAILABLE:
-    @numba.njit("Tuple((int32[:], int64[:]))(int32[:], int64[:], int64[:], int64[:], boolean)",
-                cache=True, nogil=True)
+
+    @numba.njit(
+        "Tuple((int32[:], int64[:]))(int32[:], int64[:], int64[:], int64[:], boolean)", cache=True, nogil=True
+    )
     def probe(slots, row_ids, keys, pos, want_stop):  # pragma: no cover - compiled
         """As :func:`pserver.tables.id_index.probe`: (row of each key or -1, slot its probe stopped at).
 
@@ -76,7 +79,8 @@ if AVAILABLE:
 
     @numba.njit("void(int32[:], int64[:], int32[:])", cache=True, nogil=True)
     def place(slots, pos, rownums):  # pragma: no cover - compiled
-        """As :func:`pserver.tables.id_index.place`: each row number into the first empty slot from its ``pos``."""
+        """As :func:`pserver.tables.id_index.place`: each row number into the first empty slot from its
+        ``pos``."""
         mask = slots.size - 1
         for i in range(pos.size):
             p = pos[i]
@@ -132,15 +136,17 @@ if AVAILABLE:
     # splitmix64's finaliser: the transpiler's own definition (on arrays there), compiled for one value.
     _mix = numba.njit("uint64(uint64)", cache=True, nogil=True)(transpiler_tables._mix)
 
-    @numba.njit("void(uint64[:], uint64, uint64[:], float64[:, :], float64[:, :], boolean)",
-                cache=True, nogil=True)
+    @numba.njit(
+        "void(uint64[:], uint64, uint64[:], float64[:, :], float64[:, :], boolean)", cache=True, nogil=True
+    )
     def row_uniforms(ids, seed, cols, u1, u2, both):  # pragma: no cover - compiled
-        """The uniforms of :func:`transpiler.tables.initial_rows`, exactly: ``u1`` (and with ``both``, ``u2``).
+        """The uniforms of :func:`transpiler.tables.initial_rows`, exactly: ``u1`` (and with ``both``,
+        ``u2``).
 
-        Per id ``base = mix(id * GOLDEN + seed)``; element j takes the top 53 bits of
-        ``mix(base ^ cols[j])`` (``u1``) and of ``mix((base + GOLDEN) ^ cols[j])`` (``u2``)
-        as ``(bits + 1) / 2**53``: integer arithmetic and exact conversions, so the values are
-        those of the numpy formula bit for bit, without its uint64 temporaries.
+        Per id ``base = mix(id * GOLDEN + seed)``; element j takes the top 53 bits of ``mix(base ^
+        cols[j])`` (``u1``) and of ``mix((base + GOLDEN) ^ cols[j])`` (``u2``) as ``(bits + 1) / 2**53``:
+        integer arithmetic and exact conversions, so the values are those of the numpy formula bit for bit,
+        without its uint64 temporaries.
         """
         for i in range(ids.size):
             base = _mix(ids[i] * _GOLDEN + seed)
@@ -150,17 +156,22 @@ if AVAILABLE:
                 if both:
                     u2[i, j] = (np.float64(_mix(other ^ cols[j]) >> np.uint64(11)) + 1.0) * _UNIT
 
-    @numba.njit(["int64(int64[:], float32[:, :], int64[:], int64[:], int64, float32[:, :])",
-                 "int64(int64[:], float64[:, :], int64[:], int64[:], int64, float64[:, :])"],
-                cache=True, nogil=True)
+    @numba.njit(
+        [
+            "int64(int64[:], float32[:, :], int64[:], int64[:], int64, float32[:, :])",
+            "int64(int64[:], float64[:, :], int64[:], int64[:], int64, float64[:, :])",
+        ],
+        cache=True,
+        nogil=True,
+    )
     def copy_known(known, rows, ids, left, n, out):  # pragma: no cover - compiled
-        """One kept lookup's rows into ``out`` (:meth:`pserver.tables.fresh.FreshRows.take`); the ids still left.
+        """One kept lookup's rows into ``out`` (:meth:`pserver.tables.fresh.FreshRows.take`); the ids still
+        left.
 
-        ``left[:n]`` are indices into ``ids`` in ascending order of their ids, ``known`` is
-        sorted: one merge walk (a binary search per id mispredicts its branches on random
-        ids, 2-4x slower). Where ``ids[i] == known[k]``, ``out[i] = rows[k]``; the other
-        indices stay in ``left``, compacted to its first entries in the same order, and
-        their count is returned. Copies only: the rows are those kept.
+        ``left[:n]`` are indices into ``ids`` in ascending order of their ids, ``known`` is sorted: one
+        merge walk (a binary search per id mispredicts its branches on random ids, 2-4x slower). Where
+        ``ids[i] == known[k]``, ``out[i] = rows[k]``; the other indices stay in ``left``, compacted to its
+        first entries in the same order, and their count is returned. Copies only: the rows are those kept.
         """
         m = 0
         k = 0
@@ -179,7 +190,8 @@ if AVAILABLE:
 
     @numba.njit("int64(int64[:], uint64, uint64)", cache=True, nogil=True)
     def first_foreign(ids, n_shards, shard):  # pragma: no cover - compiled
-        """Index of the first id whose shard (``stable_hash_ids(id) % n_shards``) is not ``shard``; -1 if none."""
+        """Index of the first id whose shard (``stable_hash_ids(id) % n_shards``) is not ``shard``; -1 if
+        none."""
         for i in range(ids.size):
             if _mix(np.uint64(ids[i]) + _GOLDEN) % n_shards != shard:
                 return i
@@ -193,15 +205,23 @@ if AVAILABLE:
             out[i] = np.int64(_home(ids[i], shift))
         return out
 
-    @numba.njit(["Tuple((int64, boolean))(int32[:], int64[:], int64, int64[:], float32[:, :], float32[:, :], uint64)",
-                 "Tuple((int64, boolean))(int32[:], int64[:], int64, int64[:], float64[:, :], float64[:, :], uint64)"],
-                cache=True, nogil=True)
+    @numba.njit(
+        [
+            "Tuple((int64, boolean))(int32[:], int64[:], int64, int64[:], float32[:, :], float32[:, :], "
+            "uint64)",
+            "Tuple((int64, boolean))(int32[:], int64[:], int64, int64[:], float64[:, :], float64[:, :], "
+            "uint64)",
+        ],
+        cache=True,
+        nogil=True,
+    )
     def accumulate(slots, keys, n, ids, rows, sums, shift):  # pragma: no cover - compiled
-        """Add ``rows`` into ``sums`` by id (:class:`pserver.tables.step_sums.StepSums`); (distinct ids now, any repeat).
+        """Add ``rows`` into ``sums`` by id (:class:`pserver.tables.step_sums.StepSums`); (distinct ids
+        now, any repeat).
 
-        ``keys[:n]`` are the ids summed so far, ``slots`` their index (linear probing from
-        :func:`_home`, room for every new id); a new id is appended (its row copied), a
-        known one has its row added element by element, in float of the rows' own width.
+        ``keys[:n]`` are the ids summed so far, ``slots`` their index (linear probing from :func:`_home`,
+        room for every new id); a new id is appended (its row copied), a known one has its row added
+        element by element, in float of the rows' own width.
         """
         mask = slots.size - 1
         repeated = False

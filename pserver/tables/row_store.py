@@ -38,6 +38,7 @@ in memory) and calls every method under its lock; its disk tier
 (:mod:`pserver.tables.lifecycle.tiering`) moves rows in and out through the
 same public methods.
 """
+
 from __future__ import annotations
 
 import logging
@@ -53,7 +54,7 @@ from .rows import Growable, gather, scatter
 
 log = logging.getLogger(__name__)
 
-GROWTH = 1.25             # row capacity growth factor: small, to stay near raw bytes
+GROWTH = 1.25  # row capacity growth factor: small, to stay near raw bytes
 MAX_INITIAL_ROWS = 1 << 20  # cap on the num_embeddings-derived initial capacity
 MIN_ROWS = 16
 
@@ -69,8 +70,15 @@ class RowStore:
     call that changes the rows.
     """
 
-    def __init__(self, spec: TableSpec, shard: int, n_shards: int, state_init: Sequence[float],
-                 columns: Sequence[str], initial_into: Callable[[np.ndarray, np.ndarray], None]):
+    def __init__(
+        self,
+        spec: TableSpec,
+        shard: int,
+        n_shards: int,
+        state_init: Sequence[float],
+        columns: Sequence[str],
+        initial_into: Callable[[np.ndarray, np.ndarray], None],
+    ):
         self.spec = spec
         self.shard = shard
         self.dtype = np.dtype(spec.dtype)
@@ -99,22 +107,22 @@ class RowStore:
     @property
     def ids(self) -> np.ndarray:
         """The id of each stored row (a view)."""
-        return self._ids[:self._n]
+        return self._ids[: self._n]
 
     @property
     def rows(self) -> np.ndarray:
         """The stored rows' values, (n, dim) (a view)."""
-        return self._rows[:self._n]
+        return self._rows[: self._n]
 
     @property
     def state(self) -> List[np.ndarray]:
         """The stored rows' optimizer state arrays, (n, dim) each (views)."""
-        return [s[:self._n] for s in self._state]
+        return [s[: self._n] for s in self._state]
 
     @property
     def meta(self) -> Dict[str, np.ndarray]:
         """The stored rows' metadata, {column: (n,) view}."""
-        return {name: column[:self._n] for name, column in self._meta.items()}
+        return {name: column[: self._n] for name, column in self._meta.items()}
 
     def arrays(self) -> List[np.ndarray]:
         """Every stored array after ids, in order: rows, the state arrays, the metadata columns (views)."""
@@ -202,9 +210,11 @@ class RowStore:
 
     def _reserve(self, n_rows: int) -> None:
         """Room for ``n_rows`` rows in the row arrays and the index."""
-        if n_rows >= 2 ** 31:  # row numbers are int32 in the index
-            raise MemoryError(f"table {self.spec.name!r}: shard {self.shard} would hold {n_rows} "
-                              f"rows, more than 2**31 - 1; use more pservers")
+        if n_rows >= 2**31:  # row numbers are int32 in the index
+            raise MemoryError(
+                f"table {self.spec.name!r}: shard {self.shard} would hold {n_rows} "
+                f"rows, more than 2**31 - 1; use more pservers"
+            )
         cap = self.capacity
         if n_rows > cap:
             new = max(n_rows, int(cap * GROWTH) + 1)
@@ -223,8 +233,8 @@ class RowStore:
 
     def _refresh_views(self) -> None:
         self._ids, self._rows, *rest = (g.array for g in self._store)
-        self._state = rest[:self.n_state]
-        self._meta = dict(zip(self.columns, rest[self.n_state:]))
+        self._state = rest[: self.n_state]
+        self._meta = dict(zip(self.columns, rest[self.n_state :]))
 
     def _grow_rows(self, capacity: int) -> None:
         """Grow every row array to ``capacity``; our views are dropped first so maps can move."""
@@ -236,8 +246,9 @@ class RowStore:
         finally:
             self._refresh_views()
 
-    def insert(self, new_ids: np.ndarray, stop: np.ndarray,
-                values: Optional[Sequence[np.ndarray]] = None) -> np.ndarray:
+    def insert(
+        self, new_ids: np.ndarray, stop: np.ndarray, values: Optional[Sequence[np.ndarray]] = None
+    ) -> np.ndarray:
         """Store absent, distinct ``new_ids``; return their row numbers.
 
         Without ``values`` the rows start at their initial values and state
@@ -253,8 +264,10 @@ class RowStore:
             s = np.sort(new_ids)
             if (s[1:] == s[:-1]).any():
                 dup = int(s[1:][s[1:] == s[:-1]][0])
-                raise ValueError(f"table {self.spec.name!r}: id {dup} appears twice in one update; "
-                                 f"ids must be unique (see merge_duplicates)")
+                raise ValueError(
+                    f"table {self.spec.name!r}: id {dup} appears twice in one update; "
+                    f"ids must be unique (see merge_duplicates)"
+                )
         start, m = self._n, new_ids.size
         n_slots = self._slots.size
         self._reserve(start + m)
@@ -276,7 +289,9 @@ class RowStore:
         self._n = end
         return rownums
 
-    def append(self, ids: np.ndarray, arrays: List[np.ndarray], meta: Mapping[str, object], origin: str) -> None:
+    def append(
+        self, ids: np.ndarray, arrays: List[np.ndarray], meta: Mapping[str, object], origin: str
+    ) -> None:
         """Store saved rows (ids, [rows, *state]) as they are, refusing ids already present.
 
         ``meta`` gives every metadata column's values for them (an array, or
@@ -292,8 +307,10 @@ class RowStore:
         rownums = np.arange(start, end, dtype=np.int32)
         if (found >= 0).any():
             dup = int(ids[np.argmax(found >= 0)])
-            raise ValueError(f"table {self.spec.name!r}: id {dup} in {origin} was already loaded "
-                             f"from another directory; a shard directory was given twice or is corrupt")
+            raise ValueError(
+                f"table {self.spec.name!r}: id {dup} in {origin} was already loaded "
+                f"from another directory; a shard directory was given twice or is corrupt"
+            )
         self._ids[start:end] = ids
         self._rows[start:end] = arrays[0]
         for s, v in zip(self._state, arrays[1:]):

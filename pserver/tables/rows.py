@@ -1,4 +1,5 @@
 """Row storage of a table shard: growable arrays on memory maps, record-wise gather and scatter."""
+
 from __future__ import annotations
 
 import errno
@@ -12,6 +13,7 @@ import numpy as np
 # itemsize bytes makes numpy copy one record per index instead of running its
 # inner loop over dim elements: a random scatter of 100k 64-byte rows takes
 # ~2 ms instead of ~3.2 ms.
+
 
 def _records(a: np.ndarray) -> np.ndarray:
     return a.view(np.dtype((np.void, a.shape[1] * a.itemsize))).reshape(-1)

@@ -24,6 +24,7 @@ under the lock too.
 
 Files: see :mod:`pserver.tables.files` (``save`` / ``load`` / :func:`export_table`).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -49,8 +50,8 @@ from .sparse_optim import make_rule
 
 log = logging.getLogger(__name__)
 
-_CHUNK = 1 << 22          # ids read at once when loading: bounds temporaries
-_INIT_VALUES = 1 << 16    # values of initial rows computed at once (see initial_rows_into)
+_CHUNK = 1 << 22  # ids read at once when loading: bounds temporaries
+_INIT_VALUES = 1 << 16  # values of initial rows computed at once (see initial_rows_into)
 
 
 def initial_rows_into(spec: TableSpec, ids: np.ndarray, out: np.ndarray) -> np.ndarray:
@@ -63,8 +64,8 @@ def initial_rows_into(spec: TableSpec, ids: np.ndarray, out: np.ndarray) -> np.n
     """
     step = max(256, _INIT_VALUES // max(1, spec.dim))
     for a in range(0, ids.size, step):
-        if not initial_rows_compiled(spec, ids[a:a + step], out[a:a + step]):
-            out[a:a + step] = initial_rows(spec, ids[a:a + step])
+        if not initial_rows_compiled(spec, ids[a : a + step], out[a : a + step]):
+            out[a : a + step] = initial_rows(spec, ids[a : a + step])
     return out
 
 
@@ -76,7 +77,6 @@ def _as_ids(ids) -> np.ndarray:
         return as_ids(ids)
     except TypeError as e:
         raise BadRequest(str(e)) from None
-
 
 
 class TableShard:
@@ -95,8 +95,9 @@ class TableShard:
         if n_shards < 1 or not 0 <= shard < n_shards:
             raise ValueError(f"table {spec.name!r}: shard {shard} is not in [0, {n_shards})")
         if spec.dtype not in TABLE_DTYPES:
-            raise ValueError(f"table {spec.name!r}: dtype {spec.dtype!r} is not one of "
-                             f"{sorted(TABLE_DTYPES)}")
+            raise ValueError(
+                f"table {spec.name!r}: dtype {spec.dtype!r} is not one of {sorted(TABLE_DTYPES)}"
+            )
         self.spec = spec
         self.shard = shard
         self.n_shards = n_shards
@@ -107,9 +108,14 @@ class TableShard:
         self.exported_step = -1  # table step of the last export; -1: none since this shard was built
         self._lock = threading.Lock()
         self._fresh = FreshRows()
-        self.memory = RowStore(spec, shard, n_shards, self._rule.state_init, self.life.columns, self._initial_into)
-        self.disk = DiskTiering(spec, shard, n_shards, self.memory, self.life, disk_dir) \
-            if spec.lifecycle.ram_rows else None
+        self.memory = RowStore(
+            spec, shard, n_shards, self._rule.state_init, self.life.columns, self._initial_into
+        )
+        self.disk = (
+            DiskTiering(spec, shard, n_shards, self.memory, self.life, disk_dir)
+            if spec.lifecycle.ram_rows
+            else None
+        )
 
     # -- public --------------------------------------------------------------
 
@@ -175,7 +181,10 @@ class TableShard:
         if self.n_shards == 1 or ids.size == 0:
             return
         kernels = id_index.load_kernels()
-        if kernels is not None and kernels.first_foreign(ids, np.uint64(self.n_shards), np.uint64(self.shard)) < 0:
+        if (
+            kernels is not None
+            and kernels.first_foreign(ids, np.uint64(self.n_shards), np.uint64(self.shard)) < 0
+        ):
             return  # compiled: no temporaries, and it stops at the first foreign id
         owner = shard_of(ids, self.n_shards)
         bad = owner != self.shard
@@ -183,7 +192,8 @@ class TableShard:
             i = int(np.argmax(bad))
             raise BadRequest(
                 f"table {self.spec.name!r}: {int(bad.sum())} of {ids.size} ids do not belong to "
-                f"shard {self.shard} of {self.n_shards}, e.g. id {int(ids[i])} (shard {int(owner[i])})")
+                f"shard {self.shard} of {self.n_shards}, e.g. id {int(ids[i])} (shard {int(owner[i])})"
+            )
 
     def lookup(self, ids: np.ndarray) -> np.ndarray:
         """Rows of ``ids`` (int64 1-D, any order, repeats allowed) as a new (len(ids), dim) array.
@@ -221,8 +231,10 @@ class TableShard:
         ids = _as_ids(ids)
         g = grads.detach().cpu().numpy() if isinstance(grads, torch.Tensor) else np.asarray(grads)
         if g.shape != (ids.size, self.spec.dim) or g.dtype != self.dtype:
-            raise ValueError(f"table {self.spec.name!r}: gradient is {g.dtype} {list(g.shape)}, "
-                             f"expected {self.dtype} {[ids.size, self.spec.dim]}")
+            raise ValueError(
+                f"table {self.spec.name!r}: gradient is {g.dtype} {list(g.shape)}, "
+                f"expected {self.dtype} {[ids.size, self.spec.dim]}"
+            )
         memory = self.memory
         with self._lock:
             step = self.step + 1
@@ -287,17 +299,39 @@ class TableShard:
             arrays.update(zip(self._rule.state_names, memory.state))
             arrays.update(memory.meta)
             if disk is not None and len(disk):  # every row: memory, then disk, chunk by chunk
-                arrays = {name: table_files.Chunked(n + len(disk), a.shape[1:], a.dtype,
-                                                    lambda a=a, i=i - 1: itertools.chain([a], disk.field_chunks(i)))
-                          for i, (name, a) in enumerate(arrays.items())}
+                arrays = {
+                    name: table_files.Chunked(
+                        n + len(disk),
+                        a.shape[1:],
+                        a.dtype,
+                        lambda a=a, i=i - 1: itertools.chain([a], disk.field_chunks(i)),
+                    )
+                    for i, (name, a) in enumerate(arrays.items())
+                }
                 n += len(disk)
-            extra = self.life.admission.sketch.state() if self.life.admission and self.life.admission.sketch else {}
-            table_files.write_shard(directory, arrays, table_files.shard_meta(
-                self.spec, self.shard, self.n_shards, self.step, n, list(arrays), list(extra)), extra)
+            extra = (
+                self.life.admission.sketch.state()
+                if self.life.admission and self.life.admission.sketch
+                else {}
+            )
+            table_files.write_shard(
+                directory,
+                arrays,
+                table_files.shard_meta(
+                    self.spec, self.shard, self.n_shards, self.step, n, list(arrays), list(extra)
+                ),
+                extra,
+            )
 
     @classmethod
-    def load(cls, spec: TableSpec, shard: int, n_shards: int, directories: Sequence[str],
-             disk_dir: Optional[str] = None) -> "TableShard":
+    def load(
+        cls,
+        spec: TableSpec,
+        shard: int,
+        n_shards: int,
+        directories: Sequence[str],
+        disk_dir: Optional[str] = None,
+    ) -> "TableShard":
         """Rebuild shard ``shard`` of ``n_shards`` from the shard directories of a saved run.
 
         The saved run may have had another number of shards: only ids with
@@ -316,18 +350,28 @@ class TableShard:
         for src in sources:
             columns = [c for c in table.life.columns if c in src.arrays]
             for ids, arrays in table_files.iter_selected(src, names + columns, shard, n_shards, _CHUNK):
-                saved = dict(zip(columns, arrays[len(names):]))
-                table.memory.append(ids, arrays[:len(names)],
-                                    {c: saved[c] if c in saved else defaults[c] for c in table.life.columns},
-                                    src.directory)
+                saved = dict(zip(columns, arrays[len(names) :]))
+                table.memory.append(
+                    ids,
+                    arrays[: len(names)],
+                    {c: saved[c] if c in saved else defaults[c] for c in table.life.columns},
+                    src.directory,
+                )
                 if table.disk is not None:
                     table.disk.spill()
             sketch = table.life.admission.sketch if table.life.admission else None
             if sketch is not None and "sketch" in src.extra:
                 sketch.merge_saved(src.extra["sketch"])
         table.step = step
-        log.info("table %s: loaded shard %d/%d, %d rows, step %d, from %d directories",
-                 spec.name, shard, n_shards, len(table.memory), step, len(sources))
+        log.info(
+            "table %s: loaded shard %d/%d, %d rows, step %d, from %d directories",
+            spec.name,
+            shard,
+            n_shards,
+            len(table.memory),
+            step,
+            len(sources),
+        )
         return table
 
     # -- internals (caller holds the lock, or owns the object) ---------------
@@ -336,10 +380,13 @@ class TableShard:
         """Initial rows of new ids: those a recent lookup computed are copied, the rest computed."""
         left = self._fresh.take(ids, out)
         if left.size:
-            out[left] = initial_rows_into(self.spec, ids[left], np.empty((left.size, self.spec.dim), self.dtype))
+            out[left] = initial_rows_into(
+                self.spec, ids[left], np.empty((left.size, self.spec.dim), self.dtype)
+            )
 
     def _end_step(self, step: int) -> None:
-        """The lifecycle's end of ``step``: evictions due, then the admission counts' decay, then the spill."""
+        """The lifecycle's end of ``step``: evictions due, then the admission counts' decay, then the
+        spill."""
         memory, disk = self.memory, self.disk
         if self.life.evicts:
             self.life.evicted(memory.remove(self.life.victims(memory.ids, memory.meta, step)))

@@ -24,6 +24,7 @@ rounds them), so a shard matches ``nn.Embedding(sparse=True)`` trained by
 keeps per parameter: it advances on every step the table had a gradient, even
 when none of its ids were on this shard.
 """
+
 from __future__ import annotations
 
 import math
@@ -52,8 +53,16 @@ def sgd(param: np.ndarray, grad: np.ndarray, *, lr: float) -> None:
     param += param.dtype.type(-lr) * grad
 
 
-def adagrad(param: np.ndarray, state_sum: np.ndarray, grad: np.ndarray, *, lr: float,
-            step: int, lr_decay: float, eps: float) -> None:
+def adagrad(
+    param: np.ndarray,
+    state_sum: np.ndarray,
+    grad: np.ndarray,
+    *,
+    lr: float,
+    step: int,
+    lr_decay: float,
+    eps: float,
+) -> None:
     """Adagrad's sparse-gradient update on gathered rows, in place.
 
     ``step`` is the count after this step's increment (torch increments before
@@ -69,9 +78,18 @@ def adagrad(param: np.ndarray, state_sum: np.ndarray, grad: np.ndarray, *, lr: f
     param += std
 
 
-def sparse_adam(param: np.ndarray, exp_avg: np.ndarray, exp_avg_sq: np.ndarray,
-                grad: np.ndarray, *, lr: float, step: int, beta1: float, beta2: float,
-                eps: float) -> None:
+def sparse_adam(
+    param: np.ndarray,
+    exp_avg: np.ndarray,
+    exp_avg_sq: np.ndarray,
+    grad: np.ndarray,
+    *,
+    lr: float,
+    step: int,
+    beta1: float,
+    beta2: float,
+    eps: float,
+) -> None:
     """``torch.optim.SparseAdam``'s update on gathered rows, in place.
 
     The moments decay only on the given rows, written as torch writes them
@@ -94,8 +112,8 @@ def sparse_adam(param: np.ndarray, exp_avg: np.ndarray, exp_avg_sq: np.ndarray,
     # are bitwise the stored m_old + m_upd and v_old + v_upd used here.
     denom = np.sqrt(exp_avg_sq, out=v_upd)
     denom += t(eps)
-    bias_correction1 = 1 - beta1 ** step
-    bias_correction2 = 1 - beta2 ** step
+    bias_correction1 = 1 - beta1**step
+    bias_correction2 = 1 - beta2**step
     step_size = lr * math.sqrt(bias_correction2) / bias_correction1
     update = np.divide(exp_avg, denom, out=m_upd)
     update *= t(-step_size)
@@ -117,8 +135,9 @@ class SparseRule:
     hyper: Dict[str, float]
     _core: Callable[..., None]
 
-    def update(self, param: np.ndarray, states: Sequence[np.ndarray], grad: np.ndarray,
-               lr: float, step: int) -> None:
+    def update(
+        self, param: np.ndarray, states: Sequence[np.ndarray], grad: np.ndarray, lr: float, step: int
+    ) -> None:
         """Apply one step to gathered rows in place (``step`` counted after increment)."""
         if self.name == "sgd":
             self._core(param, grad, lr=lr)
@@ -136,8 +155,7 @@ def make_rule(name: str, kwargs: Dict[str, object]) -> SparseRule:
     if name == "sgd":
         return SparseRule("sgd", (), (), {}, sgd)
     if name == "adagrad":
-        hyper = {"lr_decay": float(kwargs.get("lr_decay", 0.0)),
-                 "eps": float(kwargs.get("eps", 1e-10))}
+        hyper = {"lr_decay": float(kwargs.get("lr_decay", 0.0)), "eps": float(kwargs.get("eps", 1e-10))}
         init = float(kwargs.get("initial_accumulator_value", 0.0))
         return SparseRule("adagrad", STATE_NAMES["adagrad"], (init,), hyper, adagrad)
     if name == "adam":

@@ -36,6 +36,7 @@ arrival (``np.unique`` + ``index_add_`` of the concatenated parts, divided by K)
 
 Not thread-safe: the sync engine holds its lock around every call.
 """
+
 from __future__ import annotations
 
 from typing import Dict, Mapping
@@ -60,9 +61,9 @@ class StepSums:
     def __init__(self, dim: int, dtype: torch.dtype):
         self.dim = dim
         self.dtype = dtype
-        self.n = 0                 # distinct ids of the step so far
-        self.parts = 0             # pushes added this step (an empty one counts)
-        self.repeated = False      # whether some id was pushed by two trainers this step
+        self.n = 0  # distinct ids of the step so far
+        self.parts = 0  # pushes added this step (an empty one counts)
+        self.repeated = False  # whether some id was pushed by two trainers this step
         self.keys = np.empty(0, np.int64)
         self.sums = torch.empty((0, dim), dtype=dtype)
         self.slots = np.empty(0, np.int32)
@@ -81,14 +82,15 @@ class StepSums:
             cap *= 2
         if cap > self.keys.size:
             keys = np.empty(cap, np.int64)
-            keys[:self.n] = self.keys[:self.n]
+            keys[: self.n] = self.keys[: self.n]
             sums = torch.empty((cap, self.dim), dtype=self.dtype)
-            sums[:self.n] = self.sums[:self.n]
+            sums[: self.n] = self.sums[: self.n]
             self.keys, self.sums = keys, sums
         self.slots = id_index.build_index(self.keys, self.n, id_index.slots_for(cap))
 
     def add(self, ids: np.ndarray, rows: torch.Tensor) -> None:
-        """Add one trainer's part: ``ids`` (1-D int64, no repeats) and their gradient ``rows`` ([len(ids), dim])."""
+        """Add one trainer's part: ``ids`` (1-D int64, no repeats) and their gradient ``rows`` ([len(ids),
+        dim])."""
         self.parts += 1
         m = ids.size
         if m == 0:
@@ -98,8 +100,15 @@ class StepSums:
         kernels = id_index._compiled((ids, np.int64)) if self.dtype in _COMPILED else None
         if kernels is not None:  # one compiled pass: probe, append or add, no temporaries
             shift = np.uint64(64 - (self.slots.size.bit_length() - 1))
-            self.n, repeated = kernels.accumulate(self.slots, self.keys, self.n, ids,
-                                                  rows.detach().contiguous().numpy(), self.sums.numpy(), shift)
+            self.n, repeated = kernels.accumulate(
+                self.slots,
+                self.keys,
+                self.n,
+                ids,
+                rows.detach().contiguous().numpy(),
+                self.sums.numpy(),
+                shift,
+            )
             self.repeated |= repeated
             return
         pos = id_index.home_slots(ids, self.slots.size)
@@ -109,10 +118,10 @@ class StepSums:
         if new.size:
             rownums = np.arange(self.n, self.n + new.size, dtype=np.int32)
             id_index.place(self.slots, pos[new], rownums)
-            self.keys[self.n:self.n + new.size] = ids[new]
+            self.keys[self.n : self.n + new.size] = ids[new]
             at[new] = rownums
-        if new.size == m:          # every id is new this step: copy, as a lone part is taken as is
-            self.sums[self.n:self.n + m] = rows
+        if new.size == m:  # every id is new this step: copy, as a lone part is taken as is
+            self.sums[self.n : self.n + m] = rows
         else:
             self.repeated = True
             old = np.flatnonzero(at < self.n)
@@ -123,7 +132,7 @@ class StepSums:
 
     def mean(self, n_trainers: int) -> SparseGrad:
         """(ids, summed rows / ``n_trainers``) of the step, in new arrays (the buffers are reused)."""
-        ids, sums = self.keys[:self.n], self.sums[:self.n]
+        ids, sums = self.keys[: self.n], self.sums[: self.n]
         if not self.repeated:
             return ids.copy(), sums / n_trainers
         order = np.argsort(ids)  # distinct ids: any sort gives np.unique's order

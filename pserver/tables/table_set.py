@@ -5,6 +5,7 @@ and ``"<table>@rows"`` (``[n, dim]``). The set says what such names must hold
 (:meth:`expect`), pairs and checks what arrived (:meth:`sparse_grads`), and
 applies gradients with each table's optimizer and learning-rate schedule.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -17,12 +18,11 @@ import torch
 
 from transpiler import PserverProgram
 from transpiler.optim import LrSchedule
-from transpiler.tables import TableSpec, merge_duplicates
-from transpiler.tables import SPARSE_SEPARATOR
+from transpiler.tables import SPARSE_SEPARATOR, TableSpec, merge_duplicates
 
 from ..errors import BadRequest
-from .shard import TableShard
 from .files import saved_shards, shard_directory
+from .shard import TableShard
 
 log = logging.getLogger(__name__)
 
@@ -63,8 +63,10 @@ class TableSet:
         self.disk_dir = program.config.table_disk_dir
         self.specs: Dict[str, TableSpec] = {t.name: t for t in program.tables}
         if tables_from is None:
-            self.shards = {name: TableShard(spec, self.shard, self.n_shards, self.disk_dir)
-                           for name, spec in self.specs.items()}
+            self.shards = {
+                name: TableShard(spec, self.shard, self.n_shards, self.disk_dir)
+                for name, spec in self.specs.items()
+            }
         else:
             self.shards = self.load_shards({name: saved_shards(tables_from, name) for name in self.specs})
             log.info("%s: %d tables loaded from %s", self.endpoint, len(self.shards), tables_from)
@@ -87,7 +89,7 @@ class TableSet:
     def _paired(self, tensors: Mapping[str, torch.Tensor], part: str) -> Dict[str, torch.Tensor]:
         """``{table: tensor}`` of the ``<table>@<part>`` tensors among ``tensors``."""
         suffix = SPARSE_SEPARATOR + part
-        return {n[:-len(suffix)]: t for n, t in tensors.items() if n.endswith(suffix) and n in self._wire}
+        return {n[: -len(suffix)]: t for n, t in tensors.items() if n.endswith(suffix) and n in self._wire}
 
     def requested_ids(self, tensors: Mapping[str, torch.Tensor], part: str = "ids") -> Dict[str, np.ndarray]:
         """``{table: ids}`` of the ``<table>@<part>`` tensors, each checked to belong to this shard.
@@ -98,7 +100,9 @@ class TableSet:
         if part == "ids":
             extra = sorted(n for n in tensors if not n.endswith(SPARSE_SEPARATOR + "ids"))
             if extra:
-                raise BadRequest(f"a prefetch carries only '<table>{SPARSE_SEPARATOR}ids' tensors, got {extra[:3]}")
+                raise BadRequest(
+                    f"a prefetch carries only '<table>{SPARSE_SEPARATOR}ids' tensors, got {extra[:3]}"
+                )
         out = {}
         for name, ids in self._paired(tensors, part).items():
             ids = ids.numpy()
@@ -115,8 +119,9 @@ class TableSet:
         ids, rows = self._paired(tensors, "ids"), self._paired(tensors, "rows")
         if ids.keys() != rows.keys():
             lone = sorted(ids.keys() ^ rows.keys())
-            raise BadRequest(f"table {lone[0]!r}: a sparse gradient needs both "
-                             f"'{lone[0]}@ids' and '{lone[0]}@rows'")
+            raise BadRequest(
+                f"table {lone[0]!r}: a sparse gradient needs both '{lone[0]}@ids' and '{lone[0]}@rows'"
+            )
         out = {}
         for name in ids:
             table_ids, table_rows = ids[name].numpy(), rows[name]
@@ -128,11 +133,14 @@ class TableSet:
 
     def lookup(self, ids: Mapping[str, np.ndarray]) -> List[Tuple[str, torch.Tensor]]:
         """``[("<table>@rows", rows)]`` for the ids asked of each table, in request order."""
-        return [(self.specs[name].rows_name, torch.from_numpy(self.shards[name].lookup(table_ids)))
-                for name, table_ids in ids.items()]
+        return [
+            (self.specs[name].rows_name, torch.from_numpy(self.shards[name].lookup(table_ids)))
+            for name, table_ids in ids.items()
+        ]
 
     def apply(self, grads: Mapping[str, SparseGrad], step: int) -> None:
-        """One optimizer step per table in ``grads``, with the table's lr of ``step`` (GEO: add the deltas, scaled)."""
+        """One optimizer step per table in ``grads``, with the table's lr of ``step`` (GEO: add the deltas,
+        scaled)."""
         for name, (ids, rows) in grads.items():
             # GEO tables train with sgd (the transpiler refuses others): its ``row += (-lr) * pushed`` with
             # lr = -scale is ``row += scale * delta``, through the shard's one update path (admission, tiers).
@@ -144,9 +152,12 @@ class TableSet:
 
         Changes nothing here; :meth:`install` puts them in place.
         """
-        return {name: TableShard.load(self.specs[name], self.shard, self.n_shards, directories[name],
-                                      self.disk_dir)
-                for name in self.specs}
+        return {
+            name: TableShard.load(
+                self.specs[name], self.shard, self.n_shards, directories[name], self.disk_dir
+            )
+            for name in self.specs
+        }
 
     def install(self, shards: Mapping[str, TableShard]) -> None:
         """Replace the table shards (after a checkpoint load); the old ones' disk tiers are removed."""
@@ -176,8 +187,20 @@ class TableSet:
         out = []
         for name, shard in self.shards.items():
             c = shard.life.counts
-            out.append(TableStats(name, shard.rows_held, shard.disk_rows, shard.disk_bytes, c.admitted,
-                                  c.refused, c.evicted, c.spilled, c.promoted, shard.nbytes))
+            out.append(
+                TableStats(
+                    name,
+                    shard.rows_held,
+                    shard.disk_rows,
+                    shard.disk_bytes,
+                    c.admitted,
+                    c.refused,
+                    c.evicted,
+                    c.spilled,
+                    c.promoted,
+                    shard.nbytes,
+                )
+            )
         return tuple(out)
 
     @property

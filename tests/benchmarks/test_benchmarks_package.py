@@ -4,6 +4,7 @@ The benchmarks' shared helpers exist once (in ``benchmarks/common/``), every ent
 ``--help``, and what they record lives in ``benchmarks/results/``. Importing every module also
 catches a benchmark left behind when the library's internals it reaches into are renamed.
 """
+
 from __future__ import annotations
 
 import ast
@@ -19,10 +20,23 @@ BENCHMARKS = REPO / "benchmarks"
 MODULES = sorted(BENCHMARKS.rglob("*.py"))
 # `python -m benchmarks.<name>`: a module, or a package's __main__ (benchmarks/gpu_check/).
 ENTRY_POINTS = sorted(p for p in BENCHMARKS.glob("*.py") if p.name != "__init__.py") + sorted(
-    BENCHMARKS.glob("*/__main__.py"))
+    BENCHMARKS.glob("*/__main__.py")
+)
 # Helpers that were written two or three times before benchmarks/ became a package.
-SHARED = ("free_ports", "die_with_parent", "tail", "RunFailed", "busy_cpu_seconds", "OtherLoad", "cpu_model",
-          "stop_on_signals", "peer_module", "Etcd", "Processes", "DEFAULT_PEERS")
+SHARED = (
+    "free_ports",
+    "die_with_parent",
+    "tail",
+    "RunFailed",
+    "busy_cpu_seconds",
+    "OtherLoad",
+    "cpu_model",
+    "stop_on_signals",
+    "peer_module",
+    "Etcd",
+    "Processes",
+    "DEFAULT_PEERS",
+)
 
 
 def module_name(path: pathlib.Path) -> str:
@@ -40,8 +54,12 @@ def test_every_benchmark_module_imports(path):
 
 
 def test_no_benchmark_edits_sys_path():
-    edits = [f"{p.relative_to(REPO)}:{n.lineno}" for p in MODULES for n in ast.walk(tree(p))
-             if isinstance(n, ast.Attribute) and ast.unparse(n).startswith("sys.path.")]
+    edits = [
+        f"{p.relative_to(REPO)}:{n.lineno}"
+        for p in MODULES
+        for n in ast.walk(tree(p))
+        if isinstance(n, ast.Attribute) and ast.unparse(n).startswith("sys.path.")
+    ]
     assert edits == []
 
 
@@ -50,9 +68,16 @@ def test_benchmark_modules_import_each_other_as_benchmarks_x():
     found = []
     for p in MODULES:
         for n in ast.walk(tree(p)):
-            names = ([a.name for a in n.names] if isinstance(n, ast.Import)
-                     else [n.module or ""] if isinstance(n, ast.ImportFrom) and not n.level else [])
-            found += [f"{p.relative_to(REPO)}:{n.lineno} imports {m}" for m in names if m.split(".")[0] in bare]
+            names = (
+                [a.name for a in n.names]
+                if isinstance(n, ast.Import)
+                else [n.module or ""]
+                if isinstance(n, ast.ImportFrom) and not n.level
+                else []
+            )
+            found += [
+                f"{p.relative_to(REPO)}:{n.lineno} imports {m}" for m in names if m.split(".")[0] in bare
+            ]
     assert found == []
 
 
@@ -67,7 +92,9 @@ def test_each_shared_helper_is_defined_once():
     assert {name: defined[name] for name in SHARED} == {name: 1 for name in SHARED}
 
 
-@pytest.mark.parametrize("path", ENTRY_POINTS, ids=lambda p: p.parent.name if p.stem == "__main__" else p.stem)
+@pytest.mark.parametrize(
+    "path", ENTRY_POINTS, ids=lambda p: p.parent.name if p.stem == "__main__" else p.stem
+)
 def test_every_entry_point_has_an_argument_parser_and_a_main_guard(path):
     source = path.read_text()
     assert "argparse.ArgumentParser(" in source
@@ -77,5 +104,7 @@ def test_every_entry_point_has_an_argument_parser_and_a_main_guard(path):
 def test_results_live_in_their_own_folder():
     """Beside the scripts (Python, and shell wrappers such as gpu_check.sh) only the README."""
     assert (BENCHMARKS / "results" / "RESULTS.md").is_file()
-    beside_scripts = sorted(p.name for p in BENCHMARKS.iterdir() if p.is_file() and p.suffix not in (".py", ".sh", ".md"))
+    beside_scripts = sorted(
+        p.name for p in BENCHMARKS.iterdir() if p.is_file() and p.suffix not in (".py", ".sh", ".md")
+    )
     assert beside_scripts == []

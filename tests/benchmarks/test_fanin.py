@@ -4,6 +4,7 @@ The smoke run starts real processes (2 pservers, 2 load generators of 32 emulate
 sync and async, 2 steps: it must complete with no trainer dropped, the sync model must pass the check,
 and every figure the benchmark reports must be there. No timing is asserted.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -21,26 +22,75 @@ from benchmarks.common.processes import RunFailed, run_command
 from benchmarks.jobs import fanin_job, fanin_workers
 from benchmarks.jobs.fanin_job import GRID, TOLERANCE, Spec
 
-POSITIVE = ("steps_per_s", "trainer_steps_per_s", "cpu_ms_per_push", "threads_idle", "threads_max", "rss_start_mb",
-            "pushes_per_s", "push_p50_ms", "push_p99_ms", "push_window_s", "stats_window_s")
-PRESENT = ("idle_kb_per_session", "step_holds_mb", "step_holds_kb_per_trainer", "prefetches_per_s",
-           "heartbeats_per_s", "heartbeats_per_trainer_min")
+POSITIVE = (
+    "steps_per_s",
+    "trainer_steps_per_s",
+    "cpu_ms_per_push",
+    "threads_idle",
+    "threads_max",
+    "rss_start_mb",
+    "pushes_per_s",
+    "push_p50_ms",
+    "push_p99_ms",
+    "push_window_s",
+    "stats_window_s",
+)
+PRESENT = (
+    "idle_kb_per_session",
+    "step_holds_mb",
+    "step_holds_kb_per_trainer",
+    "prefetches_per_s",
+    "heartbeats_per_s",
+    "heartbeats_per_trainer_min",
+)
 
 
 @pytest.mark.processes
 @pytest.mark.timeout(600)
 def test_fanin_at_64_trainers_completes_with_no_trainer_dropped_and_the_sync_model_checked(tmp_path):
     out = tmp_path / "fanin.json"
-    # Its own process, as CI would run it: its gRPC must not be running before it starts processes (bench_fanin.main).
-    run_command([sys.executable, "-m", "benchmarks.bench_fanin", "--trainers", "64", "--modes", "sync,async",
-                 "--pservers", "2", "--load", "2", "--steps", "2", "--in_flight", "8", "--timeout", "400",
-                 "--json", str(out),
-                 "--work", str(tmp_path)], str(tmp_path / "bench.log"), timeout=540, what="bench_fanin K=64",
-                env={"PYTHONPATH": pythonpath_with_repo()}, cwd=REPO)
+    # Its own process, as CI would run it: its gRPC must not be running before it starts processes
+    # (bench_fanin.main).
+    run_command(
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.bench_fanin",
+            "--trainers",
+            "64",
+            "--modes",
+            "sync,async",
+            "--pservers",
+            "2",
+            "--load",
+            "2",
+            "--steps",
+            "2",
+            "--in_flight",
+            "8",
+            "--timeout",
+            "400",
+            "--json",
+            str(out),
+            "--work",
+            str(tmp_path),
+        ],
+        str(tmp_path / "bench.log"),
+        timeout=540,
+        what="bench_fanin K=64",
+        env={"PYTHONPATH": pythonpath_with_repo()},
+        cwd=REPO,
+    )
     runs = {r["mode"]: r for r in json.loads(out.read_text())["runs"]}
     assert sorted(runs) == ["async", "sync"]
     for mode, r in runs.items():
-        assert (r["trainers"], r["pservers"], r["load_processes"], r["steps"], r["dropped"]) == (64, 2, 2, 2, 0)
+        assert (r["trainers"], r["pservers"], r["load_processes"], r["steps"], r["dropped"]) == (
+            64,
+            2,
+            2,
+            2,
+            0,
+        )
         assert r["in_flight"] == (8 if mode == "async" else 0)  # a sync step needs every push at once
         assert {key: r[key] for key in POSITIVE if not r[key] > 0} == {}, mode
         assert all(math.isfinite(r[key]) for key in PRESENT), mode
@@ -55,9 +105,12 @@ def test_fanin_at_64_trainers_completes_with_no_trainer_dropped_and_the_sync_mod
 
 
 @pytest.mark.parametrize("sync_mode,in_flight,bound", [(False, 3, 3), (False, 0, None), (True, 3, None)])
-def test_a_load_generators_trainers_in_a_step_at_once_are_bounded_in_async_runs_only(sync_mode, in_flight, bound):
-    window = fanin_workers.stepping(Spec(trainers=8, pservers=["127.0.0.1:1"], sync_mode=sync_mode,
-                                         in_flight=in_flight))
+def test_a_load_generators_trainers_in_a_step_at_once_are_bounded_in_async_runs_only(
+    sync_mode, in_flight, bound
+):
+    window = fanin_workers.stepping(
+        Spec(trainers=8, pservers=["127.0.0.1:1"], sync_mode=sync_mode, in_flight=in_flight)
+    )
     if bound is None:
         assert isinstance(window, contextlib.nullcontext)  # every trainer steps at once
         return
@@ -91,13 +144,17 @@ def test_the_sync_check_fails_a_model_that_missed_one_trainers_gradients():
     ids = fanin_job.check_ids(spec)
     initial = {b.name: torch.randn(b.shape) * 0.05 for b in blocks}
     initial["@rows"] = torch.randn(ids.size, 16) * 0.01
-    want, want_rows = fanin_job.expected_model(spec, blocks, {b.name: initial[b.name] for b in blocks}, ids,
-                                               initial["@rows"])
+    want, want_rows = fanin_job.expected_model(
+        spec, blocks, {b.name: initial[b.name] for b in blocks}, ids, initial["@rows"]
+    )
     final = {name: w.float() for name, w in want.items()}
     final["@rows"] = want_rows.float()
     assert bench_fanin.check_model(spec, {"initial": initial, "final": final})["rows_checked"] == ids.size
     # Trainer 3's step-1 gradient left out of the mean of the dense blocks: the check must see it.
     missing = fanin_job.dense_gradients(spec, blocks, 3, 1)
-    wrong = {**final, **{name: final[name] + fanin_job.JOB_S.S_LR * g / spec.trainers for name, g in missing.items()}}
+    wrong = {
+        **final,
+        **{name: final[name] + fanin_job.JOB_S.S_LR * g / spec.trainers for name, g in missing.items()},
+    }
     with pytest.raises(RunFailed, match="sync model check failed"):
         bench_fanin.check_model(spec, {"initial": initial, "final": wrong})

@@ -1,4 +1,5 @@
 """bench_peers refuses, before any round runs, a chart it could not draw."""
+
 import importlib.util
 
 import pytest
@@ -11,7 +12,9 @@ JOBS = "S_STEPS, S_WARMUP, S_EVAL_N, S_BATCH, D_STEPS, D_WARMUP = 200, 20, 20000
 
 def test_a_chart_without_matplotlib_is_refused_before_the_rounds(monkeypatch, capsys, tmp_path):
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real(name, *a))
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real(name, *a)
+    )
     (tmp_path / "jobs.py").write_text(JOBS)
     peers = ["--peers", str(tmp_path)]
     with pytest.raises(SystemExit) as e:

@@ -1,4 +1,6 @@
-"""bench_veth across layouts: where each system's roles go, and the bytes a step must move between the hosts."""
+"""bench_veth across layouts: where each system's roles go, and the bytes a step must move between the
+hosts."""
+
 from __future__ import annotations
 
 import pytest
@@ -11,11 +13,14 @@ SPEC = Spec(sizes=(8, 16, 4), batch=4, lr=0.1, warmup=1, steps=2, sync_mode=True
 MODEL = param_bytes(SPEC.sizes)
 
 
-@pytest.mark.parametrize("layout,ps_share,ddp_on", [
-    ("pair", 1.0, (1, 2)),           # every trainer-pserver pair crosses; DDP's ranks one per host
-    ("split", 1.0, (3, 4)),
-    ("colocated:2", 0.5, (1, 2)),    # half of each trainer's blocks are on its own host
-])
+@pytest.mark.parametrize(
+    "layout,ps_share,ddp_on",
+    [
+        ("pair", 1.0, (1, 2)),  # every trainer-pserver pair crosses; DDP's ranks one per host
+        ("split", 1.0, (3, 4)),
+        ("colocated:2", 0.5, (1, 2)),  # half of each trainer's blocks are on its own host
+    ],
+)
 def test_the_payload_between_hosts_follows_the_layout(layout, ps_share, ddp_on):
     lay = parse_layout(layout)
     for system in ("ps", "rpc"):

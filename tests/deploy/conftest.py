@@ -1,4 +1,5 @@
 """Fixtures of the deploy recipes' tests."""
+
 from __future__ import annotations
 
 import shutil
@@ -11,5 +12,6 @@ def etcd_binary() -> str:
     path = shutil.which("etcd")
     if path is None:
         from tests.helpers.system import unavailable
+
         unavailable("not installed: etcd (apt-get install etcd-server)")
     return path

@@ -4,6 +4,7 @@ tests/deploy/test_hot_standby_kubernetes.py checks deploy/kubernetes/hot-standby
 tests/deploy/test_hot_standby_slurm.py deploy/slurm/train-hot-standby.sbatch; both give every
 process's environment to RoleEnv and resolve_replicas, and transpile for the shards it serves.
 """
+
 from __future__ import annotations
 
 import socket
@@ -34,8 +35,11 @@ def resolved(env: Dict[str, str], pservers: List[str]) -> DistributeTranspilerCo
     return resolve_replicas(DistributeTranspilerConfig(), pservers, env)
 
 
-def shards(config: DistributeTranspilerConfig, role: RoleEnv, endpoints: List[str], monkeypatch) -> Dict[str, tuple]:
-    """Each endpoint's shard and block names, from a transpile with ``config`` (resolved from the pod's env)."""
+def shards(
+    config: DistributeTranspilerConfig, role: RoleEnv, endpoints: List[str], monkeypatch
+) -> Dict[str, tuple]:
+    """Each endpoint's shard and block names, from a transpile with ``config`` (resolved from the pod's
+    env)."""
     for var in ("PS_SERVER_REPLICAS", "PS_REPLICA_ENDPOINTS", "PS_COORDINATOR", "PS_COORDINATOR_PREFIX"):
         monkeypatch.delenv(var, raising=False)  # transpile reads os.environ for fields left None
     t = DistributeTranspiler(config)
@@ -60,4 +64,3 @@ def free_port_pair() -> int:
         except OSError:
             continue
     raise RuntimeError("no two adjacent free ports")
-

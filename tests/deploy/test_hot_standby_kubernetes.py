@@ -7,6 +7,7 @@ RoleEnv.from_env and resolve_replicas give its place among the 2 pservers and th
 processes; the transpiler gives pod N+i pserver i's shard. With ``etcd`` installed, the recipe's
 etcd flags start a real etcd that grants 1 s leases. The Slurm recipe: test_hot_standby_slurm.py.
 """
+
 from __future__ import annotations
 
 import copy
@@ -23,16 +24,31 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from tests.deploy.hot_standby import (COORDINATOR, HOT_STANDBY, N, PSERVERS, REPLICAS, free_port_pair, resolved,
-                                      shards)
-from tests.deploy.test_kubernetes_manifests import (VERSIONS, container, indexed_job_pods, load_entrypoint, port_named,
-                                                    statefulset_pods)
+from tests.deploy.hot_standby import (
+    COORDINATOR,
+    HOT_STANDBY,
+    PSERVERS,
+    REPLICAS,
+    N,
+    free_port_pair,
+    resolved,
+    shards,
+)
+from tests.deploy.test_kubernetes_manifests import (
+    VERSIONS,
+    container,
+    indexed_job_pods,
+    load_entrypoint,
+    port_named,
+    statefulset_pods,
+)
 from transpiler import RoleEnv
 
 KUSTOMIZATION_KEYS = {"apiVersion", "kind", "resources", "patches"}  # what build() below implements
 
 
 # --- the kustomization, built here ------------------------------------------------------------------
+
 
 def _pointer(path: str) -> List[str]:
     assert path.startswith("/"), path
@@ -84,10 +100,16 @@ def build() -> List[dict]:
     """What ``kustomize build`` makes of the directory: the resources' documents, then each patch applied."""
     k = kustomization()
     assert set(k) <= KUSTOMIZATION_KEYS, f"build() here does not implement {set(k) - KUSTOMIZATION_KEYS}"
-    docs = [d for resource in k["resources"]
-            for d in yaml.safe_load_all((HOT_STANDBY / resource).read_text()) if d is not None]
+    docs = [
+        d
+        for resource in k["resources"]
+        for d in yaml.safe_load_all((HOT_STANDBY / resource).read_text())
+        if d is not None
+    ]
     for patch in k.get("patches", []):
-        assert set(patch) == {"path", "target"}, f"build() here implements file patches with a target: {patch}"
+        assert set(patch) == {"path", "target"}, (
+            f"build() here implements file patches with a target: {patch}"
+        )
         targets = [d for d in docs if _matches(d, patch["target"])]
         assert len(targets) == 1, f"patch {patch['path']} matches {len(targets)} objects"
         ops = yaml.safe_load((HOT_STANDBY / patch["path"]).read_text())
@@ -109,9 +131,16 @@ def _key(doc: dict):
 
 def test_kustomization_builds_like_kustomize():
     docs = build()
-    assert sorted(map(_key, docs)) == sorted([
-        ("Service", "ps-pserver"), ("StatefulSet", "ps-pserver"), ("Job", "ps-trainer"),
-        ("Service", "ps-etcd"), ("StatefulSet", "ps-etcd"), ("PodDisruptionBudget", "ps-pserver")])
+    assert sorted(map(_key, docs)) == sorted(
+        [
+            ("Service", "ps-pserver"),
+            ("StatefulSet", "ps-pserver"),
+            ("Job", "ps-trainer"),
+            ("Service", "ps-etcd"),
+            ("StatefulSet", "ps-etcd"),
+            ("PodDisruptionBudget", "ps-pserver"),
+        ]
+    )
     # Neither the Secret nor the checkpoint claim: deleting these objects between runs keeps the checkpoints.
     assert not {"Secret", "PersistentVolumeClaim"} & {d["kind"] for d in docs}
     if shutil.which("kustomize"):
@@ -120,8 +149,12 @@ def test_kustomization_builds_like_kustomize():
         command = ["kubectl", "kustomize"]
     else:
         return  # the Python build above is the check
-    r = subprocess.run([*command, "--load-restrictor", "LoadRestrictionsNone", str(HOT_STANDBY)],
-                       capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        [*command, "--load-restrictor", "LoadRestrictionsNone", str(HOT_STANDBY)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == 0, r.stderr
     theirs = sorted(yaml.safe_load_all(r.stdout), key=_key)
     assert theirs == sorted(docs, key=_key)
@@ -134,14 +167,17 @@ def test_hot_standby_objects_match_the_kubernetes_api(version):
 
 
 def test_patches_change_only_the_hot_standby_settings():
-    base = {_key(d): d for name in ("pserver-statefulset.yaml", "trainer-job.yaml")
-            for d in yaml.safe_load_all((HOT_STANDBY.parent / name).read_text())}
+    base = {
+        _key(d): d
+        for name in ("pserver-statefulset.yaml", "trainer-job.yaml")
+        for d in yaml.safe_load_all((HOT_STANDBY.parent / name).read_text())
+    }
     docs = build()
     for key, original in base.items():
         patched = one(docs, *key)
         spec, before = patched["spec"]["template"]["spec"], original["spec"]["template"]["spec"]
         env, old_env = container(spec)["env"], container(before)["env"]
-        assert env[:len(old_env)] == old_env, "the base variables stay as they are"
+        assert env[: len(old_env)] == old_env, "the base variables stay as they are"
         names = [v["name"] for v in env]
         assert len(names) == len(set(names)), f"a variable set twice in {key}: {names}"
         rest = copy.deepcopy(patched)
@@ -154,13 +190,16 @@ def test_patches_change_only_the_hot_standby_settings():
 
 # --- the roles every pod finds ------------------------------------------------------------------------
 
+
 def test_every_pod_finds_its_process_and_the_replicas(monkeypatch):
     docs = build()
     sts, job = one(docs, "StatefulSet", "ps-pserver"), one(docs, "Job", "ps-trainer")
     pserver_pods, trainer_pods = statefulset_pods(sts), indexed_job_pods(job)
     assert sts["spec"]["replicas"] == 2 * N == 2 * int(pserver_pods[0]["PS_PSERVER_NUM"])
-    assert PSERVERS[0] == f"{sts['metadata']['name']}-0.{sts['spec']['serviceName']}:" \
+    assert (
+        PSERVERS[0] == f"{sts['metadata']['name']}-0.{sts['spec']['serviceName']}:"
         f"{port_named(sts['spec']['template']['spec'], 'grpc')}"
+    )
     processes = PSERVERS + REPLICAS
     config = None
     for i, env in enumerate(pserver_pods):
@@ -168,16 +207,21 @@ def test_every_pod_finds_its_process_and_the_replicas(monkeypatch):
         assert (role.role, role.source, role.current_endpoint) == ("PSERVER", "kubernetes", processes[i])
         assert role.pservers == PSERVERS and role.trainers == len(trainer_pods)
         config = resolved(env, role.pservers)
-        assert (config.server_replicas, config.replica_endpoints, config.coordinator) == \
-            (2, ",".join(REPLICAS), COORDINATOR)
+        assert (config.server_replicas, config.replica_endpoints, config.coordinator) == (
+            2,
+            ",".join(REPLICAS),
+            COORDINATOR,
+        )
         assert config.coordinator_prefix is None  # every pod the same default: /torch-pserver/<layout digest>
         # The image's entry point holds each pod until its own name resolves, second processes included.
         assert load_entrypoint().name_to_wait_for(role) == processes[i].rpartition(":")[0]
     for i, env in enumerate(trainer_pods):
         role = RoleEnv.from_env(env)
         assert (role.role, role.trainer_id, role.pservers) == ("TRAINER", i, PSERVERS)
-        assert (resolved(env, role.pservers).replica_endpoints, resolved(env, role.pservers).coordinator) == \
-            (",".join(REPLICAS), COORDINATOR)
+        assert (resolved(env, role.pservers).replica_endpoints, resolved(env, role.pservers).coordinator) == (
+            ",".join(REPLICAS),
+            COORDINATOR,
+        )
     # Pod N+i (its own current endpoint) serves pserver i's blocks; the two shards differ, both hold blocks.
     current = [RoleEnv.from_env(env).current_endpoint for env in pserver_pods]
     got = shards(config, RoleEnv.from_env(pserver_pods[-1]), current, monkeypatch)
@@ -210,7 +254,11 @@ def test_etcd_serves_the_coordinator_url_durably_with_1s_leases():
     flags = etcd_flags(etcd["command"])
     client = port_named(spec, "client", "etcd")
     (svc_port,) = svc["spec"]["ports"]
-    assert COORDINATOR == f"http://{svc['metadata']['name']}:{svc_port['port']}" == flags["advertise-client-urls"]
+    assert (
+        COORDINATOR
+        == f"http://{svc['metadata']['name']}:{svc_port['port']}"
+        == flags["advertise-client-urls"]
+    )
     assert svc_port["targetPort"] == "client" and flags["listen-client-urls"] == f"http://0.0.0.0:{client}"
     assert svc["spec"]["selector"].items() <= sts["spec"]["template"]["metadata"]["labels"].items()
     assert sts["spec"]["replicas"] == 1 and flags["initial-cluster"].startswith(flags["name"] + "=")
@@ -231,28 +279,39 @@ def test_etcd_serves_the_coordinator_url_durably_with_1s_leases():
 
 def test_selectors_keep_pservers_trainers_and_etcd_apart():
     docs = build()
-    labels = {key: one(docs, *key)["spec"]["template"]["metadata"]["labels"]
-              for key in (("StatefulSet", "ps-pserver"), ("Job", "ps-trainer"), ("StatefulSet", "ps-etcd"))}
-    selectors = {"pserver Service": (one(docs, "Service", "ps-pserver")["spec"]["selector"], "ps-pserver"),
-                 "etcd Service": (one(docs, "Service", "ps-etcd")["spec"]["selector"], "ps-etcd"),
-                 "disruption budget": (one(docs, "PodDisruptionBudget", "ps-pserver")["spec"]["selector"]
-                                       ["matchLabels"], "ps-pserver")}
+    labels = {
+        key: one(docs, *key)["spec"]["template"]["metadata"]["labels"]
+        for key in (("StatefulSet", "ps-pserver"), ("Job", "ps-trainer"), ("StatefulSet", "ps-etcd"))
+    }
+    selectors = {
+        "pserver Service": (one(docs, "Service", "ps-pserver")["spec"]["selector"], "ps-pserver"),
+        "etcd Service": (one(docs, "Service", "ps-etcd")["spec"]["selector"], "ps-etcd"),
+        "disruption budget": (
+            one(docs, "PodDisruptionBudget", "ps-pserver")["spec"]["selector"]["matchLabels"],
+            "ps-pserver",
+        ),
+    }
     for what, (selector, owner) in selectors.items():
         for (kind, name), pod_labels in labels.items():
             selected = selector.items() <= pod_labels.items()
             assert selected == (name == owner and kind == "StatefulSet"), f"{what} and the {name} pods"
     assert one(docs, "PodDisruptionBudget", "ps-pserver")["spec"]["maxUnavailable"] == 1
     term = one(docs, "StatefulSet", "ps-pserver")["spec"]["template"]["spec"]["affinity"]["podAntiAffinity"][
-        "preferredDuringSchedulingIgnoredDuringExecution"][0]["podAffinityTerm"]
+        "preferredDuringSchedulingIgnoredDuringExecution"
+    ][0]["podAffinityTerm"]
     assert term["labelSelector"]["matchLabels"].items() <= labels[("StatefulSet", "ps-pserver")].items()
 
 
 # --- a real etcd with the recipes' flags ----------------------------------------------------------------
 
+
 def lease_ttl(url: str) -> int:
     """The TTL etcd grants a lease asked for 1 s (etcd raises it to its minimum)."""
-    request = urllib.request.Request(url + "/v3/lease/grant", data=json.dumps({"TTL": 1}).encode(),
-                                     headers={"Content-Type": "application/json"})
+    request = urllib.request.Request(
+        url + "/v3/lease/grant",
+        data=json.dumps({"TTL": 1}).encode(),
+        headers={"Content-Type": "application/json"},
+    )
     with urllib.request.urlopen(request, timeout=5) as r:
         return int(json.load(r)["TTL"])
 
@@ -271,21 +330,29 @@ def wait_healthy(url: str, proc: subprocess.Popen, log: Path, timeout: float = 1
     raise AssertionError(f"etcd did not answer at {url}/health: {log.read_text()[-2000:]}")
 
 
-
 def test_the_kubernetes_etcd_flags_give_1s_leases(tmp_path, etcd_binary):
     command = container(one(build(), "StatefulSet", "ps-etcd")["spec"]["template"]["spec"], "etcd")["command"]
     client, metrics = free_port_pair(), free_port_pair()
     peer = client + 1
-    local = {"listen-client-urls": f"http://127.0.0.1:{client}", "advertise-client-urls": f"http://127.0.0.1:{client}",
-             "listen-peer-urls": f"http://127.0.0.1:{peer}", "initial-advertise-peer-urls": f"http://127.0.0.1:{peer}",
-             "listen-metrics-urls": f"http://127.0.0.1:{metrics}", "data-dir": str(tmp_path / "data")}
+    local = {
+        "listen-client-urls": f"http://127.0.0.1:{client}",
+        "advertise-client-urls": f"http://127.0.0.1:{client}",
+        "listen-peer-urls": f"http://127.0.0.1:{peer}",
+        "initial-advertise-peer-urls": f"http://127.0.0.1:{peer}",
+        "listen-metrics-urls": f"http://127.0.0.1:{metrics}",
+        "data-dir": str(tmp_path / "data"),
+    }
     flags = etcd_flags(command)
     assert set(local) <= set(flags)
     flags.update(local, **{"initial-cluster": f"{flags['name']}=http://127.0.0.1:{peer}"})
     log = tmp_path / "etcd.log"
     with open(log, "w") as out:
-        proc = subprocess.Popen([etcd_binary, *(f"--{k}={v}" for k, v in flags.items())], stdout=out,
-                                stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            [etcd_binary, *(f"--{k}={v}" for k, v in flags.items())],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     try:
         wait_healthy(f"http://127.0.0.1:{metrics}", proc, log)  # the probes' port
         assert lease_ttl(f"http://127.0.0.1:{client}") == 1

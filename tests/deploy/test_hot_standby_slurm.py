@@ -5,6 +5,7 @@ the variables Slurm gives the task), ``scontrol`` and ``etcd`` on PATH; the task
 through the Slurm role source and resolve_replicas. With ``etcd`` installed, the script also starts
 a real etcd that grants 1 s leases. The Kubernetes recipe: test_hot_standby_kubernetes.py.
 """
+
 from __future__ import annotations
 
 import json
@@ -19,7 +20,7 @@ from typing import Dict, List
 
 import pytest
 
-from tests.deploy.hot_standby import N, ROOT, SBATCH, free_port_pair, resolved, shards
+from tests.deploy.hot_standby import ROOT, SBATCH, N, free_port_pair, resolved, shards
 from transpiler import RoleEnv
 from transpiler.roles import slurm as slurm_roles
 
@@ -27,7 +28,7 @@ from transpiler.roles import slurm as slurm_roles
 
 # srun: runs the step's command once per task, as Slurm's block distribution places them, with the
 # variables Slurm gives a task; records the batch script's own environment first.
-FAKE_SRUN = r'''
+FAKE_SRUN = r"""
 import json, os, subprocess, sys, time
 args = sys.argv[1:]
 options = []
@@ -44,15 +45,16 @@ per_node = int(os.environ["FAKE_TASKS_PER_NODE"])
 tasks = []
 for procid in range(len(nodes) * per_node):
     env = dict(os.environ, SLURM_PROCID=str(procid), SLURM_LOCALID=str(procid % per_node),
-               SLURMD_NODENAME=nodes[procid // per_node], SLURM_STEP_NODELIST=os.environ["SLURM_JOB_NODELIST"],
+               SLURMD_NODENAME=nodes[procid // per_node],
+               SLURM_STEP_NODELIST=os.environ["SLURM_JOB_NODELIST"],
                SLURM_STEP_TASKS_PER_NODE=os.environ["SLURM_TASKS_PER_NODE"],
                SLURM_STEP_NUM_TASKS=str(len(nodes) * per_node))
     tasks.append(subprocess.Popen(args, env=env))
 sys.exit(max(task.wait() for task in tasks))
-'''
+"""
 
 # A task's script: records its environment (one line per run), fails when told to.
-PROBE = r'''
+PROBE = r"""
 import json, os, sys
 out, procid = os.environ["FAKE_OUT"], os.environ["SLURM_PROCID"]
 with open(os.path.join(out, f"task-{procid}.jsonl"), "a") as f:
@@ -61,10 +63,10 @@ runs = sum(1 for _ in open(os.path.join(out, f"task-{procid}.jsonl")))
 fail = os.environ.get("FAKE_FAIL", "")
 if fail and fail.split(":")[0] == procid and runs <= int(fail.split(":")[1]):
     sys.exit(3)
-'''
+"""
 
 # etcd: answers /health on its loopback client URL until SIGTERM; records its arguments.
-FAKE_ETCD = r'''
+FAKE_ETCD = r"""
 import http.server, json, os, signal, sys, threading
 argv = sys.argv[1:]
 flags = dict(zip(argv[::2], argv[1::2]))
@@ -84,17 +86,16 @@ signal.signal(signal.SIGTERM, lambda *a: threading.Thread(target=server.shutdown
 server.serve_forever()
 with open(os.path.join(os.environ["FAKE_OUT"], "etcd.stopped"), "w") as f:
     f.write("SIGTERM")
-'''
+"""
 
-FAKE_SCONTROL = '''#!/bin/bash
+FAKE_SCONTROL = """#!/bin/bash
 if [ "$1 $2" = "show node" ]; then
     echo "NodeName=$3 Arch=x86_64 CoresPerSocket=1"
     echo "   NodeAddr=$FAKE_NODE_ADDR NodeHostName=$3 Version=23.11.4"
     exit 0
 fi
 echo "$*" >> "$FAKE_OUT/scontrol.log"
-'''
-
+"""
 
 
 class Batch:
@@ -121,30 +122,55 @@ class Batch:
 
     def env(self, **extra: str) -> Dict[str, str]:
         n = len(self.nodes)
-        env = {"PATH": f"{self.bin}:{os.environ['PATH']}", "HOME": str(self.tmp), "TMPDIR": str(self.scratch),
-               "SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": f"n[1-{n}]" if n > 1 else self.nodes[0],
-               "SLURM_JOB_NUM_NODES": str(n), "SLURM_NNODES": str(n), "SLURMD_NODENAME": self.nodes[0],
-               "SLURM_TASKS_PER_NODE": f"{self.tasks_per_node}(x{n})" if n > 1 else str(self.tasks_per_node),
-               "SLURM_NTASKS": str(n * self.tasks_per_node), "PS_PYTHON": str(self.bin / "python"),
-               "PS_ETCD_PORT": str(self.etcd_port), "PS_CHECKPOINT_ROOT": str(self.tmp / "checkpoints"),
-               "FAKE_OUT": str(self.out), "FAKE_NODES": ",".join(self.nodes),
-               "FAKE_TASKS_PER_NODE": str(self.tasks_per_node), "FAKE_NODE_ADDR": "10.11.12.13",
-               "PYTHONPATH": str(ROOT)}
+        env = {
+            "PATH": f"{self.bin}:{os.environ['PATH']}",
+            "HOME": str(self.tmp),
+            "TMPDIR": str(self.scratch),
+            "SLURM_JOB_ID": "4242",
+            "SLURM_JOB_NODELIST": f"n[1-{n}]" if n > 1 else self.nodes[0],
+            "SLURM_JOB_NUM_NODES": str(n),
+            "SLURM_NNODES": str(n),
+            "SLURMD_NODENAME": self.nodes[0],
+            "SLURM_TASKS_PER_NODE": f"{self.tasks_per_node}(x{n})" if n > 1 else str(self.tasks_per_node),
+            "SLURM_NTASKS": str(n * self.tasks_per_node),
+            "PS_PYTHON": str(self.bin / "python"),
+            "PS_ETCD_PORT": str(self.etcd_port),
+            "PS_CHECKPOINT_ROOT": str(self.tmp / "checkpoints"),
+            "FAKE_OUT": str(self.out),
+            "FAKE_NODES": ",".join(self.nodes),
+            "FAKE_TASKS_PER_NODE": str(self.tasks_per_node),
+            "FAKE_NODE_ADDR": "10.11.12.13",
+            "PYTHONPATH": str(ROOT),
+        }
         env.update(extra)
         return env
 
     def start(self, **extra: str) -> subprocess.Popen:
-        return subprocess.Popen(["bash", str(SBATCH), str(self.probe)], env=self.env(**extra), cwd=self.tmp,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        return subprocess.Popen(
+            ["bash", str(SBATCH), str(self.probe)],
+            env=self.env(**extra),
+            cwd=self.tmp,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
 
     def run(self, *args: str, **extra: str) -> subprocess.CompletedProcess:
-        return subprocess.run(["bash", str(SBATCH), str(self.probe), *args], env=self.env(**extra), cwd=self.tmp,
-                              capture_output=True, text=True, timeout=60)
+        return subprocess.run(
+            ["bash", str(SBATCH), str(self.probe), *args],
+            env=self.env(**extra),
+            cwd=self.tmp,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
 
     def tasks(self) -> List[List[dict]]:
         """Every task's runs, in task order: the environment (and argv) of each run."""
-        return [[json.loads(line) for line in (self.out / f"task-{t}.jsonl").read_text().splitlines()]
-                for t in range(len(self.nodes) * self.tasks_per_node)]
+        return [
+            [json.loads(line) for line in (self.out / f"task-{t}.jsonl").read_text().splitlines()]
+            for t in range(len(self.nodes) * self.tasks_per_node)
+        ]
 
     def etcd_gone(self) -> bool:
         pid = json.loads((self.out / "etcd.json").read_text())["pid"]
@@ -187,22 +213,34 @@ def test_every_task_finds_its_process_and_the_replicas(tmp_path, monkeypatch):
     runs = batch.tasks()
     assert [len(r) for r in runs] == [1] * 6
     envs = [r[0]["env"] for r in runs]
-    assert all(r[0]["argv"] == ["--epochs", "1", "--checkpoint_dir", str(tmp_path / "checkpoints" / "4242")]
-               for r in runs)
+    assert all(
+        r[0]["argv"] == ["--epochs", "1", "--checkpoint_dir", str(tmp_path / "checkpoints" / "4242")]
+        for r in runs
+    )
     config = None
     for t, env in enumerate(envs):
-        assert (env["PS_SERVER_REPLICAS"], env["PS_PSERVER_NUM"], env["PS_COORDINATOR"]) == ("2", "2", coordinator)
+        assert (env["PS_SERVER_REPLICAS"], env["PS_PSERVER_NUM"], env["PS_COORDINATOR"]) == (
+            "2",
+            "2",
+            coordinator,
+        )
         role, read = slurm_roles.discover(env), RoleEnv.from_env(env)
         fields = ("role", "pservers", "trainers", "trainer_id", "current_endpoint", "source")
-        assert [getattr(role, f) for f in fields] == [getattr(read, f) for f in fields] and role.source == "slurm"
+        assert [getattr(role, f) for f in fields] == [
+            getattr(read, f) for f in fields
+        ] and role.source == "slurm"
         assert role.pservers == pservers and role.trainers == 2
         if t < 4:
             assert (role.role, role.current_endpoint) == ("PSERVER", (pservers + replicas)[t])
         else:
             assert (role.role, role.trainer_id) == ("TRAINER", t - 4)
         config = resolved(env, role.pservers)
-        assert (config.server_replicas, config.replica_endpoints, config.coordinator, config.coordinator_prefix) \
-            == (2, ",".join(replicas), coordinator, "/torch-pserver/slurm-4242.0")
+        assert (
+            config.server_replicas,
+            config.replica_endpoints,
+            config.coordinator,
+            config.coordinator_prefix,
+        ) == (2, ",".join(replicas), coordinator, "/torch-pserver/slurm-4242.0")
     got = shards(config, slurm_roles.discover(envs[0]), pservers + replicas, monkeypatch)
     for i in range(N):
         assert got[replicas[i]] == got[pservers[i]] and got[pservers[i]][0] == i and got[pservers[i]][1]
@@ -279,9 +317,9 @@ def test_an_etcd_given_in_ps_coordinator_is_used_as_is(tmp_path):
     assert batch.tasks()[4][0]["env"]["PS_COORDINATOR"] == f"http://10.9.8.7:{batch.etcd_port}"
 
 
-
 # srun for a real etcd: the lease TTL the coordinator grants, then the tasks as usual.
-LEASE_SRUN = r'''
+LEASE_SRUN = (
+    r"""
 import json, os, urllib.request
 request = urllib.request.Request(os.environ["PS_COORDINATOR"] + "/v3/lease/grant", data=b'{"TTL": 1}',
                                  headers={"Content-Type": "application/json"})
@@ -289,7 +327,9 @@ with urllib.request.urlopen(request, timeout=5) as r:
     ttl = json.load(r)["TTL"]
 with open(os.path.join(os.environ["FAKE_OUT"], "lease.json"), "w") as f:
     json.dump({"ttl": int(ttl)}, f)
-''' + FAKE_SRUN
+"""
+    + FAKE_SRUN
+)
 
 
 def test_the_batch_script_starts_a_real_etcd_with_1s_leases(tmp_path, etcd_binary):

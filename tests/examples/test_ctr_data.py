@@ -1,4 +1,5 @@
 """Tests of examples/ctr_data.py: Criteo TSV reading and writing, slot ids, the planted model."""
+
 import itertools
 import sys
 
@@ -6,10 +7,21 @@ import numpy as np
 import pytest
 
 from tests.helpers import paths
+
 sys.path.insert(0, str(paths.EXAMPLES))
 import ctr_data  # noqa: E402
-from ctr_data import (N_DENSE, N_SPARSE, CtrData, featurize, generate, generate_raw, parse_lines,  # noqa: E402
-                      read_criteo_tsv, slot_ids, write_criteo_tsv)
+from ctr_data import (  # noqa: E402
+    N_DENSE,
+    N_SPARSE,
+    CtrData,
+    featurize,
+    generate,
+    generate_raw,
+    parse_lines,
+    read_criteo_tsv,
+    slot_ids,
+    write_criteo_tsv,
+)
 from sklearn.metrics import roc_auc_score  # noqa: E402
 
 MASK64 = (1 << 64) - 1
@@ -62,8 +74,34 @@ HAND_DENSE = [
     ["5", "2", "0", "9", "0", "1", "0", "0", "65535", "0", "3", "0", "8"],
 ]
 HAND_CAT = [
-    ["68fd1e64", "ABCDEF01", "a", "", "0", "FFFFFFFF", "00000000", "1", "c0ffee", "Dead", "beef", "7",
-     "80000000", "", "1f", "2F", "3e4", "4E5F", "5a6b7", "6C7D8E", "00000001", "", "fFfF", "9", "ab", "CD"],
+    [
+        "68fd1e64",
+        "ABCDEF01",
+        "a",
+        "",
+        "0",
+        "FFFFFFFF",
+        "00000000",
+        "1",
+        "c0ffee",
+        "Dead",
+        "beef",
+        "7",
+        "80000000",
+        "",
+        "1f",
+        "2F",
+        "3e4",
+        "4E5F",
+        "5a6b7",
+        "6C7D8E",
+        "00000001",
+        "",
+        "fFfF",
+        "9",
+        "ab",
+        "CD",
+    ],
     ["", "", "", "", "", "", "", "", "", "", "", "", "", "", "", "", "", "", "", "", "", "", "", "", "", ""],
     ["0"] * 13 + ["ffffffff"] * 13,
 ]
@@ -87,8 +125,9 @@ def test_hand_written_tsv(tmp_path):
     assert data.dense[0, 2] == 0.0 and data.dense[0, 1] == 0.0  # -1 clipped; missing
     assert data.dense[0, 4] == np.log1p(np.float32(12))
 
-    ids = [[splitmix64_ref(s, None if f == "" else int(f, 16)) for s, f in enumerate(row)]
-           for row in HAND_CAT]
+    ids = [
+        [splitmix64_ref(s, None if f == "" else int(f, 16)) for s, f in enumerate(row)] for row in HAND_CAT
+    ]
     np.testing.assert_array_equal(data.ids, np.array(ids, np.int64))
     # Same value, different spelling: 'ab' / 'AB' / '000000ab' are one id in the same slot.
     assert data.ids[0, 2] == splitmix64_ref(2, 0xA) and data.ids[2, 0] == splitmix64_ref(0, 0)
@@ -105,23 +144,26 @@ def _line(label="0", dense=None, cat=None):
     return "\t".join([label] + (dense or ["1"] * N_DENSE) + (cat or ["0a"] * N_SPARSE))
 
 
-@pytest.mark.parametrize("bad, message", [
-    ("\t".join(_line().split("\t")[:-1]), "expected 40 tab-separated fields, got 39"),
-    (_line() + "\t", "expected 40 tab-separated fields, got 41"),
-    ("", "expected 40 tab-separated fields, got 1"),
-    (_line(dense=["1"] * 5 + ["1.5"] + ["1"] * 7), "field 7: dense column is not an integer"),
-    (_line(dense=["x"] + ["1"] * 12), "field 2: dense column is not an integer"),
-    (_line(dense=["1"] * 12 + ["-"]), "field 14: dense column is not an integer"),
-    (_line(dense=["1"] * 12 + ["1" * 19]), "field 14: dense column is not an integer"),
-    (_line(cat=["0a"] * 25 + ["xyz"]), "field 40: categorical column is not hex"),
-    (_line(cat=["123456789"] + ["0a"] * 25), "field 15: categorical column is not hex"),
-    (_line(cat=["-1"] + ["0a"] * 25), "field 15: categorical column is not hex"),
-    (_line(cat=["0a"] * 3 + ["ab\u00e9"] + ["0a"] * 22), "field 18: categorical column is not hex"),
-    (_line(dense=["1"] * 3 + ["1\x002"] + ["1"] * 9), "field 5: dense column is not an integer"),
-    (_line(label="2"), "field 1: label must be 0 or 1"),
-    (_line(label=""), "field 1: label must be 0 or 1"),
-    (_line(label="01"), "field 1: label must be 0 or 1"),
-])
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        ("\t".join(_line().split("\t")[:-1]), "expected 40 tab-separated fields, got 39"),
+        (_line() + "\t", "expected 40 tab-separated fields, got 41"),
+        ("", "expected 40 tab-separated fields, got 1"),
+        (_line(dense=["1"] * 5 + ["1.5"] + ["1"] * 7), "field 7: dense column is not an integer"),
+        (_line(dense=["x"] + ["1"] * 12), "field 2: dense column is not an integer"),
+        (_line(dense=["1"] * 12 + ["-"]), "field 14: dense column is not an integer"),
+        (_line(dense=["1"] * 12 + ["1" * 19]), "field 14: dense column is not an integer"),
+        (_line(cat=["0a"] * 25 + ["xyz"]), "field 40: categorical column is not hex"),
+        (_line(cat=["123456789"] + ["0a"] * 25), "field 15: categorical column is not hex"),
+        (_line(cat=["-1"] + ["0a"] * 25), "field 15: categorical column is not hex"),
+        (_line(cat=["0a"] * 3 + ["ab\u00e9"] + ["0a"] * 22), "field 18: categorical column is not hex"),
+        (_line(dense=["1"] * 3 + ["1\x002"] + ["1"] * 9), "field 5: dense column is not an integer"),
+        (_line(label="2"), "field 1: label must be 0 or 1"),
+        (_line(label=""), "field 1: label must be 0 or 1"),
+        (_line(label="01"), "field 1: label must be 0 or 1"),
+    ],
+)
 def test_malformed_line_names_file_and_line(tmp_path, bad, message):
     path = tmp_path / "bad.tsv"
     path.write_text("\n".join([_line("1"), _line("0"), bad, _line("1")]) + "\n")
@@ -167,7 +209,8 @@ def test_slot_ids_match_reference_and_are_stable():
     # Pinned values: ids are persisted by trainers and pservers, so the hash must never change.
     np.testing.assert_array_equal(
         slot_ids(np.array([[0, 0xDEADBEEF, 5]], np.uint32), np.array([[False, False, True]])),
-        [[-2152535657050944081, 3564404800396405878, -5318215300934776470]])
+        [[-2152535657050944081, 3564404800396405878, -5318215300934776470]],
+    )
 
 
 def test_slot_ids_separate_slots_values_and_missing():
@@ -182,8 +225,9 @@ def test_slot_ids_separate_slots_values_and_missing():
     pos = np.minimum(np.searchsorted(ordered, missing_ids), len(ordered) - 1)
     assert not (ordered[pos] == missing_ids).any()
     # The raw value under a missing mark is ignored.
-    np.testing.assert_array_equal(slot_ids(raw[:3], np.ones((3, N_SPARSE), bool)),
-                                  np.tile(missing_ids, (3, 1)))
+    np.testing.assert_array_equal(
+        slot_ids(raw[:3], np.ones((3, N_SPARSE), bool)), np.tile(missing_ids, (3, 1))
+    )
     # Spread over the whole int64 range.
     assert 0.45 < (ids < 0).mean() < 0.55
     assert ids.min() < -(1 << 62) and ids.max() > 1 << 62
@@ -217,8 +261,10 @@ def test_featurize_and_ctrdata():
 def test_generate_is_deterministic_and_sample_seed_changes_examples():
     a = generate(5000, seed=3, vocab_size=20_000)
     assert_same(a, generate(5000, seed=3, vocab_size=20_000))
-    assert_same(generate(5000, seed=3, vocab_size=20_000, sample_seed=7),
-                generate(5000, seed=3, vocab_size=20_000, sample_seed=7))
+    assert_same(
+        generate(5000, seed=3, vocab_size=20_000, sample_seed=7),
+        generate(5000, seed=3, vocab_size=20_000, sample_seed=7),
+    )
     b = generate(5000, seed=3, vocab_size=20_000, sample_seed=7)
     assert not np.array_equal(a.ids, b.ids) and not np.array_equal(a.dense, b.dense)
     # A tuple of ints is a sample seed too (ctr_stream draws unit u of stream s with (s, u)).
@@ -252,7 +298,7 @@ def _one_hot_design(data: CtrData, vocab: np.ndarray) -> np.ndarray:
     assert (vocab[np.minimum(col, len(vocab) - 1)] == data.ids).all()
     x = np.zeros((len(data), len(vocab) + N_DENSE))
     np.put_along_axis(x, col, 1.0, axis=1)
-    x[:, len(vocab):] = data.dense
+    x[:, len(vocab) :] = data.dense
     return x
 
 
@@ -270,7 +316,7 @@ def test_true_logits_are_linear_in_the_features_and_shared_across_samples():
     assert np.abs(x @ coef - fit[5]).max() < 1e-4
     assert np.abs(_one_hot_design(other_data, vocab) @ coef - other[5]).max() < 1e-4
     # The dense part of the logit is not negligible.
-    assert np.abs(x[:, len(vocab):] @ coef[len(vocab):]).std() > 0.1
+    assert np.abs(x[:, len(vocab) :] @ coef[len(vocab) :]).std() > 0.1
 
 
 @pytest.mark.parametrize("seed", [0, 11])

@@ -1,6 +1,7 @@
 """Tests of examples/ctr_stream.py: each trainer streams only its shard, in a fixed batch order,
 through a DataLoader over an IterableDataset, with or without workers; a restarted trainer resumes
 at its batch through ``Trainer.batches``."""
+
 import sys
 import time
 
@@ -9,11 +10,13 @@ import pytest
 import torch
 
 from tests.helpers import paths
+
 sys.path.insert(0, str(paths.EXAMPLES))
 import ctr_data  # noqa: E402
 import ctr_stream  # noqa: E402
 import train_ctr  # noqa: E402
 from ctr_stream import CriteoFile, CtrStream, Generated, assign, batches_per_epoch, shard_sizes  # noqa: E402
+
 from tests.helpers.cluster import LocalCluster  # noqa: E402
 from trainer.errors import PserverError  # noqa: E402
 from transpiler import DistributeTranspilerConfig, Program  # noqa: E402
@@ -50,15 +53,18 @@ def assert_same_batches(got, expected):
 # ---------------------------------------------------------------- the sharding rule (pure)
 
 
-@pytest.mark.parametrize("records, shards, unit, sizes", [
-    (10, 1, 1, [10]),
-    (10, 3, 1, [4, 3, 3]),
-    (2, 3, 1, [1, 1, 0]),
-    (0, 2, 1, [0, 0]),
-    (10, 2, 4, [6, 4]),       # units [0-3] [4-7] [8-9]: shard 0 has units 0 and 2
-    (12, 2, 4, [8, 4]),
-    (5000, 3, 1024, [2048, 1928, 1024]),  # unit 4 (904 records) to shard 1
-])
+@pytest.mark.parametrize(
+    "records, shards, unit, sizes",
+    [
+        (10, 1, 1, [10]),
+        (10, 3, 1, [4, 3, 3]),
+        (2, 3, 1, [1, 1, 0]),
+        (0, 2, 1, [0, 0]),
+        (10, 2, 4, [6, 4]),  # units [0-3] [4-7] [8-9]: shard 0 has units 0 and 2
+        (12, 2, 4, [8, 4]),
+        (5000, 3, 1024, [2048, 1928, 1024]),  # unit 4 (904 records) to shard 1
+    ],
+)
 def test_shard_sizes(records, shards, unit, sizes):
     assert shard_sizes(records, shards, unit).tolist() == sizes
 
@@ -72,13 +78,16 @@ def test_assign_matches_dealing_units_round_robin_then_cutting_batches(records, 
         assert number[mine].tolist() == [rank // batch for rank in range(len(mine))]
 
 
-@pytest.mark.parametrize("records, shards, unit, batch, even, expected", [
-    (10, 3, 1, 2, False, [2, 2, 2]),
-    (10, 3, 1, 2, True, [1, 1, 1]),
-    (5000, 3, 1024, 300, False, [7, 7, 4]),
-    (5000, 3, 1024, 300, True, [3, 3, 3]),
-    (5, 2, 1, 10, True, [0, 0]),
-])
+@pytest.mark.parametrize(
+    "records, shards, unit, batch, even, expected",
+    [
+        (10, 3, 1, 2, False, [2, 2, 2]),
+        (10, 3, 1, 2, True, [1, 1, 1]),
+        (5000, 3, 1024, 300, False, [7, 7, 4]),
+        (5000, 3, 1024, 300, True, [3, 3, 3]),
+        (5, 2, 1, 10, True, [0, 0]),
+    ],
+)
 def test_batches_per_epoch(records, shards, unit, batch, even, expected):
     assert [batches_per_epoch(records, shards, unit, batch, s, even) for s in range(shards)] == expected
 
@@ -125,10 +134,14 @@ def test_even_streams_give_every_trainer_the_same_full_batches(tsv):
 
 def test_file_line_range_and_the_line_numbers_of_errors(tmp_path, tsv):
     path, everything = tsv
-    assert_same(concat(list(CtrStream(CriteoFile(path, start=1000, stop=1700), 64, even=False))),
-                everything.subset(slice(1000, 1700)))
-    assert_same(concat(list(CtrStream(CriteoFile(path, start=2400), 64, even=False))),
-                everything.subset(slice(2400, None)))
+    assert_same(
+        concat(list(CtrStream(CriteoFile(path, start=1000, stop=1700), 64, even=False))),
+        everything.subset(slice(1000, 1700)),
+    )
+    assert_same(
+        concat(list(CtrStream(CriteoFile(path, start=2400), 64, even=False))),
+        everything.subset(slice(2400, None)),
+    )
     assert len(CriteoFile(path, start=LINES + 5)) == 0
     lines = path.read_bytes().split(b"\r\n")
     lines[1201] = b"x" + lines[1201]  # line 1202 of the file: record 201 of the range below
@@ -173,8 +186,12 @@ def test_dataloader_workers_split_the_batches_and_keep_their_order(tsv):
 
 def small_program() -> Program:
     torch.manual_seed(0)
-    return Program(train_ctr.WideDeep(1000, hidden=(8,), table_device="meta"), "adam", lr=1e-3,
-                   distributed_tables=train_ctr.TABLES)
+    return Program(
+        train_ctr.WideDeep(1000, hidden=(8,), table_device="meta"),
+        "adam",
+        lr=1e-3,
+        distributed_tables=train_ctr.TABLES,
+    )
 
 
 def train(tr, loader, epochs, got, stop_after=None):

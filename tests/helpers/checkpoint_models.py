@@ -1,4 +1,5 @@
 """A model with sliced dense parameters and a distributed table, for the checkpoint tests."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -7,7 +8,7 @@ from torch import nn
 
 from transpiler import DistributeTranspilerConfig, Program
 
-IDS = np.unique(np.random.default_rng(4).integers(-2**50, 2**50, size=50, dtype=np.int64))
+IDS = np.unique(np.random.default_rng(4).integers(-(2**50), 2**50, size=50, dtype=np.int64))
 
 
 class Ranker(nn.Module):
@@ -35,8 +36,14 @@ def config(checkpoint_dir: str, **kwargs) -> DistributeTranspilerConfig:
 def batches(steps: int, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     rng = np.random.default_rng(seed)
-    return [(torch.randn(8, 64, generator=g), torch.from_numpy(IDS[rng.integers(0, len(IDS), 8)]),
-             torch.randn(8, generator=g)) for _ in range(steps)]
+    return [
+        (
+            torch.randn(8, 64, generator=g),
+            torch.from_numpy(IDS[rng.integers(0, len(IDS), 8)]),
+            torch.randn(8, generator=g),
+        )
+        for _ in range(steps)
+    ]
 
 
 def train(tr, data) -> None:

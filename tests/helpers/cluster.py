@@ -3,6 +3,7 @@
 Every role runs its own transpile of a fresh program from the same builder,
 exactly as separate processes would; only the process boundary is missing.
 """
+
 from __future__ import annotations
 
 import threading
@@ -10,10 +11,11 @@ from contextlib import ExitStack
 from typing import Callable, Dict, List, Optional
 
 from pserver import ParameterServer
-from .ports import free_ports
+from psproto.security import Security
 from trainer import Trainer
 from transpiler import DistributeTranspiler, DistributeTranspilerConfig, Program
-from psproto.security import Security
+
+from .ports import free_ports
 
 
 class LocalCluster:
@@ -24,9 +26,16 @@ class LocalCluster:
     never the process environment, so a developer's PS_AUTH_TOKEN cannot leak in.
     """
 
-    def __init__(self, build: Callable[[], Program], n_pservers: int, n_trainers: int,
-                 sync_mode: bool = True, config: Optional[DistributeTranspilerConfig] = None,
-                 tables_from: Optional[str] = None, security: Optional[Security] = None):
+    def __init__(
+        self,
+        build: Callable[[], Program],
+        n_pservers: int,
+        n_trainers: int,
+        sync_mode: bool = True,
+        config: Optional[DistributeTranspilerConfig] = None,
+        tables_from: Optional[str] = None,
+        security: Optional[Security] = None,
+    ):
         self.build = build
         self.security = security if security is not None else Security()
         self.tables_from = tables_from
@@ -39,8 +48,13 @@ class LocalCluster:
 
     def transpiler(self, trainer_id: int = 0) -> DistributeTranspiler:
         t = DistributeTranspiler(self.config)
-        t.transpile(trainer_id, program=self.build(), pservers=",".join(self.endpoints),
-                    trainers=self.n_trainers, sync_mode=self.sync_mode)
+        t.transpile(
+            trainer_id,
+            program=self.build(),
+            pservers=",".join(self.endpoints),
+            trainers=self.n_trainers,
+            sync_mode=self.sync_mode,
+        )
         return t
 
     def __enter__(self) -> "LocalCluster":
@@ -51,8 +65,9 @@ class LocalCluster:
     def _start_pserver(self, endpoint: str) -> ParameterServer:
         t = self.transpiler()
         prog = t.get_pserver_program(endpoint)
-        server = ParameterServer(prog, t.get_startup_program(endpoint, prog), tables_from=self.tables_from,
-                                 security=self.security)
+        server = ParameterServer(
+            prog, t.get_startup_program(endpoint, prog), tables_from=self.tables_from, security=self.security
+        )
         return self._stack.enter_context(server)
 
     def restart_pserver(self, index: int) -> ParameterServer:
@@ -66,12 +81,14 @@ class LocalCluster:
     def trainer(self, trainer_id: int) -> Trainer:
         return Trainer(self.transpiler(trainer_id).get_trainer_program(), self.security)
 
-    def run_trainers(self, body: Callable[[Trainer, int], object],
-                     ids: Optional[List[int]] = None, timeout: float = 60.0) -> Dict[int, object]:
+    def run_trainers(
+        self, body: Callable[[Trainer, int], object], ids: Optional[List[int]] = None, timeout: float = 60.0
+    ) -> Dict[int, object]:
         """Run ``body(trainer, id)`` for each trainer in its own thread; re-raise any failure.
 
         Each trainer is closed when its body returns or raises.
         """
+
         def with_trainer(i: int) -> object:
             with self.trainer(i) as tr:
                 return body(tr, i)
@@ -81,7 +98,8 @@ class LocalCluster:
 
 
 def in_threads(bodies: Dict[int, Callable[[], object]], timeout: float = 60.0) -> Dict[int, object]:
-    """Run each of ``bodies`` (by trainer id) in a thread ``trainer-<id>``; their results, or the first failure re-raised."""
+    """Run each of ``bodies`` (by trainer id) in a thread ``trainer-<id>``; their results, or the first
+    failure re-raised."""
     results: Dict[int, object] = {}
     errors: Dict[int, BaseException] = {}
 

@@ -4,6 +4,7 @@ One sync run serves two tests (its training and files in tests/examples/test_ctr
 as a user sees it in tests/launch/test_console.py): starting 2 pservers and 2 trainers that
 import torch is most of what a run costs on 2 cores. See the ``ctr_sync_job`` fixture in conftest.
 """
+
 from __future__ import annotations
 
 import os
@@ -34,6 +35,7 @@ def write_criteo_file(path: Path) -> Path:
 @dataclass
 class CtrJob:
     """A finished run: its directory (the job's cwd; logs in ``LOG_DIR``), exit code and console."""
+
     cwd: Path
     mode: str
     returncode: int
@@ -52,12 +54,33 @@ def run_ctr_job(cwd: Path, criteo_file: Path, mode: str, timeout: float = 160) -
     workers. ``--log_level info``; no PS_LOG_LEVEL from this environment. SIGTERM (which stops
     the roles) on timeout.
     """
-    args = ["--server_num", "2", "--worker_num", "2", "--log_level", "info", EXAMPLE,
-            "--data", str(criteo_file), "--epochs", "2", "--batch_size", "512", "--target_auc", str(TEST_TARGET_AUC)]
+    args = [
+        "--server_num",
+        "2",
+        "--worker_num",
+        "2",
+        "--log_level",
+        "info",
+        EXAMPLE,
+        "--data",
+        str(criteo_file),
+        "--epochs",
+        "2",
+        "--batch_size",
+        "512",
+        "--target_auc",
+        str(TEST_TARGET_AUC),
+    ]
     args += [] if mode == "sync" else ["--async", "--no_progress", "--workers", "2"]
     env = {k: v for k, v in os.environ.items() if k != "PS_LOG_LEVEL"}
-    proc = subprocess.Popen([sys.executable, "-m", "trainer.launch", *args], cwd=cwd, env=env,
-                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "trainer.launch", *args],
+        cwd=cwd,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     try:
         out, err = proc.communicate(timeout=timeout)
     finally:
@@ -65,4 +88,6 @@ def run_ctr_job(cwd: Path, criteo_file: Path, mode: str, timeout: float = 160) -
             proc.terminate()
             out, err = proc.communicate(timeout=20)
     # Bytes decoded, not text mode: universal newlines would turn tqdm's '\r' into '\n'.
-    return CtrJob(Path(cwd), mode, proc.returncode, out.decode(errors="replace"), err.decode(errors="replace"))
+    return CtrJob(
+        Path(cwd), mode, proc.returncode, out.decode(errors="replace"), err.decode(errors="replace")
+    )

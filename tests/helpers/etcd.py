@@ -6,6 +6,7 @@ way users start it: its own process, its own data directory, loopback URLs only.
 not installed the tests skip (or fail under ``PS_REQUIRE_SYSTEM_TESTS=1``) through
 :func:`tests.helpers.system.unavailable`.
 """
+
 from __future__ import annotations
 
 import json
@@ -63,15 +64,20 @@ class EtcdServer:
             return False
 
     def wait_healthy(self, timeout: float = START_TIMEOUT) -> None:
-        """Return once etcd is healthy; raise RuntimeError naming the log's tail if it exits or ``timeout`` passes."""
+        """Return once etcd is healthy; raise RuntimeError naming the log's tail if it exits or ``timeout``
+        passes."""
         deadline = time.monotonic() + timeout
         while not self.healthy():
             if self.proc.poll() is not None:
-                raise RuntimeError(f"etcd exited with {self.proc.returncode} before answering at {self.url}; "
-                                   f"log {self.log_path}:\n{self.log_tail()}")
+                raise RuntimeError(
+                    f"etcd exited with {self.proc.returncode} before answering at {self.url}; "
+                    f"log {self.log_path}:\n{self.log_tail()}"
+                )
             if time.monotonic() > deadline:
-                raise RuntimeError(f"etcd did not answer at {self.url}/health within {timeout}s; "
-                                   f"log {self.log_path}:\n{self.log_tail()}")
+                raise RuntimeError(
+                    f"etcd did not answer at {self.url}/health within {timeout}s; "
+                    f"log {self.log_path}:\n{self.log_tail()}"
+                )
             time.sleep(0.05)  # poll interval of the health check
 
     def stop(self) -> None:
@@ -98,14 +104,15 @@ class EtcdServer:
 
 
 def start_etcd(tmp_path: Path, name: str = "etcd", host: str = "127.0.0.1") -> EtcdServer:
-    """Start a single-member etcd on free loopback ports with its data and log under ``tmp_path``; wait until healthy.
+    """Start a single-member etcd on free loopback ports with its data and log under ``tmp_path``; wait
+    until healthy.
 
-    ``name`` names the member and its files (``tmp_path/NAME.data``, ``tmp_path/NAME.log``), so a
-    test may start several. ``host`` is the address its client URL binds (an address of this host
-    that processes in another network namespace can reach, e.g. a veth end's); the peer URL stays
-    on loopback. Skips (or fails where system tests are required) when ``etcd`` is not
-    on PATH; raises RuntimeError with the log's tail when it does not come up within 15 s. A port
-    taken between picking and binding it (another test's process) is retried with new ports.
+    ``name`` names the member and its files (``tmp_path/NAME.data``, ``tmp_path/NAME.log``), so a test may
+    start several. ``host`` is the address its client URL binds (an address of this host that processes in
+    another network namespace can reach, e.g. a veth end's); the peer URL stays on loopback. Skips (or
+    fails where system tests are required) when ``etcd`` is not on PATH; raises RuntimeError with the log's
+    tail when it does not come up within 15 s. A port taken between picking and binding it (another test's
+    process) is retried with new ports.
     """
     binary = shutil.which("etcd")
     if binary is None:
@@ -116,11 +123,26 @@ def start_etcd(tmp_path: Path, name: str = "etcd", host: str = "127.0.0.1") -> E
         client_port, peer_port = free_ports(2)
         url = f"http://{host}:{client_port}"
         peer = f"http://127.0.0.1:{peer_port}"
-        cmd = [binary, "--name", name, "--data-dir", str(data_dir),
-               "--listen-client-urls", url, "--advertise-client-urls", url,
-               "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
-               "--initial-cluster", f"{name}={peer}", "--initial-cluster-state", "new",
-               *TIMING_FLAGS]
+        cmd = [
+            binary,
+            "--name",
+            name,
+            "--data-dir",
+            str(data_dir),
+            "--listen-client-urls",
+            url,
+            "--advertise-client-urls",
+            url,
+            "--listen-peer-urls",
+            peer,
+            "--initial-advertise-peer-urls",
+            peer,
+            "--initial-cluster",
+            f"{name}={peer}",
+            "--initial-cluster-state",
+            "new",
+            *TIMING_FLAGS,
+        ]
         with open(log_path, "ab") as log:
             proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
         server = EtcdServer(proc, url, data_dir, log_path)
@@ -138,7 +160,8 @@ def start_etcd(tmp_path: Path, name: str = "etcd", host: str = "127.0.0.1") -> E
 
 @pytest.fixture(name="etcd")
 def etcd_fixture(tmp_path) -> Iterator[EtcdServer]:
-    """A fresh etcd for one test (``from tests.helpers.etcd import etcd_fixture  # noqa: F401``); stopped at teardown."""
+    """A fresh etcd for one test (``from tests.helpers.etcd import etcd_fixture  # noqa: F401``); stopped
+    at teardown."""
     server: Optional[EtcdServer] = start_etcd(tmp_path)
     try:
         yield server

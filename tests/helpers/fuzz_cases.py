@@ -9,6 +9,7 @@ change its state even when valid; fuzz_series turns it into the series of cases.
 mutation that turns into a request that may legitimately change the state is told apart by
 :func:`legit_change`.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -21,19 +22,20 @@ import torch
 from google.protobuf.message_factory import GetMessageClass
 from torch import nn
 
-from .cluster import LocalCluster
 from psproto import ps_pb2
 from psproto.codec import decode_chunk, encode_chunks, encode_into
 from psproto.shared_memory import Region
 from transpiler import Program
 
+from .cluster import LocalCluster
+
 SERVICE = ps_pb2.DESCRIPTOR.services_by_name["ParameterServer"]
 METHODS = {m.name: m for m in SERVICE.methods}
 
 TRAINERS = 2
-FUTURE_STEP = 5           # the step of the base pushes: the pserver is at step 0
-STREAM_CHUNK = 4096       # chunk size of streamed push bases: ~10 messages
-PREFETCH_CHUNK = 256      # ... of the streamed prefetch base: several messages
+FUTURE_STEP = 5  # the step of the base pushes: the pserver is at step 0
+STREAM_CHUNK = 4096  # chunk size of streamed push bases: ~10 messages
+PREFETCH_CHUNK = 256  # ... of the streamed prefetch base: several messages
 ONE_MESSAGE = 1 << 30
 WRONG_DIGEST = "0123456789abcdef"
 
@@ -66,8 +68,8 @@ def build() -> Program:
 @dataclass
 class Case:
     desc: str
-    messages: List[bytes]          # the request; exactly one message for a unary request
-    refuse: bool = False           # hand-made bad input: an OK answer is a failure
+    messages: List[bytes]  # the request; exactly one message for a unary request
+    refuse: bool = False  # hand-made bad input: an OK answer is a failure
 
 
 @dataclass
@@ -76,18 +78,18 @@ class Env:
     channel: grpc.Channel
     tmp: Path
     digest: str
-    blocks: Dict[str, Tuple[str, List[int]]]     # this pserver's blocks: (dtype, shape)
-    other_blocks: List[str]                      # blocks of the other pserver
-    tables: Dict[str, int]                       # table -> dim
-    own_ids: np.ndarray                          # ids of this pserver's shard
-    foreign_ids: np.ndarray                      # ids of the other shard
-    sessions: Dict[int, str]                     # the live trainers' sessions on this pserver
-    trainers: list                               # the live job's Trainer per id
+    blocks: Dict[str, Tuple[str, List[int]]]  # this pserver's blocks: (dtype, shape)
+    other_blocks: List[str]  # blocks of the other pserver
+    tables: Dict[str, int]  # table -> dim
+    own_ids: np.ndarray  # ids of this pserver's shard
+    foreign_ids: np.ndarray  # ids of the other shard
+    sessions: Dict[int, str]  # the live trainers' sessions on this pserver
+    trainers: list  # the live job's Trainer per id
     grads: List[Tuple[str, torch.Tensor]] = field(default_factory=list)
     prefetch_ids: List[Tuple[str, torch.Tensor]] = field(default_factory=list)
     bases: Dict[str, List[bytes]] = field(default_factory=dict)
     crafted: Dict[str, List[Case]] = field(default_factory=dict)
-    before: Dict[str, bytes] = field(default_factory=dict)   # block bytes before fuzzing
+    before: Dict[str, bytes] = field(default_factory=dict)  # block bytes before fuzzing
     # PushPullShared's base: a region holding the base push (its length) and a region for the answer
     shared: Optional[Tuple[Region, int, Region]] = None
 
@@ -101,11 +103,14 @@ class Env:
 
 
 def table_grads(e: Env, table: str, ids: np.ndarray, dtype=torch.float32):
-    return [(f"{table}@ids", torch.from_numpy(np.ascontiguousarray(ids))),
-            (f"{table}@rows", torch.full((len(ids), e.tables[table]), 0.01, dtype=dtype))]
+    return [
+        (f"{table}@ids", torch.from_numpy(np.ascontiguousarray(ids))),
+        (f"{table}@rows", torch.full((len(ids), e.tables[table]), 0.01, dtype=dtype)),
+    ]
 
 
 # -- base requests: valid messages the pserver must refuse, or that cannot change state --
+
 
 def push_stream(e: Env, chunk: int, tensors=None, **header) -> List[bytes]:
     h = dict(trainer_id=0, step=FUTURE_STEP, layout_digest=e.digest, epoch=1, batch=2, session=e.sessions[0])
@@ -117,18 +122,26 @@ def shared_push(e: Env) -> List[bytes]:
     """A SharedPush naming a region of this process that holds the base push (step 5, from the future)."""
     if e.shared is None:
         request, answer = Region(1 << 20), Region(1 << 20)
-        h = dict(trainer_id=0, step=FUTURE_STEP, layout_digest=e.digest, epoch=1, batch=2, session=e.sessions[0])
+        h = dict(
+            trainer_id=0, step=FUTURE_STEP, layout_digest=e.digest, epoch=1, batch=2, session=e.sessions[0]
+        )
         e.shared = (request, encode_into(request.view, ps_pb2.PushHeader(**h), e.grads), answer)
     request, length, answer = e.shared
-    return [ps_pb2.SharedPush(request=request.address(ps_pb2.SharedRegion), request_bytes=length,
-                              answer=answer.address(ps_pb2.SharedRegion)).SerializeToString()]
+    return [
+        ps_pb2.SharedPush(
+            request=request.address(ps_pb2.SharedRegion),
+            request_bytes=length,
+            answer=answer.address(ps_pb2.SharedRegion),
+        ).SerializeToString()
+    ]
 
 
 def prefetch_stream(e: Env, chunk: int, tensors=None, **header) -> List[bytes]:
     h = dict(trainer_id=0, min_updates=0, layout_digest=e.digest, session=e.sessions[0])
     h.update(header)
-    return list(encode_chunks(ps_pb2.PrefetchHeader(**h), e.prefetch_ids if tensors is None else tensors,
-                              chunk))
+    return list(
+        encode_chunks(ps_pb2.PrefetchHeader(**h), e.prefetch_ids if tensors is None else tensors, chunk)
+    )
 
 
 def base_requests(e: Env) -> Dict[str, List[bytes]]:
@@ -141,24 +154,40 @@ def base_requests(e: Env) -> Dict[str, List[bytes]]:
     own = e.sessions[0]
     return {
         "Hello": s(ps_pb2.HelloRequest(trainer_id=0, layout_digest=WRONG_DIGEST, incarnation=1)),
-        "Pull": s(ps_pb2.PullRequest(trainer_id=0, min_updates=0, names=sorted(e.blocks),
-                                     layout_digest=e.digest, session=own)),  # read-only
-        "Prefetch": prefetch_stream(e, PREFETCH_CHUNK),        # read-only (no row is stored)
-        "PushPull": push_stream(e, STREAM_CHUNK),              # step 5: from the future
+        "Pull": s(
+            ps_pb2.PullRequest(
+                trainer_id=0, min_updates=0, names=sorted(e.blocks), layout_digest=e.digest, session=own
+            )
+        ),  # read-only
+        "Prefetch": prefetch_stream(e, PREFETCH_CHUNK),  # read-only (no row is stored)
+        "PushPull": push_stream(e, STREAM_CHUNK),  # step 5: from the future
         "PushPullOne": push_stream(e, ONE_MESSAGE),
         "PushPullShared": shared_push(e),
         "PrefetchOne": prefetch_stream(e, ONE_MESSAGE),
-        "SaveTables": s(ps_pb2.SaveTablesRequest(trainer_id=0, directory=str(e.tmp / "tables"),
-                                                 layout_digest=WRONG_DIGEST, session=own)),
+        "SaveTables": s(
+            ps_pb2.SaveTablesRequest(
+                trainer_id=0, directory=str(e.tmp / "tables"), layout_digest=WRONG_DIGEST, session=own
+            )
+        ),
         "Close": s(ps_pb2.CloseRequest(trainer_id=TRAINERS, session=own)),  # out of range
         "Heartbeat": s(ps_pb2.HeartbeatRequest(trainer_id=0, session=own)),  # a sign of life only
-        "Restore": s(ps_pb2.RestoreRequest(trainer_id=0, checkpoint_step=7, token="x", layout_digest=e.digest,
-                                           session=own)),
+        "Restore": s(
+            ps_pb2.RestoreRequest(
+                trainer_id=0, checkpoint_step=7, token="x", layout_digest=e.digest, session=own
+            )
+        ),
         "Checkpoint": s(ps_pb2.CheckpointRequest(trainer_id=0, layout_digest=WRONG_DIGEST, session=own)),
         "Stats": s(ps_pb2.StatsRequest()),
-        "Reduce": s(ps_pb2.ReduceRequest(trainer_id=0, layout_digest=WRONG_DIGEST, session=own, key="auc",
-                                         op="sum", values=[ps_pb2.ReduceValue(name="pos", shape=[3],
-                                                                              data=[1.0, 2.0, 3.0])])),
+        "Reduce": s(
+            ps_pb2.ReduceRequest(
+                trainer_id=0,
+                layout_digest=WRONG_DIGEST,
+                session=own,
+                key="auc",
+                op="sum",
+                values=[ps_pb2.ReduceValue(name="pos", shape=[3], data=[1.0, 2.0, 3.0])],
+            )
+        ),
         # Backup trainers' claim, to a pserver that does not decide (none set): refused.
         "Claim": s(ps_pb2.ClaimRequest(trainer_id=0, layout_digest=e.digest, session=own, step=0)),
         # Hot standby's calls, to a pserver without replicas: refused (Lead only reads).
@@ -172,7 +201,9 @@ def base_requests(e: Env) -> Dict[str, List[bytes]]:
 
 def replica_stream(e: Env, chunk: int) -> List[bytes]:
     """A primary's update message (the step's gradient of every block) as a backup would receive it."""
-    header = ps_pb2.ReplicaHeader(epoch=1, seq=1, updates=1, lr_step=0, roster='{"trainers": {}, "closed": []}')
+    header = ps_pb2.ReplicaHeader(
+        epoch=1, seq=1, updates=1, lr_step=0, roster='{"trainers": {}, "closed": []}'
+    )
     return list(encode_chunks(header, e.grads, chunk))
 
 
@@ -181,6 +212,7 @@ def legit_change(e: Env, name: str, messages: List[bytes]) -> Optional[str]:
     method = METHODS[name]
     if not messages:
         return None
+
     def speaks_for_trainer(request) -> bool:
         # Only a trainer's own session speaks for it: without it nothing may change.
         t = request.trainer_id
@@ -193,11 +225,15 @@ def legit_change(e: Env, name: str, messages: List[bytes]) -> Optional[str]:
             request, length, _ = e.shared
             if shared.request.name != request.name:
                 return None
-            pushed = bytes(request.view[:min(length, shared.request_bytes)])
+            pushed = bytes(request.view[: min(length, shared.request_bytes)])
         if method.input_type.name in ("PushChunk", "SharedPush"):
             header, _ = decode_chunk(pushed, ps_pb2.PushHeader)
-            if (header is not None and speaks_for_trainer(header) and header.layout_digest == e.digest
-                    and header.step == e.server.engine.updates):
+            if (
+                header is not None
+                and speaks_for_trainer(header)
+                and header.layout_digest == e.digest
+                and header.step == e.server.engine.updates
+            ):
                 return "a push for the current step: it may be counted"
             return None
         request = GetMessageClass(method.input_type).FromString(messages[0])
@@ -210,7 +246,12 @@ def legit_change(e: Env, name: str, messages: List[bytes]) -> Optional[str]:
         return "writes a checkpoint"
     if name == "Reduce" and digest_ok and speaks_for_trainer(request):
         return "opens a round of a reduction (and waits for the other trainer)"
-    if (name == "SaveTables" and digest_ok and speaks_for_trainer(request) and request.directory
-            and not request.directory.startswith(str(e.tmp))):
+    if (
+        name == "SaveTables"
+        and digest_ok
+        and speaks_for_trainer(request)
+        and request.directory
+        and not request.directory.startswith(str(e.tmp))
+    ):
         return "writes table files outside the test's directory"
     return None

@@ -1,9 +1,11 @@
-"""Raw calls to the pserver under fuzz, and the judging of its answers and its state (tests/pserver/test_fuzz.py).
+"""Raw calls to the pserver under fuzz, and the judging of its answers and its state
+(tests/pserver/test_fuzz.py).
 
-:func:`invoke` sends a method's raw messages and returns what came back; :func:`judge` says what is
-wrong with an answer (an unhandled exception, a hang, an acceptance of what must be refused, a reply
-that does not decode); :func:`state_change` what changed in the pserver since fuzzing began.
+:func:`invoke` sends a method's raw messages and returns what came back; :func:`judge` says what is wrong
+with an answer (an unhandled exception, a hang, an acceptance of what must be refused, a reply that does
+not decode); :func:`state_change` what changed in the pserver since fuzzing began.
 """
+
 from __future__ import annotations
 
 import logging
@@ -16,7 +18,7 @@ from psproto import ps_pb2
 from psproto.codec import TensorReader, as_bytes, decode_chunk
 from tests.helpers.fuzz_cases import SERVICE, Case, Env
 
-CALL_TIMEOUT = 4.0        # per call; longer than the barrier, so a barrier refusal is not a hang
+CALL_TIMEOUT = 4.0  # per call; longer than the barrier, so a barrier refusal is not a hang
 
 
 def path_of(name: str) -> str:
@@ -25,8 +27,12 @@ def path_of(name: str) -> str:
 
 def invoke(channel: grpc.Channel, method, messages: List[bytes]):
     """Call ``method`` with raw ``messages``; (status code, details, raw replies)."""
-    kinds = {(False, False): channel.unary_unary, (False, True): channel.unary_stream,
-             (True, False): channel.stream_unary, (True, True): channel.stream_stream}
+    kinds = {
+        (False, False): channel.unary_unary,
+        (False, True): channel.unary_stream,
+        (True, False): channel.stream_unary,
+        (True, True): channel.stream_stream,
+    }
     call = kinds[method.client_streaming, method.server_streaming](path_of(method.name))
     request = iter(list(messages)) if method.client_streaming else messages[0]
     try:
@@ -41,8 +47,13 @@ def invoke(channel: grpc.Channel, method, messages: List[bytes]):
 
 def pull_blocks(env: Env) -> Tuple[int, Dict[str, bytes]]:
     """(version, {block: raw bytes}) of this pserver's blocks, by a valid Pull."""
-    request = ps_pb2.PullRequest(trainer_id=0, min_updates=0, names=sorted(env.blocks),
-                                 layout_digest=env.digest, session=env.sessions[0]).SerializeToString()
+    request = ps_pb2.PullRequest(
+        trainer_id=0,
+        min_updates=0,
+        names=sorted(env.blocks),
+        layout_digest=env.digest,
+        session=env.sessions[0],
+    ).SerializeToString()
     reader, version = TensorReader(lambda n: env.blocks.get(n)), None
     for data in env.channel.unary_stream(path_of("Pull"))(request, timeout=CALL_TIMEOUT):
         header, pieces = decode_chunk(data, ps_pb2.PullHeader)
@@ -61,7 +72,9 @@ def stats(env: Env) -> ps_pb2.StatsReply:
 # -- judging --------------------------------------------------------------------------------
 
 BAD_CODES = {
-    grpc.StatusCode.UNKNOWN: "UNKNOWN: an unhandled exception in the handler (a stack trace, not a clear refusal)",
+    grpc.StatusCode.UNKNOWN: (
+        "UNKNOWN: an unhandled exception in the handler (a stack trace, not a clear refusal)"
+    ),
     grpc.StatusCode.INTERNAL: "INTERNAL: the server failed internally",
     grpc.StatusCode.UNAVAILABLE: "UNAVAILABLE: the pserver stopped answering",
     grpc.StatusCode.CANCELLED: "CANCELLED",
@@ -85,7 +98,11 @@ def judge(method, case: Case, code, details: str, replies: List[bytes]) -> Optio
         except Exception as ex:  # noqa: BLE001
             return f"OK, but the answer does not decode: {ex!r}"
         return None
-    if code == grpc.StatusCode.UNIMPLEMENTED and method.name == "PushPullShared" and details.startswith("pserver "):
+    if (
+        code == grpc.StatusCode.UNIMPLEMENTED
+        and method.name == "PushPullShared"
+        and details.startswith("pserver ")
+    ):
         return None  # the regions cannot be mapped: the pserver's own refusal, not a missing method
     if code in BAD_CODES:
         return BAD_CODES[code]
@@ -104,8 +121,10 @@ def state_change(e: Env) -> Optional[str]:
         found.append(f"version {engine.updates}")
     # Joining (Hello) and signs of life (last_seen) are no change; anything else counted is.
     roster = getattr(engine, "roster", engine)
-    for owner, attrs in ((engine.pending, ("trainers", "touched", "sparse_sums", "positions")),
-                         (roster, ("closed", "dropped", "last_step", "positions"))):
+    for owner, attrs in (
+        (engine.pending, ("trainers", "touched", "sparse_sums", "positions")),
+        (roster, ("closed", "dropped", "last_step", "positions")),
+    ):
         for attr in attrs:
             value = getattr(owner, attr, None)
             if value:
@@ -123,8 +142,10 @@ def state_change(e: Env) -> Optional[str]:
 def show(messages: List[bytes], nbytes: int = 40, limit: int = 2) -> str:
     if not messages:
         return "(no messages)"
-    parts = [f"msg{i} [{len(m)} B] {m[:nbytes].hex()}{'...' if len(m) > nbytes else ''}"
-             for i, m in enumerate(messages[:limit])]
+    parts = [
+        f"msg{i} [{len(m)} B] {m[:nbytes].hex()}{'...' if len(m) > nbytes else ''}"
+        for i, m in enumerate(messages[:limit])
+    ]
     if len(messages) > limit:
         parts.append(f"+{len(messages) - limit} more messages")
     return " | ".join(parts)
@@ -135,7 +156,10 @@ def tracebacks(caplog) -> List[str]:
     out = []
     for r in caplog.records:
         if (r.name.startswith("grpc") and r.levelno >= logging.ERROR) or (
-                r.name.startswith("pserver") and r.levelno >= logging.ERROR and r.exc_info):
-            out.append(f"log {r.name} {r.levelname}: {r.getMessage()[:300]}"
-                       + (f" ({r.exc_info[0].__name__}: {r.exc_info[1]})" if r.exc_info else ""))
+            r.name.startswith("pserver") and r.levelno >= logging.ERROR and r.exc_info
+        ):
+            out.append(
+                f"log {r.name} {r.levelname}: {r.getMessage()[:300]}"
+                + (f" ({r.exc_info[0].__name__}: {r.exc_info[1]})" if r.exc_info else "")
+            )
     return out

@@ -6,6 +6,7 @@ pieces, byte-level, wire-level (fuzz_wire) and typed mutations of the base, spli
 method's base, the hand-made cases of ``Env.crafted`` (fuzz_crafted) and, for client streams, bad
 sequences of the base's messages (:func:`stream_cases`).
 """
+
 from __future__ import annotations
 
 import copy
@@ -17,10 +18,11 @@ import numpy as np
 from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message_factory import GetMessageClass
 
-from .fuzz_cases import DIM, METHODS, STREAM_CHUNK, WRONG_DIGEST, Case, Env, push_stream
-from .fuzz_wire import MASK64, byte_mutation, random_fields, wire_mutation
 from psproto import ps_pb2
 from psproto.dtypes import DTYPES
+
+from .fuzz_cases import DIM, METHODS, STREAM_CHUNK, WRONG_DIGEST, Case, Env, push_stream
+from .fuzz_wire import MASK64, byte_mutation, random_fields, wire_mutation
 
 # PS_FUZZ_SCALE: SCALE times more generated cases, for a deeper run.
 SCALE = int(os.environ.get("PS_FUZZ_SCALE", "1"))
@@ -30,23 +32,38 @@ N_RANDOM, N_SHAPED, N_PIECES = 5 * SCALE, 4 * SCALE, 6 * SCALE
 N_BYTES, N_WIRE, N_TYPED, N_SPLICE = 12 * SCALE, 10 * SCALE, 12 * SCALE, 4 * SCALE
 
 
-DTYPE_NAMES = ["", "float32", "float64", "float16", "bfloat16", "int64", "int32", "bool", "uint8",
-               "complex64", "torch.float32", "FLOAT32", "float32 ", "float32\0", "\u00e9"]
+DTYPE_NAMES = [
+    "",
+    "float32",
+    "float64",
+    "float16",
+    "bfloat16",
+    "int64",
+    "int32",
+    "bool",
+    "uint8",
+    "complex64",
+    "torch.float32",
+    "FLOAT32",
+    "float32 ",
+    "float32\0",
+    "\u00e9",
+]
 
 
 def int_choices(fd, e: Env) -> list:
     if fd.name == "trainer_id":
-        return [-1, 1, 2, 3, 2**31 - 1, -2**31]
+        return [-1, 1, 2, 3, 2**31 - 1, -(2**31)]
     if fd.name == "step":
-        return [-1, -2**63, 1, 4, 6, 2**63 - 1, 0]
+        return [-1, -(2**63), 1, 4, 6, 2**63 - 1, 0]
     if fd.name in ("min_updates", "checkpoint_step"):  # no 1: that waits for the barrier (hand-made once)
-        return [-1, -2**63, 0, 2, 7, 2**62, 2**63 - 1]
+        return [-1, -(2**63), 0, 2, 7, 2**62, 2**63 - 1]
     if fd.type == FieldDescriptor.TYPE_UINT64 or fd.type == FieldDescriptor.TYPE_UINT32:
         top = MASK64 if fd.type == FieldDescriptor.TYPE_UINT64 else 2**32 - 1
         return [0, 1, 3, 4, 8, 4096, 2**31, top]
     if fd.type == FieldDescriptor.TYPE_INT32:
-        return [-1, 0, 1, 2, 2**31 - 1, -2**31]
-    return [-1, 0, 1, 2, 2**31, 2**62, 2**63 - 1, -2**63]
+        return [-1, 0, 1, 2, 2**31 - 1, -(2**31)]
+    return [-1, 0, 1, 2, 2**31, 2**62, 2**63 - 1, -(2**63)]
 
 
 def str_choices(fd, value: str, e: Env) -> list:
@@ -64,8 +81,22 @@ def str_choices(fd, value: str, e: Env) -> list:
     return junk
 
 
-SHAPES = [[], [0], [1], [-1], [-5, 4], [2**62], [2**31, 2**31], [2**40, DIM], [2**27], [2**27, DIM],
-          [-(2**63)], [2**63 - 1], [1] * 9, [3, 0, 2]]
+SHAPES = [
+    [],
+    [0],
+    [1],
+    [-1],
+    [-5, 4],
+    [2**62],
+    [2**31, 2**31],
+    [2**40, DIM],
+    [2**27],
+    [2**27, DIM],
+    [-(2**63)],
+    [2**63 - 1],
+    [1] * 9,
+    [3, 0, 2],
+]
 
 
 def typed_mutation(rng: random.Random, cls, data: bytes, e: Env) -> Optional[Tuple[str, bytes]]:
@@ -88,6 +119,7 @@ def typed_mutation(rng: random.Random, cls, data: bytes, e: Env) -> Optional[Tup
                     walk(getattr(m, fd.name), f"{prefix}{fd.name}.")
             else:
                 targets.append((m, fd, prefix + fd.name))
+
     walk(msg, "")
     if not targets:
         return None
@@ -119,8 +151,19 @@ def typed_mutation(rng: random.Random, cls, data: bytes, e: Env) -> Optional[Tup
         detail = f"= {value}"
     elif repeated and fd.type == FieldDescriptor.TYPE_STRING:
         current = list(getattr(m, fd.name))
-        value = rng.choice([[], [""], current * 2, current[:1], ["nope.block0"], ["emb@rows"], e.other_blocks,
-                            current + ["x" * 300], [e.names[0]] * 1000])
+        value = rng.choice(
+            [
+                [],
+                [""],
+                current * 2,
+                current[:1],
+                ["nope.block0"],
+                ["emb@rows"],
+                e.other_blocks,
+                current + ["x" * 300],
+                [e.names[0]] * 1000,
+            ]
+        )
         m.ClearField(fd.name)
         getattr(m, fd.name).extend(value)
         detail = f"= {value[:4]}{'...' if len(value) > 4 else ''}"
@@ -132,11 +175,18 @@ def typed_mutation(rng: random.Random, cls, data: bytes, e: Env) -> Optional[Tup
         detail = f"= {value}"
     elif fd.type == FieldDescriptor.TYPE_BYTES:
         raw = getattr(m, fd.name)
-        ops = {"truncated by 1": raw[:-1], "truncated by 4": raw[:-4], "one byte more": raw + b"\0",
-               "8 bytes more": raw + bytes(8), "empty": b"", "doubled": raw * 2, "halved": raw[:len(raw) // 2],
-               "NaN": np.full(len(raw) // 4, np.nan, np.float32).tobytes() + raw[len(raw) // 4 * 4:],
-               "Inf": np.full(len(raw) // 4, np.inf, np.float32).tobytes() + raw[len(raw) // 4 * 4:],
-               "random": rng.randbytes(len(raw))}
+        ops = {
+            "truncated by 1": raw[:-1],
+            "truncated by 4": raw[:-4],
+            "one byte more": raw + b"\0",
+            "8 bytes more": raw + bytes(8),
+            "empty": b"",
+            "doubled": raw * 2,
+            "halved": raw[: len(raw) // 2],
+            "NaN": np.full(len(raw) // 4, np.nan, np.float32).tobytes() + raw[len(raw) // 4 * 4 :],
+            "Inf": np.full(len(raw) // 4, np.inf, np.float32).tobytes() + raw[len(raw) // 4 * 4 :],
+            "random": rng.randbytes(len(raw)),
+        }
         detail = rng.choice(sorted(ops))
         setattr(m, fd.name, ops[detail])
     elif fd.type == FieldDescriptor.TYPE_STRING:
@@ -164,15 +214,24 @@ def random_chunk(rng: random.Random, e: Env, cls, header: Optional[bytes]) -> by
         msg.header.MergeFromString(header)
     for _ in range(rng.randint(1, 4)):
         name = rng.choice(e.names + ["nope.block0", ""])
-        expected = e.blocks.get(name) or (("int64", [rng.randint(0, 9)]) if name.endswith("@ids") else
-                                           ("float32", [rng.randint(0, 9), e.tables.get(name.split("@")[0], 1)]))
+        expected = e.blocks.get(name) or (
+            ("int64", [rng.randint(0, 9)])
+            if name.endswith("@ids")
+            else ("float32", [rng.randint(0, 9), e.tables.get(name.split("@")[0], 1)])
+        )
         dtype = expected[0] if rng.random() < 0.7 else rng.choice(DTYPE_NAMES)
         shape = list(expected[1]) if rng.random() < 0.7 else rng.choice(SHAPES)
-        offset = 0 if rng.random() < 0.7 else rng.choice(int_choices(ps_pb2.TensorPiece.DESCRIPTOR.fields_by_name["offset"], e))
+        offset = (
+            0
+            if rng.random() < 0.7
+            else rng.choice(int_choices(ps_pb2.TensorPiece.DESCRIPTOR.fields_by_name["offset"], e))
+        )
         numel = int(np.prod(shape)) if shape and all(0 <= d < 10**5 for d in shape) else 0
         size = DTYPES[dtype].itemsize * numel if dtype in DTYPES else 4 * numel
         n = size if rng.random() < 0.5 else rng.randint(0, min(size + 16, 4096))
-        msg.pieces.add(name=name, dtype=dtype, shape=shape, offset=offset, data=rng.randbytes(min(n, 1 << 16)))
+        msg.pieces.add(
+            name=name, dtype=dtype, shape=shape, offset=offset, data=rng.randbytes(min(n, 1 << 16))
+        )
     return msg.SerializeToString()
 
 
@@ -211,7 +270,7 @@ def generate_cases(e: Env, name: str, rng: random.Random) -> List[Case]:
                 continue
             desc, data = result
             where = f" of message {i}/{len(base)}" if len(base) > 1 else ""
-            cases.append(Case(f"{desc}{where}", base[:i] + [data] + base[i + 1:]))
+            cases.append(Case(f"{desc}{where}", base[:i] + [data] + base[i + 1 :]))
 
     mutate(N_BYTES, lambda d: byte_mutation(rng, d))
     mutate(N_WIRE, lambda d: wire_mutation(rng, d))
@@ -223,17 +282,22 @@ def generate_cases(e: Env, name: str, rng: random.Random) -> List[Case]:
         other = rng.choice(e.bases[other_name])
         a, b = rng.randint(0, len(d)), rng.randint(0, len(other))
         return f"splice: {a} bytes of the base + {other_name}'s base from byte {b}", d[:a] + other[b:]
+
     mutate(N_SPLICE, splice)
 
     cases += e.crafted.get(name, [])
     if streaming and chunky:
         cases += stream_cases(rng, base, cls)
         if method.input_type.name == "PushChunk":  # the same for a push the pserver would count
-            cases += [Case(f"{c.desc} (step 0)", c.messages, refuse=True)
-                      for c in stream_cases(rng, push_stream(e, STREAM_CHUNK, step=0), cls, broken_only=True)]
+            cases += [
+                Case(f"{c.desc} (step 0)", c.messages, refuse=True)
+                for c in stream_cases(rng, push_stream(e, STREAM_CHUNK, step=0), cls, broken_only=True)
+            ]
     elif streaming:  # a client stream of some other message type, added later
-        cases += [Case("stream: the base twice", base * 2), Case("stream: base, then random bytes",
-                                                                 base + [rng.randbytes(rng.randint(1, 300))])]
+        cases += [
+            Case("stream: the base twice", base * 2),
+            Case("stream: base, then random bytes", base + [rng.randbytes(rng.randint(1, 300))]),
+        ]
     return cases
 
 
@@ -259,11 +323,15 @@ def stream_cases(rng: random.Random, base: List[bytes], cls, broken_only: bool =
         while shuffled == rest:
             rng.shuffle(shuffled)
         i = rng.randrange(len(rest))
-        broken += [Case("stream: messages after the header out of order", [first] + shuffled),
-                   Case("stream: two messages swapped", [first] + rest[1:2] + rest[:1] + rest[2:]),
-                   Case(f"stream: message {i + 1} repeated (overlapping offsets)", [first] + rest[:i + 1] + rest[i:]),
-                   Case(f"stream: message {i + 1} missing", [first] + rest[:i] + rest[i + 1:]),
-                   Case("stream: cut short", [first] + rest[:len(rest) // 2])]
+        broken += [
+            Case("stream: messages after the header out of order", [first] + shuffled),
+            Case("stream: two messages swapped", [first] + rest[1:2] + rest[:1] + rest[2:]),
+            Case(
+                f"stream: message {i + 1} repeated (overlapping offsets)", [first] + rest[: i + 1] + rest[i:]
+            ),
+            Case(f"stream: message {i + 1} missing", [first] + rest[:i] + rest[i + 1 :]),
+            Case("stream: cut short", [first] + rest[: len(rest) // 2]),
+        ]
     if broken_only:
         return [Case(c.desc, c.messages, refuse=True) for c in broken]
     return broken + [
@@ -273,4 +341,3 @@ def stream_cases(rng: random.Random, base: List[bytes], cls, broken_only: bool =
         Case("stream: a header without pieces", [header_only]),
         Case("stream: header, then pieces, split in two messages", [header_only, pieces_only] + rest),
     ]
-

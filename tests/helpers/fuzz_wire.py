@@ -5,6 +5,7 @@ Knows no message type: it works on the fields of any serialized message as found
 varints, declared lengths that lie, wrong wire types, keys of field 0, ... Deterministic: every
 random choice comes from the ``random.Random`` passed in.
 """
+
 from __future__ import annotations
 
 import copy
@@ -12,8 +13,26 @@ import random
 from typing import List, Optional, Tuple
 
 MASK64 = (1 << 64) - 1
-EXTREME_INTS = [0, 1, 2, 3, 7, 127, 128, 255, 2**31 - 1, 2**31, 2**32, 2**62, 2**63 - 1, 2**63,
-                MASK64, MASK64 - 1, (-2**31) & MASK64, (-2**63) & MASK64]
+EXTREME_INTS = [
+    0,
+    1,
+    2,
+    3,
+    7,
+    127,
+    128,
+    255,
+    2**31 - 1,
+    2**31,
+    2**32,
+    2**62,
+    2**63 - 1,
+    2**63,
+    MASK64,
+    MASK64 - 1,
+    (-(2**31)) & MASK64,
+    (-(2**63)) & MASK64,
+]
 
 
 def varint(value: int, pad: int = 0) -> bytes:
@@ -88,12 +107,12 @@ def parse_nodes(buf: bytes, depth: int = 0) -> Optional[List[Node]]:
                 n, pos = read_varint(buf, pos)
                 if pos + n > len(buf):
                     return None
-                value, pos = bytes(buf[pos:pos + n]), pos + n
+                value, pos = bytes(buf[pos : pos + n]), pos + n
             elif wire in (1, 5):
                 size = 8 if wire == 1 else 4
                 if pos + size > len(buf):
                     return None
-                value, pos = bytes(buf[pos:pos + size]), pos + size
+                value, pos = bytes(buf[pos : pos + size]), pos + size
             else:
                 return None
             node = Node(num, wire, value, raw=bytes(buf[start:pos]))
@@ -117,6 +136,7 @@ def wire_mutation(rng: random.Random, data: bytes) -> Optional[Tuple[str, bytes]
             spots.append((nodes, i, ancestors, f"{prefix}{n.num}"))
             if n.children:
                 walk(n.children, ancestors + [n], f"{prefix}{n.num}.")
+
     walk(tree, [], "")
     siblings, i, ancestors, where = rng.choice(spots)
     n = siblings[i]
@@ -124,7 +144,12 @@ def wire_mutation(rng: random.Random, data: bytes) -> Optional[Tuple[str, bytes]
     if n.wire == 0:
         ops += ["extreme value"] * 3 + ["overlong value"] * 2 + ["varint of 11 bytes"]
     if n.wire == 2:
-        ops += ["length too long"] * 2 + ["length too short", "overlong length", "random payload", "empty payload"]
+        ops += ["length too long"] * 2 + [
+            "length too short",
+            "overlong length",
+            "random payload",
+            "empty payload",
+        ]
     op = rng.choice(ops)
     detail = op
     if op == "extreme value":
@@ -154,7 +179,9 @@ def wire_mutation(rng: random.Random, data: bytes) -> Optional[Tuple[str, bytes]
         j = rng.randrange(len(siblings))
         siblings[i], siblings[j] = siblings[j], siblings[i]
     elif op == "unknown field":
-        siblings.insert(rng.randint(0, len(siblings)), Node(rng.randint(6, 2**20), 0, rng.choice(EXTREME_INTS)))
+        siblings.insert(
+            rng.randint(0, len(siblings)), Node(rng.randint(6, 2**20), 0, rng.choice(EXTREME_INTS))
+        )
     elif op == "length too long":
         payload = n.payload()
         extra = rng.choice([1, 7, 1000, 2**31, 2**32, 2**63, MASK64 - len(payload)])
@@ -218,18 +245,27 @@ def byte_mutation(rng: random.Random, data: bytes) -> Tuple[str, bytes]:
         return f"bytes: truncated at {at} of {len(b)}", bytes(b[:at])
     if op == "deletion":
         at, k = rng.randrange(len(b)), rng.randint(1, 32)
-        del b[at:at + k]
+        del b[at : at + k]
         return f"bytes: {k} deleted at {at}", bytes(b)
     if op == "repeat":
         at, k = rng.randrange(len(b)), rng.randint(1, 32)
-        b[at:at] = b[at:at + k]
+        b[at:at] = b[at : at + k]
         return f"bytes: {k} repeated at {at}", bytes(b)
     at = rng.randint(0, len(b))
     if op == "insert":
         k = rng.randint(1, 32)
         b[at:at] = rng.randbytes(k)
         return f"bytes: {k} random inserted at {at}", bytes(b)
-    b[at:at] = rng.choice([b"\xff" * 10, b"\x80" * 11, b"\x12\xff\xff\xff\xff\x0f", b"\x0a\x80\x80\x80\x80\x10",
-                           b"\x00", b"\x0b", b"\x0c", b"\x22\x00"])
+    b[at:at] = rng.choice(
+        [
+            b"\xff" * 10,
+            b"\x80" * 11,
+            b"\x12\xff\xff\xff\xff\x0f",
+            b"\x0a\x80\x80\x80\x80\x10",
+            b"\x00",
+            b"\x0b",
+            b"\x0c",
+            b"\x22\x00",
+        ]
+    )
     return f"bytes: interesting bytes inserted at {at}", bytes(b)
-

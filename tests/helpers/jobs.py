@@ -1,4 +1,5 @@
 """A job of real processes for the fault tests: every role of tests/scripts/recovery_job.py on loopback."""
+
 from __future__ import annotations
 
 import os
@@ -32,16 +33,27 @@ class Job:
         self.pause = tmp_path / "pause"
         self.out.mkdir()
         self.pause.mkdir()
-        self.args = ["--checkpoint_dir", self.ckpt, "--out_dir", str(self.out), "--pause_dir",
-                     str(self.pause), *args]
+        self.args = [
+            "--checkpoint_dir",
+            self.ckpt,
+            "--out_dir",
+            str(self.out),
+            "--pause_dir",
+            str(self.pause),
+            *args,
+        ]
         self.procs: Dict[str, subprocess.Popen] = {}
         self.logs: Dict[str, str] = {}
         self.waited: set = set()  # processes whose exit the test has taken: no longer a surprise
 
     def env(self, role: str, index: int) -> dict:
         env = {k: v for k, v in os.environ.items() if not k.startswith(("PADDLE_", "PS_", "TRAINING_"))}
-        env.update(TRAINING_ROLE=role, PADDLE_PSERVERS_IP_PORT_LIST=",".join(self.endpoints),
-                   PADDLE_TRAINERS_NUM=str(self.n_trainers), PYTHONUNBUFFERED="1")
+        env.update(
+            TRAINING_ROLE=role,
+            PADDLE_PSERVERS_IP_PORT_LIST=",".join(self.endpoints),
+            PADDLE_TRAINERS_NUM=str(self.n_trainers),
+            PYTHONUNBUFFERED="1",
+        )
         if role == "PSERVER":
             host, port = self.endpoints[index].rsplit(":", 1)
             env.update(POD_IP=host, PADDLE_PORT=port)
@@ -55,8 +67,13 @@ class Job:
         n = sum(k.rsplit(".", 1)[0] == name for k in self.logs)
         path = str(self.tmp / f"{name}.{n}.log")
         with open(path, "wb") as log:
-            proc = subprocess.Popen([sys.executable, SCRIPT, *self.args], env=self.env(role, index),
-                                    stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            proc = subprocess.Popen(
+                [sys.executable, SCRIPT, *self.args],
+                env=self.env(role, index),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
         self.procs[name], self.logs[f"{name}.{n}"] = proc, path
         self.waited.discard(name)
         return proc
@@ -78,7 +95,11 @@ class Job:
         """Poll ``ready()`` until true, failing early (with the logs) if a role dies meanwhile."""
         deadline = time.monotonic() + timeout
         while not ready():
-            dead = {k: p.returncode for k, p in self.procs.items() if k not in self.waited and p.poll() is not None}
+            dead = {
+                k: p.returncode
+                for k, p in self.procs.items()
+                if k not in self.waited and p.poll() is not None
+            }
             assert not dead and time.monotonic() < deadline, f"waiting for {what}: {dead}\n{self.all_logs()}"
             time.sleep(0.05)
 

@@ -1,4 +1,5 @@
 """Running ``ps-launch`` from a test, and watching the processes it starts."""
+
 from __future__ import annotations
 
 import json
@@ -33,9 +34,14 @@ class Launchers:
         self.cwd, self.procs = cwd, []
 
     def start(self, *argv: str, env: Optional[dict] = None) -> subprocess.Popen:
-        proc = subprocess.Popen([sys.executable, "-m", "trainer.launch", *argv], cwd=self.cwd,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                env=dict(os.environ, **(env or {})))
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "trainer.launch", *argv],
+            cwd=self.cwd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=dict(os.environ, **(env or {})),
+        )
         self.procs.append(proc)
         return proc
 

@@ -15,6 +15,7 @@ with exact per-id counts instead of a sketch:
   ``evict_score_below``, are evicted: the weight row goes back to its initial
   value and its optimizer state to its initial state.
 """
+
 from __future__ import annotations
 
 from typing import Dict, Set
@@ -70,7 +71,7 @@ class ReferenceTable:
                 unseen = t - self.last[i]
                 if lc.evict_unseen_steps and unseen >= lc.evict_unseen_steps:
                     gone.append(i)
-                elif lc.evict_score_below and self.score[i] * lc.score_decay ** unseen < lc.evict_score_below:
+                elif lc.evict_score_below and self.score[i] * lc.score_decay**unseen < lc.evict_score_below:
                     gone.append(i)
         for i in gone:
             self.stored.discard(i)
@@ -85,12 +86,18 @@ def _filter_grad(weight: torch.Tensor, vocab: np.ndarray, table: ReferenceTable)
     g = weight.grad.coalesce()
     pos = g.indices()[0].numpy()
     keep = torch.from_numpy(table.admit(vocab[pos]))
-    weight.grad = torch.sparse_coo_tensor(g.indices()[:, keep], g.values()[keep], g.shape,
-                                          check_invariants=False).coalesce()
+    weight.grad = torch.sparse_coo_tensor(
+        g.indices()[:, keep], g.values()[keep], g.shape, check_invariants=False
+    ).coalesce()
 
 
-def _reset(weight: torch.Tensor, optimizer: torch.optim.Optimizer, vocab: np.ndarray,
-           table: ReferenceTable, gone: list) -> None:
+def _reset(
+    weight: torch.Tensor,
+    optimizer: torch.optim.Optimizer,
+    vocab: np.ndarray,
+    table: ReferenceTable,
+    gone: list,
+) -> None:
     """Evicted rows back to their initial value and initial optimizer state."""
     if not gone:
         return
@@ -127,7 +134,6 @@ def single_process_lifecycle(prog: Program, data):
         for name, o in table_opts.items():
             o.step()
             _reset(local[name].weight, o, vocabs[name], tables[name], tables[name].end_step())
-    state = {k: v.detach().clone() for k, v in model.state_dict().items()
-             if not k.startswith(tuple(specs))}
+    state = {k: v.detach().clone() for k, v in model.state_dict().items() if not k.startswith(tuple(specs))}
     rows = {name: local[name].weight.detach().clone() for name in specs}
     return state, rows, {name: sorted(t.stored) for name, t in tables.items()}

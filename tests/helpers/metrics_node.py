@@ -1,4 +1,6 @@
-"""A local rank of a trainer node that reports global metrics (tests/pserver/test_metrics.py); spawned, so it imports little."""
+"""A local rank of a trainer node that reports global metrics (tests/pserver/test_metrics.py); spawned, so
+it imports little."""
+
 from __future__ import annotations
 
 from typing import Sequence
@@ -15,7 +17,15 @@ def node_rank(build, endpoints: Sequence[str], local_rank: int, port: int, out: 
     torch.set_num_threads(1)
     t = DistributeTranspiler(DistributeTranspilerConfig(barrier_timeout=timeout))
     t.transpile(0, program=build(), pservers=",".join(endpoints), trainers=2)
-    with Trainer(t.get_trainer_program(), security=Security(), local_rank=local_rank, local_world_size=2,
-                 init_method=f"tcp://127.0.0.1:{port}") as tr:
-        got = job_metrics.global_sum(tr, "n", [1.0, 10.0][local_rank]), job_metrics.global_max(tr, "m", local_rank)
+    with Trainer(
+        t.get_trainer_program(),
+        security=Security(),
+        local_rank=local_rank,
+        local_world_size=2,
+        init_method=f"tcp://127.0.0.1:{port}",
+    ) as tr:
+        got = (
+            job_metrics.global_sum(tr, "n", [1.0, 10.0][local_rank]),
+            job_metrics.global_max(tr, "m", local_rank),
+        )
     torch.save(got, out)

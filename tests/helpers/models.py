@@ -1,4 +1,5 @@
 """Small models and data shared by the tests."""
+
 import torch
 from torch import nn
 
@@ -34,16 +35,19 @@ def odd_mlp(seed: int = 0, dtype: torch.dtype = torch.float32) -> OddMLP:
     return OddMLP().to(dtype)
 
 
-def batches(n_trainers: int, per_trainer: int, steps: int, seed: int = 7,
-            dtype: torch.dtype = torch.float32):
+def batches(n_trainers: int, per_trainer: int, steps: int, seed: int = 7, dtype: torch.dtype = torch.float32):
     """``steps`` lists of per-trainer (x, y) batches for OddMLP."""
     g = torch.Generator().manual_seed(seed)
     out = []
     for _ in range(steps):
         x = torch.randn(n_trainers * per_trainer, 37, generator=g, dtype=dtype)
         y = torch.randint(0, 5, (n_trainers * per_trainer,), generator=g)
-        out.append([(x[i * per_trainer:(i + 1) * per_trainer], y[i * per_trainer:(i + 1) * per_trainer])
-                    for i in range(n_trainers)])
+        out.append(
+            [
+                (x[i * per_trainer : (i + 1) * per_trainer], y[i * per_trainer : (i + 1) * per_trainer])
+                for i in range(n_trainers)
+            ]
+        )
     return out
 
 
@@ -57,7 +61,8 @@ def train_concatenated(prog, data) -> dict:
     sched = None
     if prog.optimizer.lr_scheduler:
         sched = getattr(torch.optim.lr_scheduler, prog.optimizer.lr_scheduler)(
-            opt, **prog.optimizer.lr_scheduler_kwargs)
+            opt, **prog.optimizer.lr_scheduler_kwargs
+        )
     for step_batches in data:
         x = torch.cat([b[0] for b in step_batches])
         y = torch.cat([b[1] for b in step_batches])
@@ -86,10 +91,12 @@ def assert_state_close(state: dict, expected: dict, atol: float = 1e-5) -> None:
 def train_distributed(cluster, data) -> dict:
     """Every trainer of ``cluster`` (a LocalCluster) trains its share of ``data`` (as :func:`batches`
     makes it) with cross-entropy, one ``tr.step()`` per step; their final state_dicts by trainer id."""
+
     def body(tr, i):
         for step_batches in data:
             x, y = step_batches[i]
             nn.functional.cross_entropy(tr.model(x), y).backward()
             tr.step()
         return tr.state_dict()
+
     return cluster.run_trainers(body)

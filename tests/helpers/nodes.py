@@ -4,6 +4,7 @@ Every local process is a real process (torch.distributed allows one process
 group per process); the pservers are the in-process ones of
 :class:`~tests.helpers.cluster.LocalCluster`.
 """
+
 from __future__ import annotations
 
 import multiprocessing
@@ -20,9 +21,20 @@ from .ports import free_ports
 PROCESS_TIMEOUT = 90.0
 
 
-def node_process(build: Callable, endpoints: Sequence[str], node_id: int, local_rank: int, local_world_size: int,
-                 nodes: int, port: int, data, out: str, config=None, tables: Sequence[str] = (),
-                 kill_at: Optional[int] = None) -> None:
+def node_process(
+    build: Callable,
+    endpoints: Sequence[str],
+    node_id: int,
+    local_rank: int,
+    local_world_size: int,
+    nodes: int,
+    port: int,
+    data,
+    out: str,
+    config=None,
+    tables: Sequence[str] = (),
+    kill_at: Optional[int] = None,
+) -> None:
     """One local process: train one step per item of ``data`` on its own batch, save what it ends with.
 
     ``data[step][node_id * local_world_size + local_rank]`` is its batch:
@@ -42,8 +54,13 @@ def node_process(build: Callable, endpoints: Sequence[str], node_id: int, local_
     me = node_id * local_world_size + local_rank
     mine = [step_batches[me] for step_batches in data]
     try:
-        with Trainer(t.get_trainer_program(), security=Security(), local_rank=local_rank,
-                     local_world_size=local_world_size, init_method=f"tcp://127.0.0.1:{port}") as tr:
+        with Trainer(
+            t.get_trainer_program(),
+            security=Security(),
+            local_rank=local_rank,
+            local_world_size=local_world_size,
+            init_method=f"tcp://127.0.0.1:{port}",
+        ) as tr:
             for *inputs, y in tr.batches(mine, 1):
                 nn.functional.cross_entropy(tr.model(*inputs), y).backward()
                 if kill_at is not None and tr.step_count == kill_at:
@@ -59,16 +76,44 @@ def node_process(build: Callable, endpoints: Sequence[str], node_id: int, local_
         raise
 
 
-def start_node(ctx, build: Callable, endpoints: Sequence[str], node_id: int, local_world_size: int, nodes: int,
-               port: int, data, tmp_path, config=None, tables: Sequence = (), kill: Optional[tuple] = None,
-               tag: str = "") -> List[tuple]:
-    """Start the local processes of node ``node_id``; [(process, output path)]. ``kill``: (local rank, step)."""
+def start_node(
+    ctx,
+    build: Callable,
+    endpoints: Sequence[str],
+    node_id: int,
+    local_world_size: int,
+    nodes: int,
+    port: int,
+    data,
+    tmp_path,
+    config=None,
+    tables: Sequence = (),
+    kill: Optional[tuple] = None,
+    tag: str = "",
+) -> List[tuple]:
+    """Start the local processes of node ``node_id``; [(process, output path)]. ``kill``: (local rank,
+    step)."""
     started = []
     for r in range(local_world_size):
         out = os.path.join(str(tmp_path), f"node{node_id}-rank{r}{tag}.pt")
         kill_at = kill[1] if kill is not None and kill[0] == r else None
-        p = ctx.Process(target=node_process, args=(build, endpoints, node_id, r, local_world_size, nodes, port,
-                                                   data, out, config, tables, kill_at))
+        p = ctx.Process(
+            target=node_process,
+            args=(
+                build,
+                endpoints,
+                node_id,
+                r,
+                local_world_size,
+                nodes,
+                port,
+                data,
+                out,
+                config,
+                tables,
+                kill_at,
+            ),
+        )
         p.start()
         started.append((p, out))
     return started
@@ -82,13 +127,26 @@ def wait_all(procs: Sequence, timeout: float = PROCESS_TIMEOUT) -> List[Optional
     return [p.exitcode for p in procs]
 
 
-def run_nodes(tmp_path, build: Callable, endpoints: Sequence[str], data, nodes: int = 2,
-              local_world_size: int = 2, config=None, tables: Sequence = ()) -> List[tuple]:
+def run_nodes(
+    tmp_path,
+    build: Callable,
+    endpoints: Sequence[str],
+    data,
+    nodes: int = 2,
+    local_world_size: int = 2,
+    config=None,
+    tables: Sequence = (),
+) -> List[tuple]:
     """Start ``nodes`` x ``local_world_size`` local processes, wait for all; (state, rows, steps) of each."""
     ctx = multiprocessing.get_context("spawn")
     ports = free_ports(nodes)
-    started = [s for n in range(nodes) for s in start_node(ctx, build, endpoints, n, local_world_size, nodes,
-                                                           ports[n], data, tmp_path, config, tables)]
+    started = [
+        s
+        for n in range(nodes)
+        for s in start_node(
+            ctx, build, endpoints, n, local_world_size, nodes, ports[n], data, tmp_path, config, tables
+        )
+    ]
     procs = [p for p, _ in started]
     try:
         codes = wait_all(procs)
@@ -126,12 +184,21 @@ def exchange_process(exchange: str, rank: int, port: int, data, out: str) -> Non
     from .models import odd_mlp
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
-                            timeout=datetime.timedelta(seconds=60))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=2,
+        timeout=datetime.timedelta(seconds=60),
+    )
     try:
         t = DistributeTranspiler()
-        t.transpile(0, program=Program(odd_mlp(), "sgd", lr=0.1), pservers="127.0.0.1:1,127.0.0.1:2,127.0.0.1:3",
-                    trainers=1)
+        t.transpile(
+            0,
+            program=Program(odd_mlp(), "sgd", lr=0.1),
+            pservers="127.0.0.1:1,127.0.0.1:2,127.0.0.1:3",
+            trainers=1,
+        )
         prog = t.get_trainer_program()
         grads = []
         for r, (x, y) in enumerate(data):  # both ranks' gradients, to know the mean
@@ -145,8 +212,10 @@ def exchange_process(exchange: str, rank: int, port: int, data, out: str) -> Non
         layout = Layout(blocks.by_endpoint, prog.pservers, 2)
         group = NodeGroup(0, rank, layout, torch.device("cpu"), dist.group.WORLD, exchange=exchange)
         share, failed = group.reduce_grads(blocks.grad_rows, False)
-        expected = {n: (grads[0].grad_rows(blocks.by_name[n]) + grads[1].grad_rows(blocks.by_name[n])) / 2
-                    for n, _ in share}
+        expected = {
+            n: (grads[0].grad_rows(blocks.by_name[n]) + grads[1].grad_rows(blocks.by_name[n])) / 2
+            for n, _ in share
+        }
         names = sorted(blocks.by_name)
         for name, _ in share:
             group.param_dest(name).fill_(names.index(name) + 0.5)
@@ -156,9 +225,19 @@ def exchange_process(exchange: str, rank: int, port: int, data, out: str) -> Non
             group.param_dest(name).fill_(-1.0)
         failed_worst = group.gather_params(RECOVERABLE if rank == 1 else 0, blocks.view)
         after = {n: blocks.view(blocks.by_name[n]).clone() for n in names}
-        torch.save({"share": {n: t.clone() for n, t in share}, "expected": expected, "failed": failed,
-                    "worst": worst, "installed": installed, "failed_gather": failed_worst,
-                    "after_failed": after, "endpoints": group.endpoints}, out)
+        torch.save(
+            {
+                "share": {n: t.clone() for n, t in share},
+                "expected": expected,
+                "failed": failed,
+                "worst": worst,
+                "installed": installed,
+                "failed_gather": failed_worst,
+                "after_failed": after,
+                "endpoints": group.endpoints,
+            },
+            out,
+        )
         # Both ranks out of every collective before either tears gloo down: a rank destroying the
         # group while the other still finishes the last gather can abort it ("terminate called").
         dist.barrier()

@@ -6,6 +6,7 @@ and its second process, etcd and the trainers outside (:class:`PartitionJob`), t
 pserver0 from inside NS_A (:data:`PROBE`, its records read by :func:`classify`), the sampler of
 both processes' Lead answers (:class:`LeadSampler`) and the log lines the scenario reads.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -28,8 +29,8 @@ from tests.helpers.system import clear_namespace, in_ns, missing_prerequisites, 
 from tests.scripts import recovery_job
 
 PID = os.getpid()
-NS_A = f"ps-pa-{PID}"                           # pserver0's "host"
-VETH_A, VETH_B = f"pspa-{PID}", f"pspb-{PID}"   # NS_A's end, the root namespace's end (<= 15 characters)
+NS_A = f"ps-pa-{PID}"  # pserver0's "host"
+VETH_A, VETH_B = f"pspa-{PID}", f"pspb-{PID}"  # NS_A's end, the root namespace's end (<= 15 characters)
 # A /30 of 10.231.x (test_two_hosts uses x.1 and x.2 inside its own namespaces): the root namespace
 # gets IP_B, so two concurrent runs of this test must not pick the same one; the offset spreads them.
 SUBNET = f"10.231.{PID % 250}"
@@ -40,10 +41,15 @@ PREFIX = 30
 
 PROXY_VARS = ("http_proxy", "https_proxy", "all_proxy", "grpc_proxy", "no_proxy")
 
-FENCED_LINE = re.compile(r"^(\S+ \S+) ERROR \S+: replica (\S+): lost the lead of shard 0 \(epoch (\d+)\): fenced",
-                         re.M)
-LEADS_LINE = re.compile(r"^(\S+ \S+) WARNING \S+: replica (\S+) leads shard 0 at epoch (\d+) \(update (\d+)\)", re.M)
-FOLLOWED_LINE = re.compile(r"^(\S+ \S+) WARNING \S+: trainer (\d): \S+ is served by (\S+) now \(epoch (\d+)\)", re.M)
+FENCED_LINE = re.compile(
+    r"^(\S+ \S+) ERROR \S+: replica (\S+): lost the lead of shard 0 \(epoch (\d+)\): fenced", re.M
+)
+LEADS_LINE = re.compile(
+    r"^(\S+ \S+) WARNING \S+: replica (\S+) leads shard 0 at epoch (\d+) \(update (\d+)\)", re.M
+)
+FOLLOWED_LINE = re.compile(
+    r"^(\S+ \S+) WARNING \S+: trainer (\d): \S+ is served by (\S+) now \(epoch (\d+)\)", re.M
+)
 STOPPED_LINE = re.compile(r"pserver \S+ stopped after (\d+) updates")
 
 # The probe run inside NS_A: after PAUSE_DIR/probe-go it calls pserver0 (Lead, Hello, PushPullOne) in a loop,
@@ -92,7 +98,8 @@ while gone < int(gone_calls) and time.monotonic() < deadline:
         t0 = time.time()
         try:
             reply = call()
-            rec = {"code": "OK", "detail": "", "role": getattr(reply, "role", ""), "epoch": getattr(reply, "epoch", 0)}
+            role, epoch = getattr(reply, "role", ""), getattr(reply, "epoch", 0)
+            rec = {"code": "OK", "detail": "", "role": role, "epoch": epoch}
         except grpc.RpcError as e:
             rec = {"code": e.code().name, "detail": e.details() or "", "role": "", "epoch": 0}
         rec.update(call=name, t0=t0, t1=time.time())
@@ -107,12 +114,14 @@ with open(out, "w") as f:
 
 
 def clean_env(env: Dict[str, str]) -> Dict[str, str]:
-    """``env`` without proxy variables: gRPC and etcd's HTTP client would otherwise send 10.231.x.x through a proxy."""
+    """``env`` without proxy variables: gRPC and etcd's HTTP client would otherwise send 10.231.x.x through
+    a proxy."""
     return {k: v for k, v in env.items() if k.lower() not in PROXY_VARS}
 
 
 def teardown_network() -> None:
-    """Delete NS_A (SIGKILLing whatever still runs in it, which removes its veth end) and a veth end left behind."""
+    """Delete NS_A (SIGKILLing whatever still runs in it, which removes its veth end) and a veth end left
+    behind."""
     clear_namespace(NS_A)
     for dev in (VETH_B, VETH_A):
         if run(["ip", "link", "show", dev]).returncode == 0:
@@ -121,7 +130,8 @@ def teardown_network() -> None:
 
 @contextlib.contextmanager
 def partition_network() -> Iterator[None]:
-    """NS_A joined to the root namespace by the veth pair (IP_A in NS_A, IP_B here); all of it is gone afterwards."""
+    """NS_A joined to the root namespace by the veth pair (IP_A in NS_A, IP_B here); all of it is gone
+    afterwards."""
     reason = missing_prerequisites(["ip"], "apt-get install iproute2")
     if reason:
         unavailable(reason)
@@ -141,8 +151,10 @@ def partition_network() -> Iterator[None]:
             r = run(cmd)
             if r.returncode != 0:
                 # Inside the try: the finally below removes what the earlier steps created.
-                unavailable(f"network namespace setup failed (needs root / CAP_NET_ADMIN and namespaces "
-                            f"allowed): `{' '.join(cmd)}` exited {r.returncode}: {(r.stderr or r.stdout).strip()}")
+                unavailable(
+                    f"network namespace setup failed (needs root / CAP_NET_ADMIN and namespaces "
+                    f"allowed): `{' '.join(cmd)}` exited {r.returncode}: {(r.stderr or r.stdout).strip()}"
+                )
         yield
     finally:
         teardown_network()
@@ -174,8 +186,13 @@ class PartitionJob(ReplicatedJob):
         n = sum(k.rsplit(".", 1)[0] == name for k in self.logs)
         path = str(self.tmp / f"{name}.{n}.log")
         with open(path, "wb") as log:
-            proc = subprocess.Popen(in_ns(NS_A, sys.executable, SCRIPT, *self.args), env=self.env(role, index),
-                                    stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            proc = subprocess.Popen(
+                in_ns(NS_A, sys.executable, SCRIPT, *self.args),
+                env=self.env(role, index),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
         self.procs[name], self.logs[f"{name}.{n}"] = proc, path
         self.waited.discard(name)
         return proc
@@ -186,13 +203,19 @@ def layout_digest(pservers: str) -> str:
     from transpiler import DistributeTranspiler, DistributeTranspilerConfig
 
     t = DistributeTranspiler(DistributeTranspilerConfig())
-    t.transpile(0, program=recovery_job.build_program(), pservers=pservers, trainers=recovery_job.TRAINERS,
-                sync_mode=True)
+    t.transpile(
+        0,
+        program=recovery_job.build_program(),
+        pservers=pservers,
+        trainers=recovery_job.TRAINERS,
+        sync_mode=True,
+    )
     return t.get_trainer_program().layout_digest
 
 
 def stamp(text: str) -> float:
-    """A log line's time (recovery_job's ``%(asctime)s``: local time, milliseconds truncated) as epoch seconds."""
+    """A log line's time (recovery_job's ``%(asctime)s``: local time, milliseconds truncated) as epoch
+    seconds."""
     return datetime.strptime(text, "%Y-%m-%d %H:%M:%S,%f").timestamp()
 
 
@@ -244,8 +267,8 @@ def leading(job: PartitionJob, name: str):
 
 
 def classify(rec: dict) -> str:
-    """A probe record's outcome: "ok" / "role R" (Lead), "not leading" (the replica's refusal), "gone" (no server),
-    "timed out", or "refused: CODE" (another refusal)."""
+    """A probe record's outcome: "ok" / "role R" (Lead), "not leading" (the replica's refusal), "gone" (no
+    server), "timed out", or "refused: CODE" (another refusal)."""
     if rec["code"] == "OK":
         return f"role {rec['role']}" if rec["call"] == "Lead" else "ok"
     if rec["code"] == "UNAVAILABLE" and "does not lead shard 0" in rec["detail"]:

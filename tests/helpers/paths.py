@@ -1,4 +1,5 @@
 """Where the repository's parts are, for tests at any depth under tests/."""
+
 from __future__ import annotations
 
 from pathlib import Path

@@ -1,4 +1,5 @@
 """Waiting for a condition that other threads or processes make true, with a deadline."""
+
 from __future__ import annotations
 
 import time

@@ -1,4 +1,5 @@
 """Free loopback ports for the roles a test starts."""
+
 from __future__ import annotations
 
 import socket

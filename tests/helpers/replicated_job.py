@@ -5,6 +5,7 @@ Shard k is served by ``pserver{k}`` (at ``endpoints[k]``) and ``replica{k}`` (at
 (``PS_SERVER_REPLICAS``, ``PS_REPLICA_ENDPOINTS``, ``PS_COORDINATOR``) carry the
 replication settings to the script, which does nothing special for them.
 """
+
 from __future__ import annotations
 
 import re
@@ -33,7 +34,9 @@ class ReplicatedJob(Job):
     def env(self, role: str, index: int) -> dict:
         replica = role == "REPLICA"
         env = super().env("PSERVER" if replica else role, index)
-        env.update(PS_SERVER_REPLICAS="2", PS_REPLICA_ENDPOINTS=",".join(self.backups), PS_COORDINATOR=self.etcd_url)
+        env.update(
+            PS_SERVER_REPLICAS="2", PS_REPLICA_ENDPOINTS=",".join(self.backups), PS_COORDINATOR=self.etcd_url
+        )
         if replica:
             host, port = self.backups[index].rsplit(":", 1)
             env.update(POD_IP=host, PADDLE_PORT=port)
@@ -89,6 +92,7 @@ class ReplicatedJob(Job):
             if ok:
                 found["pair"] = (primary, backup)
             return ok
+
         self.wait_until(ready, f"shard {shard} in sync", timeout)
         return found["pair"]
 

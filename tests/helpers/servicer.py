@@ -1,4 +1,5 @@
 """A pserver servicer without a server: its methods called directly with a fake gRPC context."""
+
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
@@ -7,9 +8,9 @@ from typing import List
 import torch
 from torch import nn
 
+from pserver.engine import Contents, Reductions, SyncEngine
 from pserver.rpc.servicer import PserverServicer
 from pserver.store import BlockStore
-from pserver.engine import Contents, Reductions, SyncEngine
 from pserver.tables.table_set import TableSet
 from psproto import ps_pb2
 from transpiler import DistributeTranspiler, DistributeTranspilerConfig, Program
@@ -44,18 +45,39 @@ def servicer() -> PserverServicer:
     ps = t.get_pserver_program(EP)
     store, tables = BlockStore(ps, t.get_startup_program(EP, ps)), TableSet(ps)
     # Wired as ParameterServer wires them: the Reduce service asks the engine (bound below) whom it expects.
-    reductions = Reductions(EP, 5.0, expected=lambda: engine.live(), admit=lambda t: engine.check_live(t),
-                            released=lambda t: engine.touch(t))
-    engine = SyncEngine(store, tables, 2, EP, barrier_timeout=5.0, on_roster_change=reductions.roster_changed,
-                        held_elsewhere=reductions.parked_trainers)
-    return PserverServicer(engine, Contents(store, tables), reductions, ps.layout_digest, chunk_bytes=1 << 20,
-                           alive_window=ps.config.session_alive_window)
+    reductions = Reductions(
+        EP,
+        5.0,
+        expected=lambda: engine.live(),
+        admit=lambda t: engine.check_live(t),
+        released=lambda t: engine.touch(t),
+    )
+    engine = SyncEngine(
+        store,
+        tables,
+        2,
+        EP,
+        barrier_timeout=5.0,
+        on_roster_change=reductions.roster_changed,
+        held_elsewhere=reductions.parked_trainers,
+    )
+    return PserverServicer(
+        engine,
+        Contents(store, tables),
+        reductions,
+        ps.layout_digest,
+        chunk_bytes=1 << 20,
+        alive_window=ps.config.session_alive_window,
+    )
 
 
 def push_pulls(svc: PserverServicer, *pushes) -> List[ps_pb2.PullHeader]:
-    """PushPull calls of several trainers made at once (a sync step waits for all of them): each answer's header."""
+    """PushPull calls of several trainers made at once (a sync step waits for all of them): each answer's
+    header."""
+
     def call(messages) -> ps_pb2.PullHeader:
         return ps_pb2.PullChunk.FromString(list(svc.PushPull(messages, FakeContext()))[0]).header
+
     with ThreadPoolExecutor(len(pushes)) as pool:
         return [f.result(30) for f in [pool.submit(call, m) for m in pushes]]
 
@@ -67,21 +89,33 @@ def open_session(svc: PserverServicer, trainer_id: int = 0) -> str:
 
 
 def wired_engine(trainers: int, barrier_timeout: float):
-    """(sync engine, Reduce service) wired as ParameterServer wires them (pserver/server.py), every trainer said Hello.
+    """(sync engine, Reduce service) wired as ParameterServer wires them (pserver/server.py), every trainer
+    said Hello.
 
-    The engine tells the service of roster changes and asks it who waits in a
-    round (``held_elsewhere``); the service's rounds touch the trainers they
-    release (``released``).
+    The engine tells the service of roster changes and asks it who waits in a round (``held_elsewhere``);
+    the service's rounds touch the trainers they release (``released``).
     """
     torch.manual_seed(0)
     t = DistributeTranspiler(DistributeTranspilerConfig())
     t.transpile(0, program=Program(nn.Linear(4, 2), "sgd", lr=0.5), pservers=EP, trainers=trainers)
     ps = t.get_pserver_program(EP)
     store, tables = BlockStore(ps, t.get_startup_program(EP, ps)), TableSet(ps)
-    svc = Reductions(EP, barrier_timeout, expected=lambda: engine.live(), admit=lambda t: engine.check_live(t),
-                     released=lambda t: engine.touch(t))
-    engine = SyncEngine(store, tables, trainers, EP, barrier_timeout=barrier_timeout,
-                        on_roster_change=svc.roster_changed, held_elsewhere=svc.parked_trainers)
+    svc = Reductions(
+        EP,
+        barrier_timeout,
+        expected=lambda: engine.live(),
+        admit=lambda t: engine.check_live(t),
+        released=lambda t: engine.touch(t),
+    )
+    engine = SyncEngine(
+        store,
+        tables,
+        trainers,
+        EP,
+        barrier_timeout=barrier_timeout,
+        on_roster_change=svc.roster_changed,
+        held_elsewhere=svc.parked_trainers,
+    )
     for trainer_id in range(trainers):
         engine.hello(trainer_id)
     return engine, svc

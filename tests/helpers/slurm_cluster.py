@@ -18,6 +18,7 @@ naming the failing command and its output, where they are missing or do not star
 fixture turns that into a skip, or a failure under ``PS_REQUIRE_SYSTEM_TESTS``:
 :mod:`tests.helpers.system`).
 """
+
 from __future__ import annotations
 
 import os
@@ -34,12 +35,21 @@ from typing import Dict, List, Mapping, Optional, Sequence
 from tests.helpers.system import clear_namespace, missing_prerequisites
 
 NODES = {"n1": "127.0.0.1", "n2": "127.0.0.2"}
-CTLD_PORT, FIRST_SLURMD_PORT = 6817, 6818        # free in a fresh namespace
-CPUS_PER_NODE = 4                                # oversubscribed: config_overrides
+CTLD_PORT, FIRST_SLURMD_PORT = 6817, 6818  # free in a fresh namespace
+CPUS_PER_NODE = 4  # oversubscribed: config_overrides
 BINARIES = ("slurmctld", "slurmd", "sbatch", "scontrol", "scancel", "sinfo", "srun", "ip")
 AUTH_NONE_PLUGIN = "auth_none.so"
-TERMINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED",
-                   "BOOT_FAIL", "DEADLINE"}
+TERMINAL_STATES = {
+    "COMPLETED",
+    "FAILED",
+    "CANCELLED",
+    "TIMEOUT",
+    "NODE_FAIL",
+    "OUT_OF_MEMORY",
+    "PREEMPTED",
+    "BOOT_FAIL",
+    "DEADLINE",
+}
 # Proxy variables would send gRPC's connections to n1/n2 through a proxy.
 DROPPED_VARS = ("http_proxy", "https_proxy", "all_proxy", "grpc_proxy", "no_proxy")
 
@@ -86,14 +96,16 @@ def slurm_conf(root: Path, auth: str, munge_socket: Optional[Path]) -> str:
         "MpiDefault=none",
         "MailProg=/bin/true",
         "ReturnToService=2",
-        "JobRequeue=0",          # only the batch scripts' own --requeue makes a job requeueable
+        "JobRequeue=0",  # only the batch scripts' own --requeue makes a job requeueable
         "SlurmctldTimeout=30",
         "SlurmdTimeout=30",
         "KillWait=5",
     ]
     for i, (node, addr) in enumerate(NODES.items()):
-        lines.append(f"NodeName={node} NodeHostname=localhost NodeAddr={addr} Port={FIRST_SLURMD_PORT + i} "
-                     f"CPUs={CPUS_PER_NODE} RealMemory=1000 State=UNKNOWN")
+        lines.append(
+            f"NodeName={node} NodeHostname=localhost NodeAddr={addr} Port={FIRST_SLURMD_PORT + i} "
+            f"CPUs={CPUS_PER_NODE} RealMemory=1000 State=UNKNOWN"
+        )
     lines.append("PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES")
     return "\n".join(lines) + "\n"
 
@@ -146,27 +158,49 @@ class SlurmCluster:
 
     def env(self, extra: Optional[Mapping[str, str]] = None) -> Dict[str, str]:
         """This environment for Slurm's commands: SLURM_CONF set, no outer SLURM_* or proxy variables."""
-        env = {k: v for k, v in os.environ.items()
-               if not k.startswith("SLURM_") and k.lower() not in DROPPED_VARS}
+        env = {
+            k: v
+            for k, v in os.environ.items()
+            if not k.startswith("SLURM_") and k.lower() not in DROPPED_VARS
+        }
         env["SLURM_CONF"] = str(self.conf)
         env.update(extra or {})
         return env
 
     def cmd(self, *argv: str) -> List[str]:
         hosts = self.root / "etc" / "hosts"
-        return ["ip", "netns", "exec", self.ns, "sh", "-c", 'mount --bind "$0" /etc/hosts && exec "$@"',
-                str(hosts), *argv]
+        return [
+            "ip",
+            "netns",
+            "exec",
+            self.ns,
+            "sh",
+            "-c",
+            'mount --bind "$0" /etc/hosts && exec "$@"',
+            str(hosts),
+            *argv,
+        ]
 
-    def run(self, *argv: str, env: Optional[Mapping[str, str]] = None, timeout: float = 30,
-            cwd: Optional[Path] = None) -> subprocess.CompletedProcess:
+    def run(
+        self,
+        *argv: str,
+        env: Optional[Mapping[str, str]] = None,
+        timeout: float = 30,
+        cwd: Optional[Path] = None,
+    ) -> subprocess.CompletedProcess:
         return run(self.cmd(*argv), timeout=timeout, env=self.env(env), cwd=cwd)
 
     def start_daemon(self, name: str, *argv: str) -> None:
         log = open(self.root / "log" / f"{name}.out", "wb")
         with log:
-            self.daemons[name] = subprocess.Popen(self.cmd(*argv), env=self.env(), stdout=log,
-                                                  stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                                  start_new_session=True)
+            self.daemons[name] = subprocess.Popen(
+                self.cmd(*argv),
+                env=self.env(),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
 
     def daemon_logs(self, lines: int = 15) -> str:
         """The tail of every daemon's output and log file, for an error message."""
@@ -206,8 +240,10 @@ class SlurmCluster:
             if finished(components):
                 return components
             if time.monotonic() > deadline:
-                raise AssertionError(f"job {job_id} did not finish within {timeout} s: "
-                                     f"{[c.get('JobState') for c in components]}\n{self.daemon_logs()}")
+                raise AssertionError(
+                    f"job {job_id} did not finish within {timeout} s: "
+                    f"{[c.get('JobState') for c in components]}\n{self.daemon_logs()}"
+                )
             time.sleep(0.25)
 
     def wait_until(self, predicate, timeout: float, what: str) -> None:
@@ -252,12 +288,17 @@ def choose_auth() -> str:
     """``munge`` where munged is installed, else ``none`` where this Slurm build has the auth/none plugin."""
     if shutil.which("munged") and shutil.which("munge"):
         return "munge"
-    for libdir in ("/usr/lib/x86_64-linux-gnu/slurm-wlm", "/usr/lib/aarch64-linux-gnu/slurm-wlm",
-                   "/usr/lib64/slurm", "/usr/lib/slurm"):
+    for libdir in (
+        "/usr/lib/x86_64-linux-gnu/slurm-wlm",
+        "/usr/lib/aarch64-linux-gnu/slurm-wlm",
+        "/usr/lib64/slurm",
+        "/usr/lib/slurm",
+    ):
         if (Path(libdir) / AUTH_NONE_PLUGIN).exists():
             return "none"
-    raise ClusterUnavailable("neither munged nor Slurm's auth/none plugin is installed "
-                             "(apt-get install slurm-wlm munge)")
+    raise ClusterUnavailable(
+        "neither munged nor Slurm's auth/none plugin is installed (apt-get install slurm-wlm munge)"
+    )
 
 
 def start_cluster(root: Path, timeout: float = 30) -> SlurmCluster:
@@ -270,8 +311,10 @@ def start_cluster(root: Path, timeout: float = 30) -> SlurmCluster:
     if reason:
         raise ClusterUnavailable(reason)
     if os.geteuid() != 0:
-        raise ClusterUnavailable(f"not root (euid {os.geteuid()}): slurmd runs as root (SlurmdUser=root) and "
-                                 "network namespaces need root")
+        raise ClusterUnavailable(
+            f"not root (euid {os.geteuid()}): slurmd runs as root (SlurmdUser=root) and "
+            "network namespaces need root"
+        )
     auth = choose_auth()
     cluster = SlurmCluster(root, f"ps-slurm-{os.getpid()}", auth)
     try:
@@ -296,10 +339,13 @@ def _setup(cluster: SlurmCluster) -> None:
     cluster.created_ns = True
     # A veth pair with an address: without a non-loopback IPv4 address getaddrinfo(AI_ADDRCONFIG)
     # answers nothing, and Slurm cannot resolve even localhost.
-    for cmd in (["link", "set", "lo", "up"],
-                ["link", "add", "psva", "type", "veth", "peer", "name", "psvb"],
-                ["addr", "add", "10.232.0.1/24", "dev", "psva"],
-                ["link", "set", "psva", "up"], ["link", "set", "psvb", "up"]):
+    for cmd in (
+        ["link", "set", "lo", "up"],
+        ["link", "add", "psva", "type", "veth", "peer", "name", "psvb"],
+        ["addr", "add", "10.232.0.1/24", "dev", "psva"],
+        ["link", "set", "psva", "up"],
+        ["link", "set", "psvb", "up"],
+    ):
         _check(run(["ip", "-n", ns, *cmd]))
     (root / "etc" / "hosts").write_text(hosts_file())
     munge_socket = root / "munge" / "munge.socket"
@@ -312,9 +358,17 @@ def _setup(cluster: SlurmCluster) -> None:
         key.write_bytes(secrets.token_bytes(1024))
         key.chmod(0o400)
         os.chmod(root / "munge", 0o700)
-        cluster.start_daemon("munged", "munged", "-F", "-f", f"--socket={munge_socket}", f"--key-file={key}",
-                             f"--pid-file={root}/munge/munged.pid", f"--seed-file={root}/munge/munged.seed",
-                             f"--log-file={root}/log/munged.log")
+        cluster.start_daemon(
+            "munged",
+            "munged",
+            "-F",
+            "-f",
+            f"--socket={munge_socket}",
+            f"--key-file={key}",
+            f"--pid-file={root}/munge/munged.pid",
+            f"--seed-file={root}/munge/munged.seed",
+            f"--log-file={root}/log/munged.log",
+        )
         _wait_for(cluster, lambda: munge_socket.exists(), 10, "munged's socket")
         probe = run(["sh", "-c", f"munge -n -S {munge_socket} | unmunge -S {munge_socket}"], timeout=10)
         _check(probe)
@@ -341,8 +395,10 @@ def _wait_idle(cluster: SlurmCluster, timeout: float) -> None:
         last[:] = [r]
         states = dict(line.split() for line in r.stdout.splitlines() if len(line.split()) == 2)
         return r.returncode == 0 and all(states.get(node) == "idle" for node in NODES)
+
     try:
         _wait_for(cluster, idle, timeout, "idle nodes")
     except ClusterUnavailable as e:
-        raise ClusterUnavailable(f"{describe(last[0]) if last else 'sinfo never ran'}: {last[0].stdout if last else ''}"
-                                 f"\n{e}") from None
+        raise ClusterUnavailable(
+            f"{describe(last[0]) if last else 'sinfo never ran'}: {last[0].stdout if last else ''}\n{e}"
+        ) from None

@@ -1,10 +1,11 @@
 """Tests that need the machine itself (root, network namespaces, Slurm): skip, or fail where required.
 
-``tests/system/test_slurm.py`` and ``tests/system/test_two_hosts.py`` cannot run everywhere: a developer without
-root, ``ip`` or Slurm gets a skip naming what is missing. CI exports ``PS_REQUIRE_SYSTEM_TESTS=1``
-(``.ci/run``): there the same condition is a failure, so a green CI run is one in which these
-tests ran. Every "cannot run here" decision of those modules goes through :func:`unavailable`.
+``tests/system/test_slurm.py`` and ``tests/system/test_two_hosts.py`` cannot run everywhere: a developer
+without root, ``ip`` or Slurm gets a skip naming what is missing. CI exports ``PS_REQUIRE_SYSTEM_TESTS=1``
+(``.ci/run``): there the same condition is a failure, so a green CI run is one in which these tests ran.
+Every "cannot run here" decision of those modules goes through :func:`unavailable`.
 """
+
 from __future__ import annotations
 
 import os
@@ -21,20 +22,24 @@ REQUIRE_VAR = "PS_REQUIRE_SYSTEM_TESTS"
 
 
 def required() -> bool:
-    """True where ``PS_REQUIRE_SYSTEM_TESTS`` is set to anything but empty or ``0``: the system tests must run."""
+    """True where ``PS_REQUIRE_SYSTEM_TESTS`` is set to anything but empty or ``0``: the system tests must
+    run."""
     return os.environ.get(REQUIRE_VAR, "").strip() not in ("", "0")
 
 
 def unavailable(reason: str) -> NoReturn:
-    """Stop a system test's setup that cannot run here: skip with ``reason``, or fail with it where :func:`required`.
+    """Stop a system test's setup that cannot run here: skip with ``reason``, or fail with it where
+    :func:`required`.
 
-    ``reason`` names the failing command or the missing binary and its output. Call it from a
-    fixture after whatever the fixture started has been cleaned up (or from inside its
-    ``try``/``finally``): both outcomes are exceptions, so the cleanup still runs.
+    ``reason`` names the failing command or the missing binary and its output. Call it from a fixture after
+    whatever the fixture started has been cleaned up (or from inside its ``try``/``finally``): both
+    outcomes are exceptions, so the cleanup still runs.
     """
     if required():
-        pytest.fail(f"{reason}\n({REQUIRE_VAR}={os.environ[REQUIRE_VAR]}: this system test may not skip)",
-                    pytrace=False)
+        pytest.fail(
+            f"{reason}\n({REQUIRE_VAR}={os.environ[REQUIRE_VAR]}: this system test may not skip)",
+            pytrace=False,
+        )
     pytest.skip(reason)
 
 
@@ -82,7 +87,8 @@ def clear_namespace(ns: str, timeout: float = 5.0) -> None:
 
 
 def run(cmd: List[str], timeout: float = 20) -> subprocess.CompletedProcess:
-    """Run ``cmd`` (no shell), capturing its output as text; a failure to start or a timeout reads as exit -1."""
+    """Run ``cmd`` (no shell), capturing its output as text; a failure to start or a timeout reads as exit
+    -1."""
     try:
         return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     except (OSError, subprocess.TimeoutExpired) as e:

@@ -5,6 +5,7 @@ distributed run looks them up directly, the reference maps each to its
 position in the vocabulary and trains a plain ``nn.Embedding(sparse=True)``
 whose rows start at the table's initial values for those ids.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -16,7 +17,7 @@ from transpiler.tables import initial_rows
 
 DIM, BAG_DIM, SLOTS, BAG_LEN, CLASSES = 6, 4, 3, 5, 3
 # Ids the data draws from: spread over the whole int64 range, negatives included.
-VOCAB = np.unique(np.random.default_rng(11).integers(-2**62, 2**62, size=40, dtype=np.int64))
+VOCAB = np.unique(np.random.default_rng(11).integers(-(2**62), 2**62, size=40, dtype=np.int64))
 BAG_VOCAB = np.unique(np.random.default_rng(12).integers(-1000, 10**12, size=25, dtype=np.int64))
 
 
@@ -53,8 +54,16 @@ def table_batches(n_trainers: int, per_trainer: int, steps: int, seed: int = 5):
         ids = torch.from_numpy(VOCAB[rng.zipf(1.5, size=(n, SLOTS)) % (len(VOCAB) - 5)])
         bag = torch.from_numpy(BAG_VOCAB[rng.integers(0, len(BAG_VOCAB), size=(n, BAG_LEN))])
         y = torch.from_numpy(rng.integers(0, CLASSES, size=n))
-        out.append([(ids[i * per_trainer:(i + 1) * per_trainer], bag[i * per_trainer:(i + 1) * per_trainer],
-                     y[i * per_trainer:(i + 1) * per_trainer]) for i in range(n_trainers)])
+        out.append(
+            [
+                (
+                    ids[i * per_trainer : (i + 1) * per_trainer],
+                    bag[i * per_trainer : (i + 1) * per_trainer],
+                    y[i * per_trainer : (i + 1) * per_trainer],
+                )
+                for i in range(n_trainers)
+            ]
+        )
     return out
 
 
@@ -71,9 +80,12 @@ def local_tables(prog: Program):
     dense parameters)."""
     model = prog.model
     specs = {t.name: t for t in prog.tables}
-    local = {"emb": nn.Embedding(len(VOCAB), DIM, sparse=True, dtype=model.emb.weight.dtype),
-             "bag": nn.EmbeddingBag(len(BAG_VOCAB), BAG_DIM, mode="mean", sparse=True,
-                                    dtype=model.bag.weight.dtype)}
+    local = {
+        "emb": nn.Embedding(len(VOCAB), DIM, sparse=True, dtype=model.emb.weight.dtype),
+        "bag": nn.EmbeddingBag(
+            len(BAG_VOCAB), BAG_DIM, mode="mean", sparse=True, dtype=model.bag.weight.dtype
+        ),
+    }
     with torch.no_grad():
         for name, module in local.items():
             if name in specs:
@@ -93,8 +105,11 @@ def single_process(prog: Program, data):
     for name, spec in specs.items():
         optimizers.append(spec.optimizer.build([local[name].weight]))
         schedules.append(spec.optimizer)
-    scheds = [getattr(torch.optim.lr_scheduler, s.lr_scheduler)(o, **s.lr_scheduler_kwargs)
-              for o, s in zip(optimizers, schedules) if s.lr_scheduler]
+    scheds = [
+        getattr(torch.optim.lr_scheduler, s.lr_scheduler)(o, **s.lr_scheduler_kwargs)
+        for o, s in zip(optimizers, schedules)
+        if s.lr_scheduler
+    ]
     for step_batches in data:
         ids = torch.cat([b[0] for b in step_batches])
         bag = torch.cat([b[1] for b in step_batches])
@@ -107,6 +122,5 @@ def single_process(prog: Program, data):
             o.step()
         for s in scheds:
             s.step()
-    state = {k: v.detach().clone() for k, v in model.state_dict().items()
-             if not k.startswith(tuple(specs))}
+    state = {k: v.detach().clone() for k, v in model.state_dict().items() if not k.startswith(tuple(specs))}
     return state, {name: local[name].weight.detach().clone() for name in specs}

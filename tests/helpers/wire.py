@@ -1,4 +1,5 @@
 """Raw requests to a pserver, below the Trainer: sessions, encoded pushes and refusal checks."""
+
 from __future__ import annotations
 
 import secrets
@@ -12,7 +13,8 @@ from psproto.codec import encode_chunks
 
 
 def hello(stub, digest: str, trainer_id: int = 0, incarnation: Optional[int] = None) -> str:
-    """Say Hello for ``trainer_id`` as a trainer process does; returns the session every later call carries."""
+    """Say Hello for ``trainer_id`` as a trainer process does; returns the session every later call
+    carries."""
     incarnation = incarnation if incarnation is not None else secrets.randbits(63) | 1
     request = ps_pb2.HelloRequest(trainer_id=trainer_id, layout_digest=digest, incarnation=incarnation)
     return stub.Hello(request, timeout=10).session

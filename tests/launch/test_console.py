@@ -8,6 +8,7 @@ run's), and probe scripts for the
 launcher's own rules (a restart budget running out, a trainer node restarting
 as a whole, --show and --log_level).
 """
+
 from __future__ import annotations
 
 import json
@@ -23,8 +24,8 @@ from typing import Dict, List, Optional
 import pytest
 import torch
 
-from tests.helpers.launch import pid_alive, records
 from tests.helpers import paths
+from tests.helpers.launch import pid_alive, records
 from tests.scripts import recovery_job
 
 pytestmark = pytest.mark.processes
@@ -45,8 +46,13 @@ class Launcher:
         if log_dir != "log":  # "log" is the launcher's default: left out, so that the default is what runs
             argv = ("--log_dir", log_dir, *argv)
         with open(self.out_path, "wb") as out, open(self.err_path, "wb") as err:
-            self.proc = subprocess.Popen([sys.executable, "-m", "trainer.launch", *argv], cwd=cwd,
-                                         stdout=out, stderr=err, stdin=subprocess.DEVNULL)
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "trainer.launch", *argv],
+                cwd=cwd,
+                stdout=out,
+                stderr=err,
+                stdin=subprocess.DEVNULL,
+            )
         self.seen_pids: set = set()
 
     # Bytes decoded, not read_text(): universal newlines would turn every '\r' into '\n'.
@@ -70,7 +76,8 @@ class Launcher:
         return (self.log_dir / name).read_bytes().decode(errors="replace")
 
     def wait_until(self, ready, what: str, timeout: float):
-        """Poll ``ready()``; fail (with the console and logs) on the deadline or if the launcher exits first."""
+        """Poll ``ready()``; fail (with the console and logs) on the deadline or if the launcher exits
+        first."""
         deadline = time.monotonic() + timeout
         while True:
             value = ready()
@@ -87,8 +94,10 @@ class Launcher:
             pytest.fail(f"ps-launch did not finish within {timeout} s\n{self.story()}")
 
     def story(self) -> str:
-        logs = "".join(f"\n===== {p.name}\n{p.read_text(errors='replace')[-3000:]}"
-                       for p in sorted(self.log_dir.glob("*log.*")))
+        logs = "".join(
+            f"\n===== {p.name}\n{p.read_text(errors='replace')[-3000:]}"
+            for p in sorted(self.log_dir.glob("*log.*"))
+        )
         return f"===== stdout\n{self.out()[-4000:]}\n===== stderr\n{self.err()[-4000:]}{logs}"
 
     def close(self) -> None:
@@ -120,13 +129,14 @@ def launcher(tmp_path, monkeypatch):
     def start(*argv: str, log_dir: str = "logs") -> Launcher:
         started.append(Launcher(tmp_path, *argv, log_dir=log_dir))
         return started[-1]
+
     yield start
     for one in started:
         one.close()
 
 
 def prefixed(out: str, tag: str) -> List[str]:
-    return [line[len(tag) + 3:] for line in out.splitlines() if line.startswith(f"[{tag}] ")]
+    return [line[len(tag) + 3 :] for line in out.splitlines() if line.startswith(f"[{tag}] ")]
 
 
 # ---------------------------------------------------------------- the CTR example on the console
@@ -145,9 +155,12 @@ def test_ctr_example_shows_trainer_0_progress_and_auc_on_the_console(ctr_sync_jo
     assert bars and re.match(r"train:\s+100%\|", bars[-1]), out
     (auc,) = [line for line in trainer0 if "test AUC" in line]
     assert re.search(r"AUC 0\.\d+", auc), auc
-    # Every 100 steps (--metrics_every) the job's training AUC, reduced over both trainers, in trainer 0's log.
+    # Every 100 steps (--metrics_every) the job's training AUC, reduced over both trainers, in trainer 0's
+    # log.
     assert [line for line in trainer0 if "the job's training AUC" in line], out
-    assert not any(line.startswith(("[trainer1]", "[pserver")) for line in out.splitlines())  # default: trainer 0
+    assert not any(
+        line.startswith(("[trainer1]", "[pserver")) for line in out.splitlines()
+    )  # default: trainer 0
     assert "\r" not in out and len(bars) >= 2  # the first state and at least the last
     # The table first, the launcher's last word after trainer 0's last line.
     lines = out.splitlines()
@@ -160,12 +173,16 @@ def test_ctr_example_shows_trainer_0_progress_and_auc_on_the_console(ctr_sync_jo
     for name in ("serverlog.0", "serverlog.1"):
         assert "all 2 trainers closed" in job.log(name)
     assert {r["name"]: r["returncode"] for r in json.loads(job.log("roles.json"))["roles"]} == {
-        "pserver.0": 0, "pserver.1": 0, "trainer.0": 0, "trainer.1": 0}
+        "pserver.0": 0,
+        "pserver.1": 0,
+        "trainer.0": 0,
+        "trainer.1": 0,
+    }
 
 
 # ---------------------------------------------------------------- restarts of a real job
 
-EPOCHS = 10          # 200 steps of 2 trainers; the step delay (until PAUSE_DIR/calm) lets the kills land mid-run
+EPOCHS = 10  # 200 steps of 2 trainers; the step delay (until PAUSE_DIR/calm) lets the kills land mid-run
 STEP_DELAY = "0.05"
 
 
@@ -173,8 +190,11 @@ def checkpoint_steps(ckpt: Path) -> List[int]:
     """Steps of the complete checkpoints (both pservers' manifests written)."""
     if not ckpt.is_dir():
         return []
-    return sorted(int(d.name.split("-")[1]) for d in ckpt.glob("step-*")
-                  if len(list(d.glob("pserver-*-of-2.json"))) == 2)
+    return sorted(
+        int(d.name.split("-")[1])
+        for d in ckpt.glob("step-*")
+        if len(list(d.glob("pserver-*-of-2.json"))) == 2
+    )
 
 
 def kill_role(job: Launcher, name: str) -> int:
@@ -195,9 +215,29 @@ def test_max_restarts_survives_a_pserver_and_a_trainer_killed_mid_run(launcher, 
     ckpt, out_dir, pause = tmp_path / "ckpt", tmp_path / "out", tmp_path / "pause"
     out_dir.mkdir()
     pause.mkdir()
-    job = launcher("--server_num", "2", "--worker_num", "2", "--max_restarts", "1", "--show", "trainers",
-                   RECOVERY, "--checkpoint_dir", str(ckpt), "--out_dir", str(out_dir), "--epochs", str(EPOCHS),
-                   "--step_delay", STEP_DELAY, "--checkpoint_every", "5", "--pause_dir", str(pause))
+    job = launcher(
+        "--server_num",
+        "2",
+        "--worker_num",
+        "2",
+        "--max_restarts",
+        "1",
+        "--show",
+        "trainers",
+        RECOVERY,
+        "--checkpoint_dir",
+        str(ckpt),
+        "--out_dir",
+        str(out_dir),
+        "--epochs",
+        str(EPOCHS),
+        "--step_delay",
+        STEP_DELAY,
+        "--checkpoint_every",
+        "5",
+        "--pause_dir",
+        str(pause),
+    )
 
     # Mid-run: the pservers have checkpointed step 10 together.
     job.wait_until(lambda: max(checkpoint_steps(ckpt), default=0) >= 10, "a checkpoint at step 10", 120)
@@ -207,8 +247,11 @@ def test_max_restarts_survives_a_pserver_and_a_trainer_killed_mid_run(launcher, 
     assert "ps-launch: pserver.1 was killed by SIGKILL; restart 1 of 1: started again as pid" in job.err()
 
     # Training goes on past where it was: the restarted pserver resumed and the trainers re-synced.
-    job.wait_until(lambda: max(checkpoint_steps(ckpt), default=0) >= before + 10,
-                   f"training past step {before + 10} after the pserver's restart", 120)
+    job.wait_until(
+        lambda: max(checkpoint_steps(ckpt), default=0) >= before + 10,
+        f"training past step {before + 10} after the pserver's restart",
+        120,
+    )
     assert all(job.roles()[t]["returncode"] is None for t in ("trainer.0", "trainer.1")), job.story()
     old = kill_role(job, "trainer.1")
     job.wait_until(lambda: restarted(job, "trainer.1", old), "trainer.1 to be restarted", 30)
@@ -218,7 +261,11 @@ def test_max_restarts_survives_a_pserver_and_a_trainer_killed_mid_run(launcher, 
     assert job.finish(180) == 0, job.story()
     final = job.roles()
     assert {n: (r["restarts"], r["returncode"]) for n, r in final.items()} == {
-        "pserver.0": (0, 0), "pserver.1": (1, 0), "trainer.0": (0, 0), "trainer.1": (1, 0)}
+        "pserver.0": (0, 0),
+        "pserver.1": (1, 0),
+        "trainer.0": (0, 0),
+        "trainer.1": (1, 0),
+    }
     # One log per role, the restart appended after a line that says why.
     server1 = job.log("serverlog.1")
     assert "===== ps-launch: pserver.1 was killed by SIGKILL; restart 1 of 1 =====" in server1
@@ -239,8 +286,13 @@ def test_max_restarts_survives_a_pserver_and_a_trainer_killed_mid_run(launcher, 
     for tid in range(2):
         state = torch.load(out_dir / f"trainer-{tid}.pt")
         for k in expected:
-            torch.testing.assert_close(state[k], expected[k], rtol=0, atol=1e-5,
-                                       msg=lambda m: f"trainer {tid}, {k}: {m}\n{job.story()}")
+            torch.testing.assert_close(
+                state[k],
+                expected[k],
+                rtol=0,
+                atol=1e-5,
+                msg=lambda m: f"trainer {tid}, {k}: {m}\n{job.story()}",
+            )
 
 
 # ---------------------------------------------------------------- the launcher's rules, with probe scripts
@@ -248,22 +300,40 @@ def test_max_restarts_survives_a_pserver_and_a_trainer_killed_mid_run(launcher, 
 
 @pytest.mark.timeout(60)
 def test_a_role_out_of_restarts_stops_the_job_naming_it(launcher, tmp_path):
-    job = launcher("--server_num", "1", "--worker_num", "2", "--max_restarts", "1", "--show", "pserver0",
-                   PROBE, "--trainer", "hang", "--pserver", "forever")
+    job = launcher(
+        "--server_num",
+        "1",
+        "--worker_num",
+        "2",
+        "--max_restarts",
+        "1",
+        "--show",
+        "pserver0",
+        PROBE,
+        "--trainer",
+        "hang",
+        "--pserver",
+        "forever",
+    )
     probe = tmp_path / "probe"
     job.wait_until(lambda: len(records(probe)) == 3 and len(job.roles()) == 3, "every role to start", 30)
     first = kill_role(job, "pserver.0")
     # Started again: same role variables, a new process, recorded by roles.json and the log.
-    job.wait_until(lambda: records(probe)["pserver.0"]["pid"] not in (first,)
-                   and restarted(job, "pserver.0", first), "pserver.0 to be restarted", 30)
+    job.wait_until(
+        lambda: records(probe)["pserver.0"]["pid"] not in (first,) and restarted(job, "pserver.0", first),
+        "pserver.0 to be restarted",
+        30,
+    )
     second = job.roles()["pserver.0"]["pid"]
     assert records(probe)["pserver.0"]["pid"] == second
     kill_role(job, "pserver.0")
     assert job.finish(45) == 1
     err = job.err()
     assert f"ps-launch: pserver.0 was killed by SIGKILL; restart 1 of 1: started again as pid {second}" in err
-    assert ("ps-launch: pserver.0 was killed by SIGKILL with no restarts left (1 of 1 used); "
-            "stopped every other role") in err
+    assert (
+        "ps-launch: pserver.0 was killed by SIGKILL with no restarts left (1 of 1 used); "
+        "stopped every other role"
+    ) in err
     log = job.log("serverlog.0")
     assert log.count("pserver.0 started (pid") == 2
     assert "===== ps-launch: pserver.0 was killed by SIGKILL; restart 1 of 1 =====" in log
@@ -276,8 +346,19 @@ def test_a_role_out_of_restarts_stops_the_job_naming_it(launcher, tmp_path):
 
 @pytest.mark.timeout(60)
 def test_sigterm_after_a_restart_stops_every_role(launcher, tmp_path):
-    job = launcher("--server_num", "1", "--worker_num", "1", "--max_restarts", "3", PROBE,
-                   "--trainer", "hang", "--pserver", "forever")
+    job = launcher(
+        "--server_num",
+        "1",
+        "--worker_num",
+        "1",
+        "--max_restarts",
+        "3",
+        PROBE,
+        "--trainer",
+        "hang",
+        "--pserver",
+        "forever",
+    )
     probe = tmp_path / "probe"
     job.wait_until(lambda: len(records(probe)) == 2 and len(job.roles()) == 2, "every role to start", 30)
     first = kill_role(job, "trainer.0")
@@ -295,8 +376,21 @@ def test_sigterm_after_a_restart_stops_every_role(launcher, tmp_path):
 
 @pytest.mark.timeout(60)
 def test_a_failing_trainer_is_restarted_until_its_budget_is_spent(launcher, tmp_path):
-    job = launcher("--server_num", "1", "--worker_num", "2", "--max-restarts", "2", PROBE,
-                   "--trainer", "fail", "--fail_id", "1", "--pserver", "forever")
+    job = launcher(
+        "--server_num",
+        "1",
+        "--worker_num",
+        "2",
+        "--max-restarts",
+        "2",
+        PROBE,
+        "--trainer",
+        "fail",
+        "--fail_id",
+        "1",
+        "--pserver",
+        "forever",
+    )
     assert job.finish(45) == 1, job.story()
     err = job.err()
     assert "trainer.1 exited with code 3; restart 1 of 2: started again as pid" in err
@@ -309,31 +403,58 @@ def test_a_failing_trainer_is_restarted_until_its_budget_is_spent(launcher, tmp_
 @pytest.mark.timeout(60)
 def test_a_trainer_node_restarts_as_a_whole(launcher, tmp_path):
     # node_probe --kill 1.1: local rank 1 of node 1 SIGKILLs itself once everyone started, every time.
-    job = launcher("--server_num", "1", "--worker_num", "2", "--nproc_per_node", "2", "--max_restarts", "1",
-                   NODE_PROBE, "--nproc", "2", "--kill", "1.1")
+    job = launcher(
+        "--server_num",
+        "1",
+        "--worker_num",
+        "2",
+        "--nproc_per_node",
+        "2",
+        "--max_restarts",
+        "1",
+        NODE_PROBE,
+        "--nproc",
+        "2",
+        "--kill",
+        "1.1",
+    )
     assert job.finish(45) == 1, job.story()
     err = job.err()
-    m = re.search(r"trainer node 1 local rank 1 \(pid \d+\) was killed by SIGKILL; restart 1 of 1: "
-                  r"trainer node 1 started again \(pids (\d+), (\d+)\)", err)
+    m = re.search(
+        r"trainer node 1 local rank 1 \(pid \d+\) was killed by SIGKILL; restart 1 of 1: "
+        r"trainer node 1 started again \(pids (\d+), (\d+)\)",
+        err,
+    )
     assert m, err
     # Both local ranks are new processes (the table lists the first ones); the surviving one was
     # stopped first, as its collectives broke. Rank 1's new process recorded itself before dying again.
     first = {row.split()[-2] for row in job.out().splitlines() if row.split()[:2] == ["TRAINER", "1"]}
     assert len(first) == 2 and not first & {m.group(1), m.group(2)}
     assert records(tmp_path / "probe")["trainer.1.1"]["pid"] == int(m.group(2))
-    assert [job.roles()[n]["pid"] for n in ("trainer.1.0", "trainer.1.1")] == [int(m.group(1)), int(m.group(2))]
+    assert [job.roles()[n]["pid"] for n in ("trainer.1.0", "trainer.1.1")] == [
+        int(m.group(1)),
+        int(m.group(2)),
+    ]
     assert "===== ps-launch: trainer node 1 local rank 1" in job.log("workerlog.1")
     assert "with no restarts left (1 of 1 used)" in err
     assert {n: r["restarts"] for n, r in job.roles().items()} == {
-        "pserver.0": 0, "trainer.0.0": 0, "trainer.0.1": 0, "trainer.1.0": 1, "trainer.1.1": 1}
+        "pserver.0": 0,
+        "trainer.0.0": 0,
+        "trainer.0.1": 0,
+        "trainer.1.0": 1,
+        "trainer.1.1": 1,
+    }
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("show, level, tags", [
-    ("all", "INFO", {"pserver0", "pserver1", "trainer0", "trainer1"}),
-    ("none", "INFO", set()),
-    ("trainer1,pserver0", "WARNING", {"trainer1", "pserver0"}),
-])
+@pytest.mark.parametrize(
+    "show, level, tags",
+    [
+        ("all", "INFO", {"pserver0", "pserver1", "trainer0", "trainer1"}),
+        ("none", "INFO", set()),
+        ("trainer1,pserver0", "WARNING", {"trainer1", "pserver0"}),
+    ],
+)
 def test_show_and_log_level(launcher, tmp_path, show, level, tags):
     job = launcher("--server_num", "2", "--worker_num", "2", "--show", show, "--log_level", level, PROBE)
     assert job.finish(45) == 0, job.story()

@@ -1,4 +1,5 @@
 """ps-launch supervising real processes: helper-script jobs on loopback, signals, and the real example."""
+
 from __future__ import annotations
 
 import json
@@ -12,12 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from transpiler import RoleEnv
-from tests.helpers.launch import (assert_all_gone, finish, pid_alive, records,
-                                  run_ps_launch, wait_for)
 from tests.helpers import paths
+from tests.helpers.launch import assert_all_gone, finish, pid_alive, records, run_ps_launch, wait_for
 from trainer import launch
 from trainer.launch import plan as launch_plan
+from transpiler import RoleEnv
 
 # Every test here starts pservers and trainers as separate processes.
 pytestmark = pytest.mark.processes
@@ -52,23 +52,32 @@ def test_supervise_kills_a_pserver_that_ignores_sigterm(tmp_path, probe_dir, cap
     assert roles[0].proc.returncode == -signal.SIGKILL
     assert (probe_dir / "pserver.0.sigterm").exists()
     # The launcher's messages are records of the "ps-launch" logger (main() sends them to the console).
-    assert any("pserver.0 ignored SIGTERM and was killed" in r.getMessage() and r.levelname == "WARNING"
-               for r in caplog.records if r.name == "ps-launch")
+    assert any(
+        "pserver.0 ignored SIGTERM and was killed" in r.getMessage() and r.levelname == "WARNING"
+        for r in caplog.records
+        if r.name == "ps-launch"
+    )
 
 
 @pytest.mark.timeout(30)
 def test_supervise_second_signal_skips_the_sigterm_grace(tmp_path, probe_dir):
     term_timeout = 20.0  # the SIGTERM grace the second signal must cut short
-    roles = start_probes(["--server_num", "1", "--worker_num", "1"], tmp_path,
-                         ["--pserver", "ignore-term", "--trainer", "hang"])
+    roles = start_probes(
+        ["--server_num", "1", "--worker_num", "1"],
+        tmp_path,
+        ["--pserver", "ignore-term", "--trainer", "hang"],
+    )
     stops = launch.StopSignals()
     stops.count, stops.signum = 1, signal.SIGINT  # as if the user pressed Ctrl-C
 
     def press_ctrl_c_again():
         # Once the stubborn pserver has seen SIGTERM, the launcher is in its grace wait; the trainer,
         # which obeys SIGTERM, has then exited too (under load it may take a moment to: wait for it).
-        wait_for(lambda: (probe_dir / "pserver.0.sigterm").exists() and roles[1].proc.poll() is not None,
-                 20, "SIGTERM to reach the pserver and end the trainer")
+        wait_for(
+            lambda: (probe_dir / "pserver.0.sigterm").exists() and roles[1].proc.poll() is not None,
+            20,
+            "SIGTERM to reach the pserver and end the trainer",
+        )
         stops.count += 1
 
     second = threading.Thread(target=press_ctrl_c_again, daemon=True)
@@ -93,9 +102,22 @@ def test_supervise_second_signal_skips_the_sigterm_grace(tmp_path, probe_dir):
 
 @pytest.mark.timeout(60)
 def test_job_runs_to_completion(run_launcher, tmp_path, probe_dir):
-    proc = run_launcher("--server_num", "2", "--worker_num", "3", "--log_dir", "logs", PROBE,
-                        "--trainer", "ok", "--pserver", "wait", "--", "extra",
-                        env={"PS_AUTH_TOKEN": "tok3n", "PADDLE_TRAINER_ID": "99"})
+    proc = run_launcher(
+        "--server_num",
+        "2",
+        "--worker_num",
+        "3",
+        "--log_dir",
+        "logs",
+        PROBE,
+        "--trainer",
+        "ok",
+        "--pserver",
+        "wait",
+        "--",
+        "extra",
+        env={"PS_AUTH_TOKEN": "tok3n", "PADDLE_TRAINER_ID": "99"},
+    )
     rc, out, err = finish(proc, 45)
     assert rc == 0, err
     recs = records(probe_dir)
@@ -117,8 +139,12 @@ def test_job_runs_to_completion(run_launcher, tmp_path, probe_dir):
         log = tmp_path / "logs" / (("serverlog." if kind == "pserver" else "workerlog.") + index)
         assert f"{name} started (pid {r['pid']})" in log.read_text()
         pid_cell = str(r["pid"])
-        assert any(line.split()[:2] == [kind.upper(), index] and pid_cell in line.split()
-                   and str(log.relative_to(tmp_path)) in line for line in out.splitlines())
+        assert any(
+            line.split()[:2] == [kind.upper(), index]
+            and pid_cell in line.split()
+            and str(log.relative_to(tmp_path)) in line
+            for line in out.splitlines()
+        )
     # The pservers left by themselves once the trainers were done, as real ones do.
     assert not list(probe_dir.glob("*.sigterm"))
     assert "all roles finished" in out
@@ -127,8 +153,19 @@ def test_job_runs_to_completion(run_launcher, tmp_path, probe_dir):
 
 @pytest.mark.timeout(60)
 def test_pservers_are_stopped_after_the_grace_period(run_launcher, tmp_path, probe_dir):
-    proc = run_launcher("--server_num", "2", "--worker_num", "1", "--server_grace", "0.5",
-                        "--log_dir", "logs", PROBE, "--pserver", "forever")
+    proc = run_launcher(
+        "--server_num",
+        "2",
+        "--worker_num",
+        "1",
+        "--server_grace",
+        "0.5",
+        "--log_dir",
+        "logs",
+        PROBE,
+        "--pserver",
+        "forever",
+    )
     rc, out, err = finish(proc, 45)
     assert rc == 0, err
     assert "stopping pserver.0, pserver.1 after the grace period" in out
@@ -139,8 +176,23 @@ def test_pservers_are_stopped_after_the_grace_period(run_launcher, tmp_path, pro
 @pytest.mark.timeout(60)
 def test_failed_trainer_stops_the_job(run_launcher, tmp_path, probe_dir):
     term_timeout = 20.0
-    proc = run_launcher("--server_num", "2", "--worker_num", "3", "--term_timeout", str(term_timeout),
-                        "--log_dir", "logs", PROBE, "--trainer", "fail", "--fail_id", "1", "--pserver", "forever")
+    proc = run_launcher(
+        "--server_num",
+        "2",
+        "--worker_num",
+        "3",
+        "--term_timeout",
+        str(term_timeout),
+        "--log_dir",
+        "logs",
+        PROBE,
+        "--trainer",
+        "fail",
+        "--fail_id",
+        "1",
+        "--pserver",
+        "forever",
+    )
     rc, out, err = finish(proc, 45)
     assert rc == 1
     # The promise, fail fast: a failed role stops the job at once, and roles that obey SIGTERM (all of them
@@ -160,8 +212,21 @@ def test_failed_trainer_stops_the_job(run_launcher, tmp_path, probe_dir):
 
 @pytest.mark.timeout(60)
 def test_pserver_dying_while_trainers_run_stops_the_job(run_launcher, tmp_path, probe_dir):
-    proc = run_launcher("--server_num", "2", "--worker_num", "2", "--log_dir", "logs", PROBE,
-                        "--trainer", "hang", "--pserver", "crash", "--crash_id", "1")
+    proc = run_launcher(
+        "--server_num",
+        "2",
+        "--worker_num",
+        "2",
+        "--log_dir",
+        "logs",
+        PROBE,
+        "--trainer",
+        "hang",
+        "--pserver",
+        "crash",
+        "--crash_id",
+        "1",
+    )
     rc, out, err = finish(proc, 45)
     assert rc == 1
     assert "pserver.1 exited with code 5" in err and "pserver.1: crashing" in err
@@ -169,11 +234,23 @@ def test_pserver_dying_while_trainers_run_stops_the_job(run_launcher, tmp_path, 
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)],
-                         ids=["SIGTERM", "SIGINT"])
+@pytest.mark.parametrize(
+    "sig, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)], ids=["SIGTERM", "SIGINT"]
+)
 def test_signal_to_the_launcher_stops_every_role(sig, code, run_launcher, tmp_path, probe_dir):
-    proc = run_launcher("--server_num", "2", "--worker_num", "2", "--log_dir", "logs", PROBE,
-                        "--trainer", "hang", "--pserver", "forever")
+    proc = run_launcher(
+        "--server_num",
+        "2",
+        "--worker_num",
+        "2",
+        "--log_dir",
+        "logs",
+        PROBE,
+        "--trainer",
+        "hang",
+        "--pserver",
+        "forever",
+    )
     wait_for(lambda: len(records(probe_dir)) == 4 or proc.poll() is not None, 30, "all roles to start")
     proc.send_signal(sig)
     rc, out, err = finish(proc, 30)
@@ -188,8 +265,19 @@ def test_signal_to_the_launcher_stops_every_role(sig, code, run_launcher, tmp_pa
 @pytest.mark.timeout(60)
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux-only")
 def test_roles_do_not_outlive_a_killed_launcher(run_launcher, tmp_path, probe_dir):
-    proc = run_launcher("--server_num", "1", "--worker_num", "2", "--log_dir", "logs", PROBE,
-                        "--trainer", "hang", "--pserver", "forever")
+    proc = run_launcher(
+        "--server_num",
+        "1",
+        "--worker_num",
+        "2",
+        "--log_dir",
+        "logs",
+        PROBE,
+        "--trainer",
+        "hang",
+        "--pserver",
+        "forever",
+    )
     wait_for(lambda: len(records(probe_dir)) == 3 or proc.poll() is not None, 30, "all roles to start")
     proc.kill()  # no chance to clean up: the kernel's parent-death signal must do it
     proc.communicate(timeout=10)
@@ -201,11 +289,27 @@ def test_roles_do_not_outlive_a_killed_launcher(run_launcher, tmp_path, probe_di
 @pytest.mark.timeout(60)
 def test_per_host_mode_starts_only_this_hosts_roles(run_launcher, tmp_path, probe_dir):
     p0, p1 = launch_plan.free_ports(2)
-    proc = run_launcher("--servers", f"127.0.0.1:{p0},127.0.0.2:{p1}",
-                        "--workers", "127.0.0.1,127.0.0.2,127.0.0.1", "--host", "127.0.0.1",
-                        "--server_grace", "0", "--log_dir", "logs", PROBE)
-    wait_for(lambda: {"trainer.0.done", "trainer.2.done"} <= {p.name for p in probe_dir.iterdir()}
-             or proc.poll() is not None, 30, "the local trainers")
+    proc = run_launcher(
+        "--servers",
+        f"127.0.0.1:{p0},127.0.0.2:{p1}",
+        "--workers",
+        "127.0.0.1,127.0.0.2,127.0.0.1",
+        "--host",
+        "127.0.0.1",
+        "--server_grace",
+        "0",
+        "--log_dir",
+        "logs",
+        PROBE,
+    )
+    wait_for(
+        lambda: (
+            {"trainer.0.done", "trainer.2.done"} <= {p.name for p in probe_dir.iterdir()}
+            or proc.poll() is not None
+        ),
+        30,
+        "the local trainers",
+    )
     # Trainer 1 runs on the other host and still uses the local pserver: no grace
     # period applies, the launcher waits for the pserver to exit by itself.
     assert proc.poll() is None
@@ -219,8 +323,12 @@ def test_per_host_mode_starts_only_this_hosts_roles(run_launcher, tmp_path, prob
         assert r["env"]["PADDLE_PSERVERS_IP_PORT_LIST"] == f"127.0.0.1:{p0},127.0.0.2:{p1}"
         assert r["env"]["PADDLE_TRAINERS_NUM"] == "3"
     assert recs["pserver.0"]["env"]["PADDLE_PORT"] == str(p0)
-    assert sorted(p.name for p in (tmp_path / "logs").iterdir()) == ["roles.json", "serverlog.0", "workerlog.0",
-                                                                      "workerlog.2"]
+    assert sorted(p.name for p in (tmp_path / "logs").iterdir()) == [
+        "roles.json",
+        "serverlog.0",
+        "workerlog.0",
+        "workerlog.2",
+    ]
     listed = json.loads((tmp_path / "logs" / "roles.json").read_text())
     assert {r["name"]: r["pid"] for r in listed["roles"]} == {name: r["pid"] for name, r in recs.items()}
     assert all(r["returncode"] == 0 and r["restarts"] == 0 for r in listed["roles"])
@@ -230,8 +338,19 @@ def test_per_host_mode_starts_only_this_hosts_roles(run_launcher, tmp_path, prob
 @pytest.mark.timeout(60)
 def test_per_host_mode_without_local_trainers_waits_for_the_pservers(run_launcher, tmp_path, probe_dir):
     (port,) = launch_plan.free_ports(1)
-    proc = run_launcher("--servers", f"127.0.0.1:{port}", "--workers", "127.0.0.2",
-                        "--host", "127.0.0.1", "--server_grace", "0", "--log_dir", "logs", PROBE)
+    proc = run_launcher(
+        "--servers",
+        f"127.0.0.1:{port}",
+        "--workers",
+        "127.0.0.2",
+        "--host",
+        "127.0.0.1",
+        "--server_grace",
+        "0",
+        "--log_dir",
+        "logs",
+        PROBE,
+    )
     wait_for(lambda: "pserver.0" in records(probe_dir) or proc.poll() is not None, 30, "the pserver")
     assert proc.poll() is None  # no trainers here: server_grace does not apply
     (probe_dir / "trainer.0.done").touch()  # the remote trainer finishes
@@ -245,8 +364,13 @@ def test_per_host_mode_without_local_trainers_waits_for_the_pservers(run_launche
 def test_console_script_reports_bad_input(tmp_path):
     exe = Path(sys.executable).with_name("ps-launch")
     cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "trainer.launch"]
-    result = subprocess.run([*cmd, "--server_num", "1", "--worker_num", "1", "nope.py"], cwd=tmp_path,
-                            capture_output=True, text=True, timeout=50)
+    result = subprocess.run(
+        [*cmd, "--server_num", "1", "--worker_num", "1", "nope.py"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=50,
+    )
     assert result.returncode == 2
     assert "ps-launch: error: script 'nope.py' not found" in result.stderr
     assert not (tmp_path / "log").exists()

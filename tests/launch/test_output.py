@@ -1,13 +1,14 @@
 """ps-launch's console, the pure pieces: lines as a terminal shows them, prefixing, progress, --show."""
+
 from __future__ import annotations
 
 import io
 
 import pytest
 
+from tests.helpers import paths
 from trainer.launch import plan as launch_plan
 from trainer.launch.console import Console, LineSplitter, shown_roles
-from tests.helpers import paths
 
 REPO = paths.REPO
 PROBE = str(REPO / "tests" / "scripts" / "role_probe.py")
@@ -72,12 +73,12 @@ def test_console_off_a_terminal_prefixes_and_throttles_progress():
     out, err, clock = io.StringIO(), io.StringIO(), Clock()
     c = Console(out, err, tty=False, progress_every=5.0, clock=clock)
     c.role_lines("trainer0", ["hello", "  indented  "])
-    c.role_status("trainer0", BAR1)            # the first progress state is written at once
+    c.role_status("trainer0", BAR1)  # the first progress state is written at once
     clock.now += 1
-    c.role_status("trainer0", BAR2)            # 1 s later: held back
-    c.role_status("pserver1", "other bar")     # another role has its own clock
+    c.role_status("trainer0", BAR2)  # 1 s later: held back
+    c.role_status("pserver1", "other bar")  # another role has its own clock
     clock.now += 4
-    c.flush_progress()                         # 5 s after the first: the latest state
+    c.flush_progress()  # 5 s after the first: the latest state
     c.role_status("trainer0", "train: 30%")
     c.role_lines("trainer0", ["a line supersedes the pending state"])
     c.role_status("trainer0", "train: 40%")
@@ -85,9 +86,15 @@ def test_console_off_a_terminal_prefixes_and_throttles_progress():
     c.launcher("ps-launch: done")
     c.launcher("ps-launch: warning: oops", error=True)
     assert out.getvalue().splitlines() == [
-        "[trainer0] hello", "[trainer0]   indented", f"[trainer0] {BAR1}", "[pserver1] other bar",
-        f"[trainer0] {BAR2}", "[trainer0] a line supersedes the pending state", "[trainer0] train: 40%",
-        "ps-launch: done"]
+        "[trainer0] hello",
+        "[trainer0]   indented",
+        f"[trainer0] {BAR1}",
+        "[pserver1] other bar",
+        f"[trainer0] {BAR2}",
+        "[trainer0] a line supersedes the pending state",
+        "[trainer0] train: 40%",
+        "ps-launch: done",
+    ]
     assert err.getvalue() == "ps-launch: warning: oops\n"
 
 
@@ -96,37 +103,69 @@ def test_console_on_a_terminal_keeps_progress_on_one_status_line():
     out, err = io.StringIO(), io.StringIO()
     c = Console(out, err, tty=True, width=40)
     c.role_status("trainer0", BAR1)
-    c.role_status("trainer0", BAR1)            # unchanged: nothing written
+    c.role_status("trainer0", BAR1)  # unchanged: nothing written
     c.role_status("trainer0", BAR2)
-    c.role_lines("trainer0", ["log"])          # above the status line, which is drawn again
+    c.role_lines("trainer0", ["log"])  # above the status line, which is drawn again
     c.launcher("ps-launch: msg")
-    c.role_status("trainer0", "x" * 100)       # cut to the terminal's width: a wrapped line cannot be redrawn
-    c.role_status("trainer0", "")              # cleared
+    c.role_status("trainer0", "x" * 100)  # cut to the terminal's width: a wrapped line cannot be redrawn
+    c.role_status("trainer0", "")  # cleared
     c.role_status("trainer0", BAR1)
-    c.close()                                  # the last state stays, on its own line
+    c.close()  # the last state stays, on its own line
     clear = "\r\x1b[K"
     assert out.getvalue() == (
-        f"[trainer0] {BAR1}" + clear + f"[trainer0] {BAR2}" + clear + "[trainer0] log\n" + f"[trainer0] {BAR2}"
-        + clear + "ps-launch: msg\n" + f"[trainer0] {BAR2}" + clear + "[trainer0] " + "x" * 28 + clear
-        + f"[trainer0] {BAR1}" + "\n")
+        f"[trainer0] {BAR1}"
+        + clear
+        + f"[trainer0] {BAR2}"
+        + clear
+        + "[trainer0] log\n"
+        + f"[trainer0] {BAR2}"
+        + clear
+        + "ps-launch: msg\n"
+        + f"[trainer0] {BAR2}"
+        + clear
+        + "[trainer0] "
+        + "x" * 28
+        + clear
+        + f"[trainer0] {BAR1}"
+        + "\n"
+    )
 
 
 @pytest.mark.timeout(10)
-@pytest.mark.parametrize("argv, show, tags", [
-    (["--server_num", "2", "--worker_num", "2"], None, ["trainer0"]),
-    (["--server_num", "2", "--worker_num", "2", "--nproc_per_node", "2"], None, ["trainer0"]),
-    (["--server_num", "2", "--worker_num", "2"], "all", ["pserver0", "pserver1", "trainer0", "trainer1"]),
-    (["--server_num", "2", "--worker_num", "2"], "none", []),
-    (["--server_num", "2", "--worker_num", "2"], "pservers", ["pserver0", "pserver1"]),
-    (["--server_num", "2", "--worker_num", "2", "--nproc_per_node", "2"], "trainers",
-     ["trainer0", "trainer0.1", "trainer1", "trainer1.1"]),
-    (["--server_num", "2", "--worker_num", "2", "--nproc_per_node", "2"], "trainer1.1,pserver0,trainer7",
-     ["pserver0", "trainer1.1"]),
-    # per-host mode on a host without trainer 0: its first trainer
-    (["--servers", "127.0.0.1:7000,127.0.0.2:7000", "--workers", "127.0.0.2,127.0.0.1,127.0.0.1",
-      "--host", "127.0.0.1"], None, ["trainer1"]),
-    (["--servers", "127.0.0.1:7000", "--workers", "127.0.0.2", "--host", "127.0.0.1"], None, []),
-])
+@pytest.mark.parametrize(
+    "argv, show, tags",
+    [
+        (["--server_num", "2", "--worker_num", "2"], None, ["trainer0"]),
+        (["--server_num", "2", "--worker_num", "2", "--nproc_per_node", "2"], None, ["trainer0"]),
+        (["--server_num", "2", "--worker_num", "2"], "all", ["pserver0", "pserver1", "trainer0", "trainer1"]),
+        (["--server_num", "2", "--worker_num", "2"], "none", []),
+        (["--server_num", "2", "--worker_num", "2"], "pservers", ["pserver0", "pserver1"]),
+        (
+            ["--server_num", "2", "--worker_num", "2", "--nproc_per_node", "2"],
+            "trainers",
+            ["trainer0", "trainer0.1", "trainer1", "trainer1.1"],
+        ),
+        (
+            ["--server_num", "2", "--worker_num", "2", "--nproc_per_node", "2"],
+            "trainer1.1,pserver0,trainer7",
+            ["pserver0", "trainer1.1"],
+        ),
+        # per-host mode on a host without trainer 0: its first trainer
+        (
+            [
+                "--servers",
+                "127.0.0.1:7000,127.0.0.2:7000",
+                "--workers",
+                "127.0.0.2,127.0.0.1,127.0.0.1",
+                "--host",
+                "127.0.0.1",
+            ],
+            None,
+            ["trainer1"],
+        ),
+        (["--servers", "127.0.0.1:7000", "--workers", "127.0.0.2", "--host", "127.0.0.1"], None, []),
+    ],
+)
 def test_shown_roles(argv, show, tags):
     args = launch_plan.parse_args([*argv, *(["--show", show] if show else []), PROBE])
     roles = launch_plan.plan_roles(args, pick_ports=lambda n: [7100 + i for i in range(n)], environ={})

@@ -1,4 +1,5 @@
 """ps-launch, the pure pieces: argument parsing, role planning, child environments, the table."""
+
 from __future__ import annotations
 
 import re
@@ -6,12 +7,12 @@ import sys
 
 import pytest
 
-from transpiler import RoleEnv
-from transpiler.roles.role_env import NODE_VARS, NodeEnv
+from tests.helpers import paths
 from trainer import launch
 from trainer.launch import plan as launch_plan
 from trainer.launch.plan import PSERVER, TRAINER, LaunchError
-from tests.helpers import paths
+from transpiler import RoleEnv
+from transpiler.roles.role_env import NODE_VARS, NodeEnv
 
 REPO = paths.REPO
 PROBE = str(REPO / "tests" / "scripts" / "role_probe.py")
@@ -26,8 +27,9 @@ def args_for(*argv: str, script: str = PROBE):
 
 @pytest.mark.timeout(10)
 def test_script_args_pass_through_untouched():
-    args = launch_plan.parse_args(["--server_num", "2", "--log_dir", "L", "train.py",
-                              "--async", "--log_dir", "x", "--", "-v"])
+    args = launch_plan.parse_args(
+        ["--server_num", "2", "--log_dir", "L", "train.py", "--async", "--log_dir", "x", "--", "-v"]
+    )
     assert (args.server_num, args.log_dir, args.script) == (2, "L", "train.py")
     assert args.script_args == ["--async", "--log_dir", "x", "--", "-v"]
     args = launch_plan.parse_args(["--worker_num=3", "--", "train.py", "--epochs", "3"])
@@ -35,8 +37,9 @@ def test_script_args_pass_through_untouched():
 
 
 @pytest.mark.timeout(10)
-@pytest.mark.parametrize("argv", [[], ["--server_num", "2"], ["--server", "2", "x.py"],
-                                  ["--server_num", "two", "x.py"]])
+@pytest.mark.parametrize(
+    "argv", [[], ["--server_num", "2"], ["--server", "2", "x.py"], ["--server_num", "two", "x.py"]]
+)
 def test_parse_errors_exit_2(argv, capsys):
     with pytest.raises(SystemExit) as e:
         launch_plan.parse_args(argv)
@@ -49,13 +52,24 @@ def test_parse_errors_exit_2(argv, capsys):
 
 @pytest.mark.timeout(10)
 def test_local_mode_plan():
-    roles = launch_plan.plan_roles(args_for("--server_num", "2", "--worker_num", "3"),
-                              pick_ports=lambda n: [7100 + i for i in range(n)])
-    assert [(r.kind, r.index) for r in roles] == [(PSERVER, 0), (PSERVER, 1),
-                                                  (TRAINER, 0), (TRAINER, 1), (TRAINER, 2)]
+    roles = launch_plan.plan_roles(
+        args_for("--server_num", "2", "--worker_num", "3"), pick_ports=lambda n: [7100 + i for i in range(n)]
+    )
+    assert [(r.kind, r.index) for r in roles] == [
+        (PSERVER, 0),
+        (PSERVER, 1),
+        (TRAINER, 0),
+        (TRAINER, 1),
+        (TRAINER, 2),
+    ]
     assert [r.endpoint for r in roles[:2]] == ["127.0.0.1:7100", "127.0.0.1:7101"]
-    assert [r.log_name for r in roles] == ["serverlog.0", "serverlog.1",
-                                          "workerlog.0", "workerlog.1", "workerlog.2"]
+    assert [r.log_name for r in roles] == [
+        "serverlog.0",
+        "serverlog.1",
+        "workerlog.0",
+        "workerlog.1",
+        "workerlog.2",
+    ]
     for r in roles:
         assert r.env["PADDLE_PSERVERS_IP_PORT_LIST"] == "127.0.0.1:7100,127.0.0.1:7101"
         assert r.env["PADDLE_TRAINERS_NUM"] == "3"
@@ -70,7 +84,10 @@ def test_local_mode_plan():
 def test_local_mode_ports():
     roles = launch_plan.plan_roles(args_for("--server_num", "3", "--worker_num", "1", "--start_port", "6170"))
     assert [r.endpoint for r in roles if r.kind == PSERVER] == [
-        "127.0.0.1:6170", "127.0.0.1:6171", "127.0.0.1:6172"]
+        "127.0.0.1:6170",
+        "127.0.0.1:6171",
+        "127.0.0.1:6172",
+    ]
     ports = launch_plan.free_ports(4)
     assert len(set(ports)) == 4 and all(0 < p < 65536 for p in ports)
     roles = launch_plan.plan_roles(args_for("--server_num", "2", "--worker_num", "1"))
@@ -79,8 +96,12 @@ def test_local_mode_ports():
 
 @pytest.mark.timeout(10)
 def test_per_host_plan_keeps_this_hosts_roles_with_global_ids():
-    args = args_for("--servers", "10.0.0.1:6170,10.0.0.2:6170,10.0.0.1:6171",
-                    "--workers", "10.0.0.2,10.0.0.1,10.0.0.1:6200")
+    args = args_for(
+        "--servers",
+        "10.0.0.1:6170,10.0.0.2:6170,10.0.0.1:6171",
+        "--workers",
+        "10.0.0.2,10.0.0.1,10.0.0.1:6200",
+    )
     roles = launch_plan.plan_roles(args, is_local=lambda h: h == "10.0.0.1")
     assert [(r.kind, r.index) for r in roles] == [(PSERVER, 0), (PSERVER, 2), (TRAINER, 1), (TRAINER, 2)]
     assert [r.endpoint for r in roles[:2]] == ["10.0.0.1:6170", "10.0.0.1:6171"]
@@ -96,12 +117,22 @@ def test_per_host_plan_keeps_this_hosts_roles_with_global_ids():
 
 @pytest.mark.timeout(10)
 def test_per_host_filtering_by_host_flag_and_mixed_modes():
-    roles = launch_plan.plan_roles(args_for("--servers", "127.0.0.1:6170,127.0.0.2:6170",
-                                       "--workers", "127.0.0.2,127.0.0.1", "--host", "127.0.0.2"))
+    roles = launch_plan.plan_roles(
+        args_for(
+            "--servers",
+            "127.0.0.1:6170,127.0.0.2:6170",
+            "--workers",
+            "127.0.0.2,127.0.0.1",
+            "--host",
+            "127.0.0.2",
+        )
+    )
     assert [(r.kind, r.index) for r in roles] == [(PSERVER, 1), (TRAINER, 0)]
     # Pservers from the cluster list, trainers all local.
-    roles = launch_plan.plan_roles(args_for("--servers", "127.0.0.1:6170,10.255.0.1:6170", "--worker_num", "2"),
-                              is_local=lambda h: h.startswith("127."))
+    roles = launch_plan.plan_roles(
+        args_for("--servers", "127.0.0.1:6170,10.255.0.1:6170", "--worker_num", "2"),
+        is_local=lambda h: h.startswith("127."),
+    )
     assert [(r.kind, r.index) for r in roles] == [(PSERVER, 0), (TRAINER, 0), (TRAINER, 1)]
     assert roles[1].env["PADDLE_TRAINERS_NUM"] == "2"
 
@@ -117,39 +148,67 @@ def test_host_matcher():
 
 
 @pytest.mark.timeout(10)
-@pytest.mark.parametrize("argv, message", [
-    (["--server_num", "1", "--servers", "127.0.0.1:6170", "--worker_num", "1"], "--server_num and --servers"),
-    (["--server_num", "1", "--worker_num", "1", "--workers", "127.0.0.1"], "--worker_num and --workers"),
-    (["--server_num", "1"], "no trainers"),
-    (["--servers", "127.0.0.1:6170"], "no trainers"),
-    (["--server_num", "0", "--worker_num", "1"], "--server_num must be >= 1"),
-    (["--server_num", "1", "--worker_num", "0"], "--worker_num must be >= 1"),
-    (["--servers", "127.0.0.1", "--worker_num", "1"], "not of the form host:port"),
-    (["--servers", "127.0.0.1:http", "--worker_num", "1"], "not of the form host:port"),
-    (["--servers", "127.0.0.1:70000", "--worker_num", "1"], "not of the form host:port"),
-    (["--servers", "127.0.0.1:1,127.0.0.1:1", "--worker_num", "1"], "listed twice"),
-    (["--servers", "", "--worker_num", "1"], "empty"),
-    (["--server_num", "1", "--workers", "127.0.0.1,,127.0.0.1"], "malformed"),
-    (["--servers", "127.0.0.1:6170", "--worker_num", "1", "--start_port", "7000"], "--start_port"),
-    (["--server_num", "2", "--worker_num", "1", "--start_port", "65535"], "--start_port"),
-    (["--server_num", "1", "--worker_num", "1", "--server_grace", "-1"], ">= 0"),
-    (["--servers", "10.255.0.1:6170", "--workers", "10.255.0.2", "--host", "10.255.0.3"], "has no role"),
-    # trainer nodes, GPUs, collective mode
-    (["--worker_num", "1", "--nproc_per_node", "0"], "--nproc_per_node must be >= 1"),
-    (["--server_num", "1", "--worker_num", "1", "--gpus", "0", "--nproc_per_node", "2"],
-     "--nproc_per_node 2 x 1 trainer node(s) on this host need 2 GPUs, --gpus lists 1 (0)"),
-    (["--server_num", "1", "--worker_num", "2", "--gpus", "0,1,2"],
-     "--gpus lists 3 GPUs for 2 trainer nodes on this host: give --nproc_per_node"),
-    (["--server_num", "1", "--worker_num", "2", "--gpus", "0,1,2", "--nproc_per_node", "2"], "need 4 GPUs"),
-    (["--worker_num", "1", "--gpus", "0,,1"], "--gpus '0,,1' is malformed"),
-    (["--worker_num", "1", "--gpus", "1,0,1"], "--gpus lists GPU 1 twice"),
-    (["--worker_num", "1", "--start_port", "7000"], "a collective job has no pservers"),
-    (["--worker_num", "1", "--master_port", "70000"], "--master_port must be a port number"),
-    (["--server_num", "1", "--worker_num", "2", "--nproc_per_node", "2", "--master_port", "65535"],
-     "leaves no room for 2 nodes"),
-    (["--server_num", "1", "--worker_num", "1", "--nproc_per_node", "2", "--start_port", "7000",
-      "--master_port", "7000"], "rendezvous port is a pserver's: ['127.0.0.1:7000']"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (
+            ["--server_num", "1", "--servers", "127.0.0.1:6170", "--worker_num", "1"],
+            "--server_num and --servers",
+        ),
+        (["--server_num", "1", "--worker_num", "1", "--workers", "127.0.0.1"], "--worker_num and --workers"),
+        (["--server_num", "1"], "no trainers"),
+        (["--servers", "127.0.0.1:6170"], "no trainers"),
+        (["--server_num", "0", "--worker_num", "1"], "--server_num must be >= 1"),
+        (["--server_num", "1", "--worker_num", "0"], "--worker_num must be >= 1"),
+        (["--servers", "127.0.0.1", "--worker_num", "1"], "not of the form host:port"),
+        (["--servers", "127.0.0.1:http", "--worker_num", "1"], "not of the form host:port"),
+        (["--servers", "127.0.0.1:70000", "--worker_num", "1"], "not of the form host:port"),
+        (["--servers", "127.0.0.1:1,127.0.0.1:1", "--worker_num", "1"], "listed twice"),
+        (["--servers", "", "--worker_num", "1"], "empty"),
+        (["--server_num", "1", "--workers", "127.0.0.1,,127.0.0.1"], "malformed"),
+        (["--servers", "127.0.0.1:6170", "--worker_num", "1", "--start_port", "7000"], "--start_port"),
+        (["--server_num", "2", "--worker_num", "1", "--start_port", "65535"], "--start_port"),
+        (["--server_num", "1", "--worker_num", "1", "--server_grace", "-1"], ">= 0"),
+        (["--servers", "10.255.0.1:6170", "--workers", "10.255.0.2", "--host", "10.255.0.3"], "has no role"),
+        # trainer nodes, GPUs, collective mode
+        (["--worker_num", "1", "--nproc_per_node", "0"], "--nproc_per_node must be >= 1"),
+        (
+            ["--server_num", "1", "--worker_num", "1", "--gpus", "0", "--nproc_per_node", "2"],
+            "--nproc_per_node 2 x 1 trainer node(s) on this host need 2 GPUs, --gpus lists 1 (0)",
+        ),
+        (
+            ["--server_num", "1", "--worker_num", "2", "--gpus", "0,1,2"],
+            "--gpus lists 3 GPUs for 2 trainer nodes on this host: give --nproc_per_node",
+        ),
+        (
+            ["--server_num", "1", "--worker_num", "2", "--gpus", "0,1,2", "--nproc_per_node", "2"],
+            "need 4 GPUs",
+        ),
+        (["--worker_num", "1", "--gpus", "0,,1"], "--gpus '0,,1' is malformed"),
+        (["--worker_num", "1", "--gpus", "1,0,1"], "--gpus lists GPU 1 twice"),
+        (["--worker_num", "1", "--start_port", "7000"], "a collective job has no pservers"),
+        (["--worker_num", "1", "--master_port", "70000"], "--master_port must be a port number"),
+        (
+            ["--server_num", "1", "--worker_num", "2", "--nproc_per_node", "2", "--master_port", "65535"],
+            "leaves no room for 2 nodes",
+        ),
+        (
+            [
+                "--server_num",
+                "1",
+                "--worker_num",
+                "1",
+                "--nproc_per_node",
+                "2",
+                "--start_port",
+                "7000",
+                "--master_port",
+                "7000",
+            ],
+            "rendezvous port is a pserver's: ['127.0.0.1:7000']",
+        ),
+    ],
+)
 def test_plan_errors(argv, message):
     with pytest.raises(LaunchError, match=re.escape(message)):
         launch_plan.plan_roles(args_for(*argv), environ={})
@@ -158,22 +217,29 @@ def test_plan_errors(argv, message):
 @pytest.mark.timeout(10)
 def test_gpus_must_be_among_the_launchers_visible_devices():
     args = args_for("--server_num", "1", "--worker_num", "1", "--gpus", "5,2")
-    with pytest.raises(LaunchError, match=re.escape("GPU 2 is not in this launcher's CUDA_VISIBLE_DEVICES=4,5,6")):
+    with pytest.raises(
+        LaunchError, match=re.escape("GPU 2 is not in this launcher's CUDA_VISIBLE_DEVICES=4,5,6")
+    ):
         launch_plan.plan_roles(args, environ={"CUDA_VISIBLE_DEVICES": "4,5,6"})
 
 
 @pytest.mark.timeout(10)
 def test_missing_script_is_an_error():
     with pytest.raises(LaunchError, match="not found"):
-        launch_plan.plan_roles(args_for("--server_num", "1", "--worker_num", "1", script="/nonexistent/train.py"))
+        launch_plan.plan_roles(
+            args_for("--server_num", "1", "--worker_num", "1", script="/nonexistent/train.py")
+        )
 
 
 @pytest.mark.timeout(10)
-@pytest.mark.parametrize("argv", [
-    ["--server_num", "0", "--worker_num", "1", PROBE],
-    ["--server_num", "1", "--worker_num", "1", "missing_script.py"],
-    ["--servers", "10.255.0.1:6170", "--workers", "10.255.0.2", PROBE],
-])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--server_num", "0", "--worker_num", "1", PROBE],
+        ["--server_num", "1", "--worker_num", "1", "missing_script.py"],
+        ["--servers", "10.255.0.1:6170", "--workers", "10.255.0.2", PROBE],
+    ],
+)
 def test_main_bad_input_exits_2_and_starts_nothing(argv, tmp_path, capsys):
     log_dir = tmp_path / "logs"
     assert launch.main(["--log_dir", str(log_dir), *argv]) == 2
@@ -187,8 +253,9 @@ def test_main_bad_input_exits_2_and_starts_nothing(argv, tmp_path, capsys):
 
 @pytest.mark.timeout(10)
 def test_child_env_is_the_role_env_plus_inherited_environment():
-    roles = launch_plan.plan_roles(args_for("--server_num", "2", "--worker_num", "2"),
-                              pick_ports=lambda n: [7200 + i for i in range(n)])
+    roles = launch_plan.plan_roles(
+        args_for("--server_num", "2", "--worker_num", "2"), pick_ports=lambda n: [7200 + i for i in range(n)]
+    )
     # A stale role from an outer job must not leak into ours.
     base = {"PS_AUTH_TOKEN": "s3cret", "PATH": "/bin", "PADDLE_TRAINER_ID": "7", "POD_IP": "10.9.9.9"}
     for role in roles:
@@ -207,11 +274,25 @@ def test_child_env_is_the_role_env_plus_inherited_environment():
 @pytest.mark.timeout(10)
 def test_child_env_drops_inherited_node_variables():
     # ps-launch run under torchrun (or inside another job): its LOCAL_RANK etc. must not leak.
-    base = {"PATH": "/bin", "LOCAL_RANK": "3", "LOCAL_WORLD_SIZE": "4", "MASTER_ADDR": "10.9.9.9",
-            "MASTER_PORT": "1234", "RANK": "7", "WORLD_SIZE": "16", "CUDA_VISIBLE_DEVICES": "1",
-            "TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RESTART_COUNT": "2", "GROUP_RANK": "1",
-            "GROUP_WORLD_SIZE": "2", "ROLE_RANK": "1", "ROLE_NAME": "default"}
-    one = launch_plan.plan_roles(args_for("--server_num", "1", "--worker_num", "1"), pick_ports=PORTS, environ={})
+    base = {
+        "PATH": "/bin",
+        "LOCAL_RANK": "3",
+        "LOCAL_WORLD_SIZE": "4",
+        "MASTER_ADDR": "10.9.9.9",
+        "MASTER_PORT": "1234",
+        "RANK": "7",
+        "WORLD_SIZE": "16",
+        "CUDA_VISIBLE_DEVICES": "1",
+        "TORCHELASTIC_USE_AGENT_STORE": "True",
+        "TORCHELASTIC_RESTART_COUNT": "2",
+        "GROUP_RANK": "1",
+        "GROUP_WORLD_SIZE": "2",
+        "ROLE_RANK": "1",
+        "ROLE_NAME": "default",
+    }
+    one = launch_plan.plan_roles(
+        args_for("--server_num", "1", "--worker_num", "1"), pick_ports=PORTS, environ={}
+    )
     for role in one:
         env = launch_plan.child_env(role, base)
         assert not set(NODE_VARS) & set(env), role.name
@@ -220,17 +301,23 @@ def test_child_env_drops_inherited_node_variables():
         # No --gpus: trainers keep the launcher's GPUs, pservers none.
         assert env["CUDA_VISIBLE_DEVICES"] == ("" if role.kind == PSERVER else "1")
         assert RoleEnv.from_env(env).node == NodeEnv()
-    two = launch_plan.plan_roles(args_for("--server_num", "1", "--worker_num", "1", "--nproc_per_node", "2"),
-                                 pick_ports=PORTS, environ={})
+    two = launch_plan.plan_roles(
+        args_for("--server_num", "1", "--worker_num", "1", "--nproc_per_node", "2"),
+        pick_ports=PORTS,
+        environ={},
+    )
     for role in two[1:]:
         env = launch_plan.child_env(role, base)
-        assert RoleEnv.from_env(env).node == NodeEnv(role.local_rank, 2, "127.0.0.1", 7101, role.local_rank, 2)
+        assert RoleEnv.from_env(env).node == NodeEnv(
+            role.local_rank, 2, "127.0.0.1", 7101, role.local_rank, 2
+        )
 
 
 @pytest.mark.timeout(10)
 def test_table_and_tail(tmp_path):
-    roles = launch_plan.plan_roles(args_for("--server_num", "1", "--worker_num", "2"),
-                              pick_ports=lambda n: [7300])
+    roles = launch_plan.plan_roles(
+        args_for("--server_num", "1", "--worker_num", "2"), pick_ports=lambda n: [7300]
+    )
     roles[0].log_path = "log/serverlog.0"
     table = launch.format_table(roles).splitlines()
     assert table[0].split()[:3] == ["ROLE", "INDEX", "ENDPOINT"]
@@ -251,8 +338,10 @@ def test_role_command_runs_the_script_with_its_args_under_this_python():
 @pytest.mark.timeout(10)
 def test_unwritable_log_dir_is_bad_input(tmp_path, capsys):
     (tmp_path / "log").write_text("a file where the log directory should be")
-    assert launch.main(["--server_num", "1", "--worker_num", "1", "--log_dir", str(tmp_path / "log"),
-                        PROBE]) == 2
+    assert (
+        launch.main(["--server_num", "1", "--worker_num", "1", "--log_dir", str(tmp_path / "log"), PROBE])
+        == 2
+    )
     assert "ps-launch: error:" in capsys.readouterr().err
 
 
@@ -264,9 +353,14 @@ NODE_KEYS = (*NODE_VARS, "CUDA_VISIBLE_DEVICES", "PADDLE_PSERVERS_IP_PORT_LIST")
 
 def proc(local_rank, nproc, addr, port, rank=None, world=None, gpus=None):
     """The node variables (and CUDA_VISIBLE_DEVICES) one trainer process must get."""
-    env = {"LOCAL_RANK": str(local_rank), "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": addr,
-           "MASTER_PORT": str(port), "RANK": str(local_rank if rank is None else rank),
-           "WORLD_SIZE": str(nproc if world is None else world)}
+    env = {
+        "LOCAL_RANK": str(local_rank),
+        "LOCAL_WORLD_SIZE": str(nproc),
+        "MASTER_ADDR": addr,
+        "MASTER_PORT": str(port),
+        "RANK": str(local_rank if rank is None else rank),
+        "WORLD_SIZE": str(nproc if world is None else world),
+    }
     if gpus is not None:
         env["CUDA_VISIBLE_DEVICES"] = gpus
     return env
@@ -277,73 +371,196 @@ LOCAL2 = "127.0.0.1:7100,127.0.0.1:7101"
 #  {process name: the variables of NODE_KEYS it gets; any other of NODE_KEYS must be absent}).
 PLANS = {
     "one-process-nodes-keep-todays-env": (
-        ["--server_num", "2", "--worker_num", "2"], None, {}, LOCAL2, 2,
-        {"pserver.0": {"CUDA_VISIBLE_DEVICES": ""}, "pserver.1": {"CUDA_VISIBLE_DEVICES": ""},
-         "trainer.0": {}, "trainer.1": {}}),
+        ["--server_num", "2", "--worker_num", "2"],
+        None,
+        {},
+        LOCAL2,
+        2,
+        {
+            "pserver.0": {"CUDA_VISIBLE_DEVICES": ""},
+            "pserver.1": {"CUDA_VISIBLE_DEVICES": ""},
+            "trainer.0": {},
+            "trainer.1": {},
+        },
+    ),
     "nproc-2-local": (
-        ["--server_num", "2", "--worker_num", "2", "--nproc_per_node", "2"], None, {}, LOCAL2, 2,
-        {"pserver.0": {"CUDA_VISIBLE_DEVICES": ""}, "pserver.1": {"CUDA_VISIBLE_DEVICES": ""},
-         "trainer.0.0": proc(0, 2, "127.0.0.1", 7102), "trainer.0.1": proc(1, 2, "127.0.0.1", 7102),
-         "trainer.1.0": proc(0, 2, "127.0.0.1", 7103), "trainer.1.1": proc(1, 2, "127.0.0.1", 7103)}),
+        ["--server_num", "2", "--worker_num", "2", "--nproc_per_node", "2"],
+        None,
+        {},
+        LOCAL2,
+        2,
+        {
+            "pserver.0": {"CUDA_VISIBLE_DEVICES": ""},
+            "pserver.1": {"CUDA_VISIBLE_DEVICES": ""},
+            "trainer.0.0": proc(0, 2, "127.0.0.1", 7102),
+            "trainer.0.1": proc(1, 2, "127.0.0.1", 7102),
+            "trainer.1.0": proc(0, 2, "127.0.0.1", 7103),
+            "trainer.1.1": proc(1, 2, "127.0.0.1", 7103),
+        },
+    ),
     "nproc-2-start-port-avoided": (
-        ["--server_num", "2", "--worker_num", "1", "--nproc_per_node", "2", "--start_port", "7100"], None, {},
-        LOCAL2, 1,
-        {"pserver.0": {"CUDA_VISIBLE_DEVICES": ""}, "pserver.1": {"CUDA_VISIBLE_DEVICES": ""},
-         "trainer.0.0": proc(0, 2, "127.0.0.1", 7102), "trainer.0.1": proc(1, 2, "127.0.0.1", 7102)}),
+        ["--server_num", "2", "--worker_num", "1", "--nproc_per_node", "2", "--start_port", "7100"],
+        None,
+        {},
+        LOCAL2,
+        1,
+        {
+            "pserver.0": {"CUDA_VISIBLE_DEVICES": ""},
+            "pserver.1": {"CUDA_VISIBLE_DEVICES": ""},
+            "trainer.0.0": proc(0, 2, "127.0.0.1", 7102),
+            "trainer.0.1": proc(1, 2, "127.0.0.1", 7102),
+        },
+    ),
     "nproc-2-master-port": (
-        ["--server_num", "1", "--worker_num", "2", "--nproc_per_node", "2", "--master_port", "8000"], None, {},
-        "127.0.0.1:7100", 2,
-        {"pserver.0": {"CUDA_VISIBLE_DEVICES": ""},
-         "trainer.0.0": proc(0, 2, "127.0.0.1", 8000), "trainer.0.1": proc(1, 2, "127.0.0.1", 8000),
-         "trainer.1.0": proc(0, 2, "127.0.0.1", 8001), "trainer.1.1": proc(1, 2, "127.0.0.1", 8001)}),
+        ["--server_num", "1", "--worker_num", "2", "--nproc_per_node", "2", "--master_port", "8000"],
+        None,
+        {},
+        "127.0.0.1:7100",
+        2,
+        {
+            "pserver.0": {"CUDA_VISIBLE_DEVICES": ""},
+            "trainer.0.0": proc(0, 2, "127.0.0.1", 8000),
+            "trainer.0.1": proc(1, 2, "127.0.0.1", 8000),
+            "trainer.1.0": proc(0, 2, "127.0.0.1", 8001),
+            "trainer.1.1": proc(1, 2, "127.0.0.1", 8001),
+        },
+    ),
     "gpus-split-among-local-nodes": (
-        ["--server_num", "1", "--worker_num", "2", "--gpus", "0,1,2,3"], None, {}, "127.0.0.1:7100", 2,
-        {"pserver.0": {"CUDA_VISIBLE_DEVICES": ""},
-         "trainer.0.0": proc(0, 2, "127.0.0.1", 7101, gpus="0,1"),
-         "trainer.0.1": proc(1, 2, "127.0.0.1", 7101, gpus="0,1"),
-         "trainer.1.0": proc(0, 2, "127.0.0.1", 7102, gpus="2,3"),
-         "trainer.1.1": proc(1, 2, "127.0.0.1", 7102, gpus="2,3")}),
+        ["--server_num", "1", "--worker_num", "2", "--gpus", "0,1,2,3"],
+        None,
+        {},
+        "127.0.0.1:7100",
+        2,
+        {
+            "pserver.0": {"CUDA_VISIBLE_DEVICES": ""},
+            "trainer.0.0": proc(0, 2, "127.0.0.1", 7101, gpus="0,1"),
+            "trainer.0.1": proc(1, 2, "127.0.0.1", 7101, gpus="0,1"),
+            "trainer.1.0": proc(0, 2, "127.0.0.1", 7102, gpus="2,3"),
+            "trainer.1.1": proc(1, 2, "127.0.0.1", 7102, gpus="2,3"),
+        },
+    ),
     "gpus-fewer-processes": (
-        ["--server_num", "1", "--worker_num", "1", "--gpus", "4,6,7", "--nproc_per_node", "2"], None,
-        {"CUDA_VISIBLE_DEVICES": "4,5,6,7"}, "127.0.0.1:7100", 1,
-        {"pserver.0": {"CUDA_VISIBLE_DEVICES": ""},
-         "trainer.0.0": proc(0, 2, "127.0.0.1", 7101, gpus="4,6"),
-         "trainer.0.1": proc(1, 2, "127.0.0.1", 7101, gpus="4,6")}),
+        ["--server_num", "1", "--worker_num", "1", "--gpus", "4,6,7", "--nproc_per_node", "2"],
+        None,
+        {"CUDA_VISIBLE_DEVICES": "4,5,6,7"},
+        "127.0.0.1:7100",
+        1,
+        {
+            "pserver.0": {"CUDA_VISIBLE_DEVICES": ""},
+            "trainer.0.0": proc(0, 2, "127.0.0.1", 7101, gpus="4,6"),
+            "trainer.0.1": proc(1, 2, "127.0.0.1", 7101, gpus="4,6"),
+        },
+    ),
     "gpus-one-each": (
-        ["--server_num", "1", "--worker_num", "2", "--gpus", "3,1"], None, {}, "127.0.0.1:7100", 2,
-        {"pserver.0": {"CUDA_VISIBLE_DEVICES": ""}, "trainer.0": {"CUDA_VISIBLE_DEVICES": "3"},
-         "trainer.1": {"CUDA_VISIBLE_DEVICES": "1"}}),
+        ["--server_num", "1", "--worker_num", "2", "--gpus", "3,1"],
+        None,
+        {},
+        "127.0.0.1:7100",
+        2,
+        {
+            "pserver.0": {"CUDA_VISIBLE_DEVICES": ""},
+            "trainer.0": {"CUDA_VISIBLE_DEVICES": "3"},
+            "trainer.1": {"CUDA_VISIBLE_DEVICES": "1"},
+        },
+    ),
     "per-host-nproc-2": (
-        ["--servers", "10.0.0.1:6170,10.0.0.2:6170", "--workers", "10.0.0.1,10.0.0.2,10.0.0.1",
-         "--nproc_per_node", "2", "--gpus", "0,1,2,3"], "10.0.0.1", {}, "10.0.0.1:6170,10.0.0.2:6170", 3,
-        {"pserver.0": {"CUDA_VISIBLE_DEVICES": ""},
-         "trainer.0.0": proc(0, 2, "10.0.0.1", 7100, gpus="0,1"),
-         "trainer.0.1": proc(1, 2, "10.0.0.1", 7100, gpus="0,1"),
-         "trainer.2.0": proc(0, 2, "10.0.0.1", 7101, gpus="2,3"),
-         "trainer.2.1": proc(1, 2, "10.0.0.1", 7101, gpus="2,3")}),
+        [
+            "--servers",
+            "10.0.0.1:6170,10.0.0.2:6170",
+            "--workers",
+            "10.0.0.1,10.0.0.2,10.0.0.1",
+            "--nproc_per_node",
+            "2",
+            "--gpus",
+            "0,1,2,3",
+        ],
+        "10.0.0.1",
+        {},
+        "10.0.0.1:6170,10.0.0.2:6170",
+        3,
+        {
+            "pserver.0": {"CUDA_VISIBLE_DEVICES": ""},
+            "trainer.0.0": proc(0, 2, "10.0.0.1", 7100, gpus="0,1"),
+            "trainer.0.1": proc(1, 2, "10.0.0.1", 7100, gpus="0,1"),
+            "trainer.2.0": proc(0, 2, "10.0.0.1", 7101, gpus="2,3"),
+            "trainer.2.1": proc(1, 2, "10.0.0.1", 7101, gpus="2,3"),
+        },
+    ),
     "per-host-nproc-2-master-port": (
-        ["--servers", "10.0.0.1:6170", "--workers", "10.0.0.1,10.0.0.2", "--nproc_per_node", "2",
-         "--master_port", "6170"], "10.0.0.2", {}, "10.0.0.1:6170", 2,
-        {"trainer.1.0": proc(0, 2, "10.0.0.2", 6170), "trainer.1.1": proc(1, 2, "10.0.0.2", 6170)}),
+        [
+            "--servers",
+            "10.0.0.1:6170",
+            "--workers",
+            "10.0.0.1,10.0.0.2",
+            "--nproc_per_node",
+            "2",
+            "--master_port",
+            "6170",
+        ],
+        "10.0.0.2",
+        {},
+        "10.0.0.1:6170",
+        2,
+        {"trainer.1.0": proc(0, 2, "10.0.0.2", 6170), "trainer.1.1": proc(1, 2, "10.0.0.2", 6170)},
+    ),
     "collective-local": (
-        ["--worker_num", "2", "--nproc_per_node", "2"], None, {}, None, 2,
-        {"trainer.0.0": proc(0, 2, "127.0.0.1", 7100, 0, 4), "trainer.0.1": proc(1, 2, "127.0.0.1", 7100, 1, 4),
-         "trainer.1.0": proc(0, 2, "127.0.0.1", 7100, 2, 4), "trainer.1.1": proc(1, 2, "127.0.0.1", 7100, 3, 4)}),
+        ["--worker_num", "2", "--nproc_per_node", "2"],
+        None,
+        {},
+        None,
+        2,
+        {
+            "trainer.0.0": proc(0, 2, "127.0.0.1", 7100, 0, 4),
+            "trainer.0.1": proc(1, 2, "127.0.0.1", 7100, 1, 4),
+            "trainer.1.0": proc(0, 2, "127.0.0.1", 7100, 2, 4),
+            "trainer.1.1": proc(1, 2, "127.0.0.1", 7100, 3, 4),
+        },
+    ),
     "collective-one-process-nodes": (
-        ["--worker_num", "3", "--master_port", "6000"], None, {}, None, 3,
-        {"trainer.0": proc(0, 1, "127.0.0.1", 6000, 0, 3), "trainer.1": proc(0, 1, "127.0.0.1", 6000, 1, 3),
-         "trainer.2": proc(0, 1, "127.0.0.1", 6000, 2, 3)}),
+        ["--worker_num", "3", "--master_port", "6000"],
+        None,
+        {},
+        None,
+        3,
+        {
+            "trainer.0": proc(0, 1, "127.0.0.1", 6000, 0, 3),
+            "trainer.1": proc(0, 1, "127.0.0.1", 6000, 1, 3),
+            "trainer.2": proc(0, 1, "127.0.0.1", 6000, 2, 3),
+        },
+    ),
     "collective-gpus": (
-        ["--worker_num", "1", "--gpus", "0,1"], None, {}, None, 1,
-        {"trainer.0.0": proc(0, 2, "127.0.0.1", 7100, 0, 2, gpus="0,1"),
-         "trainer.0.1": proc(1, 2, "127.0.0.1", 7100, 1, 2, gpus="0,1")}),
+        ["--worker_num", "1", "--gpus", "0,1"],
+        None,
+        {},
+        None,
+        1,
+        {
+            "trainer.0.0": proc(0, 2, "127.0.0.1", 7100, 0, 2, gpus="0,1"),
+            "trainer.0.1": proc(1, 2, "127.0.0.1", 7100, 1, 2, gpus="0,1"),
+        },
+    ),
     "collective-per-host": (
-        ["--workers", "10.0.0.1,10.0.0.2", "--nproc_per_node", "2"], "10.0.0.2", {}, None, 2,
-        {"trainer.1.0": proc(0, 2, "10.0.0.1", 29500, 2, 4), "trainer.1.1": proc(1, 2, "10.0.0.1", 29500, 3, 4)}),
+        ["--workers", "10.0.0.1,10.0.0.2", "--nproc_per_node", "2"],
+        "10.0.0.2",
+        {},
+        None,
+        2,
+        {
+            "trainer.1.0": proc(0, 2, "10.0.0.1", 29500, 2, 4),
+            "trainer.1.1": proc(1, 2, "10.0.0.1", 29500, 3, 4),
+        },
+    ),
     "collective-per-host-master-port": (
-        ["--workers", "10.0.0.1,10.0.0.2", "--nproc_per_node", "2", "--master_port", "7777"], "10.0.0.1", {},
-        None, 2,
-        {"trainer.0.0": proc(0, 2, "10.0.0.1", 7777, 0, 4), "trainer.0.1": proc(1, 2, "10.0.0.1", 7777, 1, 4)}),
+        ["--workers", "10.0.0.1,10.0.0.2", "--nproc_per_node", "2", "--master_port", "7777"],
+        "10.0.0.1",
+        {},
+        None,
+        2,
+        {
+            "trainer.0.0": proc(0, 2, "10.0.0.1", 7777, 0, 4),
+            "trainer.0.1": proc(1, 2, "10.0.0.1", 7777, 1, 4),
+        },
+    ),
 }
 
 
@@ -356,8 +573,9 @@ def test_node_plans(case):
     assert [r.name for r in roles] == list(expected)
     for role in roles:
         env = role.env
-        assert {k: env[k] for k in NODE_KEYS if k in env and k != "PADDLE_PSERVERS_IP_PORT_LIST"} == \
-            expected[role.name], role.name
+        assert {k: env[k] for k in NODE_KEYS if k in env and k != "PADDLE_PSERVERS_IP_PORT_LIST"} == expected[
+            role.name
+        ], role.name
         assert env.get("PADDLE_PSERVERS_IP_PORT_LIST") == pservers
         assert env["PADDLE_TRAINERS_NUM"] == str(nodes) and env["TRAINING_ROLE"] == role.kind
         parsed = RoleEnv.from_env(launch_plan.child_env(role, {}))
@@ -365,15 +583,18 @@ def test_node_plans(case):
             assert env["PADDLE_TRAINER_ID"] == str(role.index)
             assert parsed.collective == (pservers is None)
             assert (parsed.local_rank, parsed.local_world_size) == (role.local_rank, role.local_world_size)
-            assert role.log_name == f"workerlog.{role.index}" + (f".{role.local_rank}" if role.local_rank else "")
+            assert role.log_name == f"workerlog.{role.index}" + (
+                f".{role.local_rank}" if role.local_rank else ""
+            )
         else:
             assert parsed.current_endpoint == role.endpoint and parsed.node == NodeEnv()
 
 
 @pytest.mark.timeout(10)
 def test_free_ports_are_real_and_distinct_for_nodes():
-    roles = launch_plan.plan_roles(args_for("--server_num", "2", "--worker_num", "2", "--nproc_per_node", "2"),
-                                   environ={})
+    roles = launch_plan.plan_roles(
+        args_for("--server_num", "2", "--worker_num", "2", "--nproc_per_node", "2"), environ={}
+    )
     ports = {r.endpoint.rpartition(":")[2] for r in roles if r.kind == PSERVER}
     ports |= {r.env["MASTER_PORT"] for r in roles if r.kind == TRAINER}
     assert len(ports) == 4
@@ -383,13 +604,17 @@ def test_free_ports_are_real_and_distinct_for_nodes():
 
 @pytest.mark.timeout(10)
 def test_table_shows_node_and_local_rank():
-    roles = launch_plan.plan_roles(args_for("--server_num", "1", "--worker_num", "2", "--nproc_per_node", "2"),
-                                   pick_ports=PORTS, environ={})
+    roles = launch_plan.plan_roles(
+        args_for("--server_num", "1", "--worker_num", "2", "--nproc_per_node", "2"),
+        pick_ports=PORTS,
+        environ={},
+    )
     rows = launch.format_table(roles).splitlines()
     assert rows[1].split()[:3] == ["PSERVER", "0", "127.0.0.1:7100"]
     assert "trainer node 1 local rank 1/2 on 127.0.0.1" in rows[5] and rows[5].split()[:2] == ["TRAINER", "1"]
-    roles = launch_plan.plan_roles(args_for("--worker_num", "2", "--nproc_per_node", "2"),
-                                   pick_ports=PORTS, environ={})
+    roles = launch_plan.plan_roles(
+        args_for("--worker_num", "2", "--nproc_per_node", "2"), pick_ports=PORTS, environ={}
+    )
     rows = launch.format_table(roles).splitlines()
     assert "trainer node 1 local rank 0/2 rank 2/4 on 127.0.0.1" in rows[3]
     assert roles[3].title == "trainer node 1 local rank 1" and roles[3].name == "trainer.1.1"

@@ -1,21 +1,25 @@
 """Which lane carries which block: the rule both sides of a split push-pull compute (psproto.lane_blocks)."""
+
 import pytest
 
 from psproto.lane_blocks import MAX_LANES, lane_of_blocks, split_by_lane
 
 
-@pytest.mark.parametrize("blocks,lanes,expected", [
-    # one lane: everything in it
-    ([("a", 5), ("b", 3)], 1, {"a": 0, "b": 0}),
-    # largest first, each to the lightest lane (lowest on a tie)
-    ([("a", 8), ("b", 8), ("c", 2), ("d", 2)], 2, {"a": 0, "b": 1, "c": 0, "d": 1}),
-    ([("w", 16), ("b", 1), ("v", 4), ("u", 4), ("x", 4)], 2, {"w": 0, "v": 1, "u": 1, "x": 1, "b": 1}),
-    # equal blocks: names break the tie, so the answer does not depend on their order
-    ([("b", 4), ("a", 4), ("c", 4)], 3, {"a": 0, "b": 1, "c": 2}),
-    # more lanes than blocks: the extra lanes carry nothing
-    ([("a", 4)], 3, {"a": 0}),
-    ([], 2, {}),
-])
+@pytest.mark.parametrize(
+    "blocks,lanes,expected",
+    [
+        # one lane: everything in it
+        ([("a", 5), ("b", 3)], 1, {"a": 0, "b": 0}),
+        # largest first, each to the lightest lane (lowest on a tie)
+        ([("a", 8), ("b", 8), ("c", 2), ("d", 2)], 2, {"a": 0, "b": 1, "c": 0, "d": 1}),
+        ([("w", 16), ("b", 1), ("v", 4), ("u", 4), ("x", 4)], 2, {"w": 0, "v": 1, "u": 1, "x": 1, "b": 1}),
+        # equal blocks: names break the tie, so the answer does not depend on their order
+        ([("b", 4), ("a", 4), ("c", 4)], 3, {"a": 0, "b": 1, "c": 2}),
+        # more lanes than blocks: the extra lanes carry nothing
+        ([("a", 4)], 3, {"a": 0}),
+        ([], 2, {}),
+    ],
+)
 def test_lane_of_blocks(blocks, lanes, expected):
     assert lane_of_blocks(blocks, lanes) == expected
     assert lane_of_blocks(list(reversed(blocks)), lanes) == expected

@@ -9,6 +9,7 @@ takes up a thousand trainers' pushes one per turn passes both;
 ``server_options(queue_s=..., trainers=...)`` sets them (the pserver: its
 trainers' own deadline for a call, and its trainers).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -18,8 +19,13 @@ import time
 import grpc
 import pytest
 
-from psproto.options import (CALLS_PER_TRAINER, FAST_KEEPALIVE_MS, channel_options, pending_call_limits,
-                              server_options)
+from psproto.options import (
+    CALLS_PER_TRAINER,
+    FAST_KEEPALIVE_MS,
+    channel_options,
+    pending_call_limits,
+    server_options,
+)
 
 QUEUE = "grpc.server_max_unrequested_time_in_server"
 
@@ -34,8 +40,10 @@ def test_server_options_carry_the_queue_limit_and_keep_keepalive(fast_keepalive,
     assert ("grpc.http2.max_ping_strikes" in options) == fast_keepalive
 
 
-@pytest.mark.parametrize("fast_keepalive, time_ms, timeout_ms", [(False, 30_000, 20_000),
-                                                                 (True, FAST_KEEPALIVE_MS, FAST_KEEPALIVE_MS)])
+@pytest.mark.parametrize(
+    "fast_keepalive, time_ms, timeout_ms",
+    [(False, 30_000, 20_000), (True, FAST_KEEPALIVE_MS, FAST_KEEPALIVE_MS)],
+)
 def test_channel_keepalive_unchanged(fast_keepalive, time_ms, timeout_ms):
     options = dict(channel_options(1 << 20, fast_keepalive=fast_keepalive))
     assert (options["grpc.keepalive_time_ms"], options["grpc.keepalive_timeout_ms"]) == (time_ms, timeout_ms)
@@ -44,13 +52,16 @@ def test_channel_keepalive_unchanged(fast_keepalive, time_ms, timeout_ms):
 PENDING = ("grpc.server.max_pending_requests", "grpc.server.max_pending_requests_hard_limit")
 
 
-@pytest.mark.parametrize("trainers, soft, hard", [
-    (0, 1_000, 3_000),       # gRPC's own limits are the floor
-    (1, 1_000, 3_000),
-    (125, 1_000, 3_000),     # 125 x 8 = 1,000: still gRPC's
-    (126, 1_008, 3_024),
-    (1_024, 8_192, 24_576),  # a thousand trainers: all their calls may wait at once
-])
+@pytest.mark.parametrize(
+    "trainers, soft, hard",
+    [
+        (0, 1_000, 3_000),  # gRPC's own limits are the floor
+        (1, 1_000, 3_000),
+        (125, 1_000, 3_000),  # 125 x 8 = 1,000: still gRPC's
+        (126, 1_008, 3_024),
+        (1_024, 8_192, 24_576),  # a thousand trainers: all their calls may wait at once
+    ],
+)
 def test_pending_call_limits_cover_every_trainer_s_calls(trainers, soft, hard):
     assert pending_call_limits(trainers) == (soft, hard)
     assert soft >= CALLS_PER_TRAINER * trainers and hard == max(3_000, 3 * soft)
@@ -64,17 +75,18 @@ def test_pending_call_limits_refuse_negative_trainers():
 
 
 def _calls_behind_a_blocked_loop(queue_s: int, block_s: float, behind: int = 4, options=None):
-    """Outcomes of ``behind`` calls sent while the server's event loop is blocked ``block_s`` s by a first call.
+    """Outcomes of ``behind`` calls sent while the server's event loop is blocked ``block_s`` s by a first
+    call.
 
     The server's options: ``options`` if given, else ``server_options(queue_s=queue_s)``.
     """
+
     async def handler(request, context):
         if request == b"block":
             time.sleep(block_s)  # blocks the event loop: no arrived call is taken up meanwhile
         return b"ok"
 
-    generic = grpc.method_handlers_generic_handler(
-        "t", {"m": grpc.unary_unary_rpc_method_handler(handler)})
+    generic = grpc.method_handlers_generic_handler("t", {"m": grpc.unary_unary_rpc_method_handler(handler)})
     ready, stop, port = threading.Event(), None, []
     loop = asyncio.new_event_loop()
 

@@ -1,4 +1,5 @@
 """The generated modules match ps.proto; the wire codec cuts and rebuilds tensors."""
+
 import os
 import subprocess
 import sys
@@ -21,8 +22,14 @@ def test_generated_modules_are_fresh():
 
     with tempfile.TemporaryDirectory() as out:
         descriptor_file = os.path.join(out, "ps.desc")
-        rc = protoc.main(["protoc", f"--proto_path=psproto={os.path.join(REPO, 'proto')}",
-                          f"--descriptor_set_out={descriptor_file}", "psproto/ps.proto"])
+        rc = protoc.main(
+            [
+                "protoc",
+                f"--proto_path=psproto={os.path.join(REPO, 'proto')}",
+                f"--descriptor_set_out={descriptor_file}",
+                "psproto/ps.proto",
+            ]
+        )
         assert rc == 0
         with open(descriptor_file, "rb") as f:
             fresh = descriptor_pb2.FileDescriptorSet.FromString(f.read()).file[0]
@@ -40,15 +47,19 @@ def test_generated_modules_are_fresh():
         def __getattr__(self, kind):
             def make(path, request_serializer=None, response_deserializer=None, **_):
                 calls[path] = kind
+
             return make
 
     ps_pb2_grpc.ParameterServerStub(RecordingChannel())
     service = fresh.service[0]
     expected = {}
     for m in service.method:
-        kind = {(False, False): "unary_unary", (True, False): "stream_unary",
-                (False, True): "unary_stream", (True, True): "stream_stream"}[
-            (m.client_streaming, m.server_streaming)]
+        kind = {
+            (False, False): "unary_unary",
+            (True, False): "stream_unary",
+            (False, True): "unary_stream",
+            (True, True): "stream_stream",
+        }[(m.client_streaming, m.server_streaming)]
         expected[f"/{fresh.package}.{service.name}/{m.name}"] = kind
     assert calls == expected, "proto/ps_pb2_grpc.py is stale: run `python proto/generate.py`"
 
@@ -58,12 +69,11 @@ def test_stubs_work_beside_proto_plus(tmp_path):
     fake = tmp_path / "proto"
     fake.mkdir()
     (fake / "__init__.py").write_text("PROTO_PLUS = True\n")
-    code = ("import proto; assert proto.PROTO_PLUS\n"
-            "import psproto.ps_pb2, pserver, trainer\n"
-            "print('ok')\n")
+    code = "import proto; assert proto.PROTO_PLUS\nimport psproto.ps_pb2, pserver, trainer\nprint('ok')\n"
     env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{REPO}"}
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
-                         cwd=str(tmp_path), timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=str(tmp_path), timeout=60
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "ok"
 
@@ -84,9 +94,13 @@ def _roundtrip(tensors, chunk_bytes):
 
 def test_pieces_rebuild_tensors_exactly():
     g = torch.Generator().manual_seed(0)
-    tensors = [("big", torch.randn(1000, 300, generator=g)), ("bias", torch.randn(7, generator=g)),
-               ("empty", torch.zeros(0, 5)), ("scalar", torch.tensor(2.5, dtype=torch.float64)),
-               ("half", torch.randn(33, generator=g).to(torch.bfloat16))]
+    tensors = [
+        ("big", torch.randn(1000, 300, generator=g)),
+        ("bias", torch.randn(7, generator=g)),
+        ("empty", torch.zeros(0, 5)),
+        ("scalar", torch.tensor(2.5, dtype=torch.float64)),
+        ("half", torch.randn(33, generator=g).to(torch.bfloat16)),
+    ]
     messages, out = _roundtrip(tensors, 4096)
     assert len(messages) == -(-sum(t.numel() * t.element_size() for _, t in tensors) // 4096)
     for name, t in tensors:
@@ -99,14 +113,20 @@ def test_encoding_is_the_protobuf_wire_format_of_ps_proto():
     header = ps_pb2.PushHeader(trainer_id=3, step=9, layout_digest="d")
     (data,) = encode_chunks(header, [("w.block0", w), ("b.block0", torch.ones(2))], 1 << 20)
     parsed = ps_pb2.PushChunk.FromString(data)
-    reference = ps_pb2.PushChunk(header=header, pieces=[
-        ps_pb2.TensorPiece(name="w.block0", dtype="float32", shape=[2, 3], data=w.numpy().tobytes()),
-        ps_pb2.TensorPiece(name="b.block0", dtype="float32", shape=[2], data=torch.ones(2).numpy().tobytes()),
-    ])
+    reference = ps_pb2.PushChunk(
+        header=header,
+        pieces=[
+            ps_pb2.TensorPiece(name="w.block0", dtype="float32", shape=[2, 3], data=w.numpy().tobytes()),
+            ps_pb2.TensorPiece(
+                name="b.block0", dtype="float32", shape=[2], data=torch.ones(2).numpy().tobytes()
+            ),
+        ],
+    )
     assert parsed == reference
     # A message from any protobuf encoder (here with a piece at a non-zero offset).
-    other = ps_pb2.PullChunk(header=ps_pb2.PullHeader(updates=4), pieces=[
-        ps_pb2.TensorPiece(offset=12, data=b"x" * 8)])
+    other = ps_pb2.PullChunk(
+        header=ps_pb2.PullHeader(updates=4), pieces=[ps_pb2.TensorPiece(offset=12, data=b"x" * 8)]
+    )
     got_header, pieces = decode_chunk(other.SerializeToString(), ps_pb2.PullHeader)
     assert got_header.updates == 4
     assert pieces[0].offset == 12 and bytes(pieces[0].data) == b"x" * 8 and pieces[0].name == ""
@@ -141,14 +161,17 @@ def _pieces(tensors, chunk):
     return [p for m in msgs for p in ps_pb2.PushChunk.FromString(m).pieces]
 
 
-@pytest.mark.parametrize("mutate,match", [
-    (lambda ps: ps[0].__setattr__("name", "other"), "unknown tensor"),
-    (lambda ps: ps[0].__setattr__("dtype", "float64"), "dtype"),
-    (lambda ps: ps[0].shape.__setitem__(0, 99), "shape"),
-    (lambda ps: ps[1].__setattr__("offset", 5), "piece at byte 5"),
-    (lambda ps: ps.pop(1), "moved on|expected byte"),
-    (lambda ps: ps.append(ps[0]), "sent twice"),
-])
+@pytest.mark.parametrize(
+    "mutate,match",
+    [
+        (lambda ps: ps[0].__setattr__("name", "other"), "unknown tensor"),
+        (lambda ps: ps[0].__setattr__("dtype", "float64"), "dtype"),
+        (lambda ps: ps[0].shape.__setitem__(0, 99), "shape"),
+        (lambda ps: ps[1].__setattr__("offset", 5), "piece at byte 5"),
+        (lambda ps: ps.pop(1), "moved on|expected byte"),
+        (lambda ps: ps.append(ps[0]), "sent twice"),
+    ],
+)
 def test_reader_refuses_inconsistent_streams(mutate, match):
     pieces = _pieces([("w", torch.ones(8, 4)), ("b", torch.ones(8))], 64)
     mutate(pieces)

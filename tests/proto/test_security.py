@@ -3,6 +3,7 @@
 Every test passes its own Security (never the process environment), so a
 developer's PS_AUTH_TOKEN or PS_TLS_* cannot change the outcome.
 """
+
 from __future__ import annotations
 
 import os
@@ -13,20 +14,21 @@ import pytest
 import torch
 from torch import nn
 
-from tests.helpers.cluster import LocalCluster
-from tests.helpers.models import batches, odd_mlp
-from tests.helpers import paths
-from psproto import ps_pb2, ps_pb2_grpc
-from psproto.wire import SERVICE as SERVICE_NAME
 from pserver.rpc.servicer import PserverServicer
-from trainer import Trainer
-from trainer.errors import REFUSED as REFUSED_KIND, PserverError
-from trainer.launch import plan as launch_plan
-from trainer.launch.plan import LaunchError
-from transpiler import Program
+from psproto import ps_pb2, ps_pb2_grpc
 from psproto.certs import make_test_certs
 from psproto.certs_cli import main as certs_main
 from psproto.security import Security
+from psproto.wire import SERVICE as SERVICE_NAME
+from tests.helpers import paths
+from tests.helpers.cluster import LocalCluster
+from tests.helpers.models import batches, odd_mlp
+from trainer import Trainer
+from trainer.errors import REFUSED as REFUSED_KIND
+from trainer.errors import PserverError
+from trainer.launch import plan as launch_plan
+from trainer.launch.plan import LaunchError
+from transpiler import Program
 
 TOKEN = "s3cret-Token_123"
 REFUSED = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
@@ -75,6 +77,7 @@ def raw_call(ch: grpc.Channel, path: str, client_streaming: bool, server_streami
 
 def registered_methods() -> set:
     """The ParameterServer methods the servicer registers (others answer UNIMPLEMENTED to anyone)."""
+
     class Recorder:
         def add_registered_method_handlers(self, service, handlers):
             self.service, self.handlers = service, handlers
@@ -99,11 +102,15 @@ def test_every_method_refuses_without_the_right_token():
     server_sec = Security(token=TOKEN)
     registered = registered_methods()
     assert {"Hello", "Pull", "PushPull", "PushPullOne", "Close", "Stats"} <= registered
-    methods = [(f"/{SERVICE_NAME}/{m.name}", m.client_streaming, m.server_streaming, m.name in registered)
-               for m in ps_pb2.DESCRIPTOR.services_by_name["ParameterServer"].methods]
-    methods += [("/grpc.health.v1.Health/Check", False, False, True),
-                ("/grpc.health.v1.Health/Watch", False, True, True),
-                ("/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo", True, True, True)]
+    methods = [
+        (f"/{SERVICE_NAME}/{m.name}", m.client_streaming, m.server_streaming, m.name in registered)
+        for m in ps_pb2.DESCRIPTOR.services_by_name["ParameterServer"].methods
+    ]
+    methods += [
+        ("/grpc.health.v1.Health/Check", False, False, True),
+        ("/grpc.health.v1.Health/Watch", False, True, True),
+        ("/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo", True, True, True),
+    ]
     with LocalCluster(build, 1, 1, security=server_sec) as cluster:
         ep = cluster.endpoints[0]
         for ch in (grpc.insecure_channel(ep), Security(token="not-" + TOKEN).channel(ep)):
@@ -150,7 +157,11 @@ def test_a_trainer_with_a_wrong_token_fails_fast_naming_it():
         program = cluster.transpiler(0).get_trainer_program()
         with pytest.raises(Exception, match="auth token") as e:
             Trainer(program, Security(token="wrong"))
-        assert isinstance(e.value, PserverError) and e.value.kind == REFUSED_KIND and e.value.status == "UNAUTHENTICATED"
+        assert (
+            isinstance(e.value, PserverError)
+            and e.value.kind == REFUSED_KIND
+            and e.value.status == "UNAUTHENTICATED"
+        )
 
 
 # ---------------------------------------------------------------- TLS
@@ -179,8 +190,13 @@ def test_tls_trains_and_refuses_plaintext(certs):
 
 @pytest.mark.timeout(60)
 def test_mutual_tls_requires_a_client_certificate(certs):
-    full = Security(tls_cert=certs["server_cert"], tls_key=certs["server_key"], tls_ca=certs["ca"],
-                    tls_client_cert=certs["client_cert"], tls_client_key=certs["client_key"])
+    full = Security(
+        tls_cert=certs["server_cert"],
+        tls_key=certs["server_key"],
+        tls_ca=certs["ca"],
+        tls_client_cert=certs["client_cert"],
+        tls_client_key=certs["client_key"],
+    )
     with LocalCluster(build, 1, 1, security=full) as cluster:
         ep = cluster.endpoints[0]
         with pytest.raises(grpc.RpcError) as e:
@@ -188,8 +204,15 @@ def test_mutual_tls_requires_a_client_certificate(certs):
         assert e.value.code() in REFUSED
         # The server certificate is not a client certificate (no clientAuth usage).
         with pytest.raises(grpc.RpcError) as e:
-            stats(ep, Security(tls_ca=certs["ca"], tls_client_cert=certs["server_cert"],
-                               tls_client_key=certs["server_key"]), timeout=3)
+            stats(
+                ep,
+                Security(
+                    tls_ca=certs["ca"],
+                    tls_client_cert=certs["server_cert"],
+                    tls_client_key=certs["server_key"],
+                ),
+                timeout=3,
+            )
         assert e.value.code() in REFUSED
         train(cluster, 1)
         assert stats(ep, full).updates == 1
@@ -197,13 +220,22 @@ def test_mutual_tls_requires_a_client_certificate(certs):
 
 @pytest.mark.timeout(60)
 def test_token_and_tls_together(certs):
-    sec = Security(token=TOKEN, tls_cert=certs["server_cert"], tls_key=certs["server_key"],
-                   tls_ca=certs["ca"], tls_client_cert=certs["client_cert"],
-                   tls_client_key=certs["client_key"])
+    sec = Security(
+        token=TOKEN,
+        tls_cert=certs["server_cert"],
+        tls_key=certs["server_key"],
+        tls_ca=certs["ca"],
+        tls_client_cert=certs["client_cert"],
+        tls_client_key=certs["client_key"],
+    )
     with LocalCluster(build, 2, 2, security=sec) as cluster:
         train(cluster, 1)
-        wrong = Security(token="wrong", tls_ca=certs["ca"], tls_client_cert=certs["client_cert"],
-                         tls_client_key=certs["client_key"])
+        wrong = Security(
+            token="wrong",
+            tls_ca=certs["ca"],
+            tls_client_cert=certs["client_cert"],
+            tls_client_key=certs["client_key"],
+        )
         with pytest.raises(grpc.RpcError) as e:
             stats(cluster.endpoints[0], wrong)
         assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
@@ -243,31 +275,49 @@ def test_from_env(tmp_path, certs):
     assert Security.from_env({}) == Security()
     assert Security.from_env({"PS_AUTH_TOKEN_FILE": str(token_file)}).token == TOKEN
     assert Security.from_env({"PS_AUTH_TOKEN_FILE": str(token_file), "PS_AUTH_TOKEN": TOKEN}).token == TOKEN
-    sec = Security.from_env({"PS_TLS_CERT": certs["server_cert"], "PS_TLS_KEY": certs["server_key"],
-                             "PS_TLS_CA": certs["ca"], "PS_TLS_CLIENT_CERT": certs["client_cert"],
-                             "PS_TLS_CLIENT_KEY": certs["client_key"], "PS_TLS_SERVER_NAME": "x"})
-    assert (sec.tls_cert, sec.tls_ca, sec.tls_client_key, sec.tls_server_name) == \
-        (certs["server_cert"], certs["ca"], certs["client_key"], "x")
+    sec = Security.from_env(
+        {
+            "PS_TLS_CERT": certs["server_cert"],
+            "PS_TLS_KEY": certs["server_key"],
+            "PS_TLS_CA": certs["ca"],
+            "PS_TLS_CLIENT_CERT": certs["client_cert"],
+            "PS_TLS_CLIENT_KEY": certs["client_key"],
+            "PS_TLS_SERVER_NAME": "x",
+        }
+    )
+    assert (sec.tls_cert, sec.tls_ca, sec.tls_client_key, sec.tls_server_name) == (
+        certs["server_cert"],
+        certs["ca"],
+        certs["client_key"],
+        "x",
+    )
     assert TOKEN not in repr(Security(token=TOKEN))
 
 
 @pytest.mark.timeout(10)
-@pytest.mark.parametrize("env, variable", [
-    ({"PS_TLS_CERT": "{server_cert}"}, "PS_TLS_KEY"),
-    ({"PS_TLS_KEY": "{server_key}"}, "PS_TLS_CERT"),
-    ({"PS_TLS_CLIENT_CERT": "{client_cert}"}, "PS_TLS_CLIENT_KEY"),
-    ({"PS_AUTH_TOKEN": "a", "PS_AUTH_TOKEN_FILE": "{token}"}, "PS_AUTH_TOKEN_FILE"),
-    ({"PS_AUTH_TOKEN_FILE": "{missing}"}, "PS_AUTH_TOKEN_FILE"),
-    ({"PS_TLS_CA": "{missing}"}, "PS_TLS_CA"),
-    ({"PS_AUTH_TOKEN": ""}, "PS_AUTH_TOKEN"),
-    ({"PS_AUTH_TOKEN_FILE": "{empty}"}, "PS_AUTH_TOKEN_FILE"),
-    ({"PS_AUTH_TOKEN": "has space"}, "PS_AUTH_TOKEN"),
-])
+@pytest.mark.parametrize(
+    "env, variable",
+    [
+        ({"PS_TLS_CERT": "{server_cert}"}, "PS_TLS_KEY"),
+        ({"PS_TLS_KEY": "{server_key}"}, "PS_TLS_CERT"),
+        ({"PS_TLS_CLIENT_CERT": "{client_cert}"}, "PS_TLS_CLIENT_KEY"),
+        ({"PS_AUTH_TOKEN": "a", "PS_AUTH_TOKEN_FILE": "{token}"}, "PS_AUTH_TOKEN_FILE"),
+        ({"PS_AUTH_TOKEN_FILE": "{missing}"}, "PS_AUTH_TOKEN_FILE"),
+        ({"PS_TLS_CA": "{missing}"}, "PS_TLS_CA"),
+        ({"PS_AUTH_TOKEN": ""}, "PS_AUTH_TOKEN"),
+        ({"PS_AUTH_TOKEN_FILE": "{empty}"}, "PS_AUTH_TOKEN_FILE"),
+        ({"PS_AUTH_TOKEN": "has space"}, "PS_AUTH_TOKEN"),
+    ],
+)
 def test_from_env_errors_name_the_variable(env, variable, tmp_path, certs):
     (tmp_path / "token").write_text("b\n")
     (tmp_path / "empty").write_text("\n")
-    paths = dict(certs, token=str(tmp_path / "token"), empty=str(tmp_path / "empty"),
-                 missing=str(tmp_path / "nope.pem"))
+    paths = dict(
+        certs,
+        token=str(tmp_path / "token"),
+        empty=str(tmp_path / "empty"),
+        missing=str(tmp_path / "nope.pem"),
+    )
     with pytest.raises(ValueError, match=variable):
         Security.from_env({k: v.format(**paths) for k, v in env.items()})
 
@@ -287,8 +337,9 @@ def test_launch_auth_token_file_reaches_every_role(tmp_path, monkeypatch):
     monkeypatch.delenv("PS_AUTH_TOKEN", raising=False)
     monkeypatch.chdir(tmp_path)
     (tmp_path / "token").write_text(TOKEN + "\n")
-    args = launch_plan.parse_args(["--server_num", "2", "--worker_num", "2", "--auth_token_file", "token",
-                                   PROBE])
+    args = launch_plan.parse_args(
+        ["--server_num", "2", "--worker_num", "2", "--auth_token_file", "token", PROBE]
+    )
     roles = launch_plan.plan_roles(args, pick_ports=lambda n: [7300 + i for i in range(n)])
     assert len(roles) == 4
     for role in roles:
@@ -302,7 +353,8 @@ def test_launch_auth_token_file_reaches_every_role(tmp_path, monkeypatch):
     for bad in ("missing", "empty"):
         if bad == "empty":
             (tmp_path / "empty").write_text("")
-        args = launch_plan.parse_args(["--server_num", "1", "--worker_num", "1", "--auth_token_file", bad,
-                                       PROBE])
+        args = launch_plan.parse_args(
+            ["--server_num", "1", "--worker_num", "1", "--auth_token_file", bad, PROBE]
+        )
         with pytest.raises(LaunchError, match="auth_token_file"):
             launch_plan.plan_roles(args)

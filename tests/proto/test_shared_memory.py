@@ -6,6 +6,7 @@ the model equals the one trained over gRPC bytes and the single process; a
 pserver that cannot map a trainer's regions refuses before anything counts,
 and the trainer goes on over gRPC with the same result.
 """
+
 import logging
 import os
 import tempfile
@@ -34,7 +35,9 @@ def test_a_region_mapped_by_its_address_shares_its_bytes_both_ways():
         other[5:10] = b"world"
         assert bytes(region.view[:10]) == b"helloworld"
         assert region.name.startswith(NAME_PREFIX)
-        assert os.readlink(f"/proc/self/fd/{region.fd}") == f"/memfd:{region.name} (deleted)"  # no path to leak
+        assert (
+            os.readlink(f"/proc/self/fd/{region.fd}") == f"/memfd:{region.name} (deleted)"
+        )  # no path to leak
     finally:
         region.close()
 
@@ -45,12 +48,20 @@ def _refusals():
         os.ftruncate(plain.fileno(), 1 << 16)
         pid = os.getpid()
         yield {
-            "another prefix": ((pid, region.fd, "other-" + region.name[len(NAME_PREFIX):], region.size),
-                               "not a shared region"),
-            "another region's name": ((pid, region.fd, NAME_PREFIX + "0" * 16, region.size), "is not the region"),
+            "another prefix": (
+                (pid, region.fd, "other-" + region.name[len(NAME_PREFIX) :], region.size),
+                "not a shared region",
+            ),
+            "another region's name": (
+                (pid, region.fd, NAME_PREFIX + "0" * 16, region.size),
+                "is not the region",
+            ),
             "a plain file": ((pid, plain.fileno(), region.name, region.size), "is not the region"),
-            "bigger than the region": ((pid, region.fd, region.name, 1 << 17), "holds 65536 bytes, not 131072"),
-            "no such process": ((2 ** 22 + 7, 3, region.name, region.size), "cannot open"),
+            "bigger than the region": (
+                (pid, region.fd, region.name, 1 << 17),
+                "holds 65536 bytes, not 131072",
+            ),
+            "no such process": ((2**22 + 7, 3, region.name, region.size), "cannot open"),
             "no such fd": ((pid, 100_000, region.name, region.size), "cannot open"),
             "size zero": ((pid, region.fd, region.name, 0), "not a shared region"),
         }
@@ -70,9 +81,11 @@ def test_map_region_refuses_what_is_not_the_named_region_saying_why():
 
 # -- the codec into and out of a region ---------------------------------------
 
-TENSORS = [("w.block0", torch.arange(12, dtype=torch.float32).reshape(3, 4)),
-           ("emb@ids", torch.tensor([5, 1, 9], dtype=torch.int64)),
-           ("empty", torch.zeros(0, 4))]
+TENSORS = [
+    ("w.block0", torch.arange(12, dtype=torch.float32).reshape(3, 4)),
+    ("emb@ids", torch.tensor([5, 1, 9], dtype=torch.int64)),
+    ("empty", torch.zeros(0, 4)),
+]
 
 
 def test_encode_into_writes_exactly_the_one_message_encode_chunks_sends():
@@ -80,7 +93,7 @@ def test_encode_into_writes_exactly_the_one_message_encode_chunks_sends():
     (message,) = encode_chunks(header, TENSORS, 1 << 30)
     buf = memoryview(bytearray(len(message) + 10))
     assert encode_into(buf, header, TENSORS) == len(message)
-    assert bytes(buf[:len(message)]) == message
+    assert bytes(buf[: len(message)]) == message
 
 
 def test_encode_into_a_region_too_small_writes_nothing():
@@ -99,7 +112,9 @@ def test_a_message_decoded_in_a_region_is_read_in_place_and_rebuilds_the_tensors
         got, pieces = decode_chunk(region.view[:n], ps_pb2.PullHeader)
         assert got == header
         assert all(p.data.obj is region.view.obj for p in pieces)  # views of the region, not copies
-        shapes = {name: ("float32" if t.is_floating_point() else "int64", [-1, *t.shape[1:]]) for name, t in TENSORS}
+        shapes = {
+            name: ("float32" if t.is_floating_point() else "int64", [-1, *t.shape[1:]]) for name, t in TENSORS
+        }
         reader = TensorReader(shapes.get)
         for piece in pieces:
             reader.add(piece)
@@ -113,9 +128,15 @@ def test_a_message_decoded_in_a_region_is_read_in_place_and_rebuilds_the_tensors
 
 # -- the trainer's pool -------------------------------------------------------
 
+
 def test_region_sizes_add_a_quarter_in_whole_mib():
-    assert [region_size(n) for n in (0, 1000, 800_000, 1 << 20, 19_000_000)] == \
-        [1 << 20, 1 << 20, 1 << 20, 2 << 20, 23 << 20]
+    assert [region_size(n) for n in (0, 1000, 800_000, 1 << 20, 19_000_000)] == [
+        1 << 20,
+        1 << 20,
+        1 << 20,
+        2 << 20,
+        23 << 20,
+    ]
 
 
 def test_the_pool_reuses_a_pair_after_a_call_that_ended_and_never_one_whose_call_failed():
@@ -170,12 +191,17 @@ def test_sync_training_through_shared_memory_equals_grpc_bytes_and_one_process()
 
 @pytest.mark.timeout(120)
 def test_a_pserver_that_cannot_map_the_regions_refuses_before_counting_and_the_trainer_goes_on_over_grpc(
-        monkeypatch, caplog):
+    monkeypatch, caplog
+):
     import pserver.rpc.mapped_regions
 
     caplog.set_level(logging.INFO, logger="trainer.transport")
+
     def cannot_map(*address):
-        raise SharedMemoryError("cannot open /proc/1/fd/3 (No such file or directory): a trainer on another host")
+        raise SharedMemoryError(
+            "cannot open /proc/1/fd/3 (No such file or directory): a trainer on another host"
+        )
+
     monkeypatch.setattr(pserver.rpc.mapped_regions, "map_region", cannot_map)
     data = batches(N_TRAINERS, PER_TRAINER, STEPS, dtype=torch.float64)
     expected = train_concatenated(_program(), data)
@@ -196,7 +222,9 @@ def test_a_hand_made_shared_push_naming_no_region_is_refused_unimplemented_and_c
     with LocalCluster(_program, 1, 1) as cluster, tempfile.TemporaryFile() as plain:
         server = cluster.servers[0]
         os.ftruncate(plain.fileno(), 1 << 20)
-        bogus = ps_pb2.SharedRegion(pid=os.getpid(), fd=plain.fileno(), name=NAME_PREFIX + "f" * 16, size=1 << 20)
+        bogus = ps_pb2.SharedRegion(
+            pid=os.getpid(), fd=plain.fileno(), name=NAME_PREFIX + "f" * 16, size=1 << 20
+        )
         push = ps_pb2.SharedPush(request=bogus, request_bytes=10, answer=bogus)
         with grpc.insecure_channel(cluster.endpoints[0]) as channel:
             call = channel.unary_unary("/psproto.ParameterServer/PushPullShared")

@@ -1,4 +1,6 @@
-"""A trainer's call is a sign of life on arrival (pserver/rpc/arrival.py), even while it queues for a thread."""
+"""A trainer's call is a sign of life on arrival (pserver/rpc/arrival.py), even while it queues for a
+thread."""
+
 from __future__ import annotations
 
 import threading
@@ -7,27 +9,30 @@ import time
 import pytest
 import torch
 
-from psproto.wire import TRAINER_METADATA
 from pserver.rpc.arrival import CallsInProgress, caller_of
+from psproto.wire import TRAINER_METADATA
 from tests.helpers.cluster import LocalCluster
 from tests.helpers.models import odd_mlp
 from tests.helpers.polling import poll
 from transpiler import DistributeTranspilerConfig, Program
 
 
-@pytest.mark.parametrize("metadata, trainers, expected", [
-    ((), 4, None),                                              # no metadata: a call of no trainer (ps-stat)
-    (None, 4, None),
-    ((("authorization", "Bearer x"),), 4, None),
-    (((TRAINER_METADATA, "2:77"),), 4, (2, 77)),
-    ((("authorization", "Bearer x"), (TRAINER_METADATA, "0:5")), 4, (0, 5)),
-    (((TRAINER_METADATA, "4:77"),), 4, None),                   # out of the job's range: ignored
-    (((TRAINER_METADATA, "-1:77"),), 4, None),
-    (((TRAINER_METADATA, "2"),), 4, None),                      # no incarnation: ignored
-    (((TRAINER_METADATA, "one:77"),), 4, None),                 # not numbers: ignored
-    (((TRAINER_METADATA, "2:x"),), 4, None),
-    (((TRAINER_METADATA, ""),), 4, None),
-])
+@pytest.mark.parametrize(
+    "metadata, trainers, expected",
+    [
+        ((), 4, None),  # no metadata: a call of no trainer (ps-stat)
+        (None, 4, None),
+        ((("authorization", "Bearer x"),), 4, None),
+        (((TRAINER_METADATA, "2:77"),), 4, (2, 77)),
+        ((("authorization", "Bearer x"), (TRAINER_METADATA, "0:5")), 4, (0, 5)),
+        (((TRAINER_METADATA, "4:77"),), 4, None),  # out of the job's range: ignored
+        (((TRAINER_METADATA, "-1:77"),), 4, None),
+        (((TRAINER_METADATA, "2"),), 4, None),  # no incarnation: ignored
+        (((TRAINER_METADATA, "one:77"),), 4, None),  # not numbers: ignored
+        (((TRAINER_METADATA, "2:x"),), 4, None),
+        (((TRAINER_METADATA, ""),), 4, None),
+    ],
+)
 def test_caller_of(metadata, trainers, expected):
     assert caller_of(metadata, trainers) == expected
 
@@ -35,10 +40,12 @@ def test_caller_of(metadata, trainers, expected):
 def test_only_the_session_holder_s_calls_in_progress_hold_its_id():
     """A second process's Hello, in progress, must not keep the id's silent holder from being taken over."""
     noted = []
-    calls = CallsInProgress(lambda *caller: noted.append(caller), 4, holds=lambda trainer, incarnation: incarnation == 7)
-    with calls.serving(((TRAINER_METADATA, "1:8"),)):      # a newcomer with id 1
+    calls = CallsInProgress(
+        lambda *caller: noted.append(caller), 4, holds=lambda trainer, incarnation: incarnation == 7
+    )
+    with calls.serving(((TRAINER_METADATA, "1:8"),)):  # a newcomer with id 1
         assert calls.trainers() == set()
-    with calls.serving(((TRAINER_METADATA, "1:7"),)):      # the holder of id 1
+    with calls.serving(((TRAINER_METADATA, "1:7"),)):  # the holder of id 1
         with calls.serving(((TRAINER_METADATA, "1:7"),)):  # two of its calls at once
             assert calls.trainers() == {1}
         assert calls.trainers() == {1}
@@ -51,8 +58,8 @@ def program() -> Program:
 
 @pytest.mark.timeout(60)
 def test_a_unary_call_queued_behind_a_busy_pool_is_noted_on_arrival_and_holds_its_trainer(tmp_path):
-    """Behind a thousand async pushes a unary call waits in the pool longer than heartbeat_timeout; the trainer,
-    waiting for its answer, is not silent (K = 1,024 async dropped whole load generators)."""
+    """Behind a thousand async pushes a unary call waits in the pool longer than heartbeat_timeout; the
+    trainer, waiting for its answer, is not silent (K = 1,024 async dropped whole load generators)."""
     config = DistributeTranspilerConfig(pserver_rpc_workers=1)
     with LocalCluster(program, 1, 2, config=config) as cluster:
         server, endpoint = cluster.servers[0], cluster.endpoints[0]
@@ -63,8 +70,9 @@ def test_a_unary_call_queued_behind_a_busy_pool_is_noted_on_arrival_and_holds_it
             assert busy.wait(10)
             try:
                 done = {}
-                call = threading.Thread(target=lambda: done.setdefault(
-                    "reply", tr.channels[endpoint].save_tables(str(tmp_path))))
+                call = threading.Thread(
+                    target=lambda: done.setdefault("reply", tr.channels[endpoint].save_tables(str(tmp_path)))
+                )
                 call.start()
                 # The call cannot run (no free thread), yet the pserver heard from trainer 1 as it arrived...
                 poll(lambda: server.engine.presence(1)[0] > heard, "trainer 1 noted on arrival", timeout=20)
@@ -83,7 +91,8 @@ def test_a_unary_call_queued_behind_a_busy_pool_is_noted_on_arrival_and_holds_it
 
 @pytest.mark.timeout(60)
 def test_a_heartbeat_is_answered_on_the_loop_while_every_pool_thread_is_busy():
-    """A heartbeat touches memory only: it never waits for the pool (behind async pushes, or a stuck handler)."""
+    """A heartbeat touches memory only: it never waits for the pool (behind async pushes, or a stuck
+    handler)."""
     config = DistributeTranspilerConfig(pserver_rpc_workers=1)
     with LocalCluster(program, 1, 2, config=config) as cluster:
         server, endpoint = cluster.servers[0], cluster.endpoints[0]
@@ -94,7 +103,7 @@ def test_a_heartbeat_is_answered_on_the_loop_while_every_pool_thread_is_busy():
             try:
                 server.engine.roster.last_seen[1] -= 60
                 before = server.servicer.counters.heartbeats
-                reply = tr.channels[endpoint].heartbeat(timeout=10)   # answered while the pool is still held
+                reply = tr.channels[endpoint].heartbeat(timeout=10)  # answered while the pool is still held
                 assert not gate.is_set()
             finally:
                 gate.set()
@@ -106,22 +115,24 @@ def test_a_heartbeat_is_answered_on_the_loop_while_every_pool_thread_is_busy():
 
 @pytest.mark.timeout(60)
 def test_a_call_of_another_process_of_the_id_is_not_noted():
-    """A restarted trainer's Hello (or a stray duplicate's call) must not pass for the session holder's sign of life."""
+    """A restarted trainer's Hello (or a stray duplicate's call) must not pass for the session holder's
+    sign of life."""
     with LocalCluster(program, 1, 2, config=DistributeTranspilerConfig()) as cluster:
         server = cluster.servers[0]
         with cluster.trainer(1):
             holder = server.servicer.sessions.incarnation(1)
-            server.engine.roster.last_seen[1] -= 60                  # the holder fell silent a minute ago
+            server.engine.roster.last_seen[1] -= 60  # the holder fell silent a minute ago
             quiet_since = server.engine.presence(1)[0]
-            server._arrived(1, holder + 1)                           # another process of trainer 1 calls
+            server._arrived(1, holder + 1)  # another process of trainer 1 calls
             assert server.engine.presence(1)[0] == quiet_since
-            server._arrived(1, holder)                               # the holder calls
+            server._arrived(1, holder)  # the holder calls
             assert server.engine.presence(1)[0] > quiet_since + 59
 
 
 @pytest.mark.timeout(60)
 def test_a_call_in_progress_holds_its_trainer_until_its_answer_is_made():
-    """A pull taken up but not yet answered (its stretch waits for the pool) is no silence; its end is heard."""
+    """A pull taken up but not yet answered (its stretch waits for the pool) is no silence; its end is
+    heard."""
     config = DistributeTranspilerConfig(pserver_rpc_workers=1, pserver_stretches_on_loop=False)
     with LocalCluster(program, 1, 2, config=config) as cluster:
         server, endpoint = cluster.servers[0], cluster.endpoints[0]
@@ -133,12 +144,21 @@ def test_a_call_in_progress_holds_its_trainer_until_its_answer_is_made():
             server._pool.submit(lambda: (busy.set(), gate.wait(30)))  # the pool's one thread, held
             assert busy.wait(10)
             try:
-                call = threading.Thread(target=lambda: tr.channels[endpoint].pull(
-                    list(shapes), 0, shapes.get,
-                    lambda name: answers.setdefault(name, torch.empty(shapes[name][1], dtype=torch.float64))))
+                call = threading.Thread(
+                    target=lambda: tr.channels[endpoint].pull(
+                        list(shapes),
+                        0,
+                        shapes.get,
+                        lambda name: answers.setdefault(
+                            name, torch.empty(shapes[name][1], dtype=torch.float64)
+                        ),
+                    )
+                )
                 call.start()
                 poll(lambda: 1 in server.engine.held(), "trainer 1 held while its pull is served", timeout=20)
-                server.engine.roster.last_seen[1] -= 60  # a minute since its last call arrived: still not silent
+                server.engine.roster.last_seen[1] -= (
+                    60  # a minute since its last call arrived: still not silent
+                )
                 assert server.engine.roster.silent(30.0, server.engine.held(), time.monotonic()) == []
             finally:
                 gate.set()

@@ -1,4 +1,5 @@
 """Backup trainers' claims (pserver/engine/claims.py): who makes a sync step, decided on the first pserver."""
+
 import threading
 
 import pytest
@@ -9,31 +10,44 @@ from pserver.errors import BarrierTimeout
 MADE = {4: (0, 2), 5: (1, 2)}
 
 
-@pytest.mark.parametrize("case, step, trainer, applied, expected", [
-    ("a trainer of a made step is admitted", 4, 2, 4, Verdict(True, (0, 2))),
-    ("a trainer not in a made step is dropped, told who made it", 4, 1, 5, Verdict(False, (0, 2))),
-    ("a step redone after a roll-back keeps its trainers", 5, 1, 3, Verdict(True, (1, 2))),
-    ("a step applied and forgotten: a straggler's claim is dropped", 2, 0, 6, Verdict(False, ())),
-    ("a step not made and not applied is open: the claim counts", 6, 0, 6, None),
-    ("after a roll-back past the remembered steps, an old step is open again", 1, 0, 1, None),
-])
+@pytest.mark.parametrize(
+    "case, step, trainer, applied, expected",
+    [
+        ("a trainer of a made step is admitted", 4, 2, 4, Verdict(True, (0, 2))),
+        ("a trainer not in a made step is dropped, told who made it", 4, 1, 5, Verdict(False, (0, 2))),
+        ("a step redone after a roll-back keeps its trainers", 5, 1, 3, Verdict(True, (1, 2))),
+        ("a step applied and forgotten: a straggler's claim is dropped", 2, 0, 6, Verdict(False, ())),
+        ("a step not made and not applied is open: the claim counts", 6, 0, 6, None),
+        ("after a roll-back past the remembered steps, an old step is open again", 1, 0, 1, None),
+    ],
+)
 def test_verdict(case, step, trainer, applied, expected):
     assert verdict(step, trainer, MADE, applied) == expected, case
 
 
-@pytest.mark.parametrize("case, claimed, live, needed, made", [
-    ("N - b claims make the step", 3, 4, 3, True),
-    ("fewer wait", 2, 4, 3, False),
-    ("fewer live trainers than N - b: every live one's claim makes it", 2, 2, 3, True),
-    ("no claim makes nothing, even with nobody live", 0, 0, 3, False),
-])
+@pytest.mark.parametrize(
+    "case, claimed, live, needed, made",
+    [
+        ("N - b claims make the step", 3, 4, 3, True),
+        ("fewer wait", 2, 4, 3, False),
+        ("fewer live trainers than N - b: every live one's claim makes it", 2, 2, 3, True),
+        ("no claim makes nothing, even with nobody live", 0, 0, 3, False),
+    ],
+)
 def test_full(case, claimed, live, needed, made):
     assert full(claimed, live, needed) is made, case
 
 
 def claims(live, applied=lambda: 0, timeout=5.0):
-    return StepClaims("ps0", trainers=3, backups=1, barrier_timeout=timeout, live=lambda: set(live),
-                      applied=applied, admit=lambda t: None)
+    return StepClaims(
+        "ps0",
+        trainers=3,
+        backups=1,
+        barrier_timeout=timeout,
+        live=lambda: set(live),
+        applied=applied,
+        admit=lambda t: None,
+    )
 
 
 def test_the_first_two_of_three_make_the_step_and_the_third_is_dropped():
@@ -50,8 +64,15 @@ def test_the_first_two_of_three_make_the_step_and_the_third_is_dropped():
 
 def test_a_step_waiting_for_claims_is_made_when_a_trainer_leaves():
     live = {0, 1, 2}
-    c = StepClaims("ps0", trainers=3, backups=0, barrier_timeout=5.0, live=lambda: set(live),
-                   applied=lambda: 0, admit=lambda t: None)
+    c = StepClaims(
+        "ps0",
+        trainers=3,
+        backups=0,
+        barrier_timeout=5.0,
+        live=lambda: set(live),
+        applied=lambda: 0,
+        admit=lambda t: None,
+    )
     got = []
     waiter = threading.Thread(target=lambda: got.append(c.claim(0, step=7)))
     waiter.start()

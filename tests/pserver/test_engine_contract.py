@@ -1,9 +1,10 @@
-"""The contract the servicer talks to: what a push, pull or prefetch may carry (Contents), and the engine's hooks.
+"""The contract the servicer talks to: what a push, pull or prefetch may carry (Contents), and the engine's
+hooks.
 
-The servicer reaches blocks and tables only through these methods, so each is
-checked here on a real engine and its contents over a plan with dense blocks
-and two distributed tables sharded over two pservers.
+The servicer reaches blocks and tables only through these methods, so each is checked here on a real engine
+and its contents over a plan with dense blocks and two distributed tables sharded over two pservers.
 """
+
 from __future__ import annotations
 
 import threading
@@ -26,19 +27,36 @@ EPS = ["127.0.0.1:1", "127.0.0.1:2"]
 
 
 def engine(sync: bool = True, trainers: int = 2, checkpoint_dir=None, pservers: int = 2, **hooks):
-    """Pserver 0 of ``pservers``'s engine for ``trainers`` trainers: its blocks, shard 0 of tables emb and bag."""
+    """Pserver 0 of ``pservers``'s engine for ``trainers`` trainers: its blocks, shard 0 of tables emb and
+    bag."""
     t = DistributeTranspiler(DistributeTranspilerConfig(slice_var_up=False))
-    t.transpile(0, program=table_program("sgd", lr=0.5), pservers=",".join(EPS[:pservers]), trainers=trainers,
-                sync_mode=sync)
+    t.transpile(
+        0,
+        program=table_program("sgd", lr=0.5),
+        pservers=",".join(EPS[:pservers]),
+        trainers=trainers,
+        sync_mode=sync,
+    )
     ps = t.get_pserver_program(EPS[0])
     store, tables = BlockStore(ps, t.get_startup_program(EPS[0], ps)), TableSet(ps)
-    checkpointer = None if checkpoint_dir is None else Checkpointer(str(checkpoint_dir), store, tables, 0,
-                                                                    pservers, EPS[0], sync)
+    checkpointer = (
+        None
+        if checkpoint_dir is None
+        else Checkpointer(str(checkpoint_dir), store, tables, 0, pservers, EPS[0], sync)
+    )
     cls = SyncEngine if sync else AsyncEngine
     # Wired as ParameterServer wires them: the checkpointer also writes the scheduled checkpoints.
     listeners = [] if checkpointer is None else [ScheduledCheckpoints(checkpointer, FileWrites(), EPS[0])]
-    return cls(store, tables, trainers, EPS[0], barrier_timeout=5.0, checkpointer=checkpointer, listeners=listeners,
-               **hooks)
+    return cls(
+        store,
+        tables,
+        trainers,
+        EPS[0],
+        barrier_timeout=5.0,
+        checkpointer=checkpointer,
+        listeners=listeners,
+        **hooks,
+    )
 
 
 def contents() -> Contents:
@@ -75,14 +93,14 @@ def test_expect_names_what_a_push_may_carry_and_expect_table_what_a_prefetch_may
     assert e.expect("bag@next") == ("int64", [-1])
     assert e.expect("emb") is None and e.expect("nope@ids") is None and e.expect("") is None
     assert e.expect_table("emb@ids") == ("int64", [-1])
-    assert e.expect_table(block) is None                 # a dense block is unknown in a prefetch
+    assert e.expect_table(block) is None  # a dense block is unknown in a prefetch
 
 
 def test_split_push_sorts_dense_sparse_and_the_ids_the_answer_carries_rows_of():
     e = contents()
     block = next(iter(e.block_names()))
     ids = ids_of(0, 3)
-    pushed_ids = torch.from_numpy(np.concatenate([ids, ids[:1]]))          # ids[0] twice: summed
+    pushed_ids = torch.from_numpy(np.concatenate([ids, ids[:1]]))  # ids[0] twice: summed
     rows = torch.arange(4 * DIM, dtype=torch.float32).reshape(4, DIM)
     ahead = torch.from_numpy(ids_of(0, 2))
     grad = torch.ones(e.store.blocks[block].shape)
@@ -98,13 +116,18 @@ def test_split_push_sorts_dense_sparse_and_the_ids_the_answer_carries_rows_of():
     assert {t: v.tolist() for t, v in parts.answer_ids.items()} == {"bag": ahead.tolist()}
 
 
-@pytest.mark.parametrize("tensors, match", [
-    (lambda: {"emb@ids": torch.from_numpy(ids_of(0, 2))}, "needs both 'emb@ids' and 'emb@rows'"),
-    (lambda: {"emb@ids": torch.from_numpy(ids_of(0, 2)), "emb@rows": torch.zeros(3, DIM)}, "2 ids but 3"),
-    (lambda: {"emb@ids": torch.from_numpy(ids_of(1, 2)), "emb@rows": torch.zeros(2, DIM)},
-     "do not belong to shard 0 of 2"),
-    (lambda: {"bag@next": torch.from_numpy(ids_of(1, 1))}, "do not belong to shard 0 of 2"),
-])
+@pytest.mark.parametrize(
+    "tensors, match",
+    [
+        (lambda: {"emb@ids": torch.from_numpy(ids_of(0, 2))}, "needs both 'emb@ids' and 'emb@rows'"),
+        (lambda: {"emb@ids": torch.from_numpy(ids_of(0, 2)), "emb@rows": torch.zeros(3, DIM)}, "2 ids but 3"),
+        (
+            lambda: {"emb@ids": torch.from_numpy(ids_of(1, 2)), "emb@rows": torch.zeros(2, DIM)},
+            "do not belong to shard 0 of 2",
+        ),
+        (lambda: {"bag@next": torch.from_numpy(ids_of(1, 1))}, "do not belong to shard 0 of 2"),
+    ],
+)
 def test_split_push_refuses_unpaired_or_misrouted_sparse_tensors(tensors, match):
     with pytest.raises(BadRequest, match=match):
         contents().split_push(tensors())
@@ -152,6 +175,7 @@ def test_roster_changes_are_told_after_the_lock_is_released():
             got.append(cv.acquire(timeout=1))
             if got[0]:
                 cv.release()
+
         prober = threading.Thread(target=probe)
         prober.start()
         prober.join()
@@ -160,22 +184,24 @@ def test_roster_changes_are_told_after_the_lock_is_released():
     e = holder["e"] = engine(trainers=3, on_roster_change=on_roster_change)
     for t in range(3):
         e.hello(t)
-    assert calls == []                                   # joining changes nobody's expectation
+    assert calls == []  # joining changes nobody's expectation
     e.close(0)
-    e.close(0)                                           # closed already: no change
+    e.close(0)  # closed already: no change
     assert calls == [True]
     e.roster.last_seen[1] -= 60
     e.drop_silent(timeout=30)
-    e.drop_silent(timeout=30)                            # nobody else silent: no change
+    e.drop_silent(timeout=30)  # nobody else silent: no change
     assert calls == [True, True]
-    e.hello(1)                                           # rejoined: expected again
+    e.hello(1)  # rejoined: expected again
     assert calls == [True, True, True]
 
 
 def test_a_roll_back_tells_the_roster_changed(tmp_path):
     """The checkpoint's roster replaces the live one: a trainer dropped since is expected again."""
     seen = []
-    e = engine(trainers=2, checkpoint_dir=tmp_path, pservers=1, on_roster_change=lambda: seen.append(e.live()))
+    e = engine(
+        trainers=2, checkpoint_dir=tmp_path, pservers=1, on_roster_change=lambda: seen.append(e.live())
+    )
     for t in (0, 1):
         e.hello(t)
     grads = {n: torch.zeros_like(b) for n, b in e.store.blocks.items()}
@@ -187,7 +213,7 @@ def test_a_roll_back_tells_the_roster_changed(tmp_path):
     assert seen == [{0}]
     assert e.restore(0, 1, "roll-back-1") is True
     assert seen == [{0}, {0, 1}]
-    assert e.restore(0, 1, "roll-back-1") is False       # honoured once: nothing changes
+    assert e.restore(0, 1, "roll-back-1") is False  # honoured once: nothing changes
     assert seen == [{0}, {0, 1}]
 
 
@@ -198,11 +224,11 @@ def test_on_wait_is_given_at_construction_and_told_how_long_a_sync_call_waited()
         e.hello(t)
     grads = {n: torch.zeros_like(b) for n, b in e.store.blocks.items()}
     e.push(0, 0, grads)
-    e.wait_updates(0, 0)                                 # nothing to wait for: not observed
+    e.wait_updates(0, 0)  # nothing to wait for: not observed
     assert waits == []
     waiter = threading.Thread(target=e.wait_updates, args=(0, 1))
     waiter.start()
-    while not e.cv._waiters:                             # the waiter is in the barrier
+    while not e.cv._waiters:  # the waiter is in the barrier
         time.sleep(0.001)
     e.push(1, 0, grads)
     waiter.join(5)

@@ -1,19 +1,20 @@
 """Trainer bookkeeping of the sync engine: heartbeat drops, rejoins mid-step, positions, roll-backs."""
+
 from __future__ import annotations
+
+import threading
+import time
 
 import grpc
 import pytest
 import torch
 from torch import nn
 
-import threading
-import time
-
 from pserver.checkpoint.checkpointer import Checkpointer
+from pserver.engine import AsyncEngine, FileWrites, Joined, ScheduledCheckpoints, SyncEngine
 from pserver.errors import MustResync, NotAllowed
 from pserver.rpc.prologue import status_of
 from pserver.store import BlockStore
-from pserver.engine import AsyncEngine, FileWrites, Joined, ScheduledCheckpoints, SyncEngine
 from pserver.tables.table_set import TableSet
 from transpiler import DistributeTranspiler, DistributeTranspilerConfig, Program
 from transpiler.position import Position
@@ -24,16 +25,25 @@ EP = "127.0.0.1:1"
 def engine(trainers: int, checkpoint_dir=None, max_staleness=None) -> SyncEngine:
     torch.manual_seed(0)
     t = DistributeTranspiler(DistributeTranspilerConfig())
-    t.transpile(0, program=Program(nn.Linear(4, 2), "sgd", lr=0.5), pservers=EP, trainers=trainers,
-                sync_mode=max_staleness is None)
+    t.transpile(
+        0,
+        program=Program(nn.Linear(4, 2), "sgd", lr=0.5),
+        pservers=EP,
+        trainers=trainers,
+        sync_mode=max_staleness is None,
+    )
     ps = t.get_pserver_program(EP)
     store, tables = BlockStore(ps, t.get_startup_program(EP, ps)), TableSet(ps)
     if max_staleness is not None:
         return AsyncEngine(store, tables, trainers, EP, barrier_timeout=5.0, max_staleness=max_staleness)
-    checkpointer = None if checkpoint_dir is None else Checkpointer(str(checkpoint_dir), store, tables, 0, 1, EP, True)
+    checkpointer = (
+        None if checkpoint_dir is None else Checkpointer(str(checkpoint_dir), store, tables, 0, 1, EP, True)
+    )
     # Wired as ParameterServer wires them: the checkpointer also writes the scheduled checkpoints.
     listeners = [] if checkpointer is None else [ScheduledCheckpoints(checkpointer, FileWrites(), EP)]
-    return SyncEngine(store, tables, trainers, EP, barrier_timeout=5.0, checkpointer=checkpointer, listeners=listeners)
+    return SyncEngine(
+        store, tables, trainers, EP, barrier_timeout=5.0, checkpointer=checkpointer, listeners=listeners
+    )
 
 
 def grads(e: SyncEngine, value: float):
@@ -60,14 +70,14 @@ def test_silent_trainer_is_dropped_and_the_step_completes_without_it():
     for t in (0, 1):
         e.hello(t)
     e.push(0, 0, grads(e, 1.0), position=(0, 1))
-    assert e.updates == 0                                # waits for trainer 1
-    e.roster.last_seen[1] -= 60                          # trainer 1 fell silent a minute ago
+    assert e.updates == 0  # waits for trainer 1
+    e.roster.last_seen[1] -= 60  # trainer 1 fell silent a minute ago
     assert e.drop_silent(timeout=30) == [1]
-    assert e.updates == 1                                # applied with trainer 0's gradient alone
+    assert e.updates == 1  # applied with trainer 0's gradient alone
     with pytest.raises(MustResync) as info:
         e.push(1, 1, grads(e, 1.0))
     assert status_of(info.value) == grpc.StatusCode.ABORTED and "dropped" in info.value.message
-    assert e.drop_silent(timeout=30) == []               # trainer 0 is alive: never dropped
+    assert e.drop_silent(timeout=30) == []  # trainer 0 is alive: never dropped
 
 
 def test_trainer_rejoining_mid_step_counts_from_the_next_step():
@@ -76,15 +86,15 @@ def test_trainer_rejoining_mid_step_counts_from_the_next_step():
         e.hello(t)
     e.roster.last_seen[2] -= 60
     e.drop_silent(timeout=30)
-    e.push(0, 0, grads(e, 1.0))                          # step 0 in progress: trainer 1 missing
-    assert e.hello(2)[:2] == (1, (0, 0))                     # rejoins at step 1, not 0
+    e.push(0, 0, grads(e, 1.0))  # step 0 in progress: trainer 1 missing
+    assert e.hello(2)[:2] == (1, (0, 0))  # rejoins at step 1, not 0
     before = weight(e)
     e.push(1, 0, grads(e, 3.0))
-    assert e.updates == 1                                # did not wait for trainer 2
-    torch.testing.assert_close(weight(e), before - 0.5 * 2.0)   # mean of trainers 0 and 1
+    assert e.updates == 1  # did not wait for trainer 2
+    torch.testing.assert_close(weight(e), before - 0.5 * 2.0)  # mean of trainers 0 and 1
     e.push(0, 1, grads(e, 1.0))
     e.push(1, 1, grads(e, 1.0))
-    assert e.updates == 1                                # step 1 waits for trainer 2 again
+    assert e.updates == 1  # step 1 waits for trainer 2 again
     e.push(2, 1, grads(e, 1.0))
     assert e.updates == 2
 
@@ -102,13 +112,13 @@ def test_a_pserver_a_step_behind_finishes_its_step_without_a_trainer_joining_ahe
             e.hello(t)
         e.roster.last_seen[1] -= 60
         e.drop_silent(timeout=30)
-    p0.push(0, 0, grads(p0, 1.0))                        # trainer 0's step 0 reached p0 first
+    p0.push(0, 0, grads(p0, 1.0))  # trainer 0's step 0 reached p0 first
     assert (p0.updates, p1.updates) == (1, 0)
-    assert p0.hello(1)[0] == 1 and p1.hello(1)[0] == 0    # apart: the trainer waits and asks again
+    assert p0.hello(1)[0] == 1 and p1.hello(1)[0] == 0  # apart: the trainer waits and asks again
     assert p0.hello(1, join_at=1)[0] == 1 and p1.hello(1, join_at=1)[0] == 1
     p1.push(0, 0, grads(p1, 1.0))
-    assert p1.updates == 1                               # did not wait for trainer 1
-    for e in (p0, p1):                                   # from step 1 on, trainer 1 counts again
+    assert p1.updates == 1  # did not wait for trainer 1
+    for e in (p0, p1):  # from step 1 on, trainer 1 counts again
         e.push(0, 1, grads(e, 1.0))
         assert e.updates == 1
         e.push(1, 1, grads(e, 1.0))
@@ -122,13 +132,13 @@ def test_a_join_a_step_ahead_completes_the_step_whose_other_pushes_are_all_in():
     for t in (0, 1):
         e.hello(t)
     e.push(0, 0, grads(e, 1.0))
-    assert e.updates == 0                                # waits for trainer 1
+    assert e.updates == 0  # waits for trainer 1
     before = weight(e)
-    assert e.hello(1, join_at=1)[:2] == (1, (0, 0))          # applied at once, with trainer 0's gradient
+    assert e.hello(1, join_at=1)[:2] == (1, (0, 0))  # applied at once, with trainer 0's gradient
     assert e.updates == 1
     torch.testing.assert_close(weight(e), before - 0.5 * 1.0)
     e.push(0, 1, grads(e, 1.0))
-    assert e.updates == 1                                # from step 1 on, trainer 1 counts again
+    assert e.updates == 1  # from step 1 on, trainer 1 counts again
     e.push(1, 1, grads(e, 1.0))
     assert e.updates == 2
 
@@ -136,29 +146,32 @@ def test_a_join_a_step_ahead_completes_the_step_whose_other_pushes_are_all_in():
 def test_hello_answers_one_view_of_the_trainer_and_the_step_in_progress():
     """Everything Hello reports comes from one hold of the engine's lock, as a Joined."""
     e = engine(2)
-    assert e.hello(0) == Joined(step=0, position=(0, 0), applied_step=0, others_in_step=1, counted_step=-1,
-                                checkpoint_step=-1)
+    assert e.hello(0) == Joined(
+        step=0, position=(0, 0), applied_step=0, others_in_step=1, counted_step=-1, checkpoint_step=-1
+    )
     e.hello(1)
     e.push(0, 0, grads(e, 1.0), position=Position(0, 1))
     e.push(1, 0, grads(e, 1.0), position=Position(0, 1))
     e.push(0, 1, grads(e, 1.0), position=Position(0, 2))
     # Trainer 0 says Hello again mid-step 1: its own push of step 1 is counted, trainer 1 is awaited.
-    assert e.hello(0) == Joined(step=1, position=(0, 1), applied_step=1, others_in_step=1, counted_step=1,
-                                checkpoint_step=-1)
+    assert e.hello(0) == Joined(
+        step=1, position=(0, 1), applied_step=1, others_in_step=1, counted_step=1, checkpoint_step=-1
+    )
 
 
 def test_step_in_progress_counts_the_other_trainers_in_it_and_shows_a_step_that_waits_for_nobody():
-    """What Hello tells a joining trainer (applied_step, others_in_step): a step nobody else is in never completes."""
+    """What Hello tells a joining trainer (applied_step, others_in_step): a step nobody else is in never
+    completes."""
     e = engine(3)
     for t in (0, 1, 2):
         e.hello(t)
-    assert e.step_in_progress(0) == (0, 2)              # trainers 1 and 2 expected
+    assert e.step_in_progress(0) == (0, 2)  # trainers 1 and 2 expected
     e.push(1, 0, grads(e, 1.0))
-    assert e.step_in_progress(0) == (0, 2)              # 1 counted, 2 expected
-    assert e.step_in_progress(1) == (0, 2)              # itself not counted
+    assert e.step_in_progress(0) == (0, 2)  # 1 counted, 2 expected
+    assert e.step_in_progress(1) == (0, 2)  # itself not counted
     e.close(2)
     e.push(0, 0, grads(e, 1.0))
-    assert e.step_in_progress(0) == (1, 1)              # applied; trainer 1 expected in step 1
+    assert e.step_in_progress(0) == (1, 1)  # applied; trainer 1 expected in step 1
 
     # All trainers down, both rejoin a step later: step 1 waits for nobody (stalled).
     stalled = engine(2)
@@ -172,9 +185,9 @@ def test_join_at_further_ahead_is_ignored():
     e = engine(2)
     for t in (0, 1):
         e.hello(t)
-    assert e.hello(1, join_at=5)[:2] == (0, (0, 0))          # a roll-back's business, not a join's
+    assert e.hello(1, join_at=5)[:2] == (0, (0, 0))  # a roll-back's business, not a join's
     e.push(0, 0, grads(e, 1.0))
-    assert e.updates == 0                                # still waits for trainer 1
+    assert e.updates == 0  # still waits for trainer 1
     e.push(1, 0, grads(e, 1.0))
     assert e.updates == 1
 
@@ -182,7 +195,7 @@ def test_join_at_further_ahead_is_ignored():
 def test_positions_count_once_their_step_is_applied_and_return_at_hello():
     e = engine(2)
     e.push(0, 0, grads(e, 1.0), position=(0, 1))
-    assert e.hello(0)[:2] == (0, (0, 0))                     # step 0 not applied yet
+    assert e.hello(0)[:2] == (0, (0, 0))  # step 0 not applied yet
     e.push(1, 0, grads(e, 1.0), position=(0, 1))
     e.push(0, 1, grads(e, 1.0), position=(1, 0))
     assert e.hello(0)[:2] == (1, (0, 1))
@@ -200,7 +213,7 @@ def test_restore_rolls_back_once_per_token_and_wakes_waiters(tmp_path):
     assert e.updates == 1 and e.hello(0)[:2] == (1, (0, 1))
     torch.testing.assert_close(weight(e), at_1)
     e.push(0, 1, grads(e, 2.0))
-    assert e.restore(0, 1, "ep#42") is False             # the same restart: no second roll-back
+    assert e.restore(0, 1, "ep#42") is False  # the same restart: no second roll-back
     assert e.updates == 2
     with pytest.raises(NotAllowed) as info:
         e.restore(0, 7, "ep#43")
@@ -215,39 +228,42 @@ def test_late_roll_back_to_the_checkpoint_a_pserver_stands_at_keeps_the_pushes_c
     push (the pservers would end a step apart and the job would wait for the barrier timeout)."""
     e = checkpointed_at_step_1(tmp_path)
     e.push(0, 1, grads(e, 1.0))
-    assert e.restore(0, 1, "a#1") is True                # trainer 0 rolls back after a restart
-    e.push(1, 1, grads(e, 1.0))                          # trainer 1, already re-synced, pushes step 1
-    assert e.restore(0, 1, "b#2") is False               # a late roll-back to the same checkpoint
+    assert e.restore(0, 1, "a#1") is True  # trainer 0 rolls back after a restart
+    e.push(1, 1, grads(e, 1.0))  # trainer 1, already re-synced, pushes step 1
+    assert e.restore(0, 1, "b#2") is False  # a late roll-back to the same checkpoint
     assert e.pending.trainers == {1} and e.updates == 1
     e.push(0, 1, grads(e, 1.0))
-    assert e.updates == 2                                # step 1 applied with both trainers' gradients
+    assert e.updates == 2  # step 1 applied with both trainers' gradients
     e.push(0, 2, grads(e, 1.0))
-    assert e.restore(0, 1, "c#3") is True and e.updates == 1 and e.pending.trainers == set()  # a real roll-back
+    assert (
+        e.restore(0, 1, "c#3") is True and e.updates == 1 and e.pending.trainers == set()
+    )  # a real roll-back
 
 
 def test_late_roll_back_to_the_checkpoint_a_pserver_stands_at_waits_for_a_trainer_that_had_joined_later(
-        tmp_path):
+    tmp_path,
+):
     """Seen in the chaos test (seed 1, in the full suite): restarted trainer 1 found the pservers apart
     (this one restarted at checkpoint 1, the other at step 2) and joined at step 2, so this one would
     finish step 1 without it. It then rolled the other back to checkpoint 1 and redoes step 1: here,
     step 1 must wait for it, or its push is stale ("pushed stale step 1; the pserver is at step 2")."""
     e = checkpointed_at_step_1(tmp_path)
-    assert e.restore(0, 1, "a#1") is True                # back at checkpoint 1, as if restarted there
-    assert e.hello(1, join_at=2)[0] == 2                  # trainer 1 joins a step later: pservers apart
-    assert e.restore(1, 1, "b#2") is False               # trainer 1 rolls every pserver back to 1
+    assert e.restore(0, 1, "a#1") is True  # back at checkpoint 1, as if restarted there
+    assert e.hello(1, join_at=2)[0] == 2  # trainer 1 joins a step later: pservers apart
+    assert e.restore(1, 1, "b#2") is False  # trainer 1 rolls every pserver back to 1
     e.push(0, 1, grads(e, 1.0))
-    assert e.updates == 1                                # waits for trainer 1, which redoes step 1
+    assert e.updates == 1  # waits for trainer 1, which redoes step 1
     e.push(1, 1, grads(e, 3.0))
     assert e.updates == 2 and e.last_step == {0: 1, 1: 1}
 
 
 def test_a_failing_periodic_checkpoint_does_not_fail_the_step(tmp_path, caplog):
     blocked = tmp_path / "not-a-directory"
-    blocked.write_text("")                               # checkpoint_dir is a file: every write fails
+    blocked.write_text("")  # checkpoint_dir is a file: every write fails
     e = engine(1, blocked)
     e.checkpointer.every = 1
     e.hello(0)
-    assert e.push(0, 0, grads(e, 1.0)) == (True, 1)      # applied, answered
+    assert e.push(0, 0, grads(e, 1.0)) == (True, 1)  # applied, answered
     assert "checkpoint at step 1 failed" in caplog.text
     assert e.checkpointer.last is None
 
@@ -262,10 +278,10 @@ def test_async_trainer_held_back_by_a_dead_one_goes_on_once_it_is_dropped():
     e.push(0, 2, grads(e, 1.0))
     result = {}
     waiter = threading.Thread(target=lambda: result.setdefault("push", e.push(0, 3, grads(e, 1.0))))
-    waiter.start()                                       # step 3 is 2 ahead of trainer 1's next: waits
+    waiter.start()  # step 3 is 2 ahead of trainer 1's next: waits
     waiter.join(0.3)
     assert waiter.is_alive() and e.updates == 4
-    e.roster.last_seen[1] -= 60                          # trainer 1 died
+    e.roster.last_seen[1] -= 60  # trainer 1 died
     assert e.drop_silent(timeout=30) == [1]
     waiter.join(5)
     assert result["push"] == (True, 5)
@@ -281,8 +297,9 @@ ABANDONED = [
 ]
 
 
-@pytest.mark.parametrize("case, dropped_at, rejoined, closed, now, expected", ABANDONED,
-                         ids=[row[0] for row in ABANDONED])
+@pytest.mark.parametrize(
+    "case, dropped_at, rejoined, closed, now, expected", ABANDONED, ids=[row[0] for row in ABANDONED]
+)
 def test_roster_abandoned_trainers(case, dropped_at, rejoined, closed, now, expected):
     from pserver.engine.roster import Roster
 
@@ -301,14 +318,14 @@ def test_dropped_trainer_that_never_rejoins_is_counted_closed_and_the_job_ends(c
     e = engine(2)
     for t in (0, 1):
         e.hello(t)
-    e.roster.last_seen[1] -= 60                          # trainer 1 died
+    e.roster.last_seen[1] -= 60  # trainer 1 died
     assert e.drop_silent(timeout=30, rejoin_timeout=100) == [1]
     assert e.close(0) == 1 and not e.all_closed.is_set()  # trainer 1 may still come back
-    e.roster.dropped_at[1] -= 101                        # ... but did not, within trainer_rejoin_timeout
+    e.roster.dropped_at[1] -= 101  # ... but did not, within trainer_rejoin_timeout
     e.drop_silent(timeout=30, rejoin_timeout=100)
     assert e.all_closed.is_set() and e.roster.closed == {0, 1}
     assert "trainer 1 was dropped" in caplog.text and "counted as closed" in caplog.text
-    assert e.hello(1)[0] == e.updates and 1 not in e.roster.closed   # a late restart still rejoins
+    assert e.hello(1)[0] == e.updates and 1 not in e.roster.closed  # a late restart still rejoins
 
 
 def test_a_wait_from_before_a_roll_back_is_refused_at_once_instead_of_deadlocking(tmp_path):
@@ -318,14 +335,17 @@ def test_a_wait_from_before_a_roll_back_is_refused_at_once_instead_of_deadlockin
     e = checkpointed_at_step_1(tmp_path)
     for t in (0, 1):
         e.push(t, 1, grads(e, 1.0), position=(0, 2))
-    assert e.hello(1)[:2] == (2, (0, 2))                     # trainer 1 (re)joins at step 2
+    assert e.hello(1)[:2] == (2, (0, 2))  # trainer 1 (re)joins at step 2
     assert e.restore(0, 1, "ps0#7") is True and e.updates == 1
     e.hello(0)
     with pytest.raises(MustResync) as info:
-        e.wait_updates(1, 2)                             # would need trainer 1's own push of step 1
-    assert status_of(info.value) == grpc.StatusCode.ABORTED and "since trainer 1 said Hello" in info.value.message
-    e.wait_updates(1, 1)                                 # what stands is served: nothing to wait for
-    assert e.hello(1)[:2] == (1, (0, 1))                     # re-synced: step 1 from the checkpoint
+        e.wait_updates(1, 2)  # would need trainer 1's own push of step 1
+    assert (
+        status_of(info.value) == grpc.StatusCode.ABORTED
+        and "since trainer 1 said Hello" in info.value.message
+    )
+    e.wait_updates(1, 1)  # what stands is served: nothing to wait for
+    assert e.hello(1)[:2] == (1, (0, 1))  # re-synced: step 1 from the checkpoint
     for t in (0, 1):
         e.push(t, 1, grads(e, 1.0), position=(0, 2))
     e.wait_updates(1, 2)
@@ -339,7 +359,7 @@ def test_a_trainer_from_before_a_roll_back_that_pushed_the_step_waits_for_it_as_
     e.push(0, 1, grads(e, 1.0), position=(0, 2))
     assert e.restore(0, 1, "ps0#8") is True
     e.hello(0)
-    e.push(1, 1, grads(e, 1.0), position=(0, 2))         # trainer 1 (Hello before the roll-back) pushes step 1
+    e.push(1, 1, grads(e, 1.0), position=(0, 2))  # trainer 1 (Hello before the roll-back) pushes step 1
     outcome = []
 
     def wait():
@@ -348,6 +368,7 @@ def test_a_trainer_from_before_a_roll_back_that_pushed_the_step_waits_for_it_as_
             outcome.append("served")
         except MustResync as refused:
             outcome.append(refused)
+
     waited = threading.Thread(target=wait)
     waited.start()
     e.push(0, 1, grads(e, 1.0), position=(0, 2))
@@ -355,23 +376,28 @@ def test_a_trainer_from_before_a_roll_back_that_pushed_the_step_waits_for_it_as_
     assert outcome == ["served"] and e.updates == 2
 
 
-def test_a_roll_back_to_the_checkpoint_a_pserver_stands_at_refuses_waits_of_trainers_told_to_join_later(tmp_path):
-    """A joining trainer's roll-back reaches a pserver already at the checkpoint: it keeps what it counted, but a
-    trainer it had told to start a step later is expected in this step again, so that trainer's wait from before
-    (for the later step) is refused at once instead of waiting for its own push until barrier_timeout."""
+def test_a_roll_back_to_the_checkpoint_a_pserver_stands_at_refuses_waits_of_trainers_told_to_join_later(
+    tmp_path,
+):
+    """A joining trainer's roll-back reaches a pserver already at the checkpoint: it keeps what it counted,
+    but a trainer it had told to start a step later is expected in this step again, so that trainer's wait
+    from before (for the later step) is refused at once instead of waiting for its own push until
+    barrier_timeout."""
     e = checkpointed_at_step_1(tmp_path)
-    assert e.restore(0, 1, "restart") is True and e.updates == 1     # resumed from it: nothing applied since
+    assert e.restore(0, 1, "restart") is True and e.updates == 1  # resumed from it: nothing applied since
     for t in (0, 1):
-        e.hello(t, join_at=2)                                      # both told to start at step 2
-    assert e.step_in_progress(0) == (1, 0)                          # stalled: waits for nobody
-    assert e.restore(1, 1, "join") is False and e.updates == 1      # kept, but the join steps are forgotten
+        e.hello(t, join_at=2)  # both told to start at step 2
+    assert e.step_in_progress(0) == (1, 0)  # stalled: waits for nobody
+    assert e.restore(1, 1, "join") is False and e.updates == 1  # kept, but the join steps are forgotten
     assert e.step_in_progress(0) == (1, 1)
-    with pytest.raises(MustResync, match="rolled back to the checkpoint at step 1 since trainer 0 said Hello"):
+    with pytest.raises(
+        MustResync, match="rolled back to the checkpoint at step 1 since trainer 0 said Hello"
+    ):
         e.wait_updates(0, 2)
     e.hello(0)
     e.push(0, 1, grads(e, 1.0))
     e.push(1, 1, grads(e, 1.0))
-    assert e.updates == 2                                          # step 1 redone with both trainers
+    assert e.updates == 2  # step 1 redone with both trainers
 
 
 def test_stats_is_the_state_stats_and_metrics_report(tmp_path):
@@ -393,11 +419,11 @@ def test_a_trainer_whose_push_is_parked_is_not_silent_and_is_heard_from_when_rel
         e.hello(t)
     e.push(0, 0, grads(e, 1.0))
     e.push(1, 0, grads(e, 1.0))
-    handle = e.park_updates(0, 1)                        # trainer 0's answer waits for trainer 2's push
+    handle = e.park_updates(0, 1)  # trainer 0's answer waits for trainer 2's push
     assert handle is not None and not handle.done and e.waits.parked_trainers() == {0}
-    e.roster.last_seen[0] -= 60                          # its push arrived a minute ago, and it still waits
-    e.roster.last_seen[1] -= 60                          # trainer 1 pushed then, and holds no call here
-    assert e.drop_silent(timeout=30) == [1]              # trainer 0 is held by this pserver, not silent
+    e.roster.last_seen[0] -= 60  # its push arrived a minute ago, and it still waits
+    e.roster.last_seen[1] -= 60  # trainer 1 pushed then, and holds no call here
+    assert e.drop_silent(timeout=30) == [1]  # trainer 0 is held by this pserver, not silent
     # A second process saying Hello for trainer 0 finds it heard from now: the id's holder is alive.
     assert e.presence(0)[0] > time.monotonic() - 5 and e.presence(1)[0] < time.monotonic() - 59
     e.push(2, 0, grads(e, 1.0))

@@ -1,53 +1,51 @@
 """Fuzzing every RPC of a pserver: bad bytes get a clear status, and change nothing.
 
-A sync pserver (2 trainers, ``barrier_timeout`` 2 s) holds dense blocks and a shard of two
-distributed tables; the live job on it is one Trainer per id, joined and heartbeating, whose
-sessions the valid base requests carry. Every method of the ParameterServer service, enumerated from the proto
-descriptor so that methods added later are covered too, gets a seeded, deterministic series
-of requests over a raw channel (bytes in, bytes out):
+A sync pserver (2 trainers, ``barrier_timeout`` 2 s) holds dense blocks and a shard of two distributed
+tables; the live job on it is one Trainer per id, joined and heartbeating, whose sessions the valid base
+requests carry. Every method of the ParameterServer service, enumerated from the proto descriptor so that
+methods added later are covered too, gets a seeded, deterministic series of requests over a raw channel
+(bytes in, bytes out):
 
 - empty bytes, random bytes (0..4096), protobuf-shaped garbage, random tensor pieces;
-- byte-level mutations of a VALID base request (bit flips, byte replacement, truncation,
-  insertion, deletion, splices with another method's base);
-- wire-level mutations (overlong varints, declared lengths too long or short, huge lengths,
-  wrong wire types and field numbers, duplicated, dropped or unknown fields);
-- typed mutations (trainer ids out of range, steps from the future or the past, extreme
-  versions, huge or negative shapes, offsets, wrong dtypes, unknown names, short or long
-  data, NaN/Inf);
-- hand-made bad requests that MUST be refused (``Case.refuse``), many of them for the
-  current step, so that accepting one would show up as a state change; among them every
-  state-changing call without the trainer's session (an empty Close, a well-formed push for
-  the current step with no, a made-up or another trainer's session) and a second process's
-  Hello for a live trainer id;
-- for client streams: garbage after a valid header, duplicated headers, pieces before the
-  header, out of order, overlapping or missing, streams cut short.
+- byte-level mutations of a VALID base request (bit flips, byte replacement, truncation, insertion,
+  deletion, splices with another method's base);
+- wire-level mutations (overlong varints, declared lengths too long or short, huge lengths, wrong wire
+  types and field numbers, duplicated, dropped or unknown fields);
+- typed mutations (trainer ids out of range, steps from the future or the past, extreme versions, huge or
+  negative shapes, offsets, wrong dtypes, unknown names, short or long data, NaN/Inf);
+- hand-made bad requests that MUST be refused (``Case.refuse``), many of them for the current step, so that
+  accepting one would show up as a state change; among them every state-changing call without the trainer's
+  session (an empty Close, a well-formed push for the current step with no, a made-up or another trainer's
+  session) and a second process's Hello for a live trainer id;
+- for client streams: garbage after a valid header, duplicated headers, pieces before the header, out of
+  order, overlapping or missing, streams cut short.
 
-Every answer must be OK or a refusal with a message: never UNKNOWN or INTERNAL (gRPC's answer
-to an unhandled exception: a stack trace instead of a clear message), never a client-side
-deadline (a hang; the pserver's own DEADLINE_EXCEEDED naming the trainers a barrier waits
-for is a refusal), never UNIMPLEMENTED but from PushPullShared, whose refusal of regions it
-cannot map is UNIMPLEMENTED naming the pserver (a trainer then sends bytes). After each request the pserver's state is checked
-(version, pending pushes, closed trainers, table rows, block bytes); at the end it must still
-answer Stats, Hello and Pull with bit-identical blocks, have logged no traceback, and the live
-job's two trainers, untouched by it all, must train a real sync step.
+Every answer must be OK or a refusal with a message: never UNKNOWN or INTERNAL (gRPC's answer to an
+unhandled exception: a stack trace instead of a clear message), never a client-side deadline (a hang; the
+pserver's own DEADLINE_EXCEEDED naming the trainers a barrier waits for is a refusal), never UNIMPLEMENTED
+but from PushPullShared, whose refusal of regions it cannot map is UNIMPLEMENTED naming the pserver (a
+trainer then sends bytes). After each request the pserver's state is checked (version, pending pushes,
+closed trainers, table rows, block bytes); at the end it must still answer Stats, Hello and Pull with
+bit-identical blocks, have logged no traceback, and the live job's two trainers, untouched by it all, must
+train a real sync step.
 
-The bases (``fuzz_cases.base_requests``) are requests the pserver must refuse or that cannot
-change state even when valid, e.g. pushes for step 5 while the pserver is at step 0. The rare
-mutation that turns into a request that may legitimately change state (a push for the
-current step, a Close of a live trainer, ...) is skipped (``fuzz_cases.legit_change``).
-A failure names the method, the case (seed, number, description) and the input in hex.
-``PS_FUZZ_SCALE=10 PS_FUZZ_SEED=7 pytest tests/pserver/test_fuzz.py`` runs a deeper, different series.
+The bases (``fuzz_cases.base_requests``) are requests the pserver must refuse or that cannot change state
+even when valid, e.g. pushes for step 5 while the pserver is at step 0. The rare mutation that turns into a
+request that may legitimately change state (a push for the current step, a Close of a live trainer, ...) is
+skipped (``fuzz_cases.legit_change``). A failure names the method, the case (seed, number, description) and
+the input in hex. ``PS_FUZZ_SCALE=10 PS_FUZZ_SEED=7 pytest tests/pserver/test_fuzz.py`` runs a deeper,
+different series.
 
-The cases come from fuzz_cases (the setup and the bases), fuzz_series (the generated series),
-fuzz_crafted (the hand-made ones) and fuzz_wire (protobuf wire-level mutations); this module runs the
-pserver and sends them, and fuzz_judge's raw calls and judges read the answers and the state.
+The cases come from fuzz_cases (the setup and the bases), fuzz_series (the generated series), fuzz_crafted
+(the hand-made ones) and fuzz_wire (protobuf wire-level mutations); this module runs the pserver and sends
+them, and fuzz_judge's raw calls and judges read the answers and the state.
 
-test_codec_decodes_like_protobuf also decodes every fuzzed chunk message with psproto.codec
-and with the generated protobuf classes: the hand-written decoder must not accept what
-protobuf refuses, nor read anything differently, nor refuse what protobuf reads except a
-group (the one thing it is documented to be stricter about); every base message and most
-fuzzed ones protobuf reads must decode identically.
+test_codec_decodes_like_protobuf also decodes every fuzzed chunk message with psproto.codec and with the
+generated protobuf classes: the hand-written decoder must not accept what protobuf refuses, nor read
+anything differently, nor refuse what protobuf reads except a group (the one thing it is documented to be
+stricter about); every base message and most fuzzed ones protobuf reads must decode identically.
 """
+
 from __future__ import annotations
 
 import logging
@@ -65,16 +63,34 @@ import torch
 from google.protobuf.message_factory import GetMessageClass
 from torch import nn
 
-from tests.helpers.cluster import LocalCluster
-from tests.helpers.fuzz_cases import (BAG_LEN, METHODS, SLOTS, TRAINERS, WRONG_DIGEST, Env,
-                                      base_requests, build, legit_change, table_grads)
-from tests.helpers.fuzz_series import generate_cases
-from tests.helpers.fuzz_judge import (CALL_TIMEOUT, invoke, judge, pull_blocks, show, state_change, stats,
-                                      tracebacks)
-from tests.helpers.fuzz_crafted import crafted_cases
-from tests.helpers.fuzz_wire import varint
-from psproto.dtypes import DTYPES
 from psproto.codec import WireError, as_bytes, decode_chunk
+from psproto.dtypes import DTYPES
+from tests.helpers.cluster import LocalCluster
+from tests.helpers.fuzz_cases import (
+    BAG_LEN,
+    METHODS,
+    SLOTS,
+    TRAINERS,
+    WRONG_DIGEST,
+    Env,
+    base_requests,
+    build,
+    legit_change,
+    table_grads,
+)
+from tests.helpers.fuzz_crafted import crafted_cases
+from tests.helpers.fuzz_judge import (
+    CALL_TIMEOUT,
+    invoke,
+    judge,
+    pull_blocks,
+    show,
+    state_change,
+    stats,
+    tracebacks,
+)
+from tests.helpers.fuzz_series import generate_cases
+from tests.helpers.fuzz_wire import varint
 from transpiler import DistributeTranspilerConfig
 from transpiler.tables import shard_of
 
@@ -85,13 +101,15 @@ BARRIER_TIMEOUT = 2.0
 
 # -- the cluster ---------------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("fuzz")
     # A checkpoint directory (empty: nothing to resume) makes Restore and Checkpoint reach the engine.
     # A long heartbeat_timeout: a trainer a fuzzed Hello joined is not dropped during a long run.
-    config = DistributeTranspilerConfig(barrier_timeout=BARRIER_TIMEOUT, checkpoint_dir=str(tmp / "checkpoints"),
-                                        heartbeat_timeout=3600.0)
+    config = DistributeTranspilerConfig(
+        barrier_timeout=BARRIER_TIMEOUT, checkpoint_dir=str(tmp / "checkpoints"), heartbeat_timeout=3600.0
+    )
     with LocalCluster(build, 2, TRAINERS, config=config) as cluster:
         # The live job: both trainers joined (step 0) and heartbeating while the fuzzing runs.
         trainers = [cluster.trainer(t) for t in range(TRAINERS)]
@@ -112,21 +130,29 @@ def make_env(cluster, channel, tmp, trainers) -> Env:
     server, other = cluster.servers
     program = server.program
     store = server.engine.store
-    candidates = np.random.default_rng(SEED).integers(-2**62, 2**62, size=400, dtype=np.int64)
+    candidates = np.random.default_rng(SEED).integers(-(2**62), 2**62, size=400, dtype=np.int64)
     owner = shard_of(candidates, len(program.pservers))
-    e = Env(cluster=cluster, channel=channel, tmp=tmp, digest=program.layout_digest,
-            blocks={n: store.expect(n) for n in store.names()},
-            other_blocks=sorted(other.engine.store.names()),
-            tables={t.name: t.dim for t in program.tables},
-            own_ids=candidates[owner == program.shard], foreign_ids=candidates[owner != program.shard],
-            sessions={t: tr.channels[cluster.endpoints[0]].session for t, tr in enumerate(trainers)},
-            trainers=trainers)
+    e = Env(
+        cluster=cluster,
+        channel=channel,
+        tmp=tmp,
+        digest=program.layout_digest,
+        blocks={n: store.expect(n) for n in store.names()},
+        other_blocks=sorted(other.engine.store.names()),
+        tables={t.name: t.dim for t in program.tables},
+        own_ids=candidates[owner == program.shard],
+        foreign_ids=candidates[owner != program.shard],
+        sessions={t: tr.channels[cluster.endpoints[0]].session for t, tr in enumerate(trainers)},
+        trainers=trainers,
+    )
     assert WRONG_DIGEST != e.digest and len(e.own_ids) >= 100 and len(e.foreign_ids) >= 20
     e.grads = [(n, torch.full(shape, 0.01, dtype=DTYPES[dtype])) for n, (dtype, shape) in e.blocks.items()]
     e.grads += table_grads(e, "emb", e.own_ids[:20]) + table_grads(e, "bag", e.own_ids[20:35])
     # Repeats allowed in a prefetch: the rows come back in request order.
-    e.prefetch_ids = [("emb@ids", torch.from_numpy(np.concatenate([e.own_ids[:60], e.own_ids[:5]]))),
-                      ("bag@ids", torch.from_numpy(e.own_ids[60:100].copy()))]
+    e.prefetch_ids = [
+        ("emb@ids", torch.from_numpy(np.concatenate([e.own_ids[:60], e.own_ids[:5]]))),
+        ("bag@ids", torch.from_numpy(e.own_ids[60:100].copy())),
+    ]
     e.bases = base_requests(e)
     e.crafted = crafted_cases(e)
     version, e.before = pull_blocks(e)
@@ -136,22 +162,29 @@ def make_env(cluster, channel, tmp, trainers) -> Env:
 
 # -- tests ------------------------------------------------------------------------------------
 
+
 def test_every_method_has_a_base_request(env):
     missing = [name for name in METHODS if name not in env.bases]
-    assert not missing, (f"RPCs without a base request in tests/fuzz_cases.py: {missing}; add a valid request "
-                         f"for each to base_requests() (one the pserver must refuse, or that cannot change "
-                         f"its state) so that it gets fuzzed")
+    assert not missing, (
+        f"RPCs without a base request in tests/fuzz_cases.py: {missing}; add a valid request "
+        f"for each to base_requests() (one the pserver must refuse, or that cannot change "
+        f"its state) so that it gets fuzzed"
+    )
 
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("name", list(METHODS))
 def test_fuzz_rpc(env, name, caplog):
     if name not in env.bases:
-        pytest.fail(f"RPC {name} has no base request: add one to base_requests() in tests/fuzz_cases.py "
-                    f"(a valid request the pserver must refuse, or that cannot change its state)")
+        pytest.fail(
+            f"RPC {name} has no base request: add one to base_requests() in tests/fuzz_cases.py "
+            f"(a valid request the pserver must refuse, or that cannot change its state)"
+        )
     method = METHODS[name]
     problem = state_change(env)
-    assert problem is None, f"the pserver's state changed before fuzzing {name} (by an earlier test): {problem}"
+    assert problem is None, (
+        f"the pserver's state changed before fuzzing {name} (by an earlier test): {problem}"
+    )
     cases = generate_cases(env, name, random.Random(f"{SEED}:{name}"))
     failures, codes, skipped = [], Counter(), []
     start = time.monotonic()
@@ -165,20 +198,30 @@ def test_fuzz_rpc(env, name, caplog):
         label = f"{name} case #{number} (seed {SEED}) {case.desc}"
         wrong = judge(method, case, code, details, replies)
         if wrong is not None:
-            failures.append(f"{label}: {wrong}; status {code.name} {details[:300]!r}; input {show(case.messages)}")
+            failures.append(
+                f"{label}: {wrong}; status {code.name} {details[:300]!r}; input {show(case.messages)}"
+            )
         changed = state_change(env)
         if changed is not None:
-            failures.append(f"{label} CHANGED THE PSERVER'S STATE: {changed}; status {code.name} "
-                            f"{details[:200]!r}; input {show(case.messages)}")
+            failures.append(
+                f"{label} CHANGED THE PSERVER'S STATE: {changed}; status {code.name} "
+                f"{details[:200]!r}; input {show(case.messages)}"
+            )
             break  # later cases would only report the same change
     elapsed = time.monotonic() - start
     failures += tracebacks(caplog)
-    summary = (f"{name}: {len(cases)} cases, {len(skipped)} skipped as legitimately state-changing, "
-               f"{elapsed:.1f}s, answers {dict(codes)}")
+    summary = (
+        f"{name}: {len(cases)} cases, {len(skipped)} skipped as legitimately state-changing, "
+        f"{elapsed:.1f}s, answers {dict(codes)}"
+    )
     logging.getLogger(__name__).info(summary)
     if failures:
-        pytest.fail(f"{summary}\n{len(failures)} failures:\n" + "\n".join(failures[:60])
-                    + (f"\n... {len(failures) - 60} more" if len(failures) > 60 else ""), pytrace=False)
+        pytest.fail(
+            f"{summary}\n{len(failures)} failures:\n"
+            + "\n".join(failures[:60])
+            + (f"\n... {len(failures) - 60} more" if len(failures) > 60 else ""),
+            pytrace=False,
+        )
 
 
 @pytest.mark.timeout(120)
@@ -217,6 +260,7 @@ def test_after_fuzzing_the_pserver_is_unchanged_and_trains(env, caplog):
             losses[t] = body(env.trainers[t], t)
         except BaseException as e:  # reported on the test's thread
             errors.append(e)
+
     threads = [threading.Thread(target=train, args=(t,)) for t in range(TRAINERS)]
     for th in threads:
         th.start()
@@ -278,8 +322,10 @@ def test_codec_decodes_like_protobuf(env):
             got = [(p.name, p.dtype, tuple(p.shape), p.offset, bytes(p.data)) for p in pieces]
             want_header = reference.header if reference.HasField("header") else None
             if header != want_header or got != want:
-                differences.append(f"{label}: decoded differently (header {header} vs {want_header}; "
-                                   f"pieces equal: {got == want})")
+                differences.append(
+                    f"{label}: decoded differently (header {header} vs {want_header}; "
+                    f"pieces equal: {got == want})"
+                )
                 return "different"
             return "same"
 
@@ -295,8 +341,10 @@ def test_codec_decodes_like_protobuf(env):
         # The one refusal allowed above, as the codec words it: an empty group of field 9 appended.
         grouped = env.bases[name][0] + varint(9 << 3 | 3) + varint(9 << 3 | 4)
         assert compare(f"{name} base message 0 + a group", grouped) == "stricter", differences[-1:]
-        assert str(pytest.raises(WireError, decode_chunk, grouped, header_cls).value) == \
-            "unsupported protobuf wire type 3 (field 9)"
+        assert (
+            str(pytest.raises(WireError, decode_chunk, grouped, header_cls).value)
+            == "unsupported protobuf wire type 3 (field 9)"
+        )
         for number, case in enumerate(generate_cases(env, name, random.Random(f"{SEED}:{name}"))):
             for data in case.messages:
                 if data in checked:
@@ -311,5 +359,7 @@ def test_codec_decodes_like_protobuf(env):
     # in tensor data, a typed mutation, ...) must decode, and the same.
     accepted = identical + stricter
     assert accepted >= 200 and identical >= 0.9 * accepted, (
-        f"of {accepted} fuzzed messages protobuf reads, the codec decodes {identical} identically and refuses "
-        f"{stricter} (groups)")
+        f"of {accepted} fuzzed messages protobuf reads, the codec decodes {identical} identically and "
+        "refuses "
+        f"{stricter} (groups)"
+    )

@@ -7,6 +7,7 @@ Hello with its id (``Engine.presence``); the Reduce service tells the engine
 who waits in it (``held_elsewhere``) and touches each trainer its round
 releases (``released``), as the engine's own waits do.
 """
+
 from __future__ import annotations
 
 import threading
@@ -38,7 +39,9 @@ HEARD_AT = [
 ]
 
 
-@pytest.mark.parametrize("case, last_seen, held, trainer, now, expected", HEARD_AT, ids=[r[0] for r in HEARD_AT])
+@pytest.mark.parametrize(
+    "case, last_seen, held, trainer, now, expected", HEARD_AT, ids=[r[0] for r in HEARD_AT]
+)
 def test_heard_at(case, last_seen, held, trainer, now, expected):
     assert heard_at(trainer, last_seen, held, now) == expected
 
@@ -54,18 +57,23 @@ SILENT = [
 ]
 
 
-@pytest.mark.parametrize("case, last_seen, held, closed, dropped, expected", SILENT, ids=[r[0] for r in SILENT])
+@pytest.mark.parametrize(
+    "case, last_seen, held, closed, dropped, expected", SILENT, ids=[r[0] for r in SILENT]
+)
 def test_roster_silent(case, last_seen, held, closed, dropped, expected):
     r = Roster(3)
     for t in (0, 1, 2):
         r.join(t)
-    r.last_seen = dict(last_seen)                        # one not in it was never heard from
+    r.last_seen = dict(last_seen)  # one not in it was never heard from
     r.closed, r.dropped = set(closed), set(dropped)
     assert r.silent(30.0, held, now=100.0) == expected
     assert r.drop_silent(30.0, held, now=100.0) == expected
     assert all(r.dropped_at[t] == 100.0 and t in r.dropped for t, _ in expected)
     for t in (0, 1, 2):
-        assert r.presence(t, held, 100.0) == (heard_at(t, r.last_seen, held, 100.0), t in r.closed | r.dropped)
+        assert r.presence(t, held, 100.0) == (
+            heard_at(t, r.last_seen, held, 100.0),
+            t in r.closed | r.dropped,
+        )
 
 
 def wired(trainers: int, barrier_timeout: float = JOIN):
@@ -98,12 +106,12 @@ def test_a_trainer_waiting_in_a_reduce_round_is_alive_and_heard_from_when_the_ro
     engine, svc = wired(3)
     waiting = reduce_in_thread(svc, 0, 1.0)
     parked(svc, {0})
-    engine.roster.last_seen[0] -= 60                    # its Reduce arrived a minute ago and still waits
-    engine.roster.last_seen[1] -= 60                    # trainer 1 called then, and holds no call here
+    engine.roster.last_seen[0] -= 60  # its Reduce arrived a minute ago and still waits
+    engine.roster.last_seen[1] -= 60  # trainer 1 called then, and holds no call here
     assert engine.held() == {0}
     assert engine.presence(0)[0] > time.monotonic() - 5  # a takeover's Hello finds the id's holder alive
     assert engine.presence(1)[0] < time.monotonic() - 59
-    assert engine.drop_silent(timeout=30) == [1]         # trainer 0 is held, not silent
+    assert engine.drop_silent(timeout=30) == [1]  # trainer 0 is held, not silent
     assert svc.reduce(2, "loss", 0, "sum", {"v": np.array([2.0])})[1] == (0, 2)
     waiting["thread"].join(JOIN)
     assert "error" not in waiting and waiting["answer"][0]["v"].tolist() == [3.0]
@@ -121,8 +129,8 @@ def test_a_reduce_that_fails_is_not_a_sign_of_life():
 
 
 def test_held_elsewhere_is_asked_outside_the_engines_lock():
-    """The Reduce service asks the engine whom it expects holding its own lock: the engine must not hold its own
-    while it asks the service who waits there (each would wait for the other)."""
+    """The Reduce service asks the engine whom it expects holding its own lock: the engine must not hold
+    its own while it asks the service who waits there (each would wait for the other)."""
     asked = []
 
     def elsewhere():
@@ -132,8 +140,14 @@ def test_held_elsewhere_is_asked_outside_the_engines_lock():
     t = DistributeTranspiler(DistributeTranspilerConfig())
     t.transpile(0, program=Program(nn.Linear(4, 2), "sgd", lr=0.5), pservers=EP, trainers=2)
     ps = t.get_pserver_program(EP)
-    engine = SyncEngine(BlockStore(ps, t.get_startup_program(EP, ps)), TableSet(ps), 2, EP, barrier_timeout=5.0,
-                        held_elsewhere=elsewhere)
+    engine = SyncEngine(
+        BlockStore(ps, t.get_startup_program(EP, ps)),
+        TableSet(ps),
+        2,
+        EP,
+        barrier_timeout=5.0,
+        held_elsewhere=elsewhere,
+    )
     engine.hello(0)
     engine.hello(1)
     engine.roster.last_seen[0] -= 60

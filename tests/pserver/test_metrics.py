@@ -5,6 +5,7 @@ the rest runs real gRPC pservers on loopback in this process (LocalCluster),
 and one test starts ``ps-server`` as a process to check the environment
 variables a Kubernetes pod sets and the shutdown on SIGTERM.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,11 +31,11 @@ from pserver.ops.health import HealthPort
 from pserver.ops.ports import HEALTH_PORT_VAR, METRICS_PORT_VAR, SidePorts, port_setting, split_host
 from psproto import ps_pb2, ps_pb2_grpc
 from psproto.security import Security
+from tests.helpers import paths
 from tests.helpers.cluster import LocalCluster
 from tests.helpers.models import batches, odd_mlp
 from tests.helpers.polling import poll
 from tests.helpers.ports import free_ports
-from tests.helpers import paths
 from transpiler import DistributeTranspiler, DistributeTranspilerConfig, Program
 from transpiler.cli import add_transpile_arguments, config_from_args
 
@@ -48,6 +49,7 @@ def build() -> Program:
 
 
 # -- helpers -------------------------------------------------------------------------------------
+
 
 def scrape(port: int) -> dict:
     """{(sample name, frozenset of labels but endpoint): value} from ``/metrics`` on 127.0.0.1:``port``."""
@@ -67,8 +69,11 @@ def value(samples: dict, name: str, **labels) -> float:
 
 def health_status(port: int, metadata=(), service: str = "") -> int:
     with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
-        return health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=service),
-                                                    timeout=5, metadata=metadata).status
+        return (
+            health_pb2_grpc.HealthStub(ch)
+            .Check(health_pb2.HealthCheckRequest(service=service), timeout=5, metadata=metadata)
+            .status
+        )
 
 
 def train_steps(trainers, data) -> None:
@@ -83,6 +88,7 @@ def train_steps(trainers, data) -> None:
                 tr.step()
         except BaseException as e:  # reported on the test's thread
             errors.append(e)
+
     threads = [threading.Thread(target=run, args=(i, tr)) for i, tr in enumerate(trainers)]
     for th in threads:
         th.start()
@@ -102,14 +108,18 @@ def connection_refused(port: int) -> bool:
 
 # -- ports: field, variable, conflicts --------------------------------------------------------
 
-@pytest.mark.parametrize("field, env, expected", [
-    (None, {}, None),
-    (None, {"V": ""}, None),
-    (None, {"V": " 9090 "}, 9090),
-    (None, {"V": "0"}, 0),
-    (7000, {"V": "9090"}, 7000),        # the config field wins over the variable
-    (0, {"V": "9090"}, 0),
-])
+
+@pytest.mark.parametrize(
+    "field, env, expected",
+    [
+        (None, {}, None),
+        (None, {"V": ""}, None),
+        (None, {"V": " 9090 "}, 9090),
+        (None, {"V": "0"}, 0),
+        (7000, {"V": "9090"}, 7000),  # the config field wins over the variable
+        (0, {"V": "9090"}, 0),
+    ],
+)
 def test_port_setting(field, env, expected):
     assert port_setting(field, "V", env) == expected
 
@@ -120,11 +130,14 @@ def test_port_setting_refuses_a_malformed_variable(text):
         port_setting(None, "V", {"V": text})
 
 
-@pytest.mark.parametrize("metrics_port, health_port, env, match", [
-    (6170, None, {}, "metrics port .* endpoint"),
-    (None, None, {HEALTH_PORT_VAR: "6170"}, "health port .* endpoint"),
-    (9090, None, {HEALTH_PORT_VAR: "9090"}, "both 9090"),
-])
+@pytest.mark.parametrize(
+    "metrics_port, health_port, env, match",
+    [
+        (6170, None, {}, "metrics port .* endpoint"),
+        (None, None, {HEALTH_PORT_VAR: "6170"}, "health port .* endpoint"),
+        (9090, None, {HEALTH_PORT_VAR: "9090"}, "both 9090"),
+    ],
+)
 def test_side_ports_that_cannot_all_bind_are_refused(metrics_port, health_port, env, match):
     with pytest.raises(ValueError, match=match):
         SidePorts.resolve(metrics_port, health_port, "10.0.0.5:6170", env)
@@ -137,8 +150,16 @@ def test_side_ports_from_the_kubernetes_variables():
     assert split_host("[::1]:6170") == "::1" and split_host("ps-0.ps:6170") == "ps-0.ps"
 
 
-@pytest.mark.parametrize("field, bad", [("metrics_port", -1), ("metrics_port", 70000), ("health_port", "6171"),
-                                        ("health_port", True), ("metrics_port", 1.5)])
+@pytest.mark.parametrize(
+    "field, bad",
+    [
+        ("metrics_port", -1),
+        ("metrics_port", 70000),
+        ("health_port", "6171"),
+        ("health_port", True),
+        ("metrics_port", 1.5),
+    ],
+)
 def test_config_refuses_bad_ports(field, bad):
     with pytest.raises(ValueError, match=field):
         DistributeTranspilerConfig(**{field: bad})
@@ -153,6 +174,7 @@ def test_ps_server_flags_set_the_ports():
 
 
 # -- /metrics during a job ----------------------------------------------------------------------
+
 
 def test_metrics_move_during_a_sync_job():
     cfg = DistributeTranspilerConfig(metrics_port=0)
@@ -188,9 +210,14 @@ def test_metrics_move_during_a_sync_job():
             assert value(b, "ps_block_bytes") > 0
             # Sync: the first trainer to push each step waited for the other.
             assert value(b, "ps_barrier_wait_seconds_count") >= value(a, "ps_barrier_wait_seconds_count") > 0
-            assert value(b, "ps_barrier_wait_seconds_bucket", le="+Inf") == value(b, "ps_barrier_wait_seconds_count")
+            assert value(b, "ps_barrier_wait_seconds_bucket", le="+Inf") == value(
+                b, "ps_barrier_wait_seconds_count"
+            )
         closed = scrape(ports[0])
-        assert value(closed, "ps_trainers", state="closed") == 2 and value(closed, "ps_trainers", state="alive") == 0
+        assert (
+            value(closed, "ps_trainers", state="closed") == 2
+            and value(closed, "ps_trainers", state="alive") == 0
+        )
 
         # A refused request is counted by its reason and status.
         with grpc.insecure_channel(cluster.endpoints[0]) as ch:
@@ -264,6 +291,7 @@ def test_a_metrics_port_in_use_fails_the_start_and_leaves_no_port_open():
 
 # -- the health port ----------------------------------------------------------------------------
 
+
 def test_health_port_answers_without_the_token_that_the_main_port_requires():
     cfg = DistributeTranspilerConfig(health_port=0)
     with LocalCluster(build, 2, 1, config=cfg, security=Security(token=TOKEN)) as cluster:
@@ -296,7 +324,9 @@ def test_health_port_states():
     try:
         assert health_status(port) == health_pb2.HealthCheckResponse.NOT_SERVING  # not ready yet
         hp.serving()
-        assert health_status(port, service="psproto.ParameterServer") == health_pb2.HealthCheckResponse.SERVING
+        assert (
+            health_status(port, service="psproto.ParameterServer") == health_pb2.HealthCheckResponse.SERVING
+        )
         hp.shutting_down()
         assert health_status(port) == health_pb2.HealthCheckResponse.NOT_SERVING
     finally:
@@ -311,20 +341,35 @@ def test_health_port_states():
 
 # -- ps-server as Kubernetes runs it ------------------------------------------------------------
 
+
 @pytest.mark.processes
 @pytest.mark.timeout(120)
 def test_ps_server_process_reads_the_pod_variables_and_stops_on_sigterm(tmp_path):
     main, metrics_port, health_port = free_ports(3)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PADDLE_", "PS_", "TRAINING_"))}
-    env.update(TRAINING_ROLE="PSERVER", PADDLE_PSERVERS_IP_PORT_LIST=f"127.0.0.1:{main}", PADDLE_TRAINERS_NUM="1",
-               POD_IP="127.0.0.1", PADDLE_PORT=str(main), PS_AUTH_TOKEN=TOKEN,
-               PS_METRICS_PORT=str(metrics_port), PS_HEALTH_PORT=str(health_port), PYTHONUNBUFFERED="1")
+    env.update(
+        TRAINING_ROLE="PSERVER",
+        PADDLE_PSERVERS_IP_PORT_LIST=f"127.0.0.1:{main}",
+        PADDLE_TRAINERS_NUM="1",
+        POD_IP="127.0.0.1",
+        PADDLE_PORT=str(main),
+        PS_AUTH_TOKEN=TOKEN,
+        PS_METRICS_PORT=str(metrics_port),
+        PS_HEALTH_PORT=str(health_port),
+        PYTHONUNBUFFERED="1",
+    )
     log = tmp_path / "pserver.log"
     with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "pserver.cli", "--program",
-                                 "examples/train_mlp.py:build_program"],
-                                cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "pserver.cli", "--program", "examples/train_mlp.py:build_program"],
+            cwd=REPO,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     try:
+
         def serving():
             if proc.poll() is not None:
                 raise AssertionError(f"ps-server exited with {proc.returncode}:\n{log.read_text()}")
@@ -332,6 +377,7 @@ def test_ps_server_process_reads_the_pod_variables_and_stops_on_sigterm(tmp_path
                 return health_status(health_port) == health_pb2.HealthCheckResponse.SERVING
             except grpc.RpcError:
                 return False
+
         poll(serving, "the health port answers SERVING", timeout=90)
         got = scrape(metrics_port)
         assert value(got, "ps_step") == 0 and value(got, "ps_trainers_expected") == 1

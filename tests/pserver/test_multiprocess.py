@@ -1,4 +1,5 @@
 """Pservers as real processes (the ps-server command), trainers in this process."""
+
 import os
 import signal
 import subprocess
@@ -8,9 +9,9 @@ import pytest
 import torch
 from torch import nn
 
-from tests.helpers.ports import free_ports
-from tests.helpers.models import FLOAT64_EXACT, batches, odd_program
 from tests.helpers import paths
+from tests.helpers.models import FLOAT64_EXACT, batches, odd_program
+from tests.helpers.ports import free_ports
 from trainer import Trainer
 from transpiler import DistributeTranspiler
 
@@ -24,12 +25,32 @@ def start_pservers(endpoints, trainers, extra=()):
     procs = []
     for ep in endpoints:
         host, port = ep.rsplit(":", 1)
-        env = {**os.environ, "TRAINING_ROLE": "PSERVER", "PADDLE_PSERVERS_IP_PORT_LIST": ",".join(endpoints),
-               "PADDLE_TRAINERS_NUM": str(trainers), "POD_IP": host, "PADDLE_PORT": port,
-               "PYTHONPATH": REPO}
-        procs.append(subprocess.Popen(
-            [sys.executable, "-m", "pserver.cli", "--program", "tests/helpers/models.py:odd_program", *extra],
-            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        env = {
+            **os.environ,
+            "TRAINING_ROLE": "PSERVER",
+            "PADDLE_PSERVERS_IP_PORT_LIST": ",".join(endpoints),
+            "PADDLE_TRAINERS_NUM": str(trainers),
+            "POD_IP": host,
+            "PADDLE_PORT": port,
+            "PYTHONPATH": REPO,
+        }
+        procs.append(
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "pserver.cli",
+                    "--program",
+                    "tests/helpers/models.py:odd_program",
+                    *extra,
+                ],
+                cwd=REPO,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
     return procs
 
 
@@ -47,6 +68,7 @@ def test_sync_training_against_pserver_processes_matches_single_process():
     procs = start_pservers(endpoints, 2)
     try:
         import threading
+
         states, errors = {}, []
 
         def run(i):
@@ -87,8 +109,9 @@ def test_sync_training_against_pserver_processes_matches_single_process():
         opt.step()
     for i in range(2):
         for name, value in prog.model.state_dict().items():
-            torch.testing.assert_close(states[i][name], value, **FLOAT64_EXACT,
-                                       msg=lambda m: f"trainer {i}, {name}: {m}")
+            torch.testing.assert_close(
+                states[i][name], value, **FLOAT64_EXACT, msg=lambda m: f"trainer {i}, {name}: {m}"
+            )
 
 
 @pytest.mark.timeout(60)

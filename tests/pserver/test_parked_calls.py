@@ -6,6 +6,7 @@ server (pserver/rpc/aio.py) a parked push holds none: the steps complete, the
 model equals single-process training on the concatenated batch (the mean of
 the trainers' gradients), and the pserver's threads stay within the pool's bound.
 """
+
 import threading
 
 import grpc
@@ -37,7 +38,8 @@ def pserver_threads() -> int:
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("on_loop", [True, False], ids=["stretches-on-loop", "stretches-in-pool"])
 def test_more_trainers_than_handler_threads_complete_every_step(on_loop):
-    """Each step applies once and releases every parked push, its stretches on the event loop or in the pool."""
+    """Each step applies once and releases every parked push, its stretches on the event loop or in the
+    pool."""
     data = batches(TRAINERS, 4, STEPS, dtype=torch.float64)
     config = DistributeTranspilerConfig(pserver_rpc_workers=WORKERS, pserver_stretches_on_loop=on_loop)
     before = pserver_threads()
@@ -74,7 +76,8 @@ def full_grads(server, value=0.5):
 @pytest.mark.parametrize("method", ["PushPull", "PushPullOne"])
 @pytest.mark.parametrize("on_loop", [True, False], ids=["stretches-on-loop", "stretches-in-pool"])
 def test_a_parked_push_whose_client_gives_up_leaves_no_handle(method, on_loop):
-    """Trainer 1 never pushes: trainer 0's parked push ends at its client's deadline, and the pserver forgets it."""
+    """Trainer 1 never pushes: trainer 0's parked push ends at its client's deadline, and the pserver
+    forgets it."""
     config = DistributeTranspilerConfig(pserver_rpc_workers=1, pserver_stretches_on_loop=on_loop)
     with LocalCluster(lambda: Program(odd_mlp(), "sgd", lr=0.1), 1, 2, config=config) as cluster:
         server = cluster.servers[0]
@@ -87,12 +90,17 @@ def test_a_parked_push_whose_client_gives_up_leaves_no_handle(method, on_loop):
                 if method == "PushPull":
                     list(stub.PushPull(iter(messages), timeout=1.0))
                 else:
-                    header = ps_pb2.PushHeader(trainer_id=0, step=0, layout_digest=digest, session=sessions[0])
-                    channel.unary_unary(f"/{SERVICE}/PushPullOne")(one_message(header, full_grads(server)),
-                                                                    timeout=1.0)
+                    header = ps_pb2.PushHeader(
+                        trainer_id=0, step=0, layout_digest=digest, session=sessions[0]
+                    )
+                    channel.unary_unary(f"/{SERVICE}/PushPullOne")(
+                        one_message(header, full_grads(server)), timeout=1.0
+                    )
             assert refused.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
             poll(lambda: server.engine.waits.parked == 0, "the abandoned wait forgotten")
-            # The push itself was counted: trainer 1's completes the step, and the one handler thread still serves.
-            reply = answer(stub.PushPull(push_messages(digest, 1, 0, full_grads(server), sessions=sessions),
-                                         timeout=10))
+            # The push itself was counted: trainer 1's completes the step, and the one handler thread still
+            # serves.
+            reply = answer(
+                stub.PushPull(push_messages(digest, 1, 0, full_grads(server), sessions=sessions), timeout=10)
+            )
             assert reply.updates == 1 and server.engine.updates == 1

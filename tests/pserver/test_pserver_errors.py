@@ -1,4 +1,5 @@
 """Bad input is refused with a clear status and changes nothing; waits end with named errors."""
+
 import math
 import time
 
@@ -6,13 +7,13 @@ import grpc
 import pytest
 import torch
 
-from tests.helpers.cluster import LocalCluster
-from tests.helpers.ports import free_ports
-from tests.helpers.models import batches, odd_mlp
-from tests.helpers.polling import poll
-from tests.helpers.wire import answer, expect_refusal, open_sessions, push_messages
 from psproto import ps_pb2, ps_pb2_grpc
 from psproto.codec import encode_chunks
+from tests.helpers.cluster import LocalCluster
+from tests.helpers.models import batches, odd_mlp
+from tests.helpers.polling import poll
+from tests.helpers.ports import free_ports
+from tests.helpers.wire import answer, expect_refusal, open_sessions, push_messages
 from trainer import PserverError, PserverUnavailableError, Trainer
 from transpiler import DistributeTranspiler, DistributeTranspilerConfig, Program
 
@@ -62,22 +63,36 @@ def test_bad_pushes_are_refused_and_change_nothing(cluster, stub):
     last.data = last.data[:-4]
     cases = [
         (push(tensors=grads, header=False), grpc.StatusCode.INVALID_ARGUMENT, "must open with a header"),
-        (push_messages("0123", tensors=grads, sessions=sessions), grpc.StatusCode.FAILED_PRECONDITION, "plan mismatch"),
+        (
+            push_messages("0123", tensors=grads, sessions=sessions),
+            grpc.StatusCode.FAILED_PRECONDITION,
+            "plan mismatch",
+        ),
         (push(trainer_id=2, tensors=grads), grpc.StatusCode.INVALID_ARGUMENT, "trainer id 2 is out of range"),
         (push(trainer_id=-1, tensors=grads), grpc.StatusCode.INVALID_ARGUMENT, "out of range"),
         (push(step=-3, tensors=grads), grpc.StatusCode.INVALID_ARGUMENT, "step must be >= 0"),
         (push(step=5, tensors=grads), grpc.StatusCode.FAILED_PRECONDITION, "from the future"),
-        (push(tensors=[("nope.block0", torch.zeros(3))]), grpc.StatusCode.INVALID_ARGUMENT,
-         "unknown tensor 'nope.block0'"),
+        (
+            push(tensors=[("nope.block0", torch.zeros(3))]),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "unknown tensor 'nope.block0'",
+        ),
         (push(tensors=bad_shape), grpc.StatusCode.INVALID_ARGUMENT, "shape"),
         (push(tensors=bad_dtype), grpc.StatusCode.INVALID_ARGUMENT, "dtype 'float64', expected 'float32'"),
         (push(tensors=nan), grpc.StatusCode.INVALID_ARGUMENT, "NaN or Inf"),
         (push(tensors=inf), grpc.StatusCode.INVALID_ARGUMENT, "NaN or Inf"),
         (iter(truncated), grpc.StatusCode.INVALID_ARGUMENT, "stream moved on"),
         # Valid pushes for the current step, but not from trainer 0's own process.
-        (push(tensors=grads, session=""), grpc.StatusCode.FAILED_PRECONDITION, "for trainer 0 without a session"),
-        (push(tensors=grads, session=sessions[1]), grpc.StatusCode.ABORTED,
-         "trainer 0's session is not known here"),
+        (
+            push(tensors=grads, session=""),
+            grpc.StatusCode.FAILED_PRECONDITION,
+            "for trainer 0 without a session",
+        ),
+        (
+            push(tensors=grads, session=sessions[1]),
+            grpc.StatusCode.ABORTED,
+            "trainer 0's session is not known here",
+        ),
     ]
     for messages, code, match in cases:
         expect_refusal(lambda: answer(stub.PushPull(messages, timeout=10)), code, match)
@@ -115,7 +130,9 @@ def test_duplicate_push_is_acknowledged_not_applied(cluster, stub):
     assert answer(second).updates == 1
     after_one = snapshot(cluster)
     for trainer_id in (0, 1):
-        reply = answer(stub.PushPull(push_messages(digest, trainer_id, 0, grads, sessions=sessions), timeout=10))
+        reply = answer(
+            stub.PushPull(push_messages(digest, trainer_id, 0, grads, sessions=sessions), timeout=10)
+        )
         assert not reply.applied and reply.updates == 1
     after_retries = snapshot(cluster)
     for name in after_one:
@@ -130,19 +147,33 @@ def test_duplicate_push_is_acknowledged_not_applied(cluster, stub):
 def test_bad_pulls_and_hellos_are_refused(cluster, stub):
     digest = cluster.servers[0].program.layout_digest
     session = open_sessions(stub, digest, [0])[0]
-    pull = lambda **kw: list(stub.Pull(ps_pb2.PullRequest(  # noqa: E731
-        **{"layout_digest": digest, "session": session, **kw}), timeout=10))
-    expect_refusal(lambda: pull(names=["fc9.weight.block0"]), grpc.StatusCode.INVALID_ARGUMENT, "unknown blocks")
+
+    def pull(**kw):
+        request = ps_pb2.PullRequest(**{"layout_digest": digest, "session": session, **kw})
+        return list(stub.Pull(request, timeout=10))
+
+    expect_refusal(
+        lambda: pull(names=["fc9.weight.block0"]), grpc.StatusCode.INVALID_ARGUMENT, "unknown blocks"
+    )
     expect_refusal(lambda: pull(min_updates=7), grpc.StatusCode.FAILED_PRECONDITION, "can only reach 1 next")
     expect_refusal(lambda: pull(trainer_id=9), grpc.StatusCode.INVALID_ARGUMENT, "out of range")
     expect_refusal(lambda: pull(layout_digest="x"), grpc.StatusCode.FAILED_PRECONDITION, "plan mismatch")
     expect_refusal(lambda: pull(session=""), grpc.StatusCode.FAILED_PRECONDITION, "without a session")
-    expect_refusal(lambda: stub.Hello(ps_pb2.HelloRequest(trainer_id=0, layout_digest="x", incarnation=3), timeout=10),
-                   grpc.StatusCode.FAILED_PRECONDITION, "plan mismatch")
-    expect_refusal(lambda: stub.Hello(ps_pb2.HelloRequest(trainer_id=1, layout_digest=digest), timeout=10),
-                   grpc.StatusCode.INVALID_ARGUMENT, "needs the trainer process's incarnation")
-    expect_refusal(lambda: stub.Close(ps_pb2.CloseRequest(trainer_id=5), timeout=10),
-                   grpc.StatusCode.INVALID_ARGUMENT, "out of range")
+    expect_refusal(
+        lambda: stub.Hello(ps_pb2.HelloRequest(trainer_id=0, layout_digest="x", incarnation=3), timeout=10),
+        grpc.StatusCode.FAILED_PRECONDITION,
+        "plan mismatch",
+    )
+    expect_refusal(
+        lambda: stub.Hello(ps_pb2.HelloRequest(trainer_id=1, layout_digest=digest), timeout=10),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "needs the trainer process's incarnation",
+    )
+    expect_refusal(
+        lambda: stub.Close(ps_pb2.CloseRequest(trainer_id=5), timeout=10),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "out of range",
+    )
     assert stub.Stats(ps_pb2.StatsRequest(), timeout=10).updates == 0
 
 
@@ -221,8 +252,9 @@ def test_push_pull_retry_is_acknowledged_not_applied_and_still_answers(cluster):
         sessions = open_sessions(ps_pb2_grpc.ParameterServerStub(channel), digest)
 
         def call(trainer_id):
-            header = ps_pb2.PushHeader(trainer_id=trainer_id, step=0, layout_digest=digest,
-                                       session=sessions[trainer_id])
+            header = ps_pb2.PushHeader(
+                trainer_id=trainer_id, step=0, layout_digest=digest, session=sessions[trainer_id]
+            )
             (message,) = encode_chunks(header, grads, 1 << 30)
             reader, header = TensorReader(store.expect), None
             for data in (push_pull(message, timeout=10),):  # one message each way
@@ -233,6 +265,7 @@ def test_push_pull_retry_is_acknowledged_not_applied_and_still_answers(cluster):
             return header, reader.finish()
 
         import threading
+
         answers = []
         first = threading.Thread(target=lambda: answers.append(call(0)))  # sync: answers once 1 pushed
         first.start()
@@ -252,15 +285,16 @@ def test_push_pull_retry_is_acknowledged_not_applied_and_still_answers(cluster):
 def test_pserver_exits_when_a_dead_trainer_never_rejoins():
     """Trainer 1 dies without closing: dropped after heartbeat_timeout, counted as closed after
     trainer_rejoin_timeout, so the pserver finishes once trainer 0 closes."""
-    config = DistributeTranspilerConfig(heartbeat_interval=0.1, heartbeat_timeout=0.5,
-                                        trainer_rejoin_timeout=0.5, barrier_timeout=30)
+    config = DistributeTranspilerConfig(
+        heartbeat_interval=0.1, heartbeat_timeout=0.5, trainer_rejoin_timeout=0.5, barrier_timeout=30
+    )
     with LocalCluster(program, 1, 2, config=config) as c:
         dead = c.trainer(1)
-        dead._heartbeat.stop()                           # the process "dies": no close, no heartbeat
+        dead._heartbeat.stop()  # the process "dies": no close, no heartbeat
         dead.channels.shutdown()
         with c.trainer(0) as tr:
             x, y = batches(2, 4, 1)[0][0]
             torch.nn.functional.cross_entropy(tr.model(x), y).backward()
-            tr.step()                                    # completes once trainer 1 is dropped
-        assert c.servers[0].wait(timeout=20)             # every trainer closed or counted closed
+            tr.step()  # completes once trainer 1 is dropped
+        assert c.servers[0].wait(timeout=20)  # every trainer closed or counted closed
         assert c.servers[0].engine.roster.closed == {0, 1}

@@ -3,6 +3,7 @@
 No server and no processes: servicer methods are called directly with a fake
 context that records ``abort(code, details)``.
 """
+
 from __future__ import annotations
 
 import ast
@@ -14,15 +15,26 @@ import grpc
 import pytest
 
 from pserver import errors
-from pserver.errors import (AlreadyRunning, BadRequest, BarrierTimeout, Fenced, MustResync, NoSession, NotAllowed,
-                            NotPrimary, OutOfSync, Refusal, ShuttingDown, StorageFailed)
-from pserver.rpc.prologue import STATUS, status_of
 from pserver.engine import SyncEngine
+from pserver.errors import (
+    AlreadyRunning,
+    BadRequest,
+    BarrierTimeout,
+    Fenced,
+    MustResync,
+    NoSession,
+    NotAllowed,
+    NotPrimary,
+    OutOfSync,
+    Refusal,
+    ShuttingDown,
+    StorageFailed,
+)
+from pserver.rpc.prologue import STATUS, status_of
 from pserver.rpc.servicer import PserverServicer
-from tests.helpers.servicer import EP, Aborted, FakeContext, open_session, servicer
 from psproto import ps_pb2
 from psproto.codec import WireError
-
+from tests.helpers.servicer import EP, Aborted, FakeContext, open_session, servicer
 
 EXPECTED = [
     (BadRequest, grpc.StatusCode.INVALID_ARGUMENT),
@@ -57,13 +69,20 @@ def test_each_refusal_kind_has_its_status(kind, code):
 
 
 def test_every_refusal_kind_is_in_the_table():
-    kinds = {c for c in vars(errors).values() if isinstance(c, type) and issubclass(c, Refusal) and c is not Refusal}
+    kinds = {
+        c
+        for c in vars(errors).values()
+        if isinstance(c, type) and issubclass(c, Refusal) and c is not Refusal
+    }
     assert kinds == {k for k, _ in EXPECTED if issubclass(k, Refusal)}
     assert kinds <= STATUS.keys()
 
 
-@pytest.mark.parametrize("error", [ValueError("x"), KeyError("x"), RuntimeError("x"), OSError("x"),
-                                   Refusal("a refusal of no kind")], ids=lambda e: type(e).__name__)
+@pytest.mark.parametrize(
+    "error",
+    [ValueError("x"), KeyError("x"), RuntimeError("x"), OSError("x"), Refusal("a refusal of no kind")],
+    ids=lambda e: type(e).__name__,
+)
 def test_anything_else_has_no_status(error):
     assert status_of(error) is None
 
@@ -74,8 +93,9 @@ def test_a_bad_request_is_still_a_value_error():
 
 
 @pytest.mark.parametrize("method", ["Heartbeat", "Pull"])
-@pytest.mark.parametrize("error", [RuntimeError("boom"), ValueError("boom"), KeyError("boom")],
-                         ids=lambda e: type(e).__name__)
+@pytest.mark.parametrize(
+    "error", [RuntimeError("boom"), ValueError("boom"), KeyError("boom")], ids=lambda e: type(e).__name__
+)
 def test_an_unexpected_exception_is_internal_and_logged(method, error, caplog, monkeypatch):
     svc = servicer()
 
@@ -85,8 +105,11 @@ def test_an_unexpected_exception_is_internal_and_logged(method, error, caplog, m
     # Heartbeat is a plain method, Pull a server-streaming one: both wrappers.
     monkeypatch.setattr(svc.engine, "touch" if method == "Heartbeat" else "read", broken)
     session = open_session(svc)
-    request = (ps_pb2.HeartbeatRequest(trainer_id=0, session=session) if method == "Heartbeat"
-               else ps_pb2.PullRequest(trainer_id=0, layout_digest=svc.layout_digest, session=session))
+    request = (
+        ps_pb2.HeartbeatRequest(trainer_id=0, session=session)
+        if method == "Heartbeat"
+        else ps_pb2.PullRequest(trainer_id=0, layout_digest=svc.layout_digest, session=session)
+    )
     with caplog.at_level(logging.ERROR, logger="pserver"):
         context = call(svc, method, request)
     code, details = context.aborted
@@ -98,18 +121,41 @@ def test_an_unexpected_exception_is_internal_and_logged(method, error, caplog, m
     assert svc.counters.refused == 1
 
 
-@pytest.mark.parametrize("method, request_, code, details", [
-    ("Heartbeat", ps_pb2.HeartbeatRequest(trainer_id=9), grpc.StatusCode.INVALID_ARGUMENT,
-     f"pserver {EP}: trainer id 9 is out of range [0, 2)"),
-    ("Hello", ps_pb2.HelloRequest(trainer_id=0, layout_digest="x"), grpc.StatusCode.FAILED_PRECONDITION,
-     f"pserver {EP}: plan mismatch (layout digest 'x'"),
-    ("Checkpoint", ps_pb2.CheckpointRequest(trainer_id=0), grpc.StatusCode.FAILED_PRECONDITION,
-     f"pserver {EP} has no checkpoint_dir configured"),
-    ("Restore", ps_pb2.RestoreRequest(trainer_id=0, checkpoint_step=1, token="t"), grpc.StatusCode.FAILED_PRECONDITION,
-     f"pserver {EP} has no checkpoint_dir to roll back from"),
-    ("SaveTables", ps_pb2.SaveTablesRequest(trainer_id=0, directory="a\0b"), grpc.StatusCode.INVALID_ARGUMENT,
-     f"pserver {EP}: embedded null byte"),
-])
+@pytest.mark.parametrize(
+    "method, request_, code, details",
+    [
+        (
+            "Heartbeat",
+            ps_pb2.HeartbeatRequest(trainer_id=9),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"pserver {EP}: trainer id 9 is out of range [0, 2)",
+        ),
+        (
+            "Hello",
+            ps_pb2.HelloRequest(trainer_id=0, layout_digest="x"),
+            grpc.StatusCode.FAILED_PRECONDITION,
+            f"pserver {EP}: plan mismatch (layout digest 'x'",
+        ),
+        (
+            "Checkpoint",
+            ps_pb2.CheckpointRequest(trainer_id=0),
+            grpc.StatusCode.FAILED_PRECONDITION,
+            f"pserver {EP} has no checkpoint_dir configured",
+        ),
+        (
+            "Restore",
+            ps_pb2.RestoreRequest(trainer_id=0, checkpoint_step=1, token="t"),
+            grpc.StatusCode.FAILED_PRECONDITION,
+            f"pserver {EP} has no checkpoint_dir to roll back from",
+        ),
+        (
+            "SaveTables",
+            ps_pb2.SaveTablesRequest(trainer_id=0, directory="a\0b"),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"pserver {EP}: embedded null byte",
+        ),
+    ],
+)
 def test_refusals_name_the_pserver_once_and_log_no_traceback(method, request_, code, details, caplog):
     svc = servicer()
     if request_.DESCRIPTOR.fields_by_name.get("layout_digest") and not request_.layout_digest:
@@ -142,8 +188,9 @@ def test_storage_failures_are_refusals_of_their_own(monkeypatch):
         def save(self, *args):
             raise OSError("disk full")
 
-    engine = SyncEngine(built.store, built.tables, built.trainers, built.endpoint, barrier_timeout=5.0,
-                        checkpointer=Broken())
+    engine = SyncEngine(
+        built.store, built.tables, built.trainers, built.endpoint, barrier_timeout=5.0, checkpointer=Broken()
+    )
     with pytest.raises(StorageFailed, match="cannot roll back to step 3: checkpoint does not fit"):
         engine.restore(0, 3, "t")
     with pytest.raises(StorageFailed, match="checkpoint failed: disk full"):
@@ -164,10 +211,22 @@ def _imports(module: str) -> set:
     return names
 
 
-@pytest.mark.parametrize("module", ["pserver.engine.engine", "pserver.engine.sync", "pserver.engine.asynchronous",
-                                    "pserver.engine.roster", "pserver.engine.reductions", "pserver.engine.contents",
-                                    "pserver.engine.stats", "pserver.engine.rollback", "pserver.engine.pending",
-                                    "pserver.engine.listeners", "pserver.errors"])
+@pytest.mark.parametrize(
+    "module",
+    [
+        "pserver.engine.engine",
+        "pserver.engine.sync",
+        "pserver.engine.asynchronous",
+        "pserver.engine.roster",
+        "pserver.engine.reductions",
+        "pserver.engine.contents",
+        "pserver.engine.stats",
+        "pserver.engine.rollback",
+        "pserver.engine.pending",
+        "pserver.engine.listeners",
+        "pserver.errors",
+    ],
+)
 def test_engines_do_not_import_grpc(module):
     # grpc is already loaded in this process, so only the source tells.
     found = sorted(n for n in _imports(module) if n == "grpc" or n.startswith("grpc."))

@@ -6,6 +6,7 @@ a trainer that closes or is dropped lets a pending round finish. The pure
 bookkeeping (:class:`Rounds`, ``combine``, ``to_values``) is table-driven in
 tests/pserver/test_metrics.py.
 """
+
 from __future__ import annotations
 
 import threading
@@ -75,11 +76,13 @@ def waiting(svc: Reductions, key: str, round_: int) -> None:
 
 # -- the service over a roster of sets ---------------------------------------------------------
 
+
 def test_every_trainer_gets_the_same_float64_sum_in_ascending_trainer_order():
     roster = Roster(3)
     svc = service(roster)
     values = {0: V(1e16, 1.0), 1: V(-1e16, 2.0), 2: V(1.0, 3.0)}
-    # Arrival order 2, 1, 0 would give (1 - 1e16) + 1e16 = 0 in float64; ascending order, (1e16 - 1e16) + 1 = 1.
+    # Arrival order 2, 1, 0 would give (1 - 1e16) + 1e16 = 0 in float64; ascending order, (1e16 - 1e16) + 1 =
+    # 1.
     calls = []
     for t in (2, 1):
         calls.append(Call(svc, t, "loss", 0, "sum", values[t]))
@@ -111,7 +114,7 @@ def test_a_pending_round_finishes_when_the_roster_no_longer_expects_the_missing_
     calls = [Call(svc, t, "k", 0, "sum", V(t + 1.0)) for t in (0, 1)]
     waiting(svc, "k", 0)
     time.sleep(0.05)
-    assert all(c.is_alive() for c in calls)              # waiting for trainer 2
+    assert all(c.is_alive() for c in calls)  # waiting for trainer 2
     roster.expected.discard(2)
     svc.roster_changed()
     for c in calls:
@@ -123,8 +126,11 @@ def test_a_missing_trainer_is_named_after_barrier_timeout_and_the_callers_values
     roster = Roster(3)
     svc = service(roster, barrier_timeout=0.2)
     started = time.monotonic()
-    with pytest.raises(BarrierTimeout, match=r"pserver 127.0.0.1:1: round 4 of reduction 'k' still waits for "
-                                             r"trainers \[1, 2\] after 0.2s"):
+    with pytest.raises(
+        BarrierTimeout,
+        match=r"pserver 127.0.0.1:1: round 4 of reduction 'k' still waits for "
+        r"trainers \[1, 2\] after 0.2s",
+    ):
         svc.reduce(0, "k", 4, "sum", V(1.0))
     assert time.monotonic() - started >= 0.2
     assert svc.open_rounds() == []
@@ -140,7 +146,7 @@ def test_a_trainer_the_roster_refuses_opens_nothing():
 
 
 def test_open_rounds_are_bounded():
-    roster = Roster(2)                                   # trainer 1 never comes: every round stays open
+    roster = Roster(2)  # trainer 1 never comes: every round stays open
     svc = service(roster, barrier_timeout=JOIN)
     calls = [Call(svc, 0, f"k{i:02d}", 0, "sum", V(1.0)) for i in range(MAX_OPEN)]
     for i in range(MAX_OPEN):
@@ -168,6 +174,7 @@ def test_stop_refuses_the_pending_rounds_and_the_later_ones():
 
 # -- wired to a sync engine, as the server wires it --------------------------------------------
 
+
 def wired(trainers: int, barrier_timeout: float = JOIN):
     """(engine, service) as ParameterServer builds them: the engine tells the service of roster changes."""
     return wired_engine(trainers, barrier_timeout)
@@ -178,14 +185,14 @@ def test_a_round_finishes_when_the_engine_drops_the_silent_trainer():
     calls = [Call(svc, t, "auc", 0, "sum", V(t + 1.0, 10.0)) for t in (0, 2)]
     waiting(svc, "auc", 0)
     time.sleep(0.05)
-    assert all(c.is_alive() for c in calls)              # waiting for trainer 1
+    assert all(c.is_alive() for c in calls)  # waiting for trainer 1
     engine.roster.last_seen[1] -= 60
     assert engine.drop_silent(timeout=30) == [1]
     for c in calls:
         combined, trainers = c.result()
         assert combined["v"].tolist() == [4.0, 20.0] and trainers == (0, 2)
     with pytest.raises(MustResync, match="trainer 1 was dropped"):
-        svc.reduce(1, "auc", 1, "sum", V(1.0, 1.0))      # until it says Hello again
+        svc.reduce(1, "auc", 1, "sum", V(1.0, 1.0))  # until it says Hello again
     assert svc.open_rounds() == []
 
 
@@ -208,9 +215,9 @@ def test_a_wired_round_waits_while_the_engine_holds_its_lock_and_ends_after():
     with engine.cv:
         other = Call(svc, 1, "k", 0, "sum", V(2.0))
         time.sleep(0.05)
-        assert other.is_alive()                          # its check of the roster needs the engine's lock
+        assert other.is_alive()  # its check of the roster needs the engine's lock
     assert other.result()[0]["v"].tolist() == [3.0] and pending.result()[1] == (0, 1)
     grads = {n: torch.zeros_like(b) for n, b in engine.store.blocks.items()}
-    engine.push(0, 0, grads)                             # the engine is unaffected
+    engine.push(0, 0, grads)  # the engine is unaffected
     engine.push(1, 0, grads)
     assert engine.updates == 1

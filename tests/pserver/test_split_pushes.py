@@ -4,6 +4,7 @@ Without a server: lanes are added as their calls would add them, and the
 tickets say which call pushes the whole, which waits, and what each answers.
 Buffers handed in are released exactly once, whatever happens.
 """
+
 import threading
 from types import SimpleNamespace
 
@@ -17,7 +18,8 @@ BLOCKS = {"w.block0": 800, "w.block1": 800, "b.block0": 8}
 
 
 class Released:
-    """A release callback that remembers what it released, and refuses a second release of the same buffers."""
+    """A release callback that remembers what it released, and refuses a second release of the same
+    buffers."""
 
     def __init__(self):
         self.seen = []
@@ -51,8 +53,10 @@ def test_the_last_lane_pushes_the_whole_and_the_first_learns_it(order):
     first = pushes.add(3, 7, order[0], 2, parts[order[0]], buffers[order[0]])
     assert first.whole is None and not first.wait.done
     last = pushes.add(3, 7, order[1], 2, parts[order[1]], buffers[order[1]])
-    assert last.whole == ({"w.block0": "grad of w.block0", "b.block0": "grad of b.block0",
-                           "w.block1": "grad of w.block1"}, {})
+    assert last.whole == (
+        {"w.block0": "grad of w.block0", "b.block0": "grad of b.block0", "w.block1": "grad of w.block1"},
+        {},
+    )
     assert released.seen == []  # held until the engine is done with them
     pushes.finish(last.push, applied=True)
     assert first.wait.done and first.wait.error is None
@@ -143,8 +147,15 @@ def test_a_roll_back_ends_a_lane_waiting_for_its_partner():
         waiting.wait.result()
 
 
-@pytest.mark.parametrize("lane,count,match", [(2, 2, "lane 2 of a push"), (-1, 2, "lane -1"),
-                                               (0, 17, "split across 17 lanes"), (0, 1, "split across 1 lanes")])
+@pytest.mark.parametrize(
+    "lane,count,match",
+    [
+        (2, 2, "lane 2 of a push"),
+        (-1, 2, "lane -1"),
+        (0, 17, "split across 17 lanes"),
+        (0, 1, "split across 1 lanes"),
+    ],
+)
 def test_a_lane_out_of_range_is_refused_and_its_buffers_released(lane, count, match):
     pushes, released = lanes()
     with pytest.raises(BadRequest, match=match):

@@ -1,4 +1,5 @@
 """ps-stat against in-process pservers: rows, JSON, unreachable pservers, bad input."""
+
 from __future__ import annotations
 
 import json
@@ -7,12 +8,12 @@ from types import SimpleNamespace
 import pytest
 from torch import nn
 
+from pserver.ops import stat_cli
+from psproto.security import Security
 from tests.helpers.cluster import LocalCluster
 from tests.helpers.models import batches, odd_mlp
-from pserver.ops import stat_cli
 from tests.helpers.ports import free_ports
 from transpiler import Program
-from psproto.security import Security
 
 STEPS = 3
 
@@ -20,9 +21,17 @@ STEPS = 3
 @pytest.fixture(autouse=True)
 def no_job_env(monkeypatch):
     # ps-stat reads the job's access settings from the environment; the tests' pservers have none.
-    for var in ("PS_AUTH_TOKEN", "PS_AUTH_TOKEN_FILE", "PS_TLS_CERT", "PS_TLS_KEY", "PS_TLS_CA",
-                "PS_TLS_CLIENT_CERT", "PS_TLS_CLIENT_KEY", "PS_TLS_SERVER_NAME",
-                "PADDLE_PSERVERS_IP_PORT_LIST"):
+    for var in (
+        "PS_AUTH_TOKEN",
+        "PS_AUTH_TOKEN_FILE",
+        "PS_TLS_CERT",
+        "PS_TLS_KEY",
+        "PS_TLS_CA",
+        "PS_TLS_CLIENT_CERT",
+        "PS_TLS_CLIENT_KEY",
+        "PS_TLS_SERVER_NAME",
+        "PADDLE_PSERVERS_IP_PORT_LIST",
+    ):
         monkeypatch.delenv(var, raising=False)
 
 
@@ -79,6 +88,7 @@ def test_live_trainers_and_push_rate(capsys, monkeypatch):
     data = batches(1, 4, 6)
     with LocalCluster(build, 1, 1) as c:
         with c.trainer(0) as tr:
+
             def step(i):  # one sync step: one push
                 x, y = data[i][0]
                 nn.functional.cross_entropy(tr.model(x), y).backward()
@@ -86,7 +96,7 @@ def test_live_trainers_and_push_rate(capsys, monkeypatch):
 
             def json_stats(*args):
                 assert stat_cli.main([c.endpoints[0], "--json", *args]) == 0
-                (obj,) = [json.loads(l) for l in capsys.readouterr().out.strip().splitlines()]
+                (obj,) = [json.loads(line) for line in capsys.readouterr().out.strip().splitlines()]
                 return obj
 
             step(0)
@@ -96,7 +106,10 @@ def test_live_trainers_and_push_rate(capsys, monkeypatch):
             # --interval 0: the mean since the pserver started.
             obj = json_stats("--interval", "0")
             assert obj["pushes"] == 1 and obj["uptime_s"] > 0
-            assert obj["pushes_per_s"] == pytest.approx(1 / obj["uptime_s"], rel=1e-9) and obj["pushes_per_s"] > 0
+            assert (
+                obj["pushes_per_s"] == pytest.approx(1 / obj["uptime_s"], rel=1e-9)
+                and obj["pushes_per_s"] > 0
+            )
             # No push between the two samples: 0.
             obj = json_stats("--interval", "0.1")
             assert obj["trainers_alive"] == [0] and obj["pushes"] == 1 and obj["pushes_per_s"] == 0.0
@@ -108,6 +121,7 @@ def test_live_trainers_and_push_rate(capsys, monkeypatch):
                 waits.append(seconds)
                 for i in (1, 2, 3):
                     step(i)
+
             monkeypatch.setattr(stat_cli, "time", SimpleNamespace(sleep=three_steps))
             obj = json_stats("--interval", "0.5")
             assert waits == [0.5]
@@ -117,7 +131,7 @@ def test_live_trainers_and_push_rate(capsys, monkeypatch):
             monkeypatch.setattr(stat_cli, "time", SimpleNamespace(sleep=lambda seconds: (step(4), step(5))))
             assert stat_cli.main([c.endpoints[0], "--interval", "0.25"]) == 0
             header, line = capsys.readouterr().out.strip().splitlines()
-            assert line[header.index("PUSHES/S"):].split()[0] == "8.0"
+            assert line[header.index("PUSHES/S") :].split()[0] == "8.0"
             assert line.split()[2] == "6"
 
 
@@ -143,13 +157,16 @@ def test_a_refusing_pserver_shows_unauthenticated(capsys, monkeypatch):
 
 
 @pytest.mark.timeout(10)
-@pytest.mark.parametrize("argv, message", [
-    ([], "no endpoints"),
-    (["127.0.0.1"], "host:port"),
-    (["127.0.0.1:1", "--interval", "-1"], "--interval"),
-    (["127.0.0.1:1", "--timeout", "0"], "--timeout"),
-    (["127.0.0.1:1", "--bogus"], "unrecognized"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        ([], "no endpoints"),
+        (["127.0.0.1"], "host:port"),
+        (["127.0.0.1:1", "--interval", "-1"], "--interval"),
+        (["127.0.0.1:1", "--timeout", "0"], "--timeout"),
+        (["127.0.0.1:1", "--bogus"], "unrecognized"),
+    ],
+)
 def test_bad_arguments_exit_2(argv, message, capsys):
     assert stat_cli.main(argv) == 2
     assert message in capsys.readouterr().err
@@ -163,5 +180,9 @@ def test_bad_security_settings_exit_2(capsys, monkeypatch):
 
 
 def test_human_bytes():
-    assert [stat_cli.human_bytes(n) for n in (0, 512, 1536, 3 * 2**30)] == \
-        ["0 B", "512 B", "1.5 KiB", "3.0 GiB"]
+    assert [stat_cli.human_bytes(n) for n in (0, 512, 1536, 3 * 2**30)] == [
+        "0 B",
+        "512 B",
+        "1.5 KiB",
+        "3.0 GiB",
+    ]

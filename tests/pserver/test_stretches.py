@@ -7,6 +7,7 @@ released call's next stretch is queued to the loop, never run inside the
 releasing one, and the step applies once. SaveTables, which holds the
 engine's lock across its writes, first moves the stretches off the loop.
 """
+
 import asyncio
 import dataclasses
 import threading
@@ -44,8 +45,8 @@ CASES = [
     (dict(checkpoint_dir="/ckpt", checkpoint_every=5), False, "checkpoint_dir"),
     (dict(export_dir="/exp", export_every=3), False, "export_every"),
     (dict(export_dir="/exp", export_every_seconds=60.0), False, "export_every"),
-    (dict(export_dir="/exp"), True, "nothing in them blocks"),          # a directory, no schedule: no export
-    (dict(table_disk_dir="/disk"), True, "nothing in them blocks"),     # no table with ram_rows: no disk tier
+    (dict(export_dir="/exp"), True, "nothing in them blocks"),  # a directory, no schedule: no export
+    (dict(table_disk_dir="/disk"), True, "nothing in them blocks"),  # no table with ram_rows: no disk tier
     (dict(tables_ram_rows=100), False, "disk tier"),
     (dict(tables_ram_rows=100, table_disk_dir="/disk"), False, "disk tier"),
     (REPLICAS, False, "server_replicas=2"),
@@ -62,10 +63,14 @@ def test_stretches_run_on_the_loop_only_where_nothing_in_them_blocks(settings, o
 
 
 def test_every_blocking_piece_is_named_at_once():
-    found = what_blocks(program(tables_ram_rows=10, checkpoint_dir="/c", export_dir="/e", export_every=1, **REPLICAS))
+    found = what_blocks(
+        program(tables_ram_rows=10, checkpoint_dir="/c", export_dir="/e", export_every=1, **REPLICAS)
+    )
     assert len(found) == 4, found
-    assert stretch_place(program(tables_ram_rows=10, pserver_stretches_on_loop=False))[1] == \
-        "pserver_stretches_on_loop=False"
+    assert (
+        stretch_place(program(tables_ram_rows=10, pserver_stretches_on_loop=False))[1]
+        == "pserver_stretches_on_loop=False"
+    )
 
 
 def test_a_non_bool_switch_is_refused():
@@ -79,7 +84,8 @@ K = 6
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("on_loop", [True, False])
 def test_a_step_releases_every_parked_call_once_and_no_stretch_runs_inside_another(on_loop):
-    """K calls park on one step; the last applies it under the lock and releases the others, each resumed once."""
+    """K calls park on one step; the last applies it under the lock and releases the others, each resumed
+    once."""
     cv = threading.Condition()
     waits = Waits(cv, EP, barrier_timeout=30.0)
     state = dict(arrived=0, applied=0, deepest=0, threads=set(), resumed=[])
@@ -102,10 +108,11 @@ def test_a_step_releases_every_parked_call_once_and_no_stretch_runs_inside_anoth
             nonlocal handle
             with cv:
                 state["arrived"] += 1
-                if state["arrived"] == K:   # the last push applies the step and ends every wait
+                if state["arrived"] == K:  # the last push applies the step and ends every wait
                     state["applied"] += 1
                     waits.notify()
                 handle = waits.park(lambda: state["applied"] == 1, "step 0", lambda: [], trainer=i)
+
         stretch(arrive)
         yield from park(handle)
         stretch(lambda: state["resumed"].append(i))
@@ -121,7 +128,9 @@ def test_a_step_releases_every_parked_call_once_and_no_stretch_runs_inside_anoth
 
             async def collect(i):
                 return [a async for a in parking.drive(call(i))]
+
             return await asyncio.wait_for(asyncio.gather(*(collect(i) for i in range(K))), 30)
+
         answers = asyncio.run(main())
 
     assert answers == [[f"answer {i}"] for i in range(K)]
@@ -148,16 +157,18 @@ def test_a_call_holding_the_lock_across_io_waits_for_the_loops_stretch_and_keeps
             started.set()
             release.wait(20)
             order.append("stretch ended")
+
         loop.call_soon_threadsafe(long_stretch)
         assert started.wait(10)
 
         def save():
             with stretches.off_loop():
                 order.append(("io began", stretches.on_loop()))
+
         saver = threading.Thread(target=save)
         saver.start()
         poll(lambda: not stretches.on_loop(), "stretches moved off the loop")
-        assert order == []          # the save waits for the loop's stretch
+        assert order == []  # the save waits for the loop's stretch
         release.set()
         saver.join(20)
         assert order == ["stretch ended", ("io began", False)]
@@ -182,5 +193,6 @@ def test_a_call_started_after_the_pool_shut_down_ends_with_the_error_instead_of_
 
     async def main():
         return [a async for a in Parking(pool, Stretches(False)).drive(x for x in ["never"])]
+
     with pytest.raises(RuntimeError, match="shutdown"):
         asyncio.run(asyncio.wait_for(main(), 10))

@@ -6,6 +6,7 @@ holds, ShuttingDown after stop(), MustResync after a roll-back, BarrierTimeout
 naming who is missing once the waiter expires it at its deadline. A waiter
 that goes away cancels its handle, and nothing keeps it.
 """
+
 import threading
 from types import SimpleNamespace
 

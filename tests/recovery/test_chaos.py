@@ -6,6 +6,7 @@ the same command; the job must finish with the model of an uninterrupted run.
 ``PS_CHAOS_SEEDS=1,2,3`` picks the seeds (printed, so a failure replays); the suite runs seed 1 of
 each variant (about 30-40 s each), campaigns run many.
 """
+
 from __future__ import annotations
 
 import os
@@ -22,8 +23,8 @@ from tests.scripts import recovery_job
 pytestmark = pytest.mark.processes
 
 SEEDS = [int(s) for s in os.environ.get("PS_CHAOS_SEEDS", "1").split(",") if s.strip()]
-EPOCHS = 12                 # 240 steps of 2 trainers
-STEP_DELAY = 0.05           # about 13 s of training, before the time recovery adds (see run_chaos's calm)
+EPOCHS = 12  # 240 steps of 2 trainers
+STEP_DELAY = 0.05  # about 13 s of training, before the time recovery adds (see run_chaos's calm)
 
 
 # (when, seconds after it, role, index) of one SIGKILL. ``when``: "now" (right after the previous
@@ -39,11 +40,11 @@ def pserver_schedule(seed: int) -> List[Kill]:
     rng = random.Random(seed)
     first = rng.randrange(2)
     return [
-        ("progress", rng.uniform(0.0, 1.5), "PSERVER", first),           # mid-run
-        ("now", rng.uniform(0.2, 0.8), "PSERVER", 1 - first),            # the other one within a second
-        ("up", rng.uniform(0.0, 0.3), "PSERVER", rng.randrange(2)),      # while the others are rolled back
+        ("progress", rng.uniform(0.0, 1.5), "PSERVER", first),  # mid-run
+        ("now", rng.uniform(0.2, 0.8), "PSERVER", 1 - first),  # the other one within a second
+        ("up", rng.uniform(0.0, 0.3), "PSERVER", rng.randrange(2)),  # while the others are rolled back
         ("progress", rng.uniform(0.0, 1.0), "PSERVER", rng.randrange(2)),
-        ("now", rng.uniform(0.0, 2.0), "PSERVER", rng.randrange(2)),     # maybe during its restart
+        ("now", rng.uniform(0.0, 2.0), "PSERVER", rng.randrange(2)),  # maybe during its restart
     ]
 
 
@@ -53,7 +54,7 @@ def mixed_schedule(seed: int) -> List[Kill]:
     rng = random.Random(seed)
     return [
         ("progress", rng.uniform(0.0, 1.5), "PSERVER", rng.randrange(2)),
-        ("up", rng.uniform(0.0, 0.3), "TRAINER", rng.randrange(2)),      # during the roll-back
+        ("up", rng.uniform(0.0, 0.3), "TRAINER", rng.randrange(2)),  # during the roll-back
         ("progress", rng.uniform(0.0, 1.0), "TRAINER", rng.randrange(2)),
         ("progress", rng.uniform(0.0, 1.0), "TRAINERS+PSERVER", rng.randrange(2)),
         ("progress", rng.uniform(0.0, 1.0), "PSERVER", rng.randrange(2)),
@@ -62,8 +63,11 @@ def mixed_schedule(seed: int) -> List[Kill]:
 
 
 def checkpoint_steps(job: Job) -> List[int]:
-    return sorted(int(d.split("-")[1]) for d in os.listdir(job.ckpt) if d.startswith("step-")) \
-        if os.path.isdir(job.ckpt) else []
+    return (
+        sorted(int(d.split("-")[1]) for d in os.listdir(job.ckpt) if d.startswith("step-"))
+        if os.path.isdir(job.ckpt)
+        else []
+    )
 
 
 def serving(job: Job, index: int) -> bool:
@@ -95,8 +99,10 @@ def run_chaos(job: Job, plan: List[Kill], seed: int, calm: bool = True) -> None:
             job.wait_until(lambda: serving(job, 0) and serving(job, 1), f"seed {seed}: both pservers up")
         elif when == "progress":
             last = max(checkpoint_steps(job), default=0)
-            job.wait_until(lambda: max(checkpoint_steps(job), default=0) >= max(last, 5) + 5,
-                           f"seed {seed}: training past step {max(last, 5) + 5}")
+            job.wait_until(
+                lambda: max(checkpoint_steps(job), default=0) >= max(last, 5) + 5,
+                f"seed {seed}: training past step {max(last, 5) + 5}",
+            )
         time.sleep(delay)
         alive = [job.procs[f"trainer{t}"].poll() is None for t in range(2)]
         assert all(alive), f"seed {seed}: the job ended before the chaos did\n{job.all_logs()}"
@@ -114,7 +120,9 @@ def run_chaos(job: Job, plan: List[Kill], seed: int, calm: bool = True) -> None:
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("seed", SEEDS)
 def test_sync_job_survives_overlapping_pserver_kills_with_the_model_of_an_uninterrupted_run(tmp_path, seed):
-    job = Job(tmp_path, args=["--epochs", str(EPOCHS), "--step_delay", str(STEP_DELAY), "--checkpoint_every", "5"])
+    job = Job(
+        tmp_path, args=["--epochs", str(EPOCHS), "--step_delay", str(STEP_DELAY), "--checkpoint_every", "5"]
+    )
     try:
         run_chaos(job, pserver_schedule(seed), seed)
     finally:
@@ -123,14 +131,30 @@ def test_sync_job_survives_overlapping_pserver_kills_with_the_model_of_an_uninte
     for tid in range(2):
         state = torch.load(job.out / f"trainer-{tid}.pt")
         for k in expected:
-            torch.testing.assert_close(state[k], expected[k], rtol=0, atol=1e-5,
-                                       msg=lambda m: f"seed {seed}, trainer {tid}, {k}: {m}")
+            torch.testing.assert_close(
+                state[k],
+                expected[k],
+                rtol=0,
+                atol=1e-5,
+                msg=lambda m: f"seed {seed}, trainer {tid}, {k}: {m}",
+            )
 
 
 # Lanes: a model of 8.5 MB (its pushes stream and split), at an lr small enough that float32 rounding stays
 # rounding over 240 steps (its 57k-wide layer sums; at 0.05 mean-of-halves against whole-batch drifts apart).
-LANES_ARGS = ["--epochs", str(EPOCHS), "--checkpoint_every", "5", "--hidden", str(recovery_job.WIDE),
-              "--lr", "0.002", "--push_lanes", "3", "--no_shared_memory"]
+LANES_ARGS = [
+    "--epochs",
+    str(EPOCHS),
+    "--checkpoint_every",
+    "5",
+    "--hidden",
+    str(recovery_job.WIDE),
+    "--lr",
+    "0.002",
+    "--push_lanes",
+    "3",
+    "--no_shared_memory",
+]
 
 
 @pytest.fixture(scope="module")
@@ -149,7 +173,8 @@ def uninterrupted_in_lanes(tmp_path_factory) -> dict:
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("seed", SEEDS)
 def test_sync_job_in_lanes_survives_overlapping_pserver_kills_with_the_model_of_an_uninterrupted_run(
-        tmp_path, seed, uninterrupted_in_lanes):
+    tmp_path, seed, uninterrupted_in_lanes
+):
     """As above, every push split across three connections per pserver (``push_lanes``), through gRPC only: a
     killed pserver leaves pushes half-received, and their retries must still count each step once."""
     job = Job(tmp_path, args=LANES_ARGS + ["--step_delay", str(STEP_DELAY)])
@@ -164,10 +189,20 @@ def test_sync_job_in_lanes_survives_overlapping_pserver_kills_with_the_model_of_
     for tid in range(2):
         state = torch.load(job.out / f"trainer-{tid}.pt")
         for k in single:
-            torch.testing.assert_close(state[k], uninterrupted_in_lanes[k], rtol=0, atol=1e-6,
-                                       msg=lambda m: f"seed {seed}, trainer {tid}, {k}, against uninterrupted: {m}")
-            torch.testing.assert_close(state[k], single[k], rtol=0, atol=1e-4,
-                                       msg=lambda m: f"seed {seed}, trainer {tid}, {k}, against one process: {m}")
+            torch.testing.assert_close(
+                state[k],
+                uninterrupted_in_lanes[k],
+                rtol=0,
+                atol=1e-6,
+                msg=lambda m: f"seed {seed}, trainer {tid}, {k}, against uninterrupted: {m}",
+            )
+            torch.testing.assert_close(
+                state[k],
+                single[k],
+                rtol=0,
+                atol=1e-4,
+                msg=lambda m: f"seed {seed}, trainer {tid}, {k}, against one process: {m}",
+            )
 
 
 def accuracy(state: dict) -> float:
@@ -196,8 +231,20 @@ def test_job_survives_pserver_and_trainer_kills_and_trains_as_well(tmp_path, see
     reference steps with one trainer's batches (the lower of the two, a third of the epochs: 0.62;
     all epochs 0.68-0.71, as uninterrupted backup runs end at 0.70-0.78).
     """
-    job = Job(tmp_path, args=["--epochs", str(EPOCHS), "--step_delay", str(STEP_DELAY), "--checkpoint_every", "5",
-                              "--heartbeat_timeout", "3", *MODES[mode]])
+    job = Job(
+        tmp_path,
+        args=[
+            "--epochs",
+            str(EPOCHS),
+            "--step_delay",
+            str(STEP_DELAY),
+            "--checkpoint_every",
+            "5",
+            "--heartbeat_timeout",
+            "3",
+            *MODES[mode],
+        ],
+    )
     try:
         # Dropped and rejoining trainers: the pace stays the one this test was tuned for to the end.
         run_chaos(job, mixed_schedule(seed), seed, calm=False)

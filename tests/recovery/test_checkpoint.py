@@ -1,4 +1,5 @@
 """Checkpoints: consistent parts on every pserver, crash-safe writes, re-sharding, export."""
+
 from __future__ import annotations
 
 import os
@@ -9,10 +10,10 @@ import numpy as np
 import pytest
 import torch
 
-from tests.helpers import checkpoint_models as cm
-from tests.helpers.cluster import LocalCluster
 from pserver.checkpoint import layout as checkpoint
 from pserver.checkpoint.cli import main as checkpoint_main
+from tests.helpers import checkpoint_models as cm
+from tests.helpers.cluster import LocalCluster
 from tests.helpers.paths import SCRIPTS
 
 
@@ -82,8 +83,12 @@ def test_checkpoints_every_k_steps_keep_the_newest_and_export_for_serving(tmp_pa
 @pytest.mark.processes
 def test_crash_during_a_checkpoint_write_leaves_the_previous_one_loadable(tmp_path, point):
     root, out = str(tmp_path / "ckpt"), str(tmp_path / "at-step-2.pt")
-    proc = subprocess.run([sys.executable, str(SCRIPTS / "crash_in_checkpoint.py"),
-                           root, out, point], capture_output=True, text=True, timeout=80)
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPTS / "crash_in_checkpoint.py"), root, out, point],
+        capture_output=True,
+        text=True,
+        timeout=80,
+    )
     assert proc.returncode == -9, proc.stdout + proc.stderr  # died by SIGKILL mid-write
     assert os.path.exists(checkpoint.step_directory(root, 3))  # the interrupted write left files
     assert checkpoint.find_saved(root, sync_mode=True).step == 2

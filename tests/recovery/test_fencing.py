@@ -7,6 +7,7 @@ file handshake) while trainer 0 waits in the barrier; stray Closes and a second 
 live trainer 0 arrive; then trainer 1's process is paused (SIGSTOP) and a new one replaces it.
 The job must still end with the model of single-process PyTorch.
 """
+
 from __future__ import annotations
 
 import signal
@@ -23,12 +24,16 @@ from transpiler import DistributeTranspilerConfig
 
 CLOSE = "/psproto.ParameterServer/Close"
 # What a port scanner or a client pointed at the wrong port sends: parsed as "trainer N closes".
-STRAYS = [b"", ps_pb2.CloseRequest(trainer_id=1).SerializeToString(),
-          ps_pb2.CloseRequest(trainer_id=0, session="0123456789abcdef" * 2).SerializeToString()]
+STRAYS = [
+    b"",
+    ps_pb2.CloseRequest(trainer_id=1).SerializeToString(),
+    ps_pb2.CloseRequest(trainer_id=0, session="0123456789abcdef" * 2).SerializeToString(),
+]
 
 
 def send_strays(endpoint: str) -> SimpleNamespace:
-    """Each stray Close to ``endpoint`` (its RpcError, or None if it was accepted), then the pserver's Stats."""
+    """Each stray Close to ``endpoint`` (its RpcError, or None if it was accepted), then the pserver's
+    Stats."""
     errors = []
     with grpc.insecure_channel(endpoint) as channel:
         close = channel.unary_unary(CLOSE)
@@ -38,7 +43,9 @@ def send_strays(endpoint: str) -> SimpleNamespace:
                 errors.append(None)
             except grpc.RpcError as e:
                 errors.append(e)
-        stats = ps_pb2.StatsReply.FromString(channel.unary_unary("/psproto.ParameterServer/Stats")(b"", timeout=10))
+        stats = ps_pb2.StatsReply.FromString(
+            channel.unary_unary("/psproto.ParameterServer/Stats")(b"", timeout=10)
+        )
     return SimpleNamespace(errors=errors, stats=stats)
 
 
@@ -51,8 +58,10 @@ CONNECT_TIMEOUT = 60.0
 @pytest.fixture(scope="module")
 def job(tmp_path_factory):
     """The shared job, run to its end; ``job.seen`` holds what the tests check from its middle."""
-    job = Job(tmp_path_factory.mktemp("fencing"), args=["--pause_at", "10", "--pause_trainer", "1",
-                                                        "--heartbeat_interval", str(HEARTBEAT_INTERVAL)])
+    job = Job(
+        tmp_path_factory.mktemp("fencing"),
+        args=["--pause_at", "10", "--pause_trainer", "1", "--heartbeat_interval", str(HEARTBEAT_INTERVAL)],
+    )
     job.seen = SimpleNamespace()
     try:
         job.start_all()
@@ -63,8 +72,11 @@ def job(tmp_path_factory):
         # first Hello (it logs "waiting for" just before), not from its start: starting python and torch
         # takes what the machine's load makes it take.
         dup = job.start("TRAINER", 0, tag="-dup")
-        wait_for(lambda: "trainer 0: waiting for" in job.log("trainer0-dup.0") or dup.poll() is not None,
-                 60, "the second trainer 0 to say Hello")
+        wait_for(
+            lambda: "trainer 0: waiting for" in job.log("trainer0-dup.0") or dup.poll() is not None,
+            60,
+            "the second trainer 0 to say Hello",
+        )
         hello_at = time.monotonic()
         job.seen.dup_code = job.wait("trainer0-dup", 60)
         job.seen.dup_seconds = time.monotonic() - hello_at
@@ -77,7 +89,9 @@ def job(tmp_path_factory):
         (job.pause / "go").touch()
 
         job.seen.old_code = job.wait("trainer1", 60)
-        job.seen.codes = {name: job.wait(name, 120) for name in ("trainer0", "trainer1-new", "pserver0", "pserver1")}
+        job.seen.codes = {
+            name: job.wait(name, 120) for name in ("trainer0", "trainer1-new", "pserver0", "pserver1")
+        }
         yield job
     finally:
         job.close()
@@ -91,16 +105,20 @@ def test_stray_closes_and_a_second_process_for_a_live_id_change_nothing(job):
             assert error is not None, "a stray Close was accepted"
             assert error.code() in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.ABORTED)
             assert "trainer" in error.details()
-        assert sorted(strays.stats.trainers_alive) == [0, 1] and strays.stats.refused == len(STRAYS), strays.stats
+        assert sorted(strays.stats.trainers_alive) == [0, 1] and strays.stats.refused == len(STRAYS), (
+            strays.stats
+        )
 
     assert job.seen.dup_code != 0
     dup = job.log("trainer0-dup.0")
     assert "trainer 0 is already running" in dup and "opened from ipv4:127.0.0.1:" in dup, dup
     # The promise: a second process for a live id is refused within one alive window (plus a heartbeat
-    # interval: PserverChannel.hello_here's retries for a predecessor's session to age out), not after connect_timeout,
-    # the Hello's own deadline. Halfway between the two.
-    refused_within = DistributeTranspilerConfig(heartbeat_interval=HEARTBEAT_INTERVAL).session_alive_window \
+    # interval: PserverChannel.hello_here's retries for a predecessor's session to age out), not after
+    # connect_timeout, the Hello's own deadline. Halfway between the two.
+    refused_within = (
+        DistributeTranspilerConfig(heartbeat_interval=HEARTBEAT_INTERVAL).session_alive_window
         + HEARTBEAT_INTERVAL
+    )
     assert job.seen.dup_seconds < (refused_within + CONNECT_TIMEOUT) / 2, job.seen.dup_seconds
 
     assert set(job.seen.codes.values()) == {0}, job.all_logs()

@@ -1,5 +1,6 @@
 """GEO mode's recovery guarantee, with real processes: a trainer killed between syncs loses exactly its
 steps since its last sync, and its restart trains them again from that sync's data position."""
+
 from __future__ import annotations
 
 import pytest
@@ -19,7 +20,9 @@ def test_geo_trainer_killed_between_syncs_loses_only_its_unsynced_steps(job_fact
     0-7 were synced (at 3 and 7), 8 and 9 were not. Its restart joins at step 8, trains 8-39 again, so
     each element ends at -(40 + TALLY * 40) / 2: no step lost for good, none counted twice."""
     steps = 2 * recovery_job.SAMPLES // recovery_job.TRAINERS // recovery_job.BATCH  # 40 per trainer
-    job = job_factory(args=["--async", "--k_steps", str(K), "--counting", "--pause_at", "10", "--pause_trainer", "0"])
+    job = job_factory(
+        args=["--async", "--k_steps", str(K), "--counting", "--pause_at", "10", "--pause_trainer", "0"]
+    )
     job.start_all()
     job.wait_file("reached")
     job.kill("trainer0")

@@ -4,23 +4,32 @@ The pservers' answers and failures are played from a script, so sequences that
 real processes hit only by chance (a pserver lost during the roll-back of the
 others, a pull that fails right after a re-sync) run deterministically.
 """
+
 import functools
 from types import SimpleNamespace
 
 import pytest
 
+from tests.helpers.scripted_channels import run_parallel
 from trainer.errors import DOWN, REFUSED, RESYNC, PserverError
 from trainer.recovery import ROLLBACK, Recovery
 from trainer.recovery.decide import JOIN, SKIP
-from tests.helpers.scripted_channels import run_parallel
 
 A, B = "127.0.0.1:6170", "127.0.0.1:6171"
 
 
 def hello(incarnation, step, checkpoint_step=-1, position=(0, 0), counted_step=-1, applied=None, others=0):
-    return SimpleNamespace(incarnation=incarnation, start_step=step, checkpoint_step=checkpoint_step,
-                           epoch=position[0], batch=position[1], counted_step=counted_step, sync_mode=True,
-                           applied_step=step if applied is None else applied, others_in_step=others)
+    return SimpleNamespace(
+        incarnation=incarnation,
+        start_step=step,
+        checkpoint_step=checkpoint_step,
+        epoch=position[0],
+        batch=position[1],
+        counted_step=counted_step,
+        sync_mode=True,
+        applied_step=step if applied is None else applied,
+        others_in_step=others,
+    )
 
 
 class ScriptedChannels:
@@ -34,8 +43,9 @@ class ScriptedChannels:
 
     def __init__(self, hellos, restore_fails=()):
         self.hellos = list(hellos)
-        self.restore_fails = dict(restore_fails) if isinstance(restore_fails, dict) else dict.fromkeys(restore_fails,
-                                                                                                           DOWN)
+        self.restore_fails = (
+            dict(restore_fails) if isinstance(restore_fails, dict) else dict.fromkeys(restore_fails, DOWN)
+        )
         self.restores = []
         self.join_ats = []
 
@@ -52,7 +62,9 @@ class ScriptedChannels:
         if kind == DOWN:
             raise PserverError(ep, "roll-back failed: UNAVAILABLE: Connection refused", DOWN, "UNAVAILABLE")
         if kind is not None:
-            raise PserverError(ep, "roll-back failed: ABORTED: trainer 0's session is not known here", kind, "ABORTED")
+            raise PserverError(
+                ep, "roll-back failed: ABORTED: trainer 0's session is not known here", kind, "ABORTED"
+            )
         self.restores.append((ep, step, token))
 
     def run_parallel(self, jobs):
@@ -71,17 +83,24 @@ def failing_once():
     def calls():
         if failures:
             raise failures.pop()
+
     return calls
 
 
 def test_pserver_lost_during_the_roll_back_of_the_others_is_waited_for_and_the_job_converges():
-    comm = ScriptedChannels([
-        {A: hello(11, 7), B: hello(99, 4, checkpoint_step=4)},        # B restarted from step 4
-        # the roll-back of A failed: A died too, and came back from the same checkpoint; B, which
-        # may have gone on meanwhile, is rolled back to it for A's restart, and A hears of B's
-        {A: hello(33, 4, checkpoint_step=4), B: hello(99, 5, checkpoint_step=4)},
-        {A: hello(33, 4, checkpoint_step=4, position=(0, 8)), B: hello(99, 4, checkpoint_step=4, position=(0, 8))},
-    ], restore_fails={A})
+    comm = ScriptedChannels(
+        [
+            {A: hello(11, 7), B: hello(99, 4, checkpoint_step=4)},  # B restarted from step 4
+            # the roll-back of A failed: A died too, and came back from the same checkpoint; B, which
+            # may have gone on meanwhile, is rolled back to it for A's restart, and A hears of B's
+            {A: hello(33, 4, checkpoint_step=4), B: hello(99, 5, checkpoint_step=4)},
+            {
+                A: hello(33, 4, checkpoint_step=4, position=(0, 8)),
+                B: hello(99, 4, checkpoint_step=4, position=(0, 8)),
+            },
+        ],
+        restore_fails={A},
+    )
     pulled = []
     decision = recovery(comm).heal(7, "step 7", failing_once(), pulled.append)
     assert (decision.action, decision.step, decision.position) == (ROLLBACK, 4, (0, 8))
@@ -95,12 +114,17 @@ def test_a_restart_whose_roll_back_of_the_others_was_interrupted_is_still_told_t
     pushes it counted, and a roll-back for that restart asked later by trainer 0, once B has applied
     step 20 with both trainers, is one B already honoured. Forgotten, it rolled B back from 21 to 20
     while trainer 1 went on, which left the job with no step applied until barrier_timeout."""
-    comm = ScriptedChannels([
-        {A: hello(12, 20, checkpoint_step=20), B: hello(22, 24)},                      # A restarted
-        {A: hello(12, 20, checkpoint_step=20), B: hello(33, 20, checkpoint_step=20, others=1)},  # B too
-        {A: hello(12, 20, checkpoint_step=20, position=(0, 20)),
-         B: hello(33, 20, checkpoint_step=20, position=(0, 20), others=1)},
-    ], restore_fails={B: RESYNC})
+    comm = ScriptedChannels(
+        [
+            {A: hello(12, 20, checkpoint_step=20), B: hello(22, 24)},  # A restarted
+            {A: hello(12, 20, checkpoint_step=20), B: hello(33, 20, checkpoint_step=20, others=1)},  # B too
+            {
+                A: hello(12, 20, checkpoint_step=20, position=(0, 20)),
+                B: hello(33, 20, checkpoint_step=20, position=(0, 20), others=1),
+            },
+        ],
+        restore_fails={B: RESYNC},
+    )
     r = recovery(comm)
     decision = r.heal(23, "step 23", failing_once(), lambda step: None)
     assert (decision.action, decision.step, decision.position) == (ROLLBACK, 20, (0, 20))
@@ -109,11 +133,17 @@ def test_a_restart_whose_roll_back_of_the_others_was_interrupted_is_still_told_t
 
 
 def test_roll_back_is_asked_again_after_a_second_restart():
-    comm = ScriptedChannels([
-        {A: hello(11, 7), B: hello(99, 4, checkpoint_step=4)},
-        {A: hello(11, 7), B: hello(123, 2, checkpoint_step=2)},        # B restarted again, from step 2
-        {A: hello(11, 2, checkpoint_step=2, position=(0, 3)), B: hello(123, 2, checkpoint_step=2, position=(0, 3))},
-    ], restore_fails={A})
+    comm = ScriptedChannels(
+        [
+            {A: hello(11, 7), B: hello(99, 4, checkpoint_step=4)},
+            {A: hello(11, 7), B: hello(123, 2, checkpoint_step=2)},  # B restarted again, from step 2
+            {
+                A: hello(11, 2, checkpoint_step=2, position=(0, 3)),
+                B: hello(123, 2, checkpoint_step=2, position=(0, 3)),
+            },
+        ],
+        restore_fails={A},
+    )
     r = recovery(comm)
     decision = r.heal(7, "step 7", failing_once(), lambda step: None)
     assert (decision.action, decision.step, decision.position) == (ROLLBACK, 2, (0, 3))
@@ -122,16 +152,22 @@ def test_roll_back_is_asked_again_after_a_second_restart():
 
 
 def test_pull_that_fails_right_after_a_re_sync_is_healed_too():
-    comm = ScriptedChannels([
-        {A: hello(11, 4, position=(1, 0)), B: hello(22, 4, position=(1, 0))},   # rolled back by another trainer
-        {A: hello(11, 4, position=(1, 0)), B: hello(22, 4, position=(1, 0))},   # after the failed pull
-    ])
+    comm = ScriptedChannels(
+        [
+            {
+                A: hello(11, 4, position=(1, 0)),
+                B: hello(22, 4, position=(1, 0)),
+            },  # rolled back by another trainer
+            {A: hello(11, 4, position=(1, 0)), B: hello(22, 4, position=(1, 0))},  # after the failed pull
+        ]
+    )
     pulls = []
 
     def pull(step):
         pulls.append(step)
         if len(pulls) == 1:
             raise PserverError(A, "pull failed: UNAVAILABLE", DOWN, "UNAVAILABLE")
+
     decision = recovery(comm).heal(7, "step 7", failing_once(), pull)
     assert (decision.action, decision.step, decision.position) == (ROLLBACK, 4, (1, 0))
     assert pulls == [4, 4]
@@ -142,6 +178,7 @@ def test_a_refused_roll_back_is_not_retried():
 
     def refuse(ep, step, token):
         raise PserverError(ep, "no complete checkpoint at step 4", REFUSED, "FAILED_PRECONDITION")
+
     comm.restore = refuse
     with pytest.raises(PserverError, match="no complete checkpoint"):
         recovery(comm).heal(7, "step 7", failing_once(), lambda step: None)
@@ -150,10 +187,12 @@ def test_a_refused_roll_back_is_not_retried():
 def test_a_dropped_trainer_that_finds_the_pservers_a_step_apart_tells_the_one_behind_where_it_rejoins():
     """Dropped by each pserver at a slightly different moment: A went on to step 45, B stands at 44 and
     counts this trainer in its step 44, whose push will never come (the trainer skips to 45)."""
-    comm = ScriptedChannels([
-        {A: hello(11, 45, counted_step=40), B: hello(22, 44, counted_step=40)},
-        {A: hello(11, 45, counted_step=40), B: hello(22, 45, counted_step=40)},  # B applied 44 without it
-    ])
+    comm = ScriptedChannels(
+        [
+            {A: hello(11, 45, counted_step=40), B: hello(22, 44, counted_step=40)},
+            {A: hello(11, 45, counted_step=40), B: hello(22, 45, counted_step=40)},  # B applied 44 without it
+        ]
+    )
     pulls = []
     decision = recovery(comm).heal(41, "step 41", failing_once(), pulls.append)
     assert (decision.action, decision.step) == (SKIP, 45)
@@ -162,12 +201,15 @@ def test_a_dropped_trainer_that_finds_the_pservers_a_step_apart_tells_the_one_be
 
 def test_a_joining_trainer_that_finds_the_pservers_apart_asks_again_saying_where_it_starts():
     """A pserver a step behind must not wait for a trainer that waits for the pservers to agree."""
-    comm = ScriptedChannels([
-        {A: hello(11, 8), B: hello(22, 7)},          # mid-step: A applied step 7, B waits for it
-        {A: hello(11, 8), B: hello(22, 8)},          # B finished step 7 without this trainer
-    ])
-    decision = Recovery(comm, sync_mode=True, push_endpoints=[A, B], connect_timeout=5,
-                        recovery_timeout=30).join()
+    comm = ScriptedChannels(
+        [
+            {A: hello(11, 8), B: hello(22, 7)},  # mid-step: A applied step 7, B waits for it
+            {A: hello(11, 8), B: hello(22, 8)},  # B finished step 7 without this trainer
+        ]
+    )
+    decision = Recovery(
+        comm, sync_mode=True, push_endpoints=[A, B], connect_timeout=5, recovery_timeout=30
+    ).join()
     assert (decision.action, decision.step) == (JOIN, 8)
     assert comm.join_ats == [0, 8]
 
@@ -182,11 +224,15 @@ ROLL_BACK_28 = f"join@28:{A}#11@30,{B}#99@28"
 def test_a_joining_trainer_rolls_every_pserver_back_to_the_checkpoint_one_restarted_from():
     """Both trainers were down while B restarted from checkpoint 28 and A stood at 30: nobody else
     would roll A back, so the joining trainer does, then joins at 28 from the checkpoint's position."""
-    comm = ScriptedChannels([
-        {A: hello(11, 30), B: hello(99, 28, checkpoint_step=28, position=(1, 3))},
-        {A: hello(11, 28, checkpoint_step=28, position=(1, 3)), B: hello(99, 28, checkpoint_step=28,
-                                                                          position=(1, 3))},
-    ])
+    comm = ScriptedChannels(
+        [
+            {A: hello(11, 30), B: hello(99, 28, checkpoint_step=28, position=(1, 3))},
+            {
+                A: hello(11, 28, checkpoint_step=28, position=(1, 3)),
+                B: hello(99, 28, checkpoint_step=28, position=(1, 3)),
+            },
+        ]
+    )
     decision = joining(comm).join()
     assert (decision.action, decision.step, decision.position) == (JOIN, 28, (1, 3))
     # B too: it stands at 28 already, and forgets who joined a step later (an abandoned step).
@@ -196,11 +242,13 @@ def test_a_joining_trainer_rolls_every_pserver_back_to_the_checkpoint_one_restar
 
 def test_a_joining_trainer_whose_pservers_a_step_apart_stall_rolls_them_back():
     """A step apart with no trainer alive: B, told this trainer joins at 29, waits for nobody."""
-    comm = ScriptedChannels([
-        {A: hello(11, 29), B: hello(99, 28, checkpoint_step=28, others=1)},     # B still counts trainer 1
-        {A: hello(11, 29), B: hello(99, 29, checkpoint_step=28, applied=28)},   # trainer 1 joins later too
-        {A: hello(11, 28, checkpoint_step=28), B: hello(99, 28, checkpoint_step=28)},
-    ])
+    comm = ScriptedChannels(
+        [
+            {A: hello(11, 29), B: hello(99, 28, checkpoint_step=28, others=1)},  # B still counts trainer 1
+            {A: hello(11, 29), B: hello(99, 29, checkpoint_step=28, applied=28)},  # trainer 1 joins later too
+            {A: hello(11, 28, checkpoint_step=28), B: hello(99, 28, checkpoint_step=28)},
+        ]
+    )
     decision = joining(comm).join()
     assert (decision.action, decision.step) == (JOIN, 28)
     token = f"join@28:{A}#11@29,{B}#99@28"
@@ -210,11 +258,13 @@ def test_a_joining_trainer_whose_pservers_a_step_apart_stall_rolls_them_back():
 def test_a_joining_trainer_asks_for_a_roll_back_once_then_waits_for_the_one_under_way():
     """The pservers answered the same after the roll-back this trainer asked for (another trainer's Hello
     came between): it does not ask again for the same state but asks the pservers again."""
-    comm = ScriptedChannels([
-        {A: hello(11, 30), B: hello(99, 28, checkpoint_step=28)},
-        {A: hello(11, 30), B: hello(99, 28, checkpoint_step=28)},
-        {A: hello(11, 28, checkpoint_step=28), B: hello(99, 28, checkpoint_step=28)},
-    ])
+    comm = ScriptedChannels(
+        [
+            {A: hello(11, 30), B: hello(99, 28, checkpoint_step=28)},
+            {A: hello(11, 30), B: hello(99, 28, checkpoint_step=28)},
+            {A: hello(11, 28, checkpoint_step=28), B: hello(99, 28, checkpoint_step=28)},
+        ]
+    )
     decision = joining(comm).join()
     assert (decision.action, decision.step) == (JOIN, 28)
     assert comm.restores == [(A, 28, ROLL_BACK_28), (B, 28, ROLL_BACK_28)]
@@ -222,11 +272,14 @@ def test_a_joining_trainer_asks_for_a_roll_back_once_then_waits_for_the_one_unde
 
 
 def test_a_joining_trainer_whose_roll_back_is_interrupted_asks_again():
-    comm = ScriptedChannels([
-        {A: hello(11, 30), B: hello(99, 28, checkpoint_step=28)},
-        {A: hello(11, 30), B: hello(99, 28, checkpoint_step=28)},     # A was unreachable: same decision
-        {A: hello(11, 28, checkpoint_step=28), B: hello(99, 28, checkpoint_step=28)},
-    ], restore_fails={A})
+    comm = ScriptedChannels(
+        [
+            {A: hello(11, 30), B: hello(99, 28, checkpoint_step=28)},
+            {A: hello(11, 30), B: hello(99, 28, checkpoint_step=28)},  # A was unreachable: same decision
+            {A: hello(11, 28, checkpoint_step=28), B: hello(99, 28, checkpoint_step=28)},
+        ],
+        restore_fails={A},
+    )
     decision = joining(comm).join()
     assert (decision.action, decision.step) == (JOIN, 28)
     assert comm.restores == [(B, 28, ROLL_BACK_28), (A, 28, ROLL_BACK_28), (B, 28, ROLL_BACK_28)]

@@ -6,6 +6,7 @@ in-process channels that keep its session per pserver incarnation (a call with a
 restart is refused, as ABORTED is). What the chaos test reaches only by chance on a busy machine replays
 here deterministically, decisions, tokens and engines included.
 """
+
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -20,24 +21,27 @@ from pserver.engine import SyncEngine
 from pserver.errors import MustResync
 from pserver.store import BlockStore
 from pserver.tables.table_set import TableSet
+from tests.helpers.scripted_channels import run_parallel
 from trainer.errors import DOWN, RESYNC, PserverError
 from trainer.recovery import ROLLBACK, Recovery
 from trainer.recovery.decide import JOIN
 from transpiler import DistributeTranspiler, DistributeTranspilerConfig, Program
-from tests.helpers.scripted_channels import run_parallel
 
-A, B = "127.0.0.1:1", "127.0.0.1:2"   # pserver 0 holds the weight, pserver 1 the bias
+A, B = "127.0.0.1:1", "127.0.0.1:2"  # pserver 0 holds the weight, pserver 1 the bias
 
 
 def plan() -> DistributeTranspiler:
     torch.manual_seed(0)
     t = DistributeTranspiler(DistributeTranspilerConfig())
-    t.transpile(0, program=Program(nn.Linear(4, 2), "sgd", lr=0.5), pservers=f"{A},{B}", trainers=2, sync_mode=True)
+    t.transpile(
+        0, program=Program(nn.Linear(4, 2), "sgd", lr=0.5), pservers=f"{A},{B}", trainers=2, sync_mode=True
+    )
     return t
 
 
 class Pservers:
-    """Both pservers' engines over ``checkpoint_dir``; :meth:`restart` resumes one from the latest checkpoint."""
+    """Both pservers' engines over ``checkpoint_dir``; :meth:`restart` resumes one from the latest
+    checkpoint."""
 
     def __init__(self, checkpoint_dir: str):
         self.plan, self.dir = plan(), checkpoint_dir
@@ -64,20 +68,28 @@ class Pservers:
 
 
 class Channels:
-    """What :class:`Recovery` calls, for trainer ``trainer_id``, served by ``pservers``' engines in this process."""
+    """What :class:`Recovery` calls, for trainer ``trainer_id``, served by ``pservers``' engines in this
+    process."""
 
     def __init__(self, pservers: Pservers, trainer_id: int):
         self.pservers, self.trainer_id = pservers, trainer_id
-        self.sessions: Dict[str, int] = {}        # the incarnation each pserver's session was opened with
+        self.sessions: Dict[str, int] = {}  # the incarnation each pserver's session was opened with
         self.answered_early: Dict[str, SimpleNamespace] = {}
 
     def hello_one(self, ep: str, join_at: int = 0) -> SimpleNamespace:
         j = self.pservers.engines[ep].hello(self.trainer_id, join_at)
         self.sessions[ep] = self.pservers.incarnations[ep]
-        return SimpleNamespace(incarnation=self.pservers.incarnations[ep], start_step=j.step, sync_mode=True,
-                               checkpoint_step=j.checkpoint_step, epoch=j.position[0], batch=j.position[1],
-                               counted_step=j.counted_step, applied_step=j.applied_step,
-                               others_in_step=j.others_in_step)
+        return SimpleNamespace(
+            incarnation=self.pservers.incarnations[ep],
+            start_step=j.step,
+            sync_mode=True,
+            checkpoint_step=j.checkpoint_step,
+            epoch=j.position[0],
+            batch=j.position[1],
+            counted_step=j.counted_step,
+            applied_step=j.applied_step,
+            others_in_step=j.others_in_step,
+        )
 
     def hello(self, timeout: float, join_at: int = 0):
         """Every pserver's answer; one answered ahead (:meth:`answer_early`) gives that answer."""
@@ -89,27 +101,36 @@ class Channels:
 
     def _engine(self, ep: str) -> SyncEngine:
         if self.sessions.get(ep) != self.pservers.incarnations[ep]:
-            raise PserverError(ep, f"ABORTED: trainer {self.trainer_id}'s session is not known here", RESYNC, "ABORTED")
+            raise PserverError(
+                ep, f"ABORTED: trainer {self.trainer_id}'s session is not known here", RESYNC, "ABORTED"
+            )
         return self.pservers.engines[ep]
 
     def __getitem__(self, ep: str) -> SimpleNamespace:
-        return SimpleNamespace(restore=lambda step, token: self._engine(ep).restore(self.trainer_id, step, token))
+        return SimpleNamespace(
+            restore=lambda step, token: self._engine(ep).restore(self.trainer_id, step, token)
+        )
 
     def run_parallel(self, jobs):
         return run_parallel(jobs)
 
     def push(self, step: int, fail_at: str = "") -> None:
-        """Push this trainer's gradients of ``step`` to both pservers (``fail_at``: that one's call was lost)."""
+        """Push this trainer's gradients of ``step`` to both pservers (``fail_at``: that one's call was
+        lost)."""
+
         def one(ep: str) -> None:
             if ep == fail_at:
-                raise PserverError(ep, f"step {step} failed: UNAVAILABLE: Stream removed", DOWN, "UNAVAILABLE")
+                raise PserverError(
+                    ep, f"step {step} failed: UNAVAILABLE: Stream removed", DOWN, "UNAVAILABLE"
+                )
             engine = self._engine(ep)
-            value = 1.0 + step + 10.0 * self.trainer_id   # the same gradient whenever the step is redone
+            value = 1.0 + step + 10.0 * self.trainer_id  # the same gradient whenever the step is redone
             grads = {n: torch.full_like(b, value) for n, b in engine.store.blocks.items()}
             try:
                 engine.push(self.trainer_id, step, grads, position=(0, step + 1))
             except MustResync as e:
                 raise PserverError(ep, f"ABORTED: {e}", RESYNC, "ABORTED") from None
+
         self.run_parallel({ep: (lambda ep=ep: one(ep)) for ep in (A, B)})
 
 
@@ -121,8 +142,11 @@ def healing(channels: Channels, step: int, lost_at: str):
     def calls():
         tries.append(step)
         if len(tries) == 1:
-            raise PserverError(lost_at, f"step {step} failed: UNAVAILABLE: Stream removed", DOWN, "UNAVAILABLE")
+            raise PserverError(
+                lost_at, f"step {step} failed: UNAVAILABLE: Stream removed", DOWN, "UNAVAILABLE"
+            )
         channels.push(step)
+
     return calls
 
 
@@ -150,8 +174,10 @@ def test_a_late_roll_back_for_a_restart_a_trainer_re_synced_past_leaves_no_step_
     """
     pservers = Pservers(str(tmp_path / "ckpt"))
     t0, t1 = Channels(pservers, 0), Channels(pservers, 1)
-    r0, r1 = (Recovery(c, sync_mode=True, push_endpoints=[A, B], connect_timeout=5, recovery_timeout=30)
-              for c in (t0, t1))
+    r0, r1 = (
+        Recovery(c, sync_mode=True, push_endpoints=[A, B], connect_timeout=5, recovery_timeout=30)
+        for c in (t0, t1)
+    )
     assert r0.join().action == JOIN and r1.join().action == JOIN
     for step in range(3):
         if step == 1:
@@ -160,27 +186,28 @@ def test_a_late_roll_back_for_a_restart_a_trainer_re_synced_past_leaves_no_step_
             t.push(step)
     assert [e.updates for e in pservers.engines.values()] == [3, 3]
 
-    t1.answer_early(B)                      # trainer 1's step 3 failed at A; B answers its Hello at once
-    for ep in (A, B):                       # A and B restart within a second, both from checkpoint 1
+    t1.answer_early(B)  # trainer 1's step 3 failed at A; B answers its Hello at once
+    for ep in (A, B):  # A and B restart within a second, both from checkpoint 1
         pservers.restart(ep)
     moved = r0.heal(3, "step 3", healing(t0, 3, lost_at=A), lambda step: None)
     assert (moved.action, moved.step) == (ROLLBACK, 1)
     with pytest.raises(PserverError, match="Stream removed"):
-        t0.push(1, fail_at=A)               # B counts trainer 0's step 1; at A the call dies with the process:
-    pservers.restart(A)                     # A restarts again, from checkpoint 1
+        t0.push(1, fail_at=A)  # B counts trainer 0's step 1; at A the call dies with the process:
+    pservers.restart(A)  # A restarts again, from checkpoint 1
 
     moved = r1.heal(3, "step 3", healing(t1, 3, lost_at=A), lambda step: None)
     assert (moved.action, moved.step) == (ROLLBACK, 1)
-    t1.push(1)                              # B applies step 1 with both trainers; at A it waits for trainer 0
+    t1.push(1)  # B applies step 1 with both trainers; at A it waits for trainer 0
     assert (pservers.engines[A].updates, pservers.engines[B].updates) == (1, 2)
 
     # Trainer 0 sees A's restart: B already heard of it (from trainer 1) and is not rolled back; A needs
     # trainer 0's push of step 1, which B counted: it retries the step (RETRY), B acknowledging it again.
     assert r0.heal(1, "step 1", healing(t0, 1, lost_at=A), lambda step: None) is None
-    assert (pservers.engines[A].updates, pservers.engines[B].updates) == (2, 2), \
+    assert (pservers.engines[A].updates, pservers.engines[B].updates) == (2, 2), (
         "B was rolled back behind trainer 1, whose step 1 is done: no step completes until barrier_timeout"
+    )
     for t in (t1, t0):
-        t.push(2)                           # the job goes on: step 2 completes on both pservers
+        t.push(2)  # the job goes on: step 2 completes on both pservers
     assert (pservers.engines[A].updates, pservers.engines[B].updates) == (3, 3)
     got, expected = pservers.params(), reference(str(tmp_path / "reference"), 3)
     for name in expected:

@@ -1,15 +1,15 @@
-"""Liveness rides on the calls that flow: no heartbeat in steady training, none missing while a trainer is idle.
+"""Liveness rides on the calls that flow: no heartbeat in steady training, none missing while a trainer is
+idle.
 
-In-process clusters (real gRPC pservers on loopback, trainers in threads) with
-a 0.2 s ``heartbeat_interval`` and a 1 s ``heartbeat_timeout``: a trainer that
-pushes every step sends no heartbeat; one stalled past the timeout (a data
-loader) heartbeats, the one parked in the sync barrier waiting for it does
-not (the pserver holds its call), neither is dropped, and the job ends with
-the single-process model; one that goes
-silent is dropped after the timeout, as before. The decisions themselves are
-tested as tables in tests/trainer/test_heartbeat.py; real processes killed or
-SIGSTOPped past the timeout in test_recovery.py and test_overlaps.py.
+In-process clusters (real gRPC pservers on loopback, trainers in threads) with a 0.2 s
+``heartbeat_interval`` and a 1 s ``heartbeat_timeout``: a trainer that pushes every step sends no
+heartbeat; one stalled past the timeout (a data loader) heartbeats, the one parked in the sync barrier
+waiting for it does not (the pserver holds its call), neither is dropped, and the job ends with the
+single-process model; one that goes silent is dropped after the timeout, as before. The decisions
+themselves are tested as tables in tests/trainer/test_heartbeat.py; real processes killed or SIGSTOPped
+past the timeout in test_recovery.py and test_overlaps.py.
 """
+
 from __future__ import annotations
 
 import logging
@@ -21,9 +21,9 @@ import torch
 from torch import nn
 
 from tests.helpers.cluster import LocalCluster, in_threads
-from trainer import job_metrics
 from tests.helpers.models import FLOAT64_EXACT, batches, odd_mlp, train_concatenated
 from tests.pserver.test_metrics import scrape, value
+from trainer import job_metrics
 from transpiler import DistributeTranspilerConfig, Program
 
 INTERVAL = 0.2
@@ -36,7 +36,9 @@ def build() -> Program:
 
 
 def config(**overrides) -> DistributeTranspilerConfig:
-    return DistributeTranspilerConfig(**{"heartbeat_interval": INTERVAL, "heartbeat_timeout": TIMEOUT, **overrides})
+    return DistributeTranspilerConfig(
+        **{"heartbeat_interval": INTERVAL, "heartbeat_timeout": TIMEOUT, **overrides}
+    )
 
 
 def train_step(tr, batch) -> None:
@@ -70,11 +72,14 @@ def test_steady_sync_training_sends_no_heartbeat():
     interval = 1.0
     steady_for = 5 * interval
     data = batches(2, 4, 1, seed=3, dtype=torch.float64)[0]
-    stop_at = [10 ** 9]  # the first step neither trainer trains: trainer 0 decides it (see body)
+    stop_at = [10**9]  # the first step neither trainer trains: trainer 0 decides it (see body)
     counts = {}
     slowest = [0.0]
-    with LocalCluster(build, 2, 2, config=config(heartbeat_interval=interval, heartbeat_timeout=30.0)) as cluster:
+    with LocalCluster(
+        build, 2, 2, config=config(heartbeat_interval=interval, heartbeat_timeout=30.0)
+    ) as cluster:
         with cluster.trainer(0) as tr0, cluster.trainer(1) as tr1:
+
             def stats():
                 return {ep: r.heartbeats for ep, r in tr0.channels.stats(10.0).items()}
 
@@ -87,7 +92,9 @@ def test_steady_sync_training_sends_no_heartbeat():
                     if i == 0 and step == 2:  # warmed up: the steady part starts
                         counts["before"], counts["started"] = stats(), time.monotonic()
                         slowest[0] = 0.0
-                    elif i == 0 and "started" in counts and time.monotonic() - counts["started"] >= steady_for:
+                    elif (
+                        i == 0 and "started" in counts and time.monotonic() - counts["started"] >= steady_for
+                    ):
                         # Trainer 1 starts step + 2 only after this trainer pushed step + 1, so both see the
                         # limit before it: they end on the same step.
                         stop_at[0] = min(stop_at[0], step + 2)
@@ -100,18 +107,22 @@ def test_steady_sync_training_sends_no_heartbeat():
     assert steps[0] == steps[1] == counts["steps"]
     sent = {ep: counts["after"][ep] - counts["before"][ep] for ep in cluster.endpoints}
     assert sent == {ep: 0 for ep in cluster.endpoints}, (
-        f"heartbeats in steady training: {sent} over {counts['steps'] - 3} steps (slowest step {slowest[0]:.3f}s, "
-        f"interval {interval}s)")
+        f"heartbeats in steady training: {sent} over {counts['steps'] - 3} steps (slowest step "
+        f"{slowest[0]:.3f}s, "
+        f"interval {interval}s)"
+    )
 
 
 @pytest.mark.timeout(120)
 def test_a_stalled_trainer_heartbeats_the_one_parked_waiting_for_it_does_not_and_neither_is_dropped(caplog):
-    """Trainer 1's data stalls 1.5 s (> heartbeat_timeout) before step 2; trainer 0 waits in the barrier meanwhile."""
+    """Trainer 1's data stalls 1.5 s (> heartbeat_timeout) before step 2; trainer 0 waits in the barrier
+    meanwhile."""
     caplog.set_level(logging.INFO)
     stall, stall_before = 1.5 * TIMEOUT, 2
     data = batches(2, 4, 4, seed=5, dtype=torch.float64)
     during = {}
     with LocalCluster(build, 2, 2, config=config(metrics_port=0)) as cluster:
+
         def body(tr, i):
             for step, step_batches in enumerate(data):
                 if i == 1 and step == stall_before:
@@ -119,8 +130,9 @@ def test_a_stalled_trainer_heartbeats_the_one_parked_waiting_for_it_does_not_and
                     # The data loader stalls: this sleep is the behaviour under test, not a synchronisation.
                     time.sleep(stall)
                     after = heartbeats_by_trainer(cluster)
-                    during.update({ep: {t: after[ep].get(t, 0) - before[ep].get(t, 0) for t in (0, 1)}
-                                   for ep in after})
+                    during.update(
+                        {ep: {t: after[ep].get(t, 0) - before[ep].get(t, 0) for t in (0, 1)} for ep in after}
+                    )
                 train_step(tr, step_batches[i])
             return tr.state_dict()
 
@@ -139,8 +151,10 @@ def test_a_stalled_trainer_heartbeats_the_one_parked_waiting_for_it_does_not_and
         assert value(samples, "ps_heartbeats_total") == sum(received[ep].values())
         assert value(samples, "ps_trainer_heartbeats_total", trainer="1") == received[ep][1] >= during[ep][1]
         # Trainer 0 never heartbeated this pserver: no series (a counter appears with its first heartbeat).
-        assert received[ep].get(0, 0) == 0 and ("ps_trainer_heartbeats_total", frozenset({("trainer", "0")})) \
-            not in samples
+        assert (
+            received[ep].get(0, 0) == 0
+            and ("ps_trainer_heartbeats_total", frozenset({("trainer", "0")})) not in samples
+        )
     expected = train_concatenated(build(), data)
     for i in (0, 1):
         assert states[i].keys() == expected.keys()
@@ -150,10 +164,11 @@ def test_a_stalled_trainer_heartbeats_the_one_parked_waiting_for_it_does_not_and
 
 @pytest.mark.timeout(120)
 def test_a_trainer_waiting_in_a_reduce_round_past_heartbeat_timeout_is_not_dropped(caplog):
-    """Trainer 1 comes to the round 1.5 s (> heartbeat_timeout) after trainer 0, whose Reduce the pserver holds."""
+    """Trainer 1 comes to the round 1.5 s (> heartbeat_timeout) after trainer 0, whose Reduce the pserver
+    holds."""
     caplog.set_level(logging.INFO)
     with LocalCluster(build, 2, 2, config=config()) as cluster:
-        server = cluster.servers[0]                      # the pserver reductions go through
+        server = cluster.servers[0]  # the pserver reductions go through
         with cluster.trainer(0) as tr0, cluster.trainer(1) as tr1:
             seen = {}
 
@@ -162,7 +177,8 @@ def test_a_trainer_waiting_in_a_reduce_round_past_heartbeat_timeout_is_not_dropp
                 while server.reductions.parked_trainers() != {0}:
                     assert time.monotonic() < deadline, "trainer 0's Reduce never parked"
                     time.sleep(0.005)
-                # Trainer 1's evaluation takes long: this sleep is the behaviour under test, not a synchronisation.
+                # Trainer 1's evaluation takes long: this sleep is the behaviour under test, not a
+                # synchronisation.
                 time.sleep(1.5 * TIMEOUT)
                 seen["held"] = server.engine.presence(0)[0] - time.monotonic()
                 seen["before_release"] = time.monotonic()
@@ -173,9 +189,9 @@ def test_a_trainer_waiting_in_a_reduce_round_past_heartbeat_timeout_is_not_dropp
             heartbeats = heartbeats_by_trainer(cluster)[cluster.endpoints[0]].get(0, 0)
     assert out[0]["v"].tolist() == out[1]["v"].tolist() == 3.0
     assert not drops(caplog) and not ended
-    assert seen["held"] > -0.5                           # alive to a takeover while its round holds it
-    assert heard >= seen["before_release"]               # heard from when the round released it
-    assert heartbeats == 0                               # its call in flight was contact: no heartbeat needed
+    assert seen["held"] > -0.5  # alive to a takeover while its round holds it
+    assert heard >= seen["before_release"]  # heard from when the round released it
+    assert heartbeats == 0  # its call in flight was contact: no heartbeat needed
 
 
 def die(tr) -> None:

@@ -10,6 +10,7 @@
 
 (tests/scripts/recovery_job.py plays the roles; pauses and holds are file handshakes.)
 """
+
 from __future__ import annotations
 
 import signal
@@ -47,7 +48,8 @@ def restart_pserver1_with_both_trainers_down(job, reached=("reached",)) -> None:
 
 @pytest.mark.timeout(240)
 def test_trainers_down_while_a_pserver_restarts_behind_the_other_roll_both_back_and_train_as_one_process(
-        job_factory):
+    job_factory,
+):
     job = job_factory(args=["--pause_at", "23"])
     job.start_all()
     restart_pserver1_with_both_trainers_down(job)
@@ -61,8 +63,9 @@ def test_trainers_down_while_a_pserver_restarts_behind_the_other_roll_both_back_
 
 @pytest.mark.timeout(240)
 def test_async_trainers_down_while_a_pserver_restarts_from_an_older_checkpoint_go_on(job_factory):
-    job = job_factory(args=["--async", "--optimizer", "sgd", "--lr", "0.1", "--pause_at", "23",
-                            "--pause_every_trainer"])
+    job = job_factory(
+        args=["--async", "--optimizer", "sgd", "--lr", "0.1", "--pause_at", "23", "--pause_every_trainer"]
+    )
     job.start_all()
     restart_pserver1_with_both_trainers_down(job, reached=("reached-0", "reached-1"))
 
@@ -79,17 +82,31 @@ def rows_on_second_pserver(job) -> dict:
 
 
 @pytest.mark.timeout(240)
-def test_a_trainer_whose_push_one_pserver_applied_and_the_other_dropped_goes_on_at_the_later_step(job_factory):
+def test_a_trainer_whose_push_one_pserver_applied_and_the_other_dropped_goes_on_at_the_later_step(
+    job_factory,
+):
     s = 12
-    job = job_factory(args=["--hold_push", str(s), "--hold_trainer", "1", "--pause_at", str(s + 1),
-                            "--pause_trainer", "0", "--heartbeat_timeout", "3"])
+    job = job_factory(
+        args=[
+            "--hold_push",
+            str(s),
+            "--hold_trainer",
+            "1",
+            "--pause_at",
+            str(s + 1),
+            "--pause_trainer",
+            "0",
+            "--heartbeat_timeout",
+            "3",
+        ]
+    )
     job.start_all()
-    job.wait_file("held")             # pserver 0 applied step s with trainer 1's push; pserver 1 waits for it
+    job.wait_file("held")  # pserver 0 applied step s with trainer 1's push; pserver 1 waits for it
     job.send_signal("trainer1", signal.SIGSTOP)
-    job.wait_file("reached")          # pserver 1 dropped trainer 1 and applied s without it; trainer 0 at s + 1
+    job.wait_file("reached")  # pserver 1 dropped trainer 1 and applied s without it; trainer 0 at s + 1
     assert "trainer 1 sent nothing for" in job.log("pserver1.0")
     job.send_signal("trainer1", signal.SIGCONT)
-    (job.pause / "release").touch()   # its push of s reaches pserver 1, which is at s + 1
+    (job.pause / "release").touch()  # its push of s reaches pserver 1, which is at s + 1
     job.wait_until(lambda: f"rejoining at step {s + 1}" in job.log("trainer1.0"), "trainer 1 re-synced")
     (job.pause / "go").touch()
     for name in ROLES:

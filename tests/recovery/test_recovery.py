@@ -4,6 +4,7 @@ Each role is its own process (tests/scripts/recovery_job.py) on loopback; the
 job pauses one trainer at a known step (a file handshake) so the test kills a
 role at a known point. The sync results are compared with single-process PyTorch.
 """
+
 from __future__ import annotations
 
 import logging
@@ -58,9 +59,9 @@ def wait_until(ready, what: str, timeout: float = 20.0) -> None:
 def test_pserver_killed_mid_run_and_restarted_resumes_from_checkpoint(job_factory):
     job = job_factory(args=["--pause_at", "23"])
     job.start_all()
-    job.wait_file("reached")          # trainer 0 is about to train step 23; checkpoints at 5..20 exist
+    job.wait_file("reached")  # trainer 0 is about to train step 23; checkpoints at 5..20 exist
     job.kill("pserver1")
-    job.start("PSERVER", 1)           # the same command
+    job.start("PSERVER", 1)  # the same command
     (job.pause / "go").touch()
     for name in ("trainer0", "trainer1", "pserver0", "pserver1"):
         assert job.wait(name, 120) == 0, job.all_logs()
@@ -77,7 +78,9 @@ def test_pserver_killed_mid_run_and_restarted_resumes_from_checkpoint(job_factor
 @pytest.mark.processes
 def test_trainer_killed_in_sync_mode_is_dropped_and_may_rejoin(job_factory):
     heartbeat_timeout = 3.0
-    job = job_factory(args=["--pause_at", "12", "--pause_trainer", "1", "--heartbeat_timeout", str(heartbeat_timeout)])
+    job = job_factory(
+        args=["--pause_at", "12", "--pause_trainer", "1", "--heartbeat_timeout", str(heartbeat_timeout)]
+    )
     job.start_all()
     job.wait_file("reached")
     job.kill("trainer1")
@@ -120,8 +123,17 @@ def test_async_pserver_killed_and_restarted_loses_exactly_its_updates_since_its_
     between checkpoints, comes back with its checkpoint's counts and then applies every push that
     follows, so it lacks exactly the pushes it applied after that checkpoint; pserver 0 has all."""
     pause_at, every, steps = 14, 5, 2 * recovery_job.SAMPLES // recovery_job.TRAINERS // recovery_job.BATCH
-    job = job_factory(args=["--async", "--counting", "--pause_every_trainer", "--pause_at", str(pause_at),
-                            "--checkpoint_every", str(every)])
+    job = job_factory(
+        args=[
+            "--async",
+            "--counting",
+            "--pause_every_trainer",
+            "--pause_at",
+            str(pause_at),
+            "--checkpoint_every",
+            str(every),
+        ]
+    )
     job.start_all()
     for t in range(2):
         job.wait_file(f"reached-{t}")
@@ -132,8 +144,10 @@ def test_async_pserver_killed_and_restarted_loses_exactly_its_updates_since_its_
     assert checkpoint.step == every * (2 * pause_at // every) < 2 * pause_at
     (held,) = tallies(checkpoint.parts[1])
     assert sum(held) == checkpoint.step
-    assert {t: v["last_step"] for t, v in checkpoint.manifests[1]["trainers"].items()} == \
-        {"0": held[0] - 1, "1": held[1] - 1}
+    assert {t: v["last_step"] for t, v in checkpoint.manifests[1]["trainers"].items()} == {
+        "0": held[0] - 1,
+        "1": held[1] - 1,
+    }
     job.start("PSERVER", 1)
     (job.pause / "go").touch()
     for name in ("trainer0", "trainer1", "pserver0", "pserver1"):
@@ -165,6 +179,7 @@ def lose_pserver_1_during_the_next_join(cluster: LocalCluster, monkeypatch) -> l
         if len(hellos) == 1:
             cluster.servers[1].stop()
         return replies
+
     monkeypatch.setattr(Channels, "hello", hello)
     return hellos
 
@@ -196,9 +211,11 @@ def train_past_a_checkpoint(tr) -> dict:
 
 
 @pytest.mark.timeout(60)
-def test_sole_sync_trainer_joining_while_a_pserver_restarts_rolls_the_other_back(tmp_path, monkeypatch,
-                                                                                caplog):
-    """No other trainer is alive to roll pserver 0 back to the restarted one's checkpoint: the joining one does."""
+def test_sole_sync_trainer_joining_while_a_pserver_restarts_rolls_the_other_back(
+    tmp_path, monkeypatch, caplog
+):
+    """No other trainer is alive to roll pserver 0 back to the restarted one's checkpoint: the joining one
+    does."""
     config = cm.config(str(tmp_path / "ckpt"))
     with LocalCluster(cm.program, 2, 1, config=config) as cluster:
         with cluster.trainer(0) as tr:
@@ -214,13 +231,14 @@ def test_sole_sync_trainer_joining_while_a_pserver_restarts_rolls_the_other_back
 
 @pytest.mark.timeout(60)
 def test_a_pull_heals_like_a_step_and_a_sync_pull_rolls_back_with_the_restarted_pserver(tmp_path, caplog):
-    """tr.pull() (and so state_dict) with a pserver restarted since the last step: waited for and re-synced."""
+    """tr.pull() (and so state_dict) with a pserver restarted since the last step: waited for and
+    re-synced."""
     config = cm.config(str(tmp_path / "ckpt"))
     with LocalCluster(cm.program, 2, 1, config=config) as cluster:
         with cluster.trainer(0) as tr:
             at_checkpoint = train_past_a_checkpoint(tr)
             cluster.servers[1].stop()
-            cluster.restart_pserver(1)                   # back at the checkpoint of step 3
+            cluster.restart_pserver(1)  # back at the checkpoint of step 3
             tr.pull()
             assert tr.step_count == 3 and tr.position == (0, 3)
             assert [s.engine.updates for s in cluster.servers] == [3, 3]
@@ -230,7 +248,8 @@ def test_a_pull_heals_like_a_step_and_a_sync_pull_rolls_back_with_the_restarted_
 
 @pytest.mark.timeout(60)
 def test_async_pserver_restarted_after_a_trainer_closed_does_not_wait_for_it(tmp_path):
-    """Trainer 1 closed after the last checkpoint: the restarted pserver knows, and finishes with trainer 0."""
+    """Trainer 1 closed after the last checkpoint: the restarted pserver knows, and finishes with trainer
+    0."""
     with LocalCluster(cm.program, 2, 2, sync_mode=False, config=cm.config(str(tmp_path / "ckpt"))) as cluster:
         with cluster.trainer(0) as tr0:
             cm.train(tr0, cm.batches(2))
@@ -256,20 +275,22 @@ def test_close_lost_to_a_stopped_pserver_is_sent_again_to_its_restart(tmp_path, 
             cm.train(tr0, cm.batches(2))
             tr1 = cluster.trainer(1)
             cm.train(tr1, cm.batches(2))
-            tr0.checkpoint()                   # trainer 1 has not closed in it
+            tr0.checkpoint()  # trainer 1 has not closed in it
             cluster.servers[1].stop()
-            if restart == "before_close":      # the restarted pserver does not know trainer 1's session
+            if restart == "before_close":  # the restarted pserver does not know trainer 1's session
                 restarted = cluster.restart_pserver(1)
                 tr1.close()
-            else:                              # the Close waits for pserver 1 to come back
+            else:  # the Close waits for pserver 1 to come back
                 closing = Background(tr1.close)
-                wait_until(lambda: "sending it again" in caplog.text, "trainer 1's Close to wait for pserver 1")
+                wait_until(
+                    lambda: "sending it again" in caplog.text, "trainer 1's Close to wait for pserver 1"
+                )
                 restarted = cluster.restart_pserver(1)
                 closing.finish(30)
             assert restarted.engine.roster.closed == {1}
             assert [s.engine.roster.closed for s in cluster.servers] == [{1}, {1}]
             cm.train(tr0, cm.batches(2))
-        assert restarted.wait(10)          # every trainer closed
+        assert restarted.wait(10)  # every trainer closed
 
 
 @pytest.mark.timeout(60)
@@ -285,8 +306,8 @@ def test_sync_trainer_closed_after_the_checkpoint_is_not_waited_for_after_a_roll
                 one.finish(30)
             assert [s.engine.updates for s in cluster.servers] == [5, 5]
             cluster.servers[1].stop()
-            cluster.restart_pserver(1)    # back at the checkpoint of step 3
-            cm.train(tr0, data[3:4])      # fails, rolls pserver 0 back to 3 too
+            cluster.restart_pserver(1)  # back at the checkpoint of step 3
+            cm.train(tr0, data[3:4])  # fails, rolls pserver 0 back to 3 too
             assert tr0.step_count == 3
             started = time.monotonic()
             cm.train(tr0, data[3:])
@@ -317,7 +338,8 @@ def test_trainer_joining_sync_pservers_apart_rolls_them_back_to_the_checkpoint_o
 
 @pytest.mark.timeout(60)
 def test_trainer_joining_sync_pservers_apart_without_a_checkpoint_fails_after_recovery_timeout_naming_it(
-        tmp_path):
+    tmp_path,
+):
     """Pserver 1 restarted with no checkpoint_dir: nothing to roll pserver 0 back to; the join gives up."""
     # The failed join leaves trainer 0's session open on pserver 1, so a later join would wait one
     # alive window (3 heartbeat intervals) to take the id over: 1.5 s here, not the default 6 s.
@@ -328,8 +350,11 @@ def test_trainer_joining_sync_pservers_apart_without_a_checkpoint_fails_after_re
         cluster.servers[1].stop()
         cluster.restart_pserver(1)
         assert [s.engine.updates for s in cluster.servers] == [3, 0]
-        with pytest.raises(PserverError, match="stand at step 0 without a checkpoint at that step to roll "
-                                               r"the others back to \(no checkpoint_dir"):
+        with pytest.raises(
+            PserverError,
+            match="stand at step 0 without a checkpoint at that step to roll "
+            r"the others back to \(no checkpoint_dir",
+        ):
             cluster.trainer(0)
 
 
@@ -338,14 +363,14 @@ def test_trainer_joining_sync_pservers_apart_without_a_checkpoint_fails_after_re
 def test_sigterm_checkpoints_every_pserver_and_the_same_command_resumes_the_job(job_factory):
     job = job_factory(args=["--pause_at", "23"])
     job.start_all()
-    job.wait_file("reached")          # both pservers at step 23 (checkpoints every 5: the last is 20)
+    job.wait_file("reached")  # both pservers at step 23 (checkpoints every 5: the last is 20)
     for i in range(2):
         os.killpg(job.procs[f"pserver{i}"].pid, signal.SIGTERM)
     for i in range(2):
         assert job.wait(f"pserver{i}", 30) == 0, job.all_logs()
-    assert find_saved(job.ckpt, sync_mode=True).step == 23   # written on SIGTERM, by both
+    assert find_saved(job.ckpt, sync_mode=True).step == 23  # written on SIGTERM, by both
     for i in range(2):
-        job.start("PSERVER", i)       # the same command: resumes at step 23
+        job.start("PSERVER", i)  # the same command: resumes at step 23
     (job.pause / "go").touch()
     for name in ("trainer0", "trainer1", "pserver0", "pserver1"):
         assert job.wait(name, 120) == 0, job.all_logs()

@@ -9,6 +9,7 @@ every push applied to them (recovery_job --counting), so every acknowledged push
 in the final model exactly once. ``PS_REPLICA_CHAOS_SEEDS=1,2,3`` picks the seeds (the suite runs
 seed 1 of each); campaigns run many.
 """
+
 from __future__ import annotations
 
 import os
@@ -16,7 +17,6 @@ import random
 from typing import List, Tuple
 
 import pytest
-
 import torch
 
 from pserver.checkpoint.layout import find_saved, load_blocks
@@ -27,16 +27,18 @@ from tests.scripts import recovery_job
 pytestmark = pytest.mark.processes
 
 SEEDS = [int(s) for s in os.environ.get("PS_REPLICA_CHAOS_SEEDS", "1").split(",") if s.strip()]
-EPOCHS = 60                  # 1200 steps of each trainer
-STEP_DELAY = 0.05            # the kills land while the job trains; the rest runs at full speed
-KILL_AT = 42                 # the step before which a whole shard dies (its checkpoint: step 40)
+EPOCHS = 60  # 1200 steps of each trainer
+STEP_DELAY = 0.05  # the kills land while the job trains; the rest runs at full speed
+KILL_AT = 42  # the step before which a whole shard dies (its checkpoint: step 40)
 KILLS = 4
 
 
 def schedule(seed: int, shards: int = 2) -> List[Tuple[int, str, int]]:
     """(shard, "primary" or "backup", updates the shard applies first) of each kill."""
     rng = random.Random(seed)
-    return [(rng.randrange(shards), rng.choice(("primary", "backup")), rng.randint(3, 20)) for _ in range(KILLS)]
+    return [
+        (rng.randrange(shards), rng.choice(("primary", "backup")), rng.randint(3, 20)) for _ in range(KILLS)
+    ]
 
 
 def updates_of(job: ReplicatedJob, name: str) -> int:
@@ -76,8 +78,9 @@ def run_chaos(job: ReplicatedJob, seed: int) -> List[str]:
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("seed", SEEDS)
-def test_sync_job_with_primaries_and_backups_killed_equals_one_process_and_never_rolls_back(etcd, tmp_path,
-                                                                                           seed):
+def test_sync_job_with_primaries_and_backups_killed_equals_one_process_and_never_rolls_back(
+    etcd, tmp_path, seed
+):
     job = ReplicatedJob(tmp_path, etcd.url, args=["--epochs", str(EPOCHS), "--step_delay", str(STEP_DELAY)])
     try:
         kills = run_chaos(job, seed)
@@ -95,8 +98,11 @@ def test_sync_job_with_primaries_and_backups_killed_equals_one_process_and_never
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("seed", SEEDS)
 def test_async_job_with_primaries_and_backups_killed_keeps_every_acknowledged_push_once(etcd, tmp_path, seed):
-    job = ReplicatedJob(tmp_path, etcd.url, args=["--async", "--counting", "--epochs", str(EPOCHS),
-                                                  "--step_delay", str(STEP_DELAY)])
+    job = ReplicatedJob(
+        tmp_path,
+        etcd.url,
+        args=["--async", "--counting", "--epochs", str(EPOCHS), "--step_delay", str(STEP_DELAY)],
+    )
     steps = EPOCHS * recovery_job.SAMPLES // recovery_job.TRAINERS // recovery_job.BATCH
     try:
         kills = run_chaos(job, seed)
@@ -111,7 +117,10 @@ def test_async_job_with_primaries_and_backups_killed_keeps_every_acknowledged_pu
         for shard in range(len(job.endpoints)):
             for entries in load_blocks([final.parts[shard]]).values():
                 for block in entries:
-                    assert torch.equal(block["value"], torch.full_like(block["value"], counted)), (shard, kills)
+                    assert torch.equal(block["value"], torch.full_like(block["value"], counted)), (
+                        shard,
+                        kills,
+                    )
             assert final.manifests[shard]["step"] == 2 * steps
         assert job.rollback_lines() == []
         assert_replicas_agreed(job)
@@ -121,16 +130,28 @@ def test_async_job_with_primaries_and_backups_killed_keeps_every_acknowledged_pu
 
 @pytest.mark.timeout(300)
 def test_a_shard_that_loses_both_processes_recovers_from_its_checkpoint_as_without_replicas(etcd, tmp_path):
-    """Checkpoints stay the last resort: both processes of shard 1 SIGKILLed at once and started again. Neither
-    is in the in-sync list, so after replica_takeover_timeout one leads from the checkpoint under a new lineage;
-    the trainers roll every shard back to it (shard 0's backup copies its rolled-back primary again), and the
-    job ends with the model of an uninterrupted run."""
+    """Checkpoints stay the last resort: both processes of shard 1 SIGKILLed at once and started again.
+    Neither is in the in-sync list, so after replica_takeover_timeout one leads from the checkpoint under a
+    new lineage; the trainers roll every shard back to it (shard 0's backup copies its rolled-back primary
+    again), and the job ends with the model of an uninterrupted run."""
     # Every trainer waits before step KILL_AT while shard 1 dies: both shards have applied steps
     # 0..KILL_AT-1, and shard 1's latest checkpoint (every 5 steps) is two steps behind, so the trainers
     # must roll shard 0 back to it, whatever the machine's load.
-    job = ReplicatedJob(tmp_path, etcd.url, args=["--epochs", str(EPOCHS // 2), "--step_delay", str(STEP_DELAY),
-                                                  "--takeover_timeout", "3", "--pause_at", str(KILL_AT),
-                                                  "--pause_every_trainer"])
+    job = ReplicatedJob(
+        tmp_path,
+        etcd.url,
+        args=[
+            "--epochs",
+            str(EPOCHS // 2),
+            "--step_delay",
+            str(STEP_DELAY),
+            "--takeover_timeout",
+            "3",
+            "--pause_at",
+            str(KILL_AT),
+            "--pause_every_trainer",
+        ],
+    )
     try:
         job.start_all()
         for shard in range(len(job.endpoints)):
@@ -150,8 +171,8 @@ def test_a_shard_that_loses_both_processes_recovers_from_its_checkpoint_as_witho
         job.wait_trainers(240)
         job.assert_trained_as_one_process(epochs=EPOCHS // 2)
         logs = "\n".join(job.log(k) for k in job.logs)
-        assert "leading from its own state" in logs          # the checkpoint recovery of shard 1
-        assert job.rollback_lines()                          # and the trainers rolled back to it
+        assert "leading from its own state" in logs  # the checkpoint recovery of shard 1
+        assert job.rollback_lines()  # and the trainers rolled back to it
         assert_replicas_agreed(job)
         codes = job.finish_pservers()
         assert set(codes.values()) == {0}, (codes, job.all_logs())

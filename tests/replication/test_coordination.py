@@ -5,6 +5,7 @@ gating who may lead, a deposed primary unable to write, and leases that end when
 (or etcd) dies: these are the guarantees the hot-standby replicas rest on, and they are etcd's, so
 they are checked against the real server (:mod:`tests.helpers.etcd`), never a fake.
 """
+
 from __future__ import annotations
 
 import os
@@ -21,10 +22,10 @@ import pytest
 
 from pserver.replication.coordination import CoordinationError, InSync, Leader, may_campaign
 from pserver.replication.etcd import EtcdCoordinator
+from tests.helpers import paths
 from tests.helpers.etcd import etcd_fixture  # noqa: F401 - the `etcd` fixture
 from tests.helpers.polling import poll
 from tests.helpers.ports import free_ports
-from tests.helpers import paths
 
 pytestmark = pytest.mark.timeout(60)
 processes = pytest.mark.processes  # the tests that start etcd (and a replica process)
@@ -40,8 +41,11 @@ def coordinators(etcd):
     prefix = f"/ps-test/{uuid.uuid4().hex[:8]}"
 
     def make(replica_id: Optional[str] = None, shard: int = 0, **kwargs) -> EtcdCoordinator:
-        made.append(EtcdCoordinator(etcd.url, prefix, shard, replica_id or uuid.uuid4().hex[:12], ttl=TTL, **kwargs))
+        made.append(
+            EtcdCoordinator(etcd.url, prefix, shard, replica_id or uuid.uuid4().hex[:12], ttl=TTL, **kwargs)
+        )
         return made[-1]
+
     yield make
     for c in made:
         c.resign()
@@ -49,18 +53,26 @@ def coordinators(etcd):
 
 
 def _in_sync(replicas, epoch=1, lineage="L") -> InSync:
-    return InSync(replicas=tuple(replicas), endpoints={r: f"h:{i}" for i, r in enumerate(replicas)}, epoch=epoch,
-                  lineage=lineage, revision=3)
+    return InSync(
+        replicas=tuple(replicas),
+        endpoints={r: f"h:{i}" for i, r in enumerate(replicas)},
+        epoch=epoch,
+        lineage=lineage,
+        revision=3,
+    )
 
 
-@pytest.mark.parametrize("in_sync, replica_id, force, expected", [
-    (None, "a", False, True),                    # a fresh shard: whoever comes first
-    (None, "a", True, True),
-    (_in_sync(["a", "b"]), "a", False, True),    # listed: holds every acknowledged update
-    (_in_sync(["b"]), "a", False, False),        # not listed: may lack updates
-    (_in_sync(["b"]), "a", True, True),          # forced: recovery from a checkpoint
-    (_in_sync([]), "a", False, False),
-])
+@pytest.mark.parametrize(
+    "in_sync, replica_id, force, expected",
+    [
+        (None, "a", False, True),  # a fresh shard: whoever comes first
+        (None, "a", True, True),
+        (_in_sync(["a", "b"]), "a", False, True),  # listed: holds every acknowledged update
+        (_in_sync(["b"]), "a", False, False),  # not listed: may lack updates
+        (_in_sync(["b"]), "a", True, True),  # forced: recovery from a checkpoint
+        (_in_sync([]), "a", False, False),
+    ],
+)
 def test_may_campaign(in_sync, replica_id, force, expected):
     assert may_campaign(in_sync, replica_id, force) is expected
 
@@ -81,7 +93,12 @@ def test_one_of_two_wins_and_both_see_it(etcd, coordinators):
     for c in (a, b):
         assert c.leader() == Leader(endpoint="127.0.0.1:1001", replica_id="a", epoch=epoch)
     s = b.in_sync()
-    assert (s.replicas, dict(s.endpoints), s.epoch, s.lineage) == (("a",), {"a": "127.0.0.1:1001"}, epoch, "lin")
+    assert (s.replicas, dict(s.endpoints), s.epoch, s.lineage) == (
+        ("a",),
+        {"a": "127.0.0.1:1001"},
+        epoch,
+        "lin",
+    )
     assert s.revision > 0
     assert a.holds(epoch) and not b.holds(epoch) and not a.holds(epoch + 1)
     assert a.campaign("127.0.0.1:1001", "lin") == epoch  # the leader asking again: still its epoch
@@ -103,6 +120,7 @@ def test_concurrent_campaigns_one_winner_per_round(coordinators):
                 results[i] = cs[i].campaign(f"127.0.0.1:{2000 + i}", "lin")
             except BaseException as e:  # noqa: BLE001 - reported by the main thread
                 errors.append(e)
+
         threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
         for t in threads:
             t.start()
@@ -130,7 +148,7 @@ def test_in_sync_list_gates_the_campaign(coordinators):
     a.resign()
     assert b.leader() is None
     assert b.campaign("h:b", "lin-b") is None  # not listed
-    e2 = c.campaign("h:c", "lin-c")            # listed: leads, keeps the lineage
+    e2 = c.campaign("h:c", "lin-c")  # listed: leads, keeps the lineage
     assert e2 is not None and e2 > e1
     s = c.in_sync()
     assert (s.replicas, s.epoch, s.lineage) == (("c",), e2, "lin-1")
@@ -171,9 +189,15 @@ sys.stdin.read()
 def test_a_sigkilled_primarys_key_expires_with_its_lease(etcd, coordinators):
     b = coordinators("b")
     prefix = b._base.rsplit("/", 1)[0]
-    child = subprocess.Popen([sys.executable, "-c", CHILD, etcd.url, prefix, str(TTL)], cwd=REPO,
-                             env={**os.environ, "PYTHONPATH": str(REPO)}, stdin=subprocess.PIPE,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    child = subprocess.Popen(
+        [sys.executable, "-c", CHILD, etcd.url, prefix, str(TTL)],
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         line = child.stdout.readline().strip()
         assert line.isdigit(), (line, child.stderr.read() if child.poll() is not None else "")

@@ -5,6 +5,7 @@ Usage: crash_in_checkpoint.py CKPT_DIR OUT_FILE KILL_POINT, KILL_POINT one of
 written), ``manifest`` (everything but the manifest written). OUT_FILE gets the
 trainer's state at the last complete checkpoint (step 2).
 """
+
 import os
 import signal
 import sys
@@ -14,10 +15,10 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))  # the repository: tests.helpers
 
-from tests.helpers import checkpoint_models as cm  # noqa: E402
-from tests.helpers.cluster import LocalCluster  # noqa: E402
 from pserver import atomic_files  # noqa: E402
 from pserver.checkpoint import layout  # noqa: E402
+from tests.helpers import checkpoint_models as cm  # noqa: E402
+from tests.helpers.cluster import LocalCluster  # noqa: E402
 
 
 def die(*args, **kwargs):
@@ -36,17 +37,22 @@ def main(root: str, out: str, point: str) -> None:
                 layout._write_manifest = die
             elif point == "tables":
                 real = atomic_files.atomic_write
+
                 def write_then_die(path, write):
                     real(path, write)
                     die()
+
                 atomic_files.atomic_write = lambda path, write: (
-                    write_then_die(path, write) if "tables" in path else real(path, write))
+                    write_then_die(path, write) if "tables" in path else real(path, write)
+                )
             elif point == "blocks":
+
                 def half(path, write):
                     with open(path + f".tmp-{os.getpid()}", "wb") as f:
                         f.write(b"\x80\x02half a pickle")
                         f.flush()
                     die()
+
                 atomic_files.atomic_write = half
             tr.checkpoint()
     raise SystemExit("the checkpoint was not interrupted")

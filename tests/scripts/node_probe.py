@@ -13,6 +13,7 @@ pservers:  exit 0 once every trainer process wrote its done file (``--nproc`` pe
 A process stopped by SIGTERM writes ``<name>.sigterm`` and exits 0. Nothing waits longer
 than ``--deadline`` seconds, so a broken launcher cannot leave these running.
 """
+
 import argparse
 import glob
 import json
@@ -21,9 +22,22 @@ import signal
 import sys
 import time
 
-RECORDED = ("TRAINING_ROLE", "PADDLE_PSERVERS_IP_PORT_LIST", "PADDLE_TRAINERS_NUM", "PADDLE_TRAINER_ID",
-            "POD_IP", "PADDLE_PORT", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-            "RANK", "WORLD_SIZE", "CUDA_VISIBLE_DEVICES", "PYTHONUNBUFFERED")
+RECORDED = (
+    "TRAINING_ROLE",
+    "PADDLE_PSERVERS_IP_PORT_LIST",
+    "PADDLE_TRAINERS_NUM",
+    "PADDLE_TRAINER_ID",
+    "POD_IP",
+    "PADDLE_PORT",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "RANK",
+    "WORLD_SIZE",
+    "CUDA_VISIBLE_DEVICES",
+    "PYTHONUNBUFFERED",
+)
 
 
 def write_json(path, data):
@@ -52,8 +66,10 @@ def main():
         terminated.append(signum)
 
     signal.signal(signal.SIGTERM, on_sigterm)
-    write_json(os.path.join(out, name + ".json"),
-               {"pid": os.getpid(), "env": {k: os.environ.get(k) for k in RECORDED}})
+    write_json(
+        os.path.join(out, name + ".json"),
+        {"pid": os.getpid(), "env": {k: os.environ.get(k) for k in RECORDED}},
+    )
     print(f"{name} started (pid {os.getpid()})", flush=True)
 
     def wait_until(done):

@@ -14,6 +14,7 @@ PAUSE_DIR/reached-<id>, until PAUSE_DIR/go. ``--counting``: the model counts the
 to OUT_DIR/trainer-<id>.pt and the one it started with to OUT_DIR/start-<id>.pt.
 :func:`reference` trains the same job in one process (the concatenated batches).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,10 +32,10 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 from transpiler import DistributeTranspiler, DistributeTranspilerConfig, Program, RoleEnv
 
 BATCH = 8
-SAMPLES = 320          # 20 batches per trainer and epoch with 2 trainers
+SAMPLES = 320  # 20 batches per trainer and epoch with 2 trainers
 TRAINERS = 2
 BARRIER_TIMEOUT = 60.0
-TALLY = 1000           # --counting: trainer t's pushes count TALLY**t each
+TALLY = 1000  # --counting: trainer t's pushes count TALLY**t each
 
 
 HIDDEN = 512
@@ -45,7 +46,9 @@ WIDE = 57344
 
 def build_model(hidden: int = HIDDEN) -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(32, hidden), nn.Tanh(), nn.Linear(hidden, 4))  # 16k-element weight: 2 blocks
+    return nn.Sequential(
+        nn.Linear(32, hidden), nn.Tanh(), nn.Linear(hidden, 4)
+    )  # 16k-element weight: 2 blocks
 
 
 def build_program(optimizer: str = "momentum", lr: float = 0.05, hidden: int = HIDDEN) -> Program:
@@ -66,7 +69,7 @@ def counting_program() -> Program:
 
 def counting_loss(model: nn.Module, trainer_id: int) -> torch.Tensor:
     """A loss whose gradient is TALLY**trainer_id on every element of every parameter."""
-    return sum(p.sum() for p in model.parameters()) * float(TALLY ** trainer_id)
+    return sum(p.sum() for p in model.parameters()) * float(TALLY**trainer_id)
 
 
 def dataset() -> TensorDataset:
@@ -80,9 +83,14 @@ def loss_of(model: nn.Module, x, y) -> torch.Tensor:
     return nn.functional.cross_entropy(model(x), y)
 
 
-def reference(epochs: int, optimizer: str = "momentum", lr: float = 0.05,
-              alone: Optional[Tuple[int, Dict[str, slice]]] = None, hidden: int = HIDDEN,
-              trainers: Tuple[int, ...] = tuple(range(TRAINERS))) -> dict:
+def reference(
+    epochs: int,
+    optimizer: str = "momentum",
+    lr: float = 0.05,
+    alone: Optional[Tuple[int, Dict[str, slice]]] = None,
+    hidden: int = HIDDEN,
+    trainers: Tuple[int, ...] = tuple(range(TRAINERS)),
+) -> dict:
     """Single-process PyTorch on the trainers' concatenated batches: what sync training must equal.
 
     ``alone`` = (step, {param: rows}): at that step those rows are updated with trainer 0's
@@ -98,12 +106,12 @@ def reference(epochs: int, optimizer: str = "momentum", lr: float = 0.05,
             s.set_epoch(epoch)
         orders = [list(s) for s in samplers]
         for b in range(len(orders[0]) // BATCH):
-            idx = [i for t in trainers for i in orders[t][b * BATCH:(b + 1) * BATCH]]
+            idx = [i for t in trainers for i in orders[t][b * BATCH : (b + 1) * BATCH]]
             x, y = data[idx]
             opt.zero_grad()
             loss_of(model, x, y).backward()
             if alone is not None and alone[0] == epoch * (len(orders[0]) // BATCH) + b:
-                _keep_trainer0_gradient(model, data[orders[0][b * BATCH:(b + 1) * BATCH]], alone[1])
+                _keep_trainer0_gradient(model, data[orders[0][b * BATCH : (b + 1) * BATCH]], alone[1])
             opt.step()
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
@@ -126,7 +134,8 @@ def rows_on(program, endpoint: str) -> Dict[str, slice]:
 
 
 def hold_push(tr, step: int, pause_dir: str) -> None:
-    """Hold ``tr``'s push of ``step`` to its second pserver until the first applied it and PAUSE_DIR/release exists."""
+    """Hold ``tr``'s push of ``step`` to its second pserver until the first applied it and
+    PAUSE_DIR/release exists."""
     first, second = (tr.channels[ep] for ep in tr.program.pservers[:2])
     first_done = threading.Event()
     first_push, second_push = first.push_pull, second.push_pull
@@ -144,6 +153,7 @@ def hold_push(tr, step: int, pause_dir: str) -> None:
             open(os.path.join(pause_dir, "held"), "w").close()
             wait_for(os.path.join(pause_dir, "release"), 120.0)
         return second_push(at, *args, **kwargs)
+
     first.push_pull, second.push_pull = noted, held
 
 
@@ -169,35 +179,67 @@ def main(argv=None) -> int:
     p.add_argument("--pause_at", type=int, default=-1)
     p.add_argument("--pause_trainer", type=int, default=0)
     p.add_argument("--pause_dir", default="")
-    p.add_argument("--pause_every_trainer", action="store_true",
-                   help="every trainer pauses at --pause_at (PAUSE_DIR/reached-<id>), not only --pause_trainer")
+    p.add_argument(
+        "--pause_every_trainer",
+        action="store_true",
+        help="every trainer pauses at --pause_at (PAUSE_DIR/reached-<id>), not only --pause_trainer",
+    )
     p.add_argument("--counting", action="store_true", help="train counting_program() on counting_loss")
     p.add_argument("--hold_push", type=int, default=-1)
     p.add_argument("--hold_trainer", type=int, default=1)
-    p.add_argument("--takeover_timeout", type=float, default=30.0,
-                   help="hot standby: DistributeTranspilerConfig.replica_takeover_timeout")
-    p.add_argument("--step_delay", type=float, default=0.0,
-                   help="seconds each trainer sleeps per step, until PAUSE_DIR/calm exists")
-    p.add_argument("--hidden", type=int, default=HIDDEN, help=f"the hidden layer's width ({WIDE}: pushes split)")
+    p.add_argument(
+        "--takeover_timeout",
+        type=float,
+        default=30.0,
+        help="hot standby: DistributeTranspilerConfig.replica_takeover_timeout",
+    )
+    p.add_argument(
+        "--step_delay",
+        type=float,
+        default=0.0,
+        help="seconds each trainer sleeps per step, until PAUSE_DIR/calm exists",
+    )
+    p.add_argument(
+        "--hidden", type=int, default=HIDDEN, help=f"the hidden layer's width ({WIDE}: pushes split)"
+    )
     p.add_argument("--push_lanes", type=int, default=1)
     p.add_argument("--k_steps", type=int, default=0, help="GEO mode (with --async): sync every k_steps steps")
-    p.add_argument("--backup_trainers", type=int, default=0, help="sync: steps made by the first trainers - b")
-    p.add_argument("--no_shared_memory", dest="shared_memory", action="store_false",
-                   help="every byte through gRPC: hosts emulated by network namespaces share /dev/shm")
+    p.add_argument(
+        "--backup_trainers", type=int, default=0, help="sync: steps made by the first trainers - b"
+    )
+    p.add_argument(
+        "--no_shared_memory",
+        dest="shared_memory",
+        action="store_false",
+        help="every byte through gRPC: hosts emulated by network namespaces share /dev/shm",
+    )
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(1)
     env = RoleEnv.from_env()
     config = DistributeTranspilerConfig(
-        checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
-        heartbeat_interval=args.heartbeat_interval, heartbeat_timeout=args.heartbeat_timeout,
-        barrier_timeout=BARRIER_TIMEOUT, connect_timeout=60.0, recovery_timeout=60.0,
-        replica_takeover_timeout=args.takeover_timeout, shared_memory=args.shared_memory,
-        push_lanes=args.push_lanes, k_steps=args.k_steps, backup_trainers=args.backup_trainers)
+        checkpoint_dir=args.checkpoint_dir,
+        checkpoint_every=args.checkpoint_every,
+        heartbeat_interval=args.heartbeat_interval,
+        heartbeat_timeout=args.heartbeat_timeout,
+        barrier_timeout=BARRIER_TIMEOUT,
+        connect_timeout=60.0,
+        recovery_timeout=60.0,
+        replica_takeover_timeout=args.takeover_timeout,
+        shared_memory=args.shared_memory,
+        push_lanes=args.push_lanes,
+        k_steps=args.k_steps,
+        backup_trainers=args.backup_trainers,
+    )
     t = DistributeTranspiler(config)
     program = counting_program() if args.counting else build_program(args.optimizer, args.lr, args.hidden)
-    t.transpile(env.trainer_id, program=program, pservers=env.pserver_list,
-                trainers=env.trainers, sync_mode=args.sync_mode)
+    t.transpile(
+        env.trainer_id,
+        program=program,
+        pservers=env.pserver_list,
+        trainers=env.trainers,
+        sync_mode=args.sync_mode,
+    )
     if env.is_pserver:
         from pserver import ParameterServer
 

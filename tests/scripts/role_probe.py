@@ -17,6 +17,7 @@ pservers (``--pserver``):  wait         exit 0 once every trainer wrote its done
 A role stopped by SIGTERM writes ``<role>.<index>.sigterm`` and exits 0. Nothing waits
 longer than ``--deadline`` seconds, so a broken launcher cannot leave these running.
 """
+
 import argparse
 import glob
 import json
@@ -25,8 +26,16 @@ import signal
 import sys
 import time
 
-ROLE_VARS = ("TRAINING_ROLE", "PADDLE_PSERVERS_IP_PORT_LIST", "PADDLE_TRAINERS_NUM",
-             "PADDLE_TRAINER_ID", "POD_IP", "PADDLE_PORT", "PYTHONUNBUFFERED", "PS_AUTH_TOKEN")
+ROLE_VARS = (
+    "TRAINING_ROLE",
+    "PADDLE_PSERVERS_IP_PORT_LIST",
+    "PADDLE_TRAINERS_NUM",
+    "PADDLE_TRAINER_ID",
+    "POD_IP",
+    "PADDLE_PORT",
+    "PYTHONUNBUFFERED",
+    "PS_AUTH_TOKEN",
+)
 
 
 def write_json(path, data):
@@ -58,9 +67,15 @@ def main():
         terminated.append(signum)
 
     signal.signal(signal.SIGTERM, on_sigterm)
-    write_json(os.path.join(out, name + ".json"),
-               {"pid": os.getpid(), "argv": sys.argv[1:], "cwd": os.getcwd(),
-                "env": {k: os.environ.get(k) for k in ROLE_VARS}})
+    write_json(
+        os.path.join(out, name + ".json"),
+        {
+            "pid": os.getpid(),
+            "argv": sys.argv[1:],
+            "cwd": os.getcwd(),
+            "env": {k: os.environ.get(k) for k in ROLE_VARS},
+        },
+    )
     print(f"{name} started (pid {os.getpid()})", flush=True)
 
     def wait_until(done):
@@ -73,7 +88,8 @@ def main():
 
     def everyone_started():
         everyone = int(os.environ["PADDLE_TRAINERS_NUM"]) + len(
-            os.environ["PADDLE_PSERVERS_IP_PORT_LIST"].split(","))
+            os.environ["PADDLE_PSERVERS_IP_PORT_LIST"].split(",")
+        )
         return len(glob.glob(os.path.join(out, "*.json"))) >= everyone
 
     if role == "TRAINER":

@@ -1,17 +1,19 @@
-"""One local process of a trainer node that torchrun started across nodes (tests/trainer/test_torchrun_nodes.py).
+"""One local process of a trainer node that torchrun started across nodes
+(tests/trainer/test_torchrun_nodes.py).
 
 Run as ``python -m torch.distributed.run --nnodes 2 --node-rank N ... torchrun_node.py OUT_DIR`` with
 ``TRAINING_ROLE=TRAINER`` and ``PADDLE_PSERVERS_IP_PORT_LIST`` set; the pservers serve
 ``tests/helpers/models.py:odd_program``. The role comes from torchrun's variables alone
-(``RoleEnv.from_env``: trainer id = ``GROUP_RANK``), the node's process group from the Trainer's
-own choice of rendezvous (no ``init_method`` given). The process trains one step per batch of
-``DATA`` (its own, ``RANK`` = node x local world size + local rank) and saves
-``OUT_DIR/node<N>-rank<R>.pt`` = (state_dict, step count, trainer id).
+(``RoleEnv.from_env``: trainer id = ``GROUP_RANK``), the node's process group from the Trainer's own choice
+of rendezvous (no ``init_method`` given). The process trains one step per batch of ``DATA`` (its own,
+``RANK`` = node x local world size + local rank) and saves ``OUT_DIR/node<N>-rank<R>.pt`` = (state_dict,
+step count, trainer id).
 
-First it records its pid in ``OUT_DIR/trainer.<N>.<R>.json`` (torchrun starts workers in sessions
-of their own: the test kills what it recorded) and asks Linux to SIGKILL it when its torchrun
-agent dies, so no worker outlives a failed test.
+First it records its pid in ``OUT_DIR/trainer.<N>.<R>.json`` (torchrun starts workers in sessions of their
+own: the test kills what it recorded) and asks Linux to SIGKILL it when its torchrun agent dies, so no
+worker outlives a failed test.
 """
+
 import ctypes
 import json
 import os
@@ -38,6 +40,7 @@ def data():
     import torch
 
     from tests.helpers.models import batches
+
     return batches(4, PER_PROCESS, STEPS, dtype=torch.float64)
 
 
@@ -65,8 +68,10 @@ def main(out_dir: str) -> None:
         for x, y in tr.batches(mine, 1):
             nn.functional.cross_entropy(tr.model(x), y).backward()
             tr.step()
-        torch.save((tr.state_dict(), tr.step_count, tr.trainer_id),
-                   os.path.join(out_dir, f"node{env.trainer_id}-rank{env.local_rank}.pt"))
+        torch.save(
+            (tr.state_dict(), tr.step_count, tr.trainer_id),
+            os.path.join(out_dir, f"node{env.trainer_id}-rank{env.local_rank}.pt"),
+        )
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ which their byte counters confirm. The trained model must equal single-process P
 concatenated batches. Needs root (or CAP_NET_ADMIN + CAP_SYS_ADMIN) and ``ip netns``; skipped
 otherwise, naming the failing command, or failed instead under ``PS_REQUIRE_SYSTEM_TESTS=1``, as in CI.
 """
+
 from __future__ import annotations
 
 import os
@@ -28,7 +29,7 @@ pytestmark = pytest.mark.processes
 
 SCRIPT = str(paths.SCRIPTS / "recovery_job.py")
 EPOCHS = 2
-DEADLINE = 150.0             # every host's ps-launch, from their start
+DEADLINE = 150.0  # every host's ps-launch, from their start
 PORT = 20000 + 4 * (os.getpid() % 5000)
 # A trainer pushes its whole gradient and pulls every block each step: 19k float32 (76 KB) each
 # way, 20 steps an epoch. What each host's link must at least have carried, each way.
@@ -45,20 +46,32 @@ def hosts():
         cluster.setup()
     except NetnsError as e:
         cluster.teardown()
-        unavailable(f"network namespace setup failed (needs root / CAP_NET_ADMIN and namespaces allowed): {e}")
+        unavailable(
+            f"network namespace setup failed (needs root / CAP_NET_ADMIN and namespaces allowed): {e}"
+        )
     try:
         yield cluster
     finally:
         cluster.teardown()
 
 
-@pytest.mark.timeout(240, method="signal")  # SIGALRM: the commands are stopped and the fixture's teardown runs
+@pytest.mark.timeout(
+    240, method="signal"
+)  # SIGALRM: the commands are stopped and the fixture's teardown runs
 def test_sync_job_across_four_hosts_launched_per_host_equals_one_process(hosts, tmp_path):
     layout = parse_layout("split")
     out = tmp_path / "out"
     out.mkdir()
-    script = [SCRIPT, "--epochs", str(EPOCHS), "--checkpoint_dir", str(tmp_path / "ckpt"), "--out_dir", str(out),
-              "--no_shared_memory"]
+    script = [
+        SCRIPT,
+        "--epochs",
+        str(EPOCHS),
+        "--checkpoint_dir",
+        str(tmp_path / "ckpt"),
+        "--out_dir",
+        str(out),
+        "--no_shared_memory",
+    ]
     commands = per_host_commands(layout, hosts.ip, PORT, lambda h: str(tmp_path / f"host{h}"), script)
     assert sorted(commands) == [1, 2, 3, 4]
     env = {k: v for k, v in host_env().items() if not k.startswith(("PADDLE_", "PS_", "TRAINING_"))}
@@ -67,7 +80,9 @@ def test_sync_job_across_four_hosts_launched_per_host_equals_one_process(hosts, 
     started = {}
     try:
         for h, cmd in commands.items():
-            started[h] = Command(hosts.cmd(h, *cmd), str(tmp_path / f"launch{h}.log"), env=env, cwd=str(paths.REPO))
+            started[h] = Command(
+                hosts.cmd(h, *cmd), str(tmp_path / f"launch{h}.log"), env=env, cwd=str(paths.REPO)
+            )
         codes = {h: c.wait(DEADLINE, f"ps-launch on host {h}") for h, c in started.items()}
     finally:
         for c in started.values():

@@ -4,7 +4,8 @@ Topology (two network namespaces, as tests/system/test_two_hosts.py sets them up
 
     namespace NS_A (made here)                root namespace
     pserver0: shard 0's first process  ==veth==  replica0 (its second process), etcd, trainers 0 and 1
-    bound to IP_A:port only                      bound to IP_B (etcd's client URL too; its peer URL on 127.0.0.1)
+    bound to IP_A:port only                      bound to IP_B (etcd's client URL too;
+                                                 its peer URL on 127.0.0.1)
 
 The job (tests/scripts/recovery_job.py, sync, one shard on two processes, two trainers) starts with
 pserver0 leading; replica0 joins, and only once it is in sync do the trainers (started with pserver0,
@@ -48,6 +49,7 @@ Needs root (or CAP_NET_ADMIN + CAP_SYS_ADMIN), ``ip`` and ``etcd``; skipped othe
 failing command, or failed under ``PS_REQUIRE_SYSTEM_TESTS=1`` (:mod:`tests.helpers.system`). The
 namespace, the job, the probe and the Lead sampler are :mod:`tests.helpers.partition`'s.
 """
+
 from __future__ import annotations
 
 import errno
@@ -64,30 +66,51 @@ import pytest
 import torch
 
 from tests.helpers.etcd import start_etcd
-from tests.helpers.partition import (FENCED_LINE, FOLLOWED_LINE, GONE_CALLS, IP_A, IP_B, LEADS_LINE, NS_A, PROBE,
-                                     STOPPED_LINE, VETH_A, LeadSampler, PartitionJob, classify, clean_env,
-                                     layout_digest, leading, partition_network, stamp, wait_for)
+from tests.helpers.partition import (
+    FENCED_LINE,
+    FOLLOWED_LINE,
+    GONE_CALLS,
+    IP_A,
+    IP_B,
+    LEADS_LINE,
+    NS_A,
+    PROBE,
+    STOPPED_LINE,
+    VETH_A,
+    LeadSampler,
+    PartitionJob,
+    classify,
+    clean_env,
+    layout_digest,
+    leading,
+    partition_network,
+    stamp,
+    wait_for,
+)
 from tests.helpers.system import in_ns, run
 
 pytestmark = pytest.mark.processes
 
-EPOCHS = 20                 # 400 steps of each trainer, >= 40 s at STEP_DELAY: the heal is over long before
-STEP_DELAY = 0.1            # until PAUSE_DIR/calm (written after the heal); the rest runs at full speed
-WARMUP_UPDATES = 20         # steps the shard applies (replicated) before the cut
-LEASE_TTL = 1               # the job's lease: replica_lease_ttl's default (Job.env drops PS_REPLICA_LEASE_TTL)
-FENCED_DEADLINE = LEASE_TTL + 1.0   # the cut -> pserver0's fence (its lease's deadline: <= 0.75 s after the last
-                                    # keep-alive it sent, <= 0.25 s before the cut; then its 50 ms poll)
-# The cut -> pserver0 exited: the fence; its stop, which may wait 5 s for its replication sender (blocked on the
-# cut-off backup) and gives calls in flight (the trainers', cut off) 5 s of grace; the interpreter's exit.
+EPOCHS = 20  # 400 steps of each trainer, >= 40 s at STEP_DELAY: the heal is over long before
+STEP_DELAY = 0.1  # until PAUSE_DIR/calm (written after the heal); the rest runs at full speed
+WARMUP_UPDATES = 20  # steps the shard applies (replicated) before the cut
+LEASE_TTL = 1  # the job's lease: replica_lease_ttl's default (Job.env drops PS_REPLICA_LEASE_TTL)
+FENCED_DEADLINE = (
+    LEASE_TTL + 1.0
+)  # the cut -> pserver0's fence (its lease's deadline: <= 0.75 s after the last
+# keep-alive it sent, <= 0.25 s before the cut; then its 50 ms poll) The cut -> pserver0 exited: the fence;
+# its stop, which may wait 5 s for its replication sender (blocked on the cut-off backup) and gives calls in
+# flight (the trainers', cut off) 5 s of grace; the interpreter's exit.
 EXIT_DEADLINE = LEASE_TTL + 5.0 + 5.0 + 9.0
-FAILOVER_DEADLINE = 60.0    # the cut -> replica0 leads
-START_DEADLINE = 120.0      # a process started -> it leads / is in sync (importing torch on a loaded machine)
+FAILOVER_DEADLINE = 60.0  # the cut -> replica0 leads
+START_DEADLINE = 120.0  # a process started -> it leads / is in sync (importing torch on a loaded machine)
 TRAINERS_DEADLINE = 180.0
 
 
 @pytest.fixture
 def partition_net():
-    """NS_A joined to the root namespace by the veth pair (IP_A in NS_A, IP_B here); all of it is gone afterwards."""
+    """NS_A joined to the root namespace by the veth pair (IP_A in NS_A, IP_B here); all of it is gone
+    afterwards."""
     with partition_network():
         yield
 
@@ -96,8 +119,19 @@ def partition_net():
 def test_isolated_primary_is_fenced_refuses_pushes_and_never_leads_beside_its_backup(partition_net, tmp_path):
     started = time.monotonic()
     etcd = start_etcd(tmp_path, host=IP_B)
-    job = PartitionJob(tmp_path, etcd.url, args=["--epochs", str(EPOCHS), "--step_delay", str(STEP_DELAY),
-                                                 "--pause_at", "0", "--pause_every_trainer"])
+    job = PartitionJob(
+        tmp_path,
+        etcd.url,
+        args=[
+            "--epochs",
+            str(EPOCHS),
+            "--step_delay",
+            str(STEP_DELAY),
+            "--pause_at",
+            "0",
+            "--pause_every_trainer",
+        ],
+    )
     probe: Optional[subprocess.Popen] = None
     sampler: Optional[LeadSampler] = None
     timeline: Dict[str, float] = {}
@@ -109,15 +143,20 @@ def test_isolated_primary_is_fenced_refuses_pushes_and_never_leads_beside_its_ba
         job.start("PSERVER", 0)
         for i in range(2):
             job.start("TRAINER", i)
-        first = wait_for(lambda: leading(job, "pserver0"), time.monotonic() + START_DEADLINE, "pserver0 to lead", job)
+        first = wait_for(
+            lambda: leading(job, "pserver0"), time.monotonic() + START_DEADLINE, "pserver0 to lead", job
+        )
         epoch1 = first.epoch
         job.start("REPLICA", 0)
         assert job.wait_in_sync(0, timeout=START_DEADLINE) == ("pserver0", "replica0")
         for i in range(2):
             job.wait_file(f"reached-{i}", START_DEADLINE)
         (job.pause / "go").touch()
-        job.wait_until(lambda: (lambda st: st is not None and st.updates >= WARMUP_UPDATES)(job.stats("pserver0")),
-                       f"{WARMUP_UPDATES} updates on pserver0", START_DEADLINE)
+        job.wait_until(
+            lambda: (lambda st: st is not None and st.updates >= WARMUP_UPDATES)(job.stats("pserver0")),
+            f"{WARMUP_UPDATES} updates on pserver0",
+            START_DEADLINE,
+        )
         stats = job.stats("pserver0")
         assert stats.replica.role == "primary" and stats.replica.backup_in_sync, stats.replica
 
@@ -125,12 +164,31 @@ def test_isolated_primary_is_fenced_refuses_pushes_and_never_leads_beside_its_ba
         probe_out = tmp_path / "probe.json"
         etcd_host, etcd_port = etcd.url.rsplit("/", 1)[-1].rsplit(":", 1)
         with open(tmp_path / "probe.log", "wb") as log:
-            probe = subprocess.Popen(in_ns(NS_A, sys.executable, "-c", PROBE, job.endpoints[0], etcd_host, etcd_port,
-                                           digest, str(job.pause), str(probe_out), str(GONE_CALLS)),
-                                     env=clean_env(dict(os.environ)), stdout=log, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, start_new_session=True)
-        job.wait_until(lambda: (job.pause / "probe-ready").exists() or probe.poll() is not None, "the probe",
-                       START_DEADLINE)
+            probe = subprocess.Popen(
+                in_ns(
+                    NS_A,
+                    sys.executable,
+                    "-c",
+                    PROBE,
+                    job.endpoints[0],
+                    etcd_host,
+                    etcd_port,
+                    digest,
+                    str(job.pause),
+                    str(probe_out),
+                    str(GONE_CALLS),
+                ),
+                env=clean_env(dict(os.environ)),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+        job.wait_until(
+            lambda: (job.pause / "probe-ready").exists() or probe.poll() is not None,
+            "the probe",
+            START_DEADLINE,
+        )
         assert probe.poll() is None, (tmp_path / "probe.log").read_text()
         sampler = LeadSampler(job).start()
         wait_for(lambda: len(sampler.samples) >= 3, time.monotonic() + 10, "Lead samples", job)
@@ -145,8 +203,10 @@ def test_isolated_primary_is_fenced_refuses_pushes_and_never_leads_beside_its_ba
         with socket.socket() as s:
             s.settimeout(0.5)
             reached = s.connect_ex((IP_A, int(job.endpoints[0].rsplit(":", 1)[1])))
-        assert reached not in (0, errno.ECONNREFUSED), \
-            f"the root namespace reached {job.endpoints[0]} across the cut ({errno.errorcode.get(reached, reached)})"
+        assert reached not in (0, errno.ECONNREFUSED), (
+            f"the root namespace reached {job.endpoints[0]} across the cut "
+            f"({errno.errorcode.get(reached, reached)})"
+        )
 
         # 1. pserver0 fences itself and exits on its own, non-zero (LostLead), within the deadline.
         old = job.procs["pserver0"]
@@ -156,44 +216,60 @@ def test_isolated_primary_is_fenced_refuses_pushes_and_never_leads_beside_its_ba
             time.sleep(0.02)
         timeline["pserver0 exited"] = time.monotonic() - cut_mono
         log0 = job.log("pserver0.0")
-        assert old.returncode is not None, (f"pserver0 still runs {EXIT_DEADLINE}s after the cut:\n"
-                                            f"{log0[-3000:]}")
+        assert old.returncode is not None, (
+            f"pserver0 still runs {EXIT_DEADLINE}s after the cut:\n{log0[-3000:]}"
+        )
         assert old.returncode == 1 and "LostLead" in log0, (old.returncode, log0[-3000:])
         fenced = FENCED_LINE.findall(log0)
         assert [(ep, int(e)) for _, ep, e in fenced] == [(job.endpoints[0], epoch1)], log0[-3000:]
         fenced_at = stamp(fenced[0][0])
         timeline["pserver0 fenced (log)"] = fenced_at - cut
-        assert fenced_at - cut <= FENCED_DEADLINE, f"pserver0 fenced itself {fenced_at - cut:.2f}s after the cut"
+        assert fenced_at - cut <= FENCED_DEADLINE, (
+            f"pserver0 fenced itself {fenced_at - cut:.2f}s after the cut"
+        )
 
         # 2. What the probe inside NS_A got from pserver0 since the cut (it ends once pserver0 is gone).
         try:
             assert probe.wait(30) == 0, (tmp_path / "probe.log").read_text()
         except subprocess.TimeoutExpired:
-            pytest.fail(f"the probe still finds pserver0 answering 30 s after it exited:\n"
-                        f"{(tmp_path / 'probe.log').read_text()}")
+            pytest.fail(
+                f"the probe still finds pserver0 answering 30 s after it exited:\n"
+                f"{(tmp_path / 'probe.log').read_text()}"
+            )
         found = json.loads(probe_out.read_text())
-        assert found["etcd"].startswith("OSError errno=101"), f"NS_A reached etcd across the cut: {found['etcd']}"
+        assert found["etcd"].startswith("OSError errno=101"), (
+            f"NS_A reached etcd across the cut: {found['etcd']}"
+        )
         records = found["records"]
         outcomes = [(rec["call"], classify(rec)) for rec in records]
         assert records and records[0]["t0"] >= cut
-        assert not [rec for rec in records if rec["call"] != "Lead" and rec["code"] == "OK"], \
+        assert not [rec for rec in records if rec["call"] != "Lead" and rec["code"] == "OK"], (
             f"pserver0 accepted a Hello or a push after the cut: {records}"
-        # Its digest is right: a Hello a primary refuses is refused for the trainer id being live, not the plan.
+        )
+        # Its digest is right: a Hello a primary refuses is refused for the trainer id being live, not the
+        # plan.
         assert not [rec for rec in records if "plan mismatch" in rec["detail"]], records[:6]
         after_fence = [(rec, o) for rec, (_, o) in zip(records, outcomes) if rec["t0"] >= fenced_at + 0.001]
         assert after_fence, "the probe made no call after pserver0's fence"
-        allowed = {"Lead": {"role fenced", "gone", "timed out"}, "Hello": {"not leading", "gone", "timed out"},
-                   "PushPullOne": {"not leading", "gone", "timed out"}}
+        allowed = {
+            "Lead": {"role fenced", "gone", "timed out"},
+            "Hello": {"not leading", "gone", "timed out"},
+            "PushPullOne": {"not leading", "gone", "timed out"},
+        }
         wrong = [(rec["call"], o, rec["detail"]) for rec, o in after_fence if o not in allowed[rec["call"]]]
         assert not wrong, f"pserver0 answered after its fence: {wrong[:10]}"
         last = outcomes[-GONE_CALLS:]
-        assert len(last) == GONE_CALLS and {o for _, o in last} == {"gone"}, f"pserver0 still answers: {records[-6:]}"
+        assert len(last) == GONE_CALLS and {o for _, o in last} == {"gone"}, (
+            f"pserver0 still answers: {records[-6:]}"
+        )
         counts: Dict[str, int] = {}
         for call, o in outcomes:
             counts[f"{call}: {o}"] = counts.get(f"{call}: {o}", 0) + 1
 
         # 3. replica0 takes over at a higher epoch, after pserver0 stopped serving (same host clock).
-        second = wait_for(lambda: leading(job, "replica0"), cut_mono + FAILOVER_DEADLINE, "replica0 to lead", job)
+        second = wait_for(
+            lambda: leading(job, "replica0"), cut_mono + FAILOVER_DEADLINE, "replica0 to lead", job
+        )
         epoch2 = second.epoch
         assert epoch2 > epoch1
         leads = [(stamp(t), ep, int(e), int(u)) for t, ep, e, u in LEADS_LINE.findall(job.log("replica0.0"))]
@@ -201,9 +277,10 @@ def test_isolated_primary_is_fenced_refuses_pushes_and_never_leads_beside_its_ba
         led_at, took_over_at = leads[0][0], leads[0][3]
         timeline["replica0 leads (log)"] = led_at - cut
         assert fenced_at < led_at, f"replica0 led at {led_at} before pserver0 was fenced at {fenced_at}"
-        # Nothing pserver0 applied after the cut was acknowledged: in sync mode a step's update is answered only
-        # once the backup holds it, and the next step needs that answer, so the isolated primary stopped at most
-        # one update (the one in flight at the cut, never acknowledged) beyond what replica0 took over with.
+        # Nothing pserver0 applied after the cut was acknowledged: in sync mode a step's update is answered
+        # only once the backup holds it, and the next step needs that answer, so the isolated primary stopped
+        # at most one update (the one in flight at the cut, never acknowledged) beyond what replica0 took over
+        # with.
         stopped = [int(u) for u in STOPPED_LINE.findall(log0)]
         assert len(stopped) == 1 and stopped[0] <= took_over_at + 1, (stopped, took_over_at)
 
@@ -215,28 +292,47 @@ def test_isolated_primary_is_fenced_refuses_pushes_and_never_leads_beside_its_ba
         assert job.wait_in_sync(0, timeout=START_DEADLINE) == ("replica0", "pserver0")
         timeline["pserver0 back in sync (after the heal)"] = time.monotonic() - healed
         stats = job.stats("replica0")
-        assert (stats.replica.role, stats.replica.epoch, stats.replica.backup, stats.replica.backup_in_sync) == \
-            ("primary", epoch2, job.endpoints[0], True), stats.replica
+        assert (
+            stats.replica.role,
+            stats.replica.epoch,
+            stats.replica.backup,
+            stats.replica.backup_in_sync,
+        ) == ("primary", epoch2, job.endpoints[0], True), stats.replica
         running = {f"trainer{i}": job.procs[f"trainer{i}"].poll() for i in range(2)}
-        assert running == {"trainer0": None, "trainer1": None}, f"the trainers finished before the heal: {running}"
+        assert running == {"trainer0": None, "trainer1": None}, (
+            f"the trainers finished before the heal: {running}"
+        )
         sampler.stop()
         (job.pause / "calm").touch()
 
-        # The samples from the root namespace, and the probe's Lead answers from inside NS_A: never two primaries.
-        both = [s for s in sampler.samples if sum(a is not None and a[0] == "primary" for _, _, a in s.values()) > 1]
+        # The samples from the root namespace, and the probe's Lead answers from inside NS_A: never two
+        # primaries.
+        both = [
+            s
+            for s in sampler.samples
+            if sum(a is not None and a[0] == "primary" for _, _, a in s.values()) > 1
+        ]
         assert not both, f"two primaries answered at once: {both[:3]}"
-        new_primary = [t0 for s in sampler.samples for name, (t0, _, a) in s.items()
-                       if name == "replica0" and a == ("primary", epoch2)]
+        new_primary = [
+            t0
+            for s in sampler.samples
+            for name, (t0, _, a) in s.items()
+            if name == "replica0" and a == ("primary", epoch2)
+        ]
         assert new_primary, "the root namespace never saw replica0 lead"
         old_primary = [rec["t1"] for rec in records if rec["call"] == "Lead" and rec["role"] == "primary"]
-        assert not old_primary or max(old_primary) < min(new_primary), \
-            (f"pserver0 answered 'primary' in NS_A until {max(old_primary)}, after replica0 answered 'primary' "
-             f"here at {min(new_primary)}")
+        assert not old_primary or max(old_primary) < min(new_primary), (
+            f"pserver0 answered 'primary' in NS_A until {max(old_primary)}, after replica0 answered "
+            "'primary' "
+            f"here at {min(new_primary)}"
+        )
 
         # 4. The job finishes: exit 0, the model of one process, no roll-back.
         job.wait_trainers(TRAINERS_DEADLINE)
         threads = torch.get_num_threads()
-        torch.set_num_threads(1)  # the reference's small matmuls: two threads fighting a loaded machine took 10x longer
+        torch.set_num_threads(
+            1
+        )  # the reference's small matmuls: two threads fighting a loaded machine took 10x longer
         try:
             job.assert_trained_as_one_process(epochs=EPOCHS)
         finally:
@@ -245,15 +341,24 @@ def test_isolated_primary_is_fenced_refuses_pushes_and_never_leads_beside_its_ba
         codes = job.finish_pservers()
         assert codes == {"pserver0": 0, "replica0": 0}, (codes, job.all_logs())
 
-        followed = [(stamp(t) - cut, int(tid), addr) for k in ("trainer0.0", "trainer1.0")
-                    for t, tid, addr, e in FOLLOWED_LINE.findall(job.log(k)) if int(e) == epoch2]
+        followed = [
+            (stamp(t) - cut, int(tid), addr)
+            for k in ("trainer0.0", "trainer1.0")
+            for t, tid, addr, e in FOLLOWED_LINE.findall(job.log(k))
+            if int(e) == epoch2
+        ]
         for at, tid, addr in followed:
             timeline[f"trainer {tid} follows {addr}"] = at
         timeline["total"] = time.monotonic() - started
-        print(f"\nepochs {epoch1} -> {epoch2}; pserver0 stopped after {stopped[0]} updates, replica0 took over at "
-              f"{took_over_at}; probe outcomes {counts}; {len(sampler.samples)} Lead samples")
-        print("timeline (s after the cut, unless noted): " +
-              ", ".join(f"{k} {v:.2f}" for k, v in timeline.items()))
+        print(
+            f"\nepochs {epoch1} -> {epoch2}; pserver0 stopped after {stopped[0]} updates, replica0 took over "
+            "at "
+            f"{took_over_at}; probe outcomes {counts}; {len(sampler.samples)} Lead samples"
+        )
+        print(
+            "timeline (s after the cut, unless noted): "
+            + ", ".join(f"{k} {v:.2f}" for k, v in timeline.items())
+        )
     finally:
         if sampler is not None:
             sampler.stop()

@@ -8,6 +8,7 @@ or failed instead under ``PS_REQUIRE_SYSTEM_TESTS=1``, as in CI (:mod:`tests.hel
 
 Select it with ``python -m pytest -q tests/system/test_two_hosts.py -rs``.
 """
+
 from __future__ import annotations
 
 import errno
@@ -24,8 +25,8 @@ from typing import List
 
 import pytest
 
-from tests.helpers.system import clear_namespace, in_ns, missing_prerequisites, run, unavailable
 from tests.helpers import paths
+from tests.helpers.system import clear_namespace, in_ns, missing_prerequisites, run, unavailable
 
 # Every test here starts pservers and trainers as separate processes.
 pytestmark = pytest.mark.processes
@@ -34,17 +35,17 @@ REPO = paths.REPO
 EXAMPLE = str(REPO / "examples" / "train_mlp.py")
 
 PID = os.getpid()
-NS1, NS2 = f"ps-h1-{PID}", f"ps-h2-{PID}"      # pservers, trainers
-VETH1, VETH2 = f"psv1-{PID}", f"psv2-{PID}"    # <= 15 characters for any pid up to 2**22
+NS1, NS2 = f"ps-h1-{PID}", f"ps-h2-{PID}"  # pservers, trainers
+VETH1, VETH2 = f"psv1-{PID}", f"psv2-{PID}"  # <= 15 characters for any pid up to 2**22
 SUBNET = f"10.231.{PID % 250}"
 IP1, IP2 = f"{SUBNET}.1", f"{SUBNET}.2"
 # Ports below the usual ephemeral range (32768+), so that nothing in the root namespace is likely
 # to hold them by chance (checked below: they must be refused there).
 PORTS = [20000 + 2 * (PID % 5000), 20001 + 2 * (PID % 5000)]
 
-TRAINERS_DEADLINE = 150.0   # both trainers, from their start
-PSERVERS_DEADLINE = 30.0    # the pservers, once the trainers are done
-MIN_BYTES = 100_000         # each direction of the veth
+TRAINERS_DEADLINE = 150.0  # both trainers, from their start
+PSERVERS_DEADLINE = 30.0  # the pservers, once the trainers are done
+MIN_BYTES = 100_000  # each direction of the veth
 
 
 @dataclass
@@ -86,7 +87,8 @@ def teardown_network(created_ns: List[str]) -> None:
 
 @pytest.fixture(scope="module")
 def two_hosts():
-    """Both namespaces joined by the veth pair; every process started in them and the network are gone afterwards."""
+    """Both namespaces joined by the veth pair; every process started in them and the network are gone
+    afterwards."""
     reason = missing_prerequisites(["ip"], "apt-get install iproute2")
     if reason:
         unavailable(reason)
@@ -111,9 +113,11 @@ def two_hosts():
             r = run(cmd)
             if r.returncode != 0:
                 # Inside the try: the finally below removes what the earlier steps created.
-                unavailable(f"network namespace setup failed (needs root / CAP_NET_ADMIN and namespaces "
-                            f"allowed): `{' '.join(cmd)}` exited {r.returncode}: "
-                            f"{(r.stderr or r.stdout).strip()}")
+                unavailable(
+                    f"network namespace setup failed (needs root / CAP_NET_ADMIN and namespaces "
+                    f"allowed): `{' '.join(cmd)}` exited {r.returncode}: "
+                    f"{(r.stderr or r.stdout).strip()}"
+                )
             if cmd[:3] == ["ip", "netns", "add"]:
                 created_ns.append(cmd[3])
         yield hosts
@@ -125,14 +129,23 @@ def two_hosts():
 def start_role(hosts: TwoHosts, ns: str, env: dict, log: Path, cwd: Path, *args: str) -> subprocess.Popen:
     """``ip netns exec NS env VAR=... python examples/train_mlp.py ARGS``, in its own session."""
     # No proxy variables: gRPC would otherwise try to reach 10.231.x.x through a proxy.
-    base = {k: v for k, v in os.environ.items()
-            if k.lower() not in ("http_proxy", "https_proxy", "all_proxy", "grpc_proxy")}
+    base = {
+        k: v
+        for k, v in os.environ.items()
+        if k.lower() not in ("http_proxy", "https_proxy", "all_proxy", "grpc_proxy")
+    }
     env = {"PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1", **env}
-    argv = in_ns(ns, "env", *(f"{k}={v}" for k, v in env.items()),
-                 sys.executable, EXAMPLE, *args)
+    argv = in_ns(ns, "env", *(f"{k}={v}" for k, v in env.items()), sys.executable, EXAMPLE, *args)
     with open(log, "wb") as out:
-        proc = subprocess.Popen(argv, cwd=cwd, env=base, stdout=out, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True)
+        proc = subprocess.Popen(
+            argv,
+            cwd=cwd,
+            env=base,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
     hosts.procs.append(proc)
     return proc
 
@@ -159,29 +172,44 @@ def refused(host: str, port: int) -> bool:
 def test_sync_job_across_two_network_namespaces(two_hosts, tmp_path):
     endpoints = [f"{IP1}:{port}" for port in PORTS]
     common = {"PADDLE_PSERVERS_IP_PORT_LIST": ",".join(endpoints), "PADDLE_TRAINERS_NUM": "2"}
-    args = ["--epochs", "6"]  # ~0.97 test accuracy (0.967 in one process on the same batches); the default is 20
+    args = [
+        "--epochs",
+        "6",
+    ]  # ~0.97 test accuracy (0.967 in one process on the same batches); the default is 20
     before = two_hosts.counters(NS1, VETH1)
 
     pservers, ps_logs = [], []
     for i, port in enumerate(PORTS):
         log = tmp_path / f"serverlog.{i}"
         ps_logs.append(log)
-        pservers.append(start_role(two_hosts, NS1, {**common, "TRAINING_ROLE": "PSERVER",
-                                                     "POD_IP": IP1, "PADDLE_PORT": str(port)},
-                                   log, tmp_path, *args))
+        pservers.append(
+            start_role(
+                two_hosts,
+                NS1,
+                {**common, "TRAINING_ROLE": "PSERVER", "POD_IP": IP1, "PADDLE_PORT": str(port)},
+                log,
+                tmp_path,
+                *args,
+            )
+        )
 
     # Each pserver bound its namespace address: wait for its "serving" line (or its death).
     deadline = time.monotonic() + 60
     for proc, log, ep in zip(pservers, ps_logs, endpoints):
-        wait_until(lambda: proc.poll() is not None or f"pserver {ep} serving" in log.read_text(errors="replace"),
-                   deadline, f"pserver {ep} to serve")
+        wait_until(
+            lambda: proc.poll() is not None or f"pserver {ep} serving" in log.read_text(errors="replace"),
+            deadline,
+            f"pserver {ep} to serve",
+        )
         assert proc.poll() is None, f"pserver {ep} exited {proc.returncode}:\n{tail(log)}"
 
     # Bound to 10.231.x.1 only, never 0.0.0.0: loopback refuses its port inside namespace 1, and
     # the root namespace (another network stack) does not see it on 127.0.0.1 either.
     for port in PORTS:
-        probe = (f"import socket,errno; s=socket.socket(); s.settimeout(5); "
-                 f"raise SystemExit(0 if s.connect_ex(('127.0.0.1',{port}))==errno.ECONNREFUSED else 1)")
+        probe = (
+            f"import socket,errno; s=socket.socket(); s.settimeout(5); "
+            f"raise SystemExit(0 if s.connect_ex(('127.0.0.1',{port}))==errno.ECONNREFUSED else 1)"
+        )
         r = run(in_ns(NS1, sys.executable, "-I", "-c", probe))
         assert r.returncode == 0, f"127.0.0.1:{port} inside {NS1} was not refused: {r.stderr}"
         assert refused("127.0.0.1", port), f"127.0.0.1:{port} in the root namespace was not refused"
@@ -190,9 +218,18 @@ def test_sync_job_across_two_network_namespaces(two_hosts, tmp_path):
     for i in range(2):
         log = tmp_path / f"workerlog.{i}"
         tr_logs.append(log)
-        trainers.append(start_role(two_hosts, NS2, {**common, "TRAINING_ROLE": "TRAINER",
-                                                    "PADDLE_TRAINER_ID": str(i)},
-                                   log, tmp_path, *args, "--save", str(tmp_path / "mlp_state_dict.pt")))
+        trainers.append(
+            start_role(
+                two_hosts,
+                NS2,
+                {**common, "TRAINING_ROLE": "TRAINER", "PADDLE_TRAINER_ID": str(i)},
+                log,
+                tmp_path,
+                *args,
+                "--save",
+                str(tmp_path / "mlp_state_dict.pt"),
+            )
+        )
 
     deadline = time.monotonic() + TRAINERS_DEADLINE
     for i, proc in enumerate(trainers):
@@ -208,8 +245,9 @@ def test_sync_job_across_two_network_namespaces(two_hosts, tmp_path):
         try:
             proc.wait(timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            pytest.fail(f"pserver {i} did not exit within {PSERVERS_DEADLINE} s of the trainers:\n"
-                        f"{tail(ps_logs[i])}")
+            pytest.fail(
+                f"pserver {i} did not exit within {PSERVERS_DEADLINE} s of the trainers:\n{tail(ps_logs[i])}"
+            )
         assert proc.returncode == 0, f"pserver {i} exited {proc.returncode}:\n{tail(ps_logs[i])}"
 
     after = two_hosts.counters(NS1, VETH1)

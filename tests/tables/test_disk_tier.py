@@ -1,4 +1,5 @@
 """DiskTier (pserver/tables/lifecycle/disk_tier.py): the LMDB store behind a table's disk tier."""
+
 import errno
 import os
 
@@ -13,7 +14,7 @@ RB = 48  # record bytes
 
 def _ids(rng, n):
     extremes = np.array([np.iinfo(np.int64).min, np.iinfo(np.int64).max, -1, 0, 1], dtype=np.int64)
-    return np.unique(np.concatenate([extremes, rng.integers(-2**63, 2**63 - 1, n, dtype=np.int64)]))
+    return np.unique(np.concatenate([extremes, rng.integers(-(2**63), 2**63 - 1, n, dtype=np.int64)]))
 
 
 def _records(rng, n, width=RB):
@@ -50,7 +51,7 @@ def test_put_get_round_trip_random_ids_and_extremes(tier):
     by_id = dict(zip(ids.tolist(), map(bytes, recs)))
     assert [bytes(r) for r in got] == [by_id[i] for i in q.tolist()]
     f1, r1 = tier.get(np.array([np.iinfo(np.int64).min, np.iinfo(np.int64).max]))
-    assert f1.all() and bytes(r1[0]) == by_id[-2**63] and bytes(r1[1]) == by_id[2**63 - 1]
+    assert f1.all() and bytes(r1[0]) == by_id[-(2**63)] and bytes(r1[1]) == by_id[2**63 - 1]
 
 
 def test_records_of_any_dtype_are_stored_as_their_bytes(tier):
@@ -191,7 +192,7 @@ def test_full_store_refuses_the_put_and_keeps_its_contents(tmp_path):
     d = str(tmp_path / "tiny")
     t = DiskTier(d, 128, max_bytes=64 << 10)
     rng = np.random.default_rng(8)
-    ids = np.array([-3, -7, 2**62, -2**62], dtype=np.int64)  # outside the arange()s below
+    ids = np.array([-3, -7, 2**62, -(2**62)], dtype=np.int64)  # outside the arange()s below
     recs = _records(rng, 4, 128)
     t.put(ids, recs)
     before_ids, before = _contents(t)
@@ -254,15 +255,18 @@ def test_disk_full_errors_are_recognised(tmp_path):
     assert _is_disk_full(eio, str(tmp_path), vfs.f_bavail * vfs.f_frsize * 2 + (1 << 30))
 
 
-@pytest.mark.parametrize("bad_ids, bad_records, match", [
-    (np.arange(3), np.zeros((3, RB + 1), np.uint8), "bytes per row"),
-    (np.arange(3), np.zeros((3, RB // 2), np.uint8), "bytes per row"),
-    (np.arange(3).reshape(3, 1), np.zeros((3, RB), np.uint8), "1-D integer"),
-    (np.arange(3, dtype=np.float64), np.zeros((3, RB), np.uint8), "1-D integer"),
-    (np.arange(3), np.zeros((2, RB), np.uint8), "3 rows"),
-    (np.arange(3), np.array([[object()] * RB] * 3), "3 rows"),
-    (np.array([2**63], dtype=np.uint64), np.zeros((1, RB), np.uint8), "int64"),
-])
+@pytest.mark.parametrize(
+    "bad_ids, bad_records, match",
+    [
+        (np.arange(3), np.zeros((3, RB + 1), np.uint8), "bytes per row"),
+        (np.arange(3), np.zeros((3, RB // 2), np.uint8), "bytes per row"),
+        (np.arange(3).reshape(3, 1), np.zeros((3, RB), np.uint8), "1-D integer"),
+        (np.arange(3, dtype=np.float64), np.zeros((3, RB), np.uint8), "1-D integer"),
+        (np.arange(3), np.zeros((2, RB), np.uint8), "3 rows"),
+        (np.arange(3), np.array([[object()] * RB] * 3), "3 rows"),
+        (np.array([2**63], dtype=np.uint64), np.zeros((1, RB), np.uint8), "int64"),
+    ],
+)
 def test_bad_input_raises_value_error_and_changes_nothing(tier, bad_ids, bad_records, match):
     rng = np.random.default_rng(10)
     ids = np.array([0, 1, 2, 50], dtype=np.int64)

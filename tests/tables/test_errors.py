@@ -1,4 +1,5 @@
 """Bad sparse pushes and prefetches are refused with a clear status and change nothing."""
+
 import math
 
 import grpc
@@ -6,9 +7,9 @@ import numpy as np
 import pytest
 import torch
 
-from tests.helpers.cluster import LocalCluster
 from psproto import ps_pb2, ps_pb2_grpc
 from psproto.codec import TensorReader, encode_chunks
+from tests.helpers.cluster import LocalCluster
 from tests.helpers.table_models import BAG_DIM, DIM, table_program
 from tests.helpers.wire import answer, expect_refusal, open_sessions, push_messages
 from transpiler.tables import initial_rows, shard_of
@@ -27,12 +28,14 @@ def stub(cluster):
 
 
 def ids_of_shard(shard, n=5, seed=0):
-    candidates = np.random.default_rng(seed).integers(-2**63, 2**63 - 1, size=200, dtype=np.int64)
+    candidates = np.random.default_rng(seed).integers(-(2**63), 2**63 - 1, size=200, dtype=np.int64)
     return candidates[shard_of(candidates, 2) == shard][:n]
 
 
 def prefetch_messages(digest, tensors, trainer_id=0, min_updates=0, session=""):
-    h = ps_pb2.PrefetchHeader(trainer_id=trainer_id, min_updates=min_updates, layout_digest=digest, session=session)
+    h = ps_pb2.PrefetchHeader(
+        trainer_id=trainer_id, min_updates=min_updates, layout_digest=digest, session=session
+    )
     return iter([ps_pb2.PrefetchChunk.FromString(b) for b in encode_chunks(h, tensors, 1 << 16)])
 
 
@@ -59,16 +62,23 @@ def test_bad_sparse_pushes_are_refused_and_change_nothing(cluster, stub):
     ]
     for tensors, match in cases:
         messages = push_messages(digest, tensors=tensors, sessions=sessions)
-        details = expect_refusal(lambda: answer(stub.PushPull(messages, timeout=10)), grpc.StatusCode.INVALID_ARGUMENT,
-                                 match)
+        details = expect_refusal(
+            lambda: answer(stub.PushPull(messages, timeout=10)), grpc.StatusCode.INVALID_ARGUMENT, match
+        )
         assert server.endpoint in details
     tables = server.engine.tables
-    assert server.engine.updates == 0 and not server.engine.pending.trainers and not server.engine.pending.sparse_sums
+    assert (
+        server.engine.updates == 0
+        and not server.engine.pending.trainers
+        and not server.engine.pending.sparse_sums
+    )
     assert tables.rows == 0 and all(s.step == 0 for s in tables.shards.values())
     # The pserver still serves: a valid step from both trainers is applied.
     tensors = [("emb@ids", mine), ("emb@rows", rows)]
-    calls = [stub.PushPull(push_messages(digest, trainer_id, 0, tensors, sessions=sessions), timeout=10)
-             for trainer_id in (0, 1)]
+    calls = [
+        stub.PushPull(push_messages(digest, trainer_id, 0, tensors, sessions=sessions), timeout=10)
+        for trainer_id in (0, 1)
+    ]
     for call in calls:
         reply = answer(call)
         assert reply.applied
@@ -81,26 +91,53 @@ def test_bad_prefetches_are_refused(cluster, stub):
     digest = cluster.servers[0].program.layout_digest
     session = open_sessions(stub, digest, [0])[0]
     mine, theirs = torch.from_numpy(ids_of_shard(0)), torch.from_numpy(ids_of_shard(1))
-    prefetch = lambda tensors, **kw: list(stub.Prefetch(  # noqa: E731
-        prefetch_messages(digest, tensors, **{"session": session, **kw}), timeout=10))
+
+    def prefetch(tensors, **kw):
+        return list(
+            stub.Prefetch(prefetch_messages(digest, tensors, **{"session": session, **kw}), timeout=10)
+        )
+
     cases = [
-        (lambda: prefetch([("nope@ids", mine)]), grpc.StatusCode.INVALID_ARGUMENT, "unknown tensor 'nope@ids'"),
-        (lambda: prefetch([("emb@rows", torch.zeros(2, DIM))]), grpc.StatusCode.INVALID_ARGUMENT, "only '<table>@ids'"),
+        (
+            lambda: prefetch([("nope@ids", mine)]),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "unknown tensor 'nope@ids'",
+        ),
+        (
+            lambda: prefetch([("emb@rows", torch.zeros(2, DIM))]),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "only '<table>@ids'",
+        ),
         (lambda: prefetch([("emb@next", mine)]), grpc.StatusCode.INVALID_ARGUMENT, "only '<table>@ids'"),
         (lambda: prefetch([("emb@ids", theirs)]), grpc.StatusCode.INVALID_ARGUMENT, "shard"),
-        (lambda: prefetch([("emb@ids", mine)], trainer_id=7), grpc.StatusCode.INVALID_ARGUMENT, "out of range"),
-        (lambda: prefetch([("emb@ids", mine)], min_updates=5), grpc.StatusCode.FAILED_PRECONDITION,
-         "can only reach 1 next"),
-        (lambda: list(stub.Prefetch(prefetch_messages("bad", [("emb@ids", mine)], session=session), timeout=10)),
-         grpc.StatusCode.FAILED_PRECONDITION, "plan mismatch"),
-        (lambda: prefetch([("emb@ids", mine)], session=""), grpc.StatusCode.FAILED_PRECONDITION,
-         "a call for trainer 0 without a session"),
+        (
+            lambda: prefetch([("emb@ids", mine)], trainer_id=7),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "out of range",
+        ),
+        (
+            lambda: prefetch([("emb@ids", mine)], min_updates=5),
+            grpc.StatusCode.FAILED_PRECONDITION,
+            "can only reach 1 next",
+        ),
+        (
+            lambda: list(
+                stub.Prefetch(prefetch_messages("bad", [("emb@ids", mine)], session=session), timeout=10)
+            ),
+            grpc.StatusCode.FAILED_PRECONDITION,
+            "plan mismatch",
+        ),
+        (
+            lambda: prefetch([("emb@ids", mine)], session=""),
+            grpc.StatusCode.FAILED_PRECONDITION,
+            "a call for trainer 0 without a session",
+        ),
     ]
     for call, code, match in cases:
         expect_refusal(call, code, match)
     # A good prefetch answers with the initial rows, and does not create them. A row never pushed
     # is a pure function of (table seed, id): the plan's initial_rows, whichever pserver answers.
-    emb_ids, bag_ids = torch.cat([mine, mine[:2]]), mine.flip(0)   # repeats allowed, request order kept
+    emb_ids, bag_ids = torch.cat([mine, mine[:2]]), mine.flip(0)  # repeats allowed, request order kept
     chunks = prefetch([("emb@ids", emb_ids), ("bag@ids", bag_ids)])
     assert cluster.servers[0].engine.tables.rows == 0
     specs = {t.name: t for t in table_program("adagrad", lr=0.1).tables}

@@ -5,6 +5,7 @@ after each export the numpy-only reader, refreshed, holds exactly the ids the ps
 with their rows, and none of the evicted ids. A pserver rolled back (restored from older
 state) writes a resync delta, after which the reader again equals the live table.
 """
+
 import dataclasses
 from types import SimpleNamespace
 
@@ -23,14 +24,18 @@ from transpiler.lifecycle import TableLifecycle
 from transpiler.tables import shard_of
 
 
-@pytest.mark.parametrize("step,plan", [
-    (0, None), (3, None),
-    (2, ("000000000002-base", "base", None)),
-    (4, ("000000000004-delta", "delta", "000000000002-base")),
-    (6, ("000000000006-base", "base", None)),
-    (8, ("000000000008-delta", "delta", "000000000006-base")),
-    (10, ("000000000010-delta", "delta", "000000000008-delta")),
-])
+@pytest.mark.parametrize(
+    "step,plan",
+    [
+        (0, None),
+        (3, None),
+        (2, ("000000000002-base", "base", None)),
+        (4, ("000000000004-delta", "delta", "000000000002-base")),
+        (6, ("000000000006-base", "base", None)),
+        (8, ("000000000008-delta", "delta", "000000000006-base")),
+        (10, ("000000000010-delta", "delta", "000000000008-delta")),
+    ],
+)
 def test_export_plan_is_a_function_of_the_step(step, plan):
     assert export_plan(step, 2, 3) == plan
 
@@ -79,6 +84,7 @@ def test_exports_of_a_training_job_equal_the_live_table(tmp_path, n_pservers):
                     assert not reader.lookup("emb", evicted)[1].any()
                     checked.append(applied)
             return None
+
         cluster.run_trainers(body)
         evictions = sum(s.life.counts.evicted for s in shards["emb"])
     assert len(checked) == 7 and evictions > 0
@@ -93,8 +99,10 @@ def test_a_restored_shard_writes_a_resync_delta(tmp_path):
     root, saved = str(tmp_path / "exports"), str(tmp_path / "saved")
     spec = dataclasses.replace(make_spec(dim=3), lifecycle=TableLifecycle(evict_unseen_steps=2))
     shards = [TableShard(spec, k, 2) for k in range(2)]
-    exporters = [TableExporter(SimpleNamespace(shards={"emb": s}, shard=k, n_shards=2), root, 1, 100, 2)
-                 for k, s in enumerate(shards)]
+    exporters = [
+        TableExporter(SimpleNamespace(shards={"emb": s}, shard=k, n_shards=2), root, 1, 100, 2)
+        for k, s in enumerate(shards)
+    ]
     rng = np.random.default_rng(4)
     reader = ServingTables(root)
 
@@ -115,8 +123,10 @@ def test_a_restored_shard_writes_a_resync_delta(tmp_path):
     assert_reader_equals_live(reader, "emb", shards)
     # pserver 1 restarts from its save: the updates of steps 5-7 are gone from it
     shards[1] = TableShard.load(spec, 1, 2, [saved])
-    shards[1].step = shards[0].step   # both at the same step again, as after a roll-forward
-    exporters[1] = TableExporter(SimpleNamespace(shards={"emb": shards[1]}, shard=1, n_shards=2), root, 1, 100, 2)
+    shards[1].step = shards[0].step  # both at the same step again, as after a roll-forward
+    exporters[1] = TableExporter(
+        SimpleNamespace(shards={"emb": shards[1]}, shard=1, n_shards=2), root, 1, 100, 2
+    )
     train(8)
     assert reader.refresh() == ["000000000008-delta"]
     assert_reader_equals_live(reader, "emb", shards)
@@ -144,7 +154,7 @@ def test_exports_every_so_many_seconds_follow_pserver_0s_clock(tmp_path):
         with cluster.trainer(0) as tr:
             for step, step_batches in enumerate(data, start=1):
                 if step in (4, 8):
-                    now[0] += 61.0                      # pserver 0 announces at the end of this step
+                    now[0] += 61.0  # pserver 0 announces at the end of this step
                 ids, bag, y = step_batches[0]
                 nn.functional.cross_entropy(tr.model(ids, bag), y).backward()
                 tr.step()

@@ -1,4 +1,5 @@
 """Serving exports: pservers write base and delta shards, a numpy-only reader follows the chain."""
+
 import json
 import logging
 import os
@@ -11,8 +12,13 @@ import numpy as np
 import pytest
 
 from pserver.tables.serving import reader as serving_reader
-from pserver.tables.serving.exports import (export_name, finish_export_shard, is_complete, prune_exports,
-                                    write_export_shard)
+from pserver.tables.serving.exports import (
+    export_name,
+    finish_export_shard,
+    is_complete,
+    prune_exports,
+    write_export_shard,
+)
 from pserver.tables.serving.reader import ServingTables
 from tests.helpers import paths
 
@@ -57,10 +63,17 @@ class Job:
             ids = np.array(sorted(i for i in ids if i % self.n == shard), np.int64)
             written = ids[[i in self.live[t] for i in ids.tolist()]] if ids.size else ids
             rows = np.array([self.live[t][i] for i in written.tolist()], dtype).reshape(-1, dim)
-            write_export_shard(self.root, name, t, shard, self.n, written, rows,
-                               np.setdiff1d(ids, written),
-                               {"kind": kind, "step": step,
-                                "previous": None if kind == "base" else self.previous})
+            write_export_shard(
+                self.root,
+                name,
+                t,
+                shard,
+                self.n,
+                written,
+                rows,
+                np.setdiff1d(ids, written),
+                {"kind": kind, "step": step, "previous": None if kind == "base" else self.previous},
+            )
         return name
 
     def export(self, step, kind, finish=None):
@@ -247,8 +260,14 @@ applied = r.refresh()
 rows, found = r.lookup("emb", [7, 9])
 print(json.dumps({{"applied": applied, "row": rows[0].tolist(), "found": found.tolist()}}))
 """
-    out = subprocess.run([sys.executable, "-c", code], cwd=str(tmp_path), capture_output=True,
-                         text=True, timeout=60, env={"PATH": os.environ.get("PATH", "")})
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=str(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={"PATH": os.environ.get("PATH", "")},
+    )
     assert out.returncode == 0, out.stderr
     got = json.loads(out.stdout)
     assert got["applied"] == [export_name(3, "base")] and got["found"] == [True, False]
@@ -259,14 +278,16 @@ def test_cli_prints_rows(tmp_path):
     job = Job(tmp_path, 2)
     job.put("wide", [4, 5])
     job.export(1, "base")
-    out = subprocess.run([sys.executable, READER, str(tmp_path), "wide", "5", "6"], capture_output=True,
-                         text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, READER, str(tmp_path), "wide", "5", "6"], capture_output=True, text=True, timeout=60
+    )
     assert out.returncode == 0, out.stderr
     lines = dict(line.split("\t") for line in out.stdout.splitlines() if not line.startswith("#"))
     np.testing.assert_array_equal(np.array(lines["5"].split(), float), job.live["wide"][5])
     assert lines["6"] == "not found"
-    bad = subprocess.run([sys.executable, READER, str(tmp_path), "nope", "1"], capture_output=True,
-                         text=True, timeout=60)
+    bad = subprocess.run(
+        [sys.executable, READER, str(tmp_path), "nope", "1"], capture_output=True, text=True, timeout=60
+    )
     assert bad.returncode == 1 and "no table 'nope'" in bad.stderr
 
 
@@ -274,8 +295,17 @@ def test_prune_keeps_the_newest_bases_and_their_deltas(tmp_path):
     root = str(tmp_path)
     job = Job(tmp_path, 2)
     job.put("emb", range(5))
-    plan = [(10, "base"), (20, "delta"), (30, "base"), (40, "delta"), (45, "delta", "half"),
-            (50, "delta"), (60, "base"), (70, "delta"), (80, "delta", "half")]
+    plan = [
+        (10, "base"),
+        (20, "delta"),
+        (30, "base"),
+        (40, "delta"),
+        (45, "delta", "half"),
+        (50, "delta"),
+        (60, "base"),
+        (70, "delta"),
+        (80, "delta", "half"),
+    ]
     names = {}
     for step, kind, *half in plan:
         job.put("emb", [step])
@@ -317,11 +347,21 @@ def test_write_validates_its_inputs(tmp_path):
     check_arrays_refused(root, "kind", kind="full")
     check_arrays_refused(root, "previous", previous=None)
     check_arrays_refused(root, "not older", previous=export_name(2, "base"))
-    check_arrays_refused(root, "no tombstones", kind="base", previous=None,
-                         tombstones=np.array([7], np.int64))
+    check_arrays_refused(
+        root, "no tombstones", kind="base", previous=None, tombstones=np.array([7], np.int64)
+    )
     with pytest.raises(ValueError, match="does not match"):
-        write_export_shard(root, export_name(3, "base"), "emb", 0, 1, np.arange(1), np.zeros((1, 2)),
-                           None, {"kind": "base", "step": 4, "previous": None})
+        write_export_shard(
+            root,
+            export_name(3, "base"),
+            "emb",
+            0,
+            1,
+            np.arange(1),
+            np.zeros((1, 2)),
+            None,
+            {"kind": "base", "step": 4, "previous": None},
+        )
     assert os.listdir(root) == []
     job = Job(tmp_path, 2)
     job.put("emb", [1])
@@ -365,8 +405,9 @@ for t in range(10 ** 6):  # never finishes: the parent kills it mid-export
 def test_sigkill_mid_export_leaves_the_previous_export_readable(tmp_path):
     root = str(tmp_path / "exports")
     env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.Popen([sys.executable, "-c", WRITER, root], cwd=REPO, env=env,
-                            stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", WRITER, root], cwd=REPO, env=env, stdout=subprocess.PIPE, text=True
+    )
     try:
         assert proc.stdout.readline().strip() == "started"
     finally:
@@ -382,8 +423,17 @@ def test_sigkill_mid_export_leaves_the_previous_export_readable(tmp_path):
     # The restarted writer skips the abandoned delta; the reader follows it, prune drops the abandoned one.
     meta = {"kind": "delta", "step": 3, "previous": export_name(1, "base")}
     for k in range(2):
-        write_export_shard(root, export_name(3, "delta"), "emb", k, 2, np.array([k], np.int64),
-                           np.full((1, 8), 9, np.float32), np.array([k + 2], np.int64), meta)
+        write_export_shard(
+            root,
+            export_name(3, "delta"),
+            "emb",
+            k,
+            2,
+            np.array([k], np.int64),
+            np.full((1, 8), 9, np.float32),
+            np.array([k + 2], np.int64),
+            meta,
+        )
         finish_export_shard(root, export_name(3, "delta"), k, 2)
     assert reader.refresh() == [export_name(3, "delta")]
     got, found = reader.lookup("emb", [0, 1, 2, 3, 4])

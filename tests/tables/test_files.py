@@ -1,12 +1,13 @@
 """TableShard files: atomic save, load into the same or another shard count, export."""
+
 import json
 import os
 
 import numpy as np
 import pytest
 
-from pserver.tables.shard import TableShard
 from pserver.tables.files import export_table
+from pserver.tables.shard import TableShard
 from tests.helpers.table_specs import grads_for, make_spec
 from transpiler.tables import TableSpec, initial_rows, shard_of
 
@@ -50,7 +51,8 @@ def test_save_load_same_shard_count(tmp_path, optimizer):
     dirs = save_all(shards, tmp_path)
     assert sorted(os.listdir(dirs[0])) == sorted(
         ["meta.json", "ids.npy", "rows.npy", "seen_step.npy"]
-        + {"sgd": [], "adagrad": ["sum.npy"], "adam": ["exp_avg.npy", "exp_avg_sq.npy"]}[optimizer])
+        + {"sgd": [], "adagrad": ["sum.npy"], "adam": ["exp_avg.npy", "exp_avg_sq.npy"]}[optimizer]
+    )
     for t in shards:
         u = TableShard.load(spec, t.shard, 2, [dirs[t.shard]])
         v = TableShard.load(spec, t.shard, 2, dirs)  # extra directories are ignored
@@ -93,10 +95,12 @@ def test_load_refusals(tmp_path):
     spec = make_spec(optimizer="adagrad")
     shards = trained_shards(spec, 3, steps=2)
     dirs = save_all(shards, tmp_path)
-    for other, what in ((make_spec(name="other", optimizer="adagrad"), "name|table"),
-                        (make_spec(dim=5, optimizer="adagrad"), "dim"),
-                        (make_spec(dtype="float64", optimizer="adagrad"), "dtype"),
-                        (make_spec(optimizer="adam"), "optimizer")):
+    for other, what in (
+        (make_spec(name="other", optimizer="adagrad"), "name|table"),
+        (make_spec(dim=5, optimizer="adagrad"), "dim"),
+        (make_spec(dtype="float64", optimizer="adagrad"), "dtype"),
+        (make_spec(optimizer="adam"), "optimizer"),
+    ):
         with pytest.raises(ValueError, match=what):
             TableShard.load(other, 0, 3, dirs)
     with pytest.raises(ValueError, match=r"missing \[2\]"):
@@ -155,5 +159,3 @@ def test_export_table(tmp_path):
     np.testing.assert_array_equal(initial_rows(again, missing), lookup_split(shards, missing))
     with pytest.raises(ValueError, match=r"missing shards \[1\]"):
         export_table([dirs[0], dirs[2]], str(tmp_path / "out2"))
-
-

@@ -6,6 +6,7 @@ and home slot must match the trainer's routing: the compiled paths
 (:mod:`pserver.tables.index_kernels`) are compared with :func:`transpiler.tables.initial_rows`,
 :func:`transpiler.tables.shard_of` and :func:`transpiler.placement.stable_hash_ids`, bit for bit.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -35,8 +36,9 @@ def many_ids(n: int = 200_000) -> np.ndarray:
 
 SPECS = {
     "normal float32 dim 16 (job S)": make_spec(dim=16, seed=7),
-    "normal, mean and std": dataclasses.replace(make_spec(dim=5, seed=123456789),
-                                                init_kwargs={"mean": 0.25, "std": 0.01}),
+    "normal, mean and std": dataclasses.replace(
+        make_spec(dim=5, seed=123456789), init_kwargs={"mean": 0.25, "std": 0.01}
+    ),
     "normal float64": make_spec(dim=3, dtype="float64", seed=2**63 - 1),
     "normal float16": make_spec(dim=8, dtype="float16", seed=0),
     "uniform": dataclasses.replace(make_spec(dim=7, init="uniform"), init_kwargs={"a": -0.5, "b": 0.75}),

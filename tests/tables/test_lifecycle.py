@@ -1,4 +1,5 @@
 """Table lifecycle pieces: the policy's validation, admission, eviction decisions, row removal, files."""
+
 import dataclasses
 
 import numpy as np
@@ -20,24 +21,27 @@ def spec_with(dim=4, optimizer="sgd", **rules):
 # ---------------------------------------------------------------- the policy
 
 
-@pytest.mark.parametrize("rules,field", [
-    ({"admit_count": 0}, "admit_count"),
-    ({"admit_count": 70000}, "admit_count"),
-    ({"admit_probability": 0.0}, "admit_probability"),
-    ({"admit_probability": 1.5}, "admit_probability"),
-    ({"admit_sketch_width": 1000}, "admit_sketch_width"),
-    ({"admit_decay_steps": 10}, "admit_decay_steps"),          # needs admit_count > 1
-    ({"evict_unseen_steps": -1}, "evict_unseen_steps"),
-    ({"evict_unseen_steps": 2.5}, "evict_unseen_steps"),
-    ({"evict_unseen_seconds": float("inf")}, "evict_unseen_seconds"),
-    ({"score_decay": 0.5}, "score_decay"),                     # no score rule to decay for
-    ({"evict_score_below": 0.5}, "evict_score_below"),          # without decay a score is >= 1
-    ({"evict_score_below": 1, "score_decay": 1.5}, "score_decay"),
-    ({"sweep_every_steps": 0}, "sweep_every_steps"),
-    ({"sweep_every_steps": 5}, "sweep_every_steps"),           # nothing to sweep for
-    ({"max_rows": 1000, "ram_rows": 200}, "ram_rows"),
-    ({"max_rows": True}, "max_rows"),
-])
+@pytest.mark.parametrize(
+    "rules,field",
+    [
+        ({"admit_count": 0}, "admit_count"),
+        ({"admit_count": 70000}, "admit_count"),
+        ({"admit_probability": 0.0}, "admit_probability"),
+        ({"admit_probability": 1.5}, "admit_probability"),
+        ({"admit_sketch_width": 1000}, "admit_sketch_width"),
+        ({"admit_decay_steps": 10}, "admit_decay_steps"),  # needs admit_count > 1
+        ({"evict_unseen_steps": -1}, "evict_unseen_steps"),
+        ({"evict_unseen_steps": 2.5}, "evict_unseen_steps"),
+        ({"evict_unseen_seconds": float("inf")}, "evict_unseen_seconds"),
+        ({"score_decay": 0.5}, "score_decay"),  # no score rule to decay for
+        ({"evict_score_below": 0.5}, "evict_score_below"),  # without decay a score is >= 1
+        ({"evict_score_below": 1, "score_decay": 1.5}, "score_decay"),
+        ({"sweep_every_steps": 0}, "sweep_every_steps"),
+        ({"sweep_every_steps": 5}, "sweep_every_steps"),  # nothing to sweep for
+        ({"max_rows": 1000, "ram_rows": 200}, "ram_rows"),
+        ({"max_rows": True}, "max_rows"),
+    ],
+)
 def test_contradictory_or_bad_settings_name_the_field(rules, field):
     with pytest.raises(ValueError, match=f"'emb': lifecycle {field}="):
         table_lifecycle(rules, "emb")
@@ -59,7 +63,7 @@ def test_probability_is_a_pure_function_of_seed_and_id():
     assert abs(a.mean() - 0.3) < 0.01
     order = np.random.default_rng(0).permutation(ids.size)
     assert np.array_equal(admissible(ids[order], 7, 0.3), a[order])  # order does not matter
-    assert not np.array_equal(admissible(ids, 8, 0.3), a)               # the seed does
+    assert not np.array_equal(admissible(ids, 8, 0.3), a)  # the seed does
     assert admissible(ids, 7, 1.0).all()
     # The same ids pass whichever shard they land on: the test does not see the shard count.
     for n in (2, 3):
@@ -111,12 +115,12 @@ def test_sketch_saturates_and_merges_by_sum():
 def test_admission_counts_steps_and_decays():
     adm = Admission(TableLifecycle(admit_count=3, admit_decay_steps=2), seed=1)
     one = np.array([42], dtype=np.int64)
-    assert adm.admit(one).tolist() == [False]    # count 1
+    assert adm.admit(one).tolist() == [False]  # count 1
     adm.end_step(1)
-    assert adm.admit(one).tolist() == [False]    # count 2
-    adm.end_step(2)                               # halved to 1
-    assert adm.admit(one).tolist() == [False]    # count 2
-    assert adm.admit(one).tolist() == [True]     # count 3
+    assert adm.admit(one).tolist() == [False]  # count 2
+    adm.end_step(2)  # halved to 1
+    assert adm.admit(one).tolist() == [False]  # count 2
+    assert adm.admit(one).tolist() == [True]  # count 3
 
 
 # ---------------------------------------------------------------- eviction decisions
@@ -125,10 +129,24 @@ def test_admission_counts_steps_and_decays():
 SWEEPS = [
     ({"evict_unseen_steps": 3}, 10, [10, 8, 7, 1], None, None, 0, [False, False, True, True]),
     ({"evict_unseen_seconds": 60.0}, 5, [5, 5, 5], None, [100.0, 40.0, 39.0], 100.0, [False, True, True]),
-    ({"evict_score_below": 1.0, "score_decay": 0.5}, 4, [4, 3, 3, 2], [1.0, 2.0, 1.5, 3.0], None, 0,
-     [False, False, True, True]),   # decayed: 1.0, 1.0, 0.75, 0.75
-    ({"evict_unseen_steps": 5, "evict_score_below": 2.0, "score_decay": 0.9}, 10, [10, 4, 9], [5.0, 9.0, 1.0],
-     None, 0, [False, True, True]),
+    (
+        {"evict_score_below": 1.0, "score_decay": 0.5},
+        4,
+        [4, 3, 3, 2],
+        [1.0, 2.0, 1.5, 3.0],
+        None,
+        0,
+        [False, False, True, True],
+    ),  # decayed: 1.0, 1.0, 0.75, 0.75
+    (
+        {"evict_unseen_steps": 5, "evict_score_below": 2.0, "score_decay": 0.9},
+        10,
+        [10, 4, 9],
+        [5.0, 9.0, 1.0],
+        None,
+        0,
+        [False, True, True],
+    ),
 ]
 
 
@@ -145,8 +163,10 @@ def test_sweep_due(every, step, due):
     assert sweep_due(TableLifecycle(evict_unseen_steps=2, sweep_every_steps=every), step) is due
 
 
-@pytest.mark.parametrize("max_rows,n_shards,n_rows,keep", [
-    (0, 2, 10**6, None), (100, 2, 50, None), (100, 2, 51, 45), (100, 3, 34, None), (100, 3, 35, 30)])
+@pytest.mark.parametrize(
+    "max_rows,n_shards,n_rows,keep",
+    [(0, 2, 10**6, None), (100, 2, 50, None), (100, 2, 51, 45), (100, 3, 34, None), (100, 3, 35, 30)],
+)
 def test_budget_keep(max_rows, n_shards, n_rows, keep):
     assert budget_keep(TableLifecycle(max_rows=max_rows), n_rows, n_shards) == keep
 
@@ -187,7 +207,7 @@ def test_evicted_rows_free_their_slots_and_the_index_stays_exact(index_kind):
     model = {}
     caps = []
     for step in range(1, 120):
-        ids = np.unique(rng.integers(-10**12, 10**12, size=400)).astype(np.int64)
+        ids = np.unique(rng.integers(-(10**12), 10**12, size=400)).astype(np.int64)
         if step > 1:  # some live ids again, so rows of every age are mixed
             ids = np.unique(np.concatenate([ids, rng.choice(np.array(sorted(model)), 100)]))
         t.apply(ids, np.ones((ids.size, 2), np.float32), 0.5)
@@ -199,7 +219,7 @@ def test_evicted_rows_free_their_slots_and_the_index_stays_exact(index_kind):
         live = np.array(sorted(model), dtype=np.int64)
         assert sorted(t.stored_ids().tolist()) == live.tolist()
         assert (probe_rows(t, live) >= 0).all()
-    assert caps[-1] == caps[40]                    # slots reused: no growth once steady
+    assert caps[-1] == caps[40]  # slots reused: no growth once steady
     gone = np.array([i for i in range(-5, 5)], dtype=np.int64)
     assert (probe_rows(t, gone) < 0).all()
 
@@ -214,7 +234,7 @@ def test_an_evicted_id_comes_back_from_its_initial_row_and_fresh_state():
     one = np.array([77], dtype=np.int64)
     t.apply(one, grads_for(one, 4, 0), 0.1)
     trained = t.lookup(one)
-    t.apply(np.array([5], dtype=np.int64), grads_for([5], 4, 1), 0.1)   # 77 unseen for 1 step: gone
+    t.apply(np.array([5], dtype=np.int64), grads_for([5], 4, 1), 0.1)  # 77 unseen for 1 step: gone
     assert sorted(t.stored_ids().tolist()) == [5]
     np.testing.assert_array_equal(t.lookup(one), initial_rows(spec, one))
     assert not np.allclose(trained, initial_rows(spec, one))
@@ -222,7 +242,7 @@ def test_an_evicted_id_comes_back_from_its_initial_row_and_fresh_state():
     fresh.step = t.step
     t.apply(one, grads_for(one, 4, 2), 0.1)
     fresh.apply(one, grads_for(one, 4, 2), 0.1)
-    np.testing.assert_array_equal(t.lookup(one), fresh.lookup(one))   # state reset: adagrad's sum too
+    np.testing.assert_array_equal(t.lookup(one), fresh.lookup(one))  # state reset: adagrad's sum too
 
 
 def test_wall_clock_eviction_uses_the_injected_clock():
@@ -243,7 +263,7 @@ def test_row_budget_keeps_the_best_ranked_rows():
     hot = np.arange(10, dtype=np.int64)
     for step in range(5):
         t.apply(hot, np.zeros((10, 4), np.float32), 0.1)
-    cold = np.arange(100, 111, dtype=np.int64)      # 21 rows: over budget, keep 18
+    cold = np.arange(100, 111, dtype=np.int64)  # 21 rows: over budget, keep 18
     t.apply(cold, np.zeros((11, 4), np.float32), 0.1)
     kept = sorted(t.stored_ids().tolist())
     # the hot rows (score 5) stay; among the cold ones (score 1, same step) the smallest ids go
@@ -273,19 +293,34 @@ def test_metadata_and_sketch_survive_save_load_and_reshard(tmp_path, n_from, n_t
             n = len(s)
             memory = s.memory
             for j, i in enumerate(memory.ids[:n].tolist()):
-                out[i] = (memory.rows[j].tolist(), int(memory.meta["seen_step"][j]), float(memory.meta["score"][j]))
+                out[i] = (
+                    memory.rows[j].tolist(),
+                    int(memory.meta["seen_step"][j]),
+                    float(memory.meta["score"][j]),
+                )
         return out
+
     assert table(loaded) == table(shards) and len(table(shards)) > 20
     probe_ids = np.arange(300, dtype=np.int64)
 
     def counts(ss, n):
-        return np.concatenate([s.life.admission.sketch.count(probe_ids[shard_of(probe_ids, n) == k])
-                               for k, s in enumerate(ss)])
+        return np.concatenate(
+            [s.life.admission.sketch.count(probe_ids[shard_of(probe_ids, n) == k]) for k, s in enumerate(ss)]
+        )
+
     if n_from == n_to:
         assert np.array_equal(counts(loaded, n_to), counts(shards, n_from))
     else:  # sums of the old shards' sketches: never below what one shard had counted
-        old = dict(zip(np.concatenate([probe_ids[shard_of(probe_ids, n_from) == k] for k in range(n_from)]).tolist(),
-                       counts(shards, n_from).tolist()))
-        new = dict(zip(np.concatenate([probe_ids[shard_of(probe_ids, n_to) == k] for k in range(n_to)]).tolist(),
-                       counts(loaded, n_to).tolist()))
+        old = dict(
+            zip(
+                np.concatenate([probe_ids[shard_of(probe_ids, n_from) == k] for k in range(n_from)]).tolist(),
+                counts(shards, n_from).tolist(),
+            )
+        )
+        new = dict(
+            zip(
+                np.concatenate([probe_ids[shard_of(probe_ids, n_to) == k] for k in range(n_to)]).tolist(),
+                counts(loaded, n_to).tolist(),
+            )
+        )
         assert all(new[i] >= old[i] for i in old)

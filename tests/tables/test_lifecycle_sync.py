@@ -6,6 +6,7 @@ vocabulary (initial rows for ids holding none), the dense parameters and the set
 ids equal :func:`tests.helpers.lifecycle_reference.single_process_lifecycle`, which applies
 docs/tables.md's rules by hand with exact counts.
 """
+
 import numpy as np
 import pytest
 import torch
@@ -21,12 +22,19 @@ TOL = dict(rtol=1e-5, atol=1e-6)
 
 RULES = {
     "count+steps": {"admit_count": 2, "evict_unseen_steps": 3},
-    "count+decay+steps/2": {"admit_count": 3, "admit_decay_steps": 4, "evict_unseen_steps": 4,
-                            "sweep_every_steps": 2},
+    "count+decay+steps/2": {
+        "admit_count": 3,
+        "admit_decay_steps": 4,
+        "evict_unseen_steps": 4,
+        "sweep_every_steps": 2,
+    },
     "probability+score": {"admit_probability": 0.6, "evict_score_below": 0.5, "score_decay": 0.8},
 }
-OPTIMIZERS = {"sgd": dict(lr=0.5), "adagrad": dict(lr=0.3, initial_accumulator_value=0.1),
-              "adam": dict(lr=0.05)}
+OPTIMIZERS = {
+    "sgd": dict(lr=0.5),
+    "adagrad": dict(lr=0.3, initial_accumulator_value=0.1),
+    "adam": dict(lr=0.05),
+}
 
 
 def build(rules, optimizer):
@@ -40,8 +48,12 @@ def stored_ids(cluster, table):
 
 
 # Each rule set with each optimizer was checked once (18 cases); the suite keeps these four.
-CASES = [("count+steps", "sgd"), ("count+steps", "adam"), ("count+decay+steps/2", "adagrad"),
-         ("probability+score", "sgd")]
+CASES = [
+    ("count+steps", "sgd"),
+    ("count+steps", "adam"),
+    ("count+decay+steps/2", "adagrad"),
+    ("probability+score", "sgd"),
+]
 
 
 @pytest.mark.timeout(90)

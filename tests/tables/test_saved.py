@@ -1,4 +1,5 @@
 """Tables saved by the pservers resume on any number of pservers, and export to plain files."""
+
 import json
 
 import numpy as np
@@ -6,12 +7,12 @@ import pytest
 import torch
 from torch import nn
 
-from tests.helpers.cluster import LocalCluster
 from pserver.tables.cli import main as export_main
 from pserver.tables.files import export_tables
+from tests.helpers.cluster import LocalCluster
 from transpiler import Program
 
-VOCAB = np.unique(np.random.default_rng(21).integers(-2**40, 2**40, size=60, dtype=np.int64))
+VOCAB = np.unique(np.random.default_rng(21).integers(-(2**40), 2**40, size=60, dtype=np.int64))
 
 
 class Scorer(nn.Module):
@@ -32,9 +33,14 @@ def program():
 
 def batches(steps, seed=0):
     rng = np.random.default_rng(seed)
-    return [(torch.from_numpy(VOCAB[rng.integers(0, 40, size=8)]),
-             torch.from_numpy(VOCAB[rng.integers(20, 60, size=(8, 3))]),
-             torch.from_numpy(rng.normal(size=8).astype(np.float32))) for _ in range(steps)]
+    return [
+        (
+            torch.from_numpy(VOCAB[rng.integers(0, 40, size=8)]),
+            torch.from_numpy(VOCAB[rng.integers(20, 60, size=(8, 3))]),
+            torch.from_numpy(rng.normal(size=8).astype(np.float32)),
+        )
+        for _ in range(steps)
+    ]
 
 
 def train(tr, data):
@@ -59,13 +65,15 @@ def test_saved_tables_resume_on_another_number_of_pservers(tmp_path):
             train(tr, data[3:])
             uninterrupted = rows(tr)
     assert sorted(p.split("tables/")[1] for p in paths) == [
-        f"{t}/shard-{k}-of-3" for t in ("item", "user") for k in range(3)]
+        f"{t}/shard-{k}-of-3" for t in ("item", "user") for k in range(3)
+    ]
 
     # Two pservers load the three shards of each table: same rows, and the optimizer state and
     # step count follow, so the next steps continue exactly as the uninterrupted run did.
     with LocalCluster(program, 2, 1, tables_from=saved) as cluster:
-        assert sum(s.engine.tables.rows for s in cluster.servers) == \
-            sum(len(np.load(f"{p}/ids.npy")) for p in paths)
+        assert sum(s.engine.tables.rows for s in cluster.servers) == sum(
+            len(np.load(f"{p}/ids.npy")) for p in paths
+        )
         assert {s.engine.tables.shards["user"].step for s in cluster.servers} == {3}
         with cluster.trainer(0) as tr:
             for t, r in rows(tr).items():
@@ -94,8 +102,10 @@ def test_pserver_refuses_tables_saved_for_another_table_layout(tmp_path):
         with cluster.trainer(0) as tr:
             train(tr, batches(1))
             tr.save_tables(str(tmp_path / "t"))
-    other = lambda: Program(Scorer().requires_grad_(True), "sgd", lr=0.1,  # noqa: E731
-                            distributed_tables=["user", "item"])
+
+    def other():
+        return Program(Scorer().requires_grad_(True), "sgd", lr=0.1, distributed_tables=["user", "item"])
+
     with pytest.raises(ValueError, match="optimizer"):
         with LocalCluster(other, 1, 1, tables_from=str(tmp_path / "t")):
             pass

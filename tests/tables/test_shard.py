@@ -1,12 +1,13 @@
 """TableShard: the vectorised id index, torch-equivalent sparse optimizers, memory, threads."""
+
 import threading
 
 import numpy as np
 import pytest
 import torch
 
-from pserver.tables.fresh import FreshRows, fill_compiled, fill_numpy
 from pserver.tables import id_index
+from pserver.tables.fresh import FreshRows, fill_compiled, fill_numpy
 from pserver.tables.id_index import build_index, home_slots, place, probe
 from pserver.tables.rows import Growable
 from pserver.tables.shard import TableShard
@@ -38,8 +39,9 @@ def test_index_random_ids_across_growth(index_kind):
     rng = np.random.default_rng(0)
     t = TableShard(make_spec(dim=2, capacity=16), 0, 1)
     special = np.array([I64.min, I64.max, 0, -1, 1, I64.min + 1, I64.max - 1], dtype=np.int64)
-    all_ids = np.unique(np.concatenate([special, rng.integers(I64.min, I64.max, 60000,
-                                                              dtype=np.int64, endpoint=True)]))
+    all_ids = np.unique(
+        np.concatenate([special, rng.integers(I64.min, I64.max, 60000, dtype=np.int64, endpoint=True)])
+    )
     all_ids = rng.permutation(all_ids)
     inserted = np.empty(0, dtype=np.int64)
     slots_seen, caps_seen = set(), set()
@@ -121,7 +123,9 @@ def test_compiled_and_numpy_index_find_the_same_rows():
     compiled, rounds = np.full(n_slots, -1, np.int32), np.full(n_slots, -1, np.int32)
     kernels.place(compiled, home_slots(keys, n_slots), rows)
     id_index.place_rounds(rounds, home_slots(keys, n_slots), rows)
-    asked = np.concatenate([rng.permutation(keys)[:1500], rng.integers(I64.min, I64.max, 1500, dtype=np.int64)])
+    asked = np.concatenate(
+        [rng.permutation(keys)[:1500], rng.integers(I64.min, I64.max, 1500, dtype=np.int64)]
+    )
     for slots in (compiled, rounds):
         found_c, stop_c = kernels.probe(slots, row_ids, asked, home_slots(asked, n_slots), True)
         found_r, stop_r = id_index.probe_rounds(slots, row_ids, asked, home_slots(asked, n_slots), True)
@@ -180,8 +184,15 @@ def test_fresh_rows_fills_what_the_latest_lookups_kept():
 
 
 @pytest.mark.skipif(id_index.load_kernels() is None, reason="numba is not installed")
-@pytest.mark.parametrize("order,dtype", [("ascending", np.float32), ("shuffled", np.float32),
-                                         ("descending", np.float64), ("repeats", np.float32)])
+@pytest.mark.parametrize(
+    "order,dtype",
+    [
+        ("ascending", np.float32),
+        ("shuffled", np.float32),
+        ("descending", np.float64),
+        ("repeats", np.float32),
+    ],
+)
 def test_fresh_rows_compiled_fill_equals_the_numpy_rounds(order, dtype):
     rng = np.random.default_rng(3)
     fresh = FreshRows(keep=4)
@@ -193,8 +204,12 @@ def test_fresh_rows_compiled_fill_equals_the_numpy_rounds(order, dtype):
         kept_ids.append(ids)
     # Ids from each kept lookup (the dropped one too), the same id in two lookups, and ids never kept.
     want = np.unique(np.concatenate([k[::7] for k in kept_ids] + [rng.integers(0, 1 << 40, size=50)]))
-    want = {"ascending": want, "shuffled": rng.permutation(want), "descending": want[::-1],
-            "repeats": np.sort(np.concatenate([want, want[::5]]))}[order]
+    want = {
+        "ascending": want,
+        "shuffled": rng.permutation(want),
+        "descending": want[::-1],
+        "repeats": np.sort(np.concatenate([want, want[::5]])),
+    }[order]
     with fresh._lock:
         kept = list(fresh._kept)
     got, expected = np.full((want.size, 4), -1, dtype), np.full((want.size, 4), -1, dtype)
@@ -251,10 +266,11 @@ def test_check_ids_names_table_shard_and_id():
 
 OPTIMIZERS = {
     "sgd": ({}, lambda w, lr, kw: torch.optim.SGD([w], lr=lr)),
-    "adagrad": ({"lr_decay": 0.05, "initial_accumulator_value": 0.3, "eps": 1e-6},
-                lambda w, lr, kw: torch.optim.Adagrad([w], lr=lr, **kw)),
-    "adam": ({"betas": (0.8, 0.95), "eps": 1e-6},
-             lambda w, lr, kw: torch.optim.SparseAdam([w], lr=lr, **kw)),
+    "adagrad": (
+        {"lr_decay": 0.05, "initial_accumulator_value": 0.3, "eps": 1e-6},
+        lambda w, lr, kw: torch.optim.Adagrad([w], lr=lr, **kw),
+    ),
+    "adam": ({"betas": (0.8, 0.95), "eps": 1e-6}, lambda w, lr, kw: torch.optim.SparseAdam([w], lr=lr, **kw)),
     "adam-defaults": ({}, lambda w, lr, kw: torch.optim.SparseAdam([w], lr=lr)),
     "adagrad-defaults": ({}, lambda w, lr, kw: torch.optim.Adagrad([w], lr=lr)),
 }
@@ -278,7 +294,7 @@ def test_matches_torch_sparse_embedding(opt, n_shards, dtype="float32"):
     never = np.arange(100, N)  # ids 100.. never appear
     seen = set()
     for step in range(steps):
-        lr = 0.1 * 0.8 ** step  # a schedule: the caller passes each step's rate
+        lr = 0.1 * 0.8**step  # a schedule: the caller passes each step's rate
         hi = 100 if step % 3 else 20  # some steps touch only a few ids
         ids = rng.integers(0, hi, 40)  # duplicates
         if step % 4 == 1:

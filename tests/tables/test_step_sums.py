@@ -4,6 +4,7 @@ The reference is the reduction the pserver made before merging on arrival: every
 trainer's (ids, rows) kept until the step completed, then concatenated, merged
 with ``merge_duplicates`` (``np.unique`` + ``index_add_``) and divided by K.
 """
+
 from __future__ import annotations
 
 import zlib
@@ -26,17 +27,19 @@ def reference_mean(parts: Dict[str, List[tuple]], n_trainers: int) -> Dict[str, 
         if len(table_parts) == 1:
             ids, rows = table_parts[0]
         else:
-            ids, rows = merge_duplicates(np.concatenate([p[0] for p in table_parts]),
-                                         torch.cat([p[1] for p in table_parts]))
+            ids, rows = merge_duplicates(
+                np.concatenate([p[0] for p in table_parts]), torch.cat([p[1] for p in table_parts])
+            )
         merged[name] = (ids, rows / n_trainers)
     return merged
 
 
 def random_part(rng, id_range: int, n: int, dim: int, dtype, zeros: float = 0.0):
-    """One trainer's push of one table as the pserver receives it: raw ids (repeats) merged as split_push does.
+    """One trainer's push of one table as the pserver receives it: raw ids (repeats) merged as split_push
+    does.
 
-    With ``zeros``, a share of signed zeros and no repeated ids in the push (merging
-    repeats would turn every -0.0 of the push into +0.0).
+    With ``zeros``, a share of signed zeros and no repeated ids in the push (merging repeats would turn
+    every -0.0 of the push into +0.0).
     """
     if zeros:
         ids = rng.choice(2 * id_range, size=n, replace=False).astype(np.int64) - id_range
@@ -53,8 +56,11 @@ def random_part(rng, id_range: int, n: int, dim: int, dtype, zeros: float = 0.0)
 
 def same(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Equal bit for bit (the sign of a zero included)."""
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(-1).view(torch.uint8),
-                                                                     b.view(-1).view(torch.uint8))
+    return (
+        a.dtype == b.dtype
+        and a.shape == b.shape
+        and torch.equal(a.view(-1).view(torch.uint8), b.view(-1).view(torch.uint8))
+    )
 
 
 # (trainers K, {table: (id range, ids per push, dim, dtype)}, share of zero gradient values, empty pushes)
@@ -65,8 +71,16 @@ CASES = {
     "signed zeros": (3, {"emb": (30, 40, 4, torch.float32)}, 0.8, 0),
     "signed zeros, ids pushed once among repeats": (3, {"emb": (300, 60, 4, torch.float32)}, 0.8, 0),
     "signed zeros, one trainer": (1, {"emb": (30, 40, 4, torch.float32)}, 0.8, 0),
-    "several tables and dtypes": (5, {"a": (500, 200, 16, torch.float32), "b": (40, 60, 3, torch.float64),
-                                      "c": (1 << 20, 100, 2, torch.float16)}, 0.0, 0),
+    "several tables and dtypes": (
+        5,
+        {
+            "a": (500, 200, 16, torch.float32),
+            "b": (40, 60, 3, torch.float64),
+            "c": (1 << 20, 100, 2, torch.float16),
+        },
+        0.0,
+        0,
+    ),
     "empty pushes among others": (4, {"emb": (100, 50, 4, torch.float32)}, 0.0, 2),
     "only empty pushes": (3, {"emb": (100, 0, 4, torch.float32)}, 0.0, 0),
     "growth past the first buffers": (8, {"emb": (1 << 30, 3000, 4, torch.float32)}, 0.0, 0),

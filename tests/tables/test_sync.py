@@ -5,6 +5,7 @@ parameters equal one process on the concatenated batch, for SGD, Adagrad
 and SparseAdam on the tables. Async with one trainer is the same sequence of
 updates, so it must match too.
 """
+
 import threading
 
 import pytest
@@ -13,8 +14,8 @@ from torch import nn
 
 from tests.helpers.cluster import LocalCluster
 from tests.helpers.models import FLOAT64_EXACT
-from transpiler import DistributeTranspilerConfig
 from tests.helpers.table_models import BAG_VOCAB, VOCAB, single_process, table_batches, table_program
+from transpiler import DistributeTranspilerConfig
 
 STEPS = 4
 PER_TRAINER = 8
@@ -23,8 +24,9 @@ CASES = {
     # dense optimizer kwargs; the table optimizer is derived (sgd->sgd, adagrad->adagrad, adam->SparseAdam)
     "sgd": dict(lr=0.5),
     "adagrad": dict(lr=0.3, lr_decay=0.01, initial_accumulator_value=0.1),
-    "adam": dict(lr=0.05, weight_decay=0.01, lr_scheduler="StepLR",
-                 lr_scheduler_kwargs={"step_size": 2, "gamma": 0.5}),
+    "adam": dict(
+        lr=0.05, weight_decay=0.01, lr_scheduler="StepLR", lr_scheduler_kwargs={"step_size": 2, "gamma": 0.5}
+    ),
 }
 
 
@@ -34,19 +36,29 @@ def train(cluster, data):
             ids, bag, y = step_batches[i]
             nn.functional.cross_entropy(tr.model(ids, bag), y).backward()
             tr.step()
-        return (tr.state_dict(), {"emb": tr.pull_rows("emb", torch.from_numpy(VOCAB)),
-                                  "bag": tr.pull_rows("bag", torch.from_numpy(BAG_VOCAB))})
+        return (
+            tr.state_dict(),
+            {
+                "emb": tr.pull_rows("emb", torch.from_numpy(VOCAB)),
+                "bag": tr.pull_rows("bag", torch.from_numpy(BAG_VOCAB)),
+            },
+        )
+
     return cluster.run_trainers(body)
 
 
 def assert_matches(result, expected):
     (state, rows), (ref_state, ref_rows) = result, expected
     assert state.keys() == ref_state.keys()
-    tolerance = FLOAT64_EXACT if ref_state["head.weight"].dtype == torch.float64 else dict(rtol=1e-5, atol=1e-6)
+    tolerance = (
+        FLOAT64_EXACT if ref_state["head.weight"].dtype == torch.float64 else dict(rtol=1e-5, atol=1e-6)
+    )
     for name in ref_state:
         torch.testing.assert_close(state[name], ref_state[name], **tolerance, msg=lambda m: f"{name}: {m}")
     for name in ref_rows:
-        torch.testing.assert_close(rows[name], ref_rows[name], **tolerance, msg=lambda m: f"table {name}: {m}")
+        torch.testing.assert_close(
+            rows[name], ref_rows[name], **tolerance, msg=lambda m: f"table {name}: {m}"
+        )
 
 
 @pytest.mark.timeout(60)
@@ -64,6 +76,7 @@ def test_sync_tables_match_single_process(optimizer, dtype):
     # Training really moved the rows that were looked up (a no-op would match a no-op).
     initial = table_program(optimizer, dtype).tables[0]
     from transpiler.tables import initial_rows
+
     start = torch.from_numpy(initial_rows(initial, VOCAB))
     moved = (results[0][1]["emb"] - start).abs().amax(dim=1) > 1e-4
     assert 0 < int(moved.sum()) < len(VOCAB)  # some ids were never drawn: those rows stay put
@@ -72,9 +85,15 @@ def test_sync_tables_match_single_process(optimizer, dtype):
 @pytest.mark.timeout(60)
 def test_table_optimizer_can_differ_from_dense():
     """Dense momentum SGD, tables trained by Adagrad and SparseAdam given per table."""
-    tables = {"emb": {"optimizer": "adagrad", "optimizer_kwargs": {"lr": 0.2}},
-              "bag": {"optimizer": "adam", "optimizer_kwargs": {"lr": 0.03, "betas": (0.8, 0.9)},
-                      "init": "uniform", "init_kwargs": {"a": -0.5, "b": 0.5}}}
+    tables = {
+        "emb": {"optimizer": "adagrad", "optimizer_kwargs": {"lr": 0.2}},
+        "bag": {
+            "optimizer": "adam",
+            "optimizer_kwargs": {"lr": 0.03, "betas": (0.8, 0.9)},
+            "init": "uniform",
+            "init_kwargs": {"a": -0.5, "b": 0.5},
+        },
+    }
     data = table_batches(2, PER_TRAINER, STEPS, seed=9)
     build = lambda: table_program("momentum", tables=tables, lr=0.1)  # noqa: E731
     with LocalCluster(build, 3, 2) as cluster:
@@ -111,6 +130,7 @@ def test_explicit_prefetch_serves_lookups_in_one_round_trip():
     data = table_batches(2, PER_TRAINER, STEPS, seed=2)
     build = lambda: table_program("sgd", lr=0.5)  # noqa: E731
     with LocalCluster(build, 2, 2) as cluster:
+
         def body(tr, i):
             calls = count_prefetches(tr)
             for step_batches in data:
@@ -121,8 +141,14 @@ def test_explicit_prefetch_serves_lookups_in_one_round_trip():
                 assert len(calls) == 2  # the lookups asked nothing more
                 calls.clear()
                 tr.step()
-            return (tr.state_dict(), {"emb": tr.pull_rows("emb", torch.from_numpy(VOCAB)),
-                                      "bag": tr.pull_rows("bag", torch.from_numpy(BAG_VOCAB))})
+            return (
+                tr.state_dict(),
+                {
+                    "emb": tr.pull_rows("emb", torch.from_numpy(VOCAB)),
+                    "bag": tr.pull_rows("bag", torch.from_numpy(BAG_VOCAB)),
+                },
+            )
+
         results = cluster.run_trainers(body)
     expected = single_process(build(), data)
     for i in (0, 1):
@@ -140,6 +166,7 @@ def test_next_batch_ids_ride_with_the_push_and_save_every_later_lookup_round_tri
     data = table_batches(n_trainers, PER_TRAINER, STEPS, seed=11)
     build = lambda: table_program(optimizer, **CASES[optimizer])  # noqa: E731
     with LocalCluster(build, 2, n_trainers, sync_mode=sync_mode) as cluster:
+
         def body(tr, i):
             calls = count_prefetches(tr)
             mine = [step_batches[i] for step_batches in data]
@@ -148,8 +175,14 @@ def test_next_batch_ids_ride_with_the_push_and_save_every_later_lookup_round_tri
                 nn.functional.cross_entropy(tr.model(ids, bag), y).backward()
                 tr.step()
             assert sorted(calls) == sorted(cluster.endpoints)  # the first batch's one round trip per pserver
-            return (tr.state_dict(), {"emb": tr.pull_rows("emb", torch.from_numpy(VOCAB)),
-                                      "bag": tr.pull_rows("bag", torch.from_numpy(BAG_VOCAB))})
+            return (
+                tr.state_dict(),
+                {
+                    "emb": tr.pull_rows("emb", torch.from_numpy(VOCAB)),
+                    "bag": tr.pull_rows("bag", torch.from_numpy(BAG_VOCAB)),
+                },
+            )
+
         results = cluster.run_trainers(body)
     expected = single_process(build(), data)
     for i in range(n_trainers):
@@ -166,10 +199,13 @@ def test_reading_ahead_prepares_the_next_ids_on_the_feed_thread_and_trains_exact
     build = lambda: table_program("adagrad", **CASES["adagrad"])  # noqa: E731
     config = DistributeTranspilerConfig(read_ahead=read_ahead)
     with LocalCluster(build, 2, 2, config=config) as cluster:
+
         def body(tr, i):
             planned_on = []
             plan = tr.tables.plan_next_batch
-            tr.tables.plan_next_batch = lambda *a: planned_on.append(threading.current_thread().name) or plan(*a)
+            tr.tables.plan_next_batch = lambda *a: (
+                planned_on.append(threading.current_thread().name) or plan(*a)
+            )
             mine = [step_batches[i] for step_batches in data]
             for ids, bag, y in tr.batches(mine, 1, prefetch=lambda b: {"emb": b[0], "bag": b[1]}):
                 nn.functional.cross_entropy(tr.model(ids, bag), y).backward()
@@ -177,8 +213,14 @@ def test_reading_ahead_prepares_the_next_ids_on_the_feed_thread_and_trains_exact
             assert len(planned_on) == STEPS - 1  # every batch after the first
             on_feed = {name.startswith("trainer-feed") for name in planned_on}
             assert on_feed == {read_ahead}
-            return (tr.state_dict(), {"emb": tr.pull_rows("emb", torch.from_numpy(VOCAB)),
-                                      "bag": tr.pull_rows("bag", torch.from_numpy(BAG_VOCAB))})
+            return (
+                tr.state_dict(),
+                {
+                    "emb": tr.pull_rows("emb", torch.from_numpy(VOCAB)),
+                    "bag": tr.pull_rows("bag", torch.from_numpy(BAG_VOCAB)),
+                },
+            )
+
         results = cluster.run_trainers(body)
     expected = single_process(build(), data)
     for i in (0, 1):

@@ -7,6 +7,7 @@ and load on another number of shards with their metadata. A SIGKILL in the middl
 loses nothing the last save had. Job level: 2 pservers x 2 trainers, sync, a table 5x its
 budget, equals single-process torch.
 """
+
 import dataclasses
 import logging
 import os
@@ -21,10 +22,10 @@ from torch import nn
 
 from pserver.tables.lifecycle import disk_tier
 from pserver.tables.shard import TableShard
+from tests.helpers import paths
 from tests.helpers.cluster import LocalCluster
 from tests.helpers.table_models import BAG_VOCAB, VOCAB, single_process, table_batches, table_program
 from tests.helpers.table_specs import grads_for, make_spec
-from tests.helpers import paths
 from tests.tables.test_sync import assert_matches, train
 from transpiler import DistributeTranspilerConfig
 from transpiler.lifecycle import TableLifecycle
@@ -46,8 +47,11 @@ def train_step(shards, step, rng, n_shards=1):
         s.apply(ids[mine], g[mine], 0.1)
 
 
-RULES = {"ram only": {}, "evict by steps": {"evict_unseen_steps": 6},
-         "admission + score": {"admit_count": 2, "evict_score_below": 0.5, "score_decay": 0.8}}
+RULES = {
+    "ram only": {},
+    "evict by steps": {"evict_unseen_steps": 6},
+    "admission + score": {"admit_count": 2, "evict_score_below": 0.5, "score_decay": 0.8},
+}
 
 
 @pytest.mark.parametrize("optimizer", ["sgd", "adagrad", "adam"])
@@ -60,7 +64,7 @@ def test_tiered_shard_equals_the_all_in_ram_shard(tmp_path, optimizer, rules):
     for step in range(60):
         train_step([tiered], step, rng_a)
         train_step([ram], step, rng_b)
-        assert len(tiered) <= 50                                   # the budget holds at every step end
+        assert len(tiered) <= 50  # the budget holds at every step end
         np.testing.assert_array_equal(tiered.lookup(IDS), ram.lookup(IDS))
         biggest = max(biggest, tiered.rows_held)
     assert sorted(tiered.stored_ids().tolist()) == sorted(ram.stored_ids().tolist())
@@ -68,7 +72,7 @@ def test_tiered_shard_equals_the_all_in_ram_shard(tmp_path, optimizer, rules):
     c = tiered.life.counts
     assert c.spilled > 0 and c.promoted > 0
     if rules == "ram only":
-        assert biggest >= 4 * 50                                   # at least 4x its budget
+        assert biggest >= 4 * 50  # at least 4x its budget
     tiered.close_disk()
 
 
@@ -107,14 +111,17 @@ def test_saves_hold_every_row_and_reshard_with_metadata(tmp_path, n_to):
         for s in ss:
             with s.reading() as memory:
                 ids = np.concatenate([memory.ids, *s.disk.field_chunks(-1)])
-                fields = [np.concatenate([a, *s.disk.field_chunks(i)])
-                          for i, a in enumerate([memory.rows, *memory.meta.values()])]
+                fields = [
+                    np.concatenate([a, *s.disk.field_chunks(i)])
+                    for i, a in enumerate([memory.rows, *memory.meta.values()])
+                ]
             for j, i in enumerate(ids.tolist()):
                 out[i] = tuple(f[j].tolist() for f in fields)
         return out
+
     before, after = content(shards), content(loaded)
     assert after == before and len(before) > 80
-    assert all(len(s) <= -(-40 // n_to) for s in loaded)              # loading spills as it goes
+    assert all(len(s) <= -(-40 // n_to) for s in loaded)  # loading spills as it goes
 
 
 CHILD = r"""
@@ -144,22 +151,25 @@ for step in range(10, 20):
 @pytest.mark.timeout(60)
 def test_sigkill_in_the_middle_of_a_spill_loses_nothing_the_save_had(tmp_path):
     tier, saved = str(tmp_path / "tier"), str(tmp_path / "saved")
-    child = subprocess.Popen([sys.executable, "-c", CHILD.format(repo=REPO, tier=tier, saved=saved)],
-                             stdout=subprocess.PIPE, text=True)
+    child = subprocess.Popen(
+        [sys.executable, "-c", CHILD.format(repo=REPO, tier=tier, saved=saved)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert child.stdout.readline().strip() == "spilling"
         child.send_signal(signal.SIGKILL)
     finally:
         child.wait(10)
     assert child.returncode == -signal.SIGKILL
-    assert os.path.isdir(tier)                                       # the half-written store is there
+    assert os.path.isdir(tier)  # the half-written store is there
     spec = spec_with("adagrad", ram_rows=30)
-    resumed = TableShard.load(spec, 0, 1, [saved], tier)             # a restart: fresh store, the save's rows
+    resumed = TableShard.load(spec, 0, 1, [saved], tier)  # a restart: fresh store, the save's rows
     reference = TableShard(spec_with("adagrad"), 0, 1)
     rng_a, rng_b = np.random.default_rng(7), np.random.default_rng(7)
     for step in range(10):
         train_step([reference], step, rng_b)
-        rng_a.choice(IDS, size=60)                                   # the resumed run skips steps 0-9
+        rng_a.choice(IDS, size=60)  # the resumed run skips steps 0-9
     np.testing.assert_array_equal(resumed.lookup(IDS), reference.lookup(IDS))
     for step in range(10, 25):
         train_step([resumed], step, rng_a)
@@ -185,28 +195,33 @@ def test_sync_job_with_tables_five_times_their_budget_equals_single_process(tmp_
     expected = single_process(build(), data)
     for i in (0, 1):
         assert_matches(results[i], expected)
-    assert not os.listdir(tmp_path)                                  # stopped pservers remove their stores
+    assert not os.listdir(tmp_path)  # stopped pservers remove their stores
 
 
 @pytest.mark.timeout(90)
-def test_a_restarted_pserver_restores_its_disk_tier_from_the_checkpoint_and_the_job_stays_exact(tmp_path, caplog):
+def test_a_restarted_pserver_restores_its_disk_tier_from_the_checkpoint_and_the_job_stays_exact(
+    tmp_path, caplog
+):
     """A sync job with a disk tier and eviction checkpoints at step 5, trains 3 more steps; pserver 1
     stops and starts again from the checkpoint (its working store emptied, rows loaded from the
     checkpoint files and spilled again), both roll back, the trainer redoes the steps: the model
     equals the single-process reference of the rules over all the data."""
     from tests.helpers.lifecycle_reference import single_process_lifecycle
+
     rules = {"ram_rows": 6, "evict_unseen_steps": 4, "admit_count": 2}
     tables = {"emb": {"lifecycle": rules}, "bag": {"lifecycle": rules}}
     build = lambda: table_program("adagrad", tables=tables, lr=0.3)  # noqa: E731
     data = table_batches(1, 12, 12, seed=8)
-    config = DistributeTranspilerConfig(checkpoint_dir=str(tmp_path / "ckpt"), barrier_timeout=30.0,
-                                        table_disk_dir=str(tmp_path / "tier"))
+    config = DistributeTranspilerConfig(
+        checkpoint_dir=str(tmp_path / "ckpt"), barrier_timeout=30.0, table_disk_dir=str(tmp_path / "tier")
+    )
 
     def train(tr, steps):
         for step_batches in steps:
             ids, bag, y = step_batches[0]
             nn.functional.cross_entropy(tr.model(ids, bag), y).backward()
             tr.step()
+
     with LocalCluster(build, 2, 1, config=config) as cluster:
         with cluster.trainer(0) as tr:
             train(tr, data[:5])
@@ -214,14 +229,19 @@ def test_a_restarted_pserver_restores_its_disk_tier_from_the_checkpoint_and_the_
             train(tr, data[5:8])
             assert all(s.engine.tables.shards["emb"].disk_rows for s in cluster.servers)
             cluster.servers[1].stop()
-            cluster.restart_pserver(1)                       # back at the checkpoint of step 5
+            cluster.restart_pserver(1)  # back at the checkpoint of step 5
             tr.pull()
             assert tr.step_count == 5
             restored = cluster.servers[1].engine.tables.shards["emb"]
-            assert restored.disk_rows and len(restored) <= 3   # loaded, and spilled to its share again
+            assert restored.disk_rows and len(restored) <= 3  # loaded, and spilled to its share again
             train(tr, data[5:])
-            result = (tr.state_dict(), {"emb": tr.pull_rows("emb", torch.from_numpy(VOCAB)),
-                                        "bag": tr.pull_rows("bag", torch.from_numpy(BAG_VOCAB))})
+            result = (
+                tr.state_dict(),
+                {
+                    "emb": tr.pull_rows("emb", torch.from_numpy(VOCAB)),
+                    "bag": tr.pull_rows("bag", torch.from_numpy(BAG_VOCAB)),
+                },
+            )
     state, rows, _ = single_process_lifecycle(build(), data)
     assert_matches(result, (state, rows))
     assert "rolled back from step 8" in caplog.text

@@ -5,6 +5,7 @@ under ``torch.autocast(dtype=torch.bfloat16)``: it reaches the example's
 accuracy target, the pservers' parameters stay fp32, and both trainers end
 with the same model. (Collective mode's bf16 test is in test_collective.py.)
 """
+
 import os
 import sys
 
@@ -13,8 +14,8 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from tests.helpers.cluster import LocalCluster
 from tests.helpers import paths
+from tests.helpers.cluster import LocalCluster
 
 REPO = str(paths.REPO)
 sys.path.insert(0, os.path.join(REPO, "examples"))

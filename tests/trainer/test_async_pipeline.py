@@ -4,6 +4,7 @@ With one trainer the schedule is exact: the gradient of step s is computed on
 the parameters installed at step s-1, which hold the updates of steps up to
 s-2, so the pserver computes theta[s+1] = theta[s] - lr * grad(theta[s-1]).
 """
+
 import math
 import threading
 
@@ -105,7 +106,10 @@ def test_pipelined_lookups_use_rows_fetched_on_the_feed_thread_while_the_last_ba
     its rows, so after the first batch no lookup waits for a Prefetch of its own; the rows a lookup
     gets are the pservers' rows at most the in-flight steps behind, and training moves them."""
     data = table_batches(1, 16, 6, seed=3)
-    with LocalCluster(lambda: table_program("sgd", lr=0.5), 2, 1, sync_mode=False, config=PIPELINED) as cluster:
+    with LocalCluster(
+        lambda: table_program("sgd", lr=0.5), 2, 1, sync_mode=False, config=PIPELINED
+    ) as cluster:
+
         def body(tr, _):
             fetched_by_lookups, planned = [], []
             fetch, plan = tr.tables.fetch, tr.tables.plan_next_batch
@@ -115,13 +119,17 @@ def test_pipelined_lookups_use_rows_fetched_on_the_feed_thread_while_the_last_ba
                 made = plan(*a)
                 planned.append((threading.current_thread().name, made.rows is not None))
                 return made
+
             tr.tables.plan_next_batch = plan_and_note
             before = tr.pull_rows("emb", torch.from_numpy(VOCAB))
             fetched_by_lookups.clear()
-            for ids, bag, y in tr.batches([b[0] for b in data], 1, prefetch=lambda b: {"emb": b[0], "bag": b[1]}):
+            for ids, bag, y in tr.batches(
+                [b[0] for b in data], 1, prefetch=lambda b: {"emb": b[0], "bag": b[1]}
+            ):
                 nn.functional.cross_entropy(tr.model(ids, bag), y).backward()
                 tr.step()
             return list(fetched_by_lookups), planned, before, tr.pull_rows("emb", torch.from_numpy(VOCAB))
+
         fetched_by_lookups, planned, before, after = cluster.run_trainers(body)[0]
     assert sorted(fetched_by_lookups) == [["bag"], ["emb"]]  # the first batch's lookups only
     assert planned == [("trainer-feed_0", True)] * 5  # batches 1-5, rows and all

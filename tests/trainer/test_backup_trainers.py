@@ -4,6 +4,7 @@ Every pserver applies the same trainers' gradients (the first pserver decides), 
 process fed, at each step, the batches of the trainers the step was made of; a trainer left out goes on
 from the applied step, never rolling back.
 """
+
 from __future__ import annotations
 
 import threading
@@ -60,6 +61,7 @@ def test_steps_apply_without_the_slow_trainer_which_goes_on_from_the_applied_ste
     released = threading.Event()
     slow: Dict[str, object] = {}
     with LocalCluster(program, 2, 3, config=backups(1)) as cluster:
+
         def held():
             with cluster.trainer(2) as tr:
                 assert released.wait(60)
@@ -67,6 +69,7 @@ def test_steps_apply_without_the_slow_trainer_which_goes_on_from_the_applied_ste
                 slow["after_drop"] = tr.step_count
                 step(tr, data[STEPS][2])
                 slow["state"] = tr.state_dict()
+
         thread = threading.Thread(target=held)
         thread.start()
         try:
@@ -93,10 +96,12 @@ def test_with_a_straggler_every_step_is_the_mean_of_the_trainers_it_was_made_of(
         if reply.admitted:
             made[at] = tuple(reply.trainers)
         return reply
+
     monkeypatch.setattr(PserverChannel, "claim", recorded)
     data = batches(3, 8, 3 * STEPS, dtype=torch.float64)
     slow_steps: List[int] = []
     with LocalCluster(program, 2, 3, config=backups(1)) as cluster:
+
         def body(tr, t):
             while tr.step_count < 2 * STEPS:
                 at = tr.step_count
@@ -104,12 +109,15 @@ def test_with_a_straggler_every_step_is_the_mean_of_the_trainers_it_was_made_of(
                     slow_steps.append(at)
                     time.sleep(0.15)  # the straggler's slowness (what is tested), not a synchronisation
                 step(tr, data[at][t])
+
         cluster.run_trainers(body, timeout=90)
         dropped = sum(s.servicer.counters.dropped_pushes for s in cluster.servers)
         with cluster.trainer(0) as tr:
             state = tr.state_dict()
     assert sorted(made) == list(range(2 * STEPS)) and all(len(m) == 2 for m in made.values())
-    assert dropped >= 2  # the straggler was left out of some steps (each dropped push counts on both pservers)
+    assert (
+        dropped >= 2
+    )  # the straggler was left out of some steps (each dropped push counts on both pservers)
     assert slow_steps == sorted(set(slow_steps)), "the straggler went back a step"
     expected = train_concatenated(program(), [[data[s][t] for t in made[s]] for s in sorted(made)])
     assert_equal_to(state, expected)

@@ -5,6 +5,7 @@ Multi-process runs use torch.multiprocessing (spawn) with gloo on 127.0.0.1;
 behind. Each worker saves its final parameters; the test compares them with
 single-process training on the concatenated batches, computed here.
 """
+
 from __future__ import annotations
 
 import os
@@ -17,9 +18,9 @@ import torch.multiprocessing as mp
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from tests.helpers import paths
 from tests.helpers.models import batches, odd_mlp
 from tests.helpers.ports import free_ports
-from tests.helpers import paths
 from trainer import PserverTrainer, Trainer
 from trainer.collective import CollectiveTrainer
 from transpiler import DistributeTranspiler, DistributeTranspilerConfig, Program, TrainerProgram
@@ -36,8 +37,9 @@ SCHEDULE = {"step_size": 2, "gamma": 0.5}
 
 def program(optimizer="momentum"):
     """The program every test trains: OddMLP, sgd/momentum with weight decay, lr halving every 2 steps."""
-    return Program(odd_mlp(), optimizer, lr=0.1, weight_decay=0.01, lr_scheduler="StepLR",
-                   lr_scheduler_kwargs=SCHEDULE)
+    return Program(
+        odd_mlp(), optimizer, lr=0.1, weight_decay=0.01, lr_scheduler="StepLR", lr_scheduler_kwargs=SCHEDULE
+    )
 
 
 def collective_program(trainer_id=0, trainers=1, prog=None, **config) -> TrainerProgram:
@@ -47,7 +49,8 @@ def collective_program(trainer_id=0, trainers=1, prog=None, **config) -> Trainer
 
 
 def reference(nprocs, optimizer="momentum"):
-    """Single-process training on the concatenated batches of ``nprocs`` processes: the expected parameters."""
+    """Single-process training on the concatenated batches of ``nprocs`` processes: the expected
+    parameters."""
     prog = program(optimizer)
     opt = prog.optimizer.build(prog.model.parameters())
     sched = LR_SCHEDULERS["StepLR"](opt, **SCHEDULE)
@@ -97,8 +100,14 @@ def _train_worker(index, trainers, lws, out, runs):
     for name, port, optimizer, use_env, config in runs:
         kwargs = {}
         if use_env:  # as torchrun would set them
-            os.environ.update(LOCAL_RANK=str(local_rank), LOCAL_WORLD_SIZE=str(lws), RANK=str(index),
-                              WORLD_SIZE=str(trainers * lws), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+            os.environ.update(
+                LOCAL_RANK=str(local_rank),
+                LOCAL_WORLD_SIZE=str(lws),
+                RANK=str(index),
+                WORLD_SIZE=str(trainers * lws),
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=str(port),
+            )
         else:
             kwargs = dict(local_rank=local_rank, local_world_size=lws, init_method=f"tcp://127.0.0.1:{port}")
         tp = collective_program(trainer_id, trainers, program(optimizer), **config)
@@ -119,8 +128,9 @@ def _amp_worker(index, nprocs, port, out, epochs):
     train, test = load_digits_split()
     t = DistributeTranspiler(DistributeTranspilerConfig(mode="nccl2", barrier_timeout=60))
     t.transpile(index, program=build_program(), pservers="", trainers=nprocs)
-    with CollectiveTrainer(t.get_trainer_program(), local_rank=0, local_world_size=1,
-                           init_method=f"tcp://127.0.0.1:{port}") as tr:
+    with CollectiveTrainer(
+        t.get_trainer_program(), local_rank=0, local_world_size=1, init_method=f"tcp://127.0.0.1:{port}"
+    ) as tr:
         loader = DataLoader(train, batch_size=32, sampler=tr.sampler(train, shuffle=True, seed=0))
         tr.model.train()
         for x, y in tr.batches(loader, epochs):
@@ -131,13 +141,15 @@ def _amp_worker(index, nprocs, port, out, epochs):
             tr.step()
         assert tr.position == (epochs, 0)
         state = tr.state_dict()
-    torch.save({"acc": accuracy(tr.model, test), "state": state, "steps": tr.step_count},
-               os.path.join(out, f"rank{index}.pt"))
+    torch.save(
+        {"acc": accuracy(tr.model, test), "state": state, "steps": tr.step_count},
+        os.path.join(out, f"rank{index}.pt"),
+    )
 
 
 def spawn_training(out, trainers, lws, runs):
-    """Run ``trainers`` x ``lws`` collective processes through ``runs`` ({name: (optimizer, use_env, config)});
-    the saved states of each run, by rank."""
+    """Run ``trainers`` x ``lws`` collective processes through ``runs`` ({name: (optimizer, use_env,
+    config)}); the saved states of each run, by rank."""
     n = trainers * lws
     ports = free_ports(len(runs))
     plan = [(name, port, *run) for (name, run), port in zip(runs.items(), ports)]
@@ -145,18 +157,29 @@ def spawn_training(out, trainers, lws, runs):
         for name in NODE_VARS:
             mpatch.delenv(name, raising=False)
         mp.spawn(_train_worker, args=(trainers, lws, str(out), plan), nprocs=n, join=True)
-    return {name: [torch.load(out / f"{name}-rank{i}.pt", weights_only=True) for i in range(n)] for name in runs}
+    return {
+        name: [torch.load(out / f"{name}-rank{i}.pt", weights_only=True) for i in range(n)] for name in runs
+    }
 
 
 @pytest.fixture(scope="module")
 def four_processes(tmp_path_factory):
     """2 trainer nodes x 2 local processes, three runs in one spawn (starting processes is the slow part)."""
-    return spawn_training(tmp_path_factory.mktemp("four"), 2, 2, {
-        # ranks and rendezvous from torchrun's variables; small buckets so several all-reduces run
-        "plain": ("momentum", True, dict(bucket_cap_mb=0.05)),
-        "local_sgd_1": ("momentum", False, dict(use_local_sgd=True, local_sgd_steps=1)),
-        "local_sgd_3": ("momentum", False, dict(use_local_sgd=True, local_sgd_steps=3, local_sgd_warmup_steps=1)),
-    })
+    return spawn_training(
+        tmp_path_factory.mktemp("four"),
+        2,
+        2,
+        {
+            # ranks and rendezvous from torchrun's variables; small buckets so several all-reduces run
+            "plain": ("momentum", True, dict(bucket_cap_mb=0.05)),
+            "local_sgd_1": ("momentum", False, dict(use_local_sgd=True, local_sgd_steps=1)),
+            "local_sgd_3": (
+                "momentum",
+                False,
+                dict(use_local_sgd=True, local_sgd_steps=3, local_sgd_warmup_steps=1),
+            ),
+        },
+    )
 
 
 @pytest.fixture(autouse=True)
@@ -174,8 +197,12 @@ def _no_inherited_node_vars(monkeypatch):
 @pytest.fixture(scope="module")
 def two_processes(tmp_path_factory):
     """2 single-process trainers, two runs in one spawn: all-reduce in float32, then in bfloat16."""
-    return spawn_training(tmp_path_factory.mktemp("two"), 2, 1, {
-        "sgd": ("sgd", False, {}), "bf16_wire": ("sgd", False, dict(grad_wire_dtype="bfloat16"))})
+    return spawn_training(
+        tmp_path_factory.mktemp("two"),
+        2,
+        1,
+        {"sgd": ("sgd", False, {}), "bf16_wire": ("sgd", False, dict(grad_wire_dtype="bfloat16"))},
+    )
 
 
 @pytest.mark.timeout(60)
@@ -227,6 +254,7 @@ def test_local_sgd_with_a_longer_period_keeps_the_processes_apart_between_averag
 
 def test_trainer_makes_the_kind_the_plan_asks_for_and_both_kinds_are_trainers():
     from tests.helpers.cluster import LocalCluster
+
     with Trainer(collective_program()) as tr:
         assert type(tr) is CollectiveTrainer and isinstance(tr, Trainer)
         assert tr.sampler(list(range(8))).num_replicas == 1
@@ -265,7 +293,7 @@ def test_bf16_autocast_trains_the_mlp_example_to_its_accuracy_on_two_processes(t
 
 def test_grad_scaler_step_unscales_and_skips_overflowed_steps():
     with CollectiveTrainer(collective_program()) as tr:
-        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
         for (batch,) in batches(1, PER_PROCESS * 2, STEPS):
             scaler.scale(nn.functional.cross_entropy(tr.model(batch[0]), batch[1])).backward()
             tr.step(scaler=scaler)
@@ -300,8 +328,12 @@ def test_trainer_surface_batches_position_sampler_state_dict_and_close():
     state = tr.state_dict(with_tables=True)
     assert set(state) == set(odd_mlp().state_dict())  # no DDP "module." prefix
     tr.pull()
-    for call in (lambda: tr.checkpoint(), lambda: tr.save_tables("x"), lambda: tr.prefetch({"emb": [1]}),
-                 lambda: tr.pull_rows("emb", [1])):
+    for call in (
+        lambda: tr.checkpoint(),
+        lambda: tr.save_tables("x"),
+        lambda: tr.prefetch({"emb": [1]}),
+        lambda: tr.pull_rows("emb", [1]),
+    ):
         with pytest.raises(AttributeError, match="collective mode .* has none"):
             call()
     assert isinstance(tr.model, nn.parallel.DistributedDataParallel)
@@ -326,16 +358,19 @@ def test_a_process_group_made_by_the_script_is_used_and_left_alone():
 # ---------------------------------------------------------------- refused
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    (dict(mode="ring"), "mode must be one of"),
-    (dict(bucket_cap_mb=0), "bucket_cap_mb must be a positive number"),
-    (dict(bucket_cap_mb=True), "bucket_cap_mb must be a positive number"),
-    (dict(mode="collective", local_sgd_steps=0), "local_sgd_steps must be an int >= 1"),
-    (dict(mode="collective", local_sgd_steps=2.5), "local_sgd_steps must be an int >= 1"),
-    (dict(mode="collective", local_sgd_warmup_steps=-1), "local_sgd_warmup_steps must be an int >= 0"),
-    (dict(mode="collective", use_local_sgd=1), "use_local_sgd must be a bool"),
-    (dict(use_local_sgd=True), "use_local_sgd needs mode='collective'"),
-])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(mode="ring"), "mode must be one of"),
+        (dict(bucket_cap_mb=0), "bucket_cap_mb must be a positive number"),
+        (dict(bucket_cap_mb=True), "bucket_cap_mb must be a positive number"),
+        (dict(mode="collective", local_sgd_steps=0), "local_sgd_steps must be an int >= 1"),
+        (dict(mode="collective", local_sgd_steps=2.5), "local_sgd_steps must be an int >= 1"),
+        (dict(mode="collective", local_sgd_warmup_steps=-1), "local_sgd_warmup_steps must be an int >= 0"),
+        (dict(mode="collective", use_local_sgd=1), "use_local_sgd must be a bool"),
+        (dict(use_local_sgd=True), "use_local_sgd needs mode='collective'"),
+    ],
+)
 def test_bad_collective_config_is_refused(kwargs, match):
     with pytest.raises(ValueError, match=match):
         DistributeTranspilerConfig(**kwargs)
@@ -379,7 +414,9 @@ def test_collective_trainer_refuses_a_pserver_plan_and_a_mismatched_world(monkey
         CollectiveTrainer(t.get_trainer_program())
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     monkeypatch.setenv("WORLD_SIZE", "2")
-    with pytest.raises(ValueError, match=r"WORLD_SIZE=2, but collective mode runs trainers \(2.*= 4 processes"):
+    with pytest.raises(
+        ValueError, match=r"WORLD_SIZE=2, but collective mode runs trainers \(2.*= 4 processes"
+    ):
         CollectiveTrainer(collective_program(0, 2))
     with pytest.raises(ValueError, match="local_rank 2 is out of range"):
         CollectiveTrainer(collective_program(0, 2), local_rank=2, local_world_size=2)

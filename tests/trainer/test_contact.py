@@ -1,4 +1,5 @@
 """Contact (trainer/transport/contact.py): a call in flight is contact; an answered one until its answer."""
+
 from __future__ import annotations
 
 import time

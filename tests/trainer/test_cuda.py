@@ -3,6 +3,7 @@
 Runs only where CUDA is present (CI has none: the same logic runs on CPU with
 gloo in tests/trainer/test_nodes.py). Numbers from a GPU run are in benchmarks/results/RESULTS.md.
 """
+
 import datetime
 
 import pytest
@@ -29,12 +30,13 @@ def program() -> Program:
 def test_a_trainer_trains_on_its_local_rank_s_gpu_through_pinned_buffers():
     data = batches(1, 16, 3)
     with LocalCluster(program, 2, 1) as cluster:
-        tr = Trainer(cluster.transpiler(0).get_trainer_program(), security=Security(), local_rank=0,
-                     local_world_size=1)
+        tr = Trainer(
+            cluster.transpiler(0).get_trainer_program(), security=Security(), local_rank=0, local_world_size=1
+        )
         with tr:
             assert tr.device == torch.device("cuda", 0)
             assert all(p.device == tr.device for p in tr.model.parameters())
-            for (x, y), in data:
+            for ((x, y),) in data:
                 nn.functional.cross_entropy(tr.model(x.to(tr.device)), y.to(tr.device)).backward()
                 tr.step()
             pinned = list(tr.blocks._pinned_buffers.values())
@@ -51,8 +53,13 @@ def test_the_node_s_collectives_run_on_nccl():
     model = odd_mlp().cuda()
     with LocalCluster(program, 2, 1) as cluster:
         prog = cluster.transpiler(0).get_trainer_program()
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{free_ports(1)[0]}", rank=0, world_size=1,
-                            timeout=datetime.timedelta(seconds=30))
+    dist.init_process_group(
+        "nccl",
+        init_method=f"tcp://127.0.0.1:{free_ports(1)[0]}",
+        rank=0,
+        world_size=1,
+        timeout=datetime.timedelta(seconds=30),
+    )
     try:
         from trainer.blocks import LocalBlocks
 

@@ -4,6 +4,7 @@ The Feed is driven here by a stand-in for the trainer (its data position and
 a step that moves it), so every case runs with and without reading ahead on
 the background thread and must give the same items in the same order.
 """
+
 import threading
 
 import pytest
@@ -56,14 +57,17 @@ class Loader(list):
 
 
 @pytest.mark.parametrize("ahead", [True, False])
-@pytest.mark.parametrize("start, epochs, expected", [
-    ((0, 0), 1, [(0, "a"), (0, "b"), (0, "c")]),
-    ((0, 2), 1, [(0, "c")]),
-    ((0, 1), 2, [(0, "b"), (0, "c"), (1, "a"), (1, "b"), (1, "c")]),
-    ((1, 0), 2, [(1, "a"), (1, "b"), (1, "c")]),
-    ((0, 3), 2, [(1, "a"), (1, "b"), (1, "c")]),  # an epoch stopped after its last batch
-    ((2, 0), 2, []),                             # a job already done
-])
+@pytest.mark.parametrize(
+    "start, epochs, expected",
+    [
+        ((0, 0), 1, [(0, "a"), (0, "b"), (0, "c")]),
+        ((0, 2), 1, [(0, "c")]),
+        ((0, 1), 2, [(0, "b"), (0, "c"), (1, "a"), (1, "b"), (1, "c")]),
+        ((1, 0), 2, [(1, "a"), (1, "b"), (1, "c")]),
+        ((0, 3), 2, [(1, "a"), (1, "b"), (1, "c")]),  # an epoch stopped after its last batch
+        ((2, 0), 2, []),  # a job already done
+    ],
+)
 def test_items_from_the_data_position_on(start, epochs, expected, ahead):
     job = Job(start, ahead)
     loader = Loader("abc")

@@ -5,6 +5,7 @@ push its change and pull it back. Several trainers: a counting model, whose ever
 each parameter and looked-up row by a known whole number per trainer, shows that a pserver holds
 its start plus every pushed change divided by the number of trainers, nothing lost or doubled.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -14,7 +15,7 @@ from torch import nn
 
 from tests.helpers.cluster import LocalCluster
 from tests.helpers.models import FLOAT64_EXACT, batches, odd_mlp, train_concatenated
-from tests.helpers.table_models import table_batches, table_program, single_process, VOCAB
+from tests.helpers.table_models import VOCAB, single_process, table_batches, table_program
 from transpiler import DistributeTranspilerConfig, Program, TableOptions
 from transpiler.tables import initial_rows
 
@@ -26,9 +27,12 @@ def geo(k: int, **kwargs) -> DistributeTranspilerConfig:
 
 
 def dense_program(optimizer: str) -> Program:
-    kwargs = {"adam": dict(lr=0.01, weight_decay=0.01),
-              "momentum": dict(lr=0.05, momentum=0.9, lr_scheduler="StepLR",
-                               lr_scheduler_kwargs={"step_size": 2, "gamma": 0.5})}[optimizer]
+    kwargs = {
+        "adam": dict(lr=0.01, weight_decay=0.01),
+        "momentum": dict(
+            lr=0.05, momentum=0.9, lr_scheduler="StepLR", lr_scheduler_kwargs={"step_size": 2, "gamma": 0.5}
+        ),
+    }[optimizer]
     return Program(odd_mlp(dtype=torch.float64), optimizer, **kwargs)
 
 
@@ -40,11 +44,13 @@ def test_one_geo_trainer_trains_as_one_process_for_any_k(optimizer, k):
     data = batches(1, 8, STEPS, dtype=torch.float64)
     expected = train_concatenated(dense_program(optimizer), data)
     with LocalCluster(lambda: dense_program(optimizer), 2, 1, sync_mode=False, config=geo(k)) as cluster:
+
         def body(tr, i):
-            for (x, y), in data:
+            for ((x, y),) in data:
                 nn.functional.cross_entropy(tr.model(x), y).backward()
                 tr.step()
             return tr.state_dict()
+
         state = cluster.run_trainers(body)[0]
         updates = [s.engine.updates for s in cluster.servers]
     for name in expected:
@@ -60,15 +66,24 @@ def test_one_geo_trainer_with_tables_trains_as_one_process(k, ahead):
 
     ``ahead``: ``batches(prefetch=)`` fetches the next batch's rows while one trains, and at a
     sync asks for them with the push: a lookup still reads a row touched since the sync from here."""
+
     def build():
-        return table_program("adam", torch.float64, lr=0.01,
-                             tables={"emb": TableOptions(optimizer="sgd", optimizer_kwargs={"lr": 0.5}),
-                                     "bag": TableOptions(optimizer="sgd", optimizer_kwargs={"lr": 0.3})})
+        return table_program(
+            "adam",
+            torch.float64,
+            lr=0.01,
+            tables={
+                "emb": TableOptions(optimizer="sgd", optimizer_kwargs={"lr": 0.5}),
+                "bag": TableOptions(optimizer="sgd", optimizer_kwargs={"lr": 0.3}),
+            },
+        )
+
     data = table_batches(1, 6, STEPS)
     dense, rows = single_process(build(), data)
     with LocalCluster(build, 2, 1, sync_mode=False, config=geo(k)) as cluster:
+
         def body(tr, i):
-            items = [b for b, in data]
+            items = [b for (b,) in data]
             if ahead:
                 items = tr.batches(items, 1, prefetch=lambda b: {"emb": b[0], "bag": b[1]})
             for ids, bag, y in items:
@@ -76,6 +91,7 @@ def test_one_geo_trainer_with_tables_trains_as_one_process(k, ahead):
                 tr.step()
             state = tr.state_dict()
             return state, tr.pull_rows("emb", torch.from_numpy(VOCAB))
+
         state, emb = cluster.run_trainers(body)[0]
     for name in dense:
         torch.testing.assert_close(state[name], dense[name], **FLOAT64_EXACT, msg=lambda m: f"{name}: {m}")
@@ -108,11 +124,14 @@ def test_geo_pservers_hold_every_pushed_change_divided_by_the_trainers(k, steps)
 
     def build():
         return Program(Counting(), "sgd", lr=1.0, distributed_tables=["emb"])
+
     with LocalCluster(build, 2, 2, sync_mode=False, config=geo(k)) as cluster:
+
         def body(tr, t):
             for ids in lookups[t]:
                 tr.model(torch.from_numpy(ids), WEIGHTS[t]).backward()
                 tr.step()
+
         cluster.run_trainers(body)
         with cluster.trainer(0) as tr:  # a trainer that joins now reads what the pservers hold
             w = tr.state_dict()["w"]
@@ -121,7 +140,9 @@ def test_geo_pservers_hold_every_pushed_change_divided_by_the_trainers(k, steps)
         updates = sum(s.engine.updates for s in cluster.servers)
     expected_w = sum(w_t * n for w_t, n in zip(WEIGHTS, steps)) / 2
     assert torch.equal(w, torch.full_like(w, expected_w))
-    seen = [sum(np.isin(ids, s).astype(np.int64) for s in lookups[t]) for t in range(2)]  # steps that saw each row
+    seen = [
+        sum(np.isin(ids, s).astype(np.int64) for s in lookups[t]) for t in range(2)
+    ]  # steps that saw each row
     spec = build().tables[0]
     start = torch.from_numpy(initial_rows(spec, ids))
     moved = torch.from_numpy((WEIGHTS[0] * seen[0] + WEIGHTS[1] * seen[1]) / 2)[:, None].expand(-1, 2)

@@ -6,6 +6,7 @@ pulls stay in the model's dtype. So sync training must equal single-process
 training in which each trainer's gradient is rounded to the wire dtype before
 the trainers' mean, exactly, and the pushes must carry half the bytes.
 """
+
 import numpy as np
 import pytest
 import torch
@@ -25,16 +26,24 @@ WIRE = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 
 # -- the codec: pieces of whole elements, widened on arrival -----------------------------------
 
+
 def _pieces(tensors, chunk_bytes):
-    return [p for m in encode_chunks(ps_pb2.PushHeader(), tensors, chunk_bytes)
-            for p in decode_chunk(m, ps_pb2.PushHeader)[1]]
+    return [
+        p
+        for m in encode_chunks(ps_pb2.PushHeader(), tensors, chunk_bytes)
+        for p in decode_chunk(m, ps_pb2.PushHeader)[1]
+    ]
 
 
 @pytest.mark.parametrize("chunk_bytes", [4096, 4097, 4099, 5000])
 def test_pieces_hold_whole_elements_and_at_most_a_chunk(chunk_bytes):
     g = torch.Generator().manual_seed(1)
-    tensors = [("a", torch.randn(3001, generator=g)), ("ids", torch.arange(999)),
-               ("h", torch.randn(2049, generator=g).to(torch.bfloat16)), ("d", torch.randn(777, generator=g).double())]
+    tensors = [
+        ("a", torch.randn(3001, generator=g)),
+        ("ids", torch.arange(999)),
+        ("h", torch.randn(2049, generator=g).to(torch.bfloat16)),
+        ("d", torch.randn(777, generator=g).double()),
+    ]
     sizes = {n: t.element_size() for n, t in tensors}
     messages = list(encode_chunks(ps_pb2.PushHeader(), tensors, chunk_bytes))
     current = None
@@ -76,12 +85,20 @@ def test_widen_is_the_exact_cast_for_every_bfloat16_bit_pattern():
     assert np.array_equal(out.view(np.uint32), expected.view(np.uint32))  # NaNs and -0.0 bit for bit
 
 
-@pytest.mark.parametrize("widens,sent,expected,match", [
-    (False, torch.bfloat16, "float32", r"dtype 'bfloat16', expected 'float32'$"),  # pulls never narrow
-    (True, torch.int32, "float32", r"expected 'float32' or one of \('bfloat16', 'float16'\)"),
-    (True, torch.float32, "bfloat16", r"dtype 'float32', expected 'bfloat16'$"),  # never narrower than sent
-    (True, torch.bfloat16, "int64", r"dtype 'bfloat16', expected 'int64'$"),
-])
+@pytest.mark.parametrize(
+    "widens,sent,expected,match",
+    [
+        (False, torch.bfloat16, "float32", r"dtype 'bfloat16', expected 'float32'$"),  # pulls never narrow
+        (True, torch.int32, "float32", r"expected 'float32' or one of \('bfloat16', 'float16'\)"),
+        (
+            True,
+            torch.float32,
+            "bfloat16",
+            r"dtype 'float32', expected 'bfloat16'$",
+        ),  # never narrower than sent
+        (True, torch.bfloat16, "int64", r"dtype 'bfloat16', expected 'int64'$"),
+    ],
+)
 def test_a_reader_refuses_dtypes_it_cannot_widen(widens, sent, expected, match):
     reader = TensorReader(lambda n: (expected, [4]), widen=widens)
     (piece,) = _pieces([("t", torch.ones(4).to(sent))], 4096)
@@ -98,10 +115,15 @@ def test_a_narrowed_piece_that_cuts_an_element_is_refused():
 
 # -- the trainer's narrowing ----------------------------------------------------------------
 
+
 def test_narrower_casts_wider_floats_into_reused_buffers_and_leaves_the_rest():
     n = GradientNarrower("bfloat16")
-    grads = [("w.block0", torch.randn(5, 3)), ("emb@ids", torch.arange(4)),
-             ("h.block0", torch.ones(2, dtype=torch.float16)), ("d.block0", torch.randn(3, dtype=torch.float64))]
+    grads = [
+        ("w.block0", torch.randn(5, 3)),
+        ("emb@ids", torch.arange(4)),
+        ("h.block0", torch.ones(2, dtype=torch.float16)),
+        ("d.block0", torch.randn(3, dtype=torch.float64)),
+    ]
     first = n.narrow("ep0", grads)
     assert [t.dtype for _, t in first] == [torch.bfloat16, torch.int64, torch.float16, torch.bfloat16]
     assert torch.equal(first[0][1], grads[0][1].to(torch.bfloat16)) and first[1][1] is grads[1][1]
@@ -150,12 +172,14 @@ def test_sync_with_a_narrow_wire_equals_single_process_with_rounded_gradients(wi
     data = batches(2, PER_TRAINER, STEPS, dtype=dtype)
     config = DistributeTranspilerConfig(grad_wire_dtype=wire)
     with LocalCluster(lambda: program(dtype), 2, 2, config=config) as cluster:
+
         def body(tr, i):
             for step_batches in data:
                 x, y = step_batches[i]
                 nn.functional.cross_entropy(tr.model(x), y).backward()
                 tr.step()
             return tr.state_dict(), tr.channels.bytes_pushed
+
         results = cluster.run_trainers(body)
         received = sum(s.servicer.counters.bytes_in for s in cluster.servers)
     expected = rounded_reference(dtype, WIRE[wire], data)
@@ -184,7 +208,7 @@ def assert_update_within_rounding(got, ref, initial, what):
     scale = ref_moved.abs().amax(dim=-1, keepdim=True)
     err = (moved - ref_moved).abs()
     worst = torch.where(err == 0, 0.0, err / scale).max().item()  # inf: a row that must stay put moved
-    assert bool((err <= 2 ** -6 * scale).all()), f"{what}: an update off by {worst:.3g} of its row's movement"
+    assert bool((err <= 2**-6 * scale).all()), f"{what}: an update off by {worst:.3g} of its row's movement"
 
 
 @pytest.mark.timeout(60)
@@ -192,25 +216,33 @@ def test_table_row_gradients_travel_narrow_and_train_within_its_rounding():
     data = table_batches(2, PER_TRAINER, STEPS)
     build = lambda: table_program("sgd", torch.float32, lr=0.5)  # noqa: E731
     with LocalCluster(build, 2, 2, config=DistributeTranspilerConfig(grad_wire_dtype="bfloat16")) as cluster:
+
         def body(tr, i):
             for step_batches in data:
                 ids, bag, y = step_batches[i]
                 nn.functional.cross_entropy(tr.model(ids, bag), y).backward()
                 tr.step()
             narrowed = {name: t.dtype for (_, name), t in tr.channels.narrower._buffers.items()}
-            rows = {"emb": tr.pull_rows("emb", torch.from_numpy(VOCAB)),
-                    "bag": tr.pull_rows("bag", torch.from_numpy(BAG_VOCAB))}
+            rows = {
+                "emb": tr.pull_rows("emb", torch.from_numpy(VOCAB)),
+                "bag": tr.pull_rows("bag", torch.from_numpy(BAG_VOCAB)),
+            }
             return tr.state_dict(), rows, narrowed
+
         results = cluster.run_trainers(body)
     ref_state, ref_rows = single_process(build(), data)
     prog = build()
     initial_state = {k: v for k, v in prog.model.state_dict().items() if k in ref_state}
     vocab = {"emb": VOCAB, "bag": BAG_VOCAB}
     initial = {t.name: torch.from_numpy(initial_rows(t, vocab[t.name])) for t in prog.tables}
-    looked_up = {"emb": np.unique(np.concatenate([b[0].flatten() for sb in data for b in sb])),
-                 "bag": np.unique(np.concatenate([b[1].flatten() for sb in data for b in sb]))}
+    looked_up = {
+        "emb": np.unique(np.concatenate([b[0].flatten() for sb in data for b in sb])),
+        "bag": np.unique(np.concatenate([b[1].flatten() for sb in data for b in sb])),
+    }
     for name, ids in looked_up.items():  # the reference moved exactly the rows the data looked up
-        assert torch.equal((ref_rows[name] != initial[name]).any(dim=1), torch.from_numpy(np.isin(vocab[name], ids)))
+        assert torch.equal(
+            (ref_rows[name] != initial[name]).any(dim=1), torch.from_numpy(np.isin(vocab[name], ids))
+        )
     for state, rows, narrowed in results.values():
         assert narrowed["emb@rows"] == narrowed["bag@rows"] == torch.bfloat16
         for name in rows:

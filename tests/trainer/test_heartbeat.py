@@ -2,6 +2,7 @@
 and the thread itself against real gRPC servers: one heartbeat in flight per pserver, none delayed by another,
 and no thread started per heartbeat.
 """
+
 import dataclasses
 import math
 import threading
@@ -13,7 +14,7 @@ import pytest
 from trainer.heartbeat import CHECKS_PER_INTERVAL, heartbeats_due, next_check
 
 NEVER = -math.inf  # a pserver this trainer never reached
-I = 2.0            # heartbeat_interval
+INTERVAL = 2.0  # heartbeat_interval
 
 # (case, last contact per pserver, now, expected pservers to heartbeat)
 DUE = [
@@ -23,35 +24,45 @@ DUE = [
     ("idle towards every pserver (a data stall)", {"a": 97.0, "b": 90.0}, 100.0, ["a", "b"]),
     ("a push parked in a barrier since 98.5: it started 1.5 s ago, not yet due", {"a": 98.5}, 100.0, []),
     ("the same push parked since 97.9: its start is older than an interval", {"a": 97.9}, 100.0, ["a"]),
-    ("a pserver never reached (a node's leader: another local rank's pserver)", {"a": 99.9, "b": NEVER}, 100.0,
-     ["b"]),
+    (
+        "a pserver never reached (a node's leader: another local rank's pserver)",
+        {"a": 99.9, "b": NEVER},
+        100.0,
+        ["b"],
+    ),
     ("no pservers", {}, 100.0, []),
 ]
 
 
 @pytest.mark.parametrize("case, contacts, now, expected", DUE, ids=[c[0] for c in DUE])
 def test_heartbeats_due(case, contacts, now, expected):
-    assert heartbeats_due(contacts, now, I) == expected
+    assert heartbeats_due(contacts, now, INTERVAL) == expected
 
 
-FLOOR = I / CHECKS_PER_INTERVAL
+FLOOR = INTERVAL / CHECKS_PER_INTERVAL
 # (case, last contact per pserver after this round's heartbeats, now, expected seconds to the next look)
 NEXT = [
     ("the earliest falls due in 1.5 s", {"a": 99.5, "b": 99.9}, 100.0, 1.5),
-    ("every pserver just reached: a whole interval", {"a": 100.0, "b": 100.0}, 100.0, I),
+    ("every pserver just reached: a whole interval", {"a": 100.0, "b": 100.0}, 100.0, INTERVAL),
     ("one falls due in a moment: no sooner than the floor", {"a": 98.01, "b": 100.0}, 100.0, FLOOR),
     ("one already due (its heartbeat failed: the thread's try counts): the floor", {"a": 97.0}, 100.0, FLOOR),
-    ("no pservers: an interval", {}, 100.0, I),
-    ("a contact from the future (clock read before a call noted it): at most an interval", {"a": 101.0}, 100.0, I),
+    ("no pservers: an interval", {}, 100.0, INTERVAL),
+    (
+        "a contact from the future (clock read before a call noted it): at most an interval",
+        {"a": 101.0},
+        100.0,
+        INTERVAL,
+    ),
 ]
 
 
 @pytest.mark.parametrize("case, contacts, now, expected", NEXT, ids=[c[0] for c in NEXT])
 def test_next_check(case, contacts, now, expected):
-    assert next_check(contacts, now, I) == pytest.approx(expected)
+    assert next_check(contacts, now, INTERVAL) == pytest.approx(expected)
 
 
 # -- the thread against real gRPC servers ------------------------------------------------------------
+
 
 class FakePserver:
     """A gRPC server that answers only Heartbeat, counting them; while ``held`` is clear it holds each one."""
@@ -74,10 +85,18 @@ class FakePserver:
                 self.arrived.append(time.monotonic())
             self.held.wait(30)
             return ps_pb2.HeartbeatReply()
+
         service, method = method_path("Heartbeat").strip("/").split("/")
-        handler = grpc.method_handlers_generic_handler(service, {method: grpc.unary_unary_rpc_method_handler(
-            heartbeat, request_deserializer=ps_pb2.HeartbeatRequest.FromString,
-            response_serializer=ps_pb2.HeartbeatReply.SerializeToString)})
+        handler = grpc.method_handlers_generic_handler(
+            service,
+            {
+                method: grpc.unary_unary_rpc_method_handler(
+                    heartbeat,
+                    request_deserializer=ps_pb2.HeartbeatRequest.FromString,
+                    response_serializer=ps_pb2.HeartbeatReply.SerializeToString,
+                )
+            },
+        )
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), handlers=(handler,))
         self.endpoint = f"127.0.0.1:{self.server.add_insecure_port('127.0.0.1:0')}"
         self.server.start()
@@ -99,7 +118,9 @@ def test_a_pserver_that_takes_no_call_up_gets_one_heartbeat_and_delays_no_other_
 
     stalled, healthy = FakePserver(), FakePserver()
     interval, deadline = 0.2, 30.0
-    t = DistributeTranspiler(DistributeTranspilerConfig(heartbeat_interval=interval, heartbeat_timeout=deadline))
+    t = DistributeTranspiler(
+        DistributeTranspilerConfig(heartbeat_interval=interval, heartbeat_timeout=deadline)
+    )
     t.transpile(0, program=odd_program(), pservers=f"{stalled.endpoint},{healthy.endpoint}", trainers=1)
     channels = Channels(t.get_trainer_program())
     stalled.held.clear()  # its handler holds every heartbeat: a pserver whose loop takes nothing up
@@ -113,7 +134,9 @@ def test_a_pserver_that_takes_no_call_up_gets_one_heartbeat_and_delays_no_other_
         assert gaps.max() < interval * (1 + 1 / CHECKS_PER_INTERVAL) + 0.5, gaps
         # ... while the stalled one, its first heartbeat still in flight, got no second one.
         assert stalled.count() == 1 and elapsed >= 7 * interval
-        assert channels[stalled.endpoint].contact.last(time.monotonic()) == pytest.approx(time.monotonic(), abs=0.1)
+        assert channels[stalled.endpoint].contact.last(time.monotonic()) == pytest.approx(
+            time.monotonic(), abs=0.1
+        )
         stalled.held.set()  # it answers: heartbeats to it go on once an interval
         wait_until(lambda: stalled.count() >= 3, 10.0, "the released pserver's next heartbeats")
     finally:
@@ -124,7 +147,8 @@ def test_a_pserver_that_takes_no_call_up_gets_one_heartbeat_and_delays_no_other_
 
 
 def test_heartbeats_of_many_idle_trainers_start_no_thread_per_heartbeat(monkeypatch):
-    """The emulated fan-in's case: one thread heartbeats many idle trainers' channels, each its own connection.
+    """The emulated fan-in's case: one thread heartbeats many idle trainers' channels, each its own
+    connection.
 
     A gRPC future on an idle channel starts a thread to poll it, so each heartbeat did: hundreds of such
     starts an interval in a crowded process left the heartbeats late and the pservers dropped trainers.
@@ -146,6 +170,7 @@ def test_heartbeats_of_many_idle_trainers_start_no_thread_per_heartbeat(monkeypa
         if "heartbeat" in threading.current_thread().name:
             started_by_heartbeat.append(thread.name)
         return thread_start(thread)
+
     monkeypatch.setattr(threading.Thread, "start", counted_start)
     beat = Heartbeat(channels, [pserver.endpoint], interval, 30.0).start()
     try:
@@ -188,7 +213,10 @@ def test_a_heartbeat_that_waited_for_a_call_thread_is_reported(caplog):
         pserver.stop()
     assert all(f.result(0) for f in held)
     warning = next(r for r in caplog.records if "late" in r.getMessage())
-    assert warning.levelname == "WARNING" and "1 heartbeat(s) went out more than heartbeat_interval" in warning.getMessage()
+    assert (
+        warning.levelname == "WARNING"
+        and "1 heartbeat(s) went out more than heartbeat_interval" in warning.getMessage()
+    )
 
 
 def wait_until(condition, timeout: float, what: str) -> None:

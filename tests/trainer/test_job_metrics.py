@@ -4,6 +4,7 @@ The reductions' bookkeeping and the AUC from histograms are pure and table-drive
 rest runs real gRPC pservers on loopback in this process (LocalCluster), collective
 trainers among themselves, and a trainer node of two processes.
 """
+
 from __future__ import annotations
 
 import math
@@ -55,13 +56,16 @@ def test_combine_is_in_trainer_id_order_whatever_the_arrival():
         assert combine("sum", {t: values[t] for t in order})["v"].tobytes() == reference.tobytes()
 
 
-@pytest.mark.parametrize("items, match", [
-    ([], "at least one"),
-    ([("", [1], [1.0])], "needs a name"),
-    ([("a", [1], [1.0]), ("a", [1], [1.0])], "twice"),
-    ([("a", [2, 2], [1.0, 2.0])], "needs 4 numbers, got 2"),
-    ([("a", [-1], [])], "negative"),
-])
+@pytest.mark.parametrize(
+    "items, match",
+    [
+        ([], "at least one"),
+        ([("", [1], [1.0])], "needs a name"),
+        ([("a", [1], [1.0]), ("a", [1], [1.0])], "twice"),
+        ([("a", [2, 2], [1.0, 2.0])], "needs 4 numbers, got 2"),
+        ([("a", [-1], [])], "negative"),
+    ],
+)
 def test_to_values_refuses(items, match):
     with pytest.raises(BadRequest, match=match):
         to_values(items)
@@ -69,40 +73,52 @@ def test_to_values_refuses(items, match):
 
 def test_to_values_shapes():
     got = to_values([("pos", [2, 3], range(6)), ("n", [], [7.0])])
-    assert got["pos"].shape == (2, 3) and got["pos"][1, 2] == 5.0 and got["n"].shape == () and float(got["n"]) == 7.0
+    assert (
+        got["pos"].shape == (2, 3)
+        and got["pos"][1, 2] == 5.0
+        and got["n"].shape == ()
+        and float(got["n"]) == 7.0
+    )
 
 
 def snapshot(r: Rounds):
-    return ({k: (v.op, v.shapes, {t: {n: a.tolist() for n, a in p.items()} for t, p in v.parts.items()})
-             for k, v in r.open.items()}, {k: (d[0], {n: a.tolist() for n, a in d[1].items()}, d[2])
-                                          for k, d in r.done.items()})
+    return (
+        {
+            k: (v.op, v.shapes, {t: {n: a.tolist() for n, a in p.items()} for t, p in v.parts.items()})
+            for k, v in r.open.items()
+        },
+        {k: (d[0], {n: a.tolist() for n, a in d[1].items()}, d[2]) for k, d in r.done.items()},
+    )
 
 
 def test_a_round_finishes_once_every_expected_trainer_sent_its_values():
     r = Rounds("ep")
     r.add(1, "k", 0, "sum", V(1.0))
     assert r.result("k", 0, {0, 1}) is None and r.missing("k", 0, {0, 1}) == [0]
-    r.add(1, "k", 0, "sum", V(2.0))                    # a retry replaces the values
+    r.add(1, "k", 0, "sum", V(2.0))  # a retry replaces the values
     r.add(0, "k", 0, "sum", V(10.0))
     values, who = r.result("k", 0, {0, 1})
     assert values["v"].tolist() == [12.0] and who == (0, 1) and not r.open
-    r.add(0, "k", 0, "sum", V(10.0))                   # a retry after the end: answered again
+    r.add(0, "k", 0, "sum", V(10.0))  # a retry after the end: answered again
     assert r.result("k", 0, {0, 1})[0]["v"].tolist() == [12.0]
-    r.add(0, "k", 1, "sum", V(5.0))                    # trainer 1 closed: not waited for
+    r.add(0, "k", 1, "sum", V(5.0))  # trainer 1 closed: not waited for
     assert r.result("k", 1, {0})[0]["v"].tolist() == [5.0]
 
 
-@pytest.mark.parametrize("call, error, match", [
-    (lambda r: r.add(0, "", 1, "sum", V(1.0)), BadRequest, "key"),
-    (lambda r: r.add(0, "x" * 201, 1, "sum", V(1.0)), BadRequest, "key"),
-    (lambda r: r.add(0, "k", 1, "mean", V(1.0)), BadRequest, "op"),
-    (lambda r: r.add(0, "k", -1, "sum", V(1.0)), BadRequest, "round"),
-    (lambda r: r.add(0, "k", 1, "max", V(1.0)), BadRequest, "'max' in round 1 .* others for 'sum'"),
-    (lambda r: r.add(0, "k", 1, "sum", V(1.0, 2.0)), BadRequest, r"v \[2\] .* others sent v \[1\]"),
-    (lambda r: r.add(0, "k", 1, "sum", {"w": np.ones(1)}), BadRequest, "others sent v"),
-    (lambda r: r.add(2, "done", 0, "sum", V(1.0)), NotAllowed, "round 0 .* is over"),
-    (lambda r: r.add(0, "old", 0, "sum", V(1.0)), NotAllowed, r"round 0 .* is over \(round 1 finished"),
-])
+@pytest.mark.parametrize(
+    "call, error, match",
+    [
+        (lambda r: r.add(0, "", 1, "sum", V(1.0)), BadRequest, "key"),
+        (lambda r: r.add(0, "x" * 201, 1, "sum", V(1.0)), BadRequest, "key"),
+        (lambda r: r.add(0, "k", 1, "mean", V(1.0)), BadRequest, "op"),
+        (lambda r: r.add(0, "k", -1, "sum", V(1.0)), BadRequest, "round"),
+        (lambda r: r.add(0, "k", 1, "max", V(1.0)), BadRequest, "'max' in round 1 .* others for 'sum'"),
+        (lambda r: r.add(0, "k", 1, "sum", V(1.0, 2.0)), BadRequest, r"v \[2\] .* others sent v \[1\]"),
+        (lambda r: r.add(0, "k", 1, "sum", {"w": np.ones(1)}), BadRequest, "others sent v"),
+        (lambda r: r.add(2, "done", 0, "sum", V(1.0)), NotAllowed, "round 0 .* is over"),
+        (lambda r: r.add(0, "old", 0, "sum", V(1.0)), NotAllowed, r"round 0 .* is over \(round 1 finished"),
+    ],
+)
 def test_bad_contributions_are_refused_and_change_nothing(call, error, match):
     r = Rounds("ep")
     r.add(1, "k", 1, "sum", V(1.0))
@@ -131,11 +147,12 @@ def test_open_rounds_are_bounded_and_withdrawn_ones_go():
 
 # -- AUC from histograms ------------------------------------------------------------------------
 
+
 def test_auc_from_histograms_equals_sklearn_when_buckets_hold_exact_ties():
     rng = np.random.default_rng(0)
     n = 200
     buckets = rng.integers(0, 100, size=2000)
-    scores = (buckets + 0.5) / 100.0                   # bucket centres: one score per bucket, exact ties
+    scores = (buckets + 0.5) / 100.0  # bucket centres: one score per bucket, exact ties
     labels = (rng.random(2000) < 0.2 + 0.6 * scores).astype(int)
     stats = AucStats(100)
     stats.update(labels[:n], scores[:n])
@@ -143,24 +160,30 @@ def test_auc_from_histograms_equals_sklearn_when_buckets_hold_exact_ties():
     assert stats.auc() == pytest.approx(roc_auc_score(labels, scores), abs=1e-12)
 
 
-@pytest.mark.parametrize("pos, neg, expected", [
-    ([0, 0, 3], [3, 0, 0], 1.0),
-    ([3, 0, 0], [0, 0, 3], 0.0),
-    ([2, 0], [2, 0], 0.5),
-    ([1, 1], [0, 0], math.nan),
-    ([], [], math.nan),
-])
+@pytest.mark.parametrize(
+    "pos, neg, expected",
+    [
+        ([0, 0, 3], [3, 0, 0], 1.0),
+        ([3, 0, 0], [0, 0, 3], 0.0),
+        ([2, 0], [2, 0], 0.5),
+        ([1, 1], [0, 0], math.nan),
+        ([], [], math.nan),
+    ],
+)
 def test_auc_from_histograms_table(pos, neg, expected):
     got = auc_from_histograms(np.array(pos), np.array(neg))
     assert (math.isnan(got) and math.isnan(expected)) or got == expected
 
 
-@pytest.mark.parametrize("labels, scores, match", [
-    ([0, 2], [0.1, 0.2], "labels must be 0 or 1"),
-    ([0, 1], [0.1, 1.2], r"in \[0, 1\]"),
-    ([0, 1], [0.1, float("nan")], r"in \[0, 1\]"),
-    ([0, 1, 1], [0.1, 0.2], "same number"),
-])
+@pytest.mark.parametrize(
+    "labels, scores, match",
+    [
+        ([0, 2], [0.1, 0.2], "labels must be 0 or 1"),
+        ([0, 1], [0.1, 1.2], r"in \[0, 1\]"),
+        ([0, 1], [0.1, float("nan")], r"in \[0, 1\]"),
+        ([0, 1, 1], [0.1, 0.2], "same number"),
+    ],
+)
 def test_auc_stats_refuse_bad_input_and_add_nothing(labels, scores, match):
     stats = AucStats(10)
     stats.update([1], [0.5])
@@ -170,6 +193,7 @@ def test_auc_stats_refuse_bad_input_and_add_nothing(labels, scores, match):
 
 
 # -- global metrics -----------------------------------------------------------------------------
+
 
 def test_global_metrics_equal_the_pooled_values():
     rng = np.random.default_rng(5)
@@ -184,14 +208,16 @@ def test_global_metrics_equal_the_pooled_values():
         half = len(labels[i]) // 2
         stats.update(torch.from_numpy(labels[i][:half]), torch.from_numpy(scores[i][:half]))
         stats.update(labels[i][half:], scores[i][half:])
-        return (job_metrics.global_auc(tr, stats=stats),
-                job_metrics.global_auc(tr, labels[i], quantized[i], name="exact"),
-                job_metrics.global_mean(tr, "loss", losses[i].mean(), weight=len(losses[i])),
-                job_metrics.global_sum(tr, "n", len(labels[i])),
-                job_metrics.global_sum(tr, "hist", np.bincount(labels[i], minlength=2)),
-                job_metrics.global_max(tr, "worst", losses[i].max()),
-                job_metrics.global_min(tr, "best", losses[i].min()),
-                job_metrics.global_mean(tr, "loss", losses[i].mean(), weight=len(losses[i])))  # round 1
+        return (
+            job_metrics.global_auc(tr, stats=stats),
+            job_metrics.global_auc(tr, labels[i], quantized[i], name="exact"),
+            job_metrics.global_mean(tr, "loss", losses[i].mean(), weight=len(losses[i])),
+            job_metrics.global_sum(tr, "n", len(labels[i])),
+            job_metrics.global_sum(tr, "hist", np.bincount(labels[i], minlength=2)),
+            job_metrics.global_max(tr, "worst", losses[i].max()),
+            job_metrics.global_min(tr, "best", losses[i].min()),
+            job_metrics.global_mean(tr, "loss", losses[i].mean(), weight=len(losses[i])),
+        )  # round 1
 
     with LocalCluster(build, 2, 2, config=DistributeTranspilerConfig(barrier_timeout=DEADLINE)) as cluster:
         got = in_parallel(cluster, body)
@@ -219,18 +245,25 @@ def test_a_closed_trainer_is_not_waited_for_and_a_missing_one_times_out():
         try:
             trainers[2].close()
             got = {}
-            threads = [threading.Thread(target=lambda i=i: got.update({i: job_metrics.global_sum(trainers[i], "x", i + 1)}))
-                       for i in range(2)]
+            threads = [
+                threading.Thread(
+                    target=lambda i=i: got.update({i: job_metrics.global_sum(trainers[i], "x", i + 1)})
+                )
+                for i in range(2)
+            ]
             for th in threads:
                 th.start()
             for th in threads:
                 th.join(DEADLINE)
             assert got == {0: 3.0, 1: 3.0}
-            # Trainer 1 does not come: trainer 0's next round fails after barrier_timeout, naming it. It waited
-            # the whole barrier_timeout (the pserver's deadline starts after `started`); that the pserver's
-            # barrier ended the wait, not the trainer's RPC deadline, the message shows (it names trainer 1).
+            # Trainer 1 does not come: trainer 0's next round fails after barrier_timeout, naming it. It
+            # waited the whole barrier_timeout (the pserver's deadline starts after `started`); that the
+            # pserver's barrier ended the wait, not the trainer's RPC deadline, the message shows (it names
+            # trainer 1).
             started = time.monotonic()
-            with pytest.raises(PserverError, match=r"round 1 of reduction 'sum:x' still waits for trainers \[1\]"):
+            with pytest.raises(
+                PserverError, match=r"round 1 of reduction 'sum:x' still waits for trainers \[1\]"
+            ):
                 job_metrics.global_sum(trainers[0], "x", 1.0)
             assert time.monotonic() - started >= cfg.barrier_timeout
             # Shapes that do not match the round's are refused; the round goes on.
@@ -241,6 +274,7 @@ def test_a_closed_trainer_is_not_waited_for_and_a_missing_one_times_out():
                     got["late"] = job_metrics.global_sum(trainers[0], "x", 10.0)
                 except PserverError as e:
                     errors.append(e)
+
             th = threading.Thread(target=late)
             th.start()
             poll(lambda: cluster.servers[0].reductions.open_rounds(), "trainer 0 opens round 1")
@@ -258,8 +292,13 @@ def test_all_reduce_refuses_bad_input_before_any_call():
     class NoCalls:
         comm = object()
 
-    for kwargs, match in [(dict(op="mean"), "op"), (dict(key=""), "key"), (dict(round=-1), "round"),
-                          (dict(values={}), "at least one"), (dict(values={"a": "x"}), "number")]:
+    for kwargs, match in [
+        (dict(op="mean"), "op"),
+        (dict(key=""), "key"),
+        (dict(round=-1), "round"),
+        (dict(values={}), "at least one"),
+        (dict(values={"a": "x"}), "number"),
+    ]:
         args = dict(key="k", values={"a": 1.0}) | kwargs
         with pytest.raises(ValueError, match=match):
             job_metrics.all_reduce(NoCalls(), **args)
@@ -269,8 +308,8 @@ def test_all_reduce_refuses_bad_input_before_any_call():
         job_metrics.global_auc(NoCalls(), [1])
 
 
-
 # -- collective trainers and trainer nodes ----------------------------------------------------
+
 
 def collective_sums() -> tuple:
     from trainer import CollectiveTrainer
@@ -278,8 +317,11 @@ def collective_sums() -> tuple:
     t = DistributeTranspiler(DistributeTranspilerConfig(mode="collective", barrier_timeout=60))
     t.transpile(0, program=build(), pservers=None, trainers=1)
     with CollectiveTrainer(t.get_trainer_program()) as tr:
-        return (job_metrics.global_sum(tr, "n", 3), job_metrics.global_mean(tr, "m", 2.0, weight=4),
-                job_metrics.global_auc(tr, [0, 1, 1], [0.2, 0.9, 0.1]))
+        return (
+            job_metrics.global_sum(tr, "n", 3),
+            job_metrics.global_mean(tr, "m", 2.0, weight=4),
+            job_metrics.global_auc(tr, [0, 1, 1], [0.2, 0.9, 0.1]),
+        )
 
 
 def test_collective_trainers_reduce_among_themselves():
@@ -297,16 +339,23 @@ def test_a_trainer_node_combines_its_local_ranks_first(tmp_path):
     from tests.helpers.nodes import stop, wait_all
 
     ctx = multiprocessing.get_context("spawn")
-    with LocalCluster(odd_program, 1, 2, config=DistributeTranspilerConfig(barrier_timeout=DEADLINE)) as cluster:
+    with LocalCluster(
+        odd_program, 1, 2, config=DistributeTranspilerConfig(barrier_timeout=DEADLINE)
+    ) as cluster:
         (port,) = free_ports(1)
         outs = [str(tmp_path / f"rank{r}.pt") for r in range(2)]
-        procs = [ctx.Process(target=node_rank, args=(odd_program, cluster.endpoints, r, port, outs[r], DEADLINE))
-                 for r in range(2)]
+        procs = [
+            ctx.Process(target=node_rank, args=(odd_program, cluster.endpoints, r, port, outs[r], DEADLINE))
+            for r in range(2)
+        ]
         for p in procs:
             p.start()
         try:
-            got = in_parallel(cluster, lambda tr, i: (job_metrics.global_sum(tr, "n", 100.0),
-                                                      job_metrics.global_max(tr, "m", -1)), ids=[1])
+            got = in_parallel(
+                cluster,
+                lambda tr, i: (job_metrics.global_sum(tr, "n", 100.0), job_metrics.global_max(tr, "m", -1)),
+                ids=[1],
+            )
             assert wait_all(procs) == [0, 0]
         finally:
             stop(procs)

@@ -1,5 +1,6 @@
-"""A push-pull split across lanes (``push_lanes``): the decision, the split, cancelling, and training equal to one
-process through it (sync, two trainers; async, one), over real gRPC connections."""
+"""A push-pull split across lanes (``push_lanes``): the decision, the split, cancelling, and training equal
+to one process through it (sync, two trainers; async, one), over real gRPC connections."""
+
 import threading
 
 import pytest
@@ -19,14 +20,17 @@ def lanes(count: int, blocks=None) -> Lanes:
     return Lanes(count, blocks or {"w.block0": 8, "w.block1": 8}, MiB, connect=lambda: None)
 
 
-@pytest.mark.parametrize("count,way,nbytes,split", [
-    (1, STREAM, 64 * MiB, False),         # one lane: never
-    (2, STREAM, 2 * MiB, True),           # at least a chunk per lane
-    (2, STREAM, 2 * MiB - 1, False),
-    (4, STREAM, 3 * MiB, False),
-    (2, ONE_MESSAGE, 4 * MiB, False),     # small calls go as one message
-    (2, SHARED_MEMORY, 64 * MiB, False),  # same host: no socket to split
-])
+@pytest.mark.parametrize(
+    "count,way,nbytes,split",
+    [
+        (1, STREAM, 64 * MiB, False),  # one lane: never
+        (2, STREAM, 2 * MiB, True),  # at least a chunk per lane
+        (2, STREAM, 2 * MiB - 1, False),
+        (4, STREAM, 3 * MiB, False),
+        (2, ONE_MESSAGE, 4 * MiB, False),  # small calls go as one message
+        (2, SHARED_MEMORY, 64 * MiB, False),  # same host: no socket to split
+    ],
+)
 def test_which_push_pulls_are_split(count, way, nbytes, split):
     assert lanes(count).split(way, nbytes) is split
 
@@ -90,20 +94,28 @@ def test_lanes_results_come_back_in_lane_order():
     runner.close()
 
 
-# -- training through lanes ---------------------------------------------------------------------------------------
+# -- training through lanes
+# ---------------------------------------------------------------------------------------
 
 
 def build() -> Program:
     # 1536 x 1024 float64: a push of about 6.3 MB to each of two pservers, so it streams and splits.
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(16, 1024), nn.Tanh(), nn.Linear(1024, 1536), nn.Tanh(), nn.Linear(1536, 3))
+    model = nn.Sequential(
+        nn.Linear(16, 1024), nn.Tanh(), nn.Linear(1024, 1536), nn.Tanh(), nn.Linear(1536, 3)
+    )
     return Program(model.double(), "adam", lr=0.01, weight_decay=0.01)
 
 
 def data(trainers: int, steps: int = 3):
     g = torch.Generator().manual_seed(3)
-    return [[(torch.randn(4, 16, generator=g, dtype=torch.float64), torch.randint(0, 3, (4,), generator=g))
-             for _ in range(trainers)] for _ in range(steps)]
+    return [
+        [
+            (torch.randn(4, 16, generator=g, dtype=torch.float64), torch.randint(0, 3, (4,), generator=g))
+            for _ in range(trainers)
+        ]
+        for _ in range(steps)
+    ]
 
 
 def train(cluster, batches):
@@ -114,6 +126,7 @@ def train(cluster, batches):
             tr.step()
         opened = [tr.channels[ep].lanes.opened for ep in tr.program.pservers]
         return tr.state_dict(), opened
+
     return cluster.run_trainers(body)
 
 
@@ -133,5 +146,7 @@ def test_training_through_lanes_equals_one_process(sync_mode, trainers):
     for state, opened in results.values():
         assert opened == [2, 2]  # two connections beside the channel's own, per pserver
         for name in expected:
-            torch.testing.assert_close(state[name], expected[name], **FLOAT64_EXACT, msg=lambda m, n=name: f"{n}: {m}")
+            torch.testing.assert_close(
+                state[name], expected[name], **FLOAT64_EXACT, msg=lambda m, n=name: f"{n}: {m}"
+            )
     assert not torch.allclose(expected["2.weight"], build().model.state_dict()["2.weight"])

@@ -4,6 +4,7 @@ Each case runs in a fresh Python process: the setting is process-wide, and
 this test process may already have made a Trainer. What is asserted is what
 the setting is for: a buffer freed and allocated again, step after step, costs no page faults.
 """
+
 import platform
 import subprocess
 import sys
@@ -38,7 +39,9 @@ SETTLE, MEASURED = 10, 10
 
 def faults_per_step_once_settled(retain: bool) -> float:
     code = textwrap.dedent(STEPS.format(retain=retain, settle=SETTLE, measured=MEASURED))
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
     return int(out.stdout.split()[-1]) / MEASURED
 
 
@@ -55,4 +58,3 @@ def test_the_setting_is_on_by_default_travels_in_the_plan_and_refuses_a_non_bool
     assert DistributeTranspilerConfig.from_dict(cfg.to_dict()).retain_freed_memory is False
     with pytest.raises(ValueError, match="retain_freed_memory must be a bool"):
         DistributeTranspilerConfig(retain_freed_memory="yes")
-

@@ -6,6 +6,7 @@ processes; the pservers count 2 trainers, and each node pushed each block
 exactly once per step. The same with distributed tables whose ids overlap
 across local ranks (SGD and Adagrad).
 """
+
 import multiprocessing
 import signal
 
@@ -29,9 +30,17 @@ def dense_program() -> Program:
 
 def table_program() -> Program:
     """One table trained with SGD, the other with Adagrad: both sparse updates in one job."""
-    return Program(table_model(torch.float64), "sgd", lr=0.5, distributed_tables={
-        "emb": TableOptions(optimizer="sgd", optimizer_kwargs=dict(lr=0.5)),
-        "bag": TableOptions(optimizer="adagrad", optimizer_kwargs=dict(lr=0.3, initial_accumulator_value=0.1))})
+    return Program(
+        table_model(torch.float64),
+        "sgd",
+        lr=0.5,
+        distributed_tables={
+            "emb": TableOptions(optimizer="sgd", optimizer_kwargs=dict(lr=0.5)),
+            "bag": TableOptions(
+                optimizer="adagrad", optimizer_kwargs=dict(lr=0.3, initial_accumulator_value=0.1)
+            ),
+        },
+    )
 
 
 @pytest.mark.timeout(120)
@@ -61,8 +70,9 @@ def test_nodes_with_distributed_tables_train_as_one_process(tmp_path):
     overlap = set(data[0][0][0].flatten().tolist()) & set(data[0][1][0].flatten().tolist())
     assert overlap, "the data must make local ranks look up the same ids"
     with LocalCluster(build, 2, 2) as cluster:
-        results = run_nodes(tmp_path, build, cluster.endpoints, data,
-                            tables=[("emb", VOCAB), ("bag", BAG_VOCAB)])
+        results = run_nodes(
+            tmp_path, build, cluster.endpoints, data, tables=[("emb", VOCAB), ("bag", BAG_VOCAB)]
+        )
         pushes = [s.servicer.counters.pushes_by_trainer for s in cluster.servers]
     ref_state, ref_rows = single_process(build(), data)
     for state, rows, steps in results:
@@ -84,7 +94,9 @@ def test_a_killed_local_rank_fails_its_node_fast_and_the_restarted_node_rejoins(
     ports = free_ports(2)
     with LocalCluster(build, 2, 2, config=config) as cluster:
         node0 = start_node(ctx, build, cluster.endpoints, 0, 2, 2, ports[0], data, tmp_path, config)
-        node1 = start_node(ctx, build, cluster.endpoints, 1, 2, 2, ports[1], data, tmp_path, config, kill=(1, 2))
+        node1 = start_node(
+            ctx, build, cluster.endpoints, 1, 2, 2, ports[1], data, tmp_path, config, kill=(1, 2)
+        )
         restarted = []
         try:
             codes = wait_all([p for p, _ in node1])
@@ -97,14 +109,18 @@ def test_a_killed_local_rank_fails_its_node_fast_and_the_restarted_node_rejoins(
             # after the node group's timeout (the Trainer's: max(barrier, recovery) + rpc timeout), which is
             # how long rank 0 would otherwise wait for it. Halfway between the two; it failed after the kill.
             group_timeout = max(config.barrier_timeout, config.recovery_timeout) + config.rpc_timeout
-            assert 0 <= failed_at - killed_at < group_timeout / 2, \
+            assert 0 <= failed_at - killed_at < group_timeout / 2, (
                 f"the node's rank 0 took {failed_at - killed_at:.1f}s to fail"
+            )
             assert error.startswith("NodeError: trainer node 1, local rank 0:"), error
             assert "restart all its processes" in error
-            assert all(1 not in s.engine.roster.closed for s in cluster.servers)  # a failed node does not Close
+            assert all(
+                1 not in s.engine.roster.closed for s in cluster.servers
+            )  # a failed node does not Close
 
-            restarted = start_node(ctx, build, cluster.endpoints, 1, 2, 2, ports[1], data, tmp_path, config,
-                                   tag="-restarted")
+            restarted = start_node(
+                ctx, build, cluster.endpoints, 1, 2, 2, ports[1], data, tmp_path, config, tag="-restarted"
+            )
             codes = wait_all([p for p, _ in node0 + restarted])
             assert codes == [0, 0, 0, 0], codes
             seen = [sorted(s.engine.roster.last_step) for s in cluster.servers]

@@ -6,6 +6,7 @@ that of pushing after backward (single-process training on the concatenated
 batches), and a second backward pass in one step must fail loudly rather
 than push a partial gradient.
 """
+
 import pytest
 import torch
 from torch import nn
@@ -25,6 +26,7 @@ def program() -> Program:
 def test_pushes_open_during_backward_and_train_as_one_process():
     data = batches(2, 8, STEPS, dtype=torch.float64)
     with LocalCluster(program, 2, 2, config=DistributeTranspilerConfig(push_during_backward=True)) as cluster:
+
         def body(tr, i):
             opened = []
             for step_batches in data:
@@ -34,6 +36,7 @@ def test_pushes_open_during_backward_and_train_as_one_process():
                 opened.append(tr.stepper.overlap.started)  # every pserver's stream is open before step()
                 tr.step()
             return opened, tr.state_dict()
+
         results = cluster.run_trainers(body)
     expected = train_concatenated(program(), data)
     for opened, state in results.values():
@@ -46,16 +49,19 @@ def test_a_second_backward_in_one_step_raises_and_the_switch_allows_accumulation
     data = batches(1, 8, 2, dtype=torch.float64)
     halves = [[(x[:4], y[:4]), (x[4:], y[4:])] for ((x, y),) in data]
     with LocalCluster(program, 1, 1, config=DistributeTranspilerConfig(push_during_backward=True)) as cluster:
+
         def body(tr, i):
             x, y = data[0][0]
             nn.functional.cross_entropy(tr.model(x[:4]), y[:4]).backward()
             with pytest.raises(RuntimeError, match="push_during_backward=False"):
                 nn.functional.cross_entropy(tr.model(x[4:]), y[4:]).backward()
             return tr.step_count
+
         assert cluster.run_trainers(body) == {0: 0}
         assert cluster.servers[0].engine.updates == 0  # the abandoned streams counted nothing
 
     with LocalCluster(program, 1, 1) as cluster:  # the default: push after backward
+
         def accumulate(tr, i):
             assert tr.stepper.overlap is None
             for parts in halves:
@@ -63,5 +69,6 @@ def test_a_second_backward_in_one_step_raises_and_the_switch_allows_accumulation
                     (nn.functional.cross_entropy(tr.model(x), y) / 2).backward()
                 tr.step()
             return tr.state_dict()
+
         state = cluster.run_trainers(accumulate)[0]
     assert_state_close(state, train_concatenated(program(), data), atol=1e-10)

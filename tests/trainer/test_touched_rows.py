@@ -1,4 +1,5 @@
 """TouchedRows: GEO's rows kept on the trainer between syncs, trained there, pushed as changes."""
+
 import numpy as np
 import pytest
 import torch
@@ -25,13 +26,16 @@ def test_rows_join_sorted_keep_their_first_value_as_base_and_train_in_place():
     assert len(t) == 0 and not t.find("emb", np.array([5]))[0].any()
 
 
-@pytest.mark.parametrize("case, held, asked, hit", [
-    ("nothing held", [], [3, 4], [False, False]),
-    ("every id held", [3, 4], [3, 4], [True, True]),
-    ("an id past the last held", [3], [3, 8], [True, False]),
-    ("an id before the first held", [3], [-2, 3], [False, True]),
-    ("no ids asked", [3], [], []),
-])
+@pytest.mark.parametrize(
+    "case, held, asked, hit",
+    [
+        ("nothing held", [], [3, 4], [False, False]),
+        ("every id held", [3, 4], [3, 4], [True, True]),
+        ("an id past the last held", [3], [3, 8], [True, False]),
+        ("an id before the first held", [3], [-2, 3], [False, True]),
+        ("no ids asked", [3], [], []),
+    ],
+)
 def test_find(case, held, asked, hit):
     t = TouchedRows()
     if held:

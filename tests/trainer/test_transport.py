@@ -4,6 +4,7 @@
 push (:class:`StepPush`) goes to every pserver it names through
 ``Transfers.push_all``, and ``Stepper.push`` is the one healed way there.
 """
+
 from types import SimpleNamespace
 
 import pytest
@@ -13,32 +14,42 @@ from psproto.codec import ONE_MESSAGE_BYTES
 from trainer.errors import DOWN, PserverError
 from trainer.steppers.stepper import Stepper
 from trainer.steppers.transfers import BlocksAndNextRows, StepPush, Transfers
-from trainer.transport.wire_paths import (ANSWER_STREAMS, DURING_BACKWARD, ONE_MESSAGE, SHARED_MEMORY, STREAM,
-                                          BackwardTensors, choose_path)
+from trainer.transport.wire_paths import (
+    ANSWER_STREAMS,
+    DURING_BACKWARD,
+    ONE_MESSAGE,
+    SHARED_MEMORY,
+    STREAM,
+    BackwardTensors,
+    choose_path,
+)
 from transpiler.position import Position
 
 SMALL, BIG = 1000, ONE_MESSAGE_BYTES + 1
 
 
-@pytest.mark.parametrize("request_bytes, answer_bytes, shared_memory, during_backward, way", [
-    # Tensors that stream in during backward: always the stream opened for them.
-    (0, None, False, True, DURING_BACKWARD),
-    (0, None, True, True, DURING_BACKWARD),
-    # An answer of unknown size cannot be one message nor a region: the call streams.
-    (SMALL, None, False, False, STREAM),
-    (SMALL, None, True, False, STREAM),
-    # A pserver that maps this process's memory: shared memory, whatever the sizes.
-    (SMALL, SMALL, True, False, SHARED_MEMORY),
-    (BIG, BIG, True, False, SHARED_MEMORY),
-    # gRPC: one message each way when both fit, else a stream.
-    (SMALL, SMALL, False, False, ONE_MESSAGE),
-    (ONE_MESSAGE_BYTES, ONE_MESSAGE_BYTES, False, False, ONE_MESSAGE),
-    (BIG, SMALL, False, False, STREAM),
-    (SMALL, BIG, False, False, STREAM),
-    # A prefetch: its answer streams whatever its size, so only the request must fit.
-    (SMALL, ANSWER_STREAMS, False, False, ONE_MESSAGE),
-    (BIG, ANSWER_STREAMS, False, False, STREAM),
-])
+@pytest.mark.parametrize(
+    "request_bytes, answer_bytes, shared_memory, during_backward, way",
+    [
+        # Tensors that stream in during backward: always the stream opened for them.
+        (0, None, False, True, DURING_BACKWARD),
+        (0, None, True, True, DURING_BACKWARD),
+        # An answer of unknown size cannot be one message nor a region: the call streams.
+        (SMALL, None, False, False, STREAM),
+        (SMALL, None, True, False, STREAM),
+        # A pserver that maps this process's memory: shared memory, whatever the sizes.
+        (SMALL, SMALL, True, False, SHARED_MEMORY),
+        (BIG, BIG, True, False, SHARED_MEMORY),
+        # gRPC: one message each way when both fit, else a stream.
+        (SMALL, SMALL, False, False, ONE_MESSAGE),
+        (ONE_MESSAGE_BYTES, ONE_MESSAGE_BYTES, False, False, ONE_MESSAGE),
+        (BIG, SMALL, False, False, STREAM),
+        (SMALL, BIG, False, False, STREAM),
+        # A prefetch: its answer streams whatever its size, so only the request must fit.
+        (SMALL, ANSWER_STREAMS, False, False, ONE_MESSAGE),
+        (BIG, ANSWER_STREAMS, False, False, STREAM),
+    ],
+)
 def test_the_wire_path_of_a_call(request_bytes, answer_bytes, shared_memory, during_backward, way):
     assert choose_path(request_bytes, answer_bytes, shared_memory, during_backward) == way
 
@@ -46,7 +57,9 @@ def test_the_wire_path_of_a_call(request_bytes, answer_bytes, shared_memory, dur
 def test_tensors_streamed_during_backward_are_replayed_whole_by_a_resend_and_counted_anew():
     produced = iter([("a", torch.ones(2)), ("b", torch.ones(3))])
     narrowed = []
-    tensors = BackwardTensors(produced, lambda items: (narrowed.append(name) or (name, t) for name, t in items))
+    tensors = BackwardTensors(
+        produced, lambda items: (narrowed.append(name) or (name, t) for name, t in items)
+    )
     first = tensors.replay()
     assert next(first)[0] == "a" and tensors.nbytes == 2 * 4  # a send cut off after its first tensor
     assert [name for name, _ in tensors.replay()] == ["a", "b"]  # the resend: the first again, then the rest
@@ -62,11 +75,30 @@ class ScriptedChannels:
     def __getitem__(self, endpoint):
         return SimpleNamespace(push_pull=lambda *args, **kwargs: self._push_pull(endpoint, *args, **kwargs))
 
-    def _push_pull(self, endpoint, step, tensors, dtype_and_shape, decode_into, position, during_backward,
-                   answer_bytes, step_trainers=(), dropped=False):
+    def _push_pull(
+        self,
+        endpoint,
+        step,
+        tensors,
+        dtype_and_shape,
+        decode_into,
+        position,
+        during_backward,
+        answer_bytes,
+        step_trainers=(),
+        dropped=False,
+    ):
         assert (step_trainers, dropped) == ((), False)  # backup trainers' fields: none in these plain steps
-        self.sent.append((endpoint, step, [name for name, _ in tensors], position, type(decode_into).__name__,
-                          answer_bytes))
+        self.sent.append(
+            (
+                endpoint,
+                step,
+                [name for name, _ in tensors],
+                position,
+                type(decode_into).__name__,
+                answer_bytes,
+            )
+        )
         if endpoint in self.failing:
             self.failing.discard(endpoint)
             raise PserverError(endpoint, "UNAVAILABLE: gone", DOWN)
@@ -83,29 +115,49 @@ def stage(name):
     return torch.empty(0)
 
 
-@pytest.mark.parametrize("next_rows, expected", [
-    # No rows asked ahead: blocks land where the push says; the answer holds the blocks alone.
-    ({}, [("a", 7, ["g"], (0, 8), "function", 400), ("b", 7, [], (0, 8), "function", 80)]),
-    # The next batch's rows asked of a: its answer holds them too, and lands them beside the blocks;
-    # b is asked nothing but still gets a landing for rows (a streamed push may learn of some late).
-    ({"a": {}, "b": {}}, [("a", 7, ["g", "t@next"], (0, 8), "BlocksAndNextRows", 400 + 3 * 4 * 4),
-                          ("b", 7, [], (0, 8), "BlocksAndNextRows", 80)]),
-])
+@pytest.mark.parametrize(
+    "next_rows, expected",
+    [
+        # No rows asked ahead: blocks land where the push says; the answer holds the blocks alone.
+        ({}, [("a", 7, ["g"], (0, 8), "function", 400), ("b", 7, [], (0, 8), "function", 80)]),
+        # The next batch's rows asked of a: its answer holds them too, and lands them beside the blocks;
+        # b is asked nothing but still gets a landing for rows (a streamed push may learn of some late).
+        (
+            {"a": {}, "b": {}},
+            [
+                ("a", 7, ["g", "t@next"], (0, 8), "BlocksAndNextRows", 400 + 3 * 4 * 4),
+                ("b", 7, [], (0, 8), "BlocksAndNextRows", 80),
+            ],
+        ),
+    ],
+)
 def test_a_step_push_goes_to_every_pserver_it_names_even_with_nothing_for_one(next_rows, expected):
     channels = ScriptedChannels()
     next_ids = {"a": [("t@next", torch.arange(3))]} if next_rows else {}
-    push = StepPush(7, Position(0, 8), {"a": [("g", torch.ones(1))] + next_ids.get("a", []), "b": []},
-                    SimpleNamespace(ids=next_ids, rows={"a": {"t@rows": ("float32", [3, 4])}}) if next_rows else None,
-                    next_rows, blocks_into=stage)
+    push = StepPush(
+        7,
+        Position(0, 8),
+        {"a": [("g", torch.ones(1))] + next_ids.get("a", []), "b": []},
+        SimpleNamespace(ids=next_ids, rows={"a": {"t@rows": ("float32", [3, 4])}}) if next_rows else None,
+        next_rows,
+        blocks_into=stage,
+    )
     Transfers(channels, BLOCKS).push_all(push)
     assert sorted(channels.sent) == expected
 
 
 def test_rows_asked_ahead_land_in_new_tensors_and_blocks_where_the_push_says():
     landed = {}
-    into = BlocksAndNextRows(SimpleNamespace(dtype_and_shape={"blk": ("float32", [2])}.get), stage,
-                             {"t@rows": ("float32", [3, 4])}, landed)
-    assert into.dtype_and_shape("blk") == ("float32", [2]) and into.dtype_and_shape("t@rows") == ("float32", [3, 4])
+    into = BlocksAndNextRows(
+        SimpleNamespace(dtype_and_shape={"blk": ("float32", [2])}.get),
+        stage,
+        {"t@rows": ("float32", [3, 4])},
+        landed,
+    )
+    assert into.dtype_and_shape("blk") == ("float32", [2]) and into.dtype_and_shape("t@rows") == (
+        "float32",
+        [3, 4],
+    )
     assert into.dtype_and_shape("nope") is None
     rows = into("t@rows")
     assert rows.shape == (3, 4) and landed == {"t@rows": rows} and into("blk").numel() == 0
@@ -121,14 +173,18 @@ def healing(step, what, calls):
             continue
 
 
-@pytest.mark.parametrize("streamed, failing, attempts", [
-    (False, (), ["push"]),
-    (False, ("b",), ["push", "push"]),             # a failed push goes again, to every pserver
-    (True, (), ["streams ended"]),                 # the streams opened during backward were the push
-    (True, ("streams",), ["streams ended", "push"]),  # streams cannot be resent: the retry pushes whole
-])
-def test_the_healed_push_sends_the_first_attempt_then_the_whole_push_until_it_goes_through(streamed, failing,
-                                                                                           attempts):
+@pytest.mark.parametrize(
+    "streamed, failing, attempts",
+    [
+        (False, (), ["push"]),
+        (False, ("b",), ["push", "push"]),  # a failed push goes again, to every pserver
+        (True, (), ["streams ended"]),  # the streams opened during backward were the push
+        (True, ("streams",), ["streams ended", "push"]),  # streams cannot be resent: the retry pushes whole
+    ],
+)
+def test_the_healed_push_sends_the_first_attempt_then_the_whole_push_until_it_goes_through(
+    streamed, failing, attempts
+):
     channels = ScriptedChannels(failing=[f for f in failing if f != "streams"])
     done = []
 

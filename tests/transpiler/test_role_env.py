@@ -1,4 +1,5 @@
 """RoleEnv's trainer nodes and collective mode: what scripts read from the variables ps-launch sets."""
+
 from __future__ import annotations
 
 import re
@@ -15,7 +16,9 @@ NODE = {"LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", 
 
 @pytest.mark.timeout(10)
 def test_pserver_mode_trainer_reads_its_node():
-    env = RoleEnv.from_env({**TRAINER, "PADDLE_PSERVERS_IP_PORT_LIST": EPS, **NODE, "RANK": "1", "WORLD_SIZE": "2"})
+    env = RoleEnv.from_env(
+        {**TRAINER, "PADDLE_PSERVERS_IP_PORT_LIST": EPS, **NODE, "RANK": "1", "WORLD_SIZE": "2"}
+    )
     assert not env.collective and env.pservers == EPS.split(",")
     assert env.node == NodeEnv(1, 2, "127.0.0.1", 7001, 1, 2)
     assert (env.local_rank, env.local_world_size, env.rank, env.world_size) == (1, 2, 1, 2)
@@ -45,20 +48,44 @@ def test_trainer_without_pservers_is_collective(pservers):
 
 
 @pytest.mark.timeout(10)
-@pytest.mark.parametrize("env, message", [
-    ({**TRAINER, **NODE, "WORLD_SIZE": "3"},
-     "WORLD_SIZE=3 does not match PADDLE_TRAINERS_NUM=2 x LOCAL_WORLD_SIZE=2 = 4"),
-    ({**TRAINER, **NODE, "RANK": "4"}, "RANK=4 is out of range [0, WORLD_SIZE=4)"),
-    ({**TRAINER, "LOCAL_RANK": "2", "LOCAL_WORLD_SIZE": "2"}, "LOCAL_RANK=2 is out of range"),
-    ({**TRAINER, "LOCAL_RANK": "one"}, "LOCAL_RANK must be an integer, got 'one'"),
-    ({**TRAINER, "PADDLE_PSERVERS_IP_PORT_LIST": EPS, "LOCAL_WORLD_SIZE": "0"}, "LOCAL_WORLD_SIZE must be >= 1"),
-    ({**TRAINER, "PADDLE_PSERVERS_IP_PORT_LIST": EPS, "MASTER_PORT": "99999"}, "MASTER_PORT must be a port"),
-    ({**TRAINER, "PADDLE_PSERVERS_IP_PORT_LIST": ","}, "pservers is empty"),
-    ({"TRAINING_ROLE": "PSERVER", "PADDLE_TRAINERS_NUM": "2", "POD_IP": "127.0.0.1", "PADDLE_PORT": "6170"},
-     "PADDLE_PSERVERS_IP_PORT_LIST is not set; a PSERVER needs it"),
-    ({"TRAINING_ROLE": "TRAINER", "PADDLE_TRAINER_ID": "0"}, "PADDLE_TRAINERS_NUM is not set; a TRAINER needs it"),
-    ({"TRAINING_ROLE": "TRAINER", "PADDLE_TRAINERS_NUM": "2"}, "PADDLE_TRAINER_ID is not set; a TRAINER needs it"),
-])
+@pytest.mark.parametrize(
+    "env, message",
+    [
+        (
+            {**TRAINER, **NODE, "WORLD_SIZE": "3"},
+            "WORLD_SIZE=3 does not match PADDLE_TRAINERS_NUM=2 x LOCAL_WORLD_SIZE=2 = 4",
+        ),
+        ({**TRAINER, **NODE, "RANK": "4"}, "RANK=4 is out of range [0, WORLD_SIZE=4)"),
+        ({**TRAINER, "LOCAL_RANK": "2", "LOCAL_WORLD_SIZE": "2"}, "LOCAL_RANK=2 is out of range"),
+        ({**TRAINER, "LOCAL_RANK": "one"}, "LOCAL_RANK must be an integer, got 'one'"),
+        (
+            {**TRAINER, "PADDLE_PSERVERS_IP_PORT_LIST": EPS, "LOCAL_WORLD_SIZE": "0"},
+            "LOCAL_WORLD_SIZE must be >= 1",
+        ),
+        (
+            {**TRAINER, "PADDLE_PSERVERS_IP_PORT_LIST": EPS, "MASTER_PORT": "99999"},
+            "MASTER_PORT must be a port",
+        ),
+        ({**TRAINER, "PADDLE_PSERVERS_IP_PORT_LIST": ","}, "pservers is empty"),
+        (
+            {
+                "TRAINING_ROLE": "PSERVER",
+                "PADDLE_TRAINERS_NUM": "2",
+                "POD_IP": "127.0.0.1",
+                "PADDLE_PORT": "6170",
+            },
+            "PADDLE_PSERVERS_IP_PORT_LIST is not set; a PSERVER needs it",
+        ),
+        (
+            {"TRAINING_ROLE": "TRAINER", "PADDLE_TRAINER_ID": "0"},
+            "PADDLE_TRAINERS_NUM is not set; a TRAINER needs it",
+        ),
+        (
+            {"TRAINING_ROLE": "TRAINER", "PADDLE_TRAINERS_NUM": "2"},
+            "PADDLE_TRAINER_ID is not set; a TRAINER needs it",
+        ),
+    ],
+)
 def test_errors_name_the_variable(env, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         RoleEnv.from_env(env)
@@ -66,20 +93,31 @@ def test_errors_name_the_variable(env, message):
 
 @pytest.mark.timeout(10)
 def test_pserver_has_no_node():
-    env = RoleEnv.from_env({"TRAINING_ROLE": "PSERVER", "PADDLE_PSERVERS_IP_PORT_LIST": EPS,
-                            "PADDLE_TRAINERS_NUM": "2", "POD_IP": "127.0.0.1", "PADDLE_PORT": "6171",
-                            "LOCAL_RANK": "junk"})  # not read by a pserver
+    env = RoleEnv.from_env(
+        {
+            "TRAINING_ROLE": "PSERVER",
+            "PADDLE_PSERVERS_IP_PORT_LIST": EPS,
+            "PADDLE_TRAINERS_NUM": "2",
+            "POD_IP": "127.0.0.1",
+            "PADDLE_PORT": "6171",
+            "LOCAL_RANK": "junk",
+        }
+    )  # not read by a pserver
     assert env.node == NodeEnv() and not env.collective
 
 
 @pytest.mark.timeout(10)
-@pytest.mark.parametrize("role", [
-    RoleEnv("PSERVER", EPS.split(","), 2, current_endpoint="127.0.0.1:6171"),
-    RoleEnv("TRAINER", EPS.split(","), 2, trainer_id=1),
-    RoleEnv("TRAINER", EPS.split(","), 2, trainer_id=1, node=NodeEnv(1, 4, "10.0.0.2", 7001, 1, 4)),
-    RoleEnv("TRAINER", [], 2, trainer_id=1, node=NodeEnv(1, 4, "10.0.0.1", 29500, 5, 8)),
-    RoleEnv("TRAINER", [], 1, trainer_id=0),
-], ids=["pserver", "trainer", "node", "collective", "collective-one"])
+@pytest.mark.parametrize(
+    "role",
+    [
+        RoleEnv("PSERVER", EPS.split(","), 2, current_endpoint="127.0.0.1:6171"),
+        RoleEnv("TRAINER", EPS.split(","), 2, trainer_id=1),
+        RoleEnv("TRAINER", EPS.split(","), 2, trainer_id=1, node=NodeEnv(1, 4, "10.0.0.2", 7001, 1, 4)),
+        RoleEnv("TRAINER", [], 2, trainer_id=1, node=NodeEnv(1, 4, "10.0.0.1", 29500, 5, 8)),
+        RoleEnv("TRAINER", [], 1, trainer_id=0),
+    ],
+    ids=["pserver", "trainer", "node", "collective", "collective-one"],
+)
 def test_to_env_round_trips(role):
     env = role.to_env()
     assert RoleEnv.from_env(env) == role

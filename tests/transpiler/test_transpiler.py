@@ -1,4 +1,5 @@
 """Slicing, placement, plans and config checks of the transpiler."""
+
 import hashlib
 import json
 import os
@@ -9,13 +10,19 @@ import pytest
 import torch
 from torch import nn
 
-from tests.helpers.models import odd_mlp
 from tests.helpers import paths
-from transpiler import (DistributeTranspiler, DistributeTranspilerConfig, Program, PserverProgram, RoleEnv,
-                        StartupProgram, TrainerProgram)
-from transpiler.placement import stable_hash_name
+from tests.helpers.models import odd_mlp
+from transpiler import (
+    DistributeTranspiler,
+    DistributeTranspilerConfig,
+    Program,
+    PserverProgram,
+    RoleEnv,
+    StartupProgram,
+    TrainerProgram,
+)
 from transpiler.optim import LrSchedule
-from transpiler.placement import block_count, split_rows
+from transpiler.placement import block_count, split_rows, stable_hash_name
 
 EPS2 = "127.0.0.1:6170,127.0.0.1:6171"
 EPS3 = EPS2 + ",127.0.0.1:6172"
@@ -25,8 +32,10 @@ REPO = str(paths.REPO)
 def run_together(cmds, envs=None, expect_rc=None, timeout=60):
     """Run ``cmds`` side by side from REPO (each mostly imports torch: the second core does the
     other half); the stdouts, or (returncode, stdout, stderr) each if ``expect_rc`` is None."""
-    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
-                              env=env) for cmd, env in zip(cmds, envs or [None] * len(cmds))]
+    procs = [
+        subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, env=env)
+        for cmd, env in zip(cmds, envs or [None] * len(cmds))
+    ]
     try:
         outs = [p.communicate(timeout=timeout) for p in procs]
         results = [(p.returncode, out, err) for p, (out, err) in zip(procs, outs)]
@@ -44,8 +53,7 @@ def run_together(cmds, envs=None, expect_rc=None, timeout=60):
 
 def transpile(model=None, pservers=EPS2, trainers=2, **config):
     t = DistributeTranspiler(DistributeTranspilerConfig(**config))
-    t.transpile(0, program=Program(model or odd_mlp(), "sgd", lr=0.1), pservers=pservers,
-                trainers=trainers)
+    t.transpile(0, program=Program(model or odd_mlp(), "sgd", lr=0.1), pservers=pservers, trainers=trainers)
     return t
 
 
@@ -56,7 +64,7 @@ def test_block_count_follows_the_formula():
     assert block_count(27633, 61, 8, 8192, True) == 3
     assert block_count(8191, 8191, 4, 8192, True) == 1
     assert block_count(10 * 8192, 2, 4, 8192, True) == 2  # only 2 rows to cut
-    assert block_count(10 ** 6, 1000, 4, 8192, False) == 1
+    assert block_count(10**6, 1000, 4, 8192, False) == 1
 
 
 def test_split_rows_as_equal_as_rows_allow():
@@ -95,13 +103,19 @@ def test_hash_name_is_stable_across_processes_and_independent_of_order():
         assert b.endpoint == eps[expected % 3]
     # Python's own str hash is salted per process; ours must not be.
     code = "from transpiler.placement import stable_hash_name; print(stable_hash_name('fc2.weight.block1'))"
-    outs = {out.strip() for out in run_together([[sys.executable, "-c", code]] * 3,
-                                                [{**os.environ, "PYTHONHASHSEED": seed} for seed in ("1", "2", "3")],
-                                                expect_rc=0)}
+    outs = {
+        out.strip()
+        for out in run_together(
+            [[sys.executable, "-c", code]] * 3,
+            [{**os.environ, "PYTHONHASHSEED": seed} for seed in ("1", "2", "3")],
+            expect_rc=0,
+        )
+    }
     assert outs == {str(stable_hash_name("fc2.weight.block1"))}
     # Known answer, pinned so a change of hash function cannot go unnoticed.
     assert stable_hash_name("fc2.weight.block1") == int.from_bytes(
-        hashlib.blake2b(b"fc2.weight.block1", digest_size=8).digest(), "little")
+        hashlib.blake2b(b"fc2.weight.block1", digest_size=8).digest(), "little"
+    )
 
 
 def test_slice_var_up_false_keeps_one_block_per_parameter():
@@ -170,13 +184,16 @@ def test_malformed_plan_bytes_are_refused():
         StartupProgram.from_bytes(b"not a torch file")
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    (dict(trainer_id=2, trainers=2), "trainer_id 2 is out of range"),
-    (dict(trainer_id=0, trainers=0), "trainers must be an int >= 1"),
-    (dict(trainer_id=0, trainers=1, pservers="127.0.0.1"), "not of the form host:port"),
-    (dict(trainer_id=0, trainers=1, pservers="a:1,a:1"), "listed twice"),
-    (dict(trainer_id=0, trainers=1, pservers=""), "empty"),
-])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(trainer_id=2, trainers=2), "trainer_id 2 is out of range"),
+        (dict(trainer_id=0, trainers=0), "trainers must be an int >= 1"),
+        (dict(trainer_id=0, trainers=1, pservers="127.0.0.1"), "not of the form host:port"),
+        (dict(trainer_id=0, trainers=1, pservers="a:1,a:1"), "listed twice"),
+        (dict(trainer_id=0, trainers=1, pservers=""), "empty"),
+    ],
+)
 def test_transpile_refuses_bad_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):
         DistributeTranspiler().transpile(program=Program(odd_mlp()), **{"pservers": EPS2, **kwargs})
@@ -199,11 +216,14 @@ def test_program_checks_optimizer_and_kwargs():
     assert Program(odd_mlp(), "momentum", lr=0.1).optimizer.kwargs["momentum"] == 0.9
 
 
-@pytest.mark.parametrize("name,kwargs", [
-    ("StepLR", {"step_size": 3, "gamma": 0.5}),
-    ("CosineAnnealingLR", {"T_max": 7}),
-    ("LinearLR", {"start_factor": 0.25, "total_iters": 4}),
-])
+@pytest.mark.parametrize(
+    "name,kwargs",
+    [
+        ("StepLR", {"step_size": 3, "gamma": 0.5}),
+        ("CosineAnnealingLR", {"T_max": 7}),
+        ("LinearLR", {"start_factor": 0.25, "total_iters": 4}),
+    ],
+)
 def test_lr_schedule_matches_torch_scheduler(name, kwargs):
     spec = Program(odd_mlp(), "sgd", lr=0.2, lr_scheduler=name, lr_scheduler_kwargs=kwargs).optimizer
     schedule = LrSchedule(spec)
@@ -236,8 +256,11 @@ def test_role_env_reads_paddle_variables():
 def test_show_command_prints_the_layout():
     show = [sys.executable, "-m", "transpiler", "show", "examples/train_mlp.py:build_program"]
     (rc, out, err), (bad_rc, _, bad_err) = run_together(
-        [show + ["--pservers", EPS3, "--split_method", "HashName", "--min_block_size", "16384"],
-         show + ["--min_block_size", "1000"]])
+        [
+            show + ["--pservers", EPS3, "--split_method", "HashName", "--min_block_size", "16384"],
+            show + ["--min_block_size", "1000"],
+        ]
+    )
     assert rc == 0, err
     assert "2.weight.block0" in out and "per pserver:" in out
     assert bad_rc == 2 and "min_block_size=1000 is refused" in bad_err

@@ -1,14 +1,14 @@
-"""StepMeter: a trainer's step time split (compute / inside ``step()``), steps and examples, over a window of steps.
+"""StepMeter: a trainer's step time split (compute / inside ``step()``), steps and examples, over a window
+of steps.
 
-``compute`` is the time between two steps: from the end of one ``step()`` to
-the start of the next, where the script reads data and runs forward and
-backward. ``inside`` is the time in ``step()``: in pserver mode the push, the
-wait (sync: for the other trainers) and the pull; in collective mode the
-optimizer step (DDP's all-reduce ran in backward). Examples are those of the
-batches ``Trainer.batches()`` yielded (:func:`batch_size`), counted when the
-step that trains one ends: a batch read and not trained (a loop that breaks)
-counts nothing. Everything runs on the training thread: no lock.
+``compute`` is the time between two steps: from the end of one ``step()`` to the start of the next, where
+the script reads data and runs forward and backward. ``inside`` is the time in ``step()``: in pserver mode
+the push, the wait (sync: for the other trainers) and the pull; in collective mode the optimizer step
+(DDP's all-reduce ran in backward). Examples are those of the batches ``Trainer.batches()`` yielded
+(:func:`batch_size`), counted when the step that trains one ends: a batch read and not trained (a loop that
+breaks) counts nothing. Everything runs on the training thread: no lock.
 """
+
 from __future__ import annotations
 
 import time
@@ -60,16 +60,19 @@ class Window:
 
     def scalars(self, inside_tag: str) -> Dict[str, float]:
         """The periodic tags: rates over the window, and the mean split of a step in milliseconds."""
-        out = {"throughput/steps_per_s": self.steps / self.seconds if self.seconds > 0 else 0.0,
-               "step_time/compute_ms": 1000.0 * self.compute / self.steps,
-               inside_tag: 1000.0 * self.inside / self.steps}
+        out = {
+            "throughput/steps_per_s": self.steps / self.seconds if self.seconds > 0 else 0.0,
+            "step_time/compute_ms": 1000.0 * self.compute / self.steps,
+            inside_tag: 1000.0 * self.inside / self.steps,
+        }
         if self.examples:  # batches that could be sized (Trainer.batches)
             out["throughput/examples_per_s"] = self.examples / self.seconds if self.seconds > 0 else 0.0
         return out
 
 
 class StepMeter:
-    """Sums over the current window; :meth:`take` returns it and starts the next. ``clock``: seconds, monotonic."""
+    """Sums over the current window; :meth:`take` returns it and starts the next. ``clock``: seconds,
+    monotonic."""
 
     def __init__(self, clock: Callable[[], float] = time.monotonic):
         self._clock = clock
@@ -82,7 +85,8 @@ class StepMeter:
         self._compute = self._inside = 0.0
 
     def batch(self, examples: int) -> None:
-        """A batch of ``examples`` was handed to the script. The first one, before any step, starts the clock."""
+        """A batch of ``examples`` was handed to the script. The first one, before any step, starts the
+        clock."""
         if not self._stepped and not self._batch_examples:
             # The script's set-up (loaders, its own start) is not a step's compute time.
             self._start = self._last_end = self._clock()
@@ -105,11 +109,14 @@ class StepMeter:
         self._stepped = True
 
     def take(self) -> Optional[Window]:
-        """The current window (None if no step ended in it), up to its last step's end; the next one starts there."""
+        """The current window (None if no step ended in it), up to its last step's end; the next one starts
+        there."""
         if self._steps == 0:
             return None
         # The window ends where its last step did: time after it (an evaluation, closing) is no step's.
-        window = Window(self._steps, self._examples, self._last_end - self._start, self._compute, self._inside)
+        window = Window(
+            self._steps, self._examples, self._last_end - self._start, self._compute, self._inside
+        )
         self._start = self._last_end
         self._steps = self._examples = 0
         self._compute = self._inside = 0.0

@@ -9,6 +9,7 @@ never more than one call per pserver in flight, never a queue. A pserver that
 does not answer is logged once until it answers again, and its scalars are
 left out of that round. :func:`pserver_scalars` turns one reply into tags.
 """
+
 from __future__ import annotations
 
 import logging
@@ -25,12 +26,13 @@ log = logging.getLogger(__name__)
 STATS_TIMEOUT = 5.0
 
 Reply = Union[ps_pb2.StatsReply, PserverError]
-AskStats = Callable[[float], Mapping[str, Reply]]       # every pserver's reply, by endpoint
+AskStats = Callable[[float], Mapping[str, Reply]]  # every pserver's reply, by endpoint
 WriteScalars = Callable[[Dict[str, float], int], None]  # (tags and values, step)
 
 
-def pserver_scalars(index: int, reply: ps_pb2.StatsReply,
-                    previous: Optional[ps_pb2.StatsReply] = None) -> Dict[str, float]:
+def pserver_scalars(
+    index: int, reply: ps_pb2.StatsReply, previous: Optional[ps_pb2.StatsReply] = None
+) -> Dict[str, float]:
     """The tags of pserver ``index`` from its ``reply`` (``previous``: its last one, for the push rate).
 
     ``applied_step`` is the updates applied (sync: the step); pushes a second
@@ -41,8 +43,14 @@ def pserver_scalars(index: int, reply: ps_pb2.StatsReply,
     """
     prefix = f"pserver{index}/"
     out = {prefix + "applied_step": float(reply.updates)}
-    if previous is not None and previous.incarnation == reply.incarnation and reply.uptime_s > previous.uptime_s:
-        out[prefix + "pushes_per_s"] = max(0, reply.pushes - previous.pushes) / (reply.uptime_s - previous.uptime_s)
+    if (
+        previous is not None
+        and previous.incarnation == reply.incarnation
+        and reply.uptime_s > previous.uptime_s
+    ):
+        out[prefix + "pushes_per_s"] = max(0, reply.pushes - previous.pushes) / (
+            reply.uptime_s - previous.uptime_s
+        )
     elif reply.uptime_s > 0:
         out[prefix + "pushes_per_s"] = reply.pushes / reply.uptime_s
     for table in reply.tables:
@@ -55,9 +63,12 @@ def pserver_scalars(index: int, reply: ps_pb2.StatsReply,
 
 
 class StatsPoller:
-    """Stats rounds over ``endpoints`` (pserver k is ``endpoints[k]``), written by ``write`` at the step asked for."""
+    """Stats rounds over ``endpoints`` (pserver k is ``endpoints[k]``), written by ``write`` at the step
+    asked for."""
 
-    def __init__(self, ask: AskStats, endpoints: List[str], write: WriteScalars, timeout: float = STATS_TIMEOUT):
+    def __init__(
+        self, ask: AskStats, endpoints: List[str], write: WriteScalars, timeout: float = STATS_TIMEOUT
+    ):
         self._ask = ask
         self._endpoints = list(endpoints)
         self._write = write
@@ -85,7 +96,8 @@ class StatsPoller:
             self._cv.notify()
 
     def final(self, step: int) -> None:
-        """The last round, at ``step``, on the caller's thread (after the background one ended), unless written already."""
+        """The last round, at ``step``, on the caller's thread (after the background one ended), unless
+        written already."""
         self.stop()
         if self.last_step != step:
             self._round(step)
@@ -122,8 +134,12 @@ class StatsPoller:
             reply = replies.get(ep)
             if not isinstance(reply, ps_pb2.StatsReply):
                 if not self._failing.get(ep):
-                    log.warning("TensorBoard: no Stats from pserver %s (%s); its scalars are skipped until it "
-                                "answers", ep, reply)
+                    log.warning(
+                        "TensorBoard: no Stats from pserver %s (%s); its scalars are skipped until it "
+                        "answers",
+                        ep,
+                        reply,
+                    )
                 self._failing[ep] = True
                 continue
             if self._failing.pop(ep, False):

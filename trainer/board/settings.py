@@ -1,14 +1,14 @@
-"""Where, from which processes and how often a job writes TensorBoard scalars: the config's fields, else variables.
+"""Where, from which processes and how often a job writes TensorBoard scalars: the config's fields, else
+variables.
 
-Each setting comes from its :class:`~transpiler.DistributeTranspilerConfig`
-field when that is set, else from the variable a launcher or deployment sets
-for every role (``ps-launch --tensorboard_dir`` sets ``PS_TENSORBOARD_DIR``),
-else its default (off, trainer 0 only, every 20 steps). A field wins over the
-variable, as ``metrics_port`` does over ``PS_METRICS_PORT``: a value written for
-this job is more specific than one given to every process. Pure: the
-environment is passed in, and nothing here imports torch (``ps-launch`` reads
-the variable names from here).
+Each setting comes from its :class:`~transpiler.DistributeTranspilerConfig` field when that is set, else
+from the variable a launcher or deployment sets for every role (``ps-launch --tensorboard_dir`` sets
+``PS_TENSORBOARD_DIR``), else its default (off, trainer 0 only, every 20 steps). A field wins over the
+variable, as ``metrics_port`` does over ``PS_METRICS_PORT``: a value written for this job is more specific
+than one given to every process. Pure: the environment is passed in, and nothing here imports torch
+(``ps-launch`` reads the variable names from here).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -25,7 +25,8 @@ DEFAULT_EVERY = 20
 
 @dataclass(frozen=True)
 class BoardSettings:
-    """The resolved settings: ``directory`` (None: off), ``trainers`` ("first" or "all"), ``every`` (steps)."""
+    """The resolved settings: ``directory`` (None: off), ``trainers`` ("first" or "all"), ``every``
+    (steps)."""
 
     directory: Optional[str]
     trainers: str = DEFAULT_TRAINERS
@@ -45,8 +46,10 @@ class BoardSettings:
         if trainers is None:
             trainers = environ.get(TRAINERS_VAR, "").strip().lower() or DEFAULT_TRAINERS
             if trainers not in TENSORBOARD_TRAINERS:
-                raise ValueError(f"{TRAINERS_VAR}={environ[TRAINERS_VAR]!r} is not one of {TENSORBOARD_TRAINERS} "
-                                 f"(first: trainer 0's first process writes; all: every trainer process)")
+                raise ValueError(
+                    f"{TRAINERS_VAR}={environ[TRAINERS_VAR]!r} is not one of {TENSORBOARD_TRAINERS} "
+                    f"(first: trainer 0's first process writes; all: every trainer process)"
+                )
         every = config.tensorboard_every
         if every is None:
             text = environ.get(EVERY_VAR, "").strip()
@@ -61,5 +64,6 @@ class BoardSettings:
 
 
 def run_name(trainer_id: int, local_rank: int) -> str:
-    """The subdirectory (TensorBoard's "run") of a trainer process: ``trainer-<id>``, ``trainer-<id>.<local rank>``."""
+    """The subdirectory (TensorBoard's "run") of a trainer process: ``trainer-<id>``, ``trainer-<id>.<local
+    rank>``."""
     return f"trainer-{trainer_id}" + (f".{local_rank}" if local_rank else "")

@@ -13,6 +13,7 @@ scalars (``Trainer.log_scalars``) and the job-wide metrics
 (:mod:`trainer.job_metrics`) are written at once, at the trainer's step.
 Closing writes the last window and a last Stats round, then flushes.
 """
+
 from __future__ import annotations
 
 import logging
@@ -54,7 +55,9 @@ def scalar_values(values: Mapping[str, object]) -> Dict[str, float]:
             raise ValueError(f"a scalar's tag must be a non-empty string, got {tag!r}")
         if isinstance(value, torch.Tensor):
             if value.numel() != 1:
-                raise ValueError(f"scalar {tag!r} must have one element, got a tensor of shape {tuple(value.shape)}")
+                raise ValueError(
+                    f"scalar {tag!r} must have one element, got a tensor of shape {tuple(value.shape)}"
+                )
             value = value.detach().item()
         if isinstance(value, bool) or not isinstance(value, numbers.Real):
             raise ValueError(f"scalar {tag!r} must be a real number, got {type(value).__name__}: {value!r}")
@@ -86,10 +89,18 @@ NULL_BOARD = NullBoard()
 
 
 class Board:
-    """One process's writer (see the module doc). ``inside_tag``: what the time inside ``step()`` is called."""
+    """One process's writer (see the module doc). ``inside_tag``: what the time inside ``step()`` is
+    called."""
 
-    def __init__(self, writer, every: int, inside_tag: str, stats: Optional[AskStats] = None,
-                 endpoints: Optional[List[str]] = None, clock: Optional[Callable[[], float]] = None):
+    def __init__(
+        self,
+        writer,
+        every: int,
+        inside_tag: str,
+        stats: Optional[AskStats] = None,
+        endpoints: Optional[List[str]] = None,
+        clock: Optional[Callable[[], float]] = None,
+    ):
         self._writer = writer
         self._every = every
         self._inside_tag = inside_tag
@@ -99,7 +110,8 @@ class Board:
         self.poller = StatsPoller(stats, endpoints or [], self.scalars) if stats is not None else None
 
     def scalars(self, values: Dict[str, float], step: int) -> None:
-        """Write ``values`` ({tag: float}) at ``step`` (queued to the writer's thread; nothing after close)."""
+        """Write ``values`` ({tag: float}) at ``step`` (queued to the writer's thread; nothing after
+        close)."""
         with self._lock:
             if self._closed:
                 return
@@ -107,7 +119,8 @@ class Board:
                 self._writer.add_scalar(tag, value, step)
 
     def batches(self, items: Iterator) -> Iterator:
-        """``items``, each counted (its examples, :func:`~trainer.board.meter.batch_size`) as it is handed out."""
+        """``items``, each counted (its examples, :func:`~trainer.board.meter.batch_size`) as it is handed
+        out."""
         try:
             for item in items:
                 self.meter.batch(batch_size(item))
@@ -135,8 +148,8 @@ class Board:
             self.poller.request(step)
 
     def close(self, step: int, patient: bool) -> None:
-        """The trainer closes at ``step``: the last window and (``patient``: the job went well) a last Stats round,
-        then the Stats thread stopped and the event file flushed and closed. Idempotent."""
+        """The trainer closes at ``step``: the last window and (``patient``: the job went well) a last
+        Stats round, then the Stats thread stopped and the event file flushed and closed. Idempotent."""
         with self._lock:
             if self._closed:
                 return
@@ -154,9 +167,16 @@ class Board:
             self._writer.close()
 
 
-def open_board(config: DistributeTranspilerConfig, trainer_id: int, local_rank: int, rank: int, inside_tag: str,
-               stats: Optional[AskStats] = None, endpoints: Optional[List[str]] = None,
-               settings: Optional[BoardSettings] = None):
+def open_board(
+    config: DistributeTranspilerConfig,
+    trainer_id: int,
+    local_rank: int,
+    rank: int,
+    inside_tag: str,
+    stats: Optional[AskStats] = None,
+    endpoints: Optional[List[str]] = None,
+    settings: Optional[BoardSettings] = None,
+):
     """This process's board: a :class:`Board` when it writes, else :data:`NULL_BOARD`.
 
     ``stats`` (every pserver's Stats, see ``Channels.stats``) is used by rank 0
@@ -174,9 +194,14 @@ def open_board(config: DistributeTranspilerConfig, trainer_id: int, local_rank: 
     path = os.path.join(settings.directory, run_name(trainer_id, local_rank))
     writer = SummaryWriter(log_dir=path, max_queue=MAX_QUEUE, flush_secs=FLUSH_SECS)
     polls = stats is not None and rank == 0 and bool(endpoints)
-    log.info("trainer %d%s: TensorBoard scalars to %s every %d steps%s", trainer_id,
-             f" local rank {local_rank}" if local_rank else "", path, settings.every,
-             f", with the Stats of {len(endpoints)} pservers" if polls else "")
+    log.info(
+        "trainer %d%s: TensorBoard scalars to %s every %d steps%s",
+        trainer_id,
+        f" local rank {local_rank}" if local_rank else "",
+        path,
+        settings.every,
+        f", with the Stats of {len(endpoints)} pservers" if polls else "",
+    )
     return Board(writer, settings.every, inside_tag, stats if polls else None, endpoints)
 
 
@@ -186,6 +211,10 @@ def _log_missing(directory: str, error: ImportError) -> None:
         if _missing_logged:
             return
         _missing_logged = True
-    log.warning("TensorBoard: tensorboard_dir is %s, but the tensorboard package is not installed (%s): nothing is "
-                "written, training goes on; to write it: %s", directory, error, INSTALL_HINT)
-
+    log.warning(
+        "TensorBoard: tensorboard_dir is %s, but the tensorboard package is not installed (%s): nothing is "
+        "written, training goes on; to write it: %s",
+        directory,
+        error,
+        INSTALL_HINT,
+    )

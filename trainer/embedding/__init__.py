@@ -17,9 +17,19 @@ In GEO mode the rows live on the trainer between syncs instead
 (:class:`TouchedRows`): lookups read them there, each step trains them, and
 a sync pushes how far they moved.
 """
+
 from .client import Fetch, NextBatchPlan, RowFetch, RowsByPserver, RowShapes, TableClient
 from .module import DistributedEmbedding, install_tables
 from .touched import TouchedRows
 
-__all__ = ["TableClient", "TouchedRows", "NextBatchPlan", "RowFetch", "RowsByPserver", "RowShapes", "Fetch",
-           "DistributedEmbedding", "install_tables"]
+__all__ = [
+    "TableClient",
+    "TouchedRows",
+    "NextBatchPlan",
+    "RowFetch",
+    "RowsByPserver",
+    "RowShapes",
+    "Fetch",
+    "DistributedEmbedding",
+    "install_tables",
+]

@@ -1,4 +1,5 @@
 """TableClient: a trainer's side of every distributed table (dedupe, route, prefetch cache, gradients)."""
+
 from __future__ import annotations
 
 import logging
@@ -29,13 +30,17 @@ RowsByPserver = Dict[str, Dict[str, torch.Tensor]]
 class RowFetch:
     """Table ids asked of each pserver, and the rows each answer brings back."""
 
-    ids: TensorsByPserver                # per pserver: [("<table>@ids" or "<table>@next", ids)]
-    rows: Dict[str, RowShapes]           # per pserver: the rows its answer holds
+    ids: TensorsByPserver  # per pserver: [("<table>@ids" or "<table>@next", ids)]
+    rows: Dict[str, RowShapes]  # per pserver: the rows its answer holds
 
     def zero_rows(self) -> RowsByPserver:
         """Zero rows in the shape of the answers: what a batch whose lookup failed computes with."""
-        return {ep: {name: torch.zeros(shape, dtype=getattr(torch, dtype)) for name, (dtype, shape) in rows.items()}
-                for ep, rows in self.rows.items()}
+        return {
+            ep: {
+                name: torch.zeros(shape, dtype=getattr(torch, dtype)) for name, (dtype, shape) in rows.items()
+            }
+            for ep, rows in self.rows.items()
+        }
 
 
 # (a RowFetch, min_updates) -> the rows each pserver answered
@@ -44,7 +49,8 @@ Fetch = Callable[[RowFetch, int], RowsByPserver]
 
 @dataclass
 class NextBatchPlan:
-    """The next batch's table ids, prepared while this one trains: dedupes, routes, and (async) rows fetched already."""
+    """The next batch's table ids, prepared while this one trains: dedupes, routes, and (async) rows
+    fetched already."""
 
     # (ids as given, sorted unique ids, inverse) per table fed
     deduped: List[Tuple[object, np.ndarray, np.ndarray]] = field(default_factory=list)
@@ -54,7 +60,8 @@ class NextBatchPlan:
 
 
 def _dedupe_key(ids) -> Optional[tuple]:
-    """What identifies a CPU ids tensor's contents for the rest of a step (memory, layout, in-place version)."""
+    """What identifies a CPU ids tensor's contents for the rest of a step (memory, layout, in-place
+    version)."""
     if isinstance(ids, torch.Tensor) and ids.device.type == "cpu":
         return (ids.data_ptr(), tuple(ids.shape), ids.stride(), ids.dtype, ids._version)
     return None
@@ -80,8 +87,14 @@ class TableClient:
     others they fetch there.
     """
 
-    def __init__(self, tables: Sequence[TableSpec], pservers: Sequence[str], fetch: Fetch,
-                 min_updates: Callable[[], int], touched: Optional[TouchedRows] = None):
+    def __init__(
+        self,
+        tables: Sequence[TableSpec],
+        pservers: Sequence[str],
+        fetch: Fetch,
+        min_updates: Callable[[], int],
+        touched: Optional[TouchedRows] = None,
+    ):
         self.specs: Dict[str, TableSpec] = {t.name: t for t in tables}
         self.touched = touched
         self.pservers = list(pservers)
@@ -127,7 +140,8 @@ class TableClient:
         return unique, inverse
 
     def _route(self, ids: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
-        """(order, bounds) of :func:`_route`, remembered for the rest of the step by array, like :meth:`dedupe`."""
+        """(order, bounds) of :func:`_route`, remembered for the rest of the step by array, like
+        :meth:`dedupe`."""
         hit = self._routes.get(id(ids))
         if hit is not None and hit[0] is ids:
             return hit[1], hit[2]
@@ -137,15 +151,20 @@ class TableClient:
         self._routes[id(ids)] = (ids, order, bounds)
         return order, bounds
 
-    def _row_fetch(self, wanted: Mapping[str, np.ndarray], routes: Mapping[str, tuple], part: str) -> RowFetch:
-        """``wanted`` ({table: unique ids}) as ``"<table>@<part>"`` tensors per pserver, cut along ``routes``."""
+    def _row_fetch(
+        self, wanted: Mapping[str, np.ndarray], routes: Mapping[str, tuple], part: str
+    ) -> RowFetch:
+        """``wanted`` ({table: unique ids}) as ``"<table>@<part>"`` tensors per pserver, cut along
+        ``routes``."""
         ids: TensorsByPserver = {}
         for table, (order, bounds) in routes.items():
             table_ids = wanted[table]
             name = f"{table}{SPARSE_SEPARATOR}{part}"
             for k, ep in enumerate(self.pservers):
                 if bounds[k + 1] > bounds[k]:
-                    ids.setdefault(ep, []).append((name, torch.from_numpy(table_ids[order[bounds[k]:bounds[k + 1]]])))
+                    ids.setdefault(ep, []).append(
+                        (name, torch.from_numpy(table_ids[order[bounds[k] : bounds[k + 1]]]))
+                    )
         return RowFetch(ids, {ep: self.row_shapes(asked) for ep, asked in ids.items()})
 
     def row_shapes(self, asked: Sequence[Tuple[str, torch.Tensor]]) -> RowShapes:
@@ -156,8 +175,12 @@ class TableClient:
             shapes[spec.rows_name] = (spec.dtype, [len(ids), spec.dim])
         return shapes
 
-    def _assemble(self, wanted: Mapping[str, np.ndarray], routes: Mapping[str, tuple],
-                  replies: Mapping[str, Mapping[str, torch.Tensor]]) -> Dict[str, torch.Tensor]:
+    def _assemble(
+        self,
+        wanted: Mapping[str, np.ndarray],
+        routes: Mapping[str, tuple],
+        replies: Mapping[str, Mapping[str, torch.Tensor]],
+    ) -> Dict[str, torch.Tensor]:
         """``{table: rows}`` in the order of ``wanted``'s ids, from each pserver's rows."""
         out = {}
         for table, ids in wanted.items():
@@ -167,7 +190,7 @@ class TableClient:
                 order, bounds = routes[table]
                 for k, ep in enumerate(self.pservers):
                     if bounds[k + 1] > bounds[k]:
-                        rows[torch.from_numpy(order[bounds[k]:bounds[k + 1]])] = replies[ep][spec.rows_name]
+                        rows[torch.from_numpy(order[bounds[k] : bounds[k + 1]])] = replies[ep][spec.rows_name]
             out[table] = rows
         return out
 
@@ -197,7 +220,9 @@ class TableClient:
         for table, rows in self.fetch(wanted).items():
             self._cache[table] = (wanted[table], rows)
 
-    def plan_next_batch(self, ids: Mapping[str, object], fetched_for: Optional[Fetch] = None) -> NextBatchPlan:
+    def plan_next_batch(
+        self, ids: Mapping[str, object], fetched_for: Optional[Fetch] = None
+    ) -> NextBatchPlan:
         """The next batch's ids ({table: ids}) deduplicated and routed, ready for :meth:`ask_next_batch`.
 
         Touches no state of this client, so the trainer's pipeline runs it on
@@ -234,7 +259,8 @@ class TableClient:
         return self._row_fetch(plan.wanted, plan.routes, "next")
 
     def take_next_batch_rows(self, replies: Mapping[str, Mapping[str, torch.Tensor]]) -> None:
-        """Cache the rows the push answers brought for :meth:`ask_next_batch`'s ids, for the next step's lookups."""
+        """Cache the rows the push answers brought for :meth:`ask_next_batch`'s ids, for the next step's
+        lookups."""
         plan, self._next_batch = self._next_batch, None
         plan.rows = self._assemble(plan.wanted, plan.routes, replies)
         self.install_next_batch(plan)
@@ -252,10 +278,11 @@ class TableClient:
                 self._cache[table] = (unique, plan.rows[table])
 
     def rows(self, table: str, unique_ids: np.ndarray) -> torch.Tensor:
-        """Rows of sorted unique ids (a new tensor): GEO's touched rows, then this step's prefetch where possible.
+        """Rows of sorted unique ids (a new tensor): GEO's touched rows, then this step's prefetch where
+        possible.
 
-        A prefetch of exactly these ids (the same array) is handed over whole
-        and forgotten, so no two lookups share a tensor of rows.
+        A prefetch of exactly these ids (the same array) is handed over whole and forgotten, so no two
+        lookups share a tensor of rows.
         """
         if self.touched is not None:
             hit, at = self.touched.find(table, unique_ids)
@@ -333,8 +360,10 @@ class TableClient:
             if len(with_grad) == 1:  # one lookup: its ids are unique already
                 ids, grads = with_grad[0][0], with_grad[0][1].to("cpu")
             else:
-                ids, grads = merge_duplicates(np.concatenate([ids for ids, _ in with_grad]),
-                                              torch.cat([g.to("cpu") for _, g in with_grad]))
+                ids, grads = merge_duplicates(
+                    np.concatenate([ids for ids, _ in with_grad]),
+                    torch.cat([g.to("cpu") for _, g in with_grad]),
+                )
             if spec.padding_idx is not None:
                 keep = ids != spec.padding_idx
                 if not keep.all():
@@ -354,7 +383,10 @@ class TableClient:
             ids, rows = ids[order], rows[order_t]
             for k, ep in enumerate(self.pservers):
                 lo, hi = int(bounds[k]), int(bounds[k + 1])
-                by_pserver[ep] += [(spec.ids_name, torch.from_numpy(ids[lo:hi])), (spec.rows_name, rows[lo:hi])]
+                by_pserver[ep] += [
+                    (spec.ids_name, torch.from_numpy(ids[lo:hi])),
+                    (spec.rows_name, rows[lo:hi]),
+                ]
         return by_pserver
 
     def clear(self) -> None:

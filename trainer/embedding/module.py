@@ -1,4 +1,5 @@
 """DistributedEmbedding: the module that stands in for a distributed nn.Embedding / nn.EmbeddingBag."""
+
 from __future__ import annotations
 
 from typing import Optional, Sequence
@@ -12,8 +13,12 @@ from transpiler.tables import TableSpec
 from .client import TableClient
 
 
-def install_tables(model: torch.nn.Module, specs: Sequence[TableSpec], client: TableClient,
-                   device: Optional[torch.device] = None) -> None:
+def install_tables(
+    model: torch.nn.Module,
+    specs: Sequence[TableSpec],
+    client: TableClient,
+    device: Optional[torch.device] = None,
+) -> None:
     """Put a :class:`DistributedEmbedding` in place of each distributed table's module of ``model``.
 
     Their outputs land on ``device`` (the trainer's), whatever device the ids come on.
@@ -24,15 +29,20 @@ def install_tables(model: torch.nn.Module, specs: Sequence[TableSpec], client: T
             parent = model.get_submodule(parent_name)
             module = getattr(parent, attr)
         except AttributeError:
-            raise ValueError(f"the model has no module {spec.name!r} named as a distributed "
-                             f"table in the plan") from None
+            raise ValueError(
+                f"the model has no module {spec.name!r} named as a distributed table in the plan"
+            ) from None
         if isinstance(module, DistributedEmbedding):
-            raise ValueError(f"table {spec.name!r} of this model is already served by a Trainer; "
-                             f"build a fresh model for each Trainer")
+            raise ValueError(
+                f"table {spec.name!r} of this model is already served by a Trainer; "
+                f"build a fresh model for each Trainer"
+            )
         if getattr(module, "embedding_dim", None) != spec.dim:
-            raise ValueError(f"module {spec.name!r} is {type(module).__name__} of dim "
-                             f"{getattr(module, 'embedding_dim', None)}, the plan says a table of "
-                             f"dim {spec.dim}")
+            raise ValueError(
+                f"module {spec.name!r} is {type(module).__name__} of dim "
+                f"{getattr(module, 'embedding_dim', None)}, the plan says a table of "
+                f"dim {spec.dim}"
+            )
         setattr(parent, attr, DistributedEmbedding(spec, client, device))
 
 
@@ -52,8 +62,12 @@ class DistributedEmbedding(torch.nn.Module):
         self._client = client
         self._device = device
 
-    def forward(self, input: torch.Tensor, offsets: Optional[torch.Tensor] = None,
-                per_sample_weights: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(
+        self,
+        input: torch.Tensor,
+        offsets: Optional[torch.Tensor] = None,
+        per_sample_weights: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
         spec = self.spec
         if spec.kind == "embedding" and (offsets is not None or per_sample_weights is not None):
             raise TypeError(f"distributed table {spec.name!r} is an nn.Embedding: it takes no offsets")
@@ -76,9 +90,15 @@ class DistributedEmbedding(torch.nn.Module):
             offsets = offsets.to(device)
         if per_sample_weights is not None:
             per_sample_weights = per_sample_weights.to(device)
-        return F.embedding_bag(index, rows, offsets, mode=spec.mode,
-                               per_sample_weights=per_sample_weights,
-                               include_last_offset=spec.include_last_offset, padding_idx=padding)
+        return F.embedding_bag(
+            index,
+            rows,
+            offsets,
+            mode=spec.mode,
+            per_sample_weights=per_sample_weights,
+            include_last_offset=spec.include_last_offset,
+            padding_idx=padding,
+        )
 
     def extra_repr(self) -> str:
         kind = f"EmbeddingBag mode={self.spec.mode}" if self.spec.kind == "bag" else "Embedding"

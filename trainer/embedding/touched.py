@@ -11,6 +11,7 @@ and starts over (:meth:`take_deltas`). Bound: two rows per distinct id looked up
 (with a gradient) since the last sync, so at most ``k_steps`` batches' unique
 ids per table (and the buffers' doubling slack).
 """
+
 from __future__ import annotations
 
 from typing import Dict, Optional, Tuple
@@ -37,7 +38,9 @@ class _Table:
             capacity = max(end, 2 * len(self.rows), 64)
             self.rows = torch.cat([self.rows[:start], rows.new_empty((capacity - start, rows.shape[1]))])
             self.base = torch.cat([self.base[:start], rows.new_empty((capacity - start, rows.shape[1]))])
-            self.slot_ids = np.concatenate([self.slot_ids[:start], np.empty(capacity - start, dtype=np.int64)])
+            self.slot_ids = np.concatenate(
+                [self.slot_ids[:start], np.empty(capacity - start, dtype=np.int64)]
+            )
         self.rows[start:end] = rows
         self.base[start:end] = rows
         self.slot_ids[start:end] = ids
@@ -58,7 +61,8 @@ class TouchedRows:
         return sum(t.used for t in self._tables.values())
 
     def find(self, table: str, unique_ids: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
-        """(hit, slots): which of ``unique_ids`` (sorted) are here, and their slots (``slots[hit]`` is meaningful)."""
+        """(hit, slots): which of ``unique_ids`` (sorted) are here, and their slots (``slots[hit]`` is
+        meaningful)."""
         held = self._tables.get(table)
         if held is None or held.used == 0:
             return np.zeros(unique_ids.size, dtype=bool), np.zeros(unique_ids.size, dtype=np.int64)
@@ -69,8 +73,9 @@ class TouchedRows:
         """The rows as trained here in ``slots`` (from :meth:`find`), in a new tensor."""
         return self._tables[table].rows[torch.from_numpy(slots)]
 
-    def add(self, table: str, unique_ids: np.ndarray, fetched: torch.Tensor,
-            padding_idx: Optional[int] = None) -> None:
+    def add(
+        self, table: str, unique_ids: np.ndarray, fetched: torch.Tensor, padding_idx: Optional[int] = None
+    ) -> None:
         """Keep the rows ``fetched`` for ``unique_ids`` (sorted) that are not here yet; they are their base.
 
         ``padding_idx``'s row never trains (and a lookup zeroes it), so it is not kept.
@@ -89,14 +94,17 @@ class TouchedRows:
         held.append(unique_ids[new], rows)
 
     def train(self, table: str, ids: np.ndarray, grads: torch.Tensor, lr: float) -> None:
-        """One sgd step on the rows of ``ids`` (unique; each looked up since the last sync): ``row += -lr * grad``.
+        """One sgd step on the rows of ``ids`` (unique; each looked up since the last sync): ``row += -lr *
+        grad``.
 
         torch's update of an ``nn.Embedding`` weight (``param.add_(grad, alpha=-lr)``), row by row.
         """
         hit, slots = self.find(table, ids)
         if not hit.all():
-            raise RuntimeError(f"table {table!r}: a gradient for {int((~hit).sum())} rows that were not looked up "
-                               f"since the last sync")
+            raise RuntimeError(
+                f"table {table!r}: a gradient for {int((~hit).sum())} rows that were not looked up "
+                f"since the last sync"
+            )
         rows = self._tables[table].rows
         rows.index_add_(0, torch.from_numpy(slots), grads.to(rows.dtype), alpha=-lr)
 
@@ -104,9 +112,9 @@ class TouchedRows:
         """``{table: (ids, rows - base)}`` of the rows that moved since the last sync; forgets every row."""
         out = {}
         for table, held in self._tables.items():
-            delta = held.rows[:held.used] - held.base[:held.used]
+            delta = held.rows[: held.used] - held.base[: held.used]
             moved = (delta != 0).any(dim=1).numpy()
-            out[table] = (held.slot_ids[:held.used][moved], delta[torch.from_numpy(moved)])
+            out[table] = (held.slot_ids[: held.used][moved], delta[torch.from_numpy(moved)])
         self.clear()
         return out
 

@@ -5,6 +5,7 @@ its log file (procs), prints the role table, copies the chosen roles'
 output to the console (console), supervises and restarts them
 (supervisor) and stops them all.
 """
+
 from __future__ import annotations
 
 import logging
@@ -13,9 +14,9 @@ from typing import List, Optional, Sequence
 
 from .console import Console, ConsoleCopier, ConsoleHandler, shown_roles
 from .plan import PSERVER, TRAINER, LaunchError, Role, parse_args, plan_roles
+
 # The process and supervision pieces stay importable from here (tests and tools use launch.X).
-from .procs import (StopSignals, role_command, start_roles, stop_roles, tail,  # noqa: F401
-                           write_roles_file)
+from .procs import StopSignals, role_command, start_roles, stop_roles, tail, write_roles_file  # noqa: F401
 from .supervisor import supervise  # noqa: F401
 
 log = logging.getLogger("ps-launch")
@@ -43,7 +44,8 @@ def format_table(roles: List[Role]) -> str:
 
 
 def _console_logging(console: Console, level: int) -> ConsoleHandler:
-    """Route the launcher's logger ("ps-launch") to ``console`` at ``level``; returns the handler to remove."""
+    """Route the launcher's logger ("ps-launch") to ``console`` at ``level``; returns the handler to
+    remove."""
     handler = ConsoleHandler(console)
     log.addHandler(handler)
     log.setLevel(level)
@@ -85,11 +87,17 @@ def _run(args, console: Console) -> int:
             local_nodes = len({r.index for r in roles if r.kind == TRAINER})
             all_trainers_here = local_nodes == int(roles[0].env["PADDLE_TRAINERS_NUM"])
             grace = args.server_grace if all_trainers_here else None
-            return supervise(roles, grace, args.term_timeout, stops, max_restarts=args.max_restarts,
-                             tick=copier.pump, on_restart=lambda: write_roles_file(args.log_dir, roles))
+            return supervise(
+                roles,
+                grace,
+                args.term_timeout,
+                stops,
+                max_restarts=args.max_restarts,
+                tick=copier.pump,
+                on_restart=lambda: write_roles_file(args.log_dir, roles),
+            )
         finally:
             # Whatever went wrong above (even in the launcher itself), no role outlives it.
             stop_roles(roles, timeout=args.term_timeout)
             copier.drain()
             write_roles_file(args.log_dir, roles)
-

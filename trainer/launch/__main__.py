@@ -1,4 +1,5 @@
 """``python -m trainer.launch``: ps-launch."""
+
 import sys
 
 from . import main

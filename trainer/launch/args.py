@@ -3,6 +3,7 @@
 Pure: ``parse_args(argv)`` returns an ``argparse.Namespace``; checking the
 values against each other is ``plan``'s job.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -12,7 +13,8 @@ import re
 import sys
 from typing import List, Optional, Sequence, Tuple
 
-DESCRIPTION = """ps-launch: start the pservers and trainers of a job, as Paddle's launcher does in pserver mode.
+DESCRIPTION = """ps-launch: start the pservers and trainers of a job, as Paddle's launcher does in pserver
+mode.
 
     ps-launch --server_num 2 --worker_num 2 examples/train_mlp.py --epochs 20
     ps-launch --servers 10.0.0.1:6170,10.0.0.2:6170 --workers 10.0.0.1,10.0.0.2 train.py
@@ -76,7 +78,8 @@ def show_spec(value: str) -> Tuple[str, ...]:
         if not m:
             raise argparse.ArgumentTypeError(
                 f"{raw.strip()!r} is not a role: use all, none, trainers, pservers or names such as "
-                f"trainer0, pserver1, trainer0.1 (local rank 1 of trainer node 0), comma-separated")
+                f"trainer0, pserver1, trainer0.1 (local rank 1 of trainer node 0), comma-separated"
+            )
         if m.group(2):
             rank = int(m.group(5) or 0)
             items.append(f"{m.group(2)}{int(m.group(3))}" + (f".{rank}" if rank else ""))
@@ -98,61 +101,155 @@ def _add(p: argparse.ArgumentParser, name: str, *aliases: str, **kwargs) -> None
 
 def build_parser() -> argparse.ArgumentParser:
     """The launcher's argument parser; the script and its arguments are split off before it runs."""
-    p = argparse.ArgumentParser(prog="ps-launch", usage="%(prog)s [options] SCRIPT [script args...]",
-                                description=DESCRIPTION, allow_abbrev=False,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="ps-launch",
+        usage="%(prog)s [options] SCRIPT [script args...]",
+        description=DESCRIPTION,
+        allow_abbrev=False,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     _add(p, "--server_num", type=int, metavar="N", help="local mode: number of pservers on 127.0.0.1")
-    _add(p, "--worker_num", "--trainer_num", type=int, metavar="M",
-         help="local mode: number of trainer nodes (trainer ids); --trainer_num is Paddle 2.x's name")
+    _add(
+        p,
+        "--worker_num",
+        "--trainer_num",
+        type=int,
+        metavar="M",
+        help="local mode: number of trainer nodes (trainer ids); --trainer_num is Paddle 2.x's name",
+    )
     _add(p, "--servers", metavar="IP:PORT,...", help="per-host mode: every pserver endpoint")
-    _add(p, "--workers", "--trainers", metavar="IP,...",
-         help="per-host mode: every trainer node's ip (id = position; Paddle's ip:port also accepted)")
-    _add(p, "--server_replicas", type=int, default=1, metavar="R",
-         help="2: a hot-standby backup for every pserver (README \"Hot standby\"); local mode picks its ports, "
-         "per-host mode takes them from --replica_servers; needs --coordinator (default 1)")
-    _add(p, "--replica_servers", metavar="IP:PORT,...",
-         help="per-host mode with --server_replicas 2: each pserver's backup, in the order of --servers")
-    _add(p, "--coordinator", metavar="URL,...",
-         help="with --server_replicas 2: the etcd URLs that decide each shard's primary (PS_COORDINATOR)")
+    _add(
+        p,
+        "--workers",
+        "--trainers",
+        metavar="IP,...",
+        help="per-host mode: every trainer node's ip (id = position; Paddle's ip:port also accepted)",
+    )
+    _add(
+        p,
+        "--server_replicas",
+        type=int,
+        default=1,
+        metavar="R",
+        help='2: a hot-standby backup for every pserver (README "Hot standby"); local mode picks its ports, '
+        "per-host mode takes them from --replica_servers; needs --coordinator (default 1)",
+    )
+    _add(
+        p,
+        "--replica_servers",
+        metavar="IP:PORT,...",
+        help="per-host mode with --server_replicas 2: each pserver's backup, in the order of --servers",
+    )
+    _add(
+        p,
+        "--coordinator",
+        metavar="URL,...",
+        help="with --server_replicas 2: the etcd URLs that decide each shard's primary (PS_COORDINATOR)",
+    )
     _add(p, "--host", metavar="IP", help="this host in --servers/--workers (default: any local ip)")
-    _add(p, "--start_port", type=int, metavar="P", help="local mode: pserver ports P, P+1, ... "
-         "(default: free ports)")
-    _add(p, "--log_dir", default="log", metavar="DIR",
-         help="where serverlog.N, workerlog.N (local rank 0), workerlog.N.R (local rank R) and roles.json "
-         "go (default: log)")
-    _add(p, "--log_level", type=log_level, metavar="LEVEL",
-         help=f"the launcher's messages at this level and above (DEBUG, INFO, WARNING, ERROR); also given to "
-         f"every role as {LOG_LEVEL_VAR} (default: ${LOG_LEVEL_VAR}, else INFO)")
-    _add(p, "--show", type=show_spec, metavar="ROLES",
-         help="whose output to copy to stdout, prefixed [role]: all, none, trainers, pservers, or roles such as "
-         "trainer0,pserver1,trainer0.1 (default: trainer0; on a host without trainer 0, its first trainer)")
-    _add(p, "--max_restarts", "--max_restart", type=int, default=0, metavar="N",
-         help="start a role that died (non-zero exit or a signal) again, up to N times per role (a trainer node "
-         "restarts as a whole); then the job stops as without restarts (default 0). Pserver mode only")
-    _add(p, "--server_grace", type=float, default=30.0, metavar="SEC",
-         help="time pservers get to exit by themselves once the trainers finished (default 30); "
-         "not applied when trainers of the job run on other hosts")
-    _add(p, "--term_timeout", type=float, default=10.0, metavar="SEC",
-         help="time between SIGTERM and SIGKILL when stopping roles (default 10)")
-    _add(p, "--nproc_per_node", type=int, metavar="L",
-         help="processes per trainer node (one per GPU): each gets LOCAL_RANK 0..L-1, "
-         "LOCAL_WORLD_SIZE, MASTER_ADDR/MASTER_PORT, RANK, WORLD_SIZE "
-         "(default: the number of --gpus per node on this host, else 1)")
-    _add(p, "--gpus", "--devices", metavar="ID,...",
-         help="GPUs of this host for its trainer processes: CUDA_VISIBLE_DEVICES, split in order "
-         "among this host's trainer nodes (L each); pservers always get CUDA_VISIBLE_DEVICES=''")
-    _add(p, "--master_port", type=int, metavar="P",
-         help="collective mode: the job's rendezvous port on MASTER_ADDR (the first --workers "
-         "host; default 29500 per-host, a free port locally); pserver mode with "
-         "--nproc_per_node > 1: this host's trainer nodes meet on P, P+1, ... (default: free ports)")
-    _add(p, "--auth_token_file", metavar="FILE",
-         help="access control: every role gets PS_AUTH_TOKEN_FILE=FILE (made absolute), so "
-         "pservers refuse calls without the token in FILE and trainers send it. PS_AUTH_TOKEN "
-         "and PS_TLS_* set for ps-launch reach every role as they are")
-    _add(p, "--tensorboard_dir", metavar="DIR",
-         help="TensorBoard: every role gets PS_TENSORBOARD_DIR=DIR (made absolute); trainer 0 writes its scalars "
-         "and the pservers' under DIR/trainer-0 (PS_TENSORBOARD_TRAINERS=all: every trainer, DIR/trainer-N); "
-         "needs the tensorboard package (docs/tensorboard.md)")
+    _add(
+        p,
+        "--start_port",
+        type=int,
+        metavar="P",
+        help="local mode: pserver ports P, P+1, ... (default: free ports)",
+    )
+    _add(
+        p,
+        "--log_dir",
+        default="log",
+        metavar="DIR",
+        help="where serverlog.N, workerlog.N (local rank 0), workerlog.N.R (local rank R) and roles.json "
+        "go (default: log)",
+    )
+    _add(
+        p,
+        "--log_level",
+        type=log_level,
+        metavar="LEVEL",
+        help=f"the launcher's messages at this level and above (DEBUG, INFO, WARNING, ERROR); also given to "
+        f"every role as {LOG_LEVEL_VAR} (default: ${LOG_LEVEL_VAR}, else INFO)",
+    )
+    _add(
+        p,
+        "--show",
+        type=show_spec,
+        metavar="ROLES",
+        help="whose output to copy to stdout, prefixed [role]: all, none, trainers, pservers, or roles "
+        "such as trainer0,pserver1,trainer0.1 (default: trainer0; on a host without trainer 0, its first "
+        "trainer)",
+    )
+    _add(
+        p,
+        "--max_restarts",
+        "--max_restart",
+        type=int,
+        default=0,
+        metavar="N",
+        help="start a role that died (non-zero exit or a signal) again, up to N times per role "
+        "(a trainer node restarts as a whole); then the job stops as without restarts (default 0). Pserver "
+        "mode only",
+    )
+    _add(
+        p,
+        "--server_grace",
+        type=float,
+        default=30.0,
+        metavar="SEC",
+        help="time pservers get to exit by themselves once the trainers finished (default 30); "
+        "not applied when trainers of the job run on other hosts",
+    )
+    _add(
+        p,
+        "--term_timeout",
+        type=float,
+        default=10.0,
+        metavar="SEC",
+        help="time between SIGTERM and SIGKILL when stopping roles (default 10)",
+    )
+    _add(
+        p,
+        "--nproc_per_node",
+        type=int,
+        metavar="L",
+        help="processes per trainer node (one per GPU): each gets LOCAL_RANK 0..L-1, "
+        "LOCAL_WORLD_SIZE, MASTER_ADDR/MASTER_PORT, RANK, WORLD_SIZE "
+        "(default: the number of --gpus per node on this host, else 1)",
+    )
+    _add(
+        p,
+        "--gpus",
+        "--devices",
+        metavar="ID,...",
+        help="GPUs of this host for its trainer processes: CUDA_VISIBLE_DEVICES, split in order "
+        "among this host's trainer nodes (L each); pservers always get CUDA_VISIBLE_DEVICES=''",
+    )
+    _add(
+        p,
+        "--master_port",
+        type=int,
+        metavar="P",
+        help="collective mode: the job's rendezvous port on MASTER_ADDR (the first --workers "
+        "host; default 29500 per-host, a free port locally); pserver mode with "
+        "--nproc_per_node > 1: this host's trainer nodes meet on P, P+1, ... (default: free ports)",
+    )
+    _add(
+        p,
+        "--auth_token_file",
+        metavar="FILE",
+        help="access control: every role gets PS_AUTH_TOKEN_FILE=FILE (made absolute), so "
+        "pservers refuse calls without the token in FILE and trainers send it. PS_AUTH_TOKEN "
+        "and PS_TLS_* set for ps-launch reach every role as they are",
+    )
+    _add(
+        p,
+        "--tensorboard_dir",
+        metavar="DIR",
+        help="TensorBoard: every role gets PS_TENSORBOARD_DIR=DIR (made absolute); trainer 0 writes its "
+        "scalars and the pservers' under DIR/trainer-0 (PS_TENSORBOARD_TRAINERS=all: every trainer, "
+        "DIR/trainer-N); "
+        "needs the tensorboard package (docs/tensorboard.md)",
+    )
     p.add_argument("script", nargs="?", metavar="SCRIPT", help="training script run by every role")
     p.add_argument("script_args", nargs=argparse.REMAINDER, metavar="...", help="passed to SCRIPT as is")
     return p
@@ -170,7 +267,7 @@ def split_argv(parser: argparse.ArgumentParser, argv: Sequence[str]) -> Tuple[Li
     while i < len(argv):
         token = argv[i]
         if token == "--":
-            return argv[:i], argv[i + 1:]
+            return argv[:i], argv[i + 1 :]
         if not token.startswith("-") or token == "-":
             return argv[:i], argv[i:]
         i += 2 if token in takes_value else 1

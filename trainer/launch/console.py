@@ -6,6 +6,7 @@ turns its text into lines as a terminal would show them ('\\r' progress updates
 included), and :class:`Console` writes ``[trainer0] ...`` lines, keeping a
 progress bar on one status line on a terminal and throttling it elsewhere.
 """
+
 from __future__ import annotations
 
 import codecs
@@ -18,8 +19,8 @@ from typing import Callable, Dict, List, Optional, Sequence, TextIO, Tuple
 
 from .plan import TRAINER, Role
 
-PROGRESS_EVERY = 5.0      # s between two progress lines of one role when stdout is not a terminal
-MAX_LINE = 64 * 1024      # a "line" this long without a newline is written out as it is
+PROGRESS_EVERY = 5.0  # s between two progress lines of one role when stdout is not a terminal
+MAX_LINE = 64 * 1024  # a "line" this long without a newline is written out as it is
 _SEPARATOR = re.compile(r"(\r\n|\r|\n)")
 
 
@@ -54,13 +55,19 @@ class LineSplitter:
             if sep is None:
                 break
             if sep == "\r":
-                self.status = self._current if self._current.strip() else ("" if self._current else self.status)
+                self.status = (
+                    self._current if self._current.strip() else ("" if self._current else self.status)
+                )
                 self._current, self._after_cr = "", True
-            elif self._after_cr and self.status and self._current != self.status \
-                    and self._current.startswith(self.status):
+            elif (
+                self._after_cr
+                and self.status
+                and self._current != self.status
+                and self._current.startswith(self.status)
+            ):
                 # Text written after a progress bar, on the bar's line (a log message while tqdm
                 # runs): a line of its own, and the bar stays, as tqdm.write would have it.
-                lines.append(self._current[len(self.status):])
+                lines.append(self._current[len(self.status) :])
                 self._current, self._after_cr = "", False
             else:
                 lines.append(self._current)
@@ -112,17 +119,23 @@ class Console:
     ``progress_every`` s, so logs of the console stay readable.
     """
 
-    def __init__(self, out: Optional[TextIO] = None, err: Optional[TextIO] = None, tty: Optional[bool] = None,
-                 progress_every: float = PROGRESS_EVERY, clock: Callable[[], float] = time.monotonic,
-                 width: Optional[int] = None) -> None:
+    def __init__(
+        self,
+        out: Optional[TextIO] = None,
+        err: Optional[TextIO] = None,
+        tty: Optional[bool] = None,
+        progress_every: float = PROGRESS_EVERY,
+        clock: Callable[[], float] = time.monotonic,
+        width: Optional[int] = None,
+    ) -> None:
         out, err = out or sys.stdout, err or sys.stderr
         self.tty = out.isatty() if tty is None else tty
         self.out, self.err = _Guarded(out), _Guarded(err)
         self.progress_every, self.clock = progress_every, clock
         self.width = width or shutil.get_terminal_size((120, 24)).columns
-        self._status = ""                               # tty: the status line now on screen
-        self._pending: Dict[str, str] = {}              # not tty: the progress not yet written, by tag
-        self._reported: Dict[str, str] = {}             # the last progress state each role reported
+        self._status = ""  # tty: the status line now on screen
+        self._pending: Dict[str, str] = {}  # not tty: the progress not yet written, by tag
+        self._reported: Dict[str, str] = {}  # the last progress state each role reported
         self._last_progress: Dict[str, float] = {}
 
     def _clear(self) -> None:
@@ -172,7 +185,7 @@ class Console:
             return
         shown = f"[{tag}] {status}".rstrip()
         if self.tty:
-            shown = shown[:max(self.width - 1, 20)]  # a wrapped status line could not be redrawn in place
+            shown = shown[: max(self.width - 1, 20)]  # a wrapped status line could not be redrawn in place
             if shown != self._status:
                 self._clear()
                 self._status = shown

@@ -3,6 +3,7 @@
 Pure pieces (no process is started here), each testable on its own:
 ``parse_args`` (args) -> ``plan_roles`` (a list of :class:`Role`) -> ``child_env``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -13,10 +14,19 @@ import subprocess
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Mapping, Optional, Tuple
 
-from transpiler.roles.role_env import NODE_VARS, PSERVER, ROLE_VARS, TRAINER, NodeEnv, RoleEnv, parse_endpoints
 from psproto.security import Security
+from transpiler.roles.role_env import (
+    NODE_VARS,
+    PSERVER,
+    ROLE_VARS,
+    TRAINER,
+    NodeEnv,
+    RoleEnv,
+    parse_endpoints,
+)
 
 from ..board.settings import DIR_VAR as TENSORBOARD_DIR_VAR
+
 # The command line lives in args; these names stay importable from here.
 from .args import DESCRIPTION, LOG_LEVEL_VAR, build_parser, parse_args, split_argv  # noqa: F401
 
@@ -38,9 +48,9 @@ class Role:
     proc: Optional[subprocess.Popen] = field(default=None, repr=False)
     local_rank: int = 0
     local_world_size: int = 1
-    command: Optional[List[str]] = None   # what started it (and starts it again on a restart)
-    restarts: int = 0                     # restarts of its unit (a trainer node restarts as a whole)
-    replica: int = 0                      # hot standby: 1 for a pserver's second process
+    command: Optional[List[str]] = None  # what started it (and starts it again on a restart)
+    restarts: int = 0  # restarts of its unit (a trainer node restarts as a whole)
+    replica: int = 0  # hot standby: 1 for a pserver's second process
 
     def started(self, proc: subprocess.Popen) -> None:
         """The role runs as ``proc`` now (its first start, or a restart)."""
@@ -70,9 +80,13 @@ class Role:
 
     @property
     def tag(self) -> str:
-        """The console prefix and ``--show`` name: ``pserverN``, ``trainerN``, ``trainerN.R`` (local rank R > 0)."""
-        return f"{self.kind.lower()}{self.index}" + (f".{self.local_rank}" if self.local_rank else "") \
+        """The console prefix and ``--show`` name: ``pserverN``, ``trainerN``, ``trainerN.R`` (local rank R
+        > 0)."""
+        return (
+            f"{self.kind.lower()}{self.index}"
+            + (f".{self.local_rank}" if self.local_rank else "")
             + (".replica" if self.replica else "")
+        )
 
     @property
     def unit(self) -> Tuple[str, int, int]:
@@ -154,17 +168,23 @@ def _check_replicas(args: argparse.Namespace) -> None:
     if is_collective(args):
         raise LaunchError("--server_replicas 2 replicates pservers; a collective job has none")
     if not getattr(args, "coordinator", None):
-        raise LaunchError("--server_replicas 2 needs --coordinator: the etcd URLs that decide each shard's "
-                          "primary (e.g. http://127.0.0.1:2379; README \"Hot standby\")")
+        raise LaunchError(
+            "--server_replicas 2 needs --coordinator: the etcd URLs that decide each shard's "
+            'primary (e.g. http://127.0.0.1:2379; README "Hot standby")'
+        )
     if args.servers is not None:
         if not getattr(args, "replica_servers", None):
-            raise LaunchError("--server_replicas 2 with --servers needs --replica_servers: each pserver's backup")
+            raise LaunchError(
+                "--server_replicas 2 with --servers needs --replica_servers: each pserver's backup"
+            )
         try:
             n, m = len(parse_endpoints(args.servers)), len(parse_endpoints(args.replica_servers))
         except ValueError as e:
             raise LaunchError(f"--replica_servers: {e}") from None
         if n != m:
-            raise LaunchError(f"--replica_servers lists {m} endpoints for {n} --servers; give one backup each")
+            raise LaunchError(
+                f"--replica_servers lists {m} endpoints for {n} --servers; give one backup each"
+            )
     elif getattr(args, "replica_servers", None):
         raise LaunchError("--replica_servers is for per-host mode (--servers); local mode picks the ports")
 
@@ -173,8 +193,10 @@ def _check_args(args: argparse.Namespace) -> None:
     for one, many, kind in (("server_num", "servers", "pservers"), ("worker_num", "workers", "trainers")):
         num, listed = getattr(args, one), getattr(args, many)
         if num is not None and listed is not None:
-            raise LaunchError(f"--{one} and --{many} both given: use --{one} for local {kind} "
-                              f"or --{many} for per-host mode, not both")
+            raise LaunchError(
+                f"--{one} and --{many} both given: use --{one} for local {kind} "
+                f"or --{many} for per-host mode, not both"
+            )
         if num is None and listed is None and kind == "trainers":
             raise LaunchError(f"no {kind}: give --{one} N (local) or --{many} (per-host)")
         if num is not None and num < 1:
@@ -198,13 +220,17 @@ def _check_args(args: argparse.Namespace) -> None:
     if max_restarts and args.server_num is None and args.servers is None:
         # A DDP group cannot take a new process in: a restarted collective trainer would wait
         # for peers that never come back.
-        raise LaunchError("--max_restarts needs pservers: a collective job (no --server_num/--servers) has no "
-                          "recovery to restart a trainer into")
+        raise LaunchError(
+            "--max_restarts needs pservers: a collective job (no --server_num/--servers) has no "
+            "recovery to restart a trainer into"
+        )
     if args.server_grace < 0 or args.term_timeout < 0:
         raise LaunchError("--server_grace and --term_timeout must be >= 0")
     board = getattr(args, "tensorboard_dir", None)
     if board is not None and (not board.strip() or (os.path.exists(board) and not os.path.isdir(board))):
-        raise LaunchError(f"--tensorboard_dir {board!r} is not a directory (TensorBoard's log directory of the job)")
+        raise LaunchError(
+            f"--tensorboard_dir {board!r} is not a directory (TensorBoard's log directory of the job)"
+        )
     if args.script is None or not os.path.isfile(args.script):
         raise LaunchError(f"script {args.script!r} not found")
     if getattr(args, "auth_token_file", None) is not None:
@@ -219,7 +245,8 @@ def _check_args(args: argparse.Namespace) -> None:
 
 
 def parse_gpus(gpus: str, environ: Mapping[str, str]) -> List[str]:
-    """``--gpus 0,1,...`` as a list; ids must be in an inherited ``CUDA_VISIBLE_DEVICES`` (as Paddle's launcher)."""
+    """``--gpus 0,1,...`` as a list; ids must be in an inherited ``CUDA_VISIBLE_DEVICES`` (as Paddle's
+    launcher)."""
     ids = [g.strip() for g in gpus.split(",")]
     if not all(ids):
         raise LaunchError(f"--gpus {gpus!r} is malformed: expected id,id,... (as CUDA_VISIBLE_DEVICES)")
@@ -231,13 +258,16 @@ def parse_gpus(gpus: str, environ: Mapping[str, str]) -> List[str]:
         allowed = [v.strip() for v in visible.split(",")]
         outside = [g for g in ids if g not in allowed]
         if outside:
-            raise LaunchError(f"--gpus {gpus}: GPU {','.join(outside)} is not in this launcher's "
-                              f"CUDA_VISIBLE_DEVICES={visible}; --gpus names GPUs from that list")
+            raise LaunchError(
+                f"--gpus {gpus}: GPU {','.join(outside)} is not in this launcher's "
+                f"CUDA_VISIBLE_DEVICES={visible}; --gpus names GPUs from that list"
+            )
     return ids
 
 
-def _node_layout(args: argparse.Namespace, local_nodes: int,
-                 environ: Mapping[str, str]) -> Tuple[int, List[Optional[str]]]:
+def _node_layout(
+    args: argparse.Namespace, local_nodes: int, environ: Mapping[str, str]
+) -> Tuple[int, List[Optional[str]]]:
     """(processes per node, CUDA_VISIBLE_DEVICES of each of this host's trainer nodes, None: inherited)."""
     nproc = getattr(args, "nproc_per_node", None)
     if getattr(args, "gpus", None) is None:
@@ -245,21 +275,28 @@ def _node_layout(args: argparse.Namespace, local_nodes: int,
     gpus = parse_gpus(args.gpus, environ)
     if nproc is None:
         if local_nodes and len(gpus) % local_nodes:
-            raise LaunchError(f"--gpus lists {len(gpus)} GPUs for {local_nodes} trainer nodes on this host: "
-                              f"give --nproc_per_node (GPUs per node)")
+            raise LaunchError(
+                f"--gpus lists {len(gpus)} GPUs for {local_nodes} trainer nodes on this host: "
+                f"give --nproc_per_node (GPUs per node)"
+            )
         nproc = len(gpus) // max(local_nodes, 1)
     if nproc * local_nodes > len(gpus):
-        raise LaunchError(f"--nproc_per_node {nproc} x {local_nodes} trainer node(s) on this host need "
-                          f"{nproc * local_nodes} GPUs, --gpus lists {len(gpus)} ({args.gpus}): one process per GPU")
-    return nproc, [",".join(gpus[k * nproc:(k + 1) * nproc]) for k in range(local_nodes)]
+        raise LaunchError(
+            f"--nproc_per_node {nproc} x {local_nodes} trainer node(s) on this host need "
+            f"{nproc * local_nodes} GPUs, --gpus lists {len(gpus)} ({args.gpus}): one process per GPU"
+        )
+    return nproc, [",".join(gpus[k * nproc : (k + 1) * nproc]) for k in range(local_nodes)]
 
 
 DEFAULT_MASTER_PORT = 29500  # torchrun's
 
 
-def plan_roles(args: argparse.Namespace, is_local: Optional[Callable[[str], bool]] = None,
-               pick_ports: Callable[[int], List[int]] = free_ports,
-               environ: Optional[Mapping[str, str]] = None) -> List[Role]:
+def plan_roles(
+    args: argparse.Namespace,
+    is_local: Optional[Callable[[str], bool]] = None,
+    pick_ports: Callable[[int], List[int]] = free_ports,
+    environ: Optional[Mapping[str, str]] = None,
+) -> List[Role]:
     """Validate the arguments and list this host's processes, pservers first, each with its variables.
 
     Raises :class:`LaunchError` on bad input. ``is_local`` (default
@@ -303,7 +340,11 @@ def plan_roles(args: argparse.Namespace, is_local: Optional[Callable[[str], bool
     master_port = getattr(args, "master_port", None)
     local_servers = endpoints is None
     replicas = getattr(args, "server_replicas", 1) or 1
-    taken = set(range(args.start_port, args.start_port + args.server_num * replicas)) if args.start_port else set()
+    taken = (
+        set(range(args.start_port, args.start_port + args.server_num * replicas))
+        if args.start_port
+        else set()
+    )
     n_servers = args.server_num * replicas if local_servers and not args.start_port else 0
     if collective:
         n_meet = 0 if master_port or args.workers is not None else 1
@@ -316,7 +357,7 @@ def plan_roles(args: argparse.Namespace, is_local: Optional[Callable[[str], bool
     if local_servers:
         server_ports = sorted(taken) if args.start_port else ports[:n_servers]
         endpoints = [f"127.0.0.1:{p}" for p in server_ports]
-        endpoints, backups = endpoints[:args.server_num], endpoints[args.server_num:]
+        endpoints, backups = endpoints[: args.server_num], endpoints[args.server_num :]
     elif replicas == 2:
         backups = parse_endpoints(args.replica_servers)
     ports = ports[n_servers:]
@@ -326,8 +367,9 @@ def plan_roles(args: argparse.Namespace, is_local: Optional[Callable[[str], bool
         else:
             job_master = ("127.0.0.1", master_port or ports[0])
     else:
-        node_ports = ([master_port + k for k in range(len(local_nodes))] if master_port
-                      else ports[:len(local_nodes)])
+        node_ports = (
+            [master_port + k for k in range(len(local_nodes))] if master_port else ports[: len(local_nodes)]
+        )
         if nproc > 1:
             if any(p > 65535 for p in node_ports):
                 raise LaunchError(f"--master_port {master_port} leaves no room for {len(local_nodes)} nodes")
@@ -351,7 +393,9 @@ def plan_roles(args: argparse.Namespace, is_local: Optional[Callable[[str], bool
             ip = ep.rpartition(":")[0]
             if args.servers is None or is_local(ip):
                 env = dict(common, **RoleEnv(PSERVER, endpoints, len(workers), current_endpoint=ep).to_env())
-                env["CUDA_VISIBLE_DEVICES"] = ""  # a pserver is a CPU process: no CUDA context on a trainer's GPU
+                env["CUDA_VISIBLE_DEVICES"] = (
+                    ""  # a pserver is a CPU process: no CUDA context on a trainer's GPU
+                )
                 roles.append(Role(PSERVER, i, ip, env, endpoint=ep, replica=replica))
     for k, i in enumerate(local_nodes):
         ip = workers[i]
@@ -382,8 +426,12 @@ def replica_env(backups: List[str], coordinator: str) -> Dict[str, str]:
 
     The etcd key prefix is new per launch: a launch never waits for the replicas of an earlier one.
     """
-    return {"PS_SERVER_REPLICAS": "2", "PS_REPLICA_ENDPOINTS": ",".join(backups), "PS_COORDINATOR": coordinator,
-            "PS_COORDINATOR_PREFIX": f"/torch-pserver/launch-{secrets.token_hex(6)}"}
+    return {
+        "PS_SERVER_REPLICAS": "2",
+        "PS_REPLICA_ENDPOINTS": ",".join(backups),
+        "PS_COORDINATOR": coordinator,
+        "PS_COORDINATOR_PREFIX": f"/torch-pserver/launch-{secrets.token_hex(6)}",
+    }
 
 
 def child_env(role: Role, base: Optional[Dict[str, str]] = None) -> Dict[str, str]:
@@ -394,8 +442,11 @@ def child_env(role: Role, base: Optional[Dict[str, str]] = None) -> Dict[str, st
     into a pserver, a LOCAL_RANK into a trainer, or torchrun's own variables into a node.
     """
     dropped = set(ROLE_VARS) | set(NODE_VARS)
-    env = {k: v for k, v in (os.environ if base is None else base).items()
-           if k not in dropped and not k.startswith(_LAUNCHER_PREFIXES)}
+    env = {
+        k: v
+        for k, v in (os.environ if base is None else base).items()
+        if k not in dropped and not k.startswith(_LAUNCHER_PREFIXES)
+    }
     env.update(role.env)
     env["PYTHONUNBUFFERED"] = "1"
     return env

@@ -3,6 +3,7 @@
 Thin I/O around :class:`plan.Role`: each role runs in its own session
 (process group) with its output in its log file.
 """
+
 from __future__ import annotations
 
 import json
@@ -57,8 +58,16 @@ def start_role(role: Role, note: str = "") -> None:
             out.flush()
         # Own session: a terminal Ctrl-C reaches only the launcher, which
         # forwards it once, and killpg() also reaches the role's own children.
-        role.started(subprocess.Popen(role.command, env=child_env(role), stdin=subprocess.DEVNULL,
-                                      stdout=out, stderr=subprocess.STDOUT, start_new_session=True))
+        role.started(
+            subprocess.Popen(
+                role.command,
+                env=child_env(role),
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        )
 
 
 def start_roles(roles: List[Role], script: str, script_args: Sequence[str], log_dir: str) -> None:
@@ -88,8 +97,12 @@ def _signal(role: Role, sig: int) -> None:
             pass
 
 
-def stop_roles(roles: List[Role], timeout: float, hurry: Callable[[], bool] = lambda: False,
-               tick: Callable[[], None] = lambda: None) -> List[Role]:
+def stop_roles(
+    roles: List[Role],
+    timeout: float,
+    hurry: Callable[[], bool] = lambda: False,
+    tick: Callable[[], None] = lambda: None,
+) -> List[Role]:
     """SIGTERM every live role, wait up to ``timeout`` s (less if ``hurry()``), then SIGKILL the rest.
 
     ``tick()`` runs while waiting (the console keeps copying output). Returns the roles that had to be killed.
@@ -122,15 +135,30 @@ def tail(path: Optional[str], lines: int = TAIL_LINES) -> str:
 
 
 def write_roles_file(log_dir: str, roles: List[Role]) -> None:
-    """``LOG_DIR/roles.json``: the launcher's pid and each role's name, tag, endpoint, pid, restarts, log and exit status.
+    """``LOG_DIR/roles.json``: the launcher's pid and each role's name, tag, endpoint, pid, restarts, log
+    and exit status.
 
-    Rewritten (atomically) at every start and restart, so tools and tests find
-    the live process of a role; ``returncode`` is null while it runs.
+    Rewritten (atomically) at every start and restart, so tools and tests find the live process of a role;
+    ``returncode`` is null while it runs.
     """
-    doc = {"launcher_pid": os.getpid(), "roles": [
-        {"name": r.name, "tag": r.tag, "kind": r.kind, "index": r.index, "local_rank": r.local_rank,
-         "endpoint": r.endpoint, "pid": r.proc.pid if r.proc else None, "restarts": r.restarts, "log": r.log_path,
-         "returncode": r.proc.returncode if r.proc else None} for r in roles]}
+    doc = {
+        "launcher_pid": os.getpid(),
+        "roles": [
+            {
+                "name": r.name,
+                "tag": r.tag,
+                "kind": r.kind,
+                "index": r.index,
+                "local_rank": r.local_rank,
+                "endpoint": r.endpoint,
+                "pid": r.proc.pid if r.proc else None,
+                "restarts": r.restarts,
+                "log": r.log_path,
+                "returncode": r.proc.returncode if r.proc else None,
+            }
+            for r in roles
+        ],
+    }
     path = os.path.join(log_dir, ROLES_FILE)
     try:
         with open(path + ".tmp", "w") as f:

@@ -3,6 +3,7 @@
 The supervisor (supervisor) asks :func:`decide_restart` about each role
 that ended and does what it answers; nothing here touches a process.
 """
+
 from __future__ import annotations
 
 import signal
@@ -10,9 +11,9 @@ from dataclasses import dataclass
 
 from transpiler.roles.role_env import PSERVER
 
-FINISHED = "finished"   # exit 0: the role is done (a trainer's data ran out, a pserver saw every Close)
-RESTART = "restart"     # start the same command again, same role id and variables
-STOP = "stop"           # the job fails: stop every other role, exit 1
+FINISHED = "finished"  # exit 0: the role is done (a trainer's data ran out, a pserver saw every Close)
+RESTART = "restart"  # start the same command again, same role id and variables
+STOP = "stop"  # the job fails: stop every other role, exit 1
 
 
 @dataclass(frozen=True)
@@ -33,8 +34,9 @@ def exit_reason(returncode: int) -> str:
         return f"was killed by signal {-returncode}"
 
 
-def decide_restart(kind: str, returncode: int, restarts_used: int, max_restarts: int,
-                   trainers_done: bool = False) -> RestartDecision:
+def decide_restart(
+    kind: str, returncode: int, restarts_used: int, max_restarts: int, trainers_done: bool = False
+) -> RestartDecision:
     """What to do about a role of ``kind`` (PSERVER/TRAINER) that ended with ``returncode``.
 
     Exit 0 is FINISHED. Any other end (a non-zero code, or a signal: negative)

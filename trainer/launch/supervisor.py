@@ -2,6 +2,7 @@
 
 The decisions are restart's (pure); this module only acts on them.
 """
+
 from __future__ import annotations
 
 import logging
@@ -18,16 +19,31 @@ log = logging.getLogger("ps-launch")
 
 def _fail(first: Role, reason: str, others: List[Role]) -> None:
     also = "".join(f"\nps-launch: {r.title} {exit_text(r)} too" for r in others)
-    node = (f" (the other local ranks of trainer node {first.index} among them)"
-            if first.kind == TRAINER and first.local_world_size > 1 else "")
-    log.error("%s %s; stopped every other role%s%s\nps-launch: last lines of %s:\n%s",
-              first.title, reason, node, also, first.log_path, tail(first.log_path))
+    node = (
+        f" (the other local ranks of trainer node {first.index} among them)"
+        if first.kind == TRAINER and first.local_world_size > 1
+        else ""
+    )
+    log.error(
+        "%s %s; stopped every other role%s%s\nps-launch: last lines of %s:\n%s",
+        first.title,
+        reason,
+        node,
+        also,
+        first.log_path,
+        tail(first.log_path),
+    )
 
 
-def supervise(roles: List[Role], server_grace: Optional[float] = 30.0, term_timeout: float = 10.0,
-              stops: Optional[StopSignals] = None, max_restarts: int = 0,
-              tick: Callable[[], None] = lambda: None,
-              on_restart: Callable[[], None] = lambda: None) -> int:
+def supervise(
+    roles: List[Role],
+    server_grace: Optional[float] = 30.0,
+    term_timeout: float = 10.0,
+    stops: Optional[StopSignals] = None,
+    max_restarts: int = 0,
+    tick: Callable[[], None] = lambda: None,
+    on_restart: Callable[[], None] = lambda: None,
+) -> int:
     """Wait for the started roles, restart the ones that die, stop them all; return the launcher's exit code.
 
     A role is one process; a trainer node of several processes is several roles
@@ -68,8 +84,11 @@ def supervise(roles: List[Role], server_grace: Optional[float] = 30.0, term_time
             log.error("cannot restart %s: %s; stopping every role", what, e)
             return False
         pids = ", ".join(str(r.proc.pid) for r in unit)
-        again = f"trainer node {first.index} started again (pids {pids})" if len(unit) > 1 else \
-            f"started again as pid {pids}"
+        again = (
+            f"trainer node {first.index} started again (pids {pids})"
+            if len(unit) > 1
+            else f"started again as pid {pids}"
+        )
         log.warning("%s %s: %s", what, decision.reason, again)
         on_restart()
         return True
@@ -90,8 +109,10 @@ def supervise(roles: List[Role], server_grace: Optional[float] = 30.0, term_time
             decisions = {}
             for r in failed:
                 if r.unit not in decisions:
-                    decisions[r.unit] = (r, decide_restart(r.kind, r.proc.returncode, r.restarts, max_restarts,
-                                                           trainers_done))
+                    decisions[r.unit] = (
+                        r,
+                        decide_restart(r.kind, r.proc.returncode, r.restarts, max_restarts, trainers_done),
+                    )
             stopping = [(r, d) for r, d in decisions.values() if d.action == STOP]
             if stopping:
                 first, decision = stopping[0]

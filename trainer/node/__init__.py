@@ -9,9 +9,23 @@
 How the node joins, steps, pulls and re-syncs as one trainer is its stepper's
 (:mod:`trainer.steppers.node`).
 """
-from .devices import backend_for, join_group, pick_device
-from .rendezvous import NodeRendezvous, SharedStore, node_rendezvous
-from .group import FATAL, OK, RECOVERABLE, Layout, NodeError, NodeGroup, owners
 
-__all__ = ["pick_device", "backend_for", "join_group", "node_rendezvous", "NodeRendezvous", "SharedStore",
-           "Layout", "NodeGroup", "NodeError", "owners", "OK", "RECOVERABLE", "FATAL"]
+from .devices import backend_for, join_group, pick_device
+from .group import FATAL, OK, RECOVERABLE, Layout, NodeError, NodeGroup, owners
+from .rendezvous import NodeRendezvous, SharedStore, node_rendezvous
+
+__all__ = [
+    "pick_device",
+    "backend_for",
+    "join_group",
+    "node_rendezvous",
+    "NodeRendezvous",
+    "SharedStore",
+    "Layout",
+    "NodeGroup",
+    "NodeError",
+    "owners",
+    "OK",
+    "RECOVERABLE",
+    "FATAL",
+]

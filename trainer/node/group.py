@@ -22,6 +22,7 @@ The collectives run on the node's process group: NCCL for CUDA tensors, gloo
 for CPU ones, the same code. Transfers to pservers go through pinned host
 buffers when the model is on a GPU.
 """
+
 from __future__ import annotations
 
 import logging
@@ -76,12 +77,18 @@ class Layout:
     padded to the longest, as the collectives need equal parts.
     """
 
-    def __init__(self, blocks_by_endpoint: Mapping[str, Sequence[BlockSpec]], endpoints: Sequence[str],
-                 local_world_size: int):
+    def __init__(
+        self,
+        blocks_by_endpoint: Mapping[str, Sequence[BlockSpec]],
+        endpoints: Sequence[str],
+        local_world_size: int,
+    ):
         dtypes = {b.dtype for bs in blocks_by_endpoint.values() for b in bs}
         if len(dtypes) > 1:
-            raise ValueError(f"a trainer node with several local processes needs every dense parameter "
-                             f"of one dtype; the plan has {sorted(dtypes)}")
+            raise ValueError(
+                f"a trainer node with several local processes needs every dense parameter "
+                f"of one dtype; the plan has {sorted(dtypes)}"
+            )
         self.dtype = getattr(torch, dtypes.pop()) if dtypes else torch.float32
         self.owner = owners(endpoints, local_world_size)
         self.size = local_world_size
@@ -119,8 +126,15 @@ class NodeGroup:
     55 ms against 30 ms). Both give the same numbers.
     """
 
-    def __init__(self, node_id: int, local_rank: int, layout: Layout, device: torch.device,
-                 group: Optional[dist.ProcessGroup], exchange: Optional[str] = None):
+    def __init__(
+        self,
+        node_id: int,
+        local_rank: int,
+        layout: Layout,
+        device: torch.device,
+        group: Optional[dist.ProcessGroup],
+        exchange: Optional[str] = None,
+    ):
         self.node_id = node_id
         self.rank = local_rank
         self.size = layout.size
@@ -141,8 +155,8 @@ class NodeGroup:
         if exchange == "scatter":
             self._my_grads = torch.zeros(layout.grad_chunk, dtype=dt, device=device)
         else:
-            self._my_grads = self._grads[self.rank * layout.grad_chunk:(self.rank + 1) * layout.grad_chunk]
-        self._my_params = self._params[self.rank * layout.param_chunk:(self.rank + 1) * layout.param_chunk]
+            self._my_grads = self._grads[self.rank * layout.grad_chunk : (self.rank + 1) * layout.grad_chunk]
+        self._my_params = self._params[self.rank * layout.param_chunk : (self.rank + 1) * layout.param_chunk]
         if device.type == "cuda":  # transfers to and from pservers stage in pinned host memory
             self._host_grads = torch.zeros(layout.grad_chunk, dtype=dt, pin_memory=True)
             self._host_params = torch.zeros(layout.param_chunk, dtype=dt, pin_memory=True)
@@ -160,14 +174,17 @@ class NodeGroup:
             return collective()
         except RuntimeError as e:  # torch raises DistBackendError (a RuntimeError) when a peer is gone
             self.failed = True
-            raise NodeError(f"trainer node {self.node_id}, local rank {self.rank}: {what} failed ({e}); a "
-                            f"local process of the node stopped or died. The node stops as a whole: restart "
-                            f"all its processes and it rejoins as trainer {self.node_id}") from None
+            raise NodeError(
+                f"trainer node {self.node_id}, local rank {self.rank}: {what} failed ({e}); a "
+                f"local process of the node stopped or died. The node stops as a whole: restart "
+                f"all its processes and it rejoins as trainer {self.node_id}"
+            ) from None
 
     # -- gradients ------------------------------------------------------------
 
-    def reduce_grads(self, grad_of: Callable[[BlockSpec], Optional[torch.Tensor]],
-                     failed: bool) -> Tuple[List[Tuple[str, torch.Tensor]], bool]:
+    def reduce_grads(
+        self, grad_of: Callable[[BlockSpec], Optional[torch.Tensor]], failed: bool
+    ) -> Tuple[List[Tuple[str, torch.Tensor]], bool]:
         """Reduce-scatter the node's block gradients; (this rank's mean blocks to push, any failed).
 
         ``grad_of(block)`` is this process's gradient rows of a block, or None.
@@ -185,29 +202,40 @@ class NodeGroup:
                 for i, s in enumerate(region):
                     g = grad_of(s.block)
                     if g is not None:
-                        flat[base + s.offset:base + s.offset + s.numel].copy_(g.reshape(-1))
+                        flat[base + s.offset : base + s.offset + s.numel].copy_(g.reshape(-1))
                         flat[flags + i] = 1
                 flat[base + chunk - 1] = float(failed)
             if self.group is None:
                 self._my_grads.copy_(flat)
             elif self.exchange == "scatter":
-                self._run("the node's gradient reduce-scatter",
-                          lambda: dist.reduce_scatter_tensor(self._my_grads, flat, group=self.group))
+                self._run(
+                    "the node's gradient reduce-scatter",
+                    lambda: dist.reduce_scatter_tensor(self._my_grads, flat, group=self.group),
+                )
             else:  # _my_grads is this rank's region of flat
                 self._run("the node's gradient all-reduce", lambda: dist.all_reduce(flat, group=self.group))
             if self._my_grads[-1].item() > 0:
                 return [], True
             mine = layout.slots[self.rank]
-            self._my_grads[:layout.data_numel[self.rank]].div_(self.size)
+            self._my_grads[: layout.data_numel[self.rank]].div_(self.size)
             if self._host_grads is not self._my_grads:
                 self._host_grads.copy_(self._my_grads, non_blocking=True)
                 torch.cuda.current_stream(self.device).synchronize()
-            flags = self._host_grads[layout.data_numel[self.rank]:layout.data_numel[self.rank] + len(mine)]
+            flags = self._host_grads[layout.data_numel[self.rank] : layout.data_numel[self.rank] + len(mine)]
             pushed = flags.nonzero().flatten().tolist()
-            return [(mine[i].block.name, self._host_grads[mine[i].offset:mine[i].offset + mine[i].numel]
-                     .view(mine[i].block.shape)) for i in pushed], False
+            return [
+                (
+                    mine[i].block.name,
+                    self._host_grads[mine[i].offset : mine[i].offset + mine[i].numel].view(
+                        mine[i].block.shape
+                    ),
+                )
+                for i in pushed
+            ], False
 
-    def merge_table_grads(self, local: TableGrads, tables: Mapping[str, Tuple[int, torch.dtype]]) -> TableGrads:
+    def merge_table_grads(
+        self, local: TableGrads, tables: Mapping[str, Tuple[int, torch.dtype]]
+    ) -> TableGrads:
         """The node's mean table gradients: every process's rows, ids merged across the node.
 
         ``tables`` maps every table to its (row width, dtype); all processes
@@ -225,8 +253,8 @@ class NodeGroup:
             ids = torch.zeros(longest, dtype=torch.int64)
             rows = torch.zeros((longest, dim), dtype=dtype)
             if sizes[self.rank] > 0:
-                ids[:sizes[self.rank]] = torch.from_numpy(local[name][0])
-                rows[:sizes[self.rank]] = local[name][1]
+                ids[: sizes[self.rank]] = torch.from_numpy(local[name][0])
+                rows[: sizes[self.rank]] = local[name][1]
             all_ids = self._all_gather(ids, f"the node's ids of table {name!r}")
             all_rows = self._all_gather(rows, f"the node's gradient rows of table {name!r}")
             keep = [slice(0, max(n, 0)) for n in sizes]
@@ -250,7 +278,7 @@ class NodeGroup:
     def param_dest(self, name: str) -> torch.Tensor:
         """Where a pulled block of this rank lands (host memory), for :meth:`gather_params`."""
         s = self._mine[name]
-        return self._host_params[s.offset:s.offset + s.numel].view(s.block.shape)
+        return self._host_params[s.offset : s.offset + s.numel].view(s.block.shape)
 
     def gather_params(self, status: int, view_of: Callable[[BlockSpec], torch.Tensor]) -> int:
         """All-gather every rank's pulled blocks into the model; returns the node's worst status.
@@ -264,11 +292,15 @@ class NodeGroup:
                 self._my_params.copy_(self._host_params, non_blocking=True)
             if self.group is not None and self.exchange == "scatter":
                 mine = self._my_params.clone()  # all_gather_into_tensor wants its input apart from the output
-                self._run("the node's parameter all-gather",
-                          lambda: dist.all_gather_into_tensor(self._params, mine, group=self.group))
+                self._run(
+                    "the node's parameter all-gather",
+                    lambda: dist.all_gather_into_tensor(self._params, mine, group=self.group),
+                )
             elif self.group is not None:  # the other regions are zero here: the sum is a gather
-                self._run("the node's parameter all-reduce", lambda: dist.all_reduce(self._params, group=self.group))
-            worst = int(self._params[chunk - 1::chunk].max().item())
+                self._run(
+                    "the node's parameter all-reduce", lambda: dist.all_reduce(self._params, group=self.group)
+                )
+            worst = int(self._params[chunk - 1 :: chunk].max().item())
             if worst == OK:
                 self._install(view_of)
             self._zero_others()
@@ -278,15 +310,17 @@ class NodeGroup:
         """All-reduce exchange: only this rank's region may be non-zero before the next gather."""
         if self.exchange == "all_reduce":
             chunk = self.layout.param_chunk
-            self._params[:self.rank * chunk].zero_()
-            self._params[(self.rank + 1) * chunk:].zero_()
+            self._params[: self.rank * chunk].zero_()
+            self._params[(self.rank + 1) * chunk :].zero_()
 
     def _install(self, view_of: Callable[[BlockSpec], torch.Tensor]) -> None:
         chunk = self.layout.param_chunk
         for rank, region in enumerate(self.layout.slots):
             base = rank * chunk
             for s in region:
-                view_of(s.block).copy_(self._params[base + s.offset:base + s.offset + s.numel].view(s.block.shape))
+                view_of(s.block).copy_(
+                    self._params[base + s.offset : base + s.offset + s.numel].view(s.block.shape)
+                )
 
     def broadcast_params(self, view_of: Callable[[BlockSpec], torch.Tensor]) -> None:
         """Every block from the leader (local rank 0) to every local rank: after a join or a re-sync."""
@@ -296,10 +330,12 @@ class NodeGroup:
                 for rank, region in enumerate(self.layout.slots):
                     for s in region:
                         start = rank * chunk + s.offset
-                        self._params[start:start + s.numel].copy_(view_of(s.block).reshape(-1))
+                        self._params[start : start + s.numel].copy_(view_of(s.block).reshape(-1))
             if self.group is not None:
-                self._run("the node's parameter broadcast",
-                          lambda: dist.broadcast(self._params, 0, group=self.group))
+                self._run(
+                    "the node's parameter broadcast",
+                    lambda: dist.broadcast(self._params, 0, group=self.group),
+                )
             if not self.is_leader:
                 self._install(view_of)
             self._zero_others()
@@ -309,8 +345,10 @@ class NodeGroup:
         if self.group is None:
             return obj
         box = [obj]
-        self._run("the node's broadcast from local rank 0",
-                  lambda: dist.broadcast_object_list(box, 0, group=self.group, device=self._object_device()))
+        self._run(
+            "the node's broadcast from local rank 0",
+            lambda: dist.broadcast_object_list(box, 0, group=self.group, device=self._object_device()),
+        )
         return box[0]
 
     def all_gather(self, obj, what: str) -> list:

@@ -22,6 +22,7 @@ for every node (dropping the one it inherited), so torchrun variables a launcher
 (``GROUP_WORLD_SIZE``, ``TORCHELASTIC_USE_AGENT_STORE``) do not turn its per-node groups
 into clients of a store nobody hosts.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -67,12 +68,14 @@ class NodeRendezvous:
 
 
 def node_prefix(trainer_id: int, restart: int) -> str:
-    """The store prefix of trainer node ``trainer_id``'s group in attempt ``restart`` of the job's processes."""
+    """The store prefix of trainer node ``trainer_id``'s group in attempt ``restart`` of the job's
+    processes."""
     return f"pserver_trainer_node{trainer_id}/restart{restart}"
 
 
-def node_rendezvous(env: Mapping[str, str], trainer_id: int, local_world_size: int,
-                    init_method: Optional[str] = None) -> NodeRendezvous:
+def node_rendezvous(
+    env: Mapping[str, str], trainer_id: int, local_world_size: int, init_method: Optional[str] = None
+) -> NodeRendezvous:
     """Where the ``local_world_size`` processes of trainer node ``trainer_id`` meet, from ``env``.
 
     ``init_method`` (given to the Trainer) wins. Else a ``WORLD_SIZE`` above the node's
@@ -90,9 +93,11 @@ def node_rendezvous(env: Mapping[str, str], trainer_id: int, local_world_size: i
         return NodeRendezvous(init_method=f"tcp://{addr}:{port}" if addr and port else None)
     missing = [name for name, value in (("MASTER_ADDR", addr), ("MASTER_PORT", port)) if not value]
     if missing:
-        raise ValueError(f"trainer node {trainer_id}: WORLD_SIZE={world} counts the processes of several nodes, "
-                         f"whose store is at MASTER_ADDR:MASTER_PORT, but {' and '.join(missing)} "
-                         f"{'is' if len(missing) == 1 else 'are'} unset")
+        raise ValueError(
+            f"trainer node {trainer_id}: WORLD_SIZE={world} counts the processes of several nodes, "
+            f"whose store is at MASTER_ADDR:MASTER_PORT, but {' and '.join(missing)} "
+            f"{'is' if len(missing) == 1 else 'are'} unset"
+        )
     restart = get_int(env, RESTART_VAR, 0, minimum=0)
     agent = env.get(AGENT_STORE_VAR, "").strip() == "True"  # torch's own test: == str(True)
     if agent:
@@ -100,8 +105,10 @@ def node_rendezvous(env: Mapping[str, str], trainer_id: int, local_world_size: i
     else:
         rank = get_int(env, "RANK", minimum=0)
         if rank is None:
-            raise ValueError(f"trainer node {trainer_id}: WORLD_SIZE={world} counts the processes of several "
-                             f"nodes and no torchrun agent hosts the store at {addr}:{port} ({AGENT_STORE_VAR} "
-                             f"is not True), so the job's RANK 0 must host it: set RANK (the job-wide rank)")
+            raise ValueError(
+                f"trainer node {trainer_id}: WORLD_SIZE={world} counts the processes of several "
+                f"nodes and no torchrun agent hosts the store at {addr}:{port} ({AGENT_STORE_VAR} "
+                f"is not True), so the job's RANK 0 must host it: set RANK (the job-wide rank)"
+            )
         is_master = rank == 0
     return NodeRendezvous(store=SharedStore(addr, port, node_prefix(trainer_id, restart), is_master))

@@ -25,6 +25,7 @@ joining: still apart at the deadline                   FAIL, naming the checkpoi
 joining: otherwise                                     JOIN at their step and data position
 =====================================================  ============================================
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -34,16 +35,27 @@ from transpiler.position import Position
 
 from ..errors import DOWN, RESYNC
 
-
 # The kinds of failure (trainer/errors.py) that heal by waiting for the pservers and re-syncing.
 RECOVERABLE = frozenset({DOWN, RESYNC})
 
-RETRY, SKIP, ROLLBACK, RESTORE, FAIL, WAIT, JOIN = "retry", "skip", "rollback", "restore", "fail", "wait", "join"
+RETRY, SKIP, ROLLBACK, RESTORE, FAIL, WAIT, JOIN = (
+    "retry",
+    "skip",
+    "rollback",
+    "restore",
+    "fail",
+    "wait",
+    "join",
+)
 
-LOST_MESSAGE = ("restarted without a checkpoint, so the parameters it held are lost; set checkpoint_dir "
-                "to survive pserver restarts")
-NO_CHECKPOINT = ("without a checkpoint at that step to roll the others back to (no checkpoint_dir, or none "
-                 "complete yet); restart every pserver: each resumes from the latest complete checkpoint")
+LOST_MESSAGE = (
+    "restarted without a checkpoint, so the parameters it held are lost; set checkpoint_dir "
+    "to survive pserver restarts"
+)
+NO_CHECKPOINT = (
+    "without a checkpoint at that step to roll the others back to (no checkpoint_dir, or none "
+    "complete yet); restart every pserver: each resumes from the latest complete checkpoint"
+)
 
 
 @dataclass(frozen=True)
@@ -115,8 +127,13 @@ def restarted(known: Mapping[str, int], answers: Mapping[str, PserverState]) -> 
     return tuple(sorted(ep for ep, a in answers.items() if a.incarnation != known.get(ep)))
 
 
-def after_failure(sync_mode: bool, known: Mapping[str, int], step: int,
-                  answers: Mapping[str, PserverState], push_endpoints: Sequence[str]) -> Decision:
+def after_failure(
+    sync_mode: bool,
+    known: Mapping[str, int],
+    step: int,
+    answers: Mapping[str, PserverState],
+    push_endpoints: Sequence[str],
+) -> Decision:
     """How step ``step`` goes on after a recoverable failure, given every pserver's ``answers``.
 
     ``known`` holds the incarnations the trainer saw before the failure. After
@@ -135,16 +152,23 @@ def after_failure(sync_mode: bool, known: Mapping[str, int], step: int,
     # nothing back and goes on where the pservers stand (the checkpoint may be gone by now: checkpoint_keep).
     behind = tuple(ep for ep in gone if answers[ep].applied_step <= answers[ep].checkpoint_step)
     if behind and sync_mode:
-        # Every pserver goes back to the restarted ones' (earliest) checkpoint. Each restart has a token of its
-        # own, sent to every other pserver, restarted ones too: one standing at the checkpoint unchanged keeps
-        # what it counted but honours the token, so a trainer that saw only that restart, asking later once the
-        # pserver has gone on with every trainer, rolls nothing back that the others already re-synced past.
+        # Every pserver goes back to the restarted ones' (earliest) checkpoint. Each restart has a token of
+        # its own, sent to every other pserver, restarted ones too: one standing at the checkpoint unchanged
+        # keeps what it counted but honours the token, so a trainer that saw only that restart, asking later
+        # once the pserver has gone on with every trainer, rolls nothing back that the others already
+        # re-synced past.
         target = min(answers[ep].checkpoint_step for ep in behind)
-        restores = tuple((ep, restart_token(r, answers[r].incarnation)) for ep in sorted(answers)
-                         for r in gone if r != ep)
+        restores = tuple(
+            (ep, restart_token(r, answers[r].incarnation)) for ep in sorted(answers) for r in gone if r != ep
+        )
         if restores:
-            return Decision(RESTORE, target, endpoints=tuple(sorted({ep for ep, _ in restores})), restores=restores,
-                            restarted=gone)
+            return Decision(
+                RESTORE,
+                target,
+                endpoints=tuple(sorted({ep for ep, _ in restores})),
+                restores=restores,
+                restarted=gone,
+            )
     steps = {ep: answers[ep].step for ep in push_endpoints} if sync_mode else {}
     # Where this trainer would push next: its own step, or the lowest pserver's after a roll-back.
     start = min(step, *steps.values()) if steps else step
@@ -183,12 +207,18 @@ def join_token(answers: Mapping[str, PserverState], step: int) -> str:
     Trainers joining at once that find the pservers in the same state name it
     the same way (one roll-back); a new state is a new roll-back.
     """
-    return f"join@{step}:" + ",".join(f"{ep}#{answers[ep].incarnation}@{answers[ep].applied_step}"
-                                      for ep in sorted(answers))
+    return f"join@{step}:" + ",".join(
+        f"{ep}#{answers[ep].incarnation}@{answers[ep].applied_step}" for ep in sorted(answers)
+    )
 
 
-def on_join(sync_mode: bool, answers: Mapping[str, PserverState], push_endpoints: Sequence[str],
-            time_left: float, restored: AbstractSet[str] = frozenset()) -> Decision:
+def on_join(
+    sync_mode: bool,
+    answers: Mapping[str, PserverState],
+    push_endpoints: Sequence[str],
+    time_left: float,
+    restored: AbstractSet[str] = frozenset(),
+) -> Decision:
     """Whether a joining trainer can start, given every pserver's ``answers`` and the time left.
 
     Sync pservers must agree on the step. Pservers that applied steps two or
@@ -212,18 +242,26 @@ def on_join(sync_mode: bool, answers: Mapping[str, PserverState], push_endpoints
         first = answers[push_endpoints[0]]
         return Decision(JOIN, first.step, first.position)
     apart = f"pservers disagree on the current step: {steps}" + (
-        f", {', '.join(stalled)} waiting for no other trainer" if stalled else "")
+        f", {', '.join(stalled)} waiting for no other trainer" if stalled else ""
+    )
     if max(applied.values()) - low >= 2 or stalled:
         behind = sorted(set(stalled) | {ep for ep in steps if applied[ep] == low})
         target = min(answers[ep].checkpoint_step for ep in behind)
         token = join_token(answers, target)
         if target >= 0 and token not in restored:
-            return Decision(RESTORE, target, endpoints=tuple(sorted(answers)),
-                            restores=tuple((ep, token) for ep in sorted(answers)),
-                            message=f"{apart}; {', '.join(behind)} started from the checkpoint of step {target}")
+            return Decision(
+                RESTORE,
+                target,
+                endpoints=tuple(sorted(answers)),
+                restores=tuple((ep, token) for ep in sorted(answers)),
+                message=f"{apart}; {', '.join(behind)} started from the checkpoint of step {target}",
+            )
         if time_left <= 0:
-            why = (f"still apart after rolling them back to the checkpoint at step {target}" if target >= 0 else
-                   f"{', '.join(behind)} stand at step {low} {NO_CHECKPOINT}")
+            why = (
+                f"still apart after rolling them back to the checkpoint at step {target}"
+                if target >= 0
+                else f"{', '.join(behind)} stand at step {low} {NO_CHECKPOINT}"
+            )
             return Decision(FAIL, endpoints=tuple(steps), message=f"{apart}; {why}")
     elif time_left <= 0:
         return Decision(FAIL, endpoints=tuple(steps), message=f"{apart}; still apart at the deadline")

@@ -7,6 +7,7 @@ with gRPC's reconnect backoff, up to ``recovery_timeout``), rolls sync
 pservers back to a restarted one's checkpoint (``Restore``, once per restart)
 and goes on where the decision says.
 """
+
 from __future__ import annotations
 
 import functools
@@ -28,9 +29,18 @@ log = logging.getLogger(__name__)
 
 def states(replies: Mapping[str, object]) -> Dict[str, PserverState]:
     """The :class:`PserverState` of each pserver's ``HelloReply``."""
-    return {ep: PserverState(r.incarnation, r.start_step, r.checkpoint_step, Position(r.epoch, r.batch), r.counted_step,
-                             r.applied_step if r.sync_mode else None, r.others_in_step)
-            for ep, r in replies.items()}
+    return {
+        ep: PserverState(
+            r.incarnation,
+            r.start_step,
+            r.checkpoint_step,
+            Position(r.epoch, r.batch),
+            r.counted_step,
+            r.applied_step if r.sync_mode else None,
+            r.others_in_step,
+        )
+        for ep, r in replies.items()
+    }
 
 
 def recoverable(error: BaseException) -> bool:
@@ -46,8 +56,14 @@ class Recovery:
     calls and re-syncs on a recoverable failure.
     """
 
-    def __init__(self, channels: "Channels", sync_mode: bool, push_endpoints: Sequence[str],
-                 connect_timeout: float, recovery_timeout: float):
+    def __init__(
+        self,
+        channels: "Channels",
+        sync_mode: bool,
+        push_endpoints: Sequence[str],
+        connect_timeout: float,
+        recovery_timeout: float,
+    ):
         self.channels = channels
         self.sync_mode = sync_mode
         self.push_endpoints = list(push_endpoints)
@@ -68,8 +84,9 @@ class Recovery:
         tid = self.channels.trainer_id
         while True:
             answers = states(self.channels.hello(timeout, join_at=join_at))
-            decision = decide.on_join(self.sync_mode, answers, self.push_endpoints,
-                                      deadline - time.monotonic(), restored)
+            decision = decide.on_join(
+                self.sync_mode, answers, self.push_endpoints, deadline - time.monotonic(), restored
+            )
             if decision.action == FAIL:
                 raise PserverError(", ".join(decision.endpoints), decision.message)
             if decision.action == RESTORE:
@@ -83,15 +100,21 @@ class Recovery:
                 return decision
             join_at = decision.step
             remaining = deadline - time.monotonic()
-            log.warning("trainer %d: %s; asking again (joining at step %d) for up to %.0fs", tid,
-                        decision.message, join_at, remaining)
+            log.warning(
+                "trainer %d: %s; asking again (joining at step %d) for up to %.0fs",
+                tid,
+                decision.message,
+                join_at,
+                remaining,
+            )
             # Hello waits for a pserver that is down, not for one that disagrees: back off.
             time.sleep(max(0.0, min(backoff, remaining)))
             backoff = min(2 * backoff, 2.0)
             timeout = max(0.1, deadline - time.monotonic())
 
-    def heal(self, step: int, what: str, calls: Callable[[], object],
-             pull: Callable[[int], object]) -> Optional[Decision]:
+    def heal(
+        self, step: int, what: str, calls: Callable[[], object], pull: Callable[[int], object]
+    ) -> Optional[Decision]:
         """Run ``calls`` (``what``, at ``step``); on a failure that can heal, re-sync and go on.
 
         ``calls`` is retried (pushes are idempotent) until it goes through
@@ -125,15 +148,24 @@ class Recovery:
         deadline, or restarted without a checkpoint (its parameters are lost).
         """
         tid = self.channels.trainer_id
-        log.warning("trainer %d: %s failed (%s); waiting up to %.0fs for the pservers", tid, what, failure,
-                    max(0.0, deadline - time.monotonic()))
+        log.warning(
+            "trainer %d: %s failed (%s); waiting up to %.0fs for the pservers",
+            tid,
+            what,
+            failure,
+            max(0.0, deadline - time.monotonic()),
+        )
         known, join_at = self.incarnations, 0
         while True:
             answers = states(self.channels.hello(max(0.1, deadline - time.monotonic()), join_at=join_at))
             decision = decide.after_failure(self.sync_mode, known, step, answers, self.push_endpoints)
             for ep in decision.restarted:
-                log.warning("trainer %d: pserver %s restarted (from the checkpoint at step %d)", tid, ep,
-                            answers[ep].checkpoint_step)
+                log.warning(
+                    "trainer %d: pserver %s restarted (from the checkpoint at step %d)",
+                    tid,
+                    ep,
+                    answers[ep].checkpoint_step,
+                )
             if decision.action == FAIL:
                 raise PserverError(", ".join(decision.endpoints), decision.message, REFUSED)
             if decision.action == RESTORE:
@@ -141,16 +173,21 @@ class Recovery:
                 if self._restore_or_ask_again(decision, deadline):
                     self.incarnations = known = {ep: a.incarnation for ep, a in answers.items()}
                 # Interrupted, ``known`` stays: its restarts are no news to the next answers, yet some pserver
-                # has not heard of them; forgotten, another trainer's roll-back for one of them could reach that
-                # pserver after it went on with this trainer, and roll it back behind this trainer's back.
-                # Their answers predate the roll-back: ask again.
+                # has not heard of them; forgotten, another trainer's roll-back for one of them could reach
+                # that pserver after it went on with this trainer, and roll it back behind this trainer's
+                # back. Their answers predate the roll-back: ask again.
                 continue
             self.incarnations = known = {ep: a.incarnation for ep, a in answers.items()}
             if decision.action == SKIP and decision.endpoints and join_at != decision.step:
                 # A pserver a step behind waits for this trainer's push of a step it skips: say
                 # where it starts (it then finishes that step without it), and decide on the answers.
-                log.warning("trainer %d: %s a step behind the other pservers; telling them this trainer "
-                            "rejoins at step %d", tid, ", ".join(decision.endpoints), decision.step)
+                log.warning(
+                    "trainer %d: %s a step behind the other pservers; telling them this trainer "
+                    "rejoins at step %d",
+                    tid,
+                    ", ".join(decision.endpoints),
+                    decision.step,
+                )
                 join_at = decision.step
                 continue
             break
@@ -158,33 +195,50 @@ class Recovery:
         return decision
 
     def _restore_or_ask_again(self, decision: Decision, deadline: float) -> bool:
-        """Roll ``decision.endpoints`` back to the checkpoint at ``decision.step``, in parallel, each with its tokens.
+        """Roll ``decision.endpoints`` back to the checkpoint at ``decision.step``, in parallel, each with
+        its tokens.
 
-        Returns whether every pserver answered. A pserver lost meanwhile fails
-        the roll-back in a way that can heal (False): the caller asks everyone
-        again, and its restart is a new decision, until ``deadline``.
+        Returns whether every pserver answered. A pserver lost meanwhile fails the roll-back in a way that
+        can heal (False): the caller asks everyone again, and its restart is a new decision, until
+        ``deadline``.
         """
+
         def restore(ep: str) -> None:
             for token in decision.tokens_for(ep):
                 self.channels[ep].restore(decision.step, token)
+
         try:
             self.channels.run_parallel({ep: functools.partial(restore, ep) for ep in decision.endpoints})
             return True
         except PserverError as e:
             if not recoverable(e) or time.monotonic() > deadline:
                 raise
-            log.warning("trainer %d: roll-back to step %d interrupted (%s); asking the pservers again",
-                        self.channels.trainer_id, decision.step, e)
+            log.warning(
+                "trainer %d: roll-back to step %d interrupted (%s); asking the pservers again",
+                self.channels.trainer_id,
+                decision.step,
+                e,
+            )
             return False
 
 
 def _log_decision(trainer_id: int, decision: Decision, step: int) -> None:
     if decision.action == decide.SKIP:
-        log.warning("trainer %d: the other trainers went on without this one (dropped after "
-                    "heartbeat_timeout?); rejoining at step %d", trainer_id, decision.step)
+        log.warning(
+            "trainer %d: the other trainers went on without this one (dropped after "
+            "heartbeat_timeout?); rejoining at step %d",
+            trainer_id,
+            decision.step,
+        )
     elif decision.action == decide.ROLLBACK:
-        log.warning("trainer %d: every pserver is back at the checkpoint of step %d; steps %d..%d are "
-                    "redone from data position epoch %d batch %d", trainer_id, decision.step, decision.step,
-                    step, *decision.position)
+        log.warning(
+            "trainer %d: every pserver is back at the checkpoint of step %d; steps %d..%d are "
+            "redone from data position epoch %d batch %d",
+            trainer_id,
+            decision.step,
+            decision.step,
+            step,
+            *decision.position,
+        )
     else:
         log.info("trainer %d: pservers are back; retrying step %d", trainer_id, step)

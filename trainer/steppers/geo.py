@@ -16,6 +16,7 @@ The optimizer's state (momentum, Adam's moments) lives here and survives
 syncs; a trainer killed between syncs loses its unsynced steps (at most
 ``k_steps``) and that state, and resumes from its last sync's data position.
 """
+
 from __future__ import annotations
 
 from typing import Dict, Optional
@@ -31,7 +32,8 @@ from .transfers import StepPush
 
 
 class GeoStepper(Stepper):
-    """One trainer process in GEO mode (see the module doc). Holds one copy of the dense parameters (the base)."""
+    """One trainer process in GEO mode (see the module doc). Holds one copy of the dense parameters (the
+    base)."""
 
     def __init__(self, *args):
         super().__init__(*args, touched=TouchedRows())
@@ -82,18 +84,27 @@ class GeoStepper(Stepper):
             self.resynced(resync)
 
     def _sync(self, step: int, position, plan: Optional[NextBatchPlan] = None) -> Optional[Decision]:
-        """Push the change since the last sync as ``step``'s push, pull the sum; None, or the decision that moved us.
+        """Push the change since the last sync as ``step``'s push, pull the sum; None, or the decision that
+        moved us.
 
         ``plan``: the next batch's ids, asked with the push (their rows as of after it).
         """
         with torch.no_grad():
-            for name, p in self.params.items():  # the blocks push what they read as gradients: here, the change
+            for (
+                name,
+                p,
+            ) in self.params.items():  # the blocks push what they read as gradients: here, the change
                 p.grad = p.detach() - self.base[name]
         deltas = self.tables.route_gradients(self.tables.touched.take_deltas()) if self.program.tables else {}
         next_batch = self.tables.ask_next_batch(plan) if plan is not None else None
         next_rows = {ep: {} for ep in self.push_endpoints}
-        push = StepPush(step, position, self.gradients(deltas, next_batch.ids if next_batch is not None else {}),
-                        next_batch, next_rows)
+        push = StepPush(
+            step,
+            position,
+            self.gradients(deltas, next_batch.ids if next_batch is not None else {}),
+            next_batch,
+            next_rows,
+        )
         resync = self.push(push)
         self.model.zero_grad(set_to_none=True)
         self._rebase()
@@ -112,7 +123,8 @@ class GeoStepper(Stepper):
                     self.base[name] = p.detach().clone()
 
     def flush(self) -> None:
-        """Sync now if this trainer trained since its last sync (its last step's push, at its data position)."""
+        """Sync now if this trainer trained since its last sync (its last step's push, at its data
+        position)."""
         if self.unsynced:
             resync = self._sync(self.state.step - 1, self.state.position)
             if resync is not None:
@@ -123,7 +135,8 @@ class GeoStepper(Stepper):
         self._rebase()
 
     def resynced(self, outcome: Decision) -> None:
-        """Healing pulled the pservers' parameters: the rows and changes trained since the last sync are gone."""
+        """Healing pulled the pservers' parameters: the rows and changes trained since the last sync are
+        gone."""
         super().resynced(outcome)
         self.tables.touched.clear()
         self._rebase()

@@ -12,6 +12,7 @@ pushes its gradients naming the step's trainers; dropped, it pushes nothing
 but the next batch's ids, and goes on from the step the pservers stand at
 once it applied (no roll-back).
 """
+
 from __future__ import annotations
 
 import functools
@@ -32,7 +33,8 @@ class LocalStepper(Stepper):
 
     def __init__(self, *args, push_during_backward: bool = False):
         super().__init__(*args)
-        # Streams opened during backward: per pserver, the rows asked ahead (known at step()) and where they land.
+        # Streams opened during backward: per pserver, the rows asked ahead (known at step()) and where they
+        # land.
         self._stream_rows: Dict[str, Tuple[RowShapes, Dict[str, torch.Tensor]]] = {}
         self.overlap: Optional[BackwardPush] = None
         if push_during_backward:
@@ -66,7 +68,9 @@ class LocalStepper(Stepper):
                 next_rows[ep] = stream_landed
             first = functools.partial(streams.finish, gradients.tail)
         admitted = tuple(claim.trainers) if claim is not None and claim.admitted else ()
-        push = StepPush(step, position, gradients, next_batch, next_rows, step_trainers=admitted, dropped=dropped)
+        push = StepPush(
+            step, position, gradients, next_batch, next_rows, step_trainers=admitted, dropped=dropped
+        )
         resync = self.push(push, first)
         if next_batch is not None and resync is None:
             self.tables.take_next_batch_rows(next_rows)
@@ -80,22 +84,36 @@ class LocalStepper(Stepper):
             self.state.advance(step + 1, position)
 
     def _claim(self, step: int):
-        """Backup trainers: the first pserver's verdict on this trainer's ``step`` (ClaimReply); False if healing
-        the call moved the trainer to another step (re-synced here)."""
+        """Backup trainers: the first pserver's verdict on this trainer's ``step`` (ClaimReply); False if
+        healing the call moved the trainer to another step (re-synced here)."""
         verdict = []
         decider = self.program.pservers[0]
-        outcome = self._heal(step, f"claim of step {step}", lambda: verdict.append(self.channels[decider].claim(step)))
+        outcome = self._heal(
+            step, f"claim of step {step}", lambda: verdict.append(self.channels[decider].claim(step))
+        )
         if outcome is not None:
             self.resynced(outcome)
             return False
         return verdict[-1]
 
     def _start_stream(self, endpoint: str, tensors: Iterator[Named]) -> futures.Future:
-        """Open this step's push to ``endpoint`` fed by ``tensors`` as backward produces them (BackwardPush)."""
+        """Open this step's push to ``endpoint`` fed by ``tensors`` as backward produces them
+        (BackwardPush)."""
         step, position = self.state.step, self.state.next_position()
         asked, landed = self._stream_rows[endpoint] = ({}, {})  # rows asked ahead join at step()
-        return self.channels.submit(functools.partial(self.transfers.push_pull, endpoint, step, tensors, position,
-                                                      None, asked, landed, during_backward=True))
+        return self.channels.submit(
+            functools.partial(
+                self.transfers.push_pull,
+                endpoint,
+                step,
+                tensors,
+                position,
+                None,
+                asked,
+                landed,
+                during_backward=True,
+            )
+        )
 
     def _abandon(self) -> None:
         if self.overlap is not None:

@@ -1,18 +1,17 @@
-"""NodeStepper: one local process of a trainer node; the node's processes join, step, pull and heal as one trainer.
+"""NodeStepper: one local process of a trainer node; the node's processes join, step, pull and heal as one
+trainer.
 
-Local rank 0 (the *leader*) speaks for the node where one voice is needed:
-it says Hello to every pserver (the sessions it gets are shared by all local
-ranks), heartbeats, re-syncs after a failure and sends Close. Everything else
-is split: each local rank pushes and pulls the blocks of its own pservers
+Local rank 0 (the *leader*) speaks for the node where one voice is needed: it says Hello to every pserver
+(the sessions it gets are shared by all local ranks), heartbeats, re-syncs after a failure and sends Close.
+Everything else is split: each local rank pushes and pulls the blocks of its own pservers
 (:class:`~trainer.node.group.NodeGroup`), and looks up its own batch's table rows.
 
-A failure anywhere reaches every local rank through the status slots of the
-step's collectives, so they all take the same way on: a retry of the step's
-transfers (pushes are idempotent), or the leader's re-sync, whose decision,
-sessions and parameters it broadcasts. A lookup that failed spoils its
-batch: the node then pushes nothing and trains the batch again
-(``Trainer.batches`` replays it).
+A failure anywhere reaches every local rank through the status slots of the step's collectives, so they all
+take the same way on: a retry of the step's transfers (pushes are idempotent), or the leader's re-sync,
+whose decision, sessions and parameters it broadcasts. A lookup that failed spoils its batch: the node then
+pushes nothing and trains the batch again (``Trainer.batches`` replays it).
 """
+
 from __future__ import annotations
 
 import functools
@@ -40,10 +39,12 @@ REPLAY = "replay"
 
 
 class NodeStepper(Stepper):
-    """A local rank of a trainer node (``local_world_size`` >= 2): reduce in the node, push its share, gather."""
+    """A local rank of a trainer node (``local_world_size`` >= 2): reduce in the node, push its share,
+    gather."""
 
-    def __init__(self, *args, local_rank: int, local_world_size: int, device: torch.device,
-                 init_method: Optional[str]):
+    def __init__(
+        self, *args, local_rank: int, local_world_size: int, device: torch.device, init_method: Optional[str]
+    ):
         super().__init__(*args)
         cfg = self.program.config
         trainer_id = self.program.trainer_id
@@ -51,8 +52,15 @@ class NodeStepper(Stepper):
         self._own_group = not torch.distributed.is_initialized()
         # Local ranks wait in collectives while their leader re-syncs or a barrier holds: allow for both.
         timeout = max(cfg.barrier_timeout, cfg.recovery_timeout) + cfg.rpc_timeout
-        group = join_group(rendezvous.init_method, local_rank, local_world_size, device, timeout,
-                           f"trainer node {trainer_id} local rank {local_rank}", store=rendezvous.store)
+        group = join_group(
+            rendezvous.init_method,
+            local_rank,
+            local_world_size,
+            device,
+            timeout,
+            f"trainer node {trainer_id} local rank {local_rank}",
+            store=rendezvous.store,
+        )
         try:
             layout = Layout(self.blocks.by_endpoint, self.program.pservers, local_world_size)
             self.group = NodeGroup(trainer_id, local_rank, layout, device, group)
@@ -70,6 +78,7 @@ class NodeStepper(Stepper):
 
     def join(self) -> None:
         """The leader joins (Hello, first pull); every rank gets its step, data position and parameters."""
+
         def joined():
             super(NodeStepper, self).join()
             return self.state.step, self.state.position, self.channels.sessions()
@@ -80,7 +89,8 @@ class NodeStepper(Stepper):
         self.group.broadcast_params(self.blocks.view)
 
     def fetch_rows(self, fetch: RowFetch, min_updates: int) -> RowsByPserver:
-        """A lookup of one local rank: a failure spoils the batch (zero rows), and the node heals at step()."""
+        """A lookup of one local rank: a failure spoils the batch (zero rows), and the node heals at
+        step()."""
         try:
             return self.transfers.prefetch_all(fetch, min_updates)
         except PserverError as e:
@@ -104,7 +114,8 @@ class NodeStepper(Stepper):
         self.state.rewind()  # batches() trains the batch again (moved or not)
 
     def _step(self, step: int, position: Position, lookup_error: Optional[PserverError]):
-        """None when the step went through, REPLAY when the batch is trained again, or the Decision that moved."""
+        """None when the step went through, REPLAY when the batch is trained again, or the Decision that
+        moved."""
         share, failed = self.group.reduce_grads(self.blocks.grad_rows, lookup_error is not None)
         if failed:
             return self._replay(step, lookup_error)
@@ -118,18 +129,24 @@ class NodeStepper(Stepper):
         return self.push(StepPush(step, position, grads, blocks_into=self.group.param_dest))
 
     def _table_grads(self) -> TensorsByPserver:
-        """The node's merged table gradients routed per pserver (a collective: every rank, after the dense reduce)."""
+        """The node's merged table gradients routed per pserver (a collective: every rank, after the dense
+        reduce)."""
         if not self.program.tables:
             return {}
         dims = {t.name: (t.dim, getattr(torch, t.dtype)) for t in self.program.tables}
-        return self.tables.route_gradients(self.group.merge_table_grads(self.tables.take_table_gradients(), dims))
+        return self.tables.route_gradients(
+            self.group.merge_table_grads(self.tables.take_table_gradients(), dims)
+        )
 
     def pull(self) -> None:
         """Each rank pulls its pservers' blocks; the node gathers them (healing as one)."""
         step = self.state.step
         mine = [ep for ep in self.group.endpoints if ep in self.blocks.by_endpoint]
-        outcome = self._heal(step, f"pull at step {step}", functools.partial(
-            self.transfers.pull_all, self._min_updates(), mine, self.group.param_dest))
+        outcome = self._heal(
+            step,
+            f"pull at step {step}",
+            functools.partial(self.transfers.pull_all, self._min_updates(), mine, self.group.param_dest),
+        )
         if outcome is not None:
             self.resynced(outcome)
 
@@ -154,8 +171,10 @@ class NodeStepper(Stepper):
             if worst == FATAL:
                 if error is not None and not recoverable(error):
                     raise error
-                raise NodeError(f"trainer node {self.node_id}: {what} failed on another local rank with an "
-                                f"error that does not heal (its log says which)")
+                raise NodeError(
+                    f"trainer node {self.node_id}: {what} failed on another local rank with an "
+                    f"error that does not heal (its log says which)"
+                )
             if deadline is None:
                 deadline = time.monotonic() + self.recovery_timeout
             decision = self._resync(error, step, deadline, what)
@@ -167,15 +186,21 @@ class NodeStepper(Stepper):
         deadline = time.monotonic() + self.recovery_timeout
         what = f"a lookup at step {step}"
         decision = self._resync(error, step, deadline, what)
-        log.warning("trainer node %d, local rank %d: %s failed; the batch is trained again", self.node_id,
-                    self.group.rank, what)
+        log.warning(
+            "trainer node %d, local rank %d: %s failed; the batch is trained again",
+            self.node_id,
+            self.group.rank,
+            what,
+        )
         return REPLAY if decision.action == RETRY else self._move(decision, what)
 
     def _resync(self, error: Optional[PserverError], step: int, deadline: float, what: str) -> Decision:
         """The leader waits for the pservers and decides; every rank gets the decision and sessions."""
+
         def decide():
-            failure = error or PserverError(f"trainer node {self.node_id}", f"{what} failed on another local "
-                                            f"rank", DOWN)
+            failure = error or PserverError(
+                f"trainer node {self.node_id}", f"{what} failed on another local rank", DOWN
+            )
             return self.recovery.resync(failure, step, deadline, what), self.channels.sessions()
 
         decision, sessions = self._from_leader(what, decide)
@@ -184,9 +209,11 @@ class NodeStepper(Stepper):
 
     def _move(self, decision: Decision, what: str) -> Decision:
         """The leader pulls the parameters of the step the decision moves to; every rank gets them."""
+
         def pull():
-            outcome = self.recovery.heal(decision.step, what, lambda: self.transfers.pull_all(decision.step),
-                                         self.transfers.pull_all)
+            outcome = self.recovery.heal(
+                decision.step, what, lambda: self.transfers.pull_all(decision.step), self.transfers.pull_all
+            )
             return outcome or decision, self.channels.sessions()
 
         final, sessions = self._from_leader(what, pull)
@@ -205,8 +232,10 @@ class NodeStepper(Stepper):
                 raise
         kind, value = self.group.broadcast(result)
         if kind == "error":
-            raise NodeError(f"trainer node {self.node_id}, local rank {self.group.rank}: {what} failed on "
-                            f"local rank 0: {value}")
+            raise NodeError(
+                f"trainer node {self.node_id}, local rank {self.group.rank}: {what} failed on "
+                f"local rank 0: {value}"
+            )
         return value
 
     def leader_does(self, what: str, fn: Callable[[], object]):
@@ -219,7 +248,8 @@ class NodeStepper(Stepper):
             self.group.barrier(f"trainer node {self.node_id} closing")
 
     def close(self, timeout: Optional[float]) -> None:
-        """The leader of a node that did not fail closes; a failed node does not, so pservers wait for its restart."""
+        """The leader of a node that did not fail closes; a failed node does not, so pservers wait for its
+        restart."""
         try:
             super().close(timeout if self.group.is_leader and not self.group.failed else None)
         finally:

@@ -16,6 +16,7 @@ the way out (``DistributeTranspilerConfig(push_during_backward=False)``).
 Opt-in (``push_during_backward=True``): it pays where the transfer is wire
 time; where it is CPU (gRPC Python on few cores) it competes with backward.
 """
+
 from __future__ import annotations
 
 import logging
@@ -45,8 +46,13 @@ class BackwardPush:
     the trainer binds the step, the data position and where the answer lands.
     """
 
-    def __init__(self, blocks: LocalBlocks, model: torch.nn.Module, endpoints: List[str],
-                 start: Callable[[str, Iterator[Tuple[str, torch.Tensor]]], futures.Future]):
+    def __init__(
+        self,
+        blocks: LocalBlocks,
+        model: torch.nn.Module,
+        endpoints: List[str],
+        start: Callable[[str, Iterator[Tuple[str, torch.Tensor]]], futures.Future],
+    ):
         self._blocks = blocks
         self._endpoints = list(endpoints)
         self._start = start
@@ -58,8 +64,12 @@ class BackwardPush:
         for b in blocks.by_name.values():
             by_param.setdefault(b.param, []).append(b)
         params = dict(model.named_parameters())
-        self._handles = [params[name].register_post_accumulate_grad_hook(
-            lambda p, name=name, bs=tuple(bs): self._ready(name, p, bs)) for name, bs in by_param.items()]
+        self._handles = [
+            params[name].register_post_accumulate_grad_hook(
+                lambda p, name=name, bs=tuple(bs): self._ready(name, p, bs)
+            )
+            for name, bs in by_param.items()
+        ]
 
     @property
     def started(self) -> bool:
@@ -71,10 +81,12 @@ class BackwardPush:
             return
         if name in self._done:
             self.abort()
-            raise RuntimeError(f"parameter {name!r} got a second gradient in one step (several backward "
-                               f"passes before tr.step()?): its blocks were already pushed. Set "
-                               f"DistributeTranspilerConfig(push_during_backward=False) to accumulate "
-                               f"gradients over several backward passes")
+            raise RuntimeError(
+                f"parameter {name!r} got a second gradient in one step (several backward "
+                f"passes before tr.step()?): its blocks were already pushed. Set "
+                f"DistributeTranspilerConfig(push_during_backward=False) to accumulate "
+                f"gradients over several backward passes"
+            )
         self._done.add(name)
         if self._queues is None:
             self._queues = {ep: queue.Queue() for ep in self._endpoints}

@@ -7,6 +7,7 @@ buffers and are installed by the next ``step()`` (or ``pull()``,
 without the pipeline. The next batch's table rows are fetched on the feed's
 thread while the current batch trains (``read_ahead``).
 """
+
 from __future__ import annotations
 
 from concurrent import futures
@@ -45,7 +46,8 @@ class PipelinedStepper(Stepper):
         self.state.advance(step + 1, position)
 
     def plan_next_batch(self, ids: Dict[str, object]) -> NextBatchPlan:
-        """The next batch's ids deduplicated and routed, and its rows fetched now (as of the latest updates)."""
+        """The next batch's ids deduplicated and routed, and its rows fetched now (as of the latest
+        updates)."""
         return self.tables.plan_next_batch(ids, self.transfers.prefetch_all)
 
     def flush(self) -> None:

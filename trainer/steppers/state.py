@@ -1,4 +1,5 @@
 """StepState: where a trainer stands (its step and data position), shared by the parts that move it."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass

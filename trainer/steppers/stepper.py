@@ -20,6 +20,7 @@ gradients and fetches their rows), and heals a failed call through
 to every pserver in parallel and healed; a lookup's rows come through
 :meth:`Stepper.fetch_rows`, healed the same way.
 """
+
 from __future__ import annotations
 
 import functools
@@ -45,8 +46,16 @@ TakeNextPlan = Callable[[], Optional[NextBatchPlan]]
 class Stepper(ABC):
     """How one trainer process steps, pulls and fetches rows (see the module doc)."""
 
-    def __init__(self, program: TrainerProgram, model: torch.nn.Module, channels: Channels, blocks: LocalBlocks,
-                 recovery: Recovery, state: StepState, touched: Optional[TouchedRows] = None):
+    def __init__(
+        self,
+        program: TrainerProgram,
+        model: torch.nn.Module,
+        channels: Channels,
+        blocks: LocalBlocks,
+        recovery: Recovery,
+        state: StepState,
+        touched: Optional[TouchedRows] = None,
+    ):
         self.program = program
         self.model = model
         self.channels = channels
@@ -56,7 +65,9 @@ class Stepper(ABC):
         self.sync_mode = program.sync_mode
         self.push_endpoints: List[str] = recovery.push_endpoints
         self.transfers = Transfers(channels, blocks)
-        self.tables = TableClient(program.tables, program.pservers, self.fetch_rows, self._min_updates, touched)
+        self.tables = TableClient(
+            program.tables, program.pservers, self.fetch_rows, self._min_updates, touched
+        )
 
     @property
     def speaks_for_trainer(self) -> bool:
@@ -78,7 +89,9 @@ class Stepper(ABC):
         joined = self.recovery.join()
         self.state.advance(joined.step, joined.position)
         step = joined.step
-        outcome = self.recovery.heal(step, "joining", lambda: self.transfers.pull_all(step), self.transfers.pull_all)
+        outcome = self.recovery.heal(
+            step, "joining", lambda: self.transfers.pull_all(step), self.transfers.pull_all
+        )
         if outcome is not None:
             self.resynced(outcome)
 
@@ -101,19 +114,24 @@ class Stepper(ABC):
         the push went through). ``first``: what the first attempt does instead
         (ending the streams opened during backward, which cannot be resent).
         """
-        attempts = itertools.chain([first] if first is not None else [],
-                                   itertools.repeat(functools.partial(self.transfers.push_all, push)))
+        attempts = itertools.chain(
+            [first] if first is not None else [],
+            itertools.repeat(functools.partial(self.transfers.push_all, push)),
+        )
         return self._heal(push.step, f"step {push.step}", lambda: next(attempts)())
 
     def _heal(self, step: int, what: str, calls: Callable[[], object]) -> Optional[Decision]:
-        """Run ``calls`` (``what``, at ``step``), healing failures: None, or the decision that moved the trainer."""
+        """Run ``calls`` (``what``, at ``step``), healing failures: None, or the decision that moved the
+        trainer."""
         return self.recovery.heal(step, what, calls, self.transfers.pull_all)
 
     def pull(self) -> None:
         """Refresh the parameters (sync: as of the current step; async: latest), healing as a step does."""
         self.flush()
         step = self.state.step
-        outcome = self._heal(step, f"pull at step {step}", lambda: self.transfers.pull_all(self._min_updates()))
+        outcome = self._heal(
+            step, f"pull at step {step}", lambda: self.transfers.pull_all(self._min_updates())
+        )
         if outcome is not None:
             self.resynced(outcome)
 
@@ -126,8 +144,11 @@ class Stepper(ABC):
         """
         fetched: RowsByPserver = {}
         step = self.state.step
-        outcome = self._heal(step, f"lookup at step {step}",
-                             lambda: fetched.update(self.transfers.prefetch_all(fetch, min_updates)))
+        outcome = self._heal(
+            step,
+            f"lookup at step {step}",
+            lambda: fetched.update(self.transfers.prefetch_all(fetch, min_updates)),
+        )
         if outcome is None:
             return fetched
         self.resynced(outcome)
@@ -138,20 +159,27 @@ class Stepper(ABC):
         """The next batch's ``{table: ids}`` made ready to send with this step's push (the feed's thread)."""
         return self.tables.plan_next_batch(ids)
 
-    def _next_plan(self, prefetch: Optional[Dict[str, object]],
-                   take_next_plan: TakeNextPlan) -> Optional[NextBatchPlan]:
-        """The next batch's ids to send with this step: ``prefetch`` given to step(), or what the feed planned."""
+    def _next_plan(
+        self, prefetch: Optional[Dict[str, object]], take_next_plan: TakeNextPlan
+    ) -> Optional[NextBatchPlan]:
+        """The next batch's ids to send with this step: ``prefetch`` given to step(), or what the feed
+        planned."""
         if prefetch and self.program.tables:
             return self.plan_next_batch(prefetch)
         return take_next_plan()
 
     def gradients(self, tables: TensorsByPserver, next_ids: TensorsByPserver) -> GatheredGradients:
-        """Per pserver pushed to: its blocks' gradients (read when sent), the ``tables``', then ``next_ids``."""
-        return GatheredGradients(self.blocks, self.push_endpoints,
-                                 {ep: tables.get(ep, []) + next_ids.get(ep, []) for ep in self.push_endpoints})
+        """Per pserver pushed to: its blocks' gradients (read when sent), the ``tables``', then
+        ``next_ids``."""
+        return GatheredGradients(
+            self.blocks,
+            self.push_endpoints,
+            {ep: tables.get(ep, []) + next_ids.get(ep, []) for ep in self.push_endpoints},
+        )
 
     def _discarded(self) -> bool:
-        """Drop this batch's step if a lookup of it re-synced (:meth:`StepState.discard_batch`); whether it did."""
+        """Drop this batch's step if a lookup of it re-synced (:meth:`StepState.discard_batch`); whether it
+        did."""
         if not self.state.take_discarded():
             return False
         self._abandon()
@@ -173,7 +201,8 @@ class Stepper(ABC):
         """Wait until the steps taken so far reached the pservers (a pipeline sends in the background)."""
 
     def leader_does(self, what: str, fn: Callable[[], object]):
-        """``fn()`` once for the trainer (checkpoint, save_tables); on a node, the leader's result everywhere."""
+        """``fn()`` once for the trainer (checkpoint, save_tables); on a node, the leader's result
+        everywhere."""
         return fn()
 
     def finish(self) -> None:
@@ -181,7 +210,8 @@ class Stepper(ABC):
         self.flush()
 
     def close(self, timeout: Optional[float]) -> None:
-        """Release the connections: ``Close`` every pserver, retrying up to ``timeout`` s (None: tell none)."""
+        """Release the connections: ``Close`` every pserver, retrying up to ``timeout`` s (None: tell
+        none)."""
         if timeout is None:
             self.channels.shutdown()
         else:

@@ -7,6 +7,7 @@ pipeline's staging buffers (:meth:`LocalBlocks.stage`), or a node's flat
 parameter buffer (``NodeGroup.param_dest``). Table rows asked ahead with a
 push land in new tensors of the push's ``next_rows`` (:class:`BlocksAndNextRows`).
 """
+
 from __future__ import annotations
 
 import functools
@@ -52,12 +53,12 @@ class StepPush:
 
 
 class GatheredGradients(Mapping[str, NamedTensors]):
-    """Per pserver of ``endpoints``: its blocks' gradients, read when the push is sent, then its tensors of ``tail``.
+    """Per pserver of ``endpoints``: its blocks' gradients, read when the push is sent, then its tensors of
+    ``tail``.
 
-    ``tail``: the tables' gradients and the next batch's ids. Read when sent,
-    so a push whose blocks streamed during backward reads them only to send
-    them again; a push sent later (the async pipeline) gathers them at once
-    (``dict(...)``), before the next backward.
+    ``tail``: the tables' gradients and the next batch's ids. Read when sent, so a push whose blocks
+    streamed during backward reads them only to send them again; a push sent later (the async pipeline)
+    gathers them at once (``dict(...)``), before the next backward.
     """
 
     def __init__(self, blocks: LocalBlocks, endpoints: Sequence[str], tail: TensorsByPserver):
@@ -77,17 +78,27 @@ class GatheredGradients(Mapping[str, NamedTensors]):
 
 
 class BlocksAndNextRows:
-    """A push answer's destination: blocks where ``blocks_into`` says, and the rows asked ahead in new tensors.
+    """A push answer's destination: blocks where ``blocks_into`` says, and the rows asked ahead in new
+    tensors.
 
-    ``next_rows`` ({rows wire name: (dtype, shape)}) may grow until the
-    answer comes (a push streamed during backward learns the next batch's
-    ids at ``step()``); each of those lands in a new tensor stored in
-    ``landed``, every other name in ``blocks_into``.
+    ``next_rows`` ({rows wire name: (dtype, shape)}) may grow until the answer comes (a push streamed
+    during backward learns the next batch's ids at ``step()``); each of those lands in a new tensor stored
+    in ``landed``, every other name in ``blocks_into``.
     """
 
-    def __init__(self, blocks: LocalBlocks, blocks_into: DecodeInto, next_rows: RowShapes,
-                 landed: Dict[str, torch.Tensor]):
-        self._blocks, self._blocks_into, self._next_rows, self._landed = blocks, blocks_into, next_rows, landed
+    def __init__(
+        self,
+        blocks: LocalBlocks,
+        blocks_into: DecodeInto,
+        next_rows: RowShapes,
+        landed: Dict[str, torch.Tensor],
+    ):
+        self._blocks, self._blocks_into, self._next_rows, self._landed = (
+            blocks,
+            blocks_into,
+            next_rows,
+            landed,
+        )
 
     def dtype_and_shape(self, name: str) -> Optional[tuple]:
         """(dtype, shape) of block or rows ``name``; None if neither."""
@@ -109,41 +120,74 @@ class Transfers:
         self.blocks = blocks
 
     def pull(self, endpoint: str, min_updates: int, blocks_into: Optional[DecodeInto] = None) -> int:
-        """``endpoint``'s blocks once it applied ``min_updates``, into ``blocks_into`` (default: the parameters).
+        """``endpoint``'s blocks once it applied ``min_updates``, into ``blocks_into`` (default: the
+        parameters).
 
         Returns the updates the pserver had applied.
         """
         landing = self.blocks.landing() if blocks_into is None else None
         names = [b.name for b in self.blocks.by_endpoint[endpoint]]
-        updates = self.channels[endpoint].pull(names, min_updates, self.blocks.dtype_and_shape, blocks_into or landing)
+        updates = self.channels[endpoint].pull(
+            names, min_updates, self.blocks.dtype_and_shape, blocks_into or landing
+        )
         if landing is not None:
             landing.install()
         return updates
 
-    def pull_all(self, min_updates: int, endpoints: Optional[Sequence[str]] = None,
-                 blocks_into: Optional[DecodeInto] = None) -> None:
+    def pull_all(
+        self,
+        min_updates: int,
+        endpoints: Optional[Sequence[str]] = None,
+        blocks_into: Optional[DecodeInto] = None,
+    ) -> None:
         """The blocks of ``endpoints`` (default: every pserver's), all pservers in parallel."""
         endpoints = self.blocks.by_endpoint if endpoints is None else endpoints
-        self.channels.run_parallel({ep: functools.partial(self.pull, ep, min_updates, blocks_into) for ep in endpoints})
+        self.channels.run_parallel(
+            {ep: functools.partial(self.pull, ep, min_updates, blocks_into) for ep in endpoints}
+        )
 
     def push_all(self, push: StepPush) -> None:
         """Push ``push`` to every pserver it goes to, in parallel; each answer lands where it says."""
         asked = push.next_batch.rows if push.next_batch is not None else {}
-        push.answered.update(self.channels.run_parallel({ep: functools.partial(
-            self.push_pull, ep, push.step, tensors, push.position, push.blocks_into,
-            asked.get(ep, {}) if ep in push.next_rows else None, push.next_rows.get(ep),
-            step_trainers=push.step_trainers, dropped=push.dropped)
-            for ep, tensors in push.gradients.items()}))
+        push.answered.update(
+            self.channels.run_parallel(
+                {
+                    ep: functools.partial(
+                        self.push_pull,
+                        ep,
+                        push.step,
+                        tensors,
+                        push.position,
+                        push.blocks_into,
+                        asked.get(ep, {}) if ep in push.next_rows else None,
+                        push.next_rows.get(ep),
+                        step_trainers=push.step_trainers,
+                        dropped=push.dropped,
+                    )
+                    for ep, tensors in push.gradients.items()
+                }
+            )
+        )
 
-    def push_pull(self, endpoint: str, step: int, tensors: Iterable[Named], position: Position,
-                  blocks_into: Optional[DecodeInto] = None, next_rows: Optional[RowShapes] = None,
-                  landed: Optional[Dict[str, torch.Tensor]] = None, during_backward: bool = False,
-                  step_trainers: Sequence[int] = (), dropped: bool = False) -> int:
-        """Push ``step``'s ``tensors`` to ``endpoint``; fresh blocks land in ``blocks_into`` (default: the parameters).
+    def push_pull(
+        self,
+        endpoint: str,
+        step: int,
+        tensors: Iterable[Named],
+        position: Position,
+        blocks_into: Optional[DecodeInto] = None,
+        next_rows: Optional[RowShapes] = None,
+        landed: Optional[Dict[str, torch.Tensor]] = None,
+        during_backward: bool = False,
+        step_trainers: Sequence[int] = (),
+        dropped: bool = False,
+    ) -> int:
+        """Push ``step``'s ``tensors`` to ``endpoint``; fresh blocks land in ``blocks_into`` (default: the
+        parameters).
 
-        ``next_rows`` / ``landed``: table rows asked ahead with the push,
-        landing in ``landed`` (see :class:`BlocksAndNextRows`). ``during_backward``:
-        ``tensors`` come as backward produces them. Returns the updates the pserver had applied.
+        ``next_rows`` / ``landed``: table rows asked ahead with the push, landing in ``landed`` (see
+        :class:`BlocksAndNextRows`). ``during_backward``: ``tensors`` come as backward produces them.
+        Returns the updates the pserver had applied.
         """
         landing = self.blocks.landing() if blocks_into is None else None
         into = blocks_into or landing
@@ -152,22 +196,36 @@ class Transfers:
         if next_rows is not None:
             into = BlocksAndNextRows(self.blocks, into, next_rows, landed)
             dtype_and_shape = into.dtype_and_shape
-            answer_bytes += sum(math.prod(shape) * DTYPES[dtype].itemsize for dtype, shape in next_rows.values())
-        updates = self.channels[endpoint].push_pull(step, tensors, dtype_and_shape, into, position, during_backward,
-                                                    answer_bytes=None if during_backward else answer_bytes,
-                                                    step_trainers=step_trainers, dropped=dropped)
+            answer_bytes += sum(
+                math.prod(shape) * DTYPES[dtype].itemsize for dtype, shape in next_rows.values()
+            )
+        updates = self.channels[endpoint].push_pull(
+            step,
+            tensors,
+            dtype_and_shape,
+            into,
+            position,
+            during_backward,
+            answer_bytes=None if during_backward else answer_bytes,
+            step_trainers=step_trainers,
+            dropped=dropped,
+        )
         if landing is not None:
             landing.install()
         return updates
 
     def prefetch_all(self, fetch: RowFetch, min_updates: int) -> RowsByPserver:
-        """One prefetch round trip per pserver of ``fetch``, in parallel: {pserver: {rows wire name: rows}}."""
-        return self.channels.run_parallel({ep: functools.partial(self._prefetch, ep, fetch, min_updates)
-                                           for ep in fetch.ids})
+        """One prefetch round trip per pserver of ``fetch``, in parallel: {pserver: {rows wire name:
+        rows}}."""
+        return self.channels.run_parallel(
+            {ep: functools.partial(self._prefetch, ep, fetch, min_updates) for ep in fetch.ids}
+        )
 
     def _prefetch(self, endpoint: str, fetch: RowFetch, min_updates: int) -> Dict[str, torch.Tensor]:
         expected = fetch.rows[endpoint]
         rows = self.channels[endpoint].prefetch(min_updates, fetch.ids[endpoint], expected.get)
         if rows.keys() != expected.keys():
-            raise PserverError(endpoint, f"prefetch answer holds {sorted(rows)}, asked for {sorted(expected)}")
+            raise PserverError(
+                endpoint, f"prefetch answer holds {sorted(rows)}, asked for {sorted(expected)}"
+            )
         return rows

@@ -11,10 +11,20 @@
   :mod:`trainer.errors`' kinds; ``contact.py``: when a pserver last heard from this trainer;
   ``unary_future.py``: a unary call read later (Stats).
 """
+
 from .channel import PserverChannel
 from .channels import Channels, results_of
 from .status_codes import kind_of
 from .wire_paths import DecodeInto, DtypeAndShape, Named, NamedTensors, TensorsByPserver
 
-__all__ = ["Channels", "PserverChannel", "kind_of", "results_of", "DecodeInto", "DtypeAndShape", "Named", "NamedTensors",
-           "TensorsByPserver"]
+__all__ = [
+    "Channels",
+    "PserverChannel",
+    "kind_of",
+    "results_of",
+    "DecodeInto",
+    "DtypeAndShape",
+    "Named",
+    "NamedTensors",
+    "TensorsByPserver",
+]

@@ -1,10 +1,11 @@
-"""Channels: a trainer's channel to every pserver, the threads their calls run on, and what goes to all at once.
+"""Channels: a trainer's channel to every pserver, the threads their calls run on, and what goes to all at
+once.
 
-Transfers to different pservers run in parallel on a small thread pool (gRPC
-releases the GIL while bytes move): two calls per pserver may run at once,
-a step sent in the background (async pipeline) and the next step's prefetch;
-or a heartbeat, while the trainer is silent.
+Transfers to different pservers run in parallel on a small thread pool (gRPC releases the GIL while bytes
+move): two calls per pserver may run at once, a step sent in the background (async pipeline) and the next
+step's prefetch; or a heartbeat, while the trainer is silent.
 """
+
 from __future__ import annotations
 
 import functools
@@ -39,7 +40,8 @@ def results_of(calls: Dict[str, futures.Future]) -> Dict[str, object]:
 
 
 class Channels:
-    """A :class:`PserverChannel` per pserver of ``program`` (``channels[endpoint]``) and the pool their calls use."""
+    """A :class:`PserverChannel` per pserver of ``program`` (``channels[endpoint]``) and the pool their
+    calls use."""
 
     def __init__(self, program: TrainerProgram, security: Optional[Security] = None):
         cfg = program.config
@@ -49,17 +51,26 @@ class Channels:
         identity = TrainerIdentity(program.trainer_id, program.layout_digest, secrets.randbits(63) or 1)
         security = security if security is not None else Security.from_env()
         # Hot standby: a primary cut off by the network is noticed by keepalive pings, not TCP's timeout.
-        # Every call names its trainer process: the pserver notes it as a sign of life on arrival, queued or not.
-        open_channel = functools.partial(security.channel,
-                                         options=channel_options(cfg.chunk_bytes, fast_keepalive=program.replicated),
-                                         metadata=((TRAINER_METADATA, f"{program.trainer_id}:{identity.incarnation}"),))
+        # Every call names its trainer process: the pserver notes it as a sign of life on arrival, queued or
+        # not.
+        open_channel = functools.partial(
+            security.channel,
+            options=channel_options(cfg.chunk_bytes, fast_keepalive=program.replicated),
+            metadata=((TRAINER_METADATA, f"{program.trainer_id}:{identity.incarnation}"),),
+        )
         self.narrower = GradientNarrower(cfg.grad_wire_dtype)
         self._regions = RegionPool()
         groups = program.replica_groups
         blocks = {ep: {b.name: b.nbytes for b in program.blocks if b.endpoint == ep} for ep in self.endpoints}
-        self._by_endpoint = {ep: PserverChannel(ep, groups[ep], identity, cfg, open_channel, self._regions,
-                                                self.narrower, blocks[ep]) for ep in self.endpoints}
-        self._pool = futures.ThreadPoolExecutor(max_workers=2 * len(self.endpoints), thread_name_prefix="trainer-comm")
+        self._by_endpoint = {
+            ep: PserverChannel(
+                ep, groups[ep], identity, cfg, open_channel, self._regions, self.narrower, blocks[ep]
+            )
+            for ep in self.endpoints
+        }
+        self._pool = futures.ThreadPoolExecutor(
+            max_workers=2 * len(self.endpoints), thread_name_prefix="trainer-comm"
+        )
 
     def __getitem__(self, endpoint: str) -> PserverChannel:
         return self._by_endpoint[endpoint]
@@ -96,29 +107,37 @@ class Channels:
         trainer starts at that step: it finishes its own without waiting for it.
         """
         deadline = time.monotonic() + timeout
-        jobs = {ep: self._pool.submit(ch.hello, deadline, timeout, join_at) for ep, ch in self._by_endpoint.items()}
+        jobs = {
+            ep: self._pool.submit(ch.hello, deadline, timeout, join_at)
+            for ep, ch in self._by_endpoint.items()
+        }
         return {ep: job.result() for ep, job in jobs.items()}
 
     def close(self, timeout: float = 0.0) -> Dict[str, int]:
-        """Tell every pserver this trainer is done, then release everything; trainers left per pserver (-1: not told).
+        """Tell every pserver this trainer is done, then release everything; trainers left per pserver (-1:
+        not told).
 
-        A pserver that does not answer is asked again for up to ``timeout`` s
-        (see :meth:`PserverChannel.close`).
+        A pserver that does not answer is asked again for up to ``timeout`` s (see
+        :meth:`PserverChannel.close`).
         """
         deadline = time.monotonic() + timeout
         try:
-            return self.run_parallel({ep: functools.partial(ch.close, deadline)
-                                      for ep, ch in self._by_endpoint.items()})
+            return self.run_parallel(
+                {ep: functools.partial(ch.close, deadline) for ep, ch in self._by_endpoint.items()}
+            )
         finally:
             self.shutdown()
 
     def stats(self, timeout: float) -> Dict[str, Union[ps_pb2.StatsReply, PserverError]]:
-        """Every pserver's ``StatsReply`` (or the error that came instead), asked all at once, each within ``timeout`` s.
+        """Every pserver's ``StatsReply`` (or the error that came instead), asked all at once, each within
+        ``timeout`` s.
 
         Uses no pool thread: a push never waits behind an observer's call.
         """
         calls = {ep: ch.stats(timeout) for ep, ch in self._by_endpoint.items()}
-        futures.wait(calls.values(), timeout=timeout + 1.0)  # each call has its deadline; this bounds the wait too
+        futures.wait(
+            calls.values(), timeout=timeout + 1.0
+        )  # each call has its deadline; this bounds the wait too
         out: Dict[str, Union[ps_pb2.StatsReply, PserverError]] = {}
         for ep, call in calls.items():
             try:

@@ -1,4 +1,5 @@
 """Connection: one gRPC channel to one process of a pserver's shard, and the calls a trainer makes over it."""
+
 from __future__ import annotations
 
 from typing import Dict
@@ -9,8 +10,17 @@ from psproto import ps_pb2
 from psproto.wire import method_path
 
 from .shared_regions import RegionPool
-from .wire_paths import (DURING_BACKWARD, ONE_MESSAGE, SHARED_MEMORY, STREAM, DuringBackwardPath, OneMessagePath,
-                         SharedMemoryPath, StreamPath, WirePath)
+from .wire_paths import (
+    DURING_BACKWARD,
+    ONE_MESSAGE,
+    SHARED_MEMORY,
+    STREAM,
+    DuringBackwardPath,
+    OneMessagePath,
+    SharedMemoryPath,
+    StreamPath,
+    WirePath,
+)
 
 # The calls without tensors: method -> (request type, answer type).
 UNARY = {
@@ -27,28 +37,41 @@ UNARY = {
 
 
 class Connection:
-    """The calls over ``channel`` (to the process a pserver's calls go to now): unary, pull, and the wire paths.
+    """The calls over ``channel`` (to the process a pserver's calls go to now): unary, pull, and the wire
+    paths.
 
-    PushPull, Pull and Prefetch carry tensor bytes, encoded and decoded by
-    :mod:`psproto.codec` (the same wire format, fewer copies): their calls
-    pass raw bytes.
+    PushPull, Pull and Prefetch carry tensor bytes, encoded and decoded by :mod:`psproto.codec` (the same
+    wire format, fewer copies): their calls pass raw bytes.
     """
 
     def __init__(self, channel: grpc.Channel, chunk_bytes: int, regions: RegionPool, endpoint: str):
         self.channel = channel
-        self.unary = {name: channel.unary_unary(method_path(name), request_serializer=request.SerializeToString,
-                                                response_deserializer=answer.FromString)
-                      for name, (request, answer) in UNARY.items()}
-        self.pull = channel.unary_stream(method_path("Pull"), request_serializer=ps_pb2.PullRequest.SerializeToString)
+        self.unary = {
+            name: channel.unary_unary(
+                method_path(name),
+                request_serializer=request.SerializeToString,
+                response_deserializer=answer.FromString,
+            )
+            for name, (request, answer) in UNARY.items()
+        }
+        self.pull = channel.unary_stream(
+            method_path("Pull"), request_serializer=ps_pb2.PullRequest.SerializeToString
+        )
         push_pull = channel.stream_stream(method_path("PushPull"))
         self.push_pull_paths: Dict[str, WirePath] = {
-            SHARED_MEMORY: SharedMemoryPath(channel.unary_unary(method_path("PushPullShared")), regions, endpoint),
-            ONE_MESSAGE: OneMessagePath(channel.unary_unary(method_path("PushPullOne")), answer_streams=False),
+            SHARED_MEMORY: SharedMemoryPath(
+                channel.unary_unary(method_path("PushPullShared")), regions, endpoint
+            ),
+            ONE_MESSAGE: OneMessagePath(
+                channel.unary_unary(method_path("PushPullOne")), answer_streams=False
+            ),
             STREAM: StreamPath(push_pull, chunk_bytes),
             DURING_BACKWARD: DuringBackwardPath(push_pull, chunk_bytes),
         }
         self.prefetch_paths: Dict[str, WirePath] = {
-            ONE_MESSAGE: OneMessagePath(channel.unary_stream(method_path("PrefetchOne")), answer_streams=True),
+            ONE_MESSAGE: OneMessagePath(
+                channel.unary_stream(method_path("PrefetchOne")), answer_streams=True
+            ),
             STREAM: StreamPath(channel.stream_stream(method_path("Prefetch")), chunk_bytes),
         }
 

@@ -1,13 +1,13 @@
-"""Contact: when a pserver last heard from this trainer, as far as the trainer can tell (trainer/heartbeat.py).
+"""Contact: when a pserver last heard from this trainer, as far as the trainer can tell
+(trainer/heartbeat.py).
 
-A pserver notes every call as a sign of life on arrival, and a call it holds
-(a sync push parked in its barrier, a pull waiting for its step, a Reduce
-waiting for its round) is no silence to it: its ``drop_silent`` skips
-trainers with a parked call and counts the wait's end as heard. So, to the
-trainer, a call in flight is contact for as long as it lasts, and a call that
-answered is contact until its answer: a push that parks longer than a
-``heartbeat_interval`` brings no heartbeat.
+A pserver notes every call as a sign of life on arrival, and a call it holds (a sync push parked in its
+barrier, a pull waiting for its step, a Reduce waiting for its round) is no silence to it: its
+``drop_silent`` skips trainers with a parked call and counts the wait's end as heard. So, to the trainer, a
+call in flight is contact for as long as it lasts, and a call that answered is contact until its answer: a
+push that parks longer than a ``heartbeat_interval`` brings no heartbeat.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -31,7 +31,8 @@ class Contact:
 
     @contextlib.contextmanager
     def call(self, from_start: bool = True) -> Iterator[None]:
-        """Around one call: in flight from its start (``from_start``; else it counts once answered), then answered.
+        """Around one call: in flight from its start (``from_start``; else it counts once answered), then
+        answered.
 
         A call that fails counts from its start only: the pserver may never have seen it.
         """

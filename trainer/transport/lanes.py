@@ -13,6 +13,7 @@ whole push goes again as any failed push does (pushes are idempotent).
 Bounds: ``lanes - 1`` more connections and ``lanes`` threads per pserver, opened
 at the first split push (never for a pserver reached through shared memory).
 """
+
 from __future__ import annotations
 
 import functools
@@ -37,17 +38,26 @@ def split_push(tensors: Sequence[Named], lane_of: Dict[str, int], lanes: int) ->
 
 
 class Lanes:
-    """The lanes of one pserver's channel: ``lanes`` connections, made by ``connect()`` beyond the channel's own."""
+    """The lanes of one pserver's channel: ``lanes`` connections, made by ``connect()`` beyond the
+    channel's own."""
 
-    def __init__(self, lanes: int, blocks: Dict[str, int], chunk_bytes: int, connect: Callable[[], Connection],
-                 endpoint: str = ""):
+    def __init__(
+        self,
+        lanes: int,
+        blocks: Dict[str, int],
+        chunk_bytes: int,
+        connect: Callable[[], Connection],
+        endpoint: str = "",
+    ):
         self.lanes = lanes
         self.endpoint = endpoint
         self.lane_of = lane_of_blocks(blocks.items(), lanes) if lanes > 1 else {}
         self._chunk_bytes = chunk_bytes
         self._connect = connect
         self._lock = threading.Lock()
-        self._attempts = itertools.count(1)  # each split push-pull's attempt, rising (the pserver drops late lanes)
+        self._attempts = itertools.count(
+            1
+        )  # each split push-pull's attempt, rising (the pserver drops late lanes)
         self._connections: List[Connection] = []
         self._pool: Optional[futures.ThreadPoolExecutor] = None
 
@@ -70,9 +80,15 @@ class Lanes:
                 self._connections.append(self._connect())
             return [first, *self._connections]
 
-    def push_pull(self, tensors: Sequence[Named], first: Connection, send: Callable[..., object],
-                  receive: Callable[[object], int]) -> int:
-        """One attempt of a push-pull of ``tensors`` split across the lanes (``first``: the channel's connection).
+    def push_pull(
+        self,
+        tensors: Sequence[Named],
+        first: Connection,
+        send: Callable[..., object],
+        receive: Callable[[object], int],
+    ) -> int:
+        """One attempt of a push-pull of ``tensors`` split across the lanes (``first``: the channel's
+        connection).
 
         ``send(connection, request, lane=k, lanes=n, attempt=a)`` sends lane ``k``'s part and returns its
         gRPC call; ``receive(call)`` reads its answer: the updates it had. Returns the fewest a lane's had.
@@ -99,7 +115,9 @@ class Lanes:
         """
         with self._lock:
             if self._pool is None:
-                self._pool = futures.ThreadPoolExecutor(max_workers=self.lanes, thread_name_prefix="trainer-lane")
+                self._pool = futures.ThreadPoolExecutor(
+                    max_workers=self.lanes, thread_name_prefix="trainer-lane"
+                )
             pool = self._pool
         sent = _Sent()
         running = [pool.submit(call, sent.started) for call in calls]
@@ -116,7 +134,8 @@ class Lanes:
         return [f.result() for f in running]
 
     def reset(self) -> None:
-        """Close the extra connections (calls go to another process now); the next split push opens new ones."""
+        """Close the extra connections (calls go to another process now); the next split push opens new
+        ones."""
         with self._lock:
             connections, self._connections = self._connections, []
         for c in connections:

@@ -6,6 +6,7 @@ the gradient is rounded, once per trainer and step: the pservers widen each
 piece back on arrival (``psproto.codec.TensorReader(widen=True)``) and keep
 float32 master parameters and optimizer state, and pulls stay exact.
 """
+
 from __future__ import annotations
 
 from typing import Dict, Iterable, Iterator, List, Optional, Tuple

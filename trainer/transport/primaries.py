@@ -12,6 +12,7 @@ acknowledged the new one holds. Without replicas every call goes through as is.
 :func:`choose_primary` is the decision (pure, table-tested); :class:`ShardPrimary`
 wraps it with the calls of the pserver's channel, which it is given.
 """
+
 from __future__ import annotations
 
 import logging
@@ -35,14 +36,19 @@ POLL = 0.05
 
 
 def choose_primary(answers: Mapping[str, Optional[Tuple[str, int]]], known_epoch: int) -> Optional[str]:
-    """The process to follow: of those answering ("primary", epoch) at an epoch >= ``known_epoch``, the highest.
+    """The process to follow: of those answering ("primary", epoch) at an epoch >= ``known_epoch``, the
+    highest.
 
-    ``answers`` maps each process of the shard to its Lead answer (role, epoch),
-    or None when it did not answer. None: nobody leads yet (a backup waits for
-    the lease of a dead primary to lapse), ask again.
+    ``answers`` maps each process of the shard to its Lead answer (role, epoch), or None when it did not
+    answer. None: nobody leads yet (a backup waits for the lease of a dead primary to lapse), ask again.
     """
-    leading = [(epoch, address) for address, answer in answers.items()
-               if answer is not None for role, epoch in (answer,) if role == "primary" and epoch >= known_epoch]
+    leading = [
+        (epoch, address)
+        for address, answer in answers.items()
+        if answer is not None
+        for role, epoch in (answer,)
+        if role == "primary" and epoch >= known_epoch
+    ]
     return max(leading)[1] if leading else None
 
 
@@ -92,12 +98,17 @@ class ShardPrimary:
                     deadline = now + self.timeout
                 if now >= deadline:
                     raise
-                log.info("trainer %d: %s: %s; asking its processes who leads", self.trainer_id,
-                         self._channel.endpoint, e)
+                log.info(
+                    "trainer %d: %s: %s; asking its processes who leads",
+                    self.trainer_id,
+                    self._channel.endpoint,
+                    e,
+                )
                 self.follow(generation, deadline)
 
     def follow(self, generation: int, deadline: float, join_at: int = 0) -> Optional[ps_pb2.HelloReply]:
-        """Find the primary and open a session there: its Hello answer; None if another call did since ``generation``.
+        """Find the primary and open a session there: its Hello answer; None if another call did since
+        ``generation``.
 
         ``join_at``: what a (re)joining trainer's Hello says (see ``Channels.hello``).
         """
@@ -107,8 +118,10 @@ class ShardPrimary:
                 return None
             started = time.monotonic()
             while True:
-                answers = {address: self._channel.lead(address, min(1.0, max(0.05, deadline - time.monotonic())))
-                           for address in self.addresses}
+                answers = {
+                    address: self._channel.lead(address, min(1.0, max(0.05, deadline - time.monotonic())))
+                    for address in self.addresses
+                }
                 address = choose_primary(answers, self.epoch)
                 if address is not None:
                     try:
@@ -126,13 +139,26 @@ class ShardPrimary:
                         self.generation += 1
                         if before and epoch != before:
                             self.failovers += 1
-                            log.warning("trainer %d: %s is served by %s now (epoch %d), found in %.2fs",
-                                        self.trainer_id, pserver, address, epoch, time.monotonic() - started)
+                            log.warning(
+                                "trainer %d: %s is served by %s now (epoch %d), found in %.2fs",
+                                self.trainer_id,
+                                pserver,
+                                address,
+                                epoch,
+                                time.monotonic() - started,
+                            )
                         elif not before:
-                            log.info("trainer %d: %s is served by %s (epoch %d)", self.trainer_id, pserver,
-                                     address, epoch)
+                            log.info(
+                                "trainer %d: %s is served by %s (epoch %d)",
+                                self.trainer_id,
+                                pserver,
+                                address,
+                                epoch,
+                            )
                         return reply
                 if time.monotonic() >= deadline:
-                    raise PserverUnavailableError(pserver, f"no process of {self.addresses} leads after "
-                                                           f"{self.timeout:g}s (answers: {answers})")
+                    raise PserverUnavailableError(
+                        pserver,
+                        f"no process of {self.addresses} leads after {self.timeout:g}s (answers: {answers})",
+                    )
                 time.sleep(POLL)

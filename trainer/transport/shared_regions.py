@@ -6,6 +6,7 @@ whose call failed is never reused: the pserver may still write its answer into
 it (a call that outlived its deadline). Regions grow, never shrink: sized to
 what a call needs with a quarter more, in whole MiB.
 """
+
 from __future__ import annotations
 
 import threading

@@ -3,6 +3,7 @@
 Only the transport reads gRPC status codes; everything above it (recovery,
 node groups, the steppers) decides on the kinds of :mod:`trainer.errors`.
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -13,9 +14,9 @@ from ..errors import DOWN, FENCED, REFUSED, RESYNC, TIMEOUT, FencedError, Pserve
 
 # The one mapping of the wire's status codes to what they mean for a trainer (trainer/errors.py).
 _KINDS = {
-    grpc.StatusCode.UNAVAILABLE: DOWN,          # down, restarting, or not reachable yet
-    grpc.StatusCode.CANCELLED: DOWN,            # a pserver shutting down cancels the calls it holds
-    grpc.StatusCode.ABORTED: RESYNC,            # dropped, rolled back, resumed: call Hello again
+    grpc.StatusCode.UNAVAILABLE: DOWN,  # down, restarting, or not reachable yet
+    grpc.StatusCode.CANCELLED: DOWN,  # a pserver shutting down cancels the calls it holds
+    grpc.StatusCode.ABORTED: RESYNC,  # dropped, rolled back, resumed: call Hello again
     grpc.StatusCode.PERMISSION_DENIED: FENCED,  # a newer process of this trainer id took over
     grpc.StatusCode.DEADLINE_EXCEEDED: TIMEOUT,  # a barrier that timed out names who is missing
 }
@@ -30,7 +31,11 @@ def error_of(endpoint: str, message: str, e: grpc.RpcError) -> PserverError:
     """The :class:`PserverError` (or :class:`FencedError`) saying ``message`` for the failed call ``e``."""
     code = e.code() if hasattr(e, "code") else None
     kind, status = kind_of(code), code.name if code else ""
-    return FencedError(endpoint, message, status) if kind == FENCED else PserverError(endpoint, message, kind, status)
+    return (
+        FencedError(endpoint, message, status)
+        if kind == FENCED
+        else PserverError(endpoint, message, kind, status)
+    )
 
 
 def details(e: grpc.RpcError) -> str:

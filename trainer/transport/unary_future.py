@@ -6,6 +6,7 @@ as the same domain error a blocking call raises. gRPC starts a thread to poll a
 channel that had no such call in flight, each time: not for calls sent every
 interval on many channels (heartbeats go through :meth:`Channels.submit`).
 """
+
 from __future__ import annotations
 
 from concurrent import futures
@@ -16,8 +17,9 @@ from ..errors import PserverError
 from .status_codes import details, error_of
 
 
-def start_unary(method: grpc.UnaryUnaryMultiCallable, request, endpoint: str, what: str,
-                timeout: float) -> futures.Future:
+def start_unary(
+    method: grpc.UnaryUnaryMultiCallable, request, endpoint: str, what: str, timeout: float
+) -> futures.Future:
     """Send ``request`` by ``method`` with a deadline of ``timeout`` s; return its future at once.
 
     Its result: the reply, or the PserverError saying ``what`` failed (to
@@ -38,5 +40,6 @@ def start_unary(method: grpc.UnaryUnaryMultiCallable, request, endpoint: str, wh
             outcome.set_result(reply)
         else:
             outcome.set_exception(error)
+
     method.future(request, timeout=timeout).add_done_callback(ended)
     return outcome

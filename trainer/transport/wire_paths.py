@@ -15,6 +15,7 @@ A push-pull goes one of four ways, a prefetch one of the middle two:
 :func:`choose_path` is the decision (pure, table-tested); a
 :class:`~trainer.transport.connection.Connection` holds one path per way for its process.
 """
+
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
@@ -40,20 +41,28 @@ NamedTensors = List[Named]
 # Per pserver endpoint: the (wire name, tensor) pairs a call to it carries.
 TensorsByPserver = Dict[str, NamedTensors]
 
-SHARED_MEMORY, ONE_MESSAGE, STREAM, DURING_BACKWARD = "shared memory", "one message", "stream", "during backward"
-# What a call says of an answer its method streams whatever its size (PrefetchOne): none of it must fit one message.
+SHARED_MEMORY, ONE_MESSAGE, STREAM, DURING_BACKWARD = (
+    "shared memory",
+    "one message",
+    "stream",
+    "during backward",
+)
+# What a call says of an answer its method streams whatever its size (PrefetchOne): none of it must fit one
+# message.
 ANSWER_STREAMS = 0
 
 
-def choose_path(request_bytes: int, answer_bytes: Optional[int], shared_memory: bool, during_backward: bool) -> str:
-    """The way a call goes: :data:`DURING_BACKWARD`, :data:`SHARED_MEMORY`, :data:`ONE_MESSAGE` or :data:`STREAM`.
+def choose_path(
+    request_bytes: int, answer_bytes: Optional[int], shared_memory: bool, during_backward: bool
+) -> str:
+    """The way a call goes: :data:`DURING_BACKWARD`, :data:`SHARED_MEMORY`, :data:`ONE_MESSAGE` or
+    :data:`STREAM`.
 
-    ``request_bytes``: the tensor bytes of the request. ``answer_bytes``: the
-    tensor bytes of the answer, which a one-message call must fit in one
-    message (None: not known, so the call streams; :data:`ANSWER_STREAMS`:
-    the method streams its answer). ``shared_memory``: whether the pserver
-    maps this process's shared memory (none refused so far). ``during_backward``:
-    the tensors stream in as backward produces them.
+    ``request_bytes``: the tensor bytes of the request. ``answer_bytes``: the tensor bytes of the answer,
+    which a one-message call must fit in one message (None: not known, so the call streams;
+    :data:`ANSWER_STREAMS`: the method streams its answer). ``shared_memory``: whether the pserver maps
+    this process's shared memory (none refused so far). ``during_backward``: the tensors stream in as
+    backward produces them.
     """
     if during_backward:
         return DURING_BACKWARD
@@ -123,7 +132,8 @@ class WirePath(ABC):
 
     @abstractmethod
     def send(self, header, request: Request, timeout: float) -> Iterable[bytes]:
-        """Send ``header`` and ``request``'s tensors; the answer's messages (PullChunks), for the caller to read.
+        """Send ``header`` and ``request``'s tensors; the answer's messages (PullChunks), for the caller to
+        read.
 
         A failed call raises ``grpc.RpcError``, when sent or while its answer is read.
         """
@@ -157,7 +167,8 @@ class DuringBackwardPath(WirePath):
 
 
 class OneMessagePath(WirePath):
-    """The request goes as one message (PushPullOne, PrefetchOne); ``answer_streams``: the answer may stream."""
+    """The request goes as one message (PushPullOne, PrefetchOne); ``answer_streams``: the answer may
+    stream."""
 
     def __init__(self, call: Callable, answer_streams: bool):
         self._call = call
@@ -184,7 +195,9 @@ class SharedMemoryPath(WirePath):
         self._endpoint = endpoint
 
     def send(self, header, request: Request, timeout: float) -> Iterator[bytes]:
-        request_bytes = request.nbytes + 256 + sum(len(name) + 64 for name, _ in request.tensors)  # and pieces' meta
+        request_bytes = (
+            request.nbytes + 256 + sum(len(name) + 64 for name, _ in request.tensors)
+        )  # and pieces' meta
         pair = self._regions.take(self._endpoint, request_bytes, request.answer_bytes + 4096)
         reusable = False
         try:
@@ -192,8 +205,11 @@ class SharedMemoryPath(WirePath):
             if length < 0:
                 reusable = True
                 raise SharedMemoryRefused("more meta than guessed", for_good=False)
-            push = ps_pb2.SharedPush(request=pair.request.address(ps_pb2.SharedRegion), request_bytes=length,
-                                     answer=pair.answer.address(ps_pb2.SharedRegion))
+            push = ps_pb2.SharedPush(
+                request=pair.request.address(ps_pb2.SharedRegion),
+                request_bytes=length,
+                answer=pair.answer.address(ps_pb2.SharedRegion),
+            )
             try:
                 reply = ps_pb2.SharedAnswer.FromString(self._call(push.SerializeToString(), timeout=timeout))
             except grpc.RpcError as e:
@@ -201,7 +217,7 @@ class SharedMemoryPath(WirePath):
                     raise
                 reusable = True  # refused before the pserver touched the regions
                 raise SharedMemoryRefused(details(e), for_good=True) from None
-            yield reply.inline if reply.inline else pair.answer.view[:reply.answer_bytes]
+            yield reply.inline if reply.inline else pair.answer.view[: reply.answer_bytes]
             reusable = True
         finally:
             self._regions.give_back(self._endpoint, pair, reusable=reusable)

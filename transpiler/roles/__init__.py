@@ -19,6 +19,7 @@ what is missing); an unset one means no role at all (None: a local run). ``TRAIN
 when set, must agree with the engine's answer; an engine that starts torchrun comes before it
 (the engine names the trainer, torchrun only the node's processes).
 """
+
 from __future__ import annotations
 
 from typing import Callable, Mapping, Optional, Tuple

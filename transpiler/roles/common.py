@@ -4,6 +4,7 @@ trainer's node of local processes (:class:`NodeEnv`) and the checks every source
 Every function here is pure: it reads only the mapping it is given and raises
 ValueError naming the variable that is missing, malformed or contradicts another.
 """
+
 from __future__ import annotations
 
 import os
@@ -35,8 +36,9 @@ def parse_endpoints(pservers: Union[str, Sequence[str]]) -> List[str]:
     return endpoints
 
 
-def get_int(env: Mapping[str, str], name: str, default: Optional[int] = None,
-            minimum: Optional[int] = None) -> Optional[int]:
+def get_int(
+    env: Mapping[str, str], name: str, default: Optional[int] = None, minimum: Optional[int] = None
+) -> Optional[int]:
     """``env[name]`` as an integer (``default`` when unset or empty), at least ``minimum``."""
     value = env.get(name)
     if value is None or value.strip() == "":
@@ -140,7 +142,9 @@ class NodeEnv:
         if local_world_size < 1:
             raise ValueError(f"LOCAL_WORLD_SIZE must be >= 1, got {local_world_size}")
         if not 0 <= local_rank < local_world_size:
-            raise ValueError(f"LOCAL_RANK={local_rank} is out of range [0, LOCAL_WORLD_SIZE={local_world_size})")
+            raise ValueError(
+                f"LOCAL_RANK={local_rank} is out of range [0, LOCAL_WORLD_SIZE={local_world_size})"
+            )
         world_size = get_int(env, "WORLD_SIZE", local_world_size)
         rank = get_int(env, "RANK", local_rank)
         if world_size < 1 or not 0 <= rank < world_size:
@@ -152,8 +156,12 @@ class NodeEnv:
 
     def to_env(self) -> Dict[str, str]:
         """The variables that make :meth:`from_env` return this (what a launcher sets)."""
-        env = {"LOCAL_RANK": str(self.local_rank), "LOCAL_WORLD_SIZE": str(self.local_world_size),
-               "RANK": str(self.rank), "WORLD_SIZE": str(self.world_size)}
+        env = {
+            "LOCAL_RANK": str(self.local_rank),
+            "LOCAL_WORLD_SIZE": str(self.local_world_size),
+            "RANK": str(self.rank),
+            "WORLD_SIZE": str(self.world_size),
+        }
         if self.master_addr:
             env["MASTER_ADDR"] = self.master_addr
         if self.master_port:
@@ -174,9 +182,11 @@ def collective_node(env: Mapping[str, str], trainers: int, trainer_id: int, trai
     if "WORLD_SIZE" in given:
         node_world = NodeEnv.from_env({"WORLD_SIZE": given["WORLD_SIZE"]}).world_size  # an integer >= 1
         if node_world != world:
-            raise ValueError(f"WORLD_SIZE={node_world} does not match {trainers_from}={trainers} x "
-                             f"LOCAL_WORLD_SIZE={local.local_world_size} = {world} (collective mode: every "
-                             f"process of every node is in one group)")
+            raise ValueError(
+                f"WORLD_SIZE={node_world} does not match {trainers_from}={trainers} x "
+                f"LOCAL_WORLD_SIZE={local.local_world_size} = {world} (collective mode: every "
+                f"process of every node is in one group)"
+            )
     given.setdefault("WORLD_SIZE", str(world))
     given.setdefault("RANK", str(trainer_id * local.local_world_size + local.local_rank))
     return NodeEnv.from_env(given)
@@ -192,8 +202,9 @@ def local_node(env: Mapping[str, str]) -> NodeEnv:
     return NodeEnv.from_env({k: env[k] for k in NODE_VARS if env.get(k) and k not in ("RANK", "WORLD_SIZE")})
 
 
-def trainer_node(env: Mapping[str, str], pservers: Sequence[str], trainers: int, trainer_id: int,
-                 trainers_from: str) -> NodeEnv:
+def trainer_node(
+    env: Mapping[str, str], pservers: Sequence[str], trainers: int, trainer_id: int, trainers_from: str
+) -> NodeEnv:
     """The node of a trainer an engine found: the job's group without pservers, else the node's own."""
     if pservers:
         return local_node(env)
@@ -202,7 +213,8 @@ def trainer_node(env: Mapping[str, str], pservers: Sequence[str], trainers: int,
 
 @dataclass
 class Role:
-    """What a source found: the fields of :class:`transpiler.roles.role_env.RoleEnv`, and which source found them."""
+    """What a source found: the fields of :class:`transpiler.roles.role_env.RoleEnv`, and which source
+    found them."""
 
     role: str
     pservers: List[str]

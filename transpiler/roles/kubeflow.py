@@ -11,12 +11,13 @@ address unless ``MASTER_ADDR``/``MASTER_PORT`` say otherwise. An ``evaluator`` h
 in a parameter-server job, and a ``sparseCluster`` (``enableDynamicWorker``) lists no other
 worker, so both are refused.
 """
+
 from __future__ import annotations
 
 import json
 from typing import Any, Dict, List, Mapping, Optional
 
-from .common import (PSERVER, TRAINER, Role, check_role, check_trainers, parse_endpoints, trainer_node)
+from .common import PSERVER, TRAINER, Role, check_role, check_trainers, parse_endpoints, trainer_node
 
 LEADERS = ("chief", "master")  # "master" is the TFJob operator's older name for the chief
 
@@ -31,7 +32,9 @@ def discover(env: Mapping[str, str]) -> Optional[Role]:
     pservers = _endpoints(cluster, "ps")
     leaders = [ep for kind in LEADERS for ep in _endpoints(cluster, kind)]
     if len(leaders) > 1:
-        raise ValueError(f"TF_CONFIG's cluster has {len(leaders)} chief/master replicas {leaders}; at most one")
+        raise ValueError(
+            f"TF_CONFIG's cluster has {len(leaders)} chief/master replicas {leaders}; at most one"
+        )
     trainers = leaders + _endpoints(cluster, "worker")
     if not trainers:
         raise ValueError("TF_CONFIG's cluster has no worker or chief: a job needs at least one trainer")
@@ -39,15 +42,19 @@ def discover(env: Mapping[str, str]) -> Optional[Role]:
     if kind == "ps":
         role, members = PSERVER, pservers
     elif kind in LEADERS or kind == "worker":
-        role, members = TRAINER, leaders if kind in LEADERS else trainers[len(leaders):]
+        role, members = TRAINER, leaders if kind in LEADERS else trainers[len(leaders) :]
     elif kind == "evaluator":
-        raise ValueError("TF_CONFIG's task type is 'evaluator': an evaluator has no role in a parameter-server "
-                         "job (evaluate on trainer 0 instead)")
+        raise ValueError(
+            "TF_CONFIG's task type is 'evaluator': an evaluator has no role in a parameter-server "
+            "job (evaluate on trainer 0 instead)"
+        )
     else:
         raise ValueError(f"TF_CONFIG's task type {kind!r} is none of ps, worker, chief, master")
     if not 0 <= index < len(members):
-        raise ValueError(f"TF_CONFIG's task index {index} is out of range: the cluster has {len(members)} "
-                         f"{kind!r} replicas")
+        raise ValueError(
+            f"TF_CONFIG's task index {index} is out of range: the cluster has {len(members)} "
+            f"{kind!r} replicas"
+        )
     check_role(env, role, f"TF_CONFIG's task type {kind!r}")
     check_trainers(env, len(trainers), "TF_CONFIG's cluster (chief and workers)")
     if role == PSERVER:
@@ -71,13 +78,15 @@ def _load(text: str) -> Dict[str, Any]:
     if not isinstance(config, dict):
         raise ValueError(f"TF_CONFIG must be a JSON object, got {type(config).__name__}")
     if "cluster" not in config and "sparseCluster" in config:
-        raise ValueError("TF_CONFIG has a sparseCluster (the TFJob's enableDynamicWorker): it lists no other "
-                         "worker, so the trainer count is unknown; turn enableDynamicWorker off")
+        raise ValueError(
+            "TF_CONFIG has a sparseCluster (the TFJob's enableDynamicWorker): it lists no other "
+            "worker, so the trainer count is unknown; turn enableDynamicWorker off"
+        )
     cluster, task = config.get("cluster"), config.get("task")
     if not isinstance(cluster, dict):
-        raise ValueError("TF_CONFIG has no \"cluster\" object")
+        raise ValueError('TF_CONFIG has no "cluster" object')
     if not isinstance(task, dict) or not isinstance(task.get("type"), str):
-        raise ValueError("TF_CONFIG has no \"task\" object with a \"type\"")
+        raise ValueError('TF_CONFIG has no "task" object with a "type"')
     index = task.get("index", 0)
     if isinstance(index, bool) or not isinstance(index, int):
         raise ValueError(f"TF_CONFIG's task index must be an integer, got {index!r}")
@@ -88,7 +97,9 @@ def _endpoints(cluster: Dict[str, Any], kind: str) -> List[str]:
     """The checked ``host:port`` list of one replica type (empty when the job has none)."""
     members = cluster.get(kind, [])
     if not isinstance(members, list) or not all(isinstance(m, str) for m in members):
-        raise ValueError(f"TF_CONFIG's cluster[{kind!r}] must be a list of 'host:port' strings, got {members!r}")
+        raise ValueError(
+            f"TF_CONFIG's cluster[{kind!r}] must be a list of 'host:port' strings, got {members!r}"
+        )
     if not members:
         return []
     try:

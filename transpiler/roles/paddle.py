@@ -17,6 +17,7 @@ errors name the Paddle variable that is missing.
 A trainer with no ``PADDLE_PSERVERS_IP_PORT_LIST`` (unset or empty) is a collective trainer;
 a pserver always needs the list.
 """
+
 from __future__ import annotations
 
 from typing import Mapping, Optional
@@ -24,8 +25,14 @@ from typing import Mapping, Optional
 from .common import PSERVER, TRAINER, NodeEnv, Role, collective_node, get_int, parse_endpoints, training_role
 
 # Every variable a role reads; a launcher sets these and drops inherited ones.
-ROLE_VARS = ("TRAINING_ROLE", "PADDLE_PSERVERS_IP_PORT_LIST", "PADDLE_TRAINERS_NUM",
-             "PADDLE_TRAINER_ID", "POD_IP", "PADDLE_PORT")
+ROLE_VARS = (
+    "TRAINING_ROLE",
+    "PADDLE_PSERVERS_IP_PORT_LIST",
+    "PADDLE_TRAINERS_NUM",
+    "PADDLE_TRAINER_ID",
+    "POD_IP",
+    "PADDLE_PORT",
+)
 
 
 def explicit(env: Mapping[str, str]) -> Optional[Role]:
@@ -67,14 +74,22 @@ def read(env: Mapping[str, str]) -> Optional[Role]:
         trainer_id = need_int("PADDLE_TRAINER_ID")
         if not 0 <= trainer_id < trainers:
             raise ValueError(f"PADDLE_TRAINER_ID={trainer_id} is out of range [0, {trainers})")
-        node = (collective_node(env, trainers, trainer_id, "PADDLE_TRAINERS_NUM") if not pservers
-                else NodeEnv.from_env(env))
+        node = (
+            collective_node(env, trainers, trainer_id, "PADDLE_TRAINERS_NUM")
+            if not pservers
+            else NodeEnv.from_env(env)
+        )
         return Role(role, pservers, trainers, trainer_id=trainer_id, node=node, source="paddle")
     endpoint = f"{need('POD_IP')}:{need_int('PADDLE_PORT')}"
-    # Hot standby: a pserver's backup runs at an endpoint of PS_REPLICA_ENDPOINTS (docs/recovery.md, "Hot standby").
-    backups = parse_endpoints(env["PS_REPLICA_ENDPOINTS"]) if env.get("PS_REPLICA_ENDPOINTS", "").strip() else []
+    # Hot standby: a pserver's backup runs at an endpoint of PS_REPLICA_ENDPOINTS (docs/recovery.md, "Hot
+    # standby").
+    backups = (
+        parse_endpoints(env["PS_REPLICA_ENDPOINTS"]) if env.get("PS_REPLICA_ENDPOINTS", "").strip() else []
+    )
     if endpoint not in pservers and endpoint not in backups:
-        raise ValueError(f"this pserver's endpoint {endpoint} (POD_IP:PADDLE_PORT) is not in "
-                         f"PADDLE_PSERVERS_IP_PORT_LIST={','.join(pservers)}"
-                         + (f" nor in PS_REPLICA_ENDPOINTS={','.join(backups)}" if backups else ""))
+        raise ValueError(
+            f"this pserver's endpoint {endpoint} (POD_IP:PADDLE_PORT) is not in "
+            f"PADDLE_PSERVERS_IP_PORT_LIST={','.join(pservers)}"
+            + (f" nor in PS_REPLICA_ENDPOINTS={','.join(backups)}" if backups else "")
+        )
     return Role(role, pservers, trainers, current_endpoint=endpoint, source="paddle")

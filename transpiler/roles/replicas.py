@@ -1,10 +1,12 @@
-"""Which processes serve each pserver shard: the hot-standby settings resolved (docs/recovery.md, "Hot standby").
+"""Which processes serve each pserver shard: the hot-standby settings resolved (docs/recovery.md, "Hot
+standby").
 
 With ``server_replicas=2`` shard k is served by two processes, ``pservers[k]`` and
-``replica_endpoints[k]``; either may lead. The plan's layout (blocks, placement,
-the digest trainers and pservers check) depends only on ``pservers``, so a job's
-checkpoints load with or without replicas. Pure: the environment is passed in.
+``replica_endpoints[k]``; either may lead. The plan's layout (blocks, placement, the digest trainers and
+pservers check) depends only on ``pservers``, so a job's checkpoints load with or without replicas. Pure:
+the environment is passed in.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -21,8 +23,9 @@ PREFIX_VAR = "PS_COORDINATOR_PREFIX"
 TTL_VAR = "PS_REPLICA_LEASE_TTL"
 
 
-def resolve_replicas(config: DistributeTranspilerConfig, pservers: List[str],
-                     environ: Mapping[str, str]) -> DistributeTranspilerConfig:
+def resolve_replicas(
+    config: DistributeTranspilerConfig, pservers: List[str], environ: Mapping[str, str]
+) -> DistributeTranspilerConfig:
     """``config`` with the replica fields it left None filled from ``environ``, checked against ``pservers``.
 
     A new config: ``config`` itself is left as the user made it.
@@ -34,8 +37,11 @@ def resolve_replicas(config: DistributeTranspilerConfig, pservers: List[str],
     filled = {}
     if config.server_replicas is None:
         filled["server_replicas"] = _int_var(environ, REPLICAS_VAR, 1, "a replica count (1 or 2)")
-    for field, var in (("replica_endpoints", ENDPOINTS_VAR), ("coordinator", COORDINATOR_VAR),
-                       ("coordinator_prefix", PREFIX_VAR)):
+    for field, var in (
+        ("replica_endpoints", ENDPOINTS_VAR),
+        ("coordinator", COORDINATOR_VAR),
+        ("coordinator_prefix", PREFIX_VAR),
+    ):
         if getattr(config, field) is None and environ.get(var, "").strip():
             filled[field] = environ[var].strip()
     if config.replica_lease_ttl is None:
@@ -50,19 +56,25 @@ def resolve_replicas(config: DistributeTranspilerConfig, pservers: List[str],
     if config.server_replicas == 1:
         return config
     if not config.replica_endpoints:
-        raise ValueError(f"server_replicas=2 needs replica_endpoints (or {ENDPOINTS_VAR}): the second "
-                         f"process of each of the {len(pservers)} pservers, in their order")
+        raise ValueError(
+            f"server_replicas=2 needs replica_endpoints (or {ENDPOINTS_VAR}): the second "
+            f"process of each of the {len(pservers)} pservers, in their order"
+        )
     backups = parse_endpoints(config.replica_endpoints)
     if len(backups) != len(pservers):
-        raise ValueError(f"replica_endpoints lists {len(backups)} endpoints for {len(pservers)} pservers; "
-                         f"give one backup per pserver, in the pservers' order")
+        raise ValueError(
+            f"replica_endpoints lists {len(backups)} endpoints for {len(pservers)} pservers; "
+            f"give one backup per pserver, in the pservers' order"
+        )
     both = pservers + backups
     twice = sorted({ep for ep in both if both.count(ep) > 1})
     if twice:
         raise ValueError(f"endpoints {twice} are listed more than once among the pservers and their replicas")
     if not config.coordinator:
-        raise ValueError(f"server_replicas=2 needs a coordinator (or {COORDINATOR_VAR}): the etcd URLs "
-                         f"that decide each shard's primary, e.g. http://127.0.0.1:2379")
+        raise ValueError(
+            f"server_replicas=2 needs a coordinator (or {COORDINATOR_VAR}): the etcd URLs "
+            f"that decide each shard's primary, e.g. http://127.0.0.1:2379"
+        )
     return config
 
 

@@ -13,6 +13,7 @@ trainer (``RoleEnv.collective``); a pserver always needs the list.
 A trainer node may run several local processes (one per GPU); each also reads
 :class:`NodeEnv`'s variables, as torchrun and ``ps-launch --nproc_per_node`` set them.
 """
+
 from __future__ import annotations
 
 import os
@@ -75,7 +76,8 @@ class RoleEnv:
 
     @property
     def rank(self) -> int:
-        """Its rank in its process group (``RANK``): the node's in pserver mode, the job's in collective mode."""
+        """Its rank in its process group (``RANK``): the node's in pserver mode, the job's in collective
+        mode."""
         return self.node.rank
 
     @property
@@ -94,8 +96,15 @@ class RoleEnv:
         found = discover(os.environ if environ is None else environ)
         if found is None:
             return None
-        return cls(found.role, list(found.pservers), found.trainers, trainer_id=found.trainer_id,
-                   current_endpoint=found.current_endpoint, node=found.node, source=found.source)
+        return cls(
+            found.role,
+            list(found.pservers),
+            found.trainers,
+            trainer_id=found.trainer_id,
+            current_endpoint=found.current_endpoint,
+            node=found.node,
+            source=found.source,
+        )
 
     def to_env(self) -> Dict[str, str]:
         """The variables that make :meth:`from_env` return this role (what a launcher sets).

@@ -32,12 +32,23 @@ within it, and ``TRAINING_ROLE`` must say which component this is.
 This source claims a task with ``SLURM_PROCID`` and either ``PS_PSERVER_NUM`` or
 ``SLURM_HET_SIZE`` >= 2 set.
 """
+
 from __future__ import annotations
 
 from typing import List, Mapping, Optional, Tuple
 
-from .common import (DEFAULT_PSERVER_PORT, PSERVER, TRAINER, Role, check_role, check_trainers, get_int,
-                     get_port, trainer_node, training_role)
+from .common import (
+    DEFAULT_PSERVER_PORT,
+    PSERVER,
+    TRAINER,
+    Role,
+    check_role,
+    check_trainers,
+    get_int,
+    get_port,
+    trainer_node,
+    training_role,
+)
 from .slurm_lists import block_layout, expand_nodelist, tasks_per_node
 
 NUM, PORT, SUFFIX = "PS_PSERVER_NUM", "PS_PSERVER_PORT", "PS_SLURM_HOST_SUFFIX"
@@ -74,8 +85,13 @@ def _homogeneous(env: Mapping[str, str], procid: int) -> Role:
     if procid < servers:
         check_role(env, PSERVER, f"SLURM_PROCID={procid} < {NUM}={k}{times}")
         _check_placement(env, layout[procid], procid, check_slot=True)
-        return Role(PSERVER, pservers, ntasks - servers, current_endpoint=_endpoints(env, layout[:servers])[procid],
-                    source="slurm")
+        return Role(
+            PSERVER,
+            pservers,
+            ntasks - servers,
+            current_endpoint=_endpoints(env, layout[:servers])[procid],
+            source="slurm",
+        )
     check_role(env, TRAINER, f"SLURM_PROCID={procid} >= {NUM}={k}{times}")
     return _trainer(env, pservers, ntasks - servers, procid - servers, f"{ntasks_var} - {NUM}")
 
@@ -88,15 +104,23 @@ def _replicas(env: Mapping[str, str]) -> int:
 
 
 def replica_endpoints(env: Mapping[str, str]) -> Optional[List[str]]:
-    """Hot standby in one homogeneous step: tasks ``K .. 2K-1`` back up pservers ``0 .. K-1``; None otherwise."""
-    if not env.get("SLURM_PROCID", "").strip() or _replicas(env) != 2 or get_int(env, "SLURM_HET_SIZE", 0) >= 2:
+    """Hot standby in one homogeneous step: tasks ``K .. 2K-1`` back up pservers ``0 .. K-1``; None
+    otherwise."""
+    if (
+        not env.get("SLURM_PROCID", "").strip()
+        or _replicas(env) != 2
+        or get_int(env, "SLURM_HET_SIZE", 0) >= 2
+    ):
         return None
     k = get_int(env, NUM, minimum=0)
     if not k:
         return None
-    layout = _layout(env, _first_set(env, "SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST"),
-                     _first_set(env, "SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE"))
-    return _endpoints(env, layout[:2 * k])[k:]
+    layout = _layout(
+        env,
+        _first_set(env, "SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST"),
+        _first_set(env, "SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE"),
+    )
+    return _endpoints(env, layout[: 2 * k])[k:]
 
 
 def _heterogeneous(env: Mapping[str, str], procid: int) -> Role:
@@ -105,8 +129,10 @@ def _heterogeneous(env: Mapping[str, str], procid: int) -> Role:
     k, trainers = len(pserver_layout), len(trainer_layout)
     given = get_int(env, NUM, minimum=0)
     if given is not None and given != k:
-        raise ValueError(f"{NUM}={given} contradicts the heterogeneous job's component 0, which runs {k} "
-                         f"pserver tasks (SLURM_TASKS_PER_NODE_HET_GROUP_0)")
+        raise ValueError(
+            f"{NUM}={given} contradicts the heterogeneous job's component 0, which runs {k} "
+            f"pserver tasks (SLURM_TASKS_PER_NODE_HET_GROUP_0)"
+        )
     ntasks = get_int(env, "SLURM_NTASKS", minimum=1)
     if ntasks is None:
         raise ValueError("SLURM_NTASKS is not set; a Slurm task's role needs it")
@@ -116,17 +142,23 @@ def _heterogeneous(env: Mapping[str, str], procid: int) -> Role:
     if ntasks == k + trainers:  # one srun over both components: global task ids, pservers first
         spans_both, index = True, procid if procid < k else procid - k
         derived = PSERVER if procid < k else TRAINER
-        check_role(env, derived, f"SLURM_PROCID={procid} in a step over both components ({k} pserver tasks first)")
+        check_role(
+            env, derived, f"SLURM_PROCID={procid} in a step over both components ({k} pserver tasks first)"
+        )
         role = derived
     elif role is None:
-        raise ValueError(f"SLURM_NTASKS={ntasks} is not the {k} + {trainers} tasks of components 0 and 1: with "
-                         f"one srun per component, set TRAINING_ROLE (PSERVER in component 0, TRAINER in 1)")
+        raise ValueError(
+            f"SLURM_NTASKS={ntasks} is not the {k} + {trainers} tasks of components 0 and 1: with "
+            f"one srun per component, set TRAINING_ROLE (PSERVER in component 0, TRAINER in 1)"
+        )
     else:
         spans_both, index = False, procid
         own = k if role == PSERVER else trainers
         if ntasks != own:
-            raise ValueError(f"SLURM_NTASKS={ntasks}: a {role} step must run all {own} tasks of component "
-                             f"{0 if role == PSERVER else 1}")
+            raise ValueError(
+                f"SLURM_NTASKS={ntasks}: a {role} step must run all {own} tasks of component "
+                f"{0 if role == PSERVER else 1}"
+            )
     pservers = _endpoints(env, pserver_layout)
     if role == PSERVER:
         # Task ids on a node are the step's: only a step of component 0 alone numbers them like its layout.
@@ -135,7 +167,9 @@ def _heterogeneous(env: Mapping[str, str], procid: int) -> Role:
     return _trainer(env, pservers, trainers, index, "component 1's tasks (SLURM_TASKS_PER_NODE_HET_GROUP_1)")
 
 
-def _trainer(env: Mapping[str, str], pservers: List[str], trainers: int, trainer_id: int, counted: str) -> Role:
+def _trainer(
+    env: Mapping[str, str], pservers: List[str], trainers: int, trainer_id: int, counted: str
+) -> Role:
     check_trainers(env, trainers, f"the Slurm step ({counted})")
     node = trainer_node(env, pservers, trainers, trainer_id, "the Slurm trainer count")
     return Role(TRAINER, pservers, trainers, trainer_id=trainer_id, node=node, source="slurm")
@@ -148,8 +182,10 @@ def _layout(env: Mapping[str, str], nodes_var: str, tasks_var: str) -> Layout:
     nodes = expand_nodelist(env[nodes_var], nodes_var)
     counts = tasks_per_node(env[tasks_var], tasks_var)
     if len(nodes) != len(counts):
-        raise ValueError(f"{nodes_var}={env[nodes_var]} names {len(nodes)} nodes but {tasks_var}="
-                         f"{env[tasks_var]} gives tasks for {len(counts)}")
+        raise ValueError(
+            f"{nodes_var}={env[nodes_var]} names {len(nodes)} nodes but {tasks_var}="
+            f"{env[tasks_var]} gives tasks for {len(counts)}"
+        )
     return block_layout(nodes, counts)
 
 
@@ -168,12 +204,16 @@ def _check_placement(env: Mapping[str, str], placed: Tuple[str, int], procid: in
     node, slot = placed
     here = env.get("SLURMD_NODENAME", "").strip()
     if here and here != node:
-        raise ValueError(f"SLURMD_NODENAME={here}, but the block layout puts task {procid} on {node}: launch "
-                         f"with the default block distribution (srun -m block)")
+        raise ValueError(
+            f"SLURMD_NODENAME={here}, but the block layout puts task {procid} on {node}: launch "
+            f"with the default block distribution (srun -m block)"
+        )
     local = get_int(env, "SLURM_LOCALID", minimum=0)
     if check_slot and local is not None and local != slot:
-        raise ValueError(f"SLURM_LOCALID={local}, but the block layout makes task {procid} number {slot} on "
-                         f"{node}: launch with the default block distribution (srun -m block)")
+        raise ValueError(
+            f"SLURM_LOCALID={local}, but the block layout makes task {procid} number {slot} on "
+            f"{node}: launch with the default block distribution (srun -m block)"
+        )
 
 
 def _first_set(env: Mapping[str, str], preferred: str, fallback: str) -> str:

@@ -7,6 +7,7 @@ so the list is checked with NodeSet, then each top-level piece, and each comma-s
 range inside its brackets, is expanded in the order written (ranges by ClusterShell's
 RangeSet, which keeps zero padding). A tasks-per-node list (``"2(x3),1"``) repeats counts.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -79,7 +80,8 @@ def _split_outside_brackets(text: str, variable: str) -> List[str]:
 
 
 def _expand_piece(piece: str) -> List[str]:
-    """``"rack[2,1]-n[01-02]"`` -> rack2-n01, rack2-n02, rack1-n01, rack1-n02 (brackets in order, first outermost)."""
+    """``"rack[2,1]-n[01-02]"`` -> rack2-n01, rack2-n02, rack1-n01, rack1-n02 (brackets in order, first
+    outermost)."""
     parts = re.split(r"(\[[^\]]*\])", piece)
     choices = []
     for part in parts:

@@ -16,6 +16,7 @@ This source claims a process with torchrun's variables (``GROUP_RANK``, or ``RAN
 pservers. An engine that starts torchrun (an Indexed Job pod, a Slurm task) comes first: it
 names the trainer, torchrun only the node's processes.
 """
+
 from __future__ import annotations
 
 from typing import Mapping, Optional
@@ -25,8 +26,10 @@ from .common import TRAINER, Role, check_trainers, explicit_pservers, get_int, t
 
 def discover(env: Mapping[str, str]) -> Optional[Role]:
     """This trainer process's role; None when torchrun did not start it, or it is no trainer."""
-    if not (env.get("GROUP_RANK", "").strip()
-            or (env.get("RANK", "").strip() and env.get("LOCAL_WORLD_SIZE", "").strip())):
+    if not (
+        env.get("GROUP_RANK", "").strip()
+        or (env.get("RANK", "").strip() and env.get("LOCAL_WORLD_SIZE", "").strip())
+    ):
         return None
     role = training_role(env)
     pservers = explicit_pservers(env)
@@ -39,8 +42,10 @@ def discover(env: Mapping[str, str]) -> Optional[Role]:
     if node_rank is None:
         node_rank = rank // local_world
     elif rank is not None and rank != node_rank * local_world + local_rank:
-        raise ValueError(f"RANK={rank} is not GROUP_RANK={node_rank} x LOCAL_WORLD_SIZE={local_world} + "
-                         f"LOCAL_RANK={local_rank}")
+        raise ValueError(
+            f"RANK={rank} is not GROUP_RANK={node_rank} x LOCAL_WORLD_SIZE={local_world} + "
+            f"LOCAL_RANK={local_rank}"
+        )
     nodes = get_int(env, "GROUP_WORLD_SIZE", minimum=1)
     counted = "GROUP_WORLD_SIZE"
     if nodes is None:

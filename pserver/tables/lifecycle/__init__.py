@@ -9,6 +9,7 @@
 
 The rules themselves are :mod:`transpiler.lifecycle`'s.
 """
+
 from .policy import META_COLUMNS, LifecycleCounts, RowLifecycle
 
 __all__ = ["META_COLUMNS", "LifecycleCounts", "RowLifecycle"]

@@ -13,20 +13,23 @@ chance that an id seen fewer than ``n`` times reads as ``n`` is at most about
 counting Bloom filter: the same memory bound, and it gives a count rather
 than a yes/no, so the admission threshold is any ``n``.
 """
+
 from __future__ import annotations
 
 from typing import Dict
 
 import numpy as np
 
-from transpiler.placement import stable_hash_ids
 from transpiler.lifecycle import TableLifecycle
+from transpiler.placement import stable_hash_ids
 
 DEPTH = 4
 # Odd constants that make the 4 row hashes (and the probability hash) independent of each other
 # and of the hash that places an id on its shard.
-_SALTS = np.array([0x243F6A8885A308D3, 0x13198A2E03707344, 0xA4093822299F31D0,
-                   0x082EFA98EC4E6C89, 0x452821E638D01377], dtype=np.uint64)
+_SALTS = np.array(
+    [0x243F6A8885A308D3, 0x13198A2E03707344, 0xA4093822299F31D0, 0x082EFA98EC4E6C89, 0x452821E638D01377],
+    dtype=np.uint64,
+)
 
 
 def admissible(ids: np.ndarray, seed: int, probability: float) -> np.ndarray:
@@ -84,7 +87,9 @@ class CountSketch:
         flat = self.counters.reshape(-1)
         cells = self._cells(ids)
         new = np.minimum(flat[cells].min(axis=0).astype(np.int64) + 1, np.iinfo(np.uint16).max)
-        np.maximum.at(flat, cells.reshape(-1), np.broadcast_to(new.astype(np.uint16), cells.shape).reshape(-1))
+        np.maximum.at(
+            flat, cells.reshape(-1), np.broadcast_to(new.astype(np.uint16), cells.shape).reshape(-1)
+        )
         return new
 
     def halve(self) -> None:
@@ -101,8 +106,10 @@ class CountSketch:
         id's estimate stays an upper bound of its count.
         """
         if counters.shape != self.counters.shape:
-            raise ValueError(f"saved admission sketch has shape {list(counters.shape)}, this table's "
-                             f"is {list(self.counters.shape)} (admit_sketch_width changed?)")
+            raise ValueError(
+                f"saved admission sketch has shape {list(counters.shape)}, this table's "
+                f"is {list(self.counters.shape)} (admit_sketch_width changed?)"
+            )
         total = self.counters.astype(np.uint32) + counters
         np.minimum(total, np.iinfo(np.uint16).max, out=total)
         self.counters[...] = total

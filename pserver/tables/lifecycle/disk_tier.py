@@ -42,6 +42,7 @@ refused once the live pages would pass half of ``max_bytes`` (the map size, a
 hard bound on the data file), leaving the rest for pops, deletes and the pages
 a snapshot pins. Random-id batches keep the file at ~2-3x the live pages.
 """
+
 from __future__ import annotations
 
 import errno
@@ -112,13 +113,27 @@ class DiskTier:
         self._env = None
         os.makedirs(self.directory, exist_ok=True)
         self._open()
-        log.info("disk tier %s: fresh LMDB store, %d-byte records, map %d bytes",
-                 self.directory, self.record_bytes, self.max_bytes)
+        log.info(
+            "disk tier %s: fresh LMDB store, %d-byte records, map %d bytes",
+            self.directory,
+            self.record_bytes,
+            self.max_bytes,
+        )
 
     def _open(self) -> None:
         self._remove_files()  # a working area: whatever a previous run left is stale
-        self._env = lmdb.open(self.directory, map_size=self.max_bytes, subdir=True, sync=False, metasync=False,
-                              writemap=False, map_async=False, readahead=False, max_dbs=0, lock=True)
+        self._env = lmdb.open(
+            self.directory,
+            map_size=self.max_bytes,
+            subdir=True,
+            sync=False,
+            metasync=False,
+            writemap=False,
+            map_async=False,
+            readahead=False,
+            max_dbs=0,
+            lock=True,
+        )
 
     def _remove_files(self) -> None:
         # Only LMDB's two files: the directory may be shared, so it is never removed wholesale.
@@ -138,7 +153,8 @@ class DiskTier:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the data file in use: its highest page so far times the page size (freed pages are reused)."""
+        """Bytes of the data file in use: its highest page so far times the page size (freed pages are
+        reused)."""
         env = self._live()
         return (env.info()["last_pgno"] + 1) * env.stat()["psize"]
 
@@ -153,8 +169,9 @@ class DiskTier:
     def _check_records(self, records, n: int) -> np.ndarray:
         r = np.asarray(records)
         if r.dtype.hasobject or r.ndim == 0 or r.shape[0] != n:
-            raise ValueError(f"records must be an array of {n} rows (one per id), got dtype {r.dtype} "
-                             f"shape {r.shape}")
+            raise ValueError(
+                f"records must be an array of {n} rows (one per id), got dtype {r.dtype} shape {r.shape}"
+            )
         width = r.itemsize * int(np.prod(r.shape[1:], dtype=np.int64))
         if width != self.record_bytes:
             raise ValueError(f"records are {width} bytes per row, this store holds {self.record_bytes}")
@@ -162,9 +179,11 @@ class DiskTier:
 
     def _full(self, what: str) -> DiskTierFull:
         live = _live_bytes(self._live().stat())
-        msg = (f"disk tier {self.directory}: {what} is full ({len(self)} records, {live:,} B live, data file "
-               f"{self.nbytes:,} B, max_bytes {self.max_bytes:,} B, records refused past half); nothing was "
-               f"written. Free disk space there or raise max_bytes.")
+        msg = (
+            f"disk tier {self.directory}: {what} is full ({len(self)} records, {live:,} B live, data file "
+            f"{self.nbytes:,} B, max_bytes {self.max_bytes:,} B, records refused past half); nothing was "
+            f"written. Free disk space there or raise max_bytes."
+        )
         log.warning("%s", msg)
         return DiskTierFull(msg)
 
@@ -211,11 +230,13 @@ class DiskTier:
         return found, out
 
     def get(self, ids: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
-        """(found bool (n,), records uint8 (n, record_bytes)) for ``ids``, zeros where not found; repeats allowed."""
+        """(found bool (n,), records uint8 (n, record_bytes)) for ``ids``, zeros where not found; repeats
+        allowed."""
         ids = self._check_ids(ids)
         order = np.argsort(ids, kind="stable")
         # map over Cursor.get rather than Cursor.getmulti: both loop in C, but getmulti drops missing keys and
-        # returns (key, value) tuples, so finding which ids hit means matching keys back: 1.5x slower, measured.
+        # returns (key, value) tuples, so finding which ids hit means matching keys back: 1.5x slower,
+        # measured.
         with self._live().begin() as txn:
             values = list(map(txn.cursor().get, _keys(ids[order])))
         return self._scatter(values, order)
@@ -249,7 +270,9 @@ class DiskTier:
             while batch := list(islice(items, chunk)):
                 keys, values = zip(*batch)
                 # bytearray.join: one copy, and the caller gets a writable array.
-                records = np.frombuffer(bytearray().join(values), dtype=np.uint8).reshape(-1, self.record_bytes)
+                records = np.frombuffer(bytearray().join(values), dtype=np.uint8).reshape(
+                    -1, self.record_bytes
+                )
                 yield _ids_of(b"".join(keys)), records
 
     def clear(self) -> None:

@@ -7,6 +7,7 @@ the wall-clock second of its last update) and says which rows go; the shard
 removes them (:mod:`pserver.tables.shard`). Ties are broken by id, so the same
 rows go on every run.
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -35,8 +36,14 @@ def sweep_due(lc: TableLifecycle, step: int) -> bool:
     return lc.sweeps and step % lc.sweep_every_steps == 0
 
 
-def sweep_victims(lc: TableLifecycle, step: int, now: float, seen_step: np.ndarray,
-                  score: Optional[np.ndarray], seen_time: Optional[np.ndarray]) -> np.ndarray:
+def sweep_victims(
+    lc: TableLifecycle,
+    step: int,
+    now: float,
+    seen_step: np.ndarray,
+    score: Optional[np.ndarray],
+    seen_time: Optional[np.ndarray],
+) -> np.ndarray:
     """Rows (bool per row) a sweep at the end of ``step`` (wall clock ``now``) removes.
 
     Unseen for ``evict_unseen_steps`` steps, for ``evict_unseen_seconds``
@@ -62,8 +69,9 @@ def budget_keep(lc: TableLifecycle, n_rows: int, n_shards: int) -> Optional[int]
     return int(share * BUDGET_LOW_WATER)
 
 
-def lowest_ranked(n_go: int, step: int, decay: float, ids: np.ndarray, seen_step: np.ndarray,
-                  score: np.ndarray) -> np.ndarray:
+def lowest_ranked(
+    n_go: int, step: int, decay: float, ids: np.ndarray, seen_step: np.ndarray, score: np.ndarray
+) -> np.ndarray:
     """Row numbers of the ``n_go`` lowest-ranked rows: lowest decayed score, then oldest, then smallest id."""
     if n_go <= 0:
         return np.empty(0, dtype=np.int64)
@@ -72,7 +80,8 @@ def lowest_ranked(n_go: int, step: int, decay: float, ids: np.ndarray, seen_step
 
 
 def coldest(n_go: int, ids: np.ndarray, seen_step: np.ndarray) -> np.ndarray:
-    """Row numbers of the ``n_go`` least recently updated rows (then smallest id): what the disk tier takes."""
+    """Row numbers of the ``n_go`` least recently updated rows (then smallest id): what the disk tier
+    takes."""
     if n_go <= 0:
         return np.empty(0, dtype=np.int64)
     if n_go < seen_step.size // 4:
@@ -80,6 +89,6 @@ def coldest(n_go: int, ids: np.ndarray, seen_step: np.ndarray) -> np.ndarray:
         cut = np.partition(seen_step, n_go - 1)[n_go - 1]
         below = np.flatnonzero(seen_step < cut)
         at = np.flatnonzero(seen_step == cut)
-        at = at[np.argsort(ids[at], kind="stable")][:n_go - below.size]
+        at = at[np.argsort(ids[at], kind="stable")][: n_go - below.size]
         return np.concatenate([below, at])
     return np.lexsort((ids, seen_step))[:n_go]

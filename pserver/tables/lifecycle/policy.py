@@ -14,6 +14,7 @@ compaction, saves, re-shards and the disk tier)::
     score      float64  decayed update count as of seen_step (score rule or row budget)
     seen_time  float64  wall-clock second of the last update (evict_unseen_seconds)
 """
+
 from __future__ import annotations
 
 import time
@@ -27,8 +28,11 @@ from transpiler.tables import TableSpec
 from . import eviction
 from .admission import Admission
 
-META_COLUMNS: Dict[str, np.dtype] = {"seen_step": np.dtype(np.int64), "score": np.dtype(np.float64),
-                                     "seen_time": np.dtype(np.float64)}
+META_COLUMNS: Dict[str, np.dtype] = {
+    "seen_step": np.dtype(np.int64),
+    "score": np.dtype(np.float64),
+    "seen_time": np.dtype(np.float64),
+}
 
 
 @dataclass
@@ -83,8 +87,9 @@ class RowLifecycle:
     def touch(self, meta: Dict[str, np.ndarray], rows: np.ndarray, step: int) -> None:
         """Record an update at ``step`` of the stored rows ``rows`` in the metadata views ``meta``."""
         if "score" in meta:
-            meta["score"][rows] = eviction.updated_scores(meta["score"][rows], meta["seen_step"][rows],
-                                                          step, self.policy.score_decay)
+            meta["score"][rows] = eviction.updated_scores(
+                meta["score"][rows], meta["seen_step"][rows], step, self.policy.score_decay
+            )
         if "seen_time" in meta:
             meta["seen_time"][rows] = self.clock()
         meta["seen_step"][rows] = step
@@ -94,14 +99,23 @@ class RowLifecycle:
         lc = self.policy
         go = np.empty(0, dtype=np.int64)
         if eviction.sweep_due(lc, step):
-            go = np.flatnonzero(eviction.sweep_victims(lc, step, self.clock(), meta["seen_step"],
-                                                       meta.get("score"), meta.get("seen_time")))
+            go = np.flatnonzero(
+                eviction.sweep_victims(
+                    lc, step, self.clock(), meta["seen_step"], meta.get("score"), meta.get("seen_time")
+                )
+            )
             self._count("sweep", go.size)
         keep = eviction.budget_keep(lc, ids.size - go.size, self.n_shards)
         if keep is not None:
             left = np.setdiff1d(np.arange(ids.size), go, assume_unique=True)
-            over = eviction.lowest_ranked(left.size - keep, step, lc.score_decay, ids[left],
-                                          meta["seen_step"][left], meta["score"][left])
+            over = eviction.lowest_ranked(
+                left.size - keep,
+                step,
+                lc.score_decay,
+                ids[left],
+                meta["seen_step"][left],
+                meta["score"][left],
+            )
             self._count("budget", over.size)
             go = np.union1d(go, left[over])
         return go

@@ -18,6 +18,7 @@ that fails (the disk or the store's size limit is full) changes nothing: the
 rows stay in memory, the failure is logged with what to do, and the next
 step tries again.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -38,7 +39,7 @@ from .policy import META_COLUMNS, RowLifecycle
 
 log = logging.getLogger(__name__)
 
-_DISK_CHUNK = 1 << 16   # records read at once when sweeping or saving the disk tier
+_DISK_CHUNK = 1 << 16  # records read at once when sweeping or saving the disk tier
 
 
 def record_dtype(dim: int, dtype: np.dtype, n_state: int, columns) -> np.dtype:
@@ -58,8 +59,15 @@ class DiskTiering:
     ``table_disk_dir`` (None: the system's temporary directory, with a warning).
     """
 
-    def __init__(self, spec: TableSpec, shard: int, n_shards: int, memory: RowStore, life: RowLifecycle,
-                 root: Optional[str]):
+    def __init__(
+        self,
+        spec: TableSpec,
+        shard: int,
+        n_shards: int,
+        memory: RowStore,
+        life: RowLifecycle,
+        root: Optional[str],
+    ):
         self.spec, self.shard = spec, shard
         self.memory = memory
         self.life = life
@@ -73,10 +81,15 @@ class DiskTiering:
         self._record = record_dtype(spec.dim, memory.dtype, memory.n_state, memory.columns)
         self._seen_step = 1 + memory.n_state  # the record field of the seen_step column
         self._store = DiskTier(directory, self._record.itemsize)
-        self.nbytes = 0    # as of the last spill: read lock-free by the metrics
+        self.nbytes = 0  # as of the last spill: read lock-free by the metrics
         self.spill_failures = 0
-        log.info("table %s shard %d: %d rows in memory, the rest in %s", spec.name, shard, self.ram_share,
-                 directory)
+        log.info(
+            "table %s shard %d: %d rows in memory, the rest in %s",
+            spec.name,
+            shard,
+            self.ram_share,
+            directory,
+        )
 
     def __len__(self) -> int:
         """Rows on disk."""
@@ -85,7 +98,7 @@ class DiskTiering:
     def close(self) -> None:
         """Close and remove the working store (the shard's rows on disk are gone)."""
         self._store.close()
-        with contextlib.suppress(OSError):   # the shard's own directory, empty now
+        with contextlib.suppress(OSError):  # the shard's own directory, empty now
             os.rmdir(self._store.directory)
 
     # -- records -------------------------------------------------------------
@@ -122,7 +135,8 @@ class DiskTiering:
         return at.size
 
     def promote_absent(self, ids: np.ndarray) -> int:
-        """Bring the rows of ``ids`` (none in memory; repeats allowed) that are on disk into memory; how many."""
+        """Bring the rows of ``ids`` (none in memory; repeats allowed) that are on disk into memory; how
+        many."""
         miss = np.unique(ids)
         return self.promote(miss, np.full(miss.size, -1, dtype=np.int32))
 
@@ -143,8 +157,15 @@ class DiskTiering:
         except DiskTierFull as e:
             self.spill_failures += 1
             if self.spill_failures == 1 or self.spill_failures % 100 == 0:
-                log.error("table %s shard %d: spill of %d rows failed (%d failures so far); the rows stay "
-                          "in memory: %s", self.spec.name, self.shard, victims.size, self.spill_failures, e)
+                log.error(
+                    "table %s shard %d: spill of %d rows failed (%d failures so far); the rows stay "
+                    "in memory: %s",
+                    self.spec.name,
+                    self.shard,
+                    victims.size,
+                    self.spill_failures,
+                    e,
+                )
             return
         memory.remove(victims)
         self.life.spilled(victims.size)
@@ -158,8 +179,9 @@ class DiskTiering:
         now = self.life.clock()
         for ids, records in self._store.iter_chunks(_DISK_CHUNK):
             meta = dict(zip(self._record.names, self._unpack(records)))
-            go = sweep_victims(self.spec.lifecycle, step, now, meta["seen_step"], meta.get("score"),
-                               meta.get("seen_time"))
+            go = sweep_victims(
+                self.spec.lifecycle, step, now, meta["seen_step"], meta.get("score"), meta.get("seen_time")
+            )
             gone.append(ids[go])
         gone = np.concatenate(gone) if gone else np.empty(0, np.int64)
         self._store.delete(gone)
@@ -168,13 +190,15 @@ class DiskTiering:
     # -- exports and saves ---------------------------------------------------------
 
     def changed(self, since: Optional[int]) -> Iterator[Tuple[np.ndarray, np.ndarray]]:
-        """(ids, rows) on disk, chunk by chunk: all (``since`` None) or those updated after table step ``since``."""
+        """(ids, rows) on disk, chunk by chunk: all (``since`` None) or those updated after table step
+        ``since``."""
         for ids, records in self._store.iter_chunks():
             values = self._unpack(records)
             keep = slice(None) if since is None else values[self._seen_step] > since
             yield ids[keep], values[0][keep]
 
     def field_chunks(self, index: int) -> Iterator[np.ndarray]:
-        """Field ``index`` of every record on disk (-1: the ids; then rows, state, metadata), chunk by chunk."""
+        """Field ``index`` of every record on disk (-1: the ids; then rows, state, metadata), chunk by
+        chunk."""
         for ids, records in self._store.iter_chunks(_DISK_CHUNK):
             yield ids if index < 0 else self._unpack(records)[index]

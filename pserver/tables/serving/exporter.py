@@ -27,6 +27,7 @@ export is never skipped, since the next delta names it. A failed write (a
 full disk) is logged and leaves that export incomplete; readers stay at the
 previous complete export until the next base.
 """
+
 from __future__ import annotations
 
 import concurrent.futures
@@ -74,14 +75,15 @@ class ClockSchedule:
 
     NEXT = "NEXT"
 
-    def __init__(self, root: str, seconds: float, base_every: int, shard: int,
-                 clock: Callable[[], float] = time.time):
+    def __init__(
+        self, root: str, seconds: float, base_every: int, shard: int, clock: Callable[[], float] = time.time
+    ):
         self.root, self.seconds, self.base_every, self.shard = root, seconds, base_every, shard
         self.clock = clock
         self._since = clock()
         self._count = 0
         self._announced: Optional[dict] = None
-        self._seen: Tuple[int, int] = (-1, -1)   # NEXT's (mtime_ns, size) when last read
+        self._seen: Tuple[int, int] = (-1, -1)  # NEXT's (mtime_ns, size) when last read
 
     def plan(self, step: int) -> Optional[Tuple[str, str, Optional[str]]]:
         """(name, kind, previous) of the export due at ``step``, or None; pserver 0 may announce one."""
@@ -154,16 +156,28 @@ def exports_meta(directory: str) -> dict:
 class TableExporter:
     """Scheduled exports of one pserver's table shards (``tables``: a :class:`TableSet`)."""
 
-    def __init__(self, tables, root: str, every: int, base_every: int, keep_bases: int,
-                 every_seconds: float = 0.0, sync_mode: bool = True):
+    def __init__(
+        self,
+        tables,
+        root: str,
+        every: int,
+        base_every: int,
+        keep_bases: int,
+        every_seconds: float = 0.0,
+        sync_mode: bool = True,
+    ):
         if every_seconds and not sync_mode:
-            raise ValueError("export_every_seconds needs sync mode: async pservers apply their steps "
-                             "independently and cannot agree on one; use export_every")
+            raise ValueError(
+                "export_every_seconds needs sync mode: async pservers apply their steps "
+                "independently and cannot agree on one; use export_every"
+            )
         self.tables, self.root = tables, root
         self.every, self.base_every, self.keep_bases = every, base_every, keep_bases
-        self.schedule = ClockSchedule(root, every_seconds, base_every, tables.shard) if every_seconds else None
+        self.schedule = (
+            ClockSchedule(root, every_seconds, base_every, tables.shard) if every_seconds else None
+        )
         self.shard, self.n_shards = tables.shard, tables.n_shards
-        self.resync = True   # nothing exported since start: the first delta is a resync
+        self.resync = True  # nothing exported since start: the first delta is a resync
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="table-export")
         self._writing: Optional[concurrent.futures.Future] = None
         for shard in tables.shards.values():
@@ -202,22 +216,39 @@ class TableExporter:
         self.wait()
         self._pool.shutdown(wait=True)
 
-    def _write(self, name: str, kind: str, previous: Optional[str], resync: bool,
-               parts: Dict[str, tuple]) -> None:
+    def _write(
+        self, name: str, kind: str, previous: Optional[str], resync: bool, parts: Dict[str, tuple]
+    ) -> None:
         try:
             for table, (ids, rows, gone, table_step) in parts.items():
                 if resync:
                     held = chain_ids(self.root, previous, table, self.shard, self.n_shards)
                     gone = np.empty(0, np.int64) if held is None else np.setdiff1d(held, ids)
-                meta = {"kind": kind, "step": exports.parse_export_name(name)[0], "previous": previous,
-                        "table_step": int(table_step), "resync": resync}
-                exports.write_export_shard(self.root, name, table, self.shard, self.n_shards,
-                                           ids, rows, gone, meta)
+                meta = {
+                    "kind": kind,
+                    "step": exports.parse_export_name(name)[0],
+                    "previous": previous,
+                    "table_step": int(table_step),
+                    "resync": resync,
+                }
+                exports.write_export_shard(
+                    self.root, name, table, self.shard, self.n_shards, ids, rows, gone, meta
+                )
             exports.finish_export_shard(self.root, name, self.shard, self.n_shards)
             if self.shard == 0:
                 exports.prune_exports(self.root, self.keep_bases)
-            log.info("tables exported: %s (%s%s) by pserver %d of %d", name, kind,
-                     ", resync" if resync else "", self.shard, self.n_shards)
+            log.info(
+                "tables exported: %s (%s%s) by pserver %d of %d",
+                name,
+                kind,
+                ", resync" if resync else "",
+                self.shard,
+                self.n_shards,
+            )
         except Exception:  # a full disk must not stop training; readers keep the previous export
-            log.exception("export %s of pserver %d failed; readers stay at the previous complete "
-                          "export until the next base", name, self.shard)
+            log.exception(
+                "export %s of pserver %d failed; readers stay at the previous complete "
+                "export until the next base",
+                name,
+                self.shard,
+            )

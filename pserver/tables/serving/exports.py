@@ -35,6 +35,7 @@ the chain ambiguous). A delta writes every table, unchanged ones with empty
 arrays, so each table's shards carry the link. The reader, numpy only, is
 :mod:`pserver.tables.serving.reader`.
 """
+
 from __future__ import annotations
 
 import json
@@ -48,8 +49,17 @@ import numpy as np
 
 from ... import atomic_files
 
-__all__ = ["FORMAT", "VERSION", "KINDS", "export_name", "parse_export_name", "write_export_shard",
-           "finish_export_shard", "prune_exports", "is_complete"]
+__all__ = [
+    "FORMAT",
+    "VERSION",
+    "KINDS",
+    "export_name",
+    "parse_export_name",
+    "write_export_shard",
+    "finish_export_shard",
+    "prune_exports",
+    "is_complete",
+]
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +78,7 @@ def export_name(step: int, kind: str) -> str:
     zero-padded so that names sort in step order."""
     if kind not in KINDS:
         raise ValueError(f"export kind {kind!r} is not one of {KINDS}")
-    if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or not 0 <= step < 10 ** 12:
+    if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or not 0 <= step < 10**12:
         raise ValueError(f"export step {step!r} is not an integer in [0, 1e12)")
     return f"{int(step):012d}-{kind}"
 
@@ -109,11 +119,15 @@ def _check_arrays(table: str, ids, rows, tombstones) -> Tuple[np.ndarray, np.nda
     """Validated ``ids``, ``rows``, ``tombstones`` (None: empty) of one table shard."""
     where = f"table {table!r}"
     if not isinstance(ids, np.ndarray) or ids.dtype != np.int64 or ids.ndim != 1:
-        raise ValueError(f"{where}: ids must be a 1-D int64 array, got "
-                         f"{getattr(ids, 'dtype', type(ids).__name__)} {list(np.shape(ids))}")
+        raise ValueError(
+            f"{where}: ids must be a 1-D int64 array, got "
+            f"{getattr(ids, 'dtype', type(ids).__name__)} {list(np.shape(ids))}"
+        )
     if not isinstance(rows, np.ndarray) or rows.ndim != 2 or rows.shape[0] != ids.size:
-        raise ValueError(f"{where}: rows must be an (m, dim) array with m = {ids.size} ids, got "
-                         f"shape {list(np.shape(rows))}")
+        raise ValueError(
+            f"{where}: rows must be an (m, dim) array with m = {ids.size} ids, got "
+            f"shape {list(np.shape(rows))}"
+        )
     if rows.dtype.name not in DTYPES:
         raise ValueError(f"{where}: rows dtype {rows.dtype} is not one of {DTYPES}")
     if rows.shape[1] < 1:
@@ -121,53 +135,82 @@ def _check_arrays(table: str, ids, rows, tombstones) -> Tuple[np.ndarray, np.nda
     if tombstones is None:
         tombstones = np.empty(0, np.int64)
     if not isinstance(tombstones, np.ndarray) or tombstones.dtype != np.int64 or tombstones.ndim != 1:
-        raise ValueError(f"{where}: tombstones must be a 1-D int64 array, got "
-                         f"{getattr(tombstones, 'dtype', type(tombstones).__name__)} "
-                         f"{list(np.shape(tombstones))}")
+        raise ValueError(
+            f"{where}: tombstones must be a 1-D int64 array, got "
+            f"{getattr(tombstones, 'dtype', type(tombstones).__name__)} "
+            f"{list(np.shape(tombstones))}"
+        )
     for label, a in (("ids", ids), ("tombstones", tombstones)):
         if np.unique(a).size != a.size:
             raise ValueError(f"{where}: {label} hold duplicates (a reader could not tell which wins)")
     both = np.intersect1d(ids, tombstones)
     if both.size:
-        raise ValueError(f"{where}: ids {both[:8].tolist()} are both written and tombstoned; an id "
-                         f"deleted and re-added since the previous export is written as a row only")
+        raise ValueError(
+            f"{where}: ids {both[:8].tolist()} are both written and tombstoned; an id "
+            f"deleted and re-added since the previous export is written as a row only"
+        )
     return ids, rows, tombstones
 
 
-def _full_meta(name: str, table: str, shard: int, n_shards: int, rows: np.ndarray,
-               tombstones: np.ndarray, meta: dict) -> dict:
+def _full_meta(
+    name: str, table: str, shard: int, n_shards: int, rows: np.ndarray, tombstones: np.ndarray, meta: dict
+) -> dict:
     """``meta`` checked against ``name`` and completed with the fields the arrays determine."""
     missing = [k for k in ("kind", "step", "previous") if k not in meta]
     if missing:
         raise ValueError(f"table {table!r}: meta lacks {missing} (kind, step and previous are required)")
     kind, step, previous = meta["kind"], meta["step"], meta["previous"]
     if export_name(step, kind) != name:
-        raise ValueError(f"export {name!r} does not match meta kind {kind!r}, step {step!r} "
-                         f"(its name would be {export_name(step, kind)!r})")
+        raise ValueError(
+            f"export {name!r} does not match meta kind {kind!r}, step {step!r} "
+            f"(its name would be {export_name(step, kind)!r})"
+        )
     if kind == "base":
         if previous is not None:
             raise ValueError(f"base {name}: previous must be None, got {previous!r}")
         if tombstones.size:
-            raise ValueError(f"base {name}: table {table!r} has {tombstones.size} tombstones; a base "
-                             f"holds every live row and no tombstones")
+            raise ValueError(
+                f"base {name}: table {table!r} has {tombstones.size} tombstones; a base "
+                f"holds every live row and no tombstones"
+            )
     else:
         parsed = parse_export_name(previous) if isinstance(previous, str) else None
         if parsed is None:
             raise ValueError(f"delta {name}: previous must name the export it follows, got {previous!r}")
         if parsed[0] >= step:
             raise ValueError(f"delta {name}: previous {previous!r} is not older than it")
-    full = dict(meta, format=FORMAT, version=VERSION, table=table, dim=int(rows.shape[1]),
-                dtype=rows.dtype.name, step=int(step), shard=int(shard), n_shards=int(n_shards),
-                rows=int(rows.shape[0]), tombstones=int(tombstones.size))
+    full = dict(
+        meta,
+        format=FORMAT,
+        version=VERSION,
+        table=table,
+        dim=int(rows.shape[1]),
+        dtype=rows.dtype.name,
+        step=int(step),
+        shard=int(shard),
+        n_shards=int(n_shards),
+        rows=int(rows.shape[0]),
+        tombstones=int(tombstones.size),
+    )
     for key in ("format", "version", "table", "dim", "dtype", "shard", "n_shards", "rows", "tombstones"):
         if key in meta and meta[key] != full[key]:
-            raise ValueError(f"table {table!r}: meta says {key} {meta[key]!r}, the arrays and "
-                             f"arguments say {full[key]!r}")
+            raise ValueError(
+                f"table {table!r}: meta says {key} {meta[key]!r}, the arrays and arguments say {full[key]!r}"
+            )
     return full
 
 
-def write_export_shard(root: str, name: str, table: str, shard: int, n_shards: int, ids: np.ndarray,
-                       rows: np.ndarray, tombstones: np.ndarray, meta: dict) -> str:
+def write_export_shard(
+    root: str,
+    name: str,
+    table: str,
+    shard: int,
+    n_shards: int,
+    ids: np.ndarray,
+    rows: np.ndarray,
+    tombstones: np.ndarray,
+    meta: dict,
+) -> str:
     """Write shard ``shard`` of ``n_shards`` of ``table`` into export ``name`` under ``root``, durably.
 
     ``meta`` needs ``kind``, ``step`` and ``previous`` (any further keys are
@@ -181,8 +224,14 @@ def write_export_shard(root: str, name: str, table: str, shard: int, n_shards: i
     Returns the shard directory.
     """
     _check_shard(shard, n_shards)
-    if not isinstance(table, str) or not table or table in (".", "..") or "/" in table \
-            or os.sep in table or table.startswith(("DONE", ".")):
+    if (
+        not isinstance(table, str)
+        or not table
+        or table in (".", "..")
+        or "/" in table
+        or os.sep in table
+        or table.startswith(("DONE", "."))
+    ):
         raise ValueError(f"table name {table!r} cannot be a directory of an export")
     ids, rows, tombstones = _check_arrays(table, ids, rows, tombstones)
     full = _full_meta(name, table, shard, n_shards, rows, tombstones, meta)
@@ -193,8 +242,10 @@ def write_export_shard(root: str, name: str, table: str, shard: int, n_shards: i
     export_dir = os.path.join(root, name)
     done_shard = os.path.join(export_dir, f"DONE.shard-{shard}-of-{n_shards}")
     if os.path.exists(os.path.join(export_dir, DONE)) or os.path.exists(done_shard):
-        raise ValueError(f"export {export_dir}: pserver {shard} has already finished it; a finished "
-                         f"export is never rewritten (readers may be using it)")
+        raise ValueError(
+            f"export {export_dir}: pserver {shard} has already finished it; a finished "
+            f"export is never rewritten (readers may be using it)"
+        )
     directory = os.path.join(export_dir, table, f"shard-{shard}-of-{n_shards}")
     _makedirs_durable(directory)
     meta_path = os.path.join(directory, META)
@@ -203,13 +254,21 @@ def write_export_shard(root: str, name: str, table: str, shard: int, n_shards: i
         os.unlink(meta_path)
         atomic_files.fsync_dir(directory)
     for label, array in (("ids", ids), ("rows", rows), ("tombstones", tombstones)):
-        atomic_files.atomic_write(os.path.join(directory, f"{label}.npy"),
-                                  lambda f, a=array: np.save(f, a, allow_pickle=False))
+        atomic_files.atomic_write(
+            os.path.join(directory, f"{label}.npy"), lambda f, a=array: np.save(f, a, allow_pickle=False)
+        )
     atomic_files.fsync_dir(directory)
     atomic_files.write_json(meta_path, full)
     atomic_files.fsync_dir(directory)
-    log.debug("export %s: table %s shard %d/%d written (%d rows, %d tombstones)", name, table,
-              shard, n_shards, full["rows"], full["tombstones"])
+    log.debug(
+        "export %s: table %s shard %d/%d written (%d rows, %d tombstones)",
+        name,
+        table,
+        shard,
+        n_shards,
+        full["rows"],
+        full["tombstones"],
+    )
     return directory
 
 
@@ -243,23 +302,37 @@ def finish_export_shard(root: str, name: str, shard: int, n_shards: int) -> bool
     done_path = os.path.join(export_dir, DONE)
     others = sorted({n for _, n in _done_shards(export_dir)} - {n_shards})
     if others:
-        raise ValueError(f"export {export_dir}: other pservers finished it as shards of {others}, "
-                         f"this one as a shard of {n_shards}; one export has one shard count")
+        raise ValueError(
+            f"export {export_dir}: other pservers finished it as shards of {others}, "
+            f"this one as a shard of {n_shards}; one export has one shard count"
+        )
     tables = sorted(e for e in os.listdir(export_dir) if os.path.isdir(os.path.join(export_dir, e)))
     if not tables:
         raise ValueError(f"export {export_dir} has no tables; write them before finishing it")
-    lacking = [t for t in tables if not os.path.isfile(
-        os.path.join(export_dir, t, f"shard-{shard}-of-{n_shards}", META))]
+    lacking = [
+        t
+        for t in tables
+        if not os.path.isfile(os.path.join(export_dir, t, f"shard-{shard}-of-{n_shards}", META))
+    ]
     if lacking:
-        raise ValueError(f"export {export_dir}: pserver {shard} of {n_shards} has not written "
-                         f"tables {lacking}; finish after every table's shard is written")
-    atomic_files.write_json(os.path.join(export_dir, f"DONE.shard-{shard}-of-{n_shards}"),
-                            {"shard": int(shard), "n_shards": int(n_shards), "tables": tables})
+        raise ValueError(
+            f"export {export_dir}: pserver {shard} of {n_shards} has not written "
+            f"tables {lacking}; finish after every table's shard is written"
+        )
+    atomic_files.write_json(
+        os.path.join(export_dir, f"DONE.shard-{shard}-of-{n_shards}"),
+        {"shard": int(shard), "n_shards": int(n_shards), "tables": tables},
+    )
     atomic_files.fsync_dir(export_dir)
     finished = {k for k, n in _done_shards(export_dir) if n == n_shards}
     if finished != set(range(n_shards)):
-        log.info("export %s: pserver %d of %d done; waiting for %s", name, shard, n_shards,
-                 sorted(set(range(n_shards)) - finished))
+        log.info(
+            "export %s: pserver %d of %d done; waiting for %s",
+            name,
+            shard,
+            n_shards,
+            sorted(set(range(n_shards)) - finished),
+        )
         return False
     try:
         fd = os.open(done_path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
@@ -291,8 +364,11 @@ def prune_exports(root: str, keep_bases: int) -> List[str]:
         raise ValueError(f"keep_bases {keep_bases!r} must be >= 1 (a reader needs a base)")
     if not os.path.isdir(root):
         return []
-    exports = sorted((parsed[0], entry) for entry in os.listdir(root)
-                     if (parsed := parse_export_name(entry)) and os.path.isdir(os.path.join(root, entry)))
+    exports = sorted(
+        (parsed[0], entry)
+        for entry in os.listdir(root)
+        if (parsed := parse_export_name(entry)) and os.path.isdir(os.path.join(root, entry))
+    )
     complete = [(step, n) for step, n in exports if is_complete(root, n)]
     if not complete:
         return []

@@ -24,6 +24,7 @@ Each table is a sorted int64 id array and the matching rows; a lookup is one
 
 CLI: ``python reader.py ROOT TABLE ID [ID ...]`` prints each id's row.
 """
+
 from __future__ import annotations
 
 import json
@@ -81,8 +82,7 @@ def _open_shard(directory: str, table: str, shard: int, n_shards: int, name: str
     if missing:
         raise ExportError(f"{directory}: meta.json lacks {missing}")
     m = _NAME.match(name)
-    want = {"table": table, "shard": shard, "n_shards": n_shards, "step": int(m.group(1)),
-            "kind": m.group(2)}
+    want = {"table": table, "shard": shard, "n_shards": n_shards, "step": int(m.group(1)), "kind": m.group(2)}
     for key, value in want.items():
         if meta[key] != value:
             raise ExportError(f"{directory}: meta.json says {key} {meta[key]!r}, its place says {value!r}")
@@ -90,9 +90,11 @@ def _open_shard(directory: str, table: str, shard: int, n_shards: int, name: str
         raise ExportError(f"{directory}: dtype {meta['dtype']!r} / dim {meta['dim']!r} not servable")
     if meta["kind"] == "base" and (meta["previous"] is not None or meta["tombstones"]):
         raise ExportError(f"{directory}: a base with a previous export or tombstones")
-    shapes = {"ids": ((meta["rows"],), np.dtype(np.int64)),
-              "rows": ((meta["rows"], meta["dim"]), np.dtype(meta["dtype"])),
-              "tombstones": ((meta["tombstones"],), np.dtype(np.int64))}
+    shapes = {
+        "ids": ((meta["rows"],), np.dtype(np.int64)),
+        "rows": ((meta["rows"], meta["dim"]), np.dtype(meta["dtype"])),
+        "tombstones": ((meta["tombstones"],), np.dtype(np.int64)),
+    }
     arrays = {}
     for label, (shape, dtype) in shapes.items():
         path = os.path.join(directory, f"{label}.npy")
@@ -101,8 +103,9 @@ def _open_shard(directory: str, table: str, shard: int, n_shards: int, name: str
         except (OSError, ValueError) as e:
             raise ExportError(f"{path}: unreadable ({e})") from None
         if a.shape != shape or a.dtype != dtype:
-            raise ExportError(f"{path}: holds {a.dtype} {list(a.shape)}, meta.json says "
-                              f"{dtype} {list(shape)}")
+            raise ExportError(
+                f"{path}: holds {a.dtype} {list(a.shape)}, meta.json says {dtype} {list(shape)}"
+            )
         arrays[label] = a
     meta["arrays"] = arrays
     return meta
@@ -121,9 +124,11 @@ def _open_export(root: str, name: str) -> dict:
         if m:
             counts.setdefault(int(m.group(2)), set()).add(int(m.group(1)))
     if len(counts) != 1:
-        raise ExportError(f"{export_dir}: DONE.shard files give shard counts {sorted(counts)}; "
-                          f"all pservers of one export must agree")
-    (n_shards, done), = counts.items()
+        raise ExportError(
+            f"{export_dir}: DONE.shard files give shard counts {sorted(counts)}; "
+            f"all pservers of one export must agree"
+        )
+    ((n_shards, done),) = counts.items()
     if done != set(range(n_shards)):
         raise ExportError(f"{export_dir}: DONE but only DONE.shard {sorted(done)} of {n_shards}")
     tables: Dict[str, list] = {}
@@ -162,8 +167,10 @@ def _merge(where: str, metas: list, old: Optional[Table]) -> Table:
     dead = np.concatenate([m["arrays"]["tombstones"] for m in metas])
     if old is not None:
         if old[1].shape[1] != rows.shape[1] or old[1].dtype != rows.dtype:
-            raise ExportError(f"{where}: rows are {rows.dtype} dim {rows.shape[1]}, the loaded table "
-                              f"{old[1].dtype} dim {old[1].shape[1]}")
+            raise ExportError(
+                f"{where}: rows are {rows.dtype} dim {rows.shape[1]}, the loaded table "
+                f"{old[1].dtype} dim {old[1].shape[1]}"
+            )
         keep = ~np.isin(old[0], np.concatenate([ids, dead]))
         ids = np.concatenate([old[0][keep], ids])
         rows = np.concatenate([old[1][keep], rows])
@@ -173,8 +180,9 @@ def _merge(where: str, metas: list, old: Optional[Table]) -> Table:
     if twice.size:
         raise ExportError(f"{where}: ids {twice[:8].tolist()} are written by more than one shard")
     if dead.size and np.isin(dead, ids).any():
-        raise ExportError(f"{where}: ids {dead[np.isin(dead, ids)][:8].tolist()} are both written "
-                          f"and tombstoned")
+        raise ExportError(
+            f"{where}: ids {dead[np.isin(dead, ids)][:8].tolist()} are both written and tombstoned"
+        )
     return ids, rows
 
 
@@ -240,10 +248,14 @@ class ServingTables:
                 if export["previous"] != loaded:
                     # Following an export still being written is normal; any other link is broken.
                     pending = export["previous"] in waiting
-                    log.log(logging.INFO if pending else logging.WARNING,
-                            "serving exports: stopping at delta %s: it %s %s, but the loaded export "
-                            "is %s", name, "waits for incomplete export" if pending else "follows",
-                            export["previous"], loaded)
+                    log.log(
+                        logging.INFO if pending else logging.WARNING,
+                        "serving exports: stopping at delta %s: it %s %s, but the loaded export is %s",
+                        name,
+                        "waits for incomplete export" if pending else "follows",
+                        export["previous"],
+                        loaded,
+                    )
                     break
                 tables = self._apply(name, export, tables)
             except (ExportError, OSError) as e:
