@@ -127,7 +127,7 @@ class StatsPoller:
                     )
                 except Exception:  # noqa: BLE001 - not up yet, or gone: keep the last answer
                     continue
-                answer = {"updates": r.updates}
+                answer = {"updates": r.step}
                 if r.HasField("replica"):
                     answer.update(
                         role=r.replica.role,

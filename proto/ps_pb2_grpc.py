@@ -5,7 +5,7 @@ import warnings
 
 from psproto import ps_pb2 as psproto_dot_ps__pb2
 
-GRPC_GENERATED_VERSION = '1.85.1'
+GRPC_GENERATED_VERSION = '1.85.4'
 GRPC_VERSION = grpc.__version__
 _version_not_supported = False
 
@@ -147,7 +147,7 @@ class ParameterServerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Pull(self, request, context):
-        """Receives parameters once `min_updates` updates are applied.
+        """Receives parameters once the pserver's step reaches `min_step`.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

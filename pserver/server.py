@@ -175,7 +175,7 @@ class ParameterServer:
                 cfg.backup_trainers,
                 cfg.barrier_timeout,
                 live=self.engine.live,
-                applied=lambda: self.engine.updates,
+                applied=lambda: self.engine.step,
                 admit=self.engine.check_live,
                 rollbacks=self.engine.rollbacks,
                 released=self.engine.touch,
@@ -185,7 +185,7 @@ class ParameterServer:
                 log.info(
                     "pserver %s resumes from the checkpoint at step %d under %s%s",
                     self.endpoint,
-                    self.engine.updates,
+                    self.engine.step,
                     cfg.checkpoint_dir,
                     " (tables_from is ignored)" if tables_from else "",
                 )
@@ -329,7 +329,7 @@ class ParameterServer:
         """The training service (with health and reflection) on the endpoint, behind the token.
 
         gRPC's asyncio server on an event-loop thread of this server's own: a
-        call that waits (a sync step's barrier, ``min_updates``, staleness, a
+        call that waits (a sync step's barrier, ``min_step``, staleness, a
         Reduce round) parks on the loop and holds no thread (:mod:`.rpc.aio`);
         the CPU work of every call runs in a pool of ``pserver_rpc_workers``
         threads (0: ``max(4, cores)``), whatever the number of trainers.
@@ -484,7 +484,7 @@ class ParameterServer:
         if self.replica is not None:
             self._link.close()
         self._stop_side_ports()
-        log.info("pserver %s stopped after %d updates", self.endpoint, self.engine.updates)
+        log.info("pserver %s stopped after %d updates", self.endpoint, self.engine.step)
 
     def serve(self) -> None:
         """Start, block until all trainers closed or SIGTERM/SIGINT, then stop cleanly.

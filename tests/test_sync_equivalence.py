@@ -102,7 +102,7 @@ def test_trainer_that_stops_early_does_not_stall_the_other():
     with LocalCluster(lambda: program("adam"), 2, N_TRAINERS) as cluster:
         results = cluster.run_trainers(body, timeout=30)
         assert results[0][0] == len(data) and results[1][0] == short
-        assert all(s.engine.updates == len(data) for s in cluster.servers)
+        assert all(s.engine.step == len(data) for s in cluster.servers)
 
     # Reference: the mean over both batches while both trainers run, then trainer 0's batch alone.
     reference_data = [sb if s < short else [sb[0]] for s, sb in enumerate(data)]

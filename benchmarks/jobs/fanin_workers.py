@@ -97,8 +97,8 @@ class EmulatedTrainer:
         self.channels = Channels(program)
         self.blocks = {b.name: (b.dtype, b.shape) for b in program.blocks}
         self.by_endpoint = {ep: [b for b in program.blocks if b.endpoint == ep] for ep in program.pservers}
-        self.tables = TableClient(program.tables, program.pservers, self._fetch, lambda: self._min_updates)
-        self._min_updates = 0
+        self.tables = TableClient(program.tables, program.pservers, self._fetch, lambda: self._min_step)
+        self._min_step = 0
         self.pushes: List[Tuple[int, int, float, float]] = []  # (pserver index, step, start, end)
 
     def hello(self, heartbeat) -> None:
@@ -147,26 +147,24 @@ class EmulatedTrainer:
         )
         self.pushes.append((k, step, start, time.monotonic()))
 
-    def _fetch(self, fetch, min_updates: int):
+    def _fetch(self, fetch, min_step: int):
         """Rows of a RowFetch, one prefetch per pserver (what the TableClient's reads call)."""
         return self.channels.run_parallel(
             {
-                ep: functools.partial(
-                    self.channels[ep].prefetch, min_updates, fetch.ids[ep], fetch.rows[ep].get
-                )
+                ep: functools.partial(self.channels[ep].prefetch, min_step, fetch.ids[ep], fetch.rows[ep].get)
                 for ep in fetch.ids
             }
         )
 
-    def read_model(self, min_updates: int) -> Dict[str, torch.Tensor]:
-        """The dense blocks and the check ids' rows once every pserver applied ``min_updates`` updates."""
+    def read_model(self, min_step: int) -> Dict[str, torch.Tensor]:
+        """The dense blocks and the check ids' rows once every pserver applied ``min_step`` updates."""
         answers = {}
         for ep, blocks in self.by_endpoint.items():
             if blocks:
                 answer = Answer(self.blocks, {})
-                self.channels[ep].pull([b.name for b in blocks], min_updates, answer.dtype_and_shape, answer)
+                self.channels[ep].pull([b.name for b in blocks], min_step, answer.dtype_and_shape, answer)
                 answers.update(answer.tensors)
-        self._min_updates = min_updates
+        self._min_step = min_step
         answers["@rows"] = self.tables.pull_rows(TABLE, torch.from_numpy(check_ids(self.spec)))
         self.tables.clear()
         return answers

@@ -43,7 +43,7 @@ class CallCounter:
         def counted(*args, **kwargs):
             with self._lock:
                 self.calls[name] += 1
-                if name == "prefetch":  # prefetch(min_updates, ids, dtype_and_shape)
+                if name == "prefetch":  # prefetch(min_step, ids, dtype_and_shape)
                     ids = args[1] if len(args) > 1 else kwargs.get("ids", ())
                     self.prefetch_bytes += sum(t.numel() * t.element_size() for _, t in ids)
             return call(*args, **kwargs)
@@ -85,7 +85,7 @@ class PserverPhases:
 
     Wraps, on the instance, the servicer's one-message step calls (``PushPullOne``, ``PushPullShared``: the
     whole handler) and the parts it runs in its handler thread: reading the request (``_read_stream``,
-    ``split_push``: decode), the engine's ``push`` (apply; a sync barrier's wait takes no CPU), ``read``
+    ``deal_lanes``: decode), the engine's ``push`` (apply; a sync barrier's wait takes no CPU), ``read``
     (the blocks of the answer) and ``lookup`` (the next batch's rows), each timed with ``time.thread_time``
     (the calling thread's CPU). What the handler spends outside them is checking and encoding the answer;
     what the process spends outside the handlers is gRPC's own threads and the rest. Counting starts at
@@ -103,7 +103,7 @@ class PserverPhases:
         self._lock = threading.Lock()
         sv, engine = server.servicer, server.engine
         sv._read_stream = self._timed("decode", sv._read_stream)
-        sv.contents.split_push = self._timed("decode", sv.contents.split_push)
+        sv.contents.sort_push = self._timed("decode", sv.contents.sort_push)
         engine.push = self._timed("apply", engine.push)
         engine.tables.apply = self._timed("apply: tables", engine.tables.apply)
         engine.read = self._timed("read blocks", engine.read)

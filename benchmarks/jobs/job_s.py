@@ -142,7 +142,7 @@ def pserver_stats(endpoints: List[str], timeout: float = 10.0) -> Dict[str, dict
             if r.HasField("replica") and r.replica.role != "primary":
                 continue
             out[ep] = {
-                "updates": r.updates,
+                "updates": r.step,
                 "pushes": r.pushes,
                 "prefetches": r.prefetches,
                 "bytes_in": r.bytes_in,

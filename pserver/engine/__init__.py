@@ -1,7 +1,7 @@
 """Update engines: when a pushed gradient is applied, who waits for whom, and roll-backs.
 
 - :mod:`.engine`: :class:`Engine`, the contract the RPC layer talks to (push,
-  wait_updates, read, lookup, roster operations, checkpoint and roll-back,
+  wait_for_step, read, lookup, roster operations, checkpoint and roll-back,
   the backup's side of hot standby), composed of parts handed to its
   constructor; :mod:`.sync` (:class:`SyncEngine`, the barrier) and
   :mod:`.asynchronous` (:class:`AsyncEngine`, apply on arrival) implement it.

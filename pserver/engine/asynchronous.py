@@ -39,14 +39,15 @@ class AsyncEngine(Engine):
         position: Position = (0, 0),
         park: bool = False,
     ) -> Union[Tuple[bool, int], Parked]:
-        """Apply ``grads`` and ``sparse`` now (after any staleness wait); returns (applied, updates).
+        """Apply ``grads`` and ``sparse`` now (after any staleness wait); returns (counted, the pserver's
+        step).
 
-        With ``park``, a push past ``max_staleness`` changes nothing and
-        returns the handle of its wait instead: push again once it is done.
-        Nothing is kept once this returns: the caller keeps its buffers.
+        With ``park``, a push past ``max_staleness`` changes nothing and returns the handle of its wait
+        instead: push again once it is done. Nothing is kept once this returns: the caller keeps its
+        buffers.
         """
         with self.cv:
-            self.roster.check_pusher(trainer_id, self.endpoint, self.updates)
+            self.roster.check_pusher(trainer_id, self.endpoint, self.step)
             if self.max_staleness is not None:
 
                 def fresh_enough():
@@ -61,12 +62,12 @@ class AsyncEngine(Engine):
                     self.waits.wait(fresh_enough, what, missing)
             # Checked after the wait: a retry may have been applied meanwhile.
             if step <= self.last_step.get(trainer_id, -1):
-                return False, self.updates
+                return False, self.step
             self.store.apply(grads, step)
             self.tables.apply(sparse or {}, step)
-            self.updates += 1
+            self.step += 1
             self.last_step[trainer_id] = step
             self.roster.positions[trainer_id] = position
             self._applied(step, grads, sparse or {})
             self.waits.notify()
-            return True, self.updates
+            return True, self.step

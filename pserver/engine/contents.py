@@ -30,7 +30,7 @@ Expected = Tuple[str, List[int]]
 
 
 class PushParts(NamedTuple):
-    """A received push, split by what each tensor is (see :meth:`Contents.split_push`)."""
+    """A received push, split by what each tensor is (see :meth:`Contents.sort_push`)."""
 
     dense: Dict[str, torch.Tensor]  # {block: gradient}
     sparse: Dict[str, SparseGrad]  # {table: (unique ids, summed gradient rows)}
@@ -92,7 +92,7 @@ class Contents:
             len(ids) * self.tables.specs[table].row_bytes for table, ids in answer_ids.items()
         )
 
-    def split_push(self, tensors: Mapping[str, torch.Tensor]) -> PushParts:
+    def sort_push(self, tensors: Mapping[str, torch.Tensor]) -> PushParts:
         """A received push's tensors sorted: dense gradients, sparse gradients, ids whose rows its answer
         carries.
 

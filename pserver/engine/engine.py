@@ -74,7 +74,7 @@ class Engine(ABC):
         self.endpoint = endpoint
         self.barrier_timeout = barrier_timeout
         self.cv = threading.Condition()
-        self.updates = 0
+        self.step = 0
         self.roster = Roster(trainers)
         self.all_closed = threading.Event()
         self.rollbacks = RollBacks(checkpointer, endpoint)
@@ -116,7 +116,7 @@ class Engine(ABC):
         What a push checks first; the Reduce service checks it before a trainer's values join a round.
         """
         with self.cv:
-            self.roster.check_pusher(trainer_id, self.endpoint, self.updates)
+            self.roster.check_pusher(trainer_id, self.endpoint, self.step)
 
     # -- telling the listeners (under the lock) and the Reduce service (after it) -----------
 
@@ -124,12 +124,12 @@ class Engine(ABC):
         self, lr_step: int, dense: Mapping[str, torch.Tensor], sparse: Mapping[str, SparseGrad]
     ) -> None:
         for listener in self.listeners:
-            listener.on_update(lr_step, self.updates, self.roster, dense, sparse)
+            listener.on_update(lr_step, self.step, self.roster, dense, sparse)
 
     def _roster_noted(self) -> None:
         """Under the lock: the roster changed without an update (a trainer closed or came back)."""
         for listener in self.listeners:
-            listener.on_roster(self.updates, self.roster)
+            listener.on_roster(self.step, self.roster)
 
     def _roster_changed(self) -> None:
         # Never under the lock: the listener takes its own lock, and under it calls live(), which
@@ -186,22 +186,23 @@ class Engine(ABC):
         position: Position = Position(0, 0),
         park: bool = False,
     ) -> Union[Tuple[bool, int], Parked]:
-        """Count (sync) or apply (async) one trainer's gradients of ``step``; returns (counted, updates).
+        """Count (sync) or apply (async) one trainer's gradients of ``step``; returns (counted, the
+        pserver's step).
 
-        A retried push of a step already counted is acknowledged, not applied
-        twice. ``sparse`` is {table: (ids, rows)}. A push that must wait (async, past
-        ``max_staleness``) blocks; with ``park`` it returns that wait's handle instead, having done nothing.
+        A retried push of a step already counted is acknowledged, not applied twice. ``sparse`` is {table:
+        (ids, rows)}. A push that must wait (async, past ``max_staleness``) blocks; with ``park`` it
+        returns that wait's handle instead, having done nothing.
         """
 
-    def park_updates(self, trainer_id: int, min_updates: int) -> Optional[Parked]:
-        """A wait (:mod:`.waits`) for ``min_updates`` updates (sync: the barrier); None: none (async:
+    def park_for_step(self, trainer_id: int, min_step: int) -> Optional[Parked]:
+        """A wait (:mod:`.waits`) for ``min_step`` updates (sync: the barrier); None: none (async:
         never)."""
         return None
 
-    def wait_updates(self, trainer_id: int, min_updates: int) -> None:
-        """Block on :meth:`park_updates`'s handle (the same rules); the barrier histogram hears of the
+    def wait_for_step(self, trainer_id: int, min_step: int) -> None:
+        """Block on :meth:`park_for_step`'s handle (the same rules); the barrier histogram hears of the
         wait."""
-        handle = self.park_updates(trainer_id, min_updates)
+        handle = self.park_for_step(trainer_id, min_step)
         if handle is not None:
             with self.cv:
                 self.waits.block(handle)
@@ -215,7 +216,7 @@ class Engine(ABC):
         completes (see :class:`SyncEngine`).
         """
         with self.cv:
-            return self.updates, self._others_in_step(trainer_id)
+            return self.step, self._others_in_step(trainer_id)
 
     def _others_in_step(self, trainer_id: int) -> int:
         return 0
@@ -238,21 +239,21 @@ class Engine(ABC):
             return self.roster.presence(trainer_id, held, time.monotonic())
 
     def touch(self, trainer_id: int) -> int:
-        """A heartbeat (or any call) from ``trainer_id``; returns the updates applied.
+        """A heartbeat (or any call) from ``trainer_id``; returns the pserver's step.
 
         Without the lock (one dict store and one int read, atomic in CPython):
         heartbeats must land while a long update or checkpoint holds it, or
         the watchdog would drop every trainer right after.
         """
         self.roster.touch(trainer_id)
-        return self.updates
+        return self.step
 
     def close(self, trainer_id: int) -> int:
         """Mark ``trainer_id`` done; barriers stop waiting for it. Returns trainers left."""
         with self.cv:
             closing = trainer_id not in self.roster.closed
             if closing:
-                log.info("%s: trainer %d closed at step %d", self.endpoint, trainer_id, self.updates)
+                log.info("%s: trainer %d closed at step %d", self.endpoint, trainer_id, self.step)
                 self._close(trainer_id)
             left = self._trainers_left()
         if closing:
@@ -291,7 +292,7 @@ class Engine(ABC):
                     t,
                     quiet,
                     timeout,
-                    self.updates,
+                    self.step,
                 )
             if silent:
                 self._on_close()
@@ -305,7 +306,7 @@ class Engine(ABC):
                     t,
                     since,
                     rejoin_timeout,
-                    self.updates,
+                    self.step,
                 )
                 self._close(t)
             if gone:
@@ -329,7 +330,7 @@ class Engine(ABC):
         with self.cv:
             roster = self.roster
             alive, dropped, closed = roster.joined & roster.live(), set(roster.dropped), set(roster.closed)
-            step = self.updates
+            step = self.step
         last = self.checkpointer.last if self.checkpointer is not None else None
         return PserverStats(
             step,
@@ -347,22 +348,22 @@ class Engine(ABC):
         )
 
     def read(self, names: Sequence[str]) -> Tuple[int, List[Tuple[str, torch.Tensor]]]:
-        """The updates applied and the named blocks, safe to stream."""
+        """The pserver's step and the named blocks, safe to stream."""
         with self.cv:
-            return self.updates, self.store.read(names, copy=self._reads_need_copy())
+            return self.step, self.store.read(names, copy=self._reads_need_copy())
 
     def _reads_need_copy(self) -> bool:
         return True
 
     def lookup(self, ids: Mapping[str, np.ndarray]) -> Tuple[int, List[Tuple[str, torch.Tensor]]]:
-        """The updates applied and the rows of ``ids`` ({table: ids}), in request order.
+        """The pserver's step and the rows of ``ids`` ({table: ids}), in request order.
 
         Each table shard locks itself; in sync mode no update can run
         meanwhile anyway, since the next one needs this trainer's push.
         """
         with self.cv:
-            updates = self.updates
-        return updates, self.tables.lookup(ids)
+            pserver_step = self.step
+        return pserver_step, self.tables.lookup(ids)
 
     def save_tables(self, directory: str) -> Tuple[int, List[str]]:
         """Write every table shard at a step boundary; returns (updates, shard directories).
@@ -371,7 +372,7 @@ class Engine(ABC):
         """
         with self.cv:
             try:
-                return self.updates, self.tables.save(directory)
+                return self.step, self.tables.save(directory)
             except OSError as e:
                 raise StorageFailed(
                     f"pserver {self.endpoint}: cannot save tables to {directory!r}: {e}"
@@ -386,7 +387,7 @@ class Engine(ABC):
         error is :class:`StorageFailed`.
         """
         with self.cv:
-            return self.rollbacks.checkpoint(self.updates, self.roster)
+            return self.rollbacks.checkpoint(self.step, self.roster)
 
     def resume(self, step: Optional[int] = None) -> bool:
         """Load the latest complete checkpoint (or the one at ``step``); False if there is none."""
@@ -407,7 +408,7 @@ class Engine(ABC):
         """
         self.rollbacks.check_can_roll_back()
         with self.cv:
-            outcome, meta = self.rollbacks.roll_back(trainer_id, step, token, self.updates)
+            outcome, meta = self.rollbacks.roll_back(trainer_id, step, token, self.step)
             if outcome is RollBack.STAYS and self.pending is not None and self.pending.forget_joins():
                 # A trainer that was told it starts a step later is now expected in this one: a
                 # wait of its from before is on the abandoned timeline, as after a roll-back.
@@ -423,14 +424,14 @@ class Engine(ABC):
 
     def _reset(self, meta: dict) -> None:
         """Take the step and trainers from a loaded checkpoint's manifest (blocks and tables are loaded)."""
-        self.updates = int(meta["step"])
+        self.step = int(meta["step"])
         self.roster.load_meta(meta)
         if self.pending is not None:
             self.pending.clear()
             self.pending.forget_joins()
-        self.rollbacks.reset_to(self.updates)
+        self.rollbacks.reset_to(self.step)
         for listener in self.listeners:
-            listener.on_reset(self.updates)
+            listener.on_reset(self.step)
 
     # -- hot standby (docs/recovery.md, "Hot standby") ----------------------------------------------------
 
@@ -439,20 +440,20 @@ class Engine(ABC):
         tables.
 
         ``checkpoint_step`` is the primary's history (what Hello reports once this process leads), not this
-        process's own start. Returns the updates.
+        process's own start. Returns the pserver's step.
         """
         with self.cv:
-            self.updates = int(meta["step"])
+            self.step = int(meta["step"])
             self.roster.follow(meta)
             if self.pending is not None:
                 self.pending.clear()
             self.rollbacks.stands_on(checkpoint_step)
-            return self.updates
+            return self.step
 
     def apply_replicated(
         self,
         lr_step: int,
-        updates: int,
+        pserver_step: int,
         roster_meta: dict,
         dense: Dict[str, torch.Tensor],
         sparse: Mapping[str, SparseGrad],
@@ -468,7 +469,7 @@ class Engine(ABC):
             if lr_step >= 0:
                 self.store.apply(dense, lr_step)
                 self.tables.apply(sparse, lr_step)
-            self.updates = updates
+            self.step = pserver_step
             self.roster.follow(roster_meta)
             self._trainers_left()  # every trainer closed on the primary: the job is over here too
 
@@ -483,4 +484,4 @@ class Engine(ABC):
             # heartbeat watchdog, as on any pserver (a fresh shard's first primary has none).
             self.roster.heard_from(self.roster.live() & set(self.roster.last_step), now)
             self.waits.notify()
-        log.info("%s: leads its shard at update %d", self.endpoint, self.updates)
+        log.info("%s: leads its shard at update %d", self.endpoint, self.step)

@@ -43,15 +43,15 @@ class UpdateListener(ABC):
     def on_update(
         self,
         lr_step: int,
-        updates: int,
+        pserver_step: int,
         roster: Roster,
         dense: Mapping[str, torch.Tensor],
         sparse: Mapping[str, SparseGrad],
     ) -> None:
         """Gradients of step ``lr_step`` were applied (``dense`` by block, ``sparse`` by table),
-        ``updates`` now."""
+        ``pserver_step`` now."""
 
-    def on_roster(self, updates: int, roster: Roster) -> None:
+    def on_roster(self, pserver_step: int, roster: Roster) -> None:
         """The roster changed without an update: a trainer closed or came back."""
 
     def on_reset(self, step: int) -> None:
@@ -91,13 +91,13 @@ class Replication(UpdateListener):
         """Under the engine's lock: hand every later change to ``outbox``."""
         self._outbox = outbox
 
-    def on_update(self, lr_step, updates, roster, dense, sparse) -> None:
+    def on_update(self, lr_step, pserver_step, roster, dense, sparse) -> None:
         if self._outbox is not None:
-            self._outbox.record(lr_step, updates, roster.to_meta(), dense, sparse)
+            self._outbox.record(lr_step, pserver_step, roster.to_meta(), dense, sparse)
 
-    def on_roster(self, updates: int, roster: Roster) -> None:
+    def on_roster(self, pserver_step: int, roster: Roster) -> None:
         if self._outbox is not None:
-            self._outbox.record(-1, updates, roster.to_meta(), {}, {})
+            self._outbox.record(-1, pserver_step, roster.to_meta(), {}, {})
 
     def on_reset(self, step: int) -> None:
         if self._outbox is not None:
@@ -112,16 +112,16 @@ class ScheduledCheckpoints(UpdateListener):
         self.files = files
         self.endpoint = endpoint
 
-    def on_update(self, lr_step, updates, roster, dense, sparse) -> None:
-        if self.files.on and self.checkpointer.due(updates):
+    def on_update(self, lr_step, pserver_step, roster, dense, sparse) -> None:
+        if self.files.on and self.checkpointer.due(pserver_step):
             try:
-                self.checkpointer.save(updates, roster.to_meta())
+                self.checkpointer.save(pserver_step, roster.to_meta())
             except Exception:  # a full disk must not fail the push that was just applied
                 log.exception(
                     "%s: checkpoint at step %d failed; training goes on and the previous "
                     "checkpoint stays the latest",
                     self.endpoint,
-                    updates,
+                    pserver_step,
                 )
 
 
@@ -132,9 +132,9 @@ class ScheduledExports(UpdateListener):
         self.exporter = exporter
         self.files = files
 
-    def on_update(self, lr_step, updates, roster, dense, sparse) -> None:
+    def on_update(self, lr_step, pserver_step, roster, dense, sparse) -> None:
         if self.files.on:
-            self.exporter.after_update(updates)
+            self.exporter.after_update(pserver_step)
 
     def on_reset(self, step: int) -> None:
         self.exporter.restored()

@@ -70,10 +70,10 @@ class PendingStep:
         self.trainers.add(trainer_id)
         self.positions[trainer_id] = position
 
-    def expected(self, live: AbstractSet[int], updates: int) -> set:
-        """The ``live`` trainers the step after ``updates`` applied waits for: all but those joining later
-        (with backup trainers: of the step's trainers, all but those dropped)."""
-        expected = {t for t in live if self.joins_at.get(t, 0) <= updates} - self.dropped
+    def expected(self, live: AbstractSet[int], pserver_step: int) -> set:
+        """The ``live`` trainers the step after ``pserver_step`` applied waits for: all but those joining
+        later (with backup trainers: of the step's trainers, all but those dropped)."""
+        expected = {t for t in live if self.joins_at.get(t, 0) <= pserver_step} - self.dropped
         return expected if self.admitted is None else expected & self.admitted
 
     def admit(self, trainers: FrozenSet[int]) -> bool:
@@ -88,9 +88,9 @@ class PendingStep:
         self.dropped.add(trainer_id)
         self.positions[trainer_id] = position
 
-    def complete(self, live: AbstractSet[int], updates: int) -> bool:
+    def complete(self, live: AbstractSet[int], pserver_step: int) -> bool:
         """Whether some push is counted and every expected trainer's is."""
-        return bool(self.trainers) and self.trainers >= self.expected(live, updates)
+        return bool(self.trainers) and self.trainers >= self.expected(live, pserver_step)
 
     def mean(self) -> Tuple[Dict[str, torch.Tensor], Dict[str, SparseGrad]]:
         """(dense, sparse) means over the trainers counted; the dense ones in the sums' buffers.
@@ -101,9 +101,9 @@ class PendingStep:
         n = len(self.trainers)
         return ({name: self.grad_sum[name].div_(n) for name in self.touched}, self.sparse_sums.mean(n))
 
-    def applied(self, updates: int) -> None:
-        """The step was applied (``updates`` now): forget its pushes and the join steps reached."""
-        self.joins_at = {t: s for t, s in self.joins_at.items() if s > updates}
+    def applied(self, pserver_step: int) -> None:
+        """The step was applied (``pserver_step`` now): forget its pushes and the join steps reached."""
+        self.joins_at = {t: s for t, s in self.joins_at.items() if s > pserver_step}
         self.clear()
 
     def join_later(self, trainer_id: int, step: int) -> None:

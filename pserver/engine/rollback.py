@@ -48,8 +48,8 @@ class RollBacks:
         # belongs to an abandoned timeline (see refuse_wait_from_before_a_roll_back).
         self._hello_rollbacks: Dict[int, int] = {}
 
-    def checkpoint(self, updates: int, roster: Roster) -> Tuple[int, str]:
-        """Write a checkpoint at ``updates`` now; (its step, part directory).
+    def checkpoint(self, pserver_step: int, roster: Roster) -> Tuple[int, str]:
+        """Write a checkpoint at ``pserver_step`` now; (its step, part directory).
 
         Refused (:class:`NotAllowed`) without a checkpoint_dir; a file system
         error is :class:`StorageFailed`.
@@ -57,7 +57,7 @@ class RollBacks:
         if self.checkpointer is None:
             raise NotAllowed(f"pserver {self.endpoint} has no checkpoint_dir configured")
         try:
-            return updates, self.checkpointer.save(updates, roster.to_meta())
+            return pserver_step, self.checkpointer.save(pserver_step, roster.to_meta())
         except OSError as e:
             raise StorageFailed(f"pserver {self.endpoint}: checkpoint failed: {e}") from None
 
@@ -72,9 +72,9 @@ class RollBacks:
             raise NotAllowed(f"pserver {self.endpoint} has no checkpoint_dir to roll back from")
 
     def roll_back(
-        self, trainer_id: int, step: int, token: str, updates: int
+        self, trainer_id: int, step: int, token: str, pserver_step: int
     ) -> Tuple[RollBack, Optional[dict]]:
-        """What a roll-back to the checkpoint at ``step`` asked with ``token`` does at ``updates``; the
+        """What a roll-back to the checkpoint at ``step`` asked with ``token`` does at ``pserver_step``; the
         manifest.
 
         :class:`RollBack.STAYS` when this pserver stands unchanged at that very checkpoint (loaded from it,
@@ -87,7 +87,7 @@ class RollBacks:
         """
         if token in self._honoured:
             return RollBack.HONOURED, None
-        if self.restored_from == step == updates:
+        if self.restored_from == step == pserver_step:
             self._honoured.add(token)
             log.info(
                 "%s: already at the checkpoint of step %d, nothing applied since; roll-back asked "
@@ -111,7 +111,7 @@ class RollBacks:
             "%s: rolled back from step %d to the checkpoint at step %d (asked by trainer %d "
             "after pservers restarted: %s)",
             self.endpoint,
-            updates,
+            pserver_step,
             step,
             trainer_id,
             token,
@@ -143,18 +143,18 @@ class RollBacks:
         """Note the roll-backs ``trainer_id``'s Hello saw."""
         self._hello_rollbacks[trainer_id] = self.made
 
-    def refusal_ahead(self, trainer_id: int, what: str, target: int, updates: int) -> Refusal:
-        """The refusal of a push or wait for ``target``, beyond the step after ``updates``."""
+    def refusal_ahead(self, trainer_id: int, what: str, target: int, pserver_step: int) -> Refusal:
+        """The refusal of a push or wait for ``target``, beyond the step after ``pserver_step``."""
         if self.restored_from >= 0:
             # This pserver restarted or rolled back to a checkpoint: the trainer must re-sync.
             return MustResync(
                 f"pserver {self.endpoint}: trainer {trainer_id} {what} {target}, but this "
                 f"pserver resumed from the checkpoint at step {self.restored_from} and "
-                f"is at step {updates}; call Hello to re-sync"
+                f"is at step {pserver_step}; call Hello to re-sync"
             )
         return NotAllowed(
             f"pserver {self.endpoint}: trainer {trainer_id} {what} {target} from the "
-            f"future; the pserver is at step {updates} and can only reach {updates + 1} next"
+            f"future; the pserver is at step {pserver_step} and can only reach {pserver_step + 1} next"
         )
 
     def refuse_wait_from_before_a_roll_back(self, trainer_id: int, what: str) -> None:

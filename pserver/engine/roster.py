@@ -66,7 +66,7 @@ class Roster:
     def live(self) -> set:
         return set(range(self.trainers)) - self.closed - self.dropped
 
-    def check_pusher(self, trainer_id: int, endpoint: str, updates: int) -> None:
+    def check_pusher(self, trainer_id: int, endpoint: str, pserver_step: int) -> None:
         """Refuse a trainer that has closed (NotAllowed) or was dropped (MustResync) until it says Hello
         again."""
         if trainer_id in self.closed:
@@ -76,7 +76,7 @@ class Roster:
         if trainer_id in self.dropped:
             raise MustResync(
                 f"pserver {endpoint}: trainer {trainer_id} was dropped after "
-                f"heartbeat_timeout at step {updates}; call Hello to rejoin"
+                f"heartbeat_timeout at step {pserver_step}; call Hello to rejoin"
             )
 
     def touch(self, trainer_id: int) -> None:

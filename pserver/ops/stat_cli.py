@@ -140,7 +140,7 @@ def row(endpoint: str, r: ps_pb2.StatsReply, rate: Optional[float]) -> Tuple[str
     return (
         endpoint,
         "sync" if r.sync_mode else "async",
-        str(r.updates),
+        str(r.step),
         _ids(r.trainers_alive),
         _ids(r.trainers_dropped),
         str(r.blocks),

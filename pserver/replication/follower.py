@@ -66,7 +66,7 @@ class Follower:
                 raise OutOfSync(f"message {header.seq} after {self.seq}: a gap")
             dense, sparse = split_update(tensors, self.engine.store.names())
             self.engine.apply_replicated(
-                header.lr_step, header.updates, json.loads(header.roster or "{}"), dense, sparse
+                header.lr_step, header.step, json.loads(header.roster or "{}"), dense, sparse
             )
             self.seq = header.seq
             self.applied += 1
@@ -79,7 +79,7 @@ class Follower:
                         "backup %s: state digest after update %d differs from the primary's (%s here, "
                         "%s there): the replicas diverged",
                         self.engine.endpoint,
-                        header.updates,
+                        header.step,
                         mine,
                         header.digest,
                     )
@@ -90,7 +90,7 @@ class Follower:
                         logging.INFO if self.matches == 1 else logging.DEBUG,
                         "backup %s: state digest after update %d matches the primary's",
                         self.engine.endpoint,
-                        header.updates,
+                        header.step,
                     )
             return self.seq
 

@@ -117,7 +117,7 @@ def encode_update(
     epoch: int,
     seq: int,
     lr_step: int,
-    updates: int,
+    pserver_step: int,
     roster: str,
     digest: str,
     dense: Mapping[str, torch.Tensor],
@@ -126,7 +126,7 @@ def encode_update(
 ) -> List[bytes]:
     """One change as ReplicaChunk messages: the header, the dense gradients, each table's ids and rows."""
     header = ps_pb2.ReplicaHeader(
-        epoch=epoch, seq=seq, updates=updates, lr_step=lr_step, roster=roster, digest=digest
+        epoch=epoch, seq=seq, step=pserver_step, lr_step=lr_step, roster=roster, digest=digest
     )
     tensors = list(dense.items())
     for name, (ids, rows) in sparse.items():
@@ -177,7 +177,7 @@ class Outbox:
 
     # -- the engine's side (under its lock) -----------------------------------
 
-    def record(self, lr_step: int, updates: int, roster_meta: dict, dense, sparse) -> int:
+    def record(self, lr_step: int, pserver_step: int, roster_meta: dict, dense, sparse) -> int:
         """Number one change and queue it for the backup, if there is one; returns its seq."""
         with self.cv:
             self.seq += 1
@@ -191,14 +191,14 @@ class Outbox:
                 self.digest is not None
                 and self.digest_every
                 and lr_step >= 0
-                and updates % self.digest_every == 0
+                and pserver_step % self.digest_every == 0
             ):
                 digest = self.digest()
             messages = encode_update(
                 self.epoch,
                 self.seq,
                 lr_step,
-                updates,
+                pserver_step,
                 json.dumps(roster_meta),
                 digest,
                 dense,

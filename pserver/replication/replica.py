@@ -123,7 +123,7 @@ class Replica:
             epoch=self.epoch,
             primary=self.leader,
             shard=self.shard,
-            updates=self.engine.updates,
+            step=self.engine.step,
         )
 
     def stats(self) -> ps_pb2.ReplicaStats:
@@ -157,17 +157,20 @@ class Replica:
             with self.engine.cv:
                 archive = snapshot.write(self.engine, self.program, directory)
                 seq = outbox.attach(request.replica_id, request.endpoint)
-                updates = self.engine.updates
+                pserver_step = self.engine.step
             log.info(
                 "primary %s: snapshot at update %d (message %d) for %s, written in %.2fs",
                 self.endpoint,
-                updates,
+                pserver_step,
                 seq,
                 request.endpoint,
                 time.monotonic() - started,
             )
             first = ps_pb2.SnapshotChunk(
-                seq=seq, updates=updates, lineage=str(self.lineage), checkpoint_step=self.engine.restored_from
+                seq=seq,
+                step=pserver_step,
+                lineage=str(self.lineage),
+                checkpoint_step=self.engine.restored_from,
             )
             yield first
             for data in snapshot.chunks(archive):
@@ -306,7 +309,7 @@ class Replica:
                 self.endpoint,
                 self.shard,
                 self.takeover_timeout,
-                self.engine.updates,
+                self.engine.step,
             )
         epoch = self.coordinator.campaign(self.endpoint, str(self.lineage), force=recover)
         if epoch is None:
@@ -336,7 +339,7 @@ class Replica:
             self.endpoint,
             self.shard,
             epoch,
-            self.engine.updates,
+            self.engine.step,
         )
         return True
 
@@ -399,7 +402,7 @@ class Replica:
                 self.endpoint,
                 leader.endpoint,
                 leader.epoch,
-                first.updates,
+                first.step,
                 time.monotonic() - started,
             )
         finally:

@@ -40,7 +40,7 @@ def scratch(program) -> str:
 def write(engine, program, directory: str) -> str:
     """Under the engine's lock: this process's state as a checkpoint part in ``directory``, archived; the
     archive."""
-    _checkpointer(engine, program, directory, alone=True).save(engine.updates, engine.roster.to_meta())
+    _checkpointer(engine, program, directory, alone=True).save(engine.step, engine.roster.to_meta())
     archive = os.path.join(directory, "snapshot.tar")
     with tarfile.open(archive, "w") as tar:
         for entry in sorted(os.listdir(directory)):

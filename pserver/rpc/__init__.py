@@ -10,7 +10,7 @@ received, sent and refused; ``buffers.py`` pools the gradient receive buffers;
 ``mapped_regions.py`` keeps the shared-memory regions of trainers on this host
 mapped (PushPullShared); ``replica_link.py`` is hot standby's side of the
 service and its client (:mod:`pserver.replication`). ``parking.py`` lets a
-servicer method that waits (a sync step, ``min_updates``, staleness, a Reduce
+servicer method that waits (a sync step, ``min_step``, staleness, a Reduce
 round) yield its :class:`~pserver.engine.waits.Parked` handle, and ``aio.py``
 drives those methods on gRPC's asyncio server, awaiting the handle on the
 event loop instead of holding a thread; ``sessions.py`` also holds the

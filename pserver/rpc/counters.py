@@ -78,7 +78,7 @@ class Counters:
         with self.lock:
             return ps_pb2.StatsReply(
                 endpoint=endpoint,
-                updates=snap.step,
+                step=snap.step,
                 trainers_alive=snap.alive,
                 blocks=snap.blocks,
                 block_bytes=snap.block_bytes,

@@ -1,6 +1,6 @@
 """Servicer methods that may wait: written once, driven either by a blocking caller or by the asyncio server.
 
-A method that waits for a state (a sync step's barrier, ``min_updates``, an
+A method that waits for a state (a sync step's barrier, ``min_step``, an
 async push past ``max_staleness``, a Reduce round) is a generator: it yields a
 :class:`~pserver.engine.waits.Parked` handle where it waits, is resumed once
 the handle is done, and yields its answers (one for a unary answer, the chunks

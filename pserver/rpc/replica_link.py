@@ -168,7 +168,7 @@ class ReplicaServicer:
         parse(ps_pb2.LeadRequest, data)
         if self.replica is None:
             return ps_pb2.LeadReply(
-                role="primary", primary=self.endpoint, updates=self.engine.updates
+                role="primary", primary=self.endpoint, step=self.engine.step
             ).SerializeToString()
         return self.replica.lead_reply().SerializeToString()
 

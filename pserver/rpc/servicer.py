@@ -42,12 +42,12 @@ from ..engine.waits import Parked
 from ..errors import BadRequest, NotAllowed
 from .buffers import BufferPool
 from .counters import Counters
+from .lane_pushes import LanePushes
 from .mapped_regions import SharedRegions
 from .parking import park, parks
 from .prologue import parse, read_stream, refusals, trainer_call
 from .replica_link import ReplicaServicer
 from .sessions import Incarnation, Sessions
-from .split_pushes import SplitPushes
 from .stretches import Stretches, answered_on_loop
 
 log = logging.getLogger(__name__)
@@ -97,7 +97,7 @@ class PserverServicer:
         self.chunk_bytes = chunk_bytes
         self.counters = Counters()
         self.buffers = BufferPool(contents.block_layout())
-        self.split_pushes = SplitPushes(engine.waits, self._release, contents.block_nbytes())
+        self.lane_pushes = LanePushes(engine.waits, self._release, contents.block_nbytes())
         self.regions = SharedRegions(engine.trainers)
         self.stretches = stretches if stretches is not None else Stretches(allowed=False)
 
@@ -112,7 +112,7 @@ class PserverServicer:
             replica.check_serving()
 
     def _acked(self) -> None:
-        """Before an answer that reports applied updates: the backup holds every one of them."""
+        """Before an answer that reports the pserver's step: the backup holds every one of them."""
         replica = self.replica
         if replica is not None:
             replica.wait_acked()
@@ -219,32 +219,32 @@ class PserverServicer:
 
         ``answer_limit`` bounds the answer's tensor bytes.
         """
-        header, applied, answer_ids = yield from self._push(request_iterator, answer_limit=answer_limit)
+        header, counted, answer_ids = yield from self._push(request_iterator, answer_limit=answer_limit)
         # The trainer's next step needs this one applied (sync), or whatever is there (async).
-        min_updates = header.step + 1 if self.engine.sync_mode else 0
+        min_step = header.step + 1 if self.engine.sync_mode else 0
         names = list(self.contents.block_names())
         if header.lanes > 1:  # one lane's call answers its lane's blocks
-            names = self.split_pushes.blocks_of(header.lane, header.lanes)
-        return (yield from self._answer_pull(header.trainer_id, min_updates, names, applied, answer_ids))
+            names = self.lane_pushes.blocks_of(header.lane, header.lanes)
+        return (yield from self._answer_pull(header.trainer_id, min_step, names, counted, answer_ids))
 
     def _push(self, request_iterator, answer_limit: Optional[int] = None):
-        """Read, check and count one push; (header, applied, {table: ids whose rows the answer carries}).
+        """Read, check and count one push; (header, counted, {table: ids whose rows the answer carries}).
 
         Parks (:mod:`.parking`) while an async push is past ``max_staleness``, and a lane of a push split
-        across lanes until its push is whole (:mod:`.split_pushes`). A push may carry ``<table>@next`` ids:
+        across lanes until its push is whole (:mod:`.lane_pushes`). A push may carry ``<table>@next`` ids:
         its answer carries their rows too. ``answer_limit``: the tensor bytes the answer may carry; a push
         whose answer would carry more is refused before it counts.
         """
         header, reader = self._read_stream(
             request_iterator, ps_pb2.PushHeader, self.contents.expect, dest=self.buffers.acquire, widen=True
         )
-        held = False  # a lane's buffers are held until its push is whole (SplitPushes releases them)
+        held = False  # a lane's buffers are held until its push is whole (LanePushes releases them)
         try:
             if header.step < 0:
                 raise BadRequest(f"step must be >= 0, got {header.step}")
             if header.epoch < 0 or header.batch < 0:
                 raise BadRequest(f"data position must be >= 0, got epoch {header.epoch} batch {header.batch}")
-            grads, sparse, answer_ids = self.contents.split_push(reader.tensors)
+            grads, sparse, answer_ids = self.contents.sort_push(reader.tensors)
             if answer_limit is not None:
                 answer_bytes = self.contents.answer_bytes(answer_ids)
                 if answer_bytes > answer_limit:
@@ -261,8 +261,8 @@ class PserverServicer:
                     )
             if header.lanes > 1:
                 self.counters.add(bytes_in=reader.nbytes)
-                held = True  # SplitPushes.add owns the buffers from here, whatever happens
-                ticket = self.split_pushes.add(
+                held = True  # LanePushes.add owns the buffers from here, whatever happens
+                ticket = self.lane_pushes.add(
                     header.trainer_id,
                     header.step,
                     header.lane,
@@ -271,25 +271,26 @@ class PserverServicer:
                     reader.tensors,
                     (header.session, header.attempt),
                 )
-                applied = yield from self.split_pushes.settle(
+                counted = yield from self.lane_pushes.settle(
                     ticket, lambda d, s: self._push_whole(header, d, s)
                 )
             else:
-                applied = yield from self._push_whole(header, grads, sparse, reader.nbytes)
+                counted = yield from self._push_whole(header, grads, sparse, reader.nbytes)
         finally:
             if not held:
                 self._release(reader.tensors)
-        if not applied:
+        if not counted:
             log.info(
-                "%s: duplicate push from trainer %d for step %d acknowledged, not applied",
+                "%s: duplicate push from trainer %d for step %d acknowledged, not counted again",
                 self.endpoint,
                 header.trainer_id,
                 header.step,
             )
-        return header, applied, answer_ids
+        return header, counted, answer_ids
 
     def _push_whole(self, header, grads, sparse, bytes_in: int = 0):
-        """Count or apply one whole push (``bytes_in``: its bytes not counted yet); whether it was applied."""
+        """Count or apply one whole push (``bytes_in``: its bytes not counted yet); whether it counted
+        (False: a duplicate)."""
         backups = {}
         if header.step_trainers or header.dropped:
             if not self.engine.sync_mode or (header.dropped and (grads or sparse)):
@@ -314,10 +315,10 @@ class PserverServicer:
             if not isinstance(outcome, Parked):
                 break
             yield from park(outcome)  # then push again: it checks the bound anew
-        applied, _ = outcome
-        if applied:
+        counted, _ = outcome
+        if counted:
             self.counters.counted(header.trainer_id, len(grads))
-        return applied
+        return counted
 
     @parks(stream=True)
     @trainer_call(ps_pb2.PullRequest, touch=True)
@@ -329,32 +330,32 @@ class PserverServicer:
         unknown = [n for n in names if n not in blocks]
         if unknown:
             raise BadRequest(f"unknown blocks {unknown[:5]}{'...' if len(unknown) > 5 else ''}")
-        if request.min_updates < 0:
-            raise BadRequest(f"min_updates must be >= 0, got {request.min_updates}")
-        header, tensors = yield from self._answer_pull(request.trainer_id, request.min_updates, names)
+        if request.min_step < 0:
+            raise BadRequest(f"min_step must be >= 0, got {request.min_step}")
+        header, tensors = yield from self._answer_pull(request.trainer_id, request.min_step, names)
         yield from encode_chunks(header, tensors, self.chunk_bytes)
 
     def _answer_pull(
         self,
         trainer_id: int,
-        min_updates: int,
+        min_step: int,
         names,
-        applied: bool = False,
+        counted: bool = False,
         answer_ids: Optional[Dict[str, np.ndarray]] = None,
     ):
-        """Wait for ``min_updates``; (PullHeader, the blocks ``names``, the rows of ``answer_ids`` ({table:
+        """Wait for ``min_step``; (PullHeader, the blocks ``names``, the rows of ``answer_ids`` ({table:
         ids})).
 
         The rows come after the blocks, as of the same update: in sync mode the next step's lookups find
         exactly what a Prefetch would have. Parks (see :mod:`.parking`).
         """
-        yield from park(self.engine.park_updates(trainer_id, min_updates))
+        yield from park(self.engine.park_for_step(trainer_id, min_step))
         self._acked()
-        updates, tensors = self.engine.read(names)
+        pserver_step, tensors = self.engine.read(names)
         if answer_ids:
             tensors = tensors + self.engine.lookup(answer_ids)[1]
         self.counters.add(bytes_out=sum(t.numel() * t.element_size() for _, t in tensors))
-        return ps_pb2.PullHeader(updates=updates, applied=applied), tensors
+        return ps_pb2.PullHeader(step=pserver_step, counted=counted), tensors
 
     @parks(stream=True)
     @refusals
@@ -370,13 +371,13 @@ class PserverServicer:
         header, reader = self._read_stream(
             request_iterator, ps_pb2.PrefetchHeader, self.contents.expect_table
         )
-        if header.min_updates < 0:
-            raise BadRequest(f"min_updates must be >= 0, got {header.min_updates}")
+        if header.min_step < 0:
+            raise BadRequest(f"min_step must be >= 0, got {header.min_step}")
         ids = self.contents.prefetch_ids(reader.tensors)
-        yield from park(self.engine.park_updates(header.trainer_id, header.min_updates))
+        yield from park(self.engine.park_for_step(header.trainer_id, header.min_step))
         self._acked()
-        updates, rows = self.engine.lookup(ids)
-        yield from encode_chunks(ps_pb2.PullHeader(updates=updates), rows, self.chunk_bytes)
+        pserver_step, rows = self.engine.lookup(ids)
+        yield from encode_chunks(ps_pb2.PullHeader(step=pserver_step), rows, self.chunk_bytes)
         self.counters.add(
             bytes_in=reader.nbytes, prefetches=1, bytes_out=sum(t.numel() * t.element_size() for _, t in rows)
         )
@@ -389,23 +390,21 @@ class PserverServicer:
             # The file system would refuse it with a plain ValueError, read as a bug here: checked first.
             raise BadRequest("embedded null byte")
         with self.stretches.off_loop():  # its writes hold the engine's lock: no stretch may wait on the loop
-            updates, paths = self.engine.save_tables(request.directory)
+            pserver_step, paths = self.engine.save_tables(request.directory)
         log.info(
             "%s: saved %d table shards after %d updates to %s",
             self.endpoint,
             len(paths),
-            updates,
+            pserver_step,
             request.directory,
         )
-        return ps_pb2.SaveTablesReply(updates=updates, paths=paths)
+        return ps_pb2.SaveTablesReply(step=pserver_step, paths=paths)
 
     @answered_on_loop  # a session check, a counter and a lock-free touch: no pool hop
     @trainer_call(ps_pb2.HeartbeatRequest, digest=False)
     def Heartbeat(self, request, context):
         self.counters.heartbeat(request.trainer_id)
-        return ps_pb2.HeartbeatReply(
-            updates=self.engine.touch(request.trainer_id), incarnation=self.incarnation
-        )
+        return ps_pb2.HeartbeatReply(step=self.engine.touch(request.trainer_id), incarnation=self.incarnation)
 
     @trainer_call(ps_pb2.RestoreRequest, touch=True)
     def Restore(self, request, context):
@@ -419,7 +418,7 @@ class PserverServicer:
                 f"{request.token!r}"
             )
         restored = self.engine.restore(request.trainer_id, request.checkpoint_step, request.token)
-        return ps_pb2.RestoreReply(updates=self.engine.updates, restored=restored)
+        return ps_pb2.RestoreReply(step=self.engine.step, restored=restored)
 
     @trainer_call(ps_pb2.CheckpointRequest, touch=True)
     def Checkpoint(self, request, context):

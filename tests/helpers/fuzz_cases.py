@@ -137,7 +137,7 @@ def shared_push(e: Env) -> List[bytes]:
 
 
 def prefetch_stream(e: Env, chunk: int, tensors=None, **header) -> List[bytes]:
-    h = dict(trainer_id=0, min_updates=0, layout_digest=e.digest, session=e.sessions[0])
+    h = dict(trainer_id=0, min_step=0, layout_digest=e.digest, session=e.sessions[0])
     h.update(header)
     return list(
         encode_chunks(ps_pb2.PrefetchHeader(**h), e.prefetch_ids if tensors is None else tensors, chunk)
@@ -156,7 +156,7 @@ def base_requests(e: Env) -> Dict[str, List[bytes]]:
         "Hello": s(ps_pb2.HelloRequest(trainer_id=0, layout_digest=WRONG_DIGEST, incarnation=1)),
         "Pull": s(
             ps_pb2.PullRequest(
-                trainer_id=0, min_updates=0, names=sorted(e.blocks), layout_digest=e.digest, session=own
+                trainer_id=0, min_step=0, names=sorted(e.blocks), layout_digest=e.digest, session=own
             )
         ),  # read-only
         "Prefetch": prefetch_stream(e, PREFETCH_CHUNK),  # read-only (no row is stored)
@@ -201,9 +201,7 @@ def base_requests(e: Env) -> Dict[str, List[bytes]]:
 
 def replica_stream(e: Env, chunk: int) -> List[bytes]:
     """A primary's update message (the step's gradient of every block) as a backup would receive it."""
-    header = ps_pb2.ReplicaHeader(
-        epoch=1, seq=1, updates=1, lr_step=0, roster='{"trainers": {}, "closed": []}'
-    )
+    header = ps_pb2.ReplicaHeader(epoch=1, seq=1, step=1, lr_step=0, roster='{"trainers": {}, "closed": []}')
     return list(encode_chunks(header, e.grads, chunk))
 
 
@@ -232,7 +230,7 @@ def legit_change(e: Env, name: str, messages: List[bytes]) -> Optional[str]:
                 header is not None
                 and speaks_for_trainer(header)
                 and header.layout_digest == e.digest
-                and header.step == e.server.engine.updates
+                and header.step == e.server.engine.step
             ):
                 return "a push for the current step: it may be counted"
             return None

@@ -49,7 +49,7 @@ def pull_blocks(env: Env) -> Tuple[int, Dict[str, bytes]]:
     """(version, {block: raw bytes}) of this pserver's blocks, by a valid Pull."""
     request = ps_pb2.PullRequest(
         trainer_id=0,
-        min_updates=0,
+        min_step=0,
         names=sorted(env.blocks),
         layout_digest=env.digest,
         session=env.sessions[0],
@@ -58,7 +58,7 @@ def pull_blocks(env: Env) -> Tuple[int, Dict[str, bytes]]:
     for data in env.channel.unary_stream(path_of("Pull"))(request, timeout=CALL_TIMEOUT):
         header, pieces = decode_chunk(data, ps_pb2.PullHeader)
         if header is not None:
-            version = header.updates
+            version = header.step
         for piece in pieces:
             reader.add(piece)
     return version, {n: as_bytes(t).tobytes() for n, t in reader.finish().items()}
@@ -117,8 +117,8 @@ def state_change(e: Env) -> Optional[str]:
     """What changed in the pserver since fuzzing began, or None."""
     engine = e.server.engine
     found = []
-    if engine.updates != 0:
-        found.append(f"version {engine.updates}")
+    if engine.step != 0:
+        found.append(f"version {engine.step}")
     # Joining (Hello) and signs of life (last_seen) are no change; anything else counted is.
     roster = getattr(engine, "roster", engine)
     for owner, attrs in (

@@ -56,7 +56,7 @@ def int_choices(fd, e: Env) -> list:
         return [-1, 1, 2, 3, 2**31 - 1, -(2**31)]
     if fd.name == "step":
         return [-1, -(2**63), 1, 4, 6, 2**63 - 1, 0]
-    if fd.name in ("min_updates", "checkpoint_step"):  # no 1: that waits for the barrier (hand-made once)
+    if fd.name in ("min_step", "checkpoint_step"):  # no 1: that waits for the barrier (hand-made once)
         return [-1, -(2**63), 0, 2, 7, 2**62, 2**63 - 1]
     if fd.type == FieldDescriptor.TYPE_UINT64 or fd.type == FieldDescriptor.TYPE_UINT32:
         top = MASK64 if fd.type == FieldDescriptor.TYPE_UINT64 else 2**32 - 1

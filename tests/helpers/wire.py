@@ -40,7 +40,7 @@ def push_messages(digest, trainer_id=0, step=0, tensors=(), header=True, session
 
 
 def answer(call) -> ps_pb2.PullHeader:
-    """The header (applied, updates) of a started PushPull's answer, read to its end.
+    """The header (counted, step) of a started PushPull's answer, read to its end.
 
     ``stub.PushPull(messages)`` sends the push at once; a sync step's answer
     comes once every trainer pushed it, so start each trainer's call first.

@@ -1,4 +1,4 @@
-"""Which lane carries which block: the rule both sides of a split push-pull compute (psproto.lane_blocks)."""
+"""Which lane carries which block: the rule both sides of a push-pull in lanes compute (lane_blocks)."""
 
 import pytest
 

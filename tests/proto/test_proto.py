@@ -125,10 +125,10 @@ def test_encoding_is_the_protobuf_wire_format_of_ps_proto():
     assert parsed == reference
     # A message from any protobuf encoder (here with a piece at a non-zero offset).
     other = ps_pb2.PullChunk(
-        header=ps_pb2.PullHeader(updates=4), pieces=[ps_pb2.TensorPiece(offset=12, data=b"x" * 8)]
+        header=ps_pb2.PullHeader(step=4), pieces=[ps_pb2.TensorPiece(offset=12, data=b"x" * 8)]
     )
     got_header, pieces = decode_chunk(other.SerializeToString(), ps_pb2.PullHeader)
-    assert got_header.updates == 4
+    assert got_header.step == 4
     assert pieces[0].offset == 12 and bytes(pieces[0].data) == b"x" * 8 and pieces[0].name == ""
 
 

@@ -125,7 +125,7 @@ def test_every_method_refuses_without_the_right_token():
 
         # Nothing was touched: no step, no push, no trainer registered.
         reply = stats(ep, server_sec)
-        assert (reply.updates, reply.pushes, list(reply.trainers_alive)) == (0, 0, [])
+        assert (reply.step, reply.pushes, list(reply.trainers_alive)) == (0, 0, [])
         # Health and reflection work with the token.
         with server_sec.channel(ep) as ch:
             raw_call(ch, "/grpc.health.v1.Health/Check", False, False)
@@ -178,7 +178,7 @@ def test_tls_trains_and_refuses_plaintext(certs):
     with LocalCluster(build, 1, 1, security=server_sec) as cluster:
         ep = cluster.endpoints[0]
         got = train(cluster, 2, client_sec)
-        assert stats(ep, client_sec).updates == 2
+        assert stats(ep, client_sec).step == 2
         assert set(got) == set(want) == set(initial)
         for k in want:
             assert torch.equal(got[k], want[k]), k
@@ -215,7 +215,7 @@ def test_mutual_tls_requires_a_client_certificate(certs):
             )
         assert e.value.code() in REFUSED
         train(cluster, 1)
-        assert stats(ep, full).updates == 1
+        assert stats(ep, full).step == 1
 
 
 @pytest.mark.timeout(60)
@@ -239,7 +239,7 @@ def test_token_and_tls_together(certs):
         with pytest.raises(grpc.RpcError) as e:
             stats(cluster.endpoints[0], wrong)
         assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
-        assert [stats(ep, sec).updates for ep in cluster.endpoints] == [1, 1]
+        assert [stats(ep, sec).step for ep in cluster.endpoints] == [1, 1]
 
 
 @pytest.mark.timeout(60)
@@ -251,7 +251,7 @@ def test_tls_server_name_override(tmp_path):
         with pytest.raises(grpc.RpcError) as e:  # 127.0.0.1 is not in the certificate
             stats(ep, Security(tls_ca=paths["ca"]), timeout=3)
         assert e.value.code() in REFUSED
-        assert stats(ep, Security(tls_ca=paths["ca"], tls_server_name="pserver.test")).updates == 0
+        assert stats(ep, Security(tls_ca=paths["ca"], tls_server_name="pserver.test")).step == 0
 
 
 @pytest.mark.timeout(30)

@@ -107,7 +107,7 @@ def test_encode_into_a_region_too_small_writes_nothing():
 def test_a_message_decoded_in_a_region_is_read_in_place_and_rebuilds_the_tensors():
     region = Region(1 << 16)
     try:
-        header = ps_pb2.PullHeader(updates=3, applied=True)
+        header = ps_pb2.PullHeader(step=3, counted=True)
         n = encode_into(region.view, header, TENSORS)
         got, pieces = decode_chunk(region.view[:n], ps_pb2.PullHeader)
         assert got == header
@@ -208,7 +208,7 @@ def test_a_pserver_that_cannot_map_the_regions_refuses_before_counting_and_the_t
     with LocalCluster(_program, 2, N_TRAINERS) as cluster:
         states = train_distributed(cluster, data)
         assert _shared_pushes(cluster) == [0, 0]
-        assert [s.engine.updates for s in cluster.servers] == [STEPS, STEPS]  # no refused push counted
+        assert [s.engine.step for s in cluster.servers] == [STEPS, STEPS]  # no refused push counted
         # one refusal per trainer and pserver: the first push; every later one goes over gRPC at once
         assert [s.servicer.counters.refused for s in cluster.servers] == [N_TRAINERS, N_TRAINERS]
     for state in states.values():
@@ -232,7 +232,7 @@ def test_a_hand_made_shared_push_naming_no_region_is_refused_unimplemented_and_c
                 call(push.SerializeToString(), timeout=10)
         assert refused.value.code() == grpc.StatusCode.UNIMPLEMENTED
         assert "is not the region" in refused.value.details()
-        assert server.engine.updates == 0 and server.servicer.counters.pushes == 0
+        assert server.engine.step == 0 and server.servicer.counters.pushes == 0
 
 
 @pytest.mark.timeout(60)
@@ -248,6 +248,6 @@ def test_a_shared_push_claiming_more_bytes_than_its_region_is_refused_invalid_ar
                     call(push.SerializeToString(), timeout=10)
             assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert "in a region of 1048576" in refused.value.details()
-            assert cluster.servers[0].engine.updates == 0
+            assert cluster.servers[0].engine.step == 0
         finally:
             region.close()

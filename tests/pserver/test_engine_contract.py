@@ -96,7 +96,7 @@ def test_expect_names_what_a_push_may_carry_and_expect_table_what_a_prefetch_may
     assert e.expect_table(block) is None  # a dense block is unknown in a prefetch
 
 
-def test_split_push_sorts_dense_sparse_and_the_ids_the_answer_carries_rows_of():
+def test_sort_push_sorts_dense_sparse_and_the_ids_the_answer_carries_rows_of():
     e = contents()
     block = next(iter(e.block_names()))
     ids = ids_of(0, 3)
@@ -104,7 +104,7 @@ def test_split_push_sorts_dense_sparse_and_the_ids_the_answer_carries_rows_of():
     rows = torch.arange(4 * DIM, dtype=torch.float32).reshape(4, DIM)
     ahead = torch.from_numpy(ids_of(0, 2))
     grad = torch.ones(e.store.blocks[block].shape)
-    parts = e.split_push({block: grad, "emb@ids": pushed_ids, "emb@rows": rows, "bag@next": ahead})
+    parts = e.sort_push({block: grad, "emb@ids": pushed_ids, "emb@rows": rows, "bag@next": ahead})
     assert isinstance(parts, PushParts)
     assert list(parts.dense) == [block] and parts.dense[block] is grad
     got_ids, got_rows = parts.sparse["emb"]
@@ -128,9 +128,9 @@ def test_split_push_sorts_dense_sparse_and_the_ids_the_answer_carries_rows_of():
         (lambda: {"bag@next": torch.from_numpy(ids_of(1, 1))}, "do not belong to shard 0 of 2"),
     ],
 )
-def test_split_push_refuses_unpaired_or_misrouted_sparse_tensors(tensors, match):
+def test_sort_push_refuses_unpaired_or_misrouted_sparse_tensors(tensors, match):
     with pytest.raises(BadRequest, match=match):
-        contents().split_push(tensors())
+        contents().sort_push(tensors())
 
 
 def test_prefetch_ids_are_checked_and_carry_nothing_else():
@@ -224,15 +224,15 @@ def test_on_wait_is_given_at_construction_and_told_how_long_a_sync_call_waited()
         e.hello(t)
     grads = {n: torch.zeros_like(b) for n, b in e.store.blocks.items()}
     e.push(0, 0, grads)
-    e.wait_updates(0, 0)  # nothing to wait for: not observed
+    e.wait_for_step(0, 0)  # nothing to wait for: not observed
     assert waits == []
-    waiter = threading.Thread(target=e.wait_updates, args=(0, 1))
+    waiter = threading.Thread(target=e.wait_for_step, args=(0, 1))
     waiter.start()
     while not e.cv._waiters:  # the waiter is in the barrier
         time.sleep(0.001)
     e.push(1, 0, grads)
     waiter.join(5)
-    assert e.updates == 1 and len(waits) == 1 and 0.0 < waits[0] < e.barrier_timeout
+    assert e.step == 1 and len(waits) == 1 and 0.0 < waits[0] < e.barrier_timeout
 
 
 @pytest.mark.parametrize("sync", [True, False])

@@ -70,10 +70,10 @@ def test_silent_trainer_is_dropped_and_the_step_completes_without_it():
     for t in (0, 1):
         e.hello(t)
     e.push(0, 0, grads(e, 1.0), position=(0, 1))
-    assert e.updates == 0  # waits for trainer 1
+    assert e.step == 0  # waits for trainer 1
     e.roster.last_seen[1] -= 60  # trainer 1 fell silent a minute ago
     assert e.drop_silent(timeout=30) == [1]
-    assert e.updates == 1  # applied with trainer 0's gradient alone
+    assert e.step == 1  # applied with trainer 0's gradient alone
     with pytest.raises(MustResync) as info:
         e.push(1, 1, grads(e, 1.0))
     assert status_of(info.value) == grpc.StatusCode.ABORTED and "dropped" in info.value.message
@@ -90,13 +90,13 @@ def test_trainer_rejoining_mid_step_counts_from_the_next_step():
     assert e.hello(2)[:2] == (1, (0, 0))  # rejoins at step 1, not 0
     before = weight(e)
     e.push(1, 0, grads(e, 3.0))
-    assert e.updates == 1  # did not wait for trainer 2
+    assert e.step == 1  # did not wait for trainer 2
     torch.testing.assert_close(weight(e), before - 0.5 * 2.0)  # mean of trainers 0 and 1
     e.push(0, 1, grads(e, 1.0))
     e.push(1, 1, grads(e, 1.0))
-    assert e.updates == 1  # step 1 waits for trainer 2 again
+    assert e.step == 1  # step 1 waits for trainer 2 again
     e.push(2, 1, grads(e, 1.0))
-    assert e.updates == 2
+    assert e.step == 2
 
 
 def test_a_pserver_a_step_behind_finishes_its_step_without_a_trainer_joining_ahead():
@@ -113,16 +113,16 @@ def test_a_pserver_a_step_behind_finishes_its_step_without_a_trainer_joining_ahe
         e.roster.last_seen[1] -= 60
         e.drop_silent(timeout=30)
     p0.push(0, 0, grads(p0, 1.0))  # trainer 0's step 0 reached p0 first
-    assert (p0.updates, p1.updates) == (1, 0)
+    assert (p0.step, p1.step) == (1, 0)
     assert p0.hello(1)[0] == 1 and p1.hello(1)[0] == 0  # apart: the trainer waits and asks again
     assert p0.hello(1, join_at=1)[0] == 1 and p1.hello(1, join_at=1)[0] == 1
     p1.push(0, 0, grads(p1, 1.0))
-    assert p1.updates == 1  # did not wait for trainer 1
+    assert p1.step == 1  # did not wait for trainer 1
     for e in (p0, p1):  # from step 1 on, trainer 1 counts again
         e.push(0, 1, grads(e, 1.0))
-        assert e.updates == 1
+        assert e.step == 1
         e.push(1, 1, grads(e, 1.0))
-        assert e.updates == 2
+        assert e.step == 2
 
 
 def test_a_join_a_step_ahead_completes_the_step_whose_other_pushes_are_all_in():
@@ -132,15 +132,15 @@ def test_a_join_a_step_ahead_completes_the_step_whose_other_pushes_are_all_in():
     for t in (0, 1):
         e.hello(t)
     e.push(0, 0, grads(e, 1.0))
-    assert e.updates == 0  # waits for trainer 1
+    assert e.step == 0  # waits for trainer 1
     before = weight(e)
     assert e.hello(1, join_at=1)[:2] == (1, (0, 0))  # applied at once, with trainer 0's gradient
-    assert e.updates == 1
+    assert e.step == 1
     torch.testing.assert_close(weight(e), before - 0.5 * 1.0)
     e.push(0, 1, grads(e, 1.0))
-    assert e.updates == 1  # from step 1 on, trainer 1 counts again
+    assert e.step == 1  # from step 1 on, trainer 1 counts again
     e.push(1, 1, grads(e, 1.0))
-    assert e.updates == 2
+    assert e.step == 2
 
 
 def test_hello_answers_one_view_of_the_trainer_and_the_step_in_progress():
@@ -177,7 +177,7 @@ def test_step_in_progress_counts_the_other_trainers_in_it_and_shows_a_step_that_
     stalled = engine(2)
     for t in (0, 1):
         assert stalled.hello(t, join_at=1)[:2] == (1, (0, 0))
-    assert stalled.updates == 0 and stalled.step_in_progress(0) == (0, 0)
+    assert stalled.step == 0 and stalled.step_in_progress(0) == (0, 0)
     assert stalled.step_in_progress(1) == (0, 0)
 
 
@@ -187,9 +187,9 @@ def test_join_at_further_ahead_is_ignored():
         e.hello(t)
     assert e.hello(1, join_at=5)[:2] == (0, (0, 0))  # a roll-back's business, not a join's
     e.push(0, 0, grads(e, 1.0))
-    assert e.updates == 0  # still waits for trainer 1
+    assert e.step == 0  # still waits for trainer 1
     e.push(1, 0, grads(e, 1.0))
-    assert e.updates == 1
+    assert e.step == 1
 
 
 def test_positions_count_once_their_step_is_applied_and_return_at_hello():
@@ -208,18 +208,18 @@ def test_restore_rolls_back_once_per_token_and_wakes_waiters(tmp_path):
     at_1 = weight(e)
     e.checkpoint()
     e.push(0, 1, grads(e, 1.0), position=(0, 2))
-    assert e.updates == 2
+    assert e.step == 2
     assert e.restore(0, 1, "ep#42") is True
-    assert e.updates == 1 and e.hello(0)[:2] == (1, (0, 1))
+    assert e.step == 1 and e.hello(0)[:2] == (1, (0, 1))
     torch.testing.assert_close(weight(e), at_1)
     e.push(0, 1, grads(e, 2.0))
     assert e.restore(0, 1, "ep#42") is False  # the same restart: no second roll-back
-    assert e.updates == 2
+    assert e.step == 2
     with pytest.raises(NotAllowed) as info:
         e.restore(0, 7, "ep#43")
     assert status_of(info.value) == grpc.StatusCode.FAILED_PRECONDITION
     assert "no complete checkpoint" in info.value.message
-    assert e.updates == 2
+    assert e.step == 2
 
 
 def test_late_roll_back_to_the_checkpoint_a_pserver_stands_at_keeps_the_pushes_counted_since(tmp_path):
@@ -231,13 +231,11 @@ def test_late_roll_back_to_the_checkpoint_a_pserver_stands_at_keeps_the_pushes_c
     assert e.restore(0, 1, "a#1") is True  # trainer 0 rolls back after a restart
     e.push(1, 1, grads(e, 1.0))  # trainer 1, already re-synced, pushes step 1
     assert e.restore(0, 1, "b#2") is False  # a late roll-back to the same checkpoint
-    assert e.pending.trainers == {1} and e.updates == 1
+    assert e.pending.trainers == {1} and e.step == 1
     e.push(0, 1, grads(e, 1.0))
-    assert e.updates == 2  # step 1 applied with both trainers' gradients
+    assert e.step == 2  # step 1 applied with both trainers' gradients
     e.push(0, 2, grads(e, 1.0))
-    assert (
-        e.restore(0, 1, "c#3") is True and e.updates == 1 and e.pending.trainers == set()
-    )  # a real roll-back
+    assert e.restore(0, 1, "c#3") is True and e.step == 1 and e.pending.trainers == set()  # a real roll-back
 
 
 def test_late_roll_back_to_the_checkpoint_a_pserver_stands_at_waits_for_a_trainer_that_had_joined_later(
@@ -252,9 +250,9 @@ def test_late_roll_back_to_the_checkpoint_a_pserver_stands_at_waits_for_a_traine
     assert e.hello(1, join_at=2)[0] == 2  # trainer 1 joins a step later: pservers apart
     assert e.restore(1, 1, "b#2") is False  # trainer 1 rolls every pserver back to 1
     e.push(0, 1, grads(e, 1.0))
-    assert e.updates == 1  # waits for trainer 1, which redoes step 1
+    assert e.step == 1  # waits for trainer 1, which redoes step 1
     e.push(1, 1, grads(e, 3.0))
-    assert e.updates == 2 and e.last_step == {0: 1, 1: 1}
+    assert e.step == 2 and e.last_step == {0: 1, 1: 1}
 
 
 def test_a_failing_periodic_checkpoint_does_not_fail_the_step(tmp_path, caplog):
@@ -280,7 +278,7 @@ def test_async_trainer_held_back_by_a_dead_one_goes_on_once_it_is_dropped():
     waiter = threading.Thread(target=lambda: result.setdefault("push", e.push(0, 3, grads(e, 1.0))))
     waiter.start()  # step 3 is 2 ahead of trainer 1's next: waits
     waiter.join(0.3)
-    assert waiter.is_alive() and e.updates == 4
+    assert waiter.is_alive() and e.step == 4
     e.roster.last_seen[1] -= 60  # trainer 1 died
     assert e.drop_silent(timeout=30) == [1]
     waiter.join(5)
@@ -325,7 +323,7 @@ def test_dropped_trainer_that_never_rejoins_is_counted_closed_and_the_job_ends(c
     e.drop_silent(timeout=30, rejoin_timeout=100)
     assert e.all_closed.is_set() and e.roster.closed == {0, 1}
     assert "trainer 1 was dropped" in caplog.text and "counted as closed" in caplog.text
-    assert e.hello(1)[0] == e.updates and 1 not in e.roster.closed  # a late restart still rejoins
+    assert e.hello(1)[0] == e.step and 1 not in e.roster.closed  # a late restart still rejoins
 
 
 def test_a_wait_from_before_a_roll_back_is_refused_at_once_instead_of_deadlocking(tmp_path):
@@ -336,20 +334,20 @@ def test_a_wait_from_before_a_roll_back_is_refused_at_once_instead_of_deadlockin
     for t in (0, 1):
         e.push(t, 1, grads(e, 1.0), position=(0, 2))
     assert e.hello(1)[:2] == (2, (0, 2))  # trainer 1 (re)joins at step 2
-    assert e.restore(0, 1, "ps0#7") is True and e.updates == 1
+    assert e.restore(0, 1, "ps0#7") is True and e.step == 1
     e.hello(0)
     with pytest.raises(MustResync) as info:
-        e.wait_updates(1, 2)  # would need trainer 1's own push of step 1
+        e.wait_for_step(1, 2)  # would need trainer 1's own push of step 1
     assert (
         status_of(info.value) == grpc.StatusCode.ABORTED
         and "since trainer 1 said Hello" in info.value.message
     )
-    e.wait_updates(1, 1)  # what stands is served: nothing to wait for
+    e.wait_for_step(1, 1)  # what stands is served: nothing to wait for
     assert e.hello(1)[:2] == (1, (0, 1))  # re-synced: step 1 from the checkpoint
     for t in (0, 1):
         e.push(t, 1, grads(e, 1.0), position=(0, 2))
-    e.wait_updates(1, 2)
-    assert e.updates == 2
+    e.wait_for_step(1, 2)
+    assert e.step == 2
 
 
 def test_a_trainer_from_before_a_roll_back_that_pushed_the_step_waits_for_it_as_usual(tmp_path):
@@ -364,7 +362,7 @@ def test_a_trainer_from_before_a_roll_back_that_pushed_the_step_waits_for_it_as_
 
     def wait():
         try:
-            e.wait_updates(1, 2)
+            e.wait_for_step(1, 2)
             outcome.append("served")
         except MustResync as refused:
             outcome.append(refused)
@@ -373,7 +371,7 @@ def test_a_trainer_from_before_a_roll_back_that_pushed_the_step_waits_for_it_as_
     waited.start()
     e.push(0, 1, grads(e, 1.0), position=(0, 2))
     waited.join(timeout=5)
-    assert outcome == ["served"] and e.updates == 2
+    assert outcome == ["served"] and e.step == 2
 
 
 def test_a_roll_back_to_the_checkpoint_a_pserver_stands_at_refuses_waits_of_trainers_told_to_join_later(
@@ -384,20 +382,20 @@ def test_a_roll_back_to_the_checkpoint_a_pserver_stands_at_refuses_waits_of_trai
     from before (for the later step) is refused at once instead of waiting for its own push until
     barrier_timeout."""
     e = checkpointed_at_step_1(tmp_path)
-    assert e.restore(0, 1, "restart") is True and e.updates == 1  # resumed from it: nothing applied since
+    assert e.restore(0, 1, "restart") is True and e.step == 1  # resumed from it: nothing applied since
     for t in (0, 1):
         e.hello(t, join_at=2)  # both told to start at step 2
     assert e.step_in_progress(0) == (1, 0)  # stalled: waits for nobody
-    assert e.restore(1, 1, "join") is False and e.updates == 1  # kept, but the join steps are forgotten
+    assert e.restore(1, 1, "join") is False and e.step == 1  # kept, but the join steps are forgotten
     assert e.step_in_progress(0) == (1, 1)
     with pytest.raises(
         MustResync, match="rolled back to the checkpoint at step 1 since trainer 0 said Hello"
     ):
-        e.wait_updates(0, 2)
+        e.wait_for_step(0, 2)
     e.hello(0)
     e.push(0, 1, grads(e, 1.0))
     e.push(1, 1, grads(e, 1.0))
-    assert e.updates == 2  # step 1 redone with both trainers
+    assert e.step == 2  # step 1 redone with both trainers
 
 
 def test_stats_is_the_state_stats_and_metrics_report(tmp_path):
@@ -419,7 +417,7 @@ def test_a_trainer_whose_push_is_parked_is_not_silent_and_is_heard_from_when_rel
         e.hello(t)
     e.push(0, 0, grads(e, 1.0))
     e.push(1, 0, grads(e, 1.0))
-    handle = e.park_updates(0, 1)  # trainer 0's answer waits for trainer 2's push
+    handle = e.park_for_step(0, 1)  # trainer 0's answer waits for trainer 2's push
     assert handle is not None and not handle.done and e.waits.parked_trainers() == {0}
     e.roster.last_seen[0] -= 60  # its push arrived a minute ago, and it still waits
     e.roster.last_seen[1] -= 60  # trainer 1 pushed then, and holds no call here

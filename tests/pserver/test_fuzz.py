@@ -228,7 +228,7 @@ def test_fuzz_rpc(env, name, caplog):
 def test_after_fuzzing_the_pserver_is_unchanged_and_trains(env, caplog):
     """Runs after the fuzzing (module order): same state, still serving, a real sync step works."""
     reply = stats(env)
-    assert reply.updates == 0 and reply.table_rows == 0, reply
+    assert reply.step == 0 and reply.table_rows == 0, reply
     assert sorted(reply.trainers_alive) == list(range(TRAINERS)) and not reply.trainers_dropped, reply
     # The live trainer's own process says Hello again (as a re-sync does): same session, same step.
     hello = env.trainers[0].channels.hello(CALL_TIMEOUT)[env.cluster.endpoints[0]]
@@ -270,7 +270,7 @@ def test_after_fuzzing_the_pserver_is_unchanged_and_trains(env, caplog):
     assert not errors, errors
     assert sorted(losses) == [0, 1] and all(np.isfinite(list(losses.values())))
     for server in env.cluster.servers:
-        assert server.engine.updates == 1, server.endpoint
+        assert server.engine.step == 1, server.endpoint
     assert stats(env).table_rows > 0
     moved = {n: b.detach().clone() for n, b in env.server.engine.store.blocks.items()}
     assert any(as_bytes(moved[n]).tobytes() != env.before[n] for n in moved), "the sync step changed nothing"

@@ -66,7 +66,7 @@ def test_a_small_push_with_an_answer_beyond_one_message_streams_and_pushpullone_
         ((small, big),) = cluster.run_trainers(body, timeout=50).values()
         assert torch.equal(small, torch.full((4, 4), 2.0)) and torch.equal(big, torch.zeros(1200, 1000))
         engine = cluster.servers[0].engine
-        assert engine.updates == 1
+        assert engine.step == 1
 
         digest = cluster.servers[0].program.layout_digest
         with grpc.insecure_channel(cluster.endpoints[0]) as channel:
@@ -83,4 +83,4 @@ def test_a_small_push_with_an_answer_beyond_one_message_streams_and_pushpullone_
                 channel.unary_unary("/psproto.ParameterServer/PushPullOne")(message, timeout=10)
         assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "more than one message holds" in refused.value.details()
-        assert engine.updates == 1 and engine.last_step.get(0, -1) == 0  # step 1 was not counted
+        assert engine.step == 1 and engine.last_step.get(0, -1) == 0  # step 1 was not counted

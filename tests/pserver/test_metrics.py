@@ -229,7 +229,7 @@ def test_metrics_move_during_a_sync_job():
         # ps-stat's Stats RPC still answers, with the same numbers.
         with grpc.insecure_channel(cluster.endpoints[0]) as ch:
             stats = ps_pb2_grpc.ParameterServerStub(ch).Stats(ps_pb2.StatsRequest(), timeout=5)
-        assert stats.updates == 6 and stats.pushes == 12 and stats.refused == 1
+        assert stats.step == 6 and stats.pushes == 12 and stats.refused == 1
     for port in ports:  # the metrics servers stopped with their pservers
         assert connection_refused(port)
 

@@ -56,7 +56,7 @@ def test_more_trainers_than_handler_threads_complete_every_step(on_loop):
     with LocalCluster(program, 2, TRAINERS, config=config) as cluster:
         assert all(s.stretches.allowed is on_loop for s in cluster.servers)
         states = cluster.run_trainers(body, timeout=100)
-        assert all(s.engine.updates == STEPS for s in cluster.servers)
+        assert all(s.engine.step == STEPS for s in cluster.servers)
         assert all(s.engine.waits.parked == 0 for s in cluster.servers)  # every parked push was released
     expected = train_concatenated(program(), data)
     for i in range(TRAINERS):
@@ -103,4 +103,4 @@ def test_a_parked_push_whose_client_gives_up_leaves_no_handle(method, on_loop):
             reply = answer(
                 stub.PushPull(push_messages(digest, 1, 0, full_grads(server), sessions=sessions), timeout=10)
             )
-            assert reply.updates == 1 and server.engine.updates == 1
+            assert reply.step == 1 and server.engine.step == 1

@@ -98,16 +98,16 @@ def test_bad_pushes_are_refused_and_change_nothing(cluster, stub):
         expect_refusal(lambda: answer(stub.PushPull(messages, timeout=10)), code, match)
     after = snapshot(cluster)
     engine = cluster.servers[0].engine
-    assert engine.updates == 0 and not engine.pending.trainers and not engine.pending.touched
+    assert engine.step == 0 and not engine.pending.trainers and not engine.pending.touched
     for name in before:
         assert torch.equal(before[name], after[name]), name
     # ...and the pserver still serves: a complete, valid step goes through.
     first = stub.PushPull(push_messages(digest, 0, 0, grads, sessions=sessions), timeout=10)
     second = stub.PushPull(push_messages(digest, 1, 0, grads, sessions=sessions), timeout=10)
     reply = answer(first)
-    assert reply.applied
+    assert reply.counted
     reply = answer(second)
-    assert reply.applied and reply.updates == 1
+    assert reply.counted and reply.step == 1
     moved = snapshot(cluster)
     assert not torch.equal(moved[name0], before[name0])
 
@@ -125,15 +125,15 @@ def test_duplicate_push_is_acknowledged_not_applied(cluster, stub):
     retry = stub.PushPull(push_messages(digest, 0, 0, grads, sessions=sessions), timeout=10)
     poll(lambda: engine.waits.parked == 2, "trainer 0's retry acknowledged")
     second = stub.PushPull(push_messages(digest, 1, 0, grads, sessions=sessions), timeout=10)
-    assert answer(first).applied
-    assert not answer(retry).applied
-    assert answer(second).updates == 1
+    assert answer(first).counted
+    assert not answer(retry).counted
+    assert answer(second).step == 1
     after_one = snapshot(cluster)
     for trainer_id in (0, 1):
         reply = answer(
             stub.PushPull(push_messages(digest, trainer_id, 0, grads, sessions=sessions), timeout=10)
         )
-        assert not reply.applied and reply.updates == 1
+        assert not reply.counted and reply.step == 1
     after_retries = snapshot(cluster)
     for name in after_one:
         assert torch.equal(after_one[name], after_retries[name])
@@ -155,7 +155,7 @@ def test_bad_pulls_and_hellos_are_refused(cluster, stub):
     expect_refusal(
         lambda: pull(names=["fc9.weight.block0"]), grpc.StatusCode.INVALID_ARGUMENT, "unknown blocks"
     )
-    expect_refusal(lambda: pull(min_updates=7), grpc.StatusCode.FAILED_PRECONDITION, "can only reach 1 next")
+    expect_refusal(lambda: pull(min_step=7), grpc.StatusCode.FAILED_PRECONDITION, "can only reach 1 next")
     expect_refusal(lambda: pull(trainer_id=9), grpc.StatusCode.INVALID_ARGUMENT, "out of range")
     expect_refusal(lambda: pull(layout_digest="x"), grpc.StatusCode.FAILED_PRECONDITION, "plan mismatch")
     expect_refusal(lambda: pull(session=""), grpc.StatusCode.FAILED_PRECONDITION, "without a session")
@@ -174,7 +174,7 @@ def test_bad_pulls_and_hellos_are_refused(cluster, stub):
         grpc.StatusCode.INVALID_ARGUMENT,
         "out of range",
     )
-    assert stub.Stats(ps_pb2.StatsRequest(), timeout=10).updates == 0
+    assert stub.Stats(ps_pb2.StatsRequest(), timeout=10).step == 0
 
 
 @pytest.mark.timeout(30)
@@ -271,11 +271,11 @@ def test_push_pull_retry_is_acknowledged_not_applied_and_still_answers(cluster):
         first.start()
         header, blocks = call(1)
         first.join(10)
-        assert header.applied and header.updates == 1
-        assert answers and answers[0][0].applied and answers[0][0].updates == 1
+        assert header.counted and header.step == 1
+        assert answers and answers[0][0].counted and answers[0][0].step == 1
         applied_once = snapshot(cluster)
         header, blocks = call(1)  # a retry of step 0
-        assert not header.applied and header.updates == 1
+        assert not header.counted and header.step == 1
     assert all(torch.equal(applied_once[n], snapshot(cluster)[n]) for n in applied_once)
     assert blocks.keys() == applied_once.keys()
     assert all(torch.equal(blocks[n], applied_once[n]) for n in blocks)

@@ -220,4 +220,4 @@ def test_a_wired_round_waits_while_the_engine_holds_its_lock_and_ends_after():
     grads = {n: torch.zeros_like(b) for n, b in engine.store.blocks.items()}
     engine.push(0, 0, grads)  # the engine is unaffected
     engine.push(1, 0, grads)
-    assert engine.updates == 1
+    assert engine.step == 1

@@ -165,7 +165,7 @@ def push(svc, trainer_id, session, step=0):
 def engine_state(svc):
     e = svc.engine
     return (
-        e.updates,
+        e.step,
         set(e.pending.trainers),
         set(e.roster.closed),
         set(e.roster.dropped),
@@ -204,8 +204,8 @@ def test_calls_without_the_session_are_refused_and_change_nothing():
     assert svc.counters.refused == 3 * 6 + 1
     # The live trainers' own calls still go through.
     first, second = push_pulls(svc, push(svc, 0, live[0]), push(svc, 1, live[1]))
-    assert first.applied
-    assert second.updates == 1
+    assert first.counted
+    assert second.step == 1
 
 
 def test_a_second_process_is_refused_and_a_restart_fences_the_old_one():
@@ -237,4 +237,4 @@ def test_a_second_process_is_refused_and_a_restart_fences_the_old_one():
         f"stale gradients"
     )
     assert engine_state(svc) == before  # the late push was not counted
-    assert push_pulls(svc, push(svc, 1, new), push(svc, 0, zero))[0].applied
+    assert push_pulls(svc, push(svc, 1, new), push(svc, 0, zero))[0].counted

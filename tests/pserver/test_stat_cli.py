@@ -78,7 +78,7 @@ def test_json_has_every_field(cluster, capsys, monkeypatch):
     objects = [json.loads(line) for line in capsys.readouterr().out.strip().splitlines()]
     assert [o["endpoint"] for o in objects] == cluster.endpoints
     for o in objects:
-        assert o["updates"] == STEPS and o["sync_mode"] is True
+        assert o["step"] == STEPS and o["sync_mode"] is True
         assert o["pushes"] == 2 * STEPS and isinstance(o["block_bytes"], int)
         assert "pushes_per_s" in o and "checkpoint_step" in o and "uptime_s" in o
 
@@ -125,7 +125,7 @@ def test_live_trainers_and_push_rate(capsys, monkeypatch):
             monkeypatch.setattr(stat_cli, "time", SimpleNamespace(sleep=three_steps))
             obj = json_stats("--interval", "0.5")
             assert waits == [0.5]
-            assert obj["updates"] == 4 and obj["pushes"] == 4 and obj["pushes_per_s"] == 6.0
+            assert obj["step"] == 4 and obj["pushes"] == 4 and obj["pushes_per_s"] == 6.0
             assert obj["trainers_alive"] == [0]
             # The table's PUSHES/S column: two steps over 0.25 s.
             monkeypatch.setattr(stat_cli, "time", SimpleNamespace(sleep=lambda seconds: (step(4), step(5))))

@@ -19,7 +19,7 @@ EP = "127.0.0.1:1"
 
 
 def setup(timeout: float = 5.0):
-    state = SimpleNamespace(updates=0, missing=[2, 5])
+    state = SimpleNamespace(step=0, missing=[2, 5])
     rollbacks = SimpleNamespace(made=0, restored_from=3)
     waits = Waits(threading.Condition(), EP, timeout, rollbacks)
     return state, rollbacks, waits
@@ -27,7 +27,7 @@ def setup(timeout: float = 5.0):
 
 def park(waits, state, target=1, measured=True):
     with waits.cv:
-        handle = waits.park(lambda: state.updates >= target, "step 0", lambda: list(state.missing), measured)
+        handle = waits.park(lambda: state.step >= target, "step 0", lambda: list(state.missing), measured)
         ended = []
         handle.add_callback(lambda h: ended.append(h.error))
     return handle, ended
@@ -52,12 +52,12 @@ CASES = [
 def test_park_rules(name, events, expected, left):
     state, rollbacks, waits = setup()
     if events[0] == "ready":
-        state.updates = 1
+        state.step = 1
     handle, ended = park(waits, state)
     for event in events:
         with waits.cv:
             if event == "apply":
-                state.updates = 1
+                state.step = 1
             elif event == "notify":
                 waits.notify()
             elif event == "stop":
@@ -88,7 +88,7 @@ def test_park_rules(name, events, expected, left):
 
 def test_a_callback_added_after_the_end_runs_at_once():
     state, _, waits = setup()
-    state.updates = 1
+    state.step = 1
     handle, ended = park(waits, state)
     late = []
     handle.on_done(lambda h: late.append(h.error))
@@ -100,7 +100,7 @@ def test_one_notify_releases_every_parked_wait_once():
     handles = [park(waits, state) for _ in range(100)]
     assert waits.parked == 100
     with waits.cv:
-        state.updates = 1
+        state.step = 1
         waits.notify()
         waits.notify()
     assert waits.parked == 0
@@ -112,7 +112,7 @@ def test_a_wait_for_a_later_step_stays_parked():
     first, _ = park(waits, state, target=1)
     second, _ = park(waits, state, target=2)
     with waits.cv:
-        state.updates = 1
+        state.step = 1
         waits.notify()
     assert first.done and not second.done and waits.parked == 1
 
@@ -123,7 +123,7 @@ def test_a_measured_wait_reports_its_seconds_and_an_immediate_one_does_not():
     waits.on_wait = waited.append
     parked, _ = park(waits, state)
     with waits.cv:
-        state.updates = 1
+        state.step = 1
         waits.notify()
     parked.finish()
     immediate, _ = park(waits, state)
@@ -138,7 +138,7 @@ def test_the_blocking_wait_uses_the_same_handles():
     def waiter():
         with waits.cv:
             try:
-                waits.wait(lambda: state.updates >= 1, "step 0", lambda: [1])
+                waits.wait(lambda: state.step >= 1, "step 0", lambda: [1])
             except Refusal as e:  # pragma: no cover - reported below
                 errors.append(e)
 
@@ -147,7 +147,7 @@ def test_the_blocking_wait_uses_the_same_handles():
     with waits.cv:
         while waits.parked == 0:
             waits.cv.wait(0.01)
-        state.updates = 1
+        state.step = 1
         waits.notify()
     thread.join(5)
     assert not thread.is_alive() and errors == [] and waits.parked == 0

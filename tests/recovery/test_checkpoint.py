@@ -40,7 +40,7 @@ def test_checkpoint_of_3_pservers_resumes_on_2_as_the_same_model(tmp_path, optim
     assert len(set(map(os.path.dirname, parts))) == 1  # one step directory: one consistent model
 
     with LocalCluster(build, 2, 1, config=cm.config(root)) as cluster:
-        assert [s.engine.updates for s in cluster.servers] == [3, 3]
+        assert [s.engine.step for s in cluster.servers] == [3, 3]
         with cluster.trainer(0) as tr:
             assert tr.step_count == 3
             assert_same(cm.snapshot(tr), at_checkpoint)

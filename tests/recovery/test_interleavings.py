@@ -184,7 +184,7 @@ def test_a_late_roll_back_for_a_restart_a_trainer_re_synced_past_leaves_no_step_
             pservers.checkpoint()
         for t in (t0, t1):
             t.push(step)
-    assert [e.updates for e in pservers.engines.values()] == [3, 3]
+    assert [e.step for e in pservers.engines.values()] == [3, 3]
 
     t1.answer_early(B)  # trainer 1's step 3 failed at A; B answers its Hello at once
     for ep in (A, B):  # A and B restart within a second, both from checkpoint 1
@@ -198,17 +198,17 @@ def test_a_late_roll_back_for_a_restart_a_trainer_re_synced_past_leaves_no_step_
     moved = r1.heal(3, "step 3", healing(t1, 3, lost_at=A), lambda step: None)
     assert (moved.action, moved.step) == (ROLLBACK, 1)
     t1.push(1)  # B applies step 1 with both trainers; at A it waits for trainer 0
-    assert (pservers.engines[A].updates, pservers.engines[B].updates) == (1, 2)
+    assert (pservers.engines[A].step, pservers.engines[B].step) == (1, 2)
 
     # Trainer 0 sees A's restart: B already heard of it (from trainer 1) and is not rolled back; A needs
     # trainer 0's push of step 1, which B counted: it retries the step (RETRY), B acknowledging it again.
     assert r0.heal(1, "step 1", healing(t0, 1, lost_at=A), lambda step: None) is None
-    assert (pservers.engines[A].updates, pservers.engines[B].updates) == (2, 2), (
+    assert (pservers.engines[A].step, pservers.engines[B].step) == (2, 2), (
         "B was rolled back behind trainer 1, whose step 1 is done: no step completes until barrier_timeout"
     )
     for t in (t1, t0):
         t.push(2)  # the job goes on: step 2 completes on both pservers
-    assert (pservers.engines[A].updates, pservers.engines[B].updates) == (3, 3)
+    assert (pservers.engines[A].step, pservers.engines[B].step) == (3, 3)
     got, expected = pservers.params(), reference(str(tmp_path / "reference"), 3)
     for name in expected:
         torch.testing.assert_close(got[name], expected[name], rtol=0, atol=0)

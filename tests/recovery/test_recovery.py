@@ -224,7 +224,7 @@ def test_sole_sync_trainer_joining_while_a_pserver_restarts_rolls_the_other_back
         with cluster.trainer(0) as tr:
             monkeypatch.undo()
             assert tr.step_count == 3
-            assert [s.engine.updates for s in cluster.servers] == [3, 3]
+            assert [s.engine.step for s in cluster.servers] == [3, 3]
             assert_state_close(cm.snapshot(tr), at_checkpoint, atol=0)
     assert "rolled back from step 5" in caplog.text
 
@@ -241,7 +241,7 @@ def test_a_pull_heals_like_a_step_and_a_sync_pull_rolls_back_with_the_restarted_
             cluster.restart_pserver(1)  # back at the checkpoint of step 3
             tr.pull()
             assert tr.step_count == 3 and tr.position == (0, 3)
-            assert [s.engine.updates for s in cluster.servers] == [3, 3]
+            assert [s.engine.step for s in cluster.servers] == [3, 3]
             assert_state_close(cm.snapshot(tr), at_checkpoint, atol=0)
     assert "rolled back from step 5" in caplog.text and "pull at step 5 failed" in caplog.text
 
@@ -304,7 +304,7 @@ def test_sync_trainer_closed_after_the_checkpoint_is_not_waited_for_after_a_roll
                 one = Background(cm.train, tr1, data)
                 cm.train(tr0, data)
                 one.finish(30)
-            assert [s.engine.updates for s in cluster.servers] == [5, 5]
+            assert [s.engine.step for s in cluster.servers] == [5, 5]
             cluster.servers[1].stop()
             cluster.restart_pserver(1)  # back at the checkpoint of step 3
             cm.train(tr0, data[3:4])  # fails, rolls pserver 0 back to 3 too
@@ -330,9 +330,9 @@ def test_trainer_joining_sync_pservers_apart_rolls_them_back_to_the_checkpoint_o
             cm.train(tr, cm.batches(2))
         cluster.servers[1].stop()
         cluster.restart_pserver(1)
-        assert [s.engine.updates for s in cluster.servers] == [5, 3]
+        assert [s.engine.step for s in cluster.servers] == [5, 3]
         with cluster.trainer(0) as tr:
-            assert tr.step_count == 3 and [s.engine.updates for s in cluster.servers] == [3, 3]
+            assert tr.step_count == 3 and [s.engine.step for s in cluster.servers] == [3, 3]
             assert_state_close(tr.state_dict(), at_checkpoint, atol=0)
 
 
@@ -349,7 +349,7 @@ def test_trainer_joining_sync_pservers_apart_without_a_checkpoint_fails_after_re
             cm.train(tr, cm.batches(3))
         cluster.servers[1].stop()
         cluster.restart_pserver(1)
-        assert [s.engine.updates for s in cluster.servers] == [3, 0]
+        assert [s.engine.step for s in cluster.servers] == [3, 0]
         with pytest.raises(
             PserverError,
             match="stand at step 0 without a checkpoint at that step to roll "

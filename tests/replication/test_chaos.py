@@ -43,7 +43,7 @@ def schedule(seed: int, shards: int = 2) -> List[Tuple[int, str, int]]:
 
 def updates_of(job: ReplicatedJob, name: str) -> int:
     stats = job.stats(name)
-    return -1 if stats is None else stats.updates
+    return -1 if stats is None else stats.step
 
 
 def assert_replicas_agreed(job: ReplicatedJob) -> None:

@@ -153,7 +153,7 @@ def test_isolated_primary_is_fenced_refuses_pushes_and_never_leads_beside_its_ba
             job.wait_file(f"reached-{i}", START_DEADLINE)
         (job.pause / "go").touch()
         job.wait_until(
-            lambda: (lambda st: st is not None and st.updates >= WARMUP_UPDATES)(job.stats("pserver0")),
+            lambda: (lambda st: st is not None and st.step >= WARMUP_UPDATES)(job.stats("pserver0")),
             f"{WARMUP_UPDATES} updates on pserver0",
             START_DEADLINE,
         )

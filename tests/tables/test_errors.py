@@ -32,10 +32,8 @@ def ids_of_shard(shard, n=5, seed=0):
     return candidates[shard_of(candidates, 2) == shard][:n]
 
 
-def prefetch_messages(digest, tensors, trainer_id=0, min_updates=0, session=""):
-    h = ps_pb2.PrefetchHeader(
-        trainer_id=trainer_id, min_updates=min_updates, layout_digest=digest, session=session
-    )
+def prefetch_messages(digest, tensors, trainer_id=0, min_step=0, session=""):
+    h = ps_pb2.PrefetchHeader(trainer_id=trainer_id, min_step=min_step, layout_digest=digest, session=session)
     return iter([ps_pb2.PrefetchChunk.FromString(b) for b in encode_chunks(h, tensors, 1 << 16)])
 
 
@@ -68,7 +66,7 @@ def test_bad_sparse_pushes_are_refused_and_change_nothing(cluster, stub):
         assert server.endpoint in details
     tables = server.engine.tables
     assert (
-        server.engine.updates == 0
+        server.engine.step == 0
         and not server.engine.pending.trainers
         and not server.engine.pending.sparse_sums
     )
@@ -81,8 +79,8 @@ def test_bad_sparse_pushes_are_refused_and_change_nothing(cluster, stub):
     ]
     for call in calls:
         reply = answer(call)
-        assert reply.applied
-    assert server.engine.updates == 1 and tables.rows == len(mine)
+        assert reply.counted
+    assert server.engine.step == 1 and tables.rows == len(mine)
     assert tables.shards["emb"].step == 1 and tables.shards["bag"].step == 0
 
 
@@ -116,7 +114,7 @@ def test_bad_prefetches_are_refused(cluster, stub):
             "out of range",
         ),
         (
-            lambda: prefetch([("emb@ids", mine)], min_updates=5),
+            lambda: prefetch([("emb@ids", mine)], min_step=5),
             grpc.StatusCode.FAILED_PRECONDITION,
             "can only reach 1 next",
         ),
@@ -146,7 +144,7 @@ def test_bad_prefetches_are_refused(cluster, stub):
     for piece in (p for chunk in chunks for p in chunk.pieces):
         reader.add(piece)
     rows = reader.finish()
-    assert chunks[0].HasField("header") and chunks[0].header.updates == 0
+    assert chunks[0].HasField("header") and chunks[0].header.step == 0
     assert not any(chunk.HasField("header") for chunk in chunks[1:])
     assert list(rows) == ["emb@rows", "bag@rows"]
     for name, ids in (("emb", emb_ids), ("bag", bag_ids)):

@@ -35,7 +35,7 @@ def reference_mean(parts: Dict[str, List[tuple]], n_trainers: int) -> Dict[str, 
 
 
 def random_part(rng, id_range: int, n: int, dim: int, dtype, zeros: float = 0.0):
-    """One trainer's push of one table as the pserver receives it: raw ids (repeats) merged as split_push
+    """One trainer's push of one table as the pserver receives it: raw ids (repeats) merged as sort_push
     does.
 
     With ``zeros``, a share of signed zeros and no repeated ids in the push (merging repeats would turn

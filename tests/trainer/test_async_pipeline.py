@@ -81,7 +81,7 @@ def test_pipeline_off_by_default_waits_for_each_push():
                 x, y = data[s][0]
                 nn.functional.cross_entropy(tr.model(x), y).backward()
                 tr.step()
-                assert all(srv.engine.updates == s + 1 for srv in cluster.servers)
+                assert all(srv.engine.step == s + 1 for srv in cluster.servers)
 
 
 @pytest.mark.timeout(60)
@@ -96,7 +96,7 @@ def test_a_refused_background_push_surfaces_at_the_next_step():
             nn.functional.cross_entropy(tr.model(x), y).backward()
             with pytest.raises(PserverError, match="NaN or Inf"):
                 tr.step()
-            assert cluster.servers[0].engine.updates == 0  # refused, nothing applied
+            assert cluster.servers[0].engine.step == 0  # refused, nothing applied
         finally:
             tr.close()
 

@@ -79,7 +79,7 @@ def test_steps_apply_without_the_slow_trainer_which_goes_on_from_the_applied_ste
             thread.join(60)
         assert slow["after_drop"] == STEPS
         assert [s.servicer.counters.dropped_pushes for s in cluster.servers] == [1, 1]
-        assert [s.engine.updates for s in cluster.servers] == [STEPS + 1] * 2
+        assert [s.engine.step for s in cluster.servers] == [STEPS + 1] * 2
     expected = train_concatenated(program(), [s[:2] for s in data[:STEPS]] + [[data[STEPS][2]]])
     assert_equal_to(slow["state"], expected)
 

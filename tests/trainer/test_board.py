@@ -234,9 +234,9 @@ def test_batches_of_one_step_all_count_and_unsized_batches_leave_examples_out():
 # ---------------------------------------------------------------- pserver tags
 
 
-def reply(updates=40, pushes=80, uptime=10.0, incarnation=7, tables=(), lag=None):
+def reply(pserver_step=40, pushes=80, uptime=10.0, incarnation=7, tables=(), lag=None):
     r = ps_pb2.StatsReply(
-        updates=updates,
+        step=pserver_step,
         pushes=pushes,
         uptime_s=uptime,
         incarnation=incarnation,
@@ -300,7 +300,7 @@ class Rounds:
 def test_a_round_asked_while_one_runs_is_dropped_never_queued():
     written = []
     done = threading.Event()
-    ask = Rounds(lambda n: {"a:1": reply(updates=n)})
+    ask = Rounds(lambda n: {"a:1": reply(pserver_step=n)})
     ask.gate.clear()
     poller = StatsPoller(ask, ["a:1"], lambda values, step: (written.append((step, values)), done.set()))
     try:
@@ -322,7 +322,7 @@ def test_a_pserver_that_does_not_answer_is_logged_once_and_left_out_until_it_ans
     answers = {
         1: {"a:1": reply(), "b:2": down},
         2: {"a:1": reply(), "b:2": down},
-        3: {"a:1": reply(), "b:2": reply(updates=41)},
+        3: {"a:1": reply(), "b:2": reply(pserver_step=41)},
     }
     written = []
     poller = StatsPoller(Rounds(answers.__getitem__), ["a:1", "b:2"], lambda v, step: written.append(v))

@@ -9,7 +9,7 @@ from torch import nn
 
 from tests.helpers.cluster import LocalCluster
 from tests.helpers.models import FLOAT64_EXACT, train_concatenated
-from trainer.transport.lanes import Lanes, split_push
+from trainer.transport.lanes import Lanes, deal_lanes
 from trainer.transport.wire_paths import ONE_MESSAGE, SHARED_MEMORY, STREAM
 from transpiler import DistributeTranspilerConfig, Program
 
@@ -38,7 +38,7 @@ def test_which_push_pulls_are_split(count, way, nbytes, split):
 def test_split_push_deals_blocks_and_keeps_tables_in_lane_0():
     t = torch.zeros(1)
     tensors = [("w.block0", t), ("emb@ids", t), ("w.block1", t), ("emb@rows", t)]
-    parts = split_push(tensors, {"w.block0": 1, "w.block1": 0}, 2)
+    parts = deal_lanes(tensors, {"w.block0": 1, "w.block1": 0}, 2)
     assert [[n for n, _ in p] for p in parts] == [["emb@ids", "w.block1", "emb@rows"], ["w.block0"]]
 
 
@@ -139,8 +139,8 @@ def test_training_through_lanes_equals_one_process(sync_mode, trainers):
         results = train(cluster, batches)
         # Every pserver made each trainer's pushes whole from lanes, and counted each step once.
         for server in cluster.servers:
-            assert server.servicer.split_pushes.lane_of(3)
-            assert len(server.servicer.split_pushes._held) == trainers
+            assert server.servicer.lane_pushes.lane_of(3)
+            assert len(server.servicer.lane_pushes._held) == trainers
             assert server.servicer.counters.pushes == trainers * len(batches)
     expected = train_concatenated(build(), batches)
     for state, opened in results.values():

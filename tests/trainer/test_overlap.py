@@ -58,7 +58,7 @@ def test_a_second_backward_in_one_step_raises_and_the_switch_allows_accumulation
             return tr.step_count
 
         assert cluster.run_trainers(body) == {0: 0}
-        assert cluster.servers[0].engine.updates == 0  # the abandoned streams counted nothing
+        assert cluster.servers[0].engine.step == 0  # the abandoned streams counted nothing
 
     with LocalCluster(program, 1, 1) as cluster:  # the default: push after backward
 

@@ -35,14 +35,14 @@ def pserver_scalars(
 ) -> Dict[str, float]:
     """The tags of pserver ``index`` from its ``reply`` (``previous``: its last one, for the push rate).
 
-    ``applied_step`` is the updates applied (sync: the step); pushes a second
+    ``applied_step`` is the pserver's step (updates applied); pushes a second
     are measured between two replies of the same process (the pserver's own
     uptime clock), else averaged since it started; per distributed table, the
     rows in memory and on disk and the rows evicted since the pserver started;
     with hot standby, the messages the backup has not acknowledged yet.
     """
     prefix = f"pserver{index}/"
-    out = {prefix + "applied_step": float(reply.updates)}
+    out = {prefix + "applied_step": float(reply.step)}
     if (
         previous is not None
         and previous.incarnation == reply.incarnation

@@ -43,7 +43,7 @@ class RowFetch:
         }
 
 
-# (a RowFetch, min_updates) -> the rows each pserver answered
+# (a RowFetch, min_step) -> the rows each pserver answered
 Fetch = Callable[[RowFetch, int], RowsByPserver]
 
 
@@ -81,7 +81,7 @@ class TableClient:
 
     ``fetch`` performs one prefetch round trip per pserver of a
     :class:`RowFetch` (the trainer's stepper, which heals a failure).
-    ``min_updates`` returns the pserver updates a read must wait for (sync:
+    ``min_step`` returns the pserver updates a read must wait for (sync:
     the current step; async: 0). ``touched`` (GEO mode): the rows trained on
     this trainer since its last sync; lookups read them there and keep the
     others they fetch there.
@@ -92,14 +92,14 @@ class TableClient:
         tables: Sequence[TableSpec],
         pservers: Sequence[str],
         fetch: Fetch,
-        min_updates: Callable[[], int],
+        min_step: Callable[[], int],
         touched: Optional[TouchedRows] = None,
     ):
         self.specs: Dict[str, TableSpec] = {t.name: t for t in tables}
         self.touched = touched
         self.pservers = list(pservers)
         self._fetch = fetch
-        self._min_updates = min_updates
+        self._min_step = min_step
         self._cache: Dict[str, Tuple[np.ndarray, torch.Tensor]] = {}
         self._lookups: Dict[str, List[Tuple[np.ndarray, torch.Tensor]]] = {}
         # This step's dedupes by ids tensor: a prefetch and the lookups after it, or
@@ -201,7 +201,7 @@ class TableClient:
         """
         routes = {table: self._route(ids) for table, ids in wanted.items() if ids.size}
         request = self._row_fetch(wanted, routes, "ids")
-        replies = self._fetch(request, self._min_updates()) if request.ids else {}
+        replies = self._fetch(request, self._min_step()) if request.ids else {}
         return self._assemble(wanted, routes, replies)
 
     def prefetch(self, ids: Mapping[str, object]) -> None:

@@ -101,11 +101,11 @@ class GeoStepper(Stepper):
         push = StepPush(
             step,
             position,
-            self.gradients(deltas, next_batch.ids if next_batch is not None else {}),
+            self.push_tensors(deltas, next_batch.ids if next_batch is not None else {}),
             next_batch,
             next_rows,
         )
-        resync = self.push(push)
+        resync = self.push(push).resync
         self.model.zero_grad(set_to_none=True)
         self._rebase()
         if next_batch is not None and resync is None:

@@ -57,21 +57,21 @@ class LocalStepper(Stepper):
         next_batch = self.tables.ask_next_batch(plan) if plan is not None else None
         next_ids = next_batch.ids if next_batch is not None else {}
         streams = self.overlap if self.overlap is not None and self.overlap.started else None
-        gradients = self.gradients(table_grads, next_ids)
+        tensors = self.push_tensors(table_grads, next_ids)
         if dropped:  # no gradients: the next batch's ids alone
-            gradients = {ep: next_ids.get(ep, []) for ep in self.push_endpoints}
+            tensors = {ep: next_ids.get(ep, []) for ep in self.push_endpoints}
         next_rows = {ep: {} for ep in self.push_endpoints}
         first = None
         if streams is not None:  # the blocks are on their way since backward: the tables join them
             for ep, (stream_asked, stream_landed) in self._stream_rows.items():
                 stream_asked.update(next_batch.rows.get(ep, {}) if next_batch is not None else {})
                 next_rows[ep] = stream_landed
-            first = functools.partial(streams.finish, gradients.tail)
+            first = functools.partial(streams.finish, tensors.tail)
         admitted = tuple(claim.trainers) if claim is not None and claim.admitted else ()
         push = StepPush(
-            step, position, gradients, next_batch, next_rows, step_trainers=admitted, dropped=dropped
+            step, position, tensors, next_batch, next_rows, step_trainers=admitted, dropped=dropped
         )
-        resync = self.push(push, first)
+        resync, pserver_steps = self.push(push, first)
         if next_batch is not None and resync is None:
             self.tables.take_next_batch_rows(next_rows)
         # The pushed gradients stay referenced until sent; the next backward makes new ones.
@@ -79,7 +79,7 @@ class LocalStepper(Stepper):
         if resync is not None:
             self.resynced(resync)
         elif dropped:  # on from where the pservers stand: past this step, and maybe past later ones
-            self.state.advance(max(step + 1, min(push.answered.values(), default=step + 1)), position)
+            self.state.advance(max(step + 1, min(pserver_steps.values(), default=step + 1)), position)
         else:
             self.state.advance(step + 1, position)
 

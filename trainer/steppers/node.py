@@ -88,11 +88,11 @@ class NodeStepper(Stepper):
         self.state.advance(step, Position(*position))
         self.group.broadcast_params(self.blocks.view)
 
-    def fetch_rows(self, fetch: RowFetch, min_updates: int) -> RowsByPserver:
+    def fetch_rows(self, fetch: RowFetch, min_step: int) -> RowsByPserver:
         """A lookup of one local rank: a failure spoils the batch (zero rows), and the node heals at
         step()."""
         try:
-            return self.transfers.prefetch_all(fetch, min_updates)
+            return self.transfers.prefetch_all(fetch, min_step)
         except PserverError as e:
             if not recoverable(e):
                 raise
@@ -126,7 +126,7 @@ class NodeStepper(Stepper):
             grads[self.blocks.by_name[name].endpoint].append((name, t))
         for ep in mine:
             grads[ep] += table_grads.get(ep, [])
-        return self.push(StepPush(step, position, grads, blocks_into=self.group.param_dest))
+        return self.push(StepPush(step, position, grads, blocks_into=self.group.param_dest)).resync
 
     def _table_grads(self) -> TensorsByPserver:
         """The node's merged table gradients routed per pserver (a collective: every rank, after the dense
@@ -145,7 +145,7 @@ class NodeStepper(Stepper):
         outcome = self._heal(
             step,
             f"pull at step {step}",
-            functools.partial(self.transfers.pull_all, self._min_updates(), mine, self.group.param_dest),
+            functools.partial(self.transfers.pull_all, self._min_step(), mine, self.group.param_dest),
         )
         if outcome is not None:
             self.resynced(outcome)

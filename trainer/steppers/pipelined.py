@@ -37,7 +37,9 @@ class PipelinedStepper(Stepper):
         # while this batch trained (read_ahead), or its lookups fetch them.
         # Async only: recovery retries, never moves the trainer (see trainer.recovery.decide).
         # Gathered now, on this thread: the sender reads them while the next batch trains.
-        push = StepPush(step, position, dict(self.gradients(table_grads, {})), blocks_into=self.blocks.stage)
+        push = StepPush(
+            step, position, dict(self.push_tensors(table_grads, {})), blocks_into=self.blocks.stage
+        )
         self._in_flight = self._sender.submit(self.push, push)
         if plan is not None:
             self.tables.install_next_batch(plan)

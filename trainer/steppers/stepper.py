@@ -26,7 +26,7 @@ from __future__ import annotations
 import functools
 import itertools
 from abc import ABC, abstractmethod
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, NamedTuple, Optional
 
 import torch
 
@@ -37,10 +37,17 @@ from ..embedding import NextBatchPlan, RowFetch, RowsByPserver, TableClient, Tou
 from ..recovery import Decision, Recovery
 from ..transport import Channels, TensorsByPserver
 from .state import StepState
-from .transfers import GatheredGradients, StepPush, Transfers
+from .transfers import PushTensors, StepPush, Transfers
 
 # The plan the feed made for the batch after the current one (None: none); waits for its reader.
 TakeNextPlan = Callable[[], Optional[NextBatchPlan]]
+
+
+class Pushed(NamedTuple):
+    """What a step's push came to (:meth:`Stepper.push`)."""
+
+    resync: Optional[Decision]  # the decision that moved the trainer elsewhere; None: the push went through
+    pserver_steps: Dict[str, int]  # each pserver's step as its answer reported it (of the last attempt)
 
 
 class Stepper(ABC):
@@ -65,16 +72,14 @@ class Stepper(ABC):
         self.sync_mode = program.sync_mode
         self.push_endpoints: List[str] = recovery.push_endpoints
         self.transfers = Transfers(channels, blocks)
-        self.tables = TableClient(
-            program.tables, program.pservers, self.fetch_rows, self._min_updates, touched
-        )
+        self.tables = TableClient(program.tables, program.pservers, self.fetch_rows, self._min_step, touched)
 
     @property
     def speaks_for_trainer(self) -> bool:
         """Whether this process heartbeats and closes for its trainer (on a node, only its leader)."""
         return True
 
-    def _min_updates(self) -> int:
+    def _min_step(self) -> int:
         """The updates a read waits for: sync, the current step; async, none."""
         return self.state.step if self.sync_mode else 0
 
@@ -105,20 +110,25 @@ class Stepper(ABC):
         (the same, planned by the feed) rides along with the push.
         """
 
-    def push(self, push: StepPush, first: Optional[Callable[[], object]] = None) -> Optional[Decision]:
+    def push(self, push: StepPush, first: Optional[Callable[[], Dict[str, int]]] = None) -> "Pushed":
         """Push ``push`` to every pserver it goes to, in parallel, healed: the one way a step's push goes.
 
         A failure that can heal re-syncs and the push goes again (pushes are
         idempotent), unless the decision moves the trainer elsewhere: then the
-        parameters of that step are pulled and the decision returned (None:
-        the push went through). ``first``: what the first attempt does instead
+        parameters of that step are pulled and the decision returned in
+        :attr:`Pushed.resync`. ``first``: what the first attempt does instead
         (ending the streams opened during backward, which cannot be resent).
         """
         attempts = itertools.chain(
             [first] if first is not None else [],
             itertools.repeat(functools.partial(self.transfers.push_all, push)),
         )
-        return self._heal(push.step, f"step {push.step}", lambda: next(attempts)())
+        pserver_steps: Dict[str, int] = {}
+
+        def attempt() -> None:
+            pserver_steps.update(next(attempts)())
+
+        return Pushed(self._heal(push.step, f"step {push.step}", attempt), pserver_steps)
 
     def _heal(self, step: int, what: str, calls: Callable[[], object]) -> Optional[Decision]:
         """Run ``calls`` (``what``, at ``step``), healing failures: None, or the decision that moved the
@@ -129,13 +139,11 @@ class Stepper(ABC):
         """Refresh the parameters (sync: as of the current step; async: latest), healing as a step does."""
         self.flush()
         step = self.state.step
-        outcome = self._heal(
-            step, f"pull at step {step}", lambda: self.transfers.pull_all(self._min_updates())
-        )
+        outcome = self._heal(step, f"pull at step {step}", lambda: self.transfers.pull_all(self._min_step()))
         if outcome is not None:
             self.resynced(outcome)
 
-    def fetch_rows(self, fetch: RowFetch, min_updates: int) -> RowsByPserver:
+    def fetch_rows(self, fetch: RowFetch, min_step: int) -> RowsByPserver:
         """The rows ``fetch`` asks of the pservers (a lookup), healing a failure as a step does.
 
         When healing moved this trainer to another step (sync: a roll-back, or
@@ -147,13 +155,13 @@ class Stepper(ABC):
         outcome = self._heal(
             step,
             f"lookup at step {step}",
-            lambda: fetched.update(self.transfers.prefetch_all(fetch, min_updates)),
+            lambda: fetched.update(self.transfers.prefetch_all(fetch, min_step)),
         )
         if outcome is None:
             return fetched
         self.resynced(outcome)
         self.state.discard_batch()
-        return self.transfers.prefetch_all(fetch, self._min_updates())
+        return self.transfers.prefetch_all(fetch, self._min_step())
 
     def plan_next_batch(self, ids: Dict[str, object]) -> NextBatchPlan:
         """The next batch's ``{table: ids}`` made ready to send with this step's push (the feed's thread)."""
@@ -168,10 +176,10 @@ class Stepper(ABC):
             return self.plan_next_batch(prefetch)
         return take_next_plan()
 
-    def gradients(self, tables: TensorsByPserver, next_ids: TensorsByPserver) -> GatheredGradients:
+    def push_tensors(self, tables: TensorsByPserver, next_ids: TensorsByPserver) -> PushTensors:
         """Per pserver pushed to: its blocks' gradients (read when sent), the ``tables``', then
         ``next_ids``."""
-        return GatheredGradients(
+        return PushTensors(
             self.blocks,
             self.push_endpoints,
             {ep: tables.get(ep, []) + next_ids.get(ep, []) for ep in self.push_endpoints},

@@ -30,29 +30,28 @@ from ..transport import Channels, DecodeInto, DtypeAndShape, Named, NamedTensors
 class StepPush:
     """One step's push to every pserver it goes to, and where the answers land.
 
-    ``gradients``: per pserver pushed to, its blocks' gradients, then the
-    tables', then the next batch's ids asked ahead (``"<table>@next"``);
-    every pserver in it is pushed to, even with nothing for it, so sync
-    barriers count this trainer. ``next_batch``: what those ids ask each
+    ``tensors``: per pserver pushed to, what the push sends it: its blocks'
+    gradients, then the tables', then the next batch's ids asked ahead
+    (``"<table>@next"``); every pserver in it is pushed to, even with nothing
+    for it, so sync barriers count this trainer. ``next_batch``: what those ids ask each
     pserver for; the rows land in ``next_rows`` (a dict per pserver that
     gets rows, filled as the answers come). ``blocks_into``: where fresh
     blocks land (None: the parameters). Backup trainers: ``step_trainers``, the
     step's trainers this push counts among, or ``dropped`` (it carries no
-    gradients); ``answered`` gets each pserver's updates as its answer comes.
+    gradients). What the answers report is :meth:`Transfers.push_all`'s result.
     """
 
     step: int
     position: Position  # the data position after this step, kept in checkpoints
-    gradients: Mapping[str, NamedTensors]
+    tensors: Mapping[str, NamedTensors]
     next_batch: Optional[RowFetch] = None
     next_rows: RowsByPserver = field(default_factory=dict)
     blocks_into: Optional[DecodeInto] = None
     step_trainers: Tuple[int, ...] = ()
     dropped: bool = False
-    answered: Dict[str, int] = field(default_factory=dict)
 
 
-class GatheredGradients(Mapping[str, NamedTensors]):
+class PushTensors(Mapping[str, NamedTensors]):
     """Per pserver of ``endpoints``: its blocks' gradients, read when the push is sent, then its tensors of
     ``tail``.
 
@@ -119,54 +118,55 @@ class Transfers:
         self.channels = channels
         self.blocks = blocks
 
-    def pull(self, endpoint: str, min_updates: int, blocks_into: Optional[DecodeInto] = None) -> int:
-        """``endpoint``'s blocks once it applied ``min_updates``, into ``blocks_into`` (default: the
+    def pull(self, endpoint: str, min_step: int, blocks_into: Optional[DecodeInto] = None) -> int:
+        """``endpoint``'s blocks once it applied ``min_step``, into ``blocks_into`` (default: the
         parameters).
 
-        Returns the updates the pserver had applied.
+        Returns the pserver's step (updates applied) the answer reflects.
         """
         landing = self.blocks.landing() if blocks_into is None else None
         names = [b.name for b in self.blocks.by_endpoint[endpoint]]
-        updates = self.channels[endpoint].pull(
-            names, min_updates, self.blocks.dtype_and_shape, blocks_into or landing
+        pserver_step = self.channels[endpoint].pull(
+            names, min_step, self.blocks.dtype_and_shape, blocks_into or landing
         )
         if landing is not None:
             landing.install()
-        return updates
+        return pserver_step
 
     def pull_all(
         self,
-        min_updates: int,
+        min_step: int,
         endpoints: Optional[Sequence[str]] = None,
         blocks_into: Optional[DecodeInto] = None,
     ) -> None:
         """The blocks of ``endpoints`` (default: every pserver's), all pservers in parallel."""
         endpoints = self.blocks.by_endpoint if endpoints is None else endpoints
         self.channels.run_parallel(
-            {ep: functools.partial(self.pull, ep, min_updates, blocks_into) for ep in endpoints}
+            {ep: functools.partial(self.pull, ep, min_step, blocks_into) for ep in endpoints}
         )
 
-    def push_all(self, push: StepPush) -> None:
-        """Push ``push`` to every pserver it goes to, in parallel; each answer lands where it says."""
+    def push_all(self, push: StepPush) -> Dict[str, int]:
+        """Push ``push`` to every pserver it goes to, in parallel; each answer lands where it says.
+
+        Returns each pserver's step as its answer reported it.
+        """
         asked = push.next_batch.rows if push.next_batch is not None else {}
-        push.answered.update(
-            self.channels.run_parallel(
-                {
-                    ep: functools.partial(
-                        self.push_pull,
-                        ep,
-                        push.step,
-                        tensors,
-                        push.position,
-                        push.blocks_into,
-                        asked.get(ep, {}) if ep in push.next_rows else None,
-                        push.next_rows.get(ep),
-                        step_trainers=push.step_trainers,
-                        dropped=push.dropped,
-                    )
-                    for ep, tensors in push.gradients.items()
-                }
-            )
+        return self.channels.run_parallel(
+            {
+                ep: functools.partial(
+                    self.push_pull,
+                    ep,
+                    push.step,
+                    tensors,
+                    push.position,
+                    push.blocks_into,
+                    asked.get(ep, {}) if ep in push.next_rows else None,
+                    push.next_rows.get(ep),
+                    step_trainers=push.step_trainers,
+                    dropped=push.dropped,
+                )
+                for ep, tensors in push.tensors.items()
+            }
         )
 
     def push_pull(
@@ -187,7 +187,7 @@ class Transfers:
 
         ``next_rows`` / ``landed``: table rows asked ahead with the push, landing in ``landed`` (see
         :class:`BlocksAndNextRows`). ``during_backward``: ``tensors`` come as backward produces them.
-        Returns the updates the pserver had applied.
+        Returns the pserver's step (updates applied) the answer reflects.
         """
         landing = self.blocks.landing() if blocks_into is None else None
         into = blocks_into or landing
@@ -199,7 +199,7 @@ class Transfers:
             answer_bytes += sum(
                 math.prod(shape) * DTYPES[dtype].itemsize for dtype, shape in next_rows.values()
             )
-        updates = self.channels[endpoint].push_pull(
+        pserver_step = self.channels[endpoint].push_pull(
             step,
             tensors,
             dtype_and_shape,
@@ -212,18 +212,18 @@ class Transfers:
         )
         if landing is not None:
             landing.install()
-        return updates
+        return pserver_step
 
-    def prefetch_all(self, fetch: RowFetch, min_updates: int) -> RowsByPserver:
+    def prefetch_all(self, fetch: RowFetch, min_step: int) -> RowsByPserver:
         """One prefetch round trip per pserver of ``fetch``, in parallel: {pserver: {rows wire name:
         rows}}."""
         return self.channels.run_parallel(
-            {ep: functools.partial(self._prefetch, ep, fetch, min_updates) for ep in fetch.ids}
+            {ep: functools.partial(self._prefetch, ep, fetch, min_step) for ep in fetch.ids}
         )
 
-    def _prefetch(self, endpoint: str, fetch: RowFetch, min_updates: int) -> Dict[str, torch.Tensor]:
+    def _prefetch(self, endpoint: str, fetch: RowFetch, min_step: int) -> Dict[str, torch.Tensor]:
         expected = fetch.rows[endpoint]
-        rows = self.channels[endpoint].prefetch(min_updates, fetch.ids[endpoint], expected.get)
+        rows = self.channels[endpoint].prefetch(min_step, fetch.ids[endpoint], expected.get)
         if rows.keys() != expected.keys():
             raise PserverError(
                 endpoint, f"prefetch answer holds {sorted(rows)}, asked for {sorted(expected)}"

@@ -295,7 +295,7 @@ class PserverChannel:
         ``tensors`` is an iterator that may wait for each tensor (blocks pushed while backward still
         produces the others); the call ends when it does. ``answer_bytes``: the tensor bytes of the answer
         (its blocks and rows asked ahead), when known. ``step_trainers`` / ``dropped``: backup trainers'
-        verdict on the step (:meth:`claim`). Returns the updates the pserver had applied to the parameters
+        verdict on the step (:meth:`claim`). Returns the pserver's step (updates applied) of the parameters
         received.
         """
         if during_backward:
@@ -316,13 +316,13 @@ class PserverChannel:
             dropped=dropped,
         )
         what = f"step {step} of trainer {self._identity.trainer_id} (push and pull)"
-        updates = self.primary.run(
+        pserver_step = self.primary.run(
             functools.partial(
                 self._push_pull_once, header, request, during_backward, what, dtype_and_shape, decode_into
             )
         )
         self.bytes_pushed += request.tensors.nbytes if during_backward else request.nbytes
-        return updates
+        return pserver_step
 
     def _push_pull_once(
         self,
@@ -364,7 +364,7 @@ class PserverChannel:
         dtype_and_shape: DtypeAndShape,
         decode_into: DecodeInto,
     ) -> int:
-        """One attempt of a push-pull split across the lanes (:mod:`.lanes`); the fewest updates a lane's
+        """One attempt of a push-pull split across the lanes (:mod:`.lanes`); the lowest pserver step a lane's
         answer had."""
 
         def send(connection: Connection, part: Request, **lane: int):
@@ -380,20 +380,20 @@ class PserverChannel:
         )
 
     def pull(
-        self, names: Sequence[str], min_updates: int, dtype_and_shape: DtypeAndShape, decode_into: DecodeInto
+        self, names: Sequence[str], min_step: int, dtype_and_shape: DtypeAndShape, decode_into: DecodeInto
     ) -> int:
-        """Receive blocks ``names`` into ``decode_into(name)`` once the pserver applied ``min_updates``.
+        """Receive blocks ``names`` into ``decode_into(name)`` once the pserver's step reaches ``min_step``.
 
-        Returns the updates the pserver had applied to the parameters received.
+        Returns the pserver's step (updates applied) of the parameters received.
         """
         request = functools.partial(
             ps_pb2.PullRequest,
             trainer_id=self._identity.trainer_id,
-            min_updates=min_updates,
+            min_step=min_step,
             names=list(names),
             layout_digest=self._identity.layout_digest,
         )
-        what = f"pull after {min_updates} updates by trainer {self._identity.trainer_id}"
+        what = f"pull after {min_step} updates by trainer {self._identity.trainer_id}"
         return self.primary.run(
             functools.partial(self._pull_once, request, what, dtype_and_shape, decode_into)
         )
@@ -407,11 +407,11 @@ class PserverChannel:
         return self._receive(what, call, dtype_and_shape, decode_into)[0]
 
     def prefetch(
-        self, min_updates: int, ids: Sequence[Named], dtype_and_shape: DtypeAndShape
+        self, min_step: int, ids: Sequence[Named], dtype_and_shape: DtypeAndShape
     ) -> Dict[str, torch.Tensor]:
         """Send ``ids`` (``[("<table>@ids", ids)]``) and receive their rows, checked by ``dtype_and_shape``.
 
-        Sync pservers answer once ``min_updates`` updates are applied.
+        Sync pservers answer once their step reaches ``min_step``.
         Returns ``{"<table>@rows": rows}``.
         """
         ids = list(ids)
@@ -419,10 +419,10 @@ class PserverChannel:
         header = functools.partial(
             ps_pb2.PrefetchHeader,
             trainer_id=self._identity.trainer_id,
-            min_updates=min_updates,
+            min_step=min_step,
             layout_digest=self._identity.layout_digest,
         )
-        what = f"prefetch after {min_updates} updates by trainer {self._identity.trainer_id}"
+        what = f"prefetch after {min_step} updates by trainer {self._identity.trainer_id}"
         return self.primary.run(
             functools.partial(self._prefetch_once, header, request, what, dtype_and_shape)
         )
@@ -470,13 +470,13 @@ class PserverChannel:
         it went through.
         """
         reader = TensorReader(dtype_and_shape, decode_into)
-        updates = None
+        pserver_step = None
         try:
             with self.contact.call(from_start=sent_at_once):
                 for data in call():
                     header, pieces = decode_chunk(data, ps_pb2.PullHeader)
                     if header is not None:
-                        updates = header.updates
+                        pserver_step = header.step
                     for piece in pieces:
                         reader.add(piece)
             tensors = reader.finish()
@@ -484,10 +484,10 @@ class PserverChannel:
             raise error_of(self.endpoint, f"{what} failed: {details(e)}", e) from None
         except WireError as e:
             raise PserverError(self.endpoint, f"{what}: answer is malformed: {e}") from None
-        if updates is None:
+        if pserver_step is None:
             raise PserverError(self.endpoint, f"{what}: answer carried no header")
         self.bytes_pulled += reader.nbytes
-        return updates, tensors
+        return pserver_step, tensors
 
     # -- unary calls ----------------------------------------------------------
 
@@ -504,7 +504,7 @@ class PserverChannel:
             raise error_of(self.endpoint, f"{what} failed: {details(e)}", e) from None
 
     def heartbeat(self, timeout: float) -> ps_pb2.HeartbeatReply:
-        """Tell the pserver this trainer lives; its answer carries its updates and incarnation."""
+        """Tell the pserver this trainer lives; its answer carries its step and incarnation."""
         tid = self._identity.trainer_id
         return self._unary(
             "Heartbeat",

@@ -7,11 +7,11 @@ by stream is sent as ``lanes`` calls at once, call ``k`` over connection ``k``
 (lane 0 is the channel's own), each carrying the gradients of the blocks
 :func:`psproto.lane_blocks.lane_of_blocks` deals to it (tables' tensors in lane 0) and
 answered with those blocks; the pserver makes the push whole before counting it
-(``pserver/rpc/split_pushes.py``). If one lane fails the others are cancelled, and the
+(``pserver/rpc/lane_pushes.py``). If one lane fails the others are cancelled, and the
 whole push goes again as any failed push does (pushes are idempotent).
 
 Bounds: ``lanes - 1`` more connections and ``lanes`` threads per pserver, opened
-at the first split push (never for a pserver reached through shared memory).
+at the first push in lanes (never for a pserver reached through shared memory).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from .wire_paths import STREAM, Named, NamedTensors, Request
 log = logging.getLogger(__name__)
 
 
-def split_push(tensors: Sequence[Named], lane_of: Dict[str, int], lanes: int) -> List[NamedTensors]:
+def deal_lanes(tensors: Sequence[Named], lane_of: Dict[str, int], lanes: int) -> List[NamedTensors]:
     """``tensors`` per lane: a block's gradient in its block's lane, every other tensor in lane 0."""
     names = [name for name, _ in tensors]
     return [[tensors[i] for i in positions] for positions in split_by_lane(names, lane_of, lanes)]
@@ -57,7 +57,7 @@ class Lanes:
         self._lock = threading.Lock()
         self._attempts = itertools.count(
             1
-        )  # each split push-pull's attempt, rising (the pserver drops late lanes)
+        )  # each attempt of a push-pull in lanes, rising (the pserver drops late lanes)
         self._connections: List[Connection] = []
         self._pool: Optional[futures.ThreadPoolExecutor] = None
 
@@ -91,9 +91,10 @@ class Lanes:
         connection).
 
         ``send(connection, request, lane=k, lanes=n, attempt=a)`` sends lane ``k``'s part and returns its
-        gRPC call; ``receive(call)`` reads its answer: the updates it had. Returns the fewest a lane's had.
+        gRPC call; ``receive(call)`` reads its answer: the pserver's step it reflects. Returns the lowest a
+        lane's reflects.
         """
-        parts = split_push(tensors, self.lane_of, self.lanes)
+        parts = deal_lanes(tensors, self.lane_of, self.lanes)
         requests = [Request(part, sum(t.numel() * t.element_size() for _, t in part)) for part in parts]
         attempt = next(self._attempts)
 
@@ -134,7 +135,7 @@ class Lanes:
         return [f.result() for f in running]
 
     def reset(self) -> None:
-        """Close the extra connections (calls go to another process now); the next split push opens new
+        """Close the extra connections (calls go to another process now); the next push in lanes opens new
         ones."""
         with self._lock:
             connections, self._connections = self._connections, []
@@ -151,7 +152,7 @@ class Lanes:
 
 
 class _Sent:
-    """The gRPC calls of one split push-pull's lanes, cancelled together once one lane failed."""
+    """The gRPC calls of one push-pull's lanes, cancelled together once one lane failed."""
 
     def __init__(self):
         self._lock = threading.Lock()

@@ -53,7 +53,7 @@ class DistributeTranspilerConfig:
     - ``pserver_torch_threads``: torch intra-op threads in a pserver; its updates are memory-bound, and
       extra threads steal cores from trainers.
     - ``pserver_rpc_workers``: gRPC handler threads per pserver; 0 picks ``max(4, cores)``. Not per
-      trainer: a waiting call (sync barrier, min_updates, staleness, Reduce) parks, holding no thread.
+      trainer: a waiting call (sync barrier, min_step, staleness, Reduce) parks, holding no thread.
     - ``pserver_stretches_on_loop``: in sync training a parked call's CPU stretches run on the event loop
       where nothing in them can block, else in the handler pool (docs/performance.md); False: always in the
       pool.

@@ -1,4 +1,4 @@
-"""SplitPushes: a push split across lanes is made whole once, and every lane's call learns what became of it.
+"""LanePushes: a push split across lanes is made whole once, and every lane's call learns what became of it.
 
 Without a server: lanes are added as their calls would add them, and the
 tickets say which call pushes the whole, which waits, and what each answers.
@@ -12,7 +12,7 @@ import pytest
 
 from pserver.engine.waits import Waits
 from pserver.errors import BadRequest, BarrierTimeout, MustResync, Refusal
-from pserver.rpc.split_pushes import SplitPushes, merge
+from pserver.rpc.lane_pushes import LanePushes, merge
 
 BLOCKS = {"w.block0": 800, "w.block1": 800, "b.block0": 8}
 
@@ -31,7 +31,7 @@ class Released:
 
 def lanes(timeout: float = 5.0):
     released = Released()
-    return SplitPushes(Waits(threading.Condition(), "127.0.0.1:1", timeout), released, BLOCKS), released
+    return LanePushes(Waits(threading.Condition(), "127.0.0.1:1", timeout), released, BLOCKS), released
 
 
 def grads(*names):
@@ -58,7 +58,7 @@ def test_the_last_lane_pushes_the_whole_and_the_first_learns_it(order):
         {},
     )
     assert released.seen == []  # held until the engine is done with them
-    pushes.finish(last.push, applied=True)
+    pushes.finish(last.push, counted=True)
     assert first.wait.done and first.wait.error is None
     assert pushes.outcome(first) is True
     assert sorted(b["lane"] for b in released.seen) == [0, 1]
@@ -70,12 +70,12 @@ def test_a_retried_attempt_is_made_whole_again_for_the_engine_to_judge():
     pushes, released = lanes()
     pushes.add(3, 7, 0, 2, grads("w.block0"), {"a": 0})
     whole = pushes.add(3, 7, 1, 2, grads("w.block1"), {"a": 1})
-    pushes.finish(whole.push, applied=True)
+    pushes.finish(whole.push, counted=True)
     waiting = pushes.add(3, 7, 1, 2, grads("w.block1"), {"retry": 1})
     assert waiting.whole is None and not waiting.wait.done
     again = pushes.add(3, 7, 0, 2, grads("w.block0"), {"retry": 0})
     assert again.whole is not None and again.push is not whole.push
-    pushes.finish(again.push, applied=False)
+    pushes.finish(again.push, counted=False)
     assert pushes.outcome(waiting) is False
     assert len(released.seen) == 4
 
@@ -98,7 +98,7 @@ def test_a_lane_arriving_while_the_engine_has_the_push_starts_another_attempt():
     taken = pushes.add(3, 7, 1, 2, grads("w.block1"), {"a": 1})
     retry = pushes.add(3, 7, 0, 2, grads("w.block0"), {"retry": 0})
     assert not retry.wait.done and released.seen == []  # the engine still has the first attempt's buffers
-    pushes.finish(taken.push, applied=True)
+    pushes.finish(taken.push, counted=True)
     assert not retry.wait.done and len(released.seen) == 2
 
 
@@ -119,7 +119,7 @@ def test_the_same_lane_twice_keeps_the_newer_copy():
     assert released.seen == [{"copy": 1}]
     whole = pushes.add(3, 7, 1, 2, grads("w.block1"), {"copy": 3})
     assert whole.whole is not None
-    pushes.finish(whole.push, applied=True)
+    pushes.finish(whole.push, counted=True)
     assert len(released.seen) == 3
 
 
@@ -138,7 +138,7 @@ def test_a_roll_back_ends_a_lane_waiting_for_its_partner():
     rollbacks = SimpleNamespace(made=0, restored_from=5)
     released = Released()
     waits = Waits(threading.Condition(), "127.0.0.1:1", 5.0, rollbacks)
-    pushes = SplitPushes(waits, released, BLOCKS)
+    pushes = LanePushes(waits, released, BLOCKS)
     waiting = pushes.add(3, 7, 0, 2, grads("w.block0"), {})
     rollbacks.made = 1
     with waits.cv:
@@ -187,7 +187,7 @@ def test_pushes_of_several_trainers_are_held_apart():
     b = pushes.add(2, 9, 0, 2, grads("w.block0"), {})
     assert pushes.held() == 2
     whole = pushes.add(2, 9, 1, 2, grads("w.block1"), {})
-    pushes.finish(whole.push, applied=True)
+    pushes.finish(whole.push, counted=True)
     assert b.wait.done and not a.wait.done and pushes.held() == 1
 
 

@@ -1,4 +1,4 @@
-"""SplitPushes: a push split across several calls (lanes) made whole before the engine counts it.
+"""LanePushes: a push split across several calls (lanes) made whole before the engine counts it.
 
 A trainer with ``push_lanes`` > 1 sends one step's push-pull to a pserver as
 ``lanes`` calls at once, each over its own connection (:mod:`psproto.lane_blocks`):
@@ -6,7 +6,7 @@ call ``lane`` carries the gradients of its share of the blocks (and, in lane 0,
 the tables' tensors) and is answered with that share. Each call is read and
 checked on its own, then held here; the call that brings the last lane pushes
 the whole to the engine, once, and the others park until it has. Every lane
-answers with what that push gave: applied or a duplicate, or the error it
+answers with what that push gave: counted or a duplicate, or the error it
 raised. Whether a push counts is the engine's to say, never this module's: a
 retried attempt is made whole again and pushed again (the engine acknowledges a
 duplicate; after a roll-back, it counts the step anew).
@@ -44,8 +44,8 @@ class _Push:
         self.attempt = attempt
         self.parts: Dict[int, Tuple[Gradients, dict]] = {}  # lane -> (gradients, buffers)
         self.taken = False  # whole, and handed to the engine by the lane that completed it
-        self.done = False  # the engine answered (``applied``) or raised (``error``), or it was dropped
-        self.applied = False
+        self.done = False  # the engine answered (``counted``) or raised (``error``), or it was dropped
+        self.counted = False
         self.error: Optional[BaseException] = None
 
     def hold(self, lane: int, gradients: Gradients, buffers: dict) -> Optional[dict]:
@@ -61,22 +61,22 @@ class _Push:
         self.taken = True
         return {lane: g for lane, (g, _) in self.parts.items()}
 
-    def end(self, applied: bool = False, error: Optional[BaseException] = None) -> List[dict]:
+    def end(self, counted: bool = False, error: Optional[BaseException] = None) -> List[dict]:
         """The push is over (answered, refused or dropped); the buffers to release."""
         buffers = [b for _, b in self.parts.values()]
         self.parts = {}
-        self.done, self.applied, self.error = True, applied, error
+        self.done, self.counted, self.error = True, counted, error
         return buffers
 
 
 @dataclass
 class Ticket:
-    """What :meth:`SplitPushes.add` gives one lane's call.
+    """What :meth:`LanePushes.add` gives one lane's call.
 
     ``whole``: this lane completed the push: the merged gradients, for the
-    caller to push and then report with :meth:`SplitPushes.finish`. Else
-    ``wait``: the handle to park on, after which :meth:`SplitPushes.outcome`
-    says whether the push was applied.
+    caller to push and then report with :meth:`LanePushes.finish`. Else
+    ``wait``: the handle to park on, after which :meth:`LanePushes.outcome`
+    says whether the push was counted (False: a duplicate).
     """
 
     push: _Push
@@ -98,7 +98,7 @@ def merge(parts: Dict[int, Gradients]) -> Gradients:
     return dense, sparse
 
 
-class SplitPushes:
+class LanePushes:
     """Every trainer's push in lanes, held until whole (see the module doc); one per pserver.
 
     ``waits``: the engine's (its lock guards what is held here too);
@@ -208,13 +208,13 @@ class SplitPushes:
         )
 
     def settle(self, ticket: Ticket, push_whole: Callable[..., Iterator]) -> Iterator:
-        """``applied = yield from settle(...)``: the lane that completed its push pushes it with
+        """``counted = yield from settle(...)``: the lane that completed its push pushes it with
         ``push_whole(dense, sparse)`` (a parking generator) and reports it; any other parks until it did."""
         if ticket.whole is None:
             yield from park(ticket.wait)
             return self.outcome(ticket)
         try:
-            applied = yield from push_whole(*ticket.whole)
+            counted = yield from push_whole(*ticket.whole)
         except BaseException as e:  # GeneratorExit too: the call went away while its push waited (staleness)
             self.finish(
                 ticket.push,
@@ -226,25 +226,25 @@ class SplitPushes:
                 ),
             )
             raise
-        self.finish(ticket.push, applied=applied)
-        return applied
+        self.finish(ticket.push, counted=counted)
+        return counted
 
-    def finish(self, push: _Push, applied: bool = False, error: Optional[BaseException] = None) -> None:
-        """The engine answered ``push`` (``applied``) or raised ``error``: its parked lanes go on; buffers
+    def finish(self, push: _Push, counted: bool = False, error: Optional[BaseException] = None) -> None:
+        """The engine answered ``push`` (``counted``) or raised ``error``: its parked lanes go on; buffers
         released."""
         with self._waits.cv:
-            buffers = push.end(applied, error)
+            buffers = push.end(counted, error)
             self._waits.notify()
         for b in buffers:
             self._release(b)
 
     @staticmethod
     def outcome(ticket: Ticket) -> bool:
-        """Once a waiting lane's push was answered: whether it was applied (False: a duplicate); raises its
+        """Once a waiting lane's push was answered: whether it was counted (False: a duplicate); raises its
         error."""
         if ticket.push.error is not None:
             raise ticket.push.error
-        return ticket.push.applied
+        return ticket.push.counted
 
     def held(self) -> int:
         """Trainers with a push held here (bounded by the trainers)."""
