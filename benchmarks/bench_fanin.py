@@ -47,7 +47,7 @@ from typing import Dict, List, Sequence
 import numpy as np
 import torch
 
-from benchmarks.common.paths import REPO, RESULTS, pythonpath_with_repo
+from benchmarks.common.paths import REPO, dated_result, pythonpath_with_repo
 from benchmarks.common.ports import free_ports
 from benchmarks.common.proc_stats import Sampler, cpu_seconds, status
 from benchmarks.common.processes import Command, RunFailed, stop_on_signals, tail
@@ -300,7 +300,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--timeout", type=float, default=900.0, help="seconds one run may take in all (default %(default)s)"
     )
-    p.add_argument("--json", default=os.path.join(RESULTS, "bench_fanin.json"), help="(default %(default)s)")
+    p.add_argument("--json", default=dated_result("fanin"), help="(default %(default)s)")
     p.add_argument(
         "--work", default=None, help="folder for the runs' logs and files (default: a new temporary one)"
     )

@@ -37,7 +37,7 @@ Rounds alternate the systems (the order rotates each round). Per layout and link
 median [min-max], the ratio to TorchRec round by round, AUC, and bytes on the wire per trained
 example (every host's transmitted bytes over the whole run, start and evaluation included, over
 the warm-up and timed examples), and the machine's other load. Output: a Markdown table and
-every run in ``--json`` (default ``benchmarks/results/bench_hosts.json``).
+every run in ``--json`` (default ``benchmarks/results/hosts-<today>.json``).
 ``python -m benchmarks.common.netns cleanup`` removes namespaces left by a SIGKILLed run.
 """
 
@@ -57,7 +57,7 @@ from typing import Dict, List, Optional, Tuple
 from benchmarks.common.host_layouts import HostLayout, parse_layout, per_host_commands
 from benchmarks.common.machine import OtherLoad
 from benchmarks.common.netns import IFNAME, Hosts, NetnsError, host_env
-from benchmarks.common.paths import DEFAULT_PEERS, REPO, RESULTS, job_script, peer_module
+from benchmarks.common.paths import DEFAULT_PEERS, REPO, dated_result, job_script, peer_module
 from benchmarks.common.peer_runners import role_result, venv_problem
 from benchmarks.common.processes import Command, RunFailed, stop_on_signals
 
@@ -360,7 +360,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     )
     p.add_argument("--timeout", type=float, default=600.0, help="per run, s")
     p.add_argument("--work", default=None, help="logs of every run (default: a temporary folder)")
-    p.add_argument("--json", default=os.path.join(RESULTS, "bench_hosts.json"))
+    p.add_argument("--json", default=dated_result("hosts"), help="every run (default %(default)s)")
     args = p.parse_args(argv)
     try:
         args.layouts = [parse_layout(x) for x in args.layouts.split(",")]

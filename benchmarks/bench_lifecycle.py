@@ -1,6 +1,6 @@
 """A table that lives for months: an endless id stream with admission + eviction on and off.
 
-    python -m benchmarks.bench_lifecycle [--steps 6000] [--rounds 2] [--out benchmarks/results/lifecycle.json]
+    python -m benchmarks.bench_lifecycle [--steps 6000] [--rounds 2] [--out FILE.json]
 
 One pserver process and one trainer process (sync) train a CTR-like model (one
 EmbeddingBag table, dim 8, sgd) on a stream whose distinct ids grow without
@@ -23,7 +23,7 @@ without decay.
 Every second the harness samples the pserver's RSS (/proc) and its stored rows
 (the Stats RPC); the trainer reports steps/s over the timed steps. Prints a
 markdown table (medians over rounds) and writes the samples to ``--out`` for
-the chart (``--plot`` draws ``lifecycle.png`` beside that file: ``benchmarks/results/``).
+the chart (``--plot --out FILE.json`` draws ``FILE.png`` beside it, from its samples).
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ import time
 
 import numpy as np
 
-from benchmarks.common.paths import RESULTS, pythonpath_with_repo
+from benchmarks.common.paths import dated_result, pythonpath_with_repo
 
 CONFIGS = {
     "off": None,
@@ -281,10 +281,10 @@ def main(argv=None) -> int:
     p.add_argument("--port", type=int, default=47311, help="the pserver's port (default %(default)s)")
     p.add_argument(
         "--out",
-        default=os.path.join(RESULTS, "lifecycle.json"),
+        default=dated_result("lifecycle"),
         help="the samples, for --plot (default %(default)s)",
     )
-    p.add_argument("--plot", action="store_true", help="draw lifecycle.png beside --out from it and exit")
+    p.add_argument("--plot", action="store_true", help="draw --out's chart beside it (.png) and exit")
     p.add_argument("--sketch", action="store_true", help="measure the sketch's false admissions and exit")
     p.add_argument(
         "--sketch_steps", type=int, default=600, help="--sketch: steps of the stream (default %(default)s)"
@@ -364,7 +364,7 @@ def plot(path: str) -> int:
         ax.grid(alpha=0.3)
         ax.legend()
     fig.tight_layout()
-    out = os.path.join(os.path.dirname(os.path.abspath(path)), "lifecycle.png")
+    out = os.path.splitext(os.path.abspath(path))[0] + ".png"
     fig.savefig(out, dpi=110)
     print(out)
     return 0

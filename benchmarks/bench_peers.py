@@ -67,8 +67,8 @@ the rpc PS), the hold-out AUC
 this benchmark (or stolen) during each run, from /proc/stat, the noise
 indicator. Throughput everywhere = examples of all trainers / (latest end -
 earliest start of the timed steps). Outputs: the markdown table on stdout
-(and ``--md``), every run in ``--json`` (default ``benchmarks/results/peers.json``),
-the chart in ``--png`` (default ``benchmarks/results/peers.png``; one panel per job,
+(and ``--md``), every run in ``--json`` (default ``benchmarks/results/peers-<today>.json``),
+the chart in ``--png`` (default ``benchmarks/results/peers-<today>.png``; one panel per job,
 bars = median, error bars = min-max, this project's bars highlighted).
 
 ``--scaling``: job S on this project, sync, trainers in ``--trainers``
@@ -102,7 +102,7 @@ import tempfile
 from typing import Dict, Iterable, List, Sequence, Tuple
 
 from benchmarks.common.machine import OtherLoad
-from benchmarks.common.paths import DEFAULT_PEERS, REPO, RESULTS, peer_module
+from benchmarks.common.paths import DEFAULT_PEERS, REPO, dated_result, peer_module
 from benchmarks.common.peer_runners import RUNNERS, run_ours_s, venv_problem
 from benchmarks.common.processes import RunFailed, stop_on_signals
 from benchmarks.reports.peers import chart, peers_table, scaling_table
@@ -295,12 +295,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=600.0, help="deadline of one run in s (default 600)")
     p.add_argument(
         "--json",
-        help="every run's figures (default benchmarks/results/peers.json; "
-        "--scaling: benchmarks/results/scaling.json)",
+        help="every run's figures (default benchmarks/results/peers-<today>.json; "
+        "--scaling: benchmarks/results/scaling-<today>.json)",
     )
-    p.add_argument(
-        "--png", default=os.path.join(RESULTS, "peers.png"), help="the chart (default: %(default)s)"
-    )
+    p.add_argument("--png", default=dated_result("peers", "png"), help="the chart (default: %(default)s)")
     p.add_argument("--no-png", dest="png", action="store_const", const=None, help="no chart")
     p.add_argument("--md", help="also write the markdown table here")
     p.add_argument(
@@ -340,7 +338,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ):
         p.error("--rounds, --*-steps and --s-eval must be >= 1, --*-warmup >= 0")
     if args.json is None:
-        args.json = os.path.join(RESULTS, "scaling.json" if args.scaling else "peers.json")
+        args.json = dated_result("scaling" if args.scaling else "peers")
     return args
 
 

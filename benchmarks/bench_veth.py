@@ -70,7 +70,7 @@ ends (tc netem; a rate alone falls back to tbf where netem is missing), off
 by default: the veth alone is a fast virtual link with no delay.
 
 Output: a markdown table on stdout and every run's figures in ``--json``
-(default ``benchmarks/results/bench_veth.json``). Worker logs go to a temp directory, kept on
+(default ``benchmarks/results/veth-<today>.json``). Worker logs go to a temp directory, kept on
 failure (or to ``--logdir``). ``python -m benchmarks.common.netns cleanup`` removes
 namespaces left by a SIGKILLed run. The configurations, the veth check and the table are
 ``reports/veth.py``'s; this module runs them.
@@ -95,7 +95,7 @@ from benchmarks.common.dense_runs import Processes
 from benchmarks.common.host_layouts import HostLayout, parse_layout
 from benchmarks.common.machine import OtherLoad
 from benchmarks.common.netns import IFNAME, Hosts, NetnsError, host_env
-from benchmarks.common.paths import DEFAULT_PEERS, RESULTS, peer_module
+from benchmarks.common.paths import DEFAULT_PEERS, dated_result, peer_module
 from benchmarks.common.processes import RunFailed, die_with_parent, stop_on_signals
 from benchmarks.jobs.dense_workers import Spec, param_bytes
 from benchmarks.reports.dense import summarize
@@ -441,7 +441,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=300.0, help="deadline of one run in s (default 300)")
     p.add_argument(
         "--json",
-        default=os.path.join(RESULTS, "bench_veth.json"),
+        default=dated_result("veth"),
         help="every run's figures (default %(default)s)",
     )
     p.add_argument("--logdir", help="keep worker logs here (default: a temp dir, kept on failure)")

@@ -28,6 +28,15 @@ from transpiler.lifecycle import TableLifecycle
 
 REPO = Path(__file__).resolve().parents[1]
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+# The benchmarks' pages: their links and the paths they name are checked as the docs' are. The dated
+# history files keep what they recorded (paths since moved among it), so only their links are checked.
+RESULTS = REPO / "benchmarks" / "results"
+BENCHMARK_PAGES = [
+    REPO / "benchmarks" / "README.md",
+    RESULTS / "RESULTS.md",
+    RESULTS / "history" / "README.md",
+]
+HISTORY_PAGES = sorted((RESULTS / "history").glob("2*.md"))
 README_MAX_LINES = 350
 
 PACKAGES = ("trainer", "pserver", "psproto", "transpiler")
@@ -133,7 +142,9 @@ def relative_links(page: Path):
                 yield number, target
 
 
-@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(REPO)))
+@pytest.mark.parametrize(
+    "page", PAGES + BENCHMARK_PAGES + HISTORY_PAGES, ids=lambda p: str(p.relative_to(REPO))
+)
 def test_every_relative_link_reaches_a_file_and_its_heading(page):
     broken = []
     for number, target in relative_links(page):
@@ -148,7 +159,11 @@ def test_every_relative_link_reaches_a_file_and_its_heading(page):
     assert broken == [], f"{page.name} links to what is not there:\n" + "\n".join(broken)
 
 
-@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(REPO)))
+def test_the_benchmark_pages_are_checked():
+    assert len(HISTORY_PAGES) >= 15 and all(p.is_file() for p in BENCHMARK_PAGES)
+
+
+@pytest.mark.parametrize("page", PAGES + BENCHMARK_PAGES, ids=lambda p: str(p.relative_to(REPO)))
 def test_every_repository_path_a_page_names_exists(page):
     """Paths in prose and in code blocks alike: `pserver/engine/sync.py`, examples/train_mlp.py."""
     missing = []

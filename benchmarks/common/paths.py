@@ -9,11 +9,21 @@ from __future__ import annotations
 import importlib.util
 import os
 import sys
+import time
 
 BENCHMARKS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 REPO = os.path.dirname(BENCHMARKS)
 RESULTS = os.path.join(BENCHMARKS, "results")
 DEFAULT_PEERS = os.path.normpath(os.path.join(REPO, "..", "shared", "peers"))
+
+
+def dated_result(benchmark: str, ext: str = "json") -> str:
+    """``results/<benchmark>-<YYYY-MM-DD>.<ext>``, today's date in UTC: where a run records by default.
+
+    Results are named by benchmark and date (``benchmarks/results/RESULTS.md`` says how), so a new run
+    adds a file beside the recorded ones instead of overwriting the one RESULTS.md cites.
+    """
+    return os.path.join(RESULTS, f"{benchmark}-{time.strftime('%Y-%m-%d', time.gmtime())}.{ext}")
 
 
 def job_script(name: str) -> str:

@@ -183,8 +183,9 @@ def stepping(spec: Spec):
     own forward and backward would on hosts of their own. Without it, at K = 1,024 on this 2-core machine
     every trainer of a load generator is inside a step at once, its ~1,000 threads take turns at one
     interpreter lock, and its heartbeats left up to 40 s late while the pservers' event loops lagged at
-    most 3.8 s: the emulator starved itself, not the pservers (RESULTS.md, issue 34's sixth part). A sync
-    step needs every trainer's push at once: no bound there.
+    most 3.8 s: the emulator starved itself, not the pservers (issue 34's sixth part,
+    benchmarks/results/history/2026-11-28-issue-34-async-k1024.md). A sync step needs every trainer's
+    push at once: no bound there.
     """
     if spec.in_flight and not spec.sync_mode:
         return threading.BoundedSemaphore(spec.in_flight)

@@ -11,6 +11,8 @@ import ast
 import collections
 import importlib
 import pathlib
+import re
+import time
 
 import pytest
 
@@ -99,6 +101,27 @@ def test_every_entry_point_has_an_argument_parser_and_a_main_guard(path):
     source = path.read_text()
     assert "argparse.ArgumentParser(" in source
     assert 'if __name__ == "__main__":' in source
+
+
+# <benchmark>-<YYYY-MM-DD>[-<variant>].<ext>: benchmarks/results/RESULTS.md says how results are named.
+RESULT_NAME = re.compile(r"[a-z][a-z_]*-\d{4}-\d{2}-\d{2}(-[a-z0-9]+)*\.[a-z]+")
+
+
+def test_result_files_are_named_by_benchmark_and_date():
+    results = BENCHMARKS / "results"
+    files = [p for p in results.rglob("*") if p.is_file() and "history" not in p.relative_to(results).parts]
+    named = [p.relative_to(results).as_posix() for p in files if p.name != "RESULTS.md"]
+    assert named, "no result files"
+    assert [n for n in named if not RESULT_NAME.fullmatch(n.rsplit("/", 1)[-1])] == []
+
+
+def test_a_new_run_records_under_its_benchmark_and_todays_date():
+    from benchmarks.common.paths import RESULTS, dated_result
+
+    today = time.strftime("%Y-%m-%d", time.gmtime())
+    assert dated_result("peers") == str(pathlib.Path(RESULTS) / f"peers-{today}.json")
+    assert dated_result("peers", "png").endswith(f"/peers-{today}.png")
+    assert RESULT_NAME.fullmatch(pathlib.Path(dated_result("scaling")).name)
 
 
 def test_results_live_in_their_own_folder():
