@@ -1,11 +1,13 @@
 """The documentation against the code: links, named paths and names, the generated reference, length.
 
-README.md and docs/*.md may drift from the code as it changes; these tests make the drift fail:
-every relative link reaches a file (and its ``#anchor`` a heading there, by GitHub's slug rules),
-every repository path a page mentions exists, every dotted name it writes in backticks
-(``trainer.PserverError``, ``Trainer.step``, ``TableSet.apply_mean``) resolves by import and
-getattr, docs/configuration.md is what ``python -m transpiler config-reference`` prints now, and
-the README stays a newcomer's ten minutes.
+README.md, docs/*.md and benchmarks/README.md may drift from the code as it changes; these tests
+make the drift fail: every relative link reaches a file (and its ``#anchor`` a heading there, by
+GitHub's slug rules), every repository path a page mentions exists, every dotted name it writes in
+backticks (``trainer.PserverError``, ``Trainer.step``, ``TableSet.apply_mean``) resolves by import
+and getattr, docs/configuration.md is what ``python -m transpiler config-reference`` prints now, and
+the README stays a newcomer's ten minutes. The packages' docstrings and comments are held to the
+same: the paths they name exist and their ``:mod:``/``:class:``/... references resolve. The flags
+and environment variables the pages name: tests/test_docs_commands.py.
 """
 
 from __future__ import annotations
