@@ -1,11 +1,13 @@
 """The documentation against the code: links, named paths and names, the generated reference, length.
 
-README.md and docs/*.md may drift from the code as it changes; these tests make the drift fail:
-every relative link reaches a file (and its ``#anchor`` a heading there, by GitHub's slug rules),
-every repository path a page mentions exists, every dotted name it writes in backticks
-(``trainer.PserverError``, ``Trainer.step``, ``TableSet.apply_mean``) resolves by import and
-getattr, docs/configuration.md is what ``python -m transpiler config-reference`` prints now, and
-the README stays a newcomer's ten minutes.
+README.md, docs/*.md and benchmarks/README.md may drift from the code as it changes; these tests
+make the drift fail: every relative link reaches a file (and its ``#anchor`` a heading there, by
+GitHub's slug rules), every repository path a page mentions exists, every dotted name it writes in
+backticks (``trainer.PserverError``, ``Trainer.step``, ``TableSet.apply_mean``) resolves by import
+and getattr, docs/configuration.md is what ``python -m transpiler config-reference`` prints now, and
+the README stays a newcomer's ten minutes. The packages' docstrings and comments are held to the
+same: the paths they name exist and their ``:mod:``/``:class:``/... references resolve. The flags
+and environment variables the pages name: tests/test_docs_commands.py.
 """
 
 from __future__ import annotations
@@ -80,6 +82,9 @@ PATH_ROOTS = (
 )
 # A path: a root, then nothing (the folder) or at least two characters ("examples/s" is a unit).
 PATH = re.compile(r"(?<![\w/.-])(?:" + "|".join(PATH_ROOTS) + r")/(?:[\w./-]*[\w/]{2}|(?!\w))")
+GENERATED = ("ps_pb2.py", "ps_pb2_grpc.py")  # protoc's output
+# A docstring's reference: :mod:`.lanes`, :class:`~trainer.steppers.geo.GeoStepper`, :meth:`Stepper.push`.
+ROLE = re.compile(r":(?:mod|class|func|meth|attr|data|exc|obj):`~?([\w.]+)`")
 FENCE = re.compile(r"^\s*```")
 LINK = re.compile(r"!?\[(?:[^\]\[]|\[[^\]]*\])*\]\(([^)\s]+)\)")
 CODE_SPAN = re.compile(r"(`+)(.+?)\1")
@@ -163,15 +168,95 @@ def test_the_benchmark_pages_are_checked():
     assert len(HISTORY_PAGES) >= 15 and all(p.is_file() for p in BENCHMARK_PAGES)
 
 
+def path_pattern(roots) -> re.Pattern:
+    """As ``PATH``, from other folders than the repository's top ones."""
+    return re.compile(PATH.pattern.replace("|".join(PATH_ROOTS), "|".join(map(re.escape, roots))))
+
+
+def named_paths(page: Path):
+    """(line, path from the repository root) of every path ``page`` names, in prose and code alike.
+
+    From the repository's top folders (`pserver/engine/sync.py`), or, on a page below the top, from
+    the page's own subfolders (benchmarks/README.md's `common/netns.py` is benchmarks/common/netns.py).
+    """
+    folder = page.parent.relative_to(REPO)
+    own = sorted(d.name for d in page.parent.iterdir() if d.is_dir() and not d.name.startswith((".", "_")))
+    local = path_pattern(own) if folder.parts and own else None
+    for number, line in enumerate(page.read_text().splitlines(), 1):
+        for match in PATH.finditer(line):
+            yield number, match.group(0)
+        for match in local.finditer(line) if local else ():
+            yield number, (folder / match.group(0)).as_posix()
+
+
+@functools.cache
+def benchmark_sources() -> str:
+    return "".join(p.read_text() for p in (REPO / "benchmarks").rglob("*.py"))
+
+
+def written_by_a_benchmark(relative: str) -> bool:
+    """A results file a benchmark writes by default (`results/bench_hosts.json`), not one committed."""
+    path = Path(relative)
+    return path.parent == Path("benchmarks/results") and f'"{path.name}"' in benchmark_sources()
+
+
 @pytest.mark.parametrize("page", PAGES + BENCHMARK_PAGES, ids=lambda p: str(p.relative_to(REPO)))
 def test_every_repository_path_a_page_names_exists(page):
     """Paths in prose and in code blocks alike: `pserver/engine/sync.py`, examples/train_mlp.py."""
-    missing = []
-    for number, line in enumerate(page.read_text().splitlines(), 1):
-        for match in PATH.finditer(line):
-            if repo_file(match.group(0)) is None:
-                missing.append(f"line {number}: {match.group(0)}")
+    missing = [
+        f"line {number}: {path}"
+        for number, path in named_paths(page)
+        if repo_file(path) is None and not written_by_a_benchmark(path)
+    ]
     assert missing == [], f"{page.name} names paths that do not exist:\n" + "\n".join(missing)
+
+
+def package_sources():
+    """(module name, path) of each module of trainer, pserver, psproto and transpiler (not protoc's)."""
+    for package, folder in SOURCE_DIRS.items():
+        for path in sorted((REPO / folder).rglob("*.py")):
+            if path.name not in GENERATED:
+                module = ".".join((package, *path.relative_to(REPO / folder).with_suffix("").parts))
+                yield module.removesuffix(".__init__"), path
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_every_repository_path_the_code_names_exists(package):
+    """Docstrings and comments name files too (`see transpiler/roles/role_env.py`); they move with them."""
+    missing = [
+        f"{path.relative_to(REPO)}:{number}: {match.group(0)}"
+        for module, path in package_sources()
+        if module.split(".")[0] == package
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        for match in PATH.finditer(line)
+        if repo_file(match.group(0)) is None
+    ]
+    assert missing == [], "the code names paths that do not exist:\n" + "\n".join(missing)
+
+
+def role_target(module: str, is_package: bool, target: str) -> Optional[str]:
+    """The dotted name a docstring's ``:role:`target``` means, if it is ours (relative ones included)."""
+    if target.startswith("."):
+        base = module if is_package else module.rpartition(".")[0]
+        return base + target
+    return target if target.split(".")[0] in PACKAGES else None
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_every_reference_a_docstring_makes_resolves(package):
+    """``:mod:`.lanes``` (relative to the module), ``:class:`~trainer.steppers.geo.GeoStepper```: each names
+    something the code has; short names (``:class:`TableSet```) are not followed."""
+    wrong = []
+    for module, path in package_sources():
+        if module.split(".")[0] != package:
+            continue
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            for match in ROLE.finditer(line):
+                dotted = role_target(module, path.name == "__init__.py", match.group(1))
+                problem = dotted and resolve(dotted)
+                if problem:
+                    wrong.append(f"{path.relative_to(REPO)}:{number}: {match.group(0)}: {problem}")
+    assert wrong == [], "docstrings refer to what the code does not have:\n" + "\n".join(wrong)
 
 
 @functools.cache

@@ -1,6 +1,7 @@
 """The code's shape, checked on the source: no import circle, no mixin, no wiring from outside, small modules.
 
-The rules of DEVELOPERS.md and DESIGN.md's layout that a reader of the tree relies on:
+The rules of the developers' guide and of the design's layout (the design card kept beside the
+repository) that a reader of the tree relies on:
 
 - no import circle among the modules of trainer, pserver, psproto and transpiler (imports under
   ``TYPE_CHECKING`` aside: they never run);

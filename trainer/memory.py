@@ -8,7 +8,7 @@ the kernel on ``free``, and trims the top of its heap once more than twice that
 lies free there. Either way the next step's buffers are new pages: a page fault
 and the kernel zeroing each 4 KiB of them. On job D (38 MB of gradients per step)
 that was 11-27 ms of system time per step and ~10% of a trainer's
-forward/backward (``benchmarks/RESULTS.md``). Raising both thresholds keeps
+forward/backward (``benchmarks/results/RESULTS.md``). Raising both thresholds keeps
 freed memory in the process for the next step, as PyTorch's caching allocator
 does on CUDA and Paddle's allocator does everywhere: the process's resident
 memory then stays at its peak instead of shrinking between steps. The first

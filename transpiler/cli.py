@@ -153,7 +153,7 @@ def _default_text(f: dataclasses.Field) -> str:
 
 
 def _markdown(text: str) -> str:
-    """A docstring's reST as a markdown table cell; ``docs/page.md#anchor`` becomes a link to it."""
+    """A docstring's reST as a markdown table cell; ``docs/<page>.md#<anchor>`` becomes a link to it."""
     text = re.sub(r":\w+:`~?([^`]+)`", r"``\1``", text)
     text = text.replace("``", "`").replace("|", "\\|")
     return re.sub(r"docs/([\w-]+\.md)(#[\w-]+)?", r"[\1\2](\1\2)", text)

@@ -316,7 +316,7 @@ def export(root: str, out_dir: str, step: Optional[int] = None, sync_mode: bool 
     The dense parameters load into the original module with
     ``load_state_dict(..., strict=False)`` (tables and buffers are not in
     them); each table becomes ``<table>.ids.npy`` / ``.rows.npy`` / ``.json``
-    (see :func:`pserver.table_files.export_table`). Returns a summary.
+    (see :func:`pserver.tables.files.export_table`). Returns a summary.
     """
     saved = find_saved(root, sync_mode, step)
     if saved is None:

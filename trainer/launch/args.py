@@ -27,7 +27,7 @@ Local mode (--server_num/--worker_num) runs every role on this machine, pservers
 on 127.0.0.1. Per-host mode (--servers/--workers) describes the whole cluster: run
 the same command on every host and each starts only its own roles. Every role runs
 `python SCRIPT ARGS...` with TRAINING_ROLE, PADDLE_* and POD_IP set (see
-transpiler/env.py, RoleEnv), its output in LOG_DIR/serverlog.N or LOG_DIR/workerlog.N.
+transpiler/roles/role_env.py, RoleEnv), its output in LOG_DIR/serverlog.N or LOG_DIR/workerlog.N.
 A trainer node runs --nproc_per_node processes, each with LOCAL_RANK, LOCAL_WORLD_SIZE,
 MASTER_ADDR, MASTER_PORT, RANK and WORLD_SIZE (NodeEnv); local rank R > 0 logs to
 LOG_DIR/workerlog.N.R. Without --server_num/--servers the job is collective: trainers

@@ -422,7 +422,7 @@ _LAUNCHER_PREFIXES = ("TORCHELASTIC_", "GROUP_", "ROLE_")
 
 
 def replica_env(backups: List[str], coordinator: str) -> Dict[str, str]:
-    """The hot-standby variables every role of a replicated job gets (transpiler/replicas.py reads them).
+    """The hot-standby variables every role of a replicated job gets (read by transpiler/roles/replicas.py).
 
     The etcd key prefix is new per launch: a launch never waits for the replicas of an earlier one.
     """
