@@ -35,7 +35,7 @@ from typing import Dict, List
 
 from benchmarks.common.machine import OtherLoad
 from benchmarks.common.paths import REPO
-from benchmarks.common.processes import die_with_parent
+from harness.processes import die_with_parent
 
 EXAMPLE = os.path.join(REPO, "examples", "train_ctr.py")
 CONFIGS = ("local", "async", "sync", "async+tb", "sync+tb")

@@ -75,9 +75,9 @@ from typing import List
 
 from benchmarks.common.dense_runs import PSERVERS, run_ddp, run_ps
 from benchmarks.common.machine import OtherLoad
-from benchmarks.common.processes import RunFailed, stop_on_signals
 from benchmarks.jobs.dense_workers import Spec, param_bytes
 from benchmarks.reports.dense import loss_check, summarize, tables
+from harness.processes import RunFailed, stop_on_signals
 
 QUICK_SIZES = (64, 256, 256, 10)
 

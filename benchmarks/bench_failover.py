@@ -37,9 +37,10 @@ from typing import Dict, List, Optional, Tuple
 
 import grpc
 
-from benchmarks.common.etcd import Etcd
 from benchmarks.common.machine import cpu_model
-from benchmarks.common.paths import REPO, job_script, pythonpath_with_repo
+from benchmarks.common.paths import REPO, job_script
+from harness.etcd import start_etcd
+from harness.paths import pythonpath_with_repo
 from psproto import ps_pb2, ps_pb2_grpc
 
 JOB = job_script("failover_job")
@@ -257,7 +258,7 @@ def main(argv=None) -> int:
         return 2
     work = tempfile.mkdtemp(prefix="bench-failover-")
     job_args = ["--step_delay", str(args.step_delay)]
-    with Etcd(work) as etcd:
+    with start_etcd(work) as etcd:
         print(f"hot standby: {args.kills} kills of a primary", flush=True)
         rep = summary(
             "hot standby (server_replicas=2)", *run_replicated(work, etcd.url, args.kills, job_args)

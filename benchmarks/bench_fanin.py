@@ -47,13 +47,14 @@ from typing import Dict, List, Sequence
 import numpy as np
 import torch
 
-from benchmarks.common.paths import REPO, dated_result, pythonpath_with_repo
-from benchmarks.common.ports import free_ports
+from benchmarks.common.paths import REPO, dated_result
 from benchmarks.common.proc_stats import Sampler, cpu_seconds, status
-from benchmarks.common.processes import Command, RunFailed, stop_on_signals, tail
 from benchmarks.jobs.fanin_job import TOLERANCE, Spec, check_ids, expected_model, transpiler
 from benchmarks.jobs.fanin_workers import touch
 from benchmarks.reports.fanin import markdown_table, summarise
+from harness.paths import pythonpath_with_repo
+from harness.ports import free_ports
+from harness.processes import Command, RunFailed, stop_on_signals, tail
 
 log = logging.getLogger("benchmarks.bench_fanin")
 

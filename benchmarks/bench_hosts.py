@@ -8,9 +8,9 @@ Usage (root: it creates network namespaces)::
 
 Job S is the peers' (``../shared/peers/jobs.py``): 26 slots of 1M ids x 16, MLP 429-256-128-1,
 global batch 1,024 (split over the trainers), 20 warm-up + 200 timed steps, AUC on 2,000
-held-out examples. Every host is a network namespace of ``common/netns.py`` on one bridge, with
+held-out examples. Every host is a network namespace of ``harness/netns.py`` on one bridge, with
 its own address; what crosses between hosts is real TCP through veths, counted at every host's
-interface. Roles are placed by a layout (``common/host_layouts.py``):
+interface. Roles are placed by a layout (``harness/host_layouts.py``):
 
 - ``split``: pservers on hosts 1-2, trainers on hosts 3-4. TorchRec's two ranks run on the
   trainer hosts (it has no pservers; hosts 1-2 idle).
@@ -38,7 +38,7 @@ median [min-max], the ratio to TorchRec round by round, AUC, and bytes on the wi
 example (every host's transmitted bytes over the whole run, start and evaluation included, over
 the warm-up and timed examples), and the machine's other load. Output: a Markdown table and
 every run in ``--json`` (default ``benchmarks/results/hosts-<today>.json``).
-``python -m benchmarks.common.netns cleanup`` removes namespaces left by a SIGKILLed run.
+``python -m harness.netns cleanup`` removes namespaces left by a SIGKILLed run.
 """
 
 from __future__ import annotations
@@ -54,12 +54,12 @@ import tempfile
 import time
 from typing import Dict, List, Optional, Tuple
 
-from benchmarks.common.host_layouts import HostLayout, parse_layout, per_host_commands
 from benchmarks.common.machine import OtherLoad
-from benchmarks.common.netns import IFNAME, Hosts, NetnsError, host_env
 from benchmarks.common.paths import DEFAULT_PEERS, REPO, dated_result, job_script, peer_module
 from benchmarks.common.peer_runners import role_result, venv_problem
-from benchmarks.common.processes import Command, RunFailed, stop_on_signals
+from harness.host_layouts import HostLayout, parse_layout, per_host_commands
+from harness.netns import IFNAME, Hosts, NetnsError, host_env
+from harness.processes import Command, RunFailed, stop_on_signals
 
 SYSTEMS = ("torchrec", "ours-async", "ours-sync", "paddle-async", "paddle-sync")
 GLOBAL_BATCH = 1024
@@ -330,7 +330,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument(
         "--layouts",
         default="split,colocated",
-        help="comma-separated (common/host_layouts.py; default %(default)s)",
+        help="comma-separated (harness/host_layouts.py; default %(default)s)",
     )
     p.add_argument(
         "--links",

@@ -34,7 +34,7 @@ import time
 from concurrent import futures
 from typing import Dict, Iterator, List, Optional, Sequence
 
-from benchmarks.common.netns import Hosts, host_env
+from harness.netns import Hosts, host_env
 
 log = logging.getLogger("bench_lanes")
 

@@ -38,7 +38,8 @@ import time
 
 import numpy as np
 
-from benchmarks.common.paths import dated_result, pythonpath_with_repo
+from benchmarks.common.paths import dated_result
+from harness.paths import pythonpath_with_repo
 
 CONFIGS = {
     "off": None,

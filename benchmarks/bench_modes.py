@@ -32,7 +32,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from benchmarks.common.paths import DEFAULT_PEERS, REPO
 from benchmarks.common.peer_runners import run_ours_s
-from benchmarks.common.processes import RunFailed
+from harness.processes import RunFailed
 
 log = logging.getLogger("bench_modes")
 

@@ -104,8 +104,8 @@ from typing import Dict, Iterable, List, Sequence, Tuple
 from benchmarks.common.machine import OtherLoad
 from benchmarks.common.paths import DEFAULT_PEERS, REPO, dated_result, peer_module
 from benchmarks.common.peer_runners import RUNNERS, run_ours_s, venv_problem
-from benchmarks.common.processes import RunFailed, stop_on_signals
 from benchmarks.reports.peers import chart, peers_table, scaling_table
+from harness.processes import RunFailed, stop_on_signals
 
 log = logging.getLogger("bench_peers")
 

@@ -2,10 +2,11 @@
 
     python -m benchmarks.bench_replication [--rounds 3] [--jobs s,d] [--async]
 
-One etcd process serves the whole run (its own data directory in the run's temp folder, free
-127.0.0.1 ports, ``--heartbeat-interval 50 --election-timeout 500`` as the tests start it); it is
-stopped at the end, failure or Ctrl-C included. Each job runs 2 pservers x 2 trainers, in
-alternating rounds (round r runs "plain" then "replicated" when r is even, the reverse when odd):
+One etcd process serves the whole run (:mod:`harness.etcd`, as the tests start it: its own data
+directory in the run's temp folder, free 127.0.0.1 ports, ``--heartbeat-interval 50
+--election-timeout 500``); it is stopped at the end, failure or Ctrl-C included. Each job runs
+2 pservers x 2 trainers, in alternating rounds (round r runs "plain" then "replicated" when r is
+even, the reverse when odd):
 
 - job S (``benchmarks/jobs/job_s.py`` through ps-launch, sync unless ``--async``): "replicated" adds
   ``--server_replicas 2 --coordinator URL``, so ps-launch starts ``pserverN.replica`` next to
@@ -43,13 +44,13 @@ import tempfile
 import threading
 from typing import Dict, List
 
-from benchmarks.common.etcd import Etcd
 from benchmarks.common.machine import cpu_model
 from benchmarks.common.paths import DEFAULT_PEERS, peer_module
 from benchmarks.common.peer_runners import run_ours_d, run_ours_s
-from benchmarks.common.processes import RunFailed, tail
 from benchmarks.jobs.dense_workers import param_bytes
 from benchmarks.reports.dense import med
+from harness.etcd import EtcdServer, start_etcd
+from harness.processes import RunFailed, tail
 
 CONFIGS = ("plain", "replicated")
 # The variables that would turn a "plain" run into a replicated one if the caller's shell had them.
@@ -213,7 +214,7 @@ def check_replicated(pairs: List[List[str]], stats: Dict[str, dict]) -> dict:
 # -- one run of each job ------------------------------------------------------------------------
 
 
-def run_s(args, work: str, name: str, config: str, etcd: Etcd) -> dict:
+def run_s(args, work: str, name: str, config: str, etcd: EtcdServer) -> dict:
     """One job S run (``config`` plain or replicated) in its own work directory, checked when replicated."""
     workdir = os.path.join(work, name)
     os.makedirs(workdir)
@@ -243,7 +244,7 @@ def run_s(args, work: str, name: str, config: str, etcd: Etcd) -> dict:
     return res
 
 
-def run_d(args, work: str, name: str, config: str, etcd: Etcd) -> dict:
+def run_d(args, work: str, name: str, config: str, etcd: EtcdServer) -> dict:
     """One job D run (``config`` plain or replicated) in its own work directory, checked when replicated."""
     workdir = os.path.join(work, name)
     os.makedirs(workdir)
@@ -389,7 +390,7 @@ def main(argv=None) -> int:
     runs = {job: {c: [] for c in CONFIGS} for job in args.jobs}
     etcd = None
     try:
-        etcd = Etcd(work)
+        etcd = start_etcd(work)
         print(f"etcd at {etcd.url} (pid {etcd.proc.pid})", flush=True)
         for r in range(args.rounds):
             for job in args.jobs:
@@ -419,8 +420,7 @@ def main(argv=None) -> int:
     finally:
         if etcd is not None:
             etcd.stop()
-        for data_dir in glob.glob(os.path.join(work, "etcd.data.*")):  # 60+ MB of WAL; its log stays
-            shutil.rmtree(data_dir, ignore_errors=True)
+            shutil.rmtree(etcd.data_dir, ignore_errors=True)  # 60+ MB of WAL; its log stays
     report(args, runs, argv)
     if not args.keep:
         shutil.rmtree(work, ignore_errors=True)

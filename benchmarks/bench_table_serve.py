@@ -30,8 +30,8 @@ import grpc
 import numpy as np
 import torch
 
-from benchmarks.common.paths import pythonpath_with_repo
-from benchmarks.common.ports import free_ports
+from harness.paths import pythonpath_with_repo
+from harness.ports import free_ports
 from psproto import ps_pb2, ps_pb2_grpc
 from trainer import Trainer
 from transpiler import DistributeTranspiler

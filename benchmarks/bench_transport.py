@@ -21,9 +21,9 @@ import time
 
 import torch
 
-from benchmarks.common.paths import pythonpath_with_repo
-from benchmarks.common.ports import free_ports
 from benchmarks.jobs.dense_workers import build_model
+from harness.paths import pythonpath_with_repo
+from harness.ports import free_ports
 from transpiler import DistributeTranspiler, DistributeTranspilerConfig, Program
 
 SIZES = (512, 2048, 2048, 2048, 10)

@@ -10,11 +10,11 @@ Job D is the peers' (``../shared/peers/jobs.py``): MLP 512-2048-2048-2048-10
 (37.9 MB fp32), SGD lr 0.01, 2 trainers of batch 256, 5 warm-up + 30 timed
 steps, every trainer on ``jobs.dense_batch(step, rank)``, and the same initial
 weights everywhere (so the losses of all configurations agree). Each role is
-its own OS process started with ``ip netns exec``; ``common/netns.py`` makes the
+its own OS process started with ``ip netns exec``; ``harness/netns.py`` makes the
 namespaces ("host 1" at 10.231.N.1, "host 2" at 10.231.N.2, ...) once for the whole
 run and removes them at the end, also on errors, Ctrl-C and SIGTERM.
 
-``--layout`` places the roles of the ``*-veth`` configurations (``common/host_layouts.py``):
+``--layout`` places the roles of the ``*-veth`` configurations (``harness/host_layouts.py``):
 ``pair`` (the default, as described below: pservers in host 1, trainers in host 2), ``split``
 (pserver i in host i, trainer j in host 3 + j; DDP's ranks and the rpc PS's trainers on the
 trainer hosts) or ``colocated:2`` (pserver i and trainer i in host i + 1: half of each trainer's
@@ -71,7 +71,7 @@ by default: the veth alone is a fast virtual link with no delay.
 
 Output: a markdown table on stdout and every run's figures in ``--json``
 (default ``benchmarks/results/veth-<today>.json``). Worker logs go to a temp directory, kept on
-failure (or to ``--logdir``). ``python -m benchmarks.common.netns cleanup`` removes
+failure (or to ``--logdir``). ``python -m harness.netns cleanup`` removes
 namespaces left by a SIGKILLed run. The configurations, the veth check and the table are
 ``reports/veth.py``'s; this module runs them.
 """
@@ -92,14 +92,14 @@ import time
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from benchmarks.common.dense_runs import Processes
-from benchmarks.common.host_layouts import HostLayout, parse_layout
 from benchmarks.common.machine import OtherLoad
-from benchmarks.common.netns import IFNAME, Hosts, NetnsError, host_env
 from benchmarks.common.paths import DEFAULT_PEERS, dated_result, peer_module
-from benchmarks.common.processes import RunFailed, die_with_parent, stop_on_signals
 from benchmarks.jobs.dense_workers import Spec, param_bytes
 from benchmarks.reports.dense import summarize
 from benchmarks.reports.veth import CONFIGS, CROSSED_MIN, LOOPBACK_MAX, Config, crossing_problems, table
+from harness.host_layouts import HostLayout, parse_layout
+from harness.netns import IFNAME, Hosts, NetnsError, host_env
+from harness.processes import RunFailed, die_with_parent, stop_on_signals
 
 WORKERS = "benchmarks.jobs.veth_workers"
 PSERVERS = 2
@@ -422,7 +422,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--layout",
         default="pair",
-        help="where the roles run across the veths (common/host_layouts.py): pair (default: pservers "
+        help="where the roles run across the veths (harness/host_layouts.py): pair (default: pservers "
         "on host 1, trainers on host 2), split (pservers on hosts 1-2, trainers on 3-4) or "
         "colocated:2 (a pserver and a trainer on each of 2 hosts)",
     )

@@ -33,8 +33,9 @@ import tempfile
 import time
 from typing import Dict, List, Sequence, Tuple
 
-from benchmarks.common.paths import DEFAULT_PEERS, REPO, job_script, pythonpath_with_repo
+from benchmarks.common.paths import DEFAULT_PEERS, REPO, job_script
 from benchmarks.common.peer_runners import job_s_results, role_results
+from harness.paths import pythonpath_with_repo
 
 TICKS = os.sysconf("SC_CLK_TCK")
 

@@ -40,6 +40,26 @@ def test_packages_import_only_what_the_layout_allows(package, forbidden):
     assert sorted((path, name) for path, name in imported_roots(package) if name in forbidden) == []
 
 
+# What the tests and the benchmarks share (ports, child processes, etcd, network namespaces, the in-process
+# cluster) is harness/'s: neither imports the other, the benchmarks' own tests (tests/benchmarks/) aside,
+# and harness imports neither.
+@pytest.mark.parametrize(
+    "package, forbidden, allowed, seen",
+    [
+        ("benchmarks", {"tests"}, (), "harness"),
+        ("tests", {"benchmarks"}, ("tests/benchmarks/",), "harness"),
+        ("harness", {"tests", "benchmarks"}, (), "trainer"),
+    ],
+)
+def test_tests_and_benchmarks_share_only_harness(package, forbidden, allowed, seen):
+    found = imported_roots(package)
+    assert seen in {name for _, name in found}  # the check sees imports at all
+    assert (
+        sorted((path, name) for path, name in found if name in forbidden and not path.startswith(allowed))
+        == []
+    )
+
+
 # In pserver only the RPC layer (pserver/rpc/), the operators' side (pserver/ops/: the health port,
 # ps-stat) and server.py, which builds the gRPC server (health, reflection, credentials), speak gRPC:
 # the engines, stores, tables and checkpoints below them do not. psproto's ps_pb2_grpc and security

@@ -1,2 +1,3 @@
-"""Helpers the benchmarks share: child processes, ports, the machine's load, etcd, network namespaces,
-reports."""
+"""Helpers only the benchmarks share: the machine's load, the results and the peers' paths, the peers'
+runs, the dense job's runs. What they share with the tests (child processes, ports, etcd, network
+namespaces) is in ``harness/``."""

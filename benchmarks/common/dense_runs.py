@@ -18,10 +18,10 @@ import sys
 import time
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from benchmarks.common.paths import pythonpath_with_repo
-from benchmarks.common.ports import free_ports
-from benchmarks.common.processes import RunFailed, die_with_parent, tail
 from benchmarks.jobs.dense_workers import Spec
+from harness.paths import pythonpath_with_repo
+from harness.ports import free_ports
+from harness.processes import RunFailed, die_with_parent, tail
 
 WORKERS = "benchmarks.jobs.dense_workers"
 PSERVERS = 2

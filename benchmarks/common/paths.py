@@ -1,4 +1,6 @@
-"""Where the benchmarks find things: the repository, the results folder, the job scripts, the peers.
+"""Where the benchmarks find things: the results folder, the job scripts, the peers.
+
+The repository itself and the PYTHONPATH of a child process are :mod:`harness.paths`'s.
 
 The peers (``../shared/peers``: the jobs' definitions and the systems users would run instead)
 are not part of the repository; :func:`peer_module` loads one of their modules from its file.
@@ -11,8 +13,9 @@ import os
 import sys
 import time
 
-BENCHMARKS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-REPO = os.path.dirname(BENCHMARKS)
+from harness.paths import REPO
+
+BENCHMARKS = os.path.join(REPO, "benchmarks")
 RESULTS = os.path.join(BENCHMARKS, "results")
 DEFAULT_PEERS = os.path.normpath(os.path.join(REPO, "..", "shared", "peers"))
 
@@ -29,16 +32,6 @@ def dated_result(benchmark: str, ext: str = "json") -> str:
 def job_script(name: str) -> str:
     """The file of job ``name`` in ``benchmarks/jobs/`` (ps-launch runs a script, not a module)."""
     return os.path.join(BENCHMARKS, "jobs", f"{name}.py")
-
-
-def pythonpath_with_repo() -> str:
-    """PYTHONPATH for a child process: the repository first, so it imports ``benchmarks.*`` from any cwd.
-
-    Also makes the child import this checkout's ``transpiler``, ``pserver`` and ``trainer``, as the
-    benchmark itself does when run with ``python -m`` from the repository root.
-    """
-    rest = os.environ.get("PYTHONPATH")
-    return os.pathsep.join([REPO] + ([rest] if rest else []))
 
 
 def peer_module(peers_dir: str, name: str):

@@ -3,7 +3,7 @@
 Each takes the parsed arguments and a work directory, runs the system once (a peer's script from
 ``shared/peers``, or this project through ``ps-launch``), and returns its figures:
 ``examples_s`` (job D: samples/s) and whatever else it measured (AUC, calls and bytes per step,
-``detail``). A run that fails raises :class:`~benchmarks.common.processes.RunFailed` with the log's
+``detail``). A run that fails raises :class:`~harness.processes.RunFailed` with the log's
 tail. This project's jobs run through ps-launch as scripts (``benchmarks/jobs/*.py``), with the
 repository on their PYTHONPATH; the peers run as scripts of their own Python (venv).
 """
@@ -19,10 +19,11 @@ import sys
 from typing import List, Optional, Sequence
 
 from benchmarks.common.dense_runs import run_ps
-from benchmarks.common.paths import REPO, job_script, peer_module, pythonpath_with_repo
-from benchmarks.common.processes import RunFailed, last_json_line, run_command, tail
+from benchmarks.common.paths import REPO, job_script, peer_module
 from benchmarks.jobs.dense_workers import Spec
 from benchmarks.reports.dense import summarize
+from harness.paths import pythonpath_with_repo
+from harness.processes import RunFailed, last_json_line, run_command, tail
 
 JOB_S_SCRIPT = job_script("job_s")
 JOB_D_COLLECTIVE = job_script("job_d_collective")

@@ -40,7 +40,6 @@ import time
 from typing import Dict, List
 
 from benchmarks.common.paths import REPO
-from benchmarks.common.processes import stop_on_signals
 from benchmarks.gpu_check.report import (
     StageResult,
     exit_code,
@@ -50,6 +49,7 @@ from benchmarks.gpu_check.report import (
     summary,
 )
 from benchmarks.gpu_check.stages import dry_check, run_stage, select
+from harness.processes import stop_on_signals
 
 log = logging.getLogger("gpu_check")
 

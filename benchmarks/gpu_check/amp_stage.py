@@ -24,8 +24,8 @@ import torch
 from torch import nn
 
 from benchmarks.gpu_check.worker import Children, Outcome, device_of, finite, first_line, run_worker
-from tests.helpers.cluster import LocalCluster
-from tests.helpers.models import batches, odd_mlp
+from harness.cluster import LocalCluster
+from harness.models import batches, odd_mlp
 from transpiler import DistributeTranspiler, DistributeTranspilerConfig, Program
 
 TRAINERS, PSERVERS = 2, 2

@@ -33,7 +33,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from benchmarks.common.ports import free_ports
 from benchmarks.gpu_check.worker import (
     ATOL,
     RTOL,
@@ -44,8 +43,9 @@ from benchmarks.gpu_check.worker import (
     first_line,
     run_worker,
 )
-from tests.helpers.cluster import LocalCluster
-from tests.helpers.models import batches, odd_mlp, train_concatenated
+from harness.cluster import LocalCluster
+from harness.models import batches, odd_mlp, train_concatenated
+from harness.ports import free_ports
 from transpiler import DistributeTranspiler, Program
 
 FAKE_PSERVERS = "127.0.0.1:1,127.0.0.1:2,127.0.0.1:3"  # three: the two ranks own unequal shares

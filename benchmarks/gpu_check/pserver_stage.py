@@ -27,8 +27,8 @@ from benchmarks.gpu_check.worker import (
     run_worker,
     tf32_off,
 )
-from tests.helpers.cluster import LocalCluster
-from tests.helpers.models import batches, odd_mlp, train_concatenated
+from harness.cluster import LocalCluster
+from harness.models import batches, odd_mlp, train_concatenated
 from transpiler import DistributeTranspiler, Program
 
 TRAINERS, PSERVERS = 2, 2

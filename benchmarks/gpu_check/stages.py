@@ -2,7 +2,7 @@
 
 Each stage is a subprocess (``pytest`` for the CUDA tests, a stage worker for the others) in
 its own session, stopped with every process it started when its deadline passes
-(:class:`benchmarks.common.processes.Command`); a stage that fails or overruns leaves the
+(:class:`harness.processes.Command`); a stage that fails or overruns leaves the
 others to run. Deadlines are the GPU's, well above what the stages take there (about half a
 minute each), and all of them together are held to the check's budget.
 """
@@ -17,8 +17,7 @@ import time
 from dataclasses import dataclass
 from typing import Dict, List, Optional
 
-from benchmarks.common.paths import REPO, pythonpath_with_repo
-from benchmarks.common.processes import Command, RunFailed, run_command, tail
+from benchmarks.common.paths import REPO
 from benchmarks.gpu_check.report import (
     FAIL,
     PASS,
@@ -29,6 +28,8 @@ from benchmarks.gpu_check.report import (
     pytest_outcome,
 )
 from benchmarks.gpu_check.worker import PeersMissing, first_line, parser
+from harness.paths import pythonpath_with_repo
+from harness.processes import Command, RunFailed, run_command, tail
 
 CUDA_TESTS = "tests/trainer/test_cuda.py"
 # A stage is not started with less than this left of the budget: it could not even import torch.

@@ -2,7 +2,7 @@
 
 A pserver runs a few reactors (``data_reactors``); each owns the connections the listener dealt it and
 waits on all of them at once (``selectors``). When a connection's request is whole, the reactor runs
-the call: a generator (the data calls, :mod:`.calls`) that yields a
+the call: a generator (one of the data calls) that yields a
 :class:`~pserver.engine.waits.Parked` handle where it waits (a sync step's barrier, ``min_step``, an
 async push past ``max_staleness``, a push in lanes not yet whole) and finally an :class:`Answer`. A
 parked call holds no thread: the thread that ends the wait (the one that applied the step, under the

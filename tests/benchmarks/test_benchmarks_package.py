@@ -1,8 +1,9 @@
 """benchmarks/ is a package: its modules import, import each other as ``benchmarks.*``, edit no sys.path.
 
-The benchmarks' shared helpers exist once (in ``benchmarks/common/``), every entry point answers
-``--help``, and what they record lives in ``benchmarks/results/``. Importing every module also
-catches a benchmark left behind when the library's internals it reaches into are renamed.
+The benchmarks' shared helpers exist once (in ``benchmarks/common/``, or in ``harness/`` where the tests
+share them), every entry point answers ``--help``, and what they record lives in ``benchmarks/results/``.
+Importing every module also catches a benchmark left behind when the library's internals it reaches
+into are renamed.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ MODULES = sorted(BENCHMARKS.rglob("*.py"))
 ENTRY_POINTS = sorted(p for p in BENCHMARKS.glob("*.py") if p.name != "__init__.py") + sorted(
     BENCHMARKS.glob("*/__main__.py")
 )
-# Helpers that were written two or three times before benchmarks/ became a package.
+# Helpers that were written two or three times before benchmarks/ became a package, or once in the
+# benchmarks and again in the tests before both used harness/'s. free_ports is ps-launch's own.
 SHARED = (
     "free_ports",
     "die_with_parent",
@@ -35,9 +37,24 @@ SHARED = (
     "cpu_model",
     "stop_on_signals",
     "peer_module",
-    "Etcd",
+    "EtcdServer",
+    "start_etcd",
     "Processes",
     "DEFAULT_PEERS",
+    "REPO",
+    "pythonpath_with_repo",
+    "Hosts",
+    "in_ns",
+    "clear_namespace",
+    "Command",
+    "LocalCluster",
+)
+# Where each is looked for: the benchmarks, what they share with the tests, the tests' helpers, ps-launch.
+HELPER_MODULES = (
+    MODULES
+    + sorted((REPO / "harness").rglob("*.py"))
+    + sorted((REPO / "tests" / "helpers").rglob("*.py"))
+    + [REPO / "trainer" / "launch" / "plan.py"]
 )
 
 
@@ -85,7 +102,7 @@ def test_benchmark_modules_import_each_other_as_benchmarks_x():
 
 def test_each_shared_helper_is_defined_once():
     defined = collections.Counter()
-    for p in MODULES:
+    for p in HELPER_MODULES:
         for n in tree(p).body:
             if isinstance(n, (ast.FunctionDef, ast.ClassDef)):
                 defined[n.name] += 1

@@ -17,10 +17,11 @@ import pytest
 import torch
 
 from benchmarks import bench_fanin
-from benchmarks.common.paths import REPO, pythonpath_with_repo
-from benchmarks.common.processes import RunFailed, run_command
+from benchmarks.common.paths import REPO
 from benchmarks.jobs import fanin_job, fanin_workers
 from benchmarks.jobs.fanin_job import GRID, TOLERANCE, Spec
+from harness.paths import pythonpath_with_repo
+from harness.processes import RunFailed, run_command
 
 POSITIVE = (
     "steps_per_s",

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from benchmarks import bench_veth
-from benchmarks.common.host_layouts import parse_layout
 from benchmarks.jobs.dense_workers import Spec, param_bytes
+from harness.host_layouts import parse_layout
 
 SPEC = Spec(sizes=(8, 16, 4), batch=4, lr=0.1, warmup=1, steps=2, sync_mode=True, timeout=10.0)
 MODEL = param_bytes(SPEC.sizes)

@@ -17,7 +17,7 @@ import ctr_stream  # noqa: E402
 import train_ctr  # noqa: E402
 from ctr_stream import CriteoFile, CtrStream, Generated, assign, batches_per_epoch, shard_sizes  # noqa: E402
 
-from tests.helpers.cluster import LocalCluster  # noqa: E402
+from harness.cluster import LocalCluster  # noqa: E402
 from trainer.errors import PserverError  # noqa: E402
 from transpiler import DistributeTranspilerConfig, Program  # noqa: E402
 

@@ -13,8 +13,9 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
-EXAMPLE = str(REPO / "examples" / "train_ctr.py")
+from tests.helpers.paths import EXAMPLES
+
+EXAMPLE = str(EXAMPLES / "train_ctr.py")
 LINES = 60_000
 # With 54k training lines (2 epochs) the test AUC reaches 0.72-0.74 in both modes (the planted
 # model's Bayes AUC is 0.80; the example's own target, on 1M generated examples, is 0.77); the
@@ -25,7 +26,7 @@ LOG_DIR = "log"  # ps-launch's default: left out of the command, so that the def
 
 def write_criteo_file(path: Path) -> Path:
     """LINES lines in Criteo's format, generated from the planted model (seed 3)."""
-    sys.path.insert(0, str(REPO / "examples"))
+    sys.path.insert(0, str(EXAMPLES))
     import ctr_data
 
     ctr_data.write_criteo_tsv(path, *ctr_data.generate_raw(LINES, seed=3))

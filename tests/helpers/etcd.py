@@ -1,168 +1,34 @@
-"""A real, single-member etcd server for the tests of the replicas' coordination (pserver/replication).
+"""The etcd of the replication tests: :mod:`harness.etcd`'s real server, or a skip where it is missing.
 
-The coordination layer's guarantees (one winner per campaign, leases that expire when their holder
-dies, fencing by create revision) are etcd's, so its tests run against the real server started the
-way users start it: its own process, its own data directory, loopback URLs only. Where ``etcd`` is
-not installed the tests skip (or fail under ``PS_REQUIRE_SYSTEM_TESTS=1``) through
+Where ``etcd`` is not installed the tests skip (or fail under ``PS_REQUIRE_SYSTEM_TESTS=1``) through
 :func:`tests.helpers.system.unavailable`.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import shutil
-import signal
-import subprocess
-import time
-import urllib.error
-import urllib.request
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Iterator
 
 import pytest
 
-from tests.helpers.ports import free_ports
+from harness.etcd import EtcdMissing, EtcdServer, start_etcd
 from tests.helpers.system import unavailable
 
-INSTALL = "apt-get install etcd-server"
-START_TIMEOUT = 15.0
-STOP_TIMEOUT = 5.0
-# etcd raises every lease TTL below 1.5 x the election timeout to that, rounded up to whole
-# seconds: with its default 1000 ms a 1 s lease silently becomes 2 s. 500 ms (10 heartbeats of
-# 50 ms) makes the minimum 0.75 s -> 1 s, so the tests' 1 s leases are really 1 s.
-TIMING_FLAGS = ["--heartbeat-interval", "50", "--election-timeout", "500"]
 
-
-class EtcdServer:
-    """One etcd process answering at :attr:`url`; a context manager that stops it on exit."""
-
-    def __init__(self, proc: subprocess.Popen, url: str, data_dir: Path, log_path: Path):
-        self.proc = proc
-        self.url = url
-        self.data_dir = data_dir
-        self.log_path = log_path
-
-    @property
-    def pid(self) -> int:
-        """The etcd process's id."""
-        return self.proc.pid
-
-    def log_tail(self, chars: int = 3000) -> str:
-        """The last ``chars`` characters of etcd's log (stdout and stderr)."""
-        try:
-            return self.log_path.read_text(errors="replace")[-chars:]
-        except OSError as e:
-            return f"(no log: {e})"
-
-    def healthy(self) -> bool:
-        """Whether etcd answers ``/health`` with ``{"health": "true"}`` right now (one short request)."""
-        try:
-            with urllib.request.urlopen(self.url + "/health", timeout=1.0) as r:
-                return json.loads(r.read()).get("health") == "true"
-        except (OSError, ValueError, urllib.error.URLError):
-            return False
-
-    def wait_healthy(self, timeout: float = START_TIMEOUT) -> None:
-        """Return once etcd is healthy; raise RuntimeError naming the log's tail if it exits or ``timeout``
-        passes."""
-        deadline = time.monotonic() + timeout
-        while not self.healthy():
-            if self.proc.poll() is not None:
-                raise RuntimeError(
-                    f"etcd exited with {self.proc.returncode} before answering at {self.url}; "
-                    f"log {self.log_path}:\n{self.log_tail()}"
-                )
-            if time.monotonic() > deadline:
-                raise RuntimeError(
-                    f"etcd did not answer at {self.url}/health within {timeout}s; "
-                    f"log {self.log_path}:\n{self.log_tail()}"
-                )
-            time.sleep(0.05)  # poll interval of the health check
-
-    def stop(self) -> None:
-        """SIGTERM, then SIGKILL if it has not exited within a few seconds; always reaped; idempotent."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=STOP_TIMEOUT)
-            except subprocess.TimeoutExpired:
-                self.kill()
-        self.proc.wait()
-
-    def kill(self) -> None:
-        """SIGKILL (a crash: no clean shutdown) and reap; idempotent."""
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait()
-
-    def __enter__(self) -> "EtcdServer":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
-
-
-def start_etcd(tmp_path: Path, name: str = "etcd", host: str = "127.0.0.1") -> EtcdServer:
-    """Start a single-member etcd on free loopback ports with its data and log under ``tmp_path``; wait
-    until healthy.
-
-    ``name`` names the member and its files (``tmp_path/NAME.data``, ``tmp_path/NAME.log``), so a test may
-    start several. ``host`` is the address its client URL binds (an address of this host that processes in
-    another network namespace can reach, e.g. a veth end's); the peer URL stays on loopback. Skips (or
-    fails where system tests are required) when ``etcd`` is not on PATH; raises RuntimeError with the log's
-    tail when it does not come up within 15 s. A port taken between picking and binding it (another test's
-    process) is retried with new ports.
-    """
-    binary = shutil.which("etcd")
-    if binary is None:
-        unavailable(f"not installed: etcd (not on PATH={os.environ.get('PATH', '')!r}; {INSTALL})")
-    data_dir = tmp_path / f"{name}.data"
-    log_path = tmp_path / f"{name}.log"
-    for attempt in range(3):
-        client_port, peer_port = free_ports(2)
-        url = f"http://{host}:{client_port}"
-        peer = f"http://127.0.0.1:{peer_port}"
-        cmd = [
-            binary,
-            "--name",
-            name,
-            "--data-dir",
-            str(data_dir),
-            "--listen-client-urls",
-            url,
-            "--advertise-client-urls",
-            url,
-            "--listen-peer-urls",
-            peer,
-            "--initial-advertise-peer-urls",
-            peer,
-            "--initial-cluster",
-            f"{name}={peer}",
-            "--initial-cluster-state",
-            "new",
-            *TIMING_FLAGS,
-        ]
-        with open(log_path, "ab") as log:
-            proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
-        server = EtcdServer(proc, url, data_dir, log_path)
-        try:
-            server.wait_healthy()
-            return server
-        except BaseException:
-            server.kill()
-            if attempt < 2 and "address already in use" in server.log_tail():
-                shutil.rmtree(data_dir, ignore_errors=True)
-                continue
-            raise
-    raise AssertionError("unreachable")
+def etcd_or_skip(tmp_path: Path, host: str = "127.0.0.1") -> EtcdServer:
+    """:func:`harness.etcd.start_etcd` in ``tmp_path``; the test skips (or fails where system tests are
+    required) when ``etcd`` is not on PATH."""
+    try:
+        return start_etcd(tmp_path, host=host)
+    except EtcdMissing as e:
+        unavailable(str(e))
 
 
 @pytest.fixture(name="etcd")
 def etcd_fixture(tmp_path) -> Iterator[EtcdServer]:
     """A fresh etcd for one test (``from tests.helpers.etcd import etcd_fixture  # noqa: F401``); stopped
     at teardown."""
-    server: Optional[EtcdServer] = start_etcd(tmp_path)
+    server = etcd_or_skip(tmp_path)
     try:
         yield server
     finally:

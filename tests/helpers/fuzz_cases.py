@@ -22,12 +22,11 @@ import torch
 from google.protobuf.message_factory import GetMessageClass
 from torch import nn
 
+from harness.cluster import LocalCluster
 from psproto import ps_pb2
 from psproto.codec import decode_chunk, encode_chunks, encode_into
 from psproto.shared_memory import Region
 from transpiler import Program
-
-from .cluster import LocalCluster
 
 SERVICE = ps_pb2.DESCRIPTOR.services_by_name["ParameterServer"]
 METHODS = {m.name: m for m in SERVICE.methods}

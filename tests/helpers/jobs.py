@@ -12,11 +12,10 @@ from typing import Dict
 import pytest
 import torch
 
+from harness.models import assert_state_close
+from harness.ports import free_ports
 from tests.helpers.paths import SCRIPTS
 from tests.scripts import recovery_job
-
-from .models import assert_state_close
-from .ports import free_ports
 
 SCRIPT = str(SCRIPTS / "recovery_job.py")
 

@@ -2,7 +2,7 @@
 
 Every local process is a real process (torch.distributed allows one process
 group per process); the pservers are the in-process ones of
-:class:`~tests.helpers.cluster.LocalCluster`.
+:class:`~harness.cluster.LocalCluster`.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Callable, List, Optional, Sequence
 import torch
 from torch import nn
 
-from .ports import free_ports
+from harness.ports import free_ports
 
 PROCESS_TIMEOUT = 90.0
 
@@ -177,11 +177,10 @@ def exchange_process(exchange: str, rank: int, port: int, data, out: str) -> Non
 
     import torch.distributed as dist
 
+    from harness.models import odd_mlp
     from trainer.blocks import LocalBlocks
     from trainer.node import RECOVERABLE, Layout, NodeGroup
     from transpiler import DistributeTranspiler, Program
-
-    from .models import odd_mlp
 
     torch.set_num_threads(1)
     dist.init_process_group(

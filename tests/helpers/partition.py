@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-import socket
 import subprocess
 import sys
 import threading
@@ -23,9 +22,11 @@ from typing import Dict, Iterator, List, Optional, Tuple
 
 import pytest
 
+from harness.netns import clear_namespace, in_ns, run, without_proxies
+from harness.ports import free_ports
 from tests.helpers.jobs import SCRIPT
 from tests.helpers.replicated_job import ReplicatedJob
-from tests.helpers.system import clear_namespace, in_ns, missing_prerequisites, run, unavailable
+from tests.helpers.system import missing_prerequisites, unavailable
 from tests.scripts import recovery_job
 
 PID = os.getpid()
@@ -38,8 +39,6 @@ OFFSET = 4 * (1 + (PID // 250) % 63)
 IP_A, IP_B = f"{SUBNET}.{OFFSET + 1}", f"{SUBNET}.{OFFSET + 2}"
 PREFIX = 30
 
-
-PROXY_VARS = ("http_proxy", "https_proxy", "all_proxy", "grpc_proxy", "no_proxy")
 
 FENCED_LINE = re.compile(
     r"^(\S+ \S+) ERROR \S+: replica (\S+): lost the lead of shard 0 \(epoch (\d+)\): fenced", re.M
@@ -113,19 +112,13 @@ with open(out, "w") as f:
 """
 
 
-def clean_env(env: Dict[str, str]) -> Dict[str, str]:
-    """``env`` without proxy variables: gRPC and etcd's HTTP client would otherwise send 10.231.x.x through
-    a proxy."""
-    return {k: v for k, v in env.items() if k.lower() not in PROXY_VARS}
-
-
 def teardown_network() -> None:
     """Delete NS_A (SIGKILLing whatever still runs in it, which removes its veth end) and a veth end left
     behind."""
     clear_namespace(NS_A)
     for dev in (VETH_B, VETH_A):
-        if run(["ip", "link", "show", dev]).returncode == 0:
-            run(["ip", "link", "del", dev])
+        if run(["ip", "link", "show", dev], check=False).returncode == 0:
+            run(["ip", "link", "del", dev], check=False)
 
 
 @contextlib.contextmanager
@@ -148,7 +141,7 @@ def partition_network() -> Iterator[None]:
     ]
     try:
         for cmd in steps:
-            r = run(cmd)
+            r = run(cmd, check=False)
             if r.returncode != 0:
                 # Inside the try: the finally below removes what the earlier steps created.
                 unavailable(
@@ -160,23 +153,16 @@ def partition_network() -> Iterator[None]:
         teardown_network()
 
 
-def free_port(host: str) -> int:
-    """A port the OS reports free on ``host`` (an address of this namespace)."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
 class PartitionJob(ReplicatedJob):
     """One shard: ``pserver0`` at IP_A inside NS_A, ``replica0`` at IP_B here; two trainers here."""
 
     def __init__(self, tmp_path, etcd_url: str, args):
         super().__init__(tmp_path, etcd_url, n_pservers=1, n_trainers=2, args=args)
-        self.endpoints = [f"{IP_A}:{free_port('127.0.0.1')}"]  # NS_A is empty: any port is free there
-        self.backups = [f"{IP_B}:{free_port(IP_B)}"]
+        self.endpoints = [f"{IP_A}:{free_ports(1)[0]}"]  # NS_A is empty: any port is free there
+        self.backups = [f"{IP_B}:{free_ports(1, IP_B)[0]}"]
 
     def env(self, role: str, index: int) -> dict:
-        return clean_env(super().env(role, index))
+        return without_proxies(super().env(role, index))
 
     def start(self, role: str, index: int, tag: str = "") -> subprocess.Popen:
         """As :meth:`Job.start`, with ``pserverK`` run inside NS_A (``ip netns exec`` execs it: same pid)."""

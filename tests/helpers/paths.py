@@ -1,9 +1,8 @@
-"""Where the repository's parts are, for tests at any depth under tests/."""
+"""Where the repository's parts are, for tests at any depth under tests/ (the repository is harness's)."""
 
 from __future__ import annotations
 
-from pathlib import Path
+from harness.paths import REPO
 
-REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = REPO / "examples"
 SCRIPTS = REPO / "tests" / "scripts"

@@ -14,10 +14,10 @@ from typing import Dict, List, Optional, Tuple
 
 import grpc
 
+from harness.ports import free_ports
 from psproto import ps_pb2, ps_pb2_grpc
 
 from .jobs import Job
-from .ports import free_ports
 
 # What the trainers' logs say when a recovery rolls them back (trainer/recovery/healer.py).
 ROLLBACK_LINES = re.compile(r"rolling every pserver back|steps \d+\.\.\d+ are|rolled back from step")

@@ -32,7 +32,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Mapping, Optional, Sequence
 
-from tests.helpers.system import clear_namespace, missing_prerequisites
+from harness.netns import clear_namespace
+from tests.helpers.system import missing_prerequisites
 
 NODES = {"n1": "127.0.0.1", "n2": "127.0.0.2"}
 CTLD_PORT, FIRST_SLURMD_PORT = 6817, 6818  # free in a fresh namespace

@@ -14,6 +14,8 @@ import pytest
 import torch
 from torch import nn
 
+from harness.cluster import LocalCluster
+from harness.models import batches, odd_mlp
 from pserver.rpc.servicer import PserverServicer
 from psproto import ps_pb2, ps_pb2_grpc
 from psproto.certs import make_test_certs
@@ -21,8 +23,6 @@ from psproto.certs_cli import main as certs_main
 from psproto.security import Security
 from psproto.wire import SERVICE as SERVICE_NAME
 from tests.helpers import paths
-from tests.helpers.cluster import LocalCluster
-from tests.helpers.models import batches, odd_mlp
 from trainer import Trainer
 from trainer.errors import REFUSED as REFUSED_KIND
 from trainer.errors import PserverError

@@ -15,11 +15,11 @@ import grpc
 import pytest
 import torch
 
+from harness.cluster import LocalCluster
+from harness.models import FLOAT64_EXACT, batches, odd_mlp, train_concatenated, train_distributed
 from psproto import ps_pb2
 from psproto.codec import TensorReader, decode_chunk, encode_chunks, encode_into
 from psproto.shared_memory import NAME_PREFIX, Region, SharedMemoryError, map_region
-from tests.helpers.cluster import LocalCluster
-from tests.helpers.models import FLOAT64_EXACT, batches, odd_mlp, train_concatenated, train_distributed
 from trainer.transport.shared_regions import RegionPool, region_size
 from transpiler import DistributeTranspilerConfig, Program
 

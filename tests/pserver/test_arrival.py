@@ -9,10 +9,10 @@ import time
 import pytest
 import torch
 
+from harness.cluster import LocalCluster
+from harness.models import odd_mlp
 from pserver.rpc.arrival import CallsInProgress, caller_of
 from psproto.wire import TRAINER_METADATA
-from tests.helpers.cluster import LocalCluster
-from tests.helpers.models import odd_mlp
 from tests.helpers.polling import poll
 from transpiler import DistributeTranspilerConfig, Program
 

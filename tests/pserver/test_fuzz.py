@@ -63,9 +63,9 @@ import torch
 from google.protobuf.message_factory import GetMessageClass
 from torch import nn
 
+from harness.cluster import LocalCluster
 from psproto.codec import WireError, as_bytes, decode_chunk
 from psproto.dtypes import DTYPES
-from tests.helpers.cluster import LocalCluster
 from tests.helpers.fuzz_cases import (
     BAG_LEN,
     METHODS,

@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch import nn
 
-from tests.helpers.cluster import LocalCluster
+from harness.cluster import LocalCluster
 from transpiler import DistributeTranspilerConfig, Program
 
 ROWS, COLS = 127_000, 1024  # 520 MB of float32 in one block (slicing off)

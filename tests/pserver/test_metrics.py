@@ -26,16 +26,16 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 from torch import nn
 
+from harness.cluster import LocalCluster
+from harness.models import batches, odd_mlp
+from harness.ports import free_ports
 from pserver import ParameterServer
 from pserver.ops.health import HealthPort
 from pserver.ops.ports import HEALTH_PORT_VAR, METRICS_PORT_VAR, SidePorts, port_setting, split_host
 from psproto import ps_pb2, ps_pb2_grpc
 from psproto.security import Security
 from tests.helpers import paths
-from tests.helpers.cluster import LocalCluster
-from tests.helpers.models import batches, odd_mlp
 from tests.helpers.polling import poll
-from tests.helpers.ports import free_ports
 from transpiler import DistributeTranspiler, DistributeTranspilerConfig, Program
 from transpiler.cli import add_transpile_arguments, config_from_args
 

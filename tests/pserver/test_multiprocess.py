@@ -9,9 +9,9 @@ import pytest
 import torch
 from torch import nn
 
+from harness.models import FLOAT64_EXACT, batches, odd_program
+from harness.ports import free_ports
 from tests.helpers import paths
-from tests.helpers.models import FLOAT64_EXACT, batches, odd_program
-from tests.helpers.ports import free_ports
 from trainer import Trainer
 from transpiler import DistributeTranspiler
 
@@ -41,7 +41,7 @@ def start_pservers(endpoints, trainers, extra=()):
                     "-m",
                     "pserver.cli",
                     "--program",
-                    "tests/helpers/models.py:odd_program",
+                    "harness/models.py:odd_program",
                     *extra,
                 ],
                 cwd=REPO,

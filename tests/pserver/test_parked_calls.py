@@ -13,10 +13,10 @@ import grpc
 import pytest
 import torch
 
+from harness.cluster import LocalCluster
+from harness.models import FLOAT64_EXACT, batches, odd_mlp, train_concatenated
 from psproto import ps_pb2, ps_pb2_grpc
 from psproto.wire import SERVICE, one_message
-from tests.helpers.cluster import LocalCluster
-from tests.helpers.models import FLOAT64_EXACT, batches, odd_mlp, train_concatenated
 from tests.helpers.polling import poll
 from tests.helpers.wire import answer, open_sessions, push_messages
 from transpiler import DistributeTranspilerConfig, Program

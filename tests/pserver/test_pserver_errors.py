@@ -7,12 +7,12 @@ import grpc
 import pytest
 import torch
 
+from harness.cluster import LocalCluster
+from harness.models import batches, odd_mlp
+from harness.ports import free_ports
 from psproto import ps_pb2, ps_pb2_grpc
 from psproto.codec import encode_chunks
-from tests.helpers.cluster import LocalCluster
-from tests.helpers.models import batches, odd_mlp
 from tests.helpers.polling import poll
-from tests.helpers.ports import free_ports
 from tests.helpers.wire import answer, expect_refusal, open_sessions, push_messages
 from trainer import PserverError, PserverUnavailableError, Trainer
 from transpiler import DistributeTranspiler, DistributeTranspilerConfig, Program

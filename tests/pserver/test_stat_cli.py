@@ -8,11 +8,11 @@ from types import SimpleNamespace
 import pytest
 from torch import nn
 
+from harness.cluster import LocalCluster
+from harness.models import batches, odd_mlp
+from harness.ports import free_ports
 from pserver.ops import stat_cli
 from psproto.security import Security
-from tests.helpers.cluster import LocalCluster
-from tests.helpers.models import batches, odd_mlp
-from tests.helpers.ports import free_ports
 from transpiler import Program
 
 STEPS = 3

@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 import torch
 
+from harness.cluster import LocalCluster
 from pserver.checkpoint import layout as checkpoint
 from pserver.checkpoint.cli import main as checkpoint_main
 from tests.helpers import checkpoint_models as cm
-from tests.helpers.cluster import LocalCluster
 from tests.helpers.paths import SCRIPTS
 
 

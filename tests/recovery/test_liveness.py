@@ -20,8 +20,8 @@ import pytest
 import torch
 from torch import nn
 
-from tests.helpers.cluster import LocalCluster, in_threads
-from tests.helpers.models import FLOAT64_EXACT, batches, odd_mlp, train_concatenated
+from harness.cluster import LocalCluster, in_threads
+from harness.models import FLOAT64_EXACT, batches, odd_mlp, train_concatenated
 from tests.pserver.test_metrics import scrape, value
 from trainer import job_metrics
 from transpiler import DistributeTranspilerConfig, Program

@@ -18,7 +18,7 @@ import signal
 import pytest
 import torch
 
-from tests.helpers.models import assert_state_close
+from harness.models import assert_state_close
 from tests.scripts import recovery_job
 from transpiler import DistributeTranspiler, DistributeTranspilerConfig
 

@@ -16,10 +16,10 @@ import time
 import pytest
 import torch
 
+from harness.cluster import LocalCluster
+from harness.models import assert_state_close
 from pserver.checkpoint.layout import find_saved, load_blocks
 from tests.helpers import checkpoint_models as cm
-from tests.helpers.cluster import LocalCluster
-from tests.helpers.models import assert_state_close
 from tests.scripts import recovery_job
 from trainer.errors import PserverError
 from trainer.transport import Channels

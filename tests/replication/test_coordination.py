@@ -3,7 +3,7 @@
 One winner per campaign however many replicas race, epochs that only grow, the in-sync list
 gating who may lead, a deposed primary unable to write, and leases that end when their holder
 (or etcd) dies: these are the guarantees the hot-standby replicas rest on, and they are etcd's, so
-they are checked against the real server (:mod:`tests.helpers.etcd`), never a fake.
+they are checked against the real server (:mod:`harness.etcd`), never a fake.
 """
 
 from __future__ import annotations
@@ -20,12 +20,12 @@ from typing import List, Optional
 
 import pytest
 
+from harness.ports import free_ports
 from pserver.replication.coordination import CoordinationError, InSync, Leader, may_campaign
 from pserver.replication.etcd import EtcdCoordinator
 from tests.helpers import paths
 from tests.helpers.etcd import etcd_fixture  # noqa: F401 - the `etcd` fixture
 from tests.helpers.polling import poll
-from tests.helpers.ports import free_ports
 
 pytestmark = pytest.mark.timeout(60)
 processes = pytest.mark.processes  # the tests that start etcd (and a replica process)

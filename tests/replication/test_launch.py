@@ -13,11 +13,11 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from harness.models import assert_state_close
 from pserver.ops import stat_cli
 from psproto import ps_pb2, ps_pb2_grpc
 from tests.helpers import paths
 from tests.helpers.etcd import etcd_fixture  # noqa: F401
-from tests.helpers.models import assert_state_close
 from tests.helpers.polling import poll
 from tests.scripts import recovery_job
 from trainer.launch import plan as launch_plan
@@ -150,7 +150,7 @@ def test_a_backups_plan_serves_its_pservers_shard():
     config = DistributeTranspilerConfig(
         server_replicas=2, replica_endpoints="127.0.0.1:3,127.0.0.1:4", coordinator=URL
     )
-    from tests.helpers.models import odd_program
+    from harness.models import odd_program
 
     t = DistributeTranspiler(config)
     t.transpile(0, program=odd_program(), pservers="127.0.0.1:1,127.0.0.1:2", trainers=2)

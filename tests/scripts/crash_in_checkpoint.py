@@ -13,12 +13,12 @@ import sys
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))  # the repository: tests.helpers
+sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))  # the repository: harness, tests.helpers
 
+from harness.cluster import LocalCluster  # noqa: E402
 from pserver import atomic_files  # noqa: E402
 from pserver.checkpoint import layout  # noqa: E402
 from tests.helpers import checkpoint_models as cm  # noqa: E402
-from tests.helpers.cluster import LocalCluster  # noqa: E402
 
 
 def die(*args, **kwargs):

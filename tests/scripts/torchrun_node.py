@@ -3,7 +3,7 @@
 
 Run as ``python -m torch.distributed.run --nnodes 2 --node-rank N ... torchrun_node.py OUT_DIR`` with
 ``TRAINING_ROLE=TRAINER`` and ``PADDLE_PSERVERS_IP_PORT_LIST`` set; the pservers serve
-``tests/helpers/models.py:odd_program``. The role comes from torchrun's variables alone
+``harness/models.py:odd_program``. The role comes from torchrun's variables alone
 (``RoleEnv.from_env``: trainer id = ``GROUP_RANK``), the node's process group from the Trainer's own choice
 of rendezvous (no ``init_method`` given). The process trains one step per batch of ``DATA`` (its own,
 ``RANK`` = node x local world size + local rank) and saves ``OUT_DIR/node<N>-rank<R>.pt`` = (state_dict,
@@ -39,7 +39,7 @@ def data():
     """Every process's batches: ``data()[step][rank]``, float64 (the pservers' program is float64)."""
     import torch
 
-    from tests.helpers.models import batches
+    from harness.models import batches
 
     return batches(4, PER_PROCESS, STEPS, dtype=torch.float64)
 
@@ -51,8 +51,8 @@ def main(out_dir: str) -> None:
     import torch
     from torch import nn
 
+    from harness.models import odd_program
     from psproto.security import Security
-    from tests.helpers.models import odd_program
     from trainer import Trainer
     from transpiler import DistributeTranspiler, RoleEnv
 

@@ -1,6 +1,6 @@
 """A sync job across four "hosts" started as users start one on real machines: ps-launch on every host.
 
-Four network namespaces on a bridge (``benchmarks/common/netns.py``): pservers on hosts 1 and 2,
+Four network namespaces on a bridge (``harness/netns.py``): pservers on hosts 1 and 2,
 trainers on hosts 3 and 4 (``host_layouts`` "split"). Every host runs the same
 ``ps-launch --servers ... --workers ... --host ITS_IP tests/scripts/recovery_job.py`` (the recipe of
 docs/operations.md, "Jobs across hosts") and starts only its own roles. Shared memory is off (the
@@ -17,11 +17,11 @@ import os
 import pytest
 import torch
 
-from benchmarks.common.host_layouts import parse_layout, per_host_commands
-from benchmarks.common.netns import Hosts, NetnsError, host_env
-from benchmarks.common.processes import Command
+from harness.host_layouts import parse_layout, per_host_commands
+from harness.models import assert_state_close
+from harness.netns import Hosts, NetnsError, host_env
+from harness.processes import Command
 from tests.helpers import paths
-from tests.helpers.models import assert_state_close
 from tests.helpers.system import missing_prerequisites, unavailable
 from tests.scripts import recovery_job
 

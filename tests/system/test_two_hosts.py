@@ -25,8 +25,9 @@ from typing import List
 
 import pytest
 
+from harness.netns import clear_namespace, in_ns, run, without_proxies
 from tests.helpers import paths
-from tests.helpers.system import clear_namespace, in_ns, missing_prerequisites, run, unavailable
+from tests.helpers.system import missing_prerequisites, unavailable
 
 # Every test here starts pservers and trainers as separate processes.
 pytestmark = pytest.mark.processes
@@ -55,7 +56,7 @@ class TwoHosts:
     def counters(self, ns: str, dev: str) -> dict:
         out = {}
         for name in ("rx_bytes", "tx_bytes"):
-            r = run(in_ns(ns, "cat", f"/sys/class/net/{dev}/statistics/{name}"))
+            r = run(in_ns(ns, "cat", f"/sys/class/net/{dev}/statistics/{name}"), check=False)
             assert r.returncode == 0, f"reading {name} of {dev} in {ns}: {r.stderr}"
             out[name] = int(r.stdout.strip())
         return out
@@ -81,8 +82,8 @@ def teardown_network(created_ns: List[str]) -> None:
         clear_namespace(ns)  # deleting it also removes the veth end inside it
     # If setup stopped before both ends were moved, an end may still be in the root namespace.
     for dev in (VETH1, VETH2):
-        if run(["ip", "link", "show", dev]).returncode == 0:
-            run(["ip", "link", "del", dev])
+        if run(["ip", "link", "show", dev], check=False).returncode == 0:
+            run(["ip", "link", "del", dev], check=False)
 
 
 @pytest.fixture(scope="module")
@@ -110,7 +111,7 @@ def two_hosts():
     hosts = TwoHosts()
     try:
         for cmd in steps:
-            r = run(cmd)
+            r = run(cmd, check=False)
             if r.returncode != 0:
                 # Inside the try: the finally below removes what the earlier steps created.
                 unavailable(
@@ -128,12 +129,7 @@ def two_hosts():
 
 def start_role(hosts: TwoHosts, ns: str, env: dict, log: Path, cwd: Path, *args: str) -> subprocess.Popen:
     """``ip netns exec NS env VAR=... python examples/train_mlp.py ARGS``, in its own session."""
-    # No proxy variables: gRPC would otherwise try to reach 10.231.x.x through a proxy.
-    base = {
-        k: v
-        for k, v in os.environ.items()
-        if k.lower() not in ("http_proxy", "https_proxy", "all_proxy", "grpc_proxy")
-    }
+    base = without_proxies(dict(os.environ))  # gRPC would try to reach 10.231.x.x through a proxy
     env = {"PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1", **env}
     argv = in_ns(ns, "env", *(f"{k}={v}" for k, v in env.items()), sys.executable, EXAMPLE, *args)
     with open(log, "wb") as out:
@@ -210,7 +206,7 @@ def test_sync_job_across_two_network_namespaces(two_hosts, tmp_path):
             f"import socket,errno; s=socket.socket(); s.settimeout(5); "
             f"raise SystemExit(0 if s.connect_ex(('127.0.0.1',{port}))==errno.ECONNREFUSED else 1)"
         )
-        r = run(in_ns(NS1, sys.executable, "-I", "-c", probe))
+        r = run(in_ns(NS1, sys.executable, "-I", "-c", probe), check=False)
         assert r.returncode == 0, f"127.0.0.1:{port} inside {NS1} was not refused: {r.stderr}"
         assert refused("127.0.0.1", port), f"127.0.0.1:{port} in the root namespace was not refused"
 

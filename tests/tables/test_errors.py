@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 import torch
 
+from harness.cluster import LocalCluster
 from psproto import ps_pb2, ps_pb2_grpc
 from psproto.codec import TensorReader, encode_chunks
-from tests.helpers.cluster import LocalCluster
 from tests.helpers.table_models import BAG_DIM, DIM, table_program
 from tests.helpers.wire import answer, expect_refusal, open_sessions, push_messages
 from transpiler.tables import initial_rows, shard_of

@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 from torch import nn
 
+from harness.cluster import LocalCluster
 from pserver.tables.serving.exporter import TableExporter, export_plan
 from pserver.tables.serving.reader import ServingTables
 from pserver.tables.shard import TableShard
-from tests.helpers.cluster import LocalCluster
 from tests.helpers.table_models import VOCAB, table_batches, table_program
 from tests.helpers.table_specs import grads_for, make_spec
 from transpiler import DistributeTranspilerConfig

@@ -6,8 +6,8 @@ import json
 import pytest
 from torch import nn
 
+from harness.cluster import LocalCluster
 from pserver.ops import stat_cli
-from tests.helpers.cluster import LocalCluster
 from tests.helpers.table_models import table_batches, table_program
 from tests.pserver.test_metrics import scrape, value
 from transpiler import DistributeTranspilerConfig

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.helpers.cluster import LocalCluster
+from harness.cluster import LocalCluster
 from tests.helpers.lifecycle_reference import single_process_lifecycle
 from tests.helpers.table_models import VOCAB, table_batches, table_program
 from tests.tables.test_sync import train

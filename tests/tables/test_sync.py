@@ -12,8 +12,8 @@ import pytest
 import torch
 from torch import nn
 
-from tests.helpers.cluster import LocalCluster
-from tests.helpers.models import FLOAT64_EXACT
+from harness.cluster import LocalCluster
+from harness.models import FLOAT64_EXACT
 from tests.helpers.table_models import BAG_VOCAB, VOCAB, single_process, table_batches, table_program
 from transpiler import DistributeTranspilerConfig
 

@@ -20,10 +20,10 @@ import pytest
 import torch
 from torch import nn
 
+from harness.cluster import LocalCluster
 from pserver.tables.lifecycle import disk_tier
 from pserver.tables.shard import TableShard
 from tests.helpers import paths
-from tests.helpers.cluster import LocalCluster
 from tests.helpers.table_models import BAG_VOCAB, VOCAB, single_process, table_batches, table_program
 from tests.helpers.table_specs import grads_for, make_spec
 from tests.tables.test_sync import assert_matches, train

@@ -14,8 +14,8 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
+from harness.cluster import LocalCluster
 from tests.helpers import paths
-from tests.helpers.cluster import LocalCluster
 
 REPO = str(paths.REPO)
 sys.path.insert(0, os.path.join(REPO, "examples"))

@@ -12,8 +12,8 @@ import pytest
 import torch
 from torch import nn
 
-from tests.helpers.cluster import LocalCluster
-from tests.helpers.models import batches, odd_mlp
+from harness.cluster import LocalCluster
+from harness.models import batches, odd_mlp
 from tests.helpers.table_models import VOCAB, table_batches, table_program
 from trainer import PserverError
 from trainer.steppers.pipelined import PipelinedStepper

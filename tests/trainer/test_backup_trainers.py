@@ -15,8 +15,8 @@ import pytest
 import torch
 from torch import nn
 
-from tests.helpers.cluster import LocalCluster
-from tests.helpers.models import FLOAT64_EXACT, batches, odd_mlp, train_concatenated
+from harness.cluster import LocalCluster
+from harness.models import FLOAT64_EXACT, batches, odd_mlp, train_concatenated
 from trainer.transport import PserverChannel
 from transpiler import DistributeTranspilerConfig, Program
 

@@ -18,9 +18,9 @@ import torch.multiprocessing as mp
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from harness.models import batches, odd_mlp
+from harness.ports import free_ports
 from tests.helpers import paths
-from tests.helpers.models import batches, odd_mlp
-from tests.helpers.ports import free_ports
 from trainer import PserverTrainer, Trainer
 from trainer.collective import CollectiveTrainer
 from transpiler import DistributeTranspiler, DistributeTranspilerConfig, Program, TrainerProgram
@@ -253,7 +253,7 @@ def test_local_sgd_with_a_longer_period_keeps_the_processes_apart_between_averag
 
 
 def test_trainer_makes_the_kind_the_plan_asks_for_and_both_kinds_are_trainers():
-    from tests.helpers.cluster import LocalCluster
+    from harness.cluster import LocalCluster
 
     with Trainer(collective_program()) as tr:
         assert type(tr) is CollectiveTrainer and isinstance(tr, Trainer)

@@ -11,10 +11,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from harness.cluster import LocalCluster
+from harness.models import batches, odd_mlp, train_concatenated
+from harness.ports import free_ports
 from psproto.security import Security
-from tests.helpers.cluster import LocalCluster
-from tests.helpers.models import batches, odd_mlp, train_concatenated
-from tests.helpers.ports import free_ports
 from trainer import Trainer
 from trainer.node import Layout, NodeGroup
 from transpiler import Program

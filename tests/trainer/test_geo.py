@@ -13,8 +13,8 @@ import pytest
 import torch
 from torch import nn
 
-from tests.helpers.cluster import LocalCluster
-from tests.helpers.models import FLOAT64_EXACT, batches, odd_mlp, train_concatenated
+from harness.cluster import LocalCluster
+from harness.models import FLOAT64_EXACT, batches, odd_mlp, train_concatenated
 from tests.helpers.table_models import VOCAB, single_process, table_batches, table_program
 from transpiler import DistributeTranspilerConfig, Program, TableOptions
 from transpiler.tables import initial_rows

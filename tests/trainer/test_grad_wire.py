@@ -12,10 +12,10 @@ import pytest
 import torch
 from torch import nn
 
+from harness.cluster import LocalCluster
+from harness.models import FLOAT64_EXACT, batches, odd_mlp, train_concatenated
 from psproto import ps_pb2
 from psproto.codec import TensorReader, WireError, decode_chunk, encode_chunks, widen
-from tests.helpers.cluster import LocalCluster
-from tests.helpers.models import FLOAT64_EXACT, batches, odd_mlp, train_concatenated
 from tests.helpers.table_models import BAG_VOCAB, VOCAB, single_process, table_batches, table_program
 from trainer.transport.narrowing import GradientNarrower
 from transpiler import DistributeTranspilerConfig, Program

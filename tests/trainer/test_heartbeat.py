@@ -111,7 +111,7 @@ class FakePserver:
 
 
 def test_a_pserver_that_takes_no_call_up_gets_one_heartbeat_and_delays_no_other_pserver_s():
-    from tests.helpers.models import odd_program
+    from harness.models import odd_program
     from trainer.heartbeat import Heartbeat
     from trainer.transport import Channels
     from transpiler import DistributeTranspiler, DistributeTranspilerConfig
@@ -153,7 +153,7 @@ def test_heartbeats_of_many_idle_trainers_start_no_thread_per_heartbeat(monkeypa
     A gRPC future on an idle channel starts a thread to poll it, so each heartbeat did: hundreds of such
     starts an interval in a crowded process left the heartbeats late and the pservers dropped trainers.
     """
-    from tests.helpers.models import odd_program
+    from harness.models import odd_program
     from trainer.heartbeat import Heartbeat
     from trainer.transport import Channels
     from transpiler import DistributeTranspiler, DistributeTranspilerConfig
@@ -187,7 +187,7 @@ def test_heartbeats_of_many_idle_trainers_start_no_thread_per_heartbeat(monkeypa
 
 def test_a_heartbeat_that_waited_for_a_call_thread_is_reported(caplog):
     """Late heartbeats are what drop live trainers: the process says so, before any pserver does."""
-    from tests.helpers.models import odd_program
+    from harness.models import odd_program
     from trainer.heartbeat import Heartbeat
     from trainer.transport import Channels
     from transpiler import DistributeTranspiler, DistributeTranspilerConfig

@@ -16,12 +16,12 @@ import pytest
 import torch
 from sklearn.metrics import roc_auc_score
 
+from harness.cluster import LocalCluster
+from harness.models import odd_mlp, odd_program
+from harness.ports import free_ports
 from pserver.engine.reductions import MAX_OPEN, Rounds, combine, to_values
 from pserver.errors import BadRequest, NotAllowed
-from tests.helpers.cluster import LocalCluster
-from tests.helpers.models import odd_mlp, odd_program
 from tests.helpers.polling import poll
-from tests.helpers.ports import free_ports
 from trainer import PserverError, job_metrics
 from trainer.job_metrics import AucStats, auc_from_histograms
 from transpiler import DistributeTranspiler, DistributeTranspilerConfig, Program

@@ -7,8 +7,8 @@ import pytest
 import torch
 from torch import nn
 
-from tests.helpers.cluster import LocalCluster
-from tests.helpers.models import FLOAT64_EXACT, train_concatenated
+from harness.cluster import LocalCluster
+from harness.models import FLOAT64_EXACT, train_concatenated
 from trainer.transport.lanes import Lanes, deal_lanes
 from trainer.transport.wire_paths import ONE_MESSAGE, SHARED_MEMORY, STREAM
 from transpiler import DistributeTranspilerConfig, Program

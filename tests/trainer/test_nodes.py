@@ -13,10 +13,10 @@ import signal
 import pytest
 import torch
 
-from tests.helpers.cluster import LocalCluster
-from tests.helpers.models import assert_state_close, batches, odd_mlp, train_concatenated
+from harness.cluster import LocalCluster
+from harness.models import assert_state_close, batches, odd_mlp, train_concatenated
+from harness.ports import free_ports
 from tests.helpers.nodes import exchange_process, run_nodes, start_node, stop, wait_all
-from tests.helpers.ports import free_ports
 from tests.helpers.table_models import BAG_VOCAB, VOCAB, single_process, table_batches, table_model
 from transpiler import DistributeTranspilerConfig, Program, TableOptions
 

@@ -11,8 +11,8 @@ import pytest
 import torch
 from torch import nn
 
-from tests.helpers.cluster import LocalCluster
-from tests.helpers.models import assert_state_close, batches, odd_mlp, train_concatenated
+from harness.cluster import LocalCluster
+from harness.models import assert_state_close, batches, odd_mlp, train_concatenated
 from transpiler import DistributeTranspilerConfig, Program
 
 STEPS = 3

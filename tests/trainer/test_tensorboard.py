@@ -24,8 +24,8 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from harness.cluster import LocalCluster
 from tests.helpers import paths
-from tests.helpers.cluster import LocalCluster
 from tests.helpers.table_models import table_batches, table_program
 from trainer.collective import CollectiveTrainer
 from transpiler import DistributeTranspiler, DistributeTranspilerConfig, Program

@@ -24,10 +24,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from harness.models import assert_state_close, odd_program, train_concatenated
+from harness.ports import free_ports
 from tests.helpers import paths
 from tests.helpers.launch import kill_probes
-from tests.helpers.models import assert_state_close, odd_program, train_concatenated
-from tests.helpers.ports import free_ports
 from tests.scripts import torchrun_node
 from trainer.node import NodeRendezvous, SharedStore, join_group, node_rendezvous
 from trainer.node.devices import open_store
@@ -380,7 +380,7 @@ def test_two_torchrun_nodes_of_two_processes_train_as_one_process(tmp_path, kind
             address, port = ep.rsplit(":", 1)
             logs[f"pserver{i}"] = tmp_path / f"pserver{i}.log"
             procs[f"pserver{i}"] = start(
-                [sys.executable, "-m", "pserver.cli", "--program", "tests/helpers/models.py:odd_program"],
+                [sys.executable, "-m", "pserver.cli", "--program", "harness/models.py:odd_program"],
                 clean_env(
                     TRAINING_ROLE="PSERVER",
                     PADDLE_PSERVERS_IP_PORT_LIST=",".join(endpoints),

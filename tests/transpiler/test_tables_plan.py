@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch import nn
 
-from tests.helpers.cluster import LocalCluster
+from harness.cluster import LocalCluster
 from tests.helpers.table_models import table_program
 from transpiler import DistributeTranspiler, Program, PserverProgram, TableOptions, TrainerProgram
 from transpiler.placement import stable_hash_ids

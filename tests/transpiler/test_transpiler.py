@@ -10,8 +10,8 @@ import pytest
 import torch
 from torch import nn
 
+from harness.models import odd_mlp
 from tests.helpers import paths
-from tests.helpers.models import odd_mlp
 from transpiler import (
     DistributeTranspiler,
     DistributeTranspilerConfig,

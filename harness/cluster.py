@@ -1,4 +1,4 @@
-"""In-process clusters for tests: real gRPC pservers on loopback, trainers in threads.
+"""In-process clusters for tests and the GPU check: real gRPC pservers on loopback, trainers in threads.
 
 Every role runs its own transpile of a fresh program from the same builder,
 exactly as separate processes would; only the process boundary is missing.
@@ -10,12 +10,11 @@ import threading
 from contextlib import ExitStack
 from typing import Callable, Dict, List, Optional
 
+from harness.ports import free_ports
 from pserver import ParameterServer
 from psproto.security import Security
 from trainer import Trainer
 from transpiler import DistributeTranspiler, DistributeTranspilerConfig, Program
-
-from .ports import free_ports
 
 
 class LocalCluster:

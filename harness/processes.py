@@ -1,12 +1,13 @@
-"""Subprocesses of the benchmarks: run a command with a deadline and stop its whole process tree.
+"""Child processes of the benchmarks and the system tests: a command with a deadline, its whole tree stopped.
 
-Every child a benchmark starts gets :func:`die_with_parent` and runs in a session of its own;
+Every child started here gets :func:`die_with_parent` and runs in a session of its own;
 a failure is a :class:`RunFailed` whose message ends with the tail of the child's log.
 
 A run (``ps-launch`` and its roles, a torch peer and its spawned ranks, Paddle's
-launcher) is killed as a tree, SIGTERM first and SIGKILL after a grace period,
-on timeout, on failure and when the benchmark itself is interrupted; each child
-also gets SIGKILL if the benchmark dies (Linux ``PR_SET_PDEATHSIG``).
+launcher, ps-launch inside a network namespace) is killed as a tree, SIGTERM first
+and SIGKILL after a grace period, on timeout, on failure and when the caller itself
+is interrupted; each child also gets SIGKILL if its starter dies (Linux
+``PR_SET_PDEATHSIG``).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import subprocess
 import time
 from typing import Dict, List, Optional, Sequence, Set, Tuple
 
-log = logging.getLogger("benchmarks.processes")
+log = logging.getLogger("harness.processes")
 
 # SIGTERM first, SIGKILL after this many seconds (ps-launch itself gives its roles 10 s).
 STOP_GRACE = 15.0
@@ -34,7 +35,7 @@ class RunFailed(RuntimeError):
 
 
 def die_with_parent() -> None:
-    """In the child before exec (``preexec_fn``): get SIGKILL if this benchmark dies (Linux)."""
+    """In the child before exec (``preexec_fn``): get SIGKILL if its starter dies (Linux)."""
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
@@ -54,7 +55,8 @@ def _raise_on_signal(signum, frame):
 
 
 def stop_on_signals() -> None:
-    """Turn SIGTERM and SIGHUP into SystemExit(128 + signal), so ``with`` blocks stop the children."""
+    """Turn SIGTERM and SIGHUP into SystemExit(128 + signal), so ``with`` blocks stop the children (a
+    benchmark's ``main``)."""
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, _raise_on_signal)
 

@@ -1,12 +1,12 @@
-"""Roles placed on hosts (benchmarks/common/host_layouts.py), the per-host ps-launch recipe, and link
+"""Roles placed on hosts (harness/host_layouts.py), the per-host ps-launch recipe, and link
 shaping."""
 
 from __future__ import annotations
 
 import pytest
 
-from benchmarks.common.host_layouts import endpoints, parse_layout, per_host_commands
-from benchmarks.common.netns import NetnsError, shaping_qdisc
+from harness.host_layouts import endpoints, parse_layout, per_host_commands
+from harness.netns import NetnsError, shaping_qdisc
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,5 @@
-"""Small models and data shared by the tests."""
+"""Small models and data shared by the tests and the GPU check (benchmarks/gpu_check): the odd-sized MLP,
+its batches, and the single-process references a distributed run must equal."""
 
 import torch
 from torch import nn
@@ -75,7 +76,7 @@ def train_concatenated(prog, data) -> dict:
 
 
 def odd_program():
-    """A Program for ``ps-server --program tests/helpers/models.py:odd_program``."""
+    """A Program for ``ps-server --program harness/models.py:odd_program``."""
     from transpiler import Program
 
     return Program(odd_mlp(dtype=torch.float64), "adam", lr=0.01, weight_decay=0.01)

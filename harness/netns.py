@@ -1,8 +1,8 @@
 """Hosts on one machine: network namespaces on a bridge, so that roles talk over real TCP between them.
 
-Used by ``bench_veth`` and ``bench_hosts``; usable on its own::
+Used by ``bench_veth``, ``bench_hosts`` and tests/system/test_hosts.py; usable on its own::
 
-    from benchmarks.common.netns import Hosts
+    from harness.netns import Hosts
     with Hosts(4, rate="10gbit", delay="0.1ms") as hosts:        # shaping is optional
         before = hosts.counters(2)
         subprocess.run(hosts.cmd(2, "ping", "-c", "1", hosts.ip(1)))
@@ -25,9 +25,14 @@ carries the rate and the delay, the switch's port towards it the rate, so what
 several hosts send to one is limited by that one's link too, as with real NICs.
 A round trip between two hosts then takes twice the delay.
 
-``python -m benchmarks.common.netns cleanup`` removes namespaces and veths left by a
+The pieces below the hosts (:func:`run`, :func:`in_ns`, :func:`clear_namespace`,
+:func:`without_proxies`) also serve the namespaces tests build otherwise: a veth pair
+between two namespaces (tests/system/test_two_hosts.py), one namespace joined to the
+root one (``tests/helpers/partition.py``), Slurm's private namespace.
+
+``python -m harness.netns cleanup`` removes namespaces and veths left by a
 run that was SIGKILLed (only those whose pid no longer lives);
-``python -m benchmarks.common.netns check [hosts=2] [rate=1gbit] [delay=1ms]`` creates
+``python -m harness.netns check [hosts=2] [rate=1gbit] [delay=1ms]`` creates
 the hosts, sends 16 MiB over TCP from the last host to host 1 and logs the counters.
 Needs root (CAP_NET_ADMIN + CAP_SYS_ADMIN) and iproute2; a delay needs the
 kernel's ``sch_netem`` (a rate alone falls back to ``tbf`` without it).
@@ -36,16 +41,18 @@ kernel's ``sch_netem`` (a rate alone falls back to ``tbf`` without it).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
 from typing import Dict, List, Optional, Sequence
 
-from .paths import pythonpath_with_repo
+from harness.paths import pythonpath_with_repo
 
 log = logging.getLogger("netns")
 
@@ -63,8 +70,11 @@ class NetnsError(RuntimeError):
     """Setting up, using or removing the namespaces failed; the message names the command."""
 
 
-def _run(cmd: Sequence[str], timeout: float = 20, check: bool = True) -> subprocess.CompletedProcess:
-    """Run ``cmd`` (no shell), capturing output; raise NetnsError if it fails and ``check``."""
+def run(cmd: Sequence[str], timeout: float = 20, check: bool = True) -> subprocess.CompletedProcess:
+    """Run ``cmd`` (no shell), capturing its output as text; raise NetnsError if it fails and ``check``.
+
+    Without ``check``, a failure to start or a timeout reads as exit -1.
+    """
     try:
         r = subprocess.run(list(cmd), capture_output=True, text=True, timeout=timeout)
     except (OSError, subprocess.TimeoutExpired) as e:
@@ -76,10 +86,42 @@ def _run(cmd: Sequence[str], timeout: float = 20, check: bool = True) -> subproc
     return r
 
 
+def in_ns(ns: str, *cmd: str) -> List[str]:
+    """``cmd`` run inside network namespace ``ns`` (``ip netns exec`` execs it: the process is the command's
+    own)."""
+    return ["ip", "netns", "exec", ns, *cmd]
+
+
+def clear_namespace(ns: str, timeout: float = 5.0) -> None:
+    """SIGKILL every process left in network namespace ``ns``, then delete it; never raises.
+
+    Only for a namespace the caller created: everything in it is the caller's. Processes that
+    left their starter's session (slurmstepd, job tasks) are found by ``ip netns pids``; killing
+    is repeated until the namespace is empty, because a dying process's children may appear
+    after the first listing.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        r = run(["ip", "netns", "pids", ns], timeout=10, check=False)
+        pids = [int(p) for p in r.stdout.split()] if r.returncode == 0 else []
+        if not pids or time.monotonic() > deadline:
+            break
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        time.sleep(0.1)  # poll interval: a SIGKILLed process leaves the namespace asynchronously
+    run(["ip", "netns", "del", ns], timeout=10, check=False)
+
+
+def without_proxies(env: Dict[str, str]) -> Dict[str, str]:
+    """``env`` without proxy variables: gRPC and etcd's HTTP client would send 10.231.x.x to a proxy."""
+    return {k: v for k, v in env.items() if k.lower() not in PROXY_VARS}
+
+
 def host_env(**extra: str) -> Dict[str, str]:
-    """The environment of a process started in a host: this one without proxy variables (gRPC would send
-    10.231.x.x to a proxy), the repository first on PYTHONPATH, output unbuffered, and ``extra``."""
-    env = {k: v for k, v in os.environ.items() if k.lower() not in PROXY_VARS}
+    """The environment of a process started in a host: this one :func:`without_proxies`, the repository
+    first on PYTHONPATH, output unbuffered, and ``extra``."""
+    env = without_proxies(dict(os.environ))
     return {**env, "PYTHONPATH": pythonpath_with_repo(), "PYTHONUNBUFFERED": "1", **extra}
 
 
@@ -153,24 +195,22 @@ class Hosts:
     def setup(self) -> None:
         """Create the switch and every host, their links, addresses and optional shaping."""
         for ns in (self.switch, *self.ns.values()):
-            _run(["ip", "netns", "add", ns])
+            run(["ip", "netns", "add", ns])
             self._created.append(ns)
-        _run(
-            ["ip", "netns", "exec", self.switch, "true"]
-        )  # `ip netns exec` must be able to remount /sys here
-        _run(["ip", "-n", self.switch, "link", "add", BRIDGE, "type", "bridge"])
-        _run(["ip", "-n", self.switch, "link", "set", BRIDGE, "up"])
+        run(in_ns(self.switch, "true"))  # `ip netns exec` must be able to remount /sys here
+        run(["ip", "-n", self.switch, "link", "add", BRIDGE, "type", "bridge"])
+        run(["ip", "-n", self.switch, "link", "set", BRIDGE, "up"])
         for host in self.numbers():
             ns, (host_end, switch_end) = self.ns[host], self._veths(host)
-            _run(["ip", "link", "add", host_end, "type", "veth", "peer", "name", switch_end])
-            _run(["ip", "link", "set", switch_end, "netns", self.switch])
-            _run(["ip", "link", "set", host_end, "netns", ns])
-            _run(["ip", "-n", ns, "link", "set", host_end, "name", IFNAME])
-            _run(["ip", "-n", self.switch, "link", "set", switch_end, "master", BRIDGE])
-            _run(["ip", "-n", self.switch, "link", "set", switch_end, "up"])
-            _run(["ip", "-n", ns, "addr", "add", f"{self.ip(host)}/24", "dev", IFNAME])
-            _run(["ip", "-n", ns, "link", "set", "lo", "up"])
-            _run(["ip", "-n", ns, "link", "set", IFNAME, "up"])
+            run(["ip", "link", "add", host_end, "type", "veth", "peer", "name", switch_end])
+            run(["ip", "link", "set", switch_end, "netns", self.switch])
+            run(["ip", "link", "set", host_end, "netns", ns])
+            run(["ip", "-n", ns, "link", "set", host_end, "name", IFNAME])
+            run(["ip", "-n", self.switch, "link", "set", switch_end, "master", BRIDGE])
+            run(["ip", "-n", self.switch, "link", "set", switch_end, "up"])
+            run(["ip", "-n", ns, "addr", "add", f"{self.ip(host)}/24", "dev", IFNAME])
+            run(["ip", "-n", ns, "link", "set", "lo", "up"])
+            run(["ip", "-n", ns, "link", "set", IFNAME, "up"])
         if self.rate or self.delay:
             self._shape()
         log.info(
@@ -185,44 +225,44 @@ class Hosts:
         )
 
     def _shape(self) -> None:
-        probe = _run(
+        probe = run(
             ["tc", "-n", self.switch, "qdisc", "add", "dev", "lo", "root", "netem", "delay", "0ms"],
             check=False,
         )
         netem = probe.returncode == 0
         if netem:
-            _run(["tc", "-n", self.switch, "qdisc", "del", "dev", "lo", "root"], check=False)
+            run(["tc", "-n", self.switch, "qdisc", "del", "dev", "lo", "root"], check=False)
         else:
             log.warning("netem missing (%s): shaping with tbf, rate only", probe.stderr.strip())
         egress = shaping_qdisc(self.rate, self.delay, netem)
         towards = shaping_qdisc(self.rate, None, netem)
         for host in self.numbers():
-            _run(["tc", "-n", self.ns[host], "qdisc", "add", "dev", IFNAME, "root", *egress])
+            run(["tc", "-n", self.ns[host], "qdisc", "add", "dev", IFNAME, "root", *egress])
             if towards:
-                _run(["tc", "-n", self.switch, "qdisc", "add", "dev", self._veths(host)[1], "root", *towards])
+                run(["tc", "-n", self.switch, "qdisc", "add", "dev", self._veths(host)[1], "root", *towards])
 
     def teardown(self) -> None:
         """Delete the namespaces made here (their veths go with them) and any veth left in the root
         namespace."""
         for ns in reversed(self._created):
-            r = _run(["ip", "netns", "del", ns], check=False)
+            r = run(["ip", "netns", "del", ns], check=False)
             if r.returncode != 0:
                 log.warning("could not delete namespace %s: %s", ns, r.stderr.strip())
         self._created.clear()
         for host in self.numbers():  # setup may have stopped before moving both ends
             for dev in self._veths(host):
-                if _run(["ip", "link", "show", dev], check=False).returncode == 0:
-                    _run(["ip", "link", "del", dev], check=False)
+                if run(["ip", "link", "show", dev], check=False).returncode == 0:
+                    run(["ip", "link", "del", dev], check=False)
 
     # -- use ------------------------------------------------------------------
 
     def cmd(self, host: int, *argv: str) -> List[str]:
-        """``argv`` run inside ``host``'s namespace (``ip netns exec``: the process is the command's own)."""
-        return ["ip", "netns", "exec", self.ns[host], *argv]
+        """``argv`` run inside ``host``'s namespace (:func:`in_ns`)."""
+        return in_ns(self.ns[host], *argv)
 
     def counters(self, host: int) -> Dict[str, int]:
         """Bytes received and sent so far by ``host``'s interface: ``{"rx_bytes": .., "tx_bytes": ..}``."""
-        r = _run(["ip", "-n", self.ns[host], "-s", "-j", "link", "show", "dev", IFNAME])
+        r = run(["ip", "-n", self.ns[host], "-s", "-j", "link", "show", "dev", IFNAME])
         stats = json.loads(r.stdout)[0]["stats64"]
         return {"rx_bytes": int(stats["rx"]["bytes"]), "tx_bytes": int(stats["tx"]["bytes"])}
 
@@ -233,7 +273,7 @@ class Hosts:
 
     def tcp_connections(self, host: int) -> int:
         """Established TCP connections of ``host``'s namespace to or from the other hosts."""
-        r = _run(
+        r = run(
             [
                 "ss",
                 "-H",
@@ -269,13 +309,13 @@ def _pid_alive(pid: int) -> bool:
 def cleanup_stale() -> List[str]:
     """Remove namespaces and root-namespace veths of this module whose creating pid is gone; their names."""
     removed = []
-    listing = _run(["ip", "netns", "list"], check=False).stdout
+    listing = run(["ip", "netns", "list"], check=False).stdout
     for ns, pid in re.findall(rf"^({PREFIX_NS}(?:h\d+|sw)-(\d+))", listing, flags=re.M):
-        if not _pid_alive(int(pid)) and _run(["ip", "netns", "del", ns], check=False).returncode == 0:
+        if not _pid_alive(int(pid)) and run(["ip", "netns", "del", ns], check=False).returncode == 0:
             removed.append(ns)
-    links = _run(["ip", "-o", "link", "show"], check=False).stdout
+    links = run(["ip", "-o", "link", "show"], check=False).stdout
     for dev, pid in re.findall(rf"^\d+: ({PREFIX_VETH}[hs]\d+-(\d+))[@:]", links, flags=re.M):
-        if not _pid_alive(int(pid)) and _run(["ip", "link", "del", dev], check=False).returncode == 0:
+        if not _pid_alive(int(pid)) and run(["ip", "link", "del", dev], check=False).returncode == 0:
             removed.append(dev)
     return removed
 
@@ -294,7 +334,7 @@ _SOURCE = (
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     p = argparse.ArgumentParser(
-        prog="python -m benchmarks.common.netns", description=__doc__.splitlines()[0] + " Needs root."
+        prog="python -m harness.netns", description=__doc__.splitlines()[0] + " Needs root."
     )
     p.add_argument(
         "command",
@@ -335,7 +375,7 @@ def _check(count: int, rate: Optional[str], delay: Optional[str]) -> int:
             hosts.cmd(1, sys.executable, "-c", _SINK, hosts.ip(1)), stdout=subprocess.PIPE, text=True
         )
         try:
-            _run(hosts.cmd(last, sys.executable, "-c", _SOURCE, hosts.ip(1)), timeout=60)
+            run(hosts.cmd(last, sys.executable, "-c", _SOURCE, hosts.ip(1)), timeout=60)
             got = server.communicate(timeout=30)[0].strip()
         finally:
             server.kill()
