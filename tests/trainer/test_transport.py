@@ -195,6 +195,9 @@ def test_the_healed_push_sends_the_first_attempt_then_the_whole_push_until_it_go
 
     stepper = SimpleNamespace(transfers=Transfers(channels, BLOCKS), _heal=healing)
     push = StepPush(3, Position(0, 4), {"a": [], "b": []}, blocks_into=stage)
-    assert Stepper.push(stepper, push, end_streams if streamed else None) is None
+    pushed = Stepper.push(stepper, push, end_streams if streamed else None)
+    assert pushed.resync is None
+    # What the answers reported: each pserver's step, from the last attempt that was a push.
+    assert sorted(pushed.pserver_steps) == (["a", "b"] if attempts[-1] == "push" else [])
     rounds = len(channels.sent) // 2  # each push goes to a and b, a failed one too
     assert done + ["push"] * rounds == attempts

@@ -126,7 +126,7 @@ class Stepper(ABC):
         pserver_steps: Dict[str, int] = {}
 
         def attempt() -> None:
-            pserver_steps.update(next(attempts)())
+            pserver_steps.update(next(attempts)() or {})
 
         return Pushed(self._heal(push.step, f"step {push.step}", attempt), pserver_steps)
 
