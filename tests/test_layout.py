@@ -90,9 +90,9 @@ def test_in_pserver_only_the_rpc_and_ops_layers_and_the_server_import_grpc():
     assert sorted(p for p in importers if not p.startswith(GRPC_ALLOWED)) == []
 
 
-# In trainer only the transport speaks gRPC and reads status codes; ps-launch reads the security
+# In trainer only the transport speaks gRPC and reads status codes; ps-launch checks the security
 # settings (psproto.security) to hand them to the roles it starts, and makes no call.
-TRAINER_GRPC_ALLOWED = ("trainer/transport/", "trainer/launch/plan.py")
+TRAINER_GRPC_ALLOWED = ("trainer/transport/", "trainer/launch/arg_checks.py")
 
 
 def test_in_trainer_only_the_transport_speaks_grpc_and_reads_status_codes():

@@ -3,8 +3,9 @@
 The rules of the developers' guide and of the design's layout (the design card kept beside the
 repository) that a reader of the tree relies on:
 
-- no import circle among the modules of trainer, pserver, psproto and transpiler (imports under
-  ``TYPE_CHECKING`` aside: they never run);
+- no import circle among the modules of trainer, pserver, psproto and transpiler, imports under
+  ``TYPE_CHECKING`` counted too: a module that names another only for its types still depends on
+  it, and the circle is there for a reader and a type checker all the same;
 - no mixin where parts are composed (the engine, the tables, the trainer's transport): a class
   has at most one base of this project, and that base is an interface (abstract) or a class that
   builds itself (defines ``__init__``);
@@ -51,21 +52,13 @@ def module_name(path: pathlib.Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def runtime_imports(path: pathlib.Path, modules: Set[str]) -> Set[str]:
-    """The project modules ``path`` imports when it runs (at import time or in a function)."""
+def project_imports(path: pathlib.Path, modules: Set[str]) -> Set[str]:
+    """The project modules ``path`` imports: at import time, in a function, or under ``TYPE_CHECKING``."""
     tree = ast.parse(path.read_text(), str(path))
-    type_only = {
-        id(n)
-        for node in ast.walk(tree)
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
-        for n in ast.walk(node)
-    }
     me = module_name(path)
     package = me.split(".") if path.name == "__init__.py" else me.split(".")[:-1]
     found = set()
     for node in ast.walk(tree):
-        if id(node) in type_only:
-            continue
         targets: List[str] = []
         if isinstance(node, ast.Import):
             targets = [a.name for a in node.names]
@@ -88,7 +81,7 @@ def runtime_imports(path: pathlib.Path, modules: Set[str]) -> Set[str]:
 def import_circles() -> List[List[str]]:
     """Every strongly connected set of two or more modules (Tarjan), each sorted."""
     paths = {module_name(p): p for p in sources()}
-    edges = {m: runtime_imports(p, set(paths)) for m, p in paths.items()}
+    edges = {m: project_imports(p, set(paths)) for m, p in paths.items()}
     index: Dict[str, int] = {}
     low: Dict[str, int] = {}
     stack: List[str] = []
@@ -127,14 +120,20 @@ def test_no_import_circle():
 
 
 def test_the_circle_finder_finds_a_circle(tmp_path, monkeypatch):
-    """The check above sees circles at all: two modules that import each other are one."""
+    """The check above sees circles at all: two modules that import each other are one, whether the
+    import back runs (in a function) or only names a type (under ``TYPE_CHECKING``)."""
     for top in PACKAGES:
         (tmp_path / top).mkdir()
     (tmp_path / "trainer" / "__init__.py").write_text("")
     (tmp_path / "trainer" / "a.py").write_text("from .b import x\n")
     (tmp_path / "trainer" / "b.py").write_text("def f():\n    from trainer.a import y\n")
+    (tmp_path / "pserver" / "c.py").write_text("from .d import Part\n")
+    (tmp_path / "pserver" / "d.py").write_text(
+        "from typing import TYPE_CHECKING\n\nif TYPE_CHECKING:\n    from .c import Whole\n"
+    )
+    (tmp_path / "pserver" / "e.py").write_text("from .d import Part\n")  # imports, and is not imported
     monkeypatch.setattr(f"{__name__}.REPO", tmp_path)
-    assert import_circles() == [["trainer.a", "trainer.b"]]
+    assert import_circles() == [["pserver.c", "pserver.d"], ["trainer.a", "trainer.b"]]
 
 
 def classes() -> Dict[str, Tuple[pathlib.Path, ast.ClassDef]]:

@@ -9,8 +9,10 @@ import pytest
 
 from tests.helpers import paths
 from trainer import launch
+from trainer.launch import hosts
 from trainer.launch import plan as launch_plan
 from trainer.launch.plan import PSERVER, TRAINER, LaunchError
+from trainer.launch.role import child_env
 from transpiler import RoleEnv
 from transpiler.roles.role_env import NODE_VARS, NodeEnv
 
@@ -88,7 +90,7 @@ def test_local_mode_ports():
         "127.0.0.1:6171",
         "127.0.0.1:6172",
     ]
-    ports = launch_plan.free_ports(4)
+    ports = hosts.free_ports(4)
     assert len(set(ports)) == 4 and all(0 < p < 65536 for p in ports)
     roles = launch_plan.plan_roles(args_for("--server_num", "2", "--worker_num", "1"))
     assert len({r.endpoint for r in roles if r.kind == PSERVER}) == 2
@@ -139,11 +141,11 @@ def test_per_host_filtering_by_host_flag_and_mixed_modes():
 
 @pytest.mark.timeout(10)
 def test_host_matcher():
-    explicit = launch_plan.host_matcher("10.0.0.1")
+    explicit = hosts.host_matcher("10.0.0.1")
     assert explicit("10.0.0.1") and not explicit("10.0.0.2") and not explicit("127.0.0.1")
-    auto = launch_plan.host_matcher(None)
+    auto = hosts.host_matcher(None)
     assert auto("127.0.0.1") and auto("127.0.0.2") and auto("localhost")
-    assert all(auto(a) for a in launch_plan.local_addresses())
+    assert all(auto(a) for a in hosts.local_addresses())
     assert not auto("203.0.113.7")  # TEST-NET-3: never a local address
 
 
@@ -259,7 +261,7 @@ def test_child_env_is_the_role_env_plus_inherited_environment():
     # A stale role from an outer job must not leak into ours.
     base = {"PS_AUTH_TOKEN": "s3cret", "PATH": "/bin", "PADDLE_TRAINER_ID": "7", "POD_IP": "10.9.9.9"}
     for role in roles:
-        env = launch_plan.child_env(role, base)
+        env = child_env(role, base)
         assert env["PS_AUTH_TOKEN"] == "s3cret" and env["PATH"] == "/bin"
         assert env["PYTHONUNBUFFERED"] == "1"
         parsed = RoleEnv.from_env(env)
@@ -294,7 +296,7 @@ def test_child_env_drops_inherited_node_variables():
         args_for("--server_num", "1", "--worker_num", "1"), pick_ports=PORTS, environ={}
     )
     for role in one:
-        env = launch_plan.child_env(role, base)
+        env = child_env(role, base)
         assert not set(NODE_VARS) & set(env), role.name
         assert not [k for k in env if k.startswith(("TORCHELASTIC_", "GROUP_", "ROLE_"))], role.name
         assert env["PATH"] == "/bin"
@@ -307,7 +309,7 @@ def test_child_env_drops_inherited_node_variables():
         environ={},
     )
     for role in two[1:]:
-        env = launch_plan.child_env(role, base)
+        env = child_env(role, base)
         assert RoleEnv.from_env(env).node == NodeEnv(
             role.local_rank, 2, "127.0.0.1", 7101, role.local_rank, 2
         )
@@ -578,7 +580,7 @@ def test_node_plans(case):
         ], role.name
         assert env.get("PADDLE_PSERVERS_IP_PORT_LIST") == pservers
         assert env["PADDLE_TRAINERS_NUM"] == str(nodes) and env["TRAINING_ROLE"] == role.kind
-        parsed = RoleEnv.from_env(launch_plan.child_env(role, {}))
+        parsed = RoleEnv.from_env(child_env(role, {}))
         if role.kind == TRAINER:
             assert env["PADDLE_TRAINER_ID"] == str(role.index)
             assert parsed.collective == (pservers is None)

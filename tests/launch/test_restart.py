@@ -12,6 +12,7 @@ from trainer.launch import plan as launch_plan
 from trainer.launch.args import LOG_LEVEL_VAR
 from trainer.launch.plan import PSERVER, TRAINER, LaunchError
 from trainer.launch.restart import FINISHED, RESTART, STOP, decide_restart, exit_reason
+from trainer.launch.role import child_env
 
 REPO = paths.REPO
 PROBE = str(REPO / "tests" / "scripts" / "role_probe.py")
@@ -150,7 +151,7 @@ def test_log_level_comes_from_the_flag_or_the_variable(monkeypatch):
     assert (args.log_level, args.log_level_given) == ("DEBUG", True)
     roles = launch_plan.plan_roles(args)
     assert [r.env[LOG_LEVEL_VAR] for r in roles] == ["DEBUG", "DEBUG"]
-    assert launch_plan.child_env(roles[0], base={LOG_LEVEL_VAR: "ERROR"})[LOG_LEVEL_VAR] == "DEBUG"
+    assert child_env(roles[0], base={LOG_LEVEL_VAR: "ERROR"})[LOG_LEVEL_VAR] == "DEBUG"
 
 
 @pytest.mark.timeout(10)

@@ -28,6 +28,7 @@ from trainer.errors import REFUSED as REFUSED_KIND
 from trainer.errors import PserverError
 from trainer.launch import plan as launch_plan
 from trainer.launch.plan import LaunchError
+from trainer.launch.role import child_env
 from transpiler import Program
 
 TOKEN = "s3cret-Token_123"
@@ -343,7 +344,7 @@ def test_launch_auth_token_file_reaches_every_role(tmp_path, monkeypatch):
     roles = launch_plan.plan_roles(args, pick_ports=lambda n: [7300 + i for i in range(n)])
     assert len(roles) == 4
     for role in roles:
-        env = launch_plan.child_env(role, base={"PS_AUTH_TOKEN_FILE": "/elsewhere", "PS_TLS_CA": "/ca.pem"})
+        env = child_env(role, base={"PS_AUTH_TOKEN_FILE": "/elsewhere", "PS_TLS_CA": "/ca.pem"})
         assert env["PS_AUTH_TOKEN_FILE"] == str(tmp_path / "token")
         assert env["PS_TLS_CA"] == "/ca.pem"  # the launcher's TLS settings pass through
         assert Security.from_env({k: v for k, v in env.items() if k != "PS_TLS_CA"}).token == TOKEN

@@ -113,7 +113,7 @@ def test_stray_closes_and_a_second_process_for_a_live_id_change_nothing(job):
     dup = job.log("trainer0-dup.0")
     assert "trainer 0 is already running" in dup and "opened from ipv4:127.0.0.1:" in dup, dup
     # The promise: a second process for a live id is refused within one alive window (plus a heartbeat
-    # interval: PserverChannel.hello_here's retries for a predecessor's session to age out), not after
+    # interval: ShardLink.hello_here's retries for a predecessor's session to age out), not after
     # connect_timeout, the Hello's own deadline. Halfway between the two.
     refused_within = (
         DistributeTranspilerConfig(heartbeat_interval=HEARTBEAT_INTERVAL).session_alive_window

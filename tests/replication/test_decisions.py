@@ -236,7 +236,7 @@ def test_primaries_follow_the_new_primary_and_resend_once_per_failover():
     answers = {"a": ("primary", 3), "b": ("backup", 0)}
     connected, hellos, sent = [], [], []
 
-    class Channel:  # the calls a shard's primary is followed with, scripted
+    class Shard:  # the calls a shard's primary is followed with (primaries.ShardCalls), scripted
         endpoint = "a"
 
         def connect(self, address):
@@ -249,7 +249,7 @@ def test_primaries_follow_the_new_primary_and_resend_once_per_failover():
             hellos.append(join_at)
             return SimpleNamespace(replica_epoch=answers[primary.address][1])
 
-    primary = ShardPrimary(Channel(), ["a", "b"], trainer_id=0, timeout=5.0)
+    primary = ShardPrimary(Shard(), ["a", "b"], trainer_id=0, timeout=5.0)
     primary.follow(0, time.monotonic() + 5, join_at=7)
     assert (primary.address, primary.epoch, hellos, connected) == ("a", 3, [7], [])
 
@@ -265,5 +265,5 @@ def test_primaries_follow_the_new_primary_and_resend_once_per_failover():
     before = primary.generation
     primary.follow(before - 1, time.monotonic() + 5)  # a stale failure: already followed
     assert primary.generation == before and len(hellos) == 2
-    alone = ShardPrimary(Channel(), ["z"], trainer_id=0, timeout=5.0)
+    alone = ShardPrimary(Shard(), ["z"], trainer_id=0, timeout=5.0)
     assert alone.run(lambda: "plain") == "plain" and not alone.replicated

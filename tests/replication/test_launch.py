@@ -22,6 +22,7 @@ from tests.helpers.polling import poll
 from tests.scripts import recovery_job
 from trainer.launch import plan as launch_plan
 from trainer.launch.plan import PSERVER, LaunchError
+from trainer.launch.role import child_env
 from transpiler import DistributeTranspiler, DistributeTranspilerConfig, RoleEnv
 from transpiler.roles.replicas import resolve_replicas
 
@@ -51,7 +52,7 @@ def test_local_plan_starts_a_second_process_per_pserver_and_every_role_knows_the
     primaries, backups = [r.endpoint for r in servers[:2]], [r.endpoint for r in servers[2:]]
     prefixes = set()
     for r in roles:
-        env = launch_plan.child_env(r, base={})
+        env = child_env(r, base={})
         assert env["PS_SERVER_REPLICAS"] == "2" and env["PS_COORDINATOR"] == URL
         assert env["PS_REPLICA_ENDPOINTS"] == ",".join(backups)
         assert env["PADDLE_PSERVERS_IP_PORT_LIST"] == ",".join(primaries)

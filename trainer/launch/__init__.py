@@ -12,11 +12,16 @@ import logging
 import os
 from typing import List, Optional, Sequence
 
+from transpiler.roles.role_env import PSERVER, TRAINER
+
+from .arg_checks import LaunchError
+from .args import parse_args
 from .console import Console, ConsoleCopier, ConsoleHandler, shown_roles
-from .plan import PSERVER, TRAINER, LaunchError, Role, parse_args, plan_roles
+from .plan import plan_roles
 
 # The process and supervision pieces stay importable from here (tests and tools use launch.X).
 from .procs import StopSignals, role_command, start_roles, stop_roles, tail, write_roles_file  # noqa: F401
+from .role import Role
 from .supervisor import supervise  # noqa: F401
 
 log = logging.getLogger("ps-launch")

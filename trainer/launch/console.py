@@ -17,7 +17,9 @@ import sys
 import time
 from typing import Callable, Dict, List, Optional, Sequence, TextIO, Tuple
 
-from .plan import TRAINER, Role
+from transpiler.roles.role_env import TRAINER
+
+from .role import Role
 
 PROGRESS_EVERY = 5.0  # s between two progress lines of one role when stdout is not a terminal
 MAX_LINE = 64 * 1024  # a "line" this long without a newline is written out as it is

@@ -1,7 +1,8 @@
 """Planning a ps-launch job: decide which roles run on this host, and with which variables.
 
-Pure pieces (no process is started here), each testable on its own:
-``parse_args`` (args) -> ``plan_roles`` (a list of :class:`Role`) -> ``child_env``.
+Pure pieces (no process is started here), each testable on its own: ``parse_args``
+(:mod:`.args`) -> :func:`plan_roles` (its input checked by :mod:`.arg_checks`, this host
+told by :mod:`.hosts`; a list of :class:`~.role.Role`) -> :func:`~.role.child_env`.
 """
 
 from __future__ import annotations
@@ -9,239 +10,17 @@ from __future__ import annotations
 import argparse
 import os
 import secrets
-import socket
-import subprocess
-from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Mapping, Optional, Tuple
 
-from psproto.security import Security
-from transpiler.roles.role_env import (
-    NODE_VARS,
-    PSERVER,
-    ROLE_VARS,
-    TRAINER,
-    NodeEnv,
-    RoleEnv,
-    parse_endpoints,
-)
+from transpiler.roles.role_env import PSERVER, TRAINER, NodeEnv, RoleEnv, parse_endpoints
 
 from ..board.settings import DIR_VAR as TENSORBOARD_DIR_VAR
+from .arg_checks import LaunchError, check_args, check_replicas, is_collective
 
 # The command line lives in args; these names stay importable from here.
 from .args import DESCRIPTION, LOG_LEVEL_VAR, build_parser, parse_args, split_argv  # noqa: F401
-
-
-class LaunchError(ValueError):
-    """Bad launcher input; reported as ``ps-launch: error: ...`` with exit code 2."""
-
-
-@dataclass
-class Role:
-    """One process of the job: its kind, global index, host and role variables; ``proc`` once started."""
-
-    kind: str
-    index: int
-    host: str
-    env: Dict[str, str]
-    endpoint: Optional[str] = None
-    log_path: Optional[str] = None
-    proc: Optional[subprocess.Popen] = field(default=None, repr=False)
-    local_rank: int = 0
-    local_world_size: int = 1
-    command: Optional[List[str]] = None  # what started it (and starts it again on a restart)
-    restarts: int = 0  # restarts of its unit (a trainer node restarts as a whole)
-    replica: int = 0  # hot standby: 1 for a pserver's second process
-
-    def started(self, proc: subprocess.Popen) -> None:
-        """The role runs as ``proc`` now (its first start, or a restart)."""
-        self.proc = proc
-
-    @property
-    def name(self) -> str:
-        """``pserver.N``, ``trainer.N`` or (a node of several processes) ``trainer.N.R``."""
-        if self.local_world_size > 1:
-            return f"{self.kind.lower()}.{self.index}.{self.local_rank}"
-        return f"{self.kind.lower()}.{self.index}" + (".replica" if self.replica else "")
-
-    @property
-    def title(self) -> str:
-        """How failure messages name the process: ``trainer node N local rank R (pid P)`` or its name."""
-        if self.local_world_size > 1:
-            pid = f" (pid {self.proc.pid})" if self.proc is not None else ""
-            return f"trainer node {self.index} local rank {self.local_rank}{pid}"
-        return self.name
-
-    @property
-    def log_name(self) -> str:
-        """``serverlog.N``, ``workerlog.N`` (local rank 0) or ``workerlog.N.R`` (local rank R > 0)."""
-        if self.kind == PSERVER:
-            return f"serverlog.{self.index}" + (".replica" if self.replica else "")
-        return f"workerlog.{self.index}" + (f".{self.local_rank}" if self.local_rank else "")
-
-    @property
-    def tag(self) -> str:
-        """The console prefix and ``--show`` name: ``pserverN``, ``trainerN``, ``trainerN.R`` (local rank R
-        > 0)."""
-        return (
-            f"{self.kind.lower()}{self.index}"
-            + (f".{self.local_rank}" if self.local_rank else "")
-            + (".replica" if self.replica else "")
-        )
-
-    @property
-    def unit(self) -> Tuple[str, int, int]:
-        """What stops and restarts together: a pserver process, or a trainer node with all its local ranks."""
-        return self.kind, self.index, self.replica
-
-    @property
-    def alive(self) -> bool:
-        """Started and not yet exited (polling reaps an exited process)."""
-        return self.proc is not None and self.proc.poll() is None
-
-
-def free_ports(n: int, host: str = "127.0.0.1") -> List[int]:
-    """``n`` distinct ports the OS reports free on ``host`` (all held open until every one is picked)."""
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind((host, 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
-def _resolve(host: str) -> str:
-    try:
-        return socket.gethostbyname(host)
-    except OSError:
-        return host
-
-
-def local_addresses() -> set:
-    """IPv4 addresses of this host: loopback, the hostname's addresses and every interface's (Linux)."""
-    addrs = {"127.0.0.1"}
-    try:
-        addrs.update(info[4][0] for info in socket.getaddrinfo(socket.gethostname(), None, socket.AF_INET))
-    except OSError:
-        pass
-    try:
-        import fcntl
-        import struct
-
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            for _, name in socket.if_nameindex():
-                try:  # SIOCGIFADDR; fails for an interface without an IPv4 address
-                    packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name[:15].encode()))
-                    addrs.add(socket.inet_ntoa(packed[20:24]))
-                except OSError:
-                    pass
-    except (ImportError, OSError):
-        pass
-    return addrs
-
-
-def host_matcher(host: Optional[str] = None) -> Callable[[str], bool]:
-    """A predicate "does this ip (or hostname) belong to this host?" for ``--host`` (None: auto-detect)."""
-    if host:
-        mine = _resolve(host)
-        return lambda h: h == host or _resolve(h) == mine
-    local = local_addresses()
-    return lambda h: h.startswith("127.") or h == "localhost" or _resolve(h) in local
-
-
-def is_collective(args: argparse.Namespace) -> bool:
-    """No --server_num and no --servers: a collective job, trainers only."""
-    return args.server_num is None and args.servers is None
-
-
-def _check_replicas(args: argparse.Namespace) -> None:
-    replicas = getattr(args, "server_replicas", 1)
-    if replicas not in (1, 2):
-        raise LaunchError(f"--server_replicas must be 1 or 2 (a backup per pserver), got {replicas}")
-    if replicas == 1:
-        if getattr(args, "replica_servers", None) or getattr(args, "coordinator", None):
-            raise LaunchError("--replica_servers and --coordinator need --server_replicas 2")
-        return
-    if is_collective(args):
-        raise LaunchError("--server_replicas 2 replicates pservers; a collective job has none")
-    if not getattr(args, "coordinator", None):
-        raise LaunchError(
-            "--server_replicas 2 needs --coordinator: the etcd URLs that decide each shard's "
-            'primary (e.g. http://127.0.0.1:2379; README "Hot standby")'
-        )
-    if args.servers is not None:
-        if not getattr(args, "replica_servers", None):
-            raise LaunchError(
-                "--server_replicas 2 with --servers needs --replica_servers: each pserver's backup"
-            )
-        try:
-            n, m = len(parse_endpoints(args.servers)), len(parse_endpoints(args.replica_servers))
-        except ValueError as e:
-            raise LaunchError(f"--replica_servers: {e}") from None
-        if n != m:
-            raise LaunchError(
-                f"--replica_servers lists {m} endpoints for {n} --servers; give one backup each"
-            )
-    elif getattr(args, "replica_servers", None):
-        raise LaunchError("--replica_servers is for per-host mode (--servers); local mode picks the ports")
-
-
-def _check_args(args: argparse.Namespace) -> None:
-    for one, many, kind in (("server_num", "servers", "pservers"), ("worker_num", "workers", "trainers")):
-        num, listed = getattr(args, one), getattr(args, many)
-        if num is not None and listed is not None:
-            raise LaunchError(
-                f"--{one} and --{many} both given: use --{one} for local {kind} "
-                f"or --{many} for per-host mode, not both"
-            )
-        if num is None and listed is None and kind == "trainers":
-            raise LaunchError(f"no {kind}: give --{one} N (local) or --{many} (per-host)")
-        if num is not None and num < 1:
-            raise LaunchError(f"--{one} must be >= 1, got {num}")
-    nproc = getattr(args, "nproc_per_node", None)
-    if nproc is not None and nproc < 1:
-        raise LaunchError(f"--nproc_per_node must be >= 1, got {nproc}")
-    master_port = getattr(args, "master_port", None)
-    if master_port is not None and not 0 < master_port < 65536:
-        raise LaunchError(f"--master_port must be a port number, got {master_port}")
-    if args.start_port is not None:
-        if args.server_num is None and args.servers is None:
-            raise LaunchError("--start_port applies to --server_num; a collective job has no pservers")
-        if args.servers is not None:
-            raise LaunchError("--start_port applies to --server_num (local mode); --servers has its ports")
-        if not 0 < args.start_port <= 65536 - args.server_num:
-            raise LaunchError(f"--start_port {args.start_port} leaves no room for {args.server_num} ports")
-    max_restarts = getattr(args, "max_restarts", 0)
-    if max_restarts < 0:
-        raise LaunchError(f"--max_restarts must be >= 0, got {max_restarts}")
-    if max_restarts and args.server_num is None and args.servers is None:
-        # A DDP group cannot take a new process in: a restarted collective trainer would wait
-        # for peers that never come back.
-        raise LaunchError(
-            "--max_restarts needs pservers: a collective job (no --server_num/--servers) has no "
-            "recovery to restart a trainer into"
-        )
-    if args.server_grace < 0 or args.term_timeout < 0:
-        raise LaunchError("--server_grace and --term_timeout must be >= 0")
-    board = getattr(args, "tensorboard_dir", None)
-    if board is not None and (not board.strip() or (os.path.exists(board) and not os.path.isdir(board))):
-        raise LaunchError(
-            f"--tensorboard_dir {board!r} is not a directory (TensorBoard's log directory of the job)"
-        )
-    if args.script is None or not os.path.isfile(args.script):
-        raise LaunchError(f"script {args.script!r} not found")
-    if getattr(args, "auth_token_file", None) is not None:
-        # Checked here so a bad token file fails the launch once, not every role.
-        given = {"PS_AUTH_TOKEN_FILE": os.path.abspath(args.auth_token_file)}
-        if "PS_AUTH_TOKEN" in os.environ:
-            given["PS_AUTH_TOKEN"] = os.environ["PS_AUTH_TOKEN"]
-        try:
-            Security.from_env(given)
-        except ValueError as e:
-            raise LaunchError(f"--auth_token_file: {e}") from None
+from .hosts import free_ports, host_matcher, local_addresses
+from .role import Role
 
 
 def parse_gpus(gpus: str, environ: Mapping[str, str]) -> List[str]:
@@ -310,8 +89,8 @@ def plan_roles(
     ``CUDA_VISIBLE_DEVICES=''``; with ``--gpus``, this host's k-th trainer node gets
     the k-th slice of L GPUs.
     """
-    _check_args(args)
-    _check_replicas(args)
+    check_args(args)
+    check_replicas(args)
     environ = os.environ if environ is None else environ
     is_local = is_local or host_matcher(args.host)
     collective = is_collective(args)
@@ -416,11 +195,6 @@ def plan_roles(
     return roles
 
 
-# An outer torchrun's variables: with TORCHELASTIC_USE_AGENT_STORE inherited, torch's tcp:// rendezvous
-# would make a node's local rank 0 a client of a store nobody hosts here.
-_LAUNCHER_PREFIXES = ("TORCHELASTIC_", "GROUP_", "ROLE_")
-
-
 def replica_env(backups: List[str], coordinator: str) -> Dict[str, str]:
     """The hot-standby variables every role of a replicated job gets (read by transpiler/roles/replicas.py).
 
@@ -432,21 +206,3 @@ def replica_env(backups: List[str], coordinator: str) -> Dict[str, str]:
         "PS_COORDINATOR": coordinator,
         "PS_COORDINATOR_PREFIX": f"/torch-pserver/launch-{secrets.token_hex(6)}",
     }
-
-
-def child_env(role: Role, base: Optional[Dict[str, str]] = None) -> Dict[str, str]:
-    """The environment of ``role``'s process: ``base`` (default os.environ) plus its role variables.
-
-    Role and node variables inherited from ``base`` are dropped first, so a launcher
-    run inside another job (or under torchrun) cannot leak, say, a PADDLE_TRAINER_ID
-    into a pserver, a LOCAL_RANK into a trainer, or torchrun's own variables into a node.
-    """
-    dropped = set(ROLE_VARS) | set(NODE_VARS)
-    env = {
-        k: v
-        for k, v in (os.environ if base is None else base).items()
-        if k not in dropped and not k.startswith(_LAUNCHER_PREFIXES)
-    }
-    env.update(role.env)
-    env["PYTHONUNBUFFERED"] = "1"
-    return env

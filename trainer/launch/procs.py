@@ -15,8 +15,8 @@ import sys
 import time
 from typing import Callable, List, Optional, Sequence
 
-from .plan import Role, child_env
 from .restart import exit_reason
+from .role import Role, child_env
 
 log = logging.getLogger("ps-launch")
 

@@ -10,9 +10,11 @@ import signal
 import time
 from typing import Callable, List, Optional
 
-from .plan import PSERVER, TRAINER, Role
+from transpiler.roles.role_env import PSERVER, TRAINER
+
 from .procs import POLL_INTERVAL, StopSignals, exit_text, start_role, stop_roles, tail
 from .restart import RESTART, STOP, RestartDecision, decide_restart
+from .role import Role
 
 log = logging.getLogger("ps-launch")
 

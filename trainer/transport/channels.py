@@ -21,8 +21,9 @@ from psproto.wire import TRAINER_METADATA
 from transpiler import TrainerProgram
 
 from ..errors import PserverError
-from .channel import PserverChannel, TrainerIdentity
+from .channel import PserverChannel
 from .narrowing import GradientNarrower
+from .shard_link import TrainerIdentity
 from .shared_regions import RegionPool
 
 

@@ -10,7 +10,8 @@ holds is acknowledged and not applied twice, and what the old primary
 acknowledged the new one holds. Without replicas every call goes through as is.
 
 :func:`choose_primary` is the decision (pure, table-tested); :class:`ShardPrimary`
-wraps it with the calls of the pserver's channel, which it is given.
+wraps it with the calls it is given (:class:`ShardCalls`: the trainer's
+:class:`~trainer.transport.shard_link.ShardLink` to the shard).
 """
 
 from __future__ import annotations
@@ -18,14 +19,11 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING, Callable, Mapping, Optional, Sequence, Tuple, TypeVar
+from typing import Callable, Mapping, Optional, Protocol, Sequence, Tuple, TypeVar
 
 from psproto import ps_pb2
 
 from ..errors import DOWN, PserverError, PserverUnavailableError
-
-if TYPE_CHECKING:
-    from .channel import PserverChannel
 
 log = logging.getLogger(__name__)
 
@@ -52,17 +50,30 @@ def choose_primary(answers: Mapping[str, Optional[Tuple[str, int]]], known_epoch
     return max(leading)[1] if leading else None
 
 
+class ShardCalls(Protocol):
+    """The calls a shard's primary is followed with, to the processes of pserver ``endpoint``'s shard."""
+
+    endpoint: str
+
+    def connect(self, address: str) -> None:
+        """Point the pserver's calls at the process at ``address``."""
+
+    def lead(self, address: str, timeout: float) -> Optional[Tuple[str, int]]:
+        """Whether the process at ``address`` leads: (role, epoch), or None if it did not answer."""
+
+    def hello_here(self, deadline: float, join_at: int = 0) -> ps_pb2.HelloReply:
+        """Open a session at the process the calls go to, waiting for it until ``deadline``."""
+
+
 class ShardPrimary:
     """Which process of one pserver's shard its calls go to, and following the primary when it moves.
 
-    ``addresses``: the shard's processes (one without hot standby). The
-    pserver's ``channel`` does the calls: ``connect(address)`` points its
-    calls at a process, ``lead(address, timeout)`` asks one process who
-    leads, ``hello_here(deadline, join_at)`` opens a session where the calls go.
+    ``addresses``: the shard's processes (one without hot standby); ``shard``
+    does the calls (:class:`ShardCalls`).
     """
 
-    def __init__(self, channel: "PserverChannel", addresses: Sequence[str], trainer_id: int, timeout: float):
-        self._channel = channel
+    def __init__(self, shard: ShardCalls, addresses: Sequence[str], trainer_id: int, timeout: float):
+        self._shard = shard
         self.addresses = list(addresses)
         self.trainer_id = trainer_id
         self.timeout = timeout
@@ -101,7 +112,7 @@ class ShardPrimary:
                 log.info(
                     "trainer %d: %s: %s; asking its processes who leads",
                     self.trainer_id,
-                    self._channel.endpoint,
+                    self._shard.endpoint,
                     e,
                 )
                 self.follow(generation, deadline)
@@ -112,23 +123,23 @@ class ShardPrimary:
 
         ``join_at``: what a (re)joining trainer's Hello says (see ``Channels.hello``).
         """
-        pserver = self._channel.endpoint
+        pserver = self._shard.endpoint
         with self._lock:
             if self.generation != generation:
                 return None
             started = time.monotonic()
             while True:
                 answers = {
-                    address: self._channel.lead(address, min(1.0, max(0.05, deadline - time.monotonic())))
+                    address: self._shard.lead(address, min(1.0, max(0.05, deadline - time.monotonic())))
                     for address in self.addresses
                 }
                 address = choose_primary(answers, self.epoch)
                 if address is not None:
                     try:
                         if address != self.address:
-                            self._channel.connect(address)
+                            self._shard.connect(address)
                             self.address = address
-                        reply = self._channel.hello_here(min(deadline, time.monotonic() + 5.0), join_at)
+                        reply = self._shard.hello_here(min(deadline, time.monotonic() + 5.0), join_at)
                     except PserverError as e:
                         if e.kind != DOWN:
                             raise
