@@ -27,7 +27,7 @@ from psproto.dataplane.frames import ConnectionHello, RequestHeader
 from psproto.security import Security
 from psproto.shared_memory import map_region
 from tests.helpers.polling import poll
-from trainer.transport.data_channel import DataCallError, DataChannel
+from trainer.transport.data.data_channel import DataCallError, DataChannel
 
 TOKEN = "s3cret-token"
 

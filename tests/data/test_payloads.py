@@ -1,4 +1,4 @@
-"""Push and answer payloads between a trainer (trainer/transport/payloads.py) and a pserver
+"""Push and answer payloads between a trainer (trainer/transport/data/payloads.py) and a pserver
 (pserver/data/parts.py): what one writes the other reads, exactly, and a bad payload changes nothing."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pserver.errors import BadRequest
 from pserver.store import BlockStore
 from pserver.tables.table_set import TableSet
 from tests.helpers.table_models import BAG_DIM, DIM
-from trainer.transport.payloads import PserverPayloads
+from trainer.transport.data.payloads import PserverPayloads
 from transpiler import DistributeTranspiler, DistributeTranspilerConfig, Program
 from transpiler.tables import shard_of
 

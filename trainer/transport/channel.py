@@ -164,7 +164,7 @@ class PserverChannel:
         dropped: bool = False,
     ) -> int:
         """Send one step's gradients and receive the pserver's blocks in the same call; the pserver's step
-        (see :meth:`.TensorCalls.push_pull`)."""
+        (see :meth:`.tensor_calls.TensorCalls.push_pull`)."""
         return self._tensors.push_pull(
             step,
             tensors,
@@ -181,13 +181,13 @@ class PserverChannel:
         self, names: Sequence[str], min_step: int, dtype_and_shape: DtypeAndShape, decode_into: DecodeInto
     ) -> int:
         """Receive blocks ``names`` once the pserver's step reaches ``min_step`` (see
-        :meth:`.TensorCalls.pull`)."""
+        :meth:`.tensor_calls.TensorCalls.pull`)."""
         return self._tensors.pull(names, min_step, dtype_and_shape, decode_into)
 
     def prefetch(
         self, min_step: int, ids: Sequence[Named], dtype_and_shape: DtypeAndShape
     ) -> Dict[str, torch.Tensor]:
-        """Send ``ids`` and receive their rows (see :meth:`.TensorCalls.prefetch`)."""
+        """Send ``ids`` and receive their rows (see :meth:`.tensor_calls.TensorCalls.prefetch`)."""
         return self._tensors.prefetch(min_step, ids, dtype_and_shape)
 
     # -- control calls ---------------------------------------------------------

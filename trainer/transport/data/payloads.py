@@ -32,7 +32,7 @@ from psproto.lane_blocks import lane_of_blocks, split_by_lane
 from transpiler.plans import BlockSpec
 from transpiler.tables import SPARSE_SEPARATOR, TableSpec
 
-from .wire_paths import DecodeInto, Named
+from ..wire_paths import DecodeInto, Named
 
 _PARTS = ("ids", "rows", "next")
 

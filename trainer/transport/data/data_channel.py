@@ -7,7 +7,7 @@ call at a time. On the pserver's host, the connection maps a pair of shared-memo
 carry only headers: the payload goes into the request region, the answer comes back in the answer region.
 
 A failed call raises :class:`DataCallError`, a ``grpc.RpcError`` with the status the pserver answered (the
-gRPC path's statuses): the transport maps both paths' failures through one function (:mod:`.status_codes`).
+gRPC path's statuses): the transport maps both paths' failures through one function (:mod:`trainer.transport.status_codes`).
 A broken connection is UNAVAILABLE; it is closed and the next call opens a new one.
 """
 
@@ -36,7 +36,7 @@ from psproto.dataplane.frames import (
 )
 from psproto.shared_memory import Region
 
-from .shared_regions import region_size
+from ..shared_regions import region_size
 
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
 
