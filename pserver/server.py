@@ -404,15 +404,24 @@ class ParameterServer:
         return server
 
     def _stop_main(self, grace: Optional[float]) -> None:
-        """Stop the asyncio server (in-flight calls get ``grace`` s), then its loop and its pool."""
-        if self._server is not None:
-            self._on_loop(self._server.stop(grace))
-            self._server = None
-        if self._loop is not None:
-            self._loop.call_soon_threadsafe(self._loop.stop)
+        """Stop the asyncio server (in-flight calls get ``grace`` s), then its loop, then its pool.
+
+        gRPC's asyncio layer has one poller per process, shut down when its last asyncio server is
+        freed: it unhooks its socket from the loops and closes it. Freed here while the loop's thread
+        still ran, it closed the socket under the loop reading it (``Exception in callback None()`` ...
+        ``OSError: [Errno 9] Bad file descriptor`` at about one SIGTERM in three). So the server is let
+        go only once the loop has stopped and its thread ended, and the loop closes after that.
+        """
+        server, self._server = self._server, None
+        if server is not None:
+            self._on_loop(server.stop(grace))
+        loop, self._loop = self._loop, None
+        if loop is not None:
+            loop.call_soon_threadsafe(loop.stop)
             self._loop_thread.join()
-            self._loop.close()
-            self._loop = None
+        del server  # the last reference: the poller shuts down now, with no loop running
+        if loop is not None:
+            loop.close()
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
             self._pool = None
