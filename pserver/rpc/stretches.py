@@ -36,7 +36,7 @@ def what_blocks(program: PserverProgram) -> List[str]:
     takes, across I/O):
 
     - ``server_replicas=2`` (hot standby): every answer waits for the backup's acknowledgement of the
-      updates it reports (``PserverServicer._acked``: a network round trip to another process), and every
+      updates it reports (``CallerChecks.acked``: a network round trip to another process), and every
       update is handed to the replication stream under the engine's lock.
     - ``checkpoint_dir``: with ``checkpoint_every`` the stretch that completes a step writes the checkpoint
       under the engine's lock (:class:`~pserver.engine.listeners.ScheduledCheckpoints`); without it still a

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from pserver.engine import Contents, Reductions, SyncEngine
-from pserver.rpc.servicer import PserverServicer
+from pserver.rpc import PserverServicer
 from pserver.store import BlockStore
 from pserver.tables.table_set import TableSet
 from psproto import ps_pb2
@@ -76,7 +76,7 @@ def push_pulls(svc: PserverServicer, *pushes) -> List[ps_pb2.PullHeader]:
     header."""
 
     def call(messages) -> ps_pb2.PullHeader:
-        return ps_pb2.PullChunk.FromString(list(svc.PushPull(messages, FakeContext()))[0]).header
+        return ps_pb2.PullChunk.FromString(list(svc.data.PushPull(messages, FakeContext()))[0]).header
 
     with ThreadPoolExecutor(len(pushes)) as pool:
         return [f.result(30) for f in [pool.submit(call, m) for m in pushes]]
@@ -85,7 +85,14 @@ def push_pulls(svc: PserverServicer, *pushes) -> List[ps_pb2.PullHeader]:
 def open_session(svc: PserverServicer, trainer_id: int = 0) -> str:
     """The session a Hello for ``trainer_id`` opens, as a trainer process gets it."""
     request = ps_pb2.HelloRequest(trainer_id=trainer_id, layout_digest=svc.layout_digest, incarnation=77)
-    return svc.Hello(request.SerializeToString(), FakeContext()).session
+    return svc.control.Hello(request.SerializeToString(), FakeContext()).session
+
+
+def method_of(svc: PserverServicer, name: str):
+    """The servicer method ``name`` (``"Hello"``, ``"Pull"``, ...) of whichever concern answers it."""
+    return next(
+        getattr(calls, name) for calls in (svc.control, svc.data, svc.standby) if hasattr(calls, name)
+    )
 
 
 def wired_engine(trainers: int, barrier_timeout: float):

@@ -1,31 +1,16 @@
-"""The gRPC servicer: checks every request, then hands it to the engine (or to the Reduce service).
+"""The data calls of the service: a trainer's pushes, pulls and prefetches (the tensors, both ways).
 
-It knows the blocks and tables only through two parts the server hands it:
-what a push, pull or prefetch may carry and how a push splits
-(:class:`~pserver.engine.contents.Contents`), and what to count, apply and
-read (:class:`~pserver.engine.Engine`), never reaching below them. With hot
-standby it holds the process's :class:`~pserver.replication.replica.Replica`
-too, and the :class:`Incarnation` trainers tell this pserver's state by.
-
-Every method receives the raw request bytes and parses them itself, so
-malformed bytes get INVALID_ARGUMENT with a message instead of a generic
-deserialisation failure. The step calls (PushPull, PushPullOne,
-PushPullShared), Pull and Prefetch bypass the generic protobuf path for
-tensor data (see psproto.codec). Every refusal is a gRPC status naming this
-pserver and what was wrong; a refused request changes nothing (gradients are
-fully received and checked before the engine sees them).
-
-Everything below this module refuses with :mod:`pserver.errors` exceptions;
-:data:`~pserver.rpc.prologue.STATUS` is the one place they become gRPC status
-codes (:mod:`.prologue`, with what every call goes through). Any other
-exception is a bug: answered INTERNAL, its traceback logged.
+PushPull, PushPullOne and PushPullShared push one step's gradients and answer with the blocks (and rows) the
+next step needs; Pull and Prefetch read blocks and table rows. They bypass the generic protobuf path for
+tensor data (see psproto.codec): each reads the raw request bytes itself. A refused request changes nothing:
+gradients are fully received and checked before the engine sees them. The calls that wait (a sync step,
+``min_step``, staleness, a push split across lanes) park (:mod:`..parking`).
 """
 
 from __future__ import annotations
 
 import logging
-import time
-from typing import Callable, Dict, Iterator, Optional
+from typing import Dict, Iterator, Optional
 
 import grpc
 import numpy as np
@@ -33,24 +18,20 @@ import torch
 
 from psproto import ps_pb2
 from psproto.codec import ONE_MESSAGE_BYTES, encode_chunks, encode_into
-from psproto.wire import SERVICE, one_message
+from psproto.wire import one_message
 
-from ..engine import Contents, Engine
-from ..engine.claims import StepClaims
-from ..engine.reductions import Reductions, to_values
-from ..engine.waits import Parked
-from ..errors import BadRequest, NotAllowed
-from .buffers import BufferPool
-from .counters import Counters
-from .lane_pushes import LanePushes
-from .mapped_regions import SharedRegions
-from .parking import park, parks
-from .prologue import parse, read_stream, refusals, trainer_call
-from .replica_link import ReplicaServicer
-from .sessions import Incarnation, Sessions
-from .stretches import Stretches, answered_on_loop
+from ...engine import Contents, Engine
+from ...engine.claims import StepClaims
+from ...engine.waits import Parked
+from ...errors import BadRequest
+from ..buffers import BufferPool
+from ..counters import Counters
+from ..lane_pushes import LanePushes
+from ..mapped_regions import SharedRegions
+from ..parking import park, parks
+from ..prologue import CALLS_LOG, CallerChecks, parse, read_stream, refusals, trainer_call
 
-log = logging.getLogger(__name__)
+log = logging.getLogger(CALLS_LOG)
 
 
 def _finite(g: torch.Tensor) -> bool:
@@ -59,121 +40,45 @@ def _finite(g: torch.Tensor) -> bool:
     return bool(torch.isfinite(g.sum())) or bool(torch.isfinite(g).all())
 
 
-class PserverServicer:
-    """Hello / PushPull / Pull / Prefetch / Close / Stats / Reduce: the engine's and the Reduce service's
-    front.
+class DataCalls:
+    """PushPull / PushPullOne / PushPullShared / Pull / Prefetch / PrefetchOne: the engine's data front.
 
-    ``replica``: the process's place in its replicated shard (None without replicas); ``incarnation``
-    (default: a new one) what trainers tell this pserver's state by; ``stretches`` where parked calls'
-    stretches run (:mod:`.stretches`); ``claims`` the Claim service (backup trainers; None: this pserver
-    does not decide).
+    What a request may carry and how a push splits is ``contents``'s to say; the engine counts, applies and
+    reads. ``allow_nonfinite``: a gradient with NaN or Inf is applied, not refused. ``claims``: the Claim
+    service on the first pserver with backup trainers (None elsewhere), told the trainers of a step a push
+    names. Owns the receive buffers, the lanes of pushes split across calls and the shared-memory regions
+    of trainers on this host.
     """
 
     def __init__(
         self,
         engine: Engine,
         contents: Contents,
-        reductions: Reductions,
-        layout_digest: str,
+        checks: CallerChecks,
+        counters: Counters,
         chunk_bytes: int,
-        alive_window: float,
         allow_nonfinite: bool = False,
-        replica=None,
-        incarnation: Optional[Incarnation] = None,
-        stretches: Optional[Stretches] = None,
         claims: Optional[StepClaims] = None,
     ):
         self.engine = engine
         self.contents = contents
-        self.reductions = reductions
-        self.claims = claims  # backup trainers, on the first pserver: who makes each step
-        self.replica = replica
-        self._incarnation = incarnation if incarnation is not None else Incarnation()
-        self.sessions = Sessions(engine.endpoint, alive_window)
-        self.allow_nonfinite = allow_nonfinite
-        self.started = time.monotonic()
+        self.checks = checks
+        self.counters = counters
         self.endpoint = engine.endpoint
-        self.layout_digest = layout_digest
         self.chunk_bytes = chunk_bytes
-        self.counters = Counters()
+        self.allow_nonfinite = allow_nonfinite
+        self.claims = claims  # backup trainers, on the first pserver: who makes each step
         self.buffers = BufferPool(contents.block_layout())
         self.lane_pushes = LanePushes(engine.waits, self._release, contents.block_nbytes())
         self.regions = SharedRegions(engine.trainers)
-        self.stretches = stretches if stretches is not None else Stretches(allowed=False)
-
-    @property
-    def incarnation(self) -> int:
-        return self._incarnation.value
-
-    def _serving(self) -> None:
-        """Refuse a trainer's call (NotPrimary) on a replica that does not lead its shard."""
-        replica = self.replica
-        if replica is not None:
-            replica.check_serving()
-
-    def _acked(self) -> None:
-        """Before an answer that reports the pserver's step: the backup holds every one of them."""
-        replica = self.replica
-        if replica is not None:
-            replica.wait_acked()
-
-    def _check_trainer(self, trainer_id: int) -> None:
-        if not 0 <= trainer_id < self.engine.trainers:
-            raise BadRequest(f"trainer id {trainer_id} is out of range [0, {self.engine.trainers})")
-
-    def _check_caller(self, request) -> None:
-        """A trainer's call (anything but Hello and Stats): its id in range and its session current."""
-        self._serving()
-        self._check_trainer(request.trainer_id)
-        self.sessions.check(request.trainer_id, request.session)
-
-    def _check_digest(self, digest: str) -> None:
-        if digest != self.layout_digest:
-            raise NotAllowed(
-                f"pserver {self.endpoint}: plan mismatch (layout digest {digest!r}, "
-                f"this pserver runs {self.layout_digest!r}); transpile the same "
-                f"program with the same config, pservers and trainers on every role"
-            )
-
-    @refusals
-    def Hello(self, data, context):
-        request = parse(ps_pb2.HelloRequest, data)
-        self._serving()
-        self._check_trainer(request.trainer_id)
-        self._check_digest(request.layout_digest)
-        if not request.incarnation:
-            raise BadRequest(
-                "Hello needs the trainer process's incarnation (a random nonzero number, one a process)"
-            )
-        if request.join_at < 0:
-            raise BadRequest(f"join_at must be >= 0, got {request.join_at}")
-        last_heard, ended = self.engine.presence(request.trainer_id)
-        session = self.sessions.hello(
-            request.trainer_id, request.incarnation, context.peer(), last_heard, ended
-        )
-        joined = self.engine.hello(request.trainer_id, request.join_at)
-        return ps_pb2.HelloReply(
-            start_step=joined.step,
-            sync_mode=self.engine.sync_mode,
-            trainers=self.engine.trainers,
-            incarnation=self.incarnation,
-            epoch=joined.position[0],
-            batch=joined.position[1],
-            checkpoint_step=joined.checkpoint_step,
-            counted_step=joined.counted_step,
-            session=session,
-            applied_step=joined.applied_step,
-            others_in_step=joined.others_in_step,
-            replica_epoch=self.replica.epoch if self.replica is not None else 0,
-        )
 
     def _read_stream(self, request_iterator, header_type, expect, dest=None, widen=False):
         """(header, reader) of a client stream (:func:`~.prologue.read_stream`), its caller checked as a
         trainer."""
 
         def check(header) -> None:
-            self._check_caller(header)
-            self._check_digest(header.layout_digest)
+            self.checks.caller(header)
+            self.checks.digest(header.layout_digest)
             self.engine.touch(header.trainer_id)
 
         return read_stream(request_iterator, header_type, expect, check, self._release, dest, widen)
@@ -350,7 +255,7 @@ class PserverServicer:
         exactly what a Prefetch would have. Parks (see :mod:`.parking`).
         """
         yield from park(self.engine.park_for_step(trainer_id, min_step))
-        self._acked()
+        self.checks.acked()
         pserver_step, tensors = self.engine.read(names)
         if answer_ids:
             tensors = tensors + self.engine.lookup(answer_ids)[1]
@@ -375,129 +280,20 @@ class PserverServicer:
             raise BadRequest(f"min_step must be >= 0, got {header.min_step}")
         ids = self.contents.prefetch_ids(reader.tensors)
         yield from park(self.engine.park_for_step(header.trainer_id, header.min_step))
-        self._acked()
+        self.checks.acked()
         pserver_step, rows = self.engine.lookup(ids)
         yield from encode_chunks(ps_pb2.PullHeader(step=pserver_step), rows, self.chunk_bytes)
         self.counters.add(
             bytes_in=reader.nbytes, prefetches=1, bytes_out=sum(t.numel() * t.element_size() for _, t in rows)
         )
 
-    @trainer_call(ps_pb2.SaveTablesRequest, touch=True)
-    def SaveTables(self, request, context):
-        if not request.directory:
-            raise BadRequest("SaveTables needs a directory")
-        if "\0" in request.directory:
-            # The file system would refuse it with a plain ValueError, read as a bug here: checked first.
-            raise BadRequest("embedded null byte")
-        with self.stretches.off_loop():  # its writes hold the engine's lock: no stretch may wait on the loop
-            pserver_step, paths = self.engine.save_tables(request.directory)
-        log.info(
-            "%s: saved %d table shards after %d updates to %s",
-            self.endpoint,
-            len(paths),
-            pserver_step,
-            request.directory,
-        )
-        return ps_pb2.SaveTablesReply(step=pserver_step, paths=paths)
-
-    @answered_on_loop  # a session check, a counter and a lock-free touch: no pool hop
-    @trainer_call(ps_pb2.HeartbeatRequest, digest=False)
-    def Heartbeat(self, request, context):
-        self.counters.heartbeat(request.trainer_id)
-        return ps_pb2.HeartbeatReply(step=self.engine.touch(request.trainer_id), incarnation=self.incarnation)
-
-    @trainer_call(ps_pb2.RestoreRequest, touch=True)
-    def Restore(self, request, context):
-        if not self.engine.sync_mode:
-            raise NotAllowed(
-                f"pserver {self.endpoint}: Restore is for sync mode; async pservers resume on their own"
-            )
-        if request.checkpoint_step < 0 or not request.token:
-            raise BadRequest(
-                f"Restore needs a checkpoint_step >= 0 and a token, got {request.checkpoint_step} "
-                f"{request.token!r}"
-            )
-        restored = self.engine.restore(request.trainer_id, request.checkpoint_step, request.token)
-        return ps_pb2.RestoreReply(step=self.engine.step, restored=restored)
-
-    @trainer_call(ps_pb2.CheckpointRequest, touch=True)
-    def Checkpoint(self, request, context):
-        step, path = self.engine.checkpoint()
-        return ps_pb2.CheckpointReply(checkpoint_step=step, path=path)
-
-    @trainer_call(ps_pb2.CloseRequest, digest=False)
-    def Close(self, request, context):
-        left = self.engine.close(request.trainer_id)
-        self._acked()
-        return ps_pb2.CloseReply(trainers_left=left)
-
-    @parks()
-    @trainer_call(ps_pb2.ReduceRequest, touch=True)
-    def Reduce(self, request, context):
-        values = to_values((v.name, v.shape, v.data) for v in request.values)
-        handle, result = self.reductions.park(
-            request.trainer_id, request.key, request.round, request.op, values
-        )
-        yield from park(handle)
-        combined, trainers = result()
-        yield ps_pb2.ReduceReply(
-            trainers=trainers,
-            values=[
-                ps_pb2.ReduceValue(name=name, shape=v.shape, data=v.ravel().tolist())
-                for name, v in combined.items()
-            ],
-        )
-
-    @parks()
-    @trainer_call(ps_pb2.ClaimRequest, touch=True)
-    def Claim(self, request, context):
-        if self.claims is None:
-            raise NotAllowed(
-                f"pserver {self.endpoint} does not decide which trainers make a step: the first pserver "
-                f"does, with backup_trainers set"
-            )
-        handle, verdict = self.claims.park(request.trainer_id, request.step)
-        yield from park(handle)
-        v = verdict()
-        yield ps_pb2.ClaimReply(admitted=v.admitted, trainers=v.trainers)
-
-    @refusals
-    def Stats(self, data, context):
-        parse(ps_pb2.StatsRequest, data)
-        replica = self.replica.stats() if self.replica is not None else None
-        return self.counters.stats_reply(
-            self.endpoint, self.engine.stats(), self.incarnation, time.monotonic() - self.started, replica
-        )
-
     def handlers(self) -> Dict[str, grpc.RpcMethodHandler]:
-        """The service's handlers by method name: raw-bytes requests (parsed here), encoded replies.
-
-        The parking methods' behaviours carry ``parking`` (:mod:`.parking`):
-        :class:`~.aio.Parking` gives them asyncio handlers.
-        """
-        serialize = lambda m: m.SerializeToString()  # noqa: E731
-        handlers = {
-            "Hello": grpc.unary_unary_rpc_method_handler(self.Hello, response_serializer=serialize),
+        """These calls' handlers by method name: raw-bytes requests (parsed here), encoded answers."""
+        return {
             "Pull": grpc.unary_stream_rpc_method_handler(self.Pull),  # yields encoded bytes
             "Prefetch": grpc.stream_stream_rpc_method_handler(self.Prefetch),
             "PushPull": grpc.stream_stream_rpc_method_handler(self.PushPull),
             "PushPullOne": grpc.unary_unary_rpc_method_handler(self.PushPullOne),
             "PushPullShared": grpc.unary_unary_rpc_method_handler(self.PushPullShared),
             "PrefetchOne": grpc.unary_stream_rpc_method_handler(self.PrefetchOne),
-            "SaveTables": grpc.unary_unary_rpc_method_handler(self.SaveTables, response_serializer=serialize),
-            "Close": grpc.unary_unary_rpc_method_handler(self.Close, response_serializer=serialize),
-            "Heartbeat": grpc.unary_unary_rpc_method_handler(self.Heartbeat, response_serializer=serialize),
-            "Restore": grpc.unary_unary_rpc_method_handler(self.Restore, response_serializer=serialize),
-            "Checkpoint": grpc.unary_unary_rpc_method_handler(self.Checkpoint, response_serializer=serialize),
-            "Stats": grpc.unary_unary_rpc_method_handler(self.Stats, response_serializer=serialize),
-            "Reduce": grpc.unary_unary_rpc_method_handler(self.Reduce, response_serializer=serialize),
-            "Claim": grpc.unary_unary_rpc_method_handler(self.Claim, response_serializer=serialize),
         }
-        handlers.update(ReplicaServicer(self).handlers())
-        return handlers
-
-    def add_to_server(self, server, adapt: Callable[[Dict[str, grpc.RpcMethodHandler]], Dict] = dict) -> None:
-        """Register :meth:`handlers` on ``server`` through ``adapt`` (asyncio: :meth:`.aio.Parking.adapt`)."""
-        # Registered, not generic: gRPC queues each method's arrived calls apart and the asyncio server
-        # takes them up in parallel, so a heartbeat is taken up behind heartbeats, not a thousand pushes.
-        server.add_registered_method_handlers(SERVICE, adapt(self.handlers()))
