@@ -40,8 +40,9 @@ def test_packages_import_only_what_the_layout_allows(package, forbidden):
     assert sorted((path, name) for path, name in imported_roots(package) if name in forbidden) == []
 
 
-# In pserver only the RPC layer (pserver/rpc/), the operators' side (pserver/ops/: the health port,
-# ps-stat) and server.py, which builds the gRPC server (health, reflection, credentials), speak gRPC:
+# In pserver only the RPC layer (pserver/rpc/: the servicer, and the main port that builds the gRPC
+# server), the operators' side (pserver/ops/: the health port, ps-stat) and server.py, which resolves
+# the credentials (psproto.security), speak gRPC:
 # the engines, stores, tables and checkpoints below them do not. psproto's ps_pb2_grpc and security
 # import grpc themselves, so they count as gRPC too.
 GRPC_ROOTS = {"grpc", "grpc_health", "grpc_reflection"}

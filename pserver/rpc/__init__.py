@@ -15,11 +15,13 @@ whole; ``replica_link.py`` is hot standby's client (:mod:`pserver.replication`).
 staleness, a Reduce round) yield its :class:`~pserver.engine.waits.Parked`
 handle, and ``aio.py`` drives those methods on gRPC's asyncio server, awaiting
 the handle on the event loop instead of holding a thread (``stretches.py``:
-where their CPU runs; ``arrival.py``: a call is a sign of life as it arrives).
-``sessions.py`` also holds the :class:`~.sessions.Incarnation` trainers tell a
-pserver's state by. Nothing below this layer (engines, stores, tables,
-checkpoints) imports grpc. :mod:`pserver.server` needs only the servicer (the
-service's name is :data:`psproto.wire.SERVICE`).
+where their CPU runs; ``arrival.py``: a call is a sign of life as it arrives);
+``main_port.py`` runs that server on the pserver's endpoint, on an event-loop
+thread of its own, and stops it in order. ``sessions.py`` also holds the
+:class:`~.sessions.Incarnation` trainers tell a pserver's state by.
+Nothing below this layer (engines, stores, tables, checkpoints) imports grpc.
+:mod:`pserver.server` needs the servicer and the main port (the service's name is
+:data:`psproto.wire.SERVICE`).
 """
 
 from .service import PserverServicer

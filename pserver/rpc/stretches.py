@@ -126,6 +126,18 @@ class Stretches:
         self._loop = None
         self._loop_thread: Optional[int] = None
 
+    @classmethod
+    def placed(cls, program: PserverProgram) -> "Stretches":
+        """``program``'s pserver's stretches, on the loop or not as :func:`stretch_place` decides (logged)."""
+        on_loop, why = stretch_place(program)
+        log.info(
+            "pserver %s: parked calls' stretches run %s (%s)",
+            program.endpoint,
+            "on the event loop" if on_loop else "in the handler pool",
+            why,
+        )
+        return cls(on_loop)
+
     def bind(self, loop) -> None:
         """On ``loop``'s thread: the loop whose stretches this governs."""
         self._loop, self._loop_thread = loop, threading.get_ident()
