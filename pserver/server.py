@@ -1,34 +1,28 @@
-"""ParameterServer: one pserver process's gRPC server and its lifecycle.
+"""ParameterServer: one pserver process's parts, built in the order they depend on, and its lifecycle.
 
-It builds every part first and hands each to the parts that use it: the
-blocks and table shards; the listeners of the engine's changes (replication,
-scheduled checkpoints and exports, with the :class:`~pserver.engine.FileWrites`
-switch a hot standby's backup keeps off); the engine; what requests may carry
-(:class:`~pserver.engine.Contents`); with replicas, the
-:class:`~pserver.replication.replica.Replica`; and the servicer over them.
+It builds every part first and hands each to the parts that use it, at their construction: the
+blocks and table shards; the listeners of the engine's changes (replication, scheduled checkpoints
+and exports, with the :class:`~pserver.engine.FileWrites` switch a hot standby's backup keeps off);
+the side ports' servers (:mod:`pserver.ops.side_ports`, whose barrier histogram the engine's waits
+go to); the engine; the Reduce and Claim services, built from it; with replicas, the
+:class:`~pserver.replication.replica.Replica`; the servicer over them; the calls in progress; and
+the main port that serves the servicer (:mod:`pserver.rpc.main_port`). The engine and the parts
+that hold trainers' calls outside it need each other: a notification point built before the engine
+breaks that cycle (:mod:`pserver.held_elsewhere`).
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import math
-import os
 import secrets
 import signal
 import sys
 import threading
-from concurrent import futures
 from typing import Optional
 
-import grpc
 import torch
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
-from psproto.options import server_options
 from psproto.security import Security, TokenCheck
-from psproto.wire import SERVICE as SERVICE_NAME
 from transpiler import PserverProgram, StartupProgram
 
 from .checkpoint import Checkpointer
@@ -44,14 +38,15 @@ from .engine import (
     SyncEngine,
 )
 from .errors import LostLead
-from .ops.health import HealthPort
-from .ops.metrics import MetricsServer, PserverCollector
-from .ops.ports import SidePorts, split_host
+from .held_elsewhere import HeldElsewhere
+from .ops.metrics import PserverCollector
+from .ops.ports import SidePorts
+from .ops.side_ports import SidePortServers
 from .rpc import PserverServicer
-from .rpc.aio import Parking
-from .rpc.arrival import ArrivalInterceptor, CallsInProgress
+from .rpc.arrival import CallsInProgress
+from .rpc.main_port import MainPort
 from .rpc.sessions import Incarnation
-from .rpc.stretches import Stretches, stretch_place
+from .rpc.stretches import Stretches
 from .store import BlockStore
 from .tables import TableSet
 from .tables.serving.exporter import TableExporter
@@ -96,9 +91,14 @@ class ParameterServer:
         self.program = program
         self.endpoint = program.endpoint
         cfg = program.config
-        self.side_ports = SidePorts.resolve(cfg.metrics_port, cfg.health_port, self.endpoint)
-        self.metrics_port: Optional[int] = None
-        self.health_port: Optional[int] = None
+        # Before the engine, which reports its sync waits to their barrier histogram; the metrics server
+        # reads the servicer (built on the engine) only once started.
+        self.side_ports = SidePortServers(
+            SidePorts.resolve(cfg.metrics_port, cfg.health_port, self.endpoint), self.endpoint
+        )
+        self._finished = threading.Event()
+        self._stopped = False
+        self.fenced = False
         store = BlockStore(program, startup)
         tables = TableSet(program, tables_from)
         checkpointer = (
@@ -136,87 +136,66 @@ class ParameterServer:
             listeners.append(ScheduledCheckpoints(checkpointer, self.files, program.endpoint))
         if self.exporter is not None:
             listeners.append(ScheduledExports(self.exporter, self.files))
-        # The Reduce service waits for the trainers the engine still expects and is woken when that
-        # set changes: each needs the other, so the service, built first, asks self.engine (set just
-        # below) only when a trainer calls. A trainer whose Reduce waits is alive to the engine, and
-        # heard from when its round ends.
-        self.reductions = Reductions(
-            self.endpoint,
-            cfg.barrier_timeout,
-            expected=lambda: self.engine.live(),
-            admit=lambda trainer_id: self.engine.check_live(trainer_id),
-            released=lambda trainer_id: self.engine.touch(trainer_id),
-        )
-        # A trainer with a call still being served (a push's answer made and sent after its step applied,
-        # a heartbeat waiting for a pool thread) is alive to the engine too, and heard from when it ends.
-        self._serving = CallsInProgress(self._arrived, program.trainers, holds=self._holds)
+        # The engine asks the parts that hold trainers' calls outside it (the Reduce and Claim services, the
+        # calls being served) whom they hold, and tells them when its roster changes; they ask the engine
+        # whom they expect. Each needs the other: the engine gets their notification point, built first, and
+        # each part joins it once built from the engine, before anything is served.
+        held = HeldElsewhere()
         args = (store, tables, program.trainers, program.endpoint, cfg.barrier_timeout, checkpointer)
-        # Backup trainers: the first pserver decides each sync step's trainers (claims wait like Reduce
-        # rounds).
-        self.claims: Optional[StepClaims] = None
         parts = dict(
             listeners=listeners,
-            on_wait=self._observe_barrier_wait,
-            on_roster_change=self._roster_changed,
-            held_elsewhere=lambda: (
-                self.reductions.parked_trainers()
-                | self._serving.trainers()
-                | (self.claims.parked_trainers() if self.claims is not None else set())
-            ),
+            on_wait=self.side_ports.observe_barrier_wait,
+            on_roster_change=held.roster_changed,
+            held_elsewhere=held.trainers,
         )
         if program.sync_mode:
             self.engine = SyncEngine(*args, **parts)
         else:
             self.engine = AsyncEngine(*args, max_staleness=cfg.max_staleness, **parts)
+        engine = self.engine
+        # A trainer whose Reduce waits is alive to the engine, and heard from when its round ends.
+        self.reductions = Reductions(
+            self.endpoint,
+            cfg.barrier_timeout,
+            expected=engine.live,
+            admit=engine.check_live,
+            released=engine.touch,
+        )
+        held.join(self.reductions.parked_trainers, self.reductions.roster_changed)
+        # Backup trainers: the first pserver decides each sync step's trainers (claims wait as rounds do).
+        self.claims: Optional[StepClaims] = None
         if cfg.backup_trainers and program.sync_mode and program.shard == 0:
             self.claims = StepClaims(
                 self.endpoint,
                 program.trainers,
                 cfg.backup_trainers,
                 cfg.barrier_timeout,
-                live=self.engine.live,
-                applied=lambda: self.engine.step,
-                admit=self.engine.check_live,
-                rollbacks=self.engine.rollbacks,
-                released=self.engine.touch,
+                live=engine.live,
+                applied=lambda: engine.step,
+                admit=engine.check_live,
+                rollbacks=engine.rollbacks,
+                released=engine.touch,
             )
+            held.join(self.claims.parked_trainers, self.claims.roster_changed)
         if checkpointer is not None:
-            if self.engine.resume():
+            if engine.resume():
                 log.info(
                     "pserver %s resumes from the checkpoint at step %d under %s%s",
                     self.endpoint,
-                    self.engine.step,
+                    engine.step,
                     cfg.checkpoint_dir,
                     " (tables_from is ignored)" if tables_from else "",
                 )
-        self._server: Optional[grpc.aio.Server] = None
-        self._loop: Optional[asyncio.AbstractEventLoop] = None
-        self._loop_thread: Optional[threading.Thread] = None
-        self._pool: Optional[futures.ThreadPoolExecutor] = None
-        self._health = None  # grpc_health's asyncio HealthServicer, once serving
-        self._health_port: Optional[HealthPort] = None
-        self._metrics: Optional[MetricsServer] = None
-        self._finished = threading.Event()
-        self._stopped = False
-        self._interceptors = self.security.server_interceptors(aio=True)
         # Trainers tell a restarted shard by the incarnation Hello answers: with replicas it names the
         # state's lineage, the same on both processes, so a failover is no restart to them.
         incarnation = Incarnation()
-        self.fenced = False
-        self.replica = None
+        self.replica, self._link = None, None
         if program.replicated:
-            self.replica = self._replica(program, replication, incarnation)
+            self.replica, self._link = self._replica(program, replication, incarnation)
         # Where parked calls' CPU stretches run: on the event loop where nothing in them blocks.
-        on_loop, why = stretch_place(program)
-        self.stretches = Stretches(on_loop)
-        log.info(
-            "pserver %s: parked calls' stretches run %s (%s)",
-            self.endpoint,
-            "on the event loop" if on_loop else "in the handler pool",
-            why,
-        )
+        self.stretches = Stretches.placed(program)
         self.servicer = PserverServicer(
-            self.engine,
+            engine,
             Contents(store, tables),
             self.reductions,
             program.layout_digest,
@@ -228,16 +207,36 @@ class ParameterServer:
             stretches=self.stretches,
             claims=self.claims,
         )
+        # A trainer with a call still being served (a push's answer made and sent after its step applied,
+        # a heartbeat waiting for a pool thread) is alive to the engine too, and heard from when it ends.
+        self._serving = CallsInProgress(self._arrived, program.trainers, holds=self._holds)
+        held.join(self._serving.trainers)
+        self._interceptors = self.security.server_interceptors(aio=True)
+        self._main_port = MainPort(
+            program,
+            self.security,
+            self._interceptors,
+            self.servicer,
+            self.stretches,
+            self._serving,
+            self._arrived,
+        )
 
-    def _roster_changed(self) -> None:
-        """The engine's live trainers may have changed (or it rolled back): the waiting rounds and claims
-        look again."""
-        self.reductions.roster_changed()
-        if self.claims is not None:
-            self.claims.roster_changed()
+    @property
+    def metrics_port(self) -> Optional[int]:
+        """The metrics port bound (after :meth:`start`; None: off)."""
+        return self.side_ports.metrics_port
+
+    @property
+    def health_port(self) -> Optional[int]:
+        """The health port bound (after :meth:`start`; None: off)."""
+        return self.side_ports.health_port
 
     def _replica(self, program: PserverProgram, replication: Replication, incarnation: Incarnation):
-        """Hot standby: this process is one of its shard's two; etcd decides whether it leads or follows."""
+        """Hot standby: this process is one of its shard's two; etcd decides whether it leads or follows.
+
+        (the :class:`~pserver.replication.replica.Replica`, the link to the shard's other process).
+        """
         from .replication.etcd import EtcdCoordinator
         from .replication.replica import Replica
         from .rpc.replica_link import ReplicaLink
@@ -247,175 +246,22 @@ class ParameterServer:
         coordinator = EtcdCoordinator(
             cfg.coordinator, prefix, program.shard, secrets.token_hex(8), ttl=cfg.replica_lease_ttl
         )
-        self._link = ReplicaLink(self.security, cfg.chunk_bytes)
-        return Replica(
+        link = ReplicaLink(self.security, cfg.chunk_bytes)
+        replica = Replica(
             self.engine,
             program,
             coordinator,
-            self._link,
+            link,
             replication,
             self.files,
             on_lineage=incarnation.adopt,
             on_fenced=self._on_fenced,
         )
+        return replica, link
 
     def _on_fenced(self) -> None:
         self.fenced = True
         self._finished.set()
-
-    def start(self) -> "ParameterServer":
-        """Bind the endpoint (and the side ports) and start serving in background threads.
-
-        OSError naming the address when a port cannot be bound; whatever was
-        started by then is stopped again.
-        """
-        try:
-            self._start_side_ports()
-            self._start_main()
-        except BaseException:
-            self._stop_side_ports()
-            self._stop_main(0)
-            raise
-        if self._health_port is not None:
-            self._health_port.serving()
-        if self.replica is not None:
-            self.replica.start()
-        threading.Thread(target=self._watch_trainers, daemon=True, name="pserver-watch").start()
-        threading.Thread(target=self._watch_heartbeats, daemon=True, name="pserver-heartbeats").start()
-        return self
-
-    def _start_side_ports(self) -> None:
-        """The health port (answering NOT_SERVING until the main port serves) and the metrics server."""
-        host = split_host(self.endpoint)
-        if self.side_ports.health is not None:
-            self._health_port = HealthPort(host, self.side_ports.health, ("", SERVICE_NAME))
-            self.health_port = self._health_port.start()
-            log.info(
-                "pserver %s: health port %d on %s (grpc.health.v1 only, plaintext, no auth token)",
-                self.endpoint,
-                self.health_port,
-                host,
-            )
-        if self.side_ports.metrics is not None:
-            auth = next((i for i in self._interceptors if isinstance(i, TokenCheck)), None)
-            collector = PserverCollector(self.servicer, self.program.shard, len(self.program.pservers), auth)
-            self._metrics = MetricsServer(collector, self.endpoint)
-            self.metrics_port = self._metrics.start(host, self.side_ports.metrics)
-            log.info(
-                "pserver %s: Prometheus metrics at http://%s:%d/metrics",
-                self.endpoint,
-                f"[{host}]" if ":" in host else host,
-                self.metrics_port,
-            )
-
-    def _stop_side_ports(self) -> None:
-        if self._health_port is not None:
-            self._health_port.stop()
-        metrics, self._metrics = self._metrics, None  # no more barrier waits observed
-        if metrics is not None:
-            metrics.stop()
-
-    def _observe_barrier_wait(self, seconds: float) -> None:
-        """The engine's ``on_wait``: a sync step's wait, into the barrier histogram while metrics are served.
-
-        The histogram lives with the metrics server, which starts and stops
-        with the side ports; without it the wait is not recorded.
-        """
-        metrics = self._metrics  # read once: stopping the side ports unsets it
-        if metrics is not None:
-            metrics.barrier_wait.observe(seconds)
-
-    def _start_main(self) -> None:
-        """The training service (with health and reflection) on the endpoint, behind the token.
-
-        gRPC's asyncio server on an event-loop thread of this server's own: a
-        call that waits (a sync step's barrier, ``min_step``, staleness, a
-        Reduce round) parks on the loop and holds no thread (:mod:`.rpc.aio`);
-        the CPU work of every call runs in a pool of ``pserver_rpc_workers``
-        threads (0: ``max(4, cores)``), whatever the number of trainers.
-        """
-        cfg = self.program.config
-        workers = cfg.pserver_rpc_workers or max(4, os.cpu_count() or 1)
-        self._pool = futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="pserver")
-        self._loop = asyncio.new_event_loop()
-        self._loop_thread = threading.Thread(target=self._loop.run_forever, daemon=True, name="pserver-loop")
-        self._loop_thread.start()
-        self._server = self._on_loop(self._serve_main(cfg))
-        log.info("pserver %s: %s", self.endpoint, self.security.describe(server=True))
-        if self.security.token and not self.security.tls:
-            log.warning(
-                "pserver %s: the auth token travels in plaintext; set PS_TLS_CERT and "
-                "PS_TLS_KEY to encrypt it",
-                self.endpoint,
-            )
-        log.info(
-            "pserver %s serving %d blocks (%s bytes) and shard %d/%d of %d tables, %s mode, "
-            "%d trainers (%d handler threads)",
-            self.endpoint,
-            len(self.program.blocks),
-            f"{self.engine.store.nbytes:,}",
-            self.program.shard,
-            len(self.program.pservers),
-            len(self.program.tables),
-            "sync" if self.program.sync_mode else "async",
-            self.program.trainers,
-            workers,
-        )
-
-    def _on_loop(self, coroutine, timeout: Optional[float] = None):
-        """Run ``coroutine`` on the server's event loop and wait for its result."""
-        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result(timeout)
-
-    async def _serve_main(self, cfg) -> grpc.aio.Server:
-        """On the loop: build, bind and start the asyncio server; OSError naming the address if it cannot
-        bind."""
-        server = grpc.aio.server(
-            migration_thread_pool=self._pool,
-            options=server_options(
-                cfg.chunk_bytes,
-                fast_keepalive=self.program.replicated,
-                queue_s=math.ceil(cfg.barrier_timeout + cfg.rpc_timeout),
-                trainers=self.program.trainers,
-            ),
-            interceptors=[*self._interceptors, ArrivalInterceptor(self._arrived, self.program.trainers)],
-        )
-        self.stretches.bind(asyncio.get_running_loop())
-        self.servicer.add_to_server(server, Parking(self._pool, self.stretches, self._serving).adapt)
-        self._health = health.aio.HealthServicer()
-        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
-        reflection.enable_server_reflection(
-            (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
-        )
-        try:
-            port = self.security.add_port(server, self.endpoint)
-        except RuntimeError as e:
-            port, detail = 0, str(e)
-        else:
-            detail = "bind returned port 0"
-        if port == 0:
-            await server.stop(None)
-            raise OSError(
-                f"pserver cannot bind {self.endpoint} ({detail}); is the port in use "
-                f"or the address not on this host?"
-            )
-        await server.start()
-        for service in ("", SERVICE_NAME):
-            await self._health.set(service, health_pb2.HealthCheckResponse.SERVING)
-        return server
-
-    def _stop_main(self, grace: Optional[float]) -> None:
-        """Stop the asyncio server (in-flight calls get ``grace`` s), then its loop and its pool."""
-        if self._server is not None:
-            self._on_loop(self._server.stop(grace))
-            self._server = None
-        if self._loop is not None:
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._loop_thread.join()
-            self._loop.close()
-            self._loop = None
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
-            self._pool = None
 
     def _holds(self, trainer_id: int, incarnation: int) -> bool:
         """Whether ``trainer_id``'s process ``incarnation`` holds the id's session (not a newcomer, nor a
@@ -427,6 +273,28 @@ class ParameterServer:
         session."""
         if self._holds(trainer_id, incarnation):
             self.engine.touch(trainer_id)
+
+    def start(self) -> "ParameterServer":
+        """Bind the endpoint (and the side ports) and start serving in background threads.
+
+        OSError naming the address when a port cannot be bound; whatever was
+        started by then is stopped again.
+        """
+        try:
+            auth = next((i for i in self._interceptors if isinstance(i, TokenCheck)), None)
+            program = self.program
+            self.side_ports.start(PserverCollector(self.servicer, program.shard, len(program.pservers), auth))
+            self._main_port.start()
+        except BaseException:
+            self.side_ports.stop()
+            self._main_port.stop(0)
+            raise
+        self.side_ports.serving()
+        if self.replica is not None:
+            self.replica.start()
+        threading.Thread(target=self._watch_trainers, daemon=True, name="pserver-watch").start()
+        threading.Thread(target=self._watch_heartbeats, daemon=True, name="pserver-heartbeats").start()
+        return self
 
     def _watch_heartbeats(self) -> None:
         cfg = self.program.config
@@ -469,21 +337,19 @@ class ParameterServer:
         self._finished.set()
         if self.replica is not None:
             self.replica.stop()  # a primary steps down first: its backup leads without waiting for the lease
-        if self._health is not None and self._loop is not None:
-            self._on_loop(self._health.enter_graceful_shutdown())
-        if self._health_port is not None:
-            self._health_port.shutting_down()
+        self._main_port.shutting_down()
+        self.side_ports.shutting_down()
         self.engine.stop()
         if self.exporter is not None:
             self.exporter.close()
         self.reductions.stop()
         if self.claims is not None:
             self.claims.stop()
-        self._stop_main(grace)
+        self._main_port.stop(grace)
         self.engine.tables.close()
-        if self.replica is not None:
+        if self._link is not None:
             self._link.close()
-        self._stop_side_ports()
+        self.side_ports.stop()
         log.info("pserver %s stopped after %d updates", self.endpoint, self.engine.step)
 
     def serve(self) -> None:
@@ -511,8 +377,7 @@ class ParameterServer:
             self._finished.wait()
             # SIGTERM, Ctrl-C or the end of training: probes see the shutdown at once, while the
             # last checkpoint is written; then keep the model.
-            if self._health_port is not None:
-                self._health_port.shutting_down()
+            self.side_ports.shutting_down()
             self.checkpoint()
         finally:
             self.stop(grace=1.0 if self.fenced else 5.0)  # a fenced process answers nothing worth waiting for

@@ -60,8 +60,9 @@ def test_tests_and_benchmarks_share_only_harness(package, forbidden, allowed, se
     )
 
 
-# In pserver only the RPC layer (pserver/rpc/), the operators' side (pserver/ops/: the health port,
-# ps-stat) and server.py, which builds the gRPC server (health, reflection, credentials), speak gRPC:
+# In pserver only the RPC layer (pserver/rpc/: the servicer, and the main port that builds the gRPC
+# server), the operators' side (pserver/ops/: the health port, ps-stat) and server.py, which resolves
+# the credentials (psproto.security), speak gRPC:
 # the engines, stores, tables and checkpoints below them do not. psproto's ps_pb2_grpc and security
 # import grpc themselves, so they count as gRPC too.
 GRPC_ROOTS = {"grpc", "grpc_health", "grpc_reflection"}
@@ -86,7 +87,7 @@ def grpc_importers(package: str):
 
 def test_in_pserver_only_the_rpc_and_ops_layers_and_the_server_import_grpc():
     importers = grpc_importers("pserver")
-    assert "pserver/rpc/servicer.py" in importers  # the check sees imports at all
+    assert "pserver/rpc/service/servicer.py" in importers  # the check sees imports at all
     assert sorted(p for p in importers if not p.startswith(GRPC_ALLOWED)) == []
 
 

@@ -83,14 +83,14 @@ class LookupTimer:
 class PserverPhases:
     """A pserver's CPU per push, phase by phase, over the trainers' timed steps (instrumentation only).
 
-    Wraps, on the instance, the servicer's one-message step calls (``PushPullOne``, ``PushPullShared``: the
-    whole handler) and the parts it runs in its handler thread: reading the request (``_read_stream``,
-    ``deal_lanes``: decode), the engine's ``push`` (apply; a sync barrier's wait takes no CPU), ``read``
-    (the blocks of the answer) and ``lookup`` (the next batch's rows), each timed with ``time.thread_time``
-    (the calling thread's CPU). What the handler spends outside them is checking and encoding the answer;
-    what the process spends outside the handlers is gRPC's own threads and the rest. Counting starts at
-    push ``first`` and stops at push ``last`` (the timed steps of every trainer); :meth:`summary` gives CPU
-    ms per push.
+    Wraps, on the instance, the servicer's one-message step calls (its data calls' ``PushPullOne``,
+    ``PushPullShared``: the whole handler) and the parts it runs in its handler thread: reading the
+    request (``_read_stream``, ``deal_lanes``: decode), the engine's ``push`` (apply; a sync barrier's
+    wait takes no CPU), ``read`` (the blocks of the answer) and ``lookup`` (the next batch's rows), each
+    timed with ``time.thread_time`` (the calling thread's CPU). What the handler spends outside them is
+    checking and encoding the answer; what the process spends outside the handlers is gRPC's own threads
+    and the rest. Counting starts at push ``first`` and stops at push ``last`` (the timed steps of every
+    trainer); :meth:`summary` gives CPU ms per push.
     """
 
     PARTS = ("decode", "apply", "apply: tables", "read blocks", "lookup")
@@ -101,7 +101,7 @@ class PserverPhases:
         self.cpu = {p: 0.0 for p in (*self.PARTS, "handler")}
         self.process = [0.0, 0.0]
         self._lock = threading.Lock()
-        sv, engine = server.servicer, server.engine
+        sv, engine = server.servicer.data, server.engine
         sv._read_stream = self._timed("decode", sv._read_stream)
         sv.contents.sort_push = self._timed("decode", sv.contents.sort_push)
         engine.push = self._timed("apply", engine.push)

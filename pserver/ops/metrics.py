@@ -54,7 +54,7 @@ TRAINER_STATES = ("alive", "dropped", "closed")
 class PserverCollector(Collector):
     """Reads one pserver's state at every scrape and yields it as metric families.
 
-    ``servicer`` is the pserver's :class:`~pserver.rpc.servicer.PserverServicer`
+    ``servicer`` is the pserver's :class:`~pserver.rpc.service.servicer.PserverServicer`
     (its counters, and its engine's stats); ``auth`` the token interceptor
     whose refusals count as reason "auth", or None.
     """

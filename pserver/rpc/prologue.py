@@ -5,7 +5,8 @@ refuses with :mod:`pserver.errors` exceptions, and :data:`STATUS` is the one
 place they become gRPC status codes; any other exception is a bug, answered
 INTERNAL with its traceback logged. :func:`trainer_call` adds the prologue a
 trainer's unary call shares (parse, trainer id and session, layout digest,
-sign of life); :func:`read_stream` is a client stream's (its header first).
+sign of life), with :class:`CallerChecks`, the checks every servicer of the
+service shares; :func:`read_stream` is a client stream's (its header first).
 """
 
 from __future__ import annotations
@@ -35,8 +36,10 @@ from ..errors import (
     StorageFailed,
 )
 
-# Under the servicer's name: these are its calls' records, and operators filter its log by that name.
-log = logging.getLogger("pserver.rpc.servicer")
+# Under the servicer's name: these are its calls' records, and operators filter its log by that name
+# (every servicer of the service logs under it: :mod:`.service`).
+CALLS_LOG = "pserver.rpc.servicer"
+log = logging.getLogger(CALLS_LOG)
 
 # The status each kind of refusal is answered with. Looked up along the
 # exception's MRO, so a subclass answers as its parent; an exception of no
@@ -69,6 +72,53 @@ def status_of(error: BaseException) -> Optional[grpc.StatusCode]:
         if code is not None:
             return code
     return None
+
+
+class CallerChecks:
+    """What a servicer checks of a call before it acts: this process serves, the trainer id, session and plan.
+
+    Shared by the servicers of the service (:mod:`.service`): ``trainers`` the job's trainer count,
+    ``sessions`` the :class:`~.sessions.Sessions` of this pserver, ``replica`` its place in a replicated
+    shard (None without replicas), ``layout_digest`` the plan it runs.
+    """
+
+    def __init__(self, endpoint: str, trainers: int, sessions, replica, layout_digest: str):
+        self.endpoint = endpoint
+        self.trainers = trainers
+        self.sessions = sessions
+        self.replica = replica
+        self.layout_digest = layout_digest
+
+    def serving(self) -> None:
+        """Refuse a trainer's call (NotPrimary) on a replica that does not lead its shard."""
+        if self.replica is not None:
+            self.replica.check_serving()
+
+    def acked(self) -> None:
+        """Before an answer that reports the pserver's step: the backup holds every one of them."""
+        if self.replica is not None:
+            self.replica.wait_acked()
+
+    def trainer(self, trainer_id: int) -> None:
+        """Refuse a trainer id out of the job's range."""
+        if not 0 <= trainer_id < self.trainers:
+            raise BadRequest(f"trainer id {trainer_id} is out of range [0, {self.trainers})")
+
+    def caller(self, request) -> None:
+        """A trainer's call (anything but Hello and Stats): served here, its id in range, its session
+        current."""
+        self.serving()
+        self.trainer(request.trainer_id)
+        self.sessions.check(request.trainer_id, request.session)
+
+    def digest(self, digest: str) -> None:
+        """Refuse a call made for another plan than this pserver's."""
+        if digest != self.layout_digest:
+            raise NotAllowed(
+                f"pserver {self.endpoint}: plan mismatch (layout digest {digest!r}, "
+                f"this pserver runs {self.layout_digest!r}); transpile the same "
+                f"program with the same config, pservers and trainers on every role"
+            )
 
 
 def parse(message_type, data: bytes):
@@ -137,17 +187,18 @@ def trainer_call(message_type, digest: bool = True, touch: bool = False):
     """A trainer's unary-request method with the prologue every such call shares, then :func:`refusals`.
 
     The prologue parses the request (``message_type``), checks the caller (its
-    trainer id in range, its session current), then, when asked, the layout
-    digest (``digest``) and notes the call as a sign of life (``touch``); the
-    method gets the parsed request. Client streams have theirs in :func:`read_stream`.
+    trainer id in range, its session current: the servicer's ``checks``, a
+    :class:`CallerChecks`), then, when asked, the layout digest (``digest``) and
+    notes the call as a sign of life (``touch``); the method gets the parsed
+    request. Client streams have theirs in :func:`read_stream`.
     """
 
     def wrap(method):
         def prologue(self, data):
             request = parse(message_type, data)
-            self._check_caller(request)
+            self.checks.caller(request)
             if digest:
-                self._check_digest(request.layout_digest)
+                self.checks.digest(request.layout_digest)
             if touch:
                 self.engine.touch(request.trainer_id)
             return request

@@ -1,9 +1,8 @@
-"""The gRPC side of hot standby: a primary's calls to its backup, a joining backup's calls to its primary.
+"""The gRPC client of hot standby: a primary's calls to its backup, a joining backup's calls to its primary.
 
 :class:`ReplicaLink` implements :class:`pserver.replication.outbox.Transport`
-and the two calls a joining backup makes; :class:`ReplicaServicer` answers the
-four replication methods of the service (Replicate, ReplicateOne, Snapshot,
-Follow) and Lead. Failures become the replication package's domain errors here.
+and the two calls a joining backup makes; the service answers them in
+:mod:`.service.standby_calls`. Failures become the replication package's domain errors here.
 """
 
 from __future__ import annotations
@@ -15,14 +14,11 @@ from typing import Dict, Iterator, List
 import grpc
 
 from psproto import ps_pb2
-from psproto.codec import TensorReader, decode_chunk
 from psproto.options import channel_options
 from psproto.security import Security
 from psproto.wire import method_path
 
-from ..errors import BadRequest, NotAllowed
 from ..replication.outbox import NotFollowed, ReplicaUnreachable, Transport
-from .prologue import parse, refusals
 
 log = logging.getLogger(__name__)
 
@@ -96,87 +92,3 @@ class ReplicaLink(Transport):
             for channel in self._channels.values():
                 channel.close()
             self._channels.clear()
-
-
-class ReplicaServicer:
-    """Replicate / ReplicateOne / Snapshot / Follow / Lead, answered by the pserver's :class:`Replica`.
-
-    Reads the :class:`~pserver.rpc.servicer.PserverServicer` it serves beside at each call: its
-    ``replica`` (None on a pserver without replicas: Lead then answers that it leads, at epoch 0,
-    and the others refuse), engine, contents (what a replication message may carry), endpoint
-    and counters.
-    """
-
-    def __init__(self, servicer):
-        self.servicer = servicer
-
-    @property
-    def replica(self):
-        return self.servicer.replica
-
-    @property
-    def engine(self):
-        return self.servicer.engine
-
-    @property
-    def endpoint(self) -> str:
-        return self.servicer.endpoint
-
-    @property
-    def counters(self):
-        return self.servicer.counters
-
-    def _replica(self):
-        if self.replica is None:
-            raise NotAllowed(f"pserver {self.endpoint} has no replicas (server_replicas=1)")
-        return self.replica
-
-    def _receive(self, messages) -> bytes:
-        header, reader = None, TensorReader(self.servicer.contents.expect)
-        for data in messages:
-            extra, pieces = decode_chunk(data, ps_pb2.ReplicaHeader)
-            if extra is not None:
-                header = extra
-            for piece in pieces:
-                reader.add(piece)
-        if header is None:
-            raise BadRequest("a replication message must open with its header")
-        seq = self._replica().receive(header, reader.finish())
-        return ps_pb2.ReplicaAck(seq=seq).SerializeToString()
-
-    @refusals
-    def Replicate(self, request_iterator, context) -> bytes:
-        return self._receive(request_iterator)
-
-    @refusals
-    def ReplicateOne(self, data, context) -> bytes:
-        return self._receive((data,))
-
-    @refusals
-    def Snapshot(self, data, context):
-        request = parse(ps_pb2.SnapshotRequest, data)
-        for chunk in self._replica().serve_snapshot(request):
-            yield chunk.SerializeToString()
-
-    @refusals
-    def Follow(self, data, context) -> bytes:
-        self._replica().follow(parse(ps_pb2.FollowRequest, data))
-        return ps_pb2.FollowReply().SerializeToString()
-
-    @refusals
-    def Lead(self, data, context) -> bytes:
-        parse(ps_pb2.LeadRequest, data)
-        if self.replica is None:
-            return ps_pb2.LeadReply(
-                role="primary", primary=self.endpoint, step=self.engine.step
-            ).SerializeToString()
-        return self.replica.lead_reply().SerializeToString()
-
-    def handlers(self) -> dict:
-        return {
-            "Replicate": grpc.stream_unary_rpc_method_handler(self.Replicate),
-            "ReplicateOne": grpc.unary_unary_rpc_method_handler(self.ReplicateOne),
-            "Snapshot": grpc.unary_stream_rpc_method_handler(self.Snapshot),
-            "Follow": grpc.unary_unary_rpc_method_handler(self.Follow),
-            "Lead": grpc.unary_unary_rpc_method_handler(self.Lead),
-        }

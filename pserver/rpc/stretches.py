@@ -36,7 +36,7 @@ def what_blocks(program: PserverProgram) -> List[str]:
     takes, across I/O):
 
     - ``server_replicas=2`` (hot standby): every answer waits for the backup's acknowledgement of the
-      updates it reports (``PserverServicer._acked``: a network round trip to another process), and every
+      updates it reports (``CallerChecks.acked``: a network round trip to another process), and every
       update is handed to the replication stream under the engine's lock.
     - ``checkpoint_dir``: with ``checkpoint_every`` the stretch that completes a step writes the checkpoint
       under the engine's lock (:class:`~pserver.engine.listeners.ScheduledCheckpoints`); without it still a
@@ -125,6 +125,18 @@ class Stretches:
         self._lock = threading.Lock()
         self._loop = None
         self._loop_thread: Optional[int] = None
+
+    @classmethod
+    def placed(cls, program: PserverProgram) -> "Stretches":
+        """``program``'s pserver's stretches, on the loop or not as :func:`stretch_place` decides (logged)."""
+        on_loop, why = stretch_place(program)
+        log.info(
+            "pserver %s: parked calls' stretches run %s (%s)",
+            program.endpoint,
+            "on the event loop" if on_loop else "in the handler pool",
+            why,
+        )
+        return cls(on_loop)
 
     def bind(self, loop) -> None:
         """On ``loop``'s thread: the loop whose stretches this governs."""

@@ -9,7 +9,8 @@ import torch
 from torch import nn
 
 from pserver.engine import Contents, Reductions, SyncEngine
-from pserver.rpc.servicer import PserverServicer
+from pserver.held_elsewhere import HeldElsewhere
+from pserver.rpc import PserverServicer
 from pserver.store import BlockStore
 from pserver.tables.table_set import TableSet
 from psproto import ps_pb2
@@ -44,23 +45,7 @@ def servicer() -> PserverServicer:
     t.transpile(0, program=Program(nn.Linear(4, 2), "sgd", lr=0.5), pservers=EP, trainers=2)
     ps = t.get_pserver_program(EP)
     store, tables = BlockStore(ps, t.get_startup_program(EP, ps)), TableSet(ps)
-    # Wired as ParameterServer wires them: the Reduce service asks the engine (bound below) whom it expects.
-    reductions = Reductions(
-        EP,
-        5.0,
-        expected=lambda: engine.live(),
-        admit=lambda t: engine.check_live(t),
-        released=lambda t: engine.touch(t),
-    )
-    engine = SyncEngine(
-        store,
-        tables,
-        2,
-        EP,
-        barrier_timeout=5.0,
-        on_roster_change=reductions.roster_changed,
-        held_elsewhere=reductions.parked_trainers,
-    )
+    engine, reductions = wired(store, tables, 2, 5.0)
     return PserverServicer(
         engine,
         Contents(store, tables),
@@ -76,7 +61,7 @@ def push_pulls(svc: PserverServicer, *pushes) -> List[ps_pb2.PullHeader]:
     header."""
 
     def call(messages) -> ps_pb2.PullHeader:
-        return ps_pb2.PullChunk.FromString(list(svc.PushPull(messages, FakeContext()))[0]).header
+        return ps_pb2.PullChunk.FromString(list(svc.data.PushPull(messages, FakeContext()))[0]).header
 
     with ThreadPoolExecutor(len(pushes)) as pool:
         return [f.result(30) for f in [pool.submit(call, m) for m in pushes]]
@@ -85,7 +70,37 @@ def push_pulls(svc: PserverServicer, *pushes) -> List[ps_pb2.PullHeader]:
 def open_session(svc: PserverServicer, trainer_id: int = 0) -> str:
     """The session a Hello for ``trainer_id`` opens, as a trainer process gets it."""
     request = ps_pb2.HelloRequest(trainer_id=trainer_id, layout_digest=svc.layout_digest, incarnation=77)
-    return svc.Hello(request.SerializeToString(), FakeContext()).session
+    return svc.control.Hello(request.SerializeToString(), FakeContext()).session
+
+
+def method_of(svc: PserverServicer, name: str):
+    """The servicer method ``name`` (``"Hello"``, ``"Pull"``, ...) of whichever concern answers it."""
+    return next(
+        getattr(calls, name) for calls in (svc.control, svc.data, svc.standby) if hasattr(calls, name)
+    )
+
+
+def wired(store: BlockStore, tables: TableSet, trainers: int, barrier_timeout: float):
+    """(sync engine, Reduce service) wired as ParameterServer wires them (pserver/server.py).
+
+    The engine is handed the notification point of the parts holding calls outside it
+    (pserver/held_elsewhere.py); the service, built from the engine, joins it.
+    """
+    held = HeldElsewhere()
+    engine = SyncEngine(
+        store,
+        tables,
+        trainers,
+        EP,
+        barrier_timeout=barrier_timeout,
+        on_roster_change=held.roster_changed,
+        held_elsewhere=held.trainers,
+    )
+    svc = Reductions(
+        EP, barrier_timeout, expected=engine.live, admit=engine.check_live, released=engine.touch
+    )
+    held.join(svc.parked_trainers, svc.roster_changed)
+    return engine, svc
 
 
 def wired_engine(trainers: int, barrier_timeout: float):
@@ -100,22 +115,7 @@ def wired_engine(trainers: int, barrier_timeout: float):
     t.transpile(0, program=Program(nn.Linear(4, 2), "sgd", lr=0.5), pservers=EP, trainers=trainers)
     ps = t.get_pserver_program(EP)
     store, tables = BlockStore(ps, t.get_startup_program(EP, ps)), TableSet(ps)
-    svc = Reductions(
-        EP,
-        barrier_timeout,
-        expected=lambda: engine.live(),
-        admit=lambda t: engine.check_live(t),
-        released=lambda t: engine.touch(t),
-    )
-    engine = SyncEngine(
-        store,
-        tables,
-        trainers,
-        EP,
-        barrier_timeout=barrier_timeout,
-        on_roster_change=svc.roster_changed,
-        held_elsewhere=svc.parked_trainers,
-    )
+    engine, svc = wired(store, tables, trainers, barrier_timeout)
     for trainer_id in range(trainers):
         engine.hello(trainer_id)
     return engine, svc

@@ -16,13 +16,13 @@ from torch import nn
 
 from harness.cluster import LocalCluster
 from harness.models import batches, odd_mlp
-from pserver.rpc.servicer import PserverServicer
 from psproto import ps_pb2, ps_pb2_grpc
 from psproto.certs import make_test_certs
 from psproto.certs_cli import main as certs_main
 from psproto.security import Security
 from psproto.wire import SERVICE as SERVICE_NAME
 from tests.helpers import paths
+from tests.helpers.servicer import servicer
 from trainer import Trainer
 from trainer.errors import REFUSED as REFUSED_KIND
 from trainer.errors import PserverError
@@ -84,7 +84,7 @@ def registered_methods() -> set:
             self.service, self.handlers = service, handlers
 
     rec = Recorder()
-    PserverServicer.add_to_server(PserverServicer.__new__(PserverServicer), rec)
+    servicer().add_to_server(rec)
     assert rec.service == SERVICE_NAME
     service = ps_pb2.DESCRIPTOR.services_by_name["ParameterServer"]
     return {m.name for m in service.methods if m.name in rec.handlers}

@@ -66,7 +66,7 @@ def test_a_unary_call_queued_behind_a_busy_pool_is_noted_on_arrival_and_holds_it
         with cluster.trainer(1) as tr:
             heard = server.engine.presence(1)[0]
             gate, busy = threading.Event(), threading.Event()
-            server._pool.submit(lambda: (busy.set(), gate.wait(30)))  # the pool's one thread, held
+            server._main_port.pool.submit(lambda: (busy.set(), gate.wait(30)))  # the pool's one thread, held
             assert busy.wait(10)
             try:
                 done = {}
@@ -98,7 +98,7 @@ def test_a_heartbeat_is_answered_on_the_loop_while_every_pool_thread_is_busy():
         server, endpoint = cluster.servers[0], cluster.endpoints[0]
         with cluster.trainer(1) as tr:
             gate, busy = threading.Event(), threading.Event()
-            server._pool.submit(lambda: (busy.set(), gate.wait(30)))  # the pool's one thread, held
+            server._main_port.pool.submit(lambda: (busy.set(), gate.wait(30)))  # the pool's one thread, held
             assert busy.wait(10)
             try:
                 server.engine.roster.last_seen[1] -= 60
@@ -141,7 +141,7 @@ def test_a_call_in_progress_holds_its_trainer_until_its_answer_is_made():
             shapes = {b.name: (b.dtype, list(b.shape)) for b in blocks}
             answers = {}
             gate, busy = threading.Event(), threading.Event()
-            server._pool.submit(lambda: (busy.set(), gate.wait(30)))  # the pool's one thread, held
+            server._main_port.pool.submit(lambda: (busy.set(), gate.wait(30)))  # the pool's one thread, held
             assert busy.wait(10)
             try:
                 call = threading.Thread(

@@ -30,11 +30,11 @@ from pserver.errors import (
     ShuttingDown,
     StorageFailed,
 )
+from pserver.rpc import PserverServicer
 from pserver.rpc.prologue import STATUS, status_of
-from pserver.rpc.servicer import PserverServicer
 from psproto import ps_pb2
 from psproto.codec import WireError
-from tests.helpers.servicer import EP, Aborted, FakeContext, open_session, servicer
+from tests.helpers.servicer import EP, Aborted, FakeContext, method_of, open_session, servicer
 
 EXPECTED = [
     (BadRequest, grpc.StatusCode.INVALID_ARGUMENT),
@@ -56,7 +56,7 @@ def call(svc: PserverServicer, method: str, request) -> FakeContext:
     """Call ``method`` with ``request``'s bytes, draining a streaming answer; the context afterwards."""
     context = FakeContext()
     with pytest.raises(Aborted):
-        answer = getattr(svc, method)(request.SerializeToString(), context)
+        answer = method_of(svc, method)(request.SerializeToString(), context)
         if inspect.isgenerator(answer):
             list(answer)
     return context
@@ -173,7 +173,7 @@ def test_malformed_bytes_are_invalid_argument():
     svc = servicer()
     context = FakeContext()
     with pytest.raises(Aborted):
-        svc.Heartbeat(b"\xff\xff", context)
+        svc.control.Heartbeat(b"\xff\xff", context)
     assert context.aborted[0] == grpc.StatusCode.INVALID_ARGUMENT
     assert context.aborted[1].startswith(f"pserver {EP}: malformed HeartbeatRequest")
 

@@ -18,7 +18,7 @@ from pserver.rpc import sessions as S
 from pserver.rpc.sessions import Session, Sessions, on_call, on_hello
 from psproto import ps_pb2
 from psproto.codec import encode_chunks
-from tests.helpers.servicer import EP, Aborted, FakeContext, push_pulls, servicer
+from tests.helpers.servicer import EP, Aborted, FakeContext, method_of, push_pulls, servicer
 
 NOW, WINDOW = 1000.0, 6.0
 LIVE = Session(token="a" * 32, incarnation=1, peer="ipv4:127.0.0.1:1111", opened=NOW - 100)
@@ -139,14 +139,14 @@ def hello(svc, trainer_id, incarnation, peer="ipv4:127.0.0.1:40000"):
     request = ps_pb2.HelloRequest(
         trainer_id=trainer_id, layout_digest=svc.layout_digest, incarnation=incarnation
     )
-    return svc.Hello(request.SerializeToString(), FakeContext(peer))
+    return svc.control.Hello(request.SerializeToString(), FakeContext(peer))
 
 
 def refused(svc, method, request, messages=None):
     """(code, details) of a refused call, its bytes or its stream of push chunks."""
     context = FakeContext()
     with pytest.raises(Aborted):
-        answer = getattr(svc, method)(
+        answer = method_of(svc, method)(
             messages if messages is not None else request.SerializeToString(), context
         )
         if hasattr(answer, "__next__"):
@@ -219,7 +219,7 @@ def test_a_second_process_is_refused_and_a_restart_fences_the_old_one():
     assert code == grpc.StatusCode.ALREADY_EXISTS
     assert "trainer 1 is already running" in details and "opened from ipv4:127.0.0.1:5555" in details
     assert (
-        svc.Heartbeat(
+        svc.control.Heartbeat(
             ps_pb2.HeartbeatRequest(trainer_id=1, session=old).SerializeToString(), FakeContext()
         ).incarnation
         == svc.incarnation

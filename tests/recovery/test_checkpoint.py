@@ -58,7 +58,7 @@ def test_checkpoints_every_k_steps_keep_the_newest_and_export_for_serving(tmp_pa
             final = cm.snapshot(tr)
             dense = {k: v for k, v in tr.state_dict().items() if not k.startswith("emb.")}
             last = tr.checkpoint()  # at step 7
-        stats = [s.servicer.Stats(b"", None) for s in c.servers]
+        stats = [s.servicer.control.Stats(b"", None) for s in c.servers]
     assert [s.checkpoint_step for s in stats] == [7, 7]
     assert sorted(step for step, _ in checkpoint.list_parts(root)) == [6, 7]  # 2, 4 pruned
     assert all(os.path.dirname(p).endswith("step-000000000007") for p in last)

@@ -139,8 +139,8 @@ def test_training_through_lanes_equals_one_process(sync_mode, trainers):
         results = train(cluster, batches)
         # Every pserver made each trainer's pushes whole from lanes, and counted each step once.
         for server in cluster.servers:
-            assert server.servicer.lane_pushes.lane_of(3)
-            assert len(server.servicer.lane_pushes._held) == trainers
+            assert server.servicer.data.lane_pushes.lane_of(3)
+            assert len(server.servicer.data.lane_pushes._held) == trainers
             assert server.servicer.counters.pushes == trainers * len(batches)
     expected = train_concatenated(build(), batches)
     for state, opened in results.values():

@@ -7,8 +7,9 @@ call at a time. On the pserver's host, the connection maps a pair of shared-memo
 carry only headers: the payload goes into the request region, the answer comes back in the answer region.
 
 A failed call raises :class:`DataCallError`, a ``grpc.RpcError`` with the status the pserver answered (the
-gRPC path's statuses): the transport maps both paths' failures through one function (:mod:`trainer.transport.status_codes`).
-A broken connection is UNAVAILABLE; it is closed and the next call opens a new one.
+gRPC path's statuses): the transport maps both paths' failures through one function
+(:mod:`trainer.transport.status_codes`). A broken connection is UNAVAILABLE; it is closed and the next call
+opens a new one.
 """
 
 from __future__ import annotations
