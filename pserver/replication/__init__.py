@@ -7,6 +7,8 @@
   (:mod:`.etcd_gateway`: etcd's HTTP gateway and a transaction's parts).
 - :mod:`.outbox`: the primary's replication stream (numbering, the backup's queue, acknowledgements);
   the engine hands it every change through its :class:`~pserver.engine.Replication` listener.
+  :mod:`.backup`: the backup as its primary sees it (its states and queue), the messages of a change
+  and the transport that sends them.
 - :mod:`.follower`: the backup's side: the primary's messages applied in order.
 - :mod:`.snapshot`: the copy of a primary's state a joining backup loads; :mod:`.digest`: the
   state digest both replicas compare.

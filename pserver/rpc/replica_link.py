@@ -1,6 +1,6 @@
 """The gRPC side of hot standby: a primary's calls to its backup, a joining backup's calls to its primary.
 
-:class:`ReplicaLink` implements :class:`pserver.replication.outbox.Transport`
+:class:`ReplicaLink` implements :class:`pserver.replication.backup.Transport`
 and the two calls a joining backup makes; :class:`ReplicaServicer` answers the
 four replication methods of the service (Replicate, ReplicateOne, Snapshot,
 Follow) and Lead. Failures become the replication package's domain errors here.
@@ -21,7 +21,8 @@ from psproto.security import Security
 from psproto.wire import method_path
 
 from ..errors import BadRequest, NotAllowed
-from ..replication.outbox import NotFollowed, ReplicaUnreachable, Transport
+from ..replication.backup import ReplicaUnreachable, Transport
+from ..replication.outbox import NotFollowed
 from .prologue import parse, refusals
 
 log = logging.getLogger(__name__)
