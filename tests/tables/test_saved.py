@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from pserver.tables.cli import main as export_main
-from pserver.tables.files import export_tables
+from pserver.tables.plain_files import export_tables
 from tests.helpers.cluster import LocalCluster
 from transpiler import Program
 
