@@ -17,21 +17,22 @@
 - :mod:`.contents`: what the pserver holds as requests name it (block names
   and layout, what a push or prefetch may carry, how a push splits): the
   servicer's, not the engine's.
-- :mod:`.reductions`: :class:`Reductions`, the Reduce service (trainers' global
-  metrics), with its own lock; it asks the engine which trainers it expects.
-- :mod:`.claims`: :class:`StepClaims`, backup trainers' Claim service on the
-  first pserver (which trainers make each sync step), built the same way.
+- :mod:`.services`: the services beside the engine, each with its own lock:
+  :class:`Reductions`, the Reduce service (trainers' global metrics), which
+  asks the engine which trainers it expects, and :class:`StepClaims`, backup
+  trainers' Claim service on the first pserver (which trainers make each sync
+  step), built the same way.
 
 Pure of gRPC: refusals are :mod:`pserver.errors`, mapped to statuses by :mod:`pserver.rpc`.
 """
 
 from .asynchronous import AsyncEngine
-from .claims import StepClaims
 from .contents import Contents, PushParts
 from .engine import Engine
 from .listeners import FileWrites, Replication, ScheduledCheckpoints, ScheduledExports, UpdateListener
-from .reductions import Reductions
 from .roster import Joined
+from .services.claims import StepClaims
+from .services.reductions import Reductions
 from .stats import PserverStats
 from .sync import SyncEngine
 

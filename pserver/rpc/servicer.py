@@ -36,8 +36,8 @@ from psproto.codec import ONE_MESSAGE_BYTES, encode_chunks, encode_into
 from psproto.wire import SERVICE, one_message
 
 from ..engine import Contents, Engine
-from ..engine.claims import StepClaims
-from ..engine.reductions import Reductions, to_values
+from ..engine.services.claims import StepClaims
+from ..engine.services.reductions import Reductions, to_values
 from ..engine.waits import Parked
 from ..errors import BadRequest, NotAllowed
 from .buffers import BufferPool

@@ -16,7 +16,7 @@ import pytest
 import torch
 from sklearn.metrics import roc_auc_score
 
-from pserver.engine.reductions import MAX_OPEN, Rounds, combine, to_values
+from pserver.engine.services.reductions import MAX_OPEN, Rounds, combine, to_values
 from pserver.errors import BadRequest, NotAllowed
 from tests.helpers.cluster import LocalCluster
 from tests.helpers.models import odd_mlp, odd_program
