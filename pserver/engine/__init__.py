@@ -10,9 +10,11 @@
   scheduled exports (and :class:`FileWrites`, the switch a backup keeps off).
 - :mod:`.pending`: :class:`PendingStep`, the sync engine's step in progress.
 - :mod:`.rollback`: :class:`RollBacks`, the engine's checkpoints on demand,
-  resume and roll-backs once per token; :mod:`.waits`: its waits (deadline,
-  shutdown, roll-back).
+  resume and roll-backs once per token (the state reset to a checkpoint, or
+  to a primary's copy); :mod:`.waits`: its waits (deadline, shutdown, roll-back).
 - :mod:`.roster`: the trainers as one pserver sees them, and what a Hello learns;
+  :mod:`.liveness`: :class:`~.liveness.Liveness`, the engine's live trainers as they join,
+  close, fall silent or never come back, and who hears of it;
   :mod:`.stats`: the state Stats and /metrics report.
 - :mod:`.contents`: what the pserver holds as requests name it (block names
   and layout, what a push or prefetch may carry, how a push splits): the

@@ -220,6 +220,7 @@ def _imports(module: str) -> set:
         "pserver.engine.roster",
         "pserver.engine.services.reductions",
         "pserver.engine.services.claims",
+        "pserver.engine.liveness",
         "pserver.engine.contents",
         "pserver.engine.stats",
         "pserver.engine.rollback",
