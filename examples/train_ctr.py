@@ -443,7 +443,7 @@ def main(argv=None) -> int:
             torch.save(state, args.save)
             log.info("%s: dense state_dict saved to %s, table shards to %s", role, args.save, paths)
     if leader:
-        from pserver.tables.files import export_tables
+        from pserver.tables.plain_files import export_tables
 
         for table, meta in export_tables(args.tables_dir, args.export_dir).items():
             log.info("exported table %s: %d rows to %s", table, meta["rows"], args.export_dir)

@@ -241,8 +241,11 @@ def test_every_repository_path_the_code_names_exists(package):
 def role_target(module: str, is_package: bool, target: str) -> Optional[str]:
     """The dotted name a docstring's ``:role:`target``` means, if it is ours (relative ones included)."""
     if target.startswith("."):
-        base = module if is_package else module.rpartition(".")[0]
-        return base + target
+        # As a relative import: one dot is the module's package, each further dot one package up.
+        dots = len(target) - len(target.lstrip("."))
+        base = (module if is_package else module.rpartition(".")[0]).split(".")
+        base = base[: len(base) - (dots - 1)]
+        return ".".join(base) + "." + target[dots:]
     return target if target.split(".")[0] in PACKAGES else None
 
 

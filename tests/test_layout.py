@@ -182,5 +182,10 @@ def test_every_package_is_shipped():
         for top in ("transpiler", "pserver", "trainer")
         for p in (REPO / top).rglob("__init__.py")
     }
+    # psproto's subpackages, under its own name (proto/ itself has no __init__.py)
+    on_disk |= {
+        ".".join(("psproto", *p.parent.relative_to(REPO / "proto").parts))
+        for p in (REPO / "proto").rglob("__init__.py")
+    }
     assert on_disk - listed == set()
     assert config["package-dir"]["psproto"] == "proto" and "psproto" in listed

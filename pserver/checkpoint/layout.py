@@ -38,6 +38,7 @@ from transpiler.placement import cut_block
 
 from .. import atomic_files
 from ..tables import files as table_files
+from ..tables.plain_files import export_table
 
 log = logging.getLogger(__name__)
 
@@ -316,7 +317,7 @@ def export(root: str, out_dir: str, step: Optional[int] = None, sync_mode: bool 
     The dense parameters load into the original module with
     ``load_state_dict(..., strict=False)`` (tables and buffers are not in
     them); each table becomes ``<table>.ids.npy`` / ``.rows.npy`` / ``.json``
-    (see :func:`pserver.tables.files.export_table`). Returns a summary.
+    (see :func:`pserver.tables.plain_files.export_table`). Returns a summary.
     """
     saved = find_saved(root, sync_mode, step)
     if saved is None:
@@ -327,9 +328,7 @@ def export(root: str, out_dir: str, step: Optional[int] = None, sync_mode: bool 
     atomic_files.atomic_write(state_path, lambda f: torch.save(state, f))
     tables = {}
     for name in saved.manifests[0].get("tables", []):
-        tables[name] = table_files.export_table(
-            table_directories(saved, name), os.path.join(out_dir, TABLES_DIR)
-        )
+        tables[name] = export_table(table_directories(saved, name), os.path.join(out_dir, TABLES_DIR))
     return {
         "step": saved.step,
         "pservers": saved.n_shards,

@@ -121,11 +121,7 @@ class DataListener:
                 pass
             sock.close()
             return
-        try:
-            sock.sendall(AnswerHeader(OK).pack())
-        except OSError:
-            sock.close()
-            return
+        # Registered before the trainer hears OK: a connection it opens after this one always replaces it.
         connection = InboundConnection(sock, hello, peer, self._max_payload)
         with self._lock:
             if self._closed:
@@ -139,6 +135,11 @@ class DataListener:
                 older.sock.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
+        try:
+            sock.sendall(AnswerHeader(OK).pack())
+        except OSError:
+            connection.close()
+            return
         reactor.adopt(connection)
 
     def close(self) -> None:

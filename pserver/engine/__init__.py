@@ -10,28 +10,31 @@
   scheduled exports (and :class:`FileWrites`, the switch a backup keeps off).
 - :mod:`.pending`: :class:`PendingStep`, the sync engine's step in progress.
 - :mod:`.rollback`: :class:`RollBacks`, the engine's checkpoints on demand,
-  resume and roll-backs once per token; :mod:`.waits`: its waits (deadline,
-  shutdown, roll-back).
+  resume and roll-backs once per token (the state reset to a checkpoint, or
+  to a primary's copy); :mod:`.waits`: its waits (deadline, shutdown, roll-back).
 - :mod:`.roster`: the trainers as one pserver sees them, and what a Hello learns;
+  :mod:`.liveness`: :class:`~.liveness.Liveness`, the engine's live trainers as they join,
+  close, fall silent or never come back, and who hears of it;
   :mod:`.stats`: the state Stats and /metrics report.
 - :mod:`.contents`: what the pserver holds as requests name it (block names
   and layout, what a push or prefetch may carry, how a push splits): the
   servicer's, not the engine's.
-- :mod:`.reductions`: :class:`Reductions`, the Reduce service (trainers' global
-  metrics), with its own lock; it asks the engine which trainers it expects.
-- :mod:`.claims`: :class:`StepClaims`, backup trainers' Claim service on the
-  first pserver (which trainers make each sync step), built the same way.
+- :mod:`.services`: the services beside the engine, each with its own lock:
+  :class:`Reductions`, the Reduce service (trainers' global metrics), which
+  asks the engine which trainers it expects, and :class:`StepClaims`, backup
+  trainers' Claim service on the first pserver (which trainers make each sync
+  step), built the same way.
 
 Pure of gRPC: refusals are :mod:`pserver.errors`, mapped to statuses by :mod:`pserver.rpc`.
 """
 
 from .asynchronous import AsyncEngine
-from .claims import StepClaims
 from .contents import Contents, PushParts
 from .engine import Engine
 from .listeners import FileWrites, Replication, ScheduledCheckpoints, ScheduledExports, UpdateListener
-from .reductions import Reductions
 from .roster import Joined
+from .services.claims import StepClaims
+from .services.reductions import Reductions
 from .stats import PserverStats
 from .sync import SyncEngine
 

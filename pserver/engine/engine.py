@@ -8,17 +8,18 @@ An engine is composed of parts handed to its constructor: the blocks and
 table shards it updates, the ``checkpointer`` its resumes and roll-backs load
 from, the listeners told of every change (:mod:`.listeners`), and the sync
 engine's step in progress (:mod:`.pending`). It builds its own state: the
-roster (:mod:`.roster`), the roll-backs made (:mod:`.rollback`), its waits
-(:mod:`.waits`). All state lives behind one condition variable; updates and
-the listeners run under it, transfers do not. A retried push for an already
-counted (trainer, step) is a no-op. Refusals are :mod:`pserver.errors`.
+roster (:mod:`.roster`), its checkpoints and the roll-backs made
+(:mod:`.rollback`), its waits (:mod:`.waits`), and the trainers it counts on
+as they join, close, fall silent or never come back (:mod:`.liveness`). All
+state lives behind one condition variable; updates and the listeners run
+under it, transfers do not. A retried push for an already counted (trainer,
+step) is a no-op. Refusals are :mod:`pserver.errors`.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-import time
 from abc import ABC, abstractmethod
 from typing import AbstractSet, Callable, Dict, List, Mapping, Optional, Sequence, Set, Tuple, Union
 
@@ -30,6 +31,7 @@ from ..errors import StorageFailed
 from ..store import BlockStore
 from ..tables import SparseGrad, TableSet
 from .listeners import UpdateListener
+from .liveness import Liveness
 from .pending import PendingStep
 from .rollback import RollBack, RollBacks
 from .roster import Joined, Position, Roster
@@ -40,8 +42,8 @@ log = logging.getLogger(__name__)
 
 
 class Engine(ABC):
-    """The contract the RPC layer talks to, and the trainer bookkeeping, checkpoints and roll-backs both
-    engines share.
+    """The contract the RPC layer talks to, over what both engines share: the trainers it counts on
+    (:class:`~.liveness.Liveness`), its checkpoints and roll-backs (:class:`~.rollback.RollBacks`), its waits.
 
     ``checkpointer`` (None without a checkpoint_dir) saves and loads this pserver's part on demand.
     ``listeners`` are told of every change under the lock, in order. ``pending``: the sync engine's step in
@@ -76,13 +78,23 @@ class Engine(ABC):
         self.cv = threading.Condition()
         self.step = 0
         self.roster = Roster(trainers)
-        self.all_closed = threading.Event()
-        self.rollbacks = RollBacks(checkpointer, endpoint)
-        self.waits = Waits(self.cv, endpoint, barrier_timeout, self.rollbacks, on_wait, released=self.touch)
         self.listeners = tuple(listeners)
         self.pending = pending
-        self.on_roster_change = on_roster_change
-        self.held_elsewhere = held_elsewhere
+        self.rollbacks = RollBacks(checkpointer, endpoint, self.roster, pending, self.listeners)
+        self.waits = Waits(self.cv, endpoint, barrier_timeout, self.rollbacks, on_wait, released=self.touch)
+        self.liveness = Liveness(
+            self.cv,
+            self.roster,
+            self.rollbacks,
+            self.waits,
+            endpoint,
+            applied=lambda: self.step,
+            on_close=self._on_close,
+            listeners=self.listeners,
+            on_roster_change=on_roster_change,
+            held_elsewhere=held_elsewhere,
+        )
+        self.all_closed = self.liveness.all_closed
 
     @property
     def last_step(self) -> Dict[int, int]:
@@ -106,8 +118,7 @@ class Engine(ABC):
         Takes the lock (re-entrant, so the engines' own calls under it are
         fine): the Reduce service asks from its threads, holding its own lock.
         """
-        with self.cv:
-            return self.roster.live()
+        return self.liveness.live()
 
     def check_live(self, trainer_id: int) -> None:
         """Refuse a trainer that has closed (NotAllowed) or was dropped (MustResync) until it says Hello
@@ -115,27 +126,15 @@ class Engine(ABC):
 
         What a push checks first; the Reduce service checks it before a trainer's values join a round.
         """
-        with self.cv:
-            self.roster.check_pusher(trainer_id, self.endpoint, self.step)
+        self.liveness.check_live(trainer_id)
 
-    # -- telling the listeners (under the lock) and the Reduce service (after it) -----------
+    # -- telling the listeners (under the lock) ---------------------------------------------
 
     def _applied(
         self, lr_step: int, dense: Mapping[str, torch.Tensor], sparse: Mapping[str, SparseGrad]
     ) -> None:
         for listener in self.listeners:
             listener.on_update(lr_step, self.step, self.roster, dense, sparse)
-
-    def _roster_noted(self) -> None:
-        """Under the lock: the roster changed without an update (a trainer closed or came back)."""
-        for listener in self.listeners:
-            listener.on_roster(self.step, self.roster)
-
-    def _roster_changed(self) -> None:
-        # Never under the lock: the listener takes its own lock, and under it calls live(), which
-        # takes this one (see pserver.engine.reductions.Reductions).
-        if self.on_roster_change is not None:
-            self.on_roster_change()
 
     # -- trainers ------------------------------------------------------------------------
 
@@ -148,14 +147,7 @@ class Engine(ABC):
         it pushed with its last applied step (or the checkpoint's), (0, 0) if none.
         """
         with self.cv:
-            was_closed = trainer_id in self.roster.closed
-            how = self.roster.join(trainer_id)
-            self.rollbacks.hello(trainer_id)
-            if how == "rejoined":
-                self.all_closed.clear()
-            if was_closed:
-                self.rollbacks.note_closed(self.roster.closed)
-                self._roster_noted()
+            how = self.liveness.join(trainer_id)
             start = self._start_step(trainer_id, how, join_at)
             if how:
                 log.info("%s: trainer %d %s at step %d", self.endpoint, trainer_id, how, start)
@@ -168,7 +160,7 @@ class Engine(ABC):
                 self.restored_from,
             )
         if how == "rejoined":
-            self._roster_changed()
+            self.liveness.changed()
         return joined
 
     def counted_step(self, trainer_id: int) -> int:
@@ -227,16 +219,12 @@ class Engine(ABC):
     def held(self) -> Set[int]:
         """Trainers whose calls this pserver holds now, so alive: parked here or elsewhere (a Reduce
         round)."""
-        elsewhere = set(self.held_elsewhere())  # first: the Reduce service's lock is never taken inside ours
-        with self.cv:
-            return self.waits.parked_trainers() | elsewhere
+        return self.liveness.held()
 
     def presence(self, trainer_id: int) -> Tuple[Optional[float], bool]:
         """(when last heard from, monotonic or None, :meth:`held` ones now; closed or dropped): a
         takeover's test."""
-        held = self.held()
-        with self.cv:
-            return self.roster.presence(trainer_id, held, time.monotonic())
+        return self.liveness.presence(trainer_id)
 
     def touch(self, trainer_id: int) -> int:
         """A heartbeat (or any call) from ``trainer_id``; returns the pserver's step.
@@ -250,28 +238,7 @@ class Engine(ABC):
 
     def close(self, trainer_id: int) -> int:
         """Mark ``trainer_id`` done; barriers stop waiting for it. Returns trainers left."""
-        with self.cv:
-            closing = trainer_id not in self.roster.closed
-            if closing:
-                log.info("%s: trainer %d closed at step %d", self.endpoint, trainer_id, self.step)
-                self._close(trainer_id)
-            left = self._trainers_left()
-        if closing:
-            self._roster_changed()
-        return left
-
-    def _close(self, trainer_id: int) -> None:
-        self.roster.close(trainer_id)
-        self.rollbacks.note_closed(self.roster.closed)
-        self._on_close()
-        self._roster_noted()
-
-    def _trainers_left(self) -> int:
-        left = len(set(range(self.trainers)) - self.roster.closed)
-        if left == 0:
-            self.all_closed.set()
-        self.waits.notify()
-        return left
+        return self.liveness.close(trainer_id)
 
     def drop_silent(self, timeout: float, rejoin_timeout: Optional[float] = None) -> List[int]:
         """Drop trainers silent for ``timeout`` s: not heard from (:func:`~.roster.heard_at`), nor
@@ -280,40 +247,7 @@ class Engine(ABC):
         One dropped ``rejoin_timeout`` s ago and not back counts as closed, so a job whose trainer died
         ends.
         """
-        held = self.held()
-        with self.cv:
-            now = time.monotonic()
-            silent = self.roster.drop_silent(timeout, held, now)
-            for t, quiet in silent:
-                log.warning(
-                    "%s: trainer %d sent nothing for %.1fs (heartbeat_timeout %gs); dropped from the barrier "
-                    "at step %d; it rejoins by starting again",
-                    self.endpoint,
-                    t,
-                    quiet,
-                    timeout,
-                    self.step,
-                )
-            if silent:
-                self._on_close()
-                self.waits.notify()
-            gone = self.roster.abandoned(rejoin_timeout, now) if rejoin_timeout is not None else []
-            for t, since in gone:
-                log.warning(
-                    "%s: trainer %d was dropped %.1fs ago and has not rejoined (trainer_rejoin_timeout %gs); "
-                    "counted as closed at step %d",
-                    self.endpoint,
-                    t,
-                    since,
-                    rejoin_timeout,
-                    self.step,
-                )
-                self._close(t)
-            if gone:
-                self._trainers_left()
-        if silent or gone:
-            self._roster_changed()
-        return [t for t, _ in silent]
+        return self.liveness.drop_silent(timeout, rejoin_timeout)
 
     def _on_close(self) -> None:
         """Under the lock: a trainer closed or was dropped (sync: the step may be complete now)."""
@@ -328,23 +262,9 @@ class Engine(ABC):
     def stats(self) -> PserverStats:
         """This pserver's state as one value (Stats, /metrics); the lock is held only to copy the roster."""
         with self.cv:
-            roster = self.roster
-            alive, dropped, closed = roster.joined & roster.live(), set(roster.dropped), set(roster.closed)
-            step = self.step
-        last = self.checkpointer.last if self.checkpointer is not None else None
-        return PserverStats(
-            step,
-            self.sync_mode,
-            self.trainers,
-            tuple(sorted(alive)),
-            tuple(sorted(dropped)),
-            tuple(sorted(closed)),
-            len(self.store.blocks),
-            self.store.nbytes,
-            self.tables.rows,
-            self.tables.nbytes,
-            last,
-            self.tables.stats(),
+            step, states = self.step, self.liveness.by_state()
+        return PserverStats.of(
+            step, self.sync_mode, self.trainers, states, self.store, self.tables, self.checkpointer
         )
 
     def read(self, names: Sequence[str]) -> Tuple[int, List[Tuple[str, torch.Tensor]]]:
@@ -387,16 +307,15 @@ class Engine(ABC):
         error is :class:`StorageFailed`.
         """
         with self.cv:
-            return self.rollbacks.checkpoint(self.step, self.roster)
+            return self.rollbacks.checkpoint(self.step)
 
     def resume(self, step: Optional[int] = None) -> bool:
         """Load the latest complete checkpoint (or the one at ``step``); False if there is none."""
         with self.cv:
-            meta = self.rollbacks.load(step)
-            if meta is None:
-                return False
-            self._reset(meta)
-            return True
+            loaded = self.rollbacks.resume(step)
+            if loaded is not None:
+                self.step = loaded
+            return loaded is not None
 
     def restore(self, trainer_id: int, step: int, token: str) -> bool:
         """Roll back to the checkpoint at ``step`` once per ``token`` (sync recovery).
@@ -408,30 +327,19 @@ class Engine(ABC):
         """
         self.rollbacks.check_can_roll_back()
         with self.cv:
-            outcome, meta = self.rollbacks.roll_back(trainer_id, step, token, self.step)
+            outcome, loaded = self.rollbacks.roll_back(trainer_id, step, token, self.step)
             if outcome is RollBack.STAYS and self.pending is not None and self.pending.forget_joins():
                 # A trainer that was told it starts a step later is now expected in this one: a
                 # wait of its from before is on the abandoned timeline, as after a roll-back.
                 self.rollbacks.abandon_timeline()
                 self.waits.notify()
             if outcome is RollBack.LOADED:
-                self._reset(meta)
+                self.step = loaded
                 self.rollbacks.abandon_timeline()
                 self.waits.notify()
         if outcome is RollBack.LOADED:
-            self._roster_changed()  # the checkpoint's closed trainers, nobody dropped: after the lock
+            self.liveness.changed()  # the checkpoint's closed trainers, nobody dropped: after the lock
         return outcome is RollBack.LOADED
-
-    def _reset(self, meta: dict) -> None:
-        """Take the step and trainers from a loaded checkpoint's manifest (blocks and tables are loaded)."""
-        self.step = int(meta["step"])
-        self.roster.load_meta(meta)
-        if self.pending is not None:
-            self.pending.clear()
-            self.pending.forget_joins()
-        self.rollbacks.reset_to(self.step)
-        for listener in self.listeners:
-            listener.on_reset(self.step)
 
     # -- hot standby (docs/recovery.md, "Hot standby") ----------------------------------------------------
 
@@ -443,11 +351,7 @@ class Engine(ABC):
         process's own start. Returns the pserver's step.
         """
         with self.cv:
-            self.step = int(meta["step"])
-            self.roster.follow(meta)
-            if self.pending is not None:
-                self.pending.clear()
-            self.rollbacks.stands_on(checkpoint_step)
+            self.step = self.rollbacks.follow(meta, checkpoint_step)
             return self.step
 
     def apply_replicated(
@@ -471,7 +375,7 @@ class Engine(ABC):
                 self.tables.apply(sparse, lr_step)
             self.step = pserver_step
             self.roster.follow(roster_meta)
-            self._trainers_left()  # every trainer closed on the primary: the job is over here too
+            self.liveness.trainers_left()  # every trainer closed on the primary: the job is over here too
 
     def take_lead(self) -> None:
         """A backup becomes the primary: every live trainer that pushed is expected, as if just heard from.
@@ -479,9 +383,5 @@ class Engine(ABC):
         Those that do not come within heartbeat_timeout are dropped as on any primary.
         """
         with self.cv:
-            now = time.monotonic()
-            # Only those that pushed: a trainer yet to say its first Hello is not waited for by the
-            # heartbeat watchdog, as on any pserver (a fresh shard's first primary has none).
-            self.roster.heard_from(self.roster.live() & set(self.roster.last_step), now)
-            self.waits.notify()
+            self.liveness.expect_pushers()
         log.info("%s: leads its shard at update %d", self.endpoint, self.step)

@@ -6,7 +6,7 @@ into one buffer per block and sparse ones merged on arrival
 (:mod:`pserver.tables.step_sums`), so what a step holds for its pushes grows
 with the step's distinct ids, not with the number of trainers K: per trainer
 only its id and data position. The engine's roll-backs and
-a backup's state copy (:mod:`.engine`) reach it through :meth:`PendingStep.clear`
+a backup's state copy (:mod:`.rollback`) reach it through :meth:`PendingStep.clear`
 and :meth:`PendingStep.forget_joins`: a step abandoned is never applied.
 
 Not thread-safe: the engine holds its lock around every call.
@@ -32,7 +32,7 @@ class PendingStep:
     found another pserver a step ahead), and the later step they count from.
     With backup trainers, ``admitted``: the step's trainers as its first push
     named them (None: every expected trainer), and ``dropped``: those that
-    pushed it dropped (:mod:`.claims`).
+    pushed it dropped (:mod:`.services.claims`).
     """
 
     def __init__(self):

@@ -1,14 +1,17 @@
 """RollBacks: a pserver's checkpoints as its engine uses them, and the roll-backs it made.
 
 :class:`RollBacks` is a part of :class:`~pserver.engine.engine.Engine`, built by
-it from the ``checkpointer``, and called under the engine's lock. It holds
-which roll-back tokens were honoured, how many roll-backs were made (a change
-wakes every wait of the abandoned steps with :class:`~pserver.errors.MustResync`),
-the roll-backs each trainer's last Hello saw, and the checkpoint this pserver
-started from or rolled back to. It decides what a roll-back asked with a
-token does (:meth:`RollBacks.roll_back`) and loads the checkpoint; the engine
-resets its own state from what was loaded. Beside the checkpoints it records
-at once which trainers closed, and deletes the parts a roll-back abandoned.
+it from the ``checkpointer`` over its roster, its step in progress and its
+listeners, and called under the engine's lock. It holds which roll-back tokens
+were honoured, how many roll-backs were made (a change wakes every wait of the
+abandoned steps with :class:`~pserver.errors.MustResync`), the roll-backs each
+trainer's last Hello saw, and the checkpoint this pserver started from or
+rolled back to. It decides what a roll-back asked with a token does
+(:meth:`RollBacks.roll_back`), loads the checkpoint and resets the trainers
+and the step in progress to it, telling the listeners; the engine takes the
+step it returns. A backup's copy of its primary's state is taken the same
+way (:meth:`RollBacks.follow`). Beside the checkpoints it records at once
+which trainers closed, and deletes the parts a roll-back abandoned.
 Checkpoints written every ``checkpoint_every`` updates are a listener's
 (:class:`~pserver.engine.listeners.ScheduledCheckpoints`).
 """
@@ -17,10 +20,12 @@ from __future__ import annotations
 
 import enum
 import logging
-from typing import Dict, Optional, Tuple
+from typing import Dict, Optional, Sequence, Tuple
 
 from ..checkpoint import Checkpointer
 from ..errors import MustResync, NotAllowed, Refusal, StorageFailed
+from .listeners import UpdateListener
+from .pending import PendingStep
 from .roster import Roster
 
 log = logging.getLogger(__name__)
@@ -31,15 +36,28 @@ class RollBack(enum.Enum):
 
     HONOURED = "honoured"  # the token was honoured before: nothing
     STAYS = "stays"  # this pserver stands unchanged at that very checkpoint: the pushes counted are kept
-    LOADED = "loaded"  # the checkpoint was loaded: the engine resets to it
+    LOADED = "loaded"  # the checkpoint was loaded and the state reset to it
 
 
 class RollBacks:
-    """Checkpoints on demand, resume, and roll-backs honoured once per token (sync recovery)."""
+    """Checkpoints on demand, resume, and roll-backs honoured once per token (sync recovery).
 
-    def __init__(self, checkpointer: Optional[Checkpointer], endpoint: str):
+    ``roster``, ``pending`` (the sync step in progress; None: async) and ``listeners`` are the engine's.
+    """
+
+    def __init__(
+        self,
+        checkpointer: Optional[Checkpointer],
+        endpoint: str,
+        roster: Roster,
+        pending: Optional[PendingStep] = None,
+        listeners: Sequence[UpdateListener] = (),
+    ):
         self.checkpointer = checkpointer
         self.endpoint = endpoint
+        self.roster = roster
+        self.pending = pending
+        self.listeners = tuple(listeners)
         # The checkpoint this process started from, rolled back to, or (hot standby) its primary's; -1: none.
         self.restored_from = -1
         self.made = 0  # roll-backs made: a change wakes the waits of the abandoned steps
@@ -48,7 +66,7 @@ class RollBacks:
         # belongs to an abandoned timeline (see refuse_wait_from_before_a_roll_back).
         self._hello_rollbacks: Dict[int, int] = {}
 
-    def checkpoint(self, pserver_step: int, roster: Roster) -> Tuple[int, str]:
+    def checkpoint(self, pserver_step: int) -> Tuple[int, str]:
         """Write a checkpoint at ``pserver_step`` now; (its step, part directory).
 
         Refused (:class:`NotAllowed`) without a checkpoint_dir; a file system
@@ -57,14 +75,15 @@ class RollBacks:
         if self.checkpointer is None:
             raise NotAllowed(f"pserver {self.endpoint} has no checkpoint_dir configured")
         try:
-            return pserver_step, self.checkpointer.save(pserver_step, roster.to_meta())
+            return pserver_step, self.checkpointer.save(pserver_step, self.roster.to_meta())
         except OSError as e:
             raise StorageFailed(f"pserver {self.endpoint}: checkpoint failed: {e}") from None
 
-    def load(self, step: Optional[int] = None) -> Optional[dict]:
-        """Load the latest complete checkpoint (or the one at ``step``) into blocks and tables; its
-        manifest or None."""
-        return self.checkpointer.load(step)
+    def resume(self, step: Optional[int] = None) -> Optional[int]:
+        """Load the latest complete checkpoint (or the one at ``step``) and reset to it; its step, or None if
+        there is none."""
+        meta = self.checkpointer.load(step)
+        return None if meta is None else self._reset(meta)
 
     def check_can_roll_back(self) -> None:
         """:class:`NotAllowed` without a checkpoint_dir."""
@@ -73,15 +92,15 @@ class RollBacks:
 
     def roll_back(
         self, trainer_id: int, step: int, token: str, pserver_step: int
-    ) -> Tuple[RollBack, Optional[dict]]:
+    ) -> Tuple[RollBack, Optional[int]]:
         """What a roll-back to the checkpoint at ``step`` asked with ``token`` does at ``pserver_step``; the
-        manifest.
+        pserver's step after it, if it changed.
 
         :class:`RollBack.STAYS` when this pserver stands unchanged at that very checkpoint (loaded from it,
         nothing applied since): the pushes counted for the step are valid and kept, since a late roll-back,
         asked for a restart other trainers have already re-synced past, must not discard them.
-        :class:`RollBack.LOADED` has loaded the checkpoint into the blocks and tables; the caller resets
-        the rest of its state to the manifest. Without a complete checkpoint at ``step``:
+        :class:`RollBack.LOADED` has loaded the checkpoint into the blocks and tables and reset the rest of
+        the state to it (:meth:`resume`'s reset). Without a complete checkpoint at ``step``:
         :class:`NotAllowed`; one that cannot be read or does not fit: :class:`StorageFailed`, and nothing
         changes. The token counts as honoured unless it raised.
         """
@@ -117,17 +136,36 @@ class RollBacks:
             token,
         )
         self._honoured.add(token)
-        return RollBack.LOADED, meta
+        return RollBack.LOADED, self._reset(meta)
 
-    def reset_to(self, step: int) -> None:
-        """The state was loaded from the checkpoint at ``step``: this pserver's newer parts are abandoned."""
+    def _reset(self, meta: dict) -> int:
+        """Take the trainers from a loaded checkpoint's manifest (blocks and tables are loaded); its step.
+
+        The step in progress is abandoned, and this pserver's parts newer than the checkpoint.
+        """
+        step = int(meta["step"])
+        self.roster.load_meta(meta)
+        if self.pending is not None:
+            self.pending.clear()
+            self.pending.forget_joins()
         self.restored_from = step
         if self.checkpointer is not None:
             self.checkpointer.forget_after(step)
+        for listener in self.listeners:
+            listener.on_reset(step)
+        return step
 
-    def stands_on(self, step: int) -> None:
-        """A backup took its primary's state, which stands on the checkpoint at ``step`` (-1: none)."""
-        self.restored_from = step
+    def follow(self, meta: dict, checkpoint_step: int) -> int:
+        """Backup: take the roster of the primary's state copy just loaded into the blocks and tables; its
+        step.
+
+        That state stands on the primary's checkpoint at ``checkpoint_step`` (-1: none).
+        """
+        self.roster.follow(meta)
+        if self.pending is not None:
+            self.pending.clear()
+        self.restored_from = checkpoint_step
+        return int(meta["step"])
 
     def note_closed(self, closed) -> None:
         """Record at once which trainers have closed, beside the checkpoints (a restart from one expects

@@ -74,7 +74,7 @@ class SyncEngine(Engine):
 
         ``grads`` are copied into the step's sums: the caller keeps its buffers. ``sparse`` ({table: (ids,
         rows)}) is kept until the step is applied: the caller must not reuse it. Backup trainers
-        (:mod:`.claims`): ``step_trainers`` are the step's trainers, the only ones it waits for; a
+        (:mod:`.services.claims`): ``step_trainers`` are the step's trainers, the only ones it waits for; a
         ``dropped`` push carries nothing and is acknowledged, not counted.
         """
         with self.cv:

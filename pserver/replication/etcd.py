@@ -1,7 +1,7 @@
 """The :class:`~.coordination.Coordinator` over etcd (>= 3.4): leases, one-winner campaigns, fencing epochs.
 
-etcd is reached through its HTTP gateway with etcd3gw (OpenStack's client): a gRPC etcd client
-would pin a grpcio version that conflicts with the pservers' own. Failures are
+etcd is reached through its HTTP gateway (:mod:`.etcd_gateway`) with etcd3gw (OpenStack's client): a gRPC
+etcd client would pin a grpcio version that conflicts with the pservers' own. Failures are
 :class:`~.coordination.CoordinationError`.
 """
 
@@ -12,85 +12,20 @@ import logging
 import threading
 import time
 from types import MappingProxyType
-from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, TypeVar
+from typing import Any, Callable, Dict, Mapping, Optional, Tuple
 from urllib.parse import urlsplit
 
 import requests
 from etcd3gw import exceptions as etcd_exceptions
 from etcd3gw.client import Etcd3Client
 from etcd3gw.lease import Lease
-from etcd3gw.utils import _encode, _increment_last_byte
+from etcd3gw.utils import _increment_last_byte
 from etcd3gw.watch import Watcher
 
 from .coordination import CoordinationError, Coordinator, InSync, Leader, may_campaign
+from .etcd_gateway import Gateway, compare, detail, put_request, range_request
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
-
-
-def _detail(e: BaseException) -> str:
-    text = getattr(e, "detail_text", None) or str(e) or type(e).__name__
-    return text if len(text) <= 400 else text[:400] + "..."
-
-
-class _Gateway:
-    """etcd's HTTP gateway at one or more URLs, tried in order while they refuse connections. A timeout is
-    not retried elsewhere: the request may have been applied."""
-
-    def __init__(self, urls: List[str], timeout: float):
-        self.urls = urls
-        self._clients: List[Etcd3Client] = []
-        for url in urls:
-            parts = urlsplit(url)
-            if parts.scheme not in ("http", "https") or not parts.hostname:
-                raise ValueError(f"etcd endpoint {url!r} is not an http(s)://HOST:PORT URL")
-            # api_path given: etcd3gw would otherwise ask /version first, on every new client.
-            self._clients.append(
-                Etcd3Client(
-                    host=parts.hostname,
-                    port=parts.port or 2379,
-                    protocol=parts.scheme,
-                    timeout=timeout,
-                    api_path="/v3/",
-                )
-            )
-        self._lock = threading.Lock()  # requests.Session is not documented thread-safe
-
-    def call(self, op: str, fn: Callable[[Etcd3Client], T]) -> T:
-        with self._lock:
-            refused = []
-            for url, client in zip(self.urls, self._clients):
-                try:
-                    return fn(client)
-                except etcd_exceptions.ConnectionFailedError as e:
-                    refused.append(f"{url} ({_detail(e)})")
-                except (etcd_exceptions.Etcd3Exception, requests.RequestException, ValueError, KeyError) as e:
-                    raise CoordinationError(f"etcd at {url}: {op} failed: {_detail(e)}") from e
-            raise CoordinationError(f"etcd: {op} failed: could not connect to {'; '.join(refused)}")
-
-    def close(self) -> None:
-        for c in self._clients:
-            c.session.close()
-
-
-def _compare(key: bytes, target: str, revision: int) -> Dict[str, Any]:
-    return {
-        "key": _encode(key),
-        "result": "EQUAL",
-        "target": target,
-        ("create_revision" if target == "CREATE" else "mod_revision"): str(revision),
-    }
-
-
-def _put(key: bytes, value: Dict[str, Any], lease: Optional[int] = None) -> Dict[str, Any]:
-    put: Dict[str, Any] = {"key": _encode(key), "value": _encode(json.dumps(value, sort_keys=True).encode())}
-    if lease is not None:
-        put["lease"] = str(lease)  # int64 as a string: lease ids exceed JSON's exact integers
-    return {"request_put": put}
-
-
-def _range(key: bytes) -> Dict[str, Any]:
-    return {"request_range": {"key": _encode(key)}}
 
 
 class EtcdCoordinator(Coordinator):
@@ -119,10 +54,10 @@ class EtcdCoordinator(Coordinator):
         self._base = f"{prefix.rstrip('/')}/shard-{shard}"
         self._primary_key = f"{self._base}/primary".encode()
         self._in_sync_key = f"{self._base}/in_sync".encode()
-        self._gw = _Gateway(urls, timeout)
+        self._gw = Gateway(urls, timeout)
         # Its own sessions, and a deadline within the margin: a stalled keep-alive must not hide the lease's
         # end.
-        self._keepalive_gw = _Gateway(urls, min(timeout, self._margin))
+        self._keepalive_gw = Gateway(urls, min(timeout, self._margin))
         self._lock = threading.Lock()  # guards the lease state below
         self._campaign_lock = threading.Lock()
         self._lease: Optional[int] = None
@@ -210,9 +145,7 @@ class EtcdCoordinator(Coordinator):
                 epoch, lease, fresh = self._epoch, self._lease, self._fresh()
             if epoch is not None and fresh:
                 return epoch  # already leads
-            if (
-                epoch is not None and lease is not None
-            ):  # past its deadline, not yet noticed by the keep-alive
+            if epoch is not None and lease is not None:  # past its deadline, unnoticed by the keep-alive
                 self._lose(lease, "no keep-alive succeeded in time")
             current = self.in_sync()
             if not may_campaign(current, self._replica_id, force):
@@ -232,10 +165,10 @@ class EtcdCoordinator(Coordinator):
                     lambda c: c.transaction(
                         {
                             "compare": [
-                                _compare(self._primary_key, "CREATE", 0),
-                                _compare(self._in_sync_key, "MOD", revision),
+                                compare(self._primary_key, "CREATE", 0),
+                                compare(self._in_sync_key, "MOD", revision),
                             ],
-                            "success": [_put(self._primary_key, {**me, "epoch": 0}, lease)],
+                            "success": [put_request(self._primary_key, {**me, "epoch": 0}, lease)],
                             "failure": [],
                         }
                     ),
@@ -257,12 +190,12 @@ class EtcdCoordinator(Coordinator):
                     lambda c: c.transaction(
                         {
                             "compare": [
-                                _compare(self._primary_key, "CREATE", epoch),
-                                _compare(self._in_sync_key, "MOD", revision),
+                                compare(self._primary_key, "CREATE", epoch),
+                                compare(self._in_sync_key, "MOD", revision),
                             ],
                             "success": [
-                                _put(self._primary_key, {**me, "epoch": epoch}, lease),
-                                _put(
+                                put_request(self._primary_key, {**me, "epoch": epoch}, lease),
+                                put_request(
                                     self._in_sync_key,
                                     {
                                         "replicas": [self._replica_id],
@@ -301,11 +234,11 @@ class EtcdCoordinator(Coordinator):
             }
             txn = {
                 "compare": [
-                    _compare(self._primary_key, "CREATE", epoch),
-                    _compare(self._in_sync_key, "MOD", current.revision if current is not None else 0),
+                    compare(self._primary_key, "CREATE", epoch),
+                    compare(self._in_sync_key, "MOD", current.revision if current is not None else 0),
                 ],
-                "success": [_put(self._in_sync_key, value)],
-                "failure": [_range(self._primary_key)],
+                "success": [put_request(self._in_sync_key, value)],
+                "failure": [range_request(self._primary_key)],
             }
             answer = self._gw.call(f"set in_sync of {self._base}", lambda c: c.transaction(txn))
             if answer.get("succeeded"):
@@ -412,7 +345,7 @@ class EtcdCoordinator(Coordinator):
             )
         except (etcd_exceptions.Etcd3Exception, requests.RequestException) as e:
             client.session.close()
-            log.info("%s: no watch (%s); changes are found by reading", self._base, _detail(e))
+            log.info("%s: no watch (%s); changes are found by reading", self._base, detail(e))
 
     def _unwatch(self) -> None:
         watcher, self._watcher = getattr(self, "_watcher", None), None

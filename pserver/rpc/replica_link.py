@@ -1,6 +1,6 @@
 """The gRPC client of hot standby: a primary's calls to its backup, a joining backup's calls to its primary.
 
-:class:`ReplicaLink` implements :class:`pserver.replication.outbox.Transport`
+:class:`ReplicaLink` implements :class:`pserver.replication.backup.Transport`
 and the two calls a joining backup makes; the service answers them in
 :mod:`.service.standby_calls`. Failures become the replication package's domain errors here.
 """
@@ -18,7 +18,8 @@ from psproto.options import channel_options
 from psproto.security import Security
 from psproto.wire import method_path
 
-from ..replication.outbox import NotFollowed, ReplicaUnreachable, Transport
+from ..replication.backup import ReplicaUnreachable, Transport
+from ..replication.outbox import NotFollowed
 
 log = logging.getLogger(__name__)
 

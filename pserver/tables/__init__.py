@@ -11,7 +11,8 @@
 - :mod:`.step_sums`: a sync step's sparse gradients merged on arrival (memory bounded by its ids, not
   trainers).
 - :mod:`.sparse_optim`: torch-exact sparse SGD, Adagrad and Adam (SparseAdam) rules.
-- :mod:`.files`: shard files (atomic save, re-sharding load, export); :mod:`.cli` exports them.
+- :mod:`.files`: shard files (atomic save, re-sharding load); :mod:`.plain_files`: a save merged into
+  one file set per table, readable with numpy alone, which :mod:`.cli` writes.
 - :mod:`.lifecycle`: admission, eviction and their row metadata (docs/tables.md, "Table lifecycle").
 - :mod:`.serving`: base + delta exports for serving, and the numpy-only reader.
 

@@ -11,7 +11,7 @@ import argparse
 import os
 import sys
 
-from .files import export_tables
+from .plain_files import export_tables
 
 
 def main(argv=None) -> int:

@@ -1,4 +1,4 @@
-"""Files of distributed-table shards: atomic save, re-sharding load, export for use without a cluster.
+"""Files of distributed-table shards: atomic save, re-sharding load (their export: :mod:`.plain_files`).
 
 A save of a job's tables (``Trainer.save_tables(ROOT)``) puts shard K of N of
 table T in ``ROOT/T/shard-K-of-N`` (:func:`shard_directory`). A saved shard is
@@ -50,8 +50,8 @@ __all__ = [
     "write_shard",
     "open_shards",
     "iter_selected",
-    "export_table",
-    "export_tables",
+    "read_source",
+    "check_set",
     "shard_directory",
     "saved_shards",
     "Source",
@@ -62,7 +62,6 @@ log = logging.getLogger(__name__)
 FORMAT = "torch-pserver-table-shard"
 VERSION = 1
 META = "meta.json"
-_COPY_ROWS = 1 << 22  # rows copied at once by export
 
 
 def shard_directory(root: str, table: str, shard: int, n_shards: int) -> str:
@@ -182,7 +181,7 @@ class Source:
         return self.meta["rows"]
 
 
-def _read_source(directory: str) -> Source:
+def read_source(directory: str) -> Source:
     """Read and check one shard directory against its own meta (not yet against a spec)."""
     meta_path = os.path.join(directory, META)
     if not os.path.isfile(meta_path):
@@ -237,7 +236,7 @@ def _read_source(directory: str) -> Source:
     return Source(directory, meta, arrays, extra)
 
 
-def _check_set(sources: List[Source]) -> Tuple[int, int]:
+def check_set(sources: List[Source]) -> Tuple[int, int]:
     """The saved shard count all ``sources`` must share, and their highest step; refuse repeats.
 
     Steps may differ: an async job's shards apply their trainers' pushes
@@ -283,7 +282,7 @@ def open_shards(
         directories = [directories]
     if not directories:
         raise ValueError(f"table {spec.name!r}: no shard directories to load from")
-    sources = [_read_source(os.fspath(d)) for d in directories]
+    sources = [read_source(os.fspath(d)) for d in directories]
     for s in sources:
         m = s.meta
         for key, want in (
@@ -314,7 +313,7 @@ def open_shards(
                 spec.init,
                 spec.seed,
             )
-    old_n, step = _check_set(sources)
+    old_n, step = check_set(sources)
     present = {s.meta["shard"] for s in sources}
     if old_n == n_shards:
         if shard not in present:
@@ -353,73 +352,3 @@ def iter_selected(
         else:
             sel = np.flatnonzero(keep)
             yield ids[sel], [src.arrays[name][a:b][sel] for name in names]
-
-
-def export_table(directories: Sequence[str], out_dir: str) -> dict:
-    """Merge every saved shard of one table into one file set usable without the cluster.
-
-    Writes ``out_dir/<table>.ids.npy`` (int64 (n,)), ``out_dir/<table>.rows.npy``
-    ((n, dim), rows in the order of the ids, not sorted) and ``out_dir/<table>.json``
-    (name, dim, dtype, rows, init, init_kwargs, seed, padding_idx, so that ids
-    not in the file are reproduced by ``transpiler.tables.initial_rows``; also
-    the optimizer, step and full spec). The directories must be one complete
-    save (every shard once, from any shard count). Copies chunk by chunk through
-    memory maps. Returns the json as a dict.
-    """
-    if isinstance(directories, (str, os.PathLike)):
-        directories = [directories]
-    if not directories:
-        raise ValueError("export_table: no shard directories given")
-    sources = [_read_source(os.fspath(d)) for d in directories]
-    n_shards, step = _check_set(sources)
-    missing = sorted(set(range(n_shards)) - {s.meta["shard"] for s in sources})
-    if missing:
-        raise ValueError(
-            f"export_table: table {sources[0].meta['table']!r} was saved as {n_shards} "
-            f"shards; missing shards {missing}"
-        )
-    sources.sort(key=lambda s: s.meta["shard"])
-    meta = sources[0].meta
-    name, dim, dtype = meta["table"], meta["dim"], np.dtype(meta["dtype"])
-    total = sum(s.rows for s in sources)
-    os.makedirs(out_dir, exist_ok=True)
-    for part, shape, dt in (("ids", (total,), np.dtype(np.int64)), ("rows", (total, dim), dtype)):
-        with atomic_files.replacing(os.path.join(out_dir, f"{name}.{part}.npy")) as tmp:
-            out = np.lib.format.open_memmap(tmp, mode="w+", dtype=dt, shape=shape)
-            at = 0
-            for s in sources:
-                src = s.arrays[part]
-                for a in range(0, s.rows, _COPY_ROWS):
-                    b = min(s.rows, a + _COPY_ROWS)
-                    out[at + a : at + b] = src[a:b]
-                at += s.rows
-            out.flush()
-            del out
-    spec = meta.get("spec", {})
-    info = {
-        "name": name,
-        "dim": dim,
-        "dtype": meta["dtype"],
-        "rows": total,
-        "init": spec.get("init"),
-        "init_kwargs": spec.get("init_kwargs"),
-        "seed": spec.get("seed"),
-        "padding_idx": spec.get("padding_idx"),
-        "optimizer": meta["optimizer"],
-        "step": step,
-        "saved_shards": n_shards,
-        "ids_file": f"{name}.ids.npy",
-        "rows_file": f"{name}.rows.npy",
-        "spec": spec,
-    }
-    atomic_files.write_json(os.path.join(out_dir, f"{name}.json"), info)
-    log.info("table %s: exported %d rows of %d shards to %s", name, total, n_shards, out_dir)
-    return info
-
-
-def export_tables(root: str, out_dir: str) -> Dict[str, dict]:
-    """:func:`export_table` for every table saved under ``root``; ``{table: its json}``."""
-    tables = sorted(d for d in os.listdir(root) if os.path.isdir(os.path.join(root, d)))
-    if not tables:
-        raise ValueError(f"no saved tables under {root!r}")
-    return {t: export_table(saved_shards(root, t), out_dir) for t in tables}

@@ -22,7 +22,7 @@ next push, copies them instead of computing them again under the lock, as it
 does for ids no recent lookup asked for. The whole file write of a save runs
 under the lock too.
 
-Files: see :mod:`pserver.tables.files` (``save`` / ``load`` / :func:`export_table`).
+Files: see :mod:`pserver.tables.files` (``save`` / ``load``) and :mod:`pserver.tables.plain_files` (export).
 """
 
 from __future__ import annotations

@@ -1,10 +1,11 @@
-"""Backup trainers' claims (pserver/engine/claims.py): who makes a sync step, decided on the first pserver."""
+"""Backup trainers' claims (pserver/engine/services/claims.py): who makes a sync step, decided on the first
+pserver."""
 
 import threading
 
 import pytest
 
-from pserver.engine.claims import StepClaims, Verdict, full, verdict
+from pserver.engine.services.claims import StepClaims, Verdict, full, verdict
 from pserver.errors import BarrierTimeout
 
 MADE = {4: (0, 2), 5: (1, 2)}

@@ -277,9 +277,9 @@ def test_after_fuzzing_the_pserver_is_unchanged_and_trains(env, caplog):
     assert not tracebacks(caplog), tracebacks(caplog)
 
 
-# What psproto/codec.py refuses although protobuf reads it: a group (wire type 3, deprecated
+# What psproto.codec refuses although protobuf reads it: a group (wire type 3, deprecated
 # since proto2), which no message of ps.proto holds and protobuf skips as an unknown field
-# (codec._fields). A refusal of a message protobuf reads for any other reason is a codec bug.
+# (psproto.codec.chunks._fields). A refusal of a message protobuf reads for any other reason is a codec bug.
 STRICTER_THAN_PROTOBUF = re.compile(r"unsupported protobuf wire type 3 \(field \d+\)")
 
 

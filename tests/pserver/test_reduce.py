@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from pserver.engine import Reductions
-from pserver.engine.reductions import MAX_OPEN
+from pserver.engine.services.reductions import MAX_OPEN
 from pserver.errors import BarrierTimeout, MustResync, NotAllowed, ShuttingDown
 from tests.helpers.servicer import wired_engine
 

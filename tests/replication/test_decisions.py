@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from pserver.errors import NotPrimary
-from pserver.replication.outbox import Outbox, ReplicaUnreachable, Transport
+from pserver.replication.backup import ReplicaUnreachable, Transport
+from pserver.replication.outbox import Outbox
 from pserver.replication.roles import (
     BACKUP,
     CAMPAIGN,

@@ -6,7 +6,7 @@ import os
 import numpy as np
 import pytest
 
-from pserver.tables.files import export_table
+from pserver.tables.plain_files import export_table
 from pserver.tables.shard import TableShard
 from tests.helpers.table_specs import grads_for, make_spec
 from transpiler.tables import TableSpec, initial_rows, shard_of

@@ -9,7 +9,7 @@ from torch import nn
 
 from harness.cluster import LocalCluster
 from pserver.tables.cli import main as export_main
-from pserver.tables.files import export_tables
+from pserver.tables.plain_files import export_tables
 from transpiler import Program
 
 VOCAB = np.unique(np.random.default_rng(21).integers(-(2**40), 2**40, size=60, dtype=np.int64))

@@ -19,7 +19,7 @@ from sklearn.metrics import roc_auc_score
 from harness.cluster import LocalCluster
 from harness.models import odd_mlp, odd_program
 from harness.ports import free_ports
-from pserver.engine.reductions import MAX_OPEN, Rounds, combine, to_values
+from pserver.engine.services.reductions import MAX_OPEN, Rounds, combine, to_values
 from pserver.errors import BadRequest, NotAllowed
 from tests.helpers.polling import poll
 from trainer import PserverError, job_metrics

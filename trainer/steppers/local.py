@@ -7,7 +7,7 @@ table gradients and ends the streams. The next batch's table ids ride along
 with the push, and their rows come back with its answer.
 
 With backup trainers (``backup_trainers``, sync) a step first claims its
-place at the first pserver (:mod:`pserver.engine.claims`): admitted, it
+place at the first pserver (:mod:`pserver.engine.services.claims`): admitted, it
 pushes its gradients naming the step's trainers; dropped, it pushes nothing
 but the next batch's ids, and goes on from the step the pservers stand at
 once it applied (no roll-back).

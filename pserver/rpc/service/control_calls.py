@@ -19,8 +19,8 @@ import grpc
 from psproto import ps_pb2
 
 from ...engine import Engine
-from ...engine.claims import StepClaims
-from ...engine.reductions import Reductions, to_values
+from ...engine.services.claims import StepClaims
+from ...engine.services.reductions import Reductions, to_values
 from ...errors import BadRequest, NotAllowed
 from ..counters import Counters
 from ..parking import park, parks

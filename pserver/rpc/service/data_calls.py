@@ -21,7 +21,7 @@ from psproto.codec import ONE_MESSAGE_BYTES, encode_chunks, encode_into
 from psproto.wire import one_message
 
 from ...engine import Contents, Engine
-from ...engine.claims import StepClaims
+from ...engine.services.claims import StepClaims
 from ...engine.waits import Parked
 from ...errors import BadRequest
 from ..buffers import BufferPool

@@ -37,8 +37,8 @@ import grpc
 from psproto.wire import SERVICE
 
 from ...engine import Contents, Engine
-from ...engine.claims import StepClaims
-from ...engine.reductions import Reductions
+from ...engine.services.claims import StepClaims
+from ...engine.services.reductions import Reductions
 from ..counters import Counters
 from ..prologue import CallerChecks
 from ..sessions import Incarnation, Sessions

@@ -28,8 +28,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import AbstractSet, Callable, Dict, Mapping, Optional, Set, Tuple
 
-from .rollback import RollBacks
-from .waits import Parked, Waits
+from ..rollback import RollBacks
+from ..waits import Parked, Waits
 
 # Steps whose trainer sets are remembered (those a roll-back may redo are recent ones).
 KEEP = 4096

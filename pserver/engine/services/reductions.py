@@ -28,8 +28,8 @@ from typing import AbstractSet, Callable, Dict, Iterable, List, Mapping, Optiona
 
 import numpy as np
 
-from ..errors import BadRequest, NotAllowed
-from .waits import Parked, Waits
+from ...errors import BadRequest, NotAllowed
+from ..waits import Parked, Waits
 
 OPS = {"sum": np.add, "max": np.maximum, "min": np.minimum}
 # Rounds open at once, over all keys: bounds what a misbehaving trainer can make a pserver hold.
@@ -202,7 +202,7 @@ class Reductions:
     def park(
         self, trainer_id: int, key: str, round_: int, op: str, values: Values
     ) -> Tuple[Parked, Callable[[], Combined]]:
-        """Add ``values`` to ``(key, round_)``: the wait for the round (see :mod:`.waits`) and its result,
+        """Add ``values`` to ``(key, round_)``: the wait for the round (see :mod:`..waits`) and its result,
         once done.
 
         The round finishes once every expected trainer sent its values (not closed or dropped ones); after
