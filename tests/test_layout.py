@@ -189,3 +189,30 @@ def test_every_package_is_shipped():
     }
     assert on_disk - listed == set()
     assert config["package-dir"]["psproto"] == "proto" and "psproto" in listed
+
+
+# Tracked files over this size must be listed here as data (nothing is, today): a wheel, a build output or a
+# data set committed by accident fails this test instead of staying in the history for good.
+MAX_FILE_BYTES = 1 << 20
+LISTED_DATA: frozenset = frozenset()
+
+
+def tracked_files_over(limit: int):
+    """(path, bytes) of every file git tracks here whose size exceeds ``limit``."""
+    out = subprocess.run(["git", "ls-files", "-z"], cwd=REPO, capture_output=True, check=True).stdout
+    found = []
+    for name in filter(None, out.decode().split("\0")):
+        path = REPO / name
+        if path.is_file() and path.stat().st_size > limit:
+            found.append((name, path.stat().st_size))
+    return found
+
+
+def test_no_tracked_file_over_1_mb_but_listed_data():
+    assert [(p, n) for p, n in tracked_files_over(MAX_FILE_BYTES) if p not in LISTED_DATA] == []
+
+
+def test_the_size_check_sees_tracked_files():
+    """The check reads git's list: the largest tracked file is found at a limit just below its size."""
+    largest = max(tracked_files_over(0), key=lambda f: f[1])
+    assert tracked_files_over(largest[1] - 1) == [largest]
