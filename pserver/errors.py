@@ -87,6 +87,10 @@ class Fenced(Refusal):
     """
 
 
+class Unauthenticated(Refusal):
+    """A data connection without the job's auth token (the gRPC port's interceptor refuses calls so)."""
+
+
 class AlreadyRunning(Refusal):
     """A Hello for a trainer id whose session is alive, from another process.
 

@@ -22,10 +22,13 @@ from typing import Optional
 
 import torch
 
+from psproto.dataplane.access import server_context as data_tls
 from psproto.security import Security, TokenCheck
 from transpiler import PserverProgram, StartupProgram
 
 from .checkpoint import Checkpointer
+from .data.port import DataPort
+from .data.port import bind as bind_data_port
 from .engine import (
     AsyncEngine,
     Contents,
@@ -101,34 +104,10 @@ class ParameterServer:
         self.fenced = False
         store = BlockStore(program, startup)
         tables = TableSet(program, tables_from)
-        checkpointer = (
-            None
-            if cfg.checkpoint_dir is None
-            else Checkpointer(
-                cfg.checkpoint_dir,
-                store,
-                tables,
-                program.shard,
-                len(program.pservers),
-                program.endpoint,
-                program.sync_mode,
-                every=cfg.checkpoint_every,
-                keep=cfg.checkpoint_keep,
-            )
-        )
+        checkpointer = Checkpointer.for_program(program, store, tables)
         # Until it leads, a replica writes no checkpoint and no export: its primary does.
         self.files = FileWrites(on=not program.replicated)
-        self.exporter: Optional[TableExporter] = None
-        if cfg.export_dir is not None and (cfg.export_every or cfg.export_every_seconds) and tables:
-            self.exporter = TableExporter(
-                tables,
-                cfg.export_dir,
-                cfg.export_every,
-                cfg.export_base_every,
-                cfg.export_keep_bases,
-                cfg.export_every_seconds,
-                program.sync_mode,
-            )
+        self.exporter: Optional[TableExporter] = TableExporter.for_program(program, tables)
         # The backup first learns of each change, then the files are written.
         replication = Replication() if program.replicated else None
         listeners = [replication] if replication is not None else []
@@ -194,6 +173,8 @@ class ParameterServer:
             self.replica, self._link = self._replica(program, replication, incarnation)
         # Where parked calls' CPU stretches run: on the event loop where nothing in them blocks.
         self.stretches = Stretches.placed(program)
+        # The data port is bound before the servicer is built: every HelloReply names it.
+        self._data_listener = bind_data_port(program, data_tls(self.security))
         self.servicer = PserverServicer(
             engine,
             Contents(store, tables),
@@ -206,11 +187,20 @@ class ParameterServer:
             incarnation=incarnation,
             stretches=self.stretches,
             claims=self.claims,
+            data_port=self._data_listener.port,
         )
         # A trainer with a call still being served (a push's answer made and sent after its step applied,
         # a heartbeat waiting for a pool thread) is alive to the engine too, and heard from when it ends.
         self._serving = CallsInProgress(self._arrived, program.trainers, holds=self._holds)
         held.join(self._serving.trainers)
+        self._data_port = DataPort(
+            program,
+            self._data_listener,
+            self.security.token,
+            self.servicer.data,
+            self.servicer.checks,
+            self._serving,
+        )
         self._interceptors = self.security.server_interceptors(aio=True)
         self._main_port = MainPort(
             program,
@@ -285,9 +275,11 @@ class ParameterServer:
             program = self.program
             self.side_ports.start(PserverCollector(self.servicer, program.shard, len(program.pservers), auth))
             self._main_port.start()
+            self._data_port.start()
         except BaseException:
             self.side_ports.stop()
             self._main_port.stop(0)
+            self._data_port.stop()
             raise
         self.side_ports.serving()
         if self.replica is not None:
@@ -346,6 +338,7 @@ class ParameterServer:
         if self.claims is not None:
             self.claims.stop()
         self._main_port.stop(grace)
+        self._data_port.stop()
         self.engine.tables.close()
         if self._link is not None:
             self._link.close()

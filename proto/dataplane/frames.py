@@ -61,15 +61,20 @@ class FrameError(ValueError):
 
 _HELLO = struct.Struct(
     "<4sHHiHHHHHH"
-)  # magic, version, kind, trainer, lane, lanes, token, session, digest, pad
+)  # magic, version, kind, trainer, slot, lanes, token, session, digest, pad
 
 
 @dataclass(frozen=True)
 class ConnectionHello:
-    """The first frame of a connection: who connects, proving it with the token and its session."""
+    """The first frame of a connection: who connects, proving it with the token and its session.
+
+    ``slot``: which of the trainer's connections to this pserver it is: ``0 .. lanes - 1`` carry its
+    push-pulls (one lane each) and pulls, ``lanes`` its prefetches (a feed thread's, while a step pushes).
+    A newer connection of a slot replaces the older.
+    """
 
     trainer_id: int
-    lane: int
+    slot: int
     lanes: int
     token: str
     session: str
@@ -84,7 +89,7 @@ class ConnectionHello:
             VERSION,
             0,
             self.trainer_id,
-            self.lane,
+            self.slot,
             self.lanes,
             len(token),
             len(session),
@@ -101,13 +106,13 @@ class ConnectionHello:
     @staticmethod
     def rest_size(head: bytes) -> int:
         """Bytes of the variable part after ``head``; :class:`FrameError` if ``head`` is not a hello."""
-        magic, version, kind, _, lane, lanes, token, session, digest, _ = _HELLO.unpack(head)
+        magic, version, kind, _, slot, lanes, token, session, digest, _ = _HELLO.unpack(head)
         if magic != MAGIC:
             raise FrameError("not a data channel connection (bad magic)")
         if version != VERSION:
             raise FrameError(f"data channel version {version}; this pserver speaks {VERSION}")
-        if kind != 0 or not 1 <= lanes <= MAX_LANES or lane >= lanes:
-            raise FrameError(f"bad connection hello: kind {kind}, lane {lane} of {lanes}")
+        if kind != 0 or not 1 <= lanes <= MAX_LANES or slot > lanes:
+            raise FrameError(f"bad connection hello: kind {kind}, slot {slot} of {lanes} lanes")
         if token > MAX_TOKEN or session > MAX_SESSION or digest > MAX_DIGEST:
             raise FrameError("connection hello: token, session or digest too long")
         return token + session + digest
@@ -115,14 +120,14 @@ class ConnectionHello:
     @classmethod
     def unpack(cls, head: bytes, rest: bytes) -> "ConnectionHello":
         """The hello of ``head`` (:meth:`head_size` bytes) and ``rest`` (:meth:`rest_size` bytes)."""
-        _, _, _, trainer, lane, lanes, token, session, digest, _ = _HELLO.unpack(head)
+        _, _, _, trainer, slot, lanes, token, session, digest, _ = _HELLO.unpack(head)
         if len(rest) != token + session + digest:
             raise FrameError("connection hello truncated")
         try:
             text = rest.decode()
         except UnicodeDecodeError:
             raise FrameError("connection hello: token, session or digest not UTF-8") from None
-        return cls(trainer, lane, lanes, text[:token], text[token : token + session], text[token + session :])
+        return cls(trainer, slot, lanes, text[:token], text[token : token + session], text[token + session :])
 
 
 # kind, flags, grad dtype code, lanes, lane, pad, n step trainers, step, min_step, epoch, batch, attempt,

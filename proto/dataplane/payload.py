@@ -10,7 +10,7 @@ A push (PUSH_PULL) payload::
 
     presence   uint8 per block of the lane: 1 if the trainer has a gradient for it (padded)
     dense      the lane's blocks' gradients at DenseLayout's offsets, in the wire dtype (absent: any)
-    counts     lane 0 only: per table (uint64 gradient ids, uint64 next ids)
+    counts     lane 0 only: per table (uint64 gradient ids, uint64 next ids, uint64 flags: 1 graded)
     per table  gradient ids (int64), gradient rows (n x dim, the table's dtype), next ids (int64)
 
 A dropped push (backup trainers) and a pull carry no dense part; a pull carries nothing else either.
@@ -85,29 +85,43 @@ class DenseLayout:
 
 @dataclass(frozen=True)
 class TableCounts:
-    """Per table in plan order: how many gradient ids and how many next ids a payload carries."""
+    """Per table in plan order: how many gradient ids and how many next ids a payload carries, and whether it
+    carries the table's gradient at all (``graded``: a trainer whose batch had no id on this shard still
+    pushes the table's gradient, with no ids: torch's optimizers count a step for it)."""
 
     grads: Tuple[int, ...]
     nexts: Tuple[int, ...]
+    graded: Tuple[bool, ...] = ()
+
+    WORDS = 3  # uint64 per table: gradient ids, next ids, flags (bit 0: graded)
 
     def nbytes(self) -> int:
-        return aligned(len(self.grads) * 2 * _COUNT.itemsize)
+        return aligned(len(self.grads) * self.WORDS * _COUNT.itemsize)
 
     def pack(self) -> np.ndarray:
-        """The counts part: uint64 pairs, padded."""
+        """The counts part: uint64 triples, padded."""
         out = np.zeros(self.nbytes() // _COUNT.itemsize, dtype=_COUNT)
-        out[0 : 2 * len(self.grads) : 2] = self.grads
-        out[1 : 2 * len(self.grads) : 2] = self.nexts
+        n = len(self.grads)
+        out[0 : self.WORDS * n : self.WORDS] = self.grads
+        out[1 : self.WORDS * n : self.WORDS] = self.nexts
+        out[2 : self.WORDS * n : self.WORDS] = self.graded or (False,) * n
         return out
 
     @classmethod
     def unpack(cls, data: np.ndarray, tables: int) -> "TableCounts":
         """The counts of ``tables`` tables at the start of ``data`` (uint8)."""
-        need = aligned(tables * 2 * _COUNT.itemsize)
+        need = aligned(tables * cls.WORDS * _COUNT.itemsize)
         if data.size < need:
             raise PayloadError(f"the table counts need {need} bytes, the payload holds {data.size}")
-        counts = data[: tables * 2 * _COUNT.itemsize].view(_COUNT)
-        return cls(tuple(int(n) for n in counts[0::2]), tuple(int(n) for n in counts[1::2]))
+        words = data[: tables * cls.WORDS * _COUNT.itemsize].view(_COUNT)
+        flags = words[2 :: cls.WORDS]
+        if (flags > 1).any():
+            raise PayloadError(f"unknown table flags {sorted(set(int(f) for f in flags))}")
+        return cls(
+            tuple(int(n) for n in words[0 :: cls.WORDS]),
+            tuple(int(n) for n in words[1 :: cls.WORDS]),
+            tuple(bool(f) for f in flags),
+        )
 
 
 @dataclass(frozen=True)

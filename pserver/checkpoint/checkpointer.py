@@ -57,6 +57,26 @@ class Checkpointer:
         # The latest checkpoint written or loaded.
         self.last: Optional[LastCheckpoint] = None
 
+    @classmethod
+    def for_program(cls, program, store: BlockStore, tables: TableSet) -> Optional["Checkpointer"]:
+        """The checkpointer ``program``'s config asks for (``checkpoint_dir``, ``_every``, ``_keep``); None
+        without a ``checkpoint_dir``."""
+        cfg = program.config
+        if cfg.checkpoint_dir is None:
+            return None
+        shards = len(program.pservers)
+        return cls(
+            cfg.checkpoint_dir,
+            store,
+            tables,
+            program.shard,
+            shards,
+            program.endpoint,
+            program.sync_mode,
+            every=cfg.checkpoint_every,
+            keep=cfg.checkpoint_keep,
+        )
+
     def due(self, version: int) -> bool:
         """Whether the engine, having just reached ``version`` updates, should write a checkpoint."""
         return (

@@ -9,8 +9,8 @@ Every connection is checked before anything else is read from it, as a gRPC call
   Hello): a connection of a fenced or unknown session is refused with the status the gRPC path gives.
 
 A hello must arrive within ``HELLO_TIMEOUT`` s. The session is checked again on every call (a newer
-process may take the trainer id over while the connection lives). One connection per (trainer, lane):
-a newer one replaces the older, so connections are bounded by trainers x lanes.
+process may take the trainer id over while the connection lives). One connection per (trainer, slot):
+a newer one replaces the older, so connections are bounded by trainers x (lanes + 1).
 """
 
 from __future__ import annotations
@@ -51,32 +51,32 @@ def _read_exactly(sock: socket.socket, n: int) -> bytes:
 
 
 class DataListener:
-    """Listens on ``host:port`` (0: any free port; :attr:`port` says which) for data connections.
+    """Bound to ``host:port`` at construction (0: any free port; :attr:`port` says which), so the port is
+    known before anything is served; :meth:`serve` starts accepting.
 
-    ``check`` accepts or refuses a hello; accepted connections go to ``reactors`` in turn.
     ``server_context``: TLS for every connection (None: plaintext, as gRPC's port then is).
     """
 
     def __init__(
-        self,
-        host: str,
-        port: int,
-        check: CheckHello,
-        reactors: Sequence[Reactor],
-        max_payload: int,
-        server_context: Optional[ssl.SSLContext] = None,
+        self, host: str, port: int, max_payload: int, server_context: Optional[ssl.SSLContext] = None
     ):
-        self._check = check
-        self._reactors = itertools.cycle(reactors)
         self._max_payload = max_payload
         self._tls = server_context
         self._sock = socket.create_server((host, port), backlog=_BACKLOG)
         self.port = self._sock.getsockname()[1]
         self._lock = threading.Lock()
-        self._by_lane: Dict[Tuple[int, int], InboundConnection] = {}
+        self._by_slot: Dict[Tuple[int, int], InboundConnection] = {}
         self._closed = False
+        self._check: Optional[CheckHello] = None
+        self._reactors = None
         self._hellos = ThreadPoolExecutor(HELLO_THREADS, thread_name_prefix="data-hello")
         self._thread = threading.Thread(target=self._accept_loop, name="data-listener", daemon=True)
+
+    def serve(self, check: CheckHello, reactors: Sequence[Reactor]) -> None:
+        """Accept connections from now on: ``check`` accepts or refuses each hello, ``reactors`` serve
+        them."""
+        self._check = check
+        self._reactors = itertools.cycle(reactors)
         self._thread.start()
 
     def _accept_loop(self) -> None:
@@ -127,8 +127,8 @@ class DataListener:
             if self._closed:
                 connection.close()
                 return
-            older = self._by_lane.get((hello.trainer_id, hello.lane))
-            self._by_lane[(hello.trainer_id, hello.lane)] = connection
+            older = self._by_slot.get((hello.trainer_id, hello.slot))
+            self._by_slot[(hello.trainer_id, hello.slot)] = connection
             reactor = next(self._reactors)
         if older is not None:  # its reactor sees the end of its stream and drops it
             try:
@@ -153,5 +153,6 @@ class DataListener:
             self._sock.close()
         except OSError:
             pass
-        self._thread.join(5.0)
+        if self._thread.is_alive():
+            self._thread.join(5.0)
         self._hellos.shutdown(wait=False, cancel_futures=True)

@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Dict, List, Mapping, Sequence, Tuple
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 
 from psproto.dataplane.payload import (
     ALIGN,
+    ITEMSIZE,
     WIRE_DTYPES,
     DenseLayout,
     PayloadError,
@@ -46,6 +47,14 @@ class Lane:
     names: Tuple[str, ...]
     shapes: Tuple[Tuple[int, ...], ...]
     layout: DenseLayout
+
+
+def _flat(t) -> np.ndarray:
+    """A block or rows (torch or numpy) as flat numpy; bfloat16 as its uint16 bits."""
+    if isinstance(t, torch.Tensor):
+        t = t.detach().reshape(-1)
+        return (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy()
+    return np.asarray(t).reshape(-1)
 
 
 def _numpy_dtype(name: str):
@@ -82,8 +91,11 @@ class Payloads:
 
     # -- reading requests ---------------------------------------------------------------------------
 
-    def push(self, payload: np.ndarray, lanes: int, lane: int, grad_dtype: int, dropped: bool) -> PushParts:
-        """A push payload's parts: dense gradients by block, sparse gradients and next ids by table."""
+    def push(
+        self, payload: np.ndarray, lanes: int, lane: int, grad_dtype: int, dropped: bool
+    ) -> Tuple[PushParts, int]:
+        """A push payload's parts (dense gradients by block, sparse gradients and next ids by table) and the
+        tensor bytes it carried (as sent: narrowed gradients at their wire size)."""
         wire = WIRE_DTYPES.get(grad_dtype, "") if grad_dtype else ""
         if grad_dtype and not wire:
             raise BadRequest(f"unknown gradient wire dtype {grad_dtype}")
@@ -92,40 +104,46 @@ class Payloads:
         with_tables = lane == 0 and bool(self.table_names)
         dense_at = 0 if dropped or not len(blocks.names) else aligned(len(blocks.names)) + dense_layout.nbytes
         counts = self._counts(payload, dense_at) if with_tables else TableCounts((), ())
-        try:
-            layout = PushLayout.of(
-                dense_layout, not dropped, self.table_shapes if with_tables else (), counts
-            )
-        except KeyError as e:
-            raise BadRequest(f"bad payload: {e}") from None
+        # Narrowed gradients (grad_wire_dtype) are narrowed everywhere: table rows travel in the wire dtype
+        # too.
+        rows_shapes = tuple(TableShape(t.dim, wire or t.dtype) for t in self.table_shapes)
+        layout = PushLayout.of(dense_layout, not dropped, rows_shapes if with_tables else (), counts)
         if payload.size != layout.nbytes:
             raise BadRequest(
                 f"a push payload of {payload.size} bytes; its counts and this pserver's plan give "
                 f"{layout.nbytes}"
             )
         dense = {} if dropped else self._dense(payload, layout, blocks, dense_layout, wire)
+        itemsize = ITEMSIZE[wire] if wire else 0
+        nbytes = sum(g.numel() * (itemsize or g.element_size()) for g in dense.values())
+        nbytes += sum(part[1] for table in layout.tables for part in table)
         sparse, answer_ids = {}, {}
-        for name, shape, (ids, rows, nxt) in zip(self.table_names, self.table_shapes, layout.tables):
+        graded = counts.graded or (False,) * len(layout.tables)
+        for name, shape, (ids, rows, nxt), has_grad in zip(
+            self.table_names, self.table_shapes, layout.tables, graded
+        ):
             grad_ids = view(payload, ids, np.int64)
-            if grad_ids.size:
+            if grad_ids.size and not has_grad:
+                raise BadRequest(f"table {name!r}: gradient ids in a push that carries no gradient of it")
+            if has_grad:
                 if dropped:
                     raise BadRequest("a dropped push carries no gradients (backup_trainers)")
-                grad_rows = view(payload, rows, np.dtype(shape.dtype)).reshape(-1, shape.dim)
-                self._finite(grad_rows, name)
+                grad_rows = self._rows(payload, rows, shape, wire)
+                self._finite(grad_rows.numpy(), name)
                 self.contents.tables.shards[name].check_ids(grad_ids)
-                sparse[name] = merge_duplicates(grad_ids, torch.from_numpy(grad_rows))
+                sparse[name] = merge_duplicates(grad_ids, grad_rows)
             next_ids = view(payload, nxt, np.int64)
             if next_ids.size:
                 self.contents.tables.shards[name].check_ids(next_ids)
                 answer_ids[name] = next_ids
-        return PushParts(dense, sparse, answer_ids)
+        return PushParts(dense, sparse, answer_ids), nbytes
 
     def prefetch(self, payload: np.ndarray) -> Dict[str, np.ndarray]:
         """A prefetch payload's ids by table (every id checked to be on this shard)."""
         if not self.table_names:
             raise BadRequest("a prefetch to a pserver without distributed tables")
         counts = self._counts(payload, 0)
-        if any(counts.grads):
+        if any(counts.grads) or any(counts.graded):
             raise BadRequest("a prefetch carries next ids only, not gradients")
         layout = PushLayout.of(DenseLayout.of([]), False, self.table_shapes, counts)
         if payload.size != layout.nbytes:
@@ -137,6 +155,16 @@ class Payloads:
                 self.contents.tables.shards[name].check_ids(ids)
                 out[name] = ids
         return out
+
+    @staticmethod
+    def _rows(payload: np.ndarray, part: Tuple[int, int], shape: TableShape, wire: str) -> torch.Tensor:
+        """A table's gradient rows: a view of ``part``, or widened from the wire dtype to the table's."""
+        rows = torch.from_numpy(view(payload, part, _numpy_dtype(wire or shape.dtype)))
+        if wire == "bfloat16":
+            rows = rows.view(torch.bfloat16)
+        if wire and wire != shape.dtype:
+            rows = rows.to(DTYPES[shape.dtype])
+        return rows.view(-1, shape.dim)
 
     def _counts(self, payload: np.ndarray, at: int) -> TableCounts:
         try:
@@ -184,45 +212,52 @@ class Payloads:
 
     # -- writing answers ----------------------------------------------------------------------------
 
-    def answer_bytes(self, lane: Lane, answer_ids: Mapping[str, np.ndarray]) -> int:
-        """Bytes of an answer with ``lane``'s blocks and the rows of ``answer_ids``."""
+    def answer_bytes(self, lane: Optional[Lane], answer_ids: Mapping[str, np.ndarray]) -> int:
+        """Bytes of an answer with ``lane``'s blocks (None: a prefetch's, none) and the rows of
+        ``answer_ids``."""
+        start = lane.layout.nbytes if lane is not None else 0
         nexts = [len(answer_ids.get(n, ())) for n in self.table_names]
-        return (
-            rows_parts(self.table_shapes, nexts, lane.layout.nbytes)[1]
-            if self.table_names
-            else lane.layout.nbytes
-        )
+        return rows_parts(self.table_shapes, nexts, start)[1] if self.table_names else start
 
     def write(
-        self, out: np.ndarray, lane: Lane, blocks: Sequence[Tuple[str, torch.Tensor]], rows: Sequence
+        self,
+        out: np.ndarray,
+        lane: Optional[Lane],
+        blocks: Sequence[Tuple[str, torch.Tensor]],
+        rows: Sequence,
     ) -> int:
         """Write ``blocks`` (the lane's, in order) and ``rows`` (``(wire name, rows)`` per table asked, in
         plan order) into ``out`` (uint8, the answer region); the bytes written."""
-        for (name, block), offset in zip(blocks, lane.layout.offsets, strict=True):
-            data = block.detach().reshape(-1).numpy()
+        offsets = lane.layout.offsets if lane is not None else ()
+        for (_, block), offset in zip(blocks, offsets, strict=True):
+            data = _flat(block)
             out[offset : offset + data.nbytes].view(data.dtype)[:] = data
-        at = lane.layout.nbytes
+        at = lane.layout.nbytes if lane is not None else 0
         for _, r in rows:
-            data = np.asarray(r).reshape(-1)
+            data = _flat(r)
             out[at : at + data.nbytes].view(data.dtype)[:] = data
             at = aligned(at + data.nbytes)
         return at
 
-    def buffers(self, lane: Lane, blocks: Sequence[Tuple[str, torch.Tensor]], rows: Sequence) -> List:
+    def buffers(
+        self, lane: Optional[Lane], blocks: Sequence[Tuple[str, torch.Tensor]], rows: Sequence
+    ) -> List:
         """The same answer as :meth:`write`, as buffers to send in order (with the padding between parts)."""
         out: List = []
         at = 0
-        for (_, block), offset in zip(blocks, lane.layout.offsets, strict=True):
+        offsets = lane.layout.offsets if lane is not None else ()
+        for (_, block), offset in zip(blocks, offsets, strict=True):
             if offset > at:
                 out.append(_ZEROS[: offset - at])
-            data = block.detach().reshape(-1).numpy()
+            data = _flat(block)
             out.append(data)
             at = offset + data.nbytes
-        if lane.layout.nbytes > at:
-            out.append(_ZEROS[: lane.layout.nbytes - at])
-        at = lane.layout.nbytes
+        end = lane.layout.nbytes if lane is not None else 0
+        if end > at:
+            out.append(_ZEROS[: end - at])
+        at = end
         for _, r in rows:
-            data = np.asarray(r).reshape(-1)
+            data = _flat(r)
             out.append(data)
             end = aligned(at + data.nbytes)
             if end > at + data.nbytes:

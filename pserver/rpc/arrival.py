@@ -90,16 +90,25 @@ class CallsInProgress:
         if caller is None or not self._holds(*caller):
             yield
             return
-        with self._lock:
-            self._count[caller[0]] = self._count.get(caller[0], 0) + 1
+        self.begin(caller[0])
         try:
             yield
         finally:
-            with self._lock:
-                left = self._count.pop(caller[0]) - 1
-                if left:
-                    self._count[caller[0]] = left
-            self._note(*caller)
+            self.end(*caller)
+
+    def begin(self, trainer_id: int) -> None:
+        """A call of ``trainer_id``'s session holder is being served from now (the data channel's: its
+        session checked)."""
+        with self._lock:
+            self._count[trainer_id] = self._count.get(trainer_id, 0) + 1
+
+    def end(self, trainer_id: int, incarnation: int) -> None:
+        """That call ended: the trainer was heard from now."""
+        with self._lock:
+            left = self._count.pop(trainer_id) - 1
+            if left:
+                self._count[trainer_id] = left
+        self._note(trainer_id, incarnation)
 
     def trainers(self) -> Set[int]:
         """The trainers with a call in progress now."""

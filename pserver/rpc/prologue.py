@@ -14,7 +14,7 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
-from typing import Callable, Dict, Optional
+from typing import Callable, Dict, Optional, Tuple
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -34,6 +34,7 @@ from ..errors import (
     OutOfSync,
     ShuttingDown,
     StorageFailed,
+    Unauthenticated,
 )
 
 # Under the servicer's name: these are its calls' records, and operators filter its log by that name
@@ -62,6 +63,8 @@ STATUS: Dict[type, grpc.StatusCode] = {
     # ask the shard's processes who leads (Lead) and go there.
     NotPrimary: grpc.StatusCode.UNAVAILABLE,
     OutOfSync: grpc.StatusCode.OUT_OF_RANGE,  # the primary drops this backup, which copies its state again
+    # The data port's token check (the gRPC port's is an interceptor, which answers the same status).
+    Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
 }
 
 
@@ -119,6 +122,13 @@ class CallerChecks:
                 f"this pserver runs {self.layout_digest!r}); transpile the same "
                 f"program with the same config, pservers and trainers on every role"
             )
+
+
+def refusal_of(error: BaseException) -> Tuple[str, grpc.StatusCode]:
+    """(reason, status) a refusal is counted under: its kind and :data:`STATUS` code, else an internal
+    error."""
+    code = status_of(error)
+    return (type(error).__name__, code) if code is not None else ("internal", grpc.StatusCode.INTERNAL)
 
 
 def parse(message_type, data: bytes):

@@ -54,7 +54,7 @@ HELPER_MODULES = (
     MODULES
     + sorted((REPO / "harness").rglob("*.py"))
     + sorted((REPO / "tests" / "helpers").rglob("*.py"))
-    + [REPO / "trainer" / "launch" / "plan.py"]
+    + [REPO / "trainer" / "launch" / "hosts.py"]
 )
 
 

@@ -79,7 +79,8 @@ class Calls:
 def served():
     calls = Calls()
     reactors = [Reactor(f"test-reactor-{i}", calls.serve, send_timeout=5.0) for i in range(2)]
-    listener = DataListener("127.0.0.1", 0, calls.check, reactors, max_payload=1 << 24)
+    listener = DataListener("127.0.0.1", 0, max_payload=1 << 24)
+    listener.serve(calls.check, reactors)
     yield calls, listener
     listener.close()
     for r in reactors:
@@ -219,7 +220,8 @@ def test_tls_with_client_certificates_carries_calls_and_refuses_plaintext(tmp_pa
     )
     calls = Calls()
     reactor = Reactor("tls-reactor", calls.serve, send_timeout=5.0)
-    listener = DataListener("127.0.0.1", 0, calls.check, [reactor], 1 << 20, server_context(server))
+    listener = DataListener("127.0.0.1", 0, 1 << 20, server_context(server))
+    listener.serve(calls.check, [reactor])
     try:
         channel = connect(listener, context=client_context(client))
         data = np.arange(50_000, dtype=np.uint8)

@@ -21,7 +21,7 @@ def test_a_connection_hello_round_trips():
     [
         (lambda d: b"XXXX" + d[4:], "bad magic"),
         (lambda d: d[:4] + (2).to_bytes(2, "little") + d[6:], "version 2"),
-        (lambda d: d[:14] + (0).to_bytes(2, "little") + d[16:], "lane 0 of 0"),
+        (lambda d: d[:14] + (0).to_bytes(2, "little") + d[16:], "slot 0 of 0 lanes"),
     ],
 )
 def test_a_bad_connection_hello_is_refused(mutate, match):
@@ -80,10 +80,10 @@ def test_dense_layout_aligns_every_block_and_narrows_to_the_wire_dtype():
 def test_a_push_layout_places_presence_dense_counts_and_tables():
     dense = payload.DenseLayout.of([("a", 20, "float32")])
     tables = [payload.TableShape(4, "float32"), payload.TableShape(2, "float64")]
-    counts = payload.TableCounts((3, 0), (5, 2))
+    counts = payload.TableCounts((3, 0), (5, 2), (True, False))
     layout = payload.PushLayout.of(dense, True, tables, counts)
     assert layout.presence == (0, 1) and layout.dense == (64, 128)
-    assert layout.counts == (192, 64)
+    assert layout.counts == (192, 64)  # two tables' three uint64 each, padded
     (ids0, rows0, next0), (ids1, rows1, next1) = layout.tables
     assert ids0 == (256, 24) and rows0 == (320, 48) and next0 == (384, 40)
     assert ids1 == (448, 0) and rows1 == (448, 0) and next1 == (448, 16)
@@ -92,9 +92,9 @@ def test_a_push_layout_places_presence_dense_counts_and_tables():
 
 
 def test_table_counts_round_trip_through_their_bytes():
-    counts = payload.TableCounts((3, 0, 7), (5, 2, 0))
+    counts = payload.TableCounts((3, 0, 7), (5, 2, 0), (True, True, False))
     data = counts.pack().view(np.uint8)
-    assert data.size == counts.nbytes() == 64
+    assert data.size == counts.nbytes() == 128
     assert payload.TableCounts.unpack(data, 3) == counts
     with pytest.raises(payload.PayloadError):
         payload.TableCounts.unpack(data[:8], 3)

@@ -79,7 +79,7 @@ def test_what_a_trainer_pushes_the_pserver_reads(sides, lanes):
         push = trainer.plan_push(mine, lanes, lane, dropped=False)
         out = np.zeros(push.layout.nbytes, dtype=np.uint8)
         trainer.write_push(out, push, mine, lanes, lane)
-        parts = pserver.push(out, lanes, lane, push.grad_dtype, dropped=False)
+        parts, _ = pserver.push(out, lanes, lane, push.grad_dtype, dropped=False)
         expected_dense = {n: t for n, t in mine if "@" not in n}
         assert parts.dense.keys() == expected_dense.keys()
         assert all(torch.equal(parts.dense[n], t) for n, t in expected_dense.items())
@@ -99,7 +99,7 @@ def test_gradients_narrowed_to_bfloat16_are_widened_exactly(sides):
     push = trainer.plan_push(tensors, 1, 0, dropped=False)
     out = np.zeros(push.layout.nbytes, dtype=np.uint8)
     trainer.write_push(out, push, tensors, 1, 0)
-    parts = pserver.push(out, 1, 0, push.grad_dtype, dropped=False)
+    parts, _ = pserver.push(out, 1, 0, push.grad_dtype, dropped=False)
     assert all(torch.equal(parts.dense[n], t.float()) for n, t in tensors)
 
 
@@ -175,3 +175,19 @@ def _set(p, i, v):
 def _nan(p):
     p[64:68] = np.frombuffer(np.float32(np.nan).tobytes(), np.uint8)
     return p
+
+
+def test_a_table_gradient_with_no_id_on_this_shard_still_counts_a_step(sides):
+    """torch's optimizers count a step for every parameter with a gradient: an empty one travels too."""
+    trainer, pserver, blocks, tables = sides
+    empty = tables[0]
+    tensors = [
+        (n, t[:0] if n in (empty.ids_name, empty.rows_name) else t) for n, t in push_tensors(blocks, tables)
+    ]
+    tensors = [(n, t) for n, t in tensors if n != tables[1].ids_name and n != tables[1].rows_name]
+    push = trainer.plan_push(tensors, 1, 0, dropped=False)
+    out = np.zeros(push.layout.nbytes, dtype=np.uint8)
+    trainer.write_push(out, push, tensors, 1, 0)
+    parts, _ = pserver.push(out, 1, 0, push.grad_dtype, dropped=False)
+    assert list(parts.sparse) == [empty.name]  # the second table pushed no gradient at all
+    assert len(parts.sparse[empty.name][0]) == 0

@@ -173,12 +173,14 @@ def _shared_pushes(cluster):
 
 
 @pytest.mark.timeout(120)
-def test_sync_training_through_shared_memory_equals_grpc_bytes_and_one_process():
+@pytest.mark.parametrize("data_channel", [True, False], ids=["data channel", "gRPC"])
+def test_sync_training_through_shared_memory_equals_grpc_bytes_and_one_process(data_channel):
+    """Over the data channel's regions (bytes inline without) and over gRPC's (gRPC bytes without)."""
     data = batches(N_TRAINERS, PER_TRAINER, STEPS, dtype=torch.float64)
     expected = train_concatenated(_program(), data)
     results = {}
     for shared in (True, False):
-        config = DistributeTranspilerConfig(shared_memory=shared)
+        config = DistributeTranspilerConfig(shared_memory=shared, data_channel=data_channel)
         with LocalCluster(_program, 2, N_TRAINERS, config=config) as cluster:
             results[shared] = train_distributed(cluster, data)
             # every step of every trainer at each pserver, or none
@@ -190,9 +192,12 @@ def test_sync_training_through_shared_memory_equals_grpc_bytes_and_one_process()
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("data_channel", [True, False], ids=["data channel", "gRPC"])
 def test_a_pserver_that_cannot_map_the_regions_refuses_before_counting_and_the_trainer_goes_on_over_grpc(
-    monkeypatch, caplog
+    monkeypatch, caplog, data_channel
 ):
+    """The bytes go inline on the data channel, through gRPC without it; nothing refused is counted."""
+    import pserver.data.calls
     import pserver.rpc.mapped_regions
 
     caplog.set_level(logging.INFO, logger="trainer.transport")
@@ -203,9 +208,11 @@ def test_a_pserver_that_cannot_map_the_regions_refuses_before_counting_and_the_t
         )
 
     monkeypatch.setattr(pserver.rpc.mapped_regions, "map_region", cannot_map)
+    monkeypatch.setattr(pserver.data.calls, "map_region", cannot_map)
     data = batches(N_TRAINERS, PER_TRAINER, STEPS, dtype=torch.float64)
     expected = train_concatenated(_program(), data)
-    with LocalCluster(_program, 2, N_TRAINERS) as cluster:
+    config = DistributeTranspilerConfig(data_channel=data_channel)
+    with LocalCluster(_program, 2, N_TRAINERS, config=config) as cluster:
         states = train_distributed(cluster, data)
         assert _shared_pushes(cluster) == [0, 0]
         assert [s.engine.step for s in cluster.servers] == [STEPS, STEPS]  # no refused push counted

@@ -19,8 +19,8 @@ import sys
 import threading
 import time
 
+from harness.ports import free_ports
 from pserver.cli import main
-from tests.helpers.ports import free_ports
 
 PROGRAM = "tests/helpers/models.py:odd_program"  # run from the repository's root, on its PYTHONPATH
 

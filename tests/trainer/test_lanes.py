@@ -124,17 +124,22 @@ def train(cluster, batches):
             x, y = step[i]
             nn.functional.cross_entropy(tr.model(x), y).backward()
             tr.step()
-        opened = [tr.channels[ep].lanes.opened for ep in tr.program.pservers]
+        # Beside the channel's own: the gRPC lanes' connections, or the data channel's lanes.
+        opened = [
+            tr.channels[ep].lanes.opened or tr.channels[ep].data_connections - 1 for ep in tr.program.pservers
+        ]
         return tr.state_dict(), opened
 
     return cluster.run_trainers(body)
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("data_channel", [True, False])
 @pytest.mark.parametrize("sync_mode,trainers", [(True, 2), (False, 1)])
-def test_training_through_lanes_equals_one_process(sync_mode, trainers):
+def test_training_through_lanes_equals_one_process(sync_mode, trainers, data_channel):
+    """Over the data channel (one connection per lane) and over gRPC (lanes of gRPC calls) alike."""
     batches = data(trainers)
-    config = DistributeTranspilerConfig(push_lanes=3, shared_memory=False)
+    config = DistributeTranspilerConfig(push_lanes=3, shared_memory=False, data_channel=data_channel)
     with LocalCluster(build, 2, trainers, sync_mode=sync_mode, config=config) as cluster:
         results = train(cluster, batches)
         # Every pserver made each trainer's pushes whole from lanes, and counted each step once.

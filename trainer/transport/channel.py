@@ -26,6 +26,7 @@ from transpiler import DistributeTranspilerConfig
 
 from ..errors import PserverError
 from .contact import Contact
+from .data.data_link import DataLink
 from .narrowing import GradientNarrower
 from .primaries import ShardPrimary
 from .shard_link import WAIT_LOG_INTERVAL, ShardLink, TrainerIdentity
@@ -46,7 +47,8 @@ class PserverChannel:
 
     ``addresses``: the processes of its shard (itself, and its backup under
     hot standby); ``open_channel(address)`` makes a gRPC channel to one;
-    ``blocks``: this pserver's blocks and their bytes (see :mod:`.lanes`).
+    ``blocks``: this pserver's blocks and their bytes (see :mod:`.lanes`); ``data``: the data connections
+    to it (None: transfers go over gRPC).
     """
 
     def __init__(
@@ -59,13 +61,15 @@ class PserverChannel:
         regions: RegionPool,
         narrower: GradientNarrower,
         blocks: Optional[Dict[str, int]] = None,
+        data: Optional[DataLink] = None,
     ):
         self.endpoint = endpoint
         self._identity = identity
         self._config = config
         self.contact = Contact()  # when the pserver last heard from this trainer (trainer/heartbeat.py)
+        replicated = len(addresses) > 1
         self._link = ShardLink(
-            endpoint, identity, config, open_channel, regions, self.contact, blocks or {}, len(addresses) > 1
+            endpoint, identity, config, open_channel, regions, self.contact, blocks or {}, replicated, data
         )
         self.lanes = self._link.lanes
         self.primary = ShardPrimary(self._link, addresses, identity.trainer_id, config.recovery_timeout)
@@ -75,6 +79,12 @@ class PserverChannel:
     def bytes_pushed(self) -> int:
         """Tensor bytes of every push that went through, as sent (narrowed)."""
         return self._tensors.bytes_pushed
+
+    @property
+    def data_connections(self) -> int:
+        """Data connections open to this pserver now (one per lane used; 0 over gRPC)."""
+        data = self._link.data
+        return data.connections if data is not None else 0
 
     @property
     def bytes_pulled(self) -> int:

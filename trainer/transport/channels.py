@@ -22,6 +22,8 @@ from transpiler import TrainerProgram
 
 from ..errors import PserverError
 from .channel import PserverChannel
+from .data.data_link import DataLink
+from .data.payloads import PserverPayloads
 from .narrowing import GradientNarrower
 from .shard_link import TrainerIdentity
 from .shared_regions import RegionPool
@@ -65,12 +67,37 @@ class Channels:
         blocks = {ep: {b.name: b.nbytes for b in program.blocks if b.endpoint == ep} for ep in self.endpoints}
         self._by_endpoint = {
             ep: PserverChannel(
-                ep, groups[ep], identity, cfg, open_channel, self._regions, self.narrower, blocks[ep]
+                ep,
+                groups[ep],
+                identity,
+                cfg,
+                open_channel,
+                self._regions,
+                self.narrower,
+                blocks[ep],
+                self._data_link(program, ep, security) if cfg.data_channel else None,
             )
             for ep in self.endpoints
         }
         self._pool = futures.ThreadPoolExecutor(
             max_workers=2 * len(self.endpoints), thread_name_prefix="trainer-comm"
+        )
+
+    @staticmethod
+    def _data_link(program: TrainerProgram, endpoint: str, security: Security) -> DataLink:
+        """The data connections to ``endpoint`` (docs/dataplane.md), opened on first use."""
+        cfg = program.config
+        payloads = PserverPayloads([b for b in program.blocks if b.endpoint == endpoint], program.tables)
+        return DataLink(
+            endpoint,
+            payloads,
+            security,
+            program.trainer_id,
+            program.layout_digest,
+            cfg.shared_memory,
+            cfg.push_lanes,
+            cfg.push_lanes * cfg.chunk_bytes,
+            cfg.connect_timeout,
         )
 
     def __getitem__(self, endpoint: str) -> PserverChannel:

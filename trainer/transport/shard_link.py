@@ -24,6 +24,7 @@ from transpiler import DistributeTranspilerConfig
 from ..errors import PserverUnavailableError
 from .connection import Connection
 from .contact import Contact
+from .data.data_link import DataLink
 from .lanes import Lanes
 from .shared_regions import RegionPool
 from .status_codes import details, error_of
@@ -48,7 +49,9 @@ class ShardLink:
 
     ``open_channel(address)`` makes a gRPC channel to a process of the shard; ``blocks``: the
     pserver's blocks and their bytes, what a push-pull split across lanes is dealt by;
-    ``replicated``: the shard has a backup (hot standby); ``contact``: the pserver's, noted by Hello.
+    ``replicated``: the shard has a backup (hot standby); ``contact``: the pserver's, noted by Hello;
+    ``data``: the data connections to it (None: transfers go over gRPC), pointed at the process and
+    session each Hello names.
     """
 
     def __init__(
@@ -61,6 +64,7 @@ class ShardLink:
         contact: Contact,
         blocks: Dict[str, int],
         replicated: bool,
+        data: Optional[DataLink] = None,
     ):
         self.endpoint = endpoint
         self.address = endpoint  # the process calls go to now (hot standby: the shard's primary)
@@ -70,6 +74,7 @@ class ShardLink:
         self._regions = regions
         self._contact = contact
         self._replicated = replicated
+        self.data = data
         # What the process answered this trainer process's latest Hello.
         self._session = ""
         self.connection = self._connect_to(endpoint)
@@ -86,6 +91,8 @@ class ShardLink:
         old, self.connection, self.address = self.connection, self._connect_to(address), address
         old.close()
         self.lanes.reset()
+        if self.data is not None:  # until that process's Hello names its data port
+            self.data.moved(address, 0, "")
 
     def lead(self, address: str, timeout: float) -> Optional[Tuple[str, int]]:
         """Ask the process at ``address`` whether it leads its shard: (role, epoch), or None if it did not
@@ -150,6 +157,8 @@ class ShardLink:
                 )
                 log.info("trainer %d: %s is up (step %d)", tid, self.endpoint, reply.start_step)
                 self._session = reply.session
+                if self.data is not None:
+                    self.data.moved(self.address, reply.data_port, reply.session)
                 self._contact.noted(started)
                 return reply
             except grpc.RpcError as e:
@@ -185,5 +194,7 @@ class ShardLink:
         CANCELLED."""
         self.connection.close()
         self.lanes.close()
+        if self.data is not None:
+            self.data.close()
         for channel, _ in self._lead_calls.values():
             channel.close()

@@ -1,6 +1,8 @@
 """TensorCalls: the calls to one pserver that carry tensors: push-pull, pull and prefetch.
 
-Each push-pull and prefetch goes by the way :func:`~trainer.transport.wire_paths.choose_path` picks (a
+Over the data channel when the pserver has one (:mod:`.data`: docs/dataplane.md), except a push
+streamed during backward and a pull of some blocks only; else over gRPC. There, each push-pull and
+prefetch goes by the way :func:`~trainer.transport.wire_paths.choose_path` picks (a
 large push-pull split across :mod:`.lanes`; one the pserver cannot take through shared memory sent again
 by gRPC), and every answer is read back into tensors, checked against what the trainer expects. Each
 attempt goes to the process the pserver's calls go to now, with its session (:mod:`.shard_link`); under
@@ -20,7 +22,7 @@ from psproto import ps_pb2
 from psproto.codec import TensorReader, WireError, decode_chunk
 from transpiler import DistributeTranspilerConfig
 
-from ..errors import PserverError
+from ..errors import DOWN, PserverError
 from .connection import Connection
 from .contact import Contact
 from .narrowing import GradientNarrower
@@ -100,6 +102,8 @@ class TensorCalls:
         verdict on the step (``PserverChannel.claim``). Returns the pserver's step (updates applied) of the
         parameters received.
         """
+        if not during_backward and self._data_ready():
+            return self._data_push_pull(step, tensors, decode_into, position, step_trainers, dropped)
         if during_backward:
             request = Request(
                 BackwardTensors(tensors, functools.partial(self._narrower.narrow_stream, self.endpoint))
@@ -125,6 +129,39 @@ class TensorCalls:
         )
         self.bytes_pushed += request.tensors.nbytes if during_backward else request.nbytes
         return pserver_step
+
+    def _data_ready(self) -> bool:
+        """Whether the transfers go over the data channel now (the process calls go to named its port)."""
+        data = self._link.data
+        return data is not None and data.available
+
+    def _data_push_pull(self, step, tensors, decode_into, position, step_trainers, dropped) -> int:
+        narrowed = self._narrower.narrow(self.endpoint, list(tensors))
+        what = f"step {step} of trainer {self._identity.trainer_id} (push and pull)"
+
+        def once() -> int:
+            if not self._data_ready():  # moved to a process without a data port (say, an older pserver)
+                raise PserverError(self.endpoint, f"{what}: no data port", DOWN)
+            with self._contact.call(from_start=True):
+                try:
+                    pserver_step, _, sent, received = self._link.data.push_pull(
+                        step,
+                        narrowed,
+                        position,
+                        decode_into,
+                        step_trainers,
+                        dropped,
+                        wait_timeout(self._config),
+                    )
+                except grpc.RpcError as e:
+                    raise error_of(self.endpoint, f"{what} failed: {details(e)}", e) from None
+                except ValueError as e:
+                    raise PserverError(self.endpoint, f"{what}: answer is malformed: {e}") from None
+            self.bytes_pushed += sent
+            self.bytes_pulled += received
+            return pserver_step
+
+        return self._primary.run(once)
 
     def _push_pull_once(
         self,
@@ -206,9 +243,24 @@ class TensorCalls:
             layout_digest=self._identity.layout_digest,
         )
         what = f"pull after {min_step} updates by trainer {self._identity.trainer_id}"
+        if self._data_ready() and list(names) == list(self._link.data.payloads.lane(1, 0).names):
+            return self._primary.run(functools.partial(self._data_pull, min_step, decode_into, what))
         return self._primary.run(
             functools.partial(self._pull_once, request, what, dtype_and_shape, decode_into)
         )
+
+    def _data_pull(self, min_step: int, decode_into: DecodeInto, what: str) -> int:
+        with self._contact.call(from_start=True):
+            try:
+                pserver_step, received = self._link.data.pull(
+                    min_step, decode_into, wait_timeout(self._config)
+                )
+            except grpc.RpcError as e:
+                raise error_of(self.endpoint, f"{what} failed: {details(e)}", e) from None
+            except ValueError as e:
+                raise PserverError(self.endpoint, f"{what}: answer is malformed: {e}") from None
+        self.bytes_pulled += received
+        return pserver_step
 
     def _pull_once(
         self, request: Callable, what: str, dtype_and_shape: DtypeAndShape, decode_into: DecodeInto
@@ -237,9 +289,22 @@ class TensorCalls:
             layout_digest=self._identity.layout_digest,
         )
         what = f"prefetch after {min_step} updates by trainer {self._identity.trainer_id}"
+        if self._data_ready():
+            return self._primary.run(functools.partial(self._data_prefetch, min_step, ids, what))
         return self._primary.run(
             functools.partial(self._prefetch_once, header, request, what, dtype_and_shape)
         )
+
+    def _data_prefetch(self, min_step: int, ids, what: str) -> Dict[str, torch.Tensor]:
+        with self._contact.call(from_start=True):
+            try:
+                rows, received = self._link.data.prefetch(min_step, ids, wait_timeout(self._config))
+            except grpc.RpcError as e:
+                raise error_of(self.endpoint, f"{what} failed: {details(e)}", e) from None
+            except ValueError as e:
+                raise PserverError(self.endpoint, f"{what}: answer is malformed: {e}") from None
+        self.bytes_pulled += received
+        return rows
 
     def _prefetch_once(
         self, header: Callable, request: Request, what: str, dtype_and_shape: DtypeAndShape

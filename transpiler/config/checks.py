@@ -48,12 +48,19 @@ def validate(config) -> None:
             raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
     if not isinstance(config.chunk_bytes, int) or not (4096 <= config.chunk_bytes <= (64 << 20)):
         raise ValueError(f"chunk_bytes must be an int in [4096, 64 MiB], got {config.chunk_bytes!r}")
+    if (
+        isinstance(config.data_reactors, bool)
+        or not isinstance(config.data_reactors, int)
+        or not (1 <= config.data_reactors <= 64)
+    ):
+        raise ValueError(f"data_reactors must be an int in [1, 64], got {config.data_reactors!r}")
     if not isinstance(config.pserver_torch_threads, int) or config.pserver_torch_threads < 1:
         raise ValueError(f"pserver_torch_threads must be an int >= 1, got {config.pserver_torch_threads!r}")
     for name in (
         "async_pipeline",
         "read_ahead",
         "shared_memory",
+        "data_channel",
         "retain_freed_memory",
         "pserver_stretches_on_loop",
         "use_local_sgd",

@@ -148,6 +148,12 @@ class DistributeTranspilerConfig:
       call carries only where they are (docs/architecture.md#same-host). A pserver elsewhere refuses the
       first such push before reading it, and from then on that trainer sends it bytes through gRPC. Same
       semantics either way; False always sends bytes through gRPC.
+    - ``data_channel``: pushes, pulls and prefetches travel over each pserver's data port, outside gRPC
+      (docs/dataplane.md): a TCP connection per trainer and lane, with the same token, TLS and sessions,
+      and the bytes in shared memory when ``shared_memory`` allows. gRPC keeps the control. False: they
+      travel over gRPC. Same semantics either way.
+    - ``data_reactors``: threads serving a pserver's data connections (1-64); not per trainer: a waiting
+      call parks, holding no thread.
     - ``retain_freed_memory``: a trainer process asks glibc's malloc to keep the buffers it frees (up to
       256 MiB each, up to 1 GiB of free heap) for its next step instead of returning them to the kernel
       (``trainer/memory.py``): every step frees and re-allocates its gradients and activations, and fresh
@@ -230,6 +236,8 @@ class DistributeTranspilerConfig:
     metrics_port: Optional[int] = None
     health_port: Optional[int] = None
     shared_memory: bool = True
+    data_channel: bool = True
+    data_reactors: int = 2
     retain_freed_memory: bool = True
     server_replicas: Optional[int] = None
     replica_endpoints: Optional[str] = None

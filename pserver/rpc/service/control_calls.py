@@ -53,8 +53,10 @@ class ControlCalls:
         replica,
         stretches: Stretches,
         started: float,
+        data_port: int = 0,
     ):
         self.engine = engine
+        self.data_port = data_port  # the data channel's port, named in every HelloReply
         self.checks = checks
         self.counters = counters
         self.sessions = sessions
@@ -101,6 +103,7 @@ class ControlCalls:
             applied_step=joined.applied_step,
             others_in_step=joined.others_in_step,
             replica_epoch=self.replica.epoch if self.replica is not None else 0,
+            data_port=self.data_port,
         )
 
     @trainer_call(ps_pb2.SaveTablesRequest, touch=True)

@@ -177,10 +177,10 @@ class DataCalls:
                     (header.session, header.attempt),
                 )
                 counted = yield from self.lane_pushes.settle(
-                    ticket, lambda d, s: self._push_whole(header, d, s)
+                    ticket, lambda d, s: self.count_push(header, d, s)
                 )
             else:
-                counted = yield from self._push_whole(header, grads, sparse, reader.nbytes)
+                counted = yield from self.count_push(header, grads, sparse, reader.nbytes)
         finally:
             if not held:
                 self._release(reader.tensors)
@@ -193,9 +193,13 @@ class DataCalls:
             )
         return header, counted, answer_ids
 
-    def _push_whole(self, header, grads, sparse, bytes_in: int = 0):
+    def count_push(self, header, grads, sparse, bytes_in: int = 0):
         """Count or apply one whole push (``bytes_in``: its bytes not counted yet); whether it counted
-        (False: a duplicate)."""
+        (False: a duplicate). Parks while an async push is past ``max_staleness``.
+
+        ``header``: the push's trainer_id, step, epoch, batch, step_trainers and dropped (a ``PushHeader``
+        on the gRPC path, :class:`pserver.data.calls.PushHead` on the data channel's).
+        """
         backups = {}
         if header.step_trainers or header.dropped:
             if not self.engine.sync_mode or (header.dropped and (grads or sparse)):
@@ -254,13 +258,19 @@ class DataCalls:
         The rows come after the blocks, as of the same update: in sync mode the next step's lookups find
         exactly what a Prefetch would have. Parks (see :mod:`pserver.rpc.parking`).
         """
+        pserver_step, tensors = yield from self.read_answer(trainer_id, min_step, names, answer_ids)
+        return ps_pb2.PullHeader(step=pserver_step, counted=counted), tensors
+
+    def read_answer(self, trainer_id: int, min_step: int, names, answer_ids: Optional[Dict[str, np.ndarray]]):
+        """Wait for ``min_step``; (the pserver's step, ``[(name, tensor)]``: the blocks ``names``, then the
+        rows of ``answer_ids`` per table). Parks (see :mod:`pserver.rpc.parking`)."""
         yield from park(self.engine.park_for_step(trainer_id, min_step))
         self.checks.acked()
         pserver_step, tensors = self.engine.read(names)
         if answer_ids:
             tensors = tensors + self.engine.lookup(answer_ids)[1]
         self.counters.add(bytes_out=sum(t.numel() * t.element_size() for _, t in tensors))
-        return ps_pb2.PullHeader(step=pserver_step, counted=counted), tensors
+        return pserver_step, tensors
 
     @parks(stream=True)
     @refusals

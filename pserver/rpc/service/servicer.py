@@ -54,7 +54,8 @@ class PserverServicer:
     ``replica``: the process's place in its replicated shard (None without replicas); ``incarnation``
     (default: a new one) what trainers tell this pserver's state by; ``stretches`` where parked calls'
     stretches run (:mod:`..stretches`); ``claims`` the Claim service (backup trainers; None: this pserver
-    does not decide). The counters, the sessions and the caller's checks are shared by the three.
+    does not decide); ``data_port`` the data channel's port its Hello names (0: none). The counters, the
+    sessions and the caller's checks are shared by the three.
     """
 
     def __init__(
@@ -70,6 +71,7 @@ class PserverServicer:
         incarnation: Optional[Incarnation] = None,
         stretches: Optional[Stretches] = None,
         claims: Optional[StepClaims] = None,
+        data_port: int = 0,
     ):
         self.engine = engine
         self.contents = contents
@@ -80,7 +82,8 @@ class PserverServicer:
         self.counters = Counters()
         self.sessions = Sessions(engine.endpoint, alive_window)
         self.stretches = stretches if stretches is not None else Stretches(allowed=False)
-        checks = CallerChecks(engine.endpoint, engine.trainers, self.sessions, replica, layout_digest)
+        self.checks = CallerChecks(engine.endpoint, engine.trainers, self.sessions, replica, layout_digest)
+        checks = self.checks
         self.data = DataCalls(engine, contents, checks, self.counters, chunk_bytes, allow_nonfinite, claims)
         self.control = ControlCalls(
             engine,
@@ -93,6 +96,7 @@ class PserverServicer:
             replica,
             self.stretches,
             self.started,
+            data_port,
         )
         self.standby = StandbyCalls(replica, engine, contents, self.counters)
 

@@ -183,6 +183,23 @@ class TableExporter:
         for shard in tables.shards.values():
             shard.life.track_tombstones()
 
+    @classmethod
+    def for_program(cls, program, tables) -> Optional["TableExporter"]:
+        """The exporter ``program``'s config asks for (``export_dir`` with ``export_every`` or
+        ``export_every_seconds``, and tables to export); None otherwise."""
+        cfg = program.config
+        if cfg.export_dir is None or not (cfg.export_every or cfg.export_every_seconds) or not tables:
+            return None
+        return cls(
+            tables,
+            cfg.export_dir,
+            cfg.export_every,
+            cfg.export_base_every,
+            cfg.export_keep_bases,
+            cfg.export_every_seconds,
+            program.sync_mode,
+        )
+
     def after_update(self, step: int) -> None:
         """Export if one is due at ``step``: copy the shards' changes now, write them in the background."""
         if self.schedule is not None:

@@ -78,6 +78,7 @@ class DataChannel:
         self._tls = client_context is not None
         self._head = bytearray(AnswerHeader.SIZE)
         self._inline = np.empty(0, dtype=np.uint8)
+        self._outbox = np.zeros(0, dtype=np.uint8)
         self.regions: Optional[Tuple[Region, Region]] = None
         self.sock: Optional[socket.socket] = None
         try:
@@ -137,6 +138,13 @@ class DataChannel:
         return header, payload
 
     # -- calls ------------------------------------------------------------------------------------
+
+    def outbox(self, nbytes: int) -> np.ndarray:
+        """A buffer of ``nbytes`` for an inline request's payload, reused call after call (grown, zeroed when
+        new: padding the writer skips stays zero)."""
+        if self._outbox.size < nbytes:
+            self._outbox = np.zeros(max(nbytes, 2 * self._outbox.size), dtype=np.uint8)
+        return self._outbox[:nbytes]
 
     def map_regions(self, request_bytes: int, answer_bytes: int, timeout: float) -> None:
         """Give the pserver a pair of shared-memory regions holding these many bytes (new ones if smaller)."""

@@ -88,6 +88,20 @@ class PserverPayloads:
         blocks = self.lane(lanes, lane)
         return DenseLayout.of(list(zip(blocks.names, blocks.layout.numels, blocks.layout.dtypes)), wire)
 
+    def is_table_tensor(self, name: str) -> bool:
+        """Whether ``name`` is a table's wire tensor (``<table>@ids`` / ``@rows`` / ``@next``) of this
+        plan."""
+        table, sep, part = name.rpartition(SPARSE_SEPARATOR)
+        return bool(sep) and part in _PARTS and table in self._table_index
+
+    def new_rows(self, nexts: Sequence[int]) -> Dict[str, torch.Tensor]:
+        """A new ``(n, dim)`` tensor per table with ``n`` rows asked, by its ``<table>@rows`` name."""
+        return {
+            t.rows_name: torch.empty((n, t.dim), dtype=getattr(torch, t.dtype))
+            for t, n in zip(self._tables, nexts)
+            if n
+        }
+
     def _sort(self, tensors: Iterable[Named]):
         """(block gradients by name, {(table index, part): tensor})."""
         dense, tables = {}, {}
@@ -102,11 +116,11 @@ class PserverPayloads:
     def plan_push(self, tensors: Sequence[Named], lanes: int, lane: int, dropped: bool) -> Push:
         """The layout of a push of ``tensors`` on lane ``lane`` of ``lanes``."""
         dense, tables = self._sort(tensors)
-        wire = ""
-        if dense:
-            dtypes = {dtype_name(t.dtype) for t in dense.values()}
-            own = {b.dtype for b in self._blocks}
-            wire = dtypes.pop() if len(dtypes) == 1 and dtypes != own else ""
+        # A narrowed push (grad_wire_dtype) has every gradient in the wire dtype, table rows included.
+        grads = [*dense.values(), *(t for (_, part), t in tables.items() if part == "rows")]
+        dtypes = {dtype_name(t.dtype) for t in grads}
+        own = {b.dtype for b in self._blocks} | {t.dtype for t in self._tables}
+        wire = dtypes.pop() if len(dtypes) == 1 and not dtypes <= own else ""
         blocks = self.lane(lanes, lane)
         layout = self._wire(lanes, lane, wire) if wire else blocks.layout
         with_tables = lane == 0 and bool(self._tables)
@@ -116,8 +130,10 @@ class PserverPayloads:
         nexts = tuple(
             len(tables[(i, "next")]) if (i, "next") in tables else 0 for i in range(len(self._tables))
         )
-        counts = TableCounts(grads, nexts) if with_tables else TableCounts((), ())
-        push = PushLayout.of(layout, not dropped, self._shapes if with_tables else (), counts)
+        graded = tuple((i, "ids") in tables for i in range(len(self._tables)))
+        counts = TableCounts(grads, nexts, graded) if with_tables else TableCounts((), ())
+        shapes = tuple(TableShape(t.dim, wire or t.dtype) for t in self._shapes) if with_tables else ()
+        push = PushLayout.of(layout, not dropped, shapes, counts)
         return Push(push, nexts if with_tables else (), WIRE_CODES[wire] if wire else 0)
 
     def write_push(self, out: np.ndarray, push: Push, tensors: Sequence[Named], lanes: int, lane: int) -> int:
@@ -140,10 +156,12 @@ class PserverPayloads:
         if layout.counts[1]:
             counts = view(out, layout.counts, np.uint64)
             counts[:] = 0
+            w = TableCounts.WORDS
             for i, (ids, rows, nxt) in enumerate(layout.tables):
                 g, n = tables.get((i, "ids")), tables.get((i, "next"))
-                counts[2 * i] = 0 if g is None else len(g)
-                counts[2 * i + 1] = 0 if n is None else len(n)
+                counts[w * i] = 0 if g is None else len(g)
+                counts[w * i + 1] = 0 if n is None else len(n)
+                counts[w * i + 2] = int(g is not None)
                 for part, (offset, nbytes) in zip(("ids", "rows", "next"), (ids, rows, nxt)):
                     t = tables.get((i, part))
                     if t is not None and nbytes:
@@ -175,12 +193,13 @@ class PserverPayloads:
 
     def read_answer(
         self, payload: np.ndarray, lane: Optional[Lane], nexts: Sequence[int], decode_into: DecodeInto
-    ) -> None:
-        """Copy an answer's blocks (``lane``'s) and rows (``nexts`` per table) into ``decode_into(name)``."""
+    ) -> int:
+        """Copy an answer's blocks (``lane``'s) and rows (``nexts`` per table) into ``decode_into(name)``; the
+        tensor bytes copied."""
         expected = self.answer_bytes(lane, nexts)
         if payload.size != expected:
             raise ValueError(f"an answer of {payload.size} bytes where the plan gives {expected}")
-        at = 0
+        at = copied = 0
         if lane is not None:
             for name, offset, numel, dtype in zip(
                 lane.names, lane.layout.offsets, lane.layout.numels, lane.layout.dtypes
@@ -188,6 +207,7 @@ class PserverPayloads:
                 dest = decode_into(name)
                 src = payload[offset : offset + numel * dest.element_size()]
                 _copy_into(dest, src, dtype)
+                copied += src.nbytes
             at = lane.layout.nbytes
         for table, n in zip(self._tables, nexts):
             if not n:
@@ -195,7 +215,9 @@ class PserverPayloads:
             dest = decode_into(table.rows_name)
             nbytes = n * table.row_bytes
             _copy_into(dest, payload[at : at + nbytes], table.dtype)
+            copied += nbytes
             at = aligned(at + nbytes)
+        return copied
 
 
 def _wire_name(code: int) -> str:
