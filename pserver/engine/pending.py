@@ -2,10 +2,11 @@
 
 The sync engine (:mod:`.sync`) counts every trainer's push of step *s* here
 until the step is complete, then applies the mean. Dense gradients are summed
-into one buffer per block and sparse ones merged on arrival
-(:mod:`pserver.tables.step_sums`), so what a step holds for its pushes grows
-with the step's distinct ids, not with the number of trainers K: per trainer
-only its id and data position. The engine's roll-backs and
+on arrival into one flat float64 buffer (:class:`pserver.flat.DenseSums`: one
+add per push, the sum independent of the pushes' order) and sparse ones merged
+on arrival (:mod:`pserver.tables.step_sums`), so what a step holds for its
+pushes grows with the step's distinct ids, not with the number of trainers K:
+per trainer only its id and data position. The engine's roll-backs and
 a backup's state copy (:mod:`.rollback`) reach it through :meth:`PendingStep.clear`
 and :meth:`PendingStep.forget_joins`: a step abandoned is never applied.
 
@@ -14,10 +15,11 @@ Not thread-safe: the engine holds its lock around every call.
 
 from __future__ import annotations
 
-from typing import AbstractSet, Dict, FrozenSet, Mapping, Optional, Tuple
+from typing import AbstractSet, Dict, FrozenSet, Mapping, Optional, Tuple, Union
 
 import torch
 
+from ..flat import DenseSums, FlatGrad, FlatLayout
 from ..tables import SparseGrad
 from ..tables.step_sums import SparseSums
 from .roster import Position
@@ -32,15 +34,15 @@ class PendingStep:
     found another pserver a step ahead), and the later step they count from.
     With backup trainers, ``admitted``: the step's trainers as its first push
     named them (None: every expected trainer), and ``dropped``: those that
-    pushed it dropped (:mod:`.services.claims`).
+    pushed it dropped (:mod:`.services.claims`). ``dense``: the step's dense sums
+    (:meth:`pserver.store.BlockStore.dense_sums`; by default of no block).
     """
 
-    def __init__(self):
+    def __init__(self, dense: Optional[DenseSums] = None):
         self.trainers: set = set()
-        # Per-block sums, allocated once and reused every step; `touched` holds the blocks some
-        # trainer pushed in the current step.
-        self.grad_sum: Dict[str, torch.Tensor] = {}
-        self.touched: set = set()
+        # The dense sums, allocated once and reused every step, with the blocks some trainer pushed in the
+        # current step.
+        self.dense = dense if dense is not None else DenseSums(FlatLayout.of([], "float32"), ())
         # Per table, the sums of the rows pushed in the current step, merged on arrival: bounded by
         # the step's distinct ids, not by the trainers (memory: pserver.tables.step_sums).
         self.sparse_sums = SparseSums()
@@ -56,16 +58,14 @@ class PendingStep:
         sparse: Mapping[str, SparseGrad],
         position: Position,
     ) -> None:
-        """Count one trainer's push: ``grads`` and ``sparse`` are added into the step's sums (copied)."""
-        for name, g in grads.items():
-            if name in self.touched:
-                self.grad_sum[name].add_(g)
-            else:
-                acc = self.grad_sum.get(name)
-                if acc is None:
-                    acc = self.grad_sum[name] = torch.empty_like(g)
-                acc.copy_(g)
-                self.touched.add(name)
+        """Count one trainer's push: ``grads`` and ``sparse`` are added into the step's sums (copied).
+
+        ``grads``: by block name, or a :class:`~pserver.flat.FlatGrad` of the sums' layout (added whole).
+        """
+        if isinstance(grads, FlatGrad) and grads.layout == self.dense.layout:
+            self.dense.add_flat(grads.flat, grads.present)
+        elif grads:
+            self.dense.add(grads)
         self.sparse_sums.add(sparse)
         self.trainers.add(trainer_id)
         self.positions[trainer_id] = position
@@ -92,14 +92,20 @@ class PendingStep:
         """Whether some push is counted and every expected trainer's is."""
         return bool(self.trainers) and self.trainers >= self.expected(live, pserver_step)
 
-    def mean(self) -> Tuple[Dict[str, torch.Tensor], Dict[str, SparseGrad]]:
-        """(dense, sparse) means over the trainers counted; the dense ones in the sums' buffers.
+    @property
+    def touched(self) -> set:
+        """The blocks some trainer pushed in the current step (by name)."""
+        return {self.dense.layout.names[i] for i in self.dense.touched.nonzero()[0]}
+
+    def mean(self) -> Tuple[Union[FlatGrad, Dict[str, torch.Tensor]], Dict[str, SparseGrad]]:
+        """(dense, sparse) means over the trainers counted; dense: a flat gradient of the blocks touched
+        (:meth:`pserver.flat.DenseSums.mean`), valid until the next step.
 
         Rows several trainers pushed are summed before the division, so the
         update equals one process's gradient of the concatenated batch.
         """
         n = len(self.trainers)
-        return ({name: self.grad_sum[name].div_(n) for name in self.touched}, self.sparse_sums.mean(n))
+        return self.dense.mean(n), self.sparse_sums.mean(n)
 
     def applied(self, pserver_step: int) -> None:
         """The step was applied (``pserver_step`` now): forget its pushes and the join steps reached."""
@@ -117,7 +123,7 @@ class PendingStep:
     def clear(self) -> None:
         """Drop the pushes counted for the step in progress (the sums' buffers are kept for reuse)."""
         self.trainers = set()
-        self.touched = set()
+        self.dense.clear()
         self.sparse_sums.clear()
         self.positions = {}
         self.admitted = None

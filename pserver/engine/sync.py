@@ -30,8 +30,8 @@ class SyncEngine(Engine):
 
     sync_mode = True
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, pending=PendingStep(), **kwargs)
+    def __init__(self, store, *args, **kwargs):
+        super().__init__(store, *args, pending=PendingStep(store.dense_sums()), **kwargs)
 
     def _start_step(self, trainer_id: int, how: str, join_at: int) -> int:
         later = []

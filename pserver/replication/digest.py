@@ -62,7 +62,7 @@ def state_digest(store, tables, roster_meta: dict) -> str:
         block = store.blocks[name]
         h.update(name.encode())
         _tensor_bytes(h, block)
-        state = store.optimizer.state.get(block, {}) if store.optimizer is not None else {}
+        state = store.block_state(name)
         for key in sorted(state):
             value = state[key]
             h.update(key.encode())
