@@ -8,8 +8,8 @@
   numba-compiled probe and insert.
 - :mod:`.rows`: growable row storage, record-wise gather and scatter; :mod:`.fresh`: initial rows a lookup
   computed, kept for the insert that follows.
-- :mod:`.step_sums`: a sync step's sparse gradients merged on arrival (memory bounded by its ids, not
-  trainers).
+- :mod:`.step_sums`: a sync step's sparse gradients merged on arrival in float64 (memory bounded by its
+  ids, not trainers; the mean independent of the order of arrival).
 - :mod:`.sparse_optim`: torch-exact sparse SGD, Adagrad and Adam (SparseAdam) rules.
 - :mod:`.files`: shard files (atomic save, re-sharding load, export); :mod:`.cli` exports them.
 - :mod:`.lifecycle`: admission, eviction and their row metadata (docs/tables.md, "Table lifecycle").

@@ -207,7 +207,7 @@ if AVAILABLE:
 
     @numba.njit(
         [
-            "Tuple((int64, boolean))(int32[:], int64[:], int64, int64[:], float32[:, :], float32[:, :], "
+            "Tuple((int64, boolean))(int32[:], int64[:], int64, int64[:], float32[:, :], float64[:, :], "
             "uint64)",
             "Tuple((int64, boolean))(int32[:], int64[:], int64, int64[:], float64[:, :], float64[:, :], "
             "uint64)",
@@ -221,7 +221,7 @@ if AVAILABLE:
 
         ``keys[:n]`` are the ids summed so far, ``slots`` their index (linear probing from :func:`_home`,
         room for every new id); a new id is appended (its row copied), a known one has its row added
-        element by element, in float of the rows' own width.
+        element by element, in float64 whatever the rows' width (``sums`` is float64).
         """
         mask = slots.size - 1
         repeated = False
