@@ -303,17 +303,10 @@ def open_shards(
                 f"{s.directory}: {META} lists no arrays {missing} for optimizer {spec.optimizer.name!r}"
             )
         saved = m.get("spec", {})
-        if saved.get("seed") != spec.seed or saved.get("init") != spec.init:
-            log.warning(
-                "table %s: %s was saved with init %s seed %s, now %s seed %s; rows never "
-                "updated will start from different values",
-                spec.name,
-                s.directory,
-                saved.get("init"),
-                saved.get("seed"),
-                spec.init,
-                spec.seed,
-            )
+        was = (saved.get("init"), saved.get("seed"), saved.get("init_version", 1))  # no version: the first
+        if was != (now := (spec.init, spec.seed, spec.init_version)):
+            msg = "table %s: %s was saved with init, seed, init_version %s, now %s; rows never updated differ"
+            log.warning(msg, spec.name, s.directory, was, now)
     old_n, step = _check_set(sources)
     present = {s.meta["shard"] for s in sources}
     if old_n == n_shards:
@@ -360,9 +353,9 @@ def export_table(directories: Sequence[str], out_dir: str) -> dict:
 
     Writes ``out_dir/<table>.ids.npy`` (int64 (n,)), ``out_dir/<table>.rows.npy``
     ((n, dim), rows in the order of the ids, not sorted) and ``out_dir/<table>.json``
-    (name, dim, dtype, rows, init, init_kwargs, seed, padding_idx, so that ids
-    not in the file are reproduced by ``transpiler.tables.initial_rows``; also
-    the optimizer, step and full spec). The directories must be one complete
+    (name, dim, dtype, rows, init, init_kwargs, seed, padding_idx, init_version: 1 if
+    none saved; so that ids not in the file are reproduced by ``transpiler.tables.initial_rows``;
+    also the optimizer, step and full spec). The directories must be one complete
     save (every shard once, from any shard count). Copies chunk by chunk through
     memory maps. Returns the json as a dict.
     """
@@ -405,6 +398,7 @@ def export_table(directories: Sequence[str], out_dir: str) -> dict:
         "init_kwargs": spec.get("init_kwargs"),
         "seed": spec.get("seed"),
         "padding_idx": spec.get("padding_idx"),
+        "init_version": spec.get("init_version", 1),
         "optimizer": meta["optimizer"],
         "step": step,
         "saved_shards": n_shards,

@@ -24,8 +24,8 @@ import logging
 
 import numpy as np
 
-from transpiler import tables as transpiler_tables
-from transpiler.tables import _GOLDEN
+from transpiler import row_init
+from transpiler.row_init import GOLDEN as _GOLDEN
 
 log = logging.getLogger(__name__)
 
@@ -134,7 +134,7 @@ if AVAILABLE:
 
     _UNIT = 1.0 / (1 << 53)
     # splitmix64's finaliser: the transpiler's own definition (on arrays there), compiled for one value.
-    _mix = numba.njit("uint64(uint64)", cache=True, nogil=True)(transpiler_tables._mix)
+    _mix = numba.njit("uint64(uint64)", cache=True, nogil=True)(row_init.mix)
 
     @numba.njit(
         "void(uint64[:], uint64, uint64[:], float64[:, :], float64[:, :], boolean)", cache=True, nogil=True
