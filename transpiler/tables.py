@@ -13,7 +13,6 @@ the number of pservers or on the order in which ids arrive.
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass, field
 from typing import Dict, Mapping, Optional, Union
 
@@ -25,6 +24,8 @@ from psproto.dtypes import TABLE_DTYPES
 from .lifecycle import TableLifecycle, table_lifecycle
 from .optim import OptimizerSpec
 from .placement import stable_hash_ids, stable_hash_name
+from .row_init import INIT_VERSIONS
+from .row_init import initial_rows as initial_rows  # the definition, where every role has read it
 
 # Sparse optimizers, with torch's semantics for sparse gradients: the class
 # whose update a table applies, and the only keyword arguments it takes.
@@ -106,6 +107,10 @@ class TableOptions:
       ``nn.Embedding`` itself does.
     - ``seed`` (int or None, None): seed of the initial rows; None derives it
       from the table name, so every role agrees without configuration.
+    - ``init_version`` (int, 2): the definition of ``normal`` initial rows
+      (:mod:`transpiler.row_init`): 2 computes them without libm calls; 1 is the
+      definition of plans, checkpoints and exports from before version 2 (give
+      it to continue such a job with the rows it started from).
     - ``lifecycle`` (:class:`~transpiler.lifecycle.TableLifecycle` or a dict of
       its fields, all off): admission, eviction and the disk tier.
     """
@@ -116,6 +121,7 @@ class TableOptions:
     init_kwargs: Dict[str, float] = field(default_factory=dict)
     seed: Optional[int] = None
     lifecycle: Union[TableLifecycle, Mapping[str, object], None] = None
+    init_version: int = 2
 
 
 @dataclass
@@ -125,7 +131,9 @@ class TableSpec:
     ``kind`` is "embedding" or "bag" (``nn.EmbeddingBag``, pooled by ``mode``);
     ``capacity`` is the module's ``num_embeddings``, a sizing hint only;
     ``padding_idx`` rows are zero and never trained, as in torch;
-    ``lifecycle`` bounds the table (admission, eviction, disk tier).
+    ``lifecycle`` bounds the table (admission, eviction, disk tier);
+    ``init_version`` is the definition of its initial rows (:mod:`transpiler.row_init`):
+    2 in new plans, 1 where a plan, shard file or export has no such field.
     """
 
     name: str
@@ -141,6 +149,7 @@ class TableSpec:
     padding_idx: Optional[int] = None
     include_last_offset: bool = False
     lifecycle: TableLifecycle = field(default_factory=TableLifecycle)
+    init_version: int = 2
 
     @property
     def ids_name(self) -> str:
@@ -171,6 +180,7 @@ class TableSpec:
         data = dict(data)
         data["optimizer"] = TableOptimizerSpec.from_dict(data["optimizer"])
         data["lifecycle"] = TableLifecycle(**data.get("lifecycle", {}))
+        data.setdefault("init_version", 1)  # written before versions: the first definition
         return cls(**data)
 
 
@@ -236,6 +246,10 @@ def table_spec(
         seed = stable_hash_name(f"table:{name}") & 0x7FFFFFFFFFFFFFFF
     if not isinstance(seed, int) or not 0 <= seed < 1 << 63:
         raise ValueError(f"distributed table {name!r}: seed must be an int in [0, 2**63), got {seed!r}")
+    if options.init_version not in INIT_VERSIONS:
+        raise ValueError(
+            f"distributed table {name!r}: init_version {options.init_version!r} is not one of {INIT_VERSIONS}"
+        )
     init_kwargs = {**ROW_INITS[options.init], **{k: float(v) for k, v in options.init_kwargs.items()}}
     return TableSpec(
         name=name,
@@ -251,6 +265,7 @@ def table_spec(
         padding_idx=module.padding_idx,
         include_last_offset=bool(getattr(module, "include_last_offset", False)),
         lifecycle=table_lifecycle(options.lifecycle, name),
+        init_version=options.init_version,
     )
 
 
@@ -289,54 +304,6 @@ def as_ids(ids) -> np.ndarray:
 def shard_of(ids: np.ndarray, n_shards: int) -> np.ndarray:
     """The shard (pserver index) of every id: ``stable_hash_ids(id) % n_shards``, as int64."""
     return (stable_hash_ids(ids) % np.uint64(n_shards)).astype(np.int64)
-
-
-_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
-_COLUMN = np.uint64(0xD1B54A32D192ED03)
-
-
-def _mix(x: np.ndarray) -> np.ndarray:
-    """splitmix64's finaliser on uint64 arrays, in place."""
-    x ^= x >> np.uint64(30)
-    x *= np.uint64(0xBF58476D1CE4E5B9)
-    x ^= x >> np.uint64(27)
-    x *= np.uint64(0x94D049BB133111EB)
-    x ^= x >> np.uint64(31)
-    return x
-
-
-def _unit(bits: np.ndarray) -> np.ndarray:
-    """Uniform floats in (0, 1] from the top 53 bits of uint64 values."""
-    return ((bits >> np.uint64(11)).astype(np.float64) + 1.0) * (1.0 / (1 << 53))
-
-
-def initial_rows(spec: TableSpec, ids: np.ndarray) -> np.ndarray:
-    """Initial values of the rows ``ids`` of table ``spec``: (len(ids), dim), the table's dtype.
-
-    Element (id, j) is drawn from a counter-based generator keyed by
-    (spec.seed, id, j): splitmix64 hashes give uniform bits, Box-Muller turns
-    two of them into a normal draw. A pure function of (seed, id), vectorised
-    over all ids; the ``padding_idx`` row is zero, as in ``nn.Embedding``.
-    """
-    ids = np.ascontiguousarray(ids, dtype=np.int64).reshape(-1)
-    dtype = np.dtype(spec.dtype)
-    if spec.init == "zeros" or ids.size == 0:
-        return np.zeros((ids.size, spec.dim), dtype=dtype)
-    with np.errstate(over="ignore"):
-        base = _mix(ids.view(np.uint64) * _GOLDEN + np.uint64(spec.seed))
-        cols = np.arange(1, spec.dim + 1, dtype=np.uint64) * _COLUMN
-        u1 = _unit(_mix(base[:, None] ^ cols[None, :]))
-        kw = spec.init_kwargs
-        if spec.init == "uniform":
-            out = kw["a"] + (kw["b"] - kw["a"]) * (1.0 - u1)  # [a, b)
-        else:
-            u2 = _unit(_mix((base[:, None] + _GOLDEN) ^ cols[None, :]))
-            normal = np.sqrt(-2.0 * np.log(u1)) * np.cos((2.0 * math.pi) * u2)
-            out = kw["mean"] + kw["std"] * normal
-    out = out.astype(dtype, copy=False)
-    if spec.padding_idx is not None:
-        out[ids == spec.padding_idx] = 0
-    return out
 
 
 def merge_duplicates(ids, rows):

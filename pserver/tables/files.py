@@ -302,17 +302,10 @@ def open_shards(
                 f"{s.directory}: {META} lists no arrays {missing} for optimizer {spec.optimizer.name!r}"
             )
         saved = m.get("spec", {})
-        if saved.get("seed") != spec.seed or saved.get("init") != spec.init:
-            log.warning(
-                "table %s: %s was saved with init %s seed %s, now %s seed %s; rows never "
-                "updated will start from different values",
-                spec.name,
-                s.directory,
-                saved.get("init"),
-                saved.get("seed"),
-                spec.init,
-                spec.seed,
-            )
+        was = (saved.get("init"), saved.get("seed"), saved.get("init_version", 1))  # no version: the first
+        if was != (now := (spec.init, spec.seed, spec.init_version)):
+            msg = "table %s: %s was saved with init, seed, init_version %s, now %s; rows never updated differ"
+            log.warning(msg, spec.name, s.directory, was, now)
     old_n, step = check_set(sources)
     present = {s.meta["shard"] for s in sources}
     if old_n == n_shards:

@@ -7,10 +7,15 @@ computing their initial rows is a third of a push's table work; keeping the rows
 lookups computed halves that. Initial rows are a pure function of (table seed, id), so a kept
 row is the very value a recomputation gives.
 
+Kept rows serve version 1's ``normal`` rows (numpy's ``log`` and ``cos``, the dearest) and every
+row of a table with a lifecycle; a plain table computes its other rows again in the apply's kernel
+(:mod:`pserver.tables.compiled.row_kernels`).
+
 :func:`initial_rows_compiled` computes them as :func:`transpiler.tables.initial_rows` defines
-them, bit for bit, at about half the CPU: the splitmix64 hashing runs compiled
-(:mod:`pserver.tables.index_kernels`), the float64 ``log``, ``sqrt`` and ``cos`` stay numpy's
-own (the very loops the definition runs, so no libm can differ), in place, without temporaries.
+them, bit for bit: ``uniform``, ``zeros`` and version 2's ``normal`` wholly compiled; version 1's
+``normal`` at about 3/4 of the numpy definition's CPU, the splitmix64 hashing compiled
+(:mod:`pserver.tables.compiled.index_kernels`), the float64 ``log``, ``sqrt`` and ``cos`` numpy's own (the
+very loops the definition runs, so no libm can differ), in place, without temporaries.
 """
 
 from __future__ import annotations
@@ -22,18 +27,38 @@ from typing import Deque, Tuple
 
 import numpy as np
 
-from transpiler.tables import _COLUMN, TableSpec
+from transpiler.row_init import COLUMN as _COLUMN
+from transpiler.tables import TableSpec, initial_rows
 
 from . import id_index
+
+_CHUNK_VALUES = 1 << 16  # values of initial rows computed at once (see initial_rows_into)
+_ALL = np.empty(0, np.int64)
+
+
+def initial_rows_into(spec: TableSpec, ids: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """``out[:] = initial_rows(spec, ids)``, computed in chunks of about 64k values.
+
+    ``initial_rows`` makes several float64/uint64 temporaries of the size of
+    its output; chunks keep them in cache and small: 1M rows of dim 16 take
+    ~0.4 s instead of ~2 s, and no ~0.6 GB transient. Compiled where numba is
+    installed (:func:`initial_rows_compiled`, the same values).
+    """
+    step = max(256, _CHUNK_VALUES // max(1, spec.dim))
+    for a in range(0, ids.size, step):
+        if not initial_rows_compiled(spec, ids[a : a + step], out[a : a + step]):
+            out[a : a + step] = initial_rows(spec, ids[a : a + step])
+    return out
 
 
 def initial_rows_compiled(spec: TableSpec, ids: np.ndarray, out: np.ndarray) -> bool:
     """``out[:] = initial_rows(spec, ids)`` (``out``: (len(ids), dim) of the table's dtype); False where
     numba is missing.
 
-    Every step is the definition's own operation on the same float64 values (products commuted, which IEEE
-    arithmetic leaves exact), so the rows are identical; ``tests/tables/test_initial_rows.py`` compares
-    them on many ids.
+    ``uniform``, ``zeros`` and version 2's ``normal`` run wholly compiled
+    (:func:`pserver.tables.compiled.row_kernels.init_rows`). Version 1's ``normal``: every step is the
+    definition's own operation on the same float64 values (products commuted, which IEEE arithmetic leaves
+    exact), so the rows are identical; ``tests/tables/test_initial_rows.py`` compares them on many ids.
     """
     kernels = id_index.load_kernels()
     if kernels is None:
@@ -42,25 +67,28 @@ def initial_rows_compiled(spec: TableSpec, ids: np.ndarray, out: np.ndarray) -> 
     if spec.init == "zeros" or ids.size == 0:
         out[...] = 0
         return True
-    normal = spec.init != "uniform"
+    if spec.init == "uniform" or spec.init_version == 2:
+        from .compiled import row_kernels
+
+        direct = out.flags.c_contiguous and out.dtype in (np.float32, np.float64)
+        into = out if direct else np.empty(out.shape, np.float64)  # one rounding to out's dtype, as numpy's
+        row_kernels.init_rows(ids, _ALL, -1, row_kernels.init_params(spec), into)
+        if into is not out:
+            out[...] = into
+        return True
     u1 = np.empty((ids.size, spec.dim), np.float64)
-    u2 = np.empty_like(u1) if normal else u1
+    u2 = np.empty_like(u1)
     cols = np.arange(1, spec.dim + 1, dtype=np.uint64) * _COLUMN
-    kernels.row_uniforms(ids.view(np.uint64), np.uint64(spec.seed), cols, u1, u2, normal)
-    kw = spec.init_kwargs
-    if normal:  # mean + std * (sqrt(-2.0 * log(u1)) * cos((2.0 * pi) * u2))
-        np.log(u1, out=u1)
-        np.multiply(u1, -2.0, out=u1)
-        np.sqrt(u1, out=u1)
-        np.multiply(u2, 2.0 * math.pi, out=u2)
-        np.cos(u2, out=u2)
-        np.multiply(u1, u2, out=u1)
-        np.multiply(u1, kw["std"], out=u1)
-        np.add(u1, kw["mean"], out=u1)
-    else:  # a + (b - a) * (1.0 - u1)
-        np.subtract(1.0, u1, out=u1)
-        np.multiply(u1, kw["b"] - kw["a"], out=u1)
-        np.add(u1, kw["a"], out=u1)
+    kernels.row_uniforms(ids.view(np.uint64), np.uint64(spec.seed), cols, u1, u2, True)
+    kw = spec.init_kwargs  # mean + std * (sqrt(-2.0 * log(u1)) * cos((2.0 * pi) * u2))
+    np.log(u1, out=u1)
+    np.multiply(u1, -2.0, out=u1)
+    np.sqrt(u1, out=u1)
+    np.multiply(u2, 2.0 * math.pi, out=u2)
+    np.cos(u2, out=u2)
+    np.multiply(u1, u2, out=u1)
+    np.multiply(u1, kw["std"], out=u1)
+    np.add(u1, kw["mean"], out=u1)
     np.copyto(out, u1, casting="unsafe")
     if spec.padding_idx is not None:
         out[ids == spec.padding_idx] = 0

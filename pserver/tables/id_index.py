@@ -5,7 +5,7 @@ of row ``r`` is ``ids[r]`` of the shard's int64 id array. Linear probing: an
 id's home slot is the HIGH ``log2(S)`` bits of ``stable_hash_ids(id)``; the low
 bits decide the shard (``% n_shards``) and are therefore correlated on one
 shard. With numba installed, probes and inserts run compiled, one key at a time
-(:mod:`pserver.tables.index_kernels`); without it, as follows, in numpy.
+(:mod:`pserver.tables.compiled.index_kernels`); without it, as follows, in numpy.
 A lookup probes all pending ids of a batch at once per round (gather
 slots, gather the ids of the rows they point to, compare) until each hits its
 key or an empty slot; rounds, not ids, are the Python loop. Inserting a batch
@@ -59,15 +59,16 @@ _kernels = None
 
 
 def load_kernels():
-    """Load the compiled kernels (:mod:`pserver.tables.index_kernels`) now; the module, or None without numba.
+    """Load the compiled kernels (:mod:`pserver.tables.compiled.index_kernels`) now; the module, or None
+    without numba.
 
-    Loading numba and the cached kernels takes about 0.5 s (the first compile on a machine, about
-    2 s), which processes that never hold a table (most of the test suite's pservers) do not pay:
-    a table shard calls this when it is built, before its pserver serves, so no push waits for it.
+    Loading numba and the cached kernels takes about 0.5 s (the first compile on a machine, about 2 s),
+    which processes that never hold a table (most of the test suite's pservers) do not pay: a table shard
+    calls this when it is built, before its pserver serves, so no push waits for it.
     """
     global _kernels
     if _kernels is None:
-        from . import index_kernels
+        from .compiled import index_kernels
 
         _kernels = index_kernels
     return _kernels if _kernels.AVAILABLE else None
@@ -86,7 +87,7 @@ def probe(
 ) -> Tuple[np.ndarray, np.ndarray]:
     """Find ``keys`` in the index: (row of each key or -1, slot where its probe stopped).
 
-    Compiled (:mod:`pserver.tables.index_kernels`) when numba is installed,
+    Compiled (:mod:`pserver.tables.compiled.index_kernels`) when numba is installed,
     else :func:`probe_rounds`; the two give the same answer.
     """
     kernels = _compiled((slots, np.int32), (row_ids, np.int64), (keys, np.int64), (pos, np.int64))
@@ -150,7 +151,7 @@ def probe_rounds(
 def place(slots: np.ndarray, pos: np.ndarray, rownums: np.ndarray) -> None:
     """Insert row numbers of absent, distinct keys into the index, starting at ``pos``.
 
-    Compiled (:mod:`pserver.tables.index_kernels`) when numba is installed,
+    Compiled (:mod:`pserver.tables.compiled.index_kernels`) when numba is installed,
     else :func:`place_rounds`. Keys that collide may end in different slots
     in the two, each a valid linear-probing layout: probes find them alike.
     """

@@ -28,7 +28,8 @@ def export_table(directories: Sequence[str], out_dir: str) -> dict:
 
     Writes ``out_dir/<table>.ids.npy`` (int64 (n,)), ``out_dir/<table>.rows.npy``
     ((n, dim), rows in the order of the ids, not sorted) and ``out_dir/<table>.json``
-    (name, dim, dtype, rows, init, init_kwargs, seed, padding_idx, so that ids
+    (name, dim, dtype, rows, init, init_kwargs, seed, padding_idx, init_version: 1 if none was saved;
+    so that ids
     not in the file are reproduced by ``transpiler.tables.initial_rows``; also
     the optimizer, step and full spec). The directories must be one complete
     save (every shard once, from any shard count). Copies chunk by chunk through
@@ -73,6 +74,7 @@ def export_table(directories: Sequence[str], out_dir: str) -> dict:
         "init_kwargs": spec.get("init_kwargs"),
         "seed": spec.get("seed"),
         "padding_idx": spec.get("padding_idx"),
+        "init_version": spec.get("init_version", 1),
         "optimizer": meta["optimizer"],
         "step": step,
         "saved_shards": n_shards,

@@ -176,6 +176,54 @@ class RowStore:
         for s, v in zip(self._state, state):
             scatter(s, rownums, v)
 
+    def apply_compiled(
+        self, compiled, ids: np.ndarray, grads: np.ndarray, lr: float, step: int, given_rows
+    ) -> int:
+        """One optimizer step on the rows of distinct ``ids`` in one compiled call
+        (:func:`pserver.tables.compiled.row_kernels.apply`; ``compiled``: the table's
+        :class:`~pserver.tables.compiled.row_kernels.CompiledRows`); returns the rows inserted.
+
+        Where the kernel needs room, the arrays grow and it runs again; ``given_rows(new_ids, out)``
+        writes the initial rows it cannot compute (version 1's normal). A repeated id is refused
+        (ValueError) with nothing changed.
+        """
+        kernels, at, given, resume = compiled.kernels, np.empty(ids.size, np.int64), compiled.no_rows, False
+        start = self._n
+        if ids.size == 0:
+            return 0
+        while True:
+            s1, s2 = (self._state + [compiled.no_rows] * 2)[:2]
+            room = min(self.capacity, int(MAX_LOAD * self._slots.size), 2**31 - 1)
+            status, value = kernels.apply(
+                *(self._index(), (self._rows, s1, s2, self._meta["seen_step"]), self._n, room, ids, grads),
+                *(compiled.hyper(float(lr), step), compiled.opt, step, compiled.init),
+                *(given, at, resume),
+            )
+            if status == kernels.DONE:
+                self._n = value
+                return value - start
+            if status == kernels.REPEATED:
+                raise ValueError(
+                    f"table {self.spec.name!r}: id {int(ids[value])} appears twice in one update; "
+                    f"ids must be unique (see merge_duplicates)"
+                )
+            self._reserve(self._n + value)
+            if compiled.given:
+                new = ids[at < 0]
+                given = given_rows(new, np.empty((new.size, self.spec.dim), self.dtype))
+            resume = True
+
+    def lookup_compiled(self, compiled, ids: np.ndarray, out: np.ndarray) -> np.ndarray:
+        """``out[i]`` = the stored row of ``ids[i]`` in one compiled call
+        (:func:`pserver.tables.compiled.row_kernels.lookup`); the indices of the ids not stored."""
+        miss = np.empty(ids.size, np.int64)
+        return miss[: compiled.kernels.lookup(self._index(), self._rows, ids, out, miss)]
+
+    def _index(self) -> tuple:
+        """(slots, ids, shift): the index as the compiled kernels take it; the shift leaves an id hash's top
+        log2(slots) bits, its home slot."""
+        return self._slots, self._ids, np.uint64(64 - (self._slots.size.bit_length() - 1))
+
     def remove(self, victims: np.ndarray) -> np.ndarray:
         """Delete the rows ``victims`` (sorted, distinct row numbers) and return their ids.
 

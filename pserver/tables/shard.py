@@ -5,22 +5,21 @@ A shard holds the rows of the ids ``i`` with ``shard_of(i, n_shards) == shard``
 sparse-optimizer state. Nothing is stored per id in Python objects; every
 operation works on whole batches with numpy.
 
-A shard is composed of parts it holds: its rows in memory, a
-:class:`RowStore` (:mod:`pserver.tables.row_store`: arrays, index, growth,
-removal, memory per row); with ``ram_rows``, its disk tier, a
-:class:`DiskTiering` (:mod:`pserver.tables.lifecycle.tiering`), which moves
-rows in and out of the row store through its public methods; and its
-:class:`RowLifecycle` (admission, eviction, row metadata:
-:mod:`pserver.tables.lifecycle`), applied at the end of each :meth:`apply`.
+A shard is composed of parts it holds: its rows in memory, a :class:`RowStore`
+(:mod:`pserver.tables.row_store`: arrays, index, growth, removal, memory per
+row); with ``ram_rows``, its disk tier, a :class:`DiskTiering`
+(:mod:`pserver.tables.lifecycle.tiering`), which moves rows in and out of the
+row store through its public methods; its :class:`RowLifecycle` (admission,
+eviction, row metadata: :mod:`pserver.tables.lifecycle`). A *plain* table (no
+admission, eviction or disk tier) runs each apply and lookup as one compiled
+call without the GIL (:mod:`pserver.tables.compiled.row_kernels`).
 
-Thread safety: :meth:`TableShard.lookup`, :meth:`~TableShard.apply` and
-:meth:`~TableShard.save` take one lock, so a lookup never sees an array that
-is being grown or rebuilt. ``initial_rows`` of ids a lookup misses is computed
-after releasing it (a pure function of seed and id) and kept a while
-(:mod:`pserver.tables.fresh`): the apply that inserts those ids, usually the
-next push, copies them instead of computing them again under the lock, as it
-does for ids no recent lookup asked for. The whole file write of a save runs
-under the lock too.
+Thread safety: lookups, applies and saves take one lock, so a lookup never sees
+an array being grown or rebuilt. ``initial_rows`` of ids a lookup misses is
+computed after releasing it; version 1's ``normal`` rows are kept a while
+(:mod:`pserver.tables.fresh`) for the apply that inserts those ids, usually the
+next push (a plain table's other rows are computed again in the apply's
+kernel: cheaper than keeping them, :mod:`pserver.tables.compiled.row_kernels`).
 
 Files: see :mod:`pserver.tables.files` (``save`` / ``load``) and :mod:`pserver.tables.plain_files` (export).
 """
@@ -28,7 +27,6 @@ Files: see :mod:`pserver.tables.files` (``save`` / ``load``) and :mod:`pserver.t
 from __future__ import annotations
 
 import contextlib
-import itertools
 import logging
 import threading
 from typing import Iterator, Optional, Sequence, Tuple
@@ -37,46 +35,20 @@ import numpy as np
 import torch
 
 from psproto.dtypes import TABLE_DTYPES
-from transpiler.tables import TableSpec, as_ids, initial_rows, shard_of
+from transpiler.tables import TableSpec
 
-from ..errors import BadRequest
 from . import files as table_files
 from . import id_index
-from .fresh import FreshRows, initial_rows_compiled
+from .fresh import FreshRows, initial_rows_into
 from .lifecycle import RowLifecycle
 from .lifecycle.tiering import DiskTiering
 from .row_store import RowStore
+from .shard_ids import as_shard_ids, check_shard_ids
 from .sparse_optim import make_rule
 
 log = logging.getLogger(__name__)
 
 _CHUNK = 1 << 22  # ids read at once when loading: bounds temporaries
-_INIT_VALUES = 1 << 16  # values of initial rows computed at once (see initial_rows_into)
-
-
-def initial_rows_into(spec: TableSpec, ids: np.ndarray, out: np.ndarray) -> np.ndarray:
-    """``out[:] = initial_rows(spec, ids)``, computed in chunks of about 64k values.
-
-    ``initial_rows`` makes several float64/uint64 temporaries of the size of
-    its output; chunks keep them in cache and small: 1M rows of dim 16 take
-    ~0.4 s instead of ~2 s, and no ~0.6 GB transient. Compiled where numba is
-    installed (:func:`~pserver.tables.fresh.initial_rows_compiled`, the same values).
-    """
-    step = max(256, _INIT_VALUES // max(1, spec.dim))
-    for a in range(0, ids.size, step):
-        if not initial_rows_compiled(spec, ids[a : a + step], out[a : a + step]):
-            out[a : a + step] = initial_rows(spec, ids[a : a + step])
-    return out
-
-
-def _as_ids(ids) -> np.ndarray:
-    """``ids`` read by :func:`transpiler.tables.as_ids`; :class:`BadRequest` if they are not 1-D integers."""
-    if getattr(ids, "ndim", 1) != 1:
-        raise BadRequest(f"ids must be 1-D, got shape {list(ids.shape)}")
-    try:
-        return as_ids(ids)
-    except TypeError as e:
-        raise BadRequest(str(e)) from None
 
 
 class TableShard:
@@ -116,6 +88,11 @@ class TableShard:
             if spec.lifecycle.ram_rows
             else None
         )
+        self.compiled = None  # a plain table's row_kernels.CompiledRows
+        if self.life.plain and self.disk is None and id_index.load_kernels() is not None:
+            from .compiled.row_kernels import compiled_rows
+
+            self.compiled = compiled_rows(spec, self._rule)
 
     # -- public --------------------------------------------------------------
 
@@ -172,28 +149,8 @@ class TableShard:
             return np.concatenate([self.memory.ids, *self.disk.field_chunks(-1)])
 
     def check_ids(self, ids: np.ndarray) -> None:
-        """Raise :class:`BadRequest` naming the table, this shard and an example id if any id is not ours.
-
-        An id belongs to shard ``stable_hash_ids(id) % n_shards``; a misrouted id
-        would be stored on the wrong pserver and never found by the others.
-        """
-        ids = _as_ids(ids)
-        if self.n_shards == 1 or ids.size == 0:
-            return
-        kernels = id_index.load_kernels()
-        if (
-            kernels is not None
-            and kernels.first_foreign(ids, np.uint64(self.n_shards), np.uint64(self.shard)) < 0
-        ):
-            return  # compiled: no temporaries, and it stops at the first foreign id
-        owner = shard_of(ids, self.n_shards)
-        bad = owner != self.shard
-        if bad.any():
-            i = int(np.argmax(bad))
-            raise BadRequest(
-                f"table {self.spec.name!r}: {int(bad.sum())} of {ids.size} ids do not belong to "
-                f"shard {self.shard} of {self.n_shards}, e.g. id {int(ids[i])} (shard {int(owner[i])})"
-            )
+        """:class:`BadRequest` naming the table, this shard and an example if any of ``ids`` is not ours."""
+        check_shard_ids(self.spec.name, ids, self.shard, self.n_shards)
 
     def lookup(self, ids: np.ndarray) -> np.ndarray:
         """Rows of ``ids`` (int64 1-D, any order, repeats allowed) as a new (len(ids), dim) array.
@@ -202,7 +159,9 @@ class TableShard:
         brought back to memory first); ids never updated get their initial
         value, computed after releasing it, and are not inserted.
         """
-        ids = _as_ids(ids)
+        ids = as_shard_ids(ids)
+        if self.compiled is not None:
+            return self.lookup_into(ids, np.empty((ids.size, self.spec.dim), self.dtype))
         with self._lock:
             rows = self.memory.find(ids, want_stop=False)[0]
             missing = rows < 0
@@ -214,10 +173,28 @@ class TableShard:
             # An empty slot's -1 gathers the last allocated row; overwritten below.
             out = self.memory.gather(rows)
         if missing.any():
-            new_ids = ids[missing]
-            fresh = initial_rows_into(self.spec, new_ids, np.empty((new_ids.size, self.spec.dim), self.dtype))
-            out[missing] = fresh
-            self._fresh.remember(new_ids, fresh)
+            self._fill_initial(ids, np.flatnonzero(missing), out)
+        return out
+
+    def lookup_into(self, ids: np.ndarray, out: np.ndarray) -> np.ndarray:
+        """:meth:`lookup` written into ``out`` ((len(ids), dim) of the table's dtype, e.g. a view of an answer
+        payload); returns ``out``.
+
+        A plain table finds and copies the rows under the lock in one compiled call.
+        """
+        ids = as_shard_ids(ids)
+        if out.shape != (ids.size, self.spec.dim) or out.dtype != self.dtype:
+            raise ValueError(f"rows {[ids.size, self.spec.dim]} do not fit {out.dtype} {out.shape}")
+        if self.compiled is None:
+            out[...] = self.lookup(ids)
+            return out
+        into = out if out.flags.c_contiguous and out.flags.writeable else np.empty_like(out)
+        with self._lock:
+            miss = self.memory.lookup_compiled(self.compiled, ids, into)
+        if miss.size:
+            self._fill_initial(ids, miss, into)
+        if into is not out:
+            out[...] = into
         return out
 
     def apply(self, ids: np.ndarray, grads, lr: float) -> None:
@@ -228,7 +205,7 @@ class TableShard:
         advances by one even when ``ids`` is empty, as torch counts a step for
         every parameter that had a gradient.
         """
-        ids = _as_ids(ids)
+        ids = as_shard_ids(ids)
         g = grads.detach().cpu().numpy() if isinstance(grads, torch.Tensor) else np.asarray(grads)
         if g.shape != (ids.size, self.spec.dim) or g.dtype != self.dtype:
             raise ValueError(
@@ -236,6 +213,13 @@ class TableShard:
                 f"expected {self.dtype} {[ids.size, self.spec.dim]}"
             )
         memory = self.memory
+        if self.compiled is not None:  # a view of a received payload is used as it is
+            g = np.ascontiguousarray(g)
+            with self._lock:
+                added = memory.apply_compiled(self.compiled, ids, g, lr, self.step + 1, self._initial_into)
+                self.life.admitted(added)
+                self.step += 1
+            return
         with self._lock:
             step = self.step + 1
             if ids.size:
@@ -299,16 +283,7 @@ class TableShard:
             arrays.update(zip(self._rule.state_names, memory.state))
             arrays.update(memory.meta)
             if disk is not None and len(disk):  # every row: memory, then disk, chunk by chunk
-                arrays = {
-                    name: table_files.Chunked(
-                        n + len(disk),
-                        a.shape[1:],
-                        a.dtype,
-                        lambda a=a, i=i - 1: itertools.chain([a], disk.field_chunks(i)),
-                    )
-                    for i, (name, a) in enumerate(arrays.items())
-                }
-                n += len(disk)
+                arrays, n = disk.saved_arrays(arrays, n), n + len(disk)
             extra = (
                 self.life.admission.sketch.state()
                 if self.life.admission and self.life.admission.sketch
@@ -364,25 +339,35 @@ class TableShard:
                 sketch.merge_saved(src.extra["sketch"])
         table.step = step
         log.info(
-            "table %s: loaded shard %d/%d, %d rows, step %d, from %d directories",
+            "table %s: loaded shard %d/%d, %d rows, step %d",
             spec.name,
             shard,
             n_shards,
             len(table.memory),
             step,
-            len(sources),
         )
         return table
 
     # -- internals (caller holds the lock, or owns the object) ---------------
 
-    def _initial_into(self, ids: np.ndarray, out: np.ndarray) -> None:
-        """Initial rows of new ids: those a recent lookup computed are copied, the rest computed."""
+    def _initial_into(self, ids: np.ndarray, out: np.ndarray) -> np.ndarray:
+        """Initial rows of new ids into ``out``: those a recent lookup kept are copied, the rest computed."""
         left = self._fresh.take(ids, out)
         if left.size:
             out[left] = initial_rows_into(
                 self.spec, ids[left], np.empty((left.size, self.spec.dim), self.dtype)
             )
+        return out
+
+    def _fill_initial(self, ids: np.ndarray, miss: np.ndarray, out: np.ndarray) -> None:
+        """``out[miss]`` = the initial rows of ``ids[miss]``, after a lookup released the lock."""
+        if self.compiled is not None and not self.compiled.given:
+            self.compiled.fill(ids, miss, out)
+            return
+        out[miss] = fresh = initial_rows_into(
+            self.spec, ids[miss], np.empty((miss.size, self.spec.dim), self.dtype)
+        )
+        self._fresh.remember(ids[miss], fresh)
 
     def _end_step(self, step: int) -> None:
         """The lifecycle's end of ``step``: evictions due, then the admission counts' decay, then the

@@ -135,6 +135,21 @@ class SparseRule:
     hyper: Dict[str, float]
     _core: Callable[..., None]
 
+    def scalars(self, lr: float, step: int, dtype: np.dtype) -> np.ndarray:
+        """The scalars of one step in ``dtype``, rounded where the functions above round them (for the
+        compiled updates, :mod:`pserver.tables.compiled.row_kernels`): sgd ``-lr``; adagrad ``eps``, ``-clr``;
+        adam ``1 - beta1``, ``1 - beta2``, ``eps``, ``-step_size``; padded to 4, then ``state_init``."""
+        t, h = dtype.type, self.hyper
+        if self.name == "sgd":
+            out = [t(-lr)]
+        elif self.name == "adagrad":
+            out = [t(h["eps"]), t(-(lr / (1 + (step - 1) * h["lr_decay"])))]
+        else:
+            size = lr * math.sqrt(1 - h["beta2"] ** step) / (1 - h["beta1"] ** step)
+            out = [t(1 - h["beta1"]), t(1 - h["beta2"]), t(h["eps"]), t(-size)]
+        out += [t(0)] * (4 - len(out)) + [t(v) for v in self.state_init]
+        return np.array(out + [t(0)] * (6 - len(out)), dtype)
+
     def update(
         self, param: np.ndarray, states: Sequence[np.ndarray], grad: np.ndarray, lr: float, step: int
     ) -> None:

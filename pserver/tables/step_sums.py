@@ -6,33 +6,43 @@ completes would hold K parts (0.22 MB of ids and rows per trainer per pserver
 at job S's size, 228 MB at K = 1,024); instead each push is added on arrival
 into a per-table accumulator:
 
-- ``keys`` (int64) and ``sums`` (rows of the table's dtype): the step's unique
-  ids in order of first arrival, and the sum of their pushed rows;
+- ``keys`` (int64) and ``sums`` (float64 rows, whatever the table's dtype):
+  the step's unique ids in order of first arrival, and the sum of their pushed rows;
 - an open-addressing index from id to position (:mod:`pserver.tables.id_index`,
   compiled with numba where installed).
 
+**The mean does not depend on the order of arrival.** The sums are float64: float64
+addition of float32 values is exact while the magnitudes summed into one element
+span less than 2**29 (the sum of their magnitudes below 2**29 times the smallest
+nonzero one: float64's significand has 29 bits more than float32's), and exact
+sums are the same in every order. Beyond that span only the 53rd bit of a sum may
+differ between orders, and the float32 mean (the sum divided by K in float64, then
+rounded once to float32) only where that bit decides a rounding tie. With two
+trainers the mean equals, bit for bit, the one the pserver computed in float32
+before (``fl32(a + b) / 2`` then, ``fl32((a + b) / 2)`` now: halving is exact, so
+both round the same value once), except where halving reaches float32's subnormal
+range; with one trainer it is the pushed rows. (A float64 table's sums are float64
+as before: the order of arrival may change their last bit.)
+
 **Memory a sync step holds** for its sparse pushes, per table on one pserver, with ``U``
 the step's distinct ids there and ``C`` the rows allocated (1,024 doubled until ``C >= U``,
-so ``C < 2U`` past 1,024): ``C * (8 + dim * itemsize)`` for ids and sums plus
+so ``C < 2U`` past 1,024): ``C * (8 + dim * 8)`` for ids and float64 sums plus
 ``4 * slots_for(C)`` (under ``11.5 * C``) for the index, in all under
-``C * (20 + dim * itemsize)`` bytes. Nothing is kept per trainer: ``U`` is at most the sum
+``C * (20 + dim * 8)`` bytes. Nothing is kept per trainer: ``U`` is at most the sum
 of the parts' sizes and at most the rows the step updates, which the table holds anyway.
 How ``U`` grows with K depends on how much trainers' ids overlap: on job S's ids (Zipf 1.2,
 about 3,090 ids per push per pserver of 2, dim 16) U is 5.5k, 31k, 100k, 316k, 983k at
-K = 2, 16, 64, 256, 1,024, so a step holds about 0.46, 2.6, 8.4, 27, 83 MB (before the
-doubling slack) where keeping the parts held 0.45, 3.6, 14, 57, 228 MB. The buffers are
-reused from step to step (they stay at the largest step seen); while a push is added its
-own part (one trainer's) is held too.
+K = 2, 16, 64, 256, 1,024, so a step holds about 0.81, 4.6, 15, 47, 145 MB (148 bytes per
+distinct id, before the doubling slack; float32 sums held 84: 0.46 to 83 MB) where keeping
+the parts held 0.45, 3.6, 14, 57, 228 MB. The buffers are reused from step to step (they
+stay at the largest step seen); while a push is added its own part (one trainer's) is held too.
 
-The result equals, bit for bit, the mean the pserver computed before merging on
-arrival (``np.unique`` + ``index_add_`` of the concatenated parts, divided by K):
-
-- the same ids in the same order: order of first arrival when no id was pushed by
-  two trainers (what the concatenation gave), sorted otherwise (what ``np.unique`` gave);
-- the same sums: rows are added in order of arrival, as ``index_add_`` over the
-  concatenation added them; a first arrival is copied, and where some id was pushed
-  twice ``+ 0.0`` is added at the end, as the zero-filled sums of ``index_add_`` did
-  (this only matters for the sign of a zero).
+The ids come in the order the pserver gave them before merging on arrival
+(``np.unique`` + ``index_add_`` of the concatenated parts): order of first arrival
+when no id was pushed by two trainers (what the concatenation gave), sorted otherwise
+(what ``np.unique`` gave). A first arrival is copied, and where some id was pushed
+twice ``+ 0.0`` is added at the end, as the zero-filled sums of ``index_add_`` did
+(this only matters for the sign of a zero).
 
 Not thread-safe: the sync engine holds its lock around every call.
 """
@@ -54,8 +64,8 @@ _COMPILED = (torch.float32, torch.float64)  # row dtypes the compiled accumulate
 class StepSums:
     """One table's sparse gradient sums of the step in progress (see the module docstring).
 
-    ``dim`` and ``dtype`` (a torch dtype) are the rows'; nothing is allocated
-    before the first :meth:`add`.
+    ``dim`` and ``dtype`` (a torch dtype) are the rows' (the sums are float64, the mean ``dtype``);
+    nothing is allocated before the first :meth:`add`.
     """
 
     def __init__(self, dim: int, dtype: torch.dtype):
@@ -65,7 +75,7 @@ class StepSums:
         self.parts = 0  # pushes added this step (an empty one counts)
         self.repeated = False  # whether some id was pushed by two trainers this step
         self.keys = np.empty(0, np.int64)
-        self.sums = torch.empty((0, dim), dtype=dtype)
+        self.sums = torch.empty((0, dim), dtype=torch.float64)
         self.slots = np.empty(0, np.int32)
 
     @property
@@ -83,7 +93,7 @@ class StepSums:
         if cap > self.keys.size:
             keys = np.empty(cap, np.int64)
             keys[: self.n] = self.keys[: self.n]
-            sums = torch.empty((cap, self.dim), dtype=self.dtype)
+            sums = torch.empty((cap, self.dim), dtype=torch.float64)
             sums[: self.n] = self.sums[: self.n]
             self.keys, self.sums = keys, sums
         self.slots = id_index.build_index(self.keys, self.n, id_index.slots_for(cap))
@@ -120,6 +130,7 @@ class StepSums:
             id_index.place(self.slots, pos[new], rownums)
             self.keys[self.n : self.n + new.size] = ids[new]
             at[new] = rownums
+        rows = rows.to(torch.float64)
         if new.size == m:  # every id is new this step: copy, as a lone part is taken as is
             self.sums[self.n : self.n + m] = rows
         else:
@@ -131,14 +142,15 @@ class StepSums:
         self.n += new.size
 
     def mean(self, n_trainers: int) -> SparseGrad:
-        """(ids, summed rows / ``n_trainers``) of the step, in new arrays (the buffers are reused)."""
+        """(ids, summed rows / ``n_trainers``) of the step, in new arrays (the buffers are reused): divided in
+        float64, then rounded once to the rows' dtype."""
         ids, sums = self.keys[: self.n], self.sums[: self.n]
         if not self.repeated:
-            return ids.copy(), sums / n_trainers
+            return ids.copy(), (sums / n_trainers).to(self.dtype)
         order = np.argsort(ids)  # distinct ids: any sort gives np.unique's order
         rows = torch.index_select(sums, 0, torch.from_numpy(order))
         rows.add_(0.0)
-        return ids[order], rows.div_(n_trainers)
+        return ids[order], rows.div_(n_trainers).to(self.dtype)
 
     def clear(self) -> None:
         """Forget the step's sums (the buffers are kept for the next step)."""

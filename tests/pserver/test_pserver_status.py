@@ -29,6 +29,7 @@ from pserver.errors import (
     Refusal,
     ShuttingDown,
     StorageFailed,
+    Unauthenticated,
 )
 from pserver.rpc import PserverServicer
 from pserver.rpc.prologue import STATUS, status_of
@@ -49,6 +50,7 @@ EXPECTED = [
     (AlreadyRunning, grpc.StatusCode.ALREADY_EXISTS),
     (NotPrimary, grpc.StatusCode.UNAVAILABLE),
     (OutOfSync, grpc.StatusCode.OUT_OF_RANGE),
+    (Unauthenticated, grpc.StatusCode.UNAUTHENTICATED),  # the data port's token check
 ]
 
 

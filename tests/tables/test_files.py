@@ -1,5 +1,6 @@
 """TableShard files: atomic save, load into the same or another shard count, export."""
 
+import dataclasses
 import json
 import os
 
@@ -151,7 +152,9 @@ def test_export_table(tmp_path):
     assert ids.dtype == np.int64 and rows.shape == (ids.size, 3) and rows.dtype == np.float32
     assert info == json.loads((tmp_path / "out" / "emb.json").read_text())
     assert info["name"] == "emb" and info["rows"] == ids.size == sum(len(t) for t in shards)
-    assert info["seed"] == 1234 and info["init"] == "normal" and info["dim"] == 3
+    assert (
+        info["seed"] == 1234 and info["init"] == "normal" and info["dim"] == 3 and info["init_version"] == 2
+    )
     np.testing.assert_array_equal(rows, lookup_split(shards, ids))
     # ids absent from the export are reproduced from the json alone
     again = TableSpec.from_dict(info["spec"])
@@ -159,3 +162,27 @@ def test_export_table(tmp_path):
     np.testing.assert_array_equal(initial_rows(again, missing), lookup_split(shards, missing))
     with pytest.raises(ValueError, match=r"missing shards \[1\]"):
         export_table([dirs[0], dirs[2]], str(tmp_path / "out2"))
+
+
+def test_shards_saved_before_init_versions_read_as_version_1(tmp_path, caplog):
+    """A shard (and its export) whose saved spec has no init_version was written with version 1."""
+    spec = dataclasses.replace(make_spec(dim=3, seed=5), init_version=1)
+    shards = trained_shards(spec, 2)
+    dirs = save_all(shards, tmp_path / "ckpt")
+    for d in dirs:  # as a save from before versions wrote it
+        meta = json.loads(open(os.path.join(d, "meta.json")).read())
+        del meta["spec"]["init_version"]
+        with open(os.path.join(d, "meta.json"), "w") as f:
+            json.dump(meta, f)
+    info = export_table(dirs, str(tmp_path / "out"))
+    assert info["init_version"] == 1 and TableSpec.from_dict(info["spec"]).init_version == 1
+    missing = np.setdiff1d(np.arange(-400, 400), np.load(tmp_path / "out" / "emb.ids.npy"))
+    np.testing.assert_array_equal(
+        initial_rows(TableSpec.from_dict(info["spec"]), missing), lookup_split(shards, missing)
+    )
+    with caplog.at_level("WARNING"):
+        TableShard.load(spec, 0, 2, dirs)  # the same definition: nothing to say
+    assert "init_version" not in caplog.text
+    with caplog.at_level("WARNING"):
+        TableShard.load(dataclasses.replace(spec, init_version=2), 0, 2, dirs)
+    assert "('normal', 5, 1), now ('normal', 5, 2)" in caplog.text

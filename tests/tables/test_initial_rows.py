@@ -1,26 +1,32 @@
-"""The compiled kernels give exactly what the numpy definitions give.
+"""The compiled kernels give exactly what the numpy definitions give; the versions of initial rows.
 
 An id's initial row must not depend on where it is computed (a lookup, the insert
 of a push, a re-admission after eviction, any pserver count), and an id's shard
 and home slot must match the trainer's routing: the compiled paths
-(:mod:`pserver.tables.index_kernels`) are compared with :func:`transpiler.tables.initial_rows`,
-:func:`transpiler.tables.shard_of` and :func:`transpiler.placement.stable_hash_ids`, bit for bit.
+(:mod:`pserver.tables.compiled.index_kernels`, :mod:`pserver.tables.compiled.row_kernels`) are compared with
+:func:`transpiler.tables.initial_rows` (both versions), :func:`transpiler.tables.shard_of` and
+:func:`transpiler.placement.stable_hash_ids`, bit for bit. Version 1 reads as it always did; version 2
+is pinned bit for bit (IEEE arithmetic only, the same on every platform) and draws N(0, 1).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import math
 
 import numpy as np
 import pytest
+import torch
 
 from pserver.errors import BadRequest
 from pserver.tables import id_index
 from pserver.tables.fresh import initial_rows_compiled
 from pserver.tables.shard import TableShard, initial_rows_into
 from tests.helpers.table_specs import make_spec
+from transpiler import row_init
 from transpiler.placement import stable_hash_ids
-from transpiler.tables import initial_rows, shard_of
+from transpiler.tables import TableSpec, initial_rows, shard_of
 
 pytestmark = pytest.mark.skipif(id_index.load_kernels() is None, reason="numba is not installed")
 
@@ -49,9 +55,10 @@ SPECS = {
 }
 
 
+@pytest.mark.parametrize("version", row_init.INIT_VERSIONS)
 @pytest.mark.parametrize("name", SPECS)
-def test_compiled_initial_rows_equal_the_definition(name):
-    spec, ids = SPECS[name], many_ids()
+def test_compiled_initial_rows_equal_the_definition(name, version):
+    spec, ids = dataclasses.replace(SPECS[name], init_version=version), many_ids()
     want = initial_rows(spec, ids)
     got = np.full((ids.size, spec.dim), np.nan, dtype=want.dtype)
     assert initial_rows_compiled(spec, ids, got)
@@ -86,3 +93,76 @@ def test_compiled_shard_check_agrees_with_shard_of(n_shards):
         assert kernels.first_foreign(ids, np.uint64(n_shards), np.uint64(shard)) == first
         with pytest.raises(BadRequest, match=f"{int((owner != shard).sum())} of {ids.size} ids"):
             TableShard(make_spec(), shard, n_shards).check_ids(ids)
+
+
+def test_version_1_reads_as_before():
+    """Rows of version 1, as the definition gave them before versions (values printed then; libm's log and
+    cos may differ in the last bits between platforms)."""
+    spec = dataclasses.replace(make_spec(dim=3, dtype="float64", seed=7), init_version=1)
+    want = [
+        [-1.2517101089281355, 5.3550551291882344e-04, 1.7522425066891595e-01],
+        [1.2033221260091309, -5.3545008295796881e-01, 9.3547809908695101e-01],
+        [1.6517716136772500, -1.1985298431061839, -2.9024780013629042e-01],
+        [7.8086816190539632e-01, -6.4843533008471443e-01, 4.9309416767179298e-01],
+    ]
+    np.testing.assert_allclose(initial_rows(spec, np.array([0, 1, -1, 2**62])), want, rtol=1e-13)
+
+
+def test_version_2_is_pinned_bit_for_bit():
+    """Version 2 uses only IEEE arithmetic and sqrt: the same bits on every platform, for ever."""
+    spec = dataclasses.replace(make_spec(dim=7, dtype="float64", seed=7), init_version=2)
+    rows = initial_rows(spec, many_ids(20_000))
+    assert hashlib.sha256(rows.tobytes()).hexdigest()[:16] == V2_DIGEST
+    head = initial_rows(spec, np.array([0, 1]))
+    np.testing.assert_array_equal(
+        head[:, :2], [[-1.2517101089281357, -0.30341887842290116], [1.2033221260068032, 0.7444867225551726]]
+    )
+
+
+V2_DIGEST = "bea814507d8b5d91"
+
+
+def test_version_2_draws_standard_normals():
+    """1M draws of version 2 (float64): moments and the Kolmogorov-Smirnov distance to N(0, 1)."""
+    spec = dataclasses.replace(make_spec(dim=16, dtype="float64", seed=5), init_version=2)
+    z = initial_rows(spec, np.arange(62_500)).ravel()
+    n = z.size
+    assert n == 1_000_000
+    assert abs(z.mean()) < 4 / math.sqrt(n)  # 4 standard errors
+    assert abs(z.std() - 1) < 4 * math.sqrt(0.5 / n)
+    assert abs(((z - z.mean()) ** 3).mean()) < 4 * math.sqrt(6 / n) and abs(
+        (z**4).mean() - 3
+    ) < 4 * math.sqrt(96 / n)
+    cdf = torch.special.ndtr(torch.from_numpy(np.sort(z))).numpy()
+    ks = max((np.arange(1, n + 1) / n - cdf).max(), (cdf - np.arange(n) / n).max())
+    assert ks < 1.63 / math.sqrt(n)  # the 1% critical value
+    # The pair's two draws (cos and sin of one angle) are uncorrelated.
+    pairs = z.reshape(-1, 2)
+    assert abs(np.corrcoef(pairs[:, 0], pairs[:, 1])[0, 1]) < 4 / math.sqrt(n / 2)
+
+
+def test_version_2_is_box_muller_to_1e_10():
+    """Against libm's log, cos and sin on the same uniforms: relative to the draw's radius, below 1e-10."""
+    rng = np.random.default_rng(2)
+    bits1, bits2 = (rng.integers(0, 2**64, size=1_000_000, dtype=np.uint64, endpoint=False) for _ in range(2))
+    z_cos, z_sin = row_init.normal_pairs_v2(bits1, bits2)
+    u1 = ((bits1 >> np.uint64(11)) + np.uint64(1)).astype(np.float64) / 2**53
+    theta = 2 * math.pi * ((bits2 >> np.uint64(11)).astype(np.float64) + 0.5) / 2**53
+    r = np.sqrt(-2 * np.log(u1))
+    assert np.abs(z_cos - r * np.cos(theta)).max() < 1e-10 * r.max()
+    err = np.maximum(np.abs(z_cos - r * np.cos(theta)), np.abs(z_sin - r * np.sin(theta))) / np.maximum(
+        r, 1e-300
+    )
+    assert err.max() < 1e-10
+
+
+def test_init_version_defaults():
+    """New specs are version 2; a spec written without the field (an old plan, shard file, export) is 1."""
+    spec = make_spec()
+    assert spec.init_version == 2
+    old = spec.to_dict()
+    del old["init_version"]
+    assert TableSpec.from_dict(old).init_version == 1
+    assert TableSpec.from_dict(spec.to_dict()) == spec
+    with pytest.raises(ValueError, match="init_version 3"):
+        initial_rows(dataclasses.replace(spec, init_version=3), np.arange(3))

@@ -1,5 +1,6 @@
 """TableShard: the vectorised id index, torch-equivalent sparse optimizers, memory, threads."""
 
+import dataclasses
 import threading
 
 import numpy as np
@@ -7,6 +8,7 @@ import pytest
 import torch
 
 from pserver.tables import id_index
+from pserver.tables.compiled import row_kernels
 from pserver.tables.fresh import FreshRows, fill_compiled, fill_numpy
 from pserver.tables.id_index import build_index, home_slots, place, probe
 from pserver.tables.rows import Growable
@@ -27,11 +29,12 @@ def stored_rows(t: TableShard, ids: np.ndarray) -> np.ndarray:
 
 @pytest.fixture(params=["compiled", "numpy rounds"])
 def index_kind(request, monkeypatch):
-    """Run a test with the compiled id-index kernels (numba), then with the numpy rounds."""
+    """Run a test with the compiled kernels (numba), then with the numpy rounds."""
     if request.param == "compiled":
         assert id_index.load_kernels() is not None, "numba is a dependency: the compiled kernels must load"
     else:
         monkeypatch.setattr(id_index, "_compiled", lambda *arrays: None)
+        monkeypatch.setattr(row_kernels, "compiled_rows", lambda *args: None)  # a plain table's path too
     return request.param
 
 
@@ -220,10 +223,14 @@ def test_fresh_rows_compiled_fill_equals_the_numpy_rounds(order, dtype):
     np.testing.assert_array_equal(got[left], -1)
 
 
-@pytest.mark.parametrize("init", ["normal", "uniform"])
-def test_apply_after_lookup_stores_the_same_rows_as_without_it(init):
-    spec = make_spec(dim=6, optimizer="adagrad", init=init)
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "numpy"])
+@pytest.mark.parametrize("init,version", [("normal", 1), ("normal", 2), ("uniform", 2)])
+def test_apply_after_lookup_stores_the_same_rows_as_without_it(init, version, compiled):
+    """The rows a lookup kept (version 1's normal: FreshRows) or an apply computed again are the same."""
+    spec = dataclasses.replace(make_spec(dim=6, optimizer="adagrad", init=init), init_version=version)
     seen, unseen = TableShard(spec, 0, 1), TableShard(spec, 0, 1)
+    if not compiled:
+        seen.compiled = unseen.compiled = None
     rng = np.random.default_rng(0)
     for step in range(6):
         ids = np.unique(rng.integers(-50, 50, size=40))

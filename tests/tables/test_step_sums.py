@@ -2,7 +2,10 @@
 
 The reference is the reduction the pserver made before merging on arrival: every
 trainer's (ids, rows) kept until the step completed, then concatenated, merged
-with ``merge_duplicates`` (``np.unique`` + ``index_add_``) and divided by K.
+with ``merge_duplicates`` (``np.unique`` + ``index_add_``) and divided by K; in
+float64, then rounded to the rows' dtype (the sums are float64). With one or two
+trainers that equals the former reduction in the rows' own dtype, bit for bit; and
+the mean does not depend on the order in which the pushes arrive.
 """
 
 from __future__ import annotations
@@ -20,17 +23,20 @@ from pserver.tables.step_sums import SparseSums, StepSums
 from transpiler.tables import merge_duplicates
 
 
-def reference_mean(parts: Dict[str, List[tuple]], n_trainers: int) -> Dict[str, tuple]:
-    """The former ``TableSet.mean_of``: the K parts kept, reduced at the step's end."""
+def reference_mean(parts: Dict[str, List[tuple]], n_trainers: int, wide: bool = True) -> Dict[str, tuple]:
+    """The former ``TableSet.mean_of``: the K parts kept, reduced at the step's end; in float64 (``wide``,
+    then rounded to the rows' dtype) or, as it was, in the rows' dtype."""
     merged = {}
     for name, table_parts in parts.items():
+        dtype = table_parts[0][1].dtype
+        widen = (lambda r: r.to(torch.float64)) if wide else (lambda r: r)  # noqa: E731
         if len(table_parts) == 1:
-            ids, rows = table_parts[0]
+            ids, rows = table_parts[0][0], widen(table_parts[0][1])
         else:
             ids, rows = merge_duplicates(
-                np.concatenate([p[0] for p in table_parts]), torch.cat([p[1] for p in table_parts])
+                np.concatenate([p[0] for p in table_parts]), torch.cat([widen(p[1]) for p in table_parts])
             )
-        merged[name] = (ids, rows / n_trainers)
+        merged[name] = (ids, (rows / n_trainers).to(dtype))
     return merged
 
 
@@ -106,13 +112,62 @@ def test_sums_equal_the_mean_of_kept_parts(case, compiled, monkeypatch):
                 kept[name].append(push[name])
             sums.add(push)
         got, want = sums.mean(k), reference_mean(kept, k)
+        # One or two trainers: the very mean the table's dtype gave (one rounding each way).
+        former = reference_mean(kept, k, wide=False) if k <= 2 else want
         assert got.keys() == want.keys()
         for name in want:
             assert np.array_equal(got[name][0], want[name][0]), f"{case} step {step} {name}: ids differ"
             assert got[name][0].dtype == np.int64
             assert same(got[name][1], want[name][1]), f"{case} step {step} {name}: rows differ"
+            assert same(got[name][1], former[name][1]), f"{case} step {step} {name}: rows differ from before"
         sums.clear()
         assert not sums
+
+
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled index", "numpy index"])
+def test_the_mean_does_not_depend_on_the_order_of_arrival(compiled, monkeypatch):
+    """Float32 rows of one id pushed by 64 trainers in 20 orders: one mean; float32 sums in arrival order
+    would differ between orders."""
+    if not compiled:
+        monkeypatch.setattr(id_index, "_compiled", lambda *a: None)
+    rng = np.random.default_rng(3)
+    k, dim = 64, 16
+    parts = [random_part(rng, 40, 30, dim, torch.float32) for _ in range(k)]
+    means, narrow = set(), set()
+    for _ in range(20):
+        order = rng.permutation(k)
+        sums = SparseSums()
+        for i in order:
+            sums.add({"emb": parts[i]})
+        ids, rows = sums.mean(k)["emb"]
+        means.add((ids.tobytes(), rows.numpy().tobytes()))
+        ref = reference_mean({"emb": [parts[i] for i in order]}, k, wide=False)["emb"]
+        narrow.add(ref[1].numpy().tobytes())
+    assert len(means) == 1
+    assert len(narrow) > 1  # what arrival order did to float32 sums
+
+
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled index", "numpy index"])
+def test_two_trainers_give_the_former_mean_across_magnitudes(compiled, monkeypatch):
+    """Two float32 pushes of the same ids, values from 1e-30 to 1e30 and of both signs: the float64 sum
+    halved and rounded once is fl32(a + b) / 2, bit for bit."""
+    if not compiled:
+        monkeypatch.setattr(id_index, "_compiled", lambda *a: None)
+    rng = np.random.default_rng(8)
+    n, dim = 4000, 8
+    ids = np.arange(n, dtype=np.int64)
+
+    def wide_rows():
+        sign = rng.choice([-1.0, 1.0], size=(n, dim))
+        return torch.from_numpy(sign * 10.0 ** rng.uniform(-30, 30, size=(n, dim))).to(torch.float32)
+
+    a, b = wide_rows(), wide_rows()
+    b[: n // 4] = -a[: n // 4]  # exact cancellations
+    sums = SparseSums()
+    sums.add({"emb": (ids, a)})
+    sums.add({"emb": (ids, b)})
+    got = sums.mean(2)["emb"][1]
+    assert same(got, (a + b) / 2)
 
 
 def test_a_table_no_push_named_is_absent_and_clear_drops_everything():

@@ -1,5 +1,7 @@
 """Distributed tables in plans: validation, round trips, and initial rows independent of layout."""
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -142,6 +144,7 @@ def test_merge_duplicates_sums_rows_of_equal_ids():
         ({"emb": {"init": "normal", "init_kwargs": {"a": 1}}}, {}, "does not take ['a']"),
         ({"emb": {"colour": "red"}}, {}, "unknown table options ['colour']"),
         ({"emb": {"seed": -1}}, {}, "seed must be an int"),
+        ({"emb": {"init_version": 3}}, {}, "init_version 3 is not one of (1, 2)"),
         (["emb"], {"optimizer": "rmsprop"}, "has no sparse form"),
     ],
 )
@@ -164,6 +167,20 @@ def test_bad_table_declarations_are_refused(tables, kwargs, match):
 def test_embedding_features_a_table_cannot_honour_are_refused(module, match):
     with pytest.raises(ValueError, match=match):
         Program(nn.Sequential(module, nn.Linear(3, 1)), distributed_tables=["0"])
+
+
+def test_init_version_is_2_unless_given_and_1_in_plans_without_it():
+    prog = table_program("sgd", tables={"emb": {"init_version": 1}, "bag": None})
+    assert spec_of(prog).init_version == 1 and spec_of(prog, "bag").init_version == 2
+    t = DistributeTranspiler()
+    t.transpile(0, program=prog, pservers="127.0.0.1:7001", trainers=1)
+    ps = t.get_pserver_program("127.0.0.1:7001")
+    assert [x.init_version for x in PserverProgram.from_bytes(ps.to_bytes()).tables] == [1, 2]
+    written_before = json.loads(ps.to_bytes())  # a plan written before versions: no field
+    for table in written_before["tables"]:
+        del table["init_version"]
+    old = PserverProgram.from_bytes(json.dumps(written_before).encode())
+    assert [x.init_version for x in old.tables] == [1, 1]
 
 
 def test_derived_table_optimizers_carry_only_sparse_kwargs():

@@ -73,6 +73,11 @@ class RowLifecycle:
     def evicts(self) -> bool:
         return self.policy.sweeps or bool(self.policy.max_rows)
 
+    @property
+    def plain(self) -> bool:
+        """Nothing to decide per row: every id admitted, none evicted, only ``seen_step`` kept."""
+        return self.admission is None and not self.evicts and self.columns == ["seen_step"]
+
     def admit(self, ids: np.ndarray) -> np.ndarray:
         """Which pending ``ids`` (distinct, holding no row) get a row this step (bool per id)."""
         if self.admission is None:
@@ -130,6 +135,10 @@ class RowLifecycle:
         self.counts.evicted += ids.size
         if self.tracks_tombstones and ids.size:
             self._tombstones.append(ids.copy())
+
+    def admitted(self, n: int) -> None:
+        """Note ``n`` ids given a row with nothing to decide (a plain table's compiled apply)."""
+        self.counts.admitted += n
 
     def track_tombstones(self, on: bool = True) -> None:
         """Keep the ids evicted from now on for :meth:`take_tombstones` (exports run), or stop."""

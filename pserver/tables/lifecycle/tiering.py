@@ -22,16 +22,18 @@ step tries again.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import os
 import re
 import tempfile
-from typing import Iterator, Optional, Tuple
+from typing import Dict, Iterator, Optional, Tuple
 
 import numpy as np
 
 from transpiler.tables import TableSpec
 
+from ..files import Chunked
 from ..row_store import RowStore
 from .disk_tier import DiskTier, DiskTierFull
 from .eviction import coldest, sweep_due, sweep_victims
@@ -196,6 +198,19 @@ class DiskTiering:
             values = self._unpack(records)
             keep = slice(None) if since is None else values[self._seen_step] > since
             yield ids[keep], values[0][keep]
+
+    def saved_arrays(self, arrays: Dict[str, np.ndarray], n: int) -> Dict[str, Chunked]:
+        """A save's ``arrays`` (the ``n`` rows in memory, by file name) with the rows on disk after them,
+        each written chunk by chunk (:class:`~pserver.tables.files.Chunked`)."""
+        return {
+            name: Chunked(
+                n + len(self),
+                a.shape[1:],
+                a.dtype,
+                lambda a=a, i=i - 1: itertools.chain([a], self.field_chunks(i)),
+            )
+            for i, (name, a) in enumerate(arrays.items())
+        }
 
     def field_chunks(self, index: int) -> Iterator[np.ndarray]:
         """Field ``index`` of every record on disk (-1: the ids; then rows, state, metadata), chunk by

@@ -24,8 +24,8 @@ import logging
 
 import numpy as np
 
-from transpiler import tables as transpiler_tables
-from transpiler.tables import _GOLDEN
+from transpiler import row_init
+from transpiler.row_init import GOLDEN as _GOLDEN
 
 log = logging.getLogger(__name__)
 
@@ -134,7 +134,7 @@ if AVAILABLE:
 
     _UNIT = 1.0 / (1 << 53)
     # splitmix64's finaliser: the transpiler's own definition (on arrays there), compiled for one value.
-    _mix = numba.njit("uint64(uint64)", cache=True, nogil=True)(transpiler_tables._mix)
+    _mix = numba.njit("uint64(uint64)", cache=True, nogil=True)(row_init.mix)
 
     @numba.njit(
         "void(uint64[:], uint64, uint64[:], float64[:, :], float64[:, :], boolean)", cache=True, nogil=True
@@ -207,7 +207,7 @@ if AVAILABLE:
 
     @numba.njit(
         [
-            "Tuple((int64, boolean))(int32[:], int64[:], int64, int64[:], float32[:, :], float32[:, :], "
+            "Tuple((int64, boolean))(int32[:], int64[:], int64, int64[:], float32[:, :], float64[:, :], "
             "uint64)",
             "Tuple((int64, boolean))(int32[:], int64[:], int64, int64[:], float64[:, :], float64[:, :], "
             "uint64)",
@@ -221,7 +221,7 @@ if AVAILABLE:
 
         ``keys[:n]`` are the ids summed so far, ``slots`` their index (linear probing from :func:`_home`,
         room for every new id); a new id is appended (its row copied), a known one has its row added
-        element by element, in float of the rows' own width.
+        element by element, in float64 whatever the rows' width (``sums`` is float64).
         """
         mask = slots.size - 1
         repeated = False

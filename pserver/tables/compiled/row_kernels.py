@@ -1,0 +1,358 @@
+"""A plain table's push work compiled: an apply and a lookup in one call each, and version 2's initial rows.
+
+A *plain* table has no lifecycle (no admission, eviction or disk tier): every id it is sent gets a row,
+and nothing is decided per row in Python. For such a table :class:`pserver.tables.shard.TableShard`
+runs each :meth:`~pserver.tables.shard.TableShard.apply` and lookup as one call into these kernels,
+with the GIL released (``nogil``), on the row store's arrays in place:
+
+- :func:`apply`: refuse a batch that repeats an id (a small hash set of its ids), changing nothing;
+  find the ids in the index (in rounds, as :func:`pserver.tables.compiled.index_kernels.probe`); insert the
+  missing ones (id, index slot, initial row, optimizer state, metadata); run the sparse optimizer on
+  each row where it is stored (sgd, adagrad, adam: the operations of :mod:`pserver.tables.sparse_optim`,
+  one by one in the table's dtype, so the rows are those of the numpy rules bit for bit); set
+  ``seen_step``. Where the arrays lack room for the new rows, or their initial rows are version 1's
+  ``normal`` (numpy's ``log`` and ``cos``, which only numpy computes bit for bit), it stops before
+  changing anything and says how many are missing: the shard makes room, computes those rows, and
+  calls again.
+- :func:`lookup`: find, copy the stored rows into the caller's buffer, and list the others; the shard
+  computes their initial rows (:func:`init_rows`) after releasing its lock. The apply that inserts
+  them, usually the next push, computes them again: on job S's shapes (apply and lookup, 680-880 µs
+  of CPU per push) that costs less than keeping them, by 40 µs per push against a cache of 32k rows
+  written by the lookups' kernels and read by the applies', by 25-45 µs against the sorted copies
+  that version 1's rows are kept in (:class:`~pserver.tables.fresh.FreshRows`): memory accesses
+  cost more than version 2's arithmetic, about 0.16 µs per row of dim 16.
+- :func:`init_rows`: initial rows of ``uniform``, ``zeros`` and version 2's ``normal``
+  (:mod:`transpiler.row_init`: the same float64 operations in the same order, bit for bit).
+
+The scalars of an update (``-lr``, ``1 - beta``, ...) are computed in Python and rounded to the
+table's dtype exactly where the numpy rules round them (``SparseRule.scalars``). The kernels are
+compiled for their signatures when a plain table's shard is first built (about 9 s the first time on
+a machine, then loaded from numba's cache in well under a second). Without numba :data:`AVAILABLE`
+is False and every table takes the numpy path.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Optional
+
+import numpy as np
+
+from transpiler import row_init as ri
+
+from . import index_kernels
+
+AVAILABLE = index_kernels.AVAILABLE
+numba = index_kernels.numba
+
+# Initial-row kinds (init[0]); GIVEN: computed by the caller (version 1's normal) and passed in.
+ZEROS, UNIFORM, NORMAL2, GIVEN = 0, 1, 2, 3
+# Optimizers (apply's opt) and the statuses apply returns with a value.
+SGD, ADAGRAD, ADAM = 0, 1, 2
+DONE, NEED, REPEATED = 0, 1, 2
+OPTIMIZERS = {"sgd": SGD, "adagrad": ADAGRAD, "adam": ADAM}
+
+
+def init_params(spec) -> tuple:
+    """``(init, initf)``, a table's initial rows as the kernels take them: int64 [kind, seed bits, has
+    padding_idx, padding_idx] and float64 [mean, std] (normal) or [a, b - a] (uniform)."""
+    kw = spec.init_kwargs
+    if spec.init == "zeros":
+        kind, f = ZEROS, (0.0, 0.0)
+    elif spec.init == "uniform":
+        kind, f = UNIFORM, (kw["a"], kw["b"] - kw["a"])
+    else:
+        kind, f = (NORMAL2 if spec.init_version == 2 else GIVEN), (kw["mean"], kw["std"])
+    pad = spec.padding_idx
+    seed = np.array([spec.seed], np.uint64).view(np.int64)[0]
+    init = np.array([kind, seed, pad is not None, 0 if pad is None else pad], np.int64)
+    return init, np.array(f, np.float64)
+
+
+if AVAILABLE:
+    from numba import types
+
+    try:  # LLVM's ctlz: the exponent of u1 without a loop
+        from numba.cpython.unsafe.numbers import leading_zeros
+    except ImportError:  # pragma: no cover - an older or newer numba
+
+        @numba.njit("uint64(uint64)", cache=True, nogil=True)
+        def leading_zeros(x):
+            n = np.uint64(64)
+            while x:
+                x >>= np.uint64(1)
+                n -= np.uint64(1)
+            return n
+
+    _mix, _home = index_kernels._mix, index_kernels._home
+    _GOLDEN, _COLUMN = ri.GOLDEN, ri.COLUMN
+    _UNIT = 1.0 / (1 << 53)
+    _COS_C, _COS_S, _SIN_C, _SIN_S = ri.COS_C, ri.COS_S, ri.SIN_C, ri.SIN_S
+    _L0, _L1, _L2, _L3, _L4 = ri.LOG_SERIES
+    _S0, _S1, _S2, _S3, _S4 = ri.SIN_SERIES
+    _C0, _C1, _C2, _C3, _C4, _C5 = ri.COS_SERIES
+    _SQRT_HALF, _LN2, _ANGLE, _OCTANT = ri.SQRT_HALF, ri.LN2, ri.ANGLE_STEP, ri.OCTANT_BITS
+
+    @numba.njit(inline="always", nogil=True)
+    def _normal_pair(b1, b2):  # pragma: no cover - compiled
+        """:func:`transpiler.row_init.normal_pairs_v2` for one pair of uniform bits."""
+        q = (b1 >> np.uint64(11)) + np.uint64(1)
+        lz = leading_zeros(q)
+        f = np.float64((q << lz) >> np.uint64(11)) * _UNIT  # frexp: q = f * 2**e, f in [0.5, 1)
+        e = np.int64(64) - np.int64(lz)
+        if f < _SQRT_HALF:
+            f = f * 2.0
+            e -= 1
+        s = (f - 1.0) / (f + 1.0)
+        s2 = s * s
+        t = 2.0 * s
+        h = (((_L0 * s2 + _L1) * s2 + _L2) * s2 + _L3) * s2 + _L4
+        r = np.sqrt(-2.0 * (np.float64(e - 53) * _LN2 + (t + t * (s2 * h))))
+        top = b2 >> np.uint64(11)
+        octant = np.int64(top >> np.uint64(50))
+        rem = top & _OCTANT
+        if octant & 1:
+            a = -((np.float64(rem ^ _OCTANT) + 0.5) * _ANGLE)
+        else:
+            a = (np.float64(rem) + 0.5) * _ANGLE
+        a2 = a * a
+        sin_a = a + a * (a2 * ((((_S0 * a2 + _S1) * a2 + _S2) * a2 + _S3) * a2 + _S4))
+        cos_a = 1.0 + a2 * (((((_C0 * a2 + _C1) * a2 + _C2) * a2 + _C3) * a2 + _C4) * a2 + _C5)
+        k = ((octant + 1) >> 1) & 3
+        return r * (_COS_C[k] * cos_a + _COS_S[k] * sin_a), r * (_SIN_C[k] * cos_a + _SIN_S[k] * sin_a)
+
+    @numba.njit(inline="always", nogil=True)
+    def _init_row(key, init, initf, out, i):  # pragma: no cover - compiled
+        """``out[i]`` = the initial row of id ``key`` (kinds ZEROS, UNIFORM, NORMAL2)."""
+        dim = out.shape[1]
+        kind = init[0]
+        if kind == ZEROS or (init[2] and key == init[3]):
+            for j in range(dim):
+                out[i, j] = 0
+            return
+        base = _mix(np.uint64(key) * _GOLDEN + np.uint64(init[1]))
+        if kind == UNIFORM:
+            for j in range(dim):
+                u1 = (np.float64(_mix(base ^ (np.uint64(j + 1) * _COLUMN)) >> np.uint64(11)) + 1.0) * _UNIT
+                out[i, j] = initf[0] + initf[1] * (1.0 - u1)
+            return
+        other = base + _GOLDEN
+        for p in range((dim + 1) // 2):
+            col = np.uint64(p + 1) * _COLUMN
+            z_cos, z_sin = _normal_pair(_mix(base ^ col), _mix(other ^ col))
+            out[i, 2 * p] = initf[0] + initf[1] * z_cos
+            if 2 * p + 1 < dim:
+                out[i, 2 * p + 1] = initf[0] + initf[1] * z_sin
+
+    @numba.njit(inline="always", nogil=True)
+    def _find(slots, keys, ids, shift):  # pragma: no cover - compiled
+        """(the row of each id, -1 if absent; the slot its probe stopped at): in rounds over the pending ids
+        (see index_kernels.probe)."""
+        mask = slots.size - 1
+        m = ids.size
+        at = np.empty(m, np.int64)
+        rows = np.empty(m, np.int64)
+        pending = np.empty(m, np.int64)
+        for i in range(m):
+            p = np.int64(_home(ids[i], shift))
+            at[i] = p
+            rows[i] = slots[p]
+        n = 0
+        for i in range(m):
+            r = rows[i]
+            if r >= 0 and keys[r] != ids[i]:
+                pending[n] = i
+                n += 1
+        while n:
+            left = 0
+            for t in range(n):
+                i = pending[t]
+                p = (at[i] + 1) & mask
+                at[i] = p
+                r = slots[p]
+                rows[i] = r
+                if r >= 0 and keys[r] != ids[i]:
+                    pending[left] = i
+                    left += 1
+            n = left
+        return rows, at
+
+    @numba.njit(inline="always", nogil=True)
+    def _first_repeat(ids):  # pragma: no cover - compiled
+        """The index of the first id that came earlier in ``ids``, -1 if none: a small hash set of the ids
+        (a few kB, in the core's cache), before anything is changed."""
+        size, bits = 16, 4
+        while size < 2 * ids.size:
+            size, bits = 2 * size, bits + 1
+        seen = np.empty(size, np.int64)
+        used = np.zeros(size, np.bool_)
+        shift = np.uint64(64 - bits)
+        for i in range(ids.size):
+            p = np.int64(_home(ids[i], shift))
+            while used[p]:
+                if seen[p] == ids[i]:
+                    return i
+                p = (p + 1) & (size - 1)
+            used[p] = True
+            seen[p] = ids[i]
+        return -1
+
+    # Argument groups (tuples): the index (slots, keys, shift), a row store's arrays (values, two state
+    # arrays, seen_step), a table's initial rows (init, initf).
+    _ro = lambda dt, nd=1: types.Array(dt, nd, "C", readonly=True)  # noqa: E731 - inputs: views of a payload
+    _rw = lambda dt, nd=1: types.Array(dt, nd, "C")  # noqa: E731
+    _i64, _u64, _f64 = types.int64, types.uint64, types.float64
+    _INDEX = types.Tuple([_rw(types.int32), _rw(_i64), _u64])
+    _INIT = types.Tuple([_rw(_i64), _rw(_f64)])
+    _STORE = {t: types.Tuple([_rw(t, 2), _rw(t, 2), _rw(t, 2), _rw(_i64)]) for t in (types.float32, _f64)}
+
+    def _sigs(make):
+        """One signature per table dtype."""
+        return [make(t) for t in (types.float32, _f64)]
+
+    @numba.njit(
+        _sigs(lambda t: types.void(_ro(_i64), _rw(_i64), _i64, _INIT, _rw(t, 2))), cache=True, nogil=True
+    )
+    def init_rows(ids, sel, n_sel, init, out):  # pragma: no cover - compiled
+        """``out[i]`` = the initial row of ``ids[i]`` for ``i`` in ``sel[:n_sel]`` (every ``i`` when
+        ``n_sel < 0``); kinds ZEROS, UNIFORM, NORMAL2."""
+        if n_sel < 0:
+            for i in range(ids.size):
+                _init_row(ids[i], init[0], init[1], out, i)
+        for t in range(n_sel):
+            _init_row(ids[sel[t]], init[0], init[1], out, sel[t])
+
+    @numba.njit(
+        _sigs(lambda t: _i64(_INDEX, _rw(t, 2), _ro(_i64), _rw(t, 2), _rw(_i64))),
+        cache=True,
+        nogil=True,
+    )
+    def lookup(index, values, ids, out, miss):  # pragma: no cover - compiled
+        """``out[i]`` = the stored row of ``ids[i]``; the indices of the ids not stored go into ``miss``, in
+        order. Returns how many."""
+        rows = _find(index[0], index[1], ids, index[2])[0]
+        k = 0
+        for i in range(ids.size):
+            r = rows[i]
+            if r >= 0:
+                for j in range(out.shape[1]):
+                    out[i, j] = values[r, j]
+            else:
+                miss[k] = i
+                k += 1
+        return k
+
+    @numba.njit(
+        _sigs(
+            lambda t: types.UniTuple(_i64, 2)(
+                *(_INDEX, _STORE[t], _i64, _i64, _ro(_i64), _ro(t, 2), _rw(t), _i64, _i64),
+                *(_INIT, _ro(t, 2), _rw(_i64), types.boolean),
+            )
+        ),
+        cache=True,
+        nogil=True,
+    )
+    def apply(
+        index, store, n, room, ids, grads, hyper, opt, step, init, given, at, resume
+    ):  # pragma: no cover - compiled
+        """One sparse optimizer step on the rows of ``ids`` (see the module docstring); (status, value).
+
+        ``n`` rows are stored, ``room`` may be; ``at`` (len(ids)) receives each id's row (-1: missing);
+        ``resume`` skips the search and uses ``at`` as a NEED left it. (REPEATED, i): ``ids[i]`` came
+        earlier in the batch. (NEED, k): k ids are missing and either ``n + k > room`` or their rows must
+        be ``given`` (k rows, in the order of the ids). Both change nothing. (DONE, rows now stored).
+        """
+        slots, keys, shift = index
+        values, s1, s2, seen = store
+        kind, m, dim, mask = init[0][0], ids.size, values.shape[1], slots.size - 1
+        if not resume:
+            repeat = _first_repeat(ids)
+            if repeat >= 0:
+                return REPEATED, repeat
+            rows = _find(slots, keys, ids, shift)[0]
+            for i in range(m):
+                at[i] = rows[i]
+        missing = 0
+        for i in range(m):
+            missing += at[i] < 0
+        if missing and (n + missing > room or (kind == GIVEN and given.shape[0] != missing)):
+            return NEED, missing
+        r, g = n, 0
+        for i in range(m):  # the new rows: id, slot, initial row, state
+            if at[i] >= 0:
+                continue
+            key = ids[i]
+            p = np.int64(_home(key, shift))
+            while slots[p] >= 0:
+                p = (p + 1) & mask
+            slots[p] = r
+            keys[r] = key
+            if kind == GIVEN:
+                for j in range(dim):
+                    values[r, j] = given[g, j]
+                g += 1
+            else:
+                _init_row(key, init[0], init[1], values, r)
+            for j in range(dim if opt != SGD else 0):
+                s1[r, j] = hyper[4]
+            for j in range(dim if opt == ADAM else 0):
+                s2[r, j] = hyper[5]
+            seen[r] = 0
+            at[i] = r
+            r += 1
+        for i in range(m):
+            q = at[i]
+            if opt == SGD:
+                h0 = hyper[0]
+                for j in range(dim):
+                    values[q, j] = values[q, j] + h0 * grads[i, j]
+            elif opt == ADAGRAD:
+                eps, nclr = hyper[0], hyper[1]
+                for j in range(dim):
+                    gj = grads[i, j]
+                    s = s1[q, j] + gj * gj
+                    s1[q, j] = s
+                    values[q, j] = values[q, j] + (gj / (np.sqrt(s) + eps)) * nclr
+            else:
+                b1, b2, eps, size = hyper[0], hyper[1], hyper[2], hyper[3]
+                for j in range(dim):
+                    gj = grads[i, j]
+                    m_new = s1[q, j] + (gj - s1[q, j]) * b1
+                    s1[q, j] = m_new
+                    v_new = s2[q, j] + (gj * gj - s2[q, j]) * b2
+                    s2[q, j] = v_new
+                    values[q, j] = values[q, j] + (m_new / (np.sqrt(v_new) + eps)) * size
+            seen[q] = step
+        return DONE, r
+
+
+class CompiledRows:
+    """What the kernels need of one plain table: its initial rows' parameters, its optimizer, its dtype.
+
+    ``given``: its initial rows are version 1's normal, which the shard computes (numpy) and passes in.
+    """
+
+    def __init__(self, spec, rule):
+        self.kernels = sys.modules[__name__]
+        self.init = init_params(spec)
+        self.given = bool(self.init[0][0] == GIVEN)
+        self.opt = OPTIMIZERS[rule.name]
+        self.rule = rule
+        self.dtype = np.dtype(spec.dtype)
+        self.no_rows = np.empty((0, spec.dim), self.dtype)
+
+    def hyper(self, lr: float, step: int) -> np.ndarray:
+        """The update's scalars at ``lr`` and table step ``step``, then the state's initial values."""
+        return self.rule.scalars(lr, step, self.dtype)
+
+    def fill(self, ids: np.ndarray, miss: np.ndarray, out: np.ndarray) -> None:
+        """``out[i]`` = the initial row of ``ids[i]`` for ``i`` in ``miss`` (not ``given``)."""
+        init_rows(ids, miss, miss.size, self.init, out)
+
+
+def compiled_rows(spec, rule) -> Optional[CompiledRows]:
+    """The compiled path of a plain table of ``spec`` (optimizer ``rule``); None without numba or for a
+    dtype the kernels do not take."""
+    if not AVAILABLE or spec.dtype not in ("float32", "float64"):
+        return None
+    return CompiledRows(spec, rule)
