@@ -21,6 +21,7 @@ from datetime import datetime
 from typing import Dict, Iterator, List, Optional, Tuple
 
 import pytest
+import torch
 
 from harness.netns import clear_namespace, in_ns, run, without_proxies
 from harness.ports import free_ports
@@ -185,13 +186,14 @@ class PartitionJob(ReplicatedJob):
 
 
 def layout_digest(pservers: str) -> str:
-    """The digest the job's trainers say Hello with (recovery_job's program and plan, sync, 2 trainers)."""
+    """The digest the job's trainers say Hello with (recovery_job's program in float64, its plan, sync,
+    2 trainers)."""
     from transpiler import DistributeTranspiler, DistributeTranspilerConfig
 
     t = DistributeTranspiler(DistributeTranspilerConfig())
     t.transpile(
         0,
-        program=recovery_job.build_program(),
+        program=recovery_job.build_program(dtype=torch.float64),
         pservers=pservers,
         trainers=recovery_job.TRAINERS,
         sync_mode=True,

@@ -17,7 +17,8 @@ from typing import List, Tuple
 import pytest
 import torch
 
-from tests.helpers.jobs import Job
+from tests.helpers.jobs import Job, assert_job_models_close
+from tests.helpers.models import FLOAT64_EXACT
 from tests.scripts import recovery_job
 
 pytestmark = pytest.mark.processes
@@ -121,26 +122,26 @@ def run_chaos(job: Job, plan: List[Kill], seed: int, calm: bool = True) -> None:
 @pytest.mark.parametrize("seed", SEEDS)
 def test_sync_job_survives_overlapping_pserver_kills_with_the_model_of_an_uninterrupted_run(tmp_path, seed):
     job = Job(
-        tmp_path, args=["--epochs", str(EPOCHS), "--step_delay", str(STEP_DELAY), "--checkpoint_every", "5"]
+        tmp_path,
+        args=[
+            "--epochs",
+            str(EPOCHS),
+            "--step_delay",
+            str(STEP_DELAY),
+            "--checkpoint_every",
+            "5",
+            *recovery_job.FLOAT64,
+        ],
     )
     try:
         run_chaos(job, pserver_schedule(seed), seed)
     finally:
         job.close()
-    expected = recovery_job.reference(epochs=EPOCHS)
-    for tid in range(2):
-        state = torch.load(job.out / f"trainer-{tid}.pt")
-        for k in expected:
-            torch.testing.assert_close(
-                state[k],
-                expected[k],
-                rtol=0,
-                atol=1e-5,
-                msg=lambda m: f"seed {seed}, trainer {tid}, {k}: {m}",
-            )
+    expected = recovery_job.reference(epochs=EPOCHS, dtype=torch.float64)
+    assert_job_models_close(job.out, expected, detail=lambda: f"seed {seed}")
 
 
-# Lanes: a model of 8.5 MB (its pushes stream and split), at an lr small enough that float32 rounding stays
+# Lanes: a model of 17 MB in float64 (its pushes stream and split), at an lr small enough that rounding stays
 # rounding over 240 steps (its 57k-wide layer sums; at 0.05 mean-of-halves against whole-batch drifts apart).
 LANES_ARGS = [
     "--epochs",
@@ -154,6 +155,7 @@ LANES_ARGS = [
     "--push_lanes",
     "3",
     "--no_shared_memory",
+    *recovery_job.FLOAT64,
 ]
 
 
@@ -185,24 +187,17 @@ def test_sync_job_in_lanes_survives_overlapping_pserver_kills_with_the_model_of_
     for tid in range(2):  # each trainer split its pushes to each pserver
         log = job.log(f"trainer{tid}.0")
         assert log.count("split across lanes: 3 connections") >= 2, log[-3000:]
-    single = recovery_job.reference(epochs=EPOCHS, lr=0.002, hidden=recovery_job.WIDE)
     for tid in range(2):
         state = torch.load(job.out / f"trainer-{tid}.pt")
-        for k in single:
+        for k in uninterrupted_in_lanes:
             torch.testing.assert_close(
                 state[k],
                 uninterrupted_in_lanes[k],
-                rtol=0,
-                atol=1e-6,
+                **FLOAT64_EXACT,
                 msg=lambda m: f"seed {seed}, trainer {tid}, {k}, against uninterrupted: {m}",
             )
-            torch.testing.assert_close(
-                state[k],
-                single[k],
-                rtol=0,
-                atol=1e-4,
-                msg=lambda m: f"seed {seed}, trainer {tid}, {k}, against one process: {m}",
-            )
+    single = recovery_job.reference(epochs=EPOCHS, lr=0.002, hidden=recovery_job.WIDE, dtype=torch.float64)
+    assert_job_models_close(job.out, single, detail=lambda: f"seed {seed}, against one process")
 
 
 def accuracy(state: dict) -> float:

@@ -20,6 +20,7 @@ import pytest
 from psproto import ps_pb2
 from tests.helpers.jobs import Job
 from tests.helpers.launch import wait_for
+from tests.scripts import recovery_job
 from transpiler import DistributeTranspilerConfig
 
 CLOSE = "/psproto.ParameterServer/Close"
@@ -60,7 +61,15 @@ def job(tmp_path_factory):
     """The shared job, run to its end; ``job.seen`` holds what the tests check from its middle."""
     job = Job(
         tmp_path_factory.mktemp("fencing"),
-        args=["--pause_at", "10", "--pause_trainer", "1", "--heartbeat_interval", str(HEARTBEAT_INTERVAL)],
+        args=[
+            "--pause_at",
+            "10",
+            "--pause_trainer",
+            "1",
+            "--heartbeat_interval",
+            str(HEARTBEAT_INTERVAL),
+            *recovery_job.FLOAT64,
+        ],
     )
     job.seen = SimpleNamespace()
     try:

@@ -18,7 +18,7 @@ import signal
 import pytest
 import torch
 
-from harness.models import assert_state_close
+from tests.helpers.jobs import assert_job_models_close
 from tests.scripts import recovery_job
 from transpiler import DistributeTranspiler, DistributeTranspilerConfig
 
@@ -50,7 +50,7 @@ def restart_pserver1_with_both_trainers_down(job, reached=("reached",)) -> None:
 def test_trainers_down_while_a_pserver_restarts_behind_the_other_roll_both_back_and_train_as_one_process(
     job_factory,
 ):
-    job = job_factory(args=["--pause_at", "23"])
+    job = job_factory(args=["--pause_at", "23", *recovery_job.FLOAT64])
     job.start_all()
     restart_pserver1_with_both_trainers_down(job)
 
@@ -77,7 +77,8 @@ def test_async_trainers_down_while_a_pserver_restarts_from_an_older_checkpoint_g
 
 def rows_on_second_pserver(job) -> dict:
     t = DistributeTranspiler(DistributeTranspilerConfig())
-    t.transpile(0, program=recovery_job.build_program(), pservers=",".join(job.endpoints), trainers=2)
+    program = recovery_job.build_program(dtype=torch.float64)
+    t.transpile(0, program=program, pservers=",".join(job.endpoints), trainers=2)
     return recovery_job.rows_on(t.get_trainer_program(), job.endpoints[1])
 
 
@@ -98,6 +99,7 @@ def test_a_trainer_whose_push_one_pserver_applied_and_the_other_dropped_goes_on_
             "0",
             "--heartbeat_timeout",
             "3",
+            *recovery_job.FLOAT64,
         ]
     )
     job.start_all()
@@ -114,6 +116,5 @@ def test_a_trainer_whose_push_one_pserver_applied_and_the_other_dropped_goes_on_
 
     assert "pushed stale step" not in job.all_logs()
     # Step s: pserver 1's parameters got trainer 0's gradient alone; every other step both trainers'.
-    expected = recovery_job.reference(epochs=2, alone=(s, rows_on_second_pserver(job)))
-    for tid in range(2):
-        assert_state_close(torch.load(job.out / f"trainer-{tid}.pt"), expected)
+    expected = recovery_job.reference(epochs=2, alone=(s, rows_on_second_pserver(job)), dtype=torch.float64)
+    assert_job_models_close(job.out, expected)

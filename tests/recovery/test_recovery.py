@@ -57,7 +57,7 @@ def wait_until(ready, what: str, timeout: float = 20.0) -> None:
 @pytest.mark.timeout(240)
 @pytest.mark.processes
 def test_pserver_killed_mid_run_and_restarted_resumes_from_checkpoint(job_factory):
-    job = job_factory(args=["--pause_at", "23"])
+    job = job_factory(args=["--pause_at", "23", *recovery_job.FLOAT64])
     job.start_all()
     job.wait_file("reached")  # trainer 0 is about to train step 23; checkpoints at 5..20 exist
     job.kill("pserver1")
@@ -361,7 +361,7 @@ def test_trainer_joining_sync_pservers_apart_without_a_checkpoint_fails_after_re
 @pytest.mark.timeout(240)
 @pytest.mark.processes
 def test_sigterm_checkpoints_every_pserver_and_the_same_command_resumes_the_job(job_factory):
-    job = job_factory(args=["--pause_at", "23"])
+    job = job_factory(args=["--pause_at", "23", *recovery_job.FLOAT64])
     job.start_all()
     job.wait_file("reached")  # both pservers at step 23 (checkpoints every 5: the last is 20)
     for i in range(2):

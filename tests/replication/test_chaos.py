@@ -81,7 +81,11 @@ def run_chaos(job: ReplicatedJob, seed: int) -> List[str]:
 def test_sync_job_with_primaries_and_backups_killed_equals_one_process_and_never_rolls_back(
     etcd, tmp_path, seed
 ):
-    job = ReplicatedJob(tmp_path, etcd.url, args=["--epochs", str(EPOCHS), "--step_delay", str(STEP_DELAY)])
+    job = ReplicatedJob(
+        tmp_path,
+        etcd.url,
+        args=["--epochs", str(EPOCHS), "--step_delay", str(STEP_DELAY), *recovery_job.FLOAT64],
+    )
     try:
         kills = run_chaos(job, seed)
         job.wait_trainers(180)
@@ -150,6 +154,7 @@ def test_a_shard_that_loses_both_processes_recovers_from_its_checkpoint_as_witho
             "--pause_at",
             str(KILL_AT),
             "--pause_every_trainer",
+            *recovery_job.FLOAT64,
         ],
     )
     try:

@@ -13,11 +13,11 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from harness.models import assert_state_close
 from pserver.ops import stat_cli
 from psproto import ps_pb2, ps_pb2_grpc
 from tests.helpers import paths
 from tests.helpers.etcd import etcd_fixture  # noqa: F401
+from tests.helpers.jobs import assert_job_models_close
 from tests.helpers.polling import poll
 from tests.scripts import recovery_job
 from trainer.launch import plan as launch_plan
@@ -201,6 +201,7 @@ def test_ps_launch_runs_a_replicated_job_and_ps_stat_shows_the_pairs(etcd, tmp_p
         "--pause_every_trainer",
         "--pause_dir",
         str(pause),
+        *recovery_job.FLOAT64,
     ]
     launcher = subprocess.Popen(
         cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
@@ -230,9 +231,7 @@ def test_ps_launch_runs_a_replicated_job_and_ps_stat_shows_the_pairs(etcd, tmp_p
     for shard in (0, 1):
         pair = servers[f"serverlog.{shard}"] + servers[f"serverlog.{shard}.replica"]
         assert "leads shard" in pair and "is in sync at message" in pair, pair[-3000:]
-    expected = recovery_job.reference(epochs=2)
-    for t in (0, 1):
-        assert_state_close(torch.load(tmp_path / f"trainer-{t}.pt"), expected)
+    assert_job_models_close(tmp_path, recovery_job.reference(epochs=2, dtype=torch.float64))
     board = EventAccumulator(str(tmp_path / "tb" / "trainer-0"))
     board.Reload()
     for shard in (0, 1):  # what the primary's backup had not acknowledged when asked: a few messages at most

@@ -43,17 +43,28 @@ HIDDEN = 512
 # splits across --push_lanes connections (a push of at most 4 MiB goes as one message).
 WIDE = 57344
 
+# --dtype float64: the job's model and data in float64. A test that compares the job's model with
+# :func:`reference` runs it so: the job steps with the mean of per-trainer gradients, the reference with
+# the gradient of the concatenated batch, and in float32 the two drift apart over the steps by an
+# amount that depends on the CPU's kernels (1.2e-4 seen on the wide model over 240 steps on one CPU,
+# 3e-5 on another). In float64 the drift is some 1e-9 of that: tests.helpers.models.FLOAT64_JOB.
+DTYPES = {"float32": torch.float32, "float64": torch.float64}
+FLOAT64 = ["--dtype", "float64"]
 
-def build_model(hidden: int = HIDDEN) -> nn.Module:
+
+def build_model(hidden: int = HIDDEN, dtype: torch.dtype = torch.float32) -> nn.Module:
+    """The job's model; ``dtype`` converts the float32 initialisation, the same values in either."""
     torch.manual_seed(0)
-    return nn.Sequential(
-        nn.Linear(32, hidden), nn.Tanh(), nn.Linear(hidden, 4)
-    )  # 16k-element weight: 2 blocks
+    # 512 wide: a 16k-element weight, 2 blocks
+    model = nn.Sequential(nn.Linear(32, hidden), nn.Tanh(), nn.Linear(hidden, 4))
+    return model.to(dtype)
 
 
-def build_program(optimizer: str = "momentum", lr: float = 0.05, hidden: int = HIDDEN) -> Program:
+def build_program(
+    optimizer: str = "momentum", lr: float = 0.05, hidden: int = HIDDEN, dtype: torch.dtype = torch.float32
+) -> Program:
     kwargs = {"momentum": 0.9} if optimizer == "momentum" else {}
-    return Program(build_model(hidden), optimizer, lr=lr, **kwargs)
+    return Program(build_model(hidden, dtype), optimizer, lr=lr, **kwargs)
 
 
 def counting_program() -> Program:
@@ -72,11 +83,12 @@ def counting_loss(model: nn.Module, trainer_id: int) -> torch.Tensor:
     return sum(p.sum() for p in model.parameters()) * float(TALLY**trainer_id)
 
 
-def dataset() -> TensorDataset:
+def dataset(dtype: torch.dtype = torch.float32) -> TensorDataset:
+    """The job's samples: drawn in float32 and converted, the same values and labels in either dtype."""
     g = torch.Generator().manual_seed(7)
     x = torch.randn(SAMPLES, 32, generator=g)
     y = (x[:, :4].argmax(1) + (x[:, 4] > 1).long()) % 4
-    return TensorDataset(x, y)
+    return TensorDataset(x.to(dtype), y)
 
 
 def loss_of(model: nn.Module, x, y) -> torch.Tensor:
@@ -90,30 +102,38 @@ def reference(
     alone: Optional[Tuple[int, Dict[str, slice]]] = None,
     hidden: int = HIDDEN,
     trainers: Tuple[int, ...] = tuple(range(TRAINERS)),
+    dtype: torch.dtype = torch.float32,
 ) -> dict:
     """Single-process PyTorch on the trainers' concatenated batches: what sync training must equal.
 
     ``alone`` = (step, {param: rows}): at that step those rows are updated with trainer 0's
     gradient alone, as a pserver that dropped trainer 1 from that step applies it. ``trainers``:
-    whose batches make each step (one backup trainer of two: one trainer's).
+    whose batches make each step (one backup trainer of two: one trainer's). ``dtype``: the job's
+    ``--dtype``. Computed on one torch thread, as the job's processes compute: on a loaded 2-core
+    machine two threads spinning for these small steps took 3x longer (15x seen).
     """
-    program = build_program(optimizer, lr, hidden)
-    model, data = program.model, dataset()
-    opt = program.optimizer.build(model.parameters())
-    samplers = [DistributedSampler(data, TRAINERS, t, shuffle=True, seed=0) for t in range(TRAINERS)]
-    for epoch in range(epochs):
-        for s in samplers:
-            s.set_epoch(epoch)
-        orders = [list(s) for s in samplers]
-        for b in range(len(orders[0]) // BATCH):
-            idx = [i for t in trainers for i in orders[t][b * BATCH : (b + 1) * BATCH]]
-            x, y = data[idx]
-            opt.zero_grad()
-            loss_of(model, x, y).backward()
-            if alone is not None and alone[0] == epoch * (len(orders[0]) // BATCH) + b:
-                _keep_trainer0_gradient(model, data[orders[0][b * BATCH : (b + 1) * BATCH]], alone[1])
-            opt.step()
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        program = build_program(optimizer, lr, hidden, dtype)
+        model, data = program.model, dataset(dtype)
+        opt = program.optimizer.build(model.parameters())
+        samplers = [DistributedSampler(data, TRAINERS, t, shuffle=True, seed=0) for t in range(TRAINERS)]
+        for epoch in range(epochs):
+            for s in samplers:
+                s.set_epoch(epoch)
+            orders = [list(s) for s in samplers]
+            for b in range(len(orders[0]) // BATCH):
+                idx = [i for t in trainers for i in orders[t][b * BATCH : (b + 1) * BATCH]]
+                x, y = data[idx]
+                opt.zero_grad()
+                loss_of(model, x, y).backward()
+                if alone is not None and alone[0] == epoch * (len(orders[0]) // BATCH) + b:
+                    _keep_trainer0_gradient(model, data[orders[0][b * BATCH : (b + 1) * BATCH]], alone[1])
+                opt.step()
+        return {k: v.detach().clone() for k, v in model.state_dict().items()}
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _keep_trainer0_gradient(model: nn.Module, batch0, rows: Dict[str, slice]) -> None:
@@ -203,6 +223,9 @@ def main(argv=None) -> int:
         "--hidden", type=int, default=HIDDEN, help=f"the hidden layer's width ({WIDE}: pushes split)"
     )
     p.add_argument("--push_lanes", type=int, default=1)
+    p.add_argument(
+        "--dtype", choices=sorted(DTYPES), default="float32", help="the model's and data's (not --counting's)"
+    )
     p.add_argument("--k_steps", type=int, default=0, help="GEO mode (with --async): sync every k_steps steps")
     p.add_argument(
         "--backup_trainers", type=int, default=0, help="sync: steps made by the first trainers - b"
@@ -232,7 +255,10 @@ def main(argv=None) -> int:
         backup_trainers=args.backup_trainers,
     )
     t = DistributeTranspiler(config)
-    program = counting_program() if args.counting else build_program(args.optimizer, args.lr, args.hidden)
+    dtype = DTYPES[args.dtype]
+    program = (
+        counting_program() if args.counting else build_program(args.optimizer, args.lr, args.hidden, dtype)
+    )
     t.transpile(
         env.trainer_id,
         program=program,
@@ -249,7 +275,7 @@ def main(argv=None) -> int:
 
     from trainer import Trainer
 
-    data = dataset()
+    data = dataset(dtype)
     tr = Trainer(t.get_trainer_program())
     tid = env.trainer_id
     if tid == args.hold_trainer and args.hold_push >= 0:

@@ -18,10 +18,10 @@ import pytest
 import torch
 
 from harness.host_layouts import parse_layout, per_host_commands
-from harness.models import assert_state_close
 from harness.netns import Hosts, NetnsError, host_env
 from harness.processes import Command
 from tests.helpers import paths
+from tests.helpers.jobs import assert_job_models_close
 from tests.helpers.system import missing_prerequisites, unavailable
 from tests.scripts import recovery_job
 
@@ -71,6 +71,7 @@ def test_sync_job_across_four_hosts_launched_per_host_equals_one_process(hosts, 
         "--out_dir",
         str(out),
         "--no_shared_memory",
+        *recovery_job.FLOAT64,
     ]
     commands = per_host_commands(layout, hosts.ip, PORT, lambda h: str(tmp_path / f"host{h}"), script)
     assert sorted(commands) == [1, 2, 3, 4]
@@ -96,9 +97,7 @@ def test_sync_job_across_four_hosts_launched_per_host_equals_one_process(hosts, 
     assert sorted(os.listdir(tmp_path / "host3")) == ["roles.json", "workerlog.0"]
     assert sorted(os.listdir(tmp_path / "host4")) == ["roles.json", "workerlog.1"]
 
-    expected = recovery_job.reference(epochs=EPOCHS)
-    for tid in (0, 1):
-        assert_state_close(torch.load(out / f"trainer-{tid}.pt"), expected)
+    assert_job_models_close(out, recovery_job.reference(epochs=EPOCHS, dtype=torch.float64))
 
     moved = {h: hosts.moved(before[h], hosts.counters(h)) for h in hosts.numbers()}
     assert all(m["rx_bytes"] > MIN_BYTES and m["tx_bytes"] > MIN_BYTES for m in moved.values()), moved

@@ -63,7 +63,6 @@ import time
 from typing import Dict, Optional
 
 import pytest
-import torch
 
 from harness.netns import in_ns, run, without_proxies
 from tests.helpers.etcd import etcd_or_skip
@@ -87,6 +86,7 @@ from tests.helpers.partition import (
     stamp,
     wait_for,
 )
+from tests.scripts import recovery_job
 
 pytestmark = pytest.mark.processes
 
@@ -129,6 +129,7 @@ def test_isolated_primary_is_fenced_refuses_pushes_and_never_leads_beside_its_ba
             "--pause_at",
             "0",
             "--pause_every_trainer",
+            *recovery_job.FLOAT64,
         ],
     )
     probe: Optional[subprocess.Popen] = None
@@ -328,14 +329,7 @@ def test_isolated_primary_is_fenced_refuses_pushes_and_never_leads_beside_its_ba
 
         # 4. The job finishes: exit 0, the model of one process, no roll-back.
         job.wait_trainers(TRAINERS_DEADLINE)
-        threads = torch.get_num_threads()
-        torch.set_num_threads(
-            1
-        )  # the reference's small matmuls: two threads fighting a loaded machine took 10x longer
-        try:
-            job.assert_trained_as_one_process(epochs=EPOCHS)
-        finally:
-            torch.set_num_threads(threads)
+        job.assert_trained_as_one_process(epochs=EPOCHS)
         assert job.rollback_lines() == []
         codes = job.finish_pservers()
         assert codes == {"pserver0": 0, "replica0": 0}, (codes, job.all_logs())

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from tests.helpers import paths
+from tests.helpers.jobs import assert_job_models_close
 from tests.helpers.slurm_cluster import (
     NODES,
     ClusterUnavailable,
@@ -161,6 +162,7 @@ def test_node_failure_requeues_the_job_which_resumes_from_its_checkpoint(slurm, 
         "12",
         "--pause_dir",
         str(pause),
+        *recovery_job.FLOAT64,
         env=job_env(tmp_path, PS_PSERVER_NUM="2"),
     )
     slurm.wait_until(
@@ -196,13 +198,7 @@ def test_node_failure_requeues_the_job_which_resumes_from_its_checkpoint(slurm, 
         int(s) for s in re.findall(r"pserver n1:617[01] resumes from the checkpoint at step (\d+)", log)
     ]
     assert len(resumed) == 2 and 0 < resumed[0] == resumed[1] <= 12, resumed
-    expected = recovery_job.reference(epochs=2)
-    for trainer in (0, 1):
-        state = torch.load(models / f"trainer-{trainer}.pt", weights_only=True)
-        for k in expected:
-            torch.testing.assert_close(
-                state[k], expected[k], rtol=0, atol=1e-5, msg=lambda m: f"trainer {trainer} {k}: {m}"
-            )
+    assert_job_models_close(models, recovery_job.reference(epochs=2, dtype=torch.float64))
 
 
 @pytest.mark.processes
