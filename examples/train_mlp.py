@@ -99,6 +99,12 @@ def parse_args(argv=None):
         choices=["bfloat16", "float16"],
         help="gradients travel in this dtype (pushes, or collective all-reduces): half the bytes",
     )
+    p.add_argument(
+        "--no_shared_memory",
+        dest="shared_memory",
+        action="store_false",
+        help="every byte over TCP, even to a pserver whose memory this host shares (network namespaces)",
+    )
     return p.parse_args(argv)
 
 
@@ -145,6 +151,7 @@ def main(argv=None) -> int:
         checkpoint_every=args.checkpoint_every if args.checkpoint_dir else 0,
         mode="collective" if env.collective else "pserver",
         grad_wire_dtype=args.grad_wire_dtype,
+        shared_memory=args.shared_memory,
     )
     t = DistributeTranspiler(config)
     t.transpile(

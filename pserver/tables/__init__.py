@@ -4,15 +4,16 @@
 - :mod:`.shard`: :class:`TableShard`, one table's rows on one pserver (lookup, sparse update), composed of
   its rows in memory, its disk tier (with ``ram_rows``) and its row lifecycle.
 - :mod:`.row_store`: :class:`~.row_store.RowStore`, the rows in memory: arrays, id index, growth, removal.
-- :mod:`.id_index`: the vectorised open-addressing index from id to row; :mod:`.index_kernels` its
-  numba-compiled probe and insert; :mod:`.row_kernels` a plain table's whole apply and lookup compiled.
+- :mod:`.id_index`: the vectorised open-addressing index from id to row; :mod:`.compiled.index_kernels` its
+  numba-compiled probe and insert; :mod:`.compiled.row_kernels` a plain table's whole apply and lookup
+  compiled.
 - :mod:`.rows`: growable row storage, record-wise gather and scatter; :mod:`.fresh`: initial rows a lookup
   computed, kept for the insert that follows.
 - :mod:`.step_sums`: a sync step's sparse gradients merged on arrival in float64 (memory bounded by its
   ids, not trainers; the mean independent of the order of arrival).
 - :mod:`.sparse_optim`: torch-exact sparse SGD, Adagrad and Adam (SparseAdam) rules.
-- :mod:`.files`: shard files (atomic save, re-sharding load); :mod:`.plain_files`: a save merged into
-  one file set per table, readable with numpy alone, which :mod:`.cli` writes.
+- :mod:`.files`: shard files (atomic save, re-sharding load); :mod:`.plain_files`: a save merged into one
+  file set per table, readable with numpy alone, which :mod:`.cli` writes.
 - :mod:`.lifecycle`: admission, eviction and their row metadata (docs/tables.md, "Table lifecycle").
 - :mod:`.serving`: base + delta exports for serving, and the numpy-only reader.
 

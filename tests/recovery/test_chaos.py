@@ -17,8 +17,8 @@ from typing import List, Tuple
 import pytest
 import torch
 
+from harness.models import FLOAT64_EXACT
 from tests.helpers.jobs import Job, assert_job_models_close
-from tests.helpers.models import FLOAT64_EXACT
 from tests.scripts import recovery_job
 
 pytestmark = pytest.mark.processes

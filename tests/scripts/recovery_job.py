@@ -47,7 +47,7 @@ WIDE = 57344
 # :func:`reference` runs it so: the job steps with the mean of per-trainer gradients, the reference with
 # the gradient of the concatenated batch, and in float32 the two drift apart over the steps by an
 # amount that depends on the CPU's kernels (1.2e-4 seen on the wide model over 240 steps on one CPU,
-# 3e-5 on another). In float64 the drift is some 1e-9 of that: tests.helpers.models.FLOAT64_JOB.
+# 3e-5 on another). In float64 the drift is some 1e-9 of that: harness.models.FLOAT64_JOB.
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
 FLOAT64 = ["--dtype", "float64"]
 

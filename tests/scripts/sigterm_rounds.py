@@ -22,7 +22,7 @@ import time
 from harness.ports import free_ports
 from pserver.cli import main
 
-PROGRAM = "tests/helpers/models.py:odd_program"  # run from the repository's root, on its PYTHONPATH
+PROGRAM = "harness/models.py:odd_program"  # run from the repository's root, on its PYTHONPATH
 
 
 def announce_when_handled(round_: int, deadline: float) -> None:

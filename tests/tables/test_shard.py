@@ -7,13 +7,13 @@ import numpy as np
 import pytest
 import torch
 
+from harness.models import FLOAT64_EXACT
 from pserver.tables import id_index
 from pserver.tables.compiled import row_kernels
 from pserver.tables.fresh import FreshRows, fill_compiled, fill_numpy
 from pserver.tables.id_index import build_index, home_slots, place, probe
 from pserver.tables.rows import Growable
 from pserver.tables.shard import TableShard
-from tests.helpers.models import FLOAT64_EXACT
 from tests.helpers.table_specs import grads_for, make_spec
 from transpiler.tables import initial_rows, merge_duplicates, shard_of
 

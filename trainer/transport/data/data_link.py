@@ -165,21 +165,28 @@ class DataLink:
         with self._lock:
             busy = self._busy.setdefault(slot, threading.Lock())
         with busy:
-            channel = self._channel(slot)
-            try:
-                if channel.regions is not None:  # the bytes go through the connection's regions
-                    channel.map_regions(request_bytes, answer_bytes, timeout)
-                    write(np.frombuffer(channel.regions[0].view, np.uint8, request_bytes))
-                    shared = replace(header, flags=header.flags | SHARED)
-                    answer, payload = channel.call(shared, step_trainers, (), timeout)
-                else:
-                    out = channel.outbox(request_bytes)
-                    write(out)
-                    answer, payload = channel.call(header, step_trainers, [out], timeout)
-                return answer, read(payload)
-            except DataCallError:
-                self._drop(slot)
-                raise
+            while True:
+                with self._lock:
+                    reused = slot in self._channels
+                channel = self._channel(slot)
+                try:
+                    if channel.regions is not None:  # the bytes go through the connection's regions
+                        channel.map_regions(request_bytes, answer_bytes, timeout)
+                        write(np.frombuffer(channel.regions[0].view, np.uint8, request_bytes))
+                        shared = replace(header, flags=header.flags | SHARED)
+                        answer, payload = channel.call(shared, step_trainers, (), timeout)
+                    else:
+                        out = channel.outbox(request_bytes)
+                        write(out)
+                        answer, payload = channel.call(header, step_trainers, [out], timeout)
+                    return answer, read(payload)
+                except DataCallError as e:
+                    self._drop(slot)
+                    # A connection the pserver closed while it was idle (a newer one of this slot replaced
+                    # it, a takeover of this trainer id) broke before the call was read: the call goes again
+                    # on a new connection once, whose hello gets the true answer (fenced, down).
+                    if not (reused and e.code() == grpc.StatusCode.UNAVAILABLE):
+                        raise
 
     # -- the calls ----------------------------------------------------------------------------------
 
@@ -249,6 +256,7 @@ class DataLink:
         """``one(lane)`` for every lane at once; the first failure closes every lane's connection."""
         with self._lock:
             if self._pool is None:
+                log.info("push-pulls to %s split across lanes: %d connections", self.endpoint, lanes)
                 self._pool = futures.ThreadPoolExecutor(
                     lanes, thread_name_prefix=f"data-lanes-{self.endpoint}"
                 )
