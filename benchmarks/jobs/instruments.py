@@ -110,6 +110,9 @@ class PserverPhases:
         engine.lookup = self._timed("lookup", engine.lookup)
         sv.PushPullOne = self._handler(sv.PushPullOne)
         sv.PushPullShared = self._handler(sv.PushPullShared)
+        channel = server._data_port.calls  # the data channel's push-pulls (data_channel=True)
+        channel.payloads.push = self._timed("decode", channel.payloads.push)
+        channel._push_pull = self._stretches(channel._push_pull)
 
     def _counting(self) -> bool:
         return self.first <= self.pushes < self.last
@@ -135,9 +138,7 @@ class PserverPhases:
         parking, done = method.parking, object()
 
         def timed(servicer, request, context):
-            with self._lock:
-                if self.pushes == self.first:
-                    self.process[0] = time.process_time()
+            self._started()
             answers, cpu = parking(servicer, request, context), 0.0
             try:
                 while True:
@@ -151,6 +152,32 @@ class PserverPhases:
                 self._handled(cpu)
 
         return types.MethodType(parks(stream=method.streams)(timed), method.__self__)
+
+    def _stretches(self, call):
+        """Time a data-channel push-pull, a generator a reactor runs in stretches (between its waits)."""
+
+        def timed(*args):
+            self._started()
+            answers, cpu = call(*args), 0.0
+            try:
+                while True:
+                    t0 = time.thread_time()
+                    try:
+                        item = next(answers)
+                    except StopIteration:
+                        return
+                    finally:
+                        cpu += time.thread_time() - t0
+                    yield item
+            finally:
+                self._handled(cpu)
+
+        return timed
+
+    def _started(self) -> None:
+        with self._lock:
+            if self.pushes == self.first:
+                self.process[0] = time.process_time()
 
     def _handled(self, cpu: float) -> None:
         with self._lock:
@@ -168,5 +195,5 @@ class PserverPhases:
         handler = 1e3 * self.cpu["handler"] / n
         process = 1e3 * (self.process[1] - self.process[0]) / n if self.process[1] else float("nan")
         ms["checks and encoding the answer"] = handler - sum(ms.values())
-        ms["outside the handler (gRPC, other threads)"] = process - handler
+        ms["outside the handler (transport, other threads)"] = process - handler
         return {"pushes": n, "process_ms_per_push": process, "phases_ms_per_push": ms}

@@ -208,7 +208,7 @@ class ChannelCalls:
             counted = yield from data.lane_pushes.settle(ticket, lambda d, s: data.count_push(head, d, s))
         else:
             counted = yield from data.count_push(head, parts.dense, parts.sparse, nbytes)
-        if not counted:
+        if not counted and not head.dropped:  # a dropped push (backup trainers) is never counted
             log.info(
                 "%s: duplicate push from trainer %d for step %d acknowledged, not counted again",
                 data.endpoint,

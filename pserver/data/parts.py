@@ -36,6 +36,8 @@ from transpiler.tables import merge_duplicates
 
 from ..engine import Contents, PushParts
 from ..errors import BadRequest
+from ..flat import FlatGrad, FlatLayout
+from ..flat_optim import flat_is_exact
 
 _ZEROS = np.zeros(ALIGN, dtype=np.uint8)  # padding of inline answers
 
@@ -47,6 +49,18 @@ class Lane:
     names: Tuple[str, ...]
     shapes: Tuple[Tuple[int, ...], ...]
     layout: DenseLayout
+
+
+@dataclass(frozen=True)
+class _FlatDense:
+    """The store's flat layout when a one-lane push's dense section is a gradient of it: the section's
+    dtype, the elements of padding between blocks (zeroed on arrival: the trainer's bytes there are not
+    trusted, and the flat optimizer needs zeros) and each block's bytes."""
+
+    layout: FlatLayout
+    dtype: np.dtype
+    padding: np.ndarray
+    nbytes: np.ndarray
 
 
 def _flat(t) -> np.ndarray:
@@ -72,6 +86,21 @@ class Payloads:
         tables = contents.tables.specs if contents.tables else {}
         self.table_names = tuple(tables)
         self.table_shapes = tuple(TableShape(t.dim, t.dtype) for t in tables.values())
+        self._flat = self._flat_dense(contents.store.flat_layout)
+
+    def _flat_dense(self, flat: Optional[FlatLayout]) -> Optional[_FlatDense]:
+        """How a one-lane push's dense section is the store's flat gradient as it comes (None: it is not,
+        for blocks of several dtypes or of a 16-bit one: those are read block by block)."""
+        if flat is None or not len(flat) or not flat_is_exact(flat.dtype):
+            return None
+        if flat.dense != self.lane(1, 0).layout:
+            return None
+        padding = np.ones(flat.numel, dtype=bool)
+        for start, numel in zip(flat.starts, flat.dense.numels):
+            padding[start : start + numel] = False
+        itemsize = flat.dtype.itemsize
+        numels = np.asarray(flat.dense.numels, dtype=np.int64)
+        return _FlatDense(flat, np.dtype(flat.dense.dtypes[0]), np.flatnonzero(padding), numels * itemsize)
 
     @functools.lru_cache(maxsize=64)
     def lane(self, lanes: int, lane: int) -> Lane:
@@ -113,9 +142,14 @@ class Payloads:
                 f"a push payload of {payload.size} bytes; its counts and this pserver's plan give "
                 f"{layout.nbytes}"
             )
-        dense = {} if dropped else self._dense(payload, layout, blocks, dense_layout, wire)
-        itemsize = ITEMSIZE[wire] if wire else 0
-        nbytes = sum(g.numel() * (itemsize or g.element_size()) for g in dense.values())
+        if dropped:
+            dense, nbytes = {}, 0
+        elif self._flat is not None and lanes == 1 and not wire:
+            dense, nbytes = self._flat_grad(payload, layout)
+        else:
+            dense = self._dense(payload, layout, blocks, dense_layout, wire)
+            itemsize = ITEMSIZE[wire] if wire else 0
+            nbytes = sum(g.numel() * (itemsize or g.element_size()) for g in dense.values())
         nbytes += sum(part[1] for table in layout.tables for part in table)
         sparse, answer_ids = {}, {}
         graded = counts.graded or (False,) * len(layout.tables)
@@ -177,6 +211,26 @@ class Payloads:
                 f"table counts {counts.grads + counts.nexts} beyond a payload of {payload.size} bytes"
             )
         return counts
+
+    def _flat_grad(self, payload: np.ndarray, layout: PushLayout) -> Tuple[FlatGrad, int]:
+        """A one-lane push's dense section as the store's flat gradient (a view of the payload, its padding
+        zeroed) and the bytes of its blocks: no call per block."""
+        flat = self._flat
+        presence = view(payload, layout.presence, np.uint8)
+        if presence.size and presence.max() > 1:
+            raise BadRequest("block presence bytes must be 0 or 1")
+        values = payload[layout.dense[0] : layout.dense[0] + layout.dense[1]].view(flat.dtype)
+        values[flat.padding] = 0
+        present = presence.view(bool)
+        if not self.allow_nonfinite and not np.isfinite(values).all():
+            grads = FlatGrad(flat.layout, torch.from_numpy(values), present)
+            for name, grad in grads.items():  # which block, to say so (absent ones may hold anything)
+                if not bool(torch.isfinite(grad).all()):
+                    raise BadRequest(
+                        f"gradient of {name} holds NaN or Inf; push refused (nonfinite_grads='refuse')"
+                    )
+        nbytes = int(flat.nbytes @ presence)
+        return FlatGrad(flat.layout, torch.from_numpy(values), None if present.all() else present), nbytes
 
     def _dense(
         self, payload: np.ndarray, layout: PushLayout, blocks: Lane, dense: DenseLayout, wire: str

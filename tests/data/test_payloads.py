@@ -11,6 +11,7 @@ from torch import nn
 from pserver.data.parts import Payloads
 from pserver.engine import Contents
 from pserver.errors import BadRequest
+from pserver.flat import FlatGrad
 from pserver.store import BlockStore
 from pserver.tables.table_set import TableSet
 from tests.helpers.table_models import BAG_DIM, DIM
@@ -191,3 +192,30 @@ def test_a_table_gradient_with_no_id_on_this_shard_still_counts_a_step(sides):
     parts, _ = pserver.push(out, 1, 0, push.grad_dtype, dropped=False)
     assert list(parts.sparse) == [empty.name]  # the second table pushed no gradient at all
     assert len(parts.sparse[empty.name][0]) == 0
+
+
+def test_a_one_lane_push_is_the_stores_flat_gradient_and_its_padding_and_absent_blocks_are_not_read(sides):
+    """One lane: the dense section is the store's flat gradient as it came (a view, no call per block). NaN
+    in the padding between blocks or in an absent block is neither refused nor kept: the padding is
+    zeroed (the flat optimizer needs zeros there) and an absent block is never read."""
+    trainer, pserver, blocks, tables = sides
+    absent = blocks[1].name
+    tensors = [(n, t) for n, t in push_tensors(blocks, tables, absent={absent}) if "@" not in n]
+    push = trainer.plan_push(tensors, 1, 0, dropped=False)
+    out = np.zeros(push.layout.nbytes, dtype=np.uint8)
+    trainer.write_push(out, push, tensors, 1, 0)
+    store_layout = pserver.contents.store.flat_layout
+    dense_at = push.layout.dense[0]
+    values = out[dense_at : dense_at + push.layout.dense[1]].view(np.float32)
+    first_end = store_layout.starts[0] + store_layout.dense.numels[0]
+    assert first_end < store_layout.starts[1]  # the first block is followed by padding
+    values[first_end] = np.nan
+    j = store_layout.index[absent]
+    values[store_layout.starts[j]] = np.inf
+    parts, nbytes = pserver.push(out, 1, 0, push.grad_dtype, dropped=False)
+    assert isinstance(parts.dense, FlatGrad) and parts.dense.layout is store_layout
+    assert parts.dense.flat.data_ptr() == values.ctypes.data  # a view of the payload
+    assert values[first_end] == 0
+    assert absent not in parts.dense and list(parts.dense) == [n for n, _ in tensors]
+    assert all(torch.equal(parts.dense[n], t) for n, t in tensors)
+    assert nbytes == sum(t.numel() * 4 for _, t in tensors)

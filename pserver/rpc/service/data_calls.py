@@ -184,7 +184,7 @@ class DataCalls:
         finally:
             if not held:
                 self._release(reader.tensors)
-        if not counted:
+        if not counted and not header.dropped:  # a dropped push (backup trainers) is never counted
             log.info(
                 "%s: duplicate push from trainer %d for step %d acknowledged, not counted again",
                 self.endpoint,
