@@ -7,7 +7,8 @@ Each system runs job S (``shared/peers/jobs.py``) long enough to sample a steady
 - **this project** (2 pservers x 2 trainers through ``ps-launch``, ``jobs/job_s.py``, the README's
   loop): the trainers time their own steps (``job_s.py``'s ``forward_ms`` (of which the table's
   ``lookup_ms``), ``backward_ms`` and ``step_ms``, wall clock per step, averaged over both
-  trainers and every timed step); the pservers time the CPU of each phase of a push in the
+  trainers and every timed step; and their CPU per step: the process's, the main thread's in forward
+  and backward, and the rest: ``tr.step()``'s encoding, decoding and bookkeeping, the feed's thread); the pservers time the CPU of each phase of a push in the
   handler's thread (``jobs/instruments.PserverPhases``: decode, apply, read the blocks, look up the next
   batch's rows, checks and encoding) and their whole process, over the same steps.
 - **TorchRec** (``torchrec_ctr.py`` in its venv, 2 ranks): the CPU of rank 0 over the window and
@@ -147,6 +148,12 @@ def run_ours(args, sync: bool, workdir: str) -> dict:
             "backward": mean("backward_ms"),
             "step": mean("step_ms"),
         },
+        # CPU per step: the trainer's process, its main thread in forward + backward, and the rest.
+        "trainer_cpu_ms": {
+            "process": mean("cpu_ms"),
+            "forward + backward": mean("fwd_bwd_cpu_ms"),
+            "outside forward and backward": mean("cpu_ms") - mean("fwd_bwd_cpu_ms"),
+        },
         "pserver_cpu_ms_per_push": sum(s["process_ms_per_push"] for s in servers) / 2,
         "pserver_phases_ms_per_push": phases_ms,
     }
@@ -226,6 +233,9 @@ def table(results: List[dict]) -> str:
                 "|---|---|---|---|---|",
                 f"| {t['forward']:.2f} | {t['lookup']:.2f} | {t['backward']:.2f} | {t['step']:.2f} | "
                 f"{total:.2f} |",
+                "",
+                "a trainer's CPU per step, ms: "
+                + ", ".join(f"{k} {v:.2f}" for k, v in r["trainer_cpu_ms"].items()),
                 "",
                 f"pservers: {r['pserver_cpu_ms_per_push']:.2f} ms of CPU per push (mean of 2), by phase:",
                 "",
