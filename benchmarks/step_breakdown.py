@@ -4,21 +4,20 @@
 
 Each system runs job S (``shared/peers/jobs.py``) long enough to sample a steady window:
 
-- **this project** (2 pservers x 2 trainers through ``ps-launch``, ``jobs/job_s.py``, the README's
-  loop): the trainers time their own steps (``job_s.py``'s ``forward_ms`` (of which the table's
-  ``lookup_ms``), ``backward_ms`` and ``step_ms``, wall clock per step, averaged over both
-  trainers and every timed step; and their CPU per step: the process's, the main thread's in forward
-  and backward, and the rest: ``tr.step()``'s encoding, decoding and bookkeeping, the feed's thread); the pservers time the CPU of each phase of a push in the
-  handler's thread (``jobs/instruments.PserverPhases``: decode, apply, read the blocks, look up the next
-  batch's rows, checks and encoding) and their whole process, over the same steps.
-- **TorchRec** (``torchrec_ctr.py`` in its venv, 2 ranks): the CPU of rank 0 over the window and
-  py-spy's samples of it, split into the embedding's forward (input and output all-to-alls and
-  the fbgemm lookup), the rest of the forward (MLP), backward (with the rows' SGD fused into it),
-  the dense optimizer step, and the rest; per step = CPU of the window / steps in it.
+- **this project** (2 pservers x 2 trainers through ``ps-launch``, ``jobs/job_s.py``, the README's loop):
+  the trainers time their own steps (``job_s.py``'s ``forward_ms`` (of which the table's ``lookup_ms``),
+  ``backward_ms`` and ``step_ms``, wall clock per step, averaged over both trainers and every timed step;
+  and their CPU per step: the process's, the main thread's in forward and backward, and the rest:
+  ``tr.step()``'s encoding, decoding and bookkeeping, the feed's thread); the pservers time the CPU of each
+  phase of a push in the handler's thread (``jobs/instruments.PserverPhases``: decode, apply, read the
+  blocks, look up the next batch's rows, checks and encoding) and their whole process, over the same steps.
+- **TorchRec** (``torchrec_ctr.py`` in its venv, 2 ranks): the CPU of rank 0 over the window and py-spy's
+  samples of it, split into the embedding's forward (input and output all-to-alls and the fbgemm lookup),
+  the rest of the forward (MLP), backward (with the rows' SGD fused into it), the dense optimizer step, and
+  the rest; per step = CPU of the window / steps in it.
 
-TorchRec needs py-spy (``pip install py-spy``), allowed to read other processes (root, or
-``ptrace_scope`` 0). Prints a table in Markdown; ``--json``
-appends every figure.
+TorchRec needs py-spy (``pip install py-spy``), allowed to read other processes (root, or ``ptrace_scope``
+0). Prints a table in Markdown; ``--json`` appends every figure.
 """
 
 from __future__ import annotations
@@ -128,7 +127,11 @@ def run_ours(args, sync: bool, workdir: str) -> dict:
         stderr=subprocess.STDOUT,
         stdin=subprocess.DEVNULL,
         timeout=args.timeout,
-        env={**os.environ, "PYTHONPATH": pythonpath_with_repo()},
+        env={
+            **os.environ,
+            "PYTHONPATH": pythonpath_with_repo(),
+            "PS_BENCH_PHASES": "0" if args.no_phases else "1",
+        },
     )
     if done.returncode != 0:
         raise RuntimeError(f"ps-launch exited {done.returncode}; logs in {log_dir}")
@@ -137,7 +140,7 @@ def run_ours(args, sync: bool, workdir: str) -> dict:
     servers = role_results(log_dir, "serverlog", 2, prefix="PSERVER_PHASES ")
     phases_ms = {
         k: sum(s["phases_ms_per_push"][k] for s in servers) / 2 for k in servers[0]["phases_ms_per_push"]
-    }
+    }  # empty with --no-phases
     return {
         "system": f"ours-{'sync' if sync else 'async'}",
         "examples_s": sum(r["examples"] for r in res)
@@ -237,7 +240,8 @@ def table(results: List[dict]) -> str:
                 "a trainer's CPU per step, ms: "
                 + ", ".join(f"{k} {v:.2f}" for k, v in r["trainer_cpu_ms"].items()),
                 "",
-                f"pservers: {r['pserver_cpu_ms_per_push']:.2f} ms of CPU per push (mean of 2), by phase:",
+                f"pservers: {r['pserver_cpu_ms_per_push']:.2f} ms of CPU per push (mean of 2)"
+                + (", by phase:" if r["pserver_phases_ms_per_push"] else " (phases not timed)"),
                 "",
                 "| phase | CPU ms per push |",
                 "|---|---|",
@@ -294,6 +298,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--rate", type=int, default=200, help="py-spy samples per second (default %(default)s)")
     p.add_argument("--timeout", type=float, default=900.0, help="s a system may run (default %(default)s)")
     p.add_argument("--json", default=None, help="append the figures to this file")
+    p.add_argument(
+        "--no-phases",
+        action="store_true",
+        help="the pservers' CPU per push without the phase timers (they cost tens of µs a push)",
+    )
     args = p.parse_args(argv)
     args.systems = [s for s in args.systems.split(",") if s]
     bad = set(args.systems) - {"ours-async", "ours-sync", "torchrec"}

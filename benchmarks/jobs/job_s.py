@@ -45,7 +45,8 @@ until every pserver has received every trainer's last push, and pulls. (In sync 
 trainers too, it evaluates at once: a live trainer that no longer steps would hold the others' steps.)
 It also reports the pservers' own counters (``ps_stats``, from their Stats call). Each pserver prints
 ``PSERVER_PHASES {json}`` as it exits: its CPU per push over the timed steps,
-phase by phase (:class:`benchmarks.jobs.instruments.PserverPhases`).
+phase by phase (:class:`benchmarks.jobs.instruments.PserverPhases`; the process's alone with
+``PS_BENCH_PHASES=0``).
 """
 
 from __future__ import annotations
@@ -427,7 +428,12 @@ def main(argv=None) -> int:
 
         ps_program = t.get_pserver_program(env.current_endpoint)
         server = ParameterServer(ps_program, t.get_startup_program(env.current_endpoint, ps_program))
-        phases = PserverPhases(server, env.trainers * args.warmup, env.trainers * (args.warmup + args.steps))
+        phases = PserverPhases(
+            server,
+            env.trainers * args.warmup,
+            env.trainers * (args.warmup + args.steps),
+            timed=os.environ.get("PS_BENCH_PHASES", "1") != "0",  # step_breakdown --no-phases
+        )
         server.serve()
         print("PSERVER_PHASES " + json.dumps(phases.summary()), flush=True)
         return 0
