@@ -213,6 +213,11 @@ class ParameterServer:
         )
 
     @property
+    def data_port(self) -> int:
+        """The data port bound (docs/dataplane.md), the one every HelloReply names."""
+        return self._data_listener.port
+
+    @property
     def metrics_port(self) -> Optional[int]:
         """The metrics port bound (after :meth:`start`; None: off)."""
         return self.side_ports.metrics_port

@@ -25,6 +25,8 @@ import struct
 from dataclasses import dataclass
 from typing import Tuple
 
+from ..lane_blocks import MAX_LANES
+
 MAGIC = b"PSDC"
 VERSION = 1
 
@@ -52,7 +54,8 @@ MAX_SESSION = 256
 MAX_DIGEST = 256
 MAX_STEP_TRAINERS = 1 << 16
 MAX_MESSAGE = 1 << 16
-MAX_LANES = 64
+# MAX_LANES (psproto.lane_blocks): a hello or a request names at most the lanes a push-pull may be split
+# across (``push_lanes``); more could not be served.
 
 
 class FrameError(ValueError):
@@ -123,11 +126,13 @@ class ConnectionHello:
         _, _, _, trainer, slot, lanes, token, session, digest, _ = _HELLO.unpack(head)
         if len(rest) != token + session + digest:
             raise FrameError("connection hello truncated")
+        # The lengths count bytes: each part is cut from the bytes, then decoded on its own.
+        parts = (rest[:token], rest[token : token + session], rest[token + session :])
         try:
-            text = rest.decode()
+            text = [bytes(p).decode() for p in parts]
         except UnicodeDecodeError:
             raise FrameError("connection hello: token, session or digest not UTF-8") from None
-        return cls(trainer, slot, lanes, text[:token], text[token : token + session], text[token + session :])
+        return cls(trainer, slot, lanes, *text)
 
 
 # kind, flags, grad dtype code, lanes, lane, pad, n step trainers, step, min_step, epoch, batch, attempt,

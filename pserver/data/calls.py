@@ -186,11 +186,7 @@ class ChannelCalls:
         )
         shared = bool(header.flags & SHARED)
         if shared:  # refused before anything counts if the answer cannot fit
-            need, room = self.payloads.answer_bytes(lane, parts.answer_ids), len(connection.regions[1])
-            if need > room:
-                raise BadRequest(
-                    f"the answer would carry {need:,} bytes, more than the answer region's {room:,}"
-                )
+            self._check_room(connection, lane, parts.answer_ids)
         data = self.data
         if shared:
             data.counters.add(shared_pushes=1)
@@ -227,6 +223,8 @@ class ChannelCalls:
             raise BadRequest(f"min_step must be >= 0, got {header.min_step}")
         lane = self.payloads.lane(header.lanes, header.lane)
         shared = bool(header.flags & SHARED)
+        if shared:
+            self._check_room(connection, lane, {})
         pserver_step, tensors = yield from self.data.read_answer(
             connection.trainer_id, header.min_step, lane.names, None
         )
@@ -239,14 +237,17 @@ class ChannelCalls:
         ids = self.payloads.prefetch(payload)
         shared = bool(header.flags & SHARED)
         if shared:
-            need, room = self.payloads.answer_bytes(None, ids), len(connection.regions[1])
-            if need > room:
-                raise BadRequest(
-                    f"the answer would carry {need:,} bytes, more than the answer region's {room:,}"
-                )
+            self._check_room(connection, None, ids)
         pserver_step, rows = yield from self.data.read_answer(connection.trainer_id, header.min_step, [], ids)
         self.data.counters.add(bytes_in=sum(i.nbytes for i in ids.values()), prefetches=1)
         yield self._answer(connection, None, rows, pserver_step, 0, shared)
+
+    def _check_room(self, connection: InboundConnection, lane, answer_ids) -> None:
+        """Refuse a shared call whose answer (``lane``'s blocks, the rows of ``answer_ids``) would not fit
+        its connection's answer region, before it waits, counts or reads anything."""
+        need, room = self.payloads.answer_bytes(lane, answer_ids), len(connection.regions[1])
+        if need > room:
+            raise BadRequest(f"the answer would carry {need:,} bytes, more than the answer region's {room:,}")
 
     def _answer(self, connection, lane, tensors, pserver_step: int, flags: int, shared: bool) -> Answer:
         n = len(lane.names) if lane is not None else 0

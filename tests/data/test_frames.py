@@ -16,6 +16,23 @@ def test_a_connection_hello_round_trips():
     assert ConnectionHello.unpack(head, rest) == hello
 
 
+def test_a_connection_hello_of_text_beyond_ascii_round_trips():
+    """The lengths count bytes: a part of several-byte characters does not shift the parts after it."""
+    hello = ConnectionHello(0, 1, 1, "tök€n", "sessiön", "digest")
+    data = hello.pack()
+    head = data[: ConnectionHello.head_size()]
+    assert ConnectionHello.unpack(head, data[ConnectionHello.head_size() :]) == hello
+
+
+def test_a_connection_hello_whose_part_ends_inside_a_character_is_refused():
+    # "é" is 2 bytes: a token of 1 byte ends inside it, although the whole text is UTF-8.
+    data = ConnectionHello(0, 0, 1, "é", "s", "d").pack()
+    head = bytearray(data[: ConnectionHello.head_size()])
+    head[16:20] = (1).to_bytes(2, "little") + (2).to_bytes(2, "little")
+    with pytest.raises(FrameError, match="not UTF-8"):
+        ConnectionHello.unpack(bytes(head), data[ConnectionHello.head_size() :])
+
+
 @pytest.mark.parametrize(
     "mutate, match",
     [
@@ -43,6 +60,7 @@ def test_a_request_header_round_trips_in_64_bytes():
         (RequestHeader(99), "unknown request kind"),
         (RequestHeader(frames.PULL, flags=0x80), "unknown request flags"),
         (RequestHeader(frames.PULL, lanes=2, lane=2), "lane 2 of 2"),
+        (RequestHeader(frames.PULL, lanes=frames.MAX_LANES + 1), f"lane 0 of {frames.MAX_LANES + 1}"),
         (RequestHeader(frames.PULL, step_trainers=frames.MAX_STEP_TRAINERS + 1), "step trainers"),
         (RequestHeader(frames.PUSH_PULL, payload_bytes=1001), "takes 1000"),
     ],

@@ -7,11 +7,13 @@ fuzzing reaches every check behind the session check. Every method of the servic
 gets a valid base request (:func:`base_requests`): one the pserver must refuse, or that cannot
 change its state even when valid; fuzz_series turns it into the series of cases. The rare
 mutation that turns into a request that may legitimately change the state is told apart by
-:func:`legit_change`.
+:func:`legit_change`. :func:`make_env` describes the pserver of a running cluster; :func:`train_one_step`
+has the live job train a real step once the fuzzing is over (the gRPC fuzzer's and the data channel's).
 """
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
@@ -25,8 +27,10 @@ from torch import nn
 from harness.cluster import LocalCluster
 from psproto import ps_pb2
 from psproto.codec import decode_chunk, encode_chunks, encode_into
+from psproto.dtypes import DTYPES
 from psproto.shared_memory import Region
 from transpiler import Program
+from transpiler.tables import shard_of
 
 SERVICE = ps_pb2.DESCRIPTOR.services_by_name["ParameterServer"]
 METHODS = {m.name: m for m in SERVICE.methods}
@@ -99,6 +103,80 @@ class Env:
     @property
     def names(self) -> List[str]:
         return [*self.blocks, *(f"{t}@{p}" for t in self.tables for p in ("ids", "rows"))]
+
+
+def make_env(cluster: LocalCluster, channel: grpc.Channel, tmp: Path, trainers: list, seed: int) -> Env:
+    """The :class:`Env` of ``cluster``'s first pserver and the live job ``trainers`` on it (joined): its
+    blocks, ids of its shard and of the other one (drawn with ``seed``), the trainers' sessions, a push's
+    gradients and the base requests. The hand-made cases and the blocks' bytes before fuzzing are the
+    caller's to add."""
+    server, other = cluster.servers
+    program = server.program
+    store = server.engine.store
+    candidates = np.random.default_rng(seed).integers(-(2**62), 2**62, size=400, dtype=np.int64)
+    owner = shard_of(candidates, len(program.pservers))
+    e = Env(
+        cluster=cluster,
+        channel=channel,
+        tmp=tmp,
+        digest=program.layout_digest,
+        blocks={n: store.expect(n) for n in store.names()},
+        other_blocks=sorted(other.engine.store.names()),
+        tables={t.name: t.dim for t in program.tables},
+        own_ids=candidates[owner == program.shard],
+        foreign_ids=candidates[owner != program.shard],
+        sessions={t: tr.channels[cluster.endpoints[0]].session for t, tr in enumerate(trainers)},
+        trainers=trainers,
+    )
+    assert WRONG_DIGEST != e.digest and len(e.own_ids) >= 100 and len(e.foreign_ids) >= 20
+    e.grads = [(n, torch.full(shape, 0.01, dtype=DTYPES[dtype])) for n, (dtype, shape) in e.blocks.items()]
+    e.grads += table_grads(e, "emb", e.own_ids[:20]) + table_grads(e, "bag", e.own_ids[20:35])
+    # Repeats allowed in a prefetch: the rows come back in request order.
+    e.prefetch_ids = [
+        ("emb@ids", torch.from_numpy(np.concatenate([e.own_ids[:60], e.own_ids[:5]]))),
+        ("bag@ids", torch.from_numpy(e.own_ids[60:100].copy())),
+    ]
+    e.bases = base_requests(e)
+    return e
+
+
+def close_env(e: Env) -> None:
+    """Close what :func:`make_env` opened beside the cluster (PushPullShared's base regions)."""
+    if e.shared is not None:
+        e.shared[0].close()
+        e.shared[2].close()
+
+
+def train_one_step(e: Env) -> Dict[int, float]:
+    """The live job's trainers train one real sync step, each in its own thread; their losses by id."""
+    rng = np.random.default_rng(1)
+
+    def body(tr):
+        n = 4
+        ids = torch.from_numpy(rng.choice(e.own_ids, size=(n, SLOTS)))
+        bag = torch.from_numpy(rng.choice(e.foreign_ids, size=(n, BAG_LEN)))
+        y = torch.from_numpy(np.arange(n) % 2)
+        loss = nn.functional.cross_entropy(tr.model(ids, bag), y)
+        loss.backward()
+        tr.step()
+        return loss.item()
+
+    losses, errors = {}, []
+
+    def train(t):
+        try:
+            losses[t] = body(e.trainers[t])
+        except BaseException as ex:  # reported on the caller's thread
+            errors.append(ex)
+
+    threads = [threading.Thread(target=train, args=(t,)) for t in range(TRAINERS)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(60)
+    assert not any(th.is_alive() for th in threads), "the live job's step did not finish within 60s"
+    assert not errors, errors
+    return losses
 
 
 def table_grads(e: Env, table: str, ids: np.ndarray, dtype=torch.float32):

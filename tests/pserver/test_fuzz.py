@@ -52,31 +52,24 @@ import logging
 import os
 import random
 import re
-import threading
 import time
 from collections import Counter
 
 import grpc
 import numpy as np
 import pytest
-import torch
 from google.protobuf.message_factory import GetMessageClass
-from torch import nn
 
 from harness.cluster import LocalCluster
 from psproto.codec import WireError, as_bytes, decode_chunk
-from psproto.dtypes import DTYPES
 from tests.helpers.fuzz_cases import (
-    BAG_LEN,
     METHODS,
-    SLOTS,
     TRAINERS,
-    WRONG_DIGEST,
-    Env,
-    base_requests,
     build,
+    close_env,
     legit_change,
-    table_grads,
+    make_env,
+    train_one_step,
 )
 from tests.helpers.fuzz_crafted import crafted_cases
 from tests.helpers.fuzz_judge import (
@@ -92,7 +85,6 @@ from tests.helpers.fuzz_judge import (
 from tests.helpers.fuzz_series import generate_cases
 from tests.helpers.fuzz_wire import varint
 from transpiler import DistributeTranspilerConfig
-from transpiler.tables import shard_of
 
 # PS_FUZZ_SEED: another seed, for a different series (PS_FUZZ_SCALE, in fuzz_series: a longer one).
 SEED = int(os.environ.get("PS_FUZZ_SEED", "20240611"))
@@ -116,48 +108,16 @@ def env(tmp_path_factory):
         e = None
         try:
             with grpc.insecure_channel(cluster.endpoints[0]) as channel:
-                e = make_env(cluster, channel, tmp, trainers)
+                e = make_env(cluster, channel, tmp, trainers, SEED)
+                e.crafted = crafted_cases(e)
+                version, e.before = pull_blocks(e)
+                assert version == 0
                 yield e
         finally:
             for tr in trainers:
                 tr.close()
-            if e is not None and e.shared is not None:
-                e.shared[0].close()
-                e.shared[2].close()
-
-
-def make_env(cluster, channel, tmp, trainers) -> Env:
-    server, other = cluster.servers
-    program = server.program
-    store = server.engine.store
-    candidates = np.random.default_rng(SEED).integers(-(2**62), 2**62, size=400, dtype=np.int64)
-    owner = shard_of(candidates, len(program.pservers))
-    e = Env(
-        cluster=cluster,
-        channel=channel,
-        tmp=tmp,
-        digest=program.layout_digest,
-        blocks={n: store.expect(n) for n in store.names()},
-        other_blocks=sorted(other.engine.store.names()),
-        tables={t.name: t.dim for t in program.tables},
-        own_ids=candidates[owner == program.shard],
-        foreign_ids=candidates[owner != program.shard],
-        sessions={t: tr.channels[cluster.endpoints[0]].session for t, tr in enumerate(trainers)},
-        trainers=trainers,
-    )
-    assert WRONG_DIGEST != e.digest and len(e.own_ids) >= 100 and len(e.foreign_ids) >= 20
-    e.grads = [(n, torch.full(shape, 0.01, dtype=DTYPES[dtype])) for n, (dtype, shape) in e.blocks.items()]
-    e.grads += table_grads(e, "emb", e.own_ids[:20]) + table_grads(e, "bag", e.own_ids[20:35])
-    # Repeats allowed in a prefetch: the rows come back in request order.
-    e.prefetch_ids = [
-        ("emb@ids", torch.from_numpy(np.concatenate([e.own_ids[:60], e.own_ids[:5]]))),
-        ("bag@ids", torch.from_numpy(e.own_ids[60:100].copy())),
-    ]
-    e.bases = base_requests(e)
-    e.crafted = crafted_cases(e)
-    version, e.before = pull_blocks(e)
-    assert version == 0
-    return e
+            if e is not None:
+                close_env(e)
 
 
 # -- tests ------------------------------------------------------------------------------------
@@ -241,33 +201,7 @@ def test_after_fuzzing_the_pserver_is_unchanged_and_trains(env, caplog):
     assert not changed, f"blocks changed by the fuzzing: {changed}"
     assert state_change(env) is None, state_change(env)
 
-    rng = np.random.default_rng(1)
-
-    def body(tr, i):
-        n = 4
-        ids = torch.from_numpy(rng.choice(env.own_ids, size=(n, SLOTS)))
-        bag = torch.from_numpy(rng.choice(env.foreign_ids, size=(n, BAG_LEN)))
-        y = torch.from_numpy(np.arange(n) % 2)
-        loss = nn.functional.cross_entropy(tr.model(ids, bag), y)
-        loss.backward()
-        tr.step()
-        return loss.item()
-
-    losses, errors = {}, []
-
-    def train(t):
-        try:
-            losses[t] = body(env.trainers[t], t)
-        except BaseException as e:  # reported on the test's thread
-            errors.append(e)
-
-    threads = [threading.Thread(target=train, args=(t,)) for t in range(TRAINERS)]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join(60)
-    assert not any(th.is_alive() for th in threads), "the live job's step did not finish within 60s"
-    assert not errors, errors
+    losses = train_one_step(env)
     assert sorted(losses) == [0, 1] and all(np.isfinite(list(losses.values())))
     for server in env.cluster.servers:
         assert server.engine.step == 1, server.endpoint
