@@ -187,7 +187,6 @@ class ChannelCalls:
         shared = bool(header.flags & SHARED)
         if shared:  # refused before anything counts if the answer cannot fit
             self._check_room(connection, lane, parts.answer_ids)
-        data = self.data
         if shared:
             data.counters.add(shared_pushes=1)
         if header.lanes > 1:
