@@ -34,6 +34,7 @@ from psproto.shared_memory import map_region
 
 from ..errors import BadRequest, Unauthenticated
 from ..rpc.arrival import CallsInProgress
+from ..rpc.parking import park
 from ..rpc.prologue import CALLS_LOG, CallerChecks, refusal_of
 from ..rpc.service.data_calls import DataCalls
 from .inbound import InboundConnection, Request
@@ -211,10 +212,17 @@ class ChannelCalls:
                 head.step,
             )
         min_step = head.step + 1 if self.engine.sync_mode else 0
+        flags = COUNTED if counted else 0
+        if shared and self.payloads.in_place(lane):
+            pserver_step, written = yield from self._answer_in_place(
+                connection, head.trainer_id, min_step, parts.answer_ids
+            )
+            yield Answer(pserver_step, flags, shared_bytes=written)
+            return
         pserver_step, tensors = yield from data.read_answer(
             head.trainer_id, min_step, lane.names, parts.answer_ids
         )
-        yield self._answer(connection, lane, tensors, pserver_step, COUNTED if counted else 0, shared)
+        yield self._answer(connection, lane, tensors, pserver_step, flags, shared)
 
     def _pull(self, connection: InboundConnection, request: Request) -> Iterator:
         header = request.header
@@ -224,6 +232,12 @@ class ChannelCalls:
         shared = bool(header.flags & SHARED)
         if shared:
             self._check_room(connection, lane, {})
+            if self.payloads.in_place(lane):
+                pserver_step, written = yield from self._answer_in_place(
+                    connection, connection.trainer_id, header.min_step, {}
+                )
+                yield Answer(pserver_step, 0, shared_bytes=written)
+                return
         pserver_step, tensors = yield from self.data.read_answer(
             connection.trainer_id, header.min_step, lane.names, None
         )
@@ -240,6 +254,19 @@ class ChannelCalls:
         pserver_step, rows = yield from self.data.read_answer(connection.trainer_id, header.min_step, [], ids)
         self.data.counters.add(bytes_in=sum(i.nbytes for i in ids.values()), prefetches=1)
         yield self._answer(connection, None, rows, pserver_step, 0, shared)
+
+    def _answer_in_place(self, connection: InboundConnection, trainer_id: int, min_step: int, answer_ids):
+        """Wait for ``min_step`` as :meth:`DataCalls.read_answer` does, then write the answer in the
+        connection's answer region in place (:meth:`Payloads.in_place`); (the pserver's step, the bytes
+        written)."""
+        yield from park(self.engine.park_for_step(trainer_id, min_step))
+        self.checks.acked()
+        out = np.frombuffer(connection.regions[1], np.uint8)
+        start = self.payloads.lane(1, 0).layout.nbytes
+        pserver_step = self.engine.read_flat_into(out[:start])
+        end, rows_bytes = self.payloads.lookup_into(out, start, answer_ids)
+        self.data.counters.add(bytes_out=self.payloads.dense_bytes + rows_bytes)
+        return pserver_step, end
 
     def _check_room(self, connection: InboundConnection, lane, answer_ids) -> None:
         """Refuse a shared call whose answer (``lane``'s blocks, the rows of ``answer_ids``) would not fit

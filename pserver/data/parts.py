@@ -87,6 +87,8 @@ class Payloads:
         self.table_names = tuple(tables)
         self.table_shapes = tuple(TableShape(t.dim, t.dtype) for t in tables.values())
         self._flat = self._flat_dense(contents.store.flat_layout)
+        # Rows numpy can hold are looked up straight into an answer region (no bfloat16 in numpy).
+        self._rows_in_place = all(t.dtype in ("float32", "float64", "float16") for t in self.table_shapes)
 
     def _flat_dense(self, flat: Optional[FlatLayout]) -> Optional[_FlatDense]:
         """How a one-lane push's dense section is the store's flat gradient as it comes (None: it is not,
@@ -265,6 +267,32 @@ class Payloads:
             )
 
     # -- writing answers ----------------------------------------------------------------------------
+
+    def in_place(self, lane: Lane) -> bool:
+        """Whether an answer with ``lane``'s blocks is written in place: the store's flat buffer copied whole
+        (:meth:`pserver.engine.Engine.read_flat_into`, one lane of blocks in one float dtype) and the rows
+        looked up straight into the region (:meth:`lookup_into`)."""
+        return self._flat is not None and self._rows_in_place and lane.names == self.lane(1, 0).names
+
+    @property
+    def dense_bytes(self) -> int:
+        """Bytes of every block (padding aside): an in-place answer's tensor bytes before its rows."""
+        return int(self._flat.nbytes.sum()) if self._flat is not None else 0
+
+    def lookup_into(
+        self, out: np.ndarray, start: int, answer_ids: Mapping[str, np.ndarray]
+    ) -> Tuple[int, int]:
+        """The rows of ``answer_ids`` ({table: ids}, checked) looked up into ``out`` (uint8, an answer region)
+        from byte ``start`` on, where the trainer reads them; (the end, the rows' bytes)."""
+        nexts = [len(answer_ids.get(n, ())) for n in self.table_names]
+        parts, end = rows_parts(self.table_shapes, nexts, start) if self.table_names else ([], start)
+        nbytes = 0
+        for name, shape, (at, size), n in zip(self.table_names, self.table_shapes, parts, nexts):
+            if n:
+                rows = out[at : at + size].view(np.dtype(shape.dtype)).reshape(n, shape.dim)
+                self.contents.tables.shards[name].lookup_into(answer_ids[name], rows)
+                nbytes += size
+        return end, nbytes
 
     def answer_bytes(self, lane: Optional[Lane], answer_ids: Mapping[str, np.ndarray]) -> int:
         """Bytes of an answer with ``lane``'s blocks (None: a prefetch's, none) and the rows of
