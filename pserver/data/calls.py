@@ -210,7 +210,7 @@ class ChannelCalls:
                 head.trainer_id,
                 head.step,
             )
-        min_step = head.step + 1 if self.engine.sync_mode else 0
+        min_step = self.engine.mode.answer_step(head.step)
         pserver_step, tensors = yield from data.read_answer(
             head.trainer_id, min_step, lane.names, parts.answer_ids
         )
