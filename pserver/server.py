@@ -30,16 +30,16 @@ from .checkpoint import Checkpointer
 from .data.port import DataPort
 from .data.port import bind as bind_data_port
 from .engine import (
-    AsyncEngine,
     Contents,
+    Engine,
     FileWrites,
     Reductions,
     Replication,
     ScheduledCheckpoints,
     ScheduledExports,
     StepClaims,
-    SyncEngine,
 )
+from .engine.modes import for_plan
 from .errors import LostLead
 from .held_elsewhere import HeldElsewhere
 from .ops.metrics import PserverCollector
@@ -127,10 +127,8 @@ class ParameterServer:
             on_roster_change=held.roster_changed,
             held_elsewhere=held.trainers,
         )
-        if program.sync_mode:
-            self.engine = SyncEngine(*args, **parts)
-        else:
-            self.engine = AsyncEngine(*args, max_staleness=cfg.max_staleness, **parts)
+        # What a push does is the plan's mode's to decide: the engine calls its handler (engine/modes/).
+        self.engine = Engine(*args, mode=for_plan(program), **parts)
         engine = self.engine
         # A trainer whose Reduce waits is alive to the engine, and heard from when its round ends.
         self.reductions = Reductions(

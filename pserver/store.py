@@ -19,7 +19,8 @@ from .flat_optim import FlatOptimizer, flat_is_exact
 
 
 class _Flat:
-    """The blocks of one dtype: one flat tensor (``param``) of ``layout``, and their optimizer (None: GEO)."""
+    """The blocks of one dtype: one flat tensor (``param``) of ``layout``, and their optimizer (None: the
+    blocks take deltas)."""
 
     def __init__(self, layout: FlatLayout, spec: Optional[OptimizerSpec]):
         self.layout = layout
@@ -36,8 +37,8 @@ class _Flat:
 
     def apply_blocks(self, grads: Mapping[int, torch.Tensor], lr: float, scale: Optional[float]) -> None:
         """``grads`` by position in the layout, each in its block's shape: the optimizer's step over their
-        views at ``lr`` (GEO: add them times ``scale``)."""
-        if self.optimizer is not None:
+        views at ``lr`` (``scale`` None), else add them times ``scale`` (deltas)."""
+        if scale is None:
             self.optimizer.step_blocks(list(grads), list(grads.values()), lr)
             return
         for i, delta in grads.items():
@@ -57,8 +58,8 @@ class BlockStore:
     ``grad`` is None. Not thread-safe: the engine serialises calls.
 
     In GEO mode (``config.k_steps``) the trainers run the optimizer and push
-    deltas: :meth:`apply` adds each divided by the number of trainers
-    (:attr:`geo_scale`), and there is no optimizer state.
+    deltas: the blocks keep no optimizer state, and the GEO mode's handler
+    (:mod:`pserver.engine.modes.geo_deltas`) adds them scaled (:meth:`add`).
     """
 
     def __init__(self, program: PserverProgram, startup: Optional[StartupProgram]):
@@ -78,16 +79,12 @@ class BlockStore:
                     )
             elif startup is not None:
                 raise ValueError(f"startup program has no value for block {name}")
-        # GEO: Paddle's scaling. Trainers that synced from the same values move the block to the mean of
-        # their models (Local SGD's averaging, each trainer on its own clock); a plain sum would take
-        # ``trainers`` optimizer steps' worth per window and diverge at the learning rate of one.
-        self.geo_scale: Optional[float] = 1.0 / program.trainers if program.config.k_steps else None
         self.schedule = LrSchedule(program.optimizer)
         plan = [(name, spec.shape, spec.dtype) for name, spec in self.specs.items()]
         # The wire's layout of this pserver's blocks (the data channel's dense part), in plan order.
         self.layout = DenseLayout.of([(name, spec.numel, spec.dtype) for name, spec in self.specs.items()])
         layouts, members = layout_of(plan)
-        spec = program.optimizer if self.geo_scale is None else None
+        spec = None if program.config.k_steps else program.optimizer  # GEO: deltas, no optimizer state
         self._groups = [_Flat(layout, spec) for layout in layouts]
         # name -> (group, position in it)
         self._where: Dict[str, Tuple[int, int]] = {
@@ -130,12 +127,21 @@ class BlockStore:
 
     def apply_flat(self, grad: torch.Tensor, present: Optional[np.ndarray], step: int) -> None:
         """One optimizer step with ``grad``, a flat tensor of :attr:`flat_layout` (blocks of one dtype), on
-        the blocks ``present`` (a bool per block in plan order; None: all) with the lr of ``step`` (GEO:
-        add the deltas, scaled).
+        the blocks ``present`` (a bool per block in plan order; None: all) with the lr of ``step``.
 
         What ``grad`` holds in an absent block is never read; between blocks it must be zero (or the
         padding of :attr:`flat` no longer is: the blocks never see it).
         """
+        self._update_flat(grad, present, step, None)
+
+    def add_flat(self, delta: torch.Tensor, present: Optional[np.ndarray], scale: float) -> None:
+        """GEO: add ``delta`` (flat, as :meth:`apply_flat`'s gradient) times ``scale`` to the blocks
+        ``present``."""
+        self._update_flat(delta, present, 0, scale)
+
+    def _update_flat(
+        self, grad: torch.Tensor, present: Optional[np.ndarray], step: int, scale: Optional[float]
+    ) -> None:
         if len(self._groups) != 1:
             raise ValueError("a flat gradient needs this pserver's blocks in one dtype")
         group = self._groups[0]
@@ -150,36 +156,43 @@ class BlockStore:
             if not present.any():
                 return
         with torch.no_grad():
-            if group.optimizer is None:
-                group.add(grad, present, self.geo_scale)
+            if scale is not None:
+                group.add(grad, present, scale)
             else:
                 group.optimizer.step(grad, present, self.schedule.lr_at(step))
 
     def apply(self, grads: Mapping[str, torch.Tensor], step: int) -> None:
-        """One optimizer step on the blocks in ``grads`` with the lr of ``step`` (GEO: add the deltas,
-        scaled).
+        """One optimizer step on the blocks in ``grads`` with the lr of ``step``.
 
         Blocks absent from ``grads`` are skipped, as a parameter without gradient is in single-process
         training. A :class:`~pserver.flat.FlatGrad` of :attr:`flat_layout` (a sync step's mean) is applied
         as it is (:meth:`apply_flat`); other gradients with one functional call over the blocks' views,
         without a copy.
         """
+        self._update(grads, step, None)
+
+    def add(self, deltas: Mapping[str, torch.Tensor], scale: float) -> None:
+        """GEO: add the blocks' ``deltas`` (by name, or a flat gradient as :meth:`apply` takes) times
+        ``scale``; blocks absent from ``deltas`` stay."""
+        self._update(deltas, 0, scale)
+
+    def _update(self, grads: Mapping[str, torch.Tensor], step: int, scale: Optional[float]) -> None:
         if not grads:
             return
         if isinstance(grads, FlatGrad) and len(self._groups) == 1:
             layout = self._groups[0].layout
             if grads.layout is layout or grads.layout == layout:
-                self.apply_flat(grads.flat, grads.present, step)
+                self._update_flat(grads.flat, grads.present, step, scale)
                 return
         parts: List[Dict[int, torch.Tensor]] = [{} for _ in self._groups]
         for name, g in grads.items():
             group, i = self._where[name]
             parts[group][i] = g
-        lr = self.schedule.lr_at(step) if self.geo_scale is None else 0.0
+        lr = self.schedule.lr_at(step) if scale is None else 0.0
         with torch.no_grad():
             for group, part in zip(self._groups, parts):
                 if part:
-                    group.apply_blocks(part, lr, self.geo_scale)
+                    group.apply_blocks(part, lr, scale)
 
     def block_state(self, name: str) -> Dict[str, object]:
         """Block ``name``'s optimizer state as torch keeps it ({} before its first step, and in GEO mode):

@@ -71,7 +71,7 @@ INSTANCES = {
     "tr": ("trainer.Trainer", "trainer.PserverTrainer", "trainer.CollectiveTrainer"),
     "env": ("transpiler.RoleEnv",),
 }
-# Top-level folders whose paths a page may name: `pserver/engine/sync.py`, deploy/slurm/train.sbatch.
+# Top-level folders whose paths a page may name: `pserver/engine/modes/sync.py`, deploy/slurm/train.sbatch.
 PATH_ROOTS = (
     "trainer",
     "pserver",
@@ -180,7 +180,7 @@ def path_pattern(roots) -> re.Pattern:
 def named_paths(page: Path):
     """(line, path from the repository root) of every path ``page`` names, in prose and code alike.
 
-    From the repository's top folders (`pserver/engine/sync.py`), or, on a page below the top, from
+    From the repository's top folders (`pserver/engine/modes/sync.py`), or, on a page below the top, from
     the page's own subfolders (benchmarks/README.md's `common/netns.py` is benchmarks/common/netns.py).
     """
     folder = page.parent.relative_to(REPO)
@@ -206,7 +206,7 @@ def written_by_a_benchmark(relative: str) -> bool:
 
 @pytest.mark.parametrize("page", PAGES + BENCHMARK_PAGES, ids=lambda p: str(p.relative_to(REPO)))
 def test_every_repository_path_a_page_names_exists(page):
-    """Paths in prose and in code blocks alike: `pserver/engine/sync.py`, examples/train_mlp.py."""
+    """Paths in prose and in code blocks alike: `pserver/engine/modes/sync.py`, examples/train_mlp.py."""
     missing = [
         f"line {number}: {path}"
         for number, path in named_paths(page)

@@ -211,7 +211,7 @@ class ChannelCalls:
                 head.trainer_id,
                 head.step,
             )
-        min_step = head.step + 1 if self.engine.sync_mode else 0
+        min_step = self.engine.mode.answer_step(head.step)
         flags = COUNTED if counted else 0
         if shared and self.payloads.in_place(lane):
             pserver_step, written = yield from self._answer_in_place(

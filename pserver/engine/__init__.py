@@ -3,12 +3,19 @@
 - :mod:`.engine`: :class:`Engine`, the contract the RPC layer talks to (push,
   wait_for_step, read, lookup, roster operations, checkpoint and roll-back,
   the backup's side of hot standby), composed of parts handed to its
-  constructor; :mod:`.sync` (:class:`SyncEngine`, the barrier) and
-  :mod:`.asynchronous` (:class:`AsyncEngine`, apply on arrival) implement it.
+  constructor, over what every mode shares; :class:`SyncEngine` and
+  :class:`AsyncEngine` name an engine of one mode.
+- :mod:`.modes`: what each mode decides about a push, one handler per mode
+  that the engine calls for every push (ps-lite's request handle), chosen
+  from the plan (:func:`~.modes.for_plan`): :mod:`.modes.mode` (the interface,
+  :class:`~.modes.mode.Mode`), :mod:`.modes.sync` (the barrier),
+  :mod:`.modes.backup_steps` (backup trainers' step sets and dropped pushes),
+  :mod:`.modes.asynchronous` (apply on arrival, ``max_staleness``) and
+  :mod:`.modes.geo_deltas` (GEO's scaled deltas).
 - :mod:`.listeners`: :class:`UpdateListener`, told of every change under the
   engine's lock, and its implementations: replication, scheduled checkpoints,
   scheduled exports (and :class:`FileWrites`, the switch a backup keeps off).
-- :mod:`.pending`: :class:`PendingStep`, the sync engine's step in progress.
+- :mod:`.pending`: :class:`PendingStep`, the sync mode's step in progress.
 - :mod:`.rollback`: :class:`RollBacks`, the engine's checkpoints on demand,
   resume and roll-backs once per token (the state reset to a checkpoint, or
   to a primary's copy); :mod:`.waits`: its waits (deadline, shutdown, roll-back).
@@ -28,15 +35,13 @@
 Pure of gRPC: refusals are :mod:`pserver.errors`, mapped to statuses by :mod:`pserver.rpc`.
 """
 
-from .asynchronous import AsyncEngine
 from .contents import Contents, PushParts
-from .engine import Engine
+from .engine import AsyncEngine, Engine, SyncEngine
 from .listeners import FileWrites, Replication, ScheduledCheckpoints, ScheduledExports, UpdateListener
 from .roster import Joined
 from .services.claims import StepClaims
 from .services.reductions import Reductions
 from .stats import PserverStats
-from .sync import SyncEngine
 
 __all__ = [
     "Engine",

@@ -1,26 +1,25 @@
-"""Engine: the contract the RPC layer talks to, and what the sync and async engines share.
+"""Engine: the contract the RPC layer talks to, over what every mode shares, and its mode's push handler.
 
-:class:`~pserver.engine.sync.SyncEngine` applies step *s* once every live
-trainer's gradient for *s* has arrived (their mean);
-:class:`~pserver.engine.asynchronous.AsyncEngine` applies each on arrival.
+What a push does is its mode's to decide (:mod:`.modes`, ps-lite's request handle): the sync handler
+applies step *s* once every live trainer's gradient for *s* has arrived (their mean), the async one
+each on arrival, GEO's each as scaled deltas. The engine builds its handler once, from the factory
+handed to its constructor (:func:`pserver.engine.modes.for_plan`; :class:`SyncEngine` and
+:class:`AsyncEngine` pick one by name), and calls it for every push, Hello and wait.
 
-An engine is composed of parts handed to its constructor: the blocks and
-table shards it updates, the ``checkpointer`` its resumes and roll-backs load
-from, the listeners told of every change (:mod:`.listeners`), and the sync
-engine's step in progress (:mod:`.pending`). It builds its own state: the
-roster (:mod:`.roster`), its checkpoints and the roll-backs made
-(:mod:`.rollback`), its waits (:mod:`.waits`), and the trainers it counts on
-as they join, close, fall silent or never come back (:mod:`.liveness`). All
-state lives behind one condition variable; updates and the listeners run
-under it, transfers do not. A retried push for an already counted (trainer,
-step) is a no-op. Refusals are :mod:`pserver.errors`.
+The other parts handed to its constructor: the blocks and table shards it updates, the
+``checkpointer`` its resumes and roll-backs load from, the listeners told of every change
+(:mod:`.listeners`). It builds its own state: the roster (:mod:`.roster`), its checkpoints and the
+roll-backs made (:mod:`.rollback`), its waits (:mod:`.waits`), and the trainers it counts on as they
+join, close, fall silent or never come back (:mod:`.liveness`). All state lives behind one condition
+variable; updates and the listeners run under it, transfers do not. A retried push for an already
+counted (trainer, step) is a no-op. Refusals are :mod:`pserver.errors`.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from abc import ABC, abstractmethod
+from functools import partial
 from typing import AbstractSet, Callable, Dict, List, Mapping, Optional, Sequence, Set, Tuple, Union
 
 import numpy as np
@@ -32,7 +31,7 @@ from ..store import BlockStore
 from ..tables import SparseGrad, TableSet
 from .listeners import UpdateListener
 from .liveness import Liveness
-from .pending import PendingStep
+from .modes import AsyncMode, Mode, SyncMode
 from .rollback import RollBack, RollBacks
 from .roster import Joined, Position, Roster
 from .stats import PserverStats
@@ -41,19 +40,17 @@ from .waits import Parked, Waits
 log = logging.getLogger(__name__)
 
 
-class Engine(ABC):
-    """The contract the RPC layer talks to, over what both engines share: the trainers it counts on
+class Engine:
+    """The contract the RPC layer talks to, over what every mode shares: the trainers it counts on
     (:class:`~.liveness.Liveness`), its checkpoints and roll-backs (:class:`~.rollback.RollBacks`), its waits.
 
+    ``mode`` builds the handler of the plan's mode from the engine (:func:`pserver.engine.modes.for_plan`).
     ``checkpointer`` (None without a checkpoint_dir) saves and loads this pserver's part on demand.
-    ``listeners`` are told of every change under the lock, in order. ``pending``: the sync engine's step in
-    progress (None: async). ``on_wait`` gets the seconds a call waited for a sync step (the barrier
-    histogram) and ``on_roster_change`` is called whenever the trainers :meth:`live` gives may have changed
-    (the Reduce service waits on them under a lock of its own), both after the lock is released.
-    ``held_elsewhere``: who has a call held elsewhere (:meth:`held`).
+    ``listeners`` are told of every change under the lock, in order. ``on_wait`` gets the seconds a call
+    waited for a sync step (the barrier histogram) and ``on_roster_change`` is called whenever the trainers
+    :meth:`live` gives may have changed (the Reduce service waits on them under a lock of its own), both
+    after the lock is released. ``held_elsewhere``: who has a call held elsewhere (:meth:`held`).
     """
-
-    sync_mode = False
 
     def __init__(
         self,
@@ -64,8 +61,8 @@ class Engine(ABC):
         barrier_timeout: float,
         checkpointer: Optional[Checkpointer] = None,
         *,
+        mode: Callable[["Engine"], Mode],
         listeners: Sequence[UpdateListener] = (),
-        pending: Optional[PendingStep] = None,
         on_wait: Optional[Callable[[float], None]] = None,
         on_roster_change: Optional[Callable[[], None]] = None,
         held_elsewhere: Callable[[], AbstractSet[int]] = frozenset,
@@ -79,8 +76,11 @@ class Engine(ABC):
         self.step = 0
         self.roster = Roster(trainers)
         self.listeners = tuple(listeners)
-        self.pending = pending
-        self.rollbacks = RollBacks(checkpointer, endpoint, self.roster, pending, self.listeners)
+        # What every push does is the mode's to decide; its handler reads the parts below when called.
+        self.mode = mode(self)
+        self.sync_mode = self.mode.sync
+        self.pending = self.mode.pending  # the sync step in progress (None: no barrier)
+        self.rollbacks = RollBacks(checkpointer, endpoint, self.roster, self.pending, self.listeners)
         self.waits = Waits(self.cv, endpoint, barrier_timeout, self.rollbacks, on_wait, released=self.touch)
         self.liveness = Liveness(
             self.cv,
@@ -89,7 +89,7 @@ class Engine(ABC):
             self.waits,
             endpoint,
             applied=lambda: self.step,
-            on_close=self._on_close,
+            on_close=self.mode.on_close,
             listeners=self.listeners,
             on_roster_change=on_roster_change,
             held_elsewhere=held_elsewhere,
@@ -128,13 +128,17 @@ class Engine(ABC):
         """
         self.liveness.check_live(trainer_id)
 
-    # -- telling the listeners (under the lock) ---------------------------------------------
+    # -- an update applied (under the lock) -----------------------------------------------
 
-    def _applied(
+    def advance(
         self, lr_step: int, dense: Mapping[str, torch.Tensor], sparse: Mapping[str, SparseGrad]
     ) -> None:
+        """The mode's handler applied an update with the lr of ``lr_step``: the step moves on, the listeners
+        hear of it (in order) and the waits it ends are released."""
+        self.step += 1
         for listener in self.listeners:
             listener.on_update(lr_step, self.step, self.roster, dense, sparse)
+        self.waits.notify()
 
     # -- trainers ------------------------------------------------------------------------
 
@@ -142,13 +146,13 @@ class Engine(ABC):
         """Register ``trainer_id`` (again, after a restart); what it learns, as one :class:`Joined` view.
 
         Sync: the pserver's current step, shared by all trainers (``join_at``
-        one step ahead of it: that step, see :class:`SyncEngine`). Async: the
+        one step ahead of it: that step, see :meth:`.modes.sync.SyncMode.start_step`). Async: the
         trainer's own next step (0 for a new trainer). The position is the one
         it pushed with its last applied step (or the checkpoint's), (0, 0) if none.
         """
         with self.cv:
             how = self.liveness.join(trainer_id)
-            start = self._start_step(trainer_id, how, join_at)
+            start = self.mode.start_step(trainer_id, how, join_at)
             if how:
                 log.info("%s: trainer %d %s at step %d", self.endpoint, trainer_id, how, start)
             # The queries below take the lock again (it is reentrant): one hold, one consistent view.
@@ -168,7 +172,6 @@ class Engine(ABC):
         with self.cv:
             return self.last_step.get(trainer_id, -1)
 
-    @abstractmethod
     def push(
         self,
         trainer_id: int,
@@ -177,19 +180,27 @@ class Engine(ABC):
         sparse: Optional[Mapping[str, SparseGrad]] = None,
         position: Position = Position(0, 0),
         park: bool = False,
+        step_trainers: Sequence[int] = (),
+        dropped: bool = False,
     ) -> Union[Tuple[bool, int], Parked]:
-        """Count (sync) or apply (async) one trainer's gradients of ``step``; returns (counted, the
-        pserver's step).
+        """Count (sync) or apply (async, GEO) one trainer's gradients of ``step``, as the mode's handler
+        decides (:meth:`.modes.mode.Mode.push`); returns (counted, the pserver's step).
 
         A retried push of a step already counted is acknowledged, not applied twice. ``sparse`` is {table:
         (ids, rows)}. A push that must wait (async, past ``max_staleness``) blocks; with ``park`` it
-        returns that wait's handle instead, having done nothing.
+        returns that wait's handle instead, having done nothing. Backup trainers: ``step_trainers``, the
+        step's trainers; ``dropped``, a push left out of its step (:mod:`.modes.backup_steps`). What the
+        RPC layer checks first and what the answer waits for are the handler's too (:attr:`mode`:
+        :meth:`~.modes.mode.Mode.check_push`, :meth:`~.modes.mode.Mode.answer_step`).
         """
+        with self.cv:
+            self.roster.check_pusher(trainer_id, self.endpoint, self.step)
+            return self.mode.push(trainer_id, step, grads, sparse, position, park, step_trainers, dropped)
 
     def park_for_step(self, trainer_id: int, min_step: int) -> Optional[Parked]:
         """A wait (:mod:`.waits`) for ``min_step`` updates (sync: the barrier); None: none (async:
         never)."""
-        return None
+        return self.mode.park_for_step(trainer_id, min_step)
 
     def wait_for_step(self, trainer_id: int, min_step: int) -> None:
         """Block on :meth:`park_for_step`'s handle (the same rules); the barrier histogram hears of the
@@ -205,16 +216,10 @@ class Engine(ABC):
 
         Async: (updates, 0). A sync trainer that joins after the step in
         progress while no other trainer is in it learns that the step never
-        completes (see :class:`SyncEngine`).
+        completes (see :meth:`.modes.sync.SyncMode.others_in_step`).
         """
         with self.cv:
-            return self.step, self._others_in_step(trainer_id)
-
-    def _others_in_step(self, trainer_id: int) -> int:
-        return 0
-
-    def _start_step(self, trainer_id: int, how: str, join_at: int) -> int:
-        return self.last_step.get(trainer_id, -1) + 1
+            return self.step, self.mode.others_in_step(trainer_id)
 
     def held(self) -> Set[int]:
         """Trainers whose calls this pserver holds now, so alive: parked here or elsewhere (a Reduce
@@ -249,9 +254,6 @@ class Engine(ABC):
         """
         return self.liveness.drop_silent(timeout, rejoin_timeout)
 
-    def _on_close(self) -> None:
-        """Under the lock: a trainer closed or was dropped (sync: the step may be complete now)."""
-
     def stop(self) -> None:
         """Wake every waiter so the server can shut down."""
         with self.cv:
@@ -270,7 +272,7 @@ class Engine(ABC):
     def read(self, names: Sequence[str]) -> Tuple[int, List[Tuple[str, torch.Tensor]]]:
         """The pserver's step and the named blocks, safe to stream."""
         with self.cv:
-            return self.step, self.store.read(names, copy=self._reads_need_copy())
+            return self.step, self.store.read(names, copy=self.mode.reads_need_copy)
 
     def read_flat_into(self, out: np.ndarray) -> int:
         """Copy every block, as the store's one flat buffer (:attr:`pserver.store.BlockStore.flat`), into
@@ -279,9 +281,6 @@ class Engine(ABC):
         with self.cv:
             np.copyto(out, self.store.flat.numpy().view(np.uint8))
             return self.step
-
-    def _reads_need_copy(self) -> bool:
-        return True
 
     def lookup(self, ids: Mapping[str, np.ndarray]) -> Tuple[int, List[Tuple[str, torch.Tensor]]]:
         """The pserver's step and the rows of ``ids`` ({table: ids}), in request order.
@@ -379,8 +378,7 @@ class Engine(ABC):
         """
         with self.cv:
             if lr_step >= 0:
-                self.store.apply(dense, lr_step)
-                self.tables.apply(sparse, lr_step)
+                self.mode.apply(dense, sparse, lr_step)
             self.step = pserver_step
             self.roster.follow(roster_meta)
             self.liveness.trainers_left()  # every trainer closed on the primary: the job is over here too
@@ -393,3 +391,17 @@ class Engine(ABC):
         with self.cv:
             self.liveness.expect_pushers()
         log.info("%s: leads its shard at update %d", self.endpoint, self.step)
+
+
+class SyncEngine(Engine):
+    """An engine of sync mode (:class:`~.modes.sync.SyncMode`, the barrier), built by name."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, mode=SyncMode, **kwargs)
+
+
+class AsyncEngine(Engine):
+    """An engine of async mode (:class:`~.modes.asynchronous.AsyncMode`, on arrival; ``max_staleness``)."""
+
+    def __init__(self, *args, max_staleness: Optional[int] = None, **kwargs):
+        super().__init__(*args, mode=partial(AsyncMode, max_staleness=max_staleness), **kwargs)

@@ -1,6 +1,6 @@
 """PendingStep: what a sync pserver holds of the step in progress, and who joins it a step later.
 
-The sync engine (:mod:`.sync`) counts every trainer's push of step *s* here
+The sync mode's handler (:mod:`.modes.sync`) counts every trainer's push of step *s* here
 until the step is complete, then applies the mean. Dense gradients are summed
 on arrival into one flat float64 buffer (:class:`pserver.flat.DenseSums`: one
 add per push, the sum independent of the pushes' order) and sparse ones merged

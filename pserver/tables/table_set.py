@@ -71,8 +71,6 @@ class TableSet:
             self.shards = self.load_shards({name: saved_shards(tables_from, name) for name in self.specs})
             log.info("%s: %d tables loaded from %s", self.endpoint, len(self.shards), tables_from)
         self.schedules = {name: LrSchedule(spec.optimizer) for name, spec in self.specs.items()}
-        # GEO: a pushed row is a delta, added divided by the number of trainers (as BlockStore's blocks).
-        self.geo_scale: Optional[float] = 1.0 / program.trainers if program.config.k_steps else None
         self._wire = {}
         for spec in self.specs.values():
             self._wire[spec.ids_name] = ("int64", [-1])
@@ -139,13 +137,16 @@ class TableSet:
         ]
 
     def apply(self, grads: Mapping[str, SparseGrad], step: int) -> None:
-        """One optimizer step per table in ``grads``, with the table's lr of ``step`` (GEO: add the deltas,
-        scaled)."""
+        """One optimizer step per table in ``grads``, with the table's lr of ``step``."""
         for name, (ids, rows) in grads.items():
+            self.shards[name].apply(ids, rows, self.schedules[name].lr_at(step))
+
+    def add(self, deltas: Mapping[str, SparseGrad], scale: float) -> None:
+        """GEO: add the pushed rows' ``deltas`` ({table: (ids, rows)}) times ``scale``."""
+        for name, (ids, rows) in deltas.items():
             # GEO tables train with sgd (the transpiler refuses others): its ``row += (-lr) * pushed`` with
             # lr = -scale is ``row += scale * delta``, through the shard's one update path (admission, tiers).
-            lr = -self.geo_scale if self.geo_scale is not None else self.schedules[name].lr_at(step)
-            self.shards[name].apply(ids, rows, lr)
+            self.shards[name].apply(ids, rows, -scale)
 
     def load_shards(self, directories: Mapping[str, List[str]]) -> Dict[str, TableShard]:
         """This pserver's shard of each table rebuilt from saved shard ``directories`` ({table: dirs}).

@@ -232,13 +232,13 @@ def test_a_sync_mean_is_applied_as_it_is():
 
 
 def test_geo_adds_the_scaled_deltas():
+    """What GEO's handler (pserver/engine/modes/geo_deltas.py) applies a push as: deltas times its scale."""
     store = store_of("sgd", {"lr": 0.1}, dtype=torch.float32)
     prog = Program(Blocks(torch.float32), "sgd", lr=0.1)
     t = DistributeTranspiler(DistributeTranspilerConfig(k_steps=4))
     t.transpile(0, program=prog, pservers=EPS[0], trainers=4, sync_mode=False)
     ps = t.get_pserver_program(EPS[0])
     store = BlockStore(ps, t.get_startup_program(EPS[0], ps))
-    assert store.geo_scale == 0.25
     expect = {n: b.detach().clone() for n, b in store.blocks.items()}
     rng = np.random.default_rng(2)
     for step in range(4):
@@ -246,9 +246,9 @@ def test_geo_adds_the_scaled_deltas():
         for name, delta in named.items():
             expect[name].add_(delta, alpha=0.25)
         if step < 2:
-            store.apply_flat(grad, None if present.all() else present, step)
+            store.add_flat(grad, None if present.all() else present, 0.25)
         else:
-            store.apply(named, step)
+            store.add(named, 0.25)
         for name, block in store.blocks.items():
             assert same(block, expect[name]), name
     assert all(s["state"] == {} for s in store.saved_blocks().values())

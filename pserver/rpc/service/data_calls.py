@@ -125,8 +125,7 @@ class DataCalls:
         ``answer_limit`` bounds the answer's tensor bytes.
         """
         header, counted, answer_ids = yield from self._push(request_iterator, answer_limit=answer_limit)
-        # The trainer's next step needs this one applied (sync), or whatever is there (async).
-        min_step = header.step + 1 if self.engine.sync_mode else 0
+        min_step = self.engine.mode.answer_step(header.step)
         names = list(self.contents.block_names())
         if header.lanes > 1:  # one lane's call answers its lane's blocks
             names = self.lane_pushes.blocks_of(header.lane, header.lanes)
@@ -198,18 +197,12 @@ class DataCalls:
         (False: a duplicate). Parks while an async push is past ``max_staleness``.
 
         ``header``: the push's trainer_id, step, epoch, batch, step_trainers and dropped (a ``PushHeader``
-        on the gRPC path, :class:`pserver.data.calls.PushHead` on the data channel's).
+        on the gRPC path, :class:`pserver.data.calls.PushHead` on the data channel's), handed as they
+        are to the engine's mode (:mod:`pserver.engine.modes`), which checks them first.
         """
-        backups = {}
-        if header.step_trainers or header.dropped:
-            if not self.engine.sync_mode or (header.dropped and (grads or sparse)):
-                raise BadRequest(
-                    "a push with step_trainers or dropped is a sync step's, and a dropped one carries "
-                    "no gradients (backup_trainers)"
-                )
-            backups = dict(step_trainers=tuple(header.step_trainers), dropped=header.dropped)
-            if self.claims is not None and header.step_trainers:  # a restarted first pserver learns the set
-                self.claims.learn(header.step, header.step_trainers)
+        self.engine.mode.check_push(header.step_trainers, header.dropped, grads, sparse)
+        if self.claims is not None and header.step_trainers:  # a restarted first pserver learns the set
+            self.claims.learn(header.step, header.step_trainers)
         self.counters.add(bytes_in=bytes_in, pushes=1, dropped_pushes=int(header.dropped))
         while True:
             outcome = self.engine.push(
@@ -219,7 +212,8 @@ class DataCalls:
                 sparse,
                 (header.epoch, header.batch),
                 park=True,
-                **backups,
+                step_trainers=header.step_trainers,
+                dropped=header.dropped,
             )
             if not isinstance(outcome, Parked):
                 break
