@@ -110,8 +110,11 @@ class Job:
         with open(self.logs[name], errors="replace") as f:
             return f.read()
 
-    def all_logs(self) -> str:
-        return "\n".join(f"===== {k}\n{self.log(k)[-3000:]}" for k in self.logs)
+    def all_logs(self, first: str = "") -> str:
+        """Every role's log tail, role ``first``'s at the top (a failure's own log, where a cut report
+        still shows it)."""
+        order = sorted(self.logs, key=lambda k: not k.startswith(first) if first else False)
+        return "\n".join(f"===== {k}\n{self.log(k)[-3000:]}" for k in order)
 
     def wait_until(self, ready, what: str, timeout: float = 60.0) -> None:
         """Poll ``ready()`` until true, failing early (with the logs) if a role dies meanwhile."""

@@ -115,7 +115,7 @@ def run_chaos(job: Job, plan: List[Kill], seed: int, calm: bool = True) -> None:
     if calm:
         (job.pause / "calm").touch()
     for name in ("trainer0", "trainer1", "pserver0", "pserver1"):
-        assert job.wait(name, 180) == 0, f"seed {seed}: {name} failed\n{job.all_logs()}"
+        assert job.wait(name, 180) == 0, f"seed {seed}: {name} failed\n{job.all_logs(first=name)}"
 
 
 @pytest.mark.timeout(300)
@@ -166,7 +166,7 @@ def uninterrupted_in_lanes(tmp_path_factory) -> dict:
     try:
         job.start_all()
         for name in ("trainer0", "trainer1", "pserver0", "pserver1"):
-            assert job.wait(name, 180) == 0, f"uninterrupted: {name} failed\n{job.all_logs()}"
+            assert job.wait(name, 180) == 0, f"uninterrupted: {name} failed\n{job.all_logs(first=name)}"
     finally:
         job.close()
     return torch.load(job.out / "trainer-0.pt")
