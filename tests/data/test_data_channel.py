@@ -235,3 +235,33 @@ def test_tls_with_client_certificates_carries_calls_and_refuses_plaintext(tmp_pa
     finally:
         listener.close()
         reactor.stop()
+
+
+def test_a_connection_the_pserver_closes_while_regions_are_mapped_fails_unavailable():
+    """A pserver that goes away (restarted, or a newer connection of the slot) as the trainer maps its
+    regions: the call fails UNAVAILABLE, as any broken call does (the trainer heals), never a bare
+    ConnectionError."""
+    import socket
+
+    server = socket.create_server(("127.0.0.1", 0))
+
+    def accept_hello_then_close():
+        conn, _ = server.accept()
+        with conn:
+            head = conn.recv(ConnectionHello.head_size(), socket.MSG_WAITALL)
+            conn.recv(ConnectionHello.rest_size(head), socket.MSG_WAITALL)
+            conn.sendall(frames.AnswerHeader().pack())  # hello accepted
+            conn.recv(RequestHeader.SIZE, socket.MSG_WAITALL)  # MAP_REGIONS' header: closed unanswered
+
+    thread = threading.Thread(target=accept_hello_then_close)
+    thread.start()
+    try:
+        hello = ConnectionHello(0, 0, 1, TOKEN, "session", "digest")
+        channel = DataChannel(("127.0.0.1", server.getsockname()[1]), hello, None, "localhost", 5.0)
+        with pytest.raises(DataCallError) as refused:
+            channel.map_regions(1 << 16, 1 << 16, 5.0)
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert channel.regions is None and channel.sock is None
+    finally:
+        thread.join(10)
+        server.close()

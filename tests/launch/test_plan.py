@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import socket
 import sys
 
 import pytest
@@ -602,6 +603,19 @@ def test_free_ports_are_real_and_distinct_for_nodes():
     assert len(ports) == 4
     roles = launch_plan.plan_roles(args_for("--worker_num", "2", "--nproc_per_node", "2"), environ={})
     assert len({r.env["MASTER_PORT"] for r in roles}) == 1
+
+
+@pytest.mark.timeout(10)
+def test_free_ports_lie_outside_the_kernels_ephemeral_range_and_bind():
+    """A port the kernel may hand to any bind to port 0 (a data port) or outgoing connection before the role
+    binds it is never picked: a role then cannot find its port taken by another process's socket."""
+    first, last = hosts.ephemeral_range()
+    ports = hosts.free_ports(16)
+    assert len(set(ports)) == 16
+    assert all(p < first or p > last for p in ports), (ports, first, last)
+    for port in ports:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))
 
 
 @pytest.mark.timeout(10)

@@ -3,22 +3,63 @@ and free ports to give its roles."""
 
 from __future__ import annotations
 
+import random
 import socket
-from typing import Callable, List, Optional
+from typing import Callable, List, Optional, Tuple
+
+# The ports the kernel gives binds to port 0 and outgoing connections (Linux's default if unknown).
+_EPHEMERAL_RANGE = "/proc/sys/net/ipv4/ip_local_port_range"
+_LOWEST = 10000  # ports below are left to well-known services
+
+
+def ephemeral_range() -> Tuple[int, int]:
+    """(first, last) port the kernel hands out on its own (to a bind to port 0, an outgoing connection)."""
+    try:
+        with open(_EPHEMERAL_RANGE) as f:
+            first, last = (int(x) for x in f.read().split())
+        return first, last
+    except (OSError, ValueError):
+        return 32768, 60999
 
 
 def free_ports(n: int, host: str = "127.0.0.1") -> List[int]:
-    """``n`` distinct ports the OS reports free on ``host`` (all held open until every one is picked)."""
-    socks = []
+    """``n`` distinct ports free on ``host``, outside the kernel's ephemeral range (all held open until every
+    one is picked).
+
+    A role binds its port a second or more after this picks it. A port of the ephemeral range could be
+    taken meanwhile by any socket bound to port 0 (a pserver's data port, another job's gRPC server) or
+    any outgoing connection: outside it, only another explicit pick can, and a random one rarely does.
+    Where the range leaves no room, the kernel's own choice (port 0) serves.
+    """
+    first, last = ephemeral_range()
+    spans = [span for span in ((_LOWEST, first - 1), (last + 1, 65535)) if span[1] - span[0] >= 1000]
+    rng = random.Random()
+    socks: List[socket.socket] = []
     try:
         for _ in range(n):
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind((host, 0))
-            socks.append(s)
+            socks.append(_bind_free(host, spans, rng, {s.getsockname()[1] for s in socks}))
         return [s.getsockname()[1] for s in socks]
     finally:
         for s in socks:
             s.close()
+
+
+def _bind_free(host: str, spans, rng: random.Random, taken) -> socket.socket:
+    """A socket bound on ``host`` to a free port of ``spans`` not in ``taken`` (port 0 if none is found)."""
+    for _ in range(200 if spans else 0):
+        lo, hi = rng.choice(spans)
+        port = rng.randint(lo, hi)
+        if port in taken:
+            continue
+        s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            s.bind((host, port))
+            return s
+        except OSError:
+            s.close()
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    s.bind((host, 0))
+    return s
 
 
 def _resolve(host: str) -> str:

@@ -160,8 +160,7 @@ class DataChannel:
         addresses = [RegionAddress(os.getpid(), r.fd, r.size, r.name) for r in pair]
         payload = pack_regions(*addresses)
         try:
-            self._send(RequestHeader(MAP_REGIONS, payload_bytes=len(payload)), (), [payload], timeout)
-            self._answer(timeout)
+            self._exchange(RequestHeader(MAP_REGIONS, payload_bytes=len(payload)), (), [payload], timeout)
         except BaseException:
             for region in pair:
                 region.close()
@@ -178,8 +177,15 @@ class DataChannel:
         """Send one request (``payload``: buffers sent in order; with ``SHARED`` in ``header.flags``,
         already in the request region and not sent) and read its answer: (header, payload view, valid until
         the next call)."""
+        return self._exchange(header, step_trainers, () if header.flags & SHARED else payload, timeout)
+
+    def _exchange(
+        self, header: RequestHeader, step_trainers: Sequence[int], payload: Sequence, timeout: float
+    ) -> Tuple[AnswerHeader, np.ndarray]:
+        """Send a request and read its answer; a broken connection (closed by the pserver, reset, a frame
+        it cannot be) is closed here and raised UNAVAILABLE, a late answer DEADLINE_EXCEEDED."""
         try:
-            self._send(header, step_trainers, () if header.flags & SHARED else payload, timeout)
+            self._send(header, step_trainers, payload, timeout)
             return self._answer(timeout)
         except DataCallError:
             raise
