@@ -7,9 +7,10 @@ of CPU per step on the 2-core machine) and the route sorts again (0.3 ms); here 
 distinct ids in one pass, only those are sorted (by numpy), and the route is a counting sort, with
 the GIL released. Each returns exactly what the numpy definition returns (tests/trainer/test_id_kernels.py).
 
-The kernels load on first use by a batch of at least :data:`MIN_IDS` ids (compiled once per machine,
-then read from numba's cache): a process that never sees such a batch does not import numba. Without
-numba, :func:`unique_inverse` and :func:`route` are the numpy definitions.
+The kernels (:mod:`.compiled_ids`) load on first use by a batch of at least :data:`MIN_IDS` ids
+(compiled once per machine, then read from numba's cache): a process that never sees such a batch
+does not import numba. Without numba, :func:`unique_inverse` and :func:`route` are the numpy
+definitions.
 """
 
 from __future__ import annotations
@@ -18,11 +19,10 @@ from typing import Optional, Tuple
 
 import numpy as np
 
-from transpiler import row_init
 from transpiler.tables import shard_of
 
-# Below this many ids the numpy definitions cost less than a kernel call's overhead matters: and small
-# batches (tests, evaluation) never load numba.
+# Smaller batches take the numpy definitions: there they cost tens of µs, and the small batches of tests
+# and evaluation never load numba (0.8 s a process).
 MIN_IDS = 2048
 
 _kernels = None  # the compiled module, once loaded; False: numba is not installed
@@ -32,90 +32,12 @@ def _load():
     global _kernels
     if _kernels is None:
         try:
-            import numba
-        except ImportError:
+            from . import compiled_ids
+        except ImportError:  # numba is not installed
             _kernels = False
             return None
-        _kernels = _compile(numba)
+        _kernels = compiled_ids
     return _kernels or None
-
-
-def _compile(numba):
-    mix = numba.njit("uint64(uint64)", inline="always", nogil=True)(row_init.mix)
-    golden = row_init.GOLDEN
-
-    @numba.njit("Tuple((int64[:], int64[:], int64[:]))(int64[:])", cache=True, nogil=True)
-    def distinct(ids):  # pragma: no cover - compiled
-        """(the distinct ids in order of first appearance, each id's slot, the slots' keys): a hash set."""
-        n = ids.size
-        size = 16
-        while size < 2 * n:
-            size <<= 1
-        mask = np.uint64(size - 1)
-        keys = np.empty(size, np.int64)
-        used = np.zeros(size, np.bool_)
-        slot_of = np.empty(n, np.int64)
-        found = np.empty(n, np.int64)
-        m = 0
-        for i in range(n):
-            key = ids[i]
-            h = np.int64(mix(np.uint64(key) + golden) & mask)
-            while used[h] and keys[h] != key:
-                h = (h + 1) & (size - 1)
-            if not used[h]:
-                used[h] = True
-                keys[h] = key
-                found[m] = key
-                m += 1
-            slot_of[i] = h
-        return found[:m], slot_of, keys
-
-    @numba.njit("int64[:](int64[:], int64[:], int64[:])", cache=True, nogil=True)
-    def inverse_of(unique, slot_of, keys):  # pragma: no cover - compiled
-        """Each id's position in ``unique`` (sorted), through the slots :func:`distinct` gave."""
-        size = keys.size
-        mask = np.uint64(size - 1)
-        rank = np.empty(size, np.int64)
-        for j in range(unique.size):
-            key = unique[j]
-            h = np.int64(mix(np.uint64(key) + golden) & mask)
-            while keys[h] != key:
-                h = (h + 1) & (size - 1)
-            rank[h] = j
-        inverse = np.empty(slot_of.size, np.int64)
-        for i in range(slot_of.size):
-            inverse[i] = rank[slot_of[i]]
-        return inverse
-
-    def unique_inverse(ids):
-        found, slot_of, keys = distinct(ids)
-        unique = np.sort(found)  # numpy's vectorised sort: 3x numba's on job S's 6,300 distinct ids
-        return unique, inverse_of(unique, slot_of, keys)
-
-    @numba.njit("Tuple((int64[:], int64[:]))(int64[:], int64)", cache=True, nogil=True)
-    def route(ids, n_pservers):  # pragma: no cover - compiled
-        shards = np.empty(ids.size, np.int64)
-        bounds = np.zeros(n_pservers + 1, np.int64)
-        for i in range(ids.size):
-            s = np.int64(mix(np.uint64(ids[i]) + golden) % np.uint64(n_pservers))
-            shards[i] = s
-            bounds[s + 1] += 1
-        for k in range(n_pservers):
-            bounds[k + 1] += bounds[k]
-        at = bounds[:n_pservers].copy()
-        order = np.empty(ids.size, np.int64)
-        for i in range(ids.size):
-            s = shards[i]
-            order[at[s]] = i
-            at[s] += 1
-        return order, bounds
-
-    class Kernels:
-        pass
-
-    k = Kernels()
-    k.unique_inverse, k.route = unique_inverse, route
-    return k
 
 
 def _kernels_for(ids: np.ndarray):
