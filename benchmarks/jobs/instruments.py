@@ -143,56 +143,36 @@ class PserverPhases:
         The timed method stays a parking one (its ``parking`` generator, bound to the servicer), so the
         asyncio server still parks it: each stretch between waits is timed on the thread that runs it.
         """
-        parking, done = method.parking, object()
+        parking = method.parking
 
         def timed(servicer, request, context):
-            self._started()
-            answers, cpu = parking(servicer, request, context), 0.0
-            if not self.timed:
-                try:
-                    yield from answers
-                finally:
-                    self._handled(0.0)
-                return
-            try:
-                while True:
-                    t0 = time.thread_time()
-                    item = next(answers, done)
-                    cpu += time.thread_time() - t0
-                    if item is done:
-                        return
-                    yield item
-            finally:
-                self._handled(cpu)
+            yield from self._timed_stretches(parking(servicer, request, context))
 
         return types.MethodType(parks(stream=method.streams)(timed), method.__self__)
 
     def _stretches(self, call):
         """Time a data-channel push-pull, a generator a reactor runs in stretches (between its waits)."""
+        return lambda *args: self._timed_stretches(call(*args))
 
-        def timed(*args):
-            self._started()
-            answers, cpu = call(*args), 0.0
+    def _timed_stretches(self, answers):
+        """``answers`` passed through, one push counted, and (when timed) the CPU of each stretch summed."""
+        self._started()
+        cpu = 0.0
+        try:
             if not self.timed:
-                try:
-                    yield from answers
-                finally:
-                    self._handled(0.0)
+                yield from answers
                 return
-            try:
-                while True:
-                    t0 = time.thread_time()
-                    try:
-                        item = next(answers)
-                    except StopIteration:
-                        return
-                    finally:
-                        cpu += time.thread_time() - t0
-                    yield item
-            finally:
-                self._handled(cpu)
-
-        return timed
+            while True:
+                t0 = time.thread_time()
+                try:
+                    item = next(answers)
+                except StopIteration:
+                    return
+                finally:
+                    cpu += time.thread_time() - t0
+                yield item
+        finally:
+            self._handled(cpu)
 
     def _started(self) -> None:
         with self._lock:
