@@ -89,6 +89,8 @@ class Payloads:
         self._flat = self._flat_dense(contents.store.flat_layout)
         # Rows numpy can hold are looked up straight into an answer region (no bfloat16 in numpy).
         self._rows_in_place = all(t.dtype in ("float32", "float64", "float16") for t in self.table_shapes)
+        # Bytes of every block (padding aside): an in-place answer's tensor bytes before its rows.
+        self.dense_bytes = int(self._flat.nbytes.sum()) if self._flat is not None else 0
 
     def _flat_dense(self, flat: Optional[FlatLayout]) -> Optional[_FlatDense]:
         """How a one-lane push's dense section is the store's flat gradient as it comes (None: it is not,
@@ -273,11 +275,6 @@ class Payloads:
         (:meth:`pserver.engine.Engine.read_flat_into`, one lane of blocks in one float dtype) and the rows
         looked up straight into the region (:meth:`lookup_into`)."""
         return self._flat is not None and self._rows_in_place and lane.names == self.lane(1, 0).names
-
-    @property
-    def dense_bytes(self) -> int:
-        """Bytes of every block (padding aside): an in-place answer's tensor bytes before its rows."""
-        return int(self._flat.nbytes.sum()) if self._flat is not None else 0
 
     def lookup_into(
         self, out: np.ndarray, start: int, answer_ids: Mapping[str, np.ndarray]
