@@ -118,6 +118,20 @@ def test_payloads_travel_through_the_connection_s_regions(served):
     channel.close()
 
 
+def test_requests_sent_on_two_connections_before_either_answer_is_read_get_each_its_own(served):
+    _, listener = served
+    channels = [connect(listener, trainer=t) for t in (0, 1)]
+    data = [np.full(1000 * (t + 1), t + 7, dtype=np.uint8) for t in (0, 1)]
+    for t, channel in enumerate(channels):
+        channel.send(
+            RequestHeader(frames.PUSH_PULL, step=t + 3, payload_bytes=data[t].size), (), [data[t]], 5.0
+        )
+    for t, channel in reversed(list(enumerate(channels))):
+        header, answer = channel.receive(5.0)
+        assert header.step == t + 3 and np.array_equal(answer, data[t])
+        channel.close()
+
+
 def test_a_connection_without_the_token_is_refused_with_the_status_gRPC_would_give(served):
     _, listener = served
     with pytest.raises(DataCallError) as e:

@@ -67,13 +67,36 @@ def test_tensors_streamed_during_backward_are_replayed_whole_by_a_resend_and_cou
 
 
 class ScriptedChannels:
-    """Each pserver's push-pull records what it was sent; ``failing`` pservers fail their next one."""
+    """Each pserver's push-pull records what it was sent; ``failing`` pservers fail their next one.
 
-    def __init__(self, failing=()):
-        self.sent, self.failing = [], set(failing)
+    Pushes to ``started`` pservers go as over open data connections (``start_push_pull``: sent, the answer
+    read by ``finish``); ``events`` records each send, read and abandon in order.
+    """
+
+    def __init__(self, failing=(), started=()):
+        self.sent, self.failing, self.started, self.events = [], set(failing), set(started), []
 
     def __getitem__(self, endpoint):
-        return SimpleNamespace(push_pull=lambda *args, **kwargs: self._push_pull(endpoint, *args, **kwargs))
+        return SimpleNamespace(
+            push_pull=lambda *args, **kwargs: self._push_pull(endpoint, *args, **kwargs),
+            start_push_pull=lambda *args: self._start(endpoint, *args),
+        )
+
+    def _start(self, endpoint, step, tensors, decode_into, position, step_trainers, dropped):
+        if endpoint not in self.started:
+            return None  # no data connection open: push_pull takes it
+        self.events.append(("send", endpoint))
+        names = [name for name, _ in tensors]
+
+        def finish():
+            self.events.append(("read", endpoint))
+            self.sent.append((endpoint, step, names, position, type(decode_into).__name__, "started"))
+            if endpoint in self.failing:
+                self.failing.discard(endpoint)
+                raise PserverError(endpoint, "FAILED_PRECONDITION: refused", "refused")
+            return 1
+
+        return SimpleNamespace(finish=finish, abandon=lambda: self.events.append(("abandon", endpoint)))
 
     def _push_pull(
         self,
@@ -144,6 +167,55 @@ def test_a_step_push_goes_to_every_pserver_it_names_even_with_nothing_for_one(ne
     )
     Transfers(channels, BLOCKS).push_all(push)
     assert sorted(channels.sent) == expected
+
+
+def test_pushes_over_open_data_connections_are_all_sent_before_any_answer_is_read():
+    channels = ScriptedChannels(started={"a", "b"})
+    push = StepPush(
+        7, Position(0, 8), {"a": [("g", torch.ones(1))], "b": [("h", torch.ones(1))]}, blocks_into=stage
+    )
+    assert Transfers(channels, BLOCKS).push_all(push) == {"a": 1, "b": 1}
+    assert [e[0] for e in channels.events] == ["send", "send", "read", "read"]
+    assert sorted(channels.sent) == [
+        ("a", 7, ["g"], (0, 8), "function", "started"),
+        ("b", 7, ["h"], (0, 8), "function", "started"),
+    ]
+
+
+def test_a_push_without_an_open_data_connection_goes_as_a_whole_call_beside_the_started_ones():
+    channels = ScriptedChannels(started={"a"})
+    push = StepPush(
+        7, Position(0, 8), {"a": [("g", torch.ones(1))], "b": [("h", torch.ones(1))]}, blocks_into=stage
+    )
+    assert Transfers(channels, BLOCKS).push_all(push) == {"a": 1, "b": 1}
+    assert sorted(channels.sent) == [
+        ("a", 7, ["g"], (0, 8), "function", "started"),
+        ("b", 7, ["h"], (0, 8), "function", 80),
+    ]
+
+
+@pytest.mark.parametrize("failing", ["a", "b"])
+def test_a_failed_answer_is_raised_once_every_other_push_ended(failing):
+    channels = ScriptedChannels(failing={failing}, started={"a", "b"})
+    push = StepPush(
+        7, Position(0, 8), {"a": [("g", torch.ones(1))], "b": [("h", torch.ones(1))]}, blocks_into=stage
+    )
+    with pytest.raises(PserverError, match="refused") as raised:
+        Transfers(channels, BLOCKS).push_all(push)
+    assert raised.value.endpoint == failing
+    assert sorted(channels.events) == [("read", "a"), ("read", "b"), ("send", "a"), ("send", "b")]
+
+
+def test_an_interrupted_push_closes_the_connections_of_the_answers_left_unread():
+    channels = ScriptedChannels(started={"a", "b"})
+    push = StepPush(
+        7, Position(0, 8), {"a": [("g", torch.ones(1))], "b": [("h", torch.ones(1))]}, blocks_into=stage
+    )
+    transfers = Transfers(channels, BLOCKS)
+    transfers.channels.run_parallel = lambda jobs: (_ for _ in ()).throw(KeyboardInterrupt())
+    with pytest.raises(KeyboardInterrupt):
+        transfers.push_all(push)
+    assert sorted(channels.events) == [("abandon", "a"), ("abandon", "b"), ("send", "a"), ("send", "b")]
 
 
 def test_rows_asked_ahead_land_in_new_tensors_and_blocks_where_the_push_says():

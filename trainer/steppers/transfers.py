@@ -20,10 +20,18 @@ import torch
 from psproto.dtypes import DTYPES
 from transpiler.position import Position
 
-from ..blocks import LocalBlocks
+from ..blocks import Landing, LocalBlocks
 from ..embedding import RowFetch, RowsByPserver, RowShapes
 from ..errors import PserverError
-from ..transport import Channels, DecodeInto, DtypeAndShape, Named, NamedTensors, TensorsByPserver
+from ..transport import (
+    Channels,
+    DecodeInto,
+    DtypeAndShape,
+    Named,
+    NamedTensors,
+    StartedPush,
+    TensorsByPserver,
+)
 
 
 @dataclass(frozen=True)
@@ -146,13 +154,30 @@ class Transfers:
         )
 
     def push_all(self, push: StepPush) -> Dict[str, int]:
-        """Push ``push`` to every pserver it goes to, in parallel; each answer lands where it says.
+        """Push ``push`` to every pserver it goes to, all at once; each answer lands where it says.
 
-        Returns each pserver's step as its answer reported it.
+        Over data connections already open, this thread sends every request, then reads every answer
+        (:mod:`trainer.transport.started_push`); the other pushes go in parallel on the channels' threads.
+        Returns each pserver's step as its answer reported it; a failure is raised once every push ended.
         """
         asked = push.next_batch.rows if push.next_batch is not None else {}
-        return self.channels.run_parallel(
-            {
+
+        def rows_asked(ep: str) -> Optional[RowShapes]:
+            return asked.get(ep, {}) if ep in push.next_rows else None
+
+        started: Dict[str, Tuple[StartedPush, Optional[Landing]]] = {}
+        results: Dict[str, int] = {}
+        try:
+            for ep, tensors in push.tensors.items():
+                into, _, _, landing = self._answer_target(
+                    ep, push.blocks_into, rows_asked(ep), push.next_rows.get(ep)
+                )
+                call = self.channels[ep].start_push_pull(
+                    push.step, tensors, into, push.position, push.step_trainers, push.dropped
+                )
+                if call is not None:
+                    started[ep] = (call, landing)
+            others = {
                 ep: functools.partial(
                     self.push_pull,
                     ep,
@@ -160,14 +185,56 @@ class Transfers:
                     tensors,
                     push.position,
                     push.blocks_into,
-                    asked.get(ep, {}) if ep in push.next_rows else None,
+                    rows_asked(ep),
                     push.next_rows.get(ep),
                     step_trainers=push.step_trainers,
                     dropped=push.dropped,
                 )
                 for ep, tensors in push.tensors.items()
+                if ep not in started
             }
-        )
+            failures = []
+            try:
+                results.update(self.channels.run_parallel(others))
+            except Exception as e:  # noqa: BLE001 - raised once the started pushes ended
+                failures.append(e)
+            while started:
+                ep, (call, landing) = started.popitem()
+                try:
+                    results[ep] = call.finish()
+                except Exception as e:  # noqa: BLE001 - raised once the others ended
+                    failures.append(e)
+                    continue
+                if landing is not None:
+                    landing.install()
+            if failures:
+                raise failures[0]
+        finally:
+            for call, _ in started.values():  # only after an interruption (KeyboardInterrupt): closed unread
+                call.abandon()
+        return {ep: results[ep] for ep in push.tensors}
+
+    def _answer_target(
+        self,
+        endpoint: str,
+        blocks_into: Optional[DecodeInto],
+        next_rows: Optional[RowShapes],
+        landed: Optional[Dict[str, torch.Tensor]],
+    ) -> Tuple[DecodeInto, DtypeAndShape, int, Optional[Landing]]:
+        """Where a push-pull's answer from ``endpoint`` lands (blocks in ``blocks_into``, default: a landing
+        of the parameters, installed once the answer is whole; rows asked ahead, ``next_rows``, in new
+        tensors in ``landed``): (where, its dtype_and_shape, the answer's tensor bytes, the landing)."""
+        landing = self.blocks.landing() if blocks_into is None else None
+        into = blocks_into or landing
+        dtype_and_shape: DtypeAndShape = self.blocks.dtype_and_shape
+        answer_bytes = self.blocks.answer_bytes.get(endpoint, 0)
+        if next_rows is not None:
+            into = BlocksAndNextRows(self.blocks, into, next_rows, landed)
+            dtype_and_shape = into.dtype_and_shape
+            answer_bytes += sum(
+                math.prod(shape) * DTYPES[dtype].itemsize for dtype, shape in next_rows.values()
+            )
+        return into, dtype_and_shape, answer_bytes, landing
 
     def push_pull(
         self,
@@ -189,16 +256,9 @@ class Transfers:
         :class:`BlocksAndNextRows`). ``during_backward``: ``tensors`` come as backward produces them.
         Returns the pserver's step (updates applied) the answer reflects.
         """
-        landing = self.blocks.landing() if blocks_into is None else None
-        into = blocks_into or landing
-        dtype_and_shape: DtypeAndShape = self.blocks.dtype_and_shape
-        answer_bytes = self.blocks.answer_bytes.get(endpoint, 0)
-        if next_rows is not None:
-            into = BlocksAndNextRows(self.blocks, into, next_rows, landed)
-            dtype_and_shape = into.dtype_and_shape
-            answer_bytes += sum(
-                math.prod(shape) * DTYPES[dtype].itemsize for dtype, shape in next_rows.values()
-            )
+        into, dtype_and_shape, answer_bytes, landing = self._answer_target(
+            endpoint, blocks_into, next_rows, landed
+        )
         pserver_step = self.channels[endpoint].push_pull(
             step,
             tensors,

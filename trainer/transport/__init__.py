@@ -17,6 +17,7 @@
 
 from .channel import PserverChannel
 from .channels import Channels, results_of
+from .started_push import StartedPush
 from .status_codes import kind_of
 from .wire_paths import DecodeInto, DtypeAndShape, Named, NamedTensors, TensorsByPserver
 
@@ -25,6 +26,7 @@ __all__ = [
     "PserverChannel",
     "kind_of",
     "results_of",
+    "StartedPush",
     "DecodeInto",
     "DtypeAndShape",
     "Named",

@@ -31,6 +31,7 @@ from .narrowing import GradientNarrower
 from .primaries import ShardPrimary
 from .shard_link import WAIT_LOG_INTERVAL, ShardLink, TrainerIdentity
 from .shared_regions import RegionPool
+from .started_push import StartedPush
 from .status_codes import details, error_of
 from .tensor_calls import TensorCalls, wait_timeout
 from .wire_paths import DecodeInto, DtypeAndShape, Named
@@ -186,6 +187,19 @@ class PserverChannel:
             step_trainers,
             dropped,
         )
+
+    def start_push_pull(
+        self,
+        step: int,
+        tensors: Iterable[Named],
+        decode_into: DecodeInto,
+        position: Tuple[int, int] = (0, 0),
+        step_trainers: Sequence[int] = (),
+        dropped: bool = False,
+    ) -> Optional[StartedPush]:
+        """:meth:`push_pull` sent, its answer read by the result's ``finish()``; None where it cannot go so
+        (see :meth:`.tensor_calls.TensorCalls.start_push_pull`)."""
+        return self._tensors.start_push_pull(step, tensors, decode_into, position, step_trainers, dropped)
 
     def pull(
         self, names: Sequence[str], min_step: int, dtype_and_shape: DtypeAndShape, decode_into: DecodeInto

@@ -38,25 +38,26 @@ class Contact:
         """
         started = time.monotonic()
         if from_start:
-            self._begin()
+            self.begin()
         answered = False
         try:
             yield
             answered = True
         finally:
             if from_start:
-                self._end(answered)
+                self.end(answered)
             elif answered:
                 self.noted(started)
 
-    def _begin(self) -> None:
-        """A call starts now: in flight, so contact, until its :meth:`_end`."""
+    def begin(self) -> None:
+        """A call starts now: in flight, so contact, until its :meth:`end` (:meth:`call` around a call made
+        in one piece)."""
         with self._lock:
             self._in_flight += 1
             self._last = max(self._last, time.monotonic())
 
-    def _end(self, answered: bool) -> None:
-        """The call :meth:`_begin` counted ended; if ``answered``, the pserver heard it up to now."""
+    def end(self, answered: bool) -> None:
+        """The call :meth:`begin` counted ended; if ``answered``, the pserver heard it up to now."""
         with self._lock:
             self._in_flight -= 1
             if answered:

@@ -6,7 +6,8 @@ node groups, the steppers) decides on the kinds of :mod:`trainer.errors`.
 
 from __future__ import annotations
 
-from typing import Optional
+import contextlib
+from typing import Iterator, Optional
 
 import grpc
 
@@ -43,3 +44,15 @@ def details(e: grpc.RpcError) -> str:
     code = e.code() if hasattr(e, "code") else None
     text = e.details() if hasattr(e, "details") else str(e)
     return f"{code.name if code else 'ERROR'}: {text}"
+
+
+@contextlib.contextmanager
+def call_errors(endpoint: str, what: str) -> Iterator[None]:
+    """Around a call to ``endpoint`` (``what``, for messages): a failed call raised as :func:`error_of`'s
+    error, an answer found malformed (``ValueError``) as a :class:`PserverError` saying so."""
+    try:
+        yield
+    except grpc.RpcError as e:
+        raise error_of(endpoint, f"{what} failed: {details(e)}", e) from None
+    except ValueError as e:
+        raise PserverError(endpoint, f"{what}: answer is malformed: {e}") from None

@@ -28,7 +28,8 @@ from .contact import Contact
 from .narrowing import GradientNarrower
 from .primaries import ShardPrimary
 from .shard_link import ShardLink, TrainerIdentity
-from .status_codes import details, error_of
+from .started_push import StartedPush
+from .status_codes import call_errors, details, error_of
 from .wire_paths import (
     ANSWER_STREAMS,
     STREAM,
@@ -130,6 +131,43 @@ class TensorCalls:
         self.bytes_pushed += request.tensors.nbytes if during_backward else request.nbytes
         return pserver_step
 
+    def start_push_pull(
+        self,
+        step: int,
+        tensors: Iterable[Named],
+        decode_into: DecodeInto,
+        position: Tuple[int, int] = (0, 0),
+        step_trainers: Sequence[int] = (),
+        dropped: bool = False,
+    ) -> Optional[StartedPush]:
+        """:meth:`push_pull`'s request sent over the data channel, its answer read by
+        :meth:`StartedPush.finish`; None, having sent nothing, where the call takes :meth:`push_pull`
+        (no data port, no connection open yet, lanes, a connection that broke)."""
+        if not self._data_ready():
+            return None
+        narrowed = self._narrower.narrow(self.endpoint, list(tensors))
+        started = self._link.data.start_push_pull(
+            step, narrowed, position, decode_into, step_trainers, dropped, wait_timeout(self._config)
+        )
+        if started is None:
+            return None
+        self._contact.begin()
+        return StartedPush(
+            self.endpoint,
+            started,
+            self._contact,
+            wait_timeout(self._config),
+            f"step {step} of trainer {self._identity.trainer_id} (push and pull)",
+            functools.partial(
+                self._data_push_pull, step, narrowed, decode_into, position, step_trainers, dropped
+            ),
+            self._count_bytes,
+        )
+
+    def _count_bytes(self, sent: int, received: int) -> None:
+        self.bytes_pushed += sent
+        self.bytes_pulled += received
+
     def _data_ready(self) -> bool:
         """Whether the transfers go over the data channel now (the process calls go to named its port)."""
         data = self._link.data
@@ -142,23 +180,11 @@ class TensorCalls:
         def once() -> int:
             if not self._data_ready():  # moved to a process without a data port (say, an older pserver)
                 raise PserverError(self.endpoint, f"{what}: no data port", DOWN)
-            with self._contact.call(from_start=True):
-                try:
-                    pserver_step, _, sent, received = self._link.data.push_pull(
-                        step,
-                        narrowed,
-                        position,
-                        decode_into,
-                        step_trainers,
-                        dropped,
-                        wait_timeout(self._config),
-                    )
-                except grpc.RpcError as e:
-                    raise error_of(self.endpoint, f"{what} failed: {details(e)}", e) from None
-                except ValueError as e:
-                    raise PserverError(self.endpoint, f"{what}: answer is malformed: {e}") from None
-            self.bytes_pushed += sent
-            self.bytes_pulled += received
+            with self._contact.call(from_start=True), call_errors(self.endpoint, what):
+                pserver_step, _, sent, received = self._link.data.push_pull(
+                    step, narrowed, position, decode_into, step_trainers, dropped, wait_timeout(self._config)
+                )
+            self._count_bytes(sent, received)
             return pserver_step
 
         return self._primary.run(once)
@@ -250,15 +276,8 @@ class TensorCalls:
         )
 
     def _data_pull(self, min_step: int, decode_into: DecodeInto, what: str) -> int:
-        with self._contact.call(from_start=True):
-            try:
-                pserver_step, received = self._link.data.pull(
-                    min_step, decode_into, wait_timeout(self._config)
-                )
-            except grpc.RpcError as e:
-                raise error_of(self.endpoint, f"{what} failed: {details(e)}", e) from None
-            except ValueError as e:
-                raise PserverError(self.endpoint, f"{what}: answer is malformed: {e}") from None
+        with self._contact.call(from_start=True), call_errors(self.endpoint, what):
+            pserver_step, received = self._link.data.pull(min_step, decode_into, wait_timeout(self._config))
         self.bytes_pulled += received
         return pserver_step
 
@@ -296,13 +315,8 @@ class TensorCalls:
         )
 
     def _data_prefetch(self, min_step: int, ids, what: str) -> Dict[str, torch.Tensor]:
-        with self._contact.call(from_start=True):
-            try:
-                rows, received = self._link.data.prefetch(min_step, ids, wait_timeout(self._config))
-            except grpc.RpcError as e:
-                raise error_of(self.endpoint, f"{what} failed: {details(e)}", e) from None
-            except ValueError as e:
-                raise PserverError(self.endpoint, f"{what}: answer is malformed: {e}") from None
+        with self._contact.call(from_start=True), call_errors(self.endpoint, what):
+            rows, received = self._link.data.prefetch(min_step, ids, wait_timeout(self._config))
         self.bytes_pulled += received
         return rows
 

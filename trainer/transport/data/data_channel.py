@@ -179,6 +179,26 @@ class DataChannel:
         the next call)."""
         return self._exchange(header, step_trainers, () if header.flags & SHARED else payload, timeout)
 
+    def send(
+        self, header: RequestHeader, step_trainers: Sequence[int], payload: Sequence, timeout: float
+    ) -> None:
+        """The first half of :meth:`call`: send the request, not waiting for its answer (:meth:`receive`
+        reads it). A trainer pushing to several pservers sends to each, then reads each answer, on one
+        thread: no hand-over to another thread and back per pserver."""
+        try:
+            self._send(header, step_trainers, () if header.flags & SHARED else payload, timeout)
+        except (OSError, FrameError, TimeoutError) as e:
+            raise self._broken(e) from None
+
+    def receive(self, timeout: float) -> Tuple[AnswerHeader, np.ndarray]:
+        """The second half of :meth:`call`: the answer of the request :meth:`send` sent."""
+        try:
+            return self._answer(timeout)
+        except DataCallError:
+            raise
+        except (OSError, FrameError, TimeoutError) as e:
+            raise self._broken(e) from None
+
     def _exchange(
         self, header: RequestHeader, step_trainers: Sequence[int], payload: Sequence, timeout: float
     ) -> Tuple[AnswerHeader, np.ndarray]:
@@ -190,10 +210,14 @@ class DataChannel:
         except DataCallError:
             raise
         except (OSError, FrameError, TimeoutError) as e:
-            self.close()
-            what = "timed out" if isinstance(e, (TimeoutError, socket.timeout)) else "broke"
-            code = grpc.StatusCode.DEADLINE_EXCEEDED if what == "timed out" else grpc.StatusCode.UNAVAILABLE
-            raise DataCallError(code, f"data connection to {self.address[0]}:{self.address[1]} {what}: {e}")
+            raise self._broken(e) from None
+
+    def _broken(self, e: BaseException) -> DataCallError:
+        """The connection closed, and the error a call that met ``e`` raises."""
+        self.close()
+        what = "timed out" if isinstance(e, (TimeoutError, socket.timeout)) else "broke"
+        code = grpc.StatusCode.DEADLINE_EXCEEDED if what == "timed out" else grpc.StatusCode.UNAVAILABLE
+        return DataCallError(code, f"data connection to {self.address[0]}:{self.address[1]} {what}: {e}")
 
     def _send(self, header: RequestHeader, step_trainers: Sequence[int], payload: Sequence, timeout: float):
         parts = [header.pack()]

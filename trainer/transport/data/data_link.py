@@ -15,6 +15,7 @@ reads gRPC's.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import threading
@@ -42,6 +43,7 @@ from psproto.security import Security
 from ..wire_paths import DecodeInto, Named
 from .data_channel import DataCallError, DataChannel
 from .payloads import PserverPayloads, Push
+from .started import StartedPushPull
 
 log = logging.getLogger(__name__)
 
@@ -170,15 +172,8 @@ class DataLink:
                     reused = slot in self._channels
                 channel = self._channel(slot)
                 try:
-                    if channel.regions is not None:  # the bytes go through the connection's regions
-                        channel.map_regions(request_bytes, answer_bytes, timeout)
-                        write(np.frombuffer(channel.regions[0].view, np.uint8, request_bytes))
-                        shared = replace(header, flags=header.flags | SHARED)
-                        answer, payload = channel.call(shared, step_trainers, (), timeout)
-                    else:
-                        out = channel.outbox(request_bytes)
-                        write(out)
-                        answer, payload = channel.call(header, step_trainers, [out], timeout)
+                    payload = self._write(channel, request_bytes, answer_bytes, write, timeout)
+                    answer, payload = channel.call(_as_sent(header, channel), step_trainers, payload, timeout)
                     return answer, read(payload)
                 except DataCallError as e:
                     self._drop(slot)
@@ -187,6 +182,18 @@ class DataLink:
                     # on a new connection once, whose hello gets the true answer (fenced, down).
                     if not (reused and e.code() == grpc.StatusCode.UNAVAILABLE):
                         raise
+
+    @staticmethod
+    def _write(channel: DataChannel, request_bytes: int, answer_bytes: int, write, timeout: float) -> list:
+        """``write`` the request's payload where ``channel`` sends it from: its request region (the bytes go
+        through the connection's regions; nothing left to send) or its outbox (the buffers to send)."""
+        if channel.regions is not None:
+            channel.map_regions(request_bytes, answer_bytes, timeout)
+            write(np.frombuffer(channel.regions[0].view, np.uint8, request_bytes))
+            return []
+        out = channel.outbox(request_bytes)
+        write(out)
+        return [out]
 
     # -- the calls ----------------------------------------------------------------------------------
 
@@ -209,34 +216,11 @@ class DataLink:
         def one(lane: int):
             lane_tensors = self._lane_tensors(tensors, lanes, lane)
             push = whole if lanes == 1 else self.payloads.plan_push(lane_tensors, lanes, lane, dropped)
-            blocks = self.payloads.lane(lanes, lane)
-            answer_bytes = self.payloads.answer_bytes(blocks, push.nexts)
-            header = RequestHeader(
-                PUSH_PULL,
-                DROPPED if dropped else 0,
-                push.grad_dtype,
-                lanes,
-                lane,
-                len(step_trainers),
-                step,
-                0,
-                position[0],
-                position[1],
-                attempt,
-                push.layout.nbytes,
+            request = self._push_request(
+                push, lane_tensors, lanes, lane, attempt, step, position, step_trainers, dropped, decode_into
             )
-            answer, received = self._call(
-                lane,
-                header,
-                step_trainers,
-                push.layout.nbytes,
-                answer_bytes,
-                lambda out: self.payloads.write_push(out, push, lane_tensors, lanes, lane),
-                lambda payload: self.payloads.read_answer(payload, blocks, push.nexts, decode_into),
-                timeout,
-            )
-            sent = sum(t.numel() * t.element_size() for _, t in lane_tensors)
-            return answer.step, bool(answer.flags & COUNTED), sent, received
+            answer, received = self._call(lane, *request, timeout)
+            return answer.step, bool(answer.flags & COUNTED), _tensor_bytes(lane_tensors), received
 
         results = [one(0)] if lanes == 1 else self._in_lanes(one, lanes)
         return (
@@ -244,6 +228,71 @@ class DataLink:
             all(r[1] for r in results),
             sum(r[2] for r in results),
             sum(r[3] for r in results),
+        )
+
+    def start_push_pull(
+        self,
+        step: int,
+        tensors: Sequence[Named],
+        position: Tuple[int, int],
+        decode_into: DecodeInto,
+        step_trainers: Sequence[int],
+        dropped: bool,
+        timeout: float,
+    ) -> Optional[StartedPushPull]:
+        """:meth:`push_pull`'s request sent on the open connection, its answer read later
+        (:meth:`StartedPushPull.finish`); None, having sent nothing, where it takes :meth:`push_pull`:
+        no connection open yet, lanes, a call in progress on it, or a connection that broke (closed here).
+        """
+        whole = self.payloads.plan_push(tensors, 1, 0, dropped)
+        if self._lanes > 1 and whole.layout.nbytes >= self._lane_bytes:
+            return None
+        with self._lock:
+            channel = self._channels.get(0)
+            busy = self._busy.setdefault(0, threading.Lock())
+        if channel is None or not busy.acquire(blocking=False):
+            return None
+        try:
+            header, step_trainers, request_bytes, answer_bytes, write, read = self._push_request(
+                whole, tensors, 1, 0, 0, step, position, step_trainers, dropped, decode_into
+            )
+            payload = self._write(channel, request_bytes, answer_bytes, write, timeout)
+            channel.send(_as_sent(header, channel), step_trainers, payload, timeout)
+        except DataCallError:
+            self._drop(0)
+            busy.release()
+            return None
+        except BaseException:
+            busy.release()
+            raise
+        return StartedPushPull(channel, busy, functools.partial(self._drop, 0), read, _tensor_bytes(tensors))
+
+    def _push_request(
+        self, push, tensors, lanes, lane, attempt, step, position, step_trainers, dropped, decode_into
+    ) -> tuple:
+        """What :meth:`_call` takes for lane ``lane``'s push-pull of ``push`` (its timeout aside)."""
+        blocks = self.payloads.lane(lanes, lane)
+        header = RequestHeader(
+            PUSH_PULL,
+            DROPPED if dropped else 0,
+            push.grad_dtype,
+            lanes,
+            lane,
+            len(step_trainers),
+            step,
+            0,
+            position[0],
+            position[1],
+            attempt,
+            push.layout.nbytes,
+        )
+        return (
+            header,
+            step_trainers,
+            push.layout.nbytes,
+            self.payloads.answer_bytes(blocks, push.nexts),
+            lambda out: self.payloads.write_push(out, push, tensors, lanes, lane),
+            lambda payload: self.payloads.read_answer(payload, blocks, push.nexts, decode_into),
         )
 
     def _lane_tensors(self, tensors: Sequence[Named], lanes: int, lane: int) -> List[Named]:
@@ -319,3 +368,12 @@ class DataLink:
             channel.close()
         if pool is not None:
             pool.shutdown(wait=False)
+
+
+def _tensor_bytes(tensors: Sequence[Named]) -> int:
+    return sum(t.numel() * t.element_size() for _, t in tensors)
+
+
+def _as_sent(header: RequestHeader, channel: DataChannel) -> RequestHeader:
+    """``header`` as sent on ``channel``: flagged SHARED where its payload went into the request region."""
+    return replace(header, flags=header.flags | SHARED) if channel.regions is not None else header

@@ -1,0 +1,77 @@
+"""A push-pull sent over a data connection and read later (trainer/transport/started_push.py): what reading
+its answer gives, table by table: the pserver's step; the push made again on a new connection where the
+connection broke (as a push-pull in one piece retries then); every other failure raised as that call raises
+it; and the pserver's contact in flight from the send until the answer."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from trainer.errors import REFUSED, RESYNC, TIMEOUT, PserverError
+from trainer.transport.contact import Contact
+from trainer.transport.data.data_channel import DataCallError
+from trainer.transport.started_push import StartedPush
+
+
+class Sent:
+    """A started push-pull whose answer is ``answer``: a result tuple, or an exception to raise."""
+
+    def __init__(self, answer):
+        self.answer, self.abandoned = answer, False
+
+    def finish(self, timeout):
+        if isinstance(self.answer, BaseException):
+            raise self.answer
+        return self.answer
+
+    def abandon(self):
+        self.abandoned = True
+
+
+def started(answer, again=lambda: 99):
+    contact, counted = Contact(), []
+    contact.begin()
+    push = StartedPush(
+        "ps:1", Sent(answer), contact, 5.0, "step 3", again, lambda s, r: counted.append((s, r))
+    )
+    return push, contact, counted
+
+
+@pytest.mark.parametrize(
+    "answer, step, kind, says, again_called",
+    [
+        ((4, True, 100, 200), 4, None, None, False),  # answered
+        (DataCallError(grpc.StatusCode.UNAVAILABLE, "broke"), 99, None, None, True),  # made again: its step
+        (DataCallError(grpc.StatusCode.CANCELLED, "shutting down"), 99, None, None, True),
+        (
+            DataCallError(grpc.StatusCode.DEADLINE_EXCEEDED, "late"),
+            None,
+            TIMEOUT,
+            "late",
+            False,
+        ),  # no 2nd wait
+        (DataCallError(grpc.StatusCode.ABORTED, "rolled back"), None, RESYNC, "rolled back", False),
+        (DataCallError(grpc.StatusCode.FAILED_PRECONDITION, "stale"), None, REFUSED, "stale", False),
+        (ValueError("rows of 3 x 4"), None, REFUSED, "answer is malformed: rows of 3 x 4", False),
+    ],
+)
+def test_reading_a_started_push_s_answer(answer, step, kind, says, again_called):
+    calls = []
+    push, contact, counted = started(answer, again=lambda: calls.append(1) or 99)
+    assert contact.last(now=123.0) == 123.0  # in flight: contact now
+    if kind is None:
+        assert push.finish() == step
+    else:
+        with pytest.raises(PserverError, match=says) as raised:
+            push.finish()
+        assert raised.value.kind == kind and raised.value.endpoint == "ps:1"
+    assert bool(calls) == again_called
+    assert counted == ([(100, 200)] if step == 4 else [])
+    assert contact.last(now=1e12) < 1e12  # no longer in flight
+
+
+def test_an_abandoned_push_closes_its_connection_and_ends_its_contact():
+    push, contact, _ = started((4, True, 1, 1))
+    push.abandon()
+    assert push._started.abandoned and contact.last(now=1e12) < 1e12
