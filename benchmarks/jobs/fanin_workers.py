@@ -10,8 +10,9 @@ real trainer session speaking the wire through the trainer's own client code: it
 :class:`~trainer.transport.Channels` (so its own gRPC channel, and TCP connection, to every pserver:
 the channel options keep a local subchannel pool), its own Hello and session, its own heartbeats
 (one :class:`~trainer.heartbeat.Heartbeat` thread of the load generator sends every trainer's, each on
-its own account, as a trainer's thread would), and each step one ``PserverChannel.push_pull`` per
-pserver run in parallel by ``Channels.run_parallel``, as a trainer's LocalStepper does, then Close.
+its own account, as a trainer's thread would), and each step pushes to every pserver as a trainer's
+``Transfers.push_all`` does (each push sent on its open data connection, then the answers read; the
+others one ``PserverChannel.push_pull`` each, run in parallel by ``Channels.run_parallel``), then Close.
 Its table gradients are routed by a :class:`~trainer.embedding.client.TableClient`, which also sends
 the next batch's ids with the push (``<table>@next``, job S's fast path: the answer brings their rows).
 What is not emulated is the model: no forward or backward runs; the gradients come from
@@ -124,7 +125,7 @@ class EmulatedTrainer:
                 plan = self.tables.plan_next_batch({TABLE: batch_ids(self.spec, self.trainer_id, step + 1)})
                 ask = self.tables.ask_next_batch(plan)
             dense = dense_gradients(self.spec, self.program.blocks, self.trainer_id, step)
-        jobs = {}
+        jobs, started = {}, []
         for k, ep in enumerate(self.program.pservers):
             tensors = (
                 [(b.name, dense[b.name]) for b in self.by_endpoint[ep]]
@@ -132,12 +133,21 @@ class EmulatedTrainer:
                 + (ask.ids.get(ep, []) if ask is not None else [])
             )
             rows = ask.rows.get(ep, {}) if ask is not None else {}
-            jobs[ep] = functools.partial(self._push, k, ep, step, tensors, rows)
+            answer = Answer({b.name: (b.dtype, b.shape) for b in self.by_endpoint[ep]}, rows)
+            # As Transfers.push_all: over an open data connection, sent now and its answer read below.
+            start = time.monotonic()
+            call = self.channels[ep].start_push_pull(step, tensors, answer, (0, step + 1))
+            if call is not None:
+                started.append((k, call, start))
+            else:
+                jobs[ep] = functools.partial(self._push, k, ep, step, tensors, answer, rows)
         self.channels.run_parallel(jobs)
+        for k, call, start in started:
+            call.finish()
+            self.pushes.append((k, step, start, time.monotonic()))
         self.tables.clear()
 
-    def _push(self, k: int, endpoint: str, step: int, tensors, rows) -> None:
-        answer = Answer({b.name: (b.dtype, b.shape) for b in self.by_endpoint[endpoint]}, rows)
+    def _push(self, k: int, endpoint: str, step: int, tensors, answer: Answer, rows) -> None:
         answer_bytes = sum(b.nbytes for b in self.by_endpoint[endpoint]) + sum(
             torch.Size(shape).numel() * 4 for _, shape in rows.values()
         )
