@@ -32,7 +32,6 @@ from psproto.dataplane.payload import (
 )
 from psproto.dtypes import DTYPES
 from psproto.lane_blocks import lane_of_blocks, split_by_lane
-from transpiler.tables import merge_duplicates
 
 from ..engine import Contents, PushParts
 from ..errors import BadRequest
@@ -168,8 +167,7 @@ class Payloads:
                     raise BadRequest("a dropped push carries no gradients (backup_trainers)")
                 grad_rows = self._rows(payload, rows, shape, wire)
                 self._finite(grad_rows.numpy(), name)
-                self.contents.tables.shards[name].check_ids(grad_ids)
-                sparse[name] = merge_duplicates(grad_ids, grad_rows)
+                sparse[name] = self.contents.tables.shards[name].merged_gradient(grad_ids, grad_rows)
             next_ids = view(payload, nxt, np.int64)
             if next_ids.size:
                 self.contents.tables.shards[name].check_ids(next_ids)

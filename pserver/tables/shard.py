@@ -43,7 +43,7 @@ from .fresh import FreshRows, initial_rows_into
 from .lifecycle import RowLifecycle
 from .lifecycle.tiering import DiskTiering
 from .row_store import RowStore
-from .shard_ids import as_shard_ids, check_shard_ids
+from .shard_ids import as_shard_ids, check_shard_ids, merged_gradient
 from .sparse_optim import make_rule
 
 log = logging.getLogger(__name__)
@@ -151,6 +151,11 @@ class TableShard:
     def check_ids(self, ids: np.ndarray) -> None:
         """:class:`BadRequest` naming the table, this shard and an example if any of ``ids`` is not ours."""
         check_shard_ids(self.spec.name, ids, self.shard, self.n_shards)
+
+    def merged_gradient(self, ids: np.ndarray, rows):
+        """A push's gradient of this table, ``(ids, rows)``, checked as :meth:`check_ids` does and with its
+        repeated ids summed: what :meth:`apply` takes."""
+        return merged_gradient(self.spec.name, ids, rows, self.shard, self.n_shards)
 
     def lookup(self, ids: np.ndarray) -> np.ndarray:
         """Rows of ``ids`` (int64 1-D, any order, repeats allowed) as a new (len(ids), dim) array.

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from transpiler.tables import as_ids, shard_of
+from transpiler.tables import as_ids, merge_duplicates, shard_of
 
 from ..errors import BadRequest
 from . import id_index
@@ -41,3 +41,18 @@ def check_shard_ids(table: str, ids, shard: int, n_shards: int) -> None:
             f"table {table!r}: {int(bad.sum())} of {ids.size} ids do not belong to "
             f"shard {shard} of {n_shards}, e.g. id {int(ids[i])} (shard {int(owner[i])})"
         )
+
+
+def merged_gradient(table: str, ids, rows, shard: int, n_shards: int):
+    """A table gradient ``(ids, rows)`` with every id checked to be ``shard``'s (:func:`check_shard_ids`)
+    and repeated ids summed (:func:`transpiler.tables.merge_duplicates`); distinct ids come back as they
+    are, found so in the shard check's compiled pass where numba is (no sort)."""
+    ids = as_shard_ids(ids)
+    kernels = id_index.load_kernels()
+    if kernels is None:
+        check_shard_ids(table, ids, shard, n_shards)
+        return merge_duplicates(ids, rows)
+    foreign, repeat = kernels.foreign_and_repeat(ids, np.uint64(n_shards), np.uint64(shard))
+    if foreign >= 0:
+        check_shard_ids(table, ids, shard, n_shards)  # refused, naming an example
+    return (ids, rows) if repeat < 0 else merge_duplicates(ids, rows)

@@ -18,7 +18,7 @@ import torch
 
 from transpiler import PserverProgram
 from transpiler.optim import LrSchedule
-from transpiler.tables import SPARSE_SEPARATOR, TableSpec, merge_duplicates
+from transpiler.tables import SPARSE_SEPARATOR, TableSpec
 
 from ..errors import BadRequest
 from .files import saved_shards, shard_directory
@@ -125,8 +125,7 @@ class TableSet:
             table_ids, table_rows = ids[name].numpy(), rows[name]
             if len(table_ids) != len(table_rows):
                 raise BadRequest(f"table {name!r}: {len(table_ids)} ids but {len(table_rows)} gradient rows")
-            self.shards[name].check_ids(table_ids)
-            out[name] = merge_duplicates(table_ids, table_rows)
+            out[name] = self.shards[name].merged_gradient(table_ids, table_rows)
         return out
 
     def lookup(self, ids: Mapping[str, np.ndarray]) -> List[Tuple[str, torch.Tensor]]:

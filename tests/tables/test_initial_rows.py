@@ -26,7 +26,7 @@ from pserver.tables.shard import TableShard, initial_rows_into
 from tests.helpers.table_specs import make_spec
 from transpiler import row_init
 from transpiler.placement import stable_hash_ids
-from transpiler.tables import TableSpec, initial_rows, shard_of
+from transpiler.tables import TableSpec, initial_rows, merge_duplicates, shard_of
 
 pytestmark = pytest.mark.skipif(id_index.load_kernels() is None, reason="numba is not installed")
 
@@ -93,6 +93,54 @@ def test_compiled_shard_check_agrees_with_shard_of(n_shards):
         assert kernels.first_foreign(ids, np.uint64(n_shards), np.uint64(shard)) == first
         with pytest.raises(BadRequest, match=f"{int((owner != shard).sum())} of {ids.size} ids"):
             TableShard(make_spec(), shard, n_shards).check_ids(ids)
+
+
+@pytest.mark.parametrize(
+    "ids, n_shards, repeats",
+    [
+        ([], 2, False),
+        ([5], 1, False),
+        ([3, 9, 4, 1], 1, False),
+        ([3, 9, 3, 1, 9], 1, True),
+        (list(range(0, 2000, 7)) * 2, 1, True),
+        (list(range(-500, 500)), 1, False),
+    ],
+)
+def test_a_gradient_s_repeated_ids_are_summed_and_distinct_ones_kept_as_the_plain_merge_does(
+    ids, n_shards, repeats
+):
+    ids = np.array(ids, dtype=np.int64)
+    rows = torch.arange(ids.size * 3, dtype=torch.float32).reshape(-1, 3)
+    got_ids, got_rows = TableShard(make_spec(dim=3), 0, n_shards).merged_gradient(ids, rows)
+    want_ids, want_rows = merge_duplicates(ids, rows)
+    np.testing.assert_array_equal(got_ids, want_ids)
+    torch.testing.assert_close(got_rows, want_rows, rtol=0, atol=0)
+    assert (got_rows is rows) == (not repeats)  # distinct ids: the very gradient, no copy
+    kernels = id_index.load_kernels()
+    assert kernels.foreign_and_repeat(ids, np.uint64(n_shards), np.uint64(0)) == (-1, first_repeat(ids))
+
+
+def first_repeat(ids) -> int:
+    """The plain definition: the index of the first id seen before, -1 if none."""
+    seen = set()
+    for i, x in enumerate(ids.tolist()):
+        if x in seen:
+            return i
+        seen.add(x)
+    return -1
+
+
+def test_a_gradient_with_an_id_of_another_shard_is_refused_before_its_repeats_are_merged():
+    ids = np.unique(many_ids(200))
+    owner = shard_of(ids, 2)
+    mine = np.concatenate([ids[owner == 0], ids[owner == 0][:3]])
+    rows = torch.ones(mine.size, 4)
+    merged, _ = TableShard(make_spec(), 0, 2).merged_gradient(mine, rows)
+    assert merged.size == mine.size - 3
+    with pytest.raises(BadRequest, match=f"1 of {mine.size + 1} ids do not belong to shard 0 of 2"):
+        TableShard(make_spec(), 0, 2).merged_gradient(
+            np.append(mine, ids[owner == 1][0]), torch.ones(mine.size + 1, 4)
+        )
 
 
 def test_version_1_reads_as_before():

@@ -1,6 +1,7 @@
 """The id index's probe and insert compiled with numba, and the other per-id loops of a push.
 
 Besides the index: :func:`homes` (home slots), :func:`first_foreign` (the shard check),
+:func:`foreign_and_repeat` (that and an id twice in a batch),
 :func:`row_uniforms` (the integer half of an initial row, :mod:`pserver.tables.fresh`),
 :func:`copy_known` (kept initial rows found by id, :class:`pserver.tables.fresh.FreshRows`) and
 :func:`accumulate` (a sync step's sums, :mod:`pserver.tables.step_sums`), each exactly the
@@ -196,6 +197,34 @@ if AVAILABLE:
             if _mix(np.uint64(ids[i]) + _GOLDEN) % n_shards != shard:
                 return i
         return -1
+
+    @numba.njit(inline="always", nogil=True)
+    def _first_repeat(ids):  # pragma: no cover - compiled
+        """The index of the first id that came earlier in ``ids``, -1 if none: a small hash set of the ids
+        (a few kB, in the core's cache; a sort of them costs several times more). Inlined where it is
+        called, for any layout of ``ids`` (the table kernels take read-only views of a payload)."""
+        size, bits = 16, 4
+        while size < 2 * ids.size:
+            size, bits = 2 * size, bits + 1
+        seen = np.empty(size, np.int64)
+        used = np.zeros(size, np.bool_)
+        shift = np.uint64(64 - bits)
+        for i in range(ids.size):
+            p = np.int64(_home(ids[i], shift))
+            while used[p]:
+                if seen[p] == ids[i]:
+                    return i
+                p = (p + 1) & (size - 1)
+            used[p] = True
+            seen[p] = ids[i]
+        return -1
+
+    @numba.njit("UniTuple(int64, 2)(int64[:], uint64, uint64)", cache=True, nogil=True)
+    def foreign_and_repeat(ids, n_shards, shard):  # pragma: no cover - compiled
+        """(:func:`first_foreign`, the index of the first id that came earlier, -1 if none) of ``ids`` in one
+        call; the second is -1 where the first is found."""
+        foreign = first_foreign(ids, n_shards, shard)
+        return foreign, (_first_repeat(ids) if foreign < 0 else -1)
 
     @numba.njit("int64[:](int64[:], uint64)", cache=True, nogil=True)
     def homes(ids, shift):  # pragma: no cover - compiled

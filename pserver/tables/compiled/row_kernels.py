@@ -84,7 +84,7 @@ if AVAILABLE:
                 n -= np.uint64(1)
             return n
 
-    _mix, _home = index_kernels._mix, index_kernels._home
+    _mix, _home, _first_repeat = index_kernels._mix, index_kernels._home, index_kernels._first_repeat
     _GOLDEN, _COLUMN = ri.GOLDEN, ri.COLUMN
     _UNIT = 1.0 / (1 << 53)
     _COS_C, _COS_S, _SIN_C, _SIN_S = ri.COS_C, ri.COS_S, ri.SIN_C, ri.SIN_S
@@ -176,26 +176,6 @@ if AVAILABLE:
                     left += 1
             n = left
         return rows, at
-
-    @numba.njit(inline="always", nogil=True)
-    def _first_repeat(ids):  # pragma: no cover - compiled
-        """The index of the first id that came earlier in ``ids``, -1 if none: a small hash set of the ids
-        (a few kB, in the core's cache), before anything is changed."""
-        size, bits = 16, 4
-        while size < 2 * ids.size:
-            size, bits = 2 * size, bits + 1
-        seen = np.empty(size, np.int64)
-        used = np.zeros(size, np.bool_)
-        shift = np.uint64(64 - bits)
-        for i in range(ids.size):
-            p = np.int64(_home(ids[i], shift))
-            while used[p]:
-                if seen[p] == ids[i]:
-                    return i
-                p = (p + 1) & (size - 1)
-            used[p] = True
-            seen[p] = ids[i]
-        return -1
 
     # Argument groups (tuples): the index (slots, keys, shift), a row store's arrays (values, two state
     # arrays, seen_step), a table's initial rows (init, initf).
