@@ -157,7 +157,7 @@ class Transfers:
         """Push ``push`` to every pserver it goes to, all at once; each answer lands where it says.
 
         Over data connections already open, this thread sends every request, then reads every answer
-        (:mod:`trainer.transport.started_push`); the other pushes go in parallel on the channels' threads.
+        (:mod:`trainer.transport.data.started`); the other pushes go in parallel on the channels' threads.
         Returns each pserver's step as its answer reported it; a failure is raised once every push ended.
         """
         asked = push.next_batch.rows if push.next_batch is not None else {}

@@ -17,7 +17,7 @@
 
 from .channel import PserverChannel
 from .channels import Channels, results_of
-from .started_push import StartedPush
+from .data.started import StartedPush
 from .status_codes import kind_of
 from .wire_paths import DecodeInto, DtypeAndShape, Named, NamedTensors, TensorsByPserver
 

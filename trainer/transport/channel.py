@@ -27,11 +27,11 @@ from transpiler import DistributeTranspilerConfig
 from ..errors import PserverError
 from .contact import Contact
 from .data.data_link import DataLink
+from .data.started import StartedPush
 from .narrowing import GradientNarrower
 from .primaries import ShardPrimary
 from .shard_link import WAIT_LOG_INTERVAL, ShardLink, TrainerIdentity
 from .shared_regions import RegionPool
-from .started_push import StartedPush
 from .status_codes import details, error_of
 from .tensor_calls import TensorCalls, wait_timeout
 from .wire_paths import DecodeInto, DtypeAndShape, Named

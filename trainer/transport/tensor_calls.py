@@ -25,10 +25,10 @@ from transpiler import DistributeTranspilerConfig
 from ..errors import DOWN, PserverError
 from .connection import Connection
 from .contact import Contact
+from .data.started import StartedPush
 from .narrowing import GradientNarrower
 from .primaries import ShardPrimary
 from .shard_link import ShardLink, TrainerIdentity
-from .started_push import StartedPush
 from .status_codes import call_errors, details, error_of
 from .wire_paths import (
     ANSWER_STREAMS,

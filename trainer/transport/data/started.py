@@ -1,11 +1,17 @@
-"""StartedPushPull: a push-pull sent on a data connection, its answer not read yet.
+"""A push-pull sent on a data connection, its answer read later: :class:`StartedPushPull` on the connection,
+:class:`StartedPush` for the transport above it.
 
-A trainer pushing to several pservers sends each its request, then reads each answer, all on its own thread
-(:meth:`trainer.steppers.transfers.Transfers.push_all`): the pservers work on the pushes at once, as with a
-thread per pserver, without handing each call to another thread and back (a wake-up and a GIL hand-over
-each way, a few hundred µs of a step on two cores). Ended by :meth:`StartedPushPull.finish` (read the answer)
-or :meth:`StartedPushPull.abandon` (close the connection: an answer nobody reads must not be taken for the
-next call's).
+A trainer pushing to several pservers sends each its request, then reads each answer, all on the step's own
+thread (:meth:`trainer.steppers.transfers.Transfers.push_all`): the pservers work on the pushes at once, as
+with a thread per pserver, without handing each call to another thread and back (a wake-up and a GIL
+hand-over each way). A started push-pull ends with ``finish`` (its answer read) or ``abandon`` (its
+connection closed: an answer nobody reads must not be taken for the next call's).
+
+Reading an answer fails as :meth:`trainer.transport.tensor_calls.TensorCalls.push_pull` fails, with one
+exception kept from it: a connection found broken (DOWN) is the case where that call tries again on a new
+connection (and, with hot standby, follows the shard's primary), so here the push is made again by that
+very call. A push made twice is counted once (the pserver acknowledges a retry of a step it counted without
+counting it again).
 """
 
 from __future__ import annotations
@@ -17,6 +23,9 @@ import numpy as np
 
 from psproto.dataplane.frames import COUNTED
 
+from ...errors import DOWN, PserverError
+from ..contact import Contact
+from ..status_codes import call_errors
 from .data_channel import DataCallError, DataChannel
 
 
@@ -57,3 +66,49 @@ class StartedPushPull:
     def _end(self) -> None:
         self._ended = True
         self._busy.release()
+
+
+class StartedPush:
+    """The push-pull ``started`` to ``endpoint``: in flight for ``contact`` until it ends; ``what`` names it
+    in errors; ``again()`` makes the whole call anew (the pserver's step); ``count(sent, received)`` adds its
+    tensor bytes to the channel's."""
+
+    def __init__(
+        self,
+        endpoint: str,
+        started: StartedPushPull,
+        contact: Contact,
+        timeout: float,
+        what: str,
+        again: Callable[[], int],
+        count: Callable[[int, int], None],
+    ):
+        self.endpoint = endpoint
+        self._started = started
+        self._contact = contact
+        self._timeout = timeout
+        self._what = what
+        self._again = again
+        self._count = count
+
+    def finish(self) -> int:
+        """The answer read and landed: the pserver's step it reflects."""
+        answered = False
+        try:
+            with call_errors(self.endpoint, self._what):
+                pserver_step, _, sent, received = self._started.finish(self._timeout)
+            answered = True
+        except PserverError as e:
+            if e.kind != DOWN:
+                raise
+        finally:
+            self._contact.end(answered)
+        if not answered:
+            return self._again()
+        self._count(sent, received)
+        return pserver_step
+
+    def abandon(self) -> None:
+        """End it unread (another pserver's push failed first): its connection is closed."""
+        self._started.abandon()
+        self._contact.end(False)

@@ -1,4 +1,4 @@
-"""A push-pull sent over a data connection and read later (trainer/transport/started_push.py): what reading
+"""A push-pull sent over a data connection and read later (trainer/transport/data/started.py): what reading
 its answer gives, table by table: the pserver's step; the push made again on a new connection where the
 connection broke (as a push-pull in one piece retries then); every other failure raised as that call raises
 it; and the pserver's contact in flight from the send until the answer."""
@@ -11,7 +11,7 @@ import pytest
 from trainer.errors import REFUSED, RESYNC, TIMEOUT, PserverError
 from trainer.transport.contact import Contact
 from trainer.transport.data.data_channel import DataCallError
-from trainer.transport.started_push import StartedPush
+from trainer.transport.data.started import StartedPush
 
 
 class Sent:
