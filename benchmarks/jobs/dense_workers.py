@@ -257,7 +257,9 @@ class PhaseTimer:
     ``dtype_and_shape`` called once per tensor as it arrives). Times are summed over the parallel
     per-pserver calls: ``push_wait_s``, from the call until the first tensor
     of the answer is read (the push, and in sync mode the barrier wait for
-    the other trainers, and the update); ``pull_recv_s``, the rest of the answer.
+    the other trainers, and the update); ``pull_recv_s``, the rest of the answer. A push over an open data
+    connection (``start_push_pull``: sent, its answer read later) and any push on the data channel have no
+    per-tensor mark: their whole time, from the send until the answer is read, is ``push_wait_s``.
     """
 
     def __init__(self, channels, endpoints):
@@ -265,6 +267,26 @@ class PhaseTimer:
         self._lock = threading.Lock()
         for ep in endpoints:
             channels[ep].push_pull = self._timed(channels[ep].push_pull)
+            channels[ep].start_push_pull = self._timed_start(channels[ep].start_push_pull)
+
+    def _timed_start(self, start_push_pull):
+        def timed_start(*args, **kwargs):
+            t0 = time.perf_counter()
+            started = start_push_pull(*args, **kwargs)
+            if started is None:
+                return None
+            finish = started.finish
+
+            def timed_finish():
+                try:
+                    return finish()
+                finally:
+                    self._add(push_wait_s=time.perf_counter() - t0)
+
+            started.finish = timed_finish
+            return started
+
+        return timed_start
 
     def _timed(self, push_pull):
         def timed_push_pull(step, tensors, dtype_and_shape, decode_into, *args, **kwargs):

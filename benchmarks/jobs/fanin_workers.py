@@ -125,7 +125,7 @@ class EmulatedTrainer:
                 plan = self.tables.plan_next_batch({TABLE: batch_ids(self.spec, self.trainer_id, step + 1)})
                 ask = self.tables.ask_next_batch(plan)
             dense = dense_gradients(self.spec, self.program.blocks, self.trainer_id, step)
-        jobs, started = {}, []
+        jobs, started = {}, {}
         for k, ep in enumerate(self.program.pservers):
             tensors = (
                 [(b.name, dense[b.name]) for b in self.by_endpoint[ep]]
@@ -138,11 +138,15 @@ class EmulatedTrainer:
             start = time.monotonic()
             call = self.channels[ep].start_push_pull(step, tensors, answer, (0, step + 1))
             if call is not None:
-                started.append((k, call, start))
+                started[k] = (call, start)
             else:
                 jobs[ep] = functools.partial(self._push, k, ep, step, tensors, answer, rows)
         self.channels.run_parallel(jobs)
-        for k, call, start in started:
+        from trainer.transport import answered_first
+
+        while started:  # as they arrive, as Transfers.push_all reads them
+            k = answered_first({k: call for k, (call, _) in started.items()})
+            call, start = started.pop(k)
             call.finish()
             self.pushes.append((k, step, start, time.monotonic()))
         self.tables.clear()

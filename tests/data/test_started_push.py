@@ -1,9 +1,13 @@
 """A push-pull sent over a data connection and read later (trainer/transport/data/started.py): what reading
 its answer gives, table by table: the pserver's step; the push made again on a new connection where the
 connection broke (as a push-pull in one piece retries then); every other failure raised as that call raises
-it; and the pserver's contact in flight from the send until the answer."""
+it; the pserver's contact in flight from the send until the answer; and of several started pushes, the one
+whose answer arrived read first (:func:`answered_first`)."""
 
 from __future__ import annotations
+
+import socket
+import time
 
 import grpc
 import pytest
@@ -11,14 +15,20 @@ import pytest
 from trainer.errors import REFUSED, RESYNC, TIMEOUT, PserverError
 from trainer.transport.contact import Contact
 from trainer.transport.data.data_channel import DataCallError
-from trainer.transport.data.started import StartedPush
+from trainer.transport.data.started import StartedPush, answered_first
 
 
 class Sent:
     """A started push-pull whose answer is ``answer``: a result tuple, or an exception to raise."""
 
-    def __init__(self, answer):
-        self.answer, self.abandoned = answer, False
+    def __init__(self, answer, connection=None):
+        self.answer, self.abandoned, self.connection = answer, False, connection
+
+    def fileno(self):
+        return self.connection.fileno() if self.connection is not None else -1
+
+    def buffered(self):
+        return False
 
     def finish(self, timeout):
         if isinstance(self.answer, BaseException):
@@ -29,11 +39,17 @@ class Sent:
         self.abandoned = True
 
 
-def started(answer, again=lambda: 99):
+def started(answer, again=lambda: 99, connection=None, timeout=5.0):
     contact, counted = Contact(), []
     contact.begin()
     push = StartedPush(
-        "ps:1", Sent(answer), contact, 5.0, "step 3", again, lambda s, r: counted.append((s, r))
+        "ps:1",
+        Sent(answer, connection),
+        contact,
+        timeout,
+        "step 3",
+        again,
+        lambda s, r: counted.append((s, r)),
     )
     return push, contact, counted
 
@@ -75,3 +91,36 @@ def test_an_abandoned_push_closes_its_connection_and_ends_its_contact():
     push, contact, _ = started((4, True, 1, 1))
     push.abandon()
     assert push._started.abandoned and contact.last(now=1e12) < 1e12
+
+
+@pytest.fixture
+def connections():
+    """Three socket pairs: (the trainer's end, the pserver's end) each."""
+    pairs = [socket.socketpair() for _ in range(3)]
+    yield pairs
+    for pair in pairs:
+        for end in pair:
+            end.close()
+
+
+@pytest.mark.parametrize("answered", [["b"], ["c"], ["a", "c"], ["b", "c"]])
+def test_of_several_started_pushes_one_whose_answer_arrived_is_read_first(connections, answered):
+    pushes = {key: started((1, True, 0, 0), connection=pair[0])[0] for key, pair in zip("abc", connections)}
+    for key, pair in zip("abc", connections):
+        if key in answered:
+            pair[1].sendall(b"answer")  # the pserver's answer, its first bytes arrived
+    assert answered_first(pushes) in answered
+
+
+def test_a_started_push_whose_connection_closed_counts_as_answered(connections):
+    closed = started((1, True, 0, 0))[0]  # no descriptor: its finish finds it broken
+    waiting = started((1, True, 0, 0), connection=connections[0][0])[0]
+    assert answered_first({"waiting": waiting, "closed": closed}) == "closed"
+
+
+def test_with_no_answer_by_the_earliest_deadline_that_push_is_read(connections):
+    late, _, _ = started((1, True, 0, 0), connection=connections[0][0], timeout=0.05)
+    later, _, _ = started((1, True, 0, 0), connection=connections[1][0], timeout=60.0)
+    begun = time.monotonic()
+    assert answered_first({"later": later, "late": late}) == "late"  # its finish then raises it late
+    assert time.monotonic() - begun < 30.0

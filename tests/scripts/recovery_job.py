@@ -175,6 +175,17 @@ def hold_push(tr, step: int, pause_dir: str) -> None:
         return second_push(at, *args, **kwargs)
 
     first.push_pull, second.push_pull = noted, held
+    for channel in (first, second):  # step's push takes the one-piece call, the one held here
+        channel.start_push_pull = one_piece_at(step, channel.start_push_pull)
+
+
+def one_piece_at(step: int, start_push_pull):
+    """``start_push_pull`` that declines ``step``'s push (None: it goes as one push-pull call)."""
+
+    def start(at, *args, **kwargs):
+        return None if at == step else start_push_pull(at, *args, **kwargs)
+
+    return start
 
 
 def wait_for(path: str, timeout: float) -> None:

@@ -5,6 +5,8 @@ push (:class:`StepPush`) goes to every pserver it names through
 ``Transfers.push_all``, and ``Stepper.push`` is the one healed way there.
 """
 
+import os
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -70,11 +72,24 @@ class ScriptedChannels:
     """Each pserver's push-pull records what it was sent; ``failing`` pservers fail their next one.
 
     Pushes to ``started`` pservers go as over open data connections (``start_push_pull``: sent, the answer
-    read by ``finish``); ``events`` records each send, read and abandon in order.
+    read by ``finish``); ``events`` records each send, read and abandon in order. Their answers arrive in
+    the order ``arrives`` names (default: sorted): the first once every push was sent, each next one once
+    the one before was read.
     """
 
-    def __init__(self, failing=(), started=()):
+    def __init__(self, failing=(), started=(), arrives=None):
         self.sent, self.failing, self.started, self.events = [], set(failing), set(started), []
+        self.arrives = list(arrives if arrives is not None else sorted(started))
+        self.pipes = {}
+
+    def close(self):
+        for ends in self.pipes.values():
+            for end in ends:
+                os.close(end)
+
+    def _arrive_next(self):
+        if self.arrives:
+            os.write(self.pipes[self.arrives.pop(0)][1], b"x")
 
     def __getitem__(self, endpoint):
         return SimpleNamespace(
@@ -87,16 +102,26 @@ class ScriptedChannels:
             return None  # no data connection open: push_pull takes it
         self.events.append(("send", endpoint))
         names = [name for name, _ in tensors]
+        self.pipes[endpoint] = os.pipe()
+        if len(self.pipes) == len(self.started):
+            self._arrive_next()
 
         def finish():
             self.events.append(("read", endpoint))
+            self._arrive_next()
             self.sent.append((endpoint, step, names, position, type(decode_into).__name__, "started"))
             if endpoint in self.failing:
                 self.failing.discard(endpoint)
                 raise PserverError(endpoint, "FAILED_PRECONDITION: refused", "refused")
             return 1
 
-        return SimpleNamespace(finish=finish, abandon=lambda: self.events.append(("abandon", endpoint)))
+        return SimpleNamespace(
+            finish=finish,
+            abandon=lambda: self.events.append(("abandon", endpoint)),
+            fileno=lambda: self.pipes[endpoint][0],
+            buffered=lambda: False,
+            deadline=time.monotonic() + 60.0,
+        )
 
     def _push_pull(
         self,
@@ -129,6 +154,15 @@ class ScriptedChannels:
 
     def run_parallel(self, jobs):
         return {ep: job() for ep, job in jobs.items()}
+
+
+@pytest.fixture
+def scripted():
+    """:class:`ScriptedChannels` made with these arguments, their pipes closed after the test."""
+    made = []
+    yield lambda **kwargs: made.append(ScriptedChannels(**kwargs)) or made[-1]
+    for channels in made:
+        channels.close()
 
 
 BLOCKS = SimpleNamespace(answer_bytes={"a": 400, "b": 80}, dtype_and_shape=lambda name: None)
@@ -169,8 +203,8 @@ def test_a_step_push_goes_to_every_pserver_it_names_even_with_nothing_for_one(ne
     assert sorted(channels.sent) == expected
 
 
-def test_pushes_over_open_data_connections_are_all_sent_before_any_answer_is_read():
-    channels = ScriptedChannels(started={"a", "b"})
+def test_pushes_over_open_data_connections_are_all_sent_before_any_answer_is_read(scripted):
+    channels = scripted(started={"a", "b"})
     push = StepPush(
         7, Position(0, 8), {"a": [("g", torch.ones(1))], "b": [("h", torch.ones(1))]}, blocks_into=stage
     )
@@ -182,8 +216,22 @@ def test_pushes_over_open_data_connections_are_all_sent_before_any_answer_is_rea
     ]
 
 
-def test_a_push_without_an_open_data_connection_goes_as_a_whole_call_beside_the_started_ones():
-    channels = ScriptedChannels(started={"a"})
+@pytest.mark.parametrize("arrives", [["a", "b", "c"], ["c", "a", "b"], ["b", "c", "a"]])
+def test_started_pushes_answers_are_read_in_the_order_they_arrive(arrives, scripted):
+    # An answer left unread while another pserver parks the step would be silence to its pserver.
+    channels = scripted(started={"a", "b", "c"}, arrives=arrives)
+    push = StepPush(
+        7,
+        Position(0, 8),
+        {ep: [(ep + "g", torch.ones(1))] for ep in "abc"},
+        blocks_into=stage,
+    )
+    assert Transfers(channels, BLOCKS).push_all(push) == {"a": 1, "b": 1, "c": 1}
+    assert channels.events == [("send", ep) for ep in "abc"] + [("read", ep) for ep in arrives]
+
+
+def test_a_push_without_an_open_data_connection_goes_as_a_whole_call_beside_the_started_ones(scripted):
+    channels = scripted(started={"a"})
     push = StepPush(
         7, Position(0, 8), {"a": [("g", torch.ones(1))], "b": [("h", torch.ones(1))]}, blocks_into=stage
     )
@@ -195,8 +243,8 @@ def test_a_push_without_an_open_data_connection_goes_as_a_whole_call_beside_the_
 
 
 @pytest.mark.parametrize("failing", ["a", "b"])
-def test_a_failed_answer_is_raised_once_every_other_push_ended(failing):
-    channels = ScriptedChannels(failing={failing}, started={"a", "b"})
+def test_a_failed_answer_is_raised_once_every_other_push_ended(failing, scripted):
+    channels = scripted(failing={failing}, started={"a", "b"})
     push = StepPush(
         7, Position(0, 8), {"a": [("g", torch.ones(1))], "b": [("h", torch.ones(1))]}, blocks_into=stage
     )
@@ -206,8 +254,8 @@ def test_a_failed_answer_is_raised_once_every_other_push_ended(failing):
     assert sorted(channels.events) == [("read", "a"), ("read", "b"), ("send", "a"), ("send", "b")]
 
 
-def test_an_interrupted_push_closes_the_connections_of_the_answers_left_unread():
-    channels = ScriptedChannels(started={"a", "b"})
+def test_an_interrupted_push_closes_the_connections_of_the_answers_left_unread(scripted):
+    channels = scripted(started={"a", "b"})
     push = StepPush(
         7, Position(0, 8), {"a": [("g", torch.ones(1))], "b": [("h", torch.ones(1))]}, blocks_into=stage
     )

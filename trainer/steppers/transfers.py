@@ -31,6 +31,7 @@ from ..transport import (
     NamedTensors,
     StartedPush,
     TensorsByPserver,
+    answered_first,
 )
 
 
@@ -156,8 +157,9 @@ class Transfers:
     def push_all(self, push: StepPush) -> Dict[str, int]:
         """Push ``push`` to every pserver it goes to, all at once; each answer lands where it says.
 
-        Over data connections already open, this thread sends every request, then reads every answer
-        (:mod:`trainer.transport.data.started`); the other pushes go in parallel on the channels' threads.
+        Over data connections already open, this thread sends every request, then reads the answers as
+        they arrive (:mod:`trainer.transport.data.started`); the other pushes go in parallel on the channels'
+        threads.
         Returns each pserver's step as its answer reported it; a failure is raised once every push ended.
         """
         asked = push.next_batch.rows if push.next_batch is not None else {}
@@ -199,7 +201,8 @@ class Transfers:
             except Exception as e:  # noqa: BLE001 - raised once the started pushes ended
                 failures.append(e)
             while started:
-                ep, (call, landing) = started.popitem()
+                ep = answered_first({ep: call for ep, (call, _) in started.items()})
+                call, landing = started.pop(ep)
                 try:
                     results[ep] = call.finish()
                 except Exception as e:  # noqa: BLE001 - raised once the others ended

@@ -17,7 +17,7 @@
 
 from .channel import PserverChannel
 from .channels import Channels, results_of
-from .data.started import StartedPush
+from .data.started import StartedPush, answered_first
 from .status_codes import kind_of
 from .wire_paths import DecodeInto, DtypeAndShape, Named, NamedTensors, TensorsByPserver
 
@@ -27,6 +27,7 @@ __all__ = [
     "kind_of",
     "results_of",
     "StartedPush",
+    "answered_first",
     "DecodeInto",
     "DtypeAndShape",
     "Named",

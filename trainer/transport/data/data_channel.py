@@ -137,6 +137,15 @@ class DataChannel:
         self._recv_exactly(memoryview(payload), deadline)
         return header, payload
 
+    def fileno(self) -> int:
+        """The connection's descriptor, to wait on several connections' answers at once (-1: closed)."""
+        return self.sock.fileno() if self.sock is not None else -1
+
+    def buffered(self) -> bool:
+        """Whether answer bytes were already read off the socket (TLS decrypts ahead): a wait on the
+        descriptor would not see them."""
+        return self._tls and self.sock is not None and self.sock.pending() > 0
+
     # -- calls ------------------------------------------------------------------------------------
 
     def outbox(self, nbytes: int) -> np.ndarray:

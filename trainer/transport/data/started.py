@@ -4,8 +4,14 @@
 A trainer pushing to several pservers sends each its request, then reads each answer, all on the step's own
 thread (:meth:`trainer.steppers.transfers.Transfers.push_all`): the pservers work on the pushes at once, as
 with a thread per pserver, without handing each call to another thread and back (a wake-up and a GIL
-hand-over each way). A started push-pull ends with ``finish`` (its answer read) or ``abandon`` (its
-connection closed: an answer nobody reads must not be taken for the next call's).
+hand-over each way). The answers are read as they arrive (:func:`answered_first`), not in a fixed order: a
+pserver counts a call as heard until it answers, the trainer until it reads the answer (its heartbeat skips
+a pserver with a call in flight), so an answer left unread while another pserver parks the step (a sync
+barrier waiting for a straggler) would be silence to a pserver that answered long ago, and it drops the
+trainer after ``heartbeat_timeout``.
+
+A started push-pull ends with ``finish`` (its answer read) or ``abandon`` (its connection closed: an answer
+nobody reads must not be taken for the next call's).
 
 Reading an answer fails as :meth:`trainer.transport.tensor_calls.TensorCalls.push_pull` fails, with one
 exception kept from it: a connection found broken (DOWN) is the case where that call tries again on a new
@@ -16,8 +22,10 @@ counting it again).
 
 from __future__ import annotations
 
+import select
 import threading
-from typing import Callable, Tuple
+import time
+from typing import Callable, Mapping, Tuple, TypeVar
 
 import numpy as np
 
@@ -57,6 +65,14 @@ class StartedPushPull:
             self._end()
         return answer.step, bool(answer.flags & COUNTED), self._sent, received
 
+    def fileno(self) -> int:
+        """The connection's descriptor, readable once the answer starts to arrive (-1: closed)."""
+        return self._channel.fileno()
+
+    def buffered(self) -> bool:
+        """Whether part of the answer was already read off the socket (see :meth:`DataChannel.buffered`)."""
+        return self._channel.buffered()
+
     def abandon(self) -> None:
         """End it unread: the connection is closed (a later answer on it would be read as another call's)."""
         if not self._ended:
@@ -84,9 +100,9 @@ class StartedPush:
         count: Callable[[int, int], None],
     ):
         self.endpoint = endpoint
+        self.deadline = time.monotonic() + timeout  # the call's, from its start, however late it is read
         self._started = started
         self._contact = contact
-        self._timeout = timeout
         self._what = what
         self._again = again
         self._count = count
@@ -96,7 +112,7 @@ class StartedPush:
         answered = False
         try:
             with call_errors(self.endpoint, self._what):
-                pserver_step, _, sent, received = self._started.finish(self._timeout)
+                pserver_step, _, sent, received = self._started.finish(self.deadline - time.monotonic())
             answered = True
         except PserverError as e:
             if e.kind != DOWN:
@@ -108,7 +124,43 @@ class StartedPush:
         self._count(sent, received)
         return pserver_step
 
+    def fileno(self) -> int:
+        """The connection's descriptor, readable once the answer starts to arrive (-1: closed)."""
+        return self._started.fileno()
+
+    def buffered(self) -> bool:
+        """Whether part of the answer was already read off the socket."""
+        return self._started.buffered()
+
     def abandon(self) -> None:
         """End it unread (another pserver's push failed first): its connection is closed."""
         self._started.abandon()
         self._contact.end(False)
+
+
+K = TypeVar("K")
+
+
+def answered_first(calls: Mapping[K, StartedPush]) -> K:
+    """The key of a call in ``calls`` whose answer has begun to arrive, waiting for one until the earliest
+    call's deadline (then that call: its ``finish`` ends it as timed out). A closed connection counts as
+    answered (its ``finish`` finds it broken)."""
+    for key, call in calls.items():
+        if call.fileno() < 0 or call.buffered():
+            return key
+    poll = select.poll()  # not select(): a process of emulated trainers holds more than 1,024 descriptors
+    keys = {}
+    for key, call in calls.items():
+        keys[call.fileno()] = key
+        poll.register(call.fileno(), select.POLLIN | select.POLLPRI)
+    earliest = min(calls, key=lambda k: calls[k].deadline)
+    while True:
+        left = calls[earliest].deadline - time.monotonic()
+        if left <= 0:
+            return earliest
+        try:
+            ready = poll.poll(left * 1000.0)
+        except InterruptedError:  # pragma: no cover - PEP 475 retries poll itself
+            continue
+        if ready:
+            return keys[ready[0][0]]
