@@ -333,6 +333,9 @@ def main(argv=None) -> int:
     # gRPC starts, so run as `python -m` (a process whose gRPC has not started yet).
     os.environ["GRPC_ENABLE_FORK_SUPPORT"] = "false"
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # The sync check's float64 sums on one thread: with a thread per core, on a loaded machine its small
+    # kernels each waited for a thread spinning for a busy core (23 s seen for K=64, 2 s on one thread).
+    torch.set_num_threads(1)
     stop_on_signals()
     work = args.work or tempfile.mkdtemp(prefix="bench-fanin-")
     os.makedirs(work, exist_ok=True)

@@ -5,9 +5,16 @@ from __future__ import annotations
 from typing import List
 
 import pytest
+import torch
 
 from tests.helpers.jobs import Job
 from tests.helpers.launch import Launchers, kill_probes
+
+# One torch thread in each pytest process, as in the roles the tests start: the two xdist workers and
+# their jobs share 2 cores, and with torch's default (a thread per core) a worker's kernels wait for a
+# thread spinning on a core that the other holds (under load, tests/pserver/test_flat_store.py and three
+# more files took 99-124 s so, 36-42 s on one thread).
+torch.set_num_threads(1)
 
 
 @pytest.fixture

@@ -3,6 +3,7 @@ it imports little."""
 
 from __future__ import annotations
 
+import gc
 from typing import Sequence
 
 
@@ -29,3 +30,4 @@ def node_rank(build, endpoints: Sequence[str], local_rank: int, port: int, out: 
             job_metrics.global_max(tr, "m", local_rank),
         )
     torch.save(got, out)
+    gc.freeze()  # its result written: a quicker exit (tests/helpers/nodes.py, PROCESS_TIMEOUT's note)
