@@ -170,6 +170,7 @@ class Transfers:
         started: Dict[str, Tuple[StartedPush, Optional[Landing]]] = {}
         results: Dict[str, int] = {}
         try:
+            sent_later = {}  # the blocks' gradients are read once per pserver: views made each time
             for ep, tensors in push.tensors.items():
                 into, _, _, landing = self._answer_target(
                     ep, push.blocks_into, rows_asked(ep), push.next_rows.get(ep)
@@ -179,6 +180,8 @@ class Transfers:
                 )
                 if call is not None:
                     started[ep] = (call, landing)
+                else:
+                    sent_later[ep] = tensors
             others = {
                 ep: functools.partial(
                     self.push_pull,
@@ -192,8 +195,7 @@ class Transfers:
                     step_trainers=push.step_trainers,
                     dropped=push.dropped,
                 )
-                for ep, tensors in push.tensors.items()
-                if ep not in started
+                for ep, tensors in sent_later.items()
             }
             failures = []
             try:
