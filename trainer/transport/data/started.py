@@ -144,7 +144,9 @@ K = TypeVar("K")
 def answered_first(calls: Mapping[K, StartedPush]) -> K:
     """The key of a call in ``calls`` whose answer has begun to arrive, waiting for one until the earliest
     call's deadline (then that call: its ``finish`` ends it as timed out). A closed connection counts as
-    answered (its ``finish`` finds it broken)."""
+    answered (its ``finish`` finds it broken). With one call left, that one: its ``finish`` waits for it."""
+    if len(calls) == 1:
+        return next(iter(calls))
     for key, call in calls.items():
         if call.fileno() < 0 or call.buffered():
             return key
