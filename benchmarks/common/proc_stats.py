@@ -2,7 +2,8 @@
 
 Linux only. ``cpu_seconds`` is user + system time (``/proc/<pid>/stat`` utime + stime);
 ``status`` reads ``/proc/<pid>/status``: ``VmRSS`` (resident now), ``VmHWM`` (the peak resident
-size since the process started) in bytes, and ``Threads``.
+size since the process started), ``RssAnon`` (of it, the process's private memory; the rest is files and
+shared memory, such as the data channel's regions mapped from trainers) in bytes, and ``Threads``.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import threading
 from typing import Dict, Sequence
 
 TICKS = os.sysconf("SC_CLK_TCK")
+_SIZES = {"VmRSS": "rss", "VmHWM": "hwm", "RssAnon": "anon"}
 
 
 def cpu_seconds(pid: int) -> float:
@@ -22,30 +24,31 @@ def cpu_seconds(pid: int) -> float:
 
 
 def status(pid: int) -> Dict[str, int]:
-    """``{"rss": VmRSS bytes, "hwm": VmHWM bytes, "threads": Threads}`` of ``pid``."""
+    """``{"rss": VmRSS bytes, "hwm": VmHWM bytes, "anon": RssAnon bytes, "threads": Threads}`` of
+    ``pid``."""
     out = {}
     with open(f"/proc/{pid}/status") as f:
         for line in f:
             key, _, value = line.partition(":")
-            if key in ("VmRSS", "VmHWM"):
-                out["rss" if key == "VmRSS" else "hwm"] = int(value.split()[0]) * 1024
+            if key in _SIZES:
+                out[_SIZES[key]] = int(value.split()[0]) * 1024
             elif key == "Threads":
                 out["threads"] = int(value)
     return out
 
 
 class Sampler:
-    """Reads ``status`` of ``pids`` every ``interval`` s on a thread: the largest thread count and RSS of
-    each.
+    """Reads ``status`` of ``pids`` every ``interval`` s on a thread: the largest thread count, RSS and
+    private memory (RssAnon) of each.
 
     A process that exited is no longer read. ``stop()`` ends the thread and returns ``{pid: {"threads":
-    max, "rss": max}}``.
+    max, "rss": max, "anon": max}}``.
     """
 
     def __init__(self, pids: Sequence[int], interval: float = 0.05):
         self._pids = list(pids)
         self._interval = interval
-        self.peaks = {pid: {"threads": 0, "rss": 0} for pid in self._pids}
+        self.peaks = {pid: {"threads": 0, "rss": 0, "anon": 0} for pid in self._pids}
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True, name="proc-sampler")
 
@@ -63,6 +66,7 @@ class Sampler:
             peak = self.peaks[pid]
             peak["threads"] = max(peak["threads"], now.get("threads", 0))
             peak["rss"] = max(peak["rss"], now.get("rss", 0))
+            peak["anon"] = max(peak["anon"], now.get("anon", 0))
 
     def _run(self) -> None:
         while not self._stopped.wait(self._interval):

@@ -14,7 +14,10 @@ How each figure is measured (P pservers, K trainers, ``steps`` steps each):
 - ``rss_start_mb``: VmRSS of a pserver serving, before any Hello (mean over pservers);
   ``idle_kb_per_session``: (VmRSS with K idle sessions - at start) / K; ``step_holds_mb``: the
   peak resident size (VmHWM, and the sampled VmRSS) up to the last answer minus VmRSS with K idle
-  sessions (in sync mode: what a step holds for its K pushes; ``step_holds_kb_per_trainer`` = that / K).
+  sessions (in sync mode: what a step holds for its K pushes; ``step_holds_kb_per_trainer`` = that / K);
+  ``step_holds_private_mb`` (``_kb_per_trainer``): the same of the private memory (RssAnon), without
+  the data channel's shared-memory regions, which the trainers map and the pserver touches (about a
+  push and an answer per connection: memory of the trainers' sessions, not of the step).
 - ``pushes_per_s``, ``prefetches_per_s``, ``heartbeats_per_s``: the pservers' Stats counters over the
   same window as the CPU, summed over pservers (sync: one prefetch per pserver is the check's read of the
   initial rows); ``heartbeats_per_trainer_min``: heartbeats per trainer per pserver per minute.
@@ -84,10 +87,15 @@ def summarise(
         ),
     }
     held = float(np.mean([max(st["hwm"], pk["rss"]) - i["rss"] for st, pk, i in zip(stepped, peaks, idle)]))
+    private = float(
+        np.mean([max(st["anon"], pk["anon"]) - i["anon"] for st, pk, i in zip(stepped, peaks, idle)])
+    )
     row.update(
         {
             "step_holds_mb": round(held / MB, 1),
             "step_holds_kb_per_trainer": round(held / k / 1024, 1),
+            "step_holds_private_mb": round(private / MB, 1),
+            "step_holds_private_kb_per_trainer": round(private / k / 1024, 1),
             "pushes_per_s": round(counted["pushes"] / window, 1),
             "prefetches_per_s": round(counted["prefetches"] / window, 1),
             "heartbeats_per_s": round(counted["heartbeats"] / window, 2),
@@ -124,6 +132,8 @@ COLUMNS = [
     ("idle_kb_per_session", "KB/idle session"),
     ("step_holds_mb", "peak-idle MB"),
     ("step_holds_kb_per_trainer", "KB/trainer"),
+    ("step_holds_private_mb", "of it private MB"),
+    ("step_holds_private_kb_per_trainer", "private KB/trainer"),
     ("pushes_per_s", "pushes/s"),
     ("prefetches_per_s", "prefetch/s"),
     ("heartbeats_per_s", "heartbeats/s"),

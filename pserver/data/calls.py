@@ -190,6 +190,7 @@ class ChannelCalls:
             self._check_room(connection, lane, parts.answer_ids)
         if shared:
             data.counters.add(shared_pushes=1)
+        answer_ids = parts.answer_ids
         if header.lanes > 1:
             data.counters.add(bytes_in=nbytes)
             ticket = data.lane_pushes.add(
@@ -204,6 +205,13 @@ class ChannelCalls:
             counted = yield from data.lane_pushes.settle(ticket, lambda d, s: data.count_push(head, d, s))
         else:
             counted = yield from data.count_push(head, parts.dense, parts.sparse, nbytes)
+            if not shared:
+                # Counted: the engine copied or merged what it keeps, and the ids asked ahead are all the
+                # answer reads of the payload: its buffer is free for the next request while this one
+                # waits for its step (a sync step's K parked pushes hold no payload each).
+                answer_ids = {name: ids.copy() for name, ids in parts.answer_ids.items()}
+                parts = payload = None
+                connection.release_payload()
         if not counted and not head.dropped:  # a dropped push (backup trainers) is never counted
             log.info(
                 "%s: duplicate push from trainer %d for step %d acknowledged, not counted again",
@@ -215,13 +223,11 @@ class ChannelCalls:
         flags = COUNTED if counted else 0
         if shared and self.payloads.in_place(lane):
             pserver_step, written = yield from self._answer_in_place(
-                connection, head.trainer_id, min_step, parts.answer_ids
+                connection, head.trainer_id, min_step, answer_ids
             )
             yield Answer(pserver_step, flags, shared_bytes=written)
             return
-        pserver_step, tensors = yield from data.read_answer(
-            head.trainer_id, min_step, lane.names, parts.answer_ids
-        )
+        pserver_step, tensors = yield from data.read_answer(head.trainer_id, min_step, lane.names, answer_ids)
         yield self._answer(connection, lane, tensors, pserver_step, flags, shared)
 
     def _pull(self, connection: InboundConnection, request: Request) -> Iterator:

@@ -2,24 +2,63 @@
 reading.
 
 A connection is read as its bytes arrive (the reactor calls :meth:`InboundConnection.read` when the socket is
-readable), without blocking: a header, the step's trainers, then the inline payload into a buffer the
-connection keeps and grows (bounded by the pserver's ``max_payload``). A request is handed out once whole;
-while it is served nothing more may arrive, so any byte that does is the trainer leaving (end of stream) or
-breaking the protocol: either ends the connection.
+readable), without blocking: a header, the step's trainers, then the inline payload into a buffer (bounded
+by the pserver's ``max_payload``). A request is handed out once whole; while it is served nothing more may
+arrive, so any byte that does is the trainer leaving (end of stream) or breaking the protocol: either ends
+the connection.
+
+The buffer is the connection's only while it reads or serves a request: taken from the port's
+:class:`PayloadBuffers` when a payload starts, given back once the payload is consumed (a push counted:
+:meth:`InboundConnection.release_payload`) or the request answered. So a thousand trainers' connections
+hold no payload each while idle, and a sync step's parked pushes none while they wait for the step: what
+the pserver holds grows with the requests being read, not with the sessions.
 """
 
 from __future__ import annotations
 
 import socket
 import ssl
+import threading
 from dataclasses import dataclass
-from typing import Optional
+from typing import List, Optional
 
 import numpy as np
 
 from psproto.dataplane.frames import ConnectionHello, FrameError, RequestHeader
 
 _RECV = 1 << 20  # bytes asked of one recv while reading a payload
+_NONE = np.empty(0, dtype=np.uint8)
+KEPT_BUFFERS = 8  # payload buffers a port keeps for the next requests (about 2 per reactor at work)
+
+
+class PayloadBuffers:
+    """Buffers inline payloads are read into, shared by a port's connections: at most ``keep`` are kept
+    between requests (the largest), the rest freed."""
+
+    def __init__(self, keep: int = KEPT_BUFFERS):
+        self._keep = keep
+        self._free: List[np.ndarray] = []
+        self._lock = threading.Lock()  # the port's reactors take and give on their own threads
+
+    def take(self, nbytes: int) -> np.ndarray:
+        """A buffer of at least ``nbytes`` (a kept one where one is large enough)."""
+        with self._lock:
+            for i, buffer in enumerate(self._free):
+                if buffer.size >= nbytes:
+                    return self._free.pop(i)
+        return np.empty(nbytes, dtype=np.uint8)
+
+    def give(self, buffer: np.ndarray) -> None:
+        """``buffer`` is no longer read: kept for a later :meth:`take` if among the largest ``keep``."""
+        with self._lock:
+            self._free.append(buffer)
+            if len(self._free) > self._keep:
+                del self._free[min(range(len(self._free)), key=lambda i: self._free[i].size)]
+
+    def kept_bytes(self) -> int:
+        """Bytes of the buffers kept now."""
+        with self._lock:
+            return sum(b.size for b in self._free)
 
 
 class Gone(Exception):
@@ -43,7 +82,14 @@ class InboundConnection:
     the only thread that reads it or writes it.
     """
 
-    def __init__(self, sock: socket.socket, hello: ConnectionHello, peer: str, max_payload: int):
+    def __init__(
+        self,
+        sock: socket.socket,
+        hello: ConnectionHello,
+        peer: str,
+        max_payload: int,
+        buffers: Optional[PayloadBuffers] = None,
+    ):
         self.sock = sock
         self.hello = hello
         self.peer = peer
@@ -54,7 +100,8 @@ class InboundConnection:
         self._have = 0  # bytes of the current request read so far (header, trainers, payload)
         self._header: Optional[RequestHeader] = None
         self._trainers = np.empty(0, dtype=np.int32)
-        self._buffer = np.empty(0, dtype=np.uint8)
+        self._buffers = buffers if buffers is not None else PayloadBuffers(keep=1)
+        self._buffer = _NONE  # the payload's, while a request with one is read or served
 
     @property
     def trainer_id(self) -> int:
@@ -112,6 +159,14 @@ class InboundConnection:
     def served(self) -> None:
         """The request handed out is answered (or abandoned): the next one may be read."""
         self.serving = False
+        self.release_payload()
+
+    def release_payload(self) -> None:
+        """The request's inline payload is no longer read (its caller keeps no view of it): its buffer goes
+        back to the port's."""
+        buffer, self._buffer = self._buffer, _NONE
+        if buffer.size:
+            self._buffers.give(buffer)
 
     def map_regions(self, request: memoryview, answer: memoryview) -> None:
         """The trainer's shared-memory regions, mapped here: payloads come in ``request``, answers go in
@@ -125,8 +180,8 @@ class InboundConnection:
     def _start(self, header: RequestHeader) -> None:
         self._header = header
         self._trainers = np.empty(header.step_trainers, dtype=np.int32)
-        if self._buffer.size < self._inline_bytes():
-            self._buffer = np.empty(self._inline_bytes(), dtype=np.uint8)
+        if self._inline_bytes():
+            self._buffer = self._buffers.take(self._inline_bytes())
 
     def _finish(self) -> Request:
         header, trainers = self._header, self._trainers
@@ -137,6 +192,8 @@ class InboundConnection:
 
     def close(self) -> None:
         """Close the socket (idempotent); the regions go with the last view of them."""
+        if not self.serving:  # a request being served keeps its payload until it ends
+            self.release_payload()
         try:
             self.sock.close()
         except OSError:

@@ -26,7 +26,7 @@ from typing import Callable, Dict, Optional, Sequence, Tuple
 from psproto.dataplane.frames import OK, AnswerHeader, ConnectionHello, FrameError, refusal
 
 from ..rpc.prologue import status_of
-from .inbound import InboundConnection
+from .inbound import InboundConnection, PayloadBuffers
 from .reactor import Reactor, send_all
 
 log = logging.getLogger(__name__)
@@ -61,6 +61,7 @@ class DataListener:
         self, host: str, port: int, max_payload: int, server_context: Optional[ssl.SSLContext] = None
     ):
         self._max_payload = max_payload
+        self._payload_buffers = PayloadBuffers()  # every connection's, while it reads or serves a request
         self._tls = server_context
         self._sock = socket.create_server((host, port), backlog=_BACKLOG)
         self.port = self._sock.getsockname()[1]
@@ -122,7 +123,7 @@ class DataListener:
             sock.close()
             return
         # Registered before the trainer hears OK: a connection it opens after this one always replaces it.
-        connection = InboundConnection(sock, hello, peer, self._max_payload)
+        connection = InboundConnection(sock, hello, peer, self._max_payload, self._payload_buffers)
         with self._lock:
             if self._closed:
                 connection.close()

@@ -4,8 +4,8 @@ What the pserver's data calls rely on: a connection is accepted only with the jo
 when configured), a call's refusal comes back with its status and message, a call parked on a
 :class:`~pserver.engine.waits.Parked` handle holds no thread and is answered once another thread ends
 the wait, its deadline ends it, a trainer that leaves while its call waits has the wait cancelled,
-shared-memory regions carry payloads both ways, and a frame that breaks the protocol ends only its
-connection.
+shared-memory regions carry payloads both ways, a frame that breaks the protocol ends only its
+connection, and an inline payload's buffer is a connection's only while its request is read and served.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import grpc
 import numpy as np
 import pytest
 
+from pserver.data.inbound import PayloadBuffers
 from pserver.data.listener import DataListener
 from pserver.data.reactor import Answer, Reactor
 from pserver.engine.waits import Waits
@@ -30,6 +31,7 @@ from tests.helpers.polling import poll
 from trainer.transport.data.data_channel import DataCallError, DataChannel
 
 TOKEN = "s3cret-token"
+RELEASE_THEN_PARK = 99  # a push of this step gives its payload back, then waits until released
 
 
 class Calls:
@@ -67,7 +69,15 @@ class Calls:
             np.frombuffer(connection.regions[1], np.uint8, header.payload_bytes)[:] = src[::-1]
             yield Answer(step=header.step, flags=frames.COUNTED, shared_bytes=header.payload_bytes)
             return
-        yield Answer(step=header.step, buffers=[request.payload[::-1].copy(), request.step_trainers])
+        answer = [request.payload[::-1].copy(), request.step_trainers.copy()]
+        if header.step == RELEASE_THEN_PARK:  # what the answer needs copied, the payload given back
+            connection.release_payload()
+            with self.cv:
+                handle = self.waits.park(lambda: self.released, "a test push", lambda: [1], trainer=0)
+                self.parked.append(handle)
+            yield handle
+            handle.finish()
+        yield Answer(step=header.step, buffers=answer)
 
     def release(self):
         with self.cv:
@@ -130,6 +140,64 @@ def test_requests_sent_on_two_connections_before_either_answer_is_read_get_each_
         header, answer = channel.receive(5.0)
         assert header.step == t + 3 and np.array_equal(answer, data[t])
         channel.close()
+
+
+def test_an_inline_payload_s_buffer_goes_back_to_the_port_once_the_request_is_answered(served):
+    _, listener = served
+    channel = connect(listener)
+    data = np.arange(200_000, dtype=np.uint8)
+    channel.call(RequestHeader(frames.PUSH_PULL, step=3, payload_bytes=data.size), (), [data], 5.0)
+    poll(lambda: listener._payload_buffers.kept_bytes() >= data.size, "the buffer given back")
+    (connection,) = listener._by_slot.values()
+    assert connection._buffer.size == 0  # an idle connection holds no payload
+    channel.close()
+
+
+def test_a_push_parked_after_giving_its_payload_back_lets_another_connection_read_into_it(served):
+    calls, listener = served
+    first, second = connect(listener, trainer=0), connect(listener, trainer=1)
+    data = [np.full(300_000, 7, dtype=np.uint8), np.full(300_000, 9, dtype=np.uint8)]
+    first.send(
+        RequestHeader(frames.PUSH_PULL, step=RELEASE_THEN_PARK, payload_bytes=data[0].size),
+        (),
+        [data[0]],
+        5.0,
+    )
+    poll(lambda: calls.parked, "the first push parked")
+    header, answer = second.call(
+        RequestHeader(frames.PUSH_PULL, step=5, payload_bytes=data[1].size), (), [data[1]], 5.0
+    )
+    assert header.step == 5 and np.array_equal(answer, data[1])  # read into the buffer the first gave back
+    calls.release()
+    header, answer = first.receive(5.0)
+    assert header.step == RELEASE_THEN_PARK and np.array_equal(answer, data[0])  # its copy, untouched
+    first.close()
+    second.close()
+
+
+@pytest.mark.parametrize(
+    "kept, taken, reused",
+    [
+        ([100], 50, True),  # a kept buffer large enough serves the request
+        ([100], 100, True),
+        ([100], 101, False),  # none large enough: a new one
+        ([], 1, False),
+    ],
+)
+def test_payload_buffers_serve_a_request_from_a_kept_buffer_large_enough(kept, taken, reused):
+    buffers = PayloadBuffers(keep=4)
+    given = [np.empty(n, np.uint8) for n in kept]
+    for b in given:
+        buffers.give(b)
+    got = buffers.take(taken)
+    assert got.size >= taken and any(got is b for b in given) == reused
+
+
+def test_payload_buffers_keep_the_largest_and_free_the_rest():
+    buffers = PayloadBuffers(keep=2)
+    for n in (10, 30, 20, 5):
+        buffers.give(np.empty(n, np.uint8))
+    assert buffers.kept_bytes() == 30 + 20
 
 
 def test_a_connection_without_the_token_is_refused_with_the_status_gRPC_would_give(served):

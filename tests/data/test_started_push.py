@@ -124,3 +124,8 @@ def test_with_no_answer_by_the_earliest_deadline_that_push_is_read(connections):
     begun = time.monotonic()
     assert answered_first({"later": later, "late": late}) == "late"  # its finish then raises it late
     assert time.monotonic() - begun < 30.0
+
+
+def test_the_last_started_push_is_read_without_waiting_for_its_answer_first(connections):
+    only = started((1, True, 0, 0), connection=connections[0][0])[0]  # nothing arrived: its finish waits
+    assert answered_first({"only": only}) == "only"
