@@ -202,6 +202,9 @@ class ChannelCalls:
                 {},
                 (head.session, head.attempt),
             )
+            connection.release_payload(
+                reuse=False
+            )  # its parts wait for the other lanes, maybe past this call
             counted = yield from data.lane_pushes.settle(ticket, lambda d, s: data.count_push(head, d, s))
         else:
             counted = yield from data.count_push(head, parts.dense, parts.sparse, nbytes)

@@ -161,11 +161,12 @@ class InboundConnection:
         self.serving = False
         self.release_payload()
 
-    def release_payload(self) -> None:
-        """The request's inline payload is no longer read (its caller keeps no view of it): its buffer goes
-        back to the port's."""
+    def release_payload(self, reuse: bool = True) -> None:
+        """The request's inline payload is no longer read: its buffer goes back to the port's; not with
+        ``reuse`` False (views of it outlive the request, as a lane's parts held until its push is whole: the
+        buffer is then freed with the last of them)."""
         buffer, self._buffer = self._buffer, _NONE
-        if buffer.size:
+        if buffer.size and reuse:
             self._buffers.give(buffer)
 
     def map_regions(self, request: memoryview, answer: memoryview) -> None:
@@ -191,9 +192,8 @@ class InboundConnection:
         return Request(header, trainers, payload)
 
     def close(self) -> None:
-        """Close the socket (idempotent); the regions go with the last view of them."""
-        if not self.serving:  # a request being served keeps its payload until it ends
-            self.release_payload()
+        """Close the socket (idempotent); the regions go with the last view of them, the payload buffer with
+        the connection (not given back: another thread may close it while its reactor reads into it)."""
         try:
             self.sock.close()
         except OSError:

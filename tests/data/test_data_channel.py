@@ -10,6 +10,7 @@ connection, and an inline payload's buffer is a connection's only while its requ
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 
@@ -17,7 +18,7 @@ import grpc
 import numpy as np
 import pytest
 
-from pserver.data.inbound import PayloadBuffers
+from pserver.data.inbound import InboundConnection, PayloadBuffers
 from pserver.data.listener import DataListener
 from pserver.data.reactor import Answer, Reactor
 from pserver.engine.waits import Waits
@@ -191,6 +192,24 @@ def test_payload_buffers_serve_a_request_from_a_kept_buffer_large_enough(kept, t
         buffers.give(b)
     got = buffers.take(taken)
     assert got.size >= taken and any(got is b for b in given) == reused
+
+
+@pytest.mark.parametrize("reuse, kept", [(True, 4096), (False, 0)])
+def test_a_payload_released_for_reuse_goes_back_and_one_whose_views_outlive_it_does_not(reuse, kept):
+    # A lane's parts wait for the push's other lanes in views of its payload: that buffer is never reused.
+    ours, theirs = socket.socketpair()
+    buffers = PayloadBuffers(keep=4)
+    connection = InboundConnection(ours, ConnectionHello(0, 0, 1, TOKEN, "s", "d"), "peer", 1 << 20, buffers)
+    ours.setblocking(False)
+    theirs.sendall(RequestHeader(frames.PUSH_PULL, step=1, payload_bytes=4096).pack() + bytes(4096))
+    request = poll(connection.read, "the request read")
+    assert request.payload.size == 4096 and buffers.kept_bytes() == 0  # the connection holds it
+    connection.release_payload(reuse=reuse)
+    assert buffers.kept_bytes() == kept
+    connection.served()  # the answer: nothing more to give back
+    assert buffers.kept_bytes() == kept
+    connection.close()
+    theirs.close()
 
 
 def test_payload_buffers_keep_the_largest_and_free_the_rest():
