@@ -151,18 +151,14 @@ def answered_first(calls: Mapping[K, StartedPush]) -> K:
         if call.fileno() < 0 or call.buffered():
             return key
     poll = select.poll()  # not select(): a process of emulated trainers holds more than 1,024 descriptors
-    keys = {}
-    for key, call in calls.items():
-        keys[call.fileno()] = key
-        poll.register(call.fileno(), select.POLLIN | select.POLLPRI)
+    keys = {call.fileno(): key for key, call in calls.items()}
+    for fd in keys:
+        poll.register(fd, select.POLLIN | select.POLLPRI)
     earliest = min(calls, key=lambda k: calls[k].deadline)
     while True:
         left = calls[earliest].deadline - time.monotonic()
         if left <= 0:
             return earliest
-        try:
-            ready = poll.poll(left * 1000.0)
-        except InterruptedError:  # pragma: no cover - PEP 475 retries poll itself
-            continue
+        ready = poll.poll(left * 1000.0)  # retried by Python itself when a signal interrupts it (PEP 475)
         if ready:
             return keys[ready[0][0]]
