@@ -6,7 +6,7 @@
 - :mod:`.row_store`: :class:`~.row_store.RowStore`, the rows in memory: arrays, id index, growth, removal.
 - :mod:`.id_index`: the vectorised open-addressing index from id to row; :mod:`.compiled.index_kernels` its
   numba-compiled probe and insert; :mod:`.compiled.row_kernels` a plain table's whole apply and lookup
-  compiled.
+  compiled; :mod:`.compiled.init_kernels` initial rows compiled (bit for bit the definition's).
 - :mod:`.rows`: growable row storage, record-wise gather and scatter; :mod:`.fresh`: initial rows a lookup
   computed, kept for the insert that follows.
 - :mod:`.step_sums`: a sync step's sparse gradients merged on arrival in float64 (memory bounded by its

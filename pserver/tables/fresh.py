@@ -56,7 +56,7 @@ def initial_rows_compiled(spec: TableSpec, ids: np.ndarray, out: np.ndarray) -> 
     numba is missing.
 
     ``uniform``, ``zeros`` and version 2's ``normal`` run wholly compiled
-    (:func:`pserver.tables.compiled.row_kernels.init_rows`). Version 1's ``normal``: every step is the
+    (:func:`pserver.tables.compiled.init_kernels.init_rows`). Version 1's ``normal``: every step is the
     definition's own operation on the same float64 values (products commuted, which IEEE arithmetic leaves
     exact), so the rows are identical; ``tests/tables/test_initial_rows.py`` compares them on many ids.
     """
@@ -68,11 +68,11 @@ def initial_rows_compiled(spec: TableSpec, ids: np.ndarray, out: np.ndarray) -> 
         out[...] = 0
         return True
     if spec.init == "uniform" or spec.init_version == 2:
-        from .compiled import row_kernels
+        from .compiled import init_kernels
 
         direct = out.flags.c_contiguous and out.dtype in (np.float32, np.float64)
         into = out if direct else np.empty(out.shape, np.float64)  # one rounding to out's dtype, as numpy's
-        row_kernels.init_rows(ids, _ALL, -1, row_kernels.init_params(spec), into)
+        init_kernels.init_rows(ids, _ALL, -1, init_kernels.init_params(spec), into)
         if into is not out:
             out[...] = into
         return True

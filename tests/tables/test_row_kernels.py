@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from pserver.tables import id_index
-from pserver.tables.compiled import row_kernels
+from pserver.tables.compiled import init_kernels, row_kernels
 from pserver.tables.shard import TableShard
 from pserver.tables.sparse_optim import adagrad, make_rule, sgd, sparse_adam
 from tests.helpers.table_specs import grads_for, make_spec
@@ -162,7 +162,7 @@ def test_initial_rows_of_a_lookup_and_an_insert_are_the_definition_s():
 def test_kernels_run_without_the_interpreter_lock_on_two_threads():
     """The kernels are compiled ``nogil``; two threads applying to and looking up two tables at once."""
     assert all(
-        k.targetoptions.get("nogil") for k in (row_kernels.apply, row_kernels.lookup, row_kernels.init_rows)
+        k.targetoptions.get("nogil") for k in (row_kernels.apply, row_kernels.lookup, init_kernels.init_rows)
     )
     tables = [TableShard(make_spec(dim=16), 0, 1) for _ in range(2)]
     ids = np.arange(200_000, dtype=np.int64)

@@ -1,4 +1,4 @@
-"""A plain table's push work compiled: an apply and a lookup in one call each, and version 2's initial rows.
+"""A plain table's push work compiled: an apply and a lookup in one call each.
 
 A *plain* table has no lifecycle (no admission, eviction or disk tier): every id it is sent gets a row,
 and nothing is decided per row in Python. For such a table :class:`pserver.tables.shard.TableShard`
@@ -15,14 +15,13 @@ with the GIL released (``nogil``), on the row store's arrays in place:
   changing anything and says how many are missing: the shard makes room, computes those rows, and
   calls again.
 - :func:`lookup`: find, copy the stored rows into the caller's buffer, and list the others; the shard
-  computes their initial rows (:func:`init_rows`) after releasing its lock. The apply that inserts
-  them, usually the next push, computes them again: on job S's shapes (apply and lookup, 680-880 µs
-  of CPU per push) that costs less than keeping them, by 40 µs per push against a cache of 32k rows
-  written by the lookups' kernels and read by the applies', by 25-45 µs against the sorted copies
-  that version 1's rows are kept in (:class:`~pserver.tables.fresh.FreshRows`): memory accesses
-  cost more than version 2's arithmetic, about 0.16 µs per row of dim 16.
-- :func:`init_rows`: initial rows of ``uniform``, ``zeros`` and version 2's ``normal``
-  (:mod:`transpiler.row_init`: the same float64 operations in the same order, bit for bit).
+  computes their initial rows (:func:`pserver.tables.compiled.init_kernels.init_rows`) after releasing
+  its lock. The apply that inserts them, usually the next push, computes them again, as one block
+  (:func:`~pserver.tables.compiled.init_kernels.init_block`): that costs less than keeping them
+  (by 40 µs per push against a cache of 32k rows written by the lookups' kernels and read by the
+  applies', by 25-45 µs against the sorted copies that version 1's rows are kept in,
+  :class:`~pserver.tables.fresh.FreshRows`, when version 2's rows cost 0.16 µs per row of dim 16;
+  staged, they cost about 0.09): memory accesses cost more than version 2's arithmetic.
 
 The scalars of an update (``-lr``, ``1 - beta``, ...) are computed in Python and rounded to the
 table's dtype exactly where the numpy rules round them (``SparseRule.scalars``). The kernels are
@@ -38,111 +37,23 @@ from typing import Optional
 
 import numpy as np
 
-from transpiler import row_init as ri
-
-from . import index_kernels
+from . import index_kernels, init_kernels
+from .init_kernels import GIVEN, init_params
 
 AVAILABLE = index_kernels.AVAILABLE
 numba = index_kernels.numba
 
-# Initial-row kinds (init[0]); GIVEN: computed by the caller (version 1's normal) and passed in.
-ZEROS, UNIFORM, NORMAL2, GIVEN = 0, 1, 2, 3
 # Optimizers (apply's opt) and the statuses apply returns with a value.
 SGD, ADAGRAD, ADAM = 0, 1, 2
 DONE, NEED, REPEATED = 0, 1, 2
 OPTIMIZERS = {"sgd": SGD, "adagrad": ADAGRAD, "adam": ADAM}
 
 
-def init_params(spec) -> tuple:
-    """``(init, initf)``, a table's initial rows as the kernels take them: int64 [kind, seed bits, has
-    padding_idx, padding_idx] and float64 [mean, std] (normal) or [a, b - a] (uniform)."""
-    kw = spec.init_kwargs
-    if spec.init == "zeros":
-        kind, f = ZEROS, (0.0, 0.0)
-    elif spec.init == "uniform":
-        kind, f = UNIFORM, (kw["a"], kw["b"] - kw["a"])
-    else:
-        kind, f = (NORMAL2 if spec.init_version == 2 else GIVEN), (kw["mean"], kw["std"])
-    pad = spec.padding_idx
-    seed = np.array([spec.seed], np.uint64).view(np.int64)[0]
-    init = np.array([kind, seed, pad is not None, 0 if pad is None else pad], np.int64)
-    return init, np.array(f, np.float64)
-
-
 if AVAILABLE:
     from numba import types
 
-    try:  # LLVM's ctlz: the exponent of u1 without a loop
-        from numba.cpython.unsafe.numbers import leading_zeros
-    except ImportError:  # pragma: no cover - an older or newer numba
-
-        @numba.njit("uint64(uint64)", cache=True, nogil=True)
-        def leading_zeros(x):
-            n = np.uint64(64)
-            while x:
-                x >>= np.uint64(1)
-                n -= np.uint64(1)
-            return n
-
-    _mix, _home, _first_repeat = index_kernels._mix, index_kernels._home, index_kernels._first_repeat
-    _GOLDEN, _COLUMN = ri.GOLDEN, ri.COLUMN
-    _UNIT = 1.0 / (1 << 53)
-    _COS_C, _COS_S, _SIN_C, _SIN_S = ri.COS_C, ri.COS_S, ri.SIN_C, ri.SIN_S
-    _L0, _L1, _L2, _L3, _L4 = ri.LOG_SERIES
-    _S0, _S1, _S2, _S3, _S4 = ri.SIN_SERIES
-    _C0, _C1, _C2, _C3, _C4, _C5 = ri.COS_SERIES
-    _SQRT_HALF, _LN2, _ANGLE, _OCTANT = ri.SQRT_HALF, ri.LN2, ri.ANGLE_STEP, ri.OCTANT_BITS
-
-    @numba.njit(inline="always", nogil=True)
-    def _normal_pair(b1, b2):  # pragma: no cover - compiled
-        """:func:`transpiler.row_init.normal_pairs_v2` for one pair of uniform bits."""
-        q = (b1 >> np.uint64(11)) + np.uint64(1)
-        lz = leading_zeros(q)
-        f = np.float64((q << lz) >> np.uint64(11)) * _UNIT  # frexp: q = f * 2**e, f in [0.5, 1)
-        e = np.int64(64) - np.int64(lz)
-        if f < _SQRT_HALF:
-            f = f * 2.0
-            e -= 1
-        s = (f - 1.0) / (f + 1.0)
-        s2 = s * s
-        t = 2.0 * s
-        h = (((_L0 * s2 + _L1) * s2 + _L2) * s2 + _L3) * s2 + _L4
-        r = np.sqrt(-2.0 * (np.float64(e - 53) * _LN2 + (t + t * (s2 * h))))
-        top = b2 >> np.uint64(11)
-        octant = np.int64(top >> np.uint64(50))
-        rem = top & _OCTANT
-        if octant & 1:
-            a = -((np.float64(rem ^ _OCTANT) + 0.5) * _ANGLE)
-        else:
-            a = (np.float64(rem) + 0.5) * _ANGLE
-        a2 = a * a
-        sin_a = a + a * (a2 * ((((_S0 * a2 + _S1) * a2 + _S2) * a2 + _S3) * a2 + _S4))
-        cos_a = 1.0 + a2 * (((((_C0 * a2 + _C1) * a2 + _C2) * a2 + _C3) * a2 + _C4) * a2 + _C5)
-        k = ((octant + 1) >> 1) & 3
-        return r * (_COS_C[k] * cos_a + _COS_S[k] * sin_a), r * (_SIN_C[k] * cos_a + _SIN_S[k] * sin_a)
-
-    @numba.njit(inline="always", nogil=True)
-    def _init_row(key, init, initf, out, i):  # pragma: no cover - compiled
-        """``out[i]`` = the initial row of id ``key`` (kinds ZEROS, UNIFORM, NORMAL2)."""
-        dim = out.shape[1]
-        kind = init[0]
-        if kind == ZEROS or (init[2] and key == init[3]):
-            for j in range(dim):
-                out[i, j] = 0
-            return
-        base = _mix(np.uint64(key) * _GOLDEN + np.uint64(init[1]))
-        if kind == UNIFORM:
-            for j in range(dim):
-                u1 = (np.float64(_mix(base ^ (np.uint64(j + 1) * _COLUMN)) >> np.uint64(11)) + 1.0) * _UNIT
-                out[i, j] = initf[0] + initf[1] * (1.0 - u1)
-            return
-        other = base + _GOLDEN
-        for p in range((dim + 1) // 2):
-            col = np.uint64(p + 1) * _COLUMN
-            z_cos, z_sin = _normal_pair(_mix(base ^ col), _mix(other ^ col))
-            out[i, 2 * p] = initf[0] + initf[1] * z_cos
-            if 2 * p + 1 < dim:
-                out[i, 2 * p + 1] = initf[0] + initf[1] * z_sin
+    _first_repeat, _home = index_kernels._first_repeat, index_kernels._home
+    init_block, init_rows = init_kernels.init_block, init_kernels.init_rows
 
     @numba.njit(inline="always", nogil=True)
     def _find(slots, keys, ids, shift):  # pragma: no cover - compiled
@@ -189,18 +100,6 @@ if AVAILABLE:
     def _sigs(make):
         """One signature per table dtype."""
         return [make(t) for t in (types.float32, _f64)]
-
-    @numba.njit(
-        _sigs(lambda t: types.void(_ro(_i64), _rw(_i64), _i64, _INIT, _rw(t, 2))), cache=True, nogil=True
-    )
-    def init_rows(ids, sel, n_sel, init, out):  # pragma: no cover - compiled
-        """``out[i]`` = the initial row of ``ids[i]`` for ``i`` in ``sel[:n_sel]`` (every ``i`` when
-        ``n_sel < 0``); kinds ZEROS, UNIFORM, NORMAL2."""
-        if n_sel < 0:
-            for i in range(ids.size):
-                _init_row(ids[i], init[0], init[1], out, i)
-        for t in range(n_sel):
-            _init_row(ids[sel[t]], init[0], init[1], out, sel[t])
 
     @numba.njit(
         _sigs(lambda t: _i64(_INDEX, _rw(t, 2), _ro(_i64), _rw(t, 2), _rw(_i64))),
@@ -258,7 +157,7 @@ if AVAILABLE:
         if missing and (n + missing > room or (kind == GIVEN and given.shape[0] != missing)):
             return NEED, missing
         r, g = n, 0
-        for i in range(m):  # the new rows: id, slot, initial row, state
+        for i in range(m):  # the new rows: id, slot, given row, state
             if at[i] >= 0:
                 continue
             key = ids[i]
@@ -271,8 +170,6 @@ if AVAILABLE:
                 for j in range(dim):
                     values[r, j] = given[g, j]
                 g += 1
-            else:
-                _init_row(key, init[0], init[1], values, r)
             for j in range(dim if opt != SGD else 0):
                 s1[r, j] = hyper[4]
             for j in range(dim if opt == ADAM else 0):
@@ -280,6 +177,8 @@ if AVAILABLE:
             seen[r] = 0
             at[i] = r
             r += 1
+        if kind != GIVEN:  # the new rows are rows n .. r - 1, their ids keys[n:r]: computed as one block
+            init_block(keys, n, r, init[0], init[1], values, n)
         for i in range(m):
             q = at[i]
             if opt == SGD:
