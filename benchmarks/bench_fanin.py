@@ -49,12 +49,16 @@ import torch
 
 from benchmarks.common.paths import REPO, dated_result
 from benchmarks.common.proc_stats import Sampler, cpu_seconds, status
-from benchmarks.jobs.fanin_job import TOLERANCE, Spec, check_ids, expected_model, transpiler
+from benchmarks.jobs.fanin_job import JOB_S, TOLERANCE, Spec, check_ids, expected_model, transpiler
 from benchmarks.jobs.fanin_workers import touch
 from benchmarks.reports.fanin import markdown_table, summarise
 from harness.paths import pythonpath_with_repo
 from harness.ports import free_ports
 from harness.processes import Command, RunFailed, stop_on_signals, tail
+
+# A table row's bytes on a pserver: its int64 id, its float32 values and its int64 last step seen (the
+# index aside): what the tables' growth is counted at (benchmarks.reports.fanin).
+ROW_BYTES = 8 + 4 * JOB_S.S_EMB_DIM + 8
 
 log = logging.getLogger("benchmarks.bench_fanin")
 
@@ -260,6 +264,7 @@ def run_one(args, k: int, sync_mode: bool, work: str) -> dict:
         after=after,
         window=t_after - t_before,
         check=check,
+        row_bytes=ROW_BYTES,
     )
 
 

@@ -18,6 +18,11 @@ How each figure is measured (P pservers, K trainers, ``steps`` steps each):
   ``step_holds_private_mb`` (``_kb_per_trainer``): the same of the private memory (RssAnon), without
   the data channel's shared-memory regions, which the trainers map and the pserver touches (about a
   push and an answer per connection: memory of the trainers' sessions, not of the step).
+  ``table_growth_mb``: the rows the tables gained over the steps (``Stats.table_rows``, mean over
+  pservers; ``table_rows_added``) times the bytes of a row (job S's: its id, 16 float32 values and its
+  last step seen, 80 bytes; the index not counted: a lower bound), the model itself, which grows with
+  every new id (K x steps); ``step_holds_beyond_tables_kb_per_trainer``: the private memory held less
+  that, per trainer: at most what serving the step held.
 - ``pushes_per_s``, ``prefetches_per_s``, ``heartbeats_per_s``: the pservers' Stats counters over the
   same window as the CPU, summed over pservers (sync: one prefetch per pserver is the check's read of the
   initial rows); ``heartbeats_per_trainer_min``: heartbeats per trainer per pserver per minute.
@@ -57,6 +62,7 @@ def summarise(
     after: Dict[str, object],
     window: float,
     check: Optional[dict],
+    row_bytes: int,
 ) -> dict:
     """One run's row: ``pushes`` holds (trainer, pserver index, step, start, end) per push-pull."""
     p = len(spec.pservers)
@@ -90,8 +96,18 @@ def summarise(
     private = float(
         np.mean([max(st["anon"], pk["anon"]) - i["anon"] for st, pk, i in zip(stepped, peaks, idle)])
     )
+    # The tables grow with every new id pushed (the model itself, linear in K x steps): their rows added
+    # over the steps at ``row_bytes`` each (a lower bound: the index is not counted), so that what is left
+    # is at most what serving the step held.
+    added = float(np.mean([after[ep].table_rows - before[ep].table_rows for ep in spec.pservers]))
+    tables = added * row_bytes
     row.update(
         {
+            "table_rows_added": int(
+                np.mean([after[ep].table_rows - before[ep].table_rows for ep in spec.pservers])
+            ),
+            "table_growth_mb": round(tables / MB, 1),
+            "step_holds_beyond_tables_kb_per_trainer": round((private - tables) / k / 1024, 1),
             "step_holds_mb": round(held / MB, 1),
             "step_holds_kb_per_trainer": round(held / k / 1024, 1),
             "step_holds_private_mb": round(private / MB, 1),
@@ -134,6 +150,8 @@ COLUMNS = [
     ("step_holds_kb_per_trainer", "KB/trainer"),
     ("step_holds_private_mb", "of it private MB"),
     ("step_holds_private_kb_per_trainer", "private KB/trainer"),
+    ("table_growth_mb", "table growth MB"),
+    ("step_holds_beyond_tables_kb_per_trainer", "private beyond tables KB/trainer"),
     ("pushes_per_s", "pushes/s"),
     ("prefetches_per_s", "prefetch/s"),
     ("heartbeats_per_s", "heartbeats/s"),
