@@ -48,6 +48,8 @@ class LocalBlocks:
         self._staging: Dict[str, torch.Tensor] = {}
         # CUDA parameters: pulled blocks land here, then one non-blocking copy each to the device.
         self._pinned_buffers: Dict[str, torch.Tensor] = {}
+        # Each block's view, with the data pointer of the parameter it was cut from (one per block).
+        self._views: Dict[str, Tuple[int, torch.Tensor]] = {}
 
     @property
     def params(self) -> Dict[str, nn.Parameter]:
@@ -60,8 +62,21 @@ class LocalBlocks:
         return None if b is None else (b.dtype, b.shape)
 
     def view(self, b: BlockSpec) -> torch.Tensor:
-        """The rows of block ``b`` in its parameter, shaped as the block."""
-        return as_rows(self._params[b.param].data)[b.row_start : b.row_end].view(b.shape)
+        """The rows of block ``b`` in its parameter, shaped as the block.
+
+        Made once and kept (every pull lands in every block: cutting a view costs more than copying
+        a small block): a kept view holds its parameter's storage, so while the parameter's data
+        pointer is the same its data is that storage; one replaced (``p.data = ...``, ``module.to``)
+        gets a new view.
+        """
+        param = self._params[b.param]
+        ptr = param.data_ptr()
+        kept = self._views.get(b.name)
+        if kept is not None and kept[0] == ptr:
+            return kept[1]
+        view = as_rows(param.data)[b.row_start : b.row_end].view(b.shape)
+        self._views[b.name] = (ptr, view)
+        return view
 
     def grad_rows(self, b: BlockSpec) -> Optional[torch.Tensor]:
         """This process's gradient of block ``b`` (a view, shaped as the block), None if it has none."""
@@ -133,7 +148,7 @@ class Landing:
 
     def __call__(self, name: str) -> torch.Tensor:
         view = self._blocks.view(self._blocks.by_name[name])
-        if view.device.type == "cpu":
+        if view.is_cpu:
             return view
         self._staged[name] = self._blocks._pinned(name, view)
         return self._staged[name]
