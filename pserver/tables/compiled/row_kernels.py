@@ -21,7 +21,7 @@ with the GIL released (``nogil``), on the row store's arrays in place:
   (by 40 µs per push against a cache of 32k rows written by the lookups' kernels and read by the
   applies', by 25-45 µs against the sorted copies that version 1's rows are kept in,
   :class:`~pserver.tables.fresh.FreshRows`, when version 2's rows cost 0.16 µs per row of dim 16;
-  staged, they cost about 0.09): memory accesses cost more than version 2's arithmetic.
+  staged, they cost about 0.07): memory accesses cost more than version 2's arithmetic.
 
 The scalars of an update (``-lr``, ``1 - beta``, ...) are computed in Python and rounded to the
 table's dtype exactly where the numpy rules round them (``SparseRule.scalars``). The kernels are
