@@ -57,6 +57,7 @@ from .tables.serving.exporter import TableExporter
 log = logging.getLogger(__name__)
 
 SWITCH_INTERVAL_S = 0.0005  # how soon a thread waiting for the GIL gets it (see serve)
+SIGNAL_POLL_S = 0.1  # how soon serve() acts on a SIGTERM / SIGINT its handler recorded
 
 
 class ParameterServer:
@@ -360,17 +361,20 @@ class ParameterServer:
         # (Python's default hands it over after 5 ms, longer than a job S push's CPU).
         sys.setswitchinterval(SWITCH_INTERVAL_S)
         self.start()
-        previous = {}
+        previous, received = {}, []
         if threading.current_thread() is threading.main_thread():
-
-            def on_signal(signum, frame):
-                log.info("pserver %s: %s received, shutting down", self.endpoint, signal.Signals(signum).name)
-                self._finished.set()
-
+            # The handler only records: it runs on this thread between two bytecodes, maybe while this
+            # thread holds the lock of _finished's condition (entering its wait) or of a log handler, and
+            # a handler that took either lock would wait for itself for ever (a SIGTERM that never stopped
+            # the pserver). The loop below acts on it.
             for sig in (signal.SIGTERM, signal.SIGINT):
-                previous[sig] = signal.signal(sig, on_signal)
+                previous[sig] = signal.signal(sig, lambda signum, frame: received.append(signum))
         try:
-            self._finished.wait()
+            while not self._finished.wait(SIGNAL_POLL_S):
+                if received:
+                    name = signal.Signals(received[0]).name
+                    log.info("pserver %s: %s received, shutting down", self.endpoint, name)
+                    self._finished.set()
             # SIGTERM, Ctrl-C or the end of training: probes see the shutdown at once, while the
             # last checkpoint is written; then keep the model.
             self.side_ports.shutting_down()
