@@ -103,9 +103,7 @@ def summarise(
     tables = added * row_bytes
     row.update(
         {
-            "table_rows_added": int(
-                np.mean([after[ep].table_rows - before[ep].table_rows for ep in spec.pservers])
-            ),
+            "table_rows_added": int(added),
             "table_growth_mb": round(tables / MB, 1),
             "step_holds_beyond_tables_kb_per_trainer": round((private - tables) / k / 1024, 1),
             "step_holds_mb": round(held / MB, 1),
