@@ -202,9 +202,8 @@ class ChannelCalls:
                 {},
                 (head.session, head.attempt),
             )
-            connection.release_payload(
-                reuse=False
-            )  # its parts wait for the other lanes, maybe past this call
+            # Its parts wait for the other lanes in views of its payload, maybe past this call: never reused.
+            connection.release_payload(reuse=False)
             counted = yield from data.lane_pushes.settle(ticket, lambda d, s: data.count_push(head, d, s))
         else:
             counted = yield from data.count_push(head, parts.dense, parts.sparse, nbytes)

@@ -155,6 +155,8 @@ if AVAILABLE:
         kind = init[0]
         if kind == NORMAL2:
             _normal2_block(keys, k0, k1, np.uint64(init[1]), initf[0], initf[1], out, o0)
+            if not init[2]:  # no padding_idx: nothing per id is left to do
+                return
         for i in range(k0, k1):
             r = o0 + i - k0
             key = keys[i]
