@@ -13,6 +13,17 @@ from typing import Callable, List, Optional
 
 import pytest
 
+from tests.helpers import paths
+
+PROBE = str(paths.SCRIPTS / "role_probe.py")  # a role that records what it was started with
+
+
+def args_for(*argv: str, script: str = PROBE):
+    """ps-launch's parsed arguments for ``argv`` and ``script`` (the probe by default)."""
+    from trainer.launch import plan
+
+    return plan.parse_args([*argv, script])
+
 
 def run_ps_launch(args, cwd, timeout: float) -> subprocess.CompletedProcess:
     """``python -m trainer.launch ARGS`` in ``cwd``; SIGTERM (which stops its roles) on timeout."""
