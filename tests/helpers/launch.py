@@ -9,7 +9,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Callable, List, Optional
+from typing import Callable, Dict, List, Optional
 
 import pytest
 
@@ -116,3 +116,103 @@ def kill_probes(d: Path, script_names: List[bytes]) -> None:
             continue
         if any(name in cmdline for name in script_names):
             os.kill(pid, signal.SIGKILL)
+
+
+class Launcher:
+    """``python -m trainer.launch ARGS`` in ``cwd``, its stdout and stderr in files (a pipe nobody reads
+    would fill up and stall it). :meth:`close` stops it and SIGKILLs any role it left."""
+
+    def __init__(self, cwd: Path, *argv: str, log_dir: str = "logs") -> None:
+        self.cwd, self.log_dir = cwd, cwd / log_dir
+        self.out_path, self.err_path = cwd / "launcher.out", cwd / "launcher.err"
+        if log_dir != "log":  # "log" is the launcher's default: left out, so that the default is what runs
+            argv = ("--log_dir", log_dir, *argv)
+        with open(self.out_path, "wb") as out, open(self.err_path, "wb") as err:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "trainer.launch", *argv],
+                cwd=cwd,
+                stdout=out,
+                stderr=err,
+                stdin=subprocess.DEVNULL,
+            )
+        self.seen_pids: set = set()
+
+    # Bytes decoded, not read_text(): universal newlines would turn every '\r' into '\n'.
+    def out(self) -> str:
+        return self.out_path.read_bytes().decode(errors="replace")
+
+    def err(self) -> str:
+        return self.err_path.read_bytes().decode(errors="replace")
+
+    def roles(self) -> Dict[str, dict]:
+        """roles.json by role name ({} until the launcher wrote it)."""
+        try:
+            listed = json.loads((self.log_dir / "roles.json").read_text())["roles"]
+        except (OSError, ValueError, KeyError):
+            return {}
+        found = {r["name"]: r for r in listed}
+        self.seen_pids |= {r["pid"] for r in listed if r["pid"]}
+        return found
+
+    def log(self, name: str) -> str:
+        return (self.log_dir / name).read_bytes().decode(errors="replace")
+
+    def wait_until(self, ready, what: str, timeout: float):
+        """Poll ``ready()``; fail (with the console and logs) on the deadline or if the launcher exits
+        first."""
+        deadline = time.monotonic() + timeout
+        while True:
+            value = ready()
+            if value:
+                return value
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(f"waiting for {what}: launcher exit code {self.proc.poll()}\n{self.story()}")
+            time.sleep(0.05)
+
+    def finish(self, timeout: float) -> int:
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"ps-launch did not finish within {timeout} s\n{self.story()}")
+
+    def story(self) -> str:
+        logs = "".join(
+            f"\n===== {p.name}\n{p.read_text(errors='replace')[-3000:]}"
+            for p in sorted(self.log_dir.glob("*log.*"))
+        )
+        return f"===== stdout\n{self.out()[-4000:]}\n===== stderr\n{self.err()[-4000:]}{logs}"
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()  # the launcher stops its roles on SIGTERM
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        self.roles()
+        for pid in self.seen_pids:  # the launcher's own clean-up is under test: do not rely on it
+            if pid_alive(pid):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+
+
+def kill_role(job: Launcher, name: str) -> int:
+    """SIGKILL the live process of role ``name`` (its pid from roles.json); returns the pid."""
+    pid = job.roles()[name]["pid"]
+    assert pid_alive(pid), f"{name} (pid {pid}) is not running\n{job.story()}"
+    os.kill(pid, signal.SIGKILL)
+    return pid
+
+
+def restarted(job: Launcher, name: str, old_pid: int) -> Optional[dict]:
+    """Role ``name`` from roles.json once it runs a process other than ``old_pid``, restarted once."""
+    role = job.roles().get(name)
+    return role if role and role["pid"] != old_pid and role["restarts"] == 1 else None
+
+
+def prefixed(out: str, tag: str) -> List[str]:
+    """The console lines of role ``tag`` (``[tag] ...``), the tag taken off."""
+    return [line[len(tag) + 3 :] for line in out.splitlines() if line.startswith(f"[{tag}] ")]
