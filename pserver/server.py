@@ -199,6 +199,7 @@ class ParameterServer:
             self.servicer.data,
             self.servicer.checks,
             self._serving,
+            lambda: self.servicer.incarnation,
         )
         self._interceptors = self.security.server_interceptors(aio=True)
         self._main_port = MainPort(

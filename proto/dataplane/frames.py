@@ -35,7 +35,14 @@ PUSH_PULL = 1  # a step's gradients; the answer: the blocks after it (sync: once
 PULL = 2  # the blocks once the pserver's step reaches min_step
 PREFETCH = 3  # rows of ids, once the pserver's step reaches min_step
 MAP_REGIONS = 4  # the connection's shared-memory regions (payload: RegionPair); answered without payload
-KINDS = {PUSH_PULL: "push-pull", PULL: "pull", PREFETCH: "prefetch", MAP_REGIONS: "map-regions"}
+HEARTBEAT = 5  # a sign of life (no payload); the answer: the pserver's step, its incarnation (int64 payload)
+KINDS = {
+    PUSH_PULL: "push-pull",
+    PULL: "pull",
+    PREFETCH: "prefetch",
+    MAP_REGIONS: "map-regions",
+    HEARTBEAT: "heartbeat",
+}
 
 # Request flags.
 SHARED = 1  # the payload is in the request region, the answer goes into the answer region

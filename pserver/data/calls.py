@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Iterator, Optional, Tuple
+from typing import Callable, Iterator, Optional, Tuple
 
 import numpy as np
 
@@ -22,6 +22,7 @@ from psproto.dataplane.access import token_matches
 from psproto.dataplane.frames import (
     COUNTED,
     DROPPED,
+    HEARTBEAT,
     MAP_REGIONS,
     PULL,
     PUSH_PULL,
@@ -64,7 +65,8 @@ class ChannelCalls:
     """Serves the data channel's requests over ``data``'s cores (see the module doc).
 
     ``token``: the job's auth token (None: none); ``in_progress`` counts each call from its checks to its
-    answer, as the gRPC path's calls in progress are counted.
+    answer, as the gRPC path's calls in progress are counted; ``incarnation()``: what a heartbeat answers
+    beside the pserver's step, as gRPC's Heartbeat does.
     """
 
     def __init__(
@@ -74,8 +76,10 @@ class ChannelCalls:
         payloads: Payloads,
         token: Optional[str],
         in_progress: CallsInProgress,
+        incarnation: Callable[[], int],
     ):
         self.data = data
+        self.incarnation = incarnation
         self.checks = checks
         self.payloads = payloads
         self.token = token
@@ -119,7 +123,9 @@ class ChannelCalls:
         trainer_id = connection.trainer_id
         self.checks.serving()
         self.checks.sessions.check(trainer_id, connection.hello.session)
-        self.engine.touch(trainer_id)
+        step = self.engine.touch(trainer_id)
+        if header.kind == HEARTBEAT:
+            return self._heartbeat(trainer_id, step, request)
         payload = self._payload(connection, request)
         incarnation = self.checks.sessions.incarnation(trainer_id)
         if header.kind == PUSH_PULL:
@@ -148,6 +154,14 @@ class ChannelCalls:
         if header.payload_bytes > len(region):
             raise BadRequest(f"a shared payload of {header.payload_bytes} bytes in a region of {len(region)}")
         return np.frombuffer(region, np.uint8, header.payload_bytes)
+
+    def _heartbeat(self, trainer_id: int, step: int, request: Request) -> Iterator:
+        """A sign of life, as gRPC's Heartbeat (counted alike): a few checks on a connection already open,
+        not a gRPC call (a tenth of its CPU), which matters where a thousand trainers wait between steps."""
+        if request.header.payload_bytes:
+            raise BadRequest("a heartbeat carries no payload")
+        self.data.counters.heartbeat(trainer_id)
+        yield Answer(step, buffers=[np.array([self.incarnation()], "<i8")])
 
     def _map_regions(self, connection: InboundConnection, request: Request) -> Iterator:
         try:

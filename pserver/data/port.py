@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import ssl
-from typing import List, Optional
+from typing import Callable, List, Optional
 
 from transpiler import PserverProgram
 
@@ -49,13 +49,14 @@ class DataPort:
         data: DataCalls,
         checks: CallerChecks,
         in_progress: CallsInProgress,
+        incarnation: Callable[[], int],
     ):
         cfg = program.config
         self.listener = listener
         self.reactor_count = cfg.data_reactors
         self.send_timeout = cfg.rpc_timeout
         payloads = Payloads(data.contents, allow_nonfinite=cfg.nonfinite_grads == "apply")
-        self.calls = ChannelCalls(data, checks, payloads, token, in_progress)
+        self.calls = ChannelCalls(data, checks, payloads, token, in_progress, incarnation)
         self._reactors: List[Reactor] = []
 
     def start(self) -> None:

@@ -21,6 +21,8 @@ from pserver.data.port import MAX_PAYLOAD
 from psproto.dataplane.frames import (
     DROPPED,
     FLAGS,
+    HEARTBEAT,
+    KINDS,
     MAGIC,
     MAP_REGIONS,
     MAX_DIGEST,
@@ -182,7 +184,7 @@ def bad_headers(d: DataFuzz, rng: random.Random) -> List[DataCase]:
         cases.append(d.after_hello("a random 64-byte request header", data))
     broken = {
         "unknown kind 0": RequestHeader(0),
-        "unknown kind 5": RequestHeader(5),
+        f"unknown kind {max(KINDS) + 1}": RequestHeader(max(KINDS) + 1),
         "unknown kind 255": RequestHeader(0xFF),
         "unknown flags 4": RequestHeader(PULL, flags=4),
         "unknown flags 0x80": RequestHeader(PULL, flags=0x80),
@@ -197,6 +199,16 @@ def bad_headers(d: DataFuzz, rng: random.Random) -> List[DataCase]:
     }
     for desc, header in broken.items():
         cases.append(d.after_hello(f"a request header with {desc}", header.pack()))
+    beat = RequestHeader(HEARTBEAT).pack()
+    cases += [
+        d.after_hello(
+            "a heartbeat carrying 8 bytes",
+            request(RequestHeader(HEARTBEAT, payload_bytes=8), bytes(8)),
+            answered=True,
+            statuses=(INVALID_ARGUMENT,),
+        ),
+        d.after_hello("a heartbeat, then a header of unknown kind 0", beat + RequestHeader(0).pack(), oks=1),
+    ]
     for _ in range(N_HEADERS):
         fields = {f: rng.choice(_EXTREMES[f]) for f in rng.sample(sorted(_EXTREMES), rng.randint(1, 4))}
         header = replace(RequestHeader(PULL), **fields)

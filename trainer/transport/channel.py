@@ -231,8 +231,29 @@ class PserverChannel:
             raise error_of(self.endpoint, f"{what} failed: {details(e)}", e) from None
 
     def heartbeat(self, timeout: float) -> ps_pb2.HeartbeatReply:
-        """Tell the pserver this trainer lives; its answer carries its step and incarnation."""
+        """Tell the pserver this trainer lives; its answer carries its step and incarnation.
+
+        On the data channel where the pserver has one (:meth:`DataLink.heartbeat`); over gRPC before the
+        first Hello named its data port, where the data connection broke (gRPC's call then follows a new
+        primary, or says the pserver is down), and where the data port did not answer within a
+        ``heartbeat_interval``: its reactor is busy (a long checkpoint written under the engine's lock),
+        and gRPC's Heartbeat is noted without that lock. While a data call is in flight none is sent: that
+        call is the sign of life (the answer's step -1).
+        """
         tid = self._identity.trainer_id
+        data = self._link.data
+        if data is not None and data.available:
+            try:
+                with self.contact.call():
+                    beat = data.heartbeat(min(timeout, self._config.heartbeat_interval))
+            except grpc.RpcError as e:
+                if e.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                    raise error_of(
+                        self.endpoint, f"heartbeat of trainer {tid} failed: {details(e)}", e
+                    ) from None
+            else:
+                step, incarnation = beat if beat is not None else (-1, 0)
+                return ps_pb2.HeartbeatReply(step=step, incarnation=incarnation)
         return self._unary(
             "Heartbeat",
             functools.partial(ps_pb2.HeartbeatRequest, trainer_id=tid),

@@ -31,6 +31,7 @@ from psproto.dataplane.access import client_context, server_name
 from psproto.dataplane.frames import (
     COUNTED,
     DROPPED,
+    HEARTBEAT,
     PREFETCH,
     PULL,
     PUSH_PULL,
@@ -358,6 +359,34 @@ class DataLink:
             timeout,
         )
         return rows, received
+
+    def heartbeat(self, timeout: float) -> Optional[Tuple[int, int]]:
+        """Tell the pserver this trainer lives, on the push-pulls' connection (opened if it is not): (the
+        pserver's step, its incarnation), as gRPC's Heartbeat answers; None, sending nothing, while a call
+        is in flight on that connection (the pserver counts it as a sign of life until it answers).
+
+        A tenth of a gRPC call's CPU on the pserver (a few checks on a connection already open): where a
+        thousand trainers wait between their steps, heartbeats were most of what a pserver did."""
+        with self._lock:
+            busy = self._busy.setdefault(0, threading.Lock())
+        if not busy.acquire(blocking=False):
+            return None
+        try:
+            channel = self._channel(0)
+            try:
+                answer, payload = channel.call(RequestHeader(HEARTBEAT), (), (), timeout)
+            except DataCallError:
+                self._drop(0)
+                raise
+            if payload.size != 8:
+                self._drop(0)
+                raise DataCallError(
+                    grpc.StatusCode.INTERNAL,
+                    f"{self.endpoint} answered a heartbeat with {payload.size} bytes",
+                )
+            return answer.step, int(payload.view("<i8")[0])
+        finally:
+            busy.release()
 
     def close(self) -> None:
         """Close every connection (and the lanes' threads)."""
