@@ -161,13 +161,16 @@ class DataLink:
         write,
         read,
         timeout: float,
+        wait: bool = True,
     ):
         """One call on connection ``slot``: ``write(out)`` puts the payload in ``out`` (the request region
         or the connection's buffer), ``read(payload)`` takes the answer's; (answer header, what ``read``
-        gave)."""
+        gave). Not ``wait``: None, sending nothing, while another call holds the connection."""
         with self._lock:
             busy = self._busy.setdefault(slot, threading.Lock())
-        with busy:
+        if not busy.acquire(blocking=wait):
+            return None
+        try:
             while True:
                 with self._lock:
                     reused = slot in self._channels
@@ -183,6 +186,8 @@ class DataLink:
                     # on a new connection once, whose hello gets the true answer (fenced, down).
                     if not (reused and e.code() == grpc.StatusCode.UNAVAILABLE):
                         raise
+        finally:
+            busy.release()
 
     @staticmethod
     def _write(channel: DataChannel, request_bytes: int, answer_bytes: int, write, timeout: float) -> list:
@@ -367,26 +372,18 @@ class DataLink:
 
         A tenth of a gRPC call's CPU on the pserver (a few checks on a connection already open): where a
         thousand trainers wait between their steps, heartbeats were most of what a pserver did."""
-        with self._lock:
-            busy = self._busy.setdefault(0, threading.Lock())
-        if not busy.acquire(blocking=False):
-            return None
-        try:
-            channel = self._channel(0)
-            try:
-                answer, payload = channel.call(RequestHeader(HEARTBEAT), (), (), timeout)
-            except DataCallError:
-                self._drop(0)
-                raise
-            if payload.size != 8:
-                self._drop(0)
-                raise DataCallError(
-                    grpc.StatusCode.INTERNAL,
-                    f"{self.endpoint} answered a heartbeat with {payload.size} bytes",
-                )
-            return answer.step, int(payload.view("<i8")[0])
-        finally:
-            busy.release()
+        done = self._call(
+            0, RequestHeader(HEARTBEAT), (), 0, 0, lambda out: None, self._incarnation, timeout, wait=False
+        )
+        return None if done is None else (done[0].step, done[1])
+
+    def _incarnation(self, payload: np.ndarray) -> int:
+        """A heartbeat's answer: the pserver's incarnation (int64)."""
+        if payload.size != 8:
+            raise DataCallError(
+                grpc.StatusCode.INTERNAL, f"{self.endpoint} answered a heartbeat with {payload.size} bytes"
+            )
+        return int(payload.view("<i8")[0])
 
     def close(self) -> None:
         """Close every connection (and the lanes' threads)."""
