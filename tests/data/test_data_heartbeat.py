@@ -22,17 +22,6 @@ def program() -> Program:
     return Program(odd_mlp(), "sgd", lr=0.1)
 
 
-def no_grpc_heartbeat(channel):
-    """Make ``channel``'s gRPC Heartbeat fail the test; the other unary calls go on."""
-    unary = channel._unary
-
-    def guarded(method, *args, **kwargs):
-        assert method != "Heartbeat", "a heartbeat went over gRPC"
-        return unary(method, *args, **kwargs)
-
-    channel._unary = guarded
-
-
 @pytest.fixture(params=[20.0], ids=["quiet"])
 def cluster(request):
     """A pserver and a trainer whose heartbeat thread sends none while a test runs (``heartbeat_interval``
@@ -60,10 +49,11 @@ def test_a_heartbeat_goes_over_the_data_channel_and_is_heard_as_gRPC_s(cluster):
     server, endpoint = cluster.servers[0], cluster.endpoints[0]
     with cluster.trainer(0) as tr:
         channel = tr.channels[endpoint]
-        no_grpc_heartbeat(channel)
+        over_grpc = grpc_heartbeats(channel)
         server.engine.roster.last_seen[0] -= 60  # silent for a minute
         before = server.servicer.counters.heartbeats
         reply = channel.heartbeat(timeout=10)
+        assert not over_grpc
         assert (reply.step, reply.incarnation) == (server.engine.step, server.servicer.incarnation)
         assert server.servicer.counters.heartbeats == before + 1
         assert time.monotonic() - server.engine.presence(0)[0] < 10
@@ -75,13 +65,13 @@ def test_no_heartbeat_goes_while_a_call_is_in_flight_on_the_connection(cluster):
     server, endpoint = cluster.servers[0], cluster.endpoints[0]
     with cluster.trainer(0) as tr:
         channel = tr.channels[endpoint]
-        no_grpc_heartbeat(channel)
+        over_grpc = grpc_heartbeats(channel)
         data = channel._link.data
         busy = data._busy.setdefault(0, threading.Lock())
         before = server.servicer.counters.heartbeats
         with busy:  # the step thread's call holds the connection
             reply = channel.heartbeat(timeout=10)
-        assert reply.step == -1
+        assert reply.step == -1 and not over_grpc
         assert server.servicer.counters.heartbeats == before
 
 
@@ -114,9 +104,10 @@ def test_a_data_port_that_does_not_answer_within_an_interval_leaves_the_heartbea
         assert over_grpc and over_grpc[0] - started >= INTERVAL  # gRPC's, after an interval's wait
         assert took < 10
         calls._heartbeat = beat
-        no_grpc_heartbeat(channel)
+        before = len(over_grpc)
         reply = channel.heartbeat(timeout=10)  # on a new data connection: the one that timed out was closed
         assert reply.incarnation == server.servicer.incarnation and reply.step >= 0
+        assert len(over_grpc) == before
 
 
 @pytest.mark.timeout(60)
@@ -125,8 +116,9 @@ def test_a_heartbeat_of_a_fenced_session_is_refused_as_gRPC_refuses_it(cluster):
     with cluster.trainer(0) as tr:
         channel = tr.channels[endpoint]
         channel.heartbeat(timeout=10)  # the data connection is open
-        no_grpc_heartbeat(channel)
+        over_grpc = grpc_heartbeats(channel)
         # A newer process takes trainer 0 over (the old one silent, dropped): the old session is fenced.
         server.servicer.sessions.hello(0, 12345, "a newer process", time.monotonic() - 3600, ended=True)
         with pytest.raises(FencedError):
             channel.heartbeat(timeout=10)
+        assert not over_grpc
