@@ -241,11 +241,10 @@ class PserverChannel:
         call is the sign of life (the answer's step -1).
         """
         tid = self._identity.trainer_id
-        data = self._link.data
-        if data is not None and data.available:
+        if self._link.data_ready:
             try:
                 with self.contact.call():
-                    beat = data.heartbeat(min(timeout, self._config.heartbeat_interval))
+                    beat = self._link.data.heartbeat(min(timeout, self._config.heartbeat_interval))
             except grpc.RpcError as e:
                 if e.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                     raise error_of(

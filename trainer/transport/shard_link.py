@@ -83,6 +83,11 @@ class ShardLink:
         )
         self._lead_calls: Dict[str, Tuple[grpc.Channel, Callable]] = {}
 
+    @property
+    def data_ready(self) -> bool:
+        """Whether calls go over the data channel now (the process calls go to named its data port)."""
+        return self.data is not None and self.data.available
+
     def _connect_to(self, address: str) -> Connection:
         return Connection(self._open_channel(address), self._config.chunk_bytes, self._regions, self.endpoint)
 

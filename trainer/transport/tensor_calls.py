@@ -103,7 +103,7 @@ class TensorCalls:
         verdict on the step (``PserverChannel.claim``). Returns the pserver's step (updates applied) of the
         parameters received.
         """
-        if not during_backward and self._data_ready():
+        if not during_backward and self._link.data_ready:
             return self._data_push_pull(step, tensors, decode_into, position, step_trainers, dropped)
         if during_backward:
             request = Request(
@@ -143,7 +143,7 @@ class TensorCalls:
         """:meth:`push_pull`'s request sent over the data channel, its answer read by
         :meth:`StartedPush.finish`; None, having sent nothing, where the call takes :meth:`push_pull`
         (no data port, no connection open yet, lanes, a connection that broke)."""
-        if not self._data_ready():
+        if not self._link.data_ready:
             return None
         narrowed = self._narrower.narrow(self.endpoint, list(tensors))
         started = self._link.data.start_push_pull(
@@ -168,17 +168,12 @@ class TensorCalls:
         self.bytes_pushed += sent
         self.bytes_pulled += received
 
-    def _data_ready(self) -> bool:
-        """Whether the transfers go over the data channel now (the process calls go to named its port)."""
-        data = self._link.data
-        return data is not None and data.available
-
     def _data_push_pull(self, step, tensors, decode_into, position, step_trainers, dropped) -> int:
         narrowed = self._narrower.narrow(self.endpoint, list(tensors))
         what = f"step {step} of trainer {self._identity.trainer_id} (push and pull)"
 
         def once() -> int:
-            if not self._data_ready():  # moved to a process without a data port (say, an older pserver)
+            if not self._link.data_ready:  # moved to a process without a data port (say, an older pserver)
                 raise PserverError(self.endpoint, f"{what}: no data port", DOWN)
             with self._contact.call(from_start=True), call_errors(self.endpoint, what):
                 pserver_step, _, sent, received = self._link.data.push_pull(
@@ -269,7 +264,7 @@ class TensorCalls:
             layout_digest=self._identity.layout_digest,
         )
         what = f"pull after {min_step} updates by trainer {self._identity.trainer_id}"
-        if self._data_ready() and list(names) == list(self._link.data.payloads.lane(1, 0).names):
+        if self._link.data_ready and list(names) == list(self._link.data.payloads.lane(1, 0).names):
             return self._primary.run(functools.partial(self._data_pull, min_step, decode_into, what))
         return self._primary.run(
             functools.partial(self._pull_once, request, what, dtype_and_shape, decode_into)
@@ -308,7 +303,7 @@ class TensorCalls:
             layout_digest=self._identity.layout_digest,
         )
         what = f"prefetch after {min_step} updates by trainer {self._identity.trainer_id}"
-        if self._data_ready():
+        if self._link.data_ready:
             return self._primary.run(functools.partial(self._data_prefetch, min_step, ids, what))
         return self._primary.run(
             functools.partial(self._prefetch_once, header, request, what, dtype_and_shape)
