@@ -17,8 +17,9 @@ answers. 20 warm-up steps, then ``--steps`` timed: the table grows as in the job
 
 Figures are thread CPU (``time.thread_time``) per push: median [quartiles] over the timed pushes. A job's
 pserver costs more than this (``step_breakdown``: its reactor, sockets and system calls, and caches
-shared with the trainers on the same cores); what this isolates is the work of a push itself, steady
-enough to compare two trees (run it from each, alternating).
+shared with the trainers on the same cores); what this isolates is the work of a push itself. To
+compare two trees, run it from each, alternating, several times: on a shared 2-core machine runs of one
+tree still differ by about a tenth (a job's CPU per push by a fifth).
 """
 
 from __future__ import annotations
