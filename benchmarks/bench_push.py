@@ -28,20 +28,19 @@ import argparse
 import json
 import statistics
 import time
-from typing import Dict, List
+from typing import Dict, List, Tuple
 
 import numpy as np
 import torch
 
 from benchmarks.common.paths import DEFAULT_PEERS, peer_module
-from benchmarks.jobs.job_s import TABLE, build_program
+from benchmarks.jobs.job_s import TABLE, build_program, shard_batch_ids
 from pserver import ParameterServer
 from pserver.data.calls import PushHead
 from pserver.data.parts import Payloads
 from psproto.security import Security
 from trainer.transport.data.payloads import PserverPayloads
 from transpiler import DistributeTranspiler, DistributeTranspilerConfig
-from transpiler.tables import shard_of
 
 TRAINERS, PSERVERS, WARMUP, BATCH = 2, 2, 20, 512
 PHASES = ("read", "count", "answer")
@@ -74,12 +73,11 @@ class Replay:
             self.engine.hello(trainer_id)
 
     def close(self) -> None:
-        """Release the data port the pserver bound."""
-        self.server._data_listener.close()
+        """Stop the pserver (never started: this releases the data port it bound)."""
+        self.server.stop()
 
     def _ids(self, index: int) -> np.ndarray:
-        ids = np.unique(self.jobs.ctr_batch(index, batch=BATCH)[0])
-        return ids[shard_of(ids, PSERVERS) == 0]
+        return shard_batch_ids(self.jobs, index, PSERVERS, batch=BATCH)
 
     def payload(self, trainer_id: int, step: int):
         """(the push's bytes, its gradient wire dtype) of ``trainer_id`` at ``step``."""
@@ -101,7 +99,9 @@ class Replay:
         self.writer.write_push(out, push, tensors, 1, 0)
         return out, push.grad_dtype
 
-    def push(self, trainer_id: int, step: int, payload: np.ndarray, grad_dtype: int) -> Dict[str, float]:
+    def push(
+        self, trainer_id: int, step: int, payload: np.ndarray, grad_dtype: int
+    ) -> Tuple[Dict[str, float], Dict[str, np.ndarray]]:
         """Read and count one push; (thread CPU s of each phase, the ids its answer asks for)."""
         t0 = time.thread_time()
         parts, nbytes = self.payloads.push(payload, 1, 0, grad_dtype, False)

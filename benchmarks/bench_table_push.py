@@ -34,9 +34,10 @@ import numpy as np
 
 from benchmarks.common.machine import cpu_model
 from benchmarks.common.paths import DEFAULT_PEERS, peer_module
+from benchmarks.jobs.job_s import shard_batch_ids
 from pserver.tables.fresh import initial_rows_compiled
 from pserver.tables.shard import TableShard
-from transpiler.tables import TableOptimizerSpec, TableSpec, initial_rows, shard_of
+from transpiler.tables import TableOptimizerSpec, TableSpec, initial_rows
 
 TRAINERS, PSERVERS, WARMUP = 2, 2, 20
 VARIANTS = ("numpy, v1", "compiled, v1", "compiled, v2")
@@ -67,18 +68,13 @@ def variant(name: str) -> TableShard:
 
 def pushes(jobs, steps: int) -> list:
     """(ids, gradient rows, next ids) of every push to shard 0, in arrival order."""
-
-    def mine(index):
-        ids = np.unique(jobs.ctr_batch(index, batch=512)[0])
-        return ids[shard_of(ids, PSERVERS) == 0]
-
     rng = np.random.default_rng(0)
     out = []
     for t in range(WARMUP + steps):
         for r in range(TRAINERS):
-            ids = mine(t * TRAINERS + r)
+            ids = shard_batch_ids(jobs, t * TRAINERS + r, PSERVERS)
             grads = (rng.standard_normal((ids.size, 16)) * 1e-3).astype(np.float32)
-            out.append((ids, grads, mine((t + 1) * TRAINERS + r)))
+            out.append((ids, grads, shard_batch_ids(jobs, (t + 1) * TRAINERS + r, PSERVERS)))
     return out
 
 

@@ -66,6 +66,7 @@ from torch import nn
 from benchmarks.common.paths import DEFAULT_PEERS, peer_module
 from benchmarks.jobs.instruments import CallCounter, LookupTimer, PserverPhases
 from transpiler import DistributeTranspiler, DistributeTranspilerConfig, Program, RoleEnv, TableOptions
+from transpiler.tables import shard_of
 
 log = logging.getLogger("job_s")
 # Capacity hint only: ids are any int64 (slot << 40 | z) and live on the pservers.
@@ -198,6 +199,13 @@ def make_batches(jobs, trainer_id: int, trainers: int, steps: int, batch: int, s
         ids, dense, y = jobs.ctr_batch(t * trainers + trainer_id, batch=batch, seed=seed, stream=0)
         out.append((torch.from_numpy(ids), torch.from_numpy(dense), torch.from_numpy(y)))
     return out
+
+
+def shard_batch_ids(jobs, index: int, n_shards: int, shard: int = 0, batch: int = 512) -> np.ndarray:
+    """The distinct ids of ``jobs.ctr_batch(index)`` on table shard ``shard`` of ``n_shards``: what a push of
+    that batch to the shard's pserver carries gradients of (or, for the next batch, asks rows of)."""
+    ids = np.unique(jobs.ctr_batch(index, batch=batch)[0])
+    return ids[shard_of(ids, n_shards) == shard]
 
 
 def evaluate(model: nn.Module, jobs, n: int, seed: int, chunk: int = 4096) -> float:

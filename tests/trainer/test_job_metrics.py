@@ -330,7 +330,7 @@ def test_collective_trainers_reduce_among_themselves():
 
 
 @pytest.mark.processes
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(210)  # the round's deadline and wait_all's, PROCESS_TIMEOUT (90 s) each, and then some
 def test_a_trainer_node_combines_its_local_ranks_first(tmp_path):
     """Node 0 (2 local processes) and trainer 1 (one process): the job's sum counts every process once.
 
