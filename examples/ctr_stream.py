@@ -251,3 +251,18 @@ def loader(stream: CtrStream, workers: int = 0) -> DataLoader:
         multiprocessing_context="forkserver",
         persistent_workers=True,
     )
+
+
+def stop_workers(loader: DataLoader) -> None:
+    """Stop ``loader``'s worker processes now, on this thread (nothing when it has none running).
+
+    Persistent workers otherwise stop whenever the loader's iterator is freed, which may be on
+    another thread or while the interpreter exits: a semaphore of its queues can then be unlinked
+    without being unregistered, and Python's resource tracker warns of a "leaked semaphore" after
+    the trainer's last line (seen once in CI). torch has no public call for this: it keeps the
+    persistent workers' iterator in ``_iterator``.
+    """
+    iterator = getattr(loader, "_iterator", None)
+    if iterator is not None and hasattr(iterator, "_shutdown_workers"):
+        iterator._shutdown_workers()
+        loader._iterator = None

@@ -172,6 +172,7 @@ def train_local(args) -> tuple:
                     o.step()
                 speed.step(len(y))
                 bar.update(len(y))
+    ctr_stream.stop_workers(loader)
     speed.report()
     return evaluate(model, test_stream(args), capacity), speed.steps
 
@@ -328,6 +329,7 @@ def main(argv=None) -> int:
                     curves.maybe_reduce(tr, role, leader)
                 if speed.steps % 50 == 0:
                     bar.set_postfix(loss=f"{loss.item():.4f}")
+        ctr_stream.stop_workers(loader)  # before the evaluation, not whenever the loader is freed
         speed.report()
         if env.trainer_id != 0:
             return 0

@@ -179,6 +179,14 @@ def test_dataloader_workers_split_the_batches_and_keep_their_order(tsv):
     loader = ctr_stream.loader(stream, workers=3)
     for _ in range(2):
         assert_same_batches(list(loader), expected)
+    workers = list(loader._iterator._workers)
+    assert len(workers) == 3 and all(w.is_alive() for w in workers)
+    # stop_workers: the processes are gone when it returns, and the loader starts new ones when read again.
+    ctr_stream.stop_workers(loader)
+    assert not any(w.is_alive() for w in workers)
+    assert_same_batches(list(loader), expected)
+    ctr_stream.stop_workers(loader)
+    ctr_stream.stop_workers(loader)  # none running: nothing to do
 
 
 # ---------------------------------------------------------------- resuming through Trainer.batches
