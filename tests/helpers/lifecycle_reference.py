@@ -28,7 +28,7 @@ from pserver.tables.lifecycle.admission import admissible
 from transpiler import Program
 from transpiler.tables import initial_rows
 
-from .table_models import BAG_VOCAB, VOCAB, VOCABS, _positions, local_tables
+from .table_models import BAG_VOCAB, VOCAB, VOCABS, local_tables, positions
 
 
 class ReferenceTable:
@@ -126,7 +126,7 @@ def single_process_lifecycle(prog: Program, data):
         dense_opt.zero_grad()
         for o in table_opts.values():
             o.zero_grad()
-        out = model(_positions(VOCAB, ids), _positions(BAG_VOCAB, bag))
+        out = model(positions(VOCAB, ids), positions(BAG_VOCAB, bag))
         nn.functional.cross_entropy(out, y).backward()
         for name in specs:
             _filter_grad(local[name].weight, vocabs[name], tables[name])

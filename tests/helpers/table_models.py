@@ -67,7 +67,8 @@ def table_batches(n_trainers: int, per_trainer: int, steps: int, seed: int = 5):
     return out
 
 
-def _positions(vocab: np.ndarray, ids: torch.Tensor) -> torch.Tensor:
+def positions(vocab: np.ndarray, ids: torch.Tensor) -> torch.Tensor:
+    """Each raw id's index in ``vocab``: its row in the reference's plain ``nn.Embedding``."""
     return torch.from_numpy(np.searchsorted(vocab, ids.numpy()))
 
 
@@ -116,7 +117,7 @@ def single_process(prog: Program, data):
         y = torch.cat([b[2] for b in step_batches])
         for o in optimizers:
             o.zero_grad()
-        out = model(_positions(VOCAB, ids), _positions(BAG_VOCAB, bag))
+        out = model(positions(VOCAB, ids), positions(BAG_VOCAB, bag))
         nn.functional.cross_entropy(out, y).backward()
         for o in optimizers:
             o.step()

@@ -5,7 +5,8 @@ blocks it pulls wait in :class:`~trainer.blocks.LocalBlocks`' staging
 buffers and are installed by the next ``step()`` (or ``pull()``,
 ``close()``), so a trainer computes on parameters one step staler than
 without the pipeline. The next batch's table rows are fetched on the feed's
-thread while the current batch trains (``read_ahead``).
+thread while the current batch trains (``read_ahead``), once the push before
+it is answered: rows one step stale too, never two.
 """
 
 from __future__ import annotations
@@ -48,16 +49,28 @@ class PipelinedStepper(Stepper):
         self.state.advance(step + 1, position)
 
     def plan_next_batch(self, ids: Dict[str, object]) -> NextBatchPlan:
-        """The next batch's ids deduplicated and routed, and its rows fetched now (as of the latest
-        updates)."""
+        """The next batch's ids deduplicated and routed, and its rows fetched once the push sent before the
+        batch now training is answered.
+
+        The next step computes on the blocks that push brings back (one step stale); rows fetched while
+        it was still in flight would miss it too, two steps stale, as often as the fetch wins the race.
+        ``step()`` sends the current batch's push only after this plan is made, so the push in flight
+        here is always the one before it.
+        """
+        sent = self._in_flight
+        if sent is not None:
+            futures.wait([sent])  # bounded by the push's own deadlines; its failure is flush()'s to raise
         return self.tables.plan_next_batch(ids, self.transfers.prefetch_all)
 
     def flush(self) -> None:
         """Wait for the step sent in the background; install the parameters it pulled."""
-        if self._in_flight is None:
+        sent = self._in_flight
+        if sent is None:
             return
-        sent, self._in_flight = self._in_flight, None
-        sent.result()  # re-raises the push's PserverError here, on the caller's thread
+        try:
+            sent.result()  # re-raises the push's PserverError here, on the caller's thread
+        finally:
+            self._in_flight = None  # only now: until it is answered, plan_next_batch waits for it
         self.blocks.install_staged()
 
     def close(self, timeout: Optional[float]) -> None:
