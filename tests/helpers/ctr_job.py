@@ -20,8 +20,9 @@ LINES = 60_000
 # With 54k training lines (2 epochs) the test AUC reaches 0.72-0.74 in both modes (the planted
 # model's Bayes AUC is 0.80; the example's own target, on 1M generated examples, is 0.77; untrained,
 # 0.5). Async depends on how the two trainers' steps interleave, which a busy machine stretches:
-# 0.732-0.746 in 8 quiet runs, 0.701-0.744 in 19 beside two busy loops (the pipeline's extra step of
-# staleness; without it 0.726-0.740 in 6). Each mode's bound sits below what it reached.
+# 0.732-0.746 in 8 quiet runs, 0.701-0.744 in 19 beside two busy loops (0.709-0.744 in the 8 of them
+# after the pipeline's rows were made one step stale, not two; without the pipeline 0.726-0.740 in 6).
+# Each mode's bound sits below what it reached.
 TEST_TARGET_AUC = {"sync": 0.71, "async": 0.69}
 LOG_DIR = "log"  # ps-launch's default: left out of the command, so that the default is what runs
 

@@ -117,9 +117,13 @@ def test_a_heartbeat_is_answered_on_the_loop_while_every_pool_thread_is_busy():
 def test_a_call_of_another_process_of_the_id_is_not_noted():
     """A restarted trainer's Hello (or a stray duplicate's call) must not pass for the session holder's
     sign of life."""
-    with LocalCluster(program, 1, 2, config=DistributeTranspilerConfig()) as cluster:
+    # The holder itself stays quiet: no heartbeat for minutes, and none of its calls held when the test
+    # looks (a held call reads as heard from now, which would hide what another process's call does).
+    quiet = DistributeTranspilerConfig(heartbeat_interval=300, heartbeat_timeout=600)
+    with LocalCluster(program, 1, 2, config=quiet) as cluster:
         server = cluster.servers[0]
         with cluster.trainer(1):
+            poll(lambda: 1 not in server.engine.held(), "trainer 1's calls answered")
             holder = server.servicer.sessions.incarnation(1)
             server.engine.roster.last_seen[1] -= 60  # the holder fell silent a minute ago
             quiet_since = server.engine.presence(1)[0]
