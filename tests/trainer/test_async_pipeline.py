@@ -34,23 +34,30 @@ def program():
     return Program(odd_mlp(dtype=torch.float64), "sgd", lr=LR)
 
 
-def delayed_sgd(data, steps):
-    """Single-process reference of the pipelined schedule: gradients one step stale."""
-    model = odd_mlp(dtype=torch.float64)
+def delayed(model: nn.Module, lrs, losses) -> dict:
+    """Single-process reference of the pipelined schedule (sgd, ``lrs`` by parameter name): each of
+    ``losses`` (callables) is differentiated on the parameters of the step before and applied to the
+    current ones; the final parameters by name."""
     params = dict(model.named_parameters())
     server = {n: p.detach().clone() for n, p in params.items()}  # theta[s]
-    for s in range(steps):
-        x, y = data[s][0]
+    for loss in losses:
         model.zero_grad()
-        nn.functional.cross_entropy(model(x), y).backward()  # on the installed parameters
-        grads = {n: p.grad.clone() for n, p in params.items()}
+        loss().backward()  # on the installed parameters
         installed = {n: t.clone() for n, t in server.items()}  # what step s+1 computes on
-        for n in server:
-            server[n] -= LR * grads[n]
+        for n, p in params.items():
+            server[n] -= lrs[n] * (p.grad.to_dense() if p.grad.is_sparse else p.grad)
         with torch.no_grad():
             for n, p in params.items():
                 p.copy_(installed[n])
     return server
+
+
+def delayed_sgd(data, steps):
+    """The pipelined schedule of :func:`program` on ``data``'s first ``steps`` batches."""
+    model = odd_mlp(dtype=torch.float64)
+    lrs = {n: LR for n, _ in model.named_parameters()}
+    losses = [lambda b=data[s][0]: nn.functional.cross_entropy(model(b[0]), b[1]) for s in range(steps)]
+    return delayed(model, lrs, losses)
 
 
 @pytest.mark.timeout(60)
@@ -144,29 +151,20 @@ def test_pipelined_lookups_use_rows_fetched_on_the_feed_thread_while_the_last_ba
 
 
 def delayed_tables(prog: Program, data):
-    """Single-process reference of the pipelined schedule with tables (sgd everywhere): every step's
-    gradient, the tables' rows included, computed on the parameters of the step before: (dense state,
-    {table: rows})."""
-    model, specs, local, _ = local_tables(prog)
-    params = dict(model.named_parameters())
+    """The pipelined schedule with tables (sgd everywhere), rows included: (dense state, {table: rows})."""
+    model, specs, _, _ = local_tables(prog)
     lrs = {
         n: next(
             (s.optimizer.kwargs["lr"] for t, s in specs.items() if n.startswith(t + ".")),
             prog.optimizer.kwargs["lr"],
         )
-        for n in params
+        for n, _ in model.named_parameters()
     }
-    server = {n: p.detach().clone() for n, p in params.items()}
-    for ((ids, bag, y),) in data:
-        model.zero_grad()
-        nn.functional.cross_entropy(model(positions(VOCAB, ids), positions(BAG_VOCAB, bag)), y).backward()
-        grads = {n: p.grad.to_dense() if p.grad.is_sparse else p.grad.clone() for n, p in params.items()}
-        installed = {n: t.clone() for n, t in server.items()}
-        for n in server:
-            server[n] -= lrs[n] * grads[n]
-        with torch.no_grad():
-            for n, p in params.items():
-                p.copy_(installed[n])
+
+    def loss(ids, bag, y):
+        return lambda: nn.functional.cross_entropy(model(positions(VOCAB, ids), positions(BAG_VOCAB, bag)), y)
+
+    server = delayed(model, lrs, [loss(*b) for (b,) in data])
     dense = {n: t for n, t in server.items() if not n.startswith(tuple(specs))}
     return dense, {t: server[t + ".weight"] for t in specs}
 

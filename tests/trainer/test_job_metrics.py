@@ -344,14 +344,15 @@ def test_a_trainer_node_combines_its_local_ranks_first(tmp_path):
     from tests.helpers.nodes import PROCESS_TIMEOUT, stop, wait_all
 
     ctx = multiprocessing.get_context("spawn")
-    deadline = PROCESS_TIMEOUT
     with LocalCluster(
-        odd_program, 1, 2, config=DistributeTranspilerConfig(barrier_timeout=deadline)
+        odd_program, 1, 2, config=DistributeTranspilerConfig(barrier_timeout=PROCESS_TIMEOUT)
     ) as cluster:
         (port,) = free_ports(1)
         outs = [str(tmp_path / f"rank{r}.pt") for r in range(2)]
         procs = [
-            ctx.Process(target=node_rank, args=(odd_program, cluster.endpoints, r, port, outs[r], deadline))
+            ctx.Process(
+                target=node_rank, args=(odd_program, cluster.endpoints, r, port, outs[r], PROCESS_TIMEOUT)
+            )
             for r in range(2)
         ]
         for p in procs:
@@ -360,7 +361,7 @@ def test_a_trainer_node_combines_its_local_ranks_first(tmp_path):
             got = cluster.run_trainers(
                 lambda tr, i: (job_metrics.global_sum(tr, "n", 100.0), job_metrics.global_max(tr, "m", -1)),
                 ids=[1],
-                timeout=deadline,
+                timeout=PROCESS_TIMEOUT,
             )
             assert wait_all(procs) == [0, 0]
         finally:
