@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from benchmarks.common.paths import DEFAULT_PEERS, peer_module
-from benchmarks.jobs.job_s import build_program
+from benchmarks.jobs.job_s_program import build_program
 from pserver.store import BlockStore
 from transpiler import DistributeTranspiler, DistributeTranspilerConfig
 from transpiler.optim import LrSchedule

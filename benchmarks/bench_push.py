@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from benchmarks.common.paths import DEFAULT_PEERS, peer_module
-from benchmarks.jobs.job_s import TABLE, build_program, shard_batch_ids
+from benchmarks.jobs.job_s_program import TABLE, build_program, shard_batch_ids
 from pserver import ParameterServer
 from pserver.data.calls import PushHead
 from pserver.data.parts import Payloads

@@ -34,7 +34,7 @@ import numpy as np
 
 from benchmarks.common.machine import cpu_model
 from benchmarks.common.paths import DEFAULT_PEERS, peer_module
-from benchmarks.jobs.job_s import shard_batch_ids
+from benchmarks.jobs.job_s_program import shard_batch_ids
 from pserver.tables.fresh import initial_rows_compiled
 from pserver.tables.shard import TableShard
 from transpiler.tables import TableOptimizerSpec, TableSpec, initial_rows

@@ -26,7 +26,8 @@ import torch
 from torch import nn
 
 from benchmarks.gpu_check.worker import Children, Outcome, device_of, finite, jobs_module, run_worker
-from benchmarks.jobs.job_s import TABLE, CtrNet, build_program, make_batches, wait_for_trainers
+from benchmarks.jobs.job_s import wait_for_trainers
+from benchmarks.jobs.job_s_program import TABLE, CtrNet, build_program, make_batches
 from harness.ports import free_ports
 from transpiler import DistributeTranspiler
 from transpiler.tables import initial_rows

@@ -1,9 +1,10 @@
 """The emulated fan-in's job: job S's program transpiled for K trainers, and every trainer's gradients.
 
 Shared by ``benchmarks.bench_fanin`` (which checks the applied model), its pservers and its load generators
-(``benchmarks.jobs.fanin_workers``). The program is job S's (:func:`benchmarks.jobs.job_s.build_program`:
-one shared dim-16 distributed table over 26 slots, MLP 429-256-128-1, plain SGD lr 0.05 for both) with job
-S's shape given here, so the peers' ``jobs.py`` is not needed (CI has none).
+(``benchmarks.jobs.fanin_workers``). The program is job S's
+(:func:`benchmarks.jobs.job_s_program.build_program`: one shared dim-16 distributed table over 26 slots,
+MLP 429-256-128-1, plain SGD lr 0.05 for both) with job S's shape given here, so the peers' ``jobs.py`` is
+not needed (CI has none).
 
 A trainer's gradients are a pure function of (seed, trainer, step), so whoever checks the model can compute
 what was pushed without being told:
@@ -31,10 +32,11 @@ from typing import Dict, List, Sequence
 import numpy as np
 import torch
 
-from benchmarks.jobs.job_s import build_program
+from benchmarks.jobs.job_s_program import build_program
 from transpiler import DistributeTranspiler, DistributeTranspilerConfig
 
-# Job S's shape (shared/peers/jobs.py: S_SLOTS, S_DENSE, S_EMB_DIM, S_HIDDEN, S_LR), read by job_s.CtrNet.
+# Job S's shape (shared/peers/jobs.py: S_SLOTS, S_DENSE, S_EMB_DIM, S_HIDDEN, S_LR), read by
+# job_s_program.CtrNet.
 JOB_S = SimpleNamespace(S_SLOTS=26, S_DENSE=13, S_EMB_DIM=16, S_HIDDEN=(256, 128), S_LR=0.05)
 VOCAB = 1_000_000
 ZIPF_A = 1.2

@@ -46,7 +46,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from benchmarks.jobs.fanin_job import Spec, batch_ids, check_ids, dense_gradients, sparse_rows, transpiler
-from benchmarks.jobs.job_s import TABLE
+from benchmarks.jobs.job_s_program import TABLE
 
 log = logging.getLogger("benchmarks.fanin")
 
