@@ -7,7 +7,8 @@ pserver list). Ids are any int64; ``num_embeddings`` is only a capacity hint.
 
 A row that was never updated has its *initial value*, a pure function of
 (table seed, id) computed by :func:`initial_rows`, so a run does not depend on
-the number of pservers or on the order in which ids arrive.
+the number of pservers or on the order in which ids arrive. Ids are sorted by
+:func:`radix_sort`, compiled on both sides.
 """
 
 from __future__ import annotations
@@ -336,3 +337,50 @@ def merge_duplicates(ids, rows):
     if is_tensor:
         unique = torch.from_numpy(unique).to(ids.device)
     return unique, sums
+
+
+def radix_sort(keys, with_order):
+    """(``keys`` sorted, the permutation that sorts them) of 1-D int64 ``keys``: ``np.sort(keys)`` and, with
+    ``with_order``, ``np.argsort(keys, kind="stable")`` (equal ids keep their order), else an empty array.
+
+    The one definition of sorting ids both sides compile with numba (the trainer a batch's distinct ids,
+    :mod:`trainer.embedding.compiled_ids`; a sync pserver the ids of a step's sums,
+    :mod:`pserver.tables.compiled.index_kernels`): plain loops over numpy arrays, which uncompiled are the
+    same function, slowly (tests). On job S's 6,300 distinct ids a step it costs a third of numpy's
+    comparison sort on the 2-core machine.
+
+    One counting sort per byte, lowest first, each stable. The sign bit is flipped so that unsigned byte
+    order is int64 order; the counts of all eight bytes are taken in one pass, and a byte every id shares
+    (the top ones, usually) is skipped. The positions travel beside the ids only when asked for (a
+    quarter more time).
+    """
+    n = keys.size
+    sign = np.uint64(1) << np.uint64(63)
+    counts = np.zeros((8, 256), np.int64)
+    for i in range(n):
+        u = np.uint64(keys[i]) ^ sign
+        for d in range(8):
+            counts[d, np.int64((u >> np.uint64(8 * d)) & np.uint64(255))] += 1
+    src_keys, dst_keys = keys.copy(), np.empty(n, np.int64)
+    m = n if with_order else 0
+    src, dst = np.arange(m), np.empty(m, np.int64)
+    at = np.empty(256, np.int64)
+    for d in range(8):
+        shift = np.uint64(8 * d)
+        if n == 0 or counts[d, np.int64(((np.uint64(src_keys[0]) ^ sign) >> shift) & np.uint64(255))] == n:
+            continue
+        start = 0
+        for b in range(256):
+            at[b] = start
+            start += counts[d, b]
+        for i in range(n):
+            key = src_keys[i]
+            b = np.int64(((np.uint64(key) ^ sign) >> shift) & np.uint64(255))
+            k = at[b]
+            dst_keys[k] = key
+            if with_order:
+                dst[k] = src[i]
+            at[b] = k + 1
+        src_keys, dst_keys = dst_keys, src_keys
+        src, dst = dst, src
+    return src_keys, src

@@ -145,6 +145,13 @@ class StepSums:
         """(ids, summed rows / ``n_trainers``) of the step, in new arrays (the buffers are reused): divided in
         float64, then rounded once to the rows' dtype."""
         ids, sums = self.keys[: self.n], self.sums[: self.n]
+        kernels = id_index._compiled((ids, np.int64)) if self.dtype in _COMPILED else None
+        if kernels is not None:  # one compiled pass: 300 -> 100 µs a job S step on the 2-core machine
+            out_ids, out = np.empty(self.n, np.int64), torch.empty((self.n, self.dim), dtype=self.dtype)
+            kernels.mean(
+                self.keys, self.sums.numpy(), self.n, n_trainers, self.repeated, out_ids, out.numpy()
+            )
+            return out_ids, out
         if not self.repeated:
             return ids.copy(), (sums / n_trainers).to(self.dtype)
         order = np.argsort(ids)  # distinct ids: any sort gives np.unique's order

@@ -1,7 +1,7 @@
-"""The numba kernels of :mod:`.id_kernels`: a batch's distinct ids by a hash set, and the route by a counting
-sort. Module-level functions, so that numba's on-disk cache serves every process after the first (a
-closure's cache misses: 3 s of compiling per trainer). Importing this imports numba (ImportError without
-it).
+"""The numba kernels of :mod:`.id_kernels`: a batch's distinct ids by a hash set, sorted by a radix sort, and
+the route by a counting sort. Module-level functions, so that numba's on-disk cache serves every process after
+the first (a closure's cache misses: 3 s of compiling per trainer). Importing this imports numba (ImportError
+without it).
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from transpiler import row_init
+from transpiler import row_init, tables
 
 _mix = numba.njit("uint64(uint64)", cache=True, nogil=True)(row_init.mix)
 _GOLDEN = row_init.GOLDEN
@@ -60,10 +60,17 @@ def inverse_of(unique, slot_of, keys):  # pragma: no cover - compiled
     return inverse
 
 
+# transpiler.tables.radix_sort: job S's 6,300 distinct ids a step in about 50 µs, against 142 for numpy's
+# comparison sort on the 2-core machine.
+radix_sort = numba.njit("Tuple((int64[:], int64[:]))(int64[:], boolean)", cache=True, nogil=True)(
+    tables.radix_sort
+)
+
+
 def unique_inverse(ids: np.ndarray):
     """``np.unique(ids, return_inverse=True)`` of 1-D contiguous int64 ``ids``."""
     found, slot_of, keys = distinct(ids)
-    unique = np.sort(found)  # numpy's vectorised sort: 3x numba's on job S's 6,300 distinct ids
+    unique = radix_sort(found, False)[0]
     return unique, inverse_of(unique, slot_of, keys)
 
 

@@ -4,7 +4,7 @@ Every step a trainer deduplicates the next batch's ids (job S: 13,312 ids, about
 routes the distinct ones to their pservers (``stable_hash_ids(id) % pservers``, stably sorted by
 pserver). ``np.unique(..., return_inverse=True)`` sorts all 13,312 with their positions (about 0.8 ms
 of CPU per step on the 2-core machine) and the route sorts again (0.3 ms); here a hash set finds the
-distinct ids in one pass, only those are sorted (by numpy), and the route is a counting sort, with
+distinct ids in one pass, only those are sorted (a radix sort), and the route is a counting sort, with
 the GIL released. Each returns exactly what the numpy definition returns (tests/trainer/test_id_kernels.py).
 
 The kernels (:mod:`.compiled_ids`) load on first use by a batch of at least :data:`MIN_IDS` ids

@@ -3,9 +3,9 @@
 Besides the index: :func:`homes` (home slots), :func:`first_foreign` (the shard check),
 :func:`foreign_and_repeat` (that and an id twice in a batch),
 :func:`row_uniforms` (the integer half of an initial row, :mod:`pserver.tables.fresh`),
-:func:`copy_known` (kept initial rows found by id, :class:`pserver.tables.fresh.FreshRows`) and
-:func:`accumulate` (a sync step's sums, :mod:`pserver.tables.step_sums`), each exactly the
-numpy formula it replaces (tests/tables/test_initial_rows.py, test_step_sums.py).
+:func:`copy_known` (kept initial rows found by id, :class:`pserver.tables.fresh.FreshRows`),
+:func:`accumulate` and :func:`mean` (a sync step's sums and their mean, :mod:`pserver.tables.step_sums`),
+each exactly the numpy formula it replaces (tests/tables/test_initial_rows.py, test_step_sums.py).
 
 :mod:`pserver.tables.id_index` probes a batch in vectorised numpy rounds, a dozen or more numpy
 calls and temporaries per round over the keys still pending; compiled, the same rounds are plain
@@ -25,7 +25,7 @@ import logging
 
 import numpy as np
 
-from transpiler import row_init
+from transpiler import row_init, tables
 from transpiler.row_init import GOLDEN as _GOLDEN
 
 log = logging.getLogger(__name__)
@@ -273,6 +273,33 @@ if AVAILABLE:
                     break
                 p = (p + 1) & mask
         return n, repeated
+
+    _radix_sort = numba.njit("Tuple((int64[:], int64[:]))(int64[:], boolean)", cache=True, nogil=True)(
+        tables.radix_sort
+    )
+
+    @numba.njit(
+        [
+            "void(int64[:], float64[:, :], int64, int64, boolean, int64[:], float32[:, :])",
+            "void(int64[:], float64[:, :], int64, int64, boolean, int64[:], float64[:, :])",
+        ],
+        cache=True,
+        nogil=True,
+    )
+    def mean(keys, sums, n, n_trainers, repeated, out_ids, out):  # pragma: no cover - compiled
+        """:meth:`pserver.tables.step_sums.StepSums.mean` in one pass: ``out_ids`` the step's ``n`` ids,
+        ``out`` their sums divided by ``n_trainers`` in float64, then rounded once to ``out``'s dtype.
+
+        Where some id was summed twice (``repeated``), the ids sorted (:func:`transpiler.tables.radix_sort`,
+        np.unique's order) and ``+ 0.0`` added before dividing, as the numpy definition does; else in the
+        order they came.
+        """
+        order = _radix_sort(keys[:n], True)[1] if repeated else np.arange(n)
+        for j in range(n):
+            r = order[j]
+            out_ids[j] = keys[r]
+            for c in range(sums.shape[1]):
+                out[j, c] = ((sums[r, c] + 0.0) if repeated else sums[r, c]) / n_trainers
 
 else:
     log.debug("numba is not installed: the id index probes in numpy rounds")
