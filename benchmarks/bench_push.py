@@ -96,7 +96,7 @@ class Replay:
         ]
         push = self.writer.plan_push(tensors, 1, 0, dropped=False)
         out = np.empty(push.layout.nbytes, np.uint8)
-        self.writer.write_push(out, push, tensors, 1, 0)
+        self.writer.write_push(out, push, 1, 0)
         return out, push.grad_dtype
 
     def push(

@@ -79,7 +79,7 @@ def test_what_a_trainer_pushes_the_pserver_reads(sides, lanes):
         mine = [(n, t) for n, t in tensors if n in names or (lane == 0 and "@" in n)]
         push = trainer.plan_push(mine, lanes, lane, dropped=False)
         out = np.zeros(push.layout.nbytes, dtype=np.uint8)
-        trainer.write_push(out, push, mine, lanes, lane)
+        trainer.write_push(out, push, lanes, lane)
         parts, _ = pserver.push(out, lanes, lane, push.grad_dtype, dropped=False)
         expected_dense = {n: t for n, t in mine if "@" not in n}
         assert parts.dense.keys() == expected_dense.keys()
@@ -99,7 +99,7 @@ def test_gradients_narrowed_to_bfloat16_are_widened_exactly(sides):
     tensors = [(n, t) for n, t in push_tensors(blocks, tables, dtype=torch.bfloat16) if "@" not in n]
     push = trainer.plan_push(tensors, 1, 0, dropped=False)
     out = np.zeros(push.layout.nbytes, dtype=np.uint8)
-    trainer.write_push(out, push, tensors, 1, 0)
+    trainer.write_push(out, push, 1, 0)
     parts, _ = pserver.push(out, 1, 0, push.grad_dtype, dropped=False)
     assert all(torch.equal(parts.dense[n], t.float()) for n, t in tensors)
 
@@ -149,7 +149,7 @@ def test_a_bad_push_payload_is_refused(sides, corrupt, match):
     tensors = push_tensors(blocks, tables)
     push = trainer.plan_push(tensors, 1, 0, dropped=False)
     out = np.zeros(push.layout.nbytes, dtype=np.uint8)
-    trainer.write_push(out, push, tensors, 1, 0)
+    trainer.write_push(out, push, 1, 0)
     with pytest.raises(BadRequest, match=match):
         pserver.push(corrupt(out.copy()), 1, 0, push.grad_dtype, dropped=False)
 
@@ -163,7 +163,7 @@ def test_ids_of_another_shard_are_refused(sides):
     tensors = [(n, torch.from_numpy(other) if n == tables[0].next_name else t) for n, t in tensors]
     push = trainer.plan_push(tensors, 1, 0, dropped=False)
     out = np.zeros(push.layout.nbytes, dtype=np.uint8)
-    trainer.write_push(out, push, tensors, 1, 0)
+    trainer.write_push(out, push, 1, 0)
     with pytest.raises(BadRequest, match="do not belong to shard 0"):
         pserver.push(out, 1, 0, push.grad_dtype, dropped=False)
 
@@ -188,7 +188,7 @@ def test_a_table_gradient_with_no_id_on_this_shard_still_counts_a_step(sides):
     tensors = [(n, t) for n, t in tensors if n != tables[1].ids_name and n != tables[1].rows_name]
     push = trainer.plan_push(tensors, 1, 0, dropped=False)
     out = np.zeros(push.layout.nbytes, dtype=np.uint8)
-    trainer.write_push(out, push, tensors, 1, 0)
+    trainer.write_push(out, push, 1, 0)
     parts, _ = pserver.push(out, 1, 0, push.grad_dtype, dropped=False)
     assert list(parts.sparse) == [empty.name]  # the second table pushed no gradient at all
     assert len(parts.sparse[empty.name][0]) == 0
@@ -203,7 +203,7 @@ def test_a_one_lane_push_is_the_stores_flat_gradient_and_its_padding_and_absent_
     tensors = [(n, t) for n, t in push_tensors(blocks, tables, absent={absent}) if "@" not in n]
     push = trainer.plan_push(tensors, 1, 0, dropped=False)
     out = np.zeros(push.layout.nbytes, dtype=np.uint8)
-    trainer.write_push(out, push, tensors, 1, 0)
+    trainer.write_push(out, push, 1, 0)
     store_layout = pserver.contents.store.flat_layout
     dense_at = push.layout.dense[0]
     values = out[dense_at : dense_at + push.layout.dense[1]].view(np.float32)

@@ -114,7 +114,7 @@ class DataFuzz:
         assert narrow.grad_dtype == WIRE_CODES["bfloat16"]
         prefetch = payloads.plan_prefetch(env.prefetch_ids)
         ids = np.zeros(prefetch.layout.nbytes, dtype=np.uint8)
-        payloads.write_prefetch(ids, prefetch, env.prefetch_ids)
+        payloads.write_prefetch(ids, prefetch)
         regions = {name: Region(size) for name, size in REGIONS.items()}
         np.frombuffer(regions["push"].view, np.uint8, out.size)[:] = out
         np.frombuffer(regions["ids"].view, np.uint8, ids.size)[:] = ids
@@ -169,7 +169,7 @@ def _written(payloads: PserverPayloads, tensors) -> Tuple[Push, np.ndarray]:
     """A one-lane push of ``tensors`` as the trainer plans and writes it."""
     push = payloads.plan_push(tensors, 1, 0, dropped=False)
     out = np.zeros(push.layout.nbytes, dtype=np.uint8)
-    payloads.write_push(out, push, tensors, 1, 0)
+    payloads.write_push(out, push, 1, 0)
     return push, out
 
 

@@ -338,7 +338,7 @@ def pushes(d: DataFuzz, rng: random.Random) -> List[DataCase]:
     base = d.push_bytes
     plan = d.payloads.plan_push([], 1, 0, dropped=True)  # a dropped push carries its table counts only
     out = np.zeros(plan.layout.nbytes, dtype=np.uint8)
-    d.payloads.write_push(out, plan, [], 1, 0)
+    d.payloads.write_push(out, plan, 1, 0)
     dropped = out.tobytes()
     refused = dict(answered=True, statuses=(FAILED_PRECONDITION,))
     cases = [
@@ -407,7 +407,7 @@ def pushes(d: DataFuzz, rng: random.Random) -> List[DataCase]:
     tensors = [(n, t) for n, t in d.env.grads if n in d.payloads.lane(2, 0).names or "@" in n]
     lane = d.payloads.plan_push(tensors, 2, 0, dropped=False)
     out = np.zeros(lane.layout.nbytes, dtype=np.uint8)
-    d.payloads.write_push(out, lane, tensors, 2, 0)
+    d.payloads.write_push(out, lane, 2, 0)
     lane_bytes = out.tobytes()
     cases.append(
         d.after_hello(
@@ -579,7 +579,7 @@ def prefetches(d: DataFuzz, rng: random.Random) -> List[DataCase]:
     def prefetch(ids, **fields) -> bytes:
         plan = d.payloads.plan_prefetch(ids)
         out = np.zeros(plan.layout.nbytes, dtype=np.uint8)
-        d.payloads.write_prefetch(out, plan, ids)
+        d.payloads.write_prefetch(out, plan)
         return request(RequestHeader(PREFETCH, payload_bytes=out.size, **fields), out.tobytes())
 
     foreign = env.foreign_ids

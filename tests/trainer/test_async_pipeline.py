@@ -71,6 +71,7 @@ def test_pipelined_async_steps_are_one_step_stale_and_exact():
                 x, y = data[s][0]
                 nn.functional.cross_entropy(tr.model(x), y).backward()
                 assert tr.step() == s + 1
+                assert all(p.grad is None for p in tr.model.parameters())  # the step dropped them
             state = tr.state_dict()  # waits for the last push, then pulls
     expected = delayed_sgd(data, steps)
     for name, value in expected.items():
@@ -96,6 +97,7 @@ def test_pipeline_off_by_default_waits_for_each_push():
                 nn.functional.cross_entropy(tr.model(x), y).backward()
                 tr.step()
                 assert all(srv.engine.step == s + 1 for srv in cluster.servers)
+                assert all(p.grad is None for p in tr.model.parameters())  # the step dropped them
 
 
 @pytest.mark.timeout(60)

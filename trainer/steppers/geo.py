@@ -70,7 +70,7 @@ class GeoStepper(Stepper):
         if self.program.tables:
             for table, (ids, grads) in self.tables.take_table_gradients().items():
                 self.tables.touched.train(table, ids, grads, self.table_schedules[table].lr_at(step))
-        self.model.zero_grad(set_to_none=True)
+        self.clear_grads()
         self.unsynced += 1
         if self.unsynced < self.k_steps:
             if plan is not None:
@@ -106,7 +106,7 @@ class GeoStepper(Stepper):
             next_rows,
         )
         resync = self.push(push).resync
-        self.model.zero_grad(set_to_none=True)
+        self.clear_grads()
         self._rebase()
         if next_batch is not None and resync is None:
             self.tables.take_next_batch_rows(next_rows)

@@ -47,7 +47,7 @@ class LocalStepper(Stepper):
         claim = self._claim(step) if self.program.config.backup_trainers else None
         if claim is False:  # the claim re-synced the trainer elsewhere: this batch's step is gone
             self.tables.clear()
-            self.model.zero_grad(set_to_none=True)
+            self.clear_grads()
             return
         table_grads = self.tables.take_gradients() if self.program.tables else {}
         dropped = claim is not None and not claim.admitted
@@ -75,7 +75,7 @@ class LocalStepper(Stepper):
         if next_batch is not None and resync is None:
             self.tables.take_next_batch_rows(next_rows)
         # The pushed gradients stay referenced until sent; the next backward makes new ones.
-        self.model.zero_grad(set_to_none=True)
+        self.clear_grads()
         if resync is not None:
             self.resynced(resync)
         elif dropped:  # on from where the pservers stand: past this step, and maybe past later ones

@@ -105,7 +105,7 @@ class NodeStepper(Stepper):
         lookup_error, self._lookup_error = self._lookup_error, None
         outcome = self._step(step, position, lookup_error)
         self.tables.clear()
-        self.model.zero_grad(set_to_none=True)
+        self.clear_grads()
         if outcome is None:
             self.state.advance(step + 1, position)
             return

@@ -45,7 +45,7 @@ class PipelinedStepper(Stepper):
         if plan is not None:
             self.tables.install_next_batch(plan)
         # The pushed gradients stay referenced until sent; the next backward makes new ones.
-        self.model.zero_grad(set_to_none=True)
+        self.clear_grads()
         self.state.advance(step + 1, position)
 
     def plan_next_batch(self, ids: Dict[str, object]) -> NextBatchPlan:

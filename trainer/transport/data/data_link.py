@@ -297,7 +297,7 @@ class DataLink:
             step_trainers,
             push.layout.nbytes,
             self.payloads.answer_bytes(blocks, push.nexts),
-            lambda out: self.payloads.write_push(out, push, tensors, lanes, lane),
+            lambda out: self.payloads.write_push(out, push, lanes, lane),
             lambda payload: self.payloads.read_answer(payload, blocks, push.nexts, decode_into),
         )
 
@@ -359,7 +359,7 @@ class DataLink:
             (),
             push.layout.nbytes,
             self.payloads.answer_bytes(None, push.nexts),
-            lambda out: self.payloads.write_prefetch(out, push, ids),
+            lambda out: self.payloads.write_prefetch(out, push),
             lambda payload: self.payloads.read_answer(payload, None, push.nexts, rows.__getitem__),
             timeout,
         )
@@ -397,7 +397,7 @@ class DataLink:
 
 
 def _tensor_bytes(tensors: Sequence[Named]) -> int:
-    return sum(t.numel() * t.element_size() for _, t in tensors)
+    return sum(t.nbytes for _, t in tensors)
 
 
 def _as_sent(header: RequestHeader, channel: DataChannel) -> RequestHeader:

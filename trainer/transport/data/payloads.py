@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Dict, Iterable, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -48,11 +48,14 @@ class Lane:
 
 @dataclass(frozen=True)
 class Push:
-    """A push laid out: its layout, the next ids asked per table (in plan order), its wire dtype code."""
+    """A push laid out: its layout, the next ids asked per table (in plan order), its wire dtype code, and
+    its tensors sorted (block gradients by name, ``{(table index, part): tensor}``) for :meth:`write_push`."""
 
     layout: PushLayout
     nexts: Tuple[int, ...]
     grad_dtype: int
+    dense: Dict[str, torch.Tensor]
+    tables: Dict[Tuple[int, str], torch.Tensor]
 
 
 def _np(t: torch.Tensor) -> np.ndarray:
@@ -71,6 +74,10 @@ class PserverPayloads:
         self._tables = list(tables)
         self._table_index = {t.name: i for i, t in enumerate(tables)}
         self._shapes = tuple(TableShape(t.dim, t.dtype) for t in tables)
+        # The plan's own dtypes: gradients all in one other dtype are narrowed (grad_wire_dtype).
+        self._own_dtypes = {getattr(torch, b.dtype) for b in self._blocks} | {
+            getattr(torch, t.dtype) for t in self._tables
+        }
 
     @functools.lru_cache(maxsize=64)
     def lane(self, lanes: int, lane: int) -> Lane:
@@ -117,29 +124,28 @@ class PserverPayloads:
         """The layout of a push of ``tensors`` on lane ``lane`` of ``lanes``."""
         dense, tables = self._sort(tensors)
         # A narrowed push (grad_wire_dtype) has every gradient in the wire dtype, table rows included.
-        grads = [*dense.values(), *(t for (_, part), t in tables.items() if part == "rows")]
-        dtypes = {dtype_name(t.dtype) for t in grads}
-        own = {b.dtype for b in self._blocks} | {t.dtype for t in self._tables}
-        wire = dtypes.pop() if len(dtypes) == 1 and not dtypes <= own else ""
-        blocks = self.lane(lanes, lane)
-        layout = self._wire(lanes, lane, wire) if wire else blocks.layout
-        with_tables = lane == 0 and bool(self._tables)
-        grads = tuple(
-            len(tables[(i, "ids")]) if (i, "ids") in tables else 0 for i in range(len(self._tables))
+        dtypes = {t.dtype for t in dense.values()} | {
+            t.dtype for (_, part), t in tables.items() if part == "rows"
+        }
+        wire = dtype_name(dtypes.pop()) if len(dtypes) == 1 and not dtypes <= self._own_dtypes else ""
+        layout = self._wire(lanes, lane, wire) if wire else self.lane(lanes, lane).layout
+        if not (lane == 0 and self._tables):
+            return Push(
+                PushLayout.of(layout, not dropped, (), TableCounts((), ())), (), _code(wire), dense, tables
+            )
+        n = len(self._tables)
+        nexts = tuple(len(tables[(i, "next")]) if (i, "next") in tables else 0 for i in range(n))
+        graded = tuple((i, "ids") in tables for i in range(n))
+        counts = TableCounts(
+            tuple(len(tables[(i, "ids")]) if g else 0 for i, g in enumerate(graded)), nexts, graded
         )
-        nexts = tuple(
-            len(tables[(i, "next")]) if (i, "next") in tables else 0 for i in range(len(self._tables))
-        )
-        graded = tuple((i, "ids") in tables for i in range(len(self._tables)))
-        counts = TableCounts(grads, nexts, graded) if with_tables else TableCounts((), ())
-        shapes = tuple(TableShape(t.dim, wire or t.dtype) for t in self._shapes) if with_tables else ()
-        push = PushLayout.of(layout, not dropped, shapes, counts)
-        return Push(push, nexts if with_tables else (), WIRE_CODES[wire] if wire else 0)
+        shapes = tuple(TableShape(t.dim, wire) for t in self._shapes) if wire else self._shapes
+        return Push(PushLayout.of(layout, not dropped, shapes, counts), nexts, _code(wire), dense, tables)
 
-    def write_push(self, out: np.ndarray, push: Push, tensors: Sequence[Named], lanes: int, lane: int) -> int:
-        """Write ``tensors`` into ``out`` (uint8, at least ``push.layout.nbytes``) as ``push`` lays them out;
-        the bytes written."""
-        dense, tables = self._sort(tensors)
+    def write_push(self, out: np.ndarray, push: Push, lanes: int, lane: int) -> int:
+        """Write the tensors :meth:`plan_push` laid out as ``push`` into ``out`` (uint8, at least
+        ``push.layout.nbytes``); the bytes written."""
+        dense, tables = push.dense, push.tables
         layout = push.layout
         if layout.presence[1]:
             blocks = self.lane(lanes, lane)
@@ -168,23 +174,18 @@ class PserverPayloads:
                         out[offset : offset + nbytes].view(np.uint8)[:] = _np(t).view(np.uint8)
         return layout.nbytes
 
-    def push_buffers(self, push: Push, tensors: Sequence[Named], lanes: int, lane: int) -> List[np.ndarray]:
-        """The push as one new buffer (inline calls)."""
-        out = np.zeros(push.layout.nbytes, dtype=np.uint8)
-        self.write_push(out, push, tensors, lanes, lane)
-        return [out]
-
     def plan_prefetch(self, ids: Sequence[Named]) -> Push:
-        """The layout of a prefetch of ``ids`` (``<table>@ids`` tensors)."""
+        """The layout of a prefetch of ``ids`` (``<table>@ids`` tensors): each table's ids asked as its next
+        ids."""
         by_table = {self._table_index[n.rpartition(SPARSE_SEPARATOR)[0]]: t for n, t in ids}
         nexts = tuple(len(by_table[i]) if i in by_table else 0 for i in range(len(self._tables)))
         counts = TableCounts((0,) * len(self._tables), nexts)
-        return Push(PushLayout.of(DenseLayout.of([]), False, self._shapes, counts), nexts, 0)
+        layout = PushLayout.of(DenseLayout.of([]), False, self._shapes, counts)
+        return Push(layout, nexts, 0, {}, {(i, "next"): t for i, t in by_table.items()})
 
-    def write_prefetch(self, out: np.ndarray, push: Push, ids: Sequence[Named]) -> int:
-        """Write a prefetch's ids into ``out``; the bytes written."""
-        renamed = [(n.rpartition(SPARSE_SEPARATOR)[0] + SPARSE_SEPARATOR + "next", t) for n, t in ids]
-        return self.write_push(out, push, renamed, 1, 0)
+    def write_prefetch(self, out: np.ndarray, push: Push) -> int:
+        """Write the ids :meth:`plan_prefetch` laid out as ``push`` into ``out``; the bytes written."""
+        return self.write_push(out, push, 1, 0)
 
     def answer_bytes(self, lane: Optional[Lane], nexts: Sequence[int]) -> int:
         """Bytes of an answer with ``lane``'s blocks (None: none) and ``nexts`` rows per table."""
@@ -218,6 +219,11 @@ class PserverPayloads:
             copied += nbytes
             at = aligned(at + nbytes)
         return copied
+
+
+def _code(wire: str) -> int:
+    """The header's code of wire dtype ``wire`` (0: the blocks' own)."""
+    return WIRE_CODES[wire] if wire else 0
 
 
 def _wire_name(code: int) -> str:
