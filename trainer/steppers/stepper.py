@@ -73,9 +73,10 @@ class Stepper(ABC):
         self.push_endpoints: List[str] = recovery.push_endpoints
         self.transfers = Transfers(channels, blocks)
         self.tables = TableClient(program.tables, program.pservers, self.fetch_rows, self._min_step, touched)
-        # Listed once: Module.zero_grad walks every submodule each call (60 µs of a job S step on the 2-core
-        # machine, against 3 for this list). The plan fixed the model's parameters before the stepper.
-        self._params = list(model.parameters())
+        # Listed at the first clear_grads (the trainer installs its tables and moves the model after building
+        # the stepper), then kept: Module.zero_grad walks every submodule each call (60 µs of a job S step on
+        # the 2-core machine, against 3 for the list).
+        self._params: Optional[List[torch.nn.Parameter]] = None
 
     @property
     def speaks_for_trainer(self) -> bool:
@@ -83,8 +84,10 @@ class Stepper(ABC):
         return True
 
     def clear_grads(self) -> None:
-        """``model.zero_grad(set_to_none=True)``: every parameter's gradient dropped (the next backward makes
-        new ones)."""
+        """``model.zero_grad(set_to_none=True)`` over the parameters the model had at its first step: every
+        gradient dropped (the next backward makes new ones)."""
+        if self._params is None:
+            self._params = list(self.model.parameters())
         for p in self._params:
             p.grad = None
 
