@@ -21,6 +21,15 @@ VOCAB = np.unique(np.random.default_rng(11).integers(-(2**62), 2**62, size=40, d
 BAG_VOCAB = np.unique(np.random.default_rng(12).integers(-1000, 10**12, size=25, dtype=np.int64))
 
 
+def zipf_ids(n: int, seed: int) -> np.ndarray:
+    """``n`` ids for the id kernels' tests: Zipf-like over the whole int64 range, so many repeats, negatives
+    and the two extremes."""
+    rng = np.random.default_rng(seed)
+    pool = rng.integers(-(2**63), 2**63 - 1, size=max(n // 3, 1), dtype=np.int64, endpoint=True)
+    pool[:2] = [np.iinfo(np.int64).min, np.iinfo(np.int64).max][: pool.size]
+    return pool[np.minimum(rng.zipf(1.2, size=n) - 1, pool.size - 1)]
+
+
 class TableModel(nn.Module):
     """An embedding of SLOTS ids per example, a mean-pooled bag, and a dense head."""
 

@@ -6,22 +6,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from tests.helpers.table_models import zipf_ids
 from trainer.embedding import id_kernels
 from transpiler.tables import shard_of
-
-
-def _ids(n: int, seed: int) -> np.ndarray:
-    """Zipf-like ids over the whole int64 range: many repeats, negatives, the extremes."""
-    rng = np.random.default_rng(seed)
-    pool = rng.integers(-(2**63), 2**63 - 1, size=max(n // 3, 1), dtype=np.int64, endpoint=True)
-    pool[:2] = [np.iinfo(np.int64).min, np.iinfo(np.int64).max][: pool.size]
-    return pool[np.minimum(rng.zipf(1.2, size=n) - 1, pool.size - 1)]
 
 
 @pytest.mark.parametrize("n", [0, 1, 5, id_kernels.MIN_IDS - 1, id_kernels.MIN_IDS, 13_312, 100_000])
 @pytest.mark.parametrize("seed", [0, 1])
 def test_unique_inverse_is_numpys(n, seed):
-    ids = _ids(n, seed)
+    ids = zipf_ids(n, seed)
     unique, inverse = id_kernels.unique_inverse(ids)
     want_unique, want_inverse = np.unique(ids, return_inverse=True)
     assert unique.dtype == np.int64 and inverse.dtype == np.int64
@@ -32,7 +25,7 @@ def test_unique_inverse_is_numpys(n, seed):
 @pytest.mark.parametrize("n", [0, 3, id_kernels.MIN_IDS, 13_312])
 @pytest.mark.parametrize("pservers", [1, 2, 3, 7])
 def test_route_is_the_stable_sort_by_pserver(n, pservers):
-    ids = np.unique(_ids(n, pservers))
+    ids = np.unique(zipf_ids(n, pservers))
     order, bounds = id_kernels.route(ids, pservers)
     shards = shard_of(ids, pservers)
     assert np.array_equal(order, np.argsort(shards, kind="stable"))
@@ -43,5 +36,5 @@ def test_route_is_the_stable_sort_by_pserver(n, pservers):
 
 def test_the_kernels_load_for_a_big_batch_only():
     """A batch under MIN_IDS takes numpy; one at it the kernels (where numba is installed)."""
-    id_kernels.unique_inverse(_ids(id_kernels.MIN_IDS, 3))
+    id_kernels.unique_inverse(zipf_ids(id_kernels.MIN_IDS, 3))
     assert id_kernels.loaded() is not None

@@ -7,16 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from tests.helpers.table_models import zipf_ids
 from transpiler.tables import radix_sort
-
-
-def _zipf_ids(n: int, seed: int) -> np.ndarray:
-    """Ids over the whole int64 range with repeats, negatives and the extremes."""
-    rng = np.random.default_rng(seed)
-    pool = rng.integers(-(2**63), 2**63 - 1, size=max(n // 3, 1), dtype=np.int64, endpoint=True)
-    pool[:2] = [np.iinfo(np.int64).min, np.iinfo(np.int64).max]
-    return pool[np.minimum(rng.zipf(1.2, size=n) - 1, pool.size - 1)]
-
 
 CASES = {
     "empty": np.array([], np.int64),
@@ -24,9 +16,9 @@ CASES = {
     "extremes": np.array([3, -1, 3, 0, -(2**63), 2**63 - 1, -1], np.int64),
     "low-bytes-shared": np.arange(300, 0, -1, dtype=np.int64) << 40,  # those passes are skipped
     "all-equal": np.full(50, -5, np.int64),  # every pass is skipped
-    "zipf": _zipf_ids(500, 4),
+    "zipf": zipf_ids(500, 4),
 }
-BIG = {"zipf-13k": _zipf_ids(13_312, 5), "distinct-reversed": np.unique(_zipf_ids(13_312, 6))[::-1].copy()}
+BIG = {"zipf-13k": zipf_ids(13_312, 5), "distinct-reversed": np.unique(zipf_ids(13_312, 6))[::-1].copy()}
 
 
 def _check(sort, ids: np.ndarray) -> None:

@@ -280,24 +280,24 @@ if AVAILABLE:
 
     @numba.njit(
         [
-            "void(int64[:], float64[:, :], int64, int64, boolean, int64[:], float32[:, :])",
-            "void(int64[:], float64[:, :], int64, int64, boolean, int64[:], float64[:, :])",
+            "void(int64[:], float64[:, :], int64, boolean, int64[:], float32[:, :])",
+            "void(int64[:], float64[:, :], int64, boolean, int64[:], float64[:, :])",
         ],
         cache=True,
         nogil=True,
     )
-    def mean(keys, sums, n, n_trainers, repeated, out_ids, out):  # pragma: no cover - compiled
-        """:meth:`pserver.tables.step_sums.StepSums.mean` in one pass: ``out_ids`` the step's ``n`` ids,
-        ``out`` their sums divided by ``n_trainers`` in float64, then rounded once to ``out``'s dtype.
+    def mean(ids, sums, n_trainers, repeated, out_ids, out):  # pragma: no cover - compiled
+        """:meth:`pserver.tables.step_sums.StepSums.mean` in one pass: ``out_ids`` the step's ``ids``, ``out``
+        their ``sums`` divided by ``n_trainers`` in float64, then rounded once to ``out``'s dtype.
 
         Where some id was summed twice (``repeated``), the ids sorted (:func:`transpiler.tables.radix_sort`,
         np.unique's order) and ``+ 0.0`` added before dividing, as the numpy definition does; else in the
         order they came.
         """
-        order = _radix_sort(keys[:n], True)[1] if repeated else np.arange(n)
-        for j in range(n):
+        order = _radix_sort(ids, True)[1] if repeated else np.arange(ids.size)
+        for j in range(ids.size):
             r = order[j]
-            out_ids[j] = keys[r]
+            out_ids[j] = ids[r]
             for c in range(sums.shape[1]):
                 out[j, c] = ((sums[r, c] + 0.0) if repeated else sums[r, c]) / n_trainers
 
