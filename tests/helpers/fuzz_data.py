@@ -57,6 +57,8 @@ DEADLINE_EXCEEDED = grpc.StatusCode.DEADLINE_EXCEEDED.value[0]
 # This process's shared-memory regions the shared calls name, by what they hold, and their bytes: "push"
 # holds the valid push, "ids" the valid prefetch; "small" is an answer region too small for any answer.
 REGIONS = {"push": 1 << 20, "ids": 1 << 16, "answer": 1 << 20, "small": 1024}
+# PS_FUZZ_SCALE: SCALE times more generated cases, for a deeper run (as tests/pserver/test_fuzz.py's).
+SCALE = int(os.environ.get("PS_FUZZ_SCALE", "1"))
 _HELLO = struct.Struct("<4sHHiHHHHHH")  # frames' ConnectionHello, for hellos pack() will not make
 
 
