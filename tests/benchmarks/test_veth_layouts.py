@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from benchmarks import bench_veth
+from benchmarks.common import veth_runs
 from benchmarks.jobs.dense_workers import Spec, param_bytes
 from harness.host_layouts import parse_layout
 
@@ -26,7 +27,7 @@ def test_the_payload_between_hosts_follows_the_layout(layout, ps_share, ddp_on):
     for system in ("ps", "rpc"):
         assert bench_veth.payload_per_step(system, SPEC, lay) == pytest.approx(ps_share * 2 * 2 * MODEL)
     assert bench_veth.payload_per_step("ddp", SPEC, lay) == 2 * MODEL
-    assert bench_veth.ddp_hosts(lay) == ddp_on
+    assert veth_runs.ddp_hosts(lay) == ddp_on
 
 
 def test_a_narrow_push_moves_three_quarters():
@@ -35,9 +36,9 @@ def test_a_narrow_push_moves_three_quarters():
 
 
 def test_loopback_runs_put_every_role_on_host_1():
-    lo = bench_veth.placed(parse_layout("split"), "lo")
+    lo = veth_runs.placed(parse_layout("split"), "lo")
     assert (lo.pservers, lo.trainers) == ((1, 1), (1, 1))
-    assert bench_veth.placed(parse_layout("split"), "veth") == parse_layout("split")
+    assert veth_runs.placed(parse_layout("split"), "veth") == parse_layout("split")
 
 
 @pytest.mark.parametrize("layout", ["colocated", "split:1+2", "ring"])
