@@ -41,6 +41,8 @@ class Processes:
     command) goes in front of the Python command.
     """
 
+    workers = WORKERS  # the module whose roles the children run
+
     def __init__(self, workdir: str, spec: Spec, prefix: Sequence[str] = ()):
         self.workdir = workdir
         self.spec = spec
@@ -56,30 +58,39 @@ class Processes:
     def path(self, name: str, ext: str) -> str:
         return os.path.join(self.workdir, f"{name}.{ext}")
 
-    def spawn(self, name: str, role: str, env: Dict[str, str], profile: bool = False) -> None:
-        """Start worker ``name`` in ``role`` with extra environment ``env``."""
-        cmd = [
+    def argv(self, name: str, role: str, extra: Sequence[str] = ()) -> List[str]:
+        """``python -m <workers> <role>`` for worker ``name``: the spec in, its result out, then ``extra``."""
+        return [
             sys.executable,
             "-m",
-            WORKERS,
+            self.workers,
             role,
             "--spec",
             self.spec.to_json(),
             "--out",
             self.path(name, "json"),
+            *extra,
         ]
-        if profile and self.prefix:
-            cmd = [a.replace("{name}", name) for a in self.prefix] + cmd
+
+    def start(self, name: str, cmd: Sequence[str], env: Dict[str, str]) -> None:
+        """Run ``cmd`` as worker ``name`` with environment ``env``: its own session, its log, gone with us."""
         with open(self.path(name, "log"), "w") as log:
             self.procs[name] = subprocess.Popen(
                 cmd,
-                env={**os.environ, "PYTHONPATH": pythonpath_with_repo(), **env},
+                env=env,
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,
                 preexec_fn=die_with_parent,
             )
+
+    def spawn(self, name: str, role: str, env: Dict[str, str], profile: bool = False) -> None:
+        """Start worker ``name`` in ``role`` with extra environment ``env``."""
+        cmd = self.argv(name, role)
+        if profile and self.prefix:
+            cmd = [a.replace("{name}", name) for a in self.prefix] + cmd
+        self.start(name, cmd, {**os.environ, "PYTHONPATH": pythonpath_with_repo(), **env})
 
     def wait(self, names: Sequence[str], deadline: float, what: str) -> None:
         """Until ``names`` all exit 0; raise RunFailed if any child fails or ``deadline`` passes.

@@ -6,8 +6,6 @@ results), as :mod:`benchmarks.common.dense_runs` runs them on loopback.
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import threading
 import time
 from typing import Dict, List, Sequence, Tuple
@@ -16,7 +14,6 @@ from benchmarks.common.dense_runs import Processes
 from benchmarks.reports.veth import Config
 from harness.host_layouts import HostLayout
 from harness.netns import IFNAME, Hosts, host_env
-from harness.processes import die_with_parent
 
 WORKERS = "benchmarks.jobs.veth_workers"
 PSERVERS = 2
@@ -30,33 +27,14 @@ PSERVER_EXIT_GRACE = 30.0
 class NsProcesses(Processes):
     """``dense_runs.Processes`` whose children are ``veth_workers`` roles started inside a namespace."""
 
+    workers = WORKERS
+
     def spawn_in(
         self, hosts: Hosts, host: int, name: str, role: str, env: Dict[str, str], extra: Sequence[str] = ()
     ) -> None:
         """Start ``python -m benchmarks.jobs.veth_workers role`` as ``name`` in ``host``'s namespace with
         ``env``."""
-        cmd = hosts.cmd(
-            host,
-            sys.executable,
-            "-m",
-            WORKERS,
-            role,
-            "--spec",
-            self.spec.to_json(),
-            "--out",
-            self.path(name, "json"),
-            *extra,
-        )
-        with open(self.path(name, "log"), "w") as out:
-            self.procs[name] = subprocess.Popen(
-                cmd,
-                env=env,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                start_new_session=True,
-                preexec_fn=die_with_parent,
-            )
+        self.start(name, hosts.cmd(host, *self.argv(name, role, extra)), env)
 
 
 def role_env(hosts: Hosts, host: int, link: str, peers: str, **extra: str) -> Dict[str, str]:

@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from harness.models import assert_state_close, odd_program, train_concatenated
 from harness.ports import free_ports
-from tests.helpers import paths
+from tests.helpers import paths, role_envs
 from tests.helpers.launch import kill_probes
 from tests.scripts import torchrun_node
 from trainer.node import NodeRendezvous, SharedStore, join_group, node_rendezvous
@@ -57,21 +57,9 @@ INHERITED = (
 # What torchrun sets (torch.distributed.elastic's agent) for local rank 1 of node 1 of
 # `torchrun --nnodes 2 --nproc-per-node 2 --master-addr node0 --master-port 29500` (static rendezvous).
 TORCHRUN = {
-    "LOCAL_RANK": "1",
-    "LOCAL_WORLD_SIZE": "2",
-    "RANK": "3",
-    "WORLD_SIZE": "4",
-    "GROUP_RANK": "1",
-    "GROUP_WORLD_SIZE": "2",
-    "ROLE_RANK": "3",
-    "ROLE_WORLD_SIZE": "4",
-    "ROLE_NAME": "default",
-    "MASTER_ADDR": "node0",
-    "MASTER_PORT": "29500",
+    **role_envs.TORCHRUN,  # the same ranks and sizes role discovery reads
     "TORCHELASTIC_RUN_ID": "none",
-    "TORCHELASTIC_RESTART_COUNT": "0",
     "TORCHELASTIC_MAX_RESTARTS": "0",
-    "TORCHELASTIC_USE_AGENT_STORE": "True",
     "TRAINING_ROLE": "TRAINER",
     "PADDLE_PSERVERS_IP_PORT_LIST": "ps0:6170,ps1:6170",
 }
