@@ -182,3 +182,25 @@ def test_kernels_run_without_the_interpreter_lock_on_two_threads():
     for th in threads:
         th.join()
     assert not errors and all(t.step == 3 for t in tables)
+
+
+def test_the_kernels_prefetch_with_llvm_on_this_numba_and_change_no_value():
+    """The lookup and apply above ran with the prefetch compiled in, not its no-op stand-in; asking for a
+    line leaves every array as it was (1-D and 2-D, at the first and last element)."""
+    import numba
+
+    from pserver.tables.compiled import prefetch
+
+    assert prefetch.prefetch is prefetch._llvm_prefetch
+
+    @numba.njit
+    def ask_then_read(a, i):
+        prefetch.prefetch(a, i)
+        return a[i]
+
+    rows = np.arange(12, dtype=np.float32).reshape(4, 3)
+    ids = np.arange(5, dtype=np.int64) * 7
+    before = rows.copy(), ids.copy()
+    assert ask_then_read(rows, 3).tolist() == [9.0, 10.0, 11.0] and ask_then_read(ids, 0) == 0
+    assert ask_then_read(ids, 4) == 28
+    assert np.array_equal(rows, before[0]) and np.array_equal(ids, before[1])

@@ -39,6 +39,7 @@ import numpy as np
 
 from . import index_kernels, init_kernels
 from .init_kernels import GIVEN, init_params
+from .prefetch import prefetch
 
 AVAILABLE = index_kernels.AVAILABLE
 numba = index_kernels.numba
@@ -58,7 +59,7 @@ if AVAILABLE:
     @numba.njit(inline="always", nogil=True)
     def _find(slots, keys, ids, shift):  # pragma: no cover - compiled
         """(the row of each id, -1 if absent; the slot its probe stopped at): in rounds over the pending ids
-        (see index_kernels.probe)."""
+        (see index_kernels.probe), each pass's lines asked for (:mod:`.prefetch`) the pass before."""
         mask = slots.size - 1
         m = ids.size
         at = np.empty(m, np.int64)
@@ -67,7 +68,12 @@ if AVAILABLE:
         for i in range(m):
             p = np.int64(_home(ids[i], shift))
             at[i] = p
-            rows[i] = slots[p]
+            prefetch(slots, p)
+        for i in range(m):
+            r = slots[at[i]]
+            rows[i] = r
+            if r >= 0:
+                prefetch(keys, r)
         n = 0
         for i in range(m):
             r = rows[i]
@@ -110,6 +116,9 @@ if AVAILABLE:
         """``out[i]`` = the stored row of ``ids[i]``; the indices of the ids not stored go into ``miss``, in
         order. Returns how many."""
         rows = _find(index[0], index[1], ids, index[2])[0]
+        for i in range(ids.size):
+            if rows[i] >= 0:
+                prefetch(values, rows[i])
         k = 0
         for i in range(ids.size):
             r = rows[i]
@@ -151,6 +160,15 @@ if AVAILABLE:
             rows = _find(slots, keys, ids, shift)[0]
             for i in range(m):
                 at[i] = rows[i]
+        for i in range(m):  # the stored rows' lines, on their way while the new rows are inserted
+            q = at[i]
+            if q >= 0:
+                prefetch(values, q)
+                prefetch(seen, q)
+                if opt != SGD:
+                    prefetch(s1, q)
+                if opt == ADAM:
+                    prefetch(s2, q)
         missing = 0
         for i in range(m):
             missing += at[i] < 0
