@@ -202,5 +202,5 @@ def test_the_kernels_prefetch_with_llvm_on_this_numba_and_change_no_value():
     ids = np.arange(5, dtype=np.int64) * 7
     before = rows.copy(), ids.copy()
     assert ask_then_read(rows, 3).tolist() == [9.0, 10.0, 11.0] and ask_then_read(ids, 0) == 0
-    assert ask_then_read(ids, 4) == 28
+    assert ask_then_read(ids, np.int32(4)) == 28  # an index of any integer width (a slot's row number)
     assert np.array_equal(rows, before[0]) and np.array_equal(ids, before[1])

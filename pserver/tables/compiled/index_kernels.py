@@ -38,6 +38,7 @@ except ImportError:  # the numpy rounds of id_index serve instead
 AVAILABLE = numba is not None
 
 if AVAILABLE:
+    from .prefetch import prefetch
 
     @numba.njit(
         "Tuple((int32[:], int64[:]))(int32[:], int64[:], int64[:], int64[:], boolean)", cache=True, nogil=True
@@ -254,9 +255,20 @@ if AVAILABLE:
         """
         mask = slots.size - 1
         repeated = False
+        # Each id's home slot, then the row it holds, asked for a pass ahead (see .prefetch): a step of
+        # K trainers sums ids in a table too large for the caches.
+        home = np.empty(ids.size, np.int64)
+        for i in range(ids.size):
+            home[i] = np.int64(_home(ids[i], shift))
+            prefetch(slots, home[i])
+        for i in range(ids.size):
+            r = slots[home[i]]
+            if r >= 0:
+                prefetch(keys, r)
+                prefetch(sums, r)
         for i in range(ids.size):
             key = ids[i]
-            p = np.int64(_home(key, shift))
+            p = home[i]
             while True:
                 r = slots[p]
                 if r < 0:

@@ -14,12 +14,14 @@ import logging
 
 import numpy as np
 
-from . import index_kernels
-
 log = logging.getLogger(__name__)
-numba = index_kernels.numba
 
-if index_kernels.AVAILABLE:
+try:
+    import numba
+except ImportError:  # no kernels to prefetch for
+    numba = None
+
+if numba is not None:
     from llvmlite import ir
     from numba import types
     from numba.core import cgutils
@@ -34,7 +36,8 @@ if index_kernels.AVAILABLE:
             array_type = signature.args[0]
             view = context.make_array(array_type)(context, builder, args[0])
             zero = context.get_constant(types.intp, 0)
-            index = [args[1]] + [zero] * (array_type.ndim - 1)
+            i = context.cast(builder, args[1], signature.args[1], types.intp)
+            index = [i] + [zero] * (array_type.ndim - 1)
             at = cgutils.get_item_pointer(context, builder, array_type, view, index, wraparound=False)
             byte_pointer = ir.IntType(8).as_pointer()
             i32 = ir.IntType(32)
@@ -44,6 +47,8 @@ if index_kernels.AVAILABLE:
             builder.call(fn, [builder.bitcast(at, byte_pointer), i32(0), i32(3), i32(1)])
             return context.get_dummy_value()
 
+        if not isinstance(array, types.Array) or not isinstance(i, types.Integer):
+            return None  # not a typing this intrinsic has: numba reports it
         return types.void(array, i), codegen
 
     @numba.njit(nogil=True, cache=True)

@@ -23,6 +23,9 @@ with the GIL released (``nogil``), on the row store's arrays in place:
   :class:`~pserver.tables.fresh.FreshRows`, when version 2's rows cost 0.16 µs per row of dim 16;
   staged, they cost about 0.07): memory accesses cost more than version 2's arithmetic.
 
+Both find a batch's rows in passes whose loads do not depend on each other, each pass's cache lines asked
+for the pass before (:mod:`.prefetch`): on a table of millions of rows each is a miss.
+
 The scalars of an update (``-lr``, ``1 - beta``, ...) are computed in Python and rounded to the
 table's dtype exactly where the numpy rules round them (``SparseRule.scalars``). The kernels are
 compiled for their signatures when a plain table's shard is first built (about 9 s the first time on
