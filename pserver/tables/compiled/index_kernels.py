@@ -38,7 +38,7 @@ except ImportError:  # the numpy rounds of id_index serve instead
 AVAILABLE = numba is not None
 
 if AVAILABLE:
-    from .prefetch import prefetch
+    from .prefetch import AHEAD, BLOCK, prefetch
 
     @numba.njit(
         "Tuple((int32[:], int64[:]))(int32[:], int64[:], int64[:], int64[:], boolean)", cache=True, nogil=True
@@ -255,35 +255,37 @@ if AVAILABLE:
         """
         mask = slots.size - 1
         repeated = False
-        # Each id's home slot, then the row it holds, asked for a pass ahead (see .prefetch): a step of
-        # K trainers sums ids in a table too large for the caches.
-        home = np.empty(ids.size, np.int64)
-        for i in range(ids.size):
-            home[i] = np.int64(_home(ids[i], shift))
-            prefetch(slots, home[i])
-        for i in range(ids.size):
-            r = slots[home[i]]
-            if r >= 0:
-                prefetch(keys, r)
-                prefetch(sums, r)
-        for i in range(ids.size):
-            key = ids[i]
-            p = home[i]
-            while True:
-                r = slots[p]
-                if r < 0:
-                    slots[p] = n
-                    keys[n] = key
-                    for j in range(rows.shape[1]):
-                        sums[n, j] = rows[i, j]
-                    n += 1
-                    break
-                if keys[r] == key:
-                    for j in range(rows.shape[1]):
-                        sums[r, j] += rows[i, j]
-                    repeated = True
-                    break
-                p = (p + 1) & mask
+        home = np.empty(min(ids.size, BLOCK), np.int64)
+        for b in range(0, ids.size, BLOCK):
+            e = min(ids.size, b + BLOCK)
+            # The block's home slots, then the rows they hold, asked for a pass ahead (see .prefetch): a
+            # step of K trainers sums ids in a table too large for the caches.
+            for i in range(b, e):
+                home[i - b] = np.int64(_home(ids[i], shift))
+                prefetch(slots, home[i - b])
+            for i in range(b, e):
+                r = slots[home[i - b]]
+                if r >= 0:
+                    prefetch(keys, r)
+                    prefetch(sums, r)
+            for i in range(b, e):
+                key = ids[i]
+                p = home[i - b]
+                while True:
+                    r = slots[p]
+                    if r < 0:
+                        slots[p] = n
+                        keys[n] = key
+                        for j in range(rows.shape[1]):
+                            sums[n, j] = rows[i, j]
+                        n += 1
+                        break
+                    if keys[r] == key:
+                        for j in range(rows.shape[1]):
+                            sums[r, j] += rows[i, j]
+                        repeated = True
+                        break
+                    p = (p + 1) & mask
         return n, repeated
 
     _radix_sort = numba.njit("Tuple((int64[:], int64[:]))(int64[:], boolean)", cache=True, nogil=True)(
@@ -308,6 +310,8 @@ if AVAILABLE:
         """
         order = _radix_sort(ids, True)[1] if repeated else np.arange(ids.size)
         for j in range(ids.size):
+            if repeated and j + AHEAD < ids.size:  # sorted, the sums are read in no order: ask ahead
+                prefetch(sums, order[j + AHEAD])
             r = order[j]
             out_ids[j] = ids[r]
             for c in range(sums.shape[1]):

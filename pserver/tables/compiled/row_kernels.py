@@ -24,7 +24,8 @@ with the GIL released (``nogil``), on the row store's arrays in place:
   staged, they cost about 0.07): memory accesses cost more than version 2's arithmetic.
 
 Both find a batch's rows in passes whose loads do not depend on each other, each pass's cache lines asked
-for the pass before (:mod:`.prefetch`): on a table of millions of rows each is a miss.
+for the pass before, and read the rows asking for the lines of those a few places on (:mod:`.prefetch`):
+on a table of millions of rows each is a miss.
 
 The scalars of an update (``-lr``, ``1 - beta``, ...) are computed in Python and rounded to the
 table's dtype exactly where the numpy rules round them (``SparseRule.scalars``). The kernels are
@@ -42,7 +43,7 @@ import numpy as np
 
 from . import index_kernels, init_kernels
 from .init_kernels import GIVEN, init_params
-from .prefetch import prefetch
+from .prefetch import AHEAD, BLOCK, prefetch
 
 AVAILABLE = index_kernels.AVAILABLE
 numba = index_kernels.numba
@@ -62,27 +63,30 @@ if AVAILABLE:
     @numba.njit(inline="always", nogil=True)
     def _find(slots, keys, ids, shift):  # pragma: no cover - compiled
         """(the row of each id, -1 if absent; the slot its probe stopped at): in rounds over the pending ids
-        (see index_kernels.probe), each pass's lines asked for (:mod:`.prefetch`) the pass before."""
+        (see index_kernels.probe), the first in blocks whose slots, then ids, are asked for (:mod:`.prefetch`)
+        the pass before they are read."""
         mask = slots.size - 1
         m = ids.size
         at = np.empty(m, np.int64)
         rows = np.empty(m, np.int64)
         pending = np.empty(m, np.int64)
-        for i in range(m):
-            p = np.int64(_home(ids[i], shift))
-            at[i] = p
-            prefetch(slots, p)
-        for i in range(m):
-            r = slots[at[i]]
-            rows[i] = r
-            if r >= 0:
-                prefetch(keys, r)
         n = 0
-        for i in range(m):
-            r = rows[i]
-            if r >= 0 and keys[r] != ids[i]:
-                pending[n] = i
-                n += 1
+        for b in range(0, m, BLOCK):
+            e = min(m, b + BLOCK)
+            for i in range(b, e):
+                p = np.int64(_home(ids[i], shift))
+                at[i] = p
+                prefetch(slots, p)
+            for i in range(b, e):
+                r = slots[at[i]]
+                rows[i] = r
+                if r >= 0:
+                    prefetch(keys, r)
+            for i in range(b, e):
+                r = rows[i]
+                if r >= 0 and keys[r] != ids[i]:
+                    pending[n] = i
+                    n += 1
         while n:
             left = 0
             for t in range(n):
@@ -119,11 +123,12 @@ if AVAILABLE:
         """``out[i]`` = the stored row of ``ids[i]``; the indices of the ids not stored go into ``miss``, in
         order. Returns how many."""
         rows = _find(index[0], index[1], ids, index[2])[0]
-        for i in range(ids.size):
-            if rows[i] >= 0:
-                prefetch(values, rows[i])
         k = 0
-        for i in range(ids.size):
+        for i in range(-AHEAD, ids.size):
+            if i + AHEAD < ids.size and rows[i + AHEAD] >= 0:  # the row AHEAD on (see .prefetch)
+                prefetch(values, rows[i + AHEAD])
+            if i < 0:
+                continue
             r = rows[i]
             if r >= 0:
                 for j in range(out.shape[1]):
@@ -163,15 +168,6 @@ if AVAILABLE:
             rows = _find(slots, keys, ids, shift)[0]
             for i in range(m):
                 at[i] = rows[i]
-        for i in range(m):  # the stored rows' lines, on their way while the new rows are inserted
-            q = at[i]
-            if q >= 0:
-                prefetch(values, q)
-                prefetch(seen, q)
-                if opt != SGD:
-                    prefetch(s1, q)
-                if opt == ADAM:
-                    prefetch(s2, q)
         missing = 0
         for i in range(m):
             missing += at[i] < 0
@@ -200,7 +196,17 @@ if AVAILABLE:
             r += 1
         if kind != GIVEN:  # the new rows are rows n .. r - 1, their ids keys[n:r]: computed as one block
             init_block(keys, n, r, init[0], init[1], values, n)
-        for i in range(m):
+        for i in range(-AHEAD, m):
+            if i + AHEAD < m:  # the row AHEAD on: its value, state and step (see .prefetch)
+                ahead = at[i + AHEAD]
+                prefetch(values, ahead)
+                prefetch(seen, ahead)
+                if opt != SGD:
+                    prefetch(s1, ahead)
+                if opt == ADAM:
+                    prefetch(s2, ahead)
+            if i < 0:
+                continue
             q = at[i]
             if opt == SGD:
                 h0 = hyper[0]
