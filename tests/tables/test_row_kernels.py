@@ -76,6 +76,25 @@ def test_compiled_path_equals_the_numpy_path(optimizer, dtype, init, version):
     assert compiled.life.counts.admitted == reference.life.counts.admitted == len(reference)
 
 
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_batches_of_several_prefetch_blocks_equal_the_numpy_path(optimizer):
+    """Finds, applies and lookups of more ids than one prefetch block (and rows read past its ends)."""
+    from pserver.tables.compiled.prefetch import BLOCK
+
+    spec = spec_for(optimizer, "float32", "uniform", 2, dim=16)
+    compiled, reference = pair(spec)
+    rng = np.random.default_rng(5)
+    for step in range(3):
+        ids = rng.permutation(np.unique(rng.integers(0, 4 * BLOCK, size=3 * BLOCK)))  # stored and new
+        assert ids.size > 2 * BLOCK
+        grads = grads_for(ids, spec.dim, step, np.dtype("float32"))
+        compiled.apply(ids, grads, 0.05)
+        reference.apply(ids, grads, 0.05)
+        assert state(compiled) == state(reference), f"step {step}"
+        asked = rng.integers(-BLOCK, 5 * BLOCK, size=BLOCK * 5 // 2)  # unknown ids and repeats too
+        assert compiled.lookup(asked).tobytes() == reference.lookup(asked).tobytes()
+
+
 @pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
 def test_kernel_updates_equal_the_functional_rules(optimizer):
     """Rows stored, then one step of the rule on copies of them: what the kernel writes in place."""

@@ -2,12 +2,12 @@
 
 The kernels find a batch's rows in passes whose loads do not depend on each other, so the CPU overlaps
 their cache misses, but only as far as its reorder window reaches: a few rows of a batch of thousands,
-each row a miss on a table of millions. Asking for every row's line one pass before it is read puts far
-more of them in flight at once: on a 3M-row dim-16 table, a lookup of 3,045 Zipf ids 243 -> 204 µs and
-an SGD apply 316 -> 250 (medians of alternating calls, caches flushed between them). Passes go over
-:data:`BLOCK` ids at a time, loops over rows ask :data:`AHEAD` rows on, so that what is asked for is still
-in the caches when it is read, whatever the batch. A prefetch changes no value; where this numba cannot
-compile it, :func:`prefetch` does nothing.
+each row a miss on a table of millions. Asking for the lines before they are read puts far more of them
+in flight at once: on a 3M-row dim-16 table, a lookup of 3,045 Zipf ids 243 -> 204 µs and an SGD apply
+316 -> 250 (medians of alternating calls, caches flushed between them). A find's passes go over
+:data:`BLOCK` ids at a time, each asking for the lines the next reads; loops over rows ask :data:`AHEAD`
+rows on: what is asked for is still in the caches when it is read, whatever the batch. A prefetch
+changes no value; where this numba cannot compile it, :func:`prefetch` does nothing.
 """
 
 from __future__ import annotations
