@@ -40,6 +40,10 @@ AVAILABLE = numba is not None
 if AVAILABLE:
     from .prefetch import AHEAD, BLOCK, prefetch
 
+    def _for_rows(signature: str) -> list:
+        """``signature`` for rows of either float width: its ``{t}`` as float32, then float64."""
+        return [signature.format(t=t) for t in ("float32", "float64")]
+
     @numba.njit(
         "Tuple((int32[:], int64[:]))(int32[:], int64[:], int64[:], int64[:], boolean)", cache=True, nogil=True
     )
@@ -159,12 +163,7 @@ if AVAILABLE:
                     u2[i, j] = (np.float64(_mix(other ^ cols[j]) >> np.uint64(11)) + 1.0) * _UNIT
 
     @numba.njit(
-        [
-            "int64(int64[:], float32[:, :], int64[:], int64[:], int64, float32[:, :])",
-            "int64(int64[:], float64[:, :], int64[:], int64[:], int64, float64[:, :])",
-        ],
-        cache=True,
-        nogil=True,
+        _for_rows("int64(int64[:], {t}[:, :], int64[:], int64[:], int64, {t}[:, :])"), cache=True, nogil=True
     )
     def copy_known(known, rows, ids, left, n, out):  # pragma: no cover - compiled
         """One kept lookup's rows into ``out`` (:meth:`pserver.tables.fresh.FreshRows.take`); the ids still
@@ -236,12 +235,9 @@ if AVAILABLE:
         return out
 
     @numba.njit(
-        [
-            "Tuple((int64, boolean))(int32[:], int64[:], int64, int64[:], float32[:, :], float64[:, :], "
-            "uint64)",
-            "Tuple((int64, boolean))(int32[:], int64[:], int64, int64[:], float64[:, :], float64[:, :], "
-            "uint64)",
-        ],
+        _for_rows(
+            "Tuple((int64, boolean))(int32[:], int64[:], int64, int64[:], {t}[:, :], float64[:, :], uint64)"
+        ),
         cache=True,
         nogil=True,
     )
@@ -293,10 +289,7 @@ if AVAILABLE:
     )
 
     @numba.njit(
-        [
-            "void(int64[:], float64[:, :], int64, boolean, int64[:], float32[:, :])",
-            "void(int64[:], float64[:, :], int64, boolean, int64[:], float64[:, :])",
-        ],
+        _for_rows("void(int64[:], float64[:, :], int64, boolean, int64[:], {t}[:, :])"),
         cache=True,
         nogil=True,
     )
