@@ -117,14 +117,15 @@ class Job:
         return "\n".join(f"===== {k}\n{self.log(k)[-3000:]}" for k in order)
 
     def wait_until(self, ready, what: str, timeout: float = 60.0) -> None:
-        """Poll ``ready()`` until true, failing early (with the logs) if a role dies meanwhile."""
+        """Poll ``ready()`` until true, failing early (with the logs) if a role dies meanwhile or every
+        role has ended. A role that ends with status 0 has finished its work, not died: in asynchronous
+        modes one trainer may well finish before another reaches the point waited for."""
         deadline = time.monotonic() + timeout
         while not ready():
-            dead = {
-                k: p.returncode
-                for k, p in self.procs.items()
-                if k not in self.waited and p.poll() is not None
-            }
+            ended = {k: p.returncode for k, p in self.procs.items() if p.poll() is not None}
+            dead = {k: rc for k, rc in ended.items() if k not in self.waited and rc != 0}
+            if len(ended) == len(self.procs):
+                dead = dead or ended
             assert not dead and time.monotonic() < deadline, f"waiting for {what}: {dead}\n{self.all_logs()}"
             time.sleep(0.05)
 
