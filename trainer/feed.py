@@ -30,7 +30,8 @@ class Feed:
     begins, an epoch ends; ``state.rewound`` makes it start the epoch over
     from ``state.position``). ``pull()`` refreshes the parameters at the end,
     and ``plan_next(ids)`` turns a batch's ``{table: ids}`` into the plan its
-    step sends with the push before it (``None``: nothing).
+    step sends with the push before it (``None``: nothing). ``end_epoch()``
+    runs when the loader ran out, the position already at the next epoch.
     """
 
     def __init__(
@@ -39,9 +40,11 @@ class Feed:
         pull: Callable[[], None],
         plan_next: Optional[Callable[[dict], object]],
         read_ahead: bool,
+        end_epoch: Callable[[], None] = lambda: None,
     ):
         self._state = state
         self._pull = pull
+        self._end_epoch = end_epoch
         self._plan_next = plan_next
         self._reader = (
             futures.ThreadPoolExecutor(1, thread_name_prefix="trainer-feed") if read_ahead else None
@@ -105,6 +108,7 @@ class Feed:
                 current = self._take()
             else:  # the loader ran out: the next epoch starts at its first batch
                 self._state.end_epoch(epoch)
+                self._end_epoch()  # may re-sync the trainer elsewhere: the loop goes on from there
             self._drop_next()
             self._state.end_batches()
 

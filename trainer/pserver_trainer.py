@@ -105,7 +105,7 @@ class PserverTrainer(TrainerBase):
             plan_next = (
                 self.stepper.plan_next_batch if program.tables and self.local_world_size == 1 else None
             )
-            self.feed = Feed(self.state, self.stepper.pull, plan_next, cfg.read_ahead)
+            self.feed = Feed(self.state, self.stepper.pull, plan_next, cfg.read_ahead, self.stepper.end_epoch)
             self.stepper.join()
             # Last, so a Trainer that failed to connect leaves the model as it was.
             install_tables(self.model, program.tables, self.tables, self.device)

@@ -98,6 +98,75 @@ def test_one_geo_trainer_with_tables_trains_as_one_process(k, ahead):
     torch.testing.assert_close(emb, rows["emb"], **FLOAT64_EXACT)
 
 
+@pytest.mark.timeout(90)
+def test_geo_syncs_at_every_documented_sync_point(tmp_path):
+    """docs/modes.md: every ``k_steps`` steps, each epoch's end of ``batches()``, ``pull()``,
+    ``state_dict()``, ``checkpoint()``, ``save_tables()`` and ``close()``, each a push to every pserver
+    when the trainer trained since its last sync, and none otherwise. k = 5 over 2 epochs of 7 batches:
+    syncs after batches 5 and 7 of each epoch, the epoch's end before the next epoch's first batch."""
+    build = lambda: table_program(  # noqa: E731
+        "sgd",
+        torch.float64,
+        lr=0.1,
+        tables={"emb": TableOptions(optimizer="sgd"), "bag": TableOptions(optimizer="sgd")},
+    )
+    items = [b for (b,) in table_batches(1, 4, 7)]
+    config = geo(5, checkpoint_dir=str(tmp_path / "ckpt"))
+    with LocalCluster(build, 2, 1, sync_mode=False, config=config) as cluster:
+
+        def pushes() -> int:
+            steps = {s.engine.step for s in cluster.servers}  # a GEO pserver's step counts its pushes
+            assert len(steps) == 1, steps
+            return steps.pop()
+
+        def train(tr, item):
+            ids, bag, y = item
+            nn.functional.cross_entropy(tr.model(ids, bag), y).backward()
+            tr.step()
+
+        def body(tr, _):
+            counts = {"batches": []}
+            for item in tr.batches(items, 2, prefetch=lambda b: {"emb": b[0], "bag": b[1]}):
+                train(tr, item)
+                counts["batches"].append(pushes())
+            counts["after batches"] = pushes()
+            counts["position"] = tuple(tr.position)
+            for point, call in (
+                ("pull", tr.pull),
+                ("state_dict", tr.state_dict),
+                ("checkpoint", tr.checkpoint),
+                ("save_tables", lambda: tr.save_tables(str(tmp_path / "tables"))),
+            ):
+                before = pushes()
+                call()
+                counts[f"{point}, nothing trained"] = pushes() - before
+                train(tr, items[0])
+                call()
+                counts[point] = pushes() - before
+            train(tr, items[1])
+            counts["before close"] = pushes()
+            return counts
+
+        counts = cluster.run_trainers(body)[0]
+        after_close = pushes()
+    # Before the fix the epoch's end synced nothing: 1 (batch 5), 2 (batch 10), 3 (the pull after the loop).
+    assert counts.pop("batches") == [0, 0, 0, 0, 1, 1, 1] + [2, 2, 2, 2, 3, 3, 3]
+    assert counts.pop("after batches") == 4
+    assert counts.pop("position") == (2, 0)
+    assert counts == {
+        "pull, nothing trained": 0,
+        "pull": 1,
+        "state_dict, nothing trained": 0,
+        "state_dict": 1,
+        "checkpoint, nothing trained": 0,
+        "checkpoint": 1,
+        "save_tables, nothing trained": 0,
+        "save_tables": 1,
+        "before close": 8,
+    }
+    assert after_close == 9
+
+
 class Counting(nn.Module):
     """A vector split into blocks across pservers, and a table: every step moves each by a fixed amount."""
 

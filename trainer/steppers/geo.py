@@ -5,7 +5,8 @@ step runs the program's optimizer here, on the dense parameters (with the
 learning rate the pservers would use at this step), and sgd on the table rows
 the step looked up (:class:`~trainer.embedding.TouchedRows`). Every
 ``k_steps`` steps, and whenever the trainer must stand where the pservers do
-(a pull, a checkpoint, saving the tables, closing), a *sync* pushes each
+(a pull, a checkpoint, saving the tables, an epoch's end in ``batches()``,
+closing), a *sync* pushes each
 block's change since the last sync (parameter - base) and the touched rows'
 changes, as one ordinary push-pull per pserver (its step: this trainer's step,
 so a retry is applied once), and the parameters it pulls back, every trainer's
@@ -129,6 +130,11 @@ class GeoStepper(Stepper):
             resync = self._sync(self.state.step - 1, self.state.position)
             if resync is not None:
                 self.resynced(resync)
+
+    def end_epoch(self) -> None:
+        """Sync at each epoch's end of ``batches()`` (docs/modes.md): a trainer restarted later resumes at
+        the next epoch's first batch with the epoch's last steps counted, not at the last window's start."""
+        self.flush()
 
     def pull(self) -> None:
         super().pull()  # a sync first (flush), then the pull

@@ -220,6 +220,10 @@ class Stepper(ABC):
     def flush(self) -> None:
         """Wait until the steps taken so far reached the pservers (a pipeline sends in the background)."""
 
+    def end_epoch(self) -> None:
+        """``batches()`` finished an epoch (the data position already at the next one's start): a stepper
+        that pushes less often than every step (GEO) sends what it holds, at that position."""
+
     def leader_does(self, what: str, fn: Callable[[], object]):
         """``fn()`` once for the trainer (checkpoint, save_tables); on a node, the leader's result
         everywhere."""
