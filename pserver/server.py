@@ -153,6 +153,8 @@ class ParameterServer:
                 admit=engine.check_live,
                 rollbacks=engine.rollbacks,
                 released=engine.touch,
+                # Hot standby: each set reaches the backup before a claim of it is answered.
+                **({"on_made": replication.record_step_sets} if replication is not None else {}),
             )
             held.join(self.claims.parked_trainers, self.claims.roster_changed)
         if checkpointer is not None:
@@ -251,6 +253,7 @@ class ParameterServer:
             self.files,
             on_lineage=incarnation.adopt,
             on_fenced=self._on_fenced,
+            claims=self.claims,
         )
         return replica, link
 

@@ -68,14 +68,8 @@ def _collective_endpoints(program: Program, pservers, sync_mode: bool) -> List[s
 
 
 def _check_backups(sync_mode: bool, trainers: int, config: DistributeTranspilerConfig) -> None:
-    """Backup trainers need a sync job with more trainers than backups, without replicas (even from the
-    environment)."""
+    """Backup trainers need a sync job with more trainers than backups."""
     backups = config.backup_trainers
-    if backups and (config.server_replicas or 1) > 1:
-        raise ValueError(
-            f"backup_trainers={backups} does not combine with server_replicas=2 (set here or by "
-            f"PS_SERVER_REPLICAS): which pserver decides a step's trainers is not replicated yet"
-        )
     if backups and not sync_mode:
         raise ValueError(
             f"backup_trainers={backups} drops the slowest trainers of a sync step; async trainers "

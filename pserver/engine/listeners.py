@@ -8,7 +8,8 @@ update (a trainer closed or came back), and a reset to a checkpoint (resume or r
 implementations, built by :class:`pserver.server.ParameterServer`:
 
 - :class:`Replication`: hands each change to the replicator while this process leads a replicated shard
-  (hot standby), first, so the backup copies exactly what was applied;
+  (hot standby), first, so the backup copies exactly what was applied; and, outside the engine's lock,
+  the step sets of backup trainers' claims;
 - :class:`ScheduledCheckpoints`: a checkpoint whenever one is due (the checkpoints a roll-back loads, and
   its record of closed trainers, are the engine's own: :mod:`.rollback`);
 - :class:`ScheduledExports`: the tables' base and delta exports for serving.
@@ -21,7 +22,7 @@ from __future__ import annotations
 
 import logging
 from abc import ABC, abstractmethod
-from typing import Mapping
+from typing import Mapping, Tuple
 
 import torch
 
@@ -30,6 +31,9 @@ from ..tables import SparseGrad
 from .roster import Roster
 
 log = logging.getLogger(__name__)
+
+# The ``lr_step`` of a replication message that carries backup trainers' step sets, not a change of state.
+STEP_SETS = -2
 
 
 class UpdateListener(ABC):
@@ -102,6 +106,13 @@ class Replication(UpdateListener):
     def on_reset(self, step: int) -> None:
         if self._outbox is not None:
             self._outbox.reset()
+
+    def record_step_sets(self, sets: Mapping[int, Tuple[int, ...]]) -> None:
+        """Backup trainers' step sets, as the first pserver's claims make them (not under the engine's lock:
+        a message of its own, which changes no state the engine holds)."""
+        outbox = self._outbox
+        if outbox is not None:
+            outbox.record(STEP_SETS, 0, {"step_sets": {str(s): list(t) for s, t in sets.items()}}, {}, {})
 
 
 class ScheduledCheckpoints(UpdateListener):

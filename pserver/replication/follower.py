@@ -5,10 +5,11 @@ from __future__ import annotations
 import json
 import logging
 import threading
-from typing import AbstractSet, Callable, Dict, Mapping, Tuple
+from typing import AbstractSet, Callable, Dict, Mapping, Optional, Tuple
 
 import torch
 
+from ..engine.listeners import STEP_SETS
 from ..errors import OutOfSync
 from ..tables import SparseGrad
 
@@ -39,11 +40,21 @@ class Follower:
     (:class:`OutOfSync`): the primary then drops this backup, which copies the
     state again. A message already applied (a resend) is acknowledged as is.
     ``digest()`` gives this process's state digest, compared with the
-    primary's when a message carries one.
+    primary's when a message carries one. ``learn_step_sets``: where the
+    backup trainers' step sets of a claims message go (the first pserver's
+    :meth:`~pserver.engine.StepClaims.learn_all`; None elsewhere).
     """
 
-    def __init__(self, engine, epoch: int, seq: int, digest: Callable[[], str]):
+    def __init__(
+        self,
+        engine,
+        epoch: int,
+        seq: int,
+        digest: Callable[[], str],
+        learn_step_sets: Optional[Callable[[Mapping], None]] = None,
+    ):
         self.engine = engine
+        self.learn_step_sets = learn_step_sets
         self.epoch = epoch
         self.seq = seq
         self.digest = digest
@@ -64,6 +75,11 @@ class Follower:
                 return self.seq
             if header.seq != self.seq + 1:
                 raise OutOfSync(f"message {header.seq} after {self.seq}: a gap")
+            if header.lr_step == STEP_SETS:
+                if self.learn_step_sets is not None:
+                    self.learn_step_sets(json.loads(header.roster)["step_sets"])
+                self.seq = header.seq
+                return self.seq
             dense, sparse = split_update(tensors, self.engine.store.names())
             self.engine.apply_replicated(
                 header.lr_step, header.step, json.loads(header.roster or "{}"), dense, sparse

@@ -69,9 +69,11 @@ class Replica:
         files: FileWrites,
         on_lineage: Callable[[int], None],
         on_fenced: Callable[[], None],
+        claims=None,
     ):
         cfg = program.config
         self.engine = engine
+        self.claims = claims  # backup trainers' StepClaims on the first pserver (its sets replicate too)
         self.replication = replication
         self.files = files
         self.program = program
@@ -158,6 +160,8 @@ class Replica:
                 archive = snapshot.write(self.engine, self.program, directory)
                 seq = outbox.attach(request.replica_id, request.endpoint)
                 pserver_step = self.engine.step
+            if self.claims is not None:  # the sets made before it joined, queued for it since attach
+                self.claims.replicate_all()
             log.info(
                 "primary %s: snapshot at update %d (message %d) for %s, written in %.2fs",
                 self.endpoint,
@@ -389,7 +393,13 @@ class Replica:
                 self.engine.follow_copy(
                     snapshot.load(self.engine, self.program, directory), first.checkpoint_step
                 )
-                self.follower = Follower(self.engine, leader.epoch, first.seq, self.digest)
+                self.follower = Follower(
+                    self.engine,
+                    leader.epoch,
+                    first.seq,
+                    self.digest,
+                    self.claims.learn_all if self.claims is not None else None,
+                )
             self.lineage = int(first.lineage)
             self.epoch, self.role = leader.epoch, BACKUP
             self.link.follow(

@@ -97,3 +97,56 @@ def test_a_restarted_first_pserver_learns_a_step_s_trainers_from_a_retried_push(
     assert c.claim(2, step=5) == Verdict(False, (0, 1))
     c.learn(5, [2])  # a set known is kept
     assert c.claim(0, step=5) == Verdict(True, (0, 1))
+
+
+def test_under_hot_standby_each_set_reaches_the_backup_before_its_claim_is_answered():
+    """The primary hands each set to ``on_made`` (the replication stream) as it makes it, before any claim
+    of it returns; a backup fed those sets (``learn_all``, as its follower does) and then leading gives
+    every later claim of the step the same verdict, so no trainer learns a set the backup lacks."""
+    backup = claims({0, 1, 2})
+    streamed = []
+
+    def on_made(sets):
+        streamed.append(dict(sets))
+        backup.learn_all({str(s): list(t) for s, t in sets.items()})  # as the JSON message carries them
+
+    primary = StepClaims(
+        "ps0",
+        trainers=3,
+        backups=1,
+        barrier_timeout=5.0,
+        live=lambda: {0, 1, 2},
+        applied=lambda: 0,
+        admit=lambda t: None,
+        on_made=on_made,
+    )
+    got = {}
+    first = threading.Thread(target=lambda: got.setdefault(2, primary.claim(2, step=3)))
+    first.start()
+    assert primary.claim(0, step=3) == Verdict(True, (0, 2))
+    first.join(5)
+    assert streamed == [{3: (0, 2)}]  # once, when made
+    primary.learn(4, [1, 2])  # a set learnt from a retried push travels too
+    assert streamed[-1] == {4: (1, 2)}
+    # The primary is lost: the backup leads. A claim retried there, and the straggler's, agree with it.
+    assert backup.claim(2, step=3) == Verdict(True, (0, 2))
+    assert backup.claim(1, step=3) == Verdict(False, (0, 2))
+    assert backup.claim(0, step=4) == Verdict(False, (1, 2))
+
+
+def test_a_backup_that_joins_later_gets_every_set_remembered_as_one_message():
+    streamed = []
+    c = StepClaims(
+        "ps0",
+        trainers=2,
+        backups=1,
+        barrier_timeout=5.0,
+        live=lambda: {0, 1},
+        applied=lambda: 0,
+        admit=lambda t: None,
+        on_made=lambda sets: streamed.append(dict(sets)),
+    )
+    c.claim(1, step=0)
+    c.claim(0, step=1)
+    c.replicate_all()
+    assert streamed == [{0: (1,)}, {1: (0,)}, {0: (1,), 1: (0,)}]

@@ -12,13 +12,15 @@ seed 1 of each); campaigns run many.
 
 from __future__ import annotations
 
+import json
 import os
 import random
-from typing import List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import pytest
 import torch
 
+from harness.models import FLOAT64_JOB
 from pserver.checkpoint.layout import find_saved, load_blocks
 from tests.helpers.etcd import etcd_fixture  # noqa: F401
 from tests.helpers.replicated_job import ReplicatedJob
@@ -33,12 +35,10 @@ KILL_AT = 42  # the step before which a whole shard dies (its checkpoint: step 4
 KILLS = 4
 
 
-def schedule(seed: int, shards: int = 2) -> List[Tuple[int, str, int]]:
+def schedule(seed: int, shards: int = 2, roles=("primary", "backup")) -> List[Tuple[int, str, int]]:
     """(shard, "primary" or "backup", updates the shard applies first) of each kill."""
     rng = random.Random(seed)
-    return [
-        (rng.randrange(shards), rng.choice(("primary", "backup")), rng.randint(3, 20)) for _ in range(KILLS)
-    ]
+    return [(rng.randrange(shards), rng.choice(roles), rng.randint(3, 20)) for _ in range(KILLS)]
 
 
 def updates_of(job: ReplicatedJob, name: str) -> int:
@@ -53,13 +53,14 @@ def assert_replicas_agreed(job: ReplicatedJob) -> None:
     assert sum("matches the primary's" in text for text in logs.values()) >= len(job.endpoints)
 
 
-def run_chaos(job: ReplicatedJob, seed: int) -> List[str]:
-    """Start the job, kill and restart processes per ``schedule(seed)``; the kills, as "name (role)"."""
+def run_chaos(job: ReplicatedJob, seed: int, kills: Optional[List[Tuple[int, str, int]]] = None) -> List[str]:
+    """Start the job, kill and restart processes per ``kills`` (default ``schedule(seed)``); the kills, as
+    "name (role)"."""
     job.start_all()
     for shard in range(len(job.endpoints)):
         job.wait_in_sync(shard)
     done = []
-    for shard, role, after in schedule(seed):
+    for shard, role, after in kills if kills is not None else schedule(seed):
         for k in range(len(job.endpoints)):
             job.wait_in_sync(k)
         primary, backup = job.roles(shard)
@@ -178,6 +179,70 @@ def test_a_shard_that_loses_both_processes_recovers_from_its_checkpoint_as_witho
         logs = "\n".join(job.log(k) for k in job.logs)
         assert "leading from its own state" in logs  # the checkpoint recovery of shard 1
         assert job.rollback_lines()  # and the trainers rolled back to it
+        assert_replicas_agreed(job)
+        codes = job.finish_pservers()
+        assert set(codes.values()) == {0}, (codes, job.all_logs())
+    finally:
+        job.close()
+
+
+def made_steps(out) -> Tuple[Dict[int, Tuple[int, ...]], Dict[int, list], Dict[int, int]]:
+    """({step: the trainers that made it}, {trainer: its recorded steps}, {trainer: its final step}) from
+    the trainers' ``--record_claims`` files; every answer any trainer got for a step names one set."""
+    records = {t: json.loads((out / f"claims-{t}.json").read_text()) for t in range(recovery_job.TRAINERS)}
+    sets: Dict[int, set] = {}
+    for t, record in records.items():
+        for s in record["steps"]:
+            for admitted, trainers in s["replies"]:
+                sets.setdefault(s["step"], set()).add(tuple(trainers))
+                assert admitted == (t in trainers), (t, s)
+    assert all(len(v) == 1 for v in sets.values()), {k: v for k, v in sets.items() if len(v) > 1}
+    made = {step: v.pop() for step, v in sets.items()}
+    return made, {t: r["steps"] for t, r in records.items()}, {t: r["final_step"] for t, r in records.items()}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("seed", SEEDS)
+def test_backup_trainers_with_the_claiming_primary_killed_equal_one_process_fed_each_steps_set(
+    etcd, tmp_path, seed
+):
+    """backup_trainers=1 of 2 under hot standby: shard 0 decides every step's trainers, and its primary (or
+    backup) is SIGKILLed mid-run. Every Claim answer of a step, retries on the new primary included, names
+    the same set; the final model equals one process fed, at each step, the batches of the trainers that
+    made it (float64), and nothing rolls back."""
+    job = ReplicatedJob(
+        tmp_path,
+        etcd.url,
+        args=[
+            "--epochs",
+            str(EPOCHS),
+            "--step_delay",
+            str(STEP_DELAY),
+            "--backup_trainers",
+            "1",
+            "--record_claims",
+            *recovery_job.FLOAT64,
+        ],
+    )
+    try:
+        kills = run_chaos(job, seed, schedule(seed, shards=1, roles=("primary", "primary", "backup")))
+        job.wait_trainers(180)
+        print(f"seed {seed}: killed {kills}")
+        made, steps, final = made_steps(job.out)
+        batch_of = {(u, r["step"]): (r["epoch"], r["batch"]) for u, rows in steps.items() for r in rows}
+        last = max(final.values())
+        expected = recovery_job.reference_of_steps(
+            [[(u, *batch_of[u, step]) for u in made[step]] for step in range(last)]
+        )
+        # The last trainer to step saved the model after every step; one that finished before it may have
+        # pulled while the other's step was half applied (a sync pull waits for its own step, no later one).
+        for t in [t for t, f in final.items() if f == last]:
+            state = torch.load(job.out / f"trainer-{t}.pt", weights_only=True)
+            for k in expected:
+                torch.testing.assert_close(
+                    state[k], expected[k], **FLOAT64_JOB, msg=lambda m: f"{t} {k}: {m}"
+                )
+        assert job.rollback_lines() == []
         assert_replicas_agreed(job)
         codes = job.finish_pservers()
         assert set(codes.values()) == {0}, (codes, job.all_logs())

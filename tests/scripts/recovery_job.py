@@ -10,7 +10,9 @@ the other, which may drop it meanwhile, has not). ``--step_delay`` stretches eac
 exists: a test whose kills are done writes it, and the rest of the job runs at full speed (the
 same steps and data). ``--pause_every_trainer``: every trainer pauses at step N, writing
 PAUSE_DIR/reached-<id>, until PAUSE_DIR/go. ``--counting``: the model counts the pushes applied to it
-(:func:`counting_loss`). Each trainer saves its final ``state_dict``
+(:func:`counting_loss`). ``--record_claims`` (backup trainers): each trainer writes OUT_DIR/claims-<id>.json,
+its steps in order, each with its data position and every Claim answer it got for it
+(:func:`reference_of_steps` trains what they say in one process). Each trainer saves its final ``state_dict``
 to OUT_DIR/trainer-<id>.pt and the one it started with to OUT_DIR/start-<id>.pt.
 :func:`reference` trains the same job in one process (the concatenated batches).
 """
@@ -19,12 +21,13 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import logging
 import os
 import sys
 import threading
 import time
-from typing import Dict, Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -137,6 +140,51 @@ def reference(
         torch.set_num_threads(threads)
 
 
+def reference_of_steps(
+    steps: Sequence[Sequence[Tuple[int, int, int]]], dtype: torch.dtype = torch.float64
+) -> dict:
+    """Single-process PyTorch fed, at each step, the batches ``steps[s]`` names ((trainer, epoch, batch) of
+    each trainer that made step s): what a job with backup trainers must equal (its default program)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        program = build_program("momentum", 0.05, HIDDEN, dtype)
+        model, data = program.model, dataset(dtype)
+        opt = program.optimizer.build(model.parameters())
+        orders: Dict[Tuple[int, int], List[int]] = {}
+        for made in steps:
+            idx = []
+            for trainer, epoch, batch in made:
+                if (trainer, epoch) not in orders:
+                    sampler = DistributedSampler(data, TRAINERS, trainer, shuffle=True, seed=0)
+                    sampler.set_epoch(epoch)
+                    orders[trainer, epoch] = list(sampler)
+                idx += orders[trainer, epoch][batch * BATCH : (batch + 1) * BATCH]
+            x, y = data[idx]
+            opt.zero_grad()
+            loss_of(model, x, y).backward()
+            opt.step()
+        return {k: v.detach().clone() for k, v in model.state_dict().items()}
+    finally:
+        torch.set_num_threads(threads)
+
+
+def record_claims(tr) -> Dict[int, list]:
+    """--record_claims: every Claim answer ``tr`` gets from the first pserver, by step ({step: [(admitted,
+    trainers), ...]}), retries after a failover included."""
+    replies: Dict[int, list] = {}
+    channel = tr.channels[tr.program.pservers[0]]
+    claim = channel.claim
+
+    def recorded(step):
+        reply = claim(step)
+        replies.setdefault(step, []).append((reply.admitted, list(reply.trainers)))
+        return reply
+
+    channel.claim = recorded
+    return replies
+
+
 def _keep_trainer0_gradient(model: nn.Module, batch0, rows: Dict[str, slice]) -> None:
     """Replace the gradient of ``rows`` ({param: rows}) with the one of trainer 0's batch alone."""
     params = dict(model.named_parameters())
@@ -235,6 +283,7 @@ def main(argv=None) -> int:
         "--hidden", type=int, default=HIDDEN, help=f"the hidden layer's width ({WIDE}: pushes split)"
     )
     p.add_argument("--push_lanes", type=int, default=1)
+    p.add_argument("--record_claims", action="store_true", help="write OUT_DIR/claims-<id>.json")
     p.add_argument(
         "--dtype", choices=sorted(DTYPES), default="float32", help="the model's and data's (not --counting's)"
     )
@@ -296,6 +345,8 @@ def main(argv=None) -> int:
     loader = DataLoader(data, batch_size=BATCH, sampler=tr.sampler(data, shuffle=True, seed=0))
     paused = False
     calm = os.path.join(args.pause_dir, "calm") if args.pause_dir else None
+    replies = record_claims(tr) if args.record_claims else None
+    steps: List[dict] = []
     for x, y in tr.batches(loader, args.epochs):
         pauses = args.pause_every_trainer or tid == args.pause_trainer
         if pauses and tr.step_count == args.pause_at and not paused:
@@ -304,10 +355,16 @@ def main(argv=None) -> int:
             open(os.path.join(args.pause_dir, reached), "w").close()
             wait_for(os.path.join(args.pause_dir, "go"), 120.0)
         (counting_loss(tr.model, tid) if args.counting else loss_of(tr.model, x, y)).backward()
+        at, (epoch, batch) = tr.step_count, tr.position
         tr.step()
+        if replies is not None:
+            steps.append(dict(step=at, epoch=epoch, batch=batch, replies=replies.pop(at, [])))
         if args.step_delay and not (calm and os.path.exists(calm)):
             time.sleep(args.step_delay)  # stretches the job so a chaos test's kills land while it trains
     torch.save(tr.state_dict(), os.path.join(args.out_dir, f"trainer-{tid}.pt"))
+    if replies is not None:
+        with open(os.path.join(args.out_dir, f"claims-{tid}.json"), "w") as f:
+            json.dump(dict(final_step=tr.step_count, steps=steps), f)
     logging.info("trainer %d: finished at step %d", tid, tr.step_count)
     tr.close()
     return 0

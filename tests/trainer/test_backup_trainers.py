@@ -18,7 +18,7 @@ from torch import nn
 from harness.cluster import LocalCluster
 from harness.models import FLOAT64_EXACT, batches, odd_mlp, train_concatenated
 from trainer.transport import PserverChannel
-from transpiler import DistributeTranspilerConfig, Program
+from transpiler import DistributeTranspiler, DistributeTranspilerConfig, Program
 
 STEPS = 6
 
@@ -121,3 +121,33 @@ def test_with_a_straggler_every_step_is_the_mean_of_the_trainers_it_was_made_of(
     assert slow_steps == sorted(set(slow_steps)), "the straggler went back a step"
     expected = train_concatenated(program(), [[data[s][t] for t in made[s]] for s in sorted(made)])
     assert_equal_to(state, expected)
+
+
+def transpile(sync_mode: bool = True, **config) -> None:
+    t = DistributeTranspiler(DistributeTranspilerConfig(**config))
+    t.transpile(0, program=program(), pservers="127.0.0.1:1,127.0.0.1:2", trainers=2, sync_mode=sync_mode)
+
+
+@pytest.mark.parametrize(
+    "case, sync_mode, config, refusal",
+    [
+        ("async", False, {}, "async trainers never wait for each other"),
+        ("GEO", False, dict(k_steps=2), "does not combine with k_steps"),
+        ("collective", True, dict(mode="collective"), "does not combine with k_steps, mode='collective'"),
+        ("streamed pushes", True, dict(push_during_backward=True), "a step claims its place first"),
+        ("no trainer left", True, dict(backup_trainers=2), "leaves no trainer to make a step"),
+    ],
+)
+def test_what_backup_trainers_refuse_is_refused_at_transpile_time(case, sync_mode, config, refusal):
+    with pytest.raises(ValueError, match=refusal):
+        transpile(sync_mode, **{"backup_trainers": 1, **config})
+
+
+def test_backup_trainers_combine_with_hot_standby():
+    """The step sets replicate with the first shard (tests/replication/test_chaos.py kills its primary)."""
+    transpile(
+        backup_trainers=1,
+        server_replicas=2,
+        replica_endpoints="127.0.0.1:3,127.0.0.1:4",
+        coordinator="http://127.0.0.1:2379",
+    )

@@ -132,14 +132,11 @@ def validate(config) -> None:
 
 def _geo(config) -> None:
     """GEO mode's field against the switches that only mean something when every step pushes gradients."""
-    if config.backup_trainers and (
-        config.k_steps or config.collective or config.server_replicas == 2 or config.push_during_backward
-    ):
+    if config.backup_trainers and (config.k_steps or config.collective or config.push_during_backward):
         raise ValueError(
-            f"backup_trainers={config.backup_trainers} is for sync pserver training without replicas "
-            f"(which pserver decides a step's trainers is not replicated yet), pushing after backward "
-            f"(a step claims its place first); it does not combine with k_steps, mode='collective', "
-            f"server_replicas=2 or push_during_backward"
+            f"backup_trainers={config.backup_trainers} is for sync pserver training, pushing after backward "
+            f"(a step claims its place first); it does not combine with k_steps, mode='collective' or "
+            f"push_during_backward"
         )
     if config.k_steps:
         clash = [

@@ -15,6 +15,13 @@ long ago (the pservers applied it already) is a straggler's: dropped. A first
 pserver that restarted learns the set of a step in progress from the pushes
 retried to it (:meth:`StepClaims.learn`), so later claims of it agree.
 
+Under hot standby every set is handed to ``on_made`` (the replication stream) as it is made, under this
+service's lock, and a claim is answered only once the backup holds it (the Claim call waits for the
+backup's acknowledgement as a push's answer does): a primary lost mid-step loses no set a trainer was
+told, and its backup, leading, gives every later claim of the step the same set
+(:meth:`StepClaims.learn_all`). A joining backup gets the sets made before it as one message
+(:meth:`StepClaims.replicate_all`).
+
 Rules: :func:`verdict` and :func:`full`, pure and table-tested; the service
 holds the claims under its own lock and parks a claim until its step's set is
 made (``barrier_timeout``), like :mod:`.reductions`. Memory: at most
@@ -26,7 +33,7 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import AbstractSet, Callable, Dict, Mapping, Optional, Set, Tuple
+from typing import AbstractSet, Callable, Dict, Mapping, Optional, Sequence, Set, Tuple
 
 from ..rollback import RollBacks
 from ..waits import Parked, Waits
@@ -65,8 +72,9 @@ def full(claimed: int, live: int, needed: int) -> bool:
 class StepClaims:
     """The first pserver's claims service (see the module doc).
 
-    ``live()``: the trainers a step may wait for (the engine's: neither closed
-    nor dropped); ``applied()``: the steps the engine applied; ``admit(trainer_id)``
+    ``on_made(sets)``: told, under this service's lock, of each set as it is made or learnt ({step:
+    trainers}; hot standby replicates them). ``live()``: the trainers a step may wait for (the
+    engine's: neither closed nor dropped); ``applied()``: the steps the engine applied; ``admit(trainer_id)``
     raises the refusal for a trainer that may not claim (closed or dropped).
     The engine calls :meth:`roster_changed` (outside its own lock) when the
     live set may have shrunk, so a step waiting for claims is made without
@@ -86,8 +94,10 @@ class StepClaims:
         admit: Callable[[int], None],
         rollbacks: Optional[RollBacks] = None,
         released: Optional[Callable[[int], object]] = None,
+        on_made: Callable[[Mapping[int, Tuple[int, ...]]], None] = lambda sets: None,
     ):
         self.endpoint = endpoint
+        self._on_made = on_made
         self.needed = trainers - backups
         self._live, self._applied, self._admit = live, applied, admit
         self._cv = threading.Condition()
@@ -123,20 +133,49 @@ class StepClaims:
     def _make_full(self) -> None:
         """Make every open step that has its claims (under the lock)."""
         live = len(self._live())
-        for step in [s for s, claimed in self._open.items() if full(len(claimed), live, self.needed)]:
-            self._made[step] = tuple(sorted(self._open.pop(step)))
-            self._made.move_to_end(step)
+        made = {
+            step: tuple(sorted(claimed))
+            for step, claimed in self._open.items()
+            if full(len(claimed), live, self.needed)
+        }
+        for step, trainers in made.items():
+            del self._open[step]
+            self._keep(step, trainers)
+        if made:
+            self._on_made(made)
+
+    def _keep(self, step: int, trainers: Tuple[int, ...]) -> None:
+        """Remember ``step``'s set (under the lock), forgetting the oldest past :data:`KEEP`."""
+        self._made[step] = trainers
+        self._made.move_to_end(step)
         while len(self._made) > KEEP:
             self._made.popitem(last=False)
 
     def learn(self, step: int, trainers) -> None:
         """A push names ``step``'s trainers: keep them if this process does not know the step's set (it
         restarted after making it), so that later claims of the step get the set the pushes carry."""
+        self.learn_all({step: trainers})
+
+    def learn_all(self, sets: Mapping[int, Sequence[int]]) -> None:
+        """:meth:`learn` of several steps' sets ({step: trainers}): also a backup's, from its primary."""
         with self._cv:
-            if step not in self._made:
-                self._made[step] = tuple(sorted(trainers))
+            new = {
+                int(s): tuple(sorted(int(t) for t in ts))
+                for s, ts in sets.items()
+                if int(s) not in self._made
+            }
+            for step, trainers in sorted(new.items()):
+                self._keep(step, trainers)
                 self._open.pop(step, None)
+            if new:
+                self._on_made(new)
                 self._waits.notify()
+
+    def replicate_all(self) -> None:
+        """Hand every set remembered to ``on_made`` again: a backup that joined after they were made."""
+        with self._cv:
+            if self._made:
+                self._on_made(dict(self._made))
 
     def roster_changed(self) -> None:
         """A trainer closed, was dropped or came back: a step may be made without those that left."""

@@ -183,6 +183,7 @@ class ControlCalls:
         handle, verdict = self.claims.park(request.trainer_id, request.step)
         yield from park(handle)
         v = verdict()
+        self.checks.acked()  # hot standby: the backup holds the step's set before any trainer learns it
         yield ps_pb2.ClaimReply(admitted=v.admitted, trainers=v.trainers)
 
     @refusals
