@@ -80,15 +80,24 @@ class ReplicatedJob(Job):
         return primary[0], next(n for n in names if n != primary[0])
 
     def wait_in_sync(self, shard: int, timeout: float = 60.0) -> Tuple[str, str]:
-        """Wait until ``shard`` has a primary whose backup is in sync; (primary, backup)."""
+        """Wait until ``shard`` has a primary whose backup is in sync; (primary, backup).
+
+        The backup process itself must say it follows: just after a kill the primary may not have noticed
+        it yet and still report its backup in sync."""
         found: Dict[str, Tuple[str, str]] = {}
 
         def ready() -> bool:
             primary, backup = self.roles(shard)
             if not primary:
                 return False
+            follows = self.lead(backup)
             stats = self.stats(primary)
-            ok = stats is not None and stats.replica.backup_in_sync
+            ok = (
+                follows is not None
+                and follows.role == "backup"
+                and stats is not None
+                and stats.replica.backup_in_sync
+            )
             if ok:
                 found["pair"] = (primary, backup)
             return ok

@@ -134,6 +134,51 @@ def test_async_job_with_primaries_and_backups_killed_keeps_every_acknowledged_pu
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize("seed", SEEDS)
+def test_geo_job_with_primaries_and_backups_killed_keeps_every_acknowledged_sync_once(etcd, tmp_path, seed):
+    """GEO (k_steps=4) under hot standby: a sync is an ordinary push, acknowledged once the backup holds it.
+    --counting: each local step moves every element by -TALLY**t, a sync pushes the window's sum and the
+    pservers add it halved (2 trainers), so the final blocks are -(steps + TALLY * steps) / 2 exactly:
+    every sync applied once whatever primary died, none twice; 5 syncs per trainer and epoch."""
+    k = 4
+    job = ReplicatedJob(
+        tmp_path,
+        etcd.url,
+        args=[
+            "--async",
+            "--k_steps",
+            str(k),
+            "--counting",
+            "--epochs",
+            str(EPOCHS),
+            "--step_delay",
+            str(STEP_DELAY),
+        ],
+    )
+    steps = EPOCHS * recovery_job.SAMPLES // recovery_job.TRAINERS // recovery_job.BATCH
+    try:
+        kills = run_chaos(job, seed)
+        job.wait_trainers(180)
+        print(f"seed {seed}: killed {kills}")
+        codes = job.finish_pservers()
+        assert set(codes.values()) == {0}, (codes, job.all_logs())
+        final = find_saved(job.ckpt, sync_mode=False)
+        expected = -(steps + recovery_job.TALLY * steps) / 2
+        for shard in range(len(job.endpoints)):
+            for entries in load_blocks([final.parts[shard]]).values():
+                for block in entries:
+                    assert torch.equal(block["value"], torch.full_like(block["value"], expected)), (
+                        shard,
+                        kills,
+                    )
+            assert final.manifests[shard]["step"] == 2 * steps // k  # one push per window of each trainer
+        assert job.rollback_lines() == []
+        assert_replicas_agreed(job)
+    finally:
+        job.close()
+
+
+@pytest.mark.timeout(300)
 def test_a_shard_that_loses_both_processes_recovers_from_its_checkpoint_as_without_replicas(etcd, tmp_path):
     """Checkpoints stay the last resort: both processes of shard 1 SIGKILLed at once and started again.
     Neither is in the in-sync list, so after replica_takeover_timeout one leads from the checkpoint under a
