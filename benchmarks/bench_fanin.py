@@ -30,6 +30,13 @@ sync mode, of a parked push's release (its answer after the step's last push was
 
 The pservers run with the library's defaults (``pserver_rpc_workers`` included unless
 ``--rpc_workers`` is given), no shared memory, on loopback; every process started is stopped.
+
+``--kill_pserver I``: the pservers checkpoint (sync every 2 steps, async every 2 K updates), and pserver I is
+SIGKILLed once it counted half its pushes and started again (:mod:`benchmarks.common.fanin_faults`): the
+run must still complete with no trainer dropped and, in sync mode, pass the model check (the trainers roll
+back to the restarted pserver's checkpoint and push those steps again); it reports how long the pserver
+was down and how fast the K trainers re-established their sessions. Its pushes count more than K x steps
+(the steps redone), and its CPU figures include the recovery.
 """
 
 from __future__ import annotations
@@ -47,6 +54,7 @@ from typing import Dict, List, Sequence
 import numpy as np
 import torch
 
+from benchmarks.common.fanin_faults import kill_mid_run, recovery_of
 from benchmarks.common.paths import REPO, dated_result
 from benchmarks.common.proc_stats import Sampler, cpu_seconds, status
 from benchmarks.jobs.fanin_job import JOB_S, TOLERANCE, Spec, check_ids, expected_model, transpiler
@@ -78,6 +86,17 @@ class PserverStats:
         from psproto import ps_pb2
 
         return {ep: stub.Stats(ps_pb2.StatsRequest(), timeout=timeout) for ep, stub in self._stubs.items()}
+
+    def of(self, endpoint: str, timeout: float = 0.5):
+        """``Stats`` of one pserver, None while it does not answer (killed, or starting)."""
+        import grpc
+
+        from psproto import ps_pb2
+
+        try:
+            return self._stubs[endpoint].Stats(ps_pb2.StatsRequest(), timeout=timeout)
+        except grpc.RpcError:
+            return None
 
     def wait_up(self, deadline: float, processes: Sequence[Command]) -> None:
         """Return once every pserver answers Stats; RunFailed if one exits or ``deadline`` passes first."""
@@ -118,12 +137,14 @@ def wait_for_files(paths: Sequence[str], deadline: float, processes: Sequence[Co
         time.sleep(0.01)
 
 
-def check_dropped(stats: Dict[str, object], k: int, what: str) -> None:
-    """RunFailed if a pserver dropped a trainer or does not see all ``k`` alive."""
+def check_dropped(stats: Dict[str, object], k: int, what: str, restarted: str = "") -> None:
+    """RunFailed if a pserver dropped a trainer or does not see all ``k`` alive (the ``restarted`` one: those
+    that came back to it; a trainer that had pushed all its steps before the kill has no call to make
+    there until its Close)."""
     for ep, s in stats.items():
         if list(s.trainers_dropped):
             raise RunFailed(f"{what}: pserver {ep} dropped trainers {sorted(s.trainers_dropped)}")
-        if len(s.trainers_alive) != k:
+        if len(s.trainers_alive) != k and ep != restarted:
             raise RunFailed(f"{what}: pserver {ep} sees {len(s.trainers_alive)} trainers alive, not {k}")
 
 
@@ -170,6 +191,15 @@ def run_one(args, k: int, sync_mode: bool, work: str) -> dict:
         in_flight=0 if sync_mode else args.in_flight,
         timeout=args.timeout,
         run_dir=run_dir,
+        **(
+            dict(
+                checkpoint_dir=os.path.join(run_dir, "ckpt"),
+                checkpoint_every=2 if sync_mode else 2 * k,
+                recovery_timeout=args.timeout,
+            )
+            if args.kill_pserver >= 0
+            else {}
+        ),
     )
     spec_file = os.path.join(run_dir, "spec.json")
     with open(spec_file, "w") as f:
@@ -178,18 +208,14 @@ def run_one(args, k: int, sync_mode: bool, work: str) -> dict:
     deadline = time.monotonic() + args.timeout
     env = {"PYTHONPATH": pythonpath_with_repo()}
     worker = [sys.executable, "-m", "benchmarks.jobs.fanin_workers"]
+    fault = None
     with contextlib.ExitStack() as stack:
-        pservers = [
-            stack.enter_context(
-                Command(
-                    worker + ["pserver", "--spec", spec_file, "--index", str(i)],
-                    os.path.join(run_dir, f"pserver-{i}.log"),
-                    env,
-                    REPO,
-                )
-            )
-            for i in range(args.pservers)
-        ]
+
+        def start_pserver(i: int, log_name: str) -> Command:
+            cmd = worker + ["pserver", "--spec", spec_file, "--index", str(i)]
+            return stack.enter_context(Command(cmd, os.path.join(run_dir, log_name), env, REPO))
+
+        pservers = [start_pserver(i, f"pserver-{i}.log") for i in range(args.pservers)]
         # Every process of the run starts before this one opens a gRPC channel (see main()).
         load = [
             stack.enter_context(
@@ -207,7 +233,8 @@ def run_one(args, k: int, sync_mode: bool, work: str) -> dict:
         stack.callback(stats.close)
         stats.wait_up(deadline, everyone)
         pids = [c.proc.pid for c in pservers]
-        sampler = Sampler(pids).start()
+        sampled = list(pids)  # a restarted pserver's peaks are its first process's
+        sampler = Sampler(sampled).start()
         stack.callback(sampler.stop)
         at_start = [status(pid) for pid in pids]
         touch(os.path.join(run_dir, "hello"))  # the load generators say Hello for their trainers now
@@ -221,6 +248,22 @@ def run_one(args, k: int, sync_mode: bool, work: str) -> dict:
         idle = [status(pid) for pid in pids]
         before, cpu_before, t_before = stats.get(), [cpu_seconds(pid) for pid in pids], time.monotonic()
         touch(os.path.join(run_dir, "go"))
+        if args.kill_pserver >= 0:
+            victim, ep = args.kill_pserver, endpoints[args.kill_pserver]
+
+            def restart() -> None:
+                pservers[victim] = start_pserver(victim, f"pserver-{victim}-restarted.log")
+
+            fault = kill_mid_run(
+                pservers[victim],
+                restart,
+                lambda: stats.of(ep),
+                before[ep].pushes + k * args.steps // 2,
+                deadline,
+            )
+            log.info("%s K=%d: pserver %d killed and restarted: %s", mode, k, victim, fault)
+            pids[victim], cpu_before[victim] = pservers[victim].proc.pid, 0.0
+            everyone = pservers + load
         wait_for_files(
             [os.path.join(run_dir, f"stepped-{g}") for g in range(loads)],
             deadline,
@@ -229,8 +272,10 @@ def run_one(args, k: int, sync_mode: bool, work: str) -> dict:
         )
         t_after, cpu_after, after = time.monotonic(), [cpu_seconds(pid) for pid in pids], stats.get()
         stepped = [status(pid) for pid in pids]
-        check_dropped(after, k, f"{mode} K={k} after the last step")
-        for ep in endpoints:
+        check_dropped(
+            after, k, f"{mode} K={k} after the last step", endpoints[args.kill_pserver] if fault else ""
+        )
+        for ep in endpoints if fault is None else ():  # a restarted pserver counts from its start
             if after[ep].pushes - before[ep].pushes != k * args.steps:
                 raise RunFailed(
                     f"{mode} K={k}: pserver {ep} counted {after[ep].pushes - before[ep].pushes} "
@@ -249,7 +294,7 @@ def run_one(args, k: int, sync_mode: bool, work: str) -> dict:
     results = [torch.load(os.path.join(run_dir, f"result-{g}.pt")) for g in range(loads)]
     pushes = np.array([p for r in results for p in r["pushes"]], dtype=np.float64)
     check = check_model(spec, results[0]["models"]) if sync_mode else None
-    return summarise(
+    row = summarise(
         mode=mode,
         k=k,
         spec=spec,
@@ -258,7 +303,7 @@ def run_one(args, k: int, sync_mode: bool, work: str) -> dict:
         at_start=at_start,
         idle=idle,
         stepped=stepped,
-        peaks=[peaks[pid] for pid in pids],
+        peaks=[peaks[pid] for pid in sampled],
         cpu=np.subtract(cpu_after, cpu_before),
         before=before,
         after=after,
@@ -266,6 +311,9 @@ def run_one(args, k: int, sync_mode: bool, work: str) -> dict:
         check=check,
         row_bytes=ROW_BYTES,
     )
+    if fault is not None:
+        row["pserver_killed"] = {"index": args.kill_pserver, **recovery_of(fault, pushes, args.kill_pserver)}
+    return row
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -306,6 +354,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--timeout", type=float, default=900.0, help="seconds one run may take in all (default %(default)s)"
     )
+    p.add_argument(
+        "--kill_pserver",
+        type=int,
+        default=-1,
+        help="SIGKILL this pserver mid-run and start it again (default -1: none; see the module doc)",
+    )
     p.add_argument("--json", default=dated_result("fanin"), help="(default %(default)s)")
     p.add_argument(
         "--work", default=None, help="folder for the runs' logs and files (default: a new temporary one)"
@@ -326,6 +380,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         or min(args.trainers) < 1
     ):
         p.error("--pservers must be 1-4; --load, --steps, --batch and every K at least 1")
+    if args.kill_pserver >= args.pservers:
+        p.error(
+            f"--kill_pserver must name one of the {args.pservers} pservers (0-based), got {args.kill_pserver}"
+        )
     if args.in_flight < 0:
         p.error(f"--in_flight must be >= 0 (0: no bound), got {args.in_flight}")
     return args

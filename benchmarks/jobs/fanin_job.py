@@ -61,7 +61,9 @@ class Spec:
     wait of a run may take at most; ``run_dir``: where the processes of a run meet (files ``hello``,
     ``go``, ``finish``, ``hello-G``, ``stepped-G``, ``result-G.pt``); ``check_ids``: how many ids' rows the
     sync check reads; ``in_flight`` (async only; 0: no bound): how many of a load generator's trainers are
-    inside a step at once (:func:`benchmarks.jobs.fanin_workers.stepping`).
+    inside a step at once (:func:`benchmarks.jobs.fanin_workers.stepping`). ``checkpoint_dir`` and
+    ``checkpoint_every`` (a run that kills a pserver): where and how often the pservers checkpoint, so that
+    the one restarted resumes and the trainers re-sync with it (``recovery_timeout``, 0: the library's).
     """
 
     trainers: int
@@ -77,6 +79,9 @@ class Spec:
     run_dir: str = ""
     check_ids: int = 256
     in_flight: int = 0
+    checkpoint_dir: str = ""
+    checkpoint_every: int = 0
+    recovery_timeout: float = 0.0
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))
@@ -97,6 +102,10 @@ def transpiler(spec: Spec, trainer_id: int = 0) -> DistributeTranspiler:
         options["pserver_rpc_workers"] = spec.rpc_workers
     if spec.heartbeat_timeout:
         options["heartbeat_timeout"] = spec.heartbeat_timeout
+    if spec.checkpoint_dir:
+        options.update(checkpoint_dir=spec.checkpoint_dir, checkpoint_every=spec.checkpoint_every)
+    if spec.recovery_timeout:
+        options["recovery_timeout"] = spec.recovery_timeout
     t = DistributeTranspiler(DistributeTranspilerConfig(**options))
     t.transpile(
         trainer_id,

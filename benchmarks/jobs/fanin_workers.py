@@ -93,10 +93,16 @@ class EmulatedTrainer:
 
     def __init__(self, spec: Spec, program):
         from trainer.embedding.client import TableClient
+        from trainer.recovery import Recovery
         from trainer.transport import Channels
 
         self.spec, self.program, self.trainer_id = spec, program, program.trainer_id
         self.channels = Channels(program)
+        cfg = program.config
+        # A pserver killed and restarted mid-run: the trainer's own recovery (wait, Hello, roll back, go on).
+        self.recovery = Recovery(
+            self.channels, spec.sync_mode, program.pservers, cfg.connect_timeout, cfg.recovery_timeout
+        )
         self.blocks = {b.name: (b.dtype, b.shape) for b in program.blocks}
         self.by_endpoint = {ep: [b for b in program.blocks if b.endpoint == ep] for ep in program.pservers}
         self.tables = TableClient(program.tables, program.pservers, self._fetch, lambda: self._min_step)
@@ -112,7 +118,20 @@ class EmulatedTrainer:
             raise RuntimeError(
                 f"trainer {self.trainer_id}: pservers start it at steps {sorted(starts)}, not 0"
             )
+        self.recovery.incarnations = {ep: r.incarnation for ep, r in replies.items()}
         heartbeat.add(self.channels)
+
+    def train(self, in_step) -> None:
+        """Every step in order, each inside ``in_step``; a step whose calls fail re-syncs as a trainer does
+        (:meth:`trainer.recovery.Recovery.heal`) and goes on from the step its decision names (a roll-back:
+        the checkpoint's; the steps' gradients are a function of the step, so redone steps push the same)."""
+        step = 0
+        while step < self.spec.steps:
+            with in_step:
+                moved = self.recovery.heal(
+                    step, f"step {step}", functools.partial(self.step, step), lambda at: None
+                )
+            step = step + 1 if moved is None else moved.step
 
     def step(self, step: int) -> None:
         """Push ``step``'s gradients to every pserver (with the next batch's ids) and receive the answers."""
@@ -142,15 +161,19 @@ class EmulatedTrainer:
                 started[k] = (call, start)
             else:
                 jobs[ep] = functools.partial(self._push, k, ep, step, tensors, answer, rows)
-        self.channels.run_parallel(jobs)
         from trainer.transport import answered_first
 
-        while started:  # as they arrive, as Transfers.push_all reads them
-            k = answered_first({k: call for k, (call, _) in started.items()})
-            call, start = started.pop(k)
-            call.finish()
-            self.pushes.append((k, step, start, time.monotonic()))
-        self.tables.clear()
+        try:
+            self.channels.run_parallel(jobs)
+            while started:  # as they arrive, as Transfers.push_all reads them
+                k = answered_first({k: call for k, (call, _) in started.items()})
+                call, start = started.pop(k)
+                call.finish()
+                self.pushes.append((k, step, start, time.monotonic()))
+        finally:
+            for call, _ in started.values():  # a failed step: the calls left are given up (healing resends)
+                call.abandon()
+            self.tables.clear()
 
     def _push(self, k: int, endpoint: str, step: int, tensors, answer: Answer, rows) -> None:
         answer_bytes = sum(b.nbytes for b in self.by_endpoint[endpoint]) + sum(
@@ -241,9 +264,7 @@ def run_load(spec: Spec, index: int, of: int) -> None:
                 t is checker
             ):  # sync: no step applies before this trainer's first push, so this is the initial model
                 models["initial"] = checker.read_model(0)
-            for step in range(spec.steps):
-                with in_step:
-                    t.step(step)
+            t.train(in_step)
 
         remaining = max(1.0, deadline - time.monotonic())
         for f in futures.as_completed([pool.submit(train, t) for t in trainers], timeout=remaining):

@@ -159,3 +159,53 @@ def test_the_sync_check_fails_a_model_that_missed_one_trainers_gradients():
     }
     with pytest.raises(RunFailed, match="sync model check failed"):
         bench_fanin.check_model(spec, {"initial": initial, "final": wrong})
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(400)
+def test_fanin_with_a_pserver_killed_mid_run_recovers_every_trainer_and_the_sync_model(tmp_path):
+    """--kill_pserver 1: pserver 1 is SIGKILLed once it counted half its pushes and started again; the
+    16 emulated trainers re-sync through the trainer's own recovery (a roll-back to its checkpoint), the
+    run completes with none dropped and the applied model passes the sync check."""
+    out = tmp_path / "fanin.json"
+    run_command(
+        [sys.executable, "-m", "benchmarks.bench_fanin", "--trainers", "16", "--modes", "sync"]
+        + ["--load", "2", "--steps", "4", "--kill_pserver", "1", "--timeout", "300"]
+        + ["--json", str(out), "--work", str(tmp_path)],
+        str(tmp_path / "bench.log"),
+        timeout=360,
+        what="bench_fanin K=16 with a pserver killed",
+        env={"PYTHONPATH": pythonpath_with_repo()},
+        cwd=REPO,
+    )
+    (run,) = json.loads(out.read_text())["runs"]
+    assert run["dropped"] == 0
+    assert max(run["model_check"]["dense_max_error"], run["model_check"]["rows_max_error"]) <= TOLERANCE
+    killed = run["pserver_killed"]
+    assert killed["index"] == 1 and killed["killed_after_pushes"] >= 16 * 4 // 2
+    assert killed["trainers_resynced"] == 16 and killed["recovery_s"] > 0
+
+
+@pytest.mark.parametrize(
+    "case, pushes, expected",
+    [
+        (
+            "each trainer's first answer there after the kill; other pservers' and earlier ones ignored",
+            [
+                (0, 1, 3, 5.0, 9.0),
+                (0, 1, 4, 9.5, 10.0),
+                (1, 1, 3, 8.0, 12.0),
+                (1, 0, 3, 8.0, 13.0),
+                (2, 1, 2, 1, 2),
+            ],
+            dict(trainers_resynced=2, recovery_s=7.0, resync_s=3.0, sessions_per_s=0.7),
+        ),
+        ("nobody had pushes left for it", [(0, 1, 1, 1.0, 2.0)], dict(trainers_resynced=0)),
+    ],
+)
+def test_recovery_of_a_killed_pserver_from_the_trainers_push_records(case, pushes, expected):
+    from benchmarks.common.fanin_faults import recovery_of
+
+    fault = {"killed_at": 5.0, "up_at": 8.0}
+    got = recovery_of(fault, np.array(pushes, dtype=np.float64), victim=1)
+    assert {k: got[k] for k in expected} == expected, case
