@@ -31,7 +31,7 @@ sync mode, of a parked push's release (its answer after the step's last push was
 The pservers run with the library's defaults (``pserver_rpc_workers`` included unless
 ``--rpc_workers`` is given), no shared memory, on loopback; every process started is stopped.
 
-``--kill_pserver I``: the pservers checkpoint (sync every 2 steps, async every 2 K updates), and pserver I is
+``--kill_pserver I``: the pservers checkpoint (sync every step, async every K updates), and pserver I is
 SIGKILLed once it counted half its pushes and started again (:mod:`benchmarks.common.fanin_faults`): the
 run must still complete with no trainer dropped and, in sync mode, pass the model check (the trainers roll
 back to the restarted pserver's checkpoint and push those steps again); it reports how long the pserver
@@ -194,7 +194,8 @@ def run_one(args, k: int, sync_mode: bool, work: str) -> dict:
         **(
             dict(
                 checkpoint_dir=os.path.join(run_dir, "ckpt"),
-                checkpoint_every=2 if sync_mode else 2 * k,
+                # A checkpoint before the kill (at half the pushes) whatever --steps: every step's worth.
+                checkpoint_every=1 if sync_mode else k,
                 recovery_timeout=args.timeout,
             )
             if args.kill_pserver >= 0

@@ -9,7 +9,7 @@ Hello, rolls sync pservers back to its checkpoint and goes on. What is measured 
 - ``down_s``: from the kill until the new process answers ``Stats`` (its start: imports, the checkpoint;
   polled, so within a fraction of a second);
 - from the trainers' own push records (:func:`recovery_of`): each trainer that still had pushes for it
-  re-synced when its first push there after the kill was answered (one that had pushed all its steps
+  re-synced when its first push sent there after the kill was answered (one that had pushed all its steps
   before the kill has nothing to re-sync). ``recovery_s``: from the kill to the last of those;
   ``resync_s``: from the first of them to the last (the trainers finding the new process and saying
   Hello, rolling back, pushing again), ``sessions_per_s`` = ``trainers_resynced`` / ``resync_s``.
@@ -64,8 +64,10 @@ def kill_mid_run(
 def recovery_of(fault: dict, pushes: np.ndarray, victim: int) -> dict:
     """``fault`` (:func:`kill_mid_run`'s) completed from ``pushes``, every push of the run as (trainer,
     pserver index, step, start, end) on the machine's monotonic clock: for each trainer, its first push to
-    the ``victim`` answered after the kill; the last of those is when every trainer had re-synced."""
-    after = pushes[(pushes[:, 1] == victim) & (pushes[:, 4] > fault["killed_at"])]
+    the ``victim`` sent after the kill (so answered by the new process: one answered by the old process
+    just before it died may be recorded a little after); the last of those is when every trainer had
+    re-synced."""
+    after = pushes[(pushes[:, 1] == victim) & (pushes[:, 3] > fault["killed_at"])]
     firsts = {}
     for trainer, end in after[:, [0, 4]]:
         firsts[trainer] = min(end, firsts.get(trainer, end))

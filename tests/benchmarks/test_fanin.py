@@ -190,13 +190,14 @@ def test_fanin_with_a_pserver_killed_mid_run_recovers_every_trainer_and_the_sync
     "case, pushes, expected",
     [
         (
-            "each trainer's first answer there after the kill; other pservers' and earlier ones ignored",
+            "each trainer's first push there sent after the kill; other pservers' ignored, and one sent "
+            "before the kill though recorded after it",
             [
-                (0, 1, 3, 5.0, 9.0),
+                (0, 1, 3, 5.5, 9.0),
                 (0, 1, 4, 9.5, 10.0),
                 (1, 1, 3, 8.0, 12.0),
                 (1, 0, 3, 8.0, 13.0),
-                (2, 1, 2, 1, 2),
+                (2, 1, 2, 4.0, 5.2),
             ],
             dict(trainers_resynced=2, recovery_s=7.0, resync_s=3.0, sessions_per_s=0.7),
         ),
