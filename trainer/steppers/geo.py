@@ -6,11 +6,10 @@ learning rate the pservers would use at this step), and sgd on the table rows
 the step looked up (:class:`~trainer.embedding.TouchedRows`). Every
 ``k_steps`` steps, and whenever the trainer must stand where the pservers do
 (a pull, a checkpoint, saving the tables, an epoch's end in ``batches()``,
-closing), a *sync* pushes each
-block's change since the last sync (parameter - base) and the touched rows'
-changes, as one ordinary push-pull per pserver (its step: this trainer's step,
-so a retry is applied once), and the parameters it pulls back, every trainer's
-changes added, become the new base. A pserver adds each change divided by
+closing), a *sync* pushes each block's change since the last sync (parameter -
+base) and the touched rows' changes, as one ordinary push-pull per pserver (its
+step: this trainer's step, so a retry is applied once), and the parameters it
+pulls back, every trainer's changes added, become the new base. A pserver adds each change divided by
 the number of trainers (``pserver.store.BlockStore``).
 
 The optimizer's state (momentum, Adam's moments) lives here and survives
