@@ -53,6 +53,28 @@ def assert_replicas_agreed(job: ReplicatedJob) -> None:
     assert sum("matches the primary's" in text for text in logs.values()) >= len(job.endpoints)
 
 
+def assert_ended_cleanly(job: ReplicatedJob) -> None:
+    """Every pserver process exited 0 once the trainers closed, nothing rolled back, and the replicas'
+    digests agreed."""
+    codes = job.finish_pservers()
+    assert set(codes.values()) == {0}, (codes, job.all_logs())
+    assert job.rollback_lines() == []
+    assert_replicas_agreed(job)
+
+
+def assert_counted_once(job: ReplicatedJob, kills: List[str], value: float, pushes: int) -> None:
+    """A --counting job ended cleanly, and what each shard's primary saved once every trainer had closed
+    holds ``value`` in every element (each acknowledged push once: none twice, no fewer) after ``pushes``
+    pushes."""
+    assert_ended_cleanly(job)
+    final = find_saved(job.ckpt, sync_mode=False)
+    for shard in range(len(job.endpoints)):
+        for entries in load_blocks([final.parts[shard]]).values():
+            for block in entries:
+                assert torch.equal(block["value"], torch.full_like(block["value"], value)), (shard, kills)
+        assert final.manifests[shard]["step"] == pushes
+
+
 def run_chaos(job: ReplicatedJob, seed: int, kills: Optional[List[Tuple[int, str, int]]] = None) -> List[str]:
     """Start the job, kill and restart processes per ``kills`` (default ``schedule(seed)``); the kills, as
     "name (role)"."""
@@ -92,10 +114,7 @@ def test_sync_job_with_primaries_and_backups_killed_equals_one_process_and_never
         job.wait_trainers(180)
         print(f"seed {seed}: killed {kills}")
         job.assert_trained_as_one_process(epochs=EPOCHS)
-        assert job.rollback_lines() == []
-        assert_replicas_agreed(job)
-        codes = job.finish_pservers()
-        assert set(codes.values()) == {0}, (codes, job.all_logs())
+        assert_ended_cleanly(job)
     finally:
         job.close()
 
@@ -113,22 +132,8 @@ def test_async_job_with_primaries_and_backups_killed_keeps_every_acknowledged_pu
         kills = run_chaos(job, seed)
         job.wait_trainers(180)
         print(f"seed {seed}: killed {kills}")
-        codes = job.finish_pservers()
-        assert set(codes.values()) == {0}, (codes, job.all_logs())
-        # Each trainer finished all its steps, each acknowledged; what the shards' primaries saved once
-        # every trainer had closed holds each of those pushes once: no more (none twice), no fewer.
-        final = find_saved(job.ckpt, sync_mode=False)
-        counted = -(steps + recovery_job.TALLY * steps)  # trainer 0's pushes, plus TALLY x trainer 1's
-        for shard in range(len(job.endpoints)):
-            for entries in load_blocks([final.parts[shard]]).values():
-                for block in entries:
-                    assert torch.equal(block["value"], torch.full_like(block["value"], counted)), (
-                        shard,
-                        kills,
-                    )
-            assert final.manifests[shard]["step"] == 2 * steps
-        assert job.rollback_lines() == []
-        assert_replicas_agreed(job)
+        # Each trainer finished all its steps, each acknowledged: trainer 0's pushes, TALLY x trainer 1's.
+        assert_counted_once(job, kills, -(steps + recovery_job.TALLY * steps), pushes=2 * steps)
     finally:
         job.close()
 
@@ -160,20 +165,8 @@ def test_geo_job_with_primaries_and_backups_killed_keeps_every_acknowledged_sync
         kills = run_chaos(job, seed)
         job.wait_trainers(180)
         print(f"seed {seed}: killed {kills}")
-        codes = job.finish_pservers()
-        assert set(codes.values()) == {0}, (codes, job.all_logs())
-        final = find_saved(job.ckpt, sync_mode=False)
-        expected = -(steps + recovery_job.TALLY * steps) / 2
-        for shard in range(len(job.endpoints)):
-            for entries in load_blocks([final.parts[shard]]).values():
-                for block in entries:
-                    assert torch.equal(block["value"], torch.full_like(block["value"], expected)), (
-                        shard,
-                        kills,
-                    )
-            assert final.manifests[shard]["step"] == 2 * steps // k  # one push per window of each trainer
-        assert job.rollback_lines() == []
-        assert_replicas_agreed(job)
+        # One push per window of each trainer, its sum halved by the pservers.
+        assert_counted_once(job, kills, -(steps + recovery_job.TALLY * steps) / 2, pushes=2 * steps // k)
     finally:
         job.close()
 
@@ -287,9 +280,6 @@ def test_backup_trainers_with_the_claiming_primary_killed_equal_one_process_fed_
                 torch.testing.assert_close(
                     state[k], expected[k], **FLOAT64_JOB, msg=lambda m: f"{t} {k}: {m}"
                 )
-        assert job.rollback_lines() == []
-        assert_replicas_agreed(job)
-        codes = job.finish_pservers()
-        assert set(codes.values()) == {0}, (codes, job.all_logs())
+        assert_ended_cleanly(job)
     finally:
         job.close()
