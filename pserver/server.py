@@ -153,6 +153,7 @@ class ParameterServer:
                 admit=engine.check_live,
                 rollbacks=engine.rollbacks,
                 released=engine.touch,
+                counted=engine.holds_push_of,
                 # Hot standby: each set reaches the backup before a claim of it is answered.
                 **({"on_made": replication.record_step_sets} if replication is not None else {}),
             )

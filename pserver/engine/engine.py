@@ -120,6 +120,13 @@ class Engine:
         """
         return self.liveness.live()
 
+    def holds_push_of(self, step: int) -> bool:
+        """Whether a push of ``step`` counts here: applied, or counted in the step in progress (backup
+        trainers' claims forget a step's set only while no pserver's push of it counts on the first
+        pserver)."""
+        with self.cv:
+            return self.step > step or (self.step == step and self.mode.counted_in_step())
+
     def check_live(self, trainer_id: int) -> None:
         """Refuse a trainer that has closed (NotAllowed) or was dropped (MustResync) until it says Hello
         again.

@@ -5,7 +5,7 @@ import threading
 
 import pytest
 
-from pserver.engine.services.claims import StepClaims, Verdict, full, verdict
+from pserver.engine.services.claims import StepClaims, Verdict, abandoned, full, verdict
 from pserver.errors import BarrierTimeout
 
 MADE = {4: (0, 2), 5: (1, 2)}
@@ -150,3 +150,59 @@ def test_a_backup_that_joins_later_gets_every_set_remembered_as_one_message():
     c.claim(0, step=1)
     c.replicate_all()
     assert streamed == [{0: (1,)}, {1: (0,)}, {0: (1,), 1: (0,)}]
+
+
+@pytest.mark.parametrize(
+    "case, step, trainers, live, applied, counted, forgotten",
+    [
+        (
+            "every trainer of the set left, nothing of it counted: claimed again",
+            5,
+            {0},
+            {1, 2},
+            5,
+            False,
+            True,
+        ),
+        (
+            "one of the set is live: the step waits for it (or applies without the others)",
+            5,
+            {0, 1},
+            {1},
+            5,
+            False,
+            False,
+        ),
+        ("a push of the set counted on the deciding pserver: kept", 5, {0}, {1}, 5, True, False),
+        ("an applied step keeps its set (a straggler's claim is dropped)", 4, {0}, {1}, 5, False, False),
+    ],
+)
+def test_abandoned(case, step, trainers, live, applied, counted, forgotten):
+    assert abandoned(step, trainers, live, applied, counted) is forgotten, case
+
+
+def test_a_set_whose_trainers_all_left_is_forgotten_and_replicated_as_forgotten():
+    """Trainer 0 alone made step 2 and left before pushing it: the next claim of the step (trainer 1's)
+    forgets that set, the backup hears an empty set (forget it too), and trainer 1 makes the step."""
+    live = {0, 1}
+    streamed = []
+    backup = claims({0, 1})
+    c = StepClaims(
+        "ps0",
+        trainers=2,
+        backups=1,
+        barrier_timeout=5.0,
+        live=lambda: set(live),
+        applied=lambda: 2,
+        admit=lambda t: None,
+        on_made=lambda sets: (streamed.append(dict(sets)), backup.learn_all(sets)),
+        counted=lambda step: False,
+    )
+    assert c.claim(0, step=2) == Verdict(True, (0,))
+    assert c.claim(1, step=2) == Verdict(False, (0,))  # trainer 0 still live: the set stands
+    live.discard(0)  # dropped for silence before pushing
+    c.roster_changed()
+    assert streamed[-1] == {2: ()}
+    assert c.claim(1, step=2) == Verdict(True, (1,))
+    assert streamed[-1] == {2: (1,)}
+    assert backup.claim(1, step=2) == Verdict(True, (1,))

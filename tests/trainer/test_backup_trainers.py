@@ -151,3 +151,25 @@ def test_backup_trainers_combine_with_hot_standby():
         replica_endpoints="127.0.0.1:3,127.0.0.1:4",
         coordinator="http://127.0.0.1:2379",
     )
+
+
+@pytest.mark.timeout(120)
+def test_a_step_whose_whole_set_left_before_pushing_is_claimed_again_by_the_live_trainers():
+    """b = 1 of 2: trainer 0 claims step 0 (its set: trainer 0 alone) and dies before pushing it (no Close;
+    the pservers drop it after heartbeat_timeout). Trainer 1, dropped from step 0, waits; once trainer 0
+    is dropped, its push is answered with the step unapplied, it claims the step again and is admitted
+    alone: step 0 is made of trainer 1's batch, as one process fed that batch."""
+    data = batches(2, 8, 1, dtype=torch.float64)
+    config = DistributeTranspilerConfig(backup_trainers=1, heartbeat_interval=0.2, heartbeat_timeout=1.0)
+    with LocalCluster(program, 2, 2, config=config) as cluster:
+        dead = cluster.trainer(0)
+        assert dead.channels[dead.program.pservers[0]].claim(0).admitted
+        dead._heartbeat.stop()  # dies: no heartbeat, no push, no Close
+        dead.stepper.close(None)
+        with cluster.trainer(1) as tr:
+            step(tr, data[0][1])
+            assert tr.step_count == 1
+            state = tr.state_dict()
+        assert [s.engine.step for s in cluster.servers] == [1, 1]
+        assert [s.servicer.counters.dropped_pushes for s in cluster.servers] == [1, 1]
+    assert_equal_to(state, train_concatenated(program(), [[data[0][1]]]))

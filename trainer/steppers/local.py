@@ -22,6 +22,7 @@ from typing import Dict, Iterator, Optional, Tuple
 import torch
 
 from ..embedding import RowShapes
+from ..errors import REFUSED, PserverError
 from ..transport import Named
 from .overlap import BackwardPush
 from .stepper import Stepper, TakeNextPlan
@@ -44,22 +45,61 @@ class LocalStepper(Stepper):
         if self._discarded():
             return
         step, position = self.state.step, self.state.next_position()
-        claim = self._claim(step) if self.program.config.backup_trainers else None
+        backups = self.program.config.backup_trainers
+        claim = self._claim(step) if backups else None
         if claim is False:  # the claim re-synced the trainer elsewhere: this batch's step is gone
             self.tables.clear()
             self.clear_grads()
             return
         table_grads = self.tables.take_gradients() if self.program.tables else {}
-        dropped = claim is not None and not claim.admitted
-        if dropped:
-            table_grads = {}
         plan = self._next_plan(prefetch, take_next_plan)
         next_batch = self.tables.ask_next_batch(plan) if plan is not None else None
+        decider = self.program.pservers[0]
+        while True:
+            dropped = claim is not None and not claim.admitted
+            resync, pserver_steps, next_rows = self._push_step(step, position, claim, table_grads, next_batch)
+            if not (dropped and resync is None and min(pserver_steps.values(), default=step + 1) <= step):
+                break
+            # Answered with the step unapplied: every trainer of its set left before pushing it there.
+            if pserver_steps.get(decider, step) > step:
+                # The first pserver applied it with their pushes; a pserver that counts none of them
+                # cannot complete it (as in plain sync, a trainer died between its pushes).
+                raise PserverError(
+                    decider,
+                    f"step {step}: its trainers {list(claim.trainers)} left after pushing it to some "
+                    f"pservers but not to {[ep for ep, s in pserver_steps.items() if s <= step]}, which "
+                    f"cannot complete it (docs/modes.md, backup trainers)",
+                    REFUSED,
+                )
+            # The step is claimed again among the live trainers (docs/modes.md, backup trainers); a
+            # first pserver that has not yet dropped them answers as before, and this push waits there.
+            claim = self._claim(step)
+            if claim is False:
+                self.tables.clear()
+                self.clear_grads()
+                return
+        if next_batch is not None and resync is None:
+            self.tables.take_next_batch_rows(next_rows)
+        # The pushed gradients stay referenced until sent; the next backward makes new ones.
+        self.clear_grads()
+        if resync is not None:
+            self.resynced(resync)
+        elif dropped:  # on from where the pservers stand: past this step, and maybe past later ones
+            self.state.advance(max(step + 1, min(pserver_steps.values(), default=step + 1)), position)
+        else:
+            self.state.advance(step + 1, position)
+
+    def _push_step(self, step: int, position, claim, table_grads, next_batch):
+        """Push ``step`` to every pserver (with the next batch's ids; backup trainers: as ``claim`` says,
+        dropped with no gradients or naming its set); (the decision that moved the trainer or None, the
+        pservers' steps, the next batch's rows by pserver)."""
+        dropped = claim is not None and not claim.admitted
         next_ids = next_batch.ids if next_batch is not None else {}
         streams = self.overlap if self.overlap is not None and self.overlap.started else None
-        tensors = self.push_tensors(table_grads, next_ids)
         if dropped:  # no gradients: the next batch's ids alone
             tensors = {ep: next_ids.get(ep, []) for ep in self.push_endpoints}
+        else:
+            tensors = self.push_tensors(table_grads, next_ids)
         next_rows = {ep: {} for ep in self.push_endpoints}
         first = None
         if streams is not None:  # the blocks are on their way since backward: the tables join them
@@ -72,16 +112,7 @@ class LocalStepper(Stepper):
             step, position, tensors, next_batch, next_rows, step_trainers=admitted, dropped=dropped
         )
         resync, pserver_steps = self.push(push, first)
-        if next_batch is not None and resync is None:
-            self.tables.take_next_batch_rows(next_rows)
-        # The pushed gradients stay referenced until sent; the next backward makes new ones.
-        self.clear_grads()
-        if resync is not None:
-            self.resynced(resync)
-        elif dropped:  # on from where the pservers stand: past this step, and maybe past later ones
-            self.state.advance(max(step + 1, min(pserver_steps.values(), default=step + 1)), position)
-        else:
-            self.state.advance(step + 1, position)
+        return resync, pserver_steps, next_rows
 
     def _claim(self, step: int):
         """Backup trainers: the first pserver's verdict on this trainer's ``step`` (ClaimReply); False if

@@ -122,6 +122,10 @@ class Mode(ABC):
         """Other trainers whose push of the step in progress is counted or awaited (none: no barrier)."""
         return 0
 
+    def counted_in_step(self) -> bool:
+        """Whether some push of the step in progress is counted (none: no step in progress)."""
+        return False
+
     def on_close(self) -> None:
         """A trainer closed or was dropped (a barrier may be complete now)."""
 

@@ -88,8 +88,23 @@ class SyncMode(Mode):
         never completes."""
         return len((self.pending.trainers | self._expected()) - {trainer_id})
 
+    def counted_in_step(self) -> bool:
+        return bool(self.pending.trainers)
+
     def _expected(self) -> set:
         return self.pending.expected(self.engine.roster.live(), self.engine.step)
+
+    def _abandoned_by_its_set(self, trainer_id: int, step: int) -> bool:
+        """Backup trainers: ``trainer_id`` was dropped from ``step`` (in progress), no push of it counts here,
+        and no live trainer is expected: its set left before pushing. The dropped trainer's wait ends with
+        the step unapplied, telling it to claim the step again (docs/modes.md, backup trainers)."""
+        pending = self.pending
+        return (
+            step == self.engine.step
+            and trainer_id in pending.dropped
+            and not pending.trainers
+            and not self._expected()
+        )
 
     def push(
         self,
@@ -178,7 +193,7 @@ class SyncMode(Mode):
                     trainer_id, f"wait for update {min_step}"
                 )
             return engine.waits.park(
-                lambda: engine.step >= min_step,
+                lambda: engine.step >= min_step or self._abandoned_by_its_set(trainer_id, min_step - 1),
                 f"step {engine.step}",
                 lambda: sorted(self._expected() - self.pending.trainers),
                 measured=True,

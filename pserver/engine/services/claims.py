@@ -30,6 +30,7 @@ made (``barrier_timeout``), like :mod:`.reductions`. Memory: at most
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -37,6 +38,8 @@ from typing import AbstractSet, Callable, Dict, Mapping, Optional, Sequence, Set
 
 from ..rollback import RollBacks
 from ..waits import Parked, Waits
+
+log = logging.getLogger(__name__)
 
 # Steps whose trainer sets are remembered (those a roll-back may redo are recent ones).
 KEEP = 4096
@@ -62,6 +65,16 @@ def verdict(
     if step < applied:  # decided and forgotten: this trainer is that far behind
         return Verdict(False, ())
     return None
+
+
+def abandoned(
+    step: int, trainers: AbstractSet[int], live: AbstractSet[int], applied: int, counted: bool
+) -> bool:
+    """Whether ``step``'s set ``trainers`` is forgotten and the step claimed again: none of them is live any
+    more (each closed or was dropped for silence), the step is not applied, and no push of it counted on the
+    deciding pserver (``counted``). Then no pserver can complete the step with that set, whose trainers
+    will not push it."""
+    return step >= applied and not counted and not (trainers & live)
 
 
 def full(claimed: int, live: int, needed: int) -> bool:
@@ -95,9 +108,10 @@ class StepClaims:
         rollbacks: Optional[RollBacks] = None,
         released: Optional[Callable[[int], object]] = None,
         on_made: Callable[[Mapping[int, Tuple[int, ...]]], None] = lambda sets: None,
+        counted: Callable[[int], bool] = lambda step: False,
     ):
         self.endpoint = endpoint
-        self._on_made = on_made
+        self._on_made, self._counted = on_made, counted
         self.needed = trainers - backups
         self._live, self._applied, self._admit = live, applied, admit
         self._cv = threading.Condition()
@@ -109,6 +123,7 @@ class StepClaims:
         """Claim ``step`` for ``trainer_id``: the wait until its set is made, and then the verdict."""
         self._admit(trainer_id)
         with self._cv:
+            self._forget_abandoned()
             if verdict(step, trainer_id, self._made, self._applied()) is None:
                 self._open.setdefault(step, set()).add(trainer_id)
                 self._make_full()
@@ -144,6 +159,25 @@ class StepClaims:
         if made:
             self._on_made(made)
 
+    def _forget_abandoned(self) -> None:
+        """Forget the set of every step in progress whose trainers all left before pushing it
+        (:func:`abandoned`; under the lock): the live trainers claim it again."""
+        live, applied, gone = self._live(), self._applied(), {}
+        for step in reversed(self._made):  # the latest first: the steps in progress are the last made
+            if step < applied:
+                break
+            if abandoned(step, set(self._made[step]), live, applied, self._counted(step)):
+                gone[step] = ()
+        for step in gone:
+            log.warning(
+                "%s: every trainer of step %d's set %s left before pushing it; the step is claimed again",
+                self.endpoint,
+                step,
+                list(self._made.pop(step)),
+            )
+        if gone:
+            self._on_made(gone)  # an empty set: forgotten (learn_all)
+
     def _keep(self, step: int, trainers: Tuple[int, ...]) -> None:
         """Remember ``step``'s set (under the lock), forgetting the oldest past :data:`KEEP`."""
         self._made[step] = trainers
@@ -157,12 +191,15 @@ class StepClaims:
         self.learn_all({step: trainers})
 
     def learn_all(self, sets: Mapping[int, Sequence[int]]) -> None:
-        """:meth:`learn` of several steps' sets ({step: trainers}): also a backup's, from its primary."""
+        """:meth:`learn` of several steps' sets ({step: trainers}): also a backup's, from its primary,
+        where an empty set says the step's set was forgotten (:meth:`_forget_abandoned`)."""
         with self._cv:
+            for s in [int(s) for s, ts in sets.items() if not ts]:
+                self._made.pop(s, None)
             new = {
                 int(s): tuple(sorted(int(t) for t in ts))
                 for s, ts in sets.items()
-                if int(s) not in self._made
+                if ts and int(s) not in self._made
             }
             for step, trainers in sorted(new.items()):
                 self._keep(step, trainers)
@@ -178,8 +215,10 @@ class StepClaims:
                 self._on_made(dict(self._made))
 
     def roster_changed(self) -> None:
-        """A trainer closed, was dropped or came back: a step may be made without those that left."""
+        """A trainer closed, was dropped or came back: a step may be made without those that left, or its set
+        forgotten if none of it is left."""
         with self._cv:
+            self._forget_abandoned()
             self._make_full()
             self._waits.notify()
 
