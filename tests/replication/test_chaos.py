@@ -12,16 +12,15 @@ seed 1 of each); campaigns run many.
 
 from __future__ import annotations
 
-import json
 import os
 import random
-from typing import Dict, List, Optional, Tuple
+from typing import List, Optional, Tuple
 
 import pytest
 import torch
 
-from harness.models import FLOAT64_JOB
 from pserver.checkpoint.layout import find_saved, load_blocks
+from tests.helpers.claim_records import assert_last_trainer_fed_each_set, made_steps, read_records
 from tests.helpers.etcd import etcd_fixture  # noqa: F401
 from tests.helpers.replicated_job import ReplicatedJob
 from tests.scripts import recovery_job
@@ -224,21 +223,6 @@ def test_a_shard_that_loses_both_processes_recovers_from_its_checkpoint_as_witho
         job.close()
 
 
-def made_steps(out) -> Tuple[Dict[int, Tuple[int, ...]], Dict[int, list], Dict[int, int]]:
-    """({step: the trainers that made it}, {trainer: its recorded steps}, {trainer: its final step}) from
-    the trainers' ``--record_claims`` files; every answer any trainer got for a step names one set."""
-    records = {t: json.loads((out / f"claims-{t}.json").read_text()) for t in range(recovery_job.TRAINERS)}
-    sets: Dict[int, set] = {}
-    for t, record in records.items():
-        for s in record["steps"]:
-            for admitted, trainers in s["replies"]:
-                sets.setdefault(s["step"], set()).add(tuple(trainers))
-                assert admitted == (t in trainers), (t, s)
-    assert all(len(v) == 1 for v in sets.values()), {k: v for k, v in sets.items() if len(v) > 1}
-    made = {step: v.pop() for step, v in sets.items()}
-    return made, {t: r["steps"] for t, r in records.items()}, {t: r["final_step"] for t, r in records.items()}
-
-
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("seed", SEEDS)
 def test_backup_trainers_with_the_claiming_primary_killed_equal_one_process_fed_each_steps_set(
@@ -266,20 +250,9 @@ def test_backup_trainers_with_the_claiming_primary_killed_equal_one_process_fed_
         kills = run_chaos(job, seed, schedule(seed, shards=1, roles=("primary", "primary", "backup")))
         job.wait_trainers(180)
         print(f"seed {seed}: killed {kills}")
-        made, steps, final = made_steps(job.out)
-        batch_of = {(u, r["step"]): (r["epoch"], r["batch"]) for u, rows in steps.items() for r in rows}
-        last = max(final.values())
-        expected = recovery_job.reference_of_steps(
-            [[(u, *batch_of[u, step]) for u in made[step]] for step in range(last)]
-        )
-        # The last trainer to step saved the model after every step; one that finished before it may have
-        # pulled while the other's step was half applied (a sync pull waits for its own step, no later one).
-        for t in [t for t, f in final.items() if f == last]:
-            state = torch.load(job.out / f"trainer-{t}.pt", weights_only=True)
-            for k in expected:
-                torch.testing.assert_close(
-                    state[k], expected[k], **FLOAT64_JOB, msg=lambda m: f"{t} {k}: {m}"
-                )
+        steps, final = read_records(job.out)
+        made_steps(steps)  # no trainer dies here: every answer of a step names one set
+        assert_last_trainer_fed_each_set(job.out, steps, final)
         assert_ended_cleanly(job)
     finally:
         job.close()

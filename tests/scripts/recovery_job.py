@@ -10,11 +10,14 @@ the other, which may drop it meanwhile, has not). ``--step_delay`` stretches eac
 exists: a test whose kills are done writes it, and the rest of the job runs at full speed (the
 same steps and data). ``--pause_every_trainer``: every trainer pauses at step N, writing
 PAUSE_DIR/reached-<id>, until PAUSE_DIR/go. ``--counting``: the model counts the pushes applied to it
-(:func:`counting_loss`). ``--record_claims`` (backup trainers): each trainer writes OUT_DIR/claims-<id>.json,
-its steps in order, each with its data position and every Claim answer it got for it
-(:func:`reference_of_steps` trains what they say in one process). Each trainer saves its final ``state_dict``
-to OUT_DIR/trainer-<id>.pt and the one it started with to OUT_DIR/start-<id>.pt.
-:func:`reference` trains the same job in one process (the concatenated batches).
+(:func:`counting_loss`). ``--record_claims`` (backup trainers): each trainer appends to
+OUT_DIR/claims-<id>.jsonl a line per step it went through, with its data position and every Claim answer
+it got for it, and a last line with its final step (:func:`reference_of_steps` trains what they say in one
+process; a killed trainer's lines stay, its restart appends). ``--hold_after_claim S``: trainer
+``--pause_trainer``, at the first step from S on that its claim is admitted to, writes PAUSE_DIR/claimed
+(the step) and holds there, pushing nothing, until killed (once: its restart does not). Each trainer
+saves its final ``state_dict`` to OUT_DIR/trainer-<id>.pt and the one it started with to
+OUT_DIR/start-<id>.pt. :func:`reference` trains the same job in one process (the concatenated batches).
 """
 
 from __future__ import annotations
@@ -169,9 +172,10 @@ def reference_of_steps(
         torch.set_num_threads(threads)
 
 
-def record_claims(tr) -> Dict[int, list]:
+def record_claims(tr, hold_from: int = -1, pause_dir: str = "") -> Dict[int, list]:
     """--record_claims: every Claim answer ``tr`` gets from the first pserver, by step ({step: [(admitted,
-    trainers), ...]}), retries after a failover included."""
+    trainers), ...]}), retries after a failover included. ``hold_from`` >= 0 (--hold_after_claim): at the
+    first step from there whose claim admits this trainer, write PAUSE_DIR/claimed and hold."""
     replies: Dict[int, list] = {}
     channel = tr.channels[tr.program.pservers[0]]
     claim = channel.claim
@@ -179,6 +183,12 @@ def record_claims(tr) -> Dict[int, list]:
     def recorded(step):
         reply = claim(step)
         replies.setdefault(step, []).append((reply.admitted, list(reply.trainers)))
+        held = os.path.join(pause_dir, "claimed")
+        if 0 <= hold_from <= step and reply.admitted and not os.path.exists(held):  # once: not its restart
+            with open(held + ".tmp", "w") as f:
+                f.write(str(step))
+            os.replace(held + ".tmp", held)
+            wait_for(os.path.join(pause_dir, "never"), 3600.0)  # killed here: the step's set dies with it
         return reply
 
     channel.claim = recorded
@@ -283,7 +293,8 @@ def main(argv=None) -> int:
         "--hidden", type=int, default=HIDDEN, help=f"the hidden layer's width ({WIDE}: pushes split)"
     )
     p.add_argument("--push_lanes", type=int, default=1)
-    p.add_argument("--record_claims", action="store_true", help="write OUT_DIR/claims-<id>.json")
+    p.add_argument("--record_claims", action="store_true", help="append to OUT_DIR/claims-<id>.jsonl")
+    p.add_argument("--hold_after_claim", type=int, default=-1, help="see the module doc")
     p.add_argument(
         "--dtype", choices=sorted(DTYPES), default="float32", help="the model's and data's (not --counting's)"
     )
@@ -345,8 +356,11 @@ def main(argv=None) -> int:
     loader = DataLoader(data, batch_size=BATCH, sampler=tr.sampler(data, shuffle=True, seed=0))
     paused = False
     calm = os.path.join(args.pause_dir, "calm") if args.pause_dir else None
-    replies = record_claims(tr) if args.record_claims else None
-    steps: List[dict] = []
+    replies = None
+    if args.record_claims:
+        hold = args.hold_after_claim if tid == args.pause_trainer else -1
+        replies = record_claims(tr, hold, args.pause_dir)
+        record = open(os.path.join(args.out_dir, f"claims-{tid}.jsonl"), "a")
     for x, y in tr.batches(loader, args.epochs):
         pauses = args.pause_every_trainer or tid == args.pause_trainer
         if pauses and tr.step_count == args.pause_at and not paused:
@@ -358,13 +372,15 @@ def main(argv=None) -> int:
         at, (epoch, batch) = tr.step_count, tr.position
         tr.step()
         if replies is not None:
-            steps.append(dict(step=at, epoch=epoch, batch=batch, replies=replies.pop(at, [])))
+            line = dict(step=at, epoch=epoch, batch=batch, replies=replies.pop(at, []))
+            record.write(json.dumps(line) + "\n")
+            record.flush()
         if args.step_delay and not (calm and os.path.exists(calm)):
             time.sleep(args.step_delay)  # stretches the job so a chaos test's kills land while it trains
     torch.save(tr.state_dict(), os.path.join(args.out_dir, f"trainer-{tid}.pt"))
     if replies is not None:
-        with open(os.path.join(args.out_dir, f"claims-{tid}.json"), "w") as f:
-            json.dump(dict(final_step=tr.step_count, steps=steps), f)
+        record.write(json.dumps(dict(final_step=tr.step_count)) + "\n")
+        record.close()
     logging.info("trainer %d: finished at step %d", tid, tr.step_count)
     tr.close()
     return 0
