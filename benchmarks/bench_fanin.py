@@ -36,7 +36,10 @@ SIGKILLed once it counted half its pushes and started again (:mod:`benchmarks.co
 run must still complete with no trainer dropped and, in sync mode, pass the model check (the trainers roll
 back to the restarted pserver's checkpoint and push those steps again); it reports how long the pserver
 was down and how fast the K trainers re-established their sessions. Its pushes count more than K x steps
-(the steps redone), and its CPU figures include the recovery.
+(the steps redone), and its CPU figures include the recovery. ``--replicas``: hot standby, every shard on
+two processes and an etcd started here; ``--kill_pserver I`` then kills shard I's primary (whichever
+process leads it) and starts it again, to rejoin as the backup: the backup leads, and the trainers go on
+with no roll-back (down: until the backup leads and answers).
 """
 
 from __future__ import annotations
@@ -54,12 +57,14 @@ from typing import Dict, List, Sequence
 import numpy as np
 import torch
 
-from benchmarks.common.fanin_faults import kill_mid_run, recovery_of
+from benchmarks.common.fanin_faults import kill_mid_run, recovery_of, wait_for
+from benchmarks.common.fanin_stats import PserverStats
 from benchmarks.common.paths import REPO, dated_result
 from benchmarks.common.proc_stats import Sampler, cpu_seconds, status
 from benchmarks.jobs.fanin_job import JOB_S, TOLERANCE, Spec, check_ids, expected_model, transpiler
 from benchmarks.jobs.fanin_workers import touch
 from benchmarks.reports.fanin import markdown_table, summarise
+from harness.etcd import start_etcd
 from harness.paths import pythonpath_with_repo
 from harness.ports import free_ports
 from harness.processes import Command, RunFailed, stop_on_signals, tail
@@ -69,52 +74,6 @@ from harness.processes import Command, RunFailed, stop_on_signals, tail
 ROW_BYTES = 8 + 4 * JOB_S.S_EMB_DIM + 8
 
 log = logging.getLogger("benchmarks.bench_fanin")
-
-
-class PserverStats:
-    """``Stats`` of every pserver of a run, asked as an observer (no session), each call with a deadline."""
-
-    def __init__(self, endpoints: Sequence[str]):
-        from psproto import ps_pb2_grpc
-        from psproto.security import Security
-
-        security = Security.from_env()
-        self._channels = {ep: security.channel(ep) for ep in endpoints}
-        self._stubs = {ep: ps_pb2_grpc.ParameterServerStub(ch) for ep, ch in self._channels.items()}
-
-    def get(self, timeout: float = 10.0) -> Dict[str, object]:
-        from psproto import ps_pb2
-
-        return {ep: stub.Stats(ps_pb2.StatsRequest(), timeout=timeout) for ep, stub in self._stubs.items()}
-
-    def of(self, endpoint: str, timeout: float = 0.5):
-        """``Stats`` of one pserver, None while it does not answer (killed, or starting)."""
-        import grpc
-
-        from psproto import ps_pb2
-
-        try:
-            return self._stubs[endpoint].Stats(ps_pb2.StatsRequest(), timeout=timeout)
-        except grpc.RpcError:
-            return None
-
-    def wait_up(self, deadline: float, processes: Sequence[Command]) -> None:
-        """Return once every pserver answers Stats; RunFailed if one exits or ``deadline`` passes first."""
-        import grpc
-
-        while True:
-            try:
-                self.get(timeout=1.0)
-                return
-            except grpc.RpcError:
-                check_alive(processes, "pserver start")
-                if time.monotonic() > deadline:
-                    raise RunFailed("the pservers did not answer Stats in time") from None
-                time.sleep(0.05)
-
-    def close(self) -> None:
-        for ch in self._channels.values():
-            ch.close()
 
 
 def check_alive(processes: Sequence[Command], what: str) -> None:
@@ -178,6 +137,13 @@ def run_one(args, k: int, sync_mode: bool, work: str) -> dict:
     mode = "sync" if sync_mode else "async"
     run_dir = tempfile.mkdtemp(prefix=f"fanin-{mode}-{k}-", dir=work)
     endpoints = [f"127.0.0.1:{p}" for p in free_ports(args.pservers)]
+    stack = contextlib.ExitStack()  # entered below; etcd's stop is its first callback
+    hot_standby = {}
+    if args.replicas:
+        etcd = stack.enter_context(start_etcd(run_dir))
+        hot_standby = dict(
+            replica_endpoints=[f"127.0.0.1:{p}" for p in free_ports(args.pservers)], coordinator=etcd.url
+        )
     spec = Spec(
         trainers=k,
         pservers=endpoints,
@@ -201,6 +167,7 @@ def run_one(args, k: int, sync_mode: bool, work: str) -> dict:
             if args.kill_pserver >= 0
             else {}
         ),
+        **hot_standby,
     )
     spec_file = os.path.join(run_dir, "spec.json")
     with open(spec_file, "w") as f:
@@ -210,13 +177,20 @@ def run_one(args, k: int, sync_mode: bool, work: str) -> dict:
     env = {"PYTHONPATH": pythonpath_with_repo()}
     worker = [sys.executable, "-m", "benchmarks.jobs.fanin_workers"]
     fault = None
-    with contextlib.ExitStack() as stack:
+    with stack:
 
-        def start_pserver(i: int, log_name: str) -> Command:
-            cmd = worker + ["pserver", "--spec", spec_file, "--index", str(i)]
+        def start_pserver(i: int, log_name: str, replica: bool = False) -> Command:
+            cmd = (
+                worker
+                + ["pserver", "--spec", spec_file, "--index", str(i)]
+                + (["--replica"] if replica else [])
+            )
             return stack.enter_context(Command(cmd, os.path.join(run_dir, log_name), env, REPO))
 
         pservers = [start_pserver(i, f"pserver-{i}.log") for i in range(args.pservers)]
+        replicas = [
+            start_pserver(i, f"replica-{i}.log", True) for i in range(args.pservers if args.replicas else 0)
+        ]
         # Every process of the run starts before this one opens a gRPC channel (see main()).
         load = [
             stack.enter_context(
@@ -229,10 +203,10 @@ def run_one(args, k: int, sync_mode: bool, work: str) -> dict:
             )
             for g in range(loads)
         ]
-        everyone = pservers + load
-        stats = PserverStats(endpoints)
+        everyone = pservers + replicas + load
+        stats = PserverStats(endpoints, spec.replica_endpoints)
         stack.callback(stats.close)
-        stats.wait_up(deadline, everyone)
+        stats.wait_up(deadline, lambda: check_alive(everyone, "pserver start"))
         pids = [c.proc.pid for c in pservers]
         sampled = list(pids)  # a restarted pserver's peaks are its first process's
         sampler = Sampler(sampled).start()
@@ -251,26 +225,45 @@ def run_one(args, k: int, sync_mode: bool, work: str) -> dict:
         touch(os.path.join(run_dir, "go"))
         if args.kill_pserver >= 0:
             victim, ep = args.kill_pserver, endpoints[args.kill_pserver]
+            # With hot standby the shard's primary, whichever of its two processes that is now.
+            on_replica = args.replicas and stats.leader(ep) != ep
+            processes = replicas if on_replica else pservers
 
             def restart() -> None:
-                pservers[victim] = start_pserver(victim, f"pserver-{victim}-restarted.log")
+                name = f"{'replica' if on_replica else 'pserver'}-{victim}-restarted.log"
+                processes[victim] = start_pserver(victim, name, on_replica)
 
             fault = kill_mid_run(
-                pservers[victim],
+                processes[victim],
                 restart,
                 lambda: stats.of(ep),
                 before[ep].pushes + k * args.steps // 2,
                 deadline,
             )
+            fault["killed"] = (
+                "primary (replica process)" if on_replica else "primary" if args.replicas else "pserver"
+            )
             log.info("%s K=%d: pserver %d killed and restarted: %s", mode, k, victim, fault)
             pids[victim], cpu_before[victim] = pservers[victim].proc.pid, 0.0
-            everyone = pservers + load
+            everyone = pservers + replicas + load
         wait_for_files(
             [os.path.join(run_dir, f"stepped-{g}") for g in range(loads)],
             deadline,
             everyone,
             f"{mode} K={k}: steps",
         )
+        if fault is not None and args.replicas:
+            # The restarted process copies the new primary's state and follows it before the trainers close:
+            # one that came up after the job ended would find no primary and lead from its checkpoint.
+            def back_in_sync() -> bool:
+                s = stats.of(endpoints[args.kill_pserver])
+                return s is not None and s.replica.backup_in_sync
+
+            fault["backup_again_s"] = round(
+                wait_for(back_in_sync, deadline, "the restarted process in sync", poll=0.2)
+                - fault["killed_at"],
+                2,
+            )
         t_after, cpu_after, after = time.monotonic(), [cpu_seconds(pid) for pid in pids], stats.get()
         stepped = [status(pid) for pid in pids]
         check_dropped(
@@ -287,10 +280,10 @@ def run_one(args, k: int, sync_mode: bool, work: str) -> dict:
             rc = c.wait(max(1.0, deadline - time.monotonic()), f"{mode} K={k}: load generator {g}")
             if rc != 0:
                 raise RunFailed(f"{mode} K={k}: load generator {g} exited with {rc}:\n{tail(c.log_path)}")
-        for i, c in enumerate(pservers):  # every trainer closed: each pserver ends by itself
+        for i, c in enumerate(pservers + replicas):  # every trainer closed: each pserver ends by itself
             rc = c.wait(max(1.0, deadline - time.monotonic()), f"{mode} K={k}: pserver {i} after every Close")
             if rc != 0:
-                raise RunFailed(f"{mode} K={k}: pserver {i} exited with {rc}:\n{tail(c.log_path)}")
+                raise RunFailed(f"{mode} K={k}: pserver process {i} exited with {rc}:\n{tail(c.log_path)}")
         peaks = sampler.stop()
     results = [torch.load(os.path.join(run_dir, f"result-{g}.pt")) for g in range(loads)]
     pushes = np.array([p for r in results for p in r["pushes"]], dtype=np.float64)
@@ -360,6 +353,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         type=int,
         default=-1,
         help="SIGKILL this pserver mid-run and start it again (default -1: none; see the module doc)",
+    )
+    p.add_argument(
+        "--replicas",
+        action="store_true",
+        help="hot standby: every shard on two processes, with an etcd started here; --kill_pserver then "
+        "kills the shard's primary",
     )
     p.add_argument("--json", default=dated_result("fanin"), help="(default %(default)s)")
     p.add_argument(

@@ -64,6 +64,8 @@ class Spec:
     inside a step at once (:func:`benchmarks.jobs.fanin_workers.stepping`). ``checkpoint_dir`` and
     ``checkpoint_every`` (a run that kills a pserver): where and how often the pservers checkpoint, so that
     the one restarted resumes and the trainers re-sync with it (``recovery_timeout``, 0: the library's).
+    ``replica_endpoints`` (hot standby, with ``coordinator``, etcd's URL): shard k's second process serves at
+    ``replica_endpoints[k]``.
     """
 
     trainers: int
@@ -82,6 +84,8 @@ class Spec:
     checkpoint_dir: str = ""
     checkpoint_every: int = 0
     recovery_timeout: float = 0.0
+    replica_endpoints: List[str] = dataclasses.field(default_factory=list)
+    coordinator: str = ""
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))
@@ -106,6 +110,12 @@ def transpiler(spec: Spec, trainer_id: int = 0) -> DistributeTranspiler:
         options.update(checkpoint_dir=spec.checkpoint_dir, checkpoint_every=spec.checkpoint_every)
     if spec.recovery_timeout:
         options["recovery_timeout"] = spec.recovery_timeout
+    if spec.replica_endpoints:
+        options.update(
+            server_replicas=2,
+            replica_endpoints=",".join(spec.replica_endpoints),
+            coordinator=spec.coordinator,
+        )
     t = DistributeTranspiler(DistributeTranspilerConfig(**options))
     t.transpile(
         trainer_id,

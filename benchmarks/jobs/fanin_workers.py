@@ -289,12 +289,13 @@ def run_load(spec: Spec, index: int, of: int) -> None:
     os.replace(path + ".tmp", path)
 
 
-def run_pserver(spec: Spec, index: int) -> None:
-    """Serve pserver ``index`` of ``spec`` until every trainer has closed (or SIGTERM)."""
+def run_pserver(spec: Spec, index: int, replica: bool = False) -> None:
+    """Serve pserver ``index`` of ``spec`` (``replica``: the second process of its shard) until every trainer
+    has closed (or SIGTERM)."""
     from pserver import ParameterServer
 
     t = transpiler(spec)
-    endpoint = spec.pservers[index]
+    endpoint = spec.replica_endpoints[index] if replica else spec.pservers[index]
     ps_program = t.get_pserver_program(endpoint)
     ParameterServer(ps_program, t.get_startup_program(endpoint, ps_program)).serve()
 
@@ -305,13 +306,14 @@ def main(argv=None) -> int:
     p.add_argument("--spec", required=True, help="file holding the Spec's JSON")
     p.add_argument("--index", type=int, required=True, help="the pserver's, or the load generator's, index")
     p.add_argument("--of", type=int, default=1, help="load generators in all")
+    p.add_argument("--replica", action="store_true", help="pserver: the shard's second process (hot standby)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(1)  # many processes share this machine's cores
     with open(args.spec) as f:
         spec = Spec.from_json(f.read())
     if args.role == "pserver":
-        run_pserver(spec, args.index)
+        run_pserver(spec, args.index, args.replica)
     else:
         run_load(spec, args.index, args.of)
     return 0
