@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import shutil
 import sys
 
 import numpy as np
@@ -22,6 +23,7 @@ from benchmarks.jobs import fanin_job, fanin_workers
 from benchmarks.jobs.fanin_job import GRID, TOLERANCE, Spec
 from harness.paths import pythonpath_with_repo
 from harness.processes import RunFailed, run_command
+from tests.helpers.system import unavailable
 
 POSITIVE = (
     "steps_per_s",
@@ -163,14 +165,19 @@ def test_the_sync_check_fails_a_model_that_missed_one_trainers_gradients():
 
 @pytest.mark.processes
 @pytest.mark.timeout(400)
-def test_fanin_with_a_pserver_killed_mid_run_recovers_every_trainer_and_the_sync_model(tmp_path):
+@pytest.mark.parametrize("hot_standby", [False, True])
+def test_fanin_with_a_pserver_killed_mid_run_recovers_every_trainer_and_the_sync_model(tmp_path, hot_standby):
     """--kill_pserver 1: pserver 1 is SIGKILLed once it counted half its pushes and started again; the
-    16 emulated trainers re-sync through the trainer's own recovery (a roll-back to its checkpoint), the
-    run completes with none dropped and the applied model passes the sync check."""
+    16 emulated trainers re-sync through the trainer's own recovery (a roll-back to its checkpoint; with
+    --replicas, the backup leads and nothing rolls back), the run completes with none dropped and the
+    applied model passes the sync check."""
+    if hot_standby and shutil.which("etcd") is None:
+        unavailable("not installed: etcd (apt-get install etcd-server)")
     out = tmp_path / "fanin.json"
     run_command(
         [sys.executable, "-m", "benchmarks.bench_fanin", "--trainers", "16", "--modes", "sync"]
         + ["--load", "2", "--steps", "4", "--kill_pserver", "1", "--timeout", "300"]
+        + (["--replicas"] if hot_standby else [])
         + ["--json", str(out), "--work", str(tmp_path)],
         str(tmp_path / "bench.log"),
         timeout=360,
@@ -184,6 +191,7 @@ def test_fanin_with_a_pserver_killed_mid_run_recovers_every_trainer_and_the_sync
     killed = run["pserver_killed"]
     assert killed["index"] == 1 and killed["killed_after_pushes"] >= 16 * 4 // 2
     assert killed["trainers_resynced"] == 16 and killed["recovery_s"] > 0
+    assert ("backup_again_s" in killed) == hot_standby
 
 
 @pytest.mark.parametrize(
