@@ -39,15 +39,18 @@ def test_full(case, claimed, live, needed, made):
     assert full(claimed, live, needed) is made, case
 
 
-def claims(live, applied=lambda: 0, timeout=5.0):
+def claims(live, applied=lambda: 0, timeout=5.0, trainers=3, backups=1, **hooks):
+    """The claims service of ``trainers`` with ``backups``, ``live`` read at each call (a set the test may
+    change); ``hooks``: ``on_made``, ``counted``."""
     return StepClaims(
         "ps0",
-        trainers=3,
-        backups=1,
+        trainers=trainers,
+        backups=backups,
         barrier_timeout=timeout,
         live=lambda: set(live),
         applied=applied,
         admit=lambda t: None,
+        **hooks,
     )
 
 
@@ -65,15 +68,7 @@ def test_the_first_two_of_three_make_the_step_and_the_third_is_dropped():
 
 def test_a_step_waiting_for_claims_is_made_when_a_trainer_leaves():
     live = {0, 1, 2}
-    c = StepClaims(
-        "ps0",
-        trainers=3,
-        backups=0,
-        barrier_timeout=5.0,
-        live=lambda: set(live),
-        applied=lambda: 0,
-        admit=lambda t: None,
-    )
+    c = claims(live, backups=0)
     got = []
     waiter = threading.Thread(target=lambda: got.append(c.claim(0, step=7)))
     waiter.start()
@@ -110,16 +105,7 @@ def test_under_hot_standby_each_set_reaches_the_backup_before_its_claim_is_answe
         streamed.append(dict(sets))
         backup.learn_all({str(s): list(t) for s, t in sets.items()})  # as the JSON message carries them
 
-    primary = StepClaims(
-        "ps0",
-        trainers=3,
-        backups=1,
-        barrier_timeout=5.0,
-        live=lambda: {0, 1, 2},
-        applied=lambda: 0,
-        admit=lambda t: None,
-        on_made=on_made,
-    )
+    primary = claims({0, 1, 2}, on_made=on_made)
     got = {}
     first = threading.Thread(target=lambda: got.setdefault(2, primary.claim(2, step=3)))
     first.start()
@@ -136,16 +122,7 @@ def test_under_hot_standby_each_set_reaches_the_backup_before_its_claim_is_answe
 
 def test_a_backup_that_joins_later_gets_every_set_remembered_as_one_message():
     streamed = []
-    c = StepClaims(
-        "ps0",
-        trainers=2,
-        backups=1,
-        barrier_timeout=5.0,
-        live=lambda: {0, 1},
-        applied=lambda: 0,
-        admit=lambda t: None,
-        on_made=lambda sets: streamed.append(dict(sets)),
-    )
+    c = claims({0, 1}, trainers=2, on_made=lambda sets: streamed.append(dict(sets)))
     c.claim(1, step=0)
     c.claim(0, step=1)
     c.replicate_all()
@@ -187,14 +164,10 @@ def test_a_set_whose_trainers_all_left_is_forgotten_and_replicated_as_forgotten(
     live = {0, 1}
     streamed = []
     backup = claims({0, 1})
-    c = StepClaims(
-        "ps0",
-        trainers=2,
-        backups=1,
-        barrier_timeout=5.0,
-        live=lambda: set(live),
+    c = claims(
+        live,
         applied=lambda: 2,
-        admit=lambda t: None,
+        trainers=2,
         on_made=lambda sets: (streamed.append(dict(sets)), backup.learn_all(sets)),
         counted=lambda step: False,
     )
