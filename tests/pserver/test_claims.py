@@ -179,3 +179,14 @@ def test_a_set_whose_trainers_all_left_is_forgotten_and_replicated_as_forgotten(
     assert c.claim(1, step=2) == Verdict(True, (1,))
     assert streamed[-1] == {2: (1,)}
     assert backup.claim(1, step=2) == Verdict(True, (1,))
+
+
+def test_a_step_in_progress_is_found_behind_an_older_step_learnt_since():
+    """A set learnt from a retried push of an older step comes after the step in progress in the service's
+    memory: the step in progress whose trainers left is still found and claimed again."""
+    live = {0, 1}
+    c = claims(live, applied=lambda: 10, trainers=2)
+    assert c.claim(0, step=10) == Verdict(True, (0,))
+    c.learn(5, [1])  # an old step's set, from a retried push
+    live.discard(0)
+    assert c.claim(1, step=10) == Verdict(True, (1,))

@@ -30,6 +30,7 @@ made (``barrier_timeout``), like :mod:`.reductions`. Memory: at most
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 from collections import OrderedDict
@@ -43,6 +44,8 @@ log = logging.getLogger(__name__)
 
 # Steps whose trainer sets are remembered (those a roll-back may redo are recent ones).
 KEEP = 4096
+# The latest sets looked at for a step whose trainers all left (the steps in progress are among them).
+RECENT = 64
 
 
 @dataclass(frozen=True)
@@ -163,10 +166,10 @@ class StepClaims:
         """Forget the set of every step in progress whose trainers all left before pushing it
         (:func:`abandoned`; under the lock): the live trainers claim it again."""
         live, applied, gone = self._live(), self._applied(), {}
-        for step in reversed(self._made):  # the latest first: the steps in progress are the last made
-            if step < applied:
-                break
-            if abandoned(step, set(self._made[step]), live, applied, self._counted(step)):
+        # The steps in progress are among the sets made or learnt last (a set learnt from a retried push may
+        # be an older step's, so the latest few are looked at, not only those before the first applied).
+        for step in itertools.islice(reversed(self._made), RECENT):
+            if step >= applied and abandoned(step, set(self._made[step]), live, applied, self._counted(step)):
                 gone[step] = ()
         for step in gone:
             log.warning(
