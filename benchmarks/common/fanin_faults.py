@@ -68,16 +68,15 @@ def recovery_of(fault: dict, pushes: np.ndarray, victim: int) -> dict:
     just before it died may be recorded a little after); the last of those is when every trainer had
     re-synced."""
     after = pushes[(pushes[:, 1] == victim) & (pushes[:, 3] > fault["killed_at"])]
-    firsts = {}
-    for trainer, end in after[:, [0, 4]]:
-        firsts[trainer] = min(end, firsts.get(trainer, end))
-    if not firsts:
+    if not after.size:
         return {**fault, "trainers_resynced": 0}
-    first, last = min(firsts.values()), max(firsts.values())
+    by_end = after[np.lexsort((after[:, 4], after[:, 0]))]  # by trainer, then by answer
+    firsts = by_end[np.unique(by_end[:, 0], return_index=True)[1], 4]
+    first, last = float(firsts.min()), float(firsts.max())
     return {
         **fault,
-        "trainers_resynced": len(firsts),
+        "trainers_resynced": int(firsts.size),
         "recovery_s": round(last - fault["killed_at"], 2),
         "resync_s": round(last - first, 2),
-        "sessions_per_s": round(len(firsts) / max(last - first, 1e-3), 1),
+        "sessions_per_s": round(firsts.size / max(last - first, 1e-3), 1),
     }

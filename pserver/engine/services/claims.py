@@ -71,13 +71,13 @@ def verdict(
 
 
 def abandoned(
-    step: int, trainers: AbstractSet[int], live: AbstractSet[int], applied: int, counted: bool
+    step: int, trainers: AbstractSet[int], live: AbstractSet[int], applied: int, counted: Callable[[], bool]
 ) -> bool:
     """Whether ``step``'s set ``trainers`` is forgotten and the step claimed again: none of them is live any
     more (each closed or was dropped for silence), the step is not applied, and no push of it counted on the
-    deciding pserver (``counted``). Then no pserver can complete the step with that set, whose trainers
-    will not push it."""
-    return step >= applied and not counted and not (trainers & live)
+    deciding pserver (``counted()``, asked last: it takes the engine's lock). Then no pserver can complete
+    the step with that set, whose trainers will not push it."""
+    return step >= applied and not (trainers & live) and not counted()
 
 
 def full(claimed: int, live: int, needed: int) -> bool:
@@ -169,7 +169,7 @@ class StepClaims:
         # The steps in progress are among the sets made or learnt last (a set learnt from a retried push may
         # be an older step's, so the latest few are looked at, not only those before the first applied).
         for step in itertools.islice(reversed(self._made), RECENT):
-            if step >= applied and abandoned(step, set(self._made[step]), live, applied, self._counted(step)):
+            if abandoned(step, set(self._made[step]), live, applied, lambda: self._counted(step)):
                 gone[step] = ()
         for step in gone:
             log.warning(
