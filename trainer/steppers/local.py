@@ -57,7 +57,9 @@ class LocalStepper(Stepper):
         decider = self.program.pservers[0]
         while True:
             dropped = claim is not None and not claim.admitted
-            resync, pserver_steps, next_rows = self._push_step(step, position, claim, table_grads, next_batch)
+            resync, pserver_steps, next_rows = self._push_step(
+                step, position, claim, dropped, table_grads, next_batch
+            )
             if not (dropped and resync is None and min(pserver_steps.values(), default=step + 1) <= step):
                 break
             # Answered with the step unapplied: every trainer of its set left before pushing it there.
@@ -89,11 +91,10 @@ class LocalStepper(Stepper):
         else:
             self.state.advance(step + 1, position)
 
-    def _push_step(self, step: int, position, claim, table_grads, next_batch):
-        """Push ``step`` to every pserver (with the next batch's ids; backup trainers: as ``claim`` says,
-        dropped with no gradients or naming its set); (the decision that moved the trainer or None, the
-        pservers' steps, the next batch's rows by pserver)."""
-        dropped = claim is not None and not claim.admitted
+    def _push_step(self, step: int, position, claim, dropped: bool, table_grads, next_batch):
+        """Push ``step`` to every pserver (with the next batch's ids; backup trainers: ``dropped`` with no
+        gradients, or naming the set ``claim`` admitted it to); (the decision that moved the trainer or
+        None, the pservers' steps, the next batch's rows by pserver)."""
         next_ids = next_batch.ids if next_batch is not None else {}
         streams = self.overlap if self.overlap is not None and self.overlap.started else None
         if dropped:  # no gradients: the next batch's ids alone
