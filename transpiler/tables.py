@@ -2,8 +2,9 @@
 
 A distributed table replaces an ``nn.Embedding`` / ``nn.EmbeddingBag`` of the
 user's model. It lives only on the pservers, sharded by id: id ``i`` belongs to
-shard ``stable_hash_ids(i) % #pservers`` (the pserver at that position of the
-pserver list). Ids are any int64; ``num_embeddings`` is only a capacity hint.
+the shard (the pserver at that position of the pserver list) that
+:mod:`transpiler.layout.routing` names. Ids are any int64; ``num_embeddings`` is only
+a capacity hint.
 
 A row that was never updated has its *initial value*, a pure function of
 (table seed, id) computed by :func:`initial_rows`, so a run does not depend on
@@ -22,9 +23,10 @@ import torch
 
 from psproto.dtypes import TABLE_DTYPES
 
+from .layout.routing import owner_of
 from .lifecycle import TableLifecycle, table_lifecycle
 from .optim import OptimizerSpec
-from .placement import stable_hash_ids, stable_hash_name
+from .placement import stable_hash_name
 from .row_init import INIT_VERSIONS
 from .row_init import initial_rows as initial_rows  # the definition, where every role has read it
 
@@ -303,8 +305,9 @@ def as_ids(ids) -> np.ndarray:
 
 
 def shard_of(ids: np.ndarray, n_shards: int) -> np.ndarray:
-    """The shard (pserver index) of every id: ``stable_hash_ids(id) % n_shards``, as int64."""
-    return (stable_hash_ids(ids) % np.uint64(n_shards)).astype(np.int64)
+    """The shard (pserver index) of every id among ``n_shards``, as int64: today's routing
+    (:func:`transpiler.layout.routing.owner_of`)."""
+    return owner_of(ids, n_shards)
 
 
 def merge_duplicates(ids, rows):

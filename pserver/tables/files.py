@@ -13,7 +13,8 @@ one directory::
     sketch.npy    uint16 (4, width)   the admission counts (``admit_count`` > 1); a
                                       re-shard sums the saved shards' sketches
     meta.json     table, dim, dtype, optimizer, step, rows, shard, n_shards,
-                  format version and the full table spec (init, seed, ...)
+                  routing (the version of :mod:`transpiler.layout.routing` that placed the
+                  ids; absent: 1), format version and the full table spec (init, seed, ...)
 
 Only stored rows are written, never spare capacity. Every file goes to a
 temporary name in the same directory, is fsynced and renamed; an old
@@ -37,6 +38,7 @@ from typing import Callable, Dict, Iterable, Iterator, List, Sequence, Tuple
 import numpy as np
 
 from psproto.dtypes import TABLE_DTYPES
+from transpiler.layout.routing import ROUTING_VERSION
 from transpiler.tables import TableSpec, shard_of
 
 from .. import atomic_files
@@ -101,6 +103,7 @@ def shard_meta(
         "rows": int(rows),
         "shard": int(shard),
         "n_shards": int(n_shards),
+        "routing": ROUTING_VERSION,
         "arrays": list(arrays) or ["ids", "rows", *STATE_NAMES[spec.optimizer.name]],
         "extra": list(extra),
         "spec": spec.to_dict(),
@@ -236,8 +239,14 @@ def read_source(directory: str) -> Source:
     return Source(directory, meta, arrays, extra)
 
 
+def saved_routing(meta: dict) -> int:
+    """The routing version that placed a saved shard's ids (files saved before versions: 1)."""
+    return int(meta.get("routing", 1))
+
+
 def check_set(sources: List[Source]) -> Tuple[int, int]:
-    """The saved shard count all ``sources`` must share, and their highest step; refuse repeats.
+    """The saved shard count all ``sources`` must share, and their highest step; refuse repeats and a set
+    whose shards were placed by different routings.
 
     Steps may differ: an async job's shards apply their trainers' pushes
     independently, so a save can catch one shard a push ahead of another.
@@ -251,6 +260,12 @@ def check_set(sources: List[Source]) -> Tuple[int, int]:
                     f"{first[key]!r}, {s.directory} has {s.meta[key]!r}; "
                     f"they are not one save of one table"
                 )
+        if saved_routing(s.meta) != saved_routing(first):
+            raise ValueError(
+                f"shard directories disagree on routing: {sources[0].directory} has version "
+                f"{saved_routing(first)}, {s.directory} has {saved_routing(s.meta)}; "
+                f"they are not one save of one table"
+            )
     seen: Dict[int, str] = {}
     for s in sources:
         k = s.meta["shard"]
@@ -276,7 +291,8 @@ def open_shards(
     Returns the sources that can hold its ids and the saved step. Refuses
     (ValueError) directories of another table, dim, dtype or optimizer, a set
     that disagrees on step or shard count, and a set missing a shard that may
-    hold our ids: with the same shard count only our own shard, otherwise all.
+    hold our ids: with the same shard count and routing only our own shard, otherwise all (a set
+    placed by another routing version is re-routed as a change of count is).
     """
     if isinstance(directories, (str, os.PathLike)):
         directories = [directories]
@@ -308,7 +324,7 @@ def open_shards(
             log.warning(msg, spec.name, s.directory, was, now)
     old_n, step = check_set(sources)
     present = {s.meta["shard"] for s in sources}
-    if old_n == n_shards:
+    if old_n == n_shards and saved_routing(sources[0].meta) == ROUTING_VERSION:
         if shard not in present:
             raise ValueError(
                 f"table {spec.name!r}: loading shard {shard} of {n_shards} needs the saved "
@@ -320,8 +336,9 @@ def open_shards(
         missing = sorted(set(range(old_n)) - present)
         if missing:
             raise ValueError(
-                f"table {spec.name!r}: re-sharding {old_n} -> {n_shards} shards needs every "
-                f"saved shard; missing {missing}"
+                f"table {spec.name!r}: re-sharding {old_n} -> {n_shards} shards (routing "
+                f"{saved_routing(sources[0].meta)} -> {ROUTING_VERSION}) needs every saved shard; "
+                f"missing {missing}"
             )
     return sources, step
 

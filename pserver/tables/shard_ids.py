@@ -1,6 +1,6 @@
 """Which ids a table shard takes: int64 1-D ids, every one of them this shard's.
 
-An id belongs to shard ``stable_hash_ids(id) % n_shards`` (:func:`transpiler.tables.shard_of`); a
+An id belongs to the shard :func:`transpiler.layout.routing.owner_of` names; a
 misrouted id would be stored on the wrong pserver and never found by the others, so every id a push or
 lookup names is checked, compiled where numba is (stopping at the first foreign id, no temporaries).
 """
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from transpiler.layout.routing import slot_owners
 from transpiler.tables import as_ids, merge_duplicates, shard_of
 
 from ..errors import BadRequest
@@ -31,7 +32,7 @@ def check_shard_ids(table: str, ids, shard: int, n_shards: int) -> None:
     if n_shards == 1 or ids.size == 0:
         return
     kernels = id_index.load_kernels()
-    if kernels is not None and kernels.first_foreign(ids, np.uint64(n_shards), np.uint64(shard)) < 0:
+    if kernels is not None and kernels.first_foreign(ids, slot_owners(n_shards), shard) < 0:
         return
     owner = shard_of(ids, n_shards)
     bad = owner != shard
@@ -52,7 +53,7 @@ def merged_gradient(table: str, ids, rows, shard: int, n_shards: int):
     if kernels is None:
         check_shard_ids(table, ids, shard, n_shards)
         return merge_duplicates(ids, rows)
-    foreign, repeat = kernels.foreign_and_repeat(ids, np.uint64(n_shards), np.uint64(shard))
+    foreign, repeat = kernels.foreign_and_repeat(ids, slot_owners(n_shards), shard)
     if foreign >= 0:
         check_shard_ids(table, ids, shard, n_shards)  # refused, naming an example
     return (ids, rows) if repeat < 0 else merge_duplicates(ids, rows)

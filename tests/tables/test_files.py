@@ -10,6 +10,7 @@ import pytest
 from pserver.tables.plain_files import export_table
 from pserver.tables.shard import TableShard
 from tests.helpers.table_specs import grads_for, make_spec
+from transpiler.layout.routing import owner_of
 from transpiler.tables import TableSpec, initial_rows, shard_of
 
 
@@ -186,3 +187,33 @@ def test_shards_saved_before_init_versions_read_as_version_1(tmp_path, caplog):
     with caplog.at_level("WARNING"):
         TableShard.load(dataclasses.replace(spec, init_version=2), 0, 2, dirs)
     assert "('normal', 5, 1), now ('normal', 5, 2)" in caplog.text
+
+
+def test_a_save_placed_by_routing_version_1_loads_re_routed_into_the_same_shard_count(tmp_path):
+    """Files saved before routing version 2 placed ids by ``stable_hash % n``: loading them into as many
+    shards reads every saved shard and keeps the ids today's routing gives each, with their state."""
+    spec = make_spec(optimizer="adagrad", dim=3)
+    (whole,) = trained_shards(spec, 1, steps=5, n_ids=2000)
+    (one,) = save_all([whole], tmp_path / "one")
+    meta = json.loads(open(os.path.join(one, "meta.json")).read())
+    arrays = {name: np.load(os.path.join(one, f"{name}.npy")) for name in meta["arrays"]}
+    v1_owner = owner_of(arrays["ids"], 2, version=1)
+    dirs = []
+    for k in range(2):  # what a version-1 save of two shards wrote: no "routing" in its meta
+        d = tmp_path / f"v1-shard{k}"
+        d.mkdir()
+        for name, a in arrays.items():
+            np.save(d / f"{name}.npy", a[v1_owner == k])
+        saved = {key: value for key, value in meta.items() if key != "routing"}
+        saved.update(shard=k, n_shards=2, rows=int((v1_owner == k).sum()))
+        (d / "meta.json").write_text(json.dumps(saved))
+        dirs.append(str(d))
+    assert not np.array_equal(v1_owner, shard_of(arrays["ids"], 2))  # the versions place ids differently
+    new = [TableShard.load(spec, k, 2, dirs) for k in range(2)]
+    assert [len(t) for t in new] == np.bincount(shard_of(arrays["ids"], 2), minlength=2).tolist()
+    probe_ids = np.arange(-2100, 2100, dtype=np.int64)
+    np.testing.assert_array_equal(lookup_split(new, probe_ids), whole.lookup(probe_ids))
+    with pytest.raises(ValueError, match=r"routing 1 -> 2\) needs every saved shard"):
+        TableShard.load(spec, 0, 2, dirs[:1])
+    (d0,) = save_all(new[:1], tmp_path / "v2")
+    assert json.loads(open(os.path.join(d0, "meta.json")).read())["routing"] == 2

@@ -25,6 +25,7 @@ from pserver.tables.fresh import initial_rows_compiled
 from pserver.tables.shard import TableShard, initial_rows_into
 from tests.helpers.table_specs import make_spec
 from transpiler import row_init
+from transpiler.layout.routing import slot_owners
 from transpiler.placement import stable_hash_ids
 from transpiler.tables import TableSpec, initial_rows, merge_duplicates, shard_of
 
@@ -87,10 +88,10 @@ def test_compiled_shard_check_agrees_with_shard_of(n_shards):
     kernels = id_index.load_kernels()
     for shard in range(min(n_shards, 3)):
         mine = ids[owner == shard]
-        assert kernels.first_foreign(mine, np.uint64(n_shards), np.uint64(shard)) == -1
+        assert kernels.first_foreign(mine, slot_owners(n_shards), shard) == -1
         TableShard(make_spec(), shard, n_shards).check_ids(mine)
         first = int(np.argmax(owner != shard))
-        assert kernels.first_foreign(ids, np.uint64(n_shards), np.uint64(shard)) == first
+        assert kernels.first_foreign(ids, slot_owners(n_shards), shard) == first
         with pytest.raises(BadRequest, match=f"{int((owner != shard).sum())} of {ids.size} ids"):
             TableShard(make_spec(), shard, n_shards).check_ids(ids)
 
@@ -117,7 +118,7 @@ def test_a_gradient_s_repeated_ids_are_summed_and_distinct_ones_kept_as_the_plai
     torch.testing.assert_close(got_rows, want_rows, rtol=0, atol=0)
     assert (got_rows is rows) == (not repeats)  # distinct ids: the very gradient, no copy
     kernels = id_index.load_kernels()
-    assert kernels.foreign_and_repeat(ids, np.uint64(n_shards), np.uint64(0)) == (-1, first_repeat(ids))
+    assert kernels.foreign_and_repeat(ids, slot_owners(n_shards), 0) == (-1, first_repeat(ids))
 
 
 def first_repeat(ids) -> int:

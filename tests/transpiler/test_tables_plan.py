@@ -10,6 +10,7 @@ from torch import nn
 from harness.cluster import LocalCluster
 from tests.helpers.table_models import table_program
 from transpiler import DistributeTranspiler, Program, PserverProgram, TableOptions, TrainerProgram
+from transpiler.layout.routing import owner_of
 from transpiler.placement import stable_hash_ids
 from transpiler.tables import as_ids, initial_rows, merge_duplicates, shard_of
 
@@ -98,13 +99,25 @@ def test_shard_of_spreads_ids_and_is_stable():
         3055647633038352039,
         5196802822362493915,
     ]
-    expected = {
+    # Version 1 (stable_hash % n), which placed the ids of files saved before version 2: still read.
+    expected_v1 = {
         1: [0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0],
         2: [1, 1, 0, 0, 1, 1, 1, 0, 0, 1, 1, 1, 1],
         3: [1, 2, 2, 1, 0, 2, 1, 0, 2, 1, 1, 0, 1],
         5: [0, 0, 1, 0, 2, 2, 3, 3, 3, 4, 2, 4, 0],
         8: [7, 1, 0, 6, 7, 1, 5, 4, 2, 3, 5, 7, 3],
         64: [47, 1, 32, 14, 23, 57, 29, 44, 42, 27, 37, 39, 27],
+    }
+    for n_shards, want in expected_v1.items():
+        assert owner_of(pinned, n_shards, version=1).tolist() == want, n_shards
+    # Version 2 (slots owned by jump_hash), today's.
+    expected = {
+        1: [0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0],
+        2: [1, 0, 0, 0, 1, 0, 0, 0, 1, 0, 1, 1, 0],
+        3: [1, 2, 0, 0, 2, 0, 2, 0, 1, 2, 1, 1, 0],
+        5: [3, 4, 0, 0, 4, 3, 2, 0, 3, 2, 1, 1, 4],
+        8: [3, 6, 7, 0, 4, 3, 7, 0, 3, 2, 5, 5, 4],
+        64: [3, 50, 41, 17, 21, 3, 22, 23, 25, 2, 62, 59, 45],
     }
     for n_shards, want in expected.items():
         got = shard_of(pinned, n_shards)

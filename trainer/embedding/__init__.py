@@ -5,7 +5,7 @@ of the model with a :class:`DistributedEmbedding`. A lookup
 
 1. dedupes the batch's ids (``np.unique``),
 2. takes their rows from this step's prefetch cache, fetching any others
-   from the pservers (each id from pserver ``stable_hash(id) % #pservers``,
+   from the pservers (each id from the pserver :mod:`transpiler.layout.routing` names,
    one round trip per pserver, all pservers in parallel),
 3. makes the unique rows a leaf tensor and runs torch's own
    ``F.embedding`` / ``F.embedding_bag`` on it, so autograd merges the

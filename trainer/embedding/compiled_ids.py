@@ -74,13 +74,25 @@ def unique_inverse(ids: np.ndarray):
     return unique, inverse_of(unique, slot_of, keys)
 
 
-@numba.njit("Tuple((int64[:], int64[:]))(int64[:], int64)", cache=True, nogil=True)
-def route(ids, n_pservers):  # pragma: no cover - compiled
-    """(order, bounds) of :func:`trainer.embedding.id_kernels.route`: a stable counting sort by pserver."""
+# The table of slot owners is shared and read-only (transpiler.layout.routing.slot_owners).
+_OWNERS = numba.types.Array(numba.types.int32, 1, "C", readonly=True)
+
+
+@numba.njit(
+    numba.types.Tuple((numba.types.int64[:], numba.types.int64[:]))(
+        numba.types.int64[:], _OWNERS, numba.int64
+    ),
+    cache=True,
+    nogil=True,
+)
+def route(ids, owners, n_pservers):  # pragma: no cover - compiled
+    """(order, bounds) of :func:`trainer.embedding.id_kernels.route`: a stable counting sort by pserver, the
+    pserver of an id the owner of its slot (``owners.size`` a power of two)."""
     shards = np.empty(ids.size, np.int64)
     bounds = np.zeros(n_pservers + 1, np.int64)
+    mask = np.uint64(owners.size - 1)
     for i in range(ids.size):
-        s = np.int64(_mix(np.uint64(ids[i]) + _GOLDEN) % np.uint64(n_pservers))
+        s = np.int64(owners[_mix(np.uint64(ids[i]) + _GOLDEN) & mask])
         shards[i] = s
         bounds[s + 1] += 1
     for k in range(n_pservers):

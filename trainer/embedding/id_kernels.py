@@ -1,7 +1,7 @@
 """A batch's table ids compiled: deduplicated (``np.unique``'s sorted ids and inverse) and routed to pservers.
 
 Every step a trainer deduplicates the next batch's ids (job S: 13,312 ids, about 6,300 distinct) and
-routes the distinct ones to their pservers (``stable_hash_ids(id) % pservers``, stably sorted by
+routes the distinct ones to their pservers (:func:`transpiler.layout.routing.owner_of`, stably sorted by
 pserver). ``np.unique(..., return_inverse=True)`` sorts all 13,312 with their positions (about 0.8 ms
 of CPU per step on the 2-core machine) and the route sorts again (0.3 ms); here a hash set finds the
 distinct ids in one pass, only those are sorted (a radix sort), and the route is a counting sort, with
@@ -19,7 +19,7 @@ from typing import Optional, Tuple
 
 import numpy as np
 
-from transpiler.tables import shard_of
+from transpiler.layout.routing import owner_of, slot_owners
 
 # Smaller batches take the numpy definitions: there they cost tens of µs, and the small batches of tests
 # and evaluation never load numba (0.8 s a process).
@@ -56,12 +56,12 @@ def unique_inverse(ids: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
 
 
 def route(ids: np.ndarray, n_pservers: int) -> Tuple[np.ndarray, np.ndarray]:
-    """(order, bounds): ``ids[order[bounds[k]:bounds[k+1]]]`` belong to pserver k (``stable_hash % n``), in
-    their order within each pserver."""
+    """(order, bounds): ``ids[order[bounds[k]:bounds[k+1]]]`` belong to pserver k
+    (:func:`transpiler.layout.routing.owner_of`), in their order within each pserver."""
     kernels = _kernels_for(ids)
     if kernels is not None:
-        return kernels.route(np.ascontiguousarray(ids), n_pservers)
-    shards = shard_of(ids, n_pservers)
+        return kernels.route(np.ascontiguousarray(ids), slot_owners(n_pservers), n_pservers)
+    shards = owner_of(ids, n_pservers)
     order = np.argsort(shards, kind="stable")
     bounds = np.zeros(n_pservers + 1, dtype=np.int64)
     np.cumsum(np.bincount(shards, minlength=n_pservers), out=bounds[1:])

@@ -189,12 +189,16 @@ if AVAILABLE:
                 m += 1
         return m
 
-    @numba.njit("int64(int64[:], uint64, uint64)", cache=True, nogil=True)
-    def first_foreign(ids, n_shards, shard):  # pragma: no cover - compiled
-        """Index of the first id whose shard (``stable_hash_ids(id) % n_shards``) is not ``shard``; -1 if
-        none."""
+    # The table of slot owners is shared and read-only (transpiler.layout.routing.slot_owners).
+    _OWNERS = numba.types.Array(numba.types.int32, 1, "C", readonly=True)
+
+    @numba.njit(numba.int64(numba.types.int64[:], _OWNERS, numba.int64), cache=True, nogil=True)
+    def first_foreign(ids, owners, shard):  # pragma: no cover - compiled
+        """Index of the first id whose pserver (``owners`` of its slot,
+        :func:`transpiler.layout.routing.owner_of`) is not ``shard``; -1 if none."""
+        mask = np.uint64(owners.size - 1)
         for i in range(ids.size):
-            if _mix(np.uint64(ids[i]) + _GOLDEN) % n_shards != shard:
+            if owners[_mix(np.uint64(ids[i]) + _GOLDEN) & mask] != shard:
                 return i
         return -1
 
@@ -219,11 +223,15 @@ if AVAILABLE:
             seen[p] = ids[i]
         return -1
 
-    @numba.njit("UniTuple(int64, 2)(int64[:], uint64, uint64)", cache=True, nogil=True)
-    def foreign_and_repeat(ids, n_shards, shard):  # pragma: no cover - compiled
+    @numba.njit(
+        numba.types.UniTuple(numba.int64, 2)(numba.types.int64[:], _OWNERS, numba.int64),
+        cache=True,
+        nogil=True,
+    )
+    def foreign_and_repeat(ids, owners, shard):  # pragma: no cover - compiled
         """(:func:`first_foreign`, the index of the first id that came earlier, -1 if none) of ``ids`` in one
         call; the second is -1 where the first is found."""
-        foreign = first_foreign(ids, n_shards, shard)
+        foreign = first_foreign(ids, owners, shard)
         return foreign, (_first_repeat(ids) if foreign < 0 else -1)
 
     @numba.njit("int64[:](int64[:], uint64)", cache=True, nogil=True)

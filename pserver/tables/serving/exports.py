@@ -13,7 +13,8 @@ shard K of every table, independently and at the same step::
                                              export (empty in a base), never also in ids
         <table>/shard-K-of-N/meta.json       format, version, table, dim, dtype, kind, step,
                                              previous (the export a delta follows; None for
-                                             a base), shard, n_shards, rows, tombstones
+                                             a base), shard, n_shards, routing (the
+                                             version of transpiler.layout.routing), rows, tombstones
         DONE.shard-K-of-N                    pserver K wrote every table of this export
         DONE                                 every pserver did: the export is complete
 
@@ -46,6 +47,8 @@ import shutil
 from typing import List, Optional, Tuple
 
 import numpy as np
+
+from transpiler.layout.routing import ROUTING_VERSION
 
 from ... import atomic_files
 
@@ -189,6 +192,7 @@ def _full_meta(
         step=int(step),
         shard=int(shard),
         n_shards=int(n_shards),
+        routing=ROUTING_VERSION,
         rows=int(rows.shape[0]),
         tombstones=int(tombstones.size),
     )
