@@ -24,6 +24,7 @@ import torch
 from psproto.dtypes import DTYPES
 
 from .config import DistributeTranspilerConfig
+from .layout.routing import ROUTING_VERSION
 from .optim import OptimizerSpec
 from .roles.replicas import replica_endpoints
 from .tables import TableSpec
@@ -121,7 +122,7 @@ def _tables_table(tables: List[TableSpec], n_shards: int) -> str:
     ]
     return (
         f"\n\n  distributed tables, sharded by id over {n_shards} pservers "
-        f"(stable_hash(id) % {n_shards}):\n" + _columns(head, rows)
+        f"(slots of stable_hash(id), routing version {ROUTING_VERSION}):\n" + _columns(head, rows)
     )
 
 
@@ -151,12 +152,19 @@ def _blocks_from(data: List[dict]) -> List[BlockSpec]:
     return [BlockSpec(**b) for b in data]
 
 
+def _params_from(data: List[dict]) -> List[ParamSpec]:
+    return [ParamSpec(p["name"], p["shape"], p["dtype"], _blocks_from(p["blocks"])) for p in data]
+
+
 @dataclass
 class PserverProgram:
     """Everything one pserver needs: its blocks, its table shards, the optimizer, the mode.
 
     The pserver holds shard :attr:`shard` (its position in ``pservers``) of
-    every table in ``tables``.
+    every table in ``tables``. ``params`` is the whole job's dense layout (every
+    parameter with its blocks, this pserver's and the others'), from which a
+    change of pserver count computes the next one; ``layout_epoch`` counts the
+    changes (0: as transpiled).
     """
 
     endpoint: str
@@ -168,6 +176,8 @@ class PserverProgram:
     config: DistributeTranspilerConfig
     layout_digest: str
     tables: List[TableSpec] = field(default_factory=list)
+    params: List[ParamSpec] = field(default_factory=list)
+    layout_epoch: int = 0
 
     @property
     def shard(self) -> int:
@@ -201,6 +211,7 @@ class PserverProgram:
             d["config"] = DistributeTranspilerConfig.from_dict(d["config"])
             d["blocks"] = _blocks_from(d["blocks"])
             d["tables"] = [TableSpec.from_dict(t) for t in d.get("tables", [])]
+            d["params"] = _params_from(d.get("params", []))
             return cls(**d)
         except (KeyError, TypeError) as e:
             raise ValueError(f"malformed PserverProgram: {e}") from None
@@ -260,7 +271,8 @@ class TrainerProgram:
     ``params`` lists every dense parameter with its blocks in row order;
     ``tables`` every distributed table (sharded over all ``pservers``);
     ``model`` is the trainer's local ``nn.Module`` (not serialised: pass it to
-    :meth:`from_bytes`).
+    :meth:`from_bytes`); ``layout_epoch`` counts the changes of pserver count
+    the layout went through (0: as transpiled).
     """
 
     trainer_id: int
@@ -272,6 +284,7 @@ class TrainerProgram:
     config: DistributeTranspilerConfig
     layout_digest: str
     tables: List[TableSpec] = field(default_factory=list)
+    layout_epoch: int = 0
     model: Optional[torch.nn.Module] = field(default=None, repr=False, compare=False)
 
     @property
@@ -309,9 +322,7 @@ class TrainerProgram:
         try:
             d["optimizer"] = OptimizerSpec.from_dict(d["optimizer"])
             d["config"] = DistributeTranspilerConfig.from_dict(d["config"])
-            d["params"] = [
-                ParamSpec(p["name"], p["shape"], p["dtype"], _blocks_from(p["blocks"])) for p in d["params"]
-            ]
+            d["params"] = _params_from(d["params"])
             d["tables"] = [TableSpec.from_dict(t) for t in d.get("tables", [])]
             return cls(**d, model=model)
         except (KeyError, TypeError) as e:

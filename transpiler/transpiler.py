@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import os
 from typing import Dict, List, Optional, Sequence, Union
@@ -13,41 +11,13 @@ import torch
 from psproto.dtypes import dtype_name
 
 from .config import DistributeTranspilerConfig
-from .placement import DISPATCHERS, block_count, split_rows
-from .plans import BlockSpec, ParamSpec, PserverProgram, StartupProgram, TrainerProgram
+from .layout.blocks import layout_digest, place_params
+from .plans import PserverProgram, StartupProgram, TrainerProgram
 from .program import Program
 from .roles.common import parse_endpoints
 from .roles.replicas import replica_endpoints, resolve_replicas
 
 log = logging.getLogger(__name__)
-
-
-def _layout_digest(
-    params: List[ParamSpec],
-    trainers: int,
-    sync_mode: bool,
-    program: Program,
-    config: DistributeTranspilerConfig,
-) -> str:
-    """A short hash of everything both sides must agree on; checked at Hello."""
-    blob = json.dumps(
-        {
-            "params": [
-                [p.name, p.shape, p.dtype, [[b.name, b.row_start, b.row_end, b.endpoint] for b in p.blocks]]
-                for p in params
-            ],
-            "trainers": trainers,
-            "sync_mode": sync_mode,
-            "optimizer": program.optimizer.to_dict(),
-            "max_staleness": config.max_staleness,
-            "tables": [t.to_dict() for t in program.tables],
-            # Only when set, so the digests of jobs (and checkpoints) from before the mode stay as they were.
-            **({"k_steps": config.k_steps} if config.k_steps else {}),
-            **({"backup_trainers": config.backup_trainers} if config.backup_trainers else {}),
-        },
-        sort_keys=True,
-    )
-    return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
 def _collective_endpoints(program: Program, pservers, sync_mode: bool) -> List[str]:
@@ -148,35 +118,8 @@ class DistributeTranspiler:
             self.config = resolve_replicas(self.config, endpoints, os.environ)
             _check_geo(program, sync_mode, self.config.k_steps)
             _check_backups(sync_mode, trainers, self.config)
-        dispatcher = DISPATCHERS[self.config.split_method](endpoints)
-
-        params: List[ParamSpec] = []
-        for name, p in program.dense_parameters():
-            shape = list(p.shape)
-            rows = shape[0] if shape else 1
-            if not endpoints:  # collective mode: no pservers, so no blocks; listed for its shape
-                params.append(ParamSpec(name, shape, dtype_name(p.dtype), []))
-                continue
-            n = block_count(
-                p.numel(), rows, len(endpoints), self.config.min_block_size, self.config.slice_var_up
-            )
-            ranges = split_rows(rows, n)
-            names = [f"{name}.block{i}" for i in range(n)]
-            placed = dispatcher.dispatch(names)
-            blocks = [
-                BlockSpec(
-                    bn,
-                    name,
-                    i,
-                    start,
-                    end,
-                    ([end - start] + shape[1:]) if shape else [],
-                    dtype_name(p.dtype),
-                    ep,
-                )
-                for i, (bn, (start, end), ep) in enumerate(zip(names, ranges, placed))
-            ]
-            params.append(ParamSpec(name, shape, dtype_name(p.dtype), blocks))
+        shapes = [(name, list(p.shape), dtype_name(p.dtype)) for name, p in program.dense_parameters()]
+        params = place_params(shapes, endpoints, self.config)
 
         self._program = program
         self._trainer_id = trainer_id
@@ -184,7 +127,9 @@ class DistributeTranspiler:
         self._trainers = trainers
         self._sync_mode = bool(sync_mode)
         self._params = params
-        self._digest = _layout_digest(params, trainers, self._sync_mode, program, self.config)
+        self._digest = layout_digest(
+            params, trainers, self._sync_mode, program.optimizer, program.tables, self.config
+        )
 
     def _require_transpiled(self) -> None:
         if self._program is None:
@@ -234,6 +179,7 @@ class DistributeTranspiler:
             self.config,
             self._digest,
             tables=list(self._program.tables),
+            params=self._params,
         )
 
     def get_startup_program(
