@@ -137,7 +137,8 @@ class TableShard:
 
     @contextlib.contextmanager
     def reading(self) -> Iterator[RowStore]:
-        """The shard's lock held: its rows in memory, to read (a digest) while nothing changes them."""
+        """The shard's lock held: its rows in memory, to read (a digest) while nothing else changes them,
+        or to move rows in or out (:mod:`.slot_moves`)."""
         with self._lock:
             yield self.memory
 

@@ -37,7 +37,13 @@ def transpiled(pservers, **config):
 
 @pytest.mark.parametrize(
     "now, nxt, split_method",
-    [(2, 3, "RoundRobin"), (3, 2, "RoundRobin"), (4, 5, "HashName"), (1, 2, "RoundRobin"), (2, 1, "HashName")],
+    [
+        (2, 3, "RoundRobin"),
+        (3, 2, "RoundRobin"),
+        (4, 5, "HashName"),
+        (1, 2, "RoundRobin"),
+        (2, 1, "HashName"),
+    ],
 )
 def test_the_next_plans_cut_and_place_blocks_as_a_transpile_for_that_many_pservers(now, nxt, split_method):
     old = transpiled(EPS[:now], split_method=split_method)
@@ -50,7 +56,12 @@ def test_the_next_plans_cut_and_place_blocks_as_a_transpile_for_that_many_pserve
     for ep in EPS[:nxt]:
         ps = next_pserver_program(old.get_pserver_program(EPS[0]), EPS[:nxt], ep)
         want = fresh.get_pserver_program(ep)
-        assert (ps.endpoint, ps.blocks, ps.params, ps.pservers) == (ep, want.blocks, want.params, want.pservers)
+        assert (ps.endpoint, ps.blocks, ps.params, ps.pservers) == (
+            ep,
+            want.blocks,
+            want.params,
+            want.pservers,
+        )
         assert (ps.layout_epoch, ps.layout_digest) == (1, trainer.layout_digest)
         assert PserverProgram.from_bytes(ps.to_bytes()) == ps
     assert TrainerProgram.from_bytes(trainer.to_bytes()) == dataclasses.replace(trainer, model=None)
@@ -103,7 +114,10 @@ def test_a_plan_of_a_pserver_not_in_the_next_list_or_without_the_whole_layout_is
 def test_with_hot_standby_every_new_pserver_comes_with_its_backup():
     backups = ["127.0.0.1:7101", "127.0.0.1:7102", "127.0.0.1:7103"]
     t = transpiled(
-        EPS[:2], server_replicas=2, replica_endpoints=",".join(backups[:2]), coordinator="http://127.0.0.1:2379"
+        EPS[:2],
+        server_replicas=2,
+        replica_endpoints=",".join(backups[:2]),
+        coordinator="http://127.0.0.1:2379",
     )
     with pytest.raises(LayoutChangeRefused, match="give 3 replica endpoints"):
         next_trainer_program(t.get_trainer_program(), EPS[:3])

@@ -27,7 +27,7 @@ import logging
 import os
 import re
 import tempfile
-from typing import Dict, Iterator, Optional, Tuple
+from typing import Callable, Dict, Iterator, Optional, Tuple
 
 import numpy as np
 
@@ -188,6 +188,29 @@ class DiskTiering:
         gone = np.concatenate(gone) if gone else np.empty(0, np.int64)
         self._store.delete(gone)
         return gone
+
+    # -- a change of layout ----------------------------------------------------------
+
+    def select(self, keep: Callable[[np.ndarray], np.ndarray]) -> Iterator[Tuple[np.ndarray, list]]:
+        """(ids, [rows, *state, *metadata]) of the rows on disk whose ids ``keep`` (a bool mask of ids)
+        selects, chunk by chunk."""
+        for ids, records in self._store.iter_chunks(_DISK_CHUNK):
+            sel = keep(ids)
+            if sel.any():
+                yield ids[sel], [f[sel] for f in self._unpack(records)]
+
+    def delete_where(self, keep: Callable[[np.ndarray], np.ndarray]) -> int:
+        """Delete the rows on disk whose ids ``keep`` selects; how many."""
+        gone = [ids[keep(ids)] for ids, _ in self._store.iter_chunks(_DISK_CHUNK)]
+        gone = np.concatenate(gone) if gone else np.empty(0, np.int64)
+        if gone.size:
+            self._store.delete(gone)
+            self.nbytes = self._store.nbytes
+        return int(gone.size)
+
+    def reshare(self, n_shards: int) -> None:
+        """The RAM share of a shard of ``n_shards`` (the job's pserver count changed)."""
+        self.ram_share = self.spec.lifecycle.shard_share(self.spec.lifecycle.ram_rows, n_shards)
 
     # -- exports and saves ---------------------------------------------------------
 
