@@ -11,7 +11,7 @@ import torch
 from psproto.dtypes import dtype_name
 
 from .config import DistributeTranspilerConfig
-from .layout.blocks import layout_digest, place_params
+from .layout.dense_blocks import layout_digest, place_params
 from .plans import PserverProgram, StartupProgram, TrainerProgram
 from .program import Program
 from .roles.common import parse_endpoints

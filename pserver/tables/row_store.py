@@ -102,6 +102,10 @@ class RowStore:
         """Rows stored."""
         return self._n
 
+    def relabel(self, shard: int) -> None:
+        """The shard these rows now make (a change of layout; its logs name it)."""
+        self.shard = shard
+
     # -- views of the rows stored (rows [0, n)) ---------------------------------
 
     @property

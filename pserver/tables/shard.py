@@ -130,6 +130,18 @@ class TableShard:
         """Bytes the disk tier uses (0 without one)."""
         return 0 if self.disk is None else self.disk.nbytes
 
+    def relabel(self, shard: int, n_shards: int, step: int) -> None:
+        """Become shard ``shard`` of ``n_shards`` at table step ``step`` or later: a change of layout moved
+        the rows that make it so (:mod:`pserver.layout.slot_moves`)."""
+        if n_shards < 1 or not 0 <= shard < n_shards:
+            raise ValueError(f"table {self.spec.name!r}: shard {shard} is not in [0, {n_shards})")
+        with self._lock:
+            self.shard, self.n_shards, self.step = shard, n_shards, max(self.step, step)
+            self.memory.relabel(shard)
+            self.life.reshare(n_shards)
+            if self.disk is not None:
+                self.disk.reshare(shard, n_shards)
+
     def close_disk(self) -> None:
         """Close and remove the disk tier's working store, if any (the shard's rows on disk are gone)."""
         if self.disk is not None:
@@ -138,7 +150,7 @@ class TableShard:
     @contextlib.contextmanager
     def reading(self) -> Iterator[RowStore]:
         """The shard's lock held: its rows in memory, to read (a digest) while nothing else changes them,
-        or to move rows in or out (:mod:`.slot_moves`)."""
+        or to move rows in or out (:mod:`pserver.layout.slot_moves`)."""
         with self._lock:
             yield self.memory
 

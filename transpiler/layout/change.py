@@ -2,7 +2,7 @@
 layout. Pure: the pservers' coordination (which asks, records and announces a change) calls these.
 
 A change keeps every other setting of the plan; it gives the layout a new epoch, the blocks a new cut
-and placement (:func:`.blocks.place_params`, as a transpile for that many pservers would), and the
+and placement (:func:`.dense_blocks.place_params`, as a transpile for that many pservers would), and the
 tables' slots their owners for the new count (:mod:`.routing`). Grow a job by appending pservers and
 shrink it by removing the last ones: that moves the least (:mod:`.moves`). Any other new list is allowed
 and moves more (a pserver at a new position owns that position's slots).
@@ -16,7 +16,7 @@ from typing import Mapping, Optional, Sequence
 from ..plans import PserverProgram, TrainerProgram
 from ..roles.common import parse_endpoints
 from ..roles.replicas import replica_endpoints
-from .blocks import layout_digest, place_params, shapes_of
+from .dense_blocks import layout_digest, place_params, shapes_of
 from .routing import MAX_PSERVERS
 
 # A new owner must have this much of its free memory left after taking its share (the rest: the

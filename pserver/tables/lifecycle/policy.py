@@ -125,6 +125,10 @@ class RowLifecycle:
             go = np.union1d(go, left[over])
         return go
 
+    def reshare(self, n_shards: int) -> None:
+        """The shares of a shard of ``n_shards`` (the job's pserver count changed)."""
+        self.n_shards = n_shards
+
     def end_step(self, step: int) -> None:
         """Per-step upkeep after evictions: the admission counts' decay."""
         if self.admission is not None:

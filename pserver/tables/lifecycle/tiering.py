@@ -208,8 +208,9 @@ class DiskTiering:
             self.nbytes = self._store.nbytes
         return int(gone.size)
 
-    def reshare(self, n_shards: int) -> None:
-        """The RAM share of a shard of ``n_shards`` (the job's pserver count changed)."""
+    def reshare(self, shard: int, n_shards: int) -> None:
+        """The RAM share of shard ``shard`` of ``n_shards`` (the job's pserver count changed)."""
+        self.shard = shard
         self.ram_share = self.spec.lifecycle.shard_share(self.spec.lifecycle.ram_rows, n_shards)
 
     # -- exports and saves ---------------------------------------------------------

@@ -9,8 +9,8 @@ import os
 import numpy as np
 import pytest
 
+from pserver.layout.slot_moves import drop_slots, put_slots, slot_mask, take_slots
 from pserver.tables.shard import TableShard
-from pserver.tables.slot_moves import drop_slots, put_slots, relabel, slot_mask, take_slots
 from tests.helpers.table_specs import grads_for, make_spec
 from transpiler.layout.moves import slots_between
 from transpiler.layout.routing import N_SLOTS
@@ -67,12 +67,13 @@ def move(shards, n_next, disk_dir):
     n_now = len(shards)
     spec = shards[0].spec
     out = shards[:n_next] + [TableShard(spec, k, n_next, disk_dir) for k in range(n_now, n_next)]
+    step = max(s.step for s in shards)
     for (a, b), slots in slots_between(n_now, n_next).items():
         mask = slot_mask(slots)
         put_slots(out[b], mask, take_slots(shards[a], mask))
         drop_slots(shards[a], mask)
     for k, s in enumerate(out):
-        relabel(s, k, n_next)
+        s.relabel(k, n_next, step)
     return out
 
 

@@ -18,13 +18,14 @@ import numpy as np
 
 from transpiler.layout.routing import N_SLOTS, slot_of
 
-from .shard import TableShard
+from ..tables.shard import TableShard
 
 
 @dataclass
 class SlotRows:
     """The rows a table shard held in some slots: ids, values, optimizer state arrays (in the rule's
-    order), lifecycle metadata columns, the sender's admission sketch (None without one) and step."""
+    order), lifecycle metadata columns, the sender's admission sketch (None without one) and table step
+    (the receiver relabels itself at the latest of its senders': ``TableShard.relabel``)."""
 
     table: str
     step: int
@@ -101,19 +102,5 @@ def put_slots(shard: TableShard, mask: np.ndarray, moved: SlotRows) -> None:
         sketch = shard.life.admission.sketch if shard.life.admission else None
         if sketch is not None and moved.sketch is not None:
             sketch.merge_saved(moved.sketch)
-        shard.step = max(shard.step, moved.step)
         if shard.disk is not None:
             shard.disk.spill()
-
-
-def relabel(shard: TableShard, index: int, n_shards: int) -> None:
-    """Make ``shard`` shard ``index`` of ``n_shards`` (the rows it holds must already be that shard's):
-    the ids it checks and the lifecycle's per-shard shares follow."""
-    if n_shards < 1 or not 0 <= index < n_shards:
-        raise ValueError(f"table {shard.spec.name!r}: shard {index} is not in [0, {n_shards})")
-    with shard.reading() as memory:
-        shard.shard, shard.n_shards, memory.shard = index, n_shards, index
-        shard.life.n_shards = n_shards
-        if shard.disk is not None:
-            shard.disk.shard = index
-            shard.disk.reshare(n_shards)

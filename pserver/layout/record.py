@@ -1,0 +1,82 @@
+"""The job's layout record: the pservers of the current layout epoch and the change in progress, if any.
+
+One record per job, kept where the job's coordination lives (:mod:`.stores`: etcd with hot standby,
+otherwise a file under ``checkpoint_dir``) and changed only by compare-and-set, so two operators or two
+pservers never both start a change, and every role reads one answer. The transitions are pure
+(:mod:`.phases`).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, replace
+from typing import List, Optional
+
+FORMAT = "torch-pserver-layout"
+VERSION = 1
+
+# A change's phases, in order. "asked": recorded, its new pservers starting; "copying": they are up and the
+# old owners stream the moving rows while training goes on; "switching": at the end of ``switch_step``
+# (sync) every pserver sends the rest and reports; "rolling_back": abandoned, the current layout stays.
+PHASES = ("asked", "copying", "switching", "rolling_back")
+
+
+@dataclass(frozen=True)
+class LayoutChange:
+    """A change in progress: to ``epoch``, run by ``pservers`` (and their ``replicas`` with hot standby)."""
+
+    epoch: int
+    pservers: List[str]
+    replicas: List[str] = field(default_factory=list)
+    phase: str = "asked"
+    switch_step: Optional[int] = None
+    switched: List[str] = field(default_factory=list)
+    asked_at: float = 0.0
+    why: str = ""  # why it rolls back
+
+
+@dataclass(frozen=True)
+class LayoutRecord:
+    """The layout ``epoch`` the job runs (``pservers``, ``replicas``) and the ``change`` in progress.
+
+    ``revision`` is the store's version of the record (not part of its bytes): a compare-and-set names it.
+    """
+
+    epoch: int
+    pservers: List[str]
+    replicas: List[str] = field(default_factory=list)
+    change: Optional[LayoutChange] = None
+    revision: int = 0
+
+    def to_bytes(self) -> bytes:
+        """The record as JSON (without its revision)."""
+        d = asdict(self)
+        d.pop("revision")
+        return json.dumps({"format": FORMAT, "version": VERSION, **d}, sort_keys=True).encode()
+
+    @classmethod
+    def from_bytes(cls, data: bytes, revision: int = 0) -> "LayoutRecord":
+        """A record read back; ``ValueError`` naming what is wrong with malformed bytes."""
+        try:
+            d = json.loads(bytes(data).decode())
+        except (UnicodeDecodeError, ValueError) as e:
+            raise ValueError(f"not a layout record: {e}") from None
+        if not isinstance(d, dict) or d.get("format") != FORMAT:
+            raise ValueError("not a layout record")
+        if d.get("version") != VERSION:
+            raise ValueError(f"layout record version {d.get('version')!r}, this build reads {VERSION}")
+        try:
+            change = d.get("change")
+            return cls(
+                int(d["epoch"]),
+                list(d["pservers"]),
+                list(d.get("replicas", [])),
+                None if change is None else LayoutChange(**change),
+                revision,
+            )
+        except (KeyError, TypeError) as e:
+            raise ValueError(f"malformed layout record: {e}") from None
+
+    def with_revision(self, revision: int) -> "LayoutRecord":
+        """This record as the store holds it at ``revision``."""
+        return replace(self, revision=revision)
