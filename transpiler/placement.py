@@ -9,7 +9,7 @@ lives.
 from __future__ import annotations
 
 import hashlib
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, Iterable, List, Mapping, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -43,6 +43,18 @@ def stable_hash_ids(ids: np.ndarray) -> np.ndarray:
 def as_rows(t: torch.Tensor) -> torch.Tensor:
     """``t`` as the 2-D (dim-0 rows, rest) view blocks are cut from; a scalar is one row."""
     return t.reshape(t.shape[0] if t.dim() else 1, -1)
+
+
+def by_param(saved_blocks: Iterable[Mapping[str, dict]]) -> Dict[str, List[dict]]:
+    """Saved blocks (``{block: {"param", "row_start", "row_end", "value", "state"}}``, of one pserver or
+    several) grouped by parameter and ordered by first row: what :func:`cut_block` cuts from."""
+    grouped: Dict[str, List[dict]] = {}
+    for saved in saved_blocks:
+        for entry in saved.values():
+            grouped.setdefault(entry["param"], []).append(entry)
+    for entries in grouped.values():
+        entries.sort(key=lambda e: e["row_start"])
+    return grouped
 
 
 def cut_block(

@@ -34,7 +34,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from transpiler.placement import cut_block
+from transpiler.placement import by_param, cut_block
 
 from .. import atomic_files
 from ..tables import files as table_files
@@ -273,18 +273,14 @@ def prune(root: str, shard: int, n_shards: int, keep: int, newer_than: Optional[
 
 def load_blocks(parts: Sequence[str]) -> Dict[str, List[dict]]:
     """The saved blocks of every part, grouped by parameter and ordered by first row."""
-    by_param: Dict[str, List[dict]] = {}
+    saved = []
     for part in parts:
         path = os.path.join(part, BLOCKS_FILE)
         try:
-            saved = torch.load(path, map_location="cpu", weights_only=True)
+            saved.append(torch.load(path, map_location="cpu", weights_only=True))
         except (OSError, RuntimeError, EOFError) as e:
             raise ValueError(f"checkpoint part {part}: cannot read {BLOCKS_FILE}: {e}") from None
-        for entry in saved.values():
-            by_param.setdefault(entry["param"], []).append(entry)
-    for entries in by_param.values():
-        entries.sort(key=lambda e: e["row_start"])
-    return by_param
+    return by_param(saved)
 
 
 def table_directories(saved: Saved, table: str) -> List[str]:
