@@ -190,6 +190,7 @@ class ParameterServer:
             stretches=self.stretches,
             claims=self.claims,
             data_port=self._data_listener.port,
+            layout_epoch=program.layout_epoch,
         )
         # A trainer with a call still being served (a push's answer made and sent after its step applied,
         # a heartbeat waiting for a pool thread) is alive to the engine too, and heard from when it ends.

@@ -26,6 +26,8 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from transpiler.layout.routing import ROUTING_VERSION
+
 log = logging.getLogger(__name__)
 
 # Seconds; a sync step's wait spans a few milliseconds (fast trainers) to the barrier_timeout (a lost one).
@@ -98,6 +100,13 @@ class PserverCollector(Collector):
         )
         yield info
         yield _gauge("ps_step", "Updates applied (sync mode: the step the pserver is at)", ep, snap.step)
+        yield _gauge(
+            "ps_layout_epoch",
+            "The layout this pserver serves (0: as transpiled)",
+            ep,
+            svc.checks.layout_epoch,
+        )
+        yield _gauge("ps_routing_version", "How table ids are routed to pservers", ep, ROUTING_VERSION)
         trainers = GaugeMetricFamily(
             "ps_trainers",
             "Trainers by state: alive (joined, heard from), dropped (silent past heartbeat_timeout), closed",

@@ -1,5 +1,5 @@
-"""``ps-stat``: one line per pserver of a running job: step, trainers, sizes, traffic, dropped pushes (backup
-trainers), heartbeats, checkpoint;
+"""``ps-stat``: one line per pserver of a running job: layout epoch, step, trainers, sizes, traffic, dropped
+pushes (backup trainers), heartbeats, checkpoint;
 then one line per distributed table and pserver: rows in memory and on disk, and the lifecycle's
 counts (admitted, refused, evicted, spilled, promoted).
 
@@ -33,6 +33,7 @@ from transpiler.roles.role_env import parse_endpoints
 HEADERS = (
     "ENDPOINT",
     "MODE",
+    "LAYOUT",
     "STEP",
     "TRAINERS",
     "DROPPED",
@@ -140,6 +141,7 @@ def row(endpoint: str, r: ps_pb2.StatsReply, rate: Optional[float]) -> Tuple[str
     return (
         endpoint,
         "sync" if r.sync_mode else "async",
+        f"epoch {r.layout_epoch}",
         str(r.step),
         _ids(r.trainers_alive),
         _ids(r.trainers_dropped),

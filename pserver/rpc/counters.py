@@ -14,6 +14,7 @@ from typing import Dict, Tuple
 import grpc
 
 from psproto import ps_pb2
+from transpiler.layout.routing import ROUTING_VERSION
 
 
 class Counters:
@@ -70,10 +71,10 @@ class Counters:
             self.refused_by[key] = self.refused_by.get(key, 0) + 1
 
     def stats_reply(
-        self, endpoint: str, snap, incarnation: int, uptime_s: float, replica
+        self, endpoint: str, snap, incarnation: int, uptime_s: float, replica, layout_epoch: int = 0
     ) -> ps_pb2.StatsReply:
-        """The Stats answer: these counters beside the engine's snapshot ``snap`` and the replica's stats
-        (or None)."""
+        """The Stats answer: these counters beside the engine's snapshot ``snap``, the replica's stats
+        (or None) and the layout epoch served."""
         last = snap.checkpoint
         with self.lock:
             return ps_pb2.StatsReply(
@@ -101,4 +102,6 @@ class Counters:
                 checkpoint_age_s=time.time() - last.time if last else 0.0,
                 tables=[ps_pb2.TableStats(**t.to_dict()) for t in snap.tables],
                 replica=replica,
+                layout_epoch=layout_epoch,
+                routing_version=ROUTING_VERSION,
             )

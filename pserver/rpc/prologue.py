@@ -82,15 +82,19 @@ class CallerChecks:
 
     Shared by the servicers of the service (:mod:`.service`): ``trainers`` the job's trainer count,
     ``sessions`` the :class:`~.sessions.Sessions` of this pserver, ``replica`` its place in a replicated
-    shard (None without replicas), ``layout_digest`` the plan it runs.
+    shard (None without replicas), ``layout_digest`` the plan it runs and ``layout_epoch`` that plan's
+    layout epoch (docs/operations.md, "Growing and shrinking a job").
     """
 
-    def __init__(self, endpoint: str, trainers: int, sessions, replica, layout_digest: str):
+    def __init__(
+        self, endpoint: str, trainers: int, sessions, replica, layout_digest: str, layout_epoch: int = 0
+    ):
         self.endpoint = endpoint
         self.trainers = trainers
         self.sessions = sessions
         self.replica = replica
         self.layout_digest = layout_digest
+        self.layout_epoch = layout_epoch
 
     def serving(self) -> None:
         """Refuse a trainer's call (NotPrimary) on a replica that does not lead its shard."""

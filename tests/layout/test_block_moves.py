@@ -35,9 +35,7 @@ def trained_stores(pservers, optimizer, split_method):
 
 
 @pytest.mark.parametrize("optimizer", ["sgd", "momentum", "adam", "adagrad"])
-@pytest.mark.parametrize(
-    "now, nxt, split", [(2, 3, "RoundRobin"), (3, 2, "RoundRobin"), (2, 3, "HashName")]
-)
+@pytest.mark.parametrize("now, nxt, split", [(2, 3, "RoundRobin"), (3, 2, "RoundRobin"), (2, 3, "HashName")])
 def test_next_blocks_from_kept_and_received_pieces_equal_a_re_sharded_checkpoint(optimizer, now, nxt, split):
     t, stores = trained_stores(EPS[:now], optimizer, split)
     saved = {ep: s.saved_blocks() for ep, s in stores.items()}

@@ -183,6 +183,7 @@ def test_metrics_move_during_a_sync_job():
         assert all(ports) and len(set(ports)) == 2
         first = scrape(ports[0])
         assert value(first, "ps_step") == 0 and value(first, "ps_pushes_total") == 0
+        assert value(first, "ps_layout_epoch") == 0 and value(first, "ps_routing_version") == 2
         assert value(first, "ps_trainers", state="alive") == 0
         assert value(first, "ps_trainers_expected") == 2
         assert value(first, "ps_pserver_info", mode="sync", shard="0", pservers="2", trainers="2") == 1

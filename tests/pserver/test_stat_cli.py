@@ -63,12 +63,13 @@ def cluster():
 def test_rows_name_each_pserver_with_its_step(cluster, capsys):
     assert stat_cli.main([",".join(cluster.endpoints), "--interval", "0.2"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
-    assert lines[0].split()[:3] == ["ENDPOINT", "MODE", "STEP"]
+    assert lines[0].split()[:4] == ["ENDPOINT", "MODE", "LAYOUT", "STEP"]
     assert len(lines) == 1 + len(cluster.endpoints)
     for ep, line in zip(cluster.endpoints, lines[1:]):
         cells = line.split()
-        assert cells[0] == ep and cells[1] == "sync" and cells[2] == str(STEPS)
-        assert cells[3] == "-"  # both trainers closed
+        assert cells[0] == ep and cells[1] == "sync" and cells[2:4] == ["epoch", "0"]
+        assert cells[4] == str(STEPS)
+        assert cells[5] == "-"  # both trainers closed
 
 
 @pytest.mark.timeout(30)
@@ -79,6 +80,7 @@ def test_json_has_every_field(cluster, capsys, monkeypatch):
     assert [o["endpoint"] for o in objects] == cluster.endpoints
     for o in objects:
         assert o["step"] == STEPS and o["sync_mode"] is True
+        assert o["layout_epoch"] == 0 and o["routing_version"] == 2
         assert o["pushes"] == 2 * STEPS and isinstance(o["block_bytes"], int)
         assert "pushes_per_s" in o and "checkpoint_step" in o and "uptime_s" in o
 
@@ -102,7 +104,7 @@ def test_live_trainers_and_push_rate(capsys, monkeypatch):
             step(0)
             assert stat_cli.main([c.endpoints[0], "--interval", "0"]) == 0
             cells = capsys.readouterr().out.strip().splitlines()[1].split()
-            assert cells[2:4] == ["1", "0"]
+            assert cells[4:6] == ["1", "0"]
             # --interval 0: the mean since the pserver started.
             obj = json_stats("--interval", "0")
             assert obj["pushes"] == 1 and obj["uptime_s"] > 0
@@ -132,7 +134,7 @@ def test_live_trainers_and_push_rate(capsys, monkeypatch):
             assert stat_cli.main([c.endpoints[0], "--interval", "0.25"]) == 0
             header, line = capsys.readouterr().out.strip().splitlines()
             assert line[header.index("PUSHES/S") :].split()[0] == "8.0"
-            assert line.split()[2] == "6"
+            assert line.split()[4] == "6"
 
 
 @pytest.mark.timeout(30)

@@ -191,7 +191,12 @@ class ControlCalls:
         parse(ps_pb2.StatsRequest, data)
         replica = self.replica.stats() if self.replica is not None else None
         return self.counters.stats_reply(
-            self.endpoint, self.engine.stats(), self.incarnation, time.monotonic() - self.started, replica
+            self.endpoint,
+            self.engine.stats(),
+            self.incarnation,
+            time.monotonic() - self.started,
+            replica,
+            self.checks.layout_epoch,
         )
 
     def handlers(self) -> Dict[str, grpc.RpcMethodHandler]:

@@ -72,6 +72,7 @@ class PserverServicer:
         stretches: Optional[Stretches] = None,
         claims: Optional[StepClaims] = None,
         data_port: int = 0,
+        layout_epoch: int = 0,
     ):
         self.engine = engine
         self.contents = contents
@@ -82,7 +83,9 @@ class PserverServicer:
         self.counters = Counters()
         self.sessions = Sessions(engine.endpoint, alive_window)
         self.stretches = stretches if stretches is not None else Stretches(allowed=False)
-        self.checks = CallerChecks(engine.endpoint, engine.trainers, self.sessions, replica, layout_digest)
+        self.checks = CallerChecks(
+            engine.endpoint, engine.trainers, self.sessions, replica, layout_digest, layout_epoch
+        )
         checks = self.checks
         self.data = DataCalls(engine, contents, checks, self.counters, chunk_bytes, allow_nonfinite, claims)
         self.control = ControlCalls(
