@@ -134,6 +134,65 @@ def test_a_restored_shard_writes_a_resync_delta(tmp_path):
         e.close()
 
 
+@pytest.mark.parametrize("n_before, n_after", [(2, 3), (3, 2)])
+def test_a_job_restarted_at_another_pserver_count_writes_resync_deltas_its_reader_takes(
+    tmp_path, n_before, n_after
+):
+    """Restarted from a save at another pserver count, with some of its updates lost: each new shard's
+    first delta tombstones the ids the chain (written by the old count) holds that are now its own and
+    that it no longer holds, so the reader equals the restarted table: none left behind, none twice."""
+    root, saved = str(tmp_path / "exports"), tmp_path / "saved"
+    spec = dataclasses.replace(make_spec(dim=3), lifecycle=TableLifecycle(evict_unseen_steps=2))
+    rng = np.random.default_rng(5)
+    reader = ServingTables(root)
+
+    def job(n):
+        shards = [TableShard(spec, k, n) for k in range(n)]
+        return shards, [
+            TableExporter(SimpleNamespace(shards={"emb": s}, shard=k, n_shards=n), root, 1, 100, 2)
+            for k, s in enumerate(shards)
+        ]
+
+    def train(shards, exporters, step):
+        ids = np.unique(rng.integers(0, 80, size=30)).astype(np.int64)
+        for k, s in enumerate(shards):
+            mine = ids[shard_of(ids, len(shards)) == k]
+            s.apply(mine, grads_for(mine, 3, step), 0.2)
+            exporters[k].after_update(s.step)
+            exporters[k].wait()
+
+    shards, exporters = job(n_before)
+    for step in range(1, 5):
+        train(shards, exporters, step)
+    dirs = [str(saved / f"shard{k}") for k in range(n_before)]
+    for s, d in zip(shards, dirs):
+        s.save(d)
+    for step in range(5, 8):  # lost: the restart loads the save of step 4
+        train(shards, exporters, step)
+    reader.refresh()
+    assert_reader_equals_live(reader, "emb", shards)
+    before = set(live_table(shards)[0].tolist())
+    for e in exporters:
+        e.close()
+    restarted = [TableShard.load(spec, k, n_after, dirs) for k in range(n_after)]
+    for s in restarted:
+        s.relabel(s.shard, n_after, shards[0].step)  # at the old job's step, as a resumed job's exports are
+    shards, exporters = (
+        restarted,
+        [
+            TableExporter(SimpleNamespace(shards={"emb": s}, shard=k, n_shards=n_after), root, 1, 100, 2)
+            for k, s in enumerate(restarted)
+        ],
+    )
+    gone_since = before - set(live_table(shards)[0].tolist())
+    assert gone_since  # ids the chain holds that the restarted table does not
+    train(shards, exporters, 8)
+    assert reader.refresh() == ["000000000008-delta"]
+    assert_reader_equals_live(reader, "emb", shards)
+    for e in exporters:
+        e.close()
+
+
 @pytest.mark.timeout(90)
 def test_exports_every_so_many_seconds_follow_pserver_0s_clock(tmp_path):
     """export_every_seconds: pserver 0's clock (a fake one here) says when; it announces the step two

@@ -16,9 +16,11 @@ A delta holds the rows updated since this pserver's previous export (their
 ``seen_step`` is later) and the ids evicted since then that hold no row now.
 A pserver that has not exported since it started or was rolled back does not
 know what its previous export held, so its first delta is a *resync*: every
-row it holds, and tombstones for the ids the export chain on disk holds for
-its shard but it does not. Either way a reader applying the chain ends with
-exactly the live table.
+row it holds, and tombstones for the ids the export chain on disk holds that
+are its shard's but it does not hold. The chain is read across all its shards,
+so a job restarted at another pserver count (or routing version) tombstones
+each id once, on its current owner. Either way a reader applying the chain
+ends with exactly the live table.
 
 The rows are copied under each shard's lock when the step ends (a delta is
 small; a base copies the shard once) and written on a background thread, so
@@ -34,10 +36,13 @@ import concurrent.futures
 import json
 import logging
 import os
+import re
 import time
 from typing import Callable, Dict, Optional, Tuple
 
 import numpy as np
+
+from transpiler.tables import shard_of
 
 from ... import atomic_files
 from . import exports
@@ -124,27 +129,35 @@ class ClockSchedule:
 
 
 def chain_ids(root: str, name: str, table: str, shard: int, n_shards: int) -> Optional[np.ndarray]:
-    """The ids export ``name`` and the exports it follows hold for one table shard; None if unreadable.
+    """The ids export ``name`` and the exports it follows hold for ``table`` that shard ``shard`` of
+    ``n_shards`` owns under today's routing; None if unreadable.
 
-    Walks ``previous`` links back to a base, then replays the ids and
-    tombstones forward. Reads only this shard's files.
+    Walks ``previous`` links back to a base, reading every shard's files of each export (they may have
+    been written by another number of pservers, or placed by another routing version), then replays the
+    ids and tombstones forward.
     """
     chain = []
     while name is not None:
-        d = os.path.join(root, name, table, f"shard-{shard}-of-{n_shards}")
+        folder = os.path.join(root, name, table)
         try:
-            meta = exports_meta(d)
-            ids = np.load(os.path.join(d, "ids.npy"), allow_pickle=False)
-            gone = np.load(os.path.join(d, "tombstones.npy"), allow_pickle=False)
+            dirs = sorted(os.path.join(folder, e) for e in os.listdir(folder) if _SHARD_DIR.match(e))
+            if not dirs:
+                raise ValueError("no shard directory")
+            meta = exports_meta(dirs[0])
+            ids = [np.load(os.path.join(d, "ids.npy"), allow_pickle=False) for d in dirs]
+            gone = [np.load(os.path.join(d, "tombstones.npy"), allow_pickle=False) for d in dirs]
         except (OSError, ValueError) as e:
-            log.warning("export %s: table %s shard %d/%d is unreadable (%s)", name, table, shard, n_shards, e)
+            log.warning("export %s: table %s is unreadable (%s)", name, table, e)
             return None
-        chain.append((ids, gone))
+        chain.append((np.concatenate(ids), np.concatenate(gone)))
         name = meta.get("previous")
     held = np.empty(0, np.int64)
     for ids, gone in reversed(chain):
-        held = np.union1d(np.setdiff1d(held, gone, assume_unique=True), ids)
-    return held
+        held = np.union1d(np.setdiff1d(held, gone), ids)
+    return held[shard_of(held, n_shards) == shard]
+
+
+_SHARD_DIR = re.compile(r"^shard-(\d+)-of-(\d+)$")
 
 
 def exports_meta(directory: str) -> dict:
