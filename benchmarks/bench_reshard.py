@@ -24,29 +24,15 @@ from typing import Dict, List
 
 import numpy as np
 
+from benchmarks.bench_table import DIM, spec_for
 from benchmarks.common.machine import OtherLoad, cpu_model
 from benchmarks.common.paths import dated_result
 from pserver.layout.slot_moves import drop_slots, put_slots, slot_mask, take_slots
 from pserver.tables.shard import TableShard
 from transpiler.layout.moves import slots_between
-from transpiler.tables import TableOptimizerSpec, TableSpec, shard_of
+from transpiler.tables import TableSpec, shard_of
 
-DIM = 16
 _BATCH = 500_000
-
-
-def spec(optimizer: str, rows: int) -> TableSpec:
-    return TableSpec(
-        name="emb",
-        dim=DIM,
-        dtype="float32",
-        kind="embedding",
-        capacity=rows,
-        seed=1,
-        init="normal",
-        init_kwargs={"mean": 0.0, "std": 0.01},
-        optimizer=TableOptimizerSpec(optimizer, {"lr": 0.05}),
-    )
 
 
 def filled(table: TableSpec, n_shards: int, rows: int) -> List[TableShard]:
@@ -118,7 +104,7 @@ def main(argv=None) -> None:
     ap.add_argument("--runs", type=int, default=3)
     args = ap.parse_args(argv)
     changes = [tuple(int(x) for x in c.split(":")) for c in args.changes.split(",")]
-    table = spec(args.optimizer, args.rows)
+    table = spec_for(args.optimizer, args.rows)  # bench_table's: dim 16, float32, N(0, 1) rows
     results: Dict[str, dict] = {}
     with OtherLoad() as load:
         for now, nxt in changes:

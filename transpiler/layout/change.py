@@ -106,11 +106,9 @@ def _next_config(config, pservers_next: Sequence[str], replicas_next: Optional[S
     return dataclasses.replace(config, replica_endpoints=",".join(replicas_next))
 
 
-def next_trainer_program(
-    program: TrainerProgram, pservers_next: Sequence[str], replicas_next: Optional[Sequence[str]] = None
-) -> TrainerProgram:
-    """``program`` for the layout after a change to ``pservers_next``: the next epoch, its blocks and
-    digest; the trainer, its model and every setting unchanged."""
+def _next_layout(program, pservers_next, replicas_next):
+    """(pservers, config, params, epoch, digest) of the layout after ``program``'s job changes to
+    ``pservers_next``: checked, the blocks cut and placed again, the next epoch and its digest."""
     pservers_next = _parsed(pservers_next)
     check_change(program.pservers, pservers_next, program.layout_epoch)
     config = _next_config(program.config, pservers_next, replicas_next)
@@ -119,13 +117,17 @@ def next_trainer_program(
     digest = layout_digest(
         params, program.trainers, program.sync_mode, program.optimizer, program.tables, config, epoch
     )
+    return pservers_next, config, params, epoch, digest
+
+
+def next_trainer_program(
+    program: TrainerProgram, pservers_next: Sequence[str], replicas_next: Optional[Sequence[str]] = None
+) -> TrainerProgram:
+    """``program`` for the layout after a change to ``pservers_next``: the next epoch, its blocks and
+    digest; the trainer, its model and every setting unchanged."""
+    pservers, config, params, epoch, digest = _next_layout(program, pservers_next, replicas_next)
     return dataclasses.replace(
-        program,
-        pservers=list(pservers_next),
-        params=params,
-        config=config,
-        layout_digest=digest,
-        layout_epoch=epoch,
+        program, pservers=pservers, params=params, config=config, layout_digest=digest, layout_epoch=epoch
     )
 
 
@@ -142,21 +144,14 @@ def next_pserver_program(
             f"the plan of {program.endpoint} lists only its own blocks (it was made before layouts could "
             f"change): restart the job's roles from a checkpoint to change its pserver count"
         )
-    pservers_next = _parsed(pservers_next)
-    check_change(program.pservers, pservers_next, program.layout_epoch)
-    config = _next_config(program.config, pservers_next, replicas_next)
-    owner = next((g[0] for g in replica_endpoints(config, pservers_next) if endpoint in g), None)
+    pservers, config, params, epoch, digest = _next_layout(program, pservers_next, replicas_next)
+    owner = next((g[0] for g in replica_endpoints(config, pservers) if endpoint in g), None)
     if owner is None:
-        raise LayoutChangeRefused(f"{endpoint} is not one of the next pservers {list(pservers_next)}")
-    params = place_params(shapes_of(program.params), pservers_next, config)
-    epoch = program.layout_epoch + 1
-    digest = layout_digest(
-        params, program.trainers, program.sync_mode, program.optimizer, program.tables, config, epoch
-    )
+        raise LayoutChangeRefused(f"{endpoint} is not one of the next pservers {pservers}")
     return dataclasses.replace(
         program,
         endpoint=endpoint,
-        pservers=list(pservers_next),
+        pservers=pservers,
         blocks=[b for p in params for b in p.blocks if b.endpoint == owner],
         config=config,
         layout_digest=digest,
