@@ -17,7 +17,7 @@ from transpiler import TrainerProgram
 from transpiler.roles.role_env import NodeEnv
 
 from .blocks import LocalBlocks
-from .embedding import install_tables
+from .embedding import install_tables, serve_tables_from
 from .feed import Feed
 from .heartbeat import Heartbeat
 from .node import pick_device
@@ -86,17 +86,10 @@ class PserverTrainer(TrainerBase):
         self.device = pick_device(self.local_rank)
         self.model = program.model
         self.sync_mode = program.sync_mode
+        self._security, self._init_method = security, init_method  # what a change of layout rebuilds with
         self.blocks = LocalBlocks(program, self.model)
         self.channels = Channels(program, security)
-        # Every step pushes to each pserver that owns blocks or table shards,
-        # even with nothing for it, so sync barriers count this trainer.
-        # With backup trainers, the first pserver (which decides each step's trainers) steps with the others.
-        push_endpoints = (
-            list(program.pservers) if program.tables or cfg.backup_trainers else list(self.blocks.by_endpoint)
-        )
-        self.recovery = Recovery(
-            self.channels, self.sync_mode, push_endpoints, cfg.connect_timeout, cfg.recovery_timeout
-        )
+        self.recovery = self._recovery(program)
         self.stepper: Optional[Stepper] = None
         try:
             self.stepper = self._stepper(init_method)
@@ -112,7 +105,10 @@ class PserverTrainer(TrainerBase):
             if self.device.type != "cpu":  # after the tables left: their modules may sit on the meta device
                 self.model.to(self.device)
             # TensorBoard (docs/tensorboard.md): trainer 0's first process also writes the pservers' Stats.
-            self._open_board("step_time/push_pull_ms", self.channels.stats, list(program.pservers))
+            # The board asks the channels of the layout it is in (a change of pserver count replaces them).
+            self._open_board(
+                "step_time/push_pull_ms", lambda t: self.channels.stats(t), list(program.pservers)
+            )
         except BaseException:
             if self.feed is not None:
                 self.feed.close()
@@ -135,6 +131,18 @@ class PserverTrainer(TrainerBase):
             type(self.stepper).__name__,
             len(self.blocks.by_name),
             len(self.blocks.by_endpoint),
+        )
+
+    def _recovery(self, program: TrainerProgram) -> Recovery:
+        """How this trainer heals with the pservers of ``program``: it pushes every step to each pserver
+        that owns blocks or table shards, even with nothing for it, so sync barriers count it (with backup
+        trainers the first pserver, which decides each step's trainers, steps with the others)."""
+        cfg = program.config
+        push_endpoints = (
+            list(program.pservers) if program.tables or cfg.backup_trainers else list(self.blocks.by_endpoint)
+        )
+        return Recovery(
+            self.channels, self.sync_mode, push_endpoints, cfg.connect_timeout, cfg.recovery_timeout
         )
 
     def _stepper(self, init_method: Optional[str]) -> Stepper:
@@ -311,6 +319,60 @@ class PserverTrainer(TrainerBase):
         ``with`` block on an exception closes without waiting.
         """
         super().close()
+
+    def adopt(self, program: TrainerProgram) -> None:
+        """Go on in the layout of ``program``: this trainer's plan after a change of its job's pserver count
+        (:func:`transpiler.layout.change.next_trainer_program`).
+
+        The step in flight is flushed, the connections to the current pservers are released without a
+        Close (the trainer does not leave the job), and the blocks, connections and stepper are rebuilt for
+        the next pservers, which are joined at the step they stand at; the model, the data position and a
+        loop over :meth:`batches` go on. ValueError for a plan that is not this job's next layout, or for a
+        stepper that cannot change layout yet (GEO, trainer nodes, the async pipeline).
+        """
+        self._check_open()
+        now = self.program
+        same = ("trainer_id", "trainers", "sync_mode", "optimizer", "tables")
+        if program.layout_epoch != now.layout_epoch + 1 or any(
+            getattr(program, f) != getattr(now, f) for f in same
+        ):
+            raise ValueError(
+                f"trainer {self.trainer_id}: the plan to adopt must be this job's next layout (epoch "
+                f"{now.layout_epoch + 1}, the same trainers, mode, optimizer and tables); got epoch "
+                f"{program.layout_epoch}"
+            )
+        if type(self.stepper) is not LocalStepper:
+            raise ValueError(
+                f"trainer {self.trainer_id}: a change of layout is not supported with "
+                f"{type(self.stepper).__name__} yet (only one process per trainer, sync or async without "
+                f"the pipeline)"
+            )
+        self.stepper.flush()
+        if self._heartbeat is not None:
+            self._heartbeat.stop()
+            self._heartbeat = None
+        self.stepper.close(None)  # the old layout's connections: no Close, this trainer stays in the job
+        self.program = program
+        self.blocks = LocalBlocks(program, self.model)
+        self.channels = Channels(program, self._security)
+        self.recovery = self._recovery(program)
+        self.stepper = self._stepper(self._init_method)
+        self.tables = self.stepper.tables
+        self.feed.follow(self.stepper.pull, self.stepper.plan_next_batch if program.tables else None)
+        self.stepper.join()
+        serve_tables_from(self.model, program.tables, self.tables)
+        cfg = program.config
+        self._heartbeat = Heartbeat(
+            self.channels, program.pservers, cfg.heartbeat_interval, cfg.heartbeat_timeout
+        ).start()
+        log.info(
+            "trainer %d: adopted layout epoch %d at step %d: %d blocks on %d pservers",
+            self.trainer_id,
+            program.layout_epoch,
+            self.step_count,
+            len(self.blocks.by_name),
+            len(program.pservers),
+        )
 
     def _close(self, patient: bool) -> None:
         if self._heartbeat is not None:

@@ -19,7 +19,7 @@ a sync pushes how far they moved.
 """
 
 from .client import Fetch, NextBatchPlan, RowFetch, RowsByPserver, RowShapes, TableClient
-from .module import DistributedEmbedding, install_tables
+from .module import DistributedEmbedding, install_tables, serve_tables_from
 from .touched import TouchedRows
 
 __all__ = [
@@ -32,4 +32,5 @@ __all__ = [
     "Fetch",
     "DistributedEmbedding",
     "install_tables",
+    "serve_tables_from",
 ]

@@ -46,6 +46,16 @@ def install_tables(
         setattr(parent, attr, DistributedEmbedding(spec, client, device))
 
 
+def serve_tables_from(model: torch.nn.Module, specs: Sequence[TableSpec], client: TableClient) -> None:
+    """Have the :class:`DistributedEmbedding` modules :func:`install_tables` put in ``model`` fetch their rows
+    through ``client`` (the trainer's table client of a new layout)."""
+    for spec in specs:
+        module = model.get_submodule(spec.name)
+        if not isinstance(module, DistributedEmbedding):
+            raise ValueError(f"table {spec.name!r} of this model is not served by a Trainer")
+        module.serve_from(client)
+
+
 class DistributedEmbedding(torch.nn.Module):
     """Stands in for a distributed ``nn.Embedding`` / ``nn.EmbeddingBag``: rows come from pservers.
 
@@ -61,6 +71,10 @@ class DistributedEmbedding(torch.nn.Module):
         self.spec = spec
         self._client = client
         self._device = device
+
+    def serve_from(self, client: TableClient) -> None:
+        """Fetch rows through ``client`` from now on (the trainer changed layout)."""
+        self._client = client
 
     def forward(
         self,

@@ -1,0 +1,82 @@
+"""Trainers that adopt a new layout mid-training: a sync job with distributed tables goes from 2 to 3 to 2
+pservers, the pservers restarted at each change from a checkpoint of the step they stopped at, the trainers
+staying up and adopting the next plan; the model equals one process on the same batches (float64)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from torch import nn
+
+from harness.cluster import LocalCluster
+from harness.ports import free_ports
+from pserver import ParameterServer
+from tests.helpers.table_models import BAG_VOCAB, VOCAB, single_process, table_batches, table_program
+from tests.tables.test_sync import assert_matches
+from transpiler import DistributeTranspilerConfig
+from transpiler.layout.change import next_pserver_program, next_trainer_program
+
+STEPS = 10
+
+
+def change_pservers(cluster: LocalCluster, endpoints) -> None:
+    """Stop every pserver and start ``endpoints`` with the next plan; they resume from the checkpoint
+    written at the step the job stands at."""
+    now = cluster.servers[0].program
+    for server in cluster.servers:
+        server.stop()
+    cluster.servers = [
+        cluster._stack.enter_context(
+            ParameterServer(next_pserver_program(now, endpoints, ep), None, security=cluster.security)
+        )
+        for ep in endpoints
+    ]
+    cluster.endpoints = list(endpoints)
+
+
+@pytest.mark.timeout(120)
+def test_a_sync_job_goes_from_2_to_3_to_2_pservers_with_its_trainers_up_and_equals_one_process(tmp_path):
+    data = table_batches(2, 4, STEPS, seed=7)
+    build = lambda: table_program("adagrad", torch.float64)  # noqa: E731
+    config = DistributeTranspilerConfig(checkpoint_dir=str(tmp_path / "checkpoints"))
+    with LocalCluster(build, 2, 2, config=config) as cluster:
+        grown = cluster.endpoints + [f"127.0.0.1:{p}" for p in free_ports(1)]
+        changes = {3: grown, 7: grown[:2]}
+        between = threading.Barrier(2)
+        epochs, steps_seen, rows = {0: [], 1: []}, {0: [], 1: []}, []
+
+        def body(tr, i):
+            for step, step_batches in enumerate(data, start=1):
+                ids, bag, y = step_batches[i]
+                nn.functional.cross_entropy(tr.model(ids, bag), y).backward()
+                steps_seen[i].append(tr.step())
+                if i == 0 and step == 5:  # the grown layout: every pserver holds table rows
+                    rows.append([s.engine.tables.rows for s in cluster.servers])
+                if step in changes:
+                    between.wait(30)
+                    if i == 0:
+                        tr.checkpoint()
+                        change_pservers(cluster, changes[step])
+                    between.wait(30)
+                    with pytest.raises(ValueError, match="must be this job's next layout"):
+                        tr.adopt(tr.program)  # refused, nothing changed
+                    tr.adopt(next_trainer_program(tr.program, changes[step]))
+                    epochs[i].append((tr.program.layout_epoch, len(tr.program.pservers), tr.step_count))
+            return (
+                tr.state_dict(),
+                {
+                    "emb": tr.pull_rows("emb", torch.from_numpy(VOCAB)),
+                    "bag": tr.pull_rows("bag", torch.from_numpy(BAG_VOCAB)),
+                },
+            )
+
+        results = cluster.run_trainers(body, timeout=100)
+        assert len(rows[0]) == 3 and min(rows[0]) > 0
+        assert [s.engine.step for s in cluster.servers] == [STEPS, STEPS]
+    expected = single_process(build(), data)
+    for i in (0, 1):
+        assert_matches(results[i], expected)
+        assert epochs[i] == [(1, 3, 3), (2, 2, 7)]
+        assert steps_seen[i] == list(range(1, STEPS + 1))  # no step repeated, none rolled back
