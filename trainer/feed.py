@@ -68,20 +68,16 @@ class Feed:
             self._drop_next()
             self._state.end_batches()
 
-    def follow(self, pull: Callable[[], None], plan_next: Optional[Callable[[dict], object]]) -> None:
-        """Pull and plan through the trainer's parts of a new layout (a change of pserver count); the plan
-        already made for the next batch routed its ids to the old pservers: dropped (that batch's lookups
-        fetch for themselves)."""
-        self._pull, self._plan_next = pull, plan_next
-        nxt = self._next
-        if nxt is not None:
-            futures.wait([nxt])
-            got = nxt.exception() is None and nxt.result()
-            if got and got is not _END:
-                i, item, _ = got
-                replanned: futures.Future = futures.Future()
-                replanned.set_result((i, item, None))
-                self._next = replanned
+    def follow(
+        self,
+        pull: Callable[[], None],
+        plan_next: Optional[Callable[[dict], object]],
+        end_epoch: Callable[[], None] = lambda: None,
+    ) -> None:
+        """Pull, plan and end epochs through the trainer's parts of a new layout (a change of pserver
+        count), from the next read on. The plan of the batch read ahead went with the last step's push, to
+        the old pservers; that batch's lookups fetch for themselves."""
+        self._pull, self._plan_next, self._end_epoch = pull, plan_next, end_epoch
 
     def take_next_plan(self) -> object:
         """The plan made for the batch after the current one (``None``: none, or no next batch).

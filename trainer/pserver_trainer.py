@@ -358,7 +358,11 @@ class PserverTrainer(TrainerBase):
         self.recovery = self._recovery(program)
         self.stepper = self._stepper(self._init_method)
         self.tables = self.stepper.tables
-        self.feed.follow(self.stepper.pull, self.stepper.plan_next_batch if program.tables else None)
+        self.feed.follow(
+            self.stepper.pull,
+            self.stepper.plan_next_batch if program.tables else None,
+            self.stepper.end_epoch,
+        )
         self.stepper.join()
         serve_tables_from(self.model, program.tables, self.tables)
         cfg = program.config

@@ -37,7 +37,12 @@ def change_pservers(cluster: LocalCluster, endpoints) -> None:
 
 
 @pytest.mark.timeout(120)
-def test_a_sync_job_goes_from_2_to_3_to_2_pservers_with_its_trainers_up_and_equals_one_process(tmp_path):
+@pytest.mark.parametrize("loop", ["plain", "batches with prefetch"])
+def test_a_sync_job_goes_from_2_to_3_to_2_pservers_with_its_trainers_up_and_equals_one_process(
+    tmp_path, loop
+):
+    """``batches with prefetch``: the feed has read the next batch and routed its ids to the old pservers
+    when the layout changes; that plan is dropped and the data position goes on."""
     data = table_batches(2, 4, STEPS, seed=7)
     build = lambda: table_program("adagrad", torch.float64)  # noqa: E731
     config = DistributeTranspilerConfig(checkpoint_dir=str(tmp_path / "checkpoints"))
@@ -48,10 +53,16 @@ def test_a_sync_job_goes_from_2_to_3_to_2_pservers_with_its_trainers_up_and_equa
         epochs, steps_seen, rows = {0: [], 1: []}, {0: [], 1: []}, []
 
         def body(tr, i):
-            for step, step_batches in enumerate(data, start=1):
-                ids, bag, y = step_batches[i]
+            mine = [step_batches[i] for step_batches in data]
+            items = (
+                iter(mine)
+                if loop == "plain"
+                else tr.batches(mine, 1, prefetch=lambda b: {"emb": b[0], "bag": b[1]})
+            )
+            for ids, bag, y in items:
                 nn.functional.cross_entropy(tr.model(ids, bag), y).backward()
-                steps_seen[i].append(tr.step())
+                step = tr.step()
+                steps_seen[i].append(step)
                 if i == 0 and step == 5:  # the grown layout: every pserver holds table rows
                     rows.append([s.engine.tables.rows for s in cluster.servers])
                 if step in changes:
@@ -64,6 +75,8 @@ def test_a_sync_job_goes_from_2_to_3_to_2_pservers_with_its_trainers_up_and_equa
                         tr.adopt(tr.program)  # refused, nothing changed
                     tr.adopt(next_trainer_program(tr.program, changes[step]))
                     epochs[i].append((tr.program.layout_epoch, len(tr.program.pservers), tr.step_count))
+            if loop != "plain":
+                assert tr.position == (1, 0)  # the epoch ran to its end
             return (
                 tr.state_dict(),
                 {
