@@ -328,7 +328,7 @@ class PserverTrainer(TrainerBase):
         Close (the trainer does not leave the job), and the blocks, connections and stepper are rebuilt for
         the next pservers, which are joined at the step they stand at; the model, the data position and a
         loop over :meth:`batches` go on. ValueError for a plan that is not this job's next layout, or for a
-        stepper that cannot change layout yet (GEO, trainer nodes, the async pipeline).
+        trainer that cannot change layout yet (GEO, trainer nodes, the async pipeline, backup trainers).
         """
         self._check_open()
         now = self.program
@@ -341,11 +341,11 @@ class PserverTrainer(TrainerBase):
                 f"{now.layout_epoch + 1}, the same trainers, mode, optimizer and tables); got epoch "
                 f"{program.layout_epoch}"
             )
-        if type(self.stepper) is not LocalStepper:
+        if type(self.stepper) is not LocalStepper or now.config.backup_trainers:
             raise ValueError(
                 f"trainer {self.trainer_id}: a change of layout is not supported with "
-                f"{type(self.stepper).__name__} yet (only one process per trainer, sync or async without "
-                f"the pipeline)"
+                f"{type(self.stepper).__name__}{' and backup trainers' if now.config.backup_trainers else ''}"
+                f" yet (only one process per trainer, sync or async without the pipeline)"
             )
         self.stepper.flush()
         if self._heartbeat is not None:

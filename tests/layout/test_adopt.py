@@ -93,3 +93,22 @@ def test_a_sync_job_goes_from_2_to_3_to_2_pservers_with_its_trainers_up_and_equa
         assert_matches(results[i], expected)
         assert epochs[i] == [(1, 3, 3), (2, 2, 7)]
         assert steps_seen[i] == list(range(1, STEPS + 1))  # no step repeated, none rolled back
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    "config, sync_mode, message",
+    [
+        (dict(k_steps=2), False, "not supported with GeoStepper yet"),
+        (dict(backup_trainers=1), True, "not supported with LocalStepper and backup trainers yet"),
+    ],
+)
+def test_a_trainer_that_cannot_change_layout_yet_refuses_and_goes_on(config, sync_mode, message):
+    build = lambda: table_program("sgd")  # noqa: E731
+    with LocalCluster(build, 1, 2, sync_mode, DistributeTranspilerConfig(**config)) as cluster:
+        grown = cluster.endpoints + [f"127.0.0.1:{p}" for p in free_ports(1)]
+        with cluster.trainer(0) as tr:
+            before = tr.program
+            with pytest.raises(ValueError, match=message):
+                tr.adopt(next_trainer_program(tr.program, grown))
+            assert tr.program is before and tr.channels.endpoints == cluster.endpoints
