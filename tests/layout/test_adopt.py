@@ -15,7 +15,7 @@ from harness.ports import free_ports
 from pserver import ParameterServer
 from tests.helpers.table_models import BAG_VOCAB, VOCAB, single_process, table_batches, table_program
 from tests.tables.test_sync import assert_matches
-from transpiler import DistributeTranspilerConfig
+from transpiler import DistributeTranspilerConfig, Program
 from transpiler.layout.change import next_pserver_program, next_trainer_program
 
 STEPS = 10
@@ -112,3 +112,55 @@ def test_a_trainer_that_cannot_change_layout_yet_refuses_and_goes_on(config, syn
             with pytest.raises(ValueError, match=message):
                 tr.adopt(next_trainer_program(tr.program, grown))
             assert tr.program is before and tr.channels.endpoints == cluster.endpoints
+
+
+class Counting(nn.Module):
+    """A model whose every push is counted: the bias's gradient is 1 per push, a table row's the number of
+    times its id was looked up; with SGD at lr 1 in float64 the values are exact counts."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)  # every role builds the same initial bias
+        self.emb = nn.Embedding(1000, 2, sparse=True, dtype=torch.float64)
+        self.count = nn.Linear(2, 1, dtype=torch.float64)
+
+    def forward(self, ids):
+        return self.count.bias.sum() + self.emb(ids).sum()
+
+
+@pytest.mark.timeout(120)
+def test_an_async_job_applies_every_acknowledged_push_once_across_two_changes(tmp_path):
+    build = lambda: Program(  # noqa: E731
+        Counting(), "sgd", lr=1.0, distributed_tables={"emb": {"init": "zeros"}}
+    )
+    config = DistributeTranspilerConfig(checkpoint_dir=str(tmp_path / "checkpoints"))
+    batches = torch.from_numpy(
+        VOCAB[torch.randint(0, len(VOCAB), (2, STEPS, 6), generator=torch.Generator().manual_seed(3)).numpy()]
+    )
+    with LocalCluster(build, 2, 2, sync_mode=False, config=config) as cluster:
+        bias0 = float(build().model.count.bias.detach())
+        grown = cluster.endpoints + [f"127.0.0.1:{p}" for p in free_ports(1)]
+        changes = {3: grown, 7: grown[:2]}
+        between = threading.Barrier(2)
+
+        def body(tr, i):
+            for ids in batches[i]:
+                tr.model(ids).backward()
+                step = tr.step()
+                if step in changes:
+                    between.wait(30)
+                    if i == 0:
+                        tr.checkpoint()
+                        change_pservers(cluster, changes[step])
+                    between.wait(30)
+                    tr.adopt(next_trainer_program(tr.program, changes[step]))
+            between.wait(30)  # every push of both trainers acknowledged
+            return float(tr.state_dict()["count.bias"]), tr.pull_rows("emb", torch.from_numpy(VOCAB))
+
+        results = cluster.run_trainers(body, timeout=100)
+    counts = torch.bincount(
+        torch.searchsorted(torch.from_numpy(VOCAB), batches.reshape(-1)), minlength=len(VOCAB)
+    ).to(torch.float64)
+    for bias, rows in results.values():
+        assert bias == bias0 - 2 * STEPS  # every push's bias gradient applied once
+        assert torch.equal(rows, -counts[:, None].expand(-1, 2))  # every looked-up row, once per lookup
