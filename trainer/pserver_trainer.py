@@ -117,11 +117,7 @@ class PserverTrainer(TrainerBase):
             else:
                 self.channels.shutdown()
             raise
-        self._heartbeat = None
-        if self.stepper.speaks_for_trainer:  # a node's leader heartbeats for the node
-            self._heartbeat = Heartbeat(
-                self.channels, program.pservers, cfg.heartbeat_interval, cfg.heartbeat_timeout
-            ).start()
+        self._heartbeat = self._start_heartbeat()
         log.info(
             "trainer %d%s: ready at step %d (data position epoch %d batch %d), %s, %d blocks on %d pservers",
             self.trainer_id,
@@ -144,6 +140,16 @@ class PserverTrainer(TrainerBase):
         return Recovery(
             self.channels, self.sync_mode, push_endpoints, cfg.connect_timeout, cfg.recovery_timeout
         )
+
+    def _start_heartbeat(self) -> Optional[Heartbeat]:
+        """Heartbeats to the pservers of the plan while this trainer is silent towards them, started; None
+        for a node's processes other than its leader (which heartbeats for the node)."""
+        if not self.stepper.speaks_for_trainer:
+            return None
+        cfg = self.program.config
+        return Heartbeat(
+            self.channels, self.program.pservers, cfg.heartbeat_interval, cfg.heartbeat_timeout
+        ).start()
 
     def _stepper(self, init_method: Optional[str]) -> Stepper:
         """The stepper this trainer's plan and process ask for (see :mod:`trainer.steppers.stepper`)."""
@@ -365,10 +371,7 @@ class PserverTrainer(TrainerBase):
         )
         self.stepper.join()
         serve_tables_from(self.model, program.tables, self.tables)
-        cfg = program.config
-        self._heartbeat = Heartbeat(
-            self.channels, program.pservers, cfg.heartbeat_interval, cfg.heartbeat_timeout
-        ).start()
+        self._heartbeat = self._start_heartbeat()
         log.info(
             "trainer %d: adopted layout epoch %d at step %d: %d blocks on %d pservers",
             self.trainer_id,

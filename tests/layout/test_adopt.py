@@ -36,6 +36,16 @@ def change_pservers(cluster: LocalCluster, endpoints) -> None:
     cluster.endpoints = list(endpoints)
 
 
+def change_between_steps(cluster: LocalCluster, tr, i: int, between: threading.Barrier, endpoints) -> None:
+    """Every trainer between two steps: trainer 0 has every pserver write its part and the pservers
+    changed to ``endpoints``; the trainers then go on together (each adopts the next plan)."""
+    between.wait(30)
+    if i == 0:
+        tr.checkpoint()
+        change_pservers(cluster, endpoints)
+    between.wait(30)
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("loop", ["plain", "batches with prefetch"])
 def test_a_sync_job_goes_from_2_to_3_to_2_pservers_with_its_trainers_up_and_equals_one_process(
@@ -66,11 +76,7 @@ def test_a_sync_job_goes_from_2_to_3_to_2_pservers_with_its_trainers_up_and_equa
                 if i == 0 and step == 5:  # the grown layout: every pserver holds table rows
                     rows.append([s.engine.tables.rows for s in cluster.servers])
                 if step in changes:
-                    between.wait(30)
-                    if i == 0:
-                        tr.checkpoint()
-                        change_pservers(cluster, changes[step])
-                    between.wait(30)
+                    change_between_steps(cluster, tr, i, between, changes[step])
                     with pytest.raises(ValueError, match="must be this job's next layout"):
                         tr.adopt(tr.program)  # refused, nothing changed
                     tr.adopt(next_trainer_program(tr.program, changes[step]))
@@ -148,11 +154,7 @@ def test_an_async_job_applies_every_acknowledged_push_once_across_two_changes(tm
                 tr.model(ids).backward()
                 step = tr.step()
                 if step in changes:
-                    between.wait(30)
-                    if i == 0:
-                        tr.checkpoint()
-                        change_pservers(cluster, changes[step])
-                    between.wait(30)
+                    change_between_steps(cluster, tr, i, between, changes[step])
                     tr.adopt(next_trainer_program(tr.program, changes[step]))
             between.wait(30)  # every push of both trainers acknowledged
             return float(tr.state_dict()["count.bias"]), tr.pull_rows("emb", torch.from_numpy(VOCAB))

@@ -48,8 +48,7 @@ class LocalStepper(Stepper):
         backups = self.program.config.backup_trainers
         claim = self._claim(step) if backups else None
         if claim is False:  # the claim re-synced the trainer elsewhere: this batch's step is gone
-            self.tables.clear()
-            self.clear_grads()
+            self._forget_batch()
             return
         table_grads = self.tables.take_gradients() if self.program.tables else {}
         plan = self._next_plan(prefetch, take_next_plan)
@@ -77,8 +76,7 @@ class LocalStepper(Stepper):
             # first pserver that has not yet dropped them answers as before, and this push waits there.
             claim = self._claim(step)
             if claim is False:
-                self.tables.clear()
-                self.clear_grads()
+                self._forget_batch()
                 return
         if next_batch is not None and resync is None:
             self.tables.take_next_batch_rows(next_rows)
@@ -90,6 +88,11 @@ class LocalStepper(Stepper):
             self.state.advance(max(step + 1, min(pserver_steps.values(), default=step + 1)), position)
         else:
             self.state.advance(step + 1, position)
+
+    def _forget_batch(self) -> None:
+        """Drop this batch's gradients and looked-up rows: its step is gone (the trainer re-synced)."""
+        self.tables.clear()
+        self.clear_grads()
 
     def _push_step(self, step: int, position, claim, dropped: bool, table_grads, next_batch):
         """Push ``step`` to every pserver (with the next batch's ids; backup trainers: ``dropped`` with no

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from typing import List, Sequence, Tuple
 
 from ..config import DistributeTranspilerConfig
@@ -32,10 +33,7 @@ def place_params(
             params.append(ParamSpec(name, shape, dtype, []))
             continue
         rows = shape[0] if shape else 1
-        numel = 1
-        for d in shape:
-            numel *= d
-        n = block_count(numel, rows, len(pservers), config.min_block_size, config.slice_var_up)
+        n = block_count(math.prod(shape), rows, len(pservers), config.min_block_size, config.slice_var_up)
         names = [f"{name}.block{i}" for i in range(n)]
         placed = dispatcher.dispatch(names)
         blocks = [

@@ -27,15 +27,10 @@ class BlockPiece:
     row_end: int
 
 
-def slot_moves(n_now: int, n_next: int) -> Tuple[np.ndarray, np.ndarray]:
-    """(owner now, owner next) of every table slot, as int32 pserver positions."""
-    return slot_owners(n_now), slot_owners(n_next)
-
-
 def slots_between(n_now: int, n_next: int) -> Dict[Tuple[int, int], np.ndarray]:
     """``{(from, to): the slots that move from pserver position from to position to}``, sorted slots;
     only pairs that move something."""
-    now, nxt = slot_moves(n_now, n_next)
+    now, nxt = slot_owners(n_now), slot_owners(n_next)
     moving = np.flatnonzero(now != nxt)
     pairs: Dict[Tuple[int, int], np.ndarray] = {}
     for a, b in sorted(set(zip(now[moving].tolist(), nxt[moving].tolist()))):
@@ -46,7 +41,7 @@ def slots_between(n_now: int, n_next: int) -> Dict[Tuple[int, int], np.ndarray]:
 def moved_slot_fraction(n_now: int, n_next: int) -> float:
     """The fraction of the slots (so, in expectation, of the rows) a change from ``n_now`` to
     ``n_next`` pservers moves."""
-    now, nxt = slot_moves(n_now, n_next)
+    now, nxt = slot_owners(n_now), slot_owners(n_next)
     return float(np.count_nonzero(now != nxt)) / N_SLOTS
 
 

@@ -36,7 +36,6 @@ import concurrent.futures
 import json
 import logging
 import os
-import re
 import time
 from typing import Callable, Dict, Optional, Tuple
 
@@ -140,7 +139,7 @@ def chain_ids(root: str, name: str, table: str, shard: int, n_shards: int) -> Op
     while name is not None:
         folder = os.path.join(root, name, table)
         try:
-            dirs = sorted(os.path.join(folder, e) for e in os.listdir(folder) if _SHARD_DIR.match(e))
+            dirs = sorted(os.path.join(folder, e) for e in os.listdir(folder) if exports.SHARD_DIR.match(e))
             if not dirs:
                 raise ValueError("no shard directory")
             meta = exports_meta(dirs[0])
@@ -155,9 +154,6 @@ def chain_ids(root: str, name: str, table: str, shard: int, n_shards: int) -> Op
     for ids, gone in reversed(chain):
         held = np.union1d(np.setdiff1d(held, gone), ids)
     return held[shard_of(held, n_shards) == shard]
-
-
-_SHARD_DIR = re.compile(r"^shard-(\d+)-of-(\d+)$")
 
 
 def exports_meta(directory: str) -> dict:

@@ -74,6 +74,7 @@ DONE = "DONE"
 META = "meta.json"
 _NAME = re.compile(r"^(\d{12})-(base|delta)$")
 _DONE_SHARD = re.compile(r"^DONE\.shard-(\d+)-of-(\d+)$")
+SHARD_DIR = re.compile(r"^shard-(\d+)-of-(\d+)$")  # a table's shard directory in an export
 
 
 def export_name(step: int, kind: str) -> str:
