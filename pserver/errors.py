@@ -99,6 +99,18 @@ class AlreadyRunning(Refusal):
     """
 
 
+class Moved(Refusal):
+    """The job left the layout the caller runs: it now runs layout ``epoch`` on ``pservers``
+    (docs/operations.md, "Growing and shrinking a job"). The trainer adopts that layout and calls there."""
+
+    def __init__(self, message: str, epoch: int, pservers):
+        from transpiler.layout.change import moved_message
+
+        super().__init__(f"{message}; {moved_message(epoch, pservers)}")
+        self.epoch = epoch
+        self.pservers = list(pservers)
+
+
 class NotPrimary(Refusal):
     """Hot standby: this process does not lead its shard now (a backup, joining, or fenced).
 

@@ -33,6 +33,7 @@ from .engine import (
     Contents,
     Engine,
     FileWrites,
+    Gate,
     Reductions,
     Replication,
     ScheduledCheckpoints,
@@ -42,6 +43,7 @@ from .engine import (
 from .engine.modes import for_plan
 from .errors import LostLead
 from .held_elsewhere import HeldElsewhere
+from .layout.switch import LayoutSwitch
 from .ops.metrics import PserverCollector
 from .ops.ports import SidePorts
 from .ops.side_ports import SidePortServers
@@ -116,6 +118,9 @@ class ParameterServer:
             listeners.append(ScheduledCheckpoints(checkpointer, self.files, program.endpoint))
         if self.exporter is not None:
             listeners.append(ScheduledExports(self.exporter, self.files))
+        # A change of the job's pserver count stops this generation after its switch step (pserver/layout/).
+        self.layout = LayoutSwitch(program, on_done=self._finished.set) if cfg.checkpoint_dir else None
+        listeners += [self.layout] if self.layout is not None else []
         # The engine asks the parts that hold trainers' calls outside it (the Reduce and Claim services, the
         # calls being served) whom they hold, and tells them when its roster changes; they ask the engine
         # whom they expect. Each needs the other: the engine gets their notification point, built first, and
@@ -129,7 +134,7 @@ class ParameterServer:
             held_elsewhere=held.trainers,
         )
         # What a push does is the plan's mode's to decide: the engine calls its handler (engine/modes/).
-        self.engine = Engine(*args, mode=for_plan(program), **parts)
+        self.engine = Engine(*args, mode=for_plan(program), gate=self.layout or Gate(), **parts)
         engine = self.engine
         # A trainer whose Reduce waits is alive to the engine, and heard from when its round ends.
         self.reductions = Reductions(
@@ -167,6 +172,8 @@ class ParameterServer:
                     cfg.checkpoint_dir,
                     " (tables_from is ignored)" if tables_from else "",
                 )
+        if self.layout is not None:
+            self.layout.start(engine)
         # Trainers tell a restarted shard by the incarnation Hello answers: with replicas it names the
         # state's lineage, the same on both processes, so a failover is no restart to them.
         incarnation = Incarnation()
@@ -191,6 +198,7 @@ class ParameterServer:
             claims=self.claims,
             data_port=self._data_listener.port,
             layout_epoch=program.layout_epoch,
+            pservers=program.pservers,
         )
         # A trainer with a call still being served (a push's answer made and sent after its step applied,
         # a heartbeat waiting for a pool thread) is alive to the engine too, and heard from when it ends.
@@ -309,7 +317,8 @@ class ParameterServer:
         A replica that does not lead writes none: its primary does, and a
         fenced one may hold updates nobody acknowledged.
         """
-        if self.engine.checkpointer is None or not self.files.on or self.fenced:
+        moved = self.layout is not None and self.layout.frozen_at is not None  # its part is written
+        if self.engine.checkpointer is None or not self.files.on or self.fenced or moved:
             return None
         try:
             return self.engine.checkpoint()[1]
@@ -386,7 +395,8 @@ class ParameterServer:
             self.side_ports.shutting_down()
             self.checkpoint()
         finally:
-            self.stop(grace=1.0 if self.fenced else 5.0)  # a fenced process answers nothing worth waiting for
+            # A fenced process answers nothing worth waiting for; one that moved, only refusals.
+            self.stop(grace=1.0 if self.fenced or (self.layout and self.layout.moved) else 5.0)
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
         if self.fenced:

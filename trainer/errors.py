@@ -13,6 +13,8 @@ RESYNC    the pserver asks for a re-sync: this trainer was         re-sync (Hell
 FENCED    a newer process took this trainer id over                stop: stale gradients
 TIMEOUT   a wait on the pserver ran out (a barrier names who is    the error reaches the
           missing)                                                 user
+MOVED     the job changed its pserver count: the answer names the  adopt that layout, push
+          layout it runs now                                       the step again there
 REFUSED   anything else: bad input, a precondition, a bug          the error reaches the
                                                                    user
 ========  =======================================================  ====================
@@ -20,8 +22,8 @@ REFUSED   anything else: bad input, a precondition, a bug          the error rea
 
 from __future__ import annotations
 
-DOWN, RESYNC, FENCED, TIMEOUT, REFUSED = "down", "resync", "fenced", "timeout", "refused"
-KINDS = (DOWN, RESYNC, FENCED, TIMEOUT, REFUSED)
+DOWN, RESYNC, FENCED, TIMEOUT, MOVED, REFUSED = "down", "resync", "fenced", "timeout", "moved", "refused"
+KINDS = (DOWN, RESYNC, FENCED, TIMEOUT, MOVED, REFUSED)
 
 
 class PserverError(RuntimeError):
@@ -52,3 +54,13 @@ class FencedError(PserverError):
 
     def __init__(self, endpoint: str, message: str, status: str = ""):
         super().__init__(endpoint, message, FENCED, status)
+
+
+class StepMoved(Exception):
+    """A step's push was answered "moved" (``error``, kind MOVED): the job runs another layout now. Carries
+    the step's table gradients, not yet routed ({table: (unique ids, rows)}), to push there."""
+
+    def __init__(self, error: PserverError, table_grads):
+        super().__init__(str(error))
+        self.error = error
+        self.table_grads = table_grads

@@ -14,10 +14,13 @@ from typing import Callable, Dict, Iterable, Iterator, List, Optional
 import torch
 
 from transpiler import TrainerProgram
+from transpiler.layout.change import check_later_layout, moved_to, next_trainer_program, program_in
+from transpiler.layout.record import read_record_file
 from transpiler.roles.role_env import NodeEnv
 
 from .blocks import LocalBlocks
 from .embedding import install_tables, serve_tables_from
+from .errors import PserverError, StepMoved
 from .feed import Feed
 from .heartbeat import Heartbeat
 from .node import pick_device
@@ -72,6 +75,7 @@ class PserverTrainer(TrainerBase):
         local_world_size: Optional[int] = None,
         init_method: Optional[str] = None,
     ):
+        program = program_in(program, read_record_file(program.config.checkpoint_dir))  # a job that changed
         super().__init__(program)
         node = NodeEnv.from_env()
         self.local_rank = node.local_rank if local_rank is None else local_rank
@@ -100,6 +104,7 @@ class PserverTrainer(TrainerBase):
             )
             self.feed = Feed(self.state, self.stepper.pull, plan_next, cfg.read_ahead, self.stepper.end_epoch)
             self.stepper.join()
+            self.tables.follow_moves(self._adopt_moved)
             # Last, so a Trainer that failed to connect leaves the model as it was.
             install_tables(self.model, program.tables, self.tables, self.device)
             if self.device.type != "cpu":  # after the tables left: their modules may sit on the meta device
@@ -205,7 +210,17 @@ class PserverTrainer(TrainerBase):
         """
         self._check_open()
         self.board.step_begins()
-        self.stepper.step(prefetch, self.feed.take_next_plan)
+        moved = None
+        while True:  # each adopt is of a later layout: this ends
+            try:
+                if moved is None:
+                    self.stepper.step(prefetch, self.feed.take_next_plan)
+                else:  # the job changed its pserver count: the step again, in its layout now
+                    self.stepper.step(prefetch, self.feed.take_next_plan, moved.table_grads)
+                break
+            except StepMoved as e:
+                moved = e
+                self._adopt_moved(e.error)
         self.board.step_ends(self.state.step)
         return self.state.step
 
@@ -319,10 +334,9 @@ class PserverTrainer(TrainerBase):
     def close(self) -> None:
         """Tell every pserver this trainer is done and release connections. Idempotent.
 
-        A pserver that died under the Close (or is down) gets it again once it
-        is back, for up to ``connect_timeout`` s: restarted from a checkpoint
-        older than this Close, it would wait for this trainer. Leaving a
-        ``with`` block on an exception closes without waiting.
+        A pserver that died under the Close (or is down) gets it again once it is back, for up to
+        ``connect_timeout`` s: restarted from a checkpoint older than this Close, it would wait for this
+        trainer. Leaving a ``with`` block on an exception closes without waiting.
         """
         super().close()
 
@@ -338,15 +352,7 @@ class PserverTrainer(TrainerBase):
         """
         self._check_open()
         now = self.program
-        same = ("trainer_id", "trainers", "sync_mode", "optimizer", "tables")
-        if program.layout_epoch != now.layout_epoch + 1 or any(
-            getattr(program, f) != getattr(now, f) for f in same
-        ):
-            raise ValueError(
-                f"trainer {self.trainer_id}: the plan to adopt must be this job's next layout (epoch "
-                f"{now.layout_epoch + 1}, the same trainers, mode, optimizer and tables); got epoch "
-                f"{program.layout_epoch}"
-            )
+        check_later_layout(now, program)
         if type(self.stepper) is not LocalStepper or now.config.backup_trainers:
             raise ValueError(
                 f"trainer {self.trainer_id}: a change of layout is not supported with "
@@ -358,6 +364,7 @@ class PserverTrainer(TrainerBase):
             self._heartbeat.stop()
             self._heartbeat = None
         self.stepper.close(None)  # the old layout's connections: no Close, this trainer stays in the job
+        looked_up = self.tables  # this step's lookups so far are pushed in the next layout
         self.program = program
         self.blocks = LocalBlocks(program, self.model)
         self.channels = Channels(program, self._security)
@@ -370,6 +377,8 @@ class PserverTrainer(TrainerBase):
             self.stepper.end_epoch,
         )
         self.stepper.join()
+        self.tables.carry_lookups(looked_up)
+        self.tables.follow_moves(self._adopt_moved)
         serve_tables_from(self.model, program.tables, self.tables)
         self._heartbeat = self._start_heartbeat()
         log.info(
@@ -380,6 +389,14 @@ class PserverTrainer(TrainerBase):
             len(self.blocks.by_name),
             len(program.pservers),
         )
+
+    def _adopt_moved(self, error: PserverError) -> None:
+        """Adopt the layout a "moved" answer (``error``) names: the job changed its pserver count."""
+        named = moved_to(str(error))
+        if named is None:
+            raise error
+        log.info("trainer %d: %s", self.trainer_id, error)
+        self.adopt(next_trainer_program(self.program, named[1], epoch=named[0]))
 
     def _close(self, patient: bool) -> None:
         if self._heartbeat is not None:

@@ -37,7 +37,7 @@ Pure of gRPC: refusals are :mod:`pserver.errors`, mapped to statuses by :mod:`ps
 
 from .contents import Contents, PushParts
 from .engine import AsyncEngine, Engine, SyncEngine
-from .listeners import FileWrites, Replication, ScheduledCheckpoints, ScheduledExports, UpdateListener
+from .listeners import FileWrites, Gate, Replication, ScheduledCheckpoints, ScheduledExports, UpdateListener
 from .roster import Joined
 from .services.claims import StepClaims
 from .services.reductions import Reductions
@@ -55,6 +55,7 @@ __all__ = [
     "PserverStats",
     "UpdateListener",
     "FileWrites",
+    "Gate",
     "Replication",
     "ScheduledCheckpoints",
     "ScheduledExports",

@@ -29,7 +29,7 @@ from ..checkpoint import Checkpointer
 from ..errors import StorageFailed
 from ..store import BlockStore
 from ..tables import SparseGrad, TableSet
-from .listeners import UpdateListener
+from .listeners import Gate, UpdateListener
 from .liveness import Liveness
 from .modes import AsyncMode, Mode, SyncMode
 from .rollback import RollBack, RollBacks
@@ -46,7 +46,8 @@ class Engine:
 
     ``mode`` builds the handler of the plan's mode from the engine (:func:`pserver.engine.modes.for_plan`).
     ``checkpointer`` (None without a checkpoint_dir) saves and loads this pserver's part on demand.
-    ``listeners`` are told of every change under the lock, in order. ``on_wait`` gets the seconds a call
+    ``listeners`` are told of every change under the lock, in order; ``gate`` refuses the calls a change of
+    layout stops. ``on_wait`` gets the seconds a call
     waited for a sync step (the barrier histogram) and ``on_roster_change`` is called whenever the trainers
     :meth:`live` gives may have changed (the Reduce service waits on them under a lock of its own), both
     after the lock is released. ``held_elsewhere``: who has a call held elsewhere (:meth:`held`).
@@ -66,6 +67,7 @@ class Engine:
         on_wait: Optional[Callable[[float], None]] = None,
         on_roster_change: Optional[Callable[[], None]] = None,
         held_elsewhere: Callable[[], AbstractSet[int]] = frozenset,
+        gate: Gate = Gate(),
     ):
         self.store = store
         self.tables = tables
@@ -76,6 +78,7 @@ class Engine:
         self.step = 0
         self.roster = Roster(trainers)
         self.listeners = tuple(listeners)
+        self.gate = gate  # a change of layout stops the steps after its switch step here
         # What every push does is the mode's to decide; its handler reads the parts below when called.
         self.mode = mode(self)
         self.sync_mode = self.mode.sync
@@ -149,6 +152,10 @@ class Engine:
 
     # -- trainers ------------------------------------------------------------------------
 
+    def check_hello(self, trainer_id: int) -> None:
+        """Refuse a Hello while a change of layout moves this pserver's state (:class:`.listeners.Gate`)."""
+        self.gate.check_hello(trainer_id)
+
     def hello(self, trainer_id: int, join_at: int = 0) -> Joined:
         """Register ``trainer_id`` (again, after a restart); what it learns, as one :class:`Joined` view.
 
@@ -201,12 +208,14 @@ class Engine:
         :meth:`~.modes.mode.Mode.check_push`, :meth:`~.modes.mode.Mode.answer_step`).
         """
         with self.cv:
+            self.gate.check_push(trainer_id, step)
             self.roster.check_pusher(trainer_id, self.endpoint, self.step)
             return self.mode.push(trainer_id, step, grads, sparse, position, park, step_trainers, dropped)
 
     def park_for_step(self, trainer_id: int, min_step: int) -> Optional[Parked]:
         """A wait (:mod:`.waits`) for ``min_step`` updates (sync: the barrier); None: none (async:
         never)."""
+        self.gate.check_wait(trainer_id, min_step)
         return self.mode.park_for_step(trainer_id, min_step)
 
     def wait_for_step(self, trainer_id: int, min_step: int) -> None:
@@ -254,11 +263,8 @@ class Engine:
 
     def drop_silent(self, timeout: float, rejoin_timeout: Optional[float] = None) -> List[int]:
         """Drop trainers silent for ``timeout`` s: not heard from (:func:`~.roster.heard_at`), nor
-        :meth:`held`.
-
-        One dropped ``rejoin_timeout`` s ago and not back counts as closed, so a job whose trainer died
-        ends.
-        """
+        :meth:`held`. One dropped ``rejoin_timeout`` s ago and not back counts as closed, so a job whose
+        trainer died ends."""
         return self.liveness.drop_silent(timeout, rejoin_timeout)
 
     def stop(self) -> None:
@@ -290,11 +296,8 @@ class Engine:
             return self.step
 
     def lookup(self, ids: Mapping[str, np.ndarray]) -> Tuple[int, List[Tuple[str, torch.Tensor]]]:
-        """The pserver's step and the rows of ``ids`` ({table: ids}), in request order.
-
-        Each table shard locks itself; in sync mode no update can run
-        meanwhile anyway, since the next one needs this trainer's push.
-        """
+        """The pserver's step and the rows of ``ids`` ({table: ids}), in request order. Each table shard
+        locks itself; in sync mode no update can run meanwhile anyway (the next needs this trainer's push)."""
         with self.cv:
             pserver_step = self.step
         return pserver_step, self.tables.lookup(ids)

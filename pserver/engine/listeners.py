@@ -63,6 +63,21 @@ class UpdateListener(ABC):
         abandoned."""
 
 
+class Gate:
+    """What the engine lets through while the job's layout changes: everything, unless a change of layout
+    (:class:`pserver.layout.switch.LayoutSwitch`) stops the steps after its switch step. Called under the
+    engine's lock; each refuses with a :mod:`pserver.errors` refusal."""
+
+    def check_push(self, trainer_id: int, step: int) -> None:
+        """Refuse ``trainer_id``'s push of ``step``."""
+
+    def check_wait(self, trainer_id: int, min_step: int) -> None:
+        """Refuse ``trainer_id``'s wait for ``min_step`` updates."""
+
+    def check_hello(self, trainer_id: int) -> None:
+        """Refuse ``trainer_id``'s Hello."""
+
+
 class FileWrites:
     """Whether this process writes checkpoints and exports: a hot standby's backup leaves them to its
     primary."""

@@ -2,8 +2,9 @@
 progress (:mod:`.record`), the phases of a change as pure transitions (:mod:`.phases`), and the stores
 that keep the record by compare-and-set (:mod:`.stores`: a file under ``checkpoint_dir``, or etcd)."""
 
+from transpiler.layout.record import LayoutChange, LayoutRecord
+
 from .phases import GO_ON, ROLL_BACK
-from .record import LayoutChange, LayoutRecord
 from .stores import EtcdLayoutStore, FileLayoutStore, LayoutStore, StaleRecord, update
 
 __all__ = [

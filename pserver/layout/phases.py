@@ -15,8 +15,7 @@ from dataclasses import replace
 from typing import List, Optional, Sequence
 
 from transpiler.layout.change import LayoutChangeRefused, check_change
-
-from .record import LayoutChange, LayoutRecord
+from transpiler.layout.record import LayoutChange, LayoutRecord
 
 GO_ON = "go on"
 ROLL_BACK = "roll back"
@@ -83,6 +82,33 @@ def report_switched(record: LayoutRecord, endpoint: str) -> LayoutRecord:
     return replace(record, change=replace(change, switched=switched))
 
 
+def schedule_switch(record: LayoutRecord, step: int) -> LayoutRecord:
+    """Asked -> switching at the end of ``step``, moving through the checkpoint of that step (no rows copied
+    ahead): every current pserver writes its part of that checkpoint and reports (:func:`report_saved`)."""
+    change = _change(record, ("asked",), "switch")
+    return replace(record, change=replace(change, phase="switching", switch_step=int(step)))
+
+
+def report_saved(record: LayoutRecord, endpoint: str) -> LayoutRecord:
+    """``endpoint``, a current pserver, wrote its part of the checkpoint at the switch step; once every
+    current pserver has, the change commits: the record names the new epoch, its pservers, the step they
+    start from, and no change (the next pservers load that checkpoint, re-sharded)."""
+    change = _change(record, ("switching",), f"take {endpoint}'s report")
+    if endpoint not in record.pservers:
+        raise LayoutChangeRefused(f"{endpoint} is not one of the current pservers {record.pservers}")
+    saved = sorted(set(change.switched) | {endpoint})
+    if set(saved) == set(record.pservers):
+        return replace(
+            record,
+            epoch=change.epoch,
+            pservers=change.pservers,
+            replicas=change.replicas,
+            change=None,
+            since_step=change.switch_step,
+        )
+    return replace(record, change=replace(change, switched=saved))
+
+
 def roll_back(record: LayoutRecord, why: str) -> LayoutRecord:
     """Any phase -> rolling back, for ``why``: every pserver undoes its part (:func:`rolled_back` then)."""
     change = _change(record, ("asked", "copying", "switching", "rolling_back"), "roll back")
@@ -91,8 +117,8 @@ def roll_back(record: LayoutRecord, why: str) -> LayoutRecord:
 
 def rolled_back(record: LayoutRecord) -> LayoutRecord:
     """Rolling back -> no change: the job runs its current layout as before the change was asked."""
-    _change(record, ("rolling_back",), "finish rolling back")
-    return replace(record, change=None)
+    change = _change(record, ("rolling_back",), "finish rolling back")
+    return replace(record, change=None, rolled_back=change.why)
 
 
 def on_death(record: LayoutRecord, endpoint: str, role: str) -> str:

@@ -12,11 +12,10 @@ import time
 from abc import ABC, abstractmethod
 from typing import Callable, Iterator, Optional
 
+from transpiler.layout.record import FILE_NAME, LayoutRecord, read_record_file
+
 from .. import atomic_files
 from ..replication.etcd_gateway import Gateway, compare, put_request
-from .record import LayoutRecord
-
-FILE_NAME = "layout.json"
 
 
 class StaleRecord(Exception):
@@ -65,6 +64,7 @@ class FileLayoutStore(LayoutStore):
 
     def __init__(self, directory: str):
         os.makedirs(directory, exist_ok=True)
+        self.directory = directory
         self.path = os.path.join(directory, FILE_NAME)
 
     @contextlib.contextmanager
@@ -77,16 +77,7 @@ class FileLayoutStore(LayoutStore):
                 fcntl.flock(lock, fcntl.LOCK_UN)
 
     def _read(self) -> Optional[LayoutRecord]:
-        try:
-            with open(self.path, "rb") as f:
-                data = f.read()
-        except FileNotFoundError:
-            return None
-        try:
-            revision = int(json.loads(data)["revision"])
-        except (ValueError, KeyError, TypeError) as e:
-            raise ValueError(f"{self.path}: not a layout record ({e})") from None
-        return LayoutRecord.from_bytes(data, revision)
+        return read_record_file(self.directory)
 
     def read(self) -> Optional[LayoutRecord]:
         with self._locked():

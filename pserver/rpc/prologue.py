@@ -14,7 +14,7 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
-from typing import Callable, Dict, Optional, Tuple
+from typing import Callable, Dict, Optional, Sequence, Tuple
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -27,6 +27,7 @@ from ..errors import (
     BadRequest,
     BarrierTimeout,
     Fenced,
+    Moved,
     MustResync,
     NoSession,
     NotAllowed,
@@ -62,6 +63,8 @@ STATUS: Dict[type, grpc.StatusCode] = {
     # Hot standby: a replica that does not lead answers as a pserver that is down; trainers then
     # ask the shard's processes who leads (Lead) and go there.
     NotPrimary: grpc.StatusCode.UNAVAILABLE,
+    # A change of layout: the answer names the job's layout now; trainers adopt it and call there.
+    Moved: grpc.StatusCode.NOT_FOUND,
     OutOfSync: grpc.StatusCode.OUT_OF_RANGE,  # the primary drops this backup, which copies its state again
     # The data port's token check (the gRPC port's is an interceptor, which answers the same status).
     Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
@@ -82,12 +85,19 @@ class CallerChecks:
 
     Shared by the servicers of the service (:mod:`.service`): ``trainers`` the job's trainer count,
     ``sessions`` the :class:`~.sessions.Sessions` of this pserver, ``replica`` its place in a replicated
-    shard (None without replicas), ``layout_digest`` the plan it runs and ``layout_epoch`` that plan's
-    layout epoch (docs/operations.md, "Growing and shrinking a job").
+    shard (None without replicas), ``layout_digest`` the plan it runs, ``layout_epoch`` that plan's
+    layout epoch and ``pservers`` its pservers (docs/operations.md, "Growing and shrinking a job").
     """
 
     def __init__(
-        self, endpoint: str, trainers: int, sessions, replica, layout_digest: str, layout_epoch: int = 0
+        self,
+        endpoint: str,
+        trainers: int,
+        sessions,
+        replica,
+        layout_digest: str,
+        layout_epoch: int = 0,
+        pservers: Sequence[str] = (),
     ):
         self.endpoint = endpoint
         self.trainers = trainers
@@ -95,6 +105,7 @@ class CallerChecks:
         self.replica = replica
         self.layout_digest = layout_digest
         self.layout_epoch = layout_epoch
+        self.pservers = list(pservers)
 
     def serving(self) -> None:
         """Refuse a trainer's call (NotPrimary) on a replica that does not lead its shard."""
@@ -117,6 +128,15 @@ class CallerChecks:
         self.serving()
         self.trainer(request.trainer_id)
         self.sessions.check(request.trainer_id, request.session)
+
+    def epoch(self, epoch: int) -> None:
+        """A trainer of an earlier layout epoch is told where the job runs now (:class:`Moved`)."""
+        if epoch < self.layout_epoch:
+            raise Moved(
+                f"pserver {self.endpoint}: the job left layout epoch {epoch}",
+                self.layout_epoch,
+                self.pservers,
+            )
 
     def digest(self, digest: str) -> None:
         """Refuse a call made for another plan than this pserver's."""

@@ -77,7 +77,7 @@ def test_a_sync_job_goes_from_2_to_3_to_2_pservers_with_its_trainers_up_and_equa
                     rows.append([s.engine.tables.rows for s in cluster.servers])
                 if step in changes:
                     change_between_steps(cluster, tr, i, between, changes[step])
-                    with pytest.raises(ValueError, match="must be this job's next layout"):
+                    with pytest.raises(ValueError, match="must be a later layout of this job"):
                         tr.adopt(tr.program)  # refused, nothing changed
                     tr.adopt(next_trainer_program(tr.program, changes[step]))
                     epochs[i].append((tr.program.layout_epoch, len(tr.program.pservers), tr.step_count))

@@ -9,10 +9,10 @@ import threading
 import pytest
 
 from pserver.layout import phases
-from pserver.layout.record import LayoutChange, LayoutRecord
 from pserver.layout.stores import EtcdLayoutStore, FileLayoutStore, StaleRecord, update
 from tests.helpers.etcd import etcd_fixture  # noqa: F401 - the `etcd` fixture
 from transpiler.layout.change import LayoutChangeRefused
+from transpiler.layout.record import LayoutChange, LayoutRecord
 
 A, B, C = "127.0.0.1:7001", "127.0.0.1:7002", "127.0.0.1:7003"
 NOW = LayoutRecord(epoch=3, pservers=[A, B])

@@ -104,6 +104,29 @@ class TableClient:
         self._routes: Dict[int, Tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
         # The next batch's ids sent with this step's push (ask_next_batch), until their rows come back.
         self._next_batch: Optional[NextBatchPlan] = None
+        self._on_moved: Optional[Callable[[PserverError], None]] = None
+
+    def follow_moves(self, on_moved: Callable[[PserverError], None]) -> None:
+        """A lookup answered "moved" (the job changed its pserver count) calls ``on_moved`` with the answer:
+        the trainer adopts the layout it names and serves the tables from the client of that layout."""
+        self._on_moved = on_moved
+
+    def moved(self, error: PserverError) -> None:
+        """A lookup through this client was answered "moved" (``error``): hand it to the trainer to adopt
+        the layout it names (:meth:`follow_moves`), or raise it if nobody follows."""
+        if self._on_moved is None:
+            raise error
+        self._on_moved(error)
+
+    def carry_lookups(self, previous: "TableClient") -> None:
+        """Take over the lookups of this step ``previous`` (the client of the layout before) recorded: their
+        gradients are pushed from here."""
+        self._lookups = previous.take_lookups()
+
+    def take_lookups(self) -> Dict[str, List[Tuple[np.ndarray, torch.Tensor]]]:
+        """This step's lookups ({table: [(unique ids, leaf rows)]}), forgotten here."""
+        lookups, self._lookups = self._lookups, {}
+        return lookups
 
     def spec(self, table: str) -> TableSpec:
         spec = self.specs.get(table)

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from transpiler.tables import TableSpec
 
+from ..errors import MOVED, PserverError
 from .client import TableClient
 
 
@@ -87,7 +88,14 @@ class DistributedEmbedding(torch.nn.Module):
             raise TypeError(f"distributed table {spec.name!r} is an nn.Embedding: it takes no offsets")
         unique, inverse = self._client.dedupe(input)
         device = self._device or input.device
-        rows = self._client.rows(spec.name, unique).to(device)
+        try:
+            rows = self._client.rows(spec.name, unique)
+        except PserverError as e:
+            if e.kind != MOVED:
+                raise
+            self._client.moved(e)  # the trainer adopts the layout the job runs now, serving this from there
+            rows = self._client.rows(spec.name, unique)
+        rows = rows.to(device)
         padding = None
         if spec.padding_idx is not None:
             at = np.flatnonzero(unique == spec.padding_idx)

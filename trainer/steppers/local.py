@@ -22,7 +22,7 @@ from typing import Dict, Iterator, Optional, Tuple
 import torch
 
 from ..embedding import RowShapes
-from ..errors import REFUSED, PserverError
+from ..errors import MOVED, REFUSED, PserverError, StepMoved
 from ..transport import Named
 from .overlap import BackwardPush
 from .stepper import Stepper, TakeNextPlan
@@ -41,7 +41,11 @@ class LocalStepper(Stepper):
         if push_during_backward:
             self.overlap = BackwardPush(self.blocks, self.model, self.push_endpoints, self._start_stream)
 
-    def step(self, prefetch: Optional[Dict[str, object]], take_next_plan: TakeNextPlan) -> None:
+    def step(
+        self, prefetch: Optional[Dict[str, object]], take_next_plan: TakeNextPlan, table_grads=None
+    ) -> None:
+        """:meth:`Stepper.step`; ``table_grads``: a step's table gradients, not yet routed (a step pushed
+        again in the job's next layout: :class:`~trainer.errors.StepMoved`), instead of this step's."""
         if self._discarded():
             return
         step, position = self.state.step, self.state.next_position()
@@ -50,14 +54,43 @@ class LocalStepper(Stepper):
         if claim is False:  # the claim re-synced the trainer elsewhere: this batch's step is gone
             self._forget_batch()
             return
-        table_grads = self.tables.take_gradients() if self.program.tables else {}
+        if table_grads is None:
+            table_grads = self.tables.take_table_gradients(clear=False) if self.program.tables else {}
+        # Routed before the step is cleared: the lookups' routes of the same ids are reused.
+        routed = self.tables.route_gradients(table_grads) if self.program.tables else {}
+        if self.program.tables:
+            self.tables.clear()
         plan = self._next_plan(prefetch, take_next_plan)
         next_batch = self.tables.ask_next_batch(plan) if plan is not None else None
+        try:
+            counted = self._push_until_counted(step, position, claim, routed, next_batch)
+        except PserverError as e:
+            if e.kind != MOVED:
+                raise
+            raise StepMoved(e, table_grads) from None  # pushed again, unrouted, in the job's next layout
+        if counted is None:  # re-claimed elsewhere: this batch's step is gone
+            return
+        resync, pserver_steps, next_rows, dropped = counted
+        if next_batch is not None and resync is None:
+            self.tables.take_next_batch_rows(next_rows)
+        # The pushed gradients stay referenced until sent; the next backward makes new ones.
+        self.clear_grads()
+        if resync is not None:
+            self.resynced(resync)
+        elif dropped:  # on from where the pservers stand: past this step, and maybe past later ones
+            self.state.advance(max(step + 1, min(pserver_steps.values(), default=step + 1)), position)
+        else:
+            self.state.advance(step + 1, position)
+
+    def _push_until_counted(self, step: int, position, claim, routed, next_batch):
+        """Push ``step`` until it counts (backup trainers: claimed again while its set left); (the decision
+        that moved the trainer or None, the pservers' steps, the next batch's rows, whether it was
+        dropped), or None if the step is gone (re-claimed elsewhere)."""
         decider = self.program.pservers[0]
         while True:
             dropped = claim is not None and not claim.admitted
             resync, pserver_steps, next_rows = self._push_step(
-                step, position, claim, dropped, table_grads, next_batch
+                step, position, claim, dropped, routed, next_batch
             )
             if not (dropped and resync is None and min(pserver_steps.values(), default=step + 1) <= step):
                 break
@@ -77,17 +110,8 @@ class LocalStepper(Stepper):
             claim = self._claim(step)
             if claim is False:
                 self._forget_batch()
-                return
-        if next_batch is not None and resync is None:
-            self.tables.take_next_batch_rows(next_rows)
-        # The pushed gradients stay referenced until sent; the next backward makes new ones.
-        self.clear_grads()
-        if resync is not None:
-            self.resynced(resync)
-        elif dropped:  # on from where the pservers stand: past this step, and maybe past later ones
-            self.state.advance(max(step + 1, min(pserver_steps.values(), default=step + 1)), position)
-        else:
-            self.state.advance(step + 1, position)
+                return None
+        return resync, pserver_steps, next_rows, dropped
 
     def _forget_batch(self) -> None:
         """Drop this batch's gradients and looked-up rows: its step is gone (the trainer re-synced)."""

@@ -20,7 +20,7 @@ from psproto.security import Security
 from psproto.wire import TRAINER_METADATA
 from transpiler import TrainerProgram
 
-from ..errors import PserverError
+from ..errors import MOVED, PserverError
 from .channel import PserverChannel
 from .data.data_link import DataLink
 from .data.payloads import PserverPayloads
@@ -51,7 +51,9 @@ class Channels:
         self.trainer_id = program.trainer_id
         self.endpoints: List[str] = list(program.pservers)
         # This process's identity at Hello; each pserver answers with the session every call carries.
-        identity = TrainerIdentity(program.trainer_id, program.layout_digest, secrets.randbits(63) or 1)
+        identity = TrainerIdentity(
+            program.trainer_id, program.layout_digest, secrets.randbits(63) or 1, program.layout_epoch
+        )
         security = security if security is not None else Security.from_env()
         # Hot standby: a primary cut off by the network is noticed by keepalive pings, not TCP's timeout.
         # Every call names its trainer process: the pserver notes it as a sign of life on arrival, queued or
@@ -139,6 +141,11 @@ class Channels:
             ep: self._pool.submit(ch.hello, deadline, timeout, join_at)
             for ep, ch in self._by_endpoint.items()
         }
+        # A pserver that says the job moved speaks for all of them: one that left the job may be gone.
+        for job in futures.as_completed(jobs.values()):
+            error = job.exception()
+            if isinstance(error, PserverError) and error.kind == MOVED:
+                raise error
         return {ep: job.result() for ep, job in jobs.items()}
 
     def close(self, timeout: float = 0.0) -> Dict[str, int]:

@@ -42,6 +42,7 @@ class TrainerIdentity:
     trainer_id: int
     layout_digest: str
     incarnation: int
+    layout_epoch: int = 0
 
 
 class ShardLink:
@@ -144,6 +145,7 @@ class ShardLink:
             layout_digest=self._identity.layout_digest,
             incarnation=self._identity.incarnation,
             join_at=join_at,
+            layout_epoch=self._identity.layout_epoch,
         )
         next_log, last, id_taken_until = 0.0, "no answer", None
         while True:

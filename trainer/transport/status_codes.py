@@ -11,7 +11,7 @@ from typing import Iterator, Optional
 
 import grpc
 
-from ..errors import DOWN, FENCED, REFUSED, RESYNC, TIMEOUT, FencedError, PserverError
+from ..errors import DOWN, FENCED, MOVED, REFUSED, RESYNC, TIMEOUT, FencedError, PserverError
 
 # The one mapping of the wire's status codes to what they mean for a trainer (trainer/errors.py).
 _KINDS = {
@@ -20,6 +20,7 @@ _KINDS = {
     grpc.StatusCode.ABORTED: RESYNC,  # dropped, rolled back, resumed: call Hello again
     grpc.StatusCode.PERMISSION_DENIED: FENCED,  # a newer process of this trainer id took over
     grpc.StatusCode.DEADLINE_EXCEEDED: TIMEOUT,  # a barrier that timed out names who is missing
+    grpc.StatusCode.NOT_FOUND: MOVED,  # the job changed its pserver count; the answer names its layout
 }
 
 

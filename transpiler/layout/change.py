@@ -11,12 +11,14 @@ and moves more (a pserver at a new position owns that position's slots).
 from __future__ import annotations
 
 import dataclasses
-from typing import Mapping, Optional, Sequence
+import re
+from typing import List, Mapping, Optional, Sequence, Tuple
 
 from ..plans import PserverProgram, TrainerProgram
 from ..roles.common import parse_endpoints
 from ..roles.replicas import replica_endpoints
 from .dense_blocks import layout_digest, place_params, shapes_of
+from .record import LayoutRecord
 from .routing import MAX_PSERVERS
 
 # A new owner must have this much of its free memory left after taking its share (the rest: the
@@ -106,26 +108,40 @@ def _next_config(config, pservers_next: Sequence[str], replicas_next: Optional[S
     return dataclasses.replace(config, replica_endpoints=",".join(replicas_next))
 
 
-def _next_layout(program, pservers_next, replicas_next):
-    """(pservers, config, params, epoch, digest) of the layout after ``program``'s job changes to
-    ``pservers_next``: checked, the blocks cut and placed again, the next epoch and its digest."""
-    pservers_next = _parsed(pservers_next)
-    check_change(program.pservers, pservers_next, program.layout_epoch)
-    config = _next_config(program.config, pservers_next, replicas_next)
-    params = place_params(shapes_of(program.params), pservers_next, config)
-    epoch = program.layout_epoch + 1
+def _layout_at(program, pservers, replicas, epoch: int):
+    """(pservers, config, params, epoch, digest) of ``program``'s job on ``pservers`` at layout ``epoch``: the
+    blocks cut and placed again, the epoch's digest."""
+    config = _next_config(program.config, pservers, replicas)
+    params = place_params(shapes_of(program.params), pservers, config)
     digest = layout_digest(
         params, program.trainers, program.sync_mode, program.optimizer, program.tables, config, epoch
     )
-    return pservers_next, config, params, epoch, digest
+    return pservers, config, params, epoch, digest
+
+
+def _next_layout(program, pservers_next, replicas_next, epoch: Optional[int]):
+    """:func:`_layout_at` the next epoch (or a later ``epoch``, a role that missed changes), the change
+    checked."""
+    pservers_next = _parsed(pservers_next)
+    if epoch is None:
+        epoch = program.layout_epoch + 1
+        check_change(program.pservers, pservers_next, program.layout_epoch)
+    elif epoch <= program.layout_epoch:
+        raise LayoutChangeRefused(f"layout epoch {epoch} is not after this plan's {program.layout_epoch}")
+    else:
+        check_change((), pservers_next, program.layout_epoch)
+    return _layout_at(program, pservers_next, replicas_next, epoch)
 
 
 def next_trainer_program(
-    program: TrainerProgram, pservers_next: Sequence[str], replicas_next: Optional[Sequence[str]] = None
+    program: TrainerProgram,
+    pservers_next: Sequence[str],
+    replicas_next: Optional[Sequence[str]] = None,
+    epoch: Optional[int] = None,
 ) -> TrainerProgram:
-    """``program`` for the layout after a change to ``pservers_next``: the next epoch, its blocks and
-    digest; the trainer, its model and every setting unchanged."""
-    pservers, config, params, epoch, digest = _next_layout(program, pservers_next, replicas_next)
+    """``program`` for the layout after a change to ``pservers_next``: the next epoch (or ``epoch``, later),
+    its blocks and digest; the trainer, its model and every setting unchanged."""
+    pservers, config, params, epoch, digest = _next_layout(program, pservers_next, replicas_next, epoch)
     return dataclasses.replace(
         program, pservers=pservers, params=params, config=config, layout_digest=digest, layout_epoch=epoch
     )
@@ -136,15 +152,16 @@ def next_pserver_program(
     pservers_next: Sequence[str],
     endpoint: str,
     replicas_next: Optional[Sequence[str]] = None,
+    epoch: Optional[int] = None,
 ) -> PserverProgram:
     """The plan of the pserver (or replica) at ``endpoint`` in the layout after a change of ``program``'s
-    job to ``pservers_next``; ``endpoint`` may be new to the job."""
+    job to ``pservers_next`` (the next epoch, or ``epoch``, later); ``endpoint`` may be new to the job."""
     if not program.params:
         raise LayoutChangeRefused(
             f"the plan of {program.endpoint} lists only its own blocks (it was made before layouts could "
             f"change): restart the job's roles from a checkpoint to change its pserver count"
         )
-    pservers, config, params, epoch, digest = _next_layout(program, pservers_next, replicas_next)
+    pservers, config, params, epoch, digest = _next_layout(program, pservers_next, replicas_next, epoch)
     owner = next((g[0] for g in replica_endpoints(config, pservers) if endpoint in g), None)
     if owner is None:
         raise LayoutChangeRefused(f"{endpoint} is not one of the next pservers {pservers}")
@@ -158,3 +175,44 @@ def next_pserver_program(
         params=params,
         layout_epoch=epoch,
     )
+
+
+def check_later_layout(now: TrainerProgram, program: TrainerProgram) -> None:
+    """Refuse (:class:`LayoutChangeRefused`) a trainer's adopting ``program`` in place of ``now``: it must be
+    a later layout of the same job (the same trainer, trainers, mode, optimizer and tables)."""
+    same = ("trainer_id", "trainers", "sync_mode", "optimizer", "tables")
+    if program.layout_epoch <= now.layout_epoch or any(getattr(program, f) != getattr(now, f) for f in same):
+        raise LayoutChangeRefused(
+            f"trainer {now.trainer_id}: the plan to adopt must be a later layout of this job (epoch "
+            f"{now.layout_epoch + 1} or later, the same trainers, mode, optimizer and tables); got epoch "
+            f"{program.layout_epoch}"
+        )
+
+
+def program_in(program, record: Optional[LayoutRecord]):
+    """``program`` (a trainer's or a pserver's plan) in the layout ``record`` names, if later than its own
+    (a role started after its job changed its pserver count); else ``program`` itself."""
+    if record is None or record.epoch <= program.layout_epoch:
+        return program
+    if isinstance(program, PserverProgram):
+        return next_pserver_program(program, record.pservers, program.endpoint, epoch=record.epoch)
+    return next_trainer_program(program, record.pservers, epoch=record.epoch)
+
+
+# A pserver that no longer serves a trainer's layout says where the job went, in its answer's text: the
+# one channel both transports carry. The trainer reads it back with :func:`moved_to`.
+_MOVED = "moved to layout epoch {epoch}: pservers {pservers}"
+_MOVED_PATTERN = re.compile(r"moved to layout epoch (\d+): pservers (\S+)")
+
+
+def moved_message(epoch: int, pservers: Sequence[str]) -> str:
+    """The text of a "moved" answer: the job runs layout ``epoch`` on ``pservers``."""
+    return _MOVED.format(epoch=int(epoch), pservers=",".join(pservers))
+
+
+def moved_to(message: str) -> Optional[Tuple[int, List[str]]]:
+    """(epoch, pservers) a "moved" answer's text names (:func:`moved_message`), None if it names none."""
+    found = _MOVED_PATTERN.search(message)
+    if found is None:
+        return None
+    return int(found.group(1)), found.group(2).split(",")

@@ -78,7 +78,9 @@ class ControlCalls:
         request = parse(ps_pb2.HelloRequest, data)
         self.checks.serving()
         self.checks.trainer(request.trainer_id)
+        self.checks.epoch(request.layout_epoch)
         self.checks.digest(request.layout_digest)
+        self.engine.check_hello(request.trainer_id)
         if not request.incarnation:
             raise BadRequest(
                 "Hello needs the trainer process's incarnation (a random nonzero number, one a process)"

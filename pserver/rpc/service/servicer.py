@@ -30,7 +30,7 @@ is a bug: answered INTERNAL, its traceback logged.
 from __future__ import annotations
 
 import time
-from typing import Callable, Dict, Optional
+from typing import Callable, Dict, Optional, Sequence
 
 import grpc
 
@@ -54,7 +54,8 @@ class PserverServicer:
     ``replica``: the process's place in its replicated shard (None without replicas); ``incarnation``
     (default: a new one) what trainers tell this pserver's state by; ``stretches`` where parked calls'
     stretches run (:mod:`..stretches`); ``claims`` the Claim service (backup trainers; None: this pserver
-    does not decide); ``data_port`` the data channel's port its Hello names (0: none). The counters, the
+    does not decide); ``data_port`` the data channel's port its Hello names (0: none); ``layout_epoch`` and
+    ``pservers`` the layout it serves. The counters, the
     sessions and the caller's checks are shared by the three.
     """
 
@@ -73,6 +74,7 @@ class PserverServicer:
         claims: Optional[StepClaims] = None,
         data_port: int = 0,
         layout_epoch: int = 0,
+        pservers: Sequence[str] = (),
     ):
         self.engine = engine
         self.contents = contents
@@ -84,7 +86,7 @@ class PserverServicer:
         self.sessions = Sessions(engine.endpoint, alive_window)
         self.stretches = stretches if stretches is not None else Stretches(allowed=False)
         self.checks = CallerChecks(
-            engine.endpoint, engine.trainers, self.sessions, replica, layout_digest, layout_epoch
+            engine.endpoint, engine.trainers, self.sessions, replica, layout_digest, layout_epoch, pservers
         )
         checks = self.checks
         self.data = DataCalls(engine, contents, checks, self.counters, chunk_bytes, allow_nonfinite, claims)

@@ -1,18 +1,21 @@
 """The job's layout record: the pservers of the current layout epoch and the change in progress, if any.
 
-One record per job, kept where the job's coordination lives (:mod:`.stores`: etcd with hot standby,
-otherwise a file under ``checkpoint_dir``) and changed only by compare-and-set, so two operators or two
-pservers never both start a change, and every role reads one answer. The transitions are pure
-(:mod:`.phases`).
+One record per job, kept where the job's coordination lives (:mod:`pserver.layout.stores`: etcd with hot
+standby, otherwise a file under ``checkpoint_dir``) and changed only by compare-and-set, so two operators or
+two pservers never both start a change, and every role reads one answer. The transitions are pure
+(:mod:`pserver.layout.phases`). It lives with the plans because every role reads it: a trainer or pserver
+that starts after a change starts in the layout the record names (:func:`read_record_file`).
 """
 
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import asdict, dataclass, field, replace
 from typing import List, Optional
 
 FORMAT = "torch-pserver-layout"
+FILE_NAME = "layout.json"  # the record's file under checkpoint_dir (without hot standby)
 VERSION = 1
 
 # A change's phases, in order. "asked": recorded, its new pservers starting; "copying": they are up and the
@@ -46,6 +49,8 @@ class LayoutRecord:
     pservers: List[str]
     replicas: List[str] = field(default_factory=list)
     change: Optional[LayoutChange] = None
+    since_step: int = -1  # the step this epoch's pservers started from (its checkpoint); -1: the job's start
+    rolled_back: str = ""  # why the last change asked was rolled back ("": none was)
     revision: int = 0
 
     def to_bytes(self) -> bytes:
@@ -72,6 +77,8 @@ class LayoutRecord:
                 list(d["pservers"]),
                 list(d.get("replicas", [])),
                 None if change is None else LayoutChange(**change),
+                int(d.get("since_step", -1)),
+                str(d.get("rolled_back", "")),
                 revision,
             )
         except (KeyError, TypeError) as e:
@@ -80,3 +87,25 @@ class LayoutRecord:
     def with_revision(self, revision: int) -> "LayoutRecord":
         """This record as the store holds it at ``revision``."""
         return replace(self, revision=revision)
+
+
+def read_record_file(directory: Optional[str]) -> Optional[LayoutRecord]:
+    """The record in ``directory``'s :data:`FILE_NAME` (a job's ``checkpoint_dir``), None if there is none
+    (or no directory).
+
+    Lock-free: the file is only ever replaced whole (written aside, renamed), so a read sees one record.
+    ``ValueError`` for a file that is not a record.
+    """
+    if not directory:
+        return None
+    path = os.path.join(directory, FILE_NAME)
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except FileNotFoundError:
+        return None
+    try:
+        revision = int(json.loads(data)["revision"])
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{path}: not a layout record ({e})") from None
+    return LayoutRecord.from_bytes(data, revision)

@@ -1,0 +1,248 @@
+"""LayoutSwitch: one pserver's part in a change of its job's pserver count, at a sync step boundary.
+
+A change asked (``ps-reshard``) is carried out by the pservers themselves, through the record
+(:mod:`.phases`, kept by compare-and-set in ``checkpoint_dir``):
+
+1. The job's first pserver, on its next update, schedules the switch at the end of the step two ahead.
+   Two is enough: in sync mode every trainer's push of a step is answered only once its step is
+   applied, so no pserver can apply a step before the first pserver has applied the one before it, and
+   the first pserver writes the switch step before it applies its next update. Every other pserver
+   reads the record after each update (a ``stat`` while it is unchanged), so each reads it before
+   passing the switch step.
+2. Each current pserver, having applied the switch step, stops there: pushes of later steps are refused
+   (``ShuttingDown`` until the change commits: the trainers retry). It writes its part of the
+   checkpoint of that step and reports; the last report commits the change: the record names the next
+   epoch, its pservers and the step they start from.
+3. After the commit every refused call is answered "moved" with the next layout (:class:`Moved`): the
+   trainers adopt it and push the step again there. A pserver of the next layout starts its next
+   generation from that checkpoint, re-sharded (:mod:`.generations`); one that leaves answers "moved"
+   until every trainer was told, or for ``heartbeat_timeout``, then stops.
+
+Any failure before the commit (a pserver that dies, a checkpoint that cannot be written, the commit not
+reached within ``barrier_timeout``) rolls the change back: the stopped pservers go on in the current
+layout from the switch step, where they stand (the checkpoint written is an ordinary one). Changes are
+made in sync mode only; an async, GEO or backup-trainer job's pservers roll an asked change back saying
+why (docs/operations.md).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from typing import Callable, Optional, Set
+
+from transpiler import PserverProgram
+from transpiler.layout.change import LayoutChangeRefused
+from transpiler.layout.record import LayoutRecord
+
+from ..engine.listeners import Gate, UpdateListener
+from ..errors import Moved, ShuttingDown
+from . import phases
+from .stores import FileLayoutStore, update
+
+log = logging.getLogger(__name__)
+
+SWITCH_AHEAD = 2  # steps between the first pserver scheduling a switch and the switch step (see above)
+POLL_S = 0.01  # how often a stopped pserver reads the record while it waits for the commit
+
+
+def unsupported(program: PserverProgram) -> Optional[str]:
+    """Why ``program``'s job cannot change its pserver count while it runs (None: it can)."""
+    cfg = program.config
+    if not program.sync_mode or cfg.k_steps:
+        return "only a sync job changes its pserver count while it trains; restart this one from a checkpoint"
+    if cfg.backup_trainers:
+        return "a job with backup trainers cannot change its pserver count while it trains yet"
+    if program.replicated:
+        return "a hot-standby job cannot change its pserver count while it trains yet"
+    return None
+
+
+class LayoutSwitch(UpdateListener, Gate):
+    """One pserver's part in its job's changes of layout: the engine's listener (told of each update, under
+    its lock) and its gate (refusing the steps after a switch).
+
+    ``on_done`` is called once this generation of the pserver is done: the change it stopped for committed
+    (a pserver of the next layout then starts its next generation: :attr:`moved`), or, for a pserver that
+    leaves the job, once it has told its trainers. :meth:`start` hands it the engine it stops.
+    """
+
+    def __init__(self, program: PserverProgram, on_done: Callable[[], None]):
+        cfg = program.config
+        self.store = FileLayoutStore(cfg.checkpoint_dir)
+        self.endpoint = program.endpoint
+        self.epoch = program.layout_epoch
+        self.trainers = program.trainers
+        self.commit_timeout = cfg.barrier_timeout
+        self.linger_s = cfg.heartbeat_timeout
+        self.why_not = unsupported(program)
+        self._on_done = on_done
+        self._engine = None
+        self._initial = LayoutRecord(program.layout_epoch, list(program.pservers))
+        self._seen: Optional[tuple] = None  # the record file's (inode, mtime, size) when last read
+        self._record: Optional[LayoutRecord] = None
+        self.frozen_at: Optional[int] = None  # the switch step this pserver stopped at
+        self.moved: Optional[LayoutRecord] = None  # the committed record of that change
+        self._told: Set[int] = set()  # trainers answered "moved" (a pserver that leaves waits for all)
+
+    def start(self, engine) -> None:
+        """Before serving, with the ``engine`` to stop: write the record if the job has none yet; a change
+        this pserver was stopped for when it died (its state is gone: it resumed from a checkpoint) is
+        rolled back."""
+        self._engine = engine
+        # A pserver started in a later layout than the record's (changed by hand) records it.
+        record = self._swap(lambda r: r if r.epoch >= self.epoch else self._initial, "record the layout")
+        change = record.change if record is not None else None
+        if change is not None and change.phase == "switching" and self.endpoint in record.pservers:
+            self._roll_back(f"pserver {self.endpoint} restarted during the switch")
+
+    # -- the engine's listener (under its lock) --------------------------------------------------------
+
+    def on_update(self, lr_step, pserver_step, roster, dense, sparse) -> None:
+        record = self._fresh()
+        if (
+            record is None
+            or record.change is None
+            or record.epoch != self.epoch
+            or self.frozen_at is not None
+        ):
+            return
+        change = record.change
+        if self.why_not is not None and change.phase in ("asked", "switching"):
+            self._roll_back(self.why_not)
+        elif change.phase == "asked" and self.endpoint == record.pservers[0]:
+            step = pserver_step + SWITCH_AHEAD
+            if self._swap(lambda r: phases.schedule_switch(r, step), "schedule the switch") is not None:
+                log.info(
+                    "pserver %s: layout epoch %d starts after step %d", self.endpoint, change.epoch, step
+                )
+        elif change.phase == "switching" and self.endpoint in record.pservers:
+            if change.switch_step == pserver_step:
+                self._stop_and_save(pserver_step, change.epoch)
+            elif change.switch_step < pserver_step:  # not seen in time: a bug, never a lost step
+                self._roll_back(f"pserver {self.endpoint} passed the switch step {change.switch_step}")
+
+    def on_roster(self, pserver_step, roster) -> None:
+        pass
+
+    def on_reset(self, step: int) -> None:
+        pass
+
+    # -- the engine's gate (under its lock) ------------------------------------------------------------
+
+    def check_push(self, trainer_id: int, step: int) -> None:
+        if self.frozen_at is not None and step >= self.frozen_at:
+            self._refuse(trainer_id)
+
+    def check_wait(self, trainer_id: int, min_step: int) -> None:
+        if self.frozen_at is not None and min_step > self.frozen_at:
+            self._refuse(trainer_id)
+
+    def check_hello(self, trainer_id: int) -> None:
+        if self.moved is not None:
+            self._refuse(trainer_id)
+
+    def _refuse(self, trainer_id: int) -> None:
+        moved = self.moved
+        if moved is None:
+            raise ShuttingDown(
+                f"pserver {self.endpoint}: the job's layout changes after step {self.frozen_at}; retry"
+            )
+        self._told.add(trainer_id)
+        raise Moved(
+            f"pserver {self.endpoint}: layout epoch {self.epoch} ended at step {self.frozen_at}",
+            moved.epoch,
+            moved.pservers,
+        )
+
+    # -- the switch --------------------------------------------------------------------------------------
+
+    def _stop_and_save(self, step: int, epoch_next: int) -> None:
+        self.frozen_at = step
+        started = time.monotonic()
+        try:
+            self._engine.checkpoint()
+        except Exception as e:  # noqa: BLE001 - any failure to write the part abandons the change
+            log.exception("pserver %s: the checkpoint of the switch step %d failed", self.endpoint, step)
+            self._roll_back(f"pserver {self.endpoint} could not write the checkpoint of step {step}: {e}")
+            self.frozen_at = None
+            return
+        self._swap(lambda r: phases.report_saved(r, self.endpoint), "report its part")
+        log.info(
+            "pserver %s: stopped after step %d for layout epoch %d; its part written in %.2fs",
+            self.endpoint,
+            step,
+            epoch_next,
+            time.monotonic() - started,
+        )
+        threading.Thread(target=self._await_commit, daemon=True, name="pserver-layout-switch").start()
+
+    def _await_commit(self) -> None:
+        """Outside the lock: wait for the change to commit (then hand over) or roll back (then go on)."""
+        deadline = time.monotonic() + self.commit_timeout
+        while True:
+            record = self.store.read()
+            if record is not None and record.epoch > self.epoch:
+                self.moved = record
+                log.info(
+                    "pserver %s: layout epoch %d committed, %d pservers from step %d",
+                    self.endpoint,
+                    record.epoch,
+                    len(record.pservers),
+                    record.since_step,
+                )
+                if self.endpoint not in record.pservers:
+                    self._linger()
+                self._on_done()
+                return
+            change = record.change if record is not None else None
+            if change is None or change.phase == "rolling_back":
+                if change is not None:
+                    self._swap(phases.rolled_back, "finish rolling back")
+                log.warning(
+                    "pserver %s: the change of layout was rolled back (%s); going on from step %d",
+                    self.endpoint,
+                    change.why if change is not None else "by another",
+                    self.frozen_at,
+                )
+                self.frozen_at = None
+                return
+            if time.monotonic() > deadline:
+                waiting = sorted(set(record.pservers) - set(change.switched))
+                self._roll_back(f"{waiting} did not write their part within {self.commit_timeout:.0f}s")
+            time.sleep(POLL_S)
+
+    def _linger(self) -> None:
+        """A pserver that leaves the job answers "moved" until every trainer has been told, or for
+        ``heartbeat_timeout`` (a trainer that asks later learns it from the other pservers)."""
+        deadline = time.monotonic() + self.linger_s
+        while len(self._told) < self.trainers and time.monotonic() < deadline:
+            time.sleep(POLL_S)
+        log.info("pserver %s: leaves the job (layout epoch %d)", self.endpoint, self.moved.epoch)
+
+    # -- the record --------------------------------------------------------------------------------------
+
+    def _fresh(self) -> Optional[LayoutRecord]:
+        """The record, read again only if its file changed (a ``stat`` per update otherwise)."""
+        try:
+            st = os.stat(self.store.path)
+        except FileNotFoundError:
+            return None
+        seen = (st.st_ino, st.st_mtime_ns, st.st_size)
+        if seen != self._seen:
+            self._record, self._seen = self.store.read(), seen
+        return self._record
+
+    def _swap(self, transition, what: str) -> Optional[LayoutRecord]:
+        """The record after ``transition`` (compare-and-set); None, logged, if its change is gone."""
+        try:
+            return update(self.store, transition, self._initial)
+        except LayoutChangeRefused as e:
+            log.info("pserver %s: did not %s: %s", self.endpoint, what, e)
+            return None
+
+    def _roll_back(self, why: str) -> None:
+        log.warning("pserver %s: rolling the change of layout back: %s", self.endpoint, why)
+        self._swap(lambda r: phases.rolled_back(phases.roll_back(r, why)), "roll the change back")

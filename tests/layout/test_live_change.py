@@ -1,0 +1,135 @@
+"""A running sync job changes its pserver count while its trainers train, asked as ``ps-reshard`` asks:
+2 -> 3 -> 2 pservers, no process restarted (each pserver serves its next layout from the switch step, a
+new one joins, one leaves), the trainers told "moved" and pushing the step again there; the model equals
+one process on the same batches (float64), no step repeated or rolled back."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+from torch import nn
+
+from harness.cluster import in_threads
+from harness.models import assert_state_close, odd_program, train_concatenated
+from harness.models import batches as odd_batches
+from harness.ports import free_ports
+from pserver.layout.generations import current_program, serve_layouts
+from pserver.layout.reshard_cli import ask_change
+from pserver.layout.stores import FileLayoutStore
+from psproto.security import Security
+from tests.helpers.table_models import BAG_VOCAB, VOCAB, single_process, table_batches, table_program
+from tests.tables.test_sync import assert_matches
+from trainer import Trainer
+from transpiler import DistributeTranspiler, DistributeTranspilerConfig
+from transpiler.layout.change import LayoutChangeRefused
+
+STEPS = 12
+
+
+class Job:
+    """Pservers serving their job's layouts in threads (as ``ps-server`` does), trainers in threads."""
+
+    def __init__(self, config, pservers, trainers: int, build):
+        self.config, self.trainers, self.build = config, trainers, build
+        self.pservers = list(pservers)
+        self.threads, self.errors = [], []
+
+    def transpiler(self, pservers, trainer_id: int = 0) -> DistributeTranspiler:
+        t = DistributeTranspiler(self.config)
+        t.transpile(trainer_id, program=self.build(), pservers=",".join(pservers), trainers=self.trainers)
+        return t
+
+    def start_pserver(self, endpoint: str, pservers) -> None:
+        """``ps-server`` at ``endpoint`` given ``pservers``: it runs the layout the record names (waiting
+        for a change that adds it), then each next one."""
+        t = self.transpiler(pservers)
+        program = t.get_pserver_program(endpoint)
+
+        def serve() -> None:
+            try:
+                current = current_program(program, timeout=60)
+                startup = t.get_startup_program(endpoint, program) if current is program else None
+                serve_layouts(current, startup, security=Security())
+            except BaseException as e:  # reported by the test
+                self.errors.append(e)
+
+        thread = threading.Thread(target=serve, name=f"pserver-{endpoint}", daemon=True)
+        thread.start()
+        self.threads.append(thread)
+
+    def trainer(self, i: int) -> Trainer:
+        return Trainer(self.transpiler(self.pservers, i).get_trainer_program(), Security())
+
+    def join(self, timeout: float) -> None:
+        for thread in self.threads:
+            thread.join(timeout)
+            assert not thread.is_alive(), f"{thread.name} still serves"
+        assert not self.errors, self.errors
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("kind", ["tables", "dense"])
+def test_a_sync_job_goes_from_2_to_3_to_2_pservers_live_and_equals_one_process(tmp_path, kind):
+    """``tables``: two distributed tables (Adagrad) and a dense head, the trainers learning of each change
+    from a lookup; ``dense``: parameters sliced into blocks whose cut depends on the pserver count (Adam),
+    no lookups, so the trainers learn of it from their step's push ("moved" once the pservers stopped)
+    and push the step again in the next layout."""
+    tables = kind == "tables"
+    if tables:
+        build, data = (lambda: table_program("adagrad", torch.float64)), table_batches(2, 4, STEPS, seed=7)
+    else:
+        build, data = odd_program, odd_batches(2, 4, STEPS, dtype=torch.float64)
+    directory = str(tmp_path / "checkpoints")
+    config = DistributeTranspilerConfig(
+        checkpoint_dir=directory, heartbeat_timeout=10.0, min_block_size=8192, slice_var_up=not tables
+    )
+    a, b, c = (f"127.0.0.1:{p}" for p in free_ports(3))
+    job = Job(config, [a, b], 2, build)
+    for ep in (a, b):
+        job.start_pserver(ep, [a, b])
+    store = FileLayoutStore(directory)
+    changes, asked, step_times = {3: [a, b, c], 7: [a, b]}, [], {0: [], 1: []}
+    steps_seen = {0: [], 1: []}
+
+    def ask(pservers) -> None:
+        asked.append(ask_change(store, pservers, timeout=60))
+
+    def body(i: int):
+        with job.trainer(i) as tr:
+            for *x, y in (step_batches[i] for step_batches in data):
+                started = time.monotonic()  # the change lands in a lookup (forward) or a push (step)
+                nn.functional.cross_entropy(tr.model(*x), y).backward()
+                step = tr.step()
+                step_times[i].append(time.monotonic() - started)
+                steps_seen[i].append(step)
+                if i == 0 and step in changes:
+                    if step == 3:  # the new pserver is started first: it waits for the change adding it
+                        job.start_pserver(c, [a, b, c])
+                    if asked or step == 3:
+                        thread = threading.Thread(target=ask, args=(changes[step],), daemon=True)
+                        thread.start()
+                        if step == 3:
+                            # a second change while one is in progress is refused, changing nothing
+                            while store.read().change is None:
+                                time.sleep(0.01)
+                            with pytest.raises(LayoutChangeRefused, match="in progress"):
+                                ask_change(store, [a], timeout=1)
+            rows = {"emb": VOCAB, "bag": BAG_VOCAB} if tables else {}
+            model = (tr.state_dict(), {t: tr.pull_rows(t, torch.from_numpy(ids)) for t, ids in rows.items()})
+            return model, tr.program.layout_epoch, list(tr.program.pservers)
+
+    results = in_threads({i: (lambda i=i: body(i)) for i in (0, 1)}, timeout=120)
+    job.join(30)
+    assert [(r.epoch, r.pservers) for r in asked] == [(1, [a, b, c]), (2, [a, b])]
+    assert 3 < asked[0].since_step < 7 < asked[1].since_step < STEPS
+    for i in (0, 1):
+        if tables:
+            assert_matches(results[i][0], single_process(build(), data))
+        else:
+            assert_state_close(results[i][0][0], train_concatenated(build(), data), atol=1e-10)
+        assert results[i][1:] == (2, [a, b])
+        assert steps_seen[i] == list(range(1, STEPS + 1))  # no step repeated, none rolled back
+    print(f"longest step {max(max(t) for t in step_times.values()):.2f}s")
