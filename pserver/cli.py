@@ -19,7 +19,8 @@ from transpiler import DistributeTranspiler, RoleEnv
 from transpiler.cli import add_transpile_arguments, config_from_args, load_program
 
 from .errors import LostLead
-from .layout.generations import current_program, serve_layouts
+from .layout.joining import LeftJob
+from .server import ParameterServer
 
 log = logging.getLogger("pserver")
 
@@ -61,17 +62,17 @@ def main(argv=None) -> int:
         t = DistributeTranspiler(config_from_args(args))
         t.transpile(0, program=program, pservers=pservers, trainers=trainers, sync_mode=args.sync_mode)
         ps_program = t.get_pserver_program(endpoint)
-        startup = t.get_startup_program(endpoint, ps_program)
-        # A job whose pserver count changed runs the layout its record names (docs/operations.md).
-        current = current_program(ps_program)
+        server = ParameterServer(
+            ps_program, t.get_startup_program(endpoint, ps_program), tables_from=args.tables_from
+        )
+    except LeftJob as e:
+        print(f"ps-server: {e}", file=sys.stderr)
+        return 0
     except (ValueError, TypeError, TimeoutError) as e:
         print(f"ps-server: error: {e}", file=sys.stderr)
         return 2
     try:
-        serve_layouts(current, startup if current is ps_program else None, tables_from=args.tables_from)
-    except (ValueError, TypeError) as e:
-        print(f"ps-server: error: {e}", file=sys.stderr)
-        return 2
+        server.serve()
     except OSError as e:
         print(f"ps-server: error: {e}", file=sys.stderr)
         return 1

@@ -25,6 +25,7 @@ import torch
 from psproto.dataplane.access import server_context as data_tls
 from psproto.security import Security, TokenCheck
 from transpiler import PserverProgram, StartupProgram
+from transpiler.layout.change import program_in
 
 from .checkpoint import Checkpointer
 from .data.port import DataPort
@@ -43,6 +44,7 @@ from .engine import (
 from .engine.modes import for_plan
 from .errors import LostLead
 from .held_elsewhere import HeldElsewhere
+from .layout.joining import pserver_program_now
 from .layout.switch import LayoutSwitch
 from .ops.metrics import PserverCollector
 from .ops.ports import SidePorts
@@ -91,6 +93,8 @@ class ParameterServer:
     ):
         if not isinstance(program, PserverProgram):
             raise TypeError(f"program must be a PserverProgram, got {type(program).__name__}")
+        now = pserver_program_now(program)  # a job that changed its pserver count runs a later layout
+        program, startup = now, (startup if now is program else None)
         # Resolved first: a bad token or certificate setting fails before any state is built.
         self.security = security if security is not None else Security.from_env()
         self.security.check_server()
@@ -404,6 +408,9 @@ class ParameterServer:
                 f"pserver {self.endpoint} lost the lead of shard {self.program.shard} and stopped; "
                 f"start it again to rejoin as the backup"
             )
+        moved = self.layout.moved if self.layout is not None else None
+        if moved is not None and self.endpoint in moved.pservers:  # this process serves the next layout
+            ParameterServer(program_in(self.program, moved), None, security=self.security).serve()
 
     def __enter__(self) -> "ParameterServer":
         return self.start()

@@ -14,15 +14,14 @@ from typing import Callable, Dict, Iterable, Iterator, List, Optional
 import torch
 
 from transpiler import TrainerProgram
-from transpiler.layout.change import check_later_layout, moved_to, next_trainer_program, program_in
-from transpiler.layout.record import read_record_file
+from transpiler.layout.starting import trainer_program_now
 from transpiler.roles.role_env import NodeEnv
 
 from .blocks import LocalBlocks
-from .embedding import install_tables, serve_tables_from
-from .errors import PserverError, StepMoved
+from .embedding import install_tables
 from .feed import Feed
 from .heartbeat import Heartbeat
+from .layout_changes import FollowsLayout
 from .node import pick_device
 from .recovery import Recovery
 from .steppers.geo import GeoStepper
@@ -36,7 +35,7 @@ from .transport import Channels
 log = logging.getLogger(__name__)
 
 
-class PserverTrainer(TrainerBase):
+class PserverTrainer(FollowsLayout, TrainerBase):
     """One trainer of a pserver-mode program (what ``Trainer(program)`` makes for one).
 
     On construction it waits for every pserver (logging "waiting for <endpoint>"
@@ -75,7 +74,7 @@ class PserverTrainer(TrainerBase):
         local_world_size: Optional[int] = None,
         init_method: Optional[str] = None,
     ):
-        program = program_in(program, read_record_file(program.config.checkpoint_dir))  # a job that changed
+        program = trainer_program_now(program)  # a job that changed its pserver count runs another layout
         super().__init__(program)
         node = NodeEnv.from_env()
         self.local_rank = node.local_rank if local_rank is None else local_rank
@@ -102,7 +101,7 @@ class PserverTrainer(TrainerBase):
             plan_next = (
                 self.stepper.plan_next_batch if program.tables and self.local_world_size == 1 else None
             )
-            self.feed = Feed(self.state, self.stepper.pull, plan_next, cfg.read_ahead, self.stepper.end_epoch)
+            self.feed = Feed(self.state, self._pull, plan_next, cfg.read_ahead, self.stepper.end_epoch)
             self.stepper.join()
             self.tables.follow_moves(self._adopt_moved)
             # Last, so a Trainer that failed to connect leaves the model as it was.
@@ -210,17 +209,7 @@ class PserverTrainer(TrainerBase):
         """
         self._check_open()
         self.board.step_begins()
-        moved = None
-        while True:  # each adopt is of a later layout: this ends
-            try:
-                if moved is None:
-                    self.stepper.step(prefetch, self.feed.take_next_plan)
-                else:  # the job changed its pserver count: the step again, in its layout now
-                    self.stepper.step(prefetch, self.feed.take_next_plan, moved.table_grads)
-                break
-            except StepMoved as e:
-                moved = e
-                self._adopt_moved(e.error)
+        self._step_in_layout(prefetch)
         self.board.step_ends(self.state.step)
         return self.state.step
 
@@ -232,7 +221,7 @@ class PserverTrainer(TrainerBase):
         :meth:`batches` then replays the data since the checkpoint).
         """
         self._check_open()
-        self.stepper.pull()
+        self._pull()
 
     def state_dict(self, with_tables: bool = False) -> Dict[str, torch.Tensor]:
         """The trained model as a plain ``state_dict`` (fresh parameters, local buffers).
@@ -339,64 +328,6 @@ class PserverTrainer(TrainerBase):
         trainer. Leaving a ``with`` block on an exception closes without waiting.
         """
         super().close()
-
-    def adopt(self, program: TrainerProgram) -> None:
-        """Go on in the layout of ``program``: this trainer's plan after a change of its job's pserver count
-        (:func:`transpiler.layout.change.next_trainer_program`).
-
-        The step in flight is flushed, the connections to the current pservers are released without a
-        Close (the trainer does not leave the job), and the blocks, connections and stepper are rebuilt for
-        the next pservers, which are joined at the step they stand at; the model, the data position and a
-        loop over :meth:`batches` go on. ValueError for a plan that is not this job's next layout, or for a
-        trainer that cannot change layout yet (GEO, trainer nodes, the async pipeline, backup trainers).
-        """
-        self._check_open()
-        now = self.program
-        check_later_layout(now, program)
-        if type(self.stepper) is not LocalStepper or now.config.backup_trainers:
-            raise ValueError(
-                f"trainer {self.trainer_id}: a change of layout is not supported with "
-                f"{type(self.stepper).__name__}{' and backup trainers' if now.config.backup_trainers else ''}"
-                f" yet (only one process per trainer, sync or async without the pipeline)"
-            )
-        self.stepper.flush()
-        if self._heartbeat is not None:
-            self._heartbeat.stop()
-            self._heartbeat = None
-        self.stepper.close(None)  # the old layout's connections: no Close, this trainer stays in the job
-        looked_up = self.tables  # this step's lookups so far are pushed in the next layout
-        self.program = program
-        self.blocks = LocalBlocks(program, self.model)
-        self.channels = Channels(program, self._security)
-        self.recovery = self._recovery(program)
-        self.stepper = self._stepper(self._init_method)
-        self.tables = self.stepper.tables
-        self.feed.follow(
-            self.stepper.pull,
-            self.stepper.plan_next_batch if program.tables else None,
-            self.stepper.end_epoch,
-        )
-        self.stepper.join()
-        self.tables.carry_lookups(looked_up)
-        self.tables.follow_moves(self._adopt_moved)
-        serve_tables_from(self.model, program.tables, self.tables)
-        self._heartbeat = self._start_heartbeat()
-        log.info(
-            "trainer %d: adopted layout epoch %d at step %d: %d blocks on %d pservers",
-            self.trainer_id,
-            program.layout_epoch,
-            self.step_count,
-            len(self.blocks.by_name),
-            len(program.pservers),
-        )
-
-    def _adopt_moved(self, error: PserverError) -> None:
-        """Adopt the layout a "moved" answer (``error``) names: the job changed its pserver count."""
-        named = moved_to(str(error))
-        if named is None:
-            raise error
-        log.info("trainer %d: %s", self.trainer_id, error)
-        self.adopt(next_trainer_program(self.program, named[1], epoch=named[0]))
 
     def _close(self, patient: bool) -> None:
         if self._heartbeat is not None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import List, Optional, Sequence
 
-from transpiler.layout.change import LayoutChangeRefused, check_change
+from transpiler.layout.change import LayoutChangeRefused, check_change, parsed_pservers
 from transpiler.layout.record import LayoutChange, LayoutRecord
 
 GO_ON = "go on"
@@ -38,7 +38,8 @@ def ask(
     """The record with a change to ``pservers`` asked; refused (:class:`LayoutChangeRefused`) while another
     is in progress, or for a bad list (:func:`transpiler.layout.change.check_change`)."""
     in_progress = record.change.epoch if record.change is not None else None
-    check_change(record.pservers, list(pservers), record.epoch, in_progress)
+    pservers = parsed_pservers(pservers)
+    check_change(record.pservers, pservers, record.epoch, in_progress)
     if record.replicas and len(replicas) != len(pservers):
         raise LayoutChangeRefused(
             f"with hot standby every pserver comes with its backup: give {len(pservers)} replica endpoints"
@@ -105,6 +106,7 @@ def report_saved(record: LayoutRecord, endpoint: str) -> LayoutRecord:
             replicas=change.replicas,
             change=None,
             since_step=change.switch_step,
+            history=[*record.history, list(record.pservers)],  # one list a change: a role's start knows them
         )
     return replace(record, change=replace(change, switched=saved))
 

@@ -68,30 +68,34 @@ class Job:
         self.logs: Dict[str, str] = {}
         self.waited: set = set()  # processes whose exit the test has taken: no longer a surprise
 
-    def env(self, role: str, index: int) -> dict:
+    def env(self, role: str, index: int, endpoints=None) -> dict:
+        """The role variables of role ``index``; ``endpoints``: the pservers it is given (default: the job's;
+        pserver ``index`` is the one at that position)."""
+        endpoints = self.endpoints if endpoints is None else endpoints
         env = {k: v for k, v in os.environ.items() if not k.startswith(("PADDLE_", "PS_", "TRAINING_"))}
         env.update(
             TRAINING_ROLE=role,
-            PADDLE_PSERVERS_IP_PORT_LIST=",".join(self.endpoints),
+            PADDLE_PSERVERS_IP_PORT_LIST=",".join(endpoints),
             PADDLE_TRAINERS_NUM=str(self.n_trainers),
             PYTHONUNBUFFERED="1",
         )
         if role == "PSERVER":
-            host, port = self.endpoints[index].rsplit(":", 1)
+            host, port = endpoints[index].rsplit(":", 1)
             env.update(POD_IP=host, PADDLE_PORT=port)
         else:
             env["PADDLE_TRAINER_ID"] = str(index)
         return env
 
-    def start(self, role: str, index: int, tag: str = "") -> subprocess.Popen:
-        """Start role ``index`` (again: the same command); ``tag`` names a second process of the same role."""
+    def start(self, role: str, index: int, tag: str = "", endpoints=None) -> subprocess.Popen:
+        """Start role ``index`` (again: the same command); ``tag`` names a second process of the same role;
+        ``endpoints``: the pservers it is given (:meth:`env`)."""
         name = f"{role.lower()}{index}{tag}"
         n = sum(k.rsplit(".", 1)[0] == name for k in self.logs)
         path = str(self.tmp / f"{name}.{n}.log")
         with open(path, "wb") as log:
             proc = subprocess.Popen(
                 [sys.executable, SCRIPT, *self.args],
-                env=self.env(role, index),
+                env=self.env(role, index, endpoints),
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,

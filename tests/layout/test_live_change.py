@@ -16,7 +16,7 @@ from harness.cluster import in_threads
 from harness.models import assert_state_close, odd_program, train_concatenated
 from harness.models import batches as odd_batches
 from harness.ports import free_ports
-from pserver.layout.generations import current_program, serve_layouts
+from pserver import ParameterServer
 from pserver.layout.reshard_cli import ask_change
 from pserver.layout.stores import FileLayoutStore
 from psproto.security import Security
@@ -43,16 +43,15 @@ class Job:
         return t
 
     def start_pserver(self, endpoint: str, pservers) -> None:
-        """``ps-server`` at ``endpoint`` given ``pservers``: it runs the layout the record names (waiting
-        for a change that adds it), then each next one."""
+        """``ps-server`` at ``endpoint`` given ``pservers``."""
         t = self.transpiler(pservers)
         program = t.get_pserver_program(endpoint)
 
         def serve() -> None:
-            try:
-                current = current_program(program, timeout=60)
-                startup = t.get_startup_program(endpoint, program) if current is program else None
-                serve_layouts(current, startup, security=Security())
+            try:  # in the layout the record names (waiting for the change adding it), then each next one
+                ParameterServer(
+                    program, t.get_startup_program(endpoint, program), security=Security()
+                ).serve()
             except BaseException as e:  # reported by the test
                 self.errors.append(e)
 
@@ -106,17 +105,16 @@ def test_a_sync_job_goes_from_2_to_3_to_2_pservers_live_and_equals_one_process(t
                 step_times[i].append(time.monotonic() - started)
                 steps_seen[i].append(step)
                 if i == 0 and step in changes:
-                    if step == 3:  # the new pserver is started first: it waits for the change adding it
+                    thread = threading.Thread(target=ask, args=(changes[step],), daemon=True)
+                    thread.start()
+                    if step == 3:
+                        while store.read().change is None:
+                            time.sleep(0.01)
+                        # the new pserver, started once asked: it waits for the change to commit
                         job.start_pserver(c, [a, b, c])
-                    if asked or step == 3:
-                        thread = threading.Thread(target=ask, args=(changes[step],), daemon=True)
-                        thread.start()
-                        if step == 3:
-                            # a second change while one is in progress is refused, changing nothing
-                            while store.read().change is None:
-                                time.sleep(0.01)
-                            with pytest.raises(LayoutChangeRefused, match="in progress"):
-                                ask_change(store, [a], timeout=1)
+                        # a second change while one is in progress is refused, changing nothing
+                        with pytest.raises(LayoutChangeRefused, match="in progress"):
+                            ask_change(store, [a], timeout=1)
             rows = {"emb": VOCAB, "bag": BAG_VOCAB} if tables else {}
             model = (tr.state_dict(), {t: tr.pull_rows(t, torch.from_numpy(ids)) for t, ids in rows.items()})
             return model, tr.program.layout_epoch, list(tr.program.pservers)

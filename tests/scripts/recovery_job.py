@@ -340,9 +340,13 @@ def main(argv=None) -> int:
     )
     if env.is_pserver:
         from pserver import ParameterServer
+        from pserver.layout.joining import LeftJob
 
         prog = t.get_pserver_program(env.current_endpoint)
-        ParameterServer(prog, t.get_startup_program(env.current_endpoint, prog)).serve()
+        try:
+            ParameterServer(prog, t.get_startup_program(env.current_endpoint, prog)).serve()
+        except LeftJob as e:  # started again after a change removed it
+            logging.info("%s", e)
         return 0
 
     from trainer import Trainer

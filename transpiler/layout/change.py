@@ -79,7 +79,7 @@ def check_fit(
         )
 
 
-def _parsed(pservers_next: Sequence[str]) -> list:
+def parsed_pservers(pservers_next: Sequence[str]) -> list:
     """``pservers_next`` as checked endpoints; :class:`LayoutChangeRefused` for none or a malformed one."""
     if isinstance(pservers_next, str):
         pservers_next = pservers_next.split(",")
@@ -122,7 +122,7 @@ def _layout_at(program, pservers, replicas, epoch: int):
 def _next_layout(program, pservers_next, replicas_next, epoch: Optional[int]):
     """:func:`_layout_at` the next epoch (or a later ``epoch``, a role that missed changes), the change
     checked."""
-    pservers_next = _parsed(pservers_next)
+    pservers_next = parsed_pservers(pservers_next)
     if epoch is None:
         epoch = program.layout_epoch + 1
         check_change(program.pservers, pservers_next, program.layout_epoch)

@@ -51,6 +51,7 @@ class LayoutRecord:
     change: Optional[LayoutChange] = None
     since_step: int = -1  # the step this epoch's pservers started from (its checkpoint); -1: the job's start
     rolled_back: str = ""  # why the last change asked was rolled back ("": none was)
+    history: List[List[str]] = field(default_factory=list)  # the pservers of each earlier epoch, oldest first
     revision: int = 0
 
     def to_bytes(self) -> bytes:
@@ -79,6 +80,7 @@ class LayoutRecord:
                 None if change is None else LayoutChange(**change),
                 int(d.get("since_step", -1)),
                 str(d.get("rolled_back", "")),
+                [list(p) for p in d.get("history", [])],
                 revision,
             )
         except (KeyError, TypeError) as e:

@@ -1,0 +1,137 @@
+"""A job of real processes changes its pserver count while it trains, asked with ``ps-reshard``: 2 -> 3 -> 2
+pservers (a new pserver process joins, one leaves), none restarted; then the same with a seeded SIGKILL of
+an old owner, the new owner or a trainer during each change, the killed role started again with the same
+command. Every run ends with the model of one process on the same data (float64), the record naming the
+layout every role ran last, and no change left in progress.
+
+``PS_CHAOS_SEEDS=1,2,3`` picks the seeds of the chaos runs (printed, so a failure replays); the suite runs
+seed 1 of each victim.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+import time
+
+import pytest
+
+from harness.ports import free_ports
+from tests.helpers.jobs import Job
+from tests.scripts import recovery_job
+from transpiler.layout.record import read_record_file
+
+pytestmark = pytest.mark.processes
+
+SEEDS = [int(s) for s in os.environ.get("PS_CHAOS_SEEDS", "1").split(",") if s.strip()]
+ARGS = [*recovery_job.FLOAT64, "--epochs", "6", "--step_delay", "0.05", "--heartbeat_timeout", "10"]
+
+
+def checkpoint_steps(job: Job) -> list:
+    names = os.listdir(job.ckpt) if os.path.isdir(job.ckpt) else []
+    return sorted(int(d.split("-")[1]) for d in names if d.startswith("step-"))
+
+
+def reshard_command(job: Job, pservers) -> list:
+    """``ps-reshard`` for ``pservers``, as an operator runs it."""
+    args = ["--checkpoint_dir", job.ckpt, "--pservers", ",".join(pservers), "--timeout", "90"]
+    return [sys.executable, "-m", "pserver.layout.reshard_cli", *args]
+
+
+def reshard(job: Job, pservers) -> subprocess.CompletedProcess:
+    return subprocess.run(reshard_command(job, pservers), capture_output=True, text=True, timeout=150)
+
+
+def trained_past(job: Job, steps: int) -> None:
+    """Wait until the job has checkpointed ``steps`` steps past its latest checkpoint now."""
+    start = max(checkpoint_steps(job), default=0)
+    job.wait_until(lambda: max(checkpoint_steps(job), default=0) >= start + steps, f"{steps} more steps")
+
+
+def finish(job: Job, pservers) -> None:
+    """Every trainer finishes; every pserver process exits 0 (those of the last layout once the trainers
+    closed, one that left the job once it told its trainers); the model equals one process's."""
+    for tid in range(job.n_trainers):
+        assert job.wait(f"trainer{tid}", 120) == 0, job.all_logs(f"trainer{tid}")
+    for name in [k for k in job.procs if k.startswith("pserver")]:
+        assert job.wait(name, 60) == 0, job.all_logs(name)
+    record = read_record_file(job.ckpt)
+    assert record.change is None and record.pservers == pservers, record
+    job.assert_trained_as_one_process(epochs=6)
+
+
+@pytest.mark.timeout(240)
+def test_a_job_of_processes_grows_and_shrinks_with_ps_reshard(tmp_path):
+    job = Job(tmp_path, n_pservers=2, args=ARGS)
+    try:
+        job.start_all()
+        a, b = job.endpoints
+        grown = [a, b, f"127.0.0.1:{free_ports(1)[0]}"]
+        trained_past(job, 10)
+        asking = subprocess.Popen(reshard_command(job, grown), stdout=subprocess.PIPE, text=True)
+        job.wait_until(lambda: read_record_file(job.ckpt).change is not None, "the change asked")
+        job.start("PSERVER", 2, endpoints=grown)  # the new pserver, once asked: joins at the commit
+        done = subprocess.CompletedProcess(asking.args, asking.wait(150), asking.communicate()[0], "")
+        assert done.returncode == 0, done.stderr + job.all_logs()
+        assert "runs layout epoch 1 on 3 pservers" in done.stdout
+        trained_past(job, 10)
+        refused = reshard(job, [])
+        assert refused.returncode == 2 and "at least one pserver" in refused.stderr
+        done = reshard(job, [a, b])
+        assert done.returncode == 0, done.stderr + job.all_logs()
+        assert "runs layout epoch 2 on 2 pservers" in done.stdout
+        finish(job, [a, b])
+        assert "leaves the job (layout epoch 2)" in job.log("pserver2.0")
+    finally:
+        job.close()
+
+
+VICTIMS = ["old owner", "new owner", "trainer"]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("victim", VICTIMS)
+def test_a_change_survives_a_sigkill_of_an_old_owner_the_new_owner_or_a_trainer(tmp_path, victim, seed):
+    """At a random moment from the ask to a second after it (before the switch, while the pservers stop
+    and write their parts, or while the next layout starts), ``victim`` is SIGKILLed and started again
+    with the same command. The change commits or is rolled back as one (then it is asked again); the job
+    ends exact either way."""
+    rng = random.Random(f"{victim}-{seed}")
+    print(f"chaos seed {seed}, victim {victim}")
+    job = Job(tmp_path, n_pservers=2, args=ARGS)
+    try:
+        job.start_all()
+        a, b = job.endpoints
+        grown = [a, b, f"127.0.0.1:{free_ports(1)[0]}"]
+        job.start("PSERVER", 2, endpoints=grown)
+        for pservers in (grown, [a, b]):
+            trained_past(job, 5)
+            asking = subprocess.Popen(
+                reshard_command(job, pservers), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+            )
+            time.sleep(rng.uniform(0.0, 1.0))
+            before = read_record_file(job.ckpt)
+            if victim == "trainer":
+                name, role, index, endpoints = f"trainer{rng.randrange(2)}", "TRAINER", None, None
+            elif victim == "old owner":
+                index = rng.randrange(len(before.pservers))
+                name, role, endpoints = f"pserver{index}", "PSERVER", before.pservers if index == 2 else None
+            else:  # the pserver the change adds (growing) or removes (shrinking)
+                name, role, index, endpoints = "pserver2", "PSERVER", 2, grown
+            index = int(name[-1]) if index is None else index
+            job.kill(name)
+            out, _ = asking.communicate(timeout=150)
+            print(f"{name} killed; ps-reshard: {out.strip()}")
+            left = pservers == [a, b] and name == "pserver2" and asking.returncode == 0
+            if not left:  # a pserver that left the job is not started again
+                job.start(role, index, endpoints=endpoints)
+            if asking.returncode != 0:  # rolled back as one: asked again
+                assert asking.returncode == 1, out
+                done = reshard(job, pservers)
+                assert done.returncode == 0, done.stdout + done.stderr + job.all_logs()
+        finish(job, [a, b])
+    finally:
+        job.close()
