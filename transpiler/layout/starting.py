@@ -15,7 +15,7 @@ from .change import LayoutChangeRefused, program_in
 from .record import LayoutRecord, read_record_file
 
 FOLLOW = "follow"  # start in the layout the record names now
-WAIT = "wait"  # a pserver the change in progress adds: wait for the commit, then start in that layout
+WAIT = "wait"  # a pserver the record does not name yet: wait for it to (a change adding it commits)
 LEFT = "left"  # a pserver an earlier change removed: it has left the job, it starts nothing
 NEW = "new"  # a list the job never had: the job starts again on it (a pserver records it)
 
@@ -34,7 +34,10 @@ def start_in(record: Optional[LayoutRecord], pservers: Sequence[str], endpoint: 
                 f"the job is changing its pserver count to {change.pservers} (layout epoch {change.epoch}); "
                 f"start its roles with its pservers {record.pservers} or those"
             )
-        return NEW
+        # The job starts again on a new list: its pservers that ran before record it (a new one waits for
+        # them, so a pserver started before its change was asked, or whose change was rolled back, never
+        # overwrites the layout of a job that runs).
+        return NEW if endpoint is None or endpoint in record.pservers else WAIT
     if endpoint is None or endpoint in record.pservers:
         return FOLLOW
     if change is not None and endpoint in change.pservers:
