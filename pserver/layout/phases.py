@@ -12,7 +12,7 @@ layout (docs/recovery.md).
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import List, Optional, Sequence
+from typing import List, Mapping, Optional, Sequence
 
 from transpiler.layout.change import LayoutChangeRefused, check_change, parsed_pservers
 from transpiler.layout.record import LayoutChange, LayoutRecord
@@ -83,11 +83,17 @@ def report_switched(record: LayoutRecord, endpoint: str) -> LayoutRecord:
     return replace(record, change=replace(change, switched=switched))
 
 
-def schedule_switch(record: LayoutRecord, step: int) -> LayoutRecord:
-    """Asked -> switching at the end of ``step``, moving through the checkpoint of that step (no rows copied
-    ahead): every current pserver writes its part of that checkpoint and reports (:func:`report_saved`)."""
+def schedule_switch(
+    record: LayoutRecord, step: Optional[int], trainer_steps: Optional[Mapping[int, int]] = None
+) -> LayoutRecord:
+    """Asked -> switching, moving through a checkpoint (no rows copied ahead): sync, at the end of ``step``;
+    async, once each trainer's pushes before its step in ``trainer_steps`` ({trainer id: step}) are applied
+    (those from it on are refused). Every current pserver then writes its part of that checkpoint and
+    reports (:func:`report_saved`)."""
     change = _change(record, ("asked",), "switch")
-    return replace(record, change=replace(change, phase="switching", switch_step=int(step)))
+    steps = {str(t): int(k) for t, k in (trainer_steps or {}).items()}
+    at = None if step is None else int(step)
+    return replace(record, change=replace(change, phase="switching", switch_step=at, switch_steps=steps))
 
 
 def report_saved(record: LayoutRecord, endpoint: str) -> LayoutRecord:
@@ -105,7 +111,7 @@ def report_saved(record: LayoutRecord, endpoint: str) -> LayoutRecord:
             pservers=change.pservers,
             replicas=change.replicas,
             change=None,
-            since_step=change.switch_step,
+            since_step=change.switch_step if change.switch_step is not None else -1,  # async: per trainer
             history=[*record.history, list(record.pservers)],  # one list a change: a role's start knows them
         )
     return replace(record, change=replace(change, switched=saved))

@@ -103,9 +103,10 @@ def main(argv: Optional[list] = None) -> int:
     except (ChangeNotMade, TimeoutError) as e:
         print(f"ps-reshard: {e}", file=sys.stderr)
         return 1
+    since = f"step {record.since_step}" if record.since_step >= 0 else "each trainer's switch step (async)"
     print(
-        f"ps-reshard: the job runs layout epoch {record.epoch} on {len(record.pservers)} pservers from step "
-        f"{record.since_step} ({time.monotonic() - started:.1f}s)"
+        f"ps-reshard: the job runs layout epoch {record.epoch} on {len(record.pservers)} pservers from "
+        f"{since} ({time.monotonic() - started:.1f}s)"
     )
     return 0
 

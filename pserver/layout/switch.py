@@ -18,11 +18,17 @@ A change asked (``ps-reshard``) is carried out by the pservers themselves, throu
    generation from that checkpoint, re-sharded (:mod:`.generations`); one that leaves answers "moved"
    until every trainer was told, or for ``heartbeat_timeout``, then stops.
 
+Async, the same with a switch step per trainer: the first pserver picks, for each trainer, the step two
+after the last it counted of it; every pserver reads the record before each push and refuses a trainer's
+pushes from its switch step on, so each push is applied by every pserver or by none (a push is answered
+once applied, and a trainer pushes its next step only then), and writes its part once each live
+trainer's pushes before its switch step are applied. The refused pushes go again, whole, in the next
+layout: every acknowledged push is applied exactly once.
+
 Any failure before the commit (a pserver that dies, a checkpoint that cannot be written, the commit not
 reached within ``barrier_timeout``) rolls the change back: the stopped pservers go on in the current
-layout from the switch step, where they stand (the checkpoint written is an ordinary one). Changes are
-made in sync mode only; an async, GEO or backup-trainer job's pservers roll an asked change back saying
-why (docs/operations.md).
+layout from the switch step, where they stand (the checkpoint written is an ordinary one). A GEO,
+backup-trainer or hot-standby job's pservers roll an asked change back saying why (docs/operations.md).
 """
 
 from __future__ import annotations
@@ -51,8 +57,8 @@ POLL_S = 0.01  # how often a stopped pserver reads the record while it waits for
 def unsupported(program: PserverProgram) -> Optional[str]:
     """Why ``program``'s job cannot change its pserver count while it runs (None: it can)."""
     cfg = program.config
-    if not program.sync_mode or cfg.k_steps:
-        return "only a sync job changes its pserver count while it trains; restart this one from a checkpoint"
+    if cfg.k_steps:
+        return "a GEO job cannot change its pserver count while it trains yet; restart it from a checkpoint"
     if cfg.backup_trainers:
         return "a job with backup trainers cannot change its pserver count while it trains yet"
     if program.replicated:
@@ -86,6 +92,8 @@ class LayoutSwitch(UpdateListener, Gate):
         self.frozen_at: Optional[int] = None  # the switch step this pserver stopped at
         self.moved: Optional[LayoutRecord] = None  # the committed record of that change
         self._told: Set[int] = set()  # trainers answered "moved" (a pserver that leaves waits for all)
+        self.sync = program.sync_mode
+        self._asking = False  # async: a thread asks whether the pushes before the switch are all applied
 
     def start(self, engine) -> None:
         """Before serving, with the ``engine`` to stop: write the record if the job has none yet; a change
@@ -113,16 +121,28 @@ class LayoutSwitch(UpdateListener, Gate):
         if self.why_not is not None and change.phase in ("asked", "switching"):
             self._roll_back(self.why_not)
         elif change.phase == "asked" and self.endpoint == record.pservers[0]:
-            step = pserver_step + SWITCH_AHEAD
-            if self._swap(lambda r: phases.schedule_switch(r, step), "schedule the switch") is not None:
-                log.info(
-                    "pserver %s: layout epoch %d starts after step %d", self.endpoint, change.epoch, step
-                )
+            self._schedule(pserver_step, change.epoch)
         elif change.phase == "switching" and self.endpoint in record.pservers:
-            if change.switch_step == pserver_step:
+            if not self.sync:
+                self._save_once_pushed(change)
+            elif change.switch_step == pserver_step:
                 self._stop_and_save(pserver_step, change.epoch)
             elif change.switch_step < pserver_step:  # not seen in time: a bug, never a lost step
                 self._roll_back(f"pserver {self.endpoint} passed the switch step {change.switch_step}")
+
+    def _schedule(self, pserver_step: int, epoch: int) -> None:
+        """The first pserver picks where the switch is: sync, the step two ahead; async, each trainer's step
+        two after the last this pserver counted (the same argument, trainer by trainer: a trainer's push is
+        answered once applied, and it pushes its next step only then)."""
+        if self.sync:
+            step, steps = pserver_step + SWITCH_AHEAD, None
+            where = f"after step {step}"
+        else:
+            counted = self._engine.last_step
+            step, steps = None, {t: counted.get(t, -1) + SWITCH_AHEAD for t in range(self.trainers)}
+            where = f"at the trainers' steps {steps}"
+        if self._swap(lambda r: phases.schedule_switch(r, step, steps), "schedule the switch") is not None:
+            log.info("pserver %s: layout epoch %d starts %s", self.endpoint, epoch, where)
 
     def on_roster(self, pserver_step, roster) -> None:
         pass
@@ -133,8 +153,18 @@ class LayoutSwitch(UpdateListener, Gate):
     # -- the engine's gate (under its lock) ------------------------------------------------------------
 
     def check_push(self, trainer_id: int, step: int) -> None:
-        if self.frozen_at is not None and step >= self.frozen_at:
+        if self.sync:
+            if self.frozen_at is not None and step >= self.frozen_at:
+                self._refuse(trainer_id)
+            return
+        if self.frozen_at is not None:  # async: this pserver's part is written; nothing more is applied
             self._refuse(trainer_id)
+        record = self._fresh()  # async: read before every push (a stat while unchanged)
+        change = record.change if record is not None and record.epoch == self.epoch else None
+        if change is not None and change.phase == "switching" and self.endpoint in record.pservers:
+            if step >= change.switch_steps.get(str(trainer_id), step + 1):
+                self._save_once_pushed(change)
+                self._refuse(trainer_id)
 
     def check_wait(self, trainer_id: int, min_step: int) -> None:
         if self.frozen_at is not None and min_step > self.frozen_at:
@@ -147,17 +177,39 @@ class LayoutSwitch(UpdateListener, Gate):
     def _refuse(self, trainer_id: int) -> None:
         moved = self.moved
         if moved is None:
-            raise ShuttingDown(
-                f"pserver {self.endpoint}: the job's layout changes after step {self.frozen_at}; retry"
-            )
+            raise ShuttingDown(f"pserver {self.endpoint}: the job's pserver count is changing; retry")
         self._told.add(trainer_id)
         raise Moved(
-            f"pserver {self.endpoint}: layout epoch {self.epoch} ended at step {self.frozen_at}",
+            f"pserver {self.endpoint}: layout epoch {self.epoch} ended after update {self.frozen_at}",
             moved.epoch,
             moved.pservers,
         )
 
     # -- the switch --------------------------------------------------------------------------------------
+
+    def _save_once_pushed(self, change) -> None:
+        """Async (under the engine's lock): write this pserver's part once every live trainer's pushes before
+        its switch step are applied; until then a thread asks again (a trainer that pushes no more, having
+        died, is dropped after ``heartbeat_timeout`` and counts no more)."""
+        steps = {int(t): k for t, k in change.switch_steps.items()}
+        live, counted = self._engine.live(), self._engine.last_step
+        if all(counted.get(t, -1) >= k - 1 for t, k in steps.items() if t in live):
+            self._stop_and_save(self._engine.step, change.epoch)
+        elif not self._asking:
+            self._asking = True
+            threading.Thread(target=self._ask_until_pushed, daemon=True, name="pserver-layout-pushed").start()
+
+    def _ask_until_pushed(self) -> None:
+        deadline = time.monotonic() + self.commit_timeout
+        while time.monotonic() < deadline:
+            time.sleep(POLL_S)
+            with self._engine.cv:
+                record = self._fresh()
+                change = record.change if record is not None else None
+                if self.frozen_at is not None or change is None or change.phase != "switching":
+                    break
+                self._save_once_pushed(change)
+        self._asking = False
 
     def _stop_and_save(self, step: int, epoch_next: int) -> None:
         self.frozen_at = step

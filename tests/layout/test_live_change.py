@@ -23,7 +23,7 @@ from psproto.security import Security
 from tests.helpers.table_models import BAG_VOCAB, VOCAB, single_process, table_batches, table_program
 from tests.tables.test_sync import assert_matches
 from trainer import Trainer
-from transpiler import DistributeTranspiler, DistributeTranspilerConfig
+from transpiler import DistributeTranspiler, DistributeTranspilerConfig, Program
 from transpiler.layout.change import LayoutChangeRefused
 
 STEPS = 12
@@ -32,15 +32,33 @@ STEPS = 12
 class Job:
     """Pservers serving their job's layouts in threads (as ``ps-server`` does), trainers in threads."""
 
-    def __init__(self, config, pservers, trainers: int, build):
-        self.config, self.trainers, self.build = config, trainers, build
+    def __init__(self, config, pservers, trainers: int, build, sync_mode: bool = True):
+        self.config, self.trainers, self.build, self.sync_mode = config, trainers, build, sync_mode
         self.pservers = list(pservers)
         self.threads, self.errors = [], []
+        self.store = FileLayoutStore(config.checkpoint_dir)
+        self.asked, self._asking = [], None
 
     def transpiler(self, pservers, trainer_id: int = 0) -> DistributeTranspiler:
         t = DistributeTranspiler(self.config)
-        t.transpile(trainer_id, program=self.build(), pservers=",".join(pservers), trainers=self.trainers)
+        t.transpile(trainer_id, self.build(), ",".join(pservers), self.trainers, sync_mode=self.sync_mode)
         return t
+
+    def ask(self, pservers, new_pserver=None) -> None:
+        """``ps-reshard`` for ``pservers``, in a thread (once the change asked before has finished); the new
+        pserver ``new_pserver`` is started once the change is recorded (it waits for the commit)."""
+        if self._asking is not None:
+            self._asking.join(60)
+
+        def ask() -> None:
+            self.asked.append(ask_change(self.store, pservers, timeout=60))
+
+        self._asking = threading.Thread(target=ask, daemon=True)
+        self._asking.start()
+        while self.store.read().change is None and self._asking.is_alive():
+            time.sleep(0.01)
+        if new_pserver is not None:
+            self.start_pserver(new_pserver, pservers)
 
     def start_pserver(self, endpoint: str, pservers) -> None:
         """``ps-server`` at ``endpoint`` given ``pservers``."""
@@ -89,12 +107,8 @@ def test_a_sync_job_goes_from_2_to_3_to_2_pservers_live_and_equals_one_process(t
     job = Job(config, [a, b], 2, build)
     for ep in (a, b):
         job.start_pserver(ep, [a, b])
-    store = FileLayoutStore(directory)
-    changes, asked, step_times = {3: [a, b, c], 7: [a, b]}, [], {0: [], 1: []}
+    changes, step_times = {3: [a, b, c], 7: [a, b]}, {0: [], 1: []}
     steps_seen = {0: [], 1: []}
-
-    def ask(pservers) -> None:
-        asked.append(ask_change(store, pservers, timeout=60))
 
     def body(i: int):
         with job.trainer(i) as tr:
@@ -105,22 +119,17 @@ def test_a_sync_job_goes_from_2_to_3_to_2_pservers_live_and_equals_one_process(t
                 step_times[i].append(time.monotonic() - started)
                 steps_seen[i].append(step)
                 if i == 0 and step in changes:
-                    thread = threading.Thread(target=ask, args=(changes[step],), daemon=True)
-                    thread.start()
-                    if step == 3:
-                        while store.read().change is None:
-                            time.sleep(0.01)
-                        # the new pserver, started once asked: it waits for the change to commit
-                        job.start_pserver(c, [a, b, c])
-                        # a second change while one is in progress is refused, changing nothing
+                    job.ask(changes[step], c if step == 3 else None)
+                    if step == 3:  # a second change while one is in progress is refused, changing nothing
                         with pytest.raises(LayoutChangeRefused, match="in progress"):
-                            ask_change(store, [a], timeout=1)
+                            ask_change(job.store, [a], timeout=1)
             rows = {"emb": VOCAB, "bag": BAG_VOCAB} if tables else {}
             model = (tr.state_dict(), {t: tr.pull_rows(t, torch.from_numpy(ids)) for t, ids in rows.items()})
             return model, tr.program.layout_epoch, list(tr.program.pservers)
 
     results = in_threads({i: (lambda i=i: body(i)) for i in (0, 1)}, timeout=120)
     job.join(30)
+    asked = job.asked
     assert [(r.epoch, r.pservers) for r in asked] == [(1, [a, b, c]), (2, [a, b])]
     assert 3 < asked[0].since_step < 7 < asked[1].since_step < STEPS
     for i in (0, 1):
@@ -131,3 +140,63 @@ def test_a_sync_job_goes_from_2_to_3_to_2_pservers_live_and_equals_one_process(t
         assert results[i][1:] == (2, [a, b])
         assert steps_seen[i] == list(range(1, STEPS + 1))  # no step repeated, none rolled back
     print(f"longest step {max(max(t) for t in step_times.values()):.2f}s")
+
+
+class Counting(nn.Module):
+    """A model whose every push is counted: the bias's gradient is 1 a push, a table row's the number of
+    times its id was looked up; with SGD at lr 1 in float64 the values are exact counts."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)  # every role builds the same initial bias
+        self.emb = nn.Embedding(1000, 2, sparse=True, dtype=torch.float64)
+        self.count = nn.Linear(2, 1, dtype=torch.float64)
+
+    def forward(self, ids):
+        return self.count.bias.sum() + self.emb(ids).sum()
+
+
+def counting_program() -> Program:
+    return Program(Counting(), "sgd", lr=1.0, distributed_tables={"emb": {"init": "zeros"}})
+
+
+@pytest.mark.timeout(150)
+def test_an_async_job_applies_every_acknowledged_push_once_across_two_live_changes(tmp_path):
+    """Each trainer's pushes from its switch step on are refused by every pserver (none applies a part of
+    one), and go again, whole, in the next layout. A change completes once each live trainer has pushed up
+    to its switch step: the trainers train on (their batches in turn) until both changes are made."""
+    batches = torch.from_numpy(
+        VOCAB[torch.randint(0, len(VOCAB), (2, STEPS, 6), generator=torch.Generator().manual_seed(3)).numpy()]
+    )
+    config = DistributeTranspilerConfig(checkpoint_dir=str(tmp_path / "checkpoints"), heartbeat_timeout=10.0)
+    a, b, c = (f"127.0.0.1:{p}" for p in free_ports(3))
+    job = Job(config, [a, b], 2, counting_program, sync_mode=False)
+    for ep in (a, b):
+        job.start_pserver(ep, [a, b])
+    bias0 = float(counting_program().model.count.bias.detach())
+    everyone_pushed = threading.Barrier(2)
+
+    def body(i: int):
+        pushed = []
+        with job.trainer(i) as tr:
+            while len(pushed) < STEPS or len(job.asked) < 2 or tr.program.layout_epoch < 2:
+                ids = batches[i][len(pushed) % STEPS]
+                tr.model(ids).backward()
+                step = tr.step()
+                pushed.append(ids)
+                if i == 0 and step in (3, 7):
+                    job.ask([a, b, c] if step == 3 else [a, b], c if step == 3 else None)
+                assert len(pushed) < 500, "the changes were not made"
+            everyone_pushed.wait(60)  # every push of both trainers acknowledged
+            bias, rows = float(tr.state_dict()["count.bias"]), tr.pull_rows("emb", torch.from_numpy(VOCAB))
+            return bias, rows, torch.cat(pushed)
+
+    results = in_threads({i: (lambda i=i: body(i)) for i in (0, 1)}, timeout=120)
+    job.join(30)
+    assert [(r.epoch, r.pservers) for r in job.asked] == [(1, [a, b, c]), (2, [a, b])]
+    looked_up = torch.cat([ids for _, _, ids in results.values()])
+    counts = torch.bincount(torch.searchsorted(torch.from_numpy(VOCAB), looked_up), minlength=len(VOCAB))
+    pushes = sum(len(ids) for _, _, ids in results.values()) // 6
+    for bias, rows, _ in results.values():
+        assert bias == bias0 - pushes  # every push's bias gradient applied once
+        assert torch.equal(rows, -counts.to(torch.float64)[:, None].expand(-1, 2))  # each lookup once

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import asdict, dataclass, field, replace
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 FORMAT = "torch-pserver-layout"
 FILE_NAME = "layout.json"  # the record's file under checkpoint_dir (without hot standby)
@@ -33,6 +33,7 @@ class LayoutChange:
     replicas: List[str] = field(default_factory=list)
     phase: str = "asked"
     switch_step: Optional[int] = None
+    switch_steps: Dict[str, int] = field(default_factory=dict)  # async: each trainer's first step refused
     switched: List[str] = field(default_factory=list)
     asked_at: float = 0.0
     why: str = ""  # why it rolls back
