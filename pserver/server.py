@@ -203,6 +203,7 @@ class ParameterServer:
             data_port=self._data_listener.port,
             layout_epoch=program.layout_epoch,
             pservers=program.pservers,
+            layout_status=self.layout.status if self.layout is not None else None,
         )
         # A trainer with a call still being served (a push's answer made and sent after its step applied,
         # a heartbeat waiting for a pool thread) is alive to the engine too, and heard from when it ends.

@@ -1,24 +1,21 @@
-"""A change of layout, step by step, as pure functions of the record: ask, copy, switch, commit, roll back,
-and what a death during a change decides. The pservers' coordination applies these by compare-and-set
-(:mod:`.stores`); ``ps-reshard`` asks.
+"""A change of layout, step by step, as pure functions of the record: ask, schedule the switch, report each
+current pserver's part, commit, roll back; and what Stats shows of it. The pservers apply these by
+compare-and-set (:mod:`.stores`, :mod:`.switch`); ``ps-reshard`` asks.
 
-Why a change can always roll back until it commits: the old owners keep every row they send (they drop
-the moved slots only once the record names the new epoch), and in sync mode no trainer's step after
-``switch_step`` is applied anywhere before the commit. So any death before the commit abandons the change
-and the job goes on in its current layout; after the commit a death is an ordinary one in the new
-layout (docs/recovery.md).
+Why a change can always roll back until it commits: no trainer's push after the switch (sync: a step after
+``switch_step``; async: a trainer's step from its switch step) is applied anywhere before the commit, and
+the state written for it is an ordinary checkpoint. So any failure before the commit abandons the change
+and the job goes on in its current layout; after the commit a death is an ordinary one in the new layout
+(docs/recovery.md).
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
-from typing import List, Mapping, Optional, Sequence
+from dataclasses import dataclass, replace
+from typing import Mapping, Optional, Sequence
 
 from transpiler.layout.change import LayoutChangeRefused, check_change, parsed_pservers
 from transpiler.layout.record import LayoutChange, LayoutRecord
-
-GO_ON = "go on"
-ROLL_BACK = "roll back"
 
 
 def _change(record: LayoutRecord, phases: Sequence[str], doing: str) -> LayoutChange:
@@ -48,41 +45,6 @@ def ask(
     return replace(record, change=change)
 
 
-def involved(record: LayoutRecord) -> List[str]:
-    """Every pserver a change involves: the current ones, then the new ones (each once)."""
-    if record.change is None:
-        return list(record.pservers)
-    return list(record.pservers) + [ep for ep in record.change.pservers if ep not in record.pservers]
-
-
-def start_copying(record: LayoutRecord) -> LayoutRecord:
-    """Asked -> copying: every new pserver is up; the old owners stream the moving rows."""
-    change = _change(record, ("asked",), "start copying")
-    return replace(record, change=replace(change, phase="copying"))
-
-
-def switch_at(record: LayoutRecord, step: int) -> LayoutRecord:
-    """Copying -> switching at the end of ``step``: every pserver sends the rest, installs what it receives
-    and reports (:func:`report_switched`)."""
-    change = _change(record, ("copying",), "switch")
-    return replace(record, change=replace(change, phase="switching", switch_step=int(step)))
-
-
-def report_switched(record: LayoutRecord, endpoint: str) -> LayoutRecord:
-    """``endpoint`` sent and received its part of the switch; once every pserver involved has, the change
-    commits: the record names the new epoch and no change."""
-    change = _change(record, ("switching",), f"take {endpoint}'s report")
-    everyone = involved(record)
-    if endpoint not in everyone:
-        raise LayoutChangeRefused(f"{endpoint} is not one of the pservers of the change {everyone}")
-    switched = sorted(set(change.switched) | {endpoint})
-    if set(switched) == set(everyone):
-        return replace(
-            record, epoch=change.epoch, pservers=change.pservers, replicas=change.replicas, change=None
-        )
-    return replace(record, change=replace(change, switched=switched))
-
-
 def schedule_switch(
     record: LayoutRecord, step: Optional[int], trainer_steps: Optional[Mapping[int, int]] = None
 ) -> LayoutRecord:
@@ -96,7 +58,7 @@ def schedule_switch(
     return replace(record, change=replace(change, phase="switching", switch_step=at, switch_steps=steps))
 
 
-def report_saved(record: LayoutRecord, endpoint: str) -> LayoutRecord:
+def report_saved(record: LayoutRecord, endpoint: str, now: float = 0.0) -> LayoutRecord:
     """``endpoint``, a current pserver, wrote its part of the checkpoint at the switch step; once every
     current pserver has, the change commits: the record names the new epoch, its pservers, the step they
     start from, and no change (the next pservers load that checkpoint, re-sharded)."""
@@ -113,13 +75,14 @@ def report_saved(record: LayoutRecord, endpoint: str) -> LayoutRecord:
             change=None,
             since_step=change.switch_step if change.switch_step is not None else -1,  # async: per trainer
             history=[*record.history, list(record.pservers)],  # one list a change: a role's start knows them
+            last_change_s=max(0.0, now - change.asked_at),
         )
     return replace(record, change=replace(change, switched=saved))
 
 
 def roll_back(record: LayoutRecord, why: str) -> LayoutRecord:
     """Any phase -> rolling back, for ``why``: every pserver undoes its part (:func:`rolled_back` then)."""
-    change = _change(record, ("asked", "copying", "switching", "rolling_back"), "roll back")
+    change = _change(record, ("asked", "switching", "rolling_back"), "roll back")
     return replace(record, change=replace(change, phase="rolling_back", why=why))
 
 
@@ -129,22 +92,32 @@ def rolled_back(record: LayoutRecord) -> LayoutRecord:
     return replace(record, change=None, rolled_back=change.why)
 
 
-def on_death(record: LayoutRecord, endpoint: str, role: str) -> str:
-    """What the death of ``endpoint`` (``role`` "pserver" or "trainer") decides for a change in progress:
-    :data:`ROLL_BACK` for any pserver the change involves before it commits, :data:`GO_ON` otherwise (a
-    trainer's death is the sync barrier's business, not the layout's)."""
-    if role not in ("pserver", "trainer"):
-        raise ValueError(f"role must be 'pserver' or 'trainer', got {role!r}")
-    if record.change is None or role == "trainer" or record.change.phase == "rolling_back":
-        return GO_ON
-    return ROLL_BACK if endpoint in involved(record) else GO_ON
+@dataclass(frozen=True)
+class LayoutStatus:
+    """What Stats, ``ps-stat`` and ``/metrics`` show of the job's layout: the change in progress (``change``,
+    "" for none) and its progress (current pservers whose part is written, of ``to_move``), and how long the
+    last change took."""
+
+    change: str = ""
+    moved: int = 0
+    to_move: int = 0
+    last_change_s: float = 0.0
 
 
-def epoch_of(record: LayoutRecord, endpoint: str) -> Optional[int]:
-    """The layout epoch ``endpoint`` serves now: the record's if it is one of its pservers, the change's
-    if it is only a new one (None: neither)."""
-    if endpoint in record.pservers:
-        return record.epoch
-    if record.change is not None and endpoint in record.change.pservers:
-        return record.change.epoch
-    return None
+def status_of(record: Optional[LayoutRecord]) -> LayoutStatus:
+    """The :class:`LayoutStatus` of ``record`` (None: the job has none)."""
+    if record is None:
+        return LayoutStatus()
+    change = record.change
+    if change is None:
+        return LayoutStatus(last_change_s=record.last_change_s)
+    where = ""
+    if change.switch_step is not None:
+        where = f" after step {change.switch_step}"
+    elif change.switch_steps:
+        where = " at each trainer's switch step"
+    text = f"{change.phase} to epoch {change.epoch} ({len(change.pservers)} pservers){where}"
+    if change.phase == "rolling_back":
+        text += f": {change.why}"
+    written = len(set(change.switched) & set(record.pservers))
+    return LayoutStatus(text, written, len(record.pservers), record.last_change_s)

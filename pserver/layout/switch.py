@@ -14,9 +14,11 @@ A change asked (``ps-reshard``) is carried out by the pservers themselves, throu
    checkpoint of that step and reports; the last report commits the change: the record names the next
    epoch, its pservers and the step they start from.
 3. After the commit every refused call is answered "moved" with the next layout (:class:`Moved`): the
-   trainers adopt it and push the step again there. A pserver of the next layout starts its next
-   generation from that checkpoint, re-sharded (:mod:`.generations`); one that leaves answers "moved"
-   until every trainer was told, or for ``heartbeat_timeout``, then stops.
+   trainers adopt it and push the step again there. A pserver of the next layout serves its next
+   generation (:meth:`pserver.server.ParameterServer.serve`, on the same ports, in the same process)
+   from that checkpoint, re-sharded; a new pserver waiting for the change starts then
+   (:mod:`.joining`); one that leaves answers "moved" until every trainer was told, or for
+   ``heartbeat_timeout``, then stops.
 
 Async, the same with a switch step per trainer: the first pserver picks, for each trainer, the step two
 after the last it counted of it; every pserver reads the record before each push and refuses a trainer's
@@ -41,7 +43,7 @@ from typing import Callable, Optional, Set
 
 from transpiler import PserverProgram
 from transpiler.layout.change import LayoutChangeRefused
-from transpiler.layout.record import LayoutRecord
+from transpiler.layout.record import LayoutRecord, read_record_file
 
 from ..engine.listeners import Gate, UpdateListener
 from ..errors import Moved, ShuttingDown
@@ -221,7 +223,7 @@ class LayoutSwitch(UpdateListener, Gate):
             self._roll_back(f"pserver {self.endpoint} could not write the checkpoint of step {step}: {e}")
             self.frozen_at = None
             return
-        self._swap(lambda r: phases.report_saved(r, self.endpoint), "report its part")
+        self._swap(lambda r: phases.report_saved(r, self.endpoint, time.time()), "report its part")
         log.info(
             "pserver %s: stopped after step %d for layout epoch %d; its part written in %.2fs",
             self.endpoint,
@@ -275,6 +277,10 @@ class LayoutSwitch(UpdateListener, Gate):
         log.info("pserver %s: leaves the job (layout epoch %d)", self.endpoint, self.moved.epoch)
 
     # -- the record --------------------------------------------------------------------------------------
+
+    def status(self) -> phases.LayoutStatus:
+        """The job's change of layout in progress, as the record says now (Stats, ps-stat, /metrics)."""
+        return phases.status_of(read_record_file(self.store.directory))
 
     def _fresh(self) -> Optional[LayoutRecord]:
         """The record, read again only if its file changed (a ``stat`` per update otherwise)."""

@@ -107,6 +107,31 @@ class PserverCollector(Collector):
             svc.checks.layout_epoch,
         )
         yield _gauge("ps_routing_version", "How table ids are routed to pservers", ep, ROUTING_VERSION)
+        layout = svc.checks.layout_status()
+        yield _gauge(
+            "ps_layout_change_in_progress",
+            "1 while the job changes its pserver count",
+            ep,
+            int(bool(layout.change)),
+        )
+        yield _gauge(
+            "ps_layout_parts_moved",
+            "The change in progress: current pservers whose state is written (of ps_layout_parts_to_move)",
+            ep,
+            layout.moved,
+        )
+        yield _gauge(
+            "ps_layout_parts_to_move",
+            "The change in progress: current pservers to write out",
+            ep,
+            layout.to_move,
+        )
+        yield _gauge(
+            "ps_layout_change_seconds",
+            "How long the job's last change of pserver count took",
+            ep,
+            layout.last_change_s,
+        )
         trainers = GaugeMetricFamily(
             "ps_trainers",
             "Trainers by state: alive (joined, heard from), dropped (silent past heartbeat_timeout), closed",

@@ -141,7 +141,8 @@ def row(endpoint: str, r: ps_pb2.StatsReply, rate: Optional[float]) -> Tuple[str
     return (
         endpoint,
         "sync" if r.sync_mode else "async",
-        f"epoch {r.layout_epoch}",
+        f"epoch {r.layout_epoch}"
+        + (f", {r.layout_parts_moved}/{r.layout_parts_to_move} moved" if r.layout_change else ""),
         str(r.step),
         _ids(r.trainers_alive),
         _ids(r.trainers_dropped),

@@ -71,10 +71,17 @@ class Counters:
             self.refused_by[key] = self.refused_by.get(key, 0) + 1
 
     def stats_reply(
-        self, endpoint: str, snap, incarnation: int, uptime_s: float, replica, layout_epoch: int = 0
+        self,
+        endpoint: str,
+        snap,
+        incarnation: int,
+        uptime_s: float,
+        replica,
+        layout_epoch: int = 0,
+        layout=None,
     ) -> ps_pb2.StatsReply:
         """The Stats answer: these counters beside the engine's snapshot ``snap``, the replica's stats
-        (or None) and the layout epoch served."""
+        (or None), the layout epoch served and the job's change of layout (``layout``, a LayoutStatus)."""
         last = snap.checkpoint
         with self.lock:
             return ps_pb2.StatsReply(
@@ -104,4 +111,14 @@ class Counters:
                 replica=replica,
                 layout_epoch=layout_epoch,
                 routing_version=ROUTING_VERSION,
+                **(
+                    dict(
+                        layout_change=layout.change,
+                        layout_parts_moved=layout.moved,
+                        layout_parts_to_move=layout.to_move,
+                        layout_change_s=layout.last_change_s,
+                    )
+                    if layout is not None
+                    else {}
+                ),
             )

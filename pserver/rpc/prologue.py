@@ -37,6 +37,7 @@ from ..errors import (
     StorageFailed,
     Unauthenticated,
 )
+from ..layout.phases import LayoutStatus
 
 # Under the servicer's name: these are its calls' records, and operators filter its log by that name
 # (every servicer of the service logs under it: :mod:`.service`).
@@ -86,7 +87,8 @@ class CallerChecks:
     Shared by the servicers of the service (:mod:`.service`): ``trainers`` the job's trainer count,
     ``sessions`` the :class:`~.sessions.Sessions` of this pserver, ``replica`` its place in a replicated
     shard (None without replicas), ``layout_digest`` the plan it runs, ``layout_epoch`` that plan's
-    layout epoch and ``pservers`` its pservers (docs/operations.md, "Growing and shrinking a job").
+    layout epoch and ``pservers`` its pservers, ``layout_status`` the job's change of layout in progress
+    (docs/operations.md, "Growing and shrinking a job").
     """
 
     def __init__(
@@ -98,8 +100,10 @@ class CallerChecks:
         layout_digest: str,
         layout_epoch: int = 0,
         pservers: Sequence[str] = (),
+        layout_status: Callable[[], object] = LayoutStatus,
     ):
         self.endpoint = endpoint
+        self.layout_status = layout_status
         self.trainers = trainers
         self.sessions = sessions
         self.replica = replica

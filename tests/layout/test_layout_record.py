@@ -1,5 +1,6 @@
-"""The layout record: its bytes, the phases of a change as pure transitions (table-driven), the decision a
-death takes, and compare-and-set in a file and in etcd (two writers: one wins, the other reads again)."""
+"""The layout record: its bytes, the phases of a change as pure transitions (table-driven), what Stats shows
+of it, the layout a role starts in, and compare-and-set in a file and in etcd (two writers: one wins, the
+other reads again)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import pytest
 from pserver.layout import phases
 from pserver.layout.stores import EtcdLayoutStore, FileLayoutStore, StaleRecord, update
 from tests.helpers.etcd import etcd_fixture  # noqa: F401 - the `etcd` fixture
+from transpiler.layout import starting
 from transpiler.layout.change import LayoutChangeRefused
 from transpiler.layout.record import LayoutChange, LayoutRecord
 
@@ -19,7 +21,7 @@ NOW = LayoutRecord(epoch=3, pservers=[A, B])
 
 
 def test_a_record_round_trips_and_malformed_bytes_are_refused():
-    r = phases.switch_at(phases.start_copying(phases.ask(NOW, [A, B, C], now=12.5)), 40)
+    r = phases.schedule_switch(phases.ask(NOW, [A, B, C], now=12.5), None, {0: 4, 1: 9})
     assert LayoutRecord.from_bytes(r.to_bytes(), revision=7) == r.with_revision(7)
     for bad, message in [
         (b"{", "not a layout record"),
@@ -31,32 +33,40 @@ def test_a_record_round_trips_and_malformed_bytes_are_refused():
             LayoutRecord.from_bytes(bad)
 
 
-def test_a_change_goes_asked_copying_switching_and_commits_once_every_pserver_involved_reported():
+def test_a_change_is_asked_scheduled_and_commits_once_every_current_pserver_wrote_its_part():
     r = phases.ask(NOW, [A, B, C], now=1.0)
-    assert r.change == LayoutChange(4, [A, B, C], [], "asked", None, [], 1.0)
-    assert phases.involved(r) == [A, B, C]
-    assert (phases.epoch_of(r, A), phases.epoch_of(r, C), phases.epoch_of(r, "x:1")) == (3, 4, None)
-    r = phases.switch_at(phases.start_copying(r), 40)
-    assert (r.change.phase, r.change.switch_step) == ("switching", 40)
-    for ep in (C, A):
-        r = phases.report_switched(r, ep)
-        assert r.epoch == 3 and r.change.switched == sorted({C, A} & set(r.change.switched))
-    r = phases.report_switched(r, B)
-    assert r == LayoutRecord(4, [A, B, C])
-    # Shrinking back: the removed pserver is involved until the commit.
-    r = phases.ask(r, [A, B])
-    assert phases.involved(r) == [A, B, C]
+    assert r.change == LayoutChange(4, [A, B, C], phase="asked", asked_at=1.0)
+    r = phases.schedule_switch(r, 40)
+    assert (r.change.phase, r.change.switch_step, r.change.switch_steps) == ("switching", 40, {})
+    assert phases.status_of(r) == phases.LayoutStatus("switching to epoch 4 (3 pservers) after step 40", 0, 2)
+    r = phases.report_saved(r, B, now=3.0)
+    assert (r.epoch, r.change.switched, phases.status_of(r).moved) == (3, [B], 1)
+    r = phases.report_saved(r, A, now=3.5)
+    assert r == LayoutRecord(4, [A, B, C], since_step=40, history=[[A, B]], last_change_s=2.5)
+    assert phases.status_of(r) == phases.LayoutStatus(last_change_s=2.5)
+    # Shrinking back: every current pserver, the one that leaves too, writes its part.
+    r = phases.schedule_switch(phases.ask(r, [A, B]), 50)
+    for ep in (C, A, B):
+        r = phases.report_saved(r, ep)
+    assert (r.epoch, r.pservers, r.since_step, r.history) == (5, [A, B], 50, [[A, B], [A, B, C]])
+
+
+def test_an_async_switch_names_each_trainers_step():
+    r = phases.schedule_switch(phases.ask(NOW, [A, B, C]), None, {0: 7, 1: 3})
+    assert (r.change.switch_step, r.change.switch_steps) == (None, {"0": 7, "1": 3})
+    assert "at each trainer's switch step" in phases.status_of(r).change
+    r = phases.report_saved(phases.report_saved(r, A), B)
+    assert (r.epoch, r.since_step) == (4, -1)
 
 
 @pytest.mark.parametrize(
     "transition, phase, message",
     [
-        (lambda r: phases.start_copying(r), "copying", "it must be asked"),
-        (lambda r: phases.switch_at(r, 5), "asked", "it must be copying"),
-        (lambda r: phases.report_switched(r, A), "copying", "it must be switching"),
+        (lambda r: phases.schedule_switch(r, 5), "switching", "it must be asked"),
+        (lambda r: phases.report_saved(r, A), "asked", "it must be switching"),
         (lambda r: phases.rolled_back(r), "switching", "it must be rolling_back"),
         (lambda r: phases.ask(r, [A]), "asked", "a change to layout epoch 4 is in progress"),
-        (lambda r: phases.report_switched(r, "10.0.0.9:1"), "switching", "not one of the pservers"),
+        (lambda r: phases.report_saved(r, C), "switching", "not one of the current pservers"),
     ],
 )
 def test_a_transition_out_of_its_phase_is_refused(transition, phase, message):
@@ -69,8 +79,11 @@ def test_a_transition_out_of_its_phase_is_refused(transition, phase, message):
     "transition, message",
     [
         (lambda r: phases.ask(r, []), "at least one pserver"),
+        (lambda r: phases.ask(r, [""]), "at least one pserver"),
+        (lambda r: phases.ask(r, ["nohost"]), "host:port"),
+        (lambda r: phases.ask(r, [A, A]), "twice"),
         (lambda r: phases.ask(r, [A, B]), "already runs"),
-        (lambda r: phases.start_copying(r), "no change of layout is in progress"),
+        (lambda r: phases.schedule_switch(r, 3), "no change of layout is in progress"),
         (lambda r: phases.ask(dataclasses.replace(r, replicas=["h:1", "h:2"]), [A, B, C], ["h:1"]), "backup"),
     ],
 )
@@ -79,26 +92,47 @@ def test_a_bad_ask_is_refused(transition, message):
         transition(NOW)
 
 
+# The layout a role starts in: (the record, the role's pservers, its endpoint (None: a trainer), decision).
+GROWING = dataclasses.replace(NOW, change=LayoutChange(4, [A, B, C]))
+GROWN = LayoutRecord(4, [A, B, C], history=[[A, B]])
+SHRUNK = LayoutRecord(5, [A, B], history=[[A, B], [A, B, C]])
+
+
 @pytest.mark.parametrize(
-    "phase, endpoint, role, decision",
+    "record, pservers, endpoint, decision",
     [
-        (None, A, "pserver", phases.GO_ON),  # no change: an ordinary death
-        ("asked", C, "pserver", phases.ROLL_BACK),  # a new pserver
-        ("copying", A, "pserver", phases.ROLL_BACK),  # an old owner
-        ("switching", B, "pserver", phases.ROLL_BACK),
-        ("switching", C, "pserver", phases.ROLL_BACK),
-        ("switching", "127.0.0.1:9", "pserver", phases.GO_ON),  # not part of the change
-        ("switching", "trainer-0", "trainer", phases.GO_ON),
-        ("rolling_back", A, "pserver", phases.GO_ON),  # already being undone
+        (None, [A, B], A, starting.NEW),  # a new job: its pservers record it
+        (NOW, [A, B], A, starting.FOLLOW),
+        (NOW, [A, B], None, starting.FOLLOW),
+        (GROWING, [A, B, C], C, starting.WAIT),  # the new pserver, started once asked
+        (GROWING, [A, B, C], A, starting.FOLLOW),
+        (GROWING, [A, B, C], None, starting.FOLLOW),  # a trainer: told "moved" once the change commits
+        (GROWN, [A, B], A, starting.FOLLOW),  # started again with its first command: the layout now
+        (GROWN, [A, B], None, starting.FOLLOW),
+        (GROWN, [A, B, C], C, starting.FOLLOW),
+        (SHRUNK, [A, B, C], C, starting.LEFT),  # removed: it has left the job
+        (SHRUNK, [A, B, C], None, starting.FOLLOW),
+        (NOW, [A, B, C], A, starting.NEW),  # the job started again on another list: a pserver of it records
+        (
+            NOW,
+            [A, B, C],
+            C,
+            starting.WAIT,
+        ),  # ... and a new one waits for that (never overwrites a running job)
+        (NOW, [A, B, C], None, starting.NEW),  # a trainer: its own plan
     ],
 )
-def test_a_death_before_the_commit_rolls_the_change_back(phase, endpoint, role, decision):
-    r = NOW if phase is None else dataclasses.replace(NOW, change=LayoutChange(4, [A, B, C], phase=phase))
-    assert phases.on_death(r, endpoint, role) == decision
+def test_a_role_starts_in_the_layout_its_job_runs(record, pservers, endpoint, decision):
+    assert starting.start_in(record, pservers, endpoint) == decision
+
+
+def test_a_role_on_a_list_the_job_never_had_is_refused_during_a_change():
+    with pytest.raises(LayoutChangeRefused, match="is changing its pserver count"):
+        starting.start_in(GROWING, ["127.0.0.1:9"], None)
 
 
 def test_rolling_back_leaves_the_current_layout():
-    r = phases.roll_back(phases.switch_at(phases.start_copying(phases.ask(NOW, [A, B, C])), 9), "C died")
+    r = phases.roll_back(phases.schedule_switch(phases.ask(NOW, [A, B, C]), 9), "C died")
     assert (r.change.phase, r.change.why) == ("rolling_back", "C died")
     assert phases.rolled_back(r) == dataclasses.replace(NOW, rolled_back="C died")  # says why, for ps-reshard
 

@@ -18,10 +18,10 @@ FORMAT = "torch-pserver-layout"
 FILE_NAME = "layout.json"  # the record's file under checkpoint_dir (without hot standby)
 VERSION = 1
 
-# A change's phases, in order. "asked": recorded, its new pservers starting; "copying": they are up and the
-# old owners stream the moving rows while training goes on; "switching": at the end of ``switch_step``
-# (sync) every pserver sends the rest and reports; "rolling_back": abandoned, the current layout stays.
-PHASES = ("asked", "copying", "switching", "rolling_back")
+# A change's phases, in order. "asked": recorded (its new pservers may start); "switching": at the end of
+# ``switch_step`` (sync; async: each trainer's step in ``switch_steps``) every current pserver writes its
+# part and reports (``switched``); "rolling_back": abandoned, the current layout stays.
+PHASES = ("asked", "switching", "rolling_back")
 
 
 @dataclass(frozen=True)
@@ -34,7 +34,7 @@ class LayoutChange:
     phase: str = "asked"
     switch_step: Optional[int] = None
     switch_steps: Dict[str, int] = field(default_factory=dict)  # async: each trainer's first step refused
-    switched: List[str] = field(default_factory=list)
+    switched: List[str] = field(default_factory=list)  # current pservers whose part is written
     asked_at: float = 0.0
     why: str = ""  # why it rolls back
 
@@ -53,6 +53,7 @@ class LayoutRecord:
     since_step: int = -1  # the step this epoch's pservers started from (its checkpoint); -1: the job's start
     rolled_back: str = ""  # why the last change asked was rolled back ("": none was)
     history: List[List[str]] = field(default_factory=list)  # the pservers of each earlier epoch, oldest first
+    last_change_s: float = 0.0  # how long the last change took, from the ask to the commit
     revision: int = 0
 
     def to_bytes(self) -> bytes:
@@ -82,6 +83,7 @@ class LayoutRecord:
                 int(d.get("since_step", -1)),
                 str(d.get("rolled_back", "")),
                 [list(p) for p in d.get("history", [])],
+                float(d.get("last_change_s", 0.0)),
                 revision,
             )
         except (KeyError, TypeError) as e:

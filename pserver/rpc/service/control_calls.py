@@ -199,6 +199,7 @@ class ControlCalls:
             time.monotonic() - self.started,
             replica,
             self.checks.layout_epoch,
+            self.checks.layout_status(),
         )
 
     def handlers(self) -> Dict[str, grpc.RpcMethodHandler]:

@@ -55,7 +55,8 @@ class PserverServicer:
     (default: a new one) what trainers tell this pserver's state by; ``stretches`` where parked calls'
     stretches run (:mod:`..stretches`); ``claims`` the Claim service (backup trainers; None: this pserver
     does not decide); ``data_port`` the data channel's port its Hello names (0: none); ``layout_epoch`` and
-    ``pservers`` the layout it serves. The counters, the
+    ``pservers`` the layout it serves, ``layout_status`` the job's change of
+    layout in progress. The counters, the
     sessions and the caller's checks are shared by the three.
     """
 
@@ -75,6 +76,7 @@ class PserverServicer:
         data_port: int = 0,
         layout_epoch: int = 0,
         pservers: Sequence[str] = (),
+        layout_status: Optional[Callable[[], object]] = None,
     ):
         self.engine = engine
         self.contents = contents
@@ -86,7 +88,14 @@ class PserverServicer:
         self.sessions = Sessions(engine.endpoint, alive_window)
         self.stretches = stretches if stretches is not None else Stretches(allowed=False)
         self.checks = CallerChecks(
-            engine.endpoint, engine.trainers, self.sessions, replica, layout_digest, layout_epoch, pservers
+            engine.endpoint,
+            engine.trainers,
+            self.sessions,
+            replica,
+            layout_digest,
+            layout_epoch,
+            pservers,
+            *([layout_status] if layout_status is not None else []),
         )
         checks = self.checks
         self.data = DataCalls(engine, contents, checks, self.counters, chunk_bytes, allow_nonfinite, claims)
