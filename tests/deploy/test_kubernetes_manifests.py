@@ -176,7 +176,7 @@ def test_tfjob_structure_and_pod_templates(version):
 
 
 def test_statefulset_and_indexed_job_pods_find_their_roles():
-    sts, job = one("StatefulSet"), one("Job")
+    sts, job = one("StatefulSet"), one("Job", "ps-trainer")
     pserver_pods, trainer_pods = statefulset_pods(sts), indexed_job_pods(job)
     service, port = sts["spec"]["serviceName"], port_named(sts["spec"]["template"]["spec"], "grpc")
     endpoints = [f"{sts['metadata']['name']}-{i}.{service}:{port}" for i in range(sts["spec"]["replicas"])]
@@ -206,7 +206,10 @@ def test_pserver_names_resolve_through_the_headless_service():
     assert svc["spec"]["publishNotReadyAddresses"] is True, "a pserver binds its name before it is ready"
     assert svc["spec"]["selector"].items() <= template["metadata"]["labels"].items()
     assert sts["spec"]["selector"]["matchLabels"].items() <= template["metadata"]["labels"].items()
-    assert not svc["spec"]["selector"].items() <= one("Job")["spec"]["template"]["metadata"]["labels"].items()
+    assert (
+        not svc["spec"]["selector"].items()
+        <= one("Job", "ps-trainer")["spec"]["template"]["metadata"]["labels"].items()
+    )
     ports = {p["name"]: p for p in svc["spec"]["ports"]}
     for name in ("grpc", "health", "metrics"):
         assert ports[name]["port"] == port_named(template["spec"], name) and ports[name]["targetPort"] == name
@@ -271,7 +274,7 @@ def test_tfjob_pods_find_their_roles_from_tf_config():
 def test_every_role_runs_the_same_script_and_flags():
     templates = [
         one("StatefulSet")["spec"]["template"],
-        one("Job")["spec"]["template"],
+        one("Job", "ps-trainer")["spec"]["template"],
         *(r["template"] for r in one("TFJob")["spec"]["tfReplicaSpecs"].values()),
     ]
     commands = {
@@ -283,7 +286,7 @@ def test_every_role_runs_the_same_script_and_flags():
 
 
 def test_trainers_restart_like_ps_launch_max_restarts():
-    job = one("Job")
+    job = one("Job", "ps-trainer")
     spec, pod = job["spec"], job["spec"]["template"]["spec"]
     assert spec["backoffLimitPerIndex"] >= 1 and spec["maxFailedIndexes"] == 0
     assert pod["restartPolicy"] == "Never" and spec["podReplacementPolicy"] == "Failed"
@@ -304,7 +307,7 @@ def test_secret_and_volumes(tmp_path):
     )
     templates = [
         one("StatefulSet")["spec"]["template"],
-        one("Job")["spec"]["template"],
+        one("Job", "ps-trainer")["spec"]["template"],
         *(r["template"] for r in one("TFJob")["spec"]["tfReplicaSpecs"].values()),
     ]
     for template in templates:
@@ -351,7 +354,7 @@ def test_entrypoint_waits_for_a_pservers_own_name():
     entry = load_entrypoint()
     pserver = RoleEnv.from_env(statefulset_pods(one("StatefulSet"))[1])
     assert entry.name_to_wait_for(pserver) == "ps-pserver-1.ps-pserver"
-    assert entry.name_to_wait_for(RoleEnv.from_env(indexed_job_pods(one("Job"))[0])) is None
+    assert entry.name_to_wait_for(RoleEnv.from_env(indexed_job_pods(one("Job", "ps-trainer"))[0])) is None
     assert (
         entry.name_to_wait_for(RoleEnv("PSERVER", ["10.0.0.1:6170"], 1, current_endpoint="10.0.0.1:6170"))
         is None
@@ -384,7 +387,7 @@ def test_entrypoint_runs_the_command(monkeypatch, capsys):
     entry = load_entrypoint()
     ran = []
     monkeypatch.setattr(entry.os, "execvp", lambda file, args: ran.append(args))
-    trainer = indexed_job_pods(one("Job"))[1]
+    trainer = indexed_job_pods(one("Job", "ps-trainer"))[1]
     assert entry.main(["python", "train.py"], trainer) == 0 and ran == [["python", "train.py"]]
     assert entry.main(["python", "train.py"], {}) == 0 and len(ran) == 2  # a local run
     pserver = {**statefulset_pods(one("StatefulSet"))[0], "POD_IP": "10.244.1.10", "PS_RESOLVE_TIMEOUT": "0"}
@@ -399,3 +402,24 @@ def test_entrypoint_runs_the_command(monkeypatch, capsys):
     assert entry.main(["python", "train.py"], {**pserver, "PS_RESOLVE_TIMEOUT": "soon"}) == 2
     assert "PS_RESOLVE_TIMEOUT must be a number of seconds >= 0, got 'soon'" in capsys.readouterr().err
     assert entry.main([], trainer) == 2 and len(ran) == 3
+
+
+def test_the_reshard_job_grows_the_statefulset_by_its_next_pod():
+    """ps-reshard's Job asks for the pservers of the StatefulSet scaled up by one: the list its new pod
+    reads from its environment (it then waits for that change), on the volume the pservers keep their
+    checkpoints (and the layout record) on."""
+    sts, job = one("StatefulSet"), one("Job", "ps-reshard")
+    sts_pod, job_pod = sts["spec"]["template"]["spec"], job["spec"]["template"]["spec"]
+    args = container(job_pod)["args"]
+    assert args[0] == "ps-reshard"
+    asked = args[args.index("--pservers") + 1].split(",")
+    grown = sts["spec"]["replicas"] + 1
+    new_pod = RoleEnv.from_env({**env_of(sts_pod, "10.244.1.9"), "HOSTNAME": f"ps-pserver-{grown - 1}"})
+    assert new_pod.is_pserver and new_pod.pservers == asked and len(asked) == grown
+    assert new_pod.current_endpoint == asked[-1]
+    mount = lambda pod: next(m for m in container(pod)["volumeMounts"] if m["name"] == "checkpoints")  # noqa: E731
+    assert mount(job_pod) == mount(sts_pod)
+    claim = lambda pod: next(v for v in pod["volumes"] if v["name"] == "checkpoints")  # noqa: E731
+    assert claim(job_pod) == claim(sts_pod)
+    checkpoint_dir = container(sts_pod)["args"][container(sts_pod)["args"].index("--checkpoint_dir") + 1]
+    assert args[args.index("--checkpoint_dir") + 1] == checkpoint_dir

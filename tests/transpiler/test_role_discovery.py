@@ -83,6 +83,14 @@ FOUND = [
         RoleEnv(PS, STS_EPS, 2, current_endpoint="ps-pserver-2.ps-pserver:6170"),
         "kubernetes",
     ),
+    (  # a pod the StatefulSet was scaled up to: the job's list grown to it (it waits for ps-reshard's change)
+        "sts-pserver-scaled-up",
+        {**POD, **SERVICE, "HOSTNAME": "ps-pserver-3"},
+        RoleEnv(
+            PS, STS_EPS + ["ps-pserver-3.ps-pserver:6170"], 2, current_endpoint="ps-pserver-3.ps-pserver:6170"
+        ),
+        "kubernetes",
+    ),
     (
         "sts-pserver-namespaced",
         {

@@ -65,9 +65,9 @@ ERRORS = [
         "PADDLE_TRAINERS_NUM=3 contradicts TF_CONFIG's cluster (chief and workers): 2 trainers",
     ),
     # Kubernetes
-    (
-        {**SERVICE, "HOSTNAME": "ps-pserver-3"},
-        "this pod is pserver 3 (HOSTNAME=ps-pserver-3) but the job has 3",
+    (  # with hot standby a StatefulSet scaled past its pods is a mistake (without, a pod that joins)
+        {**SERVICE, "PS_SERVER_REPLICAS": "2", "HOSTNAME": "ps-pserver-6"},
+        "this pod is pserver 6 (HOSTNAME=ps-pserver-6) but the job has 6",
     ),
     (
         {**SERVICE, "HOSTNAME": "ps-pserver-7d9f8-x2x"},

@@ -161,7 +161,14 @@ def next_pserver_program(
             f"the plan of {program.endpoint} lists only its own blocks (it was made before layouts could "
             f"change): restart the job's roles from a checkpoint to change its pserver count"
         )
-    pservers, config, params, epoch, digest = _next_layout(program, pservers_next, replicas_next, epoch)
+    return _pserver_program(program, endpoint, *_next_layout(program, pservers_next, replicas_next, epoch))
+
+
+def _pserver_program(
+    program: PserverProgram, endpoint: str, pservers, config, params, epoch: int, digest: str
+):
+    """``program`` (a pserver's, of any layout) as the plan of the pserver at ``endpoint`` in the layout
+    given."""
     owner = next((g[0] for g in replica_endpoints(config, pservers) if endpoint in g), None)
     if owner is None:
         raise LayoutChangeRefused(f"{endpoint} is not one of the next pservers {pservers}")
@@ -190,13 +197,21 @@ def check_later_layout(now: TrainerProgram, program: TrainerProgram) -> None:
 
 
 def program_in(program, record: Optional[LayoutRecord]):
-    """``program`` (a trainer's or a pserver's plan) in the layout ``record`` names, if later than its own
-    (a role started after its job changed its pserver count); else ``program`` itself."""
-    if record is None or record.epoch <= program.layout_epoch:
+    """``program`` (a trainer's or a pserver's plan) in the layout ``record`` names: its epoch and pservers
+    (a role started after its job changed its pserver count, or with another list of the job's); ``program``
+    itself if it is that layout already, or if there is no record."""
+    if record is None or (
+        record.epoch == program.layout_epoch and list(record.pservers) == list(program.pservers)
+    ):
         return program
-    if isinstance(program, PserverProgram):
-        return next_pserver_program(program, record.pservers, program.endpoint, epoch=record.epoch)
-    return next_trainer_program(program, record.pservers, epoch=record.epoch)
+    pservers, config, params, epoch, digest = _layout_at(
+        program, parsed_pservers(record.pservers), record.replicas or None, record.epoch
+    )
+    if isinstance(program, TrainerProgram):
+        return dataclasses.replace(
+            program, pservers=pservers, params=params, config=config, layout_digest=digest, layout_epoch=epoch
+        )
+    return _pserver_program(program, program.endpoint, pservers, config, params, epoch, digest)
 
 
 # A pserver that no longer serves a trainer's layout says where the job went, in its answer's text: the

@@ -86,6 +86,18 @@ def _pserver(env: Mapping[str, str], trainers: int) -> Role:
             "(or PADDLE_PSERVERS_IP_PORT_LIST)"
         )
     processes = pservers + (replica_endpoints(env, statefulset) or [])
+    service = env.get(SERVICE, "").strip()
+    if (
+        ordinal >= len(processes)
+        and service
+        and explicit_pservers(env) is None
+        and len(processes) == len(pservers)
+    ):
+        # A pod the StatefulSet was scaled up to: the job's list grown to it. It waits for the change of
+        # pserver count that adds it (ps-reshard, docs/operations.md) before it serves.
+        port = get_port(env, PORT, DEFAULT_PSERVER_PORT)
+        grown = service_endpoints(service, env.get(STATEFULSET, "").strip() or statefulset, ordinal + 1, port)
+        return Role(PSERVER, grown, trainers, current_endpoint=grown[ordinal], source="kubernetes")
     if ordinal >= len(processes):
         raise ValueError(
             f"this pod is pserver {ordinal} (HOSTNAME={env.get('HOSTNAME')}) but the job has "
