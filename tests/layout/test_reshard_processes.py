@@ -26,9 +26,9 @@ from transpiler.layout.record import read_record_file
 pytestmark = pytest.mark.processes
 
 SEEDS = [int(s) for s in os.environ.get("PS_CHAOS_SEEDS", "1").split(",") if s.strip()]
-# 240 steps, slowed to 0.1 s each until the test writes PAUSE_DIR/calm once its changes are made: a change
+# 480 steps, slowed to 0.1 s each until the test writes PAUSE_DIR/calm once its changes are made: a change
 # always lands while the job trains, whatever the machine's load.
-EPOCHS = 12
+EPOCHS = 24
 ARGS = [*recovery_job.FLOAT64, "--epochs", str(EPOCHS), "--step_delay", "0.1", "--heartbeat_timeout", "10"]
 
 
