@@ -105,8 +105,9 @@ class FollowsLayout:
             try:
                 if moved is None:
                     self.stepper.step(prefetch, self.feed.take_next_plan)
-                else:  # the job changed its pserver count: the step again, in its layout now
-                    self.stepper.step(prefetch, self.feed.take_next_plan, moved.table_grads)
+                else:  # the job changed its pserver count: the step again, in its layout now; the next
+                    # batch's plan routed its ids to the pservers before (its lookups fetch for themselves)
+                    self.stepper.step(prefetch, lambda: None, moved.table_grads)
                 return
             except StepMoved as e:
                 moved = e
