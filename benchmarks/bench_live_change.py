@@ -40,7 +40,7 @@ from trainer import Trainer
 from transpiler import DistributeTranspiler, DistributeTranspilerConfig
 
 TRAINERS = 2
-WINDOW = 5  # steps after a change's ask within which its switch lands (two or three ahead of the first pserver)
+WINDOW = 5  # steps after a change's ask within which its switch lands (two or three past the first pserver)
 
 
 def one_round(jobs, steps: int, changes: List[int], batch: int, change: bool) -> dict:
