@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import shutil
 import sys
-from typing import NoReturn, Optional, Sequence
+from typing import Iterator, NoReturn, Optional, Sequence
 
 import pytest
 
@@ -53,3 +53,25 @@ def missing_prerequisites(binaries: Sequence[str], install: str) -> Optional[str
     if missing:
         return f"not installed: {', '.join(missing)} (not on PATH={os.environ.get('PATH', '')!r}; {install})"
     return None
+
+
+def netns_hosts(count: int, tag: Optional[int] = None) -> Iterator:
+    """A module fixture's body: ``count`` network-namespace hosts (harness.netns.Hosts) set up, yielded, torn
+    down; the test is unavailable (skipped, or failed under PS_REQUIRE_SYSTEM_TESTS=1) without them."""
+    from harness.netns import Hosts, NetnsError
+
+    reason = missing_prerequisites(["ip"], "apt-get install iproute2")
+    if reason:
+        unavailable(reason)
+    cluster = Hosts(count, tag=tag)
+    try:
+        cluster.setup()
+    except NetnsError as e:
+        cluster.teardown()
+        unavailable(
+            f"network namespace setup failed (needs root / CAP_NET_ADMIN and namespaces allowed): {e}"
+        )
+    try:
+        yield cluster
+    finally:
+        cluster.teardown()

@@ -13,9 +13,16 @@ from torch import nn
 from harness.cluster import LocalCluster
 from harness.ports import free_ports
 from pserver import ParameterServer
-from tests.helpers.table_models import BAG_VOCAB, VOCAB, single_process, table_batches, table_program
+from tests.helpers.table_models import (
+    BAG_VOCAB,
+    VOCAB,
+    counting_program,
+    single_process,
+    table_batches,
+    table_program,
+)
 from tests.tables.test_sync import assert_matches
-from transpiler import DistributeTranspilerConfig, Program
+from transpiler import DistributeTranspilerConfig
 from transpiler.layout.change import next_pserver_program, next_trainer_program
 
 STEPS = 10
@@ -120,25 +127,9 @@ def test_a_trainer_that_cannot_change_layout_yet_refuses_and_goes_on(config, syn
             assert tr.program is before and tr.channels.endpoints == cluster.endpoints
 
 
-class Counting(nn.Module):
-    """A model whose every push is counted: the bias's gradient is 1 per push, a table row's the number of
-    times its id was looked up; with SGD at lr 1 in float64 the values are exact counts."""
-
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)  # every role builds the same initial bias
-        self.emb = nn.Embedding(1000, 2, sparse=True, dtype=torch.float64)
-        self.count = nn.Linear(2, 1, dtype=torch.float64)
-
-    def forward(self, ids):
-        return self.count.bias.sum() + self.emb(ids).sum()
-
-
 @pytest.mark.timeout(120)
 def test_an_async_job_applies_every_acknowledged_push_once_across_two_changes(tmp_path):
-    build = lambda: Program(  # noqa: E731
-        Counting(), "sgd", lr=1.0, distributed_tables={"emb": {"init": "zeros"}}
-    )
+    build = counting_program
     config = DistributeTranspilerConfig(checkpoint_dir=str(tmp_path / "checkpoints"))
     batches = torch.from_numpy(
         VOCAB[torch.randint(0, len(VOCAB), (2, STEPS, 6), generator=torch.Generator().manual_seed(3)).numpy()]

@@ -19,11 +19,11 @@ import time
 import pytest
 import torch
 
-from harness.netns import Hosts, NetnsError, host_env
+from harness.netns import host_env
 from harness.processes import Command
 from tests.helpers import paths
 from tests.helpers.jobs import assert_job_models_close
-from tests.helpers.system import missing_prerequisites, unavailable
+from tests.helpers.system import netns_hosts
 from tests.scripts import recovery_job
 from transpiler.layout.record import read_record_file
 
@@ -37,21 +37,7 @@ PORT = 21000 + 4 * (os.getpid() % 5000)
 
 @pytest.fixture(scope="module")
 def five_hosts():
-    reason = missing_prerequisites(["ip"], "apt-get install iproute2")
-    if reason:
-        unavailable(reason)
-    cluster = Hosts(5, tag=os.getpid() + 7)  # beside test_hosts.py's four, should one worker hold both
-    try:
-        cluster.setup()
-    except NetnsError as e:
-        cluster.teardown()
-        unavailable(
-            f"network namespace setup failed (needs root / CAP_NET_ADMIN and namespaces allowed): {e}"
-        )
-    try:
-        yield cluster
-    finally:
-        cluster.teardown()
+    yield from netns_hosts(5, tag=os.getpid() + 7)  # beside test_hosts.py's four, should a worker hold both
 
 
 def role_env(role: str, pservers, index: int) -> dict:

@@ -18,11 +18,11 @@ import pytest
 import torch
 
 from harness.host_layouts import parse_layout, per_host_commands
-from harness.netns import Hosts, NetnsError, host_env
+from harness.netns import host_env
 from harness.processes import Command
 from tests.helpers import paths
 from tests.helpers.jobs import assert_job_models_close
-from tests.helpers.system import missing_prerequisites, unavailable
+from tests.helpers.system import netns_hosts
 from tests.scripts import recovery_job
 
 pytestmark = pytest.mark.processes
@@ -38,21 +38,7 @@ MIN_BYTES = EPOCHS * 20 * 76_000 // 2
 
 @pytest.fixture(scope="module")
 def hosts():
-    reason = missing_prerequisites(["ip"], "apt-get install iproute2")
-    if reason:
-        unavailable(reason)
-    cluster = Hosts(4)
-    try:
-        cluster.setup()
-    except NetnsError as e:
-        cluster.teardown()
-        unavailable(
-            f"network namespace setup failed (needs root / CAP_NET_ADMIN and namespaces allowed): {e}"
-        )
-    try:
-        yield cluster
-    finally:
-        cluster.teardown()
+    yield from netns_hosts(4)
 
 
 @pytest.mark.timeout(
