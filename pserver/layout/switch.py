@@ -42,7 +42,7 @@ import time
 from typing import Callable, Optional, Set
 
 from transpiler import PserverProgram
-from transpiler.layout.change import LayoutChangeRefused
+from transpiler.layout.change import LayoutChangeRefused, check_fit
 from transpiler.layout.record import LayoutRecord, read_record_file
 
 from ..engine.listeners import Gate, UpdateListener
@@ -54,6 +54,18 @@ log = logging.getLogger(__name__)
 
 SWITCH_AHEAD = 2  # steps between the first pserver scheduling a switch and the switch step (see above)
 POLL_S = 0.01  # how often a stopped pserver reads the record while it waits for the commit
+
+
+def available_memory() -> int:
+    """Bytes of memory this host can give without swapping (``MemAvailable``; a huge number where unknown)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 1 << 62
 
 
 def unsupported(program: PserverProgram) -> Optional[str]:
@@ -96,6 +108,7 @@ class LayoutSwitch(UpdateListener, Gate):
         self._told: Set[int] = set()  # trainers answered "moved" (a pserver that leaves waits for all)
         self.sync = program.sync_mode
         self._asking = False  # async: a thread asks whether the pushes before the switch are all applied
+        self._fit_checked: Set[int] = set()  # the changes (their epochs) whose fit this pserver checked
 
     def start(self, engine) -> None:
         """Before serving, with the ``engine`` to stop: write the record if the job has none yet; a change
@@ -122,6 +135,10 @@ class LayoutSwitch(UpdateListener, Gate):
         change = record.change
         if self.why_not is not None and change.phase in ("asked", "switching"):
             self._roll_back(self.why_not)
+        elif (
+            change.epoch not in self._fit_checked and self.endpoint in change.pservers and self._short(record)
+        ):
+            return
         elif change.phase == "asked" and self.endpoint == record.pservers[0]:
             self._schedule(pserver_step, change.epoch)
         elif change.phase == "switching" and self.endpoint in record.pservers:
@@ -131,6 +148,24 @@ class LayoutSwitch(UpdateListener, Gate):
                 self._stop_and_save(pserver_step, change.epoch)
             elif change.switch_step < pserver_step:  # not seen in time: a bug, never a lost step
                 self._roll_back(f"pserver {self.endpoint} passed the switch step {change.switch_step}")
+
+    def _short(self, record: LayoutRecord) -> bool:
+        """Whether this pserver, staying in the next layout, lacks the memory for its share of the job's
+        state there (then the change is rolled back, saying so): its own state times the count now, spread
+        over the next count, against its host's available memory (checked once per change)."""
+        self._fit_checked.add(record.change.epoch)
+        stats = self._engine.stats()
+        own = stats.block_bytes + stats.table_bytes
+        try:
+            check_fit(
+                {ep: own for ep in record.pservers},
+                {self.endpoint: available_memory()},
+                record.change.pservers,
+            )
+        except LayoutChangeRefused as e:
+            self._roll_back(str(e))
+            return True
+        return False
 
     def _schedule(self, pserver_step: int, epoch: int) -> None:
         """The first pserver picks where the switch is: sync, the step two ahead; async, each trainer's step

@@ -17,7 +17,8 @@ from harness.models import assert_state_close, odd_program, train_concatenated
 from harness.models import batches as odd_batches
 from harness.ports import free_ports
 from pserver import ParameterServer
-from pserver.layout.reshard_cli import ask_change
+from pserver.layout import switch
+from pserver.layout.reshard_cli import ChangeNotMade, ask_change
 from pserver.layout.stores import FileLayoutStore
 from psproto.security import Security
 from tests.helpers.table_models import (
@@ -192,3 +193,43 @@ def test_an_async_job_applies_every_acknowledged_push_once_across_two_live_chang
     for bias, rows, _ in results.values():
         assert bias == expected  # every push's bias gradient applied once
         assert torch.equal(rows, -counts.to(torch.float64)[:, None].expand(-1, 2))  # each lookup once
+
+
+@pytest.mark.timeout(120)
+def test_a_count_the_state_does_not_fit_is_refused_and_the_job_goes_on(tmp_path, monkeypatch):
+    """Shrinking 2 -> 1 where the staying pserver's host has too little memory for the whole state: the
+    pserver rolls the change back before anything moves, ps-reshard says why, the job trains on unchanged
+    and equals one process."""
+    monkeypatch.setattr(switch, "available_memory", lambda: 1000)  # 800 bytes to spare: far too few
+    data = table_batches(2, 4, STEPS, seed=7)
+    build = lambda: table_program("adagrad", torch.float64)  # noqa: E731
+    config = DistributeTranspilerConfig(checkpoint_dir=str(tmp_path / "checkpoints"), heartbeat_timeout=10.0)
+    a, b = (f"127.0.0.1:{p}" for p in free_ports(2))
+    job = Job(config, [a, b], 2, build)
+    for ep in (a, b):
+        job.start_pserver(ep, [a, b])
+    refusals, asking = [], []
+
+    def body(i: int):
+        with job.trainer(i) as tr:
+            for ids, bag, y in (step_batches[i] for step_batches in data):
+                nn.functional.cross_entropy(tr.model(ids, bag), y).backward()
+                if tr.step() == 3 and i == 0:
+                    asking.append(threading.Thread(target=lambda: refusals.append(refused(job.store, [a]))))
+                    asking[-1].start()
+            rows = {"emb": VOCAB, "bag": BAG_VOCAB}
+            return (tr.state_dict(), {t: tr.pull_rows(t, torch.from_numpy(v)) for t, v in rows.items()})
+
+    def refused(store, pservers) -> str:
+        with pytest.raises(ChangeNotMade) as e:
+            ask_change(store, pservers, timeout=30)
+        return str(e.value)
+
+    results = in_threads({i: (lambda i=i: body(i)) for i in (0, 1)}, timeout=100)
+    asking[0].join(30)
+    job.join(30)
+    assert len(refusals) == 1 and "do not fit 1 pservers" in refusals[0], refusals
+    record = job.store.read()
+    assert (record.epoch, record.pservers, record.change) == (0, [a, b], None)
+    for i in (0, 1):
+        assert_matches(results[i], single_process(build(), data))

@@ -135,6 +135,7 @@ def test_with_hot_standby_every_new_pserver_comes_with_its_backup():
         ({"a": 600, "b": 600}, {"a": 10**6, "b": 10**6, "c": 10**6}, ["a", "b", "c"], None),
         ({"a": 600, "b": 600}, {"a": 10**6, "b": 10**6, "c": 100}, ["a", "b", "c"], "c would take 400 bytes"),
         ({"a": 600, "b": 600}, {"a": 10**6}, ["a"], None),
+        ({"a": 600, "b": 600}, {"a": 10**6}, ["a", "b", "c"], None),  # b and c: not known, not checked
         ({"a": 600, "b": 600}, {"a": 700}, ["a"], "a would take 600 bytes with 560 to spare"),
     ],
 )

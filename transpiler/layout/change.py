@@ -63,11 +63,12 @@ def check_fit(
     """Refuse a change after which a pserver would hold more than it can: the job's state
     (``state_bytes``: each pserver's blocks and table rows now, by endpoint) spread evenly over
     ``pservers_next``, each of which must keep :data:`MEMORY_HEADROOM` of its ``free_bytes`` (memory
-    available to it now) for what it takes beyond what it already holds."""
+    available to it now) for what it takes beyond what it already holds; one whose free memory is not
+    known (missing from ``free_bytes``: a pserver not started yet) is not checked."""
     total = sum(state_bytes.values())
     share = -(-total // max(1, len(pservers_next)))
     short = []
-    for ep in pservers_next:
+    for ep in (ep for ep in pservers_next if ep in free_bytes):
         takes = max(0, share - state_bytes.get(ep, 0))
         room = int(free_bytes.get(ep, 0) * MEMORY_HEADROOM)
         if takes > room:
