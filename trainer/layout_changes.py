@@ -37,8 +37,9 @@ class FollowsLayout:
         The step in flight is flushed, the connections to the current pservers are released without a
         Close (the trainer does not leave the job), and the blocks, connections and stepper are rebuilt for
         the next pservers, which are joined at the step they stand at; the model, the data position and a
-        loop over :meth:`batches` go on. ValueError for a plan that is not this job's next layout, or for a
-        trainer that cannot change layout yet (GEO, trainer nodes, the async pipeline, backup trainers).
+        loop over :meth:`batches` go on. ValueError for a plan that is not a later layout of this job, or
+        for a trainer that cannot change layout yet (GEO, trainer nodes, the async pipeline, backup
+        trainers).
         """
         self._check_open()
         now = self.program

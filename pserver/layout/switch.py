@@ -75,6 +75,8 @@ def unsupported(program: PserverProgram) -> Optional[str]:
         return "a GEO job cannot change its pserver count while it trains yet; restart it from a checkpoint"
     if cfg.backup_trainers:
         return "a job with backup trainers cannot change its pserver count while it trains yet"
+    if not program.sync_mode and cfg.async_pipeline:
+        return "a job with the async pipeline cannot change its pserver count while it trains yet"
     if program.replicated:
         return "a hot-standby job cannot change its pserver count while it trains yet"
     return None
