@@ -126,6 +126,12 @@ def test_a_sync_job_goes_from_2_to_3_to_2_pservers_live_and_equals_one_process(t
                 step = tr.step()
                 step_times[i].append(time.monotonic() - started)
                 steps_seen[i].append(step)
+                if i == 0 and step == 7:  # what Stats says of the job's layout between its changes
+                    stats = tr.channels.stats(10)
+                    assert sorted(stats) == sorted([a, b, c])
+                    for r in stats.values():
+                        assert (r.layout_epoch, r.layout_change, r.layout_parts_to_move) == (1, "", 0)
+                        assert 0 < r.layout_change_s < 30  # the last change, from the ask to the commit
                 if i == 0 and step in changes:
                     job.ask(changes[step], c if step == 3 else None)
                     if step == 3:  # a second change while one is in progress is refused, changing nothing
