@@ -27,11 +27,12 @@ class LeftJob(RuntimeError):
 
 
 def pserver_program_now(program: PserverProgram, timeout: Optional[float] = None) -> PserverProgram:
-    """``program`` in the layout its job runs now (``program`` itself without a checkpoint_dir); a pserver
+    """``program`` in the layout its job runs now (``program`` itself without a checkpoint_dir, or with hot
+    standby); a pserver
     the change in progress adds waits up to ``timeout`` s (default ``barrier_timeout``) for its commit
     (``TimeoutError`` if it does not come). :class:`LeftJob` for a pserver the job no longer has."""
     cfg = program.config
-    if not cfg.checkpoint_dir:
+    if not cfg.checkpoint_dir or program.replicated:  # hot standby changes no count yet (its backups too)
         return program
     store = FileLayoutStore(cfg.checkpoint_dir)
     deadline = time.monotonic() + (cfg.barrier_timeout if timeout is None else timeout)
