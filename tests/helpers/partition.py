@@ -162,8 +162,8 @@ class PartitionJob(ReplicatedJob):
         self.endpoints = [f"{IP_A}:{free_ports(1)[0]}"]  # NS_A is empty: any port is free there
         self.backups = [f"{IP_B}:{free_ports(1, IP_B)[0]}"]
 
-    def env(self, role: str, index: int) -> dict:
-        return without_proxies(super().env(role, index))
+    def env(self, role: str, index: int, endpoints=None) -> dict:
+        return without_proxies(super().env(role, index, endpoints))
 
     def start(self, role: str, index: int, tag: str = "") -> subprocess.Popen:
         """As :meth:`Job.start`, with ``pserverK`` run inside NS_A (``ip netns exec`` execs it: same pid)."""

@@ -31,9 +31,9 @@ class ReplicatedJob(Job):
         self.backups = [f"127.0.0.1:{p}" for p in free_ports(n_pservers)]
         self.etcd_url = etcd_url
 
-    def env(self, role: str, index: int) -> dict:
+    def env(self, role: str, index: int, endpoints=None) -> dict:
         replica = role == "REPLICA"
-        env = super().env("PSERVER" if replica else role, index)
+        env = super().env("PSERVER" if replica else role, index, endpoints)
         env.update(
             PS_SERVER_REPLICAS="2", PS_REPLICA_ENDPOINTS=",".join(self.backups), PS_COORDINATOR=self.etcd_url
         )
