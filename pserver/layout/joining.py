@@ -7,6 +7,7 @@ it (the job starts again on it).
 from __future__ import annotations
 
 import logging
+import socket
 import time
 from typing import Optional
 
@@ -20,6 +21,16 @@ from .stores import FileLayoutStore, StaleRecord
 log = logging.getLogger(__name__)
 
 POLL_S = 0.05  # how often a pserver waiting to join reads the record
+
+
+def _serving(endpoint: str, timeout: float = 0.5) -> bool:
+    """Whether something accepts connections at ``endpoint`` (a pserver of the record that still serves)."""
+    host, port = endpoint.rsplit(":", 1)
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout):
+            return True
+    except (OSError, ValueError):
+        return False
 
 
 class LeftJob(RuntimeError):
@@ -39,7 +50,8 @@ def pserver_program_now(program: PserverProgram, timeout: Optional[float] = None
     waiting = False
     while True:
         record = store.read()
-        how = start_in(record, program.pservers, program.endpoint)
+        serving = record is not None and any(_serving(ep) for ep in record.pservers if ep != program.endpoint)
+        how = start_in(record, program.pservers, program.endpoint, serving)
         if how == FOLLOW:
             return program_in(program, record)
         if how == LEFT:

@@ -112,18 +112,21 @@ SHRUNK = LayoutRecord(5, [A, B], history=[[A, B], [A, B, C]])
         (GROWN, [A, B, C], C, starting.FOLLOW),
         (SHRUNK, [A, B, C], C, starting.LEFT),  # removed: it has left the job
         (SHRUNK, [A, B, C], None, starting.FOLLOW),
-        (NOW, [A, B, C], A, starting.NEW),  # the job started again on another list: a pserver of it records
-        (
-            NOW,
-            [A, B, C],
-            C,
-            starting.WAIT,
-        ),  # ... and a new one waits for that (never overwrites a running job)
+        (NOW, [A, B, C], A, starting.NEW),  # the job started again on another list: its pservers record it
+        (NOW, [A, B, C], C, starting.NEW),
+        (NOW, ["127.0.0.1:9"], "127.0.0.1:9", starting.NEW),  # ... on other hosts altogether
         (NOW, [A, B, C], None, starting.NEW),  # a trainer: its own plan
     ],
 )
 def test_a_role_starts_in_the_layout_its_job_runs(record, pservers, endpoint, decision):
     assert starting.start_in(record, pservers, endpoint) == decision
+
+
+@pytest.mark.parametrize("endpoint, decision", [(C, starting.WAIT), (A, starting.WAIT), (None, starting.NEW)])
+def test_a_pserver_on_a_new_list_waits_while_the_recorded_pservers_serve(endpoint, decision):
+    """Started before its change was asked, or after it was rolled back: the job runs, so it never overwrites
+    the record; it waits for a change that adds it."""
+    assert starting.start_in(NOW, [A, B, C], endpoint, recorded_serving=True) == decision
 
 
 def test_a_role_on_a_list_the_job_never_had_is_refused_during_a_change():

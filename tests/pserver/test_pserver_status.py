@@ -21,6 +21,7 @@ from pserver.errors import (
     BadRequest,
     BarrierTimeout,
     Fenced,
+    Moved,
     MustResync,
     NoSession,
     NotAllowed,
@@ -49,6 +50,7 @@ EXPECTED = [
     (Fenced, grpc.StatusCode.PERMISSION_DENIED),
     (AlreadyRunning, grpc.StatusCode.ALREADY_EXISTS),
     (NotPrimary, grpc.StatusCode.UNAVAILABLE),
+    (Moved, grpc.StatusCode.NOT_FOUND),
     (OutOfSync, grpc.StatusCode.OUT_OF_RANGE),
     (Unauthenticated, grpc.StatusCode.UNAUTHENTICATED),  # the data port's token check
 ]
@@ -66,7 +68,8 @@ def call(svc: PserverServicer, method: str, request) -> FakeContext:
 
 @pytest.mark.parametrize("kind, code", EXPECTED, ids=[k.__name__ for k, _ in EXPECTED])
 def test_each_refusal_kind_has_its_status(kind, code):
-    assert status_of(kind("no")) == code
+    refusal = kind("no", 1, ["127.0.0.1:1"]) if kind is Moved else kind("no")  # "moved" names a layout
+    assert status_of(refusal) == code
     assert STATUS[kind] == code
 
 

@@ -20,10 +20,17 @@ LEFT = "left"  # a pserver an earlier change removed: it has left the job, it st
 NEW = "new"  # a list the job never had: the job starts again on it (a pserver records it)
 
 
-def start_in(record: Optional[LayoutRecord], pservers: Sequence[str], endpoint: Optional[str] = None) -> str:
+def start_in(
+    record: Optional[LayoutRecord],
+    pservers: Sequence[str],
+    endpoint: Optional[str] = None,
+    recorded_serving: bool = False,
+) -> str:
     """How a role given ``pservers`` starts (a pserver: the one at ``endpoint``; a trainer: None) in its job
-    whose record is ``record`` (None: none yet). :class:`LayoutChangeRefused` for a list the job never had
-    while a change is in progress: it cannot start again on another list mid-change."""
+    whose record is ``record`` (None: none yet); ``recorded_serving``: whether a pserver the record names
+    (other than ``endpoint``) serves now, which tells a job that runs from one restarted on a new list.
+    :class:`LayoutChangeRefused` for a list the job never had while a change is in progress: it cannot
+    start again on another list mid-change."""
     if record is None:
         return NEW
     change = record.change
@@ -34,10 +41,10 @@ def start_in(record: Optional[LayoutRecord], pservers: Sequence[str], endpoint: 
                 f"the job is changing its pserver count to {change.pservers} (layout epoch {change.epoch}); "
                 f"start its roles with its pservers {record.pservers} or those"
             )
-        # The job starts again on a new list: its pservers that ran before record it (a new one waits for
-        # them, so a pserver started before its change was asked, or whose change was rolled back, never
-        # overwrites the layout of a job that runs).
-        return NEW if endpoint is None or endpoint in record.pservers else WAIT
+        # No pserver of the record serves: the job starts again on a new list, which a pserver records. One
+        # does: the job runs, and a pserver started before its change was asked (or whose change was rolled
+        # back) waits for a change that adds it, never overwriting the layout of a job that runs.
+        return WAIT if endpoint is not None and recorded_serving else NEW
     if endpoint is None or endpoint in record.pservers:
         return FOLLOW
     if change is not None and endpoint in change.pservers:
