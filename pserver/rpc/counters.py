@@ -16,6 +16,8 @@ import grpc
 from psproto import ps_pb2
 from transpiler.layout.routing import ROUTING_VERSION
 
+from ..layout.phases import LayoutStatus
+
 
 class Counters:
     """Traffic and refusals of one pserver's servicer, for Stats and the Prometheus metrics."""
@@ -78,7 +80,7 @@ class Counters:
         uptime_s: float,
         replica,
         layout_epoch: int = 0,
-        layout=None,
+        layout: LayoutStatus = LayoutStatus(),
     ) -> ps_pb2.StatsReply:
         """The Stats answer: these counters beside the engine's snapshot ``snap``, the replica's stats
         (or None), the layout epoch served and the job's change of layout (``layout``, a LayoutStatus)."""
@@ -111,14 +113,8 @@ class Counters:
                 replica=replica,
                 layout_epoch=layout_epoch,
                 routing_version=ROUTING_VERSION,
-                **(
-                    dict(
-                        layout_change=layout.change,
-                        layout_parts_moved=layout.moved,
-                        layout_parts_to_move=layout.to_move,
-                        layout_change_s=layout.last_change_s,
-                    )
-                    if layout is not None
-                    else {}
-                ),
+                layout_change=layout.change,
+                layout_parts_moved=layout.moved,
+                layout_parts_to_move=layout.to_move,
+                layout_change_s=layout.last_change_s,
             )

@@ -39,6 +39,7 @@ from psproto.wire import SERVICE
 from ...engine import Contents, Engine
 from ...engine.services.claims import StepClaims
 from ...engine.services.reductions import Reductions
+from ...layout.phases import LayoutStatus
 from ..counters import Counters
 from ..prologue import CallerChecks
 from ..sessions import Incarnation, Sessions
@@ -55,9 +56,8 @@ class PserverServicer:
     (default: a new one) what trainers tell this pserver's state by; ``stretches`` where parked calls'
     stretches run (:mod:`..stretches`); ``claims`` the Claim service (backup trainers; None: this pserver
     does not decide); ``data_port`` the data channel's port its Hello names (0: none); ``layout_epoch`` and
-    ``pservers`` the layout it serves, ``layout_status`` the job's change of
-    layout in progress. The counters, the
-    sessions and the caller's checks are shared by the three.
+    ``pservers`` the layout it serves, ``layout_status`` the job's change of layout in progress. The counters,
+    the sessions and the caller's checks are shared by the three.
     """
 
     def __init__(
@@ -95,7 +95,7 @@ class PserverServicer:
             layout_digest,
             layout_epoch,
             pservers,
-            *([layout_status] if layout_status is not None else []),
+            layout_status or LayoutStatus,
         )
         checks = self.checks
         self.data = DataCalls(engine, contents, checks, self.counters, chunk_bytes, allow_nonfinite, claims)
