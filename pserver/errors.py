@@ -100,15 +100,17 @@ class AlreadyRunning(Refusal):
 
 
 class Moved(Refusal):
-    """The job left the layout the caller runs: it now runs layout ``epoch`` on ``pservers``
-    (docs/operations.md, "Growing and shrinking a job"). The trainer adopts that layout and calls there."""
+    """The job left the layout the caller runs: it now runs layout ``epoch`` on ``pservers`` (with hot
+    standby, backed up by ``replicas``) (docs/operations.md, "Growing and shrinking a job"). The trainer
+    adopts that layout and calls there."""
 
-    def __init__(self, message: str, epoch: int, pservers):
+    def __init__(self, message: str, epoch: int, pservers, replicas=()):
         from transpiler.layout.change import moved_message
 
-        super().__init__(f"{message}; {moved_message(epoch, pservers)}")
+        super().__init__(f"{message}; {moved_message(epoch, pservers, replicas)}")
         self.epoch = epoch
         self.pservers = list(pservers)
+        self.replicas = list(replicas)
 
 
 class NotPrimary(Refusal):

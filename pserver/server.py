@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import logging
 import secrets
-import signal
 import sys
 import threading
 from typing import Optional
@@ -25,8 +24,9 @@ import torch
 from psproto.dataplane.access import server_context as data_tls
 from psproto.security import Security, TokenCheck
 from transpiler import PserverProgram, StartupProgram
-from transpiler.layout.change import program_in
+from transpiler.layout.change import program_in, replicas_of
 
+from . import stop_signals
 from .checkpoint import Checkpointer
 from .data.port import DataPort
 from .data.port import bind as bind_data_port
@@ -61,7 +61,6 @@ from .tables.serving.exporter import TableExporter
 log = logging.getLogger(__name__)
 
 SWITCH_INTERVAL_S = 0.0005  # how soon a thread waiting for the GIL gets it (see serve)
-SIGNAL_POLL_S = 0.1  # how soon serve() acts on a SIGTERM / SIGINT its handler recorded
 
 
 class ParameterServer:
@@ -123,8 +122,10 @@ class ParameterServer:
         if self.exporter is not None:
             listeners.append(ScheduledExports(self.exporter, self.files))
         # A change of the job's pserver count stops this generation after its switch step (pserver/layout/).
-        self.layout = LayoutSwitch(program, on_done=self._finished.set) if cfg.checkpoint_dir else None
-        listeners += [self.layout] if self.layout is not None else []
+        self.layout = None
+        if cfg.checkpoint_dir:
+            self.layout = LayoutSwitch(program, self._finished, lambda: self.files.on)
+            listeners.append(self.layout)
         # The engine asks the parts that hold trainers' calls outside it (the Reduce and Claim services, the
         # calls being served) whom they hold, and tells them when its roster changes; they ask the engine
         # whom they expect. Each needs the other: the engine gets their notification point, built first, and
@@ -204,6 +205,7 @@ class ParameterServer:
             layout_epoch=program.layout_epoch,
             pservers=program.pservers,
             layout_status=self.layout.status if self.layout is not None else None,
+            replicas=replicas_of(program),
         )
         # A trainer with a call still being served (a push's answer made and sent after its step applied,
         # a heartbeat waiting for a pool thread) is alive to the engine too, and heard from when it ends.
@@ -249,14 +251,18 @@ class ParameterServer:
 
         (the :class:`~pserver.replication.replica.Replica`, the link to the shard's other process).
         """
+        from .replication.coordination import shards_prefix
         from .replication.etcd import EtcdCoordinator
         from .replication.replica import Replica
         from .rpc.replica_link import ReplicaLink
 
         cfg = program.config
-        prefix = (cfg.coordinator_prefix or f"/torch-pserver/{program.layout_digest}").rstrip("/")
         coordinator = EtcdCoordinator(
-            cfg.coordinator, prefix, program.shard, secrets.token_hex(8), ttl=cfg.replica_lease_ttl
+            cfg.coordinator,
+            shards_prefix(program),
+            program.shard,
+            secrets.token_hex(8),
+            ttl=cfg.replica_lease_ttl,
         )
         link = ReplicaLink(self.security, cfg.chunk_bytes)
         replica = Replica(
@@ -381,36 +387,23 @@ class ParameterServer:
         # (Python's default hands it over after 5 ms, longer than a job S push's CPU).
         sys.setswitchinterval(SWITCH_INTERVAL_S)
         self.start()
-        previous, received = {}, []
-        if threading.current_thread() is threading.main_thread():
-            # The handler only records: it runs on this thread between two bytecodes, maybe while this
-            # thread holds the lock of _finished's condition (entering its wait) or of a log handler, and
-            # a handler that took either lock would wait for itself for ever (a SIGTERM that never stopped
-            # the pserver). The loop below acts on it.
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                previous[sig] = signal.signal(sig, lambda signum, frame: received.append(signum))
-        try:
-            while not self._finished.wait(SIGNAL_POLL_S):
-                if received:
-                    name = signal.Signals(received[0]).name
-                    log.info("pserver %s: %s received, shutting down", self.endpoint, name)
-                    self._finished.set()
-            # SIGTERM, Ctrl-C or the end of training: probes see the shutdown at once, while the
-            # last checkpoint is written; then keep the model.
-            self.side_ports.shutting_down()
-            self.checkpoint()
-        finally:
-            # A fenced process answers nothing worth waiting for; one that moved, only refusals.
-            self.stop(grace=1.0 if self.fenced or (self.layout and self.layout.moved) else 5.0)
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
+        with stop_signals.recorded() as received:
+            try:
+                stop_signals.serve_until(self._finished, received, f"pserver {self.endpoint}")
+                # SIGTERM, Ctrl-C or the end of training: probes see the shutdown at once, while the
+                # last checkpoint is written; then keep the model.
+                self.side_ports.shutting_down()
+                self.checkpoint()
+            finally:
+                # A fenced process answers nothing worth waiting for; one that moved, only refusals.
+                self.stop(grace=1.0 if self.fenced or (self.layout and self.layout.moved) else 5.0)
         if self.fenced:
             raise LostLead(
                 f"pserver {self.endpoint} lost the lead of shard {self.program.shard} and stopped; "
                 f"start it again to rejoin as the backup"
             )
         moved = self.layout.moved if self.layout is not None else None
-        if moved is not None and self.endpoint in moved.pservers:  # this process serves the next layout
+        if moved is not None and self.endpoint in [*moved.pservers, *moved.replicas]:  # serves the next one
             ParameterServer(program_in(self.program, moved), None, security=self.security).serve()
 
     def __enter__(self) -> "ParameterServer":

@@ -87,7 +87,8 @@ class FollowsLayout:
         if named is None:
             raise error
         log.info("trainer %d: %s", self.trainer_id, error)
-        self.adopt(next_trainer_program(self.program, named[1], epoch=named[0]))
+        epoch, pservers, replicas = named
+        self.adopt(next_trainer_program(self.program, pservers, replicas, epoch=epoch))
 
     def _pull(self) -> None:
         """:meth:`Stepper.pull`, in the layout the job runs now (a "moved" answer adopted)."""

@@ -400,6 +400,7 @@ class Engine:
         """
         with self.cv:
             self.liveness.expect_pushers()
+            self.gate.on_lead()  # a change of layout in progress may need this shard's new primary
         log.info("%s: leads its shard at update %d", self.endpoint, self.step)
 
 

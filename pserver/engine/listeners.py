@@ -77,6 +77,9 @@ class Gate:
     def check_hello(self, trainer_id: int) -> None:
         """Refuse ``trainer_id``'s Hello."""
 
+    def on_lead(self) -> None:
+        """Hot standby: this process, a backup, leads its shard from now on."""
+
 
 class FileWrites:
     """Whether this process writes checkpoints and exports: a hot standby's backup leaves them to its

@@ -12,8 +12,7 @@ import time
 from typing import Optional
 
 from transpiler import PserverProgram
-from transpiler.layout.change import program_in
-from transpiler.layout.record import LayoutRecord
+from transpiler.layout.change import program_in, recorded_layout
 from transpiler.layout.starting import FOLLOW, LEFT, NEW, start_in
 
 from .stores import FileLayoutStore, StaleRecord
@@ -38,19 +37,20 @@ class LeftJob(RuntimeError):
 
 
 def pserver_program_now(program: PserverProgram, timeout: Optional[float] = None) -> PserverProgram:
-    """``program`` in the layout its job runs now (``program`` itself without a checkpoint_dir, or with hot
-    standby); a pserver
-    the change in progress adds waits up to ``timeout`` s (default ``barrier_timeout``) for its commit
-    (``TimeoutError`` if it does not come). :class:`LeftJob` for a pserver the job no longer has."""
+    """``program`` (a pserver's or, with hot standby, a backup's) in the layout its job runs now (``program``
+    itself without a checkpoint_dir); a pserver the change in progress adds waits up to ``timeout`` s
+    (default ``barrier_timeout``) for its commit (``TimeoutError`` if it does not come). :class:`LeftJob`
+    for a pserver the job no longer has."""
     cfg = program.config
-    if not cfg.checkpoint_dir or program.replicated:  # hot standby changes no count yet (its backups too)
+    if not cfg.checkpoint_dir:
         return program
     store = FileLayoutStore(cfg.checkpoint_dir)
     deadline = time.monotonic() + (cfg.barrier_timeout if timeout is None else timeout)
     waiting = False
     while True:
         record = store.read()
-        serving = record is not None and any(_serving(ep) for ep in record.pservers if ep != program.endpoint)
+        recorded = [*record.pservers, *record.replicas] if record is not None else []
+        serving = any(_serving(ep) for ep in recorded if ep != program.endpoint)
         how = start_in(record, program.pservers, program.endpoint, serving)
         if how == FOLLOW:
             return program_in(program, record)
@@ -61,7 +61,7 @@ def pserver_program_now(program: PserverProgram, timeout: Optional[float] = None
             )
         if how == NEW:
             try:
-                store.swap(record, LayoutRecord(program.layout_epoch, list(program.pservers)))
+                store.swap(record, recorded_layout(program))
             except StaleRecord:
                 continue
             if record is not None:

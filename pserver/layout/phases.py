@@ -40,7 +40,15 @@ def ask(
     if record.replicas and len(replicas) != len(pservers):
         raise LayoutChangeRefused(
             f"with hot standby every pserver comes with its backup: give {len(pservers)} replica endpoints"
+            f" (--replicas), in the pservers' order; got {len(replicas)}"
         )
+    if replicas and not record.replicas:
+        raise LayoutChangeRefused("the job runs without hot standby: give no replica endpoints")
+    replicas = parsed_pservers(replicas) if replicas else []
+    both = [*pservers, *replicas]
+    twice = sorted({ep for ep in both if both.count(ep) > 1})
+    if twice:
+        raise LayoutChangeRefused(f"endpoints {twice} are listed more than once among pservers and replicas")
     change = LayoutChange(record.epoch + 1, list(pservers), list(replicas), "asked", asked_at=now)
     return replace(record, change=change)
 

@@ -1,6 +1,7 @@
 """``ps-reshard``: ask a running job to change its pserver count, and wait until it has.
 
     ps-reshard --checkpoint_dir /shared/ckpt --pservers 10.0.0.1:6170,10.0.0.2:6170,10.0.0.3:6170
+    ps-reshard --checkpoint_dir /shared/ckpt --pservers A,B,C --replicas D,E,F     # hot standby: the backups
 
 The job's pservers carry the change out (:mod:`pserver.layout.switch`): at a sync step two ahead they
 write the checkpoint of that step, and the pservers of the new list go on from it, re-sharded, while the
@@ -30,10 +31,15 @@ class ChangeNotMade(RuntimeError):
 
 
 def ask_change(
-    store: LayoutStore, pservers, timeout: float, on_phase: Callable[[str], None] = lambda p: None
+    store: LayoutStore,
+    pservers,
+    timeout: float,
+    on_phase: Callable[[str], None] = lambda p: None,
+    replicas=(),
 ):
-    """Ask the job whose record ``store`` keeps to run on ``pservers`` and wait up to ``timeout`` s for the
-    change to commit; the committed record. :class:`LayoutChangeRefused` (nothing changed) for a bad list,
+    """Ask the job whose record ``store`` keeps to run on ``pservers`` (with hot standby, backed up by
+    ``replicas``, one each, in their order) and wait up to ``timeout`` s for the change to commit; the
+    committed record. :class:`LayoutChangeRefused` (nothing changed) for a bad list,
     a change in progress or a job without a record; :class:`ChangeNotMade` if it was rolled back or did not
     commit in time (one not yet begun is then withdrawn)."""
     record = store.read()
@@ -41,7 +47,7 @@ def ask_change(
         raise LayoutChangeRefused(
             "no layout record: no job with this checkpoint_dir has started (its pservers write the record)"
         )
-    asked = update(store, lambda r: phases.ask(r, pservers, now=time.time()), record)
+    asked = update(store, lambda r: phases.ask(r, pservers, replicas, now=time.time()), record)
     epoch, deadline, phase = asked.change.epoch, time.monotonic() + timeout, None
     while True:
         now = store.read()
@@ -87,6 +93,11 @@ def main(argv: Optional[list] = None) -> int:
         "--checkpoint_dir", required=True, help="the job's checkpoint_dir (its layout record)"
     )
     parser.add_argument("--pservers", required=True, help="the job's new pserver endpoints, comma-separated")
+    parser.add_argument(
+        "--replicas",
+        default="",
+        help="hot standby: the new pservers' backups, comma-separated, one per pserver in their order",
+    )
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the change (600)")
     args = parser.parse_args(argv)
     started = time.monotonic()
@@ -96,6 +107,7 @@ def main(argv: Optional[list] = None) -> int:
             args.pservers.split(","),
             args.timeout,
             lambda phase: print(f"ps-reshard: {phase}", flush=True),
+            [ep for ep in args.replicas.split(",") if ep.strip()],
         )
     except (LayoutChangeRefused, ValueError) as e:
         print(f"ps-reshard: refused: {e}", file=sys.stderr)

@@ -30,7 +30,15 @@ layout: every acknowledged push is applied exactly once.
 Any failure before the commit (a pserver that dies, a checkpoint that cannot be written, the commit not
 reached within ``barrier_timeout``) rolls the change back: the stopped pservers go on in the current
 layout from the switch step, where they stand (the checkpoint written is an ordinary one). A GEO,
-backup-trainer or hot-standby job's pservers roll an asked change back saying why (docs/operations.md).
+backup-trainer or async-pipeline job's pservers roll an asked change back saying why (docs/operations.md).
+
+Hot standby: a shard's primary takes its part (the record names shards by their pserver endpoint); its
+backup applies no update through the listeners and reads the record now and then instead, ending its
+generation at the commit as its primary does. Each process of the next layout (pserver or backup) serves
+its next generation from the switch step's checkpoint, and each shard's two processes there elect their
+primary anew (fresh keys for the layout's epoch), the other joining as its backup. A backup that takes the
+lead during the switch (its primary lost) rolls the change back, as a restarted pserver does without
+replicas; one that takes it after the commit answers "moved" at once.
 """
 
 from __future__ import annotations
@@ -42,7 +50,7 @@ import time
 from typing import Callable, Optional, Set
 
 from transpiler import PserverProgram
-from transpiler.layout.change import LayoutChangeRefused, check_fit
+from transpiler.layout.change import LayoutChangeRefused, check_fit, recorded_layout
 from transpiler.layout.record import LayoutRecord, read_record_file
 
 from ..engine.listeners import Gate, UpdateListener
@@ -54,6 +62,7 @@ log = logging.getLogger(__name__)
 
 SWITCH_AHEAD = 2  # steps between the first pserver scheduling a switch and the switch step (see above)
 POLL_S = 0.01  # how often a stopped pserver reads the record while it waits for the commit
+WATCH_S = 0.1  # how often a hot standby's process reads it for a commit its primary waits for
 
 
 def available_memory() -> int:
@@ -77,8 +86,6 @@ def unsupported(program: PserverProgram) -> Optional[str]:
         return "a job with backup trainers cannot change its pserver count while it trains yet"
     if not program.sync_mode and cfg.async_pipeline:
         return "a job with the async pipeline cannot change its pserver count while it trains yet"
-    if program.replicated:
-        return "a hot-standby job cannot change its pserver count while it trains yet"
     return None
 
 
@@ -86,23 +93,29 @@ class LayoutSwitch(UpdateListener, Gate):
     """One pserver's part in its job's changes of layout: the engine's listener (told of each update, under
     its lock) and its gate (refusing the steps after a switch).
 
-    ``on_done`` is called once this generation of the pserver is done: the change it stopped for committed
-    (a pserver of the next layout then starts its next generation: :attr:`moved`), or, for a pserver that
-    leaves the job, once it has told its trainers. :meth:`start` hands it the engine it stops.
+    ``done`` is set once this generation of the pserver is done: the change it stopped for committed (a
+    pserver of the next layout then starts its next generation: :attr:`moved`), or, for a pserver that
+    leaves the job, once it has told its trainers; it is also set when the process stops. :meth:`start`
+    hands it the engine it stops. ``leads()``: whether this process leads its shard (hot standby; always
+    without).
     """
 
-    def __init__(self, program: PserverProgram, on_done: Callable[[], None]):
+    def __init__(
+        self, program: PserverProgram, done: threading.Event, leads: Callable[[], bool] = lambda: True
+    ):
         cfg = program.config
         self.store = FileLayoutStore(cfg.checkpoint_dir)
-        self.endpoint = program.endpoint
+        self.endpoint = program.pservers[program.shard]  # the shard's name in the record (its backup's too)
+        self.replicated = program.replicated
+        self._leads = leads
+        self._done = done
         self.epoch = program.layout_epoch
         self.trainers = program.trainers
         self.commit_timeout = cfg.barrier_timeout
         self.linger_s = cfg.heartbeat_timeout
         self.why_not = unsupported(program)
-        self._on_done = on_done
         self._engine = None
-        self._initial = LayoutRecord(program.layout_epoch, list(program.pservers))
+        self._initial = recorded_layout(program)
         self._seen: Optional[tuple] = None  # the record file's (inode, mtime, size) when last read
         self._record: Optional[LayoutRecord] = None
         self.frozen_at: Optional[int] = None  # the switch step this pserver stopped at
@@ -111,6 +124,7 @@ class LayoutSwitch(UpdateListener, Gate):
         self.sync = program.sync_mode
         self._asking = False  # async: a thread asks whether the pushes before the switch are all applied
         self._fit_checked: Set[int] = set()  # the changes (their epochs) whose fit this pserver checked
+        self._awaiting = False  # its part written, this pserver waits for the commit (_await_commit)
 
     def start(self, engine) -> None:
         """Before serving, with the ``engine`` to stop: write the record if the job has none yet; a change
@@ -120,7 +134,9 @@ class LayoutSwitch(UpdateListener, Gate):
         # A pserver started in a later layout than the record's (changed by hand) records it.
         record = self._swap(lambda r: r if r.epoch >= self.epoch else self._initial, "record the layout")
         change = record.change if record is not None else None
-        if change is not None and change.phase == "switching" and self.endpoint in record.pservers:
+        if self.replicated:  # a restart is no loss with a backup: one that takes the lead may be (on_lead)
+            threading.Thread(target=self._watch_commit, daemon=True, name="pserver-layout-watch").start()
+        elif change is not None and change.phase == "switching" and self.endpoint in record.pservers:
             self._roll_back(f"pserver {self.endpoint} restarted during the switch")
 
     # -- the engine's listener (under its lock) --------------------------------------------------------
@@ -199,6 +215,9 @@ class LayoutSwitch(UpdateListener, Gate):
         if self.frozen_at is not None:  # async: this pserver's part is written; nothing more is applied
             self._refuse(trainer_id)
         record = self._fresh()  # async: read before every push (a stat while unchanged)
+        if record is not None and record.epoch > self.epoch:  # a backup that led after the commit, unaware
+            self.frozen_at, self.moved = self._engine.step, record
+            self._refuse(trainer_id)
         change = record.change if record is not None and record.epoch == self.epoch else None
         if change is not None and change.phase == "switching" and self.endpoint in record.pservers:
             if step >= change.switch_steps.get(str(trainer_id), step + 1):
@@ -213,6 +232,17 @@ class LayoutSwitch(UpdateListener, Gate):
         if self.moved is not None:
             self._refuse(trainer_id)
 
+    def on_lead(self) -> None:
+        record = self.store.read()
+        change = record.change if record is not None else None
+        if change is not None and change.phase == "switching" and self.endpoint in record.pservers:
+            # Its primary was lost mid-switch: whether it wrote its part is unknown to this process, and
+            # the steps it would stop after may be behind it. Roll back as a restarted pserver does.
+            self._roll_back(f"the primary of {self.endpoint} was lost during the switch")
+            record = self.store.read()  # or the change committed first
+        if record is not None and record.epoch > self.epoch:  # committed while this process was the backup
+            self.frozen_at, self.moved = self._engine.step, record
+
     def _refuse(self, trainer_id: int) -> None:
         moved = self.moved
         if moved is None:
@@ -222,6 +252,7 @@ class LayoutSwitch(UpdateListener, Gate):
             f"pserver {self.endpoint}: layout epoch {self.epoch} ended after update {self.frozen_at}",
             moved.epoch,
             moved.pservers,
+            moved.replicas,
         )
 
     # -- the switch --------------------------------------------------------------------------------------
@@ -268,6 +299,7 @@ class LayoutSwitch(UpdateListener, Gate):
             epoch_next,
             time.monotonic() - started,
         )
+        self._awaiting = True
         threading.Thread(target=self._await_commit, daemon=True, name="pserver-layout-switch").start()
 
     def _await_commit(self) -> None:
@@ -286,7 +318,7 @@ class LayoutSwitch(UpdateListener, Gate):
                 )
                 if self.endpoint not in record.pservers:
                     self._linger()
-                self._on_done()
+                self._done.set()
                 return
             change = record.change if record is not None else None
             if change is None or change.phase == "rolling_back":
@@ -298,12 +330,28 @@ class LayoutSwitch(UpdateListener, Gate):
                     change.why if change is not None else "by another",
                     self.frozen_at,
                 )
-                self.frozen_at = None
+                self.frozen_at, self._awaiting = None, False
                 return
             if time.monotonic() > deadline:
                 waiting = sorted(set(record.pservers) - set(change.switched))
                 self._roll_back(f"{waiting} did not write their part within {self.commit_timeout:.0f}s")
             time.sleep(POLL_S)
+
+    def _watch_commit(self) -> None:
+        """Hot standby: a backup (which applies no update through the listeners) ends its generation at the
+        commit as its primary does; a primary that stopped for the change waits in :meth:`_await_commit`."""
+        while not self._done.wait(WATCH_S):
+            record = self.store.read()
+            if record is None or record.epoch <= self.epoch:
+                continue
+            with self._engine.cv:
+                if self._awaiting:
+                    return  # this process stopped for the change as its shard's primary: its own wait ends it
+                if self.moved is None:
+                    self.frozen_at, self.moved = self._engine.step, record
+            log.info("pserver %s (backup): layout epoch %d committed", self.endpoint, record.epoch)
+            self._done.set()
+            return
 
     def _linger(self) -> None:
         """A pserver that leaves the job answers "moved" until every trainer has been told, or for

@@ -52,6 +52,15 @@ def may_campaign(in_sync: Optional[InSync], replica_id: str, force: bool) -> boo
     return in_sync is None or force or replica_id in in_sync.replicas
 
 
+def shards_prefix(program) -> str:
+    """Where the keys of ``program``'s shards live: the job's ``coordinator_prefix`` (by default one per
+    plan), and a layout's own under it once its job changed its pserver count (each layout's shards are new
+    ones: their leads and in-sync lists start anew)."""
+    cfg = program.config
+    prefix = (cfg.coordinator_prefix or f"/torch-pserver/{program.layout_digest}").rstrip("/")
+    return f"{prefix}/layout-{program.layout_epoch}" if program.layout_epoch else prefix
+
+
 class Coordinator(ABC):
     """One replica process's view of its shard in the coordination service."""
 

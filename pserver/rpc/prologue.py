@@ -87,8 +87,8 @@ class CallerChecks:
     Shared by the servicers of the service (:mod:`.service`): ``trainers`` the job's trainer count,
     ``sessions`` the :class:`~.sessions.Sessions` of this pserver, ``replica`` its place in a replicated
     shard (None without replicas), ``layout_digest`` the plan it runs, ``layout_epoch`` that plan's
-    layout epoch and ``pservers`` its pservers, ``layout_status`` the job's change of layout in progress
-    (docs/operations.md, "Growing and shrinking a job").
+    layout epoch and ``pservers`` its pservers (``replicas`` their backups), ``layout_status`` the job's
+    change of layout in progress (docs/operations.md, "Growing and shrinking a job").
     """
 
     def __init__(
@@ -101,6 +101,7 @@ class CallerChecks:
         layout_epoch: int = 0,
         pservers: Sequence[str] = (),
         layout_status: Callable[[], object] = LayoutStatus,
+        replicas: Sequence[str] = (),
     ):
         self.endpoint = endpoint
         self.layout_status = layout_status
@@ -110,6 +111,7 @@ class CallerChecks:
         self.layout_digest = layout_digest
         self.layout_epoch = layout_epoch
         self.pservers = list(pservers)
+        self.replicas = list(replicas)
 
     def serving(self) -> None:
         """Refuse a trainer's call (NotPrimary) on a replica that does not lead its shard."""
@@ -140,6 +142,7 @@ class CallerChecks:
                 f"pserver {self.endpoint}: the job left layout epoch {epoch}",
                 self.layout_epoch,
                 self.pservers,
+                self.replicas,
             )
 
     def digest(self, digest: str) -> None:

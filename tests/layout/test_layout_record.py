@@ -6,18 +6,21 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import types
 
 import pytest
 
 from pserver.layout import phases
 from pserver.layout.stores import EtcdLayoutStore, FileLayoutStore, StaleRecord, update
+from pserver.replication.coordination import shards_prefix
 from tests.helpers.etcd import etcd_fixture  # noqa: F401 - the `etcd` fixture
 from transpiler.layout import starting
-from transpiler.layout.change import LayoutChangeRefused
+from transpiler.layout.change import LayoutChangeRefused, moved_message, moved_to
 from transpiler.layout.record import LayoutChange, LayoutRecord
 
 A, B, C = "127.0.0.1:7001", "127.0.0.1:7002", "127.0.0.1:7003"
 NOW = LayoutRecord(epoch=3, pservers=[A, B])
+PAIRED = dataclasses.replace(NOW, replicas=["h:1", "h:2"])  # hot standby: each pserver with its backup
 
 
 def test_a_record_round_trips_and_malformed_bytes_are_refused():
@@ -84,7 +87,9 @@ def test_a_transition_out_of_its_phase_is_refused(transition, phase, message):
         (lambda r: phases.ask(r, [A, A]), "twice"),
         (lambda r: phases.ask(r, [A, B]), "already runs"),
         (lambda r: phases.schedule_switch(r, 3), "no change of layout is in progress"),
-        (lambda r: phases.ask(dataclasses.replace(r, replicas=["h:1", "h:2"]), [A, B, C], ["h:1"]), "backup"),
+        (lambda r: phases.ask(PAIRED, [A, B, C], ["h:1"]), "backup"),
+        (lambda r: phases.ask(r, [A, B, C], ["h:1", "h:2", "h:3"]), "without hot standby"),
+        (lambda r: phases.ask(PAIRED, [A, B, C], [A, "h:2", "h:3"]), "more than once"),
     ],
 )
 def test_a_bad_ask_is_refused(transition, message):
@@ -120,6 +125,45 @@ SHRUNK = LayoutRecord(5, [A, B], history=[[A, B], [A, B, C]])
 )
 def test_a_role_starts_in_the_layout_its_job_runs(record, pservers, endpoint, decision):
     assert starting.start_in(record, pservers, endpoint) == decision
+
+
+# Hot standby: a shard's backup is in a layout as its pserver is (X, Y, Z back up A, B, C).
+X, Y, Z = "127.0.0.1:7011", "127.0.0.1:7012", "127.0.0.1:7013"
+PAIRS = dataclasses.replace(NOW, replicas=[X, Y])
+
+
+@pytest.mark.parametrize(
+    "record, pservers, endpoint, decision",
+    [
+        (PAIRS, [A, B], X, starting.FOLLOW),
+        (
+            dataclasses.replace(PAIRS, change=LayoutChange(4, [A, B, C], [X, Y, Z])),
+            [A, B, C],
+            Z,
+            starting.WAIT,
+        ),
+        (LayoutRecord(4, [A, B, C], [X, Y, Z], history=[[A, B]]), [A, B], Y, starting.FOLLOW),
+        (LayoutRecord(5, [A, B], [X, Y], history=[[A, B], [A, B, C]]), [A, B, C], Z, starting.LEFT),
+    ],
+)
+def test_a_backup_starts_in_the_layout_its_job_runs(record, pservers, endpoint, decision):
+    assert starting.start_in(record, pservers, endpoint) == decision
+
+
+@pytest.mark.parametrize("replicas", [(), ("h:4", "h:5")])
+def test_a_moved_answer_names_the_layout_and_its_backups(replicas):
+    text = "pserver h:1: layout epoch 2 ended; " + moved_message(3, ["h:1", "h:2"], replicas)
+    assert moved_to(text) == (3, ["h:1", "h:2"], list(replicas) or None)
+    assert moved_to("pserver h:1: shutting down") is None
+
+
+@pytest.mark.parametrize(
+    "prefix, epoch, keys",
+    [(None, 0, "/torch-pserver/d1"), ("/job7/", 0, "/job7"), ("/job7", 2, "/job7/layout-2")],
+)
+def test_each_layout_has_its_own_shard_keys(prefix, epoch, keys):
+    config = types.SimpleNamespace(coordinator_prefix=prefix)
+    assert shards_prefix(types.SimpleNamespace(config=config, layout_digest="d1", layout_epoch=epoch)) == keys
 
 
 @pytest.mark.parametrize("endpoint, decision", [(C, starting.WAIT), (A, starting.WAIT), (None, starting.NEW)])

@@ -218,17 +218,31 @@ def program_in(program, record: Optional[LayoutRecord]):
 # A pserver that no longer serves a trainer's layout says where the job went, in its answer's text: the
 # one channel both transports carry. The trainer reads it back with :func:`moved_to`.
 _MOVED = "moved to layout epoch {epoch}: pservers {pservers}"
-_MOVED_PATTERN = re.compile(r"moved to layout epoch (\d+): pservers (\S+)")
+_MOVED_PATTERN = re.compile(r"moved to layout epoch (\d+): pservers (\S+)(?: replicas (\S+))?")
 
 
-def moved_message(epoch: int, pservers: Sequence[str]) -> str:
-    """The text of a "moved" answer: the job runs layout ``epoch`` on ``pservers``."""
-    return _MOVED.format(epoch=int(epoch), pservers=",".join(pservers))
+def moved_message(epoch: int, pservers: Sequence[str], replicas: Sequence[str] = ()) -> str:
+    """The text of a "moved" answer: the job runs layout ``epoch`` on ``pservers`` (and, with hot standby,
+    their ``replicas``)."""
+    text = _MOVED.format(epoch=int(epoch), pservers=",".join(pservers))
+    return text + (f" replicas {','.join(replicas)}" if replicas else "")
 
 
-def moved_to(message: str) -> Optional[Tuple[int, List[str]]]:
-    """(epoch, pservers) a "moved" answer's text names (:func:`moved_message`), None if it names none."""
+def moved_to(message: str) -> Optional[Tuple[int, List[str], Optional[List[str]]]]:
+    """(epoch, pservers, replicas or None) a "moved" answer's text names (:func:`moved_message`), None if it
+    names none."""
     found = _MOVED_PATTERN.search(message)
     if found is None:
         return None
-    return int(found.group(1)), found.group(2).split(",")
+    replicas = found.group(3).split(",") if found.group(3) else None
+    return int(found.group(1)), found.group(2).split(","), replicas
+
+
+def replicas_of(program) -> List[str]:
+    """The hot-standby backups of ``program``'s pservers, in their order (none without replicas)."""
+    return [g[1] for g in replica_endpoints(program.config, program.pservers) if len(g) > 1]
+
+
+def recorded_layout(program) -> LayoutRecord:
+    """The record of a job that has not changed its layout: ``program``'s epoch, pservers and replicas."""
+    return LayoutRecord(program.layout_epoch, list(program.pservers), replicas_of(program))

@@ -45,9 +45,10 @@ def start_in(
         # does: the job runs, and a pserver started before its change was asked (or whose change was rolled
         # back) waits for a change that adds it, never overwriting the layout of a job that runs.
         return WAIT if endpoint is not None and recorded_serving else NEW
-    if endpoint is None or endpoint in record.pservers:
+    # With hot standby a shard's backup is as much in a layout as its pserver.
+    if endpoint is None or endpoint in [*record.pservers, *record.replicas]:
         return FOLLOW
-    if change is not None and endpoint in change.pservers:
+    if change is not None and endpoint in [*change.pservers, *change.replicas]:
         return WAIT
     return LEFT
 

@@ -56,8 +56,8 @@ class PserverServicer:
     (default: a new one) what trainers tell this pserver's state by; ``stretches`` where parked calls'
     stretches run (:mod:`..stretches`); ``claims`` the Claim service (backup trainers; None: this pserver
     does not decide); ``data_port`` the data channel's port its Hello names (0: none); ``layout_epoch`` and
-    ``pservers`` the layout it serves, ``layout_status`` the job's change of layout in progress. The counters,
-    the sessions and the caller's checks are shared by the three.
+    ``pservers`` (``replicas``) the layout it serves, ``layout_status`` the job's change of layout in
+    progress. The counters, the sessions and the caller's checks are shared by the three.
     """
 
     def __init__(
@@ -77,6 +77,7 @@ class PserverServicer:
         layout_epoch: int = 0,
         pservers: Sequence[str] = (),
         layout_status: Optional[Callable[[], object]] = None,
+        replicas: Sequence[str] = (),
     ):
         self.engine = engine
         self.contents = contents
@@ -96,6 +97,7 @@ class PserverServicer:
             layout_epoch,
             pservers,
             layout_status or LayoutStatus,
+            replicas,
         )
         checks = self.checks
         self.data = DataCalls(engine, contents, checks, self.counters, chunk_bytes, allow_nonfinite, claims)
