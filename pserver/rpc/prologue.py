@@ -136,13 +136,20 @@ class CallerChecks:
         self.sessions.check(request.trainer_id, request.session)
 
     def epoch(self, epoch: int) -> None:
-        """A trainer of an earlier layout epoch is told where the job runs now (:class:`Moved`)."""
+        """A trainer of an earlier layout epoch is told where the job runs now (:class:`Moved`); one of a
+        later epoch reached this process before it moved on to that layout (a backup still in the one that
+        ended, or the next layout starting on these ports): it asks again (:class:`ShuttingDown`)."""
         if epoch < self.layout_epoch:
             raise Moved(
                 f"pserver {self.endpoint}: the job left layout epoch {epoch}",
                 self.layout_epoch,
                 self.pservers,
                 self.replicas,
+            )
+        if epoch > self.layout_epoch:
+            raise ShuttingDown(
+                f"pserver {self.endpoint} serves layout epoch {self.layout_epoch}, not yet the caller's "
+                f"{epoch}: ask again"
             )
 
     def digest(self, digest: str) -> None:

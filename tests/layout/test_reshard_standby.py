@@ -18,13 +18,11 @@ import subprocess
 import time
 
 import pytest
-import torch
 
 from harness.ports import free_ports
-from pserver.checkpoint.layout import find_saved, load_blocks
 from tests.helpers.etcd import etcd_fixture  # noqa: F401
 from tests.helpers.replicated_job import ReplicatedJob
-from tests.layout.test_reshard_processes import reshard_command, trained_past
+from tests.layout.test_reshard_processes import assert_counted_once, reshard_command, trained_past
 from tests.scripts import recovery_job
 from transpiler.layout.record import read_record_file
 
@@ -93,15 +91,6 @@ def change_with_a_kill(job: StandbyJob, pservers, rng: random.Random) -> str:
         out, _ = again.communicate(timeout=150)
         assert again.returncode == 0, out + job.all_logs()
     return said
-
-
-def assert_counted_once(job: StandbyJob, value: float) -> None:
-    """What the pservers saved once every trainer had closed holds ``value`` in every element: each
-    acknowledged push once, none twice, no fewer."""
-    final = find_saved(job.ckpt, sync_mode=False)
-    for entries in load_blocks(final.parts).values():
-        for block in entries:
-            assert torch.equal(block["value"], torch.full_like(block["value"], value)), block["value"]
 
 
 @pytest.mark.timeout(300)

@@ -33,7 +33,7 @@ from pserver.errors import (
     Unauthenticated,
 )
 from pserver.rpc import PserverServicer
-from pserver.rpc.prologue import STATUS, status_of
+from pserver.rpc.prologue import STATUS, CallerChecks, status_of
 from psproto import ps_pb2
 from psproto.codec import WireError
 from tests.helpers.servicer import EP, Aborted, FakeContext, method_of, open_session, servicer
@@ -242,3 +242,20 @@ def test_engines_do_not_import_grpc(module):
     # grpc is already loaded in this process, so only the source tells.
     found = sorted(n for n in _imports(module) if n == "grpc" or n.startswith("grpc."))
     assert not found, f"{module} imports {found}"
+
+
+@pytest.mark.parametrize(
+    "caller_epoch, refusal, says",
+    [
+        (1, Moved, "moved to layout epoch 2: pservers h:1,h:2 replicas h:3,h:4"),  # an earlier layout
+        (2, None, ""),
+        (3, ShuttingDown, "not yet the caller's 3: ask again"),  # this process has not moved on yet
+    ],
+)
+def test_a_caller_of_another_layout_epoch_is_told_where_to_go(caller_epoch, refusal, says):
+    checks = CallerChecks(EP, 2, None, None, "d", 2, ["h:1", "h:2"], replicas=["h:3", "h:4"])
+    if refusal is None:
+        checks.epoch(caller_epoch)
+        return
+    with pytest.raises(refusal, match=says):
+        checks.epoch(caller_epoch)
