@@ -67,11 +67,13 @@ class FollowsLayout:
             self.stepper.plan_next_batch if program.tables else None,
             self.stepper.end_epoch,
         )
+        # Heartbeats first: the next layout's pservers count this trainer from their start, and the join
+        # waits for the slowest of them (a new one still starting) while the others would drop it.
+        self._heartbeat = self._start_heartbeat()
         self.stepper.join()
         self.tables.carry_lookups(looked_up)
         self.tables.follow_moves(self._adopt_moved)
         serve_tables_from(self.model, program.tables, self.tables)
-        self._heartbeat = self._start_heartbeat()
         log.info(
             "trainer %d: adopted layout epoch %d at step %d: %d blocks on %d pservers",
             self.trainer_id,

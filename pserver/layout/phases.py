@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Mapping, Optional, Sequence
 
-from transpiler.layout.change import LayoutChangeRefused, check_change, parsed_pservers
+from transpiler.layout.change_checks import LayoutChangeRefused, check_change, parsed_pservers
 from transpiler.layout.record import LayoutChange, LayoutRecord
 
 

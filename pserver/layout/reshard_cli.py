@@ -17,7 +17,7 @@ import sys
 import time
 from typing import Callable, Optional
 
-from transpiler.layout.change import LayoutChangeRefused
+from transpiler.layout.change_checks import LayoutChangeRefused
 from transpiler.layout.record import LayoutRecord
 
 from . import phases

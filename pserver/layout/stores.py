@@ -15,7 +15,6 @@ from typing import Callable, Iterator, Optional
 from transpiler.layout.record import FILE_NAME, LayoutRecord, read_record_file
 
 from .. import atomic_files
-from ..replication.etcd_gateway import Gateway, compare, put_request
 
 
 class StaleRecord(Exception):
@@ -99,6 +98,8 @@ class EtcdLayoutStore(LayoutStore):
     mod revision."""
 
     def __init__(self, endpoints: str, prefix: str, timeout: float = 2.0):
+        from ..replication.etcd_gateway import Gateway  # imported here: a file store needs no HTTP client
+
         urls = [u.strip().rstrip("/") for u in endpoints.split(",") if u.strip()]
         if not urls:
             raise ValueError(f"no etcd endpoint in {endpoints!r}")
@@ -112,6 +113,8 @@ class EtcdLayoutStore(LayoutStore):
         return LayoutRecord.from_bytes(kvs[0][0], int(kvs[0][1]["mod_revision"]))
 
     def swap(self, expected: Optional[LayoutRecord], new: LayoutRecord) -> LayoutRecord:
+        from ..replication.etcd_gateway import compare, put_request
+
         target, revision = ("CREATE", 0) if expected is None else ("MOD", expected.revision)
         txn = {
             "compare": [compare(self._key, target, revision)],

@@ -50,7 +50,8 @@ import time
 from typing import Callable, Optional, Set
 
 from transpiler import PserverProgram
-from transpiler.layout.change import LayoutChangeRefused, check_fit, recorded_layout
+from transpiler.layout.change import recorded_layout
+from transpiler.layout.change_checks import LayoutChangeRefused, check_fit
 from transpiler.layout.record import LayoutRecord, read_record_file
 
 from ..engine.listeners import Gate, UpdateListener

@@ -5,6 +5,8 @@ other reads again)."""
 from __future__ import annotations
 
 import dataclasses
+import subprocess
+import sys
 import threading
 import types
 
@@ -237,3 +239,10 @@ def test_the_etcd_store_compares_and_sets(etcd):
     finally:
         store.close()
     two_writers(EtcdLayoutStore(etcd.url, "/jobs/other"))
+
+
+def test_ps_reshard_starts_without_importing_torch():
+    """The record, its phases and the checks load without torch: ``ps-reshard`` starts at once."""
+    code = "import sys, pserver.layout.reshard_cli; print(sorted(m for m in sys.modules if m == 'torch'))"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout.strip() == "[]", done.stdout + done.stderr

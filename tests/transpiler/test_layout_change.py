@@ -10,13 +10,8 @@ import torch
 from torch import nn
 
 from transpiler import DistributeTranspiler, DistributeTranspilerConfig, Program
-from transpiler.layout.change import (
-    LayoutChangeRefused,
-    check_change,
-    check_fit,
-    next_pserver_program,
-    next_trainer_program,
-)
+from transpiler.layout.change import next_pserver_program, next_trainer_program
+from transpiler.layout.change_checks import LayoutChangeRefused, check_change, check_fit
 from transpiler.layout.moves import block_pieces, moved_slot_fraction, piece_bytes, slots_between
 from transpiler.plans import PserverProgram, TrainerProgram
 

@@ -20,6 +20,7 @@ import functools
 import numpy as np
 
 from ..placement import stable_hash_ids
+from .change_checks import MAX_PSERVERS
 
 ROUTING_VERSION = 2
 ROUTING_VERSIONS = (1, 2)
@@ -27,7 +28,6 @@ SLOT_BITS = 14
 N_SLOTS = 1 << SLOT_BITS
 _SLOT_MASK = np.uint64(N_SLOTS - 1)
 # The most pservers a layout may name: an owner is stored as int32, and the table of owners is checked.
-MAX_PSERVERS = 1 << 15
 
 _JUMP_MULTIPLIER = np.uint64(2862933555777941757)
 

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
-from .change import LayoutChangeRefused, program_in
+from .change import program_in
+from .change_checks import LayoutChangeRefused
 from .record import LayoutRecord, read_record_file
 
 FOLLOW = "follow"  # start in the layout the record names now
