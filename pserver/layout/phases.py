@@ -100,6 +100,25 @@ def rolled_back(record: LayoutRecord) -> LayoutRecord:
     return replace(record, change=None, rolled_back=change.why)
 
 
+GO_ON, ROLL_BACK, MOVED = "go on", "roll back", "moved"
+
+
+def on_new_primary(record: Optional[LayoutRecord], epoch: int, shard: str) -> str:
+    """What a shard's backup that takes the lead (hot standby) does about its job's layout, serving layout
+    ``epoch`` as shard ``shard`` (its pserver endpoint): :data:`MOVED` if ``record`` names a later epoch
+    (the change committed while it was the backup: it answers "moved"); :data:`ROLL_BACK` if a change is
+    switching and the shard is a current pserver (its primary was lost mid-switch: whether the shard's
+    part was written is unknown to it, and the switch step may be behind it); else :data:`GO_ON`."""
+    if record is None:
+        return GO_ON
+    if record.epoch > epoch:
+        return MOVED
+    change = record.change
+    if change is not None and change.phase == "switching" and shard in record.pservers:
+        return ROLL_BACK
+    return GO_ON
+
+
 @dataclass(frozen=True)
 class LayoutStatus:
     """What Stats, ``ps-stat`` and ``/metrics`` show of the job's layout: the change in progress (``change``,

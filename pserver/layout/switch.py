@@ -235,13 +235,10 @@ class LayoutSwitch(UpdateListener, Gate):
 
     def on_lead(self) -> None:
         record = self.store.read()
-        change = record.change if record is not None else None
-        if change is not None and change.phase == "switching" and self.endpoint in record.pservers:
-            # Its primary was lost mid-switch: whether it wrote its part is unknown to this process, and
-            # the steps it would stop after may be behind it. Roll back as a restarted pserver does.
+        if phases.on_new_primary(record, self.epoch, self.endpoint) == phases.ROLL_BACK:
             self._roll_back(f"the primary of {self.endpoint} was lost during the switch")
             record = self.store.read()  # or the change committed first
-        if record is not None and record.epoch > self.epoch:  # committed while this process was the backup
+        if phases.on_new_primary(record, self.epoch, self.endpoint) == phases.MOVED:
             self.frozen_at, self.moved = self._engine.step, record
 
     def _refuse(self, trainer_id: int) -> None:

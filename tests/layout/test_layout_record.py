@@ -134,6 +134,11 @@ X, Y, Z = "127.0.0.1:7011", "127.0.0.1:7012", "127.0.0.1:7013"
 PAIRS = dataclasses.replace(NOW, replicas=[X, Y])
 
 
+def changing(record: LayoutRecord, phase: str) -> LayoutRecord:
+    """``record`` growing to A, B, C (backed up by X, Y, Z), in ``phase``."""
+    return dataclasses.replace(record, change=LayoutChange(4, [A, B, C], [X, Y, Z], phase))
+
+
 @pytest.mark.parametrize(
     "record, pservers, endpoint, decision",
     [
@@ -150,6 +155,28 @@ PAIRS = dataclasses.replace(NOW, replicas=[X, Y])
 )
 def test_a_backup_starts_in_the_layout_its_job_runs(record, pservers, endpoint, decision):
     assert starting.start_in(record, pservers, endpoint) == decision
+
+
+@pytest.mark.parametrize(
+    "record, decision",
+    [
+        (None, phases.GO_ON),
+        (PAIRS, phases.GO_ON),
+        (dataclasses.replace(PAIRS, change=LayoutChange(4, [A, B, C], [X, Y, Z], "asked")), phases.GO_ON),
+        (
+            dataclasses.replace(PAIRS, change=LayoutChange(4, [A, B, C], [X, Y, Z], "switching")),
+            phases.ROLL_BACK,
+        ),
+        (dataclasses.replace(PAIRS, change=LayoutChange(4, [C], [Z], "switching")), phases.ROLL_BACK),
+        (LayoutRecord(4, [A, B, C], [X, Y, Z]), phases.MOVED),  # committed while it was the backup
+        (
+            dataclasses.replace(NOW, pservers=[B, C], change=LayoutChange(4, [B], [], "switching")),
+            phases.GO_ON,
+        ),
+    ],
+)
+def test_a_backup_taking_the_lead_mid_change_rolls_it_back_or_answers_moved(record, decision):
+    assert phases.on_new_primary(record, 3, A) == decision
 
 
 @pytest.mark.parametrize("replicas", [(), ("h:4", "h:5")])
