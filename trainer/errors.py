@@ -57,10 +57,11 @@ class FencedError(PserverError):
 
 
 class StepMoved(Exception):
-    """A step's push was answered "moved" (``error``, kind MOVED): the job runs another layout now. Carries
-    the step's table gradients, not yet routed ({table: (unique ids, rows)}), to push there."""
+    """A step's push (of ``step``) was answered "moved" (``error``, kind MOVED): the job runs another layout
+    now. Carries the step's table gradients, not yet routed ({table: (unique ids, rows)}), to push there."""
 
-    def __init__(self, error: PserverError, table_grads):
+    def __init__(self, error: PserverError, table_grads, step: int):
         super().__init__(str(error))
         self.error = error
         self.table_grads = table_grads
+        self.step = step

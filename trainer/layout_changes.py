@@ -109,6 +109,9 @@ class FollowsLayout:
             try:
                 if moved is None:
                     self.stepper.step(prefetch, self.feed.take_next_plan)
+                elif applied_before_the_switch(moved.step, self.stepper.state.step):
+                    self.stepper.clear_grads()  # joined past it, its parameters pulled
+                    self.tables.clear()
                 else:  # the job changed its pserver count: the step again, in its layout now; the next
                     # batch's plan routed its ids to the pservers before (its lookups fetch for themselves)
                     self.stepper.step(prefetch, lambda: None, moved.table_grads)
@@ -116,3 +119,11 @@ class FollowsLayout:
             except StepMoved as e:
                 moved = e
                 self._adopt_moved(e.error)
+
+
+def applied_before_the_switch(pushed_step: int, joined_step: int) -> bool:
+    """Whether a step whose push was answered "moved" (``pushed_step``) was applied in the layout that ended,
+    the trainer having joined the next one at ``joined_step``: a push is answered "moved" unapplied when it
+    came after the switch, but also when the pserver applied it, wrote its part of the switch and died
+    before answering (hot standby: its backup then answers "moved"); the next layout starts past it."""
+    return joined_step > pushed_step

@@ -22,6 +22,7 @@ from tests.helpers.table_models import (
     table_program,
 )
 from tests.tables.test_sync import assert_matches
+from trainer.layout_changes import applied_before_the_switch
 from transpiler import DistributeTranspilerConfig
 from transpiler.layout.change import next_pserver_program, next_trainer_program
 
@@ -157,3 +158,15 @@ def test_an_async_job_applies_every_acknowledged_push_once_across_two_changes(tm
     for bias, rows in results.values():
         assert bias == bias0 - 2 * STEPS  # every push's bias gradient applied once
         assert torch.equal(rows, -counts[:, None].expand(-1, 2))  # every looked-up row, once per lookup
+
+
+@pytest.mark.parametrize(
+    "pushed, joined, applied",
+    [
+        (26, 26, False),  # refused after the switch: pushed again in the next layout
+        (26, 27, True),  # applied, its pserver lost before it answered: the next layout starts past it
+        (0, 0, False),
+    ],
+)
+def test_a_step_answered_moved_is_pushed_again_unless_the_next_layout_starts_past_it(pushed, joined, applied):
+    assert applied_before_the_switch(pushed, joined) is applied

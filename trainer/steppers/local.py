@@ -67,7 +67,7 @@ class LocalStepper(Stepper):
         except PserverError as e:
             if e.kind != MOVED:
                 raise
-            raise StepMoved(e, table_grads) from None  # pushed again, unrouted, in the job's next layout
+            raise StepMoved(e, table_grads, step) from None  # pushed again, unrouted, in the next layout
         if counted is None:  # re-claimed elsewhere: this batch's step is gone
             return
         resync, pserver_steps, next_rows, dropped = counted
