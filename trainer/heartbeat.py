@@ -165,9 +165,10 @@ class Heartbeat:
 
     def _beat(self, channel: PserverChannel, due: float):
         """One heartbeat, on a call thread of its trainer; notes how late it went out if by more than an
-        interval."""
+        interval. None was due before to a pserver never reached (``due`` -inf: a trainer that adopts a
+        layout heartbeats it from before its join's Hello), so it is never late."""
         late = time.monotonic() - due
-        if late > self._interval:
+        if self._interval < late < float("inf"):
             with self._lock:
                 self._late.append(late)
         return channel.heartbeat(timeout=self._deadline)

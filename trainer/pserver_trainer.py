@@ -133,16 +133,22 @@ class PserverTrainer(FollowsLayout, TrainerBase):
             len(self.blocks.by_endpoint),
         )
 
-    def _recovery(self, program: TrainerProgram) -> Recovery:
+    def _recovery(self, program: TrainerProgram, new_layout: bool = False) -> Recovery:
         """How this trainer heals with the pservers of ``program``: it pushes every step to each pserver
         that owns blocks or table shards, even with nothing for it, so sync barriers count it (with backup
-        trainers the first pserver, which decides each step's trainers, steps with the others)."""
+        trainers the first pserver, which decides each step's trainers, steps with the others).
+        ``new_layout``: a layout just adopted (see :class:`Recovery`)."""
         cfg = program.config
         push_endpoints = (
             list(program.pservers) if program.tables or cfg.backup_trainers else list(self.blocks.by_endpoint)
         )
         return Recovery(
-            self.channels, self.sync_mode, push_endpoints, cfg.connect_timeout, cfg.recovery_timeout
+            self.channels,
+            self.sync_mode,
+            push_endpoints,
+            cfg.connect_timeout,
+            cfg.recovery_timeout,
+            new_layout=new_layout,
         )
 
     def _start_heartbeat(self) -> Optional[Heartbeat]:

@@ -170,3 +170,34 @@ def test_an_async_job_applies_every_acknowledged_push_once_across_two_changes(tm
 )
 def test_a_step_answered_moved_is_pushed_again_unless_the_next_layout_starts_past_it(pushed, joined, applied):
     assert applied_before_the_switch(pushed, joined) is applied
+
+
+@pytest.mark.timeout(60)
+def test_a_trainer_heartbeats_the_next_layout_while_its_join_waits_for_a_late_pserver(tmp_path, caplog):
+    """A pserver of the next layout may come up later than heartbeat_timeout (restarted right after the
+    commit on a loaded host: the chaos test, victim "old owner"). The adopting trainer's join said Hello to
+    the others and waits for it: heartbeating them meanwhile, it is not dropped for silence (dropped, the
+    others would complete the layout's first step without it, and it would skip it)."""
+    config = DistributeTranspilerConfig(
+        checkpoint_dir=str(tmp_path / "checkpoints"), heartbeat_interval=0.2, heartbeat_timeout=1.0
+    )
+    with LocalCluster(counting_program, 1, 1, config=config) as cluster:
+        grown = cluster.endpoints + [f"127.0.0.1:{p}" for p in free_ports(1)]
+        with cluster.trainer(0) as tr:
+            tr.checkpoint()
+            now = cluster.servers[0].program
+            cluster.servers[0].stop()
+
+            def start(ep: str) -> None:
+                server = ParameterServer(
+                    next_pserver_program(now, grown, ep), None, security=cluster.security
+                )
+                cluster.servers.append(cluster._stack.enter_context(server))
+
+            start(grown[0])
+            late = threading.Timer(3.0, start, [grown[1]])  # three heartbeat_timeouts after the first
+            late.start()
+            tr.adopt(next_trainer_program(tr.program, grown))
+            late.join()
+            assert tr.channels.endpoints == grown
+    assert "sent nothing" not in caplog.text

@@ -212,3 +212,53 @@ def test_a_late_roll_back_for_a_restart_a_trainer_re_synced_past_leaves_no_step_
     got, expected = pservers.params(), reference(str(tmp_path / "reference"), 3)
     for name in expected:
         torch.testing.assert_close(got[name], expected[name], rtol=0, atol=0)
+
+
+def test_a_restart_unseen_by_a_trainer_that_adopts_a_layout_rolls_back_no_step_it_did(tmp_path):
+    """The chaos test's deadlock (seed 17, victim "old owner"): pserver 0 SIGKILLed right after the shrink
+    committed, while the trainers adopted the next layout.
+
+    Every pserver of the layout started from the checkpoint of the switch step (2). Trainer 0 adopted it
+    first and pushed step 2: B counted it, the call to A died with A, which restarted from that checkpoint.
+    Trainer 1 adopted it only then: its join saw A's restart as A's first sight, and its push of step 2
+    completed the step on B (with trainer 0's push) while A waited for trainer 0. Trainer 0 then saw A's
+    restart and asked B to roll back for it: had B not heard of it from trainer 1's join, it rolled back
+    from step 3 to 2, and trainer 0 waited at B for trainer 1's push of step 2, while trainer 1, its step
+    done, waited at A for trainer 0's push of step 3 (until barrier_timeout).
+    """
+    pservers = Pservers(str(tmp_path / "ckpt"))
+    t0, t1 = Channels(pservers, 0), Channels(pservers, 1)
+    for t in (t0, t1):
+        t.hello(5.0)
+    for step in range(2):
+        for t in (t0, t1):
+            t.push(step)
+    pservers.checkpoint()  # the switch step's checkpoint: the next layout's pservers start from it
+    for ep in (A, B):
+        pservers.restart(ep)
+
+    def adopting(channels: Channels) -> Recovery:
+        return Recovery(channels, True, [A, B], connect_timeout=5, recovery_timeout=30, new_layout=True)
+
+    r0 = adopting(t0)
+    assert r0.join().action == JOIN  # trainer 0 adopts the layout first
+    with pytest.raises(PserverError, match="Stream removed"):
+        t0.push(2, fail_at=A)  # B counts trainer 0's step 2; at A the call dies with the process:
+    pservers.restart(A)  # A restarts, from the switch step's checkpoint
+
+    assert adopting(t1).join().action == JOIN  # trainer 1 adopts the layout: A's restart, unseen
+    t1.push(2)  # B applies step 2 with both trainers; at A it waits for trainer 0
+    assert (pservers.engines[A].step, pservers.engines[B].step) == (2, 3)
+
+    # Trainer 0 sees A's restart: B heard of it from trainer 1's join and is not rolled back; trainer 0
+    # retries step 2 (A needs its push, B acknowledges it again).
+    assert r0.heal(2, "step 2", healing(t0, 2, lost_at=A), lambda step: None) is None
+    assert (pservers.engines[A].step, pservers.engines[B].step) == (3, 3), (
+        "B was rolled back behind trainer 1, whose step 2 is done: no step completes until barrier_timeout"
+    )
+    for t in (t1, t0):
+        t.push(3)
+    assert (pservers.engines[A].step, pservers.engines[B].step) == (4, 4)
+    got, expected = pservers.params(), reference(str(tmp_path / "reference"), 4)
+    for name in expected:
+        torch.testing.assert_close(got[name], expected[name], rtol=0, atol=0)

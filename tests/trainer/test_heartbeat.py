@@ -197,6 +197,9 @@ def test_a_heartbeat_that_waited_for_a_call_thread_is_reported(caplog):
     t = DistributeTranspiler(DistributeTranspilerConfig(heartbeat_interval=interval, heartbeat_timeout=30.0))
     t.transpile(0, program=odd_program(), pservers=pserver.endpoint, trainers=1)
     channels = Channels(t.get_trainer_program())
+    # Reached once (as by its Hello): its heartbeat falls due an interval later. (One never reached has no
+    # due time to be late against: a trainer that adopts a layout heartbeats it from before its Hello.)
+    channels[pserver.endpoint].contact.noted(time.monotonic())
     busy = threading.Event()
     held = [channels.submit(lambda: busy.wait(30)) for _ in range(2)]  # both of its call threads
     beat = Heartbeat(channels, [pserver.endpoint], interval, 30.0).start()

@@ -22,6 +22,9 @@ waits for nobody else: stalled)                        once per state of the pse
 joining: sync pservers a step apart mid-step, or the   WAIT and ask again, saying the highest step
 roll-back already asked for                            (one behind then finishes its step without it)
 joining: still apart at the deadline                   FAIL, naming the checkpoint that is missing
+joining a layout just adopted (sync): pservers         RESTORE: tell every other pserver of each as
+standing unchanged at the checkpoint they started      of a restart (its token, once): one that stands
+from (any of them may have restarted unseen)           there unchanged keeps what it counted
 joining: otherwise                                     JOIN at their step and data position
 =====================================================  ============================================
 """
@@ -218,6 +221,7 @@ def on_join(
     push_endpoints: Sequence[str],
     time_left: float,
     restored: AbstractSet[str] = frozenset(),
+    new_layout: bool = False,
 ) -> Decision:
     """Whether a joining trainer can start, given every pserver's ``answers`` and the time left.
 
@@ -230,8 +234,14 @@ def on_join(
     step otherwise, they are mid-step: WAIT at the highest step (asked again
     with it as ``join_at``, a pserver one step behind finishes its step
     without this trainer). FAIL once the deadline has passed.
+
+    ``new_layout``: the trainer joins a layout it has just adopted (:func:`restarts_unseen`), first.
     """
     steps: Dict[str, int] = {ep: a.step for ep, a in answers.items() if ep in push_endpoints}
+    if sync_mode and new_layout:
+        told = restarts_unseen(answers, restored)
+        if told is not None:
+            return told
     if not sync_mode or not steps:
         first = answers[push_endpoints[0]] if push_endpoints else None
         return Decision(JOIN, max(steps.values(), default=0), first.position if first is not None else (0, 0))
@@ -266,3 +276,39 @@ def on_join(
     elif time_left <= 0:
         return Decision(FAIL, endpoints=tuple(steps), message=f"{apart}; still apart at the deadline")
     return Decision(WAIT, max(steps.values()), endpoints=tuple(steps), message=apart)
+
+
+def restarts_unseen(answers: Mapping[str, PserverState], restored: AbstractSet[str]) -> Optional[Decision]:
+    """Sync, joining a layout just adopted: RESTORE every pserver with the restart token of each other
+    that stands unchanged at the checkpoint it started from, not yet told (``restored``); None when none.
+
+    Every pserver of a layout starts from the checkpoint of the switch step at the commit, and one may
+    have restarted since from that same checkpoint: a trainer that joins it only now, with no incarnation
+    from before, cannot tell that restart from the start. A trainer that adopted earlier saw it, and rolls
+    the others back for it once its own call fails there; should this trainer's first step complete on
+    one of them before that roll-back (with that trainer's push counted before the restart), the roll-back
+    would undo a step this trainer has done, and each would wait for the other's push for ever
+    (barrier_timeout). Told first, that pserver honours the token where it stands unchanged (keeping what
+    it counted: the step completes as pushed), and the later roll-back for that restart rolls nothing
+    back. Until this trainer pushes, no pserver of the layout can pass its checkpoint (its step needs
+    this trainer), so the tokens roll nothing back; where none restarted they change nothing either.
+    """
+    starts = tuple(sorted(ep for ep, a in answers.items() if a.applied_step <= a.checkpoint_step))
+    tokens = {r: restart_token(r, answers[r].incarnation) for r in starts}
+    restores = tuple(
+        (ep, tokens[r]) for ep in sorted(answers) for r in starts if r != ep and tokens[r] not in restored
+    )
+    if not restores:
+        return None
+    target = min(answers[ep].checkpoint_step for ep in starts)
+    return Decision(
+        RESTORE,
+        target,
+        endpoints=tuple(sorted({ep for ep, _ in restores})),
+        restores=restores,
+        message=(
+            f"joining a layout just adopted: {', '.join(starts)} stand at the checkpoint of step "
+            f"{target} they started from, restarted maybe (the others are told, once per restart)"
+        ),
+        restarted=starts,
+    )

@@ -53,7 +53,9 @@ class Recovery:
 
     Keeps the incarnation of every pserver as last seen, so a restart shows as
     a new one. ``join`` registers with every pserver; ``heal`` runs a step's
-    calls and re-syncs on a recoverable failure.
+    calls and re-syncs on a recoverable failure. ``new_layout``: the pservers
+    are those of a layout the trainer has just adopted, whose restarts since
+    the commit its join cannot tell (:func:`~trainer.recovery.decide.restarts_unseen`).
     """
 
     def __init__(
@@ -63,8 +65,10 @@ class Recovery:
         push_endpoints: Sequence[str],
         connect_timeout: float,
         recovery_timeout: float,
+        new_layout: bool = False,
     ):
         self.channels = channels
+        self.new_layout = new_layout
         self.sync_mode = sync_mode
         self.push_endpoints = list(push_endpoints)
         self.connect_timeout = connect_timeout
@@ -84,13 +88,16 @@ class Recovery:
         tid = self.channels.trainer_id
         while True:
             answers = states(self.channels.hello(timeout, join_at=join_at))
+            time_left = deadline - time.monotonic()
             decision = decide.on_join(
-                self.sync_mode, answers, self.push_endpoints, deadline - time.monotonic(), restored
+                self.sync_mode, answers, self.push_endpoints, time_left, restored, self.new_layout
             )
             if decision.action == FAIL:
                 raise PserverError(", ".join(decision.endpoints), decision.message)
             if decision.action == RESTORE:
-                log.warning("trainer %d: %s; rolling every pserver back to it", tid, decision.message)
+                # A layout's pservers told of each other's starts (decision.restarted): routine, each adopt.
+                level = logging.INFO if decision.restarted else logging.WARNING
+                log.log(level, "trainer %d: %s; rolling every pserver back to it", tid, decision.message)
                 if self._restore_or_ask_again(decision, deadline):
                     restored.update(token for _, token in decision.restores)
                 join_at = 0  # after a roll-back every trainer starts at the checkpoint's step
