@@ -26,7 +26,7 @@ from pserver.replication.roles import (
     WAIT,
     next_step,
 )
-from trainer.transport.primaries import choose_primary
+from trainer.transport.primaries import MOVED_ON, choose_primary
 from transpiler import DistributeTranspiler, DistributeTranspilerConfig, Program
 from transpiler.roles.replicas import resolve_replicas
 
@@ -71,6 +71,9 @@ def test_next_step(role, leader, in_sync, following, was_in_sync, waited, expect
         ),  # an old primary not fenced yet: the later epoch
         ({"a": ("primary", 3), "b": ("joining", 0)}, 3, "a"),  # a transient failure: the same primary
         ({"a": ("primary", 2), "b": None}, 3, None),  # older than one already followed: never
+        # A process of a later layout (the job changed its pserver count): its Hello says where to go.
+        ({"a": None, "b": (MOVED_ON, 0)}, 3, "b"),
+        ({"a": ("primary", 7), "b": (MOVED_ON, 9)}, 3, "b"),
     ],
 )
 def test_choose_primary(answers, known, expected):

@@ -33,13 +33,20 @@ T = TypeVar("T")
 POLL = 0.05
 
 
+MOVED_ON = "moved on"  # a Lead answer's role from a process of a later layout than the trainer's
+
+
 def choose_primary(answers: Mapping[str, Optional[Tuple[str, int]]], known_epoch: int) -> Optional[str]:
     """The process to follow: of those answering ("primary", epoch) at an epoch >= ``known_epoch``, the
-    highest.
+    highest; first, one of a later layout (:data:`MOVED_ON`), whose Hello tells the trainer where its job
+    went even while that layout's shard has no primary yet.
 
     ``answers`` maps each process of the shard to its Lead answer (role, epoch), or None when it did not
     answer. None: nobody leads yet (a backup waits for the lease of a dead primary to lapse), ask again.
     """
+    moved_on = sorted(a for a, answer in answers.items() if answer is not None and answer[0] == MOVED_ON)
+    if moved_on:
+        return moved_on[0]
     leading = [
         (epoch, address)
         for address, answer in answers.items()

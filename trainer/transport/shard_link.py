@@ -26,6 +26,7 @@ from .connection import Connection
 from .contact import Contact
 from .data.data_link import DataLink
 from .lanes import Lanes
+from .primaries import MOVED_ON
 from .shared_regions import RegionPool
 from .status_codes import details, error_of
 
@@ -102,7 +103,7 @@ class ShardLink:
 
     def lead(self, address: str, timeout: float) -> Optional[Tuple[str, int]]:
         """Ask the process at ``address`` whether it leads its shard: (role, epoch), or None if it did not
-        answer."""
+        answer; the role :data:`~.primaries.MOVED_ON` for a process of a later layout than this trainer's."""
         call = self._lead_calls.get(address)
         if call is None:
             channel = self._open_channel(address)
@@ -118,6 +119,8 @@ class ShardLink:
             reply = call[1](ps_pb2.LeadRequest(), timeout=timeout)
         except grpc.RpcError:
             return None
+        if reply.layout_epoch > self._identity.layout_epoch:  # the job moved on: its Hello says where
+            return MOVED_ON, reply.epoch
         return reply.role, reply.epoch
 
     @property

@@ -76,9 +76,9 @@ class ControlCalls:
     @refusals
     def Hello(self, data, context):
         request = parse(ps_pb2.HelloRequest, data)
-        self.checks.serving()
         self.checks.trainer(request.trainer_id)
-        self.checks.epoch(request.layout_epoch)
+        self.checks.epoch(request.layout_epoch)  # before serving: leading or not, it knows where the job went
+        self.checks.serving()
         self.checks.digest(request.layout_digest)
         self.engine.check_hello(request.trainer_id)
         if not request.incarnation:

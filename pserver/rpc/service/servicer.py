@@ -114,7 +114,7 @@ class PserverServicer:
             self.started,
             data_port,
         )
-        self.standby = StandbyCalls(replica, engine, contents, self.counters)
+        self.standby = StandbyCalls(replica, engine, contents, self.counters, layout_epoch)
 
     @property
     def incarnation(self) -> int:

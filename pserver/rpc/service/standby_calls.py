@@ -25,11 +25,15 @@ class StandbyCalls:
     """Replicate / ReplicateOne / Snapshot / Follow / Lead, answered by the pserver's :class:`Replica`.
 
     ``replica`` is None on a pserver without replicas: Lead then answers that it leads, at epoch 0, and
-    the others refuse. ``contents`` says what a replication message may carry.
+    the others refuse. ``contents`` says what a replication message may carry; ``layout_epoch`` the
+    layout this process serves (Lead says it).
     """
 
-    def __init__(self, replica, engine: Engine, contents: Contents, counters: Counters):
+    def __init__(
+        self, replica, engine: Engine, contents: Contents, counters: Counters, layout_epoch: int = 0
+    ):
         self.replica = replica
+        self.layout_epoch = layout_epoch
         self.engine = engine
         self.contents = contents
         self.counters = counters
@@ -76,10 +80,13 @@ class StandbyCalls:
     def Lead(self, data, context) -> bytes:
         parse(ps_pb2.LeadRequest, data)
         if self.replica is None:
-            return ps_pb2.LeadReply(
-                role="primary", primary=self.endpoint, step=self.engine.step
-            ).SerializeToString()
-        return self.replica.lead_reply().SerializeToString()
+            reply = ps_pb2.LeadReply(role="primary", primary=self.endpoint, step=self.engine.step)
+        else:
+            reply = self.replica.lead_reply()
+        # Leading or not, a process of a later layout tells a trainer of an earlier one where the job went
+        # (its Hello answers "moved"): a shard of the next layout may have no primary for a while.
+        reply.layout_epoch = self.layout_epoch
+        return reply.SerializeToString()
 
     def handlers(self) -> Dict[str, grpc.RpcMethodHandler]:
         """These calls' handlers by method name (raw bytes both ways)."""
