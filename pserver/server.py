@@ -124,7 +124,7 @@ class ParameterServer:
         # A change of the job's pserver count stops this generation after its switch step (pserver/layout/).
         self.layout = None
         if cfg.checkpoint_dir:
-            self.layout = LayoutSwitch(program, self._finished, lambda: self.files.on)
+            self.layout = LayoutSwitch(program, self._finished)
             listeners.append(self.layout)
         # The engine asks the parts that hold trainers' calls outside it (the Reduce and Claim services, the
         # calls being served) whom they hold, and tells them when its roster changes; they ask the engine

@@ -47,7 +47,7 @@ import logging
 import os
 import threading
 import time
-from typing import Callable, Optional, Set
+from typing import Optional, Set
 
 from transpiler import PserverProgram
 from transpiler.layout.change import recorded_layout
@@ -97,18 +97,14 @@ class LayoutSwitch(UpdateListener, Gate):
     ``done`` is set once this generation of the pserver is done: the change it stopped for committed (a
     pserver of the next layout then starts its next generation: :attr:`moved`), or, for a pserver that
     leaves the job, once it has told its trainers; it is also set when the process stops. :meth:`start`
-    hands it the engine it stops. ``leads()``: whether this process leads its shard (hot standby; always
-    without).
+    hands it the engine it stops.
     """
 
-    def __init__(
-        self, program: PserverProgram, done: threading.Event, leads: Callable[[], bool] = lambda: True
-    ):
+    def __init__(self, program: PserverProgram, done: threading.Event):
         cfg = program.config
         self.store = FileLayoutStore(cfg.checkpoint_dir)
         self.endpoint = program.pservers[program.shard]  # the shard's name in the record (its backup's too)
         self.replicated = program.replicated
-        self._leads = leads
         self._done = done
         self.epoch = program.layout_epoch
         self.trainers = program.trainers
