@@ -32,7 +32,9 @@ SEEDS = [int(s) for s in os.environ.get("PS_CHAOS_SEEDS", "1").split(",") if s.s
 # 480 steps, slowed to 0.1 s each until the test writes PAUSE_DIR/calm once its changes are made: a change
 # always lands while the job trains, whatever the machine's load.
 EPOCHS = 24
-SLOW = ["--epochs", str(EPOCHS), "--step_delay", "0.1", "--heartbeat_timeout", "10"]
+# heartbeat_timeout as by default: a role SIGKILLed and started again takes up to ~20 s to start on a loaded
+# 2-core machine, and one silent for longer is dropped and the step goes on without it (by design).
+SLOW = ["--epochs", str(EPOCHS), "--step_delay", "0.1", "--heartbeat_timeout", "30"]
 ARGS = [*recovery_job.FLOAT64, *SLOW]
 
 
