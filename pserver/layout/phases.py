@@ -123,12 +123,14 @@ def on_new_primary(record: Optional[LayoutRecord], epoch: int, shard: str) -> st
 class LayoutStatus:
     """What Stats, ``ps-stat`` and ``/metrics`` show of the job's layout: the change in progress (``change``,
     "" for none) and its progress (current pservers whose part is written, of ``to_move``), and how long the
-    last change took."""
+    last change took; ``epoch``: the layout epoch the job runs (a pserver not yet moved on may serve an
+    earlier one)."""
 
     change: str = ""
     moved: int = 0
     to_move: int = 0
     last_change_s: float = 0.0
+    epoch: int = 0
 
 
 def status_of(record: Optional[LayoutRecord]) -> LayoutStatus:
@@ -137,7 +139,7 @@ def status_of(record: Optional[LayoutRecord]) -> LayoutStatus:
         return LayoutStatus()
     change = record.change
     if change is None:
-        return LayoutStatus(last_change_s=record.last_change_s)
+        return LayoutStatus(last_change_s=record.last_change_s, epoch=record.epoch)
     where = ""
     if change.switch_step is not None:
         where = f" after step {change.switch_step}"
@@ -147,4 +149,4 @@ def status_of(record: Optional[LayoutRecord]) -> LayoutStatus:
     if change.phase == "rolling_back":
         text += f": {change.why}"
     written = len(set(change.switched) & set(record.pservers))
-    return LayoutStatus(text, written, len(record.pservers), record.last_change_s)
+    return LayoutStatus(text, written, len(record.pservers), record.last_change_s, record.epoch)

@@ -138,7 +138,8 @@ class CallerChecks:
     def epoch(self, epoch: int) -> None:
         """A trainer of an earlier layout epoch is told where the job runs now (:class:`Moved`); one of a
         later epoch reached this process before it moved on to that layout (a backup still in the one that
-        ended, or the next layout starting on these ports): it asks again (:class:`ShuttingDown`)."""
+        ended, or the next layout starting on these ports): it asks again (:class:`ShuttingDown`); an epoch
+        the job's record never named is refused (:class:`BadRequest`)."""
         if epoch < self.layout_epoch:
             raise Moved(
                 f"pserver {self.endpoint}: the job left layout epoch {epoch}",
@@ -147,6 +148,11 @@ class CallerChecks:
                 self.replicas,
             )
         if epoch > self.layout_epoch:
+            if epoch > self.layout_status().epoch:  # no layout the job ever had
+                raise BadRequest(
+                    f"layout epoch {epoch} is later than the job's ({self.layout_status().epoch}); "
+                    f"pserver {self.endpoint} serves epoch {self.layout_epoch}"
+                )
             raise ShuttingDown(
                 f"pserver {self.endpoint} serves layout epoch {self.layout_epoch}, not yet the caller's "
                 f"{epoch}: ask again"

@@ -43,12 +43,14 @@ def test_a_change_is_asked_scheduled_and_commits_once_every_current_pserver_wrot
     assert r.change == LayoutChange(4, [A, B, C], phase="asked", asked_at=1.0)
     r = phases.schedule_switch(r, 40)
     assert (r.change.phase, r.change.switch_step, r.change.switch_steps) == ("switching", 40, {})
-    assert phases.status_of(r) == phases.LayoutStatus("switching to epoch 4 (3 pservers) after step 40", 0, 2)
+    assert phases.status_of(r) == phases.LayoutStatus(
+        "switching to epoch 4 (3 pservers) after step 40", 0, 2, epoch=3
+    )
     r = phases.report_saved(r, B, now=3.0)
     assert (r.epoch, r.change.switched, phases.status_of(r).moved) == (3, [B], 1)
     r = phases.report_saved(r, A, now=3.5)
     assert r == LayoutRecord(4, [A, B, C], since_step=40, history=[[A, B]], last_change_s=2.5)
-    assert phases.status_of(r) == phases.LayoutStatus(last_change_s=2.5)
+    assert phases.status_of(r) == phases.LayoutStatus(last_change_s=2.5, epoch=4)
     # Shrinking back: every current pserver, the one that leaves too, writes its part.
     r = phases.schedule_switch(phases.ask(r, [A, B]), 50)
     for ep in (C, A, B):

@@ -32,6 +32,7 @@ from pserver.errors import (
     StorageFailed,
     Unauthenticated,
 )
+from pserver.layout.phases import LayoutStatus
 from pserver.rpc import PserverServicer
 from pserver.rpc.prologue import STATUS, CallerChecks, status_of
 from psproto import ps_pb2
@@ -250,10 +251,12 @@ def test_engines_do_not_import_grpc(module):
         (1, Moved, "moved to layout epoch 2: pservers h:1,h:2 replicas h:3,h:4"),  # an earlier layout
         (2, None, ""),
         (3, ShuttingDown, "not yet the caller's 3: ask again"),  # this process has not moved on yet
+        (4, BadRequest, "layout epoch 4 is later than the job's"),  # no layout the job ever had
     ],
 )
 def test_a_caller_of_another_layout_epoch_is_told_where_to_go(caller_epoch, refusal, says):
-    checks = CallerChecks(EP, 2, None, None, "d", 2, ["h:1", "h:2"], replicas=["h:3", "h:4"])
+    status = lambda: LayoutStatus(epoch=3)  # noqa: E731 - the job runs epoch 3; this process serves 2
+    checks = CallerChecks(EP, 2, None, None, "d", 2, ["h:1", "h:2"], status, replicas=["h:3", "h:4"])
     if refusal is None:
         checks.epoch(caller_epoch)
         return
