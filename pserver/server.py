@@ -403,7 +403,7 @@ class ParameterServer:
                 f"start it again to rejoin as the backup"
             )
         moved = self.layout.moved if self.layout is not None else None
-        if moved is not None and self.endpoint in [*moved.pservers, *moved.replicas]:  # serves the next one
+        if moved is not None and self.endpoint in moved.processes:  # serves the next one
             ParameterServer(program_in(self.program, moved), None, security=self.security).serve()
 
     def __enter__(self) -> "ParameterServer":

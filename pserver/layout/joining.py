@@ -49,7 +49,7 @@ def pserver_program_now(program: PserverProgram, timeout: Optional[float] = None
     waiting = False
     while True:
         record = store.read()
-        recorded = [*record.pservers, *record.replicas] if record is not None else []
+        recorded = record.processes if record is not None else []
         serving = any(_serving(ep) for ep in recorded if ep != program.endpoint)
         how = start_in(record, program.pservers, program.endpoint, serving)
         if how == FOLLOW:

@@ -14,7 +14,12 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Mapping, Optional, Sequence
 
-from transpiler.layout.change_checks import LayoutChangeRefused, check_change, parsed_pservers
+from transpiler.layout.change_checks import (
+    LayoutChangeRefused,
+    check_backups,
+    check_change,
+    parsed_pservers,
+)
 from transpiler.layout.record import LayoutChange, LayoutRecord
 
 
@@ -37,18 +42,11 @@ def ask(
     in_progress = record.change.epoch if record.change is not None else None
     pservers = parsed_pservers(pservers)
     check_change(record.pservers, pservers, record.epoch, in_progress)
-    if record.replicas and len(replicas) != len(pservers):
-        raise LayoutChangeRefused(
-            f"with hot standby every pserver comes with its backup: give {len(pservers)} replica endpoints"
-            f" (--replicas), in the pservers' order; got {len(replicas)}"
-        )
     if replicas and not record.replicas:
         raise LayoutChangeRefused("the job runs without hot standby: give no replica endpoints")
     replicas = parsed_pservers(replicas) if replicas else []
-    both = [*pservers, *replicas]
-    twice = sorted({ep for ep in both if both.count(ep) > 1})
-    if twice:
-        raise LayoutChangeRefused(f"endpoints {twice} are listed more than once among pservers and replicas")
+    if record.replicas:
+        check_backups(pservers, replicas)
     change = LayoutChange(record.epoch + 1, list(pservers), list(replicas), "asked", asked_at=now)
     return replace(record, change=change)
 

@@ -148,9 +148,10 @@ class CallerChecks:
                 self.replicas,
             )
         if epoch > self.layout_epoch:
-            if epoch > self.layout_status().epoch:  # no layout the job ever had
+            recorded = self.layout_status().epoch
+            if epoch > recorded:  # no layout the job ever had
                 raise BadRequest(
-                    f"layout epoch {epoch} is later than the job's ({self.layout_status().epoch}); "
+                    f"layout epoch {epoch} is later than the job's ({recorded}); "
                     f"pserver {self.endpoint} serves epoch {self.layout_epoch}"
                 )
             raise ShuttingDown(

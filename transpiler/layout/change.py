@@ -16,7 +16,7 @@ from typing import List, Optional, Sequence, Tuple
 
 from ..plans import PserverProgram, TrainerProgram
 from ..roles.replicas import replica_endpoints
-from .change_checks import LayoutChangeRefused, check_change, parsed_pservers
+from .change_checks import LayoutChangeRefused, check_backups, check_change, parsed_pservers
 from .dense_blocks import layout_digest, place_params, shapes_of
 from .record import LayoutRecord
 
@@ -25,16 +25,8 @@ def _next_config(config, pservers_next: Sequence[str], replicas_next: Optional[S
     """The plan's config for the next pservers: their replicas listed with them (hot standby)."""
     if (config.server_replicas or 1) < 2:
         return config
-    if replicas_next is None or len(replicas_next) != len(pservers_next):
-        raise LayoutChangeRefused(
-            f"with hot standby every pserver comes with its backup: give {len(pservers_next)} replica "
-            f"endpoints, in the pservers' order"
-            + (f" (got {len(replicas_next)})" if replicas_next is not None else "")
-        )
-    both = list(pservers_next) + list(replicas_next)
-    twice = sorted({ep for ep in both if both.count(ep) > 1})
-    if twice:
-        raise LayoutChangeRefused(f"endpoints {twice} are listed more than once among pservers and replicas")
+    replicas_next = list(replicas_next or [])
+    check_backups(pservers_next, replicas_next)
     return dataclasses.replace(config, replica_endpoints=",".join(replicas_next))
 
 

@@ -78,3 +78,17 @@ def parsed_pservers(pservers_next: Sequence[str]) -> list:
         return parse_endpoints(list(pservers_next))
     except ValueError as e:
         raise LayoutChangeRefused(str(e)) from None
+
+
+def check_backups(pservers: Sequence[str], replicas: Sequence[str]) -> None:
+    """Refuse hot standby's backups ``replicas`` for ``pservers``: one each, in the pservers' order, and no
+    endpoint listed twice among both."""
+    if len(replicas) != len(pservers):
+        raise LayoutChangeRefused(
+            f"with hot standby every pserver comes with its backup: give {len(pservers)} replica endpoints"
+            f" (--replicas), in the pservers' order; got {len(replicas)}"
+        )
+    both = [*pservers, *replicas]
+    twice = sorted({ep for ep in both if both.count(ep) > 1})
+    if twice:
+        raise LayoutChangeRefused(f"endpoints {twice} are listed more than once among pservers and replicas")

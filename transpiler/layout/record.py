@@ -38,6 +38,11 @@ class LayoutChange:
     asked_at: float = 0.0
     why: str = ""  # why it rolls back
 
+    @property
+    def processes(self) -> List[str]:
+        """Every process of the next layout: its pservers and, with hot standby, their backups."""
+        return [*self.pservers, *self.replicas]
+
 
 @dataclass(frozen=True)
 class LayoutRecord:
@@ -55,6 +60,11 @@ class LayoutRecord:
     history: List[List[str]] = field(default_factory=list)  # the pservers of each earlier epoch, oldest first
     last_change_s: float = 0.0  # how long the last change took, from the ask to the commit
     revision: int = 0
+
+    @property
+    def processes(self) -> List[str]:
+        """Every process of the layout the job runs: its pservers and, with hot standby, their backups."""
+        return [*self.pservers, *self.replicas]
 
     def to_bytes(self) -> bytes:
         """The record as JSON (without its revision)."""

@@ -47,9 +47,9 @@ def start_in(
         # back) waits for a change that adds it, never overwriting the layout of a job that runs.
         return WAIT if endpoint is not None and recorded_serving else NEW
     # With hot standby a shard's backup is as much in a layout as its pserver.
-    if endpoint is None or endpoint in [*record.pservers, *record.replicas]:
+    if endpoint is None or endpoint in record.processes:
         return FOLLOW
-    if change is not None and endpoint in [*change.pservers, *change.replicas]:
+    if change is not None and endpoint in change.processes:
         return WAIT
     return LEFT
 
